@@ -1,0 +1,32 @@
+"""gradalg: training data attribution with lazy per-example gradient algebra.
+
+    import gradalg as ga
+    task = ga.tasks.classification(model)
+    G = ga.grads(task, train, layers=["fc1", "fc2"])
+    Q = ga.grads(task, test, layers=["fc1", "fc2"])
+    P = ga.proj.kron(k=64)
+    S = P(Q) @ ga.fisher(P(G)).damp(1e-3).inv() @ P(G).T
+    S.compute()          # xarray.DataArray (query, train)
+"""
+from . import methods, proj, tasks
+from .api import (GradientSet, Operator, Scores, TransposedGradients, dense, diagonal, fisher, grads,
+                  identity, mean_scores, row_weights, sum_scores)
+from .capture import capture, per_example_grads
+from .errors import (GradalgError, LossReductionError, MemoryBudgetError, NonFiniteGradientError,
+                     ShapeMismatchError, SpaceMismatchError, UnsupportedLayerError)
+from .exec import LocalExecutor
+from .options import get_options, options
+from .task import Task
+
+sum = sum_scores  # noqa: A001 - ga.sum / ga.mean read like the math
+mean = mean_scores
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Task", "grads", "fisher", "identity", "diagonal", "dense", "sum", "mean", "sum_scores",
+    "mean_scores", "row_weights", "capture", "per_example_grads", "options", "get_options",
+    "GradientSet", "Operator", "Scores", "TransposedGradients", "LocalExecutor", "methods", "proj",
+    "tasks", "GradalgError", "LossReductionError", "MemoryBudgetError", "NonFiniteGradientError",
+    "ShapeMismatchError", "SpaceMismatchError", "UnsupportedLayerError",
+]

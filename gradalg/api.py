@@ -1,0 +1,367 @@
+"""What users hold: thin wrappers over expression nodes, and the functions that build them.
+
+``GradientSet``, ``Operator`` and ``Scores`` each wrap one immutable node (``.expr``).
+Building them never runs the model; ``.compute()`` hands the node to an executor.
+
+    G = ga.grads(task, train, layers=["fc1", "fc2"])     # lazy
+    S = Q @ ga.fisher(G).damp(1e-3).inv() @ G.T           # lazy
+    S.compute()                                           # xarray.DataArray (query, train)
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import torch
+import xarray as xr
+
+from .data import as_data
+from .expr import (Damp, Dense, Diagonal, Fisher, GradNode, Identity, Inner, Inverse, Normalize, OpNode,
+                   Power, Precondition, Project, Projector, RowWeights, ScaledOp, ScaleRows, ScoreNode,
+                   ScoreSum, Select, Source, SumOp)
+from .task import Task
+
+__all__ = ["GradientSet", "TransposedGradients", "Operator", "Scores", "grads", "fisher", "identity",
+           "diagonal", "dense", "sum_scores", "mean_scores", "row_weights"]
+
+
+def _executor(executor):
+    if executor is None:
+        from .exec.local import LocalExecutor
+        return LocalExecutor()
+    return executor
+
+
+class _Displayed:
+    """Shared repr machinery: text tree and HTML tree of ``.expr``."""
+
+    expr: Any
+
+    def __repr__(self):
+        from .viz.tree import text_tree
+        return text_tree(self.expr, type(self).__name__)
+
+    def _repr_html_(self):
+        from .viz.html import html_tree
+        return html_tree(self.expr, type(self).__name__)
+
+    def cost(self):
+        """Estimated cost of computing this expression (:class:`gradalg.plan.Cost`)."""
+        from .plan.cost import estimate
+        return estimate(self.expr)
+
+
+class GradientSet(_Displayed):
+    """Lazy per-example gradients: rows are examples, columns a parameter space.
+
+    Attributes: ``space`` (ParamSpace), ``n`` (rows), ``ids`` (row ids),
+    ``representation`` ({block: "factored" | "dense" | "projected"}).
+    """
+
+    def __init__(self, expr: GradNode):
+        if not isinstance(expr, GradNode):
+            raise TypeError(f"GradientSet wraps a gradient node, got {type(expr).__name__}")
+        self.expr = expr
+
+    # ---- metadata ------------------------------------------------------------------
+    @property
+    def space(self):
+        return self.expr.space
+
+    @property
+    def n(self) -> int:
+        return self.expr.n
+
+    @property
+    def ids(self) -> tuple:
+        return self.expr.ids
+
+    @property
+    def representation(self) -> dict[str, str]:
+        return self.expr.representation
+
+    @property
+    def layers(self) -> tuple[str, ...]:
+        return self.space.names
+
+    def __len__(self):
+        return self.n
+
+    def __eq__(self, other):
+        return isinstance(other, GradientSet) and self.expr == other.expr
+
+    def __hash__(self):
+        return hash(self.expr)
+
+    # ---- algebra -------------------------------------------------------------------
+    @property
+    def T(self) -> "TransposedGradients":
+        """The transposed set, for the right-hand side of ``Q @ G.T``."""
+        return TransposedGradients(self.expr)
+
+    def __matmul__(self, other):
+        if isinstance(other, TransposedGradients):
+            return Scores(Inner(self.expr, Identity(self.space), other.expr))
+        if isinstance(other, Operator):
+            return GradientSet(Precondition(self.expr, other.expr))
+        if isinstance(other, GradientSet):
+            raise TypeError("Q @ G is a product of two gradient sets with examples as rows: "
+                            "write Q @ G.T for scores")
+        return NotImplemented
+
+    def project(self, projector: Projector) -> "GradientSet":
+        """``P(G)``: the projected set (same as calling the projector)."""
+        return GradientSet(Project(self.expr, projector))
+
+    def normalize(self) -> "GradientSet":
+        """Each row divided by its norm over all blocks (cosine similarity)."""
+        return GradientSet(Normalize(self.expr))
+
+    def select(self, layers: Iterable[str]) -> "GradientSet":
+        """Only the blocks ``layers``."""
+        names = (layers,) if isinstance(layers, str) else tuple(layers)
+        for name in names:
+            self.space[name]  # KeyError naming the valid blocks
+        return GradientSet(Select(self.expr, names))
+
+    __getitem__ = select
+
+    def scale(self, weights) -> "GradientSet":
+        """Rows times a constant, or times per-example values (:func:`row_weights`)."""
+        if not isinstance(weights, (numbers.Real, RowWeights)):
+            raise TypeError("scale takes a number or ga.row_weights(fn)")
+        return GradientSet(ScaleRows(self.expr, weights if isinstance(weights, RowWeights) else float(weights)))
+
+    def __mul__(self, other):
+        if isinstance(other, (numbers.Real, RowWeights)):
+            return self.scale(other)
+        return NotImplemented
+
+    __rmul__ = __mul__
+
+    # ---- computation ---------------------------------------------------------------
+    def to_dense(self, executor=None) -> dict[str, torch.Tensor]:
+        """All rows, materialized: ``{block: (n, *block.shape)}``. Holds n × dim numbers."""
+        from .exec.chunks import flat_block
+        chunk = _executor(executor).gradients(self.expr)
+        return {b.name: flat_block(chunk.blocks[b.name]).reshape(chunk.n, *b.shape) for b in self.space.blocks}
+
+    def to_params(self, executor=None) -> dict[str, torch.Tensor]:
+        """Per-example gradients in the model's layout: ``{param_name: (n, *param.shape)}``.
+
+        Only for gradients captured with ``ga.grads`` in parameter coordinates.
+        """
+        src = self.expr.source
+        if not isinstance(src, Source) or src.backend != "hooks":
+            raise ValueError("to_params needs gradients captured with ga.grads(..., backend='hooks')")
+        if any(b.basis != "params" for b in self.space.blocks):
+            raise ValueError("projected gradients have no parameter layout; use to_dense()")
+        from .capture.hooks import resolve_layers
+        refs = {r.name: r for r in resolve_layers(src.task.model, list(self.layers))}
+        out = {}
+        for name, block in self.to_dense(executor).items():
+            ref = refs[name]
+            for pname, value in ref.rule.to_params(ref.module, block).items():
+                out[f"{name}.{pname}" if name else pname] = value
+        return out
+
+
+class TransposedGradients:
+    """``G.T``: only meaningful on the right of ``@``."""
+
+    def __init__(self, expr: GradNode):
+        self.expr = expr
+
+    @property
+    def T(self) -> GradientSet:
+        return GradientSet(self.expr)
+
+    def __repr__(self):
+        return f"({GradientSet(self.expr)!r}).T"
+
+
+class Operator(_Displayed):
+    """A lazy symmetric operator on a parameter space (curvature, preconditioner)."""
+
+    def __init__(self, expr: OpNode):
+        if not isinstance(expr, OpNode):
+            raise TypeError(f"Operator wraps an operator node, got {type(expr).__name__}")
+        self.expr = expr
+
+    @property
+    def space(self):
+        return self.expr.space
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.expr.shape
+
+    @property
+    def structure(self) -> str:
+        return self.expr.structure
+
+    def damp(self, damping: float) -> "Operator":
+        """H + λI."""
+        if not isinstance(damping, numbers.Real) or damping < 0:
+            raise ValueError(f"damping must be a non-negative number, got {damping!r}")
+        return Operator(Damp(self.expr, float(damping)))
+
+    def inv(self) -> "Operator":
+        """H⁻¹ (computed by structure when needed)."""
+        return Operator(Inverse(self.expr))
+
+    def pow(self, p: float) -> "Operator":
+        """H^p for a positive semi-definite H."""
+        return Operator(Power(self.expr, float(p)))
+
+    def __add__(self, other):
+        if isinstance(other, Operator):
+            return Operator(SumOp((self.expr, other.expr)))
+        return NotImplemented
+
+    def __mul__(self, c):
+        if isinstance(c, numbers.Real):
+            return Operator(ScaledOp(self.expr, float(c)))
+        return NotImplemented
+
+    __rmul__ = __mul__
+
+    def __matmul__(self, other):
+        if isinstance(other, TransposedGradients):
+            return TransposedGradients(Precondition(other.expr, self.expr))
+        if isinstance(other, GradientSet):
+            raise TypeError("H @ G: write H @ G.T (examples are the columns on the right)")
+        return NotImplemented
+
+    def to_dense(self, executor=None) -> torch.Tensor:
+        """The (dim, dim) matrix (runs the passes its statistics need)."""
+        return _executor(executor).operator(self.expr).dense()
+
+
+class Scores(_Displayed):
+    """Lazy (n_query, n_train) attribution scores."""
+
+    def __init__(self, expr: ScoreNode):
+        if not isinstance(expr, ScoreNode):
+            raise TypeError(f"Scores wraps a score node, got {type(expr).__name__}")
+        self.expr = expr
+
+    @property
+    def shape(self):
+        return self.expr.shape
+
+    def __add__(self, other):
+        if isinstance(other, Scores):
+            return Scores(ScoreSum((self.expr, other.expr), (1.0, 1.0)))
+        return NotImplemented
+
+    def __sub__(self, other):
+        if isinstance(other, Scores):
+            return Scores(ScoreSum((self.expr, other.expr), (1.0, -1.0)))
+        return NotImplemented
+
+    def __mul__(self, c):
+        if isinstance(c, numbers.Real):
+            return Scores(ScoreSum((self.expr,), (float(c),)))
+        return NotImplemented
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, c):
+        if isinstance(c, numbers.Real):
+            return self * (1.0 / c)
+        return NotImplemented
+
+    def compute(self, executor=None) -> xr.DataArray:
+        """Run the expression. Returns a DataArray with dims ("query", "train").
+
+        ``attrs`` records the expression and which kernels ran (``kernels``).
+        """
+        ex = _executor(executor)
+        values = ex.scores(self.expr)
+        return xr.DataArray(
+            values.detach().cpu().numpy(),
+            dims=("query", "train"),
+            coords={"query": np.asarray(self.expr.row_ids), "train": np.asarray(self.expr.col_ids)},
+            name="scores",
+            attrs={"expression": self.expr.label, "kernels": dict(getattr(ex, "trace", {}))},
+        )
+
+
+# ---------------------------------------------------------------------- constructors
+def grads(task: Task, data, layers=None, *, ids=None, batch_size: int | None = None,
+          backend: str = "hooks", objective: str = "loss", seed: int = 0) -> GradientSet:
+    """Lazy per-example gradients of ``task`` on ``data``.
+
+    Parameters
+    ----------
+    task : :class:`Task`
+    data : Dataset, DataLoader (shuffle=False), tensor or tuple of tensors.
+    layers : module names or glob patterns; default every supported layer.
+    ids : one id per example (default 0..n-1); they label the scores.
+    batch_size : examples per captured chunk (default ``ga.options().batch_size``).
+    backend : "hooks" (factored capture of supported layers, one backward per chunk)
+        or "func" (torch.func vmap over examples: any module, dense blocks, slower).
+    objective : "loss" (default), "sampled" (targets drawn from the model: gradients
+        whose Fisher is the Gauss-Newton matrix) or "output" (TRAK's output function);
+        see :class:`Task`.
+    seed : seed of the sampled targets.
+    """
+    if not isinstance(task, Task):
+        raise TypeError(f"ga.grads needs a ga.Task, got {type(task).__name__}: wrap the model "
+                        "as ga.Task(model, loss)")
+    if backend not in ("hooks", "func"):
+        raise ValueError(f"backend must be 'hooks' or 'func', got {backend!r}")
+    from .capture.hooks import resolve_layers
+
+    refs = resolve_layers(task.model, layers, backend=backend)  # errors now, not at compute time
+    if objective not in ("loss", "sampled", "output"):
+        raise ValueError(f"objective must be 'loss', 'sampled' or 'output', got {objective!r}")
+    task.objective_fn(objective)  # a missing sampled_loss/output is reported now
+    return GradientSet(Source(task, as_data(data, ids, batch_size), tuple(r.name for r in refs), backend,
+                              objective, int(seed)))
+
+
+def fisher(G: GradientSet, structure: str = "dense") -> Operator:
+    """F = (1/n) Σ_i g_i g_iᵀ over the rows of ``G``: "dense", "block" (per layer) or "diag"."""
+    if not isinstance(G, GradientSet):
+        raise TypeError("ga.fisher takes a GradientSet, e.g. ga.fisher(P(G))")
+    return Operator(Fisher(G.expr, structure))
+
+
+def identity(like) -> Operator:
+    """I on the space of ``like`` (a GradientSet or Operator)."""
+    return Operator(Identity(like.space))
+
+
+def diagonal(values: torch.Tensor, like) -> Operator:
+    """diag(values) on the space of ``like``; values: (dim,)."""
+    return Operator(Diagonal(values, like.space))
+
+
+def dense(matrix: torch.Tensor, like) -> Operator:
+    """A given symmetric (dim, dim) matrix on the space of ``like`` (blocks in space order)."""
+    return Operator(Dense(matrix, like.space))
+
+
+def sum_scores(scores: Iterable[Scores], weights: Iterable[float] | None = None) -> Scores:
+    """Σ_k w_k S_k (checkpoints, ensembles)."""
+    scores = list(scores)
+    if not scores:
+        raise ValueError("sum_scores needs at least one Scores")
+    w = [1.0] * len(scores) if weights is None else [float(x) for x in weights]
+    if len(w) != len(scores):
+        raise ValueError(f"got {len(w)} weights for {len(scores)} scores")
+    return Scores(ScoreSum(tuple(s.expr for s in scores), tuple(w)))
+
+
+def mean_scores(scores: Iterable[Scores]) -> Scores:
+    """(1/K) Σ_k S_k."""
+    scores = list(scores)
+    return sum_scores(scores, [1.0 / len(scores)] * len(scores))
+
+
+def row_weights(fn: Callable[[torch.nn.Module, Any], torch.Tensor], name: str | None = None) -> RowWeights:
+    """Per-example values ``fn(model, batch) -> (B,)`` to scale gradient rows by (e.g. TRAK's 1 − p)."""
+    return RowWeights(fn, name or getattr(fn, "__name__", "weights"))

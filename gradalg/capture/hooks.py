@@ -1,0 +1,148 @@
+"""Recording per-example factors with module hooks, for a whole batch at once.
+
+A forward hook on each recorded module keeps its input activations ``A`` and its
+output tensor; one ``torch.autograd.grad(loss, outputs)`` then returns the output
+gradients ``D`` of every recorded call. Asking autograd for the outputs' gradients,
+not the parameters', skips the weight-gradient GEMMs that attribution never needs.
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import UnsupportedLayerError
+from .factors import Factors
+from .layers import LayerRule, rule_for
+
+__all__ = ["resolve_layers", "ForwardRecorder", "capture_batch", "LayerRef"]
+
+
+@dataclass(frozen=True)
+class LayerRef:
+    """A recorded module: its dotted name, the module and its :class:`LayerRule`."""
+
+    name: str
+    module: nn.Module
+    rule: LayerRule
+
+
+def resolve_layers(model: nn.Module, layers=None, *, backend: str = "hooks") -> list[LayerRef]:
+    """The modules named by ``layers``, in model order.
+
+    ``layers`` is None (every supported module with trainable parameters), a list of
+    dotted module names, or glob patterns (``"transformer.h.*.mlp.c_fc"``).
+    """
+    modules = dict(model.named_modules())
+    if layers is None:
+        names = []
+        for name, module in modules.items():
+            if not any(p.requires_grad for p in module.parameters(recurse=False)):
+                continue
+            if backend == "func":
+                names.append(name)
+                continue
+            try:
+                rule_for(name, module)
+            except UnsupportedLayerError:
+                continue
+            names.append(name)
+        if not names:
+            raise UnsupportedLayerError(
+                f"{type(model).__name__} has no layer that hook capture supports; pass "
+                "backend='func' or name the layers"
+            )
+    else:
+        if isinstance(layers, str):
+            layers = [layers]
+        names = []
+        for pattern in layers:
+            hits = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
+            if not hits:
+                close = [n for n in modules if n and pattern.split(".")[-1] in n][:5]
+                hint = f"; did you mean one of {close}?" if close else ""
+                raise KeyError(f"no module named {pattern!r} in {type(model).__name__}{hint} "
+                               "(names are those of model.named_modules())")
+            names.extend(h for h in hits if h not in names)
+        order = {n: i for i, n in enumerate(modules)}
+        names.sort(key=order.__getitem__)
+    refs = []
+    for name in names:
+        module = modules[name]
+        if backend == "func":
+            refs.append(LayerRef(name, module, None))
+        else:
+            refs.append(LayerRef(name, module, rule_for(name, module)))
+    return refs
+
+
+@dataclass
+class _Call:
+    A: Any
+    output: torch.Tensor
+
+
+@dataclass
+class ForwardRecorder:
+    """Context manager: records ``A`` and the output tensor of every call of each layer."""
+
+    layers: list[LayerRef]
+    calls: dict[str, list[_Call]] = field(default_factory=dict)
+    _handles: list = field(default_factory=list)
+
+    def __enter__(self):
+        self.calls = {ref.name: [] for ref in self.layers}
+        for ref in self.layers:
+            self._handles.append(ref.module.register_forward_hook(self._hook(ref)))
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        return False
+
+    def _hook(self, ref: LayerRef):
+        def hook(module, args, output):
+            if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or not output.requires_grad:
+                return
+            self.calls[ref.name].append(_Call(ref.rule.activations(module, args[0].detach()), output))
+        return hook
+
+
+def capture_batch(loss: torch.Tensor, recorder: ForwardRecorder, *, token_mask: torch.Tensor | None = None,
+                  grad_scale: float = 1.0) -> dict[str, Factors]:
+    """Per-example factors of every recorded layer for the batch whose summed loss is ``loss``.
+
+    One backward pass; gradients are taken w.r.t. the layers' outputs only.
+    ``token_mask`` (B, T) removes padding positions; ``grad_scale`` multiplies D (a
+    mean-reduced loss is rescaled by the batch size this way).
+    """
+    outputs, owners = [], []
+    for ref in recorder.layers:
+        calls = recorder.calls[ref.name]
+        if not calls:
+            raise RuntimeError(
+                f"layer {ref.name!r} was not called with gradients enabled in the forward "
+                "pass of the loss; remove it from `layers`, or check that the loss uses it"
+            )
+        for i, call in enumerate(calls):
+            outputs.append(call.output)
+            owners.append((ref, i))
+    grads = torch.autograd.grad(loss, outputs, allow_unused=True)
+    per_layer: dict[str, list[Factors]] = {ref.name: [] for ref in recorder.layers}
+    for (ref, i), out, g in zip(owners, outputs, grads):
+        call = recorder.calls[ref.name][i]
+        if g is None:
+            g = torch.zeros_like(out)
+        D = ref.rule.output_grads(ref.module, g.detach())
+        if grad_scale != 1.0:
+            D = D * grad_scale
+        factors = Factors(call.A, D)
+        if token_mask is not None and factors.T == token_mask.shape[1]:
+            factors = factors.mask_tokens(token_mask)
+        per_layer[ref.name].append(factors)
+    return {name: Factors.concat_tokens(parts) for name, parts in per_layer.items()}

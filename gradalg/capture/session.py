@@ -1,0 +1,173 @@
+"""``ga.capture``: per-example gradients from any training loop that calls backward().
+
+    with ga.capture(model, layers=["fc1", "fc2"]) as cap:
+        for x, y in loader:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y, reduction="sum").backward()
+            opt.step()
+    cap.grads            # GradientSet of every example seen, in order
+
+A forward hook keeps each recorded layer's input ``A`` and hooks its output tensor;
+the output's gradient ``D`` arrives during the user's own ``backward()``. When every
+recorded call of a step has its gradient, the step's factors are complete: they are
+stored (``keep=True``) and handed to each callback registered with ``cap.on_batch``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..capture.factors import Factors
+from .hooks import LayerRef, resolve_layers
+
+__all__ = ["CaptureStore", "CaptureSession", "capture"]
+
+
+@dataclass
+class CaptureStore:
+    """Factored per-example gradients of the batches seen, in memory, in order."""
+
+    chunks_: list = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return sum(c.n for c in self.chunks_)
+
+    def chunks(self):
+        return iter(self.chunks_)
+
+    @property
+    def token(self) -> str:
+        return f"capturestore-{id(self):x}-{len(self.chunks_)}"
+
+
+class CaptureSession:
+    """The object bound by ``with ga.capture(...) as cap``. See :func:`capture`."""
+
+    def __init__(self, model: nn.Module, layers=None, *, reduction: str = "sum", keep: bool = True):
+        if reduction not in ("sum", "mean"):
+            raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+        self.model = model
+        self.refs: list[LayerRef] = resolve_layers(model, layers)
+        self.reduction = reduction
+        self.keep = keep
+        self.store = CaptureStore()
+        self._callbacks: list[Callable] = []
+        self._handles = []
+        self._pending: dict[str, list] = {}
+        self._expected = 0
+        self._received = 0
+        self.steps = 0
+
+    # ------------------------------------------------------------------ public
+    def on_batch(self, callback: Callable) -> Callable:
+        """Call ``callback(grads)`` after each backward, with that step's GradientSet.
+
+        Runs inside ``backward()``, before the optimizer step. Usable as a decorator.
+        """
+        self._callbacks.append(callback)
+        return callback
+
+    @property
+    def grads(self):
+        """GradientSet of every example captured so far (requires ``keep=True``)."""
+        from ..api import GradientSet
+        from ..expr import Captured, ParamSpace
+        from ..expr.space import Block
+
+        space = ParamSpace(tuple(Block(r.name, r.rule.block_shape(r.module), r.rule.kind) for r in self.refs))
+        frozen = CaptureStore(list(self.store.chunks_))
+        return GradientSet(Captured(frozen, space))
+
+    # ------------------------------------------------------------------ context
+    def __enter__(self):
+        self._reset_step()
+        for ref in self.refs:
+            self._handles.append(ref.module.register_forward_hook(self._forward_hook(ref)))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        return False
+
+    # ------------------------------------------------------------------ internals
+    def _reset_step(self):
+        self._pending = {ref.name: [] for ref in self.refs}
+        self._expected = 0
+        self._received = 0
+
+    def _forward_hook(self, ref: LayerRef):
+        def hook(module, args, output):
+            if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or not output.requires_grad:
+                return
+            if self._received and self._received < self._expected:
+                raise RuntimeError("a forward pass started before the previous backward finished; "
+                                   "ga.capture records one forward/backward at a time")
+            if self._received and self._received == self._expected:
+                self._reset_step()
+            slot = {"A": ref.rule.activations(module, args[0].detach()), "D": None}
+            self._pending[ref.name].append(slot)
+            self._expected += 1
+            output.register_hook(self._grad_hook(ref, slot))
+        return hook
+
+    def _grad_hook(self, ref: LayerRef, slot: dict):
+        def hook(grad):
+            slot["D"] = ref.rule.output_grads(ref.module, grad.detach())
+            self._received += 1
+            if self._received == self._expected:
+                self._finish_step()
+        return hook
+
+    def _finish_step(self):
+        from ..exec.chunks import Chunk
+
+        blocks = {}
+        for ref in self.refs:
+            slots = self._pending[ref.name]
+            if not slots:
+                continue
+            parts = [Factors(s["A"], s["D"]) for s in slots]
+            blocks[ref.name] = Factors.concat_tokens(parts)
+        if len(blocks) != len(self.refs):
+            missing = [r.name for r in self.refs if r.name not in blocks]
+            raise RuntimeError(f"layers {missing} were not used in this step's forward pass; "
+                               "leave them out of `layers`")
+        n = next(iter(blocks.values())).n
+        if self.reduction == "mean":
+            blocks = {k: v.scale_rows(torch.full((n,), float(n))) for k, v in blocks.items()}
+        start = self.store.n
+        chunk = Chunk(tuple(range(start, start + n)), blocks)
+        if self.keep:
+            self.store.chunks_.append(chunk)
+        self.steps += 1
+        if self._callbacks:
+            from ..api import GradientSet
+            from ..expr import Captured, ParamSpace
+            from ..expr.space import Block
+
+            space = ParamSpace(tuple(Block(r.name, r.rule.block_shape(r.module), r.rule.kind) for r in self.refs))
+            step = GradientSet(Captured(CaptureStore([chunk]), space))
+            for cb in self._callbacks:
+                cb(step)
+
+
+def capture(model: nn.Module, layers=None, *, reduction: str = "sum", keep: bool = True) -> CaptureSession:
+    """Record per-example gradients around any loop that calls ``loss.backward()``.
+
+    Parameters
+    ----------
+    model : the module being trained.
+    layers : module names or glob patterns (default: every supported layer).
+    reduction : how the loop's loss combines examples. ``"sum"`` (default) gives true
+        per-example gradients. ``"mean"`` (the usual ``F.cross_entropy`` default) scales
+        each step's gradients by its batch size to undo the ``1/B``.
+    keep : keep every step's factors in memory for ``cap.grads`` (set False when only
+        callbacks are needed).
+    """
+    return CaptureSession(model, layers, reduction=reduction, keep=keep)

@@ -1,0 +1,78 @@
+"""A chunk of rows of a gradient set, as the executor streams it.
+
+Each block is either :class:`~gradalg.capture.factors.Factors` (factored) or a flat
+``(n, dim)`` tensor (dense or projected). Helpers convert between them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..capture.factors import Factors, materialize, self_inner
+from ..expr.space import ParamSpace
+
+__all__ = ["Chunk", "flat_block", "flatten", "unflatten", "row_sq_norms", "concat_chunks"]
+
+
+@dataclass
+class Chunk:
+    """Rows ``ids`` of a gradient set: ``blocks[name]`` is Factors or an (n, dim) tensor.
+
+    ``batch`` and ``task`` are the raw batch and task the rows were captured from
+    (None for stored rows); per-example weights are computed from them.
+    """
+
+    ids: tuple
+    blocks: dict[str, Any]
+    batch: Any = None
+    task: Any = None
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def n(self) -> int:
+        return len(self.ids)
+
+    def replace(self, blocks) -> "Chunk":
+        return Chunk(self.ids, blocks, self.batch, self.task, self.meta)
+
+
+def flat_block(value) -> torch.Tensor:
+    """A block as an (n, dim) tensor (materializing factors)."""
+    if isinstance(value, Factors):
+        return materialize(value).flatten(1)
+    return value
+
+
+def flatten(chunk: Chunk, space: ParamSpace) -> torch.Tensor:
+    """All blocks concatenated in space order.   Returns (n, dim)."""
+    return torch.cat([flat_block(chunk.blocks[name]) for name in space.names], dim=1)
+
+
+def unflatten(rows: torch.Tensor, space: ParamSpace) -> dict[str, torch.Tensor]:
+    return {name: rows[:, s] for name, s in space.offsets().items()}
+
+
+def row_sq_norms(chunk: Chunk) -> torch.Tensor:
+    """‖G_i‖² summed over blocks (ghost identity for factored blocks).   Returns (n,)."""
+    total = None
+    for value in chunk.blocks.values():
+        part = self_inner(value) if isinstance(value, Factors) else (value * value).sum(1)
+        total = part if total is None else total + part
+    return total
+
+
+def concat_chunks(chunks: list[Chunk]) -> Chunk:
+    """One chunk holding all rows (factors padded to the longest T)."""
+    if len(chunks) == 1:
+        return chunks[0]
+    ids = tuple(i for c in chunks for i in c.ids)
+    blocks = {}
+    for name in chunks[0].blocks:
+        parts = [c.blocks[name] for c in chunks]
+        if isinstance(parts[0], Factors):
+            blocks[name] = Factors.concat_examples(parts)
+        else:
+            blocks[name] = torch.cat(parts, 0)
+    return Chunk(ids, blocks)

@@ -1,0 +1,369 @@
+"""The local executor: PyTorch on the model's device, streaming the data in chunks.
+
+Scores ``L H Rᵀ`` are computed by holding the smaller side (the queries, usually),
+preconditioning it once, and streaming the other side chunk by chunk: per-example
+training gradients exist one chunk at a time and are never all in memory.
+
+Per block, the inner product of a chunk is computed by one of two kernels, chosen by
+the cost rule in :mod:`gradalg.plan.routing` (or forced with ``ga.options(ghost=...)``):
+
+``ghost``  ⟨D_iᵀA_i, D_jᵀA_j⟩ = Σ_{t,s}(a_it·a_js)(d_it·d_js), from the factors
+``dense``  materialize G_j = D_jᵀA_j, then one GEMM against the held side
+
+``executor.trace`` counts which kernels ran, so tests can prove the routing.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Iterator
+
+import torch
+
+from ..capture.factors import Factors, ghost_inner, kron_project, materialize
+from ..capture.hooks import ForwardRecorder, capture_batch, resolve_layers
+from ..capture.reference import param_names_of, per_example_grads
+from ..data import batch_size_of, move_batch
+from ..errors import MemoryBudgetError, NonFiniteGradientError
+from ..expr import (Captured, Damp, Dense, Diagonal, Fisher, GradNode, Identity, Inner, Inverse,
+                    Normalize, OpNode, Power, Precondition, Project, RowWeights, ScaledOp, ScaleRows,
+                    ScoreNode, ScoreSum, Select, Source, SumOp)
+from ..options import Options, get_options
+from ..plan.rewrite import simplify
+from ..plan.routing import choose_kernel, shared_grad_nodes
+from ..proj.matrices import dense_matrix, kron_matrices
+from .chunks import Chunk, concat_chunks, flat_block, flatten, row_sq_norms, unflatten
+from .operators import ResolvedOp
+
+__all__ = ["LocalExecutor"]
+
+
+def _model_device_dtype(model):
+    for p in model.parameters():
+        return p.device, p.dtype
+    return torch.device("cpu"), torch.float32
+
+
+class LocalExecutor:
+    """Runs expression nodes with PyTorch in this process.
+
+    One executor serves one ``compute()``: it memoizes resolved operators and the
+    gradient sets that the expression uses more than once (when they fit in
+    ``memory_budget / 4``), so shared sub-expressions are computed once.
+    """
+
+    def __init__(self, options: Options | None = None):
+        self.options = options or get_options()
+        self.trace: Counter = Counter()
+        self._ops: dict[str, ResolvedOp] = {}
+        self._cache: dict[str, list[Chunk]] = {}
+        self._cacheable: set[str] = set()
+        self._checked_tasks: set[str] = set()
+
+    # ------------------------------------------------------------------ entry points
+    def scores(self, node: ScoreNode) -> torch.Tensor:
+        """The (n_left, n_right) score matrix of ``node``."""
+        node = simplify(node)
+        self._cacheable = shared_grad_nodes(node, self.options.memory_budget // 4)
+        return self._scores(node)
+
+    def gradients(self, node: GradNode) -> Chunk:
+        """All rows of ``node`` in one chunk (for inspection and tests; holds n × dim)."""
+        return concat_chunks(list(self.iter_chunks(node)))
+
+    def operator(self, node: OpNode) -> ResolvedOp:
+        self._cacheable = shared_grad_nodes(node, self.options.memory_budget // 4)
+        return self.resolve(node)
+
+    # ------------------------------------------------------------------ scores
+    def _scores(self, node: ScoreNode) -> torch.Tensor:
+        if isinstance(node, ScoreSum):
+            total = None
+            for coef, term in zip(node.coefs, node.terms):
+                s = coef * self._scores(term)
+                total = s if total is None else total + s
+            return total
+        if isinstance(node, Inner):
+            if node.left.n > node.right.n:   # hold the smaller side; H is symmetric
+                return self._inner(node.right, node.op, node.left).T
+            return self._inner(node.left, node.op, node.right)
+        raise TypeError(f"cannot compute scores from {type(node).__name__}")
+
+    def _inner(self, left: GradNode, op: OpNode, right: GradNode) -> torch.Tensor:
+        held = self.gradients(left)
+        space = left.space
+        if not isinstance(op, Identity):
+            resolved = self.resolve(op)
+            held = held.replace(unflatten(resolved.apply(flatten(held, space)), space))
+        self._check_budget(held, space)
+        columns = []
+        materialized_left: dict[str, torch.Tensor] = {}
+        for chunk in self.iter_chunks(right):
+            total = None
+            for name in space.names:
+                part = self._block_inner(name, held.blocks[name], chunk.blocks[name], materialized_left)
+                total = part if total is None else total + part
+            columns.append(total)
+        return torch.cat(columns, dim=1)
+
+    def _block_inner(self, name, lval, rval, materialized_left) -> torch.Tensor:
+        if isinstance(lval, Factors) and isinstance(rval, Factors):
+            kernel = choose_kernel(lval, rval, self.options.ghost)
+            if kernel == "ghost":
+                self.trace["ghost"] += 1
+                return ghost_inner(lval, rval)
+        self.trace["dense"] += 1
+        if isinstance(lval, Factors):
+            if name not in materialized_left:
+                materialized_left[name] = flat_block(lval)
+            lflat = materialized_left[name]
+        else:
+            lflat = lval
+        return lflat @ flat_block(rval).to(lflat.dtype).T
+
+    def _check_budget(self, held: Chunk, space) -> None:
+        nbytes = 0
+        for value in held.blocks.values():
+            nbytes += value.nbytes() if isinstance(value, Factors) else value.numel() * value.element_size()
+        if nbytes > self.options.memory_budget:
+            raise MemoryBudgetError(
+                f"the held side of the scores takes {nbytes / 2**20:.0f} MiB, over the memory budget "
+                f"of {self.options.memory_budget / 2**20:.0f} MiB: use fewer queries per call, "
+                "project the gradients (ga.proj.kron), or raise ga.options(memory_budget=...)"
+            )
+
+    # ------------------------------------------------------------------ gradient rows
+    def iter_chunks(self, node: GradNode) -> Iterator[Chunk]:
+        """Chunks of rows of ``node``, in order."""
+        if node.token in self._cache:
+            yield from self._cache[node.token]
+            return
+        keep = node.token in self._cacheable
+        stored = []
+        for chunk in self._produce(node):
+            if keep:
+                stored.append(chunk)
+            yield chunk
+        if keep:
+            self._cache[node.token] = stored
+
+    def _produce(self, node: GradNode) -> Iterator[Chunk]:
+        if isinstance(node, Source):
+            yield from self._capture(node)
+        elif isinstance(node, Captured):
+            yield from node.store.chunks()
+        elif isinstance(node, Project):
+            for chunk in self.iter_chunks(node.grads):
+                yield chunk.replace(self._project(node, chunk))
+        elif isinstance(node, Normalize):
+            for chunk in self.iter_chunks(node.grads):
+                norms = row_sq_norms(chunk).sqrt()
+                inv = torch.where(norms > 0, 1.0 / norms, torch.zeros_like(norms))
+                yield chunk.replace({n: _scale_rows(v, inv) for n, v in chunk.blocks.items()})
+        elif isinstance(node, Select):
+            for chunk in self.iter_chunks(node.grads):
+                yield chunk.replace({n: chunk.blocks[n] for n in node.names})
+        elif isinstance(node, Precondition):
+            resolved = self.resolve(node.op)
+            space = node.space
+            for chunk in self.iter_chunks(node.grads):
+                yield chunk.replace(unflatten(resolved.apply(flatten(chunk, space)), space))
+        elif isinstance(node, ScaleRows):
+            for chunk in self.iter_chunks(node.grads):
+                w = self._row_weights(node.weights, chunk)
+                yield chunk.replace({n: _scale_rows(v, w) for n, v in chunk.blocks.items()})
+        else:
+            raise TypeError(f"the local executor cannot compute {type(node).__name__}")
+
+    def _row_weights(self, weights, chunk: Chunk) -> torch.Tensor:
+        if not isinstance(weights, RowWeights):
+            return torch.full((chunk.n,), float(weights))
+        if chunk.batch is None or chunk.task is None:
+            raise ValueError(f"per-example weights {weights.name!r} need the batches the gradients "
+                             "came from; apply them to gradients from ga.grads, not to stored ones")
+        model = chunk.task.model
+        with torch.no_grad():
+            w = weights.fn(model, chunk.batch)
+        if w.shape != (chunk.n,):
+            raise ValueError(f"row weights {weights.name!r} returned shape {tuple(w.shape)}; expected "
+                             f"({chunk.n},), one value per example")
+        return w.detach()
+
+    def _capture(self, node: Source) -> Iterator[Chunk]:
+        task = node.task
+        model = task.model
+        device, _ = _model_device_dtype(model)
+        refs = resolve_layers(model, list(node.layers), backend=node.backend)
+        if node.backend == "func" and node.objective == "sampled":
+            raise ValueError("objective='sampled' is captured with backend='hooks' only")
+        objective = task.objective_fn(node.objective, node.seed)
+        was_training = model.training
+        model.eval()
+        start = 0
+        try:
+            for batch in node.data.loader(self.options.batch_size):
+                batch = move_batch(batch, device)
+                b = batch_size_of(batch)
+                ids = node.data.ids[start:start + b]
+                start += b
+                if (self.options.check_reduction and node.objective == "loss"
+                        and task.token not in self._checked_tasks):
+                    task.check_reduction(batch)
+                    self._checked_tasks.add(task.token)
+                if node.backend == "func":
+                    blocks = self._func_blocks(task, objective, batch, refs)
+                else:
+                    blocks = self._hook_blocks(task, objective, batch, refs)
+                if self.options.check_finite:
+                    _check_finite(blocks, ids)
+                yield Chunk(ids, blocks, batch, task)
+        finally:
+            model.train(was_training)
+
+    def _hook_blocks(self, task, objective, batch, refs):
+        with torch.enable_grad(), ForwardRecorder(refs) as recorder:
+            loss = objective(task.model, batch)
+            mask = task.token_mask(batch) if task.token_mask is not None else None
+            return capture_batch(loss, recorder, token_mask=mask)
+
+    def _func_blocks(self, task, objective, batch, refs):
+        out = {}
+        grads = per_example_grads(task, batch, param_names_of(task.model, [r.name for r in refs]),
+                                  loss_fn=objective)
+        for ref in refs:
+            names = param_names_of(task.model, [ref.name])
+            out[ref.name] = torch.cat([grads[n].flatten(1) for n in names], dim=1)
+        return out
+
+    def _project(self, node: Project, chunk: Chunk) -> dict:
+        p = node.projector
+        src_space = node.grads.space
+        out = {}
+        combined = None
+        for block in src_space.blocks:
+            value = chunk.blocks[block.name]
+            dtype, device = _dtype_device(value)
+            if p.kind == "kron":
+                P_out, P_in = kron_matrices(p, block.name, *block.shape, dtype=dtype, device=device)
+                if isinstance(value, Factors):
+                    self.trace["kron_factored"] += 1
+                    projected = kron_project(value, P_out, P_in)
+                else:
+                    projected = P_out @ value.view(-1, *block.shape) @ P_in.T
+                out[block.name] = projected.flatten(1)
+                continue
+            flat = flat_block(value)
+            P = dense_matrix(p, block.name, block.dim, dtype=dtype, device=device)
+            projected = flat @ P.T
+            if p.per_block:
+                out[block.name] = projected
+            else:
+                combined = projected if combined is None else combined + projected
+        if combined is not None:
+            out["projected"] = combined
+        return out
+
+    # ------------------------------------------------------------------ operators
+    def resolve(self, node: OpNode) -> ResolvedOp:
+        """The numbers of an operator node (memoized per executor)."""
+        if node.token not in self._ops:
+            self._ops[node.token] = self._resolve(node)
+        return self._ops[node.token]
+
+    def _resolve(self, node: OpNode) -> ResolvedOp:
+        if isinstance(node, Identity):
+            return ResolvedOp.identity(node.space)
+        if isinstance(node, Diagonal):
+            return ResolvedOp(node.space, "diag", node.values)
+        if isinstance(node, Dense):
+            return ResolvedOp(node.space, "dense", node.matrix)
+        if isinstance(node, Fisher):
+            return self._fisher(node)
+        if isinstance(node, Damp):
+            return self.resolve(node.op).damp(node.damping)
+        if isinstance(node, Inverse):
+            return self.resolve(node.op).inverse(node.op.label)
+        if isinstance(node, Power):
+            return self.resolve(node.op).power(node.p, node.op.label)
+        if isinstance(node, ScaledOp):
+            return self.resolve(node.op).scale(node.scale)
+        if isinstance(node, SumOp):
+            total = self.resolve(node.ops[0])
+            for op in node.ops[1:]:
+                total = total.add(self.resolve(op))
+            return total
+        raise TypeError(f"the local executor cannot resolve operator {type(node).__name__}")
+
+    def _fisher(self, node: Fisher) -> ResolvedOp:
+        space = node.space
+        structure = node.structure
+        need = {"dense": space.dim ** 2, "block": sum(b.dim ** 2 for b in space.blocks),
+                "diag": space.dim}[structure] * 8
+        if need > self.options.memory_budget:
+            raise MemoryBudgetError(
+                f"a {structure} Fisher over {space.dim:,} coordinates needs {need / 2**30:.1f} GiB, over "
+                f"the memory budget of {self.options.memory_budget / 2**30:.1f} GiB. Project first "
+                "(ga.fisher(P(G)) with P = ga.proj.kron(k=...)), use structure='block' or 'diag', "
+                "or raise ga.options(memory_budget=...)."
+            )
+        acc, n = None, 0
+        for chunk in self.iter_chunks(node.grads):
+            n += chunk.n
+            if structure == "dense":
+                x = flatten(chunk, space).to(torch.float64)
+                part = x.T @ x
+            elif structure == "diag":
+                part = (flatten(chunk, space).to(torch.float64) ** 2).sum(0)
+            else:
+                part = {}
+                for name in space.names:
+                    x = flat_block(chunk.blocks[name]).to(torch.float64)
+                    part[name] = x.T @ x
+            if acc is None:
+                acc = part
+            elif structure == "block":
+                for k in acc:
+                    acc[k] += part[k]
+            else:
+                acc += part
+        if n == 0:
+            raise ValueError("cannot compute a Fisher over zero examples")
+        dtype = _first_dtype(node.grads, self)
+        if structure == "block":
+            return ResolvedOp(space, "block", {k: (v / n).to(dtype) for k, v in acc.items()})
+        return ResolvedOp(space, structure, (acc / n).to(dtype))
+
+
+def _first_dtype(node, executor):
+    src = node.source
+    if isinstance(src, Source):
+        return _model_device_dtype(src.task.model)[1]
+    return torch.float32
+
+
+def _dtype_device(value):
+    if isinstance(value, Factors):
+        return value.D.dtype, value.D.device
+    return value.dtype, value.device
+
+
+def _scale_rows(value, w: torch.Tensor):
+    if isinstance(value, Factors):
+        return value.scale_rows(w)
+    return value * w.to(value.dtype).unsqueeze(1)
+
+
+def _check_finite(blocks: dict, ids) -> None:
+    bad = None
+    layers = []
+    for name, value in blocks.items():
+        if isinstance(value, Factors):
+            ok = torch.isfinite(value.D).flatten(1).all(1)
+            if isinstance(value.A, torch.Tensor):  # one-hot activations are always finite
+                ok &= torch.isfinite(value.A).flatten(1).all(1)
+        else:
+            ok = torch.isfinite(value).all(1)
+        if not ok.all():
+            layers.append(name)
+            bad = ~ok if bad is None else bad | ~ok
+    if bad is not None:
+        raise NonFiniteGradientError([ids[i] for i in bad.nonzero().flatten().tolist()], layers)

@@ -1,0 +1,271 @@
+"""Gradient-set nodes: rows are examples, columns a :class:`ParamSpace`.
+
+Every node knows, without computing anything, its space, its number of rows, the ids
+of its rows and the representation of each block:
+
+``factored``  G_i = D_iᵀ A_i kept as the factors (hook capture)
+``dense``     the full per-example gradient (torch.func capture, or after an operator)
+``projected`` P(G_i), a few coordinates per example
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Callable
+
+from ..data import DataRef
+from .base import Node
+from .projection import Projector
+from .space import Block, ParamSpace
+
+__all__ = ["GradNode", "Source", "Captured", "Project", "Normalize", "Select", "Precondition",
+           "ScaleRows", "RowWeights"]
+
+
+class GradNode(Node):
+    """Base of gradient-set nodes."""
+
+    @property
+    def space(self) -> ParamSpace:
+        raise NotImplementedError
+
+    @property
+    def n(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def ids(self) -> tuple:
+        raise NotImplementedError
+
+    @property
+    def representation(self) -> dict[str, str]:
+        raise NotImplementedError
+
+    @property
+    def source(self) -> "Source | Captured":
+        """The leaf this gradient set is computed from."""
+        return self.grads.source  # type: ignore[attr-defined]
+
+
+def _module_blocks(task, layers, backend) -> tuple[Block, ...]:
+    from ..capture.hooks import resolve_layers  # pure metadata: reads module shapes only
+
+    refs = resolve_layers(task.model, list(layers), backend=backend)
+    blocks = []
+    for ref in refs:
+        if backend == "func":
+            dim = sum(p.numel() for p in ref.module.parameters(recurse=False))
+            blocks.append(Block(ref.name, (dim,), "param"))
+        else:
+            blocks.append(Block(ref.name, ref.rule.block_shape(ref.module), ref.rule.kind))
+    return tuple(blocks)
+
+
+@dataclass(frozen=True, eq=False)
+class Source(GradNode):
+    """Per-example gradients of ``task`` on ``data``, captured when computed.
+
+    backend "hooks" records factors of supported layers; "func" uses torch.func on
+    any module and yields dense blocks (slow: the reference path).
+    """
+
+    task: Any
+    data: DataRef
+    layers: tuple[str, ...]
+    backend: str = "hooks"
+    objective: str = "loss"
+    seed: int = 0
+
+    @cached_property
+    def space(self) -> ParamSpace:
+        return ParamSpace(_module_blocks(self.task, self.layers, self.backend))
+
+    @property
+    def n(self) -> int:
+        return self.data.n
+
+    @property
+    def ids(self) -> tuple:
+        return self.data.ids
+
+    @property
+    def representation(self):
+        rep = "factored" if self.backend == "hooks" else "dense"
+        return {b.name: rep for b in self.space.blocks}
+
+    @property
+    def source(self):
+        return self
+
+    @property
+    def label(self):
+        extra = "" if self.objective == "loss" else f", objective={self.objective}"
+        return f"grads({self.task.name}, n={self.n}{extra}, backend={self.backend})"
+
+
+@dataclass(frozen=True, eq=False)
+class Captured(GradNode):
+    """Per-example gradients recorded by ``ga.capture`` around a user's loop (in memory)."""
+
+    store: Any  # gradalg.capture.session.CaptureStore
+    space_: ParamSpace
+
+    @property
+    def space(self):
+        return self.space_
+
+    @property
+    def n(self):
+        return self.store.n
+
+    @property
+    def ids(self):
+        return tuple(range(self.store.n))
+
+    @property
+    def representation(self):
+        return {b.name: "factored" for b in self.space.blocks}
+
+    @property
+    def source(self):
+        return self
+
+    @property
+    def label(self):
+        return f"captured(n={self.n})"
+
+
+@dataclass(frozen=True, eq=False)
+class Project(GradNode):
+    """``P(G)``: each example's gradient projected by ``projector``."""
+
+    grads: GradNode
+    projector: Projector
+
+    @cached_property
+    def space(self) -> ParamSpace:
+        p = self.projector
+        if not p.per_block:
+            return ParamSpace((Block("projected", (p.k,), "projected", p.token),))
+        blocks = []
+        for b in self.grads.space.blocks:
+            if p.kind == "kron":
+                if len(b.shape) != 2 or b.basis != "params":
+                    raise ValueError(
+                        f"a Kronecker projection needs (out, in) layer blocks in parameter "
+                        f"coordinates; block {b.name!r} is {b.shape} in basis {b.basis}"
+                    )
+                blocks.append(Block(b.name, p.kron_shape(*b.shape), "projected", p.token))
+            else:
+                blocks.append(Block(b.name, (p.k,), "projected", p.token))
+        return ParamSpace(tuple(blocks))
+
+    @property
+    def n(self):
+        return self.grads.n
+
+    @property
+    def ids(self):
+        return self.grads.ids
+
+    @property
+    def representation(self):
+        return {b.name: "projected" for b in self.space.blocks}
+
+    @property
+    def label(self):
+        return f"project {self.projector!r}"
+
+
+class _RowMap(GradNode):
+    """A node that keeps its input's rows and space."""
+
+    @property
+    def space(self):
+        return self.grads.space
+
+    @property
+    def n(self):
+        return self.grads.n
+
+    @property
+    def ids(self):
+        return self.grads.ids
+
+    @property
+    def representation(self):
+        return self.grads.representation
+
+
+@dataclass(frozen=True, eq=False)
+class Normalize(_RowMap):
+    """G_i / ‖G_i‖ (norm over all blocks; a zero gradient stays zero)."""
+
+    grads: GradNode
+
+    @property
+    def label(self):
+        return "normalize"
+
+
+@dataclass(frozen=True, eq=False)
+class Select(_RowMap):
+    """Only the blocks ``names``."""
+
+    grads: GradNode
+    names: tuple[str, ...]
+
+    @cached_property
+    def space(self):
+        return self.grads.space.select(self.names)
+
+    @property
+    def representation(self):
+        rep = self.grads.representation
+        return {n: rep[n] for n in self.names}
+
+    @property
+    def label(self):
+        return f"select {list(self.names)}"
+
+
+@dataclass(frozen=True, eq=False)
+class Precondition(_RowMap):
+    """Rows mapped by a (symmetric) operator: G_i ↦ H G_i. Factored blocks become dense."""
+
+    grads: GradNode
+    op: Node
+
+    @property
+    def representation(self):
+        rep = self.grads.representation
+        return {k: ("projected" if v == "projected" else "dense") for k, v in rep.items()}
+
+    @property
+    def label(self):
+        return "precondition"
+
+
+@dataclass(frozen=True)
+class RowWeights:
+    """A per-example scalar ``fn(model, batch) -> (B,)`` computed with the task's model."""
+
+    fn: Callable
+    name: str
+
+    @property
+    def token(self):
+        return f"rowweights-{self.name}-{id(self.fn):x}"
+
+
+@dataclass(frozen=True, eq=False)
+class ScaleRows(_RowMap):
+    """G_i ↦ w_i G_i with w_i a constant or a per-example :class:`RowWeights`."""
+
+    grads: GradNode
+    weights: Any  # float or RowWeights
+
+    @property
+    def label(self):
+        w = self.weights
+        return f"scale rows by {w.name if isinstance(w, RowWeights) else w}"

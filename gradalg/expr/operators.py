@@ -1,0 +1,252 @@
+"""Operator nodes: symmetric linear maps on a :class:`ParamSpace`.
+
+``structure`` tells the executor how the operator is stored once resolved:
+
+``identity``  I
+``diag``      a vector v: H = diag(v)
+``block``     one (d_b, d_b) matrix per block (block-diagonal across layers)
+``dense``     one (dim, dim) matrix over the whole space
+
+Algebra: ``A + B``, ``c * A``, ``A.damp(λ) = A + λI``, ``A.inv()``, ``A.pow(p)``. The
+structure of a result is the coarsest of its operands' (dense ⊃ block ⊃ diag ⊃ identity).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import torch
+
+from ..errors import ShapeMismatchError
+from .base import Node
+from .grads import GradNode
+from .space import ParamSpace
+
+__all__ = ["OpNode", "Identity", "Diagonal", "Dense", "Fisher", "Damp", "Inverse", "Power",
+           "ScaledOp", "SumOp", "coarsest"]
+
+_ORDER = ("identity", "diag", "block", "dense")
+
+
+def coarsest(*structures: str) -> str:
+    return max(structures, key=_ORDER.index)
+
+
+class OpNode(Node):
+    """Base of operator nodes."""
+
+    @property
+    def space(self) -> ParamSpace:
+        raise NotImplementedError
+
+    @property
+    def structure(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.space.dim, self.space.dim)
+
+
+@dataclass(frozen=True, eq=False)
+class Identity(OpNode):
+    """I on ``space``."""
+
+    space_: ParamSpace
+
+    @property
+    def space(self):
+        return self.space_
+
+    @property
+    def structure(self):
+        return "identity"
+
+    @property
+    def label(self):
+        return "I"
+
+
+@dataclass(frozen=True, eq=False)
+class Diagonal(OpNode):
+    """diag(values), values: (dim,)."""
+
+    values: torch.Tensor
+    space_: ParamSpace
+
+    def __post_init__(self):
+        if tuple(self.values.shape) != (self.space_.dim,):
+            raise ShapeMismatchError(f"Diagonal values have shape {tuple(self.values.shape)}; "
+                                     f"the space has {self.space_.dim} coordinates: pass a ({self.space_.dim},) tensor")
+
+    @property
+    def space(self):
+        return self.space_
+
+    @property
+    def structure(self):
+        return "diag"
+
+    @property
+    def label(self):
+        return f"diag({self.space.dim})"
+
+
+@dataclass(frozen=True, eq=False)
+class Dense(OpNode):
+    """A given symmetric (dim, dim) matrix, in the order of the space's blocks."""
+
+    matrix: torch.Tensor
+    space_: ParamSpace
+
+    def __post_init__(self):
+        d = self.space_.dim
+        if tuple(self.matrix.shape) != (d, d):
+            raise ShapeMismatchError(f"Dense matrix has shape {tuple(self.matrix.shape)}; the space "
+                                     f"has {d} coordinates: pass a ({d}, {d}) matrix")
+
+    @property
+    def space(self):
+        return self.space_
+
+    @property
+    def structure(self):
+        return "dense"
+
+    @property
+    def label(self):
+        return f"dense({self.space.dim}×{self.space.dim})"
+
+
+@dataclass(frozen=True, eq=False)
+class Fisher(OpNode):
+    """F = (1/n) Σ_i g_i g_iᵀ over the rows of ``grads`` (empirical Fisher of its targets).
+
+    With gradients of labels sampled from the model (``ga.grads(..., targets="sampled")``)
+    this is the Monte-Carlo true Fisher, which equals the Gauss-Newton matrix for
+    cross-entropy and squared-error losses. ``structure``: "dense", "block" or "diag".
+    """
+
+    grads: GradNode
+    structure_: str = "dense"
+
+    def __post_init__(self):
+        if self.structure_ not in ("dense", "block", "diag"):
+            raise ValueError(f"Fisher structure must be 'dense', 'block' or 'diag', got {self.structure_!r}")
+
+    @property
+    def space(self):
+        return self.grads.space
+
+    @property
+    def structure(self):
+        return self.structure_
+
+    @property
+    def label(self):
+        return f"fisher[{self.structure_}]"
+
+
+@dataclass(frozen=True, eq=False)
+class Damp(OpNode):
+    """op + λ I."""
+
+    op: OpNode
+    damping: float
+
+    @property
+    def space(self):
+        return self.op.space
+
+    @property
+    def structure(self):
+        return coarsest(self.op.structure, "diag")
+
+    @property
+    def label(self):
+        return f"damp(λ={self.damping:g})"
+
+
+@dataclass(frozen=True, eq=False)
+class Inverse(OpNode):
+    """op⁻¹ (Cholesky/eigendecomposition by structure; 1/v for a diagonal)."""
+
+    op: OpNode
+
+    @property
+    def space(self):
+        return self.op.space
+
+    @property
+    def structure(self):
+        return self.op.structure
+
+    @property
+    def label(self):
+        return "inverse"
+
+
+@dataclass(frozen=True, eq=False)
+class Power(OpNode):
+    """op^p for a symmetric positive semi-definite op (eigendecomposition)."""
+
+    op: OpNode
+    p: float
+
+    @property
+    def space(self):
+        return self.op.space
+
+    @property
+    def structure(self):
+        return self.op.structure
+
+    @property
+    def label(self):
+        return f"pow({self.p:g})"
+
+
+@dataclass(frozen=True, eq=False)
+class ScaledOp(OpNode):
+    """c · op."""
+
+    op: OpNode
+    scale: float
+
+    @property
+    def space(self):
+        return self.op.space
+
+    @property
+    def structure(self):
+        return coarsest(self.op.structure, "diag")
+
+    @property
+    def label(self):
+        return f"{self.scale:g} ·"
+
+
+@dataclass(frozen=True, eq=False)
+class SumOp(OpNode):
+    """Σ ops (all on one space)."""
+
+    ops: tuple[OpNode, ...]
+
+    def __post_init__(self):
+        for op in self.ops[1:]:
+            self.ops[0].space.check_same(op.space, "operators in a sum")
+
+    @property
+    def space(self):
+        return self.ops[0].space
+
+    @cached_property
+    def structure(self):
+        return coarsest(*(op.structure for op in self.ops))
+
+    @property
+    def label(self):
+        return "sum"
+
+

@@ -1,0 +1,91 @@
+"""Score nodes: (n_left, n_right) matrices of bilinear forms between gradient sets.
+
+``Inner(L, H, R)``: S_ij = ⟨L_i, H R_j⟩ summed over blocks.
+``ScoreSum``: Σ_k c_k S_k (ensembles, checkpoints, differences).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ShapeMismatchError
+from .base import Node
+from .grads import GradNode
+from .operators import Identity, OpNode
+
+__all__ = ["ScoreNode", "Inner", "ScoreSum"]
+
+
+class ScoreNode(Node):
+    @property
+    def shape(self) -> tuple[int, int]:
+        raise NotImplementedError
+
+    @property
+    def row_ids(self) -> tuple:
+        raise NotImplementedError
+
+    @property
+    def col_ids(self) -> tuple:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, eq=False)
+class Inner(ScoreNode):
+    """S = L H Rᵀ: S_ij = Σ_blocks ⟨L_i, H R_j⟩.   (left.n, right.n)"""
+
+    left: GradNode
+    op: OpNode
+    right: GradNode
+
+    def __post_init__(self):
+        self.left.space.check_same(self.right.space, "the two sides of a score")
+        self.left.space.check_same(self.op.space, "the operator and the gradients")
+
+    @property
+    def shape(self):
+        return (self.left.n, self.right.n)
+
+    @property
+    def row_ids(self):
+        return self.left.ids
+
+    @property
+    def col_ids(self):
+        return self.right.ids
+
+    @property
+    def label(self):
+        return "scores" if isinstance(self.op, Identity) else "scores (preconditioned)"
+
+
+@dataclass(frozen=True, eq=False)
+class ScoreSum(ScoreNode):
+    """Σ_k coefs[k] · terms[k]; all terms have equal shapes and ids."""
+
+    terms: tuple[ScoreNode, ...]
+    coefs: tuple[float, ...]
+
+    def __post_init__(self):
+        first = self.terms[0]
+        for t in self.terms[1:]:
+            if t.shape != first.shape:
+                raise ShapeMismatchError(f"cannot add scores of shapes {first.shape} and {t.shape}")
+            if t.row_ids != first.row_ids or t.col_ids != first.col_ids:
+                raise ShapeMismatchError("cannot add scores over different examples (their ids differ); "
+                                         "compute both over the same query and training sets")
+
+    @property
+    def shape(self):
+        return self.terms[0].shape
+
+    @property
+    def row_ids(self):
+        return self.terms[0].row_ids
+
+    @property
+    def col_ids(self):
+        return self.terms[0].col_ids
+
+    @property
+    def label(self):
+        return "sum of " + ", ".join(f"{c:g}·[{i}]" for i, c in enumerate(self.coefs))

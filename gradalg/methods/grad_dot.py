@@ -1,0 +1,33 @@
+"""Grad-Dot and Grad-Cos.
+
+Grad-Dot (Charpiat et al., "Input similarity from the neural network perspective",
+NeurIPS 2019):   S_qz = ⟨∇_θ L(q), ∇_θ L(z)⟩
+
+Grad-Cos (same paper; used by Pruthi et al. 2020 and LESS):
+                 S_qz = ⟨∇L(q), ∇L(z)⟩ / (‖∇L(q)‖ ‖∇L(z)‖)
+"""
+from __future__ import annotations
+
+from ..api import Scores, grads
+from ..expr.projection import Projector
+from ..task import Task
+
+
+def _sides(task, train, queries, layers, projector):
+    G = grads(task, train, layers)
+    Q = grads(task, queries, layers)
+    if projector is not None:
+        G, Q = projector(G), projector(Q)
+    return Q, G
+
+
+def grad_dot(task: Task, train, queries, *, layers=None, projector: Projector | None = None) -> Scores:
+    """``Q @ G.T``: inner products of query and training gradients (optionally projected)."""
+    Q, G = _sides(task, train, queries, layers, projector)
+    return Q @ G.T
+
+
+def grad_cos(task: Task, train, queries, *, layers=None, projector: Projector | None = None) -> Scores:
+    """``Q.normalize() @ G.normalize().T``: cosine similarity of gradients."""
+    Q, G = _sides(task, train, queries, layers, projector)
+    return Q.normalize() @ G.normalize().T

@@ -1,0 +1,95 @@
+"""Validated global options, usable as a context manager.
+
+>>> import gradalg as ga
+>>> with ga.options(batch_size=64, ghost="never"):
+...     ga.get_options().batch_size
+64
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, fields, replace
+
+__all__ = ["Options", "options", "get_options"]
+
+
+def _parse_bytes(value) -> int:
+    if isinstance(value, (int, float)):
+        return int(value)
+    text = str(value).strip().upper().replace(" ", "")
+    units = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40, "K": 2**10, "M": 2**20,
+             "G": 2**30, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "B": 1}
+    for unit in sorted(units, key=len, reverse=True):
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * units[unit])
+    return int(float(text))
+
+
+@dataclass(frozen=True)
+class Options:
+    """Settings that change how (never what) gradalg computes.
+
+    Attributes
+    ----------
+    batch_size : int
+        Examples per chunk when gradalg builds a DataLoader from a Dataset.
+    memory_budget : int
+        Bytes that materialized per-example gradients, cached projections and dense
+        curvature matrices may take. Accepts ``"4GB"``-style strings.
+    ghost : {"auto", "always", "never"}
+        Factored ("ghost") inner products: chosen by cost, forced, or disabled.
+    check_finite : bool
+        Raise :class:`NonFiniteGradientError` naming the examples whose gradients are
+        NaN/inf.
+    check_reduction : bool
+        On the first batch of a computation, verify that the task's loss is summed over
+        examples (two extra forward passes without gradients).
+    """
+
+    batch_size: int = 32
+    memory_budget: int = 2 * 2**30
+    ghost: str = "auto"
+    check_finite: bool = True
+    check_reduction: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {self.batch_size!r}")
+        object.__setattr__(self, "memory_budget", _parse_bytes(self.memory_budget))
+        if self.memory_budget <= 0:
+            raise ValueError(f"memory_budget must be positive, got {self.memory_budget!r}")
+        if self.ghost not in ("auto", "always", "never"):
+            raise ValueError(f"ghost must be 'auto', 'always' or 'never', got {self.ghost!r}")
+
+
+_current: contextvars.ContextVar[Options] = contextvars.ContextVar("gradalg_options", default=Options())
+
+
+def get_options() -> Options:
+    """The options in force here."""
+    return _current.get()
+
+
+class options(contextlib.ContextDecorator):
+    """Set options globally, or for a ``with`` block only.
+
+    ``ga.options(batch_size=8)`` changes them for the rest of the session;
+    ``with ga.options(batch_size=8): ...`` changes them inside the block only.
+    Unknown names raise ``TypeError`` listing the valid ones.
+    """
+
+    def __init__(self, **changes):
+        valid = {f.name for f in fields(Options)}
+        unknown = set(changes) - valid
+        if unknown:
+            raise TypeError(f"unknown option(s) {sorted(unknown)}; valid options: {sorted(valid)}")
+        self._previous = _current.get()
+        self._token = _current.set(replace(self._previous, **changes))
+
+    def __enter__(self):
+        return get_options()
+
+    def __exit__(self, *exc):
+        _current.reset(self._token)
+        return False

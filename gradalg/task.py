@@ -1,0 +1,166 @@
+"""What is being attributed: a model and a per-example loss.
+
+A :class:`Task` pairs a ``torch.nn.Module`` with ``loss(model, batch)``, which must return
+the **sum over the batch's examples** of each example's loss. Per-example gradients are
+gradients of those summands; a mean over the batch would scale every example's
+gradient by ``1/B`` and make scores depend on the batch size.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .data import batch_size_of, slice_batch
+from .errors import LossReductionError
+
+__all__ = ["Task"]
+
+_counter = itertools.count()
+
+
+class Task:
+    """A model and the loss whose per-example gradients are attributed.
+
+    Parameters
+    ----------
+    model : nn.Module
+        Any module. Hook capture records the supported layers (``nn.Linear``, HF
+        ``Conv1D``, ``nn.Embedding``, ``nn.Conv2d``); ``backend="func"`` records any
+        parameter with ``torch.func``.
+    loss : callable ``(model, batch) -> scalar tensor``
+        Sum over the batch of each example's loss, e.g.
+        ``F.cross_entropy(model(x), y, reduction="sum")``.
+    reduction : {"sum", "mean"}
+        ``"sum"`` (default): ``loss`` is a sum over examples. ``"mean"``: ``loss`` is a
+        mean over the examples; gradalg multiplies by the batch size to recover the sum.
+        A mean-reduced loss declared as ``"sum"`` is detected on the first batch and
+        refused with a :class:`LossReductionError`.
+    token_mask : callable ``batch -> (B, T) bool tensor``, optional
+        For sequence models: which token positions are real (not padding). Masked
+        positions are removed from the captured factors, so they contribute neither to
+        gradients nor to curvature statistics.
+    sampled_loss : callable ``(model, batch, generator) -> scalar``, optional
+        The summed loss with targets drawn from the model's own predictive distribution.
+        Its per-example gradients give the (Monte-Carlo) true Fisher, which equals the
+        Gauss-Newton matrix for cross-entropy: ``ga.grads(..., objective="sampled")``.
+    output : callable ``(model, batch) -> scalar``, optional
+        Sum over examples of a model output function f_i (TRAK's margin
+        log p/(1-p)): ``ga.grads(..., objective="output")``.
+    output_weight : callable ``(model, batch) -> (B,)``, optional
+        Per-example weight paired with ``output`` (TRAK's 1 − p_i).
+    name : str, optional
+        Shown in reprs.
+
+    See :func:`gradalg.tasks.classification` for a task with all of these filled in.
+    """
+
+    def __init__(self, model: nn.Module, loss: Callable[[nn.Module, Any], torch.Tensor], *,
+                 reduction: str = "sum", token_mask: Callable[[Any], torch.Tensor] | None = None,
+                 sampled_loss: Callable | None = None, output: Callable | None = None,
+                 output_weight: Callable | None = None, name: str | None = None):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"Task needs a torch.nn.Module, got {type(model).__name__}")
+        if not callable(loss):
+            raise TypeError("loss must be a callable loss(model, batch) -> scalar tensor")
+        if reduction not in ("sum", "mean"):
+            raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+        self.model = model
+        self.loss = loss
+        self.reduction = reduction
+        self.token_mask = token_mask
+        self.sampled_loss = sampled_loss
+        self.output = output
+        self.output_weight = output_weight
+        self.name = name or type(model).__name__
+        self.token = f"task-{next(_counter)}-{self.name}"
+
+    def __repr__(self):
+        return f"Task({self.name}, reduction={self.reduction!r})"
+
+    def summed_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """The loss as a sum over the batch's examples (rescaling a declared mean)."""
+        value = self.loss(model, batch)
+        if not isinstance(value, torch.Tensor) or value.dim() != 0:
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise LossReductionError(
+                f"loss(model, batch) must return a scalar tensor (the sum over the batch of "
+                f"per-example losses), got {shape}; reduce it with .sum()"
+            )
+        if self.reduction == "mean":
+            value = value * batch_size_of(batch)
+        return value
+
+    def objective_fn(self, objective: str, seed: int = 0) -> Callable[[nn.Module, Any], torch.Tensor]:
+        """``(model, batch) -> summed scalar`` whose per-example gradients are captured.
+
+        objective: "loss" (the training loss), "sampled" (targets sampled from the model,
+        reproducibly from ``seed`` and a per-call counter) or "output" (the output function).
+        """
+        if objective == "loss":
+            return self.summed_loss
+        if objective == "sampled":
+            if self.sampled_loss is None:
+                raise ValueError("objective='sampled' needs Task(..., sampled_loss=fn(model, batch, "
+                                 "generator)); ga.tasks.classification(model) provides one")
+            calls = itertools.count()
+
+            def sampled(model, batch):
+                gen = torch.Generator(device=_device_of(model)).manual_seed(seed * 1_000_003 + next(calls))
+                return self.sampled_loss(model, batch, gen)
+            return sampled
+        if objective == "output":
+            if self.output is None:
+                raise ValueError("objective='output' needs Task(..., output=fn(model, batch)); "
+                                 "ga.tasks.classification(model) provides the TRAK margin")
+            return self.output
+        raise ValueError(f"objective must be 'loss', 'sampled' or 'output', got {objective!r}")
+
+    @torch.no_grad()
+    def check_reduction(self, batch: Any) -> None:
+        """Refuse a loss that averages over the batch while declared a sum.
+
+        Compares ``L(batch)`` with ``L(first) + L(rest)`` and with the batch-size weighted
+        mean of the two, using forward passes only. Inconclusive cases (a batch of one,
+        both parts with equal losses) pass.
+        """
+        b = batch_size_of(batch)
+        if b < 2:
+            return
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            full = float(self.summed_loss(self.model, batch))
+            first = float(self.summed_loss(self.model, slice_batch(batch, slice(0, 1))))
+            rest = float(self.summed_loss(self.model, slice_batch(batch, slice(1, b))))
+        finally:
+            self.model.train(was_training)
+        as_sum = first + rest
+        as_mean = (first + (b - 1) * rest) / b if self.reduction == "sum" else None
+        scale = max(abs(full), abs(as_sum), 1e-12)
+        if math.isclose(full, as_sum, rel_tol=1e-3, abs_tol=1e-6 * scale):
+            return
+        if self.reduction == "sum" and math.isclose(full, as_mean, rel_tol=1e-3, abs_tol=1e-6 * scale):
+            raise LossReductionError(
+                "the task's loss looks averaged over the batch (loss(batch) equals the mean of "
+                "its parts, not their sum). Per-example gradients need a sum: use "
+                "reduction='sum' in the loss (e.g. F.cross_entropy(..., reduction='sum')), or "
+                "declare ga.Task(model, loss, reduction='mean') to let gradalg rescale by the "
+                "batch size."
+            )
+        raise LossReductionError(
+            f"loss(batch)={full:.6g} is neither the sum ({as_sum:.6g}) of the losses of its "
+            "examples nor their mean: the loss couples examples (batch statistics such as "
+            "BatchNorm in train mode, or a token mean across the whole batch). Make it a sum "
+            "of per-example terms, e.g. average tokens within each sequence and sum over "
+            "sequences, and put BatchNorm in eval mode."
+        )
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")

@@ -1,0 +1,31 @@
+"""One line (title) and a few facts per node, shared by the text and HTML displays."""
+from __future__ import annotations
+
+from ..expr import GradNode, Node, OpNode, ScoreNode
+
+
+def title(node: Node) -> str:
+    return node.label
+
+
+def facts(node: Node) -> list[str]:
+    """Shapes, representations and structure of ``node``, as short strings."""
+    if isinstance(node, GradNode):
+        rep = node.representation
+        blocks = ", ".join(f"{b.name or '<root>'} {'×'.join(map(str, b.shape))} {rep[b.name]}"
+                           for b in node.space.blocks[:6])
+        more = "" if len(node.space.blocks) <= 6 else f", … {len(node.space.blocks) - 6} more"
+        return [f"{node.n:,} examples × {node.space.dim:,} coords", f"blocks: {blocks}{more}"]
+    if isinstance(node, OpNode):
+        return [f"{node.structure} operator on {node.space.dim:,} coords ({len(node.space.blocks)} blocks)"]
+    if isinstance(node, ScoreNode):
+        return [f"{node.shape[0]:,} × {node.shape[1]:,}"]
+    return []
+
+
+def cost_line(node: Node) -> str:
+    from ..plan.cost import estimate
+    try:
+        return "estimated cost: " + estimate(node).describe()
+    except Exception as err:  # a display must never fail
+        return f"estimated cost unavailable ({type(err).__name__}: {err})"

@@ -1,0 +1,30 @@
+"""Text rendering of an expression tree (``repr`` of every user object)."""
+from __future__ import annotations
+
+from ..expr import Node
+from .describe import cost_line, facts, title
+
+
+def text_tree(node: Node, kind: str) -> str:
+    """``kind`` header with the cost estimate, then one line per node with its facts.
+
+    A sub-expression that appears twice is shown once and then referred to as ``↑ <token>``.
+    """
+    lines = [f"<{kind}> {cost_line(node)}"]
+    seen: set[str] = set()
+
+    def visit(n: Node, prefix: str, last: bool, top: bool):
+        branch = "" if top else ("└─ " if last else "├─ ")
+        info = "; ".join(facts(n))
+        if n.token in seen:
+            lines.append(f"{prefix}{branch}{title(n)}  ↑ {n.token} (shared, computed once)")
+            return
+        seen.add(n.token)
+        lines.append(f"{prefix}{branch}{title(n)}" + (f"  [{info}]" if info else ""))
+        kids = n.children
+        child_prefix = prefix if top else prefix + ("   " if last else "│  ")
+        for i, child in enumerate(kids):
+            visit(child, child_prefix, i == len(kids) - 1, False)
+
+    visit(node, "", True, True)
+    return "\n".join(lines)
