@@ -9,8 +9,9 @@
     S.compute()          # xarray.DataArray (query, train)
 """
 from . import methods, proj, tasks
-from .api import (GradientSet, Operator, Scores, TransposedGradients, dense, diagonal, fisher, grads,
-                  identity, mean_scores, row_weights, sum_scores)
+from .api import (GradientSet, Operator, Scores, TransposedGradients, arnoldi, datainf, dense, diagonal,
+                  ekfac, fisher, gauss_newton, grads, hessian, identity, kfac, mean_scores, row_weights,
+                  sum_scores)
 from .capture import capture, per_example_grads
 from .errors import (GradalgError, LossReductionError, MemoryBudgetError, NonFiniteGradientError,
                      ShapeMismatchError, SpaceMismatchError, UnsupportedLayerError)
@@ -24,7 +25,7 @@ mean = mean_scores
 __version__ = "0.1.0"
 
 __all__ = [
-    "Task", "grads", "fisher", "identity", "diagonal", "dense", "sum", "mean", "sum_scores",
+    "Task", "grads", "fisher", "kfac", "ekfac", "hessian", "gauss_newton", "arnoldi", "datainf", "identity", "diagonal", "dense", "sum", "mean", "sum_scores",
     "mean_scores", "row_weights", "capture", "per_example_grads", "options", "get_options",
     "GradientSet", "Operator", "Scores", "TransposedGradients", "LocalExecutor", "methods", "proj",
     "tasks", "GradalgError", "LossReductionError", "MemoryBudgetError", "NonFiniteGradientError",

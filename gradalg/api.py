@@ -17,13 +17,14 @@ import torch
 import xarray as xr
 
 from .data import as_data
-from .expr import (Damp, Dense, Diagonal, Fisher, GradNode, Identity, Inner, Inverse, Normalize, OpNode,
+from .expr import (KFAC, Arnoldi, CurvatureProducts, DataInf, Damp, Dense, Diagonal, Fisher, GradNode, Identity, Inner, Inverse, Normalize, OpNode,
                    Power, Precondition, Project, Projector, RowWeights, ScaledOp, ScaleRows, ScoreNode,
                    ScoreSum, Select, Source, SumOp)
 from .task import Task
 
 __all__ = ["GradientSet", "TransposedGradients", "Operator", "Scores", "grads", "fisher", "identity",
-           "diagonal", "dense", "sum_scores", "mean_scores", "row_weights"]
+           "diagonal", "dense", "sum_scores", "mean_scores", "row_weights", "kfac", "ekfac", "hessian",
+           "gauss_newton", "arnoldi", "datainf"]
 
 
 def _executor(executor):
@@ -207,9 +208,14 @@ class Operator(_Displayed):
             raise ValueError(f"damping must be a non-negative number, got {damping!r}")
         return Operator(Damp(self.expr, float(damping)))
 
-    def inv(self) -> "Operator":
-        """H⁻¹ (computed by structure when needed)."""
-        return Operator(Inverse(self.expr))
+    def inv(self, method: str = "auto", **settings) -> "Operator":
+        """H⁻¹, computed by structure when needed.
+
+        For operators known only through products (``ga.hessian``, ``ga.gauss_newton``)
+        ``method`` picks the iterative solver: "cg" (default; ``max_iter``, ``rtol``) or
+        "lissa" (``scale`` > λ_max, ``depth``, ``tol``). Ignored for explicit structures.
+        """
+        return Operator(Inverse(self.expr, method, tuple(sorted(settings.items()))))
 
     def pow(self, p: float) -> "Operator":
         """H^p for a positive semi-definite H."""
@@ -365,3 +371,60 @@ def mean_scores(scores: Iterable[Scores]) -> Scores:
 def row_weights(fn: Callable[[torch.nn.Module, Any], torch.Tensor], name: str | None = None) -> RowWeights:
     """Per-example values ``fn(model, batch) -> (B,)`` to scale gradient rows by (e.g. TRAK's 1 − p)."""
     return RowWeights(fn, name or getattr(fn, "__name__", "weights"))
+
+
+def kfac(G: GradientSet, *, eigen_correction: bool = False) -> Operator:
+    """K-FAC approximation S ⊗ A of the Fisher of ``G``'s rows, per layer (Martens & Grosse 2015).
+
+    ``G`` must keep factors: gradients from ``ga.grads`` (hooks), optionally projected
+    with ``ga.proj.kron`` (LoGra). Use ``objective="sampled"`` gradients for the true
+    Fisher / Gauss-Newton, as K-FAC intends.
+    """
+    if not isinstance(G, GradientSet):
+        raise TypeError("ga.kfac takes a GradientSet")
+    for b in G.space.blocks:
+        if len(b.shape) != 2:
+            raise ValueError(f"K-FAC needs (out, in) layer blocks; block {b.name!r} has shape {b.shape}")
+    return Operator(KFAC(G.expr, eigen_correction))
+
+
+def ekfac(G: GradientSet) -> Operator:
+    """EK-FAC: K-FAC's eigenbasis with eigenvalues re-fitted to ``G`` (George et al. 2018)."""
+    return kfac(G, eigen_correction=True)
+
+
+def _products(task, data, layers, kind, ids, batch_size) -> Operator:
+    from .capture.hooks import resolve_layers
+    from .expr.grads import _module_blocks
+    from .expr.space import ParamSpace
+
+    refs = resolve_layers(task.model, layers)
+    names = tuple(r.name for r in refs)
+    space = ParamSpace(_module_blocks(task, names, "hooks"))
+    return Operator(CurvatureProducts(task, as_data(data, ids, batch_size), names, kind, space))
+
+
+def hessian(task: Task, data, layers=None, *, ids=None, batch_size: int | None = None) -> Operator:
+    """H = (1/n) Σ_i ∇²_θ L_i over ``data``, known through Hessian-vector products.
+
+    Invert with ``.damp(λ).inv(method="cg" | "lissa")`` or approximate with
+    ``ga.arnoldi(H, rank)``; every product is one pass over ``data``.
+    """
+    return _products(task, data, layers, "hessian", ids, batch_size)
+
+
+def gauss_newton(task: Task, data, layers=None, *, ids=None, batch_size: int | None = None) -> Operator:
+    """G = (1/n) Σ_i J_iᵀ ∇²ℓ J_i, the exact Gauss-Newton matrix through products."""
+    return _products(task, data, layers, "gauss_newton", ids, batch_size)
+
+
+def arnoldi(H: Operator, rank: int, *, iters: int | None = None, seed: int = 0) -> Operator:
+    """H ≈ V diag(μ) Vᵀ on its top-``rank`` eigenspace (Schioppa et al. 2022)."""
+    if rank < 1:
+        raise ValueError(f"rank must be positive, got {rank}")
+    return Operator(Arnoldi(H.expr, int(rank), iters, int(seed)))
+
+
+def datainf(G: GradientSet, damping: float) -> Operator:
+    """DataInf's closed-form approximation of (F + λI)⁻¹ per layer (Kwon et al. 2024)."""
+    return Operator(DataInf(G.expr, float(damping)))

@@ -119,14 +119,13 @@ def as_data(data: Any, ids=None, batch_size: int | None = None) -> DataRef:
     elif isinstance(data, tuple) and all(isinstance(t, torch.Tensor) for t in data):
         data = TensorDataset(*data)
     if isinstance(data, DataLoader):
-        if getattr(data, "_gradalg_checked", False) is False:
-            sampler = type(data.sampler).__name__
-            if sampler not in ("SequentialSampler",):
-                raise ValueError(
-                    f"the DataLoader uses a {sampler}: gradalg maps scores to examples by "
-                    "position, so it needs a loader with shuffle=False (or pass the Dataset "
-                    "and let gradalg batch it)"
-                )
+        sampler = type(data.sampler).__name__
+        if sampler != "SequentialSampler":
+            raise ValueError(
+                f"the DataLoader uses a {sampler}: gradalg maps scores to examples by "
+                "position, so it needs a loader with shuffle=False (or pass the Dataset "
+                "and let gradalg batch it)"
+            )
         try:
             n = len(data.dataset)
         except TypeError as err:

@@ -52,6 +52,10 @@ class Task:
         log p/(1-p)): ``ga.grads(..., objective="output")``.
     output_weight : callable ``(model, batch) -> (B,)``, optional
         Per-example weight paired with ``output`` (TRAK's 1 − p_i).
+    forward, loss_from_outputs : callables, optional
+        ``forward(model, batch) -> outputs`` and ``loss_from_outputs(outputs, batch) ->
+        summed scalar``, with ``loss = loss_from_outputs(forward(model, batch), batch)``.
+        They split the loss at the model's outputs for exact Gauss-Newton products.
     name : str, optional
         Shown in reprs.
 
@@ -61,7 +65,8 @@ class Task:
     def __init__(self, model: nn.Module, loss: Callable[[nn.Module, Any], torch.Tensor], *,
                  reduction: str = "sum", token_mask: Callable[[Any], torch.Tensor] | None = None,
                  sampled_loss: Callable | None = None, output: Callable | None = None,
-                 output_weight: Callable | None = None, name: str | None = None):
+                 output_weight: Callable | None = None, forward: Callable | None = None,
+                 loss_from_outputs: Callable | None = None, name: str | None = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Task needs a torch.nn.Module, got {type(model).__name__}")
         if not callable(loss):
@@ -75,6 +80,8 @@ class Task:
         self.sampled_loss = sampled_loss
         self.output = output
         self.output_weight = output_weight
+        self.forward = forward
+        self.loss_from_outputs = loss_from_outputs
         self.name = name or type(model).__name__
         self.token = f"task-{next(_counter)}-{self.name}"
 

@@ -51,5 +51,8 @@ def classification(model: nn.Module, *, inputs: Callable[[Any], Any] = lambda b:
         p = torch.softmax(logits_of(m, batch), dim=-1).gather(-1, targets(batch).unsqueeze(-1)).squeeze(-1)
         return 1 - p
 
+    def loss_from_outputs(logits, batch):
+        return F.cross_entropy(logits, targets(batch), reduction="sum")
+
     return Task(model, loss, sampled_loss=sampled_loss, output=margin, output_weight=one_minus_p,
-                name=name or type(model).__name__)
+                forward=logits_of, loss_from_outputs=loss_from_outputs, name=name or type(model).__name__)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["OneHot", "Factors", "ghost_inner", "materialize", "kron_project", "self_inner",
+__all__ = ["OneHot", "Factors", "ghost_inner", "materialize", "kron_project", "project_factors", "self_inner",
            "ghost_flops", "dense_flops"]
 
 
@@ -194,12 +194,16 @@ def kron_project(F: Factors, P_out: torch.Tensor, P_in: torch.Tensor) -> torch.T
 
     P_out : (k_out, out), P_in : (k_in, in). Cost n·T·(in·k_in + out·k_out + k_out·k_in).
     """
+    return materialize(project_factors(F, P_out, P_in))
+
+
+def project_factors(F: Factors, P_out: torch.Tensor, P_in: torch.Tensor) -> Factors:
+    """Factors of P_out G_i P_inᵀ: ``(A_i P_inᵀ, D_i P_outᵀ)``, shapes (n, T, k_in), (n, T, k_out)."""
     if isinstance(F.A, OneHot):
-        A = P_in.T[F.A.idx] * F.A.weights(P_in.dtype).unsqueeze(-1)  # (n, T, k_in)
+        A = P_in.T[F.A.idx] * F.A.weights(P_in.dtype).unsqueeze(-1)
     else:
         A = F.A @ P_in.T
-    D = F.D @ P_out.T
-    return torch.einsum("nto,nti->noi", D, A)
+    return Factors(A, F.D @ P_out.T)
 
 
 def ghost_flops(nL: int, nR: int, TL: int, TR: int, n_in: int, n_out: int) -> int:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from ..errors import UnsupportedLayerError
 from .factors import Factors
@@ -83,6 +84,7 @@ def resolve_layers(model: nn.Module, layers=None, *, backend: str = "hooks") -> 
 class _Call:
     A: Any
     output: torch.Tensor
+    edge: Any = None  # the output's autograd edge, taken before any in-place op overwrites it
 
 
 @dataclass
@@ -109,7 +111,8 @@ class ForwardRecorder:
         def hook(module, args, output):
             if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return
-            self.calls[ref.name].append(_Call(ref.rule.activations(module, args[0].detach()), output))
+            self.calls[ref.name].append(_Call(ref.rule.activations(module, args[0].detach()), output,
+                                              get_gradient_edge(output)))
         return hook
 
 
@@ -121,7 +124,7 @@ def capture_batch(loss: torch.Tensor, recorder: ForwardRecorder, *, token_mask: 
     ``token_mask`` (B, T) removes padding positions; ``grad_scale`` multiplies D (a
     mean-reduced loss is rescaled by the batch size this way).
     """
-    outputs, owners = [], []
+    outputs, edges, owners = [], [], []
     for ref in recorder.layers:
         calls = recorder.calls[ref.name]
         if not calls:
@@ -131,8 +134,11 @@ def capture_batch(loss: torch.Tensor, recorder: ForwardRecorder, *, token_mask: 
             )
         for i, call in enumerate(calls):
             outputs.append(call.output)
+            edges.append(call.edge)
             owners.append((ref, i))
-    grads = torch.autograd.grad(loss, outputs, allow_unused=True)
+    # Gradients w.r.t. the outputs' edges as recorded: an in-place op after the layer
+    # (ReLU(inplace=True)) rewrites the output tensor's history, not the edge.
+    grads = torch.autograd.grad(loss, edges, allow_unused=True)
     per_layer: dict[str, list[Factors]] = {ref.name: [] for ref in recorder.layers}
     for (ref, i), out, g in zip(owners, outputs, grads):
         call = recorder.calls[ref.name][i]

@@ -55,6 +55,10 @@ class LayerRule:
         """Split ``block`` (n, out, in) into ``{param_name: (n, *param.shape)}``."""
         raise NotImplementedError
 
+    def from_params(self, module: nn.Module, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Inverse of :meth:`to_params`: ``{param_name: (n, *param.shape)}`` → (n, out, in)."""
+        raise NotImplementedError
+
     def param_names(self, module: nn.Module) -> tuple[str, ...]:
         return tuple(name for name, p in module.named_parameters(recurse=False) if p is not None)
 
@@ -90,6 +94,11 @@ class LinearRule(LayerRule):
             out["bias"] = block[:, :, -1]
         return out
 
+    def from_params(self, module, params):
+        if module.bias is None:
+            return params["weight"]
+        return torch.cat([params["weight"], params["bias"].unsqueeze(-1)], dim=-1)
+
 
 @dataclass(frozen=True)
 class HFConv1DRule(LayerRule):
@@ -109,6 +118,9 @@ class HFConv1DRule(LayerRule):
 
     def to_params(self, module, block):
         return {"weight": block[:, :, :-1].transpose(1, 2), "bias": block[:, :, -1]}
+
+    def from_params(self, module, params):
+        return torch.cat([params["weight"].transpose(1, 2), params["bias"].unsqueeze(-1)], dim=-1)
 
 
 @dataclass(frozen=True)
@@ -140,6 +152,9 @@ class EmbeddingRule(LayerRule):
 
     def to_params(self, module, block):
         return {"weight": block.transpose(1, 2)}
+
+    def from_params(self, module, params):
+        return params["weight"].transpose(1, 2)
 
 
 @dataclass(frozen=True)
@@ -183,6 +198,12 @@ class Conv2dRule(LayerRule):
         if module.bias is not None:
             out["bias"] = block[:, :, -1]
         return out
+
+    def from_params(self, module, params):
+        w = params["weight"].flatten(2)
+        if module.bias is None:
+            return w
+        return torch.cat([w, params["bias"].unsqueeze(-1)], dim=-1)
 
 
 SUPPORTED_LAYERS = ("nn.Linear", "transformers Conv1D", "nn.Embedding", "nn.Conv2d")

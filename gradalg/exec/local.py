@@ -19,7 +19,7 @@ from typing import Iterator
 
 import torch
 
-from ..capture.factors import Factors, ghost_inner, kron_project, materialize
+from ..capture.factors import Factors, ghost_inner, project_factors
 from ..capture.hooks import ForwardRecorder, capture_batch, resolve_layers
 from ..capture.reference import param_names_of, per_example_grads
 from ..data import batch_size_of, move_batch
@@ -31,8 +31,12 @@ from ..options import Options, get_options
 from ..plan.rewrite import simplify
 from ..plan.routing import choose_kernel, shared_grad_nodes
 from ..proj.matrices import dense_matrix, kron_matrices
+from ..expr.curvature import KFAC, Arnoldi, CurvatureProducts, DataInf
 from .chunks import Chunk, concat_chunks, flat_block, flatten, row_sq_norms, unflatten
+from .curvature import resolve_curvature
 from .operators import ResolvedOp
+
+CURVATURE_NODES = (KFAC, CurvatureProducts, Arnoldi, DataInf)
 
 __all__ = ["LocalExecutor"]
 
@@ -245,11 +249,12 @@ class LocalExecutor:
             if p.kind == "kron":
                 P_out, P_in = kron_matrices(p, block.name, *block.shape, dtype=dtype, device=device)
                 if isinstance(value, Factors):
+                    # Stays factored: (D P_outᵀ)ᵀ (A P_inᵀ), so ghost products and
+                    # Kronecker statistics remain available in the projected space.
                     self.trace["kron_factored"] += 1
-                    projected = kron_project(value, P_out, P_in)
+                    out[block.name] = project_factors(value, P_out, P_in)
                 else:
-                    projected = P_out @ value.view(-1, *block.shape) @ P_in.T
-                out[block.name] = projected.flatten(1)
+                    out[block.name] = (P_out @ value.view(-1, *block.shape) @ P_in.T).flatten(1)
                 continue
             flat = flat_block(value)
             P = dense_matrix(p, block.name, block.dim, dtype=dtype, device=device)
@@ -281,7 +286,11 @@ class LocalExecutor:
         if isinstance(node, Damp):
             return self.resolve(node.op).damp(node.damping)
         if isinstance(node, Inverse):
-            return self.resolve(node.op).inverse(node.op.label)
+            inner = self.resolve(node.op)
+            if inner.kind == "implicit":
+                method = "cg" if node.method == "auto" else node.method
+                return inner.inverse(node.op.label, method=method, **dict(node.settings))
+            return inner.inverse(node.op.label)
         if isinstance(node, Power):
             return self.resolve(node.op).power(node.p, node.op.label)
         if isinstance(node, ScaledOp):
@@ -289,8 +298,10 @@ class LocalExecutor:
         if isinstance(node, SumOp):
             total = self.resolve(node.ops[0])
             for op in node.ops[1:]:
-                total = total.add(self.resolve(op))
+                total = _add(total, self.resolve(op))
             return total
+        if isinstance(node, CURVATURE_NODES):
+            return resolve_curvature(self, node)
         raise TypeError(f"the local executor cannot resolve operator {type(node).__name__}")
 
     def _fisher(self, node: Fisher) -> ResolvedOp:
@@ -331,6 +342,13 @@ class LocalExecutor:
         if structure == "block":
             return ResolvedOp(space, "block", {k: (v / n).to(dtype) for k, v in acc.items()})
         return ResolvedOp(space, structure, (acc / n).to(dtype))
+
+
+def _add(a, b):
+    """a + b for resolved operators of any kinds (explicit ones know only each other)."""
+    if isinstance(a, ResolvedOp) and not isinstance(b, ResolvedOp):
+        return b.add(a)
+    return a.add(b)
 
 
 def _first_dtype(node, executor):

@@ -7,3 +7,4 @@ from .operators import (Damp, Dense, Diagonal, Fisher, Identity, Inverse, OpNode
 from .projection import Projector
 from .scores import Inner, ScoreNode, ScoreSum
 from .space import Block, ParamSpace
+from .curvature import KFAC, Arnoldi, CurvatureProducts, DataInf

@@ -75,3 +75,8 @@ class Node:
     def label(self) -> str:
         """One-line description used by reprs."""
         return type(self).__name__
+
+    def __repr__(self) -> str:
+        # Compact on purpose: operands (models, datasets) are not printed; the user-facing
+        # wrappers (GradientSet, Operator, Scores) render the whole tree.
+        return f"<{type(self).__name__} {self.label!r} {self.token}>"

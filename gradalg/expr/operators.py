@@ -26,7 +26,7 @@ from .space import ParamSpace
 __all__ = ["OpNode", "Identity", "Diagonal", "Dense", "Fisher", "Damp", "Inverse", "Power",
            "ScaledOp", "SumOp", "coarsest"]
 
-_ORDER = ("identity", "diag", "block", "dense")
+_ORDER = ("identity", "diag", "kron", "lowrank", "block", "dense", "implicit")
 
 
 def coarsest(*structures: str) -> str:
@@ -170,9 +170,18 @@ class Damp(OpNode):
 
 @dataclass(frozen=True, eq=False)
 class Inverse(OpNode):
-    """op⁻¹ (Cholesky/eigendecomposition by structure; 1/v for a diagonal)."""
+    """op⁻¹, by structure: 1/v for a diagonal, eigendecomposition of a dense or block
+    matrix, inverted eigenvalues for Kronecker and low-rank operators, and an iterative
+    solver (``method`` "cg" or "lissa", with ``settings``) for operators known only
+    through products."""
 
     op: OpNode
+    method: str = "auto"
+    settings: tuple = ()
+
+    def __post_init__(self):
+        if self.method not in ("auto", "cg", "lissa"):
+            raise ValueError(f"inverse method must be 'auto', 'cg' or 'lissa', got {self.method!r}")
 
     @property
     def space(self):
@@ -184,7 +193,7 @@ class Inverse(OpNode):
 
     @property
     def label(self):
-        return "inverse"
+        return "inverse" if self.method == "auto" else f"inverse ({self.method})"
 
 
 @dataclass(frozen=True, eq=False)

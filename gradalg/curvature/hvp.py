@@ -1,0 +1,144 @@
+"""Curvature-vector products over a dataset with ``torch.func``.
+
+``dataset_matvec(task, data, layers, kind)`` returns ``matvec(V) -> H V`` for rows ``V``
+(m, dim) in the canonical block coordinates of a gradient space, where
+
+    hessian      H = (1/n) Σ_i ∇²_θ L_i                       (forward-over-reverse)
+    gauss_newton H = (1/n) Σ_i J_iᵀ ∇²_f ℓ(f_i) J_i           (jvp, output Hessian, vjp)
+
+Each call is one pass over ``data`` (forward and backward per batch, vectorized over
+the m rows with ``vmap`` when the model allows it, looped otherwise). The Gauss-Newton
+product needs ``Task(forward=..., loss_from_outputs=...)``, which
+``ga.tasks.classification`` provides.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad, jvp, vjp, vmap
+
+from ..capture.hooks import resolve_layers
+from ..data import DataRef, move_batch
+
+__all__ = ["ParamCoords", "dataset_matvec"]
+
+
+class ParamCoords:
+    """Rows in a gradient space's canonical coordinates ↔ per-parameter tensors."""
+
+    def __init__(self, model: nn.Module, layers, backend: str = "hooks"):
+        self.model = model
+        self.refs = resolve_layers(model, list(layers), backend=backend)
+        self.backend = backend
+        self.param_names = []
+        for ref in self.refs:
+            for pname, _ in ref.module.named_parameters(recurse=False):
+                self.param_names.append(f"{ref.name}.{pname}" if ref.name else pname)
+
+    def to_params(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """(m, dim) → {param_name: (m, *shape)}."""
+        out, start, m = {}, 0, rows.shape[0]
+        for ref in self.refs:
+            params = dict(ref.module.named_parameters(recurse=False))
+            if self.backend == "func":
+                for pname, p in params.items():
+                    out[_full(ref.name, pname)] = rows[:, start:start + p.numel()].reshape(m, *p.shape)
+                    start += p.numel()
+                continue
+            out_f, in_f = ref.rule.block_shape(ref.module)
+            block = rows[:, start:start + out_f * in_f].reshape(m, out_f, in_f)
+            start += out_f * in_f
+            for pname, value in ref.rule.to_params(ref.module, block).items():
+                out[_full(ref.name, pname)] = value
+        return out
+
+    def from_params(self, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        """{param_name: (m, *shape)} → (m, dim)."""
+        parts = []
+        for ref in self.refs:
+            names = [pname for pname, _ in ref.module.named_parameters(recurse=False)]
+            local = {pname: params[_full(ref.name, pname)] for pname in names}
+            if self.backend == "func":
+                parts.extend(v.flatten(1) for v in local.values())
+            else:
+                parts.append(ref.rule.from_params(ref.module, local).flatten(1))
+        return torch.cat(parts, dim=1)
+
+
+def _full(layer, pname):
+    return f"{layer}.{pname}" if layer else pname
+
+
+def dataset_matvec(task, data: DataRef, layers, *, kind: str = "hessian", batch_size: int = 64,
+                   backend: str = "hooks") -> Callable[[torch.Tensor], torch.Tensor]:
+    """``matvec(V)`` = H V for the curvature ``kind`` of ``task`` averaged over ``data``."""
+    if kind not in ("hessian", "gauss_newton"):
+        raise ValueError(f"kind must be 'hessian' or 'gauss_newton', got {kind!r}")
+    if kind == "gauss_newton" and (task.forward is None or task.loss_from_outputs is None):
+        raise ValueError("Gauss-Newton products need Task(forward=..., loss_from_outputs=...); "
+                         "ga.tasks.classification(model) provides both")
+    model = task.model
+    coords = ParamCoords(model, layers, backend)
+    free_names = coords.param_names
+    device = next(model.parameters()).device
+
+    def matvec(V: torch.Tensor) -> torch.Tensor:
+        was_training = model.training
+        model.eval()
+        try:
+            total = None
+            for batch in data.loader(batch_size):
+                batch = move_batch(batch, device)
+                part = _batch_product(task, batch, coords.to_params(V), free_names, kind)
+                rows = coords.from_params(part)
+                total = rows if total is None else total + rows
+        finally:
+            model.train(was_training)
+        return total / data.n
+
+    matvec.coords = coords
+    return matvec
+
+
+def _batch_product(task, batch, V: dict, free_names: list[str], kind: str) -> dict:
+    model = task.model
+    free = {n: model.get_parameter(n).detach() for n in free_names}
+    fixed = {n: p.detach() for n, p in model.named_parameters() if n not in free}
+    fixed.update(dict(model.named_buffers()))
+
+    def call(fn, params, *args):
+        return functional_call(_Call(model, fn), {**{f"model.{k}": v for k, v in params.items()},
+                                                  **{f"model.{k}": v for k, v in fixed.items()}}, args)
+
+    if kind == "hessian":
+        def product(v):
+            g = grad(lambda p: call(task.summed_loss, p, batch))
+            return jvp(g, (free,), (v,))[1]
+    else:
+        def product(v):
+            outputs, Jv = jvp(lambda p: call(task.forward, p, batch), (free,), (v,))
+            out_grad = grad(lambda o: task.loss_from_outputs(o, batch))
+            HJv = jvp(out_grad, (outputs.detach(),), (Jv,))[1]
+            _, pullback = vjp(lambda p: call(task.forward, p, batch), free)
+            return pullback(HJv)[0]
+
+    try:
+        return vmap(product, randomness="different")(V)
+    except Exception:
+        m = next(iter(V.values())).shape[0]
+        rows = [product({k: v[i] for k, v in V.items()}) for i in range(m)]
+        return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+class _Call(nn.Module):
+    """``forward(*args) = fn(model, *args)`` so that functional_call can swap parameters."""
+
+    def __init__(self, model, fn):
+        super().__init__()
+        self.model = model
+        self._fn = fn
+
+    def forward(self, *args):
+        return self._fn(self.model, *args)
