@@ -9,7 +9,7 @@
     S.compute()          # xarray.DataArray (query, train)
 """
 from . import methods, proj, tasks
-from .api import (GradientSet, Operator, Scores, TransposedGradients, arnoldi, datainf, dense, diagonal,
+from .api import (GradientSet, Operator, Scores, SelfScores, TransposedGradients, adam_state, arnoldi, datainf, dense, diagonal,
                   ekfac, fisher, gauss_newton, grads, hessian, identity, kfac, mean_scores, row_weights,
                   sum_scores)
 from .capture import capture, per_example_grads
@@ -25,7 +25,7 @@ mean = mean_scores
 __version__ = "0.1.0"
 
 __all__ = [
-    "Task", "grads", "fisher", "kfac", "ekfac", "hessian", "gauss_newton", "arnoldi", "datainf", "identity", "diagonal", "dense", "sum", "mean", "sum_scores",
+    "Task", "grads", "fisher", "adam_state", "SelfScores", "kfac", "ekfac", "hessian", "gauss_newton", "arnoldi", "datainf", "identity", "diagonal", "dense", "sum", "mean", "sum_scores",
     "mean_scores", "row_weights", "capture", "per_example_grads", "options", "get_options",
     "GradientSet", "Operator", "Scores", "TransposedGradients", "LocalExecutor", "methods", "proj",
     "tasks", "GradalgError", "LossReductionError", "MemoryBudgetError", "NonFiniteGradientError",

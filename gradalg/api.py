@@ -17,14 +17,14 @@ import torch
 import xarray as xr
 
 from .data import as_data
-from .expr import (KFAC, Arnoldi, CurvatureProducts, DataInf, Damp, Dense, Diagonal, Fisher, GradNode, Identity, Inner, Inverse, Normalize, OpNode,
+from .expr import (KFAC, AdamPrecondition, AdamState, GroupMean, ScoreDiagonal, Arnoldi, CurvatureProducts, DataInf, Damp, Dense, Diagonal, Fisher, GradNode, Identity, Inner, Inverse, Normalize, OpNode,
                    Power, Precondition, Project, Projector, RowWeights, ScaledOp, ScaleRows, ScoreNode,
                    ScoreSum, Select, Source, SumOp)
 from .task import Task
 
 __all__ = ["GradientSet", "TransposedGradients", "Operator", "Scores", "grads", "fisher", "identity",
            "diagonal", "dense", "sum_scores", "mean_scores", "row_weights", "kfac", "ekfac", "hessian",
-           "gauss_newton", "arnoldi", "datainf"]
+           "gauss_newton", "arnoldi", "datainf", "adam_state", "SelfScores"]
 
 
 def _executor(executor):
@@ -115,9 +115,26 @@ class GradientSet(_Displayed):
         """``P(G)``: the projected set (same as calling the projector)."""
         return GradientSet(Project(self.expr, projector))
 
-    def normalize(self) -> "GradientSet":
-        """Each row divided by its norm over all blocks (cosine similarity)."""
+    def normalize(self, metric: "Operator | None" = None) -> "GradientSet":
+        """Each row divided by its norm over all blocks (cosine similarity).
+
+        With ``metric`` H the norm is √⟨g, H g⟩ (RelatIF: H = inverse curvature).
+        """
+        if metric is not None:
+            if not isinstance(metric, Operator):
+                raise TypeError("metric must be an Operator, e.g. ga.fisher(G).damp(1e-3).inv()")
+            self.space.check_same(metric.space, "the gradients and the metric")
+            return GradientSet(Normalize(self.expr, metric.expr))
         return GradientSet(Normalize(self.expr))
+
+    def group_mean(self, groups) -> "GradientSet":
+        """Rows averaged within groups (one label per row); the result's ids are the labels."""
+        groups = tuple(groups.tolist() if isinstance(groups, torch.Tensor) else groups)
+        return GradientSet(GroupMean(self.expr, groups))
+
+    def adam(self, state: AdamState) -> "GradientSet":
+        """LESS's Adam transform m/(√v + ε) of each row (see :func:`adam_state`)."""
+        return GradientSet(AdamPrecondition(self.expr, state))
 
     def select(self, layers: Iterable[str]) -> "GradientSet":
         """Only the blocks ``layers``."""
@@ -279,6 +296,10 @@ class Scores(_Displayed):
             return self * (1.0 / c)
         return NotImplemented
 
+    def diag(self) -> "SelfScores":
+        """The diagonal S_ii (self-influence) when queries and training set are the same data."""
+        return SelfScores(ScoreDiagonal(self.expr))
+
     def compute(self, executor=None) -> xr.DataArray:
         """Run the expression. Returns a DataArray with dims ("query", "train").
 
@@ -293,6 +314,20 @@ class Scores(_Displayed):
             name="scores",
             attrs={"expression": self.expr.label, "kernels": dict(getattr(ex, "trace", {}))},
         )
+
+
+class SelfScores(_Displayed):
+    """Lazy self-scores S_ii, one per example (``Scores.diag()``)."""
+
+    def __init__(self, expr: ScoreDiagonal):
+        self.expr = expr
+
+    def compute(self, executor=None) -> xr.DataArray:
+        """Returns a DataArray with dim ("train",), indexed by example id."""
+        ex = _executor(executor)
+        values = ex.diagonal(self.expr)
+        return xr.DataArray(values.detach().cpu().numpy(), dims=("train",),
+                            coords={"train": np.asarray(self.expr.ids)}, name="self_scores")
 
 
 # ---------------------------------------------------------------------- constructors
@@ -310,8 +345,9 @@ def grads(task: Task, data, layers=None, *, ids=None, batch_size: int | None = N
     backend : "hooks" (factored capture of supported layers, one backward per chunk)
         or "func" (torch.func vmap over examples: any module, dense blocks, slower).
     objective : "loss" (default), "sampled" (targets drawn from the model: gradients
-        whose Fisher is the Gauss-Newton matrix) or "output" (TRAK's output function);
-        see :class:`Task`.
+        whose Fisher is the Gauss-Newton matrix, in expectation), "expected" (one row per
+        term of the exact Gauss-Newton decomposition: for curvature only) or "output"
+        (TRAK's output function); see :class:`Task`.
     seed : seed of the sampled targets.
     """
     if not isinstance(task, Task):
@@ -322,8 +358,8 @@ def grads(task: Task, data, layers=None, *, ids=None, batch_size: int | None = N
     from .capture.hooks import resolve_layers
 
     refs = resolve_layers(task.model, layers, backend=backend)  # errors now, not at compute time
-    if objective not in ("loss", "sampled", "output"):
-        raise ValueError(f"objective must be 'loss', 'sampled' or 'output', got {objective!r}")
+    if objective not in ("loss", "sampled", "expected", "output"):
+        raise ValueError(f"objective must be 'loss', 'sampled', 'expected' or 'output', got {objective!r}")
     task.objective_fn(objective)  # a missing sampled_loss/output is reported now
     return GradientSet(Source(task, as_data(data, ids, batch_size), tuple(r.name for r in refs), backend,
                               objective, int(seed)))
@@ -428,3 +464,30 @@ def arnoldi(H: Operator, rank: int, *, iters: int | None = None, seed: int = 0) 
 def datainf(G: GradientSet, damping: float) -> Operator:
     """DataInf's closed-form approximation of (F + λI)⁻¹ per layer (Kwon et al. 2024)."""
     return Operator(DataInf(G.expr, float(damping)))
+
+
+def adam_state(optimizer: torch.optim.Optimizer, like: GradientSet) -> AdamState:
+    """Adam's moments from ``optimizer`` (torch.optim.Adam/AdamW), in the coordinates of ``like``.
+
+    ``like`` must be gradients captured with ``ga.grads`` in parameter coordinates; the
+    optimizer must have taken at least one step.
+    """
+    from .curvature.hvp import ParamCoords
+
+    src = like.expr.source
+    if not isinstance(src, Source):
+        raise ValueError("adam_state needs gradients from ga.grads (to map parameters to blocks)")
+    coords = ParamCoords(src.task.model, src.layers, src.backend)
+    params = dict(src.task.model.named_parameters())
+    m, v = {}, {}
+    for name in coords.param_names:
+        state = optimizer.state.get(params[name], {})
+        if "exp_avg" not in state:
+            raise ValueError(f"the optimizer has no Adam state for {name!r}: take a step first, "
+                             "and pass an Adam/AdamW optimizer over this model's parameters")
+        m[name] = state["exp_avg"].detach().unsqueeze(0)
+        v[name] = state["exp_avg_sq"].detach().unsqueeze(0)
+    group = optimizer.param_groups[0]
+    beta1, beta2 = group["betas"]
+    return AdamState(coords.from_params(m)[0], coords.from_params(v)[0], float(beta1), float(beta2),
+                     float(group["eps"]))

@@ -52,6 +52,11 @@ class Task:
         log p/(1-p)): ``ga.grads(..., objective="output")``.
     output_weight : callable ``(model, batch) -> (B,)``, optional
         Per-example weight paired with ``output`` (TRAK's 1 − p_i).
+    expected_terms : callable ``(model, batch) -> list of scalars``, optional
+        Losses L_c (one forward, shared) whose per-example gradients satisfy
+        Σ_c ∇L_c,i ∇L_c,iᵀ = the example's Gauss-Newton matrix exactly (for
+        cross-entropy: L_c = −Σ_i √p_ic log p_ic, one term per class):
+        ``ga.grads(..., objective="expected")``, for curvature only.
     forward, loss_from_outputs : callables, optional
         ``forward(model, batch) -> outputs`` and ``loss_from_outputs(outputs, batch) ->
         summed scalar``, with ``loss = loss_from_outputs(forward(model, batch), batch)``.
@@ -65,7 +70,8 @@ class Task:
     def __init__(self, model: nn.Module, loss: Callable[[nn.Module, Any], torch.Tensor], *,
                  reduction: str = "sum", token_mask: Callable[[Any], torch.Tensor] | None = None,
                  sampled_loss: Callable | None = None, output: Callable | None = None,
-                 output_weight: Callable | None = None, forward: Callable | None = None,
+                 output_weight: Callable | None = None, expected_terms: Callable | None = None,
+                 forward: Callable | None = None,
                  loss_from_outputs: Callable | None = None, name: str | None = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Task needs a torch.nn.Module, got {type(model).__name__}")
@@ -80,6 +86,7 @@ class Task:
         self.sampled_loss = sampled_loss
         self.output = output
         self.output_weight = output_weight
+        self.expected_terms = expected_terms
         self.forward = forward
         self.loss_from_outputs = loss_from_outputs
         self.name = name or type(model).__name__
@@ -124,7 +131,12 @@ class Task:
                 raise ValueError("objective='output' needs Task(..., output=fn(model, batch)); "
                                  "ga.tasks.classification(model) provides the TRAK margin")
             return self.output
-        raise ValueError(f"objective must be 'loss', 'sampled' or 'output', got {objective!r}")
+        if objective == "expected":
+            if self.expected_terms is None:
+                raise ValueError("objective='expected' needs Task(..., expected_terms=fn(model, batch)); "
+                                 "ga.tasks.classification(model) provides one")
+            return self.expected_terms
+        raise ValueError(f"objective must be 'loss', 'sampled', 'expected' or 'output', got {objective!r}")
 
     @torch.no_grad()
     def check_reduction(self, batch: Any) -> None:
@@ -145,6 +157,8 @@ class Task:
             rest = float(self.summed_loss(self.model, slice_batch(batch, slice(1, b))))
         finally:
             self.model.train(was_training)
+        if not all(map(math.isfinite, (full, first, rest))):
+            return  # inconclusive: NaN/inf is reported by the finite check, naming the examples
         as_sum = first + rest
         as_mean = (first + (b - 1) * rest) / b if self.reduction == "sum" else None
         scale = max(abs(full), abs(as_sum), 1e-12)

@@ -8,6 +8,8 @@ with cross-entropy on batches ``(x, y)``, with everything the methods need:
                     Fisher = Gauss-Newton matrix of the cross-entropy
 * ``output``        Σ_i log(p_i / (1 − p_i)), p_i = p(y_i | x_i): TRAK's margin
 * ``output_weight`` 1 − p_i: TRAK's Q
+* ``expected_terms`` −Σ_i √p_ic log p_ic for each class c: their per-example gradients
+                    give the exact Gauss-Newton matrix Σ_c p_c g_c g_cᵀ
 """
 from __future__ import annotations
 
@@ -51,8 +53,13 @@ def classification(model: nn.Module, *, inputs: Callable[[Any], Any] = lambda b:
         p = torch.softmax(logits_of(m, batch), dim=-1).gather(-1, targets(batch).unsqueeze(-1)).squeeze(-1)
         return 1 - p
 
+    def expected_terms(m, batch):
+        logp = torch.log_softmax(logits_of(m, batch), dim=-1)
+        weight = logp.detach().exp().sqrt()
+        return [-(weight[:, c] * logp[:, c]).sum() for c in range(logp.shape[-1])]
+
     def loss_from_outputs(logits, batch):
         return F.cross_entropy(logits, targets(batch), reduction="sum")
 
     return Task(model, loss, sampled_loss=sampled_loss, output=margin, output_weight=one_minus_p,
-                forward=logits_of, loss_from_outputs=loss_from_outputs, name=name or type(model).__name__)
+                expected_terms=expected_terms, forward=logits_of, loss_from_outputs=loss_from_outputs, name=name or type(model).__name__)

@@ -7,6 +7,7 @@ not the parameters', skips the weight-gradient GEMMs that attribution never need
 """
 from __future__ import annotations
 
+import difflib
 import fnmatch
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,9 +62,14 @@ def resolve_layers(model: nn.Module, layers=None, *, backend: str = "hooks") -> 
             layers = [layers]
         names = []
         for pattern in layers:
-            hits = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
+            if pattern in modules:  # an exact name; "" is the model itself (a bare nn.Linear)
+                hits = [pattern]
+            else:
+                hits = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
             if not hits:
-                close = [n for n in modules if n and pattern.split(".")[-1] in n][:5]
+                named = [n for n in modules if n]
+                close = [n for n in named if pattern.split(".")[-1] in n][:5]
+                close += [n for n in difflib.get_close_matches(pattern, named, n=3) if n not in close]
                 hint = f"; did you mean one of {close}?" if close else ""
                 raise KeyError(f"no module named {pattern!r} in {type(model).__name__}{hint} "
                                "(names are those of model.named_modules())")
@@ -117,7 +123,7 @@ class ForwardRecorder:
 
 
 def capture_batch(loss: torch.Tensor, recorder: ForwardRecorder, *, token_mask: torch.Tensor | None = None,
-                  grad_scale: float = 1.0) -> dict[str, Factors]:
+                  grad_scale: float = 1.0, retain_graph: bool = False) -> dict[str, Factors]:
     """Per-example factors of every recorded layer for the batch whose summed loss is ``loss``.
 
     One backward pass; gradients are taken w.r.t. the layers' outputs only.
@@ -138,7 +144,7 @@ def capture_batch(loss: torch.Tensor, recorder: ForwardRecorder, *, token_mask: 
             owners.append((ref, i))
     # Gradients w.r.t. the outputs' edges as recorded: an in-place op after the layer
     # (ReLU(inplace=True)) rewrites the output tensor's history, not the edge.
-    grads = torch.autograd.grad(loss, edges, allow_unused=True)
+    grads = torch.autograd.grad(loss, edges, allow_unused=True, retain_graph=retain_graph)
     per_layer: dict[str, list[Factors]] = {ref.name: [] for ref in recorder.layers}
     for (ref, i), out, g in zip(owners, outputs, grads):
         call = recorder.calls[ref.name][i]

@@ -36,10 +36,14 @@ def param_names_of(model: nn.Module, layers: list[str] | None) -> list[str]:
     if layers is None:
         return [n for n, p in model.named_parameters() if p.requires_grad]
     modules = dict(model.named_modules())
+    # a tied parameter (GPT-2's lm_head.weight is transformer.wte.weight) goes by the one
+    # name model.named_parameters() gives it
+    canonical = {id(p): n for n, p in model.named_parameters()}
     names = []
     for layer in layers:
-        for pname, p in modules[layer].named_parameters(recurse=False):
-            names.append(f"{layer}.{pname}" if layer else pname)
+        for p in modules[layer].parameters(recurse=False):
+            if canonical[id(p)] not in names:
+                names.append(canonical[id(p)])
     return names
 
 

@@ -49,19 +49,18 @@ def _kfac(executor, node: KFAC) -> KronOp:
             stats[name].update(value)
     bases, eigenvalues = {}, {}
     for name in space.names:
+        stats[name].examples = node.grads.n  # rows may repeat examples (objective="expected")
         S, A = stats[name].covariances()
         Q_S, lam_S, Q_A, lam_A = kron_eigenbasis(S, A)
         bases[name] = (Q_S, Q_A)
         eigenvalues[name] = torch.outer(lam_S, lam_A)
     if node.eigen_correction:
         sums = {name: torch.zeros_like(eigenvalues[name]) for name in space.names}
-        n = 0
         for chunk in executor.iter_chunks(node.grads):
-            n += chunk.n
             for name in space.names:
                 Q_S, Q_A = bases[name]
                 sums[name] += (rotate_factors(chunk.blocks[name], Q_S, Q_A) ** 2).sum(0)
-        eigenvalues = {name: s / n for name, s in sums.items()}
+        eigenvalues = {name: s / node.grads.n for name, s in sums.items()}
     return KronOp(space, bases, eigenvalues)
 
 

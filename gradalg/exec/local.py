@@ -23,14 +23,15 @@ from ..capture.factors import Factors, ghost_inner, project_factors
 from ..capture.hooks import ForwardRecorder, capture_batch, resolve_layers
 from ..capture.reference import param_names_of, per_example_grads
 from ..data import batch_size_of, move_batch
-from ..errors import MemoryBudgetError, NonFiniteGradientError
-from ..expr import (Captured, Damp, Dense, Diagonal, Fisher, GradNode, Identity, Inner, Inverse,
+from ..errors import GradalgError, MemoryBudgetError, NonFiniteGradientError
+from ..expr import (AdamPrecondition, GroupMean, ScoreDiagonal, Captured, Damp, Dense, Diagonal, Fisher, GradNode, Identity, Inner, Inverse,
                     Normalize, OpNode, Power, Precondition, Project, RowWeights, ScaledOp, ScaleRows,
                     ScoreNode, ScoreSum, Select, Source, SumOp)
 from ..options import Options, get_options
 from ..plan.rewrite import simplify
 from ..plan.routing import choose_kernel, shared_grad_nodes
 from ..proj.matrices import dense_matrix, kron_matrices
+from ..proj.kernels import SPARSE_KINDS, project_sparse_block
 from ..expr.curvature import KFAC, Arnoldi, CurvatureProducts, DataInf
 from .chunks import Chunk, concat_chunks, flat_block, flatten, row_sq_norms, unflatten
 from .curvature import resolve_curvature
@@ -93,6 +94,12 @@ class LocalExecutor:
         raise TypeError(f"cannot compute scores from {type(node).__name__}")
 
     def _inner(self, left: GradNode, op: OpNode, right: GradNode) -> torch.Tensor:
+        for side in (left, right):
+            src = side.source
+            if isinstance(src, Source) and src.objective == "expected":
+                raise ValueError("gradients with objective='expected' have one row per term of the "
+                                 "Gauss-Newton decomposition, not per example: use them for curvature "
+                                 "(ga.fisher, ga.kfac) only")
         held = self.gradients(left)
         space = left.space
         if not isinstance(op, Identity):
@@ -135,6 +142,41 @@ class LocalExecutor:
                 "project the gradients (ga.proj.kron), or raise ga.options(memory_budget=...)"
             )
 
+    # ------------------------------------------------------------------ self-scores
+    def diagonal(self, node: ScoreDiagonal) -> torch.Tensor:
+        """S_ii of a square score expression, without its off-diagonal entries.   (n,)"""
+        root = simplify(node.scores)
+        self._cacheable = shared_grad_nodes(root, self.options.memory_budget // 4)
+        return self._diag(root)
+
+    def _diag(self, node: ScoreNode) -> torch.Tensor:
+        if isinstance(node, ScoreSum):
+            return sum(c * self._diag(t) for c, t in zip(node.coefs, node.terms))
+        if not isinstance(node, Inner):
+            raise TypeError(f"cannot take the diagonal of {type(node).__name__}")
+        space = node.left.space
+        resolved = None if isinstance(node.op, Identity) else self.resolve(node.op)
+        parts = []
+        same = node.left == node.right
+        right_chunks = None if same else self.iter_chunks(node.right)
+        for left in self.iter_chunks(node.left):
+            if same and resolved is None:
+                parts.append(row_sq_norms(left))
+                continue
+            x = flatten(left, space)
+            if same:
+                y = x
+            else:
+                right = next(right_chunks)
+                if right.ids != left.ids:
+                    raise ValueError("the two sides of the diagonal are chunked differently; give both "
+                                     "the same data object and batch size")
+                y = flatten(right, space).to(x.dtype)
+            if resolved is not None:
+                y = resolved.apply(y).to(x.dtype)
+            parts.append((x * y).sum(1))
+        return torch.cat(parts)
+
     # ------------------------------------------------------------------ gradient rows
     def iter_chunks(self, node: GradNode) -> Iterator[Chunk]:
         """Chunks of rows of ``node``, in order."""
@@ -158,6 +200,28 @@ class LocalExecutor:
         elif isinstance(node, Project):
             for chunk in self.iter_chunks(node.grads):
                 yield chunk.replace(self._project(node, chunk))
+        elif isinstance(node, Normalize) and node.op is not None:
+            metric = self.resolve(node.op)
+            space = node.space
+            for chunk in self.iter_chunks(node.grads):
+                x = flatten(chunk, space)
+                sq = (x * metric.apply(x).to(x.dtype)).sum(1)
+                if bool((sq < 0).any()):
+                    raise GradalgError("the normalizing operator gave a negative ⟨g, H g⟩: it must be "
+                                       "positive semi-definite (damp it)")
+                norms = sq.sqrt()
+                inv = torch.where(norms > 0, 1.0 / norms, torch.zeros_like(norms))
+                yield chunk.replace(unflatten(x * inv.unsqueeze(1), space))
+        elif isinstance(node, GroupMean):
+            yield self._group_mean(node)
+        elif isinstance(node, AdamPrecondition):
+            st = node.state
+            space = node.space
+            for chunk in self.iter_chunks(node.grads):
+                g = flatten(chunk, space)
+                m = st.beta1 * st.exp_avg.to(g) + (1 - st.beta1) * g
+                v = st.beta2 * st.exp_avg_sq.to(g) + (1 - st.beta2) * g * g
+                yield chunk.replace(unflatten(m / (v.sqrt() + st.eps), space))
         elif isinstance(node, Normalize):
             for chunk in self.iter_chunks(node.grads):
                 norms = row_sq_norms(chunk).sqrt()
@@ -178,9 +242,24 @@ class LocalExecutor:
         else:
             raise TypeError(f"the local executor cannot compute {type(node).__name__}")
 
+    def _group_mean(self, node: GroupMean) -> Chunk:
+        space = node.space
+        labels = node.ids
+        where = {g: i for i, g in enumerate(labels)}
+        index = torch.tensor([where[g] for g in node.groups])
+        total, start = None, 0
+        for chunk in self.iter_chunks(node.grads):
+            x = flatten(chunk, space)
+            if total is None:
+                total = x.new_zeros(len(labels), x.shape[1])
+            total.index_add_(0, index[start:start + chunk.n].to(x.device), x)
+            start += chunk.n
+        counts = torch.bincount(index, minlength=len(labels)).to(total)
+        return Chunk(labels, unflatten(total / counts.unsqueeze(1), space))
+
     def _row_weights(self, weights, chunk: Chunk) -> torch.Tensor:
         if not isinstance(weights, RowWeights):
-            return torch.full((chunk.n,), float(weights))
+            return torch.full((chunk.n,), float(weights), dtype=torch.float64)
         if chunk.batch is None or chunk.task is None:
             raise ValueError(f"per-example weights {weights.name!r} need the batches the gradients "
                              "came from; apply them to gradients from ga.grads, not to stored ones")
@@ -213,6 +292,10 @@ class LocalExecutor:
                         and task.token not in self._checked_tasks):
                     task.check_reduction(batch)
                     self._checked_tasks.add(task.token)
+                if node.objective == "expected":
+                    for term, blocks in enumerate(self._expected_blocks(task, objective, batch, refs)):
+                        yield Chunk(ids, blocks, batch, task, {"term": term})
+                    continue
                 if node.backend == "func":
                     blocks = self._func_blocks(task, objective, batch, refs)
                 else:
@@ -228,6 +311,14 @@ class LocalExecutor:
             loss = objective(task.model, batch)
             mask = task.token_mask(batch) if task.token_mask is not None else None
             return capture_batch(loss, recorder, token_mask=mask)
+
+    def _expected_blocks(self, task, terms_fn, batch, refs):
+        """One chunk of factors per term of ``task.expected_terms``; one forward in all."""
+        with torch.enable_grad(), ForwardRecorder(refs) as recorder:
+            terms = terms_fn(task.model, batch)
+            mask = task.token_mask(batch) if task.token_mask is not None else None
+            for i, term in enumerate(terms):
+                yield capture_batch(term, recorder, token_mask=mask, retain_graph=i < len(terms) - 1)
 
     def _func_blocks(self, task, objective, batch, refs):
         out = {}
@@ -256,9 +347,17 @@ class LocalExecutor:
                 else:
                     out[block.name] = (P_out @ value.view(-1, *block.shape) @ P_in.T).flatten(1)
                 continue
-            flat = flat_block(value)
-            P = dense_matrix(p, block.name, block.dim, dtype=dtype, device=device)
-            projected = flat @ P.T
+            if p.kind in SPARSE_KINDS:
+                # index tables and scatter-adds; factored blocks are never materialized
+                # whole except by a plain "sparse" projection (see gradalg.proj.kernels)
+                form = "factored" if isinstance(value, Factors) else "flat"
+                self.trace[f"{p.kind}_{form}"] += 1
+                projected = project_sparse_block(
+                    p, block, value, space_blocks=tuple((b.name, b.dim) for b in src_space.blocks),
+                    max_elements=self.options.memory_budget // 64)
+            else:
+                P = dense_matrix(p, block.name, block.dim, dtype=dtype, device=device)
+                projected = flat_block(value) @ P.T
             if p.per_block:
                 out[block.name] = projected
             else:
@@ -276,7 +375,7 @@ class LocalExecutor:
 
     def _resolve(self, node: OpNode) -> ResolvedOp:
         if isinstance(node, Identity):
-            return ResolvedOp.identity(node.space)
+            return ResolvedOp.identity(node.space, torch.float64)  # exact in any row dtype
         if isinstance(node, Diagonal):
             return ResolvedOp(node.space, "diag", node.values)
         if isinstance(node, Dense):
@@ -338,6 +437,7 @@ class LocalExecutor:
                 acc += part
         if n == 0:
             raise ValueError("cannot compute a Fisher over zero examples")
+        n = node.grads.n  # rows may repeat an example (objective="expected": one row per term)
         dtype = _first_dtype(node.grads, self)
         if structure == "block":
             return ResolvedOp(space, "block", {k: (v / n).to(dtype) for k, v in acc.items()})
@@ -355,6 +455,10 @@ def _first_dtype(node, executor):
     src = node.source
     if isinstance(src, Source):
         return _model_device_dtype(src.task.model)[1]
+    if isinstance(src, Captured):  # the dtype the loop recorded (a float64 model stays float64)
+        for chunk in src.store.chunks():
+            for value in chunk.blocks.values():
+                return _dtype_device(value)[0]
     return torch.float32
 
 

@@ -1,10 +1,11 @@
 """Lazy expression nodes: pure data, no computation."""
 from .base import Node, tokenize
-from .grads import (Captured, GradNode, Normalize, Precondition, Project, RowWeights, ScaleRows,
-                    Select, Source)
+from .grads import (AdamPrecondition, AdamState, Captured, GradNode, GroupMean, Normalize, Precondition,
+                    Project, RowWeights, ScaleRows, Select, Source)
 from .operators import (Damp, Dense, Diagonal, Fisher, Identity, Inverse, OpNode, Power, ScaledOp,
                         SumOp)
 from .projection import Projector
+from .scores import Diagonal as ScoreDiagonal
 from .scores import Inner, ScoreNode, ScoreSum
 from .space import Block, ParamSpace
 from .curvature import KFAC, Arnoldi, CurvatureProducts, DataInf

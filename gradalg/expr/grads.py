@@ -19,7 +19,7 @@ from .projection import Projector
 from .space import Block, ParamSpace
 
 __all__ = ["GradNode", "Source", "Captured", "Project", "Normalize", "Select", "Precondition",
-           "ScaleRows", "RowWeights"]
+           "ScaleRows", "RowWeights", "GroupMean", "AdamState", "AdamPrecondition"]
 
 
 class GradNode(Node):
@@ -144,20 +144,22 @@ class Project(GradNode):
 
     @cached_property
     def space(self) -> ParamSpace:
+        """One ``projected`` block of k coordinates (min(k, dim) for a global mask), or per
+        block: (k_out, k_in) for "kron", (min(k, dim),) for "mask", (k,) otherwise."""
         p = self.projector
         if not p.per_block:
-            return ParamSpace((Block("projected", (p.k,), "projected", p.token),))
+            k = p.mask_size(self.grads.space.dim) if p.kind == "mask" else p.k
+            return ParamSpace((Block("projected", (k,), "projected", p.token),))
         blocks = []
         for b in self.grads.space.blocks:
-            if p.kind == "kron":
-                if len(b.shape) != 2 or b.basis != "params":
-                    raise ValueError(
-                        f"a Kronecker projection needs (out, in) layer blocks in parameter "
-                        f"coordinates; block {b.name!r} is {b.shape} in basis {b.basis}"
-                    )
-                blocks.append(Block(b.name, p.kron_shape(*b.shape), "projected", p.token))
-            else:
-                blocks.append(Block(b.name, (p.k,), "projected", p.token))
+            if p.kind in ("kron", "factgrass") and (len(b.shape) != 2 or b.basis != "params"):
+                what = "a Kronecker" if p.kind == "kron" else "a FactGraSS"
+                raise ValueError(
+                    f"{what} projection needs (out, in) layer blocks in parameter "
+                    f"coordinates; block {b.name!r} is {b.shape} in basis {b.basis}. Use "
+                    "ga.proj.grass or ga.proj.sparse for other blocks"
+                )
+            blocks.append(Block(b.name, p.block_shape(b.shape), "projected", p.token))
         return ParamSpace(tuple(blocks))
 
     @property
@@ -199,13 +201,101 @@ class _RowMap(GradNode):
 
 @dataclass(frozen=True, eq=False)
 class Normalize(_RowMap):
-    """G_i / ‖G_i‖ (norm over all blocks; a zero gradient stays zero)."""
+    """G_i / ‖G_i‖ (norm over all blocks; a zero gradient stays zero).
+
+    With an operator ``op`` the norm is ‖G_i‖_H = √⟨G_i, H G_i⟩ (RelatIF's
+    normalization by self-influence when H is an inverse curvature).
+    """
 
     grads: GradNode
+    op: Node | None = None
 
     @property
     def label(self):
-        return "normalize"
+        return "normalize" if self.op is None else "normalize in the metric of an operator"
+
+
+@dataclass(frozen=True, eq=False)
+class GroupMean(GradNode):
+    """Rows averaged within groups: row g = mean of G_i over the rows i with ``groups[i] == g``.
+
+    Groups appear in order of first occurrence; the result's ids are the group labels.
+    (LESS averages the gradients of each target task's validation examples this way.)
+    """
+
+    grads: GradNode
+    groups: tuple
+
+    def __post_init__(self):
+        if len(self.groups) != self.grads.n:
+            raise ValueError(f"got {len(self.groups)} group labels for {self.grads.n} rows: give one per row")
+
+    @property
+    def space(self):
+        return self.grads.space
+
+    @property
+    def ids(self):
+        return tuple(dict.fromkeys(self.groups))
+
+    @property
+    def n(self):
+        return len(self.ids)
+
+    @property
+    def representation(self):
+        return {k: ("projected" if v == "projected" else "dense") for k, v in self.grads.representation.items()}
+
+    @property
+    def label(self):
+        return f"mean over {self.n} groups"
+
+
+@dataclass(frozen=True)
+class AdamState:
+    """Adam's moments in a gradient space's canonical coordinates (see ``ga.adam_state``).
+
+    exp_avg, exp_avg_sq : (dim,) tensors; betas, eps as in ``torch.optim.Adam``.
+    """
+
+    exp_avg: Any
+    exp_avg_sq: Any
+    beta1: float
+    beta2: float
+    eps: float
+
+    @property
+    def token(self):
+        from .base import tokenize
+        return f"adam-{tokenize(self.exp_avg)}-{tokenize(self.exp_avg_sq)}-{self.beta1}-{self.beta2}-{self.eps}"
+
+
+@dataclass(frozen=True, eq=False)
+class AdamPrecondition(_RowMap):
+    """LESS's Adam transform of each row (Xia et al. 2024), elementwise:
+
+        m = β₁ m₀ + (1 − β₁) g,   v = β₂ v₀ + (1 − β₂) g²,   Γ(g) = m / (√v + ε)
+
+    the direction Adam would step in after seeing this one example. Non-linear, so
+    factored blocks are materialized.
+    """
+
+    grads: GradNode
+    state: AdamState
+
+    def __post_init__(self):
+        d = self.grads.space.dim
+        if tuple(self.state.exp_avg.shape) != (d,) or tuple(self.state.exp_avg_sq.shape) != (d,):
+            raise ValueError(f"Adam state has shapes {tuple(self.state.exp_avg.shape)}, "
+                             f"{tuple(self.state.exp_avg_sq.shape)}; the space has {d} coordinates")
+
+    @property
+    def representation(self):
+        return {k: ("projected" if v == "projected" else "dense") for k, v in self.grads.representation.items()}
+
+    @property
+    def label(self):
+        return "adam transform"
 
 
 @dataclass(frozen=True, eq=False)

@@ -9,8 +9,31 @@ whose expectation preserves inner products: ``E[⟨Px, Py⟩] = ⟨x, y⟩``.
 * ``kron`` (LoGra): ``P_out ⊗ P_in`` per layer, applied to the factors
   ``(D_i P_outᵀ)ᵀ (A_i P_inᵀ)`` without materializing the layer's gradient; each layer
   gets ``k_out × k_in`` coordinates.
+* ``sparse`` (SJLT, sparse Johnson–Lindenstrauss): a (k, d) matrix with ``s`` non-zeros
+  ``±1/√s`` per column, at distinct rows (column j's c-th non-zero lies in the c-th of
+  ``s`` equal bands of rows). It is applied by scatter-adds, never as a dense matrix:
+  ``(Px)_r = Σ_{j,c: h_c(j)=r} σ_c(j) x_j / √s``, n·d·s additions per example set.
+  ``E[⟨Px, Py⟩] = Σ_{j,c} x_j y_j / s = ⟨x, y⟩`` because the signs are independent.
+  ``per_block`` as for ``gaussian``.
+* ``mask``: k of a block's d coordinates, uniformly without replacement, scaled by
+  ``√(d/k)``: coordinate j survives with probability k/d, so ``E[⟨Mx, My⟩] = ⟨x, y⟩``.
+  Blocks with d ≤ k are kept whole. ``per_block=True`` (default) masks each block to
+  min(k, d) coordinates; ``per_block=False`` draws k of the concatenated gradient.
+* ``grass`` (GraSS, Hu et al. 2025): ``S ∘ M``: a mask to ``mask_k`` coordinates
+  (default ``GRASS_BLOWUP · k`` = 4k) followed by an SJLT to k, per block. On factors the
+  mask needs only the selected entries ``Σ_t d_{t,o} a_{t,i}``: n·T·mask_k work, and
+  the whole (out, in) gradient is never formed.
+* ``factgrass`` (FactGraSS): for an (out, in) layer block, mask the *factors*: keep
+  ``k_out`` of the out rows and ``k_in`` of the in columns (scaled by
+  ``√(out·in / (k_out·k_in))``), form the small (k_out, k_in) gradient
+  ``D[:, :, O]ᵀ A[:, :, I]`` (n·T·k_out·k_in work), then SJLT it to k. By default
+  ``k_out · k_in ≈ GRASS_BLOWUP · k`` split as evenly as the layer allows (k = 4096 gives
+  128 × 128, as in the paper's code); each side is capped at the layer's size and
+  the other side takes up the slack.
 
-The matrices are drawn from ``torch.Generator(seed ⊕ block name)`` on the CPU, so the
+Every random choice is independent of the data, so the expectation over the
+projector's randomness preserves inner products for all kinds. The matrices and
+index tables are drawn from ``torch.Generator(seed ⊕ block name)`` on the CPU, so the
 same projector gives the same numbers on every machine and every process.
 """
 from __future__ import annotations
@@ -19,17 +42,30 @@ import math
 import zlib
 from dataclasses import dataclass
 
-__all__ = ["Projector", "gaussian", "rademacher", "kron"]
+__all__ = ["Projector", "gaussian", "rademacher", "kron", "sparse", "mask", "grass", "factgrass",
+           "KINDS", "GRASS_BLOWUP"]
+
+KINDS = ("gaussian", "rademacher", "kron", "sparse", "mask", "grass", "factgrass")
+SJLT_KINDS = ("sparse", "grass", "factgrass")   # kinds whose last stage is a sparse JL transform
+GRASS_BLOWUP = 4   # GraSS / FactGraSS: the mask keeps about 4k coordinates before the SJLT to k
 
 
 @dataclass(frozen=True)
 class Projector:
     """A seeded random projection. Call it on a GradientSet: ``P(G)``.
 
-    kind : "gaussian", "rademacher" or "kron"
+    kind : one of ``KINDS``: "gaussian", "rademacher", "kron", "sparse", "mask",
+        "grass", "factgrass" (see the module docstring for the math of each)
     k : output coordinates (per block if ``per_block``; for "kron", per layer, split
-        as evenly as possible into k_out × k_in unless ``k_out``/``k_in`` are given)
+        as evenly as possible into k_out × k_in unless ``k_out``/``k_in`` are given;
+        for "mask", at most the block's size)
     seed : the random seed
+    per_block : one projection per block (True) or one of the concatenated gradient;
+        always True for "kron", "grass" and "factgrass"
+    k_out, k_in : "kron": the factor sizes (k_out·k_in = k); "factgrass": how many
+        output / input features the factor mask keeps (k_out·k_in ≥ k)
+    s : non-zeros per column of the sparse JL transform ("sparse", "grass", "factgrass")
+    mask_k : "grass": coordinates the mask keeps before the SJLT (default 4k)
     """
 
     kind: str
@@ -38,21 +74,43 @@ class Projector:
     per_block: bool = False
     k_out: int | None = None
     k_in: int | None = None
+    s: int = 1
+    mask_k: int | None = None
 
     def __post_init__(self):
-        if self.kind not in ("gaussian", "rademacher", "kron"):
-            raise ValueError(f"unknown projector kind {self.kind!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown projector kind {self.kind!r}; expected one of {KINDS}")
         if self.k < 1:
             raise ValueError(f"projection size k must be positive, got {self.k}")
-        if self.kind == "kron" and (self.k_out is None) != (self.k_in is None):
+        if self.kind in ("kron", "grass", "factgrass") and not self.per_block:
+            raise ValueError(f"a {self.kind} projection is per layer: use per_block=True")
+        if (self.k_out is not None or self.k_in is not None) and self.kind not in ("kron", "factgrass"):
+            raise ValueError(f"k_out/k_in apply to kron and factgrass projections, not {self.kind}")
+        if (self.k_out is None) != (self.k_in is None):
             raise ValueError("give both k_out and k_in, or neither")
+        if self.k_out is not None and (self.k_out < 1 or self.k_in < 1):
+            raise ValueError(f"k_out and k_in must be positive, got {self.k_out} and {self.k_in}")
         if self.kind == "kron" and self.k_out is not None and self.k_out * self.k_in != self.k:
             raise ValueError(f"k_out * k_in = {self.k_out * self.k_in} must equal k = {self.k}")
+        if self.kind == "factgrass" and self.k_out is not None and self.k_out * self.k_in < self.k:
+            raise ValueError(f"factgrass keeps k_out * k_in = {self.k_out * self.k_in} features, fewer "
+                             f"than k = {self.k}: the sparse projection would only pad; use "
+                             f"k_out * k_in >= k (about {GRASS_BLOWUP}k is the default)")
+        if self.s != 1 and self.kind not in SJLT_KINDS:
+            raise ValueError(f"s (non-zeros per column) applies to {SJLT_KINDS}, not {self.kind}")
+        if not 1 <= self.s <= self.k:
+            raise ValueError(f"s must be between 1 and k = {self.k}, got {self.s}")
+        if self.mask_k is not None and self.kind != "grass":
+            raise ValueError(f"mask_k applies to grass projections, not {self.kind}")
+        if self.mask_k is not None and self.mask_k < self.k:
+            raise ValueError(f"mask_k = {self.mask_k} must be at least k = {self.k}: the mask "
+                             "keeps more coordinates than the sparse projection outputs")
 
     @property
     def token(self) -> str:
         return f"{self.kind}-k{self.k}-s{self.seed}" + ("-pb" if self.per_block else "") + (
-            f"-{self.k_out}x{self.k_in}" if self.k_out else "")
+            f"-{self.k_out}x{self.k_in}" if self.k_out else "") + (
+            f"-nnz{self.s}" if self.s != 1 else "") + (f"-m{self.mask_k}" if self.mask_k else "")
 
     def block_seed(self, block_name: str, part: str = "") -> int:
         """The seed of one block's matrix: stable across processes (crc32, not hash())."""
@@ -72,6 +130,37 @@ class Projector:
                 best = (score, a, b)
         return best[1], best[2]
 
+    def mask_size(self, dim: int) -> int:
+        """Coordinates a "mask" projection keeps of ``dim``: min(k, dim)."""
+        return min(self.k, dim)
+
+    def grass_mask_size(self, dim: int) -> int:
+        """Coordinates the "grass" mask keeps of a block of ``dim``: min(mask_k or 4k, dim)."""
+        return min(self.mask_k or GRASS_BLOWUP * self.k, dim)
+
+    def factgrass_shape(self, out: int, n_in: int) -> tuple[int, int]:
+        """(k_out, k_in) features the "factgrass" mask keeps of an (out, in) layer.
+
+        Given ``k_out``/``k_in`` (capped at the layer), else k_out·k_in ≈ 4k split evenly:
+        k_out = min(out, ⌈√(4k)⌉), k_in = min(in, ⌈4k / k_out⌉), then k_out is raised
+        to ⌈4k / k_in⌉ (capped at out) when the input side was capped. A layer with
+        out·in ≤ 4k is kept whole.
+        """
+        if self.k_out is not None:
+            return min(self.k_out, out), min(self.k_in, n_in)
+        target = GRASS_BLOWUP * self.k
+        k_out = min(out, math.isqrt(target - 1) + 1)
+        k_in = min(n_in, -(-target // k_out))
+        return min(out, -(-target // k_in)), k_in
+
+    def block_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The projected shape of one block of ``shape`` under a per-block projector."""
+        if self.kind == "kron":
+            return self.kron_shape(*shape)
+        if self.kind == "mask":
+            return (self.mask_size(math.prod(shape)),)
+        return (self.k,)
+
     def __call__(self, grads):
         """``P(G)``: the lazy projection of a GradientSet."""
         project = getattr(grads, "project", None)
@@ -80,7 +169,13 @@ class Projector:
         return project(self)
 
     def __repr__(self):
-        extra = ", per_block=True" if self.per_block else ""
+        extra = ""
+        if self.kind in ("gaussian", "rademacher", "sparse", "mask") and self.per_block != (self.kind == "mask"):
+            extra += f", per_block={self.per_block}"
+        if self.s != 1:
+            extra += f", s={self.s}"
+        if self.mask_k:
+            extra += f", mask_k={self.mask_k}"
         if self.k_out:
             extra += f", k_out={self.k_out}, k_in={self.k_in}"
         return f"ga.proj.{self.kind}(k={self.k}, seed={self.seed}{extra})"
@@ -99,3 +194,53 @@ def rademacher(k: int, seed: int = 0, *, per_block: bool = False) -> Projector:
 def kron(k: int, seed: int = 0, *, k_out: int | None = None, k_in: int | None = None) -> Projector:
     """Kronecker (LoGra) projection ``P_out ⊗ P_in`` applied factor-wise, per layer."""
     return Projector("kron", k, seed, True, k_out, k_in)
+
+
+def sparse(k: int, seed: int = 0, *, s: int = 1, per_block: bool = False) -> Projector:
+    """Sparse Johnson–Lindenstrauss transform (SJLT): ``s`` entries ±1/√s per column.
+
+    Each input coordinate is added, with a random sign, to ``s`` random output
+    coordinates (one in each of ``s`` bands of k/s rows): n·d·s additions for n
+    examples of d coordinates, no (k, d) matrix. ``E[⟨Px, Py⟩] = ⟨x, y⟩``. Factored
+    blocks are materialized (in slices of rows) first: use ``grass`` or ``factgrass``
+    to avoid that.
+
+    >>> P = ga.proj.sparse(k=1024, seed=0)
+    >>> P(G).space.describe()      # one block of 1024 coordinates for the whole model
+    'projected 1024'
+    """
+    return Projector("sparse", k, seed, per_block, s=s)
+
+
+def mask(k: int, seed: int = 0, *, per_block: bool = True) -> Projector:
+    """Random coordinate mask: k of a block's d coordinates, scaled by √(d/k).
+
+    Unbiased (``E[⟨Mx, My⟩] = ⟨x, y⟩``) but high-variance on its own; it is the first
+    stage of ``grass``. On factors it costs n·T·k, without forming the (out, in) gradient.
+    """
+    return Projector("mask", k, seed, per_block)
+
+
+def grass(k: int, seed: int = 0, *, mask_k: int | None = None, s: int = 1) -> Projector:
+    """GraSS: a random mask to ``mask_k`` coordinates (default 4k), then an SJLT to k, per layer.
+
+    Cost per example: T·mask_k on factors (or mask_k gathers on a dense block) plus
+    mask_k·s additions; no (out, in) gradient and no dense matrix.
+    """
+    return Projector("grass", k, seed, True, s=s, mask_k=mask_k)
+
+
+def factgrass(k: int, seed: int = 0, *, k_in: int | None = None, k_out: int | None = None,
+              s: int = 1) -> Projector:
+    """FactGraSS: mask each layer's factors to k_in input and k_out output features, form
+    the (k_out, k_in) gradient, SJLT it to k.
+
+    Default k_out·k_in ≈ 4k, split evenly (see :meth:`Projector.factgrass_shape`).
+    Cost per example: T·k_out·k_in multiply-adds plus k_out·k_in·s additions, against
+    T·(in·k_in + out·k_out + k_in·k_out) for ``kron`` with the same k_out × k_in.
+
+    >>> P = ga.proj.factgrass(k=4096)
+    >>> P.factgrass_shape(768, 3073)   # a GPT-2 c_fc layer: 128 × 128 masked features
+    (128, 128)
+    """
+    return Projector("factgrass", k, seed, True, k_out, k_in, s=s)

@@ -12,7 +12,7 @@ from .base import Node
 from .grads import GradNode
 from .operators import Identity, OpNode
 
-__all__ = ["ScoreNode", "Inner", "ScoreSum"]
+__all__ = ["ScoreNode", "Inner", "ScoreSum", "Diagonal"]
 
 
 class ScoreNode(Node):
@@ -89,3 +89,32 @@ class ScoreSum(ScoreNode):
     @property
     def label(self):
         return "sum of " + ", ".join(f"{c:g}·[{i}]" for i, c in enumerate(self.coefs))
+
+
+@dataclass(frozen=True, eq=False)
+class Diagonal(Node):
+    """The diagonal of a square score matrix: d_i = S_ii (self-influence), shape (n,).
+
+    Computed without the off-diagonal entries, streaming both sides in lockstep.
+    """
+
+    scores: ScoreNode
+
+    def __post_init__(self):
+        if self.scores.row_ids != self.scores.col_ids:
+            raise ShapeMismatchError(
+                "the diagonal needs the same examples on both sides: build the scores with "
+                "the training set as the queries, e.g. method(task, train, train)"
+            )
+
+    @property
+    def n(self):
+        return self.scores.shape[0]
+
+    @property
+    def ids(self):
+        return self.scores.row_ids
+
+    @property
+    def label(self):
+        return "diagonal (self-scores)"

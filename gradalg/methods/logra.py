@@ -1,0 +1,36 @@
+"""LoGra (Choe et al., "What is your data worth to GPT? LLM-scale data valuation with
+influence functions", 2024):
+
+    Φ(z) = (P_out ⊗ P_in) ∇L(z)   computed factor-wise: (D P_outᵀ)ᵀ (A P_inᵀ)
+    S_qz = Φ(q)ᵀ (H_P + λI)⁻¹ Φ(z)
+
+with H_P the (EK-)FAC Gauss-Newton of the *projected* gradients: the Kronecker
+factors are covariances of the projected activations and output gradients, so the
+whole method works in k_in + k_out dimensions per layer and never forms a layer's
+full gradient.
+"""
+from __future__ import annotations
+
+from ..api import Scores, fisher, grads, kfac
+from ..expr.projection import kron
+from ..task import Task
+from .influence import gauss_newton_objective
+
+
+def logra(task: Task, train, queries, *, layers=None, k: int = 64, seed: int = 0, damping: float = 1e-3,
+          curvature: str = "ekfac") -> Scores:
+    """LoGra scores with a Kronecker projection of ``k = k_out·k_in`` per layer.
+
+    curvature : "ekfac" (default), "kfac", or "fisher" (dense per-layer Fisher of the
+    projected gradients).
+    """
+    if curvature not in ("ekfac", "kfac", "fisher"):
+        raise ValueError(f"curvature must be 'ekfac', 'kfac' or 'fisher', got {curvature!r}")
+    P = kron(k, seed)
+    G, Q = P(grads(task, train, layers)), P(grads(task, queries, layers))
+    C = P(grads(task, train, layers, objective=gauss_newton_objective(task), seed=seed))
+    if curvature == "fisher":
+        H = fisher(C, structure="block")
+    else:
+        H = kfac(C, eigen_correction=curvature == "ekfac")
+    return Q @ H.damp(damping).inv() @ G.T

@@ -1,0 +1,25 @@
+"""RelatIF (Barshan et al., "RelatIF: Identifying explanatory training examples via
+relative influence", AISTATS 2020):
+
+    S_qz = ∇L(q)ᵀ H⁻¹ ∇L(z) / √(∇L(z)ᵀ H⁻¹ ∇L(z))
+
+influence divided by the square root of the training example's self-influence, which
+stops a few high-loss, high-gradient outliers from dominating every query.
+"""
+from __future__ import annotations
+
+from ..api import Scores, grads
+from ..expr.projection import Projector
+from ..task import Task
+from .influence import curvature_operator
+
+
+def relatif(task: Task, train, queries, *, layers=None, projector: Projector | None = None,
+            damping: float = 1e-3, curvature: str = "gauss_newton", solver: str = "direct", seed: int = 0) -> Scores:
+    """``P(Q) @ H⁻¹ @ P(G).normalize(metric=H⁻¹).T``."""
+    G, Q = grads(task, train, layers), grads(task, queries, layers)
+    if projector is not None:
+        G, Q = projector(G), projector(Q)
+    Hinv = curvature_operator(task, train, layers=layers, projector=projector, curvature=curvature,
+                              solver=solver, damping=damping, seed=seed)
+    return Q @ Hinv @ G.normalize(metric=Hinv).T
