@@ -62,12 +62,15 @@ class DataRef:
     """A dataset (or DataLoader) with the ids of its examples.
 
     Identity is the object's identity: two ``DataRef`` of the same dataset object and ids
-    are equal, so an expression that uses the same data twice captures it once.
+    are equal, so an expression that uses the same data twice captures it once. Tensors
+    passed directly are wrapped in a new ``TensorDataset`` on every call; ``key`` then
+    names the user's tensors, so ``ga.grads(task, (X, y))`` twice is still the same data.
     """
 
     source: Any
     ids: tuple
     batch_size: int | None = None
+    key: str | None = None
 
     @property
     def n(self) -> int:
@@ -75,7 +78,7 @@ class DataRef:
 
     @property
     def token(self) -> str:
-        return f"data-{id(self.source):x}-{len(self.ids)}-{self.batch_size}"
+        return f"data-{self.key or format(id(self.source), 'x')}-{len(self.ids)}-{self.batch_size}"
 
     def __eq__(self, other):
         return isinstance(other, DataRef) and self.token == other.token and self.ids == other.ids
@@ -114,9 +117,12 @@ def as_data(data: Any, ids=None, batch_size: int | None = None) -> DataRef:
     """
     if isinstance(data, DataRef):
         return data
+    key = None
     if isinstance(data, torch.Tensor):
+        key = f"tensors-{id(data):x}"
         data = TensorDataset(data)
     elif isinstance(data, tuple) and all(isinstance(t, torch.Tensor) for t in data):
+        key = "tensors-" + "-".join(f"{id(t):x}" for t in data)
         data = TensorDataset(*data)
     if isinstance(data, DataLoader):
         sampler = type(data.sampler).__name__
@@ -147,4 +153,4 @@ def as_data(data: Any, ids=None, batch_size: int | None = None) -> DataRef:
             raise ValueError(f"got {len(ids)} ids for {n} examples: pass one id per example")
         if len(set(ids)) != n:
             raise ValueError("example ids must be unique")
-    return DataRef(data, ids, batch_size)
+    return DataRef(data, ids, batch_size, key)

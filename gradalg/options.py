@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from dataclasses import dataclass, fields, replace
 
 __all__ = ["Options", "options", "get_options"]
@@ -84,8 +85,20 @@ class options(contextlib.ContextDecorator):
         unknown = set(changes) - valid
         if unknown:
             raise TypeError(f"unknown option(s) {sorted(unknown)}; valid options: {sorted(valid)}")
+        self._changes = changes
         self._previous = _current.get()
         self._token = _current.set(replace(self._previous, **changes))
+
+    def __call__(self, func):
+        """As a decorator: the options hold inside each call of ``func`` only."""
+        _current.reset(self._token)  # decorating alone changes nothing
+        changes = self._changes
+
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            with options(**changes):
+                return func(*args, **kwargs)
+        return wrapper
 
     def __enter__(self):
         return get_options()

@@ -105,6 +105,16 @@ class CaptureSession:
         def hook(module, args, output):
             if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return
+            if torch._C._current_graph_task_id() != -1:
+                # a forward inside backward(): activation checkpointing recomputes a segment
+                if any(s["D"] is None for s in self._pending[ref.name]):
+                    return  # non-reentrant: this call's factors were recorded by the first forward
+                raise RuntimeError(
+                    f"layer {ref.name!r} ran its forward inside backward() without a recorded first "
+                    "forward: reentrant activation checkpointing (use_reentrant=True) hides the first "
+                    "forward from hooks. Use use_reentrant=False (e.g. model.gradient_checkpointing_enable("
+                    "gradient_checkpointing_kwargs={'use_reentrant': False})) or leave this layer out"
+                )
             if self._received and self._received < self._expected:
                 raise RuntimeError("a forward pass started before the previous backward finished; "
                                    "ga.capture records one forward/backward at a time")
@@ -118,7 +128,12 @@ class CaptureSession:
 
     def _grad_hook(self, ref: LayerRef, slot: dict):
         def hook(grad):
-            slot["D"] = ref.rule.output_grads(ref.module, grad.detach())
+            D = ref.rule.output_grads(ref.module, grad.detach())
+            A = slot["A"]
+            if isinstance(A, torch.Tensor) and A.dtype != D.dtype:  # autocast: fp32 inputs, bf16 grads
+                dtype = torch.promote_types(A.dtype, D.dtype)
+                slot["A"], D = A.to(dtype), D.to(dtype)
+            slot["D"] = D
             self._received += 1
             if self._received == self._expected:
                 self._finish_step()
@@ -139,6 +154,17 @@ class CaptureSession:
             raise RuntimeError(f"layers {missing} were not used in this step's forward pass; "
                                "leave them out of `layers`")
         n = next(iter(blocks.values())).n
+        rows = {name: f.n for name, f in blocks.items()}
+        if len(set(rows.values())) > 1:
+            n = max(rows.values())
+            shared = [name for name, k in rows.items() if k != n]
+            raise RuntimeError(
+                f"layers {shared} recorded {sorted(set(rows[s] for s in shared))} rows while the batch has "
+                f"{n}: their input is shared by the whole batch (broadcast), e.g. GPT-2's position "
+                "embedding `transformer.wpe` called with position_ids of shape (1, T), so their "
+                "per-example gradients cannot be separated. Pass per-example inputs (position_ids of "
+                "shape (B, T)) or leave these layers out of `layers`"
+            )
         if self.reduction == "mean":
             blocks = {k: v.scale_rows(torch.full((n,), float(n))) for k, v in blocks.items()}
         start = self.store.n

@@ -1,24 +1,21 @@
-"""Resolution of curvature operator nodes (K-FAC, EK-FAC, Hessian/Gauss-Newton
-products, Arnoldi, DataInf) by the local executor."""
+"""Resolution of operator nodes known through products (Hessian/Gauss-Newton
+products, Arnoldi, DataInf) by the local executor. K-FAC and EK-FAC are statistics
+of a pass: see :mod:`gradalg.exec.accumulators`."""
 from __future__ import annotations
 
 import torch
 
-from ..capture.factors import Factors
 from ..curvature.hvp import dataset_matvec
 from ..curvature.implicit import ImplicitOp, LowRankOp
-from ..curvature.kron import KronOp, KronStats, kron_eigenbasis, rotate_factors
 from ..curvature.solvers import arnoldi
 from ..errors import GradalgError
-from ..expr.curvature import KFAC, Arnoldi, CurvatureProducts, DataInf
+from ..expr.curvature import Arnoldi, CurvatureProducts, DataInf
 from .chunks import flat_block, unflatten
 
 __all__ = ["resolve_curvature"]
 
 
 def resolve_curvature(executor, node):
-    if isinstance(node, KFAC):
-        return _kfac(executor, node)
     if isinstance(node, CurvatureProducts):
         matvec = dataset_matvec(node.task, node.data, node.layers, kind=node.kind,
                                 batch_size=executor.options.batch_size)
@@ -32,36 +29,6 @@ def resolve_curvature(executor, node):
     if isinstance(node, DataInf):
         return _DataInfOp(executor, node)
     raise TypeError(f"not a curvature node: {type(node).__name__}")
-
-
-def _kfac(executor, node: KFAC) -> KronOp:
-    space = node.space
-    stats = {name: KronStats() for name in space.names}
-    for chunk in executor.iter_chunks(node.grads):
-        for name in space.names:
-            value = chunk.blocks[name]
-            if not isinstance(value, Factors):
-                raise GradalgError(
-                    f"K-FAC needs factored gradients, but block {name!r} is {node.grads.representation[name]}: "
-                    "apply ga.kfac to gradients from ga.grads (hook backend), optionally projected with "
-                    "ga.proj.kron, not to normalized-then-dense or gaussian-projected ones"
-                )
-            stats[name].update(value)
-    bases, eigenvalues = {}, {}
-    for name in space.names:
-        stats[name].examples = node.grads.n  # rows may repeat examples (objective="expected")
-        S, A = stats[name].covariances()
-        Q_S, lam_S, Q_A, lam_A = kron_eigenbasis(S, A)
-        bases[name] = (Q_S, Q_A)
-        eigenvalues[name] = torch.outer(lam_S, lam_A)
-    if node.eigen_correction:
-        sums = {name: torch.zeros_like(eigenvalues[name]) for name in space.names}
-        for chunk in executor.iter_chunks(node.grads):
-            for name in space.names:
-                Q_S, Q_A = bases[name]
-                sums[name] += (rotate_factors(chunk.blocks[name], Q_S, Q_A) ** 2).sum(0)
-        eigenvalues = {name: s / node.grads.n for name, s in sums.items()}
-    return KronOp(space, bases, eigenvalues)
 
 
 class _DataInfOp:

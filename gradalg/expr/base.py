@@ -7,12 +7,12 @@ equal sub-expressions are equal nodes: the executor computes each token once.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from functools import cached_property
 
 import torch
 
-__all__ = ["Node", "tokenize"]
+__all__ = ["Node", "tokenize", "transform"]
 
 
 def tokenize(value) -> str:
@@ -80,3 +80,31 @@ class Node:
         # Compact on purpose: operands (models, datasets) are not printed; the user-facing
         # wrappers (GradientSet, Operator, Scores) render the whole tree.
         return f"<{type(self).__name__} {self.label!r} {self.token}>"
+
+
+def transform(node: Node, fn) -> Node:
+    """Rebuild ``node`` bottom-up, replacing each rebuilt node ``x`` by ``fn(x)`` (or
+    keeping it when ``fn`` returns None). Pure: returns new nodes, shares unchanged ones.
+    """
+    memo: dict[str, Node] = {}
+
+    def visit(x: Node) -> Node:
+        if x.token in memo:
+            return memo[x.token]
+        changes = {}
+        for f in fields(x):
+            value = getattr(x, f.name)
+            if isinstance(value, Node):
+                new = visit(value)
+                if new is not value:
+                    changes[f.name] = new
+            elif isinstance(value, tuple) and any(isinstance(v, Node) for v in value):
+                new = tuple(visit(v) if isinstance(v, Node) else v for v in value)
+                if any(a is not b for a, b in zip(new, value)):
+                    changes[f.name] = new
+        rebuilt = replace(x, **changes) if changes else x
+        out = fn(rebuilt)
+        memo[x.token] = rebuilt if out is None else out
+        return memo[x.token]
+
+    return visit(node)

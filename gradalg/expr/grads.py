@@ -326,6 +326,11 @@ class Precondition(_RowMap):
     grads: GradNode
     op: Node
 
+    def __post_init__(self):
+        # refused when built, not at compute time (a same-sized operator of another
+        # projection would otherwise be applied silently)
+        self.grads.space.check_same(self.op.space, "the operator and the gradients")
+
     @property
     def representation(self):
         rep = self.grads.representation

@@ -1,36 +1,45 @@
-"""Cost estimates of expression nodes, from shapes alone (no data is touched but one
-example's shape, no model is run).
+"""Cost accounting for plans: exact operation counts from shapes, no tensors.
 
-A :class:`Cost` counts multiply-adds (``flops``), the largest tensor held at once
-(``peak_bytes``) and ``passes`` over datasets (a forward+backward over the training set
-dominates everything else, so passes are reported separately). Counts follow the
-kernels in :mod:`gradalg.capture.factors` and :mod:`gradalg.exec.local`; shared
-sub-expressions are counted once, as the executor computes them once.
+A :class:`Cost` counts floating-point operations (``flops``; a multiply-add is 2),
+bytes moved through memory (``bytes``), the largest simultaneous footprint
+(``peak_bytes``) and forward/backward ``passes`` over datasets. :func:`model_flops`
+counts a model's forward FLOPs per token from its module shapes (meta-device models
+work: nothing is allocated). The per-kernel formulas are those of the kernels in
+:mod:`gradalg.capture.factors`; unit tests pin them to exact numbers.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from ..capture.factors import dense_flops, ghost_flops
-from ..expr import (Captured, Damp, Fisher, GradNode, Identity, Inner, Inverse, Node, Normalize,
-                    OpNode, Power, Precondition, Project, ScaleRows, ScoreSum, Select, Source, SumOp)
 
-__all__ = ["Cost", "estimate", "tokens_hint"]
+__all__ = ["Cost", "activation_bytes", "model_flops", "tokens_hint", "estimate", "ghost_cost", "dense_cost", "kron_project_cost",
+           "dense_project_cost", "fisher_cost", "eigh_cost"]
 
 
 @dataclass(frozen=True)
 class Cost:
     flops: float = 0.0
+    bytes: float = 0.0
     peak_bytes: float = 0.0
-    passes: int = 0
+    passes: float = 0.0
 
     def __add__(self, other: "Cost") -> "Cost":
-        return Cost(self.flops + other.flops, max(self.peak_bytes, other.peak_bytes), self.passes + other.passes)
+        return Cost(self.flops + other.flops, self.bytes + other.bytes,
+                    max(self.peak_bytes, other.peak_bytes), self.passes + other.passes)
+
+    def scaled(self, c: float) -> "Cost":
+        return Cost(self.flops * c, self.bytes * c, self.peak_bytes, self.passes * c)
+
+    def seconds(self, profile, dtype=torch.float32) -> float:
+        return profile.seconds(self.flops, self.bytes, dtype)
 
     def describe(self) -> str:
-        return f"~{_si(self.flops)}FLOP, peak ~{_si(self.peak_bytes)}B, {self.passes} pass(es) over data"
+        return (f"~{_si(self.flops)}FLOP, peak ~{_si(self.peak_bytes)}B, "
+                f"{self.passes:g} pass(es) over data")
 
 
 def _si(x: float) -> str:
@@ -40,17 +49,94 @@ def _si(x: float) -> str:
     return f"{x:.3g} "
 
 
-def tokens_hint(node: GradNode) -> int:
-    """Positions per example T, read off the first example's shape (1 when unknown)."""
+# ------------------------------------------------------------------ kernel formulas (FLOPs)
+def ghost_cost(nL, nR, TL, TR, n_in, n_out) -> Cost:
+    """Ghost inner products of nL × nR examples (2 FLOPs per multiply-add)."""
+    return Cost(flops=2.0 * ghost_flops(nL, nR, TL, TR, n_in, n_out))
+
+
+def dense_cost(nL, nR, TL, TR, n_in, n_out, left_ready=True) -> Cost:
+    """Materialize the streamed side (and the held side unless ready), then one GEMM."""
+    flops = 2.0 * dense_flops(nL, nR, TL, TR, n_in, n_out, left_ready=left_ready)
+    return Cost(flops=flops, bytes=4.0 * nR * n_in * n_out)
+
+
+def kron_project_cost(n, T, n_in, n_out, k_in, k_out) -> Cost:
+    """(A P_inᵀ, D P_outᵀ): factor-wise Kronecker projection, factors kept."""
+    return Cost(flops=2.0 * n * T * (n_in * k_in + n_out * k_out))
+
+
+def dense_project_cost(n, T, dim, k, factored=True) -> Cost:
+    """Materialize (if factored: n·T·dim MACs) then a (k, dim) GEMM."""
+    return Cost(flops=2.0 * n * ((T * dim if factored else 0) + dim * k), bytes=4.0 * k * dim)
+
+
+def fisher_cost(n, block_dims, structure) -> Cost:
+    if structure == "dense":
+        d = sum(block_dims)
+        return Cost(flops=2.0 * n * d * d, peak_bytes=8.0 * d * d)
+    if structure == "block":
+        return Cost(flops=2.0 * n * sum(d * d for d in block_dims), peak_bytes=8.0 * sum(d * d for d in block_dims))
+    return Cost(flops=2.0 * n * sum(block_dims), peak_bytes=8.0 * sum(block_dims))
+
+
+def eigh_cost(d) -> Cost:
+    """Symmetric eigendecomposition ≈ 9 d³ FLOPs (tridiagonalization + QR iterations)."""
+    return Cost(flops=9.0 * d ** 3, peak_bytes=16.0 * d * d)
+
+
+# ------------------------------------------------------------------ models and data
+_WEIGHT_TYPES = (nn.Linear, nn.Conv2d, nn.Conv1d)
+
+
+def model_flops(model: nn.Module, tokens: int) -> float:
+    """Forward FLOPs for one example of ``tokens`` positions, from module shapes.
+
+    Linear-type layers (incl. HF Conv1D) cost 2·in·out per token; attention adds
+    4·T·d per token per layer when the model has a transformer config. Convolutions
+    are counted per output position as if T positions (a lower bound for images).
+    """
+    per_token = 0.0
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if not isinstance(w, torch.Tensor) or isinstance(module, (nn.Embedding, nn.LayerNorm)):
+            continue
+        if isinstance(module, _WEIGHT_TYPES) or type(module).__name__ == "Conv1D":
+            per_token += 2.0 * w.numel()
+    config = getattr(model, "config", None)
+    if config is not None:
+        layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) or 0
+        width = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or 0
+        per_token += 4.0 * tokens * width * layers
+    return per_token * tokens
+
+
+def activation_bytes(model: nn.Module, tokens: int, elem: int = 4) -> float:
+    """Bytes autograd keeps per example for a forward/backward: the inputs and outputs of
+    every Linear-type layer at every position (a lower bound; nonlinearities add a few)."""
+    total = 0.0
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if isinstance(w, torch.Tensor) and w.dim() >= 2 and not isinstance(module, nn.Embedding):
+            total += sum(w.shape[:2])
+    return total * tokens * elem
+
+
+def tokens_hint(node) -> int:
+    """Positions per example T, read off the first example's shape (1 when unknown).
+
+    Reads one example of the data (no model is run); cached on the source node.
+    """
     src = node.source
-    if not isinstance(src, Source):
+    data = getattr(src, "data", None)
+    if data is None:
         return 1
     cached = getattr(src, "_tokens_hint", None)
     if cached is not None:
         return cached
     T = 1
     try:
-        batch = src.data.first_example_batch()
+        batch = data.first_example_batch()
         first = batch
         while not isinstance(first, torch.Tensor):
             first = next(iter(first.values())) if isinstance(first, dict) else first[0]
@@ -62,80 +148,7 @@ def tokens_hint(node: GradNode) -> int:
     return T
 
 
-def estimate(node: Node) -> Cost:
-    """Estimated cost of computing ``node`` (each shared sub-expression once)."""
-    return _estimate(node, set())
-
-
-def _estimate(node: Node, seen: set) -> Cost:
-    if node.token in seen:
-        return Cost()
-    seen.add(node.token)
-    below = Cost()
-    for child in node.children:
-        below = below + _estimate(child, seen)
-    return below + _own(node)
-
-
-def _own(node: Node) -> Cost:
-    if isinstance(node, Source):
-        T = tokens_hint(node)
-        params = sum(b.dim for b in node.space.blocks)
-        per_block = max(b.shape[0] * T + (b.shape[-1] * T) for b in node.space.blocks)
-        return Cost(flops=4.0 * params * T * node.n, peak_bytes=4.0 * 32 * per_block, passes=1)
-    if isinstance(node, Captured):
-        return Cost()
-    if isinstance(node, Project):
-        T = tokens_hint(node)
-        flops = 0.0
-        for src in node.grads.space.blocks:
-            if node.projector.kind == "kron":
-                k_out, k_in = node.projector.kron_shape(*src.shape)
-                flops += node.n * T * (src.shape[1] * k_in + src.shape[0] * k_out + k_out * k_in)
-            else:
-                flops += node.n * (T * src.dim + src.dim * node.projector.k)
-        return Cost(flops=flops)
-    if isinstance(node, (Normalize, ScaleRows, Select)):
-        return Cost(flops=float(node.n * node.space.dim))
-    if isinstance(node, Precondition):
-        return Cost(flops=float(node.n * node.space.dim * node.space.dim))
-    if isinstance(node, Fisher):
-        d = node.space.dim
-        if node.structure == "dense":
-            return Cost(flops=float(node.grads.n * d * d), peak_bytes=8.0 * d * d)
-        if node.structure == "block":
-            sq = sum(b.dim ** 2 for b in node.space.blocks)
-            return Cost(flops=float(node.grads.n * sq), peak_bytes=8.0 * sq)
-        return Cost(flops=float(node.grads.n * d), peak_bytes=8.0 * d)
-    if isinstance(node, (Inverse, Power)):
-        if node.structure == "dense":
-            return Cost(flops=float(node.space.dim) ** 3)
-        if node.structure == "block":
-            return Cost(flops=float(sum(b.dim ** 3 for b in node.space.blocks)))
-        return Cost(flops=float(node.space.dim))
-    if isinstance(node, (Damp, SumOp)):
-        return Cost(flops=float(node.space.dim))
-    if isinstance(node, Inner):
-        return _inner_cost(node)
-    if isinstance(node, ScoreSum):
-        return Cost(flops=float(len(node.terms) * node.shape[0] * node.shape[1]))
-    if isinstance(node, OpNode):
-        return Cost()
-    return Cost()
-
-
-def _inner_cost(node: Inner) -> Cost:
-    left, right = (node.left, node.right) if node.left.n <= node.right.n else (node.right, node.left)
-    TL, TR = tokens_hint(left), tokens_hint(right)
-    flops = 0.0
-    lrep, rrep = left.representation, right.representation
-    if not isinstance(node.op, Identity):
-        flops += left.n * left.space.dim * left.space.dim
-    for b in left.space.blocks:
-        both_factored = lrep[b.name] == rrep[b.name] == "factored" and isinstance(node.op, Identity)
-        if both_factored and len(b.shape) == 2:
-            args = (left.n, right.n, TL, TR, b.shape[1], b.shape[0])
-            flops += min(ghost_flops(*args), dense_flops(*args))
-        else:
-            flops += left.n * right.n * b.dim
-    return Cost(flops=flops, peak_bytes=4.0 * left.n * left.space.dim)
+def estimate(node) -> Cost:
+    """Estimated total cost of computing ``node`` under the options in force (via its plan)."""
+    from .planner import plan
+    return plan(node).total

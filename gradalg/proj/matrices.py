@@ -37,6 +37,9 @@ def dense_matrix(projector: Projector, block_name: str, dim: int, *, dtype=torch
     its column slice for one block is drawn with that block's own seed, which is the
     same thing as a single matrix and lets each block be projected on its own.
     """
+    if projector.kind not in ("gaussian", "rademacher", "kron"):
+        raise ValueError(f"a {projector.kind} projector has no dense matrix; its index tables are "
+                         "in gradalg.proj.sparse_tables (SJLT.dense() builds one for tests)")
     return _dense_cpu(projector, block_name, dim).to(device=device, dtype=dtype)
 
 

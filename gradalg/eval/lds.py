@@ -1,0 +1,283 @@
+"""How well scores predict retraining: LDS and leave-one-out correlation.
+
+Linear datamodeling score (Park et al., "TRAK", ICML 2023). For query q and training
+subsets S_1..S_M with measured targets y_{jq} (from :func:`gradalg.eval.retrain`):
+
+    predicted_{jq} = sign · Σ_{i ∈ S_j} τ_{qi}          (additive prediction of subset j)
+    LDS_q          = Spearman_j(predicted_{jq}, y_{jq})
+    LDS            = mean_q LDS_q
+
+Sign convention. gradalg scores are *positive for helpful examples*: removing a training
+example with τ_qi > 0 raises the query's loss. So a subset full of high-score examples
+predicts a *low* loss and a *high* margin:
+
+    target="loss"    sign = −1   targets that helpful examples lower (loss, error, NLL)
+    target="margin"  sign = +1   targets that helpful examples raise (margin, log p, accuracy)
+
+Leave-one-out correlation compares τ_qi with the measured effect of removing i,
+``effect_iq = y_q(without i) − y_q(all)``, which is +τ_qi-like for a loss and −τ_qi-like
+for a margin; :func:`loo_correlation` applies the same ``target`` sign.
+
+    >>> result = ga.eval.lds(scores, ground_truth, target="loss")
+    >>> result
+    LDS 0.873 (95% CI 0.851 to 0.893; 100 queries, 50 subsets, Spearman)
+    >>> result.per_query            # xarray.DataArray, dim "query"
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xarray as xr
+
+from ..errors import ShapeMismatchError
+
+__all__ = ["lds", "lds_bootstrap", "loo_correlation", "spearman", "pearson", "CorrelationResult"]
+
+_SIGN = {"loss": -1.0, "margin": 1.0}
+
+
+@dataclass(frozen=True)
+class CorrelationResult:
+    """Per-query correlations, their mean over queries and a bootstrap interval.
+
+    ``per_query`` (query,) may hold NaN where a query's values are constant; ``mean``
+    and ``interval`` are over the finite values (``n_queries`` of them).
+    """
+
+    name: str                               # "LDS" or "LOO"
+    method: str                             # "spearman" or "pearson"
+    per_query: xr.DataArray                 # (query,)
+    mean: float
+    interval: tuple[float, float] | None    # bootstrap interval of the mean, or None
+    confidence: float
+    n_queries: int                          # finite per-query values
+    n_samples: int                          # subsets (LDS) or removed examples (LOO)
+
+    def __float__(self) -> float:
+        return self.mean
+
+    def __repr__(self) -> str:
+        what = "subsets" if self.name == "LDS" else "removed examples"
+        ci = ""
+        if self.interval is not None:
+            ci = f"{self.confidence:.0%} CI {self.interval[0]:.3f} to {self.interval[1]:.3f}; "
+        dropped = self.per_query.size - self.n_queries
+        extra = f", {dropped} constant queries left out" if dropped else ""
+        return (f"{self.name} {self.mean:.3f} ({ci}{self.n_queries} queries, {self.n_samples} {what}, "
+                f"{self.method.capitalize()}{extra})")
+
+    def _repr_html_(self) -> str:
+        import html
+        return f"<code>{html.escape(repr(self))}</code>"
+
+
+# ----------------------------------------------------------------------- correlations
+def spearman(x, y, axis: int = 0) -> np.ndarray:
+    """Spearman rank correlation of ``x`` and ``y`` along ``axis`` (ties get average ranks).
+
+    x, y: same shape; returns that shape without ``axis`` (a 0-d array for vectors).
+    Equals ``scipy.stats.spearmanr`` column by column; NaN where either side is constant
+    or holds a non-finite value.
+    """
+    x, y, lead = _pair(x, y, axis)
+    bad = ~(np.isfinite(x).all(-1) & np.isfinite(y).all(-1))
+    x, y = np.where(bad[:, None], 0.0, x), np.where(bad[:, None], 0.0, y)
+    out = _pearson_rows(_rank_rows(x), _rank_rows(y))
+    out[bad] = np.nan
+    return out.reshape(lead)
+
+
+def pearson(x, y, axis: int = 0) -> np.ndarray:
+    """Pearson correlation of ``x`` and ``y`` along ``axis``; NaN where a side is constant."""
+    x, y, lead = _pair(x, y, axis)
+    return _pearson_rows(x, y).reshape(lead)
+
+
+def _pair(x, y, axis):
+    x = np.moveaxis(_numpy(x), axis, -1)
+    y = np.moveaxis(_numpy(y), axis, -1)
+    if x.shape != y.shape:
+        raise ShapeMismatchError(f"cannot correlate arrays of shapes {x.shape} and {y.shape}")
+    lead = x.shape[:-1]
+    return (x.reshape(-1, x.shape[-1]).astype(np.float64), y.reshape(-1, y.shape[-1]).astype(np.float64),
+            lead)
+
+
+def _rank_rows(x: np.ndarray) -> np.ndarray:
+    """Average ranks (1..m) along the last axis of a (r, m) array."""
+    r, m = x.shape
+    order = np.argsort(x, axis=1, kind="stable")
+    xs = np.take_along_axis(x, order, axis=1)
+    pos = np.broadcast_to(np.arange(m), (r, m))
+    starts = np.ones((r, m), dtype=bool)
+    starts[:, 1:] = xs[:, 1:] != xs[:, :-1]
+    ends = np.ones((r, m), dtype=bool)
+    ends[:, :-1] = starts[:, 1:]
+    first = np.maximum.accumulate(np.where(starts, pos, 0), axis=1)
+    last = np.flip(np.minimum.accumulate(np.flip(np.where(ends, pos, m - 1), axis=1), axis=1), axis=1)
+    ranks = np.empty((r, m))
+    np.put_along_axis(ranks, order, (first + last) / 2.0 + 1.0, axis=1)
+    return ranks
+
+
+def _pearson_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    x = x - x.mean(axis=1, keepdims=True)
+    y = y - y.mean(axis=1, keepdims=True)
+    den = np.sqrt((x * x).sum(1) * (y * y).sum(1))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = (x * y).sum(1) / den
+    out[~(den > 0)] = np.nan
+    return np.clip(out, -1.0, 1.0)
+
+
+# -------------------------------------------------------------------------------- LDS
+def lds(scores, ground_truth, *, target: str | None = None, bootstrap: int = 1000, confidence: float = 0.95,
+        seed: int = 0) -> CorrelationResult:
+    """Linear datamodeling score of ``scores`` against retrained ``ground_truth``.
+
+    Parameters
+    ----------
+    scores : (n_query, n_train) DataArray from ``Scores.compute()``, a lazy
+        :class:`~gradalg.api.Scores` (computed here), or an array. Its train axis is in
+        the order of the training examples ``train_fn`` indexes; its queries in the order
+        of ``targets_fn``'s values.
+    ground_truth : the Dataset of :func:`gradalg.eval.retrain`: ``masks`` (subset, train)
+        and ``targets`` (subset, query) (any mapping with those two arrays).
+    target : "loss" (helpful examples lower the target: predicted = −Σ_{i∈S} τ_qi) or
+        "margin" (they raise it: predicted = +Σ_{i∈S} τ_qi). Default: the ``target``
+        recorded by ``retrain(..., target=...)``; one of the two is required.
+    bootstrap : resamples of the queries for the confidence interval of the mean
+        (0: no interval; see :func:`lds_bootstrap`).
+    confidence : level of the interval.
+    seed : seed of the bootstrap.
+
+    Returns
+    -------
+    CorrelationResult: ``per_query`` (DataArray, dim "query"), ``mean``, ``interval``.
+    """
+    sign = _sign(target, ground_truth)
+    masks = _numpy(ground_truth["masks"]).astype(np.float64)        # (M, n_train)
+    actual = _numpy(ground_truth["targets"]).astype(np.float64)     # (M, n_query)
+    tau, query = _scores(scores)                                      # (n_query, n_train)
+    if masks.ndim != 2 or actual.ndim != 2 or masks.shape[0] != actual.shape[0]:
+        raise ShapeMismatchError(f"ground truth needs masks (M, n_train) and targets (M, n_query), got "
+                                 f"{masks.shape} and {actual.shape}")
+    if tau.shape != (actual.shape[1], masks.shape[1]):
+        raise ShapeMismatchError(f"scores are {tau.shape} (query, train) but the ground truth has "
+                                 f"{actual.shape[1]} queries and {masks.shape[1]} training examples")
+    if masks.shape[0] < 3:
+        raise ValueError(f"LDS needs at least 3 subsets, got {masks.shape[0]}")
+    predicted = sign * (masks @ tau.T)                                # (M, n_query)
+    per_query = spearman(predicted, actual, axis=0)
+    query = query if query is not None else _coord(ground_truth, "query", actual.shape[1])
+    return _result("LDS", "spearman", per_query, query, masks.shape[0], bootstrap, confidence, seed)
+
+
+def lds_bootstrap(per_query, *, n_resamples: int = 1000, confidence: float = 0.95,
+                  seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean over queries.
+
+    ``per_query``: (n_query,) values (a :class:`CorrelationResult` or its ``per_query``);
+    NaN entries are left out. Queries are resampled with replacement ``n_resamples``
+    times; the interval is the (1 ± confidence)/2 quantiles of the resampled means.
+    """
+    if isinstance(per_query, CorrelationResult):
+        per_query = per_query.per_query
+    values = _numpy(per_query).reshape(-1)
+    values = values[np.isfinite(values)]
+    if values.size == 0:
+        return (float("nan"), float("nan"))
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+    if n_resamples < 1:
+        raise ValueError(f"n_resamples must be positive, got {n_resamples!r}")
+    rng = np.random.default_rng(seed)
+    means = values[rng.integers(0, values.size, size=(n_resamples, values.size))].mean(axis=1)
+    tail = (1 - confidence) / 2
+    low, high = np.quantile(means, [tail, 1 - tail])
+    return (float(low), float(high))
+
+
+# -------------------------------------------------------------------------------- LOO
+def loo_correlation(scores, loo, *, target: str | None = None, method: str = "pearson", bootstrap: int = 1000,
+                    confidence: float = 0.95, seed: int = 0) -> CorrelationResult:
+    """Per query, the correlation across removed examples of τ_qi and the LOO effect.
+
+    ``loo`` is the Dataset of :func:`gradalg.eval.leave_one_out` (``effect`` (removed,
+    query), coordinate ``removed``). The prediction is ``−sign · τ_qi`` (the loss rises by
+    τ when a helpful example goes: ``target="loss"`` correlates τ with the effect,
+    ``target="margin"`` correlates −τ with it). ``method``: "pearson" or "spearman".
+    """
+    if method not in ("pearson", "spearman"):
+        raise ValueError(f"method must be 'pearson' or 'spearman', got {method!r}")
+    sign = _sign(target, loo)
+    effect = _numpy(loo["effect"]).astype(np.float64)                # (n_removed, n_query)
+    removed = np.asarray(_coord(loo, "removed", effect.shape[0])).astype(np.int64)
+    tau, query = _scores(scores)                                      # (n_query, n_train)
+    if effect.ndim != 2 or tau.shape[0] != effect.shape[1]:
+        raise ShapeMismatchError(f"scores have {tau.shape[0]} queries, the LOO effect "
+                                 f"{effect.shape[-1]}")
+    if removed.max() >= tau.shape[1]:
+        raise ShapeMismatchError(f"removed example {removed.max()} is beyond the {tau.shape[1]} scored ones")
+    predicted = -sign * tau[:, removed].T                              # (n_removed, n_query)
+    per_query = (spearman if method == "spearman" else pearson)(predicted, effect, axis=0)
+    query = query if query is not None else _coord(loo, "query", effect.shape[1])
+    return _result("LOO", method, per_query, query, removed.size, bootstrap, confidence, seed)
+
+
+# ----------------------------------------------------------------------------- helpers
+def _sign(target, data) -> float:
+    if target is None:
+        attrs = getattr(data, "attrs", {}) or {}
+        target = attrs.get("target")
+        if target is None:
+            raise ValueError("say what the targets are: target='loss' (helpful examples lower it) or "
+                             "target='margin' (they raise it); or record it with retrain(..., target=...)")
+    if target not in _SIGN:
+        raise ValueError(f"target must be 'loss' or 'margin', got {target!r}")
+    return _SIGN[target]
+
+
+def _scores(scores):
+    """(values (n_query, n_train) float64, query coordinate or None)."""
+    if hasattr(scores, "compute") and hasattr(scores, "expr"):
+        scores = scores.compute()
+    if isinstance(scores, xr.DataArray):
+        if scores.dims != ("query", "train"):
+            if set(scores.dims) == {"query", "train"}:
+                scores = scores.transpose("query", "train")
+            else:
+                raise ShapeMismatchError(f"scores need dims ('query', 'train'), got {scores.dims}")
+        return np.asarray(scores.values, dtype=np.float64), np.asarray(scores["query"].values)
+    values = _numpy(scores).astype(np.float64)
+    if values.ndim != 2:
+        raise ShapeMismatchError(f"scores must be (n_query, n_train), got shape {values.shape}")
+    return values, None
+
+
+def _numpy(x) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("cpu").numpy()
+    if isinstance(x, xr.DataArray):
+        return np.asarray(x.values)
+    return np.asarray(x)
+
+
+def _coord(data, name, size):
+    try:
+        return np.asarray(data[name].values)
+    except (KeyError, AttributeError, TypeError):
+        return np.arange(size)
+
+
+def _result(name, method, per_query, query, n_samples, bootstrap, confidence, seed) -> CorrelationResult:
+    finite = per_query[np.isfinite(per_query)]
+    mean = float(finite.mean()) if finite.size else float("nan")
+    interval = lds_bootstrap(per_query, n_resamples=bootstrap, confidence=confidence, seed=seed) if bootstrap else None
+    return CorrelationResult(
+        name=name, method=method,
+        per_query=xr.DataArray(per_query, dims=("query",), coords={"query": query}, name=name.lower()),
+        mean=mean, interval=interval, confidence=confidence, n_queries=int(finite.size), n_samples=int(n_samples),
+    )

@@ -1,0 +1,329 @@
+"""Ground truth by retraining: random-subset retraining (for LDS) and leave-one-out.
+
+``retrain(train_fn, n_train, n_subsets=M, fraction=α, targets_fn=...)`` trains the
+user's ``train_fn(indices) -> model`` on M random subsets of ⌊α·n⌉ training examples and
+records ``targets_fn(model)`` for each; ``leave_one_out`` trains once on everything and
+once without each listed example. Both return an :class:`xarray.Dataset`.
+
+Reproducibility
+    Subset j is drawn from ``numpy.random.default_rng([seed, j])``: it depends only on
+    ``seed``, ``j``, α and n, so asking for more subsets later keeps the first ones.
+    Before every call of ``train_fn`` the global RNGs of torch, numpy and ``random`` are
+    seeded with that run's *training seed* (and restored afterwards), so a ``train_fn``
+    that draws its initialisation or batch order from them is deterministic.
+
+Resuming
+    With ``store=path`` (a directory), each finished run is written to its own ``.npz``
+    file, atomically (a temporary file in the same directory, then ``os.replace``). A
+    rerun with the same store loads the finished runs and trains only the missing ones;
+    an interrupted write leaves no partial file under a run's name. The store's
+    ``meta.json`` records what the runs depend on, and a rerun with other settings is
+    refused rather than mixed in.
+
+    >>> gt = ga.eval.retrain(train_fn, 500, n_subsets=50, fraction=0.5,
+    ...                      targets_fn=query_losses, store="cache/lds")
+    >>> gt
+    <xarray.Dataset>
+    Dimensions:  (subset: 50, train: 500, query: 100)
+    Data variables:
+        masks    (subset, train) bool ...
+        targets  (subset, query) float64 ...
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import xarray as xr
+
+from ..errors import GradalgError, ShapeMismatchError
+
+__all__ = ["retrain", "leave_one_out", "subset_masks", "subset_size"]
+
+_STORE_VERSION = 1
+
+
+# ----------------------------------------------------------------------------- subsets
+def subset_size(n_train: int, fraction: float) -> int:
+    """Examples per subset: round(α · n), at least 1."""
+    if not isinstance(n_train, (int, np.integer)) or n_train < 1:
+        raise ValueError(f"n_train must be a positive integer, got {n_train!r}")
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
+    return max(1, int(round(fraction * n_train)))
+
+
+def subset_masks(n_train: int, n_subsets: int, fraction: float, seed: int = 0) -> np.ndarray:
+    """The (n_subsets, n_train) bool masks of :func:`retrain`.
+
+    Row j holds exactly ``subset_size(n_train, fraction)`` True entries, drawn without
+    replacement by ``numpy.random.default_rng([seed, j])``; it does not depend on
+    ``n_subsets``.
+    """
+    if not isinstance(n_subsets, (int, np.integer)) or n_subsets < 1:
+        raise ValueError(f"n_subsets must be a positive integer, got {n_subsets!r}")
+    size = subset_size(n_train, fraction)
+    masks = np.zeros((n_subsets, n_train), dtype=bool)
+    for j in range(n_subsets):
+        masks[j, _subset_rng(seed, j).permutation(n_train)[:size]] = True
+    return masks
+
+
+def _run_seed(seed: int, run: int) -> int:
+    """The training seed of run ``run`` of a retraining with ``seed`` (a 31-bit int)."""
+    return int(np.random.SeedSequence([int(seed), int(run), 0x7E7]).generate_state(1)[0] >> 1)
+
+
+def _subset_rng(seed: int, j: int) -> np.random.Generator:
+    return np.random.default_rng([int(seed), int(j)])
+
+
+# ------------------------------------------------------------------------------ public
+def retrain(train_fn: Callable[[np.ndarray], Any], n_train: int, *, n_subsets: int, fraction: float = 0.5,
+            targets_fn: Callable[[Any], Any], seed: int = 0, training_seed: int | None = None,
+            store: str | os.PathLike | None = None, query_ids: Sequence | None = None,
+            target: str | None = None, progress: bool = False) -> xr.Dataset:
+    """Retrain on ``n_subsets`` random subsets and record each model's targets.
+
+    Parameters
+    ----------
+    train_fn : ``train_fn(indices) -> model``, ``indices`` a sorted int64 array of the
+        training examples to train on (positions 0..n_train-1 of the training set, in
+        the order of the scores' ``train`` axis).
+    n_train : size of the full training set.
+    n_subsets : M, the number of subsets (≥ 50 is usual for LDS).
+    fraction : α, the fraction of the training set in each subset.
+    targets_fn : ``targets_fn(model) -> (n_query,)`` tensor or array: the measured
+        outcome per query, e.g. each query's loss or margin.
+    seed : draws the subsets (and the training seeds, unless ``training_seed`` is given).
+    training_seed : None (default): subset j is trained with its own seed,
+        derived from (``seed``, j); an int: every subset with this seed, so that
+        the targets differ only through the data.
+    store : a directory for resumable results (created if missing), or None.
+    query_ids : labels of the queries (default 0..n_query-1).
+    target : optional label recorded in ``attrs["target"]`` ("loss" or "margin"),
+        which :func:`gradalg.eval.lds` reads when it is not told.
+    progress : print one line per trained subset.
+
+    Returns
+    -------
+    xarray.Dataset with
+        ``masks``   (subset, train) bool      which examples each model saw
+        ``targets`` (subset, query) float64   ``targets_fn`` of each model
+    and attrs ``n_train``, ``fraction``, ``seed``, ``kind="subsets"`` (and ``target``).
+    """
+    _check_callable(train_fn, "train_fn")
+    _check_callable(targets_fn, "targets_fn")
+    _check_target(target)
+    masks = subset_masks(n_train, n_subsets, fraction, seed)
+    meta = {"kind": "subsets", "n_train": int(n_train), "fraction": float(fraction), "seed": int(seed),
+            "training_seed": None if training_seed is None else int(training_seed)}
+    runs = _RunStore(store, meta)
+    targets = []
+    for j in range(n_subsets):
+        name = f"subset-{j:06d}"
+        indices = np.flatnonzero(masks[j])
+        stored = runs.load(name, indices)
+        if stored is None:
+            run_seed = _run_seed(seed, j) if training_seed is None else int(training_seed)
+            stored = _run(train_fn, targets_fn, indices, run_seed, progress, f"subset {j + 1}/{n_subsets}")
+            runs.save(name, indices, stored, run_seed)
+        targets.append(stored)
+    values = _stack(targets)
+    attrs = {**{k: v for k, v in meta.items() if v is not None}, **({"target": target} if target else {})}
+    return xr.Dataset(
+        {"masks": (("subset", "train"), masks), "targets": (("subset", "query"), values)},
+        coords={"subset": np.arange(n_subsets), "train": np.arange(n_train),
+                "query": _query_coords(query_ids, values.shape[1])},
+        attrs=attrs,
+    )
+
+
+def leave_one_out(train_fn: Callable[[np.ndarray], Any], n_train: int, indices: Sequence[int],
+                  targets_fn: Callable[[Any], Any], *, seed: int = 0, store: str | os.PathLike | None = None,
+                  query_ids: Sequence | None = None, target: str | None = None,
+                  progress: bool = False) -> xr.Dataset:
+    """Retrain without each of ``indices`` (and once on everything) with one training seed.
+
+    Every run, the full one included, is trained with the same training seed ``seed``
+    (global RNGs seeded as in :func:`retrain`), so a difference in targets is due to the
+    removed example alone (for a ``train_fn`` whose randomness comes from those RNGs).
+
+    Returns
+    -------
+    xarray.Dataset with
+        ``base``    (query,)            targets of the model trained on all n examples
+        ``targets`` (removed, query)    targets of the model trained without example i
+        ``effect``  (removed, query)    ``targets − base``: the effect of removing i
+    coordinate ``removed`` = ``indices``; attrs ``n_train``, ``seed``, ``kind="loo"``.
+    """
+    _check_callable(train_fn, "train_fn")
+    _check_callable(targets_fn, "targets_fn")
+    _check_target(target)
+    if not isinstance(n_train, (int, np.integer)) or n_train < 2:
+        raise ValueError(f"n_train must be an integer ≥ 2, got {n_train!r}")
+    removed = np.asarray(indices, dtype=np.int64).reshape(-1)
+    if removed.size == 0:
+        raise ValueError("leave_one_out needs at least one index to remove")
+    if removed.min() < 0 or removed.max() >= n_train:
+        raise ValueError(f"indices must lie in [0, {n_train}), got values in [{removed.min()}, {removed.max()}]")
+    if np.unique(removed).size != removed.size:
+        raise ValueError("indices must not repeat")
+    meta = {"kind": "loo", "n_train": int(n_train), "seed": int(seed)}
+    runs = _RunStore(store, meta)
+    everything = np.arange(n_train, dtype=np.int64)
+
+    def one(name, keep, label):
+        stored = runs.load(name, keep)
+        if stored is None:
+            stored = _run(train_fn, targets_fn, keep, int(seed), progress, label)
+            runs.save(name, keep, stored, int(seed))
+        return stored
+
+    base = one("full", everything, "full training set")
+    rows = [one(f"loo-{i:09d}", np.delete(everything, i), f"without {i} ({k + 1}/{removed.size})")
+            for k, i in enumerate(removed)]
+    values = _stack(rows)
+    if values.shape[1] != base.shape[0]:
+        raise ShapeMismatchError(f"targets_fn returned {base.shape[0]} values for the full model and "
+                         f"{values.shape[1]} for the others")
+    attrs = {**meta, **({"target": target} if target else {})}
+    return xr.Dataset(
+        {"base": (("query",), base), "targets": (("removed", "query"), values),
+         "effect": (("removed", "query"), values - base[None, :])},
+        coords={"removed": removed, "query": _query_coords(query_ids, base.shape[0])},
+        attrs=attrs,
+    )
+
+
+# ----------------------------------------------------------------------------- running
+def _check_callable(fn, what):
+    if not callable(fn):
+        raise TypeError(f"{what} must be a callable, got {type(fn).__name__}")
+
+
+def _check_target(target):
+    if target is not None and target not in ("loss", "margin"):
+        raise ValueError(f"target must be 'loss', 'margin' or None, got {target!r}")
+
+
+def _run(train_fn, targets_fn, indices, run_seed, progress, label) -> np.ndarray:
+    start = time.perf_counter()
+    with _seeded(run_seed):
+        model = train_fn(indices.copy())
+        values = _as_targets(targets_fn(model))
+    if progress:
+        print(f"retrained {label}: {indices.size} examples, {time.perf_counter() - start:.2f} s", flush=True)
+    return values
+
+
+def _as_targets(values) -> np.ndarray:
+    if isinstance(values, torch.Tensor):
+        values = values.detach().to("cpu", torch.float64).numpy()
+    array = np.asarray(values, dtype=np.float64)
+    if array.ndim > 1:
+        array = array.squeeze()
+    if array.ndim == 0:
+        array = array.reshape(1)
+    if array.ndim != 1:
+        raise ShapeMismatchError(f"targets_fn must return a (n_query,) vector, got shape {np.shape(values)}")
+    return array
+
+
+def _stack(rows: list[np.ndarray]) -> np.ndarray:
+    sizes = {r.shape[0] for r in rows}
+    if len(sizes) != 1:
+        raise ShapeMismatchError(f"targets_fn returned vectors of different lengths {sorted(sizes)} across runs "
+                         "(a store written for other queries? use a new store path)")
+    return np.stack(rows)
+
+
+def _query_coords(query_ids, n_query):
+    if query_ids is None:
+        return np.arange(n_query)
+    ids = np.asarray(query_ids)
+    if ids.shape != (n_query,):
+        raise ShapeMismatchError(f"query_ids has {ids.size} labels for {n_query} targets")
+    return ids
+
+
+@contextlib.contextmanager
+def _seeded(seed: int):
+    """Seed torch, numpy and ``random`` with ``seed``; restore their states afterwards."""
+    py_state, np_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        np.random.seed(seed)
+        random.seed(seed)
+        try:
+            yield
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
+
+
+# ------------------------------------------------------------------------------- store
+class _RunStore:
+    """One ``.npz`` per finished run in a directory, written atomically; or nothing."""
+
+    def __init__(self, path, meta: dict):
+        self.path = None if path is None else Path(path)
+        if self.path is None:
+            return
+        self.path.mkdir(parents=True, exist_ok=True)
+        meta = {"version": _STORE_VERSION, **meta}
+        meta_file = self.path / "meta.json"
+        if meta_file.exists():
+            found = json.loads(meta_file.read_text())
+            diff = {k: (found.get(k), v) for k, v in meta.items() if found.get(k) != v}
+            if diff:
+                text = ", ".join(f"{k}: stored {a!r}, asked {b!r}" for k, (a, b) in diff.items())
+                raise GradalgError(f"the store {self.path} holds runs of other settings ({text}); "
+                                   "use another store path or delete this one")
+        else:
+            _atomic_write(meta_file, lambda f: f.write(json.dumps(meta, indent=1, sort_keys=True).encode()))
+
+    def load(self, name: str, indices: np.ndarray) -> np.ndarray | None:
+        if self.path is None:
+            return None
+        file = self.path / f"{name}.npz"
+        if not file.exists():
+            return None
+        with np.load(file) as data:
+            stored_indices, targets = data["indices"], data["targets"]
+        if not np.array_equal(stored_indices, indices):
+            raise GradalgError(f"{file} was trained on other examples than this run draws (a store "
+                               "written by another version?); use another store path or delete it")
+        return np.asarray(targets, dtype=np.float64)
+
+    def save(self, name: str, indices: np.ndarray, targets: np.ndarray, run_seed: int) -> None:
+        if self.path is None:
+            return
+        _atomic_write(self.path / f"{name}.npz", lambda f: _write_run(f, indices, targets, run_seed))
+
+
+def _write_run(file, indices: np.ndarray, targets: np.ndarray, run_seed: int) -> None:
+    np.savez(file, indices=indices, targets=targets, training_seed=np.int64(run_seed))
+
+
+def _atomic_write(target: Path, write: Callable) -> None:
+    """Write through ``write(file)`` to a temporary file beside ``target``, then rename."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise

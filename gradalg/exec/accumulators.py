@@ -1,0 +1,232 @@
+"""What a job does with the chunks of one pass: accumulate, collect, score.
+
+Each accumulator has ``update(chunk)`` (called once per chunk of the pass, in order)
+and ``finish()``; the executor stores what ``finish`` returns. The same accumulators
+serve the fused passes of a plan and the one-node-at-a-time pull path, so both give
+identical numbers.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..capture.factors import Factors, ghost_inner
+from ..curvature.kron import KronOp, KronStats, kron_eigenbasis, rotate_factors
+from ..errors import GradalgError, MemoryBudgetError
+from ..expr import KFAC, Fisher, GroupMean
+from ..plan.routing import choose_kernel
+from .chunks import Chunk, concat_chunks, flat_block, flatten, row_sq_norms, unflatten
+from .operators import ResolvedOp
+
+__all__ = ["FisherAccumulator", "KronAccumulator", "EKFACAccumulator", "GroupAccumulator", "Collector",
+           "ScoreAccumulator", "DiagAccumulator"]
+
+
+class FisherAccumulator:
+    """F = (1/n) Σ_i g_i g_iᵀ, accumulated in float64, as dense, block or diag."""
+
+    def __init__(self, node: Fisher, memory_budget: int, dtype):
+        space, structure = node.space, node.structure
+        need = {"dense": space.dim ** 2, "block": sum(b.dim ** 2 for b in space.blocks),
+                "diag": space.dim}[structure] * 8
+        if need > memory_budget:
+            raise MemoryBudgetError(
+                f"a {structure} Fisher over {space.dim:,} coordinates needs {need / 2**30:.1f} GiB, over "
+                f"the memory budget of {memory_budget / 2**30:.1f} GiB. Project first "
+                "(ga.fisher(P(G)) with P = ga.proj.kron(k=...)), use structure='block' or 'diag', "
+                "or raise ga.options(memory_budget=...)."
+            )
+        self.node, self.space, self.structure, self.dtype = node, space, structure, dtype
+        self.acc = None
+        self.rows = 0
+
+    def update(self, chunk: Chunk) -> None:
+        self.rows += chunk.n
+        if self.structure == "dense":
+            x = flatten(chunk, self.space).to(torch.float64)
+            part = x.T @ x
+        elif self.structure == "diag":
+            part = (flatten(chunk, self.space).to(torch.float64) ** 2).sum(0)
+        else:
+            part = {}
+            for name in self.space.names:
+                x = flat_block(chunk.blocks[name]).to(torch.float64)
+                part[name] = x.T @ x
+        if self.acc is None:
+            self.acc = part
+        elif self.structure == "block":
+            for k in self.acc:
+                self.acc[k] += part[k]
+        else:
+            self.acc += part
+
+    def finish(self) -> ResolvedOp:
+        if self.rows == 0:
+            raise ValueError("cannot compute a Fisher over zero examples")
+        n = self.node.grads.n  # rows may repeat an example (objective="expected": one row per term)
+        if self.structure == "block":
+            return ResolvedOp(self.space, "block", {k: (v / n).to(self.dtype) for k, v in self.acc.items()})
+        return ResolvedOp(self.space, self.structure, (self.acc / n).to(self.dtype))
+
+
+def _factors(node, name, value) -> Factors:
+    if not isinstance(value, Factors):
+        raise GradalgError(
+            f"K-FAC needs factored gradients, but block {name!r} is {node.grads.representation[name]}: "
+            "apply ga.kfac to gradients from ga.grads (hook backend), optionally projected with "
+            "ga.proj.kron, not to normalized, preconditioned or gaussian-projected ones"
+        )
+    return value
+
+
+class KronAccumulator:
+    """K-FAC's Kronecker factors; ``finish`` gives the eigenbasis and K-FAC eigenvalues."""
+
+    def __init__(self, node: KFAC):
+        self.node = node
+        self.stats = {name: KronStats() for name in node.space.names}
+
+    def update(self, chunk: Chunk) -> None:
+        for name in self.node.space.names:
+            self.stats[name].update(_factors(self.node, name, chunk.blocks[name]))
+
+    def finish(self) -> KronOp:
+        bases, eigenvalues = {}, {}
+        for name in self.node.space.names:
+            self.stats[name].examples = self.node.grads.n
+            S, A = self.stats[name].covariances()
+            Q_S, lam_S, Q_A, lam_A = kron_eigenbasis(S, A)
+            bases[name] = (Q_S, Q_A)
+            eigenvalues[name] = torch.outer(lam_S, lam_A)
+        return KronOp(self.node.space, bases, eigenvalues)
+
+
+class EKFACAccumulator:
+    """EK-FAC's eigenvalue correction Λ = (1/n) Σ_i (Q_Sᵀ G_i Q_A)² in a K-FAC eigenbasis."""
+
+    def __init__(self, node: KFAC, kfac: KronOp):
+        self.node, self.kfac = node, kfac
+        self.sums = {name: torch.zeros_like(v) for name, v in kfac.eigenvalues.items()}
+
+    def update(self, chunk: Chunk) -> None:
+        for name in self.node.space.names:
+            Q_S, Q_A = self.kfac.bases[name]
+            value = _factors(self.node, name, chunk.blocks[name])
+            self.sums[name] += (rotate_factors(value, Q_S, Q_A) ** 2).sum(0)
+
+    def finish(self) -> KronOp:
+        n = self.node.grads.n
+        return KronOp(self.node.space, self.kfac.bases, {k: s / n for k, s in self.sums.items()})
+
+
+class GroupAccumulator:
+    """Group means of the rows (GroupMean): one flat row per group label."""
+
+    def __init__(self, node: GroupMean):
+        self.node = node
+        where = {g: i for i, g in enumerate(node.ids)}
+        self.index = torch.tensor([where[g] for g in node.groups])
+        self.total, self.start = None, 0
+
+    def update(self, chunk: Chunk) -> None:
+        x = flatten(chunk, self.node.space)
+        if self.total is None:
+            self.total = x.new_zeros(self.node.n, x.shape[1])
+        self.total.index_add_(0, self.index[self.start:self.start + chunk.n].to(x.device), x)
+        self.start += chunk.n
+
+    def finish(self) -> list[Chunk]:
+        counts = torch.bincount(self.index, minlength=self.node.n).to(self.total)
+        return [Chunk(self.node.ids, unflatten(self.total / counts.unsqueeze(1), self.node.space))]
+
+
+class Collector:
+    """Keeps the chunks (a held side, or rows stored for a later pass)."""
+
+    def __init__(self, node):
+        self.node = node
+        self.chunks: list[Chunk] = []
+
+    def update(self, chunk: Chunk) -> None:
+        self.chunks.append(chunk)
+
+    def finish(self) -> list[Chunk]:
+        return self.chunks
+
+
+def _nbytes(value) -> int:
+    return value.nbytes() if isinstance(value, Factors) else value.numel() * value.element_size()
+
+
+class ScoreAccumulator:
+    """Columns of ⟨held_i, streamed_j⟩ summed over blocks, chunk by chunk of the streamed side.
+
+    ``held`` is already preconditioned. Per block the kernel is the plan's choice, or
+    re-decided from the chunk's real shapes when the option says "auto" and the plan
+    had to guess T.
+    """
+
+    def __init__(self, held: Chunk, space, kernels: dict, ghost_mode: str, trace, memory_budget: int):
+        nbytes = sum(_nbytes(v) for v in held.blocks.values())
+        if nbytes > memory_budget:
+            raise MemoryBudgetError(
+                f"the held side of the scores takes {nbytes / 2**20:.0f} MiB, over the memory budget "
+                f"of {memory_budget / 2**20:.0f} MiB: use fewer queries per call, "
+                "project the gradients (ga.proj.kron), or raise ga.options(memory_budget=...)"
+            )
+        self.held, self.space, self.kernels = held, space, kernels
+        self.ghost_mode, self.trace = ghost_mode, trace
+        self.columns: list[torch.Tensor] = []
+        self._materialized: dict[str, torch.Tensor] = {}
+
+    def update(self, chunk: Chunk) -> None:
+        total = None
+        for name in self.space.names:
+            part = self._block(name, self.held.blocks[name], chunk.blocks[name])
+            total = part if total is None else total + part
+        self.columns.append(total)
+
+    def _block(self, name, lval, rval) -> torch.Tensor:
+        if isinstance(lval, Factors) and isinstance(rval, Factors):
+            kernel = choose_kernel(lval, rval, self.ghost_mode)
+            if kernel == "ghost":
+                self.trace["ghost"] += 1
+                return ghost_inner(lval, rval)
+        self.trace["dense"] += 1
+        if isinstance(lval, Factors):
+            if name not in self._materialized:
+                self._materialized[name] = flat_block(lval)
+            lflat = self._materialized[name]
+        else:
+            lflat = lval
+        return lflat @ flat_block(rval).to(lflat.dtype).T
+
+    def finish(self) -> torch.Tensor:
+        return torch.cat(self.columns, dim=1)
+
+
+class DiagAccumulator:
+    """d_i = ⟨L_i, H R_i⟩ for chunks of the two sides arriving together."""
+
+    def __init__(self, space, resolved, same: bool):
+        self.space, self.resolved, self.same = space, resolved, same
+        self.parts: list[torch.Tensor] = []
+
+    def update(self, left: Chunk, right: Chunk | None = None) -> None:
+        if self.same and self.resolved is None:
+            self.parts.append(row_sq_norms(left))
+            return
+        x = flatten(left, self.space)
+        y = x if right is None else flatten(right, self.space).to(x.dtype)
+        if right is not None and right.ids != left.ids:
+            raise ValueError("the two sides of the diagonal are chunked differently; give both "
+                             "the same data object and batch size")
+        if self.resolved is not None:
+            y = self.resolved.apply(y).to(x.dtype)
+        self.parts.append((x * y).sum(1))
+
+    def finish(self) -> torch.Tensor:
+        return torch.cat(self.parts)
+
+
+def held_chunk(chunks: list[Chunk]) -> Chunk:
+    return concat_chunks(chunks)

@@ -1,0 +1,113 @@
+"""Row-wise transforms of chunks: each takes a chunk of a node's input and returns the
+chunk of the node (same rows). Shared by fused passes and the pull path."""
+from __future__ import annotations
+
+import torch
+
+from ..capture.factors import Factors, project_factors
+from ..errors import GradalgError
+from ..expr import (AdamPrecondition, Normalize, Precondition, Project, RowWeights, ScaleRows, Select)
+from ..proj.kernels import SPARSE_KINDS, project_sparse_block
+from ..proj.matrices import dense_matrix, kron_matrices
+from .chunks import Chunk, flat_block, flatten, row_sq_norms, unflatten
+
+__all__ = ["apply_rowwise", "dtype_device", "scale_rows"]
+
+
+def dtype_device(value):
+    if isinstance(value, Factors):
+        return value.D.dtype, value.D.device
+    return value.dtype, value.device
+
+
+def scale_rows(value, w: torch.Tensor):
+    if isinstance(value, Factors):
+        return value.scale_rows(w)
+    return value * w.to(value.dtype).unsqueeze(1)
+
+
+def apply_rowwise(executor, node, chunk: Chunk) -> Chunk:
+    """The chunk of ``node`` computed from the matching chunk of ``node.grads``."""
+    if isinstance(node, Project):
+        return chunk.replace(_project(executor, node, chunk))
+    if isinstance(node, Normalize):
+        if node.op is None:
+            norms = row_sq_norms(chunk).sqrt()
+            inv = torch.where(norms > 0, 1.0 / norms, torch.zeros_like(norms))
+            return chunk.replace({n: scale_rows(v, inv) for n, v in chunk.blocks.items()})
+        metric = executor.resolve(node.op)
+        x = flatten(chunk, node.space)
+        sq = (x * metric.apply(x).to(x.dtype)).sum(1)
+        if bool((sq < 0).any()):
+            raise GradalgError("the normalizing operator gave a negative ⟨g, H g⟩: it must be "
+                               "positive semi-definite (damp it)")
+        norms = sq.sqrt()
+        inv = torch.where(norms > 0, 1.0 / norms, torch.zeros_like(norms))
+        return chunk.replace(unflatten(x * inv.unsqueeze(1), node.space))
+    if isinstance(node, Select):
+        return chunk.replace({n: chunk.blocks[n] for n in node.names})
+    if isinstance(node, Precondition):
+        resolved = executor.resolve(node.op)
+        return chunk.replace(unflatten(resolved.apply(flatten(chunk, node.space)), node.space))
+    if isinstance(node, ScaleRows):
+        w = _row_weights(node.weights, chunk)
+        return chunk.replace({n: scale_rows(v, w) for n, v in chunk.blocks.items()})
+    if isinstance(node, AdamPrecondition):
+        st = node.state
+        g = flatten(chunk, node.space)
+        m = st.beta1 * st.exp_avg.to(g) + (1 - st.beta1) * g
+        v = st.beta2 * st.exp_avg_sq.to(g) + (1 - st.beta2) * g * g
+        return chunk.replace(unflatten(m / (v.sqrt() + st.eps), node.space))
+    raise TypeError(f"{type(node).__name__} is not a row-wise node")
+
+
+def _row_weights(weights, chunk: Chunk) -> torch.Tensor:
+    if not isinstance(weights, RowWeights):
+        return torch.full((chunk.n,), float(weights), dtype=torch.float64)
+    if chunk.batch is None or chunk.task is None:
+        raise ValueError(f"per-example weights {weights.name!r} need the batches the gradients "
+                         "came from; apply them to gradients from ga.grads, not to stored ones")
+    with torch.no_grad():
+        w = weights.fn(chunk.task.model, chunk.batch)
+    if w.shape != (chunk.n,):
+        raise ValueError(f"row weights {weights.name!r} returned shape {tuple(w.shape)}; expected "
+                         f"({chunk.n},), one value per example")
+    return w.detach()
+
+
+def _project(executor, node: Project, chunk: Chunk) -> dict:
+    p = node.projector
+    src_space = node.grads.space
+    out = {}
+    combined = None
+    for block in src_space.blocks:
+        value = chunk.blocks[block.name]
+        dtype, device = dtype_device(value)
+        if p.kind == "kron":
+            P_out, P_in = kron_matrices(p, block.name, *block.shape, dtype=dtype, device=device)
+            if isinstance(value, Factors):
+                # Stays factored: (D P_outᵀ)ᵀ (A P_inᵀ), so ghost products and
+                # Kronecker statistics remain available in the projected space.
+                executor.trace["kron_factored"] += 1
+                out[block.name] = project_factors(value, P_out, P_in)
+            else:
+                out[block.name] = (P_out @ value.view(-1, *block.shape) @ P_in.T).flatten(1)
+            continue
+        if p.kind in SPARSE_KINDS:
+            # index tables and scatter-adds; factored blocks are never materialized
+            # whole except by a plain "sparse" projection (see gradalg.proj.kernels)
+            form = "factored" if isinstance(value, Factors) else "flat"
+            executor.trace[f"{p.kind}_{form}"] += 1
+            projected = project_sparse_block(
+                p, block, value, space_blocks=tuple((b.name, b.dim) for b in src_space.blocks),
+                max_elements=executor.options.memory_budget // 64)
+        else:
+            P = dense_matrix(p, block.name, block.dim, dtype=dtype, device=device)
+            projected = flat_block(value) @ P.T
+        if p.per_block:
+            out[block.name] = projected
+        else:
+            combined = projected if combined is None else combined + projected
+    if combined is not None:
+        out["projected"] = combined
+    return out

@@ -1,0 +1,28 @@
+"""Capture inside real training stacks, training-time callbacks and online data selection.
+
+Core (no optional dependency):
+
+- :func:`training_capture` / :class:`TrainingCapture`: each optimizer step's per-example
+  gradients handed to ``on_step`` callbacks before the step (gradient accumulation aware);
+- :class:`OnlineSelection` with targets (:class:`BatchMean`, :class:`FixedTarget`,
+  :class:`ValidationTarget`) and policies (:class:`DropFraction`, :class:`Threshold`,
+  :class:`Reweight`, :class:`RandomDrop`, :class:`KeepAll`): score, drop or re-weight,
+  correct the step's gradient exactly;
+- :func:`gather`: every DDP/FSDP rank's captured rows in one GradientSet.
+
+Trainer integrations (import the submodule; each needs its library):
+
+- :mod:`gradalg.integrations.hf`: ``GradientCallback`` for ``transformers.Trainer`` and
+  TRL trainers (``SFTTrainer``);
+- :mod:`gradalg.integrations.olmo`: ``OLMoCoreCallback`` for OLMo-core's ``Trainer``.
+
+See docs/training_time.md.
+"""
+from .distributed import gather, unwrap_model
+from .selection import (BatchMean, DropFraction, FixedTarget, KeepAll, OnlineSelection, Policy, RandomDrop,
+                        Reweight, SelectionRecord, Target, Threshold, ValidationTarget)
+from .training import StepGrads, TrainingCapture, training_capture
+
+__all__ = ["training_capture", "TrainingCapture", "StepGrads", "OnlineSelection", "SelectionRecord", "Target",
+           "BatchMean", "FixedTarget", "ValidationTarget", "Policy", "DropFraction", "Threshold", "Reweight",
+           "RandomDrop", "KeepAll", "gather", "unwrap_model"]

@@ -1,0 +1,281 @@
+"""Training-time capture: each optimizer step's per-example gradients, before the step.
+
+    tc = ga.integrations.training_capture(model, layers=["fc1", "fc2"], optimizer=opt)
+
+    @tc.on_step
+    def look(step):                        # a StepGrads, called before opt.step()
+        print(step.index, step.n, step.sq_norms())
+
+    with tc:
+        for i, (x, y) in enumerate(loader):
+            F.cross_entropy(model(x), y, reduction="sum").backward()
+            if i % 2 == 1:                 # gradient accumulation: two backwards per step
+                opt.step(); opt.zero_grad()
+    tc.grads                               # GradientSet of every example seen (keep=True)
+
+A *micro-batch* is one ``backward()``; a *step* is every micro-batch between two
+optimizer steps. :class:`~gradalg.capture.CaptureSession` records each micro-batch's
+factors during backward; a step pre-hook on the optimizer (or the trainer integrations,
+or an explicit :meth:`TrainingCapture.end_step`) closes the step and hands its
+:class:`StepGrads` to every ``on_step`` callback, while ``p.grad`` holds the step's
+gradient and nothing has been applied yet. Callbacks may change ``p.grad`` (online data
+selection, :mod:`gradalg.integrations.selection`, does).
+
+Per-example gradients are those of the loss that was backpropagated (``ga.capture``'s
+``reduction="sum"``): with a mean-reduced loss they are each example's *contribution* to
+the step's gradient. ``scale_next`` lets an integration multiply the rows of the
+micro-batch being recorded (the HF and OLMo-core callbacks use it to express rows in the
+loss's own normalization, see their docs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..capture.factors import Factors, self_inner
+from ..capture.session import CaptureSession, CaptureStore
+from ..exec.chunks import Chunk
+from .distributed import unwrap_model
+
+__all__ = ["StepGrads", "TrainingCapture", "training_capture"]
+
+
+@dataclass
+class StepGrads:
+    """The per-example gradients of one optimizer step (every micro-batch of it).
+
+    index : the step's number (0 for the first optimizer step seen).
+    chunks : one :class:`~gradalg.exec.chunks.Chunk` per micro-batch, in order; each block
+        is :class:`~gradalg.capture.Factors` (n_mb, T, in) / (n_mb, T, out).
+    space : the ParamSpace of the captured layers.
+    """
+
+    index: int
+    chunks: tuple
+    space: object
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def n(self) -> int:
+        return sum(c.n for c in self.chunks)
+
+    @property
+    def micro_batches(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def ids(self) -> tuple:
+        return tuple(i for c in self.chunks for i in c.ids)
+
+    @property
+    def grads(self):
+        """The step's rows as a lazy GradientSet (project, normalize, score it as any other)."""
+        from ..api import GradientSet
+        from ..expr import Captured
+
+        return GradientSet(Captured(CaptureStore(list(self.chunks)), self.space))
+
+    def factors(self, layer: str) -> Factors:
+        """One layer's factors over the whole step: A (n, T, in), D (n, T, out)."""
+        parts = [c.blocks[layer] for c in self.chunks]
+        return parts[0] if len(parts) == 1 else Factors.concat_examples(parts)
+
+    def sq_norms(self, layers=None) -> torch.Tensor:
+        """‖g_i‖² over ``layers`` (default: all), by the ghost identity.   Returns (n,)."""
+        names = self.space.names if layers is None else tuple(layers)
+        return torch.cat([sum(self_inner(c.blocks[name]) for name in names) for c in self.chunks])
+
+
+class TrainingCapture:
+    """Per-example gradients of each training step, handed to callbacks before the step.
+
+    Build it with :func:`training_capture`. Use as a context manager around the loop.
+
+    Attributes
+    ----------
+    session : the underlying :class:`~gradalg.capture.CaptureSession` (micro-batches).
+    steps : number of steps closed so far.
+    """
+
+    def __init__(self, model: nn.Module, layers=None, *, optimizer=None, keep: bool = False,
+                 step_on: str = "auto", upcast: bool = True):
+        if step_on == "auto":
+            step_on = "optimizer" if optimizer is not None else "backward"
+        if step_on not in ("optimizer", "backward", "manual"):
+            raise ValueError(f"step_on must be 'auto', 'optimizer', 'backward' or 'manual', got {step_on!r}")
+        if step_on == "optimizer" and optimizer is None:
+            raise ValueError("step_on='optimizer' needs the optimizer: training_capture(..., optimizer=opt)")
+        self.model = unwrap_model(model)
+        self.session = CaptureSession(self.model, layers, reduction="sum", keep=False)
+        self.session.on_batch(self._micro_batch_done)
+        self.refs = self.session.refs
+        self.optimizer = optimizer
+        self.step_on = step_on
+        self.keep = keep
+        self.upcast = upcast
+        self.steps = 0
+        self._micro: list[Chunk] = []
+        self._kept: list[Chunk] = []
+        self._seen = 0
+        self._callbacks: list[Callable] = []
+        self._micro_callbacks: list[Callable] = []
+        self._row_scale = None
+        self.row_scale = None
+        self._handles = []
+        self._active = False
+
+    # ------------------------------------------------------------------ public
+    @property
+    def space(self):
+        from ..expr import ParamSpace
+        from ..expr.space import Block
+
+        return ParamSpace(tuple(Block(r.name, r.rule.block_shape(r.module), r.rule.kind) for r in self.refs))
+
+    def on_step(self, callback: Callable) -> Callable:
+        """Call ``callback(step: StepGrads)`` when a step closes, before the optimizer step.
+
+        Usable as a decorator. Callbacks run in registration order.
+        """
+        self._callbacks.append(callback)
+        return callback
+
+    def on_micro_batch(self, callback: Callable) -> Callable:
+        """Call ``callback(chunk)`` after each backward (inside it), with that micro-batch's Chunk."""
+        self._micro_callbacks.append(callback)
+        return callback
+
+    def scale_next(self, scale) -> None:
+        """Multiply the rows of the micro-batch being recorded by ``scale`` (a number or (n,))."""
+        self._row_scale = scale
+
+    def set_scale(self, scale) -> None:
+        """Multiply the rows of every following micro-batch by ``scale`` (a number; None = 1)."""
+        self.row_scale = scale
+
+    @property
+    def pending(self) -> int:
+        """Micro-batches recorded since the last step closed."""
+        return len(self._micro)
+
+    def end_step(self) -> StepGrads | None:
+        """Close the current step: call the ``on_step`` callbacks. A no-op if nothing is pending."""
+        if not self._micro:
+            return None
+        step = StepGrads(self.steps, tuple(self._micro), self.space)
+        self._micro = []
+        for cb in self._callbacks:
+            cb(step)
+        if self.keep:
+            self._kept.extend(step.chunks)
+        self.steps += 1
+        return step
+
+    @property
+    def grads(self):
+        """GradientSet of every example of the closed steps (needs ``keep=True``), in order."""
+        from ..api import GradientSet
+        from ..expr import Captured
+
+        if not self.keep:
+            raise ValueError("this capture keeps nothing (keep=False); pass keep=True to read .grads")
+        return GradientSet(Captured(CaptureStore(list(self._kept)), self.space))
+
+    # ------------------------------------------------------------------ context
+    def __enter__(self):
+        if self._active:
+            raise RuntimeError("this TrainingCapture is already active")
+        self.session.__enter__()
+        if self.step_on == "optimizer":
+            self._handles.append(self.optimizer.register_step_pre_hook(self._pre_step_hook))
+        self._active = True
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is None and self.step_on != "manual":
+            self.end_step()  # backwards after the last optimizer step
+        self.session.__exit__(*exc)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._active = False
+        return False
+
+    def paused(self):
+        """Context manager: forwards and backwards inside it are not recorded."""
+        return _Paused(self)
+
+    # ------------------------------------------------------------------ internals
+    def _pre_step_hook(self, optimizer, args, kwargs):
+        self.end_step()
+        return None  # a step pre-hook returning a value would replace the step's arguments
+
+    def _micro_batch_done(self, grads) -> None:
+        (chunk,) = grads.expr.store.chunks_
+        n = chunk.n
+        blocks = chunk.blocks
+        scale, self._row_scale = self._row_scale, None
+        if self.row_scale is not None:
+            scale = self.row_scale if scale is None else torch.as_tensor(scale, dtype=torch.float64) * self.row_scale
+        if scale is not None:
+            w = torch.as_tensor(scale, dtype=torch.float64).reshape(-1)
+            w = w.expand(n) if w.numel() == 1 else w
+            if w.numel() != n:
+                raise ValueError(f"scale_next got {w.numel()} row scales for a micro-batch of {n} examples")
+            blocks = {k: v.scale_rows(w.to(v.D.device)) for k, v in blocks.items()}
+        if self.upcast:
+            blocks = {k: _upcast(v) for k, v in blocks.items()}
+        chunk = Chunk(tuple(range(self._seen, self._seen + n)), blocks)
+        self._seen += n
+        self._micro.append(chunk)
+        for cb in self._micro_callbacks:
+            cb(chunk)
+        if self.step_on == "backward":
+            self.end_step()
+
+
+def _upcast(F: Factors) -> Factors:
+    """bf16/fp16 factors (mixed precision) as float32: scores and sums accumulate in float32."""
+    low = (torch.float16, torch.bfloat16)
+    A = F.A.float() if isinstance(F.A, torch.Tensor) and F.A.dtype in low else F.A
+    D = F.D.float() if F.D.dtype in low else F.D
+    return F if (A is F.A and D is F.D) else Factors(A, D)
+
+
+class _Paused:
+    def __init__(self, tc: TrainingCapture):
+        self.tc = tc
+
+    def __enter__(self):
+        self.was_active = bool(self.tc.session._handles)
+        if self.was_active:
+            self.tc.session.__exit__(None, None, None)
+        return self.tc
+
+    def __exit__(self, *exc):
+        if self.was_active:
+            # re-entering resets only the half-recorded step state, which is empty between steps
+            self.tc.session.__enter__()
+        return False
+
+
+def training_capture(model: nn.Module, layers=None, *, optimizer=None, keep: bool = False,
+                     step_on: str = "auto", upcast: bool = True) -> TrainingCapture:
+    """Per-example gradients of each training step, handed to ``on_step`` callbacks.
+
+    Parameters
+    ----------
+    model : the module being trained (a DDP wrapper is unwrapped; FSDP2 modules work as is).
+    layers : module names or glob patterns (default: every supported layer).
+    optimizer : with an optimizer, a step closes at ``optimizer.step()`` (a step pre-hook),
+        so gradient accumulation gives one step of several micro-batches.
+    keep : keep every step's factors for :attr:`TrainingCapture.grads`.
+    step_on : "auto" ("optimizer" with an optimizer, else "backward": every backward is a
+        step), or "manual" (call :meth:`TrainingCapture.end_step` yourself, e.g. before
+        gradient clipping).
+    upcast : keep bf16/fp16 factors (mixed precision) as float32 (default True).
+    """
+    return TrainingCapture(model, layers, optimizer=optimizer, keep=keep, step_on=step_on, upcast=upcast)

@@ -1,0 +1,119 @@
+"""Device speeds for the cost model: measured once per machine, or taken from a table.
+
+``DeviceProfile`` gives sustained matmul throughput (FLOP/s, by dtype), memory
+bandwidth (bytes/s) and memory capacity. ``local_profile()`` measures this machine's
+CPU (a square float32 matmul and a large copy, a fraction of a second) the first time
+and caches the numbers in ``~/.cache/gradalg/devices.json`` (override the folder with
+``GRADALG_CACHE``); GPU profiles for planning runs you have not started yet come from
+``PRESETS`` (vendor peak numbers times a sustained-efficiency factor, stated there).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["DeviceProfile", "PRESETS", "local_profile", "profile"]
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    flops_fp32: float      # sustained matmul FLOP/s in float32
+    flops_bf16: float      # sustained matmul FLOP/s in bfloat16 (tensor cores on GPUs)
+    bandwidth: float       # bytes/s
+    memory: float          # bytes available for tensors
+    measured: bool = False
+
+    def flops(self, dtype: torch.dtype) -> float:
+        if dtype in (torch.bfloat16, torch.float16):
+            return self.flops_bf16
+        if dtype == torch.float64:
+            return self.flops_fp32 / 2
+        return self.flops_fp32
+
+    def seconds(self, flops: float, nbytes: float, dtype=torch.float32) -> float:
+        """Roofline estimate: compute and memory traffic do not overlap (pessimistic)."""
+        return flops / self.flops(dtype) + nbytes / self.bandwidth
+
+
+_EFF = 0.6  # sustained fraction of peak assumed for GPU presets
+PRESETS = {
+    # peak dense numbers from vendor datasheets (SXM parts), times _EFF
+    "h200": DeviceProfile("H200", 67e12 * _EFF, 989e12 * _EFF, 4.8e12 * 0.8, 141e9 * 0.9),
+    "h100": DeviceProfile("H100", 67e12 * _EFF, 989e12 * _EFF, 3.35e12 * 0.8, 80e9 * 0.9),
+    "a100": DeviceProfile("A100", 19.5e12 * _EFF, 312e12 * _EFF, 2.0e12 * 0.8, 80e9 * 0.9),
+}
+
+
+def _cache_file() -> Path:
+    root = Path(os.environ.get("GRADALG_CACHE", Path.home() / ".cache" / "gradalg"))
+    return root / "devices.json"
+
+
+def _key() -> str:
+    return f"{platform.node()}|{platform.machine()}|torch{torch.__version__}|threads{torch.get_num_threads()}"
+
+
+def _measure_cpu() -> DeviceProfile:
+    n = 512
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    reps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < 0.15:
+        a @ b
+        reps += 1
+    flops = 2 * n ** 3 * reps / (time.perf_counter() - start)
+    x = torch.empty(16 * 2**20 // 4)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    reps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < 0.1:
+        y.copy_(x)
+        reps += 1
+    bw = 2 * x.numel() * 4 * reps / (time.perf_counter() - start)
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.8
+    except (ValueError, OSError, AttributeError):
+        memory = 8e9
+    return DeviceProfile(f"cpu ({torch.get_num_threads()} threads)", flops, flops, bw, memory, measured=True)
+
+
+def local_profile(refresh: bool = False) -> DeviceProfile:
+    """This machine's CPU profile, measured once and cached on disk."""
+    path = _cache_file()
+    key = _key()
+    cached = {}
+    if path.exists() and not refresh:
+        try:
+            cached = json.loads(path.read_text())
+            if key in cached:
+                return DeviceProfile(**cached[key])
+        except (OSError, ValueError, TypeError):
+            cached = {}
+    prof = _measure_cpu()
+    cached[key] = asdict(prof)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(cached, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # read-only home: measure again next time
+    return prof
+
+
+def profile(device: str | DeviceProfile | None = None) -> DeviceProfile:
+    """A profile by name ("cpu" = measured here, "h100", "h200", "a100") or as given."""
+    if isinstance(device, DeviceProfile):
+        return device
+    if device is None or device == "cpu":
+        return local_profile()
+    if device.lower() in PRESETS:
+        return PRESETS[device.lower()]
+    raise ValueError(f"unknown device {device!r}: use 'cpu', one of {sorted(PRESETS)}, or a DeviceProfile")

@@ -1,0 +1,537 @@
+"""The planner: expression → simplified → costed → physical plan.
+
+Stages
+------
+``logical``     the expression as the user wrote it
+``simplified``  rewrite rules (:mod:`gradalg.plan.rules`) applied to a fixpoint
+``costed``      every choice made with its alternatives and their estimated costs:
+                which side of a score is held (and preconditioned), ghost vs dense
+                kernel per block, store vs recompute for data used by two passes,
+                chunk sizes under the memory budget
+``physical``    an ordered list of :class:`Pass` es; each pass reads one dataset once
+                and feeds every job that can run in it (curvature statistics,
+                collections, scores against an already-preconditioned held side)
+
+Jobs
+----
+``collect``  keep all rows of a gradient node (a held side, or stored data)
+``group``    accumulate group means (GroupMean)
+``fisher``   accumulate Σ g gᵀ (dense / block / diag)
+``kfac``     accumulate Kronecker factors; ``ekfac`` the eigenvalue correction (a
+             second pass: it needs the eigenbasis)
+``scores``   inner products of the streamed side with the held side
+``diag``     self-scores, both sides streamed in lockstep
+
+A job can run in a pass when the jobs it depends on have finished; jobs over the same
+(task, data) run in the same pass. When a job must wait for statistics computed from
+the data it streams (a Fisher before scoring against the same training set), the
+planner stores the streamed rows in the first pass if they fit the memory budget and
+cost less than a second pass — otherwise it reads the data again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..capture.factors import dense_flops, ghost_flops
+from ..expr import (KFAC, AdamPrecondition, Arnoldi, Captured, Damp, DataInf, Fisher, GradNode, GroupMean, Identity, Inner, Inverse, Node, Normalize, OpNode, Power,
+                    Precondition, Project, ScaledOp, ScaleRows, ScoreDiagonal, ScoreNode, ScoreSum, Select,
+                    Source, SumOp)
+from ..options import Options, get_options
+from .cost import Cost, activation_bytes, eigh_cost, fisher_cost, model_flops, tokens_hint
+from .devices import DeviceProfile, profile
+from .rules import Firing, PlanError, simplify_until_fixpoint
+
+__all__ = ["Job", "Pass", "Decision", "Plan", "plan", "stream_root", "PlanError"]
+
+ROW_WISE = (Project, Normalize, Select, Precondition, ScaleRows, AdamPrecondition)
+
+
+# ------------------------------------------------------------------ graph helpers
+def stream_root(node: GradNode) -> GradNode:
+    """The node whose chunks a pass iterates to produce ``node`` row by row."""
+    while isinstance(node, ROW_WISE):
+        node = node.grads
+    return node
+
+
+def chain_ops(node: GradNode) -> list[OpNode]:
+    """Operators used by the row-wise chain from ``node`` down to its stream root."""
+    ops = []
+    while isinstance(node, ROW_WISE):
+        if isinstance(node, Precondition):
+            ops.append(node.op)
+        elif isinstance(node, Normalize) and node.op is not None:
+            ops.append(node.op)
+        node = node.grads
+    return ops
+
+
+# ------------------------------------------------------------------ plan records
+@dataclass
+class Job:
+    kind: str
+    target: Node
+    streams: tuple[GradNode, ...] = ()
+    deps: set = field(default_factory=set)
+    held: GradNode | None = None
+    transposed: bool = False
+    kernels: dict = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return f"{self.kind}:{self.target.token}"
+
+    def describe(self) -> str:
+        what = self.target.label
+        if self.kind == "scores":
+            side = "rows" if not self.transposed else "columns"
+            return f"scores ({what}) streaming {self.streams[0].label!r}, held {side}: {self.held.label!r}"
+        if self.kind in ("collect", "store"):
+            return f"{self.kind} {what!r} ({self.target.n:,} rows)"
+        return f"{self.kind} {what}"
+
+
+@dataclass
+class Pass:
+    """One read of a dataset (or of rows kept in memory) feeding several jobs."""
+
+    key: tuple
+    jobs: list[Job]
+    batch_size: int | None = None
+    cost: Cost = field(default_factory=Cost)
+    seconds: float = 0.0
+    per_example_bytes: float = 0.0
+    fixed_bytes: float = 0.0
+    note: str = ""
+
+    @property
+    def label(self) -> str:
+        kind = self.key[0]
+        if kind == "data":
+            return f"pass over {self.key[3]} ({self.key[4]:,} examples)"
+        if kind == "captured":
+            return "pass over captured rows"
+        return "pass over rows in memory"
+
+    @property
+    def reads_data(self) -> bool:
+        return self.key[0] == "data"
+
+
+@dataclass
+class Decision:
+    """A choice the planner made: the winner, every alternative and its estimated seconds."""
+
+    what: str
+    chosen: str
+    alternatives: dict  # name -> seconds (or a string when not costed)
+    why: str = ""
+
+
+@dataclass
+class Plan:
+    """The planner's output: every stage, the decisions and the physical passes."""
+
+    logical: Node
+    simplified: Node
+    fired: list[Firing]
+    decisions: list[Decision]
+    passes: list[Pass]
+    jobs: dict
+    roots: list[str]
+    options: Options
+    device: DeviceProfile
+    stored: set
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def total(self) -> Cost:
+        total = Cost()
+        for p in self.passes:
+            total = total + p.cost
+        return total
+
+    @property
+    def seconds(self) -> float:
+        return sum(p.seconds for p in self.passes)
+
+    @property
+    def peak_bytes(self) -> float:
+        return max([p.fixed_bytes + p.per_example_bytes * (p.batch_size or 1) for p in self.passes] or [0.0])
+
+    @property
+    def data_passes(self) -> int:
+        return sum(1 for p in self.passes if p.reads_data)
+
+    def decision(self, what_prefix: str) -> Decision:
+        for d in self.decisions:
+            if d.what.startswith(what_prefix):
+                return d
+        raise KeyError(f"no decision about {what_prefix!r}; decisions: {[d.what for d in self.decisions]}")
+
+
+# ------------------------------------------------------------------ the planner
+class _Planner:
+    def __init__(self, options: Options, device: DeviceProfile):
+        self.options = options
+        self.device = device
+        self.jobs: dict[str, Job] = {}
+        self.decisions: list[Decision] = []
+        self.dtype = torch.float32
+
+    # ---- jobs -------------------------------------------------------------------
+    def add(self, job: Job) -> str:
+        if job.key not in self.jobs:
+            self.jobs[job.key] = job
+        return job.key
+
+    def stream_deps(self, node: GradNode) -> set:
+        deps = set()
+        for op in chain_ops(node):
+            deps |= self.op_deps(op)
+        root = stream_root(node)
+        if isinstance(root, GroupMean):
+            deps.add(self.add(Job("group", root, (root.grads,), self.stream_deps(root.grads))))
+        return deps
+
+    def op_deps(self, op: OpNode) -> set:
+        if isinstance(op, Fisher):
+            return {self.add(Job("fisher", op, (op.grads,), self.stream_deps(op.grads)))}
+        if isinstance(op, KFAC):
+            first = self.add(Job("kfac", op, (op.grads,), self.stream_deps(op.grads)))
+            if not op.eigen_correction:
+                return {first}
+            return {self.add(Job("ekfac", op, (op.grads,), {first} | self.stream_deps(op.grads)))}
+        if isinstance(op, (Damp, Inverse, Power, ScaledOp, Arnoldi)):
+            return self.op_deps(op.op)
+        if isinstance(op, SumOp):
+            out = set()
+            for child in op.ops:
+                out |= self.op_deps(child)
+            return out
+        if isinstance(op, DataInf):
+            return self.stream_deps(op.grads)
+        return set()  # Identity, Diagonal, Dense, CurvatureProducts: nothing to precompute
+
+    def score_jobs(self, node: ScoreNode) -> list[str]:
+        if isinstance(node, ScoreSum):
+            keys = []
+            for t in node.terms:
+                keys.extend(self.score_jobs(t))
+            return keys
+        if not isinstance(node, Inner):
+            raise PlanError(f"cannot plan scores of {type(node).__name__}")
+        for side in (node.left, node.right):
+            src = stream_root(side)
+            if isinstance(src, Source) and src.objective == "expected":
+                raise ValueError("gradients with objective='expected' have one row per term of the "
+                                 "Gauss-Newton decomposition, not per example: use them for curvature "
+                                 "(ga.fisher, ga.kfac) only")
+        held, streamed, transposed = node.left, node.right, False
+        hold_left = self._held_bytes(node.left)
+        hold_right = self._held_bytes(node.right)
+        if hold_right < hold_left:
+            held, streamed, transposed = node.right, node.left, True
+        self.decisions.append(Decision(
+            f"held side of {node.label} [{node.token}]", "right (training) rows" if transposed else "left (query) rows",
+            {"hold left": f"{hold_left / 2**20:.2f} MiB", "hold right": f"{hold_right / 2**20:.2f} MiB"},
+            "hold the side with the smaller footprint and stream the other; H (symmetric) is applied once to "
+            "the held rows" + ("" if isinstance(node.op, Identity) else " (precondition the smaller side)")))
+        collect = self.add(Job("collect", held, (held,), self.stream_deps(held)))
+        job = Job("scores", node, (streamed,), {collect} | self.op_deps(node.op) | self.stream_deps(streamed),
+                  held=held, transposed=transposed)
+        job.kernels = self._kernels(held, streamed, node)
+        return [self.add(job)]
+
+    def diag_jobs(self, node: ScoreDiagonal) -> list[str]:
+        inner = node.scores
+        if isinstance(inner, ScoreSum):
+            keys = []
+            for t in inner.terms:
+                keys.extend(self.diag_jobs(ScoreDiagonal(t)))
+            return keys
+        if not isinstance(inner, Inner):
+            raise PlanError(f"cannot plan the diagonal of {type(inner).__name__}")
+        deps = self.op_deps(inner.op) | self.stream_deps(inner.left) | self.stream_deps(inner.right)
+        streams = (inner.left,) if inner.left == inner.right else (inner.left, inner.right)
+        if len(streams) == 2 and self._pass_key(inner.left, set()) != self._pass_key(inner.right, set()):
+            deps.add(self.add(Job("collect", inner.left, (inner.left,), self.stream_deps(inner.left))))
+            streams = (inner.right,)
+            return [self.add(Job("diag", node, streams, deps, held=inner.left))]
+        return [self.add(Job("diag", node, streams, deps))]
+
+    # ---- sizes and costs ----------------------------------------------------------
+    def _rows_bytes(self, node: GradNode) -> float:
+        """Bytes of all rows of ``node`` in its storage form (factors or flat)."""
+        T = tokens_hint(node)
+        total = 0.0
+        rep = node.representation
+        for b in node.space.blocks:
+            if rep[b.name] == "factored" and len(b.shape) == 2:
+                total += node.n * T * (b.shape[0] + b.shape[1]) * 4
+            elif rep[b.name] == "projected" and self._kron_factored(node, b.name):
+                total += node.n * T * (b.shape[0] + b.shape[1]) * 4
+            else:
+                total += node.n * b.dim * 4
+        return total
+
+    def _kron_factored(self, node: GradNode, block: str) -> bool:
+        root = node
+        while isinstance(root, ROW_WISE) and not isinstance(root, Project):
+            if isinstance(root, (Precondition, AdamPrecondition)) or (isinstance(root, Normalize) and root.op):
+                return False
+            root = root.grads
+        return isinstance(root, Project) and root.projector.kind == "kron" and \
+            stream_root(root.grads) is not None and root.grads.representation.get(block) == "factored"
+
+    def _held_bytes(self, node: GradNode) -> float:
+        return self._rows_bytes(node)
+
+    def _is_factored(self, node: GradNode, block: str) -> bool:
+        rep = node.representation[block]
+        return rep == "factored" or (rep == "projected" and self._kron_factored(node, block))
+
+    def _kernels(self, held: GradNode, streamed: GradNode, inner: Inner) -> dict:
+        kernels = {}
+        TL, TR = tokens_hint(held), tokens_hint(streamed)
+        for b in held.space.blocks:
+            if len(b.shape) != 2 or not isinstance(inner.op, Identity) or not (
+                    self._is_factored(held, b.name) and self._is_factored(streamed, b.name)):
+                kernels[b.name] = "dense"
+                continue
+            out_f, in_f = b.shape
+            args = (held.n, streamed.n, TL, TR, in_f, out_f)
+            ghost = 2.0 * ghost_flops(*args)
+            dense = 2.0 * dense_flops(*args, left_ready=False)
+            mode = self.options.ghost
+            chosen = "ghost" if (mode == "always" or (mode == "auto" and ghost <= dense)) else "dense"
+            kernels[b.name] = chosen
+            self.decisions.append(Decision(
+                f"kernel for block {b.name!r} of {inner.label} [{inner.token}]", chosen,
+                {"ghost": self.device.seconds(ghost, 0), "dense": self.device.seconds(dense, 4.0 * streamed.n * in_f * out_f)},
+                f"T={TL}/{TR}, in={in_f}, out={out_f}, {held.n}×{streamed.n} pairs"
+                + ("" if mode == "auto" else f" (forced by ga.options(ghost={mode!r}))")))
+        return kernels
+
+    def _pass_key(self, node: GradNode, stored: set) -> tuple:
+        x = node
+        while True:
+            if x.token in stored:
+                return ("memory", x.token)
+            if not isinstance(x, ROW_WISE):
+                break
+            x = x.grads
+        if isinstance(x, Source):
+            return ("data", x.task.token, x.data.token, x.task.name, x.data.n)
+        if isinstance(x, Captured):
+            return ("captured", x.token)
+        return ("memory", x.token)  # GroupMean, filled by its group job
+
+    def _sources(self, jobs: list[Job], stored: set) -> list[Source]:
+        out = []
+        for j in jobs:
+            for s in j.streams:
+                root = stream_root(s)
+                if isinstance(root, Source) and root not in out:
+                    out.append(root)
+        return out
+
+    def _capture_cost(self, src: Source) -> Cost:
+        T = tokens_hint(src)
+        fwd = model_flops(src.task.model, T)
+        rows = 1
+        if src.objective == "expected":
+            rows = max(1, _num_outputs(src))
+        # forward + backward to the recorded outputs (no weight-gradient GEMMs)
+        return Cost(flops=src.data.n * fwd * (1 + rows), passes=1)
+
+    def _job_cost(self, job: Job, n_stream: int) -> Cost:
+        node = job.streams[0] if job.streams else None
+        if job.kind == "fisher":
+            dims = [b.dim for b in job.target.space.blocks]
+            return fisher_cost(n_stream, dims, job.target.structure) + sum(
+                (eigh_cost(d) for d in (dims if job.target.structure == "block" else [sum(dims)])
+                 if job.target.structure != "diag"), Cost())
+        if job.kind in ("kfac", "ekfac"):
+            T = tokens_hint(node)
+            flops = 0.0
+            for b in job.target.space.blocks:
+                out_f, in_f = b.shape
+                flops += 2.0 * n_stream * T * (in_f * in_f + out_f * out_f)
+                if job.kind == "ekfac":
+                    flops += 2.0 * n_stream * T * out_f * in_f
+            return Cost(flops=flops)
+        if job.kind == "scores":
+            held = job.held
+            T_h, T_s = tokens_hint(held), tokens_hint(node)
+            flops = 0.0
+            for b in held.space.blocks:
+                if job.kernels.get(b.name) == "ghost":
+                    flops += 2.0 * ghost_flops(held.n, n_stream, T_h, T_s, b.shape[1], b.shape[0])
+                elif len(b.shape) == 2 and self._is_factored(node, b.name):
+                    flops += 2.0 * dense_flops(held.n, n_stream, T_h, T_s, b.shape[1], b.shape[0], left_ready=True)
+                else:
+                    flops += 2.0 * held.n * n_stream * b.dim
+            if not isinstance(job.target.op, Identity):
+                d = held.space.dim
+                flops += 2.0 * held.n * d * d
+            return Cost(flops=flops)
+        if job.kind == "diag":
+            return Cost(flops=2.0 * n_stream * job.streams[0].space.dim)
+        return Cost(flops=2.0 * n_stream * (node.space.dim if node is not None else 0))
+
+    def _per_example_bytes(self, p_jobs: list[Job], sources: list[Source]) -> float:
+        total = 0.0
+        for src in sources:
+            T = tokens_hint(src)
+            for b in src.space.blocks:
+                if len(b.shape) == 2:
+                    total += T * (b.shape[0] + b.shape[1]) * 4 * 2   # factors + autograd's copy
+                else:
+                    total += b.dim * 4
+            total += activation_bytes(src.task.model, T)
+        for job in p_jobs:
+            if job.kind == "scores":
+                for b in job.held.space.blocks:
+                    if job.kernels.get(b.name) != "ghost":
+                        total += b.dim * 4
+        return total
+
+    def _fixed_bytes(self, p_jobs: list[Job]) -> float:
+        total = 0.0
+        for job in p_jobs:
+            if job.kind == "scores":
+                total += self._held_bytes(job.held)
+            if job.kind == "fisher":
+                total += fisher_cost(1, [b.dim for b in job.target.space.blocks], job.target.structure).peak_bytes
+            if job.kind in ("collect", "store", "group"):
+                total += self._rows_bytes(job.target)
+        return total
+
+    # ---- scheduling -----------------------------------------------------------------
+    def schedule(self) -> tuple[list[Pass], set]:
+        remaining = dict(self.jobs)
+        done: set = set()
+        stored: set = set()
+        passes: list[Pass] = []
+        for _ in range(4 * len(self.jobs) + 4):
+            if not remaining:
+                break
+            ready = [j for j in remaining.values() if j.deps <= done]
+            if not ready:
+                raise PlanError(f"circular job dependencies among {sorted(remaining)}")
+            groups: dict[tuple, list[Job]] = {}
+            for j in ready:
+                groups.setdefault(self._pass_key(j.streams[0], stored), []).append(j)
+            for key, group in groups.items():
+                self._consider_storing(key, group, remaining, done, stored)
+                p = Pass(key, group)
+                passes.append(p)
+                for j in group:
+                    remaining.pop(j.key, None)
+            done |= {j.key for g in groups.values() for j in g}
+        else:
+            raise PlanError("the scheduling stage did not converge")
+        for p in passes:
+            self._size_pass(p, stored)
+        return passes, stored
+
+    def _consider_storing(self, key, group, remaining, done, stored):
+        """Store rows that a later job on this same data will need, when cheaper than re-reading."""
+        if key[0] != "data":
+            return
+        group_keys = {j.key for j in group}
+        for job in list(remaining.values()):
+            if job.key in group_keys or job.deps <= done:
+                continue
+            for node in job.streams:
+                if node.token in stored or self._pass_key(node, stored) != key:
+                    continue
+                if not self.stream_deps(node) <= done:
+                    continue
+                size = self._rows_bytes(node)
+                src = stream_root(node)
+                recompute = self._capture_cost(src).seconds(self.device) if isinstance(src, Source) else 0.0
+                fits = size <= self.options.memory_budget / 4
+                choice = "store" if fits else "recompute"
+                self.decisions.append(Decision(
+                    f"second use of {node.label!r} [{node.token}]", choice,
+                    {"store": f"{size / 2**20:.2f} MiB held", "recompute": recompute},
+                    "a later job needs these rows after statistics from the same pass; storing them "
+                    + ("fits in a quarter of the memory budget" if fits else "would exceed a quarter of the memory budget")))
+                if fits:
+                    stored.add(node.token)
+                    group.append(Job("store", node, (node,), set()))
+
+    def _size_pass(self, p: Pass, stored: set) -> None:
+        sources = self._sources(p.jobs, stored) if p.reads_data else []
+        per_ex = self._per_example_bytes(p.jobs, sources)
+        fixed = self._fixed_bytes(p.jobs)
+        p.per_example_bytes, p.fixed_bytes = per_ex, fixed
+        budget = self.options.memory_budget
+        if p.reads_data:
+            data = sources[0].data
+            if data.batch_size is not None or _is_loader(data):
+                p.batch_size = data.batch_size or getattr(data.source, "batch_size", None)
+                p.note = "batch size fixed by the data"
+            else:
+                room = budget - fixed
+                if room <= 0:
+                    from ..errors import MemoryBudgetError
+                    raise MemoryBudgetError(
+                        f"{p.label}: held rows and statistics take {fixed / 2**20:.0f} MiB, over the memory "
+                        f"budget of {budget / 2**20:.0f} MiB. Project the gradients (ga.proj.kron), use "
+                        "fewer queries per call, or raise ga.options(memory_budget=...)")
+                fit = int(room // max(per_ex, 1.0))
+                p.batch_size = max(1, min(self.options.batch_size, fit))
+                if p.batch_size < self.options.batch_size:
+                    p.note = f"batch size {p.batch_size} (not {self.options.batch_size}) to stay under the memory budget"
+            cost = Cost()
+            for src in sources:
+                cost = cost + self._capture_cost(src)
+            n = data.n
+        else:
+            cost = Cost()
+            n = p.jobs[0].streams[0].n
+        for job in p.jobs:
+            cost = cost + self._job_cost(job, n)
+        cost = Cost(cost.flops, cost.bytes, fixed + per_ex * (p.batch_size or 1), cost.passes)
+        p.cost = cost
+        p.seconds = cost.seconds(self.device)
+
+
+def _num_outputs(src: Source) -> int:
+    model = src.task.model
+    last = None
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            last = m
+    return last.out_features if last is not None else 1
+
+
+def _is_loader(data) -> bool:
+    from torch.utils.data import DataLoader
+    return isinstance(data.source, DataLoader)
+
+
+# ------------------------------------------------------------------ entry point
+def plan(root: Node, *, options: Options | None = None, device=None, rewrites: bool = True) -> Plan:
+    """Plan ``root`` (a score, self-score, gradient or operator node). Touches no model."""
+    options = options or get_options()
+    prof = profile(device)
+    simplified, fired = simplify_until_fixpoint(root, enabled=rewrites)
+    planner = _Planner(options, prof)
+    if isinstance(simplified, ScoreNode):
+        roots = planner.score_jobs(simplified)
+    elif isinstance(simplified, ScoreDiagonal):
+        roots = planner.diag_jobs(simplified)
+    elif isinstance(simplified, GradNode):
+        roots = [planner.add(Job("collect", simplified, (simplified,), planner.stream_deps(simplified)))]
+    elif isinstance(simplified, OpNode):
+        roots = sorted(planner.op_deps(simplified))
+    else:
+        raise PlanError(f"cannot plan a {type(root).__name__}")
+    passes, stored = planner.schedule()
+    return Plan(root, simplified, fired, planner.decisions, passes, planner.jobs, roots, options, prof, stored)

@@ -1,0 +1,152 @@
+"""Applying the sparse projectors (``sparse``, ``mask``, ``grass``, ``factgrass``) to one block.
+
+A block's value is :class:`~gradalg.capture.factors.Factors` (``A`` (n, T, in) or
+:class:`OneHot`, ``D`` (n, T, out); example i's gradient is ``G_i = D_iᵀ A_i``) or a flat
+(n, dim) tensor (row-major ``(out, in)`` for a layer block). Every kernel returns a
+flat (n, k_b) tensor and none builds a dense projection matrix.
+
+Kernel                       work for n examples          never forms
+``sjlt_apply(x, S)``         n·d·s scatter-adds           the (k, d) matrix
+``entries(F, coords)``       n·T·m multiply-adds          the (out, in) gradient
+``mask_factors(F, O, I)``    n·T·(k_out + k_in) gathers   —
+``factgrass`` (below)        n·T·k_out·k_in + n·k_out·k_in·s   the (out, in) gradient
+
+``max_elements`` bounds the temporaries of the sliced loops (elements, not bytes).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..capture import factors as _factors
+from ..capture.factors import Factors, OneHot
+from ..expr.projection import Projector
+from ..expr.space import Block
+from .sparse_tables import SJLT, factgrass_tables, global_mask, grass_tables, mask_indices, sjlt
+
+__all__ = ["sjlt_apply", "entries", "mask_factors", "project_sparse_block", "SPARSE_KINDS"]
+
+SPARSE_KINDS = ("sparse", "mask", "grass", "factgrass")
+DEFAULT_MAX_ELEMENTS = 1 << 24
+
+
+def sjlt_apply(x: torch.Tensor, S: SJLT) -> torch.Tensor:
+    """``x Sᵀ`` by scatter-adds: (Sx)_r = Σ_{j,c: rows[j,c]=r} signs[j,c] x_j / √s.
+
+    x : (n, d)   returns (n, k)
+    """
+    out = x.new_zeros(x.shape[0], S.k)
+    scale = 1.0 / math.sqrt(S.s)
+    for c in range(S.s):
+        w = S.signs[:, c].to(x.dtype) * scale
+        out.index_add_(1, S.rows[:, c], x * w)
+    return out
+
+
+def _sjlt_block(value, shape, S: SJLT, max_elements: int) -> torch.Tensor:
+    """SJLT of a whole block; factors are materialized a slice of output rows at a time."""
+    if not isinstance(value, Factors):
+        return sjlt_apply(value, S)
+    n_out, n_in = shape
+    rows = max(1, max_elements // max(1, value.n * n_in))
+    total = None
+    for o0 in range(0, n_out, rows):
+        o1 = min(n_out, o0 + rows)
+        G = _factors.materialize(Factors(value.A, value.D[:, :, o0:o1])).flatten(1)   # (n, rows·in)
+        part = sjlt_apply(G, S.columns(o0 * n_in, o1 * n_in))
+        total = part if total is None else total + part
+    return total
+
+
+def _act_rows(A, idx: torch.Tensor, dtype) -> torch.Tensor:
+    """Input features ``idx`` of the activations, positions last: (n, len(idx), T)."""
+    if isinstance(A, OneHot):
+        return (A.idx.unsqueeze(1) == idx.view(1, -1, 1)).to(dtype) * A.weights(dtype).unsqueeze(1)
+    return A.transpose(1, 2)[:, idx]
+
+
+def entries(value, shape, coords: torch.Tensor, max_elements: int = DEFAULT_MAX_ELEMENTS) -> torch.Tensor:
+    """Coordinates ``coords`` (m,) of each example's flattened block.   Returns (n, m).
+
+    On factors, entry (o, i) is Σ_t d_{t,o} a_{t,i}: n·T·m work, computed m-slices at a
+    time so the (n, slice, T) temporaries stay under ``max_elements``.
+    """
+    if not isinstance(value, Factors):
+        return value[:, coords]
+    n_in = shape[1]
+    o_idx, i_idx = coords // n_in, coords % n_in
+    dtype = value.D.dtype
+    step = max(1, max_elements // max(1, value.n * value.T))
+    parts = []
+    for start in range(0, coords.numel(), step):
+        # gather whole position vectors (n, m_s, T) of the selected features
+        d = value.D.transpose(1, 2)[:, o_idx[start:start + step]]
+        a = _act_rows(value.A, i_idx[start:start + step], dtype)
+        parts.append(torch.einsum("nmt,nmt->nm", d, a))
+    return torch.cat(parts, 1) if parts else value.D.new_zeros(value.n, 0)
+
+
+def mask_factors(F: Factors, out_idx: torch.Tensor, in_idx: torch.Tensor) -> Factors:
+    """Factors of the masked gradient ``G_i[O][:, I] = D_i[:, O]ᵀ A_i[:, I]``.
+
+    Shapes (n, T, k_in) and (n, T, k_out). One-hot activations stay one-hot over the
+    kept vocabulary: a token outside ``I`` becomes an all-zero row.
+    """
+    D = F.D[:, :, out_idx]
+    if isinstance(F.A, OneHot):
+        where = torch.full((F.A.size,), -1, dtype=torch.long, device=F.A.idx.device)
+        where[in_idx] = torch.arange(in_idx.numel(), device=where.device)
+        pos = where[F.A.idx]
+        keep = pos >= 0
+        A = OneHot(pos.clamp_min(0), in_idx.numel(), keep if F.A.valid is None else keep & F.A.valid)
+    else:
+        A = F.A[:, :, in_idx]
+    return Factors(A, D)
+
+
+def _factgrass(value, shape, out_idx, in_idx, S: SJLT) -> torch.Tensor:
+    n_out, n_in = shape
+    if isinstance(value, Factors):
+        small = _factors.materialize(mask_factors(value, out_idx, in_idx))      # (n, k_out, k_in)
+    else:
+        small = value.reshape(-1, n_out, n_in)[:, out_idx][:, :, in_idx]
+    scale = math.sqrt(n_out * n_in / (out_idx.numel() * in_idx.numel()))
+    return sjlt_apply(small.flatten(1), S) * scale
+
+
+def project_sparse_block(projector: Projector, block: Block, value, *,
+                         space_blocks: tuple[tuple[str, int], ...] | None = None,
+                         max_elements: int = DEFAULT_MAX_ELEMENTS) -> torch.Tensor:
+    """One block's part of a sparse projection.   Returns (n, k_b).
+
+    For ``per_block`` projectors, the block's own projection; for a global projector
+    (``sparse`` or ``mask`` with ``per_block=False``) this block's (n, k) contribution,
+    and the projection is the sum over blocks. ``space_blocks`` ((name, dim), in space
+    order) is needed by the global mask only.
+    """
+    p = projector
+    device = (value.D if isinstance(value, Factors) else value).device
+    if p.kind == "sparse":
+        return _sjlt_block(value, block.shape, sjlt(p, block.name, block.dim, device=device), max_elements)
+    if p.kind == "mask" and not p.per_block:
+        if space_blocks is None:
+            raise ValueError("a global mask needs the names and sizes of all blocks (space_blocks)")
+        positions, coords = global_mask(p, space_blocks, block.name, device=device)
+        total = sum(d for _, d in space_blocks)
+        kept = entries(value, block.shape, coords, max_elements) * math.sqrt(total / p.mask_size(total))
+        out = kept.new_zeros(kept.shape[0], p.mask_size(total))
+        out[:, positions] = kept
+        return out
+    if p.kind == "mask":
+        m = p.mask_size(block.dim)
+        coords = mask_indices(p, block.name, block.dim, m, device=device)
+        return entries(value, block.shape, coords, max_elements) * math.sqrt(block.dim / m)
+    if p.kind == "grass":
+        coords, S = grass_tables(p, block.name, block.dim, device=device)
+        kept = entries(value, block.shape, coords, max_elements)
+        return sjlt_apply(kept, S) * math.sqrt(block.dim / coords.numel())
+    if p.kind == "factgrass":
+        out_idx, in_idx, S = factgrass_tables(p, block.name, *block.shape, device=device)
+        return _factgrass(value, block.shape, out_idx, in_idx, S)
+    raise ValueError(f"{p.kind!r} is not a sparse projector kind; expected one of {SPARSE_KINDS}")
