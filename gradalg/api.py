@@ -52,6 +52,41 @@ class _Displayed:
         from .plan.cost import estimate
         return estimate(self.expr)
 
+    def explain(self, *, analyze: bool = False, stage: str | None = None, rewrites: bool = True,
+                device: str | None = None, gpus=(1, 4, 8), memory_budget=None, executor=None):
+        """The plan, stage by stage (logical, simplified, costed, physical), as an object that
+        prints a text table and renders HTML in a notebook.
+
+        analyze : also run the plan and add measured time and memory per pass.
+        stage : show only "logical", "simplified", "costed", "physical" or "scale".
+        rewrites : False shows (and runs) the plan without rewrite rules.
+        device : plan for this device ("h200", "h100", "a100"; default: this machine)
+            and add estimated time and memory per GPU for each count in ``gpus``.
+        memory_budget : bytes for the plan (default: the options' budget here, 40% of
+            the device's memory when planning for another device).
+        """
+        from .plan.explain import Explain
+        from .plan.planner import plan
+
+        options = None
+        if device is not None or memory_budget is not None:
+            from dataclasses import replace as _replace
+
+            from .options import get_options
+            from .plan.devices import profile
+            budget = memory_budget if memory_budget is not None else 0.4 * profile(device).memory
+            options = _replace(get_options(), memory_budget=int(budget))
+        if analyze:
+            from .exec.local import LocalExecutor
+            ex = executor or LocalExecutor(rewrites=rewrites)
+            self._run(ex)
+            return Explain(ex.last_plan, ex.pass_stats, tuple(gpus), device, stage)
+        return Explain(plan(self.expr, options=options, device=device, rewrites=rewrites), [], tuple(gpus),
+                       device, stage)
+
+    def _run(self, ex):  # each wrapper runs its node with the executor's matching entry point
+        raise TypeError(f"{type(self).__name__} has no executor entry point")
+
 
 class GradientSet(_Displayed):
     """Lazy per-example gradients: rows are examples, columns a parameter space.
@@ -159,6 +194,9 @@ class GradientSet(_Displayed):
     __rmul__ = __mul__
 
     # ---- computation ---------------------------------------------------------------
+    def _run(self, ex):
+        return ex.gradients(self.expr)
+
     def to_dense(self, executor=None) -> dict[str, torch.Tensor]:
         """All rows, materialized: ``{block: (n, *block.shape)}``. Holds n × dim numbers."""
         from .exec.chunks import flat_block
@@ -257,6 +295,9 @@ class Operator(_Displayed):
             raise TypeError("H @ G: write H @ G.T (examples are the columns on the right)")
         return NotImplemented
 
+    def _run(self, ex):
+        return ex.operator(self.expr)
+
     def to_dense(self, executor=None) -> torch.Tensor:
         """The (dim, dim) matrix (runs the passes its statistics need)."""
         return _executor(executor).operator(self.expr).dense()
@@ -296,6 +337,9 @@ class Scores(_Displayed):
             return self * (1.0 / c)
         return NotImplemented
 
+    def _run(self, ex):
+        return ex.scores(self.expr)
+
     def diag(self) -> "SelfScores":
         """The diagonal S_ii (self-influence) when queries and training set are the same data."""
         return SelfScores(ScoreDiagonal(self.expr))
@@ -321,6 +365,9 @@ class SelfScores(_Displayed):
 
     def __init__(self, expr: ScoreDiagonal):
         self.expr = expr
+
+    def _run(self, ex):
+        return ex.diagonal(self.expr)
 
     def compute(self, executor=None) -> xr.DataArray:
         """Returns a DataArray with dim ("train",), indexed by example id."""

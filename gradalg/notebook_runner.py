@@ -131,7 +131,7 @@ def run_notebook(path: str | os.PathLike, out_dir: str | os.PathLike, *, timeout
             resources={"metadata": {"path": str(Path(cwd) if cwd is not None else source.parent.resolve())}},
         )
         try:
-            client.execute()
+            client.execute(cleanup_kc=True)  # a km we pass in is not shut down by default
         except (CellExecutionError, CellTimeoutError, DeadKernelError) as err:
             error = err
     seconds = time.perf_counter() - start

@@ -65,7 +65,10 @@ def resolve_layers(model: nn.Module, layers=None, *, backend: str = "hooks") -> 
             if pattern in modules:  # an exact name; "" is the model itself (a bare nn.Linear)
                 hits = [pattern]
             else:
-                hits = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
+                # a glob keeps the modules it can record: parameterless ones (activations,
+                # dropout) and, for hooks, unsupported ones (norms) are skipped
+                hits = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)
+                        and _recordable(n, modules[n], backend)]
             if not hits:
                 named = [n for n in modules if n]
                 close = [n for n in named if pattern.split(".")[-1] in n][:5]
@@ -84,6 +87,18 @@ def resolve_layers(model: nn.Module, layers=None, *, backend: str = "hooks") -> 
         else:
             refs.append(LayerRef(name, module, rule_for(name, module)))
     return refs
+
+
+def _recordable(name: str, module: nn.Module, backend: str) -> bool:
+    if not any(p.requires_grad for p in module.parameters(recurse=False)):
+        return False
+    if backend == "func":
+        return True
+    try:
+        rule_for(name, module)
+    except UnsupportedLayerError:
+        return False
+    return True
 
 
 @dataclass

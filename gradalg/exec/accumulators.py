@@ -140,13 +140,20 @@ class GroupAccumulator:
 
 
 class Collector:
-    """Keeps the chunks (a held side, or rows stored for a later pass)."""
+    """Keeps the chunks (a held side, or rows stored for a later pass).
 
-    def __init__(self, node):
+    ``storage[block] == "flat"`` keeps that block materialized when it is smaller than
+    its factors (a Kronecker-projected block over long sequences).
+    """
+
+    def __init__(self, node, storage: dict | None = None):
         self.node = node
+        self.flat = {name for name, how in (storage or {}).items() if how == "flat"}
         self.chunks: list[Chunk] = []
 
     def update(self, chunk: Chunk) -> None:
+        if self.flat:
+            chunk = chunk.replace({n: (flat_block(v) if n in self.flat else v) for n, v in chunk.blocks.items()})
         self.chunks.append(chunk)
 
     def finish(self) -> list[Chunk]:

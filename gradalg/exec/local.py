@@ -166,7 +166,7 @@ class LocalExecutor:
     def _sink(self, job):
         kind, target = job.kind, job.target
         if kind in ("collect", "store"):
-            return Collector(target)
+            return Collector(target, job.storage)
         if kind == "group":
             return GroupAccumulator(target)
         if kind == "fisher":

@@ -76,6 +76,10 @@ class Node:
         """One-line description used by reprs."""
         return type(self).__name__
 
+    def adjust_rebuild(self, changes: dict) -> dict:
+        """Hook for :func:`transform`: fix up fields that depend on rebuilt operands."""
+        return changes
+
     def __repr__(self) -> str:
         # Compact on purpose: operands (models, datasets) are not printed; the user-facing
         # wrappers (GradientSet, Operator, Scores) render the whole tree.
@@ -102,6 +106,8 @@ def transform(node: Node, fn) -> Node:
                 new = tuple(visit(v) if isinstance(v, Node) else v for v in value)
                 if any(a is not b for a, b in zip(new, value)):
                     changes[f.name] = new
+        if changes:
+            changes = x.adjust_rebuild(changes)
         rebuilt = replace(x, **changes) if changes else x
         out = fn(rebuilt)
         memo[x.token] = rebuilt if out is None else out

@@ -41,6 +41,13 @@ class Inner(ScoreNode):
         self.left.space.check_same(self.right.space, "the two sides of a score")
         self.left.space.check_same(self.op.space, "the operator and the gradients")
 
+    def adjust_rebuild(self, changes: dict) -> dict:
+        # I lives on the space of its operands: rebuilt operands (another projection
+        # size) take a rebuilt identity
+        if isinstance(self.op, Identity) and "op" not in changes and "left" in changes:
+            changes = dict(changes, op=Identity(changes["left"].space))
+        return changes
+
     @property
     def shape(self):
         return (self.left.n, self.right.n)

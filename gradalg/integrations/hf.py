@@ -32,6 +32,9 @@ undoes). ``scale`` picks the normalization of the captured rows:
 ``"sum"`` and ``"mean"`` need the model to receive ``num_items_in_batch`` (models that
 accept loss kwargs, with ``labels``; the Trainer's default loss) and are refused otherwise.
 
+TRL trainers call the model with a fused LM head (``fused_lm_head=True``) that never runs
+the head module: the head cannot be recorded and is refused with that explanation.
+
 Gradient accumulation: one step = every micro-batch until the optimizer step.
 Mixed precision (``bf16=True``): factors are kept in the wider dtype of input and gradient.
 Gradient checkpointing: non-reentrant (transformers' default) is handled; reentrant is
@@ -46,7 +49,7 @@ from typing import Callable
 import torch
 from transformers import TrainerCallback
 
-from ..errors import LossReductionError
+from ..errors import LossReductionError, UnsupportedLayerError
 from .distributed import unwrap_model
 from .selection import OnlineSelection
 from .training import TrainingCapture
@@ -144,10 +147,22 @@ class GradientCallback(TrainerCallback):
         if self._clip:
             args.max_grad_norm, self._clip = self._clip, None
 
+    def _check_fused_head(self, model):
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        hit = [r.name for r in self.capture.refs if head is not None and r.module is head]
+        if hit:
+            raise UnsupportedLayerError(
+                f"TRL's fused LM head projects through {hit[0]!r}'s weight inside its own autograd "
+                "function, so the module's hooks never run and its per-example gradients cannot be "
+                f"recorded; leave {hit[0]!r} out of `layers` (the backbone's layers are recorded as usual)"
+            )
+
     # ------------------------------------------------------------------ scaling
     def _pre_forward(self, module, args, kwargs):
         if not torch.is_grad_enabled() or not module.training or self.capture is None:
             return
+        if kwargs.get("fused_lm_head"):
+            self._check_fused_head(module)
         if self.scale == "loss":
             if self._world > 1:
                 self.capture.scale_next(1.0 / self._world)

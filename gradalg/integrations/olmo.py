@@ -79,6 +79,7 @@ class OLMoCoreCallback(Callback):
         (self.selection or self.capture).__enter__()
 
     def pre_step(self, batch: dict[str, Any]):
+        self.capture.discard_pending()  # the trainer's dry-run batch, which never steps
         world = _dist.world_size(getattr(self.trainer, "dp_process_group", None))
         if self.scale == "loss":
             self.capture.set_scale(1.0 / world if world > 1 else None)

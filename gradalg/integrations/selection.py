@@ -382,6 +382,8 @@ class OnlineSelection:
                 f"(requires_grad=False), or pass uncovered='ignore' to leave them uncorrected"
             )
         self._affine = AffineRecorder(affine, lambda: self.capture.pending) if affine else None
+        if self._affine is not None:
+            self.capture._discard_callbacks.append(self._affine.clear)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
 
     @property

@@ -122,6 +122,7 @@ class TrainingCapture:
         self._seen = 0
         self._callbacks: list[Callable] = []
         self._micro_callbacks: list[Callable] = []
+        self._discard_callbacks: list[Callable] = []
         self._row_scale = None
         self.row_scale = None
         self._handles = []
@@ -160,6 +161,16 @@ class TrainingCapture:
     def pending(self) -> int:
         """Micro-batches recorded since the last step closed."""
         return len(self._micro)
+
+    def discard_pending(self) -> int:
+        """Forget the micro-batches recorded since the last step (e.g. a trainer's warm-up
+        "dry-run" batch that never reaches an optimizer step). Returns how many."""
+        k = len(self._micro)
+        self._seen -= sum(c.n for c in self._micro)
+        self._micro = []
+        for cb in self._discard_callbacks:
+            cb()
+        return k
 
     def end_step(self) -> StepGrads | None:
         """Close the current step: call the ``on_step`` callbacks. A no-op if nothing is pending."""

@@ -78,6 +78,7 @@ class Job:
     held: GradNode | None = None
     transposed: bool = False
     kernels: dict = field(default_factory=dict)
+    storage: dict = field(default_factory=dict)
 
     @property
     def key(self) -> str:
@@ -239,7 +240,7 @@ class _Planner:
             {"hold left": f"{hold_left / 2**20:.2f} MiB", "hold right": f"{hold_right / 2**20:.2f} MiB"},
             "hold the side with the smaller footprint and stream the other; H (symmetric) is applied once to "
             "the held rows" + ("" if isinstance(node.op, Identity) else " (precondition the smaller side)")))
-        collect = self.add(Job("collect", held, (held,), self.stream_deps(held)))
+        collect = self.add(Job("collect", held, (held,), self.stream_deps(held), storage=self.storage(held)))
         job = Job("scores", node, (streamed,), {collect} | self.op_deps(node.op) | self.stream_deps(streamed),
                   held=held, transposed=transposed)
         job.kernels = self._kernels(held, streamed, node)
@@ -263,15 +264,22 @@ class _Planner:
         return [self.add(Job("diag", node, streams, deps))]
 
     # ---- sizes and costs ----------------------------------------------------------
+    def storage(self, node: GradNode) -> dict[str, str]:
+        """How kept rows are stored, per block: "factors" (n·T·(in+out) numbers) or "flat"
+        (n·dim), whichever is smaller."""
+        T = tokens_hint(node)
+        out = {}
+        for b in node.space.blocks:
+            factored = len(b.shape) == 2 and self._is_factored(node, b.name)
+            out[b.name] = "factors" if factored and T * (b.shape[0] + b.shape[1]) < b.dim else "flat"
+        return out
+
     def _rows_bytes(self, node: GradNode) -> float:
         """Bytes of all rows of ``node`` in its storage form (factors or flat)."""
         T = tokens_hint(node)
         total = 0.0
-        rep = node.representation
         for b in node.space.blocks:
-            if rep[b.name] == "factored" and len(b.shape) == 2:
-                total += node.n * T * (b.shape[0] + b.shape[1]) * 4
-            elif rep[b.name] == "projected" and self._kron_factored(node, b.name):
+            if self.storage(node)[b.name] == "factors":
                 total += node.n * T * (b.shape[0] + b.shape[1]) * 4
             else:
                 total += node.n * b.dim * 4
@@ -296,8 +304,9 @@ class _Planner:
     def _kernels(self, held: GradNode, streamed: GradNode, inner: Inner) -> dict:
         kernels = {}
         TL, TR = tokens_hint(held), tokens_hint(streamed)
+        kept = self.storage(held)
         for b in held.space.blocks:
-            if len(b.shape) != 2 or not isinstance(inner.op, Identity) or not (
+            if len(b.shape) != 2 or not isinstance(inner.op, Identity) or kept[b.name] != "factors" or not (
                     self._is_factored(held, b.name) and self._is_factored(streamed, b.name)):
                 kernels[b.name] = "dense"
                 continue
@@ -453,7 +462,7 @@ class _Planner:
                     continue
                 size = self._rows_bytes(node)
                 src = stream_root(node)
-                recompute = self._capture_cost(src).seconds(self.device) if isinstance(src, Source) else 0.0
+                recompute = self._capture_cost(src).seconds(self.device, self.dtype) if isinstance(src, Source) else 0.0
                 fits = size <= self.options.memory_budget / 4
                 choice = "store" if fits else "recompute"
                 self.decisions.append(Decision(
@@ -463,7 +472,7 @@ class _Planner:
                     + ("fits in a quarter of the memory budget" if fits else "would exceed a quarter of the memory budget")))
                 if fits:
                     stored.add(node.token)
-                    group.append(Job("store", node, (node,), set()))
+                    group.append(Job("store", node, (node,), set(), storage=self.storage(node)))
 
     def _size_pass(self, p: Pass, stored: set) -> None:
         sources = self._sources(p.jobs, stored) if p.reads_data else []
@@ -499,7 +508,7 @@ class _Planner:
             cost = cost + self._job_cost(job, n)
         cost = Cost(cost.flops, cost.bytes, fixed + per_ex * (p.batch_size or 1), cost.passes)
         p.cost = cost
-        p.seconds = cost.seconds(self.device)
+        p.seconds = cost.seconds(self.device, self.dtype)
 
 
 def _num_outputs(src: Source) -> int:
@@ -509,6 +518,14 @@ def _num_outputs(src: Source) -> int:
         if isinstance(m, torch.nn.Linear):
             last = m
     return last.out_features if last is not None else 1
+
+
+def _compute_dtype(root: Node) -> torch.dtype:
+    for node in root.walk():
+        if isinstance(node, Source):
+            for p in node.task.model.parameters():
+                return p.dtype
+    return torch.float32
 
 
 def _is_loader(data) -> bool:
@@ -523,6 +540,7 @@ def plan(root: Node, *, options: Options | None = None, device=None, rewrites: b
     prof = profile(device)
     simplified, fired = simplify_until_fixpoint(root, enabled=rewrites)
     planner = _Planner(options, prof)
+    planner.dtype = _compute_dtype(simplified)
     if isinstance(simplified, ScoreNode):
         roots = planner.score_jobs(simplified)
     elif isinstance(simplified, ScoreDiagonal):
@@ -534,4 +552,5 @@ def plan(root: Node, *, options: Options | None = None, device=None, rewrites: b
     else:
         raise PlanError(f"cannot plan a {type(root).__name__}")
     passes, stored = planner.schedule()
-    return Plan(root, simplified, fired, planner.decisions, passes, planner.jobs, roots, options, prof, stored)
+    return Plan(root, simplified, fired, planner.decisions, passes, planner.jobs, roots, options, prof, stored,
+                planner.dtype)

@@ -1,0 +1,206 @@
+"""``expr.explain()``: the plan, stage by stage, as text and as notebook HTML.
+
+:class:`Explain` displays itself (``print`` it, or leave it last in a notebook cell):
+
+1. logical      the expression tree as written
+2. simplified   after the rewrite rules, with each rule that fired and why
+3. costed       every decision with its alternatives and their estimated costs
+4. physical     the passes over data: jobs, chunk size, estimated FLOPs, time, memory
+                (and, with ``analyze=True``, measured time and memory per pass)
+
+plus, for planning at scale, estimated time and memory per GPU for 1, 4 and 8 GPUs
+(``gpus=``, ``device=``). ``to_dict()`` exports everything as plain data.
+"""
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, field
+
+import torch
+
+from ..viz.tree import text_tree
+from .cost import _si
+from .devices import profile
+from .planner import Plan
+
+__all__ = ["Explain", "scale_estimates"]
+
+
+def _fmt_seconds(s: float) -> str:
+    if s >= 3600:
+        return f"{s / 3600:.2f} h"
+    if s >= 60:
+        return f"{s / 60:.1f} min"
+    if s >= 1:
+        return f"{s:.2f} s"
+    return f"{s * 1e3:.3g} ms"
+
+
+def _fmt_alt(v) -> str:
+    return _fmt_seconds(v) if isinstance(v, (int, float)) else str(v)
+
+
+def _model_bytes(plan: Plan) -> tuple[float, torch.dtype]:
+    from ..expr import Source
+    seen, total, dtype = set(), 0.0, torch.float32
+    for node in plan.simplified.walk() if hasattr(plan.simplified, "walk") else []:
+        if isinstance(node, Source) and id(node.task.model) not in seen:
+            seen.add(id(node.task.model))
+            for p in node.task.model.parameters():
+                total += p.numel() * p.element_size()
+                dtype = p.dtype
+    return total, dtype
+
+
+def scale_estimates(plan: Plan, gpus=(1, 4, 8), device="h200") -> list[dict]:
+    """Estimated time and memory per GPU when the plan's passes are split across GPUs.
+
+    Data-parallel: each pass's examples are sharded over the GPUs; parameters are
+    sharded too (FSDP), so a GPU holds 1/g of the weights, its own batch's activations
+    and factors, and a full copy of held rows and curvature statistics.
+    """
+    prof = profile(device)
+    weights, dtype = _model_bytes(plan)
+    rows = []
+    flops = plan.total.flops
+    nbytes = plan.total.bytes
+    held = max([p.fixed_bytes for p in plan.passes] or [0.0])
+    per_batch = max([p.per_example_bytes * (p.batch_size or 1) for p in plan.passes] or [0.0])
+    for g in gpus:
+        seconds = prof.seconds(flops / g, nbytes / g, dtype)
+        memory = weights / g + per_batch + held
+        rows.append({"gpus": g, "device": prof.name, "seconds": seconds, "memory_per_gpu": memory,
+                     "fits": memory <= prof.memory, "passes_over_data": plan.data_passes})
+    return rows
+
+
+@dataclass
+class Explain:
+    """A plan ready to display. ``analyzed`` holds measured per-pass stats, if run."""
+
+    plan: Plan
+    analyzed: list = field(default_factory=list)
+    gpus: tuple = (1, 4, 8)
+    device: str | None = None
+    stage: str | None = None
+
+    # ---- data -------------------------------------------------------------------
+    def decisions(self) -> list[dict]:
+        return [{"what": d.what, "chosen": d.chosen, "alternatives": dict(d.alternatives), "why": d.why}
+                for d in self.plan.decisions]
+
+    def passes(self) -> list[dict]:
+        out = []
+        for i, p in enumerate(self.plan.passes):
+            row = {"pass": i, "reads": p.label, "jobs": [j.describe() for j in p.jobs],
+                   "batch_size": p.batch_size, "flops": p.cost.flops, "seconds": p.seconds,
+                   "peak_bytes": p.cost.peak_bytes, "note": p.note}
+            if i < len(self.analyzed):
+                row["measured_seconds"] = self.analyzed[i]["seconds"]
+                row["measured_held_bytes"] = self.analyzed[i]["held_bytes"]
+                row["measured_rss_growth_bytes"] = self.analyzed[i]["peak_rss_growth_bytes"]
+            out.append(row)
+        return out
+
+    def to_dict(self) -> dict:
+        return {
+            "device": self.plan.device.name, "memory_budget": self.plan.options.memory_budget,
+            "rules_fired": [f.__dict__ for f in self.plan.fired], "decisions": self.decisions(),
+            "passes": self.passes(), "passes_over_data": self.plan.data_passes,
+            "estimated_seconds": self.plan.seconds, "estimated_peak_bytes": self.plan.peak_bytes,
+            "scale": scale_estimates(self.plan, self.gpus, self.device) if self.device else [],
+        }
+
+    # ---- text -------------------------------------------------------------------
+    def __str__(self) -> str:
+        p = self.plan
+        lines = [f"gradalg plan — device {p.device.name}, memory budget {_si(p.options.memory_budget)}B, "
+                 f"{p.data_passes} pass(es) over data, est. {_fmt_seconds(p.seconds)}, "
+                 f"peak ~{_si(p.peak_bytes)}B"]
+        want = self.stage
+        if want in (None, "logical"):
+            lines += ["", "1. logical", text_tree(p.logical, "expression")]
+        if want in (None, "simplified"):
+            fired = ", ".join(f"{f.rule}" for f in p.fired) or "none"
+            lines += ["", f"2. simplified (rules fired: {fired})"]
+            lines += [f"   - {f.rule}: {f.before} → {f.after}  ({f.why})" for f in p.fired]
+            if p.fired:
+                lines.append(text_tree(p.simplified, "simplified"))
+        if want in (None, "costed"):
+            lines += ["", "3. costed decisions"]
+            for d in p.decisions:
+                alts = "; ".join(f"{k}: {_fmt_alt(v)}" for k, v in d.alternatives.items())
+                lines.append(f"   - {d.what}: chose {d.chosen}  [{alts}]")
+                if d.why:
+                    lines.append(f"       {d.why}")
+        if want in (None, "physical"):
+            lines += ["", "4. physical passes"]
+            header = f"   {'#':>2}  {'reads':<38} {'batch':>5} {'est FLOP':>10} {'est time':>10} {'est peak':>9}"
+            if self.analyzed:
+                header += f" {'measured':>10} {'held':>9}"
+            lines.append(header)
+            for row in self.passes():
+                line = (f"   {row['pass']:>2}  {row['reads'][:38]:<38} {str(row['batch_size'] or '-'):>5} "
+                        f"{_si(row['flops']) + 'FLOP':>10} {_fmt_seconds(row['seconds']):>10} "
+                        f"{_si(row['peak_bytes']) + 'B':>9}")
+                if "measured_seconds" in row:
+                    line += f" {_fmt_seconds(row['measured_seconds']):>10} {_si(row['measured_held_bytes']) + 'B':>9}"
+                lines.append(line)
+                for job in row["jobs"]:
+                    lines.append(f"        · {job}")
+                if row["note"]:
+                    lines.append(f"        ! {row['note']}")
+        if self.device and want in (None, "scale"):
+            lines += ["", f"5. at scale on {profile(self.device).name} (estimates)"]
+            for r in scale_estimates(p, self.gpus, self.device):
+                lines.append(f"   {r['gpus']} GPU(s): {_fmt_seconds(r['seconds'])}, {_si(r['memory_per_gpu'])}B per GPU"
+                             + ("" if r["fits"] else "  (does not fit)"))
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    # ---- HTML -------------------------------------------------------------------
+    def _repr_html_(self) -> str:
+        from ..viz.html import _css, html_tree
+        p = self.plan
+        esc = html.escape
+        head = (f"<div class='ga-head'>gradalg plan <span class='ga-cost'>device {esc(p.device.name)}, memory "
+                f"budget {_si(p.options.memory_budget)}B, {p.data_passes} pass(es) over data, est. "
+                f"{_fmt_seconds(p.seconds)}, peak ~{_si(p.peak_bytes)}B</span></div>")
+        parts = [f"<style>{_css()}</style><div class='ga-expr'>", head]
+        parts.append(f"<details><summary>1. logical</summary>{html_tree(p.logical, 'expression')}</details>")
+        fired = "".join(f"<li><b>{esc(f.rule)}</b>: {esc(f.before)} → {esc(f.after)} <i>{esc(f.why)}</i></li>"
+                        for f in p.fired) or "<li>no rule fired</li>"
+        parts.append(f"<details><summary>2. simplified ({len(p.fired)} rewrites)</summary><ul>{fired}</ul>"
+                     f"{html_tree(p.simplified, 'simplified') if p.fired else ''}</details>")
+        rows = "".join(
+            f"<tr><td>{esc(d.what)}</td><td><b>{esc(d.chosen)}</b></td><td>"
+            + "<br>".join(f"{esc(k)}: {esc(_fmt_alt(v))}" for k, v in d.alternatives.items())
+            + f"</td><td>{esc(d.why)}</td></tr>" for d in p.decisions)
+        parts.append("<details open><summary>3. costed decisions</summary><table class='ga-table'><tr><th>what"
+                     "</th><th>chosen</th><th>alternatives (est.)</th><th>why</th></tr>" + rows + "</table></details>")
+        measured = bool(self.analyzed)
+        head_row = ("<tr><th>#</th><th>reads</th><th>jobs</th><th>batch</th><th>est FLOP</th><th>est time</th>"
+                    "<th>est peak</th>" + ("<th>measured time</th><th>held</th>" if measured else "") + "</tr>")
+        body = ""
+        for row in self.passes():
+            body += (f"<tr><td>{row['pass']}</td><td>{esc(row['reads'])}</td><td>"
+                     + "<br>".join(esc(j) for j in row["jobs"])
+                     + (f"<br><i>{esc(row['note'])}</i>" if row["note"] else "")
+                     + f"</td><td>{row['batch_size'] or '-'}</td><td>{_si(row['flops'])}FLOP</td>"
+                     f"<td>{_fmt_seconds(row['seconds'])}</td><td>{_si(row['peak_bytes'])}B</td>")
+            if measured:
+                body += (f"<td>{_fmt_seconds(row.get('measured_seconds', 0))}</td>"
+                         f"<td>{_si(row.get('measured_held_bytes', 0))}B</td>")
+            body += "</tr>"
+        parts.append(f"<details open><summary>4. physical passes</summary><table class='ga-table'>{head_row}{body}"
+                     "</table></details>")
+        if self.device:
+            srows = "".join(f"<tr><td>{r['gpus']}</td><td>{_fmt_seconds(r['seconds'])}</td>"
+                            f"<td>{_si(r['memory_per_gpu'])}B</td><td>{'yes' if r['fits'] else 'no'}</td></tr>"
+                            for r in scale_estimates(p, self.gpus, self.device))
+            parts.append(f"<details open><summary>5. at scale on {esc(profile(self.device).name)}</summary>"
+                         "<table class='ga-table'><tr><th>GPUs</th><th>time</th><th>memory per GPU</th><th>fits"
+                         f"</th></tr>{srows}</table></details>")
+        parts.append("</div>")
+        return "".join(parts)
