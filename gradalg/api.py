@@ -28,10 +28,15 @@ __all__ = ["GradientSet", "TransposedGradients", "Operator", "Scores", "grads", 
 
 
 def _executor(executor):
-    if executor is None:
-        from .exec.local import LocalExecutor
-        return LocalExecutor()
-    return executor
+    from .exec.base import get_executor
+    return get_executor(executor)
+
+
+def _as_array(values):
+    """numpy for torch results; Dask arrays (the Dask executor's blocks) stay lazy."""
+    if isinstance(values, torch.Tensor):
+        return values.detach().cpu().numpy()
+    return values
 
 
 class _Displayed:
@@ -347,12 +352,15 @@ class Scores(_Displayed):
     def compute(self, executor=None) -> xr.DataArray:
         """Run the expression. Returns a DataArray with dims ("query", "train").
 
+        ``executor``: None or "local" (this process), "dask" (a local cluster), or an
+        executor object (``ga.DaskExecutor(client=...)``). With Dask the DataArray is
+        backed by a Dask array whose blocks are the training shards' scores.
         ``attrs`` records the expression and which kernels ran (``kernels``).
         """
         ex = _executor(executor)
         values = ex.scores(self.expr)
         return xr.DataArray(
-            values.detach().cpu().numpy(),
+            _as_array(values),
             dims=("query", "train"),
             coords={"query": np.asarray(self.expr.row_ids), "train": np.asarray(self.expr.col_ids)},
             name="scores",
@@ -373,7 +381,7 @@ class SelfScores(_Displayed):
         """Returns a DataArray with dim ("train",), indexed by example id."""
         ex = _executor(executor)
         values = ex.diagonal(self.expr)
-        return xr.DataArray(values.detach().cpu().numpy(), dims=("train",),
+        return xr.DataArray(_as_array(values), dims=("train",),
                             coords={"train": np.asarray(self.expr.ids)}, name="self_scores")
 
 

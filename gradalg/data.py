@@ -95,6 +95,14 @@ class DataRef:
             return iter(DataLoader(self.source, batch_size=bs, shuffle=False))
         raise TypeError(f"cannot iterate over {type(self.source).__name__}")
 
+    def subset(self, start: int, stop: int) -> "DataRef":
+        """Examples ``start:stop`` (a shard), batched like this one."""
+        from torch.utils.data import Subset
+        base = _dataset_of(self.source)
+        bs = self.batch_size or (self.source.batch_size if isinstance(self.source, DataLoader) else None)
+        key = f"{self.key or format(id(self.source), 'x')}[{start}:{stop}]"
+        return DataRef(Subset(base, range(start, stop)), self.ids[start:stop], bs, key)
+
     def first_example_batch(self) -> Any:
         """A batch holding the first example only: used for shape hints, never a forward."""
         return next(iter(DataLoader(_dataset_of(self.source), batch_size=1)))

@@ -1,7 +1,9 @@
 """What a job does with the chunks of one pass: accumulate, collect, score.
 
 Each accumulator has ``update(chunk)`` (called once per chunk of the pass, in order)
-and ``finish()``; the executor stores what ``finish`` returns. The same accumulators
+and ``finish()``; the executor stores what ``finish`` returns. For sharded passes,
+``export()`` gives a shard's partial state as plain tensors and ``absorb(state)`` adds
+it to another accumulator of the same job (shards absorbed in order). The same accumulators
 serve the fused passes of a plan and the one-node-at-a-time pull path, so both give
 identical numbers.
 """
@@ -59,6 +61,21 @@ class FisherAccumulator:
         else:
             self.acc += part
 
+    def export(self) -> dict:
+        return {"acc": self.acc, "rows": self.rows}
+
+    def absorb(self, state: dict) -> None:
+        self.rows += state["rows"]
+        if state["acc"] is None:
+            return
+        if self.acc is None:
+            self.acc = state["acc"]
+        elif self.structure == "block":
+            for k in self.acc:
+                self.acc[k] += state["acc"][k]
+        else:
+            self.acc += state["acc"]
+
     def finish(self) -> ResolvedOp:
         if self.rows == 0:
             raise ValueError("cannot compute a Fisher over zero examples")
@@ -89,6 +106,18 @@ class KronAccumulator:
         for name in self.node.space.names:
             self.stats[name].update(_factors(self.node, name, chunk.blocks[name]))
 
+    def export(self) -> dict:
+        return {n: (st.A, st.S, st.tokens, st.examples) for n, st in self.stats.items()}
+
+    def absorb(self, state: dict) -> None:
+        for name, (A, S, tokens, examples) in state.items():
+            st = self.stats[name]
+            if A is not None:
+                st.A = A if st.A is None else st.A + A
+                st.S = S if st.S is None else st.S + S
+            st.tokens += tokens
+            st.examples += examples
+
     def finish(self) -> KronOp:
         bases, eigenvalues = {}, {}
         for name in self.node.space.names:
@@ -113,6 +142,13 @@ class EKFACAccumulator:
             value = _factors(self.node, name, chunk.blocks[name])
             self.sums[name] += (rotate_factors(value, Q_S, Q_A) ** 2).sum(0)
 
+    def export(self) -> dict:
+        return self.sums
+
+    def absorb(self, state: dict) -> None:
+        for k, v in state.items():
+            self.sums[k] += v
+
     def finish(self) -> KronOp:
         n = self.node.grads.n
         return KronOp(self.node.space, self.kfac.bases, {k: s / n for k, s in self.sums.items()})
@@ -121,11 +157,11 @@ class EKFACAccumulator:
 class GroupAccumulator:
     """Group means of the rows (GroupMean): one flat row per group label."""
 
-    def __init__(self, node: GroupMean):
+    def __init__(self, node: GroupMean, start: int = 0):
         self.node = node
         where = {g: i for i, g in enumerate(node.ids)}
         self.index = torch.tensor([where[g] for g in node.groups])
-        self.total, self.start = None, 0
+        self.total, self.start = None, start   # start: first row of the shard fed here
 
     def update(self, chunk: Chunk) -> None:
         x = flatten(chunk, self.node.space)
@@ -133,6 +169,13 @@ class GroupAccumulator:
             self.total = x.new_zeros(self.node.n, x.shape[1])
         self.total.index_add_(0, self.index[self.start:self.start + chunk.n].to(x.device), x)
         self.start += chunk.n
+
+    def export(self):
+        return self.total
+
+    def absorb(self, total) -> None:
+        if total is not None:
+            self.total = total if self.total is None else self.total + total
 
     def finish(self) -> list[Chunk]:
         counts = torch.bincount(self.index, minlength=self.node.n).to(self.total)
@@ -152,9 +195,15 @@ class Collector:
         self.chunks: list[Chunk] = []
 
     def update(self, chunk: Chunk) -> None:
-        if self.flat:
-            chunk = chunk.replace({n: (flat_block(v) if n in self.flat else v) for n, v in chunk.blocks.items()})
-        self.chunks.append(chunk)
+        # kept rows drop the batch and task they came from: they are data now
+        self.chunks.append(Chunk(chunk.ids, {n: (flat_block(v) if n in self.flat else v)
+                                             for n, v in chunk.blocks.items()}))
+
+    def export(self) -> list[Chunk]:
+        return self.chunks
+
+    def absorb(self, chunks: list[Chunk]) -> None:
+        self.chunks.extend(chunks)
 
     def finish(self) -> list[Chunk]:
         return self.chunks
@@ -207,6 +256,13 @@ class ScoreAccumulator:
             lflat = lval
         return lflat @ flat_block(rval).to(lflat.dtype).T
 
+    def export(self) -> torch.Tensor:
+        return torch.cat(self.columns, dim=1) if self.columns else None
+
+    def absorb(self, columns) -> None:
+        if columns is not None:
+            self.columns.append(columns)
+
     def finish(self) -> torch.Tensor:
         return torch.cat(self.columns, dim=1)
 
@@ -230,6 +286,13 @@ class DiagAccumulator:
         if self.resolved is not None:
             y = self.resolved.apply(y).to(x.dtype)
         self.parts.append((x * y).sum(1))
+
+    def export(self) -> torch.Tensor:
+        return torch.cat(self.parts) if self.parts else None
+
+    def absorb(self, part) -> None:
+        if part is not None:
+            self.parts.append(part)
 
     def finish(self) -> torch.Tensor:
         return torch.cat(self.parts)

@@ -30,6 +30,7 @@ from ..expr import (KFAC, Arnoldi, Captured, CurvatureProducts, Damp, DataInf, D
 from ..data import batch_size_of, move_batch
 from ..options import Options, get_options
 from ..plan.planner import ROW_WISE, Plan, PlanError, plan as make_plan, stream_root
+from .base import Executor
 from .accumulators import (Collector, DiagAccumulator, EKFACAccumulator, FisherAccumulator, GroupAccumulator,
                            KronAccumulator, ScoreAccumulator)
 from .capture_pass import SourceCapture, eval_mode, model_device_dtype
@@ -43,7 +44,7 @@ CURVATURE_NODES = (CurvatureProducts, Arnoldi, DataInf)
 __all__ = ["LocalExecutor"]
 
 
-class LocalExecutor:
+class LocalExecutor(Executor):
     """Runs expression nodes with PyTorch in this process.
 
     One executor serves one ``compute()``. ``rewrites=False`` disables the planner's
@@ -104,7 +105,16 @@ class LocalExecutor:
         return p
 
     def _run_pass(self, step) -> None:
-        sinks = [(job, self._sink(job)) for job in step.jobs]
+        sinks = self._open_sinks(step.jobs)
+        self._feed(step, sinks)
+        for job, sink in sinks:
+            self._store(job, sink.finish())
+
+    def _open_sinks(self, jobs) -> list:
+        return [(job, self._sink(job)) for job in jobs]
+
+    def _feed(self, step, sinks) -> None:
+        """Read ``step``'s data once and hand every chunk to every job's sink."""
         for base in self._batches(step):
             memo: dict[str, list[Chunk]] = {}
             for job, sink in sinks:
@@ -118,8 +128,6 @@ class LocalExecutor:
                 else:
                     for chunk in streams[0]:
                         sink.update(chunk)
-        for job, sink in sinks:
-            self._store(job, sink.finish())
 
     def _batches(self, step) -> Iterator[dict[str, list[Chunk]]]:
         kind = step.key[0]

@@ -1,0 +1,69 @@
+"""The executor interface and the registry of executors.
+
+An executor runs expression nodes. Required entry points:
+
+``scores(node)``     (n_query, n_train) scores of a score node
+``diagonal(node)``   self-scores of a :class:`~gradalg.expr.ScoreDiagonal`
+``gradients(node)``  all rows of a gradient node (a Chunk)
+``operator(node)``   the resolved numbers of an operator node
+
+Optional: ``plan(node)`` (the plan it would run) and ``close()``. Executors are picked
+by object or by name (``get_executor("local")``, ``get_executor("dask")``); a missing
+optional dependency is reported with the command that installs it.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+__all__ = ["Executor", "get_executor", "EXECUTORS"]
+
+
+class Executor(ABC):
+    name: str = "executor"
+
+    @abstractmethod
+    def scores(self, node):
+        """(n_left, n_right) scores of ``node``."""
+
+    @abstractmethod
+    def diagonal(self, node):
+        """Self-scores (n,) of a ScoreDiagonal node."""
+
+    @abstractmethod
+    def gradients(self, node):
+        """All rows of a gradient node."""
+
+    @abstractmethod
+    def operator(self, node):
+        """Resolved numbers of an operator node."""
+
+    def close(self) -> None:
+        """Release resources (clusters, files)."""
+
+
+def _local(**kwargs):
+    from .local import LocalExecutor
+    return LocalExecutor(**kwargs)
+
+
+def _dask(**kwargs):
+    try:
+        import distributed  # noqa: F401
+    except ImportError as err:
+        raise ImportError("the Dask executor needs dask.distributed: pip install 'gradalg[dask]'") from err
+    from .dask import DaskExecutor
+    return DaskExecutor(**kwargs)
+
+
+EXECUTORS = {"local": _local, "dask": _dask}
+
+
+def get_executor(executor=None, **kwargs) -> Executor:
+    """An executor from a name ("local", "dask"), an Executor, or None (local)."""
+    if executor is None:
+        return _local(**kwargs)
+    if isinstance(executor, str):
+        if executor not in EXECUTORS:
+            raise ValueError(f"unknown executor {executor!r}; choose one of {sorted(EXECUTORS)}")
+        return EXECUTORS[executor](**kwargs)
+    return executor

@@ -1,0 +1,196 @@
+"""The Dask executor: the same physical plan, each pass over data split into shards
+that run on Dask workers.
+
+For every pass that reads a dataset, the examples are split into index ranges
+(``shards``, default 2 per worker). The pass's jobs — with the state they need (held
+rows already preconditioned, resolved operators of the row-wise chains, K-FAC bases)
+— are scattered to every worker once per pass; that sends the model once per worker.
+Each shard task runs the pass over its sub-dataset with a :class:`LocalExecutor` and
+returns its jobs' partial states (``export``); the client absorbs them in shard order.
+Score blocks stay on the workers: the result is a Dask array whose blocks are the
+shards' score columns, wrapped in an ``xarray.DataArray`` by ``Scores.compute``.
+
+A worker that dies is replaced by its nanny and its shards are retried
+(``retries``); every shard is a pure function of its range, so the result is the
+same. Passes over rows in memory run on the client.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import torch
+
+from ..expr import ScoreNode, ScoreSum, Source
+from ..plan.planner import chain_ops, stream_root
+from .local import LocalExecutor
+from .shards import restrict, shard_ranges
+
+__all__ = ["DaskExecutor"]
+
+
+def _set_threads(n: int):
+    torch.set_num_threads(n)
+    return n
+
+
+def _run_shard(payload, start: int, stop: int):
+    """On a worker: run one pass over examples start:stop; return the jobs' partial states."""
+    step, sinks, state, options, data_token = payload
+    ex = LocalExecutor(options)
+    ex._ops, ex._kron, ex._cache = dict(state["ops"]), dict(state["kron"]), dict(state["cache"])
+    jobs = [replace(job, streams=tuple(restrict(s, data_token, start, stop) for s in job.streams))
+            for job in step.jobs]
+    shard_step = replace(step, jobs=jobs)
+    local_sinks = []
+    for job, sink in zip(jobs, copy.deepcopy(sinks)):
+        if job.kind == "group":
+            sink.start = start
+        local_sinks.append((job, sink))
+    ex._feed(shard_step, local_sinks)
+    return [sink.export() for _, sink in local_sinks], dict(ex.trace)
+
+
+def _pick(result, index):
+    block = result[0][index]
+    return block.detach().cpu().numpy()
+
+
+class DaskExecutor(LocalExecutor):
+    """Runs plans on a Dask cluster.
+
+    Parameters
+    ----------
+    client : an existing ``distributed.Client`` (default: a new ``LocalCluster`` of
+        ``n_workers`` processes, closed by ``close()`` or at exit).
+    n_workers, threads_per_worker : for the default local cluster.
+    shards_per_worker : shards per worker for each pass over data.
+    retries : retries of a shard whose worker died.
+    """
+
+    name = "dask"
+
+    def __init__(self, client=None, *, n_workers: int = 2, threads_per_worker: int = 1,
+                 shards_per_worker: int = 2, retries: int = 3, options=None, rewrites: bool = True):
+        super().__init__(options, rewrites=rewrites)
+        from distributed import Client, LocalCluster
+
+        self._own = client is None
+        if client is None:
+            cluster = LocalCluster(n_workers=n_workers, threads_per_worker=threads_per_worker, processes=True,
+                                   dashboard_address=None)
+            client = Client(cluster)
+        self.client = client
+        self.client.run(_set_threads, threads_per_worker)
+        self.shards_per_worker = shards_per_worker
+        self.retries = retries
+        self._score_blocks: dict[str, list] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        if self._own and self.client is not None:
+            cluster = self.client.cluster
+            self.client.close()
+            cluster.close()
+            self.client = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    @property
+    def n_workers(self) -> int:
+        return max(1, len(self.client.scheduler_info().get("workers", {})))
+
+    # ------------------------------------------------------------------ passes
+    def _run_pass(self, step) -> None:
+        if not step.reads_data or not self._shippable(step):
+            return super()._run_pass(step)
+        sources = [stream_root(s) for j in step.jobs for s in j.streams if isinstance(stream_root(s), Source)]
+        data = sources[0].data
+        ranges = shard_ranges(data.n, self.n_workers * self.shards_per_worker)
+        sinks = self._open_sinks(step.jobs)
+        state = self._state_for(step)
+        payload = (step, [s for _, s in sinks], state, self.options, data.token)
+        [payload_future] = self.client.scatter([payload], broadcast=True, hash=False)
+        futures = [self.client.submit(_run_shard, payload_future, a, b, retries=self.retries, pure=False)
+                   for a, b in ranges]
+        score_jobs = {i for i, (job, _) in enumerate(sinks) if job.kind == "scores"}
+        if score_jobs:
+            self._lazy_scores(step, sinks, futures, ranges, score_jobs)
+        results = self.client.gather([self.client.submit(_strip_scores, f, sorted(score_jobs), pure=False)
+                                      for f in futures]) if len(score_jobs) < len(sinks) else []
+        for states, trace in results:
+            self.trace.update(trace)
+            for i, (job, sink) in enumerate(sinks):
+                if i not in score_jobs:
+                    sink.absorb(states[i])
+        for i, (job, sink) in enumerate(sinks):
+            if i not in score_jobs:
+                self._store(job, sink.finish())
+
+    def _lazy_scores(self, step, sinks, futures, ranges, score_jobs):
+        import dask.array as da
+        from dask import delayed
+
+        for i in score_jobs:
+            job = sinks[i][0]
+            n_held = job.held.n
+            blocks = []
+            for fut, (a, b) in zip(futures, ranges):
+                part = self.client.submit(_pick, fut, i, pure=False)
+                blocks.append(da.from_delayed(delayed(part), shape=(n_held, b - a), dtype=_np_dtype(job)))
+            array = da.concatenate(blocks, axis=1)
+            self._score_blocks[job.key] = array.T if job.transposed else array
+
+    def _shippable(self, step) -> bool:
+        """Passes whose row-wise chains need operators known only through products (which
+        hold this process's executor) run here instead."""
+        for job in step.jobs:
+            for s in job.streams:
+                for op in chain_ops(s):
+                    if self.resolve(op).kind == "implicit":
+                        return False
+        return True
+
+    def _state_for(self, step) -> dict:
+        ops, cache, kron = {}, {}, {}
+        for job in step.jobs:
+            for s in job.streams:
+                for op in chain_ops(s):
+                    ops[op.token] = self.resolve(op)
+                    for sub in op.walk():
+                        if sub.token in self._ops:
+                            ops[sub.token] = self._ops[sub.token]
+            if job.kind == "ekfac":
+                kron[job.target.token] = self._kron[job.target.token]
+        return {"ops": ops, "cache": cache, "kron": kron}
+
+    # ------------------------------------------------------------------ results
+    def scores(self, node: ScoreNode):
+        p = self.run(self.plan(node))
+        return self._combine(p.simplified)
+
+    def _combine(self, node: ScoreNode):
+        if isinstance(node, ScoreSum):
+            return sum(c * self._combine(t) for c, t in zip(node.coefs, node.terms))
+        key = f"scores:{node.token}"
+        if key in self._score_blocks:
+            return self._score_blocks[key]
+        return self._results[key].detach().cpu().numpy()
+
+
+def _strip_scores(result, score_jobs):
+    states, trace = result
+    return [None if i in score_jobs else s for i, s in enumerate(states)], trace
+
+
+def _np_dtype(job):
+    src = stream_root(job.streams[0])
+    if isinstance(src, Source):
+        for p in src.task.model.parameters():
+            return {torch.float64: "float64", torch.float32: "float32"}.get(p.dtype, "float32")
+    return "float32"
