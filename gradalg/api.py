@@ -32,6 +32,12 @@ def _executor(executor):
     return get_executor(executor)
 
 
+def _expression_text(node) -> str:
+    """The expression tree as plain text (no cost line), for a result's attrs."""
+    from .viz.tree import text_tree
+    return text_tree(node, "expression").split("\n", 1)[1]
+
+
 def _as_array(values):
     """numpy for torch results; Dask arrays (the Dask executor's blocks) stay lazy."""
     if isinstance(values, torch.Tensor):
@@ -364,7 +370,7 @@ class Scores(_Displayed):
             dims=("query", "train"),
             coords={"query": np.asarray(self.expr.row_ids), "train": np.asarray(self.expr.col_ids)},
             name="scores",
-            attrs={"expression": self.expr.label, "kernels": dict(getattr(ex, "trace", {}))},
+            attrs={"expression": _expression_text(self.expr), "kernels": dict(getattr(ex, "trace", {}))},
         )
 
 

@@ -139,6 +139,8 @@ def run_notebook(path: str | os.PathLike, out_dir: str | os.PathLike, *, timeout
     # record the kernel the notebook really ran on, not the temporary spec's name
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, executed)
+    for stale in out.glob(f"{name}_fig*.png"):   # figures of an earlier run of this notebook
+        stale.unlink()
     figures = []
     for i, png in enumerate(_figures(nb), start=1):
         fig = out / f"{name}_fig{i}.png"
@@ -168,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except RuntimeError as err:  # the kernel did not start or died outside a cell
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     print(f"ran {run.source} in {run.seconds:.1f} s")
     print(f"  notebook: {run.notebook}")
     for fig in run.figures:

@@ -216,9 +216,9 @@ def _nbytes(value) -> int:
 class ScoreAccumulator:
     """Columns of ⟨held_i, streamed_j⟩ summed over blocks, chunk by chunk of the streamed side.
 
-    ``held`` is already preconditioned. Per block the kernel is the plan's choice, or
-    re-decided from the chunk's real shapes when the option says "auto" and the plan
-    had to guess T.
+    ``held`` is already preconditioned. Per block the kernel is the plan's choice (what
+    ``explain()`` shows), the one forced by ``ga.options(ghost=...)``, or — for blocks the
+    plan did not cost — the routing rule on the chunk's real shapes.
     """
 
     def __init__(self, held: Chunk, space, kernels: dict, ghost_mode: str, trace, memory_budget: int):
@@ -243,7 +243,8 @@ class ScoreAccumulator:
 
     def _block(self, name, lval, rval) -> torch.Tensor:
         if isinstance(lval, Factors) and isinstance(rval, Factors):
-            kernel = choose_kernel(lval, rval, self.ghost_mode)
+            planned = self.kernels.get(name) if self.ghost_mode == "auto" else None
+            kernel = planned or choose_kernel(lval, rval, self.ghost_mode)
             if kernel == "ghost":
                 self.trace["ghost"] += 1
                 return ghost_inner(lval, rval)

@@ -211,6 +211,14 @@ class Normalize(_RowMap):
     op: Node | None = None
 
     @property
+    def representation(self):
+        rep = self.grads.representation
+        if self.op is None:
+            return rep
+        # the metric's ⟨g, H g⟩ needs the flat rows: the executor materializes factored blocks
+        return {k: ("projected" if v == "projected" else "dense") for k, v in rep.items()}
+
+    @property
     def label(self):
         return "normalize" if self.op is None else "normalize in the metric of an operator"
 

@@ -117,17 +117,23 @@ class Projector:
         return (self.seed * 1_000_003 + zlib.crc32(f"{block_name}/{part}".encode())) % (2**63)
 
     def kron_shape(self, out: int, n_in: int) -> tuple[int, int]:
-        """(k_out, k_in) for a layer of shape (out, in): given, else the most even split of k."""
+        """(k_out, k_in) for a layer of shape (out, in).
+
+        Given sizes are clipped to the layer. Otherwise the split of k that never
+        projects *up* (k_out ≤ out, k_in ≤ in) with the most coordinates (k_out·k_in ≤ k),
+        the most even one among those: a 10-output layer with k=256 gets 10 × 25, not
+        16 × 16 (which would make its projected Fisher rank-deficient).
+        """
         if self.k_out is not None:
             return min(self.k_out, out), min(self.k_in, n_in)
         best = None
-        for a in range(1, self.k + 1):
-            if self.k % a:
+        for a in range(1, min(self.k, out) + 1):
+            b = min(self.k // a, n_in)
+            if b < 1:
                 continue
-            b = self.k // a
-            score = abs(math.log(a) - math.log(b))
-            if best is None or score < best[0]:
-                best = (score, a, b)
+            key = (a * b, -abs(math.log(a) - math.log(b)))
+            if best is None or key > best[0]:
+                best = (key, a, b)
         return best[1], best[2]
 
     def mask_size(self, dim: int) -> int:

@@ -37,6 +37,9 @@ class Cost:
     def seconds(self, profile, dtype=torch.float32) -> float:
         return profile.seconds(self.flops, self.bytes, dtype)
 
+    def __repr__(self) -> str:
+        return f"Cost({self.describe()}, {_si(self.bytes)}B moved)"
+
     def describe(self) -> str:
         return (f"~{_si(self.flops)}FLOP, peak ~{_si(self.peak_bytes)}B, "
                 f"{self.passes:g} pass(es) over data")

@@ -506,7 +506,8 @@ class _Planner:
             n = p.jobs[0].streams[0].n
         for job in p.jobs:
             cost = cost + self._job_cost(job, n)
-        cost = Cost(cost.flops, cost.bytes, fixed + per_ex * (p.batch_size or 1), cost.passes)
+        # one read of the data, however many sources are captured from each batch
+        cost = Cost(cost.flops, cost.bytes, fixed + per_ex * (p.batch_size or 1), 1.0 if p.reads_data else 0.0)
         p.cost = cost
         p.seconds = cost.seconds(self.device, self.dtype)
 

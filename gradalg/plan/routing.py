@@ -7,8 +7,9 @@ products between a held chunk ``L`` (nL examples, TL positions) and a streamed c
     ghost  = nL·nR·TL·TR·(in + out + 1)
     dense  = nL·TL·in·out (once per run; ignored here) + nR·TR·in·out + nL·nR·in·out
 
-Ghost wins when sequences are short relative to the layer's width (T² < in·out / (in+out)
-for one query, roughly); dense wins for long sequences and many queries.
+Ghost wins when sequences are short relative to the layer's width (roughly
+T < in·out / (in+out) when both sides have T positions and the streamed side is
+materialized once per example); dense wins for long sequences and many queries.
 """
 from __future__ import annotations
 

@@ -32,6 +32,7 @@ import torch
 __all__ = ["GradientSetConformance", "OperatorConformance", "assert_close", "project_dense"]
 
 F64 = torch.float64
+_STRUCTURES = ("identity", "diag", "kron", "lowrank", "block", "dense", "implicit")
 
 
 def _as64(x) -> torch.Tensor:
@@ -417,7 +418,7 @@ class OperatorConformance(_Base):
         ref = self.reference()
         assert isinstance(op, Operator)
         assert op.shape == tuple(ref.shape) == (op.space.dim, op.space.dim)
-        assert op.structure in ("identity", "diag", "block", "dense")
+        assert op.structure in _STRUCTURES, f"unknown structure {op.structure!r}"
 
     def test_to_dense(self):
         op = self.create()
@@ -432,7 +433,7 @@ class OperatorConformance(_Base):
             self.check(M - torch.diag(torch.diagonal(M)), torch.zeros_like(M), f"{op.structure} has no off-diagonal")
         if op.structure == "identity":
             self.check(M, self._eye(), "identity")
-        if op.structure == "block":
+        if op.structure in ("block", "kron"):   # block-diagonal across layers
             mask = torch.block_diag(*(torch.ones(b.dim, b.dim, dtype=F64) for b in op.space.blocks))
             self.check(M * (1 - mask), torch.zeros_like(M), "block structure has no cross-block entries")
 
