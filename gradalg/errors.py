@@ -13,6 +13,8 @@ __all__ = [
     "NonFiniteGradientError",
     "ShapeMismatchError",
     "MemoryBudgetError",
+    "StoreMismatchError",
+    "StoreIncompleteError",
 ]
 
 
@@ -38,6 +40,29 @@ class ShapeMismatchError(GradalgError, ValueError):
 
 class MemoryBudgetError(GradalgError, MemoryError):
     """An operation cannot be carried out within the memory budget."""
+
+
+class StoreMismatchError(GradalgError, ValueError):
+    """A store (``ga.store``) was written from something else: another model, projector,
+    layer list, objective, set of examples or chunking.
+
+    Attributes
+    ----------
+    differences : list[str]
+        One line per metadata field that differs, with both values.
+    """
+
+    def __init__(self, differences, fix: str):
+        self.differences = list(differences)
+        self.fix = fix
+        super().__init__("the store does not match: " + "; ".join(self.differences) + f". {fix}.")
+
+    def __reduce__(self):   # picklable (raised on a Dask worker, re-raised here)
+        return type(self), (self.differences, self.fix)
+
+
+class StoreIncompleteError(GradalgError, RuntimeError):
+    """A store whose writing did not finish (or never started) was opened."""
 
 
 class NonFiniteGradientError(GradalgError, FloatingPointError):

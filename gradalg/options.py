@@ -46,6 +46,10 @@ class Options:
     check_reduction : bool
         On the first batch of a computation, verify that the task's loss is summed over
         examples (two extra forward passes without gradients).
+    progress : bool
+        Progress bars on passes over data: a notebook widget in Jupyter, a text bar on a
+        terminal (none when output is not a terminal), Dask's progress for distributed
+        runs. ``False`` silences them.
     """
 
     batch_size: int = 32
@@ -53,6 +57,7 @@ class Options:
     ghost: str = "auto"
     check_finite: bool = True
     check_reduction: bool = True
+    progress: bool = True
 
     def __post_init__(self):
         if not isinstance(self.batch_size, int) or self.batch_size < 1:

@@ -24,6 +24,7 @@ import torch
 from ..expr import ScoreNode, ScoreSum, Source
 from ..plan.planner import chain_ops, stream_root
 from .local import LocalExecutor
+from .progress import in_notebook
 from .shards import restrict, shard_ranges
 
 __all__ = ["DaskExecutor"]
@@ -118,6 +119,9 @@ class DaskExecutor(LocalExecutor):
         [payload_future] = self.client.scatter([payload], broadcast=True, hash=False)
         futures = [self.client.submit(_run_shard, payload_future, a, b, retries=self.retries, pure=False)
                    for a, b in ranges]
+        if self.options.progress and in_notebook():
+            from distributed import progress
+            progress(futures)
         score_jobs = {i for i, (job, _) in enumerate(sinks) if job.kind == "scores"}
         if score_jobs:
             self._lazy_scores(step, sinks, futures, ranges, score_jobs)

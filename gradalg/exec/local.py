@@ -27,6 +27,7 @@ from ..capture.factors import Factors
 from ..expr import (KFAC, Arnoldi, Captured, CurvatureProducts, Damp, DataInf, Dense, Diagonal, Fisher, GradNode,
                     GroupMean, Identity, Inverse, OpNode, Power, ScaledOp, ScoreDiagonal, ScoreNode,
                     ScoreSum, Source, SumOp)
+from ..expr.stored import StoredOp
 from ..data import batch_size_of, move_batch
 from ..options import Options, get_options
 from ..plan.planner import ROW_WISE, Plan, PlanError, plan as make_plan, stream_root
@@ -34,6 +35,7 @@ from .base import Executor
 from .accumulators import (Collector, DiagAccumulator, EKFACAccumulator, FisherAccumulator, GroupAccumulator,
                            KronAccumulator, ScoreAccumulator)
 from .capture_pass import SourceCapture, eval_mode, model_device_dtype
+from .progress import progress_bar
 from .chunks import Chunk, concat_chunks, flatten, unflatten
 from .curvature import resolve_curvature
 from .operators import ResolvedOp
@@ -152,13 +154,15 @@ class LocalExecutor(Executor):
         capturers = [SourceCapture(s, self.options, self._checked_tasks) for s in sources]
         device, _ = model_device_dtype(task.model)
         start = 0
-        with eval_mode(task.model):
-            for batch in data.loader(step.batch_size or self.options.batch_size):
+        batch_size = step.batch_size or self.options.batch_size
+        with eval_mode(task.model), progress_bar(self.options.progress, data.n, step.label) as bar:
+            for batch in data.loader(batch_size):
                 batch = move_batch(batch, device)
                 b = batch_size_of(batch)
                 ids = data.ids[start:start + b]
                 start += b
                 yield {c.source.token: c.capture(batch, ids) for c in capturers}
+                bar.update(b)
 
     def _derive(self, node: GradNode, base: dict, memo: dict) -> list[Chunk]:
         if node.token in base:
@@ -289,6 +293,8 @@ class LocalExecutor(Executor):
             return ResolvedOp(node.space, "diag", node.values)
         if isinstance(node, Dense):
             return ResolvedOp(node.space, "dense", node.matrix)
+        if isinstance(node, StoredOp):  # numbers kept outside the expression (ga.store)
+            return node.store.load()
         if isinstance(node, Fisher):
             acc = FisherAccumulator(node, self.options.memory_budget, self._dtype_of(node.grads))
             for chunk in self.iter_chunks(node.grads):

@@ -8,7 +8,6 @@ every source over that dataset replaced by the same source over examples
 from __future__ import annotations
 
 from ..expr import Source
-from ..expr.base import transform
 
 __all__ = ["restrict", "shard_ranges"]
 
@@ -20,9 +19,21 @@ def shard_ranges(n: int, shards: int) -> list[tuple[int, int]]:
 
 
 def restrict(node, data_token: str, start: int, stop: int):
-    """``node`` with every Source over ``data_token`` limited to examples start:stop."""
-    def change(x):
-        if isinstance(x, Source) and x.data.token == data_token:
-            return Source(x.task, x.data.subset(start, stop), x.layers, x.backend, x.objective, x.seed)
-        return None
-    return transform(node, change)
+    """``node`` with its row chain's Source over ``data_token`` limited to examples start:stop.
+
+    Only the rows are restricted: operators inside the chain (a preconditioner, the
+    metric of a normalization) keep their full data, so they are the same operators
+    with the same identity as in the unsharded plan.
+    """
+    from dataclasses import replace
+
+    from ..plan.planner import ROW_WISE
+
+    if isinstance(node, Source):
+        if node.data.token != data_token:
+            return node
+        return Source(node.task, node.data.subset(start, stop), node.layers, node.backend, node.objective, node.seed)
+    if isinstance(node, ROW_WISE):
+        inner = restrict(node.grads, data_token, start, stop)
+        return node if inner is node.grads else replace(node, grads=inner)
+    return node

@@ -78,16 +78,21 @@ class GradientCallback(TrainerCallback):
     scale : "loss" (default), "sum" or "mean": see the module docs.
     selection : an :class:`~gradalg.integrations.OnlineSelection` to run at every step
         (its own ``layers`` are used).
+    record : model inputs to keep alongside the rows (e.g. ``("input_ids",)``): Trainer
+        shuffles, so this tells which example each row is. ``cb.inputs[key]`` is a list
+        with one tensor per row, in row order.
     """
 
     def __init__(self, layers=None, *, keep: bool = True, scale: str = "loss",
-                 selection: OnlineSelection | None = None):
+                 selection: OnlineSelection | None = None, record: tuple[str, ...] = ()):
         if scale not in ("loss", "sum", "mean"):
             raise ValueError(f"scale must be 'loss', 'sum' or 'mean', got {scale!r}")
         self.layers = layers
         self.keep = keep
         self.scale = scale
         self.selection = selection
+        self.record = tuple([record] if isinstance(record, str) else record)
+        self.inputs: dict[str, list] = {key: [] for key in self.record}
         self.capture: TrainingCapture | None = None
         self._on_step: list[Callable] = []
         self._handles = []
@@ -163,6 +168,12 @@ class GradientCallback(TrainerCallback):
             return
         if kwargs.get("fused_lm_head"):
             self._check_fused_head(module)
+        for key in self.record:
+            value = kwargs.get(key)
+            if value is None:
+                raise KeyError(f"GradientCallback(record=...) asked for {key!r}, but the model was called "
+                               f"with {sorted(kwargs)}")
+            self.inputs[key].extend(value.detach().cpu().unbind(0))
         if self.scale == "loss":
             if self._world > 1:
                 self.capture.scale_next(1.0 / self._world)

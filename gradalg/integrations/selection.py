@@ -465,8 +465,16 @@ class OnlineSelection:
             delta = None
             for k, c in enumerate(step.chunks):
                 uk = u[offsets[k]:offsets[k + 1]]
-                part = factor_sum(c.blocks[ref.name], uk)
+                rows = (uk != 0).nonzero().flatten()
+                if rows.numel() == 0:
+                    continue
+                F = c.blocks[ref.name]
+                part = factor_sum(F, uk) if rows.numel() == uk.numel() else factor_sum(F[rows], uk[rows])
                 delta = part if delta is None else delta + part
+            if delta is None:  # nothing to remove on this rank: still join the all-reduce
+                out, n_in = ref.rule.block_shape(ref.module)
+                F = step.chunks[0].blocks[ref.name]
+                delta = F.D.new_zeros(out, n_in)
             for pname, value in ref.rule.to_params(ref.module, delta.unsqueeze(0)).items():
                 p = getattr(ref.module, pname)
                 if p.requires_grad:

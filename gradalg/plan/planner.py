@@ -268,10 +268,12 @@ class _Planner:
         """How kept rows are stored, per block: "factors" (n·T·(in+out) numbers) or "flat"
         (n·dim), whichever is smaller."""
         T = tokens_hint(node)
+        forced = self.options.ghost == "always"  # ghost kernels need the factors kept
         out = {}
         for b in node.space.blocks:
             factored = len(b.shape) == 2 and self._is_factored(node, b.name)
-            out[b.name] = "factors" if factored and T * (b.shape[0] + b.shape[1]) < b.dim else "flat"
+            keep = factored and (forced or T * (b.shape[0] + b.shape[1]) < b.dim)
+            out[b.name] = "factors" if keep else "flat"
         return out
 
     def _rows_bytes(self, node: GradNode) -> float:
@@ -310,11 +312,20 @@ class _Planner:
                     self._is_factored(held, b.name) and self._is_factored(streamed, b.name)):
                 kernels[b.name] = "dense"
                 continue
+            mode = self.options.ghost
+            if mode == "auto" and not (b.kind != "conv2d" and _positions_known(held) and _positions_known(streamed)):
+                # T differs per layer (convolutions, non-token inputs): a guessed T could pick
+                # ghost for thousands of positions; the executor routes on the real shapes
+                self.decisions.append(Decision(
+                    f"kernel for block {b.name!r} of {inner.label} [{inner.token}]", "at run time",
+                    {"ghost": "per chunk", "dense": "per chunk"},
+                    "the positions per example (T) of this layer are not known from the data's shape: "
+                    "each chunk is routed on its real shapes (gradalg.plan.routing.choose_kernel)"))
+                continue
             out_f, in_f = b.shape
             args = (held.n, streamed.n, TL, TR, in_f, out_f)
             ghost = 2.0 * ghost_flops(*args)
             dense = 2.0 * dense_flops(*args, left_ready=False)
-            mode = self.options.ghost
             chosen = "ghost" if (mode == "always" or (mode == "auto" and ghost <= dense)) else "dense"
             kernels[b.name] = chosen
             self.decisions.append(Decision(
@@ -510,6 +521,22 @@ class _Planner:
         cost = Cost(cost.flops, cost.bytes, fixed + per_ex * (p.batch_size or 1), 1.0 if p.reads_data else 0.0)
         p.cost = cost
         p.seconds = cost.seconds(self.device, self.dtype)
+
+
+def _positions_known(node: GradNode) -> bool:
+    """Whether ``tokens_hint`` is every layer's T: the examples are token ids (T = their
+    length) or flat vectors (T = 1). Images and other multi-dimensional inputs give each
+    layer its own T (a convolution's output positions), known only when it runs."""
+    data = getattr(node.source, "data", None)
+    if data is None:
+        return False
+    try:
+        first = data.first_example_batch()
+        while not isinstance(first, torch.Tensor):
+            first = next(iter(first.values())) if isinstance(first, dict) else first[0]
+    except Exception:
+        return False
+    return first.dim() == 2
 
 
 def _num_outputs(src: Source) -> int:

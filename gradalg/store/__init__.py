@@ -1,0 +1,21 @@
+"""``ga.store``: gradients, curvature and scores persisted as chunked Zarr stores.
+
+    ga.store.write(P(G), "train.zarr")                 # resumable, atomic per chunk
+    stored = ga.store.open("train.zarr", like=P(G))    # lazy, Dask-backed GradientSet
+    S = P(Q) @ ga.fisher(stored).damp(1e-3).inv() @ stored.T
+
+    ga.store.write_operator(H, "fisher.zarr");  H2 = ga.store.open_operator("fisher.zarr")
+    ga.store.write_scores(S, "scores.zarr");    ga.store.open_scores("scores.zarr")  # DataArray
+
+See docs/store.md for the layout, the metadata and the guarantees.
+"""
+from ..errors import StoreIncompleteError, StoreMismatchError
+from .describe import model_fingerprint
+from .gradients import dataset, open_gradients, write
+from .operators import open_operator, write_operator
+from .scores import open_scores, write_scores
+
+open = open_gradients  # noqa: A001 - ga.store.open reads like the other stores' APIs
+
+__all__ = ["write", "open", "open_gradients", "dataset", "write_operator", "open_operator", "write_scores",
+           "open_scores", "model_fingerprint", "StoreMismatchError", "StoreIncompleteError"]

@@ -1,0 +1,166 @@
+"""Stable descriptions of models and expressions, for a store's metadata.
+
+A node's ``token`` names it within one process (datasets and tasks by object identity);
+a store outlives the process. What a store records instead is the same in every
+process that builds the same thing:
+
+* :func:`model_fingerprint`: a digest of a model's parameter and buffer names, shapes,
+  dtypes and values (a strided sample of at most ``sample`` values per tensor; shapes
+  only for tensors on the ``meta`` device);
+* :func:`describe`: a JSON-able description of an expression (node types and their
+  fields; a ``Source`` by its model fingerprint, layers, objective and example ids;
+  tensors by a digest of their values);
+* :func:`summary`: the readable part of it that a store's attributes show (projector,
+  layers, objective, model fingerprint, blocks).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, fields, is_dataclass
+
+import torch
+
+from ..data import DataRef
+from ..expr import Captured, Node, Project, Projector, Source
+from ..expr.space import ParamSpace
+from ..expr.stored import Stored, StoredOp
+
+__all__ = ["model_fingerprint", "tensor_digest", "describe", "digest", "summary"]
+
+SAMPLE = 65_536
+
+
+def _update(h, tensor: torch.Tensor, sample: int) -> None:
+    h.update(f"{tuple(tensor.shape)}|{tensor.dtype}|".encode())
+    if tensor.device.type == "meta":
+        h.update(b"meta")
+        return
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() > sample:
+        stride = math.ceil(flat.numel() / sample)
+        flat = flat[::stride]
+        h.update(f"stride{stride}|".encode())
+    h.update(flat.contiguous().cpu().view(torch.uint8).numpy().tobytes())
+
+
+def tensor_digest(tensor: torch.Tensor, sample: int = 1 << 22) -> str:
+    """A digest of a tensor's shape, dtype and values (strided sample above ``sample``)."""
+    h = hashlib.blake2b(digest_size=12)
+    _update(h, tensor, sample)
+    return h.hexdigest()
+
+
+def model_fingerprint(model: torch.nn.Module, sample: int = SAMPLE) -> str:
+    """A digest of ``model``'s parameters and buffers: names, shapes, dtypes and values.
+
+    Tensors over ``sample`` elements contribute a strided sample of about ``sample``
+    values (two checkpoints of one run differ in essentially every value, so a sample
+    tells them apart); tensors on the ``meta`` device contribute their shape only.
+
+    >>> ga.store.model_fingerprint(model)
+    'model-3f1c9a0b5e7d2c4a81f0e6d9'
+    """
+    h = hashlib.blake2b(digest_size=12)
+    for kind, named in (("param", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, tensor in named:
+            h.update(f"{kind}|{name}|".encode())
+            _update(h, tensor, sample)
+    return f"model-{h.hexdigest()}"
+
+
+def digest(value) -> str:
+    """A short digest of a JSON-able value (key order does not matter)."""
+    text = json.dumps(value, sort_keys=True, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
+
+
+def _ids_digest(ids) -> str:
+    return digest([repr(i) for i in ids])
+
+
+def describe(value, fingerprints: dict | None = None):
+    """A JSON-able description of ``value`` (usually an expression node) that does not
+    depend on the process: see the module docstring."""
+    fp = {} if fingerprints is None else fingerprints
+
+    def model_fp(model):
+        if id(model) not in fp:
+            fp[id(model)] = model_fingerprint(model)
+        return fp[id(model)]
+
+    def go(x):
+        if isinstance(x, Source):
+            return {"node": "Source", "model": model_fp(x.task.model), "task": x.task.name,
+                    "reduction": x.task.reduction, "layers": list(x.layers), "backend": x.backend,
+                    "objective": x.objective, "seed": x.seed, "data": go(x.data)}
+        if isinstance(x, Stored):
+            return {"node": "Stored", "store": x.store.description}
+        if isinstance(x, StoredOp):
+            return {"node": "StoredOp", "store": x.store.description}
+        if isinstance(x, Captured):   # rows in this process's memory: no stable name
+            return {"node": "Captured", "token": x.token}
+        if isinstance(x, Node):
+            return {"node": type(x).__name__, **{f.name: go(getattr(x, f.name)) for f in fields(x)}}
+        if isinstance(x, DataRef):
+            return {"n": x.n, "ids": _ids_digest(x.ids)}
+        if isinstance(x, torch.nn.Module):
+            return {"model": model_fp(x)}
+        if hasattr(x, "model") and hasattr(x, "objective_fn"):   # a Task outside a Source
+            return {"task": x.name, "model": model_fp(x.model)}
+        if isinstance(x, Projector):
+            return projector_dict(x)
+        if isinstance(x, torch.Tensor):
+            return {"tensor": tensor_digest(x)}
+        if isinstance(x, ParamSpace):
+            return [asdict(b) for b in x.blocks]
+        if is_dataclass(x) and not isinstance(x, type):
+            if type(x).__name__ == "RowWeights":
+                return {"row_weights": x.name}
+            return {type(x).__name__: {f.name: go(getattr(x, f.name)) for f in fields(x)}}
+        if isinstance(x, (tuple, list)):
+            return [go(v) for v in x]
+        if isinstance(x, dict):
+            return {str(k): go(v) for k, v in x.items()}
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        return repr(x)
+
+    return go(value)
+
+
+def projector_dict(p: Projector) -> dict:
+    """The projector's fields (kind, k, seed, per_block, k_out, k_in, s, mask_k)."""
+    return {f.name: getattr(p, f.name) for f in fields(p)}
+
+
+def summary(node, fingerprints: dict | None = None) -> dict:
+    """The readable metadata of an expression: projectors, layers, objectives, backends
+    and model fingerprints of its leaves (each a list, usually of one), and its blocks.
+
+    Leaves that are stores contribute what their own metadata says.
+    """
+    fp = {} if fingerprints is None else fingerprints
+    out = {"projector": [], "layers": [], "objective": [], "backend": [], "model_fingerprint": []}
+
+    def add(key, value):
+        if value not in out[key]:
+            out[key].append(value)
+
+    for x in node.walk():
+        if isinstance(x, Project):
+            add("projector", projector_dict(x.projector))
+        elif isinstance(x, Source):
+            if id(x.task.model) not in fp:
+                fp[id(x.task.model)] = model_fingerprint(x.task.model)
+            add("layers", list(x.layers))
+            add("objective", x.objective)
+            add("backend", x.backend)
+            add("model_fingerprint", fp[id(x.task.model)])
+        elif isinstance(x, (Stored, StoredOp)):
+            inner = getattr(x.store, "summary", None) or {}
+            for key in out:
+                for value in inner.get(key, []):
+                    add(key, value)
+    return out

@@ -1,0 +1,323 @@
+"""Gradient stores: the rows of a GradientSet in a chunked Zarr store, and back.
+
+    P = ga.proj.kron(k=256, seed=0)
+    ga.store.write(P(G), "train.zarr", chunk_rows=256)      # resumable, chunk by chunk
+    stored = ga.store.open("train.zarr", like=P(G))         # lazy GradientSet
+    (P(Q) @ stored.T).compute()                              # no pass over the training data
+
+Layout (see :mod:`gradalg.store.layout` for the crash safety): one variable per block,
+dims ``("example", "<block>_coord")``, chunked by ``chunk_rows`` rows; the coordinate
+``example`` holds the ids; ``done`` (one flag per chunk); the attributes below.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import xarray as xr
+
+from ..errors import StoreMismatchError
+from ..exec.chunks import Chunk
+from ..expr import Block, ParamSpace
+from ..expr.stored import Stored
+from . import layout
+from .describe import describe, digest, summary
+from .rows import check_shippable, flat_rows, freeze_ops, restrictable, rows_of
+
+__all__ = ["write", "open_gradients", "dataset", "GradientStore"]
+
+KIND = "gradients"
+# what must agree for a write to resume an existing store
+RESUME_KEYS = ("projector", "layers", "objective", "backend", "model_fingerprint", "blocks", "n", "chunk_rows",
+               "expression_digest")
+# what must agree for open(path, like=G)
+LIKE_KEYS = ("projector", "layers", "objective", "backend", "model_fingerprint", "blocks", "expression_digest")
+
+
+def _version() -> str:
+    from .. import __version__
+    return __version__
+
+
+def _variables(space: ParamSpace) -> dict[str, str]:
+    """Block name -> variable name (the block's name unless it collides with the layout's)."""
+    out, taken = {}, {"done", "example", "chunk"}
+    for i, b in enumerate(space.blocks):
+        name = b.name if b.name and b.name not in taken and "/" not in b.name else f"block_{i}"
+        taken.add(name)
+        out[b.name] = name
+    return out
+
+
+def describe_gradients(G, chunk_rows: int | None = None) -> dict:
+    """The attributes a store of ``G`` records (without the dtype, known from the rows)."""
+    node = G.expr
+    fingerprints: dict = {}
+    info = summary(node, fingerprints)
+    blocks = [{"name": b.name, "shape": list(b.shape), "kind": b.kind, "basis": b.basis,
+               "variable": var, "representation": node.representation[b.name]}
+              for b, var in zip(node.space.blocks, _variables(node.space).values())]
+    attrs = {
+        "gradalg_store": KIND,
+        "format_version": layout.FORMAT_VERSION,
+        "gradalg_version": _version(),
+        "projector": info["projector"],
+        "layers": info["layers"],
+        "objective": info["objective"],
+        "backend": info["backend"],
+        "model_fingerprint": info["model_fingerprint"],
+        "blocks": blocks,
+        "n": node.n,
+        "expression": node.label,
+        "expression_digest": digest(describe(node, fingerprints)),
+    }
+    if chunk_rows is not None:
+        attrs["chunk_rows"] = int(chunk_rows)
+    return attrs
+
+
+class GradientStore:
+    """Reads a finished gradient store, one store chunk at a time (rows ``start:stop``).
+
+    Picklable: the open Dataset is not sent, only the path and metadata.
+    """
+
+    def __init__(self, path, attrs: dict, ids: tuple, start: int = 0, stop: int | None = None):
+        self.path = str(Path(path).resolve())
+        self.attrs = attrs
+        self._all_ids = ids
+        self.start = start
+        self.stop = len(ids) if stop is None else stop
+        self.token = f"zarrgrads-{digest([self.path, attrs.get('expression_digest'), attrs.get('chunk_rows'), self.start, self.stop])}"
+        self.label = os.path.basename(self.path) + ("" if (self.start, self.stop) == (0, len(ids))
+                                                     else f"[{self.start}:{self.stop}]")
+        self.description = {"store": attrs.get("expression_digest"), "rows": [self.start, self.stop]}
+        self.summary = {k: attrs.get(k, []) for k in ("projector", "layers", "objective", "backend",
+                                                      "model_fingerprint")}
+        self._ds = None
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_ds"] = None
+        return state
+
+    @property
+    def n(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def ids(self) -> tuple:
+        return self._all_ids[self.start:self.stop]
+
+    @property
+    def dataset(self) -> xr.Dataset:
+        """The store as a Dask-backed xarray Dataset (one Dask chunk per store chunk)."""
+        if self._ds is None:
+            self._ds = layout.open_dataset(self.path, chunks={})
+        return self._ds
+
+    def rows(self, start: int, stop: int) -> "GradientStore":
+        """Rows start:stop of this view (read lazily, like the whole)."""
+        return GradientStore(self.path, self.attrs, self._all_ids, self.start + start, self.start + stop)
+
+    def chunks(self):
+        """Chunks of flat (rows, dim) blocks, one store chunk (or part of one) at a time."""
+        import dask
+
+        ds = self.dataset
+        size = int(self.attrs["chunk_rows"])
+        first = self.start // size
+        for index in range(first, layout.n_chunks(len(self._all_ids), size)):
+            a, b = max(index * size, self.start), min((index + 1) * size, self.stop)
+            if a >= b:
+                break
+            parts = dask.compute(*(ds[blk["variable"]].data[a:b] for blk in self.attrs["blocks"]),
+                                 scheduler="synchronous")
+            blocks = {blk["name"]: torch.from_numpy(np.ascontiguousarray(part))
+                      for blk, part in zip(self.attrs["blocks"], parts)}
+            yield Chunk(self._all_ids[a:b], blocks)
+
+
+# ---------------------------------------------------------------------------------- write
+def _template(attrs: dict, ids: np.ndarray, dtype, chunk_rows: int) -> xr.Dataset:
+    import dask.array as da
+
+    n = len(ids)
+    variables = {}
+    for blk in attrs["blocks"]:
+        dim = int(np.prod(blk["shape"]))
+        variables[blk["variable"]] = (("example", f"{blk['variable']}_coord"),
+                                      da.zeros((n, dim), chunks=(chunk_rows, dim), dtype=dtype))
+    count = layout.n_chunks(n, chunk_rows)
+    variables["done"] = (("chunk",), da.zeros((count,), chunks=(1,), dtype=np.uint8))
+    return xr.Dataset(variables, coords={"example": ids}, attrs=attrs)
+
+
+def _chunk_variables(attrs: dict, rows: dict[str, torch.Tensor]) -> dict:
+    return {blk["variable"]: (("example", f"{blk['variable']}_coord"), rows[blk["name"]].detach().cpu().numpy())
+            for blk in attrs["blocks"]}
+
+
+def _write_chunk(path, attrs, index: int, rows: dict[str, torch.Tensor]) -> int:
+    size = int(attrs["chunk_rows"])
+    a, b = index * size, min((index + 1) * size, int(attrs["n"]))
+    layout.write_region(path, _chunk_variables(attrs, rows), "example", a, b)
+    layout.mark_done(path, index)
+    return index
+
+
+def _compute_and_write(path, attrs, node, index: int, options, rewrites: bool, executor=None) -> int:
+    """One chunk: rows of ``node`` over its range, written, then flagged. (Dask task.)"""
+    from ..exec.local import LocalExecutor
+
+    ex = executor if executor is not None else LocalExecutor(options, rewrites=rewrites)
+    size = int(attrs["chunk_rows"])
+    a, b = index * size, min((index + 1) * size, int(attrs["n"]))
+    chunk = rows_of(ex, node, a, b)
+    return _write_chunk(path, attrs, index, flat_rows(chunk, [blk["name"] for blk in attrs["blocks"]]))
+
+
+def _warn_factored(node) -> None:
+    factored = [b for b in node.space.blocks if node.representation[b.name] == "factored"]
+    if factored:
+        size = node.n * sum(b.dim for b in factored) * 4
+        warnings.warn(
+            f"blocks {[b.name for b in factored]} are factored: the store keeps them materialized, "
+            f"{node.n:,} × {sum(b.dim for b in factored):,} numbers (≈{size / 2**20:,.0f} MiB in float32). "
+            "Project first (ga.proj.kron(k=...)) to store a few coordinates per example",
+            stacklevel=3)
+
+
+def write(G, path, *, chunk_rows: int = 256, executor=None, overwrite: bool = False):
+    """Write the rows of ``G`` to a Zarr store at ``path``, chunk by chunk; return the
+    store opened as a lazy GradientSet (see :func:`open_gradients`).
+
+    G : GradientSet, typically projected (``P(G)``). Factored blocks are materialized
+        (n × dim numbers: a warning says how many).
+    chunk_rows : rows per chunk: the unit of writing, resuming and reading.
+    executor : None (this process), a LocalExecutor, or a ``ga.exec.DaskExecutor``: each
+        unfinished chunk is then one task on the cluster, which computes its rows and
+        writes them (positional writes: a retried task writes the same bytes).
+    overwrite : replace a store already at ``path``.
+
+    If ``path`` holds an unfinished store of the same ``G`` (same projector, layers,
+    objective, model fingerprint, example ids and ``chunk_rows``), only its unfinished
+    chunks are computed; a store of anything else raises :class:`StoreMismatchError`.
+    """
+    from ..api import GradientSet
+    from ..exec.base import get_executor
+
+    layout.require()
+    if not isinstance(G, GradientSet):
+        raise TypeError(f"ga.store.write takes a GradientSet, got {type(G).__name__}")
+    if not isinstance(chunk_rows, int) or chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
+    node = G.expr
+    if node.n == 0:
+        raise ValueError("G has no rows to store")
+    ids = layout.ids_array(node.ids)
+    attrs = describe_gradients(G, chunk_rows)
+    state = layout.prepare(path, attrs, ids, RESUME_KEYS, overwrite=overwrite, kind=KIND)
+    if state == "complete":
+        return open_gradients(path)
+    _warn_factored(node)
+    ex = get_executor(executor)
+    count = layout.n_chunks(node.n, chunk_rows)
+    if not restrictable(node):
+        _write_whole(path, attrs, ex, node, ids, state)
+        return open_gradients(path)
+
+    node = freeze_ops(ex, node)          # operators of the row chain: resolved once, here
+    from ..exec.local import LocalExecutor
+    local = LocalExecutor(ex.options, rewrites=getattr(ex, "rewrites", True))
+    if state == "new":
+        # the first chunk fixes the dtype of the template (the rows' own dtype)
+        first = rows_of(local, node, 0, min(chunk_rows, node.n))
+        rows = flat_rows(first, [b["name"] for b in attrs["blocks"]])
+        attrs["dtype"] = str(next(iter(rows.values())).dtype).replace("torch.", "")
+        layout.write_template(path, _template(attrs, ids, next(iter(rows.values())).detach().cpu().numpy().dtype,
+                                              chunk_rows))
+        _write_chunk(path, attrs, 0, rows)
+    else:
+        attrs["dtype"] = layout.read_attrs(path)["dtype"]
+    todo = [int(i) for i in np.flatnonzero(~layout.done_flags(path))]
+    client = getattr(ex, "client", None)
+    if client is not None and todo:
+        check_shippable(node)
+        [payload] = client.scatter([node], broadcast=True, hash=False)
+        futures = [client.submit(_compute_and_write, str(path), attrs, payload, i, ex.options,
+                                 getattr(ex, "rewrites", True), retries=getattr(ex, "retries", 0), pure=False)
+                   for i in todo]
+        client.gather(futures)
+    else:
+        for i in todo:
+            _compute_and_write(path, attrs, node, i, None, True, executor=local)
+    return open_gradients(path)
+
+
+def _write_whole(path, attrs, ex, node, ids, state) -> None:
+    """Rows that cannot be computed by ranges (in-memory captures, group means): computed
+    once, written chunk by chunk."""
+    chunk = ex.gradients(node)
+    rows = flat_rows(chunk, [b["name"] for b in attrs["blocks"]])
+    size = int(attrs["chunk_rows"])
+    if state == "new":
+        dtype = next(iter(rows.values())).detach().cpu().numpy().dtype
+        attrs["dtype"] = str(dtype)
+        layout.write_template(path, _template(attrs, ids, dtype, size))
+    else:
+        attrs["dtype"] = layout.read_attrs(path)["dtype"]
+    for i in np.flatnonzero(~layout.done_flags(path)):
+        a, b = int(i) * size, min((int(i) + 1) * size, node.n)
+        _write_chunk(path, attrs, int(i), {k: v[a:b] for k, v in rows.items()})
+
+
+# ---------------------------------------------------------------------------------- open
+def _space(attrs: dict) -> ParamSpace:
+    return ParamSpace(tuple(Block(b["name"], tuple(b["shape"]), b["kind"], b["basis"]) for b in attrs["blocks"]))
+
+
+def open_gradients(path, like=None):
+    """The rows of a finished gradient store as a lazy GradientSet.
+
+    Its rows are read one store chunk at a time, when an expression over it is computed
+    (``Q @ stored.T``, ``ga.fisher(stored)``, ``stored.normalize()``, ...), with either
+    executor; the numbers are bitwise those written. An unfinished store raises
+    :class:`StoreIncompleteError` (rerun ``ga.store.write`` to finish it).
+
+    like : a GradientSet the store must have been written from: its projector, layers,
+        objective, model fingerprint, blocks and example ids are compared with the
+        store's, and any difference raises :class:`StoreMismatchError`.
+    """
+    from ..api import GradientSet
+
+    layout.require()
+    ds = layout.check_complete(path, KIND, "ga.store.write(G, path)")
+    attrs = dict(ds.attrs)
+    ids = layout.ids_tuple(ds["example"].values)
+    if like is not None:
+        if not isinstance(like, GradientSet):
+            raise TypeError(f"like must be a GradientSet, got {type(like).__name__}")
+        expected = describe_gradients(like)
+        layout.compare(attrs, expected, LIKE_KEYS, "like",
+                       "open the store that was written from these gradients, or write them again "
+                       "(ga.store.write(G, path, overwrite=True))")
+        if tuple(like.ids) != ids:
+            raise StoreMismatchError(["the store's example ids differ from like's"],
+                                     "open the store written from these examples")
+    store = GradientStore(path, attrs, ids)
+    rep = tuple((b["name"], "projected" if b["representation"] == "projected" else "dense")
+                for b in attrs["blocks"])
+    return GradientSet(Stored(store, _space(attrs), rep))
+
+
+def dataset(path) -> xr.Dataset:
+    """A finished store (gradients or scores) as a Dask-backed xarray Dataset, with its
+    metadata in ``attrs``."""
+    attrs = layout.read_attrs(path)
+    kind = attrs.get("gradalg_store") if attrs else KIND
+    layout.check_complete(path, kind, f"ga.store.write{'' if kind == KIND else '_' + kind}(...)")
+    return layout.open_dataset(path, chunks={})

@@ -1,0 +1,210 @@
+"""The on-disk layout shared by gradient and score stores, and its crash safety.
+
+A store is a Zarr (v3) group written through xarray:
+
+* the **template** (``to_zarr(..., compute=False)``): every variable's metadata, the
+  coordinates (example ids) and the attributes, no chunk of data;
+* one **region write** per chunk of rows (``to_zarr(region={dim: slice(a, b)})``): each
+  variable's Zarr chunk is exactly the store chunk, so chunks never share a file;
+* then that chunk's **done flag** (``done[i] = 1``, one Zarr chunk per flag).
+
+Zarr's local store writes every file to a temporary name and renames it, so a file is
+either the old one or the new one. A chunk whose flag is not set is rewritten whole
+by the next write; a flag is set only after its chunk's data are on disk. A killed
+writer can leave ``*.partial`` temporary files; they are removed on resume.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import xarray as xr
+
+from ..errors import StoreIncompleteError, StoreMismatchError
+
+__all__ = ["require", "ids_array", "ids_tuple", "read_attrs", "done_flags", "prepare", "write_template",
+           "write_region", "mark_done", "atomic_directory", "DELAY_ENV", "n_chunks"]
+
+DELAY_ENV = "GRADALG_STORE_TEST_DELAY"   # seconds to sleep between a chunk's data and its flag (tests)
+FORMAT_VERSION = 1
+
+
+def require() -> None:
+    """ga.store needs zarr and dask (the ``[dask]`` extra); say how to install them."""
+    try:
+        import dask  # noqa: F401
+        import zarr  # noqa: F401
+    except ImportError as err:
+        raise ImportError(f"ga.store needs zarr and dask ({err.name} is missing): "
+                          "pip install 'gradalg[dask]'") from err
+
+
+def n_chunks(n: int, chunk_rows: int) -> int:
+    return max(1, -(-n // chunk_rows))
+
+
+def ids_array(ids) -> np.ndarray:
+    """Example ids as a numpy array Zarr can keep: int64 or (variable-length) strings."""
+    ids = list(ids)
+    if all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in ids):
+        return np.asarray(ids, dtype=np.int64)
+    if all(isinstance(i, str) for i in ids):
+        return np.asarray(ids, dtype=object)
+    kinds = sorted({type(i).__name__ for i in ids})
+    raise TypeError(f"a store keeps example ids that are all ints or all strings; these are {kinds}. "
+                    "Pass ids=[str(i) for i in ...] to ga.grads")
+
+
+def ids_tuple(values: np.ndarray) -> tuple:
+    return tuple(values.tolist())
+
+
+def open_dataset(path, *, chunks=None) -> xr.Dataset:
+    """The store as an xarray Dataset (numpy-backed and lazy; ``chunks={}`` for Dask)."""
+    return xr.open_zarr(path, consolidated=False, chunks=chunks, mask_and_scale=False)
+
+
+def read_attrs(path) -> dict | None:
+    """The store's attributes, or None when ``path`` holds no gradalg store template."""
+    try:
+        ds = open_dataset(path)
+    except Exception:   # noqa: BLE001 - not a Zarr group (or a template cut short)
+        return None
+    attrs = dict(ds.attrs)
+    if "gradalg_store" not in attrs or "done" not in ds.variables:
+        return None
+    return attrs
+
+
+def done_flags(path) -> np.ndarray:
+    """(chunks,) bool: which chunks are complete."""
+    return open_dataset(path)["done"].values.astype(bool)
+
+
+def _describe_value(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "…"
+
+
+def compare(stored: dict, new: dict, keys, what: str, fix: str) -> None:
+    """Raise :class:`StoreMismatchError` naming every key whose value differs."""
+    problems = []
+    for key in keys:
+        if stored.get(key) != new.get(key):
+            problems.append(f"{key}: the store has {_describe_value(stored.get(key))}, {what} has "
+                            f"{_describe_value(new.get(key))}")
+    if problems:
+        raise StoreMismatchError(problems, fix)
+
+
+def prepare(path, attrs: dict, ids: np.ndarray, keys, *, overwrite: bool, kind: str) -> str:
+    """Decide how to write ``path``: "new" (no store yet: write the template), "resume"
+    (a matching store with unfinished chunks) or "complete" (nothing to do).
+
+    A store written from something else is refused with :class:`StoreMismatchError`.
+    """
+    path = Path(path)
+    if overwrite and path.exists():
+        shutil.rmtree(path)
+    if not path.exists():
+        return "new"
+    old = read_attrs(path)
+    if old is None:
+        if _is_cut_template(path):
+            shutil.rmtree(path)   # the template was interrupted: no chunk was written yet
+            return "new"
+        raise StoreMismatchError([f"{path} exists and is not a gradalg store"],
+                                 "choose another path, or pass overwrite=True to replace it")
+    if old.get("gradalg_store") != kind:
+        raise StoreMismatchError([f"{path} is a {old.get('gradalg_store')} store, not a {kind} store"],
+                                 "choose another path, or pass overwrite=True to replace it")
+    compare(old, attrs, keys, "this write", "pass overwrite=True to replace the store, or write to another path")
+    ds = open_dataset(path)
+    dim = "example" if kind == "gradients" else "train"
+    stored_ids = ds[dim].values
+    if stored_ids.shape != ids.shape or not np.array_equal(stored_ids, ids):
+        raise StoreMismatchError([f"the store's {dim} ids differ from this write's"],
+                                 "pass overwrite=True to replace the store, or write to another path")
+    for leftover in path.rglob("*.partial"):
+        leftover.unlink(missing_ok=True)
+    return "complete" if done_flags(path).all() else "resume"
+
+
+def _is_cut_template(path: Path) -> bool:
+    """A group whose template write stopped before the done flags' metadata."""
+    if not (path / "zarr.json").exists() and not any(path.iterdir()):
+        return True
+    if not (path / "zarr.json").exists():
+        return False
+    import json
+    try:
+        meta = json.loads((path / "zarr.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return "gradalg_store" in meta.get("attributes", {}) and not (path / "done" / "zarr.json").exists()
+
+
+def write_template(path, template: xr.Dataset) -> None:
+    """Metadata, coordinates and attributes; no data chunk (they are written per chunk)."""
+    template.to_zarr(path, mode="w", compute=False, consolidated=False)
+
+
+def write_region(path, variables: dict, dim: str, start: int, stop: int) -> None:
+    """Rows ``start:stop`` of each variable (``{name: (dims, array)}``) along ``dim``."""
+    xr.Dataset(variables).to_zarr(path, region={dim: slice(start, stop)}, consolidated=False)
+
+
+def mark_done(path, index: int) -> None:
+    """Set chunk ``index``'s flag, after its data (sleeping ``$GRADALG_STORE_TEST_DELAY``
+    seconds first, so that tests can interrupt a writer between the two)."""
+    delay = float(os.environ.get(DELAY_ENV, "0") or 0)
+    if delay > 0:
+        time.sleep(delay)
+    xr.Dataset({"done": (("chunk",), np.ones(1, dtype=np.uint8))}).to_zarr(
+        path, region={"chunk": slice(index, index + 1)}, consolidated=False)
+
+
+def check_complete(path, kind: str, write_call: str) -> xr.Dataset:
+    """The store's Dataset (numpy-backed, lazy) if it is a finished ``kind`` store."""
+    attrs = read_attrs(path)
+    if attrs is None:
+        if not Path(path).exists():
+            raise FileNotFoundError(f"no store at {path}")
+        raise StoreIncompleteError(f"{path} is not a finished gradalg store (its template is missing or "
+                                   f"was cut short): write it again with {write_call}")
+    if attrs.get("gradalg_store") != kind:
+        raise StoreMismatchError([f"{path} is a {attrs.get('gradalg_store')} store, not a {kind} store"],
+                                 f"open it with ga.store.open{'' if attrs.get('gradalg_store') == 'gradients' else '_' + str(attrs.get('gradalg_store'))}")
+    flags = done_flags(path)
+    if not flags.all():
+        missing = np.flatnonzero(~flags)
+        raise StoreIncompleteError(
+            f"{path} is unfinished: {len(missing)} of {len(flags)} chunks are not written (first: "
+            f"{missing[:5].tolist()}). Run {write_call} again with the same arguments to finish it "
+            "(only the missing chunks are computed)")
+    return open_dataset(path)
+
+
+def atomic_directory(path, build, *, overwrite: bool) -> None:
+    """Write a whole directory at once: ``build(tmp)`` fills a temporary sibling, which is
+    then renamed to ``path`` (a rename is atomic; replacing an old store is two renames)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.partial")
+    try:
+        build(tmp)
+        if path.exists():
+            if not overwrite:
+                raise FileExistsError(path)
+            trash = path.with_name(f".{path.name}.{uuid.uuid4().hex}.old")
+            os.rename(path, trash)
+            os.rename(tmp, path)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

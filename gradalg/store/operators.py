@@ -1,0 +1,206 @@
+"""Operator stores: the resolved numbers of an Operator (curvature, preconditioner).
+
+    H = ga.fisher(P(G)).damp(1e-3)
+    ga.store.write_operator(H, "fisher.zarr")       # runs the passes H needs, once
+    H = ga.store.open_operator("fisher.zarr")       # an Operator; .inv(), @, ... as usual
+
+What is kept is what the executor resolved: a diagonal ``diag`` (dim,), one matrix per
+block ``block`` (d_b, d_b), a ``dense`` (dim, dim) matrix, a Kronecker eigenbasis
+(``kron``: Q_S (out, out), Q_A (in, in) and eigenvalues (out, in) per block) or a
+low-rank one (``lowrank``: eigenvalues (r,), vectors (dim, r)). Operators known only
+through products (Hessian products, iterative inverses) have no numbers to keep.
+
+The store is written into a temporary directory that is renamed into place, so a
+path holds either the whole store or nothing.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+import xarray as xr
+
+from ..curvature.implicit import LowRankOp
+from ..curvature.kron import KronOp
+from ..errors import GradalgError, StoreIncompleteError, StoreMismatchError
+from ..exec.operators import ResolvedOp
+from ..expr import Block, ParamSpace
+from ..expr.stored import StoredOp
+from . import layout
+from .describe import describe, digest, summary
+from .gradients import _variables
+
+__all__ = ["write_operator", "open_operator", "OperatorStore"]
+
+KIND = "operator"
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().numpy()
+
+
+def _variables_of(resolved, space: ParamSpace) -> tuple[str, dict]:
+    names = _variables(space)
+    if isinstance(resolved, KronOp):
+        out = {}
+        for b in space.blocks:
+            v = names[b.name]
+            Q_S, Q_A = resolved.bases[b.name]
+            out[f"{v}.Q_S"] = ((f"{v}.out", f"{v}.out_eig"), _np(Q_S))
+            out[f"{v}.Q_A"] = ((f"{v}.in", f"{v}.in_eig"), _np(Q_A))
+            out[f"{v}.eigenvalues"] = ((f"{v}.out_eig", f"{v}.in_eig"), _np(resolved.eigenvalues[b.name]))
+        return "kron", out
+    if isinstance(resolved, LowRankOp):
+        return "lowrank", {"eigenvalues": (("rank",), _np(resolved.eigenvalues)),
+                           "vectors": (("coord", "rank"), _np(resolved.vectors))}
+    if isinstance(resolved, ResolvedOp):
+        if resolved.kind == "diag":
+            return "diag", {"diag": (("coord",), _np(resolved.data))}
+        if resolved.kind == "dense":
+            return "dense", {"dense": (("row", "col"), _np(resolved.data))}
+        return "block", {names[n]: ((f"{names[n]}.row", f"{names[n]}.col"), _np(m))
+                         for n, m in resolved.data.items()}
+    raise GradalgError(
+        f"{type(resolved).__name__} has no numbers to store: operators known only through "
+        "products (ga.hessian, ga.gauss_newton, ga.datainf, iterative inverses) are recomputed, "
+        "not stored. Store an explicit curvature (ga.fisher, ga.kfac, ga.ekfac) or ga.arnoldi(H, rank)")
+
+
+def _describe(H) -> dict:
+    fingerprints: dict = {}
+    info = summary(H.expr, fingerprints)
+    return {
+        "gradalg_store": KIND,
+        "format_version": layout.FORMAT_VERSION,
+        "gradalg_version": _version(),
+        "projector": info["projector"],
+        "layers": info["layers"],
+        "objective": info["objective"],
+        "backend": info["backend"],
+        "model_fingerprint": info["model_fingerprint"],
+        "blocks": [{"name": b.name, "shape": list(b.shape), "kind": b.kind, "basis": b.basis}
+                   for b in H.space.blocks],
+        "expression": H.expr.label,
+        "expression_digest": digest(describe(H.expr, fingerprints)),
+    }
+
+
+def _version() -> str:
+    from .. import __version__
+    return __version__
+
+
+def _read_attrs(path) -> dict | None:
+    try:
+        attrs = dict(layout.open_dataset(path).attrs)
+    except Exception:  # noqa: BLE001 - not a Zarr group
+        return None
+    return attrs if "gradalg_store" in attrs else None
+
+
+def write_operator(H, path, *, executor=None, overwrite: bool = False):
+    """Resolve the Operator ``H`` (running the passes its statistics need) and keep its
+    numbers at ``path``; return :func:`open_operator` of it.
+
+    A store of the same operator (same expression, model fingerprints and data) already
+    at ``path`` is returned as it is; one of another operator raises
+    :class:`StoreMismatchError` unless ``overwrite=True``.
+    """
+    from ..api import Operator
+    from ..exec.base import get_executor
+
+    layout.require()
+    if not isinstance(H, Operator):
+        raise TypeError(f"ga.store.write_operator takes an Operator, got {type(H).__name__}")
+    attrs = _describe(H)
+    if Path(path).exists() and not overwrite:
+        old = _read_attrs(path)
+        if old is None:
+            raise StoreMismatchError([f"{path} exists and is not a gradalg store"],
+                                     "choose another path, or pass overwrite=True to replace it")
+        layout.compare(old, attrs, ("gradalg_store", "projector", "layers", "objective", "model_fingerprint",
+                                    "blocks", "expression_digest"), "this operator",
+                       "pass overwrite=True to replace the store, or write to another path")
+        return open_operator(path)
+    resolved = get_executor(executor).operator(H.expr)
+    kind, variables = _variables_of(resolved, H.space)
+    attrs["kind"] = kind
+    attrs["dtype"] = str(next(iter(variables.values()))[1].dtype)
+
+    def build(tmp):
+        xr.Dataset(variables, attrs=attrs).to_zarr(tmp, mode="w", consolidated=False)
+
+    layout.atomic_directory(path, build, overwrite=True)
+    return open_operator(path)
+
+
+class OperatorStore:
+    """Loads an operator store's numbers (once per process; picklable)."""
+
+    def __init__(self, path, attrs: dict):
+        self.path = str(Path(path).resolve())
+        self.attrs = attrs
+        self.token = f"zarrop-{digest([self.path, attrs.get('expression_digest'), attrs.get('kind')])}"
+        self.label = os.path.basename(self.path)
+        self.description = {"operator": attrs.get("expression_digest")}
+        self.summary = {k: attrs.get(k, []) for k in ("projector", "layers", "objective", "backend",
+                                                      "model_fingerprint")}
+        self._loaded = None
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_loaded"] = None
+        return state
+
+    @property
+    def space(self) -> ParamSpace:
+        return ParamSpace(tuple(Block(b["name"], tuple(b["shape"]), b["kind"], b["basis"])
+                                for b in self.attrs["blocks"]))
+
+    def load(self):
+        if self._loaded is None:
+            self._loaded = self._read()
+        return self._loaded
+
+    def _read(self):
+        ds = layout.open_dataset(self.path)
+        space, kind = self.space, self.attrs["kind"]
+
+        def t(name):
+            return torch.from_numpy(np.ascontiguousarray(ds[name].values))
+
+        names = _variables(space)
+        if kind == "kron":
+            bases = {b.name: (t(f"{names[b.name]}.Q_S"), t(f"{names[b.name]}.Q_A")) for b in space.blocks}
+            evals = {b.name: t(f"{names[b.name]}.eigenvalues") for b in space.blocks}
+            return KronOp(space, bases, evals)
+        if kind == "lowrank":
+            return LowRankOp(space, t("eigenvalues"), t("vectors"))
+        if kind == "diag":
+            return ResolvedOp(space, "diag", t("diag"))
+        if kind == "dense":
+            return ResolvedOp(space, "dense", t("dense"))
+        return ResolvedOp(space, "block", {b.name: t(names[b.name]) for b in space.blocks})
+
+
+def open_operator(path):
+    """The Operator kept at ``path`` (see :func:`write_operator`): a leaf that the executor
+    resolves by loading the numbers, usable like any Operator (``.inv()``, ``.damp()``,
+    ``Q @ H @ G.T``)."""
+    from ..api import Operator
+
+    layout.require()
+    attrs = _read_attrs(path)
+    if attrs is None:
+        if not Path(path).exists():
+            raise FileNotFoundError(f"no operator store at {path}")
+        raise StoreIncompleteError(f"{path} is not a gradalg operator store")
+    if attrs["gradalg_store"] != KIND:
+        raise StoreMismatchError([f"{path} is a {attrs['gradalg_store']} store, not an operator store"],
+                                 "open it with ga.store.open or ga.store.open_scores")
+    store = OperatorStore(path, attrs)
+    structure = {"diag": "diag", "block": "block", "dense": "dense", "kron": "kron",
+                 "lowrank": "lowrank"}[attrs["kind"]]
+    return Operator(StoredOp(store, store.space, structure))
