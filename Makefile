@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(PY) -m gradalg.notebook_runner notebooks/01_quickstart.ipynb --out $(OUTDIR)
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadfile -q
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile -q
 
 clean:
 	rm -rf $(VENV) build

@@ -18,7 +18,7 @@ from .errors import (GradalgError, LossReductionError, MemoryBudgetError, NonFin
                      UnsupportedLayerError)
 from .exec import LocalExecutor
 from .options import get_options, options
-from .task import Task
+from .task import ExampleRandom, Task
 
 sum = sum_scores  # noqa: A001 - ga.sum / ga.mean read like the math
 mean = mean_scores

@@ -75,6 +75,8 @@ class _Displayed:
             and add estimated time and memory per GPU for each count in ``gpus``.
         memory_budget : bytes for the plan (default: the options' budget here, 40% of
             the device's memory when planning for another device).
+        executor : the executor that would run it (a ``ga.exec.DaskExecutor`` adds, per
+            pass, its shards, tasks and what crosses the network).
         """
         from .plan.explain import Explain
         from .plan.planner import plan
@@ -91,9 +93,9 @@ class _Displayed:
             from .exec.local import LocalExecutor
             ex = executor or LocalExecutor(rewrites=rewrites)
             self._run(ex)
-            return Explain(ex.last_plan, ex.pass_stats, tuple(gpus), device, stage)
+            return Explain(ex.last_plan, ex.pass_stats, tuple(gpus), device, stage, ex)
         return Explain(plan(self.expr, options=options, device=device, rewrites=rewrites), [], tuple(gpus),
-                       device, stage)
+                       device, stage, executor)
 
     def _run(self, ex):  # each wrapper runs its node with the executor's matching entry point
         raise TypeError(f"{type(self).__name__} has no executor entry point")

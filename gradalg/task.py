@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import zlib
 from typing import Any, Callable
 
 import torch
@@ -43,8 +44,10 @@ class Task:
         For sequence models: which token positions are real (not padding). Masked
         positions are removed from the captured factors, so they contribute neither to
         gradients nor to curvature statistics.
-    sampled_loss : callable ``(model, batch, generator) -> scalar``, optional
-        The summed loss with targets drawn from the model's own predictive distribution.
+    sampled_loss : callable ``(model, batch, rng) -> scalar``, optional
+        The summed loss with targets drawn from the model's own predictive distribution,
+        using ``rng`` (an :class:`ExampleRandom`: ``rng.sample(probs)``, ``rng.uniform(...)``)
+        so that each example's draw depends on the seed and its id only.
         Its per-example gradients give the (Monte-Carlo) true Fisher, which equals the
         Gauss-Newton matrix for cross-entropy: ``ga.grads(..., objective="sampled")``.
     output : callable ``(model, batch) -> scalar``, optional
@@ -111,8 +114,9 @@ class Task:
     def objective_fn(self, objective: str, seed: int = 0) -> Callable[[nn.Module, Any], torch.Tensor]:
         """``(model, batch) -> summed scalar`` whose per-example gradients are captured.
 
-        objective: "loss" (the training loss), "sampled" (targets sampled from the model,
-        reproducibly from ``seed`` and a per-call counter) or "output" (the output function).
+        objective: "loss" (the training loss), "sampled" (targets sampled from the model:
+        the function also takes the batch's example ids, and each example's draw depends
+        only on ``seed`` and its id, never on batching) or "output" (the output function).
         """
         if objective == "loss":
             return self.summed_loss
@@ -120,11 +124,9 @@ class Task:
             if self.sampled_loss is None:
                 raise ValueError("objective='sampled' needs Task(..., sampled_loss=fn(model, batch, "
                                  "generator)); ga.tasks.classification(model) provides one")
-            calls = itertools.count()
-
-            def sampled(model, batch):
-                gen = torch.Generator(device=_device_of(model)).manual_seed(seed * 1_000_003 + next(calls))
-                return self.sampled_loss(model, batch, gen)
+            def sampled(model, batch, ids=None):
+                ids = range(batch_size_of(batch)) if ids is None else ids
+                return self.sampled_loss(model, batch, ExampleRandom(seed, tuple(ids), _device_of(model)))
             return sampled
         if objective == "output":
             if self.output is None:
@@ -146,15 +148,17 @@ class Task:
         mean of the two, using forward passes only. Inconclusive cases (a batch of one,
         both parts with equal losses) pass.
         """
-        b = batch_size_of(batch)
+        b = min(batch_size_of(batch), 4)  # a few examples decide it: the check costs ~2 of their forwards
         if b < 2:
             return
+        batch = slice_batch(batch, slice(0, b))
         was_training = self.model.training
         self.model.eval()
         try:
-            full = float(self.summed_loss(self.model, batch))
-            first = float(self.summed_loss(self.model, slice_batch(batch, slice(0, 1))))
-            rest = float(self.summed_loss(self.model, slice_batch(batch, slice(1, b))))
+            with torch.no_grad():
+                full = float(self.summed_loss(self.model, batch))
+                first = float(self.summed_loss(self.model, slice_batch(batch, slice(0, 1))))
+                rest = float(self.summed_loss(self.model, slice_batch(batch, slice(1, b))))
         finally:
             self.model.train(was_training)
         if not all(map(math.isfinite, (full, first, rest))):
@@ -179,6 +183,29 @@ class Task:
             "of per-example terms, e.g. average tokens within each sequence and sum over "
             "sequences, and put BatchNorm in eval mode."
         )
+
+
+class ExampleRandom:
+    """Per-example random numbers: example ``id`` draws from its own generator seeded by
+    (seed, id), so results do not depend on how examples are batched or sharded."""
+
+    def __init__(self, seed: int, ids: tuple, device=None):
+        self.seed, self.ids, self.device = seed, ids, device
+
+    def _generator(self, example_id) -> torch.Generator:
+        return torch.Generator().manual_seed(zlib.crc32(f"{self.seed}/{example_id}".encode()) + self.seed * 2**32)
+
+    def uniform(self, *shape) -> torch.Tensor:
+        """(B, *shape) uniforms in [0, 1)."""
+        rows = [torch.rand(shape, generator=self._generator(i), dtype=torch.float64) for i in self.ids]
+        return torch.stack(rows).to(self.device) if rows else torch.empty(0, *shape)
+
+    def sample(self, probs: torch.Tensor) -> torch.Tensor:
+        """Indices drawn from ``probs`` (B, ..., C) along the last dim, per example.   (B, ...)"""
+        u = self.uniform(*probs.shape[1:-1]).to(probs.device)
+        cdf = probs.to(torch.float64).cumsum(-1)
+        cdf = cdf / cdf[..., -1:].clamp_min(1e-300)
+        return torch.searchsorted(cdf, u.unsqueeze(-1)).squeeze(-1).clamp_max(probs.shape[-1] - 1)
 
 
 def _device_of(model: nn.Module) -> torch.device:

@@ -36,11 +36,10 @@ def classification(model: nn.Module, *, inputs: Callable[[Any], Any] = lambda b:
     def loss(m, batch):
         return F.cross_entropy(logits_of(m, batch), targets(batch), reduction="sum")
 
-    def sampled_loss(m, batch, generator):
+    def sampled_loss(m, batch, rng):
         logits = logits_of(m, batch)
         probs = torch.softmax(logits.detach().to(torch.float64), dim=-1)
-        sampled = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-        return F.cross_entropy(logits, sampled, reduction="sum")
+        return F.cross_entropy(logits, rng.sample(probs), reduction="sum")
 
     def margin(m, batch):
         logp = torch.log_softmax(logits_of(m, batch), dim=-1)

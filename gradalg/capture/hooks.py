@@ -32,11 +32,16 @@ class LayerRef:
     rule: LayerRule
 
 
+POSITION_EMBEDDINGS = ("wpe", "position_embeddings", "embed_positions", "pos_emb", "pos_embed")
+
+
 def resolve_layers(model: nn.Module, layers=None, *, backend: str = "hooks") -> list[LayerRef]:
     """The modules named by ``layers``, in model order.
 
-    ``layers`` is None (every supported module with trainable parameters), a list of
-    dotted module names, or glob patterns (``"transformer.h.*.mlp.c_fc"``).
+    ``layers`` is None (every supported module with trainable parameters, except
+    position embeddings named as in :data:`POSITION_EMBEDDINGS`, which HF models call
+    with positions shared by the whole batch), a list of dotted module names, or glob
+    patterns (``"transformer.h.*.mlp.c_fc"``).
     """
     modules = dict(model.named_modules())
     if layers is None:
@@ -44,6 +49,8 @@ def resolve_layers(model: nn.Module, layers=None, *, backend: str = "hooks") -> 
         for name, module in modules.items():
             if not any(p.requires_grad for p in module.parameters(recurse=False)):
                 continue
+            if isinstance(module, nn.Embedding) and name.split(".")[-1] in POSITION_EMBEDDINGS:
+                continue  # called with positions shared by the batch: no per-example gradient
             if backend == "func":
                 names.append(name)
                 continue
@@ -172,4 +179,24 @@ def capture_batch(loss: torch.Tensor, recorder: ForwardRecorder, *, token_mask: 
         if token_mask is not None and factors.T == token_mask.shape[1]:
             factors = factors.mask_tokens(token_mask)
         per_layer[ref.name].append(factors)
-    return {name: Factors.concat_tokens(parts) for name, parts in per_layer.items()}
+    blocks = {name: Factors.concat_tokens(parts) for name, parts in per_layer.items()}
+    check_batch_rows(blocks)
+    return blocks
+
+
+def check_batch_rows(blocks: dict) -> None:
+    """Every layer must record one row per example; a layer whose input is shared by the
+    whole batch (broadcast) records one row for all, and its per-example gradients
+    cannot be separated."""
+    rows = {name: f.n for name, f in blocks.items()}
+    if len(set(rows.values())) <= 1:
+        return
+    n = max(rows.values())
+    shared = [name for name, k in rows.items() if k != n]
+    raise UnsupportedLayerError(
+        f"layers {shared} recorded {sorted(set(rows[s] for s in shared))} rows while the batch has "
+        f"{n}: their input is shared by the whole batch (broadcast), e.g. GPT-2's position "
+        "embedding `transformer.wpe` called with position_ids of shape (1, T), so their "
+        "per-example gradients cannot be separated. Pass per-example inputs (position_ids of "
+        "shape (B, T)) or leave these layers out of `layers`"
+    )

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..capture.factors import Factors
-from .hooks import LayerRef, resolve_layers
+from .hooks import LayerRef, check_batch_rows, resolve_layers
 
 __all__ = ["CaptureStore", "CaptureSession", "capture"]
 
@@ -154,17 +154,7 @@ class CaptureSession:
             raise RuntimeError(f"layers {missing} were not used in this step's forward pass; "
                                "leave them out of `layers`")
         n = next(iter(blocks.values())).n
-        rows = {name: f.n for name, f in blocks.items()}
-        if len(set(rows.values())) > 1:
-            n = max(rows.values())
-            shared = [name for name, k in rows.items() if k != n]
-            raise RuntimeError(
-                f"layers {shared} recorded {sorted(set(rows[s] for s in shared))} rows while the batch has "
-                f"{n}: their input is shared by the whole batch (broadcast), e.g. GPT-2's position "
-                "embedding `transformer.wpe` called with position_ids of shape (1, T), so their "
-                "per-example gradients cannot be separated. Pass per-example inputs (position_ids of "
-                "shape (B, T)) or leave these layers out of `layers`"
-            )
+        check_batch_rows(blocks)
         if self.reduction == "mean":
             blocks = {k: v.scale_rows(torch.full((n,), float(n))) for k, v in blocks.items()}
         start = self.store.n

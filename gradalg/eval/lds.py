@@ -242,8 +242,8 @@ def _sign(target, data) -> float:
 
 def _scores(scores):
     """(values (n_query, n_train) float64, query coordinate or None)."""
-    if hasattr(scores, "compute") and hasattr(scores, "expr"):
-        scores = scores.compute()
+    if not isinstance(scores, (xr.DataArray, np.ndarray, torch.Tensor)) and hasattr(scores, "compute"):
+        scores = scores.compute()                                     # lazy ga.Scores
     if isinstance(scores, xr.DataArray):
         if scores.dims != ("query", "train"):
             if set(scores.dims) == {"query", "train"}:

@@ -58,7 +58,7 @@ def subset_size(n_train: int, fraction: float) -> int:
         raise ValueError(f"n_train must be a positive integer, got {n_train!r}")
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
-    return max(1, int(round(fraction * n_train)))
+    return max(1, round(fraction * n_train))
 
 
 def subset_masks(n_train: int, n_subsets: int, fraction: float, seed: int = 0) -> np.ndarray:
@@ -259,9 +259,10 @@ def _query_coords(query_ids, n_query):
 def _seeded(seed: int):
     """Seed torch, numpy and ``random`` with ``seed``; restore their states afterwards."""
     py_state, np_state = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=[]):
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda):
         torch.manual_seed(seed)
-        np.random.seed(seed)
+        np.random.seed(seed % 2**32)
         random.seed(seed)
         try:
             yield

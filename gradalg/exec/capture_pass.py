@@ -59,15 +59,18 @@ class SourceCapture:
         if src.backend == "func":
             blocks = self._func_blocks(batch)
         else:
-            blocks = self._hook_blocks(batch)
+            blocks = self._hook_blocks(batch, ids)
         if self.options.check_finite:
             check_finite(blocks, ids)
         return [Chunk(ids, blocks, batch, task)]
 
-    def _hook_blocks(self, batch):
+    def _hook_blocks(self, batch, ids):
         task = self.source.task
         with torch.enable_grad(), ForwardRecorder(self.refs) as recorder:
-            loss = self.objective(task.model, batch)
+            if self.source.objective == "sampled":   # each example's draw follows its id
+                loss = self.objective(task.model, batch, ids)
+            else:
+                loss = self.objective(task.model, batch)
             mask = task.token_mask(batch) if task.token_mask is not None else None
             return capture_batch(loss, recorder, token_mask=mask)
 
@@ -93,17 +96,32 @@ class SourceCapture:
         return out
 
 
+def _finite_rows(x: torch.Tensor) -> torch.Tensor:
+    """(n,) bool: row i of ``x`` (n, ...) has no NaN/inf.
+
+    A row sum is NaN/inf whenever one of its entries is, so one reduction over the data
+    clears the common case; only rows whose sum is not finite (a bad entry, or finite
+    entries overflowing) are checked entry by entry.
+    """
+    rows = x.flatten(1)
+    ok = torch.isfinite(rows.sum(1))
+    if not bool(ok.all()):
+        suspect = (~ok).nonzero().flatten()
+        ok[suspect] = torch.isfinite(rows[suspect]).all(1)
+    return ok
+
+
 def check_finite(blocks: dict, ids) -> None:
     """Raise :class:`NonFiniteGradientError` naming the examples with NaN/inf gradients."""
     bad = None
     layers = []
     for name, value in blocks.items():
         if isinstance(value, Factors):
-            ok = torch.isfinite(value.D).flatten(1).all(1)
+            ok = _finite_rows(value.D)
             if isinstance(value.A, torch.Tensor):  # one-hot activations are always finite
-                ok &= torch.isfinite(value.A).flatten(1).all(1)
+                ok &= _finite_rows(value.A)
         else:
-            ok = torch.isfinite(value).all(1)
+            ok = _finite_rows(value)
         if not ok.all():
             layers.append(name)
             bad = ~ok if bad is None else bad | ~ok

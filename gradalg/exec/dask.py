@@ -40,6 +40,7 @@ def _run_shard(payload, start: int, stop: int):
     step, sinks, state, options, data_token = payload
     ex = LocalExecutor(options)
     ex._ops, ex._kron, ex._cache = dict(state["ops"]), dict(state["kron"]), dict(state["cache"])
+    ex._checked_tasks = set(state["checked"])   # the loss reduction was checked on the client
     jobs = [replace(job, streams=tuple(restrict(s, data_token, start, stop) for s in job.streams))
             for job in step.jobs]
     shard_step = replace(step, jobs=jobs)
@@ -106,6 +107,19 @@ class DaskExecutor(LocalExecutor):
     def n_workers(self) -> int:
         return max(1, len(self.client.scheduler_info().get("workers", {})))
 
+    def describe_pass(self, step) -> str:
+        """How a pass is distributed: shards, tasks and what crosses the network."""
+        if not step.reads_data:
+            return "runs on the client (rows already in memory)"
+        sources = [stream_root(s) for j in step.jobs for s in j.streams if isinstance(stream_root(s), Source)]
+        data = sources[0].data
+        shards = len(shard_ranges(data.n, self.n_workers * self.shards_per_worker))
+        model_bytes = sum(p.numel() * p.element_size() for p in sources[0].task.model.parameters())
+        back = sum(_state_bytes(job, data.n) for job in step.jobs)
+        return (f"{shards} shard tasks over {self.n_workers} workers (~{data.n // max(shards, 1)} examples each); "
+                f"scattered once per worker: the jobs, the model ({model_bytes / 2**20:.1f} MiB) and held rows "
+                f"({step.fixed_bytes / 2**20:.1f} MiB); returned: partial states (~{back / 2**20:.1f} MiB in all)")
+
     # ------------------------------------------------------------------ passes
     def _run_pass(self, step) -> None:
         if not step.reads_data or not self._shippable(step):
@@ -114,6 +128,7 @@ class DaskExecutor(LocalExecutor):
         data = sources[0].data
         ranges = shard_ranges(data.n, self.n_workers * self.shards_per_worker)
         sinks = self._open_sinks(step.jobs)
+        self._check_reduction_here(sources, data)
         state = self._state_for(step)
         payload = (step, [s for _, s in sinks], state, self.options, data.token)
         [payload_future] = self.client.scatter([payload], broadcast=True, hash=False)
@@ -171,7 +186,20 @@ class DaskExecutor(LocalExecutor):
                             ops[sub.token] = self._ops[sub.token]
             if job.kind == "ekfac":
                 kron[job.target.token] = self._kron[job.target.token]
-        return {"ops": ops, "cache": cache, "kron": kron}
+        return {"ops": ops, "cache": cache, "kron": kron, "checked": set(self._checked_tasks)}
+
+    def _check_reduction_here(self, sources, data) -> None:
+        """Check each task's loss reduction once, on the client, instead of once per shard."""
+        from ..data import move_batch
+        from .capture_pass import eval_mode, model_device_dtype
+        for src in sources:
+            task = src.task
+            if not self.options.check_reduction or src.objective != "loss" or task.token in self._checked_tasks:
+                continue
+            batch = next(iter(data.loader(min(self.options.batch_size, 8))))
+            with eval_mode(task.model):
+                task.check_reduction(move_batch(batch, model_device_dtype(task.model)[0]))
+            self._checked_tasks.add(task.token)
 
     # ------------------------------------------------------------------ results
     def scores(self, node: ScoreNode):
@@ -198,3 +226,17 @@ def _np_dtype(job):
         for p in src.task.model.parameters():
             return {torch.float64: "float64", torch.float32: "float32"}.get(p.dtype, "float32")
     return "float32"
+
+
+def _state_bytes(job, n: int) -> float:
+    """Rough size of what a job's shards send back, summed over shards."""
+    if job.kind == "scores":
+        return 8.0 * job.held.n * n
+    if job.kind in ("collect", "store", "group"):
+        return 4.0 * job.target.n * job.target.space.dim
+    if job.kind == "fisher":
+        d = job.target.space.dim
+        return 8.0 * d * d
+    if job.kind in ("kfac", "ekfac"):
+        return 8.0 * sum(b.shape[0] ** 2 + b.shape[-1] ** 2 for b in job.target.space.blocks)
+    return 8.0 * n

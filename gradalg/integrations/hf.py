@@ -119,14 +119,21 @@ class GradientCallback(TrainerCallback):
     # ------------------------------------------------------------------ Trainer events
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         model = unwrap_model(model)
+        self._world = max(1, int(getattr(args, "world_size", 1)))
         if self.selection is not None:
+            if self.scale != "loss":
+                raise ValueError("online selection corrects the step's gradient from each example's contribution "
+                                 "to it: use GradientCallback(scale='loss') with selection=")
             self.selection.attach(model, step_on="manual", keep=self.keep)
+            if self._world > 1:
+                # rows are already contributions to the rank-averaged gradient (divided by the world
+                # size), so the ranks' corrections add up
+                self.selection.world_reduction = "sum"
             self.capture = self.selection.capture
         else:
             self.capture = TrainingCapture(model, self.layers, step_on="manual", keep=self.keep)
         for cb in self._on_step:
             self.capture.on_step(cb)
-        self._world = max(1, int(getattr(args, "world_size", 1)))
         self._args = args
         self._shift = _shifts_labels(model)
         self._handles.append(model.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
@@ -156,6 +163,7 @@ class GradientCallback(TrainerCallback):
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         hit = [r.name for r in self.capture.refs if head is not None and r.module is head]
         if hit:
+            self._close(self._args)
             raise UnsupportedLayerError(
                 f"TRL's fused LM head projects through {hit[0]!r}'s weight inside its own autograd "
                 "function, so the module's hooks never run and its per-example gradients cannot be "
@@ -181,6 +189,7 @@ class GradientCallback(TrainerCallback):
         N = kwargs.get("num_items_in_batch")
         labels = kwargs.get("shift_labels", kwargs.get("labels"))
         if N is None or labels is None:
+            self._close(self._args)
             raise LossReductionError(
                 f"GradientCallback(scale={self.scale!r}) needs the Trainer's token count: the model must "
                 "receive `labels` and `num_items_in_batch` (a model that accepts loss kwargs, with "

@@ -70,7 +70,11 @@ class OLMoCoreCallback(Callback):
     def pre_train(self):
         model = self.trainer.train_module.model
         if self.selection is not None:
+            if self.scale != "loss":
+                raise ValueError("online selection needs each example's contribution to the step: scale='loss'")
             self.selection.attach(model, step_on="manual", keep=self.keep)
+            if _dist.world_size(getattr(self.trainer, "dp_process_group", None)) > 1:
+                self.selection.world_reduction = "sum"  # rows are already divided by the world size
             self.capture = self.selection.capture
         else:
             self.capture = TrainingCapture(model, self.layers, step_on="manual", keep=self.keep)

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
@@ -333,6 +333,7 @@ class OnlineSelection:
         self.group = group
         self.keep_history = keep_history
         self.history: list[SelectionRecord] = []
+        self._last: SelectionRecord | None = None
         self.capture: TrainingCapture | None = None
         self.model: nn.Module | None = None
         self._affine: AffineRecorder | None = None
@@ -345,6 +346,12 @@ class OnlineSelection:
         ``step_on="manual"``: call :meth:`apply` yourself after the step's last backward
         (before gradient clipping, if any). Returns ``self`` (use it in a ``with``).
         """
+        if type(model).__name__ == "FullyShardedDataParallel":
+            raise UnsupportedLayerError(
+                "online selection under FSDP1 (FullyShardedDataParallel) is not supported: it flattens "
+                "parameters into shards whose layout the correction would need; use FSDP2 "
+                "(torch.distributed.fsdp.fully_shard) or DDP. Capture alone works under FSDP1"
+            )
         if step_on == "auto":
             step_on = "optimizer" if optimizer is not None else "manual"
         if step_on == "backward":
@@ -388,7 +395,8 @@ class OnlineSelection:
 
     @property
     def last(self) -> SelectionRecord | None:
-        return self.history[-1] if self.history else None
+        """The last step's record (kept even with ``keep_history=False``)."""
+        return self._last
 
     def apply(self):
         """Close the step now (``step_on="manual"``): score, weigh and correct ``p.grad``."""
@@ -454,7 +462,7 @@ class OnlineSelection:
         rec = SelectionRecord(step.index, scores.cpu(), weights.cpu(), routes, mine)
         if self.keep_history:
             self.history.append(rec)
-        self.last_record = rec
+        self._last = rec
 
     def _correct(self, step: StepGrads, u: torch.Tensor):
         corrections: dict = {}
@@ -483,6 +491,8 @@ class OnlineSelection:
             for name, module in self._affine.modules.items():
                 for k, c in enumerate(step.chunks):
                     uk = u[offsets[k]:offsets[k + 1]]
+                    if "row_scale" in c.meta:  # the rows' scale applies to the norms' rows too
+                        uk = uk * c.meta["row_scale"].to(uk.device, uk.dtype)
                     per = self._affine.per_example(k, name, c.n)
                     for pname, value in per.items():
                         p = getattr(module, pname)

@@ -231,15 +231,17 @@ class TrainingCapture:
         scale, self._row_scale = self._row_scale, None
         if self.row_scale is not None:
             scale = self.row_scale if scale is None else torch.as_tensor(scale, dtype=torch.float64) * self.row_scale
+        meta = {}
         if scale is not None:
             w = torch.as_tensor(scale, dtype=torch.float64).reshape(-1)
             w = w.expand(n) if w.numel() == 1 else w
             if w.numel() != n:
                 raise ValueError(f"scale_next got {w.numel()} row scales for a micro-batch of {n} examples")
             blocks = {k: v.scale_rows(w.to(v.D.device)) for k, v in blocks.items()}
+            meta["row_scale"] = w  # (n,): what the rows were multiplied by
         if self.upcast:
             blocks = {k: _upcast(v) for k, v in blocks.items()}
-        chunk = Chunk(tuple(range(self._seen, self._seen + n)), blocks)
+        chunk = Chunk(tuple(range(self._seen, self._seen + n)), blocks, meta=meta)
         self._seen += n
         self._micro.append(chunk)
         for cb in self._micro_callbacks:

@@ -83,6 +83,7 @@ class Explain:
     gpus: tuple = (1, 4, 8)
     device: str | None = None
     stage: str | None = None
+    executor: object = None
 
     # ---- data -------------------------------------------------------------------
     def decisions(self) -> list[dict]:
@@ -95,6 +96,8 @@ class Explain:
             row = {"pass": i, "reads": p.label, "jobs": [j.describe() for j in p.jobs],
                    "batch_size": p.batch_size, "flops": p.cost.flops, "seconds": p.seconds,
                    "peak_bytes": p.cost.peak_bytes, "note": p.note}
+            if hasattr(self.executor, "describe_pass"):
+                row["distributed"] = self.executor.describe_pass(p)
             if i < len(self.analyzed):
                 row["measured_seconds"] = self.analyzed[i]["seconds"]
                 row["measured_held_bytes"] = self.analyzed[i]["held_bytes"]
@@ -150,6 +153,8 @@ class Explain:
                     lines.append(f"        · {job}")
                 if row["note"]:
                     lines.append(f"        ! {row['note']}")
+                if row.get("distributed"):
+                    lines.append(f"        ⇉ {row['distributed']}")
         if self.device and want in (None, "scale"):
             lines += ["", f"5. at scale on {profile(self.device).name} (estimates)"]
             for r in scale_estimates(p, self.gpus, self.device):
@@ -187,6 +192,7 @@ class Explain:
             body += (f"<tr><td>{row['pass']}</td><td>{esc(row['reads'])}</td><td>"
                      + "<br>".join(esc(j) for j in row["jobs"])
                      + (f"<br><i>{esc(row['note'])}</i>" if row["note"] else "")
+                     + (f"<br>⇉ {esc(row['distributed'])}" if row.get("distributed") else "")
                      + f"</td><td>{row['batch_size'] or '-'}</td><td>{_si(row['flops'])}FLOP</td>"
                      f"<td>{_fmt_seconds(row['seconds'])}</td><td>{_si(row['peak_bytes'])}B</td>")
             if measured:

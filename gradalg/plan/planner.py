@@ -498,12 +498,14 @@ class _Planner:
                 p.note = "batch size fixed by the data"
             else:
                 room = budget - fixed
-                if room <= 0:
+                if room < per_ex:  # not even a batch of one example fits next to the held rows
                     from ..errors import MemoryBudgetError
+                    from .cost import _si
                     raise MemoryBudgetError(
-                        f"{p.label}: held rows and statistics take {fixed / 2**20:.0f} MiB, over the memory "
-                        f"budget of {budget / 2**20:.0f} MiB. Project the gradients (ga.proj.kron), use "
-                        "fewer queries per call, or raise ga.options(memory_budget=...)")
+                        f"{p.label}: held rows and statistics take {_si(fixed)}B and one example's "
+                        f"factors and activations {_si(per_ex)}B, over the memory budget of {_si(budget)}B. "
+                        "Project the gradients (ga.proj.kron), use fewer queries per call, or raise "
+                        "ga.options(memory_budget=...)")
                 fit = int(room // max(per_ex, 1.0))
                 p.batch_size = max(1, min(self.options.batch_size, fit))
                 if p.batch_size < self.options.batch_size:
@@ -534,7 +536,7 @@ def _positions_known(node: GradNode) -> bool:
         first = data.first_example_batch()
         while not isinstance(first, torch.Tensor):
             first = next(iter(first.values())) if isinstance(first, dict) else first[0]
-    except Exception:
+    except Exception:  # noqa: BLE001 - a shape hint must never fail planning: route at run time
         return False
     return first.dim() == 2
 

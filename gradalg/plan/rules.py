@@ -188,7 +188,7 @@ def simplify_until_fixpoint(root: Node, *, enabled: bool = True, max_rounds: int
                 if isinstance(node, r.types):
                     out = r.fn(node)
                     if out is not None and out != node:
-                        changed.append(Firing(r.name, node.label, out.label, r.doc.splitlines()[0] if r.doc else ""))
+                        changed.append(Firing(r.name, node.label, out.label, " ".join(r.doc.split("\n\n")[0].split())))
                         return out
             return None
 

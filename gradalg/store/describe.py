@@ -8,8 +8,8 @@ process that builds the same thing:
   dtypes and values (a strided sample of at most ``sample`` values per tensor; shapes
   only for tensors on the ``meta`` device);
 * :func:`describe`: a JSON-able description of an expression (node types and their
-  fields; a ``Source`` by its model fingerprint, layers, objective and example ids;
-  tensors by a digest of their values);
+  fields; a ``Source`` by its model fingerprint, loss, layers, objective, example ids
+  and a digest of its first example; tensors by a digest of their values);
 * :func:`summary`: the readable part of it that a store's attributes show (projector,
   layers, objective, model fingerprint, blocks).
 """
@@ -80,6 +80,37 @@ def _ids_digest(ids) -> str:
     return digest([repr(i) for i in ids])
 
 
+def _batch_digest(batch) -> str:
+    h = hashlib.blake2b(digest_size=12)
+
+    def go(x):
+        if isinstance(x, torch.Tensor):
+            _update(h, x, 1 << 20)
+        elif isinstance(x, dict):
+            for k in sorted(x, key=str):
+                h.update(str(k).encode())
+                go(x[k])
+        elif isinstance(x, (tuple, list)):
+            for v in x:
+                go(v)
+        else:
+            h.update(repr(x).encode())
+
+    go(batch)
+    return h.hexdigest()
+
+
+def _first_example_digest(data: DataRef) -> str | None:
+    """A digest of the data's first example: two datasets with the same ids (0..n-1 by
+    default) are still told apart. None when the example cannot be read alone."""
+    if data.n == 0:
+        return None
+    try:
+        return _batch_digest(data.first_example_batch())
+    except Exception:  # noqa: BLE001 - an unusual dataset: ids and size still identify it
+        return None
+
+
 def describe(value, fingerprints: dict | None = None):
     """A JSON-able description of ``value`` (usually an expression node) that does not
     depend on the process: see the module docstring."""
@@ -93,6 +124,7 @@ def describe(value, fingerprints: dict | None = None):
     def go(x):
         if isinstance(x, Source):
             return {"node": "Source", "model": model_fp(x.task.model), "task": x.task.name,
+                    "loss": getattr(x.task.loss, "__qualname__", type(x.task.loss).__name__),
                     "reduction": x.task.reduction, "layers": list(x.layers), "backend": x.backend,
                     "objective": x.objective, "seed": x.seed, "data": go(x.data)}
         if isinstance(x, Stored):
@@ -104,7 +136,7 @@ def describe(value, fingerprints: dict | None = None):
         if isinstance(x, Node):
             return {"node": type(x).__name__, **{f.name: go(getattr(x, f.name)) for f in fields(x)}}
         if isinstance(x, DataRef):
-            return {"n": x.n, "ids": _ids_digest(x.ids)}
+            return {"n": x.n, "ids": _ids_digest(x.ids), "first_example": _first_example_digest(x)}
         if isinstance(x, torch.nn.Module):
             return {"model": model_fp(x)}
         if hasattr(x, "model") and hasattr(x, "objective_fn"):   # a Task outside a Source

@@ -25,7 +25,7 @@ from ..expr import Block, ParamSpace
 from ..expr.stored import Stored
 from . import layout
 from .describe import describe, digest, summary
-from .rows import check_shippable, flat_rows, freeze_ops, restrictable, rows_of
+from .rows import check_shippable, executor_for, flat_rows, freeze_ops, restrictable, rows_of
 
 __all__ = ["write", "open_gradients", "dataset", "GradientStore"]
 
@@ -208,7 +208,6 @@ def write(G, path, *, chunk_rows: int = 256, executor=None, overwrite: bool = Fa
     chunks are computed; a store of anything else raises :class:`StoreMismatchError`.
     """
     from ..api import GradientSet
-    from ..exec.base import get_executor
 
     layout.require()
     if not isinstance(G, GradientSet):
@@ -224,22 +223,29 @@ def write(G, path, *, chunk_rows: int = 256, executor=None, overwrite: bool = Fa
     if state == "complete":
         return open_gradients(path)
     _warn_factored(node)
-    ex = get_executor(executor)
-    count = layout.n_chunks(node.n, chunk_rows)
-    if not restrictable(node):
-        _write_whole(path, attrs, ex, node, ids, state)
-        return open_gradients(path)
+    with executor_for(executor) as ex:
+        if restrictable(node):
+            _write_by_ranges(path, attrs, ex, node, ids, state)
+        else:
+            _write_whole(path, attrs, ex, node, ids, state)
+    return open_gradients(path)
 
-    node = freeze_ops(ex, node)          # operators of the row chain: resolved once, here
+
+def _write_by_ranges(path, attrs, ex, node, ids, state) -> None:
+    """Each unfinished chunk computed from its own range of examples (here, or one Dask
+    task per chunk)."""
     from ..exec.local import LocalExecutor
+
+    chunk_rows = int(attrs["chunk_rows"])
+    node = freeze_ops(ex, node)          # operators of the row chain: resolved once, here
     local = LocalExecutor(ex.options, rewrites=getattr(ex, "rewrites", True))
     if state == "new":
         # the first chunk fixes the dtype of the template (the rows' own dtype)
         first = rows_of(local, node, 0, min(chunk_rows, node.n))
         rows = flat_rows(first, [b["name"] for b in attrs["blocks"]])
-        attrs["dtype"] = str(next(iter(rows.values())).dtype).replace("torch.", "")
-        layout.write_template(path, _template(attrs, ids, next(iter(rows.values())).detach().cpu().numpy().dtype,
-                                              chunk_rows))
+        dtype = next(iter(rows.values())).detach().cpu().numpy().dtype
+        attrs["dtype"] = str(dtype)
+        layout.write_template(path, _template(attrs, ids, dtype, chunk_rows))
         _write_chunk(path, attrs, 0, rows)
     else:
         attrs["dtype"] = layout.read_attrs(path)["dtype"]
@@ -255,7 +261,6 @@ def write(G, path, *, chunk_rows: int = 256, executor=None, overwrite: bool = Fa
     else:
         for i in todo:
             _compute_and_write(path, attrs, node, i, None, True, executor=local)
-    return open_gradients(path)
 
 
 def _write_whole(path, attrs, ex, node, ids, state) -> None:
@@ -302,12 +307,12 @@ def open_gradients(path, like=None):
         if not isinstance(like, GradientSet):
             raise TypeError(f"like must be a GradientSet, got {type(like).__name__}")
         expected = describe_gradients(like)
-        layout.compare(attrs, expected, LIKE_KEYS, "like",
-                       "open the store that was written from these gradients, or write them again "
-                       "(ga.store.write(G, path, overwrite=True))")
+        fix = ("open the store that was written from these gradients, or write them again "
+               "(ga.store.write(G, path, overwrite=True))")
+        layout.compare(attrs, expected, [k for k in LIKE_KEYS if k != "expression_digest"], "like", fix)
         if tuple(like.ids) != ids:
-            raise StoreMismatchError(["the store's example ids differ from like's"],
-                                     "open the store written from these examples")
+            raise StoreMismatchError(["the store's example ids differ from like's"], fix)
+        layout.compare(attrs, expected, ["expression_digest"], "like", fix)
     store = GradientStore(path, attrs, ids)
     rep = tuple((b["name"], "projected" if b["representation"] == "projected" else "dense")
                 for b in attrs["blocks"])

@@ -3,7 +3,8 @@
 A store is a Zarr (v3) group written through xarray:
 
 * the **template** (``to_zarr(..., compute=False)``): every variable's metadata, the
-  coordinates (example ids) and the attributes, no chunk of data;
+  coordinates (example ids) and the attributes, no chunk of data, written into a
+  temporary directory renamed into place;
 * one **region write** per chunk of rows (``to_zarr(region={dim: slice(a, b)})``): each
   variable's Zarr chunk is exactly the store chunk, so chunks never share a file;
 * then that chunk's **done flag** (``done[i] = 1``, one Zarr chunk per flag).
@@ -85,18 +86,36 @@ def done_flags(path) -> np.ndarray:
     return open_dataset(path)["done"].values.astype(bool)
 
 
-def _describe_value(value) -> str:
+def _describe_value(key: str, value) -> str:
+    if key == "projector" and isinstance(value, list):
+        from ..expr.projection import Projector
+        try:
+            return "[" + ", ".join(repr(Projector(**p)) for p in value) + "]"
+        except (TypeError, ValueError):
+            pass
+    if key == "blocks" and isinstance(value, list):
+        value = [(b.get("name"), tuple(b.get("shape", ())), b.get("basis")) for b in value]
     text = repr(value)
     return text if len(text) <= 200 else text[:200] + "…"
+
+
+# a difference in these makes the blocks differ too: blocks are reported only without them
+_IMPLY_BLOCKS = ("projector", "layers")
 
 
 def compare(stored: dict, new: dict, keys, what: str, fix: str) -> None:
     """Raise :class:`StoreMismatchError` naming every key whose value differs."""
     problems = []
-    for key in keys:
-        if stored.get(key) != new.get(key):
-            problems.append(f"{key}: the store has {_describe_value(stored.get(key))}, {what} has "
-                            f"{_describe_value(new.get(key))}")
+    differ = [key for key in keys if stored.get(key) != new.get(key)]
+    for key in differ:
+        if key == "blocks" and any(k in differ for k in _IMPLY_BLOCKS):
+            continue
+        if key == "expression_digest":
+            problems.append(f"the expression differs (its data, transforms or operators): the store holds "
+                            f"{stored.get('expression')!r}, {what} is {new.get('expression')!r}")
+        else:
+            problems.append(f"{key}: the store has {_describe_value(key, stored.get(key))}, {what} has "
+                            f"{_describe_value(key, new.get(key))}")
     if problems:
         raise StoreMismatchError(problems, fix)
 
@@ -108,49 +127,39 @@ def prepare(path, attrs: dict, ids: np.ndarray, keys, *, overwrite: bool, kind: 
     A store written from something else is refused with :class:`StoreMismatchError`.
     """
     path = Path(path)
+    for leftover in path.parent.glob(f".{path.name}.*.partial"):   # a killed template or operator write
+        shutil.rmtree(leftover, ignore_errors=True)
     if overwrite and path.exists():
         shutil.rmtree(path)
     if not path.exists():
         return "new"
     old = read_attrs(path)
     if old is None:
-        if _is_cut_template(path):
-            shutil.rmtree(path)   # the template was interrupted: no chunk was written yet
-            return "new"
         raise StoreMismatchError([f"{path} exists and is not a gradalg store"],
                                  "choose another path, or pass overwrite=True to replace it")
     if old.get("gradalg_store") != kind:
         raise StoreMismatchError([f"{path} is a {old.get('gradalg_store')} store, not a {kind} store"],
                                  "choose another path, or pass overwrite=True to replace it")
-    compare(old, attrs, keys, "this write", "pass overwrite=True to replace the store, or write to another path")
+    fix = "pass overwrite=True to replace the store, or write to another path"
+    compare(old, attrs, [k for k in keys if k != "expression_digest"], "this write", fix)
     ds = open_dataset(path)
     dim = "example" if kind == "gradients" else "train"
     stored_ids = ds[dim].values
     if stored_ids.shape != ids.shape or not np.array_equal(stored_ids, ids):
-        raise StoreMismatchError([f"the store's {dim} ids differ from this write's"],
-                                 "pass overwrite=True to replace the store, or write to another path")
+        raise StoreMismatchError([f"the store's {dim} ids differ from this write's"], fix)
+    compare(old, attrs, [k for k in keys if k == "expression_digest"], "this write", fix)
     for leftover in path.rglob("*.partial"):
         leftover.unlink(missing_ok=True)
     return "complete" if done_flags(path).all() else "resume"
 
 
-def _is_cut_template(path: Path) -> bool:
-    """A group whose template write stopped before the done flags' metadata."""
-    if not (path / "zarr.json").exists() and not any(path.iterdir()):
-        return True
-    if not (path / "zarr.json").exists():
-        return False
-    import json
-    try:
-        meta = json.loads((path / "zarr.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return "gradalg_store" in meta.get("attributes", {}) and not (path / "done" / "zarr.json").exists()
-
-
 def write_template(path, template: xr.Dataset) -> None:
-    """Metadata, coordinates and attributes; no data chunk (they are written per chunk)."""
-    template.to_zarr(path, mode="w", compute=False, consolidated=False)
+    """Metadata, coordinates and attributes; no data chunk (they are written per chunk).
+
+    Written into a temporary sibling renamed into place: ``path`` holds a whole template
+    or nothing, never one cut short."""
+    atomic_directory(path, lambda tmp: template.to_zarr(tmp, mode="w", compute=False, consolidated=False),
+                     overwrite=False)
 
 
 def write_region(path, variables: dict, dim: str, start: int, stop: int) -> None:

@@ -31,6 +31,7 @@ from ..expr.stored import StoredOp
 from . import layout
 from .describe import describe, digest, summary
 from .gradients import _variables
+from .rows import executor_for
 
 __all__ = ["write_operator", "open_operator", "OperatorStore"]
 
@@ -38,7 +39,10 @@ KIND = "operator"
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().cpu().numpy()
+    """The tensor's values; column-major tensors (eigenvectors from ``eigh``) stay column-major,
+    so that products with the loaded numbers round exactly as with the originals."""
+    a = t.detach().cpu().numpy()
+    return np.asfortranarray(a) if t.dim() == 2 and not t.is_contiguous() and t.T.is_contiguous() else a
 
 
 def _variables_of(resolved, space: ParamSpace) -> tuple[str, dict]:
@@ -109,7 +113,6 @@ def write_operator(H, path, *, executor=None, overwrite: bool = False):
     :class:`StoreMismatchError` unless ``overwrite=True``.
     """
     from ..api import Operator
-    from ..exec.base import get_executor
 
     layout.require()
     if not isinstance(H, Operator):
@@ -124,13 +127,17 @@ def write_operator(H, path, *, executor=None, overwrite: bool = False):
                                     "blocks", "expression_digest"), "this operator",
                        "pass overwrite=True to replace the store, or write to another path")
         return open_operator(path)
-    resolved = get_executor(executor).operator(H.expr)
+    with executor_for(executor) as ex:
+        resolved = ex.operator(H.expr)
     kind, variables = _variables_of(resolved, H.space)
     attrs["kind"] = kind
     attrs["dtype"] = str(next(iter(variables.values()))[1].dtype)
 
     def build(tmp):
-        xr.Dataset(variables, attrs=attrs).to_zarr(tmp, mode="w", consolidated=False)
+        ds = xr.Dataset(variables, attrs=attrs)
+        for name, (_, values) in variables.items():
+            ds[name].attrs["order"] = "F" if values.ndim == 2 and not values.flags.c_contiguous else "C"
+        ds.to_zarr(tmp, mode="w", consolidated=False)
 
     layout.atomic_directory(path, build, overwrite=True)
     return open_operator(path)
@@ -169,7 +176,9 @@ class OperatorStore:
         space, kind = self.space, self.attrs["kind"]
 
         def t(name):
-            return torch.from_numpy(np.ascontiguousarray(ds[name].values))
+            values = ds[name].values
+            order = ds[name].attrs.get("order", "C")
+            return torch.from_numpy(np.asfortranarray(values) if order == "F" else np.ascontiguousarray(values))
 
         names = _variables(space)
         if kind == "kron":

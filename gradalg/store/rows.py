@@ -3,9 +3,10 @@
 A store is written chunk by chunk, each chunk a pure function of its row range, so a
 crashed or retried chunk is recomputed to the same numbers. :func:`restrict_rows`
 rebuilds the *row chain* of a node (the row-wise nodes down to its stream root) over
-rows a:b of the root. Unlike :func:`gradalg.exec.shards.restrict`, it leaves every
-operator alone, even one computed from the same dataset: a Fisher of the training set
-preconditioning the training rows stays the Fisher of all of them.
+rows a:b of the root: a Source (through :func:`gradalg.exec.shards.restrict`) or a
+gradient store. Operators are left alone, even one computed from the same dataset: a
+Fisher of the training set preconditioning the training rows stays the Fisher of all
+of them.
 
 :func:`freeze_ops` replaces the operators of a chain by leaves holding their resolved
 numbers, computed once, so the chunks (on this process or on Dask workers) never
@@ -13,17 +14,32 @@ resolve them again.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import torch
 
 from ..errors import GradalgError
 from ..exec.chunks import Chunk, concat_chunks, flat_block
+from ..exec.shards import restrict
 from ..expr import GradNode, Normalize, Precondition, Source
 from ..expr.stored import Stored, StoredOp
 from ..plan.planner import ROW_WISE, stream_root
 
-__all__ = ["restrict_rows", "restrictable", "freeze_ops", "ResolvedStore", "MemoryRows", "flat_rows"]
+__all__ = ["executor_for", "restrict_rows", "restrictable", "freeze_ops", "ResolvedStore", "MemoryRows", "flat_rows"]
+
+
+@contextlib.contextmanager
+def executor_for(executor):
+    """The executor to use; one made here from a name ("dask") is closed afterwards."""
+    from ..exec.base import get_executor
+
+    ex = get_executor(executor)
+    try:
+        yield ex
+    finally:
+        if isinstance(executor, str):
+            ex.close()
 
 
 def restrictable(node: GradNode) -> bool:
@@ -46,13 +62,10 @@ def restrict_rows(node: GradNode, start: int, stop: int) -> GradNode:
             raise ValueError("gradients with objective='expected' have one row per term of the "
                              "Gauss-Newton decomposition, not per example: they cannot be stored or "
                              "scored by rows; use them for curvature (ga.fisher) only")
-        new = Source(root.task, root.data.subset(start, stop), root.layers, root.backend, root.objective,
-                     root.seed)
-    elif isinstance(root, Stored) and hasattr(root.store, "rows"):
-        new = Stored(root.store.rows(start, stop), root.space_, root.representation_)
-    else:
-        raise TypeError(f"rows of {root.label!r} cannot be computed by ranges")
-    return _with_root(node, new)
+        return restrict(node, root.data.token, start, stop)
+    if isinstance(root, Stored) and hasattr(root.store, "rows"):
+        return _with_root(node, Stored(root.store.rows(start, stop), root.space_, root.representation_))
+    raise TypeError(f"rows of {root.label!r} cannot be computed by ranges")
 
 
 class ResolvedStore:

@@ -19,7 +19,8 @@ from ..expr import Identity, Inner, ScoreSum
 from ..expr.stored import Stored, StoredOp
 from . import layout
 from .describe import describe, digest, summary
-from .rows import MemoryRows, ResolvedStore, check_shippable, freeze_ops, restrict_rows, restrictable
+from .rows import (MemoryRows, ResolvedStore, check_shippable, executor_for, freeze_ops, restrict_rows,
+                   restrictable)
 
 __all__ = ["write_scores", "open_scores"]
 
@@ -123,10 +124,7 @@ def write_scores(S, path, *, chunk_rows: int = 1024, executor=None, overwrite: b
     An unfinished store of the same scores at ``path`` is completed (only its unfinished
     chunks are computed); a store of other scores raises :class:`StoreMismatchError`.
     """
-    import dask.array as da
-
     from ..api import Scores
-    from ..exec.base import get_executor
 
     layout.require()
     if not isinstance(S, Scores):
@@ -140,7 +138,15 @@ def write_scores(S, path, *, chunk_rows: int = 1024, executor=None, overwrite: b
     state = layout.prepare(path, attrs, train_ids, RESUME_KEYS, overwrite=overwrite, kind=KIND)
     if state == "complete":
         return open_scores(path)
-    ex = get_executor(executor)
+    with executor_for(executor) as ex:
+        _write(path, attrs, ex, node, train_ids, state)
+    return open_scores(path)
+
+
+def _write(path, attrs, ex, node, train_ids, state) -> None:
+    import dask.array as da
+
+    chunk_rows = int(attrs["chunk_rows"])
     terms = _prepared(ex, node)
     options, rewrites = ex.options, getattr(ex, "rewrites", True)
     n_q, n_t = node.shape
@@ -168,7 +174,6 @@ def write_scores(S, path, *, chunk_rows: int = 1024, executor=None, overwrite: b
     else:
         for i in todo:
             _compute_and_write(path, attrs, terms, i, options, rewrites)
-    return open_scores(path)
 
 
 def open_scores(path) -> xr.DataArray:

@@ -1,0 +1,63 @@
+"""Independent references for the tests: per-example gradients from ``ga.per_example_grads``
+(torch.func) laid out as gradalg's blocks, written without gradalg's layer rules."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import gradalg as ga
+
+F64 = torch.float64
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread while a module's tests run: their tensors are tiny, and with
+    ``-n 2`` on two cores more threads only contend (measured: 4-10× slower under load).
+    Import it into a test module to apply it there; restored after the module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def block_rows(model: nn.Module, layers, grads: dict) -> torch.Tensor:
+    """Reference per-example gradients ``{param: (n, *shape)}`` laid out as hook blocks.
+
+    Canonical (out, in) orientation with the bias as the last input column: Linear
+    ``[W | b]``, HF Conv1D ``[Wᵀ | b]``, Conv2d ``[W.flatten | b]``, Embedding ``Wᵀ``.
+    Returns (n, dim) in the order of ``layers``.
+    """
+    from transformers.pytorch_utils import Conv1D
+
+    modules = dict(model.named_modules())
+    parts = []
+    for name in layers:
+        m = modules[name]
+        W = grads[f"{name}.weight"]
+        bias = grads.get(f"{name}.bias")
+        if isinstance(m, (nn.Embedding, Conv1D)):
+            block = W.transpose(1, 2)
+        elif isinstance(m, nn.Conv2d):
+            block = W.flatten(2)
+        else:
+            block = W
+        if bias is not None:
+            block = torch.cat([block, bias.unsqueeze(-1)], dim=-1)
+        parts.append(block.flatten(1))
+    return torch.cat(parts, dim=1).to(F64)
+
+
+def reference_rows(task, batch, layers) -> torch.Tensor:
+    names = [f"{layer}.{p}" for layer in layers
+             for p, _ in dict(task.model.named_modules())[layer].named_parameters(recurse=False)]
+    return block_rows(task.model, layers, ga.per_example_grads(task, batch, names))
+
+
+def func_rows(task, batch, layers) -> torch.Tensor:
+    """Reference of ``backend="func"``: each layer's parameters flattened in module order."""
+    modules = dict(task.model.named_modules())
+    names = [f"{layer}.{p}" for layer in layers for p, _ in modules[layer].named_parameters(recurse=False)]
+    grads = ga.per_example_grads(task, batch, names)
+    return torch.cat([grads[n].flatten(1) for n in names], dim=1).to(F64)

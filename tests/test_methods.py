@@ -1,0 +1,195 @@
+"""Each published method equals its dense formula, computed in float64 torch from
+``ga.per_example_grads`` (torch.func) on a small MLP."""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+import gradalg as ga
+from gradalg.proj import dense_matrix
+from gradalg.testing import assert_close
+from gradalg.testing.conformance import project_dense
+
+sys.path.insert(0, os.path.dirname(__file__))
+import models
+from references import block_rows, one_thread, reference_rows  # noqa: F401 - one_thread is an autouse fixture
+
+F64 = torch.float64
+LAYERS = ("0", "2")
+TOL = {"rtol": 1e-7, "atol": 1e-9}
+
+
+@functools.cache
+def setup(seed=0):
+    model = models.mlp(seed=seed)
+    task = ga.tasks.classification(model)
+    x, y = models.classification_data(20, seed=1)
+    xq, yq = models.classification_data(4, seed=2)
+    train, query = TensorDataset(x, y), TensorDataset(xq, yq)
+    return {"model": model, "task": task, "x": x, "y": y, "xq": xq, "yq": yq, "train": train, "query": query,
+                "R": reference_rows(task, (x, y), LAYERS), "RQ": reference_rows(task, (xq, yq), LAYERS)}
+
+
+def values(S) -> torch.Tensor:
+    out = S.compute()
+    assert out.dims == ("query", "train")
+    return torch.from_numpy(out.values)
+
+
+def influence_formula(RQ, RG, C, damping):
+    """RQ (C ᵀC / n + λI)⁻¹ RGᵀ with C the curvature gradients (n_c, dim)."""
+    H = C.T @ C / C.shape[0] + damping * torch.eye(C.shape[1], dtype=F64)
+    return RQ @ torch.linalg.solve(H, RG.T)
+
+
+PROJECTORS = {"none": None, "gaussian": ga.proj.gaussian(12, seed=4), "kron": ga.proj.kron(8, seed=5)}
+
+
+def project(R, space, P):
+    return R if P is None else project_dense(R, space, P)
+
+
+# ---------------------------------------------------------------------- grad-dot / cos
+@pytest.mark.parametrize("proj", sorted(PROJECTORS))
+def test_grad_dot(proj):
+    s, P = setup(), PROJECTORS[proj]
+    space = ga.grads(s["task"], s["train"]).space
+    S = ga.methods.grad_dot(s["task"], s["train"], s["query"], projector=P)
+    expected = project(s["RQ"], space, P) @ project(s["R"], space, P).T
+    assert_close(values(S), expected, what="grad_dot", **TOL)
+
+
+@pytest.mark.parametrize("proj", sorted(PROJECTORS))
+def test_grad_cos(proj):
+    s, P = setup(), PROJECTORS[proj]
+    space = ga.grads(s["task"], s["train"]).space
+    RQ, RG = project(s["RQ"], space, P), project(s["R"], space, P)
+    expected = (RQ / RQ.norm(dim=1, keepdim=True)) @ (RG / RG.norm(dim=1, keepdim=True)).T
+    S = ga.methods.grad_cos(s["task"], s["train"], s["query"], projector=P)
+    got = values(S)
+    assert_close(got, expected, what="grad_cos", **TOL)
+    assert float(got.abs().max()) <= 1 + 1e-12
+
+
+# ---------------------------------------------------------------------- influence
+@pytest.mark.parametrize("proj", sorted(PROJECTORS))
+def test_influence_empirical(proj):
+    s, P = setup(), PROJECTORS[proj]
+    space = ga.grads(s["task"], s["train"]).space
+    RQ, RG = project(s["RQ"], space, P), project(s["R"], space, P)
+    S = ga.methods.influence(s["task"], s["train"], s["query"], projector=P, curvature="empirical", damping=0.01)
+    assert_close(values(S), influence_formula(RQ, RG, RG, 0.01), what="empirical influence", **TOL)
+
+
+def sampled_task(model):
+    """A classification task whose Gauss-Newton comes from sampled labels only."""
+    full = ga.tasks.classification(model)
+    return ga.Task(model, full.loss, sampled_loss=full.sampled_loss, name="sampled")
+
+
+def test_sampled_gradients_are_gradients_at_drawn_labels():
+    """Each row of objective="sampled" is the loss gradient at one of the classes (checked
+    against the per-class references), the draw depends on the seed, and is reproducible."""
+    s = setup()
+    task = sampled_task(s["model"])
+    C = ga.grads(task, s["train"], objective="sampled", seed=0)
+    rows = torch.cat([v.reshape(C.n, -1) for v in C.to_dense().values()], 1)
+    per_class = torch.stack([reference_rows(task, (s["x"], torch.full_like(s["y"], c)), LAYERS)
+                             for c in range(3)])                                  # (3, n, dim)
+    err = (per_class - rows[None]).abs().amax(dim=2)                              # (3, n)
+    assert (err.min(0).values < 1e-12).all(), "a sampled row is no class's gradient"
+    labels = err.argmin(0)
+    again = ga.grads(task, s["train"], objective="sampled", seed=0)
+    assert torch.equal(rows, torch.cat([v.reshape(C.n, -1) for v in again.to_dense().values()], 1))
+    other = ga.grads(task, s["train"], objective="sampled", seed=1).to_dense()
+    other_rows = torch.cat([v.reshape(C.n, -1) for v in other.values()], 1)
+    other_labels = (per_class - other_rows[None]).abs().amax(dim=2).argmin(0)
+    assert not torch.equal(labels, other_labels)
+
+
+@pytest.mark.parametrize("proj", sorted(PROJECTORS))
+def test_influence_gauss_newton_sampled(proj):
+    """Gauss-Newton from sampled labels: the curvature input of the formula is the same
+    sampled gradients, ga.grads(task, data, objective="sampled", seed=0)."""
+    s, P = setup(), PROJECTORS[proj]
+    task = sampled_task(s["model"])
+    C = ga.grads(task, s["train"], objective="sampled", seed=0)
+    space = C.space
+    C_rows = torch.cat([v.reshape(C.n, -1) for v in C.to_dense().values()], 1).to(F64)
+    RQ, RG, RC = (project(r, space, P) for r in (s["RQ"], s["R"], C_rows))
+    S = ga.methods.influence(task, s["train"], s["query"], projector=P, curvature="gauss_newton",
+                             damping=0.01, seed=0)
+    assert_close(values(S), influence_formula(RQ, RG, RC, 0.01), what="sampled GN influence", **TOL)
+
+
+def exact_gauss_newton(s):
+    """(1/n) Σ_i J_iᵀ (diag p_i − p_i p_iᵀ) J_i with J_i the per-example Jacobian of the logits."""
+    model, task = s["model"], s["task"]
+    names = [f"{layer}.{p}" for layer in LAYERS for p in ("weight", "bias")]
+    J = []
+    for c in range(3):
+        grads = ga.per_example_grads(task, (s["x"], s["y"]), names, loss_fn=lambda m, b, c=c: m(b[0])[:, c].sum())
+        J.append(block_rows(model, LAYERS, grads))
+    J = torch.stack(J, 1)                                                         # (n, 3, dim)
+    with torch.no_grad():
+        p = torch.softmax(model(s["x"]), -1)
+    A = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]                       # (n, 3, 3)
+    return torch.einsum("nci,ncd,ndj->ij", J, A, J) / len(p)
+
+
+@pytest.mark.parametrize("proj", sorted(PROJECTORS))
+def test_influence_gauss_newton_exact(proj):
+    """The default task's Gauss-Newton is exact (its expected terms): J ᵀ(diag p − ppᵀ)J."""
+    s, P = setup(), PROJECTORS[proj]
+    space = ga.grads(s["task"], s["train"]).space
+    GN = exact_gauss_newton(s)
+    if P is not None:
+        M = project_dense(torch.eye(space.dim, dtype=F64), space, P).T           # (k, dim)
+        GN = M @ GN @ M.T
+    RQ, RG = project(s["RQ"], space, P), project(s["R"], space, P)
+    H = GN + 0.01 * torch.eye(GN.shape[0], dtype=F64)
+    S = ga.methods.influence(s["task"], s["train"], s["query"], projector=P, damping=0.01)
+    assert_close(values(S), RQ @ torch.linalg.solve(H, RG.T), what="exact GN influence", **TOL)
+
+
+# ---------------------------------------------------------------------- TRAK
+def trak_formula(s, P, damping):
+    """φ (ΦᵀΦ + λI)⁻¹ Φᵀ diag(1 − p), Φ = P ∇f(z), φ = P ∇f(q), f the margin log p/(1−p)."""
+    model, task = s["model"], s["task"]
+    names = [f"{layer}.{p}" for layer in LAYERS for p in ("weight", "bias")]
+
+    def out_rows(x, y):
+        return block_rows(model, LAYERS, ga.per_example_grads(task, (x, y), names, loss_fn=task.output))
+
+    space = ga.grads(task, s["train"]).space
+    M = torch.cat([dense_matrix(P, b.name, b.dim, dtype=F64) for b in space.blocks], dim=1)   # (k, dim)
+    Phi, phi = out_rows(s["x"], s["y"]) @ M.T, out_rows(s["xq"], s["yq"]) @ M.T
+    with torch.no_grad():
+        p = torch.softmax(model(s["x"]), -1).gather(1, s["y"][:, None]).squeeze(1)
+    K = Phi.T @ Phi + damping * torch.eye(M.shape[0], dtype=F64)
+    return phi @ torch.linalg.solve(K, Phi.T) * (1 - p)[None, :]
+
+
+def test_trak_one_model():
+    s = setup()
+    P = ga.proj.gaussian(12, seed=3)
+    S = ga.methods.trak(s["task"], s["train"], s["query"], k=12, seed=3)
+    assert_close(values(S), trak_formula(s, P, 1e-6), what="TRAK", rtol=1e-6, atol=1e-8)
+    S2 = ga.methods.trak(s["task"], s["train"], s["query"], projector=P, damping=0.1)
+    assert_close(values(S2), trak_formula(s, P, 0.1), what="TRAK damped", **TOL)
+
+
+def test_trak_ensemble_of_two():
+    a, b = setup(0), setup(1)           # two models (other weights), the same examples
+    assert torch.equal(a["x"], b["x"])
+    P = ga.proj.rademacher(10, seed=8)
+    S = ga.methods.trak([a["task"], b["task"]], a["train"], a["query"], projector=P, damping=0.05)
+    expected = (trak_formula(a, P, 0.05) + trak_formula(b, P, 0.05)) / 2
+    assert_close(values(S), expected, what="TRAK ensemble", **TOL)
+    single = values(ga.methods.trak(a["task"], a["train"], a["query"], projector=P, damping=0.05))
+    assert not torch.allclose(single, torch.from_numpy(S.compute().values))
