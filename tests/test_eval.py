@@ -6,7 +6,6 @@ multinomial logistic regression over digits.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import random
 
 import numpy as np
@@ -20,7 +19,7 @@ from torch import nn
 import gradalg as ga
 from gradalg.errors import GradalgError, ShapeMismatchError
 
-retrain_module = importlib.import_module("gradalg.eval.retrain")   # ga.eval.retrain is the function
+from gradalg.eval import retraining as retrain_module  # noqa: E402
 
 
 # ------------------------------------------------------------------------ correlations

@@ -13,6 +13,7 @@ product needs ``Task(forward=..., loss_from_outputs=...)``, which
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
@@ -126,10 +127,17 @@ def _batch_product(task, batch, V: dict, free_names: list[str], kind: str) -> di
 
     try:
         return vmap(product, randomness="different")(V)
-    except Exception:
+    except Exception as err:  # data-dependent control flow (HF attention masks) defeats vmap
+        if not _warned:
+            _warned.append(True)
+            warnings.warn(f"curvature products fall back to a loop over vectors ({type(err).__name__}: "
+                          f"{str(err)[:120]}); results are the same, only slower", RuntimeWarning, stacklevel=2)
         m = next(iter(V.values())).shape[0]
         rows = [product({k: v[i] for k, v in V.items()}) for i in range(m)]
         return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+_warned: list = []
 
 
 class _Call(nn.Module):

@@ -10,8 +10,8 @@
 ``train_fn(indices) -> model`` and ``targets_fn(model) -> (n_query,)``; ``lds`` and
 ``loo_correlation`` (:mod:`.lds`) compare scores with what they measured.
 """
-from .lds import CorrelationResult, lds, lds_bootstrap, loo_correlation, pearson, spearman
-from .retrain import leave_one_out, retrain, subset_masks, subset_size
+from .correlation import CorrelationResult, lds, lds_bootstrap, loo_correlation, pearson, spearman
+from .retraining import leave_one_out, retrain, subset_masks, subset_size
 
 __all__ = ["retrain", "leave_one_out", "subset_masks", "subset_size", "lds", "lds_bootstrap",
            "loo_correlation", "spearman", "pearson", "CorrelationResult"]

@@ -15,11 +15,12 @@ from .influence import curvature_operator
 
 
 def relatif(task: Task, train, queries, *, layers=None, projector: Projector | None = None,
-            damping: float = 1e-3, curvature: str = "gauss_newton", solver: str = "direct", seed: int = 0) -> Scores:
-    """``P(Q) @ H⁻¹ @ P(G).normalize(metric=H⁻¹).T``."""
+            damping: float = 1e-3, weight_decay: float = 0.0, curvature: str = "gauss_newton",
+            solver: str = "direct", seed: int = 0) -> Scores:
+    """``P(Q) @ H⁻¹ @ P(G).normalize(metric=H⁻¹).T``, H damped by λ + weight decay."""
     G, Q = grads(task, train, layers), grads(task, queries, layers)
     if projector is not None:
         G, Q = projector(G), projector(Q)
     Hinv = curvature_operator(task, train, layers=layers, projector=projector, curvature=curvature,
-                              solver=solver, damping=damping, seed=seed)
+                              solver=solver, damping=damping + weight_decay, seed=seed)
     return Q @ Hinv @ G.normalize(metric=Hinv).T

@@ -22,8 +22,14 @@ from ..task import Task
 
 
 def trak(tasks: Task | Sequence[Task], train, queries, *, layers=None, projector: Projector | None = None,
-         k: int = 512, seed: int = 0, damping: float = 1e-6) -> Scores:
-    """TRAK scores for one task or an ensemble of tasks (same architecture, other weights)."""
+         k: int = 512, seed: int = 0, damping: float = 1e-6, weight_decay: float = 0.0) -> Scores:
+    """TRAK scores for one task or an ensemble of tasks (same architecture, other weights).
+
+    weight_decay : the L2 coefficient of the (mean-loss) training objective; it adds
+        n·wd to the kernel's damping, the curvature weight decay gives the summed
+        objective. Measured on digits (docs/fidelity.md), leaving it out of a weight-
+        decayed model's kernel cost TRAK most of its LDS.
+    """
     tasks = [tasks] if isinstance(tasks, Task) else list(tasks)
     P = projector or gaussian(k, seed)
     per_model = []
@@ -34,7 +40,7 @@ def trak(tasks: Task | Sequence[Task], train, queries, *, layers=None, projector
         Phi = P(grads(task, train, layers, objective="output"))
         phi = P(grads(task, queries, layers, objective="output"))
         n = Phi.n
-        kernel = (fisher(Phi) * n).damp(damping).inv()       # (ΦᵀΦ + λI)⁻¹
+        kernel = (fisher(Phi) * n).damp(damping + n * weight_decay).inv()   # (ΦᵀΦ + λI)⁻¹
         weights = row_weights(task.output_weight, "1 - p")
         per_model.append(phi @ kernel @ (Phi * weights).T)
     return mean_scores(per_model)

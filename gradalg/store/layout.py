@@ -183,6 +183,13 @@ def check_complete(path, kind: str, write_call: str) -> xr.Dataset:
     if attrs is None:
         if not Path(path).exists():
             raise FileNotFoundError(f"no store at {path}")
+        try:
+            other = open_dataset(path).attrs.get("gradalg_store")
+        except Exception:  # noqa: BLE001 - not a Zarr group
+            other = None
+        if other == "operator":
+            raise StoreMismatchError([f"{path} is an operator store, not a {kind} store"],
+                                     "open it with ga.store.open_operator")
         raise StoreIncompleteError(f"{path} is not a finished gradalg store (its template is missing or "
                                    f"was cut short): write it again with {write_call}")
     if attrs.get("gradalg_store") != kind:
