@@ -65,7 +65,7 @@ def kernel_spec_dir(root: Path) -> Path:
         "display_name": f"Python ({Path(sys.executable).parent.parent.name})",
         "language": "python",
         # the debugger's frozen-modules warning is noise in a headless run
-        "env": {"PYDEVD_DISABLE_FILE_VALIDATION": "1"},
+        "env": {"PYDEVD_DISABLE_FILE_VALIDATION": "1", "GRADALG_PROGRESS": "0"},  # no bars in saved outputs
     }))
     return spec
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from dataclasses import dataclass, fields, replace
+import os
+from dataclasses import dataclass, field, fields, replace
 
 __all__ = ["Options", "options", "get_options"]
 
@@ -49,7 +50,8 @@ class Options:
     progress : bool
         Progress bars on passes over data: a notebook widget in Jupyter, a text bar on a
         terminal (none when output is not a terminal), Dask's progress for distributed
-        runs. ``False`` silences them.
+        runs. ``False`` silences them; so does the environment variable
+        ``GRADALG_PROGRESS=0`` (set by the headless notebook runner).
     """
 
     batch_size: int = 32
@@ -57,7 +59,7 @@ class Options:
     ghost: str = "auto"
     check_finite: bool = True
     check_reduction: bool = True
-    progress: bool = True
+    progress: bool = field(default_factory=lambda: os.environ.get("GRADALG_PROGRESS", "1") != "0")
 
     def __post_init__(self):
         if not isinstance(self.batch_size, int) or self.batch_size < 1:

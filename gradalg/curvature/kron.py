@@ -106,7 +106,7 @@ class KronOp:
     def inverse(self, what: str = "the Kronecker operator") -> "KronOp":
         out = {}
         for k, v in self.eigenvalues.items():
-            if (v <= v.abs().max().clamp_min(1e-300) * 1e-12).any():
+            if (v <= v.abs().max().clamp_min(1e-300) * 1e-15).any():
                 raise GradalgError(
                     f"cannot invert {what} (block {k!r}): eigenvalue {float(v.min()):.3g} is not "
                     "positive. Add damping first: op.damp(λ)."

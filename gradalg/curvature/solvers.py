@@ -26,7 +26,7 @@ MatVec = Callable[[torch.Tensor], torch.Tensor]
 def conjugate_gradient(matvec: MatVec, X: torch.Tensor, damping: float = 0.0, *, max_iter: int | None = None,
                        rtol: float = 1e-10) -> torch.Tensor:
     """Solve (H + λI) Y = X row-wise by conjugate gradients.   X: (m, dim) → Y: (m, dim)."""
-    max_iter = max_iter or X.shape[1]
+    max_iter = max_iter or min(2 * X.shape[1] + 10, 1000)   # rounding: exact arithmetic needs dim
 
     def A(V):
         return matvec(V) + damping * V

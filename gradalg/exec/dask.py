@@ -80,7 +80,7 @@ class DaskExecutor(LocalExecutor):
         self._own = client is None
         if client is None:
             cluster = LocalCluster(n_workers=n_workers, threads_per_worker=threads_per_worker, processes=True,
-                                   dashboard_address=None)
+                                   dashboard_address=":0")
             client = Client(cluster)
         self.client = client
         self.client.run(_set_threads, threads_per_worker)

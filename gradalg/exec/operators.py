@@ -27,7 +27,7 @@ def _sym_fn(matrix: torch.Tensor, fn, what: str) -> torch.Tensor:
 
 def _inv_values(values: torch.Tensor, what: str) -> torch.Tensor:
     scale = values.abs().max().clamp_min(1e-300)
-    if (values <= scale * 1e-12).any():
+    if (values <= scale * 1e-15).any():
         raise GradalgError(
             f"cannot invert {what}: it is singular or not positive definite (smallest "
             f"eigenvalue {float(values.min()):.3g}). Add damping first: op.damp(λ) with λ around "
