@@ -196,3 +196,21 @@ def summary(node, fingerprints: dict | None = None) -> dict:
                 for value in inner.get(key, []):
                     add(key, value)
     return out
+
+
+def store_attrs(kind: str, node) -> dict:
+    """The attributes every store records about what it holds: kind, versions, projector,
+    layers, objective, backend, model fingerprint and the expression (label and digest)."""
+    from .. import __version__
+    from .layout import FORMAT_VERSION
+
+    fingerprints: dict = {}
+    info = summary(node, fingerprints)
+    return {
+        "gradalg_store": kind,
+        "format_version": FORMAT_VERSION,
+        "gradalg_version": __version__,
+        **{k: info[k] for k in ("projector", "layers", "objective", "backend", "model_fingerprint")},
+        "expression": node.label,
+        "expression_digest": digest(describe(node, fingerprints)),
+    }

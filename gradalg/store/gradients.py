@@ -24,7 +24,7 @@ from ..exec.chunks import Chunk
 from ..expr import Block, ParamSpace
 from ..expr.stored import Stored
 from . import layout
-from .describe import describe, digest, summary
+from .describe import digest, store_attrs
 from .rows import check_shippable, executor_for, flat_rows, freeze_ops, restrictable, rows_of
 
 __all__ = ["write", "open_gradients", "dataset", "GradientStore"]
@@ -36,10 +36,6 @@ RESUME_KEYS = ("projector", "layers", "objective", "backend", "model_fingerprint
 # what must agree for open(path, like=G)
 LIKE_KEYS = ("projector", "layers", "objective", "backend", "model_fingerprint", "blocks", "expression_digest")
 
-
-def _version() -> str:
-    from .. import __version__
-    return __version__
 
 
 def _variables(space: ParamSpace) -> dict[str, str]:
@@ -55,25 +51,10 @@ def _variables(space: ParamSpace) -> dict[str, str]:
 def describe_gradients(G, chunk_rows: int | None = None) -> dict:
     """The attributes a store of ``G`` records (without the dtype, known from the rows)."""
     node = G.expr
-    fingerprints: dict = {}
-    info = summary(node, fingerprints)
     blocks = [{"name": b.name, "shape": list(b.shape), "kind": b.kind, "basis": b.basis,
                "variable": var, "representation": node.representation[b.name]}
               for b, var in zip(node.space.blocks, _variables(node.space).values())]
-    attrs = {
-        "gradalg_store": KIND,
-        "format_version": layout.FORMAT_VERSION,
-        "gradalg_version": _version(),
-        "projector": info["projector"],
-        "layers": info["layers"],
-        "objective": info["objective"],
-        "backend": info["backend"],
-        "model_fingerprint": info["model_fingerprint"],
-        "blocks": blocks,
-        "n": node.n,
-        "expression": node.label,
-        "expression_digest": digest(describe(node, fingerprints)),
-    }
+    attrs = dict(store_attrs(KIND, node), blocks=blocks, n=node.n)
     if chunk_rows is not None:
         attrs["chunk_rows"] = int(chunk_rows)
     return attrs

@@ -29,7 +29,7 @@ from ..exec.operators import ResolvedOp
 from ..expr import Block, ParamSpace
 from ..expr.stored import StoredOp
 from . import layout
-from .describe import describe, digest, summary
+from .describe import digest, store_attrs
 from .gradients import _variables
 from .rows import executor_for
 
@@ -73,27 +73,9 @@ def _variables_of(resolved, space: ParamSpace) -> tuple[str, dict]:
 
 
 def _describe(H) -> dict:
-    fingerprints: dict = {}
-    info = summary(H.expr, fingerprints)
-    return {
-        "gradalg_store": KIND,
-        "format_version": layout.FORMAT_VERSION,
-        "gradalg_version": _version(),
-        "projector": info["projector"],
-        "layers": info["layers"],
-        "objective": info["objective"],
-        "backend": info["backend"],
-        "model_fingerprint": info["model_fingerprint"],
-        "blocks": [{"name": b.name, "shape": list(b.shape), "kind": b.kind, "basis": b.basis}
-                   for b in H.space.blocks],
-        "expression": H.expr.label,
-        "expression_digest": digest(describe(H.expr, fingerprints)),
-    }
+    blocks = [{"name": b.name, "shape": list(b.shape), "kind": b.kind, "basis": b.basis} for b in H.space.blocks]
+    return dict(store_attrs(KIND, H.expr), blocks=blocks)
 
-
-def _version() -> str:
-    from .. import __version__
-    return __version__
 
 
 def _read_attrs(path) -> dict | None:

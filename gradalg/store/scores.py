@@ -18,7 +18,7 @@ import xarray as xr
 from ..expr import Identity, Inner, ScoreSum
 from ..expr.stored import Stored, StoredOp
 from . import layout
-from .describe import describe, digest, summary
+from .describe import store_attrs
 from .rows import (MemoryRows, ResolvedStore, check_shippable, executor_for, freeze_ops, restrict_rows,
                    restrictable)
 
@@ -28,10 +28,6 @@ KIND = "scores"
 RESUME_KEYS = ("projector", "layers", "objective", "model_fingerprint", "n_query", "n_train", "chunk_rows",
                "expression_digest")
 
-
-def _version() -> str:
-    from .. import __version__
-    return __version__
 
 
 def _terms(node):
@@ -47,24 +43,8 @@ def _terms(node):
 
 
 def _describe(S, chunk_rows: int) -> dict:
-    fingerprints: dict = {}
-    info = summary(S.expr, fingerprints)
     n_q, n_t = S.expr.shape
-    return {
-        "gradalg_store": KIND,
-        "format_version": layout.FORMAT_VERSION,
-        "gradalg_version": _version(),
-        "projector": info["projector"],
-        "layers": info["layers"],
-        "objective": info["objective"],
-        "backend": info["backend"],
-        "model_fingerprint": info["model_fingerprint"],
-        "n_query": n_q,
-        "n_train": n_t,
-        "chunk_rows": int(chunk_rows),
-        "expression": S.expr.label,
-        "expression_digest": digest(describe(S.expr, fingerprints)),
-    }
+    return dict(store_attrs(KIND, S.expr), n_query=n_q, n_train=n_t, chunk_rows=int(chunk_rows))
 
 
 def _prepared(ex, node):
