@@ -87,8 +87,9 @@ class _Displayed:
 
             from .options import get_options
             from .plan.devices import profile
-            budget = memory_budget if memory_budget is not None else 0.4 * profile(device).memory
-            options = _replace(get_options(), memory_budget=int(budget))
+            # a string ("4GB") is parsed by Options, like ga.options(memory_budget=...)
+            budget = memory_budget if memory_budget is not None else int(0.4 * profile(device).memory)
+            options = _replace(get_options(), memory_budget=budget)
         if analyze:
             from .exec.local import LocalExecutor
             ex = executor or LocalExecutor(rewrites=rewrites)

@@ -114,6 +114,10 @@ class Explain:
             "scale": scale_estimates(self.plan, self.gpus, self.device) if self.device else [],
         }
 
+    def _cost_line(self) -> str:
+        """The trees' header: this plan's estimate (its options and device), not a re-plan."""
+        return "estimated cost: " + self.plan.total.describe()
+
     # ---- text -------------------------------------------------------------------
     def __str__(self) -> str:
         p = self.plan
@@ -122,13 +126,13 @@ class Explain:
                  f"peak ~{_si(p.peak_bytes)}B"]
         want = self.stage
         if want in (None, "logical"):
-            lines += ["", "1. logical", text_tree(p.logical, "expression")]
+            lines += ["", "1. logical", text_tree(p.logical, "expression", self._cost_line())]
         if want in (None, "simplified"):
             fired = ", ".join(f"{f.rule}" for f in p.fired) or "none"
             lines += ["", f"2. simplified (rules fired: {fired})"]
             lines += [f"   - {f.rule}: {f.before} → {f.after}  ({f.why})" for f in p.fired]
             if p.fired:
-                lines.append(text_tree(p.simplified, "simplified"))
+                lines.append(text_tree(p.simplified, "simplified", self._cost_line()))
         if want in (None, "costed"):
             lines += ["", "3. costed decisions"]
             for d in p.decisions:
@@ -173,11 +177,11 @@ class Explain:
                 f"budget {_si(p.options.memory_budget)}B, {p.data_passes} pass(es) over data, est. "
                 f"{_fmt_seconds(p.seconds)}, peak ~{_si(p.peak_bytes)}B</span></div>")
         parts = [f"<style>{_css()}</style><div class='ga-expr'>", head]
-        parts.append(f"<details><summary>1. logical</summary>{html_tree(p.logical, 'expression')}</details>")
+        parts.append(f"<details><summary>1. logical</summary>{html_tree(p.logical, 'expression', self._cost_line())}</details>")
         fired = "".join(f"<li><b>{esc(f.rule)}</b>: {esc(f.before)} → {esc(f.after)} <i>{esc(f.why)}</i></li>"
                         for f in p.fired) or "<li>no rule fired</li>"
         parts.append(f"<details><summary>2. simplified ({len(p.fired)} rewrites)</summary><ul>{fired}</ul>"
-                     f"{html_tree(p.simplified, 'simplified') if p.fired else ''}</details>")
+                     f"{html_tree(p.simplified, 'simplified', self._cost_line()) if p.fired else ''}</details>")
         rows = "".join(
             f"<tr><td>{esc(d.what)}</td><td><b>{esc(d.chosen)}</b></td><td>"
             + "<br>".join(f"{esc(k)}: {esc(_fmt_alt(v))}" for k, v in d.alternatives.items())

@@ -39,7 +39,8 @@ from ..expr import (KFAC, AdamPrecondition, Arnoldi, Captured, Damp, DataInf, Fi
                     Precondition, Project, ScaledOp, ScaleRows, ScoreDiagonal, ScoreNode, ScoreSum, Select,
                     Source, SumOp)
 from ..options import Options, get_options
-from .cost import Cost, activation_bytes, eigh_cost, fisher_cost, model_flops, tokens_hint
+from .cost import (Cost, activation_bytes, dense_project_cost, eigh_cost, fisher_cost, kron_project_cost,
+                   model_flops, tokens_hint)
 from .devices import DeviceProfile, profile
 from .rules import Firing, PlanError, simplify_until_fixpoint
 
@@ -402,16 +403,30 @@ class _Planner:
             return Cost(flops=2.0 * n_stream * job.streams[0].space.dim)
         return Cost(flops=2.0 * n_stream * (node.space.dim if node is not None else 0))
 
+    def _projection_cost(self, jobs: list[Job], n: int) -> Cost:
+        """Projections computed in the pass, each distinct one once per example."""
+        seen, cost = set(), Cost()
+        for job in jobs:
+            for s in job.streams:
+                x = s
+                while isinstance(x, ROW_WISE):
+                    if isinstance(x, Project) and x.token not in seen:
+                        seen.add(x.token)
+                        cost = cost + _project_cost(x, n, tokens_hint(x))
+                    x = x.grads
+        return cost
+
     def _per_example_bytes(self, p_jobs: list[Job], sources: list[Source]) -> float:
         total = 0.0
+        elem = torch.empty((), dtype=self.dtype).element_size()   # activations and factors: the model's dtype
         for src in sources:
             T = tokens_hint(src)
             for b in src.space.blocks:
                 if len(b.shape) == 2:
-                    total += T * (b.shape[0] + b.shape[1]) * 4 * 2   # factors + autograd's copy
+                    total += T * (b.shape[0] + b.shape[1]) * elem * 2   # factors + autograd's copy
                 else:
-                    total += b.dim * 4
-            total += activation_bytes(src.task.model, T)
+                    total += b.dim * elem
+            total += activation_bytes(src.task.model, T, elem)
         for job in p_jobs:
             if job.kind == "scores":
                 for b in job.held.space.blocks:
@@ -519,6 +534,8 @@ class _Planner:
             n = p.jobs[0].streams[0].n
         for job in p.jobs:
             cost = cost + self._job_cost(job, n)
+        if p.reads_data:
+            cost = cost + self._projection_cost(p.jobs, n)
         # one read of the data, however many sources are captured from each batch
         cost = Cost(cost.flops, cost.bytes, fixed + per_ex * (p.batch_size or 1), 1.0 if p.reads_data else 0.0)
         p.cost = cost
@@ -539,6 +556,23 @@ def _positions_known(node: GradNode) -> bool:
     except Exception:  # noqa: BLE001 - a shape hint must never fail planning: route at run time
         return False
     return first.dim() == 2
+
+
+def _project_cost(node: Project, n: int, T: int) -> Cost:
+    """FLOPs of ``node``'s projection for n examples (formulas in docs/projections.md)."""
+    p = node.projector
+    rep = node.grads.representation
+    cost = Cost()
+    for b in node.grads.space.blocks:
+        factored = rep[b.name] == "factored" and len(b.shape) == 2
+        if p.kind == "kron" and factored:
+            k_out, k_in = p.kron_shape(*b.shape)
+            cost = cost + kron_project_cost(n, T, b.shape[1], b.shape[0], k_in, k_out)
+        elif p.kind in ("gaussian", "rademacher"):
+            cost = cost + dense_project_cost(n, T, b.dim, p.k, factored)
+        else:   # sparse kinds: scatter-adds over the (masked) coordinates or factors
+            cost = cost + Cost(flops=2.0 * n * (T * sum(b.shape) if factored else b.dim))
+    return cost
 
 
 def _num_outputs(src: Source) -> int:

@@ -5,12 +5,13 @@ from ..expr import Node
 from .describe import cost_line, facts, title
 
 
-def text_tree(node: Node, kind: str) -> str:
+def text_tree(node: Node, kind: str, cost: str | None = None) -> str:
     """``kind`` header with the cost estimate, then one line per node with its facts.
 
     A sub-expression that appears twice is shown once and then referred to as ``↑ <token>``.
+    ``cost`` replaces the header's estimate (default: planned with the options in force).
     """
-    lines = [f"<{kind}> {cost_line(node)}"]
+    lines = [f"<{kind}> {cost if cost is not None else cost_line(node)}"]
     seen: set[str] = set()
 
     def visit(n: Node, prefix: str, last: bool, top: bool):
