@@ -38,6 +38,8 @@ def _set_threads(n: int):
 def _run_shard(payload, start: int, stop: int):
     """On a worker: run one pass over examples start:stop; return the jobs' partial states."""
     step, sinks, state, options, data_token = payload
+    if state.get("threads"):
+        torch.set_num_threads(state["threads"])   # per task: OpenMP settings are per thread
     ex = LocalExecutor(options)
     ex._ops, ex._kron, ex._cache = dict(state["ops"]), dict(state["kron"]), dict(state["cache"])
     ex._checked_tasks = set(state["checked"])   # the loss reduction was checked on the client
@@ -83,6 +85,7 @@ class DaskExecutor(LocalExecutor):
                                    dashboard_address=":0")
             client = Client(cluster)
         self.client = client
+        self.threads_per_worker = threads_per_worker
         self.client.run(_set_threads, threads_per_worker)
         self.shards_per_worker = shards_per_worker
         self.retries = retries
@@ -186,7 +189,8 @@ class DaskExecutor(LocalExecutor):
                             ops[sub.token] = self._ops[sub.token]
             if job.kind == "ekfac":
                 kron[job.target.token] = self._kron[job.target.token]
-        return {"ops": ops, "cache": cache, "kron": kron, "checked": set(self._checked_tasks)}
+        return {"ops": ops, "cache": cache, "kron": kron, "checked": set(self._checked_tasks),
+                "threads": self.threads_per_worker}
 
     def _check_reduction_here(self, sources, data) -> None:
         """Check each task's loss reduction once, on the client, instead of once per shard."""
