@@ -193,3 +193,23 @@ def test_trak_ensemble_of_two():
     assert_close(values(S), expected, what="TRAK ensemble", **TOL)
     single = values(ga.methods.trak(a["task"], a["train"], a["query"], projector=P, damping=0.05))
     assert not torch.allclose(single, torch.from_numpy(S.compute().values))
+
+
+def test_ekfac_of_kron_projected_sequences_stored_flat():
+    """LoGra on sequences: the projected training rows (T·(k_out + k_in) > k_out·k_in) are
+    kept flat for the passes after the K-FAC statistics, and the eigenvalue correction
+    runs on those flat rows; it must equal EK-FAC on the streamed factors."""
+    model = models.gpt2(n_layer=1, n_embd=16, vocab=31)
+    task = models.lm_task(model)
+    ids = torch.randint(1, 31, (10, 12), generator=torch.Generator().manual_seed(0))
+    train, queries = (ids, torch.ones_like(ids)), (ids[:3], torch.ones_like(ids[:3]))
+    layers = ["transformer.h.0.mlp.c_fc", "transformer.h.0.attn.c_proj"]
+    P = ga.proj.kron(16, seed=0)                                   # 4 × 4 per layer, T = 12
+    G, Q = P(ga.grads(task, train, layers)), P(ga.grads(task, queries, layers))
+    H = ga.ekfac(G).damp(1e-3)
+    ex = ga.LocalExecutor()
+    S = torch.from_numpy((Q @ H.inv() @ G.T).compute(ex).values)
+    assert any(not p.reads_data for p in ex.last_plan.passes)     # the rows were kept, not re-read
+    Hd = H.to_dense()                                              # pull path: the streamed factors
+    Gd, Qd = (torch.cat([v.flatten(1) for v in X.to_dense().values()], 1) for X in (G, Q))
+    assert_close(S, Qd @ torch.linalg.solve(Hd, Gd.T), what="EK-FAC on flat kept rows", **TOL)

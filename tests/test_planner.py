@@ -13,7 +13,6 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 import gradalg as ga
@@ -21,7 +20,7 @@ from gradalg.exec import accumulators
 from gradalg.expr import Damp, Identity, Inner, Normalize, Project, ScoreSum, SumOp
 from gradalg.plan import cost as C
 from gradalg.plan import devices, rules
-from gradalg.plan.explain import Explain, scale_estimates
+from gradalg.plan.explain import Explain
 from gradalg.plan.planner import PlanError, plan
 from gradalg.plan.rules import simplify_until_fixpoint
 from gradalg.testing import assert_close
@@ -493,6 +492,8 @@ def test_differential_mlp(case):
     assert off.last_plan.fired == []
     if case in ("influence", "influence_kron", "trak"):
         assert on.last_plan.fired, "the rewrites should change this plan"
+    if case == "influence_kron":   # projected before materializing: the factors were projected
+        assert on.trace["kron_factored"] > 0
 
 
 @pytest.mark.parametrize("case", ["grad_dot", "influence_kron"])
@@ -511,6 +512,23 @@ def test_differential_gpt2(case):
     opt, raw, _, _ = three_ways(fn)
     assert_close(opt, ref, what=f"gpt2 {case} optimized", **TOL)
     assert_close(raw, ref, what=f"gpt2 {case} rewrites off", **TOL)
+
+
+def test_dense_kernel_on_large_blocks_matches_reference():
+    """Blocks over 1 MiB per chunk are materialized into one reused buffer: blocks of two
+    sizes, a last chunk shorter than the others, both must still give the exact scores."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.Tanh(), torch.nn.Linear(256, 64)).double()
+    task = ga.tasks.classification(model)
+    x, y = models.classification_data(20, d_in=128, classes=64, seed=3)
+    xq, yq = models.classification_data(3, d_in=128, classes=64, seed=4)
+    S = ga.grads(task, (xq, yq)) @ ga.grads(task, (x, y)).T
+    with ga.options(ghost="never", batch_size=8):
+        ex = ga.LocalExecutor()
+        got = values(S.compute(ex))
+    assert ex.trace["dense"] == 2 * 3 and ex.trace["ghost"] == 0          # 2 blocks × 3 chunks
+    ref = reference_rows(task, (xq, yq), MLP_LAYERS) @ reference_rows(task, (x, y), MLP_LAYERS).T
+    assert_close(got, ref, what="large dense blocks", **TOL)
 
 
 # ====================================================================== memory budget

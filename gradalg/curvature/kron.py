@@ -27,7 +27,7 @@ import torch
 from ..capture.factors import Factors, OneHot
 from ..errors import GradalgError, MemoryBudgetError
 
-__all__ = ["KronStats", "KronOp", "kron_eigenbasis", "rotate_factors"]
+__all__ = ["KronStats", "KronOp", "kron_eigenbasis", "rotate_factors", "rotate_rows", "work_dtype", "gram"]
 
 
 def _dense_acts(A, dtype, max_vocab: int = 8192) -> torch.Tensor:
@@ -51,9 +51,10 @@ class KronStats:
     examples: int = 0
 
     def update(self, F: Factors) -> None:
-        A = _dense_acts(F.A, torch.float64).flatten(0, 1)   # (n T, in)
-        D = F.D.to(torch.float64).flatten(0, 1)             # (n T, out)
-        a, s = A.T @ A, D.T @ D
+        dtype = work_dtype(F.D)  # a chunk's products in the rows' precision, the running sums in float64
+        A = _dense_acts(F.A, dtype).flatten(0, 1)   # (n T, in)
+        D = F.D.to(dtype).flatten(0, 1)             # (n T, out)
+        a, s = gram(A).to(torch.float64), gram(D).to(torch.float64)
         self.A = a if self.A is None else self.A + a
         self.S = s if self.S is None else self.S + s
         self.tokens += int((A != 0).any(dim=1).sum())
@@ -66,6 +67,22 @@ class KronStats:
         return self.S / self.examples, self.A / max(self.tokens, 1)
 
 
+def gram(X: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """``Xᵀ X`` for X (m, d), computing only the blocks on and above the diagonal and
+    mirroring them (about half the FLOPs of one GEMM for wide X, and exactly
+    symmetric).   Returns (d, d)."""
+    d = X.shape[1]
+    if d <= block:
+        return X.T @ X
+    out = X.new_empty(d, d)
+    for start in range(0, d, block):
+        stop = min(start + block, d)
+        rows = X[:, start:stop].T @ X[:, start:]           # (stop - start, d - start)
+        out[start:stop, start:] = rows
+        out[start:, start:stop] = rows.T
+    return out
+
+
 def kron_eigenbasis(S: torch.Tensor, A: torch.Tensor):
     """``(Q_S, λ_S, Q_A, λ_A)`` of symmetric S (out, out) and A (in, in), in float64."""
     lam_S, Q_S = torch.linalg.eigh((S + S.T) / 2)
@@ -73,11 +90,25 @@ def kron_eigenbasis(S: torch.Tensor, A: torch.Tensor):
     return Q_S, lam_S.clamp_min(0), Q_A, lam_A.clamp_min(0)
 
 
+def work_dtype(x: torch.Tensor) -> torch.dtype:
+    """The precision of per-chunk products for rows ``x``: theirs (float32 or float64),
+    float32 for half-precision rows. Running sums stay in float64."""
+    return x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+
+
 def rotate_factors(F: Factors, Q_S: torch.Tensor, Q_A: torch.Tensor) -> torch.Tensor:
-    """``Q_Sᵀ G_i Q_A`` for each example, from factors: ``(D_i Q_S)ᵀ (A_i Q_A)``. (n, out, in)"""
-    A = _dense_acts(F.A, Q_A.dtype) @ Q_A
-    D = F.D.to(Q_S.dtype) @ Q_S
+    """``Q_Sᵀ G_i Q_A`` for each example, from factors: ``(D_i Q_S)ᵀ (A_i Q_A)``, in the
+    factors' precision.   (n, out, in)"""
+    dtype = work_dtype(F.D)
+    A = _dense_acts(F.A, dtype) @ Q_A.to(dtype)
+    D = F.D.to(dtype) @ Q_S.to(dtype)
     return torch.einsum("nto,nti->noi", D, A)
+
+
+def rotate_rows(G: torch.Tensor, Q_S: torch.Tensor, Q_A: torch.Tensor) -> torch.Tensor:
+    """``Q_Sᵀ G_i Q_A`` for materialized rows ``G`` (n, out, in), in their precision.   (n, out, in)"""
+    dtype = work_dtype(G)
+    return Q_S.T.to(dtype) @ G.to(dtype) @ Q_A.to(dtype)
 
 
 @dataclass
@@ -122,10 +153,11 @@ class KronOp:
     def apply(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows (n, dim) ↦ (H x_i)_i.   Returns (n, dim)."""
         out = torch.empty_like(rows)
+        dtype = work_dtype(rows)  # float32 rows are rotated in float32 (orthogonal maps: no growth)
         for name, s in self.space.offsets().items():
-            Q_S, Q_A = self.bases[name]
-            lam = self.eigenvalues[name]
-            G = rows[:, s].reshape(rows.shape[0], Q_S.shape[0], Q_A.shape[0]).to(Q_S.dtype)
+            Q_S, Q_A = (Q.to(dtype) for Q in self.bases[name])
+            lam = self.eigenvalues[name].to(dtype)
+            G = rows[:, s].reshape(rows.shape[0], Q_S.shape[0], Q_A.shape[0]).to(dtype)
             rotated = Q_S.T @ G @ Q_A
             out[:, s] = (Q_S @ (rotated * lam) @ Q_A.T).flatten(1).to(rows.dtype)
         return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..capture.factors import Factors, ghost_inner
-from ..curvature.kron import KronOp, KronStats, kron_eigenbasis, rotate_factors
+from ..curvature.kron import KronOp, KronStats, kron_eigenbasis, rotate_factors, rotate_rows
 from ..errors import GradalgError, MemoryBudgetError
 from ..expr import KFAC, Fisher, GroupMean
 from ..plan.routing import choose_kernel
@@ -139,8 +139,14 @@ class EKFACAccumulator:
     def update(self, chunk: Chunk) -> None:
         for name in self.node.space.names:
             Q_S, Q_A = self.kfac.bases[name]
-            value = _factors(self.node, name, chunk.blocks[name])
-            self.sums[name] += (rotate_factors(value, Q_S, Q_A) ** 2).sum(0)
+            value = chunk.blocks[name]
+            if isinstance(value, torch.Tensor) and value.dim() == 2:
+                # rows kept flat (a Kronecker-projected block over long sequences is
+                # smaller than its factors): rotate the (out, in) gradients themselves
+                rotated = rotate_rows(value.reshape(value.shape[0], Q_S.shape[0], Q_A.shape[0]), Q_S, Q_A)
+            else:
+                rotated = rotate_factors(_factors(self.node, name, value), Q_S, Q_A)
+            self.sums[name] += (rotated ** 2).sum(0)
 
     def export(self) -> dict:
         return self.sums
@@ -233,6 +239,7 @@ class ScoreAccumulator:
         self.ghost_mode, self.trace = ghost_mode, trace
         self.columns: list[torch.Tensor] = []
         self._materialized: dict[str, torch.Tensor] = {}
+        self._buffer: torch.Tensor | None = None
 
     def update(self, chunk: Chunk) -> None:
         total = None
@@ -255,7 +262,28 @@ class ScoreAccumulator:
             lflat = self._materialized[name]
         else:
             lflat = lval
-        return lflat @ flat_block(rval).to(lflat.dtype).T
+        return lflat @ self._streamed_rows(rval).to(lflat.dtype).T
+
+    def _streamed_rows(self, value) -> torch.Tensor:
+        """A streamed block as (n, dim) rows, valid until the next call.
+
+        Large factored blocks are materialized into one buffer reused across blocks and
+        chunks: a fresh tensor of tens of MB per block and chunk (above the allocator's
+        mmap threshold) costs about as much in page faults as the batched GEMM that fills
+        it. Small ones (under 1 MiB, recycled by the allocator) take the ordinary path.
+        """
+        if not isinstance(value, Factors) or not isinstance(value.A, torch.Tensor) or value.A.dtype != value.D.dtype:
+            return flat_block(value)
+        D, A = value.D, value.A
+        n, size = D.shape[0], D.shape[0] * D.shape[2] * A.shape[2]
+        if size * D.element_size() < 2**20:
+            return flat_block(value)
+        buf = self._buffer
+        if buf is None or buf.numel() < size or buf.dtype != D.dtype or buf.device != D.device:
+            buf = self._buffer = torch.empty(size, dtype=D.dtype, device=D.device)
+        out = buf[:size].view(n, D.shape[2], A.shape[2])
+        torch.bmm(D.transpose(1, 2), A, out=out)            # G_i = D_iᵀ A_i    (n, out, in)
+        return out.view(n, -1)
 
     def export(self) -> torch.Tensor:
         return torch.cat(self.columns, dim=1) if self.columns else None

@@ -61,6 +61,19 @@ def apply_rowwise(executor, node, chunk: Chunk) -> Chunk:
     raise TypeError(f"{type(node).__name__} is not a row-wise node")
 
 
+def _check_dense_matrix(p, dim: int, budget: int) -> None:
+    """A dense projection keeps a (k, dim) float64 matrix on the CPU (``proj.matrices``):
+    refuse one over the memory budget (k = 512 on a 3 M-coordinate GPT-2 would be 13 GB)."""
+    need = p.k * dim * 8
+    if need > budget:
+        from ..errors import MemoryBudgetError
+        raise MemoryBudgetError(
+            f"a dense {p.kind} projection of {dim:,} coordinates to k={p.k} keeps a {need / 2**30:.1f} GiB "
+            f"matrix, over the memory budget of {budget / 2**30:.1f} GiB: use a projection without a dense "
+            f"matrix (ga.proj.sparse({p.k}), ga.proj.grass(k), ga.proj.kron(k)), fewer layers, or raise "
+            "ga.options(memory_budget=...)")
+
+
 def _row_weights(weights, chunk: Chunk) -> torch.Tensor:
     if not isinstance(weights, RowWeights):
         return torch.full((chunk.n,), float(weights), dtype=torch.float64)
@@ -78,6 +91,8 @@ def _row_weights(weights, chunk: Chunk) -> torch.Tensor:
 def _project(executor, node: Project, chunk: Chunk) -> dict:
     p = node.projector
     src_space = node.grads.space
+    if p.kind in ("gaussian", "rademacher"):
+        _check_dense_matrix(p, src_space.dim, executor.options.memory_budget)
     out = {}
     combined = None
     for block in src_space.blocks:

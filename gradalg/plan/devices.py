@@ -2,10 +2,12 @@
 
 ``DeviceProfile`` gives sustained matmul throughput (FLOP/s, by dtype), memory
 bandwidth (bytes/s) and memory capacity. ``local_profile()`` measures this machine's
-CPU (a square float32 matmul and a large copy, a fraction of a second) the first time
-and caches the numbers in ``~/.cache/gradalg/devices.json`` (override the folder with
-``GRADALG_CACHE``); GPU profiles for planning runs you have not started yet come from
-``PRESETS`` (vendor peak numbers times a sustained-efficiency factor, stated there).
+CPU the first time (a square float32 matmul and a 64 MiB copy; the fastest of a fraction
+of a second of repetitions, so that other processes competing for the cores are not
+cached as this machine's speed) and caches the numbers in
+``~/.cache/gradalg/devices.json`` (override the folder with ``GRADALG_CACHE``); GPU
+profiles for planning runs you have not started yet come from ``PRESETS`` (vendor peak
+numbers times a sustained-efficiency factor, stated there).
 """
 from __future__ import annotations
 
@@ -60,23 +62,27 @@ def _key() -> str:
     return f"{platform.node()}|{platform.machine()}|torch{torch.__version__}|threads{torch.get_num_threads()}"
 
 
+def _fastest(fn, seconds: float) -> float:
+    """The shortest time of one call of ``fn`` over ``seconds`` of repetitions."""
+    best, start = float("inf"), time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 def _measure_cpu() -> DeviceProfile:
     n = 512
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b
-    reps, start = 0, time.perf_counter()
-    while time.perf_counter() - start < 0.15:
-        a @ b
-        reps += 1
-    flops = 2 * n ** 3 * reps / (time.perf_counter() - start)
-    x = torch.empty(16 * 2**20 // 4)
+    # the fastest repetition, not the mean: other processes competing for the cores while
+    # this runs once would otherwise be cached as this machine's speed
+    flops = 2 * n ** 3 / _fastest(lambda: a @ b, 0.15)
+    x = torch.empty(64 * 2**20 // 4)       # larger than a CPU's last-level cache: memory, not cache
     y = torch.empty_like(x)
     y.copy_(x)
-    reps, start = 0, time.perf_counter()
-    while time.perf_counter() - start < 0.1:
-        y.copy_(x)
-        reps += 1
-    bw = 2 * x.numel() * 4 * reps / (time.perf_counter() - start)
+    bw = 2 * x.numel() * 4 / _fastest(lambda: y.copy_(x), 0.1)
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.8
     except (ValueError, OSError, AttributeError):
