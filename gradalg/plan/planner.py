@@ -490,13 +490,19 @@ class _Planner:
                 src = stream_root(node)
                 recompute = self._capture_cost(src).seconds(self.device, self.dtype) if isinstance(src, Source) else 0.0
                 fits = size <= self.options.memory_budget / 4
-                choice = "store" if fits else "recompute"
+                keep = 2.0 * size / self.device.bandwidth     # write the rows once, read them once
+                choice = "store" if fits and keep <= recompute else "recompute"
+                if not fits:
+                    why = "would exceed a quarter of the memory budget"
+                elif choice == "store":
+                    why = "fits in a quarter of the memory budget and costs less than reading the data again"
+                else:
+                    why = "fits, but moving the rows costs more than recapturing them"
                 self.decisions.append(Decision(
                     f"second use of {node.label!r} [{node.token}]", choice,
-                    {"store": f"{size / 2**20:.2f} MiB held", "recompute": recompute},
-                    "a later job needs these rows after statistics from the same pass; storing them "
-                    + ("fits in a quarter of the memory budget" if fits else "would exceed a quarter of the memory budget")))
-                if fits:
+                    {"store": keep if fits else f"{size / 2**20:.2f} MiB over the limit", "recompute": recompute},
+                    "a later job needs these rows after statistics from the same pass; storing them " + why))
+                if choice == "store":
                     stored.add(node.token)
                     group.append(Job("store", node, (node,), set(), storage=self.storage(node)))
 
