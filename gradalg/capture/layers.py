@@ -13,6 +13,7 @@ orientation; :meth:`LayerRule.to_params` maps it back to the module's parameters
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -34,30 +35,30 @@ def _hf_conv1d_type():
 
 
 @dataclass(frozen=True)
-class LayerRule:
-    """How to record one module kind. Subclasses implement the four hooks below."""
+class LayerRule(ABC):
+    """How to record one module kind. Subclasses implement the abstract methods below."""
 
     kind: str = "linear"
 
+    @abstractmethod
     def block_shape(self, module: nn.Module) -> tuple[int, int]:
         """``(out, in)`` of the canonical gradient block (``in`` counts the bias column)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def activations(self, module: nn.Module, x: torch.Tensor):
         """``A``: (B, T, in) tensor, or :class:`OneHot` for embeddings."""
-        raise NotImplementedError
 
+    @abstractmethod
     def output_grads(self, module: nn.Module, g: torch.Tensor) -> torch.Tensor:
         """``D``: (B, T, out) from the gradient w.r.t. the module's output."""
-        raise NotImplementedError
 
+    @abstractmethod
     def to_params(self, module: nn.Module, block: torch.Tensor) -> dict[str, torch.Tensor]:
         """Split ``block`` (n, out, in) into ``{param_name: (n, *param.shape)}``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def from_params(self, module: nn.Module, params: dict[str, torch.Tensor]) -> torch.Tensor:
         """Inverse of :meth:`to_params`: ``{param_name: (n, *param.shape)}`` → (n, out, in)."""
-        raise NotImplementedError
 
     def param_names(self, module: nn.Module) -> tuple[str, ...]:
         return tuple(name for name, p in module.named_parameters(recurse=False) if p is not None)

@@ -40,6 +40,8 @@ corrected step equals a single-process step over the kept examples.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -98,11 +100,12 @@ class TargetSpec:
     coeffs: list = field(default_factory=list)    # [(m_k,) tensor]
 
 
-class Target:
+class Target(ABC):
     """The direction examples are scored against. Subclasses implement :meth:`specs`."""
 
+    @abstractmethod
     def specs(self, sel: "OnlineSelection", step: StepGrads, layers: tuple[str, ...]) -> dict[str, TargetSpec]:
-        raise NotImplementedError
+        """Per layer, the target direction as dense rows or factors."""
 
 
 class BatchMean(Target):
@@ -195,11 +198,12 @@ class ValidationTarget(Target):
 
 
 # ---------------------------------------------------------------------------------- policies
-class Policy:
+class Policy(ABC):
     """Turns the step's (global) scores into per-example weights (0 drops an example)."""
 
+    @abstractmethod
     def weights(self, scores: torch.Tensor, step: int) -> torch.Tensor:  # (N,) -> (N,)
-        raise NotImplementedError
+        """Per-example weights from the step's scores."""
 
 
 @dataclass(frozen=True)
