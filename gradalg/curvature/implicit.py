@@ -16,7 +16,14 @@ import torch
 from ..errors import GradalgError
 from .solvers import conjugate_gradient, lissa
 
-__all__ = ["ImplicitOp", "SolvedOp", "LowRankOp"]
+__all__ = ["ImplicitOp", "SolvedOp", "LowRankOp", "dense_by_products"]
+
+
+def dense_by_products(op) -> torch.Tensor:
+    """The full (dim, dim) matrix of an operator known by products: dim of them, so for
+    tests and small spaces only."""
+    eye = torch.eye(op.space.dim, dtype=torch.float64)
+    return op.apply(eye).T
 
 
 @dataclass
@@ -61,9 +68,7 @@ class ImplicitOp:
         return ImplicitOp(self.space, matvec)
 
     def dense(self) -> torch.Tensor:
-        """The full matrix, by dim products (for tests and small spaces)."""
-        eye = torch.eye(self.space.dim, dtype=torch.float64)
-        return self.apply(eye).T
+        return dense_by_products(self)
 
     def nbytes(self) -> int:
         return 0
@@ -104,8 +109,7 @@ class SolvedOp:
         raise GradalgError("damp the operator before inverting it: H.damp(λ).inv()")
 
     def dense(self) -> torch.Tensor:
-        eye = torch.eye(self.space.dim, dtype=torch.float64)
-        return self.apply(eye).T
+        return dense_by_products(self)
 
     def nbytes(self) -> int:
         return 0

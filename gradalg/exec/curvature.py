@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..curvature.hvp import dataset_matvec
-from ..curvature.implicit import ImplicitOp, LowRankOp
+from ..curvature.implicit import ImplicitOp, LowRankOp, dense_by_products
 from ..curvature.solvers import arnoldi
 from ..errors import GradalgError
 from ..expr.curvature import Arnoldi, CurvatureProducts, DataInf
@@ -62,7 +62,7 @@ class _DataInfOp:
         return torch.cat([out[name] for name in self.space.names], dim=1)
 
     def dense(self) -> torch.Tensor:
-        return self.apply(torch.eye(self.space.dim, dtype=torch.float64)).T
+        return dense_by_products(self)
 
     def scale(self, c):
         raise GradalgError("DataInf is an inverse already; scale the result instead")

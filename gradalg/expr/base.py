@@ -7,6 +7,7 @@ equal sub-expressions are equal nodes: the executor computes each token once.
 from __future__ import annotations
 
 import hashlib
+from abc import ABC
 from dataclasses import dataclass, fields, replace
 from functools import cached_property
 
@@ -32,7 +33,7 @@ def tokenize(value) -> str:
 
 
 @dataclass(frozen=True, eq=False)
-class Node:
+class Node(ABC):
     """Base of every expression node: equality and hashing by :attr:`token`."""
 
     @cached_property

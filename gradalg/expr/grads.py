@@ -9,6 +9,8 @@ of its rows and the representation of each block:
 """
 from __future__ import annotations
 
+from abc import abstractmethod
+
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable
@@ -26,20 +28,24 @@ class GradNode(Node):
     """Base of gradient-set nodes."""
 
     @property
+    @abstractmethod
     def space(self) -> ParamSpace:
-        raise NotImplementedError
+        """Defined by each node type."""
 
     @property
+    @abstractmethod
     def n(self) -> int:
-        raise NotImplementedError
+        """Defined by each node type."""
 
     @property
+    @abstractmethod
     def ids(self) -> tuple:
-        raise NotImplementedError
+        """Defined by each node type."""
 
     @property
+    @abstractmethod
     def representation(self) -> dict[str, str]:
-        raise NotImplementedError
+        """Defined by each node type."""
 
     @property
     def source(self) -> "Source | Captured":

@@ -12,6 +12,8 @@ structure of a result is the coarsest of its operands' (dense ⊃ block ⊃ diag
 """
 from __future__ import annotations
 
+from abc import abstractmethod
+
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -36,12 +38,14 @@ class OpNode(Node):
     """Base of operator nodes."""
 
     @property
+    @abstractmethod
     def space(self) -> ParamSpace:
-        raise NotImplementedError
+        """Defined by each node type."""
 
     @property
+    @abstractmethod
     def structure(self) -> str:
-        raise NotImplementedError
+        """Defined by each node type."""
 
     @property
     def shape(self) -> tuple[int, int]:

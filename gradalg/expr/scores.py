@@ -5,6 +5,8 @@
 """
 from __future__ import annotations
 
+from abc import abstractmethod
+
 from dataclasses import dataclass
 
 from ..errors import ShapeMismatchError
@@ -17,16 +19,19 @@ __all__ = ["ScoreNode", "Inner", "ScoreSum", "Diagonal"]
 
 class ScoreNode(Node):
     @property
+    @abstractmethod
     def shape(self) -> tuple[int, int]:
-        raise NotImplementedError
+        """Defined by each node type."""
 
     @property
+    @abstractmethod
     def row_ids(self) -> tuple:
-        raise NotImplementedError
+        """Defined by each node type."""
 
     @property
+    @abstractmethod
     def col_ids(self) -> tuple:
-        raise NotImplementedError
+        """Defined by each node type."""
 
 
 @dataclass(frozen=True, eq=False)
