@@ -47,6 +47,11 @@ class Options:
     check_reduction : bool
         On the first batch of a computation, verify that the task's loss is summed over
         examples (two extra forward passes without gradients).
+    share_forward : bool
+        Sources of one pass that differ only in their objective (the training loss and
+        labels drawn from the model, say) are captured from one forward per batch and
+        one backward each. ``False`` runs one forward per source (for a loss function
+        that modifies the model's outputs in place).
     progress : bool
         Progress bars on passes over data: a notebook widget in Jupyter, a text bar on a
         terminal (none when output is not a terminal), Dask's progress for distributed
@@ -59,6 +64,7 @@ class Options:
     ghost: str = "auto"
     check_finite: bool = True
     check_reduction: bool = True
+    share_forward: bool = True
     progress: bool = field(default_factory=lambda: os.environ.get("GRADALG_PROGRESS", "1") != "0")
 
     def __post_init__(self):

@@ -361,10 +361,14 @@ def test_two_sources_over_the_same_data_share_one_pass():
         (("data", Q.expr.data.token), sorted([("collect", Q.expr.token), ("collect", Qo.expr.token)])),
         (("data", G.expr.data.token), sorted([("scores", t1.token), ("scores", t2.token)])),
     ]
-    with ga.options(check_reduction=False), Counting(s["model"]) as seen:
+    with ga.options(check_reduction=False), Counting(s["model"][0]) as seen:
         got = S.compute()
-    # one pass per dataset; each batch is captured once per source (two forwards)
-    assert seen.examples == 2 * (Q.n + G.n)
+    # one pass per dataset; the two objectives share each batch's forward
+    assert seen.examples == Q.n + G.n
+    with ga.options(check_reduction=False, share_forward=False), Counting(s["model"][0]) as apart:
+        separate = S.compute()
+    assert apart.examples == 2 * (Q.n + G.n)
+    assert_close(values(got), values(separate), what="shared vs separate forwards", rtol=0, atol=1e-12)
     out = {n: p for n, p in s["model"].named_parameters()}
     ref_out = block_rows(s["model"], MLP_LAYERS, ga.per_example_grads(task, s["batch"], list(out), loss_fn=task.output))
     refq_out = block_rows(s["model"], MLP_LAYERS, ga.per_example_grads(task, s["qbatch"], list(out),

@@ -3,7 +3,10 @@
 ``SourceCapture(source, options, checked_tasks).capture(batch, ids)`` returns the
 chunks of that batch: one chunk, or one per term for ``objective="expected"``.
 Several sources over the same (task, data) are captured from the same batch in one
-read of the data (a fused pass).
+read of the data (a fused pass): :class:`PassCapture` does that, and sources that
+differ only in their objective (the training loss and labels drawn from the model,
+for an influence function with the true Fisher) share one forward per batch
+(:class:`SharedForward`), each adding only its loss head and its backward.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from ..errors import NonFiniteGradientError
 from ..expr import Source
 from .chunks import Chunk
 
-__all__ = ["SourceCapture", "model_device_dtype", "eval_mode"]
+__all__ = ["SourceCapture", "PassCapture", "SharedForward", "model_device_dtype", "eval_mode"]
 
 
 def model_device_dtype(model):
@@ -50,9 +53,7 @@ class SourceCapture:
 
     def capture(self, batch, ids) -> list[Chunk]:
         src, task = self.source, self.source.task
-        if (self.options.check_reduction and src.objective == "loss" and task.token not in self.checked):
-            task.check_reduction(batch)
-            self.checked.add(task.token)
+        self.check_reduction(batch)
         if src.objective == "expected":
             return [Chunk(ids, blocks, batch, task, {"term": term})
                     for term, blocks in enumerate(self._expected_blocks(batch))]
@@ -60,19 +61,43 @@ class SourceCapture:
             blocks = self._func_blocks(batch)
         else:
             blocks = self._hook_blocks(batch, ids)
+        return self.finish(blocks, batch, ids)
+
+    def check_reduction(self, batch) -> None:
+        """The task's sum/mean check, once per task (training-loss objective only)."""
+        task = self.source.task
+        if self.options.check_reduction and self.source.objective == "loss" and task.token not in self.checked:
+            task.check_reduction(batch)
+            self.checked.add(task.token)
+
+    def loss(self, batch, ids) -> torch.Tensor:
+        """The summed objective of ``batch`` (labels drawn per example id for "sampled")."""
+        if self.source.objective == "sampled":   # each example's draw follows its id
+            return self.objective(self.source.task.model, batch, ids)
+        return self.objective(self.source.task.model, batch)
+
+    def token_mask(self, batch):
+        task = self.source.task
+        return task.token_mask(batch) if task.token_mask is not None else None
+
+    def finish(self, blocks: dict, batch, ids) -> list[Chunk]:
         if self.options.check_finite:
             check_finite(blocks, ids)
-        return [Chunk(ids, blocks, batch, task)]
+        return [Chunk(ids, blocks, batch, self.source.task)]
+
+    def share_key(self):
+        """Sources with equal keys can share one forward per batch; None: never shared."""
+        src = self.source
+        if src.backend != "hooks" or src.objective == "expected":
+            return None
+        if any(ref.module is src.task.model for ref in self.refs):   # hooks on the model itself
+            return None                                             # would fire on every call
+        return (src.task.token, tuple(ref.name for ref in self.refs))
 
     def _hook_blocks(self, batch, ids):
-        task = self.source.task
         with torch.enable_grad(), ForwardRecorder(self.refs) as recorder:
-            if self.source.objective == "sampled":   # each example's draw follows its id
-                loss = self.objective(task.model, batch, ids)
-            else:
-                loss = self.objective(task.model, batch)
-            mask = task.token_mask(batch) if task.token_mask is not None else None
-            return capture_batch(loss, recorder, token_mask=mask)
+            loss = self.loss(batch, ids)
+            return capture_batch(loss, recorder, token_mask=self.token_mask(batch))
 
     def _expected_blocks(self, batch):
         """One set of factors per term of ``task.expected_terms``; one forward in all."""
@@ -94,6 +119,113 @@ class SourceCapture:
             names = param_names_of(task.model, [ref.name])
             out[ref.name] = torch.cat([grads[n].flatten(1) for n in names], dim=1)
         return out
+
+
+class PassCapture:
+    """Captures every source of one pass from each batch.
+
+    Sources over the same task and layers that differ only in their objective share one
+    forward (:class:`SharedForward`) and run one backward each (``retain_graph`` for all
+    but the last), instead of a forward and a backward each. If an objective calls the
+    model more than once, or with other inputs, the batch is captured again source by
+    source and sharing stays off for that group (results are the same either way).
+    """
+
+    def __init__(self, sources, options, checked_tasks: set):
+        self.capturers = [SourceCapture(s, options, checked_tasks) for s in sources]
+        groups: dict = {}
+        for c in self.capturers:
+            key = c.share_key() if options.share_forward else None
+            groups.setdefault(key if key is not None else id(c), []).append(c)
+        self.groups = list(groups.values())
+        self.shared_batches = 0
+
+    def capture(self, batch, ids) -> dict[str, list[Chunk]]:
+        out: dict[str, list[Chunk]] = {}
+        for k, group in enumerate(list(self.groups)):
+            if len(group) > 1:
+                chunks = self._shared(group, batch, ids)
+                if chunks is not None:
+                    out.update(chunks)
+                    self.shared_batches += 1
+                    continue
+                self.groups[k:k + 1] = [[c] for c in group]   # not shareable: stop trying
+            for c in group:
+                out[c.source.token] = c.capture(batch, ids)
+        return out
+
+    @staticmethod
+    def _shared(group: list[SourceCapture], batch, ids) -> dict[str, list[Chunk]] | None:
+        for c in group:
+            c.check_reduction(batch)
+        model = group[0].source.task.model
+        with torch.enable_grad(), ForwardRecorder(group[0].refs) as recorder, SharedForward(model) as shared:
+            losses = []
+            for k, c in enumerate(group):
+                calls = shared.calls
+                losses.append(c.loss(batch, ids))
+                if shared.calls != calls + 1 or shared.hits != k:
+                    return None
+            mask = group[0].token_mask(batch)
+            return {c.source.token: c.finish(capture_batch(loss, recorder, token_mask=mask,
+                                                           retain_graph=k < len(group) - 1), batch, ids)
+                    for k, (c, loss) in enumerate(zip(group, losses))}
+
+
+class SharedForward:
+    """Context manager: the model's forward runs once; later calls with equal inputs
+    return the first call's outputs, with their autograd graph.
+
+    ``model.forward`` is shadowed by an instance attribute while active. ``calls``
+    counts calls and ``hits`` those answered from the first; a call with other inputs
+    runs the real forward (and is a miss the caller can detect).
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.calls = self.hits = 0
+        self._first = None
+
+    def __enter__(self):
+        self._shadowed = vars(self.model).get("forward")
+        self._forward = self.model.forward
+        self.model.forward = self._call
+        return self
+
+    def __exit__(self, *exc):
+        if self._shadowed is not None:
+            self.model.forward = self._shadowed
+        else:
+            del self.model.forward
+        self._first = None
+        return False
+
+    def _call(self, *args, **kwargs):
+        self.calls += 1
+        if self._first is not None and _same_inputs(self._first[0], (args, kwargs)):
+            self.hits += 1
+            return self._first[1]
+        output = self._forward(*args, **kwargs)
+        if self._first is None:
+            self._first = ((args, kwargs), output)
+        return output
+
+
+def _same_inputs(a, b) -> bool:
+    """Whether two forward inputs (nested tuples, lists, dicts of tensors and values) are equal."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b)))
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same_inputs, a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_inputs(a[k], b[k]) for k in a)
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values without a truth value are not the same input
+        return False
 
 
 def _finite_rows(x: torch.Tensor) -> torch.Tensor:

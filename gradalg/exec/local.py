@@ -34,7 +34,7 @@ from ..plan.planner import ROW_WISE, Plan, PlanError, plan as make_plan, stream_
 from .base import Executor
 from .accumulators import (Collector, DiagAccumulator, EKFACAccumulator, FisherAccumulator, GroupAccumulator,
                            KronAccumulator, ScoreAccumulator)
-from .capture_pass import SourceCapture, eval_mode, model_device_dtype
+from .capture_pass import PassCapture, SourceCapture, eval_mode, model_device_dtype
 from .progress import progress_bar
 from .chunks import Chunk, concat_chunks, flatten, unflatten
 from .curvature import resolve_curvature
@@ -151,7 +151,7 @@ class LocalExecutor(Executor):
         if not sources:
             raise PlanError(f"no source to read for {step.label}")
         data, task = sources[0].data, sources[0].task
-        capturers = [SourceCapture(s, self.options, self._checked_tasks) for s in sources]
+        capture = PassCapture(sources, self.options, self._checked_tasks)
         device, _ = model_device_dtype(task.model)
         start = 0
         batch_size = step.batch_size or self.options.batch_size
@@ -161,7 +161,7 @@ class LocalExecutor(Executor):
                 b = batch_size_of(batch)
                 ids = data.ids[start:start + b]
                 start += b
-                yield {c.source.token: c.capture(batch, ids) for c in capturers}
+                yield capture.capture(batch, ids)
                 bar.update(b)
 
     def _derive(self, node: GradNode, base: dict, memo: dict) -> list[Chunk]:
