@@ -203,9 +203,10 @@ class ExampleRandom:
     def sample(self, probs: torch.Tensor) -> torch.Tensor:
         """Indices drawn from ``probs`` (B, ..., C) along the last dim, per example.   (B, ...)"""
         u = self.uniform(*probs.shape[1:-1]).to(probs.device)
-        cdf = probs.to(torch.float64).cumsum(-1)
-        cdf = cdf / cdf[..., -1:].clamp_min(1e-300)
-        return torch.searchsorted(cdf, u.unsqueeze(-1)).squeeze(-1).clamp_max(probs.shape[-1] - 1)
+        cdf = probs.cumsum(-1, dtype=torch.float64)       # float64: tail tokens keep their width
+        # u scaled by the total (unnormalized probs are fine) rather than the CDF divided by it
+        target = (u * cdf[..., -1]).unsqueeze(-1)
+        return torch.searchsorted(cdf, target).squeeze(-1).clamp_max(probs.shape[-1] - 1)
 
 
 def _device_of(model: nn.Module) -> torch.device:

@@ -191,8 +191,7 @@ class LocalExecutor(Executor):
             held = concat_chunks(self._cache[job.held.token])
             space = job.held.space
             if not isinstance(target.op, Identity):
-                resolved = self.resolve(target.op)
-                held = held.replace(unflatten(resolved.apply(flatten(held, space)), space))
+                held = precondition(self.resolve(target.op), held, space)
             return ScoreAccumulator(held, space, job.kernels, self.options.ghost, self.trace,
                                     self.options.memory_budget)
         if kind == "diag":
@@ -331,6 +330,15 @@ class LocalExecutor(Executor):
         if isinstance(node, CURVATURE_NODES):
             return resolve_curvature(self, node)
         raise TypeError(f"the local executor cannot resolve operator {type(node).__name__}")
+
+
+def precondition(resolved, held: Chunk, space) -> Chunk:
+    """The held side of a score with the operator applied: block by block for operators
+    that act per block on factored rows (Kronecker), else on the concatenated rows."""
+    if hasattr(resolved, "apply_blocks"):
+        done = resolved.apply_blocks(held.blocks)
+        return held.replace({n: done[n].to(dtype_device(v)[0]) for n, v in held.blocks.items()})
+    return held.replace(unflatten(resolved.apply(flatten(held, space)), space))
 
 
 def _add(a, b):
