@@ -78,6 +78,7 @@ class _Displayed:
         executor : the executor that would run it (a ``ga.exec.DaskExecutor`` adds, per
             pass, its shards, tasks and what crosses the network).
         """
+        from .errors import MemoryBudgetError
         from .plan.explain import Explain
         from .plan.planner import plan
 
@@ -95,8 +96,21 @@ class _Displayed:
             ex = executor or LocalExecutor(rewrites=rewrites)
             self._run(ex)
             return Explain(ex.last_plan, ex.pass_stats, tuple(gpus), device, stage, ex)
-        return Explain(plan(self.expr, options=options, device=device, rewrites=rewrites), [], tuple(gpus),
-                       device, stage, executor)
+        try:
+            return Explain(plan(self.expr, options=options, device=device, rewrites=rewrites), [], tuple(gpus),
+                           device, stage, executor)
+        except MemoryBudgetError as err:
+            if device is None:
+                raise
+            # planning for hardware one does not have: show how it would run on all the GPUs
+            # asked about, and say plainly that one GPU's budget is not enough
+            from .plan.cost import _si
+            wide = int(0.4 * profile(device).memory * max(gpus))
+            p = plan(self.expr, options=_replace(options, memory_budget=wide), device=device, rewrites=rewrites)
+            warning = (f"does not fit a memory budget of {_si(options.memory_budget)}B on one "
+                       f"{profile(device).name}: {err}. Shown: the plan for a budget of {_si(wide)}B "
+                       f"({max(gpus)} GPUs); the scale table gives the memory per GPU.")
+            return Explain(p, [], tuple(gpus), device, stage, executor, warning=warning)
 
     def _run(self, ex):  # each wrapper runs its node with the executor's matching entry point
         raise TypeError(f"{type(self).__name__} has no executor entry point")

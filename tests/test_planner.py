@@ -376,6 +376,30 @@ def test_two_sources_over_the_same_data_share_one_pass():
     assert_close(values(got), s["RQ"] @ s["R"].T + refq_out @ ref_out.T, what="two sources", **TOL)
 
 
+def test_relatif_keeps_the_projected_rows_of_the_curvature_pass():
+    """RelatIF's training side P(G).normalize(metric=H⁻¹) needs H from the pass over the
+    same data: the planner stores P(G) in that pass (the prefix of the row-wise chain that
+    does not need H) and normalizes from memory. The training data is forwarded once."""
+    s = mlp_setup()
+    task, train, query = s["task"], big_mlp_data(), s["query"]
+    P = ga.proj.kron(4, seed=0)
+    S = ga.methods.relatif(task, train, query, projector=P, damping=1e-2)
+    p = plan(S.expr)
+    G = P(ga.grads(task, train))
+    assert p.decision(f"second use of {G.expr.label!r}").chosen == "store"
+    assert p.data_passes == 2      # the queries, then the training data once
+    with ga.options(check_reduction=False), Counting(s["model"][0]) as seen:
+        got = values(S.compute())
+    assert seen.examples == len(query) + len(train)
+    Q = P(ga.grads(task, query))
+    from gradalg.methods.influence import curvature_operator   # its numbers are tested in test_curvature
+    Hinv = curvature_operator(task, train, projector=P, damping=1e-2).to_dense()
+    flat = lambda X: torch.cat([v.flatten(1) for v in X.to_dense().values()], 1)  # noqa: E731
+    Rq, Rg = flat(Q), flat(G)
+    want = (Rq @ Hinv @ Rg.T) / ((Rg @ Hinv) * Rg).sum(1).sqrt()
+    assert_close(got, want, what="RelatIF from stored projected rows", rtol=1e-6, atol=1e-9)
+
+
 def test_shared_gradient_set_is_captured_once():
     """P(G) feeds the Fisher and the scores: with rows stored, the training data is read once."""
     s = mlp_setup()
@@ -410,6 +434,21 @@ def test_ghost_option_decides_the_kernel_mlp(mode, ghost_calls):
     assert bool(ghost_calls) == ran_ghost
     assert (ex.trace["ghost"] > 0) == ran_ghost and (ex.trace["dense"] > 0) == (not ran_ghost)
     assert_close(values(got), s["RQ"] @ s["R"].T, what=f"ghost={mode}", **TOL)
+
+
+@pytest.mark.parametrize("mode", ["always", "never"])
+def test_cosine_normalizes_the_streamed_columns_late(mode):
+    """Grad-Cos streams unnormalized rows and divides each score column by the row's norm,
+    taken from the materialized rows (dense kernel) or the ghost identity (ghost kernel)."""
+    g = gpt2_setup(min_len=5, max_len=12)
+    G, Q = ga.grads(g["task"], g["train"], g["layers"]), ga.grads(g["task"], g["query"], g["layers"])
+    with ga.options(ghost=mode):
+        ex = ga.LocalExecutor()
+        got = values((Q.normalize() @ G.normalize().T).compute(ex))
+    assert ex.trace["ghost" if mode == "always" else "dense"] > 0
+    R, RQ = g["R"], g["RQ"]
+    want = (RQ / RQ.norm(dim=1, keepdim=True)) @ (R / R.norm(dim=1, keepdim=True)).T
+    assert_close(got, want, what=f"cosine, ghost={mode}", **TOL)
 
 
 def test_auto_routes_short_sequences_to_ghost(ghost_calls):
@@ -625,6 +664,19 @@ def test_explain_for_another_device_has_scale_table():
     assert "H100" in str(e) and "1 GPU(s)" in str(e) and "2 GPU(s)" in str(e)
     assert [r["gpus"] for r in e.to_dict()["scale"]] == [1, 2]
     assert e.plan.device is devices.PRESETS["h100"]
+
+
+def test_explain_for_another_device_says_what_does_not_fit():
+    """Planning for hardware one does not have never raises for memory: the plan for all
+    the GPUs asked about is shown, with the reason one GPU's budget is not enough."""
+    s = mlp_setup()
+    S = ga.grads(s["task"], s["query"]) @ ga.grads(s["task"], s["train"]).T
+    with pytest.raises(ga.MemoryBudgetError):
+        S.explain(memory_budget=64)
+    e = S.explain(device="h100", gpus=(1, 2), memory_budget=64)
+    assert "does not fit a memory budget of 64 B on one" in e.warning and "H100" in e.warning
+    assert e.warning in str(e) and "ga-warning" in e._repr_html_()
+    assert e.to_dict()["warning"] == e.warning and len(e.plan.passes) == 2
 
 
 # ====================================================================== plan explorer

@@ -143,10 +143,28 @@ def test_planner_costs_one_forward_for_shared_sources():
     model = models.mlp()
     task = ga.tasks.classification(model)
     x, y = models.classification_data(10, seed=1)
-    G, Go, Q = ga.grads(task, (x, y)), ga.grads(task, (x, y), objective="output"), ga.grads(task, (x, y))
+    xq, yq = models.classification_data(3, seed=2)
+    G, Go, Q = ga.grads(task, (x, y)), ga.grads(task, (x, y), objective="output"), ga.grads(task, (xq, yq))
     S = Q @ G.T + Q @ Go.T
     shared = plan(S.expr)
     with ga.options(share_forward=False):
         separate = plan(S.expr)
     last = lambda p: p.passes[-1].cost.flops  # noqa: E731  (the training pass, two sources)
     assert last(shared) < last(separate)
+
+
+def test_gauss_newton_terms_share_the_forward_with_the_loss():
+    """objective="expected" (one backward per class term) and the loss from one forward:
+    an influence function with the exact Gauss-Newton matrix reads each batch once."""
+    model = models.mlp()
+    task = ga.tasks.classification(model)
+    x, y = models.classification_data(12, seed=1)
+    xq, yq = models.classification_data(3, seed=2)
+    train, query = TensorDataset(x, y), TensorDataset(xq, yq)
+    P = ga.proj.kron(4, seed=0)
+    G, Q = P(ga.grads(task, train)), P(ga.grads(task, query))
+    S = Q @ ga.fisher(P(ga.grads(task, train, objective="expected"))).damp(0.1).inv() @ G.T
+    with Forwards(model[0]) as seen:
+        shared, separate = both(S)
+    assert seen.examples == (3 + 12) + (3 + 2 * 12)
+    assert_close(shared, separate, what="GN terms shared vs separate", rtol=0, atol=1e-12)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..capture.factors import Factors, ghost_inner
+from ..capture.factors import Factors, ghost_inner, self_inner
 from ..curvature.kron import KronOp, KronStats, kron_eigenbasis, rotate_factors, rotate_rows
 from ..errors import GradalgError, MemoryBudgetError
 from ..expr import KFAC, Fisher, GroupMean
@@ -225,9 +225,15 @@ class ScoreAccumulator:
     ``held`` is already preconditioned. Per block the kernel is the plan's choice (what
     ``explain()`` shows), the one forced by ``ga.options(ghost=...)``, or — for blocks the
     plan did not cost — the routing rule on the chunk's real shapes.
+
+    ``normalize_streamed``: the streamed rows arrive unnormalized and each column is
+    divided by its row's norm, ⟨h, g/‖g‖⟩ = ⟨h, g⟩/‖g‖ (Grad-Cos, TracIn-cos). A block
+    the dense kernel materializes gives its ‖g‖² from the materialized rows for a read
+    of them; only ghost blocks pay the ghost identity's T²·(in + out).
     """
 
-    def __init__(self, held: Chunk, space, kernels: dict, ghost_mode: str, trace, memory_budget: int):
+    def __init__(self, held: Chunk, space, kernels: dict, ghost_mode: str, trace, memory_budget: int,
+                 normalize_streamed: bool = False):
         nbytes = sum(_nbytes(v) for v in held.blocks.values())
         if nbytes > memory_budget:
             raise MemoryBudgetError(
@@ -237,16 +243,25 @@ class ScoreAccumulator:
             )
         self.held, self.space, self.kernels = held, space, kernels
         self.ghost_mode, self.trace = ghost_mode, trace
+        self.normalize_streamed = normalize_streamed
+        self._sq_norms: torch.Tensor | None = None
         self.columns: list[torch.Tensor] = []
         self._materialized: dict[str, torch.Tensor] = {}
         self._buffer: torch.Tensor | None = None
 
     def update(self, chunk: Chunk) -> None:
         total = None
+        self._sq_norms = None
         for name in self.space.names:
             part = self._block(name, self.held.blocks[name], chunk.blocks[name])
             total = part if total is None else total + part
+        if self.normalize_streamed:
+            norms = self._sq_norms.sqrt().to(total.dtype)
+            total = total * torch.where(norms > 0, 1.0 / norms, torch.zeros_like(norms)).unsqueeze(0)
         self.columns.append(total)
+
+    def _add_sq_norms(self, sq: torch.Tensor) -> None:
+        self._sq_norms = sq if self._sq_norms is None else self._sq_norms + sq.to(self._sq_norms.dtype)
 
     def _block(self, name, lval, rval) -> torch.Tensor:
         if isinstance(lval, Factors) and isinstance(rval, Factors):
@@ -254,6 +269,8 @@ class ScoreAccumulator:
             kernel = planned or choose_kernel(lval, rval, self.ghost_mode)
             if kernel == "ghost":
                 self.trace["ghost"] += 1
+                if self.normalize_streamed:
+                    self._add_sq_norms(self_inner(rval))
                 return ghost_inner(lval, rval)
         self.trace["dense"] += 1
         if isinstance(lval, Factors):
@@ -262,7 +279,10 @@ class ScoreAccumulator:
             lflat = self._materialized[name]
         else:
             lflat = lval
-        return lflat @ self._streamed_rows(rval).to(lflat.dtype).T
+        rows = self._streamed_rows(rval)
+        if self.normalize_streamed:
+            self._add_sq_norms(torch.linalg.vector_norm(rows, dim=1).square())
+        return lflat @ rows.to(lflat.dtype).T
 
     def _streamed_rows(self, value) -> torch.Tensor:
         """A streamed block as (n, dim) rows, valid until the next call.

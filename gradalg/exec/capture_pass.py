@@ -88,7 +88,7 @@ class SourceCapture:
     def share_key(self):
         """Sources with equal keys can share one forward per batch; None: never shared."""
         src = self.source
-        if src.backend != "hooks" or src.objective == "expected":
+        if src.backend != "hooks":
             return None
         if any(ref.module is src.task.model for ref in self.refs):   # hooks on the model itself
             return None                                             # would fire on every call
@@ -142,16 +142,21 @@ class PassCapture:
 
     def capture(self, batch, ids) -> dict[str, list[Chunk]]:
         out: dict[str, list[Chunk]] = {}
-        for k, group in enumerate(list(self.groups)):
+        groups = []
+        for group in self.groups:
             if len(group) > 1:
                 chunks = self._shared(group, batch, ids)
                 if chunks is not None:
                     out.update(chunks)
                     self.shared_batches += 1
+                    groups.append(group)
                     continue
-                self.groups[k:k + 1] = [[c] for c in group]   # not shareable: stop trying
+                groups.extend([c] for c in group)   # not shareable: stop trying
             for c in group:
                 out[c.source.token] = c.capture(batch, ids)
+            if len(group) == 1:
+                groups.append(group)
+        self.groups = groups
         return out
 
     @staticmethod
@@ -160,16 +165,24 @@ class PassCapture:
             c.check_reduction(batch)
         model = group[0].source.task.model
         with torch.enable_grad(), ForwardRecorder(group[0].refs) as recorder, SharedForward(model) as shared:
-            losses = []
+            losses = []                                  # (capturer, term or None, loss)
             for k, c in enumerate(group):
                 calls = shared.calls
-                losses.append(c.loss(batch, ids))
+                if c.source.objective == "expected":     # one loss per Gauss-Newton term
+                    losses += [(c, term, loss) for term, loss in enumerate(c.objective(model, batch))]
+                else:
+                    losses.append((c, None, c.loss(batch, ids)))
                 if shared.calls != calls + 1 or shared.hits != k:
                     return None
             mask = group[0].token_mask(batch)
-            return {c.source.token: c.finish(capture_batch(loss, recorder, token_mask=mask,
-                                                           retain_graph=k < len(group) - 1), batch, ids)
-                    for k, (c, loss) in enumerate(zip(group, losses))}
+            out: dict[str, list[Chunk]] = {c.source.token: [] for c in group}
+            for k, (c, term, loss) in enumerate(losses):
+                blocks = capture_batch(loss, recorder, token_mask=mask, retain_graph=k < len(losses) - 1)
+                if term is None:
+                    out[c.source.token] += c.finish(blocks, batch, ids)
+                else:
+                    out[c.source.token].append(Chunk(ids, blocks, batch, c.source.task, {"term": term}))
+            return out
 
 
 class SharedForward:

@@ -130,7 +130,7 @@ class DaskExecutor(LocalExecutor):
         sources = [stream_root(s) for j in step.jobs for s in j.streams if isinstance(stream_root(s), Source)]
         data = sources[0].data
         ranges = shard_ranges(data.n, self.n_workers * self.shards_per_worker)
-        sinks = self._open_sinks(step.jobs)
+        sinks = self._open_sinks(step.jobs, step)
         self._check_reduction_here(sources, data)
         state = self._state_for(step)
         payload = (step, [s for _, s in sinks], state, self.options, data.token)

@@ -25,7 +25,7 @@ import torch
 
 from ..capture.factors import Factors
 from ..expr import (KFAC, Arnoldi, Captured, CurvatureProducts, Damp, DataInf, Dense, Diagonal, Fisher, GradNode,
-                    GroupMean, Identity, Inverse, OpNode, Power, ScaledOp, ScoreDiagonal, ScoreNode,
+                    GroupMean, Identity, Inverse, Normalize, OpNode, Power, ScaledOp, ScoreDiagonal, ScoreNode,
                     ScoreSum, Source, SumOp)
 from ..expr.stored import StoredOp
 from ..data import batch_size_of, move_batch
@@ -107,20 +107,20 @@ class LocalExecutor(Executor):
         return p
 
     def _run_pass(self, step) -> None:
-        sinks = self._open_sinks(step.jobs)
+        sinks = self._open_sinks(step.jobs, step)
         self._feed(step, sinks)
         for job, sink in sinks:
             self._store(job, sink.finish())
 
-    def _open_sinks(self, jobs) -> list:
-        return [(job, self._sink(job)) for job in jobs]
+    def _open_sinks(self, jobs, step) -> list:
+        return [(job, self._sink(job, step)) for job in jobs]
 
     def _feed(self, step, sinks) -> None:
         """Read ``step``'s data once and hand every chunk to every job's sink."""
         for base in self._batches(step):
             memo: dict[str, list[Chunk]] = {}
             for job, sink in sinks:
-                streams = [self._derive(s, base, memo) for s in job.streams]
+                streams = [self._derive(s, base, memo) for s in _fed_streams(job, step)]
                 if job.kind == "diag" and job.held is not None:
                     for right in streams[0]:
                         sink.update(self._aligned_held(job.held, right), right)
@@ -175,7 +175,7 @@ class LocalExecutor(Executor):
         memo[node.token] = out
         return out
 
-    def _sink(self, job):
+    def _sink(self, job, step):
         kind, target = job.kind, job.target
         if kind in ("collect", "store"):
             return Collector(target, job.storage)
@@ -193,7 +193,7 @@ class LocalExecutor(Executor):
             if not isinstance(target.op, Identity):
                 held = precondition(self.resolve(target.op), held, space)
             return ScoreAccumulator(held, space, job.kernels, self.options.ghost, self.trace,
-                                    self.options.memory_budget)
+                                    self.options.memory_budget, normalize_streamed=_normalized_late(job, step))
         if kind == "diag":
             inner = target.scores
             resolved = None if isinstance(inner.op, Identity) else self.resolve(inner.op)
@@ -330,6 +330,20 @@ class LocalExecutor(Executor):
         if isinstance(node, CURVATURE_NODES):
             return resolve_curvature(self, node)
         raise TypeError(f"the local executor cannot resolve operator {type(node).__name__}")
+
+
+def _normalized_late(job, step) -> bool:
+    """A scores job whose streamed side is ``G.normalize()``, in a pass that reads G or
+    something below it (not the normalized rows kept in memory): the accumulator divides
+    each column by the row's norm, taken from the rows it materializes anyway."""
+    s = job.streams[0] if job.streams else None
+    return (job.kind == "scores" and isinstance(s, Normalize) and s.op is None
+            and not (step.key[0] == "memory" and step.key[1] == s.token))
+
+
+def _fed_streams(job, step) -> tuple:
+    """The nodes whose chunks feed ``job``'s sink (unnormalized rows for a late normalization)."""
+    return (job.streams[0].grads,) if _normalized_late(job, step) else job.streams
 
 
 def precondition(resolved, held: Chunk, space) -> Chunk:

@@ -84,6 +84,7 @@ class Explain:
     device: str | None = None
     stage: str | None = None
     executor: object = None
+    warning: str | None = None   # e.g. the plan does not fit one GPU of ``device``
 
     # ---- data -------------------------------------------------------------------
     def decisions(self) -> list[dict]:
@@ -112,6 +113,7 @@ class Explain:
             "passes": self.passes(), "passes_over_data": self.plan.data_passes,
             "estimated_seconds": self.plan.seconds, "estimated_peak_bytes": self.plan.peak_bytes,
             "scale": scale_estimates(self.plan, self.gpus, self.device) if self.device else [],
+            "warning": self.warning,
         }
 
     def _cost_line(self) -> str:
@@ -124,6 +126,8 @@ class Explain:
         lines = [f"gradalg plan — device {p.device.name}, memory budget {_si(p.options.memory_budget)}B, "
                  f"{p.data_passes} pass(es) over data, est. {_fmt_seconds(p.seconds)}, "
                  f"peak ~{_si(p.peak_bytes)}B"]
+        if self.warning:
+            lines.append(f"! {self.warning}")
         want = self.stage
         if want in (None, "logical"):
             lines += ["", "1. logical", text_tree(p.logical, "expression", self._cost_line())]
@@ -177,6 +181,8 @@ class Explain:
                 f"budget {_si(p.options.memory_budget)}B, {p.data_passes} pass(es) over data, est. "
                 f"{_fmt_seconds(p.seconds)}, peak ~{_si(p.peak_bytes)}B</span></div>")
         parts = [f"<style>{_css()}</style><div class='ga-expr'>", head]
+        if self.warning:
+            parts.append(f"<div class='ga-warning'>⚠ {esc(self.warning)}</div>")
         parts.append(f"<details><summary>1. logical</summary>{html_tree(p.logical, 'expression', self._cost_line())}</details>")
         fired = "".join(f"<li><b>{esc(f.rule)}</b>: {esc(f.before)} → {esc(f.after)} <i>{esc(f.why)}</i></li>"
                         for f in p.fired) or "<li>no rule fired</li>"

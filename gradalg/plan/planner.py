@@ -369,7 +369,10 @@ class _Planner:
         rows = 1
         if src.objective == "expected":
             rows = max(1, _num_outputs(src))
-        return Cost(flops=src.data.n * fwd * (rows + (1 if forward else 0)), passes=1)
+        # the activations are written by the forward and read back by each backward
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        traffic = src.data.n * activation_bytes(src.task.model, T, elem) * (rows + (1 if forward else 0))
+        return Cost(flops=src.data.n * fwd * (rows + (1 if forward else 0)), bytes=traffic, passes=1)
 
     def _pass_capture_cost(self, sources: list[Source]) -> Cost:
         """Capturing all sources of a pass: those differing only in their objective share
@@ -377,7 +380,7 @@ class _Planner:
         cost, forwards = Cost(), set()
         for src in sources:
             key = None
-            if self.options.share_forward and src.backend == "hooks" and src.objective != "expected":
+            if self.options.share_forward and src.backend == "hooks":
                 key = (src.task.token, tuple(src.layers) if src.layers is not None else None)
             cost = cost + self._capture_cost(src, forward=key is None or key not in forwards)
             forwards.add(key)
@@ -489,7 +492,12 @@ class _Planner:
         return passes, stored
 
     def _consider_storing(self, key, group, remaining, done, stored):
-        """Store rows that a later job on this same data will need, when cheaper than re-reading."""
+        """Store rows that a later job on this same data will need, when cheaper than re-reading.
+
+        A later job whose rows depend on this pass's statistics (a metric-normalized or
+        preconditioned side) can still reuse the part of its row-wise chain that does not:
+        that prefix is stored, and the later pass derives the rest from memory.
+        """
         if key[0] != "data":
             return
         group_keys = {j.key for j in group}
@@ -497,6 +505,10 @@ class _Planner:
             if job.key in group_keys or job.deps <= done:
                 continue
             for node in job.streams:
+                # the longest row-wise prefix computable now: for P(G).normalize(metric=H⁻¹)
+                # with H from this pass, the projected rows P(G) (RelatIF's training side)
+                while isinstance(node, ROW_WISE) and not self.stream_deps(node) <= done:
+                    node = node.grads
                 if node.token in stored or self._pass_key(node, stored) != key:
                     continue
                 if not self.stream_deps(node) <= done:
