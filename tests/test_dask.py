@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def dx():
     with ga.options(progress=False):
-        ex = ga.exec.DaskExecutor(n_workers=2, threads_per_worker=1)
+        ex = ga.exec.DaskExecutor(n_workers=2, threads_per_worker=1, min_shard_examples=1)
         yield ex
         ex.close()
 
@@ -82,6 +82,26 @@ def test_scores_are_dask_backed_blocks_one_per_shard(dx, setting):
     assert len(result.data.chunks[1]) == dx.n_workers * dx.shards_per_worker
     assert result.dims == ("query", "train")
     assert list(result.train.values) == list(range(48))
+
+
+def test_small_passes_run_in_this_process_and_shards_keep_a_minimum_size(dx, setting):
+    """A pass over fewer than ``min_shard_examples`` runs on the client (shipping the
+    model to every worker would cost more); larger passes get no shard under it."""
+    task, train, queries = setting
+    S = ga.methods.grad_dot(task, train, queries)
+    want = S.compute().values
+    old = dx.min_shard_examples
+    try:
+        dx.min_shard_examples = 20
+        got = S.compute(executor=dx)
+        assert len(got.data.chunks[1]) == 2                   # 48 examples: 2 shards of 24, not 4 of 12
+        np.testing.assert_allclose(np.asarray(got.values), want, rtol=1e-12, atol=1e-12)
+        query_pass = [p for p in dx.last_plan.passes if p.reads_data and p.key[4] == 5][0]
+        assert dx.describe_pass(query_pass).startswith("runs on the client (5 examples")
+    finally:
+        dx.min_shard_examples = old
+    with pytest.raises(ValueError, match="min_shard_examples"):
+        ga.exec.DaskExecutor(client=dx.client, min_shard_examples=0)
 
 
 class _SlowLoss:

@@ -167,7 +167,7 @@ def test_dask_executor_writes_the_same_store(setting, tmp_path):
                                        dashboard_address=":0")
     client = distributed.Client(cluster)
     try:
-        ex = ga.exec.DaskExecutor(client=client)
+        ex = ga.exec.DaskExecutor(client=client, min_shard_examples=1)
         stored = ga.store.write(P(G), tmp_path / "dask.zarr", chunk_rows=8, executor=ex)
         # same rows up to the last bits (BLAS kernels may pick other paths in a worker)
         _assert_same_store(tmp_path / "dask.zarr", tmp_path / "local.zarr", exact=False)

@@ -69,13 +69,17 @@ class DaskExecutor(LocalExecutor):
         ``n_workers`` processes, closed by ``close()`` or at exit).
     n_workers, threads_per_worker : for the default local cluster.
     shards_per_worker : shards per worker for each pass over data.
+    min_shard_examples : no shard gets fewer examples than this; a pass over fewer
+        examples (the queries, typically) runs in this process, where shipping the
+        model and the jobs to every worker would cost more than the pass.
     retries : retries of a shard whose worker died.
     """
 
     name = "dask"
 
     def __init__(self, client=None, *, n_workers: int = 2, threads_per_worker: int = 1,
-                 shards_per_worker: int = 2, retries: int = 3, options=None, rewrites: bool = True):
+                 shards_per_worker: int = 2, min_shard_examples: int = 32, retries: int = 3, options=None,
+                 rewrites: bool = True):
         super().__init__(options, rewrites=rewrites)
         from distributed import Client, LocalCluster
 
@@ -88,6 +92,9 @@ class DaskExecutor(LocalExecutor):
         self.threads_per_worker = threads_per_worker
         self.client.run(_set_threads, threads_per_worker)
         self.shards_per_worker = shards_per_worker
+        if min_shard_examples < 1:
+            raise ValueError(f"min_shard_examples must be at least 1, got {min_shard_examples}")
+        self.min_shard_examples = min_shard_examples
         self.retries = retries
         self._score_blocks: dict[str, list] = {}
 
@@ -116,7 +123,9 @@ class DaskExecutor(LocalExecutor):
             return "runs on the client (rows already in memory)"
         sources = [stream_root(s) for j in step.jobs for s in j.streams if isinstance(stream_root(s), Source)]
         data = sources[0].data
-        shards = len(shard_ranges(data.n, self.n_workers * self.shards_per_worker))
+        if data.n < self.min_shard_examples:
+            return f"runs on the client ({data.n} examples, fewer than min_shard_examples={self.min_shard_examples})"
+        shards = len(self._ranges(data.n))
         model_bytes = sum(p.numel() * p.element_size() for p in sources[0].task.model.parameters())
         back = sum(_state_bytes(job, data.n) for job in step.jobs)
         return (f"{shards} shard tasks over {self.n_workers} workers (~{data.n // max(shards, 1)} examples each); "
@@ -129,7 +138,9 @@ class DaskExecutor(LocalExecutor):
             return super()._run_pass(step)
         sources = [stream_root(s) for j in step.jobs for s in j.streams if isinstance(stream_root(s), Source)]
         data = sources[0].data
-        ranges = shard_ranges(data.n, self.n_workers * self.shards_per_worker)
+        if data.n < self.min_shard_examples:
+            return super()._run_pass(step)
+        ranges = self._ranges(data.n)
         sinks = self._open_sinks(step.jobs, step)
         self._check_reduction_here(sources, data)
         state = self._state_for(step)
@@ -167,6 +178,10 @@ class DaskExecutor(LocalExecutor):
                 blocks.append(da.from_delayed(delayed(part), shape=(n_held, b - a), dtype=_np_dtype(job)))
             array = da.concatenate(blocks, axis=1)
             self._score_blocks[job.key] = array.T if job.transposed else array
+
+    def _ranges(self, n: int) -> list:
+        """Shards of n examples: shards_per_worker per worker, none under min_shard_examples."""
+        return shard_ranges(n, max(1, min(self.n_workers * self.shards_per_worker, n // self.min_shard_examples)))
 
     def _shippable(self, step) -> bool:
         """Passes whose row-wise chains need operators known only through products (which
