@@ -216,3 +216,20 @@ def test_kron_operator_applied_block_by_block_to_factors_equals_the_dense_matrix
     flat = {n: torch.einsum("nto,nti->noi", blocks[n].D, blocks[n].A).flatten(1) for n in shapes}
     for n, v in op.apply_blocks(flat).items():
         torch.testing.assert_close(v, got[n], rtol=1e-12, atol=1e-12)
+
+
+def test_projected_fisher_of_fewer_examples_than_dimensions_inverts_with_small_damping():
+    """TRAK's ΦᵀΦ with n < k: the Fisher stays in its float64 accumulation, so a damping of
+    1e-6 × its mean eigenvalue inverts it as float64 would (rounded to float32 it had
+    eigenvalues of ±1e-7·‖F‖, and the inverse was refused or wrong)."""
+    model = mlp(dtype=torch.float32)
+    task = ga.tasks.classification(model)
+    X, y = classification_data(n=12, dtype=torch.float32)
+    G = ga.proj.gaussian(64, seed=0)(ga.grads(task, (X, y)))
+    R = _flat(G).to(torch.float64)
+    F_ref = R.T @ R / 12
+    lam = 1e-6 * float(F_ref.diagonal().mean())
+    got = ga.fisher(G).damp(lam).inv().to_dense()
+    want = torch.linalg.inv(F_ref + lam * torch.eye(64, dtype=torch.float64))
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))

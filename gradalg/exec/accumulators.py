@@ -80,9 +80,12 @@ class FisherAccumulator:
         if self.rows == 0:
             raise ValueError("cannot compute a Fisher over zero examples")
         n = self.node.grads.n  # rows may repeat an example (objective="expected": one row per term)
+        # kept in the accumulation's float64: rounding a rank-deficient Gram matrix (TRAK's
+        # ΦᵀΦ with n < k) to float32 leaves eigenvalues of ±1e-7·‖F‖, which a small damping
+        # does not cover; rows are cast to the operator where it is applied
         if self.structure == "block":
-            return ResolvedOp(self.space, "block", {k: (v / n).to(self.dtype) for k, v in self.acc.items()})
-        return ResolvedOp(self.space, self.structure, (self.acc / n).to(self.dtype))
+            return ResolvedOp(self.space, "block", {k: v / n for k, v in self.acc.items()})
+        return ResolvedOp(self.space, self.structure, self.acc / n)
 
 
 def _factors(node, name, value) -> Factors:
