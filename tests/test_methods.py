@@ -11,7 +11,6 @@ import torch
 from torch.utils.data import TensorDataset
 
 import gradalg as ga
-from gradalg.proj import dense_matrix
 from gradalg.testing import assert_close
 from gradalg.testing.conformance import project_dense
 
@@ -167,7 +166,10 @@ def trak_formula(s, P, damping):
         return block_rows(model, LAYERS, ga.per_example_grads(task, (x, y), names, loss_fn=task.output))
 
     space = ga.grads(task, s["train"]).space
-    M = torch.cat([dense_matrix(P, b.name, b.dim, dtype=F64) for b in space.blocks], dim=1)   # (k, dim)
+    if P.kind == "sparse":   # the SJLT's explicit matrix, block by block over the concatenated gradient
+        M = torch.cat([ga.proj.sjlt(P, b.name, b.dim).dense() for b in space.blocks], dim=1)
+    else:
+        M = project_dense(torch.eye(space.dim, dtype=F64), space, P).T                          # (k, dim)
     Phi, phi = out_rows(s["x"], s["y"]) @ M.T, out_rows(s["xq"], s["yq"]) @ M.T
     with torch.no_grad():
         p = torch.softmax(model(s["x"]), -1).gather(1, s["y"][:, None]).squeeze(1)
@@ -182,6 +184,25 @@ def test_trak_one_model():
     assert_close(values(S), trak_formula(s, P, 1e-6), what="TRAK", rtol=1e-6, atol=1e-8)
     S2 = ga.methods.trak(s["task"], s["train"], s["query"], projector=P, damping=0.1)
     assert_close(values(S2), trak_formula(s, P, 0.1), what="TRAK damped", **TOL)
+
+
+def test_trak_default_projection_turns_sparse_past_a_gib_of_matrix(monkeypatch):
+    """Dense Gaussian (the paper's) for small models; a sparse JL projection, same k and
+    seed, once the dense matrix would pass DENSE_PROJECTION_BYTES (GPT-2-sized layers)."""
+    import importlib
+
+    from gradalg.expr import Project
+    trak_module = importlib.import_module("gradalg.methods.trak")   # the module, not the function
+    s = setup()
+    dim = ga.grads(s["task"], s["train"]).space.dim
+    assert trak_module.default_projector(12, dim, 3) == ga.proj.gaussian(12, 3)
+    assert trak_module.default_projector(512, 3_150_000, 3) == ga.proj.sparse(512, 3)   # GPT-2 4×256
+    monkeypatch.setattr(trak_module, "DENSE_PROJECTION_BYTES", 12 * dim * 8 - 1)
+    S = ga.methods.trak(s["task"], s["train"], s["query"], k=12, seed=3)
+    kinds = {x.projector.kind for x in S.expr.walk() if isinstance(x, Project)}
+    assert kinds == {"sparse"}
+    assert_close(values(S), trak_formula(s, ga.proj.sparse(12, 3), 1e-6), what="TRAK, sparse default",
+                 rtol=1e-6, atol=1e-8)
 
 
 def test_trak_ensemble_of_two():

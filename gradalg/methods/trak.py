@@ -17,21 +17,36 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..api import Scores, fisher, grads, mean_scores, row_weights
-from ..expr.projection import Projector, gaussian
+from ..expr.projection import Projector, gaussian, sparse
 from ..task import Task
+
+DENSE_PROJECTION_BYTES = 2**30   # above this, the default projection is sparse (see default_projector)
+
+
+def default_projector(k: int, dim: int, seed: int = 0) -> Projector:
+    """TRAK's projection when none is given: the paper's dense Gaussian while its (k, dim)
+    float64 matrix stays under :data:`DENSE_PROJECTION_BYTES` (1 GiB: dim ≤ 262,144 at
+    k = 512), else a sparse Johnson–Lindenstrauss projection with the same k (one ±1/√s
+    entry per coordinate and hash: no matrix, O(dim) per example). Both preserve inner
+    products to the same (1 ± ε) in expectation; the choice depends on the model's
+    shape only, never on options, so the same model always gets the same projection."""
+    return gaussian(k, seed) if k * dim * 8 <= DENSE_PROJECTION_BYTES else sparse(k, seed)
 
 
 def trak(tasks: Task | Sequence[Task], train, queries, *, layers=None, projector: Projector | None = None,
          k: int = 512, seed: int = 0, damping: float = 1e-6, weight_decay: float = 0.0) -> Scores:
     """TRAK scores for one task or an ensemble of tasks (same architecture, other weights).
 
+    projector : default :func:`default_projector` — a dense Gaussian (the paper's) for
+        small models, a sparse JL projection once the dense matrix would pass 1 GiB
+        (GPT-2-sized layers), with the same ``k`` and ``seed``.
     weight_decay : the L2 coefficient of the (mean-loss) training objective; it adds
         n·wd to the kernel's damping, the curvature weight decay gives the summed
         objective. Measured on digits (docs/fidelity.md), leaving it out of a weight-
         decayed model's kernel cost TRAK most of its LDS.
     """
     tasks = [tasks] if isinstance(tasks, Task) else list(tasks)
-    P = projector or gaussian(k, seed)
+    P = projector or default_projector(k, grads(tasks[0], train, layers).space.dim, seed)
     per_model = []
     for task in tasks:
         if task.output is None or task.output_weight is None:
