@@ -42,8 +42,9 @@ class Task:
         refused with a :class:`LossReductionError`.
     token_mask : callable ``batch -> (B, T) bool tensor``, optional
         For sequence models: which token positions are real (not padding). Masked
-        positions are removed from the captured factors, so they contribute neither to
-        gradients nor to curvature statistics.
+        positions are zeroed in the captured factors (T stays the padded length), so
+        they contribute neither to gradients nor to curvature statistics; K-FAC's token
+        count skips them.
     sampled_loss : callable ``(model, batch, rng) -> scalar``, optional
         The summed loss with targets drawn from the model's own predictive distribution,
         using ``rng`` (an :class:`ExampleRandom`: ``rng.sample(probs)``, ``rng.uniform(...)``)

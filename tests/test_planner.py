@@ -666,6 +666,25 @@ def test_explain_for_another_device_has_scale_table():
     assert e.plan.device is devices.PRESETS["h100"]
 
 
+def test_applying_the_operator_is_costed_by_its_structure():
+    """The held side's preconditioning in a scores pass: Kronecker rotations for (E)K-FAC,
+    per-block products for a block Fisher, a scaling for a diagonal — not a dense d²."""
+    from gradalg.plan.planner import apply_flops
+    g = gpt2_setup()
+    G, Q = ga.grads(g["task"], g["train"], g["layers"]), ga.grads(g["task"], g["query"], g["layers"])
+    space, n, d = Q.space, Q.n, Q.space.dim
+    kron = sum(4.0 * n * o * i * (o + i) for o, i in (b.shape for b in space.blocks))
+    assert apply_flops(ga.ekfac(G).damp(0.1).inv().expr, space, n) == kron
+    assert apply_flops(ga.fisher(G, "block").damp(0.1).inv().expr, space, n) == \
+        2.0 * n * sum(b.dim ** 2 for b in space.blocks)
+    assert apply_flops(ga.fisher(G, "diag").damp(0.1).inv().expr, space, n) == n * d
+    assert apply_flops(ga.identity(G).expr, space, n) == 0
+    assert kron < 0.05 * 2.0 * n * d * d
+    S = Q @ ga.ekfac(G).damp(0.1).inv() @ G.T
+    scores = [j for step in plan(S.expr).passes for j in step.jobs if j.kind == "scores"]
+    assert scores and all(step.cost.flops < 2.0 * n * d * d for step in plan(S.expr).passes)
+
+
 def test_explain_for_another_device_says_what_does_not_fit():
     """Planning for hardware one does not have never raises for memory: the plan for all
     the GPUs asked about is shown, with the reason one GPU's budget is not enough."""

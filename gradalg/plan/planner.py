@@ -413,9 +413,7 @@ class _Planner:
                     flops += 2.0 * dense_flops(held.n, n_stream, T_h, T_s, b.shape[1], b.shape[0], left_ready=True)
                 else:
                     flops += 2.0 * held.n * n_stream * b.dim
-            if not isinstance(job.target.op, Identity):
-                d = held.space.dim
-                flops += 2.0 * held.n * d * d
+            flops += apply_flops(job.target.op, held.space, held.n)
             return Cost(flops=flops)
         if job.kind == "diag":
             return Cost(flops=2.0 * n_stream * job.streams[0].space.dim)
@@ -571,6 +569,38 @@ class _Planner:
         cost = Cost(cost.flops, cost.bytes, fixed + per_ex * (p.batch_size or 1), 1.0 if p.reads_data else 0.0)
         p.cost = cost
         p.seconds = cost.seconds(self.device, self.dtype)
+
+
+def apply_flops(op: OpNode, space, n: int) -> float:
+    """FLOPs of applying the resolved ``op`` to n rows of ``space``, by its structure:
+    a diagonal scales (n·d), block-diagonal and dense matrices multiply (2n·Σd_b², 2n·d²),
+    a Kronecker eigenbasis rotates each (out, in) block in and back
+    (4n·out·in·(out + in)), a rank-r factorization costs 4n·d·r. Implicit operators
+    (iterative solvers on Hessian-vector products) are costed as dense: their passes over
+    the data happen inside the solver and are not modelled here."""
+    structure = op.structure
+    d = space.dim
+    if structure == "identity":
+        return 0.0
+    if structure == "diag":
+        return float(n * d)
+    if structure == "block":
+        return 2.0 * n * sum(b.dim * b.dim for b in space.blocks)
+    if structure == "kron":
+        total = 0.0
+        for b in space.blocks:
+            if len(b.shape) == 2:
+                out_f, in_f = b.shape
+                total += 4.0 * n * out_f * in_f * (out_f + in_f)
+            else:
+                total += 2.0 * n * b.dim * b.dim
+        return total
+    if structure == "lowrank":
+        base = op
+        while not hasattr(base, "rank") and hasattr(base, "op"):
+            base = base.op
+        return 4.0 * n * d * getattr(base, "rank", d)
+    return 2.0 * n * d * d
 
 
 def _positions_known(node: GradNode) -> bool:
