@@ -102,6 +102,10 @@ class options(contextlib.ContextDecorator):
         self._previous = _current.get()
         self._token = _current.set(replace(self._previous, **changes))
 
+    def __repr__(self) -> str:   # shown when a notebook cell ends with ga.options(...)
+        changes = ", ".join(f"{k}={v!r}" for k, v in self._changes.items())
+        return f"ga.options({changes}) -> {_current.get()!r}"
+
     def __call__(self, func):
         """As a decorator: the options hold inside each call of ``func`` only."""
         _current.reset(self._token)  # decorating alone changes nothing

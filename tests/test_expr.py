@@ -359,8 +359,9 @@ def test_options_context_manager_restores():
 def test_options_set_globally_without_with():
     before = ga.get_options()
     try:
-        ga.options(batch_size=5)
+        shown = repr(ga.options(batch_size=5))       # what a notebook cell ending in it displays
         assert ga.get_options().batch_size == 5
+        assert shown.startswith("ga.options(batch_size=5) -> Options(batch_size=5,")
     finally:
         ga.options(**dataclasses.asdict(before))
     assert ga.get_options() == before
