@@ -157,7 +157,13 @@ def test_device_profile_measured_once_and_cached(tmp_path, monkeypatch):
     assert calls == [1], "the second call must read the cache, not measure again"
     cached = json.loads((tmp_path / "devices.json").read_text())
     assert list(cached.values()) == [dict(name="fake cpu", flops_fp32=1e9, flops_bf16=2e9, bandwidth=1e10,
-                                          memory=8e9, measured=True)]
+                                          memory=8e9, measured=True, call_seconds=2e-5)]
+    # a cache written before call_seconds existed is measured again, not read with a default
+    key = next(iter(cached))
+    (tmp_path / "devices.json").write_text(json.dumps({key: {k: v for k, v in cached[key].items()
+                                                              if k != "call_seconds"}}))
+    assert devices.local_profile() == fake and calls == [1, 1]
+    del calls[1:]
     assert devices.profile("cpu") == fake and devices.profile() == fake
     assert len(calls) == 1
     devices.local_profile(refresh=True)
@@ -664,6 +670,23 @@ def test_explain_for_another_device_has_scale_table():
     assert "H100" in str(e) and "1 GPU(s)" in str(e) and "2 GPU(s)" in str(e)
     assert [r["gpus"] for r in e.to_dict()["scale"]] == [1, 2]
     assert e.plan.device is devices.PRESETS["h100"]
+
+
+def test_capture_is_costed_with_a_fixed_overhead_per_module_call():
+    """Small models are dominated by per-call overhead, not FLOPs: each batch calls every
+    module once forward and once backward, and the device profile prices a call."""
+    s = mlp_setup()                                   # 3 modules (Linear, Tanh, Linear)
+    G, Q = ga.grads(s["task"], s["train"]), ga.grads(s["task"], s["query"])
+    with ga.options(batch_size=8):
+        p = plan((Q @ G.T).expr)
+    query_pass, train_pass = p.passes
+    assert query_pass.cost.calls == 1 * 3 * 2          # 4 queries: one batch
+    assert train_pass.cost.calls == 3 * 3 * 2          # 20 examples in batches of 8: three batches
+    c = train_pass.cost
+    assert train_pass.seconds == pytest.approx(
+        c.flops / p.device.flops(p.dtype) + c.bytes / p.device.bandwidth + c.calls * p.device.call_seconds)
+    assert 1e-7 < devices.local_profile().call_seconds < 1e-2
+    assert devices.PRESETS["h200"].call_seconds == 1e-5
 
 
 def test_applying_the_operator_is_costed_by_its_structure():

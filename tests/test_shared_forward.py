@@ -168,3 +168,18 @@ def test_gauss_newton_terms_share_the_forward_with_the_loss():
         shared, separate = both(S)
     assert seen.examples == (3 + 12) + (3 + 2 * 12)
     assert_close(shared, separate, what="GN terms shared vs separate", rtol=0, atol=1e-12)
+
+
+def test_row_weights_replay_the_captured_forward():
+    """TRAK's weights 1 − p_z read the outputs of the forward that captured the batch
+    instead of running the model again; with share_forward=False they run it."""
+    model = models.mlp()
+    task = ga.tasks.classification(model)
+    x, y = models.classification_data(12, seed=1)
+    xq, yq = models.classification_data(3, seed=2)
+    S = ga.methods.trak(task, TensorDataset(x, y), TensorDataset(xq, yq), k=8, damping=1e-3)
+    with Forwards(model[0]) as seen:
+        shared, separate = both(S)
+    # shared: 3 + 12 captured, weights replayed; separate: 3 + 12 captured, 12 again for 1 − p
+    assert seen.examples == (3 + 12) + (3 + 12 + 12)
+    assert_close(shared, separate, what="replayed vs recomputed weights", rtol=0, atol=1e-12)

@@ -58,10 +58,10 @@ class SourceCapture:
             return [Chunk(ids, blocks, batch, task, {"term": term})
                     for term, blocks in enumerate(self._expected_blocks(batch))]
         if src.backend == "func":
-            blocks = self._func_blocks(batch)
+            blocks, forward = self._func_blocks(batch), None
         else:
-            blocks = self._hook_blocks(batch, ids)
-        return self.finish(blocks, batch, ids)
+            blocks, forward = self._hook_blocks(batch, ids)
+        return self.finish(blocks, batch, ids, forward)
 
     def check_reduction(self, batch) -> None:
         """The task's sum/mean check, once per task (training-loss objective only)."""
@@ -80,10 +80,12 @@ class SourceCapture:
         task = self.source.task
         return task.token_mask(batch) if task.token_mask is not None else None
 
-    def finish(self, blocks: dict, batch, ids) -> list[Chunk]:
+    def finish(self, blocks: dict, batch, ids, forward=None) -> list[Chunk]:
+        """The batch's chunk; ``forward`` (a :class:`SharedForward` record) lets per-example
+        weights of this batch reuse its forward (dropped when rows are kept)."""
         if self.options.check_finite:
             check_finite(blocks, ids)
-        return [Chunk(ids, blocks, batch, self.source.task)]
+        return [Chunk(ids, blocks, batch, self.source.task, {"forward": forward} if forward else {})]
 
     def share_key(self):
         """Sources with equal keys can share one forward per batch; None: never shared."""
@@ -95,9 +97,12 @@ class SourceCapture:
         return (src.task.token, tuple(ref.name for ref in self.refs))
 
     def _hook_blocks(self, batch, ids):
-        with torch.enable_grad(), ForwardRecorder(self.refs) as recorder:
-            loss = self.loss(batch, ids)
-            return capture_batch(loss, recorder, token_mask=self.token_mask(batch))
+        if not self.options.share_forward or self.share_key() is None:
+            with torch.enable_grad(), ForwardRecorder(self.refs) as recorder:
+                return capture_batch(self.loss(batch, ids), recorder, token_mask=self.token_mask(batch)), None
+        with torch.enable_grad(), ForwardRecorder(self.refs) as recorder, SharedForward(self.source.task.model) as shared:
+            blocks = capture_batch(self.loss(batch, ids), recorder, token_mask=self.token_mask(batch))
+        return blocks, shared.record
 
     def _expected_blocks(self, batch):
         """One set of factors per term of ``task.expected_terms``; one forward in all."""
@@ -175,14 +180,15 @@ class PassCapture:
                 if shared.calls != calls + 1 or shared.hits != k:
                     return None
             mask = group[0].token_mask(batch)
-            out: dict[str, list[Chunk]] = {c.source.token: [] for c in group}
-            for k, (c, term, loss) in enumerate(losses):
-                blocks = capture_batch(loss, recorder, token_mask=mask, retain_graph=k < len(losses) - 1)
-                if term is None:
-                    out[c.source.token] += c.finish(blocks, batch, ids)
-                else:
-                    out[c.source.token].append(Chunk(ids, blocks, batch, c.source.task, {"term": term}))
-            return out
+            blocks = [capture_batch(loss, recorder, token_mask=mask, retain_graph=k < len(losses) - 1)
+                      for k, (_, _, loss) in enumerate(losses)]
+        out: dict[str, list[Chunk]] = {c.source.token: [] for c in group}
+        for (c, term, _), b in zip(losses, blocks):
+            if term is None:
+                out[c.source.token] += c.finish(b, batch, ids, shared.record)
+            else:
+                out[c.source.token].append(Chunk(ids, b, batch, c.source.task, {"term": term}))
+        return out
 
 
 class SharedForward:
@@ -191,13 +197,16 @@ class SharedForward:
 
     ``model.forward`` is shadowed by an instance attribute while active. ``calls``
     counts calls and ``hits`` those answered from the first; a call with other inputs
-    runs the real forward (and is a miss the caller can detect).
+    runs the real forward (and is a miss the caller can detect). ``record`` keeps the
+    first call after exit; ``SharedForward(model, first=record)`` replays it (per-example
+    weights such as TRAK's 1 − p read the captured batch's outputs, not a new forward).
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, first=None):
         self.model = model
         self.calls = self.hits = 0
-        self._first = None
+        self._first = first          # ((args, kwargs), output) of an earlier forward to replay
+        self.record = None           # the first call's ((args, kwargs), output), kept after exit
 
     def __enter__(self):
         self._shadowed = vars(self.model).get("forward")
@@ -210,7 +219,7 @@ class SharedForward:
             self.model.forward = self._shadowed
         else:
             del self.model.forward
-        self._first = None
+        self.record, self._first = self._first, None
         return False
 
     def _call(self, *args, **kwargs):

@@ -80,7 +80,10 @@ def _row_weights(weights, chunk: Chunk) -> torch.Tensor:
     if chunk.batch is None or chunk.task is None:
         raise ValueError(f"per-example weights {weights.name!r} need the batches the gradients "
                          "came from; apply them to gradients from ga.grads, not to stored ones")
-    with torch.no_grad():
+    # replay the captured batch's forward when the weights ask for the same outputs
+    # (TRAK's 1 − p): SharedForward returns them instead of running the model again
+    from .capture_pass import SharedForward
+    with torch.no_grad(), SharedForward(chunk.task.model, first=chunk.meta.get("forward")):
         w = weights.fn(chunk.task.model, chunk.batch)
     if w.shape != (chunk.n,):
         raise ValueError(f"row weights {weights.name!r} returned shape {tuple(w.shape)}; expected "

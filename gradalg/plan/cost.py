@@ -2,7 +2,9 @@
 
 A :class:`Cost` counts floating-point operations (``flops``; a multiply-add is 2),
 bytes moved through memory (``bytes``), the largest simultaneous footprint
-(``peak_bytes``) and forward/backward ``passes`` over datasets. :func:`model_flops`
+(``peak_bytes``), forward/backward ``passes`` over datasets and module ``calls`` (each
+forward or backward of a module costs a fixed overhead — Python dispatch, a kernel
+launch — that dominates small models). :func:`model_flops`
 counts a model's forward FLOPs per token from its module shapes (meta-device models
 work: nothing is allocated). The per-kernel formulas are those of the kernels in
 :mod:`gradalg.capture.factors`; unit tests pin them to exact numbers.
@@ -26,16 +28,18 @@ class Cost:
     bytes: float = 0.0
     peak_bytes: float = 0.0
     passes: float = 0.0
+    calls: float = 0.0
 
     def __add__(self, other: "Cost") -> "Cost":
         return Cost(self.flops + other.flops, self.bytes + other.bytes,
-                    max(self.peak_bytes, other.peak_bytes), self.passes + other.passes)
+                    max(self.peak_bytes, other.peak_bytes), self.passes + other.passes,
+                    self.calls + other.calls)
 
     def scaled(self, c: float) -> "Cost":
-        return Cost(self.flops * c, self.bytes * c, self.peak_bytes, self.passes * c)
+        return Cost(self.flops * c, self.bytes * c, self.peak_bytes, self.passes * c, self.calls * c)
 
     def seconds(self, profile, dtype=torch.float32) -> float:
-        return profile.seconds(self.flops, self.bytes, dtype)
+        return profile.seconds(self.flops, self.bytes, dtype, calls=self.calls)
 
     def __repr__(self) -> str:
         return f"Cost({self.describe()}, {_si(self.bytes)}B moved)"

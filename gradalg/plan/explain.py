@@ -67,7 +67,7 @@ def scale_estimates(plan: Plan, gpus=(1, 4, 8), device="h200") -> list[dict]:
     held = max([p.fixed_bytes for p in plan.passes] or [0.0])
     per_batch = max([p.per_example_bytes * (p.batch_size or 1) for p in plan.passes] or [0.0])
     for g in gpus:
-        seconds = prof.seconds(flops / g, nbytes / g, dtype)
+        seconds = prof.seconds(flops / g, nbytes / g, dtype, calls=plan.total.calls / g)
         memory = weights / g + per_batch + held
         rows.append({"gpus": g, "device": prof.name, "seconds": seconds, "memory_per_gpu": memory,
                      "fits": memory <= prof.memory, "passes_over_data": plan.data_passes})

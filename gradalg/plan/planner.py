@@ -371,8 +371,13 @@ class _Planner:
             rows = max(1, _num_outputs(src))
         # the activations are written by the forward and read back by each backward
         elem = torch.empty((), dtype=self.dtype).element_size()
-        traffic = src.data.n * activation_bytes(src.task.model, T, elem) * (rows + (1 if forward else 0))
-        return Cost(flops=src.data.n * fwd * (rows + (1 if forward else 0)), bytes=traffic, passes=1)
+        sweeps = rows + (1 if forward else 0)
+        traffic = src.data.n * activation_bytes(src.task.model, T, elem) * sweeps
+        # each batch calls every module once per forward and once per backward
+        batch = src.data.batch_size or getattr(src.data.source, "batch_size", None) or self.options.batch_size
+        modules = sum(1 for m in src.task.model.modules() if not any(True for _ in m.children()))
+        calls = -(-src.data.n // batch) * modules * sweeps
+        return Cost(flops=src.data.n * fwd * sweeps, bytes=traffic, passes=1, calls=calls)
 
     def _pass_capture_cost(self, sources: list[Source]) -> Cost:
         """Capturing all sources of a pass: those differing only in their objective share
@@ -566,7 +571,8 @@ class _Planner:
         if p.reads_data:
             cost = cost + self._projection_cost(p.jobs, n)
         # one read of the data, however many sources are captured from each batch
-        cost = Cost(cost.flops, cost.bytes, fixed + per_ex * (p.batch_size or 1), 1.0 if p.reads_data else 0.0)
+        cost = Cost(cost.flops, cost.bytes, fixed + per_ex * (p.batch_size or 1), 1.0 if p.reads_data else 0.0,
+                    cost.calls)
         p.cost = cost
         p.seconds = cost.seconds(self.device, self.dtype)
 
