@@ -26,7 +26,7 @@ __all__ = ["FisherAccumulator", "KronAccumulator", "EKFACAccumulator", "GroupAcc
 class FisherAccumulator:
     """F = (1/n) Σ_i g_i g_iᵀ, accumulated in float64, as dense, block or diag."""
 
-    def __init__(self, node: Fisher, memory_budget: int, dtype):
+    def __init__(self, node: Fisher, memory_budget: int):
         space, structure = node.space, node.structure
         need = {"dense": space.dim ** 2, "block": sum(b.dim ** 2 for b in space.blocks),
                 "diag": space.dim}[structure] * 8
@@ -37,7 +37,7 @@ class FisherAccumulator:
                 "(ga.fisher(P(G)) with P = ga.proj.kron(k=...)), use structure='block' or 'diag', "
                 "or raise ga.options(memory_budget=...)."
             )
-        self.node, self.space, self.structure, self.dtype = node, space, structure, dtype
+        self.node, self.space, self.structure = node, space, structure
         self.acc = None
         self.rows = 0
 

@@ -182,7 +182,7 @@ class LocalExecutor(Executor):
         if kind == "group":
             return GroupAccumulator(target)
         if kind == "fisher":
-            return FisherAccumulator(target, self.options.memory_budget, self._dtype_of(target.grads))
+            return FisherAccumulator(target, self.options.memory_budget)
         if kind == "kfac":
             return KronAccumulator(target)
         if kind == "ekfac":
@@ -237,16 +237,6 @@ class LocalExecutor(Executor):
                     total += v.nbytes() if isinstance(v, Factors) else v.numel() * v.element_size()
         return total
 
-    def _dtype_of(self, node: GradNode):
-        src = stream_root(node)
-        if isinstance(src, Source):
-            return model_device_dtype(src.task.model)[1]
-        if isinstance(src, Captured):  # the dtype the loop recorded (a float64 model stays float64)
-            for chunk in src.store.chunks():
-                for value in chunk.blocks.values():
-                    return dtype_device(value)[0]
-        return torch.float32
-
     # ------------------------------------------------------------------ pull path
     def iter_chunks(self, node: GradNode) -> Iterator[Chunk]:
         """Chunks of rows of ``node``, in order, one node at a time (no fusion)."""
@@ -295,7 +285,7 @@ class LocalExecutor(Executor):
         if isinstance(node, StoredOp):  # numbers kept outside the expression (ga.store)
             return node.store.load()
         if isinstance(node, Fisher):
-            acc = FisherAccumulator(node, self.options.memory_budget, self._dtype_of(node.grads))
+            acc = FisherAccumulator(node, self.options.memory_budget)
             for chunk in self.iter_chunks(node.grads):
                 acc.update(chunk)
             return acc.finish()
