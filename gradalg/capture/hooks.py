@@ -20,7 +20,7 @@ from ..errors import UnsupportedLayerError
 from .factors import Factors
 from .layers import LayerRule, rule_for
 
-__all__ = ["resolve_layers", "ForwardRecorder", "capture_batch", "LayerRef"]
+__all__ = ["resolve_layers", "ForwardRecorder", "capture_batch", "LayerRef", "forward_share_key"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,18 @@ def resolve_layers(model: nn.Module, layers=None, *, backend: str = "hooks") -> 
         else:
             refs.append(LayerRef(name, module, rule_for(name, module)))
     return refs
+
+
+def forward_share_key(source, refs: list[LayerRef] | None = None):
+    """Sources (``expr.Source``) with equal keys can share one forward per batch (the
+    executor's ``PassCapture``; the planner costs them so); None: never shared. Hooks on
+    the model itself would fire on every replayed call, so those sources are not shared."""
+    if source.backend != "hooks":
+        return None
+    refs = resolve_layers(source.task.model, list(source.layers)) if refs is None else refs
+    if any(ref.module is source.task.model for ref in refs):
+        return None
+    return (source.task.token, tuple(ref.name for ref in refs))
 
 
 def _recordable(name: str, module: nn.Module, backend: str) -> bool:

@@ -15,7 +15,7 @@ import contextlib
 import torch
 
 from ..capture.factors import Factors
-from ..capture.hooks import ForwardRecorder, capture_batch, resolve_layers
+from ..capture.hooks import ForwardRecorder, capture_batch, forward_share_key, resolve_layers
 from ..capture.reference import param_names_of, per_example_grads
 from ..errors import NonFiniteGradientError
 from ..expr import Source
@@ -89,20 +89,15 @@ class SourceCapture:
 
     def share_key(self):
         """Sources with equal keys can share one forward per batch; None: never shared."""
-        src = self.source
-        if src.backend != "hooks":
-            return None
-        if any(ref.module is src.task.model for ref in self.refs):   # hooks on the model itself
-            return None                                             # would fire on every call
-        return (src.task.token, tuple(ref.name for ref in self.refs))
+        return forward_share_key(self.source, self.refs)
 
     def _hook_blocks(self, batch, ids):
-        if not self.options.share_forward or self.share_key() is None:
-            with torch.enable_grad(), ForwardRecorder(self.refs) as recorder:
-                return capture_batch(self.loss(batch, ids), recorder, token_mask=self.token_mask(batch)), None
-        with torch.enable_grad(), ForwardRecorder(self.refs) as recorder, SharedForward(self.source.task.model) as shared:
+        """The batch's factors, and the record of its forward when it may be replayed."""
+        replay = self.options.share_forward and self.share_key() is not None
+        shared = SharedForward(self.source.task.model) if replay else contextlib.nullcontext()
+        with torch.enable_grad(), ForwardRecorder(self.refs) as recorder, shared:
             blocks = capture_batch(self.loss(batch, ids), recorder, token_mask=self.token_mask(batch))
-        return blocks, shared.record
+        return blocks, shared.record if replay else None
 
     def _expected_blocks(self, batch):
         """One set of factors per term of ``task.expected_terms``; one forward in all."""

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..capture.factors import dense_flops, ghost_flops
+from ..capture.hooks import forward_share_key
 from ..expr import (KFAC, AdamPrecondition, Arnoldi, Captured, Damp, DataInf, Fisher, GradNode, GroupMean, Identity, Inner, Inverse, Node, Normalize, OpNode, Power,
                     Precondition, Project, ScaledOp, ScaleRows, ScoreDiagonal, ScoreNode, ScoreSum, Select,
                     Source, SumOp)
@@ -384,9 +385,7 @@ class _Planner:
         one forward per batch (:class:`~gradalg.exec.capture_pass.PassCapture`)."""
         cost, forwards = Cost(), set()
         for src in sources:
-            key = None
-            if self.options.share_forward and src.backend == "hooks":
-                key = (src.task.token, tuple(src.layers) if src.layers is not None else None)
+            key = forward_share_key(src) if self.options.share_forward else None
             cost = cost + self._capture_cost(src, forward=key is None or key not in forwards)
             forwards.add(key)
         return cost
