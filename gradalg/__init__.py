@@ -13,6 +13,7 @@ from .api import (GradientSet, Operator, Scores, SelfScores, TransposedGradients
                   ekfac, fisher, gauss_newton, grads, hessian, identity, kfac, mean_scores, row_weights,
                   sum_scores)
 from .capture import capture, per_example_grads
+from .errors import BatchContentError
 from .errors import (GradalgError, LossReductionError, MemoryBudgetError, NonFiniteGradientError,
                      ShapeMismatchError, SpaceMismatchError, StoreIncompleteError, StoreMismatchError,
                      UnsupportedLayerError)
@@ -31,5 +32,5 @@ __all__ = [
     "GradientSet", "Operator", "Scores", "TransposedGradients", "LocalExecutor", "methods", "proj",
     "tasks", "integrations", "GradalgError", "LossReductionError", "MemoryBudgetError", "NonFiniteGradientError",
     "ShapeMismatchError", "SpaceMismatchError", "UnsupportedLayerError", "store", "StoreMismatchError",
-    "StoreIncompleteError",
+    "StoreIncompleteError", "BatchContentError",
 ]

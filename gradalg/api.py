@@ -436,7 +436,7 @@ def grads(task: Task, data, layers=None, *, ids=None, batch_size: int | None = N
     from .capture.hooks import resolve_layers
 
     refs = resolve_layers(task.model, layers, backend=backend)  # errors now, not at compute time
-    if objective not in ("loss", "sampled", "expected", "output"):
+    if objective not in ("loss", "sampled", "expected", "output", "weighted_output"):
         raise ValueError(f"objective must be 'loss', 'sampled', 'expected' or 'output', got {objective!r}")
     task.objective_fn(objective)  # a missing sampled_loss/output is reported now
     return GradientSet(Source(task, as_data(data, ids, batch_size), tuple(r.name for r in refs), backend,

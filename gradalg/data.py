@@ -12,6 +12,8 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from .collate import DictDataset, pad_collate
+
 __all__ = ["DataRef", "batch_size_of", "slice_batch", "move_batch", "as_data"]
 
 
@@ -92,7 +94,7 @@ class DataRef:
             return iter(self.source)
         if isinstance(self.source, Dataset) or hasattr(self.source, "__getitem__"):
             bs = self.batch_size or default_batch_size
-            return iter(DataLoader(self.source, batch_size=bs, shuffle=False))
+            return iter(DataLoader(self.source, batch_size=bs, shuffle=False, collate_fn=pad_collate))
         raise TypeError(f"cannot iterate over {type(self.source).__name__}")
 
     def subset(self, start: int, stop: int) -> "DataRef":
@@ -105,7 +107,7 @@ class DataRef:
 
     def first_example_batch(self) -> Any:
         """A batch holding the first example only: used for shape hints, never a forward."""
-        return next(iter(DataLoader(_dataset_of(self.source), batch_size=1)))
+        return next(iter(DataLoader(_dataset_of(self.source), batch_size=1, collate_fn=pad_collate)))
 
 
 def _dataset_of(source):
@@ -132,6 +134,9 @@ def as_data(data: Any, ids=None, batch_size: int | None = None) -> DataRef:
     elif isinstance(data, tuple) and all(isinstance(t, torch.Tensor) for t in data):
         key = "tensors-" + "-".join(f"{id(t):x}" for t in data)
         data = TensorDataset(*data)
+    elif isinstance(data, Mapping):   # already-batched dict tensors {"input_ids": (N, T), ...}
+        key = "dict-" + "-".join(f"{k}:{id(v):x}" for k, v in data.items())
+        data = DictDataset(data)
     if isinstance(data, DataLoader):
         sampler = type(data.sampler).__name__
         if sampler != "SequentialSampler":

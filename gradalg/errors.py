@@ -15,6 +15,7 @@ __all__ = [
     "MemoryBudgetError",
     "StoreMismatchError",
     "StoreIncompleteError",
+    "BatchContentError",
 ]
 
 
@@ -87,3 +88,23 @@ class NonFiniteGradientError(GradalgError, FloatingPointError):
             "log of zero, an overflow in half precision); remove them with a filtered "
             "dataset, or compute in float32/float64."
         )
+
+
+class BatchContentError(GradalgError, ValueError):
+    """A batch's fields cannot give the loss the task declares: a missing field, padding
+    on the other side than the task assumes, a row with no real token, or a row none of
+    whose labels count.
+
+    Attributes
+    ----------
+    example_ids : list
+        Ids of the offending examples (batch positions when the ids are not known).
+    """
+
+    def __init__(self, message: str, example_ids=()):
+        self.example_ids = list(example_ids)
+        self.message = message
+        super().__init__(message)
+
+    def __reduce__(self):   # picklable (raised on a Dask worker, re-raised here)
+        return type(self), (self.message, self.example_ids)

@@ -61,6 +61,17 @@ class Task:
         Σ_c ∇L_c,i ∇L_c,iᵀ = the example's Gauss-Newton matrix exactly (for
         cross-entropy: L_c = −Σ_i √p_ic log p_ic, one term per class):
         ``ga.grads(..., objective="expected")``, for curvature only.
+    weighted_output : callable ``(model, batch) -> scalar``, optional
+        Σ_i Σ_t w_it f_it with the weights detached: TRAK's output function with its Q
+        applied per token (``objective="weighted_output"``); for a margin f_t = log
+        p_t/(1 − p_t) and w_t = 1 − p_t its gradient is −∇L (see ``ga.tasks.causal_lm``).
+    curvature_objective : {"expected", "sampled"}, optional
+        Which objective the methods' Gauss-Newton curvature uses; default: "expected"
+        when ``expected_terms`` is given, else "sampled". Language-model tasks set
+        "sampled": one exact term per vocabulary entry is infeasible.
+    check_batch : callable ``(batch, ids) -> None``, optional
+        Validates a batch before it is captured, raising a ``GradalgError`` that names
+        the example ids at fault (padding side, empty rows, labels that never count).
     forward, loss_from_outputs : callables, optional
         ``forward(model, batch) -> outputs`` and ``loss_from_outputs(outputs, batch) ->
         summed scalar``, with ``loss = loss_from_outputs(forward(model, batch), batch)``.
@@ -75,7 +86,8 @@ class Task:
                  reduction: str = "sum", token_mask: Callable[[Any], torch.Tensor] | None = None,
                  sampled_loss: Callable | None = None, output: Callable | None = None,
                  output_weight: Callable | None = None, expected_terms: Callable | None = None,
-                 forward: Callable | None = None,
+                 weighted_output: Callable | None = None, curvature_objective: str | None = None,
+                 check_batch: Callable | None = None, forward: Callable | None = None,
                  loss_from_outputs: Callable | None = None, name: str | None = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Task needs a torch.nn.Module, got {type(model).__name__}")
@@ -91,6 +103,11 @@ class Task:
         self.output = output
         self.output_weight = output_weight
         self.expected_terms = expected_terms
+        self.weighted_output = weighted_output
+        if curvature_objective not in (None, "expected", "sampled"):
+            raise ValueError(f"curvature_objective must be 'expected' or 'sampled', got {curvature_objective!r}")
+        self.curvature_objective = curvature_objective
+        self.check_batch = check_batch
         self.forward = forward
         self.loss_from_outputs = loss_from_outputs
         self.name = name or type(model).__name__
@@ -98,6 +115,11 @@ class Task:
 
     def __repr__(self):
         return f"Task({self.name}, reduction={self.reduction!r})"
+
+    def validate_batch(self, batch: Any, ids=None) -> None:
+        """Run the task's ``check_batch`` (if any) on a batch about to be captured."""
+        if self.check_batch is not None:
+            self.check_batch(batch, ids)
 
     def summed_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         """The loss as a sum over the batch's examples (rescaling a declared mean)."""
@@ -134,12 +156,18 @@ class Task:
                 raise ValueError("objective='output' needs Task(..., output=fn(model, batch)); "
                                  "ga.tasks.classification(model) provides the TRAK margin")
             return self.output
+        if objective == "weighted_output":
+            if self.weighted_output is None:
+                raise ValueError("objective='weighted_output' needs Task(..., weighted_output=fn(model, batch)); "
+                                 "ga.tasks.causal_lm(model) provides TRAK's per-token weighted margin")
+            return self.weighted_output
         if objective == "expected":
             if self.expected_terms is None:
                 raise ValueError("objective='expected' needs Task(..., expected_terms=fn(model, batch)); "
                                  "ga.tasks.classification(model) provides one")
             return self.expected_terms
-        raise ValueError(f"objective must be 'loss', 'sampled', 'expected' or 'output', got {objective!r}")
+        raise ValueError("objective must be 'loss', 'sampled', 'expected', 'output' or 'weighted_output', "
+                         f"got {objective!r}")
 
     @torch.no_grad()
     def check_reduction(self, batch: Any) -> None:
@@ -201,6 +229,11 @@ class ExampleRandom:
         rows = [torch.rand(shape, generator=self._generator(i), dtype=torch.float64) for i in self.ids]
         return torch.stack(rows).to(self.device) if rows else torch.empty(0, *shape)
 
+    def uniform_ragged(self, counts) -> list[torch.Tensor]:
+        """``counts[i]`` uniforms for example i, the first ones the same whatever the count
+        (a sequence's draws do not depend on the padded length of its batch)."""
+        return [_prefix_uniform(self._generator(i), int(c)).to(self.device) for i, c in zip(self.ids, counts)]
+
     def sample(self, probs: torch.Tensor) -> torch.Tensor:
         """Indices drawn from ``probs`` (B, ..., C) along the last dim, per example.   (B, ...)"""
         u = self.uniform(*probs.shape[1:-1]).to(probs.device)
@@ -208,6 +241,13 @@ class ExampleRandom:
         # u scaled by the total (unnormalized probs are fine) rather than the CDF divided by it
         target = (u * cdf[..., -1]).unsqueeze(-1)
         return torch.searchsorted(cdf, target).squeeze(-1).clamp_max(probs.shape[-1] - 1)
+
+
+def _prefix_uniform(generator: torch.Generator, count: int) -> torch.Tensor:
+    """``count`` float64 uniforms drawn one at a time in blocks of 64, so that a longer
+    draw extends a shorter one (a single ``torch.rand(count)`` may vectorize differently)."""
+    blocks = [torch.rand(64, generator=generator, dtype=torch.float64) for _ in range(-(-count // 64))]
+    return torch.cat(blocks)[:count] if blocks else torch.empty(0, dtype=torch.float64)
 
 
 def _device_of(model: nn.Module) -> torch.device:

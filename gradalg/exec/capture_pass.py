@@ -142,6 +142,8 @@ class PassCapture:
 
     def capture(self, batch, ids) -> dict[str, list[Chunk]]:
         out: dict[str, list[Chunk]] = {}
+        for task in {id(c.source.task): c.source.task for c in self.capturers}.values():
+            task.validate_batch(batch, ids)
         groups = []
         for group in self.groups:
             if len(group) > 1:

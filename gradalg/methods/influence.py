@@ -38,7 +38,16 @@ SOLVERS = ("direct", "cg", "lissa", "arnoldi")
 
 
 def gauss_newton_objective(task: Task) -> str:
-    """The gradient objective whose Fisher is the task's Gauss-Newton matrix."""
+    """The gradient objective whose Fisher is the task's Gauss-Newton matrix.
+
+    ``task.curvature_objective`` decides when set: language-model tasks
+    (``ga.tasks.causal_lm`` …) set "sampled", since one exact term per vocabulary entry
+    ("expected", the classification default) is infeasible for V ≈ 50k. Otherwise
+    "expected" when the task has ``expected_terms``, else "sampled". The choice shows in
+    the plan (``S.explain()``) as the objective of the curvature's gradients.
+    """
+    if task.curvature_objective is not None:
+        return task.curvature_objective
     if task.expected_terms is not None:
         return "expected"
     if task.sampled_loss is not None:

@@ -9,7 +9,11 @@ For each model m of an ensemble (independently trained, or checkpoints):
     S = (1/M) Σ_m S_m
 
 The projection seed is shared by the ensemble, the kernel is per model, and the
-(1 − p) weighting is TRAK's Q matrix. (The paper's final soft-thresholding is left out:
+(1 − p) weighting is TRAK's Q matrix. For sequences (``ga.tasks.causal_lm``: f = Σ_t f_t,
+one margin per counted token) Q is applied **per token**: the training side is
+P ∇ Σ_t (1 − p_t) f_t (the task's ``weighted_output``, 1 − p_t detached), which equals
+−P ∇L(z) exactly because (1 − p_t) ∇f_t = ∇ log p_t; one weight per sequence would
+weigh a sequence's well-predicted tokens like its surprising ones. (The paper's final soft-thresholding is left out:
 it is a post-processing choice, easy to apply to the returned DataArray.)
 """
 from __future__ import annotations
@@ -49,13 +53,16 @@ def trak(tasks: Task | Sequence[Task], train, queries, *, layers=None, projector
     P = projector or default_projector(k, grads(tasks[0], train, layers).space.dim, seed)
     per_model = []
     for task in tasks:
-        if task.output is None or task.output_weight is None:
-            raise ValueError("TRAK needs Task(..., output=..., output_weight=...); "
-                             "ga.tasks.classification(model) provides them")
+        if task.output is None or (task.output_weight is None and task.weighted_output is None):
+            raise ValueError("TRAK needs Task(..., output=..., output_weight=...) or weighted_output=...; "
+                             "ga.tasks.classification(model) and ga.tasks.causal_lm(model) provide them")
         Phi = P(grads(task, train, layers, objective="output"))
         phi = P(grads(task, queries, layers, objective="output"))
         n = Phi.n
         kernel = (fisher(Phi) * n).damp(damping + n * weight_decay).inv()   # (ΦᵀΦ + λI)⁻¹
-        weights = row_weights(task.output_weight, "1 - p")
-        per_model.append(phi @ kernel @ (Phi * weights).T)
+        if task.weighted_output is not None:     # Q per token: ΦᵀQ = P ∇ Σ_t (1 − p_t) f_t
+            train_side = P(grads(task, train, layers, objective="weighted_output"))
+        else:                                    # Q per example
+            train_side = Phi * row_weights(task.output_weight, "1 - p")
+        per_model.append(phi @ kernel @ train_side.T)
     return mean_scores(per_model)

@@ -1,4 +1,5 @@
-"""Ready-made tasks for common losses.
+"""Classification tasks: ``classification`` (batches ``(x, y)``) and
+``sequence_classification`` (HF ``*ForSequenceClassification`` on dict batches).
 
 ``classification(model)`` builds a :class:`~gradalg.task.Task` for a classifier trained
 with cross-entropy on batches ``(x, y)``, with everything the methods need:
@@ -19,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .task import Task
+from ..task import Task
 
-__all__ = ["classification"]
+__all__ = ["classification", "sequence_classification"]
 
 
 def classification(model: nn.Module, *, inputs: Callable[[Any], Any] = lambda b: b[0],
@@ -32,6 +33,43 @@ def classification(model: nn.Module, *, inputs: Callable[[Any], Any] = lambda b:
 
     def logits_of(m, batch):
         return m(inputs(batch))
+
+    return categorical_task(model, logits_of, targets, name=name)
+
+
+def sequence_classification(model: nn.Module, *, padding_side: str = "right", name: str | None = None) -> Task:
+    """Cross-entropy over (B, C) logits of an HF ``*ForSequenceClassification`` on dict
+    batches: ``input_ids`` (B, T), ``attention_mask``, ``token_type_ids`` optional, the
+    class in ``labels`` (or ``label``) (B,). Every output of :func:`classification`
+    (sampled labels, exact per-class Gauss-Newton terms, TRAK's margin and 1 − p) comes
+    with it; ``token_mask`` is the attention mask. ``padding_side="left"`` passes
+    ``position_ids`` counted from each row's first real token; a batch padded on the other
+    side, or a row without a real token, is refused naming the example ids.
+    """
+    from .language import MODEL_INPUTS, hf_forward
+    from .tokens import check_padding, field, real_mask
+
+    forward = hf_forward(padding_side, MODEL_INPUTS)
+
+    def check_batch(batch, ids=None):
+        field(batch, "input_ids", "sequence_classification")
+        targets(batch)
+        check_padding(real_mask(batch), padding_side, ids, "sequence_classification")
+
+    def logits_of(m, batch):
+        check_batch(batch)
+        return forward(m, batch)
+
+    def targets(batch):
+        key = "labels" if "labels" in batch else "label"
+        return field(batch, key, "sequence_classification", hint="; the class goes in 'labels' (B,)")
+
+    return categorical_task(model, logits_of, targets, check_batch=check_batch, token_mask=real_mask, name=name)
+
+
+def categorical_task(model: nn.Module, logits_of: Callable, targets: Callable, *, check_batch=None,
+                     token_mask=None, name: str | None = None) -> Task:
+    """The classification task of ``logits_of(model, batch)`` (B, C) and ``targets(batch)`` (B,)."""
 
     def loss(m, batch):
         return F.cross_entropy(logits_of(m, batch), targets(batch), reduction="sum")
@@ -61,4 +99,5 @@ def classification(model: nn.Module, *, inputs: Callable[[Any], Any] = lambda b:
         return F.cross_entropy(logits, targets(batch), reduction="sum")
 
     return Task(model, loss, sampled_loss=sampled_loss, output=margin, output_weight=one_minus_p,
-                expected_terms=expected_terms, forward=logits_of, loss_from_outputs=loss_from_outputs, name=name or type(model).__name__)
+                expected_terms=expected_terms, forward=logits_of, loss_from_outputs=loss_from_outputs,
+                check_batch=check_batch, token_mask=token_mask, name=name or type(model).__name__)

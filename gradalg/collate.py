@@ -1,0 +1,67 @@
+"""Batching examples of unequal length.
+
+:func:`pad_collate` is the collate function gradalg's own loaders use. Items that are
+dicts of tensors (HF style: ``input_ids``, ``attention_mask``, ``labels``, ...) whose
+lengths differ are **right-padded** to the longest item of the batch: ``labels`` with
+``-100`` (ignored by every loss), every other field (``input_ids``, ``attention_mask``,
+``completion_mask``, ...) with 0, so padding is never a real token (attention_mask 0)
+and never a counted label. Equal-length items, tuples and tensors go to PyTorch's
+``default_collate`` unchanged.
+
+:class:`DictDataset` turns already-batched dict tensors ``{"input_ids": (N, T), ...}``
+into a dataset of N dict items.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch.utils.data import Dataset, default_collate
+
+__all__ = ["pad_collate", "DictDataset", "PAD_VALUES"]
+
+#: padding value per field; fields not named here pad with 0
+PAD_VALUES = {"labels": -100}
+
+
+def pad_collate(items: list):
+    """Stack ``items`` into a batch, right-padding dict fields of unequal length.
+
+    A field is padded along its first dimension (the token axis of an item) when its
+    items differ there; the value is ``PAD_VALUES.get(field, 0)``.   (B, T_max, ...)
+    """
+    if not items or not isinstance(items[0], Mapping):
+        return default_collate(items)
+    out = {}
+    for key in items[0]:
+        values = [item[key] for item in items]
+        if all(isinstance(v, torch.Tensor) and v.dim() >= 1 for v in values) and \
+                len({tuple(v.shape) for v in values}) > 1:
+            if len({tuple(v.shape[1:]) for v in values}) > 1:
+                raise ValueError(f"field {key!r} differs in more than its first dimension across "
+                                 f"the items of a batch: {sorted({tuple(v.shape) for v in values})}")
+            out[key] = torch.nn.utils.rnn.pad_sequence(values, batch_first=True,
+                                                       padding_value=PAD_VALUES.get(key, 0))
+        else:
+            out[key] = default_collate(values)
+    return out
+
+
+class DictDataset(Dataset):
+    """Dict tensors with the examples along dim 0, as a dataset of dict items."""
+
+    def __init__(self, fields: Mapping):
+        fields = dict(fields)
+        sizes = {k: v.shape[0] for k, v in fields.items() if isinstance(v, torch.Tensor)}
+        if not sizes:
+            raise TypeError("a dict batch needs tensor fields with the examples along dim 0")
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"the fields of a dict batch have different numbers of examples: {sizes}")
+        self.fields = fields
+        self.n = next(iter(sizes.values()))
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {k: v[i] if isinstance(v, torch.Tensor) else v for k, v in self.fields.items()}

@@ -1,0 +1,256 @@
+"""Language-model tasks: causal LM, masked LM and sequence-to-sequence.
+
+Every task here reads dict batches (``input_ids``, ``attention_mask``, ``labels`` …; a
+list of dict items of unequal length is right-padded by gradalg's collate, see
+:mod:`gradalg.collate`) and defines, for sequence i with counted target tokens
+t ∈ C_i (p_it = p_θ(y_it | context)):
+
+* ``loss``            L_i = Σ_{t∈C_i} −log p_it            (a **sum** over its tokens)
+* ``sampled_loss``    Σ_{t∈C_i} −log p_θ(ŷ_it | ·), ŷ_it ~ p_θ(· | ·): E[ĝ ĝᵀ] is the
+                      Gauss-Newton matrix of L_i (= true Fisher for softmax outputs)
+* ``expected_terms``  (``n_samples > 1``) S sampled losses each scaled by 1/√S:
+                      Σ_s ĝ_s ĝ_sᵀ / S, a lower-variance Monte-Carlo Gauss-Newton
+* ``output``          f_i = Σ_{t∈C_i} log p_it/(1 − p_it)  (TRAK's margin per token)
+* ``weighted_output`` Σ_{t∈C_i} (1 − p_it) f_it with 1 − p detached: TRAK's Q per token.
+                      Since ∂ℓ/∂f = −(1 − p) for ℓ = −log p, its gradient is exactly
+                      −∇L_i: TRAK's training side Φᵀ Q becomes the negative loss gradient,
+                      with every token weighted by its own 1 − p_t
+* ``output_weight``   per sequence: mean of 1 − p_it over its counted tokens (for code
+                      that applies TRAK's Q as one weight per row)
+* ``token_mask``      the attention mask: padding is zeroed in captured factors
+* ``curvature_objective = "sampled"``: one exact Gauss-Newton term per vocabulary entry
+                      (``objective="expected"``, what classification uses) is infeasible
+                      for V ≈ 50k, so the methods' curvature uses sampled labels.
+
+The batch is checked before it is captured (:class:`~gradalg.errors.BatchContentError`
+with the example ids): a missing field, padding on the other side than ``padding_side``,
+rows without a real token, rows none of whose labels count.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import BatchContentError
+from ..task import ExampleRandom, Task
+from .tokens import (IGNORE, PADDING_SIDES, check_counted, check_padding, content_keys, field, model_logits,
+                     position_ids, real_mask, sampled_targets, token_margin, token_nll)
+
+__all__ = ["causal_lm", "masked_lm", "seq2seq", "sequence_task"]
+
+MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+def _check_side(padding_side: str) -> None:
+    if padding_side not in PADDING_SIDES:
+        raise ValueError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
+
+
+def hf_forward(padding_side: str, fields=MODEL_INPUTS, extra: Callable | None = None):
+    """``(model, batch) -> logits``: the model called on the batch's input fields; with
+    left padding, ``position_ids`` counted from each row's first real token (what the
+    unpadded sequence would get)."""
+    def forward(model, batch):
+        kwargs = {k: batch[k] for k in fields if k in batch}
+        if padding_side == "left":
+            kwargs["position_ids"] = position_ids(real_mask(batch))
+        if extra is not None:
+            kwargs.update(extra(model, batch))
+        return model_logits(model(**kwargs))
+    return forward
+
+
+def sequence_task(model: nn.Module, logits_of: Callable[[nn.Module, Any], torch.Tensor],
+                  targets_of: Callable[[Any], torch.Tensor], *, check_batch: Callable | None = None,
+                  token_mask: Callable | None = None, n_samples: int = 1, seed_salt: str = "",
+                  name: str | None = None) -> Task:
+    """A :class:`Task` for token-level cross-entropy from ``logits_of(model, batch)``
+    (B, T', V) and ``targets_of(batch)`` (B, T') with ``-100`` for positions that do not
+    count; everything in the module docstring is derived from these two."""
+    if not isinstance(n_samples, int) or n_samples < 1:
+        raise ValueError(f"n_samples must be a positive int, got {n_samples!r}")
+
+    def summed_nll(logits, targets):
+        return token_nll(logits, targets).sum()
+
+    def loss(m, batch):
+        return summed_nll(logits_of(m, batch), targets_of(batch))
+
+    def sampled_loss(m, batch, rng: ExampleRandom):
+        logits, targets = logits_of(m, batch), targets_of(batch)
+        draws = rng.uniform_ragged((targets != IGNORE).sum(1).tolist())
+        return summed_nll(logits, sampled_targets(logits, targets, draws))
+
+    def expected_terms(m, batch):
+        # expected_terms get no example ids: draws are keyed by each row's counted tokens
+        logits, targets = logits_of(m, batch), targets_of(batch)
+        counts = (targets != IGNORE).sum(1).tolist()
+        scale = 1 / math.sqrt(n_samples)
+        terms = []
+        for s in range(n_samples):
+            rng = ExampleRandom(s, tuple(content_keys(targets, seed_salt)), logits.device)
+            terms.append(summed_nll(logits, sampled_targets(logits, targets, rng.uniform_ragged(counts))) * scale)
+        return terms
+
+    def output(m, batch):
+        margin, _ = token_margin(logits_of(m, batch), targets_of(batch))
+        return margin.sum()
+
+    def weighted_output(m, batch):
+        margin, p = token_margin(logits_of(m, batch), targets_of(batch))
+        return ((1 - p).detach() * margin).sum()
+
+    def one_minus_p(m, batch):
+        targets = targets_of(batch)
+        _, p = token_margin(logits_of(m, batch), targets)
+        counted = (targets != IGNORE)
+        return ((1 - p) * counted).sum(1) / counted.sum(1).clamp_min(1)
+
+    return Task(model, loss, sampled_loss=sampled_loss, output=output, output_weight=one_minus_p,
+                weighted_output=weighted_output, expected_terms=expected_terms if n_samples > 1 else None,
+                curvature_objective="expected" if n_samples > 1 else "sampled", check_batch=check_batch,
+                token_mask=token_mask, forward=logits_of, loss_from_outputs=lambda lg, b: summed_nll(lg, targets_of(b)),
+                name=name or type(model).__name__)
+
+
+def causal_lm(model: nn.Module, *, padding_side: str = "right", completion_only: bool = False,
+              n_samples: int = 1, logits: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+              name: str | None = None) -> Task:
+    """A next-token prediction task for any HF ``*ForCausalLM`` (or a module returning
+    logits (B, T, V)), on dict batches.
+
+    Sequence i's loss is the **sum** over its predicted tokens
+    ``L_i = Σ_{t ∈ C_i} −log p_θ(y_{i,t+1} | x_{i,≤t})``, where the target of position t
+    is ``labels[t+1]`` if the batch has ``labels`` (HF convention: aligned with the
+    inputs, ``-100`` ignored) else ``input_ids[t+1]``, and C_i drops padding
+    (``attention_mask`` 0) and, with ``completion_only``, the prompt.
+
+    Parameters
+    ----------
+    padding_side : "right" (default) or "left". With "left", ``position_ids`` are passed
+        to the model counted from each row's first real token, so a left-padded row gets
+        the positions of its unpadded sequence. A batch padded on the other side is
+        refused (:class:`~gradalg.errors.BatchContentError`, example ids named).
+    completion_only : count only completion tokens (prompt masking): positions where the
+        batch's ``completion_mask`` is 1, or at/after ``prompt_length`` (B,) real tokens.
+        (Labels already set to ``-100`` on the prompt work without this option.)
+    n_samples : sampled labels per token for the Gauss-Newton curvature. 1: the
+        ``"sampled"`` objective (one draw per token, seeded by example id). S > 1:
+        S sampled losses scaled by 1/√S as ``expected_terms`` (rows Σ_s ĝ_s ĝ_sᵀ/S;
+        draws keyed by the sequence's tokens), and ``curvature_objective="expected"``.
+    logits : ``(model, batch) -> (B, T, V)`` replacing the default call
+        ``model(input_ids=, attention_mask=[, position_ids=]).logits``.
+
+    Batch fields: ``input_ids`` (B, T) required; ``attention_mask``, ``labels``,
+    ``completion_mask`` / ``prompt_length`` optional. See the module docstring for the
+    sampled loss, TRAK's output and weights.
+    """
+    _check_side(padding_side)
+    logits_of = logits or hf_forward(padding_side)
+
+    def targets_of(batch):
+        ids = field(batch, "input_ids", "causal_lm")
+        mask = real_mask(batch)
+        base = batch["labels"] if "labels" in batch else ids
+        targets = base[:, 1:].masked_fill(~mask[:, 1:], IGNORE)
+        if completion_only:
+            if "completion_mask" in batch:
+                targets = targets.masked_fill(~batch["completion_mask"][:, 1:].bool(), IGNORE)
+            elif "prompt_length" in batch:
+                plen = batch["prompt_length"].reshape(-1, 1).to(ids.device)
+                targets = targets.masked_fill(position_ids(mask)[:, 1:] < plen, IGNORE)
+            else:
+                field(batch, "completion_mask", "causal_lm",
+                      hint="; completion_only=True needs 'completion_mask' (B, T) or 'prompt_length' (B,)")
+        return targets
+
+    def check_batch(batch, ids=None):
+        field(batch, "input_ids", "causal_lm")
+        check_padding(real_mask(batch), padding_side, ids, "causal_lm")
+        check_counted(targets_of(batch), ids, "causal_lm",
+                      " after the shift by one: a one-token row, labels all -100"
+                      + (", or no completion token" if completion_only else ""))
+
+    def checked_logits(m, batch):   # (B, T - 1, V): the predictions of tokens 2..T
+        check_batch(batch)        # cheap; also guards calls that do not come through a capture pass
+        return logits_of(m, batch)[:, :-1]
+
+    return sequence_task(model, checked_logits, targets_of, check_batch=check_batch,
+                         token_mask=real_mask, n_samples=n_samples, seed_salt="causal_lm",
+                         name=name)
+
+
+def masked_lm(model: nn.Module, *, n_samples: int = 1, name: str | None = None) -> Task:
+    """Masked-language-model task (BERT-style ``*ForMaskedLM``): L_i = Σ_t −log p(labels_t)
+    over the positions whose ``labels`` are not ``-100`` (no shift). Right padding only
+    (absolute positions). Fields: ``input_ids``, ``labels`` (B, T); ``attention_mask``,
+    ``token_type_ids`` optional. The other outputs as in :func:`causal_lm`."""
+    logits_of = hf_forward("right")
+
+    def targets_of(batch):
+        labels = field(batch, "labels", "masked_lm", hint="; masked_lm needs labels (-100 where not masked)")
+        return labels.masked_fill(~real_mask(batch), IGNORE)
+
+    def check_batch(batch, ids=None):
+        field(batch, "input_ids", "masked_lm")
+        check_padding(real_mask(batch), "right", ids, "masked_lm")
+        check_counted(targets_of(batch), ids, "masked_lm", ": no masked position")
+
+    def checked_logits(m, batch):
+        check_batch(batch)
+        return logits_of(m, batch)
+
+    return sequence_task(model, checked_logits, targets_of, check_batch=check_batch, token_mask=real_mask,
+                         n_samples=n_samples, seed_salt="masked_lm", name=name)
+
+
+def seq2seq(model: nn.Module, *, n_samples: int = 1, name: str | None = None) -> Task:
+    """Encoder-decoder task (T5 / BART ``*ForConditionalGeneration``):
+    L_i = Σ_t −log p(labels_t | labels_<t, encoder inputs) over labels that are not -100.
+
+    Fields: ``input_ids``, ``labels`` (B, T_dec) required; ``attention_mask``,
+    ``decoder_input_ids``, ``decoder_attention_mask`` optional. Without
+    ``decoder_input_ids`` they are made from the labels by the model's
+    ``prepare_decoder_input_ids_from_labels`` (shift right, -100 → pad). No
+    ``token_mask``: encoder and decoder positions differ (T_enc ≠ T_dec), and padding
+    carries no gradient either side (encoder padding is masked out of the cross-attention,
+    decoder padding comes after every counted token), so gradients are exact; K-FAC
+    statistics then count padded positions as well.
+    """
+    def decoder_inputs(m, batch):
+        labels = field(batch, "labels", "seq2seq", hint="; seq2seq needs decoder labels (B, T_dec)")
+        out = {}
+        if "decoder_input_ids" in batch:
+            out["decoder_input_ids"] = batch["decoder_input_ids"]
+        elif hasattr(m, "prepare_decoder_input_ids_from_labels"):
+            out["decoder_input_ids"] = m.prepare_decoder_input_ids_from_labels(labels=labels)
+        else:
+            raise BatchContentError(f"{type(m).__name__} has no prepare_decoder_input_ids_from_labels: "
+                                    "give the batch 'decoder_input_ids' (the labels shifted right)")
+        if "decoder_attention_mask" in batch:
+            out["decoder_attention_mask"] = batch["decoder_attention_mask"]
+        return out
+
+    logits_of = hf_forward("right", extra=decoder_inputs)
+
+    def targets_of(batch):
+        labels = field(batch, "labels", "seq2seq")
+        if "decoder_attention_mask" in batch:
+            labels = labels.masked_fill(~batch["decoder_attention_mask"].bool(), IGNORE)
+        return labels
+
+    def check_batch(batch, ids=None):
+        field(batch, "input_ids", "seq2seq")
+        check_padding(real_mask(batch), "right", ids, "seq2seq")
+        check_counted(targets_of(batch), ids, "seq2seq")
+
+    def checked_logits(m, batch):
+        check_batch(batch)
+        return logits_of(m, batch)
+
+    return sequence_task(model, checked_logits, targets_of, check_batch=check_batch, n_samples=n_samples,
+                         seed_salt="seq2seq", name=name)
