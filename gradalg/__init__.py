@@ -8,7 +8,7 @@
     S = P(Q) @ ga.fisher(P(G)).damp(1e-3).inv() @ P(G).T
     S.compute()          # xarray.DataArray (query, train)
 """
-from . import eval, integrations, methods, proj, store, tasks, widgets  # noqa: A004 - ga.eval, the evaluation subpackage
+from . import collate, eval, integrations, methods, proj, store, tasks, widgets  # noqa: A004 - ga.eval, the evaluation subpackage
 from .api import (GradientSet, Operator, Scores, SelfScores, TransposedGradients, adam_state, arnoldi, datainf, dense, diagonal,
                   ekfac, fisher, gauss_newton, grads, hessian, identity, kfac, mean_scores, row_weights,
                   sum_scores)

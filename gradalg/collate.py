@@ -18,6 +18,8 @@ from collections.abc import Mapping
 import torch
 from torch.utils.data import Dataset, default_collate
 
+from .errors import BatchContentError
+
 __all__ = ["pad_collate", "DictDataset", "PAD_VALUES"]
 
 #: padding value per field; fields not named here pad with 0
@@ -32,6 +34,11 @@ def pad_collate(items: list):
     """
     if not items or not isinstance(items[0], Mapping):
         return default_collate(items)
+    keys = [set(item) for item in items]
+    if any(k != keys[0] for k in keys):
+        odd = sorted(set.union(*keys) - set.intersection(*keys))
+        raise BatchContentError(f"the items of a batch have different fields: {odd} are in some only; "
+                                "give every item the same fields")
     out = {}
     for key in items[0]:
         values = [item[key] for item in items]
