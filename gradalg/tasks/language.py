@@ -43,6 +43,7 @@ from .tokens import (IGNORE, PADDING_SIDES, check_counted, check_padding, conten
 __all__ = ["causal_lm", "masked_lm", "seq2seq", "sequence_task"]
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+TRAK_OUTPUTS = ("token", "sequence")
 
 
 def _check_side(padding_side: str) -> None:
@@ -67,12 +68,14 @@ def hf_forward(padding_side: str, fields=MODEL_INPUTS, extra: Callable | None = 
 def sequence_task(model: nn.Module, logits_of: Callable[[nn.Module, Any], torch.Tensor],
                   targets_of: Callable[[Any], torch.Tensor], *, check_batch: Callable | None = None,
                   token_mask: Callable | None = None, n_samples: int = 1, seed_salt: str = "",
-                  name: str | None = None) -> Task:
+                  trak_output: str = "token", name: str | None = None) -> Task:
     """A :class:`Task` for token-level cross-entropy from ``logits_of(model, batch)``
     (B, T', V) and ``targets_of(batch)`` (B, T') with ``-100`` for positions that do not
     count; everything in the module docstring is derived from these two."""
     if not isinstance(n_samples, int) or n_samples < 1:
         raise ValueError(f"n_samples must be a positive int, got {n_samples!r}")
+    if trak_output not in TRAK_OUTPUTS:
+        raise ValueError(f"trak_output must be one of {TRAK_OUTPUTS}, got {trak_output!r}")
 
     def summed_nll(logits, targets):
         return token_nll(logits, targets).sum()
@@ -96,15 +99,28 @@ def sequence_task(model: nn.Module, logits_of: Callable[[nn.Module, Any], torch.
             terms.append(summed_nll(logits, sampled_targets(logits, targets, rng.uniform_ragged(counts))) * scale)
         return terms
 
+    def sequence_margin(m, batch):
+        """(f_i, 1 − p_i) per sequence, p_i = Π_t p_it = exp(−L_i)."""
+        log_p = -token_nll(logits_of(m, batch), targets_of(batch)).sum(1)            # (B,) ≤ 0
+        one_minus = (-torch.expm1(log_p)).clamp_min(torch.finfo(log_p.dtype).tiny)
+        return log_p - torch.log(one_minus), one_minus
+
     def output(m, batch):
+        if trak_output == "sequence":
+            return sequence_margin(m, batch)[0].sum()
         margin, _ = token_margin(logits_of(m, batch), targets_of(batch))
         return margin.sum()
 
     def weighted_output(m, batch):
+        if trak_output == "sequence":
+            f, w = sequence_margin(m, batch)
+            return (w.detach() * f).sum()
         margin, p = token_margin(logits_of(m, batch), targets_of(batch))
         return ((1 - p).detach() * margin).sum()
 
     def one_minus_p(m, batch):
+        if trak_output == "sequence":
+            return sequence_margin(m, batch)[1]
         targets = targets_of(batch)
         _, p = token_margin(logits_of(m, batch), targets)
         counted = (targets != IGNORE)
@@ -118,8 +134,8 @@ def sequence_task(model: nn.Module, logits_of: Callable[[nn.Module, Any], torch.
 
 
 def causal_lm(model: nn.Module, *, padding_side: str = "right", completion_only: bool = False,
-              n_samples: int = 1, logits: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-              name: str | None = None) -> Task:
+              n_samples: int = 1, trak_output: str = "token",
+              logits: Callable[[nn.Module, Any], torch.Tensor] | None = None, name: str | None = None) -> Task:
     """A next-token prediction task for any HF ``*ForCausalLM`` (or a module returning
     logits (B, T, V)), on dict batches.
 
@@ -181,7 +197,7 @@ def causal_lm(model: nn.Module, *, padding_side: str = "right", completion_only:
 
     return sequence_task(model, checked_logits, targets_of, check_batch=check_batch,
                          token_mask=real_mask, n_samples=n_samples, seed_salt="causal_lm",
-                         name=name)
+                         trak_output=trak_output, name=name)
 
 
 def masked_lm(model: nn.Module, *, n_samples: int = 1, name: str | None = None) -> Task:
