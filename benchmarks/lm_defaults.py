@@ -87,12 +87,21 @@ def methods(task, train, queries):
     yield "grass", m.grass(task, train, queries, layers=LAYERS)
     yield "relatif (ekfac)", m.relatif(task, train, queries, layers=LAYERS, curvature="ekfac")
     yield "trak", m.trak(task, train, queries, layers=LAYERS)
-    seq = ga.tasks.causal_lm(task.model, trak_output="sequence")
-    yield "trak k=64", m.trak(task, train, queries, layers=LAYERS, k=64)
-    for damping in (1e4, 1e6):
-        yield f"trak damping={damping:g}", m.trak(task, train, queries, layers=LAYERS, damping=damping)
-    for damping in (1e-6, 1e4):
-        yield f"trak sequence-margin damping={damping:g}", m.trak(seq, train, queries, layers=LAYERS, damping=damping)
+    # the variants behind the defaults
+    token = ga.tasks.causal_lm(task.model, trak_output="token")
+    yield "trak, trak_output='token'", m.trak(token, train, queries, layers=LAYERS)
+    yield "trak, damping=1e-6 (old default)", m.trak(task, train, queries, layers=LAYERS, damping=1e-6)
+    yield "trak, 'token', damping=1e-6 (old default)", m.trak(token, train, queries, layers=LAYERS, damping=1e-6)
+    for r in (0.01, 0.1, 10.0):
+        yield f"trak, relative_damping={r:g}", m.trak(task, train, queries, layers=LAYERS, relative_damping=r)
+    yield "trak, k=64", m.trak(task, train, queries, layers=LAYERS, k=64)
+    yield "trak, k=2048", m.trak(task, train, queries, layers=LAYERS, k=2048)
+    yield "logra, k=256", m.logra(task, train, queries, layers=LAYERS, k=256)
+    yield "logra, damping=0.1", m.logra(task, train, queries, layers=LAYERS, damping=0.1)
+    yield "grass, k=1024", m.grass(task, train, queries, layers=LAYERS, k=1024)
+    yield "grass, damping=0.1", m.grass(task, train, queries, layers=LAYERS, damping=0.1)
+    yield "influence (ekfac), damping=0.1", m.influence(task, train, queries, layers=LAYERS, curvature="ekfac",
+                                                        damping=0.1)
 
 
 def main():

@@ -285,11 +285,12 @@ class Operator(_Displayed):
     def structure(self) -> str:
         return self.expr.structure
 
-    def damp(self, damping: float) -> "Operator":
-        """H + λI."""
+    def damp(self, damping: float, *, relative: bool = False) -> "Operator":
+        """H + λI; ``relative=True``: λ = damping · tr(H)/dim, a multiple of H's mean
+        eigenvalue (scale-free; needs an explicit H: dense, block or diagonal)."""
         if not isinstance(damping, numbers.Real) or damping < 0:
             raise ValueError(f"damping must be a non-negative number, got {damping!r}")
-        return Operator(Damp(self.expr, float(damping)))
+        return Operator(Damp(self.expr, float(damping), bool(relative)))
 
     def inv(self, method: str = "auto", **settings) -> "Operator":
         """H⁻¹, computed by structure when needed.

@@ -2,6 +2,7 @@
 at a time, unpadded), and the methods on dict items with no glue."""
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -159,7 +160,7 @@ def test_output_and_per_token_trak_weights():
     """f = Σ_t log p_t/(1-p_t); Σ_t (1-p_t) ∇f_t = ∇ Σ_t log p_t = -∇L exactly."""
     model, layers = llama()
     data = items()
-    task = ga.tasks.causal_lm(model)
+    task = ga.tasks.causal_lm(model, trak_output="token")
 
     def margin(logits, seq):
         logp = torch.log_softmax(logits[:-1], -1)
@@ -167,10 +168,18 @@ def test_output_and_per_token_trak_weights():
         p = logp.gather(1, y[:, None]).squeeze(1).exp()
         return (torch.log(p) - torch.log1p(-p)).sum()
 
+    def sequence_margin(logits, seq):          # p = Π_t p_t: the sequence as one class
+        log_p = -next_token_nll(logits, seq)
+        return log_p - torch.log(-torch.expm1(log_p))
+
+    minus_loss = -oracle(model, layers, data, next_token_nll)
     close(dense(ga.grads(task, data, layers=layers, objective="output", batch_size=4), layers),
           oracle(model, layers, data, margin))
-    close(dense(ga.grads(task, data, layers=layers, objective="weighted_output", batch_size=4), layers),
-          -oracle(model, layers, data, next_token_nll))
+    close(dense(ga.grads(task, data, layers=layers, objective="weighted_output", batch_size=4), layers), minus_loss)
+    task = ga.tasks.causal_lm(model)            # default: trak_output="sequence"
+    close(dense(ga.grads(task, data, layers=layers, objective="output", batch_size=4), layers),
+          oracle(model, layers, data, sequence_margin))
+    close(dense(ga.grads(task, data, layers=layers, objective="weighted_output", batch_size=4), layers), minus_loss)
 
 
 def test_sampled_labels_follow_the_example_not_the_batch():
@@ -199,7 +208,7 @@ def test_sampled_labels_follow_the_example_not_the_batch():
 def test_trak_and_influence_scores_match_dense_references():
     model, layers = gpt2()
     train, queries = items(6), items(3, lengths=(6, 4, 8), seed=5)
-    task = ga.tasks.causal_lm(model)
+    task = ga.tasks.causal_lm(model, trak_output="token")
 
     def margin(logits, seq):
         logp = torch.log_softmax(logits[:-1], -1)
@@ -214,6 +223,11 @@ def test_trak_and_influence_scores_match_dense_references():
     lam = 1e-2
     S = ga.methods.trak(task, train, queries, layers=layers, projector=lambda X: X, damping=lam).compute()
     ref = phi @ torch.linalg.solve(Phi.T @ Phi + lam * eye, -G.T)     # Q per token: ΦᵀQ = -∇L
+    close(torch.as_tensor(S.values), ref, 1e-7)
+    S = ga.methods.trak(task, train, queries, layers=layers, projector=lambda X: X).compute()   # relative λ
+    K = Phi.T @ Phi
+    relative = importlib.import_module("gradalg.methods.trak").RELATIVE_DAMPING
+    ref = phi @ torch.linalg.solve(K + relative * float(torch.trace(K)) / K.shape[0] * eye, -G.T)
     close(torch.as_tensor(S.values), ref, 1e-7)
     S = ga.methods.influence(task, train, queries, layers=layers, curvature="empirical", damping=lam).compute()
     ref = Q @ torch.linalg.solve(G.T @ G / len(train) + lam * eye, G.T)

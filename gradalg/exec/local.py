@@ -38,7 +38,7 @@ from .capture_pass import PassCapture, SourceCapture, eval_mode, model_device_dt
 from .progress import progress_bar
 from .chunks import Chunk, concat_chunks, flatten, unflatten
 from .curvature import resolve_curvature
-from .operators import ResolvedOp
+from .operators import ResolvedOp, damp_resolved
 from .rowwise import apply_rowwise, dtype_device
 
 CURVATURE_NODES = (CurvatureProducts, Arnoldi, DataInf)
@@ -301,7 +301,7 @@ class LocalExecutor(Executor):
                 corr.update(chunk)
             return corr.finish()
         if isinstance(node, Damp):
-            return self.resolve(node.op).damp(node.damping)
+            return damp_resolved(self.resolve(node.op), node.damping, node.relative)
         if isinstance(node, Inverse):
             inner = self.resolve(node.op)
             if inner.kind == "implicit":

@@ -122,3 +122,20 @@ class ResolvedOp:
         if self.kind == "block":
             return sum(m.numel() * m.element_size() for m in self.data.values())
         return self.data.numel() * self.data.element_size()
+
+
+def damp_resolved(op, damping: float, relative: bool = False):
+    """``op + λI``; with ``relative``, λ = damping · tr(op)/dim (the mean eigenvalue of
+    an explicit dense, block or diagonal operator)."""
+    if not relative:
+        return op.damp(damping)
+    if not isinstance(op, ResolvedOp) or op.kind not in ("dense", "block", "diag"):
+        raise ValueError("relative damping needs an explicit operator (dense, block or diagonal), got "
+                         f"{getattr(op, 'kind', type(op).__name__)}: pass an absolute damping")
+    if op.kind == "diag":
+        trace = float(op.data.sum())
+    elif op.kind == "dense":
+        trace = float(op.data.diagonal().sum())
+    else:
+        trace = sum(float(m.diagonal().sum()) for m in op.data.values())
+    return op.damp(damping * max(trace, 0.0) / max(op.space.dim, 1))

@@ -153,10 +153,12 @@ class Fisher(OpNode):
 
 @dataclass(frozen=True, eq=False)
 class Damp(OpNode):
-    """op + λ I."""
+    """op + λ I; with ``relative``, λ = damping · tr(op)/dim (a multiple of the mean
+    eigenvalue, known only once op is computed: scale-free)."""
 
     op: OpNode
     damping: float
+    relative: bool = False
 
     @property
     def space(self):
@@ -168,7 +170,7 @@ class Damp(OpNode):
 
     @property
     def label(self):
-        return f"damp(λ={self.damping:g})"
+        return f"damp(λ={self.damping:g}·mean eig)" if self.relative else f"damp(λ={self.damping:g})"
 
 
 @dataclass(frozen=True, eq=False)

@@ -24,6 +24,7 @@ from ..api import Scores, fisher, grads, mean_scores, row_weights
 from ..expr.projection import Projector, gaussian, sparse
 from ..task import Task
 
+RELATIVE_DAMPING = 1.0    # default λ / mean eigenvalue of TRAK's kernel (docs/fidelity.md, LM defaults)
 DENSE_PROJECTION_BYTES = 2**30   # above this, the default projection is sparse (see default_projector)
 
 
@@ -38,12 +39,19 @@ def default_projector(k: int, dim: int, seed: int = 0) -> Projector:
 
 
 def trak(tasks: Task | Sequence[Task], train, queries, *, layers=None, projector: Projector | None = None,
-         k: int = 512, seed: int = 0, damping: float = 1e-6, weight_decay: float = 0.0) -> Scores:
+         k: int = 512, seed: int = 0, damping: float | None = None, relative_damping: float = RELATIVE_DAMPING,
+         weight_decay: float = 0.0) -> Scores:
     """TRAK scores for one task or an ensemble of tasks (same architecture, other weights).
 
     projector : default :func:`default_projector` — a dense Gaussian (the paper's) for
         small models, a sparse JL projection once the dense matrix would pass 1 GiB
         (GPT-2-sized layers), with the same ``k`` and ``seed``.
+    damping : an absolute λ for the kernel (ΦᵀΦ + λI)⁻¹. Default (None): λ =
+        ``relative_damping`` × the kernel's mean eigenvalue tr(ΦᵀΦ)/k, computed with the
+        kernel. An absolute default cannot work across models (the kernel's eigenvalues
+        scale with n, the gradients' size and 1/k), and a tiny one fails when k ≥ n: the
+        kernel then has rank ≤ n and φ_q(ΦᵀΦ + λI)⁻¹Φᵀ interpolates (measured in
+        docs/fidelity.md: chance-level scores on a 256-sequence LM at k = 512, λ = 1e-6).
     weight_decay : the L2 coefficient of the (mean-loss) training objective; it adds
         n·wd to the kernel's damping, the curvature weight decay gives the summed
         objective. Measured on digits (docs/fidelity.md), leaving it out of a weight-
@@ -59,7 +67,10 @@ def trak(tasks: Task | Sequence[Task], train, queries, *, layers=None, projector
         Phi = P(grads(task, train, layers, objective="output"))
         phi = P(grads(task, queries, layers, objective="output"))
         n = Phi.n
-        kernel = (fisher(Phi) * n).damp(damping + n * weight_decay).inv()   # (ΦᵀΦ + λI)⁻¹
+        gram = fisher(Phi) * n                                               # ΦᵀΦ
+        if damping is None:
+            gram = gram.damp(relative_damping, relative=True)
+        kernel = gram.damp((damping or 0.0) + n * weight_decay).inv()       # (ΦᵀΦ + λI)⁻¹
         if task.weighted_output is not None:     # Q per token: ΦᵀQ = P ∇ Σ_t (1 − p_t) f_t
             train_side = P(grads(task, train, layers, objective="weighted_output"))
         else:                                    # Q per example

@@ -85,7 +85,7 @@ def _zero_damping(node: Damp):
 @rule("merge_damping", [Damp], priority=20)
 def _merge_damping(node: Damp):
     """(H + aI) + bI = H + (a + b)I."""
-    if isinstance(node.op, Damp):
+    if isinstance(node.op, Damp) and not (node.relative or node.op.relative):
         return Damp(node.op.op, node.op.damping + node.damping)
     return None
 

@@ -10,13 +10,18 @@ t ∈ C_i (p_it = p_θ(y_it | context)):
                       Gauss-Newton matrix of L_i (= true Fisher for softmax outputs)
 * ``expected_terms``  (``n_samples > 1``) S sampled losses each scaled by 1/√S:
                       Σ_s ĝ_s ĝ_sᵀ / S, a lower-variance Monte-Carlo Gauss-Newton
-* ``output``          f_i = Σ_{t∈C_i} log p_it/(1 − p_it)  (TRAK's margin per token)
-* ``weighted_output`` Σ_{t∈C_i} (1 − p_it) f_it with 1 − p detached: TRAK's Q per token.
-                      Since ∂ℓ/∂f = −(1 − p) for ℓ = −log p, its gradient is exactly
-                      −∇L_i: TRAK's training side Φᵀ Q becomes the negative loss gradient,
-                      with every token weighted by its own 1 − p_t
-* ``output_weight``   per sequence: mean of 1 − p_it over its counted tokens (for code
-                      that applies TRAK's Q as one weight per row)
+* ``output``          TRAK's margin, by ``trak_output``:
+                      "sequence" (default): f_i = log p_i/(1 − p_i) with p_i = Π_t p_it =
+                      exp(−L_i), the sequence as one class (TRAK's treatment of text targets);
+                      "token": f_i = Σ_{t∈C_i} log p_it/(1 − p_it), one margin per token
+* ``weighted_output`` TRAK's Q applied to the output with the weight detached:
+                      (1 − p_i) f_i ("sequence") or Σ_t (1 − p_it) f_it ("token", Q per
+                      token). Since ∂ℓ/∂f = −(1 − p) for ℓ = −log p, the gradient is exactly
+                      −∇L_i either way: TRAK's training side Φᵀ Q is the negative loss
+                      gradient (per token: every token weighted by its own 1 − p_t); the two
+                      choices differ in the query side φ = ∇f and the kernel ΦᵀΦ only
+* ``output_weight``   per sequence: 1 − p_i ("sequence"), or the mean of 1 − p_it over the
+                      counted tokens ("token"), for code that weights whole rows
 * ``token_mask``      the attention mask: padding is zeroed in captured factors
 * ``curvature_objective = "sampled"``: one exact Gauss-Newton term per vocabulary entry
                       (``objective="expected"``, what classification uses) is infeasible
@@ -68,7 +73,7 @@ def hf_forward(padding_side: str, fields=MODEL_INPUTS, extra: Callable | None = 
 def sequence_task(model: nn.Module, logits_of: Callable[[nn.Module, Any], torch.Tensor],
                   targets_of: Callable[[Any], torch.Tensor], *, check_batch: Callable | None = None,
                   token_mask: Callable | None = None, n_samples: int = 1, seed_salt: str = "",
-                  trak_output: str = "token", name: str | None = None) -> Task:
+                  trak_output: str = "sequence", name: str | None = None) -> Task:
     """A :class:`Task` for token-level cross-entropy from ``logits_of(model, batch)``
     (B, T', V) and ``targets_of(batch)`` (B, T') with ``-100`` for positions that do not
     count; everything in the module docstring is derived from these two."""
@@ -134,7 +139,7 @@ def sequence_task(model: nn.Module, logits_of: Callable[[nn.Module, Any], torch.
 
 
 def causal_lm(model: nn.Module, *, padding_side: str = "right", completion_only: bool = False,
-              n_samples: int = 1, trak_output: str = "token",
+              n_samples: int = 1, trak_output: str = "sequence",
               logits: Callable[[nn.Module, Any], torch.Tensor] | None = None, name: str | None = None) -> Task:
     """A next-token prediction task for any HF ``*ForCausalLM`` (or a module returning
     logits (B, T, V)), on dict batches.
@@ -158,6 +163,10 @@ def causal_lm(model: nn.Module, *, padding_side: str = "right", completion_only:
         ``"sampled"`` objective (one draw per token, seeded by example id). S > 1:
         S sampled losses scaled by 1/√S as ``expected_terms`` (rows Σ_s ĝ_s ĝ_sᵀ/S;
         draws keyed by the sequence's tokens), and ``curvature_objective="expected"``.
+    trak_output : "sequence" (default) or "token": TRAK's margin of the whole sequence
+        (p = Π_t p_t) or the sum of per-token margins (module docstring). Chosen by
+        measurement (docs/fidelity.md, LM defaults): per-token margins weigh the query's
+        most confident tokens by 1/(1 − p_t) and scored 0.31 against 0.39 (k = 512).
     logits : ``(model, batch) -> (B, T, V)`` replacing the default call
         ``model(input_ids=, attention_mask=[, position_ids=]).logits``.
 
@@ -200,7 +209,8 @@ def causal_lm(model: nn.Module, *, padding_side: str = "right", completion_only:
                          trak_output=trak_output, name=name)
 
 
-def masked_lm(model: nn.Module, *, n_samples: int = 1, name: str | None = None) -> Task:
+def masked_lm(model: nn.Module, *, n_samples: int = 1, trak_output: str = "sequence",
+              name: str | None = None) -> Task:
     """Masked-language-model task (BERT-style ``*ForMaskedLM``): L_i = Σ_t −log p(labels_t)
     over the positions whose ``labels`` are not ``-100`` (no shift). Right padding only
     (absolute positions). Fields: ``input_ids``, ``labels`` (B, T); ``attention_mask``,
@@ -221,10 +231,11 @@ def masked_lm(model: nn.Module, *, n_samples: int = 1, name: str | None = None) 
         return logits_of(m, batch)
 
     return sequence_task(model, checked_logits, targets_of, check_batch=check_batch, token_mask=real_mask,
-                         n_samples=n_samples, seed_salt="masked_lm", name=name)
+                         n_samples=n_samples, seed_salt="masked_lm", trak_output=trak_output, name=name)
 
 
-def seq2seq(model: nn.Module, *, n_samples: int = 1, name: str | None = None) -> Task:
+def seq2seq(model: nn.Module, *, n_samples: int = 1, trak_output: str = "sequence",
+            name: str | None = None) -> Task:
     """Encoder-decoder task (T5 / BART ``*ForConditionalGeneration``):
     L_i = Σ_t −log p(labels_t | labels_<t, encoder inputs) over labels that are not -100.
 
@@ -269,4 +280,4 @@ def seq2seq(model: nn.Module, *, n_samples: int = 1, name: str | None = None) ->
         return logits_of(m, batch)
 
     return sequence_task(model, checked_logits, targets_of, check_batch=check_batch, n_samples=n_samples,
-                         seed_salt="seq2seq", name=name)
+                         seed_salt="seq2seq", trak_output=trak_output, name=name)
