@@ -99,7 +99,8 @@ def methods(task, train, queries):
     yield "logra, k=256", m.logra(task, train, queries, layers=LAYERS, k=256)
     yield "logra, damping=0.1", m.logra(task, train, queries, layers=LAYERS, damping=0.1)
     yield "grass, k=1024", m.grass(task, train, queries, layers=LAYERS, k=1024)
-    yield "grass, damping=0.1", m.grass(task, train, queries, layers=LAYERS, damping=0.1)
+    yield "grass, damping=1e-3 (old default)", m.grass(task, train, queries, layers=LAYERS, damping=1e-3)
+    yield "grass, relative_damping=1", m.grass(task, train, queries, layers=LAYERS, relative_damping=1.0)
     yield "influence (ekfac), damping=0.1", m.influence(task, train, queries, layers=LAYERS, curvature="ekfac",
                                                         damping=0.1)
 
