@@ -48,7 +48,8 @@ def trak(tasks: Task | Sequence[Task], train, queries, *, layers=None, projector
         (GPT-2-sized layers), with the same ``k`` and ``seed``.
     damping : an absolute λ for the kernel (ΦᵀΦ + λI)⁻¹. Default (None): λ =
         ``relative_damping`` × the kernel's mean eigenvalue tr(ΦᵀΦ)/k, computed with the
-        kernel. An absolute default cannot work across models (the kernel's eigenvalues
+        kernel — unless ``weight_decay`` is given, whose n·wd is then the damping (the
+        training objective's own curvature, as measured on digits). An absolute default cannot work across models (the kernel's eigenvalues
         scale with n, the gradients' size and 1/k), and a tiny one fails when k ≥ n: the
         kernel then has rank ≤ n and φ_q(ΦᵀΦ + λI)⁻¹Φᵀ interpolates (measured in
         docs/fidelity.md: chance-level scores on a 256-sequence LM at k = 512, λ = 1e-6).
@@ -68,7 +69,7 @@ def trak(tasks: Task | Sequence[Task], train, queries, *, layers=None, projector
         phi = P(grads(task, queries, layers, objective="output"))
         n = Phi.n
         gram = fisher(Phi) * n                                               # ΦᵀΦ
-        if damping is None:
+        if damping is None and not weight_decay:
             gram = gram.damp(relative_damping, relative=True)
         kernel = gram.damp((damping or 0.0) + n * weight_decay).inv()       # (ΦᵀΦ + λI)⁻¹
         if task.weighted_output is not None:     # Q per token: ΦᵀQ = P ∇ Σ_t (1 − p_t) f_t
