@@ -4,7 +4,8 @@ sparsification and sparse projection", 2025):
     GraSS      Φ(z) = SJLT(M ∇L(z))               random mask M, then a sparse JL map
     FactGraSS  Φ(z) = SJLT((M_out D)ᵀ (M_in A))    the mask applied to the factors
 
-followed by the TRAK/LoGra-style influence in the k-dimensional space:
+followed by the TRAK/LoGra-style influence in the k-dimensional space (Gauss-Newton
+gradients by the task's ``curvature_objective``: sampled labels for LM tasks):
 
     S_qz = Φ(q)ᵀ (Φᵀ Φ / n + λI)⁻¹ Φ(z)       (Gauss-Newton features when available)
 

@@ -7,7 +7,9 @@ influence functions", 2024):
 with H_P the (EK-)FAC Gauss-Newton of the *projected* gradients: the Kronecker
 factors are covariances of the projected activations and output gradients, so the
 whole method works in k_in + k_out dimensions per layer and never forms a layer's
-full gradient.
+full gradient. The Gauss-Newton gradients use the task's ``curvature_objective``
+(:func:`~gradalg.methods.influence.gauss_newton_objective`): exact per-class terms for
+classification, sampled labels for language-model tasks (``ga.tasks.causal_lm``).
 """
 from __future__ import annotations
 
