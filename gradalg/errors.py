@@ -15,6 +15,7 @@ __all__ = [
     "MemoryBudgetError",
     "StoreMismatchError",
     "StoreIncompleteError",
+    "PerTokenError",
 ]
 
 
@@ -87,3 +88,7 @@ class NonFiniteGradientError(GradalgError, FloatingPointError):
             "log of zero, an overflow in half precision); remove them with a filtered "
             "dataset, or compute in float32/float64."
         )
+
+
+class PerTokenError(GradalgError, ValueError):
+    """Per-token rows (``G.per_token()``) cannot be built or computed exactly for these gradients."""

@@ -19,9 +19,10 @@ __all__ = ["split_tokens"]
 def _rows(x, tokens: int):
     """(B, T, ...) factors → (B·tokens, 1, ...), zero-padding T to ``tokens``."""
     if isinstance(x, OneHot):
-        B, T = x.idx.shape
         valid = x.valid if x.valid is not None else torch.ones_like(x.idx, dtype=torch.bool)
-        idx = torch.nn.functional.pad(x.idx, (0, tokens - T))
+        idx = x.idx.expand_as(valid) if x.idx.shape != valid.shape else x.idx   # positions: (1, T) ids
+        B, T = idx.shape
+        idx = torch.nn.functional.pad(idx, (0, tokens - T))
         valid = torch.nn.functional.pad(valid, (0, tokens - T), value=False)
         return OneHot(idx.reshape(B * tokens, 1), x.size, valid.reshape(B * tokens, 1))
     B, T, width = x.shape
@@ -37,6 +38,11 @@ def split_tokens(node: PerToken, chunk: Chunk) -> Chunk:
         if not isinstance(value, Factors):
             raise PerTokenError(f"block {name!r} arrived materialized: per-token rows need its factors "
                                 "(capture with backend='hooks')")
+        if value.D.shape[0] != chunk.n:
+            raise PerTokenError(
+                f"block {name!r} has output gradients for {value.D.shape[0]} rows in a chunk of {chunk.n} examples "
+                "(a module whose output is broadcast over the batch, e.g. position embeddings of shape "
+                "(1, T, d)): its per-example factors are not separable; leave it out of the layers")
         if T is None:
             T, first = value.T, name
         elif value.T != T:

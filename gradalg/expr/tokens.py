@@ -36,15 +36,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import GradalgError
+from ..errors import PerTokenError
 from .grads import (AdamPrecondition, Captured, GradNode, Normalize, Precondition, Project, ScaleRows, Select,
                     Source)
 
 __all__ = ["PerToken", "token_rows", "per_token_node", "infer_positions", "PerTokenError"]
-
-
-class PerTokenError(GradalgError, ValueError):
-    """Per-token rows cannot be built or computed exactly for these gradients."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -121,7 +117,8 @@ def token_rows(node: GradNode) -> int:
 
 def _sequence_length(item) -> int | None:
     """Length of one dataset item's sequence: ``input_ids`` of a dict item, else its first
-    tensor's size along dim 0 (a (T,) token tensor or (T, d) features)."""
+    tensor's size along dim 0 (a (T,) token tensor or (T, d) features; a float (d,) vector
+    has none)."""
     if isinstance(item, Mapping):
         value = item.get("input_ids")
         if value is None:
@@ -130,8 +127,8 @@ def _sequence_length(item) -> int | None:
         value = next((v for v in item if isinstance(v, torch.Tensor)), None)
     else:
         value = item
-    if not isinstance(value, torch.Tensor) or value.dim() == 0:
-        return None
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or (value.dim() == 1 and value.is_floating_point()):
+        return None   # a scalar, or one feature vector: no sequence
     return int(value.shape[0])
 
 
@@ -146,8 +143,8 @@ def infer_positions(data) -> int:
     source = data.source.dataset if isinstance(data.source, DataLoader) else data.source
     if isinstance(source, TensorDataset):
         first = source.tensors[0]
-        if first.dim() >= 2:
-            return int(first.shape[1])
+        if first.dim() >= 3 or (first.dim() == 2 and not first.is_floating_point()):
+            return int(first.shape[1])   # (n, T) token ids or (n, T, d) features
         raise PerTokenError("the data's examples have no sequence dimension (tensor of shape "
                             f"{tuple(first.shape)}): per-token rows need (n, T, ...) inputs, or pass tokens=")
     longest = 0
