@@ -151,11 +151,14 @@ def test_query_token_scores(setup):
 def test_train_token_scores_preconditioned(setup):
     """Kronfluence's per-train-token influence: ⟨H⁻¹ q, d_jt a_jtᵀ⟩ with H the damped Fisher."""
     G, Q, T = setup["G"], setup["Q"], setup["T"]
-    H = ga.fisher(G).damp(0.1).inv()
+    H = ga.fisher(G, structure="block").damp(0.1).inv()
     S = (Q @ H @ G.per_token().T).compute()
     assert S.dims == ("query", "train", "train_token")
     rows = setup["rows_G"]
-    Fm = rows.T @ rows / rows.shape[0] + 0.1 * torch.eye(rows.shape[1], dtype=F64)
+    Fm = torch.zeros(rows.shape[1], rows.shape[1], dtype=F64)          # per-layer blocks of (1/n) Σ g gᵀ
+    for s in G.space.offsets().values():
+        Fm[s, s] = rows[:, s].T @ rows[:, s] / rows.shape[0]
+    Fm += 0.1 * torch.eye(rows.shape[1], dtype=F64)
     ref = (setup["rows_Q"] @ torch.linalg.solve(Fm, setup["oracle_G"].T)).view(Q.n, G.n, T)
     valid = setup["train"][-1].bool()                                    # (nt, T)
     got = torch.from_numpy(S.values)
@@ -207,6 +210,22 @@ def test_kfac_influence_per_query_token(setup):
     S = (Q.per_token() @ H @ G.T).compute()
     np.testing.assert_allclose(S.sum("query_token").values, (Q @ H @ G.T).compute().values,
                                rtol=1e-9, atol=1e-11)
+
+
+def test_rows_captured_around_a_training_loop():
+    """``ga.capture`` rows split the same way (positions read off the stored factors)."""
+    task, train, query, layers, T = seq_mlp_task()
+    with ga.capture(task.model, layers) as cap:
+        for start in (0, 3):
+            batch = slice_batch(train, slice(start, start + 3))
+            task.model.zero_grad()
+            task.summed_loss(task.model, batch).backward()
+    C = cap.grads.per_token()
+    assert C.n == 4 * T
+    Q = ga.grads(task, query, layers)
+    got = (Q @ C.T).compute()
+    ref = (Q @ ga.grads(task, train, layers).per_token().T).compute()
+    np.testing.assert_allclose(got.values, np.nan_to_num(ref.values), rtol=1e-10, atol=1e-12)
 
 
 # ---------------------------------------------------------------------- limits and memory
