@@ -395,7 +395,9 @@ class Scores(_Displayed):
         return SelfScores(ScoreDiagonal(self.expr))
 
     def compute(self, executor=None) -> xr.DataArray:
-        """Run the expression. Returns a DataArray with dims ("query", "train").
+        """Run the expression. Returns a DataArray with dims ("query", "train"); a side made
+        of per-token rows (``G.per_token()``) adds its token axis: ("query", "query_token",
+        "train"), ("query", "train", "train_token") or both, padding positions NaN.
 
         ``executor``: None or "local" (this process), "dask" (a local cluster), or an
         executor object (``ga.DaskExecutor(client=...)``). With Dask the DataArray is
