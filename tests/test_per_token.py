@@ -246,6 +246,39 @@ def test_position_wise_model_rows_are_per_token_loss_gradients():
     torch.testing.assert_close(rows[i * T + t], block_rows(model, layers, ref)[0], **TOL)
 
 
+def test_attention_rows_are_not_per_token_loss_gradients():
+    """In GPT-2, row (i, t) differs from ∇ of the loss at token t (d_it collects later
+    tokens' losses through attention), as the docs state; rows still sum to G_i."""
+    task, train, _, layers, T = gpt2_task()
+    ids, mask = train
+    one = (ids[1:2], mask[1:2])                        # 5 real tokens
+    rows = dense_rows(ga.grads(task, one, layers).per_token())
+    model = task.model
+
+    def loss_at(u):
+        def loss(model, batch):
+            x, m = batch
+            logits = model(input_ids=x, attention_mask=m).logits[:, u]
+            return F.cross_entropy(logits, x[:, u + 1], reduction="sum") / (m[:, 1:].sum(1)).to(F64).sum()
+        return ga.Task(model, loss)
+
+    per_loss = torch.cat([reference_rows(loss_at(u), one, layers) for u in range(4)])
+    torch.testing.assert_close(per_loss.sum(0), rows.sum(0), **TOL)      # both decompose G_i
+    gap = (per_loss[0] - rows[0]).norm() / rows[0].norm()
+    assert gap > 0.1
+
+
+def test_scaled_rows_split_like_their_factors():
+    """Row weights before the split scale every token row of the example (TRAK's 1 − p)."""
+    task, train, query, layers, T = seq_mlp_task()
+    G, Q = ga.grads(task, train, layers), ga.grads(task, query, layers)
+    w = ga.row_weights(lambda model, batch: batch[0][:, 0, 0] ** 2, "x00²")
+    got = (Q @ G.scale(w).per_token().T).compute()
+    plain = (Q @ G.per_token().T).compute()
+    weights = (train[0][:, 0, 0] ** 2).numpy()
+    np.testing.assert_allclose(got.values, plain.values * weights[None, :, None], rtol=1e-12, atol=1e-14)
+
+
 def test_refusals():
     task, train, _, layers, T = seq_mlp_task()
     G = ga.grads(task, train, layers)

@@ -58,7 +58,7 @@ class PerToken(GradNode):
         if not isinstance(self.tokens, int) or self.tokens < 1:
             raise PerTokenError(f"tokens must be a positive int (positions per example), got {self.tokens!r}")
         x = self.grads
-        while isinstance(x, Select):
+        while isinstance(x, (Select, ScaleRows)):   # linear, factors kept: w_i G_i = Σ_t (w_i d_it) a_itᵀ
             x = x.grads
         if not isinstance(x, (Source, Captured)) or any(
                 r != "factored" for r in self.grads.representation.values()):

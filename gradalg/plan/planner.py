@@ -614,6 +614,8 @@ def _positions_known(node: GradNode) -> bool:
     """Whether ``tokens_hint`` is every layer's T: the examples are token ids (T = their
     length) or flat vectors (T = 1). Images and other multi-dimensional inputs give each
     layer its own T (a convolution's output positions), known only when it runs."""
+    if token_rows(node) > 1:
+        return True   # per-token rows: one position each
     data = getattr(node.source, "data", None)
     if data is None:
         return False
