@@ -246,6 +246,43 @@ def test_position_wise_model_rows_are_per_token_loss_gradients():
     torch.testing.assert_close(rows[i * T + t], block_rows(model, layers, ref)[0], **TOL)
 
 
+def test_variable_length_batches_pad_to_the_longest_example():
+    """Dict items of different lengths, padded per batch by a collate function: positions
+    come from the longest item, shorter batches are zero-padded, padding is NaN, and the
+    scores equal those of the same sequences padded once to a fixed length."""
+    from torch.utils.data import DataLoader
+
+    task, train, query, layers, T = gpt2_task()
+    ids, mask = train
+    items = [{"input_ids": ids[i, :int(mask[i].sum())]} for i in range(len(ids))]
+
+    def collate(batch):
+        width = max(len(b["input_ids"]) for b in batch)
+        x = torch.zeros(len(batch), width, dtype=torch.long)
+        m = torch.zeros(len(batch), width, dtype=torch.long)
+        for k, b in enumerate(batch):
+            x[k, :len(b["input_ids"])] = b["input_ids"]
+            m[k, :len(b["input_ids"])] = 1
+        return {"input_ids": x, "attention_mask": m}
+
+    def loss(model, batch):
+        return task.loss(model, (batch["input_ids"], batch["attention_mask"]))
+
+    dict_task = ga.Task(task.model, loss, token_mask=lambda b: b["attention_mask"].bool())
+    loader = DataLoader(items, batch_size=2, shuffle=False, collate_fn=collate)
+    longest = int(mask.sum(1).max())
+    Gd = ga.grads(dict_task, loader, layers).per_token()
+    assert Gd.expr.tokens == longest
+    Q = ga.grads(task, query, layers)
+    got = (Q @ Gd.T).compute()
+    ref = (Q @ ga.grads(task, train, layers).per_token().T).compute()       # padded to T ≥ longest
+    assert np.isnan(ref.values[..., longest:]).all()
+    ref = ref.isel(train_token=slice(0, longest))
+    assert got.shape == (Q.n, len(items), longest)
+    np.testing.assert_array_equal(np.isnan(got.values), np.isnan(ref.values))
+    np.testing.assert_allclose(got.values, ref.values, rtol=1e-9, atol=1e-12)
+
+
 def test_attention_rows_are_not_per_token_loss_gradients():
     """In GPT-2, row (i, t) differs from ∇ of the loss at token t (d_it collects later
     tokens' losses through attention), as the docs state; rows still sum to G_i."""
