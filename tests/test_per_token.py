@@ -228,6 +228,21 @@ def test_rows_captured_around_a_training_loop():
     np.testing.assert_allclose(got.values, np.nan_to_num(ref.values), rtol=1e-10, atol=1e-12)
 
 
+def test_dask_shards_stream_token_rows():
+    """The Dask executor's score blocks hold T columns per training example of a shard."""
+    from distributed import Client, LocalCluster
+
+    task, train, query, layers, T = seq_mlp_task()
+    G, Q = ga.grads(task, train, layers), ga.grads(task, query, layers)
+    S = Q @ G.per_token().T
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, \
+            Client(cluster) as client:
+        got = S.compute(executor=ga.exec.DaskExecutor(client=client, min_shard_examples=1))
+    ref = S.compute()
+    assert got.dims == ref.dims and got.shape == ref.shape
+    np.testing.assert_allclose(got.values, ref.values, rtol=1e-12, atol=1e-14)
+
+
 # ---------------------------------------------------------------------- limits and memory
 def test_position_wise_model_rows_are_per_token_loss_gradients():
     """For a position-wise MLP, row (i, t) is the gradient of the loss at token t alone."""

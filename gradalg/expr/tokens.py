@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -83,7 +84,7 @@ class PerToken(GradNode):
     def example_ids(self) -> tuple:
         return self.grads.ids
 
-    @property
+    @cached_property
     def ids(self) -> tuple:
         return tuple((i, t) for i in self.grads.ids for t in range(self.tokens))
 
@@ -134,7 +135,8 @@ def _sequence_length(item) -> int | None:
 
 def infer_positions(data) -> int:
     """Positions per example of a :class:`~gradalg.data.DataRef`: the longest item's sequence
-    length (tensor data: its dim 1). Reads items, never runs a model.
+    length (tensor data: its dim 1, read off the shape). Other datasets have each item read
+    once (never a model run); pass ``per_token(tokens=T)`` to skip that on large data.
 
     Raises :class:`PerTokenError` when the items have no sequence dimension.
     """

@@ -39,11 +39,11 @@ from ..capture.hooks import forward_share_key
 from ..expr import (KFAC, AdamPrecondition, Arnoldi, Captured, Damp, DataInf, Fisher, GradNode, GroupMean, Identity, Inner, Inverse, Node, Normalize, OpNode, PerToken, Power,
                     Precondition, Project, ScaledOp, ScaleRows, ScoreDiagonal, ScoreNode, ScoreSum, Select,
                     Source, SumOp)
+from ..expr.tokens import token_rows
 from ..options import Options, get_options
 from .cost import (Cost, activation_bytes, dense_project_cost, eigh_cost, fisher_cost, kron_project_cost,
                    model_flops, tokens_hint)
 from .devices import DeviceProfile, profile
-from ..expr.tokens import token_rows
 from .rules import Firing, PlanError, simplify_until_fixpoint
 
 __all__ = ["Job", "Pass", "Decision", "Plan", "plan", "stream_root", "PlanError"]
