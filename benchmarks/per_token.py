@@ -51,18 +51,23 @@ def main():
     ap.add_argument("--k", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--damping", type=float, default=1e-3)
+    ap.add_argument("--float64", action="store_true", help="run the model in float64")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=args.width, n_head=4, vocab_size=512,
-                                       n_positions=args.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+                                       n_positions=args.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                       bos_token_id=0, eos_token_id=0))
+    if args.float64:
+        model = model.double()
     task = ga.Task(model, lm_loss, token_mask=lambda b: b[1].bool())
     G = ga.grads(task, data(args.train, args.seq, 512, 1), LAYERS)
     Q = ga.grads(task, data(args.queries, args.seq, 512, 2), LAYERS)
     P = ga.proj.kron(k=args.k)
-    H = ga.fisher(P(G)).damp(1e-3).inv()
+    H = ga.fisher(P(G)).damp(args.damping).inv()
     exprs = {"ordinary": P(Q) @ H @ P(G).T, "train_token": P(Q) @ H @ P(G.per_token()).T,
              "query_token": P(Q.per_token()) @ H @ P(G).T}
     times = {name: [] for name in exprs}
