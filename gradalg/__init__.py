@@ -8,13 +8,12 @@
     S = P(Q) @ ga.fisher(P(G)).damp(1e-3).inv() @ P(G).T
     S.compute()          # xarray.DataArray (query, train)
 """
-from . import collate, eval, integrations, methods, proj, store, tasks, widgets  # noqa: A004 - ga.eval, the evaluation subpackage
+from . import collate, eval, integrations, methods, proj, store, tasks, viz, widgets  # noqa: A004 - ga.eval, the evaluation subpackage
 from .api import (GradientSet, Operator, Scores, SelfScores, TransposedGradients, adam_state, arnoldi, datainf, dense, diagonal,
                   ekfac, fisher, gauss_newton, grads, hessian, identity, kfac, mean_scores, row_weights,
                   sum_scores)
 from .capture import capture, per_example_grads
-from .errors import BatchContentError
-from .errors import (GradalgError, LossReductionError, MemoryBudgetError, NonFiniteGradientError,
+from .errors import (BatchContentError, GradalgError, LossReductionError, MemoryBudgetError, NonFiniteGradientError, PerTokenError,
                      ShapeMismatchError, SpaceMismatchError, StoreIncompleteError, StoreMismatchError,
                      UnsupportedLayerError)
 from .exec import LocalExecutor
@@ -30,7 +29,7 @@ __all__ = [
     "Task", "grads", "fisher", "adam_state", "SelfScores", "kfac", "ekfac", "hessian", "gauss_newton", "arnoldi", "datainf", "identity", "diagonal", "dense", "sum", "mean", "sum_scores",
     "mean_scores", "row_weights", "capture", "per_example_grads", "options", "get_options",
     "GradientSet", "Operator", "Scores", "TransposedGradients", "LocalExecutor", "methods", "proj",
-    "tasks", "integrations", "GradalgError", "LossReductionError", "MemoryBudgetError", "NonFiniteGradientError",
+    "tasks", "viz", "integrations", "GradalgError", "LossReductionError", "MemoryBudgetError", "NonFiniteGradientError",
     "ShapeMismatchError", "SpaceMismatchError", "UnsupportedLayerError", "store", "StoreMismatchError",
-    "StoreIncompleteError", "BatchContentError",
+    "StoreIncompleteError", "BatchContentError", "PerTokenError",
 ]

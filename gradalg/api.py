@@ -208,6 +208,22 @@ class GradientSet(_Displayed):
 
     __getitem__ = select
 
+    def per_token(self, tokens: int | None = None) -> "GradientSet":
+        """Rows (example, position): row (i, t) is position t's term d_it a_itᵀ of each layer's
+        G_i = Σ_t d_it a_itᵀ (Kronfluence's per-token scores; definition and limits in
+        :mod:`gradalg.expr.tokens`). Σ_t of the rows is G_i exactly.
+
+        ``tokens``: positions per example (default: the longest example's sequence length,
+        read from the data without running the model). Scores over these rows compute to
+        a DataArray with a ``query_token`` / ``train_token`` axis (padding NaN).
+        """
+        from .expr import Captured, PerToken
+        from .expr.tokens import infer_positions
+        if tokens is None:
+            src = self.expr.source
+            tokens = _captured_positions(src) if isinstance(src, Captured) else infer_positions(src.data)
+        return GradientSet(PerToken(self.expr, int(tokens)))
+
     def scale(self, weights) -> "GradientSet":
         """Rows times a constant, or times per-example values (:func:`row_weights`)."""
         if not isinstance(weights, (numbers.Real, RowWeights)):
@@ -249,6 +265,12 @@ class GradientSet(_Displayed):
             for pname, value in ref.rule.to_params(ref.module, block).items():
                 out[f"{name}.{pname}" if name else pname] = value
         return out
+
+
+def _captured_positions(src) -> int:
+    """Longest position count among the factors ``ga.capture`` recorded."""
+    from .capture.factors import Factors
+    return max((v.T for c in src.store.chunks() for v in c.blocks.values() if isinstance(v, Factors)), default=1)
 
 
 class TransposedGradients:
@@ -374,7 +396,9 @@ class Scores(_Displayed):
         return SelfScores(ScoreDiagonal(self.expr))
 
     def compute(self, executor=None) -> xr.DataArray:
-        """Run the expression. Returns a DataArray with dims ("query", "train").
+        """Run the expression. Returns a DataArray with dims ("query", "train"); a side made
+        of per-token rows (``G.per_token()``) adds its token axis: ("query", "query_token",
+        "train"), ("query", "train", "train_token") or both, padding positions NaN.
 
         ``executor``: None or "local" (this process), "dask" (a local cluster), or an
         executor object (``ga.DaskExecutor(client=...)``). With Dask the DataArray is
@@ -383,6 +407,10 @@ class Scores(_Displayed):
         """
         ex = _executor(executor)
         values = ex.scores(self.expr)
+        from .token_scores import token_scores_array, token_sides
+        if token_sides(self.expr) != (None, None):  # per-token rows: ("query", "query_token", "train"), ...
+            return token_scores_array(values, self.expr, _option_batch_size(), {
+                "expression": _expression_text(self.expr), "kernels": dict(getattr(ex, "trace", {}))})
         return xr.DataArray(
             _as_array(values),
             dims=("query", "train"),
@@ -405,8 +433,16 @@ class SelfScores(_Displayed):
         """Returns a DataArray with dim ("train",), indexed by example id."""
         ex = _executor(executor)
         values = ex.diagonal(self.expr)
+        from .token_scores import token_self_scores_array, token_sides
+        if token_sides(self.expr.scores) != (None, None):   # per-token rows: ("train", "train_token")
+            return token_self_scores_array(values, self.expr, _option_batch_size())
         return xr.DataArray(_as_array(values), dims=("train",),
                             coords={"train": np.asarray(self.expr.ids)}, name="self_scores")
+
+
+def _option_batch_size() -> int:
+    from .options import get_options
+    return get_options().batch_size
 
 
 # ---------------------------------------------------------------------- constructors

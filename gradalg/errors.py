@@ -16,6 +16,7 @@ __all__ = [
     "StoreMismatchError",
     "StoreIncompleteError",
     "BatchContentError",
+    "PerTokenError",
 ]
 
 
@@ -108,3 +109,7 @@ class BatchContentError(GradalgError, ValueError):
 
     def __reduce__(self):   # picklable (raised on a Dask worker, re-raised here)
         return type(self), (self.message, self.example_ids)
+
+
+class PerTokenError(GradalgError, ValueError):
+    """Per-token rows (``G.per_token()``) cannot be built or computed exactly for these gradients."""

@@ -22,6 +22,7 @@ from dataclasses import replace
 import torch
 
 from ..expr import ScoreNode, ScoreSum, Source
+from ..expr.tokens import token_rows
 from ..plan.planner import chain_ops, stream_root
 from .local import LocalExecutor
 from .progress import in_notebook
@@ -175,7 +176,8 @@ class DaskExecutor(LocalExecutor):
             blocks = []
             for fut, (a, b) in zip(futures, ranges):
                 part = self.client.submit(_pick, fut, i, pure=False)
-                blocks.append(da.from_delayed(delayed(part), shape=(n_held, b - a), dtype=_np_dtype(job)))
+                rows = (b - a) * token_rows(job.streams[0])   # T rows per example when per-token
+                blocks.append(da.from_delayed(delayed(part), shape=(n_held, rows), dtype=_np_dtype(job)))
             array = da.concatenate(blocks, axis=1)
             self._score_blocks[job.key] = array.T if job.transposed else array
 

@@ -6,10 +6,11 @@ import torch
 
 from ..capture.factors import Factors, project_factors
 from ..errors import GradalgError
-from ..expr import (AdamPrecondition, Normalize, Precondition, Project, RowWeights, ScaleRows, Select)
+from ..expr import (AdamPrecondition, Normalize, PerToken, Precondition, Project, RowWeights, ScaleRows, Select)
 from ..proj.kernels import SPARSE_KINDS, project_sparse_block
 from ..proj.matrices import dense_matrix, kron_matrices
 from .chunks import Chunk, flat_block, flatten, row_sq_norms, unflatten
+from .per_token import split_tokens
 
 __all__ = ["apply_rowwise", "dtype_device", "scale_rows"]
 
@@ -46,6 +47,8 @@ def apply_rowwise(executor, node, chunk: Chunk) -> Chunk:
         return chunk.replace(unflatten(x * inv.unsqueeze(1), node.space))
     if isinstance(node, Select):
         return chunk.replace({n: chunk.blocks[n] for n in node.names})
+    if isinstance(node, PerToken):  # B examples -> B·tokens (example, position) rows
+        return split_tokens(node, chunk)
     if isinstance(node, Precondition):
         resolved = executor.resolve(node.op)
         return chunk.replace(unflatten(resolved.apply(flatten(chunk, node.space)), node.space))

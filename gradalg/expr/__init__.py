@@ -9,3 +9,4 @@ from .scores import Diagonal as ScoreDiagonal
 from .scores import Inner, ScoreNode, ScoreSum
 from .space import Block, ParamSpace
 from .curvature import KFAC, Arnoldi, CurvatureProducts, DataInf
+from .tokens import PerToken, PerTokenError

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..capture.factors import dense_flops, ghost_flops
+from ..expr.tokens import token_rows
 
 __all__ = ["Cost", "activation_bytes", "model_flops", "tokens_hint", "estimate", "ghost_cost", "dense_cost", "kron_project_cost",
            "dense_project_cost", "fisher_cost", "eigh_cost"]
@@ -134,6 +135,8 @@ def tokens_hint(node) -> int:
 
     Reads one example of the data (no model is run); cached on the source node.
     """
+    if token_rows(node) > 1:
+        return 1  # per-token rows (ga.GradientSet.per_token): one position each
     src = node.source
     data = getattr(src, "data", None)
     if data is None:

@@ -36,9 +36,10 @@ import torch
 
 from ..capture.factors import dense_flops, ghost_flops
 from ..capture.hooks import forward_share_key
-from ..expr import (KFAC, AdamPrecondition, Arnoldi, Captured, Damp, DataInf, Fisher, GradNode, GroupMean, Identity, Inner, Inverse, Node, Normalize, OpNode, Power,
+from ..expr import (KFAC, AdamPrecondition, Arnoldi, Captured, Damp, DataInf, Fisher, GradNode, GroupMean, Identity, Inner, Inverse, Node, Normalize, OpNode, PerToken, Power,
                     Precondition, Project, ScaledOp, ScaleRows, ScoreDiagonal, ScoreNode, ScoreSum, Select,
                     Source, SumOp)
+from ..expr.tokens import token_rows
 from ..options import Options, get_options
 from .cost import (Cost, activation_bytes, dense_project_cost, eigh_cost, fisher_cost, kron_project_cost,
                    model_flops, tokens_hint)
@@ -47,7 +48,7 @@ from .rules import Firing, PlanError, simplify_until_fixpoint
 
 __all__ = ["Job", "Pass", "Decision", "Plan", "plan", "stream_root", "PlanError"]
 
-ROW_WISE = (Project, Normalize, Select, Precondition, ScaleRows, AdamPrecondition)
+ROW_WISE = (Project, Normalize, Select, Precondition, ScaleRows, AdamPrecondition, PerToken)
 
 
 # ------------------------------------------------------------------ graph helpers
@@ -432,7 +433,7 @@ class _Planner:
                 while isinstance(x, ROW_WISE):
                     if isinstance(x, Project) and x.token not in seen:
                         seen.add(x.token)
-                        cost = cost + _project_cost(x, n, tokens_hint(x))
+                        cost = cost + _project_cost(x, n * token_rows(x), tokens_hint(x))
                     x = x.grads
         return cost
 
@@ -451,7 +452,7 @@ class _Planner:
             if job.kind == "scores":
                 for b in job.held.space.blocks:
                     if job.kernels.get(b.name) != "ghost":
-                        total += b.dim * 4
+                        total += b.dim * 4 * token_rows(job.streams[0])   # T rows per example when per-token
         return total
 
     def _fixed_bytes(self, p_jobs: list[Job]) -> float:
@@ -566,7 +567,8 @@ class _Planner:
             cost = Cost()
             n = p.jobs[0].streams[0].n
         for job in p.jobs:
-            cost = cost + self._job_cost(job, n)
+            # rows streamed by the job: n·T for per-token rows (ga.GradientSet.per_token)
+            cost = cost + self._job_cost(job, job.streams[0].n if job.streams and p.reads_data else n)
         if p.reads_data:
             cost = cost + self._projection_cost(p.jobs, n)
         # one read of the data, however many sources are captured from each batch
@@ -612,6 +614,8 @@ def _positions_known(node: GradNode) -> bool:
     """Whether ``tokens_hint`` is every layer's T: the examples are token ids (T = their
     length) or flat vectors (T = 1). Images and other multi-dimensional inputs give each
     layer its own T (a convolution's output positions), known only when it runs."""
+    if token_rows(node) > 1:
+        return True   # per-token rows: one position each
     data = getattr(node.source, "data", None)
     if data is None:
         return False

@@ -1,5 +1,6 @@
-"""Displays: text and HTML trees of expressions."""
+"""Displays: text and HTML trees of expressions; a heat map of per-token scores."""
 from .html import html_tree
+from .tokens import token_heatmap
 from .tree import text_tree
 
-__all__ = ["html_tree", "text_tree"]
+__all__ = ["html_tree", "text_tree", "token_heatmap"]
