@@ -202,8 +202,7 @@ class GradientSet(_Displayed):
     def select(self, layers: Iterable[str]) -> "GradientSet":
         """Only the blocks ``layers``."""
         names = (layers,) if isinstance(layers, str) else tuple(layers)
-        for name in names:
-            self.space[name]  # KeyError naming the valid blocks
+        names = tuple(self.space.canonical(name) for name in names)  # KeyError naming the valid blocks
         return GradientSet(Select(self.expr, names))
 
     __getitem__ = select
@@ -228,8 +227,10 @@ class GradientSet(_Displayed):
     def to_dense(self, executor=None) -> dict[str, torch.Tensor]:
         """All rows, materialized: ``{block: (n, *block.shape)}``. Holds n × dim numbers."""
         from .exec.chunks import flat_block
+        from .expr.space import AliasDict
         chunk = _executor(executor).gradients(self.expr)
-        return {b.name: flat_block(chunk.blocks[b.name]).reshape(chunk.n, *b.shape) for b in self.space.blocks}
+        return AliasDict.blocks({b.name: flat_block(chunk.blocks[b.name]).reshape(chunk.n, *b.shape)
+                                 for b in self.space.blocks}, self.space)
 
     def to_params(self, executor=None) -> dict[str, torch.Tensor]:
         """Per-example gradients in the model's layout: ``{param_name: (n, *param.shape)}``.
@@ -248,7 +249,8 @@ class GradientSet(_Displayed):
             ref = refs[name]
             for pname, value in ref.rule.to_params(ref.module, block).items():
                 out[f"{name}.{pname}" if name else pname] = value
-        return out
+        from .expr.space import AliasDict   # a tied block's parameters by any holder's name
+        return AliasDict.params(out, self.space)
 
 
 class TransposedGradients:

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_map
 
 from ..data import batch_size_of, slice_batch
 
-__all__ = ["per_example_grads", "param_names_of"]
+__all__ = ["per_example_grads", "param_names_of", "block_param_names"]
 
 
 class _LossOf(nn.Module):
@@ -45,6 +45,15 @@ def param_names_of(model: nn.Module, layers: list[str] | None) -> list[str]:
             if canonical[id(p)] not in names:
                 names.append(canonical[id(p)])
     return names
+
+
+def block_param_names(model: nn.Module, ref) -> list[str]:
+    """Names, as ``model.named_parameters()`` gives them, of the parameters of a resolved
+    block ``ref`` (``capture.hooks.LayerRef``). A tied parameter has one name (its first
+    holder's), so a block that several modules share is differentiated once: its gradient
+    is the sum over all its uses, not one copy per module."""
+    canonical = {id(p): n for n, p in model.named_parameters()}
+    return [canonical[id(getattr(ref.module, pname))] for pname in ref.param_names()]
 
 
 def per_example_grads(task, batch: Any, params: list[str] | None = None, *,
