@@ -243,12 +243,15 @@ class GradientSet(_Displayed):
         if any(b.basis != "params" for b in self.space.blocks):
             raise ValueError("projected gradients have no parameter layout; use to_dense()")
         from .capture.hooks import resolve_layers
+        from .capture.wrappers import unwrap
         refs = {r.name: r for r in resolve_layers(src.task.model, list(self.layers))}
+        # names as the (unwrapped) model's named_parameters() gives them: one per tied parameter
+        canonical = {id(p): n for n, p in unwrap(src.task.model)[0].named_parameters()}
         out = {}
         for name, block in self.to_dense(executor).items():
             ref = refs[name]
             for pname, value in ref.rule.to_params(ref.module, block).items():
-                out[f"{name}.{pname}" if name else pname] = value
+                out[canonical[id(getattr(ref.module, pname))]] = value
         from .expr.space import AliasDict   # a tied block's parameters by any holder's name
         return AliasDict.params(out, self.space)
 
@@ -501,7 +504,25 @@ def kfac(G: GradientSet, *, eigen_correction: bool = False) -> Operator:
     for b in G.space.blocks:
         if len(b.shape) != 2:
             raise ValueError(f"K-FAC needs (out, in) layer blocks; block {b.name!r} has shape {b.shape}")
+    if not eigen_correction:
+        _refuse_mixed_kfac(G)
     return Operator(KFAC(G.expr, eigen_correction))
+
+
+def _refuse_mixed_kfac(G: GradientSet) -> None:
+    """K-FAC's S ⊗ A on a block pooling uses of different kinds (an embedding tied to the LM
+    head: one-hot rows × hidden gradients next to hidden states × logit gradients) multiplies
+    covariances of unrelated quantities; refused. EK-FAC refits the eigenvalues to the true
+    summed gradients (exact diagonal in its basis), so it is allowed."""
+    source = G.expr.source
+    mixed = [b.name for b in source.space.blocks if b.kind == "tied" and b.name in G.space.names]
+    if mixed:
+        from .errors import GradalgError
+        raise GradalgError(
+            f"K-FAC on the tied block(s) {mixed}: their uses (an embedding and a Linear sharing one "
+            "weight) have activations and output gradients of different kinds, so one Kronecker product "
+            "S ⊗ A of their pooled covariances is not K-FAC of either use. Use ga.ekfac (eigenvalues "
+            "fit to the true summed gradients), ga.fisher on a projection, or leave the block out")
 
 
 def ekfac(G: GradientSet) -> Operator:

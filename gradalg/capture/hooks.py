@@ -99,6 +99,14 @@ def _make_ref(name, module, rule, uses, aliases, params) -> LayerRef:
     return LayerRef(name, module, rule, tuple(uses), tuple(aliases), params)
 
 
+def _param_path(model, pattern: str, modules: dict) -> bool:
+    """Whether ``pattern`` names a parameter ``<module>.<param>`` of one of ``modules``."""
+    if "." not in pattern:
+        return False
+    mod, pname = pattern.rsplit(".", 1)
+    return mod in modules and isinstance(getattr(modules[mod], pname, None), nn.Parameter)
+
+
 def _layer_names(model: nn.Module, layers, backend: str) -> list[str]:
     """Module names (of ``model``) that ``layers`` selects, in model order."""
     modules = dict(model.named_modules(remove_duplicate=False))
@@ -131,6 +139,8 @@ def _layer_names(model: nn.Module, layers, backend: str) -> list[str]:
             inner = pattern + BASE_LAYER if pattern + BASE_LAYER in modules and not _recordable(
                 pattern, base, backend) else pattern
             hits = [inner]
+        elif _param_path(model, pattern, modules):   # "<module>.bias": a tied module's own bias
+            hits = [pattern.rsplit(".", 1)[0]]
         else:
             # a glob keeps the modules it can record: parameterless ones (activations,
             # dropout) and, for hooks, unsupported ones (norms) are skipped

@@ -25,7 +25,8 @@ Naming: the block is named by the first module (in ``model.named_modules()`` ord
 holds the parameter; every other holder is an *alias*: naming it in ``layers`` selects the
 same block, and default layers count the block once. A module whose other parameters are
 not tied (a Linear head with its own bias tied to an embedding weight, as in BERT) keeps
-those under its own name (a bias-only block).
+those in a block of their own (a bias-only block ``<module>.bias``; such a name is
+accepted in ``layers`` too).
 """
 from __future__ import annotations
 
@@ -250,11 +251,12 @@ def _own_bias_ref(ref, group_ids, make_ref, backend):
     own = {n: p for n, p in _params(ref.module).items() if id(p) not in group_ids}
     if not own:
         return None
-    if backend == "func":
-        return make_ref(ref.name, ref.module, None, (), (), tuple(own))
+    name = f"{ref.name}.bias" if ref.name else "bias"   # the tied block has the module's name
+    if backend == "func" and set(own) == {"bias"}:
+        return make_ref(name, ref.module, None, (), (), ("bias",))
     if isinstance(ref.module, nn.Linear) and set(own) == {"bias"}:
         rule = BiasOnlyLinearRule()
-        return make_ref(ref.name, ref.module, rule, (LayerUse(ref.name, ref.module, rule),), (), ("bias",))
+        return make_ref(name, ref.module, rule, (LayerUse(ref.name, ref.module, rule),), (), ("bias",))
     raise UnsupportedLayerError(
         f"module {ref.name!r} shares some parameters with other modules but not {sorted(own)}: hook capture "
         "records such a partly tied module only when it is an nn.Linear whose bias alone is its own. Use "
@@ -276,16 +278,13 @@ def _group_refs(model, first_ref, group_ids, members, order, make_ref, backend) 
                 f"modules {names} share parameters, but {name!r} holds only some of them: hook capture "
                 "records a tied block only when every module that holds it holds all of its tied "
                 "parameters. Use backend='func', or untie them")
-    if any(id(p) not in group_ids for p in canon_params.values()):
-        raise UnsupportedLayerError(
-            f"{names[0]!r} holds parameters tied to {names[1:]} and parameters of its own: its own ones "
-            "would need a block of the same name. Use backend='func', or untie them")
     refs = []
     if backend == "func":
         refs.append(make_ref(names[0], canon_mod, None, (), aliases, tied_names))
     else:
         uses, base = _uses(names, [modules[m] for m in ordered], tied_names)
-        rule = TiedRule(base=base)
+        # "tied": uses of different kinds (an embedding and a Linear) pooled in one block
+        rule = TiedRule(kind="tied" if any(u.transpose for u in uses) else base.kind, base=base)
         refs.append(make_ref(names[0], canon_mod, rule, uses, aliases, tied_names))
     for mid, name in zip(ordered, names):
         module = modules[mid]
