@@ -1,0 +1,64 @@
+"""Wrapped models name blocks as the model they wrap, so their gradients combine.
+
+DDP, FSDP2 and ``torch.compile`` run in one subprocess (gloo, world size 1:
+``tests/dist_scripts/wrapped_names.py``), so this process's default group is left alone.
+PEFT wrappers are tested in tests/test_peft.py.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import gradalg as ga
+from gradalg.capture.wrappers import display_name, strip_prefixes, unwrap
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "dist_scripts", "wrapped_names.py")
+CASES = ["ddp_mlp", "ddp_gpt2_tied", "fsdp2_mlp", "compile_mlp", "prefixed_names"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is needed")
+    pytest.importorskip("transformers")
+    out = tmp_path_factory.mktemp("wrapped") / "results.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, SCRIPT, str(out)], capture_output=True, text=True, timeout=300, env=env)
+    if proc.returncode != 0 or not out.exists():
+        pytest.fail(f"the script exited with {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_wrapped_model_has_the_plain_models_blocks(results, case):
+    assert results.get(case) == "ok", results.get(case, f"{case} did not run")
+
+
+def test_unwrap_and_prefixes():
+    inner = nn.Sequential(nn.Linear(2, 2))
+    compiled = torch.compile(inner)
+    assert unwrap(compiled) == (inner, ("_orig_mod.",))
+    assert strip_prefixes("module._orig_mod.0", ("module.", "_orig_mod.")) == "0"
+    assert strip_prefixes("0", ("module.",)) == "0"
+    assert display_name("h.0.attn.c_attn.base_layer") == "h.0.attn.c_attn"
+
+
+def test_compiled_model_in_process_matches_plain():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 2)).double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.arange(5) % 2
+
+    def loss(m, b):
+        return F.cross_entropy(m(b[0]), b[1], reduction="sum")
+
+    G0 = ga.grads(ga.Task(model, loss), (x, y))
+    G1 = ga.grads(ga.Task(torch.compile(model), loss), (x, y))
+    assert G1.space == G0.space
+    S0, S1 = (torch.as_tensor((G @ G0.T).compute().values) for G in (G0, G1))
+    assert torch.allclose(S1, S0, rtol=1e-12, atol=0)
