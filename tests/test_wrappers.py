@@ -46,6 +46,9 @@ def test_unwrap_and_prefixes():
     assert unwrap(compiled) == (inner, ("_orig_mod.",))
     assert strip_prefixes("module._orig_mod.0", ("module.", "_orig_mod.")) == "0"
     assert strip_prefixes("0", ("module.",)) == "0"
+    # a name the inner model has is its own, even when it looks like a prefix (Llama's "model.")
+    assert strip_prefixes("model.layers.0", ("model.",), known={"model.layers.0": None}) == "model.layers.0"
+    assert strip_prefixes("base_model.model.model.layers.0", ("base_model.", "model.")) == "model.layers.0"
     assert display_name("h.0.attn.c_attn.base_layer") == "h.0.attn.c_attn"
 
 

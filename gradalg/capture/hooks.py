@@ -81,7 +81,8 @@ def resolve_layers(model: nn.Module, layers=None, *, backend: str = "hooks") -> 
     model, prefixes = unwrap(model)
     if layers is not None:
         layers = [layers] if isinstance(layers, str) else list(layers)
-        layers = [strip_prefixes(p, prefixes) for p in layers]
+        known = dict(model.named_modules(remove_duplicate=False))
+        layers = [strip_prefixes(p, prefixes, known) for p in layers]
     names = _layer_names(model, layers, backend)
     modules = dict(model.named_modules(remove_duplicate=False))
     refs = []
@@ -203,6 +204,11 @@ class ForwardRecorder:
 
     def __enter__(self):
         self.calls = {ref.name: [] for ref in self.layers}
+        # a frozen layer (PEFT's base weights) has an output gradient only if something
+        # upstream needs one: its parameters need a gradient while the batch is recorded
+        self._frozen = [p for ref in self.layers for p in _block_params(ref) if not p.requires_grad]
+        for p in self._frozen:
+            p.requires_grad_(True)
         for ref in self.layers:
             for use in ref.uses:
                 self._handles.append(use.module.register_forward_hook(self._hook(ref, use)))
@@ -212,6 +218,9 @@ class ForwardRecorder:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for p in getattr(self, "_frozen", ()):
+            p.requires_grad_(False)
+        self._frozen = []
         return False
 
     def _hook(self, ref: LayerRef, use: LayerUse):
@@ -221,6 +230,10 @@ class ForwardRecorder:
             self.calls[ref.name].append(_Call(use.rule.activations(module, args[0].detach()), output,
                                               get_gradient_edge(output), use))
         return hook
+
+
+def _block_params(ref: LayerRef) -> list:
+    return [p for p in (getattr(ref.module, n, None) for n in ref.param_names()) if isinstance(p, nn.Parameter)]
 
 
 def capture_batch(loss: torch.Tensor, recorder: ForwardRecorder, *, token_mask: torch.Tensor | None = None,

@@ -154,8 +154,10 @@ class CaptureSession:
             blocks[ref.name] = Factors.concat_tokens(parts)
         if len(blocks) != len(self.refs):
             missing = [r.name for r in self.refs if r.name not in blocks]
-            raise RuntimeError(f"layers {missing} were not used in this step's forward pass; "
-                               "leave them out of `layers`")
+            raise RuntimeError(f"layers {missing} were not used in this step's forward pass, or their output "
+                               "needed no gradient (a frozen layer, e.g. PEFT's base weights, with no trainable "
+                               "parameter before it); leave them out of `layers`, or use ga.grads, which "
+                               "records frozen layers")
         n = next(iter(blocks.values())).n
         check_batch_rows(blocks)
         if self.reduction == "mean":

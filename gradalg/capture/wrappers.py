@@ -64,13 +64,17 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, tuple[str, ...]]:
     return model, tuple(prefixes)
 
 
-def strip_prefixes(name: str, prefixes: tuple[str, ...]) -> str:
-    """A layer name as the inner model calls it (a wrapper's prefixes removed, in order)."""
-    for prefix in prefixes:
-        if name.startswith(prefix):
-            name = name[len(prefix):]
-        elif name + "." == prefix:
-            name = ""
+def strip_prefixes(name: str, prefixes: tuple[str, ...], known=None) -> str:
+    """A layer name as the inner model calls it: the wrappers' prefixes (all of them, in
+    order) removed. ``known`` (the inner model's module names): a name it holds is kept as
+    it is (Llama's own ``model.layers…`` is not a PEFT tuner's ``model.`` prefix)."""
+    if known is not None and name in known:
+        return name
+    full = "".join(prefixes)
+    if full and name.startswith(full):
+        return name[len(full):]
+    if full and name + "." == full:
+        return ""
     return name
 
 
