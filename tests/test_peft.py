@@ -5,7 +5,6 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
 import gradalg as ga
 from references import one_thread  # noqa: F401 - one intra-op thread per test module

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradalg as ga
-from gradalg.errors import GradalgError, UnsupportedLayerError
+from gradalg.errors import GradalgError
 from references import one_thread  # noqa: F401 - one intra-op thread per test module
 from models import lm_loss, padded_token_data
 
@@ -229,3 +229,34 @@ def test_reused_linear_and_shared_weight_with_own_biases():
     assert rel(hooks_rows, ref) < REL
     S = torch.as_tensor((G @ G.T).compute().values)
     assert rel(S, ref @ ref.T) < REL
+
+
+class LinearAndConv1D(nn.Module):
+    """A Linear and an HF Conv1D (weight stored transposed) sharing one (6, 6) weight."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers.pytorch_utils import Conv1D
+        self.lin = nn.Linear(6, 6, bias=False)
+        self.conv = Conv1D(6, 6)
+        self.conv.weight = self.lin.weight
+
+    def forward(self, x):
+        return self.conv(torch.tanh(self.lin(x)))
+
+
+def test_tie_hooks_cannot_record_is_refused_and_func_is_the_fix():
+    torch.manual_seed(0)
+    model = LinearAndConv1D().double()
+    x = torch.randn(4, 6, dtype=F64)
+
+    def loss(m, batch):
+        return (m(batch[0]) ** 2).sum()
+
+    task = ga.Task(model, loss)
+    with pytest.raises(ga.UnsupportedLayerError, match="backend='func'"):
+        ga.grads(task, (x,), layers=["conv"])
+    G = ga.grads(task, (x,), layers=["conv"], backend="func")
+    assert G.space.names == ("lin", "conv.bias")
+    ref = oracle(model, loss, (x,), [model.lin.weight, model.conv.bias])
+    assert rel(torch.cat([G.to_dense()["lin"], G.to_dense()["conv.bias"]], 1), ref) < REL

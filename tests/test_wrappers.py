@@ -12,10 +12,8 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-import gradalg as ga
 from gradalg.capture.wrappers import display_name, strip_prefixes, unwrap
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "dist_scripts", "wrapped_names.py")
@@ -50,18 +48,3 @@ def test_unwrap_and_prefixes():
     assert strip_prefixes("model.layers.0", ("model.",), known={"model.layers.0": None}) == "model.layers.0"
     assert strip_prefixes("base_model.model.model.layers.0", ("base_model.", "model.")) == "model.layers.0"
     assert display_name("h.0.attn.c_attn.base_layer") == "h.0.attn.c_attn"
-
-
-def test_compiled_model_in_process_matches_plain():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 2)).double()
-    x, y = torch.randn(5, 4, dtype=torch.float64), torch.arange(5) % 2
-
-    def loss(m, b):
-        return F.cross_entropy(m(b[0]), b[1], reduction="sum")
-
-    G0 = ga.grads(ga.Task(model, loss), (x, y))
-    G1 = ga.grads(ga.Task(torch.compile(model), loss), (x, y))
-    assert G1.space == G0.space
-    S0, S1 = (torch.as_tensor((G @ G0.T).compute().values) for G in (G0, G1))
-    assert torch.allclose(S1, S0, rtol=1e-12, atol=0)
