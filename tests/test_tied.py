@@ -88,6 +88,13 @@ def test_default_layers_count_the_tied_block_once(setup):
         assert rel(torch.as_tensor(got), ref @ ref.T) < REL, backend
 
 
+def test_torch_func_reference_answers_to_either_name(setup):
+    model, data, _, ref, _ = setup
+    grads = ga.per_example_grads(task_of(model), data, ["lm_head.weight", "transformer.wte.weight"], method="loop")
+    assert torch.equal(grads["lm_head.weight"], grads["transformer.wte.weight"])
+    assert rel(grads["lm_head.weight"].flatten(1), ref) < REL
+
+
 def test_func_backend_gives_the_same_block(setup):
     model, data, _, ref, _ = setup
     for layers in (["lm_head"], ["transformer.wte"]):
@@ -220,6 +227,9 @@ def test_reused_linear_and_shared_weight_with_own_biases():
     assert G.space.names == ("inp", "step", "a", "a.bias", "b.bias")
     assert G.space["b"].shape == (4, 6) and G.space["b.bias"].shape == (4, 1)
     assert ga.grads(task, (x, y), layers=["b"]).space.names == ("a", "a.bias", "b.bias")
+    # named in any order or by any alias: the same space, in model order
+    assert ga.grads(task, (x, y), layers=["b", "inp"]).space == ga.grads(task, (x, y), layers=["inp", "a"]).space
+    assert ga.grads(task, (x, y), layers=["b", "inp"]).space.names == ("inp", "a", "a.bias", "b.bias")
     params = [model.inp.weight, model.inp.bias, model.step.weight, model.step.bias, model.a.weight,
               model.a.bias, model.b.bias]
     ref = oracle(model, loss, (x, y), params)

@@ -69,19 +69,26 @@ def per_example_grads(task, batch: Any, params: list[str] | None = None, *,
     loss_fn = loss_fn or task.summed_loss
     model = task.model
     all_params = dict(model.named_parameters())
-    names = params if params is not None else [n for n, p in all_params.items() if p.requires_grad]
-    missing = [n for n in names if n not in all_params]
+    requested = params if params is not None else [n for n, p in all_params.items() if p.requires_grad]
+    # a tied parameter answers to every holder's name ("lm_head.weight" is "transformer.wte.weight")
+    canonical = {id(p): n for n, p in all_params.items()}
+    alias = {n: canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
+    missing = [n for n in requested if n not in alias]
     if missing:
         raise KeyError(f"no parameters named {missing} in {type(model).__name__}")
+    names = list(dict.fromkeys(alias[n] for n in requested))
     if method not in ("auto", "vmap", "loop"):
         raise ValueError(f"method must be 'auto', 'vmap' or 'loop', got {method!r}")
+    out = None
     if method in ("auto", "vmap"):
         try:
-            return _vmap_grads(task, batch, names, loss_fn)
+            out = _vmap_grads(task, batch, names, loss_fn)
         except Exception:
             if method == "vmap":
                 raise
-    return _loop_grads(task, batch, names, loss_fn)
+    if out is None:
+        out = _loop_grads(task, batch, names, loss_fn)
+    return {n: out[alias[n]] for n in requested}
 
 
 def _vmap_grads(task, batch, names, loss_fn):

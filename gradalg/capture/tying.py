@@ -238,13 +238,21 @@ def tie_layers(model: nn.Module, refs: list, make_ref, backend: str = "hooks") -
             continue
         done.add(key)
         out.extend(_group_refs(model, ref, group_ids, members, order, make_ref, backend))
-    # a group recorded once, its bias-only blocks after it, all in model order
+    # a group recorded once, its bias-only blocks after it, all in model order (so the same
+    # blocks named in any order, or by any alias, give the same space)
     seen, unique = set(), []
     for r in out:
         if r.name not in seen:
             seen.add(r.name)
             unique.append(r)
-    return unique
+    position = {n: i for i, (n, _) in enumerate(model.named_modules(remove_duplicate=False))}
+
+    def key(r):
+        own_bias = r.name not in position and r.name.endswith(".bias")
+        module = r.name[: -len(".bias")] if own_bias else r.name
+        return position.get(module, len(position)), own_bias
+
+    return sorted(unique, key=key)
 
 
 def _own_bias_ref(ref, group_ids, make_ref, backend):
