@@ -270,3 +270,21 @@ def test_tie_hooks_cannot_record_is_refused_and_func_is_the_fix():
     assert G.space.names == ("lin", "conv.bias")
     ref = oracle(model, loss, (x,), [model.lin.weight, model.conv.bias])
     assert rel(torch.cat([G.to_dense()["lin"], G.to_dense()["conv.bias"]], 1), ref) < REL
+
+
+def test_module_registered_under_two_names_is_one_block():
+    torch.manual_seed(0)
+    body = nn.Linear(3, 3).double()
+    model = nn.Sequential(body, nn.Tanh(), body).double()      # the same module at "0" and "2"
+    x = torch.randn(4, 3, dtype=F64)
+
+    def loss(m, batch):
+        return (m(batch[0]) ** 2).sum()
+
+    task = ga.Task(model, loss)
+    for layers in (None, ["0"], ["2"], ["0", "2"]):
+        G = ga.grads(task, (x,), layers=layers)
+        assert G.space.names == ("0",), layers
+    ref = oracle(model, loss, (x,), [body.weight, body.bias])
+    got = ga.grads(task, (x,), layers=["2"]).to_params()
+    assert rel(torch.cat([got["0.weight"].flatten(1), got["2.bias"]], 1), ref) < REL

@@ -85,14 +85,21 @@ def resolve_layers(model: nn.Module, layers=None, *, backend: str = "hooks") -> 
         layers = [strip_prefixes(p, prefixes, known) for p in layers]
     names = _layer_names(model, layers, backend)
     modules = dict(model.named_modules(remove_duplicate=False))
-    refs = []
+    # a module registered under several names is one block, named by the first
+    every: dict[int, list[str]] = {}
+    for name, module in modules.items():
+        every.setdefault(id(module), []).append(name)
+    refs, seen = [], set()
     for name in names:
         module = modules[name]
-        shown = display_name(name)
-        if backend == "func":
-            refs.append(LayerRef(shown, module, None))
-        else:
-            refs.append(LayerRef(shown, module, rule_for(name, module)))
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        first = every[id(module)][0]
+        shown = display_name(first)
+        aliases = tuple(display_name(n) for n in every[id(module)][1:])
+        rule = None if backend == "func" else rule_for(first, module)
+        refs.append(LayerRef(shown, module, rule, aliases=aliases))
     return tie_layers(model, refs, _make_ref, backend)
 
 
