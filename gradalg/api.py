@@ -202,8 +202,7 @@ class GradientSet(_Displayed):
     def select(self, layers: Iterable[str]) -> "GradientSet":
         """Only the blocks ``layers``."""
         names = (layers,) if isinstance(layers, str) else tuple(layers)
-        for name in names:
-            self.space[name]  # KeyError naming the valid blocks
+        names = tuple(self.space.canonical(name) for name in names)  # KeyError naming the valid blocks
         return GradientSet(Select(self.expr, names))
 
     __getitem__ = select
@@ -244,8 +243,10 @@ class GradientSet(_Displayed):
     def to_dense(self, executor=None) -> dict[str, torch.Tensor]:
         """All rows, materialized: ``{block: (n, *block.shape)}``. Holds n × dim numbers."""
         from .exec.chunks import flat_block
+        from .expr.space import AliasDict
         chunk = _executor(executor).gradients(self.expr)
-        return {b.name: flat_block(chunk.blocks[b.name]).reshape(chunk.n, *b.shape) for b in self.space.blocks}
+        return AliasDict.blocks({b.name: flat_block(chunk.blocks[b.name]).reshape(chunk.n, *b.shape)
+                                 for b in self.space.blocks}, self.space)
 
     def to_params(self, executor=None) -> dict[str, torch.Tensor]:
         """Per-example gradients in the model's layout: ``{param_name: (n, *param.shape)}``.
@@ -258,13 +259,17 @@ class GradientSet(_Displayed):
         if any(b.basis != "params" for b in self.space.blocks):
             raise ValueError("projected gradients have no parameter layout; use to_dense()")
         from .capture.hooks import resolve_layers
+        from .capture.wrappers import unwrap
         refs = {r.name: r for r in resolve_layers(src.task.model, list(self.layers))}
+        # names as the (unwrapped) model's named_parameters() gives them: one per tied parameter
+        canonical = {id(p): n for n, p in unwrap(src.task.model)[0].named_parameters()}
         out = {}
         for name, block in self.to_dense(executor).items():
             ref = refs[name]
             for pname, value in ref.rule.to_params(ref.module, block).items():
-                out[f"{name}.{pname}" if name else pname] = value
-        return out
+                out[canonical[id(getattr(ref.module, pname))]] = value
+        from .expr.space import AliasDict   # a tied block's parameters by any holder's name
+        return AliasDict.params(out, self.space)
 
 
 def _captured_positions(src) -> int:
@@ -536,7 +541,25 @@ def kfac(G: GradientSet, *, eigen_correction: bool = False) -> Operator:
     for b in G.space.blocks:
         if len(b.shape) != 2:
             raise ValueError(f"K-FAC needs (out, in) layer blocks; block {b.name!r} has shape {b.shape}")
+    if not eigen_correction:
+        _refuse_mixed_kfac(G)
     return Operator(KFAC(G.expr, eigen_correction))
+
+
+def _refuse_mixed_kfac(G: GradientSet) -> None:
+    """K-FAC's S ⊗ A on a block pooling uses of different kinds (an embedding tied to the LM
+    head: one-hot rows × hidden gradients next to hidden states × logit gradients) multiplies
+    covariances of unrelated quantities; refused. EK-FAC refits the eigenvalues to the true
+    summed gradients (exact diagonal in its basis), so it is allowed."""
+    source = G.expr.source
+    mixed = [b.name for b in source.space.blocks if b.kind == "tied" and b.name in G.space.names]
+    if mixed:
+        from .errors import GradalgError
+        raise GradalgError(
+            f"K-FAC on the tied block(s) {mixed}: their uses (an embedding and a Linear sharing one "
+            "weight) have activations and output gradients of different kinds, so one Kronecker product "
+            "S ⊗ A of their pooled covariances is not K-FAC of either use. Use ga.ekfac (eigenvalues "
+            "fit to the true summed gradients), ga.fisher on a projection, or leave the block out")
 
 
 def ekfac(G: GradientSet) -> Operator:

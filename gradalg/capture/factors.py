@@ -11,6 +11,15 @@ Kernels
 ``materialize(F)``     G_i = D_iᵀ A_i                                      (n, out, in)
 ``kron_project(F, Po, Pi)`` (D_i Poᵀ)ᵀ (A_i Piᵀ) = Po G_i Piᵀ               (n, ko, ki)
 ``self_inner(F)``      ‖G_i‖² by the ghost identity                        (n,)
+
+Precision
+---------
+Factors keep the model's dtype (a bf16 model records bf16 ``A`` and ``D``: half the
+memory). Every kernel here computes in :func:`compute_dtype` of the factors — float32
+for bfloat16 / float16, their own dtype otherwise — so inner products, materialized
+gradients and projections are float32 sums of the half-precision entries, never sums
+rounded to 8 (bf16) or 11 (fp16) bits. Statistics (Fisher, K-FAC covariances) are summed
+in float64 downstream (``exec/accumulators.py``, ``curvature/kron.py``).
 """
 from __future__ import annotations
 
@@ -19,7 +28,18 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["OneHot", "Factors", "ghost_inner", "materialize", "kron_project", "project_factors", "self_inner",
-           "ghost_flops", "dense_flops"]
+           "ghost_flops", "dense_flops", "compute_dtype", "HALF_DTYPES"]
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype kernels compute in for factors of ``dtype``: float32 for half precision."""
+    return torch.float32 if dtype in HALF_DTYPES else dtype
+
+
+def _up(x, dtype):
+    return x.to(dtype) if isinstance(x, torch.Tensor) and x.dtype != dtype else x
 
 
 @dataclass
@@ -153,40 +173,44 @@ def ghost_inner(L: Factors, R: Factors, max_elements: int = 2**26) -> torch.Tens
     Computed in slices of the right-hand examples so that the (nL, nR, TL, TR)
     intermediate stays under ``max_elements``.
     """
-    dtype = L.D.dtype
+    dtype = compute_dtype(torch.promote_types(L.D.dtype, R.D.dtype))
     out = torch.empty(L.n, R.n, dtype=dtype, device=L.D.device)
     per_r = max(1, L.n * L.T * R.T)
     step = max(1, max_elements // per_r)
+    LA, LD = _up(L.A, dtype), _up(L.D, dtype)
     for start in range(0, R.n, step):
         Rs = R[start:start + step]
-        a = _act_gram(L.A, Rs.A, dtype)
-        d = torch.einsum("qto,rso->qrts", L.D, Rs.D)
+        a = _act_gram(LA, _up(Rs.A, dtype), dtype)
+        d = torch.einsum("qto,rso->qrts", LD, _up(Rs.D, dtype))
         out[:, start:start + step] = (a * d).sum(dim=(2, 3))
     return out
 
 
 def self_inner(F: Factors) -> torch.Tensor:
     """‖G_i‖² for each example, by ghost products of an example with itself. (n,)"""
-    dtype = F.D.dtype
+    dtype = compute_dtype(F.D.dtype)
     if isinstance(F.A, OneHot):
         a = (F.A.idx[:, :, None] == F.A.idx[:, None, :]).to(dtype)
         w = F.A.weights(dtype)
         a = a * w[:, :, None] * w[:, None, :]
     else:
-        a = torch.einsum("nti,nsi->nts", F.A, F.A)
-    d = torch.einsum("nto,nso->nts", F.D, F.D)
+        A = _up(F.A, dtype)
+        a = torch.einsum("nti,nsi->nts", A, A)
+    D = _up(F.D, dtype)
+    d = torch.einsum("nto,nso->nts", D, D)
     return (a * d).sum(dim=(1, 2))
 
 
 def materialize(F: Factors) -> torch.Tensor:
-    """G_i = D_iᵀ A_i for each example.   Returns (n, out, in)."""
+    """G_i = D_iᵀ A_i for each example, in :func:`compute_dtype`.   Returns (n, out, in)."""
+    dtype = compute_dtype(F.D.dtype)
     if isinstance(F.A, OneHot):
         n, T, out = F.D.shape
-        G = F.D.new_zeros(n, out, F.A.size)
-        D = F.D * F.A.weights(F.D.dtype).unsqueeze(-1)
+        G = F.D.new_zeros(n, out, F.A.size, dtype=dtype)
+        D = _up(F.D, dtype) * F.A.weights(dtype).unsqueeze(-1)
         index = F.A.idx.unsqueeze(1).expand(n, out, T)
         return G.scatter_add_(2, index, D.transpose(1, 2))
-    return torch.einsum("nto,nti->noi", F.D, F.A)
+    return torch.einsum("nto,nti->noi", _up(F.D, dtype), _up(F.A, dtype))
 
 
 def kron_project(F: Factors, P_out: torch.Tensor, P_in: torch.Tensor) -> torch.Tensor:
@@ -198,12 +222,15 @@ def kron_project(F: Factors, P_out: torch.Tensor, P_in: torch.Tensor) -> torch.T
 
 
 def project_factors(F: Factors, P_out: torch.Tensor, P_in: torch.Tensor) -> Factors:
-    """Factors of P_out G_i P_inᵀ: ``(A_i P_inᵀ, D_i P_outᵀ)``, shapes (n, T, k_in), (n, T, k_out)."""
+    """Factors of P_out G_i P_inᵀ: ``(A_i P_inᵀ, D_i P_outᵀ)``, shapes (n, T, k_in), (n, T, k_out),
+    in the wider of the factors' :func:`compute_dtype` and the matrices' dtype."""
+    dtype = torch.promote_types(compute_dtype(F.D.dtype), P_in.dtype)
+    P_in, P_out = P_in.to(dtype), P_out.to(dtype)
     if isinstance(F.A, OneHot):
         A = P_in.T[F.A.idx] * F.A.weights(P_in.dtype).unsqueeze(-1)
     else:
-        A = F.A @ P_in.T
-    return Factors(A, F.D @ P_out.T)
+        A = _up(F.A, dtype) @ P_in.T
+    return Factors(A, _up(F.D, dtype) @ P_out.T)
 
 
 def ghost_flops(nL: int, nR: int, TL: int, TR: int, n_in: int, n_out: int) -> int:

@@ -19,34 +19,108 @@ from torch.autograd.graph import get_gradient_edge
 from ..errors import UnsupportedLayerError
 from .factors import Factors
 from .layers import LayerRule, rule_for
+from .tying import LayerUse, tie_layers, use_factors
+from .wrappers import BASE_LAYER, display_name, strip_prefixes, unwrap
 
 __all__ = ["resolve_layers", "ForwardRecorder", "capture_batch", "LayerRef", "forward_share_key"]
 
 
 @dataclass(frozen=True)
 class LayerRef:
-    """A recorded module: its dotted name, the module and its :class:`LayerRule`."""
+    """A recorded block: its name, the module and :class:`LayerRule` that give its shape and
+    parameter layout, and the modules that contribute to it.
+
+    ``uses`` : the :class:`~gradalg.capture.tying.LayerUse` of every module whose calls
+    add to the block (one for an untied layer; several for a tied parameter).
+    ``aliases`` : other module names that select this block (the tied holders).
+    ``params`` : names (in ``module``) of the block's parameters; None for all of them.
+    """
 
     name: str
     module: nn.Module
     rule: LayerRule
+    uses: tuple = ()
+    aliases: tuple = ()
+    params: tuple | None = None
+
+    def __post_init__(self):
+        if not self.uses and self.rule is not None:
+            object.__setattr__(self, "uses", (LayerUse(self.name, self.module, self.rule),))
+
+    def block(self):
+        """The :class:`~gradalg.expr.space.Block` of this layer (hooks backend)."""
+        from ..expr.space import Block  # pure data, no import circle
+
+        return Block(self.name, self.rule.block_shape(self.module), self.rule.kind, aliases=self.aliases)
+
+    def param_names(self) -> tuple[str, ...]:
+        """Names in ``module`` of the block's parameters."""
+        if self.params is not None:
+            return tuple(self.params)
+        if self.rule is not None:
+            return tuple(self.rule.param_names(self.module))
+        return tuple(n for n, p in self.module.named_parameters(recurse=False) if p is not None)
 
 
 POSITION_EMBEDDINGS = ("wpe", "position_embeddings", "embed_positions", "pos_emb", "pos_embed")
 
 
 def resolve_layers(model: nn.Module, layers=None, *, backend: str = "hooks") -> list[LayerRef]:
-    """The modules named by ``layers``, in model order.
+    """The blocks named by ``layers``, in model order.
 
     ``layers`` is None (every supported module with trainable parameters, except
     position embeddings named as in :data:`POSITION_EMBEDDINGS`, which HF models call
     with positions shared by the whole batch), a list of dotted module names, or glob
     patterns (``"transformer.h.*.mlp.c_fc"``).
+
+    Wrappers (DDP, ``torch.compile``, PEFT: :mod:`gradalg.capture.wrappers`) are looked
+    through, so names are those of the wrapped model (a wrapper's prefix is accepted). A
+    parameter several modules hold (tied embeddings, a reused weight) is one block, named by
+    its first holder; the others are aliases (:mod:`gradalg.capture.tying`).
     """
-    modules = dict(model.named_modules())
+    model, prefixes = unwrap(model)
+    if layers is not None:
+        layers = [layers] if isinstance(layers, str) else list(layers)
+        known = dict(model.named_modules(remove_duplicate=False))
+        layers = [strip_prefixes(p, prefixes, known) for p in layers]
+    names = _layer_names(model, layers, backend)
+    modules = dict(model.named_modules(remove_duplicate=False))
+    # a module registered under several names is one block, named by the first
+    every: dict[int, list[str]] = {}
+    for name, module in modules.items():
+        every.setdefault(id(module), []).append(name)
+    refs, seen = [], set()
+    for name in names:
+        module = modules[name]
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        first = every[id(module)][0]
+        shown = display_name(first)
+        aliases = tuple(display_name(n) for n in every[id(module)][1:])
+        rule = None if backend == "func" else rule_for(first, module)
+        refs.append(LayerRef(shown, module, rule, aliases=aliases))
+    return tie_layers(model, refs, _make_ref, backend)
+
+
+def _make_ref(name, module, rule, uses, aliases, params) -> LayerRef:
+    return LayerRef(name, module, rule, tuple(uses), tuple(aliases), params)
+
+
+def _param_path(model, pattern: str, modules: dict) -> bool:
+    """Whether ``pattern`` names a parameter ``<module>.<param>`` of one of ``modules``."""
+    if "." not in pattern:
+        return False
+    mod, pname = pattern.rsplit(".", 1)
+    return mod in modules and isinstance(getattr(modules[mod], pname, None), nn.Parameter)
+
+
+def _layer_names(model: nn.Module, layers, backend: str) -> list[str]:
+    """Module names (of ``model``) that ``layers`` selects, in model order."""
+    modules = dict(model.named_modules(remove_duplicate=False))
     if layers is None:
         names = []
-        for name, module in modules.items():
+        for name, module in model.named_modules():
             if not any(p.requires_grad for p in module.parameters(recurse=False)):
                 continue
             if isinstance(module, nn.Embedding) and name.split(".")[-1] in POSITION_EMBEDDINGS:
@@ -64,36 +138,34 @@ def resolve_layers(model: nn.Module, layers=None, *, backend: str = "hooks") -> 
                 f"{type(model).__name__} has no layer that hook capture supports; pass "
                 "backend='func' or name the layers"
             )
-    else:
-        if isinstance(layers, str):
-            layers = [layers]
-        names = []
-        for pattern in layers:
-            if pattern in modules:  # an exact name; "" is the model itself (a bare nn.Linear)
-                hits = [pattern]
-            else:
-                # a glob keeps the modules it can record: parameterless ones (activations,
-                # dropout) and, for hooks, unsupported ones (norms) are skipped
-                hits = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)
-                        and _recordable(n, modules[n], backend)]
-            if not hits:
-                named = [n for n in modules if n]
-                close = [n for n in named if pattern.split(".")[-1] in n][:5]
-                close += [n for n in difflib.get_close_matches(pattern, named, n=3) if n not in close]
-                hint = f"; did you mean one of {close}?" if close else ""
-                raise KeyError(f"no module named {pattern!r} in {type(model).__name__}{hint} "
-                               "(names are those of model.named_modules())")
-            names.extend(h for h in hits if h not in names)
-        order = {n: i for i, n in enumerate(modules)}
-        names.sort(key=order.__getitem__)
-    refs = []
-    for name in names:
-        module = modules[name]
-        if backend == "func":
-            refs.append(LayerRef(name, module, None))
+        return names
+    names = []
+    for pattern in layers:
+        if pattern in modules:  # an exact name; "" is the model itself (a bare nn.Linear)
+            base = modules[pattern]
+            # a PEFT tuner layer stands for the frozen layer it wraps
+            inner = pattern + BASE_LAYER if pattern + BASE_LAYER in modules and not _recordable(
+                pattern, base, backend) else pattern
+            hits = [inner]
+        elif _param_path(model, pattern, modules):   # "<module>.bias": a tied module's own bias
+            hits = [pattern.rsplit(".", 1)[0]]
         else:
-            refs.append(LayerRef(name, module, rule_for(name, module)))
-    return refs
+            # a glob keeps the modules it can record: parameterless ones (activations,
+            # dropout) and, for hooks, unsupported ones (norms) are skipped
+            hits = [n for n in modules if n and (fnmatch.fnmatchcase(n, pattern)
+                                                 or fnmatch.fnmatchcase(display_name(n), pattern))
+                    and _recordable(n, modules[n], backend)]
+        if not hits:
+            named = [n for n in modules if n]
+            close = [n for n in named if pattern.split(".")[-1] in n][:5]
+            close += [n for n in difflib.get_close_matches(pattern, named, n=3) if n not in close]
+            hint = f"; did you mean one of {close}?" if close else ""
+            raise KeyError(f"no module named {pattern!r} in {type(model).__name__}{hint} "
+                           "(names are those of model.named_modules())")
+        names.extend(h for h in hits if h not in names)
+    order = {n: i for i, n in enumerate(modules)}
+    names.sort(key=order.__getitem__)
+    return names
 
 
 def forward_share_key(source, refs: list[LayerRef] | None = None):
@@ -103,7 +175,8 @@ def forward_share_key(source, refs: list[LayerRef] | None = None):
     if source.backend != "hooks":
         return None
     refs = resolve_layers(source.task.model, list(source.layers)) if refs is None else refs
-    if any(ref.module is source.task.model for ref in refs):
+    inner = unwrap(source.task.model)[0]
+    if any(use.module is source.task.model or use.module is inner for ref in refs for use in ref.uses):
         return None
     return (source.task.token, tuple(ref.name for ref in refs))
 
@@ -125,6 +198,7 @@ class _Call:
     A: Any
     output: torch.Tensor
     edge: Any = None  # the output's autograd edge, taken before any in-place op overwrites it
+    use: Any = None   # the LayerUse that recorded it (a tied block has several)
 
 
 @dataclass
@@ -137,23 +211,36 @@ class ForwardRecorder:
 
     def __enter__(self):
         self.calls = {ref.name: [] for ref in self.layers}
+        # a frozen layer (PEFT's base weights) has an output gradient only if something
+        # upstream needs one: its parameters need a gradient while the batch is recorded
+        self._frozen = [p for ref in self.layers for p in _block_params(ref) if not p.requires_grad]
+        for p in self._frozen:
+            p.requires_grad_(True)
         for ref in self.layers:
-            self._handles.append(ref.module.register_forward_hook(self._hook(ref)))
+            for use in ref.uses:
+                self._handles.append(use.module.register_forward_hook(self._hook(ref, use)))
         return self
 
     def __exit__(self, *exc):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for p in getattr(self, "_frozen", ()):
+            p.requires_grad_(False)
+        self._frozen = []
         return False
 
-    def _hook(self, ref: LayerRef):
+    def _hook(self, ref: LayerRef, use: LayerUse):
         def hook(module, args, output):
             if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return
-            self.calls[ref.name].append(_Call(ref.rule.activations(module, args[0].detach()), output,
-                                              get_gradient_edge(output)))
+            self.calls[ref.name].append(_Call(use.rule.activations(module, args[0].detach()), output,
+                                              get_gradient_edge(output), use))
         return hook
+
+
+def _block_params(ref: LayerRef) -> list:
+    return [p for p in (getattr(ref.module, n, None) for n in ref.param_names()) if isinstance(p, nn.Parameter)]
 
 
 def capture_batch(loss: torch.Tensor, recorder: ForwardRecorder, *, token_mask: torch.Tensor | None = None,
@@ -184,13 +271,7 @@ def capture_batch(loss: torch.Tensor, recorder: ForwardRecorder, *, token_mask: 
         call = recorder.calls[ref.name][i]
         if g is None:
             g = torch.zeros_like(out)
-        D = ref.rule.output_grads(ref.module, g.detach())
-        if grad_scale != 1.0:
-            D = D * grad_scale
-        factors = Factors(call.A, D)
-        if token_mask is not None and factors.T == token_mask.shape[1]:
-            factors = factors.mask_tokens(token_mask)
-        per_layer[ref.name].append(factors)
+        per_layer[ref.name].append(use_factors(call.use, call.A, g, token_mask, grad_scale))
     blocks = {name: Factors.concat_tokens(parts) for name, parts in per_layer.items()}
     check_batch_rows(blocks)
     return blocks

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_map
 
 from ..data import batch_size_of, slice_batch
 
-__all__ = ["per_example_grads", "param_names_of"]
+__all__ = ["per_example_grads", "param_names_of", "block_param_names"]
 
 
 class _LossOf(nn.Module):
@@ -47,6 +47,15 @@ def param_names_of(model: nn.Module, layers: list[str] | None) -> list[str]:
     return names
 
 
+def block_param_names(model: nn.Module, ref) -> list[str]:
+    """Names, as ``model.named_parameters()`` gives them, of the parameters of a resolved
+    block ``ref`` (``capture.hooks.LayerRef``). A tied parameter has one name (its first
+    holder's), so a block that several modules share is differentiated once: its gradient
+    is the sum over all its uses, not one copy per module."""
+    canonical = {id(p): n for n, p in model.named_parameters()}
+    return [canonical[id(getattr(ref.module, pname))] for pname in ref.param_names()]
+
+
 def per_example_grads(task, batch: Any, params: list[str] | None = None, *,
                       method: str = "auto", loss_fn=None) -> dict[str, torch.Tensor]:
     """Per-example gradients ``{name: (B, *shape)}`` of ``task``'s loss on ``batch``.
@@ -60,19 +69,26 @@ def per_example_grads(task, batch: Any, params: list[str] | None = None, *,
     loss_fn = loss_fn or task.summed_loss
     model = task.model
     all_params = dict(model.named_parameters())
-    names = params if params is not None else [n for n, p in all_params.items() if p.requires_grad]
-    missing = [n for n in names if n not in all_params]
+    requested = params if params is not None else [n for n, p in all_params.items() if p.requires_grad]
+    # a tied parameter answers to every holder's name ("lm_head.weight" is "transformer.wte.weight")
+    canonical = {id(p): n for n, p in all_params.items()}
+    alias = {n: canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
+    missing = [n for n in requested if n not in alias]
     if missing:
         raise KeyError(f"no parameters named {missing} in {type(model).__name__}")
+    names = list(dict.fromkeys(alias[n] for n in requested))
     if method not in ("auto", "vmap", "loop"):
         raise ValueError(f"method must be 'auto', 'vmap' or 'loop', got {method!r}")
+    out = None
     if method in ("auto", "vmap"):
         try:
-            return _vmap_grads(task, batch, names, loss_fn)
+            out = _vmap_grads(task, batch, names, loss_fn)
         except Exception:
             if method == "vmap":
                 raise
-    return _loop_grads(task, batch, names, loss_fn)
+    if out is None:
+        out = _loop_grads(task, batch, names, loss_fn)
+    return {n: out[alias[n]] for n in requested}
 
 
 def _vmap_grads(task, batch, names, loss_fn):

@@ -20,8 +20,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..capture.factors import Factors
+from .factors import Factors
 from .hooks import LayerRef, check_batch_rows, resolve_layers
+from .tying import LayerUse, use_factors
 
 __all__ = ["CaptureStore", "CaptureSession", "capture"]
 
@@ -75,18 +76,24 @@ class CaptureSession:
     def grads(self):
         """GradientSet of every example captured so far (requires ``keep=True``)."""
         from ..api import GradientSet
-        from ..expr import Captured, ParamSpace
-        from ..expr.space import Block
+        from ..expr import Captured
 
-        space = ParamSpace(tuple(Block(r.name, r.rule.block_shape(r.module), r.rule.kind) for r in self.refs))
         frozen = CaptureStore(list(self.store.chunks_))
-        return GradientSet(Captured(frozen, space))
+        return GradientSet(Captured(frozen, self.space))
+
+    @property
+    def space(self):
+        """The ParamSpace of the recorded blocks (the same as ``ga.grads`` gives)."""
+        from ..expr import ParamSpace
+
+        return ParamSpace(tuple(r.block() for r in self.refs))
 
     # ------------------------------------------------------------------ context
     def __enter__(self):
         self._reset_step()
         for ref in self.refs:
-            self._handles.append(ref.module.register_forward_hook(self._forward_hook(ref)))
+            for use in ref.uses:
+                self._handles.append(use.module.register_forward_hook(self._forward_hook(ref, use)))
         return self
 
     def __exit__(self, *exc):
@@ -101,7 +108,7 @@ class CaptureSession:
         self._expected = 0
         self._received = 0
 
-    def _forward_hook(self, ref: LayerRef):
+    def _forward_hook(self, ref: LayerRef, use: LayerUse):
         def hook(module, args, output):
             if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return
@@ -120,20 +127,16 @@ class CaptureSession:
                                    "ga.capture records one forward/backward at a time")
             if self._received and self._received == self._expected:
                 self._reset_step()
-            slot = {"A": ref.rule.activations(module, args[0].detach()), "D": None}
+            slot = {"A": use.rule.activations(module, args[0].detach()), "D": None}
             self._pending[ref.name].append(slot)
             self._expected += 1
-            output.register_hook(self._grad_hook(ref, slot))
+            output.register_hook(self._grad_hook(use, slot))
         return hook
 
-    def _grad_hook(self, ref: LayerRef, slot: dict):
+    def _grad_hook(self, use: LayerUse, slot: dict):
         def hook(grad):
-            D = ref.rule.output_grads(ref.module, grad.detach())
-            A = slot["A"]
-            if isinstance(A, torch.Tensor) and A.dtype != D.dtype:  # autocast: fp32 inputs, bf16 grads
-                dtype = torch.promote_types(A.dtype, D.dtype)
-                slot["A"], D = A.to(dtype), D.to(dtype)
-            slot["D"] = D
+            slot["F"] = use_factors(use, slot["A"], grad)   # the same per-call path as ga.grads
+            slot["D"] = slot["F"].D
             self._received += 1
             if self._received == self._expected:
                 self._finish_step()
@@ -147,12 +150,14 @@ class CaptureSession:
             slots = self._pending[ref.name]
             if not slots:
                 continue
-            parts = [Factors(s["A"], s["D"]) for s in slots]
+            parts = [s["F"] for s in slots]
             blocks[ref.name] = Factors.concat_tokens(parts)
         if len(blocks) != len(self.refs):
             missing = [r.name for r in self.refs if r.name not in blocks]
-            raise RuntimeError(f"layers {missing} were not used in this step's forward pass; "
-                               "leave them out of `layers`")
+            raise RuntimeError(f"layers {missing} were not used in this step's forward pass, or their output "
+                               "needed no gradient (a frozen layer, e.g. PEFT's base weights, with no trainable "
+                               "parameter before it); leave them out of `layers`, or use ga.grads, which "
+                               "records frozen layers")
         n = next(iter(blocks.values())).n
         check_batch_rows(blocks)
         if self.reduction == "mean":
@@ -164,11 +169,9 @@ class CaptureSession:
         self.steps += 1
         if self._callbacks:
             from ..api import GradientSet
-            from ..expr import Captured, ParamSpace
-            from ..expr.space import Block
+            from ..expr import Captured
 
-            space = ParamSpace(tuple(Block(r.name, r.rule.block_shape(r.module), r.rule.kind) for r in self.refs))
-            step = GradientSet(Captured(CaptureStore([chunk]), space))
+            step = GradientSet(Captured(CaptureStore([chunk]), self.space))
             for cb in self._callbacks:
                 cb(step)
 

@@ -33,43 +33,40 @@ class ParamCoords:
         self.model = model
         self.refs = resolve_layers(model, list(layers), backend=backend)
         self.backend = backend
-        self.param_names = []
-        for ref in self.refs:
-            for pname, _ in ref.module.named_parameters(recurse=False):
-                self.param_names.append(f"{ref.name}.{pname}" if ref.name else pname)
+        # parameter names as model.named_parameters() gives them (a wrapper's prefix, one
+        # name for a tied parameter), per block: {local name in ref.module: full name}
+        canonical = {id(p): n for n, p in model.named_parameters()}
+        self.local = [{pname: canonical[id(getattr(ref.module, pname))] for pname in ref.param_names()}
+                      for ref in self.refs]
+        self.param_names = [full for names in self.local for full in names.values()]
 
     def to_params(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         """(m, dim) → {param_name: (m, *shape)}."""
         out, start, m = {}, 0, rows.shape[0]
-        for ref in self.refs:
-            params = dict(ref.module.named_parameters(recurse=False))
+        for ref, names in zip(self.refs, self.local):
             if self.backend == "func":
-                for pname, p in params.items():
-                    out[_full(ref.name, pname)] = rows[:, start:start + p.numel()].reshape(m, *p.shape)
+                for pname, full in names.items():
+                    p = getattr(ref.module, pname)
+                    out[full] = rows[:, start:start + p.numel()].reshape(m, *p.shape)
                     start += p.numel()
                 continue
             out_f, in_f = ref.rule.block_shape(ref.module)
             block = rows[:, start:start + out_f * in_f].reshape(m, out_f, in_f)
             start += out_f * in_f
             for pname, value in ref.rule.to_params(ref.module, block).items():
-                out[_full(ref.name, pname)] = value
+                out[names[pname]] = value
         return out
 
     def from_params(self, params: dict[str, torch.Tensor]) -> torch.Tensor:
         """{param_name: (m, *shape)} → (m, dim)."""
         parts = []
-        for ref in self.refs:
-            names = [pname for pname, _ in ref.module.named_parameters(recurse=False)]
-            local = {pname: params[_full(ref.name, pname)] for pname in names}
+        for ref, names in zip(self.refs, self.local):
+            local = {pname: params[full] for pname, full in names.items()}
             if self.backend == "func":
                 parts.extend(v.flatten(1) for v in local.values())
             else:
                 parts.append(ref.rule.from_params(ref.module, local).flatten(1))
         return torch.cat(parts, dim=1)
-
-
-def _full(layer, pname):
-    return f"{layer}.{pname}" if layer else pname
 
 
 def dataset_matvec(task, data: DataRef, layers, *, kind: str = "hessian", batch_size: int = 64,

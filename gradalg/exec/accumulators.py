@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..capture.factors import Factors, ghost_inner, self_inner
+from ..capture.factors import HALF_DTYPES, Factors, ghost_inner, self_inner
 from ..curvature.kron import KronOp, KronStats, kron_eigenbasis, rotate_factors, rotate_rows
 from ..errors import GradalgError, MemoryBudgetError
 from ..expr import KFAC, Fisher, GroupMean
@@ -295,7 +295,8 @@ class ScoreAccumulator:
         mmap threshold) costs about as much in page faults as the batched GEMM that fills
         it. Small ones (under 1 MiB, recycled by the allocator) take the ordinary path.
         """
-        if not isinstance(value, Factors) or not isinstance(value.A, torch.Tensor) or value.A.dtype != value.D.dtype:
+        if (not isinstance(value, Factors) or not isinstance(value.A, torch.Tensor) or value.A.dtype != value.D.dtype
+                or value.D.dtype in HALF_DTYPES):   # half precision: float32 rows (flat_block)
             return flat_block(value)
         D, A = value.D, value.A
         n, size = D.shape[0], D.shape[0] * D.shape[2] * A.shape[2]

@@ -16,7 +16,7 @@ import torch
 
 from ..capture.factors import Factors
 from ..capture.hooks import ForwardRecorder, capture_batch, forward_share_key, resolve_layers
-from ..capture.reference import param_names_of, per_example_grads
+from ..capture.reference import block_param_names, per_example_grads
 from ..errors import NonFiniteGradientError
 from ..expr import Source
 from .chunks import Chunk
@@ -113,11 +113,11 @@ class SourceCapture:
     def _func_blocks(self, batch):
         task = self.source.task
         out = {}
-        grads = per_example_grads(task, batch, param_names_of(task.model, [r.name for r in self.refs]),
+        per_block = {ref.name: block_param_names(task.model, ref) for ref in self.refs}
+        grads = per_example_grads(task, batch, [n for names in per_block.values() for n in names],
                                   loss_fn=self.objective)
         for ref in self.refs:
-            names = param_names_of(task.model, [ref.name])
-            out[ref.name] = torch.cat([grads[n].flatten(1) for n in names], dim=1)
+            out[ref.name] = torch.cat([grads[n].flatten(1) for n in per_block[ref.name]], dim=1)
         return out
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..capture.factors import Factors, materialize, self_inner
+from ..capture.factors import HALF_DTYPES, Factors, materialize, self_inner
 from ..expr.space import ParamSpace
 
 __all__ = ["Chunk", "flat_block", "flatten", "unflatten", "row_sq_norms", "concat_chunks"]
@@ -39,10 +39,10 @@ class Chunk:
 
 
 def flat_block(value) -> torch.Tensor:
-    """A block as an (n, dim) tensor (materializing factors)."""
+    """A block as an (n, dim) tensor (materializing factors; half precision as float32)."""
     if isinstance(value, Factors):
         return materialize(value).flatten(1)
-    return value
+    return value.float() if value.dtype in HALF_DTYPES else value
 
 
 def flatten(chunk: Chunk, space: ParamSpace) -> torch.Tensor:

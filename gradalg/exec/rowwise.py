@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..capture.factors import Factors, project_factors
+from ..capture.factors import Factors, compute_dtype, project_factors
 from ..errors import GradalgError
 from ..expr import (AdamPrecondition, Normalize, PerToken, Precondition, Project, RowWeights, ScaleRows, Select)
 from ..proj.kernels import SPARSE_KINDS, project_sparse_block
@@ -16,9 +16,10 @@ __all__ = ["apply_rowwise", "dtype_device", "scale_rows"]
 
 
 def dtype_device(value):
+    """(dtype, device) of projection matrices for ``value``: float32 for half-precision rows."""
     if isinstance(value, Factors):
-        return value.D.dtype, value.D.device
-    return value.dtype, value.device
+        return compute_dtype(value.D.dtype), value.D.device
+    return compute_dtype(value.dtype), value.device
 
 
 def scale_rows(value, w: torch.Tensor):

@@ -60,10 +60,10 @@ def _module_blocks(task, layers, backend) -> tuple[Block, ...]:
     blocks = []
     for ref in refs:
         if backend == "func":
-            dim = sum(p.numel() for p in ref.module.parameters(recurse=False))
-            blocks.append(Block(ref.name, (dim,), "param"))
+            dim = sum(getattr(ref.module, p).numel() for p in ref.param_names())
+            blocks.append(Block(ref.name, (dim,), "param", aliases=ref.aliases))
         else:
-            blocks.append(Block(ref.name, ref.rule.block_shape(ref.module), ref.rule.kind))
+            blocks.append(ref.block())
     return tuple(blocks)
 
 

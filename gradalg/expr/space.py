@@ -7,11 +7,11 @@ same basis.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import SpaceMismatchError
 
-__all__ = ["Block", "ParamSpace"]
+__all__ = ["Block", "ParamSpace", "AliasDict"]
 
 
 @dataclass(frozen=True)
@@ -24,12 +24,16 @@ class Block:
     kind : the layer kind ("linear", "conv1d", "conv2d", "embedding", "param") or
         "projected"
     basis : "params" for the model's own coordinates, else the projector's token
+    aliases : other module names that select this block (a tied parameter's other
+        holders); not part of the block's identity
     """
 
     name: str
     shape: tuple[int, ...]
     kind: str
     basis: str = "params"
+    # other module names of a tied block (gradalg.capture.tying); they select it too
+    aliases: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def dim(self) -> int:
@@ -57,7 +61,14 @@ class ParamSpace:
         for b in self.blocks:
             if b.name == name:
                 return b
+        for b in self.blocks:
+            if name in b.aliases:
+                return b
         raise KeyError(f"no block {name!r} in this space; blocks: {list(self.names)}")
+
+    def canonical(self, name: str) -> str:
+        """The block name ``name`` stands for (itself, or the block it is an alias of)."""
+        return self[name].name
 
     def select(self, names) -> "ParamSpace":
         return ParamSpace(tuple(self[n] for n in names))
@@ -97,3 +108,41 @@ class ParamSpace:
             b = self.blocks[0]
             return f"{b.name} {'×'.join(map(str, b.shape))}"
         return f"{len(self.blocks)} blocks, {self.dim:,} coords"
+
+
+class AliasDict(dict):
+    """A dict keyed by block (or parameter) names that also answers to aliases: a tied
+    block's other module names (``d["lm_head"]`` is ``d["transformer.wte"]``).
+
+    ``aliases`` maps each alias key to its canonical key; iteration and ``len`` see the
+    canonical keys only, so nothing is counted twice.
+    """
+
+    def __init__(self, data=(), aliases: dict | None = None):
+        super().__init__(data)
+        self.aliases = dict(aliases or {})
+
+    def __missing__(self, key):
+        if key in self.aliases:
+            return self[self.aliases[key]]
+        raise KeyError(key)
+
+    def __contains__(self, key):
+        return super().__contains__(key) or (key in self.aliases and super().__contains__(self.aliases[key]))
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
+
+    @staticmethod
+    def blocks(data: dict, space: "ParamSpace") -> "AliasDict":
+        return AliasDict(data, {a: b.name for b in space.blocks for a in b.aliases})
+
+    @staticmethod
+    def params(data: dict, space: "ParamSpace") -> "AliasDict":
+        """Parameter names ``"<block>.<param>"``: an alias module's name stands for the block's."""
+        out = {}
+        for b in space.blocks:
+            for key in data:
+                if b.name and key.startswith(b.name + "."):
+                    out.update({alias + key[len(b.name):]: key for alias in b.aliases if alias != b.name})
+        return AliasDict(data, out)

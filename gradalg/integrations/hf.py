@@ -161,7 +161,7 @@ class GradientCallback(TrainerCallback):
 
     def _check_fused_head(self, model):
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        hit = [r.name for r in self.capture.refs if head is not None and r.module is head]
+        hit = [r.name for r in self.capture.refs if head is not None and any(u.module is head for u in r.uses)]
         if hit:
             self._close(self._args)
             raise UnsupportedLayerError(

@@ -374,7 +374,7 @@ class OnlineSelection:
         return self
 
     def _setup_coverage(self):
-        captured = {id(r.module) for r in self.capture.refs}
+        captured = {id(u.module) for r in self.capture.refs for u in r.uses}  # a tied block: every use
         affine, uncovered = {}, []
         for name, module in self.model.named_modules():
             own = [(pn, p) for pn, p in module.named_parameters(recurse=False) if p.requires_grad]

@@ -132,9 +132,8 @@ class TrainingCapture:
     @property
     def space(self):
         from ..expr import ParamSpace
-        from ..expr.space import Block
 
-        return ParamSpace(tuple(Block(r.name, r.rule.block_shape(r.module), r.rule.kind) for r in self.refs))
+        return ParamSpace(tuple(r.block() for r in self.refs))
 
     def on_step(self, callback: Callable) -> Callable:
         """Call ``callback(step: StepGrads)`` when a step closes, before the optimizer step.

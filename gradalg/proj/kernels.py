@@ -76,13 +76,13 @@ def entries(value, shape, coords: torch.Tensor, max_elements: int = DEFAULT_MAX_
         return value[:, coords]
     n_in = shape[1]
     o_idx, i_idx = coords // n_in, coords % n_in
-    dtype = value.D.dtype
+    dtype = _factors.compute_dtype(value.D.dtype)   # float32 sums of half-precision factors
     step = max(1, max_elements // max(1, value.n * value.T))
     parts = []
     for start in range(0, coords.numel(), step):
         # gather whole position vectors (n, m_s, T) of the selected features
-        d = value.D.transpose(1, 2)[:, o_idx[start:start + step]]
-        a = _act_rows(value.A, i_idx[start:start + step], dtype)
+        d = value.D.transpose(1, 2)[:, o_idx[start:start + step]].to(dtype)
+        a = _act_rows(value.A, i_idx[start:start + step], dtype).to(dtype)
         parts.append(torch.einsum("nmt,nmt->nm", d, a))
     return torch.cat(parts, 1) if parts else value.D.new_zeros(value.n, 0)
 
