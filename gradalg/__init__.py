@@ -16,6 +16,8 @@ from .capture import capture, per_example_grads
 from .errors import (GradalgError, LossReductionError, MemoryBudgetError, NonFiniteGradientError,
                      ShapeMismatchError, SpaceMismatchError, StoreIncompleteError, StoreMismatchError,
                      UnsupportedLayerError)
+from .errors import (DataError, OptionError, ResultUnavailableError, StoreCorruptError,  # noqa: E402
+                     WorkerFaultError)
 from .exec import LocalExecutor
 from .options import get_options, options
 from .task import ExampleRandom, Task
@@ -31,5 +33,6 @@ __all__ = [
     "GradientSet", "Operator", "Scores", "TransposedGradients", "LocalExecutor", "methods", "proj",
     "tasks", "integrations", "GradalgError", "LossReductionError", "MemoryBudgetError", "NonFiniteGradientError",
     "ShapeMismatchError", "SpaceMismatchError", "UnsupportedLayerError", "store", "StoreMismatchError",
-    "StoreIncompleteError",
+    "StoreIncompleteError", "StoreCorruptError", "OptionError", "DataError", "WorkerFaultError",
+    "ResultUnavailableError",
 ]

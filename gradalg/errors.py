@@ -15,6 +15,11 @@ __all__ = [
     "MemoryBudgetError",
     "StoreMismatchError",
     "StoreIncompleteError",
+    "StoreCorruptError",
+    "OptionError",
+    "DataError",
+    "WorkerFaultError",
+    "ResultUnavailableError",
 ]
 
 
@@ -63,6 +68,30 @@ class StoreMismatchError(GradalgError, ValueError):
 
 class StoreIncompleteError(GradalgError, RuntimeError):
     """A store whose writing did not finish (or never started) was opened."""
+
+
+class StoreCorruptError(GradalgError, OSError):
+    """A store's files are damaged: a chunk is missing, truncated or fails its checksum,
+    or its attributes contradict its data. The message names the files."""
+
+
+class OptionError(GradalgError, ValueError, TypeError):
+    """An option or argument is unknown or has an invalid value (wrong type or out of
+    range). Both a ``ValueError`` and a ``TypeError``."""
+
+
+class DataError(GradalgError, ValueError):
+    """The data cannot be attributed as given (no examples, a shuffling or dropping
+    loader, ids that do not match)."""
+
+
+class WorkerFaultError(GradalgError, RuntimeError):
+    """A distributed pass could not finish: workers kept dying, a task stalled past its
+    timeout (the worker is named), or the cluster has no workers left."""
+
+
+class ResultUnavailableError(GradalgError, RuntimeError):
+    """A lazy result refers to data held by an executor that has been closed."""
 
 
 class NonFiniteGradientError(GradalgError, FloatingPointError):

@@ -7,7 +7,7 @@ gradient by ``1/B`` and make scores depend on the batch size.
 """
 from __future__ import annotations
 
-import itertools
+import hashlib
 import math
 import zlib
 from typing import Any, Callable
@@ -17,10 +17,10 @@ from torch import nn
 
 from .data import batch_size_of, slice_batch
 from .errors import LossReductionError
+from .fingerprint import callable_fingerprint, model_digest
 
 __all__ = ["Task"]
 
-_counter = itertools.count()
 
 
 class Task:
@@ -94,7 +94,22 @@ class Task:
         self.forward = forward
         self.loss_from_outputs = loss_from_outputs
         self.name = name or type(model).__name__
-        self.token = f"task-{next(_counter)}-{self.name}"
+
+    @property
+    def token(self) -> str:
+        """Stable identity: the model's fingerprint (module tree and every weight, see
+        :mod:`gradalg.fingerprint`), the loss functions' fingerprints and the options.
+
+        The same in every process holding the same model and functions; it follows the
+        weights (an optimizer step changes it), so a result computed before training is
+        never reused after. The weights are hashed once per version (cached), so reading
+        the token costs a version check per tensor."""
+        functions = [callable_fingerprint(f) if f is not None else "-"
+                     for f in (self.loss, self.token_mask, self.sampled_loss, self.output,
+                               self.output_weight, self.expected_terms, self.forward, self.loss_from_outputs)]
+        h = hashlib.blake2b("|".join([model_digest(self.model), self.reduction, *functions]).encode(),
+                            digest_size=10).hexdigest()
+        return f"task-{h}-{self.name}"
 
     def __repr__(self):
         return f"Task({self.name}, reduction={self.reduction!r})"
