@@ -161,13 +161,24 @@ class Task:
         """Refuse a loss that averages over the batch while declared a sum.
 
         Compares ``L(batch)`` with ``L(first) + L(rest)`` and with the batch-size weighted
-        mean of the two, using forward passes only. Inconclusive cases (a batch of one,
-        both parts with equal losses) pass.
+        mean of the two, using forward passes only. A batch of one example is checked as
+        that example twice (a sum doubles, a mean does not). Inconclusive cases (both
+        parts with equal losses and ``L = 0``, a batch that cannot be indexed) pass.
         """
         b = min(batch_size_of(batch), 4)  # a few examples decide it: the check costs ~2 of their forwards
-        if b < 2:
+        if b < 1:
             return
-        batch = slice_batch(batch, slice(0, b))
+        if b == 1:
+            # one example: compare it with a batch holding it twice (a sum doubles, a mean does not)
+            try:
+                batch = slice_batch(batch, [0, 0])
+                if batch_size_of(batch) != 2:
+                    return
+            except (IndexError, TypeError, RuntimeError):
+                return   # a batch that cannot be indexed by example: inconclusive
+            b = 2
+        else:
+            batch = slice_batch(batch, slice(0, b))
         was_training = self.model.training
         self.model.eval()
         try:

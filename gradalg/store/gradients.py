@@ -25,6 +25,7 @@ from ..expr import Block, ParamSpace
 from ..expr.stored import Stored
 from . import layout
 from .describe import digest, store_attrs
+from .integrity import chunk_error
 from .rows import check_shippable, executor_for, flat_rows, freeze_ops, restrictable, rows_of
 
 __all__ = ["write", "open_gradients", "dataset", "GradientStore"]
@@ -115,8 +116,11 @@ class GradientStore:
             a, b = max(index * size, self.start), min((index + 1) * size, self.stop)
             if a >= b:
                 break
-            parts = dask.compute(*(ds[blk["variable"]].data[a:b] for blk in self.attrs["blocks"]),
-                                 scheduler="synchronous")
+            try:
+                parts = dask.compute(*(ds[blk["variable"]].data[a:b] for blk in self.attrs["blocks"]),
+                                     scheduler="synchronous")
+            except Exception as err:  # noqa: BLE001 - checksum, truncated or unreadable chunk
+                raise chunk_error(self.path, index, err) from err
             blocks = {blk["name"]: torch.from_numpy(np.ascontiguousarray(part))
                       for blk, part in zip(self.attrs["blocks"], parts)}
             yield Chunk(self._all_ids[a:b], blocks)
@@ -172,7 +176,7 @@ def _warn_factored(node) -> None:
             stacklevel=3)
 
 
-def write(G, path, *, chunk_rows: int = 256, executor=None, overwrite: bool = False):
+def write(G, path, *, chunk_rows: int = 256, executor=None, overwrite: bool = False, verify: bool = False):
     """Write the rows of ``G`` to a Zarr store at ``path``, chunk by chunk; return the
     store opened as a lazy GradientSet (see :func:`open_gradients`).
 
@@ -182,9 +186,11 @@ def write(G, path, *, chunk_rows: int = 256, executor=None, overwrite: bool = Fa
     executor : None (this process), a LocalExecutor, or a ``ga.exec.DaskExecutor``: each
         unfinished chunk is then one task on the cluster, which computes its rows and
         writes them (positional writes: a retried task writes the same bytes).
-    overwrite : replace a store already at ``path``.
+    overwrite : replace a gradalg store already at ``path`` (anything else there is refused).
+    verify : on a finished store, read every chunk and check its checksum (otherwise
+        only that its files exist); damaged chunks are rewritten.
 
-    If ``path`` holds an unfinished store of the same ``G`` (same projector, layers,
+    If ``path`` holds an unfinished or damaged store of the same ``G`` (same projector, layers,
     objective, model fingerprint, example ids and ``chunk_rows``), only its unfinished
     chunks are computed; a store of anything else raises :class:`StoreMismatchError`.
     """
@@ -200,7 +206,7 @@ def write(G, path, *, chunk_rows: int = 256, executor=None, overwrite: bool = Fa
         raise ValueError("G has no rows to store")
     ids = layout.ids_array(node.ids)
     attrs = describe_gradients(G, chunk_rows)
-    state = layout.prepare(path, attrs, ids, RESUME_KEYS, overwrite=overwrite, kind=KIND)
+    state = layout.prepare(path, attrs, ids, RESUME_KEYS, overwrite=overwrite, kind=KIND, verify=verify)
     if state == "complete":
         return open_gradients(path)
     _warn_factored(node)
