@@ -23,10 +23,11 @@ from ..errors import StoreMismatchError
 from ..exec.chunks import Chunk
 from ..expr import Block, ParamSpace
 from ..expr.stored import Stored
+from ..exec.resilience import PAYLOAD, run_tasks
 from . import layout
 from .describe import digest, store_attrs
 from .integrity import chunk_error
-from .rows import check_shippable, executor_for, flat_rows, freeze_ops, restrictable, rows_of
+from .rows import fault_policy, check_shippable, executor_for, flat_rows, freeze_ops, restrictable, rows_of
 
 __all__ = ["write", "open_gradients", "dataset", "GradientStore"]
 
@@ -240,11 +241,9 @@ def _write_by_ranges(path, attrs, ex, node, ids, state) -> None:
     client = getattr(ex, "client", None)
     if client is not None and todo:
         check_shippable(node)
-        [payload] = client.scatter([node], broadcast=True, hash=False)
-        futures = [client.submit(_compute_and_write, str(path), attrs, payload, i, ex.options,
-                                 getattr(ex, "rewrites", True), retries=getattr(ex, "retries", 0), pure=False)
-                   for i in todo]
-        client.gather(futures)
+        run_tasks(client, _compute_and_write, node,
+                  [(str(path), attrs, PAYLOAD, i, ex.options, getattr(ex, "rewrites", True)) for i in todo],
+                  policy=fault_policy(ex), labels=[f"{path} chunk {i}" for i in todo])
     else:
         for i in todo:
             _compute_and_write(path, attrs, node, i, None, True, executor=local)

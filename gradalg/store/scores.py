@@ -17,9 +17,10 @@ import xarray as xr
 
 from ..expr import Identity, Inner, ScoreSum
 from ..expr.stored import Stored, StoredOp
+from ..exec.resilience import PAYLOAD, run_tasks
 from . import layout
 from .describe import store_attrs
-from .rows import (MemoryRows, ResolvedStore, check_shippable, executor_for, freeze_ops, restrict_rows,
+from .rows import (fault_policy, MemoryRows, ResolvedStore, check_shippable, executor_for, freeze_ops, restrict_rows,
                    restrictable)
 
 __all__ = ["write_scores", "open_scores"]
@@ -147,10 +148,9 @@ def _write(path, attrs, ex, node, train_ids, state) -> None:
     if client is not None and todo:
         for _, inner in terms:
             check_shippable(inner)
-        [payload] = client.scatter([terms], broadcast=True, hash=False)
-        futures = [client.submit(_compute_and_write, str(path), attrs, payload, i, options, rewrites,
-                                 retries=getattr(ex, "retries", 0), pure=False) for i in todo]
-        client.gather(futures)
+        run_tasks(client, _compute_and_write, terms,
+                  [(str(path), attrs, PAYLOAD, i, options, rewrites) for i in todo],
+                  policy=fault_policy(ex), labels=[f"{path} chunk {i}" for i in todo])
     else:
         for i in todo:
             _compute_and_write(path, attrs, terms, i, options, rewrites)
