@@ -63,6 +63,9 @@ class Options:
         terminal (none when output is not a terminal), Dask's progress for distributed
         runs. ``False`` silences them; so does the environment variable
         ``GRADALG_PROGRESS=0`` (set by the headless notebook runner).
+    check_models : bool
+        Refuse scores and preconditioned products whose two sides come from different
+        models (no model object or fingerprint in common): see :mod:`gradalg.expr.models`.
     fingerprint_cache : bool
         Cache the content digests behind node identities per tensor, invalidated by the
         tensor's version counter (see :mod:`gradalg.fingerprint`). ``False`` rehashes
@@ -76,6 +79,7 @@ class Options:
     check_reduction: bool = True
     share_forward: bool = True
     progress: bool = field(default_factory=lambda: os.environ.get("GRADALG_PROGRESS", "1") != "0")
+    check_models: bool = True
     fingerprint_cache: bool = True
 
     def __post_init__(self):

@@ -44,11 +44,19 @@ def resolve_layers(model: nn.Module, layers=None, *, backend: str = "hooks") -> 
     patterns (``"transformer.h.*.mlp.c_fc"``).
     """
     modules = dict(model.named_modules())
+    # nn.MultiheadAttention uses its out_proj's weights functionally: the module is never called
+    functional = {f"{n}.out_proj" if n else "out_proj" for n, m in modules.items()
+                  if isinstance(m, nn.MultiheadAttention)}
+    if layers is not None and not isinstance(layers, str) and len(list(layers)) == 0:
+        raise UnsupportedLayerError("layers=[] names no layer: pass layers=None for every supported "
+                                    "layer, or a list of module names")
     if layers is None:
         names = []
         for name, module in modules.items():
             if not any(p.requires_grad for p in module.parameters(recurse=False)):
                 continue
+            if name in functional and backend != "func":
+                continue  # its forward hook never fires (MultiheadAttention calls F.linear on its weight)
             if isinstance(module, nn.Embedding) and name.split(".")[-1] in POSITION_EMBEDDINGS:
                 continue  # called with positions shared by the batch: no per-example gradient
             if backend == "func":
@@ -69,13 +77,18 @@ def resolve_layers(model: nn.Module, layers=None, *, backend: str = "hooks") -> 
             layers = [layers]
         names = []
         for pattern in layers:
+            if pattern in functional and backend != "func":
+                raise UnsupportedLayerError(
+                    f"{pattern!r} belongs to an nn.MultiheadAttention, which uses its weights without "
+                    "calling it: hook capture cannot record it. Leave it out of `layers`, or use "
+                    "backend='func'")
             if pattern in modules:  # an exact name; "" is the model itself (a bare nn.Linear)
                 hits = [pattern]
             else:
                 # a glob keeps the modules it can record: parameterless ones (activations,
                 # dropout) and, for hooks, unsupported ones (norms) are skipped
                 hits = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)
-                        and _recordable(n, modules[n], backend)]
+                        and _recordable(n, modules[n], backend) and (backend == "func" or n not in functional)]
             if not hits:
                 named = [n for n in modules if n]
                 close = [n for n in named if pattern.split(".")[-1] in n][:5]
