@@ -161,12 +161,20 @@ def _dataset_of(source):
     return source.dataset if isinstance(source, DataLoader) else source
 
 
+def _in_order(sampler, n: int) -> bool:
+    """Whether ``sampler`` gives 0..n-1 in order, twice in a row (a random one would not)."""
+    try:
+        return all([int(i) for i in sampler] == list(range(n)) for _ in range(2))
+    except TypeError:
+        return False
+
+
 def _check_loader(data: DataLoader, n: int) -> None:
     """Refuse a loader that would not give every example once, in order."""
     from torch.utils.data import BatchSampler, SequentialSampler
 
     sampler = type(data.sampler).__name__
-    if not isinstance(data.sampler, SequentialSampler):
+    if type(data.sampler) is not SequentialSampler and not _in_order(data.sampler, n):
         raise DataError(
             f"the DataLoader uses a {sampler}: gradalg maps scores to examples by "
             "position, so it needs a loader with shuffle=False (or pass the Dataset "
@@ -179,7 +187,7 @@ def _check_loader(data: DataLoader, n: int) -> None:
             "the DataLoader has drop_last=True: its last partial batch would never be read, "
             "so those examples would get no rows. Pass a loader with drop_last=False (or "
             "the Dataset)")
-    if batches is None or (isinstance(batches, BatchSampler) and isinstance(batches.sampler, SequentialSampler)):
+    if batches is None or (type(batches) is BatchSampler and type(batches.sampler) is SequentialSampler):
         return
     # a custom batch_sampler: it must visit 0..n-1 once each, in order (checked on the indices only)
     for attempt in range(2):   # twice: a shuffling sampler draws a new order each time
