@@ -339,13 +339,13 @@ def _warn_expanding(before, after, projector) -> None:
     import warnings
     pairs = [(before.dim, after.dim, "the gradients")] if len(after.blocks) != len(before.blocks) else \
         [(b.dim, a.dim, f"block {b.name!r}") for b, a in zip(before.blocks, after.blocks)]
-    wide = [(d, k, what) for d, k, what in pairs if k >= d and k > 1]
+    wide = [(d, k, what) for d, k, what in pairs if k > d]
     if wide:
         d, k, what = wide[0]
         warnings.warn(
-            f"{projector!r} maps {what} ({d:,} coordinates) to {k:,}: k is not below the dimension, so the "
-            "projection adds cost and noise and reduces nothing. Use a smaller k, or no projection"
-            + (f" ({len(wide)} blocks are like this)" if len(wide) > 1 else ""), UserWarning, stacklevel=3)
+            f"{projector!r} maps {what} ({d:,} coordinates) to {k:,}: k is above the dimension, so the "
+            "projection adds cost and reduces nothing. Use k at most the dimension, or no projection"
+            + (f" ({len(wide)} blocks are like this)" if len(wide) > 1 else ""), UserWarning, stacklevel=4)
 
 
 class Scores(_Displayed):

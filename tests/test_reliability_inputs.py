@@ -239,7 +239,7 @@ def test_nan_inputs_name_the_examples_for_every_objective(setting):
 def test_a_projection_that_does_not_reduce_warns(setting):
     _, task, X, y = setting
     G = ga.grads(task, (X, y))
-    with pytest.warns(UserWarning, match="not below the dimension"):
+    with pytest.warns(UserWarning, match="above the dimension"):
         ga.proj.gaussian(k=10_000)(G)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -150,7 +150,7 @@ def check_attrs(path, attrs: dict, group=None) -> list[str]:
             elif var.shape != (n, dim):
                 problems.append(f"{Path(path) / str(blk['variable'])}: shape {var.shape}, but the attributes "
                                 f"describe block {blk['name']!r} of shape {tuple(blk['shape'])} for {n} rows")
-            elif var.chunks[0] != attrs.get("chunk_rows"):
+            elif not isinstance(attrs.get("chunk_rows"), int) or var.chunks[0] != min(attrs["chunk_rows"], n):
                 problems.append(f"{Path(path) / str(blk['variable'])}: chunks of {var.chunks[0]} rows, but "
                                 f"chunk_rows={attrs.get('chunk_rows')} in the attributes")
             elif str(var.dtype) != str(attrs.get("dtype")):
