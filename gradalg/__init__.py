@@ -16,9 +16,9 @@ from .capture import capture, per_example_grads
 from .errors import (GradalgError, LossReductionError, MemoryBudgetError, NonFiniteGradientError,
                      ShapeMismatchError, SpaceMismatchError, StoreIncompleteError, StoreMismatchError,
                      UnsupportedLayerError)
-from .errors import (DataError, OptionError, ResultUnavailableError, StoreCorruptError,  # noqa: E402
-                     WorkerFaultError)
+from .errors import DataError, OptionError, StoreCorruptError, WorkerFaultError  # noqa: E402
 from .exec import LocalExecutor
+from . import fingerprint  # noqa: E402 - ga.fingerprint.forget(model) after writes through .data
 from .options import get_options, options
 from .task import ExampleRandom, Task
 
@@ -34,5 +34,5 @@ __all__ = [
     "tasks", "integrations", "GradalgError", "LossReductionError", "MemoryBudgetError", "NonFiniteGradientError",
     "ShapeMismatchError", "SpaceMismatchError", "UnsupportedLayerError", "store", "StoreMismatchError",
     "StoreIncompleteError", "StoreCorruptError", "OptionError", "DataError", "WorkerFaultError",
-    "ResultUnavailableError",
+    "fingerprint",
 ]

@@ -19,7 +19,6 @@ __all__ = [
     "OptionError",
     "DataError",
     "WorkerFaultError",
-    "ResultUnavailableError",
 ]
 
 
@@ -88,10 +87,6 @@ class DataError(GradalgError, ValueError):
 class WorkerFaultError(GradalgError, RuntimeError):
     """A distributed pass could not finish: workers kept dying, a task stalled past its
     timeout (the worker is named), or the cluster has no workers left."""
-
-
-class ResultUnavailableError(GradalgError, RuntimeError):
-    """A lazy result refers to data held by an executor that has been closed."""
 
 
 class NonFiniteGradientError(GradalgError, FloatingPointError):

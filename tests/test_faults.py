@@ -85,6 +85,24 @@ def _kill(busy):
         os.kill(pid, signal.SIGKILL)
 
 
+def test_datasets_and_loaders_are_sharded_not_read_whole(dx):
+    """Each shard reads its own examples (a DataRef keeps its name when unpickled on a
+    worker): the Fisher is not multiplied by the number of shards, the scores' values
+    have the shape the DataArray says."""
+    from torch.utils.data import DataLoader, TensorDataset
+    model = models.mlp()
+    task = ga.tasks.classification(model)
+    X, y = models.classification_data(n=24)
+    for data in (TensorDataset(X, y), DataLoader(TensorDataset(X, y), batch_size=5)):
+        G = ga.grads(task, data)
+        np.testing.assert_allclose(ga.fisher(G).to_dense(dx).numpy(), ga.fisher(G).to_dense().numpy(),
+                                   rtol=1e-10, atol=1e-14)
+        S = ga.grads(task, (X[:3], y[:3])) @ G.T
+        got = S.compute(executor=dx)
+        assert got.shape == (3, 24) and np.asarray(got.values).shape == (3, 24)
+        np.testing.assert_allclose(np.asarray(got.values), S.compute().values, rtol=1e-10)
+
+
 def test_a_pass_survives_every_worker_being_killed(dx, slow_scores):
     """Both workers die mid-pass (the scattered payload is lost with them): the shards
     are submitted again from the client once the nannies restart the workers."""
