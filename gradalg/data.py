@@ -32,7 +32,7 @@ def batch_size_of(batch: Any) -> int:
         for value in batch:
             if isinstance(value, torch.Tensor) or isinstance(value, (Mapping, Sequence)):
                 return batch_size_of(value)
-    raise TypeError(
+    raise DataError(
         f"cannot find the batch dimension of a {type(batch).__name__}: a batch must be a "
         "tensor, or a tuple/list/dict of tensors with the examples along dimension 0"
     )
@@ -228,14 +228,14 @@ def as_data(data: Any, ids=None, batch_size: int | None = None) -> DataRef:
         try:
             n = len(data.dataset)
         except TypeError as err:
-            raise TypeError("the DataLoader's dataset has no len(); gradalg needs the "
+            raise DataError("the DataLoader's dataset has no len(); gradalg needs the "
                             "number of examples to plan") from err
         _check_loader(data, n)
     else:
         try:
             n = len(data)
         except TypeError as err:
-            raise TypeError(
+            raise DataError(
                 f"{type(data).__name__} has no len(): pass a map-style Dataset, a DataLoader "
                 "over one, or tensors"
             ) from err

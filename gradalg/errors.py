@@ -79,9 +79,10 @@ class OptionError(GradalgError, ValueError, TypeError):
     range). Both a ``ValueError`` and a ``TypeError``."""
 
 
-class DataError(GradalgError, ValueError):
-    """The data cannot be attributed as given (no examples, a shuffling or dropping
-    loader, ids that do not match)."""
+class DataError(GradalgError, ValueError, TypeError):
+    """The data cannot be attributed as given (no examples or no length, a shuffling or
+    dropping loader, ids that do not match, a batch without a batch dimension). Both a
+    ``ValueError`` and a ``TypeError``."""
 
 
 class WorkerFaultError(GradalgError, RuntimeError):

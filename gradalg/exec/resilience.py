@@ -129,15 +129,25 @@ def run_tasks(client, fn, payload, args_list, *, policy: FaultPolicy, labels=Non
     if subscribed:
         client.subscribe_topic(_START_TOPIC, on_start)
     try:
+        failed_scatters = 0
         while len(results) < len(args_list):
             _wait_for_workers(client, policy.worker_wait)
             pending = [i for i in range(len(args_list)) if i not in results]
             started.clear()
+            pids = _worker_pids(client) if subscribed else {}
             futures = _submit_round(client, fn, payload, args_list, pending, run_id, policy)
+            failed_scatters = failed_scatters + 1 if not futures else 0
+            if failed_scatters > 10:
+                raise WorkerFaultError("the pass's payload could not be sent to the workers 10 times in a row "
+                                       "(they die or time out while receiving it): check the workers' memory "
+                                       "limits and logs")
+            if not futures:
+                time.sleep(0.5)
+                continue
             if progress:
                 from distributed import progress as dask_progress
                 dask_progress(list(futures))
-            _collect_round(client, futures, results, killed, started, labels, policy)
+            _collect_round(client, futures, results, killed, started, labels, policy, pids)
     finally:
         if subscribed:
             try:
@@ -162,7 +172,16 @@ def _submit_round(client, fn, payload, args_list, pending, run_id, policy) -> di
     return futures
 
 
-def _collect_round(client, futures: dict, results: dict, killed: dict, started: dict, labels, policy) -> None:
+def _worker_pids(client) -> dict:
+    """Worker address -> pid, asked while the workers answer (a stopped one cannot)."""
+    try:
+        return dict(client.run(os.getpid, on_error="ignore"))
+    except Exception:  # noqa: BLE001 - a worker died meanwhile: names without pids
+        return {}
+
+
+def _collect_round(client, futures: dict, results: dict, killed: dict, started: dict, labels, policy,
+                   pids=None) -> None:
     """Gather what finishes; leave lost tasks out of ``results`` (the next round submits
     them again); raise on a task's own error, a repeat killer or a stalled worker."""
     from distributed import wait
@@ -202,7 +221,7 @@ def _collect_round(client, futures: dict, results: dict, killed: dict, started: 
                             f"(each time on {err.allowed_failures + 1} workers): it probably kills its worker "
                             "(out of memory, a crash in native code). Give workers more memory, use smaller "
                             "shards (more shards_per_worker) or a smaller batch_size") from err
-            _check_timeouts(client, futures, remaining, started, labels, policy)
+            _check_timeouts(client, futures, remaining, started, labels, policy, pids or {})
     finally:
         for fut in remaining:
             fut.cancel()
@@ -211,14 +230,15 @@ def _collect_round(client, futures: dict, results: dict, killed: dict, started: 
 _last_silence_check = [0.0]
 
 
-def _stalled(labels_i, seconds, worker, pid, timeout) -> WorkerFaultError:
+def _stalled(label, seconds, worker, pid, timeout, queued=False) -> WorkerFaultError:
+    what = (f"{label} is queued on worker {worker} (pid {pid}), which has sent no heartbeat for {seconds:.1f} s"
+            if queued else f"{label} has been running for {seconds:.1f} s on worker {worker} (pid {pid})")
     return WorkerFaultError(
-        f"{labels_i} has been running for {seconds:.1f} s on worker {worker} (pid {pid}), past "
-        f"task_timeout={timeout} s: that worker is stalled (stopped, swapping or deadlocked). Restart it "
-        "(client.restart_workers([...])) or raise task_timeout")
+        f"{what}, past task_timeout={timeout} s: that worker is stalled (stopped, swapping or deadlocked). "
+        "Restart it (client.restart_workers([...])) or raise task_timeout")
 
 
-def _check_timeouts(client, futures, remaining, started, labels, policy) -> None:
+def _check_timeouts(client, futures, remaining, started, labels, policy, pids) -> None:
     """Raise for a task running longer than the timeout, or queued on a worker that has
     been silent (no heartbeat) for longer than it (stopped before the task started)."""
     if policy.task_timeout is None or not remaining:
@@ -240,4 +260,5 @@ def _check_timeouts(client, futures, remaining, started, labels, policy) -> None
         mine = [keys[k] for k in on_it if k in keys]
         last_seen = info.get(worker, {}).get("last_seen")
         if mine and last_seen is not None and wall - last_seen > policy.task_timeout:
-            raise _stalled(labels[mine[0]], wall - last_seen, worker, info[worker].get("pid"), policy.task_timeout)
+            raise _stalled(labels[mine[0]], wall - last_seen, worker, pids.get(worker), policy.task_timeout,
+                           queued=True)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import xarray as xr
 
-from ..errors import StoreMismatchError
+from ..errors import OptionError, StoreMismatchError
 from ..exec.chunks import Chunk
 from ..expr import Block, ParamSpace
 from ..expr.stored import Stored
@@ -200,8 +200,8 @@ def write(G, path, *, chunk_rows: int = 256, executor=None, overwrite: bool = Fa
     layout.require()
     if not isinstance(G, GradientSet):
         raise TypeError(f"ga.store.write takes a GradientSet, got {type(G).__name__}")
-    if not isinstance(chunk_rows, int) or chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
+    if not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1:
+        raise OptionError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
     node = G.expr
     if node.n == 0:
         raise ValueError("G has no rows to store")

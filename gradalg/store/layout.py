@@ -111,11 +111,15 @@ def is_gradalg_store(path) -> bool:
     one), even a damaged one; a partial template or any other directory is not."""
     import json
     path = Path(path)
+    if not path.is_dir():
+        return False
     try:
         meta = json.loads((path / "zarr.json").read_text())
-    except (OSError, ValueError):
+    except OSError:
         return False
-    return path.is_dir() and isinstance(meta, dict) and "gradalg_store" in (meta.get("attributes") or {})
+    except ValueError:    # group metadata damaged: still a store if it has the layout's arrays
+        return (path / "done" / "zarr.json").is_file()
+    return isinstance(meta, dict) and "gradalg_store" in (meta.get("attributes") or {})
 
 
 def _describe_value(key: str, value) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
+from ..errors import OptionError
 from ..expr import Identity, Inner, ScoreSum
 from ..expr.stored import Stored, StoredOp
 from ..exec.resilience import PAYLOAD, run_tasks
@@ -110,8 +111,8 @@ def write_scores(S, path, *, chunk_rows: int = 1024, executor=None, overwrite: b
     layout.require()
     if not isinstance(S, Scores):
         raise TypeError(f"ga.store.write_scores takes Scores, got {type(S).__name__}")
-    if not isinstance(chunk_rows, int) or chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
+    if not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1:
+        raise OptionError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
     node = S.expr
     _terms(node)   # a clear error for unsupported expressions before anything runs
     train_ids = layout.ids_array(node.col_ids)
