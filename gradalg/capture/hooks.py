@@ -47,7 +47,9 @@ def resolve_layers(model: nn.Module, layers=None, *, backend: str = "hooks") -> 
     # nn.MultiheadAttention uses its out_proj's weights functionally: the module is never called
     functional = {f"{n}.out_proj" if n else "out_proj" for n, m in modules.items()
                   if isinstance(m, nn.MultiheadAttention)}
-    if layers is not None and not isinstance(layers, str) and len(list(layers)) == 0:
+    if layers is not None and not isinstance(layers, str):
+        layers = list(layers)
+    if layers is not None and not isinstance(layers, str) and not layers:
         raise UnsupportedLayerError("layers=[] names no layer: pass layers=None for every supported "
                                     "layer, or a list of module names")
     if layers is None:
