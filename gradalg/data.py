@@ -206,11 +206,11 @@ def as_data(data: Any, ids=None, batch_size: int | None = None) -> DataRef:
 
     Raises
     ------
-    TypeError
-        If ``data`` has no length (an ``IterableDataset`` without ``__len__``): gradalg
-        needs the number of examples to plan without running anything.
-    ValueError
-        If ``ids`` does not have one id per example, or ids repeat.
+    DataError (a ValueError and a TypeError)
+        If ``data`` has no length (an ``IterableDataset`` without ``__len__``: gradalg
+        needs the number of examples to plan without running anything) or no examples;
+        if ``ids`` does not have one id per example, or ids repeat; if a DataLoader
+        shuffles, reorders or drops examples; if tensors differ in length.
     """
     if isinstance(data, DataRef):
         return data
