@@ -16,7 +16,9 @@ from .capture import capture, per_example_grads
 from .errors import (BatchContentError, GradalgError, LossReductionError, MemoryBudgetError, NonFiniteGradientError, PerTokenError,
                      ShapeMismatchError, SpaceMismatchError, StoreIncompleteError, StoreMismatchError,
                      UnsupportedLayerError)
+from .errors import DataError, OptionError, StoreCorruptError, WorkerFaultError  # noqa: E402
 from .exec import LocalExecutor
+from . import fingerprint  # noqa: E402 - ga.fingerprint.forget(model) after writes through .data
 from .options import get_options, options
 from .task import ExampleRandom, Task
 
@@ -31,5 +33,6 @@ __all__ = [
     "GradientSet", "Operator", "Scores", "TransposedGradients", "LocalExecutor", "methods", "proj",
     "tasks", "viz", "integrations", "GradalgError", "LossReductionError", "MemoryBudgetError", "NonFiniteGradientError",
     "ShapeMismatchError", "SpaceMismatchError", "UnsupportedLayerError", "store", "StoreMismatchError",
-    "StoreIncompleteError", "BatchContentError", "PerTokenError",
+    "StoreIncompleteError", "BatchContentError", "PerTokenError", "StoreCorruptError", "OptionError",
+    "DataError", "WorkerFaultError", "fingerprint",
 ]

@@ -17,6 +17,7 @@ import torch
 import xarray as xr
 
 from .data import as_data
+from .errors import OptionError
 from .expr import (KFAC, AdamPrecondition, AdamState, GroupMean, ScoreDiagonal, Arnoldi, CurvatureProducts, DataInf, Damp, Dense, Diagonal, Fisher, GradNode, Identity, Inner, Inverse, Normalize, OpNode,
                    Power, Precondition, Project, Projector, RowWeights, ScaledOp, ScaleRows, ScoreNode,
                    ScoreSum, Select, Source, SumOp)
@@ -176,7 +177,9 @@ class GradientSet(_Displayed):
 
     def project(self, projector: Projector) -> "GradientSet":
         """``P(G)``: the projected set (same as calling the projector)."""
-        return GradientSet(Project(self.expr, projector))
+        node = Project(self.expr, projector)
+        _warn_expanding(self.expr.space, node.space, projector)
+        return GradientSet(node)
 
     def normalize(self, metric: "Operator | None" = None) -> "GradientSet":
         """Each row divided by its norm over all blocks (cosine similarity).
@@ -315,8 +318,8 @@ class Operator(_Displayed):
     def damp(self, damping: float, *, relative: bool = False) -> "Operator":
         """H + λI; ``relative=True``: λ = damping · tr(H)/dim, a multiple of H's mean
         eigenvalue (scale-free; needs an explicit H: dense, block or diagonal)."""
-        if not isinstance(damping, numbers.Real) or damping < 0:
-            raise ValueError(f"damping must be a non-negative number, got {damping!r}")
+        if not isinstance(damping, numbers.Real) or isinstance(damping, bool) or not 0 <= damping < float("inf"):
+            raise OptionError(f"damping must be a finite non-negative number, got {damping!r}")
         return Operator(Damp(self.expr, float(damping), bool(relative)))
 
     def inv(self, method: str = "auto", **settings) -> "Operator":
@@ -357,6 +360,20 @@ class Operator(_Displayed):
     def to_dense(self, executor=None) -> torch.Tensor:
         """The (dim, dim) matrix (runs the passes its statistics need)."""
         return _executor(executor).operator(self.expr).dense()
+
+
+def _warn_expanding(before, after, projector) -> None:
+    """Warn when a projection does not reduce: k at or above the dimension it projects."""
+    import warnings
+    pairs = [(before.dim, after.dim, "the gradients")] if len(after.blocks) != len(before.blocks) else \
+        [(b.dim, a.dim, f"block {b.name!r}") for b, a in zip(before.blocks, after.blocks)]
+    wide = [(d, k, what) for d, k, what in pairs if k > d]
+    if wide:
+        d, k, what = wide[0]
+        warnings.warn(
+            f"{projector!r} maps {what} ({d:,} coordinates) to {k:,}: k is above the dimension, so the "
+            "projection adds cost and reduces nothing. Use k at most the dimension, or no projection"
+            + (f" ({len(wide)} blocks are like this)" if len(wide) > 1 else ""), UserWarning, stacklevel=4)
 
 
 class Scores(_Displayed):

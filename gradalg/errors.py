@@ -17,6 +17,10 @@ __all__ = [
     "StoreIncompleteError",
     "BatchContentError",
     "PerTokenError",
+    "StoreCorruptError",
+    "OptionError",
+    "DataError",
+    "WorkerFaultError",
 ]
 
 
@@ -65,6 +69,27 @@ class StoreMismatchError(GradalgError, ValueError):
 
 class StoreIncompleteError(GradalgError, RuntimeError):
     """A store whose writing did not finish (or never started) was opened."""
+
+
+class StoreCorruptError(GradalgError, OSError):
+    """A store's files are damaged: a chunk is missing, truncated or fails its checksum,
+    or its attributes contradict its data. The message names the files."""
+
+
+class OptionError(GradalgError, ValueError, TypeError):
+    """An option or argument is unknown or has an invalid value (wrong type or out of
+    range). Both a ``ValueError`` and a ``TypeError``."""
+
+
+class DataError(GradalgError, ValueError, TypeError):
+    """The data cannot be attributed as given (no examples or no length, a shuffling or
+    dropping loader, ids that do not match, a batch without a batch dimension). Both a
+    ``ValueError`` and a ``TypeError``."""
+
+
+class WorkerFaultError(GradalgError, RuntimeError):
+    """A distributed pass could not finish: workers kept dying, a task stalled past its
+    timeout (the worker is named), or the cluster has no workers left."""
 
 
 class NonFiniteGradientError(GradalgError, FloatingPointError):

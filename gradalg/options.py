@@ -13,12 +13,18 @@ import functools
 import os
 from dataclasses import dataclass, field, fields, replace
 
+from .errors import OptionError
+
 __all__ = ["Options", "options", "get_options"]
 
 
 def _parse_bytes(value) -> int:
     if isinstance(value, (int, float)):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError(f"not a finite number of bytes: {value!r}")
         return int(value)
+    if not isinstance(value, str):
+        raise TypeError(f"not a number of bytes: {value!r}")
     text = str(value).strip().upper().replace(" ", "")
     units = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40, "K": 2**10, "M": 2**20,
              "G": 2**30, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "B": 1}
@@ -57,6 +63,13 @@ class Options:
         terminal (none when output is not a terminal), Dask's progress for distributed
         runs. ``False`` silences them; so does the environment variable
         ``GRADALG_PROGRESS=0`` (set by the headless notebook runner).
+    check_models : bool
+        Refuse scores and preconditioned products whose two sides come from different
+        models (no model object or fingerprint in common): see :mod:`gradalg.expr.models`.
+    fingerprint_cache : bool
+        Cache the content digests behind node identities per tensor, invalidated by the
+        tensor's version counter (see :mod:`gradalg.fingerprint`). ``False`` rehashes
+        every tensor on each use (for code that writes weights through ``.data``).
     """
 
     batch_size: int = 32
@@ -66,15 +79,28 @@ class Options:
     check_reduction: bool = True
     share_forward: bool = True
     progress: bool = field(default_factory=lambda: os.environ.get("GRADALG_PROGRESS", "1") != "0")
+    check_models: bool = True
+    fingerprint_cache: bool = True
 
     def __post_init__(self):
-        if not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {self.batch_size!r}")
-        object.__setattr__(self, "memory_budget", _parse_bytes(self.memory_budget))
+        if not isinstance(self.batch_size, int) or isinstance(self.batch_size, bool) or self.batch_size < 1:
+            raise OptionError(f"batch_size must be a positive int, got {self.batch_size!r}")
+        if isinstance(self.memory_budget, bool):
+            raise OptionError(f"memory_budget must be a number of bytes or a string like '4GB', "
+                              f"got {self.memory_budget!r}")
+        try:
+            budget = _parse_bytes(self.memory_budget)
+        except (TypeError, ValueError, OverflowError) as err:
+            raise OptionError(f"memory_budget must be a number of bytes or a string like '4GB', "
+                              f"got {self.memory_budget!r}") from err
+        object.__setattr__(self, "memory_budget", budget)
         if self.memory_budget <= 0:
-            raise ValueError(f"memory_budget must be positive, got {self.memory_budget!r}")
-        if self.ghost not in ("auto", "always", "never"):
-            raise ValueError(f"ghost must be 'auto', 'always' or 'never', got {self.ghost!r}")
+            raise OptionError(f"memory_budget must be positive, got {self.memory_budget!r}")
+        if not isinstance(self.ghost, str) or self.ghost not in ("auto", "always", "never"):
+            raise OptionError(f"ghost must be 'auto', 'always' or 'never', got {self.ghost!r}")
+        for f in fields(self):
+            if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
+                raise OptionError(f"{f.name} must be True or False, got {getattr(self, f.name)!r}")
 
 
 _current: contextvars.ContextVar[Options] = contextvars.ContextVar("gradalg_options", default=Options())
@@ -97,7 +123,7 @@ class options(contextlib.ContextDecorator):
         valid = {f.name for f in fields(Options)}
         unknown = set(changes) - valid
         if unknown:
-            raise TypeError(f"unknown option(s) {sorted(unknown)}; valid options: {sorted(valid)}")
+            raise OptionError(f"unknown option(s) {sorted(unknown)}; valid options: {sorted(valid)}")
         self._changes = changes
         self._previous = _current.get()
         self._token = _current.set(replace(self._previous, **changes))

@@ -7,7 +7,7 @@ gradient by ``1/B`` and make scores depend on the batch size.
 """
 from __future__ import annotations
 
-import itertools
+import hashlib
 import math
 import zlib
 from typing import Any, Callable
@@ -17,10 +17,10 @@ from torch import nn
 
 from .data import batch_size_of, slice_batch
 from .errors import LossReductionError
+from .fingerprint import callable_fingerprint, model_digest
 
 __all__ = ["Task"]
 
-_counter = itertools.count()
 
 
 class Task:
@@ -111,7 +111,22 @@ class Task:
         self.forward = forward
         self.loss_from_outputs = loss_from_outputs
         self.name = name or type(model).__name__
-        self.token = f"task-{next(_counter)}-{self.name}"
+
+    @property
+    def token(self) -> str:
+        """Stable identity: the model's fingerprint (module tree and every weight, see
+        :mod:`gradalg.fingerprint`), the loss functions' fingerprints and the options.
+
+        The same in every process holding the same model and functions; it follows the
+        weights (an optimizer step changes it), so a result computed before training is
+        never reused after. The weights are hashed once per version (cached), so reading
+        the token costs a version check per tensor."""
+        functions = [callable_fingerprint(f) if f is not None else "-"
+                     for f in (self.loss, self.token_mask, self.sampled_loss, self.output,
+                               self.output_weight, self.expected_terms, self.forward, self.loss_from_outputs)]
+        h = hashlib.blake2b("|".join([model_digest(self.model), self.reduction, *functions]).encode(),
+                            digest_size=10).hexdigest()
+        return f"task-{h}-{self.name}"
 
     def __repr__(self):
         return f"Task({self.name}, reduction={self.reduction!r})"
@@ -174,13 +189,24 @@ class Task:
         """Refuse a loss that averages over the batch while declared a sum.
 
         Compares ``L(batch)`` with ``L(first) + L(rest)`` and with the batch-size weighted
-        mean of the two, using forward passes only. Inconclusive cases (a batch of one,
-        both parts with equal losses) pass.
+        mean of the two, using forward passes only. A batch of one example is checked as
+        that example twice (a sum doubles, a mean does not). Inconclusive cases (both
+        parts with equal losses and ``L = 0``, a batch that cannot be indexed) pass.
         """
         b = min(batch_size_of(batch), 4)  # a few examples decide it: the check costs ~2 of their forwards
-        if b < 2:
+        if b < 1:
             return
-        batch = slice_batch(batch, slice(0, b))
+        if b == 1:
+            # one example: compare it with a batch holding it twice (a sum doubles, a mean does not)
+            try:
+                batch = slice_batch(batch, [0, 0])
+                if batch_size_of(batch) != 2:
+                    return
+            except (IndexError, TypeError, RuntimeError):
+                return   # a batch that cannot be indexed by example: inconclusive
+            b = 2
+        else:
+            batch = slice_batch(batch, slice(0, b))
         was_training = self.model.training
         self.model.eval()
         try:

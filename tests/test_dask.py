@@ -121,21 +121,27 @@ def test_a_killed_worker_is_replaced_and_the_result_is_unchanged(dx, setting):
     task = ga.Task(task0.model, _SlowLoss(0.15), name="slow")
     S = ga.grads(task, queries) @ ga.grads(task, train, batch_size=2).T
     expected = S.compute().values
-    pids = dx.client.run(os.getpid)
-    victim = sorted(pids.values())[0]
-    killed_at = []
+    killed = []
 
-    def kill_soon():
-        time.sleep(0.8)
-        os.kill(victim, signal.SIGKILL)
-        killed_at.append(time.perf_counter())
+    def kill_while_running():
+        # kill a worker once it is executing a shard (not at a fixed time: the pass may
+        # not have started, or may have finished, on a loaded machine)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not killed:
+            pids = dx.client.run(os.getpid)
+            busy = [w for w, keys in dx.client.processing().items() if keys and w in pids]
+            if busy:
+                os.kill(pids[busy[0]], signal.SIGKILL)
+                killed.append(pids[busy[0]])
+            time.sleep(0.05)
 
-    killer = threading.Thread(target=kill_soon)
+    killer = threading.Thread(target=kill_while_running, daemon=True)
     killer.start()
     result = S.compute(executor=dx).values   # 24 batches × 0.15 s over 2 workers ≈ 2 s
-    finished_at = time.perf_counter()
     killer.join()
-    assert killed_at and killed_at[0] < finished_at   # the worker died mid-run
+    assert killed                             # the worker died mid-run
+    victim = killed[0]
     np.testing.assert_allclose(result, expected, rtol=1e-12)
+    dx.client.wait_for_workers(2, timeout=60)
     after = dx.client.run(os.getpid)
     assert victim not in after.values()   # the nanny started a new worker process

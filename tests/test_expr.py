@@ -118,8 +118,11 @@ def test_same_expression_built_twice_is_equal(s):
     assert ga.fisher(s.G(), "block").expr != ga.fisher(s.G(), "diag").expr
     # a tuple of tensors passed twice is the same data
     assert ga.grads(s.task, (s.x, s.y)) == ga.grads(s.task, (s.x, s.y))
-    # a different Task object over the same model is a different expression
-    assert ga.grads(ga.tasks.classification(s.model), s.train) != ga.grads(s.task, s.train)
+    # identity is content: the same task built twice is the same expression; another
+    # loss over the same model is not
+    assert ga.grads(ga.tasks.classification(s.model), s.train) == ga.grads(s.task, s.train)
+    other = ga.tasks.classification(s.model, targets=lambda b: (b[1] + 1) % 3)
+    assert ga.grads(other, s.train) != ga.grads(s.task, s.train)
 
 
 def test_tokens_are_deterministic_strings(s):

@@ -81,6 +81,9 @@ def resolve_layers(model: nn.Module, layers=None, *, backend: str = "hooks") -> 
     model, prefixes = unwrap(model)
     if layers is not None:
         layers = [layers] if isinstance(layers, str) else list(layers)
+        if not layers:
+            raise UnsupportedLayerError("layers=[] names no layer: pass layers=None for every supported "
+                                        "layer, or a list of module names")
         known = dict(model.named_modules(remove_duplicate=False))
         layers = [strip_prefixes(p, prefixes, known) for p in layers]
     names = _layer_names(model, layers, backend)
@@ -118,11 +121,16 @@ def _param_path(model, pattern: str, modules: dict) -> bool:
 def _layer_names(model: nn.Module, layers, backend: str) -> list[str]:
     """Module names (of ``model``) that ``layers`` selects, in model order."""
     modules = dict(model.named_modules(remove_duplicate=False))
+    # nn.MultiheadAttention uses its out_proj's weights functionally: the module is never called
+    functional = {f"{n}.out_proj" if n else "out_proj" for n, m in modules.items()
+                  if isinstance(m, nn.MultiheadAttention)} if backend != "func" else set()
     if layers is None:
         names = []
         for name, module in model.named_modules():
             if not any(p.requires_grad for p in module.parameters(recurse=False)):
                 continue
+            if name in functional:
+                continue  # its forward hook never fires (MultiheadAttention calls F.linear on its weight)
             if isinstance(module, nn.Embedding) and name.split(".")[-1] in POSITION_EMBEDDINGS:
                 continue  # called with positions shared by the batch: no per-example gradient
             if backend == "func":
@@ -141,6 +149,11 @@ def _layer_names(model: nn.Module, layers, backend: str) -> list[str]:
         return names
     names = []
     for pattern in layers:
+        if pattern in functional:
+            raise UnsupportedLayerError(
+                f"{pattern!r} belongs to an nn.MultiheadAttention, which uses its weights without "
+                "calling it: hook capture cannot record it. Leave it out of `layers`, or use "
+                "backend='func'")
         if pattern in modules:  # an exact name; "" is the model itself (a bare nn.Linear)
             base = modules[pattern]
             # a PEFT tuner layer stands for the frozen layer it wraps
@@ -154,7 +167,7 @@ def _layer_names(model: nn.Module, layers, backend: str) -> list[str]:
             # dropout) and, for hooks, unsupported ones (norms) are skipped
             hits = [n for n in modules if n and (fnmatch.fnmatchcase(n, pattern)
                                                  or fnmatch.fnmatchcase(display_name(n), pattern))
-                    and _recordable(n, modules[n], backend)]
+                    and _recordable(n, modules[n], backend) and n not in functional]
         if not hits:
             named = [n for n in modules if n]
             close = [n for n in named if pattern.split(".")[-1] in n][:5]

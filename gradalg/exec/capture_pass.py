@@ -55,8 +55,11 @@ class SourceCapture:
         src, task = self.source, self.source.task
         self.check_reduction(batch)
         if src.objective == "expected":
-            return [Chunk(ids, blocks, batch, task, {"term": term})
-                    for term, blocks in enumerate(self._expected_blocks(batch))]
+            terms = self._expected_blocks(batch)
+            if self.options.check_finite:   # NaN inputs name their examples here too
+                for blocks in terms:
+                    check_finite(blocks, ids)
+            return [Chunk(ids, blocks, batch, task, {"term": term}) for term, blocks in enumerate(terms)]
         if src.backend == "func":
             blocks, forward = self._func_blocks(batch), None
         else:
@@ -184,6 +187,8 @@ class PassCapture:
             if term is None:
                 out[c.source.token] += c.finish(b, batch, ids, shared.record)
             else:
+                if c.options.check_finite:
+                    check_finite(b, ids)
                 out[c.source.token].append(Chunk(ids, b, batch, c.source.task, {"term": term}))
         return out
 

@@ -7,12 +7,15 @@ rows already preconditioned, resolved operators of the row-wise chains, K-FAC ba
 — are scattered to every worker once per pass; that sends the model once per worker.
 Each shard task runs the pass over its sub-dataset with a :class:`LocalExecutor` and
 returns its jobs' partial states (``export``); the client absorbs them in shard order.
-Score blocks stay on the workers: the result is a Dask array whose blocks are the
-shards' score columns, wrapped in an ``xarray.DataArray`` by ``Scores.compute``.
+Score blocks are gathered to the client as each shard finishes: the result is a Dask
+array whose blocks are the shards' score columns, wrapped in an ``xarray.DataArray`` by
+``Scores.compute``; it outlives worker deaths and the executor.
 
-A worker that dies is replaced by its nanny and its shards are retried
-(``retries``); every shard is a pure function of its range, so the result is the
-same. Passes over rows in memory run on the client.
+Faults (:mod:`gradalg.exec.resilience`): a worker that dies is replaced by its nanny;
+shards lost with it (or with the scattered payload, when every holder died) are
+submitted again from the client; every shard is a pure function of its range, so the
+result is the same. ``task_timeout`` names a stalled worker. Passes over rows in memory
+run on the client.
 """
 from __future__ import annotations
 
@@ -22,10 +25,10 @@ from dataclasses import replace
 import torch
 
 from ..expr import ScoreNode, ScoreSum, Source
-from ..expr.tokens import token_rows
 from ..plan.planner import chain_ops, stream_root
 from .local import LocalExecutor
 from .progress import in_notebook
+from .resilience import PAYLOAD, FaultPolicy, run_tasks
 from .shards import restrict, shard_ranges
 
 __all__ = ["DaskExecutor"]
@@ -73,14 +76,20 @@ class DaskExecutor(LocalExecutor):
     min_shard_examples : no shard gets fewer examples than this; a pass over fewer
         examples (the queries, typically) runs in this process, where shipping the
         model and the jobs to every worker would cost more than the pass.
-    retries : retries of a shard whose worker died.
+    retries : Dask retries of a shard that raised.
+    task_timeout : seconds a shard may run on its worker before the pass stops with a
+        :class:`WorkerFaultError` naming that worker (None: no limit).
+    resubmits, worker_wait : see :class:`gradalg.exec.resilience.FaultPolicy`: shards
+        lost with their workers are submitted again from this process (any number of
+        worker deaths is survived while the scheduler lives).
     """
 
     name = "dask"
 
     def __init__(self, client=None, *, n_workers: int = 2, threads_per_worker: int = 1,
                  shards_per_worker: int = 2, min_shard_examples: int = 32, retries: int = 3, options=None,
-                 rewrites: bool = True):
+                 rewrites: bool = True, task_timeout: float | None = None, resubmits: int = 3,
+                 worker_wait: float = 60.0):
         super().__init__(options, rewrites=rewrites)
         from distributed import Client, LocalCluster
 
@@ -97,6 +106,7 @@ class DaskExecutor(LocalExecutor):
             raise ValueError(f"min_shard_examples must be at least 1, got {min_shard_examples}")
         self.min_shard_examples = min_shard_examples
         self.retries = retries
+        self.faults = FaultPolicy(retries, resubmits, task_timeout, worker_wait)
         self._score_blocks: dict[str, list] = {}
 
     # ------------------------------------------------------------------ lifecycle
@@ -146,17 +156,12 @@ class DaskExecutor(LocalExecutor):
         self._check_reduction_here(sources, data)
         state = self._state_for(step)
         payload = (step, [s for _, s in sinks], state, self.options, data.token)
-        [payload_future] = self.client.scatter([payload], broadcast=True, hash=False)
-        futures = [self.client.submit(_run_shard, payload_future, a, b, retries=self.retries, pure=False)
-                   for a, b in ranges]
-        if self.options.progress and in_notebook():
-            from distributed import progress
-            progress(futures)
+        results = run_tasks(self.client, _run_shard, payload, [(PAYLOAD, a, b) for a, b in ranges],
+                            policy=self.faults, labels=[f"examples {a}:{b}" for a, b in ranges],
+                            progress=self.options.progress and in_notebook())
         score_jobs = {i for i, (job, _) in enumerate(sinks) if job.kind == "scores"}
         if score_jobs:
-            self._lazy_scores(step, sinks, futures, ranges, score_jobs)
-        results = self.client.gather([self.client.submit(_strip_scores, f, sorted(score_jobs), pure=False)
-                                      for f in futures]) if len(score_jobs) < len(sinks) else []
+            self._lazy_scores(step, sinks, results, ranges, score_jobs)
         for states, trace in results:
             self.trace.update(trace)
             for i, (job, sink) in enumerate(sinks):
@@ -166,18 +171,13 @@ class DaskExecutor(LocalExecutor):
             if i not in score_jobs:
                 self._store(job, sink.finish())
 
-    def _lazy_scores(self, step, sinks, futures, ranges, score_jobs):
+    def _lazy_scores(self, step, sinks, results, ranges, score_jobs):
         import dask.array as da
-        from dask import delayed
 
         for i in score_jobs:
             job = sinks[i][0]
-            n_held = job.held.n
-            blocks = []
-            for fut, (a, b) in zip(futures, ranges):
-                part = self.client.submit(_pick, fut, i, pure=False)
-                rows = (b - a) * token_rows(job.streams[0])   # T rows per example when per-token
-                blocks.append(da.from_delayed(delayed(part), shape=(n_held, rows), dtype=_np_dtype(job)))
+            # blocks gathered here (run_tasks): the result outlives worker deaths and the executor
+            blocks = [da.from_array(_pick(result, i), chunks=-1) for result in results]
             array = da.concatenate(blocks, axis=1)
             self._score_blocks[job.key] = array.T if job.transposed else array
 

@@ -1,8 +1,10 @@
 """Immutable expression nodes with structural identity.
 
 A node is a frozen dataclass. Its ``token`` is a deterministic digest of its type and
-operands (child nodes by token, values by repr, tensors by content or identity), so
-equal sub-expressions are equal nodes: the executor computes each token once.
+operands (child nodes by token, values by repr, tensors by a digest of all their values,
+see :mod:`gradalg.fingerprint`), so equal sub-expressions are equal nodes: the executor
+computes each token once. Tokens are the same in every process that builds the same
+expression (a job unpickled on a Dask worker keeps its identity).
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from functools import cached_property
 
 import torch
 
+from ..fingerprint import stable_token
+
 __all__ = ["Node", "tokenize", "transform"]
 
 
@@ -21,10 +25,7 @@ def tokenize(value) -> str:
     if isinstance(value, Node):
         return value.token
     if isinstance(value, torch.Tensor):
-        if value.device.type != "meta" and value.numel() <= 1_000_000:
-            digest = hashlib.blake2b(value.detach().cpu().contiguous().numpy().tobytes(), digest_size=8).hexdigest()
-            return f"tensor{tuple(value.shape)}{value.dtype}-{digest}"
-        return f"tensor{tuple(value.shape)}{value.dtype}-id{id(value):x}"
+        return stable_token(value)   # every value hashed (cached per tensor version): no size threshold
     if isinstance(value, (tuple, list)):
         return "(" + ",".join(tokenize(v) for v in value) + ")"
     if hasattr(value, "token"):

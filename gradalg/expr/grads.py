@@ -344,6 +344,8 @@ class Precondition(_RowMap):
         # refused when built, not at compute time (a same-sized operator of another
         # projection would otherwise be applied silently)
         self.grads.space.check_same(self.op.space, "the operator and the gradients")
+        from .models import check_same_models
+        check_same_models(self.grads, self.op, "the operator and the gradients")
 
     @property
     def representation(self):

@@ -45,6 +45,9 @@ class Inner(ScoreNode):
     def __post_init__(self):
         self.left.space.check_same(self.right.space, "the two sides of a score")
         self.left.space.check_same(self.op.space, "the operator and the gradients")
+        from .models import check_same_models
+        check_same_models(self.left, self.right, "the two sides of a score")
+        check_same_models(self.left, self.op, "the operator and the gradients")
 
     def adjust_rebuild(self, changes: dict) -> dict:
         # I lives on the space of its operands: rebuilt operands (another projection

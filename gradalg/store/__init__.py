@@ -6,10 +6,12 @@
 
     ga.store.write_operator(H, "fisher.zarr");  H2 = ga.store.open_operator("fisher.zarr")
     ga.store.write_scores(S, "scores.zarr");    ga.store.open_scores("scores.zarr")  # DataArray
+    ga.store.verify("train.zarr")                      # checksums of every chunk: VerifyReport
 
 See docs/store.md for the layout, the metadata and the guarantees.
 """
-from ..errors import StoreIncompleteError, StoreMismatchError
+from ..errors import StoreCorruptError, StoreIncompleteError, StoreMismatchError
+from .integrity import VerifyReport, verify
 from .describe import model_fingerprint
 from .gradients import dataset, open_gradients, write
 from .operators import open_operator, write_operator
@@ -18,4 +20,5 @@ from .scores import open_scores, write_scores
 open = open_gradients  # noqa: A001 - ga.store.open reads like the other stores' APIs
 
 __all__ = ["write", "open", "open_gradients", "dataset", "write_operator", "open_operator", "write_scores",
-           "open_scores", "model_fingerprint", "StoreMismatchError", "StoreIncompleteError"]
+           "open_scores", "model_fingerprint", "verify", "VerifyReport", "StoreMismatchError", "StoreIncompleteError",
+           "StoreCorruptError"]

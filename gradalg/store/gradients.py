@@ -19,13 +19,15 @@ import numpy as np
 import torch
 import xarray as xr
 
-from ..errors import StoreMismatchError
+from ..errors import OptionError, StoreMismatchError
 from ..exec.chunks import Chunk
 from ..expr import Block, ParamSpace
 from ..expr.stored import Stored
+from ..exec.resilience import PAYLOAD, run_tasks
 from . import layout
 from .describe import digest, store_attrs
-from .rows import check_shippable, executor_for, flat_rows, freeze_ops, restrictable, rows_of
+from .integrity import chunk_error
+from .rows import fault_policy, check_shippable, executor_for, flat_rows, freeze_ops, restrictable, rows_of
 
 __all__ = ["write", "open_gradients", "dataset", "GradientStore"]
 
@@ -115,8 +117,11 @@ class GradientStore:
             a, b = max(index * size, self.start), min((index + 1) * size, self.stop)
             if a >= b:
                 break
-            parts = dask.compute(*(ds[blk["variable"]].data[a:b] for blk in self.attrs["blocks"]),
-                                 scheduler="synchronous")
+            try:
+                parts = dask.compute(*(ds[blk["variable"]].data[a:b] for blk in self.attrs["blocks"]),
+                                     scheduler="synchronous")
+            except Exception as err:  # noqa: BLE001 - checksum, truncated or unreadable chunk
+                raise chunk_error(self.path, index, err) from err
             blocks = {blk["name"]: torch.from_numpy(np.ascontiguousarray(part))
                       for blk, part in zip(self.attrs["blocks"], parts)}
             yield Chunk(self._all_ids[a:b], blocks)
@@ -172,7 +177,7 @@ def _warn_factored(node) -> None:
             stacklevel=3)
 
 
-def write(G, path, *, chunk_rows: int = 256, executor=None, overwrite: bool = False):
+def write(G, path, *, chunk_rows: int = 256, executor=None, overwrite: bool = False, verify: bool = False):
     """Write the rows of ``G`` to a Zarr store at ``path``, chunk by chunk; return the
     store opened as a lazy GradientSet (see :func:`open_gradients`).
 
@@ -182,9 +187,11 @@ def write(G, path, *, chunk_rows: int = 256, executor=None, overwrite: bool = Fa
     executor : None (this process), a LocalExecutor, or a ``ga.exec.DaskExecutor``: each
         unfinished chunk is then one task on the cluster, which computes its rows and
         writes them (positional writes: a retried task writes the same bytes).
-    overwrite : replace a store already at ``path``.
+    overwrite : replace a gradalg store already at ``path`` (anything else there is refused).
+    verify : on a finished store, read every chunk and check its checksum (otherwise
+        only that its files exist); damaged chunks are rewritten.
 
-    If ``path`` holds an unfinished store of the same ``G`` (same projector, layers,
+    If ``path`` holds an unfinished or damaged store of the same ``G`` (same projector, layers,
     objective, model fingerprint, example ids and ``chunk_rows``), only its unfinished
     chunks are computed; a store of anything else raises :class:`StoreMismatchError`.
     """
@@ -193,14 +200,14 @@ def write(G, path, *, chunk_rows: int = 256, executor=None, overwrite: bool = Fa
     layout.require()
     if not isinstance(G, GradientSet):
         raise TypeError(f"ga.store.write takes a GradientSet, got {type(G).__name__}")
-    if not isinstance(chunk_rows, int) or chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
+    if not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1:
+        raise OptionError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
     node = G.expr
     if node.n == 0:
         raise ValueError("G has no rows to store")
     ids = layout.ids_array(node.ids)
     attrs = describe_gradients(G, chunk_rows)
-    state = layout.prepare(path, attrs, ids, RESUME_KEYS, overwrite=overwrite, kind=KIND)
+    state = layout.prepare(path, attrs, ids, RESUME_KEYS, overwrite=overwrite, kind=KIND, verify=verify)
     if state == "complete":
         return open_gradients(path)
     _warn_factored(node)
@@ -234,11 +241,9 @@ def _write_by_ranges(path, attrs, ex, node, ids, state) -> None:
     client = getattr(ex, "client", None)
     if client is not None and todo:
         check_shippable(node)
-        [payload] = client.scatter([node], broadcast=True, hash=False)
-        futures = [client.submit(_compute_and_write, str(path), attrs, payload, i, ex.options,
-                                 getattr(ex, "rewrites", True), retries=getattr(ex, "retries", 0), pure=False)
-                   for i in todo]
-        client.gather(futures)
+        run_tasks(client, _compute_and_write, node,
+                  [(str(path), attrs, PAYLOAD, i, ex.options, getattr(ex, "rewrites", True)) for i in todo],
+                  policy=fault_policy(ex), labels=[f"{path} chunk {i}" for i in todo])
     else:
         for i in todo:
             _compute_and_write(path, attrs, node, i, None, True, executor=local)

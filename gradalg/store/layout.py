@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import xarray as xr
 
-from ..errors import StoreIncompleteError, StoreMismatchError
+from ..errors import StoreCorruptError, StoreIncompleteError, StoreMismatchError
+from . import integrity
 
 __all__ = ["require", "ids_array", "ids_tuple", "read_attrs", "done_flags", "prepare", "write_template",
            "write_region", "mark_done", "atomic_directory", "DELAY_ENV", "n_chunks"]
@@ -82,8 +83,43 @@ def read_attrs(path) -> dict | None:
 
 
 def done_flags(path) -> np.ndarray:
-    """(chunks,) bool: which chunks are complete."""
-    return open_dataset(path)["done"].values.astype(bool)
+    """(chunks,) bool: which chunks are complete (a flag whose file is damaged reads as
+    not done, so its chunk is written again)."""
+    try:
+        return open_dataset(path)["done"].values.astype(bool)
+    except Exception:  # noqa: BLE001 - a damaged flag file: read the flags one by one
+        import zarr
+        arr = zarr.open_array(str(Path(path) / "done"), mode="r")
+        out = np.zeros(arr.shape, dtype=bool)
+        for i in range(arr.shape[0]):
+            try:
+                out[i] = bool(arr[i])
+            except Exception:  # noqa: BLE001
+                out[i] = False
+        return out
+
+
+def unmark(path, indices) -> None:
+    """Clear the flags of chunks ``indices`` (damaged: the next write rewrites them)."""
+    for index in indices:
+        xr.Dataset({"done": (("chunk",), np.zeros(1, dtype=np.uint8))}).to_zarr(
+            path, region={"chunk": slice(index, index + 1)}, consolidated=False, write_empty_chunks=True)
+
+
+def is_gradalg_store(path) -> bool:
+    """Whether ``path`` is a directory holding a gradalg store (its group metadata names
+    one), even a damaged one; a partial template or any other directory is not."""
+    import json
+    path = Path(path)
+    if not path.is_dir():
+        return False
+    try:
+        meta = json.loads((path / "zarr.json").read_text())
+    except OSError:
+        return False
+    except ValueError:    # group metadata damaged: still a store if it has the layout's arrays
+        return (path / "done" / "zarr.json").is_file()
+    return isinstance(meta, dict) and "gradalg_store" in (meta.get("attributes") or {})
 
 
 def _describe_value(key: str, value) -> str:
@@ -120,17 +156,21 @@ def compare(stored: dict, new: dict, keys, what: str, fix: str) -> None:
         raise StoreMismatchError(problems, fix)
 
 
-def prepare(path, attrs: dict, ids: np.ndarray, keys, *, overwrite: bool, kind: str) -> str:
+def prepare(path, attrs: dict, ids: np.ndarray, keys, *, overwrite: bool, kind: str, verify: bool = False) -> str:
     """Decide how to write ``path``: "new" (no store yet: write the template), "resume"
-    (a matching store with unfinished chunks) or "complete" (nothing to do).
+    (a matching store with unfinished or damaged chunks) or "complete" (nothing to do).
 
-    A store written from something else is refused with :class:`StoreMismatchError`.
+    A store written from something else is refused with :class:`StoreMismatchError`;
+    ``overwrite=True`` deletes only a gradalg store (anything else is refused). Damaged
+    chunks of a matching store (missing or failing their checksum, see
+    :mod:`gradalg.store.integrity`) are unflagged, so that they are written again; the
+    checksums are read when resuming or when ``verify``.
     """
     path = Path(path)
     for leftover in path.parent.glob(f".{path.name}.*.partial"):   # a killed template or operator write
         shutil.rmtree(leftover, ignore_errors=True)
     if overwrite and path.exists():
-        shutil.rmtree(path)
+        remove_store(path)
     if not path.exists():
         return "new"
     old = read_attrs(path)
@@ -150,7 +190,31 @@ def prepare(path, attrs: dict, ids: np.ndarray, keys, *, overwrite: bool, kind: 
     compare(old, attrs, [k for k in keys if k == "expression_digest"], "this write", fix)
     for leftover in path.rglob("*.partial"):
         leftover.unlink(missing_ok=True)
-    return "complete" if done_flags(path).all() else "resume"
+    flags = done_flags(path)
+    # repair: chunks flagged done whose files are missing or fail their checksum are
+    # unflagged and rewritten (a full read when resuming, a stat per file otherwise)
+    report = integrity.scan(path, full=verify or not flags.all())
+    if -1 in report.damaged_chunks or (report.problems and not report.damaged_chunks):
+        report.raise_if_damaged("The damage is outside the chunked rows (ids or attributes): write the "
+                                "store again with overwrite=True")
+    if report.damaged_chunks:
+        unmark(path, report.damaged_chunks)
+        flags = done_flags(path)
+    return "complete" if flags.all() else "resume"
+
+
+def remove_store(path) -> None:
+    """Delete the gradalg store at ``path`` (``overwrite=True``); refuse anything else."""
+    path = Path(path)
+    if path.is_dir() and not any(path.iterdir()):
+        path.rmdir()
+        return
+    if not is_gradalg_store(path):
+        what = "a file" if path.is_file() else "a directory"
+        raise StoreMismatchError(
+            [f"{path} is {what} that is not a gradalg store"],
+            "overwrite=True replaces only gradalg stores: choose another path, or delete it yourself")
+    shutil.rmtree(path)
 
 
 def write_template(path, template: xr.Dataset) -> None:
@@ -158,13 +222,18 @@ def write_template(path, template: xr.Dataset) -> None:
 
     Written into a temporary sibling renamed into place: ``path`` holds a whole template
     or nothing, never one cut short."""
-    atomic_directory(path, lambda tmp: template.to_zarr(tmp, mode="w", compute=False, consolidated=False),
+    template = template.copy()
+    template.attrs = integrity.seal(dict(template.attrs))
+    encoding = integrity.checksum_encoding(template)
+    atomic_directory(path, lambda tmp: template.to_zarr(tmp, mode="w", compute=False, consolidated=False,
+                                                        encoding=encoding, write_empty_chunks=True),
                      overwrite=False)
 
 
 def write_region(path, variables: dict, dim: str, start: int, stop: int) -> None:
     """Rows ``start:stop`` of each variable (``{name: (dims, array)}``) along ``dim``."""
-    xr.Dataset(variables).to_zarr(path, region={dim: slice(start, stop)}, consolidated=False)
+    xr.Dataset(variables).to_zarr(path, region={dim: slice(start, stop)}, consolidated=False,
+                                  write_empty_chunks=True)
 
 
 def mark_done(path, index: int) -> None:
@@ -174,7 +243,7 @@ def mark_done(path, index: int) -> None:
     if delay > 0:
         time.sleep(delay)
     xr.Dataset({"done": (("chunk",), np.ones(1, dtype=np.uint8))}).to_zarr(
-        path, region={"chunk": slice(index, index + 1)}, consolidated=False)
+        path, region={"chunk": slice(index, index + 1)}, consolidated=False, write_empty_chunks=True)
 
 
 def check_complete(path, kind: str, write_call: str) -> xr.Dataset:
@@ -202,6 +271,8 @@ def check_complete(path, kind: str, write_call: str) -> xr.Dataset:
             f"{path} is unfinished: {len(missing)} of {len(flags)} chunks are not written (first: "
             f"{missing[:5].tolist()}). Run {write_call} again with the same arguments to finish it "
             "(only the missing chunks are computed)")
+    # cheap checks on open (a stat per chunk file; checksums are verified as chunks are read)
+    integrity.scan(path, full=False).raise_if_damaged()
     return open_dataset(path)
 
 

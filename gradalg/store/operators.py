@@ -24,11 +24,11 @@ import xarray as xr
 
 from ..curvature.implicit import LowRankOp
 from ..curvature.kron import KronOp
-from ..errors import GradalgError, StoreIncompleteError, StoreMismatchError
+from ..errors import GradalgError, StoreCorruptError, StoreIncompleteError, StoreMismatchError
 from ..exec.operators import ResolvedOp
 from ..expr import Block, ParamSpace
 from ..expr.stored import StoredOp
-from . import layout
+from . import integrity, layout
 from .describe import digest, store_attrs
 from .gradients import _variables
 from .rows import executor_for
@@ -100,6 +100,11 @@ def write_operator(H, path, *, executor=None, overwrite: bool = False):
     if not isinstance(H, Operator):
         raise TypeError(f"ga.store.write_operator takes an Operator, got {type(H).__name__}")
     attrs = _describe(H)
+    if overwrite and Path(path).exists() and not layout.is_gradalg_store(path) and \
+            not (Path(path).is_dir() and not any(Path(path).iterdir())):
+        raise StoreMismatchError([f"{path} exists and is not a gradalg store"],
+                                 "overwrite=True replaces only gradalg stores: choose another path, or "
+                                 "delete it yourself")
     if Path(path).exists() and not overwrite:
         old = _read_attrs(path)
         if old is None:
@@ -116,10 +121,11 @@ def write_operator(H, path, *, executor=None, overwrite: bool = False):
     attrs["dtype"] = str(next(iter(variables.values()))[1].dtype)
 
     def build(tmp):
-        ds = xr.Dataset(variables, attrs=attrs)
+        ds = xr.Dataset(variables, attrs=integrity.seal(attrs))
         for name, (_, values) in variables.items():
             ds[name].attrs["order"] = "F" if values.ndim == 2 and not values.flags.c_contiguous else "C"
-        ds.to_zarr(tmp, mode="w", consolidated=False)
+        ds.to_zarr(tmp, mode="w", consolidated=False, encoding=integrity.checksum_encoding(ds),
+                   write_empty_chunks=True)
 
     layout.atomic_directory(path, build, overwrite=True)
     return open_operator(path)
@@ -150,7 +156,13 @@ class OperatorStore:
 
     def load(self):
         if self._loaded is None:
-            self._loaded = self._read()
+            try:
+                self._loaded = self._read()
+            except (KeyError, OSError, ValueError, RuntimeError) as err:
+                report = integrity.scan(self.path, full=True)
+                report.raise_if_damaged("Write the operator again: ga.store.write_operator(H, path, overwrite=True)")
+                raise StoreCorruptError(f"{self.path}: the operator store cannot be read ({type(err).__name__}: "
+                                        f"{err}); write it again with overwrite=True") from err
         return self._loaded
 
     def _read(self):
@@ -191,6 +203,8 @@ def open_operator(path):
     if attrs["gradalg_store"] != KIND:
         raise StoreMismatchError([f"{path} is a {attrs['gradalg_store']} store, not an operator store"],
                                  "open it with ga.store.open or ga.store.open_scores")
+    integrity.scan(path, full=False).raise_if_damaged(
+        "Write the operator again: ga.store.write_operator(H, path, overwrite=True)")
     store = OperatorStore(path, attrs)
     structure = {"diag": "diag", "block": "block", "dense": "dense", "kron": "kron",
                  "lowrank": "lowrank"}[attrs["kind"]]

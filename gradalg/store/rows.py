@@ -105,6 +105,14 @@ def freeze_ops(executor, node: GradNode, memo: dict | None = None) -> GradNode:
     return go(node)
 
 
+def fault_policy(executor):
+    """The executor's :class:`~gradalg.exec.resilience.FaultPolicy` (defaults for a
+    client that came without one)."""
+    from ..exec.resilience import FaultPolicy
+    policy = getattr(executor, "faults", None)
+    return policy if policy is not None else FaultPolicy(retries=getattr(executor, "retries", 0))
+
+
 def check_shippable(node) -> None:
     """Refuse operators that hold this process's executor (known only through products)."""
     for x in node.walk():

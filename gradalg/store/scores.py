@@ -15,11 +15,13 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
+from ..errors import OptionError
 from ..expr import Identity, Inner, ScoreSum
 from ..expr.stored import Stored, StoredOp
+from ..exec.resilience import PAYLOAD, run_tasks
 from . import layout
 from .describe import store_attrs
-from .rows import (MemoryRows, ResolvedStore, check_shippable, executor_for, freeze_ops, restrict_rows,
+from .rows import (fault_policy, MemoryRows, ResolvedStore, check_shippable, executor_for, freeze_ops, restrict_rows,
                    restrictable)
 
 __all__ = ["write_scores", "open_scores"]
@@ -109,8 +111,8 @@ def write_scores(S, path, *, chunk_rows: int = 1024, executor=None, overwrite: b
     layout.require()
     if not isinstance(S, Scores):
         raise TypeError(f"ga.store.write_scores takes Scores, got {type(S).__name__}")
-    if not isinstance(chunk_rows, int) or chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
+    if not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1:
+        raise OptionError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
     node = S.expr
     _terms(node)   # a clear error for unsupported expressions before anything runs
     train_ids = layout.ids_array(node.col_ids)
@@ -147,10 +149,9 @@ def _write(path, attrs, ex, node, train_ids, state) -> None:
     if client is not None and todo:
         for _, inner in terms:
             check_shippable(inner)
-        [payload] = client.scatter([terms], broadcast=True, hash=False)
-        futures = [client.submit(_compute_and_write, str(path), attrs, payload, i, options, rewrites,
-                                 retries=getattr(ex, "retries", 0), pure=False) for i in todo]
-        client.gather(futures)
+        run_tasks(client, _compute_and_write, terms,
+                  [(str(path), attrs, PAYLOAD, i, options, rewrites) for i in todo],
+                  policy=fault_policy(ex), labels=[f"{path} chunk {i}" for i in todo])
     else:
         for i in todo:
             _compute_and_write(path, attrs, terms, i, options, rewrites)

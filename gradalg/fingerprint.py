@@ -1,0 +1,295 @@
+"""Stable fingerprints: names for tensors, models, functions and datasets that are the
+same in every process and on every machine that holds the same thing.
+
+A node's token (``gradalg.expr.base``) is built from these, so a job pickled to a Dask
+worker, or an expression rebuilt in another process, keeps its identity.
+
+* **tensors**: a blake2b digest of the shape, dtype and *every* byte (no size
+  threshold). Digests are cached per tensor object and invalidated by the tensor's
+  version counter (bumped by every in-place op, ``optimizer.step()`` included) and its
+  storage pointer (``p.data = ...``). The one change the cache cannot see is an
+  in-place write through ``p.data`` / ``p.detach()`` (they bypass the version
+  counter): call :func:`forget` after such a write, or set
+  ``ga.options(fingerprint_cache=False)``.
+* **models**: the module tree (types and ``extra_repr``) plus the digest of every
+  parameter and buffer. The first fingerprint of a model reads its weights once
+  (``benchmarks/fingerprint.py`` measures it); later ones only check versions.
+* **functions**: module, qualified name, bytecode and constants, defaults and the
+  fingerprints of the closure's cells (a loss closing over a temperature differs from
+  one closing over another).
+* **datasets and other objects**: ``__gradalg_fingerprint__()`` or
+  ``__dask_tokenize__()`` when defined, Hugging Face's ``_fingerprint``, else a digest
+  of the object's pickle in which tensors, arrays, modules and functions are replaced
+  by their fingerprints. An object that cannot be pickled gets a random name kept for
+  its lifetime (:func:`is_stable` says so): equal to itself, never to another object.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import io
+import pickle
+import types
+import uuid
+import weakref
+
+import torch
+
+__all__ = ["tensor_digest", "model_digest", "callable_fingerprint", "object_fingerprint", "stable_token",
+           "forget", "is_stable"]
+
+_DIGEST_SIZE = 12
+_CHUNK_BYTES = 1 << 26        # tensors are hashed 64 MiB at a time (bounded extra memory on a GPU)
+
+
+def _h(*parts) -> str:
+    h = hashlib.blake2b(digest_size=_DIGEST_SIZE)
+    for p in parts:
+        h.update(p if isinstance(p, bytes) else str(p).encode())
+        h.update(b"|")
+    return h.hexdigest()
+
+
+def _cache_enabled() -> bool:
+    from .options import get_options
+    return get_options().fingerprint_cache
+
+
+# ------------------------------------------------------------------ per-object caches
+class _Cache:
+    """id(obj) -> (weakref, stamp, value); an entry is valid while the object lives and
+    its stamp (version counter, storage pointer) is unchanged."""
+
+    def __init__(self):
+        self._entries: dict[int, tuple] = {}
+
+    def get(self, obj, stamp):
+        entry = self._entries.get(id(obj))
+        if entry is None:
+            return None
+        ref, old_stamp, value = entry
+        if ref() is not obj or old_stamp != stamp:
+            return None
+        return value
+
+    def put(self, obj, stamp, value):
+        key = id(obj)
+        try:
+            ref = weakref.ref(obj, lambda _r, key=key: self._entries.pop(key, None))
+        except TypeError:
+            return
+        self._entries[key] = (ref, stamp, value)
+
+    def drop(self, obj):
+        self._entries.pop(id(obj), None)
+
+    def clear(self):
+        self._entries.clear()
+
+
+_tensor_cache = _Cache()
+_random_names = _Cache()
+
+
+def forget(obj=None) -> None:
+    """Drop cached fingerprints: of ``obj`` (a tensor, or a model's parameters and
+    buffers), or of everything when ``obj`` is None. Needed only after writing into a
+    tensor through ``.data`` (a write its version counter does not see)."""
+    if obj is None:
+        _tensor_cache.clear()
+        return
+    if isinstance(obj, torch.nn.Module):
+        for t in list(obj.parameters()) + list(obj.buffers()):
+            _tensor_cache.drop(t)
+    else:
+        _tensor_cache.drop(obj)
+
+
+# ------------------------------------------------------------------ tensors
+def _tensor_stamp(t: torch.Tensor):
+    try:
+        ptr = t.data_ptr()
+    except RuntimeError:
+        ptr = None
+    return (t._version, ptr, tuple(t.shape), tuple(t.stride()) if t.layout == torch.strided else None,
+            t.storage_offset() if t.layout == torch.strided else None, t.dtype, str(t.device))
+
+
+def _hash_tensor(t: torch.Tensor) -> str:
+    h = hashlib.blake2b(digest_size=_DIGEST_SIZE)
+    h.update(f"{tuple(t.shape)}|{t.dtype}|".encode())
+    t = t.detach()
+    if t.is_sparse:
+        t = t.coalesce()
+        h.update(b"sparse|")
+        h.update(bytes.fromhex(_hash_tensor(t.indices())))
+        t = t.values()
+    if t.is_quantized:
+        t = t.dequantize()
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return h.hexdigest()
+    step = max(1, _CHUNK_BYTES // max(1, flat.element_size()))
+    for a in range(0, flat.numel(), step):
+        part = flat[a:a + step].contiguous().cpu()
+        h.update(part.view(torch.uint8).numpy().tobytes() if part.dtype != torch.uint8 else part.numpy().tobytes())
+    return h.hexdigest()
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """Digest of ``t``'s shape, dtype and every value (cached per tensor version).
+
+    Tensors on the ``meta`` device have no values: their name is random (per object),
+    see :func:`is_stable`."""
+    if t.device.type == "meta":
+        return "meta" + str(tuple(t.shape)) + str(t.dtype) + "-" + _random_name(t)
+    if not _cache_enabled():
+        return _hash_tensor(t)
+    stamp = _tensor_stamp(t)
+    value = _tensor_cache.get(t, stamp)
+    if value is None:
+        value = _hash_tensor(t)
+        _tensor_cache.put(t, stamp, value)
+    return value
+
+
+# ------------------------------------------------------------------ models
+def model_digest(model: torch.nn.Module) -> str:
+    """Digest of a module tree (types, ``extra_repr``) and all its parameters and buffers."""
+    parts = []
+    for name, m in model.named_modules():
+        parts.append(f"{name}:{type(m).__module__}.{type(m).__qualname__}({m.extra_repr()})")
+    for kind, named in (("p", model.named_parameters()), ("b", model.named_buffers())):
+        for name, t in named:
+            parts.append(f"{kind}:{name}:{tensor_digest(t)}")
+    return "model-" + _h(*parts)
+
+
+# ------------------------------------------------------------------ functions
+def _code_digest(code: types.CodeType) -> str:
+    consts = [(_code_digest(c) if isinstance(c, types.CodeType) else repr(c)) for c in code.co_consts]
+    return _h(code.co_code, consts, code.co_names, code.co_varnames, code.co_freevars)
+
+
+def callable_fingerprint(fn, _depth: int = 0) -> str:
+    """Fingerprint of a function (code, defaults, closure), a bound method (function and
+    its object), a ``functools.partial``, or any other callable object (by its state)."""
+    if isinstance(fn, functools.partial):
+        return "partial-" + _h(callable_fingerprint(fn.func, _depth + 1),
+                               stable_token(fn.args, _depth + 1), stable_token(fn.keywords, _depth + 1))
+    if inspect.ismethod(fn):
+        return "method-" + _h(callable_fingerprint(fn.__func__, _depth + 1), stable_token(fn.__self__, _depth + 1))
+    code = getattr(fn, "__code__", None)
+    if isinstance(code, types.CodeType):
+        cells = []
+        for cell in fn.__closure__ or ():
+            try:
+                cells.append(stable_token(cell.cell_contents, _depth + 1))
+            except ValueError:           # an empty cell
+                cells.append("empty")
+        return "fn-" + _h(getattr(fn, "__module__", ""), getattr(fn, "__qualname__", ""), _code_digest(code),
+                          stable_token(fn.__defaults__, _depth + 1),
+                          stable_token(fn.__kwdefaults__, _depth + 1), cells)
+    if isinstance(fn, (types.BuiltinFunctionType, types.BuiltinMethodType)):
+        return f"builtin-{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}"
+    return object_fingerprint(fn, _depth + 1)
+
+
+# ------------------------------------------------------------------ generic objects
+_MAX_DEPTH = 8
+
+
+class _FingerprintPickler(pickle.Pickler):
+    """Pickles an object with tensors, arrays, modules and functions replaced by their
+    fingerprints (so the stream does not depend on memory addresses)."""
+
+    def __init__(self, file, depth: int):
+        super().__init__(file, protocol=4)
+        self._depth = depth
+
+    def persistent_id(self, obj):
+        if isinstance(obj, (torch.Tensor, torch.nn.Module, types.FunctionType, types.MethodType,
+                            functools.partial)):
+            return stable_token(obj, self._depth + 1)
+        if type(obj).__module__ == "numpy" and type(obj).__name__ == "ndarray":
+            if obj.dtype == object:
+                return None
+            return "ndarray" + str(obj.shape) + str(obj.dtype) + _h(obj.tobytes())
+        if obj is not self._root and hasattr(obj, "__len__") and hasattr(obj, "__getitem__") \
+                and not isinstance(obj, (str, bytes, tuple, list, dict, set, frozenset, range)):
+            special = _declared_fingerprint(obj)
+            if special is not None:
+                return special
+        return None
+
+    def dump(self, obj):
+        self._root = obj
+        return super().dump(obj)
+
+
+def _declared_fingerprint(obj) -> str | None:
+    for attr in ("__gradalg_fingerprint__", "__dask_tokenize__"):
+        method = getattr(type(obj), attr, None)
+        if method is not None:
+            return f"{type(obj).__qualname__}-" + _h(repr(method(obj)))
+    hf = getattr(obj, "_fingerprint", None)     # Hugging Face datasets
+    if isinstance(hf, str):
+        return f"hf-{hf}"
+    return None
+
+
+def _random_name(obj) -> str:
+    name = _random_names.get(obj, None)
+    if name is None:
+        name = "!obj" + uuid.uuid4().hex[:16]
+        _random_names.put(obj, None, name)
+    return name
+
+
+def is_stable(token: str) -> bool:
+    """Whether ``token`` is the same in other processes (no random per-object name in it)."""
+    return "!obj" not in token
+
+
+def object_fingerprint(obj, _depth: int = 0) -> str:
+    """Fingerprint of an arbitrary object (a dataset): see the module docstring."""
+    special = _declared_fingerprint(obj)
+    if special is not None:
+        return special
+    name = f"{type(obj).__module__}.{type(obj).__qualname__}"
+    if _depth <= _MAX_DEPTH:
+        buf = io.BytesIO()
+        try:
+            _FingerprintPickler(buf, _depth).dump(obj)
+            return f"{type(obj).__name__}-" + _h(name, buf.getvalue())
+        except Exception:  # noqa: BLE001 - unpicklable: a random name for its lifetime
+            pass
+    return f"{type(obj).__name__}-{_random_name(obj)}"
+
+
+def stable_token(value, _depth: int = 0) -> str:
+    """A string standing for ``value`` that is the same in every process holding it."""
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        return repr(value)
+    if isinstance(value, torch.Tensor):
+        return f"tensor{tuple(value.shape)}{value.dtype}-{tensor_digest(value)}"
+    if isinstance(value, (torch.dtype, torch.device)):
+        return str(value)
+    if isinstance(value, torch.nn.Module):
+        return model_digest(value)
+    if isinstance(value, (tuple, list)):
+        return "(" + ",".join(stable_token(v, _depth + 1) for v in value) + ")"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{stable_token(k, _depth + 1)}:{stable_token(v, _depth + 1)}"
+                              for k, v in value.items()) + "}"
+    if isinstance(value, (set, frozenset)):
+        return "{" + ",".join(sorted(stable_token(v, _depth + 1) for v in value)) + "}"
+    token = getattr(value, "token", None)
+    if isinstance(token, str):
+        return token
+    if callable(value) and not isinstance(value, type):
+        return callable_fingerprint(value, _depth)
+    if isinstance(value, type):
+        return f"type-{value.__module__}.{value.__qualname__}"
+    return object_fingerprint(value, _depth)
