@@ -18,7 +18,8 @@ from torch.autograd.graph import get_gradient_edge
 
 from ..errors import UnsupportedLayerError
 from .factors import Factors
-from .layers import LayerRule, rule_for
+from .layers import LayerRule, replaying, rule_for
+from .rows import layout_for
 
 __all__ = ["resolve_layers", "ForwardRecorder", "capture_batch", "LayerRef", "forward_share_key"]
 
@@ -32,7 +33,8 @@ class LayerRef:
     rule: LayerRule
 
 
-POSITION_EMBEDDINGS = ("wpe", "position_embeddings", "embed_positions", "pos_emb", "pos_embed")
+POSITION_EMBEDDINGS = ("wpe", "position_embeddings", "embed_positions", "pos_emb", "pos_embed",
+                       "relative_attention_bias")
 
 
 def resolve_layers(model: nn.Module, layers=None, *, backend: str = "hooks") -> list[LayerRef]:
@@ -41,10 +43,13 @@ def resolve_layers(model: nn.Module, layers=None, *, backend: str = "hooks") -> 
     ``layers`` is None (every supported module with trainable parameters, except
     position embeddings named as in :data:`POSITION_EMBEDDINGS`, which HF models call
     with positions shared by the whole batch), a list of dotted module names, or glob
-    patterns (``"transformer.h.*.mlp.c_fc"``).
+    patterns (``"transformer.h.*.mlp.c_fc"``). ``"all"``: the default plus the modules
+    recorded by per-example replay (norms and any other module with parameters of its
+    own: :class:`~gradalg.capture.layers.ReplayRule`), i.e. every parameter but the
+    position embeddings'; globs select default kinds only, exact names any kind.
     """
     modules = dict(model.named_modules())
-    if layers is None:
+    if layers is None or (isinstance(layers, str) and layers == "all" and "all" not in modules):
         names = []
         for name, module in modules.items():
             if not any(p.requires_grad for p in module.parameters(recurse=False)):
@@ -55,9 +60,11 @@ def resolve_layers(model: nn.Module, layers=None, *, backend: str = "hooks") -> 
                 names.append(name)
                 continue
             try:
-                rule_for(name, module)
+                rule = rule_for(name, module)
             except UnsupportedLayerError:
                 continue
+            if layers is None and not rule.in_default:
+                continue   # norms and other replayed modules: layers="all"
             names.append(name)
         if not names:
             raise UnsupportedLayerError(
@@ -114,10 +121,10 @@ def _recordable(name: str, module: nn.Module, backend: str) -> bool:
     if backend == "func":
         return True
     try:
-        rule_for(name, module)
+        rule = rule_for(name, module)
     except UnsupportedLayerError:
         return False
-    return True
+    return rule.in_default
 
 
 @dataclass
@@ -138,7 +145,7 @@ class ForwardRecorder:
     def __enter__(self):
         self.calls = {ref.name: [] for ref in self.layers}
         for ref in self.layers:
-            self._handles.append(ref.module.register_forward_hook(self._hook(ref)))
+            self._handles.append(ref.module.register_forward_hook(self._hook(ref), with_kwargs=True))
         return self
 
     def __exit__(self, *exc):
@@ -148,22 +155,28 @@ class ForwardRecorder:
         return False
 
     def _hook(self, ref: LayerRef):
-        def hook(module, args, output):
-            if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or not output.requires_grad:
+        def hook(module, args, kwargs, output):
+            if not torch.is_grad_enabled() or replaying():
                 return
-            self.calls[ref.name].append(_Call(ref.rule.activations(module, args[0].detach()), output,
-                                              get_gradient_edge(output)))
+            recorded = ref.rule.record(module, args, kwargs, output)
+            for rec, out in recorded:
+                self.calls[ref.name].append(_Call(rec, out, get_gradient_edge(out)))
+            return ref.rule.hooked_output(output, recorded)
         return hook
 
 
 def capture_batch(loss: torch.Tensor, recorder: ForwardRecorder, *, token_mask: torch.Tensor | None = None,
-                  grad_scale: float = 1.0, retain_graph: bool = False) -> dict[str, Factors]:
+                  grad_scale: float = 1.0, retain_graph: bool = False,
+                  n_examples: int | None = None) -> dict[str, Factors]:
     """Per-example factors of every recorded layer for the batch whose summed loss is ``loss``.
 
     One backward pass; gradients are taken w.r.t. the layers' outputs only.
     ``token_mask`` (B, T) removes padding positions; ``grad_scale`` multiplies D (a
-    mean-reduced loss is rescaled by the batch size this way).
+    mean-reduced loss is rescaled by the batch size this way). ``n_examples`` (default: the
+    token mask's rows) lets rows of flattened tokens (B·T, d) be attributed to examples
+    (:mod:`gradalg.capture.rows`).
     """
+    n_examples, lengths = batch_rows(recorder, n_examples, token_mask)
     outputs, edges, owners = [], [], []
     for ref in recorder.layers:
         calls = recorder.calls[ref.name]
@@ -184,16 +197,29 @@ def capture_batch(loss: torch.Tensor, recorder: ForwardRecorder, *, token_mask: 
         call = recorder.calls[ref.name][i]
         if g is None:
             g = torch.zeros_like(out)
-        D = ref.rule.output_grads(ref.module, g.detach())
-        if grad_scale != 1.0:
-            D = D * grad_scale
-        factors = Factors(call.A, D)
+        g = g.detach() if grad_scale == 1.0 else g.detach() * grad_scale
+        layout = layout_for(ref.name, ref.rule.rows(call.A)[0], n_examples, lengths)
+        factors = ref.rule.factors(ref.module, call.A, g, layout)
         if token_mask is not None and factors.T == token_mask.shape[1]:
             factors = factors.mask_tokens(token_mask)
         per_layer[ref.name].append(factors)
     blocks = {name: Factors.concat_tokens(parts) for name, parts in per_layer.items()}
     check_batch_rows(blocks)
     return blocks
+
+
+def batch_rows(recorder: ForwardRecorder, n_examples: int | None, token_mask) -> tuple[int | None, set]:
+    """The batch's number of examples (given, or the token mask's rows) and its sequence
+    lengths: the token mask's T and the positions of every call with one row per example."""
+    if n_examples is None and token_mask is not None:
+        n_examples = token_mask.shape[0]
+    lengths = {token_mask.shape[1]} if token_mask is not None and token_mask.dim() == 2 else set()
+    for ref in recorder.layers:
+        for call in recorder.calls[ref.name]:
+            rows, positions = ref.rule.rows(call.A)
+            if rows == n_examples:
+                lengths.add(positions)
+    return n_examples, lengths
 
 
 def check_batch_rows(blocks: dict) -> None:

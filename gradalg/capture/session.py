@@ -22,6 +22,7 @@ from torch import nn
 
 from ..capture.factors import Factors
 from .hooks import LayerRef, check_batch_rows, resolve_layers
+from .layers import check_session_layers
 
 __all__ = ["CaptureStore", "CaptureSession", "capture"]
 
@@ -52,6 +53,7 @@ class CaptureSession:
             raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
         self.model = model
         self.refs: list[LayerRef] = resolve_layers(model, layers)
+        check_session_layers(self.refs)
         self.reduction = reduction
         self.keep = keep
         self.store = CaptureStore()
