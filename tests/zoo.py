@@ -154,6 +154,10 @@ def t5():
                       vocab_size=VOCAB, dropout_rate=0.0, tie_word_embeddings=False,
                       decoder_start_token_id=0, pad_token_id=0)
     model = T5ForConditionalGeneration(config).double().eval()
+    # untie the encoder's and decoder's embeddings from `shared` (tied weights are tested
+    # elsewhere): each is then its own parameter, and `shared` is not called
+    for stack in (model.encoder, model.decoder):
+        stack.embed_tokens.weight = torch.nn.Parameter(stack.embed_tokens.weight.detach().clone())
     ids, mask = padded_tokens(max_len=8)
     labels, dec_mask = padded_tokens(max_len=6, seed=9)
     dec_ids = torch.cat([torch.zeros_like(labels[:, :1]), labels[:, :-1]], 1)   # shifted right
