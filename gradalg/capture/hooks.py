@@ -19,6 +19,7 @@ from torch.autograd.graph import get_gradient_edge
 from ..errors import UnsupportedLayerError
 from .factors import Factors
 from .layers import LayerRule, replaying, rule_for
+from .provenance import CallStack, find_routed, replay_routed
 from .rows import layout_for
 
 __all__ = ["resolve_layers", "ForwardRecorder", "capture_batch", "LayerRef", "forward_share_key"]
@@ -132,6 +133,7 @@ class _Call:
     A: Any
     output: torch.Tensor
     edge: Any = None  # the output's autograd edge, taken before any in-place op overwrites it
+    frames: tuple = ()  # the module calls enclosing this one (capture.provenance)
 
 
 @dataclass
@@ -144,6 +146,7 @@ class ForwardRecorder:
 
     def __enter__(self):
         self.calls = {ref.name: [] for ref in self.layers}
+        self._stack = CallStack().__enter__()
         for ref in self.layers:
             self._handles.append(ref.module.register_forward_hook(self._hook(ref), with_kwargs=True))
         return self
@@ -152,6 +155,7 @@ class ForwardRecorder:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._stack.__exit__(*exc)
         return False
 
     def _hook(self, ref: LayerRef):
@@ -160,7 +164,7 @@ class ForwardRecorder:
                 return
             recorded = ref.rule.record(module, args, kwargs, output)
             for rec, out in recorded:
-                self.calls[ref.name].append(_Call(rec, out, get_gradient_edge(out)))
+                self.calls[ref.name].append(_Call(rec, out, get_gradient_edge(out), self._stack.snapshot()))
             return ref.rule.hooked_output(output, recorded)
         return hook
 
@@ -177,6 +181,7 @@ def capture_batch(loss: torch.Tensor, recorder: ForwardRecorder, *, token_mask: 
     (:mod:`gradalg.capture.rows`).
     """
     n_examples, lengths = batch_rows(recorder, n_examples, token_mask)
+    routed = find_routed(recorder, n_examples, lengths)    # rows gathered by index: replayed
     outputs, edges, owners = [], [], []
     for ref in recorder.layers:
         calls = recorder.calls[ref.name]
@@ -186,13 +191,25 @@ def capture_batch(loss: torch.Tensor, recorder: ForwardRecorder, *, token_mask: 
                 "pass of the loss; remove it from `layers`, or check that the loss uses it"
             )
         for i, call in enumerate(calls):
+            if (ref.name, i) in routed:
+                continue
             outputs.append(call.output)
             edges.append(call.edge)
             owners.append((ref, i))
     # Gradients w.r.t. the outputs' edges as recorded: an in-place op after the layer
     # (ReLU(inplace=True)) rewrites the output tensor's history, not the edge.
-    grads = torch.autograd.grad(loss, edges, allow_unused=True, retain_graph=retain_graph)
+    frames = list({id(f): f for f, _ in routed.values()}.values())
+    grads = torch.autograd.grad(loss, edges + [f.edge for f in frames], allow_unused=True,
+                                retain_graph=retain_graph)
+    grads, frame_grads = grads[:len(edges)], grads[len(edges):]
     per_layer: dict[str, list[Factors]] = {ref.name: [] for ref in recorder.layers}
+    for frame, g in zip(frames, frame_grads):
+        refs = [ref for ref in recorder.layers if any(routed.get((ref.name, i), (None,))[0] is frame
+                                                      for i in range(len(recorder.calls[ref.name])))]
+        g = torch.zeros_like(frame.output) if g is None else g.detach() * grad_scale
+        layout = next(lay for f, lay in routed.values() if f is frame)
+        for name, factors in replay_routed(frame, g, layout, refs).items():
+            per_layer[name].append(factors)
     for (ref, i), out, g in zip(owners, outputs, grads):
         call = recorder.calls[ref.name][i]
         if g is None:

@@ -406,11 +406,12 @@ class EmbeddingBagRule(LayerRule):
         return params["weight"].transpose(1, 2)
 
 
-_REPLAYING: contextvars.ContextVar[bool] = contextvars.ContextVar("gradalg_replaying", default=False)
+_REPLAYING: contextvars.ContextVar = contextvars.ContextVar("gradalg_replaying", default=None)
 
 
-def replaying() -> bool:
-    """True while a :class:`ReplayRule` re-runs a module: recorders ignore those calls."""
+def replaying():
+    """None, or what is replaying a module now (a :class:`ReplayRule`: True; a per-example
+    replay of an enclosing module: its recorder): the batch's recorders ignore those calls."""
     return _REPLAYING.get()
 
 

@@ -10,10 +10,11 @@ batch's ``B`` examples in one of two ways, and refuses every other case:
   mixture-of-experts block; row ``r`` is position ``r mod T`` of example ``r // T``.
 
 A single row for a batch of several examples is an input shared by the whole batch
-(GPT-2's position embedding called with position_ids of shape (1, T)); other row
-counts are rows gathered by index (tokens routed to one expert of a mixture of
-experts). Neither has a per-example gradient that can be read off the layer's input,
-so both raise :class:`~gradalg.errors.UnsupportedLayerError` with the fix.
+(GPT-2's position embedding called with position_ids of shape (1, T)): refused with
+:class:`~gradalg.errors.UnsupportedLayerError`. Other row counts are rows gathered by
+index (tokens routed to one expert of a mixture of experts): they are attributed by
+replaying the enclosing module per example (:mod:`gradalg.capture.provenance`), and
+refused where no enclosing module allows it.
 """
 from __future__ import annotations
 
@@ -73,9 +74,10 @@ def layout_for(name: str, rows: int, n_examples: int | None, lengths) -> RowLayo
     raise UnsupportedLayerError(
         f"layer {name!r} recorded {rows} rows in a batch of {n_examples} examples with sequence "
         f"lengths {sorted(lengths)}: its rows are neither one per example nor the batch's tokens "
-        "flattened (B·T), e.g. tokens gathered by index for one expert of a mixture of experts, so "
-        "the example each row came from is not known and its per-example gradient would be a "
-        "guess. Record a module that receives every token instead (a fused experts module such as "
-        "transformers' MixtralExperts, recorded per example by replay as a dense block; "
-        "layers='all' includes it), or leave this layer out of `layers`"
+        "flattened (B·T), e.g. tokens gathered by index for one expert of a mixture of experts, and "
+        "no module around it receives rows of whole examples with a single differentiable output "
+        "(gradalg replays that module per example to attribute such rows, see "
+        "gradalg.capture.provenance), so the example each row came from is not known and its "
+        "per-example gradient would be a guess. Leave this layer out of `layers`, or record a module "
+        "that receives every token (a fused experts module, replayed per example; layers='all')"
     )
