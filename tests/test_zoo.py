@@ -355,3 +355,22 @@ def test_embedding_subclass_with_another_forward_is_refused():
     task = ga.Task(model, lambda m, b: m(b[0]).sum())
     with pytest.raises(ga.UnsupportedLayerError, match="scalar multiple"):
         ga.grads(task, (torch.randint(0, 9, (3, 2)),), layers=["0"]).to_params()
+
+
+def test_capture_session_attributes_flattened_token_rows():
+    """ga.capture inside a loop: the (B·T, d) rows of a flattened MLP go to their examples."""
+    torch.manual_seed(0)
+    model = FlatMLP().double()
+    task = _token_task(model)
+    ids, mask = _token_data()
+    with ga.capture(model, layers=["emb", "up", "down"]) as cap:
+        for s in (slice(0, 3), slice(3, 5)):
+            task.loss(model, (ids[s], mask[s])).backward()
+    chunks = [c for c in cap.store.chunks()]
+    assert [c.blocks["up"].T for c in chunks] == [6, 6]
+    captured = ga.grads(task, (ids, mask), layers=["emb", "up", "down"], batch_size=3).to_params()
+    reference = ga.per_example_grads(task, (ids, mask), list(captured), method="loop")
+    assert worst_relative_error(captured, reference)[0] <= TOL
+    S = (cap.grads @ cap.grads.T).compute().values
+    G = torch.cat([reference[k].flatten(1) for k in sorted(reference)], 1)
+    assert torch.allclose(torch.as_tensor(S), G @ G.T, rtol=1e-9, atol=0)

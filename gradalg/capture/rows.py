@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from ..errors import UnsupportedLayerError
 from .factors import Factors, OneHot
 
-__all__ = ["RowLayout", "layout_for"]
+__all__ = ["RowLayout", "layout_for", "session_rows"]
 
 
 @dataclass(frozen=True)
@@ -81,3 +81,16 @@ def layout_for(name: str, rows: int, n_examples: int | None, lengths) -> RowLayo
         "per-example gradient would be a guess. Leave this layer out of `layers`, or record a module "
         "that receives every token (a fused experts module, replayed per example; layers='all')"
     )
+
+
+def session_rows(pending: dict) -> tuple[int | None, set]:
+    """``ga.capture`` does not see the batch: its number of examples is read from the calls
+    with several positions per row ((B, T, ·) inputs), when they all agree, and their T's
+    are the sequence lengths; otherwise None (every layer must then have one row per
+    example). ``pending``: ``{layer: [{"A": (rows, T, ·), ...}]}``."""
+    shapes = {(s["A"].shape[0], s["A"].shape[1]) for slots in pending.values() for s in slots}
+    batch = {rows for rows, positions in shapes if positions > 1 and rows > 1}
+    if len(batch) != 1:
+        return None, set()
+    (n,) = batch
+    return n, {positions for rows, positions in shapes if rows == n}

@@ -23,6 +23,7 @@ from torch import nn
 from ..capture.factors import Factors
 from .hooks import LayerRef, check_batch_rows, resolve_layers
 from .layers import check_session_layers
+from .rows import layout_for, session_rows
 
 __all__ = ["CaptureStore", "CaptureSession", "capture"]
 
@@ -145,11 +146,13 @@ class CaptureSession:
         from ..exec.chunks import Chunk
 
         blocks = {}
+        n_examples, lengths = session_rows(self._pending)
         for ref in self.refs:
             slots = self._pending[ref.name]
             if not slots:
                 continue
-            parts = [Factors(s["A"], s["D"]) for s in slots]
+            parts = [layout_for(ref.name, s["A"].shape[0], n_examples, lengths).group(Factors(s["A"], s["D"]))
+                     for s in slots]
             blocks[ref.name] = Factors.concat_tokens(parts)
         if len(blocks) != len(self.refs):
             missing = [r.name for r in self.refs if r.name not in blocks]
