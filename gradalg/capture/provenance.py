@@ -82,8 +82,7 @@ class CallStack:
                 or threading.get_ident() != self._thread:
             return
         frame = self.frames.pop()
-        detach = lambda t: t.detach() if isinstance(t, torch.Tensor) else t  # noqa: E731
-        frame.args, frame.kwargs, frame.done = tree_map(detach, args), tree_map(detach, kwargs), True
+        frame.args, frame.kwargs, frame.done = args, kwargs, True    # detached when replayed
         if isinstance(output, torch.Tensor):
             outs = [(None, output)]
         elif isinstance(output, (tuple, list)):
@@ -176,7 +175,8 @@ def replay_routed(frame: Frame, g: torch.Tensor, layout: RowLayout, refs) -> dic
     n_rows = layout.rows
     for b in range(layout.n_examples):
         rows = layout.example_rows(b)
-        args, kwargs = tree_map(lambda t: _leading(t, n_rows, rows), (frame.args, frame.kwargs))
+        args, kwargs = tree_map(lambda t: _leading(t.detach() if isinstance(t, torch.Tensor) else t, n_rows, rows),
+                                (frame.args, frame.kwargs))
         with torch.enable_grad(), _SubRecorder(refs) as sub:
             out = frame.module.forward(*args, **kwargs)
             if frame.output_index is not None:
