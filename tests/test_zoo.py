@@ -374,3 +374,22 @@ def test_capture_session_attributes_flattened_token_rows():
     S = (cap.grads @ cap.grads.T).compute().values
     G = torch.cat([reference[k].flatten(1) for k in sorted(reference)], 1)
     assert torch.allclose(torch.as_tensor(S), G @ G.T, rtol=1e-9, atol=0)
+
+
+def test_norms_are_replayed_with_vmap_and_experts_with_a_loop(monkeypatch):
+    """One vmapped vjp per norm and batch; modules vmap cannot trace (data-dependent
+    routing) fall back to a loop over examples, with the same numbers."""
+    from gradalg.capture.layers import ReplayRule
+    paths = []
+    vmapped = ReplayRule._vmapped
+
+    def spy(self, module, *args):
+        out = vmapped(self, module, *args)
+        paths.append((type(module).__name__, out is not None))
+        return out
+    monkeypatch.setattr(ReplayRule, "_vmapped", spy)
+    model, task, data, unpad = ZOO["mixtral"]()
+    layers = ["model.layers.0.input_layernorm", "model.layers.0.mlp.experts"]
+    captured = ga.grads(task, data, layers=layers, batch_size=5).to_params()
+    assert set(paths) == {("MixtralRMSNorm", True), ("MixtralExperts", False)}
+    assert worst_relative_error(captured, loop_oracle(task, data, unpad, list(captured)))[0] <= TOL

@@ -513,29 +513,68 @@ class ReplayRule(LayerRule):
         return recorded.shape
 
     def factors(self, module, recorded, g, layout):
+        token = _REPLAYING.set(True)
+        try:
+            D = self._vmapped(module, recorded, g, layout)
+            if D is None:
+                D = self._looped(module, recorded, g, layout)
+        finally:
+            _REPLAYING.reset(token)
+        D = D.unsqueeze(1)                                               # (B, 1, P)
+        return Factors(D.new_ones(D.shape[0], 1, 1), D)
+
+    def _vmapped(self, module, recorded, g, layout):
+        """All examples at once: ``vmap`` over examples of the module's vjp (None when vmap
+        cannot trace the module, e.g. data-dependent routing: then :meth:`_looped`)."""
+        from torch.func import functional_call, vjp, vmap
+
+        B, per, N = layout.n_examples, layout.per_example, layout.rows
+        split = lambda t: (t.reshape(B, per, *t.shape[1:])  # noqa: E731
+                           if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == N else t)
+        inputs = tree_map(split, (recorded.args, recorded.kwargs))
+        dims = tree_map(lambda t: 0 if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == N else None,
+                        (recorded.args, recorded.kwargs))
+        params = self._params(module)
+        theta = {n: p.detach() for n, p in params}
+        k = recorded.output_index
+
+        def one(theta, inputs, g_b):
+            args, kwargs = inputs
+
+            def f(th):
+                out = functional_call(module, th, args, kwargs)
+                return out if k is None else out[k]
+            out, pullback = vjp(f, theta)
+            return out, pullback(g_b)[0]
+
+        try:
+            out, grads = vmap(one, in_dims=(None, dims, 0))(theta, inputs, g.reshape(B, per, *g.shape[1:]))
+        except Exception:  # noqa: BLE001 - vmap's failures are many; the loop is the fallback
+            return None
+        self._check_replay(module, out.reshape(recorded.output.shape), recorded.output)
+        return torch.cat([(grads[n] if p.requires_grad else torch.zeros_like(grads[n])).reshape(B, -1)
+                          for n, p in params], dim=1)
+
+    def _looped(self, module, recorded, g, layout):
+        """One example at a time: ``module.forward`` on its rows, ``autograd.grad``. (B, P)"""
         params = [p for _, p in self._params(module)]
         free = [p for p in params if p.requires_grad]
         n_rows = layout.rows
         per_example = []
-        token = _REPLAYING.set(True)
-        try:
-            for b in range(layout.n_examples):
-                rows = layout.example_rows(b)
-                args, kwargs = tree_map(lambda t: _leading_rows(t, n_rows, rows), (recorded.args, recorded.kwargs))
-                with torch.enable_grad():
-                    out = module.forward(*args, **kwargs)       # no hooks: not recorded again
-                    if recorded.output_index is not None:
-                        out = out[recorded.output_index]
-                    self._check_replay(module, out, recorded.output[rows])
-                    grads = torch.autograd.grad(out, free, g[rows], allow_unused=True) if free else ()
-                grads = iter(grads)
-                row = [next(grads) if p.requires_grad else None for p in params]
-                per_example.append(torch.cat([(r if r is not None else torch.zeros_like(p)).reshape(-1)
-                                              for r, p in zip(row, params)]))
-        finally:
-            _REPLAYING.reset(token)
-        D = torch.stack(per_example).unsqueeze(1)                     # (B, 1, P)
-        return Factors(D.new_ones(D.shape[0], 1, 1), D)
+        for b in range(layout.n_examples):
+            rows = layout.example_rows(b)
+            args, kwargs = tree_map(lambda t: _leading_rows(t, n_rows, rows), (recorded.args, recorded.kwargs))
+            with torch.enable_grad():
+                out = module.forward(*args, **kwargs)       # no hooks: not recorded again
+                if recorded.output_index is not None:
+                    out = out[recorded.output_index]
+                self._check_replay(module, out, recorded.output[rows])
+                grads = torch.autograd.grad(out, free, g[rows], allow_unused=True) if free else ()
+            grads = iter(grads)
+            row = [next(grads) if p.requires_grad else None for p in params]
+            per_example.append(torch.cat([(r if r is not None else torch.zeros_like(p)).reshape(-1)
+                                          for r, p in zip(row, params)]))
+        return torch.stack(per_example)
 
     @staticmethod
     def _check_replay(module, out, expected):
