@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import UnsupportedLayerError
 from .factors import Factors
-from .layers import _REPLAYING, replaying
+from .layers import _REPLAYING, _leading_rows, replaying
 from .rows import RowLayout, layout_for
 
 __all__ = ["CallStack", "Frame", "enclosing_frame", "find_routed", "replay_routed"]
@@ -132,10 +132,6 @@ def find_routed(recorder, n_examples: int | None, lengths) -> dict:
     return out
 
 
-def _leading(x, n: int, rows: slice):
-    return x[rows] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == n else x
-
-
 class _SubRecorder:
     """Records the routed layers' calls during one replay (the batch's recorder is paused)."""
 
@@ -175,7 +171,7 @@ def replay_routed(frame: Frame, g: torch.Tensor, layout: RowLayout, refs) -> dic
     n_rows = layout.rows
     for b in range(layout.n_examples):
         rows = layout.example_rows(b)
-        args, kwargs = tree_map(lambda t: _leading(t.detach() if isinstance(t, torch.Tensor) else t, n_rows, rows),
+        args, kwargs = tree_map(lambda t: _leading_rows(t.detach() if isinstance(t, torch.Tensor) else t, n_rows, rows),
                                 (frame.args, frame.kwargs))
         with torch.enable_grad(), _SubRecorder(refs) as sub:
             out = frame.module.forward(*args, **kwargs)
