@@ -19,7 +19,7 @@ from torch.autograd.graph import get_gradient_edge
 from ..errors import UnsupportedLayerError
 from .factors import Factors
 from .layers import LayerRule, replaying, rule_for
-from .provenance import CallStack, find_routed, replay_routed
+from .provenance import CallStack, find_routed, replay_frames, routed_frames
 from .rows import layout_for
 
 __all__ = ["resolve_layers", "ForwardRecorder", "capture_batch", "LayerRef", "forward_share_key"]
@@ -198,18 +198,13 @@ def capture_batch(loss: torch.Tensor, recorder: ForwardRecorder, *, token_mask: 
             owners.append((ref, i))
     # Gradients w.r.t. the outputs' edges as recorded: an in-place op after the layer
     # (ReLU(inplace=True)) rewrites the output tensor's history, not the edge.
-    frames = list({id(f): f for f, _ in routed.values()}.values())
+    frames = routed_frames(routed)
     grads = torch.autograd.grad(loss, edges + [f.edge for f in frames], allow_unused=True,
                                 retain_graph=retain_graph)
     grads, frame_grads = grads[:len(edges)], grads[len(edges):]
     per_layer: dict[str, list[Factors]] = {ref.name: [] for ref in recorder.layers}
-    for frame, g in zip(frames, frame_grads):
-        refs = [ref for ref in recorder.layers if any(routed.get((ref.name, i), (None,))[0] is frame
-                                                      for i in range(len(recorder.calls[ref.name])))]
-        g = torch.zeros_like(frame.output) if g is None else g.detach() * grad_scale
-        layout = next(lay for f, lay in routed.values() if f is frame)
-        for name, factors in replay_routed(frame, g, layout, refs).items():
-            per_layer[name].append(factors)
+    for name, factors in replay_frames(routed, frames, frame_grads, recorder.layers, grad_scale):
+        per_layer[name].append(factors)
     for (ref, i), out, g in zip(owners, outputs, grads):
         call = recorder.calls[ref.name][i]
         if g is None:

@@ -32,7 +32,8 @@ from .factors import Factors
 from .layers import _REPLAYING, _leading_rows, replaying
 from .rows import RowLayout, layout_for
 
-__all__ = ["CallStack", "Frame", "enclosing_frame", "find_routed", "replay_routed"]
+__all__ = ["CallStack", "Frame", "enclosing_frame", "find_routed", "routed_frames", "replay_frames",
+           "replay_routed"]
 
 
 @dataclass(eq=False)
@@ -74,7 +75,7 @@ class CallStack:
         return False
 
     def _push(self, module, args):
-        if replaying() is None and threading.get_ident() == self._thread:
+        if replaying() is None and threading.get_ident() == self._thread and not torch.compiler.is_compiling():
             self.frames.append(Frame(module))
 
     def _pop(self, module, args, kwargs, output):
@@ -204,3 +205,18 @@ def replay_routed(frame: Frame, g: torch.Tensor, layout: RowLayout, refs) -> dic
                 zeros = g.new_zeros(1, 1, n_in), g.new_zeros(1, 1, n_out)
                 per_example[ref.name].append(Factors(*zeros))
     return {name: Factors.concat_examples(parts) for name, parts in per_example.items()}
+
+
+def routed_frames(routed: dict) -> list[Frame]:
+    """The distinct enclosing calls of :func:`find_routed`'s result, in order."""
+    return list({id(frame): frame for frame, _ in routed.values()}.values())
+
+
+def replay_frames(routed: dict, frames: list[Frame], grads, layers, grad_scale: float = 1.0):
+    """``(layer name, factors)`` of every routed layer, each enclosing call replayed once;
+    ``grads``: the loss's gradients w.r.t. the ``frames``' outputs (None: unused)."""
+    for frame, g in zip(frames, grads):
+        refs = [ref for ref in layers if any(f is frame for (name, _), (f, _) in routed.items() if name == ref.name)]
+        layout = next(lay for f, lay in routed.values() if f is frame)
+        g = torch.zeros_like(frame.output) if g is None else g.detach() * grad_scale
+        yield from replay_routed(frame, g, layout, refs).items()
