@@ -120,6 +120,10 @@ def _hash_tensor(t: torch.Tensor) -> str:
     h = hashlib.blake2b(digest_size=_DIGEST_SIZE)
     h.update(f"{tuple(t.shape)}|{t.dtype}|".encode())
     t = t.detach()
+    if hasattr(t, "to_local") and hasattr(t, "placements"):
+        # a DTensor (FSDP2 / tensor parallel): this rank's shard and how it is placed
+        h.update(f"dtensor|{t.placements}|".encode())
+        t = t.to_local()
     if t.is_sparse:
         t = t.coalesce()
         h.update(b"sparse|")

@@ -18,7 +18,9 @@ from torch.autograd.graph import get_gradient_edge
 
 from ..errors import UnsupportedLayerError
 from .factors import Factors
-from .layers import LayerRule, rule_for
+from .layers import LayerRule, replaying, rule_for
+from .provenance import CallStack, find_routed, replay_frames, routed_frames
+from .rows import layout_for
 from .tying import LayerUse, tie_layers, use_factors
 from .wrappers import BASE_LAYER, display_name, strip_prefixes, unwrap
 
@@ -62,7 +64,8 @@ class LayerRef:
         return tuple(n for n, p in self.module.named_parameters(recurse=False) if p is not None)
 
 
-POSITION_EMBEDDINGS = ("wpe", "position_embeddings", "embed_positions", "pos_emb", "pos_embed")
+POSITION_EMBEDDINGS = ("wpe", "position_embeddings", "embed_positions", "pos_emb", "pos_embed",
+                       "relative_attention_bias")
 
 
 def resolve_layers(model: nn.Module, layers=None, *, backend: str = "hooks") -> list[LayerRef]:
@@ -71,7 +74,10 @@ def resolve_layers(model: nn.Module, layers=None, *, backend: str = "hooks") -> 
     ``layers`` is None (every supported module with trainable parameters, except
     position embeddings named as in :data:`POSITION_EMBEDDINGS`, which HF models call
     with positions shared by the whole batch), a list of dotted module names, or glob
-    patterns (``"transformer.h.*.mlp.c_fc"``).
+    patterns (``"transformer.h.*.mlp.c_fc"``). ``"all"``: the default plus the modules
+    recorded by per-example replay (norms and any other module with parameters of its
+    own: :class:`~gradalg.capture.layers.ReplayRule`), i.e. every parameter but the
+    position embeddings'; globs select default kinds only, exact names any kind.
 
     Wrappers (DDP, ``torch.compile``, PEFT: :mod:`gradalg.capture.wrappers`) are looked
     through, so names are those of the wrapped model (a wrapper's prefix is accepted). A
@@ -79,6 +85,9 @@ def resolve_layers(model: nn.Module, layers=None, *, backend: str = "hooks") -> 
     its first holder; the others are aliases (:mod:`gradalg.capture.tying`).
     """
     model, prefixes = unwrap(model)
+    every_kind = isinstance(layers, str) and layers == "all" and "all" not in dict(model.named_modules())
+    if every_kind:
+        layers = None
     if layers is not None:
         layers = [layers] if isinstance(layers, str) else list(layers)
         if not layers:
@@ -86,7 +95,7 @@ def resolve_layers(model: nn.Module, layers=None, *, backend: str = "hooks") -> 
                                         "layer, or a list of module names")
         known = dict(model.named_modules(remove_duplicate=False))
         layers = [strip_prefixes(p, prefixes, known) for p in layers]
-    names = _layer_names(model, layers, backend)
+    names = _layer_names(model, layers, backend, every_kind)
     modules = dict(model.named_modules(remove_duplicate=False))
     # a module registered under several names is one block, named by the first
     every: dict[int, list[str]] = {}
@@ -118,8 +127,9 @@ def _param_path(model, pattern: str, modules: dict) -> bool:
     return mod in modules and isinstance(getattr(modules[mod], pname, None), nn.Parameter)
 
 
-def _layer_names(model: nn.Module, layers, backend: str) -> list[str]:
-    """Module names (of ``model``) that ``layers`` selects, in model order."""
+def _layer_names(model: nn.Module, layers, backend: str, every_kind: bool = False) -> list[str]:
+    """Module names (of ``model``) that ``layers`` selects, in model order (``every_kind``:
+    ``layers="all"``, the default kinds and the replayed ones)."""
     modules = dict(model.named_modules(remove_duplicate=False))
     # nn.MultiheadAttention uses its out_proj's weights functionally: the module is never called
     functional = {f"{n}.out_proj" if n else "out_proj" for n, m in modules.items()
@@ -137,9 +147,11 @@ def _layer_names(model: nn.Module, layers, backend: str) -> list[str]:
                 names.append(name)
                 continue
             try:
-                rule_for(name, module)
+                rule = rule_for(name, module)
             except UnsupportedLayerError:
                 continue
+            if not every_kind and not rule.in_default:
+                continue   # norms and other replayed modules: layers="all"
             names.append(name)
         if not names:
             raise UnsupportedLayerError(
@@ -200,10 +212,10 @@ def _recordable(name: str, module: nn.Module, backend: str) -> bool:
     if backend == "func":
         return True
     try:
-        rule_for(name, module)
+        rule = rule_for(name, module)
     except UnsupportedLayerError:
         return False
-    return True
+    return rule.in_default
 
 
 @dataclass
@@ -211,7 +223,8 @@ class _Call:
     A: Any
     output: torch.Tensor
     edge: Any = None  # the output's autograd edge, taken before any in-place op overwrites it
-    use: Any = None   # the LayerUse that recorded it (a tied block has several)
+    use: Any = None     # the LayerUse that recorded it (a tied block has several)
+    frames: tuple = ()  # the module calls enclosing this one (capture.provenance)
 
 
 @dataclass
@@ -229,9 +242,10 @@ class ForwardRecorder:
         self._frozen = [p for ref in self.layers for p in _block_params(ref) if not p.requires_grad]
         for p in self._frozen:
             p.requires_grad_(True)
+        self._stack = CallStack().__enter__()
         for ref in self.layers:
             for use in ref.uses:
-                self._handles.append(use.module.register_forward_hook(self._hook(ref, use)))
+                self._handles.append(use.module.register_forward_hook(self._hook(ref, use), with_kwargs=True))
         return self
 
     def __exit__(self, *exc):
@@ -241,14 +255,17 @@ class ForwardRecorder:
         for p in getattr(self, "_frozen", ()):
             p.requires_grad_(False)
         self._frozen = []
+        self._stack.__exit__(*exc)
         return False
 
     def _hook(self, ref: LayerRef, use: LayerUse):
-        def hook(module, args, output):
-            if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or not output.requires_grad:
+        def hook(module, args, kwargs, output):
+            if not torch.is_grad_enabled() or replaying():
                 return
-            self.calls[ref.name].append(_Call(use.rule.activations(module, args[0].detach()), output,
-                                              get_gradient_edge(output), use))
+            recorded = use.rule.record(module, args, kwargs, output)
+            for rec, out in recorded:
+                self.calls[ref.name].append(_Call(rec, out, get_gradient_edge(out), use, self._stack.snapshot()))
+            return use.rule.hooked_output(output, recorded)
         return hook
 
 
@@ -257,13 +274,18 @@ def _block_params(ref: LayerRef) -> list:
 
 
 def capture_batch(loss: torch.Tensor, recorder: ForwardRecorder, *, token_mask: torch.Tensor | None = None,
-                  grad_scale: float = 1.0, retain_graph: bool = False) -> dict[str, Factors]:
+                  grad_scale: float = 1.0, retain_graph: bool = False,
+                  n_examples: int | None = None) -> dict[str, Factors]:
     """Per-example factors of every recorded layer for the batch whose summed loss is ``loss``.
 
     One backward pass; gradients are taken w.r.t. the layers' outputs only.
     ``token_mask`` (B, T) removes padding positions; ``grad_scale`` multiplies D (a
-    mean-reduced loss is rescaled by the batch size this way).
+    mean-reduced loss is rescaled by the batch size this way). ``n_examples`` (default: the
+    token mask's rows) lets rows of flattened tokens (B·T, d) be attributed to examples
+    (:mod:`gradalg.capture.rows`).
     """
+    n_examples, lengths = batch_rows(recorder, n_examples, token_mask)
+    routed = find_routed(recorder, n_examples, lengths)    # rows gathered by index: replayed
     outputs, edges, owners = [], [], []
     for ref in recorder.layers:
         calls = recorder.calls[ref.name]
@@ -273,21 +295,43 @@ def capture_batch(loss: torch.Tensor, recorder: ForwardRecorder, *, token_mask: 
                 "pass of the loss; remove it from `layers`, or check that the loss uses it"
             )
         for i, call in enumerate(calls):
+            if (ref.name, i) in routed:
+                continue
             outputs.append(call.output)
             edges.append(call.edge)
             owners.append((ref, i))
     # Gradients w.r.t. the outputs' edges as recorded: an in-place op after the layer
     # (ReLU(inplace=True)) rewrites the output tensor's history, not the edge.
-    grads = torch.autograd.grad(loss, edges, allow_unused=True, retain_graph=retain_graph)
+    frames = routed_frames(routed)
+    grads = torch.autograd.grad(loss, edges + [f.edge for f in frames], allow_unused=True,
+                                retain_graph=retain_graph)
+    grads, frame_grads = grads[:len(edges)], grads[len(edges):]
     per_layer: dict[str, list[Factors]] = {ref.name: [] for ref in recorder.layers}
+    for name, factors in replay_frames(routed, frames, frame_grads, recorder.layers, grad_scale):
+        per_layer[name].append(factors)
     for (ref, i), out, g in zip(owners, outputs, grads):
         call = recorder.calls[ref.name][i]
         if g is None:
             g = torch.zeros_like(out)
-        per_layer[ref.name].append(use_factors(call.use, call.A, g, token_mask, grad_scale))
+        layout = layout_for(ref.name, call.use.rule.rows(call.A)[0], n_examples, lengths)
+        per_layer[ref.name].append(use_factors(call.use, call.A, g, token_mask, grad_scale, layout))
     blocks = {name: Factors.concat_tokens(parts) for name, parts in per_layer.items()}
     check_batch_rows(blocks)
     return blocks
+
+
+def batch_rows(recorder: ForwardRecorder, n_examples: int | None, token_mask) -> tuple[int | None, set]:
+    """The batch's number of examples (given, or the token mask's rows) and its sequence
+    lengths: the token mask's T and the positions of every call with one row per example."""
+    if n_examples is None and token_mask is not None:
+        n_examples = token_mask.shape[0]
+    lengths = {token_mask.shape[1]} if token_mask is not None and token_mask.dim() == 2 else set()
+    for ref in recorder.layers:
+        for call in recorder.calls[ref.name]:
+            rows, positions = call.use.rule.rows(call.A)
+            if rows == n_examples:
+                lengths.add(positions)
+    return n_examples, lengths
 
 
 def check_batch_rows(blocks: dict) -> None:

@@ -13,17 +13,22 @@ orientation; :meth:`LayerRule.to_params` maps it back to the module's parameters
 """
 from __future__ import annotations
 
+import contextvars
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import UnsupportedLayerError
-from .factors import OneHot
+from .factors import Factors, OneHot
+from .rows import RowLayout
 
-__all__ = ["LayerRule", "rule_for", "SUPPORTED_LAYERS"]
+__all__ = ["LayerRule", "ReplayRule", "rule_for", "SUPPORTED_LAYERS", "DEFAULT_LAYERS", "check_session_layers"]
 
 
 def _hf_conv1d_type():
@@ -63,6 +68,74 @@ class LayerRule(ABC):
     def param_names(self, module: nn.Module) -> tuple[str, ...]:
         return tuple(name for name, p in module.named_parameters(recurse=False) if p is not None)
 
+    #: whether ``layers=None`` (the default) records this kind; ``layers="all"`` records every kind
+    in_default: ClassVar[bool] = True
+
+    #: the forward of the module class this rule reads (``nn.Linear.forward``, ...); a
+    #: subclass that overrides it is checked on each call (see :meth:`record`)
+    base_forward: ClassVar[Any] = None
+
+    def record(self, module: nn.Module, args: tuple, kwargs: dict, output) -> list[tuple[Any, torch.Tensor]]:
+        """What a forward hook keeps of one call: ``[(recorded, output_tensor)]``, one pair per
+        output whose gradient ``D`` the layer's factors need (none when the output does not
+        require grad). Default: ``activations`` of the first input, and the output.
+
+        A subclass that overrides the base class's forward (Gemma's embedding scaled by
+        ``√d``) must return ``c ·`` the base forward for a scalar ``c`` (checked on every call;
+        ``D`` is then scaled by ``c``); any other forward is refused."""
+        if not isinstance(output, torch.Tensor) or not output.requires_grad:
+            return []
+        x = (args[0] if args else next(iter(kwargs.values()))).detach()
+        A = self.activations(module, x)
+        if self.base_forward is None or type(module).forward is self.base_forward:
+            return [(A, output)]
+        with torch.no_grad():
+            base = self.base_forward(module, x)
+        return [(_Scaled(A, _scalar_multiple(module, output.detach(), base)), output)]
+
+    def hooked_output(self, output, recorded: list):
+        """The output the forward hook hands on (None: unchanged). See :class:`ReplayRule`."""
+        return None
+
+    def rows(self, recorded) -> tuple[int, int]:
+        """``(rows, positions)`` of a recorded call: its leading dimension (examples, or the
+        batch's flattened tokens: see :mod:`gradalg.capture.rows`) and positions per row."""
+        A = recorded.A if isinstance(recorded, _Scaled) else recorded
+        return A.shape[0], A.shape[1]
+
+    def factors(self, module: nn.Module, recorded, g: torch.Tensor, layout: RowLayout) -> Factors:
+        """One example per row: the call's factors, from what :meth:`record` kept and the
+        gradient ``g`` w.r.t. the recorded output, rows grouped by ``layout``."""
+        if isinstance(recorded, _Scaled):
+            recorded, g = recorded.A, g * recorded.scale
+        return layout.group(Factors(recorded, self.output_grads(module, g)))
+
+
+@dataclass
+class _Scaled:
+    """Activations of a call whose output is ``scale ×`` the base layer's output."""
+
+    A: Any
+    scale: float
+
+
+def _scalar_multiple(module, output: torch.Tensor, base: torch.Tensor) -> float:
+    """``c`` with ``output = c · base`` (least squares, then checked), else refuse."""
+    if output.shape == base.shape:
+        denom = (base * base).sum()
+        c = float((output * base).sum() / denom) if denom > 0 else 1.0
+        try:
+            torch.testing.assert_close(output, base * c)
+            return c
+        except AssertionError:
+            pass
+    raise UnsupportedLayerError(
+        f"{type(module).__name__} overrides the forward of {type(module).__mro__[1].__name__} with one "
+        "that is not a scalar multiple of it, so its factored per-example gradient is unknown; record "
+        "it by replay (name it in `layers` after wrapping its extra computation in a submodule), use "
+        "backend='func', or leave it out"
+    )
+
 
 def _with_ones(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, x.new_ones(*x.shape[:-1], 1)], dim=-1)
@@ -78,6 +151,7 @@ def _as_btf(x: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class LinearRule(LayerRule):
     kind: str = "linear"
+    base_forward: ClassVar[Any] = staticmethod(nn.Linear.forward)
 
     def block_shape(self, module):
         return module.out_features, module.in_features + (module.bias is not None)
@@ -133,6 +207,7 @@ class EmbeddingRule(LayerRule):
     """
 
     kind: str = "embedding"
+    base_forward: ClassVar[Any] = staticmethod(nn.Embedding.forward)
 
     def block_shape(self, module):
         return module.embedding_dim, module.num_embeddings
@@ -158,39 +233,75 @@ class EmbeddingRule(LayerRule):
         return params["weight"].transpose(1, 2)
 
 
+_CONV_KINDS = {1: "conv1d_nn", 2: "conv2d", 3: "conv3d"}   # "conv1d" is transformers' Conv1D
+
+
+def unfold_patches(x: torch.Tensor, kernel, stride, padding, dilation) -> torch.Tensor:
+    """The patches an N-d convolution multiplies by its weight.   x: (B, C, *S) → (B, L, C·Πk).
+
+    ``L`` is the number of output positions; a patch's features are ordered like
+    ``weight.flatten(1)``: (C, k_1, …, k_n). 2-d uses ``F.unfold``; other ranks pad and
+    take strided windows (``Tensor.unfold``) along each spatial dimension.
+    """
+    nd = len(kernel)
+    if nd == 2:
+        cols = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)  # (B, C*kh*kw, L)
+        return cols.transpose(1, 2)
+    x = F.pad(x, [p for i in reversed(range(nd)) for p in (padding[i], padding[i])])
+    for i in range(nd):
+        x = x.unfold(2 + i, dilation[i] * (kernel[i] - 1) + 1, stride[i])
+    x = x[(...,) + tuple(slice(None, None, d) for d in dilation)]     # (B, C, O_1..O_n, k_1..k_n)
+    B, C, positions = x.shape[0], x.shape[1], x.shape[2:2 + nd]
+    order = (0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd))
+    return x.permute(order).reshape(B, math.prod(positions), -1)
+
+
 @dataclass(frozen=True)
-class Conv2dRule(LayerRule):
-    """``nn.Conv2d`` as a Linear over unfolded patches: T = output positions."""
+class ConvRule(LayerRule):
+    """``nn.Conv1d`` / ``Conv2d`` / ``Conv3d`` as a Linear over unfolded patches.
+
+    With patches ``a_{i,t}`` (C_in·Πk features, :func:`unfold_patches`) and output gradients
+    ``d_{i,t}`` at the output positions ``t``, ``G_i = Σ_t d_{i,t} a_{i,t}ᵀ`` is
+    ``weight.flatten(1)``'s gradient (C_out, C_in·Πk), with the bias as a last column.
+    """
 
     kind: str = "conv2d"
 
+    @property
+    def base_forward(self):
+        return {"conv1d_nn": nn.Conv1d.forward, "conv2d": nn.Conv2d.forward, "conv3d": nn.Conv3d.forward}[self.kind]
+
     def _check(self, module):
+        name = type(module).__name__
         if module.groups != 1:
             raise UnsupportedLayerError(
-                f"Conv2d with groups={module.groups} is not supported by hook capture (its "
+                f"{name} with groups={module.groups} is not supported by hook capture (its "
                 "gradient is block-sparse per group); use backend='func' or leave it out"
             )
         if module.padding_mode != "zeros" or isinstance(module.padding, str):
             raise UnsupportedLayerError(
-                f"Conv2d with padding_mode={module.padding_mode!r} / padding={module.padding!r} "
+                f"{name} with padding_mode={module.padding_mode!r} / padding={module.padding!r} "
                 "is not supported by hook capture; use numeric zero padding, "
                 "backend='func', or leave it out"
             )
 
     def block_shape(self, module):
         self._check(module)
-        kh, kw = module.kernel_size
-        return module.out_channels, module.in_channels * kh * kw + (module.bias is not None)
+        return module.out_channels, module.in_channels * math.prod(module.kernel_size) + (module.bias is not None)
 
     def activations(self, module, x):
         self._check(module)
-        cols = F.unfold(x, module.kernel_size, dilation=module.dilation,
-                        padding=module.padding, stride=module.stride)  # (B, C*kh*kw, L)
-        cols = cols.transpose(1, 2)
+        nd = len(module.kernel_size)
+        if x.dim() != nd + 2:
+            raise UnsupportedLayerError(
+                f"{type(module).__name__} was called on an unbatched input of shape {tuple(x.shape)}; "
+                "hook capture needs a batch dimension (one row per example)"
+            )
+        cols = unfold_patches(x, module.kernel_size, module.stride, module.padding, module.dilation)
         return _with_ones(cols) if module.bias is not None else cols
 
     def output_grads(self, module, g):
-        return g.flatten(2).transpose(1, 2)  # (B, out, H', W') -> (B, L, out)
+        return g.flatten(2).transpose(1, 2)  # (B, out, *S') -> (B, L, out)
 
     def to_params(self, module, block):
         n = block.shape[0]
@@ -207,11 +318,302 @@ class Conv2dRule(LayerRule):
         return torch.cat([w, params["bias"].unsqueeze(-1)], dim=-1)
 
 
-SUPPORTED_LAYERS = ("nn.Linear", "transformers Conv1D", "nn.Embedding", "nn.Conv2d")
+Conv2dRule = ConvRule   # the name before Conv1d / Conv3d were added
+
+
+@dataclass(frozen=True)
+class EmbeddingBagRule(LayerRule):
+    """``nn.EmbeddingBag`` with ``mode="sum"`` or ``"mean"``: one bag per example.
+
+    Bag ``i`` holds ids ``j_1 … j_L`` with weights ``w_l`` (1 for sum, ``1/L`` for mean,
+    ``per_sample_weights`` when given); its output is ``Σ_l w_l E[j_l]``, so
+    ``G_i = Σ_l (w_l d_i) onehot(j_l)ᵀ``: ``A`` is the one-hot of the ids (never built) and
+    ``D`` repeats the bag's output gradient ``d_i`` scaled by each id's weight. The block is
+    (embedding_dim, num_embeddings), the transpose of ``weight``; ``padding_idx`` entries
+    take no part, as in PyTorch.
+    """
+
+    kind: str = "embedding"
+
+    def _check(self, module):
+        problems = []
+        if module.mode not in ("sum", "mean"):
+            problems.append(f"mode={module.mode!r} (the gradient goes to each dimension's arg-max "
+                            "row, not a sum of rank-one terms)")
+        if module.scale_grad_by_freq:
+            problems.append("scale_grad_by_freq=True (scaled by batch-level counts)")
+        if module.max_norm is not None:
+            problems.append("max_norm (the weight is renormalized in place during the forward)")
+        if problems:
+            raise UnsupportedLayerError(
+                f"nn.EmbeddingBag with {', '.join(problems)} has no factored per-example gradient "
+                "in hook capture; use mode='sum' or 'mean', backend='func', or leave it out"
+            )
+
+    def block_shape(self, module):
+        self._check(module)
+        return module.embedding_dim, module.num_embeddings
+
+    def activations(self, module, x):
+        raise UnsupportedLayerError(
+            "nn.EmbeddingBag is recorded by ga.grads (it needs the call's offsets and weights); "
+            "ga.capture does not record it: leave it out of `layers` there"
+        )
+
+    def output_grads(self, module, g):
+        return g
+
+    def record(self, module, args, kwargs, output):
+        self._check(module)
+        if not isinstance(output, torch.Tensor) or not output.requires_grad:
+            return []
+        names = ("input", "offsets", "per_sample_weights")
+        bound = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
+        idx, offsets, weights = bound["input"], bound.get("offsets"), bound.get("per_sample_weights")
+        if weights is not None:
+            weights = weights.detach()
+        if idx.dim() == 2:                                   # (n_bags, L): fixed-length bags
+            valid = torch.ones_like(idx, dtype=torch.bool)
+        else:                                                # flat ids with bag offsets
+            starts = offsets[:-1] if module.include_last_offset else offsets
+            ends = torch.cat([starts[1:], starts.new_tensor([idx.numel()])]) if not module.include_last_offset \
+                else offsets[1:]
+            size = int((ends - starts).max()) if starts.numel() else 0
+            pos = starts[:, None] + torch.arange(size, device=idx.device)[None, :]   # (n_bags, L)
+            valid = pos < ends[:, None]
+            pos = pos.clamp(max=max(idx.numel() - 1, 0))
+            idx = idx[pos]
+            if weights is not None:
+                weights = weights[pos]
+        if module.padding_idx is not None:
+            valid = valid & (idx != module.padding_idx)
+        scale = valid.to(output.dtype) if weights is None else weights.to(output.dtype) * valid
+        if module.mode == "mean":
+            scale = scale / valid.sum(1, keepdim=True).clamp_min(1).to(output.dtype)
+        return [((OneHot(idx, module.num_embeddings, valid), scale), output)]
+
+    def rows(self, recorded):
+        return recorded[0].idx.shape[0], 1
+
+    def factors(self, module, recorded, g, layout):
+        onehot, scale = recorded
+        return layout.group(Factors(onehot, g[:, None, :] * scale[:, :, None]))   # D: (n_bags, L, dim)
+
+    def to_params(self, module, block):
+        return {"weight": block.transpose(1, 2)}
+
+    def from_params(self, module, params):
+        return params["weight"].transpose(1, 2)
+
+
+_REPLAYING: contextvars.ContextVar = contextvars.ContextVar("gradalg_replaying", default=None)
+
+
+def replaying():
+    """None, or what is replaying a module now (a :class:`ReplayRule`: True; a per-example
+    replay of an enclosing module: its recorder): the batch's recorders ignore those calls."""
+    return _REPLAYING.get()
+
+
+@dataclass
+class _ReplayCall:
+    """One call of a replayed module: its inputs and one of its outputs (all detached)."""
+
+    args: tuple
+    kwargs: dict
+    output_index: int | None      # None: the output is a tensor; else its index in the tuple
+    output: torch.Tensor
+
+    @property
+    def shape(self):
+        first = next((t for t in tree_flatten((self.args, self.kwargs))[0] if isinstance(t, torch.Tensor)), None)
+        return (first.shape[0] if first is not None and first.dim() else 1, 1)
+
+
+def _leading_rows(x, n: int, rows: slice):
+    return x[rows] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == n else x
+
+
+@dataclass(frozen=True)
+class ReplayRule(LayerRule):
+    """Any module with parameters of its own (LayerNorm, RMSNorm of any model, GroupNorm, a
+    MoE router, fused experts): per-example gradients by replaying it on each example.
+
+    The forward hook keeps the call's inputs; given the gradient ``g`` of the summed loss
+    w.r.t. its output (rows attributed to examples by :mod:`gradalg.capture.rows`), example
+    ``i``'s gradient is the vector-Jacobian product of the module run on that example's
+    rows alone::
+
+        g_i = (∂ f(x_i; θ) / ∂θ)ᵀ g[rows of i]           # (P,), P = its parameters' size
+
+    exact for every module whose output rows for one example depend only on that
+    example's input rows (checked: the replayed output must equal the batch's rows to
+    ``torch.testing.assert_close``'s default tolerance for the dtype, else the layer is
+    refused). Nothing is assumed about the module's formula: ``(1 + weight)`` scaling,
+    casts and centring are whatever its forward does. For an elementwise norm that is
+    ``Σ_t g_{i,t} ⊙ x̂_{i,t}`` (weight) and ``Σ_t g_{i,t}`` (bias).
+
+    The block is dense, stored as factors with one position: ``A = 1``, ``D = g_iᵀ``, so
+    ``G_i = D_iᵀ A_i`` is the (P, 1) column of the module's parameters flattened in
+    ``named_parameters(recurse=False)`` order. Not in the default layers (see
+    ``layers="all"``).
+    """
+
+    kind: str = "dense"
+    in_default: ClassVar[bool] = False
+
+    @staticmethod
+    def _params(module):
+        return [(n, p) for n, p in module.named_parameters(recurse=False) if p is not None]
+
+    def block_shape(self, module):
+        params = self._params(module)
+        if not params:
+            raise UnsupportedLayerError(
+                f"{type(module).__name__} has no parameters of its own (e.g. a norm with "
+                "elementwise_affine=False / affine=False): it has no gradient to record; leave it "
+                "out of `layers`"
+            )
+        return sum(p.numel() for _, p in params), 1
+
+    def activations(self, module, x):
+        raise UnsupportedLayerError(
+            f"{type(module).__name__} is recorded by replaying it per example, which ga.grads does "
+            "(hooks backend); ga.capture records factored layers only (Linear, Conv1D, Embedding, "
+            "convolutions): leave it out of `layers` there"
+        )
+
+    def output_grads(self, module, g):
+        return g
+
+    def record(self, module, args, kwargs, output):
+        detach = lambda t: t.detach() if isinstance(t, torch.Tensor) else t  # noqa: E731
+        args, kwargs = tree_map(detach, args), tree_map(detach, kwargs)
+        if isinstance(output, torch.Tensor):
+            outputs = [(None, output)]
+        elif isinstance(output, (tuple, list)):
+            # each differentiable output is handed on as an alias (a view), so the gradient
+            # recorded for it is the one from outside the module only: the router's scores are
+            # computed from its logits inside, and the logits' own gradient would count them again
+            outputs = [(k, o.view_as(o)) for k, o in enumerate(output)
+                       if isinstance(o, torch.Tensor) and o.requires_grad]
+        else:
+            outputs = []
+        return [(_ReplayCall(args, kwargs, k, o.detach()), o) for k, o in outputs if o.requires_grad]
+
+    def hooked_output(self, output, recorded):
+        if isinstance(output, torch.Tensor) or not recorded:
+            return None
+        new = list(output)
+        for call, alias in recorded:
+            new[call.output_index] = alias
+        return type(output)(new)
+
+    def rows(self, recorded):
+        return recorded.shape
+
+    def factors(self, module, recorded, g, layout):
+        token = _REPLAYING.set(True)
+        try:
+            D = self._vmapped(module, recorded, g, layout)
+            if D is None:
+                D = self._looped(module, recorded, g, layout)
+        finally:
+            _REPLAYING.reset(token)
+        D = D.unsqueeze(1)                                               # (B, 1, P)
+        return Factors(D.new_ones(D.shape[0], 1, 1), D)
+
+    def _vmapped(self, module, recorded, g, layout):
+        """All examples at once: ``vmap`` over examples of the module's vjp (None when vmap
+        cannot trace the module, e.g. data-dependent routing: then :meth:`_looped`)."""
+        from torch.func import functional_call, vjp, vmap
+
+        B, per, N = layout.n_examples, layout.per_example, layout.rows
+        split = lambda t: (t.reshape(B, per, *t.shape[1:])  # noqa: E731
+                           if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == N else t)
+        inputs = tree_map(split, (recorded.args, recorded.kwargs))
+        dims = tree_map(lambda t: 0 if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == N else None,
+                        (recorded.args, recorded.kwargs))
+        params = self._params(module)
+        theta = {n: p.detach() for n, p in params}
+        k = recorded.output_index
+
+        def one(theta, inputs, g_b):
+            args, kwargs = inputs
+
+            def f(th):
+                out = functional_call(module, th, args, kwargs)
+                return out if k is None else out[k]
+            out, pullback = vjp(f, theta)
+            return out, pullback(g_b)[0]
+
+        try:
+            out, grads = vmap(one, in_dims=(None, dims, 0))(theta, inputs, g.reshape(B, per, *g.shape[1:]))
+        except Exception:  # noqa: BLE001 - vmap's failures are many; the loop is the fallback
+            return None
+        self._check_replay(module, out.reshape(recorded.output.shape), recorded.output)
+        return torch.cat([(grads[n] if p.requires_grad else torch.zeros_like(grads[n])).reshape(B, -1)
+                          for n, p in params], dim=1)
+
+    def _looped(self, module, recorded, g, layout):
+        """One example at a time: ``module.forward`` on its rows, ``autograd.grad``. (B, P)"""
+        params = [p for _, p in self._params(module)]
+        free = [p for p in params if p.requires_grad]
+        n_rows = layout.rows
+        per_example = []
+        for b in range(layout.n_examples):
+            rows = layout.example_rows(b)
+            args, kwargs = tree_map(lambda t: _leading_rows(t, n_rows, rows), (recorded.args, recorded.kwargs))
+            with torch.enable_grad():
+                out = module.forward(*args, **kwargs)       # no hooks: not recorded again
+                if recorded.output_index is not None:
+                    out = out[recorded.output_index]
+                self._check_replay(module, out, recorded.output[rows])
+                grads = torch.autograd.grad(out, free, g[rows], allow_unused=True) if free else ()
+            grads = iter(grads)
+            row = [next(grads) if p.requires_grad else None for p in params]
+            per_example.append(torch.cat([(r if r is not None else torch.zeros_like(p)).reshape(-1)
+                                          for r, p in zip(row, params)]))
+        return torch.stack(per_example)
+
+    @staticmethod
+    def _check_replay(module, out, expected):
+        try:
+            torch.testing.assert_close(out.detach(), expected)
+        except AssertionError as err:
+            raise UnsupportedLayerError(
+                f"{type(module).__name__} gives other outputs for an example alone than in its batch "
+                f"({str(err).splitlines()[1] if len(str(err).splitlines()) > 1 else err}): its output "
+                "for one example depends on the other examples (e.g. batch statistics, capacity-limited "
+                "routing), so its per-example gradient is not defined by replay. Leave it out of `layers` "
+                "or use backend='func'"
+            ) from None
+
+    def to_params(self, module, block):
+        out, start = {}, 0
+        for name, p in self._params(module):
+            out[name] = block[:, start:start + p.numel(), 0].reshape(block.shape[0], *p.shape)
+            start += p.numel()
+        return out
+
+    def from_params(self, module, params):
+        n = next(iter(params.values())).shape[0]
+        return torch.cat([params[name].reshape(n, -1) for name, _ in self._params(module)], dim=1).unsqueeze(-1)
+
+
+#: factored layers: in the default ``layers``, and recorded by ``ga.capture`` too
+DEFAULT_LAYERS = ("nn.Linear", "transformers Conv1D", "nn.Embedding", "nn.EmbeddingBag", "nn.Conv1d",
+                  "nn.Conv2d", "nn.Conv3d")
+SUPPORTED_LAYERS = DEFAULT_LAYERS + ("any other module with parameters of its own (LayerNorm, RMSNorm, "
+                                     "GroupNorm, ...), by per-example replay",)
 
 
 def rule_for(name: str, module: nn.Module) -> LayerRule:
-    """The rule recording ``module``, or an :class:`UnsupportedLayerError` naming the fix."""
+    """The rule recording ``module``, or an :class:`UnsupportedLayerError` naming the fix.
+
+    Factored rules for the layers of :data:`DEFAULT_LAYERS`; :class:`ReplayRule` (dense,
+    not in the default layers) for any other module with parameters of its own.
+    """
     conv1d = _hf_conv1d_type()
     if isinstance(module, nn.Linear):
         return LinearRule()
@@ -219,12 +621,25 @@ def rule_for(name: str, module: nn.Module) -> LayerRule:
         return HFConv1DRule()
     if isinstance(module, nn.Embedding):
         return EmbeddingRule()
-    if isinstance(module, nn.Conv2d):
-        rule = Conv2dRule()
-        rule.block_shape(module)
-        return rule
-    raise UnsupportedLayerError(
-        f"layer {name!r} is a {type(module).__name__}, which hook capture does not support "
-        f"(supported: {', '.join(SUPPORTED_LAYERS)}). Pass backend='func' to ga.grads to "
-        "capture any module with torch.func (slower), or leave it out of `layers`."
-    )
+    if isinstance(module, nn.EmbeddingBag):
+        rule = EmbeddingBagRule()
+    elif isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        rule = ConvRule(kind=_CONV_KINDS[len(module.kernel_size)])
+    else:
+        rule = ReplayRule()
+    rule.block_shape(module)    # refuses unsupported variants now
+    return rule
+
+
+def check_session_layers(refs) -> None:
+    """``ga.capture`` records the factored layers of :data:`DEFAULT_LAYERS` (one row per
+    example, A from the first input); refuse the others before the loop starts."""
+    bad = [f"{r.name!r} ({type(r.module).__name__})" for r in refs
+           if isinstance(r.rule, (ReplayRule, EmbeddingBagRule))
+           or (r.rule.base_forward is not None and type(r.module).forward is not r.rule.base_forward)]
+    if bad:
+        raise UnsupportedLayerError(
+            f"ga.capture records factored layers only ({', '.join(DEFAULT_LAYERS[:3])}, nn.Conv1d/2d/3d); "
+            f"layers {', '.join(bad)} need ga.grads (hook capture replays them per example, or "
+            "backend='func'): leave them out of ga.capture's `layers`"
+        )

@@ -22,6 +22,8 @@ from torch import nn
 
 from .factors import Factors
 from .hooks import LayerRef, check_batch_rows, resolve_layers
+from .layers import check_session_layers
+from .rows import layout_for, session_rows
 from .tying import LayerUse, use_factors
 
 __all__ = ["CaptureStore", "CaptureSession", "capture"]
@@ -53,6 +55,7 @@ class CaptureSession:
             raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
         self.model = model
         self.refs: list[LayerRef] = resolve_layers(model, layers)
+        check_session_layers(self.refs)
         self.reduction = reduction
         self.keep = keep
         self.store = CaptureStore()
@@ -146,11 +149,12 @@ class CaptureSession:
         from ..exec.chunks import Chunk
 
         blocks = {}
+        n_examples, lengths = session_rows(self._pending)
         for ref in self.refs:
             slots = self._pending[ref.name]
             if not slots:
                 continue
-            parts = [s["F"] for s in slots]
+            parts = [layout_for(ref.name, s["A"].shape[0], n_examples, lengths).group(s["F"]) for s in slots]
             blocks[ref.name] = Factors.concat_tokens(parts)
         if len(blocks) != len(self.refs):
             missing = [r.name for r in self.refs if r.name not in blocks]

@@ -38,6 +38,7 @@ from torch import nn
 from ..errors import UnsupportedLayerError
 from .factors import Factors, OneHot
 from .layers import EmbeddingRule, LayerRule, LinearRule, _as_btf, rule_for
+from .rows import RowLayout
 
 __all__ = ["LayerUse", "TiedRule", "WeightOnlyLinearRule", "BiasOnlyLinearRule", "tie_layers", "use_factors",
            "holders"]
@@ -150,22 +151,24 @@ class _EmbeddingAsWeightRule(LayerRule):
 
 
 def use_factors(use: LayerUse, A, g: torch.Tensor, token_mask: torch.Tensor | None = None,
-                grad_scale: float = 1.0) -> Factors:
+                grad_scale: float = 1.0, layout: RowLayout | None = None) -> Factors:
     """One recorded call's factors in its block's orientation.
 
     ``A`` : what ``use.rule.activations`` recorded in the forward, ``g`` the gradient of
     the loss w.r.t. the call's output. Shared by ``ga.grads`` (``capture_batch``) and
     ``ga.capture`` (tensor hooks), so both record the same numbers. Under autocast the
     activations and gradients may differ in dtype: both are taken in the wider one.
-    ``token_mask`` (B, T) zeroes padding positions (when the call has T positions).
+    ``token_mask`` (B, T) zeroes padding positions (when the call has T positions);
+    ``layout`` (:mod:`gradalg.capture.rows`) groups rows of flattened tokens into examples
+    (default: one row per example).
     """
-    D = use.rule.output_grads(use.module, g.detach())
-    if isinstance(A, torch.Tensor) and A.dtype != D.dtype:   # autocast: fp32 inputs, bf16 grads
-        dtype = torch.promote_types(A.dtype, D.dtype)
-        A, D = A.to(dtype), D.to(dtype)
-    if grad_scale != 1.0:
-        D = D * grad_scale
-    F = Factors(A, D)
+    g = g.detach() if grad_scale == 1.0 else g.detach() * grad_scale
+    if layout is None:
+        layout = RowLayout(use.rule.rows(A)[0], 1)
+    F = use.rule.factors(use.module, A, g, layout)   # rows grouped into examples by ``layout``
+    if isinstance(F.A, torch.Tensor) and F.A.dtype != F.D.dtype:   # autocast: fp32 inputs, bf16 grads
+        dtype = torch.promote_types(F.A.dtype, F.D.dtype)
+        F = Factors(F.A.to(dtype), F.D.to(dtype))
     if token_mask is not None and F.T == token_mask.shape[1]:
         F = F.mask_tokens(token_mask)
     if use.transpose:

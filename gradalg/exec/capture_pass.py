@@ -17,6 +17,7 @@ import torch
 from ..capture.factors import Factors
 from ..capture.hooks import ForwardRecorder, capture_batch, forward_share_key, resolve_layers
 from ..capture.reference import block_param_names, per_example_grads
+from ..data import batch_size_of
 from ..errors import NonFiniteGradientError
 from ..expr import Source
 from .chunks import Chunk
@@ -99,7 +100,8 @@ class SourceCapture:
         replay = self.options.share_forward and self.share_key() is not None
         shared = SharedForward(self.source.task.model) if replay else contextlib.nullcontext()
         with torch.enable_grad(), ForwardRecorder(self.refs) as recorder, shared:
-            blocks = capture_batch(self.loss(batch, ids), recorder, token_mask=self.token_mask(batch))
+            blocks = capture_batch(self.loss(batch, ids), recorder, token_mask=self.token_mask(batch),
+                                   n_examples=batch_size_of(batch))
         return blocks, shared.record if replay else None
 
     def _expected_blocks(self, batch):
@@ -110,7 +112,8 @@ class SourceCapture:
             terms = self.objective(task.model, batch)
             mask = task.token_mask(batch) if task.token_mask is not None else None
             for i, term in enumerate(terms):
-                out.append(capture_batch(term, recorder, token_mask=mask, retain_graph=i < len(terms) - 1))
+                out.append(capture_batch(term, recorder, token_mask=mask, retain_graph=i < len(terms) - 1,
+                                         n_examples=batch_size_of(batch)))
         return out
 
     def _func_blocks(self, batch):
@@ -180,7 +183,8 @@ class PassCapture:
                 if shared.calls != calls + 1 or shared.hits != k:
                     return None
             mask = group[0].token_mask(batch)
-            blocks = [capture_batch(loss, recorder, token_mask=mask, retain_graph=k < len(losses) - 1)
+            blocks = [capture_batch(loss, recorder, token_mask=mask, retain_graph=k < len(losses) - 1,
+                                    n_examples=batch_size_of(batch))
                       for k, (_, _, loss) in enumerate(losses)]
         out: dict[str, list[Chunk]] = {c.source.token: [] for c in group}
         for (c, term, _), b in zip(losses, blocks):

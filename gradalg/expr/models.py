@@ -4,7 +4,8 @@
 same shapes type-checks (the parameter spaces agree) but means nothing: each example's
 gradient lives in the tangent space of *its* model. :func:`check_same_models` raises a
 :class:`SpaceMismatchError` when the two operands share no model — none of the same
-object, none with the same fingerprint (module tree and weights, see
+object, no parameter held by both (a model and its DDP / compile / PEFT wrapper hold
+the same ones), none with the same fingerprint (module tree and weights, see
 :mod:`gradalg.fingerprint`). Operands without a model (stores, captured rows, resolved
 numbers) are not checked. ``ga.options(check_models=False)`` turns the check off (e.g.
 to compare a fine-tuned model's query gradients with the base model's on purpose).
@@ -21,6 +22,10 @@ def _models(node) -> dict:
     return {id(x.task.model): x.task for x in node.walk() if isinstance(x, Source)}
 
 
+def _parameter_ids(tasks: dict) -> set:
+    return {id(p) for t in tasks.values() for p in t.model.parameters()}
+
+
 def check_same_models(a, b, what: str) -> None:
     """Raise unless ``a`` and ``b`` (nodes) share a model, or one of them has none."""
     from ..options import get_options
@@ -29,6 +34,8 @@ def check_same_models(a, b, what: str) -> None:
     left, right = _models(a), _models(b)
     if not left or not right or set(left) & set(right):
         return
+    if _parameter_ids(left) & _parameter_ids(right):
+        return  # a model and its wrapper (DDP, torch.compile, PEFT) hold the same parameters
     from ..fingerprint import model_digest
     fl = {model_digest(t.model): t for t in left.values()}
     fr = {model_digest(t.model): t for t in right.values()}
