@@ -121,8 +121,8 @@ def _hash_tensor(t: torch.Tensor) -> str:
     h.update(f"{tuple(t.shape)}|{t.dtype}|".encode())
     t = t.detach()
     if hasattr(t, "to_local") and hasattr(t, "placements"):
-        # a DTensor (FSDP2 / tensor parallel): this rank's shard and how it is placed
-        h.update(f"dtensor|{t.placements}|".encode())
+        # a DTensor (FSDP2 / tensor parallel): this rank's shard (with one rank, the whole
+        # tensor: the same digest as the unsharded parameter; the header has the global shape)
         t = t.to_local()
     if t.is_sparse:
         t = t.coalesce()
@@ -159,11 +159,21 @@ def tensor_digest(t: torch.Tensor) -> str:
 
 
 # ------------------------------------------------------------------ models
+def _unsharded_class(cls: type) -> type:
+    """The module class under FSDP2's ``fully_shard``, which swaps a module's class for a
+    generated ``FSDP<Class>`` subclass (sharding does not change the model)."""
+    for base in cls.__mro__:
+        if not (base.__name__.startswith("FSDP") and base.__module__.startswith("torch.distributed")):
+            return base
+    return cls
+
+
 def model_digest(model: torch.nn.Module) -> str:
     """Digest of a module tree (types, ``extra_repr``) and all its parameters and buffers."""
     parts = []
     for name, m in model.named_modules():
-        parts.append(f"{name}:{type(m).__module__}.{type(m).__qualname__}({m.extra_repr()})")
+        cls = _unsharded_class(type(m))
+        parts.append(f"{name}:{cls.__module__}.{cls.__qualname__}({m.extra_repr()})")
     for kind, named in (("p", model.named_parameters()), ("b", model.named_buffers())):
         for name, t in named:
             parts.append(f"{kind}:{name}:{tensor_digest(t)}")

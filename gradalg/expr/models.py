@@ -36,9 +36,11 @@ def check_same_models(a, b, what: str) -> None:
         return
     if _parameter_ids(left) & _parameter_ids(right):
         return  # a model and its wrapper (DDP, torch.compile, PEFT) hold the same parameters
+    from ..capture.wrappers import unwrap
     from ..fingerprint import model_digest
-    fl = {model_digest(t.model): t for t in left.values()}
-    fr = {model_digest(t.model): t for t in right.values()}
+    # a wrapper (DDP, torch.compile) of an equal copy is the same model
+    fl = {model_digest(unwrap(t.model)[0]): t for t in left.values()}
+    fr = {model_digest(unwrap(t.model)[0]): t for t in right.values()}
     if set(fl) & set(fr):
         return
     names = lambda d: ", ".join(sorted({f"{t.name} ({k[6:18]})" for k, t in d.items()}))  # noqa: E731
