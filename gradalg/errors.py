@@ -15,6 +15,7 @@ __all__ = [
     "MemoryBudgetError",
     "StoreMismatchError",
     "StoreIncompleteError",
+    "ExampleIdsError",
 ]
 
 
@@ -40,6 +41,10 @@ class ShapeMismatchError(GradalgError, ValueError):
 
 class MemoryBudgetError(GradalgError, MemoryError):
     """An operation cannot be carried out within the memory budget."""
+
+
+class ExampleIdsError(GradalgError, ValueError):
+    """Captured rows cannot be labelled with the dataset examples they came from."""
 
 
 class StoreMismatchError(GradalgError, ValueError):

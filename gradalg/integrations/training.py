@@ -37,6 +37,7 @@ from torch import nn
 
 from ..capture.factors import Factors, self_inner
 from ..capture.session import CaptureSession, CaptureStore
+from ..errors import ExampleIdsError
 from ..exec.chunks import Chunk
 from .distributed import unwrap_model
 
@@ -125,6 +126,7 @@ class TrainingCapture:
         self._discard_callbacks: list[Callable] = []
         self._row_scale = None
         self.row_scale = None
+        self._next_ids = None
         self._handles = []
         self._active = False
 
@@ -152,6 +154,12 @@ class TrainingCapture:
     def scale_next(self, scale) -> None:
         """Multiply the rows of the micro-batch being recorded by ``scale`` (a number or (n,))."""
         self._row_scale = scale
+
+    def ids_next(self, ids) -> None:
+        """Label the rows of the micro-batch being recorded with ``ids`` (one per row, e.g.
+        the dataset indices of its examples); without it rows are numbered in the order seen.
+        A count that differs from the micro-batch's rows is refused when it is recorded."""
+        self._next_ids = tuple(i if isinstance(i, str) else int(i) for i in ids)
 
     def set_scale(self, scale) -> None:
         """Multiply the rows of every following micro-batch by ``scale`` (a number; None = 1)."""
@@ -241,7 +249,16 @@ class TrainingCapture:
             meta["row_scale"] = w  # (n,): what the rows were multiplied by
         if self.upcast:
             blocks = {k: _upcast(v) for k, v in blocks.items()}
-        chunk = Chunk(tuple(range(self._seen, self._seen + n)), blocks, meta=meta)
+        ids, self._next_ids = self._next_ids, None
+        if ids is None:
+            ids = tuple(range(self._seen, self._seen + n))
+        elif len(ids) != n:
+            raise ExampleIdsError(
+                f"the micro-batch has {n} rows but {len(ids)} example ids were given for it (first ids: "
+                f"{list(ids[:5])}): each row must be one example. Packed sequences (several examples per "
+                "row) cannot be attributed to single examples; turn packing off, or label rows yourself")
+        meta["step"] = self.steps  # the optimizer step this micro-batch belongs to
+        chunk = Chunk(ids, blocks, meta=meta)
         self._seen += n
         self._micro.append(chunk)
         for cb in self._micro_callbacks:
