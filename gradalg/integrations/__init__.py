@@ -23,6 +23,7 @@ See docs/training_time.md.
 from .distributed import gather, unwrap_model
 from .selection import (BatchMean, DropFraction, FixedTarget, KeepAll, OnlineSelection, Policy, RandomDrop,
                         Reweight, SelectionRecord, Target, Threshold, ValidationTarget)
+from .repeats import combine_repeats
 from .stream import StoreStream, open_stream, stream_steps
 from .training import StepGrads, TrainingCapture, training_capture
 from ..errors import ExampleIdsError
@@ -30,4 +31,4 @@ from ..errors import ExampleIdsError
 __all__ = ["training_capture", "TrainingCapture", "StepGrads", "OnlineSelection", "SelectionRecord", "Target",
            "BatchMean", "FixedTarget", "ValidationTarget", "Policy", "DropFraction", "Threshold", "Reweight",
            "RandomDrop", "KeepAll", "gather", "unwrap_model", "StoreStream", "open_stream", "stream_steps",
-           "ExampleIdsError"]
+           "ExampleIdsError", "combine_repeats"]
