@@ -233,3 +233,66 @@ def test_streaming_bounds_peak_memory():
     assert out["keep"]["rows"] == out["stream"]["rows"] == 512
     assert grow_keep > 150                   # every factored row in memory: hundreds of MB
     assert grow_stream < 0.25 * grow_keep    # streaming: one step's factors and the projected buffer
+
+
+# ---------------------------------------------------------------------------- TRL GRPOTrainer
+def _word_tokenizer(vocab_size=101):
+    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(tok_models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t1"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t0", unk_token="t1")
+
+
+@pytest.mark.parametrize("column", [None, "idx"])
+def test_grpo_completion_rows_carry_their_prompts_index(column):
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    from gradalg.integrations.grpo import grpo_ids
+
+    tok = _word_tokenizer()
+    g = torch.Generator().manual_seed(5)
+    prompts = [" ".join(f"t{int(t)}" for t in torch.randint(2, 101, (int(L),), generator=g))
+               for L in torch.randint(3, 6, (6,), generator=g)]
+    ds = Dataset.from_dict({"prompt": prompts, "idx": list(range(6))})
+    cb = GradientCallback(layers=LAYERS[:-1], record=("input_ids",))   # TRL fuses the head: leave it out
+
+    def reward(completions, **kw):
+        return [float(len(c)) for c in completions]
+
+    with tempfile.TemporaryDirectory() as d:
+        args = trl.GRPOConfig(output_dir=d, per_device_train_batch_size=4, num_generations=2,
+                              gradient_accumulation_steps=2, max_completion_length=3, max_steps=2,
+                              learning_rate=0.1, use_cpu=True, report_to=[], logging_strategy="no",
+                              save_strategy="no", seed=0, disable_tqdm=True, bf16=False)
+        trainer = trl.GRPOTrainer(model=gpt2(), reward_funcs=reward, args=args, train_dataset=ds,
+                                  processing_class=tok, callbacks=[cb])
+        grpo_ids(trainer, column=column)
+        trainer.train()
+    ids = cb.grads.ids
+    assert len(ids) == 16                                      # 2 steps × 2 micro-batches × 4 completions
+    counts = {i: ids.count(i) for i in set(ids)}
+    assert all(c % 2 == 0 for c in counts.values())           # num_generations completions per prompt
+    # each row's prompt tokens (left-padded, before the completion) are its example's prompt
+    for row, i in zip(cb.inputs["input_ids"], ids):
+        want = tok(prompts[i])["input_ids"]
+        text = row.tolist()
+        assert any(text[s:s + len(want)] == want for s in range(len(text) - len(want) + 1)), (i, text, want)
+
+
+def test_grpo_without_grpo_ids_is_refused():
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"prompt": ["t3 t4 t5", "t6 t7 t8"]})
+    with tempfile.TemporaryDirectory() as d:
+        args = trl.GRPOConfig(output_dir=d, per_device_train_batch_size=2, num_generations=2,
+                              max_completion_length=2, max_steps=1, use_cpu=True, report_to=[],
+                              logging_strategy="no", save_strategy="no", disable_tqdm=True, bf16=False)
+        trainer = trl.GRPOTrainer(model=gpt2(), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                                  args=args, train_dataset=ds, processing_class=_word_tokenizer(),
+                                  callbacks=[GradientCallback(layers=LAYERS[:-1])])
+        with pytest.raises(ga.integrations.ExampleIdsError, match="grpo_ids"):
+            trainer.train()

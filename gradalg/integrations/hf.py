@@ -137,6 +137,7 @@ class GradientCallback(TrainerCallback):
         self.verify_ids = verify_ids
         self.stream = stream
         self.sampled: SampledIds | None = None
+        self._grpo_column = None
         self.scale = scale
         self.selection = selection
         self.record = tuple([record] if isinstance(record, str) else record)
@@ -184,7 +185,10 @@ class GradientCallback(TrainerCallback):
             self.capture.on_step(cb)
         self._args = args
         self._shift = _shifts_labels(model)
-        if self.ids == "sampler":
+        if self.ids == "grpo":       # gradalg.integrations.grpo.grpo_ids(trainer) labels the rows
+            if self._grpo_column is None:
+                self.sampled = SampledIds.install(train_dataloader, verify=False, repeats=True)
+        elif self.ids == "sampler":
             self.sampled = SampledIds.install(train_dataloader, verify=self.verify_ids)
             self.sampled.resume_skip(state.global_step, args.gradient_accumulation_steps,
                                      ignore_data_skip=bool(getattr(args, "ignore_data_skip", False)))
@@ -243,7 +247,7 @@ class GradientCallback(TrainerCallback):
     # ------------------------------------------------------------------ scaling
     def _pre_forward(self, module, args, kwargs):
         if not torch.is_grad_enabled() or not module.training or self.capture is None:
-            if self.ids not in (None, "sampler") and self.ids in kwargs:
+            if self.ids not in (None, "sampler", "grpo") and self.ids in kwargs:
                 kwargs.pop(self.ids)  # an evaluation forward: the model does not take the index column
                 return args, kwargs
             return
@@ -257,7 +261,7 @@ class GradientCallback(TrainerCallback):
 
     def _label_rows(self, kwargs) -> bool:
         """Give the capture this forward's dataset indices; True when ``kwargs`` was changed."""
-        if self.ids is None:
+        if self.ids is None or self.ids == "grpo":
             return False
         rows = _rows_of(kwargs)
         if self.ids == "sampler":

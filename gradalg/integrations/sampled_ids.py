@@ -40,7 +40,7 @@ class SampledIds:
         self._cls = type(batch_sampler)
 
     @classmethod
-    def install(cls, loader, *, verify: bool = True) -> "SampledIds":
+    def install(cls, loader, *, verify: bool = True, repeats: bool = False) -> "SampledIds":
         """Record ``loader``'s batch sampler (its class is swapped for a recording subclass)."""
         bs = getattr(loader, "batch_sampler", None)
         if loader is None or bs is None:
@@ -51,11 +51,11 @@ class SampledIds:
                 "with remove_unused_columns=False, or ids=None")
         inner = getattr(bs, "batch_sampler", bs)
         sampler = getattr(inner, "sampler", None)
-        if type(sampler).__name__ == "RepeatSampler" or type(bs).__name__ == "RepeatSampler":
+        if not repeats and (type(sampler).__name__ == "RepeatSampler" or type(bs).__name__ == "RepeatSampler"):
             raise ExampleIdsError(
                 "TRL's GRPOTrainer generates completions for a buffer of sampled prompts and shuffles the buffer "
                 "before its forwards, so the sampler's order is not the forwards' order: use "
-                "gradalg.integrations.hf.grpo_ids(trainer) before trainer.train() (and GradientCallback(ids=None))")
+                "gradalg.integrations.grpo.grpo_ids(trainer) before trainer.train()")
         self = cls(loader, bs, verify)
         base = type(bs)
 

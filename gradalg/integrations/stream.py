@@ -87,7 +87,7 @@ class StoreStream:
     ``GradientCallback(stream=...)`` / ``OLMoCoreCallback(stream=...)``), then :meth:`close`.
     """
 
-    def __init__(self, path, projector, *, flush_rows: int = 1024, overwrite: bool = False,
+    def __init__(self, path, projector, *, flush_rows: int = 4096, overwrite: bool = False,
                  info: dict | None = None):
         from ..expr import Projector
 
