@@ -296,3 +296,37 @@ def test_grpo_without_grpo_ids_is_refused():
                                   callbacks=[GradientCallback(layers=LAYERS[:-1])])
         with pytest.raises(ga.integrations.ExampleIdsError, match="grpo_ids"):
             trainer.train()
+
+
+# ---------------------------------------------------------------------------- OLMo-core
+def test_olmo_core_rows_carry_the_batch_index_and_stream():
+    pytest.importorskip("olmo_core")
+    from olmo_core.nn.transformer import TransformerConfig
+    from olmo_core.optim import AdamWConfig
+    from olmo_core.train import Duration, TrainerConfig
+    from olmo_core.train.train_module import TransformerTrainModuleConfig
+
+    from gradalg.integrations.olmo import InMemoryDataLoader, OLMoCoreCallback
+
+    torch.manual_seed(0)
+    model = TransformerConfig.olmo2_1M(vocab_size=64, n_layers=2).build(init_device="cpu")
+    g = torch.Generator().manual_seed(0)
+    seq = 8
+    perm = torch.randperm(8, generator=g)
+    batches = [{"input_ids": torch.randint(0, 64, (4, seq), generator=g), "index": perm[4 * s:4 * s + 4]}
+               for s in range(2)]
+    layers = ["blocks.0.attention.w_q", "blocks.1.feed_forward.w2", "lm_head.w_out"]
+    P = ga.proj.kron(k=4, seed=0)
+    with tempfile.TemporaryDirectory() as d:
+        cb = OLMoCoreCallback(layers=layers)
+        streamed = OLMoCoreCallback(layers=layers, stream=StoreStream(os.path.join(d, "rows"), P))
+        module = TransformerTrainModuleConfig(rank_microbatch_size=2 * seq, max_sequence_length=seq,
+                                              optim=AdamWConfig(lr=1e-2)).build(model)
+        TrainerConfig(save_folder=d, no_checkpoints=True, max_duration=Duration.steps(2), metrics_collect_interval=1,
+                      callbacks={"gradalg": cb, "stream": streamed}).build(module, InMemoryDataLoader(batches, d)).fit()
+        assert cb.grads.ids == tuple(perm.tolist())             # two micro-batches a step take them in order
+        G = open_stream(os.path.join(d, "rows"))
+        assert G.ids == cb.grads.ids
+        a, b = G.to_dense(), P(cb.grads).to_dense()
+        for name in b:
+            assert torch.equal(a[name], b[name]), name
