@@ -330,3 +330,21 @@ def test_olmo_core_rows_carry_the_batch_index_and_stream():
         a, b = G.to_dense(), P(cb.grads).to_dense()
         for name in b:
             assert torch.equal(a[name], b[name]), name
+
+
+# ---------------------------------------------------------------------------- DDP
+@pytest.mark.slow
+def test_trainer_ddp_rows_gathered_with_dataset_indices(tmp_path):
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is needed")
+    script = os.path.join(os.path.dirname(__file__), "dist_scripts", "trainer_ids.py")
+    out = tmp_path / "result.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.path.dirname(os.path.dirname(__file__)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script,
+           str(out), str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0 and out.exists(), f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    assert json.loads(out.read_text())["result"] == "ok", json.loads(out.read_text())["result"]

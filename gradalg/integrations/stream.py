@@ -280,7 +280,11 @@ class SegmentRows:
 
 def open_stream(path, *, require_complete: bool = True):
     """A training stream's rows as a lazy GradientSet (ids: the rows' example ids, e.g. the
-    dataset indices; they repeat when an example was seen in several steps)."""
+    dataset indices; they repeat when an example was seen in several steps).
+
+    A data-parallel run streams each rank to ``path/rank-000``, ``path/rank-001``, ...:
+    opening ``path`` reads them all, rank by rank (rank 0's rows, then rank 1's).
+    """
     from ..api import GradientSet
     from ..expr import Block, ParamSpace
     from ..expr.stored import Stored
@@ -289,6 +293,19 @@ def open_stream(path, *, require_complete: bool = True):
 
     path = Path(path)
     manifest = _read_manifest(path)
+    ranks = sorted(path.glob("rank-*")) if manifest is None and path.is_dir() else []
+    if ranks:   # a data-parallel run: one stream per rank, read in rank order
+        parts = [open_stream(r, require_complete=require_complete) for r in ranks]
+        spaces = {json.dumps(_space_dict(p.space)) for p in parts}
+        if len(spaces) != 1:
+            raise StoreMismatchError([f"the rank streams under {path} hold different blocks"],
+                                     "stream every rank with the same projector and layers")
+        stores = [p.expr.store for p in parts]
+        merged = SegmentRows.__new__(SegmentRows)
+        merged.__dict__.update(stores[0].__dict__, path=str(path.resolve()),
+                               stores=[s for st in stores for s in st.stores],
+                               token="stream-" + "+".join(st.token for st in stores), label=path.name)
+        return GradientSet(Stored(merged, parts[0].space, tuple(parts[0].expr.representation_)))
     if manifest is None:
         raise FileNotFoundError(f"no training stream at {path} (no {MANIFEST})")
     if require_complete and not manifest.get("complete"):

@@ -271,7 +271,9 @@ class TrainingCapture:
             ids, self._id_feed = tuple(self._id_feed[:n]), self._id_feed[n:]
         if ids is None:
             ids = tuple(range(self._seen, self._seen + n))
-        elif len(ids) != n:
+        else:
+            meta["labelled"] = True   # ids name examples (dataset indices), not positions in the run
+        if len(ids) != n:
             raise ExampleIdsError(
                 f"the micro-batch has {n} rows but {len(ids)} example ids were given for it (first ids: "
                 f"{list(ids[:5])}): each row must be one example. Packed sequences (several examples per "
