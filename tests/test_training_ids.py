@@ -293,9 +293,16 @@ def test_grpo_without_grpo_ids_is_refused():
                               logging_strategy="no", save_strategy="no", disable_tqdm=True, bf16=False)
         trainer = trl.GRPOTrainer(model=gpt2(), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                                   args=args, train_dataset=ds, processing_class=_word_tokenizer(),
-                                  callbacks=[GradientCallback(layers=LAYERS[:-1])])
+                                  callbacks=[GradientCallback(layers=LAYERS[:-1], ids="sampler")])
         with pytest.raises(ga.integrations.ExampleIdsError, match="grpo_ids"):
             trainer.train()
+        # by default: rows numbered in order, with a warning that names the fix
+        trainer = trl.GRPOTrainer(model=gpt2(), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                                  args=args, train_dataset=ds, processing_class=_word_tokenizer(),
+                                  callbacks=[cb := GradientCallback(layers=LAYERS[:-1])])
+        with pytest.warns(UserWarning, match="grpo_ids"):
+            trainer.train()
+        assert cb.grads.ids == (0, 1)
 
 
 # ---------------------------------------------------------------------------- OLMo-core

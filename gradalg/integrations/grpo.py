@@ -52,7 +52,7 @@ def grpo_ids(trainer, *, column: str | None = None) -> None:
         with_indices=True)``); default: the indices GRPO's sampler yields.
     """
     cb = _callback(trainer)
-    cb.ids, cb._grpo_column = "grpo", column
+    cb.ids, cb._mode, cb._grpo_column = "grpo", "grpo", column
     prepare, generate, loss = trainer._prepare_inputs, trainer._generate_and_score_completions, trainer.compute_loss
     current: dict = {}
 

@@ -40,7 +40,10 @@ Which example each row is (``ids``)
 Rows are labelled with the **dataset index** of their example (``cb.grads.ids``, the
 ``train`` coordinate of scores):
 
-``ids="sampler"`` (default)  the indices the train dataloader's batch sampler yields on this
+``ids="auto"`` (default)  ``"sampler"`` where the train dataloader has a batch sampler (a
+    map-style dataset; not GRPO's, see :mod:`gradalg.integrations.grpo`); otherwise rows
+    are numbered in the order seen, with a warning that says how to label them.
+``ids="sampler"``  the indices the train dataloader's batch sampler yields on this
     rank (Trainer's own shuffling sampler, accelerate's per-rank shard), matched to the
     training forwards in order; every forward checks that its rows are as many as the
     sampled indices and, when the dataset's items carry ``input_ids``, that each row's
@@ -67,6 +70,7 @@ over gradient clipping so that it runs after the correction (Trainer clips befor
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
@@ -117,7 +121,7 @@ class GradientCallback(TrainerCallback):
         (its own ``layers`` are used).
     record : model inputs to keep alongside the rows (e.g. ``("input_ids",)``).
         ``cb.inputs[key]`` is a list with one tensor per row, in row order.
-    ids : "sampler" (default), an index column's name, or None: see the module docs.
+    ids : "auto" (default), "sampler", an index column's name, or None: see the module docs.
     verify_ids : with ``ids="sampler"``, check each row's tokens against its example's
         ``input_ids`` (when the dataset's items have them).
     stream : a :class:`~gradalg.integrations.StoreStream`: project each step and append it
@@ -126,7 +130,7 @@ class GradientCallback(TrainerCallback):
 
     def __init__(self, layers=None, *, keep: bool | None = None, scale: str = "loss",
                  selection: OnlineSelection | None = None, record: tuple[str, ...] = (),
-                 ids: str | None = "sampler", verify_ids: bool = True, stream=None):
+                 ids: str | None = "auto", verify_ids: bool = True, stream=None):
         if scale not in ("loss", "sum", "mean"):
             raise ValueError(f"scale must be 'loss', 'sum' or 'mean', got {scale!r}")
         if ids is not None and not isinstance(ids, str):
@@ -138,6 +142,7 @@ class GradientCallback(TrainerCallback):
         self.stream = stream
         self.sampled: SampledIds | None = None
         self._grpo_column = None
+        self._mode = ids          # "sampler", a column, "grpo" or None, once training has begun
         self.scale = scale
         self.selection = selection
         self.record = tuple([record] if isinstance(record, str) else record)
@@ -188,8 +193,17 @@ class GradientCallback(TrainerCallback):
         if self.ids == "grpo":       # gradalg.integrations.grpo.grpo_ids(trainer) labels the rows
             if self._grpo_column is None:
                 self.sampled = SampledIds.install(train_dataloader, verify=False, repeats=True)
-        elif self.ids == "sampler":
-            self.sampled = SampledIds.install(train_dataloader, verify=self.verify_ids)
+        elif self.ids in ("sampler", "auto"):
+            try:
+                self.sampled = SampledIds.install(train_dataloader, verify=self.verify_ids)
+                self._mode = "sampler"
+            except ExampleIdsError as err:
+                if self.ids == "sampler":
+                    raise
+                warnings.warn(f"GradientCallback: rows are numbered in the order seen, not by dataset index: {err}",
+                              stacklevel=2)
+                self._mode = None
+        if self.sampled is not None:
             self.sampled.resume_skip(state.global_step, args.gradient_accumulation_steps,
                                      ignore_data_skip=bool(getattr(args, "ignore_data_skip", False)))
         if self.stream is not None:
@@ -247,7 +261,7 @@ class GradientCallback(TrainerCallback):
     # ------------------------------------------------------------------ scaling
     def _pre_forward(self, module, args, kwargs):
         if not torch.is_grad_enabled() or not module.training or self.capture is None:
-            if self.ids not in (None, "sampler", "grpo") and self.ids in kwargs:
+            if self.ids not in (None, "sampler", "auto", "grpo") and self.ids in kwargs:
                 kwargs.pop(self.ids)  # an evaluation forward: the model does not take the index column
                 return args, kwargs
             return
@@ -261,10 +275,10 @@ class GradientCallback(TrainerCallback):
 
     def _label_rows(self, kwargs) -> bool:
         """Give the capture this forward's dataset indices; True when ``kwargs`` was changed."""
-        if self.ids is None or self.ids == "grpo":
+        if self._mode is None or self._mode == "grpo":
             return False
         rows = _rows_of(kwargs)
-        if self.ids == "sampler":
+        if self._mode == "sampler":
             try:
                 ids = self.sampled.next_batch(rows, kwargs)
             except ExampleIdsError:
