@@ -10,6 +10,8 @@ steps and reports the step times (``on_step_begin`` to ``on_step_end``: forward,
 callbacks, optimizer) after ``--warmup`` steps. Processes alternate between the modes
 (plain, capture, stream, plain, capture, ...) so that a busy machine slows each alike;
 the ratio is median(step time with capture) / median(plain step time) over all rounds.
+A second line compares the whole ``trainer.train()`` (warm-up steps, segment writes and the
+stream's final flush and close included), median over the rounds.
 
 Modes:
 - ``plain``    no callback;
@@ -90,15 +92,18 @@ def worker(args) -> None:
         targs = TrainingArguments(output_dir=d, per_device_train_batch_size=args.batch, max_steps=args.steps + args.warmup,
                                   learning_rate=1e-3, use_cpu=True, report_to=[], logging_strategy="no",
                                   save_strategy="no", seed=0, disable_tqdm=True, dataloader_num_workers=0)
-        Trainer(model=build(args.model, args), args=targs, train_dataset=ds, callbacks=callbacks).train()
-    print(json.dumps({"times": timer.times[args.warmup:]}))
+        trainer = Trainer(model=build(args.model, args), args=targs, train_dataset=ds, callbacks=callbacks)
+        t0 = time.perf_counter()
+        trainer.train()                      # ends with the stream's last flush and close
+        total = time.perf_counter() - t0
+    print(json.dumps({"times": timer.times[args.warmup:], "total": total}))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="gpt2,llama")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--layers", type=int, default=4)
@@ -107,7 +112,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--k", type=int, default=32, help="kron projection: k coordinates per block")
-    p.add_argument("--flush", type=int, default=64, help="rows per store segment")
+    p.add_argument("--flush", type=int, default=32, help="rows per store segment (small: a write every 4 steps)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", default="gpt2", help=argparse.SUPPRESS)
     p.add_argument("--mode", default="plain", help=argparse.SUPPRESS)
@@ -124,17 +129,25 @@ def main() -> None:
     print(f"load average at start: {os.getloadavg()}")
     for model in args.models.split(","):
         times = {m: [] for m in modes}
+        totals = {m: [] for m in modes}
         for r in range(args.rounds):
             for mode in modes:
                 out = subprocess.run([sys.executable, __file__, "--worker", f"--model={model}", f"--mode={mode}",
                                       *passthrough], capture_output=True, text=True, env=env, check=False)
                 if out.returncode != 0:
                     raise SystemExit(f"{model}/{mode} failed:\n{out.stderr[-3000:]}")
-                times[mode] += json.loads(out.stdout.strip().splitlines()[-1])["times"]
+                result = json.loads(out.stdout.strip().splitlines()[-1])
+                times[mode] += result["times"]
+                totals[mode].append(result["total"])
         base = statistics.median(times["plain"])
         parts = [f"{m} {statistics.median(times[m]) * 1e3:7.1f} ms ({statistics.median(times[m]) / base:.2f}x)"
                  for m in modes]
-        print(f"{model:6s} " + " | ".join(parts) + f"   [{len(times['plain'])} steps per mode]")
+        print(f"{model:6s} step  " + " | ".join(parts) + f"   [{len(times['plain'])} steps per mode]")
+        tbase = statistics.median(totals["plain"])
+        parts = [f"{m} {statistics.median(totals[m]):7.2f} s ({statistics.median(totals[m]) / tbase:.2f}x)"
+                 for m in modes]
+        print(f"{model:6s} train " + " | ".join(parts) + f"   [train() incl. warm-up and the final flush; "
+              f"{len(totals['plain'])} runs per mode]")
     print(f"load average at end: {os.getloadavg()}")
 
 

@@ -228,7 +228,7 @@ class GradientCallback(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         if self.stream is not None:
-            self.stream.flush()  # a run resumed from this checkpoint continues the stream here
+            self.stream.flush(wait=True)  # a run resumed from this checkpoint continues the stream here
 
     def on_train_end(self, args, state, control, **kwargs):
         self._close(args)

@@ -117,7 +117,7 @@ class OLMoCoreCallback(Callback):
 
     def post_checkpoint_saved(self, path):
         if self.stream is not None:
-            self.stream.flush()
+            self.stream.flush(wait=True)
 
     def post_train(self):
         self.close()

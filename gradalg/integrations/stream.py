@@ -12,8 +12,9 @@ them to a gradient store as training goes, with bounded memory.
 
 Memory: a step's factors live until the step's callbacks end (as without streaming); then
 only the projected rows are kept, ``n × k`` numbers, until ``flush_rows`` of them are
-written. So resident memory is one step's factors plus ``flush_rows × k`` numbers,
-whatever the length of the run.
+written (by a writer thread, ``background=True``, while training goes on; at most one
+write in flight). So resident memory is one step's factors plus ``2 × flush_rows × k``
+numbers, whatever the length of the run.
 
 Layout: ``path/`` holds ``stream.json`` (the manifest) and one finished gradient store
 per flush, ``part-000000.zarr``, ``part-000001.zarr``, ... each written with
@@ -82,13 +83,15 @@ class StoreStream:
     overwrite : replace whatever ``path`` holds.
     info : a JSON-able dict stored in the manifest and compared on restart (the
         integrations record their loss scaling here).
+    background : write segments from a writer thread while training goes on (default);
+        an error there is raised at the next flush or at :meth:`close`.
 
     Use :meth:`attach` with a :class:`~gradalg.integrations.TrainingCapture` (or pass it to
     ``GradientCallback(stream=...)`` / ``OLMoCoreCallback(stream=...)``), then :meth:`close`.
     """
 
     def __init__(self, path, projector, *, flush_rows: int = 4096, overwrite: bool = False,
-                 info: dict | None = None):
+                 info: dict | None = None, background: bool = True):
         from ..expr import Projector
 
         if not isinstance(projector, Projector):
@@ -106,6 +109,9 @@ class StoreStream:
         self._offset = 0
         self._space = None
         self.rows_written = 0
+        self.background = background
+        self._writer = None
+        self._pending = None
 
     # ------------------------------------------------------------------ attach / restart
     def attach(self, capture, *, start_step: int = 0, info: dict | None = None) -> "StoreStream":
@@ -194,41 +200,70 @@ class StoreStream:
         if sum(c.n for c in self._buffer) >= self.flush_rows:
             self.flush()
 
-    def flush(self) -> None:
-        """Write the buffered rows as one segment (a finished gradient store) and list it."""
-        if not self._buffer:
-            return
+    def flush(self, wait: bool = False) -> None:
+        """Write the buffered rows as one segment (a finished gradient store) and list it.
+
+        With ``background=True`` the segment is written by a writer thread while training
+        goes on (at most one write in flight: a second flush waits for the first, so at
+        most two buffers are held); ``wait=True`` returns once it is on disk (checkpoints do).
+        """
+        self._wait()
+        if self._buffer:
+            from ..exec.chunks import concat_chunks
+
+            chunk = concat_chunks(self._buffer)
+            steps, self._buffer, self._steps = self._steps, [], []
+            if self.background:
+                from concurrent.futures import ThreadPoolExecutor
+
+                if self._writer is None:
+                    self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradalg-stream")
+                self._pending = self._writer.submit(self._write_segment, chunk, steps)
+            else:
+                self._write_segment(chunk, steps)
+        if wait:
+            self._wait()
+
+    def _wait(self) -> None:
+        """Wait for the segment in flight; re-raise its error here, in the training thread."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _write_segment(self, chunk, steps) -> None:
         from ..api import GradientSet
-        from ..exec.chunks import concat_chunks
         from ..expr.stored import Stored
         from ..store import write as store_write
         from ..store.rows import MemoryRows
 
-        chunk = concat_chunks(self._buffer)
         index = len(self.manifest["segments"])
         name = f"part-{index:06d}.zarr"
         token = f"stream-{uuid.uuid4().hex}"
         rep = tuple((b.name, "projected") for b in self._space.blocks)
         G = GradientSet(Stored(MemoryRows(chunk, token, f"{self.path.name}/{name}"), self._space, rep))
         store_write(G, self.path / name, chunk_rows=max(1, chunk.n), overwrite=True)
-        self.manifest["segments"].append({"name": name, "first_step": self._steps[0][0],
-                                          "last_step": self._steps[-1][0], "n": chunk.n,
-                                          "steps": self._steps})
+        self.manifest["segments"].append({"name": name, "first_step": steps[0][0], "last_step": steps[-1][0],
+                                          "n": chunk.n, "steps": steps})
         _write_manifest(self.path, self.manifest)
         self.rows_written += chunk.n
-        self._buffer, self._steps = [], []
 
     def close(self) -> None:
-        """Flush what is buffered and mark the stream complete."""
+        """Flush what is buffered, wait for the writes, and mark the stream complete."""
         if self.manifest is None:
             return
-        self.flush()
+        try:
+            self.flush(wait=True)
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
+                self._writer = None
         self.manifest["complete"] = True
         _write_manifest(self.path, self.manifest)
 
     @property
     def grads(self):
         """The rows written so far (call :meth:`close` or :meth:`flush` first for all of them)."""
+        self._wait()
         return open_stream(self.path, require_complete=False)
 
 
