@@ -260,13 +260,13 @@ class GradientCallback(TrainerCallback):
 
     # ------------------------------------------------------------------ scaling
     def _pre_forward(self, module, args, kwargs):
-        if not torch.is_grad_enabled() or not module.training or self.capture is None:
+        recording = (torch.is_grad_enabled() and module.training and self.capture is not None
+                     and bool(self.capture.session._handles))   # not paused (online selection's validation)
+        if not recording:
             if self.ids not in (None, "sampler", "auto", "grpo") and self.ids in kwargs:
                 kwargs.pop(self.ids)  # an evaluation forward: the model does not take the index column
                 return args, kwargs
             return
-        if not self.capture.session._handles:
-            return  # capture paused (a validation gradient of online selection): not a training batch
         if kwargs.get("fused_lm_head"):
             self._check_fused_head(module)
         changed = self._label_rows(kwargs)
@@ -293,7 +293,7 @@ class GradientCallback(TrainerCallback):
                 f"GradientCallback(ids={self.ids!r}) reads the index column {self.ids!r} from the batch, but the "
                 f"model was called with {sorted(kwargs)}: Trainer drops columns the model does not take. Set "
                 "TrainingArguments(remove_unused_columns=False) and keep the column in your collator, or use "
-                "ids='sampler' (the default)")
+                "ids='auto' (the default: the indices the sampler yields)")
         ids = column.reshape(-1).tolist() if torch.is_tensor(column) else list(column)
         if rows is not None and len(ids) != rows:
             self._close(self._args)
