@@ -19,7 +19,8 @@ Modes:
                head, ids from the sampler (checked against the tokens): factors recorded
                and dropped after each step;
 - ``stream``   the same plus ``StoreStream(path, ga.proj.kron(k))``: every step's rows
-               projected and appended to a Zarr store (flushes of ``--flush`` rows).
+               projected and appended to a Zarr store (segments of ``--flush`` rows; the
+               default, StoreStream's, writes once at the end of these short runs).
 Target: ``stream`` ≤ 1.2× plain.
 """
 from __future__ import annotations
@@ -112,7 +113,8 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--k", type=int, default=32, help="kron projection: k coordinates per block")
-    p.add_argument("--flush", type=int, default=32, help="rows per store segment (small: a write every 4 steps)")
+    p.add_argument("--flush", type=int, default=4096,
+                   help="rows per store segment (StoreStream's default; --flush 32 writes one every 4 steps)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", default="gpt2", help=argparse.SUPPRESS)
     p.add_argument("--mode", default="plain", help=argparse.SUPPRESS)
