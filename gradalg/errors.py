@@ -21,6 +21,7 @@ __all__ = [
     "OptionError",
     "DataError",
     "WorkerFaultError",
+    "ExampleIdsError",
 ]
 
 
@@ -46,6 +47,10 @@ class ShapeMismatchError(GradalgError, ValueError):
 
 class MemoryBudgetError(GradalgError, MemoryError):
     """An operation cannot be carried out within the memory budget."""
+
+
+class ExampleIdsError(GradalgError, ValueError):
+    """Captured rows cannot be labelled with the dataset examples they came from."""
 
 
 class StoreMismatchError(GradalgError, ValueError):

@@ -39,6 +39,10 @@ class CaptureStore:
     def n(self) -> int:
         return sum(c.n for c in self.chunks_)
 
+    @property
+    def ids(self) -> tuple:
+        return tuple(i for c in self.chunks_ for i in c.ids)
+
     def chunks(self):
         return iter(self.chunks_)
 

@@ -126,7 +126,8 @@ class Captured(GradNode):
 
     @property
     def ids(self):
-        return tuple(range(self.store.n))
+        ids = getattr(self.store, "ids", None)  # training-time capture labels rows with dataset indices
+        return tuple(range(self.store.n)) if ids is None else ids
 
     @property
     def representation(self):

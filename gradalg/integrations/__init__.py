@@ -8,7 +8,9 @@ Core (no optional dependency):
   :class:`ValidationTarget`) and policies (:class:`DropFraction`, :class:`Threshold`,
   :class:`Reweight`, :class:`RandomDrop`, :class:`KeepAll`): score, drop or re-weight,
   correct the step's gradient exactly;
-- :func:`gather`: every DDP/FSDP rank's captured rows in one GradientSet.
+- :func:`gather`: every DDP/FSDP rank's captured rows in one GradientSet;
+- :class:`StoreStream` / :func:`open_stream`: project each step's rows and append them to
+  a store on disk as training goes (bounded memory; resumes with the run).
 
 Trainer integrations (import the submodule; each needs its library):
 
@@ -21,8 +23,12 @@ See docs/training_time.md.
 from .distributed import gather, unwrap_model
 from .selection import (BatchMean, DropFraction, FixedTarget, KeepAll, OnlineSelection, Policy, RandomDrop,
                         Reweight, SelectionRecord, Target, Threshold, ValidationTarget)
+from .repeats import combine_repeats
+from .stream import StoreStream, open_stream, stream_steps
 from .training import StepGrads, TrainingCapture, training_capture
+from ..errors import ExampleIdsError
 
 __all__ = ["training_capture", "TrainingCapture", "StepGrads", "OnlineSelection", "SelectionRecord", "Target",
            "BatchMean", "FixedTarget", "ValidationTarget", "Policy", "DropFraction", "Threshold", "Reweight",
-           "RandomDrop", "KeepAll", "gather", "unwrap_model"]
+           "RandomDrop", "KeepAll", "gather", "unwrap_model", "StoreStream", "open_stream", "stream_steps",
+           "ExampleIdsError", "combine_repeats"]

@@ -82,7 +82,9 @@ def gather(grads, *, order: str = "step", group=None):
         rank 1's, ... — the order of the global batch when each step's global batch is
         split across ranks in rank order. "rank": all of rank 0's rows, then rank 1's.
 
-    Rows are moved to CPU and sent with ``all_gather_object`` (gloo or NCCL). Outside a
+    Rows labelled with dataset indices (the trainer integrations) keep them; rows numbered
+    by position on each rank are numbered again over the gathered set. Rows are
+    moved to CPU and sent with ``all_gather_object`` (gloo or NCCL). Outside a
     distributed run this returns the rows unchanged.
     """
     from ..api import GradientSet
@@ -93,7 +95,8 @@ def gather(grads, *, order: str = "step", group=None):
     if order not in ("step", "rank"):
         raise ValueError(f"order must be 'step' or 'rank', got {order!r}")
     chunks, space = _local_chunks(grads)
-    mine = [{k: _to_cpu(v) for k, v in c.blocks.items()} for c in chunks]
+    mine = [(tuple(c.ids) if c.meta.get("labelled") else None, {k: _to_cpu(v) for k, v in c.blocks.items()})
+            for c in chunks]
     if is_distributed(group):
         everyone = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, mine, group=group)
@@ -107,10 +110,13 @@ def gather(grads, *, order: str = "step", group=None):
         blocks = [r[k] for k in range(len(everyone[0])) for r in everyone]
     else:
         blocks = [b for r in everyone for b in r]
+    # rows labelled with dataset indices (the trainer integrations) keep them; rows numbered by
+    # position on their rank (plain ga.capture) are numbered again over the gathered set
+    labelled = all(ids is not None for ids, _ in blocks)
     out, start = [], 0
-    for b in blocks:
+    for ids, b in blocks:
         n = next(iter(b.values())).n if b else 0
-        out.append(Chunk(tuple(range(start, start + n)), b))
+        out.append(Chunk(ids, b, meta={"labelled": True}) if labelled else Chunk(tuple(range(start, start + n)), b))
         start += n
     return GradientSet(Captured(CaptureStore(out), space))
 

@@ -35,6 +35,32 @@ accept loss kwargs, with ``labels``; the Trainer's default loss) and are refused
 TRL trainers call the model with a fused LM head (``fused_lm_head=True``) that never runs
 the head module: the head cannot be recorded and is refused with that explanation.
 
+Which example each row is (``ids``)
+-----------------------------------
+Rows are labelled with the **dataset index** of their example (``cb.grads.ids``, the
+``train`` coordinate of scores):
+
+``ids="auto"`` (default)  ``"sampler"`` where the train dataloader has a batch sampler (a
+    map-style dataset; not GRPO's, see :mod:`gradalg.integrations.grpo`); otherwise rows
+    are numbered in the order seen, with a warning that says how to label them.
+``ids="sampler"``  the indices the train dataloader's batch sampler yields on this
+    rank (Trainer's own shuffling sampler, accelerate's per-rank shard), matched to the
+    training forwards in order; every forward checks that its rows are as many as the
+    sampled indices and, when the dataset's items carry ``input_ids``, that each row's
+    tokens are its example's (``verify_ids``). A resumed run skips the batches Trainer
+    skips. Works whatever the collator and ``remove_unused_columns`` do.
+``ids="<column>"``  an index column the batch carries to the model (set
+    ``remove_unused_columns=False`` so that Trainer keeps it); the callback takes it out of
+    the model's inputs.
+``ids=None``  rows numbered in the order seen.
+
+An example seen in several steps (epochs) gives one row per step with the same id;
+``ga.integrations.combine_repeats(G, "sum")`` sums them.
+
+Streaming: ``stream=ga.integrations.StoreStream(path, projector)`` projects each step's rows
+and appends them to disk (flushed at every checkpoint save, closed at the end of training;
+a run resumed from a checkpoint continues the stream). ``keep`` then defaults to False.
+
 Gradient accumulation: one step = every micro-batch until the optimizer step.
 Mixed precision (``bf16=True``): factors are kept in the wider dtype of input and gradient.
 Gradient checkpointing: non-reentrant (transformers' default) is handled; reentrant is
@@ -44,17 +70,32 @@ over gradient clipping so that it runs after the correction (Trainer clips befor
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
 from transformers import TrainerCallback
 
-from ..errors import LossReductionError, UnsupportedLayerError
+from ..errors import ExampleIdsError, LossReductionError, UnsupportedLayerError
+from . import distributed as _dist
 from .distributed import unwrap_model
+from .sampled_ids import SampledIds
 from .selection import OnlineSelection
 from .training import TrainingCapture
 
 __all__ = ["GradientCallback"]
+
+
+def _rows_of(kwargs) -> int | None:
+    """The batch size of a model call (its ``input_ids``, else its first batched tensor)."""
+    for key in ("input_ids", "inputs_embeds", "pixel_values"):
+        value = kwargs.get(key)
+        if torch.is_tensor(value):
+            return int(value.shape[0])
+    for value in kwargs.values():
+        if torch.is_tensor(value) and value.dim() > 0:
+            return int(value.shape[0])
+    return None
 
 
 def _shifts_labels(model) -> bool:
@@ -78,17 +119,30 @@ class GradientCallback(TrainerCallback):
     scale : "loss" (default), "sum" or "mean": see the module docs.
     selection : an :class:`~gradalg.integrations.OnlineSelection` to run at every step
         (its own ``layers`` are used).
-    record : model inputs to keep alongside the rows (e.g. ``("input_ids",)``): Trainer
-        shuffles, so this tells which example each row is. ``cb.inputs[key]`` is a list
-        with one tensor per row, in row order.
+    record : model inputs to keep alongside the rows (e.g. ``("input_ids",)``).
+        ``cb.inputs[key]`` is a list with one tensor per row, in row order.
+    ids : "auto" (default), "sampler", an index column's name, or None: see the module docs.
+    verify_ids : with ``ids="sampler"``, check each row's tokens against its example's
+        ``input_ids`` (when the dataset's items have them).
+    stream : a :class:`~gradalg.integrations.StoreStream`: project each step and append it
+        to disk (``keep`` then defaults to False).
     """
 
-    def __init__(self, layers=None, *, keep: bool = True, scale: str = "loss",
-                 selection: OnlineSelection | None = None, record: tuple[str, ...] = ()):
+    def __init__(self, layers=None, *, keep: bool | None = None, scale: str = "loss",
+                 selection: OnlineSelection | None = None, record: tuple[str, ...] = (),
+                 ids: str | None = "auto", verify_ids: bool = True, stream=None):
         if scale not in ("loss", "sum", "mean"):
             raise ValueError(f"scale must be 'loss', 'sum' or 'mean', got {scale!r}")
+        if ids is not None and not isinstance(ids, str):
+            raise TypeError(f"ids must be 'sampler', a column name or None, got {ids!r}")
         self.layers = layers
-        self.keep = keep
+        self.keep = (stream is None) if keep is None else keep
+        self.ids = ids
+        self.verify_ids = verify_ids
+        self.stream = stream
+        self.sampled: SampledIds | None = None
+        self._grpo_column = None
+        self._mode = ids          # "sampler", a column, "grpo" or None, once training has begun
         self.scale = scale
         self.selection = selection
         self.record = tuple([record] if isinstance(record, str) else record)
@@ -117,7 +171,7 @@ class GradientCallback(TrainerCallback):
         return self.capture.grads
 
     # ------------------------------------------------------------------ Trainer events
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
         model = unwrap_model(model)
         self._world = max(1, int(getattr(args, "world_size", 1)))
         if self.selection is not None:
@@ -136,6 +190,28 @@ class GradientCallback(TrainerCallback):
             self.capture.on_step(cb)
         self._args = args
         self._shift = _shifts_labels(model)
+        if self.ids == "grpo":       # gradalg.integrations.grpo.grpo_ids(trainer) labels the rows
+            if self._grpo_column is None:
+                self.sampled = SampledIds.install(train_dataloader, verify=False, repeats=True)
+        elif self.ids in ("sampler", "auto"):
+            try:
+                self.sampled = SampledIds.install(train_dataloader, verify=self.verify_ids)
+                self._mode = "sampler"
+            except ExampleIdsError as err:
+                if self.ids == "sampler":
+                    raise
+                warnings.warn(f"GradientCallback: rows are numbered in the order seen, not by dataset index: {err}",
+                              stacklevel=2)
+                self._mode = None
+        if self.sampled is not None:
+            self.sampled.resume_skip(state.global_step, args.gradient_accumulation_steps,
+                                     ignore_data_skip=bool(getattr(args, "ignore_data_skip", False)))
+        if self.stream is not None:
+            if self._world > 1:
+                self.stream.path = self.stream.path / f"rank-{_dist.rank():03d}"
+            self.stream.attach(self.capture, start_step=state.global_step,
+                               info={"integration": "transformers.Trainer", "scale": self.scale,
+                                     "world_size": self._world})
         self._handles.append(model.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
         if self.selection is not None and args.max_grad_norm and args.max_grad_norm > 0:
             self._clip, args.max_grad_norm = args.max_grad_norm, 0.0
@@ -146,8 +222,18 @@ class GradientCallback(TrainerCallback):
         if self._clip:
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], self._clip)
 
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        if self.sampled is not None:
+            self.sampled.new_epoch()
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.stream is not None:
+            self.stream.flush(wait=True)  # a run resumed from this checkpoint continues the stream here
+
     def on_train_end(self, args, state, control, **kwargs):
         self._close(args)
+        if self.stream is not None:
+            self.stream.close()
 
     def _close(self, args):
         if self.capture is None or not self.capture._active:
@@ -156,6 +242,8 @@ class GradientCallback(TrainerCallback):
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self.sampled is not None:
+            self.sampled.remove()
         if self._clip:
             args.max_grad_norm, self._clip = self._clip, None
 
@@ -172,10 +260,48 @@ class GradientCallback(TrainerCallback):
 
     # ------------------------------------------------------------------ scaling
     def _pre_forward(self, module, args, kwargs):
-        if not torch.is_grad_enabled() or not module.training or self.capture is None:
+        recording = (torch.is_grad_enabled() and module.training and self.capture is not None
+                     and bool(self.capture.session._handles))   # not paused (online selection's validation)
+        if not recording:
+            if self.ids not in (None, "sampler", "auto", "grpo") and self.ids in kwargs:
+                kwargs.pop(self.ids)  # an evaluation forward: the model does not take the index column
+                return args, kwargs
             return
         if kwargs.get("fused_lm_head"):
             self._check_fused_head(module)
+        changed = self._label_rows(kwargs)
+        self._scale_rows(kwargs)
+        return (args, kwargs) if changed else None
+
+    def _label_rows(self, kwargs) -> bool:
+        """Give the capture this forward's dataset indices; True when ``kwargs`` was changed."""
+        if self._mode is None or self._mode == "grpo":
+            return False
+        rows = _rows_of(kwargs)
+        if self._mode == "sampler":
+            try:
+                ids = self.sampled.next_batch(rows, kwargs)
+            except ExampleIdsError:
+                self._close(self._args)
+                raise
+            self.capture.ids_next(ids)
+            return False
+        column = kwargs.pop(self.ids, None)
+        if column is None:
+            self._close(self._args)
+            raise ExampleIdsError(
+                f"GradientCallback(ids={self.ids!r}) reads the index column {self.ids!r} from the batch, but the "
+                f"model was called with {sorted(kwargs)}: Trainer drops columns the model does not take. Set "
+                "TrainingArguments(remove_unused_columns=False) and keep the column in your collator, or use "
+                "ids='auto' (the default: the indices the sampler yields)")
+        ids = column.reshape(-1).tolist() if torch.is_tensor(column) else list(column)
+        if rows is not None and len(ids) != rows:
+            self._close(self._args)
+            raise ExampleIdsError(f"the batch has {rows} rows but {len(ids)} values in column {self.ids!r}")
+        self.capture.ids_next(ids)
+        return True
+
+    def _scale_rows(self, kwargs) -> None:
         for key in self.record:
             value = kwargs.get(key)
             if value is None:

@@ -14,6 +14,12 @@ closes each step in ``pre_optim_step`` — after the last micro-batch, before gr
 clipping and the optimizer step — so on_step callbacks and online selection see (and may
 change) the step's full gradient. Under its FSDP/DDP the ranks' gradients are averaged.
 
+``ids`` (default ``"index"``): rows are labelled with ``batch["index"]``, the dataset
+index of each instance that OLMo-core's numpy data loaders put in every batch (the
+micro-batches take them in order, and their counts are checked); without it, rows are
+numbered in order. ``stream=StoreStream(path, projector)`` projects and appends each
+step's rows to disk (flushed after each checkpoint).
+
 ``scale``: ``"loss"`` (default) each example's contribution to the (averaged) step
 gradient — ``ga.capture``'s rows around a plain loop of the same loss, divided by the
 data-parallel world size; ``"sum"`` the gradient of the example's summed token loss.
@@ -46,6 +52,8 @@ class OLMoCoreCallback(Callback):
     scale: str = "loss"
     selection: OnlineSelection | None = None
     label_ignore_index: int = -100
+    ids: str | None = "index"
+    stream: Any = None
     capture: TrainingCapture | None = field(default=None, init=False, repr=False)
     _callbacks: list = field(default_factory=list, init=False, repr=False)
 
@@ -80,10 +88,19 @@ class OLMoCoreCallback(Callback):
             self.capture = TrainingCapture(model, self.layers, step_on="manual", keep=self.keep)
         for cb in self._callbacks:
             self.capture.on_step(cb)
+        if self.stream is not None:
+            if _dist.world_size(getattr(self.trainer, "dp_process_group", None)) > 1:
+                self.stream.path = self.stream.path / f"rank-{_dist.rank():03d}"
+            self.stream.attach(self.capture, start_step=int(getattr(self.trainer, "global_step", 0)),
+                               info={"integration": "olmo_core", "scale": self.scale})
         (self.selection or self.capture).__enter__()
 
     def pre_step(self, batch: dict[str, Any]):
         self.capture.discard_pending()  # the trainer's dry-run batch, which never steps
+        if self.ids is not None and batch.get(self.ids) is not None:
+            # OLMo-core's data loaders put each instance's dataset index in batch["index"]; the train
+            # module splits the rank's batch into micro-batches in order, which take them n at a time
+            self.capture.feed_ids(torch.as_tensor(batch[self.ids]).reshape(-1).tolist())
         world = _dist.world_size(getattr(self.trainer, "dp_process_group", None))
         if self.scale == "loss":
             self.capture.set_scale(1.0 / world if world > 1 else None)
@@ -98,8 +115,14 @@ class OLMoCoreCallback(Callback):
     def pre_optim_step(self):
         self.capture.end_step()
 
+    def post_checkpoint_saved(self, path):
+        if self.stream is not None:
+            self.stream.flush(wait=True)
+
     def post_train(self):
         self.close()
+        if self.stream is not None:
+            self.stream.close()
 
     def on_error(self, exc: BaseException):
         self.close()

@@ -37,6 +37,7 @@ from torch import nn
 
 from ..capture.factors import Factors, self_inner
 from ..capture.session import CaptureSession, CaptureStore
+from ..errors import ExampleIdsError
 from ..exec.chunks import Chunk
 from .distributed import unwrap_model
 
@@ -125,6 +126,8 @@ class TrainingCapture:
         self._discard_callbacks: list[Callable] = []
         self._row_scale = None
         self.row_scale = None
+        self._next_ids = None
+        self._id_feed: list = []     # ids of the examples to come, taken n at a time by micro-batches
         self._handles = []
         self._active = False
 
@@ -152,6 +155,18 @@ class TrainingCapture:
         """Multiply the rows of the micro-batch being recorded by ``scale`` (a number or (n,))."""
         self._row_scale = scale
 
+    def ids_next(self, ids) -> None:
+        """Label the rows of the micro-batch being recorded with ``ids`` (one per row, e.g.
+        the dataset indices of its examples); without it rows are numbered in the order seen.
+        A count that differs from the micro-batch's rows is refused when it is recorded."""
+        self._next_ids = tuple(i if isinstance(i, str) else int(i) for i in ids)
+
+    def feed_ids(self, ids) -> None:
+        """Ids of the examples the following micro-batches hold, in order (e.g. a whole
+        step's batch, split into micro-batches by the trainer): each micro-batch takes as
+        many as it has rows; a step that closes with ids left over is refused."""
+        self._id_feed.extend(i if isinstance(i, str) else int(i) for i in ids)
+
     def set_scale(self, scale) -> None:
         """Multiply the rows of every following micro-batch by ``scale`` (a number; None = 1)."""
         self.row_scale = scale
@@ -167,12 +182,18 @@ class TrainingCapture:
         k = len(self._micro)
         self._seen -= sum(c.n for c in self._micro)
         self._micro = []
+        self._id_feed = []
         for cb in self._discard_callbacks:
             cb()
         return k
 
     def end_step(self) -> StepGrads | None:
         """Close the current step: call the ``on_step`` callbacks. A no-op if nothing is pending."""
+        if self._id_feed:
+            left, self._id_feed = self._id_feed, []
+            raise ExampleIdsError(
+                f"step {self.steps} closed with {len(left)} example ids fed but never recorded (first: {left[:5]}): "
+                "the step's batch had more examples than its micro-batches had rows (rows joined or dropped)")
         if not self._micro:
             return None
         step = StepGrads(self.steps, tuple(self._micro), self.space)
@@ -240,7 +261,24 @@ class TrainingCapture:
             meta["row_scale"] = w  # (n,): what the rows were multiplied by
         if self.upcast:
             blocks = {k: _upcast(v) for k, v in blocks.items()}
-        chunk = Chunk(tuple(range(self._seen, self._seen + n)), blocks, meta=meta)
+        ids, self._next_ids = self._next_ids, None
+        if ids is None and self._id_feed:
+            if len(self._id_feed) < n:
+                raise ExampleIdsError(
+                    f"a micro-batch of {n} rows was recorded but only {len(self._id_feed)} fed example ids remain: "
+                    "rows are not examples (packing?) or the ids fed do not cover the batch")
+            ids, self._id_feed = tuple(self._id_feed[:n]), self._id_feed[n:]
+        if ids is None:
+            ids = tuple(range(self._seen, self._seen + n))
+        else:
+            meta["labelled"] = True   # ids name examples (dataset indices), not positions in the run
+        if len(ids) != n:
+            raise ExampleIdsError(
+                f"the micro-batch has {n} rows but {len(ids)} example ids were given for it (first ids: "
+                f"{list(ids[:5])}): each row must be one example. Packed sequences (several examples per "
+                "row) cannot be attributed to single examples; turn packing off, or label rows yourself")
+        meta["step"] = self.steps  # the optimizer step this micro-batch belongs to
+        chunk = Chunk(ids, blocks, meta=meta)
         self._seen += n
         self._micro.append(chunk)
         for cb in self._micro_callbacks:
