@@ -10,6 +10,9 @@ returns its jobs' partial states (``export``); the client absorbs them in shard 
 Score blocks stay on the workers: the result is a Dask array whose blocks are the
 shards' score columns, wrapped in an ``xarray.DataArray`` by ``Scores.compute``.
 
+A worker runs one shard at a time (its threads go to torch): the shards share the
+worker's copy of the model, and capture hooks its modules.
+
 A worker that dies is replaced by its nanny and its shards are retried
 (``retries``); every shard is a pure function of its range, so the result is the
 same. Passes over rows in memory run on the client.
@@ -17,6 +20,7 @@ same. Passes over rows in memory run on the client.
 from __future__ import annotations
 
 import copy
+import threading
 from dataclasses import replace
 
 import torch
@@ -35,8 +39,20 @@ def _set_threads(n: int):
     return n
 
 
+# One shard at a time per worker process: the shards of a pass share the worker's copy of
+# the model (scattered once), and capture installs hooks on its modules; two shards
+# running in two threads would each record the other's forwards (rows once per shard, or
+# a backward that finds no activations). A worker's threads go to torch instead.
+_SHARD_LOCK = threading.Lock()
+
+
 def _run_shard(payload, start: int, stop: int):
     """On a worker: run one pass over examples start:stop; return the jobs' partial states."""
+    with _SHARD_LOCK:
+        return _run_shard_alone(payload, start, stop)
+
+
+def _run_shard_alone(payload, start: int, stop: int):
     step, sinks, state, options, data_token = payload
     if state.get("threads"):
         torch.set_num_threads(state["threads"])   # per task: OpenMP settings are per thread
@@ -67,7 +83,10 @@ class DaskExecutor(LocalExecutor):
     ----------
     client : an existing ``distributed.Client`` (default: a new ``LocalCluster`` of
         ``n_workers`` processes, closed by ``close()`` or at exit).
-    n_workers, threads_per_worker : for the default local cluster.
+    n_workers : for the default local cluster.
+    threads_per_worker : threads of each worker of the default local cluster, and torch
+        threads of every shard. A worker runs one shard at a time, whatever its thread
+        count: the shards it runs share its copy of the model, whose modules capture hooks.
     shards_per_worker : shards per worker for each pass over data.
     min_shard_examples : no shard gets fewer examples than this; a pass over fewer
         examples (the queries, typically) runs in this process, where shipping the
@@ -79,8 +98,8 @@ class DaskExecutor(LocalExecutor):
 
     def __init__(self, client=None, *, n_workers: int = 2, threads_per_worker: int = 1,
                  shards_per_worker: int = 2, min_shard_examples: int = 32, retries: int = 3, options=None,
-                 rewrites: bool = True):
-        super().__init__(options, rewrites=rewrites)
+                 rewrites: bool = True, choices=None):
+        super().__init__(options, rewrites=rewrites, choices=choices)
         from distributed import Client, LocalCluster
 
         self._own = client is None
@@ -96,6 +115,9 @@ class DaskExecutor(LocalExecutor):
             raise ValueError(f"min_shard_examples must be at least 1, got {min_shard_examples}")
         self.min_shard_examples = min_shard_examples
         self.retries = retries
+
+    def reset(self) -> None:
+        super().reset()
         self._score_blocks: dict[str, list] = {}
 
     # ------------------------------------------------------------------ lifecycle

@@ -30,6 +30,7 @@ from ..expr import (KFAC, Arnoldi, Captured, CurvatureProducts, Damp, DataInf, D
 from ..expr.stored import StoredOp
 from ..data import batch_size_of, move_batch
 from ..options import Options, get_options
+from ..plan.choices import Choices
 from ..plan.planner import ROW_WISE, Plan, PlanError, plan as make_plan, stream_root
 from .base import Executor
 from .accumulators import (Collector, DiagAccumulator, EKFACAccumulator, FisherAccumulator, GroupAccumulator,
@@ -50,15 +51,24 @@ class LocalExecutor(Executor):
     """Runs expression nodes with PyTorch in this process.
 
     One executor serves one ``compute()``. ``rewrites=False`` disables the planner's
-    rewrite rules (differential tests compare both). After a run, ``last_plan`` is the
+    rewrite rules and ``choices`` (:class:`~gradalg.plan.Choices`) forces the held side
+    and store-vs-recompute decisions (differential tests compare all of them). After a run, ``last_plan`` is the
     plan that ran and ``pass_stats`` the measured seconds and memory of each pass.
     """
 
     name = "local"
 
-    def __init__(self, options: Options | None = None, *, rewrites: bool = True):
+    def __init__(self, options: Options | None = None, *, rewrites: bool = True, choices: Choices | None = None):
         self.options = options or get_options()
         self.rewrites = rewrites
+        self.choices = choices
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every resolved operator, kept row and result of earlier runs.
+
+        An executor memoizes by node identity, which does not see model weights changed
+        in place: call ``reset()`` (or use a new executor) after a training step."""
         self.trace: Counter = Counter()
         self._ops: dict[str, object] = {}
         self._kron: dict[str, object] = {}
@@ -70,7 +80,7 @@ class LocalExecutor(Executor):
 
     # ------------------------------------------------------------------ entry points
     def plan(self, node) -> Plan:
-        return make_plan(node, options=self.options, rewrites=self.rewrites)
+        return make_plan(node, options=self.options, rewrites=self.rewrites, choices=self.choices)
 
     def scores(self, node: ScoreNode) -> torch.Tensor:
         """The (n_left, n_right) score matrix of ``node``."""

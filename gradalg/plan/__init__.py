@@ -1,5 +1,6 @@
 """Planning: kernel routing and cost estimates (the full planner builds on these)."""
+from .choices import Choices
 from .cost import Cost, estimate
 from .routing import choose_kernel, shared_grad_nodes
 
-__all__ = ["Cost", "estimate", "choose_kernel", "shared_grad_nodes"]
+__all__ = ["Choices", "Cost", "estimate", "choose_kernel", "shared_grad_nodes"]

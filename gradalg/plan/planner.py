@@ -40,6 +40,7 @@ from ..expr import (KFAC, AdamPrecondition, Arnoldi, Captured, Damp, DataInf, Fi
                     Precondition, Project, ScaledOp, ScaleRows, ScoreDiagonal, ScoreNode, ScoreSum, Select,
                     Source, SumOp)
 from ..options import Options, get_options
+from .choices import Choices
 from .cost import (Cost, activation_bytes, dense_project_cost, eigh_cost, fisher_cost, kron_project_cost,
                    model_flops, tokens_hint)
 from .devices import DeviceProfile, profile
@@ -177,8 +178,9 @@ class Plan:
 
 # ------------------------------------------------------------------ the planner
 class _Planner:
-    def __init__(self, options: Options, device: DeviceProfile):
+    def __init__(self, options: Options, device: DeviceProfile, choices: Choices | None = None):
         self.options = options
+        self.choices = choices or Choices()
         self.device = device
         self.jobs: dict[str, Job] = {}
         self.decisions: list[Decision] = []
@@ -235,13 +237,16 @@ class _Planner:
         held, streamed, transposed = node.left, node.right, False
         hold_left = self._held_bytes(node.left)
         hold_right = self._held_bytes(node.right)
-        if hold_right < hold_left:
+        forced = self.choices.held
+        if (forced == "right") or (forced == "auto" and hold_right < hold_left):
             held, streamed, transposed = node.right, node.left, True
+        why = ("hold the side with the smaller footprint and stream the other" if forced == "auto"
+               else f"forced by Choices(held={forced!r})")
         self.decisions.append(Decision(
             f"held side of {node.label} [{node.token}]", "right (training) rows" if transposed else "left (query) rows",
             {"hold left": f"{hold_left / 2**20:.2f} MiB", "hold right": f"{hold_right / 2**20:.2f} MiB"},
-            "hold the side with the smaller footprint and stream the other; H (symmetric) is applied once to "
-            "the held rows" + ("" if isinstance(node.op, Identity) else " (precondition the smaller side)")))
+            why + "; H (symmetric) is applied once to the held rows"
+            + ("" if isinstance(node.op, Identity) else " (precondition the held side)")))
         collect = self.add(Job("collect", held, (held,), self.stream_deps(held), storage=self.storage(held)))
         job = Job("scores", node, (streamed,), {collect} | self.op_deps(node.op) | self.stream_deps(streamed),
                   held=held, transposed=transposed)
@@ -521,7 +526,11 @@ class _Planner:
                 fits = size <= self.options.memory_budget / 4
                 keep = 2.0 * size / self.device.bandwidth     # write the rows once, read them once
                 choice = "store" if fits and keep <= recompute else "recompute"
-                if not fits:
+                forced = self.choices.store
+                if forced != "auto":
+                    choice = "store" if forced == "always" else "recompute"
+                    why = f"forced by Choices(store={forced!r})"
+                elif not fits:
                     why = "would exceed a quarter of the memory budget"
                 elif choice == "store":
                     why = "fits in a quarter of the memory budget and costs less than reading the data again"
@@ -664,12 +673,15 @@ def _is_loader(data) -> bool:
 
 
 # ------------------------------------------------------------------ entry point
-def plan(root: Node, *, options: Options | None = None, device=None, rewrites: bool = True) -> Plan:
-    """Plan ``root`` (a score, self-score, gradient or operator node). Touches no model."""
+def plan(root: Node, *, options: Options | None = None, device=None, rewrites: bool = True,
+         choices: Choices | None = None) -> Plan:
+    """Plan ``root`` (a score, self-score, gradient or operator node). Touches no model.
+
+    ``choices`` forces decisions the planner would otherwise cost (:class:`Choices`)."""
     options = options or get_options()
     prof = profile(device)
     simplified, fired = simplify_until_fixpoint(root, enabled=rewrites)
-    planner = _Planner(options, prof)
+    planner = _Planner(options, prof, choices)
     planner.dtype = _compute_dtype(simplified)
     if isinstance(simplified, ScoreNode):
         roots = planner.score_jobs(simplified)
