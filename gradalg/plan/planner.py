@@ -44,6 +44,8 @@ from .choices import Choices
 from .cost import (Cost, activation_bytes, dense_project_cost, eigh_cost, fisher_cost, kron_project_cost,
                    model_flops, tokens_hint)
 from .devices import DeviceProfile, profile
+from .shapes import forward_shapes
+from .memory import capture_bytes_per_example, consumer_bytes_per_example, kron_bytes, positions, rows_bytes, rows_of
 from .rules import Firing, PlanError, simplify_until_fixpoint
 
 __all__ = ["Job", "Pass", "Decision", "Plan", "plan", "stream_root", "PlanError"]
@@ -271,28 +273,23 @@ class _Planner:
         return [self.add(Job("diag", node, streams, deps))]
 
     # ---- sizes and costs ----------------------------------------------------------
-    def storage(self, node: GradNode) -> dict[str, str]:
-        """How kept rows are stored, per block: "factors" (n·T·(in+out) numbers) or "flat"
-        (n·dim), whichever is smaller."""
-        T = tokens_hint(node)
+    def storage(self, node: GradNode, need_factors: frozenset = frozenset()) -> dict[str, str]:
+        """How kept rows are stored, per block: "factors" (n·T_b·(in+out) numbers) or "flat"
+        (n·dim), whichever is smaller; factors where a consumer needs them (``need_factors``:
+        K-FAC statistics) or ``ga.options(ghost="always")`` forces ghost kernels."""
+        T = positions(node)
         forced = self.options.ghost == "always"  # ghost kernels need the factors kept
         out = {}
         for b in node.space.blocks:
             factored = len(b.shape) == 2 and self._is_factored(node, b.name)
-            keep = factored and (forced or T * (b.shape[0] + b.shape[1]) < b.dim)
+            keep = factored and (forced or b.name in need_factors
+                                 or T[b.name] * (b.shape[0] + b.shape[1]) < b.dim)
             out[b.name] = "factors" if keep else "flat"
         return out
 
-    def _rows_bytes(self, node: GradNode) -> float:
+    def _rows_bytes(self, node: GradNode, storage: dict | None = None) -> float:
         """Bytes of all rows of ``node`` in its storage form (factors or flat)."""
-        T = tokens_hint(node)
-        total = 0.0
-        for b in node.space.blocks:
-            if self.storage(node)[b.name] == "factors":
-                total += node.n * T * (b.shape[0] + b.shape[1]) * 4
-            else:
-                total += node.n * b.dim * 4
-        return total
+        return rows_bytes(node, self.storage(node) if storage is None else storage, self.dtype)
 
     def _kron_factored(self, node: GradNode, block: str) -> bool:
         root = node
@@ -403,19 +400,20 @@ class _Planner:
                 (eigh_cost(d) for d in (dims if job.target.structure == "block" else [sum(dims)])
                  if job.target.structure != "diag"), Cost())
         if job.kind in ("kfac", "ekfac"):
-            T = tokens_hint(node)
+            T, rows = positions(node), rows_of(node)
             flops = 0.0
             for b in job.target.space.blocks:
                 out_f, in_f = b.shape
-                flops += 2.0 * n_stream * T * (in_f * in_f + out_f * out_f)
+                flops += 2.0 * n_stream * rows * T[b.name] * (in_f * in_f + out_f * out_f)
                 if job.kind == "ekfac":
-                    flops += 2.0 * n_stream * T * out_f * in_f
+                    flops += 2.0 * n_stream * rows * T[b.name] * out_f * in_f
             return Cost(flops=flops)
         if job.kind == "scores":
             held = job.held
-            T_h, T_s = tokens_hint(held), tokens_hint(node)
+            P_h, P_s = positions(held), positions(node)
             flops = 0.0
             for b in held.space.blocks:
+                T_h, T_s = P_h[b.name], P_s[b.name]
                 if job.kernels.get(b.name) == "ghost":
                     flops += 2.0 * ghost_flops(held.n, n_stream, T_h, T_s, b.shape[1], b.shape[0])
                 elif len(b.shape) == 2 and self._is_factored(node, b.name):
@@ -442,21 +440,13 @@ class _Planner:
         return cost
 
     def _per_example_bytes(self, p_jobs: list[Job], sources: list[Source]) -> float:
-        total = 0.0
-        elem = torch.empty((), dtype=self.dtype).element_size()   # activations and factors: the model's dtype
-        for src in sources:
-            T = tokens_hint(src)
-            for b in src.space.blocks:
-                if len(b.shape) == 2:
-                    total += T * (b.shape[0] + b.shape[1]) * elem * 2   # factors + autograd's copy
-                else:
-                    total += b.dim * elem
-            total += activation_bytes(src.task.model, T, elem)
+        total = sum(capture_bytes_per_example(src, self.dtype) for src in sources)
+        total += sum(consumer_bytes_per_example(job, self.dtype) for job in p_jobs)
         for job in p_jobs:
             if job.kind == "scores":
                 for b in job.held.space.blocks:
                     if job.kernels.get(b.name) != "ghost":
-                        total += b.dim * 4
+                        total += b.dim * 8      # the streamed rows materialized, and their product
         return total
 
     def _fixed_bytes(self, p_jobs: list[Job]) -> float:
@@ -466,8 +456,10 @@ class _Planner:
                 total += self._held_bytes(job.held)
             if job.kind == "fisher":
                 total += fisher_cost(1, [b.dim for b in job.target.space.blocks], job.target.structure).peak_bytes
+            if job.kind in ("kfac", "ekfac"):
+                total += kron_bytes(job.target.space)
             if job.kind in ("collect", "store", "group"):
-                total += self._rows_bytes(job.target)
+                total += self._rows_bytes(job.target, job.storage or None)
         return total
 
     # ---- scheduling -----------------------------------------------------------------
@@ -520,7 +512,8 @@ class _Planner:
                     continue
                 if not self.stream_deps(node) <= done:
                     continue
-                size = self._rows_bytes(node)
+                storage = self.storage(node, self._factors_needed(node, remaining))
+                size = self._rows_bytes(node, storage)
                 src = stream_root(node)
                 recompute = self._capture_cost(src).seconds(self.device, self.dtype) if isinstance(src, Source) else 0.0
                 fits = size <= self.options.memory_budget / 4
@@ -542,7 +535,26 @@ class _Planner:
                     "a later job needs these rows after statistics from the same pass; storing them " + why))
                 if choice == "store":
                     stored.add(node.token)
-                    group.append(Job("store", node, (node,), set(), storage=self.storage(node)))
+                    group.append(Job("store", node, (node,), set(), storage=storage))
+
+    def _factors_needed(self, node: GradNode, jobs: dict) -> frozenset:
+        """Blocks of ``node`` that a later K-FAC job reads as factors (its statistics
+        are covariances of A and D; every other consumer takes flat rows)."""
+        need = set()
+        for job in jobs.values():
+            if job.kind == "kfac" and any(self._chain_contains(s, node) for s in job.streams):
+                need |= set(node.space.names)
+        return frozenset(need)
+
+    @staticmethod
+    def _chain_contains(stream: GradNode, node: GradNode) -> bool:
+        x = stream
+        while True:
+            if x.token == node.token:
+                return True
+            if not isinstance(x, ROW_WISE):
+                return False
+            x = x.grads
 
     def _size_pass(self, p: Pass, stored: set) -> None:
         sources = self._sources(p.jobs, stored) if p.reads_data else []
@@ -674,13 +686,20 @@ def _is_loader(data) -> bool:
 
 # ------------------------------------------------------------------ entry point
 def plan(root: Node, *, options: Options | None = None, device=None, rewrites: bool = True,
-         choices: Choices | None = None) -> Plan:
-    """Plan ``root`` (a score, self-score, gradient or operator node). Touches no model.
+         choices: Choices | None = None, measure_shapes: bool = False) -> Plan:
+    """Plan ``root`` (a score, self-score, gradient or operator node).
 
-    ``choices`` forces decisions the planner would otherwise cost (:class:`Choices`)."""
+    ``choices`` forces decisions the planner would otherwise cost (:class:`Choices`).
+    ``measure_shapes`` (executors about to run the plan) finds every layer's positions
+    per example with one meta-device call of each source's loss
+    (:func:`gradalg.plan.shapes.forward_shapes`); without it the planner touches no model."""
     options = options or get_options()
     prof = profile(device)
     simplified, fired = simplify_until_fixpoint(root, enabled=rewrites)
+    if measure_shapes:
+        for node in simplified.walk():
+            if isinstance(node, Source):
+                forward_shapes(node, measure=True)
     planner = _Planner(options, prof, choices)
     planner.dtype = _compute_dtype(simplified)
     if isinstance(simplified, ScoreNode):
