@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from dataclasses import replace
 
 import torch
@@ -167,7 +168,7 @@ class DaskExecutor(LocalExecutor):
         self._check_reduction_here(sources, data)
         state = self._state_for(step)
         payload = (step, [s for _, s in sinks], state, self.options, data.token)
-        [payload_future] = self.client.scatter([payload], broadcast=True, hash=False)
+        payload_future = self._scatter(payload)
         futures = [self.client.submit(_run_shard, payload_future, a, b, retries=self.retries, pure=False)
                    for a, b in ranges]
         if self.options.progress and in_notebook():
@@ -186,6 +187,21 @@ class DaskExecutor(LocalExecutor):
         for i, (job, sink) in enumerate(sinks):
             if i not in score_jobs:
                 self._store(job, sink.finish())
+
+    def _scatter(self, payload):
+        """The pass's payload on every worker. A worker that dies while it is being sent
+        fails the broadcast; its nanny starts a new one, and the broadcast is sent again
+        (up to ``retries`` times)."""
+        from distributed.comm.core import CommClosedError
+
+        for attempt in range(self.retries + 1):
+            try:
+                [future] = self.client.scatter([payload], broadcast=True, hash=False)
+                return future
+            except (CommClosedError, OSError):
+                if attempt == self.retries:
+                    raise
+                time.sleep(0.5 * (attempt + 1))
 
     def _lazy_scores(self, step, sinks, futures, ranges, score_jobs):
         import dask.array as da

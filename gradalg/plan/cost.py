@@ -132,13 +132,16 @@ def activation_bytes(model: nn.Module, tokens: int, elem: int = 4) -> float:
 def tokens_hint(node) -> int:
     """Positions per example T, read off the first example's shape (1 when unknown).
 
-    Reads one example of the data (no model is run); cached on the source node.
+    Reads the shape of one example of the data (no model is run), once per dataset:
+    cached on the data reference and the source node.
     """
     src = node.source
     data = getattr(src, "data", None)
     if data is None:
         return 1
     cached = getattr(src, "_tokens_hint", None)
+    if cached is None:   # known once per dataset: every source over it shares the first read
+        cached = getattr(data, "_tokens_hint", None)
     if cached is not None:
         return cached
     T = 1
@@ -152,6 +155,7 @@ def tokens_hint(node) -> int:
     except Exception:
         T = 1
     object.__setattr__(src, "_tokens_hint", T)
+    object.__setattr__(data, "_tokens_hint", T)
     return T
 
 

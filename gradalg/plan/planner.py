@@ -692,9 +692,11 @@ def plan(root: Node, *, options: Options | None = None, device=None, rewrites: b
     ``choices`` forces decisions the planner would otherwise cost (:class:`Choices`).
     ``measure_shapes`` (executors about to run the plan) finds every layer's positions
     per example with one meta-device call of each source's loss
-    (:func:`gradalg.plan.shapes.forward_shapes`); without it the planner touches no model."""
+    (:func:`gradalg.plan.shapes.forward_shapes`) and measures this machine's speeds if
+    they were never measured; without it the planner calls no model and benchmarks
+    nothing (displays: the cached device profile, or an unmeasured default)."""
     options = options or get_options()
-    prof = profile(device)
+    prof = profile(device, measure=measure_shapes)
     simplified, fired = simplify_until_fixpoint(root, enabled=rewrites)
     if measure_shapes:
         for node in simplified.walk():
