@@ -26,8 +26,10 @@ from dataclasses import replace
 
 import torch
 
+from ..data import move_batch
 from ..expr import ScoreNode, ScoreSum, Source
 from ..plan.planner import chain_ops, stream_root
+from .capture_pass import eval_mode, model_device_dtype
 from .local import LocalExecutor
 from .progress import in_notebook
 from .shards import restrict, shard_ranges
@@ -247,8 +249,6 @@ class DaskExecutor(LocalExecutor):
 
     def _check_reduction_here(self, sources, data) -> None:
         """Check each task's loss reduction once, on the client, instead of once per shard."""
-        from ..data import move_batch
-        from .capture_pass import eval_mode, model_device_dtype
         for src in sources:
             task = src.task
             if not self.options.check_reduction or src.objective != "loss" or task.token in self._checked_tasks:

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..capture.factors import dense_flops, ghost_flops
 
-__all__ = ["Cost", "activation_bytes", "model_flops", "tokens_hint", "estimate", "ghost_cost", "dense_cost", "kron_project_cost",
+__all__ = ["Cost", "activation_bytes", "model_flops", "tokens_hint", "ghost_cost", "dense_cost", "kron_project_cost",
            "dense_project_cost", "fisher_cost", "eigh_cost"]
 
 
@@ -157,9 +157,3 @@ def tokens_hint(node) -> int:
     object.__setattr__(src, "_tokens_hint", T)
     object.__setattr__(data, "_tokens_hint", T)
     return T
-
-
-def estimate(node) -> Cost:
-    """Estimated total cost of computing ``node`` under the options in force (via its plan)."""
-    from .planner import plan
-    return plan(node).total

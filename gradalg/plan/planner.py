@@ -33,22 +33,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils.data import DataLoader
 
 from ..capture.factors import dense_flops, ghost_flops
 from ..capture.hooks import forward_share_key
 from ..expr import (KFAC, AdamPrecondition, Arnoldi, Captured, Damp, DataInf, Fisher, GradNode, GroupMean, Identity, Inner, Inverse, Node, Normalize, OpNode, Power,
                     Precondition, Project, ScaledOp, ScaleRows, ScoreDiagonal, ScoreNode, ScoreSum, Select,
                     Source, SumOp)
+from ..errors import MemoryBudgetError
 from ..options import Options, get_options
 from .choices import Choices
-from .cost import (Cost, activation_bytes, dense_project_cost, eigh_cost, fisher_cost, kron_project_cost,
+from .cost import (Cost, _si, activation_bytes, dense_project_cost, eigh_cost, fisher_cost, kron_project_cost,
                    model_flops, tokens_hint)
 from .devices import DeviceProfile, profile
 from .shapes import forward_shapes
 from .memory import capture_bytes_per_example, consumer_bytes_per_example, kron_bytes, positions, rows_bytes, rows_of
 from .rules import Firing, PlanError, simplify_until_fixpoint
 
-__all__ = ["Job", "Pass", "Decision", "Plan", "plan", "stream_root", "PlanError"]
+__all__ = ["Job", "Pass", "Decision", "Plan", "plan", "estimate", "stream_root", "PlanError"]
 
 ROW_WISE = (Project, Normalize, Select, Precondition, ScaleRows, AdamPrecondition)
 
@@ -570,8 +572,6 @@ class _Planner:
             else:
                 room = budget - fixed
                 if room < per_ex:  # not even a batch of one example fits next to the held rows
-                    from ..errors import MemoryBudgetError
-                    from .cost import _si
                     raise MemoryBudgetError(
                         f"{p.label}: held rows and statistics take {_si(fixed)}B and one example's "
                         f"factors and activations {_si(per_ex)}B, over the memory budget of {_si(budget)}B. "
@@ -680,7 +680,6 @@ def _compute_dtype(root: Node) -> torch.dtype:
 
 
 def _is_loader(data) -> bool:
-    from torch.utils.data import DataLoader
     return isinstance(data.source, DataLoader)
 
 
@@ -700,7 +699,10 @@ def plan(root: Node, *, options: Options | None = None, device=None, rewrites: b
     simplified, fired = simplify_until_fixpoint(root, enabled=rewrites)
     if measure_shapes:
         for node in simplified.walk():
-            if isinstance(node, Source):
+            # flat inputs (T = 1) and token ids (T = their length) tell every linear
+            # layer's positions: the probe is for convolutions and other inputs
+            if isinstance(node, Source) and (not _positions_known(node)
+                                             or any(b.kind == "conv2d" for b in node.space.blocks)):
                 forward_shapes(node, measure=True)
     planner = _Planner(options, prof, choices)
     planner.dtype = _compute_dtype(simplified)
@@ -717,3 +719,9 @@ def plan(root: Node, *, options: Options | None = None, device=None, rewrites: b
     passes, stored = planner.schedule()
     return Plan(root, simplified, fired, planner.decisions, passes, planner.jobs, roots, options, prof, stored,
                 planner.dtype)
+
+
+def estimate(node) -> Cost:
+    """Estimated total cost of computing ``node`` under the options in force (via its
+    plan; nothing is run, measured or read beyond the data's shape)."""
+    return plan(node).total

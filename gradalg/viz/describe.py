@@ -24,7 +24,7 @@ def facts(node: Node) -> list[str]:
 
 
 def cost_line(node: Node) -> str:
-    from ..plan.cost import estimate
+    from ..plan.planner import estimate  # displays plan lazily: viz/ sits beside plan/, not below it
     try:
         return "estimated cost: " + estimate(node).describe()
     except Exception as err:  # a display must never fail
