@@ -61,7 +61,7 @@ class _Displayed:
 
     def cost(self):
         """Estimated cost of computing this expression (:class:`gradalg.plan.Cost`)."""
-        from .plan.cost import estimate
+        from .plan.planner import estimate
         return estimate(self.expr)
 
     def explain(self, *, analyze: bool = False, stage: str | None = None, rewrites: bool = True,

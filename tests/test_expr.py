@@ -480,7 +480,9 @@ def test_cnn_routes_conv_layers_dense_and_the_head_ghost():
     # conv1: T=16, in=19, out=4 and conv2: T=4, in=36, out=5 favour dense; fc: T=1 ghost
     assert dict(ex.trace) == {"dense": 2 * 2, "ghost": 2}
     chosen = {d.what.split("'")[1]: d.chosen for d in ex.last_plan.decisions if d.what.startswith("kernel for block")}
-    assert chosen["conv1"] not in ("ghost",), "a convolution's T is unknown to the planner: no ghost by guess"
+    # the executor measured the convolutions' positions (T=16, T=4): their held rows are
+    # smaller flat than as factors, so they are kept flat and scored dense (no kernel choice)
+    assert chosen.get("conv1", "dense") != "ghost", "a convolution scored ghost"
     layers = ("conv1", "conv2", "fc")
     expected = reference_rows(task, query, layers) @ reference_rows(task, data, layers).T
     assert_close(got, expected, rtol=1e-9, atol=1e-11, what="cnn scores")

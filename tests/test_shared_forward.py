@@ -26,14 +26,17 @@ import models  # noqa: E402
 
 
 class Forwards:
-    """Counts real forwards: a hook on a submodule fires only when the model really runs."""
+    """Counts real forwards: a hook on a submodule fires only when the model really runs
+    (the planner's shape probe runs on the meta device: no data, not counted)."""
 
     def __init__(self, module):
         self.module, self.examples = module, 0
 
     def __enter__(self):
-        self.handle = self.module.register_forward_hook(
-            lambda m, args, out: setattr(self, "examples", self.examples + args[0].shape[0]))
+        def count(m, args, out):
+            if args[0].device.type != "meta":
+                self.examples += args[0].shape[0]
+        self.handle = self.module.register_forward_hook(count)
         return self
 
     def __exit__(self, *exc):

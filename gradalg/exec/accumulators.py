@@ -204,8 +204,10 @@ class Collector:
         self.chunks: list[Chunk] = []
 
     def update(self, chunk: Chunk) -> None:
-        # kept rows drop the batch and task they came from: they are data now
-        self.chunks.append(Chunk(chunk.ids, {n: (flat_block(v) if n in self.flat else v)
+        # kept rows drop the batch and task they came from: they are data now; and own
+        # their memory (a view would keep its whole base alive: a batch's concatenated
+        # rows, or an activation shared by every Gauss-Newton term of the batch)
+        self.chunks.append(Chunk(chunk.ids, {n: _owned(flat_block(v) if n in self.flat else v)
                                              for n, v in chunk.blocks.items()}))
 
     def export(self) -> list[Chunk]:
@@ -216,6 +218,15 @@ class Collector:
 
     def finish(self) -> list[Chunk]:
         return self.chunks
+
+
+def _owned(value):
+    """``value`` with tensors that are views of larger storage copied out."""
+    if isinstance(value, Factors):
+        return Factors(_owned(value.A), _owned(value.D))
+    if isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() > value.numel() * value.element_size():
+        return value.clone()
+    return value
 
 
 def _nbytes(value) -> int:

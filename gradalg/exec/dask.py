@@ -11,6 +11,9 @@ Score blocks are gathered to the client as each shard finishes: the result is a 
 array whose blocks are the shards' score columns, wrapped in an ``xarray.DataArray`` by
 ``Scores.compute``; it outlives worker deaths and the executor.
 
+A worker runs one shard at a time (its threads go to torch): the shards share the
+worker's copy of the model, and capture hooks its modules.
+
 Faults (:mod:`gradalg.exec.resilience`): a worker that dies is replaced by its nanny;
 shards lost with it (or with the scattered payload, when every holder died) are
 submitted again from the client; every shard is a pure function of its range, so the
@@ -20,12 +23,15 @@ run on the client.
 from __future__ import annotations
 
 import copy
+import threading
 from dataclasses import replace
 
 import torch
 
+from ..data import move_batch
 from ..expr import ScoreNode, ScoreSum, Source
 from ..plan.planner import chain_ops, stream_root
+from .capture_pass import eval_mode, model_device_dtype
 from .local import LocalExecutor
 from .progress import in_notebook
 from .resilience import PAYLOAD, FaultPolicy, run_tasks
@@ -39,8 +45,20 @@ def _set_threads(n: int):
     return n
 
 
+# One shard at a time per worker process: the shards of a pass share the worker's copy of
+# the model (scattered once), and capture installs hooks on its modules; two shards
+# running in two threads would each record the other's forwards (rows once per shard, or
+# a backward that finds no activations). A worker's threads go to torch instead.
+_SHARD_LOCK = threading.Lock()
+
+
 def _run_shard(payload, start: int, stop: int):
     """On a worker: run one pass over examples start:stop; return the jobs' partial states."""
+    with _SHARD_LOCK:
+        return _run_shard_alone(payload, start, stop)
+
+
+def _run_shard_alone(payload, start: int, stop: int):
     step, sinks, state, options, data_token = payload
     if state.get("threads"):
         torch.set_num_threads(state["threads"])   # per task: OpenMP settings are per thread
@@ -71,7 +89,10 @@ class DaskExecutor(LocalExecutor):
     ----------
     client : an existing ``distributed.Client`` (default: a new ``LocalCluster`` of
         ``n_workers`` processes, closed by ``close()`` or at exit).
-    n_workers, threads_per_worker : for the default local cluster.
+    n_workers : for the default local cluster.
+    threads_per_worker : threads of each worker of the default local cluster, and torch
+        threads of every shard. A worker runs one shard at a time, whatever its thread
+        count: the shards it runs share its copy of the model, whose modules capture hooks.
     shards_per_worker : shards per worker for each pass over data.
     min_shard_examples : no shard gets fewer examples than this; a pass over fewer
         examples (the queries, typically) runs in this process, where shipping the
@@ -89,8 +110,8 @@ class DaskExecutor(LocalExecutor):
     def __init__(self, client=None, *, n_workers: int = 2, threads_per_worker: int = 1,
                  shards_per_worker: int = 2, min_shard_examples: int = 32, retries: int = 3, options=None,
                  rewrites: bool = True, task_timeout: float | None = None, resubmits: int = 3,
-                 worker_wait: float = 60.0):
-        super().__init__(options, rewrites=rewrites)
+                 worker_wait: float = 60.0, choices=None):
+        super().__init__(options, rewrites=rewrites, choices=choices)
         from distributed import Client, LocalCluster
 
         self._own = client is None
@@ -107,6 +128,9 @@ class DaskExecutor(LocalExecutor):
         self.min_shard_examples = min_shard_examples
         self.retries = retries
         self.faults = FaultPolicy(retries, resubmits, task_timeout, worker_wait)
+
+    def reset(self) -> None:
+        super().reset()
         self._score_blocks: dict[str, list] = {}
 
     # ------------------------------------------------------------------ lifecycle
@@ -211,8 +235,6 @@ class DaskExecutor(LocalExecutor):
 
     def _check_reduction_here(self, sources, data) -> None:
         """Check each task's loss reduction once, on the client, instead of once per shard."""
-        from ..data import move_batch
-        from .capture_pass import eval_mode, model_device_dtype
         for src in sources:
             task = src.task
             if not self.options.check_reduction or src.objective != "loss" or task.token in self._checked_tasks:

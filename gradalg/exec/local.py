@@ -30,7 +30,9 @@ from ..expr import (KFAC, Arnoldi, Captured, CurvatureProducts, Damp, DataInf, D
 from ..expr.stored import StoredOp
 from ..data import batch_size_of, move_batch
 from ..options import Options, get_options
+from ..plan.choices import Choices
 from ..plan.planner import ROW_WISE, Plan, PlanError, plan as make_plan, stream_root
+from .allocator import release_free_memory
 from .base import Executor
 from .accumulators import (Collector, DiagAccumulator, EKFACAccumulator, FisherAccumulator, GroupAccumulator,
                            KronAccumulator, ScoreAccumulator)
@@ -50,15 +52,30 @@ class LocalExecutor(Executor):
     """Runs expression nodes with PyTorch in this process.
 
     One executor serves one ``compute()``. ``rewrites=False`` disables the planner's
-    rewrite rules (differential tests compare both). After a run, ``last_plan`` is the
+    rewrite rules and ``choices`` (:class:`~gradalg.plan.Choices`) forces the held side
+    and store-vs-recompute decisions (differential tests compare all of them).
+    ``release_memory_above``: after each batch of a pass whose planned working set is
+    at least this many bytes, free memory is returned to the system
+    (:mod:`gradalg.exec.allocator`; smaller batches free too little to be worth the call;
+    ``float("inf")`` never). After a run, ``last_plan`` is the
     plan that ran and ``pass_stats`` the measured seconds and memory of each pass.
     """
 
     name = "local"
 
-    def __init__(self, options: Options | None = None, *, rewrites: bool = True):
+    def __init__(self, options: Options | None = None, *, rewrites: bool = True, choices: Choices | None = None,
+                 release_memory_above: float = 2**20):
         self.options = options or get_options()
         self.rewrites = rewrites
+        self.choices = choices
+        self.release_memory_above = release_memory_above
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every resolved operator, kept row and result of earlier runs.
+
+        An executor memoizes by node identity, which does not see model weights changed
+        in place: call ``reset()`` (or use a new executor) after a training step."""
         self.trace: Counter = Counter()
         self._ops: dict[str, object] = {}
         self._kron: dict[str, object] = {}
@@ -70,7 +87,8 @@ class LocalExecutor(Executor):
 
     # ------------------------------------------------------------------ entry points
     def plan(self, node) -> Plan:
-        return make_plan(node, options=self.options, rewrites=self.rewrites)
+        return make_plan(node, options=self.options, rewrites=self.rewrites, choices=self.choices,
+                         measure_shapes=True)
 
     def scores(self, node: ScoreNode) -> torch.Tensor:
         """The (n_left, n_right) score matrix of ``node``."""
@@ -155,6 +173,7 @@ class LocalExecutor(Executor):
         device, _ = model_device_dtype(task.model)
         start = 0
         batch_size = step.batch_size or self.options.batch_size
+        trim = step.per_example_bytes * batch_size >= self.release_memory_above
         with eval_mode(task.model), progress_bar(self.options.progress, data.n, step.label) as bar:
             for batch in data.loader(batch_size):
                 batch = move_batch(batch, device)
@@ -162,6 +181,8 @@ class LocalExecutor(Executor):
                 ids = data.ids[start:start + b]
                 start += b
                 yield capture.capture(batch, ids)
+                if trim:   # the batch's tensors are gone: keep resident memory to one batch's
+                    release_free_memory()
                 bar.update(b)
 
     def _derive(self, node: GradNode, base: dict, memo: dict) -> list[Chunk]:

@@ -7,7 +7,10 @@ every source over that dataset replaced by the same source over examples
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..expr import Source
+from ..plan.planner import ROW_WISE
 
 __all__ = ["restrict", "shard_ranges"]
 
@@ -25,10 +28,6 @@ def restrict(node, data_token: str, start: int, stop: int):
     metric of a normalization) keep their full data, so they are the same operators
     with the same identity as in the unsharded plan.
     """
-    from dataclasses import replace
-
-    from ..plan.planner import ROW_WISE
-
     if isinstance(node, Source):
         if node.data.token != data_token:
             return node

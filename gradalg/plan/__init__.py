@@ -1,5 +1,7 @@
 """Planning: kernel routing and cost estimates (the full planner builds on these)."""
-from .cost import Cost, estimate
+from .choices import Choices
+from .cost import Cost
+from .planner import estimate
 from .routing import choose_kernel, shared_grad_nodes
 
-__all__ = ["Cost", "estimate", "choose_kernel", "shared_grad_nodes"]
+__all__ = ["Choices", "Cost", "estimate", "choose_kernel", "shared_grad_nodes"]

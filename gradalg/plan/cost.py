@@ -19,7 +19,7 @@ from torch import nn
 from ..capture.factors import dense_flops, ghost_flops
 from ..expr.tokens import token_rows
 
-__all__ = ["Cost", "activation_bytes", "model_flops", "tokens_hint", "estimate", "ghost_cost", "dense_cost", "kron_project_cost",
+__all__ = ["Cost", "activation_bytes", "model_flops", "tokens_hint", "ghost_cost", "dense_cost", "kron_project_cost",
            "dense_project_cost", "fisher_cost", "eigh_cost"]
 
 
@@ -133,7 +133,8 @@ def activation_bytes(model: nn.Module, tokens: int, elem: int = 4) -> float:
 def tokens_hint(node) -> int:
     """Positions per example T, read off the first example's shape (1 when unknown).
 
-    Reads one example of the data (no model is run); cached on the source node.
+    Reads the shape of one example of the data (no model is run), once per dataset:
+    cached on the data reference and the source node.
     """
     if token_rows(node) > 1:
         return 1  # per-token rows (ga.GradientSet.per_token): one position each
@@ -142,6 +143,8 @@ def tokens_hint(node) -> int:
     if data is None:
         return 1
     cached = getattr(src, "_tokens_hint", None)
+    if cached is None:   # known once per dataset: every source over it shares the first read
+        cached = getattr(data, "_tokens_hint", None)
     if cached is not None:
         return cached
     T = 1
@@ -155,10 +158,5 @@ def tokens_hint(node) -> int:
     except Exception:
         T = 1
     object.__setattr__(src, "_tokens_hint", T)
+    object.__setattr__(data, "_tokens_hint", T)
     return T
-
-
-def estimate(node) -> Cost:
-    """Estimated total cost of computing ``node`` under the options in force (via its plan)."""
-    from .planner import plan
-    return plan(node).total

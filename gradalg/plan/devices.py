@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["DeviceProfile", "PRESETS", "local_profile", "profile"]
+__all__ = ["DeviceProfile", "PRESETS", "UNMEASURED_CPU", "cached_local_profile", "local_profile", "profile"]
 
 
 @dataclass(frozen=True)
@@ -131,12 +131,33 @@ def local_profile(refresh: bool = False) -> DeviceProfile:
     return prof
 
 
-def profile(device: str | DeviceProfile | None = None) -> DeviceProfile:
-    """A profile by name ("cpu" = measured here, "h100", "h200", "a100") or as given."""
+# a modest laptop core, for displays before this machine was measured
+UNMEASURED_CPU = DeviceProfile("cpu (not measured yet: ga.plan.devices.local_profile() measures it)",
+                               2e10, 2e10, 1e10, 8e9, measured=False, call_seconds=2e-5)
+
+
+def cached_local_profile() -> DeviceProfile:
+    """This machine's profile if it was measured before (the disk cache), else
+    :data:`UNMEASURED_CPU`. Never measures: displays (``repr``, ``explain()``) use it."""
+    try:
+        cached = json.loads(_cache_file().read_text())
+        entry = cached.get(_key())
+        if entry and "call_seconds" in entry:
+            return DeviceProfile(**entry)
+    except (OSError, ValueError, TypeError):
+        pass
+    return UNMEASURED_CPU
+
+
+def profile(device: str | DeviceProfile | None = None, *, measure: bool = True) -> DeviceProfile:
+    """A profile by name ("cpu" = this machine, "h100", "h200", "a100") or as given.
+
+    ``measure=False`` never benchmarks this machine: the cached measurement or
+    :data:`UNMEASURED_CPU`."""
     if isinstance(device, DeviceProfile):
         return device
     if device is None or device == "cpu":
-        return local_profile()
+        return local_profile() if measure else cached_local_profile()
     if device.lower() in PRESETS:
         return PRESETS[device.lower()]
     raise ValueError(f"unknown device {device!r}: use 'cpu', one of {sorted(PRESETS)}, or a DeviceProfile")

@@ -14,6 +14,7 @@ plus, for planning at scale, estimated time and memory per GPU for 1, 4 and 8 GP
 from __future__ import annotations
 
 import html
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,13 @@ from .devices import profile
 from .planner import Plan
 
 __all__ = ["Explain", "scale_estimates"]
+
+_NODE_ID = re.compile(r" \[[a-z_]+-[0-9a-f]{8,}\]")
+
+
+def readable(what: str) -> str:
+    """A decision's subject without the node ids the plan keys it by (``[inner-38a5…]``)."""
+    return _NODE_ID.sub("", what)
 
 
 def _fmt_seconds(s: float) -> str:
@@ -88,7 +96,7 @@ class Explain:
 
     # ---- data -------------------------------------------------------------------
     def decisions(self) -> list[dict]:
-        return [{"what": d.what, "chosen": d.chosen, "alternatives": dict(d.alternatives), "why": d.why}
+        return [{"what": readable(d.what), "chosen": d.chosen, "alternatives": dict(d.alternatives), "why": d.why}
                 for d in self.plan.decisions]
 
     def passes(self) -> list[dict]:
@@ -141,7 +149,7 @@ class Explain:
             lines += ["", "3. costed decisions"]
             for d in p.decisions:
                 alts = "; ".join(f"{k}: {_fmt_alt(v)}" for k, v in d.alternatives.items())
-                lines.append(f"   - {d.what}: chose {d.chosen}  [{alts}]")
+                lines.append(f"   - {readable(d.what)}: chose {d.chosen}  [{alts}]")
                 if d.why:
                     lines.append(f"       {d.why}")
         if want in (None, "physical"):
@@ -189,7 +197,7 @@ class Explain:
         parts.append(f"<details><summary>2. simplified ({len(p.fired)} rewrites)</summary><ul>{fired}</ul>"
                      f"{html_tree(p.simplified, 'simplified', self._cost_line()) if p.fired else ''}</details>")
         rows = "".join(
-            f"<tr><td>{esc(d.what)}</td><td><b>{esc(d.chosen)}</b></td><td>"
+            f"<tr><td>{esc(readable(d.what))}</td><td><b>{esc(d.chosen)}</b></td><td>"
             + "<br>".join(f"{esc(k)}: {esc(_fmt_alt(v))}" for k, v in d.alternatives.items())
             + f"</td><td>{esc(d.why)}</td></tr>" for d in p.decisions)
         parts.append("<details open><summary>3. costed decisions</summary><table class='ga-table'><tr><th>what"

@@ -33,20 +33,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils.data import DataLoader
 
 from ..capture.factors import dense_flops, ghost_flops
 from ..capture.hooks import forward_share_key
 from ..expr import (KFAC, AdamPrecondition, Arnoldi, Captured, Damp, DataInf, Fisher, GradNode, GroupMean, Identity, Inner, Inverse, Node, Normalize, OpNode, PerToken, Power,
                     Precondition, Project, ScaledOp, ScaleRows, ScoreDiagonal, ScoreNode, ScoreSum, Select,
                     Source, SumOp)
+from ..errors import MemoryBudgetError
 from ..expr.tokens import token_rows
 from ..options import Options, get_options
-from .cost import (Cost, activation_bytes, dense_project_cost, eigh_cost, fisher_cost, kron_project_cost,
+from .choices import Choices
+from .cost import (Cost, _si, activation_bytes, dense_project_cost, eigh_cost, fisher_cost, kron_project_cost,
                    model_flops, tokens_hint)
 from .devices import DeviceProfile, profile
+from .shapes import forward_shapes
+from .memory import capture_bytes_per_example, consumer_bytes_per_example, kron_bytes, positions, rows_bytes, rows_of
 from .rules import Firing, PlanError, simplify_until_fixpoint
 
-__all__ = ["Job", "Pass", "Decision", "Plan", "plan", "stream_root", "PlanError"]
+__all__ = ["Job", "Pass", "Decision", "Plan", "plan", "estimate", "stream_root", "PlanError"]
 
 ROW_WISE = (Project, Normalize, Select, Precondition, ScaleRows, AdamPrecondition, PerToken)
 
@@ -178,8 +183,9 @@ class Plan:
 
 # ------------------------------------------------------------------ the planner
 class _Planner:
-    def __init__(self, options: Options, device: DeviceProfile):
+    def __init__(self, options: Options, device: DeviceProfile, choices: Choices | None = None):
         self.options = options
+        self.choices = choices or Choices()
         self.device = device
         self.jobs: dict[str, Job] = {}
         self.decisions: list[Decision] = []
@@ -236,13 +242,16 @@ class _Planner:
         held, streamed, transposed = node.left, node.right, False
         hold_left = self._held_bytes(node.left)
         hold_right = self._held_bytes(node.right)
-        if hold_right < hold_left:
+        forced = self.choices.held
+        if (forced == "right") or (forced == "auto" and hold_right < hold_left):
             held, streamed, transposed = node.right, node.left, True
+        why = ("hold the side with the smaller footprint and stream the other" if forced == "auto"
+               else f"forced by Choices(held={forced!r})")
         self.decisions.append(Decision(
             f"held side of {node.label} [{node.token}]", "right (training) rows" if transposed else "left (query) rows",
             {"hold left": f"{hold_left / 2**20:.2f} MiB", "hold right": f"{hold_right / 2**20:.2f} MiB"},
-            "hold the side with the smaller footprint and stream the other; H (symmetric) is applied once to "
-            "the held rows" + ("" if isinstance(node.op, Identity) else " (precondition the smaller side)")))
+            why + "; H (symmetric) is applied once to the held rows"
+            + ("" if isinstance(node.op, Identity) else " (precondition the held side)")))
         collect = self.add(Job("collect", held, (held,), self.stream_deps(held), storage=self.storage(held)))
         job = Job("scores", node, (streamed,), {collect} | self.op_deps(node.op) | self.stream_deps(streamed),
                   held=held, transposed=transposed)
@@ -267,28 +276,23 @@ class _Planner:
         return [self.add(Job("diag", node, streams, deps))]
 
     # ---- sizes and costs ----------------------------------------------------------
-    def storage(self, node: GradNode) -> dict[str, str]:
-        """How kept rows are stored, per block: "factors" (n·T·(in+out) numbers) or "flat"
-        (n·dim), whichever is smaller."""
-        T = tokens_hint(node)
+    def storage(self, node: GradNode, need_factors: frozenset = frozenset()) -> dict[str, str]:
+        """How kept rows are stored, per block: "factors" (n·T_b·(in+out) numbers) or "flat"
+        (n·dim), whichever is smaller; factors where a consumer needs them (``need_factors``:
+        K-FAC statistics) or ``ga.options(ghost="always")`` forces ghost kernels."""
+        T = positions(node)
         forced = self.options.ghost == "always"  # ghost kernels need the factors kept
         out = {}
         for b in node.space.blocks:
             factored = len(b.shape) == 2 and self._is_factored(node, b.name)
-            keep = factored and (forced or T * (b.shape[0] + b.shape[1]) < b.dim)
+            keep = factored and (forced or b.name in need_factors
+                                 or T[b.name] * (b.shape[0] + b.shape[1]) < b.dim)
             out[b.name] = "factors" if keep else "flat"
         return out
 
-    def _rows_bytes(self, node: GradNode) -> float:
+    def _rows_bytes(self, node: GradNode, storage: dict | None = None) -> float:
         """Bytes of all rows of ``node`` in its storage form (factors or flat)."""
-        T = tokens_hint(node)
-        total = 0.0
-        for b in node.space.blocks:
-            if self.storage(node)[b.name] == "factors":
-                total += node.n * T * (b.shape[0] + b.shape[1]) * 4
-            else:
-                total += node.n * b.dim * 4
-        return total
+        return rows_bytes(node, self.storage(node) if storage is None else storage, self.dtype)
 
     def _kron_factored(self, node: GradNode, block: str) -> bool:
         root = node
@@ -399,19 +403,20 @@ class _Planner:
                 (eigh_cost(d) for d in (dims if job.target.structure == "block" else [sum(dims)])
                  if job.target.structure != "diag"), Cost())
         if job.kind in ("kfac", "ekfac"):
-            T = tokens_hint(node)
+            T, rows = positions(node), rows_of(node)
             flops = 0.0
             for b in job.target.space.blocks:
                 out_f, in_f = b.shape
-                flops += 2.0 * n_stream * T * (in_f * in_f + out_f * out_f)
+                flops += 2.0 * n_stream * rows * T[b.name] * (in_f * in_f + out_f * out_f)
                 if job.kind == "ekfac":
-                    flops += 2.0 * n_stream * T * out_f * in_f
+                    flops += 2.0 * n_stream * rows * T[b.name] * out_f * in_f
             return Cost(flops=flops)
         if job.kind == "scores":
             held = job.held
-            T_h, T_s = tokens_hint(held), tokens_hint(node)
+            P_h, P_s = positions(held), positions(node)
             flops = 0.0
             for b in held.space.blocks:
+                T_h, T_s = P_h[b.name], P_s[b.name]
                 if job.kernels.get(b.name) == "ghost":
                     flops += 2.0 * ghost_flops(held.n, n_stream, T_h, T_s, b.shape[1], b.shape[0])
                 elif len(b.shape) == 2 and self._is_factored(node, b.name):
@@ -438,21 +443,14 @@ class _Planner:
         return cost
 
     def _per_example_bytes(self, p_jobs: list[Job], sources: list[Source]) -> float:
-        total = 0.0
-        elem = torch.empty((), dtype=self.dtype).element_size()   # activations and factors: the model's dtype
-        for src in sources:
-            T = tokens_hint(src)
-            for b in src.space.blocks:
-                if len(b.shape) == 2:
-                    total += T * (b.shape[0] + b.shape[1]) * elem * 2   # factors + autograd's copy
-                else:
-                    total += b.dim * elem
-            total += activation_bytes(src.task.model, T, elem)
+        total = sum(capture_bytes_per_example(src, self.dtype) for src in sources)
+        total += sum(consumer_bytes_per_example(job, self.dtype) for job in p_jobs)
         for job in p_jobs:
             if job.kind == "scores":
                 for b in job.held.space.blocks:
                     if job.kernels.get(b.name) != "ghost":
-                        total += b.dim * 4 * token_rows(job.streams[0])   # T rows per example when per-token
+                        # the streamed rows materialized, and their product (T rows per example when per-token)
+                        total += b.dim * 8 * token_rows(job.streams[0])
         return total
 
     def _fixed_bytes(self, p_jobs: list[Job]) -> float:
@@ -462,8 +460,10 @@ class _Planner:
                 total += self._held_bytes(job.held)
             if job.kind == "fisher":
                 total += fisher_cost(1, [b.dim for b in job.target.space.blocks], job.target.structure).peak_bytes
+            if job.kind in ("kfac", "ekfac"):
+                total += kron_bytes(job.target.space)
             if job.kind in ("collect", "store", "group"):
-                total += self._rows_bytes(job.target)
+                total += self._rows_bytes(job.target, job.storage or None)
         return total
 
     # ---- scheduling -----------------------------------------------------------------
@@ -516,13 +516,18 @@ class _Planner:
                     continue
                 if not self.stream_deps(node) <= done:
                     continue
-                size = self._rows_bytes(node)
+                storage = self.storage(node, self._factors_needed(node, remaining))
+                size = self._rows_bytes(node, storage)
                 src = stream_root(node)
                 recompute = self._capture_cost(src).seconds(self.device, self.dtype) if isinstance(src, Source) else 0.0
                 fits = size <= self.options.memory_budget / 4
                 keep = 2.0 * size / self.device.bandwidth     # write the rows once, read them once
                 choice = "store" if fits and keep <= recompute else "recompute"
-                if not fits:
+                forced = self.choices.store
+                if forced != "auto":
+                    choice = "store" if forced == "always" else "recompute"
+                    why = f"forced by Choices(store={forced!r})"
+                elif not fits:
                     why = "would exceed a quarter of the memory budget"
                 elif choice == "store":
                     why = "fits in a quarter of the memory budget and costs less than reading the data again"
@@ -534,7 +539,26 @@ class _Planner:
                     "a later job needs these rows after statistics from the same pass; storing them " + why))
                 if choice == "store":
                     stored.add(node.token)
-                    group.append(Job("store", node, (node,), set(), storage=self.storage(node)))
+                    group.append(Job("store", node, (node,), set(), storage=storage))
+
+    def _factors_needed(self, node: GradNode, jobs: dict) -> frozenset:
+        """Blocks of ``node`` that a later K-FAC job reads as factors (its statistics
+        are covariances of A and D; every other consumer takes flat rows)."""
+        need = set()
+        for job in jobs.values():
+            if job.kind == "kfac" and any(self._chain_contains(s, node) for s in job.streams):
+                need |= set(node.space.names)
+        return frozenset(need)
+
+    @staticmethod
+    def _chain_contains(stream: GradNode, node: GradNode) -> bool:
+        x = stream
+        while True:
+            if x.token == node.token:
+                return True
+            if not isinstance(x, ROW_WISE):
+                return False
+            x = x.grads
 
     def _size_pass(self, p: Pass, stored: set) -> None:
         sources = self._sources(p.jobs, stored) if p.reads_data else []
@@ -550,8 +574,6 @@ class _Planner:
             else:
                 room = budget - fixed
                 if room < per_ex:  # not even a batch of one example fits next to the held rows
-                    from ..errors import MemoryBudgetError
-                    from .cost import _si
                     raise MemoryBudgetError(
                         f"{p.label}: held rows and statistics take {_si(fixed)}B and one example's "
                         f"factors and activations {_si(per_ex)}B, over the memory budget of {_si(budget)}B. "
@@ -663,17 +685,31 @@ def _compute_dtype(root: Node) -> torch.dtype:
 
 
 def _is_loader(data) -> bool:
-    from torch.utils.data import DataLoader
     return isinstance(data.source, DataLoader)
 
 
 # ------------------------------------------------------------------ entry point
-def plan(root: Node, *, options: Options | None = None, device=None, rewrites: bool = True) -> Plan:
-    """Plan ``root`` (a score, self-score, gradient or operator node). Touches no model."""
+def plan(root: Node, *, options: Options | None = None, device=None, rewrites: bool = True,
+         choices: Choices | None = None, measure_shapes: bool = False) -> Plan:
+    """Plan ``root`` (a score, self-score, gradient or operator node).
+
+    ``choices`` forces decisions the planner would otherwise cost (:class:`Choices`).
+    ``measure_shapes`` (executors about to run the plan) finds every layer's positions
+    per example with one meta-device call of each source's loss
+    (:func:`gradalg.plan.shapes.forward_shapes`) and measures this machine's speeds if
+    they were never measured; without it the planner calls no model and benchmarks
+    nothing (displays: the cached device profile, or an unmeasured default)."""
     options = options or get_options()
-    prof = profile(device)
+    prof = profile(device, measure=measure_shapes)
     simplified, fired = simplify_until_fixpoint(root, enabled=rewrites)
-    planner = _Planner(options, prof)
+    if measure_shapes:
+        for node in simplified.walk():
+            # flat inputs (T = 1) and token ids (T = their length) tell every linear
+            # layer's positions: the probe is for convolutions and other inputs
+            if isinstance(node, Source) and (not _positions_known(node)
+                                             or any(b.kind == "conv2d" for b in node.space.blocks)):
+                forward_shapes(node, measure=True)
+    planner = _Planner(options, prof, choices)
     planner.dtype = _compute_dtype(simplified)
     if isinstance(simplified, ScoreNode):
         roots = planner.score_jobs(simplified)
@@ -688,3 +724,9 @@ def plan(root: Node, *, options: Options | None = None, device=None, rewrites: b
     passes, stored = planner.schedule()
     return Plan(root, simplified, fired, planner.decisions, passes, planner.jobs, roots, options, prof, stored,
                 planner.dtype)
+
+
+def estimate(node) -> Cost:
+    """Estimated total cost of computing ``node`` under the options in force (via its
+    plan; nothing is run, measured or read beyond the data's shape)."""
+    return plan(node).total

@@ -1,7 +1,7 @@
 """One line (title) and a few facts per node, shared by the text and HTML displays."""
 from __future__ import annotations
 
-from ..expr import GradNode, Node, OpNode, ScoreNode
+from ..expr import GradNode, Identity, Inner, Node, OpNode, ScoreNode
 
 
 def title(node: Node) -> str:
@@ -24,8 +24,17 @@ def facts(node: Node) -> list[str]:
 
 
 def cost_line(node: Node) -> str:
-    from ..plan.cost import estimate
+    from ..plan.planner import estimate  # displays plan lazily: viz/ sits beside plan/, not below it
     try:
         return "estimated cost: " + estimate(node).describe()
     except Exception as err:  # a display must never fail
         return f"estimated cost unavailable ({type(err).__name__}: {err})"
+
+
+def shown_children(node: Node) -> tuple:
+    """The children a display shows: all but the identity operator of a plain inner
+    product (``Q @ G.T`` is ⟨Q, G⟩, not ⟨Q, I, G⟩)."""
+    kids = node.children
+    if isinstance(node, Inner):
+        kids = tuple(k for k in kids if not isinstance(k, Identity))
+    return kids

@@ -10,7 +10,7 @@ from functools import lru_cache
 from importlib.resources import files
 
 from ..expr import Node
-from .describe import cost_line, facts, title
+from .describe import cost_line, facts, shown_children, title
 
 
 @lru_cache(maxsize=1)
@@ -33,7 +33,7 @@ def _node_html(node: Node, seen: set[str], depth: int) -> str:
     if node.token in seen:
         return f'<div class="ga-leaf">{head} <span class="ga-shared">(shared: computed once)</span></div>'
     seen.add(node.token)
-    kids = node.children
+    kids = shown_children(node)
     if not kids:
         return f'<div class="ga-leaf">{head}</div>'
     inner = "".join(_node_html(k, seen, depth + 1) for k in kids)

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 from ..expr import Node
-from .describe import cost_line, facts, title
+from .describe import cost_line, facts, shown_children, title
 
 
 def text_tree(node: Node, kind: str, cost: str | None = None) -> str:
     """``kind`` header with the cost estimate, then one line per node with its facts.
 
-    A sub-expression that appears twice is shown once and then referred to as ``↑ <token>``.
+    A sub-expression that appears twice is shown once and then marked ``↑ as above``.
     ``cost`` replaces the header's estimate (default: planned with the options in force).
     """
     lines = [f"<{kind}> {cost if cost is not None else cost_line(node)}"]
@@ -18,11 +18,11 @@ def text_tree(node: Node, kind: str, cost: str | None = None) -> str:
         branch = "" if top else ("└─ " if last else "├─ ")
         info = "; ".join(facts(n))
         if n.token in seen:
-            lines.append(f"{prefix}{branch}{title(n)}  ↑ {n.token} (shared, computed once)")
+            lines.append(f"{prefix}{branch}{title(n)}  ↑ as above (shared, computed once)")
             return
         seen.add(n.token)
         lines.append(f"{prefix}{branch}{title(n)}" + (f"  [{info}]" if info else ""))
-        kids = n.children
+        kids = shown_children(n)
         child_prefix = prefix if top else prefix + ("   " if last else "│  ")
         for i, child in enumerate(kids):
             visit(child, child_prefix, i == len(kids) - 1, False)

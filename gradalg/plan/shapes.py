@@ -1,0 +1,149 @@
+"""Shapes a plan needs, known without numbers: positions per example of every
+recorded layer, rows per example of an objective, the element size of the rows.
+
+A layer's factors hold one row per *position* of its input: the tokens of a sequence,
+the output pixels of a convolution (H_out·W_out, which only the layers before it
+determine). :func:`block_positions` finds them by running the task's loss once on the
+``meta`` device for the first example — shapes propagate, nothing is computed or
+allocated, the model's own parameters are not touched — and records, per block,
+``T_b = output.numel() / (batch · out_features)``. Models whose forward cannot run on
+``meta`` (a data-dependent branch, ``.item()``) fall back to :func:`tokens_hint` for
+every block.
+
+Executors measure before they plan a run (``plan(..., measure_shapes=True)``); displays
+(``repr``, ``explain()``, the plan explorer) never call the model: they use a
+measurement an earlier run cached on the source, or ``tokens_hint``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from ..capture.hooks import resolve_layers
+from .cost import tokens_hint
+
+__all__ = ["ForwardShapes", "forward_shapes", "block_positions", "rows_per_example", "element_size"]
+
+
+def _to_meta(value):
+    if isinstance(value, torch.Tensor):
+        return torch.empty_like(value, device="meta")
+    if isinstance(value, dict):
+        return type(value)({k: _to_meta(v) for k, v in value.items()})
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_meta(v) for v in value)
+    return value
+
+
+@dataclass(frozen=True)
+class ForwardShapes:
+    """What one example's forward leaves in memory, from a meta-device run.
+
+    positions : ``{block name: T_b}`` positions per example of each recorded layer.
+    activations : numbers per example in the outputs of every leaf module (what autograd
+        keeps for the backward, within a small factor); 0 when not measured.
+    measured : False when the forward could not run on meta (``tokens_hint`` used).
+    """
+
+    positions: dict
+    activations: int
+    measured: bool
+
+
+def forward_shapes(src, measure: bool = False) -> ForwardShapes:
+    """The :class:`ForwardShapes` of a Source: measured on meta and cached on it when
+    ``measure`` (executors, before running a plan), else the cached measurement or
+    ``tokens_hint`` for every block (displays: ``repr``, ``explain()`` run nothing)."""
+    cached = getattr(src, "_forward_shapes", None)
+    if cached is not None:
+        return cached
+    fallback = tokens_hint(src)
+    shapes = ForwardShapes({b.name: fallback for b in src.space.blocks}, 0, False)
+    if not measure:
+        return shapes
+    data = getattr(src, "data", None)
+    task = getattr(src, "task", None)
+    if data is not None and task is not None and src.backend == "hooks":
+        try:
+            positions, activations = _measure_on_meta(task, data.first_example_batch(), list(src.layers))
+            shapes = ForwardShapes({**shapes.positions, **positions}, activations, bool(positions))
+        except Exception:  # noqa: BLE001 - shapes are a hint: a model meta cannot run keeps tokens_hint
+            pass
+    object.__setattr__(src, "_forward_shapes", shapes)
+    return shapes
+
+
+def block_positions(src) -> dict[str, int]:
+    """``{block name: positions per example}`` of a Source.   T_b ≥ 1"""
+    return forward_shapes(src).positions
+
+
+def _measure_on_meta(task, batch, layers) -> tuple[dict[str, int], int]:
+    model: nn.Module = task.model
+    refs = resolve_layers(model, layers)
+    seen: dict[str, int] = {}
+    activations = [0]
+    handles = []
+    for ref in refs:
+        out_features = ref.rule.block_shape(ref.module)[0]
+
+        def hook(module, args, output, name=ref.name, out_features=out_features):
+            if isinstance(output, torch.Tensor) and name not in seen:
+                seen[name] = max(1, int(output.numel() // max(1, output.shape[0] * out_features)))
+        handles.append(ref.module.register_forward_hook(hook))
+
+    def count(module, args, output):
+        if isinstance(output, torch.Tensor) and output.dim() > 0:
+            activations[0] += output.numel() // max(1, output.shape[0])
+    for module in model.modules():
+        if not any(True for _ in module.children()):
+            handles.append(module.register_forward_hook(count))
+    try:
+        state = {k: torch.empty_like(v, device="meta") for k, v in model.state_dict(keep_vars=True).items()}
+        with torch.no_grad():
+            _meta_loss(task, model, state, _to_meta(batch))
+    finally:
+        for h in handles:
+            h.remove()
+    return seen, activations[0]
+
+
+def _meta_loss(task, model, state, batch):
+    """The task's loss with the model's tensors replaced by meta ones for one call."""
+    try:
+        task.loss(_MetaModel(model, state), batch)
+    except Exception:  # noqa: BLE001 - the forward ran (hooks fired); a loss that needs numbers may not
+        pass
+
+
+class _MetaModel:
+    """Calls ``model`` with its tensors replaced by ``state``; other attributes are the model's."""
+
+    def __init__(self, model, state):
+        self._model, self._state = model, state
+
+    def __call__(self, *args, **kwargs):
+        return functional_call(self._model, self._state, args, kwargs, strict=False)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def rows_per_example(src) -> int:
+    """Rows a source captures per example: one, or one per Gauss-Newton term
+    (``objective="expected"``: the number of model outputs)."""
+    if getattr(src, "objective", "loss") != "expected":
+        return 1
+    last = None
+    for m in src.task.model.modules():
+        if isinstance(m, nn.Linear):
+            last = m
+    return last.out_features if last is not None else 1
+
+
+def element_size(dtype: torch.dtype) -> int:
+    """Bytes per number of rows in ``dtype`` (the model's)."""
+    return torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,125 @@
+"""Run one budget case in this (fresh) process and print its peak memory as JSON.
+
+    python peak_memory.py CASE BUDGET_BYTES
+
+The model, the data and a warm-up run of the same expression on a few examples (which
+loads lazily imported modules and the kernels' first allocations) come first; the
+baseline is the resident memory after them, and the kernel's peak mark is reset there.
+The case then runs under ``ga.options(memory_budget=BUDGET_BYTES)``; ``peak_growth`` is
+the peak resident memory (``VmHWM``) above that baseline. Also printed: the plan's estimated peak.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import resource
+import sys
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import models  # noqa: E402
+
+import gradalg as ga  # noqa: E402
+
+
+def current_rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def reset_peak() -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM) so that the warm-up's peak is not counted."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class ConvNet(nn.Module):
+    def __init__(self, classes=3):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.c2 = nn.Conv2d(8, 8, 3, stride=2, padding=1)
+        self.fc = nn.Linear(8 * 8 * 8, classes)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.c2(torch.relu(self.c1(x)))).flatten(1))
+
+
+def conv_ekfac(n):
+    """EK-FAC influence (Gauss-Newton terms per class) on a conv net: 16×16 images."""
+    torch.manual_seed(0)
+    model = ConvNet().to(torch.float32)
+    X, y = torch.randn(n + 4, 3, 16, 16), torch.randint(0, 3, (n + 4,))
+    task = ga.tasks.classification(model)
+    return lambda m: ga.methods.influence(task, (X[:m], y[:m]), (X[n:], y[n:]), curvature="ekfac")
+
+
+def mlp_classes(n):
+    """Influence with the exact Gauss-Newton (one row per class, 10 classes) and EK-FAC
+    on an MLP whose unprojected training rows (~70k coordinates) outgrow the budget."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 256), nn.Tanh(), nn.Linear(256, 10))
+    X, y = torch.randn(n + 4, 128), torch.randint(0, 10, (n + 4,))
+    task = ga.tasks.classification(model)
+    return lambda m: ga.methods.influence(task, (X[:m], y[:m]), (X[n:], y[n:]), curvature="ekfac")
+
+
+def gpt2_logra(n):
+    """LoGra's expression (Kronecker-projected EK-FAC of the training loss's gradients)
+    on a small GPT-2, sequences of 32 tokens."""
+    model = models.gpt2(dtype=torch.float32, n_layer=2, n_embd=64)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 101, (n + 4, 32), generator=g)
+    mask = torch.ones_like(ids)
+    task = models.lm_task(model)
+    P = ga.proj.kron(k=16, seed=0)
+
+    def scores(m):
+        G, Q = ga.grads(task, (ids[:m], mask[:m])), ga.grads(task, (ids[n:], mask[n:]))
+        return P(Q) @ ga.ekfac(P(G)).damp(1e-3).inv() @ P(G).T
+    return scores
+
+
+CASES = {"conv_ekfac": (conv_ekfac, 400), "mlp_classes": (mlp_classes, 1500), "gpt2_logra": (gpt2_logra, 300)}
+
+
+def main():
+    case, budget = sys.argv[1], int(sys.argv[2])
+    torch.set_num_threads(1)
+    build, n = CASES[case]
+    scores = build(n)
+    ga.plan.devices.local_profile()                # this machine's speeds: measured once, not part of a run
+    with ga.options(progress=False):
+        scores(8).compute()                        # warm-up: imports, kernels, allocator pools
+    gc.collect()
+    reset_peak()
+    base = current_rss()
+    with ga.options(progress=False, memory_budget=budget):
+        S = scores(n)
+        ex = ga.exec.LocalExecutor()
+        estimated = ex.plan(S.expr).peak_bytes
+        S.compute(executor=ex)
+    print(json.dumps({"case": case, "budget": budget, "peak_growth": peak_rss() - base, "estimated": estimated,
+                      "passes": [{k: v for k, v in st.items()} for st in ex.pass_stats],
+                      "batch_sizes": [p.batch_size for p in ex.last_plan.passes]}))
+
+
+if __name__ == "__main__":
+    main()
