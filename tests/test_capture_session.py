@@ -309,3 +309,17 @@ def test_gpt2_with_gradient_checkpointing(use_reentrant):
     with ga.capture(model, layers=layers) as cap:
         lm_loss(model, data).backward()
     assert_params_close(params_of_blocks(model, layers, cap.grads.to_dense()), reference, TOL[torch.float64])
+
+
+def test_capture_warns_when_the_loops_reduction_is_not_stated():
+    """ga.capture cannot see the loss: an unstated reduction is assumed to be a sum, loudly;
+    stating it (either way) is silent."""
+    import warnings
+
+    model = torch.nn.Linear(3, 2)
+    with pytest.warns(UserWarning, match="reduction='mean'"):
+        ga.capture(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ga.capture(model, reduction="sum")
+        ga.capture(model, reduction="mean")

@@ -373,7 +373,8 @@ def test_planner_counts_token_rows_and_refuses_over_budget():
     def scores_pass(S):
         return next(ps for ps in plan(S.expr).passes if any(j.kind == "scores" for j in ps.jobs))
 
-    held = min(Q.n, G.n) * 16 * 4                  # float32 rows of the smaller side
+    elem = next(task.model.parameters()).element_size()   # rows are kept in the model's dtype (float64 here)
+    held = min(Q.n, G.n) * 16 * elem               # rows of the smaller side
     assert scores_pass(ordinary).fixed_bytes == held
     assert scores_pass(per_token).fixed_bytes == T * held
     budget = int(T * held + scores_pass(per_token).per_example_bytes) - 1

@@ -19,6 +19,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -355,3 +356,23 @@ def test_trainer_ddp_rows_gathered_with_dataset_indices(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0 and out.exists(), f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     assert json.loads(out.read_text())["result"] == "ok", json.loads(out.read_text())["result"]
+
+
+def test_self_scores_of_repeated_rows_are_refused_until_combined():
+    """Rows of an example seen in two epochs share its id: a diagonal whose two sides are
+    aligned by id (here two captures of one run) would pick one of the rows silently, so it
+    is refused with the fix; combined rows work."""
+    ds = lm_dataset()
+    first, second = GradientCallback(layers=LAYERS), GradientCallback(layers=LAYERS)
+    with tempfile.TemporaryDirectory() as d:
+        Trainer(model=gpt2(), args=train_args(d, max_steps=-1, num_train_epochs=2), train_dataset=ds,
+                callbacks=[first, second]).train()
+    P = ga.proj.kron(k=4, seed=0)
+    A, B = P(first.grads), P(second.grads)
+    assert len(set(A.ids)) < A.n                      # every example twice
+    with pytest.raises(ga.DataError, match="combine_repeats"):
+        (A @ B.T).diag().compute()
+    A1, B1 = (ga.integrations.combine_repeats(X, "sum") for X in (A, B))
+    diag = (A1 @ B1.T).diag().compute()
+    full = (A1 @ B1.T).compute()
+    assert np.allclose(diag.values, np.diag(full.values), rtol=1e-5)

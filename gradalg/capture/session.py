@@ -15,6 +15,7 @@ stored (``keep=True``) and handed to each callback registered with ``cap.on_batc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import warnings
 from typing import Callable
 
 import torch
@@ -184,17 +185,29 @@ class CaptureSession:
                 cb(step)
 
 
-def capture(model: nn.Module, layers=None, *, reduction: str = "sum", keep: bool = True) -> CaptureSession:
+def capture(model: nn.Module, layers=None, *, reduction: str | None = None, keep: bool = True) -> CaptureSession:
     """Record per-example gradients around any loop that calls ``loss.backward()``.
 
     Parameters
     ----------
     model : the module being trained.
     layers : module names or glob patterns (default: every supported layer).
-    reduction : how the loop's loss combines examples. ``"sum"`` (default) gives true
-        per-example gradients. ``"mean"`` (the usual ``F.cross_entropy`` default) scales
-        each step's gradients by its batch size to undo the ``1/B``.
+    reduction : how the loop's loss combines examples. ``"sum"`` gives true per-example
+        gradients. ``"mean"`` (the usual ``F.cross_entropy`` default) scales each step's
+        gradients by its batch size to undo the ``1/B``. ``ga.capture`` never sees the
+        loop's loss, so it cannot check this (``ga.grads`` does): left unset, ``"sum"`` is
+        assumed and a warning says so — a mean loss taken for a sum scales every score by
+        ``1/B²``. Pass it explicitly.
     keep : keep every step's factors in memory for ``cap.grads`` (set False when only
         callbacks are needed).
     """
+    if reduction is None:
+        warnings.warn(
+            "ga.capture cannot see the training loop's loss, so it cannot check how it combines the "
+            "examples of a batch: it assumes a SUM over examples. If the loss is a mean (the default "
+            "of F.cross_entropy and of most trainers), every captured gradient is 1/B too small and "
+            "every score 1/B² too small: pass ga.capture(..., reduction='mean'); pass "
+            "reduction='sum' to state that the loss is a sum (and silence this warning)",
+            UserWarning, stacklevel=2)
+        reduction = "sum"
     return CaptureSession(model, layers, reduction=reduction, keep=keep)

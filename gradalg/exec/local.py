@@ -29,6 +29,7 @@ from ..expr import (KFAC, Arnoldi, Captured, CurvatureProducts, Damp, DataInf, D
                     ScoreSum, Source, SumOp)
 from ..expr.stored import StoredOp
 from ..data import batch_size_of, move_batch
+from ..errors import DataError
 from ..options import Options, get_options
 from ..plan.choices import Choices
 from ..plan.planner import ROW_WISE, Plan, PlanError, plan as make_plan, stream_root
@@ -237,6 +238,11 @@ class LocalExecutor(Executor):
     def _aligned_held(self, held: GradNode, right: Chunk) -> Chunk:
         rows = concat_chunks(self._cache[held.token])
         position = {i: k for k, i in enumerate(rows.ids)}
+        if len(position) != len(rows.ids):
+            raise DataError(
+                "the rows of a self-score (a diagonal S_zz) repeat example ids (e.g. training-time rows "
+                "of an example seen in several epochs), so they cannot be aligned by id: combine them "
+                "first, ga.integrations.combine_repeats(G, 'sum' or 'mean')")
         index = torch.tensor([position[i] for i in right.ids])
         return Chunk(right.ids, unflatten(flatten(rows, held.space)[index], held.space))
 
