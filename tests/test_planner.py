@@ -733,6 +733,11 @@ def test_with_settings_changes_k_and_damping():
     assert {x.projector.k for x in node.walk() if isinstance(x, Project)} == {16}
     assert {x.damping for x in node.walk() if isinstance(x, Damp)} == {0.5}
     assert with_settings(S.expr) == S.expr
+    # a relative damping (TRAK's and GraSS's defaults) stays relative
+    G = ga.grads(s["task"], s["train"])
+    H = ga.fisher(G).damp(0.1, relative=True)
+    changed = with_settings(H.expr, damping=0.5)
+    assert isinstance(changed, Damp) and changed.damping == 0.5 and changed.relative
 
 
 def test_plan_explorer_updates_the_plan():

@@ -25,13 +25,14 @@ EXECUTORS = {"local": "local PyTorch executor"}
 
 
 def with_settings(node, *, k: int | None = None, damping: float | None = None):
-    """``node`` with every projector's size set to ``k`` and every damping set to ``damping``."""
+    """``node`` with every projector's size set to ``k`` and every damping set to ``damping``
+    (a relative damping, ``H.damp(d, relative=True)``, keeps its meaning: d · mean eigenvalue)."""
     def change(x):
         if k is not None and isinstance(x, Project) and x.projector.k != k:
             p = x.projector
             return Project(x.grads, replace(p, k=k, k_out=None, k_in=None) if p.kind == "kron" else replace(p, k=k))
         if damping is not None and isinstance(x, Damp) and x.damping != damping:
-            return Damp(x.op, damping)
+            return Damp(x.op, damping, x.relative)   # a relative damping stays relative
         return None
     return transform(node, change)
 
