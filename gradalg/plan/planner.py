@@ -54,6 +54,9 @@ from .rules import Firing, PlanError, simplify_until_fixpoint
 __all__ = ["Job", "Pass", "Decision", "Plan", "plan", "estimate", "stream_root", "PlanError"]
 
 ROW_WISE = (Project, Normalize, Select, Precondition, ScaleRows, AdamPrecondition, PerToken)
+#: block kinds whose positions per example depend on the layer (unfolded convolutions)
+#: rather than on the data's token length
+CONV_KINDS = ("conv1d_nn", "conv2d", "conv3d")
 
 
 # ------------------------------------------------------------------ graph helpers
@@ -320,7 +323,7 @@ class _Planner:
                 kernels[b.name] = "dense"
                 continue
             mode = self.options.ghost
-            if mode == "auto" and not (b.kind != "conv2d" and _positions_known(held) and _positions_known(streamed)):
+            if mode == "auto" and not (b.kind not in CONV_KINDS and _positions_known(held) and _positions_known(streamed)):
                 # T differs per layer (convolutions, non-token inputs): a guessed T could pick
                 # ghost for thousands of positions; the executor routes on the real shapes
                 self.decisions.append(Decision(
@@ -707,7 +710,7 @@ def plan(root: Node, *, options: Options | None = None, device=None, rewrites: b
             # flat inputs (T = 1) and token ids (T = their length) tell every linear
             # layer's positions: the probe is for convolutions and other inputs
             if isinstance(node, Source) and (not _positions_known(node)
-                                             or any(b.kind == "conv2d" for b in node.space.blocks)):
+                                             or any(b.kind in CONV_KINDS for b in node.space.blocks)):
                 forward_shapes(node, measure=True)
     planner = _Planner(options, prof, choices)
     planner.dtype = _compute_dtype(simplified)
