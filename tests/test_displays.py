@@ -8,6 +8,7 @@ import re
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import models  # noqa: E402
@@ -71,3 +72,76 @@ def test_a_plain_inner_product_shows_no_identity_operator(no_benchmark):
     for text in (repr(S), str(S.explain(stage="logical"))):
         assert "identity" not in text and "─ I " not in text, text
 
+
+
+def test_blocks_are_shown_by_module_path_kind_and_shape_but_keyed_by_name(no_benchmark):
+    model = models.mlp()
+    X, y = models.classification_data(n=6)
+    G = ga.grads(ga.tasks.classification(model), (X, y))
+    S = G @ G.T
+    assert "0 (linear 16×9, factored)" in repr(S) and "2 (linear 3×17, factored)" in repr(S)
+    kernels = [d["what"] for d in S.explain(device="a100", memory_budget=2**30).decisions()
+               if d["what"].startswith("kernel")]
+    assert kernels == ["kernel for block 0 (linear 16×9) of scores", "kernel for block 2 (linear 3×17) of scores"]
+    assert G["0"].space.names == ("0",) and G[["0", "2"]].space.names == ("0", "2")   # API keys unchanged
+
+
+# ---- snapshots --------------------------------------------------------------------------
+# explain() of a few representative expressions, planned for a preset device (A100) with a
+# fixed budget, so the numbers do not depend on this machine. After an intended change of
+# the displays, regenerate them and review the diff:
+#     GRADALG_UPDATE_SNAPSHOTS=1 python -m pytest tests/test_displays.py -k snapshot
+SNAPSHOTS = os.path.join(os.path.dirname(__file__), "snapshots")
+STYLE = re.compile(r"<style>.*?</style>", re.S)   # the shipped CSS is not part of a snapshot
+
+
+def snapshot_expressions():
+    mlp = models.mlp()
+    X, y = models.classification_data(n=12)
+    task = ga.tasks.classification(mlp)
+    G, Q = ga.grads(task, (X, y)), ga.grads(task, (X[:3], y[:3]))
+    yield "grad_dot_mlp", Q @ G.T
+    P = ga.proj.kron(k=4, seed=0)
+    yield "projected_influence_mlp", P(Q) @ ga.fisher(P(G)).damp(1e-2).inv() @ P(G).T
+    gpt2 = models.gpt2(n_layer=1, n_embd=16)
+    g = torch.Generator().manual_seed(1)
+    seqs = [{"input_ids": torch.randint(1, 101, (n,), generator=g), "attention_mask": torch.ones(n, dtype=torch.long)}
+            for n in (5, 3, 6, 4)]
+    yield "ekfac_influence_gpt2", ga.methods.influence(ga.tasks.causal_lm(gpt2), seqs, seqs[:2], curvature="ekfac",
+                                                      layers=["transformer.h.0.mlp.c_fc", "lm_head"])
+
+
+def _check_snapshot(name: str, text: str):
+    path = os.path.join(SNAPSHOTS, name)
+    if os.environ.get("GRADALG_UPDATE_SNAPSHOTS") == "1":
+        os.makedirs(SNAPSHOTS, exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        return
+    assert os.path.exists(path), f"no snapshot {path}: run with GRADALG_UPDATE_SNAPSHOTS=1 to write it"
+    with open(path, encoding="utf-8") as f:
+        expected = f.read()
+    assert text == expected, (f"explain() differs from {path}; if the change is intended, regenerate with "
+                              "GRADALG_UPDATE_SNAPSHOTS=1 and review the diff")
+
+
+@pytest.mark.parametrize("name", ["grad_dot_mlp", "projected_influence_mlp", "ekfac_influence_gpt2"])
+def test_explain_matches_its_snapshot(no_benchmark, name):
+    S = dict(snapshot_expressions())[name]
+    explained = S.explain(device="a100", memory_budget=2**30)
+    text, page = str(explained), STYLE.sub("<style>…</style>", explained._repr_html_())
+    assert not NODE_ID.search(text + page) and " at 0x" not in text + page
+    _check_snapshot(f"{name}.txt", text + "\n")
+    _check_snapshot(f"{name}.html", page.replace("<details", "\n<details").replace("<tr>", "\n<tr>") + "\n")
+
+
+def test_explain_stage_shows_one_stage_in_text_and_html(no_benchmark):
+    S = dict(snapshot_expressions())["projected_influence_mlp"]
+    sections = {"logical": "1. logical", "simplified": "2. simplified", "costed": "3. costed decisions",
+                "physical": "4. physical passes", "scale": "5. at scale"}
+    for stage, heading in sections.items():
+        explained = S.explain(device="a100", memory_budget=2**30, stage=stage)
+        text, page = str(explained), explained._repr_html_()
+        for other, other_heading in sections.items():
+            shown_text, shown_page = other_heading in text, f"<summary>{other_heading}" in page
+            assert shown_text == shown_page == (other == stage), (stage, other, shown_text, shown_page)

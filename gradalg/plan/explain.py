@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..viz.describe import block_label
 from ..viz.tree import text_tree
 from .cost import _si
 from .devices import profile
@@ -26,12 +27,33 @@ from .planner import Plan
 
 __all__ = ["Explain", "scale_estimates"]
 
-_NODE_ID = re.compile(r" \[[a-z_]+-[0-9a-f]{8,}\]")
+_NODE_ID = re.compile(r" \[([a-z_]+-[0-9a-f]{8,})\]")
+_BLOCK = re.compile(r"block '([^']*)'")
 
 
-def readable(what: str) -> str:
-    """A decision's subject without the node ids the plan keys it by (``[inner-38a5…]``)."""
-    return _NODE_ID.sub("", what)
+def _space_of(node):
+    """The parameter space a node's blocks live in (a score's: its operands'), or None."""
+    space = getattr(node, "space", None)
+    if space is None and hasattr(node, "left"):
+        space = getattr(node.left, "space", None)
+    return space
+
+
+def readable(what: str, nodes: dict | None = None) -> str:
+    """A decision's subject as a reader wants it: without the node ids the plan keys it
+    by (``[inner-38a5…]``) and with each block named by its module path, kind and shape
+    (``block 0 (linear 16×9)``) when ``nodes`` ({token: node}) knows the node's space."""
+    found = _NODE_ID.search(what)
+    space = _space_of(nodes.get(found.group(1))) if (found and nodes) else None
+    out = _NODE_ID.sub("", what)
+    if space is not None:
+        def label(match):
+            try:
+                return "block " + block_label(space[match.group(1)])
+            except KeyError:
+                return match.group(0)
+        out = _BLOCK.sub(label, out)
+    return out
 
 
 def _fmt_seconds(s: float) -> str:
@@ -95,8 +117,17 @@ class Explain:
     warning: str | None = None   # e.g. the plan does not fit one GPU of ``device``
 
     # ---- data -------------------------------------------------------------------
+    def _nodes(self) -> dict:
+        """Every node of the plan's trees by token (to name a decision's blocks)."""
+        out = {}
+        for tree in (self.plan.logical, self.plan.simplified):
+            for node in tree.walk():
+                out.setdefault(node.token, node)
+        return out
+
     def decisions(self) -> list[dict]:
-        return [{"what": readable(d.what), "chosen": d.chosen, "alternatives": dict(d.alternatives), "why": d.why}
+        nodes = self._nodes()
+        return [{"what": readable(d.what, nodes), "chosen": d.chosen, "alternatives": dict(d.alternatives), "why": d.why}
                 for d in self.plan.decisions]
 
     def passes(self) -> list[dict]:
@@ -147,11 +178,11 @@ class Explain:
                 lines.append(text_tree(p.simplified, "simplified", self._cost_line()))
         if want in (None, "costed"):
             lines += ["", "3. costed decisions"]
-            for d in p.decisions:
-                alts = "; ".join(f"{k}: {_fmt_alt(v)}" for k, v in d.alternatives.items())
-                lines.append(f"   - {readable(d.what)}: chose {d.chosen}  [{alts}]")
-                if d.why:
-                    lines.append(f"       {d.why}")
+            for d in self.decisions():
+                alts = "; ".join(f"{k}: {_fmt_alt(v)}" for k, v in d["alternatives"].items())
+                lines.append(f"   - {d['what']}: chose {d['chosen']}  [{alts}]")
+                if d["why"]:
+                    lines.append(f"       {d['why']}")
         if want in (None, "physical"):
             lines += ["", "4. physical passes"]
             header = f"   {'#':>2}  {'reads':<38} {'batch':>5} {'est FLOP':>10} {'est time':>10} {'est peak':>9}"
@@ -183,7 +214,7 @@ class Explain:
     # ---- HTML -------------------------------------------------------------------
     def _repr_html_(self) -> str:
         from ..viz.html import _css, html_tree
-        p = self.plan
+        p = self.plan  # one section per stage; ``stage=`` keeps one (as in the text)
         esc = html.escape
         head = (f"<div class='ga-head'>gradalg plan <span class='ga-cost'>device {esc(p.device.name)}, memory "
                 f"budget {_si(p.options.memory_budget)}B, {p.data_passes} pass(es) over data, est. "
@@ -191,17 +222,41 @@ class Explain:
         parts = [f"<style>{_css()}</style><div class='ga-expr'>", head]
         if self.warning:
             parts.append(f"<div class='ga-warning'>⚠ {esc(self.warning)}</div>")
-        parts.append(f"<details><summary>1. logical</summary>{html_tree(p.logical, 'expression', self._cost_line())}</details>")
+        want = self.stage
+        if want in (None, "logical"):
+            parts.append(f"<details{' open' if want else ''}><summary>1. logical</summary>"
+                         f"{html_tree(p.logical, 'expression', self._cost_line())}</details>")
+        if want in (None, "simplified"):
+            parts.append(self._simplified_html())
+        if want in (None, "costed"):
+            parts.append(self._costed_html())
+        if want in (None, "physical"):
+            parts.append(self._physical_html())
+        if self.device and want in (None, "scale"):
+            parts.append(self._scale_html())
+        parts.append("</div>")
+        return "".join(parts)
+
+    def _simplified_html(self) -> str:
+        p, esc = self.plan, html.escape
+        from ..viz.html import html_tree
         fired = "".join(f"<li><b>{esc(f.rule)}</b>: {esc(f.before)} → {esc(f.after)} <i>{esc(f.why)}</i></li>"
                         for f in p.fired) or "<li>no rule fired</li>"
-        parts.append(f"<details><summary>2. simplified ({len(p.fired)} rewrites)</summary><ul>{fired}</ul>"
-                     f"{html_tree(p.simplified, 'simplified', self._cost_line()) if p.fired else ''}</details>")
+        return (f"<details{' open' if self.stage else ''}><summary>2. simplified ({len(p.fired)} rewrites)"
+                f"</summary><ul>{fired}</ul>"
+                f"{html_tree(p.simplified, 'simplified', self._cost_line()) if p.fired else ''}</details>")
+
+    def _costed_html(self) -> str:
+        esc = html.escape
         rows = "".join(
-            f"<tr><td>{esc(readable(d.what))}</td><td><b>{esc(d.chosen)}</b></td><td>"
-            + "<br>".join(f"{esc(k)}: {esc(_fmt_alt(v))}" for k, v in d.alternatives.items())
-            + f"</td><td>{esc(d.why)}</td></tr>" for d in p.decisions)
-        parts.append("<details open><summary>3. costed decisions</summary><table class='ga-table'><tr><th>what"
-                     "</th><th>chosen</th><th>alternatives (est.)</th><th>why</th></tr>" + rows + "</table></details>")
+            f"<tr><td>{esc(d['what'])}</td><td><b>{esc(d['chosen'])}</b></td><td>"
+            + "<br>".join(f"{esc(k)}: {esc(_fmt_alt(v))}" for k, v in d["alternatives"].items())
+            + f"</td><td>{esc(d['why'])}</td></tr>" for d in self.decisions())
+        return ("<details open><summary>3. costed decisions</summary><table class='ga-table'><tr><th>what"
+                "</th><th>chosen</th><th>alternatives (est.)</th><th>why</th></tr>" + rows + "</table></details>")
+
+    def _physical_html(self) -> str:
+        esc = html.escape
         measured = bool(self.analyzed)
         head_row = ("<tr><th>#</th><th>reads</th><th>jobs</th><th>batch</th><th>est FLOP</th><th>est time</th>"
                     "<th>est peak</th>" + ("<th>measured time</th><th>held</th>" if measured else "") + "</tr>")
@@ -217,14 +272,14 @@ class Explain:
                 body += (f"<td>{_fmt_seconds(row.get('measured_seconds', 0))}</td>"
                          f"<td>{_si(row.get('measured_held_bytes', 0))}B</td>")
             body += "</tr>"
-        parts.append(f"<details open><summary>4. physical passes</summary><table class='ga-table'>{head_row}{body}"
-                     "</table></details>")
-        if self.device:
-            srows = "".join(f"<tr><td>{r['gpus']}</td><td>{_fmt_seconds(r['seconds'])}</td>"
-                            f"<td>{_si(r['memory_per_gpu'])}B</td><td>{'yes' if r['fits'] else 'no'}</td></tr>"
-                            for r in scale_estimates(p, self.gpus, self.device))
-            parts.append(f"<details open><summary>5. at scale on {esc(profile(self.device).name)}</summary>"
-                         "<table class='ga-table'><tr><th>GPUs</th><th>time</th><th>memory per GPU</th><th>fits"
-                         f"</th></tr>{srows}</table></details>")
-        parts.append("</div>")
-        return "".join(parts)
+        return (f"<details open><summary>4. physical passes</summary><table class='ga-table'>{head_row}{body}"
+                "</table></details>")
+
+    def _scale_html(self) -> str:
+        esc = html.escape
+        srows = "".join(f"<tr><td>{r['gpus']}</td><td>{_fmt_seconds(r['seconds'])}</td>"
+                        f"<td>{_si(r['memory_per_gpu'])}B</td><td>{'yes' if r['fits'] else 'no'}</td></tr>"
+                        for r in scale_estimates(self.plan, self.gpus, self.device))
+        return (f"<details open><summary>5. at scale on {esc(profile(self.device).name)}</summary>"
+                "<table class='ga-table'><tr><th>GPUs</th><th>time</th><th>memory per GPU</th><th>fits"
+                f"</th></tr>{srows}</table></details>")

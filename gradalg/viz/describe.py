@@ -4,6 +4,15 @@ from __future__ import annotations
 from ..expr import GradNode, Identity, Inner, Node, OpNode, ScoreNode
 
 
+def block_label(block, representation: str | None = None) -> str:
+    """A block as a reader knows it: its module path, then its kind and ``(out, in)`` shape
+    (bias folded into ``in``), e.g. ``0 (linear 16×9, factored)`` for ``nn.Sequential``'s
+    first layer; a projected block reads ``0 (projected 2×2)``. Display only: the API keys blocks by the bare name (``G["0"]``)."""
+    shape = "×".join(map(str, block.shape))
+    extra = f", {representation}" if representation and representation != block.kind else ""
+    return f"{block.name or '<root>'} ({block.kind} {shape}{extra})"
+
+
 def title(node: Node) -> str:
     return node.label
 
@@ -12,8 +21,7 @@ def facts(node: Node) -> list[str]:
     """Shapes, representations and structure of ``node``, as short strings."""
     if isinstance(node, GradNode):
         rep = node.representation
-        blocks = ", ".join(f"{b.name or '<root>'} {'×'.join(map(str, b.shape))} {rep[b.name]}"
-                           for b in node.space.blocks[:6])
+        blocks = ", ".join(block_label(b, rep[b.name]) for b in node.space.blocks[:6])
         more = "" if len(node.space.blocks) <= 6 else f", … {len(node.space.blocks) - 6} more"
         return [f"{node.n:,} examples × {node.space.dim:,} coords", f"blocks: {blocks}{more}"]
     if isinstance(node, OpNode):

@@ -23,7 +23,8 @@ def _facts_html(node: Node) -> str:
     for fact in facts(node):
         text = html.escape(fact)
         for rep in ("factored", "projected", "dense"):
-            text = text.replace(f" {rep}", f' <span class="ga-rep-{rep}">{rep}</span>')
+            text = text.replace(f", {rep})", f', <span class="ga-rep-{rep}">{rep}</span>)')
+            text = text.replace(f"({rep} ", f'(<span class="ga-rep-{rep}">{rep}</span> ')
         out.append(f'<span class="ga-fact">{text}</span>')
     return "".join(out)
 
