@@ -650,7 +650,7 @@ def test_explain_text_and_html():
 def test_explain_shows_ghost_alternatives():
     s = mlp_setup()
     text = str((ga.grads(s["task"], s["query"]) @ ga.grads(s["task"], s["train"]).T).explain())
-    assert "kernel for block '0'" in text and "chose ghost" in text and "ghost:" in text and "dense:" in text
+    assert "kernel for block 0 (linear " in text and "chose ghost" in text and "ghost:" in text and "dense:" in text
 
 
 def test_explain_analyze_adds_measurements():
