@@ -10,6 +10,11 @@
 
 plus, for planning at scale, estimated time and memory per GPU for 1, 4 and 8 GPUs
 (``gpus=``, ``device=``). ``to_dict()`` exports everything as plain data.
+
+One row model, two renderers: ``summary()``, ``stages()``, ``decisions()``, ``passes()``
+and ``scale()`` build the content once; ``__str__`` and ``_repr_html_`` only lay it out
+(a ``_text_<stage>`` and an ``_html_<stage>`` method per stage), so ``stage=`` keeps the
+same single stage in both.
 """
 from __future__ import annotations
 
@@ -151,7 +156,7 @@ class Explain:
             "rules_fired": [f.__dict__ for f in self.plan.fired], "decisions": self.decisions(),
             "passes": self.passes(), "passes_over_data": self.plan.data_passes,
             "estimated_seconds": self.plan.seconds, "estimated_peak_bytes": self.plan.peak_bytes,
-            "scale": scale_estimates(self.plan, self.gpus, self.device) if self.device else [],
+            "scale": self.scale(),
             "warning": self.warning,
         }
 
@@ -159,94 +164,107 @@ class Explain:
         """The trees' header: this plan's estimate (its options and device), not a re-plan."""
         return "estimated cost: " + self.plan.total.describe()
 
+    # ---- the row model both renderers read --------------------------------------
+    def summary(self) -> str:
+        """The header line: device, budget, passes over data and the plan's estimates."""
+        p = self.plan
+        return (f"device {p.device.name}, memory budget {_si(p.options.memory_budget)}B, {p.data_passes} "
+                f"pass(es) over data, est. {_fmt_seconds(p.seconds)}, peak ~{_si(p.peak_bytes)}B")
+
+    def stages(self) -> list[str]:
+        """The stages shown, in order: all of them, or only ``stage`` (``"scale"`` needs ``device``)."""
+        keys = ["logical", "simplified", "costed", "physical"] + (["scale"] if self.device else [])
+        return [k for k in keys if self.stage in (None, k)]
+
+    def scale(self) -> list[dict]:
+        return scale_estimates(self.plan, self.gpus, self.device) if self.device else []
+
     # ---- text -------------------------------------------------------------------
     def __str__(self) -> str:
-        p = self.plan
-        lines = [f"gradalg plan — device {p.device.name}, memory budget {_si(p.options.memory_budget)}B, "
-                 f"{p.data_passes} pass(es) over data, est. {_fmt_seconds(p.seconds)}, "
-                 f"peak ~{_si(p.peak_bytes)}B"]
+        lines = [f"gradalg plan — {self.summary()}"]
         if self.warning:
             lines.append(f"! {self.warning}")
-        want = self.stage
-        if want in (None, "logical"):
-            lines += ["", "1. logical", text_tree(p.logical, "expression", self._cost_line())]
-        if want in (None, "simplified"):
-            fired = ", ".join(f"{f.rule}" for f in p.fired) or "none"
-            lines += ["", f"2. simplified (rules fired: {fired})"]
-            lines += [f"   - {f.rule}: {f.before} → {f.after}  ({f.why})" for f in p.fired]
-            if p.fired:
-                lines.append(text_tree(p.simplified, "simplified", self._cost_line()))
-        if want in (None, "costed"):
-            lines += ["", "3. costed decisions"]
-            for d in self.decisions():
-                alts = "; ".join(f"{k}: {_fmt_alt(v)}" for k, v in d["alternatives"].items())
-                lines.append(f"   - {d['what']}: chose {d['chosen']}  [{alts}]")
-                if d["why"]:
-                    lines.append(f"       {d['why']}")
-        if want in (None, "physical"):
-            lines += ["", "4. physical passes"]
-            header = f"   {'#':>2}  {'reads':<38} {'batch':>5} {'est FLOP':>10} {'est time':>10} {'est peak':>9}"
-            if self.analyzed:
-                header += f" {'measured':>10} {'held':>9}"
-            lines.append(header)
-            for row in self.passes():
-                line = (f"   {row['pass']:>2}  {row['reads'][:38]:<38} {str(row['batch_size'] or '-'):>5} "
-                        f"{_si(row['flops']) + 'FLOP':>10} {_fmt_seconds(row['seconds']):>10} "
-                        f"{_si(row['peak_bytes']) + 'B':>9}")
-                if "measured_seconds" in row:
-                    line += f" {_fmt_seconds(row['measured_seconds']):>10} {_si(row['measured_held_bytes']) + 'B':>9}"
-                lines.append(line)
-                for job in row["jobs"]:
-                    lines.append(f"        · {job}")
-                if row["note"]:
-                    lines.append(f"        ! {row['note']}")
-                if row.get("distributed"):
-                    lines.append(f"        ⇉ {row['distributed']}")
-        if self.device and want in (None, "scale"):
-            lines += ["", f"5. at scale on {profile(self.device).name} (estimates)"]
-            for r in scale_estimates(p, self.gpus, self.device):
-                lines.append(f"   {r['gpus']} GPU(s): {_fmt_seconds(r['seconds'])}, {_si(r['memory_per_gpu'])}B per GPU"
-                             + ("" if r["fits"] else "  (does not fit)"))
+        for key in self.stages():
+            lines += ["", *getattr(self, f"_text_{key}")()]
         return "\n".join(lines)
 
     __repr__ = __str__
 
+    def _text_logical(self) -> list[str]:
+        return ["1. logical", text_tree(self.plan.logical, "expression", self._cost_line())]
+
+    def _text_simplified(self) -> list[str]:
+        p = self.plan
+        fired = ", ".join(f"{f.rule}" for f in p.fired) or "none"
+        lines = [f"2. simplified (rules fired: {fired})"]
+        lines += [f"   - {f.rule}: {f.before} → {f.after}  ({f.why})" for f in p.fired]
+        if p.fired:
+            lines.append(text_tree(p.simplified, "simplified", self._cost_line()))
+        return lines
+
+    def _text_costed(self) -> list[str]:
+        lines = ["3. costed decisions"]
+        for d in self.decisions():
+            alts = "; ".join(f"{k}: {_fmt_alt(v)}" for k, v in d["alternatives"].items())
+            lines.append(f"   - {d['what']}: chose {d['chosen']}  [{alts}]")
+            if d["why"]:
+                lines.append(f"       {d['why']}")
+        return lines
+
+    def _text_physical(self) -> list[str]:
+        lines = ["4. physical passes"]
+        header = f"   {'#':>2}  {'reads':<38} {'batch':>5} {'est FLOP':>10} {'est time':>10} {'est peak':>9}"
+        if self.analyzed:
+            header += f" {'measured':>10} {'held':>9}"
+        lines.append(header)
+        for row in self.passes():
+            line = (f"   {row['pass']:>2}  {row['reads'][:38]:<38} {str(row['batch_size'] or '-'):>5} "
+                    f"{_si(row['flops']) + 'FLOP':>10} {_fmt_seconds(row['seconds']):>10} "
+                    f"{_si(row['peak_bytes']) + 'B':>9}")
+            if "measured_seconds" in row:
+                line += f" {_fmt_seconds(row['measured_seconds']):>10} {_si(row['measured_held_bytes']) + 'B':>9}"
+            lines.append(line)
+            lines += [f"        · {job}" for job in row["jobs"]]
+            if row["note"]:
+                lines.append(f"        ! {row['note']}")
+            if row.get("distributed"):
+                lines.append(f"        ⇉ {row['distributed']}")
+        return lines
+
+    def _text_scale(self) -> list[str]:
+        lines = [f"5. at scale on {profile(self.device).name} (estimates)"]
+        for r in self.scale():
+            lines.append(f"   {r['gpus']} GPU(s): {_fmt_seconds(r['seconds'])}, {_si(r['memory_per_gpu'])}B per GPU"
+                         + ("" if r["fits"] else "  (does not fit)"))
+        return lines
+
     # ---- HTML -------------------------------------------------------------------
     def _repr_html_(self) -> str:
-        from ..viz.html import _css, html_tree
-        p = self.plan  # one section per stage; ``stage=`` keeps one (as in the text)
+        from ..viz.html import _css
         esc = html.escape
-        head = (f"<div class='ga-head'>gradalg plan <span class='ga-cost'>device {esc(p.device.name)}, memory "
-                f"budget {_si(p.options.memory_budget)}B, {p.data_passes} pass(es) over data, est. "
-                f"{_fmt_seconds(p.seconds)}, peak ~{_si(p.peak_bytes)}B</span></div>")
-        parts = [f"<style>{_css()}</style><div class='ga-expr'>", head]
+        parts = [f"<style>{_css()}</style><div class='ga-expr'>",
+                 f"<div class='ga-head'>gradalg plan <span class='ga-cost'>{esc(self.summary())}</span></div>"]
         if self.warning:
             parts.append(f"<div class='ga-warning'>⚠ {esc(self.warning)}</div>")
-        want = self.stage
-        if want in (None, "logical"):
-            parts.append(f"<details{' open' if want else ''}><summary>1. logical</summary>"
-                         f"{html_tree(p.logical, 'expression', self._cost_line())}</details>")
-        if want in (None, "simplified"):
-            parts.append(self._simplified_html())
-        if want in (None, "costed"):
-            parts.append(self._costed_html())
-        if want in (None, "physical"):
-            parts.append(self._physical_html())
-        if self.device and want in (None, "scale"):
-            parts.append(self._scale_html())
+        parts += [getattr(self, f"_html_{key}")() for key in self.stages()]
         parts.append("</div>")
         return "".join(parts)
 
-    def _simplified_html(self) -> str:
-        p, esc = self.plan, html.escape
+    def _html_logical(self) -> str:
         from ..viz.html import html_tree
+        return (f"<details{' open' if self.stage else ''}><summary>1. logical</summary>"
+                f"{html_tree(self.plan.logical, 'expression', self._cost_line())}</details>")
+
+    def _html_simplified(self) -> str:
+        from ..viz.html import html_tree
+        p, esc = self.plan, html.escape
         fired = "".join(f"<li><b>{esc(f.rule)}</b>: {esc(f.before)} → {esc(f.after)} <i>{esc(f.why)}</i></li>"
                         for f in p.fired) or "<li>no rule fired</li>"
         return (f"<details{' open' if self.stage else ''}><summary>2. simplified ({len(p.fired)} rewrites)"
                 f"</summary><ul>{fired}</ul>"
                 f"{html_tree(p.simplified, 'simplified', self._cost_line()) if p.fired else ''}</details>")
 
-    def _costed_html(self) -> str:
+    def _html_costed(self) -> str:
         esc = html.escape
         rows = "".join(
             f"<tr><td>{esc(d['what'])}</td><td><b>{esc(d['chosen'])}</b></td><td>"
@@ -255,7 +273,7 @@ class Explain:
         return ("<details open><summary>3. costed decisions</summary><table class='ga-table'><tr><th>what"
                 "</th><th>chosen</th><th>alternatives (est.)</th><th>why</th></tr>" + rows + "</table></details>")
 
-    def _physical_html(self) -> str:
+    def _html_physical(self) -> str:
         esc = html.escape
         measured = bool(self.analyzed)
         head_row = ("<tr><th>#</th><th>reads</th><th>jobs</th><th>batch</th><th>est FLOP</th><th>est time</th>"
@@ -275,11 +293,11 @@ class Explain:
         return (f"<details open><summary>4. physical passes</summary><table class='ga-table'>{head_row}{body}"
                 "</table></details>")
 
-    def _scale_html(self) -> str:
+    def _html_scale(self) -> str:
         esc = html.escape
-        srows = "".join(f"<tr><td>{r['gpus']}</td><td>{_fmt_seconds(r['seconds'])}</td>"
-                        f"<td>{_si(r['memory_per_gpu'])}B</td><td>{'yes' if r['fits'] else 'no'}</td></tr>"
-                        for r in scale_estimates(self.plan, self.gpus, self.device))
+        rows = "".join(f"<tr><td>{r['gpus']}</td><td>{_fmt_seconds(r['seconds'])}</td>"
+                       f"<td>{_si(r['memory_per_gpu'])}B</td><td>{'yes' if r['fits'] else 'no'}</td></tr>"
+                       for r in self.scale())
         return (f"<details open><summary>5. at scale on {esc(profile(self.device).name)}</summary>"
                 "<table class='ga-table'><tr><th>GPUs</th><th>time</th><th>memory per GPU</th><th>fits"
-                f"</th></tr>{srows}</table></details>")
+                f"</th></tr>{rows}</table></details>")
