@@ -132,7 +132,8 @@ class Explain:
 
     def decisions(self) -> list[dict]:
         nodes = self._nodes()
-        return [{"what": readable(d.what, nodes), "chosen": d.chosen, "alternatives": dict(d.alternatives), "why": d.why}
+        return [{"what": readable(d.what, nodes), "chosen": d.chosen, "alternatives": dict(d.alternatives),
+                 "why": d.why}
                 for d in self.plan.decisions]
 
     def passes(self) -> list[dict]:

@@ -7,7 +7,8 @@ from ..expr import GradNode, Identity, Inner, Node, OpNode, ScoreNode
 def block_label(block, representation: str | None = None) -> str:
     """A block as a reader knows it: its module path, then its kind and ``(out, in)`` shape
     (bias folded into ``in``), e.g. ``0 (linear 16×9, factored)`` for ``nn.Sequential``'s
-    first layer; a projected block reads ``0 (projected 2×2)``. Display only: the API keys blocks by the bare name (``G["0"]``)."""
+    first layer; a projected block reads ``0 (projected 2×2)``. Display only: the API keys
+    blocks by the bare name (``G["0"]``)."""
     shape = "×".join(map(str, block.shape))
     extra = f", {representation}" if representation and representation != block.kind else ""
     return f"{block.name or '<root>'} ({block.kind} {shape}{extra})"
