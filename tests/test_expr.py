@@ -234,7 +234,7 @@ def test_reprs_show_shapes_and_representations(s):
     P = ga.proj.kron(8, seed=0)
     text = repr(G)
     assert "24 examples × 195 coords" in text
-    assert "16×9 factored" in text and "3×17 factored" in text
+    assert "0 (linear 16×9, factored)" in text and "2 (linear 3×17, factored)" in text
     ptext = repr(P(G))
     assert "ga.proj.kron(k=8, seed=0)" in ptext and "projected" in ptext and "16 coords" in ptext
     S = P(Q) @ ga.fisher(P(G)).damp(1e-3).inv() @ P(G).T
