@@ -180,3 +180,37 @@ def test_the_quickstart_influence_stores_its_training_rows_once_on_dask(existing
     assert ex.last_plan.decision("second use").chosen == "store"
     assert got.shape == (10, 300)
     np.testing.assert_allclose(np.asarray(got.values), want, rtol=1e-10, atol=1e-12)
+
+
+def test_language_model_dict_items_with_a_tied_head_on_dask_equal_local(own_cluster):
+    """Variable-length dict items (gradalg's pad collate in every shard), a GPT-2 whose
+    embedding is tied to its head (one block, uses summed) and LoGra's stored projected
+    rows: the Dask result equals the local one, which equals a loop of autograd."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=20, n_positions=12))
+    model = model.double().eval()
+    g = torch.Generator().manual_seed(0)
+    items = []
+    for _ in range(24):
+        ids = torch.randint(1, 20, (int(torch.randint(3, 10, (1,), generator=g)),), generator=g)
+        items.append({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    task = ga.tasks.causal_lm(model)
+    with ga.options(progress=False):
+        dot = ga.methods.grad_dot(task, items, items[:3])
+        local = dot.compute().values
+        np.testing.assert_allclose(np.asarray(dot.compute(executor=own_cluster).values), local, rtol=1e-10)
+        logra = ga.methods.logra(task, items, items[:3], k=16)
+        np.testing.assert_allclose(np.asarray(logra.compute(executor=own_cluster).values), logra.compute().values,
+                                   rtol=1e-8, atol=1e-10)
+
+    def grad(item):     # the tied weight's gradient is the sum over its two uses
+        model.zero_grad()
+        ids = item["input_ids"][None]
+        logits = model(input_ids=ids).logits[0, :-1]
+        torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum").backward()
+        return torch.cat([p.grad.flatten() for n, p in model.named_parameters() if "wpe" not in n and "ln" not in n])
+
+    rows = torch.stack([grad(it) for it in items])
+    np.testing.assert_allclose(local, (rows[:3] @ rows.T).numpy(), rtol=1e-10, atol=1e-12)
