@@ -251,7 +251,7 @@ def unfold_patches(x: torch.Tensor, kernel, stride, padding, dilation) -> torch.
     for i in range(nd):
         x = x.unfold(2 + i, dilation[i] * (kernel[i] - 1) + 1, stride[i])
     x = x[(...,) + tuple(slice(None, None, d) for d in dilation)]     # (B, C, O_1..O_n, k_1..k_n)
-    B, C, positions = x.shape[0], x.shape[1], x.shape[2:2 + nd]
+    B, positions = x.shape[0], x.shape[2:2 + nd]
     order = (0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd))
     return x.permute(order).reshape(B, math.prod(positions), -1)
 

@@ -258,19 +258,6 @@ class DaskExecutor(LocalExecutor):
         return self._results[key].detach().cpu().numpy()
 
 
-def _strip_scores(result, score_jobs):
-    states, trace = result
-    return [None if i in score_jobs else s for i, s in enumerate(states)], trace
-
-
-def _np_dtype(job):
-    src = stream_root(job.streams[0])
-    if isinstance(src, Source):
-        for p in src.task.model.parameters():
-            return {torch.float64: "float64", torch.float32: "float32"}.get(p.dtype, "float32")
-    return "float32"
-
-
 def _state_bytes(job, n: int) -> float:
     """Rough size of what a job's shards send back, summed over shards."""
     if job.kind == "scores":

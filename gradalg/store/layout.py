@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import xarray as xr
 
-from ..errors import StoreCorruptError, StoreIncompleteError, StoreMismatchError
+from ..errors import StoreIncompleteError, StoreMismatchError
 from . import integrity
 
 __all__ = ["require", "ids_array", "ids_tuple", "read_attrs", "done_flags", "prepare", "write_template",

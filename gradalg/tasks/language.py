@@ -37,7 +37,6 @@ import math
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import BatchContentError
