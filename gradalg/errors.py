@@ -22,6 +22,8 @@ __all__ = [
     "DataError",
     "WorkerFaultError",
     "ExampleIdsError",
+    "OperatorError",
+    "StaleCompiledError",
 ]
 
 
@@ -143,3 +145,14 @@ class BatchContentError(GradalgError, ValueError):
 
 class PerTokenError(GradalgError, ValueError):
     """Per-token rows (``G.per_token()``) cannot be built or computed exactly for these gradients."""
+
+
+class OperatorError(GradalgError, ValueError):
+    """An operation a resolved operator cannot do exactly for its structure (the inverse of
+    a singular matrix, a fractional power of an indefinite one, a power of an operator known
+    only through products, ...). The message names the structure and the fix."""
+
+
+class StaleCompiledError(GradalgError, RuntimeError):
+    """A compiled expression (``ga.compile``) whose model weights changed since it was
+    compiled, used with ``on_change="raise"``."""

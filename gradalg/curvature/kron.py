@@ -20,12 +20,14 @@ and powers act on the eigenvalues: ``(F + λI)⁻¹ G = Q_S [(Q_Sᵀ G Q_A) / (�
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from ..capture.factors import Factors, OneHot
+from ..capture.factors import Factors, OneHot, materialize
 from ..errors import GradalgError, MemoryBudgetError
+from ..linalg.base import LinearOp, power_values, reciprocal
+from ..linalg.explicit import explicit
 
 __all__ = ["KronStats", "KronOp", "kron_eigenbasis", "rotate_factors", "rotate_rows", "work_dtype", "gram"]
 
@@ -112,43 +114,45 @@ def rotate_rows(G: torch.Tensor, Q_S: torch.Tensor, Q_A: torch.Tensor) -> torch.
 
 
 @dataclass
-class KronOp:
-    """Per block: eigenbases ``Q_S`` (out, out), ``Q_A`` (in, in) and eigenvalues (out, in).
+class KronOp(LinearOp):
+    """Per block: eigenbases ``Q_S`` (out, out), ``Q_A`` (in, in) and eigenvalues Λ (out, in).
 
-    The operator on block b maps G (out, in) to ``Q_S [(Q_Sᵀ G Q_A) ∘ Λ] Q_Aᵀ``.
+    The operator on block b maps G (out, in) to ``Q_S [(Q_Sᵀ G Q_A) ∘ Λ] Q_Aᵀ``; it is
+    block-diagonal across the space's blocks. Damping, inverse and powers act on Λ
+    (rules ``kronecker.*``), exactly, since ``Q_S ⊗ Q_A`` is orthogonal.
     """
 
     space: object
     bases: dict  # name -> (Q_S, Q_A)
     eigenvalues: dict  # name -> (out, in)
-    kind: str = "kron"
+    tags: frozenset = frozenset()
+    rules: tuple = ()
+
+    form = "kronecker"
+    kind = "kron"
 
     def _with(self, eigenvalues) -> "KronOp":
-        return KronOp(self.space, self.bases, eigenvalues)
+        return replace(self, eigenvalues=eigenvalues)
 
-    def scale(self, c: float) -> "KronOp":
+    def _scale(self, c: float) -> "KronOp":
         return self._with({k: c * v for k, v in self.eigenvalues.items()})
 
-    def damp(self, damping: float) -> "KronOp":
-        if damping < 0:
-            raise ValueError(f"damping must be non-negative, got {damping}")
+    def _damp(self, damping: float) -> "KronOp":
         return self._with({k: v + damping for k, v in self.eigenvalues.items()})
 
-    def inverse(self, what: str = "the Kronecker operator") -> "KronOp":
-        out = {}
-        for k, v in self.eigenvalues.items():
-            if (v <= v.abs().max().clamp_min(1e-300) * 1e-15).any():
-                raise GradalgError(
-                    f"cannot invert {what} (block {k!r}): eigenvalue {float(v.min()):.3g} is not "
-                    "positive. Add damping first: op.damp(λ)."
-                )
-            out[k] = 1.0 / v
-        return self._with(out)
+    def _inverse(self, what, rule, settings) -> "KronOp":
+        return self._with({k: reciprocal(v.to(torch.float64), f"{what} (block {k!r})").to(v.dtype)
+                           for k, v in self.eigenvalues.items()})
 
-    def power(self, p: float, what: str = "the Kronecker operator") -> "KronOp":
-        if p < 0:
-            return self.inverse(what).power(-p, what)
-        return self._with({k: v.clamp_min(0) ** p for k, v in self.eigenvalues.items()})
+    def _power(self, p, what, rtol) -> "KronOp":
+        return self._with({k: power_values(v.to(torch.float64), p, f"{what} (block {k!r})", rtol).to(v.dtype)
+                           for k, v in self.eigenvalues.items()})
+
+    def trace(self) -> float:
+        return sum(float(v.sum()) for v in self.eigenvalues.values())
+
+    def _intrinsic_tags(self) -> frozenset:
+        return frozenset({"psd"}) if all(bool((v >= 0).all()) for v in self.eigenvalues.values()) else frozenset()
 
     def apply(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows (n, dim) ↦ (H x_i)_i.   Returns (n, dim)."""
@@ -177,8 +181,7 @@ class KronOp:
             if isinstance(value, Factors) and value.T * (o * o + i * i) < o * i * (o + i):
                 rotated = rotate_factors(value, Q_S, Q_A)
             else:
-                from ..exec.chunks import flat_block
-                G = flat_block(value)
+                G = materialize(value).flatten(1) if isinstance(value, Factors) else value
                 rotated = rotate_rows(G.reshape(G.shape[0], o, i), Q_S, Q_A)
             dtype = rotated.dtype
             rotated *= self.eigenvalues[name].to(dtype)
@@ -188,6 +191,7 @@ class KronOp:
         return out
 
     def block_matrix(self, name: str) -> torch.Tensor:
+        """Block ``name``'s (out·in, out·in) matrix (Q_S⊗Q_A) diag(vec Λ) (Q_S⊗Q_A)ᵀ."""
         Q_S, Q_A = self.bases[name]
         K = torch.kron(Q_S, Q_A)
         return (K * self.eigenvalues[name].flatten().unsqueeze(0)) @ K.T
@@ -196,20 +200,8 @@ class KronOp:
         return torch.block_diag(*(self.block_matrix(n) for n in self.space.names))
 
     def as_block(self):
-        from ..exec.operators import ResolvedOp
-        return ResolvedOp(self.space, "block", {n: self.block_matrix(n) for n in self.space.names})
-
-    def add(self, other):
-        """Sum with any operator: a damping-like diagonal shift stays Kronecker; else block."""
-        from ..exec.operators import ResolvedOp
-        if isinstance(other, ResolvedOp) and other.kind == "diag" and torch.all(other.data == other.data[0]):
-            return self.damp(float(other.data[0]))
-        if isinstance(other, KronOp) and all(
-                torch.equal(self.bases[n][0], other.bases[n][0]) and torch.equal(self.bases[n][1], other.bases[n][1])
-                for n in self.space.names):
-            return self._with({k: v + other.eigenvalues[k] for k, v in self.eigenvalues.items()})
-        left = self.as_block()
-        return left.add(other.as_block() if isinstance(other, KronOp) else other)
+        """The same operator as one explicit matrix per block (``kronecker.expand_to_block``)."""
+        return explicit(self, "block")
 
     def nbytes(self) -> int:
         total = 0

@@ -24,10 +24,7 @@ from typing import Iterator
 import torch
 
 from ..capture.factors import Factors
-from ..expr import (KFAC, Arnoldi, Captured, CurvatureProducts, Damp, DataInf, Dense, Diagonal, Fisher, GradNode,
-                    GroupMean, Identity, Inverse, Normalize, OpNode, Power, ScaledOp, ScoreDiagonal, ScoreNode,
-                    ScoreSum, Source, SumOp)
-from ..expr.stored import StoredOp
+from ..expr import Captured, GradNode, GroupMean, Identity, Normalize, OpNode, ScoreDiagonal, ScoreNode, ScoreSum, Source
 from ..data import batch_size_of, move_batch
 from ..errors import DataError
 from ..options import Options, get_options
@@ -40,11 +37,8 @@ from .accumulators import (Collector, DiagAccumulator, EKFACAccumulator, FisherA
 from .capture_pass import PassCapture, SourceCapture, eval_mode, model_device_dtype
 from .progress import progress_bar
 from .chunks import Chunk, concat_chunks, flatten, unflatten
-from .curvature import resolve_curvature
-from .operators import ResolvedOp, damp_resolved
-from .rowwise import apply_rowwise, dtype_device
-
-CURVATURE_NODES = (CurvatureProducts, Arnoldi, DataInf)
+from .resolve import precondition, resolve_node
+from .rowwise import apply_rowwise
 
 __all__ = ["LocalExecutor"]
 
@@ -303,50 +297,7 @@ class LocalExecutor(Executor):
         return self._ops[node.token]
 
     def _resolve(self, node: OpNode):
-        if isinstance(node, Identity):
-            return ResolvedOp.identity(node.space, torch.float64)  # exact in any row dtype
-        if isinstance(node, Diagonal):
-            return ResolvedOp(node.space, "diag", node.values)
-        if isinstance(node, Dense):
-            return ResolvedOp(node.space, "dense", node.matrix)
-        if isinstance(node, StoredOp):  # numbers kept outside the expression (ga.store)
-            return node.store.load()
-        if isinstance(node, Fisher):
-            acc = FisherAccumulator(node, self.options.memory_budget)
-            for chunk in self.iter_chunks(node.grads):
-                acc.update(chunk)
-            return acc.finish()
-        if isinstance(node, KFAC):
-            acc = KronAccumulator(node)
-            for chunk in self.iter_chunks(node.grads):
-                acc.update(chunk)
-            kfac = self._kron.get(node.token) or acc.finish()
-            if not node.eigen_correction:
-                return kfac
-            corr = EKFACAccumulator(node, kfac)
-            for chunk in self.iter_chunks(node.grads):
-                corr.update(chunk)
-            return corr.finish()
-        if isinstance(node, Damp):
-            return damp_resolved(self.resolve(node.op), node.damping, node.relative)
-        if isinstance(node, Inverse):
-            inner = self.resolve(node.op)
-            if inner.kind == "implicit":
-                method = "cg" if node.method == "auto" else node.method
-                return inner.inverse(node.op.label, method=method, **dict(node.settings))
-            return inner.inverse(node.op.label)
-        if isinstance(node, Power):
-            return self.resolve(node.op).power(node.p, node.op.label)
-        if isinstance(node, ScaledOp):
-            return self.resolve(node.op).scale(node.scale)
-        if isinstance(node, SumOp):
-            total = self.resolve(node.ops[0])
-            for op in node.ops[1:]:
-                total = _add(total, self.resolve(op))
-            return total
-        if isinstance(node, CURVATURE_NODES):
-            return resolve_curvature(self, node)
-        raise TypeError(f"the local executor cannot resolve operator {type(node).__name__}")
+        return resolve_node(self, node)   # by the named rules of the operator protocol
 
 
 def _normalized_late(job, step) -> bool:
@@ -361,20 +312,3 @@ def _normalized_late(job, step) -> bool:
 def _fed_streams(job, step) -> tuple:
     """The nodes whose chunks feed ``job``'s sink (unnormalized rows for a late normalization)."""
     return (job.streams[0].grads,) if _normalized_late(job, step) else job.streams
-
-
-def precondition(resolved, held: Chunk, space) -> Chunk:
-    """The held side of a score with the operator applied: block by block for operators
-    that act per block on factored rows (Kronecker), else on the concatenated rows."""
-    if hasattr(resolved, "apply_blocks"):
-        done = resolved.apply_blocks(held.blocks)
-        return held.replace({n: done[n].to(dtype_device(v)[0]) for n, v in held.blocks.items()})
-    return held.replace(unflatten(resolved.apply(flatten(held, space)), space))
-
-
-def _add(a, b):
-    """a + b for resolved operators of any kinds (explicit ones know only each other)."""
-    if isinstance(a, ResolvedOp) and not isinstance(b, ResolvedOp):
-        return b.add(a)
-    return a.add(b)
-

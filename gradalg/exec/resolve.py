@@ -1,0 +1,89 @@
+"""Resolution: an operator node ↦ its numbers, a :class:`~gradalg.linalg.LinearOp`.
+
+Leaves are read (``Identity``, ``Diagonal``, ``Dense``, a stored operator), accumulated
+over the data on the executor's pull path when no pass of the plan produced them
+(``Fisher``, ``KFAC``), or built from products (:mod:`gradalg.exec.curvature`).
+Every other node is one operation of the protocol on its operand, done by the named
+rule its structure selects (:mod:`gradalg.linalg.rules`); the rules applied are in
+the result's ``rules``, the same list :func:`gradalg.plan.resolution.resolution_rules`
+predicts from the expression alone.
+
+``precondition`` applies a resolved operator to the held side of a score.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..expr import (KFAC, Arnoldi, CurvatureProducts, Damp, DataInf, Dense, Diagonal, Fisher, Identity, Inverse,
+                    OpNode, Power, ScaledOp, SumOp)
+from ..expr.stored import StoredOp
+from ..linalg import LinearOp, ResolvedOp
+from .accumulators import EKFACAccumulator, FisherAccumulator, KronAccumulator
+from .chunks import Chunk, flatten, unflatten
+from .curvature import resolve_curvature
+from .rowwise import dtype_device
+
+__all__ = ["resolve_node", "precondition"]
+
+CURVATURE_NODES = (CurvatureProducts, Arnoldi, DataInf)
+
+
+def resolve_node(executor, node: OpNode) -> LinearOp:
+    """The numbers of ``node``; operands through ``executor.resolve`` (memoized there)."""
+    if isinstance(node, Identity):
+        return ResolvedOp.identity(node.space, torch.float64)  # exact in any row dtype
+    if isinstance(node, Diagonal):
+        return ResolvedOp(node.space, "diag", node.values)
+    if isinstance(node, Dense):
+        return ResolvedOp(node.space, "dense", node.matrix)
+    if isinstance(node, StoredOp):  # numbers kept outside the expression (ga.store, ga.compile)
+        return node.store.load()
+    if isinstance(node, Fisher):
+        acc = FisherAccumulator(node, executor.options.memory_budget)
+        for chunk in executor.iter_chunks(node.grads):
+            acc.update(chunk)
+        return acc.finish()
+    if isinstance(node, KFAC):
+        return _kfac(executor, node)
+    if isinstance(node, Damp):
+        return executor.resolve(node.op).damp(node.damping, relative=node.relative, what=node.op.label)
+    if isinstance(node, Inverse):
+        method = None if node.method == "auto" else node.method
+        return executor.resolve(node.op).inverse(node.op.label, method=method, **dict(node.settings))
+    if isinstance(node, Power):
+        return executor.resolve(node.op).power(node.p, node.op.label)
+    if isinstance(node, ScaledOp):
+        return executor.resolve(node.op).scale(node.scale)
+    if isinstance(node, SumOp):
+        total = executor.resolve(node.ops[0])
+        for op in node.ops[1:]:
+            total = total.add(executor.resolve(op))
+        return total
+    if isinstance(node, CURVATURE_NODES):
+        return resolve_curvature(executor, node)
+    raise TypeError(f"the {getattr(executor, 'name', 'local')} executor cannot resolve operator "
+                    f"{type(node).__name__}")
+
+
+def _kfac(executor, node: KFAC) -> LinearOp:
+    kfac = executor._kron.get(node.token) if hasattr(executor, "_kron") else None
+    if kfac is None:
+        acc = KronAccumulator(node)
+        for chunk in executor.iter_chunks(node.grads):
+            acc.update(chunk)
+        kfac = acc.finish()
+    if not node.eigen_correction:
+        return kfac
+    corr = EKFACAccumulator(node, kfac)
+    for chunk in executor.iter_chunks(node.grads):
+        corr.update(chunk)
+    return corr.finish()
+
+
+def precondition(resolved: LinearOp, held: Chunk, space) -> Chunk:
+    """The held side of a score with the operator applied: block by block for operators
+    that act per block on factored rows (Kronecker), else on the concatenated rows."""
+    if hasattr(resolved, "apply_blocks"):
+        done = resolved.apply_blocks(held.blocks)
+        return held.replace({n: done[n].to(dtype_device(v)[0]) for n, v in held.blocks.items()})
+    return held.replace(unflatten(resolved.apply(flatten(held, space)), space))

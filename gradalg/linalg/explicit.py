@@ -1,0 +1,129 @@
+"""Explicit operators: a diagonal, one matrix per block, or one dense matrix.
+
+``ResolvedOp`` holds ``diag`` (a (dim,) vector), ``block`` (one (d_b, d_b) matrix per
+block, block-diagonal across the space's blocks) or ``dense`` (one (dim, dim) matrix).
+Inverses and powers go through a symmetric eigendecomposition in float64
+(:func:`~gradalg.linalg.base.sym_eig_map`), so a singular matrix is refused with the
+fix (damp it) instead of silently amplified.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import LinearOp, power_values, reciprocal, sym_eig_map
+
+__all__ = ["ResolvedOp", "explicit"]
+
+_FORM = {"diag": "diagonal", "block": "block", "dense": "dense"}
+
+
+@dataclass
+class ResolvedOp(LinearOp):
+    """An explicit operator's numbers. ``kind`` is "diag", "block" or "dense"."""
+
+    space: object
+    kind: str
+    data: object  # (dim,) tensor | dict[name, (d_b, d_b)] | (dim, dim) tensor
+    tags: frozenset = frozenset()
+    rules: tuple = ()
+
+    @property
+    def form(self) -> str:
+        return _FORM[self.kind]
+
+    # ---- constructors -------------------------------------------------------------
+    @classmethod
+    def identity(cls, space, dtype=torch.float32, device="cpu") -> "ResolvedOp":
+        """I on ``space`` (labels ``identity``, ``psd``)."""
+        return cls(space, "diag", torch.ones(space.dim, dtype=dtype, device=device),
+                   frozenset({"identity", "psd"}))
+
+    def _new(self, kind, data) -> "ResolvedOp":
+        return ResolvedOp(self.space, kind, data, self.tags, self.rules)
+
+    # ---- conversions --------------------------------------------------------------
+    def as_kind(self, kind: str) -> "ResolvedOp":
+        """The same operator kept with a coarser structure ("block" or "dense")."""
+        if kind == self.kind:
+            return self
+        if self.kind == "diag" and kind == "block":
+            return self._new("block", {n: torch.diag(self.data[s]) for n, s in self.space.offsets().items()})
+        if kind == "dense":
+            return self._new("dense", self.dense())
+        raise ValueError(f"cannot keep a {self.kind} operator as {kind}")
+
+    def dense(self) -> torch.Tensor:
+        """The full (dim, dim) matrix."""
+        if self.kind == "dense":
+            return self.data
+        if self.kind == "diag":
+            return torch.diag(self.data)
+        return torch.block_diag(*(self.data[n] for n in self.space.names))
+
+    # ---- application --------------------------------------------------------------
+    def _intrinsic_tags(self) -> frozenset:
+        return frozenset({"psd"}) if self.kind == "diag" and bool((self.data >= 0).all()) else frozenset()
+
+    def apply(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows (n, dim) ↦ rows Hᵀ = (H x_i)_i for symmetric H.   Returns (n, dim)."""
+        if self.kind == "diag":
+            return rows * self.data.to(rows.dtype)
+        if self.kind == "dense":
+            return rows @ self.data.to(rows.dtype)
+        out = torch.empty_like(rows)
+        for name, s in self.space.offsets().items():
+            out[:, s] = rows[:, s] @ self.data[name].to(rows.dtype)
+        return out
+
+    def nbytes(self) -> int:
+        if self.kind == "block":
+            return sum(m.numel() * m.element_size() for m in self.data.values())
+        return self.data.numel() * self.data.element_size()
+
+    def trace(self) -> float:
+        if self.kind == "diag":
+            return float(self.data.sum())
+        if self.kind == "dense":
+            return float(self.data.diagonal().sum())
+        return sum(float(m.diagonal().sum()) for m in self.data.values())
+
+    # ---- primitives of the rules ---------------------------------------------------
+    def _scale(self, c: float) -> "ResolvedOp":
+        if self.kind == "block":
+            return self._new("block", {n: c * m for n, m in self.data.items()})
+        return self._new(self.kind, c * self.data)
+
+    def _damp(self, damping: float) -> "ResolvedOp":
+        if self.kind == "diag":
+            return self._new("diag", self.data + damping)
+        if self.kind == "dense":
+            return self._new("dense", self.data + damping * torch.eye(len(self.data), dtype=self.data.dtype,
+                                                                       device=self.data.device))
+        return self._new("block", {n: m + damping * torch.eye(len(m), dtype=m.dtype, device=m.device)
+                                   for n, m in self.data.items()})
+
+    def _map(self, fn, what) -> "ResolvedOp":
+        if self.kind == "diag":
+            return self._new("diag", fn(self.data.to(torch.float64), what).to(self.data.dtype))
+        if self.kind == "block":
+            return self._new("block", {n: sym_eig_map(m, fn, f"{what} (block {n!r})").to(m.dtype)
+                                       for n, m in self.data.items()})
+        return self._new("dense", sym_eig_map(self.data, fn, what).to(self.data.dtype))
+
+    def _inverse(self, what, rule, settings) -> "ResolvedOp":
+        return self._map(reciprocal, what)
+
+    def _power(self, p, what, rtol) -> "ResolvedOp":
+        return self._map(lambda values, w: power_values(values, p, w, rtol), what)
+
+
+def explicit(op: LinearOp, kind: str) -> ResolvedOp:
+    """Any operator with numbers (Kronecker, low-rank, explicit) as a ``block`` or ``dense``
+    :class:`ResolvedOp` of the same matrix."""
+    if isinstance(op, ResolvedOp):
+        return op.as_kind(kind)
+    if kind == "block" and hasattr(op, "block_matrix"):
+        return ResolvedOp(op.space, "block", {n: op.block_matrix(n) for n in op.space.names}, op.tags, op.rules)
+    return ResolvedOp(op.space, "dense", op.dense(), op.tags, op.rules)
