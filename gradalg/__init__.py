@@ -13,10 +13,12 @@ from .api import (GradientSet, Operator, Scores, SelfScores, TransposedGradients
                   ekfac, fisher, gauss_newton, grads, hessian, identity, kfac, mean_scores, row_weights,
                   sum_scores)
 from .capture import capture, per_example_grads
+from .compiled import Compiled, compile  # noqa: A004 - ga.compile(S): compile once, score many queries
 from .errors import (BatchContentError, GradalgError, LossReductionError, MemoryBudgetError, NonFiniteGradientError, PerTokenError,
                      ShapeMismatchError, SpaceMismatchError, StoreIncompleteError, StoreMismatchError,
                      UnsupportedLayerError)
 from .errors import DataError, OptionError, StoreCorruptError, WorkerFaultError  # noqa: E402
+from .errors import OperatorError, StaleCompiledError  # noqa: E402
 from .exec import LocalExecutor
 from . import fingerprint  # noqa: E402 - ga.fingerprint.forget(model) after writes through .data
 from .options import get_options, options
@@ -34,5 +36,6 @@ __all__ = [
     "tasks", "viz", "integrations", "GradalgError", "LossReductionError", "MemoryBudgetError", "NonFiniteGradientError",
     "ShapeMismatchError", "SpaceMismatchError", "UnsupportedLayerError", "store", "StoreMismatchError",
     "StoreIncompleteError", "BatchContentError", "PerTokenError", "StoreCorruptError", "OptionError",
-    "DataError", "WorkerFaultError", "fingerprint",
+    "DataError", "WorkerFaultError", "fingerprint", "compile", "Compiled", "OperatorError",
+    "StaleCompiledError",
 ]

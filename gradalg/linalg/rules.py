@@ -99,6 +99,7 @@ RULES: tuple[Rule, ...] = (
     _rule("power", "kronecker.eigenvalue_power", {"kronecker"}, "(Q_S⊗Q_A) Λ^p (Q_S⊗Q_A)ᵀ"),
     _rule("power", "low-rank.eigenvalue_power_within_subspace", {"low-rank"},
           "V diag(μ^p) Vᵀ on the kept eigenspace"),
+    _rule("power", "refused", {"approximate-inverse"}, "", refusal=_REFUSE_DATAINF),
     _rule("power", "refused", {"implicit"}, "",
           refusal="powers other than ±1 of an operator known only through products need its "
                   "eigendecomposition: ga.arnoldi(H, rank).pow(p) (its top eigenspace) or an explicit "
@@ -144,7 +145,9 @@ def _describe_structure(structure) -> str:
 
 def refuse(operation: str, structure, fix: str, what: str = "the operator"):
     """Raise the :class:`OperatorError` of an operation a structure cannot do exactly."""
-    raise OperatorError(f"cannot {operation} {what}: it is a {_describe_structure(structure)} operator. {fix}")
+    described = _describe_structure(structure)
+    article = "an" if described[0] in "aeiou" else "a"
+    raise OperatorError(f"cannot {operation} {what}: it is {article} {described} operator. {fix}")
 
 
 def choose(operation: str, structure, *, variant: str | None = None, what: str = "the operator") -> Rule:
