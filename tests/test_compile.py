@@ -51,18 +51,15 @@ CURVATURES = {
 @pytest.mark.parametrize("name", list(CURVATURES))
 def test_compiled_scores_equal_compute_and_reuse_the_training_side(setting, name):
     model, task, X, y = setting
-    G = ga.grads(task, (X, y))
-    Q = ga.grads(task, (X[:4], y[:4]))
-    if name == "projected-dense":
-        P = ga.proj.gaussian(k=12, seed=0)
-        G, Q, H = P(G), P(Q), CURVATURES[name](ga.grads(task, (X, y)))
-    else:
-        H = CURVATURES[name](G)
+    side = ga.proj.gaussian(k=12, seed=0) if name == "projected-dense" else (lambda G: G)
+    G = side(ga.grads(task, (X, y)))
+    Q = side(ga.grads(task, (X[:4], y[:4])))
+    H = CURVATURES[name](ga.grads(task, (X, y)) if name == "projected-dense" else G)
     S = Q @ H @ G.T
     C = ga.compile(S)
     _close(C.compute().values, S.compute().values)
     forwards = Forwards(model)
-    Q2 = ga.grads(task, (X[10:17], y[10:17]))
+    Q2 = side(ga.grads(task, (X[10:17], y[10:17])))
     Q2.to_dense()
     query_pass = forwards.examples         # one pass over the queries (with the task's first-batch check)
     forwards.reset()
