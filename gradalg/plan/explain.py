@@ -29,6 +29,7 @@ from ..viz.tree import text_tree
 from .cost import _si
 from .devices import profile
 from .planner import Plan
+from .resolution import operator_rules
 
 __all__ = ["Explain", "scale_estimates"]
 
@@ -155,6 +156,7 @@ class Explain:
         return {
             "device": self.plan.device.name, "memory_budget": self.plan.options.memory_budget,
             "rules_fired": [f.__dict__ for f in self.plan.fired], "decisions": self.decisions(),
+            "operator_rules": operator_rules(self.plan.simplified),
             "passes": self.passes(), "passes_over_data": self.plan.data_passes,
             "estimated_seconds": self.plan.seconds, "estimated_peak_bytes": self.plan.peak_bytes,
             "scale": self.scale(),

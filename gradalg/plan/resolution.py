@@ -15,7 +15,7 @@ from ..expr import (KFAC, Arnoldi, CurvatureProducts, Damp, DataInf, Dense, Diag
 from ..expr.stored import StoredOp
 from ..linalg.rules import choose, choose_sum
 
-__all__ = ["resolution_rules", "predicted_structure"]
+__all__ = ["resolution_rules", "predicted_structure", "operator_rules"]
 
 _FORM = {"identity": "diagonal", "diag": "diagonal", "block": "block", "dense": "dense", "kron": "kronecker",
          "lowrank": "low-rank", "implicit": "implicit"}
@@ -99,3 +99,24 @@ def predicted_structure(node: OpNode) -> frozenset:
     if hasattr(node, "expr"):
         node = node.expr
     return _walk(node)[0]
+
+
+def operator_rules(root) -> dict[str, list[str]]:
+    """{operator label: its resolution rules} for every operator ``root`` uses (an inner
+    product's, a preconditioner's, a metric's), without data; a refused one lists its
+    refusal. For ``explain()`` and ``Plan`` records."""
+    from ..errors import OperatorError
+
+    out: dict[str, list[str]] = {}
+    for x in root.walk():
+        if isinstance(x, OpNode):
+            continue
+        for op in x.children:
+            if not isinstance(op, OpNode) or isinstance(op, Identity):
+                continue
+            label = op.label if op.label not in out else f"{op.label} ({len(out) + 1})"
+            try:
+                out[label] = resolution_rules(op)
+            except OperatorError as err:
+                out[label] = [f"refused: {err}"]
+    return out
