@@ -103,12 +103,12 @@ class LinearOp(ABC):
         """H⁻¹ by structure; ``method`` ("cg", "lissa") and ``settings`` pick and tune the
         solver of an operator known only through products."""
         rule = _rules.choose("inverse", self.structure, variant=method, what=what)
-        out = self._inverse(what, rule, settings)
         tags = set(self.tags)
         if rule.name.startswith("implicit.solve"):
-            tags.add("inverse")
-        return out._recorded(self.rules + (rule.name,), tags - ({"inverse"} if rule.name == "implicit.inverse_of_solve"
-                                                                 else set()))
+            tags.add("inverse")        # (c·H + λI)⁻¹, applied by a solver
+        elif rule.name == "implicit.inverse_of_solve":
+            tags.discard("inverse")    # back to the products
+        return self._inverse(what, rule, settings)._recorded(self.rules + (rule.name,), tags)
 
     def power(self, p: float, what: str = "the operator", *, rtol: float = PSD_RTOL) -> "LinearOp":
         """H^p: p = -1 is :meth:`inverse`, p = 1 the operator itself; other p by the eigenvalues

@@ -22,10 +22,9 @@ import numpy as np
 import torch
 import xarray as xr
 
-from ..curvature.implicit import LowRankOp
 from ..curvature.kron import KronOp
 from ..errors import GradalgError, StoreCorruptError, StoreIncompleteError, StoreMismatchError
-from ..exec.operators import ResolvedOp
+from ..linalg import LinearOp, LowRankOp, ResolvedOp
 from ..expr import Block, ParamSpace
 from ..expr.stored import StoredOp
 from . import integrity, layout
@@ -45,9 +44,11 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return np.asfortranarray(a) if t.dim() == 2 and not t.is_contiguous() and t.T.is_contiguous() else a
 
 
-def _variables_of(resolved, space: ParamSpace) -> tuple[str, dict]:
+def _variables_of(resolved: LinearOp, space: ParamSpace) -> tuple[str, dict]:
+    """(kind, {variable: (dims, values)}) of a resolved operator, by its form."""
     names = _variables(space)
-    if isinstance(resolved, KronOp):
+    form = getattr(resolved, "form", None)
+    if form == "kronecker":
         out = {}
         for b in space.blocks:
             v = names[b.name]
@@ -56,10 +57,10 @@ def _variables_of(resolved, space: ParamSpace) -> tuple[str, dict]:
             out[f"{v}.Q_A"] = ((f"{v}.in", f"{v}.in_eig"), _np(Q_A))
             out[f"{v}.eigenvalues"] = ((f"{v}.out_eig", f"{v}.in_eig"), _np(resolved.eigenvalues[b.name]))
         return "kron", out
-    if isinstance(resolved, LowRankOp):
+    if form == "low-rank":
         return "lowrank", {"eigenvalues": (("rank",), _np(resolved.eigenvalues)),
                            "vectors": (("coord", "rank"), _np(resolved.vectors))}
-    if isinstance(resolved, ResolvedOp):
+    if form in ("diagonal", "block", "dense"):
         if resolved.kind == "diag":
             return "diag", {"diag": (("coord",), _np(resolved.data))}
         if resolved.kind == "dense":
