@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import sys
 import time
@@ -103,28 +104,63 @@ def passes_of(p):
 # ====================================================================== cost formulas
 def test_kernel_flop_formulas_exact():
     # nL=2, nR=3, TL=4, TR=5, in=6, out=7
-    assert C.ghost_cost(2, 3, 4, 5, 6, 7) == C.Cost(flops=2.0 * 2 * 3 * 4 * 5 * (6 + 7 + 1))       # 3360
-    assert C.ghost_cost(2, 3, 4, 5, 6, 7).flops == 3360
+    g = C.ghost_cost(2, 3, 4, 5, 6, 7)
+    assert g.flops == 2.0 * 2 * 3 * 4 * 5 * (6 + 7 + 1) == 3360
+    # the two Grams are GEMMs over flattened positions; the (nL, nR, TL, TR) product is traffic
+    assert g.gemms == ((8, 15, 6, 1, 4), (8, 15, 7, 1, 4)) and g.bytes == 3 * 4 * 120
     # materialize L (2·4·42) + R (3·5·42) + GEMM (2·3·42) multiply-adds, 2 FLOPs each
-    assert C.dense_cost(2, 3, 4, 5, 6, 7, left_ready=False) == C.Cost(flops=2436.0, bytes=4.0 * 3 * 42)
+    d = C.dense_cost(2, 3, 4, 5, 6, 7, left_ready=False)
+    assert d.flops == 2436.0 and d.bytes == 4.0 * 3 * 42
+    assert d.gemms == ((7, 6, 5, 3, 4), (2, 3, 42, 1, 4), (7, 6, 4, 2, 4))   # per-example (out, in, T) GEMMs
     assert C.dense_cost(2, 3, 4, 5, 6, 7).flops == 2.0 * (630 + 252) == 1764
     assert C.kron_project_cost(3, 5, 6, 7, 2, 3).flops == 2.0 * 3 * 5 * (6 * 2 + 7 * 3) == 990
-    assert C.dense_project_cost(3, 5, 42, 4) == C.Cost(flops=2.0 * 3 * (5 * 42 + 42 * 4), bytes=4.0 * 4 * 42)
+    assert C.kron_project_cost(3, 5, 6, 7, 2, 3).gemms == ((15, 2, 6, 1, 4), (15, 3, 7, 1, 4))
+    assert C.dense_project_cost(3, 5, 42, 4).flops == 2.0 * 3 * (5 * 42 + 42 * 4)
+    assert C.dense_project_cost(3, 5, 42, 4).bytes == 4.0 * 3 * 42 + 4.0 * 4 * 42
     assert C.dense_project_cost(3, 5, 42, 4, factored=False).flops == 1008
-    assert C.fisher_cost(5, [3, 4], "dense") == C.Cost(flops=490.0, peak_bytes=392.0)
-    assert C.fisher_cost(5, [3, 4], "block") == C.Cost(flops=250.0, peak_bytes=200.0)
-    assert C.fisher_cost(5, [3, 4], "diag") == C.Cost(flops=70.0, peak_bytes=56.0)
-    assert C.eigh_cost(10) == C.Cost(flops=9000.0, peak_bytes=1600.0)
+    f = C.fisher_cost(5, [3, 4], "dense")
+    assert (f.flops, f.peak_bytes, f.gemms, f.bytes) == (490.0, 392.0, ((7, 7, 5, 1, 8),), 12.0 * 5 * 7)
+    f = C.fisher_cost(5, [3, 4], "block")
+    assert (f.flops, f.peak_bytes, f.gemms) == (250.0, 200.0, ((3, 3, 5, 1, 8), (4, 4, 5, 1, 8)))
+    assert C.fisher_cost(5, [3, 4], "diag").flops == 70.0 and C.fisher_cost(5, [3, 4], "diag").peak_bytes == 56.0
+    assert C.eigh_cost(10) == C.Cost(flops=9000.0, peak_bytes=1600.0, eighs=((10, 1),))
+    # the blocked symmetric Gram: one GEMM per 128-column block row, upper triangle only
+    assert C.gram_cost(50, 100).gemms == ((100, 100, 50, 1, 4),)
+    assert C.gram_cost(50, 300).gemms == ((128, 300, 50, 1, 4), (128, 172, 50, 1, 4), (44, 44, 50, 1, 4))
+    assert C.materialize_cost(3, 5, 6, 7) == C.Cost(flops=2.0 * 3 * 5 * 42, bytes=4.0 * 3 * 42,
+                                                    gemms=((7, 6, 5, 3, 4),))
 
 
 def test_cost_algebra():
     a, b = C.Cost(1, 2, 30, 1), C.Cost(10, 20, 5, 2)
     assert a + b == C.Cost(11, 22, 30, 3)                  # peaks do not add, passes do
     assert b.scaled(3) == C.Cost(30, 60, 5, 6)
+    g = C.gemm_cost(4, 5, 6, count=2)
+    assert (g + g).gemms == ((4, 5, 6, 2, 4), (4, 5, 6, 2, 4)) and g.scaled(0.5).gemms == ((4, 5, 6, 1.0, 4),)
     prof = devices.DeviceProfile("toy", 1e9, 4e9, 1e10, 1e9)
     assert C.Cost(flops=2e9, bytes=1e10).seconds(prof) == pytest.approx(3.0)
     assert C.Cost(flops=4e9).seconds(prof, torch.bfloat16) == pytest.approx(1.0)
     assert "FLOP" in a.describe() and "pass" in a.describe()
+
+
+def test_device_profile_prices_gemms_by_shape_and_fixed_costs():
+    """Small GEMMs at the rate measured for their size (log-log between sizes), never
+    faster than moving their matrices; eigh by size; fixed costs per call, op, batch."""
+    prof = devices.DeviceProfile("toy", 1e10, 1e10, 1e9, 1e9, gemm_rates=((16, 1e8), (256, 1e10)),
+                                 eigh_times=((10, 1e-3), (100, 1.0)), call_seconds=1e-5, op_seconds=1e-6,
+                                 batch_seconds=1e-3, layer_seconds=1e-4)
+    assert prof.gemm_seconds(256, 256, 256) == pytest.approx(2 * 256 ** 3 / 1e10)
+    assert prof.gemm_seconds(16, 16, 16) == pytest.approx(2 * 16 ** 3 / 1e8)
+    assert prof.gemm_seconds(64, 64, 64) == pytest.approx(2 * 64 ** 3 / 1e9)       # halfway in log-log
+    assert prof.gemm_seconds(4, 4, 4) == pytest.approx(2 * 4 ** 3 / (1e8 / 64))     # ∝ size³ below the table
+    assert prof.gemm_seconds(1000, 1000, 1) == pytest.approx(4 * (1000 + 1000 + 1e6) / 1e9)  # outer product: traffic
+    assert prof.gemm_seconds(256, 256, 256, elem=8) == pytest.approx(2 * 2 * 256 ** 3 / 1e10)
+    assert prof.eigh_seconds(100) == pytest.approx(1.0) and prof.eigh_seconds(200) == pytest.approx(8.0)
+    assert prof.eigh_seconds(math.sqrt(1000)) == pytest.approx(math.sqrt(1e-3 * 1.0), rel=1e-6)
+    c = C.Cost(ops=10, calls=3, batches=2, layer_batches=4) + C.gemm_cost(16, 16, 16, 5) + C.eigh_cost(10, 2)
+    assert c.seconds(prof) == pytest.approx(10e-6 + 3e-5 + 2e-3 + 4e-4 + 5 * 2 * 16 ** 3 / 1e8 + 2e-3)
+    # FLOPs not in a shaped term run at the profile's large-GEMM rate
+    assert (c + C.Cost(flops=1e10)).seconds(prof) == pytest.approx(c.seconds(prof) + 1.0)
 
 
 def test_model_flops_exact():
@@ -158,12 +194,14 @@ def test_device_profile_measured_once_and_cached(tmp_path, monkeypatch):
     assert first == second == fake
     assert calls == [1], "the second call must read the cache, not measure again"
     cached = json.loads((tmp_path / "devices.json").read_text())
-    assert list(cached.values()) == [dict(name="fake cpu", flops_fp32=1e9, flops_bf16=2e9, bandwidth=1e10,
-                                          memory=8e9, measured=True, call_seconds=2e-5)]
-    # a cache written before call_seconds existed is measured again, not read with a default
+    entry = next(iter(cached.values()))
+    assert entry["version"] == devices.PROFILE_VERSION and entry["flops_fp32"] == 1e9 and entry["call_seconds"] == 2e-5
+    assert devices.DeviceProfile.from_json(entry) == fake
+    # a cache written by an older cost model (no version, fewer numbers) is measured again
     key = next(iter(cached))
     (tmp_path / "devices.json").write_text(json.dumps({key: {k: v for k, v in cached[key].items()
-                                                              if k != "call_seconds"}}))
+                                                              if k != "version"}}))
+    assert devices.cached_local_profile() is devices.UNMEASURED_CPU   # displays never measure
     assert devices.local_profile() == fake and calls == [1, 1]
     del calls[1:]
     assert devices.profile("cpu") == fake and devices.profile() == fake
@@ -174,9 +212,16 @@ def test_device_profile_measured_once_and_cached(tmp_path, monkeypatch):
 
 def test_device_profile_real_measurement_and_presets(tmp_path, monkeypatch):
     monkeypatch.setenv("GRADALG_CACHE", str(tmp_path / "nested"))
+    start = time.perf_counter()
     prof = devices.local_profile()
+    took = time.perf_counter() - start
     assert prof.measured and prof.flops_fp32 > 1e7 and prof.bandwidth > 1e7 and prof.memory > 0
+    assert took < 10, f"measuring the profile took {took:.1f} s (about 2 s on an idle core)"
+    sizes = [s for s, _ in prof.gemm_rates]
+    assert sizes == list(devices.GEMM_SIZES) and [d for d, _ in prof.eigh_times] == list(devices.EIGH_SIZES)
+    assert all(t > 0 for _, t in prof.eigh_times) and prof.batch_seconds > 0 and prof.op_seconds > 0
     assert (tmp_path / "nested" / "devices.json").is_file()
+    assert devices.local_profile() == prof        # read back from the cache, tuples and all
     assert devices.profile("H100") is devices.PRESETS["h100"]
     assert devices.profile(prof) is prof
     h = devices.PRESETS["h200"]
@@ -685,8 +730,8 @@ def test_capture_is_costed_with_a_fixed_overhead_per_module_call():
     assert query_pass.cost.calls == 1 * 3 * 2          # 4 queries: one batch
     assert train_pass.cost.calls == 3 * 3 * 2          # 20 examples in batches of 8: three batches
     c = train_pass.cost
-    assert train_pass.seconds == pytest.approx(
-        c.flops / p.device.flops(p.dtype) + c.bytes / p.device.bandwidth + c.calls * p.device.call_seconds)
+    assert train_pass.seconds == pytest.approx(p.device.time_of(c, p.dtype))
+    assert c.batches == 3 and c.layer_batches == 3 * 2        # two recorded Linear layers per batch
     assert 1e-7 < devices.local_profile().call_seconds < 1e-2
     assert devices.PRESETS["h200"].call_seconds == 1e-5
 

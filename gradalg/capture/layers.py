@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextvars
 import math
+import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -32,6 +33,8 @@ __all__ = ["LayerRule", "ReplayRule", "rule_for", "SUPPORTED_LAYERS", "DEFAULT_L
 
 
 def _hf_conv1d_type():
+    if "transformers" not in sys.modules:   # a model holding HF Conv1D layers has imported it
+        return None
     try:
         from transformers.pytorch_utils import Conv1D
     except Exception:  # transformers not installed

@@ -21,6 +21,8 @@ block is named ``x`` (as in the model without adapters), and the adapters are
 """
 from __future__ import annotations
 
+import sys
+
 from torch import nn
 
 __all__ = ["unwrap", "strip_prefixes", "BASE_LAYER"]
@@ -30,6 +32,8 @@ _DATA_PARALLEL = ("DistributedDataParallel", "DataParallel", "FullyShardedDataPa
 
 
 def _peft_inner(model: nn.Module):
+    if "peft" not in sys.modules:   # a PEFT wrapper's class comes from peft: it is imported already
+        return None
     try:
         from peft import PeftModel
         from peft.tuners.tuners_utils import BaseTuner

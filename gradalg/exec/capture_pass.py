@@ -51,6 +51,10 @@ class SourceCapture:
         self.checked = checked_tasks
         self.refs = resolve_layers(source.task.model, list(source.layers), backend=source.backend)
         self.objective = source.task.objective_fn(source.objective, source.seed)
+        # a task's token fingerprints its model and functions: computed once per pass
+        # (the weights do not change during one), not once per batch
+        self._share_key = forward_share_key(source, self.refs)
+        self._reduction_checked = False
 
     def capture(self, batch, ids) -> list[Chunk]:
         src, task = self.source, self.source.task
@@ -70,7 +74,10 @@ class SourceCapture:
     def check_reduction(self, batch) -> None:
         """The task's sum/mean check, once per task (training-loss objective only)."""
         task = self.source.task
-        if self.options.check_reduction and self.source.objective == "loss" and task.token not in self.checked:
+        if self._reduction_checked or not (self.options.check_reduction and self.source.objective == "loss"):
+            return
+        self._reduction_checked = True
+        if task.token not in self.checked:
             task.check_reduction(batch)
             self.checked.add(task.token)
 
@@ -93,7 +100,7 @@ class SourceCapture:
 
     def share_key(self):
         """Sources with equal keys can share one forward per batch; None: never shared."""
-        return forward_share_key(self.source, self.refs)
+        return self._share_key
 
     def _hook_blocks(self, batch, ids):
         """The batch's factors, and the record of its forward when it may be replayed."""

@@ -109,11 +109,12 @@ class LocalExecutor(Executor):
     def run(self, p: Plan) -> Plan:
         self.last_plan = p
         for index, step in enumerate(p.passes):
-            start = time.perf_counter()
+            start, cpu0 = time.perf_counter(), time.process_time()
             rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             self._run_pass(step)
             self.pass_stats.append({
                 "pass": index, "seconds": time.perf_counter() - start,
+                "cpu_seconds": time.process_time() - cpu0,   # this process's CPU time (excludes waiting for a core)
                 "peak_rss_growth_bytes": 1024 * (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0),
                 "held_bytes": self._held_bytes(),
             })

@@ -1,13 +1,25 @@
 """Cost accounting for plans: exact operation counts from shapes, no tensors.
 
-A :class:`Cost` counts floating-point operations (``flops``; a multiply-add is 2),
-bytes moved through memory (``bytes``), the largest simultaneous footprint
-(``peak_bytes``), forward/backward ``passes`` over datasets and module ``calls`` (each
-forward or backward of a module costs a fixed overhead — Python dispatch, a kernel
-launch — that dominates small models). :func:`model_flops`
-counts a model's forward FLOPs per token from its module shapes (meta-device models
-work: nothing is allocated). The per-kernel formulas are those of the kernels in
-:mod:`gradalg.capture.factors`; unit tests pin them to exact numbers.
+A :class:`Cost` counts, device-independently,
+
+* ``flops``: floating-point operations (a multiply-add is 2), all of them;
+* ``gemms``: the GEMMs among them by shape, ``(m, n, k, count, elem)`` for ``count``
+  products ``(m, k) @ (k, n)`` in numbers of ``elem`` bytes, so that a device profile
+  prices each at its own rate (a (16, 16) product runs far below the rate of a (512,
+  512) one); ``eighs``: symmetric eigendecompositions ``(d, count)``;
+* ``bytes`` moved through memory (elementwise work, copies, casts, materialized rows);
+* ``peak_bytes``, the largest simultaneous footprint;
+* ``passes`` over datasets, and fixed costs: module ``calls`` (each forward or backward
+  of a module: a hook, an autograd node), small tensor ``ops`` (gradalg's per-chunk
+  bookkeeping), captured ``batches`` and recorded ``layer_batches`` (a layer of a
+  captured batch).
+
+:meth:`gradalg.plan.devices.DeviceProfile.time_of` turns a Cost into seconds.
+:func:`model_flops` counts a model's forward FLOPs per token from its module shapes
+(meta-device models work: nothing is allocated). The per-kernel formulas are those of
+the kernels in :mod:`gradalg.capture.factors` (the lowest floor that both the planner
+and the kernels' run-time choice, :func:`gradalg.plan.routing.choose_kernel`, import);
+unit tests pin them to exact numbers.
 """
 from __future__ import annotations
 
@@ -19,8 +31,8 @@ from torch import nn
 from ..capture.factors import dense_flops, ghost_flops
 from ..expr.tokens import token_rows
 
-__all__ = ["Cost", "activation_bytes", "model_flops", "tokens_hint", "ghost_cost", "dense_cost", "kron_project_cost",
-           "dense_project_cost", "fisher_cost", "eigh_cost"]
+__all__ = ["Cost", "activation_bytes", "model_flops", "tokens_hint", "gemm_cost", "gram_cost", "ghost_cost",
+           "dense_cost", "materialize_cost", "kron_project_cost", "dense_project_cost", "fisher_cost", "eigh_cost"]
 
 
 @dataclass(frozen=True)
@@ -30,17 +42,26 @@ class Cost:
     peak_bytes: float = 0.0
     passes: float = 0.0
     calls: float = 0.0
+    gemms: tuple = ()          # ((m, n, k, count, elem), ...): GEMMs priced by shape (their FLOPs are in flops)
+    eighs: tuple = ()          # ((d, count), ...): float64 eigendecompositions (their FLOPs are in flops)
+    ops: float = 0.0           # small tensor ops (fixed dispatch cost each)
+    batches: float = 0.0       # captured batches (fixed Python cost each)
+    layer_batches: float = 0.0  # recorded layers × captured batches
 
     def __add__(self, other: "Cost") -> "Cost":
         return Cost(self.flops + other.flops, self.bytes + other.bytes,
                     max(self.peak_bytes, other.peak_bytes), self.passes + other.passes,
-                    self.calls + other.calls)
+                    self.calls + other.calls, self.gemms + other.gemms, self.eighs + other.eighs,
+                    self.ops + other.ops, self.batches + other.batches, self.layer_batches + other.layer_batches)
 
     def scaled(self, c: float) -> "Cost":
-        return Cost(self.flops * c, self.bytes * c, self.peak_bytes, self.passes * c, self.calls * c)
+        return Cost(self.flops * c, self.bytes * c, self.peak_bytes, self.passes * c, self.calls * c,
+                    tuple((m, n, k, count * c, e) for m, n, k, count, e in self.gemms),
+                    tuple((d, count * c) for d, count in self.eighs), self.ops * c, self.batches * c,
+                    self.layer_batches * c)
 
     def seconds(self, profile, dtype=torch.float32) -> float:
-        return profile.seconds(self.flops, self.bytes, dtype, calls=self.calls)
+        return profile.time_of(self, dtype)
 
     def __repr__(self) -> str:
         return f"Cost({self.describe()}, {_si(self.bytes)}B moved)"
@@ -57,40 +78,78 @@ def _si(x: float) -> str:
     return f"{x:.3g} "
 
 
-# ------------------------------------------------------------------ kernel formulas (FLOPs)
-def ghost_cost(nL, nR, TL, TR, n_in, n_out) -> Cost:
-    """Ghost inner products of nL × nR examples (2 FLOPs per multiply-add)."""
-    return Cost(flops=2.0 * ghost_flops(nL, nR, TL, TR, n_in, n_out))
+# ------------------------------------------------------------------ kernel formulas
+def gemm_cost(m, n, k, count=1, elem=4) -> Cost:
+    """``count`` GEMMs ``(m, k) @ (k, n)`` (a batched matmul is ``count`` of them)."""
+    if m <= 0 or n <= 0 or k <= 0 or count <= 0:
+        return Cost()
+    return Cost(flops=2.0 * m * n * k * count, gemms=((m, n, k, count, elem),))
 
 
-def dense_cost(nL, nR, TL, TR, n_in, n_out, left_ready=True) -> Cost:
+def gram_cost(rows, d, elem=4, block=128) -> Cost:
+    """``Xᵀ X`` for X (rows, d) by :func:`gradalg.curvature.kron.gram`: only the blocks of
+    ``block`` columns on and above the diagonal, one GEMM per block row."""
+    if d <= block:
+        return gemm_cost(d, d, rows, 1, elem)
+    cost = Cost()
+    for start in range(0, d, block):
+        cost = cost + gemm_cost(min(block, d - start), d - start, rows, 1, elem)
+    return cost
+
+
+def materialize_cost(n, T, n_in, n_out, elem=4) -> Cost:
+    """G_i = D_iᵀ A_i for n examples: n GEMMs (out, in, T) and the (n, out, in) result written."""
+    return gemm_cost(n_out, n_in, T, n, elem) + Cost(bytes=float(elem) * n * n_in * n_out)
+
+
+def ghost_cost(nL, nR, TL, TR, n_in, n_out, elem=4) -> Cost:
+    """Ghost inner products of nL × nR examples (2 FLOPs per multiply-add): the
+    activation and output-gradient Grams (one GEMM each over the flattened positions),
+    then their elementwise product summed over positions."""
+    pairs = nL * nR * TL * TR
+    flops = 2.0 * ghost_flops(nL, nR, TL, TR, n_in, n_out)
+    shaped = gemm_cost(nL * TL, nR * TR, n_in, 1, elem) + gemm_cost(nL * TL, nR * TR, n_out, 1, elem)
+    return Cost(flops=flops, gemms=shaped.gemms, bytes=3.0 * elem * pairs)
+
+
+def dense_cost(nL, nR, TL, TR, n_in, n_out, left_ready=True, elem=4) -> Cost:
     """Materialize the streamed side (and the held side unless ready), then one GEMM."""
     flops = 2.0 * dense_flops(nL, nR, TL, TR, n_in, n_out, left_ready=left_ready)
-    return Cost(flops=flops, bytes=4.0 * nR * n_in * n_out)
+    shaped = gemm_cost(n_out, n_in, TR, nR, elem) + gemm_cost(nL, nR, n_in * n_out, 1, elem)
+    if not left_ready:
+        shaped = shaped + gemm_cost(n_out, n_in, TL, nL, elem)
+    return Cost(flops=flops, bytes=float(elem) * nR * n_in * n_out, gemms=shaped.gemms)
 
 
-def kron_project_cost(n, T, n_in, n_out, k_in, k_out) -> Cost:
+def kron_project_cost(n, T, n_in, n_out, k_in, k_out, elem=4) -> Cost:
     """(A P_inᵀ, D P_outᵀ): factor-wise Kronecker projection, factors kept."""
-    return Cost(flops=2.0 * n * T * (n_in * k_in + n_out * k_out))
+    return gemm_cost(n * T, k_in, n_in, 1, elem) + gemm_cost(n * T, k_out, n_out, 1, elem)
 
 
-def dense_project_cost(n, T, dim, k, factored=True) -> Cost:
-    """Materialize (if factored: n·T·dim MACs) then a (k, dim) GEMM."""
-    return Cost(flops=2.0 * n * ((T * dim if factored else 0) + dim * k), bytes=4.0 * k * dim)
+def dense_project_cost(n, T, dim, k, factored=True, elem=4) -> Cost:
+    """Materialize (if factored: n·T·dim MACs, the rows written) then a (k, dim) GEMM
+    that reads the (k, dim) matrix."""
+    made = Cost(flops=2.0 * n * T * dim, bytes=float(elem) * n * dim) if factored else Cost()
+    return made + gemm_cost(n, k, dim, 1, elem) + Cost(bytes=float(elem) * k * dim)
 
 
 def fisher_cost(n, block_dims, structure) -> Cost:
+    """Σ g gᵀ over n rows in float64 (the rows cast once): one (d, d, n) GEMM dense,
+    one per block, or squares for a diagonal; the statistics' bytes are the peak."""
     if structure == "dense":
         d = sum(block_dims)
-        return Cost(flops=2.0 * n * d * d, peak_bytes=8.0 * d * d)
+        return gemm_cost(d, d, n, 1, 8) + Cost(bytes=12.0 * n * d, peak_bytes=8.0 * d * d)
     if structure == "block":
-        return Cost(flops=2.0 * n * sum(d * d for d in block_dims), peak_bytes=8.0 * sum(d * d for d in block_dims))
-    return Cost(flops=2.0 * n * sum(block_dims), peak_bytes=8.0 * sum(block_dims))
+        cost = Cost(bytes=12.0 * n * sum(block_dims), peak_bytes=8.0 * sum(d * d for d in block_dims))
+        for d in block_dims:
+            cost = cost + gemm_cost(d, d, n, 1, 8)
+        return cost
+    return Cost(flops=2.0 * n * sum(block_dims), bytes=28.0 * n * sum(block_dims), peak_bytes=8.0 * sum(block_dims))
 
 
-def eigh_cost(d) -> Cost:
+def eigh_cost(d, count=1) -> Cost:
     """Symmetric eigendecomposition ≈ 9 d³ FLOPs (tridiagonalization + QR iterations)."""
-    return Cost(flops=9.0 * d ** 3, peak_bytes=16.0 * d * d)
+    return Cost(flops=9.0 * d ** 3 * count, peak_bytes=16.0 * d * d, eighs=((d, count),))
 
 
 # ------------------------------------------------------------------ models and data

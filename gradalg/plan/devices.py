@@ -1,37 +1,87 @@
 """Device speeds for the cost model: measured once per machine, or taken from a table.
 
-``DeviceProfile`` gives sustained matmul throughput (FLOP/s, by dtype), memory
-bandwidth (bytes/s) and memory capacity. ``local_profile()`` measures this machine's
-CPU the first time (a square float32 matmul and a 64 MiB copy; the fastest of a fraction
-of a second of repetitions, so that other processes competing for the cores are not
+A :class:`DeviceProfile` prices the counts of a :class:`~gradalg.plan.cost.Cost`:
+
+* **GEMMs by shape.** ``gemm_rates`` holds the measured FLOP/s of square float32
+  matmuls of a few sizes (16 … 512 here); a GEMM ``(m, k) @ (k, n)`` is priced at the
+  rate interpolated (log-log) at its geometric-mean size ``(m·n·k)^(1/3)``, and never
+  faster than moving its three matrices through memory once (an outer product,
+  ``k = 1``, is bandwidth-bound). Small GEMMs are several times slower per FLOP than
+  large ones on every machine; a single peak rate priced the per-example products of
+  capture 5–20× too cheap.
+* **Memory traffic** (elementwise work, copies, casts): ``bandwidth`` bytes/s, from a
+  copy larger than the last-level cache.
+* **Eigendecompositions** (``torch.linalg.eigh``, float64) by size: ``eigh_times``,
+  measured at a few sizes and interpolated log-log (cubic beyond the largest).
+* **Fixed costs**: ``call_seconds`` per module forward or backward (a forward hook and
+  autograd's bookkeeping per module call), ``op_seconds`` per small tensor operation
+  of gradalg's own per-chunk work (dispatch of a torch op), and ``batch_seconds`` +
+  ``layer_seconds`` × recorded layers per captured batch (the Python of one capture:
+  installing hooks, ``autograd.grad`` over the recorded outputs, building factors).
+
+``local_profile()`` measures this machine's CPU the first time (under two seconds; the
+fastest of repeated runs, so that other processes competing for the cores are not
 cached as this machine's speed) and caches the numbers in
-``~/.cache/gradalg/devices.json`` (override the folder with ``GRADALG_CACHE``); GPU
-profiles for planning runs you have not started yet come from ``PRESETS`` (vendor peak
-numbers times a sustained-efficiency factor, stated there).
+``~/.cache/gradalg/devices.json`` (override the folder with ``GRADALG_CACHE``), keyed
+by host, architecture, torch version, thread count and :data:`PROFILE_VERSION` (an
+entry of another cost model is measured again, and left alone for the gradalg that
+wrote it).
+GPU profiles for planning runs you have not started yet come from ``PRESETS`` (vendor
+peak numbers times a sustained-efficiency factor, stated there). Displays never
+measure: :func:`cached_local_profile` (or ``profile(measure=False)``) returns the cached
+numbers or :data:`UNMEASURED_CPU`.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import asdict, dataclass, fields
 
 import torch
+from pathlib import Path
 
-__all__ = ["DeviceProfile", "PRESETS", "UNMEASURED_CPU", "cached_local_profile", "local_profile", "profile"]
+__all__ = ["DeviceProfile", "PRESETS", "PROFILE_VERSION", "UNMEASURED_CPU", "cached_local_profile",
+           "local_profile", "profile"]
+
+#: the cost model's version: a cached profile without every number this one prices is
+#: measured again (1: matmul, copy and module call; 2: GEMMs by shape, eigh by size,
+#: per-op and per-batch overheads)
+PROFILE_VERSION = 2
+
+
+def _interp_loglog(table, x: float, high_power: float, low_power: float) -> float:
+    """y(x) from ``table`` ((x, y), … increasing x), linear in log-log between points;
+    beyond the ends y scales as x**high_power (above) and x**low_power (below)."""
+    xs = [p[0] for p in table]
+    if x >= xs[-1]:
+        return table[-1][1] * (x / xs[-1]) ** high_power
+    if x <= xs[0]:
+        return table[0][1] * (x / xs[0]) ** low_power
+    for (x0, y0), (x1, y1) in zip(table, table[1:]):
+        if x0 <= x <= x1:
+            w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return math.exp(math.log(y0) + w * (math.log(y1) - math.log(y0)))
+    return table[-1][1]
 
 
 @dataclass(frozen=True)
 class DeviceProfile:
     name: str
-    flops_fp32: float      # sustained matmul FLOP/s in float32
+    flops_fp32: float      # sustained matmul FLOP/s in float32 (large GEMMs)
     flops_bf16: float      # sustained matmul FLOP/s in bfloat16 (tensor cores on GPUs)
     bandwidth: float       # bytes/s
     memory: float          # bytes available for tensors
     measured: bool = False
-    call_seconds: float = 2e-5   # fixed cost of one module forward or backward (dispatch, launch)
+    call_seconds: float = 2e-5   # fixed cost of one module forward or backward (hook, autograd node)
+    op_seconds: float = 5e-6     # fixed cost of one small tensor op of gradalg's per-chunk work
+    batch_seconds: float = 5e-4  # fixed Python cost of capturing one batch
+    layer_seconds: float = 1e-4  # … and per recorded layer of that batch
+    gemm_rates: tuple = ()       # ((size, FLOP/s), …): square float32 GEMMs; () = flops_fp32 for all
+    eigh_times: tuple = ()       # ((d, seconds), …): float64 eigh; () = 9 d³ FLOPs at the float64 rate
+    version: int = PROFILE_VERSION
 
     def flops(self, dtype: torch.dtype) -> float:
         if dtype in (torch.bfloat16, torch.float16):
@@ -41,18 +91,71 @@ class DeviceProfile:
         return self.flops_fp32
 
     def seconds(self, flops: float, nbytes: float, dtype=torch.float32, calls: float = 0.0) -> float:
-        """Roofline estimate: compute and memory traffic do not overlap (pessimistic),
-        plus a fixed cost per module call."""
+        """Roofline estimate of plain counts: compute at the large-GEMM rate and memory
+        traffic do not overlap (pessimistic), plus a fixed cost per module call."""
         return flops / self.flops(dtype) + nbytes / self.bandwidth + calls * self.call_seconds
+
+    def gemm_seconds(self, m: float, n: float, k: float, elem: int = 4) -> float:
+        """One ``(m, k) @ (k, n)`` GEMM in numbers of ``elem`` bytes (8: float64, 2: half)."""
+        flops = 2.0 * m * n * k
+        if flops <= 0:
+            return 0.0
+        dtype = {8: torch.float64, 2: torch.bfloat16}.get(elem, torch.float32)
+        rate = self.flops(dtype)
+        if self.gemm_rates:
+            size = (m * n * k) ** (1.0 / 3.0)
+            rate *= min(1.0, _interp_loglog(self.gemm_rates, size, 0.0, 3.0) / self.flops_fp32)
+        return max(flops / rate, elem * (m * k + k * n + m * n) / self.bandwidth)
+
+    def eigh_seconds(self, d: float) -> float:
+        """One float64 symmetric eigendecomposition of a (d, d) matrix."""
+        if d <= 0:
+            return 0.0
+        if self.eigh_times:
+            return _interp_loglog(self.eigh_times, d, 3.0, 1.0)
+        return 9.0 * d ** 3 / self.flops(torch.float64) + self.op_seconds
+
+    def time_of(self, cost, dtype=torch.float32) -> float:
+        """Seconds of a :class:`~gradalg.plan.cost.Cost`: its GEMMs by shape, its
+        eigendecompositions by size, the remaining FLOPs at the large-GEMM rate, its
+        memory traffic, and its fixed costs (module calls, ops, batches, layers)."""
+        shaped = 0.0
+        gemm_time = 0.0
+        for m, n, k, count, elem in cost.gemms:
+            shaped += 2.0 * m * n * k * count
+            gemm_time += count * self.gemm_seconds(m, n, k, elem)
+        eigh_time = 0.0
+        for d, count in cost.eighs:
+            shaped += 9.0 * d ** 3 * count
+            eigh_time += count * self.eigh_seconds(d)
+        rest = max(0.0, cost.flops - shaped)
+        return (gemm_time + eigh_time + rest / self.flops(dtype) + cost.bytes / self.bandwidth
+                + cost.calls * self.call_seconds + cost.ops * self.op_seconds
+                + cost.batches * self.batch_seconds + cost.layer_batches * self.layer_seconds)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, entry: dict) -> "DeviceProfile":
+        """A cached profile; raises ``ValueError`` for one of another cost model's version."""
+        if entry.get("version") != PROFILE_VERSION:
+            raise ValueError("cached device profile of another cost-model version")
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in entry.items() if k in known}
+        for key in ("gemm_rates", "eigh_times"):
+            values[key] = tuple(tuple(p) for p in values.get(key, ()))
+        return cls(**values)
 
 
 _EFF = 0.6  # sustained fraction of peak assumed for GPU presets
+_GPU_FIXED = dict(call_seconds=1e-5, op_seconds=1e-5, batch_seconds=5e-4, layer_seconds=5e-5)
 PRESETS = {
     # peak dense numbers from vendor datasheets (SXM parts), times _EFF
-    # (a module call: a few kernel launches of ~5 µs, asynchronous once the queue is full)
-    "h200": DeviceProfile("H200", 67e12 * _EFF, 989e12 * _EFF, 4.8e12 * 0.8, 141e9 * 0.9, call_seconds=1e-5),
-    "h100": DeviceProfile("H100", 67e12 * _EFF, 989e12 * _EFF, 3.35e12 * 0.8, 80e9 * 0.9, call_seconds=1e-5),
-    "a100": DeviceProfile("A100", 19.5e12 * _EFF, 312e12 * _EFF, 2.0e12 * 0.8, 80e9 * 0.9, call_seconds=1e-5),
+    # (a module call, an op: a few kernel launches of ~5 µs, asynchronous once the queue is full)
+    "h200": DeviceProfile("H200", 67e12 * _EFF, 989e12 * _EFF, 4.8e12 * 0.8, 141e9 * 0.9, **_GPU_FIXED),
+    "h100": DeviceProfile("H100", 67e12 * _EFF, 989e12 * _EFF, 3.35e12 * 0.8, 80e9 * 0.9, **_GPU_FIXED),
+    "a100": DeviceProfile("A100", 19.5e12 * _EFF, 312e12 * _EFF, 2.0e12 * 0.8, 80e9 * 0.9, **_GPU_FIXED),
 }
 
 
@@ -62,26 +165,55 @@ def _cache_file() -> Path:
 
 
 def _key() -> str:
-    return f"{platform.node()}|{platform.machine()}|torch{torch.__version__}|threads{torch.get_num_threads()}"
+    # the cost model's version is part of the key: processes running another version of
+    # gradalg on the same machine keep their own entry instead of overwriting this one
+    return (f"{platform.node()}|{platform.machine()}|torch{torch.__version__}|threads{torch.get_num_threads()}"
+            f"|cost-model{PROFILE_VERSION}")
 
 
-def _fastest(fn, seconds: float) -> float:
-    """The shortest time of one call of ``fn`` over ``seconds`` of repetitions."""
-    best, start = float("inf"), time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        t = time.perf_counter()
+def _fastest(fn, seconds: float, least: int = 3) -> float:
+    """The shortest time of one call of ``fn`` over ``seconds`` of repetitions (at least
+    ``least``). With one thread the time is this process's CPU time, which does not count
+    the waits for a core that other processes of a busy machine cause."""
+    clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
+    best, start, runs = float("inf"), time.perf_counter(), 0
+    while time.perf_counter() - start < seconds or runs < least:
+        t = clock()
         fn()
-        best = min(best, time.perf_counter() - t)
+        best = min(best, clock() - t)
+        runs += 1
     return best
 
 
+#: square GEMM sizes and eigh sizes measured on the CPU (about 0.5 s and 0.4 s)
+GEMM_SIZES = (16, 64, 256, 512)
+EIGH_SIZES = (32, 128, 384)
+
+
+def _measure_gemms() -> tuple:
+    rates = []
+    for n in GEMM_SIZES:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b
+        # the fastest repetition, not the mean: other processes competing for the cores
+        # while this runs once would otherwise be cached as this machine's speed
+        rates.append((n, 2.0 * n ** 3 / _fastest(lambda: a @ b, 0.12)))
+    return tuple(rates)
+
+
+def _measure_eighs() -> tuple:
+    out = []
+    g = torch.Generator().manual_seed(0)
+    for d in EIGH_SIZES:
+        x = torch.randn(d, d, dtype=torch.float64, generator=g)
+        m = x @ x.T + torch.eye(d, dtype=torch.float64)
+        out.append((d, _fastest(lambda: torch.linalg.eigh(m), 0.12)))
+    return tuple(out)
+
+
 def _measure_cpu() -> DeviceProfile:
-    n = 512
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    # the fastest repetition, not the mean: other processes competing for the cores while
-    # this runs once would otherwise be cached as this machine's speed
-    flops = 2 * n ** 3 / _fastest(lambda: a @ b, 0.15)
+    rates = _measure_gemms()
+    flops = max(r for _, r in rates)
     x = torch.empty(64 * 2**20 // 4)       # larger than a CPU's last-level cache: memory, not cache
     y = torch.empty_like(x)
     y.copy_(x)
@@ -90,8 +222,11 @@ def _measure_cpu() -> DeviceProfile:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.8
     except (ValueError, OSError, AttributeError):
         memory = 8e9
+    call = _measure_call()
+    batch, layer = _measure_capture(call)
     return DeviceProfile(f"cpu ({torch.get_num_threads()} threads)", flops, flops, bw, memory, measured=True,
-                         call_seconds=_measure_call())
+                         call_seconds=call, op_seconds=_measure_op(), batch_seconds=batch, layer_seconds=layer,
+                         gemm_rates=rates, eigh_times=_measure_eighs())
 
 
 def _measure_call() -> float:
@@ -107,6 +242,43 @@ def _measure_call() -> float:
     return _fastest(step, 0.05) / 16
 
 
+def _measure_op() -> float:
+    """Seconds per small tensor op (dispatch, allocation): a chain of 20 tiny ops / 20."""
+    x = torch.randn(4, 4)
+
+    def step():
+        y = x
+        for _ in range(10):
+            y = (y * 0.5).add_(x)
+        return y
+
+    step()
+    return _fastest(step, 0.03) / 20
+
+
+def _measure_capture(call: float) -> tuple[float, float]:
+    """(seconds per captured batch, seconds per recorded layer of it) beyond the module
+    calls: gradalg's own capture (hooks, ``autograd.grad`` to the outputs, factors) of
+    one tiny batch through 2 and through 6 recorded layers."""
+    from ..capture.hooks import ForwardRecorder, capture_batch, resolve_layers
+
+    def timing(n_layers: int) -> float:
+        model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(n_layers)])
+        refs = resolve_layers(model)
+        x = torch.randn(2, 4)
+
+        def step():
+            with torch.enable_grad(), ForwardRecorder(refs) as recorder:
+                capture_batch(model(x).sum(), recorder)
+
+        step()
+        return _fastest(step, 0.06) - 2 * n_layers * call
+
+    two, six = timing(2), timing(6)
+    layer = max((six - two) / 4, 1e-6)
+    return max(two - 2 * layer, 1e-6), layer
+
+
 def local_profile(refresh: bool = False) -> DeviceProfile:
     """This machine's CPU profile, measured once and cached on disk."""
     path = _cache_file()
@@ -115,12 +287,12 @@ def local_profile(refresh: bool = False) -> DeviceProfile:
     if path.exists() and not refresh:
         try:
             cached = json.loads(path.read_text())
-            if key in cached and "call_seconds" in cached[key]:   # older caches lack it: measure again
-                return DeviceProfile(**cached[key])
-        except (OSError, ValueError, TypeError):
-            cached = {}
+            if key in cached:
+                return DeviceProfile.from_json(cached[key])
+        except (OSError, ValueError, TypeError):   # unreadable, or another cost model's: measure again
+            cached = cached if isinstance(cached, dict) else {}
     prof = _measure_cpu()
-    cached[key] = asdict(prof)
+    cached[key] = prof.to_json()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -133,7 +305,8 @@ def local_profile(refresh: bool = False) -> DeviceProfile:
 
 # a modest laptop core, for displays before this machine was measured
 UNMEASURED_CPU = DeviceProfile("cpu (not measured yet: ga.plan.devices.local_profile() measures it)",
-                               2e10, 2e10, 1e10, 8e9, measured=False, call_seconds=2e-5)
+                               2e10, 2e10, 1e10, 8e9, measured=False, call_seconds=2e-5, op_seconds=5e-6,
+                               batch_seconds=5e-4, layer_seconds=1e-4)
 
 
 def cached_local_profile() -> DeviceProfile:
@@ -142,9 +315,9 @@ def cached_local_profile() -> DeviceProfile:
     try:
         cached = json.loads(_cache_file().read_text())
         entry = cached.get(_key())
-        if entry and "call_seconds" in entry:
-            return DeviceProfile(**entry)
-    except (OSError, ValueError, TypeError):
+        if entry:
+            return DeviceProfile.from_json(entry)
+    except (OSError, ValueError, TypeError, AttributeError):
         pass
     return UNMEASURED_CPU
 

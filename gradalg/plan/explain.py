@@ -72,6 +72,11 @@ def _fmt_seconds(s: float) -> str:
     return f"{s * 1e3:.3g} ms"
 
 
+def _fmt_ratio(r: float) -> str:
+    """measured / estimated, as ``1.3×``."""
+    return f"{r:.2f}×" if r == r and r != float("inf") else "-"
+
+
 def _fmt_alt(v) -> str:
     return _fmt_seconds(v) if isinstance(v, (int, float)) else str(v)
 
@@ -98,12 +103,11 @@ def scale_estimates(plan: Plan, gpus=(1, 4, 8), device="h200") -> list[dict]:
     prof = profile(device)
     weights, dtype = _model_bytes(plan)
     rows = []
-    flops = plan.total.flops
-    nbytes = plan.total.bytes
+    total = plan.total
     held = max([p.fixed_bytes for p in plan.passes] or [0.0])
     per_batch = max([p.per_example_bytes * (p.batch_size or 1) for p in plan.passes] or [0.0])
     for g in gpus:
-        seconds = prof.seconds(flops / g, nbytes / g, dtype, calls=plan.total.calls / g)
+        seconds = total.scaled(1.0 / g).seconds(prof, dtype)
         memory = weights / g + per_batch + held
         rows.append({"gpus": g, "device": prof.name, "seconds": seconds, "memory_per_gpu": memory,
                      "fits": memory <= prof.memory, "passes_over_data": plan.data_passes})
@@ -146,9 +150,14 @@ class Explain:
             if hasattr(self.executor, "describe_pass"):
                 row["distributed"] = self.executor.describe_pass(p)
             if i < len(self.analyzed):
-                row["measured_seconds"] = self.analyzed[i]["seconds"]
-                row["measured_held_bytes"] = self.analyzed[i]["held_bytes"]
-                row["measured_rss_growth_bytes"] = self.analyzed[i]["peak_rss_growth_bytes"]
+                stats = self.analyzed[i]
+                row["measured_seconds"] = stats["seconds"]
+                if "cpu_seconds" in stats:
+                    row["measured_cpu_seconds"] = stats["cpu_seconds"]
+                # measured / estimated: 1 is a true estimate, 2 a pass twice as slow as planned
+                row["ratio"] = stats["seconds"] / p.seconds if p.seconds > 0 else float("inf")
+                row["measured_held_bytes"] = stats["held_bytes"]
+                row["measured_rss_growth_bytes"] = stats["peak_rss_growth_bytes"]
             out.append(row)
         return out
 
@@ -218,14 +227,15 @@ class Explain:
         lines = ["4. physical passes"]
         header = f"   {'#':>2}  {'reads':<38} {'batch':>5} {'est FLOP':>10} {'est time':>10} {'est peak':>9}"
         if self.analyzed:
-            header += f" {'measured':>10} {'held':>9}"
+            header += f" {'measured':>10} {'meas/est':>8} {'held':>9}"
         lines.append(header)
         for row in self.passes():
             line = (f"   {row['pass']:>2}  {row['reads'][:38]:<38} {str(row['batch_size'] or '-'):>5} "
                     f"{_si(row['flops']) + 'FLOP':>10} {_fmt_seconds(row['seconds']):>10} "
                     f"{_si(row['peak_bytes']) + 'B':>9}")
             if "measured_seconds" in row:
-                line += f" {_fmt_seconds(row['measured_seconds']):>10} {_si(row['measured_held_bytes']) + 'B':>9}"
+                line += (f" {_fmt_seconds(row['measured_seconds']):>10} {_fmt_ratio(row['ratio']):>8}"
+                         f" {_si(row['measured_held_bytes']) + 'B':>9}")
             lines.append(line)
             lines += [f"        · {job}" for job in row["jobs"]]
             if row["note"]:
@@ -280,7 +290,8 @@ class Explain:
         esc = html.escape
         measured = bool(self.analyzed)
         head_row = ("<tr><th>#</th><th>reads</th><th>jobs</th><th>batch</th><th>est FLOP</th><th>est time</th>"
-                    "<th>est peak</th>" + ("<th>measured time</th><th>held</th>" if measured else "") + "</tr>")
+                    "<th>est peak</th>" + ("<th>measured time</th><th>measured / est.</th><th>held</th>"
+                                           if measured else "") + "</tr>")
         body = ""
         for row in self.passes():
             body += (f"<tr><td>{row['pass']}</td><td>{esc(row['reads'])}</td><td>"
@@ -291,6 +302,7 @@ class Explain:
                      f"<td>{_fmt_seconds(row['seconds'])}</td><td>{_si(row['peak_bytes'])}B</td>")
             if measured:
                 body += (f"<td>{_fmt_seconds(row.get('measured_seconds', 0))}</td>"
+                         f"<td>{_fmt_ratio(row.get('ratio', float('nan')))}</td>"
                          f"<td>{_si(row.get('measured_held_bytes', 0))}B</td>")
             body += "</tr>"
         return (f"<details open><summary>4. physical passes</summary><table class='ga-table'>{head_row}{body}"

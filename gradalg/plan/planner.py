@@ -30,7 +30,7 @@ cost less than a second pass — otherwise it reads the data again.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch.utils.data import DataLoader
@@ -44,8 +44,8 @@ from ..errors import MemoryBudgetError
 from ..expr.tokens import token_rows
 from ..options import Options, get_options
 from .choices import Choices
-from .cost import (Cost, _si, activation_bytes, dense_project_cost, eigh_cost, fisher_cost, kron_project_cost,
-                   model_flops, tokens_hint)
+from . import estimates
+from .cost import Cost, _si, fisher_cost, tokens_hint
 from .devices import DeviceProfile, profile
 from .shapes import forward_shapes
 from .memory import capture_bytes_per_example, consumer_bytes_per_example, kron_bytes, positions, rows_bytes, rows_of
@@ -370,69 +370,36 @@ class _Planner:
                     out.append(root)
         return out
 
+    # ---- costs: thin calls into gradalg.plan.estimates (one cost module) ---------------
     def _capture_cost(self, src: Source, forward: bool = True) -> Cost:
         """Forward (unless shared with another source) + one backward to the recorded
         outputs per captured row set (no weight-gradient GEMMs)."""
-        T = tokens_hint(src)
-        fwd = model_flops(src.task.model, T)
-        rows = 1
-        if src.objective == "expected":
-            rows = max(1, _num_outputs(src))
-        # the activations are written by the forward and read back by each backward
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        sweeps = rows + (1 if forward else 0)
-        traffic = src.data.n * activation_bytes(src.task.model, T, elem) * sweeps
-        # each batch calls every module once per forward and once per backward
-        batch = src.data.batch_size or getattr(src.data.source, "batch_size", None) or self.options.batch_size
-        modules = sum(1 for m in src.task.model.modules() if not any(True for _ in m.children()))
-        calls = -(-src.data.n // batch) * modules * sweeps
-        return Cost(flops=src.data.n * fwd * sweeps, bytes=traffic, passes=1, calls=calls)
+        return estimates.capture_cost(src, self.options, self.dtype, forward)
 
     def _pass_capture_cost(self, sources: list[Source]) -> Cost:
         """Capturing all sources of a pass: those differing only in their objective share
         one forward per batch (:class:`~gradalg.exec.capture_pass.PassCapture`)."""
-        cost, forwards = Cost(), set()
-        for src in sources:
-            key = forward_share_key(src) if self.options.share_forward else None
-            cost = cost + self._capture_cost(src, forward=key is None or key not in forwards)
-            forwards.add(key)
-        return cost
+        return estimates.pass_capture_cost(sources, self.options, self.dtype, forward_share_key)
 
-    def _job_cost(self, job: Job, n_stream: int) -> Cost:
+    def _layout(self, node: GradNode, reads_data: bool) -> dict:
+        """``{block: "factors" | "flat"}`` of ``node``'s rows as a pass delivers them: as
+        stored (a pass over rows in memory), else factors where the capture or a
+        Kronecker projection leaves factors."""
+        if not reads_data:
+            store = self.jobs.get(f"store:{node.token}") or self.jobs.get(f"collect:{node.token}")
+            if store is not None and store.storage:
+                return dict(store.storage)
+        return {b.name: "factors" if (len(b.shape) == 2 and self._is_factored(node, b.name)) else "flat"
+                for b in node.space.blocks}
+
+    def _job_cost(self, job: Job, n_stream: int, reads_data: bool = True, chunk: int | None = None) -> Cost:
         node = job.streams[0] if job.streams else None
-        if job.kind == "fisher":
-            dims = [b.dim for b in job.target.space.blocks]
-            return fisher_cost(n_stream, dims, job.target.structure) + sum(
-                (eigh_cost(d) for d in (dims if job.target.structure == "block" else [sum(dims)])
-                 if job.target.structure != "diag"), Cost())
-        if job.kind in ("kfac", "ekfac"):
-            T, rows = positions(node), rows_of(node)
-            flops = 0.0
-            for b in job.target.space.blocks:
-                out_f, in_f = b.shape
-                flops += 2.0 * n_stream * rows * T[b.name] * (in_f * in_f + out_f * out_f)
-                if job.kind == "ekfac":
-                    flops += 2.0 * n_stream * rows * T[b.name] * out_f * in_f
-            return Cost(flops=flops)
-        if job.kind == "scores":
-            held = job.held
-            P_h, P_s = positions(held), positions(node)
-            flops = 0.0
-            for b in held.space.blocks:
-                T_h, T_s = P_h[b.name], P_s[b.name]
-                if job.kernels.get(b.name) == "ghost":
-                    flops += 2.0 * ghost_flops(held.n, n_stream, T_h, T_s, b.shape[1], b.shape[0])
-                elif len(b.shape) == 2 and self._is_factored(node, b.name):
-                    flops += 2.0 * dense_flops(held.n, n_stream, T_h, T_s, b.shape[1], b.shape[0], left_ready=True)
-                else:
-                    flops += 2.0 * held.n * n_stream * b.dim
-            flops += apply_flops(job.target.op, held.space, held.n)
-            return Cost(flops=flops)
-        if job.kind == "diag":
-            return Cost(flops=2.0 * n_stream * job.streams[0].space.dim)
-        return Cost(flops=2.0 * n_stream * (node.space.dim if node is not None else 0))
+        layout = self._layout(node, reads_data) if node is not None else {}
+        held = self.storage(job.held) if job.held is not None else None
+        return estimates.job_cost(job, n_stream, layout, chunk or self.options.batch_size, self.dtype, held,
+                                  self.options)
 
-    def _projection_cost(self, jobs: list[Job], n: int) -> Cost:
+    def _projection_cost(self, jobs: list[Job], n: int, chunk: int | None = None) -> Cost:
         """Projections computed in the pass, each distinct one once per example."""
         seen, cost = set(), Cost()
         for job in jobs:
@@ -441,7 +408,7 @@ class _Planner:
                 while isinstance(x, ROW_WISE):
                     if isinstance(x, Project) and x.token not in seen:
                         seen.add(x.token)
-                        cost = cost + _project_cost(x, n * token_rows(x), tokens_hint(x))
+                        cost = cost + _project_cost(x, n * token_rows(x), tokens_hint(x), chunk)
                     x = x.grads
         return cost
 
@@ -591,48 +558,23 @@ class _Planner:
         else:
             cost = Cost()
             n = p.jobs[0].streams[0].n
+        cost = cost + estimates.pass_overhead(len(p.jobs))
         for job in p.jobs:
             # rows streamed by the job: n·T for per-token rows (ga.GradientSet.per_token)
-            cost = cost + self._job_cost(job, job.streams[0].n if job.streams and p.reads_data else n)
+            cost = cost + self._job_cost(job, job.streams[0].n if job.streams and p.reads_data else n,
+                                         p.reads_data, p.batch_size)
         if p.reads_data:
-            cost = cost + self._projection_cost(p.jobs, n)
+            cost = cost + self._projection_cost(p.jobs, n, p.batch_size)
         # one read of the data, however many sources are captured from each batch
-        cost = Cost(cost.flops, cost.bytes, fixed + per_ex * (p.batch_size or 1), 1.0 if p.reads_data else 0.0,
-                    cost.calls)
+        cost = replace(cost, peak_bytes=fixed + per_ex * (p.batch_size or 1), passes=1.0 if p.reads_data else 0.0)
         p.cost = cost
         p.seconds = cost.seconds(self.device, self.dtype)
 
 
 def apply_flops(op: OpNode, space, n: int) -> float:
-    """FLOPs of applying the resolved ``op`` to n rows of ``space``, by its structure:
-    a diagonal scales (n·d), block-diagonal and dense matrices multiply (2n·Σd_b², 2n·d²),
-    a Kronecker eigenbasis rotates each (out, in) block in and back
-    (4n·out·in·(out + in)), a rank-r factorization costs 4n·d·r. Implicit operators
-    (iterative solvers on Hessian-vector products) are costed as dense: their passes over
-    the data happen inside the solver and are not modelled here."""
-    structure = op.structure
-    d = space.dim
-    if structure == "identity":
-        return 0.0
-    if structure == "diag":
-        return float(n * d)
-    if structure == "block":
-        return 2.0 * n * sum(b.dim * b.dim for b in space.blocks)
-    if structure == "kron":
-        total = 0.0
-        for b in space.blocks:
-            if len(b.shape) == 2:
-                out_f, in_f = b.shape
-                total += 4.0 * n * out_f * in_f * (out_f + in_f)
-            else:
-                total += 2.0 * n * b.dim * b.dim
-        return total
-    if structure == "lowrank":
-        base = op
-        while not hasattr(base, "rank") and hasattr(base, "op"):
-            base = base.op
-        return 4.0 * n * d * getattr(base, "rank", d)
-    return 2.0 * n * d * d
+    """FLOPs of applying the resolved ``op`` to n rows of ``space``, by its structure
+    (:func:`gradalg.plan.estimates.apply_cost`)."""
+    return estimates.apply_flops(op, space, n)
 
 
 def _positions_known(node: GradNode) -> bool:
@@ -653,30 +595,9 @@ def _positions_known(node: GradNode) -> bool:
     return first.dim() == 2
 
 
-def _project_cost(node: Project, n: int, T: int) -> Cost:
-    """FLOPs of ``node``'s projection for n examples (formulas in docs/projections.md)."""
-    p = node.projector
-    rep = node.grads.representation
-    cost = Cost()
-    for b in node.grads.space.blocks:
-        factored = rep[b.name] == "factored" and len(b.shape) == 2
-        if p.kind == "kron" and factored:
-            k_out, k_in = p.kron_shape(*b.shape)
-            cost = cost + kron_project_cost(n, T, b.shape[1], b.shape[0], k_in, k_out)
-        elif p.kind in ("gaussian", "rademacher"):
-            cost = cost + dense_project_cost(n, T, b.dim, p.k, factored)
-        else:   # sparse kinds: scatter-adds over the (masked) coordinates or factors
-            cost = cost + Cost(flops=2.0 * n * (T * sum(b.shape) if factored else b.dim))
-    return cost
-
-
-def _num_outputs(src: Source) -> int:
-    model = src.task.model
-    last = None
-    for m in model.modules():
-        if isinstance(m, torch.nn.Linear):
-            last = m
-    return last.out_features if last is not None else 1
+def _project_cost(node: Project, n: int, T: int, chunk: int | None = None) -> Cost:
+    """``node``'s projection for n examples (:func:`gradalg.plan.estimates.project_cost`)."""
+    return estimates.project_cost(node, n, T, chunk=chunk)
 
 
 def _compute_dtype(root: Node) -> torch.dtype:

@@ -97,7 +97,32 @@ def gpt2_logra(n):
     return scores
 
 
-CASES = {"conv_ekfac": (conv_ekfac, 400), "mlp_classes": (mlp_classes, 1500), "gpt2_logra": (gpt2_logra, 300)}
+def llama_kfac(n):
+    """K-FAC influence on a small Llama (rotary attention, SiLU-gated MLP, RMSNorm; every
+    Linear of the decoder layers attributed), 24-token sequences, through
+    ``ga.tasks.causal_lm`` (labels drawn from the model for the curvature)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = LlamaForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 96, (n + 4, 24), generator=g)
+    data = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    task = ga.tasks.causal_lm(model)
+
+    def scores(m):
+        train = {k: v[:m] for k, v in data.items()}
+        queries = {k: v[n:] for k, v in data.items()}
+        return ga.methods.influence(task, train, queries, layers=["model.layers.*"], curvature="kfac",
+                                    damping=1e-3)
+    return scores
+
+
+CASES = {"conv_ekfac": (conv_ekfac, 400), "mlp_classes": (mlp_classes, 1500), "gpt2_logra": (gpt2_logra, 300),
+         "llama_kfac": (llama_kfac, 200)}
 
 
 def main():

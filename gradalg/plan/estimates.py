@@ -1,0 +1,383 @@
+"""What each job and pass of a plan costs: the planner's estimates, in one place.
+
+The formulas of single kernels (a ghost product, a GEMM, a Gram, an eigendecomposition)
+are in :mod:`gradalg.plan.cost`; this module adds them up for the work the executor
+does per pass, from shapes alone (nothing runs, no data is read beyond the first
+example's shape):
+
+``capture_cost``     a source captured batch by batch: per weight layer one forward GEMM
+                     ``(B·T, out, in)`` and one input-gradient GEMM per backward (the
+                     weight-gradient GEMMs are skipped), attention products, the model's
+                     elementwise traffic, a fixed cost per module call, per captured batch
+                     and per recorded layer, the factors written
+``job_cost``         a job's own work on the rows it streams, dispatched on ``job.kind``
+                     ("collect", "store", "group", "fisher", "kfac", "ekfac", "scores",
+                     "diag"): GEMMs by shape, traffic, and its small per-chunk ops
+``apply_cost``       a resolved operator applied to n rows, by structure, and
+                     ``resolve_cost``: what resolving it costs in the pass that applies it
+                     (a dense or block Fisher's eigendecomposition)
+``project_cost``     a projection of n examples (Kronecker, dense Gaussian, sparse)
+
+Every estimate is a :class:`~gradalg.plan.cost.Cost` (counts); a device profile
+(:mod:`gradalg.plan.devices`) prices it. ``benchmarks/estimates.py`` compares the
+estimates with measured passes for every catalogue method (``docs/planner.md``).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..expr import DataInf, Fisher, Inverse, Power, Project, Source
+from .cost import (Cost, activation_bytes, dense_cost, dense_project_cost, eigh_cost, fisher_cost, gemm_cost,
+                   ghost_cost, gram_cost, kron_project_cost, materialize_cost, tokens_hint)
+from .memory import positions, rows_of
+from .shapes import element_size, rows_per_example
+
+__all__ = ["capture_cost", "pass_capture_cost", "job_cost", "apply_cost", "apply_flops", "resolve_cost",
+           "project_cost", "pass_overhead", "ELEMENTWISE_SWEEPS", "OPS_PER_BLOCK"]
+
+#: memory sweeps over a weight layer's inputs and outputs (``activation_bytes``) per
+#: forward and per backward: nonlinearities, norms, residual adds, the loss head, and
+#: autograd's saved tensors read back (calibrated with ``benchmarks/estimates.py``)
+ELEMENTWISE_SWEEPS = {"forward": 3.0, "backward": 4.0}
+#: small tensor ops a job runs per chunk and block (casts, views, accumulation, checks)
+OPS_PER_BLOCK = {"collect": 4, "store": 4, "group": 6, "fisher": 6, "kfac": 14, "ekfac": 10, "scores": 10,
+                 "diag": 6}
+#: small-op equivalents a pass runs once per job (opening sinks, fingerprinting the task for
+#: the shared-forward key, resolving hooks, concatenating held rows; calibrated with
+#: ``benchmarks/estimates.py``)
+OPS_PER_PASS = 1500
+#: memory traffic equivalent to drawing one float64 random number (a dense projection's matrix)
+RANDOM_BYTES = 64.0
+#: small-op equivalents per captured batch beyond the capture itself (finite checks per
+#: block, ids, chunk records, row-wise derivations, the allocator's trim; calibrated)
+OPS_PER_BATCH = 500
+
+
+# ------------------------------------------------------------------ model shapes
+def weight_layers(model: nn.Module) -> list[tuple[int, int]]:
+    """``(in, out)`` of every weight layer a forward multiplies by (Linear, HF Conv1D,
+    convolutions with their kernel folded into ``in``), in module order."""
+    out = []
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if not isinstance(w, torch.Tensor) or w.dim() < 2 or isinstance(module, nn.Embedding):
+            continue
+        if isinstance(module, nn.Linear):
+            out.append((module.in_features, module.out_features))
+        elif type(module).__name__ == "Conv1D":          # HF GPT-2: weight (in, out)
+            out.append((w.shape[0], w.shape[1]))
+        elif isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            out.append((w[0].numel(), w.shape[0]))
+    return out
+
+
+def _attention(model: nn.Module) -> tuple[int, int, int]:
+    """(layers, width, heads) of a transformer config, (0, 0, 1) otherwise."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return 0, 0, 1
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) or 0
+    width = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or 0
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None) or 1
+    return int(layers), int(width), int(heads)
+
+
+def _leaf_modules(model: nn.Module) -> int:
+    return sum(1 for m in model.modules() if not any(True for _ in m.children()))
+
+
+def _batch_size(src: Source, options) -> int:
+    data = src.data
+    return data.batch_size or getattr(data.source, "batch_size", None) or options.batch_size
+
+
+# ------------------------------------------------------------------ capture
+def capture_cost(src: Source, options, dtype=torch.float32, forward: bool = True) -> Cost:
+    """Capturing every batch of ``src``: its forward (unless shared with another source
+    of the pass) and one backward to the recorded outputs per row set (one per
+    Gauss-Newton term for ``objective="expected"``), with no weight-gradient GEMMs.
+
+    Per batch of B examples of T positions, for each weight layer ``(in, out)``:
+    forward GEMM (B·T, out, in), input-gradient GEMM (B·T, in, out) per backward;
+    attention (a transformer config) adds (T, T, d_head) products per head and layer,
+    two forward and four per backward. Elementwise traffic is the layers' inputs and
+    outputs (``activation_bytes``) times :data:`ELEMENTWISE_SWEEPS`; fixed costs are
+    the module calls (each leaf module once per forward and per backward), the
+    captured batches and their recorded layers.
+    """
+    model = src.task.model
+    elem = element_size(dtype)
+    n, T = src.data.n, tokens_hint(src)
+    B = max(1, min(_batch_size(src, options), n))
+    batches = math.ceil(n / B)
+    sweeps = rows_per_example(src) if src.objective == "expected" else 1     # backwards per batch
+    cost = Cost(passes=1)
+    for n_in, n_out in weight_layers(model):
+        if forward:
+            cost = cost + gemm_cost(B * T, n_out, n_in, batches, elem)
+        cost = cost + gemm_cost(B * T, n_in, n_out, batches * sweeps, elem)
+    layers, width, heads = _attention(model)
+    if layers and T > 1:
+        d_head = max(1, width // heads)
+        per_batch = B * heads * layers
+        cost = cost + gemm_cost(T, T, d_head, batches * per_batch * (2 * int(forward) + 4 * sweeps), elem)
+    act = activation_bytes(model, T, elem) * n
+    cost = cost + Cost(bytes=act * (ELEMENTWISE_SWEEPS["forward"] * int(forward)
+                                    + ELEMENTWISE_SWEEPS["backward"] * sweeps))
+    # the recorded layers' factors: A kept (with its bias column), D written, per backward
+    recorded = len(src.space.blocks)
+    factor_bytes = sum(T * (b.shape[-1] + b.shape[0]) for b in src.space.blocks if len(b.shape) == 2) * n * elem
+    cost = cost + Cost(bytes=2.0 * factor_bytes * sweeps)
+    if src.objective == "sampled":   # labels drawn from the model: a float64 softmax and search over outputs
+        cost = cost + Cost(bytes=n * T * _num_outputs(model) * 8.0 * 4)
+    calls = batches * _leaf_modules(model) * (int(forward) + sweeps)
+    return cost + Cost(calls=calls, batches=batches * sweeps, layer_batches=batches * sweeps * recorded,
+                       ops=batches * OPS_PER_BATCH)
+
+
+def pass_capture_cost(sources, options, dtype, share_key) -> Cost:
+    """Capturing all sources of a pass: those with the same ``share_key(src)`` (not
+    None) share one forward per batch (:class:`~gradalg.exec.capture_pass.PassCapture`)."""
+    cost, forwards = Cost(), set()
+    for src in sources:
+        key = share_key(src) if options.share_forward else None
+        cost = cost + capture_cost(src, options, dtype, forward=key is None or key not in forwards)
+        forwards.add(key)
+    return cost
+
+
+def _num_outputs(model: nn.Module) -> int:
+    last = None
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            last = m
+    return last.out_features if last is not None else 1
+
+
+# ------------------------------------------------------------------ operators
+def _base(op):
+    while hasattr(op, "op") and not hasattr(op, "rank"):
+        op = op.op
+    return op
+
+
+def _find(op, kind):
+    """The first node of type ``kind`` under operator ``op`` (through wrappers and sums)."""
+    stack = [op]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, kind):
+            return x
+        stack.extend(getattr(x, "ops", ()) or ())
+        if getattr(x, "op", None) is not None:
+            stack.append(x.op)
+    return None
+
+
+def apply_cost(op, space, n: int, elem: int = 4, options=None) -> Cost:
+    """Applying the resolved ``op`` to n rows of ``space``, by structure: a diagonal
+    scales (n·d), block-diagonal and dense matrices multiply (GEMMs (n, d_b, d_b),
+    (n, d, d)), a Kronecker eigenbasis rotates each (out, in) block in and back (per row
+    GEMMs (out, in, out) and (out, in, in), twice), a rank-r factorization costs 4n·d·r.
+    Implicit operators are costed as dense; DataInf as its closed form over its data."""
+    structure = op.structure
+    d = space.dim
+    if structure == "identity":
+        return Cost()
+    datainf = _find(op, DataInf)
+    if datainf is not None:
+        return datainf_cost(datainf, n, options, elem)
+    if structure == "diag":
+        return Cost(flops=float(n * d), bytes=3.0 * elem * n * d)
+    if structure == "block":
+        cost = Cost()
+        for b in space.blocks:
+            cost = cost + gemm_cost(n, b.dim, b.dim, 1, elem)
+        return cost
+    if structure == "kron":
+        cost = Cost()
+        for b in space.blocks:
+            if len(b.shape) == 2:
+                out_f, in_f = b.shape
+                cost = (cost + gemm_cost(out_f, in_f, out_f, 2 * n, elem) + gemm_cost(out_f, in_f, in_f, 2 * n, elem)
+                        + Cost(bytes=4.0 * elem * n * b.dim))
+            else:
+                cost = cost + gemm_cost(n, b.dim, b.dim, 1, elem)
+        return cost
+    if structure == "lowrank":
+        r = getattr(_base(op), "rank", d)
+        return gemm_cost(n, r, d, 2, elem)
+    return gemm_cost(n, d, d, 1, elem)
+
+
+def apply_flops(op, space, n: int) -> float:
+    """FLOPs of :func:`apply_cost`."""
+    return apply_cost(op, space, n).flops
+
+
+def resolve_cost(op) -> Cost:
+    """Resolving ``op`` where it is applied: an inverse or power of a dense or block
+    Fisher is a float64 eigendecomposition per matrix and a (d, d, d) GEMM to rebuild it
+    (K-FAC's eigendecompositions belong to its ``kfac`` job)."""
+    if op.structure not in ("dense", "block") or _find(op, DataInf) is not None:
+        return Cost()
+    if _find(op, (Inverse, Power)) is None:
+        return Cost()
+    fisher = _find(op, Fisher)
+    space = fisher.space if fisher is not None else op.space
+    dims = [b.dim for b in space.blocks] if op.structure == "block" else [space.dim]
+    cost = Cost()
+    for d in dims:
+        cost = cost + eigh_cost(d) + gemm_cost(d, d, d, 1, 8) + Cost(bytes=8.0 * 6 * d * d)
+    return cost
+
+
+def datainf_cost(node: DataInf, n_held: int, options=None, elem: int = 4) -> Cost:
+    """DataInf's closed-form inverse applied to ``n_held`` rows: one pass over its
+    training gradients (captured again) and, per block and chunk, two GEMMs with the
+    held rows (n_train, n_held, d_b)."""
+    root = node.grads
+    while not isinstance(root, Source) and hasattr(root, "grads"):
+        root = root.grads
+    n_train = node.grads.n
+    cost = Cost()
+    if isinstance(root, Source) and options is not None:
+        cost = capture_cost(root, options, torch.float32)
+    T = positions(node.grads)
+    for b in node.grads.space.blocks:
+        if len(b.shape) == 2 and node.grads.representation.get(b.name) == "factored":
+            cost = cost + materialize_cost(n_train, T[b.name], b.shape[1], b.shape[0], elem)
+        cost = cost + gemm_cost(n_held, n_train, b.dim, 2, elem) + Cost(bytes=2.0 * elem * n_train * b.dim)
+    return cost
+
+
+# ------------------------------------------------------------------ projections
+def project_cost(node: Project, n: int, T: int, elem: int = 4, chunk: int | None = None) -> Cost:
+    """``node``'s projection of n examples in chunks of ``chunk`` (formulas in
+    docs/projections.md). A dense Gaussian or Rademacher matrix (k, d_b) is drawn once
+    in float64 (:data:`RANDOM_BYTES` per number) and cast to the rows' dtype for every
+    chunk (``gradalg.proj.matrices.dense_matrix``)."""
+    n = n * rows_of(node.grads)      # every Gauss-Newton term's rows are projected
+    chunks = _chunks(n, chunk or n)
+    p = node.projector
+    rep = node.grads.representation
+    cost = Cost()
+    for b in node.grads.space.blocks:
+        factored = rep[b.name] == "factored" and len(b.shape) == 2
+        if p.kind == "kron" and factored:
+            k_out, k_in = p.kron_shape(*b.shape)
+            cost = cost + kron_project_cost(n, T, b.shape[1], b.shape[0], k_in, k_out, elem)
+        elif p.kind in ("gaussian", "rademacher"):
+            if factored:
+                cost = cost + materialize_cost(n, T, b.shape[1], b.shape[0], elem)
+            cost = (cost + dense_project_cost(n, T, b.dim, p.k, False, elem)
+                    + Cost(bytes=p.k * b.dim * (RANDOM_BYTES + chunks * (8.0 + elem))))
+        else:   # sparse kinds: scatter-adds over the (masked) coordinates or factors
+            touched = T * sum(b.shape) if factored else b.dim
+            cost = cost + Cost(flops=2.0 * n * touched, bytes=4.0 * elem * n * touched)
+            if factored and p.kind not in ("factgrass",):
+                cost = cost + materialize_cost(n, T, b.shape[1], b.shape[0], elem)
+    return cost
+
+
+# ------------------------------------------------------------------ jobs
+def _chunks(n_rows: int, chunk: int) -> int:
+    return max(1, math.ceil(n_rows / max(1, chunk)))
+
+
+def pass_overhead(n_jobs: int) -> Cost:
+    """What a pass costs before its first chunk: opening its sinks (and their checks)."""
+    return Cost(ops=OPS_PER_PASS * max(1, n_jobs))
+
+
+def job_cost(job, n_stream: int, layout: dict, chunk: int, dtype=torch.float32, held_layout: dict | None = None,
+             options=None) -> Cost:
+    """One job's work on the ``n_stream`` examples it streams in chunks of ``chunk``.
+
+    ``layout`` is ``{block: "factors" | "flat"}`` of the streamed rows as they arrive in
+    this pass (factors from a capture or a Kronecker projection, flat otherwise);
+    ``held_layout`` the same for a scores job's held rows. Dispatches on ``job.kind``.
+    """
+    kind = job.kind
+    elem = element_size(dtype)
+    node = job.streams[0] if job.streams else None
+    if node is None:
+        return Cost()
+    rows = rows_of(node) if kind in ("fisher", "kfac", "ekfac", "store", "collect") else 1
+    n_rows = n_stream * rows
+    chunks = _chunks(n_stream, chunk) * rows
+    T = positions(node)
+    blocks = node.space.blocks
+    cost = Cost(ops=chunks * len(blocks) * OPS_PER_BLOCK.get(kind, 4))
+    factored = {b.name: layout.get(b.name) == "factors" and len(b.shape) == 2 for b in blocks}
+
+    def flat(b):   # the block's rows made flat (materialized from factors when they are factors)
+        if factored[b.name]:
+            return materialize_cost(n_rows, T[b.name], b.shape[1], b.shape[0], elem)
+        return Cost()
+
+    if kind in ("collect", "store", "group"):
+        keep = job.storage or {}
+        for b in blocks:
+            if factored[b.name] and keep.get(b.name, "flat") == "factors":
+                cost = cost + Cost(bytes=2.0 * elem * n_rows * T[b.name] * sum(b.shape))
+            else:
+                cost = cost + flat(b) + Cost(bytes=2.0 * elem * n_rows * b.dim)
+        return cost
+    if kind == "fisher":
+        for b in blocks:
+            cost = cost + flat(b)
+        return cost + fisher_cost(n_rows, [b.dim for b in blocks], job.target.structure)
+    if kind == "kfac":
+        for b in blocks:
+            if len(b.shape) != 2:
+                continue
+            out_f, in_f = b.shape
+            m = n_rows * T[b.name]
+            cost = (cost + gram_cost(m, in_f, elem) + gram_cost(m, out_f, elem)
+                    + Cost(bytes=elem * m * (2 * in_f + out_f) + 24.0 * chunks * (in_f ** 2 + out_f ** 2))
+                    + eigh_cost(in_f) + eigh_cost(out_f))
+        return cost
+    if kind == "ekfac":
+        for b in blocks:
+            if len(b.shape) != 2:
+                continue
+            out_f, in_f = b.shape
+            if factored[b.name]:
+                m = n_rows * T[b.name]
+                cost = (cost + gemm_cost(m, in_f, in_f, 1, elem) + gemm_cost(m, out_f, out_f, 1, elem)
+                        + gemm_cost(out_f, in_f, T[b.name], n_rows, elem))
+            else:
+                cost = cost + gemm_cost(out_f, in_f, out_f, n_rows, elem) + gemm_cost(out_f, in_f, in_f, n_rows, elem)
+            cost = cost + Cost(bytes=4.0 * elem * n_rows * out_f * in_f)     # rotated, squared, summed
+        return cost
+    if kind == "scores":
+        held = job.held
+        held_layout = held_layout or {}
+        P_h = positions(held)
+        n_h = held.n
+        for b in held.space.blocks:
+            T_h, T_s = P_h[b.name], T[b.name]
+            if job.kernels.get(b.name) == "ghost":
+                cost = cost + ghost_cost(n_h, n_stream, T_h, T_s, b.shape[1], b.shape[0], elem)
+                continue
+            if held_layout.get(b.name) == "factors" and len(b.shape) == 2:   # the held side materialized once
+                cost = cost + materialize_cost(n_h, T_h, b.shape[1], b.shape[0], elem)
+            if factored[b.name]:
+                cost = cost + dense_cost(n_h, n_stream, T_h, T_s, b.shape[1], b.shape[0], True, elem)
+            else:
+                cost = cost + gemm_cost(n_h, n_stream, b.dim, 1, elem) + Cost(bytes=float(elem) * n_stream * b.dim)
+        op = job.target.op
+        return cost + resolve_cost(op) + apply_cost(op, held.space, n_h, elem, options)
+    if kind == "diag":
+        space = node.space
+        for b in blocks:
+            cost = cost + flat(b)
+        cost = cost + Cost(flops=2.0 * n_stream * space.dim, bytes=3.0 * elem * n_stream * space.dim)
+        op = job.target.scores.op
+        return cost + resolve_cost(op) + apply_cost(op, space, n_stream, elem, options)
+    return cost + Cost(flops=2.0 * n_stream * node.space.dim, bytes=2.0 * elem * n_stream * node.space.dim)
+
