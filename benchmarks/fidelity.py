@@ -8,7 +8,7 @@ downloaded), in float64, each with 500 training examples and 100 queries:
 
 Both minimise  (1/n) Σ_{i ∈ S} CE(f(x_i), y_i) + (wd/2) ‖θ‖²  with n = 500 for every
 subset S (removal is a change of weight 1 → 0: the counterfactual influence functions
-linearise). Ground truth: 50 subsets of 50% (``ga.eval.retrain``), each trained to
+linearise). Ground truth: 100 subsets of 50% (``ga.eval.retrain``), each trained to
 convergence warm-started from the full-data solution (Newton's method for logreg,
 L-BFGS for the MLP); targets are the 100 query losses. LDS (``ga.eval.lds``,
 target="loss") with a 95% bootstrap interval over queries, and the wall time of
@@ -45,10 +45,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gradalg as ga  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-CACHE = HERE / ".cache"
+CACHE = HERE.parent / "build" / "fidelity"     # retrained targets (resumable) and results-<setting>.json
 
 N_TRAIN, N_QUERY = 500, 100
-N_SUBSETS, FRACTION = 50, 0.5
+N_SUBSETS, FRACTION = 100, 0.5
 WD = 1e-3                       # weight decay of the training objective (both settings)
 
 # ---------------------------------------------------------------------------------------
@@ -58,6 +58,13 @@ WD = 1e-3                       # weight decay of the training objective (both s
 # Hessian of the regularised objective) and no extra damping.
 # Projections: k at least about a third of the parameter dimension (logreg 650, mlp 2410).
 # ---------------------------------------------------------------------------------------
+def _defaults(method: str, *names) -> str:
+    """'defaults (k=512, ...)': the label names the default values it runs with."""
+    import inspect
+    params = inspect.signature(getattr(ga.methods, method)).parameters
+    return "defaults (" + ", ".join(f"{n}={params[n].default:g}" for n in names) + ")"
+
+
 CONFIG = {
     "grad_dot": {"": {}},
     "grad_cos": {"": {}},
@@ -79,9 +86,11 @@ CONFIG = {
                                              projector=ga.proj.gaussian(512, seed=0)),
     },
     # TRAK's kernel is Φᵀ Φ = n·F: the objective's weight decay enters as n·wd
-    "trak": {"1 model, k=2048": dict(k=2048, damping=N_TRAIN * WD)},
-    "logra": {"EK-FAC, k=256": dict(k=256, damping=WD)},
-    "grass": {"FactGraSS, k=256": dict(k=256, damping=WD), "GraSS, k=256": dict(k=256, damping=WD, factored=False)},
+    "trak": {"1 model, k=2048": dict(k=2048, damping=N_TRAIN * WD), _defaults("trak", "k", "relative_damping"): {},
+             _defaults("trak", "k") + " + weight_decay": dict(weight_decay=WD)},
+    "logra": {"EK-FAC, k=256": dict(k=256, damping=WD), _defaults("logra", "k", "damping"): {}},
+    "grass": {"FactGraSS, k=256": dict(k=256, damping=WD), "GraSS, k=256": dict(k=256, damping=WD, factored=False),
+              _defaults("grass", "k", "relative_damping"): {}},
     "less": {"5 Adam checkpoints, k=2048": dict(k=2048)},
     "relatif": {"Gauss-Newton": dict(damping=WD)},
 }
@@ -275,6 +284,7 @@ class Row:
     high: float = float("nan")
     seconds: float = float("nan")
     cpu: float = float("nan")
+    cost: float = float("nan")      # seconds / one plain forward + backward over the training set
     skipped: str = ""
 
 
@@ -285,6 +295,7 @@ def run_setting(setting: Setting, methods, progress=False) -> tuple[list[Row], f
                          targets_fn=setting.query_losses, target="loss", progress=progress,
                          store=CACHE / f"{setting.name}-n{N_TRAIN}-q{N_QUERY}-wd{WD:g}-tol{setting.tol_subset:g}")
     truth_seconds = time.perf_counter() - start
+    base = fwd_bwd_seconds(setting)
     print(f"\n[{setting.name}] {setting.description}: {setting.dim} parameters; ground truth "
           f"({N_SUBSETS} subsets, α={FRACTION}) ready in {truth_seconds:.1f} s", flush=True)
     rows = []
@@ -300,10 +311,11 @@ def run_setting(setting: Setting, methods, progress=False) -> tuple[list[Row], f
                 t0, c0 = time.perf_counter(), time.process_time()
                 values = scores.compute()
                 row.seconds, row.cpu = time.perf_counter() - t0, time.process_time() - c0
+                row.cost = row.seconds / base
                 if values.shape != (N_QUERY, N_TRAIN) or not np.isfinite(values.values).all():
                     raise ValueError(f"returned {values.shape} scores with "
                                      f"{int((~np.isfinite(values.values)).sum())} non-finite values")
-                result = ga.eval.lds(values, gt, target="loss", bootstrap=2000)
+                result = ga.eval.lds(values, gt, target="loss", bootstrap=2000, resample="both")
                 row.lds, (row.low, row.high) = result.mean, result.interval
                 print(f"  {name:16s} {label:30s} LDS {row.lds:6.3f} [{row.low:.3f}, {row.high:.3f}]  "
                       f"{row.seconds:7.2f} s ({row.cpu:.2f} s CPU)", flush=True)
@@ -313,7 +325,37 @@ def run_setting(setting: Setting, methods, progress=False) -> tuple[list[Row], f
                 if progress:
                     traceback.print_exc()
             rows.append(row)
+    write_results(setting, rows, base)
     return rows, truth_seconds
+
+
+def fwd_bwd_seconds(setting: Setting, repeats: int = 5) -> float:
+    """Wall time of one plain forward + backward of the summed loss over the training set."""
+    model, (X, y) = copy.deepcopy(setting.full), setting.train
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        model.zero_grad()
+        F.cross_entropy(model(X), y, reduction="sum").backward()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def write_results(setting: Setting, rows: list[Row], base: float) -> None:
+    """Rows as ``build/fidelity/results-<setting>.json`` (read by notebook 03's chart)."""
+    import json
+    from dataclasses import asdict
+    out = CACHE / f"results-{setting.name}.json"
+    previous = json.loads(out.read_text())["rows"] if out.exists() else []
+    new = [{**{k: v for k, v in asdict(r).items() if k != "variant"}, "config": r.variant} for r in rows]
+    seen = {(r["method"], r["config"]) for r in new}
+    merged = [r for r in previous if (r["method"], r["config"]) not in seen] + new
+    CACHE.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"setting": setting.name, "description": setting.description,
+                               "protocol": {"n_subsets": N_SUBSETS, "fraction": FRACTION, "seeds_per_subset": 1,
+                                            "target": "query loss (cross-entropy)",
+                                            "interval": "95% percentile bootstrap over queries and subsets"},
+                               "fwd_bwd_seconds": base, "rows": merged}, indent=1, default=float))
 
 
 # ------------------------------------------------------------------------------ report

@@ -136,6 +136,63 @@ def test_lds_bootstrap_interval():
     assert ga.eval.lds_bootstrap(np.full(6, 0.5)) == pytest.approx((0.5, 0.5))
 
 
+def scipy_spearman(x, y):
+    from scipy.stats import spearmanr
+    return spearmanr(x, y).statistic
+
+
+def _direct_lds_interval(predicted, actual, over, n_resamples, confidence, seed):
+    """The resampled LDS by a loop of scipy.stats.spearmanr, with lds_resampled's draws."""
+    m, n_query = predicted.shape
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(0, m, size=(n_resamples, m)) if over != "queries" else np.tile(np.arange(m), (n_resamples, 1))
+    cols = (rng.integers(0, n_query, size=(n_resamples, n_query)) if over != "subsets"
+            else np.tile(np.arange(n_query), (n_resamples, 1)))
+    means = []
+    for b in range(n_resamples):
+        per_query = []
+        for q in cols[b]:
+            x, y = predicted[rows[b], q], actual[rows[b], q]
+            per_query.append(np.nan if np.ptp(x) == 0 or np.ptp(y) == 0 else scipy_spearman(x, y))
+        means.append(np.nanmean(per_query))
+    tail = (1 - confidence) / 2
+    return tuple(np.quantile(means, [tail, 1 - tail]))
+
+
+@pytest.mark.parametrize("over", ["queries", "subsets", "both"])
+def test_lds_resampled_equals_a_direct_loop(over):
+    rng = np.random.default_rng(3)
+    predicted = rng.normal(size=(12, 5))
+    actual = 0.6 * predicted + rng.normal(size=(12, 5))
+    actual[:, 4] = np.round(actual[:, 4])                     # ties
+    got = ga.eval.lds_resampled(predicted, actual, over=over, n_resamples=300, confidence=0.8, seed=7)
+    want = _direct_lds_interval(predicted, actual, over, 300, 0.8, 7)
+    assert got == pytest.approx(want, abs=1e-12)
+    point = np.mean([scipy_spearman(predicted[:, q], actual[:, q]) for q in range(5)])
+    assert got[0] < point < got[1]
+
+
+def test_lds_resample_option_and_its_interval():
+    rng = np.random.default_rng(0)
+    masks = rng.random((30, 20)) < 0.5
+    tau = rng.normal(size=(6, 20))
+    actual = -(masks @ tau.T) + 2.0 * rng.normal(size=(30, 6))
+    gt = {"masks": masks, "targets": actual}
+    by_query = ga.eval.lds(tau, gt, target="loss", bootstrap=400, seed=1)
+    both = ga.eval.lds(tau, gt, target="loss", bootstrap=400, seed=1, resample="both")
+    subsets = ga.eval.lds(tau, gt, target="loss", bootstrap=400, seed=1, resample="subsets")
+    assert by_query.mean == both.mean == subsets.mean             # the point estimate is unchanged
+    assert both.resample == "both" and by_query.resample == "queries"
+    assert both.interval == pytest.approx(ga.eval.lds_resampled(-(masks @ tau.T), actual, over="both",
+                                                                n_resamples=400, seed=1), abs=1e-15)
+    assert subsets.interval == pytest.approx(_direct_lds_interval(-(masks @ tau.T).astype(float), actual,
+                                                                  "subsets", 400, 0.95, 1), abs=1e-12)
+    assert by_query.interval == ga.eval.lds_bootstrap(by_query.per_query, n_resamples=400, seed=1)
+    assert "queries and subsets" in repr(both)
+    with pytest.raises(ValueError, match="resample"):
+        ga.eval.lds(tau, gt, target="loss", resample="examples")
+
+
 # --------------------------------------------------------------------------- subsets
 def test_subset_masks_are_reproducible_and_do_not_depend_on_their_number():
     a = ga.eval.subset_masks(101, 10, 0.3, seed=5)

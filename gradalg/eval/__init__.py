@@ -3,6 +3,7 @@
     gt = ga.eval.retrain(train_fn, n_train, n_subsets=50, fraction=0.5,
                          targets_fn=query_losses, store="cache/lds")   # resumable
     ga.eval.lds(scores, gt, target="loss")         # LDS 0.87 (95% CI ...)
+    ga.eval.lds(scores, gt, target="loss", resample="both")   # interval over queries and subsets
     loo = ga.eval.leave_one_out(train_fn, n_train, [3, 17, 42], query_losses)
     ga.eval.loo_correlation(scores, loo, target="loss")
 
@@ -10,8 +11,9 @@
 ``train_fn(indices) -> model`` and ``targets_fn(model) -> (n_query,)``; ``lds`` and
 ``loo_correlation`` (:mod:`.lds`) compare scores with what they measured.
 """
-from .correlation import CorrelationResult, lds, lds_bootstrap, loo_correlation, pearson, spearman
+from .correlation import (RESAMPLE, CorrelationResult, lds, lds_bootstrap, lds_resampled, loo_correlation, pearson,
+                          spearman)
 from .retraining import leave_one_out, retrain, subset_masks, subset_size
 
-__all__ = ["retrain", "leave_one_out", "subset_masks", "subset_size", "lds", "lds_bootstrap",
+__all__ = ["retrain", "leave_one_out", "subset_masks", "subset_size", "lds", "lds_bootstrap", "lds_resampled", "RESAMPLE",
            "loo_correlation", "spearman", "pearson", "CorrelationResult"]

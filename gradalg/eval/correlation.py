@@ -25,7 +25,8 @@ for a margin; :func:`loo_correlation` applies the same ``target`` sign.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -33,9 +34,11 @@ import xarray as xr
 
 from ..errors import ShapeMismatchError
 
-__all__ = ["lds", "lds_bootstrap", "loo_correlation", "spearman", "pearson", "CorrelationResult"]
+__all__ = ["lds", "lds_bootstrap", "lds_resampled", "loo_correlation", "spearman", "pearson",
+           "CorrelationResult", "RESAMPLE"]
 
 _SIGN = {"loss": -1.0, "margin": 1.0}
+RESAMPLE = ("queries", "subsets", "both")   # what an LDS bootstrap interval resamples
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ class CorrelationResult:
     confidence: float
     n_queries: int                          # finite per-query values
     n_samples: int                          # subsets (LDS) or removed examples (LOO)
+    resample: str = "queries"               # what the bootstrap resampled (RESAMPLE)
 
     def __float__(self) -> float:
         return self.mean
@@ -62,7 +66,8 @@ class CorrelationResult:
         what = "subsets" if self.name == "LDS" else "removed examples"
         ci = ""
         if self.interval is not None:
-            ci = f"{self.confidence:.0%} CI {self.interval[0]:.3f} to {self.interval[1]:.3f}; "
+            over = "" if self.resample == "queries" else f" over {self.resample if self.resample != 'both' else 'queries and subsets'}"
+            ci = f"{self.confidence:.0%} CI{over} {self.interval[0]:.3f} to {self.interval[1]:.3f}; "
         dropped = self.per_query.size - self.n_queries
         extra = f", {dropped} constant queries left out" if dropped else ""
         return (f"{self.name} {self.mean:.3f} ({ci}{self.n_queries} queries, {self.n_samples} {what}, "
@@ -134,7 +139,7 @@ def _pearson_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 # -------------------------------------------------------------------------------- LDS
 def lds(scores, ground_truth, *, target: str | None = None, bootstrap: int = 1000, confidence: float = 0.95,
-        seed: int = 0) -> CorrelationResult:
+        seed: int = 0, resample: str = "queries") -> CorrelationResult:
     """Linear datamodeling score of ``scores`` against retrained ``ground_truth``.
 
     Parameters
@@ -148,10 +153,15 @@ def lds(scores, ground_truth, *, target: str | None = None, bootstrap: int = 100
     target : "loss" (helpful examples lower the target: predicted = −Σ_{i∈S} τ_qi) or
         "margin" (they raise it: predicted = +Σ_{i∈S} τ_qi). Default: the ``target``
         recorded by ``retrain(..., target=...)``; one of the two is required.
-    bootstrap : resamples of the queries for the confidence interval of the mean
-        (0: no interval; see :func:`lds_bootstrap`).
+    bootstrap : resamples for the confidence interval of the mean (0: no interval).
     confidence : level of the interval.
     seed : seed of the bootstrap.
+    resample : what the interval resamples: "queries" (default; the per-query values
+        with replacement, :func:`lds_bootstrap`: the uncertainty from which queries were
+        asked), "subsets" (the retrained subsets with replacement, every query's Spearman
+        recomputed: the uncertainty from the finite ground truth) or "both"
+        (independently, per resample: the wider, honest interval when both are small);
+        see :func:`lds_resampled`.
 
     Returns
     -------
@@ -169,10 +179,77 @@ def lds(scores, ground_truth, *, target: str | None = None, bootstrap: int = 100
                                  f"{actual.shape[1]} queries and {masks.shape[1]} training examples")
     if masks.shape[0] < 3:
         raise ValueError(f"LDS needs at least 3 subsets, got {masks.shape[0]}")
+    if resample not in RESAMPLE:
+        raise ValueError(f"resample must be one of {RESAMPLE}, got {resample!r}")
     predicted = sign * (masks @ tau.T)                                # (M, n_query)
     per_query = spearman(predicted, actual, axis=0)
     query = query if query is not None else _coord(ground_truth, "query", actual.shape[1])
-    return _result("LDS", "spearman", per_query, query, masks.shape[0], bootstrap, confidence, seed)
+    result = _result("LDS", "spearman", per_query, query, masks.shape[0],
+                     bootstrap if resample == "queries" else 0, confidence, seed)
+    if resample == "queries" or not bootstrap:
+        return result
+    interval = lds_resampled(predicted, actual, over=resample, n_resamples=bootstrap, confidence=confidence,
+                             seed=seed)
+    return replace(result, interval=interval, resample=resample)
+
+
+def lds_resampled(predicted, actual, *, over: str = "both", n_resamples: int = 1000, confidence: float = 0.95,
+                  seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of the LDS, resampling subsets and/or queries.
+
+    predicted, actual : (M, n_query) the additive predictions sign·Σ_{i∈S_j} τ_qi and the
+        retrained targets (rows: subsets).
+    over : "subsets", "queries" or "both".
+
+    Resample b draws, from ``numpy.random.default_rng(seed)``, first (for "subsets" and
+    "both") the rows ``J_b = rng.integers(0, M, M)`` for all b at once, shape
+    (n_resamples, M), then (for "queries" and "both") the columns
+    ``K_b = rng.integers(0, n_query, n_query)``, shape (n_resamples, n_query), and
+    computes
+
+        LDS_b = nanmean_{q ∈ K_b} Spearman_{j ∈ J_b}(predicted_jq, actual_jq)
+
+    (a subset drawn twice is two tied observations; a query whose resampled values are
+    constant is left out of that mean). The interval is the (1 ± confidence)/2 quantiles
+    of the LDS_b. With ``over="queries"`` this is :func:`lds_bootstrap` of the
+    per-query values except that NaN queries are kept in the draw (and left out of the
+    mean).
+    """
+    if over not in RESAMPLE:
+        raise ValueError(f"over must be one of {RESAMPLE}, got {over!r}")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+    if n_resamples < 1:
+        raise ValueError(f"n_resamples must be positive, got {n_resamples!r}")
+    predicted = _numpy(predicted).astype(np.float64)
+    actual = _numpy(actual).astype(np.float64)
+    if predicted.shape != actual.shape or predicted.ndim != 2:
+        raise ShapeMismatchError(f"predicted and actual must both be (M, n_query), got {predicted.shape} "
+                                 f"and {actual.shape}")
+    m, n_query = predicted.shape
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(0, m, size=(n_resamples, m)) if over != "queries" else None
+    cols = rng.integers(0, n_query, size=(n_resamples, n_query)) if over != "subsets" else None
+    means = np.empty(n_resamples)
+    chunk = max(1, 2**22 // max(1, m * n_query))                        # bound (chunk, M, n_query) memory
+    base = spearman(predicted, actual, axis=0) if rows is None else None  # (n_query,)
+    for start in range(0, n_resamples, chunk):
+        stop = min(start + chunk, n_resamples)
+        if rows is None:
+            per_query = np.broadcast_to(base, (stop - start, n_query))
+        else:
+            per_query = spearman(predicted[rows[start:stop]], actual[rows[start:stop]], axis=1)  # (b, n_query)
+        if cols is not None:
+            per_query = np.take_along_axis(per_query, cols[start:stop], axis=1)
+        with np.errstate(invalid="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            means[start:stop] = np.nanmean(per_query, axis=1)
+    means = means[np.isfinite(means)]
+    if means.size == 0:
+        return (float("nan"), float("nan"))
+    tail = (1 - confidence) / 2
+    low, high = np.quantile(means, [tail, 1 - tail])
+    return (float(low), float(high))
 
 
 def lds_bootstrap(per_query, *, n_resamples: int = 1000, confidence: float = 0.95,

@@ -1,0 +1,49 @@
+"""Markdown tables from the fidelity results (``build/fidelity/results-<setting>.json``).
+
+Written by ``benchmarks/fidelity.py`` (digits: logreg, mlp) and
+``benchmarks/fidelity_lm.py`` (GPT-2: lm, lm2). One table per setting: LDS with its
+95 % bootstrap interval (over queries and subsets), the wall time of
+``Scores.compute()`` and that time over one plain forward + backward pass over the
+training set.
+
+    python benchmarks/fidelity_report.py                 # every setting found
+    python benchmarks/fidelity_report.py --settings lm,lm2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+BUILD = Path(__file__).resolve().parents[1] / "build" / "fidelity"
+
+
+def load(setting: str, root: Path = BUILD) -> dict:
+    return json.loads((root / f"results-{setting}.json").read_text())
+
+
+def table(result: dict) -> str:
+    lines = [f"**{result['setting']}**: {result['description']}; plain forward + backward over the training "
+             f"set {result['fwd_bwd_seconds'] * 1e3:.1f} ms.", "",
+             "| method | configuration | LDS [95% CI] | seconds | cost (× fwd+bwd) |", "|---|---|---:|---:|---:|"]
+    for r in result["rows"]:
+        if r.get("skipped"):
+            lines.append(f"| {r['method']} | {r['config']} | skipped: {r['skipped'].replace('|', '/')} | | |")
+            continue
+        lines.append(f"| {r['method']} | {r['config']} | {r['lds']:.3f} [{r['low']:.3f}, {r['high']:.3f}] | "
+                     f"{r['seconds']:.2f} | {r['cost']:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--settings", default=None)
+    args = ap.parse_args(argv)
+    names = (args.settings.split(",") if args.settings
+             else sorted(p.stem.removeprefix("results-") for p in BUILD.glob("results-*.json")))
+    for name in names:
+        print(table(load(name)) + "\n")
+
+
+if __name__ == "__main__":
+    main()
