@@ -51,6 +51,7 @@ def add_parser(sub):
 
 def run(args) -> int:
     import gradalg as ga
+    from ..errors import StoreMismatchError
     from ..store import layout
     from .monitor import ChunkMonitor
     from .provenance import ATTRIBUTE, record
@@ -71,8 +72,12 @@ def run(args) -> int:
             log.info("store %s exists: %d of %d chunks written; checking it matches the config", path, before, chunks)
         start = time.monotonic()
         with ChunkMonitor(path, chunks, chunk_rows, n, enabled=not args.quiet, interval=args.progress_interval):
-            ga.store.write(G, path, chunk_rows=chunk_rows, overwrite=args.overwrite, verify=args.verify,
-                           metadata={ATTRIBUTE: record(cfg, "build")})
+            try:
+                ga.store.write(G, path, chunk_rows=chunk_rows, overwrite=args.overwrite, verify=args.verify,
+                               metadata={ATTRIBUTE: record(cfg, "build")})
+            except StoreMismatchError as err:
+                raise StoreMismatchError(err.differences, f"{path} was built from something else: pass --overwrite "
+                                         "to replace it, or set store.path to another folder") from None
     seconds = time.monotonic() - start
     dim = sum(b.dim for b in G.space.blocks)
     if before == chunks and not args.verify:

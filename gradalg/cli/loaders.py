@@ -150,6 +150,9 @@ def make_projector(cfg: Config):
 class TokenDataset(torch.utils.data.Dataset):
     """Examples as dicts of int64 tensors, from records (dicts of lists of token ids).
 
+    Records without an ``attention_mask`` get one of ones (every token of a record is
+    real), so the padding of a batch is never counted in a sequence's loss.
+
     Its fingerprint (gradalg's identity of the data) is the digest of the source file(s)
     and the options that shape the examples, not of the records themselves.
     """
@@ -172,6 +175,9 @@ class TokenDataset(torch.utils.data.Dataset):
             if self.max_length is not None:
                 values = values[:self.max_length]
             out[f] = torch.as_tensor(values, dtype=torch.long)
+        if "input_ids" in out and "attention_mask" not in out:
+            # every token of the record is real: the mask keeps the padding of a batch out of the loss
+            out["attention_mask"] = torch.ones_like(out["input_ids"])
         return out
 
     def __gradalg_fingerprint__(self):
@@ -343,5 +349,6 @@ def planning_data(cfg: Config, which: str):
         raise ConfigError(f"{where}.n is not set: `gradalg explain` reads no data, so it needs the number of "
                           f"examples (set {where}.n, and {where}.seq_len for the tokens per example)")
     seq_len = section.seq_len or section.max_length or 128
-    fields = ("input_ids", "attention_mask") if section.text is not None else tuple(section.columns)
+    fields = ("input_ids", "attention_mask") if section.text is not None else \
+        tuple(dict.fromkeys(list(section.columns) + (["attention_mask"] if "input_ids" in section.columns else [])))
     return PlanningData(section.n, seq_len, fields), None
