@@ -110,9 +110,22 @@ def test_console_script_entry_point():
                          env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "usage: gradalg" in out.stdout
-    missing = subprocess.run([sys.executable, "-m", "gradalg.cli", "build"], capture_output=True, text=True,
-                             env=env, timeout=120)
-    assert missing.returncode == 2 and "--config" in missing.stderr
+
+
+def test_usage_errors_exit_2(capsys):
+    assert run("build") == 2
+    assert "--config" in capsys.readouterr().err
+    assert run() == 2
+    assert run("frobnicate") == 2
+
+
+def test_yaml_config(workdir, capsys):
+    import yaml
+
+    data = tomllib.loads((workdir / "run.toml").read_text())
+    (workdir / "run.yaml").write_text(yaml.safe_dump(data))
+    assert run("inspect", "-c", workdir / "run.yaml", "--json") == 0
+    assert json.loads(capsys.readouterr().out)["n"] == 24
 
 
 # ------------------------------------------------------------------------------ build
@@ -317,3 +330,14 @@ def test_quiet_and_verbose(workdir, capsys):
     assert run("build", "-c", cfg(workdir), "-v", "--set", "projector.k=4") == 3
     err = capsys.readouterr().err
     assert "Traceback" in err and "StoreMismatchError" in err
+
+
+def test_docs_page_is_current():
+    """docs/cli.md holds every command's --help and the schema tables as generated now
+    (python -m gradalg.cli.reference docs/cli.md rewrites them)."""
+    from gradalg.cli import reference
+
+    text = (ROOT / "docs" / "cli.md").read_text()
+    assert reference.render(text) == text, "run: python -m gradalg.cli.reference docs/cli.md"
+    for name in ("help", "help build", "help query", "help score", "help explain", "help inspect", "schema"):
+        assert f"<!-- generated: {name} -->" in text

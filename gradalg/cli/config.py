@@ -140,9 +140,11 @@ class DataSection(Section):
                              "by datasets' save_to_disk")
     function: str | None = Field(None, description="'module:function' returning a map-style Dataset")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the function")
-    format: Literal["jsonl", "parquet", "hf_disk"] | None = Field(None, description="default: from the path")
+    format: Literal["jsonl", "parquet", "hf_disk"] | None = Field(None, description="jsonl, parquet or hf_disk "
+                                                                  "(default: from the path)")
     columns: list[str] = Field(default_factory=lambda: ["input_ids"], description="token-id columns kept "
-                               "(input_ids; attention_mask, labels, token_type_ids when present)")
+                               "(e.g. input_ids, attention_mask, labels); without attention_mask, one of ones "
+                               "is added")
     text: str | None = Field(None, description="a text column, tokenized with `tokenizer` (instead of ids)")
     tokenizer: str | None = Field(None, description="a local tokenizer folder (AutoTokenizer)")
     max_length: int | None = Field(None, ge=1, description="truncate sequences to this many tokens")
@@ -171,9 +173,10 @@ class DataSection(Section):
 class ProjectorSection(Section):
     """A ``ga.proj`` projector applied to every gradient (``kind = "none"``: no projection)."""
 
-    kind: Literal[PROJECTOR_KINDS + ("none",)] = "kron"  # type: ignore[valid-type]
+    kind: Literal[PROJECTOR_KINDS + ("none",)] = Field(  # type: ignore[valid-type]
+        "kron", description="gaussian, rademacher, kron, sparse, mask, grass, factgrass, or none")
     k: int = Field(64, ge=1, description="output dimension (per layer for kron, grass, factgrass, mask)")
-    seed: int = 0
+    seed: int = Field(0, description="the projection's seed (the same numbers on every machine)")
     options: dict[str, Any] = Field(default_factory=dict, description="other arguments of ga.proj.<kind> "
                                     "(per_block, k_in, k_out, s, mask_k)")
 
@@ -205,7 +208,8 @@ class QuerySection(Section):
 class MethodSection(Section):
     """``gradalg score``: a published method, ``ga.methods.<name>``."""
 
-    name: Literal[METHODS]  # type: ignore[valid-type]
+    name: Literal[METHODS] = Field(..., description="grad_dot, grad_cos, influence, trak, logra, grass "  # type: ignore[valid-type]
+                                   "or relatif")
     options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the method "
                                     "(damping, curvature, k, ...)")
     use_projector: bool = Field(True, description="pass [projector] to methods that take one (influence, "
@@ -238,8 +242,10 @@ class Config(Section):
     """A whole config file (every table optional; each command says which it needs)."""
 
     layers: list[str] | str | None = Field(None, description="module names or glob patterns, or 'all'")
-    objective: Literal["loss", "sampled", "output"] = "loss"
-    backend: Literal["hooks", "func"] = "hooks"
+    objective: Literal["loss", "sampled", "output"] = Field("loss", description="of ga.grads for build / query: "
+                                                            "the loss, labels sampled from the model, TRAK's output")
+    backend: Literal["hooks", "func"] = Field("hooks", description="ga.grads backend: hooks (factored capture) "
+                                              "or func (torch.func, any module)")
     model: ModelSection | None = None
     task: TaskSection = Field(default_factory=TaskSection)
     data: DataSets = Field(default_factory=DataSets)

@@ -95,7 +95,7 @@ def _text(d: dict) -> str:
     for key in ("projector", "layers", "objective", "backend", "model_fingerprint"):
         if d.get(key):
             value = d[key][0] if isinstance(d[key], list) and len(d[key]) == 1 else d[key]
-            lines.append(f"  {key:<11} {value}")
+            lines.append(f"  {key.removesuffix('_fingerprint'):<11} {value}")
     for b in d.get("blocks", []):
         lines.append(f"  block       {b['name']}  {tuple(b['shape'])}  {b.get('representation')}")
     prov = d.get("provenance")

@@ -29,7 +29,7 @@ EXAMPLE = """\
   output = "out/influence.zarr"
 
   $ gradalg score -c run.toml
-  $ gradalg score -c run.toml --set method.name='"logra"' --set 'method.options={k=16}' \\
+  $ gradalg score -c run.toml --set method.name=logra --set 'method.options={k=16}' \\
         --set score.output=out/logra.csv
 """
 
