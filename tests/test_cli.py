@@ -341,3 +341,123 @@ def test_docs_page_is_current():
     assert reference.render(text) == text, "run: python -m gradalg.cli.reference docs/cli.md"
     for name in ("help", "help build", "help query", "help score", "help explain", "help inspect", "schema"):
         assert f"<!-- generated: {name} -->" in text
+
+
+# ------------------------------------------------------------------- data and models
+def _items(dataset):
+    return [{k: v.tolist() for k, v in dataset[i].items()} for i in range(len(dataset))]
+
+
+def test_data_formats_give_the_same_examples(workdir, tmp_path):
+    """JSONL, parquet and a datasets folder of the same token ids load as the same items
+    (an attention mask of ones added); text with a local tokenizer is tokenized."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from gradalg.cli.config import load_config
+    from gradalg.cli.loaders import load_data
+
+    records = [json.loads(line) for line in (workdir / "gpt2_tiny" / "train.jsonl").read_text().splitlines()]
+    for i, r in enumerate(records):
+        r["name"] = f"ex{i}"
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "train.parquet")
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "train_hf"))
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    loaded = {}
+    for name in ("train.jsonl", "train.parquet", "train_hf"):
+        (tmp_path / "c.toml").write_text(f'[data.train]\npath = "{name}"\nid_column = "name"\nmax_length = 9\n')
+        data, ids = load_data(load_config(tmp_path / "c.toml"), "train")
+        assert ids == [f"ex{i}" for i in range(len(records))]
+        loaded[name] = _items(data)
+    assert loaded["train.jsonl"] == loaded["train.parquet"] == loaded["train_hf"]
+    first = loaded["train.jsonl"][0]
+    assert first["input_ids"] == records[0]["input_ids"][:9] and first["attention_mask"] == [1] * len(first["input_ids"])
+
+    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["[UNK]", "the", "cat", "sat", "on", "mat", "a", "dog"])}
+    tok = Tokenizer(tok_models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[UNK]").save_pretrained(tmp_path / "tok")
+    (tmp_path / "text.jsonl").write_text('{"text": "the cat sat on a mat"}\n{"text": "a dog"}\n')
+    (tmp_path / "t.toml").write_text('[data.train]\npath = "text.jsonl"\ntext = "text"\ntokenizer = "tok"\n')
+    data, _ = load_data(load_config(tmp_path / "t.toml"), "train")
+    assert _items(data) == [{"input_ids": [1, 2, 3, 4, 6, 5], "attention_mask": [1] * 6},
+                            {"input_ids": [6, 7], "attention_mask": [1, 1]}]
+
+
+FACTORY = '''
+import torch
+from torch import nn
+
+
+def mlp(d_in=6, hidden=8, classes=3):
+    return nn.Sequential(nn.Linear(d_in, hidden), nn.Tanh(), nn.Linear(hidden, classes)).double()
+
+
+def points(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.utils.data.TensorDataset(torch.randn(n, 6, generator=g, dtype=torch.float64),
+                                          torch.randint(0, 3, (n,), generator=g))
+'''
+
+
+def test_factory_model_and_function_data(tmp_path, monkeypatch):
+    """Any importable model and dataset: an MLP classifier, build + score, against the API."""
+    (tmp_path / "cli_mlp.py").write_text(FACTORY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "mlp.toml").write_text('''
+layers = ["0", "2"]
+[model]
+factory = "cli_mlp:mlp"
+seed = 3
+[task]
+kind = "classification"
+[data.train]
+function = "cli_mlp:points"
+kwargs = { n = 20, seed = 1 }
+[data.queries]
+function = "cli_mlp:points"
+kwargs = { n = 3, seed = 2 }
+[projector]
+kind = "gaussian"
+k = 12
+[store]
+path = "train.zarr"
+chunk_rows = 7
+[method]
+name = "influence"
+options = { damping = 0.01 }
+[score]
+output = "influence.csv"
+''')
+    assert run("build", "-c", tmp_path / "mlp.toml", "-q") == 0
+    assert run("score", "-c", tmp_path / "mlp.toml", "-q") == 0
+    import cli_mlp
+
+    torch.manual_seed(3)
+    task = ga.tasks.classification(cli_mlp.mlp().eval())
+    train, queries = cli_mlp.points(20, 1), cli_mlp.points(3, 2)
+    P = ga.proj.gaussian(12, 0)
+    G = P(ga.grads(task, train, ["0", "2"]))
+    stored = ga.store.open(tmp_path / "train.zarr", like=G)
+    assert_close(torch.cat([v.flatten(1) for v in stored.to_dense().values()], 1),
+                 torch.cat([v.flatten(1) for v in G.to_dense().values()], 1), rtol=1e-12, atol=1e-12)
+    ref = ga.methods.influence(task, train, queries, layers=["0", "2"], projector=P, damping=0.01).compute()
+    got = read_scores(tmp_path / "influence.csv").sel(query=ref["query"], train=ref["train"])
+    assert_close(torch.from_numpy(got.values), torch.from_numpy(ref.values), rtol=1e-9, atol=1e-9)
+
+
+def test_build_progress_lines_without_a_terminal(workdir, capsys, monkeypatch):
+    """stderr not a terminal: plain lines with rows done, rate and ETA every --progress-interval s."""
+    monkeypatch.setenv(layout.DELAY_ENV, "0.3")
+    path = workdir / "progress.zarr"
+    assert run("build", "-c", cfg(workdir), "--set", f"store.path='{path}'", "--set", "store.chunk_rows=4",
+               "--progress-interval", "0.2") == 0
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("build: ")]
+    assert lines and all("rows/s" in line and "/6 chunks" in line for line in lines), err
+    assert any("ETA" in line for line in lines), err
+    assert "wrote" in err

@@ -82,8 +82,13 @@ def write_scores(S, path, *, provenance: dict, top: int | None = None, chunk_row
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".zarr" and top is None:
-        ga.store.write_scores(S, path, chunk_rows=chunk_rows, overwrite=overwrite, executor=executor,
-                              metadata={ATTRIBUTE: provenance})
+        from ..errors import StoreMismatchError
+        try:
+            ga.store.write_scores(S, path, chunk_rows=chunk_rows, overwrite=overwrite, executor=executor,
+                                  metadata={ATTRIBUTE: provenance})
+        except StoreMismatchError as err:
+            raise StoreMismatchError(err.differences, f"{path} holds other scores: pass --overwrite to replace "
+                                     "them, or set another output path") from None
         n_q, n_t = S.shape
         return {"path": str(path), "format": "zarr", "shape": [n_q, n_t]}
     _refuse_existing(path, overwrite)
