@@ -253,6 +253,18 @@ def test_score_with_projector_to_zarr(workdir, api):
     assert_close(torch.from_numpy(got.values), torch.from_numpy(ref.values), rtol=1e-10, atol=1e-10)
 
 
+def test_score_that_cannot_stream_to_zarr(workdir, api):
+    """RelatIF divides by each training example's self-influence: computed whole, one array."""
+    out = workdir / "s" / "relatif.zarr"
+    assert run("score", "-c", cfg(workdir), "-q", "--set", f"score.output='{out}'", "--set", "method.name='relatif'",
+               "--set", "method.options={damping=0.01}") == 0
+    with ga.options(batch_size=4):
+        ref = ga.methods.relatif(api["task"], api["train"], api["queries"], layers=LAYERS,
+                                 projector=ga.proj.kron(16, 0), damping=0.01).compute()
+    got = read_scores(out).sel(query=ref["query"], train=ref["train"])
+    assert_close(torch.from_numpy(np.asarray(got.values)), torch.from_numpy(ref.values), rtol=1e-9, atol=1e-9)
+
+
 # ---------------------------------------------------------------------------- explain
 def test_explain_reads_no_data(workdir, capsys, tmp_path):
     """Data paths that do not exist: explain plans from data.<x>.n and seq_len alone."""
@@ -290,6 +302,9 @@ def test_inspect(workdir, capsys):
     assert d["kind"] == "gradients" and d["n"] == 24 and d["complete"] and d["verify"] == "intact"
     assert d["provenance"]["config"]["store"]["chunk_rows"] == 8
     assert run("inspect", workdir / "nothing.zarr") == 4
+    assert run("inspect", workdir / "q" / "top3.zarr") == 0      # a top-k output of query
+    text = capsys.readouterr().out
+    assert "top_k store" in text and "'rank': 3" in text and "gradalg query" in text
 
 
 # --------------------------------------------------------------------------- refusals

@@ -55,6 +55,11 @@ def describe_store(path) -> dict:
         except Exception:  # noqa: BLE001 - not a Zarr group
             attrs = {}
     kind = attrs.get("gradalg_store")
+    if kind is None and ATTRIBUTE in attrs:     # a top-k or whole-matrix output of query / score
+        ds = layout.open_dataset(path)
+        return {"path": str(path), "kind": "top_k" if "rank" in ds.dims else "scores (one array)",
+                "size_bytes": _size(path), "dims": {k: int(v) for k, v in ds.sizes.items()},
+                "provenance": attrs[ATTRIBUTE]}
     if kind is None:
         from ..errors import StoreMismatchError
         raise StoreMismatchError([f"{path} is not a gradalg store"], "pass the folder written by gradalg build, "
@@ -77,7 +82,9 @@ def describe_store(path) -> dict:
 
 def _text(d: dict) -> str:
     lines = [f"{d['path']}: {d['kind']} store"]
-    if d["kind"] == "gradients":
+    if "dims" in d:
+        lines.append(f"  dims        {d['dims']}")
+    elif d["kind"] == "gradients":
         lines.append(f"  rows        {d.get('n'):,} examples × {sum(_prod(b['shape']) for b in d.get('blocks', [])):,} "
                      f"coordinates, {d.get('dtype')}")
     elif d["kind"] == "scores":

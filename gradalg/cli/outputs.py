@@ -3,6 +3,7 @@ or parquet (the path's suffix), with the provenance of :mod:`gradalg.cli.provena
 
 =====================  =============================================================
 full scores, .zarr     ``ga.store.write_scores``: chunked, resumable, ``scores`` (query, train)
+                       (scores it cannot stream by training rows: computed whole, same layout)
 full scores, .csv      long table ``query, train, score`` (one row per pair)
 top k, .zarr           ``train`` and ``score`` of dims (query, rank); rank 0 is the highest
 top k, .csv/.parquet   long table ``query, rank, train, score``
@@ -74,6 +75,19 @@ def _atomic_file(path: Path, write) -> None:
             tmp.unlink()
 
 
+def _streamable(S) -> bool:
+    """Whether ``ga.store.write_scores`` can write ``S`` chunk by chunk (inner products and
+    sums of them over a training side read by row ranges); other scores (RelatIF's
+    normalization, say) are computed whole and written as one Zarr array."""
+    from ..store.rows import restrictable
+    from ..store.scores import _terms
+
+    try:
+        return all(restrictable(inner.right) for _, inner in _terms(S.expr))
+    except TypeError:
+        return False
+
+
 def write_scores(S, path, *, provenance: dict, top: int | None = None, chunk_rows: int = 1024,
                  overwrite: bool = False, executor=None) -> dict:
     """Compute the lazy Scores ``S`` into ``path``; return a summary (rows written, path)."""
@@ -81,7 +95,7 @@ def write_scores(S, path, *, provenance: dict, top: int | None = None, chunk_row
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix == ".zarr" and top is None:
+    if path.suffix == ".zarr" and top is None and _streamable(S):
         from ..errors import StoreMismatchError
         try:
             ga.store.write_scores(S, path, chunk_rows=chunk_rows, overwrite=overwrite, executor=executor,
