@@ -476,3 +476,14 @@ def test_build_progress_lines_without_a_terminal(workdir, capsys, monkeypatch):
     assert lines and all("rows/s" in line and "/6 chunks" in line for line in lines), err
     assert any("ETA" in line for line in lines), err
     assert "wrote" in err
+
+
+def test_help_and_exit_codes_without_pydantic(workdir, capsys, monkeypatch):
+    """`gradalg --help` needs no optional library; a command that reads a config says to
+    install the `cli` extra (exit 6)."""
+    monkeypatch.setitem(sys.modules, "pydantic", None)
+    monkeypatch.delitem(sys.modules, "gradalg.cli.config")
+    assert run("--help") == 0 and run("build", "--help") == 0
+    capsys.readouterr()
+    assert run("build", "-c", cfg(workdir)) == 6
+    assert "pip install 'gradalg[cli]'" in capsys.readouterr().err

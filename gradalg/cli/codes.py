@@ -39,8 +39,7 @@ def exit_code(err: BaseException) -> int:
     """The exit code of an error raised by a command."""
     from ..errors import (GradalgError, OptionError, StoreCorruptError, StoreIncompleteError, StoreMismatchError,
                           UnsupportedLayerError)
-    from .config import ConfigError
-    from .outputs import OutputExistsError
+    from .errors import ConfigError, OutputExistsError
 
     if isinstance(err, SystemExit):
         return int(err.code or 0)

@@ -39,7 +39,11 @@ def doc_description(doc: str) -> str:
 
 def load(args):
     """The validated config of ``--config`` with the ``--set`` overrides."""
-    from .config import load_config
+    try:
+        from .config import load_config
+    except ImportError as err:
+        raise ImportError(f"the gradalg command line reads configs with pydantic ({err.name} is missing): "
+                          "pip install 'gradalg[cli]'") from err
 
     cfg = load_config(args.config, args.overrides)
     log.debug("config %s (sha256 %s)", cfg.source, cfg.text_digest)

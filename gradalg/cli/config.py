@@ -54,7 +54,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from ..errors import GradalgError
+from .errors import ConfigError
 
 __all__ = ["Config", "ConfigError", "load_config", "ModelSection", "TaskSection", "DataSection",
            "ProjectorSection", "StoreSection", "QuerySection", "MethodSection", "ScoreSection",
@@ -65,11 +65,6 @@ PROJECTOR_KINDS = ("gaussian", "rademacher", "kron", "sparse", "mask", "grass", 
 METHODS = ("grad_dot", "grad_cos", "influence", "trak", "logra", "grass", "relatif")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 OUTPUT_SUFFIXES = (".csv", ".parquet", ".zarr")
-
-
-class ConfigError(GradalgError, ValueError):
-    """A config file is missing, unreadable or invalid. The message names the file, each
-    field at fault (``data.train.path``) and what it accepts."""
 
 
 class Section(BaseModel):

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from .common import add_common, command_parser, load, options_for
-from .config import ConfigError
+from .errors import ConfigError
 
 __all__ = ["add_parser", "run", "html_page"]
 

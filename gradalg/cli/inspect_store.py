@@ -131,7 +131,7 @@ def run(args) -> int:
     path = args.store
     if path is None:
         if args.config is None:
-            from .config import ConfigError
+            from .errors import ConfigError
             raise ConfigError("give the store's path (gradalg inspect out/train.zarr) or --config with a [store]")
         from .common import load
         cfg = load(args)

@@ -22,14 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import GradalgError
+from .errors import OutputExistsError
 from .provenance import ATTRIBUTE, write_sidecar
 
 __all__ = ["OutputExistsError", "write_scores", "top_k", "long_table", "read_scores"]
-
-
-class OutputExistsError(GradalgError, FileExistsError):
-    """An output file exists already and ``--overwrite`` was not given."""
 
 
 def top_k(scores, k: int):
