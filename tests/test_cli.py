@@ -171,6 +171,8 @@ def test_build_killed_then_resumed_equals_one_run(workdir):
     proc.wait()
     done = done_count(killed)
     assert 2 <= done < 6, f"killed after {done} of 6 chunks"
+    assert run("query", "-c", cfg(workdir), "-q", *sets, "--set", f"query.output='{workdir / 'early.csv'}'") == 4
+    assert run("inspect", killed) == 0
     assert run("build", "-c", cfg(workdir), "-q", *sets) == 0
     assert done_count(killed) == 6
     whole = workdir / "whole.zarr"

@@ -68,8 +68,6 @@ def html_page(body: str, title: str) -> str:
 
 def expression(session, what: str):
     """The lazy object whose plan is shown."""
-    import gradalg as ga
-
     cfg = session.cfg
     if what == "score":
         cfg.require("model", "data.train", "data.queries", "method", command="explain --what score")
@@ -82,9 +80,9 @@ def expression(session, what: str):
     if not Path(path).exists():
         raise ConfigError(f"store.path: no store at {path}: `explain --what query` reads the built store's "
                           "metadata; run `gradalg build` first, or explain the build (--what build)")
-    from .query import check_store
+    from .query import check_store, open_store
 
-    stored = ga.store.open(path)
+    stored = open_store(path, cfg)
     Q = session.grads("queries")
     check_store(dict(stored.expr.store.attrs), Q, path)
     return session.query_scores(stored)

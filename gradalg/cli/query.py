@@ -14,7 +14,7 @@ import time
 
 from .common import add_common, command_parser, load, options_for
 
-__all__ = ["add_parser", "run", "check_store"]
+__all__ = ["add_parser", "run", "check_store", "open_store"]
 
 log = logging.getLogger("gradalg.cli")
 
@@ -53,9 +53,23 @@ def check_store(stored_attrs: dict, Q, path) -> None:
                    "from this model, layers and projector")
 
 
-def run(args) -> int:
-    import gradalg as ga
+def open_store(path, cfg):
+    """``ga.store.open(path)`` with the fixes a shell user runs (exit 4 when unusable)."""
+    from pathlib import Path
 
+    import gradalg as ga
+    from ..errors import StoreIncompleteError
+
+    if not Path(path).exists():
+        raise FileNotFoundError(f"no store at {path} (store.path): build it first with "
+                                f"`gradalg build -c {cfg.source}`")
+    try:
+        return ga.store.open(path)
+    except StoreIncompleteError as err:
+        raise StoreIncompleteError(f"{err} — from the shell: `gradalg build -c {cfg.source}` finishes it") from None
+
+
+def run(args) -> int:
     from .outputs import write_scores
     from .provenance import record
     from .session import Session
@@ -66,7 +80,7 @@ def run(args) -> int:
     session = Session(cfg)
     top = cfg.query.top_k or None
     with options_for(cfg, args):
-        stored = ga.store.open(path)
+        stored = open_store(path, cfg)
         Q = session.grads("queries")
         check_store(dict(stored.expr.store.attrs), Q, path)
         S = session.query_scores(stored)

@@ -78,6 +78,7 @@ class Session:
     def method_scores(self):
         """``ga.methods.<name>(task, train, queries, layers=..., **options)`` of ``[method]``."""
         import gradalg as ga
+        from ..data import as_data
 
         m = self.cfg.method
         fn = getattr(ga.methods, m.name)
@@ -93,9 +94,10 @@ class Session:
             kwargs["projector"] = self.projector
         train, train_ids = self.data("train")
         queries, query_ids = self.data("queries")
-        if train_ids is not None or query_ids is not None:
-            train = ga.data.as_data(train, train_ids) if train_ids is not None else train
-            queries = ga.data.as_data(queries, query_ids) if query_ids is not None else queries
+        if train_ids is not None:
+            train = as_data(train, train_ids)
+        if query_ids is not None:
+            queries = as_data(queries, query_ids)
         try:
             return fn(self.task, train, queries, **kwargs)
         except (TypeError, ValueError) as err:
