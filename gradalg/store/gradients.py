@@ -177,7 +177,8 @@ def _warn_factored(node) -> None:
             stacklevel=3)
 
 
-def write(G, path, *, chunk_rows: int = 256, executor=None, overwrite: bool = False, verify: bool = False):
+def write(G, path, *, chunk_rows: int = 256, executor=None, overwrite: bool = False, verify: bool = False,
+          metadata: dict | None = None):
     """Write the rows of ``G`` to a Zarr store at ``path``, chunk by chunk; return the
     store opened as a lazy GradientSet (see :func:`open_gradients`).
 
@@ -190,6 +191,8 @@ def write(G, path, *, chunk_rows: int = 256, executor=None, overwrite: bool = Fa
     overwrite : replace a gradalg store already at ``path`` (anything else there is refused).
     verify : on a finished store, read every chunk and check its checksum (otherwise
         only that its files exist); damaged chunks are rewritten.
+    metadata : extra JSON-able attributes kept with a new store (the ``gradalg`` command
+        line records its config and versions here); not compared on resume.
 
     If ``path`` holds an unfinished or damaged store of the same ``G`` (same projector, layers,
     objective, model fingerprint, example ids and ``chunk_rows``), only its unfinished
@@ -206,7 +209,7 @@ def write(G, path, *, chunk_rows: int = 256, executor=None, overwrite: bool = Fa
     if node.n == 0:
         raise ValueError("G has no rows to store")
     ids = layout.ids_array(node.ids)
-    attrs = describe_gradients(G, chunk_rows)
+    attrs = layout.with_metadata(describe_gradients(G, chunk_rows), metadata)
     state = layout.prepare(path, attrs, ids, RESUME_KEYS, overwrite=overwrite, kind=KIND, verify=verify)
     if state == "complete":
         return open_gradients(path)

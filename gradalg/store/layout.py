@@ -29,7 +29,7 @@ from ..errors import StoreIncompleteError, StoreMismatchError
 from . import integrity
 
 __all__ = ["require", "ids_array", "ids_tuple", "read_attrs", "done_flags", "prepare", "write_template",
-           "write_region", "mark_done", "atomic_directory", "DELAY_ENV", "n_chunks"]
+           "write_region", "mark_done", "atomic_directory", "DELAY_ENV", "n_chunks", "with_metadata"]
 
 DELAY_ENV = "GRADALG_STORE_TEST_DELAY"   # seconds to sleep between a chunk's data and its flag (tests)
 FORMAT_VERSION = 1
@@ -43,6 +43,16 @@ def require() -> None:
     except ImportError as err:
         raise ImportError(f"ga.store needs zarr and dask ({err.name} is missing): "
                           "pip install 'gradalg[dask]'") from err
+
+
+def with_metadata(attrs: dict, metadata: dict | None) -> dict:
+    """``attrs`` plus the caller's extra attributes (which may not replace the store's own)."""
+    if not metadata:
+        return attrs
+    clash = sorted(set(metadata) & (set(attrs) | {"dtype", "attrs_digest"}))
+    if clash:
+        raise ValueError(f"metadata may not set the store's own attributes {clash}: use other names")
+    return dict(attrs, **metadata)
 
 
 def n_chunks(n: int, chunk_rows: int) -> int:

@@ -94,7 +94,8 @@ def _compute_and_write(path, attrs, terms, index: int, options, rewrites: bool =
     return index
 
 
-def write_scores(S, path, *, chunk_rows: int = 1024, executor=None, overwrite: bool = False):
+def write_scores(S, path, *, chunk_rows: int = 1024, executor=None, overwrite: bool = False,
+                 metadata: dict | None = None):
     """Compute the Scores ``S`` chunk by chunk of training rows into a Zarr store at
     ``path``; return :func:`open_scores` of it.
 
@@ -102,6 +103,7 @@ def write_scores(S, path, *, chunk_rows: int = 1024, executor=None, overwrite: b
     executor : None (this process), a LocalExecutor, or a ``ga.exec.DaskExecutor`` (one task
         per unfinished chunk). It also computes, once, the query sides and operators.
     overwrite : replace a store already at ``path``.
+    metadata : extra JSON-able attributes kept with a new store; not compared on resume.
 
     An unfinished store of the same scores at ``path`` is completed (only its unfinished
     chunks are computed); a store of other scores raises :class:`StoreMismatchError`.
@@ -116,7 +118,7 @@ def write_scores(S, path, *, chunk_rows: int = 1024, executor=None, overwrite: b
     node = S.expr
     _terms(node)   # a clear error for unsupported expressions before anything runs
     train_ids = layout.ids_array(node.col_ids)
-    attrs = _describe(S, chunk_rows)
+    attrs = layout.with_metadata(_describe(S, chunk_rows), metadata)
     state = layout.prepare(path, attrs, train_ids, RESUME_KEYS, overwrite=overwrite, kind=KIND)
     if state == "complete":
         return open_scores(path)

@@ -1,0 +1,101 @@
+"""``gradalg``: the command line (console script ``gradalg = gradalg.cli:main``).
+
+    gradalg build   -c run.toml        # training gradients → a Zarr store (resumable)
+    gradalg query   -c run.toml        # new queries against the store → zarr / csv / parquet
+    gradalg score   -c run.toml        # a method end to end (ga.methods.<name>)
+    gradalg explain -c run.toml        # the plan, no data read
+    gradalg inspect out/train.zarr     # what a store holds
+
+Every command takes ``--config`` (a TOML or YAML file, :mod:`gradalg.cli.config`),
+``--set KEY=VALUE`` overrides, ``--quiet`` and ``--verbose``. Exit codes are in
+:data:`EXIT_CODES` (docs/cli.md).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .codes import EXIT_CODES, exit_code
+
+__all__ = ["main", "build_parser", "EXIT_CODES", "exit_code"]
+
+COMMANDS = ("build", "query", "score", "explain", "inspect")
+
+DESCRIPTION = """\
+gradalg: training data attribution from the shell.
+
+Each command reads one config file (TOML or YAML) naming the model, the data, the
+layers, the projector and the method; `gradalg <command> --help` shows an example.
+"""
+
+EPILOG = """\
+exit codes:
+""" + "\n".join(f"  {code:<4}{text}" for code, text in EXIT_CODES.items()) + """
+
+example:
+  gradalg build -c examples/gpt2_tiny.toml && gradalg query -c examples/gpt2_tiny.toml
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every command (imports no model library)."""
+    from . import build, explain, inspect_store, query, score
+
+    parser = argparse.ArgumentParser(prog="gradalg", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .. import __version__
+    parser.add_argument("--version", action="version", version=f"gradalg {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    for module in (build, query, score, explain, inspect_store):
+        module.add_parser(sub)
+    return parser
+
+
+def _configure_logging(args) -> None:
+    level = logging.WARNING if getattr(args, "quiet", False) else \
+        logging.DEBUG if getattr(args, "verbose", False) else logging.INFO
+    log = logging.getLogger("gradalg")
+    for handler in list(log.handlers):
+        if getattr(handler, "_gradalg_cli", False):
+            log.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler._gradalg_cli = True
+    log.addHandler(handler)
+    log.setLevel(level)
+    log.propagate = False
+
+
+def main(argv=None) -> int:
+    """Run ``gradalg`` with ``argv`` (default ``sys.argv[1:]``); return the exit code.
+
+    A :class:`~gradalg.GradalgError` (and a missing file or optional library) is printed
+    as ``error: <message>`` without a traceback unless ``--verbose``; anything else is a
+    bug and prints its traceback (exit 1).
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as stop:   # --help, --version (0) or a usage error (2)
+        return int(stop.code or 0)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    _configure_logging(args)
+    log = logging.getLogger("gradalg.cli")
+    try:
+        return int(args.run(args) or 0)
+    except KeyboardInterrupt:
+        log.error("interrupted (a store being built resumes where it stopped: run the same command again)")
+        return 130
+    except BaseException as err:  # noqa: BLE001 - every error becomes an exit code
+        code = exit_code(err)
+        if code == 1 or args.verbose:
+            log.error("", exc_info=err)
+        log.error("error: %s", err if code != 1 else f"{type(err).__name__}: {err}")
+        if code == 1:
+            log.error("(this is unexpected: please report it with the traceback above)")
+        elif not args.verbose:
+            log.error("(run with --verbose for the traceback)")
+        return code
