@@ -18,7 +18,8 @@ __all__ = ["Session"]
 
 class Session:
     """The objects a config names. ``planning=True``: data are stand-ins of the configured
-    size (``data.<x>.n``, ``seq_len``), so nothing is read."""
+    size (``data.<x>.n``, ``seq_len``) and a transformers model is built on the meta
+    device, so nothing is read and no memory is taken."""
 
     def __init__(self, cfg: Config, *, planning: bool = False):
         self.cfg = cfg
@@ -27,7 +28,8 @@ class Session:
 
     @cached_property
     def model(self):
-        return loaders.load_model(self.cfg)
+        """The model (on the meta device when planning: shapes only)."""
+        return loaders.load_model(self.cfg, meta=self.planning)
 
     @cached_property
     def task(self):
