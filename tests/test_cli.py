@@ -489,3 +489,16 @@ def test_help_and_exit_codes_without_pydantic(workdir, capsys, monkeypatch):
     capsys.readouterr()
     assert run("build", "-c", cfg(workdir)) == 6
     assert "pip install 'gradalg[cli]'" in capsys.readouterr().err
+
+
+def test_explain_reads_no_weights(workdir, capsys, tmp_path):
+    """A checkpoint folder with a config.json and no weights: explain plans it (the model
+    is built on the meta device), build says from_pretrained failed (exit 2)."""
+    text = (workdir / "run.toml").read_text().replace('config = "gpt2_tiny/model"', 'checkpoint = "gpt2_tiny/model"')
+    (tmp_path / "gpt2_tiny").symlink_to(workdir / "gpt2_tiny")
+    (tmp_path / "ckpt.toml").write_text(text)
+    assert run("explain", "-c", tmp_path / "ckpt.toml", "--what", "build", "--set",
+               "data.train.path='/nonexistent.jsonl'") == 0
+    assert "physical passes" in capsys.readouterr().out
+    assert run("build", "-c", tmp_path / "ckpt.toml", "--set", f"store.path='{tmp_path / 'x.zarr'}'") == 2
+    assert "model.checkpoint" in capsys.readouterr().err
