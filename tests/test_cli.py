@@ -152,6 +152,7 @@ def test_second_build_is_a_no_op_that_says_so(workdir, capsys):
     assert {p: p.stat().st_mtime_ns for p in path.rglob("*") if p.is_file()} == stamps
 
 
+@pytest.mark.slow
 def test_build_killed_then_resumed_equals_one_run(workdir):
     """SIGKILL mid-build (between a chunk's data and its flag, at any chunk), then the same
     command: the store is bitwise the one an uninterrupted build writes."""
@@ -502,3 +503,17 @@ def test_explain_reads_no_weights(workdir, capsys, tmp_path):
     assert "physical passes" in capsys.readouterr().out
     assert run("build", "-c", tmp_path / "ckpt.toml", "--set", f"store.path='{tmp_path / 'x.zarr'}'") == 2
     assert "model.checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_build_on_a_dask_cluster_equals_local(workdir):
+    """[executor] kind = "dask": each chunk is a task on a local cluster; the store is
+    bitwise the one built in this process."""
+    pytest.importorskip("distributed")
+    path = workdir / "dask.zarr"
+    assert run("build", "-c", cfg(workdir), "-q", "--set", f"store.path='{path}'", "--set", "executor.kind='dask'",
+               "--set", "executor.n_workers=1") == 0
+    a, b = _raw(path), _raw(workdir / "gpt2_tiny" / "out" / "train.zarr")
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert np.array_equal(a[name], b[name]), name

@@ -87,8 +87,9 @@ def run(args) -> int:
         S = session.query_scores(stored)
         output = cfg.resolve(cfg.query.output)
         start = time.monotonic()
-        summary = write_scores(S, output, provenance=record(cfg, "query"), top=top,
-                               chunk_rows=cfg.query.chunk_rows, overwrite=args.overwrite)
+        with session.executor() as executor:
+            summary = write_scores(S, output, provenance=record(cfg, "query"), top=top,
+                                   chunk_rows=cfg.query.chunk_rows, overwrite=args.overwrite, executor=executor)
     log.info("scored %d queries against %d stored rows (%s): %s in %.1f s", S.shape[0], S.shape[1],
              cfg.query.similarity, summary["path"], time.monotonic() - start)
     return 0
