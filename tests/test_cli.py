@@ -517,3 +517,21 @@ def test_build_on_a_dask_cluster_equals_local(workdir):
     assert sorted(a) == sorted(b)
     for name in a:
         assert np.array_equal(a[name], b[name]), name
+
+
+def test_sigterm_and_ctrl_c_exit_with_the_resume_hint(workdir, capsys, monkeypatch):
+    """A scheduler's SIGTERM (or Ctrl-C) mid-command: exit 143 (130) with how to resume; the
+    previous SIGTERM handler is restored."""
+    import gradalg.cli.build as build_cmd
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(build_cmd, "run", lambda args: signal.raise_signal(signal.SIGTERM))
+    assert run("build", "-c", cfg(workdir)) == 143
+    assert "SIGTERM" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is before
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(build_cmd, "run", interrupted)
+    assert run("build", "-c", cfg(workdir)) == 130
+    assert "run the same command again" in capsys.readouterr().err
