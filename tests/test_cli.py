@@ -152,6 +152,7 @@ def test_second_build_is_a_no_op_that_says_so(workdir, capsys):
     assert {p: p.stat().st_mtime_ns for p in path.rglob("*") if p.is_file()} == stamps
 
 
+@pytest.mark.slow
 def test_build_killed_then_resumed_equals_one_run(workdir):
     """SIGKILL mid-build (between a chunk's data and its flag, at any chunk), then the same
     command: the store is bitwise the one an uninterrupted build writes."""
@@ -489,3 +490,48 @@ def test_help_and_exit_codes_without_pydantic(workdir, capsys, monkeypatch):
     capsys.readouterr()
     assert run("build", "-c", cfg(workdir)) == 6
     assert "pip install 'gradalg[cli]'" in capsys.readouterr().err
+
+
+def test_explain_reads_no_weights(workdir, capsys, tmp_path):
+    """A checkpoint folder with a config.json and no weights: explain plans it (the model
+    is built on the meta device), build says from_pretrained failed (exit 2)."""
+    text = (workdir / "run.toml").read_text().replace('config = "gpt2_tiny/model"', 'checkpoint = "gpt2_tiny/model"')
+    (tmp_path / "gpt2_tiny").symlink_to(workdir / "gpt2_tiny")
+    (tmp_path / "ckpt.toml").write_text(text)
+    assert run("explain", "-c", tmp_path / "ckpt.toml", "--what", "build", "--set",
+               "data.train.path='/nonexistent.jsonl'") == 0
+    assert "physical passes" in capsys.readouterr().out
+    assert run("build", "-c", tmp_path / "ckpt.toml", "--set", f"store.path='{tmp_path / 'x.zarr'}'") == 2
+    assert "model.checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_build_on_a_dask_cluster_equals_local(workdir):
+    """[executor] kind = "dask": each chunk is a task on a local cluster; the store is
+    bitwise the one built in this process."""
+    pytest.importorskip("distributed")
+    path = workdir / "dask.zarr"
+    assert run("build", "-c", cfg(workdir), "-q", "--set", f"store.path='{path}'", "--set", "executor.kind='dask'",
+               "--set", "executor.n_workers=1") == 0
+    a, b = _raw(path), _raw(workdir / "gpt2_tiny" / "out" / "train.zarr")
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert np.array_equal(a[name], b[name]), name
+
+
+def test_sigterm_and_ctrl_c_exit_with_the_resume_hint(workdir, capsys, monkeypatch):
+    """A scheduler's SIGTERM (or Ctrl-C) mid-command: exit 143 (130) with how to resume; the
+    previous SIGTERM handler is restored."""
+    import gradalg.cli.build as build_cmd
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(build_cmd, "run", lambda args: signal.raise_signal(signal.SIGTERM))
+    assert run("build", "-c", cfg(workdir)) == 143
+    assert "SIGTERM" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is before
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(build_cmd, "run", interrupted)
+    assert run("build", "-c", cfg(workdir)) == 130
+    assert "run the same command again" in capsys.readouterr().err

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 
 from .codes import EXIT_CODES, exit_code
 
@@ -67,6 +69,14 @@ def _configure_logging(args) -> None:
     log.propagate = False
 
 
+class Terminated(BaseException):
+    """SIGTERM (a batch scheduler's time limit or preemption), raised in the main thread."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
 def main(argv=None) -> int:
     """Run ``gradalg`` with ``argv`` (default ``sys.argv[1:]``); return the exit code.
 
@@ -84,11 +94,14 @@ def main(argv=None) -> int:
         return 2
     _configure_logging(args)
     log = logging.getLogger("gradalg.cli")
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if in_main else None
     try:
         return int(args.run(args) or 0)
-    except KeyboardInterrupt:
-        log.error("interrupted (a store being built resumes where it stopped: run the same command again)")
-        return 130
+    except (KeyboardInterrupt, Terminated) as err:
+        what = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted"
+        log.error("%s: a store being built resumes where it stopped: run the same command again", what)
+        return 143 if isinstance(err, Terminated) else 130
     except BaseException as err:  # noqa: BLE001 - every error becomes an exit code
         code = exit_code(err)
         if code == 1 or args.verbose:
@@ -99,3 +112,6 @@ def main(argv=None) -> int:
         elif not args.verbose:
             log.error("(run with --verbose for the traceback)")
         return code
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)

@@ -71,10 +71,11 @@ def run(args) -> int:
         if before is not None:
             log.info("store %s exists: %d of %d chunks written; checking it matches the config", path, before, chunks)
         start = time.monotonic()
-        with ChunkMonitor(path, chunks, chunk_rows, n, enabled=not args.quiet, interval=args.progress_interval):
+        with session.executor() as executor, \
+                ChunkMonitor(path, chunks, chunk_rows, n, enabled=not args.quiet, interval=args.progress_interval):
             try:
                 ga.store.write(G, path, chunk_rows=chunk_rows, overwrite=args.overwrite, verify=args.verify,
-                               metadata={ATTRIBUTE: record(cfg, "build")})
+                               executor=executor, metadata={ATTRIBUTE: record(cfg, "build")})
             except StoreMismatchError as err:
                 raise StoreMismatchError(err.differences, f"{path} was built from something else: pass --overwrite "
                                          "to replace it, or set store.path to another folder") from None

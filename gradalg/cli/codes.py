@@ -14,6 +14,7 @@
         or the memory budget; the message says what to change)
 6       a library an optional feature needs is not installed (the message names the extra)
 130     interrupted (Ctrl-C); a store being built resumes at the next run
+143     terminated by SIGTERM (a SLURM time limit or preemption); resumes likewise
 ======  ==================================================================================
 """
 from __future__ import annotations
@@ -31,7 +32,8 @@ EXIT_CODES = {
     STORE_UNUSABLE: "the store is unfinished, damaged or missing",
     RUN_REFUSED: "gradalg refused the computation (data, model, memory budget)",
     MISSING_LIBRARY: "an optional library is missing (the message names the pip extra)",
-    130: "interrupted; run the same command again to resume",
+    130: "interrupted (Ctrl-C); run the same command again to resume",
+    143: "terminated (SIGTERM: a scheduler's time limit); run the same command again to resume",
 }
 
 

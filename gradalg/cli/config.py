@@ -57,7 +57,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from .errors import ConfigError
 
 __all__ = ["Config", "ConfigError", "load_config", "ModelSection", "TaskSection", "DataSection",
-           "ProjectorSection", "StoreSection", "QuerySection", "MethodSection", "ScoreSection",
+           "ProjectorSection", "StoreSection", "QuerySection", "MethodSection", "ScoreSection", "ExecutorSection",
            "PROJECTOR_KINDS", "METHODS", "DTYPES"]
 
 PROJECTOR_KINDS = ("gaussian", "rademacher", "kron", "sparse", "mask", "grass", "factgrass")
@@ -228,6 +228,18 @@ def _output(value: str, where: str) -> str:
     return value
 
 
+class ExecutorSection(Section):
+    """Where the passes run: this process, or a Dask cluster (``ga.exec.DaskExecutor``)."""
+
+    kind: Literal["local", "dask"] = Field("local", description="local (this process) or dask")
+    address: str | None = Field(None, description="a running Dask scheduler ('tcp://host:8786', e.g. started in "
+                                "a SLURM job); default: a local cluster of n_workers processes")
+    n_workers: int = Field(2, ge=1, description="workers of the local cluster")
+    threads_per_worker: int = Field(1, ge=1, description="threads of each worker (and torch threads)")
+    options: dict[str, Any] = Field(default_factory=dict, description="other DaskExecutor arguments "
+                                    "(shards_per_worker, retries, task_timeout, ...)")
+
+
 class DataSets(Section):
     train: DataSection | None = None
     queries: DataSection | None = None
@@ -249,6 +261,7 @@ class Config(Section):
     query: QuerySection | None = None
     method: MethodSection | None = None
     score: ScoreSection | None = None
+    executor: ExecutorSection = Field(default_factory=ExecutorSection)
     options: dict[str, Any] = Field(default_factory=dict, description="ga.options (batch_size, memory_budget, ...)")
 
     # not part of the file: where it came from (set by load_config)

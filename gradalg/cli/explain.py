@@ -2,8 +2,9 @@
 
 No data are read: each dataset is a stand-in of ``data.<x>.n`` examples of
 ``data.<x>.seq_len`` tokens (set them in the config; an importable data function is
-called, and should return a lazy Dataset). The model is built (or loaded) to know its
-layers' shapes; nothing is run on it. ``--what`` chooses the computation: ``score``
+called, and should return a lazy Dataset). A transformers model is built on the meta
+device (shapes only, no memory; a checkpoint's config.json is read, not its weights), a
+factory model as usual; nothing is run on it. ``--what`` chooses the computation: ``score``
 (the ``[method]``; default when there is one), ``build`` (the training gradients of
 ``gradalg build``) or ``query`` (queries against the built store: its metadata only).
 Text on stdout (every stage: rewrites, decisions, passes with estimated FLOPs, time and
@@ -84,7 +85,7 @@ def expression(session, what: str):
 
     stored = open_store(path, cfg)
     Q = session.grads("queries")
-    check_store(dict(stored.expr.store.attrs), Q, path)
+    check_store(dict(stored.expr.store.attrs), Q, path, weights=not session.planning)
     return session.query_scores(stored)
 
 

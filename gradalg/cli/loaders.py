@@ -87,12 +87,25 @@ def _hf_config(cls, value, cfg: Config):
         raise ConfigError(f"model.config = {value!r}: cannot read a {config_class.__name__} from {path}: {err}") from None
 
 
-def load_model(cfg: Config) -> torch.nn.Module:
-    """The config's model, in eval mode, with its dtype and device."""
+def load_model(cfg: Config, *, meta: bool = False) -> torch.nn.Module:
+    """The config's model, in eval mode, with its dtype and device.
+
+    meta : build a transformers model on the ``meta`` device (shapes only: no memory, no
+        weights read; a checkpoint contributes its config.json) — what ``gradalg explain``
+        plans with. A factory model is built as usual.
+    """
     m = cfg.model
     if m is None:
         raise ConfigError(f"{cfg.source}: [model] is missing")
     torch.manual_seed(m.seed)
+    if meta and m.factory is None:
+        cls = _model_class(m.class_)
+        config = _hf_config(cls, m.config if m.config is not None else m.checkpoint, cfg)
+        with torch.device("meta"):
+            model = cls(config)
+        if m.dtype is not None:
+            model = model.to(getattr(torch, m.dtype))
+        return model.eval()
     if m.factory is not None:
         model = import_object(m.factory, "model.factory")(**m.kwargs)
         if not isinstance(model, torch.nn.Module):

@@ -40,15 +40,16 @@ def add_parser(sub):
     return p
 
 
-def check_store(stored_attrs: dict, Q, path) -> None:
+def check_store(stored_attrs: dict, Q, path, *, weights: bool = True) -> None:
     """Refuse (StoreMismatchError) a store whose rows were not made like ``Q``'s: same
-    projector, layers, objective, backend, model fingerprint and blocks."""
+    projector, layers, objective, backend, model fingerprint (unless not ``weights``:
+    a meta-device model for a plan) and blocks."""
     from ..store import layout
     from ..store.gradients import describe_gradients
 
     expected = describe_gradients(Q)
-    layout.compare(stored_attrs, expected, ("projector", "layers", "objective", "backend", "model_fingerprint",
-                                            "blocks"), "the config's queries",
+    keys = ("projector", "layers", "objective", "backend") + (("model_fingerprint",) if weights else ()) + ("blocks",)
+    layout.compare(stored_attrs, expected, keys, "the config's queries",
                    f"build {path} from this config (gradalg build), or point store.path at the store built "
                    "from this model, layers and projector")
 
@@ -86,8 +87,9 @@ def run(args) -> int:
         S = session.query_scores(stored)
         output = cfg.resolve(cfg.query.output)
         start = time.monotonic()
-        summary = write_scores(S, output, provenance=record(cfg, "query"), top=top,
-                               chunk_rows=cfg.query.chunk_rows, overwrite=args.overwrite)
+        with session.executor() as executor:
+            summary = write_scores(S, output, provenance=record(cfg, "query"), top=top,
+                                   chunk_rows=cfg.query.chunk_rows, overwrite=args.overwrite, executor=executor)
     log.info("scored %d queries against %d stored rows (%s): %s in %.1f s", S.shape[0], S.shape[1],
              cfg.query.similarity, summary["path"], time.monotonic() - start)
     return 0

@@ -49,7 +49,7 @@ def _tables():
     return [(c.Config, "top level"), (c.ModelSection, "[model]"), (c.TaskSection, "[task]"),
             (c.DataSection, "[data.train] and [data.queries]"), (c.ProjectorSection, "[projector]"),
             (c.StoreSection, "[store]"), (c.QuerySection, "[query]"), (c.MethodSection, "[method]"),
-            (c.ScoreSection, "[score]")]
+            (c.ScoreSection, "[score]"), (c.ExecutorSection, "[executor]")]
 
 
 def _default(field) -> str:

@@ -54,9 +54,10 @@ def run(args) -> int:
     with options_for(cfg, args):
         S = session.method_scores()
         start = time.monotonic()
-        summary = write_scores(S, cfg.resolve(cfg.score.output), provenance=record(cfg, "score"),
-                               top=cfg.score.top_k or None, chunk_rows=cfg.score.chunk_rows,
-                               overwrite=args.overwrite)
+        with session.executor() as executor:
+            summary = write_scores(S, cfg.resolve(cfg.score.output), provenance=record(cfg, "score"),
+                                   top=cfg.score.top_k or None, chunk_rows=cfg.score.chunk_rows,
+                                   overwrite=args.overwrite, executor=executor)
     log.info("%s: %d queries × %d training examples → %s in %.1f s", cfg.method.name, S.shape[0], S.shape[1],
              summary["path"], time.monotonic() - start)
     return 0

@@ -7,7 +7,9 @@ and the expressions the commands run.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+import logging
 from functools import cached_property
 
 from .config import Config, ConfigError
@@ -15,10 +17,13 @@ from . import loaders
 
 __all__ = ["Session"]
 
+log = logging.getLogger("gradalg.cli")
+
 
 class Session:
     """The objects a config names. ``planning=True``: data are stand-ins of the configured
-    size (``data.<x>.n``, ``seq_len``), so nothing is read."""
+    size (``data.<x>.n``, ``seq_len``) and a transformers model is built on the meta
+    device, so nothing is read and no memory is taken."""
 
     def __init__(self, cfg: Config, *, planning: bool = False):
         self.cfg = cfg
@@ -27,7 +32,8 @@ class Session:
 
     @cached_property
     def model(self):
-        return loaders.load_model(self.cfg)
+        """The model (on the meta device when planning: shapes only)."""
+        return loaders.load_model(self.cfg, meta=self.planning)
 
     @cached_property
     def task(self):
@@ -40,6 +46,33 @@ class Session:
     @property
     def layers(self):
         return self.cfg.layers
+
+    @contextlib.contextmanager
+    def executor(self):
+        """The ``[executor]``: None (this process) or a DaskExecutor, closed afterwards (a
+        cluster it started is shut down; a scheduler given by address is only disconnected)."""
+        e = self.cfg.executor
+        if e.kind == "local":
+            yield None
+            return
+        from ..exec import DaskExecutor
+
+        if e.address is not None:
+            from distributed import Client
+
+            client = Client(e.address)
+            log.info("dask: connected to %s (%d workers)", e.address, len(client.scheduler_info()["workers"]))
+            try:
+                yield DaskExecutor(client, threads_per_worker=e.threads_per_worker, **e.options)
+            finally:
+                client.close()
+            return
+        ex = DaskExecutor(n_workers=e.n_workers, threads_per_worker=e.threads_per_worker, **e.options)
+        log.info("dask: a local cluster of %d workers (dashboard %s)", e.n_workers, ex.client.dashboard_link)
+        try:
+            yield ex
+        finally:
+            ex.close()
 
     def data(self, which: str):
         """``(dataset, ids)`` of ``[data.<which>]`` (read once)."""
