@@ -8,7 +8,7 @@ per-sequence *mean* token loss: the tutorial's recipe).
 
     lm      2 layers, n_embd 64, 4 heads; steps s ∈ {+1, −1, +7, −7}; 256 training
             sequences, 64 queries, 300 steps           (the setting defaults are chosen on)
-    lm2     2 layers, n_embd 48, 3 heads; steps s ∈ {+2, −3, +5, −5}; 256 training
+    lm2     2 layers, n_embd 32, 2 heads; steps s ∈ {+2, −3, +5, −5}; 256 training
             sequences, 48 queries, 250 steps           (held out: defaults checked here)
 
 Ground truth (``ga.eval.retrain``): ``N_SUBSETS`` random 50 % subsets, **one training
@@ -28,6 +28,7 @@ process, right before).
     PYTHONPATH=. OMP_NUM_THREADS=1 nice -n 10 python benchmarks/fidelity_lm.py --settings lm
     ... --retrain-only          # only the ground truth (resumable)
     ... --methods trak,logra    # rows whose method name is in the list
+    ... --rows sweeps           # the knob sweeps behind the defaults
 """
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ class LMSetting:
 
 SETTINGS = {
     "lm": LMSetting("lm", 2, 64, 4, (+1, -1, +7, -7), 256, 64),
-    "lm2": LMSetting("lm2", 2, 48, 3, (+2, -3, +5, -5), 256, 48, train_steps=250, corpus_seed=10),
+    "lm2": LMSetting("lm2", 2, 32, 2, (+2, -3, +5, -5), 256, 48, train_steps=250, corpus_seed=10),
 }
 
 
@@ -189,19 +190,20 @@ def defaults(fn, *names) -> str:
 def method_rows(p: Prepared):
     """(method, configuration, thunk -> lazy Scores): defaults first, then variants."""
     m, task, tr, qu, L = ga.methods, p.task(), p.train, p.queries, LAYERS
-    yield "grad_dot", "", lambda: m.grad_dot(task, tr, qu, layers=L)
-    yield "grad_cos", "", lambda: m.grad_cos(task, tr, qu, layers=L)
     yield "influence", "EK-FAC (default damping)", lambda: m.influence(task, tr, qu, layers=L, curvature="ekfac")
-    yield "influence", "K-FAC", lambda: m.influence(task, tr, qu, layers=L, curvature="kfac")
-    yield "influence", "DataInf", lambda: m.influence(task, tr, qu, layers=L, curvature="datainf")
-    yield "influence", "empirical Fisher, Gaussian k=2048", lambda: m.influence(
-        task, tr, qu, layers=L, curvature="empirical", projector=ga.proj.gaussian(2048, seed=0))
-    yield "influence", "Gauss-Newton, Gaussian k=2048", lambda: m.influence(
-        task, tr, qu, layers=L, projector=ga.proj.gaussian(2048, seed=0))
-    yield "relatif", "EK-FAC", lambda: m.relatif(task, tr, qu, layers=L, curvature="ekfac")
     yield "trak", defaults(m.trak, "k", "relative_damping"), lambda: m.trak(task, tr, qu, layers=L)
     yield "logra", defaults(m.logra, "k", "damping"), lambda: m.logra(task, tr, qu, layers=L)
     yield "grass", defaults(m.grass, "k", "relative_damping"), lambda: m.grass(task, tr, qu, layers=L)
+    yield "grad_dot", "", lambda: m.grad_dot(task, tr, qu, layers=L)
+    yield "influence", "K-FAC", lambda: m.influence(task, tr, qu, layers=L, curvature="kfac")
+    # the plain references of TRAK's and GraSS's math: influence in a 2048-d sparse projection
+    yield "influence", "empirical Fisher, sparse k=2048", lambda: m.influence(
+        task, tr, qu, layers=L, curvature="empirical", projector=ga.proj.sparse(2048, seed=0))
+    yield "influence", "Gauss-Newton, sparse k=2048", lambda: m.influence(
+        task, tr, qu, layers=L, projector=ga.proj.sparse(2048, seed=0))
+    yield "relatif", "EK-FAC", lambda: m.relatif(task, tr, qu, layers=L, curvature="ekfac")
+    yield "grad_cos", "", lambda: m.grad_cos(task, tr, qu, layers=L)
+    yield "influence", "DataInf", lambda: m.influence(task, tr, qu, layers=L, curvature="datainf")
     yield "grass", "GraSS (unfactored)", lambda: m.grass(task, tr, qu, layers=L, factored=False)
     yield "tracin", "3 Adam checkpoints", lambda: m.tracin(*_checkpoints(p, "tracin"), tr, qu, layers=L)
     yield "less", "3 Adam checkpoints", lambda: m.less(*_checkpoints(p, "less"), tr, qu,
@@ -245,7 +247,7 @@ def _checkpoints(p: Prepared, kind: str):
 
 
 # --------------------------------------------------------------------------------- run
-def run(setting: LMSetting, *, sweeps: bool, only=None, n_subsets=N_SUBSETS, progress=False, retrain_only=False):
+def run(setting: LMSetting, *, rows_of=("methods",), only=None, n_subsets=N_SUBSETS, progress=False, retrain_only=False):
     p = Prepared(setting, n_subsets, progress)
     print(f"[{setting.name}] {setting.describe()}; ground truth {n_subsets} subsets ready in "
           f"{p.truth_seconds:.0f} s", flush=True)
@@ -255,8 +257,7 @@ def run(setting: LMSetting, *, sweeps: bool, only=None, n_subsets=N_SUBSETS, pro
     print(f"  plain forward+backward over the training set: {base:.3f} s", flush=True)
     rows = []
     out = BUILD / f"results-{setting.name}.json"
-    previous = json.loads(out.read_text())["rows"] if out.exists() else []
-    generators = [method_rows(p)] + ([knob_rows(p)] if sweeps else [])
+    generators = [{"methods": method_rows, "sweeps": knob_rows}[r](p) for r in rows_of]
     for gen in generators:
         for method, config, thunk in gen:
             if only and method not in only:
@@ -278,7 +279,8 @@ def run(setting: LMSetting, *, sweeps: bool, only=None, n_subsets=N_SUBSETS, pro
                 row["skipped"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:160]
                 print(f"  {method:10s} {config:36s} skipped: {row['skipped']}", flush=True)
             rows.append(row)
-    # keep rows of methods not rerun this time
+    # keep rows of methods not rerun this time (read now: another process may have added some)
+    previous = json.loads(out.read_text())["rows"] if out.exists() else []
     seen = {(r["method"], r["config"]) for r in rows}
     merged = [r for r in previous if (r["method"], r["config"]) not in seen] + rows
     BUILD.mkdir(parents=True, exist_ok=True)
@@ -296,7 +298,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--settings", default="lm,lm2")
     ap.add_argument("--methods", default=None, help="comma-separated method names")
-    ap.add_argument("--sweeps", action="store_true", help="also the knob sweeps behind the defaults")
+    ap.add_argument("--rows", default="methods", help="'methods' (every method, defaults first), 'sweeps' "
+                    "(the knob sweeps behind the defaults) or 'methods,sweeps'")
     ap.add_argument("--n-subsets", type=int, default=N_SUBSETS)
     ap.add_argument("--retrain-only", action="store_true")
     ap.add_argument("--progress", action="store_true")
@@ -305,7 +308,7 @@ def main(argv=None):
     ga.options(progress=False)
     only = set(args.methods.split(",")) if args.methods else None
     for name in args.settings.split(","):
-        run(SETTINGS[name], sweeps=args.sweeps, only=only, n_subsets=args.n_subsets, progress=args.progress,
+        run(SETTINGS[name], rows_of=tuple(args.rows.split(",")), only=only, n_subsets=args.n_subsets, progress=args.progress,
             retrain_only=args.retrain_only)
 
 
