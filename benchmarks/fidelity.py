@@ -288,16 +288,17 @@ class Row:
     skipped: str = ""
 
 
-def run_setting(setting: Setting, methods, progress=False) -> tuple[list[Row], float]:
+def run_setting(setting: Setting, methods, progress=False, n_subsets=None, exclude=()) -> tuple[list[Row], float]:
+    n_subsets = n_subsets or N_SUBSETS
     start = time.perf_counter()
     setting.prepare()
-    gt = ga.eval.retrain(setting.train_fn, N_TRAIN, n_subsets=N_SUBSETS, fraction=FRACTION, seed=0,
+    gt = ga.eval.retrain(setting.train_fn, N_TRAIN, n_subsets=n_subsets, fraction=FRACTION, seed=0,
                          targets_fn=setting.query_losses, target="loss", progress=progress,
                          store=CACHE / f"{setting.name}-n{N_TRAIN}-q{N_QUERY}-wd{WD:g}-tol{setting.tol_subset:g}")
     truth_seconds = time.perf_counter() - start
     base = fwd_bwd_seconds(setting)
     print(f"\n[{setting.name}] {setting.description}: {setting.dim} parameters; ground truth "
-          f"({N_SUBSETS} subsets, α={FRACTION}) ready in {truth_seconds:.1f} s", flush=True)
+          f"({n_subsets} subsets, α={FRACTION}) ready in {truth_seconds:.1f} s", flush=True)
     rows = []
     for name in methods:
         if name in NOT_PAIRWISE:
@@ -305,6 +306,8 @@ def run_setting(setting: Setting, methods, progress=False) -> tuple[list[Row], f
             print(f"  {name:16s} skipped: {NOT_PAIRWISE[name]}", flush=True)
             continue
         for label, kwargs in variants(name, setting):
+            if any(x and x in label for x in exclude):
+                continue
             row = Row(setting.name, name, label)
             try:
                 scores = call_method(name, setting, kwargs)
@@ -325,7 +328,7 @@ def run_setting(setting: Setting, methods, progress=False) -> tuple[list[Row], f
                 if progress:
                     traceback.print_exc()
             rows.append(row)
-    write_results(setting, rows, base)
+    write_results(setting, rows, base, n_subsets)
     return rows, truth_seconds
 
 
@@ -341,7 +344,7 @@ def fwd_bwd_seconds(setting: Setting, repeats: int = 5) -> float:
     return best
 
 
-def write_results(setting: Setting, rows: list[Row], base: float) -> None:
+def write_results(setting: Setting, rows: list[Row], base: float, n_subsets: int) -> None:
     """Rows as ``build/fidelity/results-<setting>.json`` (read by notebook 03's chart)."""
     import json
     from dataclasses import asdict
@@ -352,7 +355,7 @@ def write_results(setting: Setting, rows: list[Row], base: float) -> None:
     merged = [r for r in previous if (r["method"], r["config"]) not in seen] + new
     CACHE.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"setting": setting.name, "description": setting.description,
-                               "protocol": {"n_subsets": N_SUBSETS, "fraction": FRACTION, "seeds_per_subset": 1,
+                               "protocol": {"n_subsets": n_subsets, "fraction": FRACTION, "seeds_per_subset": 1,
                                             "target": "query loss (cross-entropy)",
                                             "interval": "95% percentile bootstrap over queries and subsets"},
                                "fwd_bwd_seconds": base, "rows": merged}, indent=1, default=float))
@@ -390,6 +393,9 @@ def main(argv=None):
     parser.add_argument("--write", default=None, help="also write the table into this markdown file")
     parser.add_argument("--progress", action="store_true", help="print each retraining and tracebacks")
     parser.add_argument("--note", default="", help="a sentence about the machine, for --write")
+    parser.add_argument("--n-subsets", type=int, default=None, help=f"retrained subsets (default {N_SUBSETS})")
+    parser.add_argument("--exclude", default="", help="skip configurations whose label contains one of these "
+                        "comma-separated words (e.g. 'CG,LiSSA')")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -398,7 +404,8 @@ def main(argv=None):
     start = time.perf_counter()
     rows, truth = [], {}
     for name in settings:
-        setting_rows, truth[name] = run_setting(SETTINGS[name], methods, args.progress)
+        setting_rows, truth[name] = run_setting(SETTINGS[name], methods, args.progress, args.n_subsets,
+                                                tuple(args.exclude.split(",")))
         rows += setting_rows
     total = time.perf_counter() - start
     text = table(rows, settings)

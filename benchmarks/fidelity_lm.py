@@ -8,7 +8,7 @@ per-sequence *mean* token loss: the tutorial's recipe).
 
     lm      2 layers, n_embd 64, 4 heads; steps s ∈ {+1, −1, +7, −7}; 256 training
             sequences, 64 queries, 300 steps           (the setting defaults are chosen on)
-    lm2     2 layers, n_embd 48, 3 heads; steps s ∈ {+2, −3, +5, −5}; 256 training
+    lm2     2 layers, n_embd 32, 2 heads; steps s ∈ {+2, −3, +5, −5}; 256 training
             sequences, 48 queries, 250 steps           (held out: defaults checked here)
 
 Ground truth (``ga.eval.retrain``): ``N_SUBSETS`` random 50 % subsets, **one training
@@ -28,6 +28,7 @@ process, right before).
     PYTHONPATH=. OMP_NUM_THREADS=1 nice -n 10 python benchmarks/fidelity_lm.py --settings lm
     ... --retrain-only          # only the ground truth (resumable)
     ... --methods trak,logra    # rows whose method name is in the list
+    ... --rows sweeps           # the knob sweeps behind the defaults
 """
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ class LMSetting:
 
 SETTINGS = {
     "lm": LMSetting("lm", 2, 64, 4, (+1, -1, +7, -7), 256, 64),
-    "lm2": LMSetting("lm2", 2, 48, 3, (+2, -3, +5, -5), 256, 48, train_steps=250, corpus_seed=10),
+    "lm2": LMSetting("lm2", 2, 32, 2, (+2, -3, +5, -5), 256, 48, train_steps=250, corpus_seed=10),
 }
 
 
@@ -189,23 +190,25 @@ def defaults(fn, *names) -> str:
 def method_rows(p: Prepared):
     """(method, configuration, thunk -> lazy Scores): defaults first, then variants."""
     m, task, tr, qu, L = ga.methods, p.task(), p.train, p.queries, LAYERS
-    yield "grad_dot", "", lambda: m.grad_dot(task, tr, qu, layers=L)
-    yield "grad_cos", "", lambda: m.grad_cos(task, tr, qu, layers=L)
     yield "influence", "EK-FAC (default damping)", lambda: m.influence(task, tr, qu, layers=L, curvature="ekfac")
-    yield "influence", "K-FAC", lambda: m.influence(task, tr, qu, layers=L, curvature="kfac")
-    yield "influence", "DataInf", lambda: m.influence(task, tr, qu, layers=L, curvature="datainf")
-    yield "influence", "empirical Fisher, Gaussian k=2048", lambda: m.influence(
-        task, tr, qu, layers=L, curvature="empirical", projector=ga.proj.gaussian(2048, seed=0))
-    yield "influence", "Gauss-Newton, Gaussian k=2048", lambda: m.influence(
-        task, tr, qu, layers=L, projector=ga.proj.gaussian(2048, seed=0))
-    yield "relatif", "EK-FAC", lambda: m.relatif(task, tr, qu, layers=L, curvature="ekfac")
     yield "trak", defaults(m.trak, "k", "relative_damping"), lambda: m.trak(task, tr, qu, layers=L)
     yield "logra", defaults(m.logra, "k", "damping"), lambda: m.logra(task, tr, qu, layers=L)
     yield "grass", defaults(m.grass, "k", "relative_damping"), lambda: m.grass(task, tr, qu, layers=L)
+    yield "grad_dot", "", lambda: m.grad_dot(task, tr, qu, layers=L)
+    yield "influence", "K-FAC", lambda: m.influence(task, tr, qu, layers=L, curvature="kfac")
+    # the plain references of TRAK's and GraSS's math: influence in a 2048-d sparse projection
+    yield "influence", "empirical Fisher, sparse k=2048", lambda: m.influence(
+        task, tr, qu, layers=L, curvature="empirical", projector=ga.proj.sparse(2048, seed=0))
+    yield "influence", "Gauss-Newton, sparse k=2048", lambda: m.influence(
+        task, tr, qu, layers=L, projector=ga.proj.sparse(2048, seed=0))
+    yield "relatif", "EK-FAC", lambda: m.relatif(task, tr, qu, layers=L, curvature="ekfac")
+    yield "grad_cos", "", lambda: m.grad_cos(task, tr, qu, layers=L)
+    yield "influence", "DataInf", lambda: m.influence(task, tr, qu, layers=L, curvature="datainf")
     yield "grass", "GraSS (unfactored)", lambda: m.grass(task, tr, qu, layers=L, factored=False)
-    yield "tracin", "3 Adam checkpoints", lambda: m.tracin(*_checkpoints(p, "tracin"), tr, qu, layers=L)
-    yield "less", "3 Adam checkpoints", lambda: m.less(*_checkpoints(p, "less"), tr, qu,
-                                                        np.arange(len(qu)), layers=L)
+    yield "tracin", "3 checkpoints of the Adam run", lambda: m.tracin(*_checkpoints(p, "tracin"), tr, qu, layers=L)
+    # LESS's default dense k=8192 projection of ~100k coordinates is over the memory budget
+    yield "less", "3 Adam checkpoints, sparse k=8192", lambda: m.less(
+        *_checkpoints(p, "less"), tr, qu, np.arange(len(qu)), layers=L, projector=ga.proj.sparse(8192, seed=0))
 
 
 def knob_rows(p: Prepared):
@@ -221,13 +224,11 @@ def knob_rows(p: Prepared):
         yield "logra", f"k={k}", lambda k=k: m.logra(task, tr, qu, layers=L, k=k)
     for d in (1e-1, 1e-2):
         yield "logra", f"damping={d:g}", lambda d=d: m.logra(task, tr, qu, layers=L, damping=d)
-    for k in (64, 1024, 4096):
-        yield "grass", f"k={k}", lambda k=k: m.grass(task, tr, qu, layers=L, k=k)
-    for r in (0.01, 1.0):
+    for r in (1.0, 10.0, 0.01):
         yield "grass", f"relative_damping={r:g}", lambda r=r: m.grass(task, tr, qu, layers=L, relative_damping=r)
-    for d in (1e-1, 1e-2, 1e-4):
-        yield "influence", f"EK-FAC, damping={d:g}", lambda d=d: m.influence(task, tr, qu, layers=L,
-                                                                              curvature="ekfac", damping=d)
+    for k in (64, 1024):
+        yield "grass", f"k={k}", lambda k=k: m.grass(task, tr, qu, layers=L, k=k)
+    yield "grass", "k=1024, relative_damping=1", lambda: m.grass(task, tr, qu, layers=L, k=1024, relative_damping=1.0)
 
 
 _CHECKPOINTS = {}
@@ -245,7 +246,8 @@ def _checkpoints(p: Prepared, kind: str):
 
 
 # --------------------------------------------------------------------------------- run
-def run(setting: LMSetting, *, sweeps: bool, only=None, n_subsets=N_SUBSETS, progress=False, retrain_only=False):
+def run(setting: LMSetting, *, rows_of=("methods",), only=None, recompute=False, n_subsets=N_SUBSETS,
+        progress=False, retrain_only=False):
     p = Prepared(setting, n_subsets, progress)
     print(f"[{setting.name}] {setting.describe()}; ground truth {n_subsets} subsets ready in "
           f"{p.truth_seconds:.0f} s", flush=True)
@@ -255,11 +257,11 @@ def run(setting: LMSetting, *, sweeps: bool, only=None, n_subsets=N_SUBSETS, pro
     print(f"  plain forward+backward over the training set: {base:.3f} s", flush=True)
     rows = []
     out = BUILD / f"results-{setting.name}.json"
-    previous = json.loads(out.read_text())["rows"] if out.exists() else []
-    generators = [method_rows(p)] + ([knob_rows(p)] if sweeps else [])
+    done = {(r["method"], r["config"]) for r in _read(out)} if not recompute else set()
+    generators = [{"methods": method_rows, "sweeps": knob_rows}[r](p) for r in rows_of]
     for gen in generators:
         for method, config, thunk in gen:
-            if only and method not in only:
+            if (only and method not in only) or (method, config) in done:
                 continue
             row = {"setting": setting.name, "method": method, "config": config}
             try:
@@ -278,34 +280,45 @@ def run(setting: LMSetting, *, sweeps: bool, only=None, n_subsets=N_SUBSETS, pro
                 row["skipped"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:160]
                 print(f"  {method:10s} {config:36s} skipped: {row['skipped']}", flush=True)
             rows.append(row)
-    # keep rows of methods not rerun this time
-    seen = {(r["method"], r["config"]) for r in rows}
-    merged = [r for r in previous if (r["method"], r["config"]) not in seen] + rows
+            _write(out, setting, n_subsets, base, row)       # after every row: an interrupted run keeps them
+    return rows
+
+
+def _read(out: Path) -> list:
+    return json.loads(out.read_text())["rows"] if out.exists() else []
+
+
+def _write(out: Path, setting: LMSetting, n_subsets: int, base: float, row: dict) -> None:
+    """Add (or replace) ``row`` in ``out``, read afresh: another process may have added rows."""
+    rows = [r for r in _read(out) if (r["method"], r["config"]) != (row["method"], row["config"])] + [row]
     BUILD.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"setting": setting.name, "description": setting.describe(),
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"setting": setting.name, "description": setting.describe(),
                                "protocol": {"n_subsets": n_subsets, "fraction": FRACTION,
                                             "seeds_per_subset": 1, "training_seed": TRAINING_SEED,
                                             "target": "query loss (sum of token NLL)",
                                             "interval": "95% percentile bootstrap over queries and subsets"},
-                               "fwd_bwd_seconds": base, "rows": merged}, indent=1))
-    print(f"  wrote {out}")
-    return rows
+                               "fwd_bwd_seconds": base, "rows": rows}, indent=1))
+    tmp.replace(out)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--settings", default="lm,lm2")
     ap.add_argument("--methods", default=None, help="comma-separated method names")
-    ap.add_argument("--sweeps", action="store_true", help="also the knob sweeps behind the defaults")
+    ap.add_argument("--rows", default="methods", help="'methods' (every method, defaults first), 'sweeps' "
+                    "(the knob sweeps behind the defaults) or 'methods,sweeps'")
     ap.add_argument("--n-subsets", type=int, default=N_SUBSETS)
     ap.add_argument("--retrain-only", action="store_true")
+    ap.add_argument("--recompute", action="store_true", help="rerun rows already in results-<setting>.json")
     ap.add_argument("--progress", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     ga.options(progress=False)
     only = set(args.methods.split(",")) if args.methods else None
     for name in args.settings.split(","):
-        run(SETTINGS[name], sweeps=args.sweeps, only=only, n_subsets=args.n_subsets, progress=args.progress,
+        run(SETTINGS[name], rows_of=tuple(args.rows.split(",")), recompute=args.recompute, only=only,
+            n_subsets=args.n_subsets, progress=args.progress,
             retrain_only=args.retrain_only)
 
 

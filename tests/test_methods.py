@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import sys
 
@@ -167,7 +168,9 @@ def trak_formula(s, P, damping=None, relative=None):
         return block_rows(model, LAYERS, ga.per_example_grads(task, (x, y), names, loss_fn=task.output))
 
     space = ga.grads(task, s["train"]).space
-    if P.kind == "sparse":   # the SJLT's explicit matrix, block by block over the concatenated gradient
+    if P is None:            # no projection
+        M = torch.eye(space.dim, dtype=F64)
+    elif P.kind == "sparse":   # the SJLT's explicit matrix, block by block over the concatenated gradient
         M = torch.cat([ga.proj.sjlt(P, b.name, b.dim).dense() for b in space.blocks], dim=1)
     else:
         M = project_dense(torch.eye(space.dim, dtype=F64), space, P).T                          # (k, dim)
@@ -211,6 +214,24 @@ def test_trak_default_projection_turns_sparse_past_a_gib_of_matrix(monkeypatch):
     relative = trak_module.RELATIVE_DAMPING
     assert_close(values(S), trak_formula(s, ga.proj.sparse(12, 3), relative=relative), what="TRAK, sparse default",
                  rtol=1e-6, atol=1e-8)
+
+
+def test_trak_default_k_at_or_above_the_gradient_dimension_projects_nothing():
+    """A projection up to k ≥ dim adds cost and reduces nothing: the default projector is
+    then none, and TRAK is its formula on the full gradients (relative damping over dim)."""
+    import importlib
+
+    from gradalg.expr import Project
+    trak_module = importlib.import_module("gradalg.methods.trak")
+    s = setup()
+    dim = ga.grads(s["task"], s["train"]).space.dim
+    assert trak_module.default_projector(dim, dim, 3) is None
+    assert trak_module.default_projector(dim - 1, dim, 3) == ga.proj.gaussian(dim - 1, 3)
+    S = ga.methods.trak(s["task"], s["train"], s["query"], k=dim)
+    assert not [x for x in S.expr.walk() if isinstance(x, Project)]
+    assert_close(values(S), trak_formula(s, None, relative=trak_module.RELATIVE_DAMPING), what="TRAK, no projection",
+                 rtol=1e-6, atol=1e-8)
+    assert trak_module.K == inspect.signature(ga.methods.trak).parameters["k"].default
 
 
 def test_trak_ensemble_of_two():
