@@ -87,6 +87,14 @@ def _tasks(node) -> list:
     return out
 
 
+def _drop_cached_tokens(root) -> None:
+    """Forget the tokens cached on ``root``'s nodes (they name the old weights), so that the
+    expression — and the user's expressions sharing its nodes — are matched by the new ones."""
+    nodes = list(root.walk())
+    for node in nodes:
+        node.__dict__.pop("token", None)
+
+
 def _is_stored(node) -> bool:
     from .plan.planner import stream_root
     return not isinstance(stream_root(node), Source)
@@ -176,6 +184,7 @@ class Compiled:
             return
         for task in _tasks(self.source.expr):   # cached digests are stale: drop them
             forget(task.model)
+        _drop_cached_tokens(self.source.expr)
         if self.on_change == "raise":
             raise StaleCompiledError(
                 "the model weights changed since ga.compile(S) (an optimizer step or an in-place write): "

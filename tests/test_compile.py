@@ -140,6 +140,17 @@ def test_weights_changed_in_place_recompile(setting, change):
            @ ga.grads(fresh, (X, y)).T).compute().values
     _close(after, ref)
     assert np.abs(after - before).max() > 1e-3 * np.abs(before).max()   # stale numbers would have passed
+    # expressions over the same G and H now name the new weights and reuse the recompiled parts
+    forwards = Forwards(model)
+    Q3 = ga.grads(task, (X[8:12], y[8:12]))
+    Q3.to_dense()
+    query_pass = forwards.examples
+    forwards.reset()
+    again = C(Q3 @ H @ G.T)
+    assert forwards.examples == query_pass and C.compilations == 2
+    ref3 = (ga.grads(fresh, (X[8:12], y[8:12])) @ ga.fisher(ga.grads(fresh, (X, y)), structure="block").damp(1e-2)
+            .inv() @ ga.grads(fresh, (X, y)).T).compute().values
+    _close(again.values, ref3)
 
 
 def test_on_change_raise_and_invalidate(setting):

@@ -326,3 +326,24 @@ def test_stored_operators_keep_the_protocol(task_data, tmp_path):
             torch.testing.assert_close(op.damp(1e-2).inverse().dense(), torch.linalg.inv(M), rtol=1e-8, atol=1e-8)
         assert resolution_rules(stored.damp(1e-2).inv()) == list(LocalExecutor().operator(
             stored.damp(1e-2).inv().expr).rules)
+
+
+def test_kfac_factorwise_damping_only_when_asked():
+    """damp_factorwise is K-FAC's (S + √λ/π I) ⊗ (A + π√λ I), named; refused for EK-FAC."""
+    g = _gen(6)
+    S, A = _spd(3, g), _spd(4, g)
+    lam_S, Q_S = torch.linalg.eigh(S)
+    lam_A, Q_A = torch.linalg.eigh(A)
+    space = ParamSpace((Block("a", (3, 4), "linear", "params"),))
+    op = KronOp(space, {"a": (Q_S, Q_A)}, {"a": torch.outer(lam_S, lam_A)})
+    lam = 0.2
+    pi = ((torch.trace(A) / 4) / (torch.trace(S) / 3)) ** 0.5
+    ref = torch.kron(S + lam ** 0.5 / pi * torch.eye(3, dtype=F64), A + pi * lam ** 0.5 * torch.eye(4, dtype=F64))
+    damped = op.damp_factorwise(lam)
+    torch.testing.assert_close(damped.dense(), ref, **TOL)
+    split = KronOp(space, {"a": (Q_S, Q_A)}, {"a": torch.outer(7.0 * lam_S, lam_A / 7.0)})   # same Λ
+    torch.testing.assert_close(split.damp_factorwise(lam).dense(), ref, **TOL)
+    assert damped.rules == ("kronecker.factorwise_damp",) and op.damp(lam).rules == ("kronecker.damp_in_eigenbasis",)
+    ekfac = KronOp(space, {"a": (Q_S, Q_A)}, {"a": torch.rand(3, 4, generator=g, dtype=F64) + 0.1})
+    with pytest.raises(ga.OperatorError, match="not a Kronecker product"):
+        ekfac.damp_factorwise(lam)

@@ -26,6 +26,7 @@ import torch
 
 from ..capture.factors import Factors, OneHot, materialize
 from ..errors import GradalgError, MemoryBudgetError
+from ..linalg import rules as _rules
 from ..linalg.base import LinearOp, power_values, reciprocal
 from ..linalg.explicit import explicit
 
@@ -150,6 +151,33 @@ class KronOp(LinearOp):
 
     def trace(self) -> float:
         return sum(float(v.sum()) for v in self.eigenvalues.values())
+
+    def damp_factorwise(self, damping: float, *, rtol: float = 1e-10) -> "KronOp":
+        """K-FAC's factor-wise damping, rule ``kronecker.factorwise_damp`` (another operator
+        than ``damp(λ)`` = F + λI): per block (S + √λ/π I) ⊗ (A + π√λ I) with
+        π² = (tr A / in) / (tr S / out) (Martens & Grosse 2015, §6.3; invariant to how Λ
+        splits into λ_S ⊗ λ_A), computed on the eigenvalues
+        λ_S ⊗ λ_A. Needs K-FAC's Λ = λ_S λ_Aᵀ (rank one up to ``rtol``); EK-FAC's re-fitted
+        eigenvalues are refused."""
+        if not damping >= 0:
+            raise ValueError(f"damping must be non-negative, got {damping}")
+        rule = _rules.choose("damp", self.structure, variant="factorwise")
+        root = damping ** 0.5
+        out = {}
+        for name, lam in self.eigenvalues.items():
+            lam64 = lam.to(torch.float64)
+            U, sv, Vh = torch.linalg.svd(lam64)
+            if len(sv) > 1 and sv[1] > rtol * sv[0]:
+                _rules.refuse("damp factor-wise", self.structure,
+                              f"block {name!r}: its eigenvalues are not a Kronecker product λ_S ⊗ λ_A "
+                              "(EK-FAC re-fits them), so K-FAC's factor-wise damping does not exist for it; "
+                              "use damp(λ), exact in the eigenbasis")
+            lam_S, lam_A = U[:, 0] * sv[0] ** 0.5, Vh[0] * sv[0] ** 0.5
+            sign = 1.0 if float(lam_S.sum()) >= 0 else -1.0      # the SVD's sign is arbitrary
+            lam_S, lam_A = sign * lam_S, sign * lam_A
+            pi = ((lam_A.mean() / lam_S.mean().clamp_min(1e-300)).clamp_min(0)) ** 0.5
+            out[name] = torch.outer(lam_S + root / pi.clamp_min(1e-300), lam_A + pi * root).to(lam.dtype)
+        return self._with(out)._recorded(self.rules + (rule.name,), self.tags)
 
     def _intrinsic_tags(self) -> frozenset:
         return frozenset({"psd"}) if all(bool((v >= 0).all()) for v in self.eigenvalues.values()) else frozenset()

@@ -96,7 +96,7 @@ class LinearOp(ABC):
         if relative:
             steps.append(_rules.choose("damp_relative", self.structure, what=what).name)
             damping = damping * max(self.trace(), 0.0) / max(self.space.dim, 1)
-        rule = _rules.choose("damp", self.structure, what=what)
+        rule = _rules.choose("damp", self.structure, variant="exact", what=what)
         return self._damp(float(damping))._recorded(self.rules + tuple(steps) + (rule.name,), self.tags)
 
     def inverse(self, what: str = "the operator", method: str | None = None, **settings) -> "LinearOp":

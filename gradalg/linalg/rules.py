@@ -59,9 +59,13 @@ RULES: tuple[Rule, ...] = (
     _rule("damp", "diagonal.shift", {"diagonal"}, "diag(v) + λI = diag(v + λ)"),
     _rule("damp", "block.shift_diagonals", {"block"}, "each block M_b + λI"),
     _rule("damp", "dense.shift_diagonal", {"dense"}, "M + λI"),
+    _rule("damp", "kronecker.factorwise_damp", {"kronecker"},
+          "K-FAC's factor-wise damping (Martens & Grosse 2015, §6.3): (S + √λ/π I) ⊗ (A + π√λ I), "
+          "π² = (tr A / in) / (tr S / out); not F + λI, so only when asked for (damp_factorwise)",
+          variant="factorwise"),
     _rule("damp", "kronecker.damp_in_eigenbasis", {"kronecker"},
           "(Q_S⊗Q_A) Λ (Q_S⊗Q_A)ᵀ + λI = (Q_S⊗Q_A)(Λ + λ)(Q_S⊗Q_A)ᵀ, exact because Q_S⊗Q_A is "
-          "orthogonal (not K-FAC's factor-wise damping (S + √λI)⊗(A + √λI), which is another operator)"),
+          "orthogonal (not K-FAC's factor-wise damping, kronecker.factorwise_damp, another operator)"),
     _rule("damp", "low-rank.damp_within_subspace", {"low-rank"},
           "V diag(μ) Vᵀ ↦ V diag(μ + λ) Vᵀ: the shift on the kept eigenspace only, its complement "
           "stays zero (Arnoldi influence, Schioppa et al. 2022)"),
@@ -157,8 +161,8 @@ def choose(operation: str, structure, *, variant: str | None = None, what: str =
     for r in RULES:
         if r.operation != operation or not r.needs <= structure:
             continue
-        if r.variant is not None and variant is not None and r.variant != variant:
-            continue
+        if r.variant is not None and variant != r.variant and (variant is not None or operation == "damp"):
+            continue   # a variant rule only when asked for (the first one is the default, except damping's)
         if r.refusal is not None:
             refuse({"damp_relative": "damp relatively", "power": "take a power of"}.get(operation, operation),
                    structure, r.refusal, what)

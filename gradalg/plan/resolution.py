@@ -53,7 +53,7 @@ def _walk(node: OpNode):
         labels, rules, key = _walk(node.op)
         if node.relative:
             rules = rules + [choose("damp_relative", labels, what=node.op.label).name]
-        return labels, rules + [choose("damp", labels, what=node.op.label).name], key
+        return labels, rules + [choose("damp", labels, variant="exact", what=node.op.label).name], key
     if isinstance(node, Inverse):
         labels, rules, key = _walk(node.op)
         rule = choose("inverse", labels, variant=None if node.method == "auto" else node.method, what=node.op.label)
