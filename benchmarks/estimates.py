@@ -66,7 +66,7 @@ class GPT2Workload:
         self.query_groups = torch.arange(n_query) % 2
 
     def optimizers(self):
-        return [_adam_state(t.model, self.inner.X[:BATCH], lambda m, b: mc.lm_loss(m, b)) for t in self.checkpoints]
+        return [_adam_state(t.model, (self.inner.X[:BATCH],), mc.lm_loss) for t in self.checkpoints]
 
 
 class MLPWorkload:

@@ -216,7 +216,7 @@ def test_device_profile_real_measurement_and_presets(tmp_path, monkeypatch):
     prof = devices.local_profile()
     took = time.perf_counter() - start
     assert prof.measured and prof.flops_fp32 > 1e7 and prof.bandwidth > 1e7 and prof.memory > 0
-    assert took < 10, f"measuring the profile took {took:.1f} s (about 2 s on an idle core)"
+    assert took < 30, f"measuring the profile took {took:.1f} s (about 2 s on an idle core)"
     sizes = [s for s, _ in prof.gemm_rates]
     assert sizes == list(devices.GEMM_SIZES) and [d for d, _ in prof.eigh_times] == list(devices.EIGH_SIZES)
     assert all(t > 0 for _, t in prof.eigh_times) and prof.batch_seconds > 0 and prof.op_seconds > 0

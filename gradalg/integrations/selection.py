@@ -49,7 +49,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..capture.factors import Factors, OneHot, ghost_inner, self_inner
+from ..capture.factors import Factors, OneHot, ghost_flops, ghost_inner, self_inner
 from ..errors import UnsupportedLayerError
 from . import distributed as _dist
 from .affine import AffineRecorder, affine_kind
@@ -82,11 +82,8 @@ def dense_inner(F: Factors, V: torch.Tensor) -> torch.Tensor:
     return (AV * F.D).sum(dim=(1, 2))
 
 
-def _ghost_cost(n, T, m, Tm, n_in, n_out):
-    return n * m * T * Tm * (n_in + n_out)
-
-
 def _dense_cost(n, T, m, Tm, n_in, n_out, target_ready=False):
+    """Multiply-adds of forming the target Σ_j c_j G_j once (unless ready) and Σ_t d_itᵀ V a_it."""
     return (0 if target_ready else m * Tm * n_in * n_out) + n * T * n_in * n_out
 
 
@@ -527,7 +524,7 @@ def _score_layer(parts: list, spec: TargetSpec, need_target_norm: bool, route: s
     m, Tm = sum(F.n for F in spec.factors), max(F.T for F in spec.factors)
     n_in, n_out = parts[0].in_features, parts[0].out_features
     if route == "auto":
-        cheaper = _ghost_cost(n, T, m, Tm, n_in, n_out) <= _dense_cost(n, T, m, Tm, n_in, n_out)
+        cheaper = ghost_flops(n, m, T, Tm, n_in, n_out) <= _dense_cost(n, T, m, Tm, n_in, n_out)
         route = "ghost" if cheaper else "dense"
     if route == "ghost":
         cols = []

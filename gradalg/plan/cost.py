@@ -7,7 +7,8 @@ A :class:`Cost` counts, device-independently,
   products ``(m, k) @ (k, n)`` in numbers of ``elem`` bytes, so that a device profile
   prices each at its own rate (a (16, 16) product runs far below the rate of a (512,
   512) one); ``eighs``: symmetric eigendecompositions ``(d, count)``;
-* ``bytes`` moved through memory (elementwise work, copies, casts, materialized rows);
+* ``bytes`` moved through memory (copies, casts, materialized rows) and ``elementwise``
+  bytes of a model's forward and backward (activations through nonlinearities, norms);
 * ``peak_bytes``, the largest simultaneous footprint;
 * ``passes`` over datasets, and fixed costs: module ``calls`` (each forward or backward
   of a module: a hook, an autograd node), small tensor ``ops`` (gradalg's per-chunk
@@ -47,18 +48,20 @@ class Cost:
     ops: float = 0.0           # small tensor ops (fixed dispatch cost each)
     batches: float = 0.0       # captured batches (fixed Python cost each)
     layer_batches: float = 0.0  # recorded layers × captured batches
+    elementwise: float = 0.0   # bytes of a model's elementwise work (priced at the elementwise bandwidth)
 
     def __add__(self, other: "Cost") -> "Cost":
         return Cost(self.flops + other.flops, self.bytes + other.bytes,
                     max(self.peak_bytes, other.peak_bytes), self.passes + other.passes,
                     self.calls + other.calls, self.gemms + other.gemms, self.eighs + other.eighs,
-                    self.ops + other.ops, self.batches + other.batches, self.layer_batches + other.layer_batches)
+                    self.ops + other.ops, self.batches + other.batches, self.layer_batches + other.layer_batches,
+                    self.elementwise + other.elementwise)
 
     def scaled(self, c: float) -> "Cost":
         return Cost(self.flops * c, self.bytes * c, self.peak_bytes, self.passes * c, self.calls * c,
                     tuple((m, n, k, count * c, e) for m, n, k, count, e in self.gemms),
                     tuple((d, count * c) for d, count in self.eighs), self.ops * c, self.batches * c,
-                    self.layer_batches * c)
+                    self.layer_batches * c, self.elementwise * c)
 
     def seconds(self, profile, dtype=torch.float32) -> float:
         return profile.time_of(self, dtype)

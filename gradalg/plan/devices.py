@@ -9,8 +9,10 @@ A :class:`DeviceProfile` prices the counts of a :class:`~gradalg.plan.cost.Cost`
   ``k = 1``, is bandwidth-bound). Small GEMMs are several times slower per FLOP than
   large ones on every machine; a single peak rate priced the per-example products of
   capture 5–20× too cheap.
-* **Memory traffic** (elementwise work, copies, casts): ``bandwidth`` bytes/s, from a
-  copy larger than the last-level cache.
+* **Memory traffic**: copies, casts and materialized rows at ``bandwidth`` bytes/s (a
+  copy larger than the last-level cache); a model's elementwise work (activations,
+  GELU, norms, products) at ``elementwise_bandwidth`` (a GELU forward and backward and
+  a product: transcendental ops run below the copy bandwidth on a CPU).
 * **Eigendecompositions** (``torch.linalg.eigh``, float64) by size: ``eigh_times``,
   measured at a few sizes and interpolated log-log (cubic beyond the largest).
 * **Fixed costs**: ``call_seconds`` per module forward or backward (a forward hook and
@@ -48,8 +50,12 @@ __all__ = ["DeviceProfile", "PRESETS", "PROFILE_VERSION", "UNMEASURED_CPU", "cac
 
 #: the cost model's version: a cached profile without every number this one prices is
 #: measured again (1: matmul, copy and module call; 2: GEMMs by shape, eigh by size,
-#: per-op and per-batch overheads)
-PROFILE_VERSION = 2
+#: per-op and per-batch overheads; 3: medians, elementwise bandwidth)
+PROFILE_VERSION = 3
+
+
+#: GEMMs with a smaller inner dimension k are outer products (see ``gemm_seconds``)
+OUTER_K = 8
 
 
 def _interp_loglog(table, x: float, high_power: float, low_power: float) -> float:
@@ -79,6 +85,7 @@ class DeviceProfile:
     op_seconds: float = 5e-6     # fixed cost of one small tensor op of gradalg's per-chunk work
     batch_seconds: float = 5e-4  # fixed Python cost of capturing one batch
     layer_seconds: float = 1e-4  # … and per recorded layer of that batch
+    elementwise_bandwidth: float = 0.0   # bytes/s of a model's elementwise ops (GELU, products); 0: bandwidth
     gemm_rates: tuple = ()       # ((size, FLOP/s), …): square float32 GEMMs; () = flops_fp32 for all
     eigh_times: tuple = ()       # ((d, seconds), …): float64 eigh; () = 9 d³ FLOPs at the float64 rate
     version: int = PROFILE_VERSION
@@ -105,7 +112,10 @@ class DeviceProfile:
         if self.gemm_rates:
             size = (m * n * k) ** (1.0 / 3.0)
             rate *= min(1.0, _interp_loglog(self.gemm_rates, size, 0.0, 3.0) / self.flops_fp32)
-        return max(flops / rate, elem * (m * k + k * n + m * n) / self.bandwidth)
+        # an inner dimension below OUTER_K makes the product a batch of outer products:
+        # elementwise work, priced at the elementwise bandwidth rather than a copy's
+        moving = (self.elementwise_bandwidth or self.bandwidth) if k < OUTER_K else self.bandwidth
+        return max(flops / rate, elem * (m * k + k * n + m * n) / moving)
 
     def eigh_seconds(self, d: float) -> float:
         """One float64 symmetric eigendecomposition of a (d, d) matrix."""
@@ -129,7 +139,9 @@ class DeviceProfile:
             shaped += 9.0 * d ** 3 * count
             eigh_time += count * self.eigh_seconds(d)
         rest = max(0.0, cost.flops - shaped)
+        elementwise = self.elementwise_bandwidth or self.bandwidth
         return (gemm_time + eigh_time + rest / self.flops(dtype) + cost.bytes / self.bandwidth
+                + cost.elementwise / elementwise
                 + cost.calls * self.call_seconds + cost.ops * self.op_seconds
                 + cost.batches * self.batch_seconds + cost.layer_batches * self.layer_seconds)
 
@@ -172,17 +184,18 @@ def _key() -> str:
 
 
 def _fastest(fn, seconds: float, least: int = 3) -> float:
-    """The shortest time of one call of ``fn`` over ``seconds`` of repetitions (at least
-    ``least``). With one thread the time is this process's CPU time, which does not count
-    the waits for a core that other processes of a busy machine cause."""
+    """The typical time of one call of ``fn``: the median over ``seconds`` of repetitions
+    (at least ``least``). With one thread the time is this process's CPU time, which does
+    not count the waits for a core that other processes of a busy machine cause; the
+    median, not the fastest, because a pass runs at the sustained speed, not the best."""
     clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
-    best, start, runs = float("inf"), time.perf_counter(), 0
-    while time.perf_counter() - start < seconds or runs < least:
+    times, start = [], time.perf_counter()
+    while time.perf_counter() - start < seconds or len(times) < least:
         t = clock()
         fn()
-        best = min(best, clock() - t)
-        runs += 1
-    return best
+        times.append(clock() - t)
+    times.sort()
+    return max(times[len(times) // 2], 1e-9)
 
 
 #: square GEMM sizes and eigh sizes measured on the CPU (about 0.5 s and 0.4 s)
@@ -226,7 +239,25 @@ def _measure_cpu() -> DeviceProfile:
     batch, layer = _measure_capture(call)
     return DeviceProfile(f"cpu ({torch.get_num_threads()} threads)", flops, flops, bw, memory, measured=True,
                          call_seconds=call, op_seconds=_measure_op(), batch_seconds=batch, layer_seconds=layer,
-                         gemm_rates=rates, eigh_times=_measure_eighs())
+                         elementwise_bandwidth=_measure_elementwise(), gemm_rates=rates,
+                         eigh_times=_measure_eighs())
+
+
+def _measure_elementwise() -> float:
+    """Bytes/s of a model's elementwise work: a tanh-approximated GELU forward and
+    backward and a product on 2²⁰ float32 numbers (4 MiB, an activation's size), each op
+    counted as reading its inputs and writing its output."""
+    x = torch.randn(2**20, requires_grad=True)
+    y = torch.randn(2**20)
+
+    def step():
+        out = torch.nn.functional.gelu(x, approximate="tanh") * y
+        out.backward(y)
+
+    step()
+    # forward: gelu (read x, write), product (read 2, write); backward: product (read 2,
+    # write), gelu's gradient (read 2, write): 11 numbers of 4 bytes moved per element
+    return 11 * 4 * x.numel() / _fastest(step, 0.1)
 
 
 def _measure_call() -> float:

@@ -48,12 +48,12 @@ OPS_PER_BLOCK = {"collect": 4, "store": 4, "group": 6, "fisher": 6, "kfac": 14, 
 #: small-op equivalents a pass runs once per job (opening sinks, fingerprinting the task for
 #: the shared-forward key, resolving hooks, concatenating held rows; calibrated with
 #: ``benchmarks/estimates.py``)
-OPS_PER_PASS = 1500
+OPS_PER_PASS = 800
 #: memory traffic equivalent to drawing one float64 random number (a dense projection's matrix)
 RANDOM_BYTES = 64.0
 #: small-op equivalents per captured batch beyond the capture itself (finite checks per
 #: block, ids, chunk records, row-wise derivations, the allocator's trim; calibrated)
-OPS_PER_BATCH = 500
+OPS_PER_BATCH = 300
 
 
 # ------------------------------------------------------------------ model shapes
@@ -125,8 +125,8 @@ def capture_cost(src: Source, options, dtype=torch.float32, forward: bool = True
         per_batch = B * heads * layers
         cost = cost + gemm_cost(T, T, d_head, batches * per_batch * (2 * int(forward) + 4 * sweeps), elem)
     act = activation_bytes(model, T, elem) * n
-    cost = cost + Cost(bytes=act * (ELEMENTWISE_SWEEPS["forward"] * int(forward)
-                                    + ELEMENTWISE_SWEEPS["backward"] * sweeps))
+    cost = cost + Cost(elementwise=act * (ELEMENTWISE_SWEEPS["forward"] * int(forward)
+                                          + ELEMENTWISE_SWEEPS["backward"] * sweeps))
     # the recorded layers' factors: A kept (with its bias column), D written, per backward
     recorded = len(src.space.blocks)
     factor_bytes = sum(T * (b.shape[-1] + b.shape[0]) for b in src.space.blocks if len(b.shape) == 2) * n * elem
@@ -300,6 +300,10 @@ def job_cost(job, n_stream: int, layout: dict, chunk: int, dtype=torch.float32, 
     ``layout`` is ``{block: "factors" | "flat"}`` of the streamed rows as they arrive in
     this pass (factors from a capture or a Kronecker projection, flat otherwise);
     ``held_layout`` the same for a scores job's held rows. Dispatches on ``job.kind``.
+    The per-chunk work is costed for one chunk (its GEMMs have the chunk's shapes: a
+    Gram over 32 rows is not a Gram over 20,000) and counted once per chunk — a chunk
+    per batch and per row set (one per Gauss-Newton term); what a job does once (an
+    eigendecomposition at its end, the held side's preconditioning) is added once.
     """
     kind = job.kind
     elem = element_size(dtype)
@@ -307,39 +311,61 @@ def job_cost(job, n_stream: int, layout: dict, chunk: int, dtype=torch.float32, 
     if node is None:
         return Cost()
     rows = rows_of(node) if kind in ("fisher", "kfac", "ekfac", "store", "collect") else 1
-    n_rows = n_stream * rows
-    chunks = _chunks(n_stream, chunk) * rows
+    c = max(1, min(chunk or n_stream, n_stream))            # examples per chunk
+    chunks = _chunks(n_stream, c) * rows
+    per, once = _chunk_cost(job, node, c, layout, elem), Cost()
+    if kind == "kfac":
+        for b in node.space.blocks:
+            if len(b.shape) == 2:
+                once = once + eigh_cost(b.shape[1]) + eigh_cost(b.shape[0])
+    elif kind == "scores":
+        held = job.held
+        P_h = positions(held)
+        for b in held.space.blocks:
+            if (job.kernels.get(b.name) != "ghost" and (held_layout or {}).get(b.name) == "factors"
+                    and len(b.shape) == 2):    # the held side materialized once for the dense kernel
+                once = once + materialize_cost(held.n, P_h[b.name], b.shape[1], b.shape[0], elem)
+        op = job.target.op
+        once = once + resolve_cost(op) + apply_cost(op, held.space, held.n, elem, options)
+    elif kind == "diag":
+        op = job.target.scores.op
+        once = once + resolve_cost(op)
+    return per.scaled(chunks) + once
+
+
+def _chunk_cost(job, node, c: int, layout: dict, elem: int) -> Cost:
+    """The work of ``job`` on one chunk of ``c`` rows (one row set) of ``node``."""
+    kind = job.kind
     T = positions(node)
     blocks = node.space.blocks
-    cost = Cost(ops=chunks * len(blocks) * OPS_PER_BLOCK.get(kind, 4))
+    cost = Cost(ops=len(blocks) * OPS_PER_BLOCK.get(kind, 4))
     factored = {b.name: layout.get(b.name) == "factors" and len(b.shape) == 2 for b in blocks}
 
     def flat(b):   # the block's rows made flat (materialized from factors when they are factors)
         if factored[b.name]:
-            return materialize_cost(n_rows, T[b.name], b.shape[1], b.shape[0], elem)
+            return materialize_cost(c, T[b.name], b.shape[1], b.shape[0], elem)
         return Cost()
 
     if kind in ("collect", "store", "group"):
         keep = job.storage or {}
         for b in blocks:
             if factored[b.name] and keep.get(b.name, "flat") == "factors":
-                cost = cost + Cost(bytes=2.0 * elem * n_rows * T[b.name] * sum(b.shape))
+                cost = cost + Cost(bytes=2.0 * elem * c * T[b.name] * sum(b.shape))
             else:
-                cost = cost + flat(b) + Cost(bytes=2.0 * elem * n_rows * b.dim)
+                cost = cost + flat(b) + Cost(bytes=2.0 * elem * c * b.dim)
         return cost
     if kind == "fisher":
         for b in blocks:
             cost = cost + flat(b)
-        return cost + fisher_cost(n_rows, [b.dim for b in blocks], job.target.structure)
+        return cost + fisher_cost(c, [b.dim for b in blocks], job.target.structure)
     if kind == "kfac":
         for b in blocks:
             if len(b.shape) != 2:
                 continue
             out_f, in_f = b.shape
-            m = n_rows * T[b.name]
+            m = c * T[b.name]
             cost = (cost + gram_cost(m, in_f, elem) + gram_cost(m, out_f, elem)
-                    + Cost(bytes=elem * m * (2 * in_f + out_f) + 24.0 * chunks * (in_f ** 2 + out_f ** 2))
-                    + eigh_cost(in_f) + eigh_cost(out_f))
+                    + Cost(bytes=elem * m * (2 * in_f + out_f) + 24.0 * (in_f ** 2 + out_f ** 2)))
         return cost
     if kind == "ekfac":
         for b in blocks:
@@ -347,37 +373,30 @@ def job_cost(job, n_stream: int, layout: dict, chunk: int, dtype=torch.float32, 
                 continue
             out_f, in_f = b.shape
             if factored[b.name]:
-                m = n_rows * T[b.name]
+                m = c * T[b.name]
                 cost = (cost + gemm_cost(m, in_f, in_f, 1, elem) + gemm_cost(m, out_f, out_f, 1, elem)
-                        + gemm_cost(out_f, in_f, T[b.name], n_rows, elem))
+                        + gemm_cost(out_f, in_f, T[b.name], c, elem))
             else:
-                cost = cost + gemm_cost(out_f, in_f, out_f, n_rows, elem) + gemm_cost(out_f, in_f, in_f, n_rows, elem)
-            cost = cost + Cost(bytes=4.0 * elem * n_rows * out_f * in_f)     # rotated, squared, summed
+                cost = cost + gemm_cost(out_f, in_f, out_f, c, elem) + gemm_cost(out_f, in_f, in_f, c, elem)
+            cost = cost + Cost(bytes=4.0 * elem * c * out_f * in_f)     # rotated, squared, summed
         return cost
     if kind == "scores":
         held = job.held
-        held_layout = held_layout or {}
-        P_h = positions(held)
-        n_h = held.n
+        P_h, n_h = positions(held), held.n
         for b in held.space.blocks:
             T_h, T_s = P_h[b.name], T[b.name]
             if job.kernels.get(b.name) == "ghost":
-                cost = cost + ghost_cost(n_h, n_stream, T_h, T_s, b.shape[1], b.shape[0], elem)
-                continue
-            if held_layout.get(b.name) == "factors" and len(b.shape) == 2:   # the held side materialized once
-                cost = cost + materialize_cost(n_h, T_h, b.shape[1], b.shape[0], elem)
-            if factored[b.name]:
-                cost = cost + dense_cost(n_h, n_stream, T_h, T_s, b.shape[1], b.shape[0], True, elem)
+                cost = cost + ghost_cost(n_h, c, T_h, T_s, b.shape[1], b.shape[0], elem)
+            elif factored[b.name]:
+                cost = cost + dense_cost(n_h, c, T_h, T_s, b.shape[1], b.shape[0], True, elem)
             else:
-                cost = cost + gemm_cost(n_h, n_stream, b.dim, 1, elem) + Cost(bytes=float(elem) * n_stream * b.dim)
-        op = job.target.op
-        return cost + resolve_cost(op) + apply_cost(op, held.space, n_h, elem, options)
+                cost = cost + gemm_cost(n_h, c, b.dim, 1, elem) + Cost(bytes=float(elem) * c * b.dim)
+        return cost
     if kind == "diag":
         space = node.space
         for b in blocks:
             cost = cost + flat(b)
-        cost = cost + Cost(flops=2.0 * n_stream * space.dim, bytes=3.0 * elem * n_stream * space.dim)
+        cost = cost + Cost(flops=2.0 * c * space.dim, bytes=3.0 * elem * c * space.dim)
         op = job.target.scores.op
-        return cost + resolve_cost(op) + apply_cost(op, space, n_stream, elem, options)
-    return cost + Cost(flops=2.0 * n_stream * node.space.dim, bytes=2.0 * elem * n_stream * node.space.dim)
-
+        return cost + apply_cost(op, space, c, elem)
+    return cost + Cost(flops=2.0 * c * node.space.dim, bytes=2.0 * elem * c * node.space.dim)
