@@ -19,6 +19,7 @@ from .errors import (BatchContentError, GradalgError, LossReductionError, Memory
 from .errors import DataError, OptionError, StoreCorruptError, WorkerFaultError  # noqa: E402
 from .exec import LocalExecutor
 from . import fingerprint  # noqa: E402 - ga.fingerprint.forget(model) after writes through .data
+from . import unroll  # noqa: E402 - ga.unroll.TrainingRun, replayed by ga.methods.magic / source
 from .options import get_options, options
 from .task import ExampleRandom, Task
 
@@ -35,4 +36,5 @@ __all__ = [
     "ShapeMismatchError", "SpaceMismatchError", "UnsupportedLayerError", "store", "StoreMismatchError",
     "StoreIncompleteError", "BatchContentError", "PerTokenError", "StoreCorruptError", "OptionError",
     "DataError", "WorkerFaultError", "fingerprint",
+    "unroll",
 ]

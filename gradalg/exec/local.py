@@ -43,6 +43,8 @@ from .chunks import Chunk, concat_chunks, flatten, unflatten
 from .curvature import resolve_curvature
 from .operators import ResolvedOp, damp_resolved
 from .rowwise import apply_rowwise, dtype_device
+from .spectral import resolve_spectral
+from ..expr.spectral import Spectral
 
 CURVATURE_NODES = (CurvatureProducts, Arnoldi, DataInf)
 
@@ -337,6 +339,8 @@ class LocalExecutor(Executor):
             return inner.inverse(node.op.label)
         if isinstance(node, Power):
             return self.resolve(node.op).power(node.p, node.op.label)
+        if isinstance(node, Spectral):
+            return resolve_spectral(self.resolve(node.op), node.fn, node.op.label)
         if isinstance(node, ScaledOp):
             return self.resolve(node.op).scale(node.scale)
         if isinstance(node, SumOp):
