@@ -56,7 +56,11 @@ class MagicScores:
 
     def _query_fn(self, params: dict) -> torch.Tensor:
         full = {f"model.{n}": v for n, v in params.items()}
-        values = functional_call(self._module, full, (self.queries,))
+        self.run.model.eval()                       # queries are scored without dropout
+        try:
+            values = functional_call(self._module, full, (self.queries,))
+        finally:
+            self.run.training_mode()
         if values.shape != (self.n_query,):
             raise UnsupportedTrainingError(f"query_loss must return one value per query, shape ({self.n_query},); "
                                            f"got {tuple(values.shape)}")
@@ -87,6 +91,7 @@ def magic(run: TrainingRun, queries, *, query_loss: Callable[[torch.nn.Module, A
 
     queries : the query examples, tensors like the run's data (tuple, dict, TensorDataset).
     query_loss : ``(model, batch) -> (n_query,)``; default the run's per-example loss.
+        The model is in eval mode while the queries are scored (no dropout).
     checkpointing : "sqrt" (default, ≤ 2⌈√T⌉ stored states), "log" (⌈log₂T⌉ + 1 states,
         ≈ log₂T times the forward steps), "all" (T states) or a checkpoint interval k.
     replay_tolerance : relative difference allowed when a replayed step is compared with

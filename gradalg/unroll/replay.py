@@ -8,7 +8,7 @@ A *schedule* trades memory (states kept) for recomputation (extra forward steps)
 schedule       what is kept                                    states kept       forward steps
 =============  ==============================================  ================  ===============
 ``"all"``      every state of the first run                    T                 T
-``k`` (int)    a checkpoint every k steps; the states of one   ⌈T/k⌉ + k − 1     ≤ 2T
+``k`` (int)    a checkpoint every k steps; the states of one   ≤ ⌈T/k⌉ + k − 1   ≤ 2T
                segment, recomputed from its checkpoint
 ``"sqrt"``     the int schedule with k = ⌈√T⌉                  ≤ 2⌈√T⌉           ≤ 2T
 ``"log"``      recursive halving (REPLAY's k-ary tree with     ⌈log₂ T⌉ + 1      ≤ T(⌈log₂ T⌉ + 1)
@@ -67,8 +67,8 @@ def schedule_bound(schedule, n_steps: int) -> int:
         return n_steps
     if schedule == "log":
         return math.ceil(math.log2(max(n_steps, 1))) + 1
-    k = _segment_length(schedule, n_steps)
-    return math.ceil(n_steps / k) + k - 1
+    k = _segment_length(schedule, n_steps)     # segment j holds checkpoints 0..j and its other states
+    return max(j + min(k, n_steps - j * k) for j in range(math.ceil(n_steps / k)))
 
 
 def check_schedule(schedule) -> None:

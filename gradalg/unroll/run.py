@@ -172,6 +172,7 @@ class TrainingRun:
         self.random_seed = random_seed
         self.batches = _batch_order(self.n_train, batches, batch_size, epochs, steps, seed)
         self._module = _LossOf(self.model, loss)
+        self._modes = [(m, m.training) for m in self.model.modules()]   # replayed at every step
         named = dict(self.model.named_parameters())
         self.param_names = tuple(n for n in named if n in trainable)
         if not self.param_names:
@@ -240,6 +241,7 @@ class TrainingRun:
         """One differentiable step ``(θ_{t+1}, state_{t+1}) = Φ_t(θ_t, state_t; ε_{B_t})``."""
         batch = self.batch(t)
         size = self.batches[t].numel()
+        self.training_mode()
 
         def objective(p):
             per = self.losses(p, batch)
@@ -254,6 +256,12 @@ class TrainingRun:
             g = grad(objective)(params)
         return self.optimizer.step(params, opt_state, g, t)
 
+    def training_mode(self) -> None:
+        """Put every module back in the train/eval mode it had when the run was described
+        (a query scored in eval mode in between does not change the replay)."""
+        for m, training in self._modes:
+            m.training = training
+
     def final_params(self, weights: torch.Tensor | None = None) -> dict:
         weights = self._weights(weights)
         params, state = self.initial_state()
@@ -263,9 +271,9 @@ class TrainingRun:
         return params
 
     def train(self, weights=None) -> nn.Module:
-        """A copy of the model after the run with per-example ``weights`` (default: ones)."""
+        """A copy of the model after the run with per-example ``weights`` (default: ones), in eval mode."""
         params = self.final_params(weights)
-        return self.model_with(params)
+        return self.model_with(params).eval()
 
     def model_with(self, params: dict) -> nn.Module:
         model = copy.deepcopy(self.model)
