@@ -78,6 +78,18 @@ def test_magic_equals_finite_differences_of_reweighted_retraining(name):
     assert rel < 1e-6, rel
 
 
+@pytest.mark.parametrize("reduction", ["weighted_mean", "sum"])
+def test_magic_equals_finite_differences_for_other_batch_reductions(reduction):
+    run = TrainingRun(mlp(), ce, TRAIN, SGD(0.1, momentum=0.5), batch_size=4, epochs=2, seed=3, reduction=reduction)
+    fd = finite_differences(run)
+    S = torch.from_numpy(ga.methods.magic(run, QUERIES, checkpointing=2).compute().values)
+    assert float((S + fd).abs().max() / fd.abs().max()) < 1e-6
+    if reduction == "weighted_mean":           # a batch whose weights are all 0 leaves θ to weight decay/momentum
+        zero = torch.ones(run.n_train, dtype=F64)
+        zero[run.batches[0]] = 0
+        assert torch.isfinite(torch.cat([p.flatten() for p in run.final_params(zero).values()])).all()
+
+
 def test_magic_logistic_regression_minibatch_order_given():
     torch.manual_seed(3)
     model = nn.Linear(5, 3).to(F64)

@@ -19,6 +19,11 @@ is a function of H_ℓ's eigenvalues on its (EK-)FAC eigenbasis (``expr.spectral
 the scores are one gradalg expression:
 ``Σ_ℓ Σ_c w_ℓc · Q @ S_L @ … @ S_{ℓ+1} @ R_ℓ @ G_{ℓ,c}.T``.
 
+For a run with ``reduction="weighted_mean"`` (batch loss Σεℓ/Σε) the exact per-step
+effect of ε_z is the centred gradient ∇ℓ_z − ḡ_{B_t}; SOURCE keeps ∇ℓ_z. The difference
+is the same for every z (a per-query constant, the scores of the mean gradient), so
+rankings and LDS over subsets of equal size are unchanged.
+
 Limits: one segment with K·η·λ_min → ∞ is the influence function (τ = ∇fᵀH⁻¹ḡ / N);
 one segment per step of full-batch gradient descent on a quadratic objective is exact
 (tested against MAGIC). Momentum enters as the effective learning rate η/(1 − μ);
@@ -108,7 +113,7 @@ def segments_of_run(run: TrainingRun, n_segments: int, checkpoints_per_segment: 
         lr = sum(opt.lr_at(t) for t in range(a, b)) / (b - a) / (1 - opt.momentum)
         segments.append(Segment(tuple(models[t] for t in ts), lr, b - a))
     sizes = [bt.numel() for bt in run.batches]
-    scale = 1.0 / run.n_train if run.reduction == "mean" else (sum(sizes) / len(sizes)) / run.n_train
+    scale = (sum(sizes) / len(sizes)) / run.n_train if run.reduction == "sum" else 1.0 / run.n_train
     return segments, task_fn(run.model_with(params)), scale
 
 
@@ -140,7 +145,7 @@ def source(training, queries, *, train=None, final: Task | None = None, n_segmen
         Gauss-Newton), "empirical".
     damping, weight_decay : H_ℓ + (damping + wd)·I; wd defaults to the run's SGD
         weight decay (0 for segments given by hand).
-    scale : multiplies every term (default 1/N for a run with mean reduction).
+    scale : multiplies every term (default 1/N; mean batch size / N for reduction="sum").
     """
     if curvature not in CURVATURES:
         raise ValueError(f"curvature must be one of {CURVATURES}, got {curvature!r}")

@@ -7,11 +7,17 @@
 
 The run minimises, at step t with mini-batch B_t (a fixed list of training indices),
 
-    L_t(θ; ε) = (1/|B_t|) Σ_{i ∈ B_t} ε_i ℓ_i(θ)        (reduction="mean"; "sum" drops 1/|B_t|)
+    L_t(θ; ε) = (1/|B_t|) Σ_{i ∈ B_t} ε_i ℓ_i(θ)             reduction="mean" (default)
+    L_t(θ; ε) = Σ_{i ∈ B_t} ε_i ℓ_i(θ) / Σ_{i ∈ B_t} ε_i      reduction="weighted_mean"
+    L_t(θ; ε) = Σ_{i ∈ B_t} ε_i ℓ_i(θ)                        reduction="sum"
 
 with the optimizer's update rule (:mod:`gradalg.unroll.optimizers`). ``ε_i = 0`` is
-training without example i (its batches keep their order and their normaliser), the
-counterfactual of ``ga.eval.retrain`` with ``train_fn = lambda idx: run.train(weights=mask(idx))``.
+training without example i, the counterfactual of ``ga.eval.retrain`` with
+``train_fn = lambda idx: run.train(weights=mask(idx))``: its batches keep their order;
+with "mean" they keep their normaliser |B_t| too (dropping half the data halves the
+gradient), with "weighted_mean" they become smaller batches of the same mean (as
+training on the subset with the same batch order would). At ε = 1 all three runs
+are the same run (up to the scale of "sum").
 
 Everything that makes a run reproducible is part of its description: the initial
 parameters (the model's, copied at construction), the data as tensors, the batch order
@@ -36,6 +42,7 @@ from .optimizers import OptimizerSpec, from_torch
 
 __all__ = ["TrainingRun"]
 
+REDUCTIONS = ("mean", "weighted_mean", "sum")
 _STOCHASTIC = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
@@ -139,7 +146,7 @@ class TrainingRun:
     batches : sequence of index sequences, one per step — or ``batch_size`` with
         ``seed`` and ``epochs`` or ``steps`` (a reshuffle per epoch from
         ``torch.Generator().manual_seed(seed)``; the last batch of an epoch may be short).
-    reduction : "mean" (default) or "sum" over the batch.
+    reduction : "mean" (default), "weighted_mean" or "sum" over the batch (above).
     random_seed : seeds torch's RNG before each step (from (random_seed, t)), so a model
         with dropout in training mode is replayed with the same draws. Without it such a
         model is refused.
@@ -153,8 +160,8 @@ class TrainingRun:
             raise UnsupportedTrainingError(f"model must be an nn.Module, got {type(model).__name__}")
         if not callable(loss):
             raise UnsupportedTrainingError("loss must be a callable (model, batch) -> per-example losses (B,)")
-        if reduction not in ("mean", "sum"):
-            raise UnsupportedTrainingError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        if reduction not in REDUCTIONS:
+            raise UnsupportedTrainingError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
         trainable = self._trainable(model, optimizer)
         if isinstance(optimizer, torch.optim.Optimizer):
             optimizer = from_torch(optimizer)
@@ -249,8 +256,14 @@ class TrainingRun:
                 raise UnsupportedTrainingError(
                     f"loss must return one value per example, shape ({size},); got {tuple(per.shape)} at step {t} "
                     "(use reduction='none')")
-            total = (batch_weights.to(per.dtype) * per).sum()
-            return total / size if self.reduction == "mean" else total
+            w = batch_weights.to(per.dtype)
+            total = (w * per).sum()
+            if self.reduction == "mean":
+                return total / size
+            if self.reduction == "weighted_mean":      # Σ ε ℓ / Σ ε (0 for a batch of zero weights)
+                norm = w.sum()
+                return total / torch.where(norm > 0, norm, torch.ones_like(norm))
+            return total
 
         with self._rng(t):
             g = grad(objective)(params)
