@@ -4,23 +4,23 @@ Data and model as in ``benchmarks/fidelity.py``: ``load_digits``, 500 training e
 100 queries, float64, MLP 64 → 32 → 10 with tanh (same initialisation). The
 counterfactual is a *training run* (``ga.unroll.TrainingRun``): a fixed initialisation,
 batch order and optimizer; the ground truth retrains that run on each of 50 random
-50 % subsets (``ga.eval.retrain`` with ``train_fn = run.train(weights=mask)``: the
-examples left out get weight 0, batches keep their order and normaliser) and records
-the 100 query losses. LDS is ``ga.eval.lds(..., target="loss")`` with a 95 % bootstrap
+subsets (``ga.eval.retrain`` with ``train_fn = run.train(weights=mask)``: the examples
+left out get weight 0, batches keep their order and, with reduction="mean", their
+normaliser) and records the 100 query losses. LDS is ``ga.eval.lds(..., target="loss")`` with a 95 % bootstrap
 interval over queries.
 
-Settings (``--settings``):
+Settings (``--settings``), each 10 epochs of batch 50 from fidelity.py's initialisation
+(100 steps, batch order from seed 0):
 
-    sgd        SGD lr 0.1, momentum 0.9, weight decay 1e-3, batch 50, 10 epochs (100 steps)
-    adamw      AdamW lr 3e-3, weight decay 1e-2, batch 50, 10 epochs (100 steps)
-    converged  fidelity.py's protocol: warm start from the full-data optimum θ* (L-BFGS) of
-               (1/500) Σ CE + (1e-3/2)‖θ‖², then 300 full-batch heavy-ball steps
-               (lr 0.5, momentum 0.9) on the subset objective; the ground truth of
-               fidelity.py (L-BFGS to convergence per subset) is scored too
+    sgd        SGD lr 0.1, momentum 0.9, weight decay 1e-3, batch loss (1/|B|) Σ ε_i ℓ_i
+    sgd-wmean  the same with the batch loss Σ ε_i ℓ_i / Σ ε_i (reduction="weighted_mean")
+    adamw      AdamW lr 3e-3, weight decay 1e-2
 
-Methods: MAGIC (checkpointing "sqrt"); SOURCE with L segments (SGD runs); the influence
-function (Gauss-Newton and EK-FAC, damping = the run's weight decay) at the run's final
-model, the textbook baseline.
+LDS on subsets keeping 50 % (the usual protocol) and 90 % (dropping 10 %) of the
+training set (``--fractions``). Methods: MAGIC (checkpointing "sqrt"); SOURCE with L
+segments and 2 checkpoints per segment (SGD runs); the influence function
+(Gauss-Newton and EK-FAC, damping = the run's weight decay) at the run's final model,
+the textbook baseline.
 
     OMP_NUM_THREADS=1 nice -n 10 python benchmarks/unrolled.py --threads 1
     python benchmarks/unrolled.py --settings sgd --subsets 50
@@ -28,12 +28,10 @@ model, the textbook baseline.
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
@@ -50,18 +48,19 @@ def ce(model, batch):
     return F.cross_entropy(model(batch[0]), batch[1], reduction="none")
 
 
+SETTINGS = {
+    # name: (optimizer, batch reduction, damping of the influence baseline)
+    "sgd": (lambda: ga.unroll.SGD(0.1, momentum=0.9, weight_decay=fid.WD), "mean", fid.WD),
+    "sgd-wmean": (lambda: ga.unroll.SGD(0.1, momentum=0.9, weight_decay=fid.WD), "weighted_mean", fid.WD),
+    "adamw": (lambda: ga.unroll.AdamW(3e-3, weight_decay=1e-2), "mean", 1e-3),
+}
+
+
 def make_run(name, train):
-    if name == "sgd":
-        return ga.unroll.TrainingRun(fid._mlp(), ce, train, ga.unroll.SGD(0.1, momentum=0.9, weight_decay=fid.WD),
-                                     batch_size=50, epochs=10, seed=0), fid.WD
-    if name == "adamw":
-        return ga.unroll.TrainingRun(fid._mlp(), ce, train, ga.unroll.AdamW(3e-3, weight_decay=1e-2),
-                                     batch_size=50, epochs=10, seed=0), 0.0
-    if name == "converged":
-        start = fid.lbfgs(fid._mlp(), *train, tol=1e-9)
-        return ga.unroll.TrainingRun(start, ce, train, ga.unroll.SGD(0.5, momentum=0.9, weight_decay=fid.WD),
-                                     batches=[np.arange(fid.N_TRAIN)] * 300), fid.WD
-    raise ValueError(name)
+    optimizer, reduction, damping = SETTINGS[name]
+    run = ga.unroll.TrainingRun(fid._mlp(), ce, train, optimizer(), batch_size=50, epochs=10, seed=0,
+                                reduction=reduction)
+    return run, damping
 
 
 def lds_row(label, scores, truths, seconds):
@@ -73,7 +72,7 @@ def lds_row(label, scores, truths, seconds):
     return label, cells, seconds
 
 
-def run_setting(name, n_subsets, source_segments):
+def run_setting(name, n_subsets, source_segments, fractions):
     train, queries = fid.digits()
     run, wd = make_run(name, train)
     X, y = train
@@ -88,26 +87,19 @@ def run_setting(name, n_subsets, source_segments):
         with torch.no_grad():
             return F.cross_entropy(model(queries[0]), queries[1], reduction="none")
 
-    truths = [ga.eval.retrain(train_fn, fid.N_TRAIN, n_subsets=n_subsets, fraction=fid.FRACTION, seed=0,
-                              targets_fn=query_losses, target="loss", store=CACHE / f"unrolled-{name}-{n_subsets}")]
-    header = "LDS vs retraining the run"
-    if name == "converged":
-        setting = fid.SETTINGS["mlp"]
-        setting.prepare()
-        truths.append(ga.eval.retrain(setting.train_fn, fid.N_TRAIN, n_subsets=fid.N_SUBSETS, fraction=fid.FRACTION,
-                                      seed=0, targets_fn=setting.query_losses, target="loss",
-                                      store=CACHE / f"mlp-n{fid.N_TRAIN}-q{fid.N_QUERY}-wd{fid.WD:g}-tol"
-                                                    f"{setting.tol_subset:g}"))
-        header += " | LDS vs fidelity.py's L-BFGS ground truth"
-    print(f"\n[{name}] {run!r}: ground truth ready in {time.perf_counter() - t0:.0f} s\n  {'method':44s} {header}",
-          flush=True)
+    truths = [ga.eval.retrain(train_fn, fid.N_TRAIN, n_subsets=n_subsets, fraction=f, seed=0,
+                              targets_fn=query_losses, target="loss", store=CACHE / f"unrolled-{name}-{f:g}-{n_subsets}")
+              for f in fractions]
+    header = " | ".join(f"LDS, {f:.0%} kept" for f in fractions)
+    print(f"\n[{name}] {run!r}, reduction={run.reduction}: ground truth ready in {time.perf_counter() - t0:.0f} s"
+          f"\n  {'method':44s} {header}   time", flush=True)
     rows = []
     t = time.perf_counter()
     S = ga.methods.magic(run, queries).compute()
     rows.append(lds_row("magic (checkpointing='sqrt')", S, truths, time.perf_counter() - t))
     if isinstance(run.optimizer, ga.unroll.SGD):
         for L in source_segments:
-            for curv in ("ekfac", "gauss_newton"):
+            for curv in ("ekfac", "gauss_newton") if L == 1 else ("ekfac",):
                 t = time.perf_counter()
                 S = ga.methods.source(run, TensorDataset(*queries), n_segments=L, checkpoints_per_segment=2,
                                       curvature=curv).compute()
@@ -118,17 +110,18 @@ def run_setting(name, n_subsets, source_segments):
     for curv in ("gauss_newton", "ekfac"):
         t = time.perf_counter()
         S = ga.methods.influence(task, TensorDataset(*train), TensorDataset(*queries), curvature=curv, damping=0.0,
-                                 weight_decay=max(wd, 1e-3)).compute()
-        rows.append(lds_row(f"influence at θ_T ({curv}, damping {max(wd, 1e-3):g})", S, truths,
+                                 weight_decay=wd).compute()
+        rows.append(lds_row(f"influence at θ_T ({curv}, damping {wd:g})", S, truths,
                             time.perf_counter() - t))
     return rows
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--settings", default="sgd,adamw,converged")
+    parser.add_argument("--settings", default="sgd,sgd-wmean,adamw")
+    parser.add_argument("--fractions", default="0.5,0.9")
     parser.add_argument("--subsets", type=int, default=50)
-    parser.add_argument("--segments", default="1,3,10")
+    parser.add_argument("--segments", default="1,3")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     if args.threads:
@@ -136,7 +129,7 @@ def main():
     segments = [int(s) for s in args.segments.split(",") if s]
     start = time.perf_counter()
     for name in args.settings.split(","):
-        run_setting(name, args.subsets, segments)
+        run_setting(name, args.subsets, segments, [float(f) for f in args.fractions.split(",")])
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
 
 
