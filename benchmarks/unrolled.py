@@ -12,9 +12,14 @@ interval over queries.
 Settings (``--settings``), each 10 epochs of batch 50 from fidelity.py's initialisation
 (100 steps, batch order from seed 0):
 
-    sgd        SGD lr 0.1, momentum 0.9, weight decay 1e-3, batch loss (1/|B|) Σ ε_i ℓ_i
-    sgd-wmean  the same with the batch loss Σ ε_i ℓ_i / Σ ε_i (reduction="weighted_mean")
-    adamw      AdamW lr 3e-3, weight decay 1e-2
+    sgd                SGD lr 0.3, weight decay 1e-3
+    sgd-momentum       SGD lr 0.1, momentum 0.9, weight decay 1e-3
+    adamw              AdamW lr 3e-3, weight decay 1e-2
+
+with the batch loss Σ_B ε_i ℓ_i / Σ_B ε_i (``reduction="weighted_mean"``: a left-out
+example makes its batches smaller, the step size stays), and ``sgd-momentum-mean`` /
+``adamw-mean`` with (1/|B|) Σ_B ε_i ℓ_i (``"mean"``: dropping half the data also halves
+every gradient).
 
 LDS on subsets keeping 50 % (the usual protocol) and 90 % (dropping 10 %) of the
 training set (``--fractions``). Methods: MAGIC (checkpointing "sqrt"); SOURCE with L
@@ -50,9 +55,11 @@ def ce(model, batch):
 
 SETTINGS = {
     # name: (optimizer, batch reduction, damping of the influence baseline)
-    "sgd": (lambda: ga.unroll.SGD(0.1, momentum=0.9, weight_decay=fid.WD), "mean", fid.WD),
-    "sgd-wmean": (lambda: ga.unroll.SGD(0.1, momentum=0.9, weight_decay=fid.WD), "weighted_mean", fid.WD),
-    "adamw": (lambda: ga.unroll.AdamW(3e-3, weight_decay=1e-2), "mean", 1e-3),
+    "sgd": (lambda: ga.unroll.SGD(0.3, weight_decay=fid.WD), "weighted_mean", fid.WD),
+    "sgd-momentum": (lambda: ga.unroll.SGD(0.1, momentum=0.9, weight_decay=fid.WD), "weighted_mean", fid.WD),
+    "sgd-momentum-mean": (lambda: ga.unroll.SGD(0.1, momentum=0.9, weight_decay=fid.WD), "mean", fid.WD),
+    "adamw": (lambda: ga.unroll.AdamW(3e-3, weight_decay=1e-2), "weighted_mean", 1e-3),
+    "adamw-mean": (lambda: ga.unroll.AdamW(3e-3, weight_decay=1e-2), "mean", 1e-3),
 }
 
 
@@ -118,7 +125,7 @@ def run_setting(name, n_subsets, source_segments, fractions):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--settings", default="sgd,sgd-wmean,adamw")
+    parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--fractions", default="0.5,0.9")
     parser.add_argument("--subsets", type=int, default=50)
     parser.add_argument("--segments", default="1,3")

@@ -265,3 +265,22 @@ def test_source_is_one_gradalg_expression():
     text = repr(S)
     assert "(1−(1−ηλ)^K)/λ" in text and "(1−ηλ)^K" in text
     assert "physical" in str(S.explain()).lower() or S.explain() is not None
+
+
+def test_unroll_spectral_functions_match_their_sums():
+    from gradalg.expr.spectral import UnrollDecay, UnrollResponse
+    lam = torch.tensor([0.0, 1e-12, 1e-6, 0.3, 1.0, 2.5, -0.2], dtype=F64)
+    eta, K = 0.7, 13
+    direct = eta * sum((1 - eta * lam) ** k for k in range(K))           # η Σ_{k<K} (1 − ηλ)^k
+    torch.testing.assert_close(UnrollResponse(eta, K)(lam), direct, rtol=1e-12, atol=0)
+    torch.testing.assert_close(UnrollDecay(eta, K)(lam), (1 - eta * lam) ** K, rtol=1e-14, atol=0)
+
+
+def test_a_function_of_a_products_only_operator_is_refused():
+    from gradalg.expr.spectral import Spectral, UnrollDecay
+    task = ga.tasks.classification(mlp())
+    train = TensorDataset(*TRAIN)
+    H = ga.Operator(Spectral(ga.hessian(task, train).expr, UnrollDecay(0.1, 5)))
+    G = ga.grads(task, train)
+    with pytest.raises(ga.GradalgError, match="needs its eigendecomposition"):
+        (G @ (H @ G.T)).compute()
