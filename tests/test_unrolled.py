@@ -284,3 +284,10 @@ def test_a_function_of_a_products_only_operator_is_refused():
     G = ga.grads(task, train)
     with pytest.raises(ga.GradalgError, match="needs its eigendecomposition"):
         (G @ (H @ G.T)).compute()
+
+
+def test_source_scores_combine_like_scores():
+    run = TrainingRun(mlp(), ce, TRAIN, SGD(0.3), batch_size=4, epochs=3, seed=0)
+    S = ga.methods.source(run, TensorDataset(*QUERIES), n_segments=2, curvature="gauss_newton")
+    both = 2 * S - S / 2
+    np.testing.assert_allclose(both.compute().values, 1.5 * S.compute().values, rtol=1e-12, atol=1e-15)

@@ -196,8 +196,21 @@ def _unchecked(name):
     return wrapped
 
 
+def _keeps_class(name):
+    method = getattr(Scores, name)
+
+    def wrapped(self, *args):
+        with options(check_models=False):
+            out = method(self, *args)
+        return CrossCheckpointScores(out.expr) if isinstance(out, Scores) else out
+    wrapped.__name__, wrapped.__doc__ = name, method.__doc__
+    return wrapped
+
+
 for _name in ("compute", "explain", "cost", "__repr__", "_repr_html_", "_run", "diag"):
     setattr(CrossCheckpointScores, _name, _unchecked(_name))
+for _name in ("__add__", "__sub__", "__mul__", "__rmul__", "__truediv__"):   # S + T, 2 * S stay unchecked
+    setattr(CrossCheckpointScores, _name, _keeps_class(_name))
 
 
 def _tensors(data) -> Sequence[torch.Tensor]:
