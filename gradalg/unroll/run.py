@@ -140,7 +140,8 @@ class TrainingRun:
         Each example's loss (no reduction), e.g.
         ``lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none")``.
     data : tuple / dict of tensors, or a TensorDataset
-        The n training examples (rows); ``batch = tuple(t[idx] for t in data)``.
+        The n training examples (rows), on the model's device;
+        ``batch = tuple(t[idx] for t in data)``.
     optimizer : ``ga.unroll.SGD`` / ``Adam`` / ``AdamW``, or a ``torch.optim`` SGD /
         Adam / AdamW instance over the model's parameters (its settings are read).
     batches : sequence of index sequences, one per step — or ``batch_size`` with
@@ -240,7 +241,7 @@ class TrainingRun:
         if self.random_seed is None:
             yield
             return
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+        with torch.random.fork_rng(devices=[self.device.index or 0] if self.device.type == "cuda" else []):
             torch.manual_seed(int(np.random.SeedSequence([int(self.random_seed), t]).generate_state(1)[0]))
             yield
 
