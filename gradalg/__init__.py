@@ -21,6 +21,7 @@ from .errors import DataError, OptionError, StoreCorruptError, WorkerFaultError 
 from .errors import OperatorError, StaleCompiledError  # noqa: E402
 from .exec import LocalExecutor
 from . import fingerprint  # noqa: E402 - ga.fingerprint.forget(model) after writes through .data
+from . import unroll  # noqa: E402 - ga.unroll.TrainingRun, replayed by ga.methods.magic / source
 from .options import get_options, options
 from .task import ExampleRandom, Task
 
@@ -37,5 +38,5 @@ __all__ = [
     "ShapeMismatchError", "SpaceMismatchError", "UnsupportedLayerError", "store", "StoreMismatchError",
     "StoreIncompleteError", "BatchContentError", "PerTokenError", "StoreCorruptError", "OptionError",
     "DataError", "WorkerFaultError", "fingerprint", "compile", "Compiled", "OperatorError",
-    "StaleCompiledError",
+    "StaleCompiledError", "unroll",
 ]

@@ -149,6 +149,9 @@ class KronOp(LinearOp):
         return self._with({k: power_values(v.to(torch.float64), p, f"{what} (block {k!r})", rtol).to(v.dtype)
                            for k, v in self.eigenvalues.items()})
 
+    def _spectral(self, fn, what) -> "KronOp":
+        return self._with({k: fn(v.to(torch.float64)).to(v.dtype) for k, v in self.eigenvalues.items()})
+
     def trace(self) -> float:
         return sum(float(v.sum()) for v in self.eigenvalues.values())
 

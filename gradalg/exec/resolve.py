@@ -16,6 +16,7 @@ import torch
 
 from ..expr import (KFAC, Arnoldi, CurvatureProducts, Damp, DataInf, Dense, Diagonal, Fisher, Identity, Inverse,
                     OpNode, Power, ScaledOp, SumOp)
+from ..expr.spectral import Spectral
 from ..expr.stored import StoredOp
 from ..linalg import LinearOp, ResolvedOp
 from .accumulators import EKFACAccumulator, FisherAccumulator, KronAccumulator
@@ -52,6 +53,8 @@ def resolve_node(executor, node: OpNode) -> LinearOp:
         return executor.resolve(node.op).inverse(node.op.label, method=method, **dict(node.settings))
     if isinstance(node, Power):
         return executor.resolve(node.op).power(node.p, node.op.label)
+    if isinstance(node, Spectral):
+        return executor.resolve(node.op).spectral(node.fn, node.op.label)
     if isinstance(node, ScaledOp):
         return executor.resolve(node.op).scale(node.scale)
     if isinstance(node, SumOp):

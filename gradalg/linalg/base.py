@@ -121,6 +121,12 @@ class LinearOp(ABC):
         rule = _rules.choose("power", self.structure, what=what)
         return self._power(float(p), what, rtol)._recorded(self.rules + (rule.name,), self.tags)
 
+    def spectral(self, fn, what: str = "the operator") -> "LinearOp":
+        """f(H) = U diag(f(μ)) Uᵀ for a scalar function ``fn`` of the eigenvalues μ (float64
+        tensor in, tensor out), on H's own eigenstructure (a Kronecker eigenbasis stays one)."""
+        rule = _rules.choose("spectral", self.structure, what=what)
+        return self._spectral(fn, what)._recorded(self.rules + (rule.name,), self.tags - {"psd"})
+
     def scale(self, c: float) -> "LinearOp":
         """c · H."""
         rule = _rules.choose("scale", self.structure)
@@ -143,6 +149,9 @@ class LinearOp(ABC):
         raise NotImplementedError
 
     def _scale(self, c: float) -> "LinearOp":
+        raise NotImplementedError
+
+    def _spectral(self, fn, what: str) -> "LinearOp":
         raise NotImplementedError
 
 

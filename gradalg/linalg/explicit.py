@@ -118,6 +118,9 @@ class ResolvedOp(LinearOp):
     def _power(self, p, what, rtol) -> "ResolvedOp":
         return self._map(lambda values, w: power_values(values, p, w, rtol), what)
 
+    def _spectral(self, fn, what) -> "ResolvedOp":
+        return self._map(lambda values, _what: fn(values.to(torch.float64)), what)
+
 
 def explicit(op: LinearOp, kind: str) -> ResolvedOp:
     """Any operator with numbers (Kronecker, low-rank, explicit) as a ``block`` or ``dense``

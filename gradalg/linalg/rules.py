@@ -108,6 +108,19 @@ RULES: tuple[Rule, ...] = (
           refusal="powers other than ±1 of an operator known only through products need its "
                   "eigendecomposition: ga.arnoldi(H, rank).pow(p) (its top eigenspace) or an explicit "
                   "curvature (ga.fisher, ga.kfac, ga.ekfac)"),
+    # ---- spectral: f(H) for a scalar function f of the eigenvalues (SOURCE's segment operators)
+    _rule("spectral", "diagonal.elementwise_function", {"diagonal"}, "f(diag(v)) = diag(f(v))"),
+    _rule("spectral", "block.eigh_function_per_block", {"block"}, "per block U diag(f(μ)) Uᵀ (float64 eigh)"),
+    _rule("spectral", "dense.eigh_function", {"dense"}, "U diag(f(μ)) Uᵀ (float64 eigh)"),
+    _rule("spectral", "kronecker.eigenvalue_function", {"kronecker"}, "(Q_S⊗Q_A) f(Λ) (Q_S⊗Q_A)ᵀ"),
+    _rule("spectral", "refused", {"low-rank"}, "",
+          refusal="a function of the eigenvalues of a low-rank operator is not low-rank when f(0) ≠ 0: "
+                  "use an explicit curvature (ga.fisher, ga.kfac, ga.ekfac)"),
+    _rule("spectral", "refused", {"approximate-inverse"}, "", refusal=_REFUSE_DATAINF),
+    _rule("spectral", "refused", {"implicit"}, "",
+          refusal="a function of the eigenvalues of an operator known only through products needs its "
+                  "eigendecomposition: use an explicit curvature (ga.fisher, ga.kfac, ga.ekfac) instead of "
+                  "ga.hessian / ga.gauss_newton products"),
     # ---- scale: c·H
     _rule("scale", "scale", (), "c·H: the stored numbers (eigenvalues, diagonal, blocks) times c, "
                                 "or c times every product"),
@@ -164,7 +177,8 @@ def choose(operation: str, structure, *, variant: str | None = None, what: str =
         if r.variant is not None and variant != r.variant and (variant is not None or operation == "damp"):
             continue   # a variant rule only when asked for (the first one is the default, except damping's)
         if r.refusal is not None:
-            refuse({"damp_relative": "damp relatively", "power": "take a power of"}.get(operation, operation),
+            refuse({"damp_relative": "damp relatively", "power": "take a power of",
+                     "spectral": "apply a function of the eigenvalues of"}.get(operation, operation),
                    structure, r.refusal, what)
         return r
     raise OperatorError(f"no rule does {operation} on a {_describe_structure(structure)} operator")

@@ -12,8 +12,10 @@ from .grass import grass
 from .influence import curvature_operator, influence
 from .less import less
 from .logra import logra
+from .magic import MagicScores, magic
 from .relatif import relatif
 from .self_influence import self_influence
+from .source import Segment, segments_of_run, source
 from .tracin import tracin
 from .trak import trak
 
@@ -28,6 +30,8 @@ CATALOGUE = {
     "grass": "GraSS / FactGraSS: mask then sparse JL projection, influence in k dims (Hu et al. 2025)",
     "less": "LESS: Adam-preconditioned, normalized, projected gradients; max over targets (Xia et al. 2024)",
     "relatif": "RelatIF: influence divided by √(self-influence) of the training example (Barshan et al. 2020)",
+    "magic": "MAGIC: exact metagradients −∂f_q/∂ε_i through a replayed training run (Ilyas & Engstrom 2025)",
+    "source": "SOURCE: segment-wise approximate unrolling with (EK-)FAC per segment (Bae et al. 2024)",
     "self_influence": "Self-influence S_zz of any method, without the off-diagonal scores",
 }
 
@@ -38,4 +42,5 @@ def list() -> dict[str, str]:  # noqa: A001 - ga.methods.list() reads naturally
 
 
 __all__ = ["grad_dot", "grad_cos", "tracin", "influence", "curvature_operator", "trak", "logra", "grass",
-           "less", "relatif", "self_influence", "list", "CATALOGUE"]
+           "less", "relatif", "self_influence", "magic", "MagicScores", "source", "Segment",
+           "segments_of_run", "list", "CATALOGUE"]

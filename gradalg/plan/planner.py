@@ -40,6 +40,7 @@ from ..capture.hooks import forward_share_key
 from ..expr import (KFAC, AdamPrecondition, Arnoldi, Captured, Damp, DataInf, Fisher, GradNode, GroupMean, Identity, Inner, Inverse, Node, Normalize, OpNode, PerToken, Power,
                     Precondition, Project, ScaledOp, ScaleRows, ScoreDiagonal, ScoreNode, ScoreSum, Select,
                     Source, SumOp)
+from ..expr.spectral import Spectral
 from ..errors import MemoryBudgetError
 from ..expr.tokens import token_rows
 from ..options import Options, get_options
@@ -217,7 +218,7 @@ class _Planner:
             if not op.eigen_correction:
                 return {first}
             return {self.add(Job("ekfac", op, (op.grads,), {first} | self.stream_deps(op.grads)))}
-        if isinstance(op, (Damp, Inverse, Power, ScaledOp, Arnoldi)):
+        if isinstance(op, (Damp, Inverse, Power, ScaledOp, Arnoldi, Spectral)):
             return self.op_deps(op.op)
         if isinstance(op, SumOp):
             out = set()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from ..expr import (KFAC, Arnoldi, CurvatureProducts, Damp, DataInf, Dense, Diagonal, Fisher, Identity, Inverse,
                     OpNode, Power, ScaledOp, SumOp)
+from ..expr.spectral import Spectral
 from ..expr.stored import StoredOp
 from ..linalg.rules import choose, choose_sum
 
@@ -69,6 +70,9 @@ def _walk(node: OpNode):
             return _walk(Inverse(node.op))
         labels, rules, key = _walk(node.op)
         return labels, rules + [choose("power", labels, what=node.op.label).name], key
+    if isinstance(node, Spectral):
+        labels, rules, key = _walk(node.op)
+        return labels - {"psd"}, rules + [choose("spectral", labels, what=node.op.label).name], key
     if isinstance(node, ScaledOp):
         labels, rules, key = _walk(node.op)
         return labels, rules + [choose("scale", labels).name], key
