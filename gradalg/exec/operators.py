@@ -129,8 +129,11 @@ def damp_resolved(op, damping: float, relative: bool = False):
     an explicit dense, block or diagonal operator)."""
     if not relative:
         return op.damp(damping)
+    if getattr(op, "kind", None) == "kron":   # K-FAC / EK-FAC: the mean of the eigenvalue matrices
+        trace = sum(float(v.sum()) for v in op.eigenvalues.values())
+        return op.damp(damping * max(trace, 0.0) / max(op.space.dim, 1))
     if not isinstance(op, ResolvedOp) or op.kind not in ("dense", "block", "diag"):
-        raise ValueError("relative damping needs an explicit operator (dense, block or diagonal), got "
+        raise ValueError("relative damping needs an explicit operator (dense, block, diagonal or K-FAC), got "
                          f"{getattr(op, 'kind', type(op).__name__)}: pass an absolute damping")
     if op.kind == "diag":
         trace = float(op.data.sum())
