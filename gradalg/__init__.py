@@ -19,6 +19,7 @@ from .errors import (BatchContentError, GradalgError, LossReductionError, Memory
 from .errors import DataError, OptionError, StoreCorruptError, WorkerFaultError  # noqa: E402
 from .exec import LocalExecutor
 from . import fingerprint  # noqa: E402 - ga.fingerprint.forget(model) after writes through .data
+from .objective import training_objective
 from .options import get_options, options
 from .task import ExampleRandom, Task
 
@@ -34,5 +35,5 @@ __all__ = [
     "tasks", "viz", "integrations", "GradalgError", "LossReductionError", "MemoryBudgetError", "NonFiniteGradientError",
     "ShapeMismatchError", "SpaceMismatchError", "UnsupportedLayerError", "store", "StoreMismatchError",
     "StoreIncompleteError", "BatchContentError", "PerTokenError", "StoreCorruptError", "OptionError",
-    "DataError", "WorkerFaultError", "fingerprint",
+    "DataError", "WorkerFaultError", "fingerprint", "training_objective",
 ]
