@@ -22,6 +22,7 @@ from .errors import OperatorError, StaleCompiledError  # noqa: E402
 from .exec import LocalExecutor
 from . import fingerprint  # noqa: E402 - ga.fingerprint.forget(model) after writes through .data
 from . import unroll  # noqa: E402 - ga.unroll.TrainingRun, replayed by ga.methods.magic / source
+from .objective import training_objective
 from .options import get_options, options
 from .task import ExampleRandom, Task
 
@@ -38,5 +39,5 @@ __all__ = [
     "ShapeMismatchError", "SpaceMismatchError", "UnsupportedLayerError", "store", "StoreMismatchError",
     "StoreIncompleteError", "BatchContentError", "PerTokenError", "StoreCorruptError", "OptionError",
     "DataError", "WorkerFaultError", "fingerprint", "compile", "Compiled", "OperatorError",
-    "StaleCompiledError", "unroll",
+    "StaleCompiledError", "unroll", "training_objective",
 ]

@@ -315,12 +315,13 @@ class Operator(_Displayed):
     def structure(self) -> str:
         return self.expr.structure
 
-    def damp(self, damping: float, *, relative: bool = False) -> "Operator":
+    def damp(self, damping: float, *, relative: bool = False, note: str = "") -> "Operator":
         """H + λI; ``relative=True``: λ = damping · tr(H)/dim, a multiple of H's mean
-        eigenvalue (scale-free; needs an explicit H: dense, block or diagonal)."""
+        eigenvalue (scale-free; needs an explicit H: dense, block, diagonal or K-FAC).
+        ``note`` says where λ came from; it is shown in the plan, not part of the value."""
         if not isinstance(damping, numbers.Real) or isinstance(damping, bool) or not 0 <= damping < float("inf"):
             raise OptionError(f"damping must be a finite non-negative number, got {damping!r}")
-        return Operator(Damp(self.expr, float(damping), bool(relative)))
+        return Operator(Damp(self.expr, float(damping), bool(relative), str(note)))
 
     def inv(self, method: str = "auto", **settings) -> "Operator":
         """H⁻¹, computed by structure when needed.
@@ -514,9 +515,9 @@ def identity(like) -> Operator:
     return Operator(Identity(like.space))
 
 
-def diagonal(values: torch.Tensor, like) -> Operator:
-    """diag(values) on the space of ``like``; values: (dim,)."""
-    return Operator(Diagonal(values, like.space))
+def diagonal(values: torch.Tensor, like, *, note: str = "") -> Operator:
+    """diag(values) on the space of ``like``; values: (dim,). ``note`` is shown in the plan."""
+    return Operator(Diagonal(values, like.space, str(note)))
 
 
 def dense(matrix: torch.Tensor, like) -> Operator:
@@ -524,9 +525,24 @@ def dense(matrix: torch.Tensor, like) -> Operator:
     return Operator(Dense(matrix, like.space))
 
 
-def sum_scores(scores: Iterable[Scores], weights: Iterable[float] | None = None) -> Scores:
-    """Σ_k w_k S_k (checkpoints, ensembles)."""
-    scores = list(scores)
+def _score_list(scores, more) -> list:
+    """``f(S1, S2, ...)`` or ``f([S1, S2, ...])`` (any iterable) as a list of Scores."""
+    items = [scores, *more] if isinstance(scores, Scores) else [*scores, *more]
+    bad = [type(s).__name__ for s in items if not isinstance(s, Scores)]
+    if bad:
+        raise TypeError(f"expected Scores (lazy, e.g. Q @ G.T or a ga.methods result), got {bad[0]}")
+    return items
+
+
+def sum_scores(scores: Iterable[Scores] | Scores, *more: Scores,
+               weights: Iterable[float] | None = None) -> Scores:
+    """Σ_k w_k S_k (checkpoints, ensembles): ``ga.sum([S1, S2], weights)`` or ``ga.sum(S1, S2)``.
+
+    One expression: the planner puts every member's jobs over the same (task, data) into
+    one pass, so data shared by members is read once."""
+    if more and not isinstance(scores, Scores) and weights is None:   # ga.sum(list, weights): positional
+        weights, more = more[0], more[1:]
+    scores = _score_list(scores, more)
     if not scores:
         raise ValueError("sum_scores needs at least one Scores")
     w = [1.0] * len(scores) if weights is None else [float(x) for x in weights]
@@ -535,10 +551,23 @@ def sum_scores(scores: Iterable[Scores], weights: Iterable[float] | None = None)
     return Scores(ScoreSum(tuple(s.expr for s in scores), tuple(w)))
 
 
-def mean_scores(scores: Iterable[Scores]) -> Scores:
-    """(1/K) Σ_k S_k."""
-    scores = list(scores)
-    return sum_scores(scores, [1.0 / len(scores)] * len(scores))
+def mean_scores(scores: Iterable[Scores] | Scores, *more: Scores,
+                weights: Iterable[float] | None = None) -> Scores:
+    """(1/K) Σ_k S_k, or with ``weights`` the weighted mean Σ_k w_k S_k / Σ_k w_k (an ensemble
+    over models, seeds or checkpoints): ``ga.mean([S1, S2, S3])``, ``ga.mean(S1, S2)``,
+    ``ga.mean(members, weights=[2, 1, 1])``."""
+    scores = _score_list(scores, more)
+    if not scores:
+        raise ValueError("ga.mean needs at least one Scores")
+    if weights is None:
+        return sum_scores(scores, weights=[1.0 / len(scores)] * len(scores))
+    w = [float(x) for x in weights]
+    if len(w) != len(scores):
+        raise ValueError(f"got {len(w)} weights for {len(scores)} scores")
+    if any(x < 0 or x != x for x in w) or sum(w) <= 0:
+        raise ValueError(f"a weighted mean needs non-negative weights with a positive sum, got {w}")
+    total = sum(w)
+    return sum_scores(scores, weights=[x / total for x in w])
 
 
 def row_weights(fn: Callable[[torch.nn.Module, Any], torch.Tensor], name: str | None = None) -> RowWeights:

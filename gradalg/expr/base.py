@@ -39,7 +39,9 @@ class Node(ABC):
 
     @cached_property
     def token(self) -> str:
-        parts = [type(self).__name__] + [f"{f.name}={tokenize(getattr(self, f.name))}" for f in fields(self)]
+        # a field with metadata {"identity": False} (a display note) is not part of the identity
+        parts = [type(self).__name__] + [f"{f.name}={tokenize(getattr(self, f.name))}" for f in fields(self)
+                                         if f.metadata.get("identity", True)]
         digest = hashlib.blake2b("|".join(parts).encode(), digest_size=6).hexdigest()
         return f"{type(self).__name__.lower()}-{digest}"
 

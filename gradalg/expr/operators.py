@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -77,6 +77,8 @@ class Diagonal(OpNode):
 
     values: torch.Tensor
     space_: ParamSpace
+    #: what the values are ("weight decay per coordinate from SGD param_groups"); display only
+    note: str = field(default="", metadata={"identity": False})
 
     def __post_init__(self):
         if tuple(self.values.shape) != (self.space_.dim,):
@@ -93,7 +95,7 @@ class Diagonal(OpNode):
 
     @property
     def label(self):
-        return f"diag({self.space.dim})"
+        return f"diag({self.space.dim}) [{self.note}]" if self.note else f"diag({self.space.dim})"
 
 
 @dataclass(frozen=True, eq=False)
@@ -159,6 +161,9 @@ class Damp(OpNode):
     op: OpNode
     damping: float
     relative: bool = False
+    #: where λ came from ("weight_decay=0.01 from AdamW param_groups"), shown in the label;
+    #: not part of the node's identity
+    note: str = field(default="", metadata={"identity": False})
 
     @property
     def space(self):
@@ -170,7 +175,8 @@ class Damp(OpNode):
 
     @property
     def label(self):
-        return f"damp(λ={self.damping:g}·mean eig)" if self.relative else f"damp(λ={self.damping:g})"
+        text = f"damp(λ={self.damping:g}·mean eig)" if self.relative else f"damp(λ={self.damping:g})"
+        return f"{text} [{self.note}]" if self.note else text
 
 
 @dataclass(frozen=True, eq=False)

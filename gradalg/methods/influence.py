@@ -26,15 +26,35 @@ solvers never form H: each step is one pass over the curvature data (Agarwal et 
 
 Measured on a small MLP (see docs/fidelity.md) the empirical Fisher loses LDS against
 the Gauss-Newton curvature, which is why Gauss-Newton is the default.
+
+Damping and weight decay (shown in the plan, each ``damp`` with where it came from):
+
+* λ, default ``relative_damping`` × the mean eigenvalue tr(H)/dim of H (Kronfluence's
+  heuristic, scale-free) wherever H is explicit: the direct solver's dense / block Fisher,
+  K-FAC and EK-FAC (the mean of the eigenvalue matrices). Operators known only through
+  products (CG, LiSSA, Arnoldi) and DataInf have no cheap spectrum: there the default is
+  the absolute :data:`ABSOLUTE_DAMPING`. ``damping=`` gives an absolute λ instead.
+* the objective's weight decay, from ``weight_decay=`` or read from ``optimizer=`` (a torch
+  optimizer or a transformers Trainer, :mod:`gradalg.objective`): wd·I for coupled decay
+  (SGD, Adam), wd_j per coordinate where param groups differ, wd·diag(√v̂ + ε) for AdamW's
+  decoupled decay. A per-coordinate term is added exactly to an explicit or product-only H
+  in parameter coordinates; after a projection, to K-FAC or to DataInf only a uniform wd
+  has a form (wd·I in the projected coordinates, the projected-influence convention), and
+  the rest is refused with :class:`~gradalg.objective.ObjectiveError`.
 """
 from __future__ import annotations
 
-from ..api import (Scores, arnoldi, datainf, fisher, gauss_newton, grads, hessian, kfac)
+import torch
+
+from ..api import (Operator, Scores, arnoldi, datainf, diagonal, fisher, gauss_newton, grads, hessian, kfac)
 from ..expr.projection import Projector
+from ..objective import DecayTerm, ObjectiveError, training_objective
 from ..task import Task
 
 CURVATURES = ("gauss_newton", "empirical", "hessian", "kfac", "ekfac", "datainf")
 SOLVERS = ("direct", "cg", "lissa", "arnoldi")
+RELATIVE_DAMPING = 0.1    # default λ / mean eigenvalue of an explicit H (Kronfluence's factor; docs/fidelity.md)
+ABSOLUTE_DAMPING = 1e-3   # default λ where H's spectrum is not at hand (CG, LiSSA, Arnoldi, DataInf)
 
 
 def gauss_newton_objective(task: Task) -> str:
@@ -57,20 +77,82 @@ def gauss_newton_objective(task: Task) -> str:
                      "curvature='empirical' / 'hessian'")
 
 
+def decay_term(weight_decay=None, optimizer=None, like=None) -> DecayTerm | None:
+    """The objective's weight-decay curvature term in the coordinates of ``like``: from an
+    explicit ``weight_decay`` (a number: wd·I), or read from ``optimizer`` (a torch optimizer
+    or a transformers Trainer; see :mod:`gradalg.objective`). None when neither is given."""
+    if weight_decay is not None and optimizer is not None:
+        raise ObjectiveError("give weight_decay= or optimizer=, not both: the optimizer's param groups "
+                             "already say the weight decay")
+    if optimizer is not None:
+        return training_objective(optimizer).decay_term(like)
+    if weight_decay:
+        return DecayTerm(float(weight_decay), None, f"weight_decay={float(weight_decay):g} (given)")
+    return None
+
+
+def damped(H: Operator, *, damping: float | None, relative_damping: float, explicit: bool,
+           decay: DecayTerm | None = None, parameter_coordinates: bool = True, exact_diagonal: bool = True,
+           what: str = "this curvature") -> Operator:
+    """``H + λI + (weight-decay term)``, each part labelled with where it came from.
+
+    explicit : H's spectrum is at hand (relative damping possible).
+    parameter_coordinates : H lives in the model's parameter coordinates (no projection).
+    exact_diagonal : a per-coordinate decay can be added to H exactly (not K-FAC / DataInf).
+    """
+    if damping is not None:
+        H = H.damp(damping, note="damping (given)")
+    elif explicit:
+        H = H.damp(relative_damping, relative=True, note=f"default: {relative_damping:g} × mean eigenvalue")
+    else:
+        H = H.damp(ABSOLUTE_DAMPING, note="default: no spectrum for products-only H")
+    if decay is None or decay.zero:
+        return H
+    if decay.uniform:
+        return H.damp(decay.value, note=decay.note)
+    _refuse_nonuniform(decay, parameter_coordinates, exact_diagonal, what)
+    return H + diagonal(decay.values.to(torch.float64), H, note=decay.note)
+
+
+def _refuse_nonuniform(decay: DecayTerm, parameter_coordinates: bool, exact_diagonal: bool, what: str) -> None:
+    """A per-coordinate decay term has an exact form only on an unprojected H that takes a diagonal."""
+    if not parameter_coordinates:
+        raise ObjectiveError(
+            f"the objective's weight decay differs between coordinates ({decay.note}); in a projected space "
+            "it has no exact form (P diag(wd) Pᵀ is not diagonal). Drop the projector, or pass weight_decay= "
+            "a single number to use wd·I in the projected coordinates")
+    if not exact_diagonal:
+        raise ObjectiveError(
+            f"the objective's weight decay differs between coordinates ({decay.note}); {what} can absorb "
+            "only a uniform wd·I exactly. Use curvature='gauss_newton' (direct or CG), or pass "
+            "weight_decay= a single number")
+
+
 def curvature_operator(task: Task, data, *, layers=None, projector: Projector | None = None,
-                       curvature: str = "gauss_newton", solver: str = "direct", damping: float = 1e-3,
+                       curvature: str = "gauss_newton", solver: str = "direct", damping: float | None = None,
                        structure: str = "dense", rank: int = 32, seed: int = 0, solver_settings=None,
-                       train_grads=None):
-    """(H + λI)⁻¹ as a lazy Operator, for every curvature/solver pair in the table above."""
+                       train_grads=None, relative_damping: float = RELATIVE_DAMPING, weight_decay=None,
+                       optimizer=None):
+    """(H + λI + decay)⁻¹ as a lazy Operator, for every curvature/solver pair in the table above.
+
+    damping : absolute λ; default None: ``relative_damping`` × H's mean eigenvalue where H is
+        explicit, else :data:`ABSOLUTE_DAMPING` (see the module docs).
+    weight_decay / optimizer : the objective's weight decay, given or read (module docs).
+    """
     if curvature not in CURVATURES:
         raise ValueError(f"curvature must be one of {CURVATURES}, got {curvature!r}")
     if solver not in SOLVERS:
         raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
     settings = dict(solver_settings or {})
     P = projector if projector is not None else (lambda G: G)
+    decay = decay_term(weight_decay, optimizer, grads(task, data, layers)) if (
+        weight_decay is not None or optimizer is not None) else None
     if curvature == "datainf":
         G = train_grads if train_grads is not None else P(grads(task, data, layers))
-        return datainf(G, damping)
+        if decay is not None and not decay.uniform:
+            _refuse_nonuniform(decay, projector is None, False, "DataInf (one λ per layer)")
+        lam = ABSOLUTE_DAMPING if damping is None else damping
+        return datainf(G, lam + (decay.value if decay is not None else 0.0))
     if curvature in ("hessian",) or (curvature == "gauss_newton" and solver != "direct"):
         if projector is not None:
             raise ValueError(f"curvature={curvature!r} with solver={solver!r} works in parameter "
@@ -79,25 +161,37 @@ def curvature_operator(task: Task, data, *, layers=None, projector: Projector | 
             solver = "cg"
         H = (hessian if curvature == "hessian" else gauss_newton)(task, data, layers)
         if solver == "arnoldi":
-            return arnoldi(H, rank, seed=seed).damp(damping).inv()
-        return H.damp(damping).inv(method=solver, **settings)
+            H = arnoldi(H, rank, seed=seed)
+            return damped(H, damping=damping, relative_damping=relative_damping, explicit=False, decay=decay,
+                          exact_diagonal=False, what="Arnoldi's low-rank H").inv()
+        return damped(H, damping=damping, relative_damping=relative_damping, explicit=False,
+                      decay=decay).inv(method=solver, **settings)
     if solver != "direct":
         raise ValueError(f"curvature={curvature!r} is formed explicitly: use solver='direct'")
     objective = "loss" if curvature == "empirical" else gauss_newton_objective(task)
     C = P(grads(task, data, layers, objective=objective, seed=seed))
+    in_params = projector is None
     if curvature in ("kfac", "ekfac"):
-        return kfac(C, eigen_correction=curvature == "ekfac").damp(damping).inv()
-    return fisher(C, structure=structure).damp(damping).inv()
+        H = kfac(C, eigen_correction=curvature == "ekfac")
+        return damped(H, damping=damping, relative_damping=relative_damping, explicit=True, decay=decay,
+                      parameter_coordinates=in_params, exact_diagonal=False, what=curvature.upper()).inv()
+    return damped(fisher(C, structure=structure), damping=damping, relative_damping=relative_damping,
+                  explicit=True, decay=decay, parameter_coordinates=in_params).inv()
 
 
 def influence(task: Task, train, queries, *, layers=None, projector: Projector | None = None,
-              damping: float = 1e-3, weight_decay: float = 0.0, curvature: str = "gauss_newton",
-              solver: str = "direct", structure: str = "dense", curvature_data=None, rank: int = 32,
-              seed: int = 0, solver_settings: dict | None = None) -> Scores:
-    """Influence-function scores ``P(Q) @ (H + (λ + wd)I)⁻¹ @ P(G).T``.
+              damping: float | None = None, weight_decay: float | None = None, optimizer=None,
+              curvature: str = "gauss_newton", solver: str = "direct", structure: str = "dense",
+              curvature_data=None, rank: int = 32, seed: int = 0, solver_settings: dict | None = None,
+              relative_damping: float = RELATIVE_DAMPING) -> Scores:
+    """Influence-function scores ``P(Q) @ (H + λI + wd)⁻¹ @ P(G).T``.
 
     curvature_data : examples H is estimated on (default: ``train``).
+    damping : an absolute λ; default (None) ``relative_damping`` × H's mean eigenvalue for an
+        explicit H, :data:`ABSOLUTE_DAMPING` for products-only solvers and DataInf.
     weight_decay : the training objective's L2 coefficient (its Hessian is wd·I).
+    optimizer : the optimizer that trained the model (torch SGD / Adam / AdamW, or a
+        transformers Trainer): its weight decay is read per parameter (module docs).
     rank : eigenvectors kept by ``solver="arnoldi"``.
     """
     G = grads(task, train, layers)
@@ -105,8 +199,8 @@ def influence(task: Task, train, queries, *, layers=None, projector: Projector |
     if projector is not None:
         G, Q = projector(G), projector(Q)
     Hinv = curvature_operator(task, train if curvature_data is None else curvature_data, layers=layers,
-                              projector=projector, curvature=curvature, solver=solver,
-                              damping=damping + weight_decay, structure=structure, rank=rank, seed=seed,
-                              solver_settings=solver_settings,
-                              train_grads=G if curvature_data is None else None)
+                              projector=projector, curvature=curvature, solver=solver, damping=damping,
+                              structure=structure, rank=rank, seed=seed, solver_settings=solver_settings,
+                              train_grads=G if curvature_data is None else None,
+                              relative_damping=relative_damping, weight_decay=weight_decay, optimizer=optimizer)
     return Q @ Hinv @ G.T

@@ -3,7 +3,15 @@ descent", NeurIPS 2020):
 
     S_qz = Σ_c η_c ⟨∇L(q; θ_c), ∇L(z; θ_c)⟩
 
-over saved checkpoints θ_c with the learning rate η_c in force there.
+over saved checkpoints θ_c with the learning rate η_c in force there. With
+``curvature=`` each checkpoint's inner product is preconditioned by that checkpoint's own
+inverse curvature (an influence function per checkpoint, summed along the trajectory):
+
+    S_qz = Σ_c η_c ∇L(q; θ_c)ᵀ (H_c + λ_c I + wd_c)⁻¹ ∇L(z; θ_c)
+
+with H_c any curvature of :func:`~gradalg.methods.influence.curvature_operator` (default
+damping relative to each H_c's own spectrum, so checkpoints of different sharpness are
+damped alike).
 """
 from __future__ import annotations
 
@@ -12,23 +20,43 @@ from typing import Sequence
 from ..api import Scores, grads, sum_scores
 from ..expr.projection import Projector
 from ..task import Task
+from .influence import RELATIVE_DAMPING, curvature_operator
 
 
 def tracin(checkpoints: Sequence[Task], learning_rates: Sequence[float], train, queries, *, layers=None,
-           projector: Projector | None = None, normalize: bool = False) -> Scores:
-    """``Σ_c η_c · P(Q_c) @ P(G_c).T``; one Task per checkpoint (same architecture).
+           projector: Projector | None = None, normalize: bool = False, curvature: str | None = None,
+           damping: float | None = None, relative_damping: float = RELATIVE_DAMPING,
+           optimizers: Sequence | None = None, curvature_data=None, seed: int = 0) -> Scores:
+    """``Σ_c η_c · P(Q_c) @ [H_c⁻¹ @] P(G_c).T``; one Task per checkpoint (same architecture).
 
     normalize : use cosine similarities per checkpoint (as in TracIn's "TracInCP-cos").
+    curvature : None (plain TracIn) or a curvature of ``ga.methods.influence`` ("gauss_newton",
+        "ekfac", "kfac", "empirical", ...) estimated at each checkpoint on ``curvature_data``
+        (default ``train``), damped by ``damping`` or ``relative_damping`` × its mean eigenvalue.
+    optimizers : with ``curvature``, the optimizer at each checkpoint: its weight decay enters
+        H_c (see :mod:`gradalg.objective`).
     """
     checkpoints = list(checkpoints)
     if len(checkpoints) != len(learning_rates):
         raise ValueError(f"got {len(checkpoints)} checkpoints and {len(learning_rates)} learning rates")
+    if optimizers is not None and (curvature is None or len(optimizers) != len(checkpoints)):
+        raise ValueError("optimizers= needs curvature= and one optimizer per checkpoint")
+    if curvature is not None and normalize:
+        raise ValueError("normalize=True is TracInCP-cos, a plain inner product: drop curvature= or normalize=")
     terms = []
-    for task in checkpoints:
+    for c, task in enumerate(checkpoints):
         G, Q = grads(task, train, layers), grads(task, queries, layers)
         if projector is not None:
             G, Q = projector(G), projector(Q)
         if normalize:
             G, Q = G.normalize(), Q.normalize()
-        terms.append(Q @ G.T)
-    return sum_scores(terms, learning_rates)
+        if curvature is None:
+            terms.append(Q @ G.T)
+            continue
+        Hinv = curvature_operator(task, train if curvature_data is None else curvature_data, layers=layers,
+                                  projector=projector, curvature=curvature, damping=damping,
+                                  relative_damping=relative_damping, seed=seed,
+                                  optimizer=None if optimizers is None else optimizers[c],
+                                  train_grads=G if curvature_data is None else None)
+        terms.append(Q @ Hinv @ G.T)
+    return sum_scores(terms, weights=learning_rates)

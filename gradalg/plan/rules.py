@@ -86,7 +86,8 @@ def _zero_damping(node: Damp):
 def _merge_damping(node: Damp):
     """(H + aI) + bI = H + (a + b)I."""
     if isinstance(node.op, Damp) and not (node.relative or node.op.relative):
-        return Damp(node.op.op, node.op.damping + node.damping)
+        note = " + ".join(n for n in (node.op.note, node.note) if n)
+        return Damp(node.op.op, node.op.damping + node.damping, note=note)
     return None
 
 

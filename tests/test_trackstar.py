@@ -1,0 +1,99 @@
+"""TrackStar against a plain-torch reference of the same math: a loop of autograd for the
+per-example gradients, Adam's bias-corrected v̂ read from the optimizer's state by hand, the
+same projection matrix, R^{-1/2} by eigendecomposition, unit rows."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gradalg as ga
+from gradalg.proj.matrices import dense_matrix
+
+from models import classification_data, mlp
+from references import one_thread  # noqa: F401 - autouse fixture
+
+LAYERS = ["0", "2"]
+
+
+@pytest.fixture(scope="module")
+def setting():
+    X, y = classification_data(n=40, d_in=5, classes=3)
+    model = mlp(d_in=5, hidden=4, classes=3, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.95), eps=1e-5, weight_decay=0.01)
+    for _ in range(5):
+        opt.zero_grad()
+        F.cross_entropy(model(X), y).backward()
+        opt.step()
+    return {"model": model, "opt": opt, "task": ga.tasks.classification(model),
+            "train": (X[:24], y[:24]), "query": (X[24:30], y[24:30]), "task_data": (X[30:], y[30:])}
+
+
+def layout(model, tensors: dict) -> torch.Tensor:
+    """{param: tensor} in gradalg's block layout: per Linear [W | b], row-major."""
+    mods = dict(model.named_modules())
+    return torch.cat([torch.cat([tensors[mods[n].weight], tensors[mods[n].bias].unsqueeze(-1)], 1).flatten()
+                      for n in LAYERS]).double()
+
+
+def loop_grads(model, X, y) -> torch.Tensor:
+    rows = []
+    params = [p for n in LAYERS for p in dict(model.named_modules())[n].parameters()]
+    for i in range(len(X)):
+        loss = F.cross_entropy(model(X[i:i + 1]), y[i:i + 1], reduction="sum")
+        g = torch.autograd.grad(loss, params)
+        rows.append(layout(model, dict(zip(params, g))))
+    return torch.stack(rows)                                               # (n, dim)
+
+
+def reference(s, P, *, rel=0.1, mix=None, correction=True) -> np.ndarray:
+    m, opt = s["model"], s["opt"]
+    beta2, eps = opt.param_groups[0]["betas"][1], opt.param_groups[0]["eps"]
+    v_hat = layout(m, {p: opt.state[p]["exp_avg_sq"] / (1 - beta2 ** float(opt.state[p]["step"]))
+                       for p in m.parameters()})
+    scale = 1 / (v_hat.sqrt() + eps) if correction else torch.ones_like(v_hat)
+    Phi = [loop_grads(m, *s[side]) * scale @ P.T for side in ("train", "query", "task_data")]   # (n, k)
+    R = Phi[0].T @ Phi[0] / len(Phi[0])
+    if mix is not None:
+        R = (1 - mix) * R + mix * Phi[2].T @ Phi[2] / len(Phi[2])
+    R = R + rel * torch.trace(R) / R.shape[0] * torch.eye(R.shape[0], dtype=R.dtype)
+    w, V = torch.linalg.eigh(R)
+    W = V @ torch.diag(w ** -0.5) @ V.T                                     # R^{-1/2}
+    Gz, Gq = Phi[0] @ W, Phi[1] @ W
+    Gz, Gq = Gz / Gz.norm(dim=1, keepdim=True), Gq / Gq.norm(dim=1, keepdim=True)
+    return (Gq @ Gz.T).numpy()
+
+
+def projection_matrix(projector, G) -> torch.Tensor:
+    return torch.cat([dense_matrix(projector, b.name, b.dim, dtype=torch.float64) for b in G.space.blocks], 1)
+
+
+@pytest.mark.parametrize("variant", ["train R", "task-mixed R", "no correction"])
+def test_trackstar_equals_plain_torch_reference(setting, variant):
+    s = setting
+    k = 12
+    P = ga.proj.gaussian(k, seed=3)
+    kwargs = {"train R": {}, "task-mixed R": {"task_data": s["task_data"], "mix": 0.7},
+              "no correction": {"correction": False}}[variant]
+    S = ga.methods.trackstar(s["task"], s["train"], s["query"], optimizer=s["opt"], layers=LAYERS, projector=P,
+                             **kwargs)
+    matrix = projection_matrix(P, ga.grads(s["task"], s["train"], LAYERS))
+    want = reference(s, matrix, mix=kwargs.get("mix"), correction=kwargs.get("correction", True))
+    got = np.asarray(S.compute().values)
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-10)
+    assert np.all(np.abs(got) <= 1 + 1e-12)                                # cosines
+    text = repr(S)
+    assert ("1/(√v̂ + ε) from AdamW state (ε=1e-05)" in text) == (variant != "no correction")
+    assert "damp(λ=0.1·mean eig) [default: 0.1 × mean eigenvalue]" in text and "pow(-0.5)" in text
+
+
+def test_trackstar_refuses_what_it_cannot_compute(setting):
+    s = setting
+    with pytest.raises(ValueError, match="optimizer="):
+        ga.methods.trackstar(s["task"], s["train"], s["query"], optimizer=None)
+    with pytest.raises(ValueError, match="mix="):
+        ga.methods.trackstar(s["task"], s["train"], s["query"], optimizer=s["opt"], task_data=s["task_data"])
+    sgd = torch.optim.SGD(s["model"].parameters(), lr=0.1)
+    with pytest.raises(ga.GradalgError, match="second moment"):
+        ga.methods.trackstar(s["task"], s["train"], s["query"], optimizer=sgd)
