@@ -88,6 +88,8 @@ class LocalExecutor(Executor):
 
     # ------------------------------------------------------------------ entry points
     def plan(self, node) -> Plan:
+        """The plan this executor would run for ``node``, under its options, rewrites and
+        forced choices (row counts measured from the data; nothing is computed)."""
         return make_plan(node, options=self.options, rewrites=self.rewrites, choices=self.choices,
                          measure_shapes=True)
 
@@ -113,6 +115,9 @@ class LocalExecutor(Executor):
 
     # ------------------------------------------------------------------ running plans
     def run(self, p: Plan) -> Plan:
+        """Execute every pass of plan ``p`` in order, recording each pass's seconds and memory
+        in ``pass_stats``; the results are kept by node identity for the entry points.
+        Returns ``p`` (also kept as ``last_plan``)."""
         self.last_plan = p
         for index, step in enumerate(p.passes):
             start = time.perf_counter()

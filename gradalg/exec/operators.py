@@ -47,6 +47,7 @@ class ResolvedOp:
     # ---- constructors -------------------------------------------------------------
     @classmethod
     def identity(cls, space, dtype=torch.float32, device="cpu"):
+        """The identity on ``space``, held as a diagonal of ones (dim,)."""
         return cls(space, "diag", torch.ones(space.dim, dtype=dtype, device=device))
 
     # ---- conversions --------------------------------------------------------------
@@ -71,11 +72,13 @@ class ResolvedOp:
 
     # ---- algebra ------------------------------------------------------------------
     def scale(self, c: float) -> "ResolvedOp":
+        """c · H, in the same structure."""
         if self.kind == "block":
             return ResolvedOp(self.space, "block", {n: c * m for n, m in self.data.items()})
         return ResolvedOp(self.space, self.kind, c * self.data)
 
     def add(self, other: "ResolvedOp") -> "ResolvedOp":
+        """H + H', held in the coarser of the two structures (diag < block < dense)."""
         kind = coarsest(self.kind, other.kind)
         a, b = self.as_kind(kind), other.as_kind(kind)
         if kind == "block":
@@ -83,6 +86,7 @@ class ResolvedOp:
         return ResolvedOp(self.space, kind, a.data + b.data)
 
     def damp(self, damping: float) -> "ResolvedOp":
+        """H + λI for λ = ``damping`` ≥ 0."""
         if damping < 0:
             raise ValueError(f"damping must be non-negative, got {damping}")
         ref = self.data if self.kind != "block" else next(iter(self.data.values()))
@@ -97,9 +101,13 @@ class ResolvedOp:
         return ResolvedOp(self.space, "dense", _sym_fn(self.data, fn, what).to(self.data.dtype))
 
     def inverse(self, what: str = "the operator") -> "ResolvedOp":
+        """H⁻¹ by eigendecomposition of each diagonal / block / dense part; a singular or
+        indefinite H raises ``GradalgError`` naming ``what`` and suggesting damping."""
         return self._map(_inv_values, what)
 
     def power(self, p: float, what: str = "the operator") -> "ResolvedOp":
+        """H^p by eigendecomposition: negative ``p`` inverts (and refuses a singular H as
+        :meth:`inverse` does); positive ``p`` clamps negative eigenvalues at 0."""
         def fn(values, what):
             if p < 0:
                 return _inv_values(values, what) ** (-p)
@@ -119,6 +127,7 @@ class ResolvedOp:
         return out
 
     def nbytes(self) -> int:
+        """Bytes the operator's tensors take."""
         if self.kind == "block":
             return sum(m.numel() * m.element_size() for m in self.data.values())
         return self.data.numel() * self.data.element_size()
