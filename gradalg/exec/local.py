@@ -180,7 +180,8 @@ class LocalExecutor(Executor):
         start = 0
         batch_size = step.batch_size or self.options.batch_size
         trim = step.per_example_bytes * batch_size >= self.release_memory_above
-        with eval_mode(task.model), progress_bar(self.options.progress, data.n, step.label) as bar:
+        with eval_mode(task.model), progress_bar(self.options.progress, data.n, step.label,
+                                                 interval=self.options.progress_interval) as bar:
             for batch in data.loader(batch_size):
                 batch = move_batch(batch, device)
                 b = batch_size_of(batch)
