@@ -192,7 +192,8 @@ def test_api_reference_has_every_public_symbol(site):
         if owner is None:                              # methods: shown with their class
             paths.setdefault(id(obj), (obj, set()))[1].add(path)
     absent = sorted(min(names) for obj, names in paths.values() if not (names | {_canonical(obj)}) & ids)
-    assert not absent, "public names missing from the API reference (docs/api/*.md):\n  " + "\n  ".join(absent)
+    assert not absent, ("public names missing from the API reference (docs/api/*.md; a constant needs a "
+                        "docstring, a string literal on the line after it):\n  " + "\n  ".join(absent))
     assert "gradalg.GradientSet.to_dense" in ids               # and their methods
     assert "gradalg.methods.influence.influence" in ids and "gradalg.capture.session.capture" in ids
 
@@ -282,3 +283,27 @@ def test_rst_tables_doctests_and_literal_blocks():
     assert "Notes\n-----\nSee the guide for more." in out
     headerless = rst_to_markdown("====  ====\nx     y\n====  ====\n\nafter the table")
     assert "| x | y |" in headerless and "after the table" in headerless.split("|")[-1]
+
+
+# ---------------------------------------------------------------------------------- make
+def _make_dry_run(target: str, tmp_path) -> str:
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    run = subprocess.run(["make", "-n", target, f"VENV={tmp_path / 'venv'}"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+def test_each_make_command_installs_what_it_needs(tmp_path):
+    demo = _make_dry_run("demo", tmp_path)
+    assert "-e '.[notebook]'" in demo and "[dev]" not in demo and "notebook_runner notebooks/01_quickstart" in demo
+    assert "torch==2.13.0" in demo                    # the CPU wheel first
+    test = _make_dry_run("test", tmp_path)
+    assert "-e '.[dev]'" in test and "pytest" in test
+    docs = _make_dry_run("docs", tmp_path)
+    assert "-e '.[dev]'" in docs and "mkdocs build --strict" in docs
+    notebooks = sorted(p.relative_to(ROOT).as_posix() for f in ("notebooks", "tutorials") for p in (ROOT / f).glob("*.ipynb"))
+    assert all(f"notebook_runner {nb} --out build/docs/executed/" in docs for nb in notebooks)
