@@ -1,27 +1,55 @@
-# Two commands do everything on a fresh machine:
-#   make demo   - creates .venv, installs gradalg, runs the quickstart notebook headless
-#   make test   - creates .venv, installs gradalg[dev], runs the whole test suite
-VENV   ?= .venv
-PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.gradalg-installed
-OUTDIR ?= build/quickstart
+# On a fresh machine, each command installs what it needs into .venv and runs:
+#   make demo        - gradalg[notebook] only; runs the quickstart notebook headless
+#   make test        - gradalg[dev] (every extra + pytest); runs the whole test suite
+#   make docs        - gradalg[dev]; executes the notebooks (once per change) and builds site/
+#   make docs-serve  - the same site, served with live reload (http://127.0.0.1:8000)
+VENV     ?= .venv
+PY       := $(VENV)/bin/python
+TORCH    := $(VENV)/.torch-installed
+NOTEBOOK := $(VENV)/.gradalg-notebook-installed
+DEV      := $(VENV)/.gradalg-dev-installed
+OUTDIR   ?= build/quickstart
+EXECUTED := build/docs/executed
+NOTEBOOKS := $(wildcard notebooks/*.ipynb tutorials/*.ipynb)
 
-.PHONY: demo test venv clean
+.PHONY: demo test docs docs-notebooks docs-serve venv clean
+.DELETE_ON_ERROR:   # a notebook that fails to execute leaves no executed copy behind
 
-venv: $(STAMP)
+venv: $(DEV)
 
-$(STAMP): pyproject.toml
+$(TORCH):
 	python3 -m venv $(VENV)
 	# The CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
-	touch $(STAMP)
+	touch $@
 
-demo: $(STAMP)
+$(NOTEBOOK): pyproject.toml $(TORCH)
+	$(PY) -m pip install --quiet -e '.[notebook]'
+	touch $@
+
+$(DEV): pyproject.toml $(TORCH)
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+demo: $(NOTEBOOK)
 	$(PY) -m gradalg.notebook_runner notebooks/01_quickstart.ipynb --out $(OUTDIR)
 
-test: $(STAMP)
+test: $(DEV)
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile -q
 
+# build/docs/executed/<folder>/<name>.ipynb: the notebook with its outputs; the site
+# shows them (docs/tooling/hooks.py). Re-run only when the notebook or the install changed.
+$(EXECUTED)/%.ipynb: %.ipynb $(DEV)
+	OMP_NUM_THREADS=1 $(PY) -m gradalg.notebook_runner $< --out $(dir $@)
+
+docs-notebooks: $(NOTEBOOKS:%=$(EXECUTED)/%)
+
+docs: docs-notebooks
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+	@echo "the site: site/index.html"
+
+docs-serve: docs-notebooks
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
+
 clean:
-	rm -rf $(VENV) build
+	rm -rf $(VENV) build site

@@ -27,7 +27,9 @@ from .options import get_options, options
 from .task import ExampleRandom, Task
 
 sum = sum_scores  # noqa: A001 - ga.sum / ga.mean read like the math
+"""``ga.sum(scores_list, weights=None)`` is :func:`sum_scores`: Σ_k w_k S_k, one lazy Scores."""
 mean = mean_scores
+"""``ga.mean(scores_list)`` is :func:`mean_scores`: (1/K) Σ_k S_k, e.g. an ensemble over checkpoints."""
 
 __version__ = "0.1.0"
 

@@ -132,22 +132,29 @@ class GradientSet(_Displayed):
     # ---- metadata ------------------------------------------------------------------
     @property
     def space(self):
+        """The parameter space of a row: ordered blocks (one per layer), each with its
+        shape and basis (``params``, or the projector that produced it)."""
         return self.expr.space
 
     @property
     def n(self) -> int:
+        """Number of rows (examples); the matrix is (n, space.dim)."""
         return self.expr.n
 
     @property
     def ids(self) -> tuple:
+        """The example id of each row, in row order: ``(n,)``."""
         return self.expr.ids
 
     @property
     def representation(self) -> dict[str, str]:
+        """Layer name -> how its rows are held: ``"factored"`` (outer products of
+        activations and output gradients), ``"dense"`` or ``"projected"``."""
         return self.expr.representation
 
     @property
     def layers(self) -> tuple[str, ...]:
+        """The names of the space's blocks (the captured layers), in order."""
         return self.space.names
 
     def __len__(self):
@@ -289,6 +296,7 @@ class TransposedGradients:
 
     @property
     def T(self) -> GradientSet:
+        """The untransposed set again: ``G.T.T`` is ``G``."""
         return GradientSet(self.expr)
 
     def __repr__(self):
@@ -305,14 +313,19 @@ class Operator(_Displayed):
 
     @property
     def space(self):
+        """The parameter space the operator acts on (that of the gradients it is built from)."""
         return self.expr.space
 
     @property
     def shape(self) -> tuple[int, int]:
+        """``(dim, dim)``, dim = the space's total number of coordinates."""
         return self.expr.shape
 
     @property
     def structure(self) -> str:
+        """How the matrix is held, which decides how it is applied and inverted:
+        ``"identity"``, ``"diag"``, ``"block"``, ``"dense"``, ``"kron"`` (Kronecker
+        factors per layer), ``"implicit"`` (products only: CG / LiSSA) or ``"lowrank"``."""
         return self.expr.structure
 
     def damp(self, damping: float, *, relative: bool = False, note: str = "") -> "Operator":
@@ -387,6 +400,7 @@ class Scores(_Displayed):
 
     @property
     def shape(self):
+        """``(n_query, n_train)``: rows are the left side's examples, columns the right's."""
         return self.expr.shape
 
     def __add__(self, other):

@@ -24,6 +24,7 @@ __all__ = ["pad_collate", "DictDataset", "PAD_VALUES"]
 
 #: padding value per field; fields not named here pad with 0
 PAD_VALUES = {"labels": -100}
+"""Padding value per field (``labels`` pad with -100, ignored by the loss); other fields pad with 0."""
 
 
 def pad_collate(items: list):

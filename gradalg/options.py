@@ -34,6 +34,35 @@ def _parse_bytes(value) -> int:
     return int(float(text))
 
 
+PROGRESS_MODES = (True, False, "auto", "bar", "lines", "off")
+_PROGRESS_ENV = {"0": False, "off": False, "false": False, "no": False, "1": True, "on": True, "true": True,
+                 "yes": True, "auto": "auto", "bar": "bar", "lines": "lines", "": True}
+
+
+def _progress_from_env():
+    value = os.environ.get("GRADALG_PROGRESS", "1")
+    if value.strip().lower() not in _PROGRESS_ENV:
+        import warnings
+        warnings.warn(f"GRADALG_PROGRESS={value!r} is not one of 0, 1, off, auto, bar, lines: using auto",
+                      stacklevel=2)
+        return True
+    return _PROGRESS_ENV[value.strip().lower()]
+
+
+def _interval_from_env() -> float:
+    value = os.environ.get("GRADALG_PROGRESS_INTERVAL", "30")
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        import warnings
+        warnings.warn(f"GRADALG_PROGRESS_INTERVAL={value!r} is not a number of seconds >= 0: using 30",
+                      stacklevel=2)
+        return 30.0
+    return seconds
+
+
 @dataclass(frozen=True)
 class Options:
     """Settings that change how (never what) gradalg computes.
@@ -58,11 +87,16 @@ class Options:
         labels drawn from the model, say) are captured from one forward per batch and
         one backward each. ``False`` runs one forward per source (for a loss function
         that modifies the model's outputs in place).
-    progress : bool
-        Progress bars on passes over data: a notebook widget in Jupyter, a text bar on a
-        terminal (none when output is not a terminal), Dask's progress for distributed
-        runs. ``False`` silences them; so does the environment variable
-        ``GRADALG_PROGRESS=0`` (set by the headless notebook runner).
+    progress : bool or {"auto", "bar", "lines", "off"}
+        Progress on passes over data (:mod:`gradalg.exec.progress`). ``True`` / ``"auto"``:
+        a widget in Jupyter, a bar on a terminal, and plain lines (rows done, rate, ETA)
+        every ``progress_interval`` seconds when stderr is not a terminal (nohup, SLURM,
+        CI logs); ``"bar"`` or ``"lines"`` force one form; ``False`` / ``"off"`` silence
+        them. Default from the environment variable ``GRADALG_PROGRESS`` (``0``/``off``,
+        ``1``/``auto``, ``bar``, ``lines``; the headless notebook runner sets ``0``).
+    progress_interval : float
+        Seconds between two plain progress lines (default 30; environment variable
+        ``GRADALG_PROGRESS_INTERVAL``).
     check_models : bool
         Refuse scores and preconditioned products whose two sides come from different
         models (no model object or fingerprint in common): see :mod:`gradalg.expr.models`.
@@ -78,7 +112,8 @@ class Options:
     check_finite: bool = True
     check_reduction: bool = True
     share_forward: bool = True
-    progress: bool = field(default_factory=lambda: os.environ.get("GRADALG_PROGRESS", "1") != "0")
+    progress: bool | str = field(default_factory=lambda: _progress_from_env())
+    progress_interval: float = field(default_factory=lambda: _interval_from_env())
     check_models: bool = True
     fingerprint_cache: bool = True
 
@@ -98,6 +133,13 @@ class Options:
             raise OptionError(f"memory_budget must be positive, got {self.memory_budget!r}")
         if not isinstance(self.ghost, str) or self.ghost not in ("auto", "always", "never"):
             raise OptionError(f"ghost must be 'auto', 'always' or 'never', got {self.ghost!r}")
+        if self.progress not in PROGRESS_MODES or not isinstance(self.progress, (bool, str)):
+            raise OptionError(f"progress must be True, False, 'auto', 'bar', 'lines' or 'off', got {self.progress!r}")
+        if self.progress == "off":
+            object.__setattr__(self, "progress", False)
+        interval = self.progress_interval
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 <= interval < float("inf"):
+            raise OptionError(f"progress_interval must be a number of seconds >= 0, got {interval!r}")
         for f in fields(self):
             if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
                 raise OptionError(f"{f.name} must be True or False, got {getattr(self, f.name)!r}")

@@ -19,6 +19,12 @@ __all__ = ["Executor", "get_executor", "EXECUTORS"]
 
 
 class Executor(ABC):
+    """Runs expression nodes: the interface every executor implements.
+
+    ``S.compute(executor=...)`` hands its node to :meth:`scores`; the other entry points
+    serve self-scores (:meth:`diagonal`), gradient rows and resolved operators. Subclasses:
+    :class:`~gradalg.exec.LocalExecutor` (this process) and
+    :class:`~gradalg.exec.DaskExecutor` (passes sharded over Dask workers)."""
     name: str = "executor"
 
     @abstractmethod

@@ -130,11 +130,13 @@ class DaskExecutor(LocalExecutor):
         self.faults = FaultPolicy(retries, resubmits, task_timeout, worker_wait)
 
     def reset(self) -> None:
+        """Forget earlier results (as :meth:`LocalExecutor.reset`), the gathered score blocks included."""
         super().reset()
         self._score_blocks: dict[str, list] = {}
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
+        """Shut down the cluster and client this executor started; one passed in is left running."""
         if self._own and self.client is not None:
             cluster = self.client.cluster
             self.client.close()
@@ -150,6 +152,7 @@ class DaskExecutor(LocalExecutor):
 
     @property
     def n_workers(self) -> int:
+        """Workers the scheduler knows now (at least 1)."""
         return max(1, len(self.client.scheduler_info().get("workers", {})))
 
     def describe_pass(self, step) -> str:
@@ -246,6 +249,7 @@ class DaskExecutor(LocalExecutor):
 
     # ------------------------------------------------------------------ results
     def scores(self, node: ScoreNode):
+        """The (n_left, n_right) score matrix of ``node``, every pass sharded over the workers."""
         p = self.run(self.plan(node))
         return self._combine(p.simplified)
 

@@ -82,6 +82,8 @@ class LocalExecutor(Executor):
 
     # ------------------------------------------------------------------ entry points
     def plan(self, node) -> Plan:
+        """The plan this executor would run for ``node``, under its options, rewrites and
+        forced choices (row counts measured from the data; nothing is computed)."""
         return make_plan(node, options=self.options, rewrites=self.rewrites, choices=self.choices,
                          measure_shapes=True)
 
@@ -107,6 +109,9 @@ class LocalExecutor(Executor):
 
     # ------------------------------------------------------------------ running plans
     def run(self, p: Plan) -> Plan:
+        """Execute every pass of plan ``p`` in order, recording each pass's seconds and memory
+        in ``pass_stats``; the results are kept by node identity for the entry points.
+        Returns ``p`` (also kept as ``last_plan``)."""
         self.last_plan = p
         for index, step in enumerate(p.passes):
             start, cpu0 = time.perf_counter(), time.process_time()
@@ -170,7 +175,8 @@ class LocalExecutor(Executor):
         start = 0
         batch_size = step.batch_size or self.options.batch_size
         trim = step.per_example_bytes * batch_size >= self.release_memory_above
-        with eval_mode(task.model), progress_bar(self.options.progress, data.n, step.label) as bar:
+        with eval_mode(task.model), progress_bar(self.options.progress, data.n, step.label,
+                                                 interval=self.options.progress_interval) as bar:
             for batch in data.loader(batch_size):
                 batch = move_batch(batch, device)
                 b = batch_size_of(batch)

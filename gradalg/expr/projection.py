@@ -108,6 +108,9 @@ class Projector:
 
     @property
     def token(self) -> str:
+        """The projector's identity: kind, ``k``, seed and options, e.g. ``"kron-k64-s0"``.
+        Gradients projected by projectors with equal tokens share a basis (so they can meet in
+        one score or one curvature estimate)."""
         return f"{self.kind}-k{self.k}-s{self.seed}" + ("-pb" if self.per_block else "") + (
             f"-{self.k_out}x{self.k_in}" if self.k_out else "") + (
             f"-nnz{self.s}" if self.s != 1 else "") + (f"-m{self.mask_k}" if self.mask_k else "")

@@ -172,6 +172,8 @@ class ValidationTarget(Target):
         self._m = 0
 
     def refresh(self, sel: "OnlineSelection", layers) -> None:
+        """Recompute the validation batch's gradient factors at the current parameters (one
+        forward and one backward to the layers' outputs, with training capture paused)."""
         from ..capture.hooks import ForwardRecorder, capture_batch
         from ..data import batch_size_of
 
@@ -287,6 +289,7 @@ class SelectionRecord:
 
     @property
     def kept(self) -> int:
+        """Examples with a positive weight this step."""
         return int((self.weights > 0).sum())
 
 

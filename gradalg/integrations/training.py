@@ -61,14 +61,17 @@ class StepGrads:
 
     @property
     def n(self) -> int:
+        """Examples in the step, over all its micro-batches."""
         return sum(c.n for c in self.chunks)
 
     @property
     def micro_batches(self) -> int:
+        """Micro-batches accumulated into this step (gradient accumulation)."""
         return len(self.chunks)
 
     @property
     def ids(self) -> tuple:
+        """The example id of each row, micro-batch after micro-batch: ``(n,)``."""
         return tuple(i for c in self.chunks for i in c.ids)
 
     @property
@@ -134,6 +137,7 @@ class TrainingCapture:
     # ------------------------------------------------------------------ public
     @property
     def space(self):
+        """The ParamSpace of the captured layers (one block per layer, its (out, in + bias) shape)."""
         from ..expr import ParamSpace
 
         return ParamSpace(tuple(r.block() for r in self.refs))

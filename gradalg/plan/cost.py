@@ -38,6 +38,13 @@ __all__ = ["Cost", "activation_bytes", "model_flops", "tokens_hint", "gemm_cost"
 
 @dataclass(frozen=True)
 class Cost:
+    """An estimated cost: counts from shapes alone, no data read.
+
+    flops : floating-point operations, a multiply-add counted as 2.
+    bytes : bytes moved (read and written) through memory.
+    peak_bytes : the largest working set held at once (adding two costs takes the max).
+    passes : passes over a dataset (forward + backward of each example).
+    calls : kernel launches / framework calls (their fixed overhead on a device)."""
     flops: float = 0.0
     bytes: float = 0.0
     peak_bytes: float = 0.0
@@ -58,18 +65,23 @@ class Cost:
                     self.elementwise + other.elementwise)
 
     def scaled(self, c: float) -> "Cost":
+        """This cost repeated ``c`` times: every count times ``c`` except ``peak_bytes``
+        (repetitions run one after another and reuse the memory)."""
         return Cost(self.flops * c, self.bytes * c, self.peak_bytes, self.passes * c, self.calls * c,
                     tuple((m, n, k, count * c, e) for m, n, k, count, e in self.gemms),
                     tuple((d, count * c) for d, count in self.eighs), self.ops * c, self.batches * c,
                     self.layer_batches * c, self.elementwise * c)
 
     def seconds(self, profile, dtype=torch.float32) -> float:
+        """Estimated seconds on a device ``profile`` (:mod:`gradalg.plan.devices`): GEMMs by
+        shape, eigendecompositions by size, elementwise traffic, per-call and per-batch overheads."""
         return profile.time_of(self, dtype)
 
     def __repr__(self) -> str:
         return f"Cost({self.describe()}, {_si(self.bytes)}B moved)"
 
     def describe(self) -> str:
+        """One line for plans: FLOPs, peak memory and passes over data."""
         return (f"~{_si(self.flops)}FLOP, peak ~{_si(self.peak_bytes)}B, "
                 f"{self.passes:g} pass(es) over data")
 

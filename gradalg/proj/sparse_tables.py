@@ -62,13 +62,16 @@ class SJLT:
 
     @property
     def d(self) -> int:
+        """Input dimension (columns of the (k, d) matrix)."""
         return self.rows.shape[0]
 
     @property
     def s(self) -> int:
+        """Non-zeros per column."""
         return self.rows.shape[1]
 
     def to(self, device) -> "SJLT":
+        """The same tables on ``device``."""
         return SJLT(self.rows.to(device), self.signs.to(device), self.k)
 
     def columns(self, start: int, stop: int) -> "SJLT":

@@ -75,6 +75,7 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
+        """True when no problem was found (the report is also truthy then)."""
         return not self.problems
 
     def __repr__(self) -> str:
@@ -86,6 +87,9 @@ class VerifyReport:
         return f"VerifyReport({self.path}: {len(self.problems)} problem(s)\n  {lines}{more})"
 
     def raise_if_damaged(self, fix: str | None = None) -> None:
+        """Raise :class:`~gradalg.errors.StoreCorruptError` naming the damaged files and the
+        fix (``fix``, or what rewrites them: ``ga.store.write`` with the same arguments for
+        damaged chunks); do nothing when the store is intact."""
         if self.problems:
             raise StoreCorruptError(
                 f"{self.path} is damaged: " + "; ".join(self.problems[:5])

@@ -159,9 +159,11 @@ class GradientSetConformance(_Base):
     proj_seed: int = 11
 
     def create(self):
+        """The GradientSet under test (supplied by the test class)."""
         raise NotImplementedError("return the GradientSet under test")
 
     def dense_reference(self) -> torch.Tensor:
+        """The reference rows of :meth:`create`, computed with plain torch: (n, dim)."""
         raise NotImplementedError("return the (n, dim) reference rows of create()")
 
     # ---- helpers --------------------------------------------------------------------
@@ -379,19 +381,25 @@ class OperatorConformance(_Base):
     psd: bool = True
 
     def create(self):
+        """The Operator under test (supplied by the test class)."""
         raise NotImplementedError("return the Operator under test")
 
     def dense_reference(self) -> torch.Tensor:
+        """The reference matrix of :meth:`create`, computed with plain torch: (dim, dim)."""
         raise NotImplementedError("return the (dim, dim) reference matrix of create()")
 
     def gradients(self):
+        """Optional: a GradientSet in the operator's space for the application checks
+        (``None``, the default, skips them)."""
         return None
 
     def gradients_reference(self) -> torch.Tensor:
+        """The reference rows of :meth:`gradients`: (n, dim); by default its dense rows."""
         return _rows(self.gradients())
 
     # ---- helpers --------------------------------------------------------------------
     def reference(self) -> torch.Tensor:
+        """``dense_reference()`` in float64, computed once per instance."""
         if "_conformance_ref" not in self.__dict__:
             self.__dict__["_conformance_ref"] = _as64(self.dense_reference())
         return self.__dict__["_conformance_ref"]
