@@ -5,8 +5,11 @@ dicts of tensors (HF style: ``input_ids``, ``attention_mask``, ``labels``, ...) 
 lengths differ are **right-padded** to the longest item of the batch: ``labels`` with
 ``-100`` (ignored by every loss), every other field (``input_ids``, ``attention_mask``,
 ``completion_mask``, ...) with 0, so padding is never a real token (attention_mask 0)
-and never a counted label. Equal-length items, tuples and tensors go to PyTorch's
-``default_collate`` unchanged.
+and never a counted label. Items without an ``attention_mask`` get one when they are
+padded (ones over each item's own length, zeros over the padding, as HF's
+``DataCollatorWithPadding`` does): without it the model and the loss would read the
+padding as tokens and an example's gradient would depend on its batch. Equal-length
+items, tuples and tensors go to PyTorch's ``default_collate`` unchanged.
 
 :class:`DictDataset` turns already-batched dict tensors ``{"input_ids": (N, T), ...}``
 into a dataset of N dict items.
@@ -32,6 +35,9 @@ def pad_collate(items: list):
 
     A field is padded along its first dimension (the token axis of an item) when its
     items differ there; the value is ``PAD_VALUES.get(field, 0)``.   (B, T_max, ...)
+    When a field is padded and the items have no ``attention_mask``, one is added:
+    ``mask[b, t] = t < T_b`` with ``T_b`` item b's length (of ``input_ids`` when present,
+    else of the first padded field).   (B, T_max), int64
     """
     if not items or not isinstance(items[0], Mapping):
         return default_collate(items)
@@ -40,7 +46,7 @@ def pad_collate(items: list):
         odd = sorted(set.union(*keys) - set.intersection(*keys))
         raise BatchContentError(f"the items of a batch have different fields: {odd} are in some only; "
                                 "give every item the same fields")
-    out = {}
+    out, lengths = {}, None
     for key in items[0]:
         values = [item[key] for item in items]
         if all(isinstance(v, torch.Tensor) and v.dim() >= 1 for v in values) and \
@@ -50,8 +56,13 @@ def pad_collate(items: list):
                                  f"the items of a batch: {sorted({tuple(v.shape) for v in values})}")
             out[key] = torch.nn.utils.rnn.pad_sequence(values, batch_first=True,
                                                        padding_value=PAD_VALUES.get(key, 0))
+            if lengths is None or key == "input_ids":
+                lengths = torch.tensor([v.shape[0] for v in values])
         else:
             out[key] = default_collate(values)
+    if lengths is not None and "attention_mask" not in out:
+        positions = torch.arange(int(lengths.max()))
+        out["attention_mask"] = (positions.unsqueeze(0) < lengths.unsqueeze(1)).long()
     return out
 
 

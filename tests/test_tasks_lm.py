@@ -316,3 +316,16 @@ def test_masked_lm_seq2seq_and_sequence_classification_match_oracles():
     with pytest.raises(ga.BatchContentError, match="'labels'"):
         ga.grads(ga.tasks.sequence_classification(clf), [{k: v for k, v in d.items() if k != "labels"} for d in data],
                  layers=layers).to_dense()
+
+
+def test_items_without_an_attention_mask_get_one_when_padded():
+    """Padding without a mask would be read as tokens: gradients would depend on the batch."""
+    model, layers = gpt2()
+    data = [{"input_ids": d["input_ids"]} for d in items()]
+    batch = ga.collate.pad_collate(data[:3])
+    lengths = [len(d["input_ids"]) for d in data[:3]]
+    assert batch["attention_mask"].tolist() == [[1] * n + [0] * (max(lengths) - n) for n in lengths]
+    assert "attention_mask" not in ga.collate.pad_collate([data[0], data[0]])   # nothing padded
+    task = ga.tasks.causal_lm(model)
+    close(dense(ga.grads(task, data, layers=layers, batch_size=4), layers),
+          oracle(model, layers, data, next_token_nll))
