@@ -152,7 +152,7 @@ def test_device_profile_prices_gemms_by_shape_and_fixed_costs():
     assert prof.gemm_seconds(256, 256, 256) == pytest.approx(2 * 256 ** 3 / 1e10)
     assert prof.gemm_seconds(16, 16, 16) == pytest.approx(2 * 16 ** 3 / 1e8)
     assert prof.gemm_seconds(64, 64, 64) == pytest.approx(2 * 64 ** 3 / 1e9)       # halfway in log-log
-    assert prof.gemm_seconds(4, 4, 4) == pytest.approx(2 * 4 ** 3 / (1e8 / 64))     # ∝ size³ below the table
+    assert prof.gemm_seconds(4, 4, 4) == pytest.approx(2 * 4 ** 3 / (1e8 / 4))      # rate ∝ size below the table
     assert prof.gemm_seconds(1000, 1000, 1) == pytest.approx(4 * (1000 + 1000 + 1e6) / 1e9)  # outer product: traffic
     assert prof.gemm_seconds(256, 256, 256, elem=8) == pytest.approx(2 * 2 * 256 ** 3 / 1e10)
     assert prof.eigh_seconds(100) == pytest.approx(1.0) and prof.eigh_seconds(200) == pytest.approx(8.0)

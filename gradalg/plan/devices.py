@@ -4,7 +4,8 @@ A :class:`DeviceProfile` prices the counts of a :class:`~gradalg.plan.cost.Cost`
 
 * **GEMMs by shape.** ``gemm_rates`` holds the measured FLOP/s of square float32
   matmuls of a few sizes (16 … 512 here); a GEMM ``(m, k) @ (k, n)`` is priced at the
-  rate interpolated (log-log) at its geometric-mean size ``(m·n·k)^(1/3)``, and never
+  rate interpolated (log-log) at its geometric-mean size ``(m·n·k)^(1/3)`` (∝ size below
+  the smallest measured one: such products come batched), and never
   faster than moving its three matrices through memory once (an outer product,
   ``k = 1``, is bandwidth-bound). Small GEMMs are several times slower per FLOP than
   large ones on every machine; a single peak rate priced the per-example products of
@@ -12,7 +13,9 @@ A :class:`DeviceProfile` prices the counts of a :class:`~gradalg.plan.cost.Cost`
 * **Memory traffic**: copies, casts and materialized rows at ``bandwidth`` bytes/s (a
   copy larger than the last-level cache); a model's elementwise work (activations,
   GELU, norms, products) at ``elementwise_bandwidth`` (a GELU forward and backward and
-  a product: transcendental ops run below the copy bandwidth on a CPU).
+  a product: transcendental ops run below the copy bandwidth on a CPU); a captured
+  batch's working set (the planner's per-example bytes × batch size) is touched fresh
+  each batch at ``fault_bandwidth`` (large tensors come from the system page by page).
 * **Eigendecompositions** (``torch.linalg.eigh``, float64) by size: ``eigh_times``,
   measured at a few sizes and interpolated log-log (cubic beyond the largest).
 * **Fixed costs**: ``call_seconds`` per module forward or backward (a forward hook and
@@ -50,7 +53,7 @@ __all__ = ["DeviceProfile", "PRESETS", "PROFILE_VERSION", "UNMEASURED_CPU", "cac
 
 #: the cost model's version: a cached profile without every number this one prices is
 #: measured again (1: matmul, copy and module call; 2: GEMMs by shape, eigh by size,
-#: per-op and per-batch overheads; 3: medians, elementwise bandwidth)
+#: per-op and per-batch overheads; 3: medians, elementwise and page-fault bandwidths)
 PROFILE_VERSION = 3
 
 
@@ -86,6 +89,7 @@ class DeviceProfile:
     batch_seconds: float = 5e-4  # fixed Python cost of capturing one batch
     layer_seconds: float = 1e-4  # … and per recorded layer of that batch
     elementwise_bandwidth: float = 0.0   # bytes/s of a model's elementwise ops (GELU, products); 0: bandwidth
+    fault_bandwidth: float = 0.0   # bytes/s of first touches of fresh memory (page faults); 0: free
     gemm_rates: tuple = ()       # ((size, FLOP/s), …): square float32 GEMMs; () = flops_fp32 for all
     eigh_times: tuple = ()       # ((d, seconds), …): float64 eigh; () = 9 d³ FLOPs at the float64 rate
     version: int = PROFILE_VERSION
@@ -111,7 +115,9 @@ class DeviceProfile:
         rate = self.flops(dtype)
         if self.gemm_rates:
             size = (m * n * k) ** (1.0 / 3.0)
-            rate *= min(1.0, _interp_loglog(self.gemm_rates, size, 0.0, 3.0) / self.flops_fp32)
+            # below the smallest measured size the rate falls ∝ size: such products come
+            # in batches (one bmm of many small matrices) that share one call's overhead
+            rate *= min(1.0, _interp_loglog(self.gemm_rates, size, 0.0, 1.0) / self.flops_fp32)
         # an inner dimension below OUTER_K makes the product a batch of outer products:
         # elementwise work, priced at the elementwise bandwidth rather than a copy's
         moving = (self.elementwise_bandwidth or self.bandwidth) if k < OUTER_K else self.bandwidth
@@ -140,8 +146,9 @@ class DeviceProfile:
             eigh_time += count * self.eigh_seconds(d)
         rest = max(0.0, cost.flops - shaped)
         elementwise = self.elementwise_bandwidth or self.bandwidth
+        faults = cost.faulted / self.fault_bandwidth if self.fault_bandwidth else 0.0
         return (gemm_time + eigh_time + rest / self.flops(dtype) + cost.bytes / self.bandwidth
-                + cost.elementwise / elementwise
+                + cost.elementwise / elementwise + faults
                 + cost.calls * self.call_seconds + cost.ops * self.op_seconds
                 + cost.batches * self.batch_seconds + cost.layer_batches * self.layer_seconds)
 
@@ -239,8 +246,20 @@ def _measure_cpu() -> DeviceProfile:
     batch, layer = _measure_capture(call)
     return DeviceProfile(f"cpu ({torch.get_num_threads()} threads)", flops, flops, bw, memory, measured=True,
                          call_seconds=call, op_seconds=_measure_op(), batch_seconds=batch, layer_seconds=layer,
-                         elementwise_bandwidth=_measure_elementwise(), gemm_rates=rates,
+                         elementwise_bandwidth=_measure_elementwise(), fault_bandwidth=_measure_faults(),
+                         gemm_rates=rates,
                          eigh_times=_measure_eighs())
+
+
+def _measure_faults() -> float:
+    """Bytes/s of touching fresh memory: filling a new 32 MiB tensor (large allocations
+    come from the system, page by page) minus filling one already touched."""
+    n = 8 * 2**20
+    old = torch.empty(n)
+    old.fill_(1.0)
+    fresh = _fastest(lambda: torch.empty(n).fill_(1.0), 0.1)
+    warm = _fastest(lambda: old.fill_(1.0), 0.05)
+    return 4 * n / max(fresh - warm, 1e-6)
 
 
 def _measure_elementwise() -> float:

@@ -95,7 +95,7 @@ def _batch_size(src: Source, options) -> int:
 
 
 # ------------------------------------------------------------------ capture
-def capture_cost(src: Source, options, dtype=torch.float32, forward: bool = True) -> Cost:
+def capture_cost(src: Source, options, dtype=torch.float32, forward: bool = True, batch: int | None = None) -> Cost:
     """Capturing every batch of ``src``: its forward (unless shared with another source
     of the pass) and one backward to the recorded outputs per row set (one per
     Gauss-Newton term for ``objective="expected"``), with no weight-gradient GEMMs.
@@ -111,7 +111,7 @@ def capture_cost(src: Source, options, dtype=torch.float32, forward: bool = True
     model = src.task.model
     elem = element_size(dtype)
     n, T = src.data.n, tokens_hint(src)
-    B = max(1, min(_batch_size(src, options), n))
+    B = max(1, min(batch or _batch_size(src, options), n))
     batches = math.ceil(n / B)
     sweeps = rows_per_example(src) if src.objective == "expected" else 1     # backwards per batch
     cost = Cost(passes=1)
@@ -133,18 +133,22 @@ def capture_cost(src: Source, options, dtype=torch.float32, forward: bool = True
     cost = cost + Cost(bytes=2.0 * factor_bytes * sweeps)
     if src.objective == "sampled":   # labels drawn from the model: a float64 softmax and search over outputs
         cost = cost + Cost(bytes=n * T * _num_outputs(model) * 8.0 * 4)
+    if src.objective == "loss" and options.check_reduction:   # the sum/mean check: 2 forwards of ≤ 4 examples
+        m = min(4, B) * T
+        for n_in, n_out in weight_layers(model):
+            cost = cost + gemm_cost(m, n_out, n_in, 2, elem)
     calls = batches * _leaf_modules(model) * (int(forward) + sweeps)
     return cost + Cost(calls=calls, batches=batches * sweeps, layer_batches=batches * sweeps * recorded,
                        ops=batches * OPS_PER_BATCH)
 
 
-def pass_capture_cost(sources, options, dtype, share_key) -> Cost:
+def pass_capture_cost(sources, options, dtype, share_key, batch: int | None = None) -> Cost:
     """Capturing all sources of a pass: those with the same ``share_key(src)`` (not
     None) share one forward per batch (:class:`~gradalg.exec.capture_pass.PassCapture`)."""
     cost, forwards = Cost(), set()
     for src in sources:
         key = share_key(src) if options.share_forward else None
-        cost = cost + capture_cost(src, options, dtype, forward=key is None or key not in forwards)
+        cost = cost + capture_cost(src, options, dtype, forward=key is None or key not in forwards, batch=batch)
         forwards.add(key)
     return cost
 
@@ -288,9 +292,11 @@ def _chunks(n_rows: int, chunk: int) -> int:
     return max(1, math.ceil(n_rows / max(1, chunk)))
 
 
-def pass_overhead(n_jobs: int) -> Cost:
-    """What a pass costs before its first chunk: opening its sinks (and their checks)."""
-    return Cost(ops=OPS_PER_PASS * max(1, n_jobs))
+def pass_overhead(n_jobs: int, batches: int = 0, batch_bytes: float = 0.0) -> Cost:
+    """What a pass costs beyond its kernels: opening its sinks (and their checks), and
+    for a pass over data the working set of each captured batch (``batch_bytes``, the
+    planner's memory estimate), touched fresh every batch."""
+    return Cost(ops=OPS_PER_PASS * max(1, n_jobs), faulted=batches * batch_bytes)
 
 
 def job_cost(job, n_stream: int, layout: dict, chunk: int, dtype=torch.float32, held_layout: dict | None = None,

@@ -377,10 +377,10 @@ class _Planner:
         outputs per captured row set (no weight-gradient GEMMs)."""
         return estimates.capture_cost(src, self.options, self.dtype, forward)
 
-    def _pass_capture_cost(self, sources: list[Source]) -> Cost:
+    def _pass_capture_cost(self, sources: list[Source], batch: int | None = None) -> Cost:
         """Capturing all sources of a pass: those differing only in their objective share
         one forward per batch (:class:`~gradalg.exec.capture_pass.PassCapture`)."""
-        return estimates.pass_capture_cost(sources, self.options, self.dtype, forward_share_key)
+        return estimates.pass_capture_cost(sources, self.options, self.dtype, forward_share_key, batch)
 
     def _layout(self, node: GradNode, reads_data: bool) -> dict:
         """``{block: "factors" | "flat"}`` of ``node``'s rows as a pass delivers them: as
@@ -554,12 +554,13 @@ class _Planner:
                 p.batch_size = max(1, min(self.options.batch_size, fit))
                 if p.batch_size < self.options.batch_size:
                     p.note = f"batch size {p.batch_size} (not {self.options.batch_size}) to stay under the memory budget"
-            cost = self._pass_capture_cost(sources)
+            cost = self._pass_capture_cost(sources, p.batch_size)
             n = data.n
         else:
             cost = Cost()
             n = p.jobs[0].streams[0].n
-        cost = cost + estimates.pass_overhead(len(p.jobs))
+        batches = -(-n // (p.batch_size or n)) if p.reads_data and n else 0
+        cost = cost + estimates.pass_overhead(len(p.jobs), batches, per_ex * (p.batch_size or 1))
         for job in p.jobs:
             # rows streamed by the job: n·T for per-token rows (ga.GradientSet.per_token)
             cost = cost + self._job_cost(job, job.streams[0].n if job.streams and p.reads_data else n,
