@@ -1,7 +1,7 @@
 # On a fresh machine, each command installs what it needs into .venv and runs:
 #   make demo        - gradalg[notebook] only; runs the quickstart notebook headless
 #   make test        - gradalg[dev] (every extra + pytest); runs the whole test suite
-#   make docs        - gradalg[dev]; executes the notebooks (once per change) and builds site/
+#   make docs        - gradalg[dev]; executes changed notebooks into docs/executed/, builds site/
 #   make docs-serve  - the same site, served with live reload (http://127.0.0.1:8000)
 VENV     ?= .venv
 PY       := $(VENV)/bin/python
@@ -9,7 +9,7 @@ TORCH    := $(VENV)/.torch-installed
 NOTEBOOK := $(VENV)/.gradalg-notebook-installed
 DEV      := $(VENV)/.gradalg-dev-installed
 OUTDIR   ?= build/quickstart
-EXECUTED := build/docs/executed
+EXECUTED := docs/executed
 NOTEBOOKS := $(wildcard notebooks/*.ipynb tutorials/*.ipynb)
 
 .PHONY: demo test docs docs-notebooks docs-serve venv clean
@@ -37,10 +37,11 @@ demo: $(NOTEBOOK)
 test: $(DEV)
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile -q
 
-# build/docs/executed/<folder>/<name>.ipynb: the notebook with its outputs; the site
-# shows them (docs/tooling/hooks.py). Re-run only when the notebook or the install changed.
+# docs/executed/<folder>/<name>.ipynb: the notebook with its outputs, committed; the site
+# shows them (docs/tooling/hooks.py). Re-run only when the notebook changed (or the install).
 $(EXECUTED)/%.ipynb: %.ipynb $(DEV)
 	OMP_NUM_THREADS=1 $(PY) -m gradalg.notebook_runner $< --out $(dir $@)
+	rm -f $(dir $@)$(notdir $*)_fig*.png   # the figures are in the notebook already
 
 docs-notebooks: $(NOTEBOOKS:%=$(EXECUTED)/%)
 
