@@ -9,11 +9,8 @@ TORCH    := $(VENV)/.torch-installed
 NOTEBOOK := $(VENV)/.gradalg-notebook-installed
 DEV      := $(VENV)/.gradalg-dev-installed
 OUTDIR   ?= build/quickstart
-EXECUTED := docs/executed
-NOTEBOOKS := $(wildcard notebooks/*.ipynb tutorials/*.ipynb)
 
 .PHONY: demo test docs docs-notebooks docs-serve venv clean
-.DELETE_ON_ERROR:   # a notebook that fails to execute leaves no executed copy behind
 
 venv: $(DEV)
 
@@ -37,13 +34,10 @@ demo: $(NOTEBOOK)
 test: $(DEV)
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile -q
 
-# docs/executed/<folder>/<name>.ipynb: the notebook with its outputs, committed; the site
-# shows them (docs/tooling/hooks.py). Re-run only when the notebook changed (or the install).
-$(EXECUTED)/%.ipynb: %.ipynb $(DEV)
-	OMP_NUM_THREADS=1 $(PY) -m gradalg.notebook_runner $< --out $(dir $@)
-	rm -f $(dir $@)$(notdir $*)_fig*.png   # the figures are in the notebook already
-
-docs-notebooks: $(NOTEBOOKS:%=$(EXECUTED)/%)
+# docs/executed/<folder>/<name>.ipynb: each notebook with its outputs, committed; the site
+# shows them (docs/tooling/hooks.py). Only notebooks whose code changed are executed again.
+docs-notebooks: $(DEV)
+	OMP_NUM_THREADS=1 $(PY) docs/tooling/execute_notebooks.py
 
 docs: docs-notebooks
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict

@@ -5,7 +5,7 @@
 hook adds each to the site at the same path (``notebooks/01_quickstart.ipynb`` becomes
 the page ``notebooks/01_quickstart.html``, rendered by mkdocs-jupyter), with the
 outputs of its executed copy ``docs/executed/<folder>/<name>.ipynb`` (written by
-``make docs-notebooks``, i.e. ``python -m gradalg.notebook_runner``, and committed, so
+``make docs-notebooks``, i.e. ``docs/tooling/execute_notebooks.py``, and committed, so
 that ``mkdocs build`` with only the ``[docs]`` extra shows every figure; the environment
 variable ``GRADALG_DOCS_EXECUTED`` names another folder). Outputs are
 grafted onto the *source* notebook only when every code cell's source is identical to
