@@ -322,3 +322,11 @@ def test_executed_copies_are_current_by_their_code(tmp_path):
     ran.cells[1].source = "x = 2"
     nbformat.write(ran, tmp_path / "ran.ipynb")
     assert not is_current(tmp_path / "a.ipynb", tmp_path / "ran.ipynb")
+
+
+def test_readme_lists_every_doc_page_and_the_cli():
+    readme = (ROOT / "README.md").read_text()
+    pages = sorted(p.name for p in DOCS.glob("*.md")) + ["cli.md"]
+    missing = [p for p in pages if f"(docs/{p})" not in readme]
+    assert not missing, f"README.md's Documentation list lacks {missing}"
+    assert "make docs" in readme and "make docs-serve" in readme
