@@ -1,7 +1,7 @@
 # On a fresh machine, each command installs what it needs into .venv and runs:
 #   make demo        - gradalg[notebook] only; runs the quickstart notebook headless
 #   make test        - gradalg[dev] (every extra + pytest); runs the whole test suite
-#   make docs        - gradalg[dev]; executes the notebooks (once per change) and builds site/
+#   make docs        - gradalg[dev]; executes changed notebooks into docs/executed/, builds site/
 #   make docs-serve  - the same site, served with live reload (http://127.0.0.1:8000)
 VENV     ?= .venv
 PY       := $(VENV)/bin/python
@@ -9,11 +9,8 @@ TORCH    := $(VENV)/.torch-installed
 NOTEBOOK := $(VENV)/.gradalg-notebook-installed
 DEV      := $(VENV)/.gradalg-dev-installed
 OUTDIR   ?= build/quickstart
-EXECUTED := build/docs/executed
-NOTEBOOKS := $(wildcard notebooks/*.ipynb tutorials/*.ipynb)
 
 .PHONY: demo test docs docs-notebooks docs-serve venv clean
-.DELETE_ON_ERROR:   # a notebook that fails to execute leaves no executed copy behind
 
 venv: $(DEV)
 
@@ -37,12 +34,10 @@ demo: $(NOTEBOOK)
 test: $(DEV)
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile -q
 
-# build/docs/executed/<folder>/<name>.ipynb: the notebook with its outputs; the site
-# shows them (docs/tooling/hooks.py). Re-run only when the notebook or the install changed.
-$(EXECUTED)/%.ipynb: %.ipynb $(DEV)
-	OMP_NUM_THREADS=1 $(PY) -m gradalg.notebook_runner $< --out $(dir $@)
-
-docs-notebooks: $(NOTEBOOKS:%=$(EXECUTED)/%)
+# docs/executed/<folder>/<name>.ipynb: each notebook with its outputs, committed; the site
+# shows them (docs/tooling/hooks.py). Only notebooks whose code changed are executed again.
+docs-notebooks: $(DEV)
+	OMP_NUM_THREADS=1 $(PY) docs/tooling/execute_notebooks.py
 
 docs: docs-notebooks
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict

@@ -211,7 +211,7 @@ def test_nav_lists_every_page():
             value = next(iter(item.values())) if isinstance(item, dict) else item
             yield from paths(value) if isinstance(value, list) else [value]
     listed = set(paths(config["nav"]))
-    pages = {p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md") if "tooling" not in p.parts}
+    pages = {p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md") if not {"tooling", "executed"} & set(p.parts)}
     notebooks = {f"{f}/{p.name}" for f in ("notebooks", "tutorials") for p in (ROOT / f).glob("*.ipynb")}
     assert not pages - listed, f"docs pages missing from nav in mkdocs.yml: {sorted(pages - listed)}"
     assert not notebooks - listed, f"notebooks missing from nav in mkdocs.yml: {sorted(notebooks - listed)}"
@@ -304,6 +304,29 @@ def test_each_make_command_installs_what_it_needs(tmp_path):
     test = _make_dry_run("test", tmp_path)
     assert "-e '.[dev]'" in test and "pytest" in test
     docs = _make_dry_run("docs", tmp_path)
-    assert "-e '.[dev]'" in docs and "mkdocs build --strict" in docs
-    notebooks = sorted(p.relative_to(ROOT).as_posix() for f in ("notebooks", "tutorials") for p in (ROOT / f).glob("*.ipynb"))
-    assert all(f"notebook_runner {nb} --out build/docs/executed/" in docs for nb in notebooks)
+    assert "-e '.[dev]'" in docs and "docs/tooling/execute_notebooks.py" in docs and "mkdocs build --strict" in docs
+
+
+def test_executed_copies_are_current_by_their_code(tmp_path):
+    """``make docs-notebooks`` re-runs a notebook when its code changed, not its markdown."""
+    import nbformat
+    from execute_notebooks import is_current
+
+    source = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# T"), nbformat.v4.new_code_cell("x = 1")])
+    nbformat.write(source, tmp_path / "a.ipynb")
+    assert not is_current(tmp_path / "a.ipynb", tmp_path / "missing.ipynb")
+    ran = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# Old title"), nbformat.v4.new_code_cell("x = 1")])
+    ran.cells[1].outputs = [nbformat.v4.new_output("stream", name="stdout", text="1\n")]
+    nbformat.write(ran, tmp_path / "ran.ipynb")
+    assert is_current(tmp_path / "a.ipynb", tmp_path / "ran.ipynb")
+    ran.cells[1].source = "x = 2"
+    nbformat.write(ran, tmp_path / "ran.ipynb")
+    assert not is_current(tmp_path / "a.ipynb", tmp_path / "ran.ipynb")
+
+
+def test_readme_lists_every_doc_page_and_the_cli():
+    readme = (ROOT / "README.md").read_text()
+    pages = sorted(p.name for p in DOCS.glob("*.md")) + ["cli.md"]
+    missing = [p for p in pages if f"(docs/{p})" not in readme]
+    assert not missing, f"README.md's Documentation list lacks {missing}"
+    assert "make docs" in readme and "make docs-serve" in readme

@@ -4,9 +4,10 @@
 ``tutorials/*.ipynb`` are committed without outputs and live outside ``docs/``. This
 hook adds each to the site at the same path (``notebooks/01_quickstart.ipynb`` becomes
 the page ``notebooks/01_quickstart.html``, rendered by mkdocs-jupyter), with the
-outputs of its executed copy under ``build/docs/executed/<folder>/<name>.ipynb``
-(written by ``make docs-notebooks``, i.e. ``python -m gradalg.notebook_runner``; the
-environment variable ``GRADALG_DOCS_EXECUTED`` names another folder). Outputs are
+outputs of its executed copy ``docs/executed/<folder>/<name>.ipynb`` (written by
+``make docs-notebooks``, i.e. ``docs/tooling/execute_notebooks.py``, and committed, so
+that ``mkdocs build`` with only the ``[docs]`` extra shows every figure; the environment
+variable ``GRADALG_DOCS_EXECUTED`` names another folder). Outputs are
 grafted onto the *source* notebook only when every code cell's source is identical to
 the executed copy's: edited markdown shows at once, and a notebook whose code changed
 since its last run is rendered without outputs (and says so in the build log) rather
@@ -38,7 +39,7 @@ from mkdocs.structure.files import File
 log = logging.getLogger("mkdocs.hooks.gradalg")
 
 NOTEBOOK_FOLDERS = ("notebooks", "tutorials")
-EXECUTED_DEFAULT = Path("build") / "docs" / "executed"
+EXECUTED_DEFAULT = Path("docs") / "executed"
 _LINK = re.compile(r"(\]\()([^)\s#]+)(#[^)\s]*)?(\))")
 
 _state: dict = {}
