@@ -16,7 +16,7 @@ from .capture import capture, per_example_grads
 from .errors import (BatchContentError, GradalgError, LossReductionError, MemoryBudgetError, NonFiniteGradientError, PerTokenError,
                      ShapeMismatchError, SpaceMismatchError, StoreIncompleteError, StoreMismatchError,
                      UnsupportedLayerError)
-from .errors import DataError, OptionError, StoreCorruptError, WorkerFaultError  # noqa: E402
+from .errors import DataError, ObjectiveError, OptionError, StoreCorruptError, WorkerFaultError  # noqa: E402
 from .exec import LocalExecutor
 from . import fingerprint  # noqa: E402 - ga.fingerprint.forget(model) after writes through .data
 from .objective import training_objective
@@ -35,5 +35,5 @@ __all__ = [
     "tasks", "viz", "integrations", "GradalgError", "LossReductionError", "MemoryBudgetError", "NonFiniteGradientError",
     "ShapeMismatchError", "SpaceMismatchError", "UnsupportedLayerError", "store", "StoreMismatchError",
     "StoreIncompleteError", "BatchContentError", "PerTokenError", "StoreCorruptError", "OptionError",
-    "DataError", "WorkerFaultError", "fingerprint", "training_objective",
+    "DataError", "WorkerFaultError", "fingerprint", "training_objective", "ObjectiveError",
 ]

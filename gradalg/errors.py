@@ -22,6 +22,7 @@ __all__ = [
     "DataError",
     "WorkerFaultError",
     "ExampleIdsError",
+    "ObjectiveError",
 ]
 
 
@@ -143,3 +144,8 @@ class BatchContentError(GradalgError, ValueError):
 
 class PerTokenError(GradalgError, ValueError):
     """Per-token rows (``G.per_token()``) cannot be built or computed exactly for these gradients."""
+
+
+class ObjectiveError(GradalgError, ValueError):
+    """The optimizer's settings (weight decay, Adam state) cannot be read, or have no exact form
+    in the requested space (``gradalg.objective``)."""
