@@ -57,7 +57,8 @@ SOLVERS = ("direct", "cg", "lissa", "arnoldi")
 #: default λ / mean eigenvalue of an explicit H, per curvature, measured on the digits MLP
 #: (benchmarks/damping_defaults.py, LDS, 50 subsets; docs/user_guide.md "Defaults from the
 #: objective"): the dense Gauss-Newton / Fisher 0.726 at 0.1, 0.817 at 0.5, 0.829 at 1;
-#: EK-FAC 0.745 at 0.1 (Kronfluence's factor), 0.714 at 0.5, 0.691 at 1.
+#: EK-FAC 0.745 at 0.1 (Kronfluence's factor), 0.714 at 0.5, 0.691 at 1; K-FAC 0.753 at 0.1
+#: (the old absolute 1e-3: Gauss-Newton 0.818, EK-FAC 0.713, K-FAC 0.722).
 RELATIVE_DAMPING = {"gauss_newton": 1.0, "empirical": 1.0, "kfac": 0.1, "ekfac": 0.1}
 ABSOLUTE_DAMPING = 1e-3   # default λ where H's spectrum is not at hand (CG, LiSSA, Arnoldi, DataInf)
 
