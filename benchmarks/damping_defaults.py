@@ -5,10 +5,10 @@ The setting of ``benchmarks/fidelity.py`` (digits, 500 training examples, 100 qu
 function with the Gauss-Newton (direct), K-FAC and EK-FAC curvatures, compare
 
     absolute   λ = 1e-3                                  (the default before issue 15)
-    relative   λ = c × mean eigenvalue of H, c ∈ {0.01, 0.1}     (c = 0.1 is Kronfluence's)
+    relative   λ = c × mean eigenvalue of H, c ∈ {1e-4, …, 1}   (0.1 is Kronfluence's)
 
 each without and with the objective's weight decay (wd = 1e-3, what the models were trained
-with; ``weight_decay=`` adds wd·I). Every number is one ``Scores.compute()``; the ground
+with; ``weight_decay=`` adds wd·I).  ``--curvatures``, ``--variants``, ``--wd`` pick a subset. Every number is one ``Scores.compute()``; the ground
 truth is cached under ``benchmarks/.cache`` (shared with fidelity.py).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/damping_defaults.py [--settings mlp,logreg]
@@ -28,14 +28,21 @@ import gradalg as ga  # noqa: E402
 
 VARIANTS = {
     "absolute 1e-3": dict(damping=1e-3),
+    "relative 1e-4": dict(relative_damping=1e-4),
+    "relative 1e-3": dict(relative_damping=1e-3),
     "relative 0.01": dict(relative_damping=0.01),
     "relative 0.1": dict(relative_damping=0.1),
+    "relative 0.5": dict(relative_damping=0.5),
+    "relative 1": dict(relative_damping=1.0),
 }
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--settings", default="mlp")
+    parser.add_argument("--curvatures", default="gauss_newton,kfac,ekfac")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated labels of VARIANTS")
+    parser.add_argument("--wd", default="0,1e-3", help="weight decays passed (0: none)")
     args = parser.parse_args(argv)
     for name in args.settings.split(","):
         setting = F.SETTINGS[name]
@@ -46,9 +53,10 @@ def main(argv=None):
                                              f"-tol{setting.tol_subset:g}")
         print(f"[{name}] {setting.description}", flush=True)
         print(f"  {'curvature':14s} {'damping':16s} {'wd':>6s}  LDS [95% CI]", flush=True)
-        for curvature in ("gauss_newton", "kfac", "ekfac"):
-            for label, kwargs in VARIANTS.items():
-                for wd in (None, F.WD):
+        for curvature in args.curvatures.split(","):
+            for label in args.variants.split(","):
+                kwargs = VARIANTS[label]
+                for wd in (float(x) or None for x in args.wd.split(",")):
                     S = ga.methods.influence(setting.task(), setting.train, setting.queries, curvature=curvature,
                                              weight_decay=wd, **kwargs)
                     r = ga.eval.lds(S.compute(), gt, target="loss", bootstrap=1000)

@@ -17,7 +17,7 @@ from .compiled import Compiled, compile  # noqa: A004 - ga.compile(S): compile o
 from .errors import (BatchContentError, GradalgError, LossReductionError, MemoryBudgetError, NonFiniteGradientError, PerTokenError,
                      ShapeMismatchError, SpaceMismatchError, StoreIncompleteError, StoreMismatchError,
                      UnsupportedLayerError)
-from .errors import DataError, OptionError, StoreCorruptError, WorkerFaultError  # noqa: E402
+from .errors import DataError, ObjectiveError, OptionError, StoreCorruptError, WorkerFaultError  # noqa: E402
 from .errors import OperatorError, StaleCompiledError  # noqa: E402
 from .exec import LocalExecutor
 from . import fingerprint  # noqa: E402 - ga.fingerprint.forget(model) after writes through .data
@@ -41,5 +41,5 @@ __all__ = [
     "ShapeMismatchError", "SpaceMismatchError", "UnsupportedLayerError", "store", "StoreMismatchError",
     "StoreIncompleteError", "BatchContentError", "PerTokenError", "StoreCorruptError", "OptionError",
     "DataError", "WorkerFaultError", "fingerprint", "compile", "Compiled", "OperatorError",
-    "StaleCompiledError", "unroll", "training_objective",
+    "StaleCompiledError", "unroll", "training_objective", "ObjectiveError",
 ]

@@ -24,6 +24,7 @@ __all__ = [
     "ExampleIdsError",
     "OperatorError",
     "StaleCompiledError",
+    "ObjectiveError",
 ]
 
 
@@ -156,3 +157,8 @@ class OperatorError(GradalgError, ValueError):
 class StaleCompiledError(GradalgError, RuntimeError):
     """A compiled expression (``ga.compile``) whose model weights changed since it was
     compiled, used with ``on_change="raise"``."""
+
+
+class ObjectiveError(GradalgError, ValueError):
+    """The optimizer's settings (weight decay, Adam state) cannot be read, or have no exact form
+    in the requested space (``gradalg.objective``)."""

@@ -40,13 +40,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import GradalgError
+from .errors import ObjectiveError
 
 __all__ = ["TrainingObjective", "training_objective", "DecayTerm", "ObjectiveError"]
-
-
-class ObjectiveError(GradalgError, ValueError):
-    """The optimizer's settings cannot be read, or have no exact form in the requested space."""
 
 
 _COUPLED = ("SGD", "Adam")        # weight_decay added to the gradient (L2 in the objective)

@@ -170,15 +170,17 @@ def test_trainer_optimizer_groups_are_read():
 
 
 def test_default_damping_is_relative_to_the_spectrum(setting):
-    """λ = 0.1 × tr(H)/dim for explicit H (dense Fisher, K-FAC, EK-FAC), shown in the plan;
-    products-only solvers keep an absolute default, also shown."""
+    """λ = c × tr(H)/dim for explicit H (c = 1 for the dense Fisher, 0.1 for K-FAC / EK-FAC),
+    shown in the plan; products-only solvers keep an absolute default, also shown."""
     s = setting
     G, Q = reference_rows(s["task"], s["train"], LAYERS), reference_rows(s["task"], s["query"], LAYERS)
     Fm = G.T @ G / G.shape[0]
-    lam = 0.1 * torch.trace(Fm) / Fm.shape[0]
+    lam = 1.0 * torch.trace(Fm) / Fm.shape[0]
     S = ga.methods.influence(s["task"], s["train"], s["query"], layers=LAYERS, curvature="empirical")
     close(values(S), (Q @ torch.linalg.solve(Fm + lam * torch.eye(Fm.shape[0], dtype=Fm.dtype), G.T)).numpy())
-    assert "damp(λ=0.1·mean eig) [default: 0.1 × mean eigenvalue]" in repr(S)
+    assert "damp(λ=1·mean eig) [default: 1 × mean eigenvalue]" in repr(S)
+    assert "damp(λ=0.1·mean eig) [default: 0.1 × mean eigenvalue]" in repr(
+        ga.methods.influence(s["task"], s["train"], s["query"], layers=LAYERS, curvature="ekfac"))
     for curvature in ("kfac", "ekfac"):
         C = ga.grads(s["task"], s["train"], LAYERS, objective="expected")
         H = ga.kfac(C, eigen_correction=curvature == "ekfac").to_dense()

@@ -30,8 +30,9 @@ the Gauss-Newton curvature, which is why Gauss-Newton is the default.
 Damping and weight decay (shown in the plan, each ``damp`` with where it came from):
 
 * λ, default ``relative_damping`` × the mean eigenvalue tr(H)/dim of H (Kronfluence's
-  heuristic, scale-free) wherever H is explicit: the direct solver's dense / block Fisher,
-  K-FAC and EK-FAC (the mean of the eigenvalue matrices). Operators known only through
+  heuristic, scale-free) wherever H is explicit: the direct solver's dense / block Fisher
+  (factor 1), K-FAC and EK-FAC (the mean of the eigenvalue matrices; factor 0.1, Kronfluence's),
+  each factor measured (:data:`RELATIVE_DAMPING`). Operators known only through
   products (CG, LiSSA, Arnoldi) and DataInf have no cheap spectrum: there the default is
   the absolute :data:`ABSOLUTE_DAMPING`. ``damping=`` gives an absolute λ instead.
 * the objective's weight decay, from ``weight_decay=`` or read from ``optimizer=`` (a torch
@@ -53,7 +54,12 @@ from ..task import Task
 
 CURVATURES = ("gauss_newton", "empirical", "hessian", "kfac", "ekfac", "datainf")
 SOLVERS = ("direct", "cg", "lissa", "arnoldi")
-RELATIVE_DAMPING = 0.1    # default λ / mean eigenvalue of an explicit H (Kronfluence's factor; docs/fidelity.md)
+#: default λ / mean eigenvalue of an explicit H, per curvature, measured on the digits MLP
+#: (benchmarks/damping_defaults.py, LDS, 50 subsets; docs/user_guide.md "Defaults from the
+#: objective"): the dense Gauss-Newton / Fisher 0.726 at 0.1, 0.817 at 0.5, 0.829 at 1;
+#: EK-FAC 0.745 at 0.1 (Kronfluence's factor), 0.714 at 0.5, 0.691 at 1; K-FAC 0.753 at 0.1
+#: (the old absolute 1e-3: Gauss-Newton 0.818, EK-FAC 0.713, K-FAC 0.722).
+RELATIVE_DAMPING = {"gauss_newton": 1.0, "empirical": 1.0, "kfac": 0.1, "ekfac": 0.1}
 ABSOLUTE_DAMPING = 1e-3   # default λ where H's spectrum is not at hand (CG, LiSSA, Arnoldi, DataInf)
 
 
@@ -131,12 +137,13 @@ def _refuse_nonuniform(decay: DecayTerm, parameter_coordinates: bool, exact_diag
 def curvature_operator(task: Task, data, *, layers=None, projector: Projector | None = None,
                        curvature: str = "gauss_newton", solver: str = "direct", damping: float | None = None,
                        structure: str = "dense", rank: int = 32, seed: int = 0, solver_settings=None,
-                       train_grads=None, relative_damping: float = RELATIVE_DAMPING, weight_decay=None,
+                       train_grads=None, relative_damping: float | None = None, weight_decay=None,
                        optimizer=None):
     """(H + λI + decay)⁻¹ as a lazy Operator, for every curvature/solver pair in the table above.
 
-    damping : absolute λ; default None: ``relative_damping`` × H's mean eigenvalue where H is
-        explicit, else :data:`ABSOLUTE_DAMPING` (see the module docs).
+    damping : absolute λ; default None: ``relative_damping`` (default per curvature,
+        :data:`RELATIVE_DAMPING`) × H's mean eigenvalue where H is explicit, else
+        :data:`ABSOLUTE_DAMPING` (see the module docs).
     weight_decay / optimizer : the objective's weight decay, given or read (module docs).
     """
     if curvature not in CURVATURES:
@@ -144,6 +151,8 @@ def curvature_operator(task: Task, data, *, layers=None, projector: Projector | 
     if solver not in SOLVERS:
         raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
     settings = dict(solver_settings or {})
+    if relative_damping is None:
+        relative_damping = RELATIVE_DAMPING.get(curvature, 0.1)
     P = projector if projector is not None else (lambda G: G)
     decay = decay_term(weight_decay, optimizer, grads(task, data, layers)) if (
         weight_decay is not None or optimizer is not None) else None
@@ -183,12 +192,14 @@ def influence(task: Task, train, queries, *, layers=None, projector: Projector |
               damping: float | None = None, weight_decay: float | None = None, optimizer=None,
               curvature: str = "gauss_newton", solver: str = "direct", structure: str = "dense",
               curvature_data=None, rank: int = 32, seed: int = 0, solver_settings: dict | None = None,
-              relative_damping: float = RELATIVE_DAMPING) -> Scores:
+              relative_damping: float | None = None) -> Scores:
     """Influence-function scores ``P(Q) @ (H + λI + wd)⁻¹ @ P(G).T``.
 
     curvature_data : examples H is estimated on (default: ``train``).
     damping : an absolute λ; default (None) ``relative_damping`` × H's mean eigenvalue for an
-        explicit H, :data:`ABSOLUTE_DAMPING` for products-only solvers and DataInf.
+        explicit H (default factor per curvature: 1 for the dense Gauss-Newton / Fisher, 0.1 for
+        K-FAC / EK-FAC, :data:`RELATIVE_DAMPING`), :data:`ABSOLUTE_DAMPING` for products-only
+        solvers and DataInf.
     weight_decay : the training objective's L2 coefficient (its Hessian is wd·I).
     optimizer : the optimizer that trained the model (torch SGD / Adam / AdamW, or a
         transformers Trainer): its weight decay is read per parameter (module docs).

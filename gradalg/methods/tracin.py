@@ -20,19 +20,20 @@ from typing import Sequence
 from ..api import Scores, grads, sum_scores
 from ..expr.projection import Projector
 from ..task import Task
-from .influence import RELATIVE_DAMPING, curvature_operator
+from .influence import curvature_operator
 
 
 def tracin(checkpoints: Sequence[Task], learning_rates: Sequence[float], train, queries, *, layers=None,
            projector: Projector | None = None, normalize: bool = False, curvature: str | None = None,
-           damping: float | None = None, relative_damping: float = RELATIVE_DAMPING,
+           damping: float | None = None, relative_damping: float | None = None,
            optimizers: Sequence | None = None, curvature_data=None, seed: int = 0) -> Scores:
     """``Σ_c η_c · P(Q_c) @ [H_c⁻¹ @] P(G_c).T``; one Task per checkpoint (same architecture).
 
     normalize : use cosine similarities per checkpoint (as in TracIn's "TracInCP-cos").
     curvature : None (plain TracIn) or a curvature of ``ga.methods.influence`` ("gauss_newton",
         "ekfac", "kfac", "empirical", ...) estimated at each checkpoint on ``curvature_data``
-        (default ``train``), damped by ``damping`` or ``relative_damping`` × its mean eigenvalue.
+        (default ``train``), damped by ``damping`` or ``relative_damping`` × its mean eigenvalue
+        (default: influence's factor for that curvature).
     optimizers : with ``curvature``, the optimizer at each checkpoint: its weight decay enters
         H_c (see :mod:`gradalg.objective`).
     """

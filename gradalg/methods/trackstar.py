@@ -31,7 +31,7 @@ from ..objective import training_objective
 from ..task import Task
 from .trak import default_projector
 
-RELATIVE_DAMPING = 0.1   # λ_R / mean eigenvalue of R (Kronfluence's factor, as influence uses)
+RELATIVE_DAMPING = 0.1   # λ_R / mean eigenvalue of R: Kronfluence's factor (chosen, not measured for TrackStar)
 
 
 def trackstar(task: Task, train, queries, *, optimizer, layers=None, k: int = 4096, seed: int = 0,
