@@ -30,8 +30,8 @@ def logra(task: Task, train, queries, *, layers=None, k: int = K, seed: int = 0,
         (docs/fidelity.md, LDS on 50 retrained halves of a 2-layer GPT-2): k = 64 / 256
         / 1024 / 4096 scored 0.27 / 0.31 / 0.34 / 0.35 against EK-FAC influence's 0.36,
         at the same cost (about 5× a forward+backward pass over the training set);
-        k = 64, the old default, lost a quarter of EK-FAC's LDS. Checked on the held-out
-        GPT-2 and the digits settings in the same document.
+        k = 64, the old default, lost a quarter of EK-FAC's LDS. Held out: another GPT-2
+        0.43 (EK-FAC 0.44); digits logistic regression 0.55 → 0.79.
     damping : absolute λ added to the projected (EK-)FAC (1e-3; 1e-2 and 1e-1 measured
         no better on the GPT-2).
     curvature : "ekfac" (default), "kfac", or "fisher" (dense per-layer Fisher of the
