@@ -31,6 +31,7 @@ class ResolvedOp(LinearOp):
 
     @property
     def form(self) -> str:
+        """``diagonal``, ``block`` or ``dense``: how the numbers are kept."""
         return _FORM[self.kind]
 
     # ---- constructors -------------------------------------------------------------

@@ -52,6 +52,7 @@ class MagicScores:
 
     @property
     def shape(self) -> tuple[int, int]:
+        """(n_query, n_train): one metagradient per query and training example."""
         return (self.n_query, self.run.n_train)
 
     def _query_fn(self, params: dict) -> torch.Tensor:
@@ -67,6 +68,8 @@ class MagicScores:
         return values
 
     def compute(self) -> xr.DataArray:
+        """Replay the run and back-propagate every query through it: a (query, train)
+        ``DataArray`` of −∂f_q/∂ε_i (positive: up-weighting example i lowers the query's loss)."""
         result = metagradients(self.run, self._query_fn, checkpointing=self.checkpointing,
                                replay_tolerance=self.replay_tolerance)
         self.metagradients = result

@@ -70,6 +70,8 @@ class Segment:
 
     @property
     def curvature_at(self) -> Task:
+        """The checkpoint whose curvature stands for the segment: ``curvature_task`` when
+        given, else the middle checkpoint of the segment."""
         return self.curvature_task if self.curvature_task is not None else self.tasks[len(self.tasks) // 2]
 
 
