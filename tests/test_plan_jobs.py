@@ -74,6 +74,8 @@ def test_every_job_class_has_a_sink_and_its_kind_name():
         assert cls.kind == kind and job_type(kind) is cls
     with pytest.raises(KeyError, match="unknown job kind"):
         job_type("nope")
+    with pytest.raises(TypeError, match="instance of its class"):   # the old string-typed constructor
+        ScoresJob("scores", grads().expr)
 
 
 def test_collect_and_scores_jobs_round_trip():
@@ -172,6 +174,20 @@ def test_forced_choices_are_obeyed_and_recorded():
     assert "forced by Choices(held='right')" in p.decision("held side").why
     (job,) = [j for step in p.passes for j in step.jobs if isinstance(j, ScoresJob)]
     assert job.transposed and job.held == G.expr and job.streams == (Q.expr,)
+
+
+def test_normalization_of_the_streamed_side_is_a_decision_the_sink_follows():
+    s = setup()
+    G, Q = grads(), grads(which="query")
+    S = Q @ G.normalize().T
+    ex = ga.LocalExecutor()
+    got = run(S, ex)
+    d = ex.last_plan.decision("normalization of")
+    (job,) = [j for step in ex.last_plan.passes for j in step.jobs if isinstance(j, ScoresJob)]
+    assert d.chosen == "in the score kernel" and job.normalize_streamed and set(d.alternatives) == {
+        "in the score kernel", "row-wise"}
+    R = s["R"]
+    torch.testing.assert_close(got, s["RQ"] @ (R / R.norm(dim=1, keepdim=True)).T, **TOL)
 
 
 def test_the_executor_runs_the_kernels_the_plan_names():

@@ -62,6 +62,11 @@ class Job:
     #: estimated FLOPs and traffic of this job in its pass (set when the pass is sized)
     cost: Cost = field(default_factory=Cost)
 
+    def __post_init__(self):
+        if type(self) is Job or isinstance(self.target, str):
+            raise TypeError("a job is an instance of its class: CollectJob(target, streams, deps, ...), or "
+                            "job_type(kind)(target, ...), not Job(kind, target, ...)")
+
     @property
     def key(self) -> tuple[str, str]:
         return (self.kind, self.target.token)

@@ -12,15 +12,16 @@ Stages
                 and feeds every job that can run in it (curvature statistics,
                 collections, scores against an already-preconditioned held side)
 
-Jobs
+Jobs (one class each in :mod:`gradalg.plan.jobs`; ``kind`` in brackets)
 ----
-``collect``  keep all rows of a gradient node (a held side, or stored data)
-``group``    accumulate group means (GroupMean)
-``fisher``   accumulate Σ g gᵀ (dense / block / diag)
-``kfac``     accumulate Kronecker factors; ``ekfac`` the eigenvalue correction (a
-             second pass: it needs the eigenbasis)
-``scores``   inner products of the streamed side with the held side
-``diag``     self-scores, both sides streamed in lockstep
+CollectJob (``collect``)  keep all rows of a gradient node (a held side); StoreJob
+                          (``store``) rows a later pass needs again
+GroupJob (``group``)      accumulate group means (GroupMean)
+FisherJob (``fisher``)    accumulate Σ g gᵀ (dense / block / diag)
+KFACJob (``kfac``)        accumulate Kronecker factors; EKFACJob (``ekfac``) the
+                          eigenvalue correction (a second pass: it needs the eigenbasis)
+ScoresJob (``scores``)    inner products of the streamed side with the held side
+DiagJob (``diag``)        self-scores, both sides streamed in lockstep
 
 A job can run in a pass when the jobs it depends on have finished; jobs over the same
 (task, data) run in the same pass. When a job must wait for statistics computed from
