@@ -228,6 +228,30 @@ def test_conv_kernels_are_decided_before_the_run(monkeypatch):
     assert ran.get("ghost", 0) == 2 * sum(v == "ghost" for v in kernels.values())
 
 
+def test_captured_rows_are_planned_with_their_recorded_positions():
+    """Rows recorded by ga.capture are in memory: the plan reads their factors' shapes and
+    decides every kernel (T = 1 for an MLP: ghost), and the run follows it."""
+    import torch.nn.functional as F_
+
+    s = setup()
+    model = s["model"]
+    x, y = s["train"]
+    with ga.capture(model, layers=list(LAYERS)) as cap:
+        for a in range(0, 24, 8):
+            F_.cross_entropy(model(x[a:a + 8]), y[a:a + 8], reduction="sum").backward()
+    model.zero_grad(set_to_none=True)
+    Q = grads(which="query")
+    S = Q @ cap.grads.T
+    display = plan(S.expr)
+    for name in LAYERS:
+        d = display.decision(f"kernel for block {name!r}")
+        assert d.chosen == "ghost" and "T=1/1" in d.why
+    ex = ga.LocalExecutor()
+    got = run(S, ex)
+    assert dict(ex.trace) == {"ghost": 3 * len(LAYERS)}
+    torch.testing.assert_close(got, s["RQ"] @ s["R"].T, **TOL)
+
+
 # ---------------------------------------------------------------------- thresholds as options
 def influence():
     G, Q = grads(), grads(which="query")

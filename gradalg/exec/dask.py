@@ -238,7 +238,7 @@ class DaskExecutor(Executor):
             return f"runs on the client ({data.n} examples, fewer than min_shard_examples={self.min_shard_examples})"
         shards = len(self._ranges(data.n))
         model_bytes = sum(p.numel() * p.element_size() for p in sources[0].task.model.parameters())
-        back = sum(_state_bytes(job, data.n) for job in step.jobs)
+        back = sum(job.output_bytes(data.n) for job in step.jobs)
         return (f"{shards} shard tasks over {self.n_workers} workers (~{data.n // max(shards, 1)} examples each); "
                 f"scattered once per worker: the jobs, the model ({model_bytes / 2**20:.1f} MiB) and held rows "
                 f"({step.fixed_bytes / 2**20:.1f} MiB); returned: partial states (~{back / 2**20:.1f} MiB in all)")
@@ -321,17 +321,3 @@ def _lazy_scores(results, index):
 def _as_array(result):
     """A score term as the Dask executor returns it: Dask arrays as they are, tensors as NumPy."""
     return result.detach().cpu().numpy() if isinstance(result, torch.Tensor) else result
-
-
-def _state_bytes(job, n: int) -> float:
-    """Rough size of what a job's shards send back, summed over shards."""
-    if job.kind == "scores":
-        return 8.0 * job.held.n * n
-    if job.kind in ("collect", "store", "group"):
-        return 4.0 * job.target.n * job.target.space.dim
-    if job.kind == "fisher":
-        d = job.target.space.dim
-        return 8.0 * d * d
-    if job.kind in ("kfac", "ekfac"):
-        return 8.0 * sum(b.shape[0] ** 2 + b.shape[-1] ** 2 for b in job.target.space.blocks)
-    return 8.0 * n

@@ -82,6 +82,11 @@ class Job:
         """Working bytes per streamed example, beyond the captured rows."""
         return consumer_bytes_per_example(self, dtype)
 
+    def output_bytes(self, n: int) -> float:
+        """Rough bytes of the job's result over ``n`` streamed examples (what the shards of
+        a distributed pass send back, summed over shards)."""
+        return 8.0 * n
+
 
 @dataclass(eq=False)
 class CollectJob(Job):
@@ -95,6 +100,9 @@ class CollectJob(Job):
 
     def fixed_bytes(self, dtype) -> float:
         return rows_bytes(self.target, self.storage, dtype)
+
+    def output_bytes(self, n: int) -> float:
+        return 4.0 * self.target.n * self.target.space.dim
 
 
 @dataclass(eq=False)
@@ -114,6 +122,9 @@ class GroupJob(Job):
     def fixed_bytes(self, dtype) -> float:
         return rows_bytes(self.target, self.storage, dtype)
 
+    def output_bytes(self, n: int) -> float:
+        return 4.0 * self.target.n * self.target.space.dim
+
 
 @dataclass(eq=False)
 class FisherJob(Job):
@@ -124,6 +135,9 @@ class FisherJob(Job):
 
     def fixed_bytes(self, dtype) -> float:
         return fisher_cost(1, [b.dim for b in self.target.space.blocks], self.target.structure).peak_bytes
+
+    def output_bytes(self, n: int) -> float:
+        return self.fixed_bytes(None)
 
 
 @dataclass(eq=False)
@@ -136,6 +150,9 @@ class KFACJob(Job):
     def fixed_bytes(self, dtype) -> float:
         return kron_bytes(self.target.space)
 
+    def output_bytes(self, n: int) -> float:
+        return 8.0 * sum(b.shape[0] ** 2 + b.shape[-1] ** 2 for b in self.target.space.blocks)
+
 
 @dataclass(eq=False)
 class EKFACJob(Job):
@@ -147,6 +164,9 @@ class EKFACJob(Job):
 
     def fixed_bytes(self, dtype) -> float:
         return kron_bytes(self.target.space)
+
+    def output_bytes(self, n: int) -> float:
+        return 8.0 * sum(b.shape[0] ** 2 + b.shape[-1] ** 2 for b in self.target.space.blocks)
 
 
 @dataclass(eq=False)
@@ -170,6 +190,9 @@ class ScoresJob(Job):
 
     def fixed_bytes(self, dtype) -> float:
         return rows_bytes(self.held, self.held_storage, dtype)
+
+    def output_bytes(self, n: int) -> float:
+        return 8.0 * self.held.n * n
 
     def per_example_bytes(self, dtype) -> float:
         total = super().per_example_bytes(dtype)

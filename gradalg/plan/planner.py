@@ -391,6 +391,8 @@ class _Planner:
         if _positions_known(node) and not any(b.kind in CONV_KINDS for b in node.space.blocks):
             return True
         src = node.source
+        if isinstance(src, Captured):
+            return True     # rows in memory: their factors' shapes are known (memory.captured_positions)
         return isinstance(src, Source) and forward_shapes(src).measured
 
     def _pass_key(self, node: GradNode, stored: set) -> tuple:
