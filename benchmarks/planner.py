@@ -87,7 +87,8 @@ def run_kernel(held: Chunk, train: Chunk, space, mode: str, n_rows: int) -> floa
     chunk by chunk, with the executor's ScoreAccumulator forced to ``mode``."""
     trace = Counter()
     start = CLOCK()
-    acc = ScoreAccumulator(held, space, {}, mode, trace, 2**40)
+    kernel = "ghost" if mode == "always" else "dense"
+    acc = ScoreAccumulator(held, space, {name: kernel for name in space.names}, trace)
     for a in range(0, n_rows, CHUNK):
         acc.update(rows(train, a, min(a + CHUNK, n_rows)))
     acc.finish()

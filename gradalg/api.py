@@ -74,8 +74,9 @@ class _Displayed:
         rewrites : False shows (and runs) the plan without rewrite rules.
         device : plan for this device ("h200", "h100", "a100"; default: this machine)
             and add estimated time and memory per GPU for each count in ``gpus``.
-        memory_budget : bytes for the plan (default: the options' budget here, 40% of
-            the device's memory when planning for another device).
+        memory_budget : bytes for the plan (default: the options' budget here,
+            ``ga.options(device_memory_fraction=...)`` (0.4) of the device's memory when
+            planning for another device).
         executor : the executor that would run it (a ``ga.exec.DaskExecutor`` adds, per
             pass, its shards, tasks and what crosses the network).
         """
@@ -90,7 +91,8 @@ class _Displayed:
             from .options import get_options
             from .plan.devices import profile
             # a string ("4GB") is parsed by Options, like ga.options(memory_budget=...)
-            budget = memory_budget if memory_budget is not None else int(0.4 * profile(device).memory)
+            fraction = get_options().device_memory_fraction
+            budget = memory_budget if memory_budget is not None else int(fraction * profile(device).memory)
             options = _replace(get_options(), memory_budget=budget)
         if analyze:
             from .exec.local import LocalExecutor
@@ -106,7 +108,7 @@ class _Displayed:
             # planning for hardware one does not have: show how it would run on all the GPUs
             # asked about, and say plainly that one GPU's budget is not enough
             from .plan.cost import _si
-            wide = int(0.4 * profile(device).memory * max(gpus))
+            wide = int(options.device_memory_fraction * profile(device).memory * max(gpus))
             p = plan(self.expr, options=_replace(options, memory_budget=wide), device=device, rewrites=rewrites)
             warning = (f"does not fit a memory budget of {_si(options.memory_budget)}B on one "
                        f"{profile(device).name}: {err}. Shown: the plan for a budget of {_si(wide)}B "

@@ -104,6 +104,30 @@ class Options:
         Cache the content digests behind node identities per tensor, invalidated by the
         tensor's version counter (see :mod:`gradalg.fingerprint`). ``False`` rehashes
         every tensor on each use (for code that writes weights through ``.data``).
+
+    Thresholds the planner decides with (each shown in ``explain()`` where it decides):
+
+    store_fraction : float in (0, 1]
+        Rows a later pass needs again are stored (not re-read) only if they fit this
+        fraction of ``memory_budget`` (default a quarter: the rest is for the pass that
+        reads them back, its held side and its batches). The "second use" decisions.
+    row_storage : {"auto", "factors", "flat"}
+        How kept rows of a factored block are stored: the smaller of its factors
+        (T·(in + out) numbers per row) and its flat gradient (out·in), or forced. The
+        "storage of" decisions.
+    ghost_slice_elements : int
+        The ghost kernel computes ⟨G_i, G_j⟩ in slices of streamed examples so that its
+        (n_left, n_slice, T_left, T_right) intermediate has at most this many elements.
+        Shown in each ghost kernel decision.
+    reuse_buffer_bytes : int
+        Streamed factored blocks at least this large are materialized into one buffer
+        reused across blocks and chunks (fresh tensors above the allocator's mmap
+        threshold cost page faults); smaller ones are allocated as usual. Shown in each
+        dense kernel decision over factored rows.
+    device_memory_fraction : float in (0, 1]
+        ``explain(device=...)`` on hardware one does not have plans under this fraction of
+        one device's memory (the rest for the model, its optimizer and the framework).
+        Shown in the plan's header as its memory budget.
     """
 
     batch_size: int = 32
@@ -116,6 +140,11 @@ class Options:
     progress_interval: float = field(default_factory=lambda: _interval_from_env())
     check_models: bool = True
     fingerprint_cache: bool = True
+    store_fraction: float = 0.25
+    row_storage: str = "auto"
+    ghost_slice_elements: int = 2**26
+    reuse_buffer_bytes: int = 2**20
+    device_memory_fraction: float = 0.4
 
     def __post_init__(self):
         if not isinstance(self.batch_size, int) or isinstance(self.batch_size, bool) or self.batch_size < 1:
@@ -140,6 +169,16 @@ class Options:
         interval = self.progress_interval
         if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 <= interval < float("inf"):
             raise OptionError(f"progress_interval must be a number of seconds >= 0, got {interval!r}")
+        for name in ("store_fraction", "device_memory_fraction"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise OptionError(f"{name} must be a fraction in (0, 1], got {value!r}")
+        if not isinstance(self.row_storage, str) or self.row_storage not in ("auto", "factors", "flat"):
+            raise OptionError(f"row_storage must be 'auto', 'factors' or 'flat', got {self.row_storage!r}")
+        for name in ("ghost_slice_elements", "reuse_buffer_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise OptionError(f"{name} must be a positive int, got {value!r}")
         for f in fields(self):
             if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
                 raise OptionError(f"{f.name} must be True or False, got {getattr(self, f.name)!r}")

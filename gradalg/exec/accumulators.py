@@ -6,6 +6,10 @@ and ``finish()``; the executor stores what ``finish`` returns. For sharded passe
 it to another accumulator of the same job (shards absorbed in order). The same accumulators
 serve the fused passes of a plan and the one-node-at-a-time pull path, so both give
 identical numbers.
+
+Accumulators decide nothing: kernels, storage and slice sizes are the plan's
+(:mod:`gradalg.plan.jobs`, shown by ``explain()``), and memory is checked by the planner
+before a pass runs (:mod:`gradalg.plan.memory`).
 """
 from __future__ import annotations
 
@@ -13,9 +17,10 @@ import torch
 
 from ..capture.factors import HALF_DTYPES, Factors, ghost_inner, self_inner
 from ..curvature.kron import KronOp, KronStats, kron_eigenbasis, rotate_factors, rotate_rows
-from ..errors import GradalgError, MemoryBudgetError
+from ..errors import GradalgError
 from ..expr import KFAC, Fisher, GroupMean
-from ..plan.routing import choose_kernel
+from ..plan.memory import check_statistics_fit
+from ..plan.rules import PlanError
 from .chunks import Chunk, concat_chunks, flat_block, flatten, row_sq_norms, unflatten
 from .operators import ResolvedOp
 
@@ -24,19 +29,16 @@ __all__ = ["FisherAccumulator", "KronAccumulator", "EKFACAccumulator", "GroupAcc
 
 
 class FisherAccumulator:
-    """F = (1/n) Σ_i g_i g_iᵀ, accumulated in float64, as dense, block or diag."""
+    """F = (1/n) Σ_i g_i g_iᵀ, accumulated in float64, as dense, block or diag.
 
-    def __init__(self, node: Fisher, memory_budget: int):
+    ``memory_budget``: for the pull path, which runs without a plan: the planner's own
+    check (:func:`gradalg.plan.memory.check_statistics_fit`) is made here. A plan's
+    Fisher jobs were checked when planned and pass None."""
+
+    def __init__(self, node: Fisher, memory_budget: int | None = None):
         space, structure = node.space, node.structure
-        need = {"dense": space.dim ** 2, "block": sum(b.dim ** 2 for b in space.blocks),
-                "diag": space.dim}[structure] * 8
-        if need > memory_budget:
-            raise MemoryBudgetError(
-                f"a {structure} Fisher over {space.dim:,} coordinates needs {need / 2**30:.1f} GiB, over "
-                f"the memory budget of {memory_budget / 2**30:.1f} GiB. Project first "
-                "(ga.fisher(P(G)) with P = ga.proj.kron(k=...)), use structure='block' or 'diag', "
-                "or raise ga.options(memory_budget=...)."
-            )
+        if memory_budget is not None:
+            check_statistics_fit(node, memory_budget)
         self.node, self.space, self.structure = node, space, structure
         self.acc = None
         self.rows = 0
@@ -229,16 +231,15 @@ def _owned(value):
     return value
 
 
-def _nbytes(value) -> int:
-    return value.nbytes() if isinstance(value, Factors) else value.numel() * value.element_size()
-
-
 class ScoreAccumulator:
     """Columns of ⟨held_i, streamed_j⟩ summed over blocks, chunk by chunk of the streamed side.
 
-    ``held`` is already preconditioned. Per block the kernel is the plan's choice (what
-    ``explain()`` shows), the one forced by ``ga.options(ghost=...)``, or — for blocks the
-    plan did not cost — the routing rule on the chunk's real shapes.
+    ``held`` is already preconditioned. Per block the kernel is the plan's choice
+    (``kernels``: what ``explain()`` shows; ``ga.options(ghost=...)`` forces it there);
+    a ghost kernel on rows that are not factored on both sides is a planner bug and is
+    refused. ``slice_elements`` bounds the ghost kernel's intermediate,
+    ``buffer_bytes`` is the size from which streamed blocks reuse one buffer
+    (``ga.options(ghost_slice_elements=..., reuse_buffer_bytes=...)``).
 
     ``normalize_streamed``: the streamed rows arrive unnormalized and each column is
     divided by its row's norm, ⟨h, g/‖g‖⟩ = ⟨h, g⟩/‖g‖ (Grad-Cos, TracIn-cos). A block
@@ -246,17 +247,11 @@ class ScoreAccumulator:
     of them; only ghost blocks pay the ghost identity's T²·(in + out).
     """
 
-    def __init__(self, held: Chunk, space, kernels: dict, ghost_mode: str, trace, memory_budget: int,
-                 normalize_streamed: bool = False):
-        nbytes = sum(_nbytes(v) for v in held.blocks.values())
-        if nbytes > memory_budget:
-            raise MemoryBudgetError(
-                f"the held side of the scores takes {nbytes / 2**20:.0f} MiB, over the memory budget "
-                f"of {memory_budget / 2**20:.0f} MiB: use fewer queries per call, "
-                "project the gradients (ga.proj.kron), or raise ga.options(memory_budget=...)"
-            )
+    def __init__(self, held: Chunk, space, kernels: dict, trace, normalize_streamed: bool = False,
+                 slice_elements: int = 2**26, buffer_bytes: int = 2**20):
         self.held, self.space, self.kernels = held, space, kernels
-        self.ghost_mode, self.trace = ghost_mode, trace
+        self.trace = trace
+        self.slice_elements, self.buffer_bytes = slice_elements, buffer_bytes
         self.normalize_streamed = normalize_streamed
         self._sq_norms: torch.Tensor | None = None
         self.columns: list[torch.Tensor] = []
@@ -278,14 +273,18 @@ class ScoreAccumulator:
         self._sq_norms = sq if self._sq_norms is None else self._sq_norms + sq.to(self._sq_norms.dtype)
 
     def _block(self, name, lval, rval) -> torch.Tensor:
-        if isinstance(lval, Factors) and isinstance(rval, Factors):
-            planned = self.kernels.get(name) if self.ghost_mode == "auto" else None
-            kernel = planned or choose_kernel(lval, rval, self.ghost_mode)
-            if kernel == "ghost":
-                self.trace["ghost"] += 1
-                if self.normalize_streamed:
-                    self._add_sq_norms(self_inner(rval))
-                return ghost_inner(lval, rval)
+        kernel = self.kernels.get(name, "dense")
+        if kernel == "ghost":
+            if not (isinstance(lval, Factors) and isinstance(rval, Factors)):
+                raise PlanError(f"the plan chose the ghost kernel for block {name!r}, but its rows are not "
+                                "factored on both sides (a planner bug: please report it)")
+            self.trace["ghost"] += 1
+            if self.normalize_streamed:
+                self._add_sq_norms(self_inner(rval))
+            return ghost_inner(lval, rval, self.slice_elements)
+        if kernel != "dense":
+            raise PlanError(f"block {name!r} has no kernel in the plan ({kernel!r}): plan it with "
+                            "measure_shapes=True, as executors do")
         self.trace["dense"] += 1
         if isinstance(lval, Factors):
             if name not in self._materialized:
@@ -304,14 +303,15 @@ class ScoreAccumulator:
         Large factored blocks are materialized into one buffer reused across blocks and
         chunks: a fresh tensor of tens of MB per block and chunk (above the allocator's
         mmap threshold) costs about as much in page faults as the batched GEMM that fills
-        it. Small ones (under 1 MiB, recycled by the allocator) take the ordinary path.
+        it. Small ones (under ``buffer_bytes``, 1 MiB by default, recycled by the allocator)
+        take the ordinary path.
         """
         if (not isinstance(value, Factors) or not isinstance(value.A, torch.Tensor) or value.A.dtype != value.D.dtype
                 or value.D.dtype in HALF_DTYPES):   # half precision: float32 rows (flat_block)
             return flat_block(value)
         D, A = value.D, value.A
         n, size = D.shape[0], D.shape[0] * D.shape[2] * A.shape[2]
-        if size * D.element_size() < 2**20:
+        if size * D.element_size() < self.buffer_bytes:
             return flat_block(value)
         buf = self._buffer
         if buf is None or buf.numel() < size or buf.dtype != D.dtype or buf.device != D.device:

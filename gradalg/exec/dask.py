@@ -1,12 +1,16 @@
 """The Dask executor: the same physical plan, each pass over data split into shards
 that run on Dask workers.
 
-For every pass that reads a dataset, the examples are split into index ranges
-(``shards``, default 2 per worker). The pass's jobs — with the state they need (held
-rows already preconditioned, resolved operators of the row-wise chains, K-FAC bases)
-— are scattered to every worker once per pass; that sends the model once per worker.
-Each shard task runs the pass over its sub-dataset with a :class:`LocalExecutor` and
-returns its jobs' partial states (``export``); the client absorbs them in shard order.
+Composition, not inheritance: a ``DaskExecutor`` holds a :class:`LocalExecutor` (the
+plan, the pass runner, the run state, the pull path) and is that executor's *shard
+strategy* (``run_shards``, :mod:`gradalg.exec.runner`). For every pass that reads a
+dataset, the examples are split into index ranges (``shards``, default 2 per worker).
+The pass's sinks — with the state they need (held rows already preconditioned,
+resolved operators of the row-wise chains, K-FAC bases) — are scattered to every
+worker once per pass; that sends the model once per worker. Each shard task feeds its
+sub-dataset to the sinks with a worker-side :class:`LocalExecutor` built from that
+state (``LocalExecutor(options, state=RunState(...))``) and returns the sinks' partial
+states (``export``); the client absorbs them in shard order.
 Score blocks are gathered to the client as each shard finishes: the result is a Dask
 array whose blocks are the shards' score columns, wrapped in an ``xarray.DataArray`` by
 ``Scores.compute``; it outlives worker deaths and the executor.
@@ -29,13 +33,16 @@ from dataclasses import replace
 import torch
 
 from ..data import move_batch
-from ..expr import ScoreNode, ScoreSum, Source
+from ..expr import Source
+from ..plan.jobs import ScoresJob
 from ..plan.planner import chain_ops, stream_root
+from .base import Executor
 from .capture_pass import eval_mode, model_device_dtype
 from .local import LocalExecutor
 from .progress import in_notebook
 from .resilience import PAYLOAD, FaultPolicy, run_tasks
 from .shards import restrict, shard_ranges
+from .state import RunState
 
 __all__ = ["DaskExecutor"]
 
@@ -59,22 +66,21 @@ def _run_shard(payload, start: int, stop: int):
 
 
 def _run_shard_alone(payload, start: int, stop: int):
-    step, sinks, state, options, data_token = payload
-    if state.get("threads"):
-        torch.set_num_threads(state["threads"])   # per task: OpenMP settings are per thread
-    ex = LocalExecutor(options)
-    ex._ops, ex._kron, ex._cache = dict(state["ops"]), dict(state["kron"]), dict(state["cache"])
-    ex._checked_tasks = set(state["checked"])   # the loss reduction was checked on the client
+    step, sinks, state, options, data_token, threads = payload
+    if threads:
+        torch.set_num_threads(threads)   # per task: OpenMP settings are per thread
+    # the loss reduction was checked on the client (state.checked)
+    ex = LocalExecutor(options, state=RunState(ops=dict(state.ops), kron=dict(state.kron),
+                                               checked=set(state.checked)))
     jobs = [replace(job, streams=tuple(restrict(s, data_token, start, stop) for s in job.streams))
             for job in step.jobs]
     shard_step = replace(step, jobs=jobs)
-    local_sinks = []
-    for job, sink in zip(jobs, copy.deepcopy(sinks)):
-        if job.kind == "group":
-            sink.start = start
-        local_sinks.append((job, sink))
-    ex._feed(shard_step, local_sinks)
-    return [sink.export() for _, sink in local_sinks], dict(ex.trace)
+    shard_sinks = copy.deepcopy(sinks)
+    for job, sink in zip(jobs, shard_sinks):
+        sink.job = job
+        sink.for_shard(start)
+    ex.runner.feed(shard_step, shard_sinks)
+    return [sink.export() for sink in shard_sinks], dict(ex.trace)
 
 
 def _pick(result, index):
@@ -82,7 +88,7 @@ def _pick(result, index):
     return block.detach().cpu().numpy()
 
 
-class DaskExecutor(LocalExecutor):
+class DaskExecutor(Executor):
     """Runs plans on a Dask cluster.
 
     Parameters
@@ -111,8 +117,10 @@ class DaskExecutor(LocalExecutor):
                  shards_per_worker: int = 2, min_shard_examples: int = 32, retries: int = 3, options=None,
                  rewrites: bool = True, task_timeout: float | None = None, resubmits: int = 3,
                  worker_wait: float = 60.0, choices=None):
-        super().__init__(options, rewrites=rewrites, choices=choices)
         from distributed import Client, LocalCluster
+
+        # the plan, the pass runner, the run state and the pull path; passes' shards run here
+        self.local = LocalExecutor(options, rewrites=rewrites, choices=choices, shards=self)
 
         self._own = client is None
         if client is None:
@@ -129,14 +137,80 @@ class DaskExecutor(LocalExecutor):
         self.retries = retries
         self.faults = FaultPolicy(retries, resubmits, task_timeout, worker_wait)
 
+    # ------------------------------------------------------------------ the composed executor
+    @property
+    def options(self):
+        return self.local.options
+
+    @options.setter
+    def options(self, value):
+        self.local.options = value
+
+    @property
+    def rewrites(self) -> bool:
+        return self.local.rewrites
+
+    @rewrites.setter
+    def rewrites(self, value):
+        self.local.rewrites = value
+
+    @property
+    def choices(self):
+        return self.local.choices
+
+    @choices.setter
+    def choices(self, value):
+        self.local.choices = value
+
+    @property
+    def trace(self):
+        return self.local.trace
+
+    @property
+    def state(self) -> RunState:
+        return self.local.state
+
+    @property
+    def last_plan(self):
+        return self.local.last_plan
+
+    @property
+    def pass_stats(self) -> list:
+        return self.local.pass_stats
+
     def reset(self) -> None:
-        """Forget earlier results (as :meth:`LocalExecutor.reset`), the gathered score blocks included."""
-        super().reset()
-        self._score_blocks: dict[str, list] = {}
+        """Forget every resolved operator, kept row and result (``LocalExecutor.reset``)."""
+        self.local.reset()
+
+    def plan(self, node):
+        return self.local.plan(node)
+
+    def run(self, p):
+        return self.local.run(p)
+
+    def resolve(self, node):
+        return self.local.resolve(node)
+
+    def iter_chunks(self, node):
+        return self.local.iter_chunks(node)
+
+    def gradients(self, node):
+        return self.local.gradients(node)
+
+    def operator(self, node):
+        return self.local.operator(node)
+
+    def diagonal(self, node):
+        return self.local.diagonal(node)
+
+    def scores(self, node):
+        """Scores of ``node``: a Dask array of the shards' blocks where a pass ran on the
+        cluster, NumPy where it ran here."""
+        p = self.local.run(self.local.plan(node))
+        return self.local.state.scores(p.simplified, as_array=_as_array)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Shut down the cluster and client this executor started; one passed in is left running."""
         if self._own and self.client is not None:
             cluster = self.client.cluster
             self.client.close()
@@ -152,7 +226,6 @@ class DaskExecutor(LocalExecutor):
 
     @property
     def n_workers(self) -> int:
-        """Workers the scheduler knows now (at least 1)."""
         return max(1, len(self.client.scheduler_info().get("workers", {})))
 
     def describe_pass(self, step) -> str:
@@ -165,48 +238,38 @@ class DaskExecutor(LocalExecutor):
             return f"runs on the client ({data.n} examples, fewer than min_shard_examples={self.min_shard_examples})"
         shards = len(self._ranges(data.n))
         model_bytes = sum(p.numel() * p.element_size() for p in sources[0].task.model.parameters())
-        back = sum(_state_bytes(job, data.n) for job in step.jobs)
+        back = sum(job.output_bytes(data.n) for job in step.jobs)
         return (f"{shards} shard tasks over {self.n_workers} workers (~{data.n // max(shards, 1)} examples each); "
                 f"scattered once per worker: the jobs, the model ({model_bytes / 2**20:.1f} MiB) and held rows "
                 f"({step.fixed_bytes / 2**20:.1f} MiB); returned: partial states (~{back / 2**20:.1f} MiB in all)")
 
     # ------------------------------------------------------------------ passes
-    def _run_pass(self, step) -> None:
+    def run_shards(self, runner, step, sinks) -> dict:
+        """Run one pass: on the cluster, a shard per example range, the sinks absorbing the
+        shards' partial states in order; here (``runner.feed``) when the pass reads rows in
+        memory, too few examples, or needs operators this process holds. Returns the score
+        results, by sink index: Dask arrays of the blocks gathered from the shards."""
         if not step.reads_data or not self._shippable(step):
-            return super()._run_pass(step)
+            runner.feed(step, sinks)
+            return {}
         sources = [stream_root(s) for j in step.jobs for s in j.streams if isinstance(stream_root(s), Source)]
         data = sources[0].data
         if data.n < self.min_shard_examples:
-            return super()._run_pass(step)
+            runner.feed(step, sinks)
+            return {}
         ranges = self._ranges(data.n)
-        sinks = self._open_sinks(step.jobs, step)
         self._check_reduction_here(sources, data)
-        state = self._state_for(step)
-        payload = (step, [s for _, s in sinks], state, self.options, data.token)
+        payload = (step, sinks, self._state_for(step), self.options, data.token, self.threads_per_worker)
         results = run_tasks(self.client, _run_shard, payload, [(PAYLOAD, a, b) for a, b in ranges],
                             policy=self.faults, labels=[f"examples {a}:{b}" for a, b in ranges],
                             progress=self.options.progress and in_notebook())
-        score_jobs = {i for i, (job, _) in enumerate(sinks) if job.kind == "scores"}
-        if score_jobs:
-            self._lazy_scores(step, sinks, results, ranges, score_jobs)
+        scores = {i for i, sink in enumerate(sinks) if isinstance(sink.job, ScoresJob)}
         for states, trace in results:
             self.trace.update(trace)
-            for i, (job, sink) in enumerate(sinks):
-                if i not in score_jobs:
+            for i, sink in enumerate(sinks):
+                if i not in scores:
                     sink.absorb(states[i])
-        for i, (job, sink) in enumerate(sinks):
-            if i not in score_jobs:
-                self._store(job, sink.finish())
-
-    def _lazy_scores(self, step, sinks, results, ranges, score_jobs):
-        import dask.array as da
-
-        for i in score_jobs:
-            job = sinks[i][0]
-            # blocks gathered here (run_tasks): the result outlives worker deaths and the executor
-            blocks = [da.from_array(_pick(result, i), chunks=-1) for result in results]
-            array = da.concatenate(blocks, axis=1)
-            self._score_blocks[job.key] = array.T if job.transposed else array
+        return {i: _lazy_scores(results, i) for i in scores}
 
     def _ranges(self, n: int) -> list:
         """Shards of n examples: shards_per_worker per worker, none under min_shard_examples."""
@@ -222,55 +285,39 @@ class DaskExecutor(LocalExecutor):
                         return False
         return True
 
-    def _state_for(self, step) -> dict:
-        ops, cache, kron = {}, {}, {}
+    def _state_for(self, step) -> RunState:
+        """The part of the run state a shard of ``step`` needs: the resolved operators of its
+        row-wise chains (the sinks carry their held rows and bases)."""
+        ops, done = {}, self.state.ops
         for job in step.jobs:
             for s in job.streams:
                 for op in chain_ops(s):
                     ops[op.token] = self.resolve(op)
                     for sub in op.walk():
-                        if sub.token in self._ops:
-                            ops[sub.token] = self._ops[sub.token]
-            if job.kind == "ekfac":
-                kron[job.target.token] = self._kron[job.target.token]
-        return {"ops": ops, "cache": cache, "kron": kron, "checked": set(self._checked_tasks),
-                "threads": self.threads_per_worker}
+                        if sub.token in done:
+                            ops[sub.token] = done[sub.token]
+        return RunState(ops=ops, checked=set(self.state.checked))
 
     def _check_reduction_here(self, sources, data) -> None:
         """Check each task's loss reduction once, on the client, instead of once per shard."""
         for src in sources:
             task = src.task
-            if not self.options.check_reduction or src.objective != "loss" or task.token in self._checked_tasks:
+            if not self.options.check_reduction or src.objective != "loss" or task.token in self.state.checked:
                 continue
             batch = next(iter(data.loader(min(self.options.batch_size, 8))))
             with eval_mode(task.model):
                 task.check_reduction(move_batch(batch, model_device_dtype(task.model)[0]))
-            self._checked_tasks.add(task.token)
-
-    # ------------------------------------------------------------------ results
-    def scores(self, node: ScoreNode):
-        """The (n_left, n_right) score matrix of ``node``, every pass sharded over the workers."""
-        p = self.run(self.plan(node))
-        return self._combine(p.simplified)
-
-    def _combine(self, node: ScoreNode):
-        if isinstance(node, ScoreSum):
-            return sum(c * self._combine(t) for c, t in zip(node.coefs, node.terms))
-        key = f"scores:{node.token}"
-        if key in self._score_blocks:
-            return self._score_blocks[key]
-        return self._results[key].detach().cpu().numpy()
+            self.state.checked.add(task.token)
 
 
-def _state_bytes(job, n: int) -> float:
-    """Rough size of what a job's shards send back, summed over shards."""
-    if job.kind == "scores":
-        return 8.0 * job.held.n * n
-    if job.kind in ("collect", "store", "group"):
-        return 4.0 * job.target.n * job.target.space.dim
-    if job.kind == "fisher":
-        d = job.target.space.dim
-        return 8.0 * d * d
-    if job.kind in ("kfac", "ekfac"):
-        return 8.0 * sum(b.shape[0] ** 2 + b.shape[-1] ** 2 for b in job.target.space.blocks)
-    return 8.0 * n
+def _lazy_scores(results, index):
+    """A Dask array of one score job's columns, a block per shard (gathered already: the
+    result outlives worker deaths and the executor)."""
+    import dask.array as da
+
+    return da.concatenate([da.from_array(_pick(result, index), chunks=-1) for result in results], axis=1)
+
+
+def _as_array(result):
+    """A score term as the Dask executor returns it: Dask arrays as they are, tensors as NumPy."""
+    return result.detach().cpu().numpy() if isinstance(result, torch.Tensor) else result

@@ -14,21 +14,41 @@ a dense Fisher 8·d², Kronecker factors 8·(out² + in²) per block.
 """
 from __future__ import annotations
 
-from ..expr import Source
+from ..capture.factors import Factors
+from ..errors import MemoryBudgetError
+from ..expr import Captured, Source
+from ..expr.tokens import token_rows
 from .cost import activation_bytes, tokens_hint
 from .shapes import element_size, forward_shapes, rows_per_example
 
 __all__ = ["positions", "rows_of", "rows_bytes", "capture_bytes_per_example", "consumer_bytes_per_example",
-           "kron_bytes"]
+           "kron_bytes", "statistics_bytes", "check_statistics_fit", "captured_positions"]
 
 
 def positions(node) -> dict[str, int]:
-    """``{block: T_b}`` of a gradient node (its source's layers; projections keep T)."""
+    """``{block: T_b}`` of a gradient node (its source's layers; projections keep T; rows
+    recorded by ``ga.capture``: the most positions of any of their chunks, in memory)."""
     src = node.source
     T = tokens_hint(node)
-    known = forward_shapes(src).positions if isinstance(src, Source) else {}
+    if isinstance(src, Source):
+        known = forward_shapes(src).positions
+    elif isinstance(src, Captured) and token_rows(node) == 1:
+        known = captured_positions(src)
+    else:
+        known = {}
     # blocks a projection made (one flat block of a Gaussian projection) are rows, T unused
     return {b.name: known.get(b.name, T) for b in node.space.blocks}
+
+
+def captured_positions(src: Captured) -> dict[str, int]:
+    """``{block: T_b}`` of captured rows: the longest factors of each block (their shapes,
+    read from the chunks held in memory)."""
+    out: dict[str, int] = {}
+    for chunk in src.store.chunks():
+        for name, value in chunk.blocks.items():
+            if isinstance(value, Factors):
+                out[name] = max(out.get(name, 1), value.T)
+    return out
 
 
 def rows_of(node) -> int:
@@ -101,3 +121,21 @@ def consumer_bytes_per_example(job, dtype) -> float:
         T = positions(node)
         return rows * sum(T[b.name] * sum(b.shape) * 8.0 for b in node.space.blocks if len(b.shape) == 2)
     return 0.0
+
+
+def statistics_bytes(node) -> float:
+    """Float64 bytes of a Fisher node's accumulated matrix: d² (dense), Σ_b d_b² (block), d (diag)."""
+    space = node.space
+    return 8.0 * {"dense": space.dim ** 2, "block": sum(b.dim ** 2 for b in space.blocks),
+                  "diag": space.dim}[node.structure]
+
+
+def check_statistics_fit(node, memory_budget: int) -> None:
+    """Refuse a Fisher whose matrix alone exceeds the budget, naming the fixes."""
+    need = statistics_bytes(node)
+    if need > memory_budget:
+        raise MemoryBudgetError(
+            f"a {node.structure} Fisher over {node.space.dim:,} coordinates needs {need / 2**30:.1f} GiB, over "
+            f"the memory budget of {memory_budget / 2**30:.1f} GiB. Project first "
+            "(ga.fisher(P(G)) with P = ga.proj.kron(k=...)), use structure='block' or 'diag', "
+            "or raise ga.options(memory_budget=...).")

@@ -12,15 +12,16 @@ Stages
                 and feeds every job that can run in it (curvature statistics,
                 collections, scores against an already-preconditioned held side)
 
-Jobs
+Jobs (one class each in :mod:`gradalg.plan.jobs`; ``kind`` in brackets)
 ----
-``collect``  keep all rows of a gradient node (a held side, or stored data)
-``group``    accumulate group means (GroupMean)
-``fisher``   accumulate Σ g gᵀ (dense / block / diag)
-``kfac``     accumulate Kronecker factors; ``ekfac`` the eigenvalue correction (a
-             second pass: it needs the eigenbasis)
-``scores``   inner products of the streamed side with the held side
-``diag``     self-scores, both sides streamed in lockstep
+CollectJob (``collect``)  keep all rows of a gradient node (a held side); StoreJob
+                          (``store``) rows a later pass needs again
+GroupJob (``group``)      accumulate group means (GroupMean)
+FisherJob (``fisher``)    accumulate Σ g gᵀ (dense / block / diag)
+KFACJob (``kfac``)        accumulate Kronecker factors; EKFACJob (``ekfac``) the
+                          eigenvalue correction (a second pass: it needs the eigenbasis)
+ScoresJob (``scores``)    inner products of the streamed side with the held side
+DiagJob (``diag``)        self-scores, both sides streamed in lockstep
 
 A job can run in a pass when the jobs it depends on have finished; jobs over the same
 (task, data) run in the same pass. When a job must wait for statistics computed from
@@ -46,13 +47,14 @@ from ..expr.tokens import token_rows
 from ..options import Options, get_options
 from .choices import Choices
 from . import estimates
-from .cost import Cost, _si, fisher_cost, tokens_hint
+from .cost import Cost, _si, tokens_hint
 from .devices import DeviceProfile, profile
 from .shapes import forward_shapes
-from .memory import capture_bytes_per_example, consumer_bytes_per_example, kron_bytes, positions, rows_bytes, rows_of
+from .jobs import (CollectJob, DiagJob, EKFACJob, FisherJob, GroupJob, Job, KFACJob, ScoresJob, StoreJob)
+from .memory import capture_bytes_per_example, check_statistics_fit, positions, rows_bytes
 from .rules import Firing, PlanError, simplify_until_fixpoint
 
-__all__ = ["Job", "Pass", "Decision", "Plan", "plan", "estimate", "stream_root", "PlanError"]
+__all__ = ["Job", "Pass", "Decision", "Plan", "plan", "estimate", "stream_root", "PlanError"]  # jobs: plan/jobs.py
 
 ROW_WISE = (Project, Normalize, Select, Precondition, ScaleRows, AdamPrecondition, PerToken)
 #: block kinds whose positions per example depend on the layer (unfolded convolutions)
@@ -81,31 +83,6 @@ def chain_ops(node: GradNode) -> list[OpNode]:
 
 
 # ------------------------------------------------------------------ plan records
-@dataclass
-class Job:
-    kind: str
-    target: Node
-    streams: tuple[GradNode, ...] = ()
-    deps: set = field(default_factory=set)
-    held: GradNode | None = None
-    transposed: bool = False
-    kernels: dict = field(default_factory=dict)
-    storage: dict = field(default_factory=dict)
-
-    @property
-    def key(self) -> str:
-        return f"{self.kind}:{self.target.token}"
-
-    def describe(self) -> str:
-        what = self.target.label
-        if self.kind == "scores":
-            side = "rows" if not self.transposed else "columns"
-            return f"scores ({what}) streaming {self.streams[0].label!r}, held {side}: {self.held.label!r}"
-        if self.kind in ("collect", "store"):
-            return f"{self.kind} {what!r} ({self.target.n:,} rows)"
-        return f"{self.kind} {what}"
-
-
 @dataclass
 class Pass:
     """One read of a dataset (or of rows kept in memory) feeding several jobs."""
@@ -191,12 +168,13 @@ class _Planner:
         self.options = options
         self.choices = choices or Choices()
         self.device = device
-        self.jobs: dict[str, Job] = {}
+        self.jobs: dict[tuple, Job] = {}
         self.decisions: list[Decision] = []
         self.dtype = torch.float32
+        self.for_run = False     # planning a run: every layer's positions were measured
 
     # ---- jobs -------------------------------------------------------------------
-    def add(self, job: Job) -> str:
+    def add(self, job: Job) -> tuple:
         if job.key not in self.jobs:
             self.jobs[job.key] = job
         return job.key
@@ -207,17 +185,19 @@ class _Planner:
             deps |= self.op_deps(op)
         root = stream_root(node)
         if isinstance(root, GroupMean):
-            deps.add(self.add(Job("group", root, (root.grads,), self.stream_deps(root.grads))))
+            deps.add(self.add(GroupJob(root, (root.grads,), self.stream_deps(root.grads),
+                                       storage=self.storage(root))))
         return deps
 
     def op_deps(self, op: OpNode) -> set:
         if isinstance(op, Fisher):
-            return {self.add(Job("fisher", op, (op.grads,), self.stream_deps(op.grads)))}
+            check_statistics_fit(op, self.options.memory_budget)   # refused here, before any pass runs
+            return {self.add(FisherJob(op, (op.grads,), self.stream_deps(op.grads)))}
         if isinstance(op, KFAC):
-            first = self.add(Job("kfac", op, (op.grads,), self.stream_deps(op.grads)))
+            first = self.add(KFACJob(op, (op.grads,), self.stream_deps(op.grads)))
             if not op.eigen_correction:
                 return {first}
-            return {self.add(Job("ekfac", op, (op.grads,), {first} | self.stream_deps(op.grads)))}
+            return {self.add(EKFACJob(op, (op.grads,), {first} | self.stream_deps(op.grads)))}
         if isinstance(op, (Damp, Inverse, Power, ScaledOp, Arnoldi, Spectral)):
             return self.op_deps(op.op)
         if isinstance(op, SumOp):
@@ -229,7 +209,7 @@ class _Planner:
             return self.stream_deps(op.grads)
         return set()  # Identity, Diagonal, Dense, CurvatureProducts: nothing to precompute
 
-    def score_jobs(self, node: ScoreNode) -> list[str]:
+    def score_jobs(self, node: ScoreNode) -> list[tuple]:
         if isinstance(node, ScoreSum):
             keys = []
             for t in node.terms:
@@ -256,13 +236,15 @@ class _Planner:
             {"hold left": f"{hold_left / 2**20:.2f} MiB", "hold right": f"{hold_right / 2**20:.2f} MiB"},
             why + "; H (symmetric) is applied once to the held rows"
             + ("" if isinstance(node.op, Identity) else " (precondition the held side)")))
-        collect = self.add(Job("collect", held, (held,), self.stream_deps(held), storage=self.storage(held)))
-        job = Job("scores", node, (streamed,), {collect} | self.op_deps(node.op) | self.stream_deps(streamed),
-                  held=held, transposed=transposed)
+        storage = self.storage(held)
+        self._record_storage(held, storage, "held rows")
+        collect = self.add(CollectJob(held, (held,), self.stream_deps(held), storage=storage))
+        job = ScoresJob(node, (streamed,), {collect} | self.op_deps(node.op) | self.stream_deps(streamed),
+                        held=held, transposed=transposed, held_storage=storage)
         job.kernels = self._kernels(held, streamed, node)
         return [self.add(job)]
 
-    def diag_jobs(self, node: ScoreDiagonal) -> list[str]:
+    def diag_jobs(self, node: ScoreDiagonal) -> list[tuple]:
         inner = node.scores
         if isinstance(inner, ScoreSum):
             keys = []
@@ -274,25 +256,54 @@ class _Planner:
         deps = self.op_deps(inner.op) | self.stream_deps(inner.left) | self.stream_deps(inner.right)
         streams = (inner.left,) if inner.left == inner.right else (inner.left, inner.right)
         if len(streams) == 2 and self._pass_key(inner.left, set()) != self._pass_key(inner.right, set()):
-            deps.add(self.add(Job("collect", inner.left, (inner.left,), self.stream_deps(inner.left))))
+            deps.add(self.add(CollectJob(inner.left, (inner.left,), self.stream_deps(inner.left),
+                                         storage=self.as_captured(inner.left))))
             streams = (inner.right,)
-            return [self.add(Job("diag", node, streams, deps, held=inner.left))]
-        return [self.add(Job("diag", node, streams, deps))]
+            return [self.add(DiagJob(node, streams, deps, held=inner.left))]
+        return [self.add(DiagJob(node, streams, deps))]
 
     # ---- sizes and costs ----------------------------------------------------------
     def storage(self, node: GradNode, need_factors: frozenset = frozenset()) -> dict[str, str]:
         """How kept rows are stored, per block: "factors" (n·T_b·(in+out) numbers) or "flat"
-        (n·dim), whichever is smaller; factors where a consumer needs them (``need_factors``:
-        K-FAC statistics) or ``ga.options(ghost="always")`` forces ghost kernels."""
+        (n·dim), whichever is smaller under ``ga.options(row_storage="auto")``, else as that
+        option forces; factors where a consumer needs them (``need_factors``: K-FAC
+        statistics) or ``ga.options(ghost="always")`` forces ghost kernels. Blocks that are
+        not factored are flat."""
         T = positions(node)
         forced = self.options.ghost == "always"  # ghost kernels need the factors kept
+        mode = self.options.row_storage
         out = {}
         for b in node.space.blocks:
             factored = len(b.shape) == 2 and self._is_factored(node, b.name)
-            keep = factored and (forced or b.name in need_factors
-                                 or T[b.name] * (b.shape[0] + b.shape[1]) < b.dim)
+            keep = factored and (forced or b.name in need_factors or mode == "factors"
+                                 or (mode == "auto" and T[b.name] * (b.shape[0] + b.shape[1]) < b.dim))
             out[b.name] = "factors" if keep else "flat"
         return out
+
+    def as_captured(self, node: GradNode) -> dict[str, str]:
+        """Rows kept as the pass produces them: factored blocks as factors, others flat."""
+        return {b.name: "factors" if len(b.shape) == 2 and self._is_factored(node, b.name) else "flat"
+                for b in node.space.blocks}
+
+    def _record_storage(self, node: GradNode, storage: dict, what: str) -> None:
+        """The factors-vs-flat decision for kept rows, when some block could be either."""
+        factored = [b for b in node.space.blocks if len(b.shape) == 2 and self._is_factored(node, b.name)]
+        if not factored:
+            return
+        kinds = sorted({storage[b.name] for b in factored})
+        chosen = kinds[0] if len(kinds) == 1 else ", ".join(
+            f"{k} for {sum(storage[b.name] == k for b in factored)} block(s)" for k in kinds)
+        as_factors = {**storage, **{b.name: "factors" for b in factored}}
+        as_flat = {**storage, **{b.name: "flat" for b in factored}}
+        mode = self.options.row_storage
+        why = ("per block the smaller of its factors, T·(in + out) numbers per row, and its flat "
+               "gradient, out·in" if mode == "auto" else f"forced by ga.options(row_storage={mode!r})")
+        if self.options.ghost == "always":
+            why += "; factors kept for ghost kernels (ga.options(ghost='always'))"
+        self.decisions.append(Decision(
+            f"storage of {what} {node.label!r} [{node.token}]", chosen,
+            {"factors": f"{_si(rows_bytes(node, as_factors, self.dtype))}B",
+             "flat": f"{_si(rows_bytes(node, as_flat, self.dtype))}B"}, why))
 
     def _rows_bytes(self, node: GradNode, storage: dict | None = None) -> float:
         """Bytes of all rows of ``node`` in its storage form (factors or flat)."""
@@ -315,38 +326,75 @@ class _Planner:
         return rep == "factored" or (rep == "projected" and self._kron_factored(node, block))
 
     def _kernels(self, held: GradNode, streamed: GradNode, inner: Inner) -> dict:
+        """The inner-product kernel of every block, each a recorded decision where there is a
+        choice: ``ghost`` from the factors or ``dense`` (materialize, one GEMM). The executor
+        runs what this returns; it never routes a chunk itself."""
         kernels = {}
-        TL, TR = tokens_hint(held), tokens_hint(streamed)
         kept = self.storage(held)
+        P_h, P_s = positions(held), positions(streamed)
+        known = self._positions_measured(held) and self._positions_measured(streamed)
         for b in held.space.blocks:
-            if len(b.shape) != 2 or not isinstance(inner.op, Identity) or kept[b.name] != "factors" or not (
-                    self._is_factored(held, b.name) and self._is_factored(streamed, b.name)):
-                kernels[b.name] = "dense"
+            kernels[b.name] = "dense"
+            what = f"kernel for block {b.name!r} of {inner.label} [{inner.token}]"
+            factored = len(b.shape) == 2 and self._is_factored(held, b.name) and self._is_factored(streamed, b.name)
+            if not factored:
+                continue           # flat rows on one side: dense is the only kernel
+            if not isinstance(inner.op, Identity):
+                self.decisions.append(Decision(
+                    what, "dense", {"ghost": "unavailable", "dense": "the preconditioned held rows"},
+                    "H·L_i of a preconditioned product is not a product of the factors of L_i: the held "
+                    "rows are materialized once, preconditioned, and multiplied with each streamed chunk"))
+                continue
+            if kept[b.name] != "factors":
+                self.decisions.append(Decision(
+                    what, "dense", {"ghost": "needs the held factors", "dense": "the flat held rows"},
+                    "the held rows of this block are kept flat (see their storage decision)"))
                 continue
             mode = self.options.ghost
-            if mode == "auto" and not (b.kind not in CONV_KINDS and _positions_known(held) and _positions_known(streamed)):
-                # T differs per layer (convolutions, non-token inputs): a guessed T could pick
-                # ghost for thousands of positions; the executor routes on the real shapes
+            if mode == "auto" and not known and not self.for_run:
+                # T differs per layer (convolutions, non-token inputs): measured on the meta
+                # device by the executor, which plans again with it before running
+                kernels[b.name] = "when run"
                 self.decisions.append(Decision(
-                    f"kernel for block {b.name!r} of {inner.label} [{inner.token}]", "at run time",
-                    {"ghost": "per chunk", "dense": "per chunk"},
+                    what, "when run", {"ghost": "needs T", "dense": "needs T"},
                     "the positions per example (T) of this layer are not known from the data's shape: "
-                    "each chunk is routed on its real shapes (gradalg.plan.routing.choose_kernel)"))
+                    "an executor measures them (one meta-device forward) and decides before the run"))
                 continue
             out_f, in_f = b.shape
+            TL, TR = P_h[b.name], P_s[b.name]
             args = (held.n, streamed.n, TL, TR, in_f, out_f)
             ghost = 2.0 * ghost_flops(*args)
             dense = 2.0 * dense_flops(*args, left_ready=False)
-            chosen = "ghost" if (mode == "always" or (mode == "auto" and ghost <= dense)) else "dense"
+            if mode == "auto" and not known:
+                chosen = "dense"   # the forward could not be measured: dense grows linearly in T, ghost as T²
+                why = (f"T of this layer unknown (its model cannot run on the meta device; {TL}/{TR} "
+                       "assumed): dense, whose cost grows linearly with T where ghost's grows as T²")
+            else:
+                chosen = "ghost" if (mode == "always" or (mode == "auto" and ghost <= dense)) else "dense"
+                why = (f"T={TL}/{TR}, in={in_f}, out={out_f}, {held.n}×{streamed.n} pairs"
+                       + ("" if mode == "auto" else f" (forced by ga.options(ghost={mode!r}))"))
+            if chosen == "ghost":
+                why += f"; in slices of at most {self.options.ghost_slice_elements:,} elements"
+            else:
+                why += (f"; streamed blocks of {_si(self.options.reuse_buffer_bytes)}B or more are "
+                        "materialized into one reused buffer")
             kernels[b.name] = chosen
             self.decisions.append(Decision(
-                f"kernel for block {b.name!r} of {inner.label} [{inner.token}]", chosen,
+                what, chosen,
                 # the choice and the seconds shown both count arithmetic only: measured
                 # (benchmarks/planner.py) it picks within 10% of the faster kernel
-                {"ghost": self.device.seconds(ghost, 0), "dense": self.device.seconds(dense, 0)},
-                f"T={TL}/{TR}, in={in_f}, out={out_f}, {held.n}×{streamed.n} pairs"
-                + ("" if mode == "auto" else f" (forced by ga.options(ghost={mode!r}))")))
+                {"ghost": self.device.seconds(ghost, 0), "dense": self.device.seconds(dense, 0)}, why))
         return kernels
+
+    def _positions_measured(self, node: GradNode) -> bool:
+        """Whether ``positions(node)`` are every layer's real T: known from the data's shape
+        (token ids, flat vectors) or measured by a meta-device forward."""
+        if _positions_known(node) and not any(b.kind in CONV_KINDS for b in node.space.blocks):
+            return True
+        src = node.source
+        if isinstance(src, Captured):
+            return True     # rows in memory: their factors' shapes are known (memory.captured_positions)
+        return isinstance(src, Source) and forward_shapes(src).measured
 
     def _pass_key(self, node: GradNode, stored: set) -> tuple:
         x = node
@@ -387,7 +435,7 @@ class _Planner:
         stored (a pass over rows in memory), else factors where the capture or a
         Kronecker projection leaves factors."""
         if not reads_data:
-            store = self.jobs.get(f"store:{node.token}") or self.jobs.get(f"collect:{node.token}")
+            store = self.jobs.get(("store", node.token)) or self.jobs.get(("collect", node.token))
             if store is not None and store.storage:
                 return dict(store.storage)
         return {b.name: "factors" if (len(b.shape) == 2 and self._is_factored(node, b.name)) else "flat"
@@ -415,27 +463,10 @@ class _Planner:
 
     def _per_example_bytes(self, p_jobs: list[Job], sources: list[Source]) -> float:
         total = sum(capture_bytes_per_example(src, self.dtype) for src in sources)
-        total += sum(consumer_bytes_per_example(job, self.dtype) for job in p_jobs)
-        for job in p_jobs:
-            if job.kind == "scores":
-                for b in job.held.space.blocks:
-                    if job.kernels.get(b.name) != "ghost":
-                        # the streamed rows materialized, and their product (T rows per example when per-token)
-                        total += b.dim * 8 * token_rows(job.streams[0])
-        return total
+        return total + sum(job.per_example_bytes(self.dtype) for job in p_jobs)
 
     def _fixed_bytes(self, p_jobs: list[Job]) -> float:
-        total = 0.0
-        for job in p_jobs:
-            if job.kind == "scores":
-                total += self._held_bytes(job.held)
-            if job.kind == "fisher":
-                total += fisher_cost(1, [b.dim for b in job.target.space.blocks], job.target.structure).peak_bytes
-            if job.kind in ("kfac", "ekfac"):
-                total += kron_bytes(job.target.space)
-            if job.kind in ("collect", "store", "group"):
-                total += self._rows_bytes(job.target, job.storage or None)
-        return total
+        return sum(job.fixed_bytes(self.dtype) for job in p_jobs)
 
     # ---- scheduling -----------------------------------------------------------------
     def schedule(self) -> tuple[list[Pass], set]:
@@ -462,8 +493,27 @@ class _Planner:
         else:
             raise PlanError("the scheduling stage did not converge")
         for p in passes:
+            self._decide_normalization(p)
             self._size_pass(p, stored)
         return passes, stored
+
+    def _decide_normalization(self, p: Pass) -> None:
+        """Where the streamed side ``G.normalize()`` of a scores job is normalized: in the
+        score kernel, each column divided by its row's norm (⟨h, g/‖g‖⟩ = ⟨h, g⟩/‖g‖, the
+        norm taken from rows the kernel reads anyway), when the pass reads G or something
+        below it; row-wise when the normalized rows themselves are kept in memory."""
+        for job in p.jobs:
+            s = job.streams[0] if job.streams else None
+            if not (isinstance(job, ScoresJob) and isinstance(s, Normalize) and s.op is None):
+                continue
+            job.normalize_streamed = not (p.key[0] == "memory" and p.key[1] == s.token)
+            self.decisions.append(Decision(
+                f"normalization of {s.label!r} in {job.target.label} [{job.target.token}]",
+                "in the score kernel" if job.normalize_streamed else "row-wise",
+                {"in the score kernel": "⟨h, g⟩/‖g‖ per column", "row-wise": "g/‖g‖ per row, then ⟨h, ·⟩"},
+                "the normalized rows are kept in memory: read as they are" if not job.normalize_streamed else
+                "the pass reads the rows before normalization: each column is divided by its row's norm, "
+                "from the rows the kernel reads (ghost blocks by their factors)"))
 
     def _consider_storing(self, key, group, remaining, done, stored):
         """Store rows that a later job on this same data will need, when cheaper than re-reading.
@@ -491,7 +541,8 @@ class _Planner:
                 size = self._rows_bytes(node, storage)
                 src = stream_root(node)
                 recompute = self._capture_cost(src).seconds(self.device, self.dtype) if isinstance(src, Source) else 0.0
-                fits = size <= self.options.memory_budget / 4
+                cap = self.options.store_fraction * self.options.memory_budget
+                fits = size <= cap
                 keep = 2.0 * size / self.device.bandwidth     # write the rows once, read them once
                 choice = "store" if fits and keep <= recompute else "recompute"
                 forced = self.choices.store
@@ -499,25 +550,26 @@ class _Planner:
                     choice = "store" if forced == "always" else "recompute"
                     why = f"forced by Choices(store={forced!r})"
                 elif not fits:
-                    why = "would exceed a quarter of the memory budget"
+                    why = f"would exceed the store cap, {_store_cap(self.options)}"
                 elif choice == "store":
-                    why = "fits in a quarter of the memory budget and costs less than reading the data again"
+                    why = f"fits under the store cap, {_store_cap(self.options)}, and costs less than reading the data again"
                 else:
-                    why = "fits, but moving the rows costs more than recapturing them"
+                    why = f"fits under the store cap, {_store_cap(self.options)}, but moving the rows costs more than recapturing them"
                 self.decisions.append(Decision(
                     f"second use of {node.label!r} [{node.token}]", choice,
                     {"store": keep if fits else f"{size / 2**20:.2f} MiB over the limit", "recompute": recompute},
                     "a later job needs these rows after statistics from the same pass; storing them " + why))
                 if choice == "store":
                     stored.add(node.token)
-                    group.append(Job("store", node, (node,), set(), storage=storage))
+                    self._record_storage(node, storage, "stored rows")
+                    group.append(StoreJob(node, (node,), set(), storage=storage))
 
     def _factors_needed(self, node: GradNode, jobs: dict) -> frozenset:
         """Blocks of ``node`` that a later K-FAC job reads as factors (its statistics
         are covariances of A and D; every other consumer takes flat rows)."""
         need = set()
         for job in jobs.values():
-            if job.kind == "kfac" and any(self._chain_contains(s, node) for s in job.streams):
+            if isinstance(job, KFACJob) and any(self._chain_contains(s, node) for s in job.streams):
                 need |= set(node.space.names)
         return frozenset(need)
 
@@ -537,11 +589,20 @@ class _Planner:
         fixed = self._fixed_bytes(p.jobs)
         p.per_example_bytes, p.fixed_bytes = per_ex, fixed
         budget = self.options.memory_budget
+        if fixed > budget:   # held rows and statistics alone: refused before anything runs
+            raise MemoryBudgetError(
+                f"{p.label}: held rows and statistics take {_si(fixed)}B, over the memory budget of "
+                f"{_si(budget)}B: use fewer queries per call, project the gradients (ga.proj.kron), "
+                "or raise ga.options(memory_budget=...)")
         if p.reads_data:
             data = sources[0].data
             if data.batch_size is not None or _is_loader(data):
                 p.batch_size = data.batch_size or getattr(data.source, "batch_size", None)
                 p.note = "batch size fixed by the data"
+                self.decisions.append(Decision(
+                    f"batch size of {p.label}", str(p.batch_size),
+                    {"the data's": str(p.batch_size), "ga.options": str(self.options.batch_size)},
+                    "fixed by the data (a DataLoader, or ga.grads(..., batch_size=...))"))
             else:
                 room = budget - fixed
                 if room < per_ex:  # not even a batch of one example fits next to the held rows
@@ -554,6 +615,11 @@ class _Planner:
                 p.batch_size = max(1, min(self.options.batch_size, fit))
                 if p.batch_size < self.options.batch_size:
                     p.note = f"batch size {p.batch_size} (not {self.options.batch_size}) to stay under the memory budget"
+                self.decisions.append(Decision(
+                    f"batch size of {p.label}", str(p.batch_size),
+                    {"ga.options": str(self.options.batch_size), "largest under the budget": f"{fit:,}"},
+                    f"the smaller of the two: {_si(fixed)}B held and {_si(per_ex)}B per example "
+                    f"under the memory budget of {_si(budget)}B"))
             cost = self._pass_capture_cost(sources, p.batch_size)
             n = data.n
         else:
@@ -563,8 +629,9 @@ class _Planner:
         cost = cost + estimates.pass_overhead(len(p.jobs), batches, per_ex * (p.batch_size or 1))
         for job in p.jobs:
             # rows streamed by the job: n·T for per-token rows (ga.GradientSet.per_token)
-            cost = cost + self._job_cost(job, job.streams[0].n if job.streams and p.reads_data else n,
-                                         p.reads_data, p.batch_size)
+            job.cost = self._job_cost(job, job.streams[0].n if job.streams and p.reads_data else n,
+                                      p.reads_data, p.batch_size)
+            cost = cost + job.cost
         if p.reads_data:
             cost = cost + self._projection_cost(p.jobs, n, p.batch_size)
         # one read of the data, however many sources are captured from each batch
@@ -577,6 +644,12 @@ def apply_flops(op: OpNode, space, n: int) -> float:
     """FLOPs of applying the resolved ``op`` to n rows of ``space``, by its structure
     (:func:`gradalg.plan.estimates.apply_cost`)."""
     return estimates.apply_flops(op, space, n)
+
+
+def _store_cap(options: Options) -> str:
+    """The store cap as the plan shows it: ``ga.options(store_fraction=...)`` of the budget."""
+    return (f"{_si(options.store_fraction * options.memory_budget)}B "
+            f"(store_fraction={options.store_fraction:g} of the memory budget)")
 
 
 def _positions_known(node: GradNode) -> bool:
@@ -636,13 +709,15 @@ def plan(root: Node, *, options: Options | None = None, device=None, rewrites: b
                                              or any(b.kind in CONV_KINDS for b in node.space.blocks)):
                 forward_shapes(node, measure=True)
     planner = _Planner(options, prof, choices)
+    planner.for_run = measure_shapes
     planner.dtype = _compute_dtype(simplified)
     if isinstance(simplified, ScoreNode):
         roots = planner.score_jobs(simplified)
     elif isinstance(simplified, ScoreDiagonal):
         roots = planner.diag_jobs(simplified)
     elif isinstance(simplified, GradNode):
-        roots = [planner.add(Job("collect", simplified, (simplified,), planner.stream_deps(simplified)))]
+        roots = [planner.add(CollectJob(simplified, (simplified,), planner.stream_deps(simplified),
+                                        storage=planner.as_captured(simplified)))]
     elif isinstance(simplified, OpNode):
         roots = sorted(planner.op_deps(simplified))
     else:

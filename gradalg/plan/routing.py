@@ -1,4 +1,7 @@
-"""Routing decisions that the executor asks for, made from shapes alone.
+"""Routing rules made from shapes alone, for callers outside a plan.
+
+Inside a plan the planner decides every block's kernel before the run (a recorded
+decision, :mod:`gradalg.plan.planner`) and the executor follows it.
 
 ``choose_kernel``: ghost (factored) vs materialize-then-GEMM for one block's inner
 products between a held chunk ``L`` (nL examples, TL positions) and a streamed chunk

@@ -1,0 +1,138 @@
+"""The pass runner: interprets a physical plan, pass by pass, for any executor.
+
+For each :class:`~gradalg.plan.planner.Pass` the runner
+
+1. opens one sink per job (:func:`gradalg.exec.sinks.open_sink`, by job class);
+2. hands the pass to the executor's **shard strategy**, which makes every sink see
+   every example once: :class:`InProcess` reads the data here, batch by batch
+   (:meth:`PassRunner.feed`); ``DaskExecutor`` splits it into shards that run
+   :meth:`PassRunner.feed` on workers and absorbs their partial states;
+3. publishes each sink's result into the run's :class:`~gradalg.exec.state.RunState`,
+   and records the pass's measured time and memory (``executor.pass_stats``).
+
+A shard strategy is an object with ``run_shards(runner, step, sinks) -> dict`` (results
+it finished itself, by sink index: Dask's lazily gathered score blocks) and
+``describe_pass(step) -> str | None``. The runner decides nothing: kernels, storage,
+normalization and batch sizes are the plan's.
+
+:meth:`PassRunner.feed` reads a pass's data once: each batch is captured once per
+source (:class:`~gradalg.exec.capture_pass.PassCapture`), the row-wise chains of the
+jobs' streams derived from it once per node (``memo``), and every sink fed.
+"""
+from __future__ import annotations
+
+import resource
+import time
+from typing import Iterator
+
+from ..data import batch_size_of, move_batch
+from ..expr import GradNode, Source
+from ..plan.planner import ROW_WISE, Pass, Plan, PlanError, stream_root
+from .allocator import release_free_memory
+from .capture_pass import PassCapture, eval_mode, model_device_dtype
+from .chunks import Chunk
+from .progress import progress_bar
+from .rowwise import apply_rowwise
+from .sinks import Sink, open_sink
+
+__all__ = ["PassRunner", "InProcess"]
+
+
+class InProcess:
+    """The shard strategy of one process: the whole pass here, as one shard."""
+
+    def run_shards(self, runner: "PassRunner", step: Pass, sinks: list[Sink]) -> dict:
+        runner.feed(step, sinks)
+        return {}
+
+    def describe_pass(self, step: Pass) -> str | None:
+        return None
+
+
+class PassRunner:
+    """Runs plans for the executor ``ctx`` (its ``options``, ``trace``, ``state``,
+    ``resolve``, ``pass_stats``, ``release_memory_above``) with a shard strategy."""
+
+    def __init__(self, ctx, shards=None):
+        self.ctx = ctx
+        self.shards = shards if shards is not None else InProcess()
+
+    # ------------------------------------------------------------------ plans and passes
+    def run(self, plan: Plan) -> Plan:
+        for index, step in enumerate(plan.passes):
+            start, cpu0 = time.perf_counter(), time.process_time()
+            rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            self.run_pass(step)
+            self.ctx.pass_stats.append({
+                "pass": index, "seconds": time.perf_counter() - start,
+                "cpu_seconds": time.process_time() - cpu0,   # this process's CPU time (excludes waiting for a core)
+                "peak_rss_growth_bytes": 1024 * (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0),
+                "held_bytes": self.ctx.state.held_bytes(),
+            })
+        return plan
+
+    def run_pass(self, step: Pass) -> None:
+        sinks = [open_sink(job, self.ctx) for job in step.jobs]
+        done = self.shards.run_shards(self, step, sinks)
+        for i, sink in enumerate(sinks):
+            sink.publish(done[i] if i in done else sink.finish(), self.ctx.state)
+
+    # ------------------------------------------------------------------ one process's feed
+    def feed(self, step: Pass, sinks: list[Sink]) -> None:
+        """Read ``step``'s data once and hand every chunk to every sink."""
+        state = self.ctx.state
+        for base in self.batches(step):
+            memo: dict[str, list[Chunk]] = {}
+            for sink in sinks:
+                sink.feed([self.derive(s, base, memo) for s in sink.fed], state)
+
+    def batches(self, step: Pass) -> Iterator[dict[str, list[Chunk]]]:
+        """Per batch of the pass, ``{root token: chunks}`` of the nodes it reads."""
+        kind = step.key[0]
+        if kind == "memory":
+            for chunk in self.ctx.state.rows[step.key[1]]:
+                yield {step.key[1]: [chunk]}
+            return
+        roots = []
+        for job in step.jobs:
+            for s in job.streams:
+                r = stream_root(s)
+                if r not in roots:
+                    roots.append(r)
+        if kind == "captured":
+            for chunk in roots[0].store.chunks():
+                yield {roots[0].token: [chunk]}
+            return
+        sources = [r for r in roots if isinstance(r, Source)]
+        if not sources:
+            raise PlanError(f"no source to read for {step.label}")
+        ctx = self.ctx
+        data, task = sources[0].data, sources[0].task
+        capture = PassCapture(sources, ctx.options, ctx.state.checked)
+        device, _ = model_device_dtype(task.model)
+        start = 0
+        batch_size = step.batch_size or ctx.options.batch_size
+        trim = step.per_example_bytes * batch_size >= ctx.release_memory_above
+        with eval_mode(task.model), progress_bar(ctx.options.progress, data.n, step.label,
+                                                interval=ctx.options.progress_interval) as bar:
+            for batch in data.loader(batch_size):
+                batch = move_batch(batch, device)
+                b = batch_size_of(batch)
+                ids = data.ids[start:start + b]
+                start += b
+                yield capture.capture(batch, ids)
+                if trim:   # the batch's tensors are gone: keep resident memory to one batch's
+                    release_free_memory()
+                bar.update(b)
+
+    def derive(self, node: GradNode, base: dict, memo: dict) -> list[Chunk]:
+        """Chunks of ``node`` in this batch: read, or derived row-wise from what was read."""
+        if node.token in base:
+            return base[node.token]
+        if node.token in memo:
+            return memo[node.token]
+        if not isinstance(node, ROW_WISE):
+            raise PlanError(f"{node.label!r} is not available in this pass (planner bug: report it)")
+        out = [apply_rowwise(self.ctx, node, c) for c in self.derive(node.grads, base, memo)]
+        memo[node.token] = out
+        return out

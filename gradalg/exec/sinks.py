@@ -1,0 +1,203 @@
+"""Sinks: what the executor does with each job of a pass, registered by job type.
+
+A sink wraps the accumulator of one job (:mod:`gradalg.exec.accumulators`) and knows
+three things the accumulator does not:
+
+``fed``               the gradient nodes whose chunks the pass hands it (the job's streams,
+                      or the rows below a normalization the kernel applies itself)
+``feed(chunks)``      how those chunks reach the accumulator (one stream, two in lockstep,
+                      or a held side aligned by example id)
+``publish(r, state)`` where the finished result goes in the run's :class:`RunState`
+
+``SINKS`` maps each job class of :mod:`gradalg.plan.jobs` to its sink class
+(``@sink_for(FisherJob)``); :func:`open_sink` looks a job's class up. A new job type
+registers a sink; the pass runner has no list of job kinds. Everything a sink needs to
+decide was decided by the planner and is a field of its job (kernels, storage,
+normalization); ``ctx`` (the executor) gives the options, the trace of kernels that ran,
+the run state and resolved operators.
+
+For sharded passes, ``export()`` / ``absorb(state)`` move partial states between
+processes and ``for_shard(start)`` tells a sink the first example of its shard.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import DataError
+from ..plan.rules import PlanError
+from ..expr import Identity
+from ..plan.jobs import (CollectJob, DiagJob, EKFACJob, FisherJob, GroupJob, Job, KFACJob, ScoresJob, StoreJob)
+from .accumulators import (Collector, DiagAccumulator, EKFACAccumulator, FisherAccumulator, GroupAccumulator,
+                           KronAccumulator, ScoreAccumulator)
+from .chunks import Chunk, concat_chunks, flatten, unflatten
+from .state import RunState
+
+__all__ = ["SINKS", "Sink", "sink_for", "open_sink"]
+
+SINKS: dict[type[Job], type["Sink"]] = {}
+
+
+def sink_for(*job_types: type[Job]):
+    """Register the decorated sink class for ``job_types``."""
+    def register(cls):
+        for t in job_types:
+            SINKS[t] = cls
+        return cls
+    return register
+
+
+def open_sink(job: Job, ctx) -> "Sink":
+    """The sink of ``job`` (by its class), ready for the chunks of its pass."""
+    try:
+        cls = SINKS[type(job)]
+    except KeyError:
+        raise PlanError(f"no sink is registered for {type(job).__name__} jobs "
+                        f"(gradalg.exec.sinks.sink_for); registered: {sorted(t.__name__ for t in SINKS)}") from None
+    return cls.open(job, ctx)
+
+
+class Sink:
+    """One job's consumer of a pass: ``feed`` every batch, then ``publish(finish())``."""
+
+    def __init__(self, job: Job, acc):
+        self.job, self.acc = job, acc
+
+    @classmethod
+    def open(cls, job: Job, ctx) -> "Sink":
+        raise NotImplementedError
+
+    @property
+    def fed(self) -> tuple:
+        return self.job.streams
+
+    def feed(self, chunks: list[list[Chunk]], state: RunState) -> None:
+        for chunk in chunks[0]:
+            self.acc.update(chunk)
+
+    def for_shard(self, start: int) -> None:
+        """This sink will see the examples of a shard starting at ``start``."""
+
+    def export(self):
+        return self.acc.export()
+
+    def absorb(self, part) -> None:
+        self.acc.absorb(part)
+
+    def finish(self):
+        return self.acc.finish()
+
+    def publish(self, result, state: RunState) -> None:
+        raise NotImplementedError
+
+
+@sink_for(CollectJob, StoreJob)
+class RowsSink(Sink):
+    """Keeps rows (a held side, stored rows) as the job's storage says."""
+
+    @classmethod
+    def open(cls, job, ctx):
+        return cls(job, Collector(job.target, job.storage))
+
+    def publish(self, result, state):
+        state.rows[self.job.target.token] = result
+
+
+@sink_for(GroupJob)
+class GroupSink(RowsSink):
+    @classmethod
+    def open(cls, job, ctx):
+        return cls(job, GroupAccumulator(job.target))
+
+    def for_shard(self, start):
+        self.acc.start = start
+
+
+@sink_for(FisherJob)
+class FisherSink(Sink):
+    @classmethod
+    def open(cls, job, ctx):
+        return cls(job, FisherAccumulator(job.target))
+
+    def publish(self, result, state):
+        state.ops[self.job.target.token] = result
+
+
+@sink_for(KFACJob)
+class KronSink(Sink):
+    """K-FAC's factors; an EK-FAC operator's eigenbases wait in ``state.kron`` for its correction."""
+
+    @classmethod
+    def open(cls, job, ctx):
+        return cls(job, KronAccumulator(job.target))
+
+    def publish(self, result, state):
+        where = state.kron if self.job.target.eigen_correction else state.ops
+        where[self.job.target.token] = result
+
+
+@sink_for(EKFACJob)
+class EKFACSink(FisherSink):
+    @classmethod
+    def open(cls, job, ctx):
+        return cls(job, EKFACAccumulator(job.target, ctx.state.kron[job.target.token]))
+
+
+@sink_for(ScoresJob)
+class ScoresSink(Sink):
+    """Scores of each streamed chunk against the held rows, preconditioned once here."""
+
+    @classmethod
+    def open(cls, job, ctx):
+        held = concat_chunks(ctx.state.rows[job.held.token])
+        space = job.held.space
+        if not isinstance(job.target.op, Identity):
+            held = ctx.precondition_held(job.target.op, held, space)
+        opts = ctx.options
+        return cls(job, ScoreAccumulator(held, space, job.kernels, ctx.trace,
+                                         normalize_streamed=job.normalize_streamed,
+                                         slice_elements=opts.ghost_slice_elements,
+                                         buffer_bytes=opts.reuse_buffer_bytes))
+
+    @property
+    def fed(self):
+        # a normalization the kernel applies: the rows below it feed the sink
+        return (self.job.streams[0].grads,) if self.job.normalize_streamed else self.job.streams
+
+    def publish(self, result, state):
+        state.results[self.job.key] = result.T if self.job.transposed else result
+
+
+@sink_for(DiagJob)
+class DiagSink(Sink):
+    @classmethod
+    def open(cls, job, ctx):
+        inner = job.target.scores
+        resolved = None if isinstance(inner.op, Identity) else ctx.resolve(inner.op)
+        return cls(job, DiagAccumulator(inner.left.space, resolved, inner.left == inner.right))
+
+    def feed(self, chunks, state):
+        if self.job.held is not None:
+            for right in chunks[0]:
+                self.acc.update(_aligned_held(state, self.job.held, right), right)
+        elif len(chunks) == 2:
+            for left, right in zip(*chunks):
+                self.acc.update(left, right)
+        else:
+            for chunk in chunks[0]:
+                self.acc.update(chunk)
+
+    def publish(self, result, state):
+        state.results[self.job.key] = result
+
+
+def _aligned_held(state: RunState, held, right: Chunk) -> Chunk:
+    """The held rows of a self-score, in the order of the streamed chunk's example ids."""
+    rows = concat_chunks(state.rows[held.token])
+    position = {i: k for k, i in enumerate(rows.ids)}
+    if len(position) != len(rows.ids):
+        raise DataError(
+            "the rows of a self-score (a diagonal S_zz) repeat example ids (e.g. training-time rows "
+            "of an example seen in several epochs), so they cannot be aligned by id: combine them "
+            "first, ga.integrations.combine_repeats(G, 'sum' or 'mean')")
+    index = torch.tensor([position[i] for i in right.ids])
+    return Chunk(right.ids, unflatten(flatten(rows, held.space)[index], held.space))

@@ -1,0 +1,226 @@
+"""The jobs of a physical plan: one class per thing a pass does with its chunks.
+
+A :class:`Job` names what it reads (``streams``: gradient nodes whose chunks the pass
+feeds it, and ``deps``: the keys of jobs that must finish first), what it produces
+(``output``) and how much it costs, filled in when the planner sizes its pass:
+``cost`` (FLOPs and traffic of this job in its pass), ``fixed`` (bytes it holds for the
+whole pass: held rows, statistics) and ``per_example`` (working bytes per streamed
+example). Every choice the planner made for a job is a field of the job (kernels,
+storage, normalization) and a :class:`~gradalg.plan.planner.Decision` in the plan; the
+executor interprets the job as it is (:mod:`gradalg.exec.sinks`).
+
+=============  ==============================================  ========================
+class          reads                                            produces
+=============  ==============================================  ========================
+CollectJob     every row of ``target`` (a held side)            rows (list of chunks)
+StoreJob       rows a later pass needs after this pass's        rows (list of chunks)
+               statistics (the store-vs-recompute decision)
+GroupJob       rows of ``target.grads``                         group means (rows)
+FisherJob      rows of the Fisher's gradients                   (1/n) Σ g gᵀ, resolved
+KFACJob        factors of the gradients                         Kronecker eigenbases
+EKFACJob       factors, and the KFACJob's eigenbases            corrected eigenvalues
+ScoresJob      the streamed side; the held side (collected)     (n_left, n_right) scores
+DiagJob        both sides in lockstep (or one, the other held)  (n,) self-scores
+=============  ==============================================  ========================
+
+``Job.kind`` is the job's short name (``"scores"``, ...), shown by ``describe()`` and
+kept for code that dispatches on it. A job is keyed by ``(kind, target token)``
+(:attr:`Job.key`): the plan's ``jobs`` dict, the dependencies and the executor's
+results all use that key.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from ..expr import GradNode, Node
+from ..expr.tokens import token_rows
+from .cost import Cost, fisher_cost
+from .memory import consumer_bytes_per_example, kron_bytes, rows_bytes
+
+__all__ = ["Job", "CollectJob", "StoreJob", "GroupJob", "FisherJob", "KFACJob", "EKFACJob", "ScoresJob",
+           "DiagJob", "JOB_TYPES", "job_type"]
+
+
+@dataclass(eq=False)
+class Job:
+    """One job of a pass. ``key`` is ``(kind, target token)``."""
+
+    kind: ClassVar[str] = "job"
+    #: what ``finish`` of the job's sink gives the executor
+    output: ClassVar[str] = ""
+
+    target: Node
+    streams: tuple[GradNode, ...] = ()
+    deps: set = field(default_factory=set)
+    held: GradNode | None = None
+    transposed: bool = False
+    #: {block: "ghost" | "dense"}: the inner-product kernel of each block (scores jobs)
+    kernels: dict = field(default_factory=dict)
+    #: {block: "factors" | "flat"}: how kept rows are stored (collect, store jobs)
+    storage: dict = field(default_factory=dict)
+    #: estimated FLOPs and traffic of this job in its pass (set when the pass is sized)
+    cost: Cost = field(default_factory=Cost)
+
+    def __post_init__(self):
+        if type(self) is Job or isinstance(self.target, str):
+            raise TypeError("a job is an instance of its class: CollectJob(target, streams, deps, ...), or "
+                            "job_type(kind)(target, ...), not Job(kind, target, ...)")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.kind, self.target.token)
+
+    def describe(self) -> str:
+        return f"{self.kind} {self.target.label}"
+
+    def fixed_bytes(self, dtype) -> float:
+        """Bytes the job holds for its whole pass (held rows, statistics)."""
+        return 0.0
+
+    def per_example_bytes(self, dtype) -> float:
+        """Working bytes per streamed example, beyond the captured rows."""
+        return consumer_bytes_per_example(self, dtype)
+
+    def output_bytes(self, n: int) -> float:
+        """Rough bytes of the job's result over ``n`` streamed examples (what the shards of
+        a distributed pass send back, summed over shards)."""
+        return 8.0 * n
+
+
+@dataclass(eq=False)
+class CollectJob(Job):
+    """Keep every row of ``target`` (a held side, or the rows of a gradient node)."""
+
+    kind: ClassVar[str] = "collect"
+    output: ClassVar[str] = "rows"
+
+    def describe(self) -> str:
+        return f"{self.kind} {self.target.label!r} ({self.target.n:,} rows)"
+
+    def fixed_bytes(self, dtype) -> float:
+        return rows_bytes(self.target, self.storage, dtype)
+
+    def output_bytes(self, n: int) -> float:
+        return 4.0 * self.target.n * self.target.space.dim
+
+
+@dataclass(eq=False)
+class StoreJob(CollectJob):
+    """Keep rows that a later pass reads after this pass's statistics (stored, not re-read)."""
+
+    kind: ClassVar[str] = "store"
+
+
+@dataclass(eq=False)
+class GroupJob(Job):
+    """Group means of the rows of ``target.grads`` (a :class:`~gradalg.expr.GroupMean`)."""
+
+    kind: ClassVar[str] = "group"
+    output: ClassVar[str] = "rows"
+
+    def fixed_bytes(self, dtype) -> float:
+        return rows_bytes(self.target, self.storage, dtype)
+
+    def output_bytes(self, n: int) -> float:
+        return 4.0 * self.target.n * self.target.space.dim
+
+
+@dataclass(eq=False)
+class FisherJob(Job):
+    """F = (1/n) Σ_i g_i g_iᵀ in float64 (dense d², block Σ d_b², diag d)."""
+
+    kind: ClassVar[str] = "fisher"
+    output: ClassVar[str] = "operator"
+
+    def fixed_bytes(self, dtype) -> float:
+        return fisher_cost(1, [b.dim for b in self.target.space.blocks], self.target.structure).peak_bytes
+
+    def output_bytes(self, n: int) -> float:
+        return self.fixed_bytes(None)
+
+
+@dataclass(eq=False)
+class KFACJob(Job):
+    """K-FAC's Kronecker factors S = E[DᵀD], A = E[AᵀA] per block, and their eigenbases."""
+
+    kind: ClassVar[str] = "kfac"
+    output: ClassVar[str] = "operator"
+
+    def fixed_bytes(self, dtype) -> float:
+        return kron_bytes(self.target.space)
+
+    def output_bytes(self, n: int) -> float:
+        return 8.0 * sum(b.shape[0] ** 2 + b.shape[-1] ** 2 for b in self.target.space.blocks)
+
+
+@dataclass(eq=False)
+class EKFACJob(Job):
+    """EK-FAC's eigenvalue correction E[(Q_Sᵀ G Q_A)²], in the KFACJob's eigenbases
+    (a second pass: it depends on the KFACJob of the same operator)."""
+
+    kind: ClassVar[str] = "ekfac"
+    output: ClassVar[str] = "operator"
+
+    def fixed_bytes(self, dtype) -> float:
+        return kron_bytes(self.target.space)
+
+    def output_bytes(self, n: int) -> float:
+        return 8.0 * sum(b.shape[0] ** 2 + b.shape[-1] ** 2 for b in self.target.space.blocks)
+
+
+@dataclass(eq=False)
+class ScoresJob(Job):
+    """⟨held_i, H streamed_j⟩ for a score ``Inner(L, H, R)``: the held side (collected by
+    a CollectJob, preconditioned once) against each chunk of the streamed side.
+
+    ``held_storage``: how the held rows are kept; ``normalize_streamed``: the streamed
+    side is ``G.normalize()`` read unnormalized, each column divided by its row's norm."""
+
+    kind: ClassVar[str] = "scores"
+    output: ClassVar[str] = "scores"
+
+    held_storage: dict = field(default_factory=dict)
+    normalize_streamed: bool = False
+
+    def describe(self) -> str:
+        side = "rows" if not self.transposed else "columns"
+        return (f"scores ({self.target.label}) streaming {self.streams[0].label!r}, "
+                f"held {side}: {self.held.label!r}")
+
+    def fixed_bytes(self, dtype) -> float:
+        return rows_bytes(self.held, self.held_storage, dtype)
+
+    def output_bytes(self, n: int) -> float:
+        return 8.0 * self.held.n * n
+
+    def per_example_bytes(self, dtype) -> float:
+        total = super().per_example_bytes(dtype)
+        for b in self.held.space.blocks:
+            if self.kernels.get(b.name) != "ghost":
+                # the streamed rows materialized, and their product (T rows per example when per-token)
+                total += b.dim * 8 * token_rows(self.streams[0])
+        return total
+
+
+@dataclass(eq=False)
+class DiagJob(Job):
+    """d_i = ⟨L_i, H R_i⟩ of a :class:`~gradalg.expr.ScoreDiagonal`: both sides streamed in
+    lockstep, or the left one ``held`` (collected) and aligned to the streamed rows by id."""
+
+    kind: ClassVar[str] = "diag"
+    output: ClassVar[str] = "scores"
+
+
+JOB_TYPES: dict[str, type[Job]] = {cls.kind: cls for cls in
+                                   (CollectJob, StoreJob, GroupJob, FisherJob, KFACJob, EKFACJob, ScoresJob,
+                                    DiagJob)}
+
+
+def job_type(kind: str) -> type[Job]:
+    """The job class of a kind name (``"scores"`` → :class:`ScoresJob`)."""
+    try:
+        return JOB_TYPES[kind]
+    except KeyError:
+        raise KeyError(f"unknown job kind {kind!r}; kinds: {sorted(JOB_TYPES)}") from None
+

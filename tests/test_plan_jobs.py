@@ -1,0 +1,324 @@
+"""The typed plan and its interpreter: every job class runs through the pass runner and
+gives the dense reference's numbers; the executor runs what the plan decided (forced
+choices, kernels) and never re-decides; each threshold option changes the plan as
+``explain()`` displays it."""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import pytest
+import torch
+
+import gradalg as ga
+from gradalg.exec import sinks
+from gradalg.exec.chunks import flatten
+from gradalg.plan import Choices
+from gradalg.plan.jobs import (JOB_TYPES, CollectJob, DiagJob, EKFACJob, FisherJob, GroupJob, KFACJob, ScoresJob,
+                               StoreJob, job_type)
+from gradalg.plan.planner import plan
+
+sys.path.insert(0, os.path.dirname(__file__))
+import models  # noqa: E402
+from references import reference_rows  # noqa: E402
+
+LAYERS = ("0", "2")
+TOL = dict(rtol=1e-9, atol=1e-11)
+
+
+@functools.cache
+def setup():
+    model = models.mlp()                       # Linear(8, 16) → tanh → Linear(16, 3), float64
+    task = ga.tasks.classification(model)
+    train, query = models.classification_data(24, seed=1), models.classification_data(3, seed=2)
+    return dict(model=model, task=task, train=train, query=query,
+                R=reference_rows(task, train, LAYERS), RQ=reference_rows(task, query, LAYERS))
+
+
+def grads(s=None, which="train", batch_size=5):
+    s = s or setup()
+    return ga.grads(s["task"], s[which], list(LAYERS), batch_size=batch_size)
+
+
+def job_classes(p) -> set:
+    return {type(j) for step in p.passes for j in step.jobs}
+
+
+def run(S, ex):
+    out = S.compute(executor=ex)
+    return out if isinstance(out, torch.Tensor) else torch.as_tensor(out.values)
+
+
+def kfac_reference(s):
+    """Per layer (S, A) = (E[d dᵀ], E[a aᵀ]) for an MLP (one position per example): a the
+    layer's input with a ones column, d = ∂loss/∂output, the gradient's bias column."""
+    x, _ = s["train"]
+    model, R, n = s["model"], s["R"], s["train"][0].shape[0]
+    ones = torch.ones(n, 1, dtype=x.dtype)
+    inputs = {"0": torch.cat([x, ones], 1), "2": torch.cat([torch.tanh(model[0](x)).detach(), ones], 1)}
+    out, start = {}, 0
+    for name in LAYERS:
+        o, i = model[int(name)].out_features, model[int(name)].in_features + 1
+        G = R[:, start:start + o * i].reshape(n, o, i)
+        start += o * i
+        d, a = G[:, :, -1], inputs[name]
+        out[name] = (d.T @ d / n, a.T @ a / n, R[:, start - o * i:start])
+    return out
+
+
+# ---------------------------------------------------------------------- the job types
+def test_every_job_class_has_a_sink_and_its_kind_name():
+    assert set(sinks.SINKS) == set(JOB_TYPES.values())
+    for kind, cls in JOB_TYPES.items():
+        assert cls.kind == kind and job_type(kind) is cls
+    with pytest.raises(KeyError, match="unknown job kind"):
+        job_type("nope")
+    with pytest.raises(TypeError, match="instance of its class"):   # the old string-typed constructor
+        ScoresJob("scores", grads().expr)
+
+
+def test_collect_and_scores_jobs_round_trip():
+    s = setup()
+    G, Q = grads(), grads(which="query")
+    ex = ga.LocalExecutor()
+    rows = ex.gradients(G.expr)
+    assert job_classes(ex.last_plan) == {CollectJob}
+    torch.testing.assert_close(flatten(rows, G.expr.space).to(torch.float64), s["R"], **TOL)
+    got = run(Q @ G.T, ex)
+    assert job_classes(ex.last_plan) == {CollectJob, ScoresJob}
+    torch.testing.assert_close(got, s["RQ"] @ s["R"].T, **TOL)
+    # results are keyed by (kind, token), not by strings built from them
+    assert ("scores", (Q @ G.T).expr.token) in ex.state.results
+
+
+def test_fisher_and_store_jobs_round_trip():
+    s = setup()
+    G, Q = grads(), grads(which="query")
+    S = Q @ ga.fisher(G).damp(0.1).inv() @ G.T
+    ex = ga.LocalExecutor(choices=Choices(store="always"))
+    got = run(S, ex)
+    assert {FisherJob, StoreJob, ScoresJob} <= job_classes(ex.last_plan)
+    R, RQ = s["R"], s["RQ"]
+    F = R.T @ R / R.shape[0]
+    want = RQ @ torch.linalg.solve(F + 0.1 * torch.eye(F.shape[0], dtype=F.dtype), R.T)
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_group_job_round_trips():
+    s = setup()
+    groups = [i % 4 for i in range(24)]
+    G, Q = grads(), grads(which="query")
+    ex = ga.LocalExecutor()
+    got = run(Q @ G.group_mean(groups).T, ex)
+    assert GroupJob in job_classes(ex.last_plan)
+    means = torch.stack([s["R"][[i for i, g in enumerate(groups) if g == k]].mean(0) for k in range(4)])
+    torch.testing.assert_close(got, s["RQ"] @ means.T, **TOL)
+
+
+def test_diag_jobs_round_trip():
+    s = setup()
+    G = grads()
+    ex = ga.LocalExecutor()
+    got = (G @ G.T).diag().compute(executor=ex)
+    assert job_classes(ex.last_plan) == {DiagJob}
+    torch.testing.assert_close(torch.as_tensor(got.values), (s["R"] ** 2).sum(1), **TOL)
+    # the preconditioned self-influence: a Fisher pass, then the diagonal ⟨g_i, (F + λI)⁻¹ g_i⟩
+    R = s["R"]
+    F = R.T @ R / R.shape[0]
+    got = torch.as_tensor((G @ ga.fisher(G).damp(0.1).inv() @ G.T).diag().compute(executor=ex).values)
+    assert {FisherJob, DiagJob} <= job_classes(ex.last_plan)
+    want = (R * torch.linalg.solve(F + 0.1 * torch.eye(F.shape[0], dtype=F.dtype), R.T).T).sum(1)
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_kfac_and_ekfac_jobs_round_trip():
+    s = setup()
+    G = grads()
+    ref = kfac_reference(s)
+    ex = ga.LocalExecutor()
+    K = ex.operator(ga.kfac(G).expr)
+    assert job_classes(ex.last_plan) == {KFACJob}
+    want = torch.block_diag(*[torch.kron(S_, A_) for S_, A_, _ in ref.values()])
+    torch.testing.assert_close(K.dense(), want, **TOL)
+    E = ex.operator(ga.ekfac(G).expr)
+    assert {KFACJob, EKFACJob} <= job_classes(ex.last_plan) <= {KFACJob, EKFACJob, StoreJob}
+    blocks = []
+    for S_, A_, rows in ref.values():
+        Q_S, Q_A = torch.linalg.eigh(S_)[1], torch.linalg.eigh(A_)[1]
+        B = torch.kron(Q_S, Q_A)
+        corrected = ((rows @ B) ** 2).mean(0)     # E[(Q_Sᵀ G Q_A)²] in the K-FAC eigenbasis
+        blocks.append(B @ torch.diag(corrected) @ B.T)
+    torch.testing.assert_close(E.dense(), torch.block_diag(*blocks), rtol=1e-8, atol=1e-10)
+
+
+# ---------------------------------------------------------------------- interpreting, never re-deciding
+def test_forced_choices_are_obeyed_and_recorded():
+    s = setup()
+    G, Q = grads(), grads(which="query")
+    S = Q @ ga.fisher(G).damp(0.1).inv() @ G.T
+    R, RQ = s["R"], s["RQ"]
+    F = R.T @ R / R.shape[0]
+    want = RQ @ torch.linalg.solve(F + 0.1 * torch.eye(F.shape[0], dtype=F.dtype), R.T)
+    # the queries held, the training rows read again after the Fisher instead of stored
+    ex = ga.LocalExecutor(choices=Choices(held="left", store="never"))
+    torch.testing.assert_close(run(S, ex), want, **TOL)
+    p = ex.last_plan
+    assert p.decision("second use").chosen == "recompute" and "forced by Choices(store='never')" in \
+        p.decision("second use").why
+    assert StoreJob not in job_classes(p) and p.data_passes == 3
+    # the training rows held (collected beside the Fisher), the queries streamed
+    ex = ga.LocalExecutor(choices=Choices(held="right"))
+    torch.testing.assert_close(run(S, ex), want, **TOL)
+    p = ex.last_plan
+    assert "forced by Choices(held='right')" in p.decision("held side").why
+    (job,) = [j for step in p.passes for j in step.jobs if isinstance(j, ScoresJob)]
+    assert job.transposed and job.held == G.expr and job.streams == (Q.expr,)
+
+
+def test_normalization_of_the_streamed_side_is_a_decision_the_sink_follows():
+    s = setup()
+    G, Q = grads(), grads(which="query")
+    S = Q @ G.normalize().T
+    ex = ga.LocalExecutor()
+    got = run(S, ex)
+    d = ex.last_plan.decision("normalization of")
+    (job,) = [j for step in ex.last_plan.passes for j in step.jobs if isinstance(j, ScoresJob)]
+    assert d.chosen == "in the score kernel" and job.normalize_streamed and set(d.alternatives) == {
+        "in the score kernel", "row-wise"}
+    R = s["R"]
+    torch.testing.assert_close(got, s["RQ"] @ (R / R.norm(dim=1, keepdim=True)).T, **TOL)
+
+
+def test_the_executor_runs_the_kernels_the_plan_names():
+    """Kernels are the plan's: a plan edited to say dense for a block the planner sent to
+    ghost runs dense there, with the same numbers."""
+    s = setup()
+    G, Q = grads(), grads(which="query")
+    ex = ga.LocalExecutor()
+    p = ex.plan((Q @ G.T).expr)
+    (job,) = [j for step in p.passes for j in step.jobs if isinstance(j, ScoresJob)]
+    assert job.kernels == {"0": "ghost", "2": "ghost"}
+    job.kernels["0"] = "dense"
+    ex.run(p)
+    chunks = -(-24 // 5)
+    assert dict(ex.trace) == {"ghost": chunks, "dense": chunks}
+    torch.testing.assert_close(ex.state.scores(p.simplified), s["RQ"] @ s["R"].T, **TOL)
+
+
+def test_conv_kernels_are_decided_before_the_run(monkeypatch):
+    """Convolutions' positions are measured before a run is planned: every block has a
+    kernel decision, and no chunk is routed at run time."""
+    import gradalg.plan.routing as routing
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a kernel was routed at run time")
+    monkeypatch.setattr(routing, "choose_kernel", refuse)
+    model = models.cnn()
+    task = ga.tasks.classification(model)
+    G, Q = ga.grads(task, models.image_data(n=8), batch_size=4), ga.grads(task, models.image_data(n=2, seed=5))
+    display = plan((Q @ G.T).expr)
+    assert {d.chosen for d in display.decisions if d.what.startswith("kernel")} >= {"when run"}
+    ex = ga.LocalExecutor()
+    (Q @ G.T).compute(executor=ex)
+    kernels = {d.what: d.chosen for d in ex.last_plan.decisions if d.what.startswith("kernel")}
+    assert len(kernels) == len(G.layers) and set(kernels.values()) <= {"ghost", "dense"}
+    ran = {k: v * 1 for k, v in ex.trace.items()}
+    assert sum(ran.values()) == 2 * len(G.layers)           # 2 chunks × every block
+    assert ran.get("ghost", 0) == 2 * sum(v == "ghost" for v in kernels.values())
+
+
+def test_captured_rows_are_planned_with_their_recorded_positions():
+    """Rows recorded by ga.capture are in memory: the plan reads their factors' shapes and
+    decides every kernel (T = 1 for an MLP: ghost), and the run follows it."""
+    import torch.nn.functional as F_
+
+    s = setup()
+    model = s["model"]
+    x, y = s["train"]
+    with ga.capture(model, layers=list(LAYERS)) as cap:
+        for a in range(0, 24, 8):
+            F_.cross_entropy(model(x[a:a + 8]), y[a:a + 8], reduction="sum").backward()
+    model.zero_grad(set_to_none=True)
+    Q = grads(which="query")
+    S = Q @ cap.grads.T
+    display = plan(S.expr)
+    for name in LAYERS:
+        d = display.decision(f"kernel for block {name!r}")
+        assert d.chosen == "ghost" and "T=1/1" in d.why
+    ex = ga.LocalExecutor()
+    got = run(S, ex)
+    assert dict(ex.trace) == {"ghost": 3 * len(LAYERS)}
+    torch.testing.assert_close(got, s["RQ"] @ s["R"].T, **TOL)
+
+
+# ---------------------------------------------------------------------- thresholds as options
+def influence():
+    G, Q = grads(), grads(which="query")
+    return Q @ ga.fisher(G).damp(0.1).inv() @ G.T
+
+
+def test_store_fraction_decides_the_store_and_is_shown():
+    S = influence()
+    assert plan(S.expr).decision("second use").chosen == "store"
+    with ga.options(store_fraction=1e-9):
+        p = plan(S.expr)
+        text = str(S.explain())
+    assert p.decision("second use").chosen == "recompute"
+    assert "would exceed the store cap" in p.decision("second use").why and "store_fraction=1e-09" in text
+
+
+@pytest.mark.parametrize("mode", ["flat", "factors"])
+def test_row_storage_decides_how_rows_are_kept_and_is_shown(mode):
+    s = setup()
+    G, Q = grads(), grads(which="query")
+    S = Q @ G.T
+    assert plan(S.expr).decision("storage of held rows").chosen == "factors"     # an MLP: factors are smaller
+    with ga.options(row_storage=mode):
+        p = plan(S.expr)
+        text = str(S.explain())
+        ex = ga.LocalExecutor()
+        got = run(S, ex)
+    assert p.decision("storage of held rows").chosen == mode and f"row_storage={mode!r}" in text
+    (job,) = [j for step in p.passes for j in step.jobs if isinstance(j, ScoresJob)]
+    assert set(job.kernels.values()) == {"ghost" if mode == "factors" else "dense"}
+    torch.testing.assert_close(got, s["RQ"] @ s["R"].T, **TOL)
+
+
+def test_ghost_slice_elements_is_shown_and_keeps_the_numbers():
+    s = setup()
+    G, Q = grads(), grads(which="query")
+    with ga.options(ghost_slice_elements=4):
+        text = str((Q @ G.T).explain())
+        got = run(Q @ G.T, ga.LocalExecutor())
+    assert "in slices of at most 4 elements" in text
+    torch.testing.assert_close(got, s["RQ"] @ s["R"].T, **TOL)
+
+
+def test_reuse_buffer_bytes_is_shown_for_dense_kernels():
+    s = setup()
+    G, Q = grads(), grads(which="query")
+    with ga.options(ghost="never", reuse_buffer_bytes=64):
+        text = str((Q @ G.T).explain())
+        got = run(Q @ G.T, ga.LocalExecutor())
+    assert "streamed blocks of 64 B or more are materialized into one reused buffer" in text
+    torch.testing.assert_close(got, s["RQ"] @ s["R"].T, **TOL)
+
+
+def test_device_memory_fraction_sets_the_budget_shown_for_another_device():
+    from gradalg.plan.cost import _si
+    from gradalg.plan.devices import profile
+
+    S = influence()
+    with ga.options(device_memory_fraction=0.1):
+        e = S.explain(device="a100")
+    assert e.plan.options.memory_budget == int(0.1 * profile("a100").memory)
+    assert f"memory budget {_si(e.plan.options.memory_budget)}B" in str(e)
+
+
+@pytest.mark.parametrize("bad", [dict(store_fraction=0), dict(store_fraction=1.5), dict(row_storage="both"),
+                                 dict(ghost_slice_elements=0), dict(reuse_buffer_bytes=-1),
+                                 dict(device_memory_fraction=True)])
+def test_threshold_options_are_validated(bad):
+    with pytest.raises(ga.OptionError):
+        ga.options(**bad)
