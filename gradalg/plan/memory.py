@@ -17,6 +17,7 @@ from __future__ import annotations
 from ..capture.factors import Factors
 from ..errors import MemoryBudgetError
 from ..expr import Captured, Source
+from ..expr.stored import Stored
 from ..expr.tokens import token_rows
 from .cost import activation_bytes, tokens_hint
 from .shapes import element_size, forward_shapes, rows_per_example
@@ -32,8 +33,8 @@ def positions(node) -> dict[str, int]:
     T = tokens_hint(node)
     if isinstance(src, Source):
         known = forward_shapes(src).positions
-    elif isinstance(src, Captured) and token_rows(node) == 1:
-        known = captured_positions(src)
+    elif isinstance(src, Captured) and not isinstance(src, Stored) and token_rows(node) == 1:
+        known = captured_positions(src)   # ga.capture's rows, in memory; stored rows are flat
     else:
         known = {}
     # blocks a projection made (one flat block of a Gaussian projection) are rows, T unused
