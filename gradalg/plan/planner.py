@@ -48,7 +48,7 @@ from . import estimates
 from .cost import Cost, _si, fisher_cost, tokens_hint
 from .devices import DeviceProfile, profile
 from .shapes import forward_shapes
-from .memory import capture_bytes_per_example, consumer_bytes_per_example, kron_bytes, positions, rows_bytes, rows_of
+from .memory import capture_bytes_per_example, consumer_bytes_per_example, kron_bytes, positions, rows_bytes
 from .rules import Firing, PlanError, simplify_until_fixpoint
 
 __all__ = ["Job", "Pass", "Decision", "Plan", "plan", "estimate", "stream_root", "PlanError"]
