@@ -14,8 +14,12 @@ seconds of each pass beside the planner's estimate:
   2,000 training examples and 64 queries, every Linear attributed.
 
 It prints one line per pass (workload, method, pass, what it reads, estimated s,
-measured s, measured / estimated) and a summary: the worst ratio and the fraction of
-passes within [0.5, 2]. The device profile is this machine's (``ga.plan.devices``,
+measured CPU s, wall s, measured CPU / estimated) and a summary: the worst ratio and
+the number of passes within [0.5, 2]. With one thread the process's CPU time is the
+pass's work without the waits for a core that other processes cause on a shared
+machine; on a quiet one it equals the wall time. Each workload starts with a warm-up
+run of its first method (imports, allocator, kernels); put a method that draws no
+projection matrix first, since matrices are cached for the process. The device profile is this machine's (``ga.plan.devices``,
 measured once and cached); it is printed first.
 
     OMP_NUM_THREADS=1 nice .venv/bin/python benchmarks/estimates.py
@@ -146,7 +150,7 @@ def methods(w) -> dict:
                     lambda: m.relatif(w.task, w.train, w.queries, layers=L, projector=kron64, damping=lam)),
         "less": ("LESS, 2 checkpoints, k=512",
                  lambda: m.less(w.checkpoints, w.optimizers(), [1e-3, 1e-3], w.train, w.queries, w.query_groups,
-                                layers=L, k=512)),
+                                layers=L, k=512, **trak_kwargs)),
         "self_influence": ("self-influence, Gauss-Newton in kron(64)/layer",
                            lambda: m.self_influence(m.influence, w.task, w.train, layers=L, projector=kron64,
                                                     damping=lam)),

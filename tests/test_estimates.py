@@ -40,9 +40,10 @@ def test_capture_cost_counts_forward_and_input_gradient_gemms_by_shape():
     with ga.options(batch_size=batch) as opts:
         c = E.capture_cost(G.expr, opts, torch.float64)
     batches = 3                                      # 20 examples in batches of 8
+    # and the loss's sum/mean check: two forwards of 4 examples, once per pass
     assert c.gemms == ((8, 16, 8, batches, 8), (8, 8, 16, batches, 8), (8, 3, 16, batches, 8),
-                       (8, 16, 3, batches, 8))
-    assert c.flops == 2.0 * 8 * (16 * 8 + 3 * 16) * 2 * batches
+                       (8, 16, 3, batches, 8), (4, 16, 8, 2, 8), (4, 3, 16, 2, 8))
+    assert c.flops == 2.0 * 8 * (16 * 8 + 3 * 16) * 2 * batches + 2.0 * 4 * (16 * 8 + 3 * 16) * 2
     assert (c.calls, c.batches, c.layer_batches, c.passes) == (3 * 3 * 2, 3, 6, 1)
     # the layers' activations swept forward and backward, and the factors written (A, D)
     act = C.activation_bytes(model, 1, 8) * 20
@@ -51,7 +52,7 @@ def test_capture_cost_counts_forward_and_input_gradient_gemms_by_shape():
     assert c.elementwise == pytest.approx(act * sweeps) and c.bytes == pytest.approx(factors)
     # a second source sharing the forward costs its backward only
     shared = E.capture_cost(G.expr, opts, torch.float64, forward=False)
-    assert len(shared.gemms) == 2 and shared.calls == 3 * 3
+    assert len(shared.gemms) == 2 + 2 and shared.calls == 3 * 3
 
 
 def test_expected_objective_runs_one_backward_per_class():

@@ -49,8 +49,9 @@ OPS_PER_BLOCK = {"collect": 4, "store": 4, "group": 6, "fisher": 6, "kfac": 14, 
 #: the shared-forward key, resolving hooks, concatenating held rows; calibrated with
 #: ``benchmarks/estimates.py``)
 OPS_PER_PASS = 800
-#: memory traffic equivalent to drawing one float64 random number (a dense projection's matrix)
-RANDOM_BYTES = 64.0
+#: memory traffic equivalent to drawing one float64 random number (a dense projection's matrix;
+#: torch's CPU generator: about 40 ns a number on one core, calibrated on TRAK's MLP pass)
+RANDOM_BYTES = 400.0
 #: small-op equivalents per captured batch beyond the capture itself (finite checks per
 #: block, ids, chunk records, row-wise derivations, the allocator's trim; calibrated)
 OPS_PER_BATCH = 300
