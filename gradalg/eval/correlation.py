@@ -39,6 +39,7 @@ __all__ = ["lds", "lds_bootstrap", "lds_resampled", "loo_correlation", "spearman
 
 _SIGN = {"loss": -1.0, "margin": 1.0}
 RESAMPLE = ("queries", "subsets", "both")   # what an LDS bootstrap interval resamples
+"""What an LDS bootstrap interval may resample: queries, retrained subsets, or both."""
 
 
 @dataclass(frozen=True)

@@ -140,6 +140,7 @@ class DaskExecutor(Executor):
     # ------------------------------------------------------------------ the composed executor
     @property
     def options(self):
+        """The composed LocalExecutor's ``ga.options`` (settable)."""
         return self.local.options
 
     @options.setter
@@ -148,6 +149,7 @@ class DaskExecutor(Executor):
 
     @property
     def rewrites(self) -> bool:
+        """Whether the planner's rewrite rules run (settable)."""
         return self.local.rewrites
 
     @rewrites.setter
@@ -156,6 +158,7 @@ class DaskExecutor(Executor):
 
     @property
     def choices(self):
+        """Forced planner decisions, :class:`~gradalg.plan.Choices` (settable)."""
         return self.local.choices
 
     @choices.setter
@@ -164,18 +167,22 @@ class DaskExecutor(Executor):
 
     @property
     def trace(self):
+        """Counts of the kernels that ran (tests use it to prove routing)."""
         return self.local.trace
 
     @property
     def state(self) -> RunState:
+        """What the run keeps: rows, resolved operators, K-FAC bases, results."""
         return self.local.state
 
     @property
     def last_plan(self):
+        """The plan that ran last."""
         return self.local.last_plan
 
     @property
     def pass_stats(self) -> list:
+        """Measured seconds and memory of each pass of the last run."""
         return self.local.pass_stats
 
     def reset(self) -> None:
@@ -183,15 +190,19 @@ class DaskExecutor(Executor):
         self.local.reset()
 
     def plan(self, node):
+        """The plan for ``node`` (as :meth:`LocalExecutor.plan`)."""
         return self.local.plan(node)
 
     def run(self, p):
+        """Run plan ``p``: each pass over data sharded over the workers."""
         return self.local.run(p)
 
     def resolve(self, node):
+        """The resolved operator of ``node`` (:class:`~gradalg.linalg.LinearOp`), memoized."""
         return self.local.resolve(node)
 
     def iter_chunks(self, node):
+        """The rows of ``node`` chunk by chunk, on the client (pull path)."""
         return self.local.iter_chunks(node)
 
     def gradients(self, node):

@@ -87,6 +87,8 @@ class LocalExecutor(Executor):
 
     # ------------------------------------------------------------------ entry points
     def plan(self, node) -> Plan:
+        """The plan this executor would run for ``node``, under its options, rewrites and
+        forced choices (row counts measured from the data; nothing is computed)."""
         return make_plan(node, options=self.options, rewrites=self.rewrites, choices=self.choices,
                          measure_shapes=True)
 

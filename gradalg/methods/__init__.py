@@ -46,6 +46,8 @@ COMBINATORS = {
     "ensemble": "any method averaged over models / seeds / checkpoints, one expression (TRAK-M, influence ensembles)",
     "self_influence": "the diagonal S_zz of any method",
 }
+"""Combinators ``{name: description}``: they take a method and return its scores
+averaged (``ensemble``) or its diagonal (``self_influence``)."""
 
 
 def list() -> dict[str, str]:  # noqa: A001 - ga.methods.list() reads naturally
