@@ -31,7 +31,7 @@ sum = sum_scores  # noqa: A001 - ga.sum / ga.mean read like the math
 mean = mean_scores
 """``ga.mean(scores_list)`` is :func:`mean_scores`: (1/K) Σ_k S_k, e.g. an ensemble over checkpoints."""
 
-__version__ = "0.1.0"
+from .version import __version__  # noqa: E402
 
 __all__ = [
     "Task", "grads", "fisher", "adam_state", "SelfScores", "kfac", "ekfac", "hessian", "gauss_newton", "arnoldi", "datainf", "identity", "diagonal", "dense", "sum", "mean", "sum_scores",

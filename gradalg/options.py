@@ -119,6 +119,9 @@ class Options:
         The ghost kernel computes ⟨G_i, G_j⟩ in slices of streamed examples so that its
         (n_left, n_slice, T_left, T_right) intermediate has at most this many elements.
         Shown in each ghost kernel decision.
+    projection_slice_elements : int
+        A sparse (SJLT / mask) projection of a factored block materializes the block in
+        slices of examples of at most this many elements.
     reuse_buffer_bytes : int
         Streamed factored blocks at least this large are materialized into one buffer
         reused across blocks and chunks (fresh tensors above the allocator's mmap
@@ -143,6 +146,7 @@ class Options:
     store_fraction: float = 0.25
     row_storage: str = "auto"
     ghost_slice_elements: int = 2**26
+    projection_slice_elements: int = 2**26
     reuse_buffer_bytes: int = 2**20
     device_memory_fraction: float = 0.4
 
@@ -175,7 +179,7 @@ class Options:
                 raise OptionError(f"{name} must be a fraction in (0, 1], got {value!r}")
         if not isinstance(self.row_storage, str) or self.row_storage not in ("auto", "factors", "flat"):
             raise OptionError(f"row_storage must be 'auto', 'factors' or 'flat', got {self.row_storage!r}")
-        for name in ("ghost_slice_elements", "reuse_buffer_bytes"):
+        for name in ("ghost_slice_elements", "projection_slice_elements", "reuse_buffer_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise OptionError(f"{name} must be a positive int, got {value!r}")

@@ -295,7 +295,7 @@ def test_grass_and_mask_never_materialize(materialize_calls):
 def test_sparse_on_factors_materializes_in_slices(materialize_calls):
     task, train, *_ = _gpt2_case()
     G = ga.grads(task, train, layers=["transformer.wte"], batch_size=5)
-    with ga.options(memory_budget=64 * 5 * 101 * 8):   # slices of 8 rows of the (64, 101) block
+    with ga.options(projection_slice_elements=5 * 101 * 8):   # slices of 8 rows of the (64, 101) block
         ga.proj.sparse(16)(G).to_dense()
     assert materialize_calls and all(o <= 8 and i == 101 for o, i in materialize_calls)
 

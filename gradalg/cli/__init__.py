@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="gradalg", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    from .. import __version__
+    from ..version import __version__
     parser.add_argument("--version", action="version", version=f"gradalg {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for module in (build, query, score, explain, inspect_store):

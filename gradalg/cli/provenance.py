@@ -26,7 +26,7 @@ def versions() -> dict:
     """gradalg, torch, python, and the versions of the optional libraries in use."""
     import torch
 
-    from .. import __version__
+    from ..version import __version__
 
     out = {"gradalg": __version__, "torch": torch.__version__, "python": platform.python_version()}
     for name in ("transformers", "datasets", "zarr", "numpy"):

@@ -237,6 +237,7 @@ class DaskExecutor(Executor):
 
     @property
     def n_workers(self) -> int:
+        """Workers the scheduler knows now (at least 1)."""
         return max(1, len(self.client.scheduler_info().get("workers", {})))
 
     def describe_pass(self, step) -> str:

@@ -122,7 +122,7 @@ def _project(executor, node: Project, chunk: Chunk) -> dict:
             executor.trace[f"{p.kind}_{form}"] += 1
             projected = project_sparse_block(
                 p, block, value, space_blocks=tuple((b.name, b.dim) for b in src_space.blocks),
-                max_elements=executor.options.memory_budget // 64)
+                max_elements=executor.options.projection_slice_elements)
         else:
             P = dense_matrix(p, block.name, block.dim, dtype=dtype, device=device)
             projected = flat_block(value) @ P.T

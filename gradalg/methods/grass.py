@@ -20,7 +20,7 @@ noise of each other above 0.01), while on the held-out settings 1 lost to 0.1
 """
 from __future__ import annotations
 
-from .. import proj
+from ..proj import factgrass as factgrass_projector, grass as grass_projector
 from ..api import Scores, fisher, grads
 from ..task import Task
 from .influence import gauss_newton_objective
@@ -42,7 +42,7 @@ def grass(task: Task, train, queries, *, layers=None, k: int = 256, seed: int = 
     relative_damping : 0.1 (see the module docstring: 1 measured a little higher on a
         GPT-2, within noise, and lower on held-out logistic regression).
     """
-    P = proj.factgrass(k, seed) if factored else proj.grass(k, seed)
+    P = factgrass_projector(k, seed) if factored else grass_projector(k, seed)
     G, Q = P(grads(task, train, layers)), P(grads(task, queries, layers))
     C = P(grads(task, train, layers, objective=gauss_newton_objective(task), seed=seed))
     H = fisher(C, structure="block")

@@ -201,7 +201,7 @@ def summary(node, fingerprints: dict | None = None) -> dict:
 def store_attrs(kind: str, node) -> dict:
     """The attributes every store records about what it holds: kind, versions, projector,
     layers, objective, backend, model fingerprint and the expression (label and digest)."""
-    from .. import __version__
+    from ..version import __version__
     from .layout import FORMAT_VERSION
 
     fingerprints: dict = {}
