@@ -89,20 +89,26 @@ class Job:
 
 
 @dataclass(eq=False)
-class CollectJob(Job):
-    """Keep every row of ``target`` (a held side, or the rows of a gradient node)."""
+class RowsJob(Job):
+    """A job whose output is rows kept in memory: their bytes are its footprint."""
 
-    kind: ClassVar[str] = "collect"
     output: ClassVar[str] = "rows"
-
-    def describe(self) -> str:
-        return f"{self.kind} {self.target.label!r} ({self.target.n:,} rows)"
 
     def fixed_bytes(self, dtype) -> float:
         return rows_bytes(self.target, self.storage, dtype)
 
     def output_bytes(self, n: int) -> float:
         return 4.0 * self.target.n * self.target.space.dim
+
+
+@dataclass(eq=False)
+class CollectJob(RowsJob):
+    """Keep every row of ``target`` (a held side, or the rows of a gradient node)."""
+
+    kind: ClassVar[str] = "collect"
+
+    def describe(self) -> str:
+        return f"{self.kind} {self.target.label!r} ({self.target.n:,} rows)"
 
 
 @dataclass(eq=False)
@@ -113,17 +119,10 @@ class StoreJob(CollectJob):
 
 
 @dataclass(eq=False)
-class GroupJob(Job):
+class GroupJob(RowsJob):
     """Group means of the rows of ``target.grads`` (a :class:`~gradalg.expr.GroupMean`)."""
 
     kind: ClassVar[str] = "group"
-    output: ClassVar[str] = "rows"
-
-    def fixed_bytes(self, dtype) -> float:
-        return rows_bytes(self.target, self.storage, dtype)
-
-    def output_bytes(self, n: int) -> float:
-        return 4.0 * self.target.n * self.target.space.dim
 
 
 @dataclass(eq=False)
