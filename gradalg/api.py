@@ -46,6 +46,16 @@ def _as_array(values):
     return values
 
 
+def _cost_line(node) -> str:
+    """The header of a displayed expression: its estimated cost under the options in force
+    (planned from shapes only; a display never fails, so an error is shown, not raised)."""
+    from .plan.planner import estimate
+    try:
+        return "estimated cost: " + estimate(node).describe()
+    except Exception as err:  # a display must never fail
+        return f"estimated cost unavailable ({type(err).__name__}: {err})"
+
+
 class _Displayed:
     """Shared repr machinery: text tree and HTML tree of ``.expr``."""
 
@@ -53,11 +63,11 @@ class _Displayed:
 
     def __repr__(self):
         from .viz.tree import text_tree
-        return text_tree(self.expr, type(self).__name__)
+        return text_tree(self.expr, type(self).__name__, _cost_line(self.expr))
 
     def _repr_html_(self):
         from .viz.html import html_tree
-        return html_tree(self.expr, type(self).__name__)
+        return html_tree(self.expr, type(self).__name__, _cost_line(self.expr))
 
     def cost(self):
         """Estimated cost of computing this expression (:class:`gradalg.plan.Cost`)."""

@@ -32,13 +32,6 @@ def facts(node: Node) -> list[str]:
     return []
 
 
-def cost_line(node: Node) -> str:
-    from ..plan.planner import estimate  # displays plan lazily: viz/ sits beside plan/, not below it
-    try:
-        return "estimated cost: " + estimate(node).describe()
-    except Exception as err:  # a display must never fail
-        return f"estimated cost unavailable ({type(err).__name__}: {err})"
-
 
 def shown_children(node: Node) -> tuple:
     """The children a display shows: all but the identity operator of a plain inner

@@ -10,7 +10,7 @@ from functools import lru_cache
 from importlib.resources import files
 
 from ..expr import Node
-from .describe import cost_line, facts, shown_children, title
+from .describe import facts, shown_children, title
 
 
 @lru_cache(maxsize=1)
@@ -42,10 +42,9 @@ def _node_html(node: Node, seen: set[str], depth: int) -> str:
     return f"<details{is_open}><summary>{head}</summary>{inner}</details>"
 
 
-def html_tree(node: Node, kind: str, cost: str | None = None) -> str:
-    """A self-contained HTML fragment: header with cost estimate (or ``cost``), then the tree."""
+def html_tree(node: Node, kind: str, cost: str = "") -> str:
+    """A self-contained HTML fragment: header with the cost line ``cost`` (given by the caller), then the tree."""
     body = _node_html(node, set(), 0)
-    cost = cost if cost is not None else cost_line(node)
     return (f"<style>{_css()}</style><div class=\"ga-expr\"><div class=\"ga-head\">"
             f"{html.escape(kind)} <span class=\"ga-cost\">{html.escape(cost)}</span></div>"
             f"{body}</div>")

@@ -2,16 +2,17 @@
 from __future__ import annotations
 
 from ..expr import Node
-from .describe import cost_line, facts, shown_children, title
+from .describe import facts, shown_children, title
 
 
-def text_tree(node: Node, kind: str, cost: str | None = None) -> str:
+def text_tree(node: Node, kind: str, cost: str = "") -> str:
     """``kind`` header with the cost estimate, then one line per node with its facts.
 
     A sub-expression that appears twice is shown once and then marked ``↑ as above``.
-    ``cost`` replaces the header's estimate (default: planned with the options in force).
+    ``cost`` is the header's estimate line (the caller plans: viz/ sits beside plan/,
+    not above it; ``api`` passes ``estimated cost: ...``).
     """
-    lines = [f"<{kind}> {cost if cost is not None else cost_line(node)}"]
+    lines = [f"<{kind}> {cost}".rstrip()]
     seen: set[str] = set()
 
     def visit(n: Node, prefix: str, last: bool, top: bool):
