@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gradalg as ga  # noqa: E402
 from gradalg.capture.factors import Factors  # noqa: E402
 from gradalg.exec.accumulators import ScoreAccumulator  # noqa: E402
-from gradalg.exec.chunks import Chunk, flat_block  # noqa: E402
+from gradalg.capture.chunks import Chunk, flat_block  # noqa: E402
 from gradalg.plan.cost import dense_cost, ghost_cost  # noqa: E402
 from gradalg.plan.devices import local_profile  # noqa: E402
 from gradalg.plan.planner import plan  # noqa: E402

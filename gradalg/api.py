@@ -264,7 +264,7 @@ class GradientSet(_Displayed):
 
     def to_dense(self, executor=None) -> dict[str, torch.Tensor]:
         """All rows, materialized: ``{block: (n, *block.shape)}``. Holds n × dim numbers."""
-        from .exec.chunks import flat_block
+        from .capture.chunks import flat_block
         from .expr.space import AliasDict
         chunk = _executor(executor).gradients(self.expr)
         return AliasDict.blocks({b.name: flat_block(chunk.blocks[b.name]).reshape(chunk.n, *b.shape)

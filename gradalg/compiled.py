@@ -282,7 +282,7 @@ class Compiled:
 
 
 def _flat(value):
-    from .exec.chunks import flat_block
+    from .capture.chunks import flat_block
     return flat_block(value)
 
 

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import gradalg as ga
-import gradalg.exec.chunks
+from gradalg.capture import chunks as capture_chunks
 import gradalg.exec.operators
 from gradalg.capture.factors import Factors, dense_flops, ghost_flops
 from gradalg.expr import Inner, Precondition, ScoreSum
@@ -212,7 +212,7 @@ def test_building_displaying_and_costing_run_nothing(s, monkeypatch):
     def forbidden(*a, **k):
         raise AssertionError("a kernel ran while only building an expression")
 
-    monkeypatch.setattr(gradalg.exec.chunks, "materialize", forbidden)
+    monkeypatch.setattr(capture_chunks, "materialize", forbidden)
     with CountForwards() as count:
         G, Q = s.G(), s.Q()
         P = ga.proj.kron(8, seed=0)
@@ -494,13 +494,13 @@ def test_streaming_never_materializes_more_than_a_batch(monkeypatch):
     captured batch has at most 4 rows; only the 6 held query rows are materialized at once."""
     s = Setup(n_train=40, n_query=6, batch_size=4)
     sizes = []
-    real = gradalg.exec.chunks.materialize
+    real = capture_chunks.materialize
 
     def spy(factors):
         sizes.append(factors.n)
         return real(factors)
 
-    monkeypatch.setattr(gradalg.exec.chunks, "materialize", spy)
+    monkeypatch.setattr(capture_chunks, "materialize", spy)
     G = s.G()
     Q = ga.grads(s.task, s.query, ["0", "2"], batch_size=6)
     P = ga.proj.gaussian(8, seed=0)

@@ -9,7 +9,7 @@ import torch
 
 import gradalg as ga
 from gradalg.curvature.kron import KronOp
-from gradalg.exec.chunks import Chunk
+from gradalg.capture.chunks import Chunk
 from gradalg.exec.curvature import DataInfOp
 from gradalg.exec.local import LocalExecutor
 from gradalg.expr import Block, DataInf, ParamSpace

@@ -13,7 +13,7 @@ import torch
 
 import gradalg as ga
 from gradalg.exec import sinks
-from gradalg.exec.chunks import flatten
+from gradalg.capture.chunks import flatten
 from gradalg.plan import Choices
 from gradalg.plan.jobs import (JOB_TYPES, CollectJob, DiagJob, EKFACJob, FisherJob, GroupJob, KFACJob, ScoresJob,
                                StoreJob, job_type)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import gradalg as ga
-import gradalg.exec.chunks
+from gradalg.capture import chunks as capture_chunks
 from gradalg.proj import matrices
 from gradalg.testing import assert_close
 from gradalg.testing.conformance import project_dense
@@ -172,14 +172,14 @@ def test_kron_projection_of_factors(case, monkeypatch):
     G, R = (mlp()[0], mlp()[2]) if case == "mlp" else gpt2()
     P = ga.proj.kron(6, seed=2)
     formed = []
-    real = gradalg.exec.chunks.materialize
+    real = capture_chunks.materialize
 
     def spy(factors):
         out = real(factors)
         formed.append(tuple(out.shape[1:]))
         return out
 
-    monkeypatch.setattr(gradalg.exec.chunks, "materialize", spy)
+    monkeypatch.setattr(capture_chunks, "materialize", spy)
     ex = ga.LocalExecutor()
     got = rows(P(G), ex)
     offsets = G.space.offsets()

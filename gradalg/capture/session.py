@@ -26,6 +26,7 @@ from .hooks import LayerRef, check_batch_rows, resolve_layers
 from .layers import check_session_layers
 from .rows import layout_for, session_rows
 from .tying import LayerUse, use_factors
+from .chunks import Chunk
 
 __all__ = ["CaptureStore", "CaptureSession", "capture"]
 
@@ -151,8 +152,6 @@ class CaptureSession:
         return hook
 
     def _finish_step(self):
-        from ..exec.chunks import Chunk
-
         blocks = {}
         n_examples, lengths = session_rows(self._pending)
         for ref in self.refs:

@@ -21,7 +21,7 @@ from ..errors import GradalgError
 from ..expr import KFAC, Fisher, GroupMean
 from ..plan.memory import check_statistics_fit
 from ..plan.rules import PlanError
-from .chunks import Chunk, concat_chunks, flat_block, flatten, row_sq_norms, unflatten
+from ..capture.chunks import Chunk, concat_chunks, flat_block, flatten, row_sq_norms, unflatten
 from .operators import ResolvedOp
 
 __all__ = ["FisherAccumulator", "KronAccumulator", "EKFACAccumulator", "GroupAccumulator", "Collector",

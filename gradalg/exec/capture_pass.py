@@ -20,7 +20,7 @@ from ..capture.reference import block_param_names, per_example_grads
 from ..data import batch_size_of
 from ..errors import NonFiniteGradientError
 from ..expr import Source
-from .chunks import Chunk
+from ..capture.chunks import Chunk
 
 __all__ = ["SourceCapture", "PassCapture", "SharedForward", "model_device_dtype", "eval_mode"]
 

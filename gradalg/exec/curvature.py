@@ -13,7 +13,7 @@ from ..curvature.solvers import arnoldi
 from ..errors import GradalgError
 from ..expr.curvature import Arnoldi, CurvatureProducts, DataInf
 from ..linalg import LinearOp
-from .chunks import flat_block, unflatten
+from ..capture.chunks import flat_block, unflatten
 
 __all__ = ["resolve_curvature", "DataInfOp"]
 

@@ -33,7 +33,7 @@ from ..plan.planner import ROW_WISE, Plan, plan as make_plan
 from .base import Executor
 from .accumulators import GroupAccumulator
 from .capture_pass import SourceCapture, eval_mode, model_device_dtype
-from .chunks import Chunk, concat_chunks
+from ..capture.chunks import Chunk, concat_chunks
 from .resolve import precondition, resolve_node
 from .rowwise import apply_rowwise
 from .runner import PassRunner

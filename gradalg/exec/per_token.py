@@ -11,7 +11,7 @@ import torch
 
 from ..capture.factors import Factors, OneHot
 from ..expr.tokens import PerToken, PerTokenError
-from .chunks import Chunk
+from ..capture.chunks import Chunk
 
 __all__ = ["split_tokens"]
 

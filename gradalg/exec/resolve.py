@@ -20,7 +20,7 @@ from ..expr.spectral import Spectral
 from ..expr.stored import StoredOp
 from ..linalg import LinearOp, ResolvedOp
 from .accumulators import EKFACAccumulator, FisherAccumulator, KronAccumulator
-from .chunks import Chunk, flatten, unflatten
+from ..capture.chunks import Chunk, flatten, unflatten
 from .curvature import resolve_curvature
 from .rowwise import dtype_device
 

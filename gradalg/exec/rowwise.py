@@ -9,7 +9,7 @@ from ..errors import GradalgError
 from ..expr import (AdamPrecondition, Normalize, PerToken, Precondition, Project, RowWeights, ScaleRows, Select)
 from ..proj.kernels import SPARSE_KINDS, project_sparse_block
 from ..proj.matrices import dense_matrix, kron_matrices
-from .chunks import Chunk, flat_block, flatten, row_sq_norms, unflatten
+from ..capture.chunks import Chunk, flat_block, flatten, row_sq_norms, unflatten
 from .per_token import split_tokens
 
 __all__ = ["apply_rowwise", "dtype_device", "scale_rows"]

@@ -30,7 +30,7 @@ from ..expr import GradNode, Source
 from ..plan.planner import ROW_WISE, Pass, Plan, PlanError, stream_root
 from .allocator import release_free_memory
 from .capture_pass import PassCapture, eval_mode, model_device_dtype
-from .chunks import Chunk
+from ..capture.chunks import Chunk
 from .progress import progress_bar
 from .rowwise import apply_rowwise
 from .sinks import Sink, open_sink

@@ -29,7 +29,7 @@ from ..expr import Identity
 from ..plan.jobs import (CollectJob, DiagJob, EKFACJob, FisherJob, GroupJob, Job, KFACJob, ScoresJob, StoreJob)
 from .accumulators import (Collector, DiagAccumulator, EKFACAccumulator, FisherAccumulator, GroupAccumulator,
                            KronAccumulator, ScoreAccumulator)
-from .chunks import Chunk, concat_chunks, flatten, unflatten
+from ..capture.chunks import Chunk, concat_chunks, flatten, unflatten
 from .state import RunState
 
 __all__ = ["SINKS", "Sink", "sink_for", "open_sink"]

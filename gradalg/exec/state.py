@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from ..capture.factors import Factors
 from ..expr import ScoreDiagonal, ScoreSum
-from .chunks import Chunk
+from ..capture.chunks import Chunk
 
 __all__ = ["RunState"]
 

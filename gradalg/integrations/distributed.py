@@ -89,7 +89,7 @@ def gather(grads, *, order: str = "step", group=None):
     """
     from ..api import GradientSet
     from ..capture.session import CaptureStore
-    from ..exec.chunks import Chunk
+    from ..capture.chunks import Chunk
     from ..expr import Captured
 
     if order not in ("step", "rank"):

@@ -23,7 +23,7 @@ __all__ = ["combine_repeats"]
 def combine_repeats(G, how: str = "sum"):
     """One row per distinct id of ``G``: the ``"sum"`` or the ``"mean"`` of its rows."""
     from ..api import GradientSet
-    from ..exec.chunks import Chunk, flat_block
+    from ..capture.chunks import Chunk, flat_block
     from ..exec.local import LocalExecutor
     from ..expr.stored import Stored
     from ..store.rows import MemoryRows

@@ -187,7 +187,7 @@ class StoreStream:
     # ------------------------------------------------------------------ per step
     def __call__(self, step) -> None:
         """An ``on_step`` callback: project the step's rows and buffer them (flushing when full)."""
-        from ..exec.chunks import Chunk, flat_block
+        from ..capture.chunks import Chunk, flat_block
         from ..exec.local import LocalExecutor
 
         if self.manifest is None:
@@ -209,7 +209,7 @@ class StoreStream:
         """
         self._wait()
         if self._buffer:
-            from ..exec.chunks import concat_chunks
+            from ..capture.chunks import concat_chunks
 
             chunk = concat_chunks(self._buffer)
             steps, self._buffer, self._steps = self._steps, [], []

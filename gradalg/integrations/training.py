@@ -38,7 +38,7 @@ from torch import nn
 from ..capture.factors import Factors, self_inner
 from ..capture.session import CaptureSession, CaptureStore
 from ..errors import ExampleIdsError
-from ..exec.chunks import Chunk
+from ..capture.chunks import Chunk
 from .distributed import unwrap_model
 
 __all__ = ["StepGrads", "TrainingCapture", "training_capture"]
@@ -49,7 +49,7 @@ class StepGrads:
     """The per-example gradients of one optimizer step (every micro-batch of it).
 
     index : the step's number (0 for the first optimizer step seen).
-    chunks : one :class:`~gradalg.exec.chunks.Chunk` per micro-batch, in order; each block
+    chunks : one :class:`~gradalg.capture.chunks.Chunk` per micro-batch, in order; each block
         is :class:`~gradalg.capture.Factors` (n_mb, T, in) / (n_mb, T, out).
     space : the ParamSpace of the captured layers.
     """

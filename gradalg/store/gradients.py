@@ -20,7 +20,7 @@ import torch
 import xarray as xr
 
 from ..errors import OptionError, StoreMismatchError
-from ..exec.chunks import Chunk
+from ..capture.chunks import Chunk
 from ..expr import Block, ParamSpace
 from ..expr.stored import Stored
 from ..exec.resilience import PAYLOAD, run_tasks

@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 
 from ..errors import GradalgError
-from ..exec.chunks import Chunk, concat_chunks, flat_block
+from ..capture.chunks import Chunk, concat_chunks, flat_block
 from ..exec.shards import restrict
 from ..expr import GradNode, Normalize, Precondition, Source
 from ..expr.stored import Stored, StoredOp

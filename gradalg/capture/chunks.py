@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..capture.factors import HALF_DTYPES, Factors, materialize, self_inner
+from .factors import HALF_DTYPES, Factors, materialize, self_inner
 from ..expr.space import ParamSpace
 
 __all__ = ["Chunk", "flat_block", "flatten", "unflatten", "row_sq_norms", "concat_chunks"]
