@@ -84,6 +84,22 @@ def test_scores_are_dask_backed_blocks_one_per_shard(dx, setting):
     assert list(result.train.values) == list(range(48))
 
 
+def test_sharded_passes_write_progress_lines_without_a_terminal(dx, setting, capfd):
+    """A Dask pass in a log (nohup, SLURM) reports rows as shards finish, with rate and ETA."""
+    from dataclasses import replace
+    task, train, queries = setting
+    before = dx.options
+    dx.options = replace(before, progress="lines", progress_interval=0)
+    try:
+        ga.methods.grad_dot(task, train, queries).compute(executor=dx).values
+    finally:
+        dx.options = before
+    err = capfd.readouterr().err
+    shard_lines = [line for line in err.splitlines() if "shards)" in line and "rows" in line]
+    assert shard_lines and shard_lines[-1].split(": ", 1)[1].startswith("done, 48 rows in ")
+    assert any("/48 rows" in line and "ETA" in line for line in shard_lines)
+
+
 def test_small_passes_run_in_this_process_and_shards_keep_a_minimum_size(dx, setting):
     """A pass over fewer than ``min_shard_examples`` runs on the client (shipping the
     model to every worker would cost more); larger passes get no shard under it."""

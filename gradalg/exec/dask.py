@@ -39,7 +39,7 @@ from ..plan.planner import chain_ops, stream_root
 from .base import Executor
 from .capture_pass import eval_mode, model_device_dtype
 from .local import LocalExecutor
-from .progress import in_notebook
+from .progress import in_notebook, progress_bar
 from .resilience import PAYLOAD, FaultPolicy, run_tasks
 from .shards import restrict, shard_ranges
 from .state import RunState
@@ -272,9 +272,12 @@ class DaskExecutor(Executor):
         ranges = self._ranges(data.n)
         self._check_reduction_here(sources, data)
         payload = (step, sinks, self._state_for(step), self.options, data.token, self.threads_per_worker)
-        results = run_tasks(self.client, _run_shard, payload, [(PAYLOAD, a, b) for a, b in ranges],
-                            policy=self.faults, labels=[f"examples {a}:{b}" for a, b in ranges],
-                            progress=self.options.progress and in_notebook())
+        widget = bool(self.options.progress) and in_notebook()   # Dask's own progress widget
+        with progress_bar(self.options.progress if not widget else False, data.n,
+                          f"{step.label} ({len(ranges)} shards)", interval=self.options.progress_interval) as bar:
+            results = run_tasks(self.client, _run_shard, payload, [(PAYLOAD, a, b) for a, b in ranges],
+                                policy=self.faults, labels=[f"examples {a}:{b}" for a, b in ranges],
+                                progress=widget, on_result=lambda i: bar.update(ranges[i][1] - ranges[i][0]))
         scores = {i for i, sink in enumerate(sinks) if isinstance(sink.job, ScoresJob)}
         for states, trace in results:
             self.trace.update(trace)

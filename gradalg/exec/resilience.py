@@ -106,13 +106,15 @@ def _wait_for_workers(client, seconds: float) -> None:
         time.sleep(0.2)
 
 
-def run_tasks(client, fn, payload, args_list, *, policy: FaultPolicy, labels=None, progress: bool = False) -> list:
+def run_tasks(client, fn, payload, args_list, *, policy: FaultPolicy, labels=None, progress: bool = False,
+              on_result=None) -> list:
     """``[fn(*args) for args in args_list]`` on the cluster, with :data:`PAYLOAD` in each
     ``args`` replaced by ``payload`` (scattered once per worker per round). Results are
     gathered here, in order. Raises what a task raised (its own error), or
     :class:`WorkerFaultError` for faults that cannot be outlived (see the module doc).
 
     labels : names of the tasks for messages (e.g. "examples 0:12").
+    on_result : called with a task's index as its result arrives (progress lines).
     """
     labels = list(labels) if labels is not None else [f"task {i}" for i in range(len(args_list))]
     results: dict[int, object] = {}
@@ -147,7 +149,7 @@ def run_tasks(client, fn, payload, args_list, *, policy: FaultPolicy, labels=Non
             if progress:
                 from distributed import progress as dask_progress
                 dask_progress(list(futures))
-            _collect_round(client, futures, results, killed, started, labels, policy, pids)
+            _collect_round(client, futures, results, killed, started, labels, policy, pids, on_result)
     finally:
         if subscribed:
             try:
@@ -181,7 +183,7 @@ def _worker_pids(client) -> dict:
 
 
 def _collect_round(client, futures: dict, results: dict, killed: dict, started: dict, labels, policy,
-                   pids=None) -> None:
+                   pids=None, on_result=None) -> None:
     """Gather what finishes; leave lost tasks out of ``results`` (the next round submits
     them again); raise on a task's own error, a repeat killer or a stalled worker."""
     from distributed import wait
@@ -204,6 +206,9 @@ def _collect_round(client, futures: dict, results: dict, killed: dict, started: 
                     except Exception as err:  # noqa: BLE001 - the result was lost while fetched
                         if not _is_fault(err):
                             raise
+                        continue
+                    if on_result is not None:
+                        on_result(i)
                     continue
                 if fut.cancelled() or fut.status == "cancelled":
                     continue          # lost with its workers or its payload: submitted again
