@@ -140,10 +140,10 @@ class FisherJob(Job):
 
 
 @dataclass(eq=False)
-class KFACJob(Job):
-    """K-FAC's Kronecker factors S = E[DᵀD], A = E[AᵀA] per block, and their eigenbases."""
+class KronStatisticsJob(Job):
+    """A job accumulating per-block Kronecker statistics: two (out, out) and (in, in)
+    matrices per block are its footprint and its output."""
 
-    kind: ClassVar[str] = "kfac"
     output: ClassVar[str] = "operator"
 
     def fixed_bytes(self, dtype) -> float:
@@ -154,18 +154,18 @@ class KFACJob(Job):
 
 
 @dataclass(eq=False)
-class EKFACJob(Job):
+class KFACJob(KronStatisticsJob):
+    """K-FAC's Kronecker factors S = E[DᵀD], A = E[AᵀA] per block, and their eigenbases."""
+
+    kind: ClassVar[str] = "kfac"
+
+
+@dataclass(eq=False)
+class EKFACJob(KronStatisticsJob):
     """EK-FAC's eigenvalue correction E[(Q_Sᵀ G Q_A)²], in the KFACJob's eigenbases
     (a second pass: it depends on the KFACJob of the same operator)."""
 
     kind: ClassVar[str] = "ekfac"
-    output: ClassVar[str] = "operator"
-
-    def fixed_bytes(self, dtype) -> float:
-        return kron_bytes(self.target.space)
-
-    def output_bytes(self, n: int) -> float:
-        return 8.0 * sum(b.shape[0] ** 2 + b.shape[-1] ** 2 for b in self.target.space.blocks)
 
 
 @dataclass(eq=False)
