@@ -25,6 +25,7 @@ __all__ = [
     "OperatorError",
     "StaleCompiledError",
     "ObjectiveError",
+    "DistributedError",
 ]
 
 
@@ -162,3 +163,9 @@ class StaleCompiledError(GradalgError, RuntimeError):
 class ObjectiveError(GradalgError, ValueError):
     """The optimizer's settings (weight decay, Adam state) cannot be read, or have no exact form
     in the requested space (``gradalg.objective``)."""
+
+
+class DistributedError(GradalgError, RuntimeError):
+    """A torch.distributed run cannot give exact results: no process group, ranks that
+    planned different passes, a sharded model on a path that reads whole weights, or an
+    error on another rank (named, with its message)."""

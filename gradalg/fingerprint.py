@@ -137,6 +137,10 @@ def _hash_tensor(t: torch.Tensor) -> str:
     step = max(1, _CHUNK_BYTES // max(1, flat.element_size()))
     for a in range(0, flat.numel(), step):
         part = flat[a:a + step].contiguous().cpu()
+        if part.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+            # a view of the tensor's own storage: NumPy would pin it (a storage exported to
+            # NumPy can no longer be resized, and FSDP2 frees unsharded weights by resizing)
+            part = part.clone()
         h.update(part.view(torch.uint8).numpy().tobytes() if part.dtype != torch.uint8 else part.numpy().tobytes())
     return h.hexdigest()
 
@@ -168,15 +172,43 @@ def _unsharded_class(cls: type) -> type:
     return cls
 
 
+def _fsdp_sharded_params(model: torch.nn.Module) -> dict[int, torch.Tensor]:
+    """``{id(unsharded parameter): its sharded DTensor}`` for the FSDP2 units of ``model``.
+
+    Between a forward and the reshard that follows it (the root unit keeps its weights
+    gathered after a forward), FSDP2 registers the whole weights as the module's
+    parameters; the digest reads the shard instead, so a model's token does not depend
+    on where it is in a forward/backward."""
+    out = {}
+    for m in model.modules():
+        get_state = getattr(m, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        try:
+            group = get_state()._fsdp_param_group
+            params = group.fsdp_params if group is not None else ()
+            for p in params:
+                unsharded = getattr(p, "_unsharded_param", None)
+                if unsharded is not None:
+                    out[id(unsharded)] = p.sharded_param
+        except Exception:  # noqa: BLE001 - another torch's FSDP internals: digest what is registered
+            continue
+    return out
+
+
 def model_digest(model: torch.nn.Module) -> str:
-    """Digest of a module tree (types, ``extra_repr``) and all its parameters and buffers."""
+    """Digest of a module tree (types, ``extra_repr``) and all its parameters and buffers.
+
+    An FSDP2 (``fully_shard``) parameter is digested as this rank's shard (its DTensor),
+    also while FSDP has the whole weight registered: a sharded model's digest is per rank."""
     parts = []
     for name, m in model.named_modules():
         cls = _unsharded_class(type(m))
         parts.append(f"{name}:{cls.__module__}.{cls.__qualname__}({m.extra_repr()})")
+    sharded = _fsdp_sharded_params(model)
     for kind, named in (("p", model.named_parameters()), ("b", model.named_buffers())):
         for name, t in named:
-            parts.append(f"{kind}:{name}:{tensor_digest(t)}")
+            parts.append(f"{kind}:{name}:{tensor_digest(sharded.get(id(t), t))}")
     return "model-" + _h(*parts)
 
 

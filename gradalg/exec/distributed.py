@@ -1,0 +1,412 @@
+"""Model-sharded attribution with torch.distributed: every rank of a ``torchrun`` job
+runs the same plan on its part of each dataset and returns the same full result.
+
+``TorchDistributed()`` is built on every rank after ``torch.distributed.init_process_group``;
+the model is sharded by FSDP2 (``fully_shard``), replicated by DDP, or plain. Every rank
+calls ``S.compute(executor=ex)`` with the same expression.
+
+Composition, as :class:`~gradalg.exec.dask.DaskExecutor`: a ``TorchDistributed`` holds a
+:class:`~gradalg.exec.LocalExecutor` (the plan, the pass runner, the run state, the pull
+path) and is that executor's *shard strategy* (:mod:`gradalg.exec.runner`). For each pass
+that reads a dataset of n examples over W ranks:
+
+1. **split**: rank r reads examples ``rank_ranges(n, W)[r]`` (contiguous, in rank order,
+   sizes differing by at most one; :mod:`gradalg.exec.shards`), the pass's jobs restricted
+   to that range (``restrict``) and fed to freshly opened sinks;
+2. **equal steps**: every rank runs the same number of forward/backward calls (FSDP2
+   all-gathers weights in each forward and backward, DDP broadcasts buffers; unmatched
+   collectives deadlock): a rank with fewer batches than the largest range reads
+   ``batches_in(max size, batch) - batches_in(its size, batch)`` padding batches — the
+   pass's first example, captured and transformed like any batch, fed to no sink;
+3. **combine**: sink i is owned by rank ``i % W``. Its owner gathers every rank's partial
+   state (``export()``), absorbs them in rank order — exactly the order one process reads
+   the data — and finishes it (Fisher / K-FAC normalization, K-FAC eigendecompositions,
+   EK-FAC corrections, concatenated rows and score columns); the finished result is
+   broadcast, so every rank publishes the *same bits* into its run state. Sums,
+   eigenbases and held rows are therefore identical on every rank, and a later pass that
+   rotates rows into a K-FAC basis uses one basis everywhere.
+
+Passes over rows in memory or over a store read no model: every rank runs them whole.
+Operators known only through products (``ga.hessian``, ``ga.gauss_newton``) are resolved
+on the pull path, over the whole dataset on every rank (same numbers, not faster); on a
+sharded model they are refused, as is ``backend="func"`` (both read whole parameters
+through ``torch.func``).
+
+Before running a plan the ranks compare a description of it (passes, their datasets'
+fingerprints and row counts, job kinds, batch sizes): ranks given other data, options or
+expressions are refused before any collective could mismatch. Node tokens themselves are
+not compared: the fingerprint of an FSDP2 parameter hashes this rank's shard
+(:mod:`gradalg.fingerprint`), so tokens of a sharded model are per rank; nothing is
+exchanged by token (sinks are paired by their position in the plan).
+
+Errors on one rank (a NaN gradient named by example, a Fisher over no rows) are
+exchanged after the pass's batches and raised on every rank
+(:class:`~gradalg.errors.DistributedError` names the rank and its message); the failing
+rank keeps stepping through padding batches so the others are not left waiting in a
+collective (an error inside a forward can still leave FSDP's collectives unmatched:
+torch.distributed's timeout then ends the job).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..errors import DistributedError
+from ..expr import CurvatureProducts, Source
+from ..data import move_batch
+from ..plan.planner import stream_root
+from .base import Executor
+from .capture_pass import eval_mode, model_device_dtype
+from .local import LocalExecutor
+from .shards import batches_in, rank_ranges, restrict
+from .sinks import open_sink
+from .state import RunState
+
+__all__ = ["TorchDistributed", "is_sharded"]
+
+
+def _dist():
+    try:
+        import torch.distributed as dist
+    except ImportError:   # pragma: no cover - torch without distributed support
+        dist = None
+    if dist is None or not dist.is_available():
+        raise DistributedError("this torch build has no torch.distributed: install a torch with distributed "
+                               "support (the PyPI wheels have it), or use ga.exec.LocalExecutor")
+    return dist
+
+
+def is_sharded(model) -> bool:
+    """Whether ``model`` holds DTensor parameters (FSDP2 ``fully_shard``, tensor parallel):
+    each rank keeps a shard of them, and a whole weight exists only inside a forward or
+    backward."""
+    return any(hasattr(p, "placements") and hasattr(p, "to_local") for p in model.parameters())
+
+
+class _Discard:
+    """A sink that derives what the real one is fed (same rows, projections, weights:
+    the same forward/backward calls) and keeps nothing: a padding batch's consumer."""
+
+    def __init__(self, fed):
+        self.fed = fed
+
+    def feed(self, chunks, state) -> None:
+        pass
+
+
+class TorchDistributed(Executor):
+    """Runs plans over the ranks of a torch.distributed process group (``torchrun``).
+
+    Every rank builds one (after ``torch.distributed.init_process_group``) and computes
+    the same expression with it; each rank reads its part of every dataset, partial
+    statistics are combined by their owner rank and broadcast, and every rank returns
+    the same full (query, train) result, equal to one process's to float tolerance.
+
+    Parameters
+    ----------
+    group : the process group (default: the default group, ``torch.distributed.group.WORLD``).
+    options, rewrites, choices : as :class:`~gradalg.exec.LocalExecutor`.
+    check_plans : compare the ranks' plans before running them (one small all-gather
+        per plan); a difference raises :class:`~gradalg.errors.DistributedError` on every rank.
+
+    Example (``torchrun --nproc_per_node 2 examples/torch_distributed.py``)::
+
+        dist.init_process_group("gloo")             # "nccl" on GPUs, after torch.cuda.set_device
+        fully_shard(model)                          # or DDP(model), or the plain model
+        ex = ga.exec.TorchDistributed()
+        S = ga.methods.grad_dot(ga.Task(model, loss), train, queries)
+        scores = S.compute(executor=ex)             # the same DataArray on every rank
+    """
+
+    name = "torch_distributed"
+
+    def __init__(self, group=None, *, options=None, rewrites: bool = True, choices=None, check_plans: bool = True):
+        dist = _dist()
+        if not dist.is_initialized():
+            raise DistributedError(
+                "TorchDistributed needs an initialized torch.distributed process group: launch the script "
+                "with torchrun (torchrun --nproc_per_node N script.py) and call "
+                "torch.distributed.init_process_group('nccl' on GPUs, 'gloo' on CPU) before building it; "
+                "in one process use ga.exec.LocalExecutor")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.check_plans = check_plans
+        self.local = LocalExecutor(options, rewrites=rewrites, choices=choices, shards=self)
+
+    # ------------------------------------------------------------------ the composed executor
+    @property
+    def options(self):
+        """The composed LocalExecutor's ``ga.options`` (settable)."""
+        return self.local.options
+
+    @options.setter
+    def options(self, value):
+        self.local.options = value
+
+    @property
+    def trace(self):
+        """Counts of the kernels that ran, summed over the ranks (the same on every rank)."""
+        return self.local.trace
+
+    @property
+    def state(self) -> RunState:
+        """What the run keeps: rows, resolved operators, K-FAC bases, results (the same on every rank)."""
+        return self.local.state
+
+    @property
+    def last_plan(self):
+        """The plan that ran last."""
+        return self.local.last_plan
+
+    @property
+    def pass_stats(self) -> list:
+        """This rank's measured seconds and memory of each pass of the last run."""
+        return self.local.pass_stats
+
+    def reset(self) -> None:
+        """Forget every resolved operator, kept row and result (``LocalExecutor.reset``)."""
+        self.local.reset()
+
+    def plan(self, node):
+        """The plan for ``node`` (as :meth:`LocalExecutor.plan`; the same on every rank)."""
+        return self.local.plan(node)
+
+    def resolve(self, node):
+        """The resolved operator of ``node``, memoized."""
+        return self.local.resolve(node)
+
+    def iter_chunks(self, node):
+        """The rows of ``node`` chunk by chunk, read whole on this rank (pull path)."""
+        return self.local.iter_chunks(node)
+
+    # ------------------------------------------------------------------ entry points
+    def run(self, p):
+        """Run plan ``p`` on every rank: each pass over data split over the ranks."""
+        self._refuse_inexact(p.simplified)
+        if self.check_plans:
+            self._agree(p)
+        return self.local.run(p)
+
+    def scores(self, node):
+        """The (n_query, n_train) scores of ``node``, the same tensor on every rank."""
+        p = self.run(self.local.plan(node))
+        return self.local.state.scores(p.simplified)
+
+    def diagonal(self, node):
+        """Self-scores (n,) of a ScoreDiagonal node, the same on every rank."""
+        p = self.run(self.local.plan(node))
+        return self.local.state.diagonal(p.simplified.scores)
+
+    def gradients(self, node):
+        """All rows of a gradient node in one chunk, on every rank."""
+        from ..capture.chunks import concat_chunks
+        p = self.run(self.local.plan(node))
+        return concat_chunks(self.local.state.rows[p.simplified.token])
+
+    def operator(self, node):
+        """The resolved numbers of an operator node, the same on every rank."""
+        p = self.run(self.local.plan(node))
+        return self.local.resolve(p.simplified)
+
+    # ------------------------------------------------------------------ the shard strategy
+    def describe_pass(self, step) -> str:
+        """How a pass is split over the ranks and what crosses the network."""
+        if not step.reads_data:
+            return f"runs whole on each of the {self.world_size} ranks (rows already in memory)"
+        data = self._data_of(step)
+        sizes = [b - a for a, b in rank_ranges(data.n, self.world_size)]
+        batch = self._batch_size(step, data)
+        steps = batches_in(max(sizes), batch)
+        back = sum(job.output_bytes(data.n) for job in step.jobs)
+        return (f"{self.world_size} ranks, {min(sizes)}–{max(sizes)} examples each, {steps} forward/backward "
+                f"steps per rank (shorter ranges padded); per job, every rank's partial state is gathered "
+                f"by its owner rank and the finished result broadcast (~{back / 2**20:.1f} MiB of results)")
+
+    def run_shards(self, runner, step, sinks) -> dict:
+        """Run one pass: this rank's range of the data, padding batches up to the largest
+        range's count, then each sink combined on its owner rank and broadcast. Returns
+        every sink's finished result (the same on every rank)."""
+        if not step.reads_data:
+            runner.feed(step, sinks)   # rows in memory or a store: no model call, the same on every rank
+            return {}
+        data = self._data_of(step)
+        ranges = rank_ranges(data.n, self.world_size)
+        start, stop = ranges[self.rank]
+        batch = self._batch_size(step, data)
+        steps = batches_in(max(b - a for a, b in ranges), batch)
+        error = None
+        try:   # the same forwards on every rank: a failure is every rank's
+            self._check_reduction_here(step, data)
+        except Exception as err:  # noqa: BLE001 - raised on every rank below
+            error = err
+        self._raise_any(error, step)
+        trace = runner.ctx.trace
+        before = trace.copy()
+        jobs = [replace(job, streams=tuple(restrict(s, data.token, start, stop) for s in job.streams))
+                for job in step.jobs]
+        shard_step = replace(step, jobs=jobs)
+        done, parts = 0, None
+        try:   # an empty range (n < ranks) exports empty states
+            shard_sinks = [open_sink(job, runner.ctx) for job in jobs]
+            for sink in shard_sinks:
+                sink.for_shard(start)
+            if stop > start:
+                done = self._feed(runner, shard_step, shard_sinks)
+            parts = [sink.export() for sink in shard_sinks]
+        except Exception as err:  # noqa: BLE001 - reported to every rank below
+            error = err
+        self._pad(runner, step, sinks, data, steps - done)
+        self._raise_any(error, step)
+        self._sum_traces(trace, before)
+        return {i: self._combine(i, sink, parts[i]) for i, sink in enumerate(sinks)}
+
+    # ------------------------------------------------------------------ pieces of a pass
+    def _feed(self, runner, step, sinks) -> int:
+        """``runner.feed``, counting the batches read (each one forward and backward)."""
+        state, count = runner.ctx.state, 0
+        for base in runner.batches(step):
+            count += 1
+            memo: dict = {}
+            for sink in sinks:
+                sink.feed([runner.derive(s, base, memo) for s in sink.fed], state)
+        return count
+
+    def _pad(self, runner, step, sinks, data, count: int) -> None:
+        """``count`` batches of the pass's first example, captured and derived like real
+        ones (the same collectives) and kept nowhere; their kernels are not traced."""
+        if count <= 0:
+            return
+        jobs = [replace(job, streams=tuple(restrict(s, data.token, 0, 1) for s in job.streams))
+                for job in step.jobs]
+        pad_step = replace(step, jobs=jobs)
+        discard = [_Discard(tuple(restrict(s, data.token, 0, 1) for s in sink.fed)) for sink in sinks]
+        trace = runner.ctx.trace
+        before = trace.copy()
+        try:
+            for _ in range(count):
+                self._feed(runner, pad_step, discard)
+        finally:
+            trace.clear()
+            trace.update(before)
+
+    def _combine(self, index: int, sink, part):
+        """Sink ``index`` finished on its owner rank from every rank's part, broadcast to all."""
+        dist = _dist()
+        owner = index % self.world_size
+        parts = [None] * self.world_size if self.rank == owner else None
+        dist.gather_object(part, parts, dst=self._global(owner), group=self.group)
+        out = [None]
+        if self.rank == owner:
+            try:
+                for p in parts:        # rank order = the data's order
+                    sink.absorb(p)
+                out = [("ok", sink.finish())]
+            except Exception as err:  # noqa: BLE001 - sent to every rank, raised there
+                out = [("error", f"{type(err).__name__}: {err}")]
+        dist.broadcast_object_list(out, src=self._global(owner), group=self.group)
+        status, value = out[0]
+        if status != "ok":
+            raise DistributedError(f"rank {owner} could not finish {type(sink.job).__name__} "
+                                   f"{sink.job.target.label!r}: {value}")
+        return value
+
+    def _raise_any(self, error, step) -> None:
+        """Raise on every rank if any rank failed during the pass."""
+        dist = _dist()
+        messages = [None] * self.world_size
+        mine = None if error is None else f"{type(error).__name__}: {error}"
+        dist.all_gather_object(messages, mine, group=self.group)
+        if error is not None:
+            raise error
+        for rank, message in enumerate(messages):
+            if message is not None:
+                raise DistributedError(f"rank {rank} failed in the {step.label}: {message}")
+
+    def _sum_traces(self, trace, before) -> None:
+        """The kernels every rank ran in the pass, summed, added to the counts before it
+        (equal on every rank): the same trace on every rank."""
+        dist = _dist()
+        counts = [None] * self.world_size
+        dist.all_gather_object(counts, dict(trace - before), group=self.group)
+        trace.clear()
+        trace.update(before)
+        for c in counts:
+            trace.update(c)
+
+    def _check_reduction_here(self, step, data) -> None:
+        """Check each task's loss reduction before the pass, on the same batch on every
+        rank (a rank's range may be empty; the check's forwards must match everywhere)."""
+        for src in self._sources(step):
+            task = src.task
+            if not self.options.check_reduction or src.objective != "loss" or task.token in self.state.checked:
+                continue
+            first = next(iter(data.loader(min(self.options.batch_size, 8))))
+            with eval_mode(task.model):
+                task.check_reduction(move_batch(first, model_device_dtype(task.model)[0]))
+            self.state.checked.add(task.token)
+
+    # ------------------------------------------------------------------ checks before running
+    def _refuse_inexact(self, node) -> None:
+        """Refuse what reads whole parameters of a sharded model (``torch.func``)."""
+        for x in node.walk():
+            if isinstance(x, Source) and x.backend == "func" and is_sharded(x.task.model):
+                raise DistributedError(
+                    f"gradients of {x.label!r} use backend='func' (torch.func over whole parameters), but the "
+                    "model's parameters are sharded (FSDP2 DTensors): use backend='hooks' (the default), which "
+                    "captures each layer's activations and output gradients inside FSDP's own forward/backward")
+            if isinstance(x, CurvatureProducts) and is_sharded(x.task.model):
+                raise DistributedError(
+                    f"{x.label!r} is known through Hessian/Gauss-Newton-vector products (torch.func over whole "
+                    "parameters), which a sharded (FSDP2) model does not hold: use ga.kfac / ga.ekfac or "
+                    "ga.fisher of (projected) gradients, or replicate the model with DDP")
+
+    def _agree(self, p) -> None:
+        """Compare this rank's plan with every other rank's (by content, not by token)."""
+        dist = _dist()
+        mine = plan_outline(p)
+        outlines = [None] * self.world_size
+        dist.all_gather_object(outlines, mine, group=self.group)
+        for rank, other in enumerate(outlines):
+            if other != mine:
+                where = next((k for k, (a, b) in enumerate(zip(mine, other)) if a != b), min(len(mine), len(other)))
+                raise DistributedError(
+                    f"rank {self.rank} and rank {rank} planned different passes (first difference at pass "
+                    f"{where}: {mine[where] if where < len(mine) else None} vs "
+                    f"{other[where] if where < len(other) else None}): every rank must compute the same "
+                    "expression over the same data with the same ga.options")
+
+    # ------------------------------------------------------------------ helpers
+    def _global(self, rank: int) -> int:
+        if self.group is None:
+            return rank
+        return _dist().get_global_rank(self.group, rank)
+
+    @staticmethod
+    def _sources(step) -> list:
+        out = []
+        for job in step.jobs:
+            for s in job.streams:
+                r = stream_root(s)
+                if isinstance(r, Source) and r not in out:
+                    out.append(r)
+        return out
+
+    def _data_of(self, step):
+        return self._sources(step)[0].data
+
+    def _batch_size(self, step, data) -> int:
+        """The batch size a range of ``data`` is read with (as ``PassRunner.batches``)."""
+        return data.subset(0, 0).batch_size or step.batch_size or self.options.batch_size
+
+
+def plan_outline(p) -> list:
+    """A plan's passes as plain data every rank can compare: for each pass its kind, the
+    fingerprint and size of the data it reads, its batch size and its jobs' kinds."""
+    out = []
+    for step in p.passes:
+        data = None
+        if step.reads_data:
+            src = TorchDistributed._sources(step)[0]
+            data = (src.data.token, src.data.n)
+        out.append((step.key[0], data, step.batch_size, tuple(type(j).__name__ for j in step.jobs)))
+    return out

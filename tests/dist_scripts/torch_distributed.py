@@ -1,0 +1,182 @@
+"""Run under ``torchrun --nproc_per_node 2`` (gloo, CPU): ``ga.exec.TorchDistributed`` post-hoc
+attribution with the model sharded by FSDP2 or replicated by DDP, against a single-process
+``LocalExecutor`` result computed here on a plain copy of the model. Rank 0 writes
+``{case: "ok" | error}`` as JSON to the path given as the first argument.
+
+Each case checks, on every rank: the DataArray's dims and coordinates equal the single
+process's, its values equal them to float64 tolerance, and every rank holds the same bits.
+The data splits unevenly (13 training examples, batch 3: ranks read 7 and 6 examples in 3
+and 2 batches, the second rank pads one), and one query set has fewer examples than ranks.
+Every collective of a case runs before its assertions, so a failing check on one rank
+cannot leave the other waiting.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradalg as ga
+from gradalg.errors import DistributedError
+from models import classification_data, gpt2, mlp
+
+torch.set_num_threads(1)
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+R, W = dist.get_rank(), dist.get_world_size()
+GPT2_LAYERS = ["transformer.h.0.attn.c_attn", "transformer.h.1.mlp.c_fc", "lm_head"]
+
+
+def wrap(model, how):
+    if how == "ddp":
+        return DDP(model)
+    if hasattr(model, "transformer"):           # GPT-2: each block its own FSDP unit
+        for block in model.transformer.h:
+            fully_shard(block)
+    else:
+        fully_shard(model[0])
+        fully_shard(model[2])
+    fully_shard(model)
+    return model
+
+
+def mlp_case():
+    X, y = classification_data(n=18, seed=5)
+    return mlp, ga.tasks.classification, (X[:13], y[:13]), (X[13:18], y[13:18]), None
+
+
+def gpt2_case():
+    g = torch.Generator().manual_seed(2)
+    seqs = []
+    for _ in range(10):
+        n = int(torch.randint(3, 9, (1,), generator=g))
+        seqs.append({"input_ids": torch.randint(1, 50, (n,), generator=g), "attention_mask": torch.ones(n, dtype=torch.long)})
+    make = lambda: gpt2(n_layer=2, n_embd=32, vocab=50)   # noqa: E731
+    return make, ga.tasks.causal_lm, seqs[:7], seqs[7:10], GPT2_LAYERS
+
+
+METHODS = {
+    "grad_dot": lambda task, train, queries, layers: ga.methods.grad_dot(task, train, queries, layers=layers),
+    "ekfac_influence": lambda task, train, queries, layers: ga.methods.influence(
+        task, train, queries, layers=layers, curvature="ekfac"),
+    "logra": lambda task, train, queries, layers: ga.methods.logra(task, train, queries, layers=layers, k=16),
+    "trak": lambda task, train, queries, layers: ga.methods.trak(task, train, queries, layers=layers, k=24),
+}
+
+
+def compare(got, ref, what, rtol=1e-9):
+    """Same coordinates as one process, same values to rtol, and the same bits on every rank."""
+    everyone = [None] * W
+    dist.all_gather_object(everyone, np.asarray(got.values))
+    assert got.dims == ref.dims, f"{what}: dims {got.dims} vs {ref.dims}"
+    for dim in ref.dims:
+        assert list(got[dim].values) == list(ref[dim].values), f"{what}: {dim} coordinates differ"
+    err = float(np.linalg.norm(got.values - ref.values) / max(np.linalg.norm(ref.values), 1e-300))
+    assert err <= rtol, f"{what}: relative error {err:.3g} against one process"
+    for r, values in enumerate(everyone):
+        assert np.array_equal(values, everyone[0]), f"{what}: rank {r} holds other numbers than rank 0"
+
+
+def run_case(model_case, how, method):
+    make, task_of, train, queries, layers = model_case()
+    with ga.options(progress=False, batch_size=3):
+        ref = METHODS[method](task_of(make()), train, queries, layers).compute()
+        ex = ga.exec.TorchDistributed()
+        S = METHODS[method](task_of(wrap(make(), how)), train, queries, layers)
+        got = S.compute(executor=ex)
+    compare(got, ref, f"{method} {how}")
+    return ex
+
+
+def case_one_query_fewer_than_ranks():
+    """One query over two ranks: rank 1 reads nothing and pads every step of that pass."""
+    make, task_of, train, queries, layers = mlp_case()
+    one = (queries[0][:1], queries[1][:1])
+    with ga.options(progress=False, batch_size=3):
+        ref = ga.methods.influence(task_of(make()), train, one, curvature="ekfac").compute()
+        got = ga.methods.influence(task_of(wrap(make(), "fsdp2")), train, one, curvature="ekfac").compute(
+            executor=ga.exec.TorchDistributed())
+    compare(got, ref, "ekfac one query")
+
+
+def case_padding_steps_counted():
+    """The uneven split really pads: rank 1 reads 2 of the 13 training examples' 5 batches;
+    the pass runs 3 steps on each rank (counted by a forward pre-hook)."""
+    make, task_of, train, queries, _ = mlp_case()
+    model = wrap(make(), "fsdp2")
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    with ga.options(progress=False, batch_size=3, check_reduction=False):
+        ex = ga.exec.TorchDistributed()
+        G = ga.grads(task_of(model), train)
+        plan = ex.plan(G.expr)       # planning may run a forward to measure shapes: not counted
+        calls.clear()
+        ex.run(plan)
+    counts = [None] * W
+    dist.all_gather_object(counts, len(calls))
+    assert counts == [3] * W, f"forward calls per rank {counts}: expected 3 on each (one padded on rank 1)"
+
+
+def case_plans_differ_refused():
+    """Ranks given other data are refused on every rank before any pass runs."""
+    make, task_of, train, queries, _ = mlp_case()
+    X, y = train
+    mine = (X[:13 - R], y[:13 - R])          # rank 1 has one example fewer
+    raised = None
+    try:
+        with ga.options(progress=False):
+            ga.methods.grad_dot(task_of(wrap(make(), "ddp")), mine, queries).compute(executor=ga.exec.TorchDistributed())
+    except DistributedError as err:
+        raised = str(err)
+    assert raised is not None and "planned different passes" in raised, raised
+
+
+def case_func_backend_refused():
+    """backend='func' on a sharded model is refused with the fix named."""
+    make, task_of, train, queries, _ = mlp_case()
+    task = task_of(wrap(make(), "fsdp2"))
+    raised = None
+    try:
+        G = ga.grads(task, train, backend="func")
+        (G @ G.T).compute(executor=ga.exec.TorchDistributed())
+    except DistributedError as err:
+        raised = str(err)
+    assert raised is not None and "backend='hooks'" in raised, raised
+
+
+CASES = {f"{method}_{name}_{how}": (lambda c=case, h=how, m=method: run_case(c, h, m))
+         for name, case in (("mlp", mlp_case), ("gpt2", gpt2_case))
+         for how in ("fsdp2", "ddp") for method in METHODS}
+CASES.update({name.removeprefix("case_"): fn for name, fn in list(globals().items()) if name.startswith("case_")})
+
+if __name__ == "__main__":
+    wanted = sys.argv[2].split(",") if len(sys.argv) > 2 else None
+    results = {}
+    for name, case in CASES.items():
+        if wanted and name not in wanted:
+            continue
+        try:
+            case()
+            results[name] = "ok"
+        except Exception:  # report, keep going: the other rank runs the same collectives
+            results[name] = traceback.format_exc(limit=int(os.environ.get("TB_LIMIT", 8)))
+        dist.barrier()
+    everyone = [None] * W
+    dist.all_gather_object(everyone, results)
+    if R == 0:
+        merged = {k: next((r[k] for r in everyone if r[k] != "ok"), "ok") for k in results}
+        with open(sys.argv[1], "w") as f:
+            json.dump(merged, f, indent=1)
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
