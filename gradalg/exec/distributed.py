@@ -48,7 +48,10 @@ torch.distributed's timeout then ends the job).
 """
 from __future__ import annotations
 
+import io
 from dataclasses import replace
+
+import torch
 
 from ..errors import DistributedError
 from ..expr import CurvatureProducts, Source
@@ -61,7 +64,7 @@ from .shards import batches_in, rank_ranges, restrict
 from .sinks import open_sink
 from .state import RunState
 
-__all__ = ["TorchDistributed", "is_sharded"]
+__all__ = ["TorchDistributed", "is_sharded", "plan_outline"]
 
 
 def _dist():
@@ -258,7 +261,8 @@ class TorchDistributed(Executor):
         self._pad(runner, step, sinks, data, steps - done)
         self._raise_any(error, step)
         self._sum_traces(trace, before)
-        return {i: self._combine(i, sink, parts[i]) for i, sink in enumerate(sinks)}
+        device = model_device_dtype(self._sources(step)[0].task.model)[0]
+        return {i: self._combine(i, sink, parts[i], device) for i, sink in enumerate(sinks)}
 
     # ------------------------------------------------------------------ pieces of a pass
     def _feed(self, runner, step, sinks) -> int:
@@ -289,18 +293,21 @@ class TorchDistributed(Executor):
             trace.clear()
             trace.update(before)
 
-    def _combine(self, index: int, sink, part):
-        """Sink ``index`` finished on its owner rank from every rank's part, broadcast to all."""
+    def _combine(self, index: int, sink, part, device):
+        """Sink ``index`` finished on its owner rank from every rank's part, broadcast to all.
+
+        Parts and results cross as ``torch.save`` bytes loaded onto the receiving rank's
+        ``device`` (a CUDA tensor pickled as such would land on the sender's GPU index)."""
         dist = _dist()
         owner = index % self.world_size
         parts = [None] * self.world_size if self.rank == owner else None
-        dist.gather_object(part, parts, dst=self._global(owner), group=self.group)
+        dist.gather_object(_pack(part), parts, dst=self._global(owner), group=self.group)
         out = [None]
         if self.rank == owner:
             try:
                 for p in parts:        # rank order = the data's order
-                    sink.absorb(p)
-                out = [("ok", sink.finish())]
+                    sink.absorb(_unpack(p, device))
+                out = [("ok", _pack(sink.finish()))]
             except Exception as err:  # noqa: BLE001 - sent to every rank, raised there
                 out = [("error", f"{type(err).__name__}: {err}")]
         dist.broadcast_object_list(out, src=self._global(owner), group=self.group)
@@ -308,7 +315,7 @@ class TorchDistributed(Executor):
         if status != "ok":
             raise DistributedError(f"rank {owner} could not finish {type(sink.job).__name__} "
                                    f"{sink.job.target.label!r}: {value}")
-        return value
+        return _unpack(value, device)
 
     def _raise_any(self, error, step) -> None:
         """Raise on every rank if any rank failed during the pass."""
@@ -397,6 +404,18 @@ class TorchDistributed(Executor):
     def _batch_size(self, step, data) -> int:
         """The batch size a range of ``data`` is read with (as ``PassRunner.batches``)."""
         return data.subset(0, 0).batch_size or step.batch_size or self.options.batch_size
+
+
+def _pack(obj) -> bytes:
+    """``obj`` (tensors, chunks, resolved operators) as bytes for an object collective."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _unpack(data: bytes, device):
+    """An object packed by :func:`_pack`, its tensors on ``device``."""
+    return torch.load(io.BytesIO(data), map_location=device, weights_only=False)
 
 
 def plan_outline(p) -> list:
