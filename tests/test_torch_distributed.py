@@ -11,8 +11,8 @@ float64) and requires the same bits on both ranks:
   (``fully_shard``) and replicated by DDP; 13 training examples in batches of 3 split
   7 / 6, so rank 1 pads a step;
 - one query over two ranks (rank 1 reads nothing and pads), the forward calls per rank
-  counted, ranks that plan different passes refused, ``backend="func"`` on a sharded
-  model refused.
+  counted, ranks that plan different passes refused, a NaN gradient on one rank raised on
+  both (and the model still usable after), ``backend="func"`` on a sharded model refused.
 
 Without a process group the executor names the fix (tested in this process).
 """
@@ -33,7 +33,8 @@ from gradalg.exec.shards import batches_in, rank_ranges
 SCRIPT = os.path.join(os.path.dirname(__file__), "dist_scripts", "torch_distributed.py")
 METHODS = ["grad_dot", "ekfac_influence", "logra", "trak"]
 CASES = ([f"{m}_{model}_{how}" for model in ("mlp", "gpt2") for how in ("fsdp2", "ddp") for m in METHODS]
-         + ["one_query_fewer_than_ranks", "padding_steps_counted", "plans_differ_refused", "func_backend_refused"])
+         + ["one_query_fewer_than_ranks", "padding_steps_counted", "plans_differ_refused",
+            "nan_on_one_rank_raised_everywhere", "func_backend_refused"])
 
 needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is needed")

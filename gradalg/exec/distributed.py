@@ -53,9 +53,10 @@ from dataclasses import replace
 
 import torch
 
-from ..errors import DistributedError
+from ..errors import DistributedError, NonFiniteGradientError
 from ..expr import CurvatureProducts, Source
 from ..data import move_batch
+from ..options import get_options
 from ..plan.planner import stream_root
 from .base import Executor
 from .capture_pass import eval_mode, model_device_dtype
@@ -134,6 +135,9 @@ class TorchDistributed(Executor):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.check_plans = check_plans
+        options = options or get_options()
+        if self.rank != 0 and options.progress:   # one progress display per job, rank 0's
+            options = replace(options, progress=False)
         self.local = LocalExecutor(options, rewrites=rewrites, choices=choices, shards=self)
 
     # ------------------------------------------------------------------ the composed executor
@@ -248,32 +252,42 @@ class TorchDistributed(Executor):
         jobs = [replace(job, streams=tuple(restrict(s, data.token, start, stop) for s in job.streams))
                 for job in step.jobs]
         shard_step = replace(step, jobs=jobs)
-        done, parts = 0, None
+        stepped, parts = [0], None
         try:   # an empty range (n < ranks) exports empty states
             shard_sinks = [open_sink(job, runner.ctx) for job in jobs]
             for sink in shard_sinks:
                 sink.for_shard(start)
             if stop > start:
-                done = self._feed(runner, shard_step, shard_sinks)
+                self._feed(runner, shard_step, shard_sinks, stepped)
             parts = [sink.export() for sink in shard_sinks]
         except Exception as err:  # noqa: BLE001 - reported to every rank below
             error = err
-        self._pad(runner, step, sinks, data, steps - done)
+        self._pad(runner, step, sinks, data, steps - stepped[0])
         self._raise_any(error, step)
         self._sum_traces(trace, before)
         device = model_device_dtype(self._sources(step)[0].task.model)[0]
         return {i: self._combine(i, sink, parts[i], device) for i, sink in enumerate(sinks)}
 
     # ------------------------------------------------------------------ pieces of a pass
-    def _feed(self, runner, step, sinks) -> int:
-        """``runner.feed``, counting the batches read (each one forward and backward)."""
-        state, count = runner.ctx.state, 0
-        for base in runner.batches(step):
-            count += 1
+    def _feed(self, runner, step, sinks, stepped: list) -> None:
+        """``runner.feed``, counting in ``stepped[0]`` the batches whose forward and
+        backward ran. A batch whose capture raised counts when the error came after its
+        backward (a :class:`~gradalg.errors.NonFiniteGradientError` names the examples
+        then); any other error is taken to have stopped it before its collectives."""
+        state = runner.ctx.state
+        batches = runner.batches(step)
+        while True:
+            try:
+                base = next(batches)
+            except StopIteration:
+                return
+            except NonFiniteGradientError:
+                stepped[0] += 1
+                raise
+            stepped[0] += 1
             memo: dict = {}
             for sink in sinks:
                 sink.feed([runner.derive(s, base, memo) for s in sink.fed], state)
-        return count
 
     def _pad(self, runner, step, sinks, data, count: int) -> None:
         """``count`` batches of the pass's first example, captured and derived like real
@@ -288,7 +302,7 @@ class TorchDistributed(Executor):
         before = trace.copy()
         try:
             for _ in range(count):
-                self._feed(runner, pad_step, discard)
+                self._feed(runner, pad_step, discard, [0])
         finally:
             trace.clear()
             trace.update(before)

@@ -75,8 +75,9 @@ METHODS = {
 
 def compare(got, ref, what, rtol=1e-9):
     """Same coordinates as one process, same values to rtol, and the same bits on every rank."""
-    everyone = [None] * W
+    everyone, kernels = [None] * W, [None] * W
     dist.all_gather_object(everyone, np.asarray(got.values))
+    dist.all_gather_object(kernels, got.attrs["kernels"])
     assert got.dims == ref.dims, f"{what}: dims {got.dims} vs {ref.dims}"
     for dim in ref.dims:
         assert list(got[dim].values) == list(ref[dim].values), f"{what}: {dim} coordinates differ"
@@ -84,6 +85,7 @@ def compare(got, ref, what, rtol=1e-9):
     assert err <= rtol, f"{what}: relative error {err:.3g} against one process"
     for r, values in enumerate(everyone):
         assert np.array_equal(values, everyone[0]), f"{what}: rank {r} holds other numbers than rank 0"
+        assert kernels[r] == kernels[0], f"{what}: rank {r} counts other kernels {kernels[r]} than rank 0 {kernels[0]}"
 
 
 def run_case(model_case, how, method):
@@ -138,6 +140,29 @@ def case_plans_differ_refused():
     except DistributedError as err:
         raised = str(err)
     assert raised is not None and "planned different passes" in raised, raised
+
+
+def case_nan_on_one_rank_raised_everywhere():
+    """A NaN input in rank 1's range (example 10): rank 1 raises NonFiniteGradientError naming
+    it, rank 0 a DistributedError naming rank 1; both leave the pass (no collective left
+    waiting) and the next computation on the same model still runs."""
+    make, task_of, train, queries, _ = mlp_case()
+    X, y = train[0].clone(), train[1]
+    X[10, 0] = float("nan")
+    model = wrap(make(), "fsdp2")
+    raised = None
+    with ga.options(progress=False, batch_size=3):
+        ex = ga.exec.TorchDistributed()
+        try:
+            ga.methods.grad_dot(task_of(model), (X, y), queries).compute(executor=ex)
+        except ga.GradalgError as err:
+            raised = err
+        after = ga.methods.grad_dot(task_of(model), train, queries).compute(executor=ga.exec.TorchDistributed())
+        ref = ga.methods.grad_dot(task_of(make()), train, queries).compute()
+    expected = ga.errors.NonFiniteGradientError if R == 1 else DistributedError
+    assert isinstance(raised, expected), repr(raised)
+    assert "10" in str(raised), str(raised)
+    compare(after, ref, "grad_dot after a failed pass")
 
 
 def case_func_backend_refused():
