@@ -14,7 +14,8 @@ float64) and requires the same bits on both ranks:
   counted, ranks that plan different passes refused, a NaN gradient on one rank raised on
   both (and the model still usable after), ``backend="func"`` on a sharded model refused.
 
-Without a process group the executor names the fix (tested in this process).
+Without a process group the executor names the fix, and a tensor's fingerprint leaves its
+storage resizable (both tested in this process).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "dist_scripts", "torch_distribu
 METHODS = ["grad_dot", "ekfac_influence", "logra", "trak"]
 CASES = ([f"{m}_{model}_{how}" for model in ("mlp", "gpt2") for how in ("fsdp2", "ddp") for m in METHODS]
          + ["one_query_fewer_than_ranks", "padding_steps_counted", "plans_differ_refused",
-            "nan_on_one_rank_raised_everywhere", "func_backend_refused"])
+            "nan_on_one_rank_raised_everywhere", "token_stable_through_forward", "func_backend_refused"])
 
 needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is needed")
@@ -78,6 +79,18 @@ def test_rank_ranges_cover_the_data_once_in_rank_order(n, ranks):
     assert [i for a, b in ranges for i in range(a, b)] == list(range(n))
     sizes = [b - a for a, b in ranges]
     assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+def test_fingerprint_leaves_a_tensors_storage_resizable():
+    """Hashing a weight must not pin its storage (NumPy export does): FSDP2 frees gathered
+    weights by resizing their storage to 0."""
+    import torch
+
+    from gradalg.fingerprint import tensor_digest
+    t = torch.arange(1000, dtype=torch.float32)
+    digest = tensor_digest(t)
+    t.untyped_storage().resize_(0)     # raises "Trying to resize storage that is not resizable" if pinned
+    assert digest == tensor_digest(torch.arange(1000, dtype=torch.float32))
 
 
 def test_batches_in_counts_a_partial_last_batch():

@@ -165,6 +165,25 @@ def case_nan_on_one_rank_raised_everywhere():
     compare(after, ref, "grad_dot after a failed pass")
 
 
+def case_token_stable_through_forward():
+    """A sharded model's token is the same before and after a forward that leaves the root
+    unit's weights gathered (a no-grad forward), and hashing it does not stop FSDP2 from
+    freeing them (a capture afterwards runs)."""
+    make, task_of, train, queries, layers = gpt2_case()
+    model = wrap(make(), "fsdp2")
+    task = task_of(model)
+    before = task.token
+    from gradalg.collate import pad_collate
+    with torch.no_grad():
+        model(**pad_collate(train[:2]))
+    during = task.token
+    with ga.options(progress=False):
+        G = ga.grads(task, train[:4], layers=layers)
+        rows = G.to_dense(executor=ga.exec.TorchDistributed())
+    assert before == during == task.token, "the token changed through a forward"
+    assert set(rows) == set(layers)
+
+
 def case_func_backend_refused():
     """backend='func' on a sharded model is refused with the fix named."""
     make, task_of, train, queries, _ = mlp_case()
