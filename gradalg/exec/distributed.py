@@ -262,7 +262,10 @@ class TorchDistributed(Executor):
             parts = [sink.export() for sink in shard_sinks]
         except Exception as err:  # noqa: BLE001 - reported to every rank below
             error = err
-        self._pad(runner, step, sinks, data, steps - stepped[0])
+        try:
+            self._pad(runner, step, sinks, data, steps - stepped[0])
+        except Exception as err:  # noqa: BLE001 - reported to every rank below
+            error = error or err
         self._raise_any(error, step)
         self._sum_traces(trace, before)
         device = model_device_dtype(self._sources(step)[0].task.model)[0]

@@ -59,7 +59,8 @@ def gpt2_case():
     seqs = []
     for _ in range(10):
         n = int(torch.randint(3, 9, (1,), generator=g))
-        seqs.append({"input_ids": torch.randint(1, 50, (n,), generator=g), "attention_mask": torch.ones(n, dtype=torch.long)})
+        ids = torch.randint(1, 50, (n,), generator=g)
+        seqs.append({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
     make = lambda: gpt2(n_layer=2, n_embd=32, vocab=50)   # noqa: E731
     return make, ga.tasks.causal_lm, seqs[:7], seqs[7:10], GPT2_LAYERS
 
@@ -123,8 +124,10 @@ def case_padding_steps_counted():
         plan = ex.plan(G.expr)       # planning may run a forward to measure shapes: not counted
         calls.clear()
         ex.run(plan)
+        text = str(G.explain(executor=ex))
     counts = [None] * W
     dist.all_gather_object(counts, len(calls))
+    assert "2 ranks, 6–7 examples each, 3 forward/backward steps per rank" in text, text
     assert counts == [3] * W, f"forward calls per rank {counts}: expected 3 on each (one padded on rank 1)"
 
 
@@ -136,7 +139,8 @@ def case_plans_differ_refused():
     raised = None
     try:
         with ga.options(progress=False):
-            ga.methods.grad_dot(task_of(wrap(make(), "ddp")), mine, queries).compute(executor=ga.exec.TorchDistributed())
+            S = ga.methods.grad_dot(task_of(wrap(make(), "ddp")), mine, queries)
+            S.compute(executor=ga.exec.TorchDistributed())
     except DistributedError as err:
         raised = str(err)
     assert raised is not None and "planned different passes" in raised, raised
