@@ -86,6 +86,15 @@ def is_sharded(model) -> bool:
     return any(hasattr(p, "placements") and hasattr(p, "to_local") for p in model.parameters())
 
 
+def _fsdp1(model) -> bool:
+    """Whether ``model`` holds an FSDP1 ``FullyShardedDataParallel`` wrapper."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:   # pragma: no cover - torch without FSDP
+        return False
+    return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+
+
 class _Discard:
     """A sink that derives what the real one is fed (same rows, projections, weights:
     the same forward/backward calls) and keeps nothing: a padding batch's consumer."""
@@ -373,6 +382,12 @@ class TorchDistributed(Executor):
     def _refuse_inexact(self, node) -> None:
         """Refuse what reads whole parameters of a sharded model (``torch.func``)."""
         for x in node.walk():
+            task = getattr(x, "task", None)
+            if task is not None and _fsdp1(task.model):
+                raise DistributedError(
+                    f"{x.label!r} uses a model wrapped in FSDP1 (FullyShardedDataParallel), whose flat "
+                    "parameters TorchDistributed does not read exactly: shard it with FSDP2 "
+                    "(torch.distributed.fsdp.fully_shard) or replicate it with DDP")
             if isinstance(x, Source) and x.backend == "func" and is_sharded(x.task.model):
                 raise DistributedError(
                     f"gradients of {x.label!r} use backend='func' (torch.func over whole parameters), but the "

@@ -188,6 +188,41 @@ def case_token_stable_through_forward():
     assert set(rows) == set(layers)
 
 
+def case_gauss_newton_products_ddp():
+    """Gauss-Newton influence solved by CG under DDP: the products' passes (pull path) read
+    the whole training set on every rank, with the same numbers."""
+    make, task_of, train, queries, _ = mlp_case()
+    with ga.options(progress=False, batch_size=3):
+        ref = ga.methods.influence(task_of(make()), train, queries, solver="cg", damping=0.1).compute()
+        got = ga.methods.influence(task_of(wrap(make(), "ddp")), train, queries, solver="cg", damping=0.1).compute(
+            executor=ga.exec.TorchDistributed())
+    compare(got, ref, "gauss-newton cg ddp")
+
+
+def case_gauss_newton_dense_fsdp2():
+    """The default influence (dense Gauss-Newton from sampled labels) under FSDP2."""
+    make, task_of, train, queries, _ = mlp_case()
+    with ga.options(progress=False, batch_size=3):
+        ref = ga.methods.influence(task_of(make()), train, queries).compute()
+        got = ga.methods.influence(task_of(wrap(make(), "fsdp2")), train, queries).compute(
+            executor=ga.exec.TorchDistributed())
+    compare(got, ref, "gauss-newton fsdp2")
+
+
+def case_fsdp1_refused():
+    """FSDP1 (flat parameters) is refused with FSDP2 and DDP named."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+    make, task_of, train, queries, _ = mlp_case()
+    model = FSDP1(make(), use_orig_params=True, device_id=torch.device("cpu"))
+    raised = None
+    try:
+        with ga.options(progress=False):
+            ga.methods.grad_dot(task_of(model), train, queries).compute(executor=ga.exec.TorchDistributed())
+    except DistributedError as err:
+        raised = str(err)
+    assert raised is not None and "fully_shard" in raised and "DDP" in raised, raised
+
+
 def case_func_backend_refused():
     """backend='func' on a sharded model is refused with the fix named."""
     make, task_of, train, queries, _ = mlp_case()
