@@ -30,7 +30,8 @@ Passes over rows in memory or over a store read no model: every rank runs them w
 Operators known only through products (``ga.hessian``, ``ga.gauss_newton``) are resolved
 on the pull path, over the whole dataset on every rank (same numbers, not faster); on a
 sharded model they are refused, as is ``backend="func"`` (both read whole parameters
-through ``torch.func``).
+through ``torch.func``), and FSDP1 (``FullyShardedDataParallel``, flat parameters) is
+refused with FSDP2 and DDP named.
 
 Before running a plan the ranks compare a description of it (passes, their datasets'
 fingerprints and row counts, job kinds, batch sizes): ranks given other data, options or
