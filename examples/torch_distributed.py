@@ -45,7 +45,7 @@ def main() -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
     torch.manual_seed(0)   # the same weights on every rank before sharding
-    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=500, n_positions=64)
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=500, n_positions=64, bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(config).to(device).eval()
     if args.ddp:
         model = DDP(model)
@@ -60,11 +60,14 @@ def main() -> None:
         ex = ga.exec.TorchDistributed()
         S = ga.methods.influence(task, train, queries, curvature="ekfac",
                                  layers=["transformer.h.*.mlp.c_fc", "transformer.h.*.mlp.c_proj"])
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 and os.environ.get("EXPLAIN"):
             print(S.explain(executor=ex))
         scores = S.compute(executor=ex)      # every rank: the same (4, n_train) DataArray
     if dist.get_rank() == 0:
         print(scores.shape, "top training examples per query:", scores.argmax("train").values)
+        for t in ex.traffic:   # what rank 0 sent and received per pass over data
+            print(f"{t['pass']}: sent {t['part_bytes'] / 2**20:.2f} MiB of partial states, "
+                  f"received {t['result_bytes'] / 2**20:.2f} MiB of results")
     dist.destroy_process_group()
 
 

@@ -122,6 +122,10 @@ class TorchDistributed(Executor):
     check_plans : compare the ranks' plans before running them (one small all-gather
         per plan); a difference raises :class:`~gradalg.errors.DistributedError` on every rank.
 
+    After a run, ``traffic`` lists per pass over data the bytes this rank sent as partial
+    states (``part_bytes``, to the jobs' owners) and received as finished results
+    (``result_bytes``, broadcast by the owners; an owner counts its own results too).
+
     Example (``torchrun --nproc_per_node 2 examples/torch_distributed.py``)::
 
         dist.init_process_group("gloo")             # "nccl" on GPUs, after torch.cuda.set_device
@@ -149,6 +153,7 @@ class TorchDistributed(Executor):
         if self.rank != 0 and options.progress:   # one progress display per job, rank 0's
             options = replace(options, progress=False)
         self.local = LocalExecutor(options, rewrites=rewrites, choices=choices, shards=self)
+        self.traffic: list[dict] = []
 
     # ------------------------------------------------------------------ the composed executor
     @property
@@ -200,6 +205,7 @@ class TorchDistributed(Executor):
     def run(self, p):
         """Run plan ``p`` on every rank: each pass over data split over the ranks."""
         self._refuse_inexact(p.simplified)
+        self.traffic = []
         if self.check_plans:
             self._agree(p)
         return self.local.run(p)
@@ -279,7 +285,11 @@ class TorchDistributed(Executor):
         self._raise_any(error, step)
         self._sum_traces(trace, before)
         device = model_device_dtype(self._sources(step)[0].task.model)[0]
-        return {i: self._combine(i, sink, parts[i], device) for i, sink in enumerate(sinks)}
+        self._bytes = {"parts": 0, "results": 0}
+        done = {i: self._combine(i, sink, parts[i], device) for i, sink in enumerate(sinks)}
+        self.traffic.append({"pass": step.label, "part_bytes": self._bytes["parts"],
+                             "result_bytes": self._bytes["results"]})
+        return done
 
     # ------------------------------------------------------------------ pieces of a pass
     def _feed(self, runner, step, sinks, stepped: list) -> None:
@@ -328,7 +338,9 @@ class TorchDistributed(Executor):
         dist = _dist()
         owner = index % self.world_size
         parts = [None] * self.world_size if self.rank == owner else None
-        dist.gather_object(_pack(part), parts, dst=self._global(owner), group=self.group)
+        packed = _pack(part)
+        self._bytes["parts"] += len(packed)
+        dist.gather_object(packed, parts, dst=self._global(owner), group=self.group)
         out = [None]
         if self.rank == owner:
             try:
@@ -342,6 +354,7 @@ class TorchDistributed(Executor):
         if status != "ok":
             raise DistributedError(f"rank {owner} could not finish {type(sink.job).__name__} "
                                    f"{sink.job.target.label!r}: {value}")
+        self._bytes["results"] += len(value)
         return _unpack(value, device)
 
     def _raise_any(self, error, step) -> None:

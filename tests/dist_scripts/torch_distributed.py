@@ -97,6 +97,11 @@ def run_case(model_case, how, method):
         S = METHODS[method](task_of(wrap(make(), how)), train, queries, layers)
         got = S.compute(executor=ex)
     compare(got, ref, f"{method} {how}")
+    if method == "grad_dot":   # the scores pass: each rank's columns out, the whole matrix back
+        n_q, n = got.shape
+        last = ex.traffic[-1]
+        assert last["part_bytes"] >= 8 * n_q * (n // W) and last["result_bytes"] >= 8 * n_q * n, ex.traffic
+        assert last["result_bytes"] < 8 * n_q * n + 4096, ex.traffic
     return ex
 
 
