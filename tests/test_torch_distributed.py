@@ -11,7 +11,8 @@ float64) and requires the same bits on both ranks:
   (``fully_shard``) and replicated by DDP; 13 training examples in batches of 3 split
   7 / 6, so rank 1 pads a step;
 - the default (dense Gauss-Newton) influence under FSDP2, and Gauss-Newton solved by CG
-  under DDP (its product passes read the whole data on every rank);
+  under DDP (its product passes read the whole data on every rank); the dense EK-FAC
+  operator of GPT-2 layers under FSDP2 (the ``operator`` entry point);
 - one query over two ranks (rank 1 reads nothing and pads), the forward calls per rank
   counted, ranks that plan different passes refused, a NaN gradient on one rank raised on
   both (and the model still usable after), ``backend="func"`` on a sharded model and FSDP1
@@ -39,7 +40,7 @@ METHODS = ["grad_dot", "ekfac_influence", "logra", "trak"]
 CASES = ([f"{m}_{model}_{how}" for model in ("mlp", "gpt2") for how in ("fsdp2", "ddp") for m in METHODS]
          + ["one_query_fewer_than_ranks", "padding_steps_counted", "plans_differ_refused",
             "nan_on_one_rank_raised_everywhere", "token_stable_through_forward", "gauss_newton_products_ddp",
-            "gauss_newton_dense_fsdp2", "fsdp1_refused",
+            "gauss_newton_dense_fsdp2", "ekfac_operator_fsdp2", "fsdp1_refused",
             "func_backend_refused"])
 
 needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),

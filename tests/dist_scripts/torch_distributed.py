@@ -214,6 +214,21 @@ def case_gauss_newton_dense_fsdp2():
     compare(got, ref, "gauss-newton fsdp2")
 
 
+def case_ekfac_operator_fsdp2():
+    """An operator entry point: the dense EK-FAC matrix of the GPT-2's layers, resolved from
+    statistics over both ranks' examples, equals one process's."""
+    make, task_of, train, queries, layers = gpt2_case()
+    with ga.options(progress=False, batch_size=3):
+        ref = ga.ekfac(ga.grads(task_of(make()), train, layers=layers[:2])).to_dense()
+        got = ga.ekfac(ga.grads(task_of(wrap(make(), "fsdp2")), train, layers=layers[:2])).to_dense(
+            executor=ga.exec.TorchDistributed())
+    everyone = [None] * W
+    dist.all_gather_object(everyone, got)
+    err = float((got - ref).norm() / ref.norm())
+    assert err <= 1e-9, f"EK-FAC operator: relative error {err:.3g}"
+    assert all(torch.equal(e, everyone[0]) for e in everyone), "ranks hold other operators"
+
+
 def case_fsdp1_refused():
     """FSDP1 (flat parameters) is refused with FSDP2 and DDP named."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
