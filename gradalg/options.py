@@ -119,6 +119,12 @@ class Options:
         The ghost kernel computes ⟨G_i, G_j⟩ in slices of streamed examples so that its
         (n_left, n_slice, T_left, T_right) intermediate has at most this many elements.
         Shown in each ghost kernel decision.
+    token_block : int
+        Kernels over factors (ghost products, norms, materialization, Kronecker and sparse
+        projections, K-FAC / EK-FAC statistics) take at most this many positions of an
+        example at once (default 512), so their temporaries do not grow with the sequence
+        length T: a pair of blocks of the ghost kernel is token_block² per example pair.
+        Shown in each ghost kernel decision and counted in the plan's memory.
     projection_slice_elements : int
         A sparse (SJLT / mask) projection of a factored block materializes the block in
         slices of examples of at most this many elements.
@@ -146,6 +152,7 @@ class Options:
     store_fraction: float = 0.25
     row_storage: str = "auto"
     ghost_slice_elements: int = 2**26
+    token_block: int = 512
     projection_slice_elements: int = 2**26
     reuse_buffer_bytes: int = 2**20
     device_memory_fraction: float = 0.4
@@ -179,7 +186,7 @@ class Options:
                 raise OptionError(f"{name} must be a fraction in (0, 1], got {value!r}")
         if not isinstance(self.row_storage, str) or self.row_storage not in ("auto", "factors", "flat"):
             raise OptionError(f"row_storage must be 'auto', 'factors' or 'flat', got {self.row_storage!r}")
-        for name in ("ghost_slice_elements", "projection_slice_elements", "reuse_buffer_bytes"):
+        for name in ("ghost_slice_elements", "projection_slice_elements", "reuse_buffer_bytes", "token_block"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise OptionError(f"{name} must be a positive int, got {value!r}")

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..capture.factors import Factors, OneHot, materialize
+from ..capture.factors import Factors, OneHot, materialize, token_slices
 from ..errors import GradalgError, MemoryBudgetError
 from ..linalg import rules as _rules
 from ..linalg.base import LinearOp, power_values, reciprocal
@@ -53,14 +53,19 @@ class KronStats:
     tokens: int = 0                 # positions with a non-zero activation row
     examples: int = 0
 
-    def update(self, F: Factors) -> None:
-        dtype = work_dtype(F.D)  # a chunk's products in the rows' precision, the running sums in float64
-        A = _dense_acts(F.A, dtype).flatten(0, 1)   # (n T, in)
-        D = F.D.to(dtype).flatten(0, 1)             # (n T, out)
-        a, s = gram(A).to(torch.float64), gram(D).to(torch.float64)
-        self.A = a if self.A is None else self.A + a
-        self.S = s if self.S is None else self.S + s
-        self.tokens += int((A != 0).any(dim=1).sum())
+    def update(self, F: Factors, token_block: int | None = None) -> None:
+        """Add Σ_t a_t a_tᵀ and Σ_t d_t d_tᵀ of a chunk, a block of ``token_block`` positions
+        of every example at a time (the chunk's products in the rows' precision, the
+        running sums in float64)."""
+        dtype = work_dtype(F.D)
+        for tp in token_slices(F.T, token_block):
+            Fp = F.tokens(tp)
+            A = _dense_acts(Fp.A, dtype).flatten(0, 1)   # (n b, in)
+            D = Fp.D.to(dtype).flatten(0, 1)             # (n b, out)
+            a, s = gram(A).to(torch.float64), gram(D).to(torch.float64)
+            self.A = a if self.A is None else self.A.add_(a)
+            self.S = s if self.S is None else self.S.add_(s)
+            self.tokens += int((A != 0).any(dim=1).sum())
         self.examples += F.n
 
     def covariances(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,13 +104,19 @@ def work_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
 
 
-def rotate_factors(F: Factors, Q_S: torch.Tensor, Q_A: torch.Tensor) -> torch.Tensor:
-    """``Q_Sᵀ G_i Q_A`` for each example, from factors: ``(D_i Q_S)ᵀ (A_i Q_A)``, in the
-    factors' precision.   (n, out, in)"""
+def rotate_factors(F: Factors, Q_S: torch.Tensor, Q_A: torch.Tensor, token_block: int | None = None) -> torch.Tensor:
+    """``Q_Sᵀ G_i Q_A`` for each example, from factors: ``Σ_p (D_{i,p} Q_S)ᵀ (A_{i,p} Q_A)``
+    over token blocks p, in the factors' precision.   (n, out, in)"""
     dtype = work_dtype(F.D)
-    A = _dense_acts(F.A, dtype) @ Q_A.to(dtype)
-    D = F.D.to(dtype) @ Q_S.to(dtype)
-    return torch.einsum("nto,nti->noi", D, A)
+    Q_A, Q_S = Q_A.to(dtype), Q_S.to(dtype)
+    out = None
+    for tp in token_slices(F.T, token_block):
+        Fp = F.tokens(tp)
+        A = _dense_acts(Fp.A, dtype) @ Q_A                  # (n, b, in)
+        D = Fp.D.to(dtype) @ Q_S                            # (n, b, out)
+        part = torch.einsum("nto,nti->noi", D, A)
+        out = part if out is None else out.add_(part)
+    return out
 
 
 def rotate_rows(G: torch.Tensor, Q_S: torch.Tensor, Q_A: torch.Tensor) -> torch.Tensor:

@@ -71,13 +71,13 @@ def resolve_node(executor, node: OpNode) -> LinearOp:
 def _kfac(executor, node: KFAC) -> LinearOp:
     kfac = executor._kron.get(node.token) if hasattr(executor, "_kron") else None
     if kfac is None:
-        acc = KronAccumulator(node)
+        acc = KronAccumulator(node, executor.options.token_block)
         for chunk in executor.iter_chunks(node.grads):
             acc.update(chunk)
         kfac = acc.finish()
     if not node.eigen_correction:
         return kfac
-    corr = EKFACAccumulator(node, kfac)
+    corr = EKFACAccumulator(node, kfac, executor.options.token_block)
     for chunk in executor.iter_chunks(node.grads):
         corr.update(chunk)
     return corr.finish()

@@ -36,7 +36,7 @@ from typing import ClassVar
 from ..expr import GradNode, Node
 from ..expr.tokens import token_rows
 from .cost import Cost, fisher_cost
-from .memory import consumer_bytes_per_example, kron_bytes, rows_bytes
+from .memory import consumer_bytes_per_example, ghost_workspace_bytes, kron_bytes, rows_bytes
 
 __all__ = ["Job", "CollectJob", "StoreJob", "GroupJob", "FisherJob", "KFACJob", "EKFACJob", "ScoresJob",
            "DiagJob", "JOB_TYPES", "job_type"]
@@ -61,6 +61,10 @@ class Job:
     storage: dict = field(default_factory=dict)
     #: estimated FLOPs and traffic of this job in its pass (set when the pass is sized)
     cost: Cost = field(default_factory=Cost)
+    #: positions of an example its kernels over factors take at once (``ga.options(token_block)``;
+    #: None: all); the ghost kernel's largest intermediate slice (``ga.options(ghost_slice_elements)``)
+    token_block: int | None = None
+    slice_elements: int = 2**26
 
     def __post_init__(self):
         if type(self) is Job or isinstance(self.target, str):
@@ -188,7 +192,8 @@ class ScoresJob(Job):
                 f"held {side}: {self.held.label!r}")
 
     def fixed_bytes(self, dtype) -> float:
-        return rows_bytes(self.held, self.held_storage, dtype)
+        """The held rows, and the ghost kernel's intermediates (bounded by token blocks)."""
+        return rows_bytes(self.held, self.held_storage, dtype) + ghost_workspace_bytes(self, dtype)
 
     def output_bytes(self, n: int) -> float:
         return 8.0 * self.held.n * n

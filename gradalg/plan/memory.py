@@ -11,10 +11,16 @@ convolution's output pixels: :mod:`gradalg.plan.shapes`) and numbers of the mode
 dtype. Capturing one example of a source keeps its activations for the backward and,
 per block, the factors of each row (and autograd's copy of them). Statistics are float64:
 a dense Fisher 8·d², Kronecker factors 8·(out² + in²) per block.
+
+Kernels over factors work on blocks of ``b = min(T, token_block)`` positions
+(``ga.options(token_block=...)``, :mod:`gradalg.capture.factors`), so their temporaries
+are counted with b, not T: K-FAC statistics b·(in + out) per example, EK-FAC's rotation
+the same, and the ghost kernel's three (nL', nR', bL, bR) intermediates at most
+``max(ghost_slice_elements, bL·bR)`` elements each (:func:`ghost_workspace_bytes`).
 """
 from __future__ import annotations
 
-from ..capture.factors import Factors
+from ..capture.factors import Factors, compute_dtype, ghost_workspace_elements
 from ..errors import MemoryBudgetError
 from ..expr import Captured, Source
 from ..expr.stored import Stored
@@ -23,7 +29,8 @@ from .cost import activation_bytes, tokens_hint
 from .shapes import element_size, forward_shapes, rows_per_example
 
 __all__ = ["positions", "rows_of", "rows_bytes", "capture_bytes_per_example", "consumer_bytes_per_example",
-           "kron_bytes", "statistics_bytes", "check_statistics_fit", "captured_positions"]
+           "kron_bytes", "statistics_bytes", "check_statistics_fit", "captured_positions", "ghost_workspace_bytes",
+           "token_block_of"]
 
 
 def positions(node) -> dict[str, int]:
@@ -117,11 +124,39 @@ def consumer_bytes_per_example(job, dtype) -> float:
     if job.kind == "diag":
         return rows * dim * (elem + 8.0)
     if job.kind == "ekfac":
-        return rows * sum(16.0 * b.dim for b in node.space.blocks)   # rotated gradients, squared (float64)
+        # rotated gradients, squared (float64), and one token block of rotated factors
+        T = positions(node)
+        return rows * sum(16.0 * b.dim + (token_block_of(job, T[b.name]) * sum(b.shape) * 8.0
+                                          if len(b.shape) == 2 else 0.0) for b in node.space.blocks)
     if job.kind == "kfac":
         T = positions(node)
-        return rows * sum(T[b.name] * sum(b.shape) * 8.0 for b in node.space.blocks if len(b.shape) == 2)
+        return rows * sum(token_block_of(job, T[b.name]) * sum(b.shape) * 8.0
+                          for b in node.space.blocks if len(b.shape) == 2)
     return 0.0
+
+
+def token_block_of(job, T: int) -> int:
+    """Positions per example the job's kernels take at once: ``min(T, job.token_block)``."""
+    block = getattr(job, "token_block", None)
+    return min(T, block) if block else T
+
+
+def ghost_workspace_bytes(job, dtype) -> float:
+    """Bytes of the ghost kernel's intermediates for a scores job: per ghost block the
+    activation Gram, the gradient Gram and their product, each
+    :func:`~gradalg.capture.factors.ghost_workspace_elements` numbers of the compute dtype
+    (float32 for half-precision factors); the blocks run one after the other, so the
+    largest counts."""
+    import torch
+    elem = element_size(compute_dtype(dtype if isinstance(dtype, torch.dtype) else torch.float32))
+    held, streamed = job.held, job.streams[0]
+    P_h, P_s = positions(held), positions(streamed)
+    worst = 0
+    for b in held.space.blocks:
+        if job.kernels.get(b.name) == "ghost":
+            worst = max(worst, ghost_workspace_elements(held.n, streamed.n, P_h[b.name], P_s[b.name],
+                                                        job.slice_elements, job.token_block))
+    return 3.0 * elem * worst
 
 
 def statistics_bytes(node) -> float:

@@ -176,6 +176,7 @@ class _Planner:
     # ---- jobs -------------------------------------------------------------------
     def add(self, job: Job) -> tuple:
         if job.key not in self.jobs:
+            job.token_block, job.slice_elements = self.options.token_block, self.options.ghost_slice_elements
             self.jobs[job.key] = job
         return job.key
 
@@ -374,7 +375,8 @@ class _Planner:
                 why = (f"T={TL}/{TR}, in={in_f}, out={out_f}, {held.n}×{streamed.n} pairs"
                        + ("" if mode == "auto" else f" (forced by ga.options(ghost={mode!r}))"))
             if chosen == "ghost":
-                why += f"; in slices of at most {self.options.ghost_slice_elements:,} elements"
+                why += (f"; in slices of at most {self.options.ghost_slice_elements:,} elements, "
+                        f"pairs of blocks of {self.options.token_block} positions")
             else:
                 why += (f"; streamed blocks of {_si(self.options.reuse_buffer_bytes)}B or more are "
                         "materialized into one reused buffer")
