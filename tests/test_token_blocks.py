@@ -162,3 +162,14 @@ def test_plan_shows_and_counts_token_blocks(setup):
         job.slice_elements, job.held.n * job.streams[0].n * BLOCK * BLOCK)
     with pytest.raises(ga.errors.OptionError):
         ga.options(token_block=0)
+
+
+def test_unblocked_ghost_workspace_is_refused_where_blocks_fit(setup):
+    """Under a 4 MB budget the ghost kernel's unblocked (3, 4, 256, 256) intermediates
+    (3 × 6.3 MB) are refused before anything runs; blocks of 32 positions fit."""
+    Q, G = grads(setup, layers=LAYERS[1:])
+    with ga.options(ghost="always", memory_budget="4MB", token_block=ONE_BLOCK, progress=False):
+        with pytest.raises(ga.errors.MemoryBudgetError, match="over the memory budget"):
+            ga.exec.LocalExecutor().plan((Q @ G.T).expr)
+    with ga.options(ghost="always", memory_budget="4MB", token_block=BLOCK, progress=False):
+        assert ga.exec.LocalExecutor().plan((Q @ G.T).expr).peak_bytes <= 4 * 2**20
