@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..capture.factors import HALF_DTYPES, Factors, ghost_inner, materialize, self_inner, token_slices
-from ..curvature.kron import KronOp, KronStats, kron_eigenbasis, rotate_factors, rotate_rows
+from ..curvature.kron import FLOAT32_ROUNDOFF, KronOp, KronStats, checked_eigh, rotate_factors, rotate_rows
 from ..errors import GradalgError
 from ..expr import KFAC, Fisher, GroupMean
 from ..plan.memory import check_statistics_fit
@@ -103,46 +103,60 @@ def _factors(node, name, value) -> Factors:
 class KronAccumulator:
     """K-FAC's Kronecker factors; ``finish`` gives the eigenbasis and K-FAC eigenvalues.
 
-    ``token_block``: positions of each example whose statistics are computed at once
-    (``ga.options(token_block=...)``, a field of the plan's job)."""
+    ``token_block``: positions of each example whose statistics are computed at once;
+    ``float64_width``: factors wider than this are summed and eigendecomposed in float32,
+    checked to ``float32_rtol`` (:mod:`gradalg.curvature.kron`, "Precision of wide
+    factors"). All three are fields of the plan's job (``ga.options``)."""
 
-    def __init__(self, node: KFAC, token_block: int | None = None):
+    def __init__(self, node: KFAC, token_block: int | None = None, float64_width: int | None = None,
+                 float32_rtol: float = 1e-2):
         self.node, self.token_block = node, token_block
-        self.stats = {name: KronStats() for name in node.space.names}
+        self.float32_rtol = float32_rtol
+        self.stats = {name: KronStats(float64_width=float64_width) for name in node.space.names}
 
     def update(self, chunk: Chunk) -> None:
         for name in self.node.space.names:
             self.stats[name].update(_factors(self.node, name, chunk.blocks[name]), self.token_block)
 
     def export(self) -> dict:
-        return {n: (st.A, st.S, st.tokens, st.examples) for n, st in self.stats.items()}
+        return {n: (*st.sums(), st.tokens, st.examples) for n, st in self.stats.items()}
 
     def absorb(self, state: dict) -> None:
         for name, (A, S, tokens, examples) in state.items():
             st = self.stats[name]
-            if A is not None:
-                st.A = A if st.A is None else st.A + A
-                st.S = S if st.S is None else st.S + S
+            st.add_sums(A, S)
             st.tokens += tokens
             st.examples += examples
 
     def finish(self) -> KronOp:
-        bases, eigenvalues = {}, {}
+        bases, eigenvalues, errors = {}, {}, {}
         for name in self.node.space.names:
             self.stats[name].examples = self.node.grads.n
             S, A = self.stats[name].covariances()
-            Q_S, lam_S, Q_A, lam_A = kron_eigenbasis(S, A)
+            self.stats[name] = None        # the sums are not needed past their eigendecomposition
+            Q_S, lam_S, check_S = checked_eigh(S, self.float32_rtol, f"the output-gradient factor of {name!r}")
+            del S
+            Q_A, lam_A, check_A = checked_eigh(A, self.float32_rtol, f"the activation factor of {name!r}")
+            del A
             bases[name] = (Q_S, Q_A)
-            eigenvalues[name] = torch.outer(lam_S, lam_A)
-        return KronOp(self.node.space, bases, eigenvalues)
+            dtype = torch.promote_types(lam_S.dtype, lam_A.dtype) if torch.float32 not in (
+                lam_S.dtype, lam_A.dtype) else torch.float32
+            eigenvalues[name] = torch.outer(lam_S.to(dtype), lam_A.to(dtype))
+            if check_S.error or check_A.error:
+                # |λ̂_S λ̂_A − λ_S λ_A| ≤ δ_S max λ_A + max λ_S δ_A + δ_S δ_A
+                top_S, top_A = float(lam_S.max()), float(lam_A.max())
+                errors[name] = check_S.error * top_A + top_S * check_A.error + check_S.error * check_A.error
+        return KronOp(self.node.space, bases, eigenvalues, eigenvalue_errors=errors,
+                      float32_rtol=self.float32_rtol)
 
 
 class EKFACAccumulator:
-    """EK-FAC's eigenvalue correction Λ = (1/n) Σ_i (Q_Sᵀ G_i Q_A)² in a K-FAC eigenbasis."""
+    """EK-FAC's eigenvalue correction Λ = (1/n) Σ_i (Q_Sᵀ G_i Q_A)² in a K-FAC eigenbasis
+    (summed in float64; stored in the K-FAC eigenvalues' dtype)."""
 
     def __init__(self, node: KFAC, kfac: KronOp, token_block: int | None = None):
         self.node, self.kfac, self.token_block = node, kfac, token_block
-        self.sums = {name: torch.zeros_like(v) for name, v in kfac.eigenvalues.items()}
+        self.sums = {name: torch.zeros_like(v, dtype=torch.float64) for name, v in kfac.eigenvalues.items()}
 
     def update(self, chunk: Chunk) -> None:
         for name in self.node.space.names:
@@ -154,7 +168,7 @@ class EKFACAccumulator:
                 rotated = rotate_rows(value.reshape(value.shape[0], Q_S.shape[0], Q_A.shape[0]), Q_S, Q_A)
             else:
                 rotated = rotate_factors(_factors(self.node, name, value), Q_S, Q_A, self.token_block)
-            self.sums[name] += (rotated ** 2).sum(0)
+            self.sums[name] += (rotated ** 2).sum(0).to(self.sums[name].dtype)
 
     def export(self) -> dict:
         return self.sums
@@ -165,7 +179,16 @@ class EKFACAccumulator:
 
     def finish(self) -> KronOp:
         n = self.node.grads.n
-        return KronOp(self.node.space, self.kfac.bases, {k: s / n for k, s in self.sums.items()})
+        eigenvalues = {k: (s / n).to(self.kfac.eigenvalues[k].dtype) for k, s in self.sums.items()}
+        errors = {}
+        for name, err in self.kfac.eigenvalue_errors.items():
+            # the K-FAC basis's relative error, times the largest re-fitted eigenvalue, and
+            # the float32 rounding of the stored eigenvalues
+            top = float(self.kfac.eigenvalues[name].abs().max())
+            relative = (err / top if top > 0 else 0.0) + FLOAT32_ROUNDOFF
+            errors[name] = relative * float(eigenvalues[name].abs().max())
+        return KronOp(self.node.space, self.kfac.bases, eigenvalues, eigenvalue_errors=errors,
+                      float32_rtol=self.kfac.float32_rtol)
 
 
 class GroupAccumulator:

@@ -71,7 +71,8 @@ def resolve_node(executor, node: OpNode) -> LinearOp:
 def _kfac(executor, node: KFAC) -> LinearOp:
     kfac = executor._kron.get(node.token) if hasattr(executor, "_kron") else None
     if kfac is None:
-        acc = KronAccumulator(node, executor.options.token_block)
+        o = executor.options
+        acc = KronAccumulator(node, o.token_block, o.kron_float64_width, o.kron_float32_rtol)
         for chunk in executor.iter_chunks(node.grads):
             acc.update(chunk)
         kfac = acc.finish()

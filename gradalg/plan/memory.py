@@ -29,7 +29,8 @@ from .cost import activation_bytes, tokens_hint
 from .shapes import element_size, forward_shapes, rows_per_example
 
 __all__ = ["positions", "rows_of", "rows_bytes", "capture_bytes_per_example", "consumer_bytes_per_example",
-           "kron_bytes", "statistics_bytes", "check_statistics_fit", "captured_positions", "ghost_workspace_bytes",
+           "kron_bytes", "kron_output_bytes", "kron_factor_bytes", "kron_precision_rows", "kron_bytes_arithmetic",
+           "statistics_bytes", "check_statistics_fit", "captured_positions", "ghost_workspace_bytes",
            "token_block_of"]
 
 
@@ -102,11 +103,95 @@ def capture_bytes_per_example(src: Source, dtype) -> float:
     return total
 
 
-def kron_bytes(space) -> float:
-    """K-FAC's float64 statistics: two covariances per block, and the peak of their
-    eigendecompositions (input, eigenvectors and LAPACK's 2d² workspace: 4·8·d²)."""
-    return sum(8.0 * (b.shape[0] ** 2 + b.shape[-1] ** 2) + 32.0 * max(b.shape[0], b.shape[-1]) ** 2
-               for b in space.blocks)
+def _factor_widths(space):
+    """``(out, in)`` of each Kronecker-factored (2-D) block."""
+    return [(b.shape[0], b.shape[-1]) for b in space.blocks]
+
+
+def kron_factor_bytes(d: int, float64_width: int | None) -> dict:
+    """Bytes of one d-wide Kronecker factor: ``sum`` (float64, or float32 with its Kahan
+    compensation: 8·d² either way), ``basis`` (its eigenvectors: 8·d² or 4·d²) and ``eigh``
+    (the peak of its eigendecomposition beyond the basis: the symmetrized input and
+    LAPACK's workspace, 24·d² in float64; 12·d² in float32, with the float64 check's
+    three (d, 512) column blocks). float32 beyond ``float64_width``."""
+    wide = float64_width is not None and d > float64_width
+    elem = 4.0 if wide else 8.0
+    return {"dtype": "float32" if wide else "float64", "sum": 8.0 * d * d, "basis": elem * d * d,
+            "eigh": 3.0 * elem * d * d + (3 * 8.0 * d * 512 if wide else 0.0)}
+
+
+def kron_bytes(space, float64_width: int | None = None) -> float:
+    """K-FAC's statistics and eigendecompositions: per block the two factors' sums, their
+    eigenbases and the (out, in) eigenvalues, and the largest single eigendecomposition's
+    workspace (they run one after the other). Factors wider than ``float64_width`` in float32
+    (:func:`kron_factor_bytes`)."""
+    total, eigh = 0.0, 0.0
+    for o, i in _factor_widths(space):
+        parts = [kron_factor_bytes(d, float64_width) for d in (o, i)]
+        total += sum(p["sum"] + p["basis"] for p in parts)
+        total += o * i * (4.0 if any(p["dtype"] == "float32" for p in parts) else 8.0)
+        eigh = max([eigh] + [p["eigh"] for p in parts])
+    return total + eigh
+
+
+def kron_output_bytes(space, float64_width: int | None = None) -> float:
+    """Bytes of the K-FAC operator a job produces: eigenbases and eigenvalues."""
+    total = 0.0
+    for o, i in _factor_widths(space):
+        parts = [kron_factor_bytes(d, float64_width) for d in (o, i)]
+        total += sum(p["basis"] for p in parts) + o * i * (4.0 if any(p["dtype"] == "float32" for p in parts) else 8.0)
+    return total
+
+
+def kron_bytes_arithmetic(space, float64_width: int | None = None) -> str:
+    """:func:`kron_bytes` spelled out: the sums, bases and eigenvalues of the blocks, and
+    the largest eigendecomposition, with the widest factor's size and precision."""
+    sums = bases = lam = 0.0
+    widest, eigh = 0, 0.0
+    for o, i in _factor_widths(space):
+        parts = [kron_factor_bytes(d, float64_width) for d in (o, i)]
+        sums += sum(p["sum"] for p in parts)
+        bases += sum(p["basis"] for p in parts)
+        lam += o * i * (4.0 if any(p["dtype"] == "float32" for p in parts) else 8.0)
+        for d, p in zip((o, i), parts):
+            if p["eigh"] > eigh:
+                widest, eigh = d, p["eigh"]
+    dtype = kron_factor_bytes(widest, float64_width)["dtype"]
+    return (f"Kronecker statistics of {len(space.blocks)} block(s): factor sums {_gb(sums)} GB + eigenbases "
+            f"{_gb(bases)} GB + eigenvalues {_gb(lam)} GB + the largest eigendecomposition ({widest}×{widest}, "
+            f"{dtype}) {_gb(eigh)} GB = {_gb(sums + bases + lam + eigh)} GB")
+
+
+def kron_precision_rows(space, options) -> list[tuple]:
+    """``(what, chosen, alternatives, why)`` for each block with a factor wider than
+    ``options.kron_float64_width``: the planner records them as decisions, with the
+    bytes of both precisions."""
+    width = options.kron_float64_width
+    rows = []
+    for b in space.blocks:
+        o, i = b.shape[0], b.shape[-1]
+        wide = [(label, d) for label, d in (("S", o), ("A", i)) if d > width]
+        if not wide:
+            continue
+        d = max(dd for _, dd in wide)
+        f32, f64 = kron_factor_bytes(d, width), kron_factor_bytes(d, None)
+        peak32, peak64 = f32["sum"] + f32["basis"] + f32["eigh"], f64["sum"] + f64["basis"] + f64["eigh"]
+        factors = " and ".join(f"{label} ({dd}×{dd})" for label, dd in wide)
+        rows.append((
+            f"precision of the Kronecker factors of block {b.name!r}", "float32",
+            {"float32": f"{_gb(peak32)} GB at its eigendecomposition",
+             "float64": f"{_gb(peak64)} GB at its eigendecomposition"},
+            f"{factors} wider than ga.options(kron_float64_width={width}): summed in float32 with a Kahan "
+            f"compensation ({_gb(f32['sum'])} GB), eigendecomposed in float32 on the device "
+            f"(basis {_gb(f32['basis'])} GB, workspace {_gb(f32['eigh'])} GB; float64: {_gb(f64['basis'])} GB and "
+            f"{_gb(f64['eigh'])} GB) and checked to kron_float32_rtol={options.kron_float32_rtol:g} "
+            "(residual, orthogonality, the error of inverted eigenvalues)"))
+    return rows
+
+
+def _gb(nbytes: float) -> str:
+    """Bytes in GB (10⁹) to three significant digits: "0.0084", "1.64", "13.2"."""
+    return f"{nbytes / 1e9:.3g}"
 
 
 def consumer_bytes_per_example(job, dtype) -> float:
