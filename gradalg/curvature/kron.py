@@ -117,16 +117,23 @@ class KronStats:
             Fp = F.tokens(tp)
             A = _dense_acts(Fp.A, dtype).flatten(0, 1)   # (n b, in)
             D = Fp.D.to(dtype).flatten(0, 1)             # (n b, out)
-            self.add_sums(gram(A).to(a_dtype), gram(D).to(s_dtype))
+            self.add_sums(gram(A).to(a_dtype), gram(D).to(s_dtype), owned=True)
             self.tokens += int((A != 0).any(dim=1).sum())
         self.examples += F.n
 
-    def add_sums(self, A: torch.Tensor | None, S: torch.Tensor | None) -> None:
-        """Add partial sums (a chunk's, or another shard's :meth:`sums`)."""
+    def add_sums(self, A: torch.Tensor | None, S: torch.Tensor | None, owned: bool = False) -> None:
+        """Add partial sums (a chunk's, or another shard's :meth:`sums`); ``owned``: the
+        tensors are this call's to keep or overwrite (else they are copied where needed)."""
         if A is not None:
-            self.A, self.A_comp = _compensated_add(self.A, self.A_comp, A.clone() if A is self.A else A)
+            A = A.to(self.A.dtype if self.A is not None else A.dtype)
+            if not owned and (self.A is None or self.A_comp is not None):
+                A = A.clone()
+            self.A, self.A_comp = _compensated_add(self.A, self.A_comp, A)
         if S is not None:
-            self.S, self.S_comp = _compensated_add(self.S, self.S_comp, S.clone() if S is self.S else S)
+            S = S.to(self.S.dtype if self.S is not None else S.dtype)
+            if not owned and (self.S is None or self.S_comp is not None):
+                S = S.clone()
+            self.S, self.S_comp = _compensated_add(self.S, self.S_comp, S)
 
     def sums(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(Σ a aᵀ, Σ d dᵀ)`` with their compensations applied."""
