@@ -74,6 +74,14 @@ def test_grad_cos_norms_by_blocks(setup):
     assert ex.trace["ghost"] > 0
 
 
+def test_self_scores_and_normalized_rows(setup):
+    """‖G_i‖² of a self-score (the diagonal S_ii, ghost norms in blocks) and rows
+    normalized before a dense product (norms by blocks in the row-wise step)."""
+    _, G = grads(setup)
+    assert_blocked_equal(lambda: (G @ G.T).diag(), ghost="always", ghost_slice_elements=2**11)
+    assert_blocked_equal(lambda: G.normalize() @ G.normalize().T, ghost="never")
+
+
 @pytest.mark.parametrize("make", [lambda: ga.proj.kron(k=6, seed=0), lambda: ga.proj.sparse(64, seed=0),
                                   lambda: ga.proj.grass(32, seed=0), lambda: ga.proj.factgrass(32, seed=0)],
                          ids=["kron", "sparse", "grass", "factgrass"])

@@ -367,13 +367,14 @@ class ScoreAccumulator:
 class DiagAccumulator:
     """d_i = ⟨L_i, H R_i⟩ for chunks of the two sides arriving together."""
 
-    def __init__(self, space, resolved, same: bool):
+    def __init__(self, space, resolved, same: bool, slice_elements: int = 2**26, token_block: int | None = None):
         self.space, self.resolved, self.same = space, resolved, same
+        self.slice_elements, self.token_block = slice_elements, token_block   # of the ghost norms
         self.parts: list[torch.Tensor] = []
 
     def update(self, left: Chunk, right: Chunk | None = None) -> None:
         if self.same and self.resolved is None:
-            self.parts.append(row_sq_norms(left))
+            self.parts.append(row_sq_norms(left, self.slice_elements, self.token_block))
             return
         x = flatten(left, self.space)
         y = x if right is None else flatten(right, self.space).to(x.dtype)

@@ -34,7 +34,8 @@ def apply_rowwise(executor, node, chunk: Chunk) -> Chunk:
         return chunk.replace(_project(executor, node, chunk))
     if isinstance(node, Normalize):
         if node.op is None:
-            norms = row_sq_norms(chunk).sqrt()
+            o = executor.options
+            norms = row_sq_norms(chunk, o.ghost_slice_elements, o.token_block).sqrt()
             inv = torch.where(norms > 0, 1.0 / norms, torch.zeros_like(norms))
             return chunk.replace({n: scale_rows(v, inv) for n, v in chunk.blocks.items()})
         metric = executor.resolve(node.op)

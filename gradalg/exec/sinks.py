@@ -174,7 +174,8 @@ class DiagSink(Sink):
     def open(cls, job, ctx):
         inner = job.target.scores
         resolved = None if isinstance(inner.op, Identity) else ctx.resolve(inner.op)
-        return cls(job, DiagAccumulator(inner.left.space, resolved, inner.left == inner.right))
+        return cls(job, DiagAccumulator(inner.left.space, resolved, inner.left == inner.right,
+                                        job.slice_elements, job.token_block))
 
     def feed(self, chunks, state):
         if self.job.held is not None:
