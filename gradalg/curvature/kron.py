@@ -35,8 +35,8 @@ blocks of columns, each eigenvalue is within
 of one of the float64 matrix (Bauer–Fike for symmetric matrices, plus the float32
 rounding of M). A residual or orthogonality above ``rtol`` (``kron_float32_rtol``) is
 refused at once. The block's Λ = λ_S ⊗ λ_A then has entries accurate to
-δ_Λ = δ_S·max λ_A + max λ_S·δ_A + δ_S·δ_A (EK-FAC: the same relative error times its
-largest re-fitted eigenvalue, plus the float32 sum of its squares), kept on the
+δ_Λ = δ_S·max λ_A + max λ_S·δ_A + δ_S·δ_A (EK-FAC, whose squares are summed in float64:
+the same relative error, plus u, times its largest re-fitted eigenvalue), kept on the
 :class:`KronOp`; an inverse or negative power dividing by ``min |Λ + λ| < δ_Λ / rtol``
 raises :class:`~gradalg.errors.CurvatureError` with these numbers and the fixes (damp by
 at least δ_Λ/rtol, project the layer, or float64 factors).
@@ -76,8 +76,10 @@ def _compensated_add(total, comp, x):
         return total.add_(x), None
     y = x.sub_(comp)                     # the new term, corrected by what the last add lost
     t = total + y
-    comp.copy_((t - total).sub_(y))      # what this add lost (exactly, in float arithmetic)
-    return t, comp
+    # what this add lost, c = (t − total) − y, kept negated in the old total's buffer:
+    # (total − t) + y = −c exactly in floating point (no extra d × d temporary)
+    lost = total.sub_(t).add_(y)
+    return t, lost.neg_()
 
 
 def _dense_acts(A, dtype, max_vocab: int = 8192) -> torch.Tensor:

@@ -36,7 +36,7 @@ from typing import ClassVar
 from ..expr import GradNode, Node
 from ..expr.tokens import token_rows
 from .cost import Cost, fisher_cost
-from .memory import (consumer_bytes_per_example, ghost_workspace_bytes, kron_bytes, kron_bytes_arithmetic,
+from .memory import (consumer_bytes_per_example, ghost_norm_bytes_per_example, ghost_workspace_bytes, kron_bytes, kron_bytes_arithmetic,
                      kron_output_bytes, rows_bytes)
 
 __all__ = ["Job", "CollectJob", "StoreJob", "GroupJob", "FisherJob", "KFACJob", "EKFACJob", "ScoresJob",
@@ -225,6 +225,11 @@ class DiagJob(Job):
 
     kind: ClassVar[str] = "diag"
     output: ClassVar[str] = "scores"
+
+    def per_example_bytes(self, dtype) -> float:
+        """What the job materializes per example, and the ghost norms' intermediates of
+        factored rows (a self-score of one side: ‖G_i‖² by the ghost identity)."""
+        return super().per_example_bytes(dtype) + ghost_norm_bytes_per_example(self, dtype)
 
 
 JOB_TYPES: dict[str, type[Job]] = {cls.kind: cls for cls in

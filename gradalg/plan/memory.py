@@ -31,7 +31,7 @@ from .shapes import element_size, forward_shapes, rows_per_example
 __all__ = ["positions", "rows_of", "rows_bytes", "capture_bytes_per_example", "consumer_bytes_per_example",
            "kron_bytes", "kron_output_bytes", "kron_factor_bytes", "kron_precision_rows", "kron_bytes_arithmetic",
            "statistics_bytes", "check_statistics_fit", "captured_positions", "ghost_workspace_bytes",
-           "token_block_of"]
+           "ghost_norm_bytes_per_example", "token_block_of"]
 
 
 def positions(node) -> dict[str, int]:
@@ -121,17 +121,21 @@ def kron_factor_bytes(d: int, float64_width: int | None) -> dict:
 
 
 def kron_bytes(space, float64_width: int | None = None) -> float:
-    """K-FAC's statistics and eigendecompositions: per block the two factors' sums, their
-    eigenbases and the (out, in) eigenvalues, and the largest single eigendecomposition's
-    workspace (they run one after the other). Factors wider than ``float64_width`` in float32
-    (:func:`kron_factor_bytes`)."""
-    total, eigh = 0.0, 0.0
+    """K-FAC's statistics and eigendecompositions: per block the two factors' sums, and the
+    larger of what a chunk's update adds (its d × d product, and its float64 copy or the
+    Kahan sum's new total: 12·d² for the widest factor) and what finishing adds (every
+    eigenbasis, the (out, in) eigenvalues, and the largest single eigendecomposition's
+    workspace: they run one after the other). Factors wider than ``float64_width`` in
+    float32 (:func:`kron_factor_bytes`)."""
+    sums, finish, eigh, widest = 0.0, 0.0, 0.0, 0
     for o, i in _factor_widths(space):
         parts = [kron_factor_bytes(d, float64_width) for d in (o, i)]
-        total += sum(p["sum"] + p["basis"] for p in parts)
-        total += o * i * (4.0 if any(p["dtype"] == "float32" for p in parts) else 8.0)
+        sums += sum(p["sum"] for p in parts)
+        finish += sum(p["basis"] for p in parts)
+        finish += o * i * (4.0 if any(p["dtype"] == "float32" for p in parts) else 8.0)
         eigh = max([eigh] + [p["eigh"] for p in parts])
-    return total + eigh
+        widest = max(widest, o, i)
+    return sums + max(12.0 * widest * widest, finish + eigh)
 
 
 def kron_output_bytes(space, float64_width: int | None = None) -> float:
@@ -157,9 +161,11 @@ def kron_bytes_arithmetic(space, float64_width: int | None = None) -> str:
             if p["eigh"] > eigh:
                 widest, eigh = d, p["eigh"]
     dtype = kron_factor_bytes(widest, float64_width)["dtype"]
-    return (f"Kronecker statistics of {len(space.blocks)} block(s): factor sums {_gb(sums)} GB + eigenbases "
-            f"{_gb(bases)} GB + eigenvalues {_gb(lam)} GB + the largest eigendecomposition ({widest}×{widest}, "
-            f"{dtype}) {_gb(eigh)} GB = {_gb(sums + bases + lam + eigh)} GB")
+    update = 12.0 * max([max(o, i) for o, i in _factor_widths(space)] or [0]) ** 2
+    return (f"Kronecker statistics of {len(space.blocks)} block(s): factor sums {_gb(sums)} GB + the larger of "
+            f"a chunk's update ({_gb(update)} GB) and eigenbases {_gb(bases)} GB + eigenvalues {_gb(lam)} GB + "
+            f"the largest eigendecomposition ({widest}×{widest}, {dtype}) {_gb(eigh)} GB = "
+            f"{_gb(kron_bytes(space, float64_width))} GB")
 
 
 def kron_precision_rows(space, options) -> list[tuple]:
@@ -224,6 +230,21 @@ def token_block_of(job, T: int) -> int:
     """Positions per example the job's kernels take at once: ``min(T, job.token_block)``."""
     block = getattr(job, "token_block", None)
     return min(T, block) if block else T
+
+
+def ghost_norm_bytes_per_example(job, dtype) -> float:
+    """Bytes per streamed example of the ghost norms ‖G_i‖² of a self-score (diag) job:
+    three (bT, bS) Gram-sized intermediates per example for the widest-positioned
+    factored block (b = min(T, token_block); the kernel caps a slice at
+    ``max(ghost_slice_elements, b²)`` elements, so this overcounts large batches)."""
+    import torch
+    if not job.streams:
+        return 0.0
+    node = job.streams[0]
+    elem = element_size(compute_dtype(dtype if isinstance(dtype, torch.dtype) else torch.float32))
+    T = positions(node)
+    worst = max([token_block_of(job, T[b.name]) ** 2 for b in node.space.blocks if len(b.shape) == 2] or [0])
+    return 3.0 * elem * worst
 
 
 def ghost_workspace_bytes(job, dtype) -> float:
