@@ -200,8 +200,9 @@ class EighCheck:
         return self.error / self.norm2 if self.norm2 > 0 else 0.0
 
     def describe(self) -> str:
-        return (f"residual max‖Mq−λq‖ = {self.residual:.2e}, orthogonality max|QᵀQ−I| = {self.orthogonality:.2e}, "
-                f"‖M‖₂ = {self.norm2:.3e}, float32 rounding 2u‖M‖_F = {2 * FLOAT32_ROUNDOFF * self.frobenius:.2e}: "
+        rounding = 2 * FLOAT32_ROUNDOFF * self.frobenius
+        return (f"residual max‖Mq−λq‖ = {self.residual:.2e}, orthogonality max|QᵀQ−I| = "
+                f"{self.orthogonality:.2e}, ‖M‖₂ = {self.norm2:.3e}, float32 rounding 2u‖M‖_F = {rounding:.2e}: "
                 f"δ = {self.error:.2e}")
 
 

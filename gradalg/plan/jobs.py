@@ -36,8 +36,8 @@ from typing import ClassVar
 from ..expr import GradNode, Node
 from ..expr.tokens import token_rows
 from .cost import Cost, fisher_cost
-from .memory import (consumer_bytes_per_example, ghost_norm_bytes_per_example, ghost_workspace_bytes, kron_bytes, kron_bytes_arithmetic,
-                     kron_output_bytes, rows_bytes)
+from .memory import (consumer_bytes_per_example, ghost_norm_bytes_per_example, ghost_workspace_bytes, kron_bytes,
+                     kron_bytes_arithmetic, kron_output_bytes, rows_bytes)
 
 __all__ = ["Job", "CollectJob", "StoreJob", "GroupJob", "FisherJob", "KFACJob", "EKFACJob", "ScoresJob",
            "DiagJob", "JOB_TYPES", "job_type"]
