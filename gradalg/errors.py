@@ -23,6 +23,7 @@ __all__ = [
     "WorkerFaultError",
     "ExampleIdsError",
     "OperatorError",
+    "CurvatureError",
     "StaleCompiledError",
     "ObjectiveError",
     "DistributedError",
@@ -153,6 +154,14 @@ class OperatorError(GradalgError, ValueError):
     """An operation a resolved operator cannot do exactly for its structure (the inverse of
     a singular matrix, a fractional power of an indefinite one, a power of an operator known
     only through products, ...). The message names the structure and the fix."""
+
+
+class CurvatureError(OperatorError):
+    """Kronecker curvature kept in float32 (factors wider than
+    ``ga.options(kron_float64_width)``) whose eigendecomposition is not accurate enough for
+    what is asked of it: the eigensolver's residual or orthogonality check failed, or an
+    inverse would divide by eigenvalues smaller than their own error. The message shows
+    the arithmetic and the fixes (more damping, a projection, float64 factors)."""
 
 
 class StaleCompiledError(GradalgError, RuntimeError):

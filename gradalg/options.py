@@ -119,6 +119,23 @@ class Options:
         The ghost kernel computes ⟨G_i, G_j⟩ in slices of streamed examples so that its
         (n_left, n_slice, T_left, T_right) intermediate has at most this many elements.
         Shown in each ghost kernel decision.
+    token_block : int
+        Kernels over factors (ghost products, norms, materialization, Kronecker and sparse
+        projections, K-FAC / EK-FAC statistics) take at most this many positions of an
+        example at once (default 512), so their temporaries do not grow with the sequence
+        length T: a pair of blocks of the ghost kernel is token_block² per example pair.
+        Shown in each ghost kernel decision and counted in the plan's memory.
+    kron_float64_width : int
+        Kronecker factors (K-FAC / EK-FAC) of at most this width are summed and
+        eigendecomposed in float64; wider ones (an MLP's 14336 or 28672) in float32: Kahan-
+        compensated sums (8·d² bytes, as float64) and a float32 eigendecomposition on the
+        factor's device (16·d² bytes at its peak instead of 32·d²), checked to
+        ``kron_float32_rtol`` (:mod:`gradalg.curvature.kron`). Default 8192. Shown per
+        wide factor in the plan, with its bytes.
+    kron_float32_rtol : float
+        The relative accuracy float32 Kronecker eigendecompositions must reach: their
+        residual and orthogonality, and the error of an inverse's eigenvalues
+        (δ_Λ / min |Λ + damping|); beyond it ``CurvatureError`` (default 1e-2).
     projection_slice_elements : int
         A sparse (SJLT / mask) projection of a factored block materializes the block in
         slices of examples of at most this many elements.
@@ -146,6 +163,9 @@ class Options:
     store_fraction: float = 0.25
     row_storage: str = "auto"
     ghost_slice_elements: int = 2**26
+    token_block: int = 512
+    kron_float64_width: int = 8192
+    kron_float32_rtol: float = 1e-2
     projection_slice_elements: int = 2**26
     reuse_buffer_bytes: int = 2**20
     device_memory_fraction: float = 0.4
@@ -179,7 +199,11 @@ class Options:
                 raise OptionError(f"{name} must be a fraction in (0, 1], got {value!r}")
         if not isinstance(self.row_storage, str) or self.row_storage not in ("auto", "factors", "flat"):
             raise OptionError(f"row_storage must be 'auto', 'factors' or 'flat', got {self.row_storage!r}")
-        for name in ("ghost_slice_elements", "projection_slice_elements", "reuse_buffer_bytes"):
+        rtol = self.kron_float32_rtol
+        if isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not 0 < rtol < 1:
+            raise OptionError(f"kron_float32_rtol must be a number in (0, 1), got {rtol!r}")
+        for name in ("ghost_slice_elements", "projection_slice_elements", "reuse_buffer_bytes", "token_block",
+                     "kron_float64_width"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise OptionError(f"{name} must be a positive int, got {value!r}")

@@ -260,7 +260,7 @@ def materialize_calls(monkeypatch):
     calls = []
     original = factors_module.materialize
 
-    def spy(F_):
+    def spy(F_, *args, **kwargs):
         calls.append((F_.out_features, F_.in_features))
         return original(F_)
 

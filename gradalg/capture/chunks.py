@@ -54,11 +54,13 @@ def unflatten(rows: torch.Tensor, space: ParamSpace) -> dict[str, torch.Tensor]:
     return {name: rows[:, s] for name, s in space.offsets().items()}
 
 
-def row_sq_norms(chunk: Chunk) -> torch.Tensor:
-    """‖G_i‖² summed over blocks (ghost identity for factored blocks).   Returns (n,)."""
+def row_sq_norms(chunk: Chunk, max_elements: int = 2**26, token_block: int | None = None) -> torch.Tensor:
+    """‖G_i‖² summed over blocks (ghost identity for factored blocks, in token blocks of
+    ``token_block`` positions and slices of ``max_elements``).   Returns (n,)."""
     total = None
     for value in chunk.blocks.values():
-        part = self_inner(value) if isinstance(value, Factors) else (value * value).sum(1)
+        part = (self_inner(value, max_elements, token_block) if isinstance(value, Factors)
+                else (value * value).sum(1))
         total = part if total is None else total + part
     return total
 

@@ -12,6 +12,25 @@ Kernels
 ``kron_project(F, Po, Pi)`` (D_i Poᵀ)ᵀ (A_i Piᵀ) = Po G_i Piᵀ               (n, ko, ki)
 ``self_inner(F)``      ‖G_i‖² by the ghost identity                        (n,)
 
+Token blocks
+------------
+Every kernel takes ``token_block`` (``ga.options(token_block=...)``, default 512; None:
+all positions at once) and works on positions ``t0:t0+b`` of each example at a time, so
+its temporaries are bounded independently of the sequence length T:
+
+* ``ghost_inner``: Σ_{t,s} = Σ_{blocks p, q} Σ_{t∈p, s∈q}; the (nL', nR', bL, bR)
+  intermediates of the pairs of blocks, sliced over examples of both sides, hold at most
+  ``max(max_elements, bL·bR)`` elements (a single pair of blocks cannot be split further).
+* ``self_inner``: the same over pairs p ≤ q (off-diagonal pairs twice: the Gram matrices
+  are symmetric).
+* ``materialize``: G_i = Σ_p D_{i,p}ᵀ A_{i,p} accumulated into the (n, out, in) result;
+  only one block of the factors is cast to the compute dtype at a time.
+* ``kron_project`` / ``project_factors``: (D_i Poᵀ)ᵀ(A_i Piᵀ) = Σ_p (D_{i,p} Poᵀ)ᵀ(A_{i,p} Piᵀ),
+  one (n, b, k) block of projected factors at a time.
+
+Sums over blocks are the same sums in another order: results agree with the unblocked
+kernels to the compute dtype's rounding (tests/test_token_blocks.py).
+
 Precision
 ---------
 Factors keep the model's dtype (a bf16 model records bf16 ``A`` and ``D``: half the
@@ -19,7 +38,8 @@ memory). Every kernel here computes in :func:`compute_dtype` of the factors — 
 for bfloat16 / float16, their own dtype otherwise — so inner products, materialized
 gradients and projections are float32 sums of the half-precision entries, never sums
 rounded to 8 (bf16) or 11 (fp16) bits. Statistics (Fisher, K-FAC covariances) are summed
-in float64 downstream (``exec/accumulators.py``, ``curvature/kron.py``).
+in float64 downstream (``exec/accumulators.py``, ``curvature/kron.py``; Kronecker factors
+wider than ``ga.options(kron_float64_width)`` in float32 with a Kahan compensation).
 """
 from __future__ import annotations
 
@@ -28,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["OneHot", "Factors", "ghost_inner", "materialize", "kron_project", "project_factors", "self_inner",
-           "ghost_flops", "dense_flops", "compute_dtype", "HALF_DTYPES"]
+           "ghost_flops", "dense_flops", "compute_dtype", "HALF_DTYPES", "token_slices", "ghost_workspace_elements"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -36,6 +56,33 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype kernels compute in for factors of ``dtype``: float32 for half precision."""
     return torch.float32 if dtype in HALF_DTYPES else dtype
+
+
+def token_slices(T: int, token_block: int | None) -> list[slice]:
+    """Positions ``0..T`` in consecutive blocks of ``token_block`` (one block when None)."""
+    if token_block is not None and (not isinstance(token_block, int) or token_block < 1):
+        raise ValueError(f"token_block must be a positive int or None, got {token_block!r}")
+    b = T if not token_block else token_block
+    return [slice(t, min(t + b, T)) for t in range(0, max(T, 1), max(b, 1))]
+
+
+def ghost_workspace_elements(nL: int, nR: int, TL: int, TR: int, max_elements: int,
+                             token_block: int | None) -> int:
+    """Elements of the largest intermediate of :func:`ghost_inner` (each of the activation
+    Gram, the gradient Gram and their product has this many): pairs of token blocks
+    (bL, bR), sliced over examples of both sides under ``max_elements``."""
+    bL, bR = (min(TL, token_block), min(TR, token_block)) if token_block else (TL, TR)
+    step_L, step_R = _example_steps(nL, nR, bL, bR, max_elements)
+    return step_L * step_R * bL * bR
+
+
+def _example_steps(nL: int, nR: int, bL: int, bR: int, max_elements: int) -> tuple[int, int]:
+    """Examples per slice of each side so that (step_L, step_R, bL, bR) ≤ max_elements
+    (at least one example each)."""
+    pair = max(1, bL * bR)
+    step_L = max(1, min(nL, max_elements // pair))
+    step_R = max(1, min(nR, max_elements // (pair * step_L)))
+    return step_L, step_R
 
 
 def _up(x, dtype):
@@ -110,6 +157,10 @@ class Factors:
     def __getitem__(self, index) -> "Factors":
         return Factors(self.A[index], self.D[index])
 
+    def tokens(self, positions: slice) -> "Factors":
+        """Positions ``positions`` of every example: ``A[:, positions]``, ``D[:, positions]``."""
+        return Factors(self.A[:, positions], self.D[:, positions])
+
     def scale_rows(self, w: torch.Tensor) -> "Factors":
         """Example i's gradient times ``w[i]`` (w: (n,))."""
         return Factors(self.A, self.D * w.to(self.D.dtype).view(-1, 1, 1))
@@ -166,66 +217,119 @@ def _act_gram(AL, AR, dtype) -> torch.Tensor:
     return torch.einsum("qti,rsi->qrts", AL, AR)
 
 
-def ghost_inner(L: Factors, R: Factors, max_elements: int = 2**26) -> torch.Tensor:
+def ghost_inner(L: Factors, R: Factors, max_elements: int = 2**26, token_block: int | None = None) -> torch.Tensor:
     """⟨G_i, G_j⟩ for every pair, from factors only.   Returns (nL, nR).
 
-    Cost: nL·nR·TL·TR·(in + out) multiply-adds; never forms the (out, in) gradients.
-    Computed in slices of the right-hand examples so that the (nL, nR, TL, TR)
-    intermediate stays under ``max_elements``.
+        ⟨G_i, G_j⟩ = Σ_{t,s} (a_it·a_js)(d_it·d_js) = Σ_{p,q} Σ_{t∈p, s∈q} (a_it·a_js)(d_it·d_js)
+
+    over pairs (p, q) of token blocks of ``token_block`` positions. Cost:
+    nL·nR·TL·TR·(in + out) multiply-adds; never forms the (out, in) gradients. Each pair
+    of blocks is computed in slices of examples of both sides so that the
+    (nL', nR', bL, bR) intermediate stays under ``max_elements``
+    (:func:`ghost_workspace_elements`).
     """
     dtype = compute_dtype(torch.promote_types(L.D.dtype, R.D.dtype))
-    out = torch.empty(L.n, R.n, dtype=dtype, device=L.D.device)
-    per_r = max(1, L.n * L.T * R.T)
-    step = max(1, max_elements // per_r)
-    LA, LD = _up(L.A, dtype), _up(L.D, dtype)
-    for start in range(0, R.n, step):
-        Rs = R[start:start + step]
-        a = _act_gram(LA, _up(Rs.A, dtype), dtype)
-        d = torch.einsum("qto,rso->qrts", LD, _up(Rs.D, dtype))
-        out[:, start:start + step] = (a * d).sum(dim=(2, 3))
+    out = torch.zeros(L.n, R.n, dtype=dtype, device=L.D.device)
+    for tl in token_slices(L.T, token_block):
+        Lb = L.tokens(tl)
+        LA, LD = _up(Lb.A, dtype), _up(Lb.D, dtype)
+        for tr in token_slices(R.T, token_block):
+            Rb = R.tokens(tr)
+            RA, RD = _up(Rb.A, dtype), _up(Rb.D, dtype)
+            step_L, step_R = _example_steps(L.n, R.n, Lb.T, Rb.T, max_elements)
+            for i in range(0, L.n, step_L):
+                la, ld = LA[i:i + step_L], LD[i:i + step_L]
+                for j in range(0, R.n, step_R):
+                    a = _act_gram(la, RA[j:j + step_R], dtype)                       # (nL', nR', bL, bR)
+                    d = torch.einsum("qto,rso->qrts", ld, RD[j:j + step_R])           # (nL', nR', bL, bR)
+                    out[i:i + step_L, j:j + step_R] += (a * d).sum(dim=(2, 3))
     return out
 
 
-def self_inner(F: Factors) -> torch.Tensor:
-    """‖G_i‖² for each example, by ghost products of an example with itself. (n,)"""
-    dtype = compute_dtype(F.D.dtype)
-    if isinstance(F.A, OneHot):
-        a = (F.A.idx[:, :, None] == F.A.idx[:, None, :]).to(dtype)
-        w = F.A.weights(dtype)
-        a = a * w[:, :, None] * w[:, None, :]
-    else:
-        A = _up(F.A, dtype)
-        a = torch.einsum("nti,nsi->nts", A, A)
-    D = _up(F.D, dtype)
-    d = torch.einsum("nto,nso->nts", D, D)
-    return (a * d).sum(dim=(1, 2))
+def _self_gram(A, B, dtype) -> torch.Tensor:
+    """(n, bT, bS) of a_it · b_is for the same examples (A, B: blocks of one factor)."""
+    if isinstance(A, OneHot):
+        eq = (A.idx[:, :, None] == B.idx[:, None, :]).to(dtype)
+        return eq * A.weights(dtype)[:, :, None] * B.weights(dtype)[:, None, :]
+    return torch.einsum("nti,nsi->nts", A, B)
 
 
-def materialize(F: Factors) -> torch.Tensor:
-    """G_i = D_iᵀ A_i for each example, in :func:`compute_dtype`.   Returns (n, out, in)."""
+def self_inner(F: Factors, max_elements: int = 2**26, token_block: int | None = None) -> torch.Tensor:
+    """‖G_i‖² for each example, by ghost products of an example with itself. (n,)
+
+        ‖G_i‖² = Σ_{t,s} (a_it·a_is)(d_it·d_is) = Σ_p S_pp + 2 Σ_{p<q} S_pq
+
+    over token blocks p, q (the Gram matrices are symmetric), in slices of examples
+    whose (n', bT, bS) intermediates stay under ``max_elements``."""
     dtype = compute_dtype(F.D.dtype)
+    out = torch.zeros(F.n, dtype=dtype, device=F.D.device)
+    blocks = token_slices(F.T, token_block)
+    for p, tp in enumerate(blocks):
+        Fp = F.tokens(tp)
+        Ap, Dp = _up(Fp.A, dtype), _up(Fp.D, dtype)
+        for tq in blocks[p:]:
+            Fq = F.tokens(tq)
+            Aq, Dq = _up(Fq.A, dtype), _up(Fq.D, dtype)
+            weight = 1.0 if tq == tp else 2.0
+            step = max(1, max_elements // max(1, Fp.T * Fq.T))
+            for i in range(0, F.n, step):
+                a = _self_gram(Ap[i:i + step], Aq[i:i + step], dtype)                  # (n', bT, bS)
+                d = torch.einsum("nto,nso->nts", Dp[i:i + step], Dq[i:i + step])      # (n', bT, bS)
+                out[i:i + step] += weight * (a * d).sum(dim=(1, 2))
+    return out
+
+
+def materialize(F: Factors, token_block: int | None = None) -> torch.Tensor:
+    """G_i = D_iᵀ A_i = Σ_p D_{i,p}ᵀ A_{i,p} for each example, summed over token blocks p of
+    ``token_block`` positions, in :func:`compute_dtype`.   Returns (n, out, in)."""
+    dtype = compute_dtype(F.D.dtype)
+    n, out = F.n, F.out_features
+    blocks = token_slices(F.T, token_block)
     if isinstance(F.A, OneHot):
-        n, T, out = F.D.shape
         G = F.D.new_zeros(n, out, F.A.size, dtype=dtype)
-        D = _up(F.D, dtype) * F.A.weights(dtype).unsqueeze(-1)
-        index = F.A.idx.unsqueeze(1).expand(n, out, T)
-        return G.scatter_add_(2, index, D.transpose(1, 2))
-    return torch.einsum("nto,nti->noi", _up(F.D, dtype), _up(F.A, dtype))
+        for tp in blocks:
+            Fp = F.tokens(tp)
+            D = _up(Fp.D, dtype) * Fp.A.weights(dtype).unsqueeze(-1)
+            index = Fp.A.idx.unsqueeze(1).expand(n, out, Fp.T)
+            G.scatter_add_(2, index, D.transpose(1, 2))
+        return G
+    if len(blocks) == 1:
+        return torch.einsum("nto,nti->noi", _up(F.D, dtype), _up(F.A, dtype))
+    G = F.D.new_zeros(n, out, F.in_features, dtype=dtype)
+    for tp in blocks:
+        Fp = F.tokens(tp)
+        G.baddbmm_(_up(Fp.D, dtype).transpose(1, 2), _up(Fp.A, dtype))    # += D_pᵀ A_p   (n, out, in)
+    return G
 
 
-def kron_project(F: Factors, P_out: torch.Tensor, P_in: torch.Tensor) -> torch.Tensor:
-    """P_out G_i P_inᵀ computed as (D_i P_outᵀ)ᵀ (A_i P_inᵀ).   Returns (n, k_out, k_in).
+def kron_project(F: Factors, P_out: torch.Tensor, P_in: torch.Tensor, token_block: int | None = None) -> torch.Tensor:
+    """P_out G_i P_inᵀ computed as Σ_p (D_{i,p} P_outᵀ)ᵀ (A_{i,p} P_inᵀ) over token blocks p.
+    Returns (n, k_out, k_in).
 
-    P_out : (k_out, out), P_in : (k_in, in). Cost n·T·(in·k_in + out·k_out + k_out·k_in).
+    P_out : (k_out, out), P_in : (k_in, in). Cost n·T·(in·k_in + out·k_out + k_out·k_in);
+    temporaries: one (n, b, k_in + k_out) block of projected factors.
     """
-    return materialize(project_factors(F, P_out, P_in))
+    G = None
+    for tp in token_slices(F.T, token_block):
+        part = materialize(project_factors(F.tokens(tp), P_out, P_in))
+        G = part if G is None else G.add_(part)
+    return G
 
 
-def project_factors(F: Factors, P_out: torch.Tensor, P_in: torch.Tensor) -> Factors:
+def project_factors(F: Factors, P_out: torch.Tensor, P_in: torch.Tensor, token_block: int | None = None) -> Factors:
     """Factors of P_out G_i P_inᵀ: ``(A_i P_inᵀ, D_i P_outᵀ)``, shapes (n, T, k_in), (n, T, k_out),
-    in the wider of the factors' :func:`compute_dtype` and the matrices' dtype."""
+    in the wider of the factors' :func:`compute_dtype` and the matrices' dtype; computed one
+    token block at a time into the result (half-precision factors are cast a block at a time)."""
     dtype = torch.promote_types(compute_dtype(F.D.dtype), P_in.dtype)
     P_in, P_out = P_in.to(dtype), P_out.to(dtype)
+    blocks = token_slices(F.T, token_block)
+    if len(blocks) > 1:
+        A = F.D.new_empty(F.n, F.T, P_in.shape[0], dtype=dtype)
+        D = F.D.new_empty(F.n, F.T, P_out.shape[0], dtype=dtype)
+        for tp in blocks:
+            part = project_factors(F.tokens(tp), P_out, P_in)
+            A[:, tp], D[:, tp] = part.A, part.D
+        return Factors(A, D)
     if isinstance(F.A, OneHot):
         A = P_in.T[F.A.idx] * F.A.weights(P_in.dtype).unsqueeze(-1)
     else:

@@ -17,20 +17,69 @@ Grosse 2015) approximates the layer's Fisher block
 makes Λ the exact diagonal of F in that basis. Both are stored as a :class:`KronOp`
 (per block ``Q_S``, ``Q_A`` and a (out, in) eigenvalue matrix), so damping, inverse
 and powers act on the eigenvalues: ``(F + λI)⁻¹ G = Q_S [(Q_Sᵀ G Q_A) / (Λ + λ)] Q_Aᵀ``.
+
+Precision of wide factors
+-------------------------
+A factor of width d ≤ ``float64_width`` (``ga.options(kron_float64_width=8192)``) is
+summed and eigendecomposed in float64, as the rest of gradalg's statistics. A wider one
+(an MLP's 14336 or 28672) is summed in float32 with a Kahan compensation term (the
+chunk sums' rounding carried to the next chunk: the bytes of float64, 8·d², an error of
+a few u = 2⁻²⁴ per entry whatever the number of chunks) and eigendecomposed in float32
+on its device (half the peak of a float64 eigh, 16·d² instead of 32·d², and many times
+faster on a GPU). The result is checked (:func:`checked_eigh`): with the residuals
+r_i = ‖M q_i − λ_i q_i‖ and the orthogonality ω = max |QᵀQ − I|, computed in float64
+blocks of columns, each eigenvalue is within
+
+    δ = max_i r_i + ω·‖M‖₂ + 2u·‖M‖_F
+
+of one of the float64 matrix (Bauer–Fike for symmetric matrices, plus the float32
+rounding of M). A residual or orthogonality above ``rtol`` (``kron_float32_rtol``) is
+refused at once. The block's Λ = λ_S ⊗ λ_A then has entries accurate to
+δ_Λ = δ_S·max λ_A + max λ_S·δ_A + δ_S·δ_A (EK-FAC, whose squares are summed in float64:
+the same relative error, plus u, times its largest re-fitted eigenvalue), kept on the
+:class:`KronOp`; an inverse or negative power dividing by ``min |Λ + λ| < δ_Λ / rtol``
+raises :class:`~gradalg.errors.CurvatureError` with these numbers and the fixes (damp by
+at least δ_Λ/rtol, project the layer, or float64 factors).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..capture.factors import Factors, OneHot, materialize
-from ..errors import GradalgError, MemoryBudgetError
+from ..capture.factors import Factors, OneHot, materialize, token_slices
+from ..errors import CurvatureError, GradalgError, MemoryBudgetError
 from ..linalg import rules as _rules
 from ..linalg.base import LinearOp, power_values, reciprocal
 from ..linalg.explicit import explicit
 
-__all__ = ["KronStats", "KronOp", "kron_eigenbasis", "rotate_factors", "rotate_rows", "work_dtype", "gram"]
+__all__ = ["KronStats", "KronOp", "kron_eigenbasis", "rotate_factors", "rotate_rows", "work_dtype", "gram",
+           "factor_dtype", "checked_eigh", "EighCheck", "FLOAT32_ROUNDOFF"]
+
+#: unit roundoff of float32, u = 2⁻²⁴
+FLOAT32_ROUNDOFF = 2.0 ** -24
+#: columns per block of the float64 residual check (memory 3·8·d·block bytes)
+_CHECK_COLUMNS = 512
+
+
+def factor_dtype(width: int, float64_width: int | None) -> torch.dtype:
+    """float64 for a Kronecker factor of ``width`` ≤ ``float64_width`` (None: always), else float32."""
+    return torch.float64 if float64_width is None or width <= float64_width else torch.float32
+
+
+def _compensated_add(total, comp, x):
+    """Kahan summation ``total += x`` in total's dtype, ``comp`` carrying the rounding lost
+    (None for float64 sums: plain adds). Takes ownership of ``x``. Returns (total, comp)."""
+    if total is None:
+        return x, (torch.zeros_like(x) if x.dtype != torch.float64 else None)
+    if comp is None:
+        return total.add_(x), None
+    y = x.sub_(comp)                     # the new term, corrected by what the last add lost
+    t = total + y
+    # what this add lost, c = (t − total) − y, kept negated in the old total's buffer:
+    # (total − t) + y = −c exactly in floating point (no extra d × d temporary)
+    lost = total.sub_(t).add_(y)
+    return t, lost.neg_()
 
 
 def _dense_acts(A, dtype, max_vocab: int = 8192) -> torch.Tensor:
@@ -46,28 +95,60 @@ def _dense_acts(A, dtype, max_vocab: int = 8192) -> torch.Tensor:
 
 @dataclass
 class KronStats:
-    """Running sums of one layer's K-FAC factors over chunks of examples."""
+    """Running sums of one layer's K-FAC factors over chunks of examples.
+
+    Each factor is summed in :func:`factor_dtype` of its width: float64, or float32 with a
+    Kahan compensation (``A_comp``, ``S_comp``) beyond ``float64_width``."""
 
     A: torch.Tensor | None = None   # Σ a aᵀ  (in, in)
     S: torch.Tensor | None = None   # Σ d dᵀ  (out, out)
     tokens: int = 0                 # positions with a non-zero activation row
     examples: int = 0
+    float64_width: int | None = None
+    A_comp: torch.Tensor | None = None
+    S_comp: torch.Tensor | None = None
 
-    def update(self, F: Factors) -> None:
-        dtype = work_dtype(F.D)  # a chunk's products in the rows' precision, the running sums in float64
-        A = _dense_acts(F.A, dtype).flatten(0, 1)   # (n T, in)
-        D = F.D.to(dtype).flatten(0, 1)             # (n T, out)
-        a, s = gram(A).to(torch.float64), gram(D).to(torch.float64)
-        self.A = a if self.A is None else self.A + a
-        self.S = s if self.S is None else self.S + s
-        self.tokens += int((A != 0).any(dim=1).sum())
+    def update(self, F: Factors, token_block: int | None = None) -> None:
+        """Add Σ_t a_t a_tᵀ and Σ_t d_t d_tᵀ of a chunk, a block of ``token_block`` positions
+        of every example at a time (the chunk's products in the rows' precision, the
+        running sums in :func:`factor_dtype`)."""
+        dtype = work_dtype(F.D)
+        a_dtype, s_dtype = factor_dtype(F.in_features, self.float64_width), factor_dtype(F.out_features,
+                                                                                          self.float64_width)
+        for tp in token_slices(F.T, token_block):
+            Fp = F.tokens(tp)
+            A = _dense_acts(Fp.A, dtype).flatten(0, 1)   # (n b, in)
+            D = Fp.D.to(dtype).flatten(0, 1)             # (n b, out)
+            self.add_sums(gram(A).to(a_dtype), gram(D).to(s_dtype), owned=True)
+            self.tokens += int((A != 0).any(dim=1).sum())
         self.examples += F.n
+
+    def add_sums(self, A: torch.Tensor | None, S: torch.Tensor | None, owned: bool = False) -> None:
+        """Add partial sums (a chunk's, or another shard's :meth:`sums`); ``owned``: the
+        tensors are this call's to keep or overwrite (else they are copied where needed)."""
+        if A is not None:
+            A = A.to(self.A.dtype if self.A is not None else A.dtype)
+            if not owned and (self.A is None or self.A_comp is not None):
+                A = A.clone()
+            self.A, self.A_comp = _compensated_add(self.A, self.A_comp, A)
+        if S is not None:
+            S = S.to(self.S.dtype if self.S is not None else S.dtype)
+            if not owned and (self.S is None or self.S_comp is not None):
+                S = S.clone()
+            self.S, self.S_comp = _compensated_add(self.S, self.S_comp, S)
+
+    def sums(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(Σ a aᵀ, Σ d dᵀ)`` with their compensations applied."""
+        A = self.A if self.A_comp is None else self.A - self.A_comp
+        S = self.S if self.S_comp is None else self.S - self.S_comp
+        return A, S
 
     def covariances(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(S, A)`` normalized as in the module docstring."""
         if not self.examples:
             raise GradalgError("K-FAC statistics over zero examples")
-        return self.S / self.examples, self.A / max(self.tokens, 1)
+        A, S = self.sums()
+        return S / self.examples, A / max(self.tokens, 1)
 
 
 def gram(X: torch.Tensor, block: int = 128) -> torch.Tensor:
@@ -93,19 +174,99 @@ def kron_eigenbasis(S: torch.Tensor, A: torch.Tensor):
     return Q_S, lam_S.clamp_min(0), Q_A, lam_A.clamp_min(0)
 
 
+@dataclass(frozen=True)
+class EighCheck:
+    """The accuracy of one factor's eigendecomposition M ≈ Q diag(λ) Qᵀ (width ``d``):
+    largest residual ``residual`` = max_i ‖M q_i − λ_i q_i‖, orthogonality ``orthogonality``
+    = max |QᵀQ − I|, ``norm2`` = ‖M‖₂ and ``frobenius`` = ‖M‖_F; ``error`` (δ) bounds how far
+    each computed eigenvalue is from one of the exactly summed matrix (0 in float64)."""
+
+    d: int
+    dtype: torch.dtype
+    residual: float = 0.0
+    orthogonality: float = 0.0
+    norm2: float = 0.0
+    frobenius: float = 0.0
+
+    @property
+    def error(self) -> float:
+        if self.dtype == torch.float64:
+            return 0.0
+        return self.residual + self.orthogonality * self.norm2 + 2 * FLOAT32_ROUNDOFF * self.frobenius
+
+    @property
+    def relative(self) -> float:
+        """δ / ‖M‖₂."""
+        return self.error / self.norm2 if self.norm2 > 0 else 0.0
+
+    def describe(self) -> str:
+        rounding = 2 * FLOAT32_ROUNDOFF * self.frobenius
+        return (f"residual max‖Mq−λq‖ = {self.residual:.2e}, orthogonality max|QᵀQ−I| = "
+                f"{self.orthogonality:.2e}, ‖M‖₂ = {self.norm2:.3e}, float32 rounding 2u‖M‖_F = {rounding:.2e}: "
+                f"δ = {self.error:.2e}")
+
+
+def checked_eigh(M: torch.Tensor, rtol: float, what: str = "a Kronecker factor"):
+    """``(Q, λ ≥ 0, EighCheck)`` of symmetric M (d, d) in M's dtype, on M's device.
+
+    float64: as :func:`kron_eigenbasis`. float32: the residuals and QᵀQ are then computed in
+    float64, ``_CHECK_COLUMNS`` columns at a time (3 d³ multiply-adds; memory 3·8·d·512
+    bytes), and a relative residual or orthogonality over ``rtol`` raises
+    :class:`~gradalg.errors.CurvatureError`."""
+    M = (M + M.T) / 2
+    lam, Q = torch.linalg.eigh(M)
+    d = M.shape[0]
+    if M.dtype == torch.float64:
+        return Q, lam.clamp_min(0), EighCheck(d, M.dtype)
+    lam64 = lam.to(torch.float64)
+    residual, orthogonality = 0.0, 0.0
+    for c0 in range(0, d, _CHECK_COLUMNS):
+        c1 = min(d, c0 + _CHECK_COLUMNS)
+        Qc = Q[:, c0:c1].to(torch.float64)                                    # (d, c)
+        MQ = torch.empty_like(Qc)
+        QQ = torch.empty(d, c1 - c0, dtype=torch.float64, device=Q.device)
+        for r0 in range(0, d, _CHECK_COLUMNS):
+            r1 = min(d, r0 + _CHECK_COLUMNS)
+            MQ[r0:r1] = M[r0:r1].to(torch.float64) @ Qc                       # rows of M q_i
+            QQ[r0:r1] = Q[:, r0:r1].to(torch.float64).T @ Qc                  # rows of Qᵀ q_i
+        residual = max(residual, float(torch.linalg.vector_norm(MQ - Qc * lam64[c0:c1], dim=0).max()))
+        QQ[c0:c1] -= torch.eye(c1 - c0, dtype=torch.float64, device=Q.device)
+        orthogonality = max(orthogonality, float(QQ.abs().max()))
+    check = EighCheck(d, M.dtype, residual, orthogonality, float(lam64.abs().max()),
+                      float(torch.linalg.vector_norm(lam64)))
+    if check.norm2 > 0 and max(check.residual / check.norm2, check.orthogonality) > rtol:
+        raise CurvatureError(
+            f"the float32 eigendecomposition of {what} ({d}×{d}) failed its check: {check.describe()}, "
+            f"a relative residual of {check.residual / check.norm2:.2e} or orthogonality error over "
+            f"kron_float32_rtol = {rtol:g}. Compute the factor in float64: ga.options(kron_float64_width={d}) "
+            f"({_gb(8.0 * d * d)} GB for the factor, {_gb(32.0 * d * d)} GB at its eigendecomposition), or project "
+            "the layer first (ga.proj.kron(k=...))")
+    return Q, lam.clamp_min(0), check
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.2f}"
+
+
 def work_dtype(x: torch.Tensor) -> torch.dtype:
     """The precision of per-chunk products for rows ``x``: theirs (float32 or float64),
     float32 for half-precision rows. Running sums stay in float64."""
     return x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
 
 
-def rotate_factors(F: Factors, Q_S: torch.Tensor, Q_A: torch.Tensor) -> torch.Tensor:
-    """``Q_Sᵀ G_i Q_A`` for each example, from factors: ``(D_i Q_S)ᵀ (A_i Q_A)``, in the
-    factors' precision.   (n, out, in)"""
+def rotate_factors(F: Factors, Q_S: torch.Tensor, Q_A: torch.Tensor, token_block: int | None = None) -> torch.Tensor:
+    """``Q_Sᵀ G_i Q_A`` for each example, from factors: ``Σ_p (D_{i,p} Q_S)ᵀ (A_{i,p} Q_A)``
+    over token blocks p, in the factors' precision.   (n, out, in)"""
     dtype = work_dtype(F.D)
-    A = _dense_acts(F.A, dtype) @ Q_A.to(dtype)
-    D = F.D.to(dtype) @ Q_S.to(dtype)
-    return torch.einsum("nto,nti->noi", D, A)
+    Q_A, Q_S = Q_A.to(dtype), Q_S.to(dtype)
+    out = None
+    for tp in token_slices(F.T, token_block):
+        Fp = F.tokens(tp)
+        A = _dense_acts(Fp.A, dtype) @ Q_A                  # (n, b, in)
+        D = Fp.D.to(dtype) @ Q_S                            # (n, b, out)
+        part = torch.einsum("nto,nti->noi", D, A)
+        out = part if out is None else out.add_(part)
+    return out
 
 
 def rotate_rows(G: torch.Tensor, Q_S: torch.Tensor, Q_A: torch.Tensor) -> torch.Tensor:
@@ -121,6 +282,10 @@ class KronOp(LinearOp):
     The operator on block b maps G (out, in) to ``Q_S [(Q_Sᵀ G Q_A) ∘ Λ] Q_Aᵀ``; it is
     block-diagonal across the space's blocks. Damping, inverse and powers act on Λ
     (rules ``kronecker.*``), exactly, since ``Q_S ⊗ Q_A`` is orthogonal.
+
+    ``eigenvalue_errors``: for blocks with float32 factors (module docstring), the
+    estimated error δ_Λ of the entries of Λ; an inverse or negative power is refused
+    (:class:`~gradalg.errors.CurvatureError`) where ``δ_Λ / min |Λ| > float32_rtol``.
     """
 
     space: object
@@ -128,6 +293,8 @@ class KronOp(LinearOp):
     eigenvalues: dict  # name -> (out, in)
     tags: frozenset = frozenset()
     rules: tuple = ()
+    eigenvalue_errors: dict = field(default_factory=dict)   # name -> δ_Λ (float32 factors only)
+    float32_rtol: float = 1e-2
 
     form = "kronecker"
     kind = "kron"
@@ -136,18 +303,46 @@ class KronOp(LinearOp):
         return replace(self, eigenvalues=eigenvalues)
 
     def _scale(self, c: float) -> "KronOp":
-        return self._with({k: c * v for k, v in self.eigenvalues.items()})
+        return replace(self._with({k: c * v for k, v in self.eigenvalues.items()}),
+                       eigenvalue_errors={k: abs(c) * e for k, e in self.eigenvalue_errors.items()})
 
     def _damp(self, damping: float) -> "KronOp":
         return self._with({k: v + damping for k, v in self.eigenvalues.items()})
 
+    def _check_float32(self, what: str, p: float) -> None:
+        """Refuse H^p (p < 0) where a float32 block's eigenvalues are not accurate enough:
+        the relative error of (Λ_ij)^p is about |p|·δ_Λ/|Λ_ij|."""
+        for name, err in self.eigenvalue_errors.items():
+            lam = self.eigenvalues[name]
+            smallest = float(lam.abs().min())
+            relative = abs(p) * err / smallest if smallest > 0 else float("inf")
+            if relative <= self.float32_rtol:
+                continue
+            o, i = self.bases[name][0].shape[0], self.bases[name][1].shape[0]
+            wide = max(o, i)
+            need = abs(p) * err / self.float32_rtol
+            raise CurvatureError(
+                f"{what}: block {name!r} has Kronecker factors of {o}×{o} and {i}×{i} (those wider than "
+                f"ga.options(kron_float64_width) are kept in float32), whose eigenvalues Λ are accurate to "
+                f"δ = {err:.2e}; its smallest |Λ| (after damping) is {smallest:.2e}, so the power {p:g} would "
+                f"have a relative error of |p|·δ/min|Λ| = {relative:.2e}, over kron_float32_rtol = "
+                f"{self.float32_rtol:g}. Fixes: damp by at least |p|·δ/rtol = {need:.2e}; project the layer "
+                f"(ga.proj.kron(k=...)); or float64 factors, ga.options(kron_float64_width={wide}) "
+                f"({_gb(8.0 * (o * o + i * i))} GB for the factors, {_gb(32.0 * wide * wide)} GB at the "
+                "largest eigendecomposition)")
+
     def _inverse(self, what, rule, settings) -> "KronOp":
-        return self._with({k: reciprocal(v.to(torch.float64), f"{what} (block {k!r})").to(v.dtype)
-                           for k, v in self.eigenvalues.items()})
+        self._check_float32(what, -1.0)
+        out = self._with({k: reciprocal(v.to(torch.float64), f"{what} (block {k!r})").to(v.dtype)
+                          for k, v in self.eigenvalues.items()})
+        return replace(out, eigenvalue_errors={})    # checked here, where the division happens
 
     def _power(self, p, what, rtol) -> "KronOp":
-        return self._with({k: power_values(v.to(torch.float64), p, f"{what} (block {k!r})", rtol).to(v.dtype)
-                           for k, v in self.eigenvalues.items()})
+        if p < 0:
+            self._check_float32(what, p)
+        out = self._with({k: power_values(v.to(torch.float64), p, f"{what} (block {k!r})", rtol).to(v.dtype)
+                          for k, v in self.eigenvalues.items()})
+        return replace(out, eigenvalue_errors={}) if p < 0 else out
 
     def _spectral(self, fn, what) -> "KronOp":
         return self._with({k: fn(v.to(torch.float64)).to(v.dtype) for k, v in self.eigenvalues.items()})
@@ -238,5 +433,7 @@ class KronOp(LinearOp):
         total = 0
         for name in self.space.names:
             Q_S, Q_A = self.bases[name]
-            total += (Q_S.numel() + Q_A.numel() + self.eigenvalues[name].numel()) * 8
+            lam = self.eigenvalues[name]
+            total += (Q_S.numel() * Q_S.element_size() + Q_A.numel() * Q_A.element_size()
+                      + lam.numel() * lam.element_size())
         return total

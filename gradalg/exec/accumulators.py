@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ..capture.factors import HALF_DTYPES, Factors, ghost_inner, self_inner
-from ..curvature.kron import KronOp, KronStats, kron_eigenbasis, rotate_factors, rotate_rows
+from ..capture.factors import HALF_DTYPES, Factors, ghost_inner, materialize, self_inner, token_slices
+from ..curvature.kron import FLOAT32_ROUNDOFF, KronOp, KronStats, checked_eigh, rotate_factors, rotate_rows
 from ..errors import GradalgError
 from ..expr import KFAC, Fisher, GroupMean
 from ..plan.memory import check_statistics_fit
@@ -101,45 +101,62 @@ def _factors(node, name, value) -> Factors:
 
 
 class KronAccumulator:
-    """K-FAC's Kronecker factors; ``finish`` gives the eigenbasis and K-FAC eigenvalues."""
+    """K-FAC's Kronecker factors; ``finish`` gives the eigenbasis and K-FAC eigenvalues.
 
-    def __init__(self, node: KFAC):
-        self.node = node
-        self.stats = {name: KronStats() for name in node.space.names}
+    ``token_block``: positions of each example whose statistics are computed at once;
+    ``float64_width``: factors wider than this are summed and eigendecomposed in float32,
+    checked to ``float32_rtol`` (:mod:`gradalg.curvature.kron`, "Precision of wide
+    factors"). All three are fields of the plan's job (``ga.options``)."""
+
+    def __init__(self, node: KFAC, token_block: int | None = None, float64_width: int | None = None,
+                 float32_rtol: float = 1e-2):
+        self.node, self.token_block = node, token_block
+        self.float32_rtol = float32_rtol
+        self.stats = {name: KronStats(float64_width=float64_width) for name in node.space.names}
 
     def update(self, chunk: Chunk) -> None:
         for name in self.node.space.names:
-            self.stats[name].update(_factors(self.node, name, chunk.blocks[name]))
+            self.stats[name].update(_factors(self.node, name, chunk.blocks[name]), self.token_block)
 
     def export(self) -> dict:
-        return {n: (st.A, st.S, st.tokens, st.examples) for n, st in self.stats.items()}
+        return {n: (*st.sums(), st.tokens, st.examples) for n, st in self.stats.items()}
 
     def absorb(self, state: dict) -> None:
         for name, (A, S, tokens, examples) in state.items():
             st = self.stats[name]
-            if A is not None:
-                st.A = A if st.A is None else st.A + A
-                st.S = S if st.S is None else st.S + S
+            st.add_sums(A, S)
             st.tokens += tokens
             st.examples += examples
 
     def finish(self) -> KronOp:
-        bases, eigenvalues = {}, {}
+        bases, eigenvalues, errors = {}, {}, {}
         for name in self.node.space.names:
             self.stats[name].examples = self.node.grads.n
             S, A = self.stats[name].covariances()
-            Q_S, lam_S, Q_A, lam_A = kron_eigenbasis(S, A)
+            self.stats[name] = None        # the sums are not needed past their eigendecomposition
+            Q_S, lam_S, check_S = checked_eigh(S, self.float32_rtol, f"the output-gradient factor of {name!r}")
+            del S
+            Q_A, lam_A, check_A = checked_eigh(A, self.float32_rtol, f"the activation factor of {name!r}")
+            del A
             bases[name] = (Q_S, Q_A)
-            eigenvalues[name] = torch.outer(lam_S, lam_A)
-        return KronOp(self.node.space, bases, eigenvalues)
+            dtype = torch.promote_types(lam_S.dtype, lam_A.dtype) if torch.float32 not in (
+                lam_S.dtype, lam_A.dtype) else torch.float32
+            eigenvalues[name] = torch.outer(lam_S.to(dtype), lam_A.to(dtype))
+            if check_S.error or check_A.error:
+                # |λ̂_S λ̂_A − λ_S λ_A| ≤ δ_S max λ_A + max λ_S δ_A + δ_S δ_A
+                top_S, top_A = float(lam_S.max()), float(lam_A.max())
+                errors[name] = check_S.error * top_A + top_S * check_A.error + check_S.error * check_A.error
+        return KronOp(self.node.space, bases, eigenvalues, eigenvalue_errors=errors,
+                      float32_rtol=self.float32_rtol)
 
 
 class EKFACAccumulator:
-    """EK-FAC's eigenvalue correction Λ = (1/n) Σ_i (Q_Sᵀ G_i Q_A)² in a K-FAC eigenbasis."""
+    """EK-FAC's eigenvalue correction Λ = (1/n) Σ_i (Q_Sᵀ G_i Q_A)² in a K-FAC eigenbasis
+    (summed in float64; stored in the K-FAC eigenvalues' dtype)."""
 
-    def __init__(self, node: KFAC, kfac: KronOp):
-        self.node, self.kfac = node, kfac
-        self.sums = {name: torch.zeros_like(v) for name, v in kfac.eigenvalues.items()}
+    def __init__(self, node: KFAC, kfac: KronOp, token_block: int | None = None):
+        self.node, self.kfac, self.token_block = node, kfac, token_block
+        self.sums = {name: torch.zeros_like(v, dtype=torch.float64) for name, v in kfac.eigenvalues.items()}
 
     def update(self, chunk: Chunk) -> None:
         for name in self.node.space.names:
@@ -150,8 +167,8 @@ class EKFACAccumulator:
                 # smaller than its factors): rotate the (out, in) gradients themselves
                 rotated = rotate_rows(value.reshape(value.shape[0], Q_S.shape[0], Q_A.shape[0]), Q_S, Q_A)
             else:
-                rotated = rotate_factors(_factors(self.node, name, value), Q_S, Q_A)
-            self.sums[name] += (rotated ** 2).sum(0)
+                rotated = rotate_factors(_factors(self.node, name, value), Q_S, Q_A, self.token_block)
+            self.sums[name] += (rotated ** 2).sum(0).to(self.sums[name].dtype)
 
     def export(self) -> dict:
         return self.sums
@@ -162,7 +179,16 @@ class EKFACAccumulator:
 
     def finish(self) -> KronOp:
         n = self.node.grads.n
-        return KronOp(self.node.space, self.kfac.bases, {k: s / n for k, s in self.sums.items()})
+        eigenvalues = {k: (s / n).to(self.kfac.eigenvalues[k].dtype) for k, s in self.sums.items()}
+        errors = {}
+        for name, err in self.kfac.eigenvalue_errors.items():
+            # the K-FAC basis's relative error, times the largest re-fitted eigenvalue, and
+            # the float32 rounding of the stored eigenvalues
+            top = float(self.kfac.eigenvalues[name].abs().max())
+            relative = (err / top if top > 0 else 0.0) + FLOAT32_ROUNDOFF
+            errors[name] = relative * float(eigenvalues[name].abs().max())
+        return KronOp(self.node.space, self.kfac.bases, eigenvalues, eigenvalue_errors=errors,
+                      float32_rtol=self.kfac.float32_rtol)
 
 
 class GroupAccumulator:
@@ -237,9 +263,10 @@ class ScoreAccumulator:
     ``held`` is already preconditioned. Per block the kernel is the plan's choice
     (``kernels``: what ``explain()`` shows; ``ga.options(ghost=...)`` forces it there);
     a ghost kernel on rows that are not factored on both sides is a planner bug and is
-    refused. ``slice_elements`` bounds the ghost kernel's intermediate,
-    ``buffer_bytes`` is the size from which streamed blocks reuse one buffer
-    (``ga.options(ghost_slice_elements=..., reuse_buffer_bytes=...)``).
+    refused. ``slice_elements`` bounds the ghost kernel's intermediate (with pairs of
+    ``token_block`` positions), ``buffer_bytes`` is the size from which streamed blocks
+    reuse one buffer (``ga.options(ghost_slice_elements=..., token_block=...,
+    reuse_buffer_bytes=...)``).
 
     ``normalize_streamed``: the streamed rows arrive unnormalized and each column is
     divided by its row's norm, ⟨h, g/‖g‖⟩ = ⟨h, g⟩/‖g‖ (Grad-Cos, TracIn-cos). A block
@@ -248,10 +275,10 @@ class ScoreAccumulator:
     """
 
     def __init__(self, held: Chunk, space, kernels: dict, trace, normalize_streamed: bool = False,
-                 slice_elements: int = 2**26, buffer_bytes: int = 2**20):
+                 slice_elements: int = 2**26, buffer_bytes: int = 2**20, token_block: int | None = None):
         self.held, self.space, self.kernels = held, space, kernels
         self.trace = trace
-        self.slice_elements, self.buffer_bytes = slice_elements, buffer_bytes
+        self.slice_elements, self.buffer_bytes, self.token_block = slice_elements, buffer_bytes, token_block
         self.normalize_streamed = normalize_streamed
         self._sq_norms: torch.Tensor | None = None
         self.columns: list[torch.Tensor] = []
@@ -280,15 +307,15 @@ class ScoreAccumulator:
                                 "factored on both sides (a planner bug: please report it)")
             self.trace["ghost"] += 1
             if self.normalize_streamed:
-                self._add_sq_norms(self_inner(rval))
-            return ghost_inner(lval, rval, self.slice_elements)
+                self._add_sq_norms(self_inner(rval, self.slice_elements, self.token_block))
+            return ghost_inner(lval, rval, self.slice_elements, self.token_block)
         if kernel != "dense":
             raise PlanError(f"block {name!r} has no kernel in the plan ({kernel!r}): plan it with "
                             "measure_shapes=True, as executors do")
         self.trace["dense"] += 1
         if isinstance(lval, Factors):
             if name not in self._materialized:
-                self._materialized[name] = flat_block(lval)
+                self._materialized[name] = materialize(lval, self.token_block).flatten(1)
             lflat = self._materialized[name]
         else:
             lflat = lval
@@ -306,18 +333,24 @@ class ScoreAccumulator:
         it. Small ones (under ``buffer_bytes``, 1 MiB by default, recycled by the allocator)
         take the ordinary path.
         """
-        if (not isinstance(value, Factors) or not isinstance(value.A, torch.Tensor) or value.A.dtype != value.D.dtype
-                or value.D.dtype in HALF_DTYPES):   # half precision: float32 rows (flat_block)
+        if not isinstance(value, Factors):
             return flat_block(value)
+        if (not isinstance(value.A, torch.Tensor) or value.A.dtype != value.D.dtype
+                or value.D.dtype in HALF_DTYPES):   # half precision: float32 rows
+            return materialize(value, self.token_block).flatten(1)
         D, A = value.D, value.A
         n, size = D.shape[0], D.shape[0] * D.shape[2] * A.shape[2]
         if size * D.element_size() < self.buffer_bytes:
-            return flat_block(value)
+            return materialize(value, self.token_block).flatten(1)
         buf = self._buffer
         if buf is None or buf.numel() < size or buf.dtype != D.dtype or buf.device != D.device:
             buf = self._buffer = torch.empty(size, dtype=D.dtype, device=D.device)
         out = buf[:size].view(n, D.shape[2], A.shape[2])
-        torch.bmm(D.transpose(1, 2), A, out=out)            # G_i = D_iᵀ A_i    (n, out, in)
+        for k, tp in enumerate(token_slices(value.T, self.token_block)):   # G_i = Σ_p D_{i,p}ᵀ A_{i,p}  (n, out, in)
+            if k == 0:
+                torch.bmm(D[:, tp].transpose(1, 2), A[:, tp], out=out)
+            else:
+                out.baddbmm_(D[:, tp].transpose(1, 2), A[:, tp])
         return out.view(n, -1)
 
     def export(self) -> torch.Tensor:
@@ -334,13 +367,14 @@ class ScoreAccumulator:
 class DiagAccumulator:
     """d_i = ⟨L_i, H R_i⟩ for chunks of the two sides arriving together."""
 
-    def __init__(self, space, resolved, same: bool):
+    def __init__(self, space, resolved, same: bool, slice_elements: int = 2**26, token_block: int | None = None):
         self.space, self.resolved, self.same = space, resolved, same
+        self.slice_elements, self.token_block = slice_elements, token_block   # of the ghost norms
         self.parts: list[torch.Tensor] = []
 
     def update(self, left: Chunk, right: Chunk | None = None) -> None:
         if self.same and self.resolved is None:
-            self.parts.append(row_sq_norms(left))
+            self.parts.append(row_sq_norms(left, self.slice_elements, self.token_block))
             return
         x = flatten(left, self.space)
         y = x if right is None else flatten(right, self.space).to(x.dtype)

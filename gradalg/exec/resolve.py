@@ -71,13 +71,14 @@ def resolve_node(executor, node: OpNode) -> LinearOp:
 def _kfac(executor, node: KFAC) -> LinearOp:
     kfac = executor._kron.get(node.token) if hasattr(executor, "_kron") else None
     if kfac is None:
-        acc = KronAccumulator(node)
+        o = executor.options
+        acc = KronAccumulator(node, o.token_block, o.kron_float64_width, o.kron_float32_rtol)
         for chunk in executor.iter_chunks(node.grads):
             acc.update(chunk)
         kfac = acc.finish()
     if not node.eigen_correction:
         return kfac
-    corr = EKFACAccumulator(node, kfac)
+    corr = EKFACAccumulator(node, kfac, executor.options.token_block)
     for chunk in executor.iter_chunks(node.grads):
         corr.update(chunk)
     return corr.finish()

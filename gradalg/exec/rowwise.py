@@ -34,7 +34,8 @@ def apply_rowwise(executor, node, chunk: Chunk) -> Chunk:
         return chunk.replace(_project(executor, node, chunk))
     if isinstance(node, Normalize):
         if node.op is None:
-            norms = row_sq_norms(chunk).sqrt()
+            o = executor.options
+            norms = row_sq_norms(chunk, o.ghost_slice_elements, o.token_block).sqrt()
             inv = torch.where(norms > 0, 1.0 / norms, torch.zeros_like(norms))
             return chunk.replace({n: scale_rows(v, inv) for n, v in chunk.blocks.items()})
         metric = executor.resolve(node.op)
@@ -111,7 +112,7 @@ def _project(executor, node: Project, chunk: Chunk) -> dict:
                 # Stays factored: (D P_outᵀ)ᵀ (A P_inᵀ), so ghost products and
                 # Kronecker statistics remain available in the projected space.
                 executor.trace["kron_factored"] += 1
-                out[block.name] = project_factors(value, P_out, P_in)
+                out[block.name] = project_factors(value, P_out, P_in, executor.options.token_block)
             else:
                 out[block.name] = (P_out @ value.view(-1, *block.shape) @ P_in.T).flatten(1)
             continue
@@ -122,7 +123,8 @@ def _project(executor, node: Project, chunk: Chunk) -> dict:
             executor.trace[f"{p.kind}_{form}"] += 1
             projected = project_sparse_block(
                 p, block, value, space_blocks=tuple((b.name, b.dim) for b in src_space.blocks),
-                max_elements=executor.options.projection_slice_elements)
+                max_elements=executor.options.projection_slice_elements,
+                token_block=executor.options.token_block)
         else:
             P = dense_matrix(p, block.name, block.dim, dtype=dtype, device=device)
             projected = flat_block(value) @ P.T

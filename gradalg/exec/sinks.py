@@ -128,7 +128,8 @@ class KronSink(Sink):
 
     @classmethod
     def open(cls, job, ctx):
-        return cls(job, KronAccumulator(job.target))
+        return cls(job, KronAccumulator(job.target, job.token_block, job.kron_float64_width,
+                                        job.kron_float32_rtol))
 
     def publish(self, result, state):
         where = state.kron if self.job.target.eigen_correction else state.ops
@@ -139,7 +140,7 @@ class KronSink(Sink):
 class EKFACSink(FisherSink):
     @classmethod
     def open(cls, job, ctx):
-        return cls(job, EKFACAccumulator(job.target, ctx.state.kron[job.target.token]))
+        return cls(job, EKFACAccumulator(job.target, ctx.state.kron[job.target.token], job.token_block))
 
 
 @sink_for(ScoresJob)
@@ -156,7 +157,7 @@ class ScoresSink(Sink):
         return cls(job, ScoreAccumulator(held, space, job.kernels, ctx.trace,
                                          normalize_streamed=job.normalize_streamed,
                                          slice_elements=opts.ghost_slice_elements,
-                                         buffer_bytes=opts.reuse_buffer_bytes))
+                                         buffer_bytes=opts.reuse_buffer_bytes, token_block=job.token_block))
 
     @property
     def fed(self):
@@ -173,7 +174,8 @@ class DiagSink(Sink):
     def open(cls, job, ctx):
         inner = job.target.scores
         resolved = None if isinstance(inner.op, Identity) else ctx.resolve(inner.op)
-        return cls(job, DiagAccumulator(inner.left.space, resolved, inner.left == inner.right))
+        return cls(job, DiagAccumulator(inner.left.space, resolved, inner.left == inner.right,
+                                        job.slice_elements, job.token_block))
 
     def feed(self, chunks, state):
         if self.job.held is not None:

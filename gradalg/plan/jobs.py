@@ -36,7 +36,8 @@ from typing import ClassVar
 from ..expr import GradNode, Node
 from ..expr.tokens import token_rows
 from .cost import Cost, fisher_cost
-from .memory import consumer_bytes_per_example, kron_bytes, rows_bytes
+from .memory import (consumer_bytes_per_example, ghost_norm_bytes_per_example, ghost_workspace_bytes, kron_bytes,
+                     kron_bytes_arithmetic, kron_output_bytes, rows_bytes)
 
 __all__ = ["Job", "CollectJob", "StoreJob", "GroupJob", "FisherJob", "KFACJob", "EKFACJob", "ScoresJob",
            "DiagJob", "JOB_TYPES", "job_type"]
@@ -61,6 +62,13 @@ class Job:
     storage: dict = field(default_factory=dict)
     #: estimated FLOPs and traffic of this job in its pass (set when the pass is sized)
     cost: Cost = field(default_factory=Cost)
+    #: positions of an example its kernels over factors take at once (``ga.options(token_block)``;
+    #: None: all); the ghost kernel's largest intermediate slice (``ga.options(ghost_slice_elements)``)
+    token_block: int | None = None
+    slice_elements: int = 2**26
+    #: Kronecker factors wider than this in float32, checked to ``kron_float32_rtol`` (``ga.options``)
+    kron_float64_width: int | None = None
+    kron_float32_rtol: float = 1e-2
 
     def __post_init__(self):
         if type(self) is Job or isinstance(self.target, str):
@@ -81,6 +89,10 @@ class Job:
     def per_example_bytes(self, dtype) -> float:
         """Working bytes per streamed example, beyond the captured rows."""
         return consumer_bytes_per_example(self, dtype)
+
+    def bytes_arithmetic(self, dtype) -> str:
+        """How :meth:`fixed_bytes` adds up, for messages ("" when it is one number)."""
+        return ""
 
     def output_bytes(self, n: int) -> float:
         """Rough bytes of the job's result over ``n`` streamed examples (what the shards of
@@ -147,10 +159,13 @@ class KronStatisticsJob(Job):
     output: ClassVar[str] = "operator"
 
     def fixed_bytes(self, dtype) -> float:
-        return kron_bytes(self.target.space)
+        return kron_bytes(self.target.space, self.kron_float64_width)
+
+    def bytes_arithmetic(self, dtype) -> str:
+        return kron_bytes_arithmetic(self.target.space, self.kron_float64_width)
 
     def output_bytes(self, n: int) -> float:
-        return 8.0 * sum(b.shape[0] ** 2 + b.shape[-1] ** 2 for b in self.target.space.blocks)
+        return kron_output_bytes(self.target.space, self.kron_float64_width)
 
 
 @dataclass(eq=False)
@@ -188,7 +203,8 @@ class ScoresJob(Job):
                 f"held {side}: {self.held.label!r}")
 
     def fixed_bytes(self, dtype) -> float:
-        return rows_bytes(self.held, self.held_storage, dtype)
+        """The held rows, and the ghost kernel's intermediates (bounded by token blocks)."""
+        return rows_bytes(self.held, self.held_storage, dtype) + ghost_workspace_bytes(self, dtype)
 
     def output_bytes(self, n: int) -> float:
         return 8.0 * self.held.n * n
@@ -209,6 +225,11 @@ class DiagJob(Job):
 
     kind: ClassVar[str] = "diag"
     output: ClassVar[str] = "scores"
+
+    def per_example_bytes(self, dtype) -> float:
+        """What the job materializes per example, and the ghost norms' intermediates of
+        factored rows (a self-score of one side: ‖G_i‖² by the ghost identity)."""
+        return super().per_example_bytes(dtype) + ghost_norm_bytes_per_example(self, dtype)
 
 
 JOB_TYPES: dict[str, type[Job]] = {cls.kind: cls for cls in

@@ -11,10 +11,16 @@ convolution's output pixels: :mod:`gradalg.plan.shapes`) and numbers of the mode
 dtype. Capturing one example of a source keeps its activations for the backward and,
 per block, the factors of each row (and autograd's copy of them). Statistics are float64:
 a dense Fisher 8·d², Kronecker factors 8·(out² + in²) per block.
+
+Kernels over factors work on blocks of ``b = min(T, token_block)`` positions
+(``ga.options(token_block=...)``, :mod:`gradalg.capture.factors`), so their temporaries
+are counted with b, not T: K-FAC statistics b·(in + out) per example, EK-FAC's rotation
+the same, and the ghost kernel's three (nL', nR', bL, bR) intermediates at most
+``max(ghost_slice_elements, bL·bR)`` elements each (:func:`ghost_workspace_bytes`).
 """
 from __future__ import annotations
 
-from ..capture.factors import Factors
+from ..capture.factors import Factors, compute_dtype, ghost_workspace_elements
 from ..errors import MemoryBudgetError
 from ..expr import Captured, Source
 from ..expr.stored import Stored
@@ -23,7 +29,9 @@ from .cost import activation_bytes, tokens_hint
 from .shapes import element_size, forward_shapes, rows_per_example
 
 __all__ = ["positions", "rows_of", "rows_bytes", "capture_bytes_per_example", "consumer_bytes_per_example",
-           "kron_bytes", "statistics_bytes", "check_statistics_fit", "captured_positions"]
+           "kron_bytes", "kron_output_bytes", "kron_factor_bytes", "kron_precision_rows", "kron_bytes_arithmetic",
+           "statistics_bytes", "check_statistics_fit", "captured_positions", "ghost_workspace_bytes",
+           "ghost_norm_bytes_per_example", "token_block_of"]
 
 
 def positions(node) -> dict[str, int]:
@@ -95,11 +103,101 @@ def capture_bytes_per_example(src: Source, dtype) -> float:
     return total
 
 
-def kron_bytes(space) -> float:
-    """K-FAC's float64 statistics: two covariances per block, and the peak of their
-    eigendecompositions (input, eigenvectors and LAPACK's 2d² workspace: 4·8·d²)."""
-    return sum(8.0 * (b.shape[0] ** 2 + b.shape[-1] ** 2) + 32.0 * max(b.shape[0], b.shape[-1]) ** 2
-               for b in space.blocks)
+def _factor_widths(space):
+    """``(out, in)`` of each Kronecker-factored (2-D) block."""
+    return [(b.shape[0], b.shape[-1]) for b in space.blocks]
+
+
+def kron_factor_bytes(d: int, float64_width: int | None) -> dict:
+    """Bytes of one d-wide Kronecker factor: ``sum`` (float64, or float32 with its Kahan
+    compensation: 8·d² either way), ``basis`` (its eigenvectors: 8·d² or 4·d²) and ``eigh``
+    (the peak of its eigendecomposition beyond the basis: the symmetrized input and
+    LAPACK's workspace, 24·d² in float64; 12·d² in float32, with the float64 check's
+    three (d, 512) column blocks). float32 beyond ``float64_width``."""
+    wide = float64_width is not None and d > float64_width
+    elem = 4.0 if wide else 8.0
+    return {"dtype": "float32" if wide else "float64", "sum": 8.0 * d * d, "basis": elem * d * d,
+            "eigh": 3.0 * elem * d * d + (3 * 8.0 * d * 512 if wide else 0.0)}
+
+
+def kron_bytes(space, float64_width: int | None = None) -> float:
+    """K-FAC's statistics and eigendecompositions: per block the two factors' sums, and the
+    larger of what a chunk's update adds (its d × d product, and its float64 copy or the
+    Kahan sum's new total: 12·d² for the widest factor) and what finishing adds (every
+    eigenbasis, the (out, in) eigenvalues, and the largest single eigendecomposition's
+    workspace: they run one after the other). Factors wider than ``float64_width`` in
+    float32 (:func:`kron_factor_bytes`)."""
+    sums, finish, eigh, widest = 0.0, 0.0, 0.0, 0
+    for o, i in _factor_widths(space):
+        parts = [kron_factor_bytes(d, float64_width) for d in (o, i)]
+        sums += sum(p["sum"] for p in parts)
+        finish += sum(p["basis"] for p in parts)
+        finish += o * i * (4.0 if any(p["dtype"] == "float32" for p in parts) else 8.0)
+        eigh = max([eigh] + [p["eigh"] for p in parts])
+        widest = max(widest, o, i)
+    return sums + max(12.0 * widest * widest, finish + eigh)
+
+
+def kron_output_bytes(space, float64_width: int | None = None) -> float:
+    """Bytes of the K-FAC operator a job produces: eigenbases and eigenvalues."""
+    total = 0.0
+    for o, i in _factor_widths(space):
+        parts = [kron_factor_bytes(d, float64_width) for d in (o, i)]
+        total += sum(p["basis"] for p in parts) + o * i * (4.0 if any(p["dtype"] == "float32" for p in parts) else 8.0)
+    return total
+
+
+def kron_bytes_arithmetic(space, float64_width: int | None = None) -> str:
+    """:func:`kron_bytes` spelled out: the sums, bases and eigenvalues of the blocks, and
+    the largest eigendecomposition, with the widest factor's size and precision."""
+    sums = bases = lam = 0.0
+    widest, eigh = 0, 0.0
+    for o, i in _factor_widths(space):
+        parts = [kron_factor_bytes(d, float64_width) for d in (o, i)]
+        sums += sum(p["sum"] for p in parts)
+        bases += sum(p["basis"] for p in parts)
+        lam += o * i * (4.0 if any(p["dtype"] == "float32" for p in parts) else 8.0)
+        for d, p in zip((o, i), parts):
+            if p["eigh"] > eigh:
+                widest, eigh = d, p["eigh"]
+    dtype = kron_factor_bytes(widest, float64_width)["dtype"]
+    update = 12.0 * max([max(o, i) for o, i in _factor_widths(space)] or [0]) ** 2
+    return (f"Kronecker statistics of {len(space.blocks)} block(s): factor sums {_gb(sums)} GB + the larger of "
+            f"a chunk's update ({_gb(update)} GB) and eigenbases {_gb(bases)} GB + eigenvalues {_gb(lam)} GB + "
+            f"the largest eigendecomposition ({widest}×{widest}, {dtype}) {_gb(eigh)} GB = "
+            f"{_gb(kron_bytes(space, float64_width))} GB")
+
+
+def kron_precision_rows(space, options) -> list[tuple]:
+    """``(what, chosen, alternatives, why)`` for each block with a factor wider than
+    ``options.kron_float64_width``: the planner records them as decisions, with the
+    bytes of both precisions."""
+    width = options.kron_float64_width
+    rows = []
+    for b in space.blocks:
+        o, i = b.shape[0], b.shape[-1]
+        wide = [(label, d) for label, d in (("S", o), ("A", i)) if d > width]
+        if not wide:
+            continue
+        d = max(dd for _, dd in wide)
+        f32, f64 = kron_factor_bytes(d, width), kron_factor_bytes(d, None)
+        peak32, peak64 = f32["sum"] + f32["basis"] + f32["eigh"], f64["sum"] + f64["basis"] + f64["eigh"]
+        factors = " and ".join(f"{label} ({dd}×{dd})" for label, dd in wide)
+        rows.append((
+            f"precision of the Kronecker factors of block {b.name!r}", "float32",
+            {"float32": f"{_gb(peak32)} GB at its eigendecomposition",
+             "float64": f"{_gb(peak64)} GB at its eigendecomposition"},
+            f"{factors} wider than ga.options(kron_float64_width={width}): summed in float32 with a Kahan "
+            f"compensation ({_gb(f32['sum'])} GB), eigendecomposed in float32 on the device "
+            f"(basis {_gb(f32['basis'])} GB, workspace {_gb(f32['eigh'])} GB; float64: {_gb(f64['basis'])} GB and "
+            f"{_gb(f64['eigh'])} GB) and checked to kron_float32_rtol={options.kron_float32_rtol:g} "
+            "(residual, orthogonality, the error of inverted eigenvalues)"))
+    return rows
+
+
+def _gb(nbytes: float) -> str:
+    """Bytes in GB (10⁹) to three significant digits: "0.0084", "1.64", "13.2"."""
+    return f"{nbytes / 1e9:.3g}"
 
 
 def consumer_bytes_per_example(job, dtype) -> float:
@@ -117,11 +215,54 @@ def consumer_bytes_per_example(job, dtype) -> float:
     if job.kind == "diag":
         return rows * dim * (elem + 8.0)
     if job.kind == "ekfac":
-        return rows * sum(16.0 * b.dim for b in node.space.blocks)   # rotated gradients, squared (float64)
+        # rotated gradients, squared (float64), and one token block of rotated factors
+        T = positions(node)
+        return rows * sum(16.0 * b.dim + (token_block_of(job, T[b.name]) * sum(b.shape) * 8.0
+                                          if len(b.shape) == 2 else 0.0) for b in node.space.blocks)
     if job.kind == "kfac":
         T = positions(node)
-        return rows * sum(T[b.name] * sum(b.shape) * 8.0 for b in node.space.blocks if len(b.shape) == 2)
+        return rows * sum(token_block_of(job, T[b.name]) * sum(b.shape) * 8.0
+                          for b in node.space.blocks if len(b.shape) == 2)
     return 0.0
+
+
+def token_block_of(job, T: int) -> int:
+    """Positions per example the job's kernels take at once: ``min(T, job.token_block)``."""
+    block = getattr(job, "token_block", None)
+    return min(T, block) if block else T
+
+
+def ghost_norm_bytes_per_example(job, dtype) -> float:
+    """Bytes per streamed example of the ghost norms ‖G_i‖² of a self-score (diag) job:
+    three (bT, bS) Gram-sized intermediates per example for the widest-positioned
+    factored block (b = min(T, token_block); the kernel caps a slice at
+    ``max(ghost_slice_elements, b²)`` elements, so this overcounts large batches)."""
+    import torch
+    if not job.streams:
+        return 0.0
+    node = job.streams[0]
+    elem = element_size(compute_dtype(dtype if isinstance(dtype, torch.dtype) else torch.float32))
+    T = positions(node)
+    worst = max([token_block_of(job, T[b.name]) ** 2 for b in node.space.blocks if len(b.shape) == 2] or [0])
+    return 3.0 * elem * worst
+
+
+def ghost_workspace_bytes(job, dtype) -> float:
+    """Bytes of the ghost kernel's intermediates for a scores job: per ghost block the
+    activation Gram, the gradient Gram and their product, each
+    :func:`~gradalg.capture.factors.ghost_workspace_elements` numbers of the compute dtype
+    (float32 for half-precision factors); the blocks run one after the other, so the
+    largest counts."""
+    import torch
+    elem = element_size(compute_dtype(dtype if isinstance(dtype, torch.dtype) else torch.float32))
+    held, streamed = job.held, job.streams[0]
+    P_h, P_s = positions(held), positions(streamed)
+    worst = 0
+    for b in held.space.blocks:
+        if job.kernels.get(b.name) == "ghost":
+            worst = max(worst, ghost_workspace_elements(held.n, streamed.n, P_h[b.name], P_s[b.name],
+                                                        job.slice_elements, job.token_block))
+    return 3.0 * elem * worst
 
 
 def statistics_bytes(node) -> float:

@@ -51,7 +51,7 @@ from .cost import Cost, _si, tokens_hint
 from .devices import DeviceProfile, profile
 from .shapes import forward_shapes
 from .jobs import (CollectJob, DiagJob, EKFACJob, FisherJob, GroupJob, Job, KFACJob, ScoresJob, StoreJob)
-from .memory import capture_bytes_per_example, check_statistics_fit, positions, rows_bytes
+from .memory import capture_bytes_per_example, check_statistics_fit, kron_precision_rows, positions, rows_bytes
 from .rules import Firing, PlanError, simplify_until_fixpoint
 
 __all__ = ["Job", "Pass", "Decision", "Plan", "plan", "estimate", "stream_root", "PlanError"]  # jobs: plan/jobs.py
@@ -176,6 +176,9 @@ class _Planner:
     # ---- jobs -------------------------------------------------------------------
     def add(self, job: Job) -> tuple:
         if job.key not in self.jobs:
+            o = self.options
+            job.token_block, job.slice_elements = o.token_block, o.ghost_slice_elements
+            job.kron_float64_width, job.kron_float32_rtol = o.kron_float64_width, o.kron_float32_rtol
             self.jobs[job.key] = job
         return job.key
 
@@ -194,7 +197,10 @@ class _Planner:
             check_statistics_fit(op, self.options.memory_budget)   # refused here, before any pass runs
             return {self.add(FisherJob(op, (op.grads,), self.stream_deps(op.grads)))}
         if isinstance(op, KFAC):
-            first = self.add(KFACJob(op, (op.grads,), self.stream_deps(op.grads)))
+            job = KFACJob(op, (op.grads,), self.stream_deps(op.grads))
+            if job.key not in self.jobs:
+                self.decisions.extend(Decision(*row) for row in kron_precision_rows(op.space, self.options))
+            first = self.add(job)
             if not op.eigen_correction:
                 return {first}
             return {self.add(EKFACJob(op, (op.grads,), {first} | self.stream_deps(op.grads)))}
@@ -374,7 +380,8 @@ class _Planner:
                 why = (f"T={TL}/{TR}, in={in_f}, out={out_f}, {held.n}×{streamed.n} pairs"
                        + ("" if mode == "auto" else f" (forced by ga.options(ghost={mode!r}))"))
             if chosen == "ghost":
-                why += f"; in slices of at most {self.options.ghost_slice_elements:,} elements"
+                why += (f"; in slices of at most {self.options.ghost_slice_elements:,} elements, "
+                        f"pairs of blocks of {self.options.token_block} positions")
             else:
                 why += (f"; streamed blocks of {_si(self.options.reuse_buffer_bytes)}B or more are "
                         "materialized into one reused buffer")
@@ -590,8 +597,9 @@ class _Planner:
         p.per_example_bytes, p.fixed_bytes = per_ex, fixed
         budget = self.options.memory_budget
         if fixed > budget:   # held rows and statistics alone: refused before anything runs
+            parts = "".join(f" ({a})" for a in (j.bytes_arithmetic(self.dtype) for j in p.jobs) if a)
             raise MemoryBudgetError(
-                f"{p.label}: held rows and statistics take {_si(fixed)}B, over the memory budget of "
+                f"{p.label}: held rows and statistics take {_si(fixed)}B{parts}, over the memory budget of "
                 f"{_si(budget)}B: use fewer queries per call, project the gradients (ga.proj.kron), "
                 "or raise ga.options(memory_budget=...)")
         if p.reads_data:

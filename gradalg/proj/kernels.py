@@ -44,8 +44,9 @@ def sjlt_apply(x: torch.Tensor, S: SJLT) -> torch.Tensor:
     return out
 
 
-def _sjlt_block(value, shape, S: SJLT, max_elements: int) -> torch.Tensor:
-    """SJLT of a whole block; factors are materialized a slice of output rows at a time."""
+def _sjlt_block(value, shape, S: SJLT, max_elements: int, token_block: int | None = None) -> torch.Tensor:
+    """SJLT of a whole block; factors are materialized a slice of output rows at a time
+    (each summed over token blocks of ``token_block`` positions)."""
     if not isinstance(value, Factors):
         return sjlt_apply(value, S)
     n_out, n_in = shape
@@ -53,7 +54,7 @@ def _sjlt_block(value, shape, S: SJLT, max_elements: int) -> torch.Tensor:
     total = None
     for o0 in range(0, n_out, rows):
         o1 = min(n_out, o0 + rows)
-        G = _factors.materialize(Factors(value.A, value.D[:, :, o0:o1])).flatten(1)   # (n, rows·in)
+        G = _factors.materialize(Factors(value.A, value.D[:, :, o0:o1]), token_block).flatten(1)   # (n, rows·in)
         part = sjlt_apply(G, S.columns(o0 * n_in, o1 * n_in))
         total = part if total is None else total + part
     return total
@@ -105,10 +106,10 @@ def mask_factors(F: Factors, out_idx: torch.Tensor, in_idx: torch.Tensor) -> Fac
     return Factors(A, D)
 
 
-def _factgrass(value, shape, out_idx, in_idx, S: SJLT) -> torch.Tensor:
+def _factgrass(value, shape, out_idx, in_idx, S: SJLT, token_block: int | None = None) -> torch.Tensor:
     n_out, n_in = shape
     if isinstance(value, Factors):
-        small = _factors.materialize(mask_factors(value, out_idx, in_idx))      # (n, k_out, k_in)
+        small = _factors.materialize(mask_factors(value, out_idx, in_idx), token_block)      # (n, k_out, k_in)
     else:
         small = value.reshape(-1, n_out, n_in)[:, out_idx][:, :, in_idx]
     scale = math.sqrt(n_out * n_in / (out_idx.numel() * in_idx.numel()))
@@ -117,8 +118,11 @@ def _factgrass(value, shape, out_idx, in_idx, S: SJLT) -> torch.Tensor:
 
 def project_sparse_block(projector: Projector, block: Block, value, *,
                          space_blocks: tuple[tuple[str, int], ...] | None = None,
-                         max_elements: int = DEFAULT_MAX_ELEMENTS) -> torch.Tensor:
+                         max_elements: int = DEFAULT_MAX_ELEMENTS, token_block: int | None = None) -> torch.Tensor:
     """One block's part of a sparse projection.   Returns (n, k_b).
+
+    ``token_block``: factors are materialized (``sparse``, ``factgrass``) a block of
+    positions at a time (:func:`gradalg.capture.factors.materialize`).
 
     For ``per_block`` projectors, the block's own projection; for a global projector
     (``sparse`` or ``mask`` with ``per_block=False``) this block's (n, k) contribution,
@@ -128,7 +132,8 @@ def project_sparse_block(projector: Projector, block: Block, value, *,
     p = projector
     device = (value.D if isinstance(value, Factors) else value).device
     if p.kind == "sparse":
-        return _sjlt_block(value, block.shape, sjlt(p, block.name, block.dim, device=device), max_elements)
+        return _sjlt_block(value, block.shape, sjlt(p, block.name, block.dim, device=device), max_elements,
+                           token_block)
     if p.kind == "mask" and not p.per_block:
         if space_blocks is None:
             raise ValueError("a global mask needs the names and sizes of all blocks (space_blocks)")
@@ -148,5 +153,5 @@ def project_sparse_block(projector: Projector, block: Block, value, *,
         return sjlt_apply(kept, S) * math.sqrt(block.dim / coords.numel())
     if p.kind == "factgrass":
         out_idx, in_idx, S = factgrass_tables(p, block.name, *block.shape, device=device)
-        return _factgrass(value, block.shape, out_idx, in_idx, S)
+        return _factgrass(value, block.shape, out_idx, in_idx, S, token_block)
     raise ValueError(f"{p.kind!r} is not a sparse projector kind; expected one of {SPARSE_KINDS}")
