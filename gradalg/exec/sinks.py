@@ -176,14 +176,6 @@ def _fed_node(job: ScoresJob):
     return job.streams[0].grads if job.normalize_streamed else job.streams[0]
 
 
-def _distinct_fed(job: TopKJob) -> tuple:
-    """The distinct nodes feeding a top-k job's terms, in term order."""
-    out = {}
-    for _, t in job.terms:
-        out.setdefault(_fed_node(t).token, _fed_node(t))
-    return tuple(out.values())
-
-
 @sink_for(TopKJob)
 class TopKSink(Sink):
     """The k best scores per query: each term's block of a streamed chunk (its own held
@@ -194,21 +186,26 @@ class TopKSink(Sink):
     (``for_shard``); a single term holding the training side ranks each streamed
     chunk of queries over all training rows (``rows`` mode)."""
 
-    def __init__(self, job: TopKJob, acc: TopKAccumulator, terms: list):
+    def __init__(self, job: TopKJob, acc: TopKAccumulator, terms: list, below: list):
         super().__init__(job, acc)
-        self.terms = terms          # [(coef, ScoreAccumulator, index into fed)]
+        self.terms = terms          # [(coef, ScoreAccumulator, index into job.streams)]
+        self.below = below          # per stream: read below its normalization (the kernel applies it)
         self.start = 0
         self.rows_mode = len(job.terms) == 1 and job.terms[0][1].transposed
 
     @classmethod
     def open(cls, job, ctx):
-        fed = [n.token for n in _distinct_fed(job)]
-        terms = [(c, _score_accumulator(t, ctx), fed.index(_fed_node(t).token)) for c, t in job.terms]
-        return cls(job, TopKAccumulator(job.k, job.largest), terms)
+        tokens = [s.token for s in job.streams]
+        terms = [(c, _score_accumulator(t, ctx), tokens.index(t.streams[0].token)) for c, t in job.terms]
+        below = [False] * len(tokens)
+        for (_, t), (_, _, i) in zip(job.terms, terms):
+            below[i] = below[i] or t.normalize_streamed
+        return cls(job, TopKAccumulator(job.k, job.largest), terms, below)
 
     @property
     def fed(self):
-        return _distinct_fed(self.job)
+        # by position in job.streams: a Dask shard's job has the same streams restricted to its rows
+        return tuple(s.grads if b else s for s, b in zip(self.job.streams, self.below))
 
     def for_shard(self, start):
         self.start = start
