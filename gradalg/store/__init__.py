@@ -18,7 +18,7 @@ from .describe import model_fingerprint
 from .gradients import dataset, open_gradients, write
 from .operators import open_operator, write_operator
 from .scores import open_scores, write_scores
-from .index import GradientIndex, index, open_index
+from .gradient_index import GradientIndex, index, open_index
 
 open = open_gradients  # noqa: A001 - ga.store.open reads like the other stores' APIs
 
