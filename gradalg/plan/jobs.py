@@ -39,6 +39,7 @@ from ..expr import GradNode, Node
 from ..expr.tokens import token_rows
 from .cost import Cost, fisher_cost
 from .memory import consumer_bytes_per_example, kron_bytes, rows_bytes
+from .shapes import element_size
 
 __all__ = ["Job", "CollectJob", "StoreJob", "GroupJob", "FisherJob", "KFACJob", "EKFACJob", "ScoresJob",
            "DiagJob", "TopK", "TopKJob", "JOB_TYPES", "job_type"]
@@ -231,8 +232,9 @@ class TopKJob(Job):
     each streamed chunk of queries is ranked over all training rows at once.
 
     Bytes: held rows of every term, plus the running (n_query, k) values and positions
-    (8 + 8 bytes each); per streamed example one column of n_query scores per term, and
-    their sum, merged with the k kept (``output_bytes`` is n_query·k, not n_query·n_train)."""
+    (8 + 8 bytes each); per streamed example, besides each term's own working bytes, one
+    column of n_query scores per term, their sum, and in the merge its copy with an int64
+    position and an int64 index (``output_bytes`` is n_query·k, not n_query·n_train)."""
 
     kind: ClassVar[str] = "topk"
     output: ClassVar[str] = "topk"
@@ -255,7 +257,9 @@ class TopKJob(Job):
 
     def per_example_bytes(self, dtype) -> float:
         held = max((j.held.n for _, j in self.terms), default=0)
-        return sum(j.per_example_bytes(dtype) for _, j in self.terms) + 8.0 * held * (len(self.terms) + 2)
+        elem = element_size(dtype) if dtype is not None else 4
+        return (sum(j.per_example_bytes(dtype) for _, j in self.terms)
+                + held * (elem * (len(self.terms) + 2) + 16.0))
 
     def output_bytes(self, n: int) -> float:
         return 16.0 * self.n_query * self.k
