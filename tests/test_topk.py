@@ -198,7 +198,8 @@ def test_compute_into_a_store_equals_memory_and_resumes(setting, tmp_path, monke
     monkeypatch.setattr(store_scores, "_compute", interrupted)
     with pytest.raises(RuntimeError, match="killed"):
         S.compute(store=tmp_path / "r.zarr", chunk_rows=10)
-    monkeypatch.setattr(store_scores, "_compute", lambda terms, a, b, *args: calls.append(a) or real(terms, a, b, *args))
+    monkeypatch.setattr(store_scores, "_compute",
+                        lambda terms, a, b, *args: calls.append(a) or real(terms, a, b, *args))
     resumed = S.compute(store=tmp_path / "r.zarr", chunk_rows=10)
     assert calls == [20, 30, 40]                                  # only the missing blocks
     np.testing.assert_allclose(resumed.values, full.values, rtol=1e-10, atol=1e-12)

@@ -410,7 +410,7 @@ class TopKAccumulator:
     A NaN score is refused (its rank would be arbitrary).
     """
 
-    def __init__(self, k: int, largest: bool, n_query: int | None = None):
+    def __init__(self, k: int, largest: bool):
         self.k, self.largest = k, largest
         self.values: torch.Tensor | None = None      # (n_query, ≤k)
         self.positions: torch.Tensor | None = None   # (n_query, ≤k) int64

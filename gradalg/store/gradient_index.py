@@ -29,7 +29,6 @@ otherwise :class:`~gradalg.errors.StoreMismatchError`.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -189,7 +188,7 @@ def open_index(path, *, store=None) -> "GradientIndex":
     meta = json.loads(meta_file.read_text())
     from .gradients import open_gradients
 
-    G = open_gradients(store if store is not None else meta["store"])
+    G = open_gradients(_store_path(store) if store is not None else meta["store"])
     reader = G.expr.store
     now = _identity(reader.attrs, reader.ids)
     differ = [f"{k}: index built from {meta['store_identity'][k]!r}, store has {now[k]!r}"
@@ -212,7 +211,6 @@ class GradientIndex:
         self.path, self.meta, self.faiss_index, self.rows, self.reader = path, meta, faiss_index, rows, reader
         self.metric, self.kind = meta["metric"], meta["kind"]
         self.n, self.dim = int(meta["n"]), int(meta["dim"])
-        self._norms: np.ndarray | None = None
 
     def __repr__(self):
         return (f"GradientIndex({self.kind}, metric={self.metric}, {self.n:,} rows × {self.dim}, "

@@ -5,7 +5,8 @@
 Grad-Dot of projected gradients (k=32) of a small MLP, N_QUERY queries (default
 1,000), float32, batches of 128. The model, the data (wrapped by ga.grads) and a
 warm-up top-k over 256 rows come first; the kernel's peak mark (VmHWM) is reset there,
-and ``peak_growth`` is the peak above the resident memory at that point. The full (N_QUERY × N_TRAIN) float32 matrix would be 4·N_QUERY·N_TRAIN bytes.
+and ``peak_growth`` is the peak above the resident memory at that point. The full
+(N_QUERY × N_TRAIN) float32 matrix would be 4·N_QUERY·N_TRAIN bytes.
 """
 from __future__ import annotations
 
