@@ -72,6 +72,8 @@ def _methods(task, train, query, ids):
         "influence_projected": P(Q) @ ga.fisher(P(G)).damp(0.01).inv() @ P(G).T,
         "trak": ga.methods.trak(task, train, query, k=12, seed=3),
         "tracin_like_sum": P(Q) @ P(G).T - 0.5 * (Q @ G.normalize().T),
+        # terms streaming two nodes after a Fisher of one: read together from the data, never stored
+        "influence_plus_grad_dot": P(Q) @ ga.fisher(P(G)).damp(0.01).inv() @ P(G).T + 0.5 * (Q @ G.T),
     }
 
 

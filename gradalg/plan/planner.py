@@ -237,7 +237,7 @@ class _Planner:
         streams, deps = [], set()
         for _, j in jobs:
             deps |= j.deps
-            if j.streams[0] not in streams:
+            if j.streams[0].token not in {s.token for s in streams}:
                 streams.append(j.streams[0])
         job = TopKJob(node, tuple(streams), deps, k=spec.k, largest=spec.largest, terms=tuple(jobs))
         return [self.add(job)]
@@ -563,6 +563,14 @@ class _Planner:
         group_keys = {j.key for j in group}
         for job in list(remaining.values()):
             if job.key in group_keys or job.deps <= done:
+                continue
+            if isinstance(job, TopKJob) and len(job.streams) > 1:
+                # a pass over rows in memory reads one node: terms streaming several read the data again
+                self.decisions.append(Decision(
+                    f"second use of the training sides of {job.target.label} [{job.target.token}]", "recompute",
+                    {"store": "n/a: a pass over rows in memory reads one node", "recompute": "one pass over the data"},
+                    f"the top-k's terms stream {len(job.streams)} different nodes, summed block by block: "
+                    "they are read together from the data"))
                 continue
             for node in job.streams:
                 # the longest row-wise prefix computable now: for P(G).normalize(metric=H⁻¹)
