@@ -10,7 +10,8 @@ re-ranking from the stored rows, the queries' capture included), recall@10 again
 the exact top 10 (brute force over every stored row, float64), and, side by side, the
 exact streaming ``S.topk(10)`` over the store.
 
-    nice python benchmarks/index.py [--n 1000000] [--kind ivf] [--nlist 1024] [--workdir DIR]
+    nice python benchmarks/index.py [--n 1000000] [--kind ivf] [--nlist 1024] [--spread 4]
+                                    [--candidates C] [--nprobe P] [--workdir DIR]
 
 Targets (docs/results_at_scale.md): ≤ 1 s for 32 queries, recall@10 ≥ 0.95.
 """
@@ -36,9 +37,10 @@ def linear_task():
     return ga.Task(model, lambda m, b: m(b[0]).sum(), name="linear-128")
 
 
-def clustered(n: int, seed: int) -> torch.Tensor:
+def clustered(n: int, seed: int, spread: float = 4.0) -> torch.Tensor:
+    """Rows around CENTRES centres of scale ``spread`` with unit noise (smaller: overlapping clusters)."""
     g = torch.Generator().manual_seed(seed)
-    centres = 4.0 * torch.randn(CENTRES, D_IN, generator=torch.Generator().manual_seed(0))
+    centres = spread * torch.randn(CENTRES, D_IN, generator=torch.Generator().manual_seed(0))
     return centres[torch.randint(0, CENTRES, (n,), generator=g)] + torch.randn(n, D_IN, generator=g)
 
 
@@ -61,6 +63,8 @@ def main() -> None:
     parser.add_argument("--kind", default="ivf", choices=["flat", "ivf", "hnsw"])
     parser.add_argument("--nlist", type=int, default=1024)
     parser.add_argument("--candidates", type=int, default=None)
+    parser.add_argument("--spread", type=float, default=4.0, help="scale of the centres (noise: 1)")
+    parser.add_argument("--nprobe", type=int, default=None)
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--skip-topk", action="store_true", help="skip the exact streaming S.topk baseline")
     args = parser.parse_args()
@@ -68,9 +72,10 @@ def main() -> None:
     work = args.workdir or tempfile.mkdtemp(prefix="gradalg-index-")
     store = os.path.join(work, "train.zarr")
     task, P = linear_task(), ga.proj.gaussian(K, seed=1)
-    X, Xq = clustered(args.n, seed=1), clustered(N_QUERY, seed=2)
+    X, Xq = clustered(args.n, 1, args.spread), clustered(N_QUERY, 2, args.spread)
     G, Q = P(ga.grads(task, (X,), batch_size=8192)), P(ga.grads(task, (Xq,)))
-    print(f"N = {args.n:,} projected rows × {K} (float32), {N_QUERY} queries, top {TOP}, kind {args.kind}, "
+    print(f"N = {args.n:,} projected rows × {K} (float32, centres ×{args.spread:g}), {N_QUERY} queries, "
+          f"top {TOP}, kind {args.kind}, "
           f"torch threads {torch.get_num_threads()}")
     with ga.options(progress=False, check_reduction=False):
         t = time.perf_counter()
@@ -80,11 +85,11 @@ def main() -> None:
         idx = ga.store.index(store, metric="ip", kind=args.kind, overwrite=True,
                              nlist=args.nlist if args.kind == "ivf" else None)
         build_s = time.perf_counter() - t
-        idx.search(Q, TOP, candidates=args.candidates)            # warm-up: page the index in
+        idx.search(Q, TOP, candidates=args.candidates, nprobe=args.nprobe)   # warm-up: page the index in
         latencies = []
         for _ in range(3):
             t = time.perf_counter()
-            got = idx.search(Q, TOP, candidates=args.candidates)
+            got = idx.search(Q, TOP, candidates=args.candidates, nprobe=args.nprobe)
             latencies.append(time.perf_counter() - t)
         q64, _ = idx.query_rows(Q)
         truth = exact_top(idx.rows, q64.double().numpy(), TOP)
