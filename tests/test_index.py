@@ -71,7 +71,7 @@ def test_search_returns_exact_scores_with_high_recall(setting, metric, kind):
 def test_index_is_saved_atomically_and_reopened(setting, tmp_path):
     s = setting
     idx = ga.store.index(s["path"], metric="ip", kind="ivf", path=tmp_path / "i.index", nlist=16)
-    assert sorted(p.name for p in (tmp_path).iterdir()) == ["i.index"]          # no partial sibling left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["i.index"]            # no partial sibling left
     assert idx.meta["params"] == {"nlist": 16} and idx.disk_bytes() > N * 16 * 8
     with pytest.raises(FileExistsError):
         ga.store.index(s["path"], metric="ip", kind="ivf", path=tmp_path / "i.index")
@@ -79,6 +79,15 @@ def test_index_is_saved_atomically_and_reopened(setting, tmp_path):
     q = s["P"](s["Q"])
     a, b = idx.search(q, 5), again.search(q, 5)
     np.testing.assert_array_equal(a["train"].values, b["train"].values)
+    # the store rewritten from other examples: the saved index no longer describes it
+    with ga.options(progress=False):
+        ga.store.write(s["P"](ga.grads(s["task"], (s["X"][:600],))), tmp_path / "g.zarr", chunk_rows=300)
+    ga.store.index(tmp_path / "g.zarr", kind="flat", path=tmp_path / "f.index")
+    with ga.options(progress=False):
+        ga.store.write(s["P"](ga.grads(s["task"], (s["X"][600:1200],))), tmp_path / "g.zarr", chunk_rows=300,
+                       overwrite=True)
+    with pytest.raises(ga.StoreMismatchError, match="rebuild the index"):
+        ga.store.open_index(tmp_path / "f.index")
 
 
 def test_refuses_unprojected_stores_and_foreign_queries(setting, tmp_path):
