@@ -110,8 +110,8 @@ class _Displayed:
             self._run(ex)
             return Explain(ex.last_plan, ex.pass_stats, tuple(gpus), device, stage, ex)
         try:
-            return Explain(plan(self.expr, options=options, device=device, rewrites=rewrites), [], tuple(gpus),
-                           device, stage, executor)
+            return Explain(plan(self.expr, options=options, device=device, rewrites=rewrites, **self._plan_args()),
+                           [], tuple(gpus), device, stage, executor)
         except MemoryBudgetError as err:
             if device is None:
                 raise
@@ -119,7 +119,8 @@ class _Displayed:
             # asked about, and say plainly that one GPU's budget is not enough
             from .plan.cost import _si
             wide = int(options.device_memory_fraction * profile(device).memory * max(gpus))
-            p = plan(self.expr, options=_replace(options, memory_budget=wide), device=device, rewrites=rewrites)
+            p = plan(self.expr, options=_replace(options, memory_budget=wide), device=device, rewrites=rewrites,
+                     **self._plan_args())
             warning = (f"does not fit a memory budget of {_si(options.memory_budget)}B on one "
                        f"{profile(device).name}: {err}. Shown: the plan for a budget of {_si(wide)}B "
                        f"({max(gpus)} GPUs); the scale table gives the memory per GPU.")
@@ -127,6 +128,9 @@ class _Displayed:
 
     def _run(self, ex):  # each wrapper runs its node with the executor's matching entry point
         raise TypeError(f"{type(self).__name__} has no executor entry point")
+
+    def _plan_args(self) -> dict:  # what the planner is asked besides the node (a top-k)
+        return {}
 
 
 class GradientSet(_Displayed):
@@ -444,7 +448,50 @@ class Scores(_Displayed):
         """The diagonal S_ii (self-influence) when queries and training set are the same data."""
         return SelfScores(ScoreDiagonal(self.expr))
 
-    def compute(self, executor=None) -> xr.DataArray:
+    def explain(self, *, topk: int | None = None, largest: bool = True, **kwargs):
+        """The plan, as for any expression (``analyze``, ``stage``, ``device``, ...:
+        ``_Displayed.explain``); ``topk=k`` explains the plan of :meth:`topk` instead: one ``topk`` job whose
+        result is n_query·k, not n_query·n_train."""
+        if topk is not None:
+            from .plan.jobs import TopK
+            return _TopKView(self.expr, TopK(topk, largest)).explain(**kwargs)
+        return super().explain(**kwargs)
+
+    def topk(self, k: int, *, largest: bool = True, executor=None) -> xr.DataArray:
+        """The ``k`` highest-scoring training examples per query (``largest=False``: the
+        ``k`` lowest, e.g. the most harmful), by streaming score blocks through a running
+        top-k: the (n_query, n_train) matrix is never formed (memory n_query·(k + batch)
+        besides the held rows; ``S.explain(topk=k)`` shows the plan).
+
+        Returns a DataArray of the scores, dims ("query", "rank"), with coordinates
+        ``query`` (query ids), ``rank`` (0 = best) and ``train`` (dims query, rank: the
+        training ids). Ties are broken by training position: of equal scores, the
+        training example that comes first in the data ranks first, so the result equals
+        a stable sort of ``S.compute()`` by score (and is the same with any batch size or
+        number of Dask shards). ``k`` above n_train returns n_train ranks.
+        ``executor``: as :meth:`compute`.
+        """
+        from .plan.jobs import TopK
+        from .token_scores import token_sides
+
+        spec = TopK(k, largest)
+        if token_sides(self.expr) != (None, None):
+            raise ValueError("S.topk ranks whole examples: a side of per-token rows (G.per_token()) has "
+                             "several score rows per example; rank S.compute() instead, or sum the tokens first")
+        ex = _executor(executor)
+        values, positions = ex.topk(self.expr, spec)
+        train_ids = np.asarray(self.expr.col_ids)
+        positions = positions.detach().cpu().numpy()
+        return xr.DataArray(
+            values.detach().cpu().numpy(), dims=("query", "rank"),
+            coords={"query": np.asarray(self.expr.row_ids), "rank": np.arange(positions.shape[1]),
+                    "train": (("query", "rank"), train_ids[positions])},
+            name="scores",
+            attrs={"expression": _expression_text(self.expr), "k": k, "largest": int(largest),
+                   "ties": "lower training position first", "kernels": dict(getattr(ex, "trace", {}))})
+
+    def compute(self, executor=None, *, store=None, chunk_rows: int = 1024, overwrite: bool = False
+                ) -> xr.DataArray:
         """Run the expression. Returns a DataArray with dims ("query", "train"); a side made
         of per-token rows (``G.per_token()``) adds its token axis: ("query", "query_token",
         "train"), ("query", "train", "train_token") or both, padding positions NaN.
@@ -453,7 +500,17 @@ class Scores(_Displayed):
         executor object (``ga.DaskExecutor(client=...)``). With Dask the DataArray is
         backed by a Dask array whose blocks are the training shards' scores.
         ``attrs`` records the expression and which kernels ran (``kernels``).
+
+        ``store``: a path (``"scores.zarr"``): the scores are written to a Zarr score store
+        block by block of ``chunk_rows`` training examples as the training side streams
+        (each block atomic; a store left unfinished by a killed run is completed, only its
+        missing blocks computed; ``overwrite=True`` replaces it) and the result is a
+        Dask-backed DataArray over the store (:func:`gradalg.store.write_scores`), for
+        results that do not fit in memory.
         """
+        if store is not None:
+            from .store.scores import write_scores
+            return write_scores(self, store, chunk_rows=chunk_rows, executor=executor, overwrite=overwrite)
         ex = _executor(executor)
         values = ex.scores(self.expr)
         from .token_scores import token_scores_array, token_sides
@@ -467,6 +524,19 @@ class Scores(_Displayed):
             name="scores",
             attrs={"expression": _expression_text(self.expr), "kernels": dict(getattr(ex, "trace", {}))},
         )
+
+
+class _TopKView(_Displayed):
+    """A score expression planned as its top-k (``Scores.explain(topk=k)``)."""
+
+    def __init__(self, expr: ScoreNode, spec):
+        self.expr, self.spec = expr, spec
+
+    def _plan_args(self) -> dict:
+        return {"topk": self.spec}
+
+    def _run(self, ex):
+        return ex.topk(self.expr, self.spec)
 
 
 class SelfScores(_Displayed):

@@ -17,7 +17,7 @@ import torch
 
 from ..capture.factors import HALF_DTYPES, Factors, ghost_inner, materialize, self_inner, token_slices
 from ..curvature.kron import FLOAT32_ROUNDOFF, KronOp, KronStats, checked_eigh, rotate_factors, rotate_rows
-from ..errors import GradalgError
+from ..errors import DataError, GradalgError
 from ..expr import KFAC, Fisher, GroupMean
 from ..plan.memory import check_statistics_fit
 from ..plan.rules import PlanError
@@ -25,7 +25,7 @@ from ..capture.chunks import Chunk, concat_chunks, flat_block, flatten, row_sq_n
 from .operators import ResolvedOp
 
 __all__ = ["FisherAccumulator", "KronAccumulator", "EKFACAccumulator", "GroupAccumulator", "Collector",
-           "ScoreAccumulator", "DiagAccumulator"]
+           "ScoreAccumulator", "DiagAccumulator", "TopKAccumulator", "select_topk"]
 
 
 class FisherAccumulator:
@@ -286,6 +286,10 @@ class ScoreAccumulator:
         self._buffer: torch.Tensor | None = None
 
     def update(self, chunk: Chunk) -> None:
+        self.columns.append(self.block(chunk))
+
+    def block(self, chunk: Chunk) -> torch.Tensor:
+        """The scores of the held rows against one streamed chunk, kept nowhere.   (n_held, chunk.n)"""
         total = None
         self._sq_norms = None
         for name in self.space.names:
@@ -294,7 +298,7 @@ class ScoreAccumulator:
         if self.normalize_streamed:
             norms = self._sq_norms.sqrt().to(total.dtype)
             total = total * torch.where(norms > 0, 1.0 / norms, torch.zeros_like(norms)).unsqueeze(0)
-        self.columns.append(total)
+        return total
 
     def _add_sq_norms(self, sq: torch.Tensor) -> None:
         self._sq_norms = sq if self._sq_norms is None else self._sq_norms + sq.to(self._sq_norms.dtype)
@@ -394,6 +398,93 @@ class DiagAccumulator:
 
     def finish(self) -> torch.Tensor:
         return torch.cat(self.parts)
+
+
+def select_topk(values: torch.Tensor, positions: torch.Tensor, k: int, largest: bool):
+    """Per row, the ``k`` best of ``values`` in rank order, ties broken by the lower position.
+
+    values : (n, m) scores; positions : (n, m) int64 training positions of those scores.
+    Returns ``(values, positions)``, each (n, min(k, m)): rank 0 is the largest score
+    (``largest=True``) or the smallest; equal scores rank by ascending position, so the
+    result is the first k of the stable sort of all m by (score, position), whatever
+    order the candidates came in. ``torch.topk`` picks the candidates; only when a row's
+    k-th score is tied with one it left out (or among the k) are the tied rows resolved
+    by a stable sort of the candidates, by position first, then by score.
+    """
+    kk = min(k, values.shape[1])
+    top, idx = torch.topk(values, kk, dim=1, largest=largest, sorted=True)
+    if kk == 0:
+        return top, positions[:, :0]
+    kth = top[:, -1:]
+    left_out = (values == kth).sum(1) != (top == kth).sum(1)
+    if bool(left_out.any()):      # a tie at the boundary: which tied rows are kept depends on position
+        by_pos = torch.argsort(positions, dim=1, stable=True)
+        v = torch.gather(values, 1, by_pos)
+        order = torch.sort(v, dim=1, descending=largest, stable=True).indices[:, :kk]
+        idx = torch.gather(by_pos, 1, order)
+    else:                         # the k are right: order ties among them by position
+        p = torch.gather(positions, 1, idx)
+        by_pos = torch.argsort(p, dim=1, stable=True)
+        v = torch.gather(top, 1, by_pos)
+        order = torch.sort(v, dim=1, descending=largest, stable=True).indices
+        idx = torch.gather(idx, 1, torch.gather(by_pos, 1, order))
+    return torch.gather(values, 1, idx), torch.gather(positions, 1, idx)
+
+
+class TopKAccumulator:
+    """A running top-k per query over score blocks streamed by training position.
+
+    ``columns`` mode (the query side held): ``update(block, start)`` takes the
+    (n_query, b) scores of training positions start:start+b and keeps, per query, the k
+    best of what it kept and the block (:func:`select_topk`): memory n_query·(k + b),
+    never n_query·n_train. ``rows`` mode (the training side held): ``update_rows(block,
+    n_train)`` ranks a (b, n_train) block of whole query rows at once and appends them.
+    Shards export their kept (values, positions) and are absorbed in shard order: the
+    merge is the same selection, so the result does not depend on the sharding.
+    A NaN score is refused (its rank would be arbitrary).
+    """
+
+    def __init__(self, k: int, largest: bool):
+        self.k, self.largest = k, largest
+        self.values: torch.Tensor | None = None      # (n_query, ≤k)
+        self.positions: torch.Tensor | None = None   # (n_query, ≤k) int64
+        self.rows: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @staticmethod
+    def _check(block: torch.Tensor) -> None:
+        if bool(torch.isnan(block).any()):
+            raise DataError("a score is NaN, so it has no rank: find the non-finite gradients "
+                            "(ga.options(check_finite=True)) or damp the operator more")
+
+    def update(self, block: torch.Tensor, start: int) -> None:
+        self._check(block)
+        pos = torch.arange(start, start + block.shape[1], dtype=torch.int64).expand(block.shape[0], -1)
+        self._merge(block, pos)
+
+    def update_rows(self, block: torch.Tensor) -> None:
+        self._check(block)
+        pos = torch.arange(block.shape[1], dtype=torch.int64).expand(block.shape[0], -1)
+        self.rows.append(select_topk(block, pos, self.k, self.largest))
+
+    def _merge(self, values: torch.Tensor, positions: torch.Tensor) -> None:
+        if self.values is not None:
+            values = torch.cat([self.values, values.to(self.values.dtype)], dim=1)
+            positions = torch.cat([self.positions, positions], dim=1)
+        self.values, self.positions = select_topk(values, positions, self.k, self.largest)
+
+    def export(self) -> dict:
+        return {"values": self.values, "positions": self.positions, "rows": self.rows}
+
+    def absorb(self, part: dict) -> None:
+        if part["values"] is not None:
+            self._merge(part["values"], part["positions"])
+        self.rows.extend(part["rows"])
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(values, positions)``, each (n_query, min(k, n_train)), rank order."""
+        if self.rows:
+            return torch.cat([v for v, _ in self.rows]), torch.cat([p for _, p in self.rows])
+        return self.values, self.positions
 
 
 def held_chunk(chunks: list[Chunk]) -> Chunk:

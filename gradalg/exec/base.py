@@ -7,7 +7,8 @@ An executor runs expression nodes. Required entry points:
 ``gradients(node)``  all rows of a gradient node (a Chunk)
 ``operator(node)``   the resolved numbers of an operator node
 
-Optional: ``plan(node)`` (the plan it would run) and ``close()``. Executors are picked
+Optional: ``plan(node)`` (the plan it would run), ``topk(node, spec)`` (the best scores
+per query, from ``plan(node, topk=spec)``) and ``close()``. Executors are picked
 by object or by name (``get_executor("local")``, ``get_executor("dask")``); a missing
 optional dependency is reported with the command that installs it.
 """
@@ -42,6 +43,13 @@ class Executor(ABC):
     @abstractmethod
     def operator(self, node):
         """Resolved numbers of an operator node."""
+
+    def topk(self, node, spec):
+        """The ``spec.k`` best scores per query of the score node ``node`` and their training
+        positions, ``(values, positions)`` each (n_query, k), by one top-k plan
+        (:class:`~gradalg.plan.jobs.TopKJob`); for executors with ``plan``, ``run`` and ``state``."""
+        p = self.run(self.plan(node, topk=spec))
+        return self.state.results[("topk", p.simplified.token)]
 
     def close(self) -> None:
         """Release resources (clusters, files)."""

@@ -189,9 +189,10 @@ class DaskExecutor(Executor):
         """Forget every resolved operator, kept row and result (``LocalExecutor.reset``)."""
         self.local.reset()
 
-    def plan(self, node):
-        """The plan for ``node`` (as :meth:`LocalExecutor.plan`)."""
-        return self.local.plan(node)
+    def plan(self, node, topk=None):
+        """The plan for ``node`` (as :meth:`LocalExecutor.plan`); a top-k job's shards
+        return their own top-k, merged here in shard order."""
+        return self.local.plan(node, topk=topk)
 
     def run(self, p):
         """Run plan ``p``: each pass over data sharded over the workers."""

@@ -86,11 +86,12 @@ class LocalExecutor(Executor):
         self.pass_stats: list[dict] = []
 
     # ------------------------------------------------------------------ entry points
-    def plan(self, node) -> Plan:
+    def plan(self, node, topk=None) -> Plan:
         """The plan this executor would run for ``node``, under its options, rewrites and
-        forced choices (row counts measured from the data; nothing is computed)."""
+        forced choices (row counts measured from the data; nothing is computed);
+        ``topk`` (:class:`~gradalg.plan.jobs.TopK`): the plan of its top-k."""
         return make_plan(node, options=self.options, rewrites=self.rewrites, choices=self.choices,
-                         measure_shapes=True)
+                         measure_shapes=True, topk=topk)
 
     def scores(self, node: ScoreNode) -> torch.Tensor:
         """The (n_left, n_right) score matrix of ``node``."""

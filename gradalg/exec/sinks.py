@@ -26,9 +26,10 @@ import torch
 from ..errors import DataError
 from ..plan.rules import PlanError
 from ..expr import Identity
-from ..plan.jobs import (CollectJob, DiagJob, EKFACJob, FisherJob, GroupJob, Job, KFACJob, ScoresJob, StoreJob)
+from ..plan.jobs import (CollectJob, DiagJob, EKFACJob, FisherJob, GroupJob, Job, KFACJob, ScoresJob, StoreJob,
+                         TopKJob)
 from .accumulators import (Collector, DiagAccumulator, EKFACAccumulator, FisherAccumulator, GroupAccumulator,
-                           KronAccumulator, ScoreAccumulator)
+                           KronAccumulator, ScoreAccumulator, TopKAccumulator)
 from ..capture.chunks import Chunk, concat_chunks, flatten, unflatten
 from .state import RunState
 
@@ -149,23 +150,83 @@ class ScoresSink(Sink):
 
     @classmethod
     def open(cls, job, ctx):
-        held = concat_chunks(ctx.state.rows[job.held.token])
-        space = job.held.space
-        if not isinstance(job.target.op, Identity):
-            held = ctx.precondition_held(job.target.op, held, space)
-        opts = ctx.options
-        return cls(job, ScoreAccumulator(held, space, job.kernels, ctx.trace,
-                                         normalize_streamed=job.normalize_streamed,
-                                         slice_elements=opts.ghost_slice_elements,
-                                         buffer_bytes=opts.reuse_buffer_bytes, token_block=job.token_block))
+        return cls(job, _score_accumulator(job, ctx))
 
     @property
     def fed(self):
-        # a normalization the kernel applies: the rows below it feed the sink
-        return (self.job.streams[0].grads,) if self.job.normalize_streamed else self.job.streams
+        return (_fed_node(self.job),)
 
     def publish(self, result, state):
         state.results[self.job.key] = result.T if self.job.transposed else result
+
+
+def _score_accumulator(job: ScoresJob, ctx) -> ScoreAccumulator:
+    """The accumulator of a scores job: its held rows, preconditioned once here."""
+    held = concat_chunks(ctx.state.rows[job.held.token])
+    space = job.held.space
+    if not isinstance(job.target.op, Identity):
+        held = ctx.precondition_held(job.target.op, held, space)
+    opts = ctx.options
+    return ScoreAccumulator(held, space, job.kernels, ctx.trace, normalize_streamed=job.normalize_streamed,
+                            slice_elements=opts.ghost_slice_elements, buffer_bytes=opts.reuse_buffer_bytes,
+                            token_block=job.token_block)
+
+
+def _fed_node(job: ScoresJob):
+    """The node whose chunks feed a scores job: a normalization the kernel applies is
+    read below it (the unnormalized rows)."""
+    return job.streams[0].grads if job.normalize_streamed else job.streams[0]
+
+
+@sink_for(TopKJob)
+class TopKSink(Sink):
+    """The k best scores per query: each term's block of a streamed chunk (its own held
+    rows and kernels, :class:`ScoreAccumulator` ``.block``), summed with its coefficient,
+    merged into a :class:`TopKAccumulator`; no block outlives its chunk.
+
+    Training positions count the streamed examples from the shard's first
+    (``for_shard``); a single term holding the training side ranks each streamed
+    chunk of queries over all training rows (``rows`` mode)."""
+
+    def __init__(self, job: TopKJob, acc: TopKAccumulator, terms: list, below: list):
+        super().__init__(job, acc)
+        self.terms = terms          # [(coef, ScoreAccumulator, index into job.streams)]
+        self.below = below          # per stream: read below its normalization (the kernel applies it)
+        self.start = 0
+        self.rows_mode = len(job.terms) == 1 and job.terms[0][1].transposed
+
+    @classmethod
+    def open(cls, job, ctx):
+        tokens = [s.token for s in job.streams]
+        terms = [(c, _score_accumulator(t, ctx), tokens.index(t.streams[0].token)) for c, t in job.terms]
+        below = [False] * len(tokens)
+        for (_, t), (_, _, i) in zip(job.terms, terms):
+            below[i] = below[i] or t.normalize_streamed
+        return cls(job, TopKAccumulator(job.k, job.largest), terms, below)
+
+    @property
+    def fed(self):
+        # by position in job.streams: a Dask shard's job has the same streams restricted to its rows
+        return tuple(s.grads if b else s for s, b in zip(self.job.streams, self.below))
+
+    def for_shard(self, start):
+        self.start = start
+
+    def feed(self, chunks, state):
+        for j in range(len(chunks[0])):
+            block = None
+            for coef, acc, i in self.terms:
+                part = acc.block(chunks[i][j])
+                part = part if coef == 1.0 else coef * part
+                block = part if block is None else block + part
+            if self.rows_mode:                  # (n_train, chunk) → whole query rows
+                self.acc.update_rows(block.T)
+            else:                               # (n_query, chunk) of training positions start:start+chunk
+                self.acc.update(block, self.start)
+                self.start += block.shape[1]
+
+    def publish(self, result, state):
+        state.results[self.job.key] = result
 
 
 @sink_for(DiagJob)

@@ -20,6 +20,8 @@ FisherJob      rows of the Fisher's gradients                   (1/n) Σ g gᵀ,
 KFACJob        factors of the gradients                         Kronecker eigenbases
 EKFACJob       factors, and the KFACJob's eigenbases            corrected eigenvalues
 ScoresJob      the streamed side; the held side (collected)     (n_left, n_right) scores
+TopKJob        its terms' streamed sides; their held sides      (n_query, k) best scores
+                                                                and training positions
 DiagJob        both sides in lockstep (or one, the other held)  (n,) self-scores
 =============  ==============================================  ========================
 
@@ -38,9 +40,10 @@ from ..expr.tokens import token_rows
 from .cost import Cost, fisher_cost
 from .memory import (consumer_bytes_per_example, ghost_norm_bytes_per_example, ghost_workspace_bytes, kron_bytes,
                      kron_bytes_arithmetic, kron_output_bytes, rows_bytes)
+from .shapes import element_size
 
 __all__ = ["Job", "CollectJob", "StoreJob", "GroupJob", "FisherJob", "KFACJob", "EKFACJob", "ScoresJob",
-           "DiagJob", "JOB_TYPES", "job_type"]
+           "DiagJob", "TopK", "TopKJob", "JOB_TYPES", "job_type"]
 
 
 @dataclass(eq=False)
@@ -218,6 +221,66 @@ class ScoresJob(Job):
         return total
 
 
+@dataclass(frozen=True)
+class TopK:
+    """What a top-k plan keeps per query: the ``k`` largest scores (``largest=True``,
+    most helpful) or the ``k`` smallest (``largest=False``, most harmful), ties broken
+    by the lower training position (``plan(node, topk=TopK(k))``)."""
+
+    k: int
+    largest: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
+            raise ValueError(f"k must be a positive integer, got {self.k!r}")
+
+
+@dataclass(eq=False)
+class TopKJob(Job):
+    """The ``k`` best training rows per query of a score expression, merged chunk by
+    chunk of the streamed side; the (query × train) matrix is never formed.
+
+    ``terms``: ``((coef, ScoresJob), ...)``, one per ``Inner`` of the expression (a sum
+    has several), each with its held side and kernels as the planner chose them; per
+    streamed chunk the sink sums ``coef · scores`` of the terms and merges the block into
+    a running top-k (:class:`~gradalg.exec.accumulators.TopKAccumulator`). A sum's terms
+    all hold their query side; a single term may hold the training side instead, then
+    each streamed chunk of queries is ranked over all training rows at once.
+
+    Bytes: held rows of every term, plus the running (n_query, k) values and positions
+    (8 + 8 bytes each); per streamed example, besides each term's own working bytes, one
+    column of n_query scores per term, their sum, and in the merge its copy with an int64
+    position and an int64 index (``output_bytes`` is n_query·k, not n_query·n_train)."""
+
+    kind: ClassVar[str] = "topk"
+    output: ClassVar[str] = "topk"
+
+    k: int = 1
+    largest: bool = True
+    terms: tuple = ()
+
+    def describe(self) -> str:
+        which = "largest" if self.largest else "smallest"
+        return (f"top-{self.k} ({which}) of {self.target.label} streaming "
+                f"{', '.join(repr(s.label) for s in self.streams)}")
+
+    @property
+    def n_query(self) -> int:
+        return self.target.shape[0]
+
+    def fixed_bytes(self, dtype) -> float:
+        return sum(j.fixed_bytes(dtype) for _, j in self.terms) + 16.0 * self.n_query * self.k
+
+    def per_example_bytes(self, dtype) -> float:
+        held = max((j.held.n for _, j in self.terms), default=0)
+        elem = element_size(dtype) if dtype is not None else 4
+        return (sum(j.per_example_bytes(dtype) for _, j in self.terms)
+                + held * (elem * (len(self.terms) + 2) + 16.0))
+
+    def output_bytes(self, n: int) -> float:
+        return 16.0 * self.n_query * self.k
+
+
 @dataclass(eq=False)
 class DiagJob(Job):
     """d_i = ⟨L_i, H R_i⟩ of a :class:`~gradalg.expr.ScoreDiagonal`: both sides streamed in
@@ -234,7 +297,7 @@ class DiagJob(Job):
 
 JOB_TYPES: dict[str, type[Job]] = {cls.kind: cls for cls in
                                    (CollectJob, StoreJob, GroupJob, FisherJob, KFACJob, EKFACJob, ScoresJob,
-                                    DiagJob)}
+                                    DiagJob, TopKJob)}
 
 
 def job_type(kind: str) -> type[Job]:

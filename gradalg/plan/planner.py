@@ -21,6 +21,7 @@ FisherJob (``fisher``)    accumulate Σ g gᵀ (dense / block / diag)
 KFACJob (``kfac``)        accumulate Kronecker factors; EKFACJob (``ekfac``) the
                           eigenvalue correction (a second pass: it needs the eigenbasis)
 ScoresJob (``scores``)    inner products of the streamed side with the held side
+TopKJob (``topk``)        the k best scores per query, merged block by block (``plan(..., topk=)``)
 DiagJob (``diag``)        self-scores, both sides streamed in lockstep
 
 A job can run in a pass when the jobs it depends on have finished; jobs over the same
@@ -50,7 +51,8 @@ from . import estimates
 from .cost import Cost, _si, tokens_hint
 from .devices import DeviceProfile, profile
 from .shapes import forward_shapes
-from .jobs import (CollectJob, DiagJob, EKFACJob, FisherJob, GroupJob, Job, KFACJob, ScoresJob, StoreJob)
+from .jobs import (CollectJob, DiagJob, EKFACJob, FisherJob, GroupJob, Job, KFACJob, ScoresJob, StoreJob, TopK,
+                   TopKJob)
 from .memory import capture_bytes_per_example, check_statistics_fit, kron_precision_rows, positions, rows_bytes
 from .rules import Firing, PlanError, simplify_until_fixpoint
 
@@ -176,11 +178,17 @@ class _Planner:
     # ---- jobs -------------------------------------------------------------------
     def add(self, job: Job) -> tuple:
         if job.key not in self.jobs:
-            o = self.options
-            job.token_block, job.slice_elements = o.token_block, o.ghost_slice_elements
-            job.kron_float64_width, job.kron_float32_rtol = o.kron_float64_width, o.kron_float32_rtol
-            self.jobs[job.key] = job
+            self.jobs[job.key] = self._with_kernel_options(job)
         return job.key
+
+    def _with_kernel_options(self, job: Job) -> Job:
+        """``job`` with the kernel options it runs under (token blocks, ghost slices,
+        precision of Kronecker factors) copied from ``ga.options``, so the executor reads them
+        from the plan."""
+        o = self.options
+        job.token_block, job.slice_elements = o.token_block, o.ghost_slice_elements
+        job.kron_float64_width, job.kron_float32_rtol = o.kron_float64_width, o.kron_float32_rtol
+        return job
 
     def stream_deps(self, node: GradNode) -> set:
         deps = set()
@@ -221,6 +229,34 @@ class _Planner:
             for t in node.terms:
                 keys.extend(self.score_jobs(t))
             return keys
+        return [self.add(self._score_job(node))]
+
+    def topk_jobs(self, node: ScoreNode, spec: TopK) -> list[tuple]:
+        """One :class:`TopKJob` for the whole score expression: its terms' score blocks are
+        summed per streamed chunk and merged into a running top-k. A sum's terms all hold
+        their query side and stream the training side in one pass (summed column blocks)."""
+        terms = _flat_terms(node)
+        if len(terms) == 1 and terms[0][0] == 1.0:
+            jobs = [(1.0, self._score_job(terms[0][1]))]
+        else:
+            jobs = [(c, self._score_job(t, hold="left")) for c, t in terms]
+            keys = {self._pass_key(j.streams[0], set()) for _, j in jobs}
+            if len(keys) > 1:
+                raise PlanError(
+                    f"the top-k of {node.label} needs every term's training side streamed in one pass, but its "
+                    f"terms read {len(keys)} different (model, data) pairs: compute the scores into a store "
+                    "(S.compute(store='scores.zarr')) and rank that, or take each term's top-k separately")
+        streams, deps = [], set()
+        for _, j in jobs:
+            deps |= j.deps
+            if j.streams[0].token not in {s.token for s in streams}:
+                streams.append(j.streams[0])
+        job = TopKJob(node, tuple(streams), deps, k=spec.k, largest=spec.largest, terms=tuple(jobs))
+        return [self.add(job)]
+
+    def _score_job(self, node: Inner, hold: str | None = None) -> ScoresJob:
+        """The scores job of one ``Inner`` (its held side's collect job added); ``hold``
+        forces the held side ("left"), else the planner (or ``Choices(held=...)``) picks it."""
         if not isinstance(node, Inner):
             raise PlanError(f"cannot plan scores of {type(node).__name__}")
         for side in (node.left, node.right):
@@ -232,11 +268,12 @@ class _Planner:
         held, streamed, transposed = node.left, node.right, False
         hold_left = self._held_bytes(node.left)
         hold_right = self._held_bytes(node.right)
-        forced = self.choices.held
+        forced = self.choices.held if hold is None else hold
         if (forced == "right") or (forced == "auto" and hold_right < hold_left):
             held, streamed, transposed = node.right, node.left, True
         why = ("hold the side with the smaller footprint and stream the other" if forced == "auto"
-               else f"forced by Choices(held={forced!r})")
+               else f"forced by Choices(held={forced!r})" if hold is None
+               else "a term of a top-k over a sum: every term streams the training side")
         self.decisions.append(Decision(
             f"held side of {node.label} [{node.token}]", "right (training) rows" if transposed else "left (query) rows",
             {"hold left": f"{hold_left / 2**20:.2f} MiB", "hold right": f"{hold_right / 2**20:.2f} MiB"},
@@ -248,7 +285,7 @@ class _Planner:
         job = ScoresJob(node, (streamed,), {collect} | self.op_deps(node.op) | self.stream_deps(streamed),
                         held=held, transposed=transposed, held_storage=storage)
         job.kernels = self._kernels(held, streamed, node)
-        return [self.add(job)]
+        return self._with_kernel_options(job)
 
     def diag_jobs(self, node: ScoreDiagonal) -> list[tuple]:
         inner = node.scores
@@ -449,6 +486,11 @@ class _Planner:
                 for b in node.space.blocks}
 
     def _job_cost(self, job: Job, n_stream: int, reads_data: bool = True, chunk: int | None = None) -> Cost:
+        if isinstance(job, TopKJob):   # its terms' score blocks (the merge is O(n_query·(k + chunk)))
+            total = Cost()
+            for _, term in job.terms:
+                total = total + self._job_cost(term, n_stream, reads_data, chunk)
+            return total
         node = job.streams[0] if job.streams else None
         layout = self._layout(node, reads_data) if node is not None else {}
         held = self.storage(job.held) if job.held is not None else None
@@ -509,7 +551,7 @@ class _Planner:
         score kernel, each column divided by its row's norm (⟨h, g/‖g‖⟩ = ⟨h, g⟩/‖g‖, the
         norm taken from rows the kernel reads anyway), when the pass reads G or something
         below it; row-wise when the normalized rows themselves are kept in memory."""
-        for job in p.jobs:
+        for job in [t for j in p.jobs for t in ([t for _, t in j.terms] if isinstance(j, TopKJob) else [j])]:
             s = job.streams[0] if job.streams else None
             if not (isinstance(job, ScoresJob) and isinstance(s, Normalize) and s.op is None):
                 continue
@@ -534,6 +576,14 @@ class _Planner:
         group_keys = {j.key for j in group}
         for job in list(remaining.values()):
             if job.key in group_keys or job.deps <= done:
+                continue
+            if isinstance(job, TopKJob) and len(job.streams) > 1:
+                # a pass over rows in memory reads one node: terms streaming several read the data again
+                self.decisions.append(Decision(
+                    f"second use of the training sides of {job.target.label} [{job.target.token}]", "recompute",
+                    {"store": "n/a: a pass over rows in memory reads one node", "recompute": "one pass over the data"},
+                    f"the top-k's terms stream {len(job.streams)} different nodes, summed block by block: "
+                    "they are read together from the data"))
                 continue
             for node in job.streams:
                 # the longest row-wise prefix computable now: for P(G).normalize(metric=H⁻¹)
@@ -683,6 +733,15 @@ def _project_cost(node: Project, n: int, T: int, chunk: int | None = None) -> Co
     return estimates.project_cost(node, n, T, chunk=chunk)
 
 
+def _flat_terms(node: ScoreNode) -> list[tuple[float, Inner]]:
+    """[(coef, Inner)] of a score expression, sums flattened."""
+    if isinstance(node, ScoreSum):
+        return [(c * c2, t2) for c, t in zip(node.coefs, node.terms) for c2, t2 in _flat_terms(t)]
+    if not isinstance(node, Inner):
+        raise PlanError(f"cannot plan scores of {type(node).__name__}")
+    return [(1.0, node)]
+
+
 def _compute_dtype(root: Node) -> torch.dtype:
     for node in root.walk():
         if isinstance(node, Source):
@@ -697,7 +756,7 @@ def _is_loader(data) -> bool:
 
 # ------------------------------------------------------------------ entry point
 def plan(root: Node, *, options: Options | None = None, device=None, rewrites: bool = True,
-         choices: Choices | None = None, measure_shapes: bool = False) -> Plan:
+         choices: Choices | None = None, measure_shapes: bool = False, topk: TopK | None = None) -> Plan:
     """Plan ``root`` (a score, self-score, gradient or operator node).
 
     ``choices`` forces decisions the planner would otherwise cost (:class:`Choices`).
@@ -705,7 +764,10 @@ def plan(root: Node, *, options: Options | None = None, device=None, rewrites: b
     per example with one meta-device call of each source's loss
     (:func:`gradalg.plan.shapes.forward_shapes`) and measures this machine's speeds if
     they were never measured; without it the planner calls no model and benchmarks
-    nothing (displays: the cached device profile, or an unmeasured default)."""
+    nothing (displays: the cached device profile, or an unmeasured default).
+    ``topk`` (:class:`~gradalg.plan.jobs.TopK`): plan the ``k`` best training rows per
+    query of the score node ``root`` (one :class:`~gradalg.plan.jobs.TopKJob`), not its
+    full matrix."""
     options = options or get_options()
     prof = profile(device, measure=measure_shapes)
     simplified, fired = simplify_until_fixpoint(root, enabled=rewrites)
@@ -719,7 +781,11 @@ def plan(root: Node, *, options: Options | None = None, device=None, rewrites: b
     planner = _Planner(options, prof, choices)
     planner.for_run = measure_shapes
     planner.dtype = _compute_dtype(simplified)
-    if isinstance(simplified, ScoreNode):
+    if topk is not None:
+        if not isinstance(simplified, ScoreNode):
+            raise PlanError(f"a top-k is taken of scores, not of a {type(root).__name__}")
+        roots = planner.topk_jobs(simplified, topk)
+    elif isinstance(simplified, ScoreNode):
         roots = planner.score_jobs(simplified)
     elif isinstance(simplified, ScoreDiagonal):
         roots = planner.diag_jobs(simplified)

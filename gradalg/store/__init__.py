@@ -7,6 +7,8 @@
     ga.store.write_operator(H, "fisher.zarr");  H2 = ga.store.open_operator("fisher.zarr")
     ga.store.write_scores(S, "scores.zarr");    ga.store.open_scores("scores.zarr")  # DataArray
     ga.store.verify("train.zarr")                      # checksums of every chunk: VerifyReport
+    idx = ga.store.index("train.zarr", metric="ip")    # faiss ANN index beside the store (gradalg[index])
+    idx.search(P(Q), k=10)                             # exact scores of the candidates: DataArray
 
 See docs/store.md for the layout, the metadata and the guarantees.
 """
@@ -16,9 +18,10 @@ from .describe import model_fingerprint
 from .gradients import dataset, open_gradients, write
 from .operators import open_operator, write_operator
 from .scores import open_scores, write_scores
+from .gradient_index import GradientIndex, index, open_index
 
 open = open_gradients  # noqa: A001 - ga.store.open reads like the other stores' APIs
 
 __all__ = ["write", "open", "open_gradients", "dataset", "write_operator", "open_operator", "write_scores",
-           "open_scores", "model_fingerprint", "verify", "VerifyReport", "StoreMismatchError", "StoreIncompleteError",
+           "open_scores", "index", "open_index", "GradientIndex", "model_fingerprint", "verify", "VerifyReport", "StoreMismatchError", "StoreIncompleteError",
            "StoreCorruptError"]
