@@ -10,7 +10,7 @@ from typing import Any
 from ..data import DataRef
 from .grads import GradNode
 from .operators import OpNode
-from .space import ParamSpace
+from ..space import ParamSpace
 
 __all__ = ["KFAC", "CurvatureProducts", "Arnoldi", "DataInf"]
 

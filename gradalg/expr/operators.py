@@ -22,7 +22,7 @@ import torch
 from ..errors import ShapeMismatchError
 from .base import Node
 from .grads import GradNode
-from .space import ParamSpace
+from ..space import ParamSpace
 
 __all__ = ["OpNode", "Identity", "Diagonal", "Dense", "Fisher", "Damp", "Inverse", "Power",
            "ScaledOp", "SumOp", "coarsest"]

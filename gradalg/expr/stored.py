@@ -15,7 +15,7 @@ from typing import Any
 
 from .grads import Captured
 from .operators import OpNode
-from .space import ParamSpace
+from ..space import ParamSpace
 
 __all__ = ["Stored", "StoredOp"]
 

@@ -321,7 +321,7 @@ def open_stream(path, *, require_complete: bool = True):
     opening ``path`` reads them all, rank by rank (rank 0's rows, then rank 1's).
     """
     from ..api import GradientSet
-    from ..expr import Block, ParamSpace
+    from ..space import Block, ParamSpace
     from ..expr.stored import Stored
     from ..store.gradients import GradientStore
     from ..store.layout import check_complete, ids_tuple
