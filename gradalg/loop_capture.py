@@ -9,8 +9,8 @@
 
 The recording is :class:`~gradalg.capture.session.LoopRecorder`'s (on the capture floor:
 it yields one :class:`~gradalg.capture.chunks.Chunk` per backward). This module sits above
-the api and only turns those rows into :class:`~gradalg.api.GradientSet`\\ s, so that the
-capture floor never imports the objects users hold. (The module is not called
+the api and only turns those rows into GradientSets, so that the capture floor never
+imports the objects users hold. (The module is not called
 ``capture``: ``gradalg.capture`` is the capture package, and ``ga.capture`` this function.)
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from .api import GradientSet
 from .capture.session import CaptureStore, LoopRecorder
 from .expr import Captured
 
-__all__ = ["CaptureSession", "capture"]
+__all__ = ["CaptureSession", "capture", "captured_grads"]
 
 
 class CaptureSession:
@@ -42,16 +42,13 @@ class CaptureSession:
 
         Runs inside ``backward()``, before the optimizer step. Usable as a decorator.
         """
-        self.recorder.on_chunk(lambda chunk: callback(self._grads_of([chunk])))
+        self.recorder.on_chunk(lambda chunk: callback(captured_grads([chunk], self.space)))
         return callback
 
     @property
     def grads(self) -> GradientSet:
         """GradientSet of every example captured so far (requires ``keep=True``)."""
-        return self._grads_of(list(self.store.chunks_))
-
-    def _grads_of(self, chunks: list) -> GradientSet:
-        return GradientSet(Captured(CaptureStore(chunks), self.space))
+        return captured_grads(list(self.store.chunks_), self.space)
 
     @property
     def space(self):
@@ -74,6 +71,13 @@ class CaptureSession:
 
     def __exit__(self, *exc):
         return self.recorder.__exit__(*exc)
+
+
+def captured_grads(chunks: list, space) -> GradientSet:
+    """Recorded rows as a lazy GradientSet: a :class:`~gradalg.expr.Captured` leaf over the
+    ``chunks`` (:class:`~gradalg.capture.chunks.Chunk`, in order) in ``space``. Shared by
+    ``ga.capture`` and the training-time integrations."""
+    return GradientSet(Captured(CaptureStore(chunks), space))
 
 
 def capture(model: nn.Module, layers=None, *, reduction: str | None = None, keep: bool = True) -> CaptureSession:

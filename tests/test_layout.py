@@ -132,6 +132,23 @@ def test_every_unit_has_a_floor():
     assert not gone, f"FLOORS names units that no longer exist: {gone}"
 
 
+def test_design_md_layers_names_every_unit_in_floor_order():
+    """docs/design.md "Layers" draws the same floors, top to bottom: each unit appears there
+    (``exec/``, ``api.py``), and a higher floor's units before a lower floor's."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    layers = text[text.index("## Layers"):text.index("\n## ", text.index("## Layers") + 1)]
+    first = {}
+    for unit in FLOOR:
+        name = "gradalg/__init__.py" if unit == "gradalg" else (
+            f"{unit}/" if (PACKAGE / unit).is_dir() else f"{unit}.py")
+        assert name in layers, f"docs/design.md 'Layers' does not name {name}"
+        first[unit] = layers.index(name)
+    for a in FLOOR:
+        for b in FLOOR:
+            if FLOOR[a] > FLOOR[b]:
+                assert first[a] < first[b], f"design.md draws {a} (higher) below {b}"
+
+
 def test_no_upward_import():
     upward = [f"{a} (floor {FLOOR[a]}) imports {b} (floor {FLOOR[b]}) at {', '.join(where)}"
               for (a, b), where in sorted(package_imports().items())

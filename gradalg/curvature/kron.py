@@ -28,7 +28,6 @@ from ..capture.factors import Factors, OneHot, materialize
 from ..errors import GradalgError, MemoryBudgetError
 from ..linalg import rules as _rules
 from ..linalg.base import LinearOp, power_values, reciprocal
-from ..linalg.explicit import explicit
 
 __all__ = ["KronStats", "KronOp", "kron_eigenbasis", "rotate_factors", "rotate_rows", "work_dtype", "gram"]
 
@@ -229,10 +228,6 @@ class KronOp(LinearOp):
 
     def dense(self) -> torch.Tensor:
         return torch.block_diag(*(self.block_matrix(n) for n in self.space.names))
-
-    def as_block(self):
-        """The same operator as one explicit matrix per block (``kronecker.expand_to_block``)."""
-        return explicit(self, "block")
 
     def nbytes(self) -> int:
         total = 0

@@ -269,11 +269,9 @@ class StoreStream:
 
 def capture_grads_like(capture):
     """A zero-row GradientSet in ``capture``'s space (to derive the projected space)."""
-    from ..api import GradientSet
-    from ..capture.session import CaptureStore
-    from ..expr import Captured
+    from ..loop_capture import captured_grads
 
-    return GradientSet(Captured(CaptureStore([]), capture.space))
+    return captured_grads([], capture.space)
 
 
 class SegmentRows:

@@ -36,8 +36,9 @@ import torch
 from torch import nn
 
 from ..capture.factors import Factors, self_inner
-from ..capture.session import CaptureStore, LoopRecorder
+from ..capture.session import LoopRecorder
 from ..errors import ExampleIdsError
+from ..loop_capture import captured_grads
 from ..capture.chunks import Chunk
 from .distributed import unwrap_model
 
@@ -77,10 +78,7 @@ class StepGrads:
     @property
     def grads(self):
         """The step's rows as a lazy GradientSet (project, normalize, score it as any other)."""
-        from ..api import GradientSet
-        from ..expr import Captured
-
-        return GradientSet(Captured(CaptureStore(list(self.chunks)), self.space))
+        return captured_grads(list(self.chunks), self.space)
 
     def factors(self, layer: str) -> Factors:
         """One layer's factors over the whole step: A (n, T, in), D (n, T, out)."""
@@ -210,12 +208,9 @@ class TrainingCapture:
     @property
     def grads(self):
         """GradientSet of every example of the closed steps (needs ``keep=True``), in order."""
-        from ..api import GradientSet
-        from ..expr import Captured
-
         if not self.keep:
             raise ValueError("this capture keeps nothing (keep=False); pass keep=True to read .grads")
-        return GradientSet(Captured(CaptureStore(list(self._kept)), self.space))
+        return captured_grads(list(self._kept), self.space)
 
     # ------------------------------------------------------------------ context
     def __enter__(self):
