@@ -17,9 +17,9 @@ from typing import Any, Callable
 
 from ..capture.hooks import resolve_layers
 from ..data import DataRef
+from ..space import Block, ParamSpace
 from .base import Node
 from .projection import Projector
-from ..space import Block, ParamSpace
 
 __all__ = ["GradNode", "Source", "Captured", "Project", "Normalize", "Select", "Precondition",
            "ScaleRows", "RowWeights", "GroupMean", "AdamState", "AdamPrecondition"]

@@ -15,11 +15,11 @@
 
 A *micro-batch* is one ``backward()``; a *step* is every micro-batch between two
 optimizer steps. A :class:`~gradalg.capture.session.LoopRecorder` records each
-micro-batch's factors during backward (one Chunk); a step pre-hook on the optimizer (or the trainer integrations,
-or an explicit :meth:`TrainingCapture.end_step`) closes the step and hands its
-:class:`StepGrads` to every ``on_step`` callback, while ``p.grad`` holds the step's
-gradient and nothing has been applied yet. Callbacks may change ``p.grad`` (online data
-selection, :mod:`gradalg.integrations.selection`, does).
+micro-batch's factors during backward (one Chunk); a step pre-hook on the optimizer (or
+the trainer integrations, or an explicit :meth:`TrainingCapture.end_step`) closes the
+step and hands its :class:`StepGrads` to every ``on_step`` callback, while ``p.grad``
+holds the step's gradient and nothing has been applied yet. Callbacks may change
+``p.grad`` (online data selection, :mod:`gradalg.integrations.selection`, does).
 
 Per-example gradients are those of the loss that was backpropagated (``ga.capture``'s
 ``reduction="sum"``): with a mean-reduced loss they are each example's *contribution* to
@@ -98,7 +98,8 @@ class TrainingCapture:
 
     Attributes
     ----------
-    session : the underlying :class:`~gradalg.capture.session.LoopRecorder` (one chunk per micro-batch).
+    session : the underlying :class:`~gradalg.capture.session.LoopRecorder` (a Chunk per
+        micro-batch).
     steps : number of steps closed so far.
     """
 
