@@ -8,7 +8,7 @@ from torch import nn
 from torch.func import functional_call, hessian
 
 import gradalg as ga
-from gradalg.curvature.solvers import arnoldi, conjugate_gradient, lissa
+from gradalg.linalg.solvers import arnoldi, conjugate_gradient, lissa
 from models import classification_data, mlp
 
 

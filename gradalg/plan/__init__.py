@@ -2,6 +2,6 @@
 from .choices import Choices
 from .cost import Cost
 from .planner import estimate
-from .routing import choose_kernel, shared_grad_nodes
+from .routing import choose_kernel
 
-__all__ = ["Choices", "Cost", "estimate", "choose_kernel", "shared_grad_nodes"]
+__all__ = ["Choices", "Cost", "estimate", "choose_kernel"]

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..linalg.rules import describe_rule
 from ..viz.describe import block_label, operator_chain
 from ..viz.tree import text_tree
 from .cost import _si
@@ -62,6 +63,15 @@ def readable(what: str, nodes: dict | None = None) -> str:
                 return match.group(0)
         out = _BLOCK.sub(label, out)
     return out
+
+
+def _rule_math(name: str) -> str:
+    """The math of an operator rule, or "" for a name this version does not know (a rule
+    recorded in an operator stored by another version: a display never raises)."""
+    try:
+        return describe_rule(name)
+    except KeyError:
+        return ""
 
 
 def _fmt_seconds(s: float) -> str:
@@ -139,9 +149,11 @@ class Explain:
 
     def operators(self) -> list[dict]:
         """Each operator of the simplified expression with the named rules that will resolve
-        it (:func:`gradalg.plan.resolution.operator_rules`: structure labels, no data), or the
-        refusal its structure gets."""
-        return [{"operator": operator_chain(r.op), "rules": list(r.rules), "refused": r.refusal}
+        it (:func:`gradalg.plan.resolution.operator_rules`: structure labels, no data) and
+        each rule's math (:func:`gradalg.linalg.rules.describe_rule`), or the refusal its
+        structure gets."""
+        return [{"operator": operator_chain(r.op), "rules": list(r.rules),
+                 "math": {name: _rule_math(name) for name in r.rules}, "refused": r.refusal}
                 for r in operator_rules(self.plan.simplified)]
 
     def decisions(self) -> list[dict]:
@@ -291,7 +303,7 @@ class Explain:
         operators = "".join(
             f"<li>{esc(row['operator'])}: "
             + (f"<i>refused: {esc(row['refused'])}</i>" if row["refused"]
-               else ", ".join(f"<b>{esc(r)}</b>" for r in row["rules"]) or "no rule") + "</li>"
+               else ", ".join(f"<b title='{esc(row['math'][r])}'>{esc(r)}</b>" for r in row["rules"]) or "no rule") + "</li>"
             for row in self.operators())
         if operators:
             operators = ("<div>operator rules (by structure, applied when each operator is resolved):</div>"

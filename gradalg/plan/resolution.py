@@ -18,7 +18,7 @@ from ..expr.spectral import Spectral
 from ..expr.stored import StoredOp
 from ..linalg.rules import choose, choose_sum
 
-__all__ = ["resolution_rules", "predicted_structure", "operator_rules", "OperatorRules"]
+__all__ = ["resolution_rules", "operator_rules", "OperatorRules"]
 
 _FORM = {"identity": "diagonal", "diag": "diagonal", "block": "block", "dense": "dense", "kron": "kronecker",
          "lowrank": "low-rank", "implicit": "implicit"}
@@ -98,13 +98,6 @@ def resolution_rules(node: OpNode) -> list[str]:
     if hasattr(node, "expr"):   # an ga.Operator
         node = node.expr
     return _walk(node)[1]
-
-
-def predicted_structure(node: OpNode) -> frozenset:
-    """The structure labels the resolved ``node`` will carry (``psd`` aside)."""
-    if hasattr(node, "expr"):
-        node = node.expr
-    return _walk(node)[0]
 
 
 @dataclass(frozen=True)
