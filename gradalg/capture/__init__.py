@@ -1,4 +1,4 @@
-"""Capture of per-example gradient factors: layer rules, hooks, the torch.func reference."""
+"""Capture of per-example gradient factors: layer rules, hooks, the loop recorder, the torch.func reference."""
 from .factors import Factors, OneHot, ghost_inner, kron_project, materialize, self_inner
 from .hooks import resolve_layers
 from .layers import SUPPORTED_LAYERS, rule_for
