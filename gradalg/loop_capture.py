@@ -31,7 +31,8 @@ class CaptureSession:
     """The object bound by ``with ga.capture(...) as cap``. See :func:`capture`.
 
     ``recorder`` is the :class:`~gradalg.capture.session.LoopRecorder` that records the
-    rows (its ``model`` and ``refs``, the recorded blocks).
+    rows; ``model``, ``refs`` (the recorded blocks), ``space``, ``store`` and ``steps``
+    are its.
     """
 
     def __init__(self, model: nn.Module, layers=None, *, reduction: str = "sum", keep: bool = True):
@@ -49,6 +50,16 @@ class CaptureSession:
     def grads(self) -> GradientSet:
         """GradientSet of every example captured so far (requires ``keep=True``)."""
         return captured_grads(list(self.store.chunks_), self.space)
+
+    @property
+    def model(self) -> nn.Module:
+        """The module being trained."""
+        return self.recorder.model
+
+    @property
+    def refs(self) -> list:
+        """The recorded blocks (:class:`~gradalg.capture.hooks.LayerRef`), in model order."""
+        return self.recorder.refs
 
     @property
     def space(self):
