@@ -12,7 +12,8 @@ from . import collate, eval, integrations, methods, proj, store, tasks, viz, wid
 from .api import (GradientSet, Operator, Scores, SelfScores, TransposedGradients, adam_state, arnoldi, datainf, dense, diagonal,
                   ekfac, fisher, gauss_newton, grads, hessian, identity, kfac, mean_scores, row_weights,
                   sum_scores)
-from .capture import capture, per_example_grads
+from .capture import per_example_grads
+from .loop_capture import capture  # ga.capture, the function (gradalg.capture stays the package in sys.modules)
 from .compiled import Compiled, compile  # noqa: A004 - ga.compile(S): compile once, score many queries
 from .errors import (BatchContentError, GradalgError, LossReductionError, MemoryBudgetError, NonFiniteGradientError, PerTokenError,
                      ShapeMismatchError, SpaceMismatchError, StoreIncompleteError, StoreMismatchError,

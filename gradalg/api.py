@@ -269,7 +269,7 @@ class GradientSet(_Displayed):
     def to_dense(self, executor=None) -> dict[str, torch.Tensor]:
         """All rows, materialized: ``{block: (n, *block.shape)}``. Holds n × dim numbers."""
         from .capture.chunks import flat_block
-        from .expr.space import AliasDict
+        from .space import AliasDict
         chunk = _executor(executor).gradients(self.expr)
         return AliasDict.blocks({b.name: flat_block(chunk.blocks[b.name]).reshape(chunk.n, *b.shape)
                                  for b in self.space.blocks}, self.space)
@@ -294,7 +294,7 @@ class GradientSet(_Displayed):
             ref = refs[name]
             for pname, value in ref.rule.to_params(ref.module, block).items():
                 out[canonical[id(getattr(ref.module, pname))]] = value
-        from .expr.space import AliasDict   # a tied block's parameters by any holder's name
+        from .space import AliasDict   # a tied block's parameters by any holder's name
         return AliasDict.params(out, self.space)
 
 
@@ -712,7 +712,7 @@ def ekfac(G: GradientSet) -> Operator:
 def _products(task, data, layers, kind, ids, batch_size) -> Operator:
     from .capture.hooks import resolve_layers
     from .expr.grads import _module_blocks
-    from .expr.space import ParamSpace
+    from .space import ParamSpace
 
     refs = resolve_layers(task.model, layers)
     names = tuple(r.name for r in refs)

@@ -8,7 +8,7 @@ from torch import nn
 from torch.func import functional_call, hessian
 
 import gradalg as ga
-from gradalg.curvature.solvers import arnoldi, conjugate_gradient, lissa
+from gradalg.linalg.solvers import arnoldi, conjugate_gradient, lissa
 from models import classification_data, mlp
 
 
@@ -200,7 +200,7 @@ def test_kron_operator_applied_block_by_block_to_factors_equals_the_dense_matrix
     from the factors when T is short, materialized first when it is long."""
     from gradalg.capture.factors import Factors
     from gradalg.curvature.kron import KronOp
-    from gradalg.expr.space import Block, ParamSpace
+    from gradalg.space import Block, ParamSpace
     g = torch.Generator().manual_seed(0)
     shapes = {"a": (5, 3), "b": (4, 6)}
     space = ParamSpace(tuple(Block(n, s, "linear") for n, s in shapes.items()))

@@ -3,6 +3,7 @@ the meta device), benchmark nothing and show no internal node ids; ``Q @ G.T`` s
 identity operator."""
 from __future__ import annotations
 
+import html
 import os
 import re
 import sys
@@ -145,3 +146,36 @@ def test_explain_stage_shows_one_stage_in_text_and_html(no_benchmark):
         for other, other_heading in sections.items():
             shown_text, shown_page = other_heading in text, f"<summary>{other_heading}" in page
             assert shown_text == shown_page == (other == stage), (stage, other, shown_text, shown_page)
+
+
+def test_explain_shows_the_operator_rules_resolution_will_apply(no_benchmark):
+    """Stage 2 lists, per operator, the named rules of gradalg.linalg that resolving it
+    applies: the same list as resolution_rules (and as the resolved operator's ``rules``,
+    tests/test_operators.py), in the text and the HTML, without running the model."""
+    from gradalg.linalg.rules import describe_rule
+    from gradalg.plan.resolution import resolution_rules
+
+    model = models.mlp()
+    X, y = models.classification_data(n=8)
+    task = ga.tasks.classification(model)
+    G, Q = ga.grads(task, (X, y)), ga.grads(task, (X[:2], y[:2]))
+    H = ga.kfac(G).damp(1e-2).inv()
+    with AnyForward(model) as seen:
+        explained = (Q @ H @ G.T).explain(device="a100", memory_budget=2**30, stage="simplified")
+        rows, text, page = explained.operators(), str(explained), explained._repr_html_()
+    assert seen.calls == 0
+    rules = ["kronecker.damp_in_eigenbasis", "kronecker.invert_eigenvalues"]
+    assert rows == [{"operator": "kfac → damp(λ=0.01) → inverse", "refused": None, "rules": rules,
+                     "math": {name: describe_rule(name) for name in rules}}]
+    assert rows[0]["rules"] == resolution_rules(H)
+    assert "- kfac → damp(λ=0.01) → inverse: kronecker.damp_in_eigenbasis, kronecker.invert_eigenvalues" in text
+    # in the HTML each rule name shows its math on hover
+    math = html.escape(describe_rule("kronecker.invert_eigenvalues"))
+    assert ("<li>kfac → damp(λ=0.01) → inverse: <b title='" in page
+            and f"<b title='{math}'>kronecker.invert_eigenvalues</b></li>" in page)
+    assert explained.to_dict()["operator_rules"] == rows
+    # a structure that cannot do the operation shows its refusal, before any pass
+    refused = (Q @ ga.gauss_newton(task, (X, y)).damp(0.1).pow(-0.5) @ G.T).explain(stage="simplified").operators()
+    assert refused[0]["rules"] == [] and "ga.arnoldi" in refused[0]["refused"]
+    # a plain inner product has no operator to resolve: no section
+    assert "operator rules" not in str((Q @ G.T).explain(stage="simplified"))

@@ -195,7 +195,7 @@ def test_api_reference_has_every_public_symbol(site):
     assert not absent, ("public names missing from the API reference (docs/api/*.md; a constant needs a "
                         "docstring, a string literal on the line after it):\n  " + "\n  ".join(absent))
     assert "gradalg.GradientSet.to_dense" in ids               # and their methods
-    assert "gradalg.methods.influence.influence" in ids and "gradalg.capture.session.capture" in ids
+    assert "gradalg.methods.influence.influence" in ids and "gradalg.loop_capture.capture" in ids
 
 
 def test_nav_lists_every_page():

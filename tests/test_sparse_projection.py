@@ -25,7 +25,7 @@ from gradalg.capture import factors as factors_module
 from gradalg.capture.hooks import resolve_layers
 from gradalg.capture.session import CaptureStore
 from gradalg.expr import Captured
-from gradalg.expr.space import Block
+from gradalg.space import Block
 from gradalg.proj.kernels import project_sparse_block
 from models import classification_data, cnn, gpt2, image_data, lm_task, mlp, padded_token_data
 

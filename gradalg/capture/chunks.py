@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .factors import HALF_DTYPES, Factors, materialize, self_inner
-from ..expr.space import ParamSpace
+from ..space import ParamSpace
 
 __all__ = ["Chunk", "flat_block", "flatten", "unflatten", "row_sq_norms", "concat_chunks"]
 

@@ -17,6 +17,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from ..errors import UnsupportedLayerError
+from ..space import Block
 from .factors import Factors
 from .layers import LayerRule, replaying, rule_for
 from .provenance import CallStack, find_routed, replay_frames, routed_frames
@@ -50,9 +51,7 @@ class LayerRef:
             object.__setattr__(self, "uses", (LayerUse(self.name, self.module, self.rule),))
 
     def block(self):
-        """The :class:`~gradalg.expr.space.Block` of this layer (hooks backend)."""
-        from ..expr.space import Block  # pure data, no import circle
-
+        """The :class:`~gradalg.space.Block` of this layer (hooks backend)."""
         return Block(self.name, self.rule.block_shape(self.module), self.rule.kind, aliases=self.aliases)
 
     def param_names(self) -> tuple[str, ...]:

@@ -8,7 +8,7 @@ positions ``t`` (tokens, or spatial positions of a convolution)::
 with ``A_i`` (T, in) the layer's inputs (a ones column appended when the layer has a
 bias, so the bias gradient is the last column of ``G_i``) and ``D_i`` (T, out) the
 gradients of the summed loss with respect to the layer's outputs. Every block of a
-:class:`~gradalg.expr.space.ParamSpace` is stored in this canonical ``(out, in)``
+:class:`~gradalg.space.ParamSpace` is stored in this canonical ``(out, in)``
 orientation; :meth:`LayerRule.to_params` maps it back to the module's parameters.
 """
 from __future__ import annotations

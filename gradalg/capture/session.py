@@ -1,21 +1,24 @@
-"""``ga.capture``: per-example gradients from any training loop that calls backward().
+"""Recording per-example factors inside a user's training loop, one :class:`Chunk` per backward.
 
-    with ga.capture(model, layers=["fc1", "fc2"]) as cap:
+    recorder = LoopRecorder(model, layers=["fc1", "fc2"], reduction="sum")
+    recorder.on_chunk(lambda chunk: ...)     # each backward's rows, as soon as they are complete
+    with recorder:
         for x, y in loader:
-            opt.zero_grad()
             F.cross_entropy(model(x), y, reduction="sum").backward()
-            opt.step()
-    cap.grads            # GradientSet of every example seen, in order
+    recorder.store                           # CaptureStore: every chunk seen, in order
 
 A forward hook keeps each recorded layer's input ``A`` and hooks its output tensor;
 the output's gradient ``D`` arrives during the user's own ``backward()``. When every
 recorded call of a step has its gradient, the step's factors are complete: they are
-stored (``keep=True``) and handed to each callback registered with ``cap.on_batch``.
+stored (``keep=True``) and handed to each callback registered with :meth:`on_chunk`.
+
+This module records rows only. ``ga.capture`` (:mod:`gradalg.loop_capture`, above the
+api) wraps a recorder and hands its rows to users as GradientSets; the training-time
+integrations (:mod:`gradalg.integrations.training`) group its chunks into optimizer steps.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-import warnings
 from typing import Callable
 
 import torch
@@ -27,8 +30,9 @@ from .layers import check_session_layers
 from .rows import layout_for, session_rows
 from .tying import LayerUse, use_factors
 from .chunks import Chunk
+from ..space import ParamSpace
 
-__all__ = ["CaptureStore", "CaptureSession", "capture"]
+__all__ = ["CaptureStore", "LoopRecorder"]
 
 
 @dataclass
@@ -53,8 +57,18 @@ class CaptureStore:
         return f"capturestore-{id(self):x}-{len(self.chunks_)}"
 
 
-class CaptureSession:
-    """The object bound by ``with ga.capture(...) as cap``. See :func:`capture`."""
+class LoopRecorder:
+    """Records the per-example factors of every backward run inside ``with recorder:``.
+
+    model : the module being trained.
+    layers : module names or glob patterns (default: every supported layer), as for ``ga.grads``.
+    reduction : ``"sum"`` (rows are the loss's per-example gradients) or ``"mean"`` (each
+        step's rows are multiplied by its batch size, undoing the loss's ``1/B``).
+    keep : append every chunk to :attr:`store` (False when only callbacks need them).
+
+    Attributes: ``refs`` (the recorded blocks), ``space`` (their ParamSpace), ``store``
+    (a :class:`CaptureStore`), ``steps`` (backwards completed).
+    """
 
     def __init__(self, model: nn.Module, layers=None, *, reduction: str = "sum", keep: bool = True):
         if reduction not in ("sum", "mean"):
@@ -73,8 +87,8 @@ class CaptureSession:
         self.steps = 0
 
     # ------------------------------------------------------------------ public
-    def on_batch(self, callback: Callable) -> Callable:
-        """Call ``callback(grads)`` after each backward, with that step's GradientSet.
+    def on_chunk(self, callback: Callable) -> Callable:
+        """Call ``callback(chunk)`` after each backward, with that step's :class:`Chunk`.
 
         Runs inside ``backward()``, before the optimizer step. Usable as a decorator.
         """
@@ -82,20 +96,14 @@ class CaptureSession:
         return callback
 
     @property
-    def grads(self):
-        """GradientSet of every example captured so far (requires ``keep=True``)."""
-        from ..api import GradientSet
-        from ..expr import Captured
-
-        frozen = CaptureStore(list(self.store.chunks_))
-        return GradientSet(Captured(frozen, self.space))
+    def space(self) -> ParamSpace:
+        """The ParamSpace of the recorded blocks (the same as ``ga.grads`` gives)."""
+        return ParamSpace(tuple(r.block() for r in self.refs))
 
     @property
-    def space(self):
-        """The ParamSpace of the recorded blocks (the same as ``ga.grads`` gives)."""
-        from ..expr import ParamSpace
-
-        return ParamSpace(tuple(r.block() for r in self.refs))
+    def active(self) -> bool:
+        """Whether the hooks are installed (inside ``with recorder:``)."""
+        return bool(self._handles)
 
     # ------------------------------------------------------------------ context
     def __enter__(self):
@@ -175,38 +183,6 @@ class CaptureSession:
         if self.keep:
             self.store.chunks_.append(chunk)
         self.steps += 1
-        if self._callbacks:
-            from ..api import GradientSet
-            from ..expr import Captured
+        for cb in self._callbacks:
+            cb(chunk)
 
-            step = GradientSet(Captured(CaptureStore([chunk]), self.space))
-            for cb in self._callbacks:
-                cb(step)
-
-
-def capture(model: nn.Module, layers=None, *, reduction: str | None = None, keep: bool = True) -> CaptureSession:
-    """Record per-example gradients around any loop that calls ``loss.backward()``.
-
-    Parameters
-    ----------
-    model : the module being trained.
-    layers : module names or glob patterns (default: every supported layer).
-    reduction : how the loop's loss combines examples. ``"sum"`` gives true per-example
-        gradients. ``"mean"`` (the usual ``F.cross_entropy`` default) scales each step's
-        gradients by its batch size to undo the ``1/B``. ``ga.capture`` never sees the
-        loop's loss, so it cannot check this (``ga.grads`` does): left unset, ``"sum"`` is
-        assumed and a warning says so — a mean loss taken for a sum scales every score by
-        ``1/B²``. Pass it explicitly.
-    keep : keep every step's factors in memory for ``cap.grads`` (set False when only
-        callbacks are needed).
-    """
-    if reduction is None:
-        warnings.warn(
-            "ga.capture cannot see the training loop's loss, so it cannot check how it combines the "
-            "examples of a batch: it assumes a SUM over examples. If the loss is a mean (the default "
-            "of F.cross_entropy and of most trainers), every captured gradient is 1/B too small and "
-            "every score 1/B² too small: pass ga.capture(..., reduction='mean'); pass "
-            "reduction='sum' to state that the loss is a sum (and silence this warning)",
-            UserWarning, stacklevel=2)
-        reduction = "sum"
-    return CaptureSession(model, layers, reduction=reduction, keep=keep)

@@ -51,7 +51,6 @@ from ..capture.factors import Factors, OneHot, materialize, token_slices
 from ..errors import CurvatureError, GradalgError, MemoryBudgetError
 from ..linalg import rules as _rules
 from ..linalg.base import LinearOp, power_values, reciprocal
-from ..linalg.explicit import explicit
 
 __all__ = ["KronStats", "KronOp", "kron_eigenbasis", "rotate_factors", "rotate_rows", "work_dtype", "gram",
            "factor_dtype", "checked_eigh", "EighCheck", "FLOAT32_ROUNDOFF"]
@@ -424,10 +423,6 @@ class KronOp(LinearOp):
 
     def dense(self) -> torch.Tensor:
         return torch.block_diag(*(self.block_matrix(n) for n in self.space.names))
-
-    def as_block(self):
-        """The same operator as one explicit matrix per block (``kronecker.expand_to_block``)."""
-        return explicit(self, "block")
 
     def nbytes(self) -> int:
         total = 0

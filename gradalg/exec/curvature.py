@@ -8,11 +8,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..curvature.hvp import dataset_matvec
-from ..curvature.implicit import ImplicitOp, LowRankOp
-from ..curvature.solvers import arnoldi
 from ..errors import GradalgError
 from ..expr.curvature import Arnoldi, CurvatureProducts, DataInf
-from ..linalg import LinearOp
+from ..linalg import ImplicitOp, LinearOp, LowRankOp
+from ..linalg.solvers import arnoldi
 from ..capture.chunks import flat_block, unflatten
 
 __all__ = ["resolve_curvature", "DataInfOp"]

@@ -7,6 +7,6 @@ from .operators import (Damp, Dense, Diagonal, Fisher, Identity, Inverse, OpNode
 from .projection import Projector
 from .scores import Diagonal as ScoreDiagonal
 from .scores import Inner, ScoreNode, ScoreSum
-from .space import Block, ParamSpace
 from .curvature import KFAC, Arnoldi, CurvatureProducts, DataInf
 from .tokens import PerToken, PerTokenError
+from ..space import Block, ParamSpace  # the shape types (gradalg/space.py), with the nodes that carry them

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..data import DataRef
+from ..space import ParamSpace
 from .grads import GradNode
 from .operators import OpNode
-from .space import ParamSpace
 
 __all__ = ["KFAC", "CurvatureProducts", "Arnoldi", "DataInf"]
 

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable
 
+from ..capture.hooks import resolve_layers
 from ..data import DataRef
+from ..space import Block, ParamSpace
 from .base import Node
 from .projection import Projector
-from .space import Block, ParamSpace
 
 __all__ = ["GradNode", "Source", "Captured", "Project", "Normalize", "Select", "Precondition",
            "ScaleRows", "RowWeights", "GroupMean", "AdamState", "AdamPrecondition"]
@@ -54,8 +55,7 @@ class GradNode(Node):
 
 
 def _module_blocks(task, layers, backend) -> tuple[Block, ...]:
-    from ..capture.hooks import resolve_layers  # pure metadata: reads module shapes only
-
+    """The blocks of ``layers`` in ``task.model``, from the layer rules (module shapes only)."""
     refs = resolve_layers(task.model, list(layers), backend=backend)
     blocks = []
     for ref in refs:
@@ -113,7 +113,7 @@ class Source(GradNode):
 class Captured(GradNode):
     """Per-example gradients recorded by ``ga.capture`` around a user's loop (in memory)."""
 
-    store: Any  # gradalg.capture.session.CaptureStore
+    store: Any  # gradalg.capture.session.CaptureStore, or any object with chunks() and token
     space_: ParamSpace
 
     @property

@@ -20,9 +20,9 @@ from functools import cached_property
 import torch
 
 from ..errors import ShapeMismatchError
+from ..space import ParamSpace
 from .base import Node
 from .grads import GradNode
-from .space import ParamSpace
 
 __all__ = ["OpNode", "Identity", "Diagonal", "Dense", "Fisher", "Damp", "Inverse", "Power",
            "ScaledOp", "SumOp", "coarsest"]

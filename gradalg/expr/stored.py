@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..space import ParamSpace
 from .grads import Captured
 from .operators import OpNode
-from .space import ParamSpace
 
 __all__ = ["Stored", "StoredOp"]
 

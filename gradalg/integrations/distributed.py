@@ -87,10 +87,8 @@ def gather(grads, *, order: str = "step", group=None):
     moved to CPU and sent with ``all_gather_object`` (gloo or NCCL). Outside a
     distributed run this returns the rows unchanged.
     """
-    from ..api import GradientSet
-    from ..capture.session import CaptureStore
     from ..capture.chunks import Chunk
-    from ..expr import Captured
+    from ..loop_capture import captured_grads
 
     if order not in ("step", "rank"):
         raise ValueError(f"order must be 'step' or 'rank', got {order!r}")
@@ -118,7 +116,7 @@ def gather(grads, *, order: str = "step", group=None):
         n = next(iter(b.values())).n if b else 0
         out.append(Chunk(ids, b, meta={"labelled": True}) if labelled else Chunk(tuple(range(start, start + n)), b))
         start += n
-    return GradientSet(Captured(CaptureStore(out), space))
+    return captured_grads(out, space)
 
 
 def all_gather_scores(local: torch.Tensor, group=None) -> tuple[torch.Tensor, slice]:

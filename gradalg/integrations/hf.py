@@ -261,7 +261,7 @@ class GradientCallback(TrainerCallback):
     # ------------------------------------------------------------------ scaling
     def _pre_forward(self, module, args, kwargs):
         recording = (torch.is_grad_enabled() and module.training and self.capture is not None
-                     and bool(self.capture.session._handles))   # not paused (online selection's validation)
+                     and self.capture.session.active)   # not paused (online selection's validation)
         if not recording:
             if self.ids not in (None, "sampler", "auto", "grpo") and self.ids in kwargs:
                 kwargs.pop(self.ids)  # an evaluation forward: the model does not take the index column

@@ -269,11 +269,9 @@ class StoreStream:
 
 def capture_grads_like(capture):
     """A zero-row GradientSet in ``capture``'s space (to derive the projected space)."""
-    from ..api import GradientSet
-    from ..capture.session import CaptureStore
-    from ..expr import Captured
+    from ..loop_capture import captured_grads
 
-    return GradientSet(Captured(CaptureStore([]), capture.space))
+    return captured_grads([], capture.space)
 
 
 class SegmentRows:
@@ -321,7 +319,7 @@ def open_stream(path, *, require_complete: bool = True):
     opening ``path`` reads them all, rank by rank (rank 0's rows, then rank 1's).
     """
     from ..api import GradientSet
-    from ..expr import Block, ParamSpace
+    from ..space import Block, ParamSpace
     from ..expr.stored import Stored
     from ..store.gradients import GradientStore
     from ..store.layout import check_complete, ids_tuple

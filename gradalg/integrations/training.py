@@ -14,12 +14,12 @@
     tc.grads                               # GradientSet of every example seen (keep=True)
 
 A *micro-batch* is one ``backward()``; a *step* is every micro-batch between two
-optimizer steps. :class:`~gradalg.capture.CaptureSession` records each micro-batch's
-factors during backward; a step pre-hook on the optimizer (or the trainer integrations,
-or an explicit :meth:`TrainingCapture.end_step`) closes the step and hands its
-:class:`StepGrads` to every ``on_step`` callback, while ``p.grad`` holds the step's
-gradient and nothing has been applied yet. Callbacks may change ``p.grad`` (online data
-selection, :mod:`gradalg.integrations.selection`, does).
+optimizer steps. A :class:`~gradalg.capture.session.LoopRecorder` records each
+micro-batch's factors during backward (one Chunk); a step pre-hook on the optimizer (or
+the trainer integrations, or an explicit :meth:`TrainingCapture.end_step`) closes the
+step and hands its :class:`StepGrads` to every ``on_step`` callback, while ``p.grad``
+holds the step's gradient and nothing has been applied yet. Callbacks may change
+``p.grad`` (online data selection, :mod:`gradalg.integrations.selection`, does).
 
 Per-example gradients are those of the loss that was backpropagated (``ga.capture``'s
 ``reduction="sum"``): with a mean-reduced loss they are each example's *contribution* to
@@ -36,8 +36,9 @@ import torch
 from torch import nn
 
 from ..capture.factors import Factors, self_inner
-from ..capture.session import CaptureSession, CaptureStore
+from ..capture.session import LoopRecorder
 from ..errors import ExampleIdsError
+from ..loop_capture import captured_grads
 from ..capture.chunks import Chunk
 from .distributed import unwrap_model
 
@@ -77,10 +78,7 @@ class StepGrads:
     @property
     def grads(self):
         """The step's rows as a lazy GradientSet (project, normalize, score it as any other)."""
-        from ..api import GradientSet
-        from ..expr import Captured
-
-        return GradientSet(Captured(CaptureStore(list(self.chunks)), self.space))
+        return captured_grads(list(self.chunks), self.space)
 
     def factors(self, layer: str) -> Factors:
         """One layer's factors over the whole step: A (n, T, in), D (n, T, out)."""
@@ -100,7 +98,8 @@ class TrainingCapture:
 
     Attributes
     ----------
-    session : the underlying :class:`~gradalg.capture.CaptureSession` (micro-batches).
+    session : the underlying :class:`~gradalg.capture.session.LoopRecorder` (a Chunk per
+        micro-batch).
     steps : number of steps closed so far.
     """
 
@@ -113,8 +112,8 @@ class TrainingCapture:
         if step_on == "optimizer" and optimizer is None:
             raise ValueError("step_on='optimizer' needs the optimizer: training_capture(..., optimizer=opt)")
         self.model = unwrap_model(model)
-        self.session = CaptureSession(self.model, layers, reduction="sum", keep=False)
-        self.session.on_batch(self._micro_batch_done)
+        self.session = LoopRecorder(self.model, layers, reduction="sum", keep=False)
+        self.session.on_chunk(self._micro_batch_done)
         self.refs = self.session.refs
         self.optimizer = optimizer
         self.step_on = step_on
@@ -138,9 +137,7 @@ class TrainingCapture:
     @property
     def space(self):
         """The ParamSpace of the captured layers (one block per layer, its (out, in + bias) shape)."""
-        from ..expr import ParamSpace
-
-        return ParamSpace(tuple(r.block() for r in self.refs))
+        return self.session.space
 
     def on_step(self, callback: Callable) -> Callable:
         """Call ``callback(step: StepGrads)`` when a step closes, before the optimizer step.
@@ -212,12 +209,9 @@ class TrainingCapture:
     @property
     def grads(self):
         """GradientSet of every example of the closed steps (needs ``keep=True``), in order."""
-        from ..api import GradientSet
-        from ..expr import Captured
-
         if not self.keep:
             raise ValueError("this capture keeps nothing (keep=False); pass keep=True to read .grads")
-        return GradientSet(Captured(CaptureStore(list(self._kept)), self.space))
+        return captured_grads(list(self._kept), self.space)
 
     # ------------------------------------------------------------------ context
     def __enter__(self):
@@ -248,8 +242,7 @@ class TrainingCapture:
         self.end_step()
         return None  # a step pre-hook returning a value would replace the step's arguments
 
-    def _micro_batch_done(self, grads) -> None:
-        (chunk,) = grads.expr.store.chunks_
+    def _micro_batch_done(self, chunk: Chunk) -> None:
         n = chunk.n
         blocks = chunk.blocks
         scale, self._row_scale = self._row_scale, None
@@ -304,7 +297,7 @@ class _Paused:
         self.tc = tc
 
     def __enter__(self):
-        self.was_active = bool(self.tc.session._handles)
+        self.was_active = self.tc.session.active
         if self.was_active:
             self.tc.session.__exit__(None, None, None)
         return self.tc

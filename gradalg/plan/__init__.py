@@ -3,6 +3,6 @@ from .choices import Choices
 from .cost import Cost
 from .jobs import TopK
 from .planner import estimate
-from .routing import choose_kernel, shared_grad_nodes
+from .routing import choose_kernel
 
-__all__ = ["Choices", "Cost", "TopK", "estimate", "choose_kernel", "shared_grad_nodes"]
+__all__ = ["Choices", "Cost", "TopK", "estimate", "choose_kernel"]

@@ -3,7 +3,9 @@
 :class:`Explain` displays itself (``print`` it, or leave it last in a notebook cell):
 
 1. logical      the expression tree as written
-2. simplified   after the rewrite rules, with each rule that fired and why
+2. simplified   after the rewrite rules, with each rule that fired and why, and the
+                named operator rules (``kronecker.invert_eigenvalues``, ...) that
+                resolving each operator will apply, from its structure labels alone
 3. costed       every decision with its alternatives and their estimated costs
 4. physical     the passes over data: jobs, chunk size, estimated FLOPs, time, memory
                 (and, with ``analyze=True``, measured time and memory per pass)
@@ -11,8 +13,8 @@
 plus, for planning at scale, estimated time and memory per GPU for 1, 4 and 8 GPUs
 (``gpus=``, ``device=``). ``to_dict()`` exports everything as plain data.
 
-One row model, two renderers: ``summary()``, ``stages()``, ``decisions()``, ``passes()``
-and ``scale()`` build the content once; ``__str__`` and ``_repr_html_`` only lay it out
+One row model, two renderers: ``summary()``, ``stages()``, ``operators()``, ``decisions()``,
+``passes()`` and ``scale()`` build the content once; ``__str__`` and ``_repr_html_`` only lay it out
 (a ``_text_<stage>`` and an ``_html_<stage>`` method per stage), so ``stage=`` keeps the
 same single stage in both.
 """
@@ -24,7 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..viz.describe import block_label
+from ..linalg.rules import describe_rule
+from ..viz.describe import block_label, operator_chain
 from ..viz.tree import text_tree
 from .cost import _si
 from .devices import profile
@@ -60,6 +63,15 @@ def readable(what: str, nodes: dict | None = None) -> str:
                 return match.group(0)
         out = _BLOCK.sub(label, out)
     return out
+
+
+def _rule_math(name: str) -> str:
+    """The math of an operator rule, or "" for a name this version does not know (a rule
+    recorded in an operator stored by another version: a display never raises)."""
+    try:
+        return describe_rule(name)
+    except KeyError:
+        return ""
 
 
 def _fmt_seconds(s: float) -> str:
@@ -135,6 +147,15 @@ class Explain:
                 out.setdefault(node.token, node)
         return out
 
+    def operators(self) -> list[dict]:
+        """Each operator of the simplified expression with the named rules that will resolve
+        it (:func:`gradalg.plan.resolution.operator_rules`: structure labels, no data) and
+        each rule's math (:func:`gradalg.linalg.rules.describe_rule`), or the refusal its
+        structure gets."""
+        return [{"operator": operator_chain(r.op), "rules": list(r.rules),
+                 "math": {name: _rule_math(name) for name in r.rules}, "refused": r.refusal}
+                for r in operator_rules(self.plan.simplified)]
+
     def decisions(self) -> list[dict]:
         nodes = self._nodes()
         return [{"what": readable(d.what, nodes), "chosen": d.chosen, "alternatives": dict(d.alternatives),
@@ -165,7 +186,7 @@ class Explain:
         return {
             "device": self.plan.device.name, "memory_budget": self.plan.options.memory_budget,
             "rules_fired": [f.__dict__ for f in self.plan.fired], "decisions": self.decisions(),
-            "operator_rules": operator_rules(self.plan.simplified),
+            "operator_rules": self.operators(),
             "passes": self.passes(), "passes_over_data": self.plan.data_passes,
             "estimated_seconds": self.plan.seconds, "estimated_peak_bytes": self.plan.peak_bytes,
             "scale": self.scale(),
@@ -212,6 +233,12 @@ class Explain:
         lines += [f"   - {f.rule}: {f.before} → {f.after}  ({f.why})" for f in p.fired]
         if p.fired:
             lines.append(text_tree(p.simplified, "simplified", self._cost_line()))
+        operators = self.operators()
+        if operators:
+            lines.append("   operator rules (by structure, applied when each operator is resolved):")
+        for row in operators:
+            lines.append(f"   - {row['operator']}: "
+                         + (f"refused: {row['refused']}" if row["refused"] else ", ".join(row["rules"]) or "no rule"))
         return lines
 
     def _text_costed(self) -> list[str]:
@@ -273,9 +300,18 @@ class Explain:
         p, esc = self.plan, html.escape
         fired = "".join(f"<li><b>{esc(f.rule)}</b>: {esc(f.before)} → {esc(f.after)} <i>{esc(f.why)}</i></li>"
                         for f in p.fired) or "<li>no rule fired</li>"
+        operators = "".join(
+            f"<li>{esc(row['operator'])}: "
+            + (f"<i>refused: {esc(row['refused'])}</i>" if row["refused"]
+               else ", ".join(f"<b title='{esc(row['math'][r])}'>{esc(r)}</b>" for r in row["rules"]) or "no rule") + "</li>"
+            for row in self.operators())
+        if operators:
+            operators = ("<div>operator rules (by structure, applied when each operator is resolved):</div>"
+                         f"<ul>{operators}</ul>")
         return (f"<details{' open' if self.stage else ''}><summary>2. simplified ({len(p.fired)} rewrites)"
                 f"</summary><ul>{fired}</ul>"
-                f"{html_tree(p.simplified, 'simplified', self._cost_line()) if p.fired else ''}</details>")
+                f"{html_tree(p.simplified, 'simplified', self._cost_line()) if p.fired else ''}{operators}"
+                "</details>")
 
     def _html_costed(self) -> str:
         esc = html.escape

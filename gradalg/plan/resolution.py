@@ -10,13 +10,15 @@ through products, damping DataInf, ...) is raised here, before any pass runs.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..expr import (KFAC, Arnoldi, CurvatureProducts, Damp, DataInf, Dense, Diagonal, Fisher, Identity, Inverse,
                     OpNode, Power, ScaledOp, SumOp)
 from ..expr.spectral import Spectral
 from ..expr.stored import StoredOp
 from ..linalg.rules import choose, choose_sum
 
-__all__ = ["resolution_rules", "predicted_structure", "operator_rules"]
+__all__ = ["resolution_rules", "operator_rules", "OperatorRules"]
 
 _FORM = {"identity": "diagonal", "diag": "diagonal", "block": "block", "dense": "dense", "kron": "kronecker",
          "lowrank": "low-rank", "implicit": "implicit"}
@@ -98,29 +100,31 @@ def resolution_rules(node: OpNode) -> list[str]:
     return _walk(node)[1]
 
 
-def predicted_structure(node: OpNode) -> frozenset:
-    """The structure labels the resolved ``node`` will carry (``psd`` aside)."""
-    if hasattr(node, "expr"):
-        node = node.expr
-    return _walk(node)[0]
+@dataclass(frozen=True)
+class OperatorRules:
+    """The rules resolving one operator of an expression will apply (``refusal``: the
+    :class:`~gradalg.errors.OperatorError` message instead, when its structure cannot)."""
+
+    op: OpNode
+    rules: tuple[str, ...]
+    refusal: str | None = None
 
 
-def operator_rules(root) -> dict[str, list[str]]:
-    """{operator label: its resolution rules} for every operator ``root`` uses (an inner
-    product's, a preconditioner's, a metric's), without data; a refused one lists its
-    refusal. For ``explain()`` and ``Plan`` records."""
+def operator_rules(root) -> list[OperatorRules]:
+    """The resolution rules of every operator ``root`` uses (an inner product's, a
+    preconditioner's, a metric's), each operator once, in tree order, without data; a
+    refused one carries its refusal. For ``explain()``."""
     from ..errors import OperatorError
 
-    out: dict[str, list[str]] = {}
+    out: dict[str, OperatorRules] = {}
     for x in root.walk():
         if isinstance(x, OpNode):
             continue
         for op in x.children:
-            if not isinstance(op, OpNode) or isinstance(op, Identity):
+            if not isinstance(op, OpNode) or isinstance(op, Identity) or op.token in out:
                 continue
-            label = op.label if op.label not in out else f"{op.label} ({len(out) + 1})"
             try:
-                out[label] = resolution_rules(op)
+                out[op.token] = OperatorRules(op, tuple(resolution_rules(op)))
             except OperatorError as err:
-                out[label] = [f"refused: {err}"]
-    return out
+                out[op.token] = OperatorRules(op, (), str(err))
+    return list(out.values())

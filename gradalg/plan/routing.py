@@ -16,12 +16,9 @@ materialized once per example); dense wins for long sequences and many queries.
 """
 from __future__ import annotations
 
-from collections import Counter
-
 from ..capture.factors import Factors, dense_flops, ghost_flops
-from ..expr import GradNode, Node, Source
 
-__all__ = ["choose_kernel", "shared_grad_nodes"]
+__all__ = ["choose_kernel"]
 
 
 def choose_kernel(L: Factors, R: Factors, mode: str = "auto") -> str:
@@ -32,29 +29,3 @@ def choose_kernel(L: Factors, R: Factors, mode: str = "auto") -> str:
         return "dense"
     args = (L.n, R.n, L.T, R.T, L.in_features, L.out_features)
     return "ghost" if ghost_flops(*args) <= dense_flops(*args, left_ready=True) else "dense"
-
-
-def shared_grad_nodes(root: Node, budget_bytes: int) -> set[str]:
-    """Tokens of non-factored gradient nodes used more than once under ``root``, small enough to cache.
-
-    Example: in ``P(Q) @ fisher(P(G)).inv() @ P(G).T`` the node ``P(G)`` feeds both the
-    Fisher and the scores; caching its (n, k) rows saves a second pass over the data.
-    """
-    uses: Counter = Counter()
-
-    def visit(node: Node):
-        for child in node.children:
-            uses[child.token] += 1
-            if uses[child.token] == 1:
-                visit(child)
-
-    visit(root)
-    keep = set()
-    for node in root.walk():
-        if not isinstance(node, GradNode) or uses[node.token] < 2:
-            continue
-        if isinstance(node, Source) or "factored" in node.representation.values():
-            continue
-        if node.n * node.space.dim * 4 <= budget_bytes:
-            keep.add(node.token)
-    return keep

@@ -22,7 +22,7 @@ import torch
 from ..capture import factors as _factors
 from ..capture.factors import Factors, OneHot
 from ..expr.projection import Projector
-from ..expr.space import Block
+from ..space import Block
 from .sparse_tables import SJLT, factgrass_tables, global_mask, grass_tables, mask_indices, sjlt
 
 __all__ = ["sjlt_apply", "entries", "mask_factors", "project_sparse_block", "SPARSE_KINDS"]

@@ -24,7 +24,7 @@ import torch
 
 from ..data import DataRef
 from ..expr import Captured, Node, Project, Projector, Source
-from ..expr.space import ParamSpace
+from ..space import ParamSpace
 from ..expr.stored import Stored, StoredOp
 
 __all__ = ["model_fingerprint", "tensor_digest", "describe", "digest", "summary"]

@@ -21,7 +21,7 @@ import xarray as xr
 
 from ..errors import OptionError, StoreMismatchError
 from ..capture.chunks import Chunk
-from ..expr import Block, ParamSpace
+from ..space import Block, ParamSpace
 from ..expr.stored import Stored
 from ..exec.resilience import PAYLOAD, run_tasks
 from . import layout

@@ -25,7 +25,7 @@ import xarray as xr
 from ..curvature.kron import KronOp
 from ..errors import GradalgError, StoreCorruptError, StoreIncompleteError, StoreMismatchError
 from ..linalg import LinearOp, LowRankOp, ResolvedOp
-from ..expr import Block, ParamSpace
+from ..space import Block, ParamSpace
 from ..expr.stored import StoredOp
 from . import integrity, layout
 from .describe import digest, store_attrs

@@ -32,6 +32,17 @@ def facts(node: Node) -> list[str]:
     return []
 
 
+def operator_chain(op: OpNode) -> str:
+    """An operator as the operations that build it, innermost first, without display notes:
+    ``ekfac → damp(λ=0.1·mean eig) → inverse``; a sum lists its terms, ``sum(fisher[dense], I)``."""
+    name = op.label.split(" [")[0]
+    operands = [c for c in op.children if isinstance(c, OpNode)]
+    if len(operands) == 1:
+        return f"{operator_chain(operands[0])} → {name}"
+    if operands:
+        return f"{name}({', '.join(operator_chain(c) for c in operands)})"
+    return name
+
 
 def shown_children(node: Node) -> tuple:
     """The children a display shows: all but the identity operator of a plain inner

@@ -4,12 +4,15 @@ A block is one captured layer (canonical ``(out, in)`` orientation, bias folded 
 ``in``) or one projected block (``k`` coordinates in a projector's basis). Two gradient
 sets can be multiplied only when their spaces are equal: same blocks, same shapes,
 same basis.
+
+Pure shape types on the floor below ``capture/`` and ``expr/``: the layer rules give a
+block its shape, the expression nodes carry the spaces, and both import them from here.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..errors import SpaceMismatchError
+from .errors import SpaceMismatchError
 
 __all__ = ["Block", "ParamSpace", "AliasDict"]
 
