@@ -406,6 +406,12 @@ def _warn_expanding(before, after, projector) -> None:
             + (f" ({len(wide)} blocks are like this)" if len(wide) > 1 else ""), UserWarning, stacklevel=4)
 
 
+#: ``write_scores(S, path, chunk_rows=, executor=, overwrite=)`` of :mod:`gradalg.store`, which
+#: registers it when imported (the store sits above api: it returns api objects, so api
+#: must not import it); ``Scores.compute(store=...)`` calls it.
+SCORE_STORE_WRITER = None
+
+
 class Scores(_Displayed):
     """Lazy (n_query, n_train) attribution scores."""
 
@@ -509,8 +515,10 @@ class Scores(_Displayed):
         results that do not fit in memory.
         """
         if store is not None:
-            from .store.scores import write_scores
-            return write_scores(self, store, chunk_rows=chunk_rows, executor=executor, overwrite=overwrite)
+            if SCORE_STORE_WRITER is None:
+                raise ImportError("S.compute(store=...) needs gradalg.store: `import gradalg` (or "
+                                  "gradalg.store) registers it; or call ga.store.write_scores(S, path)")
+            return SCORE_STORE_WRITER(self, store, chunk_rows=chunk_rows, executor=executor, overwrite=overwrite)
         ex = _executor(executor)
         values = ex.scores(self.expr)
         from .token_scores import token_scores_array, token_sides

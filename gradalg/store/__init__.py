@@ -19,6 +19,9 @@ from .gradients import dataset, open_gradients, write
 from .operators import open_operator, write_operator
 from .scores import open_scores, write_scores
 from .gradient_index import GradientIndex, index, open_index
+from .. import api as _api
+
+_api.SCORE_STORE_WRITER = write_scores   # Scores.compute(store=...) writes through it
 
 open = open_gradients  # noqa: A001 - ga.store.open reads like the other stores' APIs
 
