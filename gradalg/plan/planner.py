@@ -480,7 +480,11 @@ class _Planner:
         return cost
 
     def _per_example_bytes(self, p_jobs: list[Job], sources: list[Source]) -> float:
-        total = sum(capture_bytes_per_example(src, self.dtype) for src in sources)
+        total, forwards = 0.0, set()
+        for src in sources:   # sources sharing one forward per batch keep its activations once
+            key = forward_share_key(src)
+            total += capture_bytes_per_example(src, self.dtype, forward_shared=key is not None and key in forwards)
+            forwards.add(key)
         return total + sum(job.per_example_bytes(self.dtype) for job in p_jobs)
 
     def _fixed_bytes(self, p_jobs: list[Job]) -> float:
