@@ -161,6 +161,9 @@ def main():
             print(f"{name:14} {method:14} {n_params / 1e9:6.1f}B {built:8.2f} {explained:9.2f} {cpu:6.2f}  "
                   + "  ".join(c.ljust(24) for c in cells))
             table.append((name, method, rows, error, built + explained))
+    for name, method, rows, error, seconds in table:
+        if error:
+            print(f"# {name} {method} refused: {error}")
     if args.markdown:
         print()
         print("| model | method | planning s | " + " | ".join(f"{g}× H200" for g in GPU_COUNTS) + " |")
