@@ -176,6 +176,7 @@ class _Planner:
         # all its blocks; asked per block, it made planning quadratic in the block count
         self._representations: dict[int, tuple] = {}
         self._task_tokens: dict[int, tuple] = {}     # {id(task): (task, task.token)}
+        self._share_keys: dict[int, tuple] = {}      # {id(source): (source, forward_share_key)}
 
     # ---- jobs -------------------------------------------------------------------
     def add(self, job: Job) -> tuple:
@@ -333,6 +334,14 @@ class _Planner:
             hit = self._task_tokens[id(task)] = (task, task.token)
         return hit[1]
 
+    def _forward_share_key(self, src: Source):
+        """``forward_share_key(src)`` once per plan (it resolves the layers and reads the
+        task's token: a walk of the model)."""
+        hit = self._share_keys.get(id(src))
+        if hit is None or hit[0] is not src:
+            hit = self._share_keys[id(src)] = (src, forward_share_key(src))
+        return hit[1]
+
     def _representation(self, node: GradNode) -> dict:
         hit = self._representations.get(id(node))
         if hit is None or hit[0] is not node:
@@ -446,7 +455,7 @@ class _Planner:
     def _pass_capture_cost(self, sources: list[Source], batch: int | None = None) -> Cost:
         """Capturing all sources of a pass: those differing only in their objective share
         one forward per batch (:class:`~gradalg.exec.capture_pass.PassCapture`)."""
-        return estimates.pass_capture_cost(sources, self.options, self.dtype, forward_share_key, batch)
+        return estimates.pass_capture_cost(sources, self.options, self.dtype, self._forward_share_key, batch)
 
     def _layout(self, node: GradNode, reads_data: bool) -> dict:
         """``{block: "factors" | "flat"}`` of ``node``'s rows as a pass delivers them: as
@@ -482,7 +491,7 @@ class _Planner:
     def _per_example_bytes(self, p_jobs: list[Job], sources: list[Source]) -> float:
         total, forwards = 0.0, set()
         for src in sources:   # sources sharing one forward per batch keep its activations once
-            key = forward_share_key(src)
+            key = self._forward_share_key(src)
             total += capture_bytes_per_example(src, self.dtype, forward_shared=key is not None and key in forwards)
             forwards.add(key)
         return total + sum(job.per_example_bytes(self.dtype) for job in p_jobs)
