@@ -81,6 +81,13 @@ def _interp_loglog(table, x: float, high_power: float, low_power: float) -> floa
 
 @dataclass(frozen=True)
 class DeviceProfile:
+    """The speeds and memory of one device (module docstring: what each number prices).
+
+    ``link_bandwidth`` is what one GPU receives per second from its peers (NVLink), used
+    for the weights' all-gathers of a sharded run; ``count`` is how many devices of this
+    kind a run may use (:func:`profile`, ``count=``): planning is per device, the scale
+    estimates (:mod:`gradalg.plan.scale`) split the work over them."""
+
     name: str
     flops_fp32: float      # sustained matmul FLOP/s in float32 (large GEMMs)
     flops_bf16: float      # sustained matmul FLOP/s in bfloat16 (tensor cores on GPUs)
