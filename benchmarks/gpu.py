@@ -25,7 +25,10 @@ over the training set, gradalg's checks), after one warm-up batch of the plain p
     trak              ga.methods.trak (k = 2048, sparse JL projection)
 
 Every cost is given as a multiple of the plain pass over the same training set, with
-the method's training tokens per second and the peak device memory. On CUDA each timing
+the method's training tokens per second, the peak device memory, and the planner's
+estimate of the same expression on the H200 preset (spec-sheet speeds: on an H200 the
+two columns check ``gradalg/plan/devices.py`` and the scale table of
+docs/performance.md). On CUDA each timing
 is bracketed by ``torch.cuda.synchronize()``. gradalg keeps curvature statistics in
 float64 (also on the GPU: slow next to bfloat16, but exact enough to invert); that is
 part of EK-FAC's and LoGra's cost here. Methods run cheapest first, each on both models;
@@ -162,6 +165,15 @@ def prepare(name, cls, config, layers, args, device, clock) -> dict:
         "plain": {"seconds": plain_s, "tokens_per_s": tokens / plain_s, "peak_bytes": clock.peak()}}}
 
 
+def _h200_estimate(S) -> float | None:
+    """The planner's estimate of the same expression on the H200 preset (spec-sheet
+    speeds, ``gradalg.plan.devices``), to set beside the measured seconds on an H200."""
+    try:
+        return float(S.explain(device="h200").plan.seconds)
+    except ga.errors.MemoryBudgetError:
+        return None
+
+
 def run_method(name, bench: dict, method: str, args, clock) -> dict:
     """One method end to end on one model: seconds, × plain, tokens/s, peak memory. An
     error is recorded (the run goes on to the next method: a GPU run is one shot)."""
@@ -179,7 +191,8 @@ def run_method(name, bench: dict, method: str, args, clock) -> dict:
         return {"error": f"{type(err).__name__}: {err}"}
     plan = executor.last_plan
     row = {"seconds": seconds, "ratio": seconds / plain_s, "train_tokens_per_s": tokens / seconds,
-           "peak_bytes": clock.peak(), "passes_over_data": plan.data_passes if plan else None}
+           "peak_bytes": clock.peak(), "passes_over_data": plan.data_passes if plan else None,
+           "estimated_h200_seconds": _h200_estimate(S)}
     print(f"  {name:12} {method:14} {seconds:8.2f} s  {row['ratio']:6.2f}× plain  "
           f"{row['train_tokens_per_s']:12,.0f} tokens/s", flush=True)
     return row
@@ -196,16 +209,19 @@ def markdown(report: dict) -> str:
         lines += [f"## {name} ({res['parameters'] / 1e6:.1f} M parameters)", "",
                   f"plain fwd+bwd: {plain['seconds']:.2f} s, {plain['tokens_per_s']:,.0f} tokens/s"
                   + (f", peak {plain['peak_bytes'] / 2**30:.1f} GiB" if plain["peak_bytes"] else ""), "",
-                  "| method | seconds | × plain fwd+bwd | training tokens/s | passes over data | peak GiB |",
-                  "|---|---|---|---|---|---|"]
+                  "| method | seconds | × plain fwd+bwd | training tokens/s | passes over data | peak GiB "
+                  "| H200 estimate s |",
+                  "|---|---|---|---|---|---|---|"]
         for method, row in res["methods"].items():
             if "skipped" in row or "error" in row:
                 what = f"skipped: {row['skipped']}" if "skipped" in row else f"failed: {row['error'][:120]}"
-                lines.append(f"| {method} | {what} | | | | |")
+                lines.append(f"| {method} | {what} | | | | | |")
                 continue
             peak = f"{row['peak_bytes'] / 2**30:.1f}" if row["peak_bytes"] else "-"
+            est = row.get("estimated_h200_seconds")
             lines.append(f"| {method} | {row['seconds']:.2f} | {row['ratio']:.2f}× | "
-                         f"{row['train_tokens_per_s']:,.0f} | {row['passes_over_data']} | {peak} |")
+                         f"{row['train_tokens_per_s']:,.0f} | {row['passes_over_data']} | {peak} | "
+                         f"{'-' if est is None else f'{est:.3g}'} |")
         lines.append("")
     return "\n".join(lines)
 

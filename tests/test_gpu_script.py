@@ -36,7 +36,7 @@ def test_gpu_script_smoke_run_writes_every_method_for_both_models(tmp_path):
         for method, row in res["methods"].items():
             assert "skipped" not in row and "error" not in row, (name, method, row)
             assert row["seconds"] > 0 and math.isclose(row["ratio"], row["seconds"] / res["plain"]["seconds"])
-            assert row["passes_over_data"] >= 1
+            assert row["passes_over_data"] >= 1 and row["estimated_h200_seconds"] > 0
     table = out.with_suffix(".md").read_text()
     for method in gpu.METHODS:
         assert f"| {method} |" in table
