@@ -22,8 +22,6 @@ import html
 import re
 from dataclasses import dataclass, field
 
-import torch
-
 from ..viz.describe import block_label
 from ..viz.tree import text_tree
 from .cost import _si

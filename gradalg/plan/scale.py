@@ -37,7 +37,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-import torch
 from torch import nn
 
 from ..errors import MemoryBudgetError
