@@ -210,6 +210,10 @@ def test_a_configuration_that_does_not_fit_is_refused_with_the_arithmetic():
     e = S.explain(device=devices.profile(small, count=8), memory_budget=2**30)
     assert [r["gpus"] for r in e.to_dict()["scale"]] == [8] and e.scale()[0]["fits"], e.scale()[0]["why"]
     assert e.scale()[0]["batch_per_gpu"] == 1 and "8 GPU(s)" in str(e)
+    # a table of several counts shows the arithmetic of those that do not fit, text and HTML
+    table = S.explain(device=small, gpus=(1, 8), memory_budget=2**30)
+    assert [r["fits"] for r in table.scale()] == [False, True]
+    assert "(does not fit)" in str(table) and "weights / 1" in str(table) and "weights / 1" in table._repr_html_()
 
 
 def test_device_profile_counts():

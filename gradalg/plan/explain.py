@@ -286,7 +286,7 @@ class Explain:
     def _html_scale(self) -> str:
         esc = html.escape
         rows = "".join(f"<tr><td>{r['gpus']}</td><td>{_fmt_seconds(r['seconds'])}</td>"
-                       f"<td>{_si(r['memory_per_gpu'])}B</td><td>{'yes' if r['fits'] else 'no'}</td></tr>"
+                       f"<td>{_si(r['memory_per_gpu'])}B</td><td>{'yes' if r['fits'] else 'no: ' + esc(r['why'])}</td></tr>"
                        for r in self.scale())
         return (f"<details open><summary>5. at scale on {esc(profile(self.device).name)}</summary>"
                 "<table class='ga-table'><tr><th>GPUs</th><th>time</th><th>memory per GPU</th><th>fits"
