@@ -75,21 +75,41 @@ class _Displayed:
         return estimate(self.expr)
 
     def explain(self, *, analyze: bool = False, stage: str | None = None, rewrites: bool = True,
-                device: str | None = None, gpus=(1, 4, 8), memory_budget=None, executor=None):
+                device=None, gpus=(1, 4, 8), n_devices: int | None = None, memory_budget=None, executor=None):
         """The plan, stage by stage (logical, simplified, costed, physical), as an object that
         prints a text table and renders HTML in a notebook.
 
         analyze : also run the plan and add measured time and memory per pass.
         stage : show only "logical", "simplified", "costed", "physical" or "scale".
         rewrites : False shows (and runs) the plan without rewrite rules.
-        device : plan for this device ("h200", "h100", "a100"; default: this machine)
-            and add estimated time and memory per GPU for each count in ``gpus``.
+        device : plan for this device ("h200", "h100", "a100", or a profile such as
+            ``ga.plan.devices.profile("h200", count=4)``; default: this machine) and add
+            estimated time and memory per GPU for each count in ``gpus``.
+        n_devices : run on exactly this many GPUs of ``device`` (default: the profile's
+            ``count`` when above 1): the scale table has that count only, and a run that
+            does not fit raises :class:`~gradalg.errors.MemoryBudgetError` with the
+            arithmetic (weights / n + unsharded units + held rows + one example per GPU;
+            :mod:`gradalg.plan.scale`).
         memory_budget : bytes for the plan (default: the options' budget here,
             ``ga.options(device_memory_fraction=...)`` (0.4) of the device's memory when
             planning for another device).
         executor : the executor that would run it (a ``ga.exec.DaskExecutor`` adds, per
             pass, its shards, tasks and what crosses the network).
         """
+        from .plan.devices import DeviceProfile
+        if n_devices is None and isinstance(device, DeviceProfile) and device.count > 1:
+            n_devices = device.count
+        if n_devices is not None:
+            if device is None or device == "cpu":
+                raise ValueError("n_devices needs a GPU device: explain(device='h200', n_devices=4)")
+            gpus = (n_devices,)
+        result = self._explain(analyze, stage, rewrites, device, gpus, memory_budget, executor)
+        if n_devices is not None:
+            from .plan.scale import check_fits
+            check_fits(result.plan, n_devices, device)
+        return result
+
+    def _explain(self, analyze, stage, rewrites, device, gpus, memory_budget, executor):
         from .errors import MemoryBudgetError
         from .plan.explain import Explain
         from .plan.planner import plan

@@ -163,7 +163,7 @@ class Factors:
 
     def scale_rows(self, w: torch.Tensor) -> "Factors":
         """Example i's gradient times ``w[i]`` (w: (n,))."""
-        return Factors(self.A, self.D * w.to(self.D.dtype).view(-1, 1, 1))
+        return Factors(self.A, self.D * w.to(device=self.D.device, dtype=self.D.dtype).view(-1, 1, 1))
 
     def mask_tokens(self, keep: torch.Tensor) -> "Factors":
         """Drop positions where ``keep`` (n, T) is False (zeroes them in A and D)."""

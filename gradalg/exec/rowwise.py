@@ -25,7 +25,7 @@ def dtype_device(value):
 def scale_rows(value, w: torch.Tensor):
     if isinstance(value, Factors):
         return value.scale_rows(w)
-    return value * w.to(value.dtype).unsqueeze(1)
+    return value * w.to(device=value.device, dtype=value.dtype).unsqueeze(1)
 
 
 def apply_rowwise(executor, node, chunk: Chunk) -> Chunk:

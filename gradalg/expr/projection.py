@@ -38,6 +38,7 @@ same projector gives the same numbers on every machine and every process.
 """
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from dataclasses import dataclass
@@ -48,6 +49,23 @@ __all__ = ["Projector", "gaussian", "rademacher", "kron", "sparse", "mask", "gra
 KINDS = ("gaussian", "rademacher", "kron", "sparse", "mask", "grass", "factgrass")
 SJLT_KINDS = ("sparse", "grass", "factgrass")   # kinds whose last stage is a sparse JL transform
 GRASS_BLOWUP = 4   # GraSS / FactGraSS: the mask keeps about 4k coordinates before the SJLT to k
+
+
+@functools.lru_cache(maxsize=4096)
+def _even_kron_split(k: int, out: int, n_in: int) -> tuple[int, int]:
+    """The split (a, b) of ``k`` for an (out, in) layer with a ≤ out, b ≤ in, the most
+    coordinates a·b ≤ k and, among those, the least |log a − log b|. A search over a
+    (up to min(k, out) steps), cached: a model repeats a handful of layer shapes over
+    its blocks, and planning a 70B model asks for each block's split several times."""
+    best = None
+    for a in range(1, min(k, out) + 1):
+        b = min(k // a, n_in)
+        if b < 1:
+            continue
+        key = (a * b, -abs(math.log(a) - math.log(b)))
+        if best is None or key > best[0]:
+            best = (key, a, b)
+    return best[1], best[2]
 
 
 @dataclass(frozen=True)
@@ -129,15 +147,7 @@ class Projector:
         """
         if self.k_out is not None:
             return min(self.k_out, out), min(self.k_in, n_in)
-        best = None
-        for a in range(1, min(self.k, out) + 1):
-            b = min(self.k // a, n_in)
-            if b < 1:
-                continue
-            key = (a * b, -abs(math.log(a) - math.log(b)))
-            if best is None or key > best[0]:
-                best = (key, a, b)
-        return best[1], best[2]
+        return _even_kron_split(self.k, out, n_in)
 
     def mask_size(self, dim: int) -> int:
         """Coordinates a "mask" projection keeps of ``dim``: min(k, dim)."""

@@ -69,13 +69,16 @@ class ResolvedOp(LinearOp):
 
     def apply(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows (n, dim) ↦ rows Hᵀ = (H x_i)_i for symmetric H.   Returns (n, dim)."""
+        # the numbers may live elsewhere than the rows (an identity or a given diagonal is
+        # made on the CPU; rows come from the model's device): they follow the rows
+        like = dict(device=rows.device, dtype=rows.dtype)
         if self.kind == "diag":
-            return rows * self.data.to(rows.dtype)
+            return rows * self.data.to(**like)
         if self.kind == "dense":
-            return rows @ self.data.to(rows.dtype)
+            return rows @ self.data.to(**like)
         out = torch.empty_like(rows)
         for name, s in self.space.offsets().items():
-            out[:, s] = rows[:, s] @ self.data[name].to(rows.dtype)
+            out[:, s] = rows[:, s] @ self.data[name].to(**like)
         return out
 
     def nbytes(self) -> int:

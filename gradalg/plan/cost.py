@@ -32,7 +32,7 @@ from torch import nn
 from ..capture.factors import dense_flops, ghost_flops
 from ..expr.tokens import token_rows
 
-__all__ = ["Cost", "activation_bytes", "model_flops", "tokens_hint", "gemm_cost", "gram_cost", "ghost_cost",
+__all__ = ["Cost", "activation_bytes", "model_flops", "first_example_shape", "tokens_hint", "gemm_cost", "gram_cost", "ghost_cost",
            "dense_cost", "materialize_cost", "kron_project_cost", "dense_project_cost", "fisher_cost", "eigh_cost"]
 
 
@@ -205,6 +205,37 @@ def activation_bytes(model: nn.Module, tokens: int, elem: int = 4) -> float:
     return total * tokens * elem
 
 
+#: ``{(data key, collate_fn): (shape, dtype) | None}`` of the datasets planned so far (bounded)
+_FIRST_SHAPES: dict = {}
+_FIRST_SHAPES_KEPT = 1024
+
+
+def first_example_shape(data) -> tuple | None:
+    """``(shape, dtype)`` of the first tensor of a batch holding the data's first example
+    (its batch dimension first), or None when it cannot be read. Read once per dataset:
+    cached by the data's content fingerprint (``DataRef.key``) and ``collate_fn``, so
+    every gradient source over the same data shares the read; planning reads one
+    example's shape, nothing more."""
+    key = (getattr(data, "key", None), getattr(data, "collate_fn", None))
+    try:
+        if key[0] is not None and key in _FIRST_SHAPES:
+            return _FIRST_SHAPES[key]
+    except TypeError:         # an unhashable collate_fn: not cached
+        key = (None, None)
+    try:
+        first = data.first_example_batch()
+        while not isinstance(first, torch.Tensor):
+            first = next(iter(first.values())) if isinstance(first, dict) else first[0]
+        shape = (tuple(first.shape), first.dtype)
+    except Exception:  # noqa: BLE001 - a shape hint must never fail planning
+        shape = None
+    if key[0] is not None:
+        if len(_FIRST_SHAPES) >= _FIRST_SHAPES_KEPT:
+            _FIRST_SHAPES.pop(next(iter(_FIRST_SHAPES)))
+        _FIRST_SHAPES[key] = shape
+    return shape
+
+
 def tokens_hint(node) -> int:
     """Positions per example T, read off the first example's shape (1 when unknown).
 
@@ -223,15 +254,9 @@ def tokens_hint(node) -> int:
     if cached is not None:
         return cached
     T = 1
-    try:
-        batch = data.first_example_batch()
-        first = batch
-        while not isinstance(first, torch.Tensor):
-            first = next(iter(first.values())) if isinstance(first, dict) else first[0]
-        if first.dim() == 2 and not first.is_floating_point():
-            T = int(first.shape[1])
-    except Exception:
-        T = 1
+    first = first_example_shape(data)
+    if first is not None and len(first[0]) == 2 and not first[1].is_floating_point:
+        T = int(first[0][1])
     object.__setattr__(src, "_tokens_hint", T)
     object.__setattr__(data, "_tokens_hint", T)
     return T

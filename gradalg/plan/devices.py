@@ -31,8 +31,11 @@ cached as this machine's speed) and caches the numbers in
 by host, architecture, torch version, thread count and :data:`PROFILE_VERSION` (an
 entry of another cost model is measured again, and left alone for the gradalg that
 wrote it).
-GPU profiles for planning runs you have not started yet come from ``PRESETS`` (vendor
-peak numbers times a sustained-efficiency factor, stated there). Displays never
+GPU profiles for planning runs you have not started yet come from ``PRESETS``: numbers
+from NVIDIA's spec sheets (not measured by gradalg) times stated sustained fractions, see
+:data:`PRESETS`. ``profile("h200", count=4)`` asks for four of them: ``explain()`` then
+gives (or refuses, with the arithmetic) the time and memory per GPU of a data-parallel
+run with sharded weights (:mod:`gradalg.plan.scale`). Displays never
 measure: :func:`cached_local_profile` (or ``profile(measure=False)``) returns the cached
 numbers or :data:`UNMEASURED_CPU`.
 """
@@ -43,7 +46,7 @@ import math
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 from pathlib import Path
@@ -78,6 +81,13 @@ def _interp_loglog(table, x: float, high_power: float, low_power: float) -> floa
 
 @dataclass(frozen=True)
 class DeviceProfile:
+    """The speeds and memory of one device (module docstring: what each number prices).
+
+    ``link_bandwidth`` is what one GPU receives per second from its peers (NVLink), used
+    for the weights' all-gathers of a sharded run; ``count`` is how many devices of this
+    kind a run may use (:func:`profile`, ``count=``): planning is per device, the scale
+    estimates (:mod:`gradalg.plan.scale`) split the work over them."""
+
     name: str
     flops_fp32: float      # sustained matmul FLOP/s in float32 (large GEMMs)
     flops_bf16: float      # sustained matmul FLOP/s in bfloat16 (tensor cores on GPUs)
@@ -93,6 +103,8 @@ class DeviceProfile:
     gemm_rates: tuple = ()       # ((size, FLOP/s), …): square float32 GEMMs; () = flops_fp32 for all
     eigh_times: tuple = ()       # ((d, seconds), …): float64 eigh; () = 9 d³ FLOPs at the float64 rate
     version: int = PROFILE_VERSION
+    link_bandwidth: float = 0.0  # bytes/s one GPU receives from its peers (NVLink); 0: not modelled
+    count: int = 1               # devices of this kind a run may use (scale estimates; planning is per device)
 
     def flops(self, dtype: torch.dtype) -> float:
         if dtype in (torch.bfloat16, torch.float16):
@@ -137,7 +149,10 @@ class DeviceProfile:
         memory traffic, and its fixed costs (module calls, ops, batches, layers)."""
         shaped = 0.0
         gemm_time = 0.0
+        counts: dict = {}    # GEMMs of one shape priced once: a 70B model lists thousands
         for m, n, k, count, elem in cost.gemms:
+            counts[(m, n, k, elem)] = counts.get((m, n, k, elem), 0.0) + count
+        for (m, n, k, elem), count in counts.items():
             shaped += 2.0 * m * n * k * count
             gemm_time += count * self.gemm_seconds(m, n, k, elem)
         eigh_time = 0.0
@@ -167,14 +182,26 @@ class DeviceProfile:
         return cls(**values)
 
 
-_EFF = 0.6  # sustained fraction of peak assumed for GPU presets
+_EFF = 0.6        # sustained fraction of a spec-sheet peak FLOP rate (assumed, not measured)
+_BW_EFF = 0.8     # sustained fraction of a spec-sheet memory or link bandwidth (assumed)
+_MEM_EFF = 0.9    # fraction of the memory left for tensors (CUDA context, allocator slack; assumed)
 _GPU_FIXED = dict(call_seconds=1e-5, op_seconds=1e-5, batch_seconds=5e-4, layer_seconds=5e-5)
 PRESETS = {
-    # peak dense numbers from vendor datasheets (SXM parts), times _EFF
-    # (a module call, an op: a few kernel launches of ~5 µs, asynchronous once the queue is full)
-    "h200": DeviceProfile("H200", 67e12 * _EFF, 989e12 * _EFF, 4.8e12 * 0.8, 141e9 * 0.9, **_GPU_FIXED),
-    "h100": DeviceProfile("H100", 67e12 * _EFF, 989e12 * _EFF, 3.35e12 * 0.8, 80e9 * 0.9, **_GPU_FIXED),
-    "a100": DeviceProfile("A100", 19.5e12 * _EFF, 312e12 * _EFF, 2.0e12 * 0.8, 80e9 * 0.9, **_GPU_FIXED),
+    # Spec-sheet numbers of the SXM parts (NVIDIA data sheets; dense, i.e. without the 2:4
+    # sparsity that doubles the headline tensor-core numbers), none measured by gradalg:
+    #   H200: FP32 67 TFLOP/s (no tensor cores: torch's default for float32 matmuls),
+    #         BF16 tensor core 989 TFLOP/s, HBM3e 141 GB at 4.8 TB/s, NVLink 900 GB/s
+    #         (both directions: 450 GB/s received per GPU)
+    #   H100: FP32 67, BF16 989 TFLOP/s, HBM3 80 GB at 3.35 TB/s, NVLink 900 GB/s
+    #   A100: FP32 19.5, BF16 312 TFLOP/s, HBM2e 80 GB at 2.0 TB/s, NVLink 600 GB/s
+    # times the sustained fractions above; a module call, an op: a few kernel launches of
+    # ~5 µs, asynchronous once the queue is full (assumed)
+    "h200": DeviceProfile("H200", 67e12 * _EFF, 989e12 * _EFF, 4.8e12 * _BW_EFF, 141e9 * _MEM_EFF,
+                          link_bandwidth=450e9 * _BW_EFF, **_GPU_FIXED),
+    "h100": DeviceProfile("H100", 67e12 * _EFF, 989e12 * _EFF, 3.35e12 * _BW_EFF, 80e9 * _MEM_EFF,
+                          link_bandwidth=450e9 * _BW_EFF, **_GPU_FIXED),
+    "a100": DeviceProfile("A100", 19.5e12 * _EFF, 312e12 * _EFF, 2.0e12 * _BW_EFF, 80e9 * _MEM_EFF,
+                          link_bandwidth=300e9 * _BW_EFF, **_GPU_FIXED),
 }
 
 
@@ -372,15 +399,23 @@ def cached_local_profile() -> DeviceProfile:
     return UNMEASURED_CPU
 
 
-def profile(device: str | DeviceProfile | None = None, *, measure: bool = True) -> DeviceProfile:
+def profile(device: str | DeviceProfile | None = None, *, measure: bool = True, count: int | None = None
+            ) -> DeviceProfile:
     """A profile by name ("cpu" = this machine, "h100", "h200", "a100") or as given.
 
+    count : devices of this kind (default: the profile's own, 1). ``explain(device=
+        profile("h200", count=4))`` estimates, or refuses with the arithmetic, a run on
+        four H200s (:mod:`gradalg.plan.scale`).
     ``measure=False`` never benchmarks this machine: the cached measurement or
     :data:`UNMEASURED_CPU`."""
+    if count is not None and (int(count) != count or count < 1):
+        raise ValueError(f"count must be a positive integer, got {count!r}")
     if isinstance(device, DeviceProfile):
-        return device
-    if device is None or device == "cpu":
-        return local_profile() if measure else cached_local_profile()
-    if device.lower() in PRESETS:
-        return PRESETS[device.lower()]
-    raise ValueError(f"unknown device {device!r}: use 'cpu', one of {sorted(PRESETS)}, or a DeviceProfile")
+        found = device
+    elif device is None or device == "cpu":
+        found = local_profile() if measure else cached_local_profile()
+    elif device.lower() in PRESETS:
+        found = PRESETS[device.lower()]
+    else:
+        raise ValueError(f"unknown device {device!r}: use 'cpu', one of {sorted(PRESETS)}, or a DeviceProfile")
+    return found if count is None or count == found.count else replace(found, count=int(count))

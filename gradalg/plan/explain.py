@@ -93,37 +93,12 @@ def _fmt_alt(v) -> str:
     return _fmt_seconds(v) if isinstance(v, (int, float)) else str(v)
 
 
-def _model_bytes(plan: Plan) -> tuple[float, torch.dtype]:
-    from ..expr import Source
-    seen, total, dtype = set(), 0.0, torch.float32
-    for node in plan.simplified.walk() if hasattr(plan.simplified, "walk") else []:
-        if isinstance(node, Source) and id(node.task.model) not in seen:
-            seen.add(id(node.task.model))
-            for p in node.task.model.parameters():
-                total += p.numel() * p.element_size()
-                dtype = p.dtype
-    return total, dtype
-
-
 def scale_estimates(plan: Plan, gpus=(1, 4, 8), device="h200") -> list[dict]:
-    """Estimated time and memory per GPU when the plan's passes are split across GPUs.
-
-    Data-parallel: each pass's examples are sharded over the GPUs; parameters are
-    sharded too (FSDP), so a GPU holds 1/g of the weights, its own batch's activations
-    and factors, and a full copy of held rows and curvature statistics.
-    """
-    prof = profile(device)
-    weights, dtype = _model_bytes(plan)
-    rows = []
-    total = plan.total
-    held = max([p.fixed_bytes for p in plan.passes] or [0.0])
-    per_batch = max([p.per_example_bytes * (p.batch_size or 1) for p in plan.passes] or [0.0])
-    for g in gpus:
-        seconds = total.scaled(1.0 / g).seconds(prof, dtype)
-        memory = weights / g + per_batch + held
-        rows.append({"gpus": g, "device": prof.name, "seconds": seconds, "memory_per_gpu": memory,
-                     "fits": memory <= prof.memory, "passes_over_data": plan.data_passes})
-    return rows
+    """Estimated time and memory per GPU when the plan's passes are split across GPUs:
+    data-parallel with the weights sharded FSDP-style; what is modelled and what is not:
+    :mod:`gradalg.plan.scale`."""
+    from .scale import scale_estimates as estimates
+    return estimates(plan, gpus, device)
 
 
 @dataclass
@@ -276,6 +251,8 @@ class Explain:
         for r in self.scale():
             lines.append(f"   {r['gpus']} GPU(s): {_fmt_seconds(r['seconds'])}, {_si(r['memory_per_gpu'])}B per GPU"
                          + ("" if r["fits"] else "  (does not fit)"))
+            if not r["fits"]:
+                lines.append(f"      {r['why']}")
         return lines
 
     # ---- HTML -------------------------------------------------------------------
@@ -347,7 +324,7 @@ class Explain:
     def _html_scale(self) -> str:
         esc = html.escape
         rows = "".join(f"<tr><td>{r['gpus']}</td><td>{_fmt_seconds(r['seconds'])}</td>"
-                       f"<td>{_si(r['memory_per_gpu'])}B</td><td>{'yes' if r['fits'] else 'no'}</td></tr>"
+                       f"<td>{_si(r['memory_per_gpu'])}B</td><td>{'yes' if r['fits'] else 'no: ' + esc(r['why'])}</td></tr>"
                        for r in self.scale())
         return (f"<details open><summary>5. at scale on {esc(profile(self.device).name)}</summary>"
                 "<table class='ga-table'><tr><th>GPUs</th><th>time</th><th>memory per GPU</th><th>fits"

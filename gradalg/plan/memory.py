@@ -78,10 +78,15 @@ def rows_bytes(node, storage: dict, dtype) -> float:
     return node.n * rows_of(node) * per_row * elem
 
 
-def capture_bytes_per_example(src: Source, dtype) -> float:
+def capture_bytes_per_example(src: Source, dtype, forward_shared: bool = False) -> float:
     """Bytes one example of ``src`` holds while its batch is captured: activations
     (forward outputs kept for the backward, and their gradients), and per row the
-    factors of every block with autograd's copy."""
+    factors of every block with autograd's copy.
+
+    forward_shared : another source of the pass already runs this forward (same model
+        and layers, another objective: one forward per batch, ``PassCapture``): its
+        activations and input factors A are counted there; only this source's output
+        factors D (and per-row blocks) are added."""
     elem = element_size(dtype)
     shapes = forward_shapes(src)
     rows = rows_per_example(src)
@@ -90,9 +95,12 @@ def capture_bytes_per_example(src: Source, dtype) -> float:
         T = shapes.positions[b.name]
         if len(b.shape) == 2:
             out_f, in_f = b.shape
-            total += T * (3 * in_f + 2 * rows * out_f) * elem  # A: unfolded, with its bias column, kept; D per row
+            a_bytes = 0 if forward_shared else 3 * in_f   # A: unfolded, with its bias column, kept
+            total += T * (a_bytes + 2 * rows * out_f) * elem   # D per row
         else:
             total += rows * b.dim * elem
+    if forward_shared:
+        return total
     T = tokens_hint(src)
     if shapes.measured and shapes.activations and any(t != T for t in shapes.positions.values()):
         # layers see other position counts than the data's shape tells (convolutions):

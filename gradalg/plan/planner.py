@@ -48,7 +48,7 @@ from ..expr.tokens import token_rows
 from ..options import Options, get_options
 from .choices import Choices
 from . import estimates
-from .cost import Cost, _si, tokens_hint
+from .cost import Cost, _si, first_example_shape, tokens_hint
 from .devices import DeviceProfile, profile
 from .shapes import forward_shapes
 from .jobs import (CollectJob, DiagJob, EKFACJob, FisherJob, GroupJob, Job, KFACJob, ScoresJob, StoreJob, TopK,
@@ -174,6 +174,11 @@ class _Planner:
         self.decisions: list[Decision] = []
         self.dtype = torch.float32
         self.for_run = False     # planning a run: every layer's positions were measured
+        # {id(node): (node, representation)}: a node's representation is a fresh dict over
+        # all its blocks; asked per block, it made planning quadratic in the block count
+        self._representations: dict[int, tuple] = {}
+        self._task_tokens: dict[int, tuple] = {}     # {id(task): (task, task.token)}
+        self._share_keys: dict[int, tuple] = {}      # {id(source): (source, forward_share_key)}
 
     # ---- jobs -------------------------------------------------------------------
     def add(self, job: Job) -> tuple:
@@ -359,13 +364,35 @@ class _Planner:
                 return False
             root = root.grads
         return isinstance(root, Project) and root.projector.kind == "kron" and \
-            stream_root(root.grads) is not None and root.grads.representation.get(block) == "factored"
+            stream_root(root.grads) is not None and self._representation(root.grads).get(block) == "factored"
 
     def _held_bytes(self, node: GradNode) -> float:
         return self._rows_bytes(node)
 
+    def _task_token(self, task) -> str:
+        """``task.token`` once per plan: it fingerprints the model (a walk of every module),
+        which planning never changes."""
+        hit = self._task_tokens.get(id(task))
+        if hit is None or hit[0] is not task:
+            hit = self._task_tokens[id(task)] = (task, task.token)
+        return hit[1]
+
+    def _forward_share_key(self, src: Source):
+        """``forward_share_key(src)`` once per plan (it resolves the layers and reads the
+        task's token: a walk of the model)."""
+        hit = self._share_keys.get(id(src))
+        if hit is None or hit[0] is not src:
+            hit = self._share_keys[id(src)] = (src, forward_share_key(src))
+        return hit[1]
+
+    def _representation(self, node: GradNode) -> dict:
+        hit = self._representations.get(id(node))
+        if hit is None or hit[0] is not node:
+            hit = self._representations[id(node)] = (node, node.representation)
+        return hit[1]
+
     def _is_factored(self, node: GradNode, block: str) -> bool:
-        rep = node.representation[block]
+        rep = self._representation(node)[block]
         return rep == "factored" or (rep == "projected" and self._kron_factored(node, block))
 
     def _kernels(self, held: GradNode, streamed: GradNode, inner: Inner) -> dict:
@@ -449,7 +476,7 @@ class _Planner:
                 break
             x = x.grads
         if isinstance(x, Source):
-            return ("data", x.task.token, x.data.token, x.task.name, x.data.n)
+            return ("data", self._task_token(x.task), x.data.token, x.task.name, x.data.n)
         if isinstance(x, Captured):
             return ("captured", x.token)
         return ("memory", x.token)  # GroupMean, filled by its group job
@@ -472,7 +499,7 @@ class _Planner:
     def _pass_capture_cost(self, sources: list[Source], batch: int | None = None) -> Cost:
         """Capturing all sources of a pass: those differing only in their objective share
         one forward per batch (:class:`~gradalg.exec.capture_pass.PassCapture`)."""
-        return estimates.pass_capture_cost(sources, self.options, self.dtype, forward_share_key, batch)
+        return estimates.pass_capture_cost(sources, self.options, self.dtype, self._forward_share_key, batch)
 
     def _layout(self, node: GradNode, reads_data: bool) -> dict:
         """``{block: "factors" | "flat"}`` of ``node``'s rows as a pass delivers them: as
@@ -511,7 +538,11 @@ class _Planner:
         return cost
 
     def _per_example_bytes(self, p_jobs: list[Job], sources: list[Source]) -> float:
-        total = sum(capture_bytes_per_example(src, self.dtype) for src in sources)
+        total, forwards = 0.0, set()
+        for src in sources:   # sources sharing one forward per batch keep its activations once
+            key = self._forward_share_key(src)
+            total += capture_bytes_per_example(src, self.dtype, forward_shared=key is not None and key in forwards)
+            forwards.add(key)
         return total + sum(job.per_example_bytes(self.dtype) for job in p_jobs)
 
     def _fixed_bytes(self, p_jobs: list[Job]) -> float:
@@ -719,13 +750,8 @@ def _positions_known(node: GradNode) -> bool:
     data = getattr(node.source, "data", None)
     if data is None:
         return False
-    try:
-        first = data.first_example_batch()
-        while not isinstance(first, torch.Tensor):
-            first = next(iter(first.values())) if isinstance(first, dict) else first[0]
-    except Exception:  # noqa: BLE001 - a shape hint must never fail planning: route at run time
-        return False
-    return first.dim() == 2
+    first = first_example_shape(data)   # None: unreadable; a shape hint never fails planning
+    return first is not None and len(first[0]) == 2
 
 
 def _project_cost(node: Project, n: int, T: int, chunk: int | None = None) -> Cost:

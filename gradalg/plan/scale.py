@@ -1,0 +1,153 @@
+"""Time and memory per GPU of a plan run data-parallel on ``g`` GPUs with sharded weights.
+
+An estimate from the plan's own counts and a device profile (for the presets: NVIDIA's
+spec sheets, :mod:`gradalg.plan.devices`), never a measurement. Per GPU, for each pass
+of the plan (the largest over passes is the GPU's memory):
+
+    memory = W / g                the model's weights, sharded FSDP-style (``fully_shard``):
+                                  each GPU keeps 1/g of every parameter
+           + min(2·U, W − W/g)    the unsharded weights of the FSDP unit computing and the
+                                  one prefetched; U = the largest element of the model's
+                                  ``nn.ModuleList`` (a decoder layer), else the whole model
+           + H                    the pass's held rows and curvature statistics, a full copy
+                                  on every GPU (as gradalg's executors keep them)
+           + b · E                b examples of the GPU's micro-batch: activations kept for
+                                  the backward, captured factors and the jobs' working rows
+                                  (the planner's bytes per example); b = the plan's batch
+                                  size, lowered until the sum fits, at least 1
+
+    time   = Σ_passes max(C_p / g, m_p · 2·W·(g − 1)/g / link)
+
+C_p is the pass's estimated seconds on one GPU (the planner's cost on the profile), split
+evenly over g data-parallel workers; with g > 1 every micro-batch (m_p of them per GPU in
+a pass over data) all-gathers the weights for its forward and again for its backward over
+the GPU interconnect (``link_bandwidth``), overlapped with the compute (FSDP prefetch).
+
+No parameter gradients and no optimizer state are counted: attribution captures output
+gradients, not weight gradients. Not modelled: tensor, sequence or pipeline parallelism,
+activation checkpointing, the one-off all-reduce of curvature statistics, load imbalance
+between GPUs, passes that do not split (an eigendecomposition is divided by g like the
+rest: optimistic for them), and the host side (data loading, Python).
+
+A configuration that does not fit (the sum above with b = 1 exceeds the profile's memory)
+is marked ``fits=False`` with the arithmetic in ``why``; :func:`check_fits` refuses it
+with a :class:`~gradalg.errors.MemoryBudgetError`.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from torch import nn
+
+from ..errors import MemoryBudgetError
+from .cost import _si
+from .devices import DeviceProfile, profile
+
+__all__ = ["GPUEstimate", "scale_estimates", "check_fits", "model_bytes", "fsdp_unit_bytes"]
+
+
+@dataclass(frozen=True)
+class GPUEstimate:
+    """The estimate for one GPU count (all bytes per GPU, seconds for the whole plan)."""
+
+    gpus: int
+    device: str
+    seconds: float               # the plan's passes, split over the GPUs
+    communication_seconds: float  # of which: the weights' all-gathers, when they exceed compute
+    memory_per_gpu: float        # the largest pass's sum below
+    weights: float               # W / g
+    gathered: float              # unsharded FSDP units (computing and prefetched)
+    held: float                  # held rows and statistics (a full copy)
+    per_example: float           # E: bytes of one example of the micro-batch
+    batch_per_gpu: int           # b
+    capacity: float              # the profile's memory
+    fits: bool
+    passes_over_data: int
+    why: str                     # the arithmetic of the largest pass
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _models(plan) -> list[nn.Module]:
+    from ..expr import Source
+    seen, out = set(), []
+    for node in plan.simplified.walk() if hasattr(plan.simplified, "walk") else []:
+        if isinstance(node, Source) and id(node.task.model) not in seen:
+            seen.add(id(node.task.model))
+            out.append(node.task.model)
+    return out
+
+
+def model_bytes(model: nn.Module) -> float:
+    """Bytes of a model's parameters (on any device, ``meta`` included: shapes only)."""
+    return float(sum(p.numel() * p.element_size() for p in model.parameters()))
+
+
+def fsdp_unit_bytes(model: nn.Module) -> float:
+    """Bytes of the largest FSDP unit: the largest element of any ``nn.ModuleList`` (the
+    decoder layers of a transformer), else the whole model (one unit)."""
+    largest = 0.0
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList):
+            for child in module:
+                largest = max(largest, model_bytes(child))
+    return largest or model_bytes(model)
+
+
+def _fits_batch(room: float, per_example: float, batch: int) -> int:
+    """The largest micro-batch ≤ ``batch`` whose examples fit in ``room`` bytes (0: none)."""
+    if per_example <= 0:
+        return batch
+    return max(0, min(batch, int(room // per_example)))
+
+
+def scale_estimates(plan, gpus=(1, 4, 8), device="h200") -> list[dict]:
+    """``[GPUEstimate.to_dict(), …]`` for each GPU count in ``gpus`` (module docstring)."""
+    prof = profile(device, measure=False) if not isinstance(device, DeviceProfile) else device
+    models = _models(plan)
+    W = sum(model_bytes(m) for m in models)
+    U = sum(fsdp_unit_bytes(m) for m in models)
+    rows = []
+    for g in gpus:
+        if int(g) != g or g < 1:
+            raise ValueError(f"GPU counts must be positive integers, got {g!r}")
+        g = int(g)
+        weights = W / g
+        gathered = min(2.0 * U, W - weights)
+        seconds = comm_total = 0.0
+        worst = None   # (memory, held, per_example, batch, fits)
+        for p in plan.passes:
+            held, per_ex = p.fixed_bytes, p.per_example_bytes
+            room = prof.memory - weights - gathered - held
+            b = _fits_batch(room, per_ex, p.batch_size or 1)
+            fits = b >= 1
+            memory = weights + gathered + held + max(b, 1) * per_ex
+            if worst is None or (not fits and worst[4]) or (fits == worst[4] and memory > worst[0]):
+                worst = (memory, held, per_ex, max(b, 1), fits)
+            compute = p.cost.scaled(1.0 / g).seconds(prof, plan.dtype)
+            comm = 0.0
+            if g > 1 and p.reads_data and prof.link_bandwidth > 0:
+                n = p.key[4] if len(p.key) > 4 else 0
+                micro_batches = -(-n // (g * max(b, 1))) if n else 0
+                comm = micro_batches * 2.0 * W * (g - 1) / g / prof.link_bandwidth
+            seconds += max(compute, comm)
+            comm_total += comm if comm > compute else 0.0
+        memory, held, per_ex, b, fits = worst or (weights, 0.0, 0.0, 1, weights <= prof.memory)
+        why = (f"{_si(W)}B weights / {g} + {_si(gathered)}B unsharded FSDP units + {_si(held)}B held rows "
+               f"and statistics + {b} × {_si(per_ex)}B per example = {_si(memory)}B "
+               f"{'≤' if fits else '>'} {_si(prof.memory)}B of one {prof.name}")
+        rows.append(GPUEstimate(g, prof.name, seconds, comm_total, memory, weights, gathered, held, per_ex, b,
+                                prof.memory, fits, plan.data_passes, why).to_dict())
+    return rows
+
+
+def check_fits(plan, gpus: int, device="h200") -> dict:
+    """The estimate for ``gpus`` GPUs, or :class:`MemoryBudgetError` with the arithmetic
+    when one example per GPU does not fit next to the weights and held rows."""
+    row = scale_estimates(plan, (gpus,), device)[0]
+    if not row["fits"]:
+        raise MemoryBudgetError(
+            f"does not fit on {gpus} × {row['device']}: {row['why']}. Use more GPUs, shorter sequences, "
+            "project the gradients (ga.proj.kron), fewer queries per call, or attribute fewer layers.")
+    return row
