@@ -25,6 +25,7 @@ __all__ = [
     "OperatorError",
     "StaleCompiledError",
     "ObjectiveError",
+    "ModelMismatchError",
 ]
 
 
@@ -162,3 +163,10 @@ class StaleCompiledError(GradalgError, RuntimeError):
 class ObjectiveError(GradalgError, ValueError):
     """The optimizer's settings (weight decay, Adam state) cannot be read, or have no exact form
     in the requested space (``gradalg.objective``)."""
+
+
+class ModelMismatchError(GradalgError, ValueError):
+    """The model a Dask worker built or loaded from its factory
+    (``DaskExecutor(model_fn=...)``) is not the client's: another architecture, other
+    weights (both fingerprints are named), or workers that disagree with each other; or a
+    pass needs the weights of a model the client holds on the ``meta`` device."""
