@@ -6,11 +6,16 @@ plan, the pass runner, the run state, the pull path) and is that executor's *sha
 strategy* (``run_shards``, :mod:`gradalg.exec.runner`). For every pass that reads a
 dataset, the examples are split into index ranges (``shards``, default 2 per worker).
 The pass's sinks — with the state they need (held rows already preconditioned,
-resolved operators of the row-wise chains, K-FAC bases) — are scattered to every
-worker once per pass; that sends the model once per worker. Each shard task feeds its
-sub-dataset to the sinks with a worker-side :class:`LocalExecutor` built from that
-state (``LocalExecutor(options, state=RunState(...))``) and returns the sinks' partial
-states (``export``); the client absorbs them in shard order.
+resolved operators of the row-wise chains, K-FAC bases) — are pickled once per pass
+(:func:`gradalg.exec.models.pack`) and scattered to every worker; each shard loads its
+own copy. The model travels inside, once per worker; or, with ``model_fn``
+(:class:`~gradalg.exec.WorkerModel`), as a reference that each worker resolves to the
+model it built once and checked against the client's fingerprint (a client holding the
+model on the ``meta`` device sends every pass over data to the workers). Each shard
+task feeds its sub-dataset to the sinks with a worker-side :class:`LocalExecutor` built
+from that state (``LocalExecutor(options, state=RunState(...))``) and returns the sinks'
+partial states (``export``), pickled with the worker's model named by its key; the
+client absorbs them in shard order.
 Score blocks are gathered to the client as each shard finishes: the result is a Dask
 array whose blocks are the shards' score columns, wrapped in an ``xarray.DataArray`` by
 ``Scores.compute``; it outlives worker deaths and the executor.
@@ -21,8 +26,9 @@ worker's copy of the model, and capture hooks its modules.
 Faults (:mod:`gradalg.exec.resilience`): a worker that dies is replaced by its nanny;
 shards lost with it (or with the scattered payload, when every holder died) are
 submitted again from the client; every shard is a pure function of its range, so the
-result is the same. ``task_timeout`` names a stalled worker. Passes over rows in memory
-run on the client.
+result is the same. ``task_timeout`` names a stalled worker. Passes over rows in memory,
+and passes over fewer than ``min_shard_examples`` examples when the client holds the
+model's weights, run on the client.
 """
 from __future__ import annotations
 

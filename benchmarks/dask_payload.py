@@ -1,0 +1,109 @@
+"""Bytes a Dask pass ships: the model pickled with every pass vs. built on the workers.
+
+GPT-2 built from a config (4 layers, width 256, the GPT-2 vocabulary of 50,257, tied
+embeddings), N training sequences of T tokens, 4 queries, on a 2-process LocalCluster:
+
+* **pickled**: ``DaskExecutor(client)``: the pass's payload (jobs, held rows and the
+  model) is pickled on the client and scattered to every worker, once per pass;
+* **factory**: ``DaskExecutor(client, model_fn=WorkerModel(build_gpt2))``: the model
+  travels as a reference (the factory and the client's fingerprints) and each worker
+  builds it once;
+* **meta client**: the same factory, with the client holding ``spec.meta()`` (no weights
+  anywhere but on the workers; the 4-query pass runs on a worker too).
+
+For Grad-Dot and LoGra-style projected influence (``ga.proj.kron(k=64)``, EK-FAC-free
+Fisher in projected space) it prints, per pass: the payload each worker receives, what the
+shard tasks send back, and the wall time, side by side in one run. Scores of the three
+equal the local executor's (largest difference printed).
+
+    python benchmarks/dask_payload.py [--n 32] [--T 32]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def build_gpt2(n_layer: int = 4, n_embd: int = 256, seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=4, n_positions=128,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config).eval()
+
+
+def lm_loss(model, batch):
+    (ids,) = batch
+    logits = model(input_ids=ids).logits[:, :-1]
+    return F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="sum")
+
+
+def methods(model, n: int, T: int):
+    import gradalg as ga
+
+    gen = torch.Generator().manual_seed(1)
+    train = (torch.randint(0, 50257, (n, T), generator=gen),)
+    queries = (torch.randint(0, 50257, (4, T), generator=gen),)
+    task = ga.Task(model, lm_loss, name="gpt2-4x256")
+    layers = "transformer.h.*.mlp.*"
+    G, Q = ga.grads(task, train, layers, batch_size=8), ga.grads(task, queries, layers)
+    P = ga.proj.kron(k=64, seed=0)
+    yield "grad_dot", Q @ G.T
+    yield "projected influence", P(Q) @ ga.fisher(P(G)).damp(1e-3).inv() @ P(G).T
+
+
+def main():
+    import gradalg as ga
+    from distributed import Client, LocalCluster
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=32)
+    parser.add_argument("--T", type=int, default=32)
+    args = parser.parse_args()
+
+    spec = ga.exec.WorkerModel(build_gpt2)
+    model = spec.build()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(f"GPT-2 4x256: {sum(p.numel() for p in model.parameters()):,} parameters, {weights / 2**20:.1f} MiB; "
+          f"n={args.n}, T={args.T}, 4 queries, 2 worker processes\n")
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, \
+            Client(cluster) as client, ga.options(progress=False):
+        runs = {"pickled": (ga.exec.DaskExecutor(client, min_shard_examples=8), model),
+                "factory": (ga.exec.DaskExecutor(client, min_shard_examples=8, model_fn=spec), model),
+                "meta client": (ga.exec.DaskExecutor(client, min_shard_examples=8, model_fn=spec), spec.meta())}
+        rows = []
+        for (name, S_local) in methods(model, args.n, args.T):
+            local = S_local.compute().values
+            for how, (ex, client_model) in runs.items():
+                S = dict(methods(client_model, args.n, args.T))[name]
+                first = len(ex.transfers)
+                start = time.perf_counter()
+                got = S.compute(executor=ex).values
+                seconds = time.perf_counter() - start
+                for t in ex.transfers[first:]:
+                    rows.append((name, how, t["pass"], t["payload_bytes"], sum(t["result_bytes"]),
+                                 len(t["result_bytes"]), seconds, float(np.abs(got - local).max())))
+                    seconds = float("nan")       # the time is the whole compute's: shown on its first pass
+        print(f"{'method':<20} {'executor':<12} {'pass':<34} {'payload/worker':>15} {'returned':>11} "
+              f"{'tasks':>5} {'seconds':>8} {'max |diff|':>10}")
+        for name, how, label, payload, back, tasks, seconds, diff in rows:
+            print(f"{name:<20} {how:<12} {label:<34} {payload / 1024:>12.1f} kB {back / 1024:>8.1f} kB "
+                  f"{tasks:>5} {seconds:>8.2f} {diff:>10.1e}")
+        by = {}
+        for name, how, label, payload, *_ in rows:
+            by.setdefault((name, label), {})[how] = payload
+        print()
+        for (name, label), sizes in by.items():
+            if "pickled" in sizes and "factory" in sizes:
+                print(f"{name}, {label}: the factory's payload is {sizes['factory'] / sizes['pickled']:.3f}x the "
+                      f"pickled one ({(sizes['pickled'] - sizes['factory']) / 2**20:.1f} MiB less per worker "
+                      f"per pass)")
+
+
+if __name__ == "__main__":
+    main()
