@@ -11,10 +11,13 @@ embeddings), N training sequences of T tokens, 4 queries, on a 2-process LocalCl
 * **meta client**: the same factory, with the client holding ``spec.meta()`` (no weights
   anywhere but on the workers; the 4-query pass runs on a worker too).
 
-For Grad-Dot and LoGra-style projected influence (``ga.proj.kron(k=64)``, EK-FAC-free
-Fisher in projected space) it prints, per pass: the payload each worker receives, what the
-shard tasks send back, and the wall time, side by side in one run. Scores of the three
-equal the local executor's (largest difference printed).
+For Grad-Dot and LoGra-style projected influence (``ga.proj.kron(k=64)``, a Fisher in
+projected space) it prints, per pass: the payload each worker receives (the rest of a
+factory's payload is the jobs and held rows: Grad-Dot holds the 4 queries' factored
+gradients), what the shard tasks send back, and the wall time of the whole compute
+(shown on its first pass; a factory's first compute includes each worker's one build),
+side by side in one run. Scores of the three equal the local executor's (largest
+difference printed).
 
     python benchmarks/dask_payload.py [--n 32] [--T 32]
 """
@@ -57,6 +60,12 @@ def methods(model, n: int, T: int):
     yield "projected influence", P(Q) @ ga.fisher(P(G)).damp(1e-3).inv() @ P(G).T
 
 
+def _warm_up():
+    import transformers  # noqa: F401
+
+    import gradalg  # noqa: F401
+
+
 def main():
     import gradalg as ga
     from distributed import Client, LocalCluster
@@ -73,6 +82,7 @@ def main():
           f"n={args.n}, T={args.T}, 4 queries, 2 worker processes\n")
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, \
             Client(cluster) as client, ga.options(progress=False):
+        client.run(_warm_up)     # imports on the workers: not counted in the first executor's time
         runs = {"pickled": (ga.exec.DaskExecutor(client, min_shard_examples=8), model),
                 "factory": (ga.exec.DaskExecutor(client, min_shard_examples=8, model_fn=spec), model),
                 "meta client": (ga.exec.DaskExecutor(client, min_shard_examples=8, model_fn=spec), spec.meta())}
@@ -100,9 +110,8 @@ def main():
         print()
         for (name, label), sizes in by.items():
             if "pickled" in sizes and "factory" in sizes:
-                print(f"{name}, {label}: the factory's payload is {sizes['factory'] / sizes['pickled']:.3f}x the "
-                      f"pickled one ({(sizes['pickled'] - sizes['factory']) / 2**20:.1f} MiB less per worker "
-                      f"per pass)")
+                print(f"{name}, {label}: the pickled payload is {sizes['pickled'] / sizes['factory']:,.1f}x the "
+                      f"factory's ({(sizes['pickled'] - sizes['factory']) / 2**20:.1f} MiB less per worker per pass)")
 
 
 if __name__ == "__main__":

@@ -19,10 +19,18 @@ def gpt2(seed=0):
     return models.gpt2(n_layer=2, n_embd=32, seed=seed)
 
 
+SEED = {"fresh_mlp": 0}
+
+
 def fresh_mlp():
-    """Another initialization at every call (an unseeded factory, made deterministic per call)."""
+    """An MLP seeded by this process's ``SEED`` (``set_seed``): a factory whose weights
+    change between builds, as an unseeded one's or a rewritten checkpoint's do."""
     CALLS["fresh_mlp"] += 1
-    return models.mlp(seed=CALLS["fresh_mlp"])
+    return models.mlp(seed=SEED["fresh_mlp"])
+
+
+def set_seed(seed: int) -> None:
+    SEED["fresh_mlp"] = seed
 
 
 def calls() -> dict:

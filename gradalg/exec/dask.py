@@ -39,12 +39,12 @@ from dataclasses import replace
 import torch
 
 from ..data import move_batch
+from ..errors import ModelMismatchError, OptionError
 from ..expr import Source
 from ..plan.jobs import ScoresJob
 from ..plan.planner import chain_ops, stream_root
 from .base import Executor
 from .capture_pass import eval_mode, model_device_dtype
-from ..errors import ModelMismatchError, OptionError
 from .local import LocalExecutor
 from .models import (as_worker_model, is_meta_model, make_ref, pack, register_client_model, to_client,
                      to_workers, unpack, worker_models_seen)
@@ -121,7 +121,7 @@ def _models_of(step) -> list:
 
 
 def _pick(result, index):
-    block = result[0][index]   # (states, trace, digests)
+    block = result[0][index]   # result: (states, trace, digests)
     return block.detach().cpu().numpy()
 
 
@@ -157,6 +157,12 @@ class DaskExecutor(Executor):
         model may be on the ``meta`` device (``WorkerModel.meta()``): planning reads
         shapes only, and every pass over data, however small, runs on the workers.
         Models without a factory are pickled to the workers with the pass.
+
+    Attributes
+    ----------
+    transfers : list of dict, one per pass run on the cluster since the executor was
+        made: ``{"pass": label, "payload_bytes": bytes scattered to each worker,
+        "result_bytes": [bytes each shard task returned]}``.
 
     Example::
 
@@ -358,7 +364,7 @@ class DaskExecutor(Executor):
         ranges = self._ranges(data.n)
         self._check_reduction_here(sources, data)
         refs = self._refs(models)
-        keys = [r.key if r is not None else f"pickled-{i}" for i, r in enumerate(refs)]
+        keys = [r.key if r is not None else f"pickled-{id(m)}" for m, r in zip(models, refs)]
         for model, key in zip(models, keys):
             register_client_model(key, model)
         payload = (step, sinks, self._state_for(step), self.options, data.token, self.threads_per_worker, keys)

@@ -257,28 +257,25 @@ class ModelRef:
     (when the client holds weights, or the factory declares them) its weights' digest."""
 
     factory: WorkerModel
+    key: str                     # factory.key as the client computed it (a worker may see other file times)
     structure: tuple[str, ...]
     expected: str | None
     name: str = "model"
-
-    @property
-    def key(self) -> str:
-        return self.factory.key
 
 
 def make_ref(model: nn.Module, factory: WorkerModel, name: str = "model") -> ModelRef:
     """The reference to the client's ``model`` made by ``factory``; checks here what can be
     checked here (a declared fingerprint against the client's weights)."""
-    structure = model_structure(model)
+    structure, key = model_structure(model), factory.key
     if is_meta_model(model):
-        return ModelRef(factory, structure, factory.fingerprint, name)
+        return ModelRef(factory, key, structure, factory.fingerprint, name)
     digest = model_digest(model)
     if factory.fingerprint is not None and factory.fingerprint != digest:
         raise ModelMismatchError(
             f"the client's model {name} has fingerprint {digest}, but its factory {factory!r} declares "
             f"fingerprint={factory.fingerprint}: pass the fingerprint of these weights, or build the client's "
             "model with the factory (spec.build(), or spec.meta() to hold no weights here)")
-    return ModelRef(factory, structure, digest, name)
+    return ModelRef(factory, key, structure, digest, name)
 
 
 # ------------------------------------------------------------------ the worker's cache
@@ -379,7 +376,7 @@ def model_parts(model: nn.Module):
         yield b, "buffer", name
 
 
-def _cpu(t):
+def _unchanged(t):
     return t
 
 
@@ -404,7 +401,7 @@ class _RefPickler(_Base):
         if hit is not None and hit[0] is obj:
             return hit[1]
         if self._to_cpu and isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
-            return _cpu, (obj.detach().cpu(),)
+            return _unchanged, (obj.detach().cpu(),)
         parent = getattr(super(), "reducer_override", None)
         return parent(obj) if parent is not None else NotImplemented
 
