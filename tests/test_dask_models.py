@@ -163,6 +163,16 @@ def test_a_meta_model_without_a_factory_is_refused(client):
         ga.methods.grad_dot(task, train, queries).compute(executor=_executor(client))
 
 
+def test_explain_says_how_the_model_travels(client):
+    spec = WorkerModel("dask_model_factories:mlp", seed=0)
+    meta_task, train, queries = _mlp_setting(spec.meta())
+    text = str(ga.methods.grad_dot(meta_task, train, queries).explain(executor=_executor(client, model_fn=spec)))
+    assert "a reference to the model" in text and "runs on the client (5 examples" not in text
+    task, _, _ = _mlp_setting(spec.build())
+    text = str(ga.methods.grad_dot(task, train, queries).explain(executor=_executor(client)))
+    assert "the model (" in text and "runs on the client (5 examples" in text
+
+
 def test_checkpoints_load_on_the_workers(client, tmp_path):
     """A Hugging Face directory (``model_fn=path``) and a torch state dict."""
     gpt2 = models.gpt2(n_layer=2, n_embd=32, seed=4)
