@@ -201,6 +201,24 @@ def test_checkpoints_load_on_the_workers(client, tmp_path):
         as_worker_model(str(tmp_path / "mlp.pt"))
 
 
+def test_results_name_the_model_instead_of_carrying_it():
+    """What a shard returns (rows point at their task, hence the model) pickles the
+    worker's model as a key that resolves to the client's model; GPU tensors would come
+    back on the CPU."""
+    from gradalg.exec.models import pack, register_client_model, to_client, unpack
+
+    worker_model, client_model = models.gpt2(n_layer=2, n_embd=32), models.gpt2(n_layer=2, n_embd=32)
+    task = models.lm_task(worker_model)
+    rows = torch.randn(3, 5, dtype=torch.float64)
+    plain = pack((task, rows))
+    named = pack((task, rows), [to_client(worker_model, "key-1")], to_cpu=True)
+    weights = sum(p.numel() * p.element_size() for p in worker_model.parameters())
+    assert len(plain) > weights > 20 * len(named)
+    register_client_model("key-1", client_model)
+    back_task, back_rows = unpack(named)
+    assert back_task.model is client_model and torch.equal(back_rows, rows)
+
+
 def test_the_factory_key_follows_its_arguments():
     a = WorkerModel("dask_model_factories:mlp", seed=0)
     assert a.key == WorkerModel("dask_model_factories:mlp", seed=0).key
