@@ -19,6 +19,8 @@ gradients), what the shard tasks send back, and the wall time of the whole compu
 side by side in one run. Scores of the three equal the local executor's (largest
 difference printed).
 
+Last, the size of the reference a task ships for a Llama-70B configuration (meta device).
+
     python benchmarks/dask_payload.py [--n 32] [--T 32]
 """
 from __future__ import annotations
@@ -58,6 +60,30 @@ def methods(model, n: int, T: int):
     P = ga.proj.kron(k=64, seed=0)
     yield "grad_dot", Q @ G.T
     yield "projected influence", P(Q) @ ga.fisher(P(G)).damp(1e-3).inv() @ P(G).T
+
+
+def build_llama_70b():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                         num_key_value_heads=8, vocab_size=128256, torch_dtype=torch.bfloat16)
+    return LlamaForCausalLM(config).to(torch.bfloat16)
+
+
+def reference_of_a_70b_model() -> None:
+    """The ModelRef a task ships for a Llama-70B configuration held on the meta device."""
+    import pickle
+
+    import gradalg as ga
+    from gradalg.exec.models import make_ref
+
+    spec = ga.exec.WorkerModel(build_llama_70b)
+    model = spec.meta()
+    ref = make_ref(model, spec)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(f"Llama-70B configuration on the meta device: {sum(p.numel() for p in model.parameters()) / 1e9:.1f} B "
+          f"parameters, {weights / 1e9:.0f} GB in bfloat16; its ModelRef pickles to "
+          f"{len(pickle.dumps(ref)) / 1024:.0f} kB ({len(ref.structure)} architecture lines)")
 
 
 def _warm_up():
@@ -116,3 +142,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    reference_of_a_70b_model()
