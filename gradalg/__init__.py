@@ -19,7 +19,7 @@ from .errors import (BatchContentError, GradalgError, LossReductionError, Memory
                      ShapeMismatchError, SpaceMismatchError, StoreIncompleteError, StoreMismatchError,
                      UnsupportedLayerError)
 from .errors import DataError, ObjectiveError, OptionError, StoreCorruptError, WorkerFaultError  # noqa: E402
-from .errors import CurvatureError, OperatorError, StaleCompiledError  # noqa: E402
+from .errors import CurvatureError, DistributedError, ModelMismatchError, OperatorError, StaleCompiledError  # noqa: E402
 from .exec import LocalExecutor
 from . import fingerprint  # noqa: E402 - ga.fingerprint.forget(model) after writes through .data
 from . import unroll  # noqa: E402 - ga.unroll.TrainingRun, replayed by ga.methods.magic / source
@@ -41,6 +41,6 @@ __all__ = [
     "tasks", "viz", "integrations", "GradalgError", "LossReductionError", "MemoryBudgetError", "NonFiniteGradientError",
     "ShapeMismatchError", "SpaceMismatchError", "UnsupportedLayerError", "store", "StoreMismatchError",
     "StoreIncompleteError", "BatchContentError", "PerTokenError", "StoreCorruptError", "OptionError",
-    "DataError", "WorkerFaultError", "fingerprint", "compile", "Compiled", "OperatorError", "CurvatureError",
+    "DataError", "WorkerFaultError", "fingerprint", "compile", "Compiled", "OperatorError", "CurvatureError", "DistributedError", "ModelMismatchError",
     "StaleCompiledError", "unroll", "training_objective", "ObjectiveError",
 ]

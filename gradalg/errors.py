@@ -27,6 +27,7 @@ __all__ = [
     "StaleCompiledError",
     "ObjectiveError",
     "DistributedError",
+    "ModelMismatchError",
 ]
 
 
@@ -178,3 +179,10 @@ class DistributedError(GradalgError, RuntimeError):
     """A torch.distributed run cannot give exact results: no process group, ranks that
     planned different passes, a sharded model on a path that reads whole weights, or an
     error on another rank (named, with its message)."""
+
+
+class ModelMismatchError(GradalgError, ValueError):
+    """The model a Dask worker built or loaded from its factory
+    (``DaskExecutor(model_fn=...)``) is not the client's: another architecture, other
+    weights (both fingerprints are named), or workers that disagree with each other; or a
+    pass needs the weights of a model the client holds on the ``meta`` device."""

@@ -6,11 +6,16 @@ plan, the pass runner, the run state, the pull path) and is that executor's *sha
 strategy* (``run_shards``, :mod:`gradalg.exec.runner`). For every pass that reads a
 dataset, the examples are split into index ranges (``shards``, default 2 per worker).
 The pass's sinks — with the state they need (held rows already preconditioned,
-resolved operators of the row-wise chains, K-FAC bases) — are scattered to every
-worker once per pass; that sends the model once per worker. Each shard task feeds its
-sub-dataset to the sinks with a worker-side :class:`LocalExecutor` built from that
-state (``LocalExecutor(options, state=RunState(...))``) and returns the sinks' partial
-states (``export``); the client absorbs them in shard order.
+resolved operators of the row-wise chains, K-FAC bases) — are pickled once per pass
+(:func:`gradalg.exec.models.pack`) and scattered to every worker; each shard loads its
+own copy. The model travels inside, once per worker; or, with ``model_fn``
+(:class:`~gradalg.exec.WorkerModel`), as a reference that each worker resolves to the
+model it built once and checked against the client's fingerprint (a client holding the
+model on the ``meta`` device sends every pass over data to the workers). Each shard
+task feeds its sub-dataset to the sinks with a worker-side :class:`LocalExecutor` built
+from that state (``LocalExecutor(options, state=RunState(...))``) and returns the sinks'
+partial states (``export``), pickled with the worker's model named by its key; the
+client absorbs them in shard order.
 Score blocks are gathered to the client as each shard finishes: the result is a Dask
 array whose blocks are the shards' score columns, wrapped in an ``xarray.DataArray`` by
 ``Scores.compute``; it outlives worker deaths and the executor.
@@ -21,24 +26,28 @@ worker's copy of the model, and capture hooks its modules.
 Faults (:mod:`gradalg.exec.resilience`): a worker that dies is replaced by its nanny;
 shards lost with it (or with the scattered payload, when every holder died) are
 submitted again from the client; every shard is a pure function of its range, so the
-result is the same. ``task_timeout`` names a stalled worker. Passes over rows in memory
-run on the client.
+result is the same. ``task_timeout`` names a stalled worker. Passes over rows in memory,
+and passes over fewer than ``min_shard_examples`` examples when the client holds the
+model's weights, run on the client.
 """
 from __future__ import annotations
 
-import copy
 import threading
+import weakref
 from dataclasses import replace
 
 import torch
 
 from ..data import move_batch
+from ..errors import ModelMismatchError, OptionError
 from ..expr import Source
 from ..plan.jobs import ScoresJob
 from ..plan.planner import chain_ops, stream_root
 from .base import Executor
 from .capture_pass import eval_mode, model_device_dtype
 from .local import LocalExecutor
+from .models import (as_worker_model, is_meta_model, make_ref, pack, register_client_model, to_client,
+                     to_workers, unpack, worker_models_seen)
 from .progress import in_notebook, progress_bar
 from .resilience import PAYLOAD, FaultPolicy, run_tasks
 from .shards import restrict, shard_ranges
@@ -59,14 +68,17 @@ def _set_threads(n: int):
 _SHARD_LOCK = threading.Lock()
 
 
-def _run_shard(payload, start: int, stop: int):
-    """On a worker: run one pass over examples start:stop; return the jobs' partial states."""
+def _run_shard(blob: bytes, start: int, stop: int) -> bytes:
+    """On a worker: run one pass over examples start:stop; return the jobs' partial states,
+    packed (:func:`gradalg.exec.models.pack`)."""
     with _SHARD_LOCK:
-        return _run_shard_alone(payload, start, stop)
+        return _run_shard_alone(blob, start, stop)
 
 
-def _run_shard_alone(payload, start: int, stop: int):
-    step, sinks, state, options, data_token, threads = payload
+def _run_shard_alone(blob: bytes, start: int, stop: int) -> bytes:
+    # each shard loads its own copy of the jobs and sinks; a model made by a factory
+    # resolves to the one this worker built (once), a pickled model is loaded with them
+    step, sinks, state, options, data_token, threads, keys = unpack(blob)
     if threads:
         torch.set_num_threads(threads)   # per task: OpenMP settings are per thread
     # the loss reduction was checked on the client (state.checked)
@@ -75,16 +87,41 @@ def _run_shard_alone(payload, start: int, stop: int):
     jobs = [replace(job, streams=tuple(restrict(s, data_token, start, stop) for s in job.streams))
             for job in step.jobs]
     shard_step = replace(step, jobs=jobs)
-    shard_sinks = copy.deepcopy(sinks)
-    for job, sink in zip(jobs, shard_sinks):
+    for job, sink in zip(jobs, sinks):
         sink.job = job
         sink.for_shard(start)
-    ex.runner.feed(shard_step, shard_sinks)
-    return [sink.export() for sink in shard_sinks], dict(ex.trace)
+    ex.runner.feed(shard_step, sinks)
+    models = _models_of(step)
+    seen = worker_models_seen()
+    digests = {key: (seen[key], _worker_name()) for key in keys if key in seen}
+    # rows returned (Chunk objects name their task) name the model by its key, not its weights
+    back = [to_client(model, key) for model, key in zip(models, keys)]
+    return pack(([sink.export() for sink in sinks], dict(ex.trace), digests), back, to_cpu=True)
+
+
+def _worker_name() -> str:
+    try:
+        from distributed import get_worker
+        return get_worker().address
+    except (ImportError, ValueError):
+        return "this process"
+
+
+def _models_of(step) -> list:
+    """The distinct models of a pass's sources, in the order the jobs name them (the same
+    order on the client and on a worker)."""
+    models, seen = [], set()
+    for job in step.jobs:
+        for s in job.streams:
+            root = stream_root(s)
+            if isinstance(root, Source) and id(root.task.model) not in seen:
+                seen.add(id(root.task.model))
+                models.append(root.task.model)
+    return models
 
 
 def _pick(result, index):
-    block = result[0][index]
+    block = result[0][index]   # result: (states, trace, digests)
     return block.detach().cpu().numpy()
 
 
@@ -109,6 +146,31 @@ class DaskExecutor(Executor):
     resubmits, worker_wait : see :class:`gradalg.exec.resilience.FaultPolicy`: shards
         lost with their workers are submitted again from this process (any number of
         worker deaths is survived while the scheduler lives).
+    model_fn : how the workers make the model instead of receiving it pickled (the only
+        way for a model that does not fit a pickle: 7B+ parameters). A
+        :class:`~gradalg.exec.WorkerModel`, a callable returning the model, an import
+        path ``"pkg.module:build"``, or a Hugging Face checkpoint directory; or a dict
+        ``{client_model: any of these}`` when passes read several models. Each worker
+        builds the model once (cached by the factory's fingerprint), places it on its
+        device, and checks its architecture and weights against the client's model
+        (:class:`~gradalg.errors.ModelMismatchError` when they differ). The client's
+        model may be on the ``meta`` device (``WorkerModel.meta()``): planning reads
+        shapes only, and every pass over data, however small, runs on the workers.
+        Models without a factory are pickled to the workers with the pass.
+
+    Attributes
+    ----------
+    transfers : list of dict, one per pass run on the cluster since the executor was
+        made: ``{"pass": label, "payload_bytes": bytes scattered to each worker,
+        "result_bytes": [bytes each shard task returned]}``.
+
+    Example::
+
+        spec = ga.exec.WorkerModel("mypkg.models:build", seed=0)
+        task = ga.tasks.classification(spec.meta())      # no weights on the client
+        with ga.exec.DaskExecutor(client, model_fn=spec) as dx:
+            scores = ga.methods.grad_dot(task, train, queries).compute(executor=dx)
+        dx.transfers[-1]   # {"pass": ..., "payload_bytes": ..., "result_bytes": [...]}
     """
 
     name = "dask"
@@ -116,7 +178,7 @@ class DaskExecutor(Executor):
     def __init__(self, client=None, *, n_workers: int = 2, threads_per_worker: int = 1,
                  shards_per_worker: int = 2, min_shard_examples: int = 32, retries: int = 3, options=None,
                  rewrites: bool = True, task_timeout: float | None = None, resubmits: int = 3,
-                 worker_wait: float = 60.0, choices=None):
+                 worker_wait: float = 60.0, choices=None, model_fn=None):
         from distributed import Client, LocalCluster
 
         # the plan, the pass runner, the run state and the pull path; passes' shards run here
@@ -136,6 +198,15 @@ class DaskExecutor(Executor):
         self.min_shard_examples = min_shard_examples
         self.retries = retries
         self.faults = FaultPolicy(retries, resubmits, task_timeout, worker_wait)
+        if isinstance(model_fn, dict):
+            self._factories = {id(m): (m, as_worker_model(f)) for m, f in model_fn.items()}
+            self._model_fn = None
+        else:
+            self._factories = {}
+            self._model_fn = as_worker_model(model_fn) if model_fn is not None else None
+        self._bound = None                                # the client model a single model_fn stands for
+        self._digests: dict[str, tuple[str, str]] = {}   # factory key -> (weights digest, first worker)
+        self.transfers: list[dict] = []
 
     # ------------------------------------------------------------------ the composed executor
     @property
@@ -247,13 +318,23 @@ class DaskExecutor(Executor):
             return "runs on the client (rows already in memory)"
         sources = [stream_root(s) for j in step.jobs for s in j.streams if isinstance(stream_root(s), Source)]
         data = sources[0].data
-        if data.n < self.min_shard_examples:
+        models = _models_of(step)
+        meta = any(is_meta_model(m) for m in models)
+        if data.n < self.min_shard_examples and not meta:
             return f"runs on the client ({data.n} examples, fewer than min_shard_examples={self.min_shard_examples})"
         shards = len(self._ranges(data.n))
-        model_bytes = sum(p.numel() * p.element_size() for p in sources[0].task.model.parameters())
+        sent = []
+        for model in models:
+            size = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+            try:
+                factory = self._factory_of(model, len(models), bind=False)
+            except OptionError:
+                factory = None
+            sent.append(f"the model ({size:.1f} MiB)" if factory is None else
+                        f"a reference to the model ({size:.1f} MiB built once per worker by {factory!r})")
         back = sum(job.output_bytes(data.n) for job in step.jobs)
         return (f"{shards} shard tasks over {self.n_workers} workers (~{data.n // max(shards, 1)} examples each); "
-                f"scattered once per worker: the jobs, the model ({model_bytes / 2**20:.1f} MiB) and held rows "
+                f"scattered once per worker: the jobs, {', '.join(sent)} and held rows "
                 f"({step.fixed_bytes / 2**20:.1f} MiB); returned: partial states (~{back / 2**20:.1f} MiB in all)")
 
     # ------------------------------------------------------------------ passes
@@ -262,30 +343,94 @@ class DaskExecutor(Executor):
         shards' partial states in order; here (``runner.feed``) when the pass reads rows in
         memory, too few examples, or needs operators this process holds. Returns the score
         results, by sink index: Dask arrays of the blocks gathered from the shards."""
-        if not step.reads_data or not self._shippable(step):
+        if not step.reads_data:
+            runner.feed(step, sinks)
+            return {}
+        models = _models_of(step)
+        meta = [m for m in models if is_meta_model(m)]
+        if not self._shippable(step):
+            if meta:
+                raise ModelMismatchError(
+                    f"{step.label} needs operators known only through products of this process's model "
+                    "(an iterative solver), and this process holds the model on the meta device: use a "
+                    "curvature with a closed form (K-FAC, EK-FAC, a Fisher in projected space), or hold the "
+                    "weights here")
             runner.feed(step, sinks)
             return {}
         sources = [stream_root(s) for j in step.jobs for s in j.streams if isinstance(stream_root(s), Source)]
         data = sources[0].data
-        if data.n < self.min_shard_examples:
+        if data.n < self.min_shard_examples and not meta:   # tiny passes stay here (not on a meta model)
             runner.feed(step, sinks)
             return {}
         ranges = self._ranges(data.n)
         self._check_reduction_here(sources, data)
-        payload = (step, sinks, self._state_for(step), self.options, data.token, self.threads_per_worker)
+        refs = self._refs(models)
+        keys = [r.key if r is not None else f"pickled-{id(m)}" for m, r in zip(models, refs)]
+        for model, key in zip(models, keys):
+            register_client_model(key, model)
+        payload = (step, sinks, self._state_for(step), self.options, data.token, self.threads_per_worker, keys)
+        blob = pack(payload, [to_workers(m, r) for m, r in zip(models, refs) if r is not None])
         widget = bool(self.options.progress) and in_notebook()   # Dask's own progress widget
         with progress_bar(self.options.progress if not widget else False, data.n,
                           f"{step.label} ({len(ranges)} shards)", interval=self.options.progress_interval) as bar:
-            results = run_tasks(self.client, _run_shard, payload, [(PAYLOAD, a, b) for a, b in ranges],
-                                policy=self.faults, labels=[f"examples {a}:{b}" for a, b in ranges],
-                                progress=widget, on_result=lambda i: bar.update(ranges[i][1] - ranges[i][0]))
+            packed = run_tasks(self.client, _run_shard, blob, [(PAYLOAD, a, b) for a, b in ranges],
+                               policy=self.faults, labels=[f"examples {a}:{b}" for a, b in ranges],
+                               progress=widget, on_result=lambda i: bar.update(ranges[i][1] - ranges[i][0]))
+        self.transfers.append({"pass": step.label, "payload_bytes": len(blob),
+                               "result_bytes": [len(b) for b in packed]})
+        results = [unpack(b) for b in packed]
+        self._check_workers_agree(refs, results)
         scores = {i for i, sink in enumerate(sinks) if isinstance(sink.job, ScoresJob)}
-        for states, trace in results:
+        for states, trace, _ in results:
             self.trace.update(trace)
             for i, sink in enumerate(sinks):
                 if i not in scores:
                     sink.absorb(states[i])
         return {i: _lazy_scores(results, i) for i in scores}
+
+    def _factory_of(self, model, n_models: int, bind: bool = True):
+        """The factory of the client's ``model`` (None: pickled). A single ``model_fn`` is
+        bound to the first model a pass reads; another model is refused."""
+        if id(model) in self._factories:
+            return self._factories[id(model)][1]
+        if self._model_fn is None:
+            return None
+        bound = self._bound() if self._bound is not None else None
+        if n_models > 1 or (bound is not None and bound is not model):
+            raise OptionError(
+                f"model_fn gives one model, and {'this pass reads' if n_models > 1 else 'this executor has run'} "
+                f"another ({type(model).__name__}): pass a dict model_fn={{client_model: factory, ...}} naming "
+                "each model the workers should build, or use a new executor for a new model")
+        if bind:
+            self._bound = weakref.ref(model)
+        return self._model_fn
+
+    def _refs(self, models) -> list:
+        """What each model of a pass travels as: a :class:`ModelRef` (built on the workers)
+        or None (pickled with the pass)."""
+        refs = []
+        for i, model in enumerate(models):
+            factory = self._factory_of(model, len(models))
+            if factory is None and is_meta_model(model):
+                raise ModelMismatchError(
+                    f"model {i} of this pass ({type(model).__name__}) is on the meta device (no weights) and has "
+                    "no factory: pass DaskExecutor(model_fn=...) so that the workers build or load it")
+            refs.append(make_ref(model, factory, type(model).__name__) if factory is not None else None)
+        return refs
+
+    def _check_workers_agree(self, refs, results) -> None:
+        """Models whose weights the client cannot check (meta device, no declared
+        fingerprint): every worker must have built the same weights."""
+        for _, _, digests in results:
+            for key, (digest, worker) in digests.items():
+                first = self._digests.setdefault(key, (digest, worker))
+                if first[0] != digest:
+                    ref = next(r for r in refs if r is not None and r.key == key)
+                    raise ModelMismatchError(
+                        f"workers built different weights from {ref.factory!r}: {first[1]} has fingerprint "
+                        f"{first[0]}, {worker} has {digest}. Make the factory deterministic (seed its "
+                        "initialization, or load a checkpoint), and declare the expected weights with "
+                        "WorkerModel(..., fingerprint=...)")
 
     def _ranges(self, n: int) -> list:
         """Shards of n examples: shards_per_worker per worker, none under min_shard_examples."""
@@ -319,6 +464,8 @@ class DaskExecutor(Executor):
         for src in sources:
             task = src.task
             if not self.options.check_reduction or src.objective != "loss" or task.token in self.state.checked:
+                continue
+            if is_meta_model(task.model):      # no weights here: each shard checks on its worker
                 continue
             batch = next(iter(data.loader(min(self.options.batch_size, 8))))
             with eval_mode(task.model):
