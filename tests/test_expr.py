@@ -20,6 +20,7 @@ from torch.utils.data import TensorDataset
 
 import gradalg as ga
 from gradalg.capture import chunks as capture_chunks
+import gradalg.exec.accumulators
 import gradalg.exec.operators
 from gradalg.capture.factors import Factors, dense_flops, ghost_flops
 from gradalg.expr import Inner, Precondition, ScoreSum
@@ -496,11 +497,13 @@ def test_streaming_never_materializes_more_than_a_batch(monkeypatch):
     sizes = []
     real = capture_chunks.materialize
 
-    def spy(factors):
+    def spy(factors, *args, **kwargs):
         sizes.append(factors.n)
-        return real(factors)
+        return real(factors, *args, **kwargs)
 
+    # every module that materializes factors: the rows of a chunk and the score kernels
     monkeypatch.setattr(capture_chunks, "materialize", spy)
+    monkeypatch.setattr(gradalg.exec.accumulators, "materialize", spy)
     G = s.G()
     Q = ga.grads(s.task, s.query, ["0", "2"], batch_size=6)
     P = ga.proj.gaussian(8, seed=0)
