@@ -54,19 +54,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _configure_logging(args) -> None:
+def _configure_logging(args):
+    """Send the ``gradalg`` logger's records to stderr for one command; return the function
+    that restores the logger as it was (``main`` called in-process, from a notebook or a
+    test, leaves no handler behind on a stream that may be closed later)."""
     level = logging.WARNING if getattr(args, "quiet", False) else \
         logging.DEBUG if getattr(args, "verbose", False) else logging.INFO
     log = logging.getLogger("gradalg")
-    for handler in list(log.handlers):
-        if getattr(handler, "_gradalg_cli", False):
-            log.removeHandler(handler)
+    saved = (list(log.handlers), log.level, log.propagate)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
-    handler._gradalg_cli = True
     log.addHandler(handler)
     log.setLevel(level)
     log.propagate = False
+
+    def restore():
+        log.removeHandler(handler)
+        log.handlers[:] = saved[0]
+        log.setLevel(saved[1])
+        log.propagate = saved[2]
+    return restore
 
 
 class Terminated(BaseException):
@@ -92,7 +99,7 @@ def main(argv=None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    _configure_logging(args)
+    restore_logging = _configure_logging(args)
     log = logging.getLogger("gradalg.cli")
     in_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminate) if in_main else None
@@ -113,5 +120,6 @@ def main(argv=None) -> int:
             log.error("(run with --verbose for the traceback)")
         return code
     finally:
+        restore_logging()
         if in_main:
             signal.signal(signal.SIGTERM, previous)
