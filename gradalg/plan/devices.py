@@ -23,6 +23,8 @@ A :class:`DeviceProfile` prices the counts of a :class:`~gradalg.plan.cost.Cost`
   of gradalg's own per-chunk work (dispatch of a torch op), and ``batch_seconds`` +
   ``layer_seconds`` × recorded layers per captured batch (the Python of one capture:
   installing hooks, ``autograd.grad`` over the recorded outputs, building factors).
+* **Random numbers**: ``random_seconds`` per float64 normal number drawn by torch's CPU
+  generator (a dense projection's matrix is drawn there on every device).
 
 ``local_profile()`` measures this machine's CPU the first time (under two seconds; the
 fastest of repeated runs, so that other processes competing for the cores are not
@@ -53,8 +55,9 @@ __all__ = ["DeviceProfile", "PRESETS", "PROFILE_VERSION", "UNMEASURED_CPU", "cac
 
 #: the cost model's version: a cached profile without every number this one prices is
 #: measured again (1: matmul, copy and module call; 2: GEMMs by shape, eigh by size,
-#: per-op and per-batch overheads; 3: medians, elementwise and page-fault bandwidths)
-PROFILE_VERSION = 3
+#: per-op and per-batch overheads; 3: medians, elementwise and page-fault bandwidths;
+#: 4: random numbers)
+PROFILE_VERSION = 4
 
 
 #: GEMMs with a smaller inner dimension k are outer products (see ``gemm_seconds``)
@@ -92,6 +95,7 @@ class DeviceProfile:
     fault_bandwidth: float = 0.0   # bytes/s of first touches of fresh memory (page faults); 0: free
     gemm_rates: tuple = ()       # ((size, FLOP/s), …): square float32 GEMMs; () = flops_fp32 for all
     eigh_times: tuple = ()       # ((d, seconds), …): float64 eigh; () = 9 d³ FLOPs at the float64 rate
+    random_seconds: float = 3e-8  # one float64 normal number from torch's CPU generator
     version: int = PROFILE_VERSION
 
     def flops(self, dtype: torch.dtype) -> float:
@@ -134,7 +138,8 @@ class DeviceProfile:
     def time_of(self, cost, dtype=torch.float32) -> float:
         """Seconds of a :class:`~gradalg.plan.cost.Cost`: its GEMMs by shape, its
         eigendecompositions by size, the remaining FLOPs at the large-GEMM rate, its
-        memory traffic, and its fixed costs (module calls, ops, batches, layers)."""
+        memory traffic, its random numbers, and its fixed costs (module calls, ops,
+        batches, layers)."""
         shaped = 0.0
         gemm_time = 0.0
         for m, n, k, count, elem in cost.gemms:
@@ -148,7 +153,7 @@ class DeviceProfile:
         elementwise = self.elementwise_bandwidth or self.bandwidth
         faults = cost.faulted / self.fault_bandwidth if self.fault_bandwidth else 0.0
         return (gemm_time + eigh_time + rest / self.flops(dtype) + cost.bytes / self.bandwidth
-                + cost.elementwise / elementwise + faults
+                + cost.elementwise / elementwise + faults + cost.randoms * self.random_seconds
                 + cost.calls * self.call_seconds + cost.ops * self.op_seconds
                 + cost.batches * self.batch_seconds + cost.layer_batches * self.layer_seconds)
 
@@ -247,8 +252,7 @@ def _measure_cpu() -> DeviceProfile:
     return DeviceProfile(f"cpu ({torch.get_num_threads()} threads)", flops, flops, bw, memory, measured=True,
                          call_seconds=call, op_seconds=_measure_op(), batch_seconds=batch, layer_seconds=layer,
                          elementwise_bandwidth=_measure_elementwise(), fault_bandwidth=_measure_faults(),
-                         gemm_rates=rates,
-                         eigh_times=_measure_eighs())
+                         gemm_rates=rates, eigh_times=_measure_eighs(), random_seconds=_measure_randoms())
 
 
 def _measure_faults() -> float:
@@ -260,6 +264,14 @@ def _measure_faults() -> float:
     fresh = _fastest(lambda: torch.empty(n).fill_(1.0), 0.1)
     warm = _fastest(lambda: old.fill_(1.0), 0.05)
     return 4 * n / max(fresh - warm, 1e-6)
+
+
+def _measure_randoms() -> float:
+    """Seconds per float64 normal number drawn by torch's CPU generator (2²⁰ at a time,
+    as ``gradalg.proj.matrices`` draws a dense projection's matrix)."""
+    g = torch.Generator().manual_seed(0)
+    n = 2**20
+    return _fastest(lambda: torch.randn(n, generator=g, dtype=torch.float64), 0.05) / n
 
 
 def _measure_elementwise() -> float:
