@@ -184,6 +184,10 @@ def test_pass_seconds_are_the_profile_price_of_the_pass_cost():
     for step in p.passes:
         assert step.seconds == pytest.approx(A100.time_of(step.cost, p.dtype))
         assert step.cost.ops >= E.OPS_PER_PASS            # every pass over data pays its fixed cost
+    # each captured example's working set is touched fresh once: 4 queries in a batch of
+    # 8 touch 4 examples' memory, 20 training examples 20 (batches of 8, 8 and 4)
+    assert [s.cost.faulted for s in p.passes] == [pytest.approx(4 * p.passes[0].per_example_bytes),
+                                                  pytest.approx(20 * p.passes[1].per_example_bytes)]
     # a pass over rows in memory opens its sinks only: no task fingerprint, no hooks
     P = ga.proj.kron(4, seed=0)
     G, Q = P(ga.grads(task, train)), P(ga.grads(task, query))

@@ -443,14 +443,16 @@ def _chunks(n_rows: int, chunk: int) -> int:
     return max(1, math.ceil(n_rows / max(1, chunk)))
 
 
-def pass_overhead(n_jobs: int, batches: int = 0, batch_bytes: float = 0.0, reads_data: bool = True) -> Cost:
+def pass_overhead(n_jobs: int, examples: int = 0, example_bytes: float = 0.0, reads_data: bool = True) -> Cost:
     """What a pass costs beyond its kernels: opening its sinks (and their checks), and
     for a pass over data (``reads_data``) the task's fingerprint and hooks
     (:data:`OPS_PER_PASS` per job, else :data:`OPS_PER_MEMORY_PASS`) and the working set
-    of each captured batch (``batch_bytes``, the planner's memory estimate), touched
-    fresh every batch."""
+    of each of its ``examples`` captured (``example_bytes``, the planner's memory
+    estimate per example), touched fresh: the executor returns a batch's pages after
+    it. A batch holds the examples there are, not more (8 examples in batches of 32
+    touch 8 examples' memory)."""
     per_job = OPS_PER_PASS if reads_data else OPS_PER_MEMORY_PASS
-    return Cost(ops=per_job * max(1, n_jobs), faulted=batches * batch_bytes)
+    return Cost(ops=per_job * max(1, n_jobs), faulted=examples * example_bytes)
 
 
 def job_cost(job, n_stream: int, layout: dict, chunk: int, dtype=torch.float32, held_layout: dict | None = None,

@@ -630,8 +630,7 @@ class _Planner:
         else:
             cost = Cost()
             n = p.jobs[0].streams[0].n
-        batches = -(-n // (p.batch_size or n)) if p.reads_data and n else 0
-        cost = cost + estimates.pass_overhead(len(p.jobs), batches, per_ex * (p.batch_size or 1), p.reads_data)
+        cost = cost + estimates.pass_overhead(len(p.jobs), n if p.reads_data else 0, per_ex, p.reads_data)
         for job in p.jobs:
             # rows streamed by the job: n·T for per-token rows (ga.GradientSet.per_token)
             job.cost = self._job_cost(job, job.streams[0].n if job.streams and p.reads_data else n,
