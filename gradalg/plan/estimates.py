@@ -288,6 +288,10 @@ def project_cost(node: Project, n: int, T: int, elem: int = 4, chunk: int | None
         if p.kind == "kron" and factored:
             k_out, k_in = p.kron_shape(*b.shape)
             cost = cost + kron_project_cost(n, T, b.shape[1], b.shape[0], k_in, k_out, elem)
+        elif p.kind == "kron":     # flat rows: P_out G_i P_inᵀ, two GEMMs per row
+            k_out, k_in = p.kron_shape(*b.shape)
+            out_f, in_f = b.shape
+            cost = cost + gemm_cost(k_out, in_f, out_f, n, elem) + gemm_cost(k_out, k_in, in_f, n, elem)
         elif p.kind in ("gaussian", "rademacher"):
             if factored:
                 cost = cost + materialize_cost(n, T, b.shape[1], b.shape[0], elem)

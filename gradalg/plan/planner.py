@@ -239,8 +239,13 @@ class _Planner:
             + ("" if isinstance(node.op, Identity) else " (precondition the held side)")))
         storage = self.storage(held)
         self._record_storage(held, storage, "held rows")
-        collect = self.add(CollectJob(held, (held,), self.stream_deps(held), storage=storage))
-        job = ScoresJob(node, (streamed,), {collect} | self.op_deps(node.op) | self.stream_deps(streamed),
+        if isinstance(held, GroupMean):
+            # its group job keeps the held rows (state.rows[held.token], in this storage):
+            # collecting them again would be a pass that copies them
+            ready = self.stream_deps(held)
+        else:
+            ready = {self.add(CollectJob(held, (held,), self.stream_deps(held), storage=storage))}
+        job = ScoresJob(node, (streamed,), ready | self.op_deps(node.op) | self.stream_deps(streamed),
                         held=held, transposed=transposed, held_storage=storage)
         job.kernels = self._kernels(held, streamed, node)
         return [self.add(job)]
