@@ -90,20 +90,76 @@ def test_job_costs_follow_the_rows_layout_and_kind():
     assert flat.gemms[:2] == ((16, 9, 16, 24, 8), (16, 9, 9, 24, 8))
 
 
-def test_dense_projection_draws_its_matrix_once_and_casts_it_per_chunk():
-    _, task, train, _, _ = mlp()
+def test_dense_projection_draws_and_casts_its_matrix_once_per_plan():
+    _, task, train, query, batch = mlp()
     P = ga.proj.gaussian(4, seed=0)
     node = P(ga.grads(task, train)).expr
-    c = E.project_cost(node, 20, 1, elem=8, chunk=8)
+    drawn = set()
+    c = E.project_cost(node, 20, 1, elem=8, chunk=8, drawn=drawn)
     dims = [b.dim for b in node.grads.space.blocks]                   # 16·9 and 3·17
-    matrix = sum(4 * d * (E.RANDOM_BYTES + 3 * (8 + 8)) for d in dims)   # drawn once, cast for 3 chunks
+    assert c.randoms == sum(4 * d for d in dims)                     # k·d float64 numbers, once
+    cast = sum(4 * d * (8 + 8) for d in dims)                        # read float64, written in the rows' dtype
     materialized = sum(8.0 * 20 * d for d in dims)
-    rows_read = sum(8.0 * 4 * d for d in dims)
-    assert c.bytes == pytest.approx(matrix + materialized + rows_read)
-    assert (20, 4, dims[0], 1, 8) in c.gemms
+    matrix_read = sum(3 * 8.0 * 4 * d for d in dims)                 # every chunk's GEMM reads the matrix
+    assert c.bytes == pytest.approx(cast + materialized + matrix_read)
+    assert c.faulted == pytest.approx(cast)                           # the draw and the cast: fresh memory
+    assert (8, 4, dims[0], 2, 8) in c.gemms and (4, 4, dims[0], 1, 8) in c.gemms   # chunks of 8, 8 and 4 rows
+    assert drawn == {(P, b.name, b.dim) for b in node.grads.space.blocks}
+    again = E.project_cost(node, 20, 1, elem=8, chunk=8, drawn=drawn)   # drawn before in the plan: kept
+    assert again.randoms == 0 and again.bytes == pytest.approx(materialized + matrix_read)
     # the rows of every Gauss-Newton term are projected
     expected = P(ga.grads(task, train, objective="expected")).expr
     assert E.project_cost(expected, 20, 1, elem=8, chunk=8).flops == pytest.approx(3 * c.flops)
+    # in a plan, the first pass that projects draws; the second reuses the process's matrix
+    with ga.options(batch_size=batch):
+        p = plan((P(ga.grads(task, query)) @ P(ga.grads(task, train)).T).expr, device=A100)
+    assert [s.cost.randoms for s in p.passes] == [sum(4 * d for d in dims), 0]
+
+
+def test_sparse_projections_cost_what_their_kernels_do():
+    """GraSS gathers its kept coordinates from the factors (n·T·m, no materialized
+    gradient) then scatter-adds them; a plain SJLT materializes the factors first."""
+    _, task, train, _, _ = mlp()
+    G = ga.grads(task, train)
+    grass = ga.proj.grass(2, seed=0)                                  # keeps 4k = 8 coordinates per block
+    c = E.project_cost(grass(G).expr, 20, 1, elem=8, chunk=8)
+    assert c.gemms == ()                                              # nothing materialized
+    m = 8 * 2                                                         # two blocks
+    assert c.elementwise == pytest.approx(4.0 * 8 * 20 * 1 * m)       # two strided gathers, read and written
+    assert c.bytes == pytest.approx(3.0 * 8 * 20 * m + 4.0 * 8 * 20 * m)   # product summed; scatter-adds
+    assert c.ops == 3 * 2 * E.OPS_PER_SPARSE_BLOCK                     # 3 chunks × 2 blocks
+    sjlt = E.project_cost(ga.proj.sparse(2, seed=0)(G).expr, 20, 1, elem=8, chunk=8)
+    assert (16, 9, 1, 20, 8) in sjlt.gemms and (3, 17, 1, 20, 8) in sjlt.gemms   # (out, in, T) per example
+
+
+def test_adam_preconditioning_and_normalization_are_costed_per_chunk():
+    model, task, train, _, batch = mlp()
+    G = ga.grads(task, train)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = train.tensors
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    node = G.adam(ga.adam_state(opt, G)).expr
+    d = G.space.dim                                                   # 16·9 + 3·17 = 195
+    factors = {"0": "factors", "2": "factors"}
+    c = E.rowwise_cost(node, 20, 8, factors, elem=8)
+    # per chunk of 8 rows (3 chunks): both blocks materialized (n GEMMs (out, in, 1)), the
+    # rows concatenated (read, written), then Adam's 8 full-size ops reading 10 operands
+    assert c.gemms == ((16, 9, 1, 24, 8), (3, 17, 1, 24, 8))
+    flat = 8.0 * 8 * d * (1 + 1) + 8.0 * 8 * (16 * 9 + 3 * 17)         # concatenated; materialized written
+    adam = 8.0 * 8 * d * (E.ADAM_OPS["reads"] + E.ADAM_OPS["writes"])
+    assert c.bytes == pytest.approx(3 * (flat + adam))
+    assert c.faulted == pytest.approx(3 * 8.0 * 8 * d * (1 + E.ADAM_OPS["writes"]))
+    # flat rows: nothing to materialize
+    assert E.rowwise_cost(node, 20, 8, {"0": "flat", "2": "flat"}, elem=8).gemms == ()
+    # a normalization by a metric resolves it once in a plan, then applies it per chunk
+    H = ga.fisher(G).damp(0.1).inv()
+    norm = G.normalize(H).expr
+    resolved = set()
+    first = E.rowwise_cost(norm, 20, 8, {"0": "flat", "2": "flat"}, elem=8, resolved=resolved)
+    assert first.eighs == ((d, 1),) and (8, d, d, 3, 8) in first.gemms
+    second = E.rowwise_cost(norm, 20, 8, {"0": "flat", "2": "flat"}, elem=8, resolved=resolved)
+    assert second.eighs == () and second.gemms == ((8, d, d, 3, 8),)
 
 
 def test_resolving_a_dense_inverse_is_costed_where_it_is_applied():
@@ -127,7 +183,19 @@ def test_pass_seconds_are_the_profile_price_of_the_pass_cost():
         p = plan((ga.grads(task, query) @ ga.grads(task, train).T).expr, device=A100)
     for step in p.passes:
         assert step.seconds == pytest.approx(A100.time_of(step.cost, p.dtype))
-        assert step.cost.ops >= E.OPS_PER_PASS            # every pass pays its fixed cost
+        assert step.cost.ops >= E.OPS_PER_PASS            # every pass over data pays its fixed cost
+    # each captured example's working set is touched fresh once: 4 queries in a batch of
+    # 8 touch 4 examples' memory, 20 training examples 20 (batches of 8, 8 and 4)
+    assert [s.cost.faulted for s in p.passes] == [pytest.approx(4 * p.passes[0].per_example_bytes),
+                                                  pytest.approx(20 * p.passes[1].per_example_bytes)]
+    # a pass over rows in memory opens its sinks only: no task fingerprint, no hooks
+    P = ga.proj.kron(4, seed=0)
+    G, Q = P(ga.grads(task, train)), P(ga.grads(task, query))
+    with ga.options(batch_size=batch):
+        p = plan((Q @ ga.fisher(G).damp(0.1).inv() @ G.T).expr, device=A100)
+    memory = [s for s in p.passes if not s.reads_data]
+    assert memory and all(s.cost.ops < E.OPS_PER_PASS for s in memory)
+    assert E.pass_overhead(2, reads_data=False).ops == 2 * E.OPS_PER_MEMORY_PASS
 
 
 def test_explain_analyze_shows_estimate_and_measured_side_by_side():
@@ -147,3 +215,55 @@ def test_explain_analyze_shows_estimate_and_measured_side_by_side():
     # without analyze: no measured column, nothing run
     plain = S.explain()
     assert "meas/est" not in str(plain) and "measured / est." not in plain._repr_html_()
+
+
+#: a measured one-core CPU (this project's 2-core VM, rounded): small GEMMs 60× slower
+#: per FLOP than large ones, elementwise work at 1 GB/s
+CPU = devices.DeviceProfile(
+    "test cpu (1 thread)", 1.3e11, 1.3e11, 1.4e10, 2e10, measured=True, call_seconds=2.5e-5, op_seconds=3e-6,
+    batch_seconds=1e-5, layer_seconds=5e-5, elementwise_bandwidth=1e9, fault_bandwidth=2.2e9,
+    gemm_rates=((16, 2.1e9), (64, 6.1e10), (256, 1.29e11), (512, 1.29e11)),
+    eigh_times=((32, 8e-5), (128, 1.27e-3), (384, 1.5e-2)), random_seconds=3e-8)
+
+
+def gpt2_scores(min_len, max_len):
+    model = models.gpt2()                                 # 2 layers, width 64, float64
+    task = models.lm_task(model)
+    train = models.padded_token_data(n=6, min_len=min_len, max_len=max_len, seed=3)
+    query = models.padded_token_data(n=2, min_len=min_len, max_len=max_len, seed=5)
+    G, Q = ga.grads(task, train, ["transformer.h.*"]), ga.grads(task, query, ["transformer.h.*"])
+    return Q @ G.T
+
+
+@pytest.mark.parametrize("device, chosen", [(CPU, "ghost"), (devices.UNMEASURED_CPU, "dense")])
+def test_ghost_or_dense_is_the_faster_kernel_by_the_device_profile(device, chosen):
+    """Block c_attn (out 192, in 65) between 2 held and 6 streamed sequences of T = 40: by
+    FLOPs dense is cheaper, but on the measured CPU its 6 per-example (192, 65, 40)
+    GEMMs run far below the rate of the ghost kernel's two Grams; a profile with one
+    rate for every GEMM (UNMEASURED_CPU) keeps dense. Each alternative is the profile's
+    price of the same costs the scores job is estimated with."""
+    from gradalg.capture.factors import dense_flops, ghost_flops
+    S = gpt2_scores(36, 40)
+    with ga.options(batch_size=8):
+        p = plan(S.expr, device=device)
+    d = p.decision("kernel for block 'transformer.h.0.attn.c_attn'")
+    costs = E.kernel_costs(2, 6, 8, 40, 40, 65, 192, elem=8)
+    assert d.alternatives == {"ghost": pytest.approx(device.time_of(costs["ghost"], torch.float64)),
+                              "dense": pytest.approx(device.time_of(costs["dense"], torch.float64))}
+    assert d.chosen == chosen == min(d.alternatives, key=d.alternatives.get)
+    assert ghost_flops(2, 6, 40, 40, 65, 192) > dense_flops(2, 6, 40, 40, 65, 192)   # the FLOP rule: dense
+    # the kernel costs are those of the scores job's estimate
+    scores = next(j for s in p.passes for j in s.jobs if j.kind == "scores")
+    assert scores.kernels["transformer.h.0.attn.c_attn"] == chosen
+    # forcing keeps both prices in the decision
+    with ga.options(batch_size=8, ghost="never" if chosen == "ghost" else "always"):
+        forced = plan(S.expr, device=device).decision("kernel for block 'transformer.h.0.attn.c_attn'")
+    assert forced.chosen != chosen and forced.alternatives == d.alternatives and "forced" in forced.why
+
+
+def test_kernel_costs_count_the_held_side_once_and_each_chunk():
+    costs = E.kernel_costs(2, 20, 8, 5, 7, 9, 4)               # 20 streamed rows in chunks of 8: 8, 8, 4
+    assert costs["ghost"].gemms == ((2 * 5, 8 * 7, 9, 3, 4), (2 * 5, 8 * 7, 4, 3, 4))
+    # dense: each chunk's rows materialized ((out, in, T) per example) and one GEMM with
+    # the held rows; the held rows materialized once
+    assert costs["dense"].gemms == ((4, 9, 7, 8 * 3, 4), (2, 8, 36, 3, 4), (4, 9, 5, 2, 4))

@@ -116,6 +116,25 @@ def test_group_job_round_trips():
     torch.testing.assert_close(got, s["RQ"] @ means.T, **TOL)
 
 
+def test_held_group_means_are_read_where_their_group_job_keeps_them():
+    """LESS's held side is a group mean: its group job keeps the rows, and the scores read
+    them there; no pass collects (copies) them again. Held the other way, they are
+    streamed from the group job's rows."""
+    s = setup()
+    groups = [0, 1, 0]                          # 3 queries, 2 groups
+    G, Q = grads(), grads(which="query")
+    S = Q.group_mean(groups) @ G.T
+    ex = ga.LocalExecutor(choices=Choices(held="left"))
+    got = run(S, ex)
+    p = ex.last_plan
+    assert job_classes(p) == {GroupJob, ScoresJob}
+    assert [[j.kind for j in step.jobs] for step in p.passes] == [["group"], ["scores"]]
+    means = torch.stack([s["RQ"][[i for i, g in enumerate(groups) if g == k]].mean(0) for k in range(2)])
+    torch.testing.assert_close(got, means @ s["R"].T, **TOL)
+    right = run(S, ga.LocalExecutor(choices=Choices(held="right")))
+    torch.testing.assert_close(right, means @ s["R"].T, **TOL)
+
+
 def test_diag_jobs_round_trip():
     s = setup()
     G = grads()

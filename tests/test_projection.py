@@ -72,8 +72,7 @@ def rows(G, executor=None) -> torch.Tensor:
 
 
 def clear_matrix_caches():
-    matrices._dense_cpu.cache_clear()
-    matrices._kron_cpu.cache_clear()
+    matrices.clear_caches()
 
 
 # ---------------------------------------------------------------------- determinism

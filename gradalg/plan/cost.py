@@ -57,13 +57,15 @@ class Cost:
     layer_batches: float = 0.0  # recorded layers × captured batches
     elementwise: float = 0.0   # bytes of a model's elementwise work (priced at the elementwise bandwidth)
     faulted: float = 0.0       # bytes of fresh memory touched (page faults)
+    randoms: float = 0.0       # float64 random numbers drawn on the CPU (a dense projection's matrix)
 
     def __add__(self, other: "Cost") -> "Cost":
         return Cost(self.flops + other.flops, self.bytes + other.bytes,
                     max(self.peak_bytes, other.peak_bytes), self.passes + other.passes,
                     self.calls + other.calls, self.gemms + other.gemms, self.eighs + other.eighs,
                     self.ops + other.ops, self.batches + other.batches, self.layer_batches + other.layer_batches,
-                    self.elementwise + other.elementwise, self.faulted + other.faulted)
+                    self.elementwise + other.elementwise, self.faulted + other.faulted,
+                    self.randoms + other.randoms)
 
     def scaled(self, c: float) -> "Cost":
         """This cost repeated ``c`` times: every count times ``c`` except ``peak_bytes``
@@ -71,7 +73,7 @@ class Cost:
         return Cost(self.flops * c, self.bytes * c, self.peak_bytes, self.passes * c, self.calls * c,
                     tuple((m, n, k, count * c, e) for m, n, k, count, e in self.gemms),
                     tuple((d, count * c) for d, count in self.eighs), self.ops * c, self.batches * c,
-                    self.layer_batches * c, self.elementwise * c, self.faulted * c)
+                    self.layer_batches * c, self.elementwise * c, self.faulted * c, self.randoms * c)
 
     def seconds(self, profile, dtype=torch.float32) -> float:
         """Estimated seconds on a device ``profile`` (:mod:`gradalg.plan.devices`): GEMMs by

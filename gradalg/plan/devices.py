@@ -23,10 +23,12 @@ A :class:`DeviceProfile` prices the counts of a :class:`~gradalg.plan.cost.Cost`
   of gradalg's own per-chunk work (dispatch of a torch op), and ``batch_seconds`` +
   ``layer_seconds`` × recorded layers per captured batch (the Python of one capture:
   installing hooks, ``autograd.grad`` over the recorded outputs, building factors).
+* **Random numbers**: ``random_seconds`` per float64 normal number drawn by torch's CPU
+  generator (a dense projection's matrix is drawn there on every device).
 
-``local_profile()`` measures this machine's CPU the first time (under two seconds; the
-fastest of repeated runs, so that other processes competing for the cores are not
-cached as this machine's speed) and caches the numbers in
+``local_profile()`` measures this machine's CPU the first time (about three seconds;
+medians of repeated runs in process CPU time, so that other processes competing for
+the cores are not cached as this machine's speed) and caches the numbers in
 ``~/.cache/gradalg/devices.json`` (override the folder with ``GRADALG_CACHE``), keyed
 by host, architecture, torch version, thread count and :data:`PROFILE_VERSION` (an
 entry of another cost model is measured again, and left alone for the gradalg that
@@ -56,8 +58,9 @@ __all__ = ["DeviceProfile", "PRESETS", "PROFILE_VERSION", "UNMEASURED_CPU", "cac
 
 #: the cost model's version: a cached profile without every number this one prices is
 #: measured again (1: matmul, copy and module call; 2: GEMMs by shape, eigh by size,
-#: per-op and per-batch overheads; 3: medians, elementwise and page-fault bandwidths)
-PROFILE_VERSION = 3
+#: per-op and per-batch overheads; 3: medians, elementwise and page-fault bandwidths;
+#: 4: random numbers)
+PROFILE_VERSION = 4
 
 
 #: GEMMs with a smaller inner dimension k are outer products (see ``gemm_seconds``)
@@ -102,6 +105,7 @@ class DeviceProfile:
     fault_bandwidth: float = 0.0   # bytes/s of first touches of fresh memory (page faults); 0: free
     gemm_rates: tuple = ()       # ((size, FLOP/s), …): square float32 GEMMs; () = flops_fp32 for all
     eigh_times: tuple = ()       # ((d, seconds), …): float64 eigh; () = 9 d³ FLOPs at the float64 rate
+    random_seconds: float = 3e-8  # one float64 normal number from torch's CPU generator
     version: int = PROFILE_VERSION
     link_bandwidth: float = 0.0  # bytes/s one GPU receives from its peers (NVLink); 0: not modelled
     count: int = 1               # devices of this kind a run may use (scale estimates; planning is per device)
@@ -146,7 +150,8 @@ class DeviceProfile:
     def time_of(self, cost, dtype=torch.float32) -> float:
         """Seconds of a :class:`~gradalg.plan.cost.Cost`: its GEMMs by shape, its
         eigendecompositions by size, the remaining FLOPs at the large-GEMM rate, its
-        memory traffic, and its fixed costs (module calls, ops, batches, layers)."""
+        memory traffic, its random numbers, and its fixed costs (module calls, ops,
+        batches, layers)."""
         shaped = 0.0
         gemm_time = 0.0
         counts: dict = {}    # GEMMs of one shape priced once: a 70B model lists thousands
@@ -163,7 +168,7 @@ class DeviceProfile:
         elementwise = self.elementwise_bandwidth or self.bandwidth
         faults = cost.faulted / self.fault_bandwidth if self.fault_bandwidth else 0.0
         return (gemm_time + eigh_time + rest / self.flops(dtype) + cost.bytes / self.bandwidth
-                + cost.elementwise / elementwise + faults
+                + cost.elementwise / elementwise + faults + cost.randoms * self.random_seconds
                 + cost.calls * self.call_seconds + cost.ops * self.op_seconds
                 + cost.batches * self.batch_seconds + cost.layer_batches * self.layer_seconds)
 
@@ -232,7 +237,10 @@ def _fastest(fn, seconds: float, least: int = 3) -> float:
     return max(times[len(times) // 2], 1e-9)
 
 
-#: square GEMM sizes and eigh sizes measured on the CPU (about 0.5 s and 0.4 s)
+#: square GEMM sizes and eigh sizes measured on the CPU (about 0.5 s and 0.4 s); the fixed
+#: costs, page faults and elementwise work get 0.15–0.3 s windows each: medians of shorter
+#: windows varied 2–3× between runs a few minutes apart on a loaded shared machine
+#: (call_seconds 17 vs 45 µs, fault bandwidth 3.0 vs 1.4 GB/s)
 GEMM_SIZES = (16, 64, 256, 512)
 EIGH_SIZES = (32, 128, 384)
 
@@ -274,8 +282,7 @@ def _measure_cpu() -> DeviceProfile:
     return DeviceProfile(f"cpu ({torch.get_num_threads()} threads)", flops, flops, bw, memory, measured=True,
                          call_seconds=call, op_seconds=_measure_op(), batch_seconds=batch, layer_seconds=layer,
                          elementwise_bandwidth=_measure_elementwise(), fault_bandwidth=_measure_faults(),
-                         gemm_rates=rates,
-                         eigh_times=_measure_eighs())
+                         gemm_rates=rates, eigh_times=_measure_eighs(), random_seconds=_measure_randoms())
 
 
 def _measure_faults() -> float:
@@ -284,9 +291,17 @@ def _measure_faults() -> float:
     n = 8 * 2**20
     old = torch.empty(n)
     old.fill_(1.0)
-    fresh = _fastest(lambda: torch.empty(n).fill_(1.0), 0.1)
-    warm = _fastest(lambda: old.fill_(1.0), 0.05)
+    fresh = _fastest(lambda: torch.empty(n).fill_(1.0), 0.3)
+    warm = _fastest(lambda: old.fill_(1.0), 0.15)
     return 4 * n / max(fresh - warm, 1e-6)
+
+
+def _measure_randoms() -> float:
+    """Seconds per float64 normal number drawn by torch's CPU generator (2²⁰ at a time,
+    as ``gradalg.proj.matrices`` draws a dense projection's matrix)."""
+    g = torch.Generator().manual_seed(0)
+    n = 2**20
+    return _fastest(lambda: torch.randn(n, generator=g, dtype=torch.float64), 0.05) / n
 
 
 def _measure_elementwise() -> float:
@@ -303,7 +318,7 @@ def _measure_elementwise() -> float:
     step()
     # forward: gelu (read x, write), product (read 2, write); backward: product (read 2,
     # write), gelu's gradient (read 2, write): 11 numbers of 4 bytes moved per element
-    return 11 * 4 * x.numel() / _fastest(step, 0.1)
+    return 11 * 4 * x.numel() / _fastest(step, 0.3)
 
 
 def _measure_call() -> float:
@@ -316,7 +331,7 @@ def _measure_call() -> float:
         layers(x).sum().backward()
 
     step()
-    return _fastest(step, 0.05) / 16
+    return _fastest(step, 0.25) / 16
 
 
 def _measure_op() -> float:
@@ -330,7 +345,7 @@ def _measure_op() -> float:
         return y
 
     step()
-    return _fastest(step, 0.03) / 20
+    return _fastest(step, 0.15) / 20
 
 
 def _measure_capture(call: float) -> tuple[float, float]:
@@ -349,7 +364,7 @@ def _measure_capture(call: float) -> tuple[float, float]:
                 capture_batch(model(x).sum(), recorder)
 
         step()
-        return _fastest(step, 0.06) - 2 * n_layers * call
+        return _fastest(step, 0.2) - 2 * n_layers * call
 
     two, six = timing(2), timing(6)
     layer = max((six - two) / 4, 1e-6)

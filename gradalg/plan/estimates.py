@@ -17,6 +17,10 @@ example's shape):
                      ``resolve_cost``: what resolving it costs in the pass that applies it
                      (a dense or block Fisher's eigendecomposition)
 ``project_cost``     a projection of n examples (Kronecker, dense Gaussian, sparse)
+``rowwise_cost``     any row-wise transform a pass derives chunk by chunk (a projection,
+                     Adam's preconditioning, a normalization, a preconditioner, row weights)
+``kernel_costs``     ghost and dense inner products of one block (the planner prices both
+                     with its device profile and picks the faster)
 
 Every estimate is a :class:`~gradalg.plan.cost.Cost` (counts); a device profile
 (:mod:`gradalg.plan.devices`) prices it. ``benchmarks/estimates.py`` compares the
@@ -29,14 +33,16 @@ import math
 import torch
 from torch import nn
 
-from ..expr import DataInf, Fisher, Inverse, Power, Project, Source
-from .cost import (Cost, activation_bytes, dense_cost, dense_project_cost, eigh_cost, fisher_cost, gemm_cost,
+from ..expr import (AdamPrecondition, DataInf, Fisher, Inverse, Normalize, Power, Precondition, Project, ScaleRows,
+                    Source)
+from .cost import (Cost, activation_bytes, dense_cost, eigh_cost, fisher_cost, gemm_cost,
                    ghost_cost, gram_cost, kron_project_cost, materialize_cost, tokens_hint)
 from .memory import positions, rows_of
 from .shapes import element_size, rows_per_example
 
 __all__ = ["capture_cost", "pass_capture_cost", "job_cost", "apply_cost", "apply_flops", "resolve_cost",
-           "project_cost", "pass_overhead", "ELEMENTWISE_SWEEPS", "OPS_PER_BLOCK"]
+           "project_cost", "rowwise_cost", "kernel_costs", "elementwise_cost", "pass_overhead", "ELEMENTWISE_SWEEPS", "OPS_PER_BLOCK", "OPS_PER_PASS",
+           "OPS_PER_MEMORY_PASS", "ADAM_OPS"]
 
 #: memory sweeps over a weight layer's inputs and outputs (``activation_bytes``) per
 #: forward and per backward: nonlinearities, norms, residual adds, the loss head, and
@@ -45,13 +51,13 @@ ELEMENTWISE_SWEEPS = {"forward": 3.0, "backward": 4.0}
 #: small tensor ops a job runs per chunk and block (casts, views, accumulation, checks)
 OPS_PER_BLOCK = {"collect": 4, "store": 4, "group": 6, "fisher": 6, "kfac": 14, "ekfac": 10, "scores": 10,
                  "diag": 6}
-#: small-op equivalents a pass runs once per job (opening sinks, fingerprinting the task for
-#: the shared-forward key, resolving hooks, concatenating held rows; calibrated with
+#: small-op equivalents a pass over data runs once per job (opening sinks, fingerprinting the
+#: task for the shared-forward key, resolving hooks, concatenating held rows; calibrated with
 #: ``benchmarks/estimates.py``)
 OPS_PER_PASS = 800
-#: memory traffic equivalent to drawing one float64 random number (a dense projection's matrix;
-#: torch's CPU generator: about 40 ns a number on one core, calibrated on TRAK's MLP pass)
-RANDOM_BYTES = 400.0
+#: … and a pass over rows in memory (opening and publishing a sink: no task, no hooks;
+#: LESS's passes that only re-read two grouped rows measure 20–40 µs)
+OPS_PER_MEMORY_PASS = 10
 #: small-op equivalents per captured batch beyond the capture itself (finite checks per
 #: block, ids, chunk records, row-wise derivations, the allocator's trim; calibrated)
 OPS_PER_BATCH = 300
@@ -260,13 +266,20 @@ def datainf_cost(node: DataInf, n_held: int, options=None, elem: int = 4) -> Cos
 
 
 # ------------------------------------------------------------------ projections
-def project_cost(node: Project, n: int, T: int, elem: int = 4, chunk: int | None = None) -> Cost:
+def project_cost(node: Project, n: int, T: int, elem: int = 4, chunk: int | None = None,
+                 drawn: set | None = None) -> Cost:
     """``node``'s projection of n examples in chunks of ``chunk`` (formulas in
-    docs/projections.md). A dense Gaussian or Rademacher matrix (k, d_b) is drawn once
-    in float64 (:data:`RANDOM_BYTES` per number) and cast to the rows' dtype for every
-    chunk (``gradalg.proj.matrices.dense_matrix``)."""
+    docs/projections.md). A dense Gaussian or Rademacher matrix (k, d_b) is drawn in
+    float64 (k·d_b random numbers), cast once to the rows' dtype into fresh memory and
+    kept (``gradalg.proj.matrices.dense_matrix``), then multiplies every chunk: one GEMM
+    (chunk, k, d_b) per chunk, which reads the whole matrix each time.
+
+    ``drawn``: the ``(projector, block, dim)`` matrices an earlier pass of the same plan
+    drew (the process keeps them); those are not drawn again, and this call adds the
+    ones it draws to the set."""
     n = n * rows_of(node.grads)      # every Gauss-Newton term's rows are projected
-    chunks = _chunks(n, chunk or n)
+    c = max(1, min(chunk or n, n))
+    chunks = _chunks(n, c)
     p = node.projector
     rep = node.grads.representation
     cost = Cost()
@@ -275,17 +288,158 @@ def project_cost(node: Project, n: int, T: int, elem: int = 4, chunk: int | None
         if p.kind == "kron" and factored:
             k_out, k_in = p.kron_shape(*b.shape)
             cost = cost + kron_project_cost(n, T, b.shape[1], b.shape[0], k_in, k_out, elem)
+        elif p.kind == "kron":     # flat rows: P_out G_i P_inᵀ, two GEMMs per row
+            k_out, k_in = p.kron_shape(*b.shape)
+            out_f, in_f = b.shape
+            cost = cost + gemm_cost(k_out, in_f, out_f, n, elem) + gemm_cost(k_out, k_in, in_f, n, elem)
         elif p.kind in ("gaussian", "rademacher"):
             if factored:
                 cost = cost + materialize_cost(n, T, b.shape[1], b.shape[0], elem)
-            cost = (cost + dense_project_cost(n, T, b.dim, p.k, False, elem)
-                    + Cost(bytes=p.k * b.dim * (RANDOM_BYTES + chunks * (8.0 + elem))))
-        else:   # sparse kinds: scatter-adds over the (masked) coordinates or factors
-            touched = T * sum(b.shape) if factored else b.dim
-            cost = cost + Cost(flops=2.0 * n * touched, bytes=4.0 * elem * n * touched)
-            if factored and p.kind not in ("factgrass",):
-                cost = cost + materialize_cost(n, T, b.shape[1], b.shape[0], elem)
+            full, rest = divmod(n, c)      # full chunks of c rows and a last one of the rest
+            cost = (cost + gemm_cost(c, p.k, b.dim, full, elem) + gemm_cost(rest, p.k, b.dim, 1, elem)
+                    + Cost(bytes=float(elem) * p.k * b.dim * chunks))
+            key = (p, b.name, b.dim)
+            if drawn is None or key not in drawn:
+                numbers = float(p.k * b.dim)
+                cost = cost + Cost(randoms=numbers, bytes=numbers * (8.0 + elem), faulted=numbers * (8.0 + elem))
+                if drawn is not None:
+                    drawn.add(key)
+        else:
+            total = node.grads.space.dim
+            cost = cost + _sparse_project_cost(p, b, n, T, factored, total, elem) + Cost(
+                ops=float(chunks * OPS_PER_SPARSE_BLOCK))
     return cost
+
+
+#: small ops of one block's sparse projection per chunk (index tables, gathers, einsum,
+#: new_zeros, index_add_, scaling; ``gradalg.proj.kernels``)
+OPS_PER_SPARSE_BLOCK = 16
+
+
+def _scatter_cost(n: int, coords: float, elem: int) -> Cost:
+    """An SJLT of ``coords`` input coordinates (times its s) per row: ``index_add_`` of
+    every coordinate into its output (read it, read and write the target, the index)."""
+    return Cost(flops=2.0 * n * coords, bytes=4.0 * elem * n * coords)
+
+
+def _sparse_project_cost(p, b, n: int, T: int, factored: bool, total: int, elem: int) -> Cost:
+    """One block of a sparse projection (``gradalg.proj.kernels``), n rows:
+
+    * ``sparse`` (SJLT): factors materialized (in slices of rows), then n·d·s scatter-adds;
+    * ``mask`` / ``grass``: the m kept coordinates; on factors each entry is
+      Σ_t d_{t,o} a_{t,i}: two gathers of (n, m, T) position vectors from the transposed
+      factors (strided: priced at the elementwise rate) and their product summed over T;
+      GraSS then scatter-adds the m coordinates (SJLT);
+    * ``factgrass``: the factors' kept features gathered, the small (k_out, k_in)
+      gradient materialized, then its SJLT."""
+    if p.kind == "sparse":
+        cost = _scatter_cost(n, b.dim * p.s, elem)
+        if factored:
+            cost = cost + materialize_cost(n, T, b.shape[1], b.shape[0], elem)
+        return cost
+    if p.kind in ("mask", "grass"):
+        if p.kind == "grass":
+            m = p.grass_mask_size(b.dim)
+        elif p.per_block:
+            m = p.mask_size(b.dim)
+        else:                                  # a global mask: this block's share of its coordinates
+            m = max(1, round(p.mask_size(total) * b.dim / max(1, total)))
+        if factored:
+            cost = Cost(flops=2.0 * n * T * m, elementwise=4.0 * elem * n * T * m, bytes=3.0 * elem * n * T * m)
+        else:
+            cost = Cost(bytes=2.0 * elem * n * m)
+        return cost + (_scatter_cost(n, m * p.s, elem) if p.kind == "grass" else Cost())
+    if p.kind == "factgrass":
+        out_f, in_f = b.shape
+        k_out, k_in = p.factgrass_shape(out_f, in_f)
+        if factored:
+            cost = Cost(elementwise=2.0 * elem * n * T * (k_out + k_in)) + materialize_cost(n, T, k_in, k_out, elem)
+        else:
+            cost = Cost(elementwise=2.0 * elem * n * k_out * k_in)
+        return cost + _scatter_cost(n, k_out * k_in * p.s, elem)
+    raise ValueError(f"no cost formula for a {p.kind!r} projection")
+
+
+# ------------------------------------------------------------------ row-wise transforms
+def elementwise_cost(numbers: float, reads: float, writes: float, elem: int = 4) -> Cost:
+    """``writes`` full-size tensor ops over ``numbers`` numbers that read ``reads`` operands
+    in all: each op reads its inputs and writes a new output, whose memory is fresh
+    (a chunk's (c, d) intermediates are larger than what the allocator keeps: each is
+    page-faulted in, which on a CPU costs more than the arithmetic)."""
+    return Cost(bytes=float(elem) * numbers * (reads + writes), faulted=float(elem) * numbers * writes)
+
+
+#: full-size ops of Adam's preconditioning per chunk, ``m / (√v + ε)`` with
+#: ``m = β₁ m₀ + (1 − β₁) g`` and ``v = β₂ v₀ + (1 − β₂) g²`` (``exec/rowwise.py``):
+#: (1 − β₁)g, + β₁m₀, (1 − β₂)g, ·g, + β₂v₀, √, + ε, ÷ — operands read, outputs written
+ADAM_OPS = {"reads": 10, "writes": 8}
+
+
+def _flatten_cost(node, c: int, layout: dict, elem: int) -> Cost:
+    """``flatten``: the blocks of a chunk of ``node`` concatenated into one (c, d) tensor,
+    factored blocks materialized first."""
+    T = positions(node)
+    cost = elementwise_cost(c * node.space.dim, 1, 1, elem)
+    for b in node.space.blocks:
+        if layout.get(b.name) == "factors" and len(b.shape) == 2:
+            cost = cost + materialize_cost(c, T[b.name], b.shape[1], b.shape[0], elem)
+    return cost
+
+
+def rowwise_cost(node, n: int, chunk: int | None, layout: dict, elem: int = 4, options=None,
+                 drawn: set | None = None, resolved: set | None = None) -> Cost:
+    """The row-wise transform ``node`` derived from ``node.grads`` for n examples in
+    chunks of ``chunk`` (``gradalg.exec.rowwise``); ``layout`` is ``{block: "factors" |
+    "flat"}`` of the input rows. Per chunk of c rows and d coordinates:
+
+    * a projection: :func:`project_cost`;
+    * Adam's preconditioning: the input flattened (materialized from factors) and
+      :data:`ADAM_OPS` full-size elementwise ops;
+    * a normalization: squared norms (read once; factored blocks by their ghost
+      identity) and the rows scaled (factored blocks: their output gradients);
+      with a metric H, the rows flattened, H applied (:func:`apply_cost`), ⟨g, Hg⟩ and
+      the scaled rows (4 reads, 2 writes);
+    * a preconditioner H: the rows flattened and H applied;
+    * row weights: the rows scaled.
+
+    An operator (H) is resolved once in a plan: ``resolved`` holds the tokens of those
+    an earlier pass or transform resolved (this call adds the ones it resolves)."""
+    if isinstance(node, Project):
+        return project_cost(node, n, tokens_hint(node), elem, chunk, drawn)
+    n = n * rows_of(node.grads)
+    c = max(1, min(chunk or n, n))
+    chunks = _chunks(n, c)
+    src = node.grads
+    d = src.space.dim
+    T = positions(src)
+    once = Cost()
+
+    def scale_rows() -> Cost:    # each block scaled: factors by their output gradients
+        out = Cost()
+        for b in src.space.blocks:
+            if layout.get(b.name) == "factors" and len(b.shape) == 2:
+                out = out + elementwise_cost(c * T[b.name] * b.shape[0], 1, 1, elem)
+            else:
+                out = out + elementwise_cost(c * b.dim, 1, 1, elem)
+        return out
+
+    if isinstance(node, AdamPrecondition):
+        per = _flatten_cost(src, c, layout, elem) + elementwise_cost(c * d, ADAM_OPS["reads"], ADAM_OPS["writes"],
+                                                                     elem)
+    elif isinstance(node, Normalize) and node.op is None:
+        per = Cost(flops=2.0 * c * d, bytes=float(elem) * c * d) + scale_rows()
+    elif isinstance(node, Normalize):
+        per = (_flatten_cost(src, c, layout, elem) + apply_cost(node.op, src.space, c, elem, options)
+               + elementwise_cost(c * d, 4, 2, elem))
+        once = _resolve_once(node.op, resolved)
+    elif isinstance(node, Precondition):
+        per = _flatten_cost(src, c, layout, elem) + apply_cost(node.op, src.space, c, elem, options)
+        once = _resolve_once(node.op, resolved)
+    elif isinstance(node, ScaleRows):
+        per = scale_rows()
+    else:                         # a selection of blocks, rows split per token: views
+        return Cost()
+    return per.scaled(chunks) + once
 
 
 # ------------------------------------------------------------------ jobs
@@ -293,15 +447,20 @@ def _chunks(n_rows: int, chunk: int) -> int:
     return max(1, math.ceil(n_rows / max(1, chunk)))
 
 
-def pass_overhead(n_jobs: int, batches: int = 0, batch_bytes: float = 0.0) -> Cost:
+def pass_overhead(n_jobs: int, examples: int = 0, example_bytes: float = 0.0, reads_data: bool = True) -> Cost:
     """What a pass costs beyond its kernels: opening its sinks (and their checks), and
-    for a pass over data the working set of each captured batch (``batch_bytes``, the
-    planner's memory estimate), touched fresh every batch."""
-    return Cost(ops=OPS_PER_PASS * max(1, n_jobs), faulted=batches * batch_bytes)
+    for a pass over data (``reads_data``) the task's fingerprint and hooks
+    (:data:`OPS_PER_PASS` per job, else :data:`OPS_PER_MEMORY_PASS`) and the working set
+    of each of its ``examples`` captured (``example_bytes``, the planner's memory
+    estimate per example), touched fresh: the executor returns a batch's pages after
+    it. A batch holds the examples there are, not more (8 examples in batches of 32
+    touch 8 examples' memory)."""
+    per_job = OPS_PER_PASS if reads_data else OPS_PER_MEMORY_PASS
+    return Cost(ops=per_job * max(1, n_jobs), faulted=examples * example_bytes)
 
 
 def job_cost(job, n_stream: int, layout: dict, chunk: int, dtype=torch.float32, held_layout: dict | None = None,
-             options=None) -> Cost:
+             options=None, resolved: set | None = None) -> Cost:
     """One job's work on the ``n_stream`` examples it streams in chunks of ``chunk``.
 
     ``layout`` is ``{block: "factors" | "flat"}`` of the streamed rows as they arrive in
@@ -310,7 +469,9 @@ def job_cost(job, n_stream: int, layout: dict, chunk: int, dtype=torch.float32, 
     The per-chunk work is costed for one chunk (its GEMMs have the chunk's shapes: a
     Gram over 32 rows is not a Gram over 20,000) and counted once per chunk — a chunk
     per batch and per row set (one per Gauss-Newton term); what a job does once (an
-    eigendecomposition at its end, the held side's preconditioning) is added once.
+    eigendecomposition at its end, the held side's preconditioning) is added once; an
+    operator in ``resolved`` (resolved by an earlier pass or transform of the plan) is not
+    resolved again, and one this job resolves is added to it.
     """
     kind = job.kind
     elem = element_size(dtype)
@@ -333,11 +494,37 @@ def job_cost(job, n_stream: int, layout: dict, chunk: int, dtype=torch.float32, 
                     and len(b.shape) == 2):    # the held side materialized once for the dense kernel
                 once = once + materialize_cost(held.n, P_h[b.name], b.shape[1], b.shape[0], elem)
         op = job.target.op
-        once = once + resolve_cost(op) + apply_cost(op, held.space, held.n, elem, options)
+        once = once + _resolve_once(op, resolved) + apply_cost(op, held.space, held.n, elem, options)
     elif kind == "diag":
         op = job.target.scores.op
-        once = once + resolve_cost(op)
+        once = once + _resolve_once(op, resolved)
     return per.scaled(chunks) + once
+
+
+def kernel_costs(n_held: int, n_stream: int, chunk: int, TL: int, TR: int, n_in: int, n_out: int,
+                 elem: int = 4) -> dict[str, Cost]:
+    """``{"ghost": Cost, "dense": Cost}``: one block's inner products between ``n_held``
+    held examples (TL positions) and ``n_stream`` streamed ones (TR positions) in chunks
+    of ``chunk``, by either kernel, as the scores job costs them (:func:`job_cost`):
+    ghost products per chunk (:func:`~gradalg.plan.cost.ghost_cost`), or the chunk
+    materialized and one GEMM with the held rows, which are materialized once
+    (:func:`~gradalg.plan.cost.dense_cost`). The planner prices both with its device
+    profile and picks the faster."""
+    c = max(1, min(chunk or n_stream, n_stream))
+    chunks = _chunks(n_stream, c)
+    ghost = ghost_cost(n_held, c, TL, TR, n_in, n_out, elem).scaled(chunks)
+    dense = (dense_cost(n_held, c, TL, TR, n_in, n_out, True, elem).scaled(chunks)
+             + materialize_cost(n_held, TL, n_in, n_out, elem))
+    return {"ghost": ghost, "dense": dense}
+
+
+def _resolve_once(op, resolved: set | None) -> Cost:
+    """:func:`resolve_cost` unless ``op`` was resolved before in the plan (``resolved``)."""
+    if resolved is not None:
+        if op.token in resolved:
+            return Cost()
+        resolved.add(op.token)
+    return resolve_cost(op)
 
 
 def _chunk_cost(job, node, c: int, layout: dict, elem: int) -> Cost:

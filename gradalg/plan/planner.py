@@ -37,7 +37,6 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch.utils.data import DataLoader
 
-from ..capture.factors import dense_flops, ghost_flops
 from ..capture.hooks import forward_share_key
 from ..expr import (KFAC, AdamPrecondition, Arnoldi, Captured, Damp, DataInf, Fisher, GradNode, GroupMean, Identity, Inner, Inverse, Node, Normalize, OpNode, PerToken, Power,
                     Precondition, Project, ScaledOp, ScaleRows, ScoreDiagonal, ScoreNode, ScoreSum, Select,
@@ -50,7 +49,7 @@ from .choices import Choices
 from . import estimates
 from .cost import Cost, _si, first_example_shape, tokens_hint
 from .devices import DeviceProfile, profile
-from .shapes import forward_shapes
+from .shapes import element_size, forward_shapes
 from .jobs import (CollectJob, DiagJob, EKFACJob, FisherJob, GroupJob, Job, KFACJob, ScoresJob, StoreJob, TopK,
                    TopKJob)
 from .memory import capture_bytes_per_example, check_statistics_fit, kron_precision_rows, positions, rows_bytes
@@ -179,6 +178,8 @@ class _Planner:
         self._representations: dict[int, tuple] = {}
         self._task_tokens: dict[int, tuple] = {}     # {id(task): (task, task.token)}
         self._share_keys: dict[int, tuple] = {}      # {id(source): (source, forward_share_key)}
+        self.drawn: set = set()     # dense projection matrices an earlier pass draws (kept by the process)
+        self.resolved: set = set()  # operators an earlier pass or transform resolves (kept by the run)
 
     # ---- jobs -------------------------------------------------------------------
     def add(self, job: Job) -> tuple:
@@ -286,8 +287,13 @@ class _Planner:
             + ("" if isinstance(node.op, Identity) else " (precondition the held side)")))
         storage = self.storage(held)
         self._record_storage(held, storage, "held rows")
-        collect = self.add(CollectJob(held, (held,), self.stream_deps(held), storage=storage))
-        job = ScoresJob(node, (streamed,), {collect} | self.op_deps(node.op) | self.stream_deps(streamed),
+        if isinstance(held, GroupMean):
+            # its group job keeps the held rows (state.rows[held.token], in this storage):
+            # collecting them again would be a pass that copies them
+            ready = self.stream_deps(held)
+        else:
+            ready = {self.add(CollectJob(held, (held,), self.stream_deps(held), storage=storage))}
+        job = ScoresJob(node, (streamed,), ready | self.op_deps(node.op) | self.stream_deps(streamed),
                         held=held, transposed=transposed, held_storage=storage)
         job.kernels = self._kernels(held, streamed, node)
         return self._with_kernel_options(job)
@@ -432,16 +438,19 @@ class _Planner:
                 continue
             out_f, in_f = b.shape
             TL, TR = P_h[b.name], P_s[b.name]
-            args = (held.n, streamed.n, TL, TR, in_f, out_f)
-            ghost = 2.0 * ghost_flops(*args)
-            dense = 2.0 * dense_flops(*args, left_ready=False)
+            # both kernels priced by the calibrated cost model, as the scores job costs them
+            costs = estimates.kernel_costs(held.n, streamed.n, self.options.batch_size, TL, TR, in_f, out_f,
+                                           element_size(self.dtype))
+            ghost, dense = (self.device.time_of(costs[k], self.dtype) for k in ("ghost", "dense"))
             if mode == "auto" and not known:
                 chosen = "dense"   # the forward could not be measured: dense grows linearly in T, ghost as T²
                 why = (f"T of this layer unknown (its model cannot run on the meta device; {TL}/{TR} "
                        "assumed): dense, whose cost grows linearly with T where ghost's grows as T²")
             else:
                 chosen = "ghost" if (mode == "always" or (mode == "auto" and ghost <= dense)) else "dense"
-                why = (f"T={TL}/{TR}, in={in_f}, out={out_f}, {held.n}×{streamed.n} pairs"
+                why = (f"T={TL}/{TR}, in={in_f}, out={out_f}, {held.n}×{streamed.n} pairs in chunks of "
+                       f"{min(self.options.batch_size, streamed.n)}: the faster by the device profile "
+                       f"({self.device.name})"
                        + ("" if mode == "auto" else f" (forced by ga.options(ghost={mode!r}))"))
             if chosen == "ghost":
                 why += (f"; in slices of at most {self.options.ghost_slice_elements:,} elements, "
@@ -450,11 +459,8 @@ class _Planner:
                 why += (f"; streamed blocks of {_si(self.options.reuse_buffer_bytes)}B or more are "
                         "materialized into one reused buffer")
             kernels[b.name] = chosen
-            self.decisions.append(Decision(
-                what, chosen,
-                # the choice and the seconds shown both count arithmetic only: measured
-                # (benchmarks/planner.py) it picks within 10% of the faster kernel
-                {"ghost": self.device.seconds(ghost, 0), "dense": self.device.seconds(dense, 0)}, why))
+            # the estimated seconds of each kernel (GEMMs by shape, traffic) on this device
+            self.decisions.append(Decision(what, chosen, {"ghost": ghost, "dense": dense}, why))
         return kernels
 
     def _positions_measured(self, node: GradNode) -> bool:
@@ -522,18 +528,22 @@ class _Planner:
         layout = self._layout(node, reads_data) if node is not None else {}
         held = self.storage(job.held) if job.held is not None else None
         return estimates.job_cost(job, n_stream, layout, chunk or self.options.batch_size, self.dtype, held,
-                                  self.options)
+                                  self.options, self.resolved)
 
-    def _projection_cost(self, jobs: list[Job], n: int, chunk: int | None = None) -> Cost:
-        """Projections computed in the pass, each distinct one once per example."""
+    def _rowwise_cost(self, jobs: list[Job], n: int, chunk: int | None, base: set, reads_data: bool) -> Cost:
+        """The row-wise transforms the pass derives from the rows it reads (``base``: their
+        tokens, when the pass reads rows in memory), each distinct one once
+        (:func:`gradalg.plan.estimates.rowwise_cost`)."""
         seen, cost = set(), Cost()
         for job in jobs:
             for s in job.streams:
-                x = s
-                while isinstance(x, ROW_WISE):
-                    if isinstance(x, Project) and x.token not in seen:
-                        seen.add(x.token)
-                        cost = cost + _project_cost(x, n * token_rows(x), tokens_hint(x), chunk)
+                # a normalization the score kernel applies: the sink is fed the rows below it
+                x = s.grads if getattr(job, "normalize_streamed", False) else s
+                while isinstance(x, ROW_WISE) and x.token not in base and x.token not in seen:
+                    seen.add(x.token)
+                    cost = cost + estimates.rowwise_cost(
+                        x, n * token_rows(x), chunk, self._layout(x.grads, reads_data), element_size(self.dtype),
+                        self.options, self.drawn, self.resolved)
                     x = x.grads
         return cost
 
@@ -714,15 +724,14 @@ class _Planner:
         else:
             cost = Cost()
             n = p.jobs[0].streams[0].n
-        batches = -(-n // (p.batch_size or n)) if p.reads_data and n else 0
-        cost = cost + estimates.pass_overhead(len(p.jobs), batches, per_ex * (p.batch_size or 1))
+        cost = cost + estimates.pass_overhead(len(p.jobs), n if p.reads_data else 0, per_ex, p.reads_data)
         for job in p.jobs:
             # rows streamed by the job: n·T for per-token rows (ga.GradientSet.per_token)
             job.cost = self._job_cost(job, job.streams[0].n if job.streams and p.reads_data else n,
                                       p.reads_data, p.batch_size)
             cost = cost + job.cost
-        if p.reads_data:
-            cost = cost + self._projection_cost(p.jobs, n, p.batch_size)
+        cost = cost + self._rowwise_cost(p.jobs, n, p.batch_size, set() if p.reads_data else {p.key[1]},
+                                         p.reads_data)
         # one read of the data, however many sources are captured from each batch
         cost = replace(cost, peak_bytes=fixed + per_ex * (p.batch_size or 1), passes=1.0 if p.reads_data else 0.0)
         p.cost = cost
@@ -752,11 +761,6 @@ def _positions_known(node: GradNode) -> bool:
         return False
     first = first_example_shape(data)   # None: unreadable; a shape hint never fails planning
     return first is not None and len(first[0]) == 2
-
-
-def _project_cost(node: Project, n: int, T: int, chunk: int | None = None) -> Cost:
-    """``node``'s projection for n examples (:func:`gradalg.plan.estimates.project_cost`)."""
-    return estimates.project_cost(node, n, T, chunk=chunk)
 
 
 def _flat_terms(node: ScoreNode) -> list[tuple[float, Inner]]:

@@ -1,7 +1,11 @@
 """The random matrices behind a :class:`~gradalg.expr.projection.Projector`.
 
-Drawn on the CPU from a generator seeded per block (and per part for Kronecker
-factors), then moved, so results do not depend on the device or the process.
+Drawn on the CPU in float64 from a generator seeded per block (and per part for
+Kronecker factors), then cast and moved, so results do not depend on the device or the
+process. Each matrix is kept (an LRU cache per process) in the dtype and on the device
+it is asked for: a projection applied chunk by chunk casts it once, not once per chunk
+(a (512, 85 k) matrix cast for every chunk of 32 rows was most of a dense projection's
+time). The cached tensors are shared: callers must not modify them in place.
 """
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import torch
 
 from ..expr.projection import Projector
 
-__all__ = ["dense_matrix", "kron_matrices"]
+__all__ = ["dense_matrix", "kron_matrices", "clear_caches"]
 
 
 def _draw(kind: str, rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -23,10 +27,18 @@ def _draw(kind: str, rows: int, cols: int, seed: int) -> torch.Tensor:
     return torch.randn(rows, cols, generator=gen, dtype=torch.float64) / math.sqrt(rows)
 
 
+def _device_key(device) -> str:
+    return str(torch.device(device))
+
+
 @lru_cache(maxsize=64)
-def _dense_cpu(projector: Projector, block_name: str, dim: int) -> torch.Tensor:
+def _dense(projector: Projector, block_name: str, dim: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """The (k, dim) matrix drawn in float64 on the CPU, cast to ``dtype`` on ``device``
+    once: the key holds the dtype and the device, so each form is its own entry and
+    every form holds the same numbers (the float64 draw rounded once)."""
     kind = "gaussian" if projector.kind == "kron" else projector.kind
-    return _draw(kind, projector.k, dim, projector.block_seed(block_name))
+    drawn = _draw(kind, projector.k, dim, projector.block_seed(block_name))
+    return drawn.to(device=device, dtype=dtype)
 
 
 def dense_matrix(projector: Projector, block_name: str, dim: int, *, dtype=torch.float32,
@@ -40,19 +52,24 @@ def dense_matrix(projector: Projector, block_name: str, dim: int, *, dtype=torch
     if projector.kind not in ("gaussian", "rademacher", "kron"):
         raise ValueError(f"a {projector.kind} projector has no dense matrix; its index tables are "
                          "in gradalg.proj.sparse_tables (SJLT.dense() builds one for tests)")
-    return _dense_cpu(projector, block_name, dim).to(device=device, dtype=dtype)
+    return _dense(projector, block_name, dim, dtype, _device_key(device))
 
 
 @lru_cache(maxsize=64)
-def _kron_cpu(projector: Projector, block_name: str, out: int, n_in: int):
+def _kron(projector: Projector, block_name: str, out: int, n_in: int, dtype: torch.dtype, device: str):
     k_out, k_in = projector.kron_shape(out, n_in)
     P_out = _draw("gaussian", k_out, out, projector.block_seed(block_name, "out"))
     P_in = _draw("gaussian", k_in, n_in, projector.block_seed(block_name, "in"))
-    return P_out, P_in
+    return P_out.to(device=device, dtype=dtype), P_in.to(device=device, dtype=dtype)
 
 
 def kron_matrices(projector: Projector, block_name: str, out: int, n_in: int, *,
                   dtype=torch.float32, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """``(P_out (k_out, out), P_in (k_in, in))`` with N(0, 1/k_·) entries."""
-    P_out, P_in = _kron_cpu(projector, block_name, out, n_in)
-    return P_out.to(device=device, dtype=dtype), P_in.to(device=device, dtype=dtype)
+    return _kron(projector, block_name, out, n_in, dtype, _device_key(device))
+
+
+def clear_caches() -> None:
+    """Forget every cached matrix (the next use draws it again, with the same numbers)."""
+    _dense.cache_clear()
+    _kron.cache_clear()
