@@ -193,6 +193,29 @@ def test_unreplayable_set_ups_are_refused():
         run.train()
 
 
+class FusedAttention(nn.Module):
+    """One self-attention over a sequence of 5 positions through the fused CPU kernel,
+    whose backward has no derivative of its own."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv, self.out = nn.Linear(2, 6), nn.Linear(10, 3)
+
+    def forward(self, x):                                     # (B, 10) -> (B, 3)
+        q, k, v = self.qkv(x.reshape(-1, 5, 2)).unsqueeze(1).chunk(3, dim=-1)
+        return self.out(F.scaled_dot_product_attention(q, k, v).reshape(x.shape[0], 10))
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+def test_a_loss_without_a_second_derivative_is_refused_by_name():
+    X, y = torch.randn(8, 10, generator=torch.Generator().manual_seed(0)), torch.arange(8) % 3
+    run = TrainingRun(FusedAttention(), ce, (X, y), SGD(0.1), batch_size=4, epochs=1, seed=0)
+    run.train()                                              # one derivative: training works
+    with pytest.raises(UnsupportedTrainingError, match="cannot be differentiated twice.*attn_implementation"):
+        ga.methods.magic(run, (X[:2], y[:2])).compute()
+
+
 def test_unsupported_optimizers_are_refused():
     model = mlp()
     with pytest.raises(UnsupportedOptimizerError, match="RMSprop is not supported"):
