@@ -304,9 +304,9 @@ MAGIC_CHUNK = 8
 
 def method_rows(p: Prepared):
     """(method, configuration, thunk -> lazy Scores): defaults first, then variants."""
-    m, task, tr, qu, L = ga.methods, p.task(), p.train, p.queries, LAYERS
+    m, task, tr, qu, L = ga.methods, p.task(), p.train, p.queries[:p.n_query], LAYERS
     magic = ("magic", "replayable run, checkpointing='sqrt'", lambda: CachedMagic(p, p.n_query))
-    if p.protocol == "unrolled":      # the few methods that place the others against MAGIC on this protocol
+    if p.protocol == "unrolled" or p.n_query < p.setting.n_query:   # beside MAGIC: the few that place it
         yield "influence", "EK-FAC (default damping)", lambda: m.influence(task, tr, qu, layers=L, curvature="ekfac")
         yield "relatif", "EK-FAC", lambda: m.relatif(task, tr, qu, layers=L, curvature="ekfac")
         yield "trak", defaults(m.trak, "k", "relative_damping"), lambda: m.trak(task, tr, qu, layers=L)
