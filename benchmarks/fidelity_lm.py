@@ -34,7 +34,10 @@ under both protocols: the full runs of the two protocols are the same recipe (th
 replayable one uses ``ga.unroll.Adam`` and eager attention — a twice-differentiable
 attention, which PyTorch's fused CPU attention is not — so its weights differ from
 the subset-retrain model's by float rounding). Its scores (the costly part) are cached
-under ``build/fidelity/magic-<setting>….npz``. LDS:
+under ``build/fidelity/magic-<setting>….npz``; its cost is ≈ linear in the queries, so
+``--queries N`` scores every row on the first N queries only (results files then end in
+``-qN``; the rows are then a short list beside MAGIC). Why MAGIC's LDS is low on these
+runs: ``benchmarks/fidelity_lm_linearity.py``. LDS:
 ``ga.eval.lds(..., target="loss")``, Spearman per query over subsets, averaged over
 queries, 95 % percentile-bootstrap intervals over queries *and* subsets
 (``resample="both"``). Every method scores with ``ga.tasks.causal_lm(model)`` on
