@@ -336,6 +336,9 @@ def method_rows(p: Prepared):
     # LESS's default dense k=8192 projection of ~100k coordinates is over the memory budget
     yield "less", "3 Adam checkpoints, sparse k=8192", lambda: m.less(
         *_checkpoints(p, "less"), tr, qu, np.arange(len(qu)), layers=L, projector=ga.proj.sparse(8192, seed=0))
+    # TrackStar at the run's last checkpoint (the final model and its Adam state), train R only
+    yield "trackstar", defaults(m.trackstar, "k", "relative_damping") + ", final Adam state", lambda: m.trackstar(
+        _checkpoints(p, "less")[0][-1], tr, qu, optimizer=_checkpoints(p, "less")[1][-1], layers=L)
     yield magic
 
 
