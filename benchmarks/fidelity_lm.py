@@ -11,10 +11,33 @@ per-sequence *mean* token loss: the tutorial's recipe).
     lm2     2 layers, n_embd 32, 2 heads; steps s ∈ {+2, −3, +5, −5}; 256 training
             sequences, 48 queries, 250 steps           (held out: defaults checked here)
 
-Ground truth (``ga.eval.retrain``): ``N_SUBSETS`` random 50 % subsets, **one training
-seed for every subset** (the same initialisation and the same batch-index stream, so
-the targets differ through the data only); the target is each query's loss L_q = Σ_t
-−log p(x_t | x_<t) (the sum over its tokens, ``ga.tasks.causal_lm``'s loss). LDS:
+Ground truth (``ga.eval.retrain``): ``N_SUBSETS`` random 50 % subsets; the target is each
+query's loss L_q = Σ_t −log p(x_t | x_<t) (the sum over its tokens, ``ga.tasks.causal_lm``'s
+loss). Two protocols (``--protocol``), named in every results file:
+
+    subset-retrain  (default) each subset is trained afresh with **one training seed for
+                    every subset**: the same initialisation and the same batch-index
+                    stream, drawn over the *subset* (batches of 32 of its examples), so
+                    the targets differ through the data only. Results:
+                    ``results-<setting>.json``.
+    unrolled        the full run as a replayable ``ga.unroll.TrainingRun`` (same
+                    initialisation, the full set's batch-index stream, ``ga.unroll.Adam``,
+                    batch loss Σ_B ε_i ℓ_i / Σ_B ε_i); subset S retrains *that run* with
+                    ε = 1 on S and 0 elsewhere (its batches keep their order and become
+                    the ≈ 16 of their 32 examples in S). The counterfactual MAGIC
+                    differentiates (as the MAGIC paper's LDS). Methods other than MAGIC
+                    score the run's own final model. Results:
+                    ``results-<setting>-unrolled.json``.
+
+MAGIC (``ga.methods.magic``, checkpointing "sqrt") differentiates the replayable run
+under both protocols: the full runs of the two protocols are the same recipe (the
+replayable one uses ``ga.unroll.Adam`` and eager attention — a twice-differentiable
+attention, which PyTorch's fused CPU attention is not — so its weights differ from
+the subset-retrain model's by float rounding). Its scores (the costly part) are cached
+under ``build/fidelity/magic-<setting>….npz``; its cost is ≈ linear in the queries, so
+``--queries N`` scores every row on the first N queries only (results files then end in
+``-qN``; the rows are then a short list beside MAGIC). Why MAGIC's LDS is low on these
+runs: ``benchmarks/fidelity_lm_linearity.py``. LDS:
 ``ga.eval.lds(..., target="loss")``, Spearman per query over subsets, averaged over
 queries, 95 % percentile-bootstrap intervals over queries *and* subsets
 (``resample="both"``). Every method scores with ``ga.tasks.causal_lm(model)`` on
@@ -29,6 +52,7 @@ process, right before).
     ... --retrain-only          # only the ground truth (resumable)
     ... --methods trak,logra    # rows whose method name is in the list
     ... --rows sweeps           # the knob sweeps behind the defaults
+    ... --protocol unrolled --queries 16   # MAGIC's cost is ≈ linear in the queries
 """
 from __future__ import annotations
 
@@ -95,11 +119,43 @@ def make_corpus(setting: LMSetting, n_per_lang: int, seed: int, noise: float = 0
     return [rows[i] for i in order], np.array(langs)[order]
 
 
-def new_model(setting: LMSetting) -> GPT2LMHeadModel:
+def new_model(setting: LMSetting, attention: str = "sdpa") -> GPT2LMHeadModel:
+    """The setting's GPT-2 from the current torch seed. ``attention="eager"`` for a run
+    that is differentiated through (MAGIC differentiates the gradient; the fused CPU
+    attention has no second derivative)."""
     cfg = GPT2Config(n_layer=setting.n_layer, n_embd=setting.n_embd, n_head=setting.n_head,
                      vocab_size=N_NUM + 1, n_positions=T_MAX, resid_pdrop=0.0, embd_pdrop=0.0,
-                     attn_pdrop=0.0, bos_token_id=PAD, eos_token_id=PAD)
+                     attn_pdrop=0.0, bos_token_id=PAD, eos_token_id=PAD, attn_implementation=attention)
     return GPT2LMHeadModel(cfg)
+
+
+def sequence_losses(model, batch):
+    """(B,) each sequence's mean token NLL: the training loss of one example."""
+    return token_losses(model, batch).sum(1) / batch["attention_mask"][:, 1:].sum(1)
+
+
+def query_token_loss_sums(model, batch):
+    """(B,) each query's Σ_t NLL: the LDS target."""
+    return token_losses(model, batch).sum(1)
+
+
+def batch_stream(n: int, steps: int, seed: int = TRAINING_SEED) -> list:
+    """The training batches' indices into a set of n examples: 32 drawn with replacement
+    per step from ``torch.Generator().manual_seed(seed + 1)`` (train_model's stream)."""
+    g = torch.Generator().manual_seed(seed + 1)
+    return [torch.randint(0, n, (32,), generator=g) for _ in range(steps)]
+
+
+def replayable_run(setting: LMSetting, items, *, seed=TRAINING_SEED) -> "ga.unroll.TrainingRun":
+    """train_model's run on ``items`` as a ``ga.unroll.TrainingRun``: the same seeded
+    init, the same batch stream, Adam lr 3e-3, per-sequence mean token loss averaged
+    over the batch (reduction "weighted_mean": Σ_B ε_i ℓ_i / Σ_B ε_i)."""
+    torch.manual_seed(seed)
+    model = new_model(setting, attention="eager")
+    data = ga.collate.pad_collate(items)                       # (n, T_MAX) input_ids, attention_mask
+    return ga.unroll.TrainingRun(model, sequence_losses, data, ga.unroll.Adam(3e-3),
+                                 batches=batch_stream(len(items), setting.train_steps, seed),
+                                 reduction="weighted_mean")
 
 
 def token_losses(model, batch):
@@ -117,13 +173,11 @@ def train_model(setting: LMSetting, items, *, checkpoints=0, seed=TRAINING_SEED)
     model = new_model(setting)
     batch = ga.collate.pad_collate(items)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    g = torch.Generator().manual_seed(seed + 1)
     every = setting.train_steps // checkpoints if checkpoints else 0
     snapshots = []
-    for step in range(1, setting.train_steps + 1):
-        b = torch.randint(0, len(items), (32,), generator=g)
+    for step, b in enumerate(batch_stream(len(items), setting.train_steps, seed), start=1):
         part = {k: v[b] for k, v in batch.items()}
-        loss = (token_losses(model, part).sum(1) / part["attention_mask"][:, 1:].sum(1)).mean()
+        loss = sequence_losses(model, part).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -136,26 +190,50 @@ def train_model(setting: LMSetting, items, *, checkpoints=0, seed=TRAINING_SEED)
     return (model.eval(), snapshots) if checkpoints else model.eval()
 
 
-class Prepared:
-    """A setting's corpus, full-data model and ground truth."""
+PROTOCOLS = ("subset-retrain", "unrolled")
 
-    def __init__(self, setting: LMSetting, n_subsets: int = N_SUBSETS, progress: bool = False):
-        self.setting = setting
+
+class Prepared:
+    """A setting's corpus, full-data model and ground truth under ``protocol``."""
+
+    def __init__(self, setting: LMSetting, n_subsets: int = N_SUBSETS, progress: bool = False,
+                 protocol: str = "subset-retrain", queries: int | None = None, retrain: bool = True):
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+        self.setting, self.protocol = setting, protocol
+        self.n_query = setting.n_query if queries is None else min(int(queries), setting.n_query)   # LDS queries
         self.train, self.lang = make_corpus(setting, setting.n_train // len(setting.steps), setting.corpus_seed)
         self.queries, self.lang_q = make_corpus(setting, setting.n_query // len(setting.steps),
                                                 setting.corpus_seed + 1)
         self.query_batch = ga.collate.pad_collate(self.queries)
         torch.set_num_threads(1)
-        self.model = train_model(setting, self.train)
-        store = BUILD / (f"{setting.name}-L{setting.n_layer}-d{setting.n_embd}-n{setting.n_train}"
-                         f"-q{setting.n_query}-s{setting.train_steps}-ts{TRAINING_SEED}")
+        self._run = None
+        self.model = (None if not retrain else self.run.train() if protocol == "unrolled"
+                      else train_model(setting, self.train))
+        self.key = (f"{setting.name}-L{setting.n_layer}-d{setting.n_embd}-n{setting.n_train}"
+                    f"-q{setting.n_query}-s{setting.train_steps}-ts{TRAINING_SEED}")
+        store = BUILD / (self.key + ("-unrolled" if protocol == "unrolled" else ""))
+        self.truth, self.truth_seconds = None, 0.0
+        if not retrain:
+            return
         t0 = time.perf_counter()
         self.truth = ga.eval.retrain(self.train_fn, setting.n_train, n_subsets=n_subsets, fraction=FRACTION,
                                      seed=SUBSET_SEED, training_seed=TRAINING_SEED, targets_fn=self.query_losses,
                                      target="loss", store=store, progress=progress)
         self.truth_seconds = time.perf_counter() - t0
 
+    @property
+    def run(self) -> "ga.unroll.TrainingRun":
+        """The full training run, replayable (built on first use)."""
+        if self._run is None:
+            self._run = replayable_run(self.setting, self.train)
+        return self._run
+
     def train_fn(self, indices):
+        if self.protocol == "unrolled":                   # the same run, ε = 1 on the subset, 0 elsewhere
+            weights = torch.zeros(len(self.train))
+            weights[torch.as_tensor(indices)] = 1.0
+            return self.run.train(weights)
         return train_model(self.setting, [self.train[i] for i in indices])
 
     def query_losses(self, model):
@@ -187,9 +265,58 @@ def defaults(fn, *names) -> str:
     return "defaults (" + ", ".join(f"{n}={params[n].default:g}" for n in names) + ")"
 
 
+class CachedMagic:
+    """MAGIC's scores for the setting's replayable run on the first ``n_query`` queries,
+    computed in chunks of ``MAGIC_CHUNK`` queries (one replay each: the cost is ≈ linear
+    in the queries carried) and kept in ``build/fidelity/magic-<key>-<schedule>-q<a>-<b>.npz``
+    (scores and the seconds they took): the same scores serve both protocols, and an
+    interrupted benchmark resumes at the next chunk. ``seconds`` is the sum over the chunks."""
+
+    def __init__(self, p: Prepared, n_query: int, checkpointing="sqrt"):
+        self.p, self.n_query, self.checkpointing = p, n_query, checkpointing
+        self.seconds = None
+
+    def _chunk(self, a: int, b: int) -> tuple[np.ndarray, float]:
+        path = BUILD / f"magic-{self.p.key}-{self.checkpointing}-q{a}-{b}.npz"
+        if path.exists():
+            cached = np.load(path)
+            return cached["values"], float(cached["seconds"])
+        queries = {k: v[a:b] for k, v in self.p.query_batch.items()}
+        lazy = ga.methods.magic(self.p.run, queries, query_loss=query_token_loss_sums,
+                                checkpointing=self.checkpointing)
+        t0 = time.perf_counter()
+        values = lazy.compute().values                                   # (b - a, n_train)
+        seconds = time.perf_counter() - t0
+        BUILD.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez(tmp, values=values, seconds=seconds, stored_states_peak=lazy.metagradients.ledger.peak,
+                 forward_steps=lazy.metagradients.ledger.forward_steps)
+        tmp.replace(path)
+        print(f"    magic queries {a}–{b}: {seconds:.0f} s", flush=True)
+        return values, seconds
+
+    def compute(self):
+        import xarray as xr
+        parts = [self._chunk(a, min(a + MAGIC_CHUNK, self.n_query)) for a in range(0, self.n_query, MAGIC_CHUNK)]
+        self.seconds = sum(sec for _, sec in parts)
+        return xr.DataArray(np.concatenate([v for v, _ in parts]), dims=("query", "train"), name="magic")
+
+
+MAGIC_CHUNK = 8
+
+
 def method_rows(p: Prepared):
     """(method, configuration, thunk -> lazy Scores): defaults first, then variants."""
-    m, task, tr, qu, L = ga.methods, p.task(), p.train, p.queries, LAYERS
+    m, task, tr, qu, L = ga.methods, p.task(), p.train, p.queries[:p.n_query], LAYERS
+    magic = ("magic", "replayable run, checkpointing='sqrt'", lambda: CachedMagic(p, p.n_query))
+    if p.protocol == "unrolled" or p.n_query < p.setting.n_query:   # beside MAGIC: the few that place it
+        yield "influence", "EK-FAC (default damping)", lambda: m.influence(task, tr, qu, layers=L, curvature="ekfac")
+        yield "relatif", "EK-FAC", lambda: m.relatif(task, tr, qu, layers=L, curvature="ekfac")
+        yield "trak", defaults(m.trak, "k", "relative_damping"), lambda: m.trak(task, tr, qu, layers=L)
+        yield "logra", defaults(m.logra, "k", "damping"), lambda: m.logra(task, tr, qu, layers=L)
+        yield "grad_dot", "", lambda: m.grad_dot(task, tr, qu, layers=L)
+        yield magic
+        return
     yield "influence", "EK-FAC (default damping)", lambda: m.influence(task, tr, qu, layers=L, curvature="ekfac")
     yield "trak", defaults(m.trak, "k", "relative_damping"), lambda: m.trak(task, tr, qu, layers=L)
     yield "logra", defaults(m.logra, "k", "damping"), lambda: m.logra(task, tr, qu, layers=L)
@@ -209,6 +336,10 @@ def method_rows(p: Prepared):
     # LESS's default dense k=8192 projection of ~100k coordinates is over the memory budget
     yield "less", "3 Adam checkpoints, sparse k=8192", lambda: m.less(
         *_checkpoints(p, "less"), tr, qu, np.arange(len(qu)), layers=L, projector=ga.proj.sparse(8192, seed=0))
+    # TrackStar at the run's last checkpoint (the final model and its Adam state), train R only
+    yield "trackstar", defaults(m.trackstar, "k", "relative_damping") + ", final Adam state", lambda: m.trackstar(
+        _checkpoints(p, "less")[0][-1], tr, qu, optimizer=_checkpoints(p, "less")[1][-1], layers=L)
+    yield magic
 
 
 def knob_rows(p: Prepared):
@@ -247,32 +378,37 @@ def _checkpoints(p: Prepared, kind: str):
 
 # --------------------------------------------------------------------------------- run
 def run(setting: LMSetting, *, rows_of=("methods",), only=None, recompute=False, n_subsets=N_SUBSETS,
-        progress=False, retrain_only=False):
-    p = Prepared(setting, n_subsets, progress)
-    print(f"[{setting.name}] {setting.describe()}; ground truth {n_subsets} subsets ready in "
+        progress=False, retrain_only=False, protocol="subset-retrain", queries=None):
+    p = Prepared(setting, n_subsets, progress, protocol, queries)
+    label = setting.name if protocol == "subset-retrain" else f"{setting.name}-{protocol}"
+    label += f"-q{p.n_query}" if p.n_query < setting.n_query else ""
+    print(f"[{label}] {setting.describe()}; protocol {protocol}; ground truth {n_subsets} subsets ready in "
           f"{p.truth_seconds:.0f} s", flush=True)
     if retrain_only:
         return []
     base = p.fwd_bwd_seconds()
     print(f"  plain forward+backward over the training set: {base:.3f} s", flush=True)
     rows = []
-    out = BUILD / f"results-{setting.name}.json"
+    out = BUILD / f"results-{label}.json"
     done = {(r["method"], r["config"]) for r in _read(out)} if not recompute else set()
     generators = [{"methods": method_rows, "sweeps": knob_rows}[r](p) for r in rows_of]
     for gen in generators:
         for method, config, thunk in gen:
             if (only and method not in only) or (method, config) in done:
                 continue
-            row = {"setting": setting.name, "method": method, "config": config}
+            row = {"setting": label, "method": method, "config": config}
             try:
                 scores = thunk()
                 t0 = time.perf_counter()
-                values = scores.compute()
+                values = scores.compute()[:p.n_query]           # (n_query, n_train)
                 row["seconds"] = time.perf_counter() - t0
+                if getattr(scores, "seconds", None) is not None:     # cached: the time it took when computed
+                    row["seconds"] = scores.seconds
                 row["cost"] = row["seconds"] / base
                 if not np.isfinite(values.values).all():
                     raise ValueError("non-finite scores")
-                result = ga.eval.lds(values, p.truth, target="loss", bootstrap=1000, resample="both")
+                truth = p.truth.isel(query=slice(0, p.n_query))
+                result = ga.eval.lds(values, truth, target="loss", bootstrap=1000, resample="both")
                 row.update(lds=result.mean, low=result.interval[0], high=result.interval[1])
                 print(f"  {method:10s} {config:36s} LDS {row['lds']:6.3f} [{row['low']:.3f}, {row['high']:.3f}]"
                       f"  {row['seconds']:6.2f} s ({row['cost']:.0f}× fwd+bwd)", flush=True)
@@ -280,21 +416,31 @@ def run(setting: LMSetting, *, rows_of=("methods",), only=None, recompute=False,
                 row["skipped"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:160]
                 print(f"  {method:10s} {config:36s} skipped: {row['skipped']}", flush=True)
             rows.append(row)
-            _write(out, setting, n_subsets, base, row)       # after every row: an interrupted run keeps them
+            _write(out, label, setting, protocol, n_subsets, p.n_query, base, row)   # an interrupted run keeps them
     return rows
+
+
+COUNTERFACTUAL = {
+    "subset-retrain": "each subset trained afresh: same init and batch-index stream, batches drawn from the subset",
+    "unrolled": "the full run replayed with weight 0 on the examples left out (same init, same batches, "
+                "batch loss Σεℓ/Σε)",
+}
 
 
 def _read(out: Path) -> list:
     return json.loads(out.read_text())["rows"] if out.exists() else []
 
 
-def _write(out: Path, setting: LMSetting, n_subsets: int, base: float, row: dict) -> None:
+def _write(out: Path, label: str, setting: LMSetting, protocol: str, n_subsets: int, n_query: int,
+           base: float, row: dict) -> None:
     """Add (or replace) ``row`` in ``out``, read afresh: another process may have added rows."""
     rows = [r for r in _read(out) if (r["method"], r["config"]) != (row["method"], row["config"])] + [row]
     BUILD.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"setting": setting.name, "description": setting.describe(),
-                               "protocol": {"n_subsets": n_subsets, "fraction": FRACTION,
+    tmp.write_text(json.dumps({"setting": label, "description": setting.describe(),
+                               "protocol": {"name": protocol, "counterfactual": COUNTERFACTUAL[protocol],
+                                            "n_subsets": n_subsets, "fraction": FRACTION,
+                                            "queries": f"the first {n_query} of {setting.n_query}",
                                             "seeds_per_subset": 1, "training_seed": TRAINING_SEED,
                                             "target": "query loss (sum of token NLL)",
                                             "interval": "95% percentile bootstrap over queries and subsets"},
@@ -310,16 +456,29 @@ def main(argv=None):
                     "(the knob sweeps behind the defaults) or 'methods,sweeps'")
     ap.add_argument("--n-subsets", type=int, default=N_SUBSETS)
     ap.add_argument("--retrain-only", action="store_true")
+    ap.add_argument("--magic-only", action="store_true", help="only MAGIC's scores for the first --queries "
+                    "queries (cached; no ground truth): to run beside a --retrain-only process")
     ap.add_argument("--recompute", action="store_true", help="rerun rows already in results-<setting>.json")
     ap.add_argument("--progress", action="store_true")
+    ap.add_argument("--queries", type=int, default=None,
+                    help="score the LDS on the first N queries only (MAGIC's cost is ≈ linear in them)")
+    ap.add_argument("--protocol", default="subset-retrain", choices=PROTOCOLS,
+                    help="the counterfactual the ground truth retrains (module docstring)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     ga.options(progress=False)
     only = set(args.methods.split(",")) if args.methods else None
     for name in args.settings.split(","):
+        if args.magic_only:
+            p = Prepared(SETTINGS[name], protocol="unrolled", queries=args.queries, retrain=False)
+            magic = CachedMagic(p, p.n_query)
+            magic.compute()
+            print(f"[{name}] MAGIC scores for {p.n_query} queries cached ({magic.seconds:.0f} s)", flush=True)
+            continue
         run(SETTINGS[name], rows_of=tuple(args.rows.split(",")), recompute=args.recompute, only=only,
             n_subsets=args.n_subsets, progress=args.progress,
-            retrain_only=args.retrain_only)
+            retrain_only=args.retrain_only, protocol=args.protocol,
+            queries=args.queries)
 
 
 if __name__ == "__main__":

@@ -26,8 +26,11 @@ def table(result: dict) -> str:
     bases = [r["seconds"] / r["cost"] for r in result["rows"] if r.get("cost")]     # each run measured its own
     base = (f"{min(bases) * 1e3:.1f}–{max(bases) * 1e3:.1f} ms (measured in each run)" if bases and
             max(bases) > 1.05 * min(bases) else f"{result['fwd_bwd_seconds'] * 1e3:.1f} ms")
+    proto = result.get("protocol", {})
+    named = (f" Protocol **{proto['name']}** ({proto['counterfactual']}); {proto['n_subsets']} subsets, "
+             f"{proto['queries']} queries." if "name" in proto else "")
     lines = [f"**{result['setting']}**: {result['description']}; plain forward + backward over the training "
-             f"set {base}.", "",
+             f"set {base}.{named}", "",
              "| method | configuration | LDS [95% CI] | seconds | cost (× fwd+bwd) |", "|---|---|---:|---:|---:|"]
     order = list(dict.fromkeys(r["method"] for r in result["rows"]))     # methods by first appearance
     for r in sorted(result["rows"], key=lambda r: order.index(r["method"])):

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import gradalg as ga
+from gradalg.methods.trackstar import mixing_coefficient
 from gradalg.proj.matrices import dense_matrix
 
 from models import classification_data, mlp
@@ -47,7 +48,14 @@ def loop_grads(model, X, y) -> torch.Tensor:
     return torch.stack(rows)                                               # (n, dim)
 
 
-def reference(s, P, *, rel=0.1, mix=None, correction=True) -> np.ndarray:
+def reference_mix(R_train, R_task, components) -> float:
+    """λ of Chang et al. §A.1.3 by hand: the c-th largest eigenvalues, λσ_task = (1 − λ)σ_train."""
+    s_train = sorted(torch.linalg.eigvalsh(R_train).tolist(), reverse=True)[components - 1]
+    s_task = sorted(torch.linalg.eigvalsh(R_task).tolist(), reverse=True)[components - 1]
+    return s_train / (s_train + s_task)
+
+
+def reference(s, P, *, rel=0.1, mix=None, correction=True, components=None) -> np.ndarray:
     m, opt = s["model"], s["opt"]
     beta2, eps = opt.param_groups[0]["betas"][1], opt.param_groups[0]["eps"]
     v_hat = layout(m, {p: opt.state[p]["exp_avg_sq"] / (1 - beta2 ** float(opt.state[p]["step"]))
@@ -56,7 +64,9 @@ def reference(s, P, *, rel=0.1, mix=None, correction=True) -> np.ndarray:
     Phi = [loop_grads(m, *s[side]) * scale @ P.T for side in ("train", "query", "task_data")]   # (n, k)
     R = Phi[0].T @ Phi[0] / len(Phi[0])
     if mix is not None:
-        R = (1 - mix) * R + mix * Phi[2].T @ Phi[2] / len(Phi[2])
+        R_task = Phi[2].T @ Phi[2] / len(Phi[2])
+        mix = reference_mix(R, R_task, components) if mix == "auto" else mix
+        R = (1 - mix) * R + mix * R_task
     R = R + rel * torch.trace(R) / R.shape[0] * torch.eye(R.shape[0], dtype=R.dtype)
     w, V = torch.linalg.eigh(R)
     W = V @ torch.diag(w ** -0.5) @ V.T                                     # R^{-1/2}
@@ -69,17 +79,19 @@ def projection_matrix(projector, G) -> torch.Tensor:
     return torch.cat([dense_matrix(projector, b.name, b.dim, dtype=torch.float64) for b in G.space.blocks], 1)
 
 
-@pytest.mark.parametrize("variant", ["train R", "task-mixed R", "no correction"])
+@pytest.mark.parametrize("variant", ["train R", "task-mixed R", "auto-mixed R", "no correction"])
 def test_trackstar_equals_plain_torch_reference(setting, variant):
     s = setting
     k = 12
     P = ga.proj.gaussian(k, seed=3)
     kwargs = {"train R": {}, "task-mixed R": {"task_data": s["task_data"], "mix": 0.7},
+              "auto-mixed R": {"task_data": s["task_data"], "mix": "auto", "downweight_components": 4},
               "no correction": {"correction": False}}[variant]
     S = ga.methods.trackstar(s["task"], s["train"], s["query"], optimizer=s["opt"], layers=LAYERS, projector=P,
                              **kwargs)
     matrix = projection_matrix(P, ga.grads(s["task"], s["train"], LAYERS))
-    want = reference(s, matrix, mix=kwargs.get("mix"), correction=kwargs.get("correction", True))
+    want = reference(s, matrix, mix=kwargs.get("mix"), correction=kwargs.get("correction", True),
+                     components=kwargs.get("downweight_components"))
     got = np.asarray(S.compute().values)
     np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-10)
     assert np.all(np.abs(got) <= 1 + 1e-12)                                # cosines
@@ -88,12 +100,32 @@ def test_trackstar_equals_plain_torch_reference(setting, variant):
     assert "damp(λ=0.1·mean eig) [default: 0.1 × mean eigenvalue]" in text and "pow(-0.5)" in text
 
 
+def test_mixing_coefficient_places_the_crossing_at_the_cth_component():
+    train = torch.tensor([8.0, 1.0, 4.0, 0.5])          # sorted: 8, 4, 1, 0.5
+    task = torch.tensor([0.25, 9.0, 3.0, -1e-12])       # sorted: 9, 3, 0.25, 0 (a rounding error clipped)
+    lam = mixing_coefficient(train, task, 2)
+    assert lam == pytest.approx(4.0 / 7.0)              # λ·3 = (1 − λ)·4
+    assert lam * 3.0 == pytest.approx((1 - lam) * 4.0)
+    assert mixing_coefficient(train, task, 4) == 1.0    # σ_task[4] = 0: R_task alone there
+    with pytest.raises(ValueError, match="both 0"):
+        mixing_coefficient(torch.tensor([1.0, 0.0]), torch.tensor([2.0, 0.0]), 2)
+    for bad in (0, 5, 1.5, True):
+        with pytest.raises(ValueError, match="downweight_components"):
+            mixing_coefficient(train, task, bad)
+
+
 def test_trackstar_refuses_what_it_cannot_compute(setting):
     s = setting
     with pytest.raises(ValueError, match="optimizer="):
         ga.methods.trackstar(s["task"], s["train"], s["query"], optimizer=None)
     with pytest.raises(ValueError, match="mix="):
         ga.methods.trackstar(s["task"], s["train"], s["query"], optimizer=s["opt"], task_data=s["task_data"])
+    with pytest.raises(ValueError, match="mix must be"):
+        ga.methods.trackstar(s["task"], s["train"], s["query"], optimizer=s["opt"], task_data=s["task_data"],
+                             mix="paper")
+    with pytest.raises(ValueError, match="downweight_components"):     # c above k = 12
+        ga.methods.trackstar(s["task"], s["train"], s["query"], optimizer=s["opt"], layers=LAYERS,
+                             projector=ga.proj.gaussian(12, seed=3), task_data=s["task_data"], mix="auto")
     sgd = torch.optim.SGD(s["model"].parameters(), lr=0.1)
     with pytest.raises(ga.GradalgError, match="second moment"):
         ga.methods.trackstar(s["task"], s["train"], s["query"], optimizer=sgd)

@@ -78,6 +78,51 @@ def test_magic_equals_finite_differences_of_reweighted_retraining(name):
     assert rel < 1e-6, rel
 
 
+def test_magic_through_a_gpt2_language_model_equals_finite_differences():
+    """The LM benchmark's run in miniature: a transformers GPT-2 (eager attention) on
+    right-padded dict items, per-sequence mean token loss, Adam, batches with repeats,
+    Σε ℓ/Σε; the query target is each query's summed token loss."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=11, n_positions=8, resid_pdrop=0.0,
+                                       embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+                                       attn_implementation="eager")).to(F64)
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(3, 7, (10,), generator=g)
+    mask = (torch.arange(6)[None, :] < lengths[:, None]).long()
+    ids = torch.randint(1, 11, (10, 6), generator=g) * mask                          # (10, 6), 0 = padding
+    data = {"input_ids": ids[:7], "attention_mask": mask[:7]}
+    queries = {"input_ids": ids[7:], "attention_mask": mask[7:]}
+
+    def token_nll(m, b):                                                            # (B, T-1), 0 on padding
+        logits = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
+        targets = b["input_ids"][:, 1:].masked_fill(b["attention_mask"][:, 1:] == 0, -100)
+        return F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+
+    def sequence_loss(m, b):
+        return token_nll(m, b).sum(1) / b["attention_mask"][:, 1:].sum(1)
+
+    def query_sum(m, b):
+        return token_nll(m, b).sum(1)
+
+    batches = [torch.randint(0, 7, (4,), generator=g) for _ in range(5)]
+    run = TrainingRun(model, sequence_loss, data, Adam(0.05), batches=batches, reduction="weighted_mean")
+    scores = torch.from_numpy(ga.methods.magic(run, queries, query_loss=query_sum).compute().values)
+
+    def targets(w):
+        return query_sum(run.model_with(run.final_params(w)), queries).detach()
+
+    h, fd = 1e-5, torch.zeros(3, 7, dtype=F64)
+    for i in range(7):
+        w = torch.ones(7, dtype=F64)
+        w[i] = 1 + h
+        up = targets(w)
+        w[i] = 1 - h
+        fd[:, i] = (up - targets(w)) / (2 * h)
+    assert float((scores + fd).abs().max() / fd.abs().max()) < 1e-5
+
+
 @pytest.mark.parametrize("reduction", ["weighted_mean", "sum"])
 def test_magic_equals_finite_differences_for_other_batch_reductions(reduction):
     run = TrainingRun(mlp(), ce, TRAIN, SGD(0.1, momentum=0.5), batch_size=4, epochs=2, seed=3, reduction=reduction)
@@ -191,6 +236,29 @@ def test_unreplayable_set_ups_are_refused():
     run = TrainingRun(mlp(), lambda m, b: ce(m, b).mean(), TRAIN, SGD(0.1), batch_size=4, epochs=1, seed=0)
     with pytest.raises(UnsupportedTrainingError, match="one value per example"):
         run.train()
+
+
+class FusedAttention(nn.Module):
+    """One self-attention over a sequence of 5 positions through the fused CPU kernel,
+    whose backward has no derivative of its own."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv, self.out = nn.Linear(2, 6), nn.Linear(10, 3)
+
+    def forward(self, x):                                     # (B, 10) -> (B, 3)
+        q, k, v = self.qkv(x.reshape(-1, 5, 2)).unsqueeze(1).chunk(3, dim=-1)
+        return self.out(F.scaled_dot_product_attention(q, k, v).reshape(x.shape[0], 10))
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+def test_a_loss_without_a_second_derivative_is_refused_by_name():
+    X, y = torch.randn(8, 10, generator=torch.Generator().manual_seed(0)), torch.arange(8) % 3
+    run = TrainingRun(FusedAttention(), ce, (X, y), SGD(0.1), batch_size=4, epochs=1, seed=0)
+    run.train()                                              # one derivative: training works
+    with pytest.raises(UnsupportedTrainingError, match="cannot be differentiated twice.*attn_implementation"):
+        ga.methods.magic(run, (X[:2], y[:2])).compute()
 
 
 def test_unsupported_optimizers_are_refused():

@@ -1,8 +1,8 @@
-"""TrackStar (Chang et al., "Scalable influence and fact tracing for large language model
-pretraining", ICLR 2025):
+"""TrackStar (Chang, Rajagopal, Bolukbasi, Dixon & Tenney, "Scalable influence and fact
+tracing for large language model pretraining", ICLR 2025, arXiv:2410.17413):
 
     g̃(z)  = ∇_θ L(z) / (√v̂ + ε)                 optimizer second-moment correction (Adam's
-                                                  bias-corrected v̂ and ε at the final checkpoint)
+                                                  bias-corrected v̂ and ε at the checkpoint)
     Φ(z)  = P g̃(z)                               (k,) random projection
     Ḡ(z)  = R^{-1/2} Φ(z)                         R: autocorrelation of the projected,
                                                   corrected gradients (a Gauss-Newton proxy)
@@ -15,15 +15,48 @@ mixes in the same matrix over examples of the evaluation task,
     R = (1 − λ) R_train + λ R_task
 
 so that directions common to the task's examples (shared templates, formatting) are
-down-weighted by R^{-1/2}; ``task_data`` and ``mix`` = λ give it (the paper chooses λ so that
-R_task's leading components dominate the mixture; there is no default: choose it for your
-task). R is damped before its inverse square root: ``relative_damping`` × its mean
-eigenvalue (needed when k exceeds the examples R is estimated on), or an absolute ``damping``.
+down-weighted by R^{-1/2}; ``task_data`` and ``mix`` = λ give it. ``mix="auto"`` applies
+the paper's rule for λ (its appendix A.1.3): with σ_train and σ_task the eigenvalues of
+R_train and R_task, each sorted in decreasing order, and c = ``downweight_components``,
+
+    λ · σ_task[c] = (1 − λ) · σ_train[c]    ⇒    λ = σ_train[c] / (σ_task[c] + σ_train[c])
+
+so that R_task dominates the mixture on its top c components and R_train beyond them
+(c ≈ 1000 of 2¹⁶ dimensions in the paper: λ ≈ 0.90 on T-REx, 0.99 on C4).
+
+R is damped before its inverse square root: ``relative_damping`` × its mean eigenvalue
+(needed when k exceeds the examples R is estimated on), or an absolute ``damping``.
+
+Checked against the public implementation in EleutherAI's Bergson
+(github.com/EleutherAI/bergson: ``bergson/utils/math.py`` ``compute_lambda`` — the rule
+for λ above, citing §A.1.3 — and ``damped_psd_power``; ``bergson/process_grads.py``
+``mix_preconditioners`` — λ·R_task + (1 − λ)·R_train; ``bergson/gradients.py``
+``AdamNormalizer`` — g / (√v + ε), ε outside the root, applied before the projection;
+``bergson/hessians/autocorrelation.py`` — R as the Gram of the projected gradients).
+Where that implementation differs from this module, the difference is a choice, not the
+formula:
+
+* the second moment: Bergson divides by the raw ``exp_avg_sq`` v with ε = 1e-8, this
+  module by the bias-corrected v̂ = v / (1 − β₂ᵗ) with the optimizer's own ε. The
+  factor 1 / (1 − β₂ᵗ) is the same for every coordinate, so the cosines differ only
+  through the relative size of ε (and not at all once t ≫ 1 / (1 − β₂));
+* R: Bergson keeps one R per module by default (block-diagonal; a "joint" option keeps
+  one over all modules, as here) and damps it by 0.1 × the mean |R_ij|; this module
+  damps by 0.1 × the mean eigenvalue (Kronfluence's scale-free rule), which is the
+  same kind of scale-free damping on a different statistic;
+* the projection: Bergson projects each module's (corrected) gradient matrix with two
+  small matrices, A G Bᵀ (optionally reshaped to the nearest square first); the default
+  here is :func:`~gradalg.methods.trak.default_projector` (a dense Gaussian, or a
+  sparse JL projection for large models). Any ``ga.proj`` projector can be passed.
 
 The second moment is read from ``optimizer`` (a torch Adam / AdamW, or a transformers
 Trainer) by :mod:`gradalg.objective`; the plan shows it as the diagonal's note.
 """
 from __future__ import annotations
+
+import numbers
+
+import torch
 
 from ..api import Scores, diagonal, fisher, grads
 from ..expr.projection import Projector
@@ -32,12 +65,36 @@ from ..task import Task
 from .trak import default_projector
 
 RELATIVE_DAMPING = 0.1   # λ_R / mean eigenvalue of R: Kronfluence's factor (chosen, not measured for TrackStar)
+DOWNWEIGHT_COMPONENTS = 1000   # c of mix="auto": the paper's ≈ 1000 task components (of 2¹⁶ dimensions)
+
+
+def mixing_coefficient(train_eigenvalues: torch.Tensor, task_eigenvalues: torch.Tensor, components: int) -> float:
+    """TrackStar's λ for R = (1 − λ) R_train + λ R_task (Chang et al. 2024, §A.1.3):
+    ``λ = σ_train[c] / (σ_task[c] + σ_train[c])`` at the ``components``-th (1-based) largest
+    eigenvalue of each matrix, so that λ·R_task and (1 − λ)·R_train cross there.
+
+    train_eigenvalues, task_eigenvalues : (k,) eigenvalues of R_train and R_task (any order;
+        negative rounding errors are clipped to 0).
+    Raises ``ValueError`` when the c-th eigenvalues are both 0 (c above both ranks: no
+    crossing to place) or c is not in [1, k].
+    """
+    train = torch.sort(train_eigenvalues.double().clamp(min=0), descending=True).values
+    task = torch.sort(task_eigenvalues.double().clamp(min=0), descending=True).values
+    if not isinstance(components, numbers.Integral) or isinstance(components, bool) or \
+            not 1 <= components <= min(len(train), len(task)):
+        raise ValueError(f"downweight_components must be an int in [1, {min(len(train), len(task))}] (the projected "
+                         f"dimension), got {components!r}")
+    s_train, s_task = float(train[components - 1]), float(task[components - 1])
+    if s_train + s_task == 0.0:
+        raise ValueError(f"the {components}-th eigenvalues of R_train and R_task are both 0 (the component count is "
+                         "above both matrices' ranks): pass a smaller downweight_components or mix=λ")
+    return s_train / (s_task + s_train)
 
 
 def trackstar(task: Task, train, queries, *, optimizer, layers=None, k: int = 4096, seed: int = 0,
-              projector: Projector | None = None, task_data=None, mix: float | None = None,
-              damping: float | None = None, relative_damping: float = RELATIVE_DAMPING,
-              correction: bool = True) -> Scores:
+              projector: Projector | None = None, task_data=None, mix: float | str | None = None,
+              downweight_components: int = DOWNWEIGHT_COMPONENTS, damping: float | None = None,
+              relative_damping: float = RELATIVE_DAMPING, correction: bool = True) -> Scores:
     """TrackStar scores (n_query, n_train): cosines of R^{-1/2}-whitened, projected,
     second-moment-corrected loss gradients.
 
@@ -47,12 +104,20 @@ def trackstar(task: Task, train, queries, *, optimizer, layers=None, k: int = 40
     k : projection size (the paper uses 2¹⁶ for 8B models); projector : default
         :func:`~gradalg.methods.trak.default_projector` (dense Gaussian while the matrix is
         small, sparse JL beyond).
-    task_data, mix : examples of the evaluation task and λ for R = (1 − λ)R_train + λR_task.
+    task_data, mix : examples of the evaluation task and λ for R = (1 − λ)R_train + λR_task;
+        ``mix="auto"``: the paper's λ from the two matrices' spectra at
+        ``downweight_components`` (:func:`mixing_coefficient`; c = 1000 by default, which
+        needs at least 1000 task examples and k ≥ 1000). "auto" computes R_train and
+        R_task once, when the scores are built (one pass over ``train`` and one over
+        ``task_data``), to read their eigenvalues; λ is then a number in the expression
+        and its value is shown in the plan.
     """
     if task_data is not None and mix is None:
-        raise ValueError("task_data= needs mix= (λ in R = (1 − λ) R_train + λ R_task, e.g. 0.5)")
-    if mix is not None and (task_data is None or not 0.0 <= mix <= 1.0):
-        raise ValueError(f"mix must be in [0, 1] and comes with task_data=, got mix={mix!r}")
+        raise ValueError("task_data= needs mix= (λ in R = (1 − λ) R_train + λ R_task, e.g. 0.5, or 'auto' for the "
+                         "paper's rule)")
+    if mix is not None and (task_data is None or not (mix == "auto" or (
+            isinstance(mix, numbers.Real) and not isinstance(mix, bool) and 0.0 <= mix <= 1.0))):
+        raise ValueError(f"mix must be in [0, 1] or 'auto' and comes with task_data=, got mix={mix!r}")
     G, Q = grads(task, train, layers), grads(task, queries, layers)
     if correction:
         if optimizer is None:
@@ -71,7 +136,11 @@ def trackstar(task: Task, train, queries, *, optimizer, layers=None, k: int = 40
     Phi, phi = P(corrected(G)), P(corrected(Q))                       # (n, k), (n_q, k)
     R = fisher(Phi)                                                    # (1/n) Σ Φ Φᵀ   (k, k)
     if task_data is not None:
-        R = (1.0 - mix) * R + mix * fisher(P(corrected(grads(task, task_data, layers))))
+        R_task = fisher(P(corrected(grads(task, task_data, layers))))  # (1/n_task) Σ Φ Φᵀ   (k, k)
+        if mix == "auto":
+            mix = mixing_coefficient(torch.linalg.eigvalsh(R.to_dense().double()),
+                                     torch.linalg.eigvalsh(R_task.to_dense().double()), downweight_components)
+        R = (1.0 - mix) * R + mix * R_task
     R = R.damp(damping, note="damping (given)") if damping is not None else R.damp(
         relative_damping, relative=True, note=f"default: {relative_damping:g} × mean eigenvalue")
     W = R.pow(-0.5)                                                    # R^{-1/2}

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 from torch.func import jacrev, vjp, vmap
 
-from .errors import NonDeterministicTrainingError
+from .errors import NonDeterministicTrainingError, UnsupportedTrainingError
 from .replay import Ledger, reverse_states
 from .run import TrainingRun
 
@@ -122,10 +122,26 @@ def metagradients(run: TrainingRun, query_fn: Callable[[dict], torch.Tensor], *,
 
         primal, vjp_fn = vjp(step, params, opt, eps[idx])
         _check_replay(t, primal, expected, replay_tolerance)
-        lam_params, lam_state, lam_w = vmap(vjp_fn)((lam_params, lam_state))
+        lam_params, lam_state, lam_w = _second_order(vmap(vjp_fn), (lam_params, lam_state), t)
         out.index_add_(1, idx, lam_w.to(out.dtype))
         expected = (params, opt)
     return Metagradients(out, targets.detach(), ledger, lam_params)
+
+
+def _second_order(vjp_fn, adjoints, t: int):
+    """Step t's vjp (it differentiates the step's gradient: a second derivative of the
+    loss). An operation of the model with no second derivative is refused by name."""
+    try:
+        return vjp_fn(adjoints)
+    except RuntimeError as exc:
+        text = str(exc)
+        if "derivative for" not in text or "not implemented" not in text:
+            raise
+        raise UnsupportedTrainingError(
+            f"the loss of the training run cannot be differentiated twice (step {t}): {text.splitlines()[0]}. "
+            "MAGIC differentiates each step's gradient; use twice-differentiable operations — for fused "
+            "attention kernels (F.scaled_dot_product_attention on CPU, a transformers model's default "
+            "'sdpa'), the plain attention: attn_implementation=\"eager\" in the model's config") from exc
 
 
 def _zeros_like_batched(state: dict, n: int) -> dict:
