@@ -101,3 +101,20 @@ def test_fingerprint_leaves_a_tensors_storage_resizable():
 
 def test_batches_in_counts_a_partial_last_batch():
     assert [batches_in(s, 3) for s in (0, 1, 3, 4, 6, 7)] == [0, 1, 1, 2, 2, 3]
+
+
+@needs_gloo
+@pytest.mark.slow
+def test_dask_refuses_a_model_sharded_across_ranks():
+    """An FSDP2 model handed to the Dask executor is refused by name before anything ships:
+    a worker would receive only this rank's shards (world size 1, gloo, in a subprocess)."""
+    pytest.importorskip("distributed")
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = os.path.join(os.path.dirname(__file__), "dist_scripts", "dask_refuses_sharded.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, script, str(port)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "REFUSED:" in proc.stdout and "TorchDistributed" in proc.stdout, proc.stdout[-2000:]

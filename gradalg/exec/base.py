@@ -69,11 +69,16 @@ def _dask(**kwargs):
     return DaskExecutor(**kwargs)
 
 
-EXECUTORS = {"local": _local, "dask": _dask}
+def _torch_distributed(**kwargs):
+    from .distributed import TorchDistributed
+    return TorchDistributed(**kwargs)
+
+
+EXECUTORS = {"local": _local, "dask": _dask, "torch_distributed": _torch_distributed}
 
 
 def get_executor(executor=None, **kwargs) -> Executor:
-    """An executor from a name ("local", "dask"), an Executor, or None (local)."""
+    """An executor from a name ("local", "dask", "torch_distributed"), an Executor, or None (local)."""
     if executor is None:
         return _local(**kwargs)
     if isinstance(executor, str):

@@ -39,12 +39,13 @@ from dataclasses import replace
 import torch
 
 from ..data import move_batch
-from ..errors import ModelMismatchError, OptionError
+from ..errors import DistributedError, ModelMismatchError, OptionError
 from ..expr import Source
 from ..plan.jobs import ScoresJob
 from ..plan.planner import chain_ops, stream_root
 from .base import Executor
 from .capture_pass import eval_mode, model_device_dtype
+from .distributed import is_sharded
 from .local import LocalExecutor
 from .models import (as_worker_model, is_meta_model, make_ref, pack, register_client_model, to_client,
                      to_workers, unpack, worker_models_seen)
@@ -347,6 +348,13 @@ class DaskExecutor(Executor):
             runner.feed(step, sinks)
             return {}
         models = _models_of(step)
+        sharded = [type(m).__name__ for m in models if is_sharded(m)]
+        if sharded:
+            raise DistributedError(
+                f"{step.label} reads a model sharded across torch.distributed ranks ({', '.join(sharded)}: DTensor "
+                "parameters, FSDP2 or tensor parallel); a Dask worker would receive only this rank's shards. Run "
+                "the plan inside the torchrun job with executor=ga.exec.TorchDistributed(), or give the Dask "
+                "workers the whole model (DaskExecutor(model_fn=...)) and plan on an unsharded or meta-device copy")
         meta = [m for m in models if is_meta_model(m)]
         if not self._shippable(step):
             if meta:
