@@ -41,7 +41,7 @@ CASES = ([f"{m}_{model}_{how}" for model in ("mlp", "gpt2") for how in ("fsdp2",
          + ["one_query_fewer_than_ranks", "padding_steps_counted", "plans_differ_refused",
             "nan_on_one_rank_raised_everywhere", "token_stable_through_forward", "gauss_newton_products_ddp",
             "gauss_newton_dense_fsdp2", "ekfac_operator_fsdp2", "fsdp1_refused",
-            "func_backend_refused"])
+            "func_backend_refused", "topk_fsdp2"])
 
 needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is needed")

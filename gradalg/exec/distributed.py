@@ -189,9 +189,11 @@ class TorchDistributed(Executor):
         """Forget every resolved operator, kept row and result (``LocalExecutor.reset``)."""
         self.local.reset()
 
-    def plan(self, node):
-        """The plan for ``node`` (as :meth:`LocalExecutor.plan`; the same on every rank)."""
-        return self.local.plan(node)
+    def plan(self, node, topk=None):
+        """The plan for ``node`` (as :meth:`LocalExecutor.plan`; the same on every rank); a
+        top-k job's ranks keep their own top-k (training positions offset by their range),
+        merged by the owner rank in rank order."""
+        return self.local.plan(node, topk=topk)
 
     def resolve(self, node):
         """The resolved operator of ``node``, memoized."""

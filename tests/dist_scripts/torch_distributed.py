@@ -116,6 +116,26 @@ def case_one_query_fewer_than_ranks():
     compare(got, ref, "ekfac one query")
 
 
+def case_topk_fsdp2():
+    """S.topk(k) over two ranks (FSDP2, uneven split): each rank's running top-k, positions
+    offset by its range, merged in rank order, equals the stable sort of one process's
+    scores, values and training ids, on every rank."""
+    make, task_of, train, queries, layers = mlp_case()
+    with ga.options(progress=False, batch_size=3):
+        ref = ga.methods.influence(task_of(make()), train, queries, curvature="ekfac").compute()
+        S = ga.methods.influence(task_of(wrap(make(), "fsdp2")), train, queries, curvature="ekfac")
+        got = S.topk(4, executor=ga.exec.TorchDistributed())
+    order = np.argsort(-ref.values, axis=1, kind="stable")[:, :4]
+    want = np.take_along_axis(ref.values, order, axis=1)
+    err = float(np.abs(got.values - want).max() / np.abs(want).max())
+    assert err <= 1e-9, f"topk values: relative error {err:.3g}"
+    assert (got["train"].values == ref["train"].values[order]).all(), "topk: other training ids than one process"
+    everyone = [None] * W
+    dist.all_gather_object(everyone, (np.asarray(got.values), np.asarray(got["train"].values)))
+    for values, ids in everyone:
+        assert np.array_equal(values, everyone[0][0]) and np.array_equal(ids, everyone[0][1]), "ranks differ"
+
+
 def case_padding_steps_counted():
     """The uneven split really pads: rank 1 reads 2 of the 13 training examples' 5 batches;
     the pass runs 3 steps on each rank (counted by a forward pre-hook)."""
