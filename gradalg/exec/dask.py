@@ -43,7 +43,7 @@ from ..errors import DistributedError, ModelMismatchError, OptionError
 from ..expr import Source
 from ..plan.jobs import ScoresJob
 from ..plan.planner import chain_ops, stream_root
-from .base import Executor
+from .composed import ComposedExecutor
 from .capture_pass import eval_mode, model_device_dtype
 from .distributed import is_sharded
 from .local import LocalExecutor
@@ -126,7 +126,7 @@ def _pick(result, index):
     return block.detach().cpu().numpy()
 
 
-class DaskExecutor(Executor):
+class DaskExecutor(ComposedExecutor):
     """Runs plans on a Dask cluster.
 
     Parameters
@@ -210,73 +210,9 @@ class DaskExecutor(Executor):
         self.transfers: list[dict] = []
 
     # ------------------------------------------------------------------ the composed executor
-    @property
-    def options(self):
-        """The composed LocalExecutor's ``ga.options`` (settable)."""
-        return self.local.options
-
-    @options.setter
-    def options(self, value):
-        self.local.options = value
-
-    @property
-    def rewrites(self) -> bool:
-        """Whether the planner's rewrite rules run (settable)."""
-        return self.local.rewrites
-
-    @rewrites.setter
-    def rewrites(self, value):
-        self.local.rewrites = value
-
-    @property
-    def choices(self):
-        """Forced planner decisions, :class:`~gradalg.plan.Choices` (settable)."""
-        return self.local.choices
-
-    @choices.setter
-    def choices(self, value):
-        self.local.choices = value
-
-    @property
-    def trace(self):
-        """Counts of the kernels that ran (tests use it to prove routing)."""
-        return self.local.trace
-
-    @property
-    def state(self) -> RunState:
-        """What the run keeps: rows, resolved operators, K-FAC bases, results."""
-        return self.local.state
-
-    @property
-    def last_plan(self):
-        """The plan that ran last."""
-        return self.local.last_plan
-
-    @property
-    def pass_stats(self) -> list:
-        """Measured seconds and memory of each pass of the last run."""
-        return self.local.pass_stats
-
-    def reset(self) -> None:
-        """Forget every resolved operator, kept row and result (``LocalExecutor.reset``)."""
-        self.local.reset()
-
-    def plan(self, node, topk=None):
-        """The plan for ``node`` (as :meth:`LocalExecutor.plan`); a top-k job's shards
-        return their own top-k, merged here in shard order."""
-        return self.local.plan(node, topk=topk)
-
     def run(self, p):
         """Run plan ``p``: each pass over data sharded over the workers."""
         return self.local.run(p)
-
-    def resolve(self, node):
-        """The resolved operator of ``node`` (:class:`~gradalg.linalg.LinearOp`), memoized."""
-        return self.local.resolve(node)
-
-    def iter_chunks(self, node):
-        """The rows of ``node`` chunk by chunk, on the client (pull path)."""
-        return self.local.iter_chunks(node)
 
     def gradients(self, node):
         return self.local.gradients(node)

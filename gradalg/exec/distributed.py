@@ -59,7 +59,7 @@ from ..expr import CurvatureProducts, Source
 from ..data import move_batch
 from ..options import get_options
 from ..plan.planner import stream_root
-from .base import Executor
+from .composed import ComposedExecutor
 from .capture_pass import eval_mode, model_device_dtype
 from .local import LocalExecutor
 from .shards import batches_in, rank_ranges, restrict
@@ -107,7 +107,7 @@ class _Discard:
         pass
 
 
-class TorchDistributed(Executor):
+class TorchDistributed(ComposedExecutor):
     """Runs plans over the ranks of a torch.distributed process group (``torchrun``).
 
     Every rank builds one (after ``torch.distributed.init_process_group``) and computes
@@ -154,54 +154,6 @@ class TorchDistributed(Executor):
             options = replace(options, progress=False)
         self.local = LocalExecutor(options, rewrites=rewrites, choices=choices, shards=self)
         self.traffic: list[dict] = []
-
-    # ------------------------------------------------------------------ the composed executor
-    @property
-    def options(self):
-        """The composed LocalExecutor's ``ga.options`` (settable)."""
-        return self.local.options
-
-    @options.setter
-    def options(self, value):
-        self.local.options = value
-
-    @property
-    def trace(self):
-        """Counts of the kernels that ran, summed over the ranks (the same on every rank)."""
-        return self.local.trace
-
-    @property
-    def state(self) -> RunState:
-        """What the run keeps: rows, resolved operators, K-FAC bases, results (the same on every rank)."""
-        return self.local.state
-
-    @property
-    def last_plan(self):
-        """The plan that ran last."""
-        return self.local.last_plan
-
-    @property
-    def pass_stats(self) -> list:
-        """This rank's measured seconds and memory of each pass of the last run."""
-        return self.local.pass_stats
-
-    def reset(self) -> None:
-        """Forget every resolved operator, kept row and result (``LocalExecutor.reset``)."""
-        self.local.reset()
-
-    def plan(self, node, topk=None):
-        """The plan for ``node`` (as :meth:`LocalExecutor.plan`; the same on every rank); a
-        top-k job's ranks keep their own top-k (training positions offset by their range),
-        merged by the owner rank in rank order."""
-        return self.local.plan(node, topk=topk)
-
-    def resolve(self, node):
-        """The resolved operator of ``node``, memoized."""
-        return self.local.resolve(node)
-
-    def iter_chunks(self, node):
-        """The rows of ``node`` chunk by chunk, read whole on this rank (pull path)."""
-        return self.local.iter_chunks(node)
 
     # ------------------------------------------------------------------ entry points
     def run(self, p):
