@@ -10,6 +10,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -191,6 +192,9 @@ def test_batched_gemms_are_priced_by_their_total_size_plus_one_call():
     plain = devices.DeviceProfile("preset-like", 1e10, 1e10, 1e9, 1e9, gemm_rates=single, op_seconds=1e-6)
     assert plain.bmm_seconds(100, 16, 16, 16) == pytest.approx(100 * plain.gemm_seconds(16, 16, 16))
     assert devices.DeviceProfile.from_json(prof.to_json()) == prof        # rates read back as tuples
+    # a measured call (an einsum's parsing) replaces op_seconds as the call's fixed cost
+    einsum = replace(prof, bmm_call_seconds=1.5e-5)
+    assert einsum.bmm_seconds(100, 16, 16, 16) == pytest.approx(prof.bmm_seconds(100, 16, 16, 16) - 1e-6 + 1.5e-5)
 
 
 def test_model_flops_exact():
@@ -250,6 +254,7 @@ def test_device_profile_real_measurement_and_presets(tmp_path, monkeypatch):
     sizes = [s for s, _ in prof.gemm_rates]
     assert sizes == list(devices.GEMM_SIZES) and [d for d, _ in prof.eigh_times] == list(devices.EIGH_SIZES)
     assert [s for s, _ in prof.bmm_rates] == list(devices.BMM_SIZES) and all(r > 0 for _, r in prof.bmm_rates)
+    assert prof.bmm_call_seconds > 0
     assert all(t > 0 for _, t in prof.eigh_times) and prof.batch_seconds > 0 and prof.op_seconds > 0
     assert (tmp_path / "nested" / "devices.json").is_file()
     assert devices.local_profile() == prof        # read back from the cache, tuples and all

@@ -13,8 +13,9 @@ A :class:`DeviceProfile` prices the counts of a :class:`~gradalg.plan.cost.Cost`
 * **Batched GEMMs** (``b`` independent products ``(m, k) @ (k, n)`` in one call: a
   ``torch.bmm``, an einsum over examples): ``bmm_rates`` holds the measured FLOP/s of
   square batched products of a few sizes (4 … 64) in batches large enough that the
-  call's fixed cost is amortized; one call is priced at ``op_seconds`` plus its total
-  FLOPs at the batched rate interpolated at the products' geometric-mean size (the
+  call's fixed cost is amortized; one call is priced at ``bmm_call_seconds`` (an einsum
+  over examples of tiny matrices, as gradalg's kernels issue them: its parsing and
+  permutes cost several small ops) plus its total FLOPs at the batched rate interpolated at the products' geometric-mean size (the
   single-GEMM rate where that is faster: a large product), never faster than moving its
   matrices once. A single small GEMM's measured rate is mostly its call's fixed cost
   (a (16, 16, 16) product: ~4 µs, about 2 GFLOP/s); pricing each product of a batch at
@@ -114,6 +115,7 @@ class DeviceProfile:
     fault_bandwidth: float = 0.0   # bytes/s of first touches of fresh memory (page faults); 0: free
     gemm_rates: tuple = ()       # ((size, FLOP/s), …): square float32 GEMMs; () = flops_fp32 for all
     bmm_rates: tuple = ()        # ((size, FLOP/s), …): square float32 batched GEMMs; () = gemm_rates
+    bmm_call_seconds: float = 0.0  # fixed cost of one batched-GEMM call (an einsum); 0: op_seconds
     eigh_times: tuple = ()       # ((d, seconds), …): float64 eigh; () = 9 d³ FLOPs at the float64 rate
     random_seconds: float = 3e-8  # one float64 normal number from torch's CPU generator
     version: int = PROFILE_VERSION
@@ -152,7 +154,7 @@ class DeviceProfile:
     def bmm_seconds(self, b: float, m: float, n: float, k: float, elem: int = 4) -> float:
         """One call of a batched GEMM: ``b`` independent ``(m, k) @ (k, n)`` products.
 
-        ``op_seconds`` (the call) plus the ``b`` products' FLOPs at the batched rate at
+        ``bmm_call_seconds`` (the call; ``op_seconds`` when not measured) plus the ``b`` products' FLOPs at the batched rate at
         their size ``(m·n·k)^(1/3)`` (``bmm_rates``, log-log; ∝ size below the smallest
         measured, constant above the largest; the single-GEMM rate where that is faster),
         never faster than moving the ``b`` triples of matrices once. Without ``bmm_rates``
@@ -168,7 +170,8 @@ class DeviceProfile:
         single = _interp_loglog(self.gemm_rates, size, 0.0, 1.0) if self.gemm_rates else self.flops_fp32
         rate = self.flops(dtype) * min(1.0, max(batched, single) / self.flops_fp32)
         moving = (self.elementwise_bandwidth or self.bandwidth) if k < OUTER_K else self.bandwidth
-        return self.op_seconds + max(flops / rate, elem * b * (m * k + k * n + m * n) / moving)
+        call = self.bmm_call_seconds or self.op_seconds
+        return call + max(flops / rate, elem * b * (m * k + k * n + m * n) / moving)
 
     def eigh_seconds(self, d: float) -> float:
         """One float64 symmetric eigendecomposition of a (d, d) matrix."""
@@ -306,6 +309,15 @@ def _measure_bmms() -> tuple:
     return tuple(rates)
 
 
+def _measure_bmm_call() -> float:
+    """Seconds of one batched-GEMM call when the arithmetic is negligible: the einsum
+    over examples that materializes per-example gradients (``capture.factors``), on
+    tiny (2, 4, 4) factors."""
+    d, a = torch.randn(2, 4, 4), torch.randn(2, 4, 4)
+    torch.einsum("nto,nti->noi", d, a)
+    return _fastest(lambda: torch.einsum("nto,nti->noi", d, a), 0.1)
+
+
 def _measure_eighs() -> tuple:
     out = []
     g = torch.Generator().manual_seed(0)
@@ -332,7 +344,8 @@ def _measure_cpu() -> DeviceProfile:
     return DeviceProfile(f"cpu ({torch.get_num_threads()} threads)", flops, flops, bw, memory, measured=True,
                          call_seconds=call, op_seconds=_measure_op(), batch_seconds=batch, layer_seconds=layer,
                          elementwise_bandwidth=_measure_elementwise(), fault_bandwidth=_measure_faults(),
-                         gemm_rates=rates, bmm_rates=_measure_bmms(), eigh_times=_measure_eighs(),
+                         gemm_rates=rates, bmm_rates=_measure_bmms(), bmm_call_seconds=_measure_bmm_call(),
+                         eigh_times=_measure_eighs(),
                          random_seconds=_measure_randoms())
 
 
