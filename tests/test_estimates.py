@@ -55,6 +55,20 @@ def test_capture_cost_counts_forward_and_input_gradient_gemms_by_shape():
     assert len(shared.gemms) == 2 + 2 and shared.calls == 3 * 3
 
 
+def test_attention_products_are_one_batched_call_per_layer_and_matmul():
+    """GPT-2 (2 layers, width 64, 4 heads, T = 9): per batch and layer, two forward and
+    four backward calls, each of B·heads (T, T, d_head) products."""
+    task = models.lm_task(models.gpt2())
+    train = models.padded_token_data(n=6, min_len=5, max_len=9)
+    G = ga.grads(task, train, ["transformer.h.*"])
+    with ga.options(batch_size=4) as opts:
+        c = E.capture_cost(G.expr, opts, torch.float64)
+    batches, layers = 2, 2                                            # 6 sequences in batches of 4
+    assert c.bmms == ((4 * 4, 9, 9, 16, batches * layers * (2 + 4), 8),)
+    shared = E.capture_cost(G.expr, opts, torch.float64, forward=False)   # the backward's four only
+    assert shared.bmms == ((4 * 4, 9, 9, 16, batches * layers * 4, 8),)
+
+
 def test_expected_objective_runs_one_backward_per_class():
     _, task, train, _, batch = mlp()
     G = ga.grads(task, train, objective="expected")
@@ -78,16 +92,30 @@ def test_job_costs_follow_the_rows_layout_and_kind():
     assert c.gemms == ((9, 9, 8, 3, 8), (16, 16, 8, 3, 8), (17, 17, 8, 3, 8), (3, 3, 8, 3, 8))
     assert c.eighs == ((9, 1), (16, 1), (17, 1), (3, 1))
     assert c.ops == 3 * 2 * E.OPS_PER_BLOCK["kfac"]                   # 3 chunks × 2 blocks
+    # the inverse applied to 5 held rows in its eigenbasis (KronOp.apply_blocks): per block
+    # Q_Sᵀ · and Q_S · as two batched calls of 5 (out, in, out) products, · Q_A and · Q_Aᵀ
+    # as two (5·out, in, in) GEMMs, and the rows read and written
+    scores = next(j for s in p.passes for j in s.jobs if j.kind == "scores")
+    assert scores.target.op.structure == "kron"
+    applied = E.apply_cost(scores.target.op, G.space, 5, 8)
+    assert applied.bmms == ((5, 16, 9, 16, 2, 8), (5, 3, 17, 3, 2, 8))
+    assert applied.gemms == ((5 * 16, 9, 9, 2, 8), (5 * 3, 17, 17, 2, 8))
+    assert applied.flops == 2 * 2.0 * 5 * (16 * 9 * (16 + 9) + 3 * 17 * (3 + 17))
+    assert applied.bytes == 4.0 * 8 * 5 * (16 * 9 + 3 * 17)
     # EK-FAC's correction: from factors, two rotations and one per-example product; from
-    # flat rows, two per-example GEMMs (the row rotated from both sides)
+    # flat rows, the row rotated from both sides: a batched call of per-example (out, in,
+    # out) products (Q_Sᵀ G_i) and one (c·out, in, in) GEMM (· Q_A)
     eig = ga.ekfac(G)
     with ga.options(batch_size=batch):
         p = plan((ga.grads(task, query) @ eig.damp(0.1).inv() @ G.T).expr, device=A100)
     ekfac = next(j for s in p.passes for j in s.jobs if j.kind == "ekfac")
     from_factors = E.job_cost(ekfac, 20, layout, 8, torch.float64)
-    assert from_factors.gemms[:3] == ((8, 9, 9, 3, 8), (8, 16, 16, 3, 8), (16, 9, 1, 24, 8))
+    assert from_factors.gemms[:2] == ((8, 9, 9, 3, 8), (8, 16, 16, 3, 8))
+    # the per-example products: one batched call of 8 (out, in, T) products per chunk and block
+    assert from_factors.bmms == ((8, 16, 9, 1, 3, 8), (8, 3, 17, 1, 3, 8))
     flat = E.job_cost(ekfac, 20, {"0": "flat", "2": "flat"}, 8, torch.float64)
-    assert flat.gemms[:2] == ((16, 9, 16, 24, 8), (16, 9, 9, 24, 8))
+    assert flat.bmms == ((8, 16, 9, 16, 3, 8), (8, 3, 17, 3, 3, 8))
+    assert flat.gemms == ((8 * 16, 9, 9, 3, 8), (8 * 3, 17, 17, 3, 8))
 
 
 def test_dense_projection_draws_and_casts_its_matrix_once_per_plan():
@@ -129,7 +157,7 @@ def test_sparse_projections_cost_what_their_kernels_do():
     assert c.bytes == pytest.approx(3.0 * 8 * 20 * m + 4.0 * 8 * 20 * m)   # product summed; scatter-adds
     assert c.ops == 3 * 2 * E.OPS_PER_SPARSE_BLOCK                     # 3 chunks × 2 blocks
     sjlt = E.project_cost(ga.proj.sparse(2, seed=0)(G).expr, 20, 1, elem=8, chunk=8)
-    assert (16, 9, 1, 20, 8) in sjlt.gemms and (3, 17, 1, 20, 8) in sjlt.gemms   # (out, in, T) per example
+    assert sjlt.bmms == ((20, 16, 9, 1, 1, 8), (20, 3, 17, 1, 1, 8))   # one batched call of (out, in, T) per example
 
 
 def test_adam_preconditioning_and_normalization_are_costed_per_chunk():
@@ -143,9 +171,10 @@ def test_adam_preconditioning_and_normalization_are_costed_per_chunk():
     d = G.space.dim                                                   # 16·9 + 3·17 = 195
     factors = {"0": "factors", "2": "factors"}
     c = E.rowwise_cost(node, 20, 8, factors, elem=8)
-    # per chunk of 8 rows (3 chunks): both blocks materialized (n GEMMs (out, in, 1)), the
-    # rows concatenated (read, written), then Adam's 8 full-size ops reading 10 operands
-    assert c.gemms == ((16, 9, 1, 24, 8), (3, 17, 1, 24, 8))
+    # per chunk of 8 rows (3 chunks): both blocks materialized (one batched call of 8
+    # GEMMs (out, in, 1) each), the rows concatenated (read, written), then Adam's 8
+    # full-size ops reading 10 operands
+    assert c.gemms == () and c.bmms == ((8, 16, 9, 1, 3, 8), (8, 3, 17, 1, 3, 8))
     flat = 8.0 * 8 * d * (1 + 1) + 8.0 * 8 * (16 * 9 + 3 * 17)         # concatenated; materialized written
     adam = 8.0 * 8 * d * (E.ADAM_OPS["reads"] + E.ADAM_OPS["writes"])
     assert c.bytes == pytest.approx(3 * (flat + adam))
@@ -266,4 +295,5 @@ def test_kernel_costs_count_the_held_side_once_and_each_chunk():
     assert costs["ghost"].gemms == ((2 * 5, 8 * 7, 9, 3, 4), (2 * 5, 8 * 7, 4, 3, 4))
     # dense: each chunk's rows materialized ((out, in, T) per example) and one GEMM with
     # the held rows; the held rows materialized once
-    assert costs["dense"].gemms == ((4, 9, 7, 8 * 3, 4), (2, 8, 36, 3, 4), (4, 9, 5, 2, 4))
+    assert costs["dense"].gemms == ((2, 8, 36, 3, 4),)
+    assert costs["dense"].bmms == ((8, 4, 9, 7, 3, 4), (2, 4, 9, 5, 1, 4))   # one batched call per chunk, held once

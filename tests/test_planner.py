@@ -10,6 +10,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -111,7 +112,8 @@ def test_kernel_flop_formulas_exact():
     # materialize L (2·4·42) + R (3·5·42) + GEMM (2·3·42) multiply-adds, 2 FLOPs each
     d = C.dense_cost(2, 3, 4, 5, 6, 7, left_ready=False)
     assert d.flops == 2436.0 and d.bytes == 4.0 * 3 * 42
-    assert d.gemms == ((7, 6, 5, 3, 4), (2, 3, 42, 1, 4), (7, 6, 4, 2, 4))   # per-example (out, in, T) GEMMs
+    assert d.gemms == ((2, 3, 42, 1, 4),)
+    assert d.bmms == ((3, 7, 6, 5, 1, 4), (2, 7, 6, 4, 1, 4))   # per-example (out, in, T) GEMMs, one batched call a side
     assert C.dense_cost(2, 3, 4, 5, 6, 7).flops == 2.0 * (630 + 252) == 1764
     assert C.kron_project_cost(3, 5, 6, 7, 2, 3).flops == 2.0 * 3 * 5 * (6 * 2 + 7 * 3) == 990
     assert C.kron_project_cost(3, 5, 6, 7, 2, 3).gemms == ((15, 2, 6, 1, 4), (15, 3, 7, 1, 4))
@@ -128,7 +130,7 @@ def test_kernel_flop_formulas_exact():
     assert C.gram_cost(50, 100).gemms == ((100, 100, 50, 1, 4),)
     assert C.gram_cost(50, 300).gemms == ((128, 300, 50, 1, 4), (128, 172, 50, 1, 4), (44, 44, 50, 1, 4))
     assert C.materialize_cost(3, 5, 6, 7) == C.Cost(flops=2.0 * 3 * 5 * 42, bytes=4.0 * 3 * 42,
-                                                    gemms=((7, 6, 5, 3, 4),))
+                                                    bmms=((3, 7, 6, 5, 1, 4),))
 
 
 def test_cost_algebra():
@@ -161,6 +163,38 @@ def test_device_profile_prices_gemms_by_shape_and_fixed_costs():
     assert c.seconds(prof) == pytest.approx(10e-6 + 3e-5 + 2e-3 + 4e-4 + 5 * 2 * 16 ** 3 / 1e8 + 2e-3)
     # FLOPs not in a shaped term run at the profile's large-GEMM rate
     assert (c + C.Cost(flops=1e10)).seconds(prof) == pytest.approx(c.seconds(prof) + 1.0)
+
+
+def test_batched_gemms_are_priced_by_their_total_size_plus_one_call():
+    """b products in one call: op_seconds plus b·2mnk FLOPs at the batched rate of
+    their size (the single-GEMM rate where faster), not b single calls; without batched
+    rates (presets), b single GEMMs."""
+    single = ((16, 1e8), (256, 1e10))
+    prof = devices.DeviceProfile("toy", 1e10, 1e10, 1e11, 1e9, gemm_rates=single, op_seconds=1e-6,
+                                 elementwise_bandwidth=1e8, bmm_rates=((4, 1e8), (16, 4e9), (64, 5e9)))
+    assert prof.bmm_seconds(100, 16, 16, 16) == pytest.approx(1e-6 + 100 * 2 * 16 ** 3 / 4e9)
+    assert prof.bmm_seconds(100, 8, 8, 8) == pytest.approx(1e-6 + 100 * 2 * 8 ** 3 / (1e8 * 4e9) ** 0.5)  # log-log
+    assert prof.bmm_seconds(10, 1, 1, 8) == pytest.approx(1e-6 + 10 * 2 * 8 / 5e7)            # ∝ size (2) below
+    # above the largest batched size the single-GEMM rate takes over once it is faster
+    assert prof.bmm_seconds(3, 256, 256, 256) == pytest.approx(1e-6 + 3 * 2 * 256 ** 3 / 1e10)
+    assert prof.bmm_seconds(3, 100, 100, 100) == pytest.approx(1e-6 + 3 * 2 * 100 ** 3 / 5e9)
+    # a batch of outer products (k = 1) moves its matrices at the elementwise rate: traffic
+    assert prof.bmm_seconds(50, 100, 100, 1) == pytest.approx(1e-6 + 50 * 4 * (100 + 100 + 1e4) / 1e8)
+    # a Cost's batched GEMMs: count calls each; equal shapes summed, scaled per chunk
+    b = C.bmm_cost(100, 16, 16, 16, count=3)
+    assert b.flops == 3 * 100 * 2.0 * 16 ** 3 and b.gemms == () and b.bmms == ((100, 16, 16, 16, 3, 4),)
+    assert (b + b).bmms == ((100, 16, 16, 16, 3, 4),) * 2 and b.scaled(2).bmms == ((100, 16, 16, 16, 6, 4),)
+    assert (b + b).seconds(prof) == pytest.approx(6 * prof.bmm_seconds(100, 16, 16, 16))
+    assert C.bmm_cost(1, 4, 5, 6, 2) == C.gemm_cost(4, 5, 6, 2)           # a batch of one: a plain GEMM
+    assert C.bmm_cost(0, 4, 5, 6) == C.Cost()
+    # the same products as 100 separate calls, each at the single-call rate of its size: 25× slower
+    assert C.gemm_cost(16, 16, 16, 300).seconds(prof) == pytest.approx(300 * 2 * 16 ** 3 / 1e8)
+    plain = devices.DeviceProfile("preset-like", 1e10, 1e10, 1e9, 1e9, gemm_rates=single, op_seconds=1e-6)
+    assert plain.bmm_seconds(100, 16, 16, 16) == pytest.approx(100 * plain.gemm_seconds(16, 16, 16))
+    assert devices.DeviceProfile.from_json(prof.to_json()) == prof        # rates read back as tuples
+    # a measured call (an einsum's parsing) replaces op_seconds as the call's fixed cost
+    einsum = replace(prof, bmm_call_seconds=1.5e-5)
+    assert einsum.bmm_seconds(100, 16, 16, 16) == pytest.approx(prof.bmm_seconds(100, 16, 16, 16) - 1e-6 + 1.5e-5)
 
 
 def test_model_flops_exact():
@@ -219,6 +253,8 @@ def test_device_profile_real_measurement_and_presets(tmp_path, monkeypatch):
     assert took < 30, f"measuring the profile took {took:.1f} s (about 2 s on an idle core)"
     sizes = [s for s, _ in prof.gemm_rates]
     assert sizes == list(devices.GEMM_SIZES) and [d for d, _ in prof.eigh_times] == list(devices.EIGH_SIZES)
+    assert [s for s, _ in prof.bmm_rates] == list(devices.BMM_SIZES) and all(r > 0 for _, r in prof.bmm_rates)
+    assert prof.bmm_call_seconds > 0
     assert all(t > 0 for _, t in prof.eigh_times) and prof.batch_seconds > 0 and prof.op_seconds > 0
     assert (tmp_path / "nested" / "devices.json").is_file()
     assert devices.local_profile() == prof        # read back from the cache, tuples and all

@@ -6,7 +6,10 @@ A :class:`Cost` counts, device-independently,
 * ``gemms``: the GEMMs among them by shape, ``(m, n, k, count, elem)`` for ``count``
   products ``(m, k) @ (k, n)`` in numbers of ``elem`` bytes, so that a device profile
   prices each at its own rate (a (16, 16) product runs far below the rate of a (512,
-  512) one); ``eighs``: symmetric eigendecompositions ``(d, count)``;
+  512) one); ``bmms``: batched GEMMs ``(b, m, n, k, count, elem)``, ``count`` calls that
+  each multiply ``b`` independent pairs ``(m, k) @ (k, n)`` (``torch.bmm``, an einsum
+  over examples): priced by their total size plus one call's fixed cost, not as ``b``
+  separate calls; ``eighs``: symmetric eigendecompositions ``(d, count)``;
 * ``bytes`` moved through memory (copies, casts, materialized rows) and ``elementwise``
   bytes of a model's forward and backward (activations through nonlinearities, norms);
 * ``peak_bytes``, the largest simultaneous footprint;
@@ -32,7 +35,8 @@ from torch import nn
 from ..capture.factors import dense_flops, ghost_flops
 from ..expr.tokens import token_rows
 
-__all__ = ["Cost", "activation_bytes", "model_flops", "first_example_shape", "tokens_hint", "gemm_cost", "gram_cost", "ghost_cost",
+__all__ = ["Cost", "activation_bytes", "model_flops", "first_example_shape", "tokens_hint", "gemm_cost", "bmm_cost",
+           "gram_cost", "ghost_cost",
            "dense_cost", "materialize_cost", "kron_project_cost", "dense_project_cost", "fisher_cost", "eigh_cost"]
 
 
@@ -58,6 +62,7 @@ class Cost:
     elementwise: float = 0.0   # bytes of a model's elementwise work (priced at the elementwise bandwidth)
     faulted: float = 0.0       # bytes of fresh memory touched (page faults)
     randoms: float = 0.0       # float64 random numbers drawn on the CPU (a dense projection's matrix)
+    bmms: tuple = ()           # ((b, m, n, k, count, elem), ...): count batched calls of b GEMMs each (FLOPs in flops)
 
     def __add__(self, other: "Cost") -> "Cost":
         return Cost(self.flops + other.flops, self.bytes + other.bytes,
@@ -65,7 +70,7 @@ class Cost:
                     self.calls + other.calls, self.gemms + other.gemms, self.eighs + other.eighs,
                     self.ops + other.ops, self.batches + other.batches, self.layer_batches + other.layer_batches,
                     self.elementwise + other.elementwise, self.faulted + other.faulted,
-                    self.randoms + other.randoms)
+                    self.randoms + other.randoms, self.bmms + other.bmms)
 
     def scaled(self, c: float) -> "Cost":
         """This cost repeated ``c`` times: every count times ``c`` except ``peak_bytes``
@@ -73,7 +78,8 @@ class Cost:
         return Cost(self.flops * c, self.bytes * c, self.peak_bytes, self.passes * c, self.calls * c,
                     tuple((m, n, k, count * c, e) for m, n, k, count, e in self.gemms),
                     tuple((d, count * c) for d, count in self.eighs), self.ops * c, self.batches * c,
-                    self.layer_batches * c, self.elementwise * c, self.faulted * c, self.randoms * c)
+                    self.layer_batches * c, self.elementwise * c, self.faulted * c, self.randoms * c,
+                    tuple((b, m, n, k, count * c, e) for b, m, n, k, count, e in self.bmms))
 
     def seconds(self, profile, dtype=torch.float32) -> float:
         """Estimated seconds on a device ``profile`` (:mod:`gradalg.plan.devices`): GEMMs by
@@ -104,6 +110,19 @@ def gemm_cost(m, n, k, count=1, elem=4) -> Cost:
     return Cost(flops=2.0 * m * n * k * count, gemms=((m, n, k, count, elem),))
 
 
+def bmm_cost(b, m, n, k, count=1, elem=4) -> Cost:
+    """``count`` calls of one batched GEMM that multiplies ``b`` independent pairs
+    ``(m, k) @ (k, n)`` (``torch.bmm``, ``baddbmm``, an einsum over examples): the FLOPs
+    of ``b · count`` products, priced by a device profile at its batched rate plus one
+    call's fixed cost per call (:meth:`~gradalg.plan.devices.DeviceProfile.bmm_seconds`).
+    A batch of one is a plain GEMM (:func:`gemm_cost`)."""
+    if b <= 0 or m <= 0 or n <= 0 or k <= 0 or count <= 0:
+        return Cost()
+    if b == 1:
+        return gemm_cost(m, n, k, count, elem)
+    return Cost(flops=2.0 * b * m * n * k * count, bmms=((b, m, n, k, count, elem),))
+
+
 def gram_cost(rows, d, elem=4, block=128) -> Cost:
     """``Xᵀ X`` for X (rows, d) by :func:`gradalg.curvature.kron.gram`: only the blocks of
     ``block`` columns on and above the diagonal, one GEMM per block row."""
@@ -116,8 +135,9 @@ def gram_cost(rows, d, elem=4, block=128) -> Cost:
 
 
 def materialize_cost(n, T, n_in, n_out, elem=4) -> Cost:
-    """G_i = D_iᵀ A_i for n examples: n GEMMs (out, in, T) and the (n, out, in) result written."""
-    return gemm_cost(n_out, n_in, T, n, elem) + Cost(bytes=float(elem) * n * n_in * n_out)
+    """G_i = D_iᵀ A_i for n examples: one batched call of n GEMMs (out, in, T) (an einsum
+    over the examples, ``capture.factors.materialize``) and the (n, out, in) result written."""
+    return bmm_cost(n, n_out, n_in, T, 1, elem) + Cost(bytes=float(elem) * n * n_in * n_out)
 
 
 def ghost_cost(nL, nR, TL, TR, n_in, n_out, elem=4) -> Cost:
@@ -131,12 +151,13 @@ def ghost_cost(nL, nR, TL, TR, n_in, n_out, elem=4) -> Cost:
 
 
 def dense_cost(nL, nR, TL, TR, n_in, n_out, left_ready=True, elem=4) -> Cost:
-    """Materialize the streamed side (and the held side unless ready), then one GEMM."""
+    """Materialize the streamed side (and the held side unless ready; one batched call of
+    per-example (out, in, T) GEMMs each), then one GEMM."""
     flops = 2.0 * dense_flops(nL, nR, TL, TR, n_in, n_out, left_ready=left_ready)
-    shaped = gemm_cost(n_out, n_in, TR, nR, elem) + gemm_cost(nL, nR, n_in * n_out, 1, elem)
+    shaped = bmm_cost(nR, n_out, n_in, TR, 1, elem) + gemm_cost(nL, nR, n_in * n_out, 1, elem)
     if not left_ready:
-        shaped = shaped + gemm_cost(n_out, n_in, TL, nL, elem)
-    return Cost(flops=flops, bytes=float(elem) * nR * n_in * n_out, gemms=shaped.gemms)
+        shaped = shaped + bmm_cost(nL, n_out, n_in, TL, 1, elem)
+    return Cost(flops=flops, bytes=float(elem) * nR * n_in * n_out, gemms=shaped.gemms, bmms=shaped.bmms)
 
 
 def kron_project_cost(n, T, n_in, n_out, k_in, k_out, elem=4) -> Cost:

@@ -10,6 +10,16 @@ A :class:`DeviceProfile` prices the counts of a :class:`~gradalg.plan.cost.Cost`
   ``k = 1``, is bandwidth-bound). Small GEMMs are several times slower per FLOP than
   large ones on every machine; a single peak rate priced the per-example products of
   capture 5–20× too cheap.
+* **Batched GEMMs** (``b`` independent products ``(m, k) @ (k, n)`` in one call: a
+  ``torch.bmm``, an einsum over examples): ``bmm_rates`` holds the measured FLOP/s of
+  square batched products of a few sizes (4 … 64) in batches large enough that the
+  call's fixed cost is amortized; one call is priced at ``bmm_call_seconds`` (an einsum
+  over examples of tiny matrices, as gradalg's kernels issue them: its parsing and
+  permutes cost several small ops) plus its total FLOPs at the batched rate interpolated at the products' geometric-mean size (the
+  single-GEMM rate where that is faster: a large product), never faster than moving its
+  matrices once. A single small GEMM's measured rate is mostly its call's fixed cost
+  (a (16, 16, 16) product: ~4 µs, about 2 GFLOP/s); pricing each product of a batch at
+  it made a pass of per-example products 2–3× too slow.
 * **Memory traffic**: copies, casts and materialized rows at ``bandwidth`` bytes/s (a
   copy larger than the last-level cache); a model's elementwise work (activations,
   GELU, norms, products) at ``elementwise_bandwidth`` (a GELU forward and backward and
@@ -59,8 +69,8 @@ __all__ = ["DeviceProfile", "PRESETS", "PROFILE_VERSION", "UNMEASURED_CPU", "cac
 #: the cost model's version: a cached profile without every number this one prices is
 #: measured again (1: matmul, copy and module call; 2: GEMMs by shape, eigh by size,
 #: per-op and per-batch overheads; 3: medians, elementwise and page-fault bandwidths;
-#: 4: random numbers)
-PROFILE_VERSION = 4
+#: 4: random numbers; 5: batched GEMMs)
+PROFILE_VERSION = 5
 
 
 #: GEMMs with a smaller inner dimension k are outer products (see ``gemm_seconds``)
@@ -104,6 +114,8 @@ class DeviceProfile:
     elementwise_bandwidth: float = 0.0   # bytes/s of a model's elementwise ops (GELU, products); 0: bandwidth
     fault_bandwidth: float = 0.0   # bytes/s of first touches of fresh memory (page faults); 0: free
     gemm_rates: tuple = ()       # ((size, FLOP/s), …): square float32 GEMMs; () = flops_fp32 for all
+    bmm_rates: tuple = ()        # ((size, FLOP/s), …): square float32 batched GEMMs; () = gemm_rates
+    bmm_call_seconds: float = 0.0  # fixed cost of one batched-GEMM call (an einsum); 0: op_seconds
     eigh_times: tuple = ()       # ((d, seconds), …): float64 eigh; () = 9 d³ FLOPs at the float64 rate
     random_seconds: float = 3e-8  # one float64 normal number from torch's CPU generator
     version: int = PROFILE_VERSION
@@ -139,6 +151,28 @@ class DeviceProfile:
         moving = (self.elementwise_bandwidth or self.bandwidth) if k < OUTER_K else self.bandwidth
         return max(flops / rate, elem * (m * k + k * n + m * n) / moving)
 
+    def bmm_seconds(self, b: float, m: float, n: float, k: float, elem: int = 4) -> float:
+        """One call of a batched GEMM: ``b`` independent ``(m, k) @ (k, n)`` products.
+
+        ``bmm_call_seconds`` (the call; ``op_seconds`` when not measured) plus the ``b`` products' FLOPs at the batched rate at
+        their size ``(m·n·k)^(1/3)`` (``bmm_rates``, log-log; ∝ size below the smallest
+        measured, constant above the largest; the single-GEMM rate where that is faster),
+        never faster than moving the ``b`` triples of matrices once. Without ``bmm_rates``
+        (the presets) the products are priced as ``b`` single GEMMs of that shape."""
+        flops = 2.0 * b * m * n * k
+        if flops <= 0:
+            return 0.0
+        if not self.bmm_rates:
+            return b * self.gemm_seconds(m, n, k, elem)
+        dtype = {8: torch.float64, 2: torch.bfloat16}.get(elem, torch.float32)
+        size = (m * n * k) ** (1.0 / 3.0)
+        batched = _interp_loglog(self.bmm_rates, size, 0.0, 1.0)
+        single = _interp_loglog(self.gemm_rates, size, 0.0, 1.0) if self.gemm_rates else self.flops_fp32
+        rate = self.flops(dtype) * min(1.0, max(batched, single) / self.flops_fp32)
+        moving = (self.elementwise_bandwidth or self.bandwidth) if k < OUTER_K else self.bandwidth
+        call = self.bmm_call_seconds or self.op_seconds
+        return call + max(flops / rate, elem * b * (m * k + k * n + m * n) / moving)
+
     def eigh_seconds(self, d: float) -> float:
         """One float64 symmetric eigendecomposition of a (d, d) matrix."""
         if d <= 0:
@@ -148,8 +182,8 @@ class DeviceProfile:
         return 9.0 * d ** 3 / self.flops(torch.float64) + self.op_seconds
 
     def time_of(self, cost, dtype=torch.float32) -> float:
-        """Seconds of a :class:`~gradalg.plan.cost.Cost`: its GEMMs by shape, its
-        eigendecompositions by size, the remaining FLOPs at the large-GEMM rate, its
+        """Seconds of a :class:`~gradalg.plan.cost.Cost`: its GEMMs by shape, its batched
+        GEMMs by shape and batch, its eigendecompositions by size, the remaining FLOPs at the large-GEMM rate, its
         memory traffic, its random numbers, and its fixed costs (module calls, ops,
         batches, layers)."""
         shaped = 0.0
@@ -160,6 +194,12 @@ class DeviceProfile:
         for (m, n, k, elem), count in counts.items():
             shaped += 2.0 * m * n * k * count
             gemm_time += count * self.gemm_seconds(m, n, k, elem)
+        batched: dict = {}
+        for b, m, n, k, count, elem in getattr(cost, "bmms", ()):
+            batched[(b, m, n, k, elem)] = batched.get((b, m, n, k, elem), 0.0) + count
+        for (b, m, n, k, elem), count in batched.items():
+            shaped += 2.0 * b * m * n * k * count
+            gemm_time += count * self.bmm_seconds(b, m, n, k, elem)
         eigh_time = 0.0
         for d, count in cost.eighs:
             shaped += 9.0 * d ** 3 * count
@@ -182,7 +222,7 @@ class DeviceProfile:
             raise ValueError("cached device profile of another cost-model version")
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in entry.items() if k in known}
-        for key in ("gemm_rates", "eigh_times"):
+        for key in ("gemm_rates", "bmm_rates", "eigh_times"):
             values[key] = tuple(tuple(p) for p in values.get(key, ()))
         return cls(**values)
 
@@ -242,6 +282,9 @@ def _fastest(fn, seconds: float, least: int = 3) -> float:
 #: windows varied 2–3× between runs a few minutes apart on a loaded shared machine
 #: (call_seconds 17 vs 45 µs, fault bandwidth 3.0 vs 1.4 GB/s)
 GEMM_SIZES = (16, 64, 256, 512)
+#: square batched-GEMM sizes, each in a batch of about 2²⁰ multiply-adds (at least 8
+#: products), so that the call's fixed cost is a few per cent of it (about 0.3 s in all)
+BMM_SIZES = (4, 8, 16, 32, 64)
 EIGH_SIZES = (32, 128, 384)
 
 
@@ -254,6 +297,25 @@ def _measure_gemms() -> tuple:
         # while this runs once would otherwise be cached as this machine's speed
         rates.append((n, 2.0 * n ** 3 / _fastest(lambda: a @ b, 0.12)))
     return tuple(rates)
+
+
+def _measure_bmms() -> tuple:
+    rates = []
+    for n in BMM_SIZES:
+        b = max(8, 2**20 // n ** 3)
+        x, y = torch.randn(b, n, n), torch.randn(b, n, n)
+        torch.bmm(x, y)
+        rates.append((n, 2.0 * b * n ** 3 / _fastest(lambda: torch.bmm(x, y), 0.06)))
+    return tuple(rates)
+
+
+def _measure_bmm_call() -> float:
+    """Seconds of one batched-GEMM call when the arithmetic is negligible: the einsum
+    over examples that materializes per-example gradients (``capture.factors``), on
+    tiny (2, 4, 4) factors."""
+    d, a = torch.randn(2, 4, 4), torch.randn(2, 4, 4)
+    torch.einsum("nto,nti->noi", d, a)
+    return _fastest(lambda: torch.einsum("nto,nti->noi", d, a), 0.1)
 
 
 def _measure_eighs() -> tuple:
@@ -282,7 +344,9 @@ def _measure_cpu() -> DeviceProfile:
     return DeviceProfile(f"cpu ({torch.get_num_threads()} threads)", flops, flops, bw, memory, measured=True,
                          call_seconds=call, op_seconds=_measure_op(), batch_seconds=batch, layer_seconds=layer,
                          elementwise_bandwidth=_measure_elementwise(), fault_bandwidth=_measure_faults(),
-                         gemm_rates=rates, eigh_times=_measure_eighs(), random_seconds=_measure_randoms())
+                         gemm_rates=rates, bmm_rates=_measure_bmms(), bmm_call_seconds=_measure_bmm_call(),
+                         eigh_times=_measure_eighs(),
+                         random_seconds=_measure_randoms())
 
 
 def _measure_faults() -> float:

@@ -35,7 +35,7 @@ from torch import nn
 
 from ..expr import (AdamPrecondition, DataInf, Fisher, Inverse, Normalize, Power, Precondition, Project, ScaleRows,
                     Source)
-from .cost import (Cost, activation_bytes, dense_cost, eigh_cost, fisher_cost, gemm_cost,
+from .cost import (Cost, activation_bytes, bmm_cost, dense_cost, eigh_cost, fisher_cost, gemm_cost,
                    ghost_cost, gram_cost, kron_project_cost, materialize_cost, tokens_hint)
 from .memory import positions, rows_of
 from .shapes import element_size, rows_per_example
@@ -109,8 +109,8 @@ def capture_cost(src: Source, options, dtype=torch.float32, forward: bool = True
 
     Per batch of B examples of T positions, for each weight layer ``(in, out)``:
     forward GEMM (B·T, out, in), input-gradient GEMM (B·T, in, out) per backward;
-    attention (a transformer config) adds (T, T, d_head) products per head and layer,
-    two forward and four per backward. Elementwise traffic is the layers' inputs and
+    attention (a transformer config) adds per layer batched calls of B·heads (T, T,
+    d_head) products, two forward and four per backward. Elementwise traffic is the layers' inputs and
     outputs (``activation_bytes``) times :data:`ELEMENTWISE_SWEEPS`; fixed costs are
     the module calls (each leaf module once per forward and per backward), the
     captured batches and their recorded layers.
@@ -129,8 +129,8 @@ def capture_cost(src: Source, options, dtype=torch.float32, forward: bool = True
     layers, width, heads = _attention(model)
     if layers and T > 1:
         d_head = max(1, width // heads)
-        per_batch = B * heads * layers
-        cost = cost + gemm_cost(T, T, d_head, batches * per_batch * (2 * int(forward) + 4 * sweeps), elem)
+        calls = batches * layers * (2 * int(forward) + 4 * sweeps)
+        cost = cost + bmm_cost(B * heads, T, T, d_head, calls, elem)
     act = activation_bytes(model, T, elem) * n
     cost = cost + Cost(elementwise=act * (ELEMENTWISE_SWEEPS["forward"] * int(forward)
                                           + ELEMENTWISE_SWEEPS["backward"] * sweeps))
@@ -191,8 +191,10 @@ def _find(op, kind):
 def apply_cost(op, space, n: int, elem: int = 4, options=None) -> Cost:
     """Applying the resolved ``op`` to n rows of ``space``, by structure: a diagonal
     scales (n·d), block-diagonal and dense matrices multiply (GEMMs (n, d_b, d_b),
-    (n, d, d)), a Kronecker eigenbasis rotates each (out, in) block in and back (per row
-    GEMMs (out, in, out) and (out, in, in), twice), a rank-r factorization costs 4n·d·r.
+    (n, d, d)), a Kronecker eigenbasis rotates each (out, in) block in and back
+    (``KronOp.apply_blocks``: twice a batched call of n (out, in, out) products, ``Q_S``
+    from the left, and one (n·out, in, in) GEMM, ``Q_A`` from the right), a rank-r
+    factorization costs 4n·d·r.
     Implicit operators are costed as dense; DataInf as its closed form over its data."""
     structure = op.structure
     d = space.dim
@@ -213,7 +215,7 @@ def apply_cost(op, space, n: int, elem: int = 4, options=None) -> Cost:
         for b in space.blocks:
             if len(b.shape) == 2:
                 out_f, in_f = b.shape
-                cost = (cost + gemm_cost(out_f, in_f, out_f, 2 * n, elem) + gemm_cost(out_f, in_f, in_f, 2 * n, elem)
+                cost = (cost + bmm_cost(n, out_f, in_f, out_f, 2, elem) + gemm_cost(n * out_f, in_f, in_f, 2, elem)
                         + Cost(bytes=4.0 * elem * n * b.dim))
             else:
                 cost = cost + gemm_cost(n, b.dim, b.dim, 1, elem)
@@ -569,9 +571,9 @@ def _chunk_cost(job, node, c: int, layout: dict, elem: int) -> Cost:
             if factored[b.name]:
                 m = c * T[b.name]
                 cost = (cost + gemm_cost(m, in_f, in_f, 1, elem) + gemm_cost(m, out_f, out_f, 1, elem)
-                        + gemm_cost(out_f, in_f, T[b.name], c, elem))
-            else:
-                cost = cost + gemm_cost(out_f, in_f, out_f, c, elem) + gemm_cost(out_f, in_f, in_f, c, elem)
+                        + bmm_cost(c, out_f, in_f, T[b.name], 1, elem))    # kron.rotate_factors
+            else:                                                           # kron.rotate_rows
+                cost = cost + bmm_cost(c, out_f, in_f, out_f, 1, elem) + gemm_cost(c * out_f, in_f, in_f, 1, elem)
             cost = cost + Cost(bytes=4.0 * elem * c * out_f * in_f)     # rotated, squared, summed
         return cost
     if kind == "scores":
