@@ -15,15 +15,11 @@ seconds of start-up); each test below reports one case:
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch.distributed as dist
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "dist_scripts", "parallel_capture.py")
+from torchrun import run_cases   # tests/ is on sys.path (conftest)
+
 CASES = ["ddp_sum", "ddp_mean", "fsdp2", "fsdp2_gpt2", "fsdp1", "ddp_selection", "fsdp2_selection",
          "fsdp2_selection_validation_target", "fsdp2_selection_gpt2_layernorms", "hf_trainer_ddp"]
 
@@ -34,17 +30,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     pytest.importorskip("transformers")
-    out = tmp_path_factory.mktemp("dist") / "results.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", SCRIPT, str(out)]
-    for attempt in range(2):  # a launch failure (not a failed case: those are reported) is retried once
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-        if proc.returncode == 0 and out.exists():
-            break
-    if proc.returncode != 0 or not out.exists():
-        pytest.fail(f"torchrun exited with {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n"
-                    f"--- stderr\n{proc.stderr[-6000:]}")
-    return json.loads(out.read_text())
+    return run_cases("parallel_capture.py", tmp_path_factory.mktemp("dist") / "results.json", timeout=300)
 
 
 @pytest.mark.slow

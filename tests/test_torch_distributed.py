@@ -23,7 +23,6 @@ storage resizable (both tested in this process).
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -35,7 +34,8 @@ import gradalg as ga
 from gradalg.errors import DistributedError
 from gradalg.exec.shards import batches_in, rank_ranges
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "dist_scripts", "torch_distributed.py")
+from torchrun import run_cases   # tests/ is on sys.path (conftest)
+
 METHODS = ["grad_dot", "ekfac_influence", "logra", "trak"]
 CASES = ([f"{m}_{model}_{how}" for model in ("mlp", "gpt2") for how in ("fsdp2", "ddp") for m in METHODS]
          + ["one_query_fewer_than_ranks", "padding_steps_counted", "plans_differ_refused",
@@ -50,17 +50,7 @@ needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     pytest.importorskip("transformers")
-    out = tmp_path_factory.mktemp("torch_distributed") / "results.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", SCRIPT, str(out)]
-    for attempt in range(2):  # a launch failure (not a failed case: those are reported) is retried once
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
-        if proc.returncode == 0 and out.exists():
-            break
-    if proc.returncode != 0 or not out.exists():
-        pytest.fail(f"torchrun exited with {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n"
-                    f"--- stderr\n{proc.stderr[-6000:]}")
-    return json.loads(out.read_text())
+    return run_cases("torch_distributed.py", tmp_path_factory.mktemp("torch_distributed") / "results.json", timeout=400)
 
 
 @needs_gloo
