@@ -92,6 +92,24 @@ def test_ill_conditioned_factor_is_refused_with_the_arithmetic():
     assert float((out - ref).norm() / ref.norm()) < 0.01
 
 
+def test_a_stored_float32_kfac_keeps_its_error_bound(tmp_path):
+    """Written to an operator store and read back, float32 factors keep their eigenvalue
+    error bound: the loaded operator refuses the inverse the original refuses, and gives
+    the original's numbers where damping makes it accurate."""
+    pytest.importorskip("zarr")
+    Q, G = mlp_case(decades=10, seed=1)
+    with ga.options(kron_float64_width=FLOAT32, progress=False, batch_size=500):
+        stored = ga.store.write_operator(ga.kfac(G), tmp_path / "kfac.zarr")
+    loaded = ga.store.open_operator(tmp_path / "kfac.zarr")
+    with pytest.raises(ga.CurvatureError, match="accurate to δ"):
+        with ga.options(progress=False):
+            (Q @ loaded.damp(1e-9).inv() @ G.T).compute()
+    with ga.options(kron_float64_width=FLOAT32, progress=False, batch_size=500):
+        ref = torch.as_tensor((Q @ ga.kfac(G).damp(1e-2).inv() @ G.T).compute().values)
+        out = torch.as_tensor((Q @ stored.damp(1e-2).inv() @ G.T).compute().values)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=0)
+
+
 def test_checked_eigh_error_bounds_the_float32_eigenvalues():
     g = torch.Generator().manual_seed(0)
     X = torch.randn(3000, 600, generator=g, dtype=torch.float64) * torch.logspace(0, -3, 600, dtype=torch.float64)

@@ -120,6 +120,11 @@ def write_operator(H, path, *, executor=None, overwrite: bool = False):
     kind, variables = _variables_of(resolved, H.space)
     attrs["kind"] = kind
     attrs["dtype"] = str(next(iter(variables.values()))[1].dtype)
+    if kind == "kron" and resolved.eigenvalue_errors:
+        # float32 factors' eigenvalue error bounds: a loaded operator refuses the inverses
+        # they cannot certify, as the operator that was written does
+        attrs["eigenvalue_errors"] = {name: float(e) for name, e in resolved.eigenvalue_errors.items()}
+        attrs["float32_rtol"] = float(resolved.float32_rtol)
 
     def build(tmp):
         ds = xr.Dataset(variables, attrs=integrity.seal(attrs))
@@ -179,6 +184,9 @@ class OperatorStore:
         if kind == "kron":
             bases = {b.name: (t(f"{names[b.name]}.Q_S"), t(f"{names[b.name]}.Q_A")) for b in space.blocks}
             evals = {b.name: t(f"{names[b.name]}.eigenvalues") for b in space.blocks}
+            if "eigenvalue_errors" in self.attrs:
+                return KronOp(space, bases, evals, eigenvalue_errors=dict(self.attrs["eigenvalue_errors"]),
+                              float32_rtol=float(self.attrs["float32_rtol"]))
             return KronOp(space, bases, evals)
         if kind == "lowrank":
             return LowRankOp(space, t("eigenvalues"), t("vectors"))
