@@ -41,6 +41,8 @@ from torch.utils.data import Dataset
 import gradalg as ga
 from gradalg.plan.cost import _si
 
+from gpu import scores_of   # benchmarks/ is the script's folder: the same method recipes
+
 GPU_COUNTS = (1, 2, 4, 8)
 
 
@@ -78,16 +80,8 @@ LAYERS = ["model.layers.*.self_attn.*", "model.layers.*.mlp.*"]
 
 
 def method_scores(method: str, task, train, queries):
-    m = ga.methods
-    if method == "grad-dot kron":
-        return m.grad_dot(task, train, queries, layers=LAYERS, projector=ga.proj.kron(k=4096))
-    if method == "logra":
-        return m.logra(task, train, queries, layers=LAYERS)
-    if method == "ekfac":
-        return m.influence(task, train, queries, layers=LAYERS, curvature="ekfac")
-    if method == "trak":
-        return m.trak(task, train, queries, layers=LAYERS)
-    raise ValueError(method)
+    """The method's Scores on the attention and MLP layers (the GPU benchmark's recipes)."""
+    return scores_of(method, task, train, queries, LAYERS)
 
 
 METHODS = ("grad-dot kron", "logra", "ekfac", "trak")
