@@ -6,10 +6,8 @@ a failing check on one rank cannot leave the other waiting.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import sys
-import traceback
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -23,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradalg as ga
 from gradalg.capture import resolve_layers
 from gradalg.integrations import BatchMean, DropFraction, OnlineSelection, ValidationTarget, gather
+from cases import run_and_report  # noqa: E402 - the script folder is on sys.path
 from models import classification_data, gpt2, mlp, padded_token_data
 
 torch.set_num_threads(1)
@@ -421,27 +420,4 @@ CASES = [case_ddp_sum, case_ddp_mean, case_fsdp2, case_fsdp2_gpt2, case_fsdp1, c
          case_hf_trainer_ddp]
 
 if __name__ == "__main__":
-    wanted = sys.argv[2].split(",") if len(sys.argv) > 2 else None
-    results = {}
-    for case in CASES:
-        name = case.__name__.removeprefix("case_")
-        if wanted and name not in wanted:
-            continue
-        try:
-            case()
-            results[name] = "ok"
-        except Exception:  # report, keep going: the other rank runs the same collectives
-            results[name] = traceback.format_exc(limit=6)
-        dist.barrier()
-    everyone = [None] * W
-    dist.all_gather_object(everyone, results)
-    if R == 0:
-        merged = {k: next((r[k] for r in everyone if r[k] != "ok"), "ok") for k in results}
-        with open(sys.argv[1], "w") as f:
-            json.dump(merged, f, indent=1)
-    dist.barrier()
-    # Leave without running the process groups' C++ destructors: with several gloo groups they
-    # sometimes abort at interpreter exit ("terminate called without an active exception").
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_and_report({case.__name__.removeprefix("case_"): case for case in CASES}, traceback_limit=6)

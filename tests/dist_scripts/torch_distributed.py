@@ -13,10 +13,8 @@ cannot leave the other waiting.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import sys
-import traceback
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -28,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradalg as ga
 from gradalg.errors import DistributedError
+from cases import run_and_report  # noqa: E402 - the script folder is on sys.path
 from models import classification_data, gpt2, mlp
 
 torch.set_num_threads(1)
@@ -282,24 +281,4 @@ CASES = {f"{method}_{name}_{how}": (lambda c=case, h=how, m=method: run_case(c, 
 CASES.update({name.removeprefix("case_"): fn for name, fn in list(globals().items()) if name.startswith("case_")})
 
 if __name__ == "__main__":
-    wanted = sys.argv[2].split(",") if len(sys.argv) > 2 else None
-    results = {}
-    for name, case in CASES.items():
-        if wanted and name not in wanted:
-            continue
-        try:
-            case()
-            results[name] = "ok"
-        except Exception:  # report, keep going: the other rank runs the same collectives
-            results[name] = traceback.format_exc(limit=int(os.environ.get("TB_LIMIT", 8)))
-        dist.barrier()
-    everyone = [None] * W
-    dist.all_gather_object(everyone, results)
-    if R == 0:
-        merged = {k: next((r[k] for r in everyone if r[k] != "ok"), "ok") for k in results}
-        with open(sys.argv[1], "w") as f:
-            json.dump(merged, f, indent=1)
-    dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_and_report(CASES, traceback_limit=int(os.environ.get("TB_LIMIT", 8)))
