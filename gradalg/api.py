@@ -33,6 +33,30 @@ def _executor(executor):
     return get_executor(executor)
 
 
+class _PhaseDelta:
+    """The seconds per phase (:mod:`gradalg.exec.phases`) an executor spends inside the
+    block; ``phase(name)`` charges work done here to the executor's clock. Executors
+    without a clock report nothing."""
+
+    def __init__(self, ex):
+        self.clock = getattr(ex, "clock", None)
+
+    def __enter__(self):
+        self.start = self.clock.report() if self.clock is not None else {}
+        return self
+
+    def __exit__(self, *exc):
+        self.end = self.clock.report() if self.clock is not None else {}
+        return False
+
+    def phase(self, name):
+        import contextlib
+        return self.clock.phase(name) if self.clock is not None else contextlib.nullcontext()
+
+    def report(self) -> dict:
+        return {k: v - self.start.get(k, 0.0) for k, v in self.end.items()}
+
+
 def _expression_text(node) -> str:
     """The expression tree as plain text (no cost line), for a result's attrs."""
     from .viz.tree import text_tree
@@ -540,18 +564,21 @@ class Scores(_Displayed):
                                   "gradalg.store) registers it; or call ga.store.write_scores(S, path)")
             return SCORE_STORE_WRITER(self, store, chunk_rows=chunk_rows, executor=executor, overwrite=overwrite)
         ex = _executor(executor)
-        values = ex.scores(self.expr)
-        from .token_scores import token_scores_array, token_sides
-        if token_sides(self.expr) != (None, None):  # per-token rows: ("query", "query_token", "train"), ...
-            return token_scores_array(values, self.expr, _option_batch_size(), {
-                "expression": _expression_text(self.expr), "kernels": dict(getattr(ex, "trace", {}))})
-        return xr.DataArray(
-            _as_array(values),
-            dims=("query", "train"),
-            coords={"query": np.asarray(self.expr.row_ids), "train": np.asarray(self.expr.col_ids)},
-            name="scores",
-            attrs={"expression": _expression_text(self.expr), "kernels": dict(getattr(ex, "trace", {}))},
-        )
+        with _PhaseDelta(ex) as seconds:
+            values = ex.scores(self.expr)
+            with seconds.phase("assembly"):
+                from .token_scores import token_scores_array, token_sides
+                attrs = {"expression": _expression_text(self.expr), "kernels": dict(getattr(ex, "trace", {}))}
+                if token_sides(self.expr) != (None, None):  # per-token rows: ("query", "query_token", "train"), ...
+                    out = token_scores_array(values, self.expr, _option_batch_size(), attrs)
+                else:
+                    out = xr.DataArray(
+                        _as_array(values),
+                        dims=("query", "train"),
+                        coords={"query": np.asarray(self.expr.row_ids), "train": np.asarray(self.expr.col_ids)},
+                        name="scores", attrs=attrs)
+        out.attrs["seconds"] = seconds.report()
+        return out
 
 
 class _TopKView(_Displayed):

@@ -144,6 +144,13 @@ class Options:
         reused across blocks and chunks (fresh tensors above the allocator's mmap
         threshold cost page faults); smaller ones are allocated as usual. Shown in each
         dense kernel decision over factored rows.
+    release_growth : float >= 1
+        After a batch of a pass, free memory is returned to the system (glibc
+        ``malloc_trim``) only when the process's resident set exceeds this multiple of its
+        size after the pass's first batch (default 1.25; 1.0 returns it after every
+        batch: fewest resident pages, but every large tensor of the next batch faults its
+        pages in again, 20 % of a GPT-2 pass). :mod:`gradalg.exec.allocator`; shown in the
+        plan's header.
     device_memory_fraction : float in (0, 1]
         ``explain(device=...)`` on hardware one does not have plans under this fraction of
         one device's memory (the rest for the model, its optimizer and the framework).
@@ -168,6 +175,7 @@ class Options:
     kron_float32_rtol: float = 1e-2
     projection_slice_elements: int = 2**26
     reuse_buffer_bytes: int = 2**20
+    release_growth: float = 1.25
     device_memory_fraction: float = 0.4
 
     def __post_init__(self):
@@ -193,6 +201,10 @@ class Options:
         interval = self.progress_interval
         if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 <= interval < float("inf"):
             raise OptionError(f"progress_interval must be a number of seconds >= 0, got {interval!r}")
+        growth = self.release_growth
+        if isinstance(growth, bool) or not isinstance(growth, (int, float)) or not 1 <= growth < float("inf"):
+            raise OptionError(f"release_growth must be a number >= 1 (1.0: return free memory after every "
+                              f"batch), got {growth!r}")
         for name in ("store_fraction", "device_memory_fraction"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:

@@ -226,10 +226,11 @@ class Collector:
     its factors (a Kronecker-projected block over long sequences).
     """
 
-    def __init__(self, node, storage: dict | None = None):
+    def __init__(self, node, storage: dict | None = None, whole: bool = False):
         self.node = node
         self.flat = {name for name, how in (storage or {}).items() if how == "flat"}
         self.chunks: list[Chunk] = []
+        self.whole = whole
 
     def update(self, chunk: Chunk) -> None:
         # kept rows drop the batch and task they came from: they are data now; and own
@@ -245,7 +246,18 @@ class Collector:
         self.chunks.extend(chunks)
 
     def finish(self) -> list[Chunk]:
-        return self.chunks
+        """The kept chunks; with ``whole``, concatenated into one (a held side is read whole:
+        its consumer would otherwise concatenate a second copy)."""
+        if not self.whole or len(self.chunks) < 2:
+            return self.chunks
+        chunks, self.chunks = self.chunks, []
+        ids = tuple(i for c in chunks for i in c.ids)
+        blocks = {}
+        for name in list(chunks[0].blocks):   # block by block, each block's pieces freed once joined
+            parts = [c.blocks.pop(name) for c in chunks]
+            blocks[name] = Factors.concat_examples(parts) if isinstance(parts[0], Factors) else torch.cat(parts, 0)
+            del parts
+        return [Chunk(ids, blocks)]
 
 
 def _owned(value):

@@ -67,6 +67,15 @@ class ComposedExecutor(Executor):
         """Measured seconds and memory of each pass of the last run (in this process)."""
         return self.local.pass_stats
 
+    @property
+    def clock(self):
+        """Seconds per phase of this process's share of the runs (:mod:`gradalg.exec.phases`)."""
+        return self.local.clock
+
+    @property
+    def phase_seconds(self) -> dict[str, float]:
+        return self.local.phase_seconds
+
     def reset(self) -> None:
         """Forget every resolved operator, kept row and result (``LocalExecutor.reset``)."""
         self.local.reset()

@@ -33,6 +33,7 @@ from ..plan.planner import ROW_WISE, Plan, plan as make_plan
 from .base import Executor
 from .accumulators import GroupAccumulator
 from .capture_pass import SourceCapture, eval_mode, model_device_dtype
+from .phases import PhaseClock
 from ..capture.chunks import Chunk, concat_chunks
 from .resolve import precondition, resolve_node
 from .rowwise import apply_rowwise
@@ -84,24 +85,33 @@ class LocalExecutor(Executor):
         self.runner = PassRunner(self, self.shards)
         self.last_plan: Plan | None = None
         self.pass_stats: list[dict] = []
+        self.clock = PhaseClock()
+
+    @property
+    def phase_seconds(self) -> dict[str, float]:
+        """Wall seconds per phase of this executor's runs (:mod:`gradalg.exec.phases`)."""
+        return self.clock.report()
 
     # ------------------------------------------------------------------ entry points
     def plan(self, node, topk=None) -> Plan:
         """The plan this executor would run for ``node``, under its options, rewrites and
         forced choices (row counts measured from the data; nothing is computed);
         ``topk`` (:class:`~gradalg.plan.jobs.TopK`): the plan of its top-k."""
-        return make_plan(node, options=self.options, rewrites=self.rewrites, choices=self.choices,
-                         measure_shapes=True, topk=topk)
+        with self.clock.phase("planning"):
+            return make_plan(node, options=self.options, rewrites=self.rewrites, choices=self.choices,
+                             measure_shapes=True, topk=topk)
 
     def scores(self, node: ScoreNode) -> torch.Tensor:
         """The (n_left, n_right) score matrix of ``node``."""
         p = self.run(self.plan(node))
-        return self.state.scores(p.simplified)
+        with self.clock.phase("assembly"):
+            return self.state.scores(p.simplified)
 
     def diagonal(self, node: ScoreDiagonal) -> torch.Tensor:
         """S_ii of a square score expression, without its off-diagonal entries.   (n,)"""
         p = self.run(self.plan(node))
-        return self.state.diagonal(p.simplified.scores)
+        with self.clock.phase("assembly"):
+            return self.state.diagonal(p.simplified.scores)
 
     def gradients(self, node: GradNode) -> Chunk:
         """All rows of ``node`` in one chunk (for inspection and tests; holds n × dim)."""
@@ -121,7 +131,9 @@ class LocalExecutor(Executor):
 
     def precondition_held(self, op: OpNode, held: Chunk, space) -> Chunk:
         """The held rows of a score with the resolved ``op`` applied (once per pass)."""
-        return precondition(self.resolve(op), held, space)
+        resolved = self.resolve(op)
+        with self.clock.phase("scoring"):
+            return precondition(resolved, held, space)
 
     # ------------------------------------------------------------------ pull path
     def iter_chunks(self, node: GradNode) -> Iterator[Chunk]:
@@ -158,7 +170,8 @@ class LocalExecutor(Executor):
         """The numbers of an operator node (memoized; computed on the pull path if no
         pass of the plan produced them)."""
         if node.token not in self._ops:
-            self._ops[node.token] = self._resolve(node)
+            with self.clock.phase("statistics"):
+                self._ops[node.token] = self._resolve(node)
         return self._ops[node.token]
 
     def _resolve(self, node: OpNode):

@@ -28,7 +28,7 @@ from typing import Iterator
 from ..data import batch_size_of, move_batch
 from ..expr import GradNode, Source
 from ..plan.planner import ROW_WISE, Pass, Plan, PlanError, stream_root
-from .allocator import release_free_memory
+from .allocator import ResidentGuard
 from .capture_pass import PassCapture, eval_mode, model_device_dtype
 from ..capture.chunks import Chunk
 from .progress import progress_bar
@@ -74,17 +74,24 @@ class PassRunner:
     def run_pass(self, step: Pass) -> None:
         sinks = [open_sink(job, self.ctx) for job in step.jobs]
         done = self.shards.run_shards(self, step, sinks)
+        clock = self.ctx.clock
         for i, sink in enumerate(sinks):
-            sink.publish(done[i] if i in done else sink.finish(), self.ctx.state)
+            with clock.phase(sink.phase):
+                sink.publish(done[i] if i in done else sink.finish(), self.ctx.state)
 
     # ------------------------------------------------------------------ one process's feed
     def feed(self, step: Pass, sinks: list[Sink]) -> None:
         """Read ``step``'s data once and hand every chunk to every sink."""
-        state = self.ctx.state
+        state, clock = self.ctx.state, self.ctx.clock
         for base in self.batches(step):
             memo: dict[str, list[Chunk]] = {}
             for sink in sinks:
-                sink.feed([self.derive(s, base, memo) for s in sink.fed], state)
+                with clock.phase("capture"):
+                    fed = [self.derive(s, base, memo) for s in sink.fed]
+                with clock.phase(sink.phase):
+                    sink.feed(fed, state)
+                del fed
+            del base, memo   # the batch's rows are dropped before the next batch is captured
 
     def batches(self, step: Pass) -> Iterator[dict[str, list[Chunk]]]:
         """Per batch of the pass, ``{root token: chunks}`` of the nodes it reads."""
@@ -113,6 +120,7 @@ class PassRunner:
         start = 0
         batch_size = step.batch_size or ctx.options.batch_size
         trim = step.per_example_bytes * batch_size >= ctx.release_memory_above
+        guard = ResidentGuard(ctx.options.release_growth) if trim else None
         with eval_mode(task.model), progress_bar(ctx.options.progress, data.n, step.label,
                                                 interval=ctx.options.progress_interval) as bar:
             for batch in data.loader(batch_size):
@@ -120,9 +128,12 @@ class PassRunner:
                 b = batch_size_of(batch)
                 ids = data.ids[start:start + b]
                 start += b
-                yield capture.capture(batch, ids)
-                if trim:   # the batch's tensors are gone: keep resident memory to one batch's
-                    release_free_memory()
+                with ctx.clock.phase("capture"):
+                    chunks = capture.capture(batch, ids)
+                yield chunks
+                del chunks
+                if guard is not None:   # the batch's tensors are gone: keep resident memory to one batch's
+                    guard.after_batch()
                 bar.update(b)
 
     def derive(self, node: GradNode, base: dict, memo: dict) -> list[Chunk]:

@@ -58,7 +58,11 @@ def open_sink(job: Job, ctx) -> "Sink":
 
 
 class Sink:
-    """One job's consumer of a pass: ``feed`` every batch, then ``publish(finish())``."""
+    """One job's consumer of a pass: ``feed`` every batch, then ``publish(finish())``.
+
+    ``phase``: where its time is counted (:mod:`gradalg.exec.phases`)."""
+
+    phase = "scoring"
 
     def __init__(self, job: Job, acc):
         self.job, self.acc = job, acc
@@ -95,9 +99,13 @@ class Sink:
 class RowsSink(Sink):
     """Keeps rows (a held side, stored rows) as the job's storage says."""
 
+    phase = "capture"
+
     @classmethod
     def open(cls, job, ctx):
-        return cls(job, Collector(job.target, job.storage))
+        # a held side is read whole by its scores job: one chunk (its pieces freed as it is
+        # made); stored rows are streamed back chunk by chunk by a later pass
+        return cls(job, Collector(job.target, job.storage, whole=isinstance(job, CollectJob)))
 
     def publish(self, result, state):
         state.rows[self.job.target.token] = result
@@ -115,6 +123,8 @@ class GroupSink(RowsSink):
 
 @sink_for(FisherJob)
 class FisherSink(Sink):
+    phase = "statistics"
+
     @classmethod
     def open(cls, job, ctx):
         return cls(job, FisherAccumulator(job.target))
@@ -126,6 +136,8 @@ class FisherSink(Sink):
 @sink_for(KFACJob)
 class KronSink(Sink):
     """K-FAC's factors; an EK-FAC operator's eigenbases wait in ``state.kron`` for its correction."""
+
+    phase = "statistics"
 
     @classmethod
     def open(cls, job, ctx):

@@ -285,7 +285,8 @@ class _Planner:
             {"hold left": f"{hold_left / 2**20:.2f} MiB", "hold right": f"{hold_right / 2**20:.2f} MiB"},
             why + "; H (symmetric) is applied once to the held rows"
             + ("" if isinstance(node.op, Identity) else " (precondition the held side)")))
-        storage = self.storage(held)
+        kernels = self._kernels(held, streamed, node)
+        storage = self._held_storage(held, kernels, node)
         self._record_storage(held, storage, "held rows")
         if isinstance(held, GroupMean):
             # its group job keeps the held rows (state.rows[held.token], in this storage):
@@ -295,8 +296,19 @@ class _Planner:
             ready = {self.add(CollectJob(held, (held,), self.stream_deps(held), storage=storage))}
         job = ScoresJob(node, (streamed,), ready | self.op_deps(node.op) | self.stream_deps(streamed),
                         held=held, transposed=transposed, held_storage=storage)
-        job.kernels = self._kernels(held, streamed, node)
+        job.kernels = kernels
         return self._with_kernel_options(job)
+
+    def _held_storage(self, held: GradNode, kernels: dict, inner: Inner) -> dict[str, str]:
+        """The held rows' storage: :meth:`storage`, except that a block whose kernel is
+        dense in an unpreconditioned product is kept flat under ``row_storage="auto"``: the
+        dense kernel multiplies the flat rows, so keeping the factors too would hold the
+        block twice (factors and their materialization)."""
+        storage = self.storage(held)
+        if self.options.row_storage != "auto" or not isinstance(inner.op, Identity):
+            return storage
+        return {name: "flat" if how == "factors" and kernels.get(name) == "dense" else how
+                for name, how in storage.items()}
 
     def diag_jobs(self, node: ScoreDiagonal) -> list[tuple]:
         inner = node.scores
@@ -352,6 +364,10 @@ class _Planner:
         mode = self.options.row_storage
         why = ("per block the smaller of its factors, T·(in + out) numbers per row, and its flat "
                "gradient, out·in" if mode == "auto" else f"forced by ga.options(row_storage={mode!r})")
+        T = positions(node)
+        if mode == "auto" and what == "held rows" and any(
+                storage[b.name] == "flat" and T[b.name] * sum(b.shape) < b.dim for b in factored):
+            why += "; flat where the block's kernel is dense (it multiplies the flat rows: not kept twice)"
         if self.options.ghost == "always":
             why += "; factors kept for ghost kernels (ga.options(ghost='always'))"
         self.decisions.append(Decision(

@@ -1,0 +1,145 @@
+"""Where a run's time and memory go: the phase clock, the resident-set guard, held rows
+kept once (flat where their kernel is dense, one chunk instead of a list and a copy)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import gradalg as ga
+from gradalg.errors import OptionError
+from gradalg.exec import allocator
+from gradalg.exec.accumulators import Collector
+from gradalg.exec.phases import PHASES, PhaseClock
+from gradalg.capture.chunks import Chunk
+from gradalg.capture.factors import Factors
+
+import models
+
+
+def test_phase_clock_charges_nested_time_to_the_inner_phase():
+    clock = PhaseClock()
+    with clock.phase("scoring"):
+        time.sleep(0.02)
+        with clock.phase("statistics"):
+            time.sleep(0.05)
+        time.sleep(0.02)
+    s = clock.report()
+    assert set(s) == set(PHASES)
+    assert 0.045 <= s["statistics"] < 0.2
+    assert 0.035 <= s["scoring"] < 0.2 and s["scoring"] < s["statistics"] + 0.02
+    assert s["capture"] == s["planning"] == s["assembly"] == 0.0
+    with pytest.raises(ValueError, match="unknown phase"):
+        with clock.phase("imports"):
+            pass
+
+
+def _influence(n=24, nq=5, curvature="ekfac"):
+    model = models.mlp(dtype=torch.float32)
+    data = models.classification_data(n=n, dtype=torch.float32)
+    queries = models.classification_data(n=nq, seed=9, dtype=torch.float32)
+    task = ga.tasks.classification(model)
+    return ga.methods.influence(task, data, queries, curvature=curvature)
+
+
+def test_scores_report_seconds_per_phase_that_add_up_to_the_run():
+    S = _influence()
+    start = time.perf_counter()
+    with ga.options(batch_size=8, progress=False):
+        out = S.compute()
+    total = time.perf_counter() - start
+    seconds = out.attrs["seconds"]
+    assert set(seconds) == set(PHASES)
+    assert seconds["capture"] > 0 and seconds["statistics"] > 0 and seconds["scoring"] > 0
+    assert seconds["planning"] > 0 and seconds["assembly"] > 0
+    assert sum(seconds.values()) <= total
+    assert sum(seconds.values()) >= 0.7 * total     # the phases cover the run
+
+
+def test_a_reused_executor_reports_each_computes_own_seconds():
+    S = _influence()
+    ex = ga.exec.LocalExecutor(ga.get_options())
+    with ga.options(progress=False):
+        first = S.compute(ex).attrs["seconds"]
+        again = S.compute(ex).attrs["seconds"]
+    assert first["capture"] > 0 and first["statistics"] > 0
+    for phase in PHASES:   # the executor's clock runs on; each result reports its own share
+        assert ex.phase_seconds[phase] == pytest.approx(first[phase] + again[phase])
+
+
+def test_release_growth_is_validated():
+    for bad in (0.5, float("inf"), True, "2"):
+        with pytest.raises(OptionError, match="release_growth"):
+            ga.options(release_growth=bad).__enter__()
+    with ga.options(release_growth=1.0):
+        assert ga.get_options().release_growth == 1.0
+
+
+def test_resident_guard_trims_only_past_its_growth(monkeypatch):
+    rss = iter([100, 110, 124, 126, 90, 200])
+    monkeypatch.setattr(allocator, "resident_bytes", lambda: next(rss))
+    calls = []
+    monkeypatch.setattr(allocator, "release_free_memory", lambda: calls.append(1))
+    guard = allocator.ResidentGuard(1.25)
+    for _ in range(6):
+        guard.after_batch()
+    # reference 100: 110 and 124 stay, 126 trims, 90 stays, 200 trims
+    assert guard.trims == len(calls) == 2
+    every = allocator.ResidentGuard(1.0)
+    for _ in range(3):
+        every.after_batch()
+    assert every.trims == 3
+
+
+def test_resident_bytes_reads_this_process():
+    value = allocator.resident_bytes()
+    if value is None:
+        pytest.skip("no /proc/self/statm")
+    assert 10 * 2**20 < value < 64 * 2**30
+
+
+def test_a_held_side_is_kept_as_one_chunk_equal_to_its_pieces():
+    torch.manual_seed(0)
+    chunks = [Chunk((3 * k, 3 * k + 1, 3 * k + 2),
+                    {"w": Factors(torch.randn(3, 4, 5), torch.randn(3, 4, 2)), "b": torch.randn(3, 7)})
+              for k in range(3)]
+    expect_A = torch.cat([c.blocks["w"].A for c in chunks])
+    expect_b = torch.cat([c.blocks["b"] for c in chunks])
+    held = Collector(None, whole=True)
+    stored = Collector(None)
+    for c in chunks:
+        held.update(c)
+        stored.update(c)
+    (one,) = held.finish()
+    assert one.ids == tuple(range(9))
+    torch.testing.assert_close(one.blocks["w"].A, expect_A)
+    torch.testing.assert_close(one.blocks["b"], expect_b)
+    assert len(stored.finish()) == 3     # stored rows stream back chunk by chunk
+
+
+def test_held_rows_of_a_dense_kernel_are_kept_flat_and_scores_unchanged():
+    """A held block whose kernel is dense is multiplied flat: keeping its factors as well
+    would hold it twice. The scores equal a loop-of-backward reference either way."""
+    model = models.gpt2(dtype=torch.float64, n_embd=32)
+    task = models.lm_task(model)
+    data = models.padded_token_data(n=6)
+    queries = models.padded_token_data(n=3, seed=7)
+    S = ga.methods.grad_dot(task, data, queries, layers=["transformer.h.*"])
+    reference = None
+    for ghost in ("never", "always"):
+        with ga.options(ghost=ghost, batch_size=3, progress=False):
+            text = S.explain().text if hasattr(S.explain(), "text") else str(S.explain())
+            values = torch.as_tensor(S.compute().values)
+        if ghost == "never":
+            assert "storage of held rows" in text and "chose flat" in text
+            assert "not kept twice" in text
+        else:
+            assert "chose factors" in text
+        if reference is None:
+            reference = values
+        torch.testing.assert_close(values, reference, rtol=1e-9, atol=1e-12)
+    G = ga.grads(task, data, layers=["transformer.h.*"]).to_params()
+    Q = ga.grads(task, queries, layers=["transformer.h.*"]).to_params()
+    dense = sum(Q[k].flatten(1) @ G[k].flatten(1).T for k in G)
+    torch.testing.assert_close(reference, dense, rtol=1e-9, atol=1e-12)
