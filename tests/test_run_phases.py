@@ -143,3 +143,23 @@ def test_held_rows_of_a_dense_kernel_are_kept_flat_and_scores_unchanged():
     Q = ga.grads(task, queries, layers=["transformer.h.*"]).to_params()
     dense = sum(Q[k].flatten(1) @ G[k].flatten(1).T for k in G)
     torch.testing.assert_close(reference, dense, rtol=1e-9, atol=1e-12)
+
+
+def test_preconditioned_held_rows_are_collected_late_and_dropped_once_preconditioned():
+    """EK-FAC influence: the query gradients are collected after the covariance pass (not
+    carried through it) and the raw rows are dropped once their preconditioned copy exists;
+    the scores are those of the plan that keeps everything (Choices/rewrites unchanged)."""
+    S = _influence(n=30, nq=4)
+    with ga.options(batch_size=8, progress=False):
+        ex = ga.exec.LocalExecutor(ga.get_options())
+        values = torch.as_tensor(S.compute(ex).values)
+        keep_all = ga.exec.LocalExecutor(ga.get_options(), rewrites=False)
+        reference = torch.as_tensor(S.compute(keep_all).values)
+    p = ex.last_plan
+    kinds = [[type(j).__name__ for j in step.jobs] for step in p.passes]
+    first_collect = next(i for i, k in enumerate(kinds) if "CollectJob" in k)
+    assert "KFACJob" in kinds[0] and first_collect > 0, kinds
+    scores_jobs = [j for step in p.passes for j in step.jobs if type(j).__name__ == "ScoresJob"]
+    assert scores_jobs and all(j.release_held for j in scores_jobs)
+    assert all(j.held.token not in ex.state.rows for j in scores_jobs)
+    torch.testing.assert_close(values, reference, rtol=1e-4, atol=1e-6)

@@ -177,7 +177,11 @@ def _score_accumulator(job: ScoresJob, ctx) -> ScoreAccumulator:
     held = concat_chunks(ctx.state.rows[job.held.token])
     space = job.held.space
     if not isinstance(job.target.op, Identity):
+        raw = held
         held = ctx.precondition_held(job.target.op, held, space)
+        if job.release_held and held is not raw:   # no other job reads the raw rows (planner)
+            ctx.state.rows.pop(job.held.token, None)
+        del raw
     opts = ctx.options
     return ScoreAccumulator(held, space, job.kernels, ctx.trace, normalize_streamed=job.normalize_streamed,
                             slice_elements=opts.ghost_slice_elements, buffer_bytes=opts.reuse_buffer_bytes,

@@ -199,6 +199,8 @@ class ScoresJob(Job):
 
     held_storage: dict = field(default_factory=dict)
     normalize_streamed: bool = False
+    #: the held rows are read by no other job: once preconditioned, the run drops them
+    release_held: bool = False
 
     def describe(self) -> str:
         side = "rows" if not self.transposed else "columns"

@@ -586,6 +586,7 @@ class _Planner:
             ready = [j for j in remaining.values() if j.deps <= done]
             if not ready:
                 raise PlanError(f"circular job dependencies among {sorted(remaining)}")
+            ready = self._defer_held(ready, remaining, done, stored)
             groups: dict[tuple, list[Job]] = {}
             for j in ready:
                 groups.setdefault(self._pass_key(j.streams[0], stored), []).append(j)
@@ -602,6 +603,27 @@ class _Planner:
             self._decide_normalization(p)
             self._size_pass(p, stored)
         return passes, stored
+
+    def _defer_held(self, ready: list, remaining: dict, done: set, stored: set) -> list:
+        """Ready jobs to run in this wave, less the collections of held rows that can wait.
+
+        A held side collected in a pass of its own (no other ready job reads its data) is
+        collected in the last wave before its scores job can run, not the first: the rows
+        are not carried through the passes that build the preconditioner (EK-FAC's
+        covariance and eigenvalue-correction passes would otherwise hold the query
+        gradients). Collections that share a pass with another ready job stay (that read
+        of the data is shared)."""
+        keys = {j.key: self._pass_key(j.streams[0], stored) for j in ready}
+        after = done | set(keys)
+        kept = []
+        for j in ready:
+            if isinstance(j, CollectJob) and len(ready) > 1 \
+                    and sum(k == keys[j.key] for k in keys.values()) == 1:
+                consumers = [c for c in remaining.values() if j.key in c.deps]
+                if consumers and all(not (c.deps - {j.key}) <= after for c in consumers):
+                    continue
+            kept.append(j)
+        return kept or ready
 
     def _decide_normalization(self, p: Pass) -> None:
         """Where the streamed side ``G.normalize()`` of a scores job is normalized: in the
@@ -843,8 +865,24 @@ def plan(root: Node, *, options: Options | None = None, device=None, rewrites: b
     else:
         raise PlanError(f"cannot plan a {type(root).__name__}")
     passes, stored = planner.schedule()
+    mark_released_held(planner.jobs.values(), simplified)
     return Plan(root, simplified, fired, planner.decisions, passes, planner.jobs, roots, options, prof, stored,
                 planner.dtype)
+
+
+def mark_released_held(jobs, target) -> None:
+    """``release_held`` on each preconditioned scores job whose held rows no other job reads
+    and the plan does not return: the run drops the raw rows once the preconditioned copy
+    exists (EK-FAC influence on GPT-2: the raw query gradients were 20 % of the peak)."""
+    jobs = list(jobs)
+    for job in jobs:
+        if not isinstance(job, ScoresJob) or isinstance(job.target.op, Identity) or job.held is target:
+            continue
+        token = job.held.token
+        readers = [j for j in jobs if j is not job and not (isinstance(j, CollectJob) and j.target.token == token)
+                   and (any(stream_root(s).token == token or s.token == token for s in j.streams)
+                        or getattr(getattr(j, "held", None), "token", None) == token)]
+        job.release_held = not readers
 
 
 def estimate(node) -> Cost:
