@@ -15,7 +15,7 @@ statistics estimated on the first m = n·f training examples, f ∈ {1, 1/2, 1/4
               scores (f = 1), mean over queries
     LDS       (digits MLP only) ``ga.eval.lds`` against ``N_SUBSETS`` retrained halves,
               the ground truth of ``benchmarks/fidelity.py`` (its helpers and its cache
-              under ``build/fidelity/``; about 100 s to build when absent)
+              under ``build/fidelity/``; about 80 s to build when absent)
 
 Settings (the fidelity benchmarks' own, reused):
 
