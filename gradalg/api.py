@@ -726,21 +726,53 @@ def row_weights(fn: Callable[[torch.nn.Module, Any], torch.Tensor], name: str | 
     return RowWeights(fn, name or getattr(fn, "__name__", "weights"))
 
 
-def kfac(G: GradientSet, *, eigen_correction: bool = False) -> Operator:
+def kfac(G: GradientSet, *, eigen_correction: bool = False, covariance_max_examples: int | None = None,
+         lambda_max_examples: int | None = None) -> Operator:
     """K-FAC approximation S ⊗ A of the Fisher of ``G``'s rows, per layer (Martens & Grosse 2015).
 
     ``G`` must keep factors: gradients from ``ga.grads`` (hooks), optionally projected
     with ``ga.proj.kron`` (LoGra). Use ``objective="sampled"`` gradients for the true
     Fisher / Gauss-Newton, as K-FAC intends.
+
+    covariance_max_examples : estimate the Kronecker covariances A = (1/m) Σ_{i<m} A_iᵀA_i
+        and S = (1/m) Σ_{i<m} D_iᵀD_i from the first m examples of ``G`` only (its data's
+        order), as Kronfluence's ``FactorArguments.covariance_max_examples``. The pass that
+        accumulates them reads those m examples and no others. None (default): all of them,
+        exact. A value of at least ``G.n`` uses all of them (the same operator as None).
+    lambda_max_examples : EK-FAC only (``eigen_correction=True``): the eigenvalue correction
+        Λ = (1/m) Σ_{i<m} (Q_Sᵀ G_i Q_A)² from the first m examples (Kronfluence's
+        ``lambda_max_examples``); None: all; at least ``G.n``: all.
+
+    Both are positive ints (``ValueError`` naming the option otherwise), part of the
+    operator's identity, and shown by ``explain()`` ("covariances: first 100 of 1,000
+    examples"). ``G`` must then be computed from data (``ga.grads``), not captured rows.
     """
     if not isinstance(G, GradientSet):
         raise TypeError("ga.kfac takes a GradientSet")
     for b in G.space.blocks:
         if len(b.shape) != 2:
             raise ValueError(f"K-FAC needs (out, in) layer blocks; block {b.name!r} has shape {b.shape}")
+    cov = _max_examples("covariance_max_examples", covariance_max_examples, G.n)
+    lam = _max_examples("lambda_max_examples", lambda_max_examples, G.n)
     if not eigen_correction:
+        if lambda_max_examples is not None:
+            raise ValueError("lambda_max_examples is the number of examples of EK-FAC's eigenvalue "
+                             "correction: use it with ga.ekfac (eigen_correction=True), or leave it None")
         _refuse_mixed_kfac(G)
-    return Operator(KFAC(G.expr, eigen_correction))
+    node = KFAC(G.expr, eigen_correction, cov, lam)
+    node.covariance_grads, node.lambda_grads   # refused now (captured rows), not at compute time
+    return Operator(node)
+
+
+def _max_examples(name: str, value, n: int) -> int | None:
+    """``value`` checked as a number of examples (None, or a positive int); None when it
+    covers all ``n`` examples."""
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int (a number of examples) or None for all "
+                         f"of them, got {value!r}")
+    return None if value >= n else value
 
 
 def _refuse_mixed_kfac(G: GradientSet) -> None:
@@ -759,9 +791,15 @@ def _refuse_mixed_kfac(G: GradientSet) -> None:
             "fit to the true summed gradients), ga.fisher on a projection, or leave the block out")
 
 
-def ekfac(G: GradientSet) -> Operator:
-    """EK-FAC: K-FAC's eigenbasis with eigenvalues re-fitted to ``G`` (George et al. 2018)."""
-    return kfac(G, eigen_correction=True)
+def ekfac(G: GradientSet, *, covariance_max_examples: int | None = None,
+          lambda_max_examples: int | None = None) -> Operator:
+    """EK-FAC: K-FAC's eigenbasis with eigenvalues re-fitted to ``G`` (George et al. 2018).
+
+    ``covariance_max_examples`` / ``lambda_max_examples``: the covariances (the eigenbasis)
+    and the eigenvalue correction from the first m examples of ``G`` only (:func:`kfac`;
+    None: all, exact; at least ``G.n``: all)."""
+    return kfac(G, eigen_correction=True, covariance_max_examples=covariance_max_examples,
+                lambda_max_examples=lambda_max_examples)
 
 
 def _products(task, data, layers, kind, ids, batch_size) -> Operator:

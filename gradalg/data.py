@@ -125,6 +125,17 @@ class DataRef:
         key = f"{self.key}[{start}:{stop}]"
         return DataRef(Subset(base, range(start, stop)), self.ids[start:stop], bs, key, collate)
 
+    def prefix(self, n: int | None) -> "DataRef":
+        """The first ``n`` examples (all of them when ``n`` is None or at least ``self.n``),
+        batched like this one: a :meth:`subset` ``0:n``, whose identity is the data's and
+        the range (so a pass over it is a pass of its own, reading ``n`` examples only).
+        Used by statistics estimated on a subset (``ga.kfac(..., covariance_max_examples=)``)."""
+        if n is None or n >= self.n:
+            return self
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise OptionError(f"a prefix of the data needs a positive int number of examples, got {n!r}")
+        return self.subset(0, n)
+
     def first_example_batch(self) -> Any:
         """A batch holding the first example only: used for shape hints, never a forward."""
         collate = self.source.collate_fn if isinstance(self.source, DataLoader) else self.collate_fn

@@ -131,7 +131,7 @@ class KronAccumulator:
     def finish(self) -> KronOp:
         bases, eigenvalues, errors = {}, {}, {}
         for name in self.node.space.names:
-            self.stats[name].examples = self.node.grads.n
+            self.stats[name].examples = self.node.covariance_grads.n   # the examples fed (covariance_max_examples)
             S, A = self.stats[name].covariances()
             self.stats[name] = None        # the sums are not needed past their eigendecomposition
             Q_S, lam_S, check_S = checked_eigh(S, self.float32_rtol, f"the output-gradient factor of {name!r}")
@@ -178,7 +178,7 @@ class EKFACAccumulator:
             self.sums[k] += v
 
     def finish(self) -> KronOp:
-        n = self.node.grads.n
+        n = self.node.lambda_grads.n   # the examples fed (lambda_max_examples)
         eigenvalues = {k: (s / n).to(self.kfac.eigenvalues[k].dtype) for k, s in self.sums.items()}
         errors = {}
         for name, err in self.kfac.eigenvalue_errors.items():

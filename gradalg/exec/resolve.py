@@ -73,13 +73,13 @@ def _kfac(executor, node: KFAC) -> LinearOp:
     if kfac is None:
         o = executor.options
         acc = KronAccumulator(node, o.token_block, o.kron_float64_width, o.kron_float32_rtol)
-        for chunk in executor.iter_chunks(node.grads):
+        for chunk in executor.iter_chunks(node.covariance_grads):   # covariance_max_examples
             acc.update(chunk)
         kfac = acc.finish()
     if not node.eigen_correction:
         return kfac
     corr = EKFACAccumulator(node, kfac, executor.options.token_block)
-    for chunk in executor.iter_chunks(node.grads):
+    for chunk in executor.iter_chunks(node.lambda_grads):           # lambda_max_examples
         corr.update(chunk)
     return corr.finish()
 

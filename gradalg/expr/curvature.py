@@ -5,11 +5,12 @@ DataInf's closed-form inverse. See :mod:`gradalg.curvature` for the math.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from ..data import DataRef
 from ..space import ParamSpace
-from .grads import GradNode
+from .grads import GradNode, first_examples
 from .operators import OpNode
 
 __all__ = ["KFAC", "CurvatureProducts", "Arnoldi", "DataInf"]
@@ -21,10 +22,22 @@ class KFAC(OpNode):
 
     ``grads`` must keep factors (hook capture, optionally Kronecker-projected): the
     statistics are the covariances of activations and output gradients.
+
+    Per block, with A_i (T, in) and D_i (T, out) the factors of example i:
+
+        A = (1/n_c) Σ_{i<n_c} A_iᵀA_i,   S = (1/n_c) Σ_{i<n_c} D_iᵀD_i     (covariances)
+        Λ = (1/n_λ) Σ_{i<n_λ} (Q_Sᵀ G_i Q_A)²                             (EK-FAC's eigenvalues)
+
+    over the first ``n_c = covariance_max_examples`` and ``n_λ = lambda_max_examples``
+    examples of ``grads`` (None: all ``n``; Kronfluence's ``FactorArguments`` options of
+    the same names). Both are part of the node's identity, and the node holds them only
+    below ``n`` (``ga.kfac`` stores a larger value as None), so equal statistics are one node.
     """
 
     grads: GradNode
     eigen_correction: bool = False
+    covariance_max_examples: int | None = None
+    lambda_max_examples: int | None = None
 
     @property
     def space(self) -> ParamSpace:
@@ -34,9 +47,33 @@ class KFAC(OpNode):
     def structure(self):
         return "kron"
 
+    @cached_property
+    def covariance_grads(self) -> GradNode:
+        """The rows the Kronecker covariances are estimated from (the first
+        ``covariance_max_examples`` examples of ``grads``)."""
+        return first_examples(self.grads, self.covariance_max_examples)
+
+    @cached_property
+    def lambda_grads(self) -> GradNode:
+        """The rows EK-FAC's eigenvalue correction is estimated from (the first
+        ``lambda_max_examples`` examples of ``grads``)."""
+        return first_examples(self.grads, self.lambda_max_examples)
+
+    def subset_notes(self) -> list[str]:
+        """What each statistic is estimated on, when not on every example:
+        ``["covariances: first 100 of 1,000 examples", ...]`` (shown by ``explain()``)."""
+        n, out = self.grads.n, []
+        if self.covariance_max_examples is not None:
+            out.append(f"covariances: first {self.covariance_max_examples:,} of {n:,} examples")
+        if self.eigen_correction and self.lambda_max_examples is not None:
+            out.append(f"eigenvalue correction: first {self.lambda_max_examples:,} of {n:,} examples")
+        return out
+
     @property
     def label(self):
-        return "ekfac" if self.eigen_correction else "kfac"
+        name = "ekfac" if self.eigen_correction else "kfac"
+        notes = self.subset_notes()
+        return f"{name} ({'; '.join(notes)})" if notes else name
 
 
 @dataclass(frozen=True, eq=False)

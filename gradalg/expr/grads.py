@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any, Callable
 
@@ -22,7 +22,7 @@ from .base import Node
 from .projection import Projector
 
 __all__ = ["GradNode", "Source", "Captured", "Project", "Normalize", "Select", "Precondition",
-           "ScaleRows", "RowWeights", "GroupMean", "AdamState", "AdamPrecondition"]
+           "ScaleRows", "RowWeights", "GroupMean", "AdamState", "AdamPrecondition", "first_examples"]
 
 
 class GradNode(Node):
@@ -381,3 +381,28 @@ class ScaleRows(_RowMap):
     def label(self):
         w = self.weights
         return f"scale rows by {w.name if isinstance(w, RowWeights) else w}"
+
+
+def first_examples(node: GradNode, n: int | None) -> GradNode:
+    """``node`` over the first ``n`` examples of its data (``node`` itself when ``n`` is
+    None or covers every example).
+
+    The row-wise chain (projections, normalizations, selections, preconditioners, row
+    scales) is kept; only its Source reads a prefix, ``data.prefix(n)``: a DataRef of its
+    own, so the planner gives the prefix its own pass, which reads ``n`` examples only.
+    Operators inside the chain keep their full data (they are the same operators). With
+    ``objective="expected"`` the prefix keeps every Gauss-Newton row of its ``n`` examples.
+
+    Raises ValueError for gradients that are not computed from data (``ga.capture``'s
+    rows, stored rows): their first examples are not a pass of their own.
+    """
+    if n is None or n >= node.n:
+        return node
+    if isinstance(node, Source):
+        return replace(node, data=node.data.prefix(n))
+    if isinstance(node, (Project, _RowMap)):
+        return replace(node, grads=first_examples(node.grads, n))
+    raise ValueError(
+        f"statistics on the first {n} examples need gradients computed from data (ga.grads, "
+        f"optionally projected or selected); {node.label!r} is not: compute them on all rows "
+        "(covariance_max_examples=None, lambda_max_examples=None)")

@@ -63,6 +63,21 @@ RELATIVE_DAMPING = {"gauss_newton": 1.0, "empirical": 1.0, "kfac": 0.1, "ekfac":
 ABSOLUTE_DAMPING = 1e-3   # default λ where H's spectrum is not at hand (CG, LiSSA, Arnoldi, DataInf)
 
 
+def check_kron_subsets(curvature: str, covariance_max_examples, lambda_max_examples) -> None:
+    """Refuse ``covariance_max_examples`` / ``lambda_max_examples`` (K-FAC / EK-FAC statistics
+    on the first m examples, :func:`gradalg.kfac`) with a curvature that has no such
+    statistics, and ``lambda_max_examples`` with K-FAC (no eigenvalue correction)."""
+    given = [name for name, v in (("covariance_max_examples", covariance_max_examples),
+                                  ("lambda_max_examples", lambda_max_examples)) if v is not None]
+    if given and curvature not in ("kfac", "ekfac"):
+        raise ValueError(f"{given[0]} sets how many examples K-FAC / EK-FAC statistics are estimated on: "
+                         f"it applies to curvature='kfac' or 'ekfac', not {curvature!r}. Drop it, or use "
+                         "curvature='ekfac'")
+    if lambda_max_examples is not None and curvature == "kfac":
+        raise ValueError("lambda_max_examples is the number of examples of EK-FAC's eigenvalue correction: "
+                         "use it with curvature='ekfac', or leave it None for K-FAC")
+
+
 def gauss_newton_objective(task: Task) -> str:
     """The gradient objective whose Fisher is the task's Gauss-Newton matrix.
 
@@ -138,16 +153,20 @@ def curvature_operator(task: Task, data, *, layers=None, projector: Projector | 
                        curvature: str = "gauss_newton", solver: str = "direct", damping: float | None = None,
                        structure: str = "dense", rank: int = 32, seed: int = 0, solver_settings=None,
                        train_grads=None, relative_damping: float | None = None, weight_decay=None,
-                       optimizer=None):
+                       optimizer=None, covariance_max_examples: int | None = None,
+                       lambda_max_examples: int | None = None):
     """(H + λI + decay)⁻¹ as a lazy Operator, for every curvature/solver pair in the table above.
 
     damping : absolute λ; default None: ``relative_damping`` (default per curvature,
         :data:`RELATIVE_DAMPING`) × H's mean eigenvalue where H is explicit, else
         :data:`ABSOLUTE_DAMPING` (see the module docs).
     weight_decay / optimizer : the objective's weight decay, given or read (module docs).
+    covariance_max_examples / lambda_max_examples : K-FAC / EK-FAC only: the covariances and
+        the eigenvalue correction from the first m examples of ``data`` (:func:`gradalg.kfac`).
     """
     if curvature not in CURVATURES:
         raise ValueError(f"curvature must be one of {CURVATURES}, got {curvature!r}")
+    check_kron_subsets(curvature, covariance_max_examples, lambda_max_examples)
     if solver not in SOLVERS:
         raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
     settings = dict(solver_settings or {})
@@ -181,7 +200,8 @@ def curvature_operator(task: Task, data, *, layers=None, projector: Projector | 
     C = P(grads(task, data, layers, objective=objective, seed=seed))
     in_params = projector is None
     if curvature in ("kfac", "ekfac"):
-        H = kfac(C, eigen_correction=curvature == "ekfac")
+        H = kfac(C, eigen_correction=curvature == "ekfac", covariance_max_examples=covariance_max_examples,
+                 lambda_max_examples=lambda_max_examples)
         return damped(H, damping=damping, relative_damping=relative_damping, explicit=True, decay=decay,
                       parameter_coordinates=in_params, exact_diagonal=False, what=curvature.upper()).inv()
     return damped(fisher(C, structure=structure), damping=damping, relative_damping=relative_damping,
@@ -192,7 +212,8 @@ def influence(task: Task, train, queries, *, layers=None, projector: Projector |
               damping: float | None = None, weight_decay: float | None = None, optimizer=None,
               curvature: str = "gauss_newton", solver: str = "direct", structure: str = "dense",
               curvature_data=None, rank: int = 32, seed: int = 0, solver_settings: dict | None = None,
-              relative_damping: float | None = None) -> Scores:
+              relative_damping: float | None = None, covariance_max_examples: int | None = None,
+              lambda_max_examples: int | None = None) -> Scores:
     """Influence-function scores ``P(Q) @ (H + λI + wd)⁻¹ @ P(G).T``.
 
     curvature_data : examples H is estimated on (default: ``train``).
@@ -204,7 +225,12 @@ def influence(task: Task, train, queries, *, layers=None, projector: Projector |
     optimizer : the optimizer that trained the model (torch SGD / Adam / AdamW, or a
         transformers Trainer): its weight decay is read per parameter (module docs).
     rank : eigenvectors kept by ``solver="arnoldi"``.
+    covariance_max_examples : K-FAC / EK-FAC only: the Kronecker covariances from the first m
+        examples of the curvature data (Kronfluence's option of the same name; None: all, exact;
+        m ≥ n: all). A clear ``ValueError`` for other curvatures.
+    lambda_max_examples : EK-FAC only: the eigenvalue correction from the first m examples.
     """
+    check_kron_subsets(curvature, covariance_max_examples, lambda_max_examples)
     G = grads(task, train, layers)
     Q = grads(task, queries, layers)
     if projector is not None:
@@ -213,5 +239,7 @@ def influence(task: Task, train, queries, *, layers=None, projector: Projector |
                               projector=projector, curvature=curvature, solver=solver, damping=damping,
                               structure=structure, rank=rank, seed=seed, solver_settings=solver_settings,
                               train_grads=G if curvature_data is None else None,
-                              relative_damping=relative_damping, weight_decay=weight_decay, optimizer=optimizer)
+                              relative_damping=relative_damping, weight_decay=weight_decay, optimizer=optimizer,
+                              covariance_max_examples=covariance_max_examples,
+                              lambda_max_examples=lambda_max_examples)
     return Q @ Hinv @ G.T

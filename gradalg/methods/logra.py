@@ -16,13 +16,14 @@ from __future__ import annotations
 from ..api import Scores, fisher, grads, kfac
 from ..expr.projection import kron
 from ..task import Task
-from .influence import gauss_newton_objective
+from .influence import check_kron_subsets, gauss_newton_objective
 
 K = 4096     # default k = k_out·k_in per layer, 64 × 64 (docs/fidelity.md, "How the defaults were chosen")
 
 
 def logra(task: Task, train, queries, *, layers=None, k: int = K, seed: int = 0, damping: float = 1e-3,
-          curvature: str = "ekfac") -> Scores:
+          curvature: str = "ekfac", covariance_max_examples: int | None = None,
+          lambda_max_examples: int | None = None) -> Scores:
     """LoGra scores with a Kronecker projection of ``k = k_out·k_in`` per layer.
 
     k : coordinates per layer, default 4096 (the paper's k_out = k_in = 64; a layer
@@ -36,14 +37,18 @@ def logra(task: Task, train, queries, *, layers=None, k: int = K, seed: int = 0,
         no better on the GPT-2).
     curvature : "ekfac" (default), "kfac", or "fisher" (dense per-layer Fisher of the
     projected gradients).
+    covariance_max_examples / lambda_max_examples : (EK-)FAC only: the projected covariances and
+        the eigenvalue correction from the first m training examples (``ga.kfac``; None: all).
     """
     if curvature not in ("ekfac", "kfac", "fisher"):
         raise ValueError(f"curvature must be 'ekfac', 'kfac' or 'fisher', got {curvature!r}")
+    check_kron_subsets(curvature, covariance_max_examples, lambda_max_examples)
     P = kron(k, seed)
     G, Q = P(grads(task, train, layers)), P(grads(task, queries, layers))
     C = P(grads(task, train, layers, objective=gauss_newton_objective(task), seed=seed))
     if curvature == "fisher":
         H = fisher(C, structure="block")
     else:
-        H = kfac(C, eigen_correction=curvature == "ekfac")
+        H = kfac(C, eigen_correction=curvature == "ekfac", covariance_max_examples=covariance_max_examples,
+                 lambda_max_examples=lambda_max_examples)
     return Q @ H.damp(damping).inv() @ G.T

@@ -16,11 +16,17 @@ from .influence import curvature_operator
 
 def relatif(task: Task, train, queries, *, layers=None, projector: Projector | None = None,
             damping: float = 1e-3, weight_decay: float = 0.0, curvature: str = "gauss_newton",
-            solver: str = "direct", seed: int = 0) -> Scores:
-    """``P(Q) @ H⁻¹ @ P(G).normalize(metric=H⁻¹).T``, H damped by λ + weight decay."""
+            solver: str = "direct", seed: int = 0, covariance_max_examples: int | None = None,
+            lambda_max_examples: int | None = None) -> Scores:
+    """``P(Q) @ H⁻¹ @ P(G).normalize(metric=H⁻¹).T``, H damped by λ + weight decay.
+
+    covariance_max_examples / lambda_max_examples : K-FAC / EK-FAC statistics on the first m
+    training examples (``ga.methods.influence``)."""
     G, Q = grads(task, train, layers), grads(task, queries, layers)
     if projector is not None:
         G, Q = projector(G), projector(Q)
     Hinv = curvature_operator(task, train, layers=layers, projector=projector, curvature=curvature,
-                              solver=solver, damping=damping + weight_decay, seed=seed)
+                              solver=solver, damping=damping + weight_decay, seed=seed,
+                              covariance_max_examples=covariance_max_examples,
+                              lambda_max_examples=lambda_max_examples)
     return Q @ Hinv @ G.normalize(metric=Hinv).T

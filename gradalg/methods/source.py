@@ -44,7 +44,7 @@ from ..task import Task
 from ..unroll.errors import UnsupportedOptimizerError, UnsupportedTrainingError
 from ..unroll.optimizers import SGD
 from ..unroll.run import TrainingRun
-from .influence import gauss_newton_objective
+from .influence import check_kron_subsets, gauss_newton_objective
 
 __all__ = ["source", "Segment", "segments_of_run", "CrossCheckpointScores"]
 
@@ -124,18 +124,21 @@ def _classification(model):
     return classification(model)
 
 
-def _curvature(task: Task, data, layers, curvature: str, seed: int) -> Operator:
+def _curvature(task: Task, data, layers, curvature: str, seed: int, covariance_max_examples=None,
+               lambda_max_examples=None) -> Operator:
     objective = "loss" if curvature == "empirical" else gauss_newton_objective(task)
     C = grads(task, data, layers, objective=objective, seed=seed)
     if curvature in ("kfac", "ekfac"):
-        return kfac(C, eigen_correction=curvature == "ekfac")
+        return kfac(C, eigen_correction=curvature == "ekfac", covariance_max_examples=covariance_max_examples,
+                    lambda_max_examples=lambda_max_examples)
     return fisher(C)
 
 
 def source(training, queries, *, train=None, final: Task | None = None, n_segments: int = 3,
            checkpoints_per_segment: int = 1, task_fn: Callable | None = None, layers=None,
            curvature: str = "ekfac", damping: float = 0.0, weight_decay: float | None = None,
-           scale: float | None = None, seed: int = 0) -> "CrossCheckpointScores":
+           scale: float | None = None, seed: int = 0, covariance_max_examples: int | None = None,
+           lambda_max_examples: int | None = None) -> "CrossCheckpointScores":
     """SOURCE scores (query, train) as one gradalg expression.
 
     training : a :class:`ga.unroll.TrainingRun` (SGD; replayed once to take
@@ -148,9 +151,12 @@ def source(training, queries, *, train=None, final: Task | None = None, n_segmen
     damping, weight_decay : H_ℓ + (damping + wd)·I; wd defaults to the run's SGD
         weight decay (0 for segments given by hand).
     scale : multiplies every term (default 1/N; mean batch size / N for reduction="sum").
+    covariance_max_examples / lambda_max_examples : "kfac" / "ekfac" only: each segment's
+        statistics on the first m training examples (``ga.kfac``).
     """
     if curvature not in CURVATURES:
         raise ValueError(f"curvature must be one of {CURVATURES}, got {curvature!r}")
+    check_kron_subsets(curvature, covariance_max_examples, lambda_max_examples)
     if isinstance(training, TrainingRun):
         segments, final_task, default_scale = segments_of_run(training, n_segments, checkpoints_per_segment, task_fn)
         final = final if final is not None else final_task
@@ -168,7 +174,8 @@ def source(training, queries, *, train=None, final: Task | None = None, n_segmen
     # the two sides of each term live at different checkpoints of one run: on purpose
     with options(check_models=False):
         Q = grads(final, queries, layers)
-        H = [_curvature(s.curvature_at, train, layers, curvature, seed).damp(damping + wd) for s in segments]
+        H = [_curvature(s.curvature_at, train, layers, curvature, seed, covariance_max_examples,
+                        lambda_max_examples).damp(damping + wd) for s in segments]
         decay = [Operator(Spectral(h.expr, UnrollDecay(s.lr, s.steps))) for h, s in zip(H, segments)]
         terms, weights = [], []
         for l, seg in enumerate(segments):

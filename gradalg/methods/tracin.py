@@ -26,7 +26,8 @@ from .influence import curvature_operator
 def tracin(checkpoints: Sequence[Task], learning_rates: Sequence[float], train, queries, *, layers=None,
            projector: Projector | None = None, normalize: bool = False, curvature: str | None = None,
            damping: float | None = None, relative_damping: float | None = None,
-           optimizers: Sequence | None = None, curvature_data=None, seed: int = 0) -> Scores:
+           optimizers: Sequence | None = None, curvature_data=None, seed: int = 0,
+           covariance_max_examples: int | None = None, lambda_max_examples: int | None = None) -> Scores:
     """``Σ_c η_c · P(Q_c) @ [H_c⁻¹ @] P(G_c).T``; one Task per checkpoint (same architecture).
 
     normalize : use cosine similarities per checkpoint (as in TracIn's "TracInCP-cos").
@@ -36,7 +37,11 @@ def tracin(checkpoints: Sequence[Task], learning_rates: Sequence[float], train, 
         (default: influence's factor for that curvature).
     optimizers : with ``curvature``, the optimizer at each checkpoint: its weight decay enters
         H_c (see :mod:`gradalg.objective`).
+    covariance_max_examples / lambda_max_examples : with ``curvature="kfac"`` / ``"ekfac"``, its
+        statistics on the first m examples of the curvature data (``ga.methods.influence``).
     """
+    if curvature is None and (covariance_max_examples is not None or lambda_max_examples is not None):
+        raise ValueError("covariance_max_examples / lambda_max_examples need curvature='kfac' or 'ekfac'")
     checkpoints = list(checkpoints)
     if len(checkpoints) != len(learning_rates):
         raise ValueError(f"got {len(checkpoints)} checkpoints and {len(learning_rates)} learning rates")
@@ -58,6 +63,8 @@ def tracin(checkpoints: Sequence[Task], learning_rates: Sequence[float], train, 
                                   projector=projector, curvature=curvature, damping=damping,
                                   relative_damping=relative_damping, seed=seed,
                                   optimizer=None if optimizers is None else optimizers[c],
-                                  train_grads=G if curvature_data is None else None)
+                                  train_grads=G if curvature_data is None else None,
+                                  covariance_max_examples=covariance_max_examples,
+                                  lambda_max_examples=lambda_max_examples)
         terms.append(Q @ Hinv @ G.T)
     return sum_scores(terms, weights=learning_rates)

@@ -177,6 +177,11 @@ class KFACJob(KronStatisticsJob):
 
     kind: ClassVar[str] = "kfac"
 
+    def describe(self) -> str:
+        t = self.target
+        notes = [x for x in t.subset_notes() if x.startswith("covariances")]
+        return f"{self.kind} {'ekfac' if t.eigen_correction else 'kfac'}" + (f" ({notes[0]})" if notes else "")
+
 
 @dataclass(eq=False)
 class EKFACJob(KronStatisticsJob):
@@ -184,6 +189,10 @@ class EKFACJob(KronStatisticsJob):
     (a second pass: it depends on the KFACJob of the same operator)."""
 
     kind: ClassVar[str] = "ekfac"
+
+    def describe(self) -> str:
+        notes = [x for x in self.target.subset_notes() if x.startswith("eigenvalue")]
+        return f"{self.kind} ekfac" + (f" ({notes[0]})" if notes else "")
 
 
 @dataclass(eq=False)

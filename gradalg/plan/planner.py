@@ -211,13 +211,16 @@ class _Planner:
             check_statistics_fit(op, self.options.memory_budget)   # refused here, before any pass runs
             return {self.add(FisherJob(op, (op.grads,), self.stream_deps(op.grads)))}
         if isinstance(op, KFAC):
-            job = KFACJob(op, (op.grads,), self.stream_deps(op.grads))
+            # each statistic streams the rows it is estimated on: all of op.grads, or the
+            # first covariance_max_examples / lambda_max_examples examples (a pass of their own)
+            cov, lam = op.covariance_grads, op.lambda_grads
+            job = KFACJob(op, (cov,), self.stream_deps(cov))
             if job.key not in self.jobs:
                 self.decisions.extend(Decision(*row) for row in kron_precision_rows(op.space, self.options))
             first = self.add(job)
             if not op.eigen_correction:
                 return {first}
-            return {self.add(EKFACJob(op, (op.grads,), {first} | self.stream_deps(op.grads)))}
+            return {self.add(EKFACJob(op, (lam,), {first} | self.stream_deps(lam)))}
         if isinstance(op, (Damp, Inverse, Power, ScaledOp, Arnoldi, Spectral)):
             return self.op_deps(op.op)
         if isinstance(op, SumOp):
