@@ -192,7 +192,7 @@ def influence(task: Task, train, queries, *, layers=None, projector: Projector |
               damping: float | None = None, weight_decay: float | None = None, optimizer=None,
               curvature: str = "gauss_newton", solver: str = "direct", structure: str = "dense",
               curvature_data=None, rank: int = 32, seed: int = 0, solver_settings: dict | None = None,
-              relative_damping: float | None = None) -> Scores:
+              relative_damping: float | None = None, query_gradient_rank: int | None = None) -> Scores:
     """Influence-function scores ``P(Q) @ (H + λI + wd)⁻¹ @ P(G).T``.
 
     curvature_data : examples H is estimated on (default: ``train``).
@@ -204,6 +204,10 @@ def influence(task: Task, train, queries, *, layers=None, projector: Projector |
     optimizer : the optimizer that trained the model (torch SGD / Adam / AdamW, or a
         transformers Trainer): its weight decay is read per parameter (module docs).
     rank : eigenvectors kept by ``solver="arnoldi"``.
+    query_gradient_rank : None (default) exact; r: each preconditioned query's (out, in) blocks
+        replaced by their best rank-r approximation (Kronfluence's ``query_gradient_low_rank``),
+        ``(Q @ H⁻¹).low_rank(r) @ G.T``: the held query side keeps r·(out + in) numbers per
+        block instead of out·in (:mod:`gradalg.expr.lowrank`; the plan shows both sizes).
     """
     G = grads(task, train, layers)
     Q = grads(task, queries, layers)
@@ -214,4 +218,6 @@ def influence(task: Task, train, queries, *, layers=None, projector: Projector |
                               structure=structure, rank=rank, seed=seed, solver_settings=solver_settings,
                               train_grads=G if curvature_data is None else None,
                               relative_damping=relative_damping, weight_decay=weight_decay, optimizer=optimizer)
+    if query_gradient_rank is not None:
+        return (Q @ Hinv).low_rank(query_gradient_rank) @ G.T
     return Q @ Hinv @ G.T

@@ -37,7 +37,8 @@ from ..expr.tokens import token_rows
 
 __all__ = ["Cost", "activation_bytes", "model_flops", "first_example_shape", "tokens_hint", "gemm_cost", "bmm_cost",
            "gram_cost", "ghost_cost",
-           "dense_cost", "materialize_cost", "kron_project_cost", "dense_project_cost", "fisher_cost", "eigh_cost"]
+           "dense_cost", "materialize_cost", "kron_project_cost", "dense_project_cost", "fisher_cost", "eigh_cost",
+           "svd_cost"]
 
 
 @dataclass(frozen=True)
@@ -184,6 +185,16 @@ def fisher_cost(n, block_dims, structure) -> Cost:
             cost = cost + gemm_cost(d, d, n, 1, 8)
         return cost
     return Cost(flops=2.0 * n * sum(block_dims), bytes=28.0 * n * sum(block_dims), peak_bytes=8.0 * sum(block_dims))
+
+
+def svd_cost(n, n_out, n_in, elem=4) -> Cost:
+    """Thin SVDs of n (out, in) matrices (``torch.linalg.svd``, one batched call), priced as
+    what LAPACK's divide and conquer does to a matrix of width m = min(out, in): its
+    bidiagonalization and the two back-transformations, three batched GEMMs (max, m, m)
+    each, and an m-sized eigendecomposition per matrix; the factors written."""
+    m, big = min(n_out, n_in), max(n_out, n_in)
+    return (bmm_cost(n, big, m, m, 3, elem) + eigh_cost(m, n)
+            + Cost(bytes=float(elem) * n * (n_out + n_in + 1) * m))
 
 
 def eigh_cost(d, count=1) -> Cost:
