@@ -61,14 +61,14 @@ def lm_loss(model, batch):
     return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
 
 
-def sampled_loss(model, batch, generator=None):
+def sampled_loss(model, batch, rng):
     """Loss at labels drawn from the model's own predictions (the Gauss-Newton curvature's
-    sampled objective, for EK-FAC)."""
+    sampled objective, for EK-FAC); ``rng``: gradalg's per-example random numbers."""
     ids = batch[0]
     logits = model(input_ids=ids).logits[:, :-1]
     with torch.no_grad():
-        labels = torch.multinomial(logits.softmax(-1).flatten(0, 1), 1, generator=generator).squeeze(1)
-    return F.cross_entropy(logits.flatten(0, 1), labels, reduction="sum")
+        labels = rng.sample(logits.softmax(-1))
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
 
 
 def spearman(a: np.ndarray, b: np.ndarray) -> float:
