@@ -317,7 +317,8 @@ class _Planner:
             f"SVD), r·(out + in) numbers instead of out·in, in {len(names)} block(s)"
             + (f"; exact in {len(kept)} block(s) with min(out, in) ≤ {r} or no matrix shape" if kept else "")
             + "; scored against factored rows as Σ_t Σ_k (d_t·l_k)(a_t·r_k) (the ghost kernel with r "
-              "held positions) or materialized once (dense), per the kernel decisions"))
+              "held positions) or materialized once (dense: out·in per row while scoring), per the kernel "
+              "decisions; ga.options(ghost='always') keeps them factored"))
 
     def diag_jobs(self, node: ScoreDiagonal) -> list[tuple]:
         inner = node.scores
