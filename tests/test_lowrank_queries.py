@@ -208,3 +208,17 @@ def test_space_without_matrices_is_refused(cls):
     P = ga.proj.gaussian(8, seed=0)
     with pytest.raises(ValueError, match="no block of this space is a matrix"):
         P(cls["Q"]).low_rank(2)
+
+
+def test_query_pass_prices_one_svd_per_query_and_truncated_block(lm):
+    """The collect pass of the held rank-r rows counts a thin SVD (an eigensolve of width
+    min(out, in)) for each query and each block it truncates, and none for blocks it keeps."""
+    Q, G = lm["Q"], lm["G"]
+    p = plan((Q.low_rank(3) @ G.T).expr)
+    collect = next(ps for ps in p.passes if any(j.kind == "collect" for j in ps.jobs))
+    eighs = sorted((int(d), int(c)) for d, c in collect.cost.eighs)
+    want = sorted((min(b.shape), Q.n) for b in Q.space.blocks if min(b.shape) > 3)
+    assert eighs == want
+    exact = plan((Q @ G.T).expr)
+    collect0 = next(ps for ps in exact.passes if any(j.kind == "collect" for j in ps.jobs))
+    assert collect0.cost.eighs == () and collect.seconds > collect0.seconds
