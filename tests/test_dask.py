@@ -44,6 +44,7 @@ def _methods(task, train, queries):
     yield "influence", M.influence(task, train, queries)
     yield "influence_projected", M.influence(task, train, queries, projector=ga.proj.kron(16))
     yield "influence_ekfac", M.influence(task, train, queries, curvature="ekfac")
+    yield "influence_ekfac_rank_2_queries", M.influence(task, train, queries, curvature="ekfac", query_gradient_rank=2)
     yield "influence_datainf", M.influence(task, train, queries, curvature="datainf", damping=0.1)
     yield "tracin", M.tracin([task, task], [0.1, 0.05], train, queries)
     yield "trak", M.trak([task, task], train, queries, k=16)
