@@ -18,6 +18,7 @@ from gradalg.errors import PerTokenError
 from gradalg.methods.influence import curvature_operator
 from gradalg.plan.jobs import ScoresJob
 from gradalg.plan.planner import plan
+from gradalg.plan.rules import simplify_until_fixpoint
 from models import classification_data, gpt2, lm_task, mlp, padded_token_data
 from references import one_thread, reference_rows  # noqa: F401
 
@@ -222,3 +223,19 @@ def test_query_pass_prices_one_svd_per_query_and_truncated_block(lm):
     exact = plan((Q @ G.T).expr)
     collect0 = next(ps for ps in exact.passes if any(j.kind == "collect" for j in ps.jobs))
     assert collect0.cost.eighs == () and collect.seconds > collect0.seconds
+
+
+def test_logra_with_query_gradient_rank(cls):
+    """LoGra on the MLP: Kronecker-projected blocks (k = 16 per layer), the preconditioned
+    projected queries truncated to rank 1."""
+    task, train, query = cls["task"], cls["train"], cls["query"]
+    S = ga.methods.logra(task, train, query, layers=["0", "2"], k=16, query_gradient_rank=1)
+    exact = ga.methods.logra(task, train, query, layers=["0", "2"], k=16)
+    inner, _ = simplify_until_fixpoint(exact.expr)     # Inner(P(Q), H⁻¹, P(G))
+    PQ, PG = ga.GradientSet(inner.left), ga.GradientSet(inner.right)
+    assert any(len(b.shape) == 2 and min(b.shape) > 1 for b in PQ.space.blocks)
+    HQ = dense_rows(PQ @ ga.Operator(inner.op))
+    ref = truncate_rows(HQ, PQ.space, 1) @ dense_rows(PG).T
+    got = S.compute().values
+    np.testing.assert_allclose(got, ref.numpy(), **TIGHT)
+    assert np.abs(got - exact.compute().values).max() > 1e-6 * np.abs(got).max()

@@ -22,7 +22,7 @@ K = 4096     # default k = k_out·k_in per layer, 64 × 64 (docs/fidelity.md, "H
 
 
 def logra(task: Task, train, queries, *, layers=None, k: int = K, seed: int = 0, damping: float = 1e-3,
-          curvature: str = "ekfac") -> Scores:
+          curvature: str = "ekfac", query_gradient_rank: int | None = None) -> Scores:
     """LoGra scores with a Kronecker projection of ``k = k_out·k_in`` per layer.
 
     k : coordinates per layer, default 4096 (the paper's k_out = k_in = 64; a layer
@@ -36,6 +36,9 @@ def logra(task: Task, train, queries, *, layers=None, k: int = K, seed: int = 0,
         no better on the GPT-2).
     curvature : "ekfac" (default), "kfac", or "fisher" (dense per-layer Fisher of the
     projected gradients).
+    query_gradient_rank : None (default) exact; r: each preconditioned projected query block
+        (k_out × k_in) replaced by its best rank-r approximation, ``(Q @ H⁻¹).low_rank(r) @ G.T``
+        (:mod:`gradalg.expr.lowrank`).
     """
     if curvature not in ("ekfac", "kfac", "fisher"):
         raise ValueError(f"curvature must be 'ekfac', 'kfac' or 'fisher', got {curvature!r}")
@@ -46,4 +49,7 @@ def logra(task: Task, train, queries, *, layers=None, k: int = K, seed: int = 0,
         H = fisher(C, structure="block")
     else:
         H = kfac(C, eigen_correction=curvature == "ekfac")
-    return Q @ H.damp(damping).inv() @ G.T
+    Hinv = H.damp(damping).inv()
+    if query_gradient_rank is not None:
+        return (Q @ Hinv).low_rank(query_gradient_rank) @ G.T
+    return Q @ Hinv @ G.T
