@@ -308,7 +308,7 @@ class _Planner:
             return
         r, names = low.rank, low.truncated
         kept = [b.name for b in low.space.blocks if b.name not in names]
-        exact = rows_bytes(low.grads, {b.name: "flat" for b in low.space.blocks}, self.dtype)
+        exact = rows_bytes(low.grads, self.storage(low.grads), self.dtype)   # as the exact rows would be kept
         approx = rows_bytes(low, self.storage(low), self.dtype)
         self.decisions.append(Decision(
             f"rank of held rows {held.label!r} [{held.token}]", f"rank-{r} factors",
