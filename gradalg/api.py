@@ -18,7 +18,7 @@ import xarray as xr
 
 from .data import as_data
 from .errors import OptionError
-from .expr import (KFAC, AdamPrecondition, AdamState, GroupMean, ScoreDiagonal, Arnoldi, CurvatureProducts, DataInf, Damp, Dense, Diagonal, Fisher, GradNode, Identity, Inner, Inverse, Normalize, OpNode,
+from .expr import (KFAC, AdamPrecondition, AdamState, GroupMean, ScoreDiagonal, Arnoldi, CurvatureProducts, DataInf, Damp, Dense, Diagonal, Fisher, GradNode, Identity, Inner, Inverse, LowRank, Normalize, OpNode,
                    Power, Precondition, Project, Projector, RowWeights, ScaledOp, ScaleRows, ScoreNode,
                    ScoreSum, Select, Source, SumOp)
 from .task import Task
@@ -292,6 +292,16 @@ class GradientSet(_Displayed):
             src = self.expr.source
             tokens = _captured_positions(src) if isinstance(src, Captured) else infer_positions(src.data)
         return GradientSet(PerToken(self.expr, int(tokens)))
+
+    def low_rank(self, rank: int) -> "GradientSet":
+        """Each row's (out, in) layer blocks replaced by their best rank-``rank`` approximation
+        (truncated SVD, G_i ≈ L_i R_iᵀ), kept as factors: ``rank·(out + in)`` numbers per row
+        and block instead of ``out·in`` (Kronfluence's ``query_gradient_low_rank``; apply it
+        to the held, preconditioned query side: ``(Q @ H.inv()).low_rank(32) @ G.T``).
+        Exact for blocks with min(out, in) ≤ rank and for blocks that are not matrices;
+        definition and costs in :mod:`gradalg.expr.lowrank`.
+        """
+        return GradientSet(LowRank(self.expr, rank))
 
     def scale(self, weights) -> "GradientSet":
         """Rows times a constant, or times per-example values (:func:`row_weights`)."""

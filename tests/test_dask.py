@@ -47,6 +47,7 @@ def _methods(task, train, queries):
     # statistics on the first 20 / 30 of 48 examples: prefix passes split into shards
     yield "influence_ekfac_subsets", M.influence(task, train, queries, curvature="ekfac",
                                                  covariance_max_examples=20, lambda_max_examples=30)
+    yield "influence_ekfac_rank_2_queries", M.influence(task, train, queries, curvature="ekfac", query_gradient_rank=2)
     yield "influence_datainf", M.influence(task, train, queries, curvature="datainf", damping=0.1)
     yield "tracin", M.tracin([task, task], [0.1, 0.05], train, queries)
     yield "trak", M.trak([task, task], train, queries, k=16)

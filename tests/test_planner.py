@@ -287,6 +287,7 @@ def _rule_examples():
                                   SumOp((Fi.expr, Damp(Fi.expr, 1.0), Damp(Fi.expr, 2.0)))),
         "flatten_score_sums": ((S + S) + S, ScoreSum((S.expr,) * 3, (1.0, 1.0, 1.0))),
         "double_normalize": (G.normalize().normalize(), Normalize(G.expr)),
+        "full_rank_approximation": (Q.low_rank(9), Q.expr),     # blocks 16×9 and 3×17: nothing to truncate
         "select_everything": (G.select(["0", "2"]), G.expr),
         "select_into_source": (G.select(["2"]), ga.grads(task, train, ["2"]).expr),
         "select_before_project": (P(G).select(["2"]), Project(ga.grads(task, train, ["2"]).expr, P)),

@@ -6,10 +6,12 @@ import torch
 
 from ..capture.factors import Factors, compute_dtype, project_factors
 from ..errors import GradalgError
-from ..expr import (AdamPrecondition, Normalize, PerToken, Precondition, Project, RowWeights, ScaleRows, Select)
+from ..expr import (AdamPrecondition, LowRank, Normalize, PerToken, Precondition, Project, RowWeights, ScaleRows,
+                    Select)
 from ..proj.kernels import SPARSE_KINDS, project_sparse_block
 from ..proj.matrices import dense_matrix, kron_matrices
 from ..capture.chunks import Chunk, flat_block, flatten, row_sq_norms, unflatten
+from .lowrank import truncate_chunk
 from .per_token import split_tokens
 
 __all__ = ["apply_rowwise", "dtype_device", "scale_rows"]
@@ -57,6 +59,8 @@ def apply_rowwise(executor, node, chunk: Chunk) -> Chunk:
     if isinstance(node, ScaleRows):
         w = _row_weights(node.weights, chunk)
         return chunk.replace({n: scale_rows(v, w) for n, v in chunk.blocks.items()})
+    if isinstance(node, LowRank):   # each (out, in) block's truncated SVD, as rank-r factors
+        return truncate_chunk(node, chunk, executor.options.token_block)
     if isinstance(node, AdamPrecondition):
         st = node.state
         g = flatten(chunk, node.space)

@@ -9,4 +9,5 @@ from .scores import Diagonal as ScoreDiagonal
 from .scores import Inner, ScoreNode, ScoreSum
 from .curvature import KFAC, Arnoldi, CurvatureProducts, DataInf
 from .tokens import PerToken, PerTokenError
+from .lowrank import LowRank
 from ..space import Block, ParamSpace  # the shape types (gradalg/space.py), with the nodes that carry them

@@ -40,6 +40,7 @@ import torch
 from ..errors import PerTokenError
 from .grads import (AdamPrecondition, Captured, GradNode, Normalize, Precondition, Project, ScaleRows, Select,
                     Source)
+from .lowrank import LowRank
 
 __all__ = ["PerToken", "token_rows", "per_token_node", "infer_positions", "PerTokenError"]
 
@@ -98,7 +99,7 @@ class PerToken(GradNode):
 
 
 # nodes that keep their input's rows (one output row per input row, same ids)
-_ROW_PRESERVING = (Project, Normalize, Select, Precondition, ScaleRows, AdamPrecondition)
+_ROW_PRESERVING = (Project, Normalize, Select, Precondition, ScaleRows, AdamPrecondition, LowRank)
 
 
 def per_token_node(node: GradNode) -> "PerToken | None":

@@ -21,9 +21,16 @@ def _sides(task, train, queries, layers, projector):
     return Q, G
 
 
-def grad_dot(task: Task, train, queries, *, layers=None, projector: Projector | None = None) -> Scores:
-    """``Q @ G.T``: inner products of query and training gradients (optionally projected)."""
+def grad_dot(task: Task, train, queries, *, layers=None, projector: Projector | None = None,
+             query_gradient_rank: int | None = None) -> Scores:
+    """``Q @ G.T``: inner products of query and training gradients (optionally projected).
+
+    query_gradient_rank : None (default) exact; r: each query's (out, in) blocks replaced by
+        their best rank-r approximation, ``Q.low_rank(r) @ G.T`` (:mod:`gradalg.expr.lowrank`).
+    """
     Q, G = _sides(task, train, queries, layers, projector)
+    if query_gradient_rank is not None:
+        Q = Q.low_rank(query_gradient_rank)
     return Q @ G.T
 
 

@@ -213,7 +213,7 @@ def influence(task: Task, train, queries, *, layers=None, projector: Projector |
               curvature: str = "gauss_newton", solver: str = "direct", structure: str = "dense",
               curvature_data=None, rank: int = 32, seed: int = 0, solver_settings: dict | None = None,
               relative_damping: float | None = None, covariance_max_examples: int | None = None,
-              lambda_max_examples: int | None = None) -> Scores:
+              lambda_max_examples: int | None = None, query_gradient_rank: int | None = None) -> Scores:
     """Influence-function scores ``P(Q) @ (H + λI + wd)⁻¹ @ P(G).T``.
 
     curvature_data : examples H is estimated on (default: ``train``).
@@ -229,6 +229,10 @@ def influence(task: Task, train, queries, *, layers=None, projector: Projector |
         examples of the curvature data (Kronfluence's option of the same name; None: all, exact;
         m ≥ n: all). A clear ``ValueError`` for other curvatures.
     lambda_max_examples : EK-FAC only: the eigenvalue correction from the first m examples.
+    query_gradient_rank : None (default) exact; r: each preconditioned query's (out, in) blocks
+        replaced by their best rank-r approximation (Kronfluence's ``query_gradient_low_rank``),
+        ``(Q @ H⁻¹).low_rank(r) @ G.T``: the held query side keeps r·(out + in) numbers per
+        block instead of out·in (:mod:`gradalg.expr.lowrank`; the plan shows both sizes).
     """
     check_kron_subsets(curvature, covariance_max_examples, lambda_max_examples)
     G = grads(task, train, layers)
@@ -242,4 +246,6 @@ def influence(task: Task, train, queries, *, layers=None, projector: Projector |
                               relative_damping=relative_damping, weight_decay=weight_decay, optimizer=optimizer,
                               covariance_max_examples=covariance_max_examples,
                               lambda_max_examples=lambda_max_examples)
+    if query_gradient_rank is not None:
+        return (Q @ Hinv).low_rank(query_gradient_rank) @ G.T
     return Q @ Hinv @ G.T

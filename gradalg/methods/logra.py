@@ -23,7 +23,7 @@ K = 4096     # default k = k_out·k_in per layer, 64 × 64 (docs/fidelity.md, "H
 
 def logra(task: Task, train, queries, *, layers=None, k: int = K, seed: int = 0, damping: float = 1e-3,
           curvature: str = "ekfac", covariance_max_examples: int | None = None,
-          lambda_max_examples: int | None = None) -> Scores:
+          lambda_max_examples: int | None = None, query_gradient_rank: int | None = None) -> Scores:
     """LoGra scores with a Kronecker projection of ``k = k_out·k_in`` per layer.
 
     k : coordinates per layer, default 4096 (the paper's k_out = k_in = 64; a layer
@@ -39,6 +39,9 @@ def logra(task: Task, train, queries, *, layers=None, k: int = K, seed: int = 0,
     projected gradients).
     covariance_max_examples / lambda_max_examples : (EK-)FAC only: the projected covariances and
         the eigenvalue correction from the first m training examples (``ga.kfac``; None: all).
+    query_gradient_rank : None (default) exact; r: each preconditioned projected query block
+        (k_out × k_in) replaced by its best rank-r approximation, ``(Q @ H⁻¹).low_rank(r) @ G.T``
+        (:mod:`gradalg.expr.lowrank`).
     """
     if curvature not in ("ekfac", "kfac", "fisher"):
         raise ValueError(f"curvature must be 'ekfac', 'kfac' or 'fisher', got {curvature!r}")
@@ -51,4 +54,7 @@ def logra(task: Task, train, queries, *, layers=None, k: int = K, seed: int = 0,
     else:
         H = kfac(C, eigen_correction=curvature == "ekfac", covariance_max_examples=covariance_max_examples,
                  lambda_max_examples=lambda_max_examples)
-    return Q @ H.damp(damping).inv() @ G.T
+    Hinv = H.damp(damping).inv()
+    if query_gradient_rank is not None:
+        return (Q @ Hinv).low_rank(query_gradient_rank) @ G.T
+    return Q @ Hinv @ G.T

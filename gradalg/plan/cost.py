@@ -37,7 +37,8 @@ from ..expr.tokens import token_rows
 
 __all__ = ["Cost", "activation_bytes", "model_flops", "first_example_shape", "tokens_hint", "gemm_cost", "bmm_cost",
            "gram_cost", "ghost_cost",
-           "dense_cost", "materialize_cost", "kron_project_cost", "dense_project_cost", "fisher_cost", "eigh_cost"]
+           "dense_cost", "materialize_cost", "kron_project_cost", "dense_project_cost", "fisher_cost", "eigh_cost",
+           "svd_cost", "SVD_GEMMS"]
 
 
 @dataclass(frozen=True)
@@ -184,6 +185,23 @@ def fisher_cost(n, block_dims, structure) -> Cost:
             cost = cost + gemm_cost(d, d, n, 1, 8)
         return cost
     return Cost(flops=2.0 * n * sum(block_dims), bytes=28.0 * n * sum(block_dims), peak_bytes=8.0 * sum(block_dims))
+
+
+#: GEMM-equivalents (max(out, in), m, m) of one thin SVD besides its m-sized eigensolve:
+#: the bidiagonalization (half of it matrix-vector work, slower than a GEMM) and the two
+#: back-transformations; calibrated on the GPT-2 4×256 query pass of
+#: ``benchmarks/lowrank_queries.py``, 16 queries (measured / estimated time of the pass: 1.65×
+#: with 3, 1.35× with 6; the same pass without SVDs 1.45×)
+SVD_GEMMS = 6
+
+
+def svd_cost(n, n_out, n_in, elem=4) -> Cost:
+    """Thin SVDs of n (out, in) matrices (``torch.linalg.svd``, one batched call), priced as
+    :data:`SVD_GEMMS` batched GEMMs (max, m, m) per matrix of width m = min(out, in) and
+    an m-sized eigendecomposition; the factors written."""
+    m, big = min(n_out, n_in), max(n_out, n_in)
+    return (bmm_cost(n, big, m, m, SVD_GEMMS, elem) + eigh_cost(m, n)
+            + Cost(bytes=float(elem) * n * (n_out + n_in + 1) * m))
 
 
 def eigh_cost(d, count=1) -> Cost:

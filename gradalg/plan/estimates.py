@@ -33,10 +33,10 @@ import math
 import torch
 from torch import nn
 
-from ..expr import (AdamPrecondition, DataInf, Fisher, Inverse, Normalize, Power, Precondition, Project, ScaleRows,
+from ..expr import (AdamPrecondition, DataInf, Fisher, Inverse, LowRank, Normalize, Power, Precondition, Project, ScaleRows,
                     Source)
 from .cost import (Cost, activation_bytes, bmm_cost, dense_cost, eigh_cost, fisher_cost, gemm_cost,
-                   ghost_cost, gram_cost, kron_project_cost, materialize_cost, tokens_hint)
+                   ghost_cost, gram_cost, kron_project_cost, materialize_cost, svd_cost, tokens_hint)
 from .memory import positions, rows_of
 from .shapes import element_size, rows_per_example
 
@@ -402,7 +402,9 @@ def rowwise_cost(node, n: int, chunk: int | None, layout: dict, elem: int = 4, o
       with a metric H, the rows flattened, H applied (:func:`apply_cost`), ⟨g, Hg⟩ and
       the scaled rows (4 reads, 2 writes);
     * a preconditioner H: the rows flattened and H applied;
-    * row weights: the rows scaled.
+    * row weights: the rows scaled;
+    * a rank-r approximation: each truncated block materialized (from factors) and one
+      thin SVD per row (:func:`~gradalg.plan.cost.svd_cost`).
 
     An operator (H) is resolved once in a plan: ``resolved`` holds the tokens of those
     an earlier pass or transform resolved (this call adds the ones it resolves)."""
@@ -439,6 +441,14 @@ def rowwise_cost(node, n: int, chunk: int | None, layout: dict, elem: int = 4, o
         once = _resolve_once(node.op, resolved)
     elif isinstance(node, ScaleRows):
         per = scale_rows()
+    elif isinstance(node, LowRank):     # per truncated block: materialized (from factors), one SVD per row
+        per = Cost()
+        for b in src.space.blocks:
+            if b.name not in node.truncated or (layout.get(b.name) == "factors" and T[b.name] <= node.rank):
+                continue
+            if layout.get(b.name) == "factors":
+                per = per + materialize_cost(c, T[b.name], b.shape[1], b.shape[0], elem)
+            per = per + svd_cost(c, b.shape[0], b.shape[1], elem)
     else:                         # a selection of blocks, rows split per token: views
         return Cost()
     return per.scaled(chunks) + once

@@ -24,6 +24,7 @@ from ..capture.factors import Factors, compute_dtype, ghost_workspace_elements
 from ..errors import MemoryBudgetError
 from ..expr import Captured, Source
 from ..expr.stored import Stored
+from ..expr.lowrank import lowrank_below
 from ..expr.tokens import token_rows
 from .cost import activation_bytes, tokens_hint
 from .shapes import element_size, forward_shapes, rows_per_example
@@ -36,7 +37,12 @@ __all__ = ["positions", "rows_of", "rows_bytes", "capture_bytes_per_example", "c
 
 def positions(node) -> dict[str, int]:
     """``{block: T_b}`` of a gradient node (its source's layers; projections keep T; rows
-    recorded by ``ga.capture``: the most positions of any of their chunks, in memory)."""
+    recorded by ``ga.capture``: the most positions of any of their chunks, in memory;
+    rows of a rank-r approximation: r factor positions per truncated block)."""
+    low = lowrank_below(node)
+    if low is not None:
+        below = low.positions(positions(low.grads))
+        return {b.name: below.get(b.name, 1) for b in node.space.blocks}
     src = node.source
     T = tokens_hint(node)
     if isinstance(src, Source):

@@ -38,11 +38,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..capture.hooks import forward_share_key
-from ..expr import (KFAC, AdamPrecondition, Arnoldi, Captured, Damp, DataInf, Fisher, GradNode, GroupMean, Identity, Inner, Inverse, Node, Normalize, OpNode, PerToken, Power,
+from ..expr import (KFAC, AdamPrecondition, Arnoldi, Captured, Damp, DataInf, Fisher, GradNode, GroupMean, Identity, Inner, Inverse, LowRank, Node, Normalize, OpNode, PerToken, Power,
                     Precondition, Project, ScaledOp, ScaleRows, ScoreDiagonal, ScoreNode, ScoreSum, Select,
                     Source, SumOp)
 from ..expr.spectral import Spectral
 from ..errors import MemoryBudgetError
+from ..expr.lowrank import lowrank_below
 from ..expr.tokens import token_rows
 from ..options import Options, get_options
 from .choices import Choices
@@ -57,7 +58,7 @@ from .rules import Firing, PlanError, simplify_until_fixpoint
 
 __all__ = ["Job", "Pass", "Decision", "Plan", "plan", "estimate", "stream_root", "PlanError"]  # jobs: plan/jobs.py
 
-ROW_WISE = (Project, Normalize, Select, Precondition, ScaleRows, AdamPrecondition, PerToken)
+ROW_WISE = (Project, Normalize, Select, Precondition, ScaleRows, AdamPrecondition, PerToken, LowRank)
 #: block kinds whose positions per example depend on the layer (unfolded convolutions)
 #: rather than on the data's token length
 CONV_KINDS = ("conv1d_nn", "conv2d", "conv3d")
@@ -291,6 +292,7 @@ class _Planner:
         kernels = self._kernels(held, streamed, node)
         storage = self._held_storage(held, kernels, node)
         self._record_storage(held, storage, "held rows")
+        self._record_low_rank(held)
         if isinstance(held, GroupMean):
             # its group job keeps the held rows (state.rows[held.token], in this storage):
             # collecting them again would be a pass that copies them
@@ -312,6 +314,26 @@ class _Planner:
             return storage
         return {name: "flat" if how == "factors" and kernels.get(name) == "dense" else how
                 for name, how in storage.items()}
+
+    def _record_low_rank(self, held: GradNode) -> None:
+        """What a rank-r approximation of the held rows keeps (``G.low_rank(r)``,
+        ``query_gradient_rank=``): its bytes against the exact rows', per truncated block."""
+        low = lowrank_below(held)
+        if low is None:
+            return
+        r, names = low.rank, low.truncated
+        kept = [b.name for b in low.space.blocks if b.name not in names]
+        exact = rows_bytes(low.grads, self.storage(low.grads), self.dtype)   # as the exact rows would be kept
+        approx = rows_bytes(low, self.storage(low), self.dtype)
+        self.decisions.append(Decision(
+            f"rank of held rows {held.label!r} [{held.token}]", f"rank-{r} factors",
+            {"exact rows": f"{_si(exact)}B", f"rank-{r} factors": f"{_si(approx)}B"},
+            f"each held row's (out, in) block replaced by its best rank-{r} approximation L Rᵀ (truncated "
+            f"SVD), r·(out + in) numbers instead of out·in, in {len(names)} block(s)"
+            + (f"; exact in {len(kept)} block(s) with min(out, in) ≤ {r} or no matrix shape" if kept else "")
+            + "; scored against factored rows as Σ_t Σ_k (d_t·l_k)(a_t·r_k) (the ghost kernel with r "
+              "held positions) or materialized once (dense: out·in per row while scoring), per the kernel "
+              "decisions; ga.options(ghost='always') keeps them factored"))
 
     def diag_jobs(self, node: ScoreDiagonal) -> list[tuple]:
         inner = node.scores

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import GradalgError
-from ..expr import (Damp, Identity, Inner, Inverse, Node, Normalize, Precondition, Project, ScaledOp,
+from ..expr import (Damp, Identity, Inner, Inverse, LowRank, Node, Normalize, Precondition, Project, ScaledOp,
                     ScoreSum, Select, Source, SumOp)
 from ..expr.base import transform
 
@@ -74,6 +74,12 @@ def _absorb_precondition(node: Inner):
 def _identity_precondition(node: Precondition):
     """I G = G."""
     return node.grads if isinstance(node.op, Identity) else None
+
+
+@rule("full_rank_approximation", [LowRank], priority=5)
+def _full_rank_approximation(node: LowRank):
+    """A rank-r approximation of blocks with min(out, in) ≤ r is the rows themselves."""
+    return node.grads if not node.truncated else None
 
 
 @rule("zero_damping", [Damp], priority=5)
