@@ -23,8 +23,8 @@ The **floor** of a method is measured in plain PyTorch in the same kind of proce
   weight-gradient GEMMs) — for the sampled-label passes of EK-FAC / LoGra, the loss of
   labels drawn from the model's softmax;
 * plus its unavoidable statistics, timed as the bare tensor operations on tensors of
-  the real shapes: Kronecker projections, per-example gradient materialization, the
-  score GEMM, K-FAC covariances (one GEMM per factor and batch), their float64
+  the real shapes: Kronecker projections, per-example gradient materialization (and for
+  TRAK a count sketch of it to k = 512, the sparsest JL projection), the score GEMM, K-FAC covariances (one GEMM per factor and batch), their float64
   eigendecompositions, the eigenvalue correction (rotated factors, squared and summed),
   and the preconditioning of the query gradients.
 
@@ -228,11 +228,21 @@ def statistics_seconds(method: str, shapes, n_train: int, n_query: int, T: int, 
             rows = torch.randn(b, held.shape[1])
             timed("score GEMM", lambda: held @ rows.T)
         return out
-    if method == "trak":
-        return out    # a k = 512 projection of 32 rows: below the timer's noise at this size
-
     def materialize(b):
         return [torch.bmm(factors[s][1][:b].transpose(1, 2), factors[s][0][:b]) for s in shapes]
+
+    if method == "trak":
+        # each example's gradient materialized and sketched to k = 512 with one nonzero per
+        # coordinate (a count sketch: the sparsest JL projection), then the k × k kernel
+        bucket = torch.randint(0, 512, (dim,))
+        sign = torch.randint(0, 2, (dim,)).float() * 2 - 1
+
+        def sketch(b):
+            G = torch.cat([g.flatten(1) for g in materialize(b)], 1)
+            torch.zeros(b, 512).index_add_(1, bucket, G * sign)
+        for b in qbatches + batches:
+            timed("materialization and sketch", lambda: sketch(b))
+        return out
 
     bases = {}
     if method in ("ekfac", "logra"):

@@ -149,8 +149,8 @@ class Options:
         ``malloc_trim``) only when the process's resident set exceeds this multiple of its
         size after the pass's first batch (default 1.25; 1.0 returns it after every
         batch: fewest resident pages, but every large tensor of the next batch faults its
-        pages in again, 20 % of a GPT-2 pass). :mod:`gradalg.exec.allocator`; shown in the
-        plan's header.
+        pages in again, 20 % of a GPT-2 pass); and once after each pass's last batch.
+        :mod:`gradalg.exec.allocator`; shown in the plan's header.
     device_memory_fraction : float in (0, 1]
         ``explain(device=...)`` on hardware one does not have plans under this fraction of
         one device's memory (the rest for the model, its optimizer and the framework).

@@ -13,7 +13,9 @@ again (measured on a GPT-2 pass, 4 layers × 256, batches of 16: 2.2 M page faul
 20 % of the pass's time when trimming after every batch, 0.1–0.3 M without).
 :class:`ResidentGuard` trims only when the resident set after a batch has grown past
 ``ga.options(release_growth)`` times the first batch's (default 1.25; 1.0 trims after
-every batch), so a steady pass keeps its pages and a growing one is cut back.
+every batch), so a steady pass keeps its pages and a growing one is cut back; the pass
+runner trims once more after a pass's last batch (one batch's pages faulted in again
+per pass, not per batch).
 """
 from __future__ import annotations
 

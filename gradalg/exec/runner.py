@@ -28,7 +28,7 @@ from typing import Iterator
 from ..data import batch_size_of, move_batch
 from ..expr import GradNode, Source
 from ..plan.planner import ROW_WISE, Pass, Plan, PlanError, stream_root
-from .allocator import ResidentGuard
+from .allocator import ResidentGuard, release_free_memory
 from .capture_pass import PassCapture, eval_mode, model_device_dtype
 from ..capture.chunks import Chunk
 from .progress import progress_bar
@@ -135,6 +135,8 @@ class PassRunner:
                 if guard is not None:   # the batch's tensors are gone: keep resident memory to one batch's
                     guard.after_batch()
                 bar.update(b)
+        if guard is not None:   # what the pass freed is not carried into the next pass
+            release_free_memory()
 
     def derive(self, node: GradNode, base: dict, memo: dict) -> list[Chunk]:
         """Chunks of ``node`` in this batch: read, or derived row-wise from what was read."""

@@ -177,7 +177,8 @@ class Explain:
         """The header line: device, budget, passes over data and the plan's estimates."""
         p = self.plan
         return (f"device {p.device.name}, memory budget {_si(p.options.memory_budget)}B, {p.data_passes} "
-                f"pass(es) over data, est. {_fmt_seconds(p.seconds)}, peak ~{_si(p.peak_bytes)}B")
+                f"pass(es) over data, est. {_fmt_seconds(p.seconds)}, peak ~{_si(p.peak_bytes)}B; free "
+                f"pages returned past {p.options.release_growth:g}× a batch's (release_growth)")
 
     def stages(self) -> list[str]:
         """The stages shown, in order: all of them, or only ``stage`` (``"scale"`` needs ``device``)."""
