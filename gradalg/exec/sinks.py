@@ -105,7 +105,7 @@ class RowsSink(Sink):
     def open(cls, job, ctx):
         # a held side is read whole by its scores job: one chunk (its pieces freed as it is
         # made); stored rows are streamed back chunk by chunk by a later pass
-        return cls(job, Collector(job.target, job.storage, whole=isinstance(job, CollectJob)))
+        return cls(job, Collector(job.target, job.storage, whole=type(job) is CollectJob))
 
     def publish(self, result, state):
         state.rows[self.job.target.token] = result
@@ -179,7 +179,9 @@ def _score_accumulator(job: ScoresJob, ctx) -> ScoreAccumulator:
     if not isinstance(job.target.op, Identity):
         raw = held
         held = ctx.precondition_held(job.target.op, held, space)
-        if job.release_held and held is not raw:   # no other job reads the raw rows (planner)
+        # no other job reads the raw rows (planner); a composed executor (Dask, torch.distributed)
+        # opens the sink again per shard, which reads them: kept there
+        if job.release_held and held is not raw and getattr(ctx, "shards", None) is None:
             ctx.state.rows.pop(job.held.token, None)
         del raw
     opts = ctx.options

@@ -890,23 +890,27 @@ def plan(root: Node, *, options: Options | None = None, device=None, rewrites: b
     else:
         raise PlanError(f"cannot plan a {type(root).__name__}")
     passes, stored = planner.schedule()
-    mark_released_held(planner.jobs.values(), simplified)
+    mark_released_held(planner.jobs.values(), passes, simplified)
     return Plan(root, simplified, fired, planner.decisions, passes, planner.jobs, roots, options, prof, stored,
                 planner.dtype)
 
 
-def mark_released_held(jobs, target) -> None:
-    """``release_held`` on each preconditioned scores job whose held rows no other job reads
-    and the plan does not return: the run drops the raw rows once the preconditioned copy
+def mark_released_held(jobs, passes, target) -> None:
+    """``release_held`` on each preconditioned scores job whose held rows nothing else reads
+    (no other job, not the job's own streamed side, no pass over rows kept in memory) and
+    the plan does not return: the run drops the raw rows once the preconditioned copy
     exists (EK-FAC influence on GPT-2: the raw query gradients were 20 % of the peak)."""
     jobs = list(jobs)
+    from_memory = {p.key[1] for p in passes if p.key[0] == "memory"}
     for job in jobs:
         if not isinstance(job, ScoresJob) or isinstance(job.target.op, Identity) or job.held is target:
             continue
         token = job.held.token
-        readers = [j for j in jobs if j is not job and not (isinstance(j, CollectJob) and j.target.token == token)
+        if token in from_memory:
+            continue
+        readers = [j for j in jobs if not (isinstance(j, CollectJob) and j.target.token == token)
                    and (any(stream_root(s).token == token or s.token == token for s in j.streams)
-                        or getattr(getattr(j, "held", None), "token", None) == token)]
+                        or (j is not job and getattr(getattr(j, "held", None), "token", None) == token))]
         job.release_held = not readers
 
 
