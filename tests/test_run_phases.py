@@ -163,3 +163,25 @@ def test_preconditioned_held_rows_are_collected_late_and_dropped_once_preconditi
     assert scores_jobs and all(j.release_held for j in scores_jobs)
     assert all(j.held.token not in ex.state.rows for j in scores_jobs)
     torch.testing.assert_close(values, reference, rtol=1e-4, atol=1e-6)
+
+
+def test_an_executor_reused_after_dropping_held_rows_recomputes_them():
+    """The raw held rows of a preconditioned product are dropped once preconditioned; a
+    later expression on the same executor that needs them (plain Grad-Dot on the same
+    queries, the same influence again, a regrouped product) captures them again and gives
+    the numbers of a fresh executor."""
+    model = models.mlp(dtype=torch.float64)
+    data, queries = models.classification_data(n=30), models.classification_data(n=4, seed=9)
+    task = ga.tasks.classification(model)
+    G, Q = ga.grads(task, data), ga.grads(task, queries)
+    H = ga.ekfac(ga.grads(task, data, objective="sampled")).damp(0.1).inv()
+    exprs = [Q @ H @ G.T, Q @ G.T, Q @ H @ G.T, (Q @ H) @ G.T]
+    with ga.options(batch_size=8, progress=False):
+        ex = ga.exec.LocalExecutor(ga.get_options())
+        reused = [torch.as_tensor(S.compute(ex).values) for S in exprs]
+        fresh = [torch.as_tensor(S.compute().values) for S in exprs]
+    for got, want in zip(reused, fresh):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    dense = torch.cat([g.flatten(1) for g in Q.to_params().values()], 1) @ \
+        torch.cat([g.flatten(1) for g in G.to_params().values()], 1).T
+    torch.testing.assert_close(reused[1], dense, rtol=1e-10, atol=1e-12)
