@@ -39,3 +39,17 @@ def test_peak_memory_stays_within_the_budget(case, budget):
         f"budget {budget / MiB:.0f} MiB (estimated {result['estimated'] / MiB:.1f} MiB); passes {result['passes']}")
     if case == "llama_kfac":   # the estimate is true, not only an upper bound that happens to hold
         assert result["estimated"] / 3 <= result["peak_growth"] <= 3 * result["estimated"], result
+
+
+def test_a_preconditioned_held_side_is_counted_with_its_copy():
+    """EK-FAC influence with the queries held: the scores pass makes H·Q once as flat rows
+    beside the query factors. Its estimate counts both (it counted the factors only and
+    was 6× under the measured growth), and the run stays under the plan's peak."""
+    result = run_case("gpt2_held_queries", 1024 * MiB)
+    scores = [i for i, jobs in enumerate(result["pass_jobs"]) if "scores" in jobs]
+    assert scores, result["pass_jobs"]
+    for i in scores:
+        measured = result["passes"][i]["peak_rss_growth_bytes"]
+        estimated = result["estimated_per_pass"][i]
+        assert measured / 1.5 <= estimated <= 3 * measured, (i, measured / MiB, estimated / MiB)
+    assert result["peak_growth"] <= 1.5 * result["estimated"], result
