@@ -246,6 +246,29 @@ def test_explain_analyze_shows_estimate_and_measured_side_by_side():
     assert "meas/est" not in str(plain) and "measured / est." not in plain._repr_html_()
 
 
+def test_a_pass_whose_peak_an_earlier_peak_hid_is_reported_as_a_bound():
+    """The process keeps one peak-resident mark. A pass that does not raise it has its own
+    peak hidden under an earlier one: its growth is then reported as an upper bound
+    (``≤`` in the explanation), never as the 0 bytes the mark's own growth reads."""
+    from gradalg.exec.allocator import resident_bytes
+    from gradalg.exec.runner import _peak_growth
+
+    assert _peak_growth(100, 500, 700) == {"peak_rss_growth_bytes": 600, "peak_rss_is_bound": False}
+    assert _peak_growth(100, 500, 500) == {"peak_rss_growth_bytes": 400, "peak_rss_is_bound": True}
+    assert _peak_growth(None, 500, 700)["peak_rss_growth_bytes"] is None
+    if resident_bytes() is None:
+        pytest.skip("no resident-set reading on this platform")
+    _, task, train, query, batch = mlp()
+    big = torch.ones(64 * 2**20 // 8, dtype=torch.float64)     # 64 MiB touched: the mark rises above any pass
+    del big
+    S = ga.grads(task, query) @ ga.grads(task, train).T
+    with ga.options(batch_size=batch, progress=False):
+        e = S.explain(analyze=True)
+    rows = e.passes()
+    assert all(r["measured_rss_is_bound"] and r["measured_rss_growth_bytes"] > 0 for r in rows), rows
+    assert "meas peak" in str(e) and "≤" in str(e) and "measured peak" in e._repr_html_()
+
+
 #: a measured one-core CPU (this project's 2-core VM, rounded): small GEMMs 60× slower
 #: per FLOP than large ones, elementwise work at 1 GB/s
 CPU = devices.DeviceProfile(

@@ -25,7 +25,7 @@ import functools
 
 import os
 
-__all__ = ["release_free_memory", "resident_bytes", "ResidentGuard"]
+__all__ = ["release_free_memory", "resident_bytes", "peak_resident_bytes", "ResidentGuard"]
 
 
 @functools.cache
@@ -53,6 +53,24 @@ def resident_bytes() -> int | None:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError, AttributeError):
         return None
+
+
+def peak_resident_bytes() -> int:
+    """This process's peak resident set in bytes since it started (or since the kernel's
+    mark was last reset): Linux ``VmHWM``, elsewhere ``getrusage``'s ``ru_maxrss``
+    (kilobytes on Linux, bytes on macOS)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else 1024 * peak
 
 
 class ResidentGuard:

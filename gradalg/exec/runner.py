@@ -21,14 +21,13 @@ jobs' streams derived from it once per node (``memo``), and every sink fed.
 """
 from __future__ import annotations
 
-import resource
 import time
 from typing import Iterator
 
 from ..data import batch_size_of, move_batch
 from ..expr import GradNode, Source
 from ..plan.planner import ROW_WISE, Pass, Plan, PlanError, stream_root
-from .allocator import ResidentGuard, release_free_memory
+from .allocator import ResidentGuard, peak_resident_bytes, release_free_memory, resident_bytes
 from .capture_pass import PassCapture, eval_mode, model_device_dtype
 from ..capture.chunks import Chunk
 from .progress import progress_bar
@@ -36,6 +35,23 @@ from .rowwise import apply_rowwise
 from .sinks import Sink, open_sink
 
 __all__ = ["PassRunner", "InProcess"]
+
+
+def _peak_growth(rss_start: int | None, mark_start: int, mark_end: int) -> dict:
+    """A pass's peak resident growth from the process's resident set at its start and its
+    peak mark before and after it.
+
+    The kernel keeps one peak mark per process. When the pass raised it
+    (``mark_end > mark_start``) the pass's peak is the new mark, and its growth
+    ``mark_end − rss_start`` is exact. When an earlier pass (or code before the run) set a
+    higher mark, the pass's own peak is hidden under it: ``mark_end − rss_start`` is then
+    only an upper bound, reported with ``peak_rss_is_bound`` True. (Measured from the mark
+    at the pass's start instead, a hidden peak read as 0 bytes.) Without a resident-set
+    reading (not Linux) the growth is None.
+    """
+    if rss_start is None:                      # no resident-set reading (not Linux): no baseline to measure from
+        return {"peak_rss_growth_bytes": None, "peak_rss_is_bound": False}
+    return {"peak_rss_growth_bytes": max(0, mark_end - rss_start), "peak_rss_is_bound": mark_end <= mark_start}
 
 
 class InProcess:
@@ -61,12 +77,13 @@ class PassRunner:
     def run(self, plan: Plan) -> Plan:
         for index, step in enumerate(plan.passes):
             start, cpu0 = time.perf_counter(), time.process_time()
-            rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            rss0, mark0 = resident_bytes(), peak_resident_bytes()
             self.run_pass(step)
+            mark1 = peak_resident_bytes()
             self.ctx.pass_stats.append({
                 "pass": index, "seconds": time.perf_counter() - start,
                 "cpu_seconds": time.process_time() - cpu0,   # this process's CPU time (excludes waiting for a core)
-                "peak_rss_growth_bytes": 1024 * (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0),
+                **_peak_growth(rss0, mark0, mark1),
                 "held_bytes": self.ctx.state.held_bytes(),
             })
         return plan

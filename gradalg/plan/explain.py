@@ -154,6 +154,8 @@ class Explain:
                 row["ratio"] = stats["seconds"] / p.seconds if p.seconds > 0 else float("inf")
                 row["measured_held_bytes"] = stats["held_bytes"]
                 row["measured_rss_growth_bytes"] = stats["peak_rss_growth_bytes"]
+                # True: an earlier peak hid this pass's own; its growth is at most the number above
+                row["measured_rss_is_bound"] = stats.get("peak_rss_is_bound", False)
             out.append(row)
         return out
 
@@ -230,7 +232,7 @@ class Explain:
         lines = ["4. physical passes"]
         header = f"   {'#':>2}  {'reads':<38} {'batch':>5} {'est FLOP':>10} {'est time':>10} {'est peak':>9}"
         if self.analyzed:
-            header += f" {'measured':>10} {'meas/est':>8} {'held':>9}"
+            header += f" {'measured':>10} {'meas/est':>8} {'held':>9} {'meas peak':>10}"
         lines.append(header)
         for row in self.passes():
             line = (f"   {row['pass']:>2}  {row['reads'][:38]:<38} {str(row['batch_size'] or '-'):>5} "
@@ -238,7 +240,7 @@ class Explain:
                     f"{_si(row['peak_bytes']) + 'B':>9}")
             if "measured_seconds" in row:
                 line += (f" {_fmt_seconds(row['measured_seconds']):>10} {_fmt_ratio(row['ratio']):>8}"
-                         f" {_si(row['measured_held_bytes']) + 'B':>9}")
+                         f" {_si(row['measured_held_bytes']) + 'B':>9} {_measured_peak(row):>10}")
             lines.append(line)
             lines += [f"        · {job}" for job in row["jobs"]]
             if row["note"]:
@@ -305,6 +307,8 @@ class Explain:
         measured = bool(self.analyzed)
         head_row = ("<tr><th>#</th><th>reads</th><th>jobs</th><th>batch</th><th>est FLOP</th><th>est time</th>"
                     "<th>est peak</th>" + ("<th>measured time</th><th>measured / est.</th><th>held</th>"
+                                           "<th title='resident growth over the pass; ≤: an earlier peak hid "
+                                           "this pass&#39;s own'>measured peak</th>"
                                            if measured else "") + "</tr>")
         body = ""
         for row in self.passes():
@@ -317,7 +321,8 @@ class Explain:
             if measured:
                 body += (f"<td>{_fmt_seconds(row.get('measured_seconds', 0))}</td>"
                          f"<td>{_fmt_ratio(row.get('ratio', float('nan')))}</td>"
-                         f"<td>{_si(row.get('measured_held_bytes', 0))}B</td>")
+                         f"<td>{_si(row.get('measured_held_bytes', 0))}B</td>"
+                         f"<td>{html.escape(_measured_peak(row))}</td>")
             body += "</tr>"
         return (f"<details open><summary>4. physical passes</summary><table class='ga-table'>{head_row}{body}"
                 "</table></details>")
@@ -330,3 +335,12 @@ class Explain:
         return (f"<details open><summary>5. at scale on {esc(profile(self.device).name)}</summary>"
                 "<table class='ga-table'><tr><th>GPUs</th><th>time</th><th>memory per GPU</th><th>fits"
                 f"</th></tr>{rows}</table></details>")
+
+
+def _measured_peak(row: dict) -> str:
+    """A pass's measured peak resident growth: ``87MB``, ``≤87MB`` when an earlier pass's
+    peak hid this one's (an upper bound), ``-`` when it was not measured."""
+    growth = row.get("measured_rss_growth_bytes")
+    if growth is None:
+        return "-"
+    return ("≤" if row.get("measured_rss_is_bound") else "") + _si(growth) + "B"

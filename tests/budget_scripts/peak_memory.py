@@ -1,6 +1,6 @@
 """Run one budget case in this (fresh) process and print its peak memory as JSON.
 
-    python peak_memory.py CASE BUDGET_BYTES
+    python peak_memory.py CASE BUDGET_BYTES [--isolate-passes]
 
 The model, the data and a warm-up run of the same expression on a few examples (which
 loads lazily imported modules and the kernels' first allocations) come first; the
@@ -141,6 +141,24 @@ CASES = {"conv_ekfac": (conv_ekfac, 400), "mlp_classes": (mlp_classes, 1500), "g
          "llama_kfac": (llama_kfac, 200), "gpt2_held_queries": (gpt2_held_queries, 48)}
 
 
+def isolate_pass_peaks() -> list[dict]:
+    """Reset the peak mark at the start of every pass the executor runs, so that each
+    pass's own peak is measured even when an earlier pass's was higher (the process keeps
+    one mark). Returns the list that fills with each pass's growth, in order."""
+    from gradalg.exec.runner import PassRunner
+
+    isolated, run_pass = [], PassRunner.run_pass
+
+    def measured(self, step):
+        gc.collect()
+        reset = reset_peak()
+        start = current_rss()
+        run_pass(self, step)
+        isolated.append({"peak_rss_growth_bytes": peak_rss() - start, "reset": reset})
+    PassRunner.run_pass = measured
+    return isolated
+
+
 def main():
     case, budget = sys.argv[1], int(sys.argv[2])
     torch.set_num_threads(1)
@@ -157,7 +175,14 @@ def main():
         ex = ga.exec.LocalExecutor()
         estimated = ex.plan(S.expr).peak_bytes
         S.compute(executor=ex)
-    print(json.dumps({"case": case, "budget": budget, "peak_growth": peak_rss() - base, "estimated": estimated,
+    peak_growth = peak_rss() - base
+    isolated = []
+    if "--isolate-passes" in sys.argv:              # again, each pass measured on its own
+        isolated = isolate_pass_peaks()
+        with ga.options(progress=False, memory_budget=budget):
+            scores(n).compute(executor=ga.exec.LocalExecutor())
+    print(json.dumps({"case": case, "budget": budget, "peak_growth": peak_growth, "estimated": estimated,
+                      "isolated_passes": isolated,
                       "passes": [{k: v for k, v in st.items()} for st in ex.pass_stats],
                       "batch_sizes": [p.batch_size for p in ex.last_plan.passes],
                       "estimated_per_pass": [p.cost.peak_bytes for p in ex.last_plan.passes],
