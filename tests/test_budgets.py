@@ -44,7 +44,8 @@ def test_peak_memory_stays_within_the_budget(case, budget):
 def test_a_preconditioned_held_side_is_counted_with_its_copy():
     """EK-FAC influence with the queries held: the scores pass makes H·Q once as flat rows
     beside the query factors. Its estimate counts both (it counted the factors only and
-    was 6× under the measured growth), and the run stays under the plan's peak."""
+    was 6× under the measured growth), each pass measured on its own; the whole run stays
+    within 2× of the plan's peak."""
     result = run_case("gpt2_held_queries", 1024 * MiB, "--isolate-passes")
     scores = [i for i, jobs in enumerate(result["pass_jobs"]) if "scores" in jobs]
     assert scores, result["pass_jobs"]
@@ -56,4 +57,6 @@ def test_a_preconditioned_held_side_is_counted_with_its_copy():
         measured = isolated[i]["peak_rss_growth_bytes"]
         estimated = result["estimated_per_pass"][i]
         assert measured / 1.5 <= estimated <= 3 * measured, (i, measured / MiB, estimated / MiB)
-    assert result["peak_growth"] <= 1.5 * result["estimated"], result
+    # the whole run also carries what the allocator kept from earlier passes, which the plan
+    # does not model: measured 0.87–1.6× its peak over 7 runs (alone and two at a time)
+    assert result["peak_growth"] <= 2 * result["estimated"], result
