@@ -10,11 +10,10 @@ Building them never runs the model; ``.compute()`` hands the node to an executor
 from __future__ import annotations
 
 import numbers
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 import torch
-import xarray as xr
 
 from .data import as_data
 from .errors import OptionError
@@ -22,6 +21,9 @@ from .expr import (KFAC, AdamPrecondition, AdamState, GroupMean, ScoreDiagonal, 
                    Power, Precondition, Project, Projector, RowWeights, ScaledOp, ScaleRows, ScoreNode,
                    ScoreSum, Select, Source, SumOp)
 from .task import Task
+
+if TYPE_CHECKING:                 # xarray loads when a result is made (about 76 MB)
+    import xarray as xr
 
 __all__ = ["GradientSet", "TransposedGradients", "Operator", "Scores", "grads", "fisher", "identity",
            "diagonal", "dense", "sum_scores", "mean_scores", "row_weights", "kfac", "ekfac", "hessian",
@@ -542,6 +544,7 @@ class Scores(_Displayed):
         values, positions = ex.topk(self.expr, spec)
         train_ids = np.asarray(self.expr.col_ids)
         positions = positions.detach().cpu().numpy()
+        import xarray as xr              # after the passes (as in compute)
         return xr.DataArray(
             values.detach().cpu().numpy(), dims=("query", "rank"),
             coords={"query": np.asarray(self.expr.row_ids), "rank": np.arange(positions.shape[1]),
@@ -582,6 +585,7 @@ class Scores(_Displayed):
                 if token_sides(self.expr) != (None, None):  # per-token rows: ("query", "query_token", "train"), ...
                     out = token_scores_array(values, self.expr, _option_batch_size(), attrs)
                 else:
+                    import xarray as xr      # here, after the passes: its ~76 MB do not add to their peak
                     out = xr.DataArray(
                         _as_array(values),
                         dims=("query", "train"),
@@ -617,6 +621,7 @@ class SelfScores(_Displayed):
         """Returns a DataArray with dim ("train",), indexed by example id."""
         ex = _executor(executor)
         values = ex.diagonal(self.expr)
+        import xarray as xr
         from .token_scores import token_self_scores_array, token_sides
         if token_sides(self.expr.scores) != (None, None):   # per-token rows: ("train", "train_token")
             return token_self_scores_array(values, self.expr, _option_batch_size())

@@ -16,13 +16,17 @@ kept (their padding rows are zero where the task's ``token_mask`` zeroed them).
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
-import xarray as xr
 
 from .data import batch_size_of
 from .expr import Inner, ScoreDiagonal, ScoreNode, ScoreSum, Source
 from .expr.tokens import PerToken, per_token_node
+
+if TYPE_CHECKING:                 # xarray loads when a result is made (about 76 MB)
+    import xarray as xr
 
 __all__ = ["token_sides", "valid_positions", "token_scores_array", "token_self_scores_array"]
 
@@ -72,6 +76,7 @@ def _side(pt, ids, batch_size):
 
 def token_scores_array(values, node: ScoreNode, batch_size: int, attrs: dict) -> xr.DataArray:
     """``values`` (n_left_rows, n_right_rows) of ``node`` as a DataArray with token axes."""
+    import xarray as xr
     left, right = token_sides(node)
     q_ids, Tq, q_valid = _side(left, node.row_ids, batch_size)
     t_ids, Tt, t_valid = _side(right, node.col_ids, batch_size)
@@ -101,6 +106,7 @@ def token_scores_array(values, node: ScoreNode, batch_size: int, attrs: dict) ->
 
 def token_self_scores_array(values, node: ScoreDiagonal, batch_size: int) -> xr.DataArray:
     """Self-scores of per-token rows, (n, T) with dims ("train", "train_token")."""
+    import xarray as xr
     pt, _ = token_sides(node.scores)
     ids, T, valid = _side(pt, node.ids, batch_size)
     a = values.detach().cpu().numpy() if isinstance(values, torch.Tensor) else np.asarray(values)

@@ -209,3 +209,36 @@ def test_a_circle_is_found():
              ("api", "exec"): ["d:1"]}
     assert _circles(edges) == [["capture", "expr", "plan"]]
     assert _shortest_circle(["capture", "expr", "plan"], edges) == ["capture", "expr", "plan", "capture"]
+
+
+def test_xarray_loads_only_when_a_result_is_made():
+    """``import gradalg`` and the passes of a run do not load xarray (and pandas under it:
+    about 76 MB resident, which would add to the run's peak); the result's DataArray does."""
+    import subprocess
+    import sys
+
+    script = """
+import sys, torch
+import gradalg as ga
+from gradalg.exec.runner import PassRunner
+assert "xarray" not in sys.modules and "pandas" not in sys.modules, "loaded by import gradalg"
+loaded_in_a_pass = []
+run_pass = PassRunner.run_pass
+def watched(self, step):
+    run_pass(self, step)
+    loaded_in_a_pass.append("xarray" in sys.modules)
+PassRunner.run_pass = watched
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+X, y = torch.randn(20, 4), torch.randint(0, 3, (20,))
+S = ga.methods.influence(ga.tasks.classification(model), (X, y), (X[:3], y[:3]), curvature="ekfac")
+S.explain()
+with ga.options(progress=False):
+    out = S.compute()
+assert loaded_in_a_pass and not any(loaded_in_a_pass), loaded_in_a_pass
+assert type(out).__name__ == "DataArray" and out.shape == (3, 20)
+print("ok")
+"""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]

@@ -28,11 +28,15 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, replace
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
-import xarray as xr
 
 from ..errors import ShapeMismatchError
+
+if TYPE_CHECKING:                 # xarray loads when a result is made (about 76 MB)
+    import xarray as xr
 
 __all__ = ["lds", "lds_bootstrap", "lds_resampled", "loo_correlation", "spearman", "pearson",
            "CorrelationResult", "RESAMPLE"]
@@ -320,6 +324,7 @@ def _sign(target, data) -> float:
 
 def _scores(scores):
     """(values (n_query, n_train) float64, query coordinate or None)."""
+    import xarray as xr
     if not isinstance(scores, (xr.DataArray, np.ndarray, torch.Tensor)) and hasattr(scores, "compute"):
         scores = scores.compute()                                     # lazy ga.Scores
     if isinstance(scores, xr.DataArray):
@@ -336,6 +341,7 @@ def _scores(scores):
 
 
 def _numpy(x) -> np.ndarray:
+    import xarray as xr
     if isinstance(x, torch.Tensor):
         return x.detach().to("cpu").numpy()
     if isinstance(x, xr.DataArray):
@@ -351,6 +357,7 @@ def _coord(data, name, size):
 
 
 def _result(name, method, per_query, query, n_samples, bootstrap, confidence, seed) -> CorrelationResult:
+    import xarray as xr
     finite = per_query[np.isfinite(per_query)]
     mean = float(finite.mean()) if finite.size else float("nan")
     interval = lds_bootstrap(per_query, n_resamples=bootstrap, confidence=confidence, seed=seed) if bootstrap else None

@@ -38,13 +38,15 @@ import random
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import torch
-import xarray as xr
 
 from ..errors import GradalgError, ShapeMismatchError
+
+if TYPE_CHECKING:                 # xarray loads when a result is made (about 76 MB)
+    import xarray as xr
 
 __all__ = ["retrain", "leave_one_out", "subset_masks", "subset_size"]
 
@@ -120,6 +122,7 @@ def retrain(train_fn: Callable[[np.ndarray], Any], n_train: int, *, n_subsets: i
         ``targets`` (subset, query) float64   ``targets_fn`` of each model
     and attrs ``n_train``, ``fraction``, ``seed``, ``kind="subsets"`` (and ``target``).
     """
+    import xarray as xr
     _check_callable(train_fn, "train_fn")
     _check_callable(targets_fn, "targets_fn")
     _check_target(target)
@@ -165,6 +168,7 @@ def leave_one_out(train_fn: Callable[[np.ndarray], Any], n_train: int, indices: 
         ``effect``  (removed, query)    ``targets − base``: the effect of removing i
     coordinate ``removed`` = ``indices``; attrs ``n_train``, ``seed``, ``kind="loo"``.
     """
+    import xarray as xr
     _check_callable(train_fn, "train_fn")
     _check_callable(targets_fn, "targets_fn")
     _check_target(target)

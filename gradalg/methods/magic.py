@@ -20,17 +20,19 @@ function's (for a run whose objective averages n examples, influence ≈ n · τ
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
-import xarray as xr
 from torch.func import functional_call
 
 from ..unroll.metagradient import Metagradients, metagradients
 from ..unroll.replay import check_schedule, schedule_bound
 from ..unroll.run import TrainingRun, _as_tensors, _LossOf, _rows
 from ..unroll.errors import UnsupportedTrainingError
+
+if TYPE_CHECKING:                 # xarray loads when a result is made (about 76 MB)
+    import xarray as xr
 
 __all__ = ["magic", "MagicScores"]
 
@@ -70,6 +72,7 @@ class MagicScores:
     def compute(self) -> xr.DataArray:
         """Replay the run and back-propagate every query through it: a (query, train)
         ``DataArray`` of −∂f_q/∂ε_i (positive: up-weighting example i lowers the query's loss)."""
+        import xarray as xr
         result = metagradients(self.run, self._query_fn, checkpointing=self.checkpointing,
                                replay_tolerance=self.replay_tolerance)
         self.metagradients = result

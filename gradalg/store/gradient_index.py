@@ -32,14 +32,18 @@ import json
 import time
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
-import xarray as xr
 
 from ..errors import OptionError, StoreMismatchError
 from . import layout
 from .describe import digest, store_attrs
 from .rows import flat_rows
+
+if TYPE_CHECKING:                 # xarray loads when a result is made (about 76 MB)
+    import xarray as xr
 
 __all__ = ["index", "open_index", "GradientIndex"]
 
@@ -259,6 +263,7 @@ class GradientIndex:
         (float64), coordinates ``query``, ``rank`` and ``train`` (query, rank) ids;
         ``attrs`` say which metric, kind and candidate count produced them.
         """
+        import xarray as xr
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= self.n:
             raise OptionError(f"k must be an integer in 1..{self.n}, got {k!r}")
         faiss = _faiss()

@@ -15,9 +15,10 @@ import os
 import warnings
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
-import xarray as xr
 
 from ..errors import OptionError, StoreMismatchError
 from ..capture.chunks import Chunk
@@ -28,6 +29,9 @@ from . import layout
 from .describe import digest, store_attrs
 from .integrity import chunk_error
 from .rows import fault_policy, check_shippable, executor_for, flat_rows, freeze_ops, restrictable, rows_of
+
+if TYPE_CHECKING:                 # xarray loads when a result is made (about 76 MB)
+    import xarray as xr
 
 __all__ = ["write", "open_gradients", "dataset", "GradientStore"]
 
@@ -129,6 +133,7 @@ class GradientStore:
 
 # ---------------------------------------------------------------------------------- write
 def _template(attrs: dict, ids: np.ndarray, dtype, chunk_rows: int) -> xr.Dataset:
+    import xarray as xr
     import dask.array as da
 
     n = len(ids)

@@ -22,11 +22,15 @@ import time
 import uuid
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import xarray as xr
 
 from ..errors import StoreIncompleteError, StoreMismatchError
 from . import integrity
+
+if TYPE_CHECKING:                 # xarray loads when a result is made (about 76 MB)
+    import xarray as xr
 
 __all__ = ["require", "ids_array", "ids_tuple", "read_attrs", "done_flags", "prepare", "write_template",
            "write_region", "mark_done", "atomic_directory", "DELAY_ENV", "n_chunks", "with_metadata"]
@@ -77,6 +81,7 @@ def ids_tuple(values: np.ndarray) -> tuple:
 
 def open_dataset(path, *, chunks=None) -> xr.Dataset:
     """The store as an xarray Dataset (numpy-backed and lazy; ``chunks={}`` for Dask)."""
+    import xarray as xr
     return xr.open_zarr(path, consolidated=False, chunks=chunks, mask_and_scale=False)
 
 
@@ -111,6 +116,7 @@ def done_flags(path) -> np.ndarray:
 
 def unmark(path, indices) -> None:
     """Clear the flags of chunks ``indices`` (damaged: the next write rewrites them)."""
+    import xarray as xr
     for index in indices:
         xr.Dataset({"done": (("chunk",), np.zeros(1, dtype=np.uint8))}).to_zarr(
             path, region={"chunk": slice(index, index + 1)}, consolidated=False, write_empty_chunks=True)
@@ -242,6 +248,7 @@ def write_template(path, template: xr.Dataset) -> None:
 
 def write_region(path, variables: dict, dim: str, start: int, stop: int) -> None:
     """Rows ``start:stop`` of each variable (``{name: (dims, array)}``) along ``dim``."""
+    import xarray as xr
     xr.Dataset(variables).to_zarr(path, region={dim: slice(start, stop)}, consolidated=False,
                                   write_empty_chunks=True)
 
@@ -249,6 +256,7 @@ def write_region(path, variables: dict, dim: str, start: int, stop: int) -> None
 def mark_done(path, index: int) -> None:
     """Set chunk ``index``'s flag, after its data (sleeping ``$GRADALG_STORE_TEST_DELAY``
     seconds first, so that tests can interrupt a writer between the two)."""
+    import xarray as xr
     delay = float(os.environ.get(DELAY_ENV, "0") or 0)
     if delay > 0:
         time.sleep(delay)

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import xarray as xr
 
 from ..curvature.kron import KronOp
 from ..errors import GradalgError, StoreCorruptError, StoreIncompleteError, StoreMismatchError
@@ -127,6 +126,7 @@ def write_operator(H, path, *, executor=None, overwrite: bool = False):
         attrs["float32_rtol"] = float(resolved.float32_rtol)
 
     def build(tmp):
+        import xarray as xr
         ds = xr.Dataset(variables, attrs=integrity.seal(attrs))
         for name, (_, values) in variables.items():
             ds[name].attrs["order"] = "F" if values.ndim == 2 and not values.flags.c_contiguous else "C"

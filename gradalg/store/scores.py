@@ -12,8 +12,9 @@ writes the columns a:b. Chunks are atomic and resumable as in a gradient store (
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import xarray as xr
 
 from ..errors import OptionError
 from ..expr import Identity, Inner, ScoreSum
@@ -23,6 +24,9 @@ from . import layout
 from .describe import store_attrs
 from .rows import (fault_policy, MemoryRows, ResolvedStore, check_shippable, executor_for, freeze_ops, restrict_rows,
                    restrictable)
+
+if TYPE_CHECKING:                 # xarray loads when a result is made (about 76 MB)
+    import xarray as xr
 
 __all__ = ["write_scores", "open_scores"]
 
@@ -128,6 +132,7 @@ def write_scores(S, path, *, chunk_rows: int = 1024, executor=None, overwrite: b
 
 
 def _write(path, attrs, ex, node, train_ids, state) -> None:
+    import xarray as xr
     import dask.array as da
 
     chunk_rows = int(attrs["chunk_rows"])
