@@ -105,8 +105,9 @@ def linear_names(model):
 
 
 # ------------------------------------------------------------------------- child: gradalg
-def run_gradalg(method: str, model, train, test, batch: int) -> dict:
-    """The harness's gradalg variant of ``method``; returns the phase split."""
+def run_gradalg(method: str, model, train, test, batch: int, batch_tokens: int | None = None) -> dict:
+    """The harness's gradalg variant of ``method``; returns the phase split.
+    ``batch_tokens``: ``ga.options(batch_tokens=)`` (None: the default)."""
     start = time.perf_counter()
     import gradalg as ga
     import torch
@@ -133,7 +134,7 @@ def run_gradalg(method: str, model, train, test, batch: int) -> dict:
     lin = linear_names(model)
     blocks = [n for n in lin if n.startswith("transformer.h.")]
     tr, te = (train,), (test,)
-    with ga.options(batch_size=batch, progress=False):
+    with ga.options(batch_size=batch, progress=False, batch_tokens=batch_tokens):
         if method == "projected":
             S = ga.methods.grad_dot(task, tr, te, layers=blocks, projector=ga.proj.kron(4096, seed=0, k_out=64, k_in=64))
         elif method == "full":

@@ -933,3 +933,46 @@ def test_meta_device_7b_explains_in_seconds_without_allocating():
     assert _rss_bytes() - rss0 < 500 * 2**20
     # a forward+backward over a million sequences of 2048 tokens is hours, even on 8 GPUs
     assert scale[2]["seconds"] > 3600
+
+
+def test_long_sequences_are_read_in_batches_of_batch_tokens_positions_with_the_same_scores():
+    """On the CPU a pass over sequences of T positions reads ⌈batch_tokens / T⌉ examples
+    per batch (default 512 positions: 8 sequences of 64), fewer than ``batch_size``; the
+    decision names it, the runner reads exactly those batches, and the scores equal a run
+    at the full batch (``batch_tokens=0``) and a loop of single-example backward passes."""
+    model = models.gpt2(dtype=torch.float64, n_layer=1, n_embd=32)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 101, (20, 64), generator=g)
+    data = (ids, torch.ones_like(ids))
+    task = models.lm_task(model)
+    layer = model.transformer.h[0].mlp.c_fc
+    G = ga.grads(task, data, layers=["transformer.h.0.mlp.c_fc"])
+    Q = ga.grads(task, (ids[:3], torch.ones_like(ids[:3])), layers=["transformer.h.0.mlp.c_fc"])
+    S = Q @ G.T
+    calls = []
+    hook = model.register_forward_hook(lambda m, args, kwargs, out: calls.append(kwargs["input_ids"].shape[0]),
+                                       with_kwargs=True)
+    try:
+        with ga.options(batch_size=16, progress=False):
+            ex = ga.exec.LocalExecutor()
+            p = ex.plan(S.expr)
+            assert [s.batch_size for s in p.passes if s.reads_data] == [8, 8]
+            decision = next(d for d in p.decisions if d.what.startswith("batch size of") and "20 examples" in d.what)
+            assert decision.alternatives["batch_tokens 512 / T 64"] == "8" and "512 positions" in str(S.explain())
+            small = S.compute(executor=ex).values
+            assert calls[-4:] == [3, 8, 8, 4] and max(calls) == 8, calls   # before them: the loss checks' probes
+            calls.clear()
+            with ga.options(batch_tokens=0):
+                full = S.compute().values
+            assert calls[-3:] == [3, 16, 4], calls
+            with ga.options(batch_tokens=128):
+                assert [s.batch_size for s in ga.exec.LocalExecutor().plan(S.expr).passes if s.reads_data] == [2, 2]
+    finally:
+        hook.remove()
+    reference = torch.stack([torch.cat([g.flatten() for g in torch.autograd.grad(
+        models.lm_loss(model, (ids[i:i + 1], torch.ones_like(ids[i:i + 1]))), [layer.weight, layer.bias])])
+        for i in range(20)])
+    assert torch.allclose(torch.as_tensor(small), torch.as_tensor(full), rtol=1e-12, atol=0)
+    assert torch.allclose(torch.as_tensor(small), reference[:3] @ reference.T, rtol=1e-9)
+    with pytest.raises(ga.OptionError, match="batch_tokens"):
+        ga.options(batch_tokens=-1)

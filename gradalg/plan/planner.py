@@ -45,7 +45,7 @@ from ..expr.spectral import Spectral
 from ..errors import MemoryBudgetError
 from ..expr.lowrank import lowrank_below
 from ..expr.tokens import token_rows
-from ..options import Options, get_options
+from ..options import CPU_BATCH_TOKENS, Options, get_options
 from .choices import Choices
 from . import estimates
 from .cost import Cost, _si, first_example_shape, tokens_hint
@@ -543,6 +543,23 @@ class _Planner:
         outputs per captured row set (no weight-gradient GEMMs)."""
         return estimates.capture_cost(src, self.options, self.dtype, forward)
 
+    def _batch_tokens(self, sources: list[Source]) -> tuple[int, int, int | None]:
+        """``(batch_tokens, T, examples)``: the ``batch_tokens`` in force for the pass's
+        model (``ga.options``; None: :data:`~gradalg.options.CPU_BATCH_TOKENS` on the CPU,
+        no limit elsewhere), the positions T per example of its data (the first
+        example's) and the examples per batch that many positions allow,
+        ``max(1, ⌈batch_tokens / T⌉)`` (None: no limit)."""
+        tokens = self.options.batch_tokens
+        if tokens is None:
+            model = sources[0].task.model
+            param = next(iter(model.parameters()), None)
+            on_cpu = param is None or param.device.type == "cpu"
+            tokens = CPU_BATCH_TOKENS if on_cpu else 0
+        if not tokens:
+            return 0, 1, None
+        T = max(tokens_hint(s) for s in sources)
+        return tokens, T, max(1, -(-tokens // T))
+
     def _pass_capture_cost(self, sources: list[Source], batch: int | None = None) -> Cost:
         """Capturing all sources of a pass: those differing only in their objective share
         one forward per batch (:class:`~gradalg.exec.capture_pass.PassCapture`)."""
@@ -774,14 +791,21 @@ class _Planner:
                         "Project the gradients (ga.proj.kron), use fewer queries per call, or raise "
                         "ga.options(memory_budget=...)")
                 fit = int(room // max(per_ex, 1.0))
-                p.batch_size = max(1, min(self.options.batch_size, fit))
+                tokens, T, by_tokens = self._batch_tokens(sources)
+                p.batch_size = max(1, min(self.options.batch_size, fit, by_tokens or self.options.batch_size))
                 if p.batch_size < self.options.batch_size:
-                    p.note = f"batch size {p.batch_size} (not {self.options.batch_size}) to stay under the memory budget"
+                    p.note = (f"batch size {p.batch_size} (not {self.options.batch_size}) "
+                              + ("to stay under the memory budget" if p.batch_size == fit else
+                                 f"of {T} positions each: {tokens} positions per batch (ga.options(batch_tokens))"))
+                alternatives = {"ga.options": str(self.options.batch_size), "largest under the budget": f"{fit:,}"}
+                if by_tokens:
+                    alternatives[f"batch_tokens {tokens} / T {T}"] = f"{by_tokens:,}"
                 self.decisions.append(Decision(
-                    f"batch size of {p.label}", str(p.batch_size),
-                    {"ga.options": str(self.options.batch_size), "largest under the budget": f"{fit:,}"},
-                    f"the smaller of the two: {_si(fixed)}B held and {_si(per_ex)}B per example "
-                    f"under the memory budget of {_si(budget)}B"))
+                    f"batch size of {p.label}", str(p.batch_size), alternatives,
+                    f"the smallest: {_si(fixed)}B held and {_si(per_ex)}B per example "
+                    f"under the memory budget of {_si(budget)}B"
+                    + (f"; batches of {tokens} positions already run efficient GEMMs, and fewer examples keep "
+                       "the activations small" if by_tokens and p.batch_size == by_tokens < fit else "")))
             cost = self._pass_capture_cost(sources, p.batch_size)
             n = data.n
         else:
