@@ -391,29 +391,41 @@ class KronOp(LinearOp):
             out[:, s] = (Q_S @ (rotated * lam) @ Q_A.T).flatten(1).to(rows.dtype)
         return out
 
-    def apply_blocks(self, blocks: dict) -> dict:
+    def apply_blocks(self, blocks: dict, *, consume: bool = False) -> dict:
         """Per block, rows given as :class:`Factors` or (n, out·in) ↦ (n, out·in) rows
         ``Q_S [(Q_Sᵀ G_i Q_A) ∘ Λ] Q_Aᵀ``, without concatenating the blocks.
+
+        consume : pop each block from ``blocks`` (a dict the caller owns) before the next
+            one is preconditioned, so the raw and the preconditioned copies of the rows are
+            never all held at once (EK-FAC queries on GPT-2: 344 MB raw beside 471 MB).
+        """
+        out = {}
+        for name in list(blocks):
+            out[name] = self.apply_block(name, blocks.pop(name) if consume else blocks[name])
+        return out
+
+    def apply_block(self, name: str, value) -> torch.Tensor:
+        """Block ``name``'s rows (:class:`Factors` or (n, out·in)) ↦ (n, out·in)
+        ``Q_S [(Q_Sᵀ G_i Q_A) ∘ Λ] Q_Aᵀ``, in the rows' precision.
 
         Factored rows are rotated in from their factors, ``(D_i Q_S)ᵀ (A_i Q_A)``:
         T·(out² + in² + out·in) per example instead of materializing G_i (T·out·in) and
         rotating it (out·in·(out + in)), whichever is fewer multiply-adds.
         """
-        out = {}
-        for name, value in blocks.items():
-            Q_S, Q_A = self.bases[name]
-            o, i = Q_S.shape[0], Q_A.shape[0]
-            if isinstance(value, Factors) and value.T * (o * o + i * i) < o * i * (o + i):
-                rotated = rotate_factors(value, Q_S, Q_A)
-            else:
-                G = materialize(value).flatten(1) if isinstance(value, Factors) else value
-                rotated = rotate_rows(G.reshape(G.shape[0], o, i), Q_S, Q_A)
-            dtype = rotated.dtype
-            rotated *= self.eigenvalues[name].to(dtype)
-            n = rotated.shape[0]
-            back = (rotated.reshape(n * o, i) @ Q_A.T.to(dtype)).reshape(n, o, i)   # · Q_Aᵀ, one GEMM
-            out[name] = torch.matmul(Q_S.to(dtype), back).reshape(n, o * i)         # Q_S ·
-        return out
+        Q_S, Q_A = self.bases[name]
+        o, i = Q_S.shape[0], Q_A.shape[0]
+        if isinstance(value, Factors) and value.T * (o * o + i * i) < o * i * (o + i):
+            rotated = rotate_factors(value, Q_S, Q_A)
+        else:
+            G = materialize(value).flatten(1) if isinstance(value, Factors) else value
+            rotated = rotate_rows(G.reshape(G.shape[0], o, i), Q_S, Q_A)
+        del value
+        dtype = rotated.dtype
+        rotated *= self.eigenvalues[name].to(dtype)
+        n = rotated.shape[0]
+        back = (rotated.reshape(n * o, i) @ Q_A.T.to(dtype)).reshape(n, o, i)   # · Q_Aᵀ, one GEMM
+        del rotated
+        return torch.matmul(Q_S.to(dtype), back).reshape(n, o * i)              # Q_S ·
 
     def block_matrix(self, name: str) -> torch.Tensor:
         """Block ``name``'s (out·in, out·in) matrix (Q_S⊗Q_A) diag(vec Λ) (Q_S⊗Q_A)ᵀ."""

@@ -22,6 +22,7 @@ from ..expr import KFAC, Fisher, GroupMean
 from ..plan.memory import check_statistics_fit
 from ..plan.rules import PlanError
 from ..capture.chunks import Chunk, concat_chunks, flat_block, flatten, row_sq_norms, unflatten
+from .allocator import release_free_memory
 from .operators import ResolvedOp
 
 __all__ = ["FisherAccumulator", "KronAccumulator", "EKFACAccumulator", "GroupAccumulator", "Collector",
@@ -257,6 +258,10 @@ class Collector:
             parts = [c.blocks.pop(name) for c in chunks]
             blocks[name] = Factors.concat_examples(parts) if isinstance(parts[0], Factors) else torch.cat(parts, 0)
             del parts
+            # the pieces' pages back to the OS: glibc keeps freed batch-sized pieces in its heap,
+            # where the joined block (larger) cannot reuse them (full Grad-Dot on GPT-2: the
+            # 471 MB of held queries were resident twice)
+            release_free_memory()
         return [Chunk(ids, blocks)]
 
 

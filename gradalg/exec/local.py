@@ -129,11 +129,12 @@ class LocalExecutor(Executor):
         self.last_plan = p
         return self.runner.run(p)
 
-    def precondition_held(self, op: OpNode, held: Chunk, space) -> Chunk:
-        """The held rows of a score with the resolved ``op`` applied (once per pass)."""
+    def precondition_held(self, op: OpNode, held: Chunk, space, *, consume: bool = False) -> Chunk:
+        """The held rows of a score with the resolved ``op`` applied (once per pass);
+        ``consume`` empties ``held`` block by block (:func:`~gradalg.exec.resolve.precondition`)."""
         resolved = self.resolve(op)
         with self.clock.phase("scoring"):
-            return precondition(resolved, held, space)
+            return precondition(resolved, held, space, consume=consume)
 
     # ------------------------------------------------------------------ pull path
     def iter_chunks(self, node: GradNode) -> Iterator[Chunk]:

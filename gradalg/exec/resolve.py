@@ -21,6 +21,7 @@ from ..expr.stored import StoredOp
 from ..linalg import LinearOp, ResolvedOp
 from .accumulators import EKFACAccumulator, FisherAccumulator, KronAccumulator
 from ..capture.chunks import Chunk, flatten, unflatten
+from .allocator import release_free_memory
 from .curvature import resolve_curvature
 from .rowwise import dtype_device
 
@@ -84,10 +85,23 @@ def _kfac(executor, node: KFAC) -> LinearOp:
     return corr.finish()
 
 
-def precondition(resolved: LinearOp, held: Chunk, space) -> Chunk:
+def precondition(resolved: LinearOp, held: Chunk, space, *, consume: bool = False) -> Chunk:
     """The held side of a score with the operator applied: block by block for operators
-    that act per block on factored rows (Kronecker), else on the concatenated rows."""
-    if hasattr(resolved, "apply_blocks"):
-        done = resolved.apply_blocks(held.blocks)
-        return held.replace({n: done[n].to(dtype_device(v)[0]) for n, v in held.blocks.items()})
+    that act per block on factored rows (Kronecker), else on the concatenated rows.
+
+    consume : the caller owns ``held.blocks`` (no other reader): each raw block is dropped
+        from it once its preconditioned rows exist, so the two copies of the rows are not
+        all in memory together (``held`` is left with no blocks), and its pages are
+        returned to the operating system (:func:`~gradalg.exec.allocator.release_free_memory`).
+    """
+    if hasattr(resolved, "apply_block"):
+        out = {}
+        for name in list(held.blocks):
+            value = held.blocks.pop(name) if consume else held.blocks[name]
+            dtype = dtype_device(value)[0]
+            out[name] = resolved.apply_block(name, value).to(dtype)
+            del value
+            if consume:   # the raw block's pages back to the OS: the next, larger output cannot reuse them
+                release_free_memory()
+        return Chunk(held.ids, out, held.batch, held.task, held.meta)
     return held.replace(unflatten(resolved.apply(flatten(held, space)), space))

@@ -174,16 +174,17 @@ class ScoresSink(Sink):
 
 def _score_accumulator(job: ScoresJob, ctx) -> ScoreAccumulator:
     """The accumulator of a scores job: its held rows, preconditioned once here."""
-    held = concat_chunks(ctx.state.rows[job.held.token])
     space = job.held.space
-    if not isinstance(job.target.op, Identity):
-        raw = held
-        held = ctx.precondition_held(job.target.op, held, space)
-        # no other job reads the raw rows (planner); a composed executor (Dask, torch.distributed)
-        # opens the sink again per shard, which reads them: kept there
-        if job.release_held and held is not raw and getattr(ctx, "shards", None) is None:
-            ctx.state.rows.pop(job.held.token, None)
-        del raw
+    if isinstance(job.target.op, Identity):
+        held = concat_chunks(ctx.state.rows[job.held.token])
+    else:
+        # no other job reads the raw rows (planner): dropped block by block as they are
+        # preconditioned; a composed executor (Dask, torch.distributed) opens the sink again
+        # per shard, which reads them: kept there
+        release = job.release_held and getattr(ctx, "shards", None) is None
+        held = concat_chunks(ctx.state.rows.pop(job.held.token) if release else ctx.state.rows[job.held.token])
+        held = held.replace(dict(held.blocks))      # its own dict: a store's chunk is never emptied
+        held = ctx.precondition_held(job.target.op, held, space, consume=release)
     opts = ctx.options
     return ScoreAccumulator(held, space, job.kernels, ctx.trace, normalize_streamed=job.normalize_streamed,
                             slice_elements=opts.ghost_slice_elements, buffer_bytes=opts.reuse_buffer_bytes,
