@@ -4,7 +4,9 @@ the least its math needs.
 The setting is the peer harness's W2 (``../shared/peers-bench``), rebuilt here so that
 this script runs without it: GPT-2 from ``GPT2Config(n_layer=4, n_embd=256, n_head=4,
 vocab_size=2048)`` with HF ``Conv1D`` swapped for identical ``nn.Linear``, T = 128,
-random token ids, summed per-sequence causal-LM loss, batches of 16, one torch thread.
+random token ids, summed per-sequence causal-LM loss, batches of 16 (gradalg's plan reads
+them in batches of ``ga.options(batch_tokens)`` positions, 4 sequences on CPU, and the floor
+runs at that batch too: ``--floor-batch``), one torch thread.
 Every measurement runs in its own cold process (imports, task, planning and the full
 score matrix inside the timed region, as the harness times the peers); methods and
 floors alternate within each round.
@@ -359,6 +361,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="a quarter of the sequences, one round")
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--floor-batch", type=int, default=None,
+                    help="the floor's batch (default: the batch gradalg's plan reads, min(--batch, "
+                         "ceil(batch_tokens / T)) on CPU: the floor runs at the same batch as the run it bounds)")
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--json", help="write every run's numbers here")
     ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
@@ -374,6 +379,10 @@ def main():
     print(f"# gradalg end-to-end profile — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"# {platform.machine()}, torch {torch.__version__}, 1 thread, {os.cpu_count()} cores, "
           f"load average at start {os.getloadavg()[0]:.1f}; W2 GPT-2 4×256, vocab 2048, T=128, batch {a.batch}")
+    sys.path.insert(0, ROOT)
+    from gradalg.options import CPU_BATCH_TOKENS
+    floor_batch = a.floor_batch or min(a.batch, max(1, -(-CPU_BATCH_TOKENS // 128)))
+    print(f"# floor batch {floor_batch} (gradalg's plan: ga.options(batch_tokens={CPU_BATCH_TOKENS}) / T = 128)")
     runs = []
     for r in range(rounds):
         for m in methods:
@@ -382,7 +391,7 @@ def main():
             for kind in ("baseline", "gradalg", "floor"):
                 if kind == "baseline" and any(x["kind"] == "baseline" and x["n"] == n and x["round"] == r for x in runs):
                     continue
-                res = spawn(kind, m, n, q, a.batch, a.python)
+                res = spawn(kind, m, n, q, floor_batch if kind == "floor" else a.batch, a.python)
                 runs.append({"round": r, "kind": kind, "method": m, "n": n, "q": q, **res,
                              "load": os.getloadavg()[0]})
                 print(f"# round {r + 1} {kind:8s} {m:9s} n={n:3d}: {res['total']:.2f} s, peak {res['peak_rss_mb']:.0f} MB, "
