@@ -237,6 +237,35 @@ def test_sliced_kernels_match_unsliced():
         _close(small, big, f"{P!r} sliced")
 
 
+@pytest.mark.parametrize("s", [1, 3])
+def test_sjlt_product_equals_scatter_adds_and_explicit_matrix(s):
+    """The CPU kernel (one CSR product) gives the scatter-adds' float32 numbers exactly
+    (both sum each output in column order) and the explicit matrix's in float64; dtypes
+    the CSR product lacks (bfloat16) take the scatter-adds; the CSR is built once per table."""
+    from gradalg.proj.kernels import sjlt_apply
+    P = ga.proj.sparse(16, s=s, per_block=True)
+    S = tables.sjlt(P, "layer", 300)
+    assert tables.sjlt(P, "layer", 300) is S                       # cached table, cached CSR
+    x = torch.randn(5, 300)
+
+    def scatter(x):
+        out = x.new_zeros(x.shape[0], S.k)
+        for c in range(S.s):
+            out.index_add_(1, S.rows[:, c], x * (S.signs[:, c].to(x.dtype) / math.sqrt(S.s)))
+        return out
+
+    got = sjlt_apply(x, S)
+    assert got.is_contiguous() and got.shape == (5, 16)
+    assert torch.equal(got, scatter(x))
+    assert S.csr(torch.float32) is S.csr(torch.float32)
+    torch.testing.assert_close(sjlt_apply(x.double(), S), x.double() @ sjlt_matrix(S).T, rtol=1e-12, atol=1e-12)
+    xb = x.bfloat16()
+    assert torch.equal(sjlt_apply(xb, S), scatter(xb))
+    xs = x[:, 100:200].double()                                   # a column slice's own CSR
+    torch.testing.assert_close(sjlt_apply(xs, S.columns(100, 200)), xs @ sjlt_matrix(S)[:, 100:200].T,
+                               rtol=1e-12, atol=1e-12)
+
+
 def test_dense_backend_blocks_for_flat_kinds():
     """torch.func gradients (flat (dim,) blocks) project the same way; FactGraSS refuses them."""
     task, train, _, layers, _ = _mlp_case()

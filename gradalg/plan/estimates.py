@@ -314,13 +314,14 @@ def project_cost(node: Project, n: int, T: int, elem: int = 4, chunk: int | None
 
 
 #: small ops of one block's sparse projection per chunk (index tables, gathers, einsum,
-#: new_zeros, index_add_, scaling; ``gradalg.proj.kernels``)
+#: new_zeros, the scatter product, scaling; ``gradalg.proj.kernels``)
 OPS_PER_SPARSE_BLOCK = 16
 
 
 def _scatter_cost(n: int, coords: float, elem: int) -> Cost:
-    """An SJLT of ``coords`` input coordinates (times its s) per row: ``index_add_`` of
-    every coordinate into its output (read it, read and write the target, the index)."""
+    """An SJLT of ``coords`` input coordinates (times its s) per row: each coordinate
+    multiplied into its output (read it, its column index and value, read and write the
+    target: the CSR product on the CPU, ``index_add_`` elsewhere; ``gradalg.proj.kernels``)."""
     return Cost(flops=2.0 * n * coords, bytes=4.0 * elem * n * coords)
 
 

@@ -31,8 +31,9 @@ plain ``sparse`` projection of large layers (a hashed, table-free SJLT would avo
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import torch
 
@@ -71,12 +72,40 @@ class SJLT:
         return self.rows.shape[1]
 
     def to(self, device) -> "SJLT":
-        """The same tables on ``device``."""
+        """The same tables on ``device`` (this object, and its cached CSR, when already there)."""
+        if self.rows.device == torch.device(device):
+            return self
         return SJLT(self.rows.to(device), self.signs.to(device), self.k)
 
     def columns(self, start: int, stop: int) -> "SJLT":
         """The (k, stop - start) SJLT of columns ``start:stop``."""
         return SJLT(self.rows[start:stop], self.signs[start:stop], self.k)
+
+    @cached_property
+    def _csr_pattern(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(crow (k+1,), col (d·s,), order (d·s,))``: the matrix's non-zeros sorted by row,
+        ``order`` the position of each in the flattened (d, s) tables. Built once per table
+        (a stable sort of the d·s rows), so each row's non-zeros keep their column order."""
+        flat = self.rows.flatten()
+        index = torch.int32 if flat.numel() < 2 ** 31 else torch.int64
+        order = torch.argsort(flat, stable=True)
+        crow = torch.zeros(self.k + 1, dtype=torch.int64, device=flat.device)
+        crow[1:] = torch.bincount(flat.long(), minlength=self.k).cumsum(0)
+        return crow.to(index), (order // self.s).to(index), order
+
+    def csr(self, dtype) -> torch.Tensor:
+        """The (k, d) matrix as a sparse CSR tensor of ``dtype`` (cached per dtype).
+
+        Memory: 4·d·s bytes of int32 column indices (once) plus d·s values per dtype, on top
+        of the 5·d·s of the tables; ``x Sᵀ = (S xᵀ)ᵀ`` is then one sparse-dense product."""
+        cache = self.__dict__.setdefault("_csr_by_dtype", {})
+        if dtype not in cache:
+            crow, col, order = self._csr_pattern
+            values = self.signs.flatten()[order].to(dtype) / math.sqrt(self.s)
+            with warnings.catch_warnings():   # torch calls its CSR support "beta"
+                warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+                cache[dtype] = torch.sparse_csr_tensor(crow, col, values, (self.k, self.d), check_invariants=False)
+        return cache[dtype]
 
     def dense(self, dtype=torch.float64) -> torch.Tensor:
         """The explicit (k, d) matrix (for tests and small examples only)."""
