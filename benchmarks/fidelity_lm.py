@@ -52,6 +52,7 @@ process, right before).
     ... --retrain-only          # only the ground truth (resumable)
     ... --methods trak,logra    # rows whose method name is in the list
     ... --rows sweeps           # the knob sweeps behind the defaults
+    ... --rows ensembles        # influence / RelatIF averaged over 5 and 10 seeds (cost counts training them)
     ... --protocol unrolled --queries 16   # MAGIC's cost is ≈ linear in the queries
 """
 from __future__ import annotations
@@ -362,6 +363,50 @@ def knob_rows(p: Prepared):
     yield "grass", "k=1024, relative_damping=1", lambda: m.grass(task, tr, qu, layers=L, k=1024, relative_damping=1.0)
 
 
+class TimedEnsemble:
+    """``ga.methods.ensemble`` of ``method`` over the full-data model and M − 1 more,
+    each trained on the whole training set with its own seed (initialisation and batch
+    stream: ``train_model(seed=TRAINING_SEED + m)``). ``seconds`` counts training the
+    M − 1 extra models as well as the scores: what a user of the ensemble pays."""
+
+    def __init__(self, p: Prepared, method, members: int, **kwargs):
+        self.p, self.method, self.members, self.kwargs = p, method, members, kwargs
+        self.seconds = None
+
+    def compute(self):
+        models, train_seconds = _ensemble_models(self.p, self.members)
+        tasks = [self.p.task(m) for m in models]
+        t0 = time.perf_counter()
+        out = ga.methods.ensemble(self.method, tasks, self.p.train, self.p.queries[:self.p.n_query],
+                                  layers=LAYERS, **self.kwargs).compute()
+        self.seconds = train_seconds + time.perf_counter() - t0
+        return out
+
+
+_ENSEMBLE_MODELS = {}
+
+
+def _ensemble_models(p: Prepared, members: int):
+    """The full-data model and ``members`` − 1 retrained with other seeds (cached per
+    setting), and the seconds training the extra ones took."""
+    have = _ENSEMBLE_MODELS.setdefault(p.setting.name, [])
+    while len(have) < members - 1:
+        t0 = time.perf_counter()
+        model = train_model(p.setting, p.train, seed=TRAINING_SEED + len(have) + 1)
+        have.append((model, time.perf_counter() - t0))
+    extra = have[:members - 1]
+    return [p.model] + [m for m, _ in extra], sum(sec for _, sec in extra)
+
+
+def ensemble_rows(p: Prepared):
+    """Influence and RelatIF (EK-FAC) averaged over M models trained with other seeds."""
+    m = ga.methods
+    for M in (5, 10):
+        for name, fn in (("relatif", m.relatif), ("influence", m.influence)):
+            yield name, f"EK-FAC, ensemble of {M} seeds", lambda fn=fn, M=M: TimedEnsemble(p, fn, M,
+                                                                                           curvature="ekfac")
+
+
 _CHECKPOINTS = {}
 
 
@@ -391,7 +436,8 @@ def run(setting: LMSetting, *, rows_of=("methods",), only=None, recompute=False,
     rows = []
     out = BUILD / f"results-{label}.json"
     done = {(r["method"], r["config"]) for r in _read(out)} if not recompute else set()
-    generators = [{"methods": method_rows, "sweeps": knob_rows}[r](p) for r in rows_of]
+    generators = [{"methods": method_rows, "sweeps": knob_rows, "ensembles": ensemble_rows}[r](p)
+                  for r in rows_of]
     for gen in generators:
         for method, config, thunk in gen:
             if (only and method not in only) or (method, config) in done:
@@ -453,7 +499,8 @@ def main(argv=None):
     ap.add_argument("--settings", default="lm,lm2")
     ap.add_argument("--methods", default=None, help="comma-separated method names")
     ap.add_argument("--rows", default="methods", help="'methods' (every method, defaults first), 'sweeps' "
-                    "(the knob sweeps behind the defaults) or 'methods,sweeps'")
+                    "(the knob sweeps behind the defaults), 'ensembles' (influence and RelatIF over 5 and "
+                    "10 seeds), or several, comma-separated")
     ap.add_argument("--n-subsets", type=int, default=N_SUBSETS)
     ap.add_argument("--retrain-only", action="store_true")
     ap.add_argument("--magic-only", action="store_true", help="only MAGIC's scores for the first --queries "
