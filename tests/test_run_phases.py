@@ -165,6 +165,31 @@ def test_preconditioned_held_rows_are_collected_late_and_dropped_once_preconditi
     torch.testing.assert_close(values, reference, rtol=1e-4, atol=1e-6)
 
 
+def test_a_released_kronecker_held_side_is_counted_once_plus_one_block():
+    """With ``release_held`` a Kronecker preconditioner replaces the raw held rows block
+    by block, so the scores pass holds the larger of the two copies plus one block's
+    preconditioned rows (at most both copies) (the batches were sized with both); an operator
+    applied to the concatenated rows (a CG inverse) keeps both."""
+    from gradalg.plan.jobs import ScoresJob, blockwise_preconditioner
+    from gradalg.plan.memory import rows_bytes
+
+    with ga.options(batch_size=8, progress=False):
+        p = ga.exec.LocalExecutor(ga.get_options()).plan(_influence(n=30, nq=4).expr)
+    step = next(s for s in p.passes if any(isinstance(j, ScoresJob) for j in s.jobs))
+    job = next(j for j in step.jobs if isinstance(j, ScoresJob))
+    assert job.release_held and blockwise_preconditioner(job.target.op)
+    raw, flat = rows_bytes(job.held, job.held_storage, p.dtype), rows_bytes(job.held, {}, p.dtype)
+    block = max(job.held.n * b.dim * 4 for b in job.held.space.blocks)
+    assert job.fixed_bytes(p.dtype) == pytest.approx(min(raw + flat, max(raw, flat) + block))
+    assert step.fixed_bytes >= job.fixed_bytes(p.dtype)
+    assert step.cost.peak_bytes == pytest.approx(step.fixed_bytes + step.per_example_bytes * (step.batch_size or 1))
+    job.release_held = False
+    assert job.fixed_bytes(p.dtype) == pytest.approx(raw + flat)
+    G = ga.grads(ga.tasks.classification(models.mlp()), models.classification_data(n=6))
+    assert not blockwise_preconditioner(ga.ekfac(G).damp(1e-3).inv(method="cg").expr)
+    assert blockwise_preconditioner(ga.ekfac(G).damp(1e-3).inv().expr)
+
+
 def test_an_executor_reused_after_dropping_held_rows_recomputes_them():
     """The raw held rows of a preconditioned product are dropped once preconditioned; a
     later expression on the same executor that needs them (plain Grad-Dot on the same

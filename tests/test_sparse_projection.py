@@ -329,6 +329,29 @@ def test_sparse_on_factors_materializes_in_slices(materialize_calls):
     assert materialize_calls and all(o <= 8 and i == 101 for o, i in materialize_calls)
 
 
+def test_plans_count_the_sparse_tables_each_pass_keeps():
+    """A pass that applies a sparse projection holds its cached tables: an SJLT of d
+    coordinates 13·d·s bytes (rows, signs and the CPU CSR), once per (projector, block);
+    a Kronecker projection has none."""
+    from gradalg.plan.planner import _Planner
+    task = ga.tasks.classification(mlp(dtype=torch.float32))
+    data, queries = classification_data(n=24, dtype=torch.float32), classification_data(n=4, seed=5,
+                                                                                         dtype=torch.float32)
+    dims = sum(b.dim for b in ga.grads(task, data).expr.space.blocks)
+
+    def tables(projector):
+        S = ga.methods.grad_dot(task, data, queries, projector=projector)
+        p = ga.exec.LocalExecutor().plan(S.expr)
+        return max(_Planner._table_bytes(step.jobs) for step in p.passes), p
+
+    for s_ in (1, 3):
+        got, p = tables(ga.proj.sparse(16, s=s_, seed=0))
+        assert got == 13.0 * s_ * dims
+        step = next(step for step in p.passes if _Planner._table_bytes(step.jobs))
+        assert step.fixed_bytes >= got and step.cost.peak_bytes >= got
+    assert tables(ga.proj.kron(16, seed=0))[0] == 0.0
+
+
 # ---------------------------------------------------------------------------- determinism
 def test_same_seed_same_numbers_other_seed_different():
     task, train, _, layers, _ = _mlp_case()

@@ -313,6 +313,27 @@ def project_cost(node: Project, n: int, T: int, elem: int = 4, chunk: int | None
     return cost
 
 
+def sparse_table_bytes(p, b) -> float:
+    """Bytes the process keeps for one block's sparse-projection tables
+    (:mod:`gradalg.proj.sparse_tables`, cached for the run): an SJLT of d columns takes
+    5·d·s (int32 rows, int8 signs) plus 8·d·s for its float32 CSR form (the CPU kernel's
+    operand; on an accelerator only a transient 5·d·s copy, so an upper bound there); a
+    mask 8 bytes per kept coordinate. d is the block's size (``sparse``), GraSS's mask
+    size, FactGraSS's k_out·k_in. Zero for projections without tables (dense, Kronecker)."""
+    sjlt = 13.0 * p.s
+    if p.kind == "sparse":
+        return sjlt * b.dim
+    if p.kind == "grass":
+        m = p.grass_mask_size(b.dim)
+        return 8.0 * m + sjlt * m
+    if p.kind == "factgrass" and len(b.shape) == 2:
+        k_out, k_in = p.factgrass_shape(*b.shape)
+        return 8.0 * (k_out + k_in) + sjlt * k_out * k_in
+    if p.kind == "mask":
+        return 16.0 * min(p.k, b.dim)      # per block or its share of a global mask: positions and coordinates
+    return 0.0
+
+
 #: small ops of one block's sparse projection per chunk (index tables, gathers, einsum,
 #: new_zeros, the scatter product, scaling; ``gradalg.proj.kernels``)
 OPS_PER_SPARSE_BLOCK = 16

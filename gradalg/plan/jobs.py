@@ -40,7 +40,7 @@ from ..expr.operators import Identity
 from ..expr.tokens import token_rows
 from .cost import Cost, fisher_cost
 from .memory import (consumer_bytes_per_example, ghost_norm_bytes_per_example, ghost_workspace_bytes, kron_bytes,
-                     kron_bytes_arithmetic, kron_output_bytes, rows_bytes)
+                     kron_bytes_arithmetic, kron_output_bytes, rows_bytes, rows_of)
 from .shapes import element_size
 
 __all__ = ["Job", "CollectJob", "StoreJob", "GroupJob", "FisherJob", "KFACJob", "EKFACJob", "ScoresJob",
@@ -223,16 +223,22 @@ class ScoresJob(Job):
 
         A preconditioned product ``⟨H L_i, R_j⟩`` makes ``H L_i`` once, as flat rows
         (n_held, dim) beside the held rows it is made from, and both count (EK-FAC
-        influence on W2, 32 queries: 292 MiB of factors + 471 MB of preconditioned rows).
-        That is exact for an operator applied to the concatenated rows and an upper bound
-        for a Kronecker one with ``release_held``: it is applied block by block and each
-        raw block dropped as it is done, so only one block has both copies (W2: the scores
-        pass grew by 325 MB against 1.03 GB estimated). ``release_held`` is decided after
-        the batch sizes, which this bound keeps safe."""
-        held = rows_bytes(self.held, self.held_storage, dtype)
-        if not isinstance(self.target.op, Identity):
-            held += rows_bytes(self.held, {}, dtype)
-        return held + ghost_workspace_bytes(self, dtype)
+        influence on W2, 32 queries: 292 MiB of factors + 471 MB of preconditioned rows)
+        for an operator applied to the concatenated rows. A Kronecker one with
+        ``release_held`` (:func:`blockwise_preconditioner`) is applied block by block, each
+        raw block dropped as it is done: at most the larger of the two copies plus one
+        block's preconditioned rows (and never more than both; W2: the scores pass grew by 325 MB against 1.03 GB
+        counted with both copies). ``release_held`` is decided after the batch sizes (sized
+        with both copies: safe); the planner then lowers the pass's estimate to this."""
+        raw = rows_bytes(self.held, self.held_storage, dtype)
+        if isinstance(self.target.op, Identity):
+            return raw + ghost_workspace_bytes(self, dtype)
+        flat = rows_bytes(self.held, {}, dtype)
+        if self.release_held and blockwise_preconditioner(self.target.op):
+            block = max((self.held.n * rows_of(self.held) * b.dim * element_size(dtype)
+                         for b in self.held.space.blocks), default=0.0)
+            return min(raw + flat, max(raw, flat) + block) + ghost_workspace_bytes(self, dtype)
+        return raw + flat + ghost_workspace_bytes(self, dtype)
 
     def output_bytes(self, n: int) -> float:
         return 8.0 * self.held.n * n
@@ -244,6 +250,20 @@ class ScoresJob(Job):
                 # the streamed rows materialized, and their product (T rows per example when per-token)
                 total += b.dim * 8 * token_rows(self.streams[0])
         return total
+
+
+def blockwise_preconditioner(op) -> bool:
+    """Whether ``op`` resolves to an operator applied block by block to factored rows (a
+    Kronecker K-FAC / EK-FAC, :meth:`~gradalg.curvature.kron.KronOp.apply_block`): its
+    structure is "kron" and no iterative solver (``Inverse(method="cg"/"lissa")``) wraps it."""
+    if getattr(op, "structure", None) != "kron":
+        return False
+    x = op
+    while x is not None:
+        if getattr(x, "method", "auto") in ("cg", "lissa"):
+            return False
+        x = getattr(x, "op", None)
+    return True
 
 
 @dataclass(frozen=True)

@@ -614,7 +614,21 @@ class _Planner:
         return total + sum(job.per_example_bytes(self.dtype) for job in p_jobs)
 
     def _fixed_bytes(self, p_jobs: list[Job]) -> float:
-        return sum(job.fixed_bytes(self.dtype) for job in p_jobs)
+        """Held rows and statistics of the pass's jobs, plus the index tables of the sparse
+        projections its streams apply (each (projector, block) once)."""
+        return sum(job.fixed_bytes(self.dtype) for job in p_jobs) + self._table_bytes(p_jobs)
+
+    @staticmethod
+    def _table_bytes(p_jobs: list[Job]) -> float:
+        tables: dict[tuple, float] = {}
+        for job in p_jobs:
+            for x in job.streams:
+                while isinstance(x, ROW_WISE):
+                    if isinstance(x, Project):
+                        for b in x.grads.space.blocks:
+                            tables[(x.projector, b.name, b.dim)] = estimates.sparse_table_bytes(x.projector, b)
+                    x = x.grads
+        return sum(tables.values())
 
     # ---- scheduling -----------------------------------------------------------------
     def schedule(self) -> tuple[list[Pass], set]:
@@ -769,6 +783,8 @@ class _Planner:
         budget = self.options.memory_budget
         if fixed > budget:   # held rows and statistics alone: refused before anything runs
             parts = "".join(f" ({a})" for a in (j.bytes_arithmetic(self.dtype) for j in p.jobs) if a)
+            tables = self._table_bytes(p.jobs)
+            parts += f" (sparse projection tables {_si(tables)}B)" if tables else ""
             raise MemoryBudgetError(
                 f"{p.label}: held rows and statistics take {_si(fixed)}B{parts}, over the memory budget of "
                 f"{_si(budget)}B: use fewer queries per call, project the gradients (ga.proj.kron), "
@@ -914,17 +930,21 @@ def plan(root: Node, *, options: Options | None = None, device=None, rewrites: b
     else:
         raise PlanError(f"cannot plan a {type(root).__name__}")
     passes, stored = planner.schedule()
-    mark_released_held(planner.jobs.values(), passes, simplified)
+    mark_released_held(planner.jobs.values(), passes, simplified, planner.dtype)
     return Plan(root, simplified, fired, planner.decisions, passes, planner.jobs, roots, options, prof, stored,
                 planner.dtype)
 
 
-def mark_released_held(jobs, passes, target) -> None:
+def mark_released_held(jobs, passes, target, dtype=torch.float32) -> None:
     """``release_held`` on each preconditioned scores job whose held rows nothing else reads
     (no other job, not the job's own streamed side, no pass over rows kept in memory) and
     the plan does not return: the run drops the raw rows once the preconditioned copy
-    exists (EK-FAC influence on GPT-2: the raw query gradients were 20 % of the peak)."""
+    exists (EK-FAC influence on GPT-2: the raw query gradients were 20 % of the peak).
+    The passes of those jobs get their held bytes and peak estimate lowered to what the
+    release leaves (:meth:`ScoresJob.fixed_bytes`; their batches were sized with both
+    copies)."""
     jobs = list(jobs)
+    before = {id(j): j.fixed_bytes(dtype) for j in jobs if isinstance(j, ScoresJob)}
     from_memory = {p.key[1] for p in passes if p.key[0] == "memory"}
     for job in jobs:
         if not isinstance(job, ScoresJob) or isinstance(job.target.op, Identity) or job.held is target:
@@ -936,6 +956,11 @@ def mark_released_held(jobs, passes, target) -> None:
                    and (any(stream_root(s).token == token or s.token == token for s in j.streams)
                         or (j is not job and getattr(getattr(j, "held", None), "token", None) == token))]
         job.release_held = not readers
+    for p in passes:
+        drop = sum(before[id(j)] - j.fixed_bytes(dtype) for j in p.jobs if id(j) in before)
+        if drop > 0:
+            p.fixed_bytes -= drop
+            p.cost = replace(p.cost, peak_bytes=p.cost.peak_bytes - drop)
 
 
 def estimate(node) -> Cost:

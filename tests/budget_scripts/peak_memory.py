@@ -186,7 +186,18 @@ def main():
                       "passes": [{k: v for k, v in st.items()} for st in ex.pass_stats],
                       "batch_sizes": [p.batch_size for p in ex.last_plan.passes],
                       "estimated_per_pass": [p.cost.peak_bytes for p in ex.last_plan.passes],
+                      "resident_at_start_per_pass": [resident_at_start(p, ex.last_plan)
+                                                     for p in ex.last_plan.passes],
                       "pass_jobs": [[j.kind for j in p.jobs] for p in ex.last_plan.passes]}))
+
+
+def resident_at_start(p, plan) -> float:
+    """Bytes of a pass's estimate already resident when it starts: the raw held rows of
+    its scores jobs, collected by an earlier pass (a growth measured from the pass's start
+    does not see them)."""
+    from gradalg.plan.jobs import ScoresJob
+    from gradalg.plan.memory import rows_bytes
+    return sum(rows_bytes(j.held, j.held_storage, plan.dtype) for j in p.jobs if isinstance(j, ScoresJob))
 
 
 if __name__ == "__main__":
