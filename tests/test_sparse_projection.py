@@ -242,17 +242,13 @@ def test_sjlt_product_equals_scatter_adds_and_explicit_matrix(s):
     """The CPU kernel (one CSR product) gives the scatter-adds' float32 numbers exactly
     (both sum each output in column order) and the explicit matrix's in float64; dtypes
     the CSR product lacks (bfloat16) take the scatter-adds; the CSR is built once per table."""
-    from gradalg.proj.kernels import sjlt_apply
+    from gradalg.proj.kernels import sjlt_apply, sjlt_scatter_add
     P = ga.proj.sparse(16, s=s, per_block=True)
     S = tables.sjlt(P, "layer", 300)
     assert tables.sjlt(P, "layer", 300) is S                       # cached table, cached CSR
     x = torch.randn(5, 300)
-
-    def scatter(x):
-        out = x.new_zeros(x.shape[0], S.k)
-        for c in range(S.s):
-            out.index_add_(1, S.rows[:, c], x * (S.signs[:, c].to(x.dtype) / math.sqrt(S.s)))
-        return out
+    scatter = functools.partial(sjlt_scatter_add, S=S)
+    torch.testing.assert_close(scatter(x.double()), x.double() @ sjlt_matrix(S).T, rtol=1e-12, atol=1e-12)
 
     got = sjlt_apply(x, S)
     assert got.is_contiguous() and got.shape == (5, 16)

@@ -227,8 +227,8 @@ class ScoresJob(Job):
         for an operator applied to the concatenated rows. A Kronecker one with
         ``release_held`` (:func:`blockwise_preconditioner`) is applied block by block, each
         raw block dropped as it is done: at most the larger of the two copies plus one
-        block's preconditioned rows (and never more than both; W2: the scores pass grew by 325 MB against 1.03 GB
-        counted with both copies). ``release_held`` is decided after the batch sizes (sized
+        block's preconditioned rows, and never more than both (W2: the scores pass grew
+        by 325 MB against 1.03 GB counted with both copies). ``release_held`` is decided after the batch sizes (sized
         with both copies: safe); the planner then lowers the pass's estimate to this."""
         raw = rows_bytes(self.held, self.held_storage, dtype)
         if isinstance(self.target.op, Identity):

@@ -25,7 +25,7 @@ from ..expr.projection import Projector
 from ..space import Block
 from .sparse_tables import SJLT, factgrass_tables, global_mask, grass_tables, mask_indices, sjlt
 
-__all__ = ["sjlt_apply", "entries", "mask_factors", "project_sparse_block", "SPARSE_KINDS"]
+__all__ = ["sjlt_apply", "sjlt_scatter_add", "entries", "mask_factors", "project_sparse_block", "SPARSE_KINDS"]
 
 SPARSE_KINDS = ("sparse", "mask", "grass", "factgrass")
 DEFAULT_MAX_ELEMENTS = 1 << 24
@@ -43,11 +43,17 @@ def sjlt_apply(x: torch.Tensor, S: SJLT) -> torch.Tensor:
     On the CPU (float32/64) one sparse-dense product with ``S`` as a CSR matrix
     (:meth:`SJLT.csr`, built once per table): ``index_add_`` along the columns of a few
     rows has a per-index cost that does not shrink with n, and the product is 4.6× faster
-    at n = 4, s = 1 (1.6× at n = 64, 12× at n = 4, s = 4: ``benchmarks/sjlt.py``). Elsewhere, s ``index_add_`` scatter-adds (atomic on GPUs).
-    Both sum each output's terms in column order: the same numbers.
+    at n = 4, s = 1 (1.6× at n = 64, 12× at n = 4, s = 4: ``benchmarks/sjlt.py``).
+    Elsewhere :func:`sjlt_scatter_add` (atomic on GPUs). Both sum each output's terms in
+    column order: the same numbers.
     """
     if x.device.type == "cpu" and x.dtype in _CSR_DTYPES and x.layout == torch.strided:
         return (S.csr(x.dtype) @ x.T).T.contiguous()
+    return sjlt_scatter_add(x, S)
+
+
+def sjlt_scatter_add(x: torch.Tensor, S: SJLT) -> torch.Tensor:
+    """``x Sᵀ`` by s ``index_add_`` scatter-adds along the output columns.   (n, d) → (n, k)"""
     out = x.new_zeros(x.shape[0], S.k)
     scale = 1.0 / math.sqrt(S.s)
     for c in range(S.s):

@@ -85,30 +85,33 @@ class SJLT:
         return SJLT(self.rows[start:stop], self.signs[start:stop], self.k)
 
     @cached_property
-    def _csr_pattern(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(crow (k+1,), col (d·s,), order (d·s,))``: the matrix's non-zeros sorted by row,
-        ``order`` the position of each in the flattened (d, s) tables. Built once per table
-        (a stable sort of the d·s rows), so each row's non-zeros keep their column order."""
+    def _csr32(self) -> torch.Tensor:
+        """The float32 CSR form: the non-zeros sorted by row (a stable sort of the d·s rows,
+        so each row's non-zeros keep their column order). 4·d·s bytes of int32 column
+        indices and 4·d·s of values, built once per table."""
         flat = self.rows.flatten()
         index = torch.int32 if flat.numel() < 2 ** 31 else torch.int64
         order = torch.argsort(flat, stable=True)
         crow = torch.zeros(self.k + 1, dtype=torch.int64, device=flat.device)
         crow[1:] = torch.bincount(flat.long(), minlength=self.k).cumsum(0)
-        return crow.to(index), (order // self.s).to(index), order
+        values = self.signs.flatten()[order].to(torch.float32) / math.sqrt(self.s)
+        return _csr(crow.to(index), (order // self.s).to(index), values, (self.k, self.d))
+
+    @cached_property
+    def _csr_other(self) -> dict:
+        return {}
 
     def csr(self, dtype) -> torch.Tensor:
-        """The (k, d) matrix as a sparse CSR tensor of ``dtype`` (cached per dtype).
-
-        Memory: 4·d·s bytes of int32 column indices (once) plus d·s values per dtype, on top
-        of the 5·d·s of the tables; ``x Sᵀ = (S xᵀ)ᵀ`` is then one sparse-dense product."""
-        cache = self.__dict__.setdefault("_csr_by_dtype", {})
-        if dtype not in cache:
-            crow, col, order = self._csr_pattern
-            values = self.signs.flatten()[order].to(dtype) / math.sqrt(self.s)
-            with warnings.catch_warnings():   # torch calls its CSR support "beta"
-                warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
-                cache[dtype] = torch.sparse_csr_tensor(crow, col, values, (self.k, self.d), check_invariants=False)
-        return cache[dtype]
+        """The (k, d) matrix as a sparse CSR tensor of ``dtype`` (cached; another dtype than
+        float32 shares its indices and adds its own values); ``x Sᵀ = (S xᵀ)ᵀ`` is then one
+        sparse-dense product."""
+        base = self._csr32
+        if dtype == torch.float32:
+            return base
+        if dtype not in self._csr_other:
+            values = base.values().sign().to(dtype) / math.sqrt(self.s)    # ±1/√s rounded in dtype itself
+            self._csr_other[dtype] = _csr(base.crow_indices(), base.col_indices(), values, tuple(base.shape))
+        return self._csr_other[dtype]
 
     def dense(self, dtype=torch.float64) -> torch.Tensor:
         """The explicit (k, d) matrix (for tests and small examples only)."""
@@ -117,6 +120,12 @@ class SJLT:
         out.index_put_((self.rows.cpu().long(), cols), self.signs.cpu().to(dtype) / math.sqrt(self.s),
                        accumulate=True)
         return out
+
+
+def _csr(crow, col, values, shape) -> torch.Tensor:
+    with warnings.catch_warnings():   # torch calls its CSR support "beta"
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+        return torch.sparse_csr_tensor(crow, col, values, shape, check_invariants=False)
 
 
 def _subset(dim: int, size: int, gen: torch.Generator) -> torch.Tensor:
