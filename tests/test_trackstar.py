@@ -100,6 +100,16 @@ def test_trackstar_equals_plain_torch_reference(setting, variant):
     assert "damp(λ=0.1·mean eig) [default: 0.1 × mean eigenvalue]" in text and "pow(-0.5)" in text
 
 
+def test_trackstar_with_k_above_the_dimension_projects_nothing(setting):
+    """The default projection is none when k ≥ dim (TRAK's rule): the reference with P = I."""
+    s = setting
+    dim = ga.grads(s["task"], s["train"], LAYERS).space.dim                # 39 coordinates
+    S = ga.methods.trackstar(s["task"], s["train"], s["query"], optimizer=s["opt"], layers=LAYERS, k=4096)
+    want = reference(s, torch.eye(dim, dtype=torch.float64))
+    np.testing.assert_allclose(np.asarray(S.compute().values), want, rtol=1e-8, atol=1e-10)
+    assert "project" not in repr(S).lower()
+
+
 def test_mixing_coefficient_places_the_crossing_at_the_cth_component():
     train = torch.tensor([8.0, 1.0, 4.0, 0.5])          # sorted: 8, 4, 1, 0.5
     task = torch.tensor([0.25, 9.0, 3.0, -1e-12])       # sorted: 9, 3, 0.25, 0 (a rounding error clipped)

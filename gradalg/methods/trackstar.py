@@ -132,7 +132,7 @@ def trackstar(task: Task, train, queries, *, optimizer, layers=None, k: int = 40
     else:
         def corrected(X):
             return X
-    P = projector or default_projector(k, G.space.dim, seed)
+    P = projector or default_projector(k, G.space.dim, seed) or (lambda X: X)     # k ≥ dim: none
     Phi, phi = P(corrected(G)), P(corrected(Q))                       # (n, k), (n_q, k)
     R = fisher(Phi)                                                    # (1/n) Σ Φ Φᵀ   (k, k)
     if task_data is not None:
