@@ -90,6 +90,11 @@ class DecayTerm:
     def zero(self) -> bool:
         return self.value == 0.0
 
+    def scaled(self, factor: float, why: str) -> "DecayTerm":
+        """The same term times ``factor`` (per coordinate too), ``why`` added to the note."""
+        return DecayTerm(None if self.value is None else self.value * factor,
+                         None if self.values is None else self.values * factor, f"{self.note} {why}")
+
 
 @dataclass
 class TrainingObjective:

@@ -42,6 +42,27 @@ Damping and weight decay (shown in the plan, each ``damp`` with where it came fr
   in parameter coordinates; after a projection, to K-FAC or to DataInf only a uniform wd
   has a form (wd·I in the projected coordinates, the projected-influence convention), and
   the rest is refused with :class:`~gradalg.objective.ObjectiveError`.
+
+Data weight (``data_weight=c``; default 1). The objective is taken to be
+
+    J(θ; ε) = (1/n) Σ_i ε_i ℓ_i(θ) + R(θ),   R'' = the weight-decay term,
+
+and the scores are −n ∂f_q/∂ε_i at ε = c·1 (every example at weight c), for a model
+trained at that point (a sum-normalised objective with its data term scaled by c, i.e.
+the same training with weight decay wd/c):
+
+    S_qz = (1/c) ∇f_qᵀ (H̄ + λI + R''/c)⁻¹ ∇ℓ_z,   H̄ = (1/n) Σ ∇²ℓ_i,
+
+the damping λ added to H̄ as usual. c = α, the kept fraction of retraining on random
+α-subsets, linearises at the mean of those counterfactuals (E[1_S] = α·1) instead of at the full set. For subsets keeping each
+example with probability α, the least-squares linear fit of a quadratic f(ε) has
+coefficients ∂f/∂ε_i(α·1) + ½(1 − 2α) ∂²f/∂ε_i²: the gradient at the centre (exactly so
+at α = ½), where the gradient at ε = 1 is off by every second-order term,
+Σ_j ∂²f/∂ε_i∂ε_j (1 − α). A recipe, not a default: it needs the model trained at
+ε = c·1 (docs/user_guide.md, "Linearise at the counterfactuals' centre"; measured in
+docs/fidelity.md). For an objective normalised by the number of kept examples (a mean
+loss, mini-batch means) uniform weights cancel and the full model already is the
+centre: leave c = 1 there.
 """
 from __future__ import annotations
 
@@ -96,6 +117,19 @@ def gauss_newton_objective(task: Task) -> str:
     raise ValueError("a Gauss-Newton curvature needs Task(..., expected_terms=...) or "
                      "Task(..., sampled_loss=...) (ga.tasks.classification provides both), or use "
                      "curvature='empirical' / 'hessian'")
+
+
+def check_data_weight(data_weight) -> float:
+    """``data_weight`` as a float, or a ValueError naming what a data weight is."""
+    try:
+        c = float(data_weight)
+    except (TypeError, ValueError):
+        raise ValueError(f"data_weight must be a number (the uniform weight c every training example had "
+                         f"in the objective the model was trained on), got {data_weight!r}") from None
+    if not (c > 0.0 and c < float("inf")):
+        raise ValueError(f"data_weight must be positive and finite (c = α for a model trained at the mean "
+                         f"of α-subsets; 1 for the full set), got {data_weight!r}")
+    return c
 
 
 def decay_term(weight_decay=None, optimizer=None, like=None) -> DecayTerm | None:
@@ -154,8 +188,8 @@ def curvature_operator(task: Task, data, *, layers=None, projector: Projector | 
                        structure: str = "dense", rank: int = 32, seed: int = 0, solver_settings=None,
                        train_grads=None, relative_damping: float | None = None, weight_decay=None,
                        optimizer=None, covariance_max_examples: int | None = None,
-                       lambda_max_examples: int | None = None):
-    """(H + λI + decay)⁻¹ as a lazy Operator, for every curvature/solver pair in the table above.
+                       lambda_max_examples: int | None = None, data_weight: float = 1.0):
+    """(H + λI + decay / c)⁻¹ as a lazy Operator, for every curvature/solver pair in the table above.
 
     damping : absolute λ; default None: ``relative_damping`` (default per curvature,
         :data:`RELATIVE_DAMPING`) × H's mean eigenvalue where H is explicit, else
@@ -163,6 +197,8 @@ def curvature_operator(task: Task, data, *, layers=None, projector: Projector | 
     weight_decay / optimizer : the objective's weight decay, given or read (module docs).
     covariance_max_examples / lambda_max_examples : K-FAC / EK-FAC only: the covariances and
         the eigenvalue correction from the first m examples of ``data`` (:func:`gradalg.kfac`).
+    data_weight : c, the uniform data weight the model was trained at: the decay term is
+        divided by c (module docs, "Data weight").
     """
     if curvature not in CURVATURES:
         raise ValueError(f"curvature must be one of {CURVATURES}, got {curvature!r}")
@@ -175,6 +211,9 @@ def curvature_operator(task: Task, data, *, layers=None, projector: Projector | 
     P = projector if projector is not None else (lambda G: G)
     decay = decay_term(weight_decay, optimizer, grads(task, data, layers)) if (
         weight_decay is not None or optimizer is not None) else None
+    c = check_data_weight(data_weight)
+    if decay is not None and c != 1.0:
+        decay = decay.scaled(1.0 / c, f"/ data weight {c:g}")
     if curvature == "datainf":
         G = train_grads if train_grads is not None else P(grads(task, data, layers))
         if decay is not None and not decay.uniform:
@@ -213,7 +252,8 @@ def influence(task: Task, train, queries, *, layers=None, projector: Projector |
               curvature: str = "gauss_newton", solver: str = "direct", structure: str = "dense",
               curvature_data=None, rank: int = 32, seed: int = 0, solver_settings: dict | None = None,
               relative_damping: float | None = None, covariance_max_examples: int | None = None,
-              lambda_max_examples: int | None = None, query_gradient_rank: int | None = None) -> Scores:
+              lambda_max_examples: int | None = None, query_gradient_rank: int | None = None,
+              data_weight: float = 1.0) -> Scores:
     """Influence-function scores ``P(Q) @ (H + λI + wd)⁻¹ @ P(G).T``.
 
     curvature_data : examples H is estimated on (default: ``train``).
@@ -229,6 +269,10 @@ def influence(task: Task, train, queries, *, layers=None, projector: Projector |
         examples of the curvature data (Kronfluence's option of the same name; None: all, exact;
         m ≥ n: all). A clear ``ValueError`` for other curvatures.
     lambda_max_examples : EK-FAC only: the eigenvalue correction from the first m examples.
+    data_weight : c (default 1): the model was trained with every example at weight c in a
+        sum-normalised objective (e.g. at c = α, the mean of retraining on α-subsets; the same
+        training with weight decay wd/c): scores ``(1/c) P(Q) @ (H + λI + wd/c)⁻¹ @ P(G).T``,
+        −n ∂f/∂ε_i at ε = c·1 (module docs, "Data weight").
     query_gradient_rank : None (default) exact; r: each preconditioned query's (out, in) blocks
         replaced by their best rank-r approximation (Kronfluence's ``query_gradient_low_rank``),
         ``(Q @ H⁻¹).low_rank(r) @ G.T``: the held query side keeps r·(out + in) numbers per
@@ -245,7 +289,7 @@ def influence(task: Task, train, queries, *, layers=None, projector: Projector |
                               train_grads=G if curvature_data is None else None,
                               relative_damping=relative_damping, weight_decay=weight_decay, optimizer=optimizer,
                               covariance_max_examples=covariance_max_examples,
-                              lambda_max_examples=lambda_max_examples)
-    if query_gradient_rank is not None:
-        return (Q @ Hinv).low_rank(query_gradient_rank) @ G.T
-    return Q @ Hinv @ G.T
+                              lambda_max_examples=lambda_max_examples, data_weight=data_weight)
+    S = (Q @ Hinv).low_rank(query_gradient_rank) @ G.T if query_gradient_rank is not None else Q @ Hinv @ G.T
+    c = check_data_weight(data_weight)
+    return S if c == 1.0 else S / c
