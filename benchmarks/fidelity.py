@@ -10,7 +10,10 @@ Both minimise  (1/n) Σ_{i ∈ S} CE(f(x_i), y_i) + (wd/2) ‖θ‖²  with n = 
 subset S (removal is a change of weight 1 → 0: the counterfactual influence functions
 linearise). Ground truth: 100 subsets of 50% (``ga.eval.retrain``), each trained to
 convergence warm-started from the full-data solution (Newton's method for logreg,
-L-BFGS for the MLP); targets are the 100 query losses. LDS (``ga.eval.lds``,
+L-BFGS for the MLP); targets are the 100 query losses. The rows "at the subsets' centre"
+score a second model, trained with every example at weight FRACTION (the subsets' mean
+weights; ``Setting.centred``), with ``influence(..., data_weight=FRACTION)``; their seconds
+include training it. LDS (``ga.eval.lds``,
 target="loss") with a 95% bootstrap interval over queries, and the wall time of
 ``Scores.compute()``.
 
@@ -84,6 +87,15 @@ CONFIG = {
         "DataInf": dict(curvature="datainf", damping=0.0, weight_decay=WD),
         "Gauss-Newton, Gaussian k=512": dict(curvature="gauss_newton", damping=0.0, weight_decay=WD,
                                              projector=ga.proj.gaussian(512, seed=0)),
+        # at the counterfactuals' centre: a second model trained with every example at weight
+        # FRACTION (the mean of the subsets' weights), scored with data_weight=FRACTION; the
+        # row's seconds include training it (Setting.centred)
+        "Hessian, CG, at the subsets' centre": dict(curvature="hessian", solver="cg", damping=0.0,
+                                                    weight_decay=WD, solver_settings=dict(rtol=1e-6),
+                                                    centre=True),
+        "Gauss-Newton, direct, at the subsets' centre": dict(curvature="gauss_newton", damping=0.0,
+                                                             weight_decay=WD, centre=True),
+        "EK-FAC, at the subsets' centre": dict(curvature="ekfac", damping=0.0, weight_decay=WD, centre=True),
     },
     # TRAK's kernel is Φᵀ Φ = n·F: the objective's weight decay enters as n·wd
     "trak": {"1 model, k=2048": dict(k=2048, damping=N_TRAIN * WD), _defaults("trak", "k", "relative_damping"): {},
@@ -93,9 +105,16 @@ CONFIG = {
               _defaults("grass", "k", "relative_damping"): {}},
     "less": {"5 Adam checkpoints, k=2048": dict(k=2048)},
     "relatif": {"Gauss-Newton": dict(damping=WD)},
+    "trackstar": {"defaults, last of 5 Adam checkpoints": {}},
 }
 # Methods that do not produce (query, train) scores.
-NOT_PAIRWISE = {"self_influence": "gives each training example's self-influence (n_train,), not query × train scores"}
+NOT_PAIRWISE = {"self_influence": "gives each training example's self-influence (n_train,), not query × train scores",
+                # both differentiate a ga.unroll.TrainingRun (SGD / Adam steps); these settings are
+                # trained to convergence by Newton / L-BFGS, which has no such run
+                "magic": "differentiates a replayable SGD/Adam run (ga.unroll.TrainingRun); these settings train by "
+                         "Newton / L-BFGS to convergence: measured on the MLP's SGD and AdamW runs in docs/unrolled.md",
+                "source": "segments an SGD run (ga.unroll.TrainingRun); these settings train by Newton / L-BFGS to "
+                          "convergence: measured on the MLP's SGD runs in docs/unrolled.md"}
 
 
 # --------------------------------------------------------------------------------- data
@@ -110,14 +129,15 @@ def digits():
     return train, queries
 
 
-def objective(model, X, y):
-    """(1/N_TRAIN) Σ CE + (wd/2)‖θ‖² over the given examples."""
-    return (F.cross_entropy(model(X), y, reduction="sum") / N_TRAIN
+def objective(model, X, y, data_weight=1.0):
+    """(c/N_TRAIN) Σ CE + (wd/2)‖θ‖² over the given examples, every one at weight c."""
+    return (data_weight * F.cross_entropy(model(X), y, reduction="sum") / N_TRAIN
             + WD / 2 * sum((p ** 2).sum() for p in model.parameters()))
 
 
-def newton_logreg(model: nn.Linear, X, y, tol=1e-11, max_iter=50):
-    """Newton's method for multinomial logistic regression, θ = [W | b] (10, 65)."""
+def newton_logreg(model: nn.Linear, X, y, tol=1e-11, max_iter=50, data_weight=1.0):
+    """Newton's method for multinomial logistic regression, θ = [W | b] (10, 65), on
+    ``objective`` (examples at weight ``data_weight``)."""
     n, c = X.shape[0], model.out_features
     Xa = torch.cat([X, torch.ones(n, 1, dtype=X.dtype)], 1)
     Y = F.one_hot(y, c).to(X.dtype)
@@ -128,16 +148,17 @@ def newton_logreg(model: nn.Linear, X, y, tol=1e-11, max_iter=50):
 
     def f(t):
         logits = Xa @ t.T
-        return (torch.logsumexp(logits, 1) - (logits * Y).sum(1)).sum() / N_TRAIN + WD / 2 * (t ** 2).sum()
+        return (data_weight * (torch.logsumexp(logits, 1) - (logits * Y).sum(1)).sum() / N_TRAIN
+                + WD / 2 * (t ** 2).sum())
 
     for _ in range(max_iter):
         P = torch.softmax(Xa @ theta.T, 1)
-        grad = (P - Y).T @ Xa / N_TRAIN + WD * theta
+        grad = data_weight * (P - Y).T @ Xa / N_TRAIN + WD * theta
         if grad.abs().max() < tol:
             break
         W = torch.diag_embed(P) - P[:, :, None] * P[:, None, :]
         H = (W.reshape(n, -1).T @ XX).reshape(c, c, -1, Xa.shape[1]).permute(0, 2, 1, 3).reshape(d, d)
-        step = torch.linalg.solve(H / N_TRAIN + WD * eye, grad.reshape(-1)).reshape(theta.shape)
+        step = torch.linalg.solve(data_weight * H / N_TRAIN + WD * eye, grad.reshape(-1)).reshape(theta.shape)
         f0, t = f(theta), 1.0
         while f(theta - t * step) > f0 and t > 1e-10:
             t /= 2
@@ -150,14 +171,14 @@ def newton_logreg(model: nn.Linear, X, y, tol=1e-11, max_iter=50):
     return model
 
 
-def lbfgs(model, X, y, tol=1e-7, max_iter=5000):
+def lbfgs(model, X, y, tol=1e-7, max_iter=5000, data_weight=1.0):
     params = list(model.parameters())
     opt = torch.optim.LBFGS(params, lr=1, max_iter=max_iter, max_eval=2 * max_iter, tolerance_grad=tol,
                             tolerance_change=1e-16, history_size=100, line_search_fn="strong_wolfe")
 
     def closure():
         opt.zero_grad()
-        loss = objective(model, X, y)
+        loss = objective(model, X, y, data_weight)
         loss.backward()
         return loss
 
@@ -183,6 +204,7 @@ class Setting:
     queries: tuple = None
     full: nn.Module = None
     _trajectories: dict = field(default_factory=dict)
+    _centred: tuple = None
 
     @property
     def dim(self):
@@ -195,6 +217,16 @@ class Setting:
     def train_fn(self, indices):
         model = copy.deepcopy(self.full)                      # warm start from the full-data solution
         return self.fit(model, self.train[0][indices], self.train[1][indices], tol=self.tol_subset)
+
+    def centred(self):
+        """(model, seconds): the model at the subsets' centre, every example at weight
+        FRACTION (E[1_S] for α-subsets), warm-started from the full-data solution; trained
+        once per setting, the seconds it took counted in each row that uses it."""
+        if self._centred is None:
+            t0 = time.perf_counter()
+            model = self.fit(copy.deepcopy(self.full), *self.train, tol=self.tol_full, data_weight=FRACTION)
+            self._centred = (model, time.perf_counter() - t0)
+        return self._centred
 
     def query_losses(self, model):
         with torch.no_grad():
@@ -266,6 +298,11 @@ def call_method(name, setting: Setting, kwargs):
                   np.arange(N_QUERY), **kwargs)
     if name == "trak":
         return fn([setting.task()], train, queries, **kwargs)
+    if name == "trackstar":                   # the Adam run's last checkpoint and its optimizer state
+        models, optimizers, _ = setting.trajectory("adam")
+        return fn(setting.task(models[-1]), train, queries, optimizer=optimizers[-1], **kwargs)
+    if kwargs.pop("centre", False):
+        return fn(setting.task(setting.centred()[0]), train, queries, data_weight=FRACTION, **kwargs)
     return fn(setting.task(), train, queries, **kwargs)
 
 
@@ -310,10 +347,11 @@ def run_setting(setting: Setting, methods, progress=False, n_subsets=None, exclu
                 continue
             row = Row(setting.name, name, label)
             try:
+                extra = setting.centred()[1] if kwargs.get("centre") else 0.0    # training the centred model
                 scores = call_method(name, setting, kwargs)
                 t0, c0 = time.perf_counter(), time.process_time()
                 values = scores.compute()
-                row.seconds, row.cpu = time.perf_counter() - t0, time.process_time() - c0
+                row.seconds, row.cpu = time.perf_counter() - t0 + extra, time.process_time() - c0 + extra
                 row.cost = row.seconds / base
                 if values.shape != (N_QUERY, N_TRAIN) or not np.isfinite(values.values).all():
                     raise ValueError(f"returned {values.shape} scores with "

@@ -52,7 +52,9 @@ process, right before).
     ... --retrain-only          # only the ground truth (resumable)
     ... --methods trak,logra    # rows whose method name is in the list
     ... --rows sweeps           # the knob sweeps behind the defaults
-    ... --rows ensembles        # influence / RelatIF averaged over 5 and 10 seeds (cost counts training them)
+    ... --rows ensembles        # influence / RelatIF averaged over 5 and 10 seeds, over 5, 10, 20
+                                # models trained on random 50 % subsets, and over the last 5 / 10 of
+                                # 10 checkpoints of 1 or 10 runs (cost counts training the extra models)
     ... --protocol unrolled --queries 16   # MAGIC's cost is ≈ linear in the queries
 """
 from __future__ import annotations
@@ -364,17 +366,26 @@ def knob_rows(p: Prepared):
 
 
 class TimedEnsemble:
-    """``ga.methods.ensemble`` of ``method`` over the full-data model and M − 1 more,
-    each trained on the whole training set with its own seed (initialisation and batch
-    stream: ``train_model(seed=TRAINING_SEED + m)``). ``seconds`` counts training the
-    M − 1 extra models as well as the scores: what a user of the ensemble pays."""
+    """``ga.methods.ensemble`` of ``method`` over M models (× checkpoints); ``seconds``
+    counts training the models beyond the full-data run as well as the scores: what a
+    user of the ensemble pays.
 
-    def __init__(self, p: Prepared, method, members: int, **kwargs):
-        self.p, self.method, self.members, self.kwargs = p, method, members, kwargs
-        self.seconds = None
+    kind "seeds": the full-data model and M − 1 more trained on the whole training set
+    with their own seeds (initialisation and batch stream: ``train_model(seed=TRAINING_SEED
+    + m)``). kind "subsets" (TRAK's recipe): M models each trained on a random 50 % subset
+    (``ga.eval.subset_masks(n, M, FRACTION, seed=ENSEMBLE_SUBSET_SEED)``: drawn
+    independently of the ground truth's subsets, seed ``SUBSET_SEED``) with its own seed.
+    ``checkpoints=c``: every seed's run contributes its last c of ``CHECKPOINTS`` evenly
+    spaced snapshots (the full-data run's own checkpoints are free: a user saves them while
+    training), each a member."""
+
+    def __init__(self, p: Prepared, method, members: int, kind: str = "seeds", checkpoints: int = 1, **kwargs):
+        self.p, self.method, self.members, self.kind, self.checkpoints = p, method, members, kind, checkpoints
+        self.kwargs, self.seconds = kwargs, None
 
     def compute(self):
-        models, train_seconds = _ensemble_models(self.p, self.members)
+        models, train_seconds = (_ensemble_models(self.p, self.members, self.kind) if self.checkpoints == 1
+                                 else _checkpoint_models(self.p, self.members, self.checkpoints))
         tasks = [self.p.task(m) for m in models]
         t0 = time.perf_counter()
         out = ga.methods.ensemble(self.method, tasks, self.p.train, self.p.queries[:self.p.n_query],
@@ -384,27 +395,56 @@ class TimedEnsemble:
 
 
 _ENSEMBLE_MODELS = {}
+ENSEMBLE_SUBSET_SEED = 1
+CHECKPOINTS = 10          # snapshots per run for the checkpoint ensembles (every 1/10 of the steps)
 
 
-def _ensemble_models(p: Prepared, members: int):
-    """The full-data model and ``members`` − 1 retrained with other seeds (cached per
-    setting), and the seconds training the extra ones took."""
-    have = _ENSEMBLE_MODELS.setdefault(p.setting.name, [])
-    while len(have) < members - 1:
+def _ensemble_models(p: Prepared, members: int, kind: str = "seeds"):
+    """The ensemble's models (cached per setting and kind) and the seconds training them took
+    (kind "seeds": the full-data model and ``members`` − 1 retrained with other seeds; kind
+    "subsets": ``members`` models on random 50 % subsets, each with its own seed)."""
+    have = _ENSEMBLE_MODELS.setdefault((p.setting.name, kind), [])
+    extra = members - 1 if kind == "seeds" else members
+    masks = ga.eval.subset_masks(len(p.train), max(extra, 1), FRACTION, seed=ENSEMBLE_SUBSET_SEED)
+    while len(have) < extra:
+        m = len(have)
+        items = p.train if kind == "seeds" else [p.train[i] for i in np.flatnonzero(masks[m])]
         t0 = time.perf_counter()
-        model = train_model(p.setting, p.train, seed=TRAINING_SEED + len(have) + 1)
+        model = train_model(p.setting, items, seed=TRAINING_SEED + m + 1)
         have.append((model, time.perf_counter() - t0))
-    extra = have[:members - 1]
-    return [p.model] + [m for m, _ in extra], sum(sec for _, sec in extra)
+    trained = have[:extra]
+    models = [m for m, _ in trained]
+    return ([p.model] + models if kind == "seeds" else models), sum(sec for _, sec in trained)
+
+
+def _checkpoint_models(p: Prepared, seeds: int, last: int):
+    """The last ``last`` of ``CHECKPOINTS`` snapshots of each of ``seeds`` full-data runs
+    (seed TRAINING_SEED + s; s = 0 is the setting's own run), and the seconds training the
+    runs other than s = 0 took."""
+    runs = _ENSEMBLE_MODELS.setdefault((p.setting.name, "checkpoints"), [])
+    while len(runs) < seeds:
+        t0 = time.perf_counter()
+        _, snaps = train_model(p.setting, p.train, checkpoints=CHECKPOINTS, seed=TRAINING_SEED + len(runs))
+        runs.append(([m for m, _ in snaps], time.perf_counter() - t0))
+    return [m for snaps, _ in runs[:seeds] for m in snaps[-last:]], sum(sec for _, sec in runs[1:seeds])
 
 
 def ensemble_rows(p: Prepared):
-    """Influence and RelatIF (EK-FAC) averaged over M models trained with other seeds."""
+    """Influence and RelatIF (EK-FAC) averaged over M models trained with other seeds, over
+    M models trained on random 50 % subsets, and over checkpoints of M runs."""
     m = ga.methods
     for M in (5, 10):
         for name, fn in (("relatif", m.relatif), ("influence", m.influence)):
             yield name, f"EK-FAC, ensemble of {M} seeds", lambda fn=fn, M=M: TimedEnsemble(p, fn, M,
                                                                                            curvature="ekfac")
+    for M in (5, 10, 20):
+        for name, fn in (("relatif", m.relatif), ("influence", m.influence)):
+            yield name, f"EK-FAC, ensemble of {M} models on 50 % subsets", lambda fn=fn, M=M: TimedEnsemble(
+                p, fn, M, kind="subsets", curvature="ekfac")
+    for M, last in ((1, 5), (1, 10), (10, 5), (10, 10)):
+        for name, fn in (("relatif", m.relatif), ("influence", m.influence)):
+            yield name, f"EK-FAC, {M} seed(s) × last {last} of {CHECKPOINTS} checkpoints", \
+                lambda fn=fn, M=M, last=last: TimedEnsemble(p, fn, M, checkpoints=last, curvature="ekfac")
 
 
 _CHECKPOINTS = {}
@@ -500,7 +540,7 @@ def main(argv=None):
     ap.add_argument("--methods", default=None, help="comma-separated method names")
     ap.add_argument("--rows", default="methods", help="'methods' (every method, defaults first), 'sweeps' "
                     "(the knob sweeps behind the defaults), 'ensembles' (influence and RelatIF over 5 and "
-                    "10 seeds), or several, comma-separated")
+                    "10 seeds, over 5, 10, 20 models on 50 % subsets, over checkpoints of 1 or 10 runs), or several, comma-separated")
     ap.add_argument("--n-subsets", type=int, default=N_SUBSETS)
     ap.add_argument("--retrain-only", action="store_true")
     ap.add_argument("--magic-only", action="store_true", help="only MAGIC's scores for the first --queries "
