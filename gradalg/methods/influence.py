@@ -54,14 +54,14 @@ the same training with weight decay wd/c):
     S_qz = (1/c) ∇f_qᵀ (H̄ + λI + R''/c)⁻¹ ∇ℓ_z,   H̄ = (1/n) Σ ∇²ℓ_i,
 
 the damping λ added to H̄ as usual. c = α, the kept fraction of retraining on random
-α-subsets, linearises at the mean of those counterfactuals (E[1_S] = α·1) instead of at the full set. For subsets keeping each
-example with probability α, the least-squares linear fit of a quadratic f(ε) has
-coefficients ∂f/∂ε_i(α·1) + ½(1 − 2α) ∂²f/∂ε_i²: the gradient at the centre (exactly so
-at α = ½), where the gradient at ε = 1 is off by every second-order term,
-Σ_j ∂²f/∂ε_i∂ε_j (1 − α). A recipe, not a default: it needs the model trained at
-ε = c·1 (docs/user_guide.md, "Linearise at the counterfactuals' centre"; measured in
-docs/fidelity.md). For an objective normalised by the number of kept examples (a mean
-loss, mini-batch means) uniform weights cancel and the full model already is the
+α-subsets, linearises at the mean of those counterfactuals (E[1_S] = α·1) instead of at
+the full set. For subsets keeping each example with probability α, the least-squares
+linear fit of a quadratic f(ε) has coefficients ∂f/∂ε_i(α·1) + ½(1 − 2α) ∂²f/∂ε_i²: the
+gradient at the centre (exactly so at α = ½), where the gradient at ε = 1 is off by every
+second-order term, Σ_j ∂²f/∂ε_i∂ε_j (1 − α). A recipe, not a default: it needs the
+model trained at ε = c·1 (docs/user_guide.md, "Linearise at the counterfactuals' centre";
+measured in docs/fidelity.md). For an objective normalised by the number of kept examples
+(a mean loss, mini-batch means) uniform weights cancel and the full model already is the
 centre: leave c = 1 there.
 """
 from __future__ import annotations
