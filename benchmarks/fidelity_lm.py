@@ -405,7 +405,8 @@ def _ensemble_models(p: Prepared, members: int, kind: str = "seeds"):
     "subsets": ``members`` models on random 50 % subsets, each with its own seed)."""
     have = _ENSEMBLE_MODELS.setdefault((p.setting.name, kind), [])
     extra = members - 1 if kind == "seeds" else members
-    masks = ga.eval.subset_masks(len(p.train), max(extra, 1), FRACTION, seed=ENSEMBLE_SUBSET_SEED)
+    if kind == "subsets" and len(have) < extra:     # row m does not depend on how many are drawn
+        masks = ga.eval.subset_masks(len(p.train), extra, FRACTION, seed=ENSEMBLE_SUBSET_SEED)
     while len(have) < extra:
         m = len(have)
         items = p.train if kind == "seeds" else [p.train[i] for i in np.flatnonzero(masks[m])]
