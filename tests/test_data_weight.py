@@ -136,3 +136,31 @@ def test_data_weight_divides_the_decay_and_the_scores(setting):
 def test_bad_data_weight_is_refused_by_name(setting, bad):
     with pytest.raises(ValueError, match="data_weight must be"):
         ga.methods.influence(setting["task"], setting["train"], setting["query"], data_weight=bad)
+
+
+@pytest.mark.parametrize("variant", ["ekfac", "datainf", "projected gauss_newton", "cg gauss_newton"])
+def test_every_curvature_takes_the_data_weight_the_same_way(setting, variant):
+    """K-FAC/EK-FAC, DataInf, a projected space and a products-only solver: the decay is
+    divided and the scores scaled by the same rule as the dense Gauss-Newton."""
+    kwargs = {"ekfac": dict(curvature="ekfac"), "datainf": dict(curvature="datainf"),
+              "projected gauss_newton": dict(projector=ga.proj.gaussian(8, seed=0)),
+              "cg gauss_newton": dict(solver="cg", solver_settings=dict(rtol=1e-10))}[variant]
+    args = (setting["task"], setting["train"], setting["query"])
+    weighted = values(ga.methods.influence(*args, damping=0.01, weight_decay=WD, data_weight=C, **kwargs))
+    by_hand = values(ga.methods.influence(*args, damping=0.01, weight_decay=WD / C, **kwargs)) / C
+    np.testing.assert_allclose(weighted, by_hand, rtol=1e-8, atol=1e-12 * np.abs(by_hand).max())
+
+
+def test_a_per_coordinate_decay_stays_refused_where_it_has_no_exact_form(setting):
+    """Divided by c, AdamW's wd·diag(√v̂ + ε) is still per coordinate: K-FAC refuses it."""
+    model = setting["model"]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    opt.zero_grad()
+    F.cross_entropy(model(setting["train"][0]), setting["train"][1]).backward()
+    opt.step()
+    try:
+        with pytest.raises(ga.objective.ObjectiveError, match="differs between coordinates"):
+            ga.methods.influence(setting["task"], setting["train"], setting["query"], curvature="kfac",
+                                 optimizer=opt, data_weight=C)
+    finally:
+        torch.nn.utils.vector_to_parameters(setting["theta_c"], model.parameters())   # the fixture's model
