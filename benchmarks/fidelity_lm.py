@@ -29,6 +29,13 @@ loss). Two protocols (``--protocol``), named in every results file:
                     score the run's own final model. Results:
                     ``results-<setting>-unrolled.json``.
 
+``--seeds-per-subset K`` (subset-retrain only) trains every subset K times, run r with
+seed TRAINING_SEED + r (every subset's run r shares it), and scores against the mean of
+the K runs; the header then prints ``ga.eval.reliability`` of the ground truth (the
+test–retest correlation between runs, and the LDS ceiling it implies). Results:
+``results-<setting>-k<K>.json``. Run 0 is the one-run ground truth, so the runs it
+already stored are kept.
+
 MAGIC (``ga.methods.magic``, checkpointing "sqrt") differentiates the replayable run
 under both protocols: the full runs of the two protocols are the same recipe (the
 replayable one uses ``ga.unroll.Adam`` and eager attention — a twice-differentiable
@@ -56,6 +63,7 @@ process, right before).
                                 # models trained on random 50 % subsets, and over the last 5 / 10 of
                                 # 10 checkpoints of 1 or 10 runs (cost counts training the extra models)
     ... --protocol unrolled --queries 16   # MAGIC's cost is ≈ linear in the queries
+    ... --seeds-per-subset 4    # each subset trained 4 times; the reliability and LDS ceiling printed
 """
 from __future__ import annotations
 
@@ -200,7 +208,8 @@ class Prepared:
     """A setting's corpus, full-data model and ground truth under ``protocol``."""
 
     def __init__(self, setting: LMSetting, n_subsets: int = N_SUBSETS, progress: bool = False,
-                 protocol: str = "subset-retrain", queries: int | None = None, retrain: bool = True):
+                 protocol: str = "subset-retrain", queries: int | None = None, retrain: bool = True,
+                 seeds_per_subset: int = 1):
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
         self.setting, self.protocol = setting, protocol
@@ -216,14 +225,17 @@ class Prepared:
         self.key = (f"{setting.name}-L{setting.n_layer}-d{setting.n_embd}-n{setting.n_train}"
                     f"-q{setting.n_query}-s{setting.train_steps}-ts{TRAINING_SEED}")
         store = BUILD / (self.key + ("-unrolled" if protocol == "unrolled" else ""))
-        self.truth, self.truth_seconds = None, 0.0
+        self.truth, self.truth_seconds, self.reliability = None, 0.0, None
         if not retrain:
             return
         t0 = time.perf_counter()
         self.truth = ga.eval.retrain(self.train_fn, setting.n_train, n_subsets=n_subsets, fraction=FRACTION,
                                      seed=SUBSET_SEED, training_seed=TRAINING_SEED, targets_fn=self.query_losses,
-                                     target="loss", store=store, progress=progress)
+                                     target="loss", store=store, progress=progress,
+                                     seeds_per_subset=seeds_per_subset)
         self.truth_seconds = time.perf_counter() - t0
+        if seeds_per_subset > 1:
+            self.reliability = ga.eval.reliability(self.truth.isel(query=slice(0, self.n_query)))
 
     @property
     def run(self) -> "ga.unroll.TrainingRun":
@@ -233,11 +245,15 @@ class Prepared:
         return self._run
 
     def train_fn(self, indices):
+        """A subset's model; its training seed is the one ``ga.eval.retrain`` seeded torch with
+        (TRAINING_SEED for a subset's first run, TRAINING_SEED + r for its run r)."""
         if self.protocol == "unrolled":                   # the same run, ε = 1 on the subset, 0 elsewhere
+            if torch.initial_seed() != TRAINING_SEED:
+                raise ValueError("the unrolled protocol replays one run: one run per subset")
             weights = torch.zeros(len(self.train))
             weights[torch.as_tensor(indices)] = 1.0
             return self.run.train(weights)
-        return train_model(self.setting, [self.train[i] for i in indices])
+        return train_model(self.setting, [self.train[i] for i in indices], seed=torch.initial_seed())
 
     def query_losses(self, model):
         with torch.no_grad():
@@ -464,12 +480,15 @@ def _checkpoints(p: Prepared, kind: str):
 
 # --------------------------------------------------------------------------------- run
 def run(setting: LMSetting, *, rows_of=("methods",), only=None, recompute=False, n_subsets=N_SUBSETS,
-        progress=False, retrain_only=False, protocol="subset-retrain", queries=None):
-    p = Prepared(setting, n_subsets, progress, protocol, queries)
+        progress=False, retrain_only=False, protocol="subset-retrain", queries=None, seeds_per_subset=1):
+    p = Prepared(setting, n_subsets, progress, protocol, queries, seeds_per_subset=seeds_per_subset)
     label = setting.name if protocol == "subset-retrain" else f"{setting.name}-{protocol}"
     label += f"-q{p.n_query}" if p.n_query < setting.n_query else ""
-    print(f"[{label}] {setting.describe()}; protocol {protocol}; ground truth {n_subsets} subsets ready in "
-          f"{p.truth_seconds:.0f} s", flush=True)
+    label += f"-k{seeds_per_subset}" if seeds_per_subset > 1 else ""
+    print(f"[{label}] {setting.describe()}; protocol {protocol}; ground truth {n_subsets} subsets × "
+          f"{seeds_per_subset} run(s) ready in {p.truth_seconds:.0f} s", flush=True)
+    if p.reliability is not None:
+        print(f"  {p.reliability!r}", flush=True)
     if retrain_only:
         return []
     base = p.fwd_bwd_seconds()
@@ -503,7 +522,8 @@ def run(setting: LMSetting, *, rows_of=("methods",), only=None, recompute=False,
                 row["skipped"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:160]
                 print(f"  {method:10s} {config:36s} skipped: {row['skipped']}", flush=True)
             rows.append(row)
-            _write(out, label, setting, protocol, n_subsets, p.n_query, base, row)   # an interrupted run keeps them
+            _write(out, label, setting, protocol, n_subsets, p.n_query, base, row,
+                   seeds_per_subset, p.reliability)                          # an interrupted run keeps them
     return rows
 
 
@@ -519,18 +539,27 @@ def _read(out: Path) -> list:
 
 
 def _write(out: Path, label: str, setting: LMSetting, protocol: str, n_subsets: int, n_query: int,
-           base: float, row: dict) -> None:
+           base: float, row: dict, seeds_per_subset: int = 1, reliability=None) -> None:
     """Add (or replace) ``row`` in ``out``, read afresh: another process may have added rows."""
     rows = [r for r in _read(out) if (r["method"], r["config"]) != (row["method"], row["config"])] + [row]
     BUILD.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps({"setting": label, "description": setting.describe(),
-                               "protocol": {"name": protocol, "counterfactual": COUNTERFACTUAL[protocol],
+                               "protocol": {"name": protocol, "counterfactual": COUNTERFACTUAL[protocol] + (
+                                   f"; {seeds_per_subset} runs per subset, run r with seed {TRAINING_SEED} + r "
+                                   "(init and batch stream), targets averaged" if seeds_per_subset > 1 else ""),
                                             "n_subsets": n_subsets, "fraction": FRACTION,
                                             "queries": f"the first {n_query} of {setting.n_query}",
-                                            "seeds_per_subset": 1, "training_seed": TRAINING_SEED,
+                                            "seeds_per_subset": seeds_per_subset,
+                                            "training_seed": TRAINING_SEED if seeds_per_subset == 1 else
+                                            f"{TRAINING_SEED} + r for run r = 0 … {seeds_per_subset - 1}",
                                             "target": "query loss (sum of token NLL)",
                                             "interval": "95% percentile bootstrap over queries and subsets"},
+                               **({"reliability": {"test_retest": reliability.retest,
+                                                   "test_retest_interval": list(reliability.interval),
+                                                   "ceiling": reliability.ceiling,
+                                                   "ceiling_one_run": reliability.ceiling_with(1)}}
+                                  if reliability is not None else {}),
                                "fwd_bwd_seconds": base, "rows": rows}, indent=1))
     tmp.replace(out)
 
@@ -543,6 +572,10 @@ def main(argv=None):
                     "(the knob sweeps behind the defaults), 'ensembles' (influence and RelatIF over 5 and "
                     "10 seeds, over 5, 10, 20 models on 50 % subsets, over checkpoints of 1 or 10 runs), or several, comma-separated")
     ap.add_argument("--n-subsets", type=int, default=N_SUBSETS)
+    ap.add_argument("--seeds-per-subset", type=int, default=1,
+                    help="training runs per subset (seeds TRAINING_SEED + r), targets averaged; ≥ 2 also "
+                         "measures the ground truth's test–retest correlation and LDS ceiling "
+                         "(ga.eval.reliability); results go to results-<setting>-k<K>.json")
     ap.add_argument("--retrain-only", action="store_true")
     ap.add_argument("--magic-only", action="store_true", help="only MAGIC's scores for the first --queries "
                     "queries (cached; no ground truth): to run beside a --retrain-only process")
@@ -566,7 +599,7 @@ def main(argv=None):
         run(SETTINGS[name], rows_of=tuple(args.rows.split(",")), recompute=args.recompute, only=only,
             n_subsets=args.n_subsets, progress=args.progress,
             retrain_only=args.retrain_only, protocol=args.protocol,
-            queries=args.queries)
+            queries=args.queries, seeds_per_subset=args.seeds_per_subset)
 
 
 if __name__ == "__main__":

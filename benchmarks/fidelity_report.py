@@ -29,6 +29,15 @@ def table(result: dict) -> str:
     proto = result.get("protocol", {})
     named = (f" Protocol **{proto['name']}** ({proto['counterfactual']}); {proto['n_subsets']} subsets, "
              f"{proto['queries']} queries." if "name" in proto else "")
+    runs = proto.get("seeds_per_subset", 1)
+    if runs > 1:
+        named += f" Targets: the mean of {runs} training runs per subset (seeds {proto['training_seed']})."
+    if "reliability" in result:
+        rel = result["reliability"]
+        low, high = rel["test_retest_interval"]
+        named += (f" Ground truth test–retest (Spearman between runs) {rel['test_retest']:.3f} [{low:.3f}, "
+                  f"{high:.3f}]; LDS ceiling {rel['ceiling']:.2f} against the {runs}-run mean "
+                  f"({rel['ceiling_one_run']:.2f} for one run; `ga.eval.reliability`).")
     lines = [f"**{result['setting']}**: {result['description']}; plain forward + backward over the training "
              f"set {base}.{named}", "",
              "| method | configuration | LDS [95% CI] | seconds | cost (× fwd+bwd) |", "|---|---|---:|---:|---:|"]

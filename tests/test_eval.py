@@ -210,7 +210,7 @@ def test_retrain_records_masks_and_targets():
     x = np.arange(20.0) ** 2
     gt = ga.eval.retrain(lambda idx: idx, 20, n_subsets=6, fraction=0.25, seed=2,
                          targets_fn=lambda idx: torch.tensor([len(idx), x[idx].sum()]))
-    assert set(gt.data_vars) == {"masks", "targets"}
+    assert set(gt.data_vars) == {"masks", "targets", "runs"}
     assert gt["masks"].dims == ("subset", "train") and gt["targets"].dims == ("subset", "query")
     np.testing.assert_array_equal(gt["masks"].values, ga.eval.subset_masks(20, 6, 0.25, seed=2))
     np.testing.assert_array_equal(gt["targets"].values[:, 0], 5.0)

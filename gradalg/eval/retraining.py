@@ -10,7 +10,14 @@ Reproducibility
     ``seed``, ``j``, α and n, so asking for more subsets later keeps the first ones.
     Before every call of ``train_fn`` the global RNGs of torch, numpy and ``random`` are
     seeded with that run's *training seed* (and restored afterwards), so a ``train_fn``
-    that draws its initialisation or batch order from them is deterministic.
+    that draws its initialisation or batch order from them is deterministic (one that
+    seeds itself can read the seed as ``torch.initial_seed()``).
+
+Several training runs per subset
+    ``seeds_per_subset=k`` trains every subset k times with k training seeds and
+    averages the targets: a ground truth less noisy than one run, and the input of
+    :func:`gradalg.eval.reliability`, which measures how repeatable the targets are and
+    so the highest LDS any scores can reach on them.
 
 Resuming
     With ``store=path`` (a directory), each finished run is written to its own ``.npz``
@@ -18,7 +25,9 @@ Resuming
     rerun with the same store loads the finished runs and trains only the missing ones;
     an interrupted write leaves no partial file under a run's name. The store's
     ``meta.json`` records what the runs depend on, and a rerun with other settings is
-    refused rather than mixed in.
+    refused rather than mixed in; each run's file records its training seed, and a run
+    stored with another seed is refused too. ``seeds_per_subset`` is not among the
+    settings: a rerun with a larger k keeps the stored runs and trains only the new ones.
 
     >>> gt = ga.eval.retrain(train_fn, 500, n_subsets=50, fraction=0.5,
     ...                      targets_fn=query_losses, store="cache/lds")
@@ -28,6 +37,7 @@ Resuming
     Data variables:
         masks    (subset, train) bool ...
         targets  (subset, query) float64 ...
+        runs     (subset, run, query) float64 ...
 """
 from __future__ import annotations
 
@@ -48,7 +58,7 @@ from ..errors import GradalgError, ShapeMismatchError
 if TYPE_CHECKING:                 # xarray loads when a result is made (about 76 MB)
     import xarray as xr
 
-__all__ = ["retrain", "leave_one_out", "subset_masks", "subset_size"]
+__all__ = ["retrain", "leave_one_out", "subset_masks", "subset_size", "select_runs"]
 
 _STORE_VERSION = 1
 
@@ -79,9 +89,21 @@ def subset_masks(n_train: int, n_subsets: int, fraction: float, seed: int = 0) -
     return masks
 
 
-def _run_seed(seed: int, run: int) -> int:
-    """The training seed of run ``run`` of a retraining with ``seed`` (a 31-bit int)."""
-    return int(np.random.SeedSequence([int(seed), int(run), 0x7E7]).generate_state(1)[0] >> 1)
+def _run_seed(seed: int, run: int, replicate: int = 0) -> int:
+    """The training seed of run ``run`` of a retraining with ``seed`` (a 31-bit int);
+    ``replicate`` r ≥ 1 is the subset's (r + 1)-th training run (``seeds_per_subset``)."""
+    entropy = [int(seed), int(run), 0x7E7] + ([int(replicate)] if replicate else [])
+    return int(np.random.SeedSequence(entropy).generate_state(1)[0] >> 1)
+
+
+def _training_seed(seed: int, j: int, replicate: int, training_seed: int | None) -> int:
+    """Subset j's training seed for its run ``replicate``: derived from (seed, j, replicate),
+    or ``training_seed + replicate`` (every subset shares the run's seed)."""
+    return _run_seed(seed, j, replicate) if training_seed is None else int(training_seed) + int(replicate)
+
+
+def _run_name(j: int, replicate: int) -> str:
+    return f"subset-{j:06d}" if replicate == 0 else f"subset-{j:06d}-run{replicate:02d}"
 
 
 def _subset_rng(seed: int, j: int) -> np.random.Generator:
@@ -91,8 +113,9 @@ def _subset_rng(seed: int, j: int) -> np.random.Generator:
 # ------------------------------------------------------------------------------ public
 def retrain(train_fn: Callable[[np.ndarray], Any], n_train: int, *, n_subsets: int, fraction: float = 0.5,
             targets_fn: Callable[[Any], Any], seed: int = 0, training_seed: int | None = None,
-            store: str | os.PathLike | None = None, query_ids: Sequence | None = None,
-            target: str | None = None, progress: bool = False) -> xr.Dataset:
+            seeds_per_subset: int = 1, store: str | os.PathLike | None = None,
+            query_ids: Sequence | None = None, target: str | None = None,
+            progress: bool = False) -> xr.Dataset:
     """Retrain on ``n_subsets`` random subsets and record each model's targets.
 
     Parameters
@@ -109,6 +132,12 @@ def retrain(train_fn: Callable[[np.ndarray], Any], n_train: int, *, n_subsets: i
     training_seed : None (default): subset j is trained with its own seed,
         derived from (``seed``, j); an int: every subset with this seed, so that
         the targets differ only through the data.
+    seeds_per_subset : k ≥ 1, training runs per subset. Run r of subset j is trained
+        with the seed above for r = 0 and, for r ≥ 1, with one derived from
+        (``seed``, j, r), or ``training_seed + r`` when ``training_seed`` is given (then
+        every subset's run r shares a seed). ``targets`` is the mean of the k runs,
+        ``runs`` keeps each; with k ≥ 2 :func:`gradalg.eval.reliability` tells how
+        repeatable they are. k = 1 trains exactly what earlier versions trained.
     store : a directory for resumable results (created if missing), or None.
     query_ids : labels of the queries (default 0..n_query-1).
     target : optional label recorded in ``attrs["target"]`` ("loss" or "margin"),
@@ -118,36 +147,71 @@ def retrain(train_fn: Callable[[np.ndarray], Any], n_train: int, *, n_subsets: i
     Returns
     -------
     xarray.Dataset with
-        ``masks``   (subset, train) bool      which examples each model saw
-        ``targets`` (subset, query) float64   ``targets_fn`` of each model
-    and attrs ``n_train``, ``fraction``, ``seed``, ``kind="subsets"`` (and ``target``).
+        ``masks``   (subset, train) bool          which examples each model saw
+        ``targets`` (subset, query) float64       ``targets_fn`` of the subset's models, averaged
+        ``runs``    (subset, run, query) float64  ``targets_fn`` of each of its k models
+    and attrs ``n_train``, ``fraction``, ``seed``, ``seeds_per_subset``,
+    ``kind="subsets"`` (and ``training_seed``, ``target`` when given).
     """
     import xarray as xr
     _check_callable(train_fn, "train_fn")
     _check_callable(targets_fn, "targets_fn")
     _check_target(target)
+    if isinstance(seeds_per_subset, bool) or not isinstance(seeds_per_subset, (int, np.integer)) \
+            or seeds_per_subset < 1:
+        raise ValueError(f"seeds_per_subset must be a positive integer (training runs per subset), "
+                         f"got {seeds_per_subset!r}")
     masks = subset_masks(n_train, n_subsets, fraction, seed)
     meta = {"kind": "subsets", "n_train": int(n_train), "fraction": float(fraction), "seed": int(seed),
             "training_seed": None if training_seed is None else int(training_seed)}
     runs = _RunStore(store, meta)
-    targets = []
+    targets = []                                      # subset-major: run r of subset j at j·k + r
     for j in range(n_subsets):
-        name = f"subset-{j:06d}"
         indices = np.flatnonzero(masks[j])
-        stored = runs.load(name, indices)
-        if stored is None:
-            run_seed = _run_seed(seed, j) if training_seed is None else int(training_seed)
-            stored = _run(train_fn, targets_fn, indices, run_seed, progress, f"subset {j + 1}/{n_subsets}")
-            runs.save(name, indices, stored, run_seed)
-        targets.append(stored)
-    values = _stack(targets)
-    attrs = {**{k: v for k, v in meta.items() if v is not None}, **({"target": target} if target else {})}
+        for r in range(int(seeds_per_subset)):
+            name, run_seed = _run_name(j, r), _training_seed(seed, j, r, training_seed)
+            stored = runs.load(name, indices, run_seed)
+            if stored is None:
+                label = f"subset {j + 1}/{n_subsets}" + (f", run {r + 1}/{seeds_per_subset}"
+                                                          if seeds_per_subset > 1 else "")
+                stored = _run(train_fn, targets_fn, indices, run_seed, progress, label)
+                runs.save(name, indices, stored, run_seed)
+            targets.append(stored)
+    values = _stack(targets).reshape(n_subsets, int(seeds_per_subset), -1)      # (M, k, n_query)
+    attrs = {**{k: v for k, v in meta.items() if v is not None}, "seeds_per_subset": int(seeds_per_subset),
+             **({"target": target} if target else {})}
     return xr.Dataset(
-        {"masks": (("subset", "train"), masks), "targets": (("subset", "query"), values)},
-        coords={"subset": np.arange(n_subsets), "train": np.arange(n_train),
-                "query": _query_coords(query_ids, values.shape[1])},
+        {"masks": (("subset", "train"), masks), "targets": (("subset", "query"), values.mean(axis=1)),
+         "runs": (("subset", "run", "query"), values)},
+        coords={"subset": np.arange(n_subsets), "train": np.arange(n_train), "run": np.arange(values.shape[1]),
+                "query": _query_coords(query_ids, values.shape[2])},
         attrs=attrs,
     )
+
+
+def select_runs(ground_truth: xr.Dataset, runs) -> xr.Dataset:
+    """The ground truth of :func:`retrain` restricted to some of its training runs.
+
+    ``runs``: an int k (the first k runs of every subset) or a sequence of run indices.
+    Returns the same Dataset with ``runs`` (subset, run, query) holding only those and
+    ``targets`` their mean: what ``retrain(..., seeds_per_subset=k)`` returns for the first k
+    (``ground_truth.isel(run=...)`` alone would keep the mean over all runs in ``targets``).
+    """
+    if "runs" not in ground_truth:
+        raise ValueError("select_runs needs the ground truth's individual runs ('runs', from ga.eval.retrain)")
+    k = ground_truth.sizes["run"]
+    if isinstance(runs, (int, np.integer)) and not isinstance(runs, bool):
+        if not 1 <= runs <= k:
+            raise ValueError(f"runs must be between 1 and the {k} runs per subset stored, got {runs}")
+        chosen = np.arange(int(runs))
+    else:
+        chosen = np.asarray(list(runs), dtype=np.int64).reshape(-1)
+        if chosen.size == 0 or chosen.min() < 0 or chosen.max() >= k or np.unique(chosen).size != chosen.size:
+            raise ValueError(f"runs must be distinct indices in [0, {k}), got {list(chosen)}")
+    out = ground_truth.isel(run=chosen)
+    out["targets"] = out["runs"].mean("run")
+    out.attrs = {**ground_truth.attrs, "seeds_per_subset": int(chosen.size)}
+    return out
 
 
 def leave_one_out(train_fn: Callable[[np.ndarray], Any], n_train: int, indices: Sequence[int],
@@ -296,7 +360,7 @@ class _RunStore:
         else:
             _atomic_write(meta_file, lambda f: f.write(json.dumps(meta, indent=1, sort_keys=True).encode()))
 
-    def load(self, name: str, indices: np.ndarray) -> np.ndarray | None:
+    def load(self, name: str, indices: np.ndarray, run_seed: int | None = None) -> np.ndarray | None:
         if self.path is None:
             return None
         file = self.path / f"{name}.npz"
@@ -304,9 +368,14 @@ class _RunStore:
             return None
         with np.load(file) as data:
             stored_indices, targets = data["indices"], data["targets"]
+            stored_seed = int(data["training_seed"]) if "training_seed" in data.files else None
         if not np.array_equal(stored_indices, indices):
             raise GradalgError(f"{file} was trained on other examples than this run draws (a store "
                                "written by another version?); use another store path or delete it")
+        if run_seed is not None and stored_seed is not None and stored_seed != int(run_seed):
+            raise GradalgError(f"{file} was trained with training seed {stored_seed}, this run asks for "
+                               f"{int(run_seed)} (a store written by another version?); use another store "
+                               "path or delete it")
         return np.asarray(targets, dtype=np.float64)
 
     def save(self, name: str, indices: np.ndarray, targets: np.ndarray, run_seed: int) -> None:
