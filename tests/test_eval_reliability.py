@@ -180,3 +180,20 @@ def test_select_runs_is_what_fewer_seeds_per_subset_would_have_returned():
     for bad in (0, 5, [], [1, 1], [4]):
         with pytest.raises(ValueError, match="runs must be"):
             ga.eval.select_runs(four, bad)
+
+
+def test_lds_reports_the_ceiling_of_a_ground_truth_with_several_runs():
+    gt = ga.eval.retrain(Noisy(sigma=2.0), N_TRAIN, n_subsets=30, seeds_per_subset=3, targets_fn=_identity,
+                         target="loss")
+    w = _weights()
+    result = ga.eval.lds(-w, gt, bootstrap=0)
+    assert result.ceiling == pytest.approx(ga.eval.reliability(gt, bootstrap=0).ceiling, abs=1e-15)
+    assert f"ground-truth ceiling {result.ceiling:.2f}" in repr(result)
+    assert ga.eval.lds(-w, gt, resample="both", bootstrap=50).ceiling == result.ceiling
+    assert ga.eval.lds(-w, ga.eval.select_runs(gt, 1), bootstrap=0).ceiling is None   # one run: unknown
+    assert "ceiling" not in repr(ga.eval.lds(-w, ga.eval.select_runs(gt, 1), bootstrap=0))
+    assert ga.eval.lds(-w, {"masks": gt["masks"], "targets": gt["targets"]}, target="loss").ceiling is None
+    inconsistent = gt.isel(run=[0, 1])                  # targets still the 3-run mean: no ceiling claimed
+    assert ga.eval.lds(-w, inconsistent, bootstrap=0).ceiling is None
+    np.testing.assert_allclose(ga.eval.retest_correlation(gt["runs"]),
+                               ga.eval.reliability(gt, bootstrap=0).per_query.values, atol=0)

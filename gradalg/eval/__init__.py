@@ -17,10 +17,10 @@
 and so the highest LDS they allow.
 """
 from .correlation import (RESAMPLE, CorrelationResult, lds, lds_bootstrap, lds_resampled, loo_correlation, pearson,
-                          spearman)
-from .retest import Reliability, reliability, spearman_brown
+                          spearman, spearman_brown, retest_correlation)
+from .retest import Reliability, reliability
 from .retraining import leave_one_out, retrain, select_runs, subset_masks, subset_size
 
 __all__ = ["retrain", "select_runs", "leave_one_out", "subset_masks", "subset_size", "lds", "lds_bootstrap", "lds_resampled", "RESAMPLE",
            "loo_correlation", "spearman", "pearson", "CorrelationResult", "reliability", "Reliability",
-           "spearman_brown"]
+           "spearman_brown", "retest_correlation"]

@@ -39,7 +39,7 @@ if TYPE_CHECKING:                 # xarray loads when a result is made (about 76
     import xarray as xr
 
 __all__ = ["lds", "lds_bootstrap", "lds_resampled", "loo_correlation", "spearman", "pearson",
-           "CorrelationResult", "RESAMPLE"]
+           "CorrelationResult", "RESAMPLE", "spearman_brown", "retest_correlation"]
 
 _SIGN = {"loss": -1.0, "margin": 1.0}
 RESAMPLE = ("queries", "subsets", "both")   # what an LDS bootstrap interval resamples
@@ -63,6 +63,7 @@ class CorrelationResult:
     n_queries: int                          # finite per-query values
     n_samples: int                          # subsets (LDS) or removed examples (LOO)
     resample: str = "queries"               # what the bootstrap resampled (RESAMPLE)
+    ceiling: float | None = None            # LDS: the ground truth's ceiling (k ≥ 2 runs per subset)
 
     def __float__(self) -> float:
         return self.mean
@@ -75,8 +76,9 @@ class CorrelationResult:
             ci = f"{self.confidence:.0%} CI{over} {self.interval[0]:.3f} to {self.interval[1]:.3f}; "
         dropped = self.per_query.size - self.n_queries
         extra = f", {dropped} constant queries left out" if dropped else ""
+        ceiling = f"; ground-truth ceiling {self.ceiling:.2f}" if self.ceiling is not None else ""
         return (f"{self.name} {self.mean:.3f} ({ci}{self.n_queries} queries, {self.n_samples} {what}, "
-                f"{self.method.capitalize()}{extra})")
+                f"{self.method.capitalize()}{extra}{ceiling})")
 
     def _repr_html_(self) -> str:
         import html
@@ -143,6 +145,54 @@ def _pearson_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 # -------------------------------------------------------------------------------- LDS
+def spearman_brown(rho_1, runs: int):
+    """ρ_k = k ρ_1 / (1 + (k − 1) ρ_1): the reliability of a mean of ``runs`` measurements
+    whose single-run reliability is ``rho_1`` (array or float)."""
+    if isinstance(runs, bool) or not isinstance(runs, (int, np.integer)) or runs < 1:
+        raise ValueError(f"runs must be a positive integer, got {runs!r}")
+    rho_1 = np.asarray(rho_1, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return runs * rho_1 / (1.0 + (runs - 1) * rho_1)
+
+
+def retest_correlation(runs) -> np.ndarray:
+    """ρ₁ per query: the Spearman correlation over subsets between two training runs of the
+    same subsets, averaged over every pair of runs. ``runs``: (subset, run, query) with
+    run ≥ 2; returns (n_query,), NaN where a run's targets are constant."""
+    runs = _numpy(runs).astype(np.float64)
+    if runs.ndim != 3 or runs.shape[1] < 2:
+        raise ShapeMismatchError(f"retest_correlation needs runs (subset, run ≥ 2, query), got shape {runs.shape}")
+    k = runs.shape[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        pairs = np.stack([spearman(runs[:, a], runs[:, b], axis=0)
+                          for a in range(k) for b in range(a + 1, k)])          # (pairs, n_query)
+        return np.nanmean(pairs, axis=0)
+
+
+def _ceiling(ground_truth, actual) -> float | None:
+    """√max(ρ_k, 0) averaged over queries when ``ground_truth`` holds k ≥ 2 runs per subset
+    whose mean is its ``targets`` (else None): the LDS ceiling :func:`lds` reports."""
+    try:
+        runs = _numpy(ground_truth["runs"]).astype(np.float64)
+    except (KeyError, TypeError):
+        return None
+    if runs.ndim != 3 or runs.shape[1] < 2 or runs.shape[0] < 3 or runs.shape[::2] != actual.shape \
+            or not np.allclose(runs.mean(axis=1), actual, rtol=1e-12, atol=1e-12, equal_nan=True):
+        return None
+    value = mean_ceiling(retest_correlation(runs), runs.shape[1])
+    return value if np.isfinite(value) else None
+
+
+def mean_ceiling(rho_1, runs: int) -> float:
+    """The LDS ceiling of a ground truth averaging ``runs`` runs per subset: the mean over
+    queries of √max(ρ_runs, 0), ρ_runs = :func:`spearman_brown` of the per-query single-run
+    reliabilities ``rho_1`` (NaN entries left out; NaN if none is finite)."""
+    rho = spearman_brown(rho_1, runs)
+    rho = rho[np.isfinite(rho)]
+    return float(np.sqrt(np.clip(rho, 0.0, None)).mean()) if rho.size else float("nan")
+
+
 def lds(scores, ground_truth, *, target: str | None = None, bootstrap: int = 1000, confidence: float = 0.95,
         seed: int = 0, resample: str = "queries") -> CorrelationResult:
     """Linear datamodeling score of ``scores`` against retrained ``ground_truth``.
@@ -170,7 +220,10 @@ def lds(scores, ground_truth, *, target: str | None = None, bootstrap: int = 100
 
     Returns
     -------
-    CorrelationResult: ``per_query`` (DataArray, dim "query"), ``mean``, ``interval``.
+    CorrelationResult: ``per_query`` (DataArray, dim "query"), ``mean``, ``interval``, and
+    ``ceiling`` when the ground truth holds k ≥ 2 training runs per subset whose mean is its
+    ``targets`` (``retrain(..., seeds_per_subset=k)``): the highest LDS those targets allow,
+    √ρ_k averaged over queries (:func:`gradalg.eval.reliability`); None otherwise.
     """
     sign = _sign(target, ground_truth)
     masks = _numpy(ground_truth["masks"]).astype(np.float64)        # (M, n_train)
@@ -191,6 +244,7 @@ def lds(scores, ground_truth, *, target: str | None = None, bootstrap: int = 100
     query = query if query is not None else _coord(ground_truth, "query", actual.shape[1])
     result = _result("LDS", "spearman", per_query, query, masks.shape[0],
                      bootstrap if resample == "queries" else 0, confidence, seed)
+    result = replace(result, ceiling=_ceiling(ground_truth, actual))
     if resample == "queries" or not bootstrap:
         return result
     interval = lds_resampled(predicted, actual, over=resample, n_resamples=bootstrap, confidence=confidence,

@@ -33,30 +33,18 @@ targets near Gaussian), and with M subsets each estimate carries O(1/√M) noise
 """
 from __future__ import annotations
 
-import itertools
-import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import ShapeMismatchError
-from .correlation import lds_bootstrap, spearman
+from .correlation import lds_bootstrap, mean_ceiling, retest_correlation
 
 if TYPE_CHECKING:                 # xarray loads when a result is made (about 76 MB)
     import xarray as xr
 
-__all__ = ["reliability", "Reliability", "spearman_brown"]
-
-
-def spearman_brown(rho_1, runs: int):
-    """ρ_k = k ρ_1 / (1 + (k − 1) ρ_1): the reliability of a mean of ``runs`` measurements
-    whose single-run reliability is ``rho_1`` (array or float)."""
-    if isinstance(runs, bool) or not isinstance(runs, (int, np.integer)) or runs < 1:
-        raise ValueError(f"runs must be a positive integer, got {runs!r}")
-    rho_1 = np.asarray(rho_1, dtype=np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return runs * rho_1 / (1.0 + (runs - 1) * rho_1)
+__all__ = ["reliability", "Reliability"]
 
 
 @dataclass(frozen=True)
@@ -85,9 +73,7 @@ class Reliability:
     def ceiling_with(self, runs: int) -> float:
         """The LDS ceiling against a ground truth averaging ``runs`` runs per subset
         (mean over queries of √max(ρ_runs, 0), ρ_runs by Spearman–Brown from ρ_1)."""
-        rho = spearman_brown(self.per_query.values, runs)
-        rho = rho[np.isfinite(rho)]
-        return float(np.sqrt(np.clip(rho, 0.0, None)).mean()) if rho.size else float("nan")
+        return mean_ceiling(self.per_query.values, runs)
 
     def __float__(self) -> float:
         return self.ceiling
@@ -136,11 +122,7 @@ def reliability(ground_truth, *, bootstrap: int = 1000, confidence: float = 0.95
                          "only the new runs are trained)")
     if m < 3:
         raise ValueError(f"reliability needs at least 3 subsets, got {m}")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        pairs = np.stack([spearman(runs[:, a], runs[:, b], axis=0)
-                          for a, b in itertools.combinations(range(k), 2)])        # (pairs, n_query)
-        per_query = np.nanmean(pairs, axis=0)                                     # (n_query,)
+    per_query = retest_correlation(runs)                                                 # (n_query,)
     finite = per_query[np.isfinite(per_query)]
     retest = float(finite.mean()) if finite.size else float("nan")
     interval = (lds_bootstrap(per_query, n_resamples=bootstrap, confidence=confidence, seed=seed)
