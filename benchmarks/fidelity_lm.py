@@ -212,6 +212,8 @@ class Prepared:
                  seeds_per_subset: int = 1):
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+        if protocol == "unrolled" and seeds_per_subset != 1:
+            raise ValueError("the unrolled protocol replays the one full run: --seeds-per-subset must be 1 there")
         self.setting, self.protocol = setting, protocol
         self.n_query = setting.n_query if queries is None else min(int(queries), setting.n_query)   # LDS queries
         self.train, self.lang = make_corpus(setting, setting.n_train // len(setting.steps), setting.corpus_seed)
@@ -248,8 +250,6 @@ class Prepared:
         """A subset's model; its training seed is the one ``ga.eval.retrain`` seeded torch with
         (TRAINING_SEED for a subset's first run, TRAINING_SEED + r for its run r)."""
         if self.protocol == "unrolled":                   # the same run, ε = 1 on the subset, 0 elsewhere
-            if torch.initial_seed() != TRAINING_SEED:
-                raise ValueError("the unrolled protocol replays one run: one run per subset")
             weights = torch.zeros(len(self.train))
             weights[torch.as_tensor(indices)] = 1.0
             return self.run.train(weights)
