@@ -106,6 +106,18 @@ def test_spearman_brown_by_hand():
     np.testing.assert_allclose(ga.eval.spearman_brown(np.array([0.2, 0.9]), 4), [0.8 / 1.6, 3.6 / 3.7])
     with pytest.raises(ValueError, match="runs must be a positive integer"):
         ga.eval.spearman_brown(0.5, 0)
+    with pytest.raises(ValueError, match=r"in \[0, 1\]"):
+        ga.eval.spearman_brown(-0.5, 4)                 # would give 4: no meaning for a negative ρ₁
+
+
+def test_the_ceiling_of_pure_noise_is_at_most_one_and_negative_estimates_count_as_zero():
+    runs = np.random.default_rng(0).normal(size=(6, 2, 40))            # no signal: ρ₁ scatters around 0
+    rel = ga.eval.reliability({"runs": runs}, bootstrap=0)
+    assert (rel.per_query.values < 0).any()
+    rho = np.clip(rel.per_query.values, 0, 1)
+    for k in (1, 2, 4, 16):
+        assert 0 <= rel.ceiling_with(k) <= 1
+        assert rel.ceiling_with(k) == pytest.approx(np.sqrt(k * rho / (1 + (k - 1) * rho)).mean())
 
 
 def test_reliability_per_query_is_the_mean_spearman_over_pairs_of_runs():
@@ -118,9 +130,9 @@ def test_reliability_per_query_is_the_mean_spearman_over_pairs_of_runs():
     np.testing.assert_allclose(rel.per_query.values, by_hand, atol=1e-12)
     assert rel.retest == pytest.approx(by_hand.mean())
     assert rel.interval == ga.eval.lds_bootstrap(rel.per_query, n_resamples=200, seed=0)
-    rho3 = 3 * by_hand / (1 + 2 * by_hand)
-    assert rel.ceiling == pytest.approx(np.sqrt(np.clip(rho3, 0, None)).mean())
-    assert rel.ceiling_with(1) == pytest.approx(np.sqrt(np.clip(by_hand, 0, None)).mean())
+    rho_1 = np.clip(by_hand, 0, 1)
+    assert rel.ceiling == pytest.approx(np.sqrt(3 * rho_1 / (1 + 2 * rho_1)).mean())
+    assert rel.ceiling_with(1) == pytest.approx(np.sqrt(rho_1).mean())
     assert rel.runs == 3 and rel.n_subsets == 30
     text = repr(rel)
     assert "3 runs per subset" in text and "test–retest" in text and "with 1 run" in text and "CI" in text
@@ -158,8 +170,11 @@ def test_reliability_refuses_one_run_and_says_how_to_get_two():
     gt = ga.eval.retrain(Noisy(sigma=1.0), N_TRAIN, n_subsets=5, targets_fn=_identity)
     with pytest.raises(ValueError, match="seeds_per_subset=2"):
         ga.eval.reliability(gt)
-    with pytest.raises(ValueError, match="'runs'"):
+    with pytest.raises(ValueError, match="without 'runs'"):
         ga.eval.reliability({"masks": gt["masks"], "targets": gt["targets"]})
+    for bad in (None, 5, gt["targets"].values):
+        with pytest.raises(ValueError, match="seeds_per_subset=2 or more"):
+            ga.eval.reliability(bad)
     small = ga.eval.retrain(Noisy(sigma=1.0), N_TRAIN, n_subsets=2, seeds_per_subset=2, targets_fn=_identity)
     with pytest.raises(ValueError, match="at least 3 subsets"):
         ga.eval.reliability(small)

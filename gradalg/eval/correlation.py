@@ -147,12 +147,16 @@ def _pearson_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 # -------------------------------------------------------------------------------- LDS
 def spearman_brown(rho_1, runs: int):
     """ρ_k = k ρ_1 / (1 + (k − 1) ρ_1): the reliability of a mean of ``runs`` measurements
-    whose single-run reliability is ``rho_1`` (array or float)."""
+    whose single-run reliability is ``rho_1`` (array or float) in [0, 1]. A negative
+    estimate of ρ_1 (no repeatable signal, up to sampling noise) has no meaning here and
+    is refused; clip it at 0 first, as :func:`mean_ceiling` does."""
     if isinstance(runs, bool) or not isinstance(runs, (int, np.integer)) or runs < 1:
         raise ValueError(f"runs must be a positive integer, got {runs!r}")
     rho_1 = np.asarray(rho_1, dtype=np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return runs * rho_1 / (1.0 + (runs - 1) * rho_1)
+    if np.any(rho_1[np.isfinite(rho_1)] < 0) or np.any(rho_1[np.isfinite(rho_1)] > 1):
+        raise ValueError("spearman_brown needs single-run reliabilities in [0, 1] (clip a negative estimate "
+                         f"at 0 first); got values in [{np.nanmin(rho_1):.3g}, {np.nanmax(rho_1):.3g}]")
+    return runs * rho_1 / (1.0 + (runs - 1) * rho_1)
 
 
 def retest_correlation(runs) -> np.ndarray:
@@ -171,7 +175,7 @@ def retest_correlation(runs) -> np.ndarray:
 
 
 def _ceiling(ground_truth, actual) -> float | None:
-    """√max(ρ_k, 0) averaged over queries when ``ground_truth`` holds k ≥ 2 runs per subset
+    """√ρ_k (ρ₁ clipped at 0) averaged over queries when ``ground_truth`` holds k ≥ 2 runs per subset
     whose mean is its ``targets`` (else None): the LDS ceiling :func:`lds` reports."""
     try:
         runs = _numpy(ground_truth["runs"]).astype(np.float64)
@@ -186,11 +190,12 @@ def _ceiling(ground_truth, actual) -> float | None:
 
 def mean_ceiling(rho_1, runs: int) -> float:
     """The LDS ceiling of a ground truth averaging ``runs`` runs per subset: the mean over
-    queries of √max(ρ_runs, 0), ρ_runs = :func:`spearman_brown` of the per-query single-run
-    reliabilities ``rho_1`` (NaN entries left out; NaN if none is finite)."""
-    rho = spearman_brown(rho_1, runs)
-    rho = rho[np.isfinite(rho)]
-    return float(np.sqrt(np.clip(rho, 0.0, None)).mean()) if rho.size else float("nan")
+    queries of √ρ_runs, ρ_runs = :func:`spearman_brown` of the per-query single-run
+    reliabilities ``rho_1`` clipped to [0, 1] (a negative estimate: no repeatable signal,
+    ceiling 0 for that query; NaN entries left out; NaN if none is finite)."""
+    rho_1 = np.asarray(rho_1, dtype=np.float64)
+    rho_1 = np.clip(rho_1[np.isfinite(rho_1)], 0.0, 1.0)
+    return float(np.sqrt(spearman_brown(rho_1, runs)).mean()) if rho_1.size else float("nan")
 
 
 def lds(scores, ground_truth, *, target: str | None = None, bootstrap: int = 1000, confidence: float = 0.95,

@@ -20,7 +20,8 @@ against another), and the Spearman–Brown formula carries it to k runs:
 
 :func:`reliability` computes ρ_1 per query as the Spearman correlation over subsets
 between two runs (the mean over every pair of runs when there are more), and the
-**ceiling** √max(ρ_k, 0) per query, averaged over queries: the LDS of the noise-free
+**ceiling** √ρ_k per query (ρ_1 clipped at 0 first: a negative estimate means no
+repeatable signal), averaged over queries: the LDS of the noise-free
 μ against the k-run ground truth, which no scores can beat except by chance. Using a
 rank correlation in formulas derived for Pearson's is an approximation (close for
 targets near Gaussian), and with M subsets each estimate carries O(1/√M) noise.
@@ -54,8 +55,8 @@ class Reliability:
     ``per_query`` (query,): ρ_1 per query, the Spearman correlation over subsets between
     two training runs of the same subsets (mean over pairs of runs); NaN where a run's
     targets are constant. ``retest``: its mean over queries, with ``interval`` (a
-    percentile bootstrap over queries). ``ceiling``: mean over queries of √max(ρ_k, 0)
-    for the ground truth's own k = ``runs``; :meth:`ceiling_with` gives it for another k.
+    percentile bootstrap over queries). ``ceiling``: mean over queries of √ρ_k (ρ_1
+    clipped at 0 first) for the ground truth's own k = ``runs``; :meth:`ceiling_with` gives it for another k.
     """
 
     per_query: "xr.DataArray"
@@ -72,7 +73,7 @@ class Reliability:
 
     def ceiling_with(self, runs: int) -> float:
         """The LDS ceiling against a ground truth averaging ``runs`` runs per subset
-        (mean over queries of √max(ρ_runs, 0), ρ_runs by Spearman–Brown from ρ_1)."""
+        (mean over queries of √ρ_runs, ρ_runs by Spearman–Brown from ρ_1 clipped to [0, 1])."""
         return mean_ceiling(self.per_query.values, runs)
 
     def __float__(self) -> float:
@@ -109,9 +110,11 @@ def reliability(ground_truth, *, bootstrap: int = 1000, confidence: float = 0.95
     ``ceiling`` (against the k-run mean) and ``ceiling_with(k')`` (module docstring).
     """
     import xarray as xr
-    if "runs" not in ground_truth:
-        raise ValueError("reliability needs the ground truth's individual training runs ('runs', from "
-                         "ga.eval.retrain); got a mapping without them")
+    if not hasattr(ground_truth, "keys") or "runs" not in ground_truth.keys():
+        raise ValueError("reliability needs the ground truth's individual training runs: the Dataset of "
+                         "ga.eval.retrain(..., seeds_per_subset=2 or more), or a mapping with 'runs' "
+                         f"(subset, run, query); got {type(ground_truth).__name__}"
+                         + (" without 'runs'" if hasattr(ground_truth, "keys") else ""))
     runs = np.asarray(ground_truth["runs"], dtype=np.float64)
     if runs.ndim != 3:
         raise ShapeMismatchError(f"ground truth 'runs' must be (subset, run, query), got shape {runs.shape}")
