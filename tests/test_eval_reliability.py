@@ -212,3 +212,18 @@ def test_lds_reports_the_ceiling_of_a_ground_truth_with_several_runs():
     assert ga.eval.lds(-w, inconsistent, bootstrap=0).ceiling is None
     np.testing.assert_allclose(ga.eval.retest_correlation(gt["runs"]),
                                ga.eval.reliability(gt, bootstrap=0).per_query.values, atol=0)
+
+
+def test_a_transposed_ground_truth_is_read_by_dimension_names_not_positions():
+    """gt.transpose(...) reorders the arrays' axes; reading them by position would swap
+    subsets and runs (or subsets and queries) and return another number without an error."""
+    gt = ga.eval.retrain(Noisy(sigma=2.0), N_TRAIN, n_subsets=30, seeds_per_subset=3, targets_fn=_identity,
+                         target="loss")
+    w = _weights()
+    flipped = gt.transpose("query", "run", "subset", "train")
+    assert flipped["runs"].dims == ("query", "run", "subset")
+    rel, rel_flipped = ga.eval.reliability(gt, bootstrap=0), ga.eval.reliability(flipped, bootstrap=0)
+    np.testing.assert_array_equal(rel_flipped.per_query.values, rel.per_query.values)
+    assert rel_flipped.n_subsets == 30 and rel_flipped.runs == 3
+    plain, from_flipped = ga.eval.lds(-w, gt, bootstrap=0), ga.eval.lds(-w, flipped, bootstrap=0)
+    assert from_flipped.mean == plain.mean and from_flipped.ceiling == plain.ceiling

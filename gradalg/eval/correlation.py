@@ -178,7 +178,7 @@ def _ceiling(ground_truth, actual) -> float | None:
     """√ρ_k (ρ₁ clipped at 0) averaged over queries when ``ground_truth`` holds k ≥ 2 runs per subset
     whose mean is its ``targets`` (else None): the LDS ceiling :func:`lds` reports."""
     try:
-        runs = _numpy(ground_truth["runs"]).astype(np.float64)
+        runs = ground_truth_array(ground_truth, "runs", ("subset", "run", "query"))
     except (KeyError, TypeError):
         return None
     if runs.ndim != 3 or runs.shape[1] < 2 or runs.shape[0] < 3 or runs.shape[::2] != actual.shape \
@@ -231,8 +231,8 @@ def lds(scores, ground_truth, *, target: str | None = None, bootstrap: int = 100
     √ρ_k averaged over queries (:func:`gradalg.eval.reliability`); None otherwise.
     """
     sign = _sign(target, ground_truth)
-    masks = _numpy(ground_truth["masks"]).astype(np.float64)        # (M, n_train)
-    actual = _numpy(ground_truth["targets"]).astype(np.float64)     # (M, n_query)
+    masks = ground_truth_array(ground_truth, "masks", ("subset", "train"))       # (M, n_train)
+    actual = ground_truth_array(ground_truth, "targets", ("subset", "query"))    # (M, n_query)
     tau, query = _scores(scores)                                      # (n_query, n_train)
     if masks.ndim != 2 or actual.ndim != 2 or masks.shape[0] != actual.shape[0]:
         raise ShapeMismatchError(f"ground truth needs masks (M, n_train) and targets (M, n_query), got "
@@ -354,7 +354,7 @@ def loo_correlation(scores, loo, *, target: str | None = None, method: str = "pe
     if method not in ("pearson", "spearman"):
         raise ValueError(f"method must be 'pearson' or 'spearman', got {method!r}")
     sign = _sign(target, loo)
-    effect = _numpy(loo["effect"]).astype(np.float64)                # (n_removed, n_query)
+    effect = ground_truth_array(loo, "effect", ("removed", "query"))             # (n_removed, n_query)
     removed = np.asarray(_coord(loo, "removed", effect.shape[0])).astype(np.int64)
     tau, query = _scores(scores)                                      # (n_query, n_train)
     if effect.ndim != 2 or tau.shape[0] != effect.shape[1]:
@@ -406,6 +406,17 @@ def _numpy(x) -> np.ndarray:
     if isinstance(x, xr.DataArray):
         return np.asarray(x.values)
     return np.asarray(x)
+
+
+def ground_truth_array(ground_truth, name: str, dims: tuple[str, ...]) -> np.ndarray:
+    """``ground_truth[name]`` as a float64 array with axes in the order ``dims``: an
+    xarray variable with exactly those dimensions in another order (``gt.transpose(...)``)
+    is put back in order by name, so its axes are never misread by position."""
+    import xarray as xr
+    value = ground_truth[name]
+    if isinstance(value, xr.DataArray) and value.dims != dims and set(value.dims) == set(dims):
+        value = value.transpose(*dims)
+    return _numpy(value).astype(np.float64)
 
 
 def _coord(data, name, size):

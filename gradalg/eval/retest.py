@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import ShapeMismatchError
-from .correlation import lds_bootstrap, mean_ceiling, retest_correlation
+from .correlation import ground_truth_array, lds_bootstrap, mean_ceiling, retest_correlation
 
 if TYPE_CHECKING:                 # xarray loads when a result is made (about 76 MB)
     import xarray as xr
@@ -115,7 +115,7 @@ def reliability(ground_truth, *, bootstrap: int = 1000, confidence: float = 0.95
                          "ga.eval.retrain(..., seeds_per_subset=2 or more), or a mapping with 'runs' "
                          f"(subset, run, query); got {type(ground_truth).__name__}"
                          + (" without 'runs'" if hasattr(ground_truth, "keys") else ""))
-    runs = np.asarray(ground_truth["runs"], dtype=np.float64)
+    runs = ground_truth_array(ground_truth, "runs", ("subset", "run", "query"))
     if runs.ndim != 3:
         raise ShapeMismatchError(f"ground truth 'runs' must be (subset, run, query), got shape {runs.shape}")
     m, k, n_query = runs.shape
