@@ -250,7 +250,7 @@ def leave_one_out(train_fn: Callable[[np.ndarray], Any], n_train: int, indices: 
     everything = np.arange(n_train, dtype=np.int64)
 
     def one(name, keep, label):
-        stored = runs.load(name, keep)
+        stored = runs.load(name, keep, int(seed))
         if stored is None:
             stored = _run(train_fn, targets_fn, keep, int(seed), progress, label)
             runs.save(name, keep, stored, int(seed))
@@ -360,7 +360,7 @@ class _RunStore:
         else:
             _atomic_write(meta_file, lambda f: f.write(json.dumps(meta, indent=1, sort_keys=True).encode()))
 
-    def load(self, name: str, indices: np.ndarray, run_seed: int | None = None) -> np.ndarray | None:
+    def load(self, name: str, indices: np.ndarray, run_seed: int) -> np.ndarray | None:
         if self.path is None:
             return None
         file = self.path / f"{name}.npz"
@@ -372,7 +372,7 @@ class _RunStore:
         if not np.array_equal(stored_indices, indices):
             raise GradalgError(f"{file} was trained on other examples than this run draws (a store "
                                "written by another version?); use another store path or delete it")
-        if run_seed is not None and stored_seed is not None and stored_seed != int(run_seed):
+        if stored_seed is not None and stored_seed != int(run_seed):
             raise GradalgError(f"{file} was trained with training seed {stored_seed}, this run asks for "
                                f"{int(run_seed)} (a store written by another version?); use another store "
                                "path or delete it")
