@@ -116,7 +116,9 @@ class _Displayed:
             does not fit raises :class:`~gradalg.errors.MemoryBudgetError` with the
             arithmetic (weights / n + unsharded units + held rows + one example per GPU;
             :mod:`gradalg.plan.scale`).
-        memory_budget : bytes for the plan (default: the options' budget here,
+        memory_budget : bytes for the plan (default: the options' budget here —
+            ``ga.options(memory_budget=...)``, else ``memory_fraction`` of the memory
+            available when the plan is made, :mod:`gradalg.plan.budget` — and
             ``ga.options(device_memory_fraction=...)`` (0.4) of the device's memory when
             planning for another device).
         executor : the executor that would run it (a ``ga.exec.DaskExecutor`` adds, per
@@ -140,24 +142,31 @@ class _Displayed:
         from .plan.explain import Explain
         from .plan.planner import plan
 
-        options = None
+        options = budget = None
         if device is not None or memory_budget is not None:
             from dataclasses import replace as _replace
 
             from .options import get_options
+            from .plan.budget import Budget, device_budget, is_here, resolve_budget
             from .plan.devices import profile
-            # a string ("4GB") is parsed by Options, like ga.options(memory_budget=...)
-            fraction = get_options().device_memory_fraction
-            budget = memory_budget if memory_budget is not None else int(fraction * profile(device).memory)
-            options = _replace(get_options(), memory_budget=budget)
+            options = get_options()
+            if memory_budget is not None:
+                # a string ("4GB") is parsed by Options, like ga.options(memory_budget=...)
+                options = _replace(options, memory_budget=memory_budget)
+                budget = Budget(options.memory_budget, "explain(memory_budget=...)")
+            elif is_here(device):   # "cpu", "cuda:0": the options' budget, or this machine's
+                budget = resolve_budget(options, device)
+            else:   # hardware one plans for: device_memory_fraction of one device's memory
+                budget = device_budget(options, profile(device, measure=False))
+            options = _replace(options, memory_budget=budget.bytes)
         if analyze:
             from .exec.local import LocalExecutor
             ex = executor or LocalExecutor(rewrites=rewrites)
             self._run(ex)
             return Explain(ex.last_plan, ex.pass_stats, tuple(gpus), device, stage, ex)
         try:
-            return Explain(plan(self.expr, options=options, device=device, rewrites=rewrites, **self._plan_args()),
-                           [], tuple(gpus), device, stage, executor)
+            return Explain(plan(self.expr, options=options, device=device, rewrites=rewrites, budget=budget,
+                                **self._plan_args()), [], tuple(gpus), device, stage, executor)
         except MemoryBudgetError as err:
             if device is None:
                 raise
@@ -166,6 +175,8 @@ class _Displayed:
             from .plan.cost import _si
             wide = int(options.device_memory_fraction * profile(device).memory * max(gpus))
             p = plan(self.expr, options=_replace(options, memory_budget=wide), device=device, rewrites=rewrites,
+                     budget=Budget(wide, f"{options.device_memory_fraction:g} of {max(gpus)} × "
+                                         f"{profile(device).name}'s memory (device_memory_fraction)"),
                      **self._plan_args())
             warning = (f"does not fit a memory budget of {_si(options.memory_budget)}B on one "
                        f"{profile(device).name}: {err}. Shown: the plan for a budget of {_si(wide)}B "

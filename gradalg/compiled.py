@@ -142,7 +142,8 @@ class Compiled:
         if _is_stored(inner.right):
             return False    # a store is read once per query; holding H R would copy it into memory
         from .options import get_options
-        return inner.right.n * inner.right.space.dim * 8 <= get_options().memory_budget
+        from .plan.budget import budget_bytes
+        return inner.right.n * inner.right.space.dim * 8 <= budget_bytes(get_options())
 
     def _compile(self) -> None:
         from .exec.resolve import precondition
@@ -292,7 +293,7 @@ def compile(S: Scores, *, executor=None, hold="auto", on_change: str = "recomput
     :mod:`gradalg.compiled`).
 
     hold : "auto" (hold H·R in memory when its n_train × dim float64 numbers fit
-        ``ga.options().memory_budget`` and R is not already a store), True or False.
+        the memory budget (``gradalg.plan.budget``) and R is not already a store), True or False.
     on_change : when the models' weights changed since compiling: "recompute" or "raise".
     check_weights : "full" (re-hash the weights before every use; sees writes through
         ``p.data``) or "versions" (trust tensor version counters; cheaper).

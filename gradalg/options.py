@@ -73,9 +73,29 @@ class Options:
         The most examples per chunk when gradalg builds a DataLoader from a Dataset (the
         planner uses fewer under ``memory_budget`` or ``batch_tokens``; a DataLoader's or
         ``ga.grads(..., batch_size=)``'s own batch size is used as it is).
-    memory_budget : int
-        Bytes that materialized per-example gradients, cached projections and dense
-        curvature matrices may take. Accepts ``"4GB"``-style strings.
+    memory_budget : int or None
+        Bytes a run may add to what the process already holds when it is planned: held
+        rows, stored rows, curvature statistics, projection matrices and tables, and each
+        batch's captured factors, activations and working rows (the planner's counted
+        bytes; the model's weights, the data and the framework are already resident, and
+        not counted). Accepts ``"4GB"``-style strings (binary units). ``None`` (default):
+        ``memory_fraction`` of the memory available when the plan is made — the device's
+        free memory (``torch.cuda.mem_get_info``) for a model on CUDA, else ``MemAvailable``
+        of ``/proc/meminfo`` (``psutil``'s available memory where there is no
+        ``/proc/meminfo``; 2 GiB where neither exists). The plan shows the budget and where
+        it came from (:mod:`gradalg.plan.budget`).
+    memory_fraction : float in (0, 1]
+        The fraction of the available memory that a budget from the machine
+        (``memory_budget=None``) takes; default 0.5. A run's resident growth measured up to
+        1.31× its planned bytes (``tests/test_budgets.py``, ``docs/planner.md``), so half of
+        what is free leaves a quarter of it, even at 1.5× the budget, to the page cache,
+        the rest of the process and other processes. Shown in the plan's header.
+    measure_devices : bool
+        Measure a device's speeds the first time a run is planned on it (about 3 s on a
+        CPU, under a second on a GPU), cached on disk (:mod:`gradalg.plan.devices`).
+        ``False``: a CPU never measured is priced with a modest default, a GPU never
+        measured with the nominal profile of its name (H200 / H100 / A100 spec sheets,
+        labelled "nominal" in the plan).
     ghost : {"auto", "always", "never"}
         Factored ("ghost") inner products: chosen by cost, forced, or disabled.
     check_finite : bool
@@ -171,7 +191,9 @@ class Options:
     """
 
     batch_size: int = 32
-    memory_budget: int = 2 * 2**30
+    memory_budget: int | str | None = None
+    memory_fraction: float = 0.5
+    measure_devices: bool = True
     ghost: str = "auto"
     check_finite: bool = True
     check_reduction: bool = True
@@ -195,17 +217,18 @@ class Options:
     def __post_init__(self):
         if not isinstance(self.batch_size, int) or isinstance(self.batch_size, bool) or self.batch_size < 1:
             raise OptionError(f"batch_size must be a positive int, got {self.batch_size!r}")
-        if isinstance(self.memory_budget, bool):
-            raise OptionError(f"memory_budget must be a number of bytes or a string like '4GB', "
-                              f"got {self.memory_budget!r}")
-        try:
-            budget = _parse_bytes(self.memory_budget)
-        except (TypeError, ValueError, OverflowError) as err:
-            raise OptionError(f"memory_budget must be a number of bytes or a string like '4GB', "
-                              f"got {self.memory_budget!r}") from err
-        object.__setattr__(self, "memory_budget", budget)
-        if self.memory_budget <= 0:
-            raise OptionError(f"memory_budget must be positive, got {self.memory_budget!r}")
+        if self.memory_budget is not None:
+            if isinstance(self.memory_budget, bool):
+                raise OptionError(f"memory_budget must be a number of bytes, a string like '4GB' or None (a "
+                                  f"fraction of the machine's memory), got {self.memory_budget!r}")
+            try:
+                budget = _parse_bytes(self.memory_budget)
+            except (TypeError, ValueError, OverflowError) as err:
+                raise OptionError(f"memory_budget must be a number of bytes, a string like '4GB' or None (a "
+                                  f"fraction of the machine's memory), got {self.memory_budget!r}") from err
+            object.__setattr__(self, "memory_budget", budget)
+            if self.memory_budget <= 0:
+                raise OptionError(f"memory_budget must be positive, got {self.memory_budget!r}")
         if not isinstance(self.ghost, str) or self.ghost not in ("auto", "always", "never"):
             raise OptionError(f"ghost must be 'auto', 'always' or 'never', got {self.ghost!r}")
         if self.progress not in PROGRESS_MODES or not isinstance(self.progress, (bool, str)):
@@ -219,7 +242,7 @@ class Options:
         if isinstance(growth, bool) or not isinstance(growth, (int, float)) or not 1 <= growth < float("inf"):
             raise OptionError(f"release_growth must be a number >= 1 (1.0: return free memory after every "
                               f"batch), got {growth!r}")
-        for name in ("store_fraction", "device_memory_fraction"):
+        for name in ("store_fraction", "device_memory_fraction", "memory_fraction"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise OptionError(f"{name} must be a fraction in (0, 1], got {value!r}")

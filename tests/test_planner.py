@@ -8,6 +8,7 @@ import functools
 import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import replace
@@ -710,6 +711,110 @@ def test_budget_option_parses_and_is_scoped():
     with pytest.raises(ValueError):
         ga.options(memory_budget=-1)
 
+
+
+def _fake_meminfo(tmp_path, available_kb: int) -> str:
+    path = tmp_path / "meminfo"
+    path.write_text(f"MemTotal:       24000000 kB\nMemFree:          1000000 kB\n"
+                    f"MemAvailable:   {available_kb:>10} kB\nBuffers:          100000 kB\n")
+    return str(path)
+
+
+def test_default_budget_is_a_fraction_of_available_memory(tmp_path, monkeypatch):
+    """memory_budget=None: memory_fraction of MemAvailable when the plan is made, shown
+    with its source in explain() (text, HTML, to_dict); an explicit budget still wins."""
+    from gradalg.plan import budget as B
+    monkeypatch.setattr(B, "MEMINFO", _fake_meminfo(tmp_path, 8_000_000))       # 8.19 GB
+    s = mlp_setup()
+    S = ga.grads(s["task"], s["query"]) @ ga.grads(s["task"], s["train"]).T
+    with ga.options(memory_budget=None):
+        assert ga.get_options().memory_budget is None and ga.get_options().memory_fraction == 0.5
+        p = plan(S.expr)
+        assert p.options.memory_budget == int(0.5 * 8_000_000 * 1024)
+        assert (p.budget.source, p.budget.fraction, p.budget.available) == ("MemAvailable", 0.5, 8_000_000 * 1024)
+        e = S.explain()
+        assert "memory budget 4.1 GB = 0.5 × 8.19 GB available (MemAvailable; memory_fraction)" in str(e)
+        assert "0.5 × 8.19 GB available (MemAvailable; memory_fraction)" in e._repr_html_()
+        d = e.to_dict()
+        assert d["memory_budget"] == p.options.memory_budget
+        assert d["memory_budget_source"]["source"] == "MemAvailable"
+        assert d["memory_budget_source"]["fraction"] == 0.5
+        with ga.options(memory_fraction=0.25):
+            assert plan(S.expr).options.memory_budget == int(0.25 * 8_000_000 * 1024)
+        # measured when the plan is made, not when the options were set
+        monkeypatch.setattr(B, "MEMINFO", _fake_meminfo(tmp_path, 4_000_000))
+        assert plan(S.expr).options.memory_budget == int(0.5 * 4_000_000 * 1024)
+    with ga.options(memory_budget="3MB"):
+        p = plan(S.expr)
+        assert p.options.memory_budget == 3 * 2**20
+        assert p.budget.source == "ga.options(memory_budget=...)"
+        assert "memory budget 3.15 MB (ga.options(memory_budget=...))" in str(S.explain())
+    with pytest.raises(ga.OptionError, match="memory_fraction"):
+        ga.options(memory_fraction=1.5)
+
+
+def test_budget_without_meminfo_falls_back(tmp_path, monkeypatch):
+    from gradalg.plan import budget as B
+    monkeypatch.setattr(B, "MEMINFO", str(tmp_path / "missing"))
+    monkeypatch.setitem(sys.modules, "psutil", None)      # not installed
+    with ga.options(memory_budget=None):
+        found = B.resolve_budget(ga.get_options())
+    assert (found.available, found.bytes) == (B.FALLBACK_BYTES, B.FALLBACK_BYTES // 2)
+    assert "free memory unknown" in found.describe()
+
+
+def test_default_budget_on_cuda_is_a_fraction_of_the_devices_free_memory(monkeypatch):
+    """A model on CUDA: memory_fraction of torch.cuda.mem_get_info's free bytes (no GPU
+    here: the device is faked)."""
+    from gradalg.plan import budget as B
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index=None: (60 * 10**9, 80 * 10**9))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with ga.options(memory_budget=None, memory_fraction=0.5):
+        found = B.resolve_budget(ga.get_options(), torch.device("cuda", 0))
+    assert found.bytes == 30 * 10**9
+    assert found.describe() == ("30 GB = 0.5 × 60 GB available (free memory of cuda:0 "
+                                "(torch.cuda.mem_get_info); memory_fraction)")
+
+
+def test_refusal_names_the_budgets_source_and_its_fix_works(tmp_path, monkeypatch):
+    """A refusal for memory says where the budget came from and a budget that fits; the
+    suggested ga.options(...) plans as written (explicit budget and fraction alike)."""
+    from gradalg.plan import budget as B
+    s = mlp_setup()
+    S = ga.grads(s["task"], s["query"]) @ ga.grads(s["task"], s["train"]).T
+    with ga.options(memory_budget=200):
+        with pytest.raises(ga.MemoryBudgetError) as info:
+            plan(S.expr)
+    msg = str(info.value)
+    assert "The memory budget is 200 B (ga.options(memory_budget=...))" in msg, msg
+    fix = re.search(r"ga\.options\(memory_budget=('[0-9.]+[MG]B')\)", msg.split("The memory budget is")[1])
+    assert fix, msg
+    with ga.options(memory_budget=eval(fix.group(1))):
+        plan(S.expr)                                          # the fix, as written, plans
+    # a budget from the machine: the message names MemAvailable and a fraction that fits
+    monkeypatch.setattr(B, "MEMINFO", _fake_meminfo(tmp_path, 1))            # 1 kB available
+    with ga.options(memory_budget=None):
+        with pytest.raises(ga.MemoryBudgetError) as info:
+            plan(S.expr)
+    msg = str(info.value)
+    assert "= 0.5 × 1.02 kB available (MemAvailable; memory_fraction)" in msg, msg
+    assert "more than the 1.02 kB available" in msg
+    monkeypatch.setattr(B, "MEMINFO", _fake_meminfo(tmp_path, 8_000))         # 8.19 MB available
+    with ga.options(memory_budget=None, memory_fraction=0.0001):
+        with pytest.raises(ga.MemoryBudgetError) as info:
+            plan(S.expr)
+    fraction = re.search(r"ga\.options\(memory_fraction=([0-9.]+)\)", str(info.value))
+    assert fraction, str(info.value)
+    with ga.options(memory_budget=None, memory_fraction=float(fraction.group(1))):
+        plan(S.expr)                                          # the suggested fraction plans
+
+
+def test_a_dense_fisher_refusal_names_the_budgets_source():
+    s = mlp_setup()
+    G = ga.grads(s["task"], s["train"])
+    with ga.options(memory_budget=1000):
+        with pytest.raises(ga.MemoryBudgetError, match=r"The memory budget is 1 kB \(ga.options\(memory_budget"):
+            plan((G @ ga.fisher(G).damp(1e-3).inv() @ G.T).expr)
 
 # ====================================================================== explain
 def test_explain_text_and_html():

@@ -24,6 +24,8 @@ from ..capture.chunks import Chunk, flatten, unflatten
 from .allocator import release_free_memory
 from .curvature import resolve_curvature
 from .rowwise import dtype_device
+from ..errors import MemoryBudgetError
+from ..plan.budget import resolve_budget, with_note
 
 __all__ = ["resolve_node", "precondition"]
 
@@ -41,7 +43,12 @@ def resolve_node(executor, node: OpNode) -> LinearOp:
     if isinstance(node, StoredOp):  # numbers kept outside the expression (ga.store, ga.compile)
         return node.store.load()
     if isinstance(node, Fisher):
-        acc = FisherAccumulator(node, executor.options.memory_budget)
+        budget = resolve_budget(executor.options)    # the pull path runs without a plan
+        try:
+            acc = FisherAccumulator(node, budget.bytes)
+        except MemoryBudgetError as err:
+            err.args = (with_note(err, budget), *err.args[1:])
+            raise
         for chunk in executor.iter_chunks(node.grads):
             acc.update(chunk)
         return acc.finish()

@@ -70,17 +70,19 @@ def apply_rowwise(executor, node, chunk: Chunk) -> Chunk:
     raise TypeError(f"{type(node).__name__} is not a row-wise node")
 
 
-def _check_dense_matrix(p, dim: int, budget: int) -> None:
+def _check_dense_matrix(p, dim: int, options) -> None:
     """A dense projection keeps a (k, dim) float64 matrix on the CPU (``proj.matrices``):
     refuse one over the memory budget (k = 512 on a 3 M-coordinate GPT-2 would be 13 GB)."""
     need = p.k * dim * 8
-    if need > budget:
+    from ..plan.budget import refusal_note, resolve_budget
+    budget = resolve_budget(options)    # the matrix is kept in the CPU's memory
+    if need > budget.bytes:
         from ..errors import MemoryBudgetError
         raise MemoryBudgetError(
             f"a dense {p.kind} projection of {dim:,} coordinates to k={p.k} keeps a {need / 2**30:.1f} GiB "
-            f"matrix, over the memory budget of {budget / 2**30:.1f} GiB: use a projection without a dense "
+            f"matrix, over the memory budget of {budget.bytes / 2**30:.1f} GiB: use a projection without a dense "
             f"matrix (ga.proj.sparse({p.k}), ga.proj.grass(k), ga.proj.kron(k)), fewer layers, or raise "
-            "ga.options(memory_budget=...)")
+            f"ga.options(memory_budget=...). {refusal_note(budget, need)}")
 
 
 def _row_weights(weights, chunk: Chunk) -> torch.Tensor:
@@ -104,7 +106,7 @@ def _project(executor, node: Project, chunk: Chunk) -> dict:
     p = node.projector
     src_space = node.grads.space
     if p.kind in ("gaussian", "rademacher"):
-        _check_dense_matrix(p, src_space.dim, executor.options.memory_budget)
+        _check_dense_matrix(p, src_space.dim, executor.options)
     out = {}
     combined = None
     for block in src_space.blocks:

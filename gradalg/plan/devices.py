@@ -64,7 +64,7 @@ import torch
 from pathlib import Path
 
 __all__ = ["DeviceProfile", "PRESETS", "PROFILE_VERSION", "UNMEASURED_CPU", "cached_local_profile",
-           "local_profile", "profile"]
+           "local_profile", "profile", "read_cached", "write_cached"]
 
 #: the cost model's version: a cached profile without every number this one prices is
 #: measured again (1: matmul, copy and module call; 2: GEMMs by shape, eigh by size,
@@ -435,19 +435,24 @@ def _measure_capture(call: float) -> tuple[float, float]:
     return max(two - 2 * layer, 1e-6), layer
 
 
-def local_profile(refresh: bool = False) -> DeviceProfile:
-    """This machine's CPU profile, measured once and cached on disk."""
+def read_cached(key: str) -> DeviceProfile | None:
+    """The profile cached under ``key`` (:func:`_key`, or a GPU's key in
+    :mod:`gradalg.plan.accelerators`), or None: none, unreadable, another cost model's."""
+    try:
+        entry = json.loads(_cache_file().read_text()).get(key)
+        return DeviceProfile.from_json(entry) if entry else None
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
+def write_cached(key: str, prof: DeviceProfile) -> None:
+    """Cache ``prof`` under ``key`` beside the other entries (a read-only home: not cached)."""
     path = _cache_file()
-    key = _key()
-    cached = {}
-    if path.exists() and not refresh:
-        try:
-            cached = json.loads(path.read_text())
-            if key in cached:
-                return DeviceProfile.from_json(cached[key])
-        except (OSError, ValueError, TypeError):   # unreadable, or another cost model's: measure again
-            cached = cached if isinstance(cached, dict) else {}
-    prof = _measure_cpu()
+    try:
+        cached = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        cached = {}
+    cached = cached if isinstance(cached, dict) else {}
     cached[key] = prof.to_json()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -456,6 +461,16 @@ def local_profile(refresh: bool = False) -> DeviceProfile:
         os.replace(tmp, path)
     except OSError:
         pass  # read-only home: measure again next time
+
+
+def local_profile(refresh: bool = False) -> DeviceProfile:
+    """This machine's CPU profile, measured once and cached on disk."""
+    key = _key()
+    found = None if refresh else read_cached(key)
+    if found is not None:
+        return found
+    prof = _measure_cpu()
+    write_cached(key, prof)
     return prof
 
 
@@ -468,33 +483,39 @@ UNMEASURED_CPU = DeviceProfile("cpu (not measured yet: ga.plan.devices.local_pro
 def cached_local_profile() -> DeviceProfile:
     """This machine's profile if it was measured before (the disk cache), else
     :data:`UNMEASURED_CPU`. Never measures: displays (``repr``, ``explain()``) use it."""
-    try:
-        cached = json.loads(_cache_file().read_text())
-        entry = cached.get(_key())
-        if entry:
-            return DeviceProfile.from_json(entry)
-    except (OSError, ValueError, TypeError, AttributeError):
-        pass
-    return UNMEASURED_CPU
+    return read_cached(_key()) or UNMEASURED_CPU
 
 
-def profile(device: str | DeviceProfile | None = None, *, measure: bool = True, count: int | None = None
-            ) -> DeviceProfile:
-    """A profile by name ("cpu" = this machine, "h100", "h200", "a100") or as given.
+def profile(device: str | DeviceProfile | torch.device | None = None, *, measure: bool = True,
+            count: int | None = None) -> DeviceProfile:
+    """A profile by name ("cpu" = this machine, "h100", "h200", "a100"), for a CUDA device
+    (``"cuda"``, ``"cuda:1"``, a ``torch.device``: :func:`gradalg.plan.accelerators.cuda_profile`,
+    measured, or nominal by its name), or as given.
 
     count : devices of this kind (default: the profile's own, 1). ``explain(device=
         profile("h200", count=4))`` estimates, or refuses with the arithmetic, a run on
         four H200s (:mod:`gradalg.plan.scale`).
-    ``measure=False`` never benchmarks this machine: the cached measurement or
-    :data:`UNMEASURED_CPU`."""
+    ``measure=False`` never benchmarks a device: the cached measurement, else
+    :data:`UNMEASURED_CPU` (the CPU) or the GPU's nominal profile."""
     if count is not None and (int(count) != count or count < 1):
         raise ValueError(f"count must be a positive integer, got {count!r}")
     if isinstance(device, DeviceProfile):
         found = device
-    elif device is None or device == "cpu":
+    elif device is None or device == "cpu" or (isinstance(device, torch.device) and device.type == "cpu"):
         found = local_profile() if measure else cached_local_profile()
-    elif device.lower() in PRESETS:
+    elif isinstance(device, torch.device) or (isinstance(device, str) and device.lower().startswith("cuda")):
+        from .accelerators import cuda_profile
+        try:
+            dev = torch.device(device)
+        except RuntimeError as err:
+            raise ValueError(f"unknown device {device!r}: {err}") from err
+        if dev.type != "cuda":
+            raise ValueError(f"no profile for a model on {dev}: use 'cpu', 'cuda', one of {sorted(PRESETS)}, "
+                             "or a DeviceProfile")
+        found = cuda_profile(dev.index, measure=measure)
+    elif isinstance(device, str) and device.lower() in PRESETS:
         found = PRESETS[device.lower()]
     else:
-        raise ValueError(f"unknown device {device!r}: use 'cpu', one of {sorted(PRESETS)}, or a DeviceProfile")
+        raise ValueError(f"unknown device {device!r}: use 'cpu', 'cuda', one of {sorted(PRESETS)}, "
+                         "or a DeviceProfile")
     return found if count is None or count == found.count else replace(found, count=int(count))

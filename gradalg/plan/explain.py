@@ -161,7 +161,9 @@ class Explain:
 
     def to_dict(self) -> dict:
         return {
-            "device": self.plan.device.name, "memory_budget": self.plan.options.memory_budget,
+            "device": self.plan.device.name, "device_measured": self.plan.device.measured,
+            "memory_budget": self.plan.options.memory_budget,
+            "memory_budget_source": self.plan.budget.to_dict() if self.plan.budget else None,
             "rules_fired": [f.__dict__ for f in self.plan.fired], "decisions": self.decisions(),
             "operator_rules": self.operators(),
             "passes": self.passes(), "passes_over_data": self.plan.data_passes,
@@ -178,7 +180,8 @@ class Explain:
     def summary(self) -> str:
         """The header line: device, budget, passes over data and the plan's estimates."""
         p = self.plan
-        return (f"device {p.device.name}, memory budget {_si(p.options.memory_budget)}B, {p.data_passes} "
+        budget = p.budget.describe() if p.budget else f"{_si(p.options.memory_budget)}B"
+        return (f"device {p.device.name}, memory budget {budget}, {p.data_passes} "
                 f"pass(es) over data, est. {_fmt_seconds(p.seconds)}, peak ~{_si(p.peak_bytes)}B; free "
                 f"pages returned past {p.options.release_growth:g}× a batch's (release_growth)")
 

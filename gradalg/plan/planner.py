@@ -46,6 +46,7 @@ from ..errors import MemoryBudgetError
 from ..expr.lowrank import lowrank_below
 from ..expr.tokens import token_rows
 from ..options import CPU_BATCH_TOKENS, Options, get_options
+from .budget import Budget, resolve_budget, with_note
 from .choices import Choices
 from . import estimates
 from .cost import Cost, _si, first_example_shape, tokens_hint
@@ -137,6 +138,7 @@ class Plan:
     device: DeviceProfile
     stored: set
     dtype: torch.dtype = torch.float32
+    budget: Budget | None = None    # the memory budget and its source (options.memory_budget is its bytes)
 
     @property
     def total(self) -> Cost:
@@ -785,10 +787,12 @@ class _Planner:
             parts = "".join(f" ({a})" for a in (j.bytes_arithmetic(self.dtype) for j in p.jobs) if a)
             tables = self._table_bytes(p.jobs)
             parts += f" (sparse projection tables {_si(tables)}B)" if tables else ""
-            raise MemoryBudgetError(
+            err = MemoryBudgetError(
                 f"{p.label}: held rows and statistics take {_si(fixed)}B{parts}, over the memory budget of "
                 f"{_si(budget)}B: use fewer queries per call, project the gradients (ga.proj.kron), "
                 "or raise ga.options(memory_budget=...)")
+            err.needed = fixed + per_ex     # what a batch of one example needs (refusal_note)
+            raise err
         if p.reads_data:
             data = sources[0].data
             if data.batch_size is not None or _is_loader(data):
@@ -801,11 +805,13 @@ class _Planner:
             else:
                 room = budget - fixed
                 if room < per_ex:  # not even a batch of one example fits next to the held rows
-                    raise MemoryBudgetError(
+                    err = MemoryBudgetError(
                         f"{p.label}: held rows and statistics take {_si(fixed)}B and one example's "
                         f"factors and activations {_si(per_ex)}B, over the memory budget of {_si(budget)}B. "
                         "Project the gradients (ga.proj.kron), use fewer queries per call, or raise "
                         "ga.options(memory_budget=...)")
+                    err.needed = fixed + per_ex
+                    raise err
                 fit = int(room // max(per_ex, 1.0))
                 tokens, T, by_tokens = self._batch_tokens(sources)
                 p.batch_size = max(1, min(self.options.batch_size, fit, by_tokens or self.options.batch_size))
@@ -883,13 +889,24 @@ def _compute_dtype(root: Node) -> torch.dtype:
     return torch.float32
 
 
+def model_device(root: Node) -> torch.device | None:
+    """The device of the first model's parameters among ``root``'s sources (None: no
+    parameters, or a ``meta`` model: planned as if on the CPU)."""
+    for node in root.walk():
+        if isinstance(node, Source):
+            for p in node.task.model.parameters():
+                return None if p.device.type == "meta" else p.device
+    return None
+
+
 def _is_loader(data) -> bool:
     return isinstance(data.source, DataLoader)
 
 
 # ------------------------------------------------------------------ entry point
 def plan(root: Node, *, options: Options | None = None, device=None, rewrites: bool = True,
-         choices: Choices | None = None, measure_shapes: bool = False, topk: TopK | None = None) -> Plan:
+         choices: Choices | None = None, measure_shapes: bool = False, topk: TopK | None = None,
+         budget: Budget | None = None) -> Plan:
     """Plan ``root`` (a score, self-score, gradient or operator node).
 
     ``choices`` forces decisions the planner would otherwise cost (:class:`Choices`).
@@ -900,10 +917,27 @@ def plan(root: Node, *, options: Options | None = None, device=None, rewrites: b
     nothing (displays: the cached device profile, or an unmeasured default).
     ``topk`` (:class:`~gradalg.plan.jobs.TopK`): plan the ``k`` best training rows per
     query of the score node ``root`` (one :class:`~gradalg.plan.jobs.TopKJob`), not its
-    full matrix."""
+    full matrix.
+
+    ``device`` (default: where the model's parameters are) prices the plan: a CUDA model
+    with its measured or nominal profile (:mod:`gradalg.plan.accelerators`), else the CPU's.
+    ``budget`` (default: :func:`gradalg.plan.budget.resolve_budget` now, for that device):
+    the plan's ``options.memory_budget`` becomes its bytes, and ``plan.budget`` keeps its
+    source; a refusal for memory says both (:func:`gradalg.plan.budget.refusal_note`)."""
     options = options or get_options()
-    prof = profile(device, measure=measure_shapes)
     simplified, fired = simplify_until_fixpoint(root, enabled=rewrites)
+    where = device if device is not None else model_device(simplified)
+    prof = profile(where, measure=measure_shapes and options.measure_devices)
+    budget = budget or resolve_budget(options, where, prof)
+    options = replace(options, memory_budget=budget.bytes)
+    try:
+        return _plan(root, simplified, fired, options, prof, budget, choices, measure_shapes, topk)
+    except MemoryBudgetError as err:   # every refusal says where the budget came from and how to change it
+        err.args = (with_note(err, budget, getattr(err, "needed", None)), *err.args[1:])
+        raise
+
+
+def _plan(root, simplified, fired, options, prof, budget, choices, measure_shapes, topk) -> Plan:
     if measure_shapes:
         for node in simplified.walk():
             # flat inputs (T = 1) and token ids (T = their length) tell every linear
@@ -932,7 +966,7 @@ def plan(root: Node, *, options: Options | None = None, device=None, rewrites: b
     passes, stored = planner.schedule()
     mark_released_held(planner.jobs.values(), passes, simplified, planner.dtype)
     return Plan(root, simplified, fired, planner.decisions, passes, planner.jobs, roots, options, prof, stored,
-                planner.dtype)
+                planner.dtype, budget)
 
 
 def mark_released_held(jobs, passes, target, dtype=torch.float32) -> None:

@@ -20,6 +20,7 @@ from dataclasses import replace
 from ..expr import Damp, Project
 from ..expr.base import transform
 from ..options import get_options
+from ..plan.budget import budget_bytes
 from ..plan.explain import Explain
 from ..plan.planner import plan
 
@@ -83,7 +84,7 @@ class PlanExplorer:
         self.device = device
         proj = _first(self.node, Project)
         damp = _first(self.node, Damp)
-        budget = get_options().memory_budget
+        budget = budget_bytes(get_options())
         self.k = w.IntSlider(value=proj.projector.k if proj else 64, min=4, max=max(8192, proj.projector.k if proj else 0),
                              step=4, description="projection k", disabled=proj is None, continuous_update=False)
         self.damping = w.FloatLogSlider(value=damp.damping if damp else 1e-3, base=10, min=-8, max=2,

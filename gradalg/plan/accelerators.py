@@ -1,0 +1,205 @@
+"""Profiles of the CUDA device a model is on: measured once and cached, or nominal by name.
+
+A model whose parameters are on ``cuda:i`` is planned with :func:`cuda_profile`:
+
+1. the profile measured on that device before (the disk cache of
+   :mod:`gradalg.plan.devices`, keyed by host, device name, torch version and the cost
+   model's version);
+2. else, when measuring is allowed (an executor about to run, and ``ga.options(measure_devices=True)``,
+   the default),
+   :func:`measure_profile` on the device (well under a second on a data-centre GPU),
+   cached;
+3. else, or when measuring fails, :func:`nominal_profile`: the spec-sheet preset
+   (:data:`gradalg.plan.devices.PRESETS`) whose name is in ``torch.cuda.get_device_name``
+   (H200, H100, A100; an unknown GPU gets the A100's numbers, the slowest preset), with the
+   device's own memory, named ``"NVIDIA H100 80GB HBM3 (cuda:0, nominal H100 spec
+   sheet: ...)"`` so that ``explain()`` says it was not measured.
+
+:func:`measure_profile` times, on the device and synchronized, float32 GEMMs of a few
+square sizes (``GPU_GEMM_SIZES``), a bfloat16 GEMM of the largest, batched float32
+products (``GPU_BMM_SIZES``), float64 ``eigh`` (``GPU_EIGH_SIZES``; Kronecker factors are
+decomposed on their device), a copy (bandwidth), a GELU forward and backward
+(elementwise bandwidth), and the fixed costs of a module call, a small op and a captured
+batch (kernel launches and Python: the same code as the CPU's). Random numbers are drawn
+by torch's CPU generator on every device: that rate is the CPU profile's.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import replace
+
+import torch
+
+from .devices import _MEM_EFF, PRESETS, PROFILE_VERSION, DeviceProfile, cached_local_profile, read_cached, write_cached
+
+__all__ = ["cuda_profile", "nominal_profile", "measure_profile", "nominal_key", "GPU_GEMM_SIZES",
+           "GPU_BMM_SIZES", "GPU_EIGH_SIZES"]
+
+GPU_GEMM_SIZES = (256, 1024, 4096)
+GPU_BMM_SIZES = (16, 64, 256)
+GPU_EIGH_SIZES = (64, 256, 1024)
+
+
+def _index(index: int | None) -> int:
+    return torch.cuda.current_device() if index is None else int(index)
+
+
+def _cuda_key(name: str) -> str:
+    return f"{platform.node()}|cuda|{name}|torch{torch.__version__}|cost-model{PROFILE_VERSION}"
+
+
+def nominal_key(name: str) -> str:
+    """The preset (``"h200"``, ``"h100"``, ``"a100"``) whose name is in a GPU's name; ``"a100"``
+    for any other GPU (the slowest preset: an unknown GPU is not priced as a fast one)."""
+    upper = name.upper()
+    for key in ("h200", "h100", "a100"):
+        if key.upper() in upper:
+            return key
+    return "a100"
+
+
+def nominal_profile(index: int | None = None, reason: str = "not measured") -> DeviceProfile:
+    """The spec-sheet profile of ``cuda:index`` by its name, with its own memory, labelled nominal."""
+    index = _index(index)
+    name = torch.cuda.get_device_name(index)
+    key = nominal_key(name)
+    preset = PRESETS[key]
+    memory = preset.memory
+    try:
+        memory = torch.cuda.get_device_properties(index).total_memory * _MEM_EFF
+    except Exception:   # a device that cannot be queried keeps the spec sheet's memory
+        pass
+    known = "" if key.upper() in name.upper() else f", not a preset: priced as an {preset.name}"
+    return replace(preset, name=f"{name} (cuda:{index}, nominal {preset.name} spec sheet{known}; {reason})",
+                   memory=memory, measured=False)
+
+
+def cuda_profile(index: int | None = None, *, measure: bool = True) -> DeviceProfile:
+    """The profile of ``cuda:index`` (module docstring: cached, measured, or nominal)."""
+    index = _index(index)
+    name = torch.cuda.get_device_name(index)
+    cached = read_cached(_cuda_key(name))
+    if cached is not None:
+        return cached
+    if not measure:
+        return nominal_profile(index, "not measured: a display, or ga.options(measure_devices=False)")
+    try:
+        prof = measure_profile(torch.device("cuda", index))
+    except Exception as err:   # a busy, broken or out-of-memory device: price it by its name
+        return nominal_profile(index, f"measuring failed: {type(err).__name__}: {err}"[:200])
+    write_cached(_cuda_key(name), prof)
+    return prof
+
+
+def _timer(device: torch.device):
+    """``median_seconds(fn, seconds)``: the median wall time of ``fn`` on ``device``,
+    synchronized after each call, over ``seconds`` of repetitions (at least 3)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def median_seconds(fn, seconds: float, least: int = 3) -> float:
+        fn()
+        sync()
+        times, start = [], time.perf_counter()
+        while time.perf_counter() - start < seconds or len(times) < least:
+            t = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t)
+        times.sort()
+        return max(times[len(times) // 2], 1e-9)
+
+    return median_seconds
+
+
+def _device_memory(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory * _MEM_EFF
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.8
+    except (ValueError, OSError, AttributeError):
+        return 8e9
+
+
+def measure_profile(device: torch.device, *, gemm_sizes=GPU_GEMM_SIZES, bmm_sizes=GPU_BMM_SIZES,
+                    eigh_sizes=GPU_EIGH_SIZES, copy_bytes: int = 256 * 2**20, seconds: float = 0.05
+                    ) -> DeviceProfile:
+    """Measure ``device``'s speeds (module docstring). Any device torch runs on; the sizes
+    are small enough for a GPU's fraction of a second, and smaller ones test it on a CPU."""
+    device = torch.device(device)
+    timed = _timer(device)
+    gemm_rates = []
+    for n in gemm_sizes:
+        a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+        gemm_rates.append((n, 2.0 * n ** 3 / timed(lambda: a @ b, seconds)))
+        del a, b
+    n = gemm_sizes[-1]
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    bf16 = 2.0 * n ** 3 / timed(lambda: a @ b, seconds)
+    del a, b
+    bmm_rates = []
+    for m in bmm_sizes:
+        count = max(8, 2**24 // m ** 3)
+        x, y = torch.randn(count, m, m, device=device), torch.randn(count, m, m, device=device)
+        bmm_rates.append((m, 2.0 * count * m ** 3 / timed(lambda: torch.bmm(x, y), seconds)))
+        del x, y
+    d, e = torch.randn(2, 4, 4, device=device), torch.randn(2, 4, 4, device=device)
+    bmm_call = timed(lambda: torch.einsum("nto,nti->noi", d, e), seconds)
+    eigh_times = []
+    g = torch.Generator().manual_seed(0)
+    for k in eigh_sizes:
+        x = torch.randn(k, k, dtype=torch.float64, generator=g).to(device)
+        m = x @ x.T + torch.eye(k, dtype=torch.float64, device=device)
+        eigh_times.append((k, timed(lambda: torch.linalg.eigh(m), seconds, least=2)))
+    x = torch.empty(copy_bytes // 4, device=device)
+    y = torch.empty_like(x)
+    bandwidth = 2 * x.numel() * 4 / timed(lambda: y.copy_(x), seconds)
+    del x, y
+    u = torch.randn(2**22, device=device, requires_grad=True)
+    v = torch.randn(2**22, device=device)
+
+    def gelu_step():
+        (torch.nn.functional.gelu(u, approximate="tanh") * v).backward(v)
+
+    elementwise = 11 * 4 * u.numel() / timed(gelu_step, seconds)   # 11 numbers moved per element
+    layers = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(8)]).to(device)
+    small = torch.randn(2, 4, device=device)
+    call = timed(lambda: layers(small).sum().backward(), seconds) / 16
+
+    def ops():
+        z = small
+        for _ in range(10):
+            z = (z * 0.5).add_(small)
+
+    op = timed(ops, seconds) / 20
+    batch, layer = _capture_seconds(device, timed, call, seconds)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+    return DeviceProfile(f"{name} ({device}, measured)", gemm_rates[-1][1], max(bf16, gemm_rates[-1][1]),
+                         bandwidth, _device_memory(device), measured=True, call_seconds=call, op_seconds=op,
+                         batch_seconds=batch, layer_seconds=layer, elementwise_bandwidth=elementwise,
+                         fault_bandwidth=0.0, gemm_rates=tuple(gemm_rates), bmm_rates=tuple(bmm_rates),
+                         bmm_call_seconds=bmm_call, eigh_times=tuple(eigh_times),
+                         random_seconds=cached_local_profile().random_seconds,
+                         link_bandwidth=PRESETS[nominal_key(name)].link_bandwidth if device.type == "cuda" else 0.0)
+
+
+def _capture_seconds(device, timed, call: float, seconds: float) -> tuple[float, float]:
+    """(seconds per captured batch, per recorded layer) beyond the module calls, as
+    ``devices._measure_capture`` on the CPU: capture through 2 and 6 tiny layers."""
+    from ..capture.hooks import ForwardRecorder, capture_batch, resolve_layers
+
+    def timing(n_layers: int) -> float:
+        model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(n_layers)]).to(device)
+        refs = resolve_layers(model)
+        x = torch.randn(2, 4, device=device)
+
+        def step():
+            with torch.enable_grad(), ForwardRecorder(refs) as recorder:
+                capture_batch(model(x).sum(), recorder)
+
+        return timed(step, seconds) - 2 * n_layers * call
+
+    two, six = timing(2), timing(6)
+    layer = max((six - two) / 4, 1e-6)
+    return max(two - 2 * layer, 1e-6), layer
