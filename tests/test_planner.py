@@ -267,6 +267,110 @@ def test_device_profile_real_measurement_and_presets(tmp_path, monkeypatch):
         devices.profile("tpu-v9")
 
 
+
+class _FakeProps:
+    total_memory = 80 * 10**9
+
+
+def _fake_cuda(monkeypatch, name="NVIDIA H100 80GB HBM3"):
+    """A CUDA device that is not there: its name, memory and free memory, faked."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: name)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=None: _FakeProps())
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index=None: (50 * 10**9, 80 * 10**9))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+def test_model_device_is_where_its_parameters_are():
+    from gradalg.plan.planner import model_device
+    s = mlp_setup()
+    G = ga.grads(s["task"], s["train"])
+    assert model_device(G.expr) == torch.device("cpu")
+    with torch.device("meta"):
+        meta = models.mlp()
+    assert model_device(ga.grads(ga.tasks.classification(meta), s["train"]).expr) is None   # planned as the CPU
+
+
+def test_a_cuda_model_is_planned_with_a_measured_cuda_profile(tmp_path, monkeypatch):
+    """A model on CUDA: its device's profile, measured once when a run is planned and
+    cached; its budget a fraction of the device's free memory (the GPU is faked)."""
+    from gradalg.plan import accelerators, planner
+    monkeypatch.setenv("GRADALG_CACHE", str(tmp_path))
+    _fake_cuda(monkeypatch)
+    fake = replace(devices.PRESETS["h100"], name="NVIDIA H100 80GB HBM3 (cuda:0, measured)", measured=True,
+                   flops_fp32=5e13)
+    calls = []
+    monkeypatch.setattr(accelerators, "measure_profile", lambda device: calls.append(device) or fake)
+    monkeypatch.setattr(planner, "model_device", lambda root: torch.device("cuda", 0))
+    s = mlp_setup()
+    S = ga.grads(s["task"], s["query"]) @ ga.grads(s["task"], s["train"]).T
+    shown = plan(S.expr)                         # a display measures nothing: the nominal profile
+    assert not calls and not shown.device.measured
+    assert "nominal H100 spec sheet" in shown.device.name and "not measured" in shown.device.name
+    ran = plan(S.expr, measure_shapes=True)      # an executor about to run measures the device once
+    assert calls == [torch.device("cuda", 0)] and ran.device == fake
+    assert plan(S.expr, measure_shapes=True).device == fake and len(calls) == 1     # cached
+    e = S.explain()
+    assert "device NVIDIA H100 80GB HBM3 (cuda:0, measured)" in str(e)
+    assert e.to_dict()["device_measured"] is True
+    with ga.options(memory_budget=None):
+        p = plan(S.expr)
+    assert p.options.memory_budget == 25 * 10**9
+    assert p.budget.describe() == ("25 GB = 0.5 × 50 GB available (free memory of cuda:0 "
+                                   "(torch.cuda.mem_get_info); memory_fraction)")
+    assert devices.profile("cuda:0") == fake and devices.profile(torch.device("cuda", 0)) == fake
+    with pytest.raises(ValueError, match="unknown device"):
+        devices.profile("cuda:x")
+
+
+@pytest.mark.parametrize("name,preset", [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"),
+                                         ("NVIDIA A100-SXM4-80GB", "a100"), ("Tesla T4", "a100")])
+def test_a_cuda_model_gets_a_nominal_profile_when_measuring_fails_or_is_off(tmp_path, monkeypatch, name, preset):
+    from gradalg.plan import accelerators, planner
+    monkeypatch.setenv("GRADALG_CACHE", str(tmp_path))
+    monkeypatch.setattr(accelerators, "_FAILED", {})
+    _fake_cuda(monkeypatch, name)
+    monkeypatch.setattr(planner, "model_device", lambda root: torch.device("cuda", 0))
+
+    def broken(device):
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(accelerators, "measure_profile", broken)
+    s = mlp_setup()
+    S = ga.grads(s["task"], s["query"]) @ ga.grads(s["task"], s["train"]).T
+    p = plan(S.expr, measure_shapes=True)
+    nominal = devices.PRESETS[preset]
+    assert not p.device.measured and p.device.flops_fp32 == nominal.flops_fp32
+    assert p.device.memory == _FakeProps.total_memory * devices._MEM_EFF       # the device's own memory
+    assert f"nominal {nominal.name} spec sheet" in p.device.name and "measuring failed" in p.device.name
+    assert ("not a preset" in p.device.name) == (name == "Tesla T4")
+    assert f"nominal {nominal.name} spec sheet" in str(S.explain())     # explain() names the profile
+    assert plan(S.expr, measure_shapes=True).device == p.device          # a failure is not retried
+    monkeypatch.setattr(accelerators, "measure_profile", lambda device: pytest.fail("measured while switched off"))
+    with ga.options(measure_devices=False):
+        off = plan(S.expr, measure_shapes=True)
+    assert not off.device.measured and "measure_devices=False" in off.device.name
+    # planning for hardware one does not have still works, budget and all
+    e = S.explain(device="h200")
+    assert e.plan.device is devices.PRESETS["h200"]
+    assert "(device_memory_fraction)" in str(e)
+
+
+def test_measure_profile_on_a_torch_device(tmp_path, monkeypatch):
+    """The accelerator measurement, run on the CPU with small sizes (no GPU here): every
+    number of the profile is measured and positive."""
+    from gradalg.plan import accelerators
+    monkeypatch.setenv("GRADALG_CACHE", str(tmp_path))
+    prof = accelerators.measure_profile(torch.device("cpu"), gemm_sizes=(16, 32), bmm_sizes=(4, 8),
+                                        eigh_sizes=(8, 16), copy_bytes=2**20, batch_elements=2**12,
+                                        seconds=0.005)
+    assert prof.measured and "measured" in prof.name
+    assert [n for n, _ in prof.gemm_rates] == [16, 32] and [n for n, _ in prof.bmm_rates] == [4, 8]
+    assert [d for d, _ in prof.eigh_times] == [8, 16]
+    for value in (prof.flops_fp32, prof.flops_bf16, prof.bandwidth, prof.elementwise_bandwidth, prof.call_seconds,
+                  prof.op_seconds, prof.batch_seconds, prof.layer_seconds, prof.bmm_call_seconds, prof.memory):
+        assert value > 0
+    assert devices.DeviceProfile.from_json(json.loads(json.dumps(prof.to_json()))) == prof
+
 # ====================================================================== the rule registry
 def _rule_examples():
     s = mlp_setup()

@@ -40,6 +40,7 @@ __all__ = ["cuda_profile", "nominal_profile", "measure_profile", "nominal_key", 
 GPU_GEMM_SIZES = (256, 1024, 4096)
 GPU_BMM_SIZES = (16, 64, 256)
 GPU_EIGH_SIZES = (64, 256, 1024)
+_FAILED: dict = {}    # {device name: why its measurement failed} in this process
 
 
 def _index(index: int | None) -> int:
@@ -85,10 +86,13 @@ def cuda_profile(index: int | None = None, *, measure: bool = True) -> DevicePro
         return cached
     if not measure:
         return nominal_profile(index, "not measured: a display, or ga.options(measure_devices=False)")
+    if name in _FAILED:
+        return nominal_profile(index, _FAILED[name])
     try:
         prof = measure_profile(torch.device("cuda", index))
     except Exception as err:   # a busy, broken or out-of-memory device: price it by its name
-        return nominal_profile(index, f"measuring failed: {type(err).__name__}: {err}"[:200])
+        _FAILED[name] = f"measuring failed: {type(err).__name__}: {err}"[:200]   # not retried in this process
+        return nominal_profile(index, _FAILED[name])
     write_cached(_cuda_key(name), prof)
     return prof
 
@@ -123,8 +127,8 @@ def _device_memory(device: torch.device) -> float:
 
 
 def measure_profile(device: torch.device, *, gemm_sizes=GPU_GEMM_SIZES, bmm_sizes=GPU_BMM_SIZES,
-                    eigh_sizes=GPU_EIGH_SIZES, copy_bytes: int = 256 * 2**20, seconds: float = 0.05
-                    ) -> DeviceProfile:
+                    eigh_sizes=GPU_EIGH_SIZES, copy_bytes: int = 256 * 2**20, batch_elements: int = 2**24,
+                    seconds: float = 0.05) -> DeviceProfile:
     """Measure ``device``'s speeds (module docstring). Any device torch runs on; the sizes
     are small enough for a GPU's fraction of a second, and smaller ones test it on a CPU."""
     device = torch.device(device)
@@ -140,7 +144,7 @@ def measure_profile(device: torch.device, *, gemm_sizes=GPU_GEMM_SIZES, bmm_size
     del a, b
     bmm_rates = []
     for m in bmm_sizes:
-        count = max(8, 2**24 // m ** 3)
+        count = max(8, batch_elements // m ** 3)
         x, y = torch.randn(count, m, m, device=device), torch.randn(count, m, m, device=device)
         bmm_rates.append((m, 2.0 * count * m ** 3 / timed(lambda: torch.bmm(x, y), seconds)))
         del x, y
@@ -156,8 +160,8 @@ def measure_profile(device: torch.device, *, gemm_sizes=GPU_GEMM_SIZES, bmm_size
     y = torch.empty_like(x)
     bandwidth = 2 * x.numel() * 4 / timed(lambda: y.copy_(x), seconds)
     del x, y
-    u = torch.randn(2**22, device=device, requires_grad=True)
-    v = torch.randn(2**22, device=device)
+    u = torch.randn(max(copy_bytes // 64, 2**10), device=device, requires_grad=True)
+    v = torch.randn(u.numel(), device=device)
 
     def gelu_step():
         (torch.nn.functional.gelu(u, approximate="tanh") * v).backward(v)
