@@ -35,7 +35,7 @@ from torch import nn
 from ..capture.factors import dense_flops, ghost_flops
 from ..expr.tokens import token_rows
 
-__all__ = ["Cost", "activation_bytes", "model_flops", "first_example_shape", "tokens_hint", "gemm_cost", "bmm_cost",
+__all__ = ["Cost", "activation_bytes", "output_bytes", "model_flops", "first_example_shape", "tokens_hint", "gemm_cost", "bmm_cost",
            "gram_cost", "ghost_cost",
            "dense_cost", "materialize_cost", "kron_project_cost", "dense_project_cost", "fisher_cost", "eigh_cost",
            "svd_cost", "SVD_GEMMS"]
@@ -244,6 +244,29 @@ def activation_bytes(model: nn.Module, tokens: int, elem: int = 4) -> float:
         if isinstance(w, torch.Tensor) and w.dim() >= 2 and not isinstance(module, nn.Embedding):
             total += sum(w.shape[:2])
     return total * tokens * elem
+
+
+#: copies of the model's output (per position, its full width) that the loss over it adds
+#: while a batch is captured, beyond the output itself (``activation_bytes``): a language
+#: model's shifted contiguous logits, their log-softmax and its gradient. Measured on a
+#: GPT-2 of width 768 with a 50,257-token vocabulary (T = 64, one thread,
+#: ``benchmarks/machine_budget.py``): resident growth rose 67 MB (block linears) and
+#: 92 MB (every layer) per example of a batch against 33 and 58 MB counted without this
+#: term, i.e. 2.8 more (T, V) float32 tensors per example.
+OUTPUT_COPIES = 3
+
+
+def output_bytes(model: nn.Module, tokens: int, elem: int = 4) -> float:
+    """Bytes per example the loss adds over the model's output: :data:`OUTPUT_COPIES` ×
+    the output width of its last registered Linear-type layer (a head: ``lm_head`` of a
+    Hugging Face model, the last Linear of a Sequential) × ``tokens``. Noticeable only for
+    wide outputs: 3 × 50,257 × 64 × 4 B = 38.6 MB per GPT-2 sequence of 64 tokens."""
+    width = 0
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if isinstance(w, torch.Tensor) and w.dim() >= 2 and not isinstance(module, nn.Embedding):
+            width = w.shape[0]
+    return OUTPUT_COPIES * width * tokens * elem
 
 
 #: ``{(data key, collate_fn): (shape, dtype) | None}`` of the datasets planned so far (bounded)

@@ -43,9 +43,11 @@ the cores are not cached as this machine's speed) and caches the numbers in
 by host, architecture, torch version, thread count and :data:`PROFILE_VERSION` (an
 entry of another cost model is measured again, and left alone for the gradalg that
 wrote it).
-GPU profiles for planning runs you have not started yet come from ``PRESETS``: numbers
-from NVIDIA's spec sheets (not measured by gradalg) times stated sustained fractions, see
-:data:`PRESETS`. ``profile("h200", count=4)`` asks for four of them: ``explain()`` then
+A model on a CUDA device is priced with that device's profile (``profile("cuda:0")``,
+:mod:`gradalg.plan.accelerators`): measured there once and cached in the same file, or
+the nominal preset of its name. GPU profiles for planning runs you have not started yet
+come from ``PRESETS``: numbers from NVIDIA's spec sheets (not measured by gradalg) times
+stated sustained fractions, see :data:`PRESETS`. ``profile("h200", count=4)`` asks for four of them: ``explain()`` then
 gives (or refuses, with the arithmetic) the time and memory per GPU of a data-parallel
 run with sharded weights (:mod:`gradalg.plan.scale`). Displays never
 measure: :func:`cached_local_profile` (or ``profile(measure=False)``) returns the cached

@@ -26,7 +26,7 @@ from ..expr import Captured, Source
 from ..expr.stored import Stored
 from ..expr.lowrank import lowrank_below
 from ..expr.tokens import token_rows
-from .cost import activation_bytes, tokens_hint
+from .cost import activation_bytes, output_bytes, tokens_hint
 from .shapes import element_size, forward_shapes, rows_per_example
 
 __all__ = ["positions", "rows_of", "rows_bytes", "capture_bytes_per_example", "consumer_bytes_per_example",
@@ -114,7 +114,7 @@ def capture_bytes_per_example(src: Source, dtype, forward_shared: bool = False) 
         total += 2.0 * shapes.activations * elem
     else:   # positions known from the data: the same formula with or without a measurement
         total += activation_bytes(src.task.model, T, elem)
-    return total
+    return total + output_bytes(src.task.model, T, elem)    # the loss's copies of the output
 
 
 def _factor_widths(space):
