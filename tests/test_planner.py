@@ -203,6 +203,9 @@ def test_model_flops_exact():
     assert C.model_flops(mlp, 1) == 2.0 * 176
     assert C.model_flops(mlp, 5) == 5 * 2.0 * 176
     assert C.activation_bytes(mlp, 1) == 4.0 * ((16 + 8) + (3 + 16))
+    # the loss's copies of the output: OUTPUT_COPIES × the last Linear's width (the head) × T
+    assert C.output_bytes(mlp, 5) == C.OUTPUT_COPIES * 3 * 5 * 4.0
+    assert C.output_bytes(models.gpt2(), 9, 2) == C.OUTPUT_COPIES * 101 * 9 * 2.0   # lm_head 101×64
     gpt = models.gpt2()  # 2 layers, width 64, untied lm_head 101×64, 4 Conv1D per layer
     per_layer = 64 * 192 + 64 * 64 + 64 * 256 + 256 * 64
     linear = 2 * per_layer + 64 * 101
@@ -895,6 +898,11 @@ def test_refusal_names_the_budgets_source_and_its_fix_works(tmp_path, monkeypatc
     assert fix, msg
     with ga.options(memory_budget=eval(fix.group(1))):
         plan(S.expr)                                          # the fix, as written, plans
+    with pytest.raises(ga.MemoryBudgetError) as info:         # a budget given to explain() is changed there
+        S.explain(memory_budget=200)
+    fix = re.search(r"explain\(memory_budget=('[0-9.]+[MG]B')\)", str(info.value))
+    assert fix and "(explain(memory_budget=...))" in str(info.value), str(info.value)
+    S.explain(memory_budget=eval(fix.group(1)))
     # a budget from the machine: the message names MemAvailable and a fraction that fits
     monkeypatch.setattr(B, "MEMINFO", _fake_meminfo(tmp_path, 1))            # 1 kB available
     with ga.options(memory_budget=None):
@@ -912,6 +920,36 @@ def test_refusal_names_the_budgets_source_and_its_fix_works(tmp_path, monkeypatc
     with ga.options(memory_budget=None, memory_fraction=float(fraction.group(1))):
         plan(S.expr)                                          # the suggested fraction plans
 
+
+def test_torch_distributed_ranks_plan_under_the_smallest_budget(tmp_path, monkeypatch):
+    """Budgets from each rank's free memory differ, and so would the ranks' batch sizes
+    (refused by the plan check): every rank plans under the smallest (a faked group)."""
+    from gradalg.exec import distributed
+    from gradalg.plan import budget as B
+
+    class FakeDist:
+        def is_initialized(self):
+            return True
+
+        def get_rank(self, group=None):
+            return 0
+
+        def get_world_size(self, group=None):
+            return 2
+
+        def all_gather_object(self, out, obj, group=None):
+            out[0], out[1] = obj, replace(obj, bytes=obj.bytes // 2, available=obj.available / 2)
+
+    monkeypatch.setattr(distributed, "_dist", lambda: FakeDist())
+    monkeypatch.setattr(B, "MEMINFO", _fake_meminfo(tmp_path, 8_000_000))
+    s = mlp_setup()
+    S = ga.grads(s["task"], s["query"]) @ ga.grads(s["task"], s["train"]).T
+    with ga.options(memory_budget=None):
+        p = ga.exec.TorchDistributed().plan(S.expr)
+    assert p.options.memory_budget == int(0.5 * 8_000_000 * 1024) // 2
+    assert p.budget.source == "MemAvailable, the smallest of 2 ranks"
+    with ga.options(memory_budget="1GB"):                 # an explicit budget: nothing to agree on
+        assert ga.exec.TorchDistributed().plan(S.expr).options.memory_budget == 2**30
 
 def test_a_dense_fisher_refusal_names_the_budgets_source():
     s = mlp_setup()

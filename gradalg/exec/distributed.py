@@ -166,24 +166,40 @@ class TorchDistributed(ComposedExecutor):
 
     def scores(self, node):
         """The (n_query, n_train) scores of ``node``, the same tensor on every rank."""
-        p = self.run(self.local.plan(node))
+        p = self.run(self.plan(node))
         return self.local.state.scores(p.simplified)
 
     def diagonal(self, node):
         """Self-scores (n,) of a ScoreDiagonal node, the same on every rank."""
-        p = self.run(self.local.plan(node))
+        p = self.run(self.plan(node))
         return self.local.state.diagonal(p.simplified.scores)
 
     def gradients(self, node):
         """All rows of a gradient node in one chunk, on every rank."""
         from ..capture.chunks import concat_chunks
-        p = self.run(self.local.plan(node))
+        p = self.run(self.plan(node))
         return concat_chunks(self.local.state.rows[p.simplified.token])
 
     def operator(self, node):
         """The resolved numbers of an operator node, the same on every rank."""
-        p = self.run(self.local.plan(node))
+        p = self.run(self.plan(node))
         return self.local.resolve(p.simplified)
+
+    def plan(self, node, topk=None):
+        """The plan for ``node`` under one memory budget on every rank: a budget from the
+        machine (``ga.options(memory_budget=None)``) is each rank's free memory, which
+        differs between ranks, and so would their batch sizes; the ranks take the smallest
+        (one small all-gather per plan)."""
+        budget = None
+        if self.local.options.memory_budget is None:
+            from ..plan.budget import resolve_budget
+            from ..plan.planner import model_device
+            mine = resolve_budget(self.local.options, model_device(getattr(node, "expr", node)))
+            budgets = [None] * self.world_size
+            _dist().all_gather_object(budgets, mine, group=self.group)
+            budget = min(budgets, key=lambda b: b.bytes)
+            budget = replace(budget, source=f"{budget.source}, the smallest of {self.world_size} ranks")
+        return self.local.plan(node, topk=topk, budget=budget)
 
     # ------------------------------------------------------------------ the shard strategy
     def describe_pass(self, step) -> str:

@@ -93,13 +93,14 @@ class LocalExecutor(Executor):
         return self.clock.report()
 
     # ------------------------------------------------------------------ entry points
-    def plan(self, node, topk=None) -> Plan:
+    def plan(self, node, topk=None, budget=None) -> Plan:
         """The plan this executor would run for ``node``, under its options, rewrites and
         forced choices (row counts measured from the data; nothing is computed);
-        ``topk`` (:class:`~gradalg.plan.jobs.TopK`): the plan of its top-k."""
+        ``topk`` (:class:`~gradalg.plan.jobs.TopK`): the plan of its top-k; ``budget``
+        (:class:`~gradalg.plan.budget.Budget`): a memory budget other than the options'."""
         with self.clock.phase("planning"):
             return make_plan(node, options=self.options, rewrites=self.rewrites, choices=self.choices,
-                             measure_shapes=True, topk=topk)
+                             measure_shapes=True, topk=topk, budget=budget)
 
     def scores(self, node: ScoreNode) -> torch.Tensor:
         """The (n_left, n_right) score matrix of ``node``."""

@@ -154,10 +154,12 @@ def refusal_note(budget: Budget, need: float | None = None) -> str:
     """The sentence every refusal for memory ends with: the budget, its source and how to
     change it (with ``need``, the bytes the refused step needs: values that fit it)."""
     text = f"The memory budget is {budget.describe()}"
+    # a budget given to explain() is changed there: ga.options would not override it
+    setting = "explain" if budget.source.startswith("explain(") else "ga.options"
     if need is None:
-        return text + (f"; change it with ga.options(memory_budget='8GB') (bytes, or a string like '8GB')"
+        return text + (f"; change it with {setting}(memory_budget='8GB') (bytes, or a string like '8GB')"
                        + (f" or ga.options({budget.option}=...)" if budget.fraction is not None else "") + ".")
-    text += f"; {_si(need)}B would fit under ga.options(memory_budget={suggest_budget(need)!r})"
+    text += f"; {_si(need)}B would fit under {setting}(memory_budget={suggest_budget(need)!r})"
     if budget.fraction is not None and budget.available:
         fraction = math.ceil(1.25 * need / budget.available * 100) / 100
         if fraction <= 0.9:
