@@ -11,16 +11,17 @@ the budget is measured when the plan is made::
 
 What the budget bounds: the bytes the planner counts for a pass (held and stored rows,
 curvature statistics, projection matrices and index tables, and a batch's captured
-factors, activations and working rows), i.e. what the run adds to the process. The
-model's weights, the data and the framework are already resident when the plan is made,
-so ``MemAvailable`` was measured without them: they are neither counted nor double-counted.
-``tests/test_budgets.py`` measures a run's resident growth against its budget (at most
-1.5×; measured 0.94–1.31×); half of what is free leaves a quarter of it to the rest of the
-machine even at 1.5×.
+factors, activations and the loss's copies of the model's output), i.e. what the run adds
+to the process. The model's weights, the data and the framework are already resident
+when the plan is made, so ``MemAvailable`` was measured without them: they are neither
+counted nor double-counted. A run's resident growth measured 0.94–1.31× its budget
+(``tests/test_budgets.py``) and 0.08–1.29× on GPT-2-shaped models with a 50,257-token
+vocabulary (``benchmarks/machine_budget.py``, ``docs/planner.md``); half of what is free
+leaves a quarter of it to the rest of the machine even at 1.5×.
 
 A :class:`Budget` records the bytes and their source; the plan keeps it (``plan.budget``),
-``explain()`` shows ``memory budget 11.2 GB = 0.5 × 22.4 GB available (MemAvailable)``,
-and every refusal for memory says where the budget came from and how to change it
+``explain()`` shows ``memory budget 11.2 GB = 0.5 × 22.4 GB available (MemAvailable;
+memory_fraction)``, and every refusal for memory says where the budget came from and how to change it
 (:func:`refusal_note`).
 """
 from __future__ import annotations
@@ -57,7 +58,8 @@ class Budget:
     option: str = "memory_fraction"
 
     def describe(self) -> str:
-        """``11.2 GB = 0.5 × 22.4 GB available (MemAvailable)`` or ``2.15 GB (ga.options(memory_budget=...))``."""
+        """``11.2 GB = 0.5 × 22.4 GB available (MemAvailable; memory_fraction)`` or
+        ``2.15 GB (ga.options(memory_budget=...))``."""
         if self.fraction is None:
             return f"{_si(self.bytes)}B ({self.source})"
         if self.option == "device_memory_fraction":
