@@ -83,7 +83,9 @@ class Options:
         free memory (``torch.cuda.mem_get_info``) for a model on CUDA, else ``MemAvailable``
         of ``/proc/meminfo`` (``psutil``'s available memory where there is no
         ``/proc/meminfo``; 2 GiB where neither exists). The plan shows the budget and where
-        it came from (:mod:`gradalg.plan.budget`).
+        it came from (:mod:`gradalg.plan.budget`; ``ga.plan.budget.resolve_budget(
+        ga.get_options()).describe()`` is the one a plan made now would get), and
+        ``TorchDistributed`` ranks take the smallest rank's.
     memory_fraction : float in (0, 1]
         The fraction of the available memory that a budget from the machine
         (``memory_budget=None``) takes; default 0.5. A run's resident growth measured up to
