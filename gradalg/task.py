@@ -30,7 +30,7 @@ class TransformerBlocks:
     Passed as ``layers=`` (or as a task's ``default_layers``), it selects, in model order,
     the modules that hook capture factors as linear maps (``nn.Linear``, HF ``Conv1D``,
     and the ``nn.Linear`` experts of a mixture of experts) with trainable parameters and
-    that lie inside the model's *blocks*: the outermost ``nn.ModuleList``\ (s) holding
+    that lie inside the model's *blocks*: the outermost ``nn.ModuleList`` objects holding
     at least two modules of one class that hold parameters (``transformer.h``,
     ``model.layers``, ``gpt_neox.layers``, ``encoder.layer``, T5's ``encoder.block`` and
     ``decoder.block``). Embeddings, norms and the LM head are not selected: this is the

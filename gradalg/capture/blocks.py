@@ -55,7 +55,7 @@ def _holds_params(module: nn.Module) -> bool:
 
 
 def block_lists(model: nn.Module) -> list[str]:
-    """Names of the outermost ``nn.ModuleList``\\ s of ``model`` with ≥ 2 children of one
+    """Names of the outermost ``nn.ModuleList`` objects of ``model`` with ≥ 2 children of one
     class that hold parameters, in model order."""
     found: list[str] = []
     for name, module in model.named_modules():

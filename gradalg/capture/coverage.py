@@ -56,14 +56,12 @@ class LeftOut:
     func_only: bool = False   # hook capture cannot record it (a position embedding)
 
     def describe(self) -> str:
+        details = [count_label(self.params)] + ([self.note] if self.note else [])
         if self.label == "norms":
-            head = f"{self.modules} norm{'s' if self.modules != 1 else ''}"
-        elif self.modules > 1:
-            head = f"{self.label} ({self.modules} modules)"
-        else:
-            head = self.label
-        extra = ", " + self.note if self.note else ""
-        return f"{head} ({count_label(self.params)}{extra})"
+            return f"{self.modules} norm{'s' if self.modules != 1 else ''} ({', '.join(details)})"
+        if self.modules > 1:
+            details.insert(0, f"{self.modules} modules")
+        return f"{self.label} ({', '.join(details)})"
 
 
 @dataclass(frozen=True)
