@@ -16,7 +16,7 @@ capture cannot separate its examples, ``layers="all"`` leaves it out) is marked
 
 ``explain()`` shows it, e.g.::
 
-    coverage: 48 blocks, 84.9 M of 124.4 M parameters (68.3 %); not attributed:
+    coverage: 48 blocks, 85.0 M of 124.4 M parameters (68.3 %); not attributed:
     transformer.wte (38.6 M, tied to lm_head), transformer.wpe (786.4 k, position embedding:
     backend='func' only), 25 norms (38.4 k) — pass layers="all" or name them to include
 """
