@@ -25,7 +25,7 @@ from . import fingerprint  # noqa: E402 - ga.fingerprint.forget(model) after wri
 from . import unroll  # noqa: E402 - ga.unroll.TrainingRun, replayed by ga.methods.magic / source
 from .objective import training_objective
 from .options import get_options, options
-from .task import ExampleRandom, Task
+from .task import ExampleRandom, Task, TransformerBlocks
 
 sum = sum_scores  # noqa: A001 - ga.sum / ga.mean read like the math
 """``ga.sum(scores_list, weights=None)`` is :func:`sum_scores`: Σ_k w_k S_k, one lazy Scores."""
@@ -35,7 +35,7 @@ mean = mean_scores
 from .version import __version__  # noqa: E402
 
 __all__ = [
-    "Task", "grads", "fisher", "adam_state", "SelfScores", "kfac", "ekfac", "hessian", "gauss_newton", "arnoldi", "datainf", "identity", "diagonal", "dense", "sum", "mean", "sum_scores",
+    "Task", "TransformerBlocks", "grads", "fisher", "adam_state", "SelfScores", "kfac", "ekfac", "hessian", "gauss_newton", "arnoldi", "datainf", "identity", "diagonal", "dense", "sum", "mean", "sum_scores",
     "mean_scores", "row_weights", "capture", "per_example_grads", "options", "get_options",
     "GradientSet", "Operator", "Scores", "TransposedGradients", "LocalExecutor", "methods", "proj",
     "tasks", "viz", "integrations", "GradalgError", "LossReductionError", "MemoryBudgetError", "NonFiniteGradientError",

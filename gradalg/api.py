@@ -654,7 +654,11 @@ def grads(task: Task, data, layers=None, *, ids=None, batch_size: int | None = N
     ----------
     task : :class:`Task`
     data : Dataset, DataLoader (shuffle=False), tensor or tuple of tensors.
-    layers : module names or glob patterns; default every supported layer.
+    layers : module names or glob patterns, ``"all"`` (every parameter) or a
+        :class:`TransformerBlocks` selection; default the task's ``default_layers``: every
+        default layer for ``ga.Task(model, loss)``, the linear layers inside the
+        transformer blocks for the ``ga.tasks`` language tasks (``explain()`` shows the
+        coverage: what is attributed, what is left out).
     ids : one id per example (default 0..n-1); they label the scores.
     batch_size : examples per captured chunk (default ``ga.options().batch_size``).
     backend : "hooks" (factored capture of supported layers, one backward per chunk)
@@ -672,7 +676,7 @@ def grads(task: Task, data, layers=None, *, ids=None, batch_size: int | None = N
         raise ValueError(f"backend must be 'hooks' or 'func', got {backend!r}")
     from .capture.hooks import resolve_layers
 
-    refs = resolve_layers(task.model, layers, backend=backend)  # errors now, not at compute time
+    refs = resolve_layers(task.model, task.layers_for(layers), backend=backend)  # errors now, not at compute time
     if objective not in ("loss", "sampled", "expected", "output", "weighted_output"):
         raise ValueError(f"objective must be 'loss', 'sampled', 'expected' or 'output', got {objective!r}")
     task.objective_fn(objective)  # a missing sampled_loss/output is reported now
@@ -833,7 +837,7 @@ def _products(task, data, layers, kind, ids, batch_size) -> Operator:
     from .expr.grads import _module_blocks
     from .space import ParamSpace
 
-    refs = resolve_layers(task.model, layers)
+    refs = resolve_layers(task.model, task.layers_for(layers))
     names = tuple(r.name for r in refs)
     space = ParamSpace(_module_blocks(task, names, "hooks"))
     return Operator(CurvatureProducts(task, as_data(data, ids, batch_size), names, kind, space))

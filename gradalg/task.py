@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import math
 import zlib
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -19,7 +20,38 @@ from .data import batch_size_of, slice_batch
 from .errors import LossReductionError
 from .fingerprint import callable_fingerprint, model_digest
 
-__all__ = ["Task"]
+__all__ = ["Task", "TransformerBlocks"]
+
+
+@dataclass(frozen=True)
+class TransformerBlocks:
+    """A layer selection: the linear layers inside a model's transformer blocks.
+
+    Passed as ``layers=`` (or as a task's ``default_layers``), it selects, in model order,
+    the modules that hook capture factors as linear maps (``nn.Linear``, HF ``Conv1D``,
+    and the ``nn.Linear`` experts of a mixture of experts) with trainable parameters and
+    that lie inside the model's *blocks*: the outermost ``nn.ModuleList`` objects holding
+    at least two modules of one class that hold parameters (``transformer.h``,
+    ``model.layers``, ``gpt_neox.layers``, ``encoder.layer``, T5's ``encoder.block`` and
+    ``decoder.block``). Embeddings, norms and the LM head are not selected: this is the
+    default of every peer (Kronfluence, Bergson, dattri) and of the ``ga.tasks`` language
+    tasks, and it keeps curvature factors at the hidden width (GPT-2 small's tied
+    50,257 × 768 embedding/head alone is a third of the model).
+
+    A model without such a list falls back to every default layer except the input
+    embeddings and the output head (``get_input_embeddings()``, ``get_output_embeddings()``
+    and every layer sharing a weight with them; without those methods, every
+    ``nn.Embedding`` and every linear layer whose output size is an embedding's
+    vocabulary); ``explain()`` says which rule applied.
+
+    head : also select the layers outside the blocks that are neither embeddings nor
+        tied to one (a sequence classifier's ``score`` / ``pooler`` + ``classifier``).
+    """
+
+    head: bool = False
+
+    def __str__(self) -> str:
+        return "transformer-block linears" + (" + head" if self.head else "")
 
 
 
@@ -76,6 +108,12 @@ class Task:
         ``forward(model, batch) -> outputs`` and ``loss_from_outputs(outputs, batch) ->
         summed scalar``, with ``loss = loss_from_outputs(forward(model, batch), batch)``.
         They split the loss at the model's outputs for exact Gauss-Newton products.
+    default_layers : optional
+        The layers ``ga.grads``, ``ga.hessian``, ``ga.gauss_newton`` and every method use
+        when called without ``layers``: None (every default layer: Linear, Conv1D,
+        Embedding, convolutions), names / glob patterns, ``"all"``, a
+        :class:`TransformerBlocks` selection (what the ``ga.tasks`` language tasks set), or
+        a callable ``model -> list of module names``. ``layers=`` given to a call wins.
     name : str, optional
         Shown in reprs.
 
@@ -88,7 +126,8 @@ class Task:
                  output_weight: Callable | None = None, expected_terms: Callable | None = None,
                  weighted_output: Callable | None = None, curvature_objective: str | None = None,
                  check_batch: Callable | None = None, forward: Callable | None = None,
-                 loss_from_outputs: Callable | None = None, name: str | None = None):
+                 loss_from_outputs: Callable | None = None, default_layers: Any = None,
+                 name: str | None = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Task needs a torch.nn.Module, got {type(model).__name__}")
         if not callable(loss):
@@ -110,7 +149,23 @@ class Task:
         self.check_batch = check_batch
         self.forward = forward
         self.loss_from_outputs = loss_from_outputs
+        if isinstance(default_layers, (list, tuple)) and not all(isinstance(n, str) for n in default_layers):
+            raise TypeError("default_layers must be None, 'all', module names / glob patterns, a "
+                            "ga.TransformerBlocks() selection or a callable model -> list of names")
+        self.default_layers = default_layers
         self.name = name or type(model).__name__
+
+    def layers_for(self, layers: Any = None) -> Any:
+        """The layer selection of a call: ``layers`` when given, else the task's
+        ``default_layers`` (a callable is called on the model here)."""
+        if layers is not None:
+            return layers
+        if callable(self.default_layers) and not isinstance(self.default_layers, TransformerBlocks):
+            names = self.default_layers(self.model)
+            if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+                raise TypeError(f"default_layers(model) must return a list of module names, got {names!r}")
+            return list(names)
+        return self.default_layers
 
     @property
     def token(self) -> str:

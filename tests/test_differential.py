@@ -197,11 +197,14 @@ def test_language_model_dict_items_with_a_tied_head_on_dask_equal_local(own_clus
         ids = torch.randint(1, 20, (int(torch.randint(3, 10, (1,), generator=g)),), generator=g)
         items.append({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
     task = ga.tasks.causal_lm(model)
+    # the tied embedding/head (not in the LM default layers) and the block's linears
+    layers = ["transformer.wte"] + [f"transformer.h.0.{m}" for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc",
+                                                                    "mlp.c_proj")]
     with ga.options(progress=False):
-        dot = ga.methods.grad_dot(task, items, items[:3])
+        dot = ga.methods.grad_dot(task, items, items[:3], layers=layers)
         local = dot.compute().values
         np.testing.assert_allclose(np.asarray(dot.compute(executor=own_cluster).values), local, rtol=1e-10)
-        logra = ga.methods.logra(task, items, items[:3], k=16)
+        logra = ga.methods.logra(task, items, items[:3], layers=layers, k=16)
         np.testing.assert_allclose(np.asarray(logra.compute(executor=own_cluster).values), logra.compute().values,
                                    rtol=1e-8, atol=1e-10)
 

@@ -18,6 +18,8 @@ from torch.autograd.graph import get_gradient_edge
 
 from ..errors import UnsupportedLayerError
 from ..space import Block
+from ..task import TransformerBlocks
+from .blocks import select_block_layers
 from .factors import Factors
 from .layers import LayerRule, replaying, rule_for
 from .provenance import CallStack, find_routed, replay_frames, routed_frames
@@ -76,7 +78,9 @@ def resolve_layers(model: nn.Module, layers=None, *, backend: str = "hooks") -> 
     patterns (``"transformer.h.*.mlp.c_fc"``). ``"all"``: the default plus the modules
     recorded by per-example replay (norms and any other module with parameters of its
     own: :class:`~gradalg.capture.layers.ReplayRule`), i.e. every parameter but the
-    position embeddings'; globs select default kinds only, exact names any kind.
+    position embeddings'; globs select default kinds only, exact names any kind. A
+    :class:`~gradalg.TransformerBlocks`: the linear layers inside the model's transformer
+    blocks (:mod:`gradalg.capture.blocks`; the ``ga.tasks`` language tasks' default).
 
     Wrappers (DDP, ``torch.compile``, PEFT: :mod:`gradalg.capture.wrappers`) are looked
     through, so names are those of the wrapped model (a wrapper's prefix is accepted). A
@@ -84,6 +88,8 @@ def resolve_layers(model: nn.Module, layers=None, *, backend: str = "hooks") -> 
     its first holder; the others are aliases (:mod:`gradalg.capture.tying`).
     """
     model, prefixes = unwrap(model)
+    if isinstance(layers, TransformerBlocks):
+        layers = list(select_block_layers(model, layers.head).names)
     every_kind = isinstance(layers, str) and layers == "all" and "all" not in dict(model.named_modules())
     if every_kind:
         layers = None

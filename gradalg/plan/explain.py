@@ -10,7 +10,9 @@
 4. physical     the passes over data: jobs, chunk size, estimated FLOPs, time, memory
                 (and, with ``analyze=True``, measured time and memory per pass)
 
-plus, for planning at scale, estimated time and memory per GPU for 1, 4 and 8 GPUs
+Under the header, the coverage of each captured model: which parameters are attributed,
+their share of the trainable parameters, and what is left out (:meth:`Explain.coverage`).
+Plus, for planning at scale, estimated time and memory per GPU for 1, 4 and 8 GPUs
 (``gpus=``, ``device=``). ``to_dict()`` exports everything as plain data.
 
 One row model, two renderers: ``summary()``, ``stages()``, ``operators()``, ``decisions()``,
@@ -26,6 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..capture.coverage import layer_coverage
+from ..errors import GradalgError
 from ..linalg.rules import describe_rule
 from ..viz.describe import block_label, operator_chain
 from ..viz.tree import text_tree
@@ -122,6 +126,27 @@ class Explain:
                 out.setdefault(node.token, node)
         return out
 
+    def coverage(self) -> list:
+        """The :class:`~gradalg.capture.coverage.Coverage` of each distinct (model, layers)
+        the plan captures gradients of: attributed trainable parameters (each counted once)
+        against the model's, and what is left out. Recomputed from module shapes, no data."""
+        out, seen = [], set()
+        for node in self.plan.logical.walk():
+            task, layers = getattr(node, "task", None), getattr(node, "layers", None)
+            model = getattr(task, "model", None)
+            if not isinstance(model, torch.nn.Module) or not isinstance(layers, tuple):
+                continue
+            backend = getattr(node, "backend", "hooks")
+            key = (id(model), layers, backend)
+            if key in seen:
+                continue
+            seen.add(key)
+            try:
+                out.append(layer_coverage(model, layers, backend, getattr(task, "default_layers", None)))
+            except (GradalgError, KeyError):   # a display never raises: the plan itself reports bad layers
+                continue
+        return out
+
     def operators(self) -> list[dict]:
         """Each operator of the simplified expression with the named rules that will resolve
         it (:func:`gradalg.plan.resolution.operator_rules`: structure labels, no data) and
@@ -166,6 +191,7 @@ class Explain:
             "memory_budget_source": self.plan.budget.to_dict() if self.plan.budget else None,
             "rules_fired": [f.__dict__ for f in self.plan.fired], "decisions": self.decisions(),
             "operator_rules": self.operators(),
+            "coverage": [c.to_dict() for c in self.coverage()],
             "passes": self.passes(), "passes_over_data": self.plan.data_passes,
             "estimated_seconds": self.plan.seconds, "estimated_peak_bytes": self.plan.peak_bytes,
             "scale": self.scale(),
@@ -198,6 +224,7 @@ class Explain:
         lines = [f"gradalg plan — {self.summary()}"]
         if self.warning:
             lines.append(f"! {self.warning}")
+        lines += [c.describe() for c in self.coverage()]
         for key in self.stages():
             lines += ["", *getattr(self, f"_text_{key}")()]
         return "\n".join(lines)
@@ -269,6 +296,8 @@ class Explain:
                  f"<div class='ga-head'>gradalg plan <span class='ga-cost'>{esc(self.summary())}</span></div>"]
         if self.warning:
             parts.append(f"<div class='ga-warning'>⚠ {esc(self.warning)}</div>")
+        parts += [f"<div class='ga-coverage'>{'<br>'.join(esc(x) for x in c.describe().splitlines())}</div>"
+                  for c in self.coverage()]
         parts += [getattr(self, f"_html_{key}")() for key in self.stages()]
         parts.append("</div>")
         return "".join(parts)

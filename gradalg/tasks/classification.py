@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..task import Task
+from ..task import Task, TransformerBlocks
 
 __all__ = ["classification", "sequence_classification"]
 
@@ -45,6 +45,14 @@ def sequence_classification(model: nn.Module, *, padding_side: str = "right", na
     with it; ``token_mask`` is the attention mask. ``padding_side="left"`` passes
     ``position_ids`` counted from each row's first real token; a batch padded on the other
     side, or a row without a real token, is refused naming the example ids.
+
+    Default layers (``layers=None``): :class:`~gradalg.TransformerBlocks` with
+    ``head=True``, the linear layers inside the transformer blocks **and** the
+    classification head (``score``; BERT's ``pooler.dense`` and ``classifier``), not the
+    embeddings or the norms. The head is a few thousand parameters, cheap to attribute,
+    and in a fine-tune it is the layer trained from scratch, often the one that moves
+    most: leaving it out would drop a central part of what the training data taught.
+    ``layers="all"`` adds the embeddings and norms; ``explain()`` shows the coverage.
     """
     from .language import MODEL_INPUTS, hf_forward
     from .tokens import check_padding, field, real_mask
@@ -64,12 +72,14 @@ def sequence_classification(model: nn.Module, *, padding_side: str = "right", na
         key = "labels" if "labels" in batch else "label"
         return field(batch, key, "sequence_classification", hint="; the class goes in 'labels' (B,)")
 
-    return categorical_task(model, logits_of, targets, check_batch=check_batch, token_mask=real_mask, name=name)
+    return categorical_task(model, logits_of, targets, check_batch=check_batch, token_mask=real_mask,
+                            default_layers=TransformerBlocks(head=True), name=name)
 
 
 def categorical_task(model: nn.Module, logits_of: Callable, targets: Callable, *, check_batch=None,
-                     token_mask=None, name: str | None = None) -> Task:
-    """The classification task of ``logits_of(model, batch)`` (B, C) and ``targets(batch)`` (B,)."""
+                     token_mask=None, default_layers=None, name: str | None = None) -> Task:
+    """The classification task of ``logits_of(model, batch)`` (B, C) and ``targets(batch)`` (B,);
+    ``default_layers`` as in :class:`~gradalg.Task`."""
 
     def loss(m, batch):
         return F.cross_entropy(logits_of(m, batch), targets(batch), reduction="sum")
@@ -100,4 +110,5 @@ def categorical_task(model: nn.Module, logits_of: Callable, targets: Callable, *
 
     return Task(model, loss, sampled_loss=sampled_loss, output=margin, output_weight=one_minus_p,
                 expected_terms=expected_terms, forward=logits_of, loss_from_outputs=loss_from_outputs,
-                check_batch=check_batch, token_mask=token_mask, name=name or type(model).__name__)
+                check_batch=check_batch, token_mask=token_mask, default_layers=default_layers,
+                name=name or type(model).__name__)

@@ -27,6 +27,15 @@ t ∈ C_i (p_it = p_θ(y_it | context)):
                       (``objective="expected"``, what classification uses) is infeasible
                       for V ≈ 50k, so the methods' curvature uses sampled labels.
 
+**Default layers.** Called without ``layers``, ``ga.grads``, ``ga.hessian``,
+``ga.gauss_newton`` and every method attribute the linear layers inside the transformer
+blocks (attention and MLP projections, ``nn.Linear`` experts, LoRA adapters:
+:class:`~gradalg.TransformerBlocks`), as Kronfluence, Bergson and dattri do. The
+embeddings, the LM head (on GPT-2 small the tied 50,257 × 768 matrix, a third of the
+model, whose curvature factor alone is vocabulary × vocabulary) and the norms are left
+out; ``explain()`` names them with their share of the parameters. ``layers="all"``
+attributes every parameter; names and glob patterns pick any layer.
+
 The batch is checked before it is captured (:class:`~gradalg.errors.BatchContentError`
 with the example ids): a missing field, padding on the other side than ``padding_side``,
 rows without a real token, rows none of whose labels count.
@@ -40,7 +49,7 @@ import torch
 from torch import nn
 
 from ..errors import BatchContentError
-from ..task import ExampleRandom, Task
+from ..task import ExampleRandom, Task, TransformerBlocks
 from .tokens import (IGNORE, PADDING_SIDES, check_counted, check_padding, content_keys, field, model_logits,
                      position_ids, real_mask, sampled_targets, token_margin, token_nll)
 
@@ -72,10 +81,12 @@ def hf_forward(padding_side: str, fields=MODEL_INPUTS, extra: Callable | None = 
 def sequence_task(model: nn.Module, logits_of: Callable[[nn.Module, Any], torch.Tensor],
                   targets_of: Callable[[Any], torch.Tensor], *, check_batch: Callable | None = None,
                   token_mask: Callable | None = None, n_samples: int = 1, seed_salt: str = "",
-                  trak_output: str = "sequence", name: str | None = None) -> Task:
+                  trak_output: str = "sequence", default_layers=TransformerBlocks(),
+                  name: str | None = None) -> Task:
     """A :class:`Task` for token-level cross-entropy from ``logits_of(model, batch)``
     (B, T', V) and ``targets_of(batch)`` (B, T') with ``-100`` for positions that do not
-    count; everything in the module docstring is derived from these two."""
+    count; everything in the module docstring is derived from these two. ``default_layers``
+    as in :class:`~gradalg.Task` (default: the linear layers inside the transformer blocks)."""
     if not isinstance(n_samples, int) or n_samples < 1:
         raise ValueError(f"n_samples must be a positive int, got {n_samples!r}")
     if trak_output not in TRAK_OUTPUTS:
@@ -134,7 +145,7 @@ def sequence_task(model: nn.Module, logits_of: Callable[[nn.Module, Any], torch.
                 weighted_output=weighted_output, expected_terms=expected_terms if n_samples > 1 else None,
                 curvature_objective="expected" if n_samples > 1 else "sampled", check_batch=check_batch,
                 token_mask=token_mask, forward=logits_of, loss_from_outputs=lambda lg, b: summed_nll(lg, targets_of(b)),
-                name=name or type(model).__name__)
+                default_layers=default_layers, name=name or type(model).__name__)
 
 
 def causal_lm(model: nn.Module, *, padding_side: str = "right", completion_only: bool = False,
@@ -168,6 +179,10 @@ def causal_lm(model: nn.Module, *, padding_side: str = "right", completion_only:
         most confident tokens by 1/(1 − p_t) and scored 0.31 against 0.39 (k = 512).
     logits : ``(model, batch) -> (B, T, V)`` replacing the default call
         ``model(input_ids=, attention_mask=[, position_ids=]).logits``.
+
+    Default layers: the linear layers inside the transformer blocks (module docstring);
+    pass ``layers="all"`` or module names to ``ga.grads`` / the methods for the embeddings
+    and the head.
 
     Batch fields: ``input_ids`` (B, T) required; ``attention_mask``, ``labels``,
     ``completion_mask`` / ``prompt_length`` optional. See the module docstring for the
@@ -213,7 +228,8 @@ def masked_lm(model: nn.Module, *, n_samples: int = 1, trak_output: str = "seque
     """Masked-language-model task (BERT-style ``*ForMaskedLM``): L_i = Σ_t −log p(labels_t)
     over the positions whose ``labels`` are not ``-100`` (no shift). Right padding only
     (absolute positions). Fields: ``input_ids``, ``labels`` (B, T); ``attention_mask``,
-    ``token_type_ids`` optional. The other outputs as in :func:`causal_lm`."""
+    ``token_type_ids`` optional. The other outputs and the default layers (the linear
+    layers inside the transformer blocks) as in :func:`causal_lm`."""
     logits_of = hf_forward("right")
 
     def targets_of(batch):
@@ -245,7 +261,8 @@ def seq2seq(model: nn.Module, *, n_samples: int = 1, trak_output: str = "sequenc
     ``token_mask``: encoder and decoder positions differ (T_enc ≠ T_dec), and padding
     carries no gradient either side (encoder padding is masked out of the cross-attention,
     decoder padding comes after every counted token), so gradients are exact; K-FAC
-    statistics then count padded positions as well.
+    statistics then count padded positions as well. Default layers: the linear layers
+    inside the encoder's and the decoder's blocks (as in :func:`causal_lm`).
     """
     def decoder_inputs(m, batch):
         labels = field(batch, "labels", "seq2seq", hint="; seq2seq needs decoder labels (B, T_dec)")
