@@ -524,7 +524,7 @@ class KronOp(LinearOp):
         lam = self.eigenvalues[name]
         Q_S = Q_S if Q_S is not None else torch.eye(lam.shape[0], dtype=lam.dtype)
         Q_A = Q_A if Q_A is not None else torch.eye(lam.shape[1], dtype=lam.dtype)
-        K = torch.kron(Q_S, Q_A.to(Q_S.dtype))
+        K = torch.kron(Q_S.contiguous(), Q_A.to(Q_S.dtype).contiguous())
         return (K * self.eigenvalues[name].flatten().unsqueeze(0)) @ K.T
 
     def dense(self) -> torch.Tensor:
