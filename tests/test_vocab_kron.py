@@ -232,3 +232,21 @@ def test_memory_refusal_names_the_diagonal_width_that_fits_and_it_runs(data):
                     progress=False):
         scores = computed(S)
     assert scores.shape == (4, 4) and torch.isfinite(scores).all()
+
+
+def test_a_stored_operator_with_a_diagonal_factor_keeps_its_numbers(data, tmp_path):
+    """The identity basis of a diagonal factor is not written (no V × V array); the loaded
+    operator gives the same scores."""
+    pytest.importorskip("zarr")
+    train, queries = data
+    task = task_of(gpt2(tied=True))
+    G, Q = ga.grads(task, train, layers=["lm_head"]), ga.grads(task, queries, layers=["lm_head"])
+    with ga.options(kron_diagonal_width=NARROW, progress=False):
+        stored = ga.store.write_operator(ga.ekfac(G), tmp_path / "ekfac.zarr")
+        ref = computed(Q @ ga.ekfac(G).damp(DAMP).inv() @ G.T)
+    loaded = ga.store.open_operator(tmp_path / "ekfac.zarr")
+    with ga.options(progress=False):
+        out = computed(Q @ loaded.damp(DAMP).inv() @ G.T)
+        again = computed(Q @ stored.damp(DAMP).inv() @ G.T)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=0)
+    torch.testing.assert_close(again, ref, rtol=1e-10, atol=0)

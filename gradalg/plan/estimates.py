@@ -530,7 +530,7 @@ def job_cost(job, n_stream: int, layout: dict, chunk: int, dtype=torch.float32, 
         diagonal_width = getattr(job, "kron_diagonal_width", None)
         for b in node.space.blocks:
             if len(b.shape) == 2:
-                for d in b.shape:
+                for d in (b.shape[1], b.shape[0]):   # A's, then S's
                     if not _diagonal(d, diagonal_width):
                         once = once + eigh_cost(d)
     elif kind == "scores":
@@ -605,7 +605,7 @@ def _chunk_cost(job, node, c: int, layout: dict, elem: int) -> Cost:
             if len(b.shape) != 2:
                 continue
             m = c * T[b.name]
-            for d in b.shape:   # a dense factor's Gram and its d × d sums; a diagonal one's squares
+            for d in (b.shape[1], b.shape[0]):   # A, S: a dense factor's Gram and d × d sums; a diagonal one's squares
                 if _diagonal(d, diagonal_width):
                     cost = cost + Cost(flops=2.0 * m * d, bytes=elem * m * d * 2 + 16.0 * d)
                 else:
