@@ -773,7 +773,15 @@ def kfac(G: GradientSet, *, eigen_correction: bool = False, covariance_max_examp
         raise TypeError("ga.kfac takes a GradientSet")
     for b in G.space.blocks:
         if len(b.shape) != 2:
-            raise ValueError(f"K-FAC needs (out, in) layer blocks; block {b.name!r} has shape {b.shape}")
+            if b.basis == "params":
+                raise ValueError(
+                    f"K-FAC needs (out, in) layer blocks; block {b.name!r} has shape {b.shape}: its rows are "
+                    "flat (ga.grads with backend='func'). Use ga.grads(task, data, layers, backend='hooks') (the "
+                    "default), whose rows keep their Kronecker factors")
+            raise ValueError(
+                f"K-FAC needs (out, in) layer blocks; block {b.name!r} has shape {b.shape}: a flat projection "
+                f"(gaussian, rademacher, sparse) has no Kronecker structure. Project each layer with "
+                f"ga.proj.kron(k={min(b.shape[0], 64)}), which keeps (k, k) blocks, or use ga.fisher on the flat rows")
     cov = _max_examples("covariance_max_examples", covariance_max_examples, G.n)
     lam = _max_examples("lambda_max_examples", lambda_max_examples, G.n)
     if not eigen_correction:

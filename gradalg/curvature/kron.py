@@ -275,13 +275,15 @@ class EighCheck:
                 f"δ = {self.error:.2e}")
 
 
-def checked_eigh(M: torch.Tensor, rtol: float, what: str = "a Kronecker factor"):
+def checked_eigh(M: torch.Tensor, rtol: float, what: str = "a Kronecker factor", float64_fix: int | None = None):
     """``(Q, λ ≥ 0, EighCheck)`` of symmetric M (d, d) in M's dtype, on M's device.
 
     float64: as :func:`kron_eigenbasis`. float32: the residuals and QᵀQ are then computed in
     float64, ``_CHECK_COLUMNS`` columns at a time (3 d³ multiply-adds; memory 3·8·d·512
     bytes), and a relative residual or orthogonality over ``rtol`` raises
-    :class:`~gradalg.errors.CurvatureError`."""
+    :class:`~gradalg.errors.CurvatureError`, whose fix is
+    ``ga.options(kron_float64_width=float64_fix)`` (default d; the caller passes the widest
+    float32 factor of the operator, so that no other factor fails next)."""
     M = (M + M.T) / 2
     lam, Q = torch.linalg.eigh(M)
     d = M.shape[0]
@@ -304,11 +306,13 @@ def checked_eigh(M: torch.Tensor, rtol: float, what: str = "a Kronecker factor")
     check = EighCheck(d, M.dtype, residual, orthogonality, float(lam64.abs().max()),
                       float(torch.linalg.vector_norm(lam64)))
     if check.norm2 > 0 and max(check.residual / check.norm2, check.orthogonality) > rtol:
+        fix = max(d, float64_fix or 0)
         raise CurvatureError(
             f"the float32 eigendecomposition of {what} ({d}×{d}) failed its check: {check.describe()}, "
             f"a relative residual of {check.residual / check.norm2:.2e} or orthogonality error over "
-            f"kron_float32_rtol = {rtol:g}. Compute the factor in float64: ga.options(kron_float64_width={d}) "
-            f"({_gb(8.0 * d * d)} GB for the factor, {_gb(32.0 * d * d)} GB at its eigendecomposition), or project "
+            f"kron_float32_rtol = {rtol:g}. Compute the factors in float64: ga.options(kron_float64_width={fix}) "
+            f"({_gb(8.0 * fix * fix)} GB for the widest factor, {_gb(32.0 * fix * fix)} GB at its eigendecomposition), "
+            "or project "
             "the layer first (ga.proj.kron(k=...))")
     return Q, lam.clamp_min(0), check
 
@@ -403,6 +407,8 @@ class KronOp(LinearOp):
     def _check_float32(self, what: str, p: float) -> None:
         """Refuse H^p (p < 0) where a float32 block's eigenvalues are not accurate enough:
         the relative error of (Λ_ij)^p is about |p|·δ_Λ/|Λ_ij|."""
+        # the float64 fix covers every float32 block, not just this one (else the next one refuses)
+        widest = max([Q.shape[0] for k in self.eigenvalue_errors for Q in self.bases[k] if Q is not None] or [0])
         for name, err in self.eigenvalue_errors.items():
             lam = self.eigenvalues[name]
             smallest = float(lam.abs().min())
@@ -410,7 +416,7 @@ class KronOp(LinearOp):
             if relative <= self.float32_rtol:
                 continue
             o, i = lam.shape
-            wide = max(o, i)
+            wide = widest
             need = abs(p) * err / self.float32_rtol
             raise CurvatureError(
                 f"{what}: block {name!r} has Kronecker factors of {o}×{o} and {i}×{i} (those wider than "

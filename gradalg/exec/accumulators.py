@@ -17,7 +17,7 @@ import torch
 
 from ..capture.factors import HALF_DTYPES, Factors, ghost_inner, materialize, self_inner, token_slices
 from ..curvature.kron import (FLOAT32_ROUNDOFF, EighCheck, KronOp, KronStats, checked_eigh, diagonal_factor_rules,
-                              rotate_factors, rotate_rows)
+                              is_diagonal_factor, rotate_factors, rotate_rows)
 from ..errors import DataError, GradalgError
 from ..expr import KFAC, Fisher, GroupMean
 from ..plan.memory import check_statistics_fit
@@ -115,7 +115,7 @@ class KronAccumulator:
     def __init__(self, node: KFAC, token_block: int | None = None, float64_width: int | None = None,
                  float32_rtol: float = 1e-2, diagonal_width: int | None = None):
         self.node, self.token_block = node, token_block
-        self.float32_rtol = float32_rtol
+        self.float32_rtol, self.diagonal_width = float32_rtol, diagonal_width
         self.stats = {name: KronStats(float64_width=float64_width, diagonal_width=diagonal_width)
                       for name in node.space.names}
         self.rules = diagonal_factor_rules(node.space, diagonal_width)
@@ -136,13 +136,16 @@ class KronAccumulator:
 
     def finish(self) -> KronOp:
         bases, eigenvalues, errors = {}, {}, {}
+        # the float64 width a failed float32 check names: the widest dense factor of all blocks
+        widest = max([d for b in self.node.space.blocks if len(b.shape) == 2 for d in b.shape
+                      if not is_diagonal_factor(d, self.diagonal_width)] or [0])
         for name in self.node.space.names:
             self.stats[name].examples = self.node.covariance_grads.n   # the examples fed (covariance_max_examples)
             S, A = self.stats[name].covariances()
             self.stats[name] = None        # the sums are not needed past their eigendecomposition
-            Q_S, lam_S, check_S = _eigenbasis(S, self.float32_rtol, f"the output-gradient factor of {name!r}")
+            Q_S, lam_S, check_S = _eigenbasis(S, self.float32_rtol, f"the output-gradient factor of {name!r}", widest)
             del S
-            Q_A, lam_A, check_A = _eigenbasis(A, self.float32_rtol, f"the activation factor of {name!r}")
+            Q_A, lam_A, check_A = _eigenbasis(A, self.float32_rtol, f"the activation factor of {name!r}", widest)
             del A
             bases[name] = (Q_S, Q_A)
             dtype = torch.promote_types(lam_S.dtype, lam_A.dtype) if torch.float32 not in (
@@ -156,13 +159,13 @@ class KronAccumulator:
                       float32_rtol=self.float32_rtol, rules=self.rules)
 
 
-def _eigenbasis(M: torch.Tensor, rtol: float, what: str):
+def _eigenbasis(M: torch.Tensor, rtol: float, what: str, float64_fix: int | None = None):
     """``(Q, λ ≥ 0, EighCheck)`` of a factor: :func:`checked_eigh` of a (d, d) matrix, or
     ``(None, diagonal, exact)`` for a diagonal factor kept as its (d,) diagonal (the
     identity is its eigenbasis)."""
     if M.dim() == 1:
         return None, M.clamp_min(0), EighCheck(M.shape[0], torch.float64)
-    return checked_eigh(M, rtol, what)
+    return checked_eigh(M, rtol, what, float64_fix)
 
 
 class EKFACAccumulator:
