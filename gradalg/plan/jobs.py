@@ -39,7 +39,7 @@ from ..expr import GradNode, Node
 from ..expr.operators import Identity
 from ..expr.tokens import token_rows
 from .cost import Cost, fisher_cost
-from .memory import (consumer_bytes_per_example, ekfac_example_bytes, ghost_norm_bytes_per_example,
+from .memory import (_gb, consumer_bytes_per_example, ekfac_bytes, ekfac_example_bytes, ghost_norm_bytes_per_example,
                      ghost_workspace_bytes, kron_bytes,
                      kron_bytes_arithmetic, kron_output_bytes, rows_bytes, rows_of)
 from .shapes import element_size
@@ -197,7 +197,12 @@ class EKFACJob(KronStatisticsJob):
     def fixed_bytes(self, dtype) -> float:
         """The statistics' bytes, and one example's rotated gradient of a block with a
         diagonal (vocabulary-wide) factor, which is corrected one example at a time."""
-        return super().fixed_bytes(dtype) + ekfac_example_bytes(self.target.space, self.kron_diagonal_width)
+        return (ekfac_bytes(self.target.space, self.kron_float64_width, self.kron_diagonal_width)
+                + ekfac_example_bytes(self.target.space, self.kron_diagonal_width))
+
+    def bytes_arithmetic(self, dtype) -> str:
+        return (f"EK-FAC correction: eigenbases, K-FAC and corrected eigenvalues and their float64 sums "
+                f"{_gb(self.fixed_bytes(dtype))} GB")
 
     def describe(self) -> str:
         notes = [x for x in self.target.subset_notes() if x.startswith("eigenvalue")]

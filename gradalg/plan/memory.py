@@ -30,7 +30,7 @@ from .cost import activation_bytes, tokens_hint
 from .shapes import element_size, forward_shapes, rows_per_example
 
 __all__ = ["positions", "rows_of", "rows_bytes", "capture_bytes_per_example", "consumer_bytes_per_example",
-           "kron_bytes", "kron_output_bytes", "ekfac_example_bytes", "kron_factor_bytes", "kron_precision_rows", "kron_bytes_arithmetic",
+           "kron_bytes", "kron_output_bytes", "ekfac_example_bytes", "ekfac_bytes", "kron_factor_bytes", "kron_precision_rows", "kron_bytes_arithmetic",
            "statistics_bytes", "check_statistics_fit", "captured_positions", "ghost_workspace_bytes",
            "ghost_norm_bytes_per_example", "token_block_of"]
 
@@ -150,21 +150,39 @@ def _dense_widths(space, diagonal_width: int | None) -> list[int]:
 
 
 def kron_bytes(space, float64_width: int | None = None, diagonal_width: int | None = None) -> float:
-    """K-FAC's statistics and eigendecompositions: per block the two factors' sums, and the
-    larger of what a chunk's update adds (its d × d product, and its float64 copy or the
-    Kahan sum's new total: 12·d² for the widest dense factor) and what finishing adds
-    (every eigenbasis, the (out, in) eigenvalues, and the largest single
-    eigendecomposition's workspace: they run one after the other). Factors wider than
-    ``float64_width`` in float32, wider than ``diagonal_width`` diagonal (8·d bytes, no
-    basis: :func:`kron_factor_bytes`)."""
-    sums, finish, eigh = 0.0, 0.0, 0.0
+    """K-FAC's statistics and eigendecompositions, the larger of two moments:
+
+    * a chunk's update: every block's two factor sums, and the widest dense factor's
+      d × d product with its float64 copy or the Kahan sum's new total (12·d²);
+    * finishing, block by block (``KronAccumulator.finish``): a block's sums are freed as
+      its covariances are formed and eigendecomposed, so each block holds the larger of
+      its sums and its eigenbases; beside them every (out, in) eigenvalue grid, and the
+      larger of one block's covariance copies and one eigendecomposition's workspace.
+
+    Factors wider than ``float64_width`` in float32, wider than ``diagonal_width``
+    diagonal (8·d bytes, no basis: :func:`kron_factor_bytes`)."""
+    sums, held, lam, eigh, copies = 0.0, 0.0, 0.0, 0.0, 0.0
     for o, i in _factor_widths(space):
         parts = [kron_factor_bytes(d, float64_width, diagonal_width) for d in (o, i)]
-        sums += sum(p["sum"] for p in parts)
-        finish += sum(p["basis"] for p in parts) + _eigenvalue_bytes(o, i, parts)
+        block_sums = sum(p["sum"] for p in parts)
+        sums += block_sums
+        held += max(block_sums, sum(p["basis"] for p in parts))
+        lam += _eigenvalue_bytes(o, i, parts)
         eigh = max([eigh] + [p["eigh"] for p in parts])
+        copies = max(copies, block_sums)
     widest = max(_dense_widths(space, diagonal_width) or [0])
-    return sums + max(12.0 * widest * widest, finish + eigh)
+    return max(sums + 12.0 * widest * widest, held + lam + max(eigh, copies))
+
+
+def ekfac_bytes(space, float64_width: int | None = None, diagonal_width: int | None = None) -> float:
+    """EK-FAC's correction pass: the K-FAC eigenbases and eigenvalues it rotates into, its
+    float64 sums of squares (one (out, in) grid per block) and, when it finishes, the
+    corrected eigenvalues beside them."""
+    total = 0.0
+    for o, i in _factor_widths(space):
+        parts = [kron_factor_bytes(d, float64_width, diagonal_width) for d in (o, i)]
+        total += sum(p["basis"] for p in parts) + 2 * _eigenvalue_bytes(o, i, parts) + 8.0 * o * i
+    return total
 
 
 def kron_output_bytes(space, float64_width: int | None = None, diagonal_width: int | None = None) -> float:
@@ -195,8 +213,9 @@ def kron_bytes_arithmetic(space, float64_width: int | None = None, diagonal_widt
             elif p["eigh"] > eigh:
                 widest, eigh = d, p["eigh"]
     update = 12.0 * max(_dense_widths(space, diagonal_width) or [0]) ** 2
-    text = (f"Kronecker statistics of {len(space.blocks)} block(s): factor sums {_gb(sums)} GB + the larger of "
-            f"a chunk's update ({_gb(update)} GB) and eigenbases {_gb(bases)} GB + eigenvalues {_gb(lam)} GB")
+    text = (f"Kronecker statistics of {len(space.blocks)} block(s): factor sums {_gb(sums)} GB + a chunk's update "
+            f"({_gb(update)} GB), or, finishing block by block, each block's larger of its sums and eigenbases "
+            f"(eigenbases {_gb(bases)} GB in all) + eigenvalues {_gb(lam)} GB")
     if widest:
         dtype = kron_factor_bytes(widest, float64_width)["dtype"]
         text += f" + the largest eigendecomposition ({widest}×{widest}, {dtype}) {_gb(eigh)} GB"
