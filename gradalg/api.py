@@ -764,6 +764,13 @@ def kfac(G: GradientSet, *, eigen_correction: bool = False, covariance_max_examp
     with ``ga.proj.kron`` (LoGra). Use ``objective="sampled"`` gradients for the true
     Fisher / Gauss-Newton, as K-FAC intends.
 
+    A tied parameter (GPT-2's embedding and LM head) is one block whose factors pool its
+    uses (:mod:`gradalg.capture.tying`), so its S and A are the covariances of the pooled
+    rows, as EK-FAC's eigenbasis and the gradients treat it. A factor wider than
+    ``ga.options(kron_diagonal_width)`` (a vocabulary side) is kept as its diagonal
+    (:mod:`gradalg.curvature.kron`, "Diagonal factors of vocabulary-wide sides"), named in
+    the plan's decisions and operator rules (``kronecker.diagonal_factor``).
+
     covariance_max_examples : estimate the Kronecker covariances A = (1/m) Σ_{i<m} A_iᵀA_i
         and S = (1/m) Σ_{i<m} D_iᵀD_i from the first m examples of ``G`` only (its data's
         order), as Kronfluence's ``FactorArguments.covariance_max_examples``. The pass that
@@ -781,14 +788,21 @@ def kfac(G: GradientSet, *, eigen_correction: bool = False, covariance_max_examp
         raise TypeError("ga.kfac takes a GradientSet")
     for b in G.space.blocks:
         if len(b.shape) != 2:
-            raise ValueError(f"K-FAC needs (out, in) layer blocks; block {b.name!r} has shape {b.shape}")
+            if b.basis == "params":
+                raise ValueError(
+                    f"K-FAC needs (out, in) layer blocks; block {b.name!r} has shape {b.shape}: its rows are "
+                    "flat (ga.grads with backend='func'). Use ga.grads(task, data, layers, backend='hooks') (the "
+                    "default), whose rows keep their Kronecker factors")
+            raise ValueError(
+                f"K-FAC needs (out, in) layer blocks; block {b.name!r} has shape {b.shape}: a flat projection "
+                f"(gaussian, rademacher, sparse) has no Kronecker structure. Project each layer with "
+                f"ga.proj.kron(k={min(b.shape[0], 64)}), which keeps (k, k) blocks, or use ga.fisher on the flat rows")
     cov = _max_examples("covariance_max_examples", covariance_max_examples, G.n)
     lam = _max_examples("lambda_max_examples", lambda_max_examples, G.n)
     if not eigen_correction:
         if lambda_max_examples is not None:
             raise ValueError("lambda_max_examples is the number of examples of EK-FAC's eigenvalue "
                              "correction: use it with ga.ekfac (eigen_correction=True), or leave it None")
-        _refuse_mixed_kfac(G)
     node = KFAC(G.expr, eigen_correction, cov, lam)
     node.covariance_grads, node.lambda_grads   # refused now (captured rows), not at compute time
     return Operator(node)
@@ -803,22 +817,6 @@ def _max_examples(name: str, value, n: int) -> int | None:
         raise ValueError(f"{name} must be a positive int (a number of examples) or None for all "
                          f"of them, got {value!r}")
     return None if value >= n else value
-
-
-def _refuse_mixed_kfac(G: GradientSet) -> None:
-    """K-FAC's S ⊗ A on a block pooling uses of different kinds (an embedding tied to the LM
-    head: one-hot rows × hidden gradients next to hidden states × logit gradients) multiplies
-    covariances of unrelated quantities; refused. EK-FAC refits the eigenvalues to the true
-    summed gradients (exact diagonal in its basis), so it is allowed."""
-    source = G.expr.source
-    mixed = [b.name for b in source.space.blocks if b.kind == "tied" and b.name in G.space.names]
-    if mixed:
-        from .errors import GradalgError
-        raise GradalgError(
-            f"K-FAC on the tied block(s) {mixed}: their uses (an embedding and a Linear sharing one "
-            "weight) have activations and output gradients of different kinds, so one Kronecker product "
-            "S ⊗ A of their pooled covariances is not K-FAC of either use. Use ga.ekfac (eigenvalues "
-            "fit to the true summed gradients), ga.fisher on a projection, or leave the block out")
 
 
 def ekfac(G: GradientSet, *, covariance_max_examples: int | None = None,

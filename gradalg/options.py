@@ -160,6 +160,14 @@ class Options:
         The relative accuracy float32 Kronecker eigendecompositions must reach: their
         residual and orthogonality, and the error of an inverse's eigenvalues
         (δ_Λ / min |Λ + damping|); beyond it ``CurvatureError`` (default 1e-2).
+    kron_diagonal_width : int
+        Kronecker factors (K-FAC / EK-FAC) wider than this are kept as their diagonal, with
+        the identity as eigenbasis, instead of a dense d × d matrix and its eigendecomposition
+        (default 16384: a vocabulary's 32k–152k side of an embedding or LM head is diagonal,
+        the widest MLP factors of common models, 14336, stay dense). Exact for an embedding's
+        one-hot inputs (token counts); for other factors (a head's output gradients) it drops
+        the off-diagonal covariances. Shown per block in the plan's decisions and in the
+        operator rules (``kronecker.diagonal_factor``).
     projection_slice_elements : int
         A sparse (SJLT / mask) projection of a factored block materializes the block in
         slices of examples of at most this many elements.
@@ -210,6 +218,7 @@ class Options:
     token_block: int = 512
     kron_float64_width: int = 8192
     kron_float32_rtol: float = 1e-2
+    kron_diagonal_width: int = 16384
     projection_slice_elements: int = 2**26
     reuse_buffer_bytes: int = 2**20
     release_growth: float = 1.25
@@ -254,7 +263,7 @@ class Options:
         if isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not 0 < rtol < 1:
             raise OptionError(f"kron_float32_rtol must be a number in (0, 1), got {rtol!r}")
         for name in ("ghost_slice_elements", "projection_slice_elements", "reuse_buffer_bytes", "token_block",
-                     "kron_float64_width"):
+                     "kron_float64_width", "kron_diagonal_width"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise OptionError(f"{name} must be a positive int, got {value!r}")

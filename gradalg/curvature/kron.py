@@ -40,6 +40,26 @@ the same relative error, plus u, times its largest re-fitted eigenvalue), kept o
 :class:`KronOp`; an inverse or negative power dividing by ``min |Λ + λ| < δ_Λ / rtol``
 raises :class:`~gradalg.errors.CurvatureError` with these numbers and the fixes (damp by
 at least δ_Λ/rtol, project the layer, or float64 factors).
+
+Diagonal factors of vocabulary-wide sides
+-----------------------------------------
+A factor wider than ``diagonal_width`` (``ga.options(kron_diagonal_width=16384)``: an
+embedding's or LM head's vocabulary side, 32k–152k) is never formed as a d × d matrix:
+only its diagonal is summed (float64, 8·d bytes), and its eigenbasis is the identity
+(stored as ``None``), its eigenvalues the diagonal itself:
+
+    A = diag(c) / N_tok,  c_v = #{(i, t): token v at position t of example i}   embedding
+        inputs (one-hot rows a_it = e_v): Σ a aᵀ is exactly diagonal, so this is exact;
+    S ≈ diag(S) = (1/n) Σ_i Σ_t d_it ∘ d_it                                      a head's
+        output gradients: the off-diagonal covariances are dropped (the rule
+        ``kronecker.diagonal_factor``, named in the plan).
+
+K-FAC is then ``F ≈ (I ⊗ Q_A) diag(diag(S) ⊗ λ_A) (I ⊗ Q_A)ᵀ`` (for a diagonal S), and
+EK-FAC re-fits its eigenvalues per coordinate in that basis, Λ = (1/n) Σ_i (G_i Q_A)²
+((V, d) numbers: each example rotated on its own, no V × V matrix anywhere). A tied
+embedding/head block is one block whose factors pool its uses (:mod:`gradalg.capture.tying`):
+its vocabulary side S sums the embedding's one-hot rows (exactly diagonal) and the head's
+logit gradients (diagonal approximation).
 """
 from __future__ import annotations
 
@@ -48,12 +68,13 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..capture.factors import Factors, OneHot, materialize, token_slices
-from ..errors import CurvatureError, GradalgError, MemoryBudgetError
+from ..errors import CurvatureError, GradalgError
 from ..linalg import rules as _rules
 from ..linalg.base import LinearOp, power_values, reciprocal
 
 __all__ = ["KronStats", "KronOp", "kron_eigenbasis", "rotate_factors", "rotate_rows", "work_dtype", "gram",
-           "factor_dtype", "checked_eigh", "EighCheck", "FLOAT32_ROUNDOFF"]
+           "factor_dtype", "checked_eigh", "EighCheck", "FLOAT32_ROUNDOFF", "is_diagonal_factor", "token_counts",
+           "diagonal_factors", "diagonal_factor_rules"]
 
 #: unit roundoff of float32, u = 2⁻²⁴
 FLOAT32_ROUNDOFF = 2.0 ** -24
@@ -64,6 +85,42 @@ _CHECK_COLUMNS = 512
 def factor_dtype(width: int, float64_width: int | None) -> torch.dtype:
     """float64 for a Kronecker factor of ``width`` ≤ ``float64_width`` (None: always), else float32."""
     return torch.float64 if float64_width is None or width <= float64_width else torch.float32
+
+
+def is_diagonal_factor(width: int, diagonal_width: int | None) -> bool:
+    """Whether a Kronecker factor of ``width`` is kept as its diagonal (wider than
+    ``diagonal_width``; None: never)."""
+    return diagonal_width is not None and width > diagonal_width
+
+
+def diagonal_factors(space, diagonal_width: int | None) -> dict:
+    """``{block: ("S" and/or "A")}``: the sides of each 2-D block of ``space`` wider than
+    ``diagonal_width``, kept diagonal (blocks with none are left out)."""
+    out = {}
+    for b in space.blocks:
+        if len(b.shape) == 2:
+            sides = tuple(side for side, d in (("S", b.shape[0]), ("A", b.shape[1]))
+                          if is_diagonal_factor(d, diagonal_width))
+            if sides:
+                out[b.name] = sides
+    return out
+
+
+def diagonal_factor_rules(space, diagonal_width: int | None) -> tuple:
+    """``("kronecker.diagonal_factor",)`` when a block of ``space`` has a factor wider than
+    ``diagonal_width`` (kept diagonal), else ``()``: the rule a K-FAC operator over
+    ``space`` records when it is built (and :mod:`gradalg.plan.resolution` lists)."""
+    if not diagonal_factors(space, diagonal_width):
+        return ()
+    return (_rules.choose("kron_factor", frozenset({"kronecker"}), variant="diagonal").name,)
+
+
+def token_counts(A: OneHot) -> torch.Tensor:
+    """``c_v`` = Σ_{i,t} [token v at a valid position (i, t)] = the diagonal of Σ a aᵀ for
+    one-hot activations (which has no other entries), in float64.   Returns (size,)."""
+    idx = A.idx.flatten()
+    weights = A.weights(torch.float64).flatten()
+    return torch.zeros(A.size, dtype=torch.float64, device=idx.device).index_add_(0, idx, weights)
 
 
 def _compensated_add(total, comp, x):
@@ -81,15 +138,13 @@ def _compensated_add(total, comp, x):
     return t, lost.neg_()
 
 
-def _dense_acts(A, dtype, max_vocab: int = 8192) -> torch.Tensor:
+def _rotated_acts(A, Q_A: torch.Tensor | None, dtype) -> torch.Tensor:
+    """``A Q_A`` for activations (n, b, in) or one-hot ids (rows of Q_A gathered, never a
+    dense one-hot); ``Q_A`` None is the identity (dense activations only).   (n, b, in)"""
     if isinstance(A, OneHot):
-        if A.size > max_vocab:
-            raise MemoryBudgetError(
-                f"K-FAC on an embedding with {A.size:,} rows needs a {A.size:,}² activation "
-                "covariance; project it first (ga.proj.kron) or leave the embedding out"
-            )
-        return A.to_dense(dtype)
-    return A.to(dtype)
+        return Q_A.to(dtype)[A.idx] * A.weights(dtype).unsqueeze(-1)
+    A = A.to(dtype)
+    return A if Q_A is None else A @ Q_A.to(dtype)
 
 
 @dataclass
@@ -97,7 +152,9 @@ class KronStats:
     """Running sums of one layer's K-FAC factors over chunks of examples.
 
     Each factor is summed in :func:`factor_dtype` of its width: float64, or float32 with a
-    Kahan compensation (``A_comp``, ``S_comp``) beyond ``float64_width``."""
+    Kahan compensation (``A_comp``, ``S_comp``) beyond ``float64_width``. A factor wider
+    than ``diagonal_width`` is summed as its diagonal only, a (d,) float64 vector (module
+    docstring, "Diagonal factors"); one-hot activations give their token counts (exact)."""
 
     A: torch.Tensor | None = None   # Σ a aᵀ  (in, in)
     S: torch.Tensor | None = None   # Σ d dᵀ  (out, out)
@@ -106,20 +163,33 @@ class KronStats:
     float64_width: int | None = None
     A_comp: torch.Tensor | None = None
     S_comp: torch.Tensor | None = None
+    diagonal_width: int | None = None
 
     def update(self, F: Factors, token_block: int | None = None) -> None:
         """Add Σ_t a_t a_tᵀ and Σ_t d_t d_tᵀ of a chunk, a block of ``token_block`` positions
         of every example at a time (the chunk's products in the rows' precision, the
-        running sums in :func:`factor_dtype`)."""
+        running sums in :func:`factor_dtype`; the diagonal of a factor wider than
+        ``diagonal_width``, in float64)."""
         dtype = work_dtype(F.D)
         a_dtype, s_dtype = factor_dtype(F.in_features, self.float64_width), factor_dtype(F.out_features,
                                                                                           self.float64_width)
+        diag_A = is_diagonal_factor(F.in_features, self.diagonal_width)
+        diag_S = is_diagonal_factor(F.out_features, self.diagonal_width)
         for tp in token_slices(F.T, token_block):
             Fp = F.tokens(tp)
-            A = _dense_acts(Fp.A, dtype).flatten(0, 1)   # (n b, in)
-            D = Fp.D.to(dtype).flatten(0, 1)             # (n b, out)
-            self.add_sums(gram(A).to(a_dtype), gram(D).to(s_dtype), owned=True)
-            self.tokens += int((A != 0).any(dim=1).sum())
+            if isinstance(Fp.A, OneHot):       # Σ a aᵀ = diag(token counts), exactly
+                counts = token_counts(Fp.A)                                       # (in,)
+                sum_A = counts if diag_A else torch.diag(counts).to(a_dtype)
+                self.tokens += int(Fp.A.weights(torch.float64).ne(0).sum())
+            else:
+                A = Fp.A.to(dtype).flatten(0, 1)                                   # (n b, in)
+                sum_A = (A * A).sum(0, dtype=torch.float64) if diag_A else gram(A).to(a_dtype)
+                self.tokens += int((A != 0).any(dim=1).sum())
+                del A
+            D = Fp.D.to(dtype).flatten(0, 1)                                       # (n b, out)
+            sum_S = (D * D).sum(0, dtype=torch.float64) if diag_S else gram(D).to(s_dtype)
+            del D
+            self.add_sums(sum_A, sum_S, owned=True)
         self.examples += F.n
 
     def add_sums(self, A: torch.Tensor | None, S: torch.Tensor | None, owned: bool = False) -> None:
@@ -205,13 +275,15 @@ class EighCheck:
                 f"δ = {self.error:.2e}")
 
 
-def checked_eigh(M: torch.Tensor, rtol: float, what: str = "a Kronecker factor"):
+def checked_eigh(M: torch.Tensor, rtol: float, what: str = "a Kronecker factor", float64_fix: int | None = None):
     """``(Q, λ ≥ 0, EighCheck)`` of symmetric M (d, d) in M's dtype, on M's device.
 
     float64: as :func:`kron_eigenbasis`. float32: the residuals and QᵀQ are then computed in
     float64, ``_CHECK_COLUMNS`` columns at a time (3 d³ multiply-adds; memory 3·8·d·512
     bytes), and a relative residual or orthogonality over ``rtol`` raises
-    :class:`~gradalg.errors.CurvatureError`."""
+    :class:`~gradalg.errors.CurvatureError`, whose fix is
+    ``ga.options(kron_float64_width=float64_fix)`` (default d; the caller passes the widest
+    float32 factor of the operator, so that no other factor fails next)."""
     M = (M + M.T) / 2
     lam, Q = torch.linalg.eigh(M)
     d = M.shape[0]
@@ -234,11 +306,13 @@ def checked_eigh(M: torch.Tensor, rtol: float, what: str = "a Kronecker factor")
     check = EighCheck(d, M.dtype, residual, orthogonality, float(lam64.abs().max()),
                       float(torch.linalg.vector_norm(lam64)))
     if check.norm2 > 0 and max(check.residual / check.norm2, check.orthogonality) > rtol:
+        fix = max(d, float64_fix or 0)
         raise CurvatureError(
             f"the float32 eigendecomposition of {what} ({d}×{d}) failed its check: {check.describe()}, "
             f"a relative residual of {check.residual / check.norm2:.2e} or orthogonality error over "
-            f"kron_float32_rtol = {rtol:g}. Compute the factor in float64: ga.options(kron_float64_width={d}) "
-            f"({_gb(8.0 * d * d)} GB for the factor, {_gb(32.0 * d * d)} GB at its eigendecomposition), or project "
+            f"kron_float32_rtol = {rtol:g}. Compute the factors in float64: ga.options(kron_float64_width={fix}) "
+            f"({_gb(8.0 * fix * fix)} GB for the widest factor, {_gb(32.0 * fix * fix)} GB at its eigendecomposition), "
+            "or project "
             "the layer first (ga.proj.kron(k=...))")
     return Q, lam.clamp_min(0), check
 
@@ -253,25 +327,45 @@ def work_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
 
 
-def rotate_factors(F: Factors, Q_S: torch.Tensor, Q_A: torch.Tensor, token_block: int | None = None) -> torch.Tensor:
+def rotate_factors(F: Factors, Q_S: torch.Tensor | None, Q_A: torch.Tensor | None,
+                   token_block: int | None = None) -> torch.Tensor:
     """``Q_Sᵀ G_i Q_A`` for each example, from factors: ``Σ_p (D_{i,p} Q_S)ᵀ (A_{i,p} Q_A)``
-    over token blocks p, in the factors' precision.   (n, out, in)"""
+    over token blocks p, in the factors' precision. A basis None is the identity (a
+    diagonal factor); one-hot activations with the identity are scattered into G_i
+    (:func:`~gradalg.capture.factors.materialize`), never made dense.   (n, out, in)"""
     dtype = work_dtype(F.D)
-    Q_A, Q_S = Q_A.to(dtype), Q_S.to(dtype)
+    if isinstance(F.A, OneHot) and Q_A is None:
+        G = materialize(F, token_block).to(dtype)
+        return G if Q_S is None else Q_S.T.to(dtype) @ G
     out = None
     for tp in token_slices(F.T, token_block):
         Fp = F.tokens(tp)
-        A = _dense_acts(Fp.A, dtype) @ Q_A                  # (n, b, in)
-        D = Fp.D.to(dtype) @ Q_S                            # (n, b, out)
+        A = _rotated_acts(Fp.A, Q_A, dtype)                 # (n, b, in)
+        D = Fp.D.to(dtype)                                  # (n, b, out)
+        if Q_S is not None:
+            D = D @ Q_S.to(dtype)
         part = torch.einsum("nto,nti->noi", D, A)
         out = part if out is None else out.add_(part)
     return out
 
 
-def rotate_rows(G: torch.Tensor, Q_S: torch.Tensor, Q_A: torch.Tensor) -> torch.Tensor:
-    """``Q_Sᵀ G_i Q_A`` for materialized rows ``G`` (n, out, in), in their precision.   (n, out, in)"""
+def rotate_rows(G: torch.Tensor, Q_S: torch.Tensor | None, Q_A: torch.Tensor | None) -> torch.Tensor:
+    """``Q_Sᵀ G_i Q_A`` for materialized rows ``G`` (n, out, in), in their precision (a basis
+    None: the identity).   (n, out, in)"""
     dtype = work_dtype(G)
-    return Q_S.T.to(dtype) @ G.to(dtype) @ Q_A.to(dtype)
+    G = G.to(dtype)
+    if Q_S is not None:
+        G = Q_S.T.to(dtype) @ G
+    return G if Q_A is None else G @ Q_A.to(dtype)
+
+
+def _rotate_back(rotated: torch.Tensor, Q_S: torch.Tensor | None, Q_A: torch.Tensor | None) -> torch.Tensor:
+    """``Q_S R_i Q_Aᵀ`` for rotated rows R (n, out, in) (a basis None: the identity), in R's
+    precision: ``· Q_Aᵀ`` as one (n·out, in, in) GEMM, then ``Q_S ·``.   (n, out, in)"""
+    dtype = rotated.dtype
+    n, o, i = rotated.shape
+    back = rotated if Q_A is None else (rotated.reshape(n * o, i) @ Q_A.T.to(dtype)).reshape(n, o, i)
+    return back if Q_S is None else torch.matmul(Q_S.to(dtype), back)
 
 
 @dataclass
@@ -279,7 +373,9 @@ class KronOp(LinearOp):
     """Per block: eigenbases ``Q_S`` (out, out), ``Q_A`` (in, in) and eigenvalues Λ (out, in).
 
     The operator on block b maps G (out, in) to ``Q_S [(Q_Sᵀ G Q_A) ∘ Λ] Q_Aᵀ``; it is
-    block-diagonal across the space's blocks. Damping, inverse and powers act on Λ
+    block-diagonal across the space's blocks. A basis ``None`` is the identity: the factor
+    of that side is diagonal (a vocabulary-wide side, module docstring), never stored as a
+    d × d matrix. Damping, inverse and powers act on Λ
     (rules ``kronecker.*``), exactly, since ``Q_S ⊗ Q_A`` is orthogonal.
 
     ``eigenvalue_errors``: for blocks with float32 factors (module docstring), the
@@ -311,14 +407,16 @@ class KronOp(LinearOp):
     def _check_float32(self, what: str, p: float) -> None:
         """Refuse H^p (p < 0) where a float32 block's eigenvalues are not accurate enough:
         the relative error of (Λ_ij)^p is about |p|·δ_Λ/|Λ_ij|."""
+        # the float64 fix covers every float32 block, not just this one (else the next one refuses)
+        widest = max([Q.shape[0] for k in self.eigenvalue_errors for Q in self.bases[k] if Q is not None] or [0])
         for name, err in self.eigenvalue_errors.items():
             lam = self.eigenvalues[name]
             smallest = float(lam.abs().min())
             relative = abs(p) * err / smallest if smallest > 0 else float("inf")
             if relative <= self.float32_rtol:
                 continue
-            o, i = self.bases[name][0].shape[0], self.bases[name][1].shape[0]
-            wide = max(o, i)
+            o, i = lam.shape
+            wide = widest
             need = abs(p) * err / self.float32_rtol
             raise CurvatureError(
                 f"{what}: block {name!r} has Kronecker factors of {o}×{o} and {i}×{i} (those wider than "
@@ -384,11 +482,11 @@ class KronOp(LinearOp):
         out = torch.empty_like(rows)
         dtype = work_dtype(rows)  # float32 rows are rotated in float32 (orthogonal maps: no growth)
         for name, s in self.space.offsets().items():
-            Q_S, Q_A = (Q.to(dtype) for Q in self.bases[name])
+            Q_S, Q_A = self.bases[name]
             lam = self.eigenvalues[name].to(dtype)
-            G = rows[:, s].reshape(rows.shape[0], Q_S.shape[0], Q_A.shape[0]).to(dtype)
-            rotated = Q_S.T @ G @ Q_A
-            out[:, s] = (Q_S @ (rotated * lam) @ Q_A.T).flatten(1).to(rows.dtype)
+            G = rows[:, s].reshape(rows.shape[0], *lam.shape)
+            rotated = rotate_rows(G.to(dtype), Q_S, Q_A)
+            out[:, s] = _rotate_back(rotated * lam, Q_S, Q_A).flatten(1).to(rows.dtype)
         return out
 
     def apply_blocks(self, blocks: dict, *, consume: bool = False) -> dict:
@@ -410,27 +508,29 @@ class KronOp(LinearOp):
 
         Factored rows are rotated in from their factors, ``(D_i Q_S)ᵀ (A_i Q_A)``:
         T·(out² + in² + out·in) per example instead of materializing G_i (T·out·in) and
-        rotating it (out·in·(out + in)), whichever is fewer multiply-adds.
+        rotating it (out·in·(out + in)), whichever is fewer multiply-adds (an identity
+        basis of a diagonal factor costs nothing: its out² or in² terms are 0).
         """
         Q_S, Q_A = self.bases[name]
-        o, i = Q_S.shape[0], Q_A.shape[0]
-        if isinstance(value, Factors) and value.T * (o * o + i * i) < o * i * (o + i):
+        o, i = self.eigenvalues[name].shape
+        o_b, i_b = (o if Q_S is not None else 0), (i if Q_A is not None else 0)
+        if isinstance(value, Factors) and value.T * (o_b * o + i_b * i + o * i) < value.T * o * i + o * i * (o_b + i_b):
             rotated = rotate_factors(value, Q_S, Q_A)
         else:
             G = materialize(value).flatten(1) if isinstance(value, Factors) else value
             rotated = rotate_rows(G.reshape(G.shape[0], o, i), Q_S, Q_A)
         del value
-        dtype = rotated.dtype
-        rotated *= self.eigenvalues[name].to(dtype)
         n = rotated.shape[0]
-        back = (rotated.reshape(n * o, i) @ Q_A.T.to(dtype)).reshape(n, o, i)   # · Q_Aᵀ, one GEMM
-        del rotated
-        return torch.matmul(Q_S.to(dtype), back).reshape(n, o * i)              # Q_S ·
+        rotated *= self.eigenvalues[name].to(rotated.dtype)
+        return _rotate_back(rotated, Q_S, Q_A).reshape(n, o * i)
 
     def block_matrix(self, name: str) -> torch.Tensor:
         """Block ``name``'s (out·in, out·in) matrix (Q_S⊗Q_A) diag(vec Λ) (Q_S⊗Q_A)ᵀ."""
         Q_S, Q_A = self.bases[name]
-        K = torch.kron(Q_S, Q_A)
+        lam = self.eigenvalues[name]
+        Q_S = Q_S if Q_S is not None else torch.eye(lam.shape[0], dtype=lam.dtype)
+        Q_A = Q_A if Q_A is not None else torch.eye(lam.shape[1], dtype=lam.dtype)
+        K = torch.kron(Q_S.contiguous(), Q_A.to(Q_S.dtype).contiguous())
         return (K * self.eigenvalues[name].flatten().unsqueeze(0)) @ K.T
 
     def dense(self) -> torch.Tensor:
@@ -439,8 +539,7 @@ class KronOp(LinearOp):
     def nbytes(self) -> int:
         total = 0
         for name in self.space.names:
-            Q_S, Q_A = self.bases[name]
             lam = self.eigenvalues[name]
-            total += (Q_S.numel() * Q_S.element_size() + Q_A.numel() * Q_A.element_size()
-                      + lam.numel() * lam.element_size())
+            total += sum(Q.numel() * Q.element_size() for Q in self.bases[name] if Q is not None)
+            total += lam.numel() * lam.element_size()
         return total

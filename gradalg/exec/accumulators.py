@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from ..capture.factors import HALF_DTYPES, Factors, ghost_inner, materialize, self_inner, token_slices
-from ..curvature.kron import FLOAT32_ROUNDOFF, KronOp, KronStats, checked_eigh, rotate_factors, rotate_rows
+from ..curvature.kron import (FLOAT32_ROUNDOFF, EighCheck, KronOp, KronStats, checked_eigh, diagonal_factor_rules,
+                              is_diagonal_factor, rotate_factors, rotate_rows)
 from ..errors import DataError, GradalgError
 from ..expr import KFAC, Fisher, GroupMean
 from ..plan.memory import check_statistics_fit
@@ -107,13 +108,17 @@ class KronAccumulator:
     ``token_block``: positions of each example whose statistics are computed at once;
     ``float64_width``: factors wider than this are summed and eigendecomposed in float32,
     checked to ``float32_rtol`` (:mod:`gradalg.curvature.kron`, "Precision of wide
-    factors"). All three are fields of the plan's job (``ga.options``)."""
+    factors"); ``diagonal_width``: factors wider than this are kept as their diagonal, with
+    the identity as eigenbasis ("Diagonal factors of vocabulary-wide sides"). All are
+    fields of the plan's job (``ga.options``)."""
 
     def __init__(self, node: KFAC, token_block: int | None = None, float64_width: int | None = None,
-                 float32_rtol: float = 1e-2):
+                 float32_rtol: float = 1e-2, diagonal_width: int | None = None):
         self.node, self.token_block = node, token_block
-        self.float32_rtol = float32_rtol
-        self.stats = {name: KronStats(float64_width=float64_width) for name in node.space.names}
+        self.float32_rtol, self.diagonal_width = float32_rtol, diagonal_width
+        self.stats = {name: KronStats(float64_width=float64_width, diagonal_width=diagonal_width)
+                      for name in node.space.names}
+        self.rules = diagonal_factor_rules(node.space, diagonal_width)
 
     def update(self, chunk: Chunk) -> None:
         for name in self.node.space.names:
@@ -131,13 +136,16 @@ class KronAccumulator:
 
     def finish(self) -> KronOp:
         bases, eigenvalues, errors = {}, {}, {}
+        # the float64 width a failed float32 check names: the widest dense factor of all blocks
+        widest = max([d for b in self.node.space.blocks if len(b.shape) == 2 for d in b.shape
+                      if not is_diagonal_factor(d, self.diagonal_width)] or [0])
         for name in self.node.space.names:
             self.stats[name].examples = self.node.covariance_grads.n   # the examples fed (covariance_max_examples)
             S, A = self.stats[name].covariances()
             self.stats[name] = None        # the sums are not needed past their eigendecomposition
-            Q_S, lam_S, check_S = checked_eigh(S, self.float32_rtol, f"the output-gradient factor of {name!r}")
+            Q_S, lam_S, check_S = _eigenbasis(S, self.float32_rtol, f"the output-gradient factor of {name!r}", widest)
             del S
-            Q_A, lam_A, check_A = checked_eigh(A, self.float32_rtol, f"the activation factor of {name!r}")
+            Q_A, lam_A, check_A = _eigenbasis(A, self.float32_rtol, f"the activation factor of {name!r}", widest)
             del A
             bases[name] = (Q_S, Q_A)
             dtype = torch.promote_types(lam_S.dtype, lam_A.dtype) if torch.float32 not in (
@@ -148,12 +156,23 @@ class KronAccumulator:
                 top_S, top_A = float(lam_S.max()), float(lam_A.max())
                 errors[name] = check_S.error * top_A + top_S * check_A.error + check_S.error * check_A.error
         return KronOp(self.node.space, bases, eigenvalues, eigenvalue_errors=errors,
-                      float32_rtol=self.float32_rtol)
+                      float32_rtol=self.float32_rtol, rules=self.rules)
+
+
+def _eigenbasis(M: torch.Tensor, rtol: float, what: str, float64_fix: int | None = None):
+    """``(Q, λ ≥ 0, EighCheck)`` of a factor: :func:`checked_eigh` of a (d, d) matrix, or
+    ``(None, diagonal, exact)`` for a diagonal factor kept as its (d,) diagonal (the
+    identity is its eigenbasis)."""
+    if M.dim() == 1:
+        return None, M.clamp_min(0), EighCheck(M.shape[0], torch.float64)
+    return checked_eigh(M, rtol, what, float64_fix)
 
 
 class EKFACAccumulator:
     """EK-FAC's eigenvalue correction Λ = (1/n) Σ_i (Q_Sᵀ G_i Q_A)² in a K-FAC eigenbasis
-    (summed in float64; stored in the K-FAC eigenvalues' dtype)."""
+    (summed in float64; stored in the K-FAC eigenvalues' dtype). A block with a diagonal
+    factor (an identity basis: a vocabulary-wide side) is rotated one example at a time:
+    its (out, in) rotated gradient is the size of the block (GPT-2's tied head: 154 MB)."""
 
     def __init__(self, node: KFAC, kfac: KronOp, token_block: int | None = None):
         self.node, self.kfac, self.token_block = node, kfac, token_block
@@ -167,6 +186,13 @@ class EKFACAccumulator:
                 # rows kept flat (a Kronecker-projected block over long sequences is
                 # smaller than its factors): rotate the (out, in) gradients themselves
                 rotated = rotate_rows(value.reshape(value.shape[0], Q_S.shape[0], Q_A.shape[0]), Q_S, Q_A)
+            elif Q_S is None or Q_A is None:
+                F = _factors(self.node, name, value)
+                for i in range(F.n):
+                    rotated = rotate_factors(F[i:i + 1], Q_S, Q_A, self.token_block)
+                    self.sums[name] += rotated[0].square_().to(self.sums[name].dtype)
+                    del rotated
+                continue
             else:
                 rotated = rotate_factors(_factors(self.node, name, value), Q_S, Q_A, self.token_block)
             self.sums[name] += (rotated ** 2).sum(0).to(self.sums[name].dtype)
@@ -189,7 +215,7 @@ class EKFACAccumulator:
             relative = (err / top if top > 0 else 0.0) + FLOAT32_ROUNDOFF
             errors[name] = relative * float(eigenvalues[name].abs().max())
         return KronOp(self.node.space, self.kfac.bases, eigenvalues, eigenvalue_errors=errors,
-                      float32_rtol=self.kfac.float32_rtol)
+                      float32_rtol=self.kfac.float32_rtol, rules=self.kfac.rules)
 
 
 class GroupAccumulator:

@@ -80,7 +80,7 @@ def _kfac(executor, node: KFAC) -> LinearOp:
     kfac = executor._kron.get(node.token) if hasattr(executor, "_kron") else None
     if kfac is None:
         o = executor.options
-        acc = KronAccumulator(node, o.token_block, o.kron_float64_width, o.kron_float32_rtol)
+        acc = KronAccumulator(node, o.token_block, o.kron_float64_width, o.kron_float32_rtol, o.kron_diagonal_width)
         for chunk in executor.iter_chunks(node.covariance_grads):   # covariance_max_examples
             acc.update(chunk)
         kfac = acc.finish()

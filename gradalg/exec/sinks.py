@@ -142,7 +142,7 @@ class KronSink(Sink):
     @classmethod
     def open(cls, job, ctx):
         return cls(job, KronAccumulator(job.target, job.token_block, job.kron_float64_width,
-                                        job.kron_float32_rtol))
+                                        job.kron_float32_rtol, job.kron_diagonal_width))
 
     def publish(self, result, state):
         where = state.kron if self.job.target.eigen_correction else state.ops

@@ -121,6 +121,12 @@ RULES: tuple[Rule, ...] = (
           refusal="a function of the eigenvalues of an operator known only through products needs its "
                   "eigendecomposition: use an explicit curvature (ga.fisher, ga.kfac, ga.ekfac) instead of "
                   "ga.hessian / ga.gauss_newton products"),
+    # ---- kron_factor: how a K-FAC / EK-FAC factor is kept (recorded when the operator is built)
+    _rule("kron_factor", "kronecker.diagonal_factor", {"kronecker"},
+          "a Kronecker factor wider than ga.options(kron_diagonal_width) kept as its diagonal, the identity "
+          "its eigenbasis (no d×d matrix, no eigendecomposition): exact for an embedding's one-hot inputs "
+          "(token counts), diag(S) for a head's output gradients (their off-diagonal covariances dropped); "
+          "EK-FAC re-fits the eigenvalues per coordinate in that basis", variant="diagonal"),
     # ---- scale: c·H
     _rule("scale", "scale", (), "c·H: the stored numbers (eigenvalues, diagonal, blocks) times c, "
                                 "or c times every product"),

@@ -25,8 +25,15 @@ def same_eigenbasis(a: LinearOp, b: LinearOp) -> bool:
     """Two Kronecker operators with identical per-block eigenbases."""
     if a.form != "kronecker" or b.form != "kronecker":
         return False
-    return all(torch.equal(a.bases[n][0], b.bases[n][0]) and torch.equal(a.bases[n][1], b.bases[n][1])
+    return all(_same_basis(a.bases[n][0], b.bases[n][0]) and _same_basis(a.bases[n][1], b.bases[n][1])
                for n in a.space.names)
+
+
+def _same_basis(P, Q) -> bool:
+    """Equal eigenbases; None is the identity (a diagonal Kronecker factor)."""
+    if P is None or Q is None:
+        return P is None and Q is None
+    return torch.equal(P, Q)
 
 
 def _identity_multiple(op: ResolvedOp) -> float:

@@ -193,7 +193,8 @@ def apply_cost(op, space, n: int, elem: int = 4, options=None) -> Cost:
     scales (n·d), block-diagonal and dense matrices multiply (GEMMs (n, d_b, d_b),
     (n, d, d)), a Kronecker eigenbasis rotates each (out, in) block in and back
     (``KronOp.apply_blocks``: twice a batched call of n (out, in, out) products, ``Q_S``
-    from the left, and one (n·out, in, in) GEMM, ``Q_A`` from the right), a rank-r
+    from the left, and one (n·out, in, in) GEMM, ``Q_A`` from the right; an identity basis,
+    the side of a factor wider than ``options.kron_diagonal_width``, costs nothing), a rank-r
     factorization costs 4n·d·r.
     Implicit operators are costed as dense; DataInf as its closed form over its data."""
     structure = op.structure
@@ -212,11 +213,15 @@ def apply_cost(op, space, n: int, elem: int = 4, options=None) -> Cost:
         return cost
     if structure == "kron":
         cost = Cost()
+        diagonal_width = getattr(options, "kron_diagonal_width", None)
         for b in space.blocks:
             if len(b.shape) == 2:
                 out_f, in_f = b.shape
-                cost = (cost + bmm_cost(n, out_f, in_f, out_f, 2, elem) + gemm_cost(n * out_f, in_f, in_f, 2, elem)
-                        + Cost(bytes=4.0 * elem * n * b.dim))
+                if not _diagonal(out_f, diagonal_width):
+                    cost = cost + bmm_cost(n, out_f, in_f, out_f, 2, elem)
+                if not _diagonal(in_f, diagonal_width):
+                    cost = cost + gemm_cost(n * out_f, in_f, in_f, 2, elem)
+                cost = cost + Cost(bytes=4.0 * elem * n * b.dim)
             else:
                 cost = cost + gemm_cost(n, b.dim, b.dim, 1, elem)
         return cost
@@ -224,6 +229,11 @@ def apply_cost(op, space, n: int, elem: int = 4, options=None) -> Cost:
         r = getattr(_base(op), "rank", d)
         return gemm_cost(n, r, d, 2, elem)
     return gemm_cost(n, d, d, 1, elem)
+
+
+def _diagonal(width: int, diagonal_width: int | None) -> bool:
+    """A Kronecker factor kept as its diagonal (identity eigenbasis: no rotation, no eigh)."""
+    return diagonal_width is not None and width > diagonal_width
 
 
 def apply_flops(op, space, n: int) -> float:
@@ -517,9 +527,12 @@ def job_cost(job, n_stream: int, layout: dict, chunk: int, dtype=torch.float32, 
     chunks = _chunks(n_stream, c) * rows
     per, once = _chunk_cost(job, node, c, layout, elem), Cost()
     if kind == "kfac":
+        diagonal_width = getattr(job, "kron_diagonal_width", None)
         for b in node.space.blocks:
             if len(b.shape) == 2:
-                once = once + eigh_cost(b.shape[1]) + eigh_cost(b.shape[0])
+                for d in (b.shape[1], b.shape[0]):   # A's, then S's
+                    if not _diagonal(d, diagonal_width):
+                        once = once + eigh_cost(d)
     elif kind == "scores":
         held = job.held
         P_h = positions(held)
@@ -586,21 +599,33 @@ def _chunk_cost(job, node, c: int, layout: dict, elem: int) -> Cost:
         for b in blocks:
             cost = cost + flat(b)
         return cost + fisher_cost(c, [b.dim for b in blocks], job.target.structure)
+    diagonal_width = getattr(job, "kron_diagonal_width", None)
     if kind == "kfac":
         for b in blocks:
             if len(b.shape) != 2:
                 continue
-            out_f, in_f = b.shape
             m = c * T[b.name]
-            cost = (cost + gram_cost(m, in_f, elem) + gram_cost(m, out_f, elem)
-                    + Cost(bytes=elem * m * (2 * in_f + out_f) + 24.0 * (in_f ** 2 + out_f ** 2)))
+            for d in (b.shape[1], b.shape[0]):   # A, S: a dense factor's Gram and d × d sums; a diagonal one's squares
+                if _diagonal(d, diagonal_width):
+                    cost = cost + Cost(flops=2.0 * m * d, bytes=elem * m * d * 2 + 16.0 * d)
+                else:
+                    cost = cost + gram_cost(m, d, elem) + Cost(bytes=elem * m * d + 24.0 * d * d)
+            cost = cost + Cost(bytes=elem * m * b.shape[1])
         return cost
     if kind == "ekfac":
         for b in blocks:
             if len(b.shape) != 2:
                 continue
             out_f, in_f = b.shape
-            if factored[b.name]:
+            if factored[b.name] and (_diagonal(out_f, diagonal_width) or _diagonal(in_f, diagonal_width)):
+                # kron.rotate_factors one example at a time (EKFACAccumulator), an identity side not rotated
+                m = c * T[b.name]
+                if not _diagonal(in_f, diagonal_width):
+                    cost = cost + gemm_cost(T[b.name], in_f, in_f, c, elem)
+                if not _diagonal(out_f, diagonal_width):
+                    cost = cost + gemm_cost(T[b.name], out_f, out_f, c, elem)
+                cost = cost + gemm_cost(out_f, in_f, T[b.name], c, elem) + Cost(ops=3 * c)
+            elif factored[b.name]:
                 m = c * T[b.name]
                 cost = (cost + gemm_cost(m, in_f, in_f, 1, elem) + gemm_cost(m, out_f, out_f, 1, elem)
                         + bmm_cost(c, out_f, in_f, T[b.name], 1, elem))    # kron.rotate_factors

@@ -39,7 +39,8 @@ from ..expr import GradNode, Node
 from ..expr.operators import Identity
 from ..expr.tokens import token_rows
 from .cost import Cost, fisher_cost
-from .memory import (consumer_bytes_per_example, ghost_norm_bytes_per_example, ghost_workspace_bytes, kron_bytes,
+from .memory import (_gb, consumer_bytes_per_example, ekfac_bytes, ekfac_example_bytes, ghost_norm_bytes_per_example,
+                     ghost_workspace_bytes, kron_bytes,
                      kron_bytes_arithmetic, kron_output_bytes, rows_bytes, rows_of)
 from .shapes import element_size
 
@@ -73,6 +74,8 @@ class Job:
     #: Kronecker factors wider than this in float32, checked to ``kron_float32_rtol`` (``ga.options``)
     kron_float64_width: int | None = None
     kron_float32_rtol: float = 1e-2
+    #: Kronecker factors wider than this kept as their diagonal (``ga.options(kron_diagonal_width)``; None: never)
+    kron_diagonal_width: int | None = None
 
     def __post_init__(self):
         if type(self) is Job or isinstance(self.target, str):
@@ -163,13 +166,13 @@ class KronStatisticsJob(Job):
     output: ClassVar[str] = "operator"
 
     def fixed_bytes(self, dtype) -> float:
-        return kron_bytes(self.target.space, self.kron_float64_width)
+        return kron_bytes(self.target.space, self.kron_float64_width, self.kron_diagonal_width)
 
     def bytes_arithmetic(self, dtype) -> str:
-        return kron_bytes_arithmetic(self.target.space, self.kron_float64_width)
+        return kron_bytes_arithmetic(self.target.space, self.kron_float64_width, self.kron_diagonal_width)
 
     def output_bytes(self, n: int) -> float:
-        return kron_output_bytes(self.target.space, self.kron_float64_width)
+        return kron_output_bytes(self.target.space, self.kron_float64_width, self.kron_diagonal_width)
 
 
 @dataclass(eq=False)
@@ -190,6 +193,16 @@ class EKFACJob(KronStatisticsJob):
     (a second pass: it depends on the KFACJob of the same operator)."""
 
     kind: ClassVar[str] = "ekfac"
+
+    def fixed_bytes(self, dtype) -> float:
+        """The statistics' bytes, and one example's rotated gradient of a block with a
+        diagonal (vocabulary-wide) factor, which is corrected one example at a time."""
+        return (ekfac_bytes(self.target.space, self.kron_float64_width, self.kron_diagonal_width)
+                + ekfac_example_bytes(self.target.space, self.kron_diagonal_width))
+
+    def bytes_arithmetic(self, dtype) -> str:
+        return (f"EK-FAC correction: eigenbases, K-FAC and corrected eigenvalues and their float64 sums "
+                f"{_gb(self.fixed_bytes(dtype))} GB")
 
     def describe(self) -> str:
         notes = [x for x in self.target.subset_notes() if x.startswith("eigenvalue")]

@@ -30,7 +30,7 @@ from .cost import activation_bytes, output_bytes, tokens_hint
 from .shapes import element_size, forward_shapes, rows_per_example
 
 __all__ = ["positions", "rows_of", "rows_bytes", "capture_bytes_per_example", "consumer_bytes_per_example",
-           "kron_bytes", "kron_output_bytes", "kron_factor_bytes", "kron_precision_rows", "kron_bytes_arithmetic",
+           "kron_bytes", "kron_output_bytes", "ekfac_example_bytes", "ekfac_bytes", "kron_factor_bytes", "kron_precision_rows", "kron_bytes_arithmetic",
            "statistics_bytes", "check_statistics_fit", "captured_positions", "ghost_workspace_bytes",
            "ghost_norm_bytes_per_example", "token_block_of"]
 
@@ -122,75 +122,129 @@ def _factor_widths(space):
     return [(b.shape[0], b.shape[-1]) for b in space.blocks]
 
 
-def kron_factor_bytes(d: int, float64_width: int | None) -> dict:
+def kron_factor_bytes(d: int, float64_width: int | None, diagonal_width: int | None = None) -> dict:
     """Bytes of one d-wide Kronecker factor: ``sum`` (float64, or float32 with its Kahan
     compensation: 8·d² either way), ``basis`` (its eigenvectors: 8·d² or 4·d²) and ``eigh``
     (the peak of its eigendecomposition beyond the basis: the symmetrized input and
     LAPACK's workspace, 24·d² in float64; 12·d² in float32, with the float64 check's
-    three (d, 512) column blocks). float32 beyond ``float64_width``."""
+    three (d, 512) column blocks). float32 beyond ``float64_width``. Beyond
+    ``diagonal_width`` the factor is its diagonal: a float64 sum of 8·d bytes, no basis
+    (the identity) and no eigendecomposition (``"dtype": "diagonal"``)."""
+    if diagonal_width is not None and d > diagonal_width:
+        return {"dtype": "diagonal", "sum": 8.0 * d, "basis": 0.0, "eigh": 0.0}
     wide = float64_width is not None and d > float64_width
     elem = 4.0 if wide else 8.0
     return {"dtype": "float32" if wide else "float64", "sum": 8.0 * d * d, "basis": elem * d * d,
             "eigh": 3.0 * elem * d * d + (3 * 8.0 * d * 512 if wide else 0.0)}
 
 
-def kron_bytes(space, float64_width: int | None = None) -> float:
-    """K-FAC's statistics and eigendecompositions: per block the two factors' sums, and the
-    larger of what a chunk's update adds (its d × d product, and its float64 copy or the
-    Kahan sum's new total: 12·d² for the widest factor) and what finishing adds (every
-    eigenbasis, the (out, in) eigenvalues, and the largest single eigendecomposition's
-    workspace: they run one after the other). Factors wider than ``float64_width`` in
-    float32 (:func:`kron_factor_bytes`)."""
-    sums, finish, eigh, widest = 0.0, 0.0, 0.0, 0
+def _eigenvalue_bytes(o: int, i: int, parts) -> float:
+    """The (out, in) eigenvalues: float32 when a factor is float32, else float64."""
+    return o * i * (4.0 if any(p["dtype"] == "float32" for p in parts) else 8.0)
+
+
+def _dense_widths(space, diagonal_width: int | None) -> list[int]:
+    """The widths of the factors kept as d × d matrices."""
+    return [d for o, i in _factor_widths(space) for d in (o, i)
+            if diagonal_width is None or d <= diagonal_width]
+
+
+def kron_bytes(space, float64_width: int | None = None, diagonal_width: int | None = None) -> float:
+    """K-FAC's statistics and eigendecompositions, the larger of two moments:
+
+    * a chunk's update: every block's two factor sums, and the widest dense factor's
+      d × d product with its float64 copy or the Kahan sum's new total (12·d²);
+    * finishing, block by block (``KronAccumulator.finish``): a block's sums are freed as
+      its covariances are formed and eigendecomposed, so each block holds the larger of
+      its sums and its eigenbases; beside them every (out, in) eigenvalue grid, and the
+      larger of one block's covariance copies and one eigendecomposition's workspace.
+
+    Factors wider than ``float64_width`` in float32, wider than ``diagonal_width``
+    diagonal (8·d bytes, no basis: :func:`kron_factor_bytes`)."""
+    sums, held, lam, eigh, copies = 0.0, 0.0, 0.0, 0.0, 0.0
     for o, i in _factor_widths(space):
-        parts = [kron_factor_bytes(d, float64_width) for d in (o, i)]
-        sums += sum(p["sum"] for p in parts)
-        finish += sum(p["basis"] for p in parts)
-        finish += o * i * (4.0 if any(p["dtype"] == "float32" for p in parts) else 8.0)
+        parts = [kron_factor_bytes(d, float64_width, diagonal_width) for d in (o, i)]
+        block_sums = sum(p["sum"] for p in parts)
+        sums += block_sums
+        held += max(block_sums, sum(p["basis"] for p in parts))
+        lam += _eigenvalue_bytes(o, i, parts)
         eigh = max([eigh] + [p["eigh"] for p in parts])
-        widest = max(widest, o, i)
-    return sums + max(12.0 * widest * widest, finish + eigh)
+        copies = max(copies, block_sums)
+    widest = max(_dense_widths(space, diagonal_width) or [0])
+    return max(sums + 12.0 * widest * widest, held + lam + max(eigh, copies))
 
 
-def kron_output_bytes(space, float64_width: int | None = None) -> float:
-    """Bytes of the K-FAC operator a job produces: eigenbases and eigenvalues."""
+def ekfac_bytes(space, float64_width: int | None = None, diagonal_width: int | None = None) -> float:
+    """EK-FAC's correction pass: the K-FAC eigenbases and eigenvalues it rotates into, its
+    float64 sums of squares (one (out, in) grid per block) and, when it finishes, the
+    corrected eigenvalues beside them."""
     total = 0.0
     for o, i in _factor_widths(space):
-        parts = [kron_factor_bytes(d, float64_width) for d in (o, i)]
-        total += sum(p["basis"] for p in parts) + o * i * (4.0 if any(p["dtype"] == "float32" for p in parts) else 8.0)
+        parts = [kron_factor_bytes(d, float64_width, diagonal_width) for d in (o, i)]
+        total += sum(p["basis"] for p in parts) + 2 * _eigenvalue_bytes(o, i, parts) + 8.0 * o * i
     return total
 
 
-def kron_bytes_arithmetic(space, float64_width: int | None = None) -> str:
+def kron_output_bytes(space, float64_width: int | None = None, diagonal_width: int | None = None) -> float:
+    """Bytes of the K-FAC operator a job produces: eigenbases and eigenvalues."""
+    total = 0.0
+    for o, i in _factor_widths(space):
+        parts = [kron_factor_bytes(d, float64_width, diagonal_width) for d in (o, i)]
+        total += sum(p["basis"] for p in parts) + _eigenvalue_bytes(o, i, parts)
+    return total
+
+
+def kron_bytes_arithmetic(space, float64_width: int | None = None, diagonal_width: int | None = None) -> str:
     """:func:`kron_bytes` spelled out: the sums, bases and eigenvalues of the blocks, and
-    the largest eigendecomposition, with the widest factor's size and precision."""
+    the largest eigendecomposition, with the widest factor's size and precision; when a
+    dense factor is wider than ``float64_width``, the option that keeps it diagonal and
+    what the statistics then take (the fix a refusal names)."""
     sums = bases = lam = 0.0
     widest, eigh = 0, 0.0
+    diagonal = []
     for o, i in _factor_widths(space):
-        parts = [kron_factor_bytes(d, float64_width) for d in (o, i)]
+        parts = [kron_factor_bytes(d, float64_width, diagonal_width) for d in (o, i)]
         sums += sum(p["sum"] for p in parts)
         bases += sum(p["basis"] for p in parts)
-        lam += o * i * (4.0 if any(p["dtype"] == "float32" for p in parts) else 8.0)
+        lam += _eigenvalue_bytes(o, i, parts)
         for d, p in zip((o, i), parts):
-            if p["eigh"] > eigh:
+            if p["dtype"] == "diagonal":
+                diagonal.append(d)
+            elif p["eigh"] > eigh:
                 widest, eigh = d, p["eigh"]
-    dtype = kron_factor_bytes(widest, float64_width)["dtype"]
-    update = 12.0 * max([max(o, i) for o, i in _factor_widths(space)] or [0]) ** 2
-    return (f"Kronecker statistics of {len(space.blocks)} block(s): factor sums {_gb(sums)} GB + the larger of "
-            f"a chunk's update ({_gb(update)} GB) and eigenbases {_gb(bases)} GB + eigenvalues {_gb(lam)} GB + "
-            f"the largest eigendecomposition ({widest}×{widest}, {dtype}) {_gb(eigh)} GB = "
-            f"{_gb(kron_bytes(space, float64_width))} GB")
+    update = 12.0 * max(_dense_widths(space, diagonal_width) or [0]) ** 2
+    text = (f"Kronecker statistics of {len(space.blocks)} block(s): factor sums {_gb(sums)} GB + a chunk's update "
+            f"({_gb(update)} GB), or, finishing block by block, each block's larger of its sums and eigenbases "
+            f"(eigenbases {_gb(bases)} GB in all) + eigenvalues {_gb(lam)} GB")
+    if widest:
+        dtype = kron_factor_bytes(widest, float64_width)["dtype"]
+        text += f" + the largest eigendecomposition ({widest}×{widest}, {dtype}) {_gb(eigh)} GB"
+    if diagonal:
+        text += f"; {len(diagonal)} factor(s) of width {max(diagonal):,} kept diagonal"
+    text += f" = {_gb(kron_bytes(space, float64_width, diagonal_width))} GB"
+    if widest and float64_width is not None and widest > float64_width:
+        narrower = max([d for d in _dense_widths(space, diagonal_width) if d < widest] or [1])
+        text += (f"; to keep the {widest}×{widest} factor (and any wider) diagonal instead, "
+                 f"ga.options(kron_diagonal_width={narrower}): "
+                 f"{_gb(kron_bytes(space, float64_width, narrower))} GB")
+    return text
 
 
 def kron_precision_rows(space, options) -> list[tuple]:
     """``(what, chosen, alternatives, why)`` for each block with a factor wider than
-    ``options.kron_float64_width``: the planner records them as decisions, with the
-    bytes of both precisions."""
-    width = options.kron_float64_width
+    ``options.kron_float64_width`` (its precision, with the bytes of both) or wider than
+    ``options.kron_diagonal_width`` (its structure: diagonal, with the bytes of the dense
+    factor it replaces): the planner records them as decisions."""
+    width, diagonal_width = options.kron_float64_width, options.kron_diagonal_width
     rows = []
     for b in space.blocks:
+        if len(b.shape) != 2:
+            continue
         o, i = b.shape[0], b.shape[-1]
-        wide = [(label, d) for label, d in (("S", o), ("A", i)) if d > width]
+        diag = [(label, d) for label, d in (("S", o), ("A", i)) if d > diagonal_width]
+        if diag:
+            rows.append(_diagonal_row(b, diag, options))
+        wide = [(label, d) for label, d in (("S", o), ("A", i)) if width < d <= diagonal_width]
         if not wide:
             continue
         d = max(dd for _, dd in wide)
@@ -207,6 +261,32 @@ def kron_precision_rows(space, options) -> list[tuple]:
             f"{_gb(f64['eigh'])} GB) and checked to kron_float32_rtol={options.kron_float32_rtol:g} "
             "(residual, orthogonality, the error of inverted eigenvalues)"))
     return rows
+
+
+def _diagonal_row(b, diag: list, options) -> tuple:
+    """The decision row of a block whose factors ``diag`` ([(side, width)]) are kept diagonal."""
+    dense = [kron_factor_bytes(d, options.kron_float64_width) for _, d in diag]
+    dense_peak = sum(p["sum"] + p["basis"] for p in dense) + max(p["eigh"] for p in dense)
+    kept = sum(8.0 * d for _, d in diag)
+    sides = []
+    for label, d in diag:
+        if label == "A" and b.kind == "embedding":
+            sides.append(f"A ({d:,}×{d:,}) exact: an embedding's one-hot inputs have a diagonal covariance, "
+                         "the token counts")
+        elif label == "S" and b.kind == "tied":
+            sides.append(f"S ({d:,}×{d:,}) approximated by diag(S): the tied embedding's one-hot rows add "
+                         "exactly diagonal terms, the head's output-gradient covariances lose their "
+                         "off-diagonal entries")
+        else:
+            sides.append(f"{label} ({d:,}×{d:,}) approximated by its diagonal: the off-diagonal covariances "
+                         "are dropped")
+    return (f"structure of the Kronecker factors of block {b.name!r}", "diagonal",
+            {"diagonal": f"{_gb(kept)} GB, no eigendecomposition",
+             "dense": f"{_gb(dense_peak)} GB at its eigendecomposition"},
+            f"wider than ga.options(kron_diagonal_width={options.kron_diagonal_width}): "
+            + "; ".join(sides)
+            + ". The identity is the diagonal factor's eigenbasis (rule kronecker.diagonal_factor); EK-FAC "
+              "re-fits its eigenvalues per coordinate")
 
 
 def _gb(nbytes: float) -> str:
@@ -229,15 +309,32 @@ def consumer_bytes_per_example(job, dtype) -> float:
     if job.kind == "diag":
         return rows * dim * (elem + 8.0)
     if job.kind == "ekfac":
-        # rotated gradients, squared (float64), and one token block of rotated factors
+        # rotated gradients, squared (float64), and one token block of rotated factors; a
+        # block with a diagonal factor is rotated one example at a time (ekfac_fixed_bytes)
         T = positions(node)
-        return rows * sum(16.0 * b.dim + (token_block_of(job, T[b.name]) * sum(b.shape) * 8.0
-                                          if len(b.shape) == 2 else 0.0) for b in node.space.blocks)
+        diag = _diagonal_blocks(node.space, getattr(job, "kron_diagonal_width", None))
+        return rows * sum((16.0 * b.dim if b.name not in diag else 0.0)
+                          + (token_block_of(job, T[b.name]) * sum(b.shape) * 8.0 if len(b.shape) == 2 else 0.0)
+                          for b in node.space.blocks)
     if job.kind == "kfac":
         T = positions(node)
         return rows * sum(token_block_of(job, T[b.name]) * sum(b.shape) * 8.0
                           for b in node.space.blocks if len(b.shape) == 2)
     return 0.0
+
+
+def _diagonal_blocks(space, diagonal_width: int | None) -> set:
+    """Names of the 2-D blocks of ``space`` with a factor wider than ``diagonal_width``."""
+    return {b.name for b in space.blocks if len(b.shape) == 2 and diagonal_width is not None
+            and max(b.shape) > diagonal_width}
+
+
+def ekfac_example_bytes(space, diagonal_width: int | None) -> float:
+    """EK-FAC's correction of a block with a diagonal factor, one example at a time: its
+    rotated (out, in) gradient, squared in place, and their float64 copy (or the scattered
+    one-hot gradient and its rotation): 16·out·in bytes for the largest such block."""
+    diag = _diagonal_blocks(space, diagonal_width)
+    return max([16.0 * b.dim for b in space.blocks if b.name in diag] or [0.0])
 
 
 def token_block_of(job, T: int) -> int:

@@ -197,6 +197,7 @@ class _Planner:
         o = self.options
         job.token_block, job.slice_elements = o.token_block, o.ghost_slice_elements
         job.kron_float64_width, job.kron_float32_rtol = o.kron_float64_width, o.kron_float32_rtol
+        job.kron_diagonal_width = o.kron_diagonal_width
         return job
 
     def stream_deps(self, node: GradNode) -> set:

@@ -16,7 +16,9 @@ from ..expr import (KFAC, Arnoldi, CurvatureProducts, Damp, DataInf, Dense, Diag
                     OpNode, Power, ScaledOp, SumOp)
 from ..expr.spectral import Spectral
 from ..expr.stored import StoredOp
+from ..curvature.kron import diagonal_factor_rules
 from ..linalg.rules import choose, choose_sum
+from ..options import get_options
 
 __all__ = ["resolution_rules", "operator_rules", "OperatorRules"]
 
@@ -34,8 +36,9 @@ def _leaf(node: OpNode):
         return frozenset({"dense"}), [], None
     if isinstance(node, Fisher):
         return frozenset({_FORM[node.structure_]}), [], None
-    if isinstance(node, KFAC):
-        return frozenset({"kronecker"}), [], ("kfac", node.grads.token)
+    if isinstance(node, KFAC):   # a vocabulary-wide factor kept diagonal: named (ga.options(kron_diagonal_width))
+        rules = list(diagonal_factor_rules(node.space, get_options().kron_diagonal_width))
+        return frozenset({"kronecker"}), rules, ("kfac", node.grads.token)
     if isinstance(node, CurvatureProducts):
         return frozenset({"implicit"}), [], None
     if isinstance(node, Arnoldi):

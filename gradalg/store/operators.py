@@ -52,8 +52,11 @@ def _variables_of(resolved: LinearOp, space: ParamSpace) -> tuple[str, dict]:
         for b in space.blocks:
             v = names[b.name]
             Q_S, Q_A = resolved.bases[b.name]
-            out[f"{v}.Q_S"] = ((f"{v}.out", f"{v}.out_eig"), _np(Q_S))
-            out[f"{v}.Q_A"] = ((f"{v}.in", f"{v}.in_eig"), _np(Q_A))
+            # an identity basis (a diagonal, vocabulary-wide factor) is not stored: absent on load
+            if Q_S is not None:
+                out[f"{v}.Q_S"] = ((f"{v}.out", f"{v}.out_eig"), _np(Q_S))
+            if Q_A is not None:
+                out[f"{v}.Q_A"] = ((f"{v}.in", f"{v}.in_eig"), _np(Q_A))
             out[f"{v}.eigenvalues"] = ((f"{v}.out_eig", f"{v}.in_eig"), _np(resolved.eigenvalues[b.name]))
         return "kron", out
     if form == "low-rank":
@@ -182,7 +185,9 @@ class OperatorStore:
 
         names = _variables(space)
         if kind == "kron":
-            bases = {b.name: (t(f"{names[b.name]}.Q_S"), t(f"{names[b.name]}.Q_A")) for b in space.blocks}
+            def basis(name):   # absent: the identity basis of a diagonal factor
+                return t(name) if name in ds.variables else None
+            bases = {b.name: (basis(f"{names[b.name]}.Q_S"), basis(f"{names[b.name]}.Q_A")) for b in space.blocks}
             evals = {b.name: t(f"{names[b.name]}.eigenvalues") for b in space.blocks}
             if "eigenvalue_errors" in self.attrs:
                 return KronOp(space, bases, evals, eigenvalue_errors=dict(self.attrs["eigenvalue_errors"]),
