@@ -140,7 +140,14 @@ class Options:
         (δ_Λ / min |Λ + damping|); beyond it ``CurvatureError`` (default 1e-2).
     projection_slice_elements : int
         A sparse (SJLT / mask) projection of a factored block materializes the block in
-        slices of examples of at most this many elements.
+        slices of examples of at most this many elements (a block larger than this: one
+        example at a time, in slices of output rows).
+    dense_projection_bytes : int
+        The largest dense (k, d) float64 projection matrix a method draws by default
+        (``ga.methods.trak``, ``ga.methods.less``; default 1 GiB: d ≤ 65,536 at k = 2048,
+        d ≤ 16,384 at k = 8192). Above it they project with a sparse JL transform (SJLT)
+        of the same k, block by block: no matrix, d·s additions per example instead of
+        k·d multiply-adds. Shown in the plan's "projection map" decision.
     reuse_buffer_bytes : int
         Streamed factored blocks at least this large are materialized into one buffer
         reused across blocks and chunks (fresh tensors above the allocator's mmap
@@ -187,6 +194,7 @@ class Options:
     kron_float64_width: int = 8192
     kron_float32_rtol: float = 1e-2
     projection_slice_elements: int = 2**26
+    dense_projection_bytes: int = 2**30
     reuse_buffer_bytes: int = 2**20
     release_growth: float = 1.25
     batch_tokens: int | None = None
@@ -229,7 +237,7 @@ class Options:
         if isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not 0 < rtol < 1:
             raise OptionError(f"kron_float32_rtol must be a number in (0, 1), got {rtol!r}")
         for name in ("ghost_slice_elements", "projection_slice_elements", "reuse_buffer_bytes", "token_block",
-                     "kron_float64_width"):
+                     "kron_float64_width", "dense_projection_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise OptionError(f"{name} must be a positive int, got {value!r}")

@@ -318,11 +318,46 @@ def test_grass_and_mask_never_materialize(materialize_calls):
 
 
 def test_sparse_on_factors_materializes_in_slices(materialize_calls):
+    """A block of at most ``projection_slice_elements`` coordinates is formed a slice of
+    examples at a time; a larger one one example at a time, in slices of output rows."""
     task, train, *_ = _gpt2_case()
     G = ga.grads(task, train, layers=["transformer.wte"], batch_size=5)
-    with ga.options(projection_slice_elements=5 * 101 * 8):   # slices of 8 rows of the (64, 101) block
-        ga.proj.sparse(16)(G).to_dense()
+    P = ga.proj.sparse(16)
+    whole = P(G).to_dense()["projected"]
+    assert materialize_calls and set(materialize_calls) == {(64, 101)}   # whole blocks, slices of examples
+    materialize_calls.clear()
+    with ga.options(projection_slice_elements=101 * 8):   # slices of 8 rows of the (64, 101) block
+        sliced = P(G).to_dense()["projected"]
     assert materialize_calls and all(o <= 8 and i == 101 for o, i in materialize_calls)
+    torch.testing.assert_close(sliced, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_sparse_slices_of_examples_use_one_table_and_build_it_once(monkeypatch):
+    """The SJLT's CSR form is built once per block and process, whatever the chunks'
+    sizes (it was rebuilt for every chunk: an argsort of the block's d non-zeros, most of
+    TRAK's time on GPT-2 small); slices of examples give the unsliced numbers."""
+    built = []
+    original = tables._csr
+
+    def spy(crow, col, values, shape):
+        built.append(shape)
+        return original(crow, col, values, shape)
+
+    monkeypatch.setattr(tables, "_csr", spy)
+    F64a = _random_factors(n=6, n_out=9, n_in=13)
+    Fa = Factors(F64a.A.float(), F64a.D.float())                                  # the float32 CSR only
+    block = Block("layer-csr-once", (9, 13), "linear")
+    P = ga.proj.sparse(10, seed=11, per_block=True)
+    whole = project_sparse_block(P, block, Fa)
+    by_two = project_sparse_block(P, block, Fa, max_elements=2 * 9 * 13)          # slices of 2 examples
+    fewer = project_sparse_block(P, block, Fa[:5], max_elements=2 * 9 * 13)
+    rows = project_sparse_block(P, block, Fa, max_elements=3 * 13)                # 3 rows, one example at a time
+    again = project_sparse_block(P, block, Fa[:4], max_elements=3 * 13)
+    assert built == [(10, 117), (10, 39), (10, 39), (10, 39)], built               # the whole table, 3 row slices
+    M = explicit_matrix(P, "layer-csr-once", (9, 13))
+    dense = factors_module.materialize(F64a).flatten(1) @ M.T
+    for got, n in ((whole, 6), (by_two, 6), (fewer, 5), (rows, 6), (again, 4)):
+        _close(got, dense[:n], "sliced SJLT", rtol=1e-5)
 
 
 def test_plans_count_the_sparse_tables_each_pass_keeps():

@@ -43,8 +43,10 @@ import math
 import zlib
 from dataclasses import dataclass
 
+from ..options import get_options
+
 __all__ = ["Projector", "gaussian", "rademacher", "kron", "sparse", "mask", "grass", "factgrass",
-           "KINDS", "GRASS_BLOWUP"]
+           "dense_or_sparse", "KINDS", "GRASS_BLOWUP"]
 
 KINDS = ("gaussian", "rademacher", "kron", "sparse", "mask", "grass", "factgrass")
 SJLT_KINDS = ("sparse", "grass", "factgrass")   # kinds whose last stage is a sparse JL transform
@@ -229,6 +231,25 @@ def sparse(k: int, seed: int = 0, *, s: int = 1, per_block: bool = False) -> Pro
     'projected 1024'
     """
     return Projector("sparse", k, seed, per_block, s=s)
+
+
+def dense_or_sparse(kind: str, k: int, dim: int, seed: int = 0) -> Projector:
+    """A method's default projection of ``dim`` coordinates to ``k``: the dense ``kind``
+    ("gaussian" or "rademacher") while its (k, dim) float64 matrix stays within
+    ``ga.options(dense_projection_bytes)`` (1 GiB by default), else ``sparse(k, seed)``,
+    a sparse JL transform of the same k (one ±1 per coordinate: no matrix, ``dim``
+    additions per example instead of ``k·dim`` multiply-adds). Both are fixed linear maps
+    drawn block by block (seeded per block), with ``E[⟨Px, Py⟩] = ⟨x, y⟩``; the plan shows
+    the choice and the option (the "projection map" decision).
+
+    >>> dense_or_sparse("rademacher", 8192, 85_000_000)     # GPT-2 small's blocks: 5.6 TB dense
+    ga.proj.sparse(k=8192, seed=0)
+    """
+    if kind not in ("gaussian", "rademacher"):
+        raise ValueError(f"kind must be 'gaussian' or 'rademacher', got {kind!r}")
+    if k * dim * 8 <= get_options().dense_projection_bytes:
+        return Projector(kind, k, seed)
+    return sparse(k, seed)
 
 
 def mask(k: int, seed: int = 0, *, per_block: bool = True) -> Projector:

@@ -308,8 +308,13 @@ def project_cost(node: Project, n: int, T: int, elem: int = 4, chunk: int | None
                     drawn.add(key)
         else:
             total = node.grads.space.dim
-            cost = cost + _sparse_project_cost(p, b, n, T, factored, total, elem) + Cost(
+            cost = cost + _sparse_project_cost(p, b, n, T, factored, total, elem, chunks) + Cost(
                 ops=float(chunks * OPS_PER_SPARSE_BLOCK))
+            key = (p, b.name, b.dim)
+            if p.kind != "mask" and (drawn is None or key not in drawn):   # tables built once per process
+                cost = cost + sjlt_build_cost(p, b)
+                if drawn is not None:
+                    drawn.add(key)
     return cost
 
 
@@ -339,14 +344,38 @@ def sparse_table_bytes(p, b) -> float:
 OPS_PER_SPARSE_BLOCK = 16
 
 
-def _scatter_cost(n: int, coords: float, elem: int) -> Cost:
-    """An SJLT of ``coords`` input coordinates (times its s) per row: each coordinate
-    multiplied into its output (read it, its column index and value, read and write the
-    target: the CSR product on the CPU, ``index_add_`` elsewhere; ``gradalg.proj.kernels``)."""
-    return Cost(flops=2.0 * n * coords, bytes=4.0 * elem * n * coords)
+#: An SJLT product's traffic, priced at the elementwise bandwidth (random access): per
+#: non-zero and call, its column index and value and a gather of its input row
+#: (:data:`SJLT_NONZERO_BYTES`), and per non-zero and example :data:`SJLT_ROW_BYTES`.
+#: Calibrated on one CPU thread (2.36 M non-zeros, k = 2048: 57 ms for 8 examples, about
+#: 10 ns per non-zero and call plus 2.5 ns per non-zero and example; the old
+#: 4·elem·n bytes at the copy bandwidth gave 5 ms, and TRAK's GPT-2-small pass 14× its
+#: estimate).
+SJLT_NONZERO_BYTES = 80.0
+SJLT_ROW_BYTES = 24.0
+
+#: Building an SJLT's tables once per process (draw the rows and signs, sort the non-zeros
+#: by row for the CSR form: :mod:`gradalg.proj.sparse_tables`), in float64 random numbers
+#: per non-zero: measured 134 ms for 2.36 M non-zeros on one CPU thread (≈ 4 draws of 14 ns)
+SJLT_BUILD_RANDOMS = 4.0
 
 
-def _sparse_project_cost(p, b, n: int, T: int, factored: bool, total: int, elem: int) -> Cost:
+def _scatter_cost(n: int, coords: float, elem: int, calls: int = 1) -> Cost:
+    """An SJLT of ``coords`` input coordinates (times its s) per row, for n rows in
+    ``calls`` products: each coordinate multiplied into its output (the CSR product on the
+    CPU, ``index_add_`` elsewhere; ``gradalg.proj.kernels``), random access priced at the
+    elementwise rate (:data:`SJLT_NONZERO_BYTES`, :data:`SJLT_ROW_BYTES`)."""
+    return Cost(flops=2.0 * n * coords, elementwise=coords * (SJLT_NONZERO_BYTES * calls + SJLT_ROW_BYTES * n))
+
+
+def sjlt_build_cost(p, b) -> Cost:
+    """Drawing one block's sparse-projection tables and their CSR form (once per process):
+    :data:`SJLT_BUILD_RANDOMS` random draws per non-zero, the tables' bytes touched fresh."""
+    nonzeros = sparse_table_bytes(p, b) / 13.0
+    return Cost(randoms=SJLT_BUILD_RANDOMS * nonzeros, faulted=sparse_table_bytes(p, b))
+
+
+def _sparse_project_cost(p, b, n: int, T: int, factored: bool, total: int, elem: int, calls: int = 1) -> Cost:
     """One block of a sparse projection (``gradalg.proj.kernels``), n rows:
 
     * ``sparse`` (SJLT): factors materialized (in slices of rows), then n·d·s scatter-adds;
@@ -357,7 +386,7 @@ def _sparse_project_cost(p, b, n: int, T: int, factored: bool, total: int, elem:
     * ``factgrass``: the factors' kept features gathered, the small (k_out, k_in)
       gradient materialized, then its SJLT."""
     if p.kind == "sparse":
-        cost = _scatter_cost(n, b.dim * p.s, elem)
+        cost = _scatter_cost(n, b.dim * p.s, elem, calls)
         if factored:
             cost = cost + materialize_cost(n, T, b.shape[1], b.shape[0], elem)
         return cost
@@ -372,7 +401,7 @@ def _sparse_project_cost(p, b, n: int, T: int, factored: bool, total: int, elem:
             cost = Cost(flops=2.0 * n * T * m, elementwise=4.0 * elem * n * T * m, bytes=3.0 * elem * n * T * m)
         else:
             cost = Cost(bytes=2.0 * elem * n * m)
-        return cost + (_scatter_cost(n, m * p.s, elem) if p.kind == "grass" else Cost())
+        return cost + (_scatter_cost(n, m * p.s, elem, calls) if p.kind == "grass" else Cost())
     if p.kind == "factgrass":
         out_f, in_f = b.shape
         k_out, k_in = p.factgrass_shape(out_f, in_f)
@@ -380,7 +409,7 @@ def _sparse_project_cost(p, b, n: int, T: int, factored: bool, total: int, elem:
             cost = Cost(elementwise=2.0 * elem * n * T * (k_out + k_in)) + materialize_cost(n, T, k_in, k_out, elem)
         else:
             cost = Cost(elementwise=2.0 * elem * n * k_out * k_in)
-        return cost + _scatter_cost(n, k_out * k_in * p.s, elem)
+        return cost + _scatter_cost(n, k_out * k_in * p.s, elem, calls)
     raise ValueError(f"no cost formula for a {p.kind!r} projection")
 
 

@@ -63,19 +63,33 @@ def sjlt_scatter_add(x: torch.Tensor, S: SJLT) -> torch.Tensor:
 
 
 def _sjlt_block(value, shape, S: SJLT, max_elements: int, token_block: int | None = None) -> torch.Tensor:
-    """SJLT of a whole block; factors are materialized a slice of output rows at a time
-    (each summed over token blocks of ``token_block`` positions)."""
+    """SJLT of a whole block (n, d) → (n, k). Factors are materialized a slice of examples
+    at a time (``max_elements // d`` of them, each summed over token blocks of
+    ``token_block`` positions), and every slice is projected by the block's one cached CSR
+    table (:meth:`SJLT.csr`). Only a block of more than ``max_elements`` coordinates is
+    cut into slices of output rows, one example at a time, each with its cached column
+    slice of the table (:meth:`SJLT.column_slice`): the slices' bounds depend on the block
+    and ``max_elements`` only, never on the batch, so no table is rebuilt per chunk."""
     if not isinstance(value, Factors):
         return sjlt_apply(value, S)
     n_out, n_in = shape
-    rows = max(1, max_elements // max(1, value.n * n_in))
-    total = None
-    for o0 in range(0, n_out, rows):
-        o1 = min(n_out, o0 + rows)
-        G = _factors.materialize(Factors(value.A, value.D[:, :, o0:o1]), token_block).flatten(1)   # (n, rows·in)
-        part = sjlt_apply(G, S.columns(o0 * n_in, o1 * n_in))
-        total = part if total is None else total + part
-    return total
+    d = n_out * n_in
+    if d <= max_elements:
+        step = max(1, max_elements // d)
+        parts = [sjlt_apply(_factors.materialize(value[i:i + step], token_block).flatten(1), S)
+                 for i in range(0, value.n, step)]                                   # (step, k) each
+        return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+    rows = max(1, max_elements // n_in)
+    out = []
+    for i in range(value.n):
+        one, total = value[i:i + 1], None
+        for o0 in range(0, n_out, rows):
+            o1 = min(n_out, o0 + rows)
+            G = _factors.materialize(Factors(one.A, one.D[:, :, o0:o1]), token_block).flatten(1)   # (1, rows·in)
+            part = sjlt_apply(G, S.column_slice(o0 * n_in, o1 * n_in))
+            total = part if total is None else total + part
+        out.append(total)
+    return torch.cat(out, 0)
 
 
 def _act_rows(A, idx: torch.Tensor, dtype) -> torch.Tensor:

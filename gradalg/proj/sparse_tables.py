@@ -84,6 +84,20 @@ class SJLT:
         """The (k, stop - start) SJLT of columns ``start:stop``."""
         return SJLT(self.rows[start:stop], self.signs[start:stop], self.k)
 
+    def column_slice(self, start: int, stop: int) -> "SJLT":
+        """:meth:`columns`, kept: the same slice asked again returns the same object, so its
+        CSR form is built once (the sliced kernel of a block wider than
+        ``projection_slice_elements`` asks for the same slices at every chunk)."""
+        if (start, stop) == (0, self.d):
+            return self
+        if (start, stop) not in self._slices:
+            self._slices[(start, stop)] = self.columns(start, stop)
+        return self._slices[(start, stop)]
+
+    @cached_property
+    def _slices(self) -> dict:
+        return {}
+
     @cached_property
     def _csr32(self) -> torch.Tensor:
         """The float32 CSR form: the non-zeros sorted by row (a stable sort of the d·s rows,
