@@ -161,7 +161,7 @@ class LocalExecutor(Executor):
                 acc.update(chunk)
             self._cache[node.token] = acc.finish()
             yield from self._cache[node.token]
-        elif fuses_blocks(node):     # P(G.adam(·)) one block at a time (exec/rowwise.py)
+        elif fuses_blocks(node) and node.grads.token not in self._cache:   # P(G.adam(·)) a block at a time
             for chunk in self.iter_chunks(node.grads.grads):
                 yield project_blockwise(self, node, chunk)
         elif isinstance(node, ROW_WISE):

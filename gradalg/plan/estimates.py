@@ -371,8 +371,16 @@ def _scatter_cost(n: int, coords: float, elem: int, calls: int = 1) -> Cost:
 def sjlt_build_cost(p, b) -> Cost:
     """Drawing one block's sparse-projection tables and their CSR form (once per process):
     :data:`SJLT_BUILD_RANDOMS` random draws per non-zero, the tables' bytes touched fresh."""
-    nonzeros = sparse_table_bytes(p, b) / 13.0
-    return Cost(randoms=SJLT_BUILD_RANDOMS * nonzeros, faulted=sparse_table_bytes(p, b))
+    if p.kind == "sparse":
+        columns = b.dim
+    elif p.kind == "grass":
+        columns = p.grass_mask_size(b.dim)
+    elif p.kind == "factgrass" and len(b.shape) == 2:
+        k_out, k_in = p.factgrass_shape(*b.shape)
+        columns = k_out * k_in
+    else:
+        return Cost()
+    return Cost(randoms=SJLT_BUILD_RANDOMS * columns * p.s, faulted=sparse_table_bytes(p, b))
 
 
 def _sparse_project_cost(p, b, n: int, T: int, factored: bool, total: int, elem: int, calls: int = 1) -> Cost:
