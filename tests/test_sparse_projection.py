@@ -73,7 +73,18 @@ def explicit_matrix(P, name: str, shape: tuple, space_blocks=None) -> torch.Tens
         coords = (out_idx[:, None] * shape[1] + in_idx[None, :]).flatten()   # row-major (k_out, k_in)
         scale = math.sqrt(dim / coords.numel())
         return sjlt_matrix(S) @ selection_matrix(coords, dim, scale)
+    if P.kind == "tensorsketch":
+        return tensorsketch_matrix(P, name, shape if len(shape) == 2 else (1, dim))
     raise AssertionError(P.kind)
+
+
+def tensorsketch_matrix(P, name: str, shape: tuple) -> torch.Tensor:
+    """(k, out·in): column (o, i) is σ_out[o]·σ_in[i] at row (h_out[o] + h_in[i]) mod k."""
+    h_out, s_out, h_in, s_in = ga.proj.tensorsketch_tables(P, name, *shape)
+    M = torch.zeros(P.k, math.prod(shape), dtype=F64)
+    rows = ((h_out[:, None] + h_in[None, :]) % P.k).flatten()
+    M[rows, torch.arange(M.shape[1])] = (s_out[:, None].to(F64) * s_in[None, :].to(F64)).flatten()
+    return M
 
 
 def project_reference(P, rows: dict, shapes: dict) -> torch.Tensor:
@@ -146,6 +157,8 @@ PROJECTORS = {
     "grass-mk-s2": ga.proj.grass(12, seed=6, mask_k=30, s=2),
     "factgrass": ga.proj.factgrass(16, seed=7),
     "factgrass-given-s2": ga.proj.factgrass(16, seed=8, k_out=3, k_in=9, s=2),
+    "tensorsketch": ga.proj.tensorsketch(24, seed=9),
+    "tensorsketch-pb": ga.proj.tensorsketch(10, seed=10, per_block=True),
 }
 
 
@@ -427,7 +440,8 @@ def test_subset_by_rejection(monkeypatch):
     lambda seed: ga.proj.mask(8, seed),
     lambda seed: ga.proj.grass(4, seed, mask_k=20),
     lambda seed: ga.proj.factgrass(4, seed),
-], ids=["sparse", "sparse-s2", "mask", "grass", "factgrass"])
+    lambda seed: ga.proj.tensorsketch(6, seed, per_block=True),
+], ids=["sparse", "sparse-s2", "mask", "grass", "factgrass", "tensorsketch"])
 def test_inner_products_unbiased_over_seeds(make):
     Fa = _random_factors(n=2, T=3, n_out=8, n_in=9, seed=11)
     block = Block("layer", (8, 9), "linear")
@@ -468,3 +482,20 @@ def test_repr_and_validation():
         ga.proj.Projector("grass", 4, per_block=False)
     with pytest.raises(ValueError, match="no dense matrix"):
         ga.proj.dense_matrix(ga.proj.sparse(4), "x", 10)
+
+
+def test_tensorsketch_never_materializes_and_is_one_sparse_map(materialize_calls):
+    """A TensorSketch is an SJLT with the factored hash (h_out(o) + h_in(i)) mod k and sign
+    σ_out(o)σ_in(i): one ±1 per column of its explicit matrix; on factors it never forms
+    an (out, in) gradient (FFTs of the factors' count sketches), in token blocks or not,
+    and it is unbiased over seeds like the other kinds (test_inner_products_unbiased_over_seeds)."""
+    M = tensorsketch_matrix(ga.proj.tensorsketch(16, seed=2), "layer", (7, 11))
+    assert torch.equal((M != 0).sum(0), torch.ones(77, dtype=torch.long)) and set(M.abs().unique().tolist()) == {0.0, 1.0}
+    task, train, _, layers, _ = _gpt2_case()
+    G = _captured_once(ga.grads(task, train, layers=layers, batch_size=3))
+    P = ga.proj.tensorsketch(16, seed=2)
+    whole = P(G).to_dense()["projected"]
+    with ga.options(token_block=2):
+        blocked = P(G).to_dense()["projected"]
+    assert materialize_calls == []
+    torch.testing.assert_close(blocked, whole, rtol=1e-5, atol=1e-5)

@@ -254,12 +254,17 @@ def projection_workspace_bytes(node, dtype) -> float:
     its factors, or Adam-preconditioned: ``exec/rowwise.py``) and the product reads a
     transposed copy, so it holds 2·d_b numbers per example of its largest block b (a
     sparse projection's slices are capped by ``projection_slice_elements``: this is an
-    upper bound); Adam's preconditioning adds two more temporaries of the block."""
+    upper bound); Adam's preconditioning adds two more temporaries of the block; a
+    TensorSketch holds two count sketches of k and their FFTs per position."""
     elem = element_size(dtype)
     out = 0.0
     x = node
     while x is not None and hasattr(x, "grads"):
-        if isinstance(x, Project) and x.projector.kind in ("gaussian", "rademacher", "sparse"):
+        if isinstance(x, Project) and x.projector.kind == "tensorsketch":
+            # a token block's two count sketches and their FFTs (T positions: an upper bound)
+            T = max(positions(x.grads).values(), default=1)
+            out = max(out, 4.0 * elem * T * (x.projector.k + 2))
+        elif isinstance(x, Project) and x.projector.kind in ("gaussian", "rademacher", "sparse"):
             widest = max((b.dim for b in x.grads.space.blocks), default=0)
             adam = type(x.grads).__name__ == "AdamPrecondition"
             out = max(out, (4.0 if adam else 2.0) * elem * widest)

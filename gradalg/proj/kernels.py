@@ -10,6 +10,7 @@ Kernel                       work for n examples          never forms
 ``entries(F, coords)``       n·T·m multiply-adds          the (out, in) gradient
 ``mask_factors(F, O, I)``    n·T·(k_out + k_in) gathers   —
 ``factgrass`` (below)        n·T·k_out·k_in + n·k_out·k_in·s   the (out, in) gradient
+``tensor_sketch`` (below)    n·T·(out + in) + n·T·O(k log k)   the (out, in) gradient
 
 ``max_elements`` bounds the temporaries of the sliced loops (elements, not bytes).
 """
@@ -23,11 +24,12 @@ from ..capture import factors as _factors
 from ..capture.factors import Factors, OneHot
 from ..expr.projection import Projector
 from ..space import Block
-from .sparse_tables import SJLT, factgrass_tables, global_mask, grass_tables, mask_indices, sjlt
+from .sparse_tables import SJLT, factgrass_tables, global_mask, grass_tables, mask_indices, sjlt, tensorsketch_tables
 
-__all__ = ["sjlt_apply", "sjlt_scatter_add", "entries", "mask_factors", "project_sparse_block", "SPARSE_KINDS"]
+__all__ = ["sjlt_apply", "sjlt_scatter_add", "entries", "mask_factors", "tensor_sketch", "project_sparse_block",
+           "SPARSE_KINDS"]
 
-SPARSE_KINDS = ("sparse", "mask", "grass", "factgrass")
+SPARSE_KINDS = ("sparse", "mask", "grass", "factgrass", "tensorsketch")
 DEFAULT_MAX_ELEMENTS = 1 << 24
 
 
@@ -148,6 +150,60 @@ def _factgrass(value, shape, out_idx, in_idx, S: SJLT, token_block: int | None =
     return sjlt_apply(small.flatten(1), S) * scale
 
 
+def _count_sketch(x: torch.Tensor, rows: torch.Tensor, signs: torch.Tensor, k: int) -> torch.Tensor:
+    """Σ_j σ_j x_j e_{h_j} along the last dimension.   (..., m) → (..., k)"""
+    return x.new_zeros(*x.shape[:-1], k).index_add_(-1, rows, x * signs.to(x.dtype))
+
+
+def _sketch_activations(A, rows, signs, k, dtype) -> torch.Tensor:
+    """Count sketch of each position's activations (n, b, in) → (n, b, k); one-hot
+    activations (token ids) put their sign at their token's row."""
+    if isinstance(A, OneHot):
+        out = torch.zeros(*A.idx.shape, k, dtype=dtype, device=A.idx.device)
+        value = signs[A.idx].to(dtype) * A.weights(dtype)
+        return out.scatter_add_(-1, rows[A.idx].unsqueeze(-1), value.unsqueeze(-1))
+    return _count_sketch(A.to(dtype), rows, signs, k)
+
+
+def tensor_sketch(value, shape, tables, k: int, max_elements: int = DEFAULT_MAX_ELEMENTS,
+                  token_block: int | None = None) -> torch.Tensor:
+    """TensorSketch of each example's (out, in) block.   Returns (n, k).
+
+        (P vec G)_r = Σ_{o,i: (h_out(o) + h_in(i)) mod k = r} σ_out(o) σ_in(i) G_{oi}
+
+    On factors, ``G_i = Σ_t d_t a_tᵀ`` gives ``P vec G_i = Σ_t CS_out(d_t) ⊛ CS_in(a_t)``
+    (circular convolution of the count sketches, a product of their real FFTs), summed
+    over positions in the frequency domain, one token block at a time. A flat block
+    (n, out·in) is the same with the rows of G as positions and ``CS_out(e_o) = σ_o e_{h_o}``,
+    in slices of rows under ``max_elements``. Computed in :func:`compute_dtype` (float32 or
+    float64): equal to the explicit (k, out·in) matrix to that precision's FFT rounding."""
+    h_out, s_out, h_in, s_in = tables
+    n_out, n_in = shape
+    if isinstance(value, Factors):
+        dtype = _factors.compute_dtype(value.D.dtype)
+        acc = None
+        for tp in _factors.token_slices(value.T, token_block):
+            part = value.tokens(tp)
+            cd = torch.fft.rfft(_count_sketch(part.D.to(dtype), h_out, s_out, k))              # (n, b, k/2+1)
+            ca = torch.fft.rfft(_sketch_activations(part.A, h_in, s_in, k, dtype))
+            term = (cd * ca).sum(1)
+            acc = term if acc is None else acc + term
+        return torch.fft.irfft(acc, n=k)
+    x = value.float() if value.dtype in _factors.HALF_DTYPES else value
+    G = x.reshape(x.shape[0], n_out, n_in)
+    step = max(1, max_elements // max(1, x.shape[0] * k))
+    freq = torch.arange(k // 2 + 1, device=x.device, dtype=x.dtype)
+    acc = None
+    for o0 in range(0, n_out, step):
+        o1 = min(n_out, o0 + step)
+        cs = torch.fft.rfft(_count_sketch(G[:, o0:o1], h_in, s_in, k))                        # (n, rows, k/2+1)
+        shift = torch.polar(s_out[o0:o1].to(x.dtype).unsqueeze(1).expand(-1, freq.numel()).contiguous(),
+                            -2 * math.pi * h_out[o0:o1].to(x.dtype).unsqueeze(1) * freq / k)   # σ_o e^{-2πi h_o f / k}
+        term = (cs * shift).sum(1)
+        acc = term if acc is None else acc + term
+    return torch.fft.irfft(acc, n=k)
+
+
 def project_sparse_block(projector: Projector, block: Block, value, *,
                          space_blocks: tuple[tuple[str, int], ...] | None = None,
                          max_elements: int = DEFAULT_MAX_ELEMENTS, token_block: int | None = None) -> torch.Tensor:
@@ -186,4 +242,8 @@ def project_sparse_block(projector: Projector, block: Block, value, *,
     if p.kind == "factgrass":
         out_idx, in_idx, S = factgrass_tables(p, block.name, *block.shape, device=device)
         return _factgrass(value, block.shape, out_idx, in_idx, S, token_block)
+    if p.kind == "tensorsketch":
+        shape = block.shape if len(block.shape) == 2 else (1, block.dim)
+        tables = tensorsketch_tables(p, block.name, *shape, device=device)
+        return tensor_sketch(value, shape, tables, p.k, max_elements, token_block)
     raise ValueError(f"{p.kind!r} is not a sparse projector kind; expected one of {SPARSE_KINDS}")

@@ -17,6 +17,7 @@ mask, global  k of the concatenated space's coordinates    "global-mask" (of all
 grass         mask_k of d, then SJLT of mask_k to k        "grass-mask", "grass-sjlt"
 factgrass     k_out of out, k_in of in, SJLT of k_out·k_in  "mask-out", "mask-in",
                                                            "factgrass-sjlt"
+tensorsketch  a row and a sign per output and per input    "ts-out", "ts-in"
 ============  ==========================================  =========================
 
 As with the dense matrices, a global SJLT (``per_block=False``) is the sum of the
@@ -42,7 +43,7 @@ import torch
 
 from ..expr.projection import Projector
 
-__all__ = ["SJLT", "sjlt", "mask_indices", "global_mask", "factgrass_tables", "grass_tables"]
+__all__ = ["SJLT", "sjlt", "mask_indices", "global_mask", "factgrass_tables", "grass_tables", "tensorsketch_tables"]
 
 _RANDPERM_MAX = 1 << 22   # draw a subset by randperm up to this size, by rejection above it
 
@@ -224,3 +225,21 @@ def global_mask(projector: Projector, blocks: tuple[tuple[str, int], ...], block
     output positions (in ``range(k)``) and the block's coordinates that land there."""
     positions, coords = _global_mask_cpu(projector, blocks)[block_name]
     return positions.to(device), coords.to(device)
+
+
+@lru_cache(maxsize=256)
+def _tensorsketch_cpu(projector: Projector, block_name: str, out: int, n_in: int):
+    parts = []
+    for part, m in (("ts-out", out), ("ts-in", n_in)):
+        gen = torch.Generator().manual_seed(projector.block_seed(block_name, part))
+        rows = torch.randint(0, projector.k, (m,), generator=gen)
+        signs = torch.randint(0, 2, (m,), generator=gen, dtype=torch.int8) * 2 - 1
+        parts += [rows, signs]
+    return tuple(parts)
+
+
+def tensorsketch_tables(projector: Projector, block_name: str, out: int, n_in: int, *, device="cpu"):
+    """``(h_out (out,), σ_out (out,), h_in (in,), σ_in (in,))`` of a "tensorsketch"
+    projection of an (out, in) block: coordinate (o, i) goes to row ``(h_out[o] + h_in[i])
+    mod k`` with sign ``σ_out[o]·σ_in[i]``. Rows int64, signs int8 (9·(out + in) bytes)."""
+    return tuple(t.to(device) for t in _tensorsketch_cpu(projector, block_name, out, n_in))
