@@ -172,6 +172,16 @@ def trak_formula(s, P, damping=None, relative=None):
         M = torch.eye(space.dim, dtype=F64)
     elif P.kind == "sparse":   # the SJLT's explicit matrix, block by block over the concatenated gradient
         M = torch.cat([ga.proj.sjlt(P, b.name, b.dim).dense() for b in space.blocks], dim=1)
+    elif P.kind == "tensorsketch":   # column (o, i): σ_out[o]σ_in[i] at row (h_out[o] + h_in[i]) mod k, per block
+        parts = []
+        for b in space.blocks:
+            shape = b.shape if len(b.shape) == 2 else (1, b.dim)
+            h_out, s_out, h_in, s_in = ga.proj.tensorsketch_tables(P, b.name, *shape)
+            Mb = torch.zeros(P.k, b.dim, dtype=F64)
+            Mb[((h_out[:, None] + h_in[None, :]) % P.k).flatten(), torch.arange(b.dim)] = (
+                s_out[:, None].to(F64) * s_in[None, :].to(F64)).flatten()
+            parts.append(Mb)
+        M = torch.cat(parts, dim=1)
     else:
         M = project_dense(torch.eye(space.dim, dtype=F64), space, P).T                          # (k, dim)
     Phi, phi = out_rows(s["x"], s["y"]) @ M.T, out_rows(s["xq"], s["yq"]) @ M.T
@@ -207,6 +217,9 @@ def test_trak_default_projection_turns_sparse_past_a_gib_of_matrix(monkeypatch):
     dim = ga.grads(s["task"], s["train"]).space.dim
     assert trak_module.default_projector(12, dim, 3) == ga.proj.gaussian(12, 3)
     assert trak_module.default_projector(512, 3_150_000, 3) == ga.proj.sparse(512, 3)   # GPT-2 4×256
+    assert trak_module.default_projector(2048, 85_017_600, 3) == ga.proj.tensorsketch(2048, 3)   # GPT-2 small
+    with ga.options(sjlt_table_bytes=2**40):
+        assert trak_module.default_projector(2048, 85_017_600, 3) == ga.proj.sparse(2048, 3)
     with ga.options(dense_projection_bytes=12 * dim * 8 - 1):
         S = ga.methods.trak(s["task"], s["train"], s["query"], k=12, seed=3)
     kinds = {x.projector.kind for x in S.expr.walk() if isinstance(x, Project)}
@@ -368,3 +381,23 @@ def test_ekfac_of_kron_projected_sequences_stored_flat():
     Hd = H.to_dense()                                              # pull path: the streamed factors
     Gd, Qd = (torch.cat([v.flatten(1) for v in X.to_dense().values()], 1) for X in (G, Q))
     assert_close(S, Qd @ torch.linalg.solve(Hd, Gd.T), what="EK-FAC on flat kept rows", **TOL)
+
+
+def test_trak_at_width_takes_a_tensorsketch_past_the_sjlt_table_option():
+    """Past ``ga.options(sjlt_table_bytes)`` TRAK's default is a TensorSketch of the same k
+    and seed: the scores equal TRAK's formula with its explicit matrix (one ±1 per
+    coordinate at row (h_out(o) + h_in(i)) mod k), and the plan says why."""
+    import importlib
+
+    from gradalg.expr import Project
+    trak_module = importlib.import_module("gradalg.methods.trak")
+    s = setup()
+    dim = ga.grads(s["task"], s["train"]).space.dim
+    with ga.options(dense_projection_bytes=12 * dim * 8 - 1, sjlt_table_bytes=13 * dim - 1):
+        S = ga.methods.trak(s["task"], s["train"], s["query"], k=12, seed=3)
+        d = S.explain().plan.decision("projection map")
+    P = ga.proj.tensorsketch(12, 3)
+    assert {x.projector for x in S.expr.walk() if isinstance(x, Project)} == {P}
+    assert d.chosen == "tensorsketch" and "over ga.options(sjlt_table_bytes" in d.why
+    assert_close(values(S), trak_formula(s, P, relative=trak_module.RELATIVE_DAMPING), what="TRAK, tensorsketch",
+                 rtol=1e-6, atol=1e-8)

@@ -258,23 +258,37 @@ def tensorsketch(k: int, seed: int = 0, *, per_block: bool = False) -> Projector
     return Projector("tensorsketch", k, seed, per_block)
 
 
-def dense_or_sparse(kind: str, k: int, dim: int, seed: int = 0) -> Projector:
-    """A method's default projection of ``dim`` coordinates to ``k``: the dense ``kind``
-    ("gaussian" or "rademacher") while its (k, dim) float64 matrix stays within
-    ``ga.options(dense_projection_bytes)`` (1 GiB by default), else ``sparse(k, seed)``,
-    a sparse JL transform of the same k (one ±1 per coordinate: no matrix, ``dim``
-    additions per example instead of ``k·dim`` multiply-adds). Both are fixed linear maps
-    drawn block by block (seeded per block), with ``E[⟨Px, Py⟩] = ⟨x, y⟩``; the plan shows
-    the choice and the option (the "projection map" decision).
+def dense_or_sparse(kind: str, k: int, dim: int, seed: int = 0, *, factored: bool = True) -> Projector:
+    """A method's default projection of ``dim`` coordinates to ``k``, by width:
 
-    >>> dense_or_sparse("rademacher", 8192, 85_000_000)     # GPT-2 small's blocks: 5.6 TB dense
+    * the dense ``kind`` ("gaussian" or "rademacher", the papers' maps) while its (k, dim)
+      float64 matrix is within ``ga.options(dense_projection_bytes)`` (1 GiB);
+    * else ``sparse(k, seed)``, an SJLT of the same k (one ±1 per coordinate: no matrix,
+      ``dim`` additions per example instead of ``k·dim`` multiply-adds), while its tables
+      (13·dim bytes) are within ``ga.options(sjlt_table_bytes)`` (256 MiB), or whenever the
+      rows are not factored (``factored=False``: LESS's Adam-preconditioned rows);
+    * else ``tensorsketch(k, seed)``: the SJLT whose hash factors over each layer's outputs
+      and inputs, applied to the factors by FFT (no layer's gradient formed, tables of
+      out + in per layer). On a trained GPT-2's per-example gradients its inner-product
+      error matched the SJLT's and the Gaussian's at k = 256 and 1024 (docs/projections.md).
+
+    All are fixed linear maps drawn block by block (seeded per block), with
+    ``E[⟨Px, Py⟩] = ⟨x, y⟩``; the plan shows the choice and both options (the
+    "projection map" decision).
+
+    >>> dense_or_sparse("gaussian", 2048, 85_000_000)          # GPT-2 small's blocks
+    ga.proj.tensorsketch(k=2048, seed=0)
+    >>> dense_or_sparse("rademacher", 8192, 85_000_000, factored=False)
     ga.proj.sparse(k=8192, seed=0)
     """
     if kind not in ("gaussian", "rademacher"):
         raise ValueError(f"kind must be 'gaussian' or 'rademacher', got {kind!r}")
-    if k * dim * 8 <= get_options().dense_projection_bytes:
+    o = get_options()
+    if k * dim * 8 <= o.dense_projection_bytes:
         return Projector(kind, k, seed)
-    return sparse(k, seed)
+    if not factored or 13 * dim <= o.sjlt_table_bytes:
+        return sparse(k, seed)
+    return tensorsketch(k, seed)
 
 
 def mask(k: int, seed: int = 0, *, per_block: bool = True) -> Projector:

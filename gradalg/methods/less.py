@@ -42,7 +42,8 @@ def less(checkpoints: Sequence[Task], optimizers: Sequence, learning_rates: Sequ
     """
     if not (len(checkpoints) == len(optimizers) == len(learning_rates)):
         raise ValueError("give one optimizer and one learning rate per checkpoint")
-    P = projector or dense_or_sparse("rademacher", k, grads(checkpoints[0], train, layers).space.dim, seed)
+    dim = grads(checkpoints[0], train, layers).space.dim
+    P = projector or dense_or_sparse("rademacher", k, dim, seed, factored=False)     # Adam's rows are flat
     terms = []
     for task, opt in zip(checkpoints, optimizers):
         G = grads(task, train, layers)

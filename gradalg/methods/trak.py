@@ -30,16 +30,17 @@ K = 2048                  # default projection dimension (docs/fidelity.md, "How
 
 def default_projector(k: int, dim: int, seed: int = 0) -> Projector | None:
     """TRAK's projection when none is given: none at all when the gradients have at most
-    ``k`` coordinates (a projection up to k ≥ dim adds cost and reduces nothing); else
-    the paper's dense Gaussian while its (k, dim) float64 matrix stays within
-    ``ga.options(dense_projection_bytes)`` (1 GiB: dim ≤ 65,536 at k = 2048), else a sparse
-    Johnson–Lindenstrauss projection with the same k (one ±1/√s entry per coordinate and
-    hash: no matrix, O(dim) per example; :func:`~gradalg.expr.projection.dense_or_sparse`).
-    Both preserve inner products to the same (1 ± ε) in expectation. At width (GPT-2
-    small's 85 M block coordinates) the SJLT is applied block by block: each block's
-    per-example gradient is formed from its factors (in slices of
-    ``ga.options(projection_slice_elements)``), projected by the block's own table and
-    summed into the k coordinates, so no per-example gradient of the whole model exists."""
+    ``k`` coordinates (a projection up to k ≥ dim adds cost and reduces nothing); else, by
+    width (:func:`~gradalg.expr.projection.dense_or_sparse`), the paper's dense Gaussian
+    while its (k, dim) float64 matrix is within ``ga.options(dense_projection_bytes)``
+    (1 GiB: dim ≤ 65,536 at k = 2048), a sparse Johnson–Lindenstrauss projection (SJLT)
+    with the same k while its tables are within ``ga.options(sjlt_table_bytes)`` (256 MiB:
+    dim ≤ 20 M, the GPT-2s of docs/fidelity.md), and a TensorSketch above (an SJLT with a
+    hash factored over each layer's outputs and inputs, applied to the factors by FFT).
+    All preserve inner products in expectation. At width nothing is formed for the
+    whole model: each block is projected on its own (seeded per block) and the blocks
+    summed into the k coordinates; the TensorSketch never forms a layer's gradient either
+    (on GPT-2 small, 85 M coordinates, TRAK then costs 1.1× LoGra; with the SJLT 3.2×)."""
     if dim <= k:
         return None
     return dense_or_sparse("gaussian", k, dim, seed)
@@ -53,8 +54,10 @@ def trak(tasks: Task | Sequence[Task], train, queries, *, layers=None, projector
     projector : default :func:`default_projector` — none when the gradients have at most
         ``k`` coordinates, a dense Gaussian (the paper's) for small models, a sparse JL
         projection once the dense matrix would pass ``ga.options(dense_projection_bytes)``
-        (1 GiB: GPT-2-sized layers), with the same ``k`` and ``seed``, applied block by
-        block (the plan's "projection map" decision says which and why).
+        (1 GiB: GPT-2-sized layers), a TensorSketch once its tables would pass
+        ``ga.options(sjlt_table_bytes)`` (10⁸-parameter models), with the same ``k`` and
+        ``seed``, applied block by block (the plan's "projection map" decision says which
+        and why).
     k : projection dimension of the default projector, 2048. Measured (docs/fidelity.md,
         LDS on 50 retrained halves of a 2-layer GPT-2, one model): k = 128 / 512 / 2048
         scored 0.20 / 0.31 / 0.36 (EK-FAC influence 0.36), and 2048 was also the cheaper

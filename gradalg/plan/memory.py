@@ -211,35 +211,43 @@ def kron_precision_rows(space, options) -> list[tuple]:
 
 
 def projection_map_rows(node, options) -> list[tuple]:
-    """``(what, chosen, alternatives, why)`` for each distinct dense or sparse-JL
-    projection (``gaussian``, ``rademacher``, ``sparse``) of ``node``: the map it applies,
-    the bytes of a dense (k, d) float64 matrix against ``options.dense_projection_bytes``
-    (the threshold above which ``ga.methods.trak`` and ``ga.methods.less`` default to the
-    SJLT: :func:`~gradalg.expr.projection.dense_or_sparse`), and the work per example of
-    each. Both maps are applied block by block (each block's own seeded matrix or table;
-    a global map is the sum of the blocks'), from each block's factors in turn."""
-    limit = options.dense_projection_bytes
+    """``(what, chosen, alternatives, why)`` for each distinct dense, sparse-JL or
+    TensorSketch projection (``gaussian``, ``rademacher``, ``sparse``, ``tensorsketch``) of
+    ``node``: the map it applies, what each map would hold and do per example, and the two
+    thresholds the methods' defaults choose by (:func:`~gradalg.expr.projection.dense_or_sparse`):
+    a dense (k, d) float64 matrix against ``options.dense_projection_bytes``, SJLT tables
+    (13·d bytes) against ``options.sjlt_table_bytes``. Every map is applied block by block
+    (each block's own seeded matrix or table; a global map is the sum of the blocks')."""
+    names = {"gaussian": "dense", "rademacher": "dense", "sparse": "sparse JL", "tensorsketch": "tensorsketch"}
     rows, seen = [], set()
     for x in node.walk():
-        if not isinstance(x, Project) or x.projector.kind not in ("gaussian", "rademacher", "sparse"):
+        if not isinstance(x, Project) or x.projector.kind not in names:
             continue
-        p, d = x.projector, x.grads.space.dim
+        p, space = x.projector, x.grads.space
+        d = space.dim
         if (p.token, d) in seen:
             continue
         seen.add((p.token, d))
-        dense = 8.0 * p.k * d
-        blocks = len(x.grads.space.blocks)
+        dense, tables = 8.0 * p.k * d, 13.0 * p.s * d
+        sides = sum(sum(b.shape) if len(b.shape) == 2 else 1 + b.dim for b in space.blocks)
         alternatives = {"dense": f"{_gb(dense)} GB matrix, {p.k * d:.3g} multiply-adds per example",
-                        "sparse JL": f"{_gb(13.0 * p.s * d)} GB tables, {p.s * d:.3g} additions per example"}
-        where = f"over ga.options(dense_projection_bytes={_gb(limit)} GB)" if dense > limit else \
-            f"within ga.options(dense_projection_bytes={_gb(limit)} GB)"
-        chosen = "sparse JL" if p.kind == "sparse" else "dense"
+                        "sparse JL": f"{_gb(tables)} GB tables, {p.s * d:.3g} additions per example (each "
+                                     "layer's gradient formed from its factors)",
+                        "tensorsketch": f"{_gb(9.0 * sides)} GB tables, FFTs of k per position (no layer's "
+                                        "gradient formed)"}
+        verdict = [f"a dense ({p.k}, {d}) matrix takes {_gb(dense)} GB, "
+                   + ("over" if dense > options.dense_projection_bytes else "within")
+                   + f" ga.options(dense_projection_bytes={_gb(options.dense_projection_bytes)} GB)",
+                   f"SJLT tables {_gb(tables)} GB, "
+                   + ("over" if tables > options.sjlt_table_bytes else "within")
+                   + f" ga.options(sjlt_table_bytes={_gb(options.sjlt_table_bytes)} GB)"]
         rows.append((
-            f"projection map {p!r} of {d:,} coordinates", chosen, alternatives,
-            f"a dense ({p.k}, {d}) matrix would take {_gb(dense)} GB, {where} (trak and less pick the "
-            f"dense map only within it); applied to {blocks} block(s) one at a time, each block's rows formed "
-            "from its factors, projected by the block's own seeded " + ("table" if chosen != "dense" else "matrix")
-            + (", and summed into k coordinates" if not p.per_block else "")))
+            f"projection map {p!r} of {d:,} coordinates", names[p.kind], alternatives,
+            "; ".join(verdict) + " (trak and less default to the dense map within the first, the SJLT "
+            "within the second, a TensorSketch above it; less keeps the SJLT: its Adam rows are flat); "
+            f"applied to {len(space.blocks)} block(s) one at a time, each with its own seeded "
+            + ("matrix" if names[p.kind] == "dense" else "tables")
+            + (", summed into k coordinates" if not p.per_block else "")))
     return rows
 
 
