@@ -149,12 +149,12 @@ class Options:
         of the same k, block by block: no matrix, d·s additions per example instead of
         k·d multiply-adds. Shown in the plan's "projection map" decision.
     sjlt_table_bytes : int
-        The largest tables (13·d bytes: rows, signs, CPU CSR) of the SJLT such a default
-        builds for factored gradients (default 256 MiB: d ≤ 20 M). Above it ``trak``
+        The largest tables (5·d bytes: int32 rows, int8 signs) of the SJLT such a default
+        builds for factored gradients (default 256 MiB: d ≤ 53 M). Above it ``trak``
         projects with a TensorSketch of the same k (``ga.proj.tensorsketch``: the SJLT
         with a hash factored over each layer's outputs and inputs, applied to the
         factors by FFT, without forming any layer's gradient): GPT-2 small's 85 M block
-        coordinates would need 1.1 GB of SJLT tables and each layer's gradient formed.
+        coordinates would need 425 MB of SJLT tables and each layer's gradient formed.
         Shown in the same decision.
     reuse_buffer_bytes : int
         Streamed factored blocks at least this large are materialized into one buffer

@@ -252,20 +252,22 @@ def test_sliced_kernels_match_unsliced():
 
 @pytest.mark.parametrize("s", [1, 3])
 def test_sjlt_product_equals_scatter_adds_and_explicit_matrix(s):
-    """The CPU kernel (one CSR product) gives the scatter-adds' float32 numbers exactly
-    (both sum each output in column order) and the explicit matrix's in float64; dtypes
-    the CSR product lacks (bfloat16) take the scatter-adds; the CSR is built once per table."""
+    """The CPU kernel (weighted bincounts summed in float64) gives the explicit matrix's
+    numbers (float64 exactly, float32 to its rounding), as do the scatter-adds and the CSR
+    form; dtypes bincount lacks (bfloat16) take the scatter-adds."""
     from gradalg.proj.kernels import sjlt_apply, sjlt_scatter_add
     P = ga.proj.sparse(16, s=s, per_block=True)
     S = tables.sjlt(P, "layer", 300)
-    assert tables.sjlt(P, "layer", 300) is S                       # cached table, cached CSR
+    assert tables.sjlt(P, "layer", 300) is S                       # cached table
     x = torch.randn(5, 300)
     scatter = functools.partial(sjlt_scatter_add, S=S)
     torch.testing.assert_close(scatter(x.double()), x.double() @ sjlt_matrix(S).T, rtol=1e-12, atol=1e-12)
 
-    got = sjlt_apply(x, S)
-    assert got.is_contiguous() and got.shape == (5, 16)
-    assert torch.equal(got, scatter(x))
+    got = sjlt_apply(x, S)                  # weighted bincounts, summed in float64
+    assert got.is_contiguous() and got.shape == (5, 16) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), x.double() @ sjlt_matrix(S).T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, scatter(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close((S.csr(torch.float32) @ x.T).T, got, rtol=1e-5, atol=1e-5)   # the CSR form, for reference
     assert S.csr(torch.float32) is S.csr(torch.float32)
     torch.testing.assert_close(sjlt_apply(x.double(), S), x.double() @ sjlt_matrix(S).T, rtol=1e-12, atol=1e-12)
     xb = x.bfloat16()
@@ -345,10 +347,10 @@ def test_sparse_on_factors_materializes_in_slices(materialize_calls):
     torch.testing.assert_close(sliced, whole, rtol=1e-5, atol=1e-5)
 
 
-def test_sparse_slices_of_examples_use_one_table_and_build_it_once(monkeypatch):
-    """The SJLT's CSR form is built once per block and process, whatever the chunks'
-    sizes (it was rebuilt for every chunk: an argsort of the block's d non-zeros, most of
-    TRAK's time on GPT-2 small); slices of examples give the unsliced numbers."""
+def test_sparse_slices_of_examples_use_one_table_and_build_no_csr(monkeypatch):
+    """The CPU kernel reads the SJLT's tables as drawn: no CSR form is built (it was
+    rebuilt for every chunk: an argsort of the block's d non-zeros, most of TRAK's time
+    on GPT-2 small); slices of examples and of rows give the unsliced numbers."""
     built = []
     original = tables._csr
 
@@ -366,7 +368,7 @@ def test_sparse_slices_of_examples_use_one_table_and_build_it_once(monkeypatch):
     fewer = project_sparse_block(P, block, Fa[:5], max_elements=2 * 9 * 13)
     rows = project_sparse_block(P, block, Fa, max_elements=3 * 13)                # 3 rows, one example at a time
     again = project_sparse_block(P, block, Fa[:4], max_elements=3 * 13)
-    assert built == [(10, 117), (10, 39), (10, 39), (10, 39)], built               # the whole table, 3 row slices
+    assert built == []
     M = explicit_matrix(P, "layer-csr-once", (9, 13))
     dense = factors_module.materialize(F64a).flatten(1) @ M.T
     for got, n in ((whole, 6), (by_two, 6), (fewer, 5), (rows, 6), (again, 4)):
@@ -375,7 +377,7 @@ def test_sparse_slices_of_examples_use_one_table_and_build_it_once(monkeypatch):
 
 def test_plans_count_the_sparse_tables_each_pass_keeps():
     """A pass that applies a sparse projection holds its cached tables: an SJLT of d
-    coordinates 13·d·s bytes (rows, signs and the CPU CSR), once per (projector, block);
+    coordinates 5·d·s bytes (int32 rows, int8 signs), once per (projector, block);
     a Kronecker projection has none."""
     from gradalg.plan.planner import _Planner
     task = ga.tasks.classification(mlp(dtype=torch.float32))
@@ -390,7 +392,7 @@ def test_plans_count_the_sparse_tables_each_pass_keeps():
 
     for s_ in (1, 3):
         got, p = tables(ga.proj.sparse(16, s=s_, seed=0))
-        assert got == 13.0 * s_ * dims
+        assert got == 5.0 * s_ * dims
         step = next(step for step in p.passes if _Planner._table_bytes(step.jobs))
         assert step.fixed_bytes >= got and step.cost.peak_bytes >= got
     assert tables(ga.proj.kron(16, seed=0))[0] == 0.0

@@ -265,7 +265,7 @@ def dense_or_sparse(kind: str, k: int, dim: int, seed: int = 0, *, factored: boo
       float64 matrix is within ``ga.options(dense_projection_bytes)`` (1 GiB);
     * else ``sparse(k, seed)``, an SJLT of the same k (one ±1 per coordinate: no matrix,
       ``dim`` additions per example instead of ``k·dim`` multiply-adds), while its tables
-      (13·dim bytes) are within ``ga.options(sjlt_table_bytes)`` (256 MiB), or whenever the
+      (5·dim bytes) are within ``ga.options(sjlt_table_bytes)`` (256 MiB), or whenever the
       rows are not factored (``factored=False``: LESS's Adam-preconditioned rows);
     * else ``tensorsketch(k, seed)``: the SJLT whose hash factors over each layer's outputs
       and inputs, applied to the factors by FFT (no layer's gradient formed, tables of
@@ -286,7 +286,7 @@ def dense_or_sparse(kind: str, k: int, dim: int, seed: int = 0, *, factored: boo
     o = get_options()
     if k * dim * 8 <= o.dense_projection_bytes:
         return Projector(kind, k, seed)
-    if not factored or 13 * dim <= o.sjlt_table_bytes:
+    if not factored or 5 * dim <= o.sjlt_table_bytes:
         return sparse(k, seed)
     return tensorsketch(k, seed)
 

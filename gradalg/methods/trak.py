@@ -35,7 +35,7 @@ def default_projector(k: int, dim: int, seed: int = 0) -> Projector | None:
     while its (k, dim) float64 matrix is within ``ga.options(dense_projection_bytes)``
     (1 GiB: dim ≤ 65,536 at k = 2048), a sparse Johnson–Lindenstrauss projection (SJLT)
     with the same k while its tables are within ``ga.options(sjlt_table_bytes)`` (256 MiB:
-    dim ≤ 20 M, the GPT-2s of docs/fidelity.md), and a TensorSketch above (an SJLT with a
+    dim ≤ 53 M, the GPT-2s of docs/fidelity.md), and a TensorSketch above (an SJLT with a
     hash factored over each layer's outputs and inputs, applied to the factors by FFT).
     All preserve inner products in expectation. At width nothing is formed for the
     whole model: each block is projected on its own (seeded per block) and the blocks

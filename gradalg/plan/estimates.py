@@ -321,11 +321,10 @@ def project_cost(node: Project, n: int, T: int, elem: int = 4, chunk: int | None
 def sparse_table_bytes(p, b) -> float:
     """Bytes the process keeps for one block's sparse-projection tables
     (:mod:`gradalg.proj.sparse_tables`, cached for the run): an SJLT of d columns takes
-    5·d·s (int32 rows, int8 signs) plus 8·d·s for its float32 CSR form (the CPU kernel's
-    operand; on an accelerator only a transient 5·d·s copy, so an upper bound there); a
-    mask 8 bytes per kept coordinate. d is the block's size (``sparse``), GraSS's mask
+    5·d·s (int32 rows, int8 signs; the CPU kernel's bincount reads them as they are); a
+    mask 8 bytes per kept coordinate; a TensorSketch 9 bytes per output and input. d is the block's size (``sparse``), GraSS's mask
     size, FactGraSS's k_out·k_in. Zero for projections without tables (dense, Kronecker)."""
-    sjlt = 13.0 * p.s
+    sjlt = 5.0 * p.s
     if p.kind == "sparse":
         return sjlt * b.dim
     if p.kind == "grass":
@@ -346,21 +345,19 @@ def sparse_table_bytes(p, b) -> float:
 OPS_PER_SPARSE_BLOCK = 16
 
 
-#: An SJLT product's traffic, priced at the elementwise bandwidth (random access): per
-#: non-zero and call, its column index and value and a gather of its input row
-#: (:data:`SJLT_NONZERO_BYTES`), and per non-zero and example :data:`SJLT_ROW_BYTES`.
-#: Calibrated on one CPU thread (2.36 M non-zeros, k = 2048: 57 ms for 8 examples, about
-#: 10 ns per non-zero and call plus 2.5 ns per non-zero and example; the old
-#: 4·elem·n bytes at the copy bandwidth gave 5 ms, and TRAK's GPT-2-small pass 14× its
-#: estimate).
-SJLT_NONZERO_BYTES = 80.0
-SJLT_ROW_BYTES = 24.0
+#: An SJLT product's traffic, priced at the elementwise bandwidth: per non-zero and call,
+#: its row and sign read and the weights formed (:data:`SJLT_NONZERO_BYTES`), and per
+#: non-zero and example a weighted ``bincount`` step (:data:`SJLT_ROW_BYTES`).
+#: Calibrated on one CPU thread (2.36 M non-zeros, k = 2048, CPU seconds: 0.018 for 2
+#: examples, 0.061 for 8, 0.22 for 32; the old 4·elem·n bytes at the copy bandwidth gave
+#: a tenth of the CSR product's time, and TRAK's GPT-2-small pass 14× its estimate).
+SJLT_NONZERO_BYTES = 20.0
+SJLT_ROW_BYTES = 28.0
 
-#: Building an SJLT's tables once per process (draw the rows and signs, sort the non-zeros
-#: by row for the CSR form: :mod:`gradalg.proj.sparse_tables`), in float64 random numbers
-#: per non-zero: measured 134 ms for 2.36 M non-zeros on one CPU thread (≈ 4 draws of 14 ns)
-SJLT_BUILD_RANDOMS = 4.0
-
+#: Drawing an SJLT's tables once per process (the rows and signs:
+#: :mod:`gradalg.proj.sparse_tables`), in float64 random numbers per non-zero: measured
+#: 24 ms for 2.36 M non-zeros on one CPU thread (≈ 0.75 draws of 14 ns)
+SJLT_BUILD_RANDOMS = 1.0
 
 #: A TensorSketch's FFT work per position and output row, in bytes at the elementwise
 #: rate: two real FFTs of k (float32) and their complex product, summed over positions.

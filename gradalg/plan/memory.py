@@ -216,7 +216,7 @@ def projection_map_rows(node, options) -> list[tuple]:
     ``node``: the map it applies, what each map would hold and do per example, and the two
     thresholds the methods' defaults choose by (:func:`~gradalg.expr.projection.dense_or_sparse`):
     a dense (k, d) float64 matrix against ``options.dense_projection_bytes``, SJLT tables
-    (13·d bytes) against ``options.sjlt_table_bytes``. Every map is applied block by block
+    (5·d bytes) against ``options.sjlt_table_bytes``. Every map is applied block by block
     (each block's own seeded matrix or table; a global map is the sum of the blocks')."""
     names = {"gaussian": "dense", "rademacher": "dense", "sparse": "sparse JL", "tensorsketch": "tensorsketch"}
     rows, seen = [], set()
@@ -228,7 +228,7 @@ def projection_map_rows(node, options) -> list[tuple]:
         if (p.token, d) in seen:
             continue
         seen.add((p.token, d))
-        dense, tables = 8.0 * p.k * d, 13.0 * p.s * d
+        dense, tables = 8.0 * p.k * d, 5.0 * p.s * d
         sides = sum(sum(b.shape) if len(b.shape) == 2 else 1 + b.dim for b in space.blocks)
         alternatives = {"dense": f"{_gb(dense)} GB matrix, {p.k * d:.3g} multiply-adds per example",
                         "sparse JL": f"{_gb(tables)} GB tables, {p.s * d:.3g} additions per example (each "

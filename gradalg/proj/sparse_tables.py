@@ -25,12 +25,14 @@ blocks' SJLTs, each drawn with its block's own seed: the columns of an SJLT are
 independent, so this *is* one (k, Σd) SJLT.
 
 Memory: an SJLT of d columns takes 5·d·s bytes (int32 rows, int8 signs), held in an
-LRU cache on the CPU and copied to the chunk's device at each use; on the CPU its CSR
-form (:meth:`SJLT.csr`, the kernel's operand) adds 4·d·s bytes of column indices and
-4·d·s of float32 values. Each pass that applies a table counts it in its held bytes
+LRU cache on the CPU and copied to the chunk's device at each use; the CPU kernel (a
+weighted ``bincount``, :func:`gradalg.proj.kernels.sjlt_bincount`) reads them as they
+are. Its CSR form (:meth:`SJLT.csr`, 8·d·s bytes more) is built only when asked for.
+Each pass that applies a table counts it in its held bytes
 (:func:`gradalg.plan.estimates.sparse_table_bytes`). That is small for
 ``grass`` and ``factgrass`` (d = mask size ≈ 4k) but of the order of the model for a
-plain ``sparse`` projection of large layers (a hashed, table-free SJLT would avoid it).
+plain ``sparse`` projection of large layers: at width ``tensorsketch`` (a hash factored
+over a layer's outputs and inputs) keeps out + in entries per layer instead.
 """
 from __future__ import annotations
 
