@@ -177,13 +177,13 @@ def test_adam_preconditioning_and_normalization_are_costed_per_chunk():
     factors = {"0": "factors", "2": "factors"}
     c = E.rowwise_cost(node, 20, 8, factors, elem=8)
     # per chunk of 8 rows (3 chunks): both blocks materialized (one batched call of 8
-    # GEMMs (out, in, 1) each), the rows concatenated (read, written), then Adam's 8
-    # full-size ops reading 10 operands
+    # GEMMs (out, in, 1) each), then, block by block, Adam's 8 full-size ops reading 12
+    # operands, two of them into fresh memory
     assert c.gemms == () and c.bmms == ((8, 16, 9, 1, 3, 8), (8, 3, 17, 1, 3, 8))
-    flat = 8.0 * 8 * d * (1 + 1) + 8.0 * 8 * (16 * 9 + 3 * 17)         # concatenated; materialized written
+    flat = 8.0 * 8 * (16 * 9 + 3 * 17)                                  # materialized written, block by block
     adam = 8.0 * 8 * d * (E.ADAM_OPS["reads"] + E.ADAM_OPS["writes"])
     assert c.bytes == pytest.approx(3 * (flat + adam))
-    assert c.faulted == pytest.approx(3 * 8.0 * 8 * d * (1 + E.ADAM_OPS["writes"]))
+    assert c.faulted == pytest.approx(3 * 8.0 * 8 * d * E.ADAM_OPS["fresh"])
     # flat rows: nothing to materialize
     assert E.rowwise_cost(node, 20, 8, {"0": "flat", "2": "flat"}, elem=8).gemms == ()
     # a normalization by a metric resolves it once in a plan, then applies it per chunk

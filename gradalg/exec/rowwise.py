@@ -103,9 +103,13 @@ def adam_block(state, value, coords: slice) -> torch.Tensor:
     and ``v = β₂ v₀ + (1 − β₂) g²`` (m₀, v₀: the state's entries ``coords`` of the space).
     value : factors or (n, d_b) rows   returns (n, d_b)"""
     g = flat_block(value)
-    m = state.beta1 * state.exp_avg[coords].to(g) + (1 - state.beta1) * g
-    v = state.beta2 * state.exp_avg_sq[coords].to(g) + (1 - state.beta2) * g * g
-    return m / (v.sqrt() + state.eps)
+    # the same float operations as m / (√v + ε) written out, in two buffers of the rows'
+    # size (the (d_b,) terms β₁m₀ and β₂v₀ are formed once, not per example)
+    m = (1 - state.beta1) * g
+    m.add_(state.beta1 * state.exp_avg[coords].to(g))
+    v = (1 - state.beta2) * g
+    v.mul_(g).add_(state.beta2 * state.exp_avg_sq[coords].to(g))
+    return m.div_(v.sqrt_().add_(state.eps))
 
 
 def fuses_blocks(node) -> bool:

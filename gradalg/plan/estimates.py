@@ -444,8 +444,20 @@ def elementwise_cost(numbers: float, reads: float, writes: float, elem: int = 4)
 
 #: full-size ops of Adam's preconditioning per chunk, ``m / (√v + ε)`` with
 #: ``m = β₁ m₀ + (1 − β₁) g`` and ``v = β₂ v₀ + (1 − β₂) g²`` (``exec/rowwise.py``):
-#: (1 − β₁)g, + β₁m₀, (1 − β₂)g, ·g, + β₂v₀, √, + ε, ÷ — operands read, outputs written
-ADAM_OPS = {"reads": 10, "writes": 8}
+#: (1 − β₁)g, + β₁m₀, (1 − β₂)g, ·g, + β₂v₀, √, + ε, ÷ — operands read, outputs written;
+#: the first op of each of m and v writes fresh memory, the other six write in place
+#: (``adam_block``: two buffers of the rows' size, block by block)
+ADAM_OPS = {"reads": 12, "writes": 8, "fresh": 2}
+
+
+def _materialize_cost(node, c: int, layout: dict, elem: int) -> Cost:
+    """The factored blocks of a chunk of ``node`` materialized, one at a time."""
+    T = positions(node)
+    cost = Cost()
+    for b in node.space.blocks:
+        if layout.get(b.name) == "factors" and len(b.shape) == 2:
+            cost = cost + materialize_cost(c, T[b.name], b.shape[1], b.shape[0], elem)
+    return cost
 
 
 def _flatten_cost(node, c: int, layout: dict, elem: int) -> Cost:
@@ -466,8 +478,8 @@ def rowwise_cost(node, n: int, chunk: int | None, layout: dict, elem: int = 4, o
     "flat"}`` of the input rows. Per chunk of c rows and d coordinates:
 
     * a projection: :func:`project_cost`;
-    * Adam's preconditioning: the input flattened (materialized from factors) and
-      :data:`ADAM_OPS` full-size elementwise ops;
+    * Adam's preconditioning: each block materialized (from factors) and
+      :data:`ADAM_OPS` full-size elementwise ops, two of them into fresh memory;
     * a normalization: squared norms (read once; factored blocks by their ghost
       identity) and the rows scaled (factored blocks: their output gradients);
       with a metric H, the rows flattened, H applied (:func:`apply_cost`), ⟨g, Hg⟩ and
@@ -499,8 +511,9 @@ def rowwise_cost(node, n: int, chunk: int | None, layout: dict, elem: int = 4, o
         return out
 
     if isinstance(node, AdamPrecondition):
-        per = _flatten_cost(src, c, layout, elem) + elementwise_cost(c * d, ADAM_OPS["reads"], ADAM_OPS["writes"],
-                                                                     elem)
+        per = _materialize_cost(src, c, layout, elem) + Cost(     # block by block: no concatenated row
+            bytes=float(elem) * c * d * (ADAM_OPS["reads"] + ADAM_OPS["writes"]),
+            faulted=float(elem) * c * d * ADAM_OPS["fresh"])
     elif isinstance(node, Normalize) and node.op is None:
         per = Cost(flops=2.0 * c * d, bytes=float(elem) * c * d) + scale_rows()
     elif isinstance(node, Normalize):
