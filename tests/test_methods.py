@@ -393,7 +393,7 @@ def test_trak_at_width_takes_a_tensorsketch_past_the_sjlt_table_option():
     trak_module = importlib.import_module("gradalg.methods.trak")
     s = setup()
     dim = ga.grads(s["task"], s["train"]).space.dim
-    with ga.options(dense_projection_bytes=12 * dim * 8 - 1, sjlt_table_bytes=13 * dim - 1):
+    with ga.options(dense_projection_bytes=12 * dim * 8 - 1, sjlt_table_bytes=5 * dim - 1):
         S = ga.methods.trak(s["task"], s["train"], s["query"], k=12, seed=3)
         d = S.explain().plan.decision("projection map")
     P = ga.proj.tensorsketch(12, 3)

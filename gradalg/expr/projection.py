@@ -84,7 +84,7 @@ class Projector:
     """A seeded random projection. Call it on a GradientSet: ``P(G)``.
 
     kind : one of ``KINDS``: "gaussian", "rademacher", "kron", "sparse", "mask",
-        "grass", "factgrass" (see the module docstring for the math of each)
+        "grass", "factgrass", "tensorsketch" (see the module docstring for the math of each)
     k : output coordinates (per block if ``per_block``; for "kron", per layer, split
         as evenly as possible into k_out × k_in unless ``k_out``/``k_in`` are given;
         for "mask", at most the block's size)
