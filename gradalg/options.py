@@ -170,7 +170,22 @@ class Options:
         operator rules (``kronecker.diagonal_factor``).
     projection_slice_elements : int
         A sparse (SJLT / mask) projection of a factored block materializes the block in
-        slices of examples of at most this many elements.
+        slices of examples of at most this many elements (a block larger than this: one
+        example at a time, in slices of output rows).
+    dense_projection_bytes : int
+        The largest dense (k, d) float64 projection matrix a method draws by default
+        (``ga.methods.trak``, ``ga.methods.less``; default 1 GiB: d ≤ 65,536 at k = 2048,
+        d ≤ 16,384 at k = 8192). Above it they project with a sparse JL transform (SJLT)
+        of the same k, block by block: no matrix, d·s additions per example instead of
+        k·d multiply-adds. Shown in the plan's "projection map" decision.
+    sjlt_table_bytes : int
+        The largest tables (5·d bytes: int32 rows, int8 signs) of the SJLT such a default
+        builds for factored gradients (default 256 MiB: d ≤ 53 M). Above it ``trak``
+        projects with a TensorSketch of the same k (``ga.proj.tensorsketch``: the SJLT
+        with a hash factored over each layer's outputs and inputs, applied to the
+        factors by FFT, without forming any layer's gradient): GPT-2 small's 85 M block
+        coordinates would need 425 MB of SJLT tables and each layer's gradient formed.
+        Shown in the same decision.
     reuse_buffer_bytes : int
         Streamed factored blocks at least this large are materialized into one buffer
         reused across blocks and chunks (fresh tensors above the allocator's mmap
@@ -220,6 +235,8 @@ class Options:
     kron_float32_rtol: float = 1e-2
     kron_diagonal_width: int = 16384
     projection_slice_elements: int = 2**26
+    dense_projection_bytes: int = 2**30
+    sjlt_table_bytes: int = 2**28
     reuse_buffer_bytes: int = 2**20
     release_growth: float = 1.25
     batch_tokens: int | None = None
@@ -263,7 +280,8 @@ class Options:
         if isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not 0 < rtol < 1:
             raise OptionError(f"kron_float32_rtol must be a number in (0, 1), got {rtol!r}")
         for name in ("ghost_slice_elements", "projection_slice_elements", "reuse_buffer_bytes", "token_block",
-                     "kron_float64_width", "kron_diagonal_width"):
+                     "kron_float64_width", "kron_diagonal_width", "dense_projection_bytes",
+                     "sjlt_table_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise OptionError(f"{name} must be a positive int, got {value!r}")

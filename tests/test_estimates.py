@@ -153,9 +153,14 @@ def test_sparse_projections_cost_what_their_kernels_do():
     c = E.project_cost(grass(G).expr, 20, 1, elem=8, chunk=8)
     assert c.gemms == ()                                              # nothing materialized
     m = 8 * 2                                                         # two blocks
-    assert c.elementwise == pytest.approx(4.0 * 8 * 20 * 1 * m)       # two strided gathers, read and written
-    assert c.bytes == pytest.approx(3.0 * 8 * 20 * m + 4.0 * 8 * 20 * m)   # product summed; scatter-adds
+    scatter = m * (E.SJLT_NONZERO_BYTES * 3 + E.SJLT_ROW_BYTES * 20)   # 3 CSR products of each table, 20 rows
+    assert c.elementwise == pytest.approx(4.0 * 8 * 20 * 1 * m + scatter)   # two strided gathers, read and written
+    assert c.bytes == pytest.approx(3.0 * 8 * 20 * m)                  # product summed
+    assert c.randoms == pytest.approx(E.SJLT_BUILD_RANDOMS * m)        # the SJLT tables, built once
     assert c.ops == 3 * 2 * E.OPS_PER_SPARSE_BLOCK                     # 3 chunks × 2 blocks
+    drawn = set()
+    E.project_cost(grass(G).expr, 20, 1, elem=8, chunk=8, drawn=drawn)
+    assert E.project_cost(grass(G).expr, 20, 1, elem=8, chunk=8, drawn=drawn).randoms == 0   # kept by the process
     sjlt = E.project_cost(ga.proj.sparse(2, seed=0)(G).expr, 20, 1, elem=8, chunk=8)
     assert sjlt.bmms == ((20, 16, 9, 1, 1, 8), (20, 3, 17, 1, 1, 8))   # one batched call of (out, in, T) per example
 
@@ -172,13 +177,13 @@ def test_adam_preconditioning_and_normalization_are_costed_per_chunk():
     factors = {"0": "factors", "2": "factors"}
     c = E.rowwise_cost(node, 20, 8, factors, elem=8)
     # per chunk of 8 rows (3 chunks): both blocks materialized (one batched call of 8
-    # GEMMs (out, in, 1) each), the rows concatenated (read, written), then Adam's 8
-    # full-size ops reading 10 operands
+    # GEMMs (out, in, 1) each), then, block by block, Adam's 8 full-size ops reading 12
+    # operands, two of them into fresh memory
     assert c.gemms == () and c.bmms == ((8, 16, 9, 1, 3, 8), (8, 3, 17, 1, 3, 8))
-    flat = 8.0 * 8 * d * (1 + 1) + 8.0 * 8 * (16 * 9 + 3 * 17)         # concatenated; materialized written
+    flat = 8.0 * 8 * (16 * 9 + 3 * 17)                                  # materialized written, block by block
     adam = 8.0 * 8 * d * (E.ADAM_OPS["reads"] + E.ADAM_OPS["writes"])
     assert c.bytes == pytest.approx(3 * (flat + adam))
-    assert c.faulted == pytest.approx(3 * 8.0 * 8 * d * (1 + E.ADAM_OPS["writes"]))
+    assert c.faulted == pytest.approx(3 * 8.0 * 8 * d * E.ADAM_OPS["fresh"])
     # flat rows: nothing to materialize
     assert E.rowwise_cost(node, 20, 8, {"0": "flat", "2": "flat"}, elem=8).gemms == ()
     # a normalization by a metric resolves it once in a plan, then applies it per chunk

@@ -172,6 +172,16 @@ def trak_formula(s, P, damping=None, relative=None):
         M = torch.eye(space.dim, dtype=F64)
     elif P.kind == "sparse":   # the SJLT's explicit matrix, block by block over the concatenated gradient
         M = torch.cat([ga.proj.sjlt(P, b.name, b.dim).dense() for b in space.blocks], dim=1)
+    elif P.kind == "tensorsketch":   # column (o, i): σ_out[o]σ_in[i] at row (h_out[o] + h_in[i]) mod k, per block
+        parts = []
+        for b in space.blocks:
+            shape = b.shape if len(b.shape) == 2 else (1, b.dim)
+            h_out, s_out, h_in, s_in = ga.proj.tensorsketch_tables(P, b.name, *shape)
+            Mb = torch.zeros(P.k, b.dim, dtype=F64)
+            Mb[((h_out[:, None] + h_in[None, :]) % P.k).flatten(), torch.arange(b.dim)] = (
+                s_out[:, None].to(F64) * s_in[None, :].to(F64)).flatten()
+            parts.append(Mb)
+        M = torch.cat(parts, dim=1)
     else:
         M = project_dense(torch.eye(space.dim, dtype=F64), space, P).T                          # (k, dim)
     Phi, phi = out_rows(s["x"], s["y"]) @ M.T, out_rows(s["xq"], s["yq"]) @ M.T
@@ -198,7 +208,7 @@ def test_trak_one_model():
 
 def test_trak_default_projection_turns_sparse_past_a_gib_of_matrix(monkeypatch):
     """Dense Gaussian (the paper's) for small models; a sparse JL projection, same k and
-    seed, once the dense matrix would pass DENSE_PROJECTION_BYTES (GPT-2-sized layers)."""
+    seed, once the dense matrix would pass ga.options(dense_projection_bytes) (GPT-2-sized layers)."""
     import importlib
 
     from gradalg.expr import Project
@@ -207,13 +217,121 @@ def test_trak_default_projection_turns_sparse_past_a_gib_of_matrix(monkeypatch):
     dim = ga.grads(s["task"], s["train"]).space.dim
     assert trak_module.default_projector(12, dim, 3) == ga.proj.gaussian(12, 3)
     assert trak_module.default_projector(512, 3_150_000, 3) == ga.proj.sparse(512, 3)   # GPT-2 4×256
-    monkeypatch.setattr(trak_module, "DENSE_PROJECTION_BYTES", 12 * dim * 8 - 1)
-    S = ga.methods.trak(s["task"], s["train"], s["query"], k=12, seed=3)
+    assert trak_module.default_projector(2048, 85_017_600, 3) == ga.proj.tensorsketch(2048, 3)   # GPT-2 small
+    with ga.options(sjlt_table_bytes=2**40):
+        assert trak_module.default_projector(2048, 85_017_600, 3) == ga.proj.sparse(2048, 3)
+    with ga.options(dense_projection_bytes=12 * dim * 8 - 1):
+        S = ga.methods.trak(s["task"], s["train"], s["query"], k=12, seed=3)
     kinds = {x.projector.kind for x in S.expr.walk() if isinstance(x, Project)}
     assert kinds == {"sparse"}
     relative = trak_module.RELATIVE_DAMPING
     assert_close(values(S), trak_formula(s, ga.proj.sparse(12, 3), relative=relative), what="TRAK, sparse default",
                  rtol=1e-6, atol=1e-8)
+
+
+# ---------------------------------------------------------------------- LESS at width
+def less_setting(k=24, seed=3):
+    """The MLP of :func:`setup` after one Adam step, its LESS inputs and the dense
+    reference pieces: per-example gradients (n, d), Adam's moments in space order."""
+    s = setup()
+    opt = torch.optim.Adam(s["model"].parameters(), lr=1e-3)
+    torch.nn.functional.cross_entropy(s["model"](s["x"]), s["y"]).backward()
+    opt.step()
+    opt.zero_grad()
+    s["R"] = reference_rows(s["task"], (s["x"], s["y"]), LAYERS)           # at the stepped weights
+    s["RQ"] = reference_rows(s["task"], (s["xq"], s["yq"]), LAYERS)
+    G = ga.grads(s["task"], s["train"])
+    st = ga.adam_state(opt, G)
+    return s, opt, G.space, st
+
+
+def less_formula(s, space, st, M, groups, lr=1e-3):
+    """lr · mean_t(unit(M q)) · unit(M Γ(z))ᵀ with Γ Adam's direction, M (k, dim) explicit."""
+    R, RQ = s["R"], s["RQ"]
+    m = st.beta1 * st.exp_avg.to(F64) + (1 - st.beta1) * R
+    v = st.beta2 * st.exp_avg_sq.to(F64) + (1 - st.beta2) * R * R
+    train = (m / (v.sqrt() + st.eps)) @ M.T
+    train = train / train.norm(dim=1, keepdim=True)
+    val = RQ @ M.T
+    val = val / val.norm(dim=1, keepdim=True)
+    target = torch.stack([val[torch.tensor(groups) == g].mean(0) for g in sorted(set(groups))])
+    return lr * target @ train.T
+
+
+def sjlt_explicit(P, space) -> torch.Tensor:
+    """(k, dim): a global SJLT is the concatenation of its blocks' own tables (seeded per block)."""
+    return torch.cat([ga.proj.sjlt(P, b.name, b.dim).dense() for b in space.blocks], 1)
+
+
+def test_less_default_is_the_dense_rademacher_on_small_models():
+    """Within ``dense_projection_bytes`` LESS's default projection is today's dense
+    Rademacher map, bit for bit, and the plan says so and names the option."""
+    from gradalg.expr import Project
+    s, opt, space, st = less_setting()
+    groups = [0, 0, 1, 1]
+    S = ga.methods.less([s["task"]], [opt], [1e-3], s["train"], s["query"], groups, k=24, seed=3)
+    assert {x.projector for x in S.expr.walk() if isinstance(x, Project)} == {ga.proj.rademacher(24, 3)}
+    same = ga.methods.less([s["task"]], [opt], [1e-3], s["train"], s["query"], groups,
+                           projector=ga.proj.rademacher(24, 3))
+    got = S.compute().values
+    assert (got == same.compute().values).all()
+    M = project_dense(torch.eye(space.dim, dtype=F64), space, ga.proj.rademacher(24, 3)).T      # (k, dim)
+    assert_close(torch.from_numpy(got), less_formula(s, space, st, M, groups), what="LESS dense", **TOL)
+    d = S.explain().plan.decision("projection map")
+    assert d.chosen == "dense" and "dense_projection_bytes" in d.why
+
+
+def test_less_at_width_projects_block_by_block_without_a_dense_matrix(monkeypatch):
+    """Just above ``ga.options(dense_projection_bytes)`` LESS switches to a sparse JL map of
+    the same k and seed: no dense matrix is drawn, the whole model's Adam-preconditioned
+    rows are never formed (each block preconditioned and projected in turn), and the
+    scores equal the formula with the explicit SJLT matrix."""
+    import gradalg.exec.rowwise as rowwise
+    import gradalg.proj.matrices as matrices
+    from gradalg.expr import Project
+    s, opt, space, st = less_setting()
+    groups = [0, 1, 1, 0]
+    with ga.options(dense_projection_bytes=24 * space.dim * 8 - 1):       # one byte under the dense matrix
+        S = ga.methods.less([s["task"]], [opt], [1e-3], s["train"], s["query"], groups, k=24, seed=3)
+        d = S.explain().plan.decision("projection map")
+    assert {x.projector for x in S.expr.walk() if isinstance(x, Project)} == {ga.proj.sparse(24, 3)}
+    assert d.chosen == "sparse JL" and "over ga.options(dense_projection_bytes" in d.why
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a dense projection matrix was drawn")
+
+    widths = []
+    original = rowwise.adam_block
+
+    def spy(state, value, coords):
+        widths.append(coords.stop - coords.start)
+        return original(state, value, coords)
+
+    monkeypatch.setattr(matrices, "_draw", refuse)
+    monkeypatch.setattr(rowwise, "flatten", refuse)                 # no (n, dim) row of the whole model
+    monkeypatch.setattr(rowwise, "adam_block", spy)
+    got = torch.from_numpy(S.compute().values)
+    assert widths and max(widths) == max(b.dim for b in space.blocks) < space.dim
+    M = sjlt_explicit(ga.proj.sparse(24, 3), space)
+    assert_close(got, less_formula(s, space, st, M, groups), what="LESS sparse", **TOL)
+
+
+def test_adam_then_projection_blockwise_equals_the_two_steps():
+    """``P(G.adam(state))`` computed block by block (the fused path) gives the numbers of
+    the Adam rows first and their projection after, for dense, sparse and per-block maps."""
+    from gradalg.exec.rowwise import apply_rowwise, project_blockwise
+    s, opt, space, st = less_setting()
+    G = ga.grads(s["task"], s["train"])
+    A = G.adam(st)
+    ex = ga.LocalExecutor()
+    for P in (ga.proj.rademacher(24, 3), ga.proj.sparse(24, 3), ga.proj.sparse(8, 1, s=2, per_block=True)):
+        node = P(A).expr
+        for chunk in ex.iter_chunks(G.expr):
+            fused = project_blockwise(ex, node, chunk)
+            two = apply_rowwise(ex, node, apply_rowwise(ex, A.expr, chunk))
+            assert fused.blocks.keys() == two.blocks.keys()
+            for name in fused.blocks:
+                assert torch.equal(fused.blocks[name], two.blocks[name]), (P, name)
 
 
 def test_trak_default_k_at_or_above_the_gradient_dimension_projects_nothing():
@@ -263,3 +381,23 @@ def test_ekfac_of_kron_projected_sequences_stored_flat():
     Hd = H.to_dense()                                              # pull path: the streamed factors
     Gd, Qd = (torch.cat([v.flatten(1) for v in X.to_dense().values()], 1) for X in (G, Q))
     assert_close(S, Qd @ torch.linalg.solve(Hd, Gd.T), what="EK-FAC on flat kept rows", **TOL)
+
+
+def test_trak_at_width_takes_a_tensorsketch_past_the_sjlt_table_option():
+    """Past ``ga.options(sjlt_table_bytes)`` TRAK's default is a TensorSketch of the same k
+    and seed: the scores equal TRAK's formula with its explicit matrix (one ±1 per
+    coordinate at row (h_out(o) + h_in(i)) mod k), and the plan says why."""
+    import importlib
+
+    from gradalg.expr import Project
+    trak_module = importlib.import_module("gradalg.methods.trak")
+    s = setup()
+    dim = ga.grads(s["task"], s["train"]).space.dim
+    with ga.options(dense_projection_bytes=12 * dim * 8 - 1, sjlt_table_bytes=5 * dim - 1):
+        S = ga.methods.trak(s["task"], s["train"], s["query"], k=12, seed=3)
+        d = S.explain().plan.decision("projection map")
+    P = ga.proj.tensorsketch(12, 3)
+    assert {x.projector for x in S.expr.walk() if isinstance(x, Project)} == {P}
+    assert d.chosen == "tensorsketch" and "over ga.options(sjlt_table_bytes" in d.why
+    assert_close(values(S), trak_formula(s, P, relative=trak_module.RELATIVE_DAMPING), what="TRAK, tensorsketch",
+                 rtol=1e-6, atol=1e-8)

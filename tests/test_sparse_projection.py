@@ -73,7 +73,18 @@ def explicit_matrix(P, name: str, shape: tuple, space_blocks=None) -> torch.Tens
         coords = (out_idx[:, None] * shape[1] + in_idx[None, :]).flatten()   # row-major (k_out, k_in)
         scale = math.sqrt(dim / coords.numel())
         return sjlt_matrix(S) @ selection_matrix(coords, dim, scale)
+    if P.kind == "tensorsketch":
+        return tensorsketch_matrix(P, name, shape if len(shape) == 2 else (1, dim))
     raise AssertionError(P.kind)
+
+
+def tensorsketch_matrix(P, name: str, shape: tuple) -> torch.Tensor:
+    """(k, out·in): column (o, i) is σ_out[o]·σ_in[i] at row (h_out[o] + h_in[i]) mod k."""
+    h_out, s_out, h_in, s_in = ga.proj.tensorsketch_tables(P, name, *shape)
+    M = torch.zeros(P.k, math.prod(shape), dtype=F64)
+    rows = ((h_out[:, None] + h_in[None, :]) % P.k).flatten()
+    M[rows, torch.arange(M.shape[1])] = (s_out[:, None].to(F64) * s_in[None, :].to(F64)).flatten()
+    return M
 
 
 def project_reference(P, rows: dict, shapes: dict) -> torch.Tensor:
@@ -146,6 +157,8 @@ PROJECTORS = {
     "grass-mk-s2": ga.proj.grass(12, seed=6, mask_k=30, s=2),
     "factgrass": ga.proj.factgrass(16, seed=7),
     "factgrass-given-s2": ga.proj.factgrass(16, seed=8, k_out=3, k_in=9, s=2),
+    "tensorsketch": ga.proj.tensorsketch(24, seed=9),
+    "tensorsketch-pb": ga.proj.tensorsketch(10, seed=10, per_block=True),
 }
 
 
@@ -239,20 +252,22 @@ def test_sliced_kernels_match_unsliced():
 
 @pytest.mark.parametrize("s", [1, 3])
 def test_sjlt_product_equals_scatter_adds_and_explicit_matrix(s):
-    """The CPU kernel (one CSR product) gives the scatter-adds' float32 numbers exactly
-    (both sum each output in column order) and the explicit matrix's in float64; dtypes
-    the CSR product lacks (bfloat16) take the scatter-adds; the CSR is built once per table."""
+    """The CPU kernel (weighted bincounts summed in float64) gives the explicit matrix's
+    numbers (float64 exactly, float32 to its rounding), as do the scatter-adds and the CSR
+    form; dtypes bincount lacks (bfloat16) take the scatter-adds."""
     from gradalg.proj.kernels import sjlt_apply, sjlt_scatter_add
     P = ga.proj.sparse(16, s=s, per_block=True)
     S = tables.sjlt(P, "layer", 300)
-    assert tables.sjlt(P, "layer", 300) is S                       # cached table, cached CSR
+    assert tables.sjlt(P, "layer", 300) is S                       # cached table
     x = torch.randn(5, 300)
     scatter = functools.partial(sjlt_scatter_add, S=S)
     torch.testing.assert_close(scatter(x.double()), x.double() @ sjlt_matrix(S).T, rtol=1e-12, atol=1e-12)
 
-    got = sjlt_apply(x, S)
-    assert got.is_contiguous() and got.shape == (5, 16)
-    assert torch.equal(got, scatter(x))
+    got = sjlt_apply(x, S)                  # weighted bincounts, summed in float64
+    assert got.is_contiguous() and got.shape == (5, 16) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), x.double() @ sjlt_matrix(S).T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, scatter(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close((S.csr(torch.float32) @ x.T).T, got, rtol=1e-5, atol=1e-5)   # the CSR form, for reference
     assert S.csr(torch.float32) is S.csr(torch.float32)
     torch.testing.assert_close(sjlt_apply(x.double(), S), x.double() @ sjlt_matrix(S).T, rtol=1e-12, atol=1e-12)
     xb = x.bfloat16()
@@ -318,16 +333,51 @@ def test_grass_and_mask_never_materialize(materialize_calls):
 
 
 def test_sparse_on_factors_materializes_in_slices(materialize_calls):
+    """A block of at most ``projection_slice_elements`` coordinates is formed a slice of
+    examples at a time; a larger one one example at a time, in slices of output rows."""
     task, train, *_ = _gpt2_case()
     G = ga.grads(task, train, layers=["transformer.wte"], batch_size=5)
-    with ga.options(projection_slice_elements=5 * 101 * 8):   # slices of 8 rows of the (64, 101) block
-        ga.proj.sparse(16)(G).to_dense()
+    P = ga.proj.sparse(16)
+    whole = P(G).to_dense()["projected"]
+    assert materialize_calls and set(materialize_calls) == {(64, 101)}   # whole blocks, slices of examples
+    materialize_calls.clear()
+    with ga.options(projection_slice_elements=101 * 8):   # slices of 8 rows of the (64, 101) block
+        sliced = P(G).to_dense()["projected"]
     assert materialize_calls and all(o <= 8 and i == 101 for o, i in materialize_calls)
+    torch.testing.assert_close(sliced, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_sparse_slices_of_examples_use_one_table_and_build_no_csr(monkeypatch):
+    """The CPU kernel reads the SJLT's tables as drawn: no CSR form is built (it was
+    rebuilt for every chunk: an argsort of the block's d non-zeros, most of TRAK's time
+    on GPT-2 small); slices of examples and of rows give the unsliced numbers."""
+    built = []
+    original = tables._csr
+
+    def spy(crow, col, values, shape):
+        built.append(shape)
+        return original(crow, col, values, shape)
+
+    monkeypatch.setattr(tables, "_csr", spy)
+    F64a = _random_factors(n=6, n_out=9, n_in=13)
+    Fa = Factors(F64a.A.float(), F64a.D.float())                                  # the float32 CSR only
+    block = Block("layer-csr-once", (9, 13), "linear")
+    P = ga.proj.sparse(10, seed=11, per_block=True)
+    whole = project_sparse_block(P, block, Fa)
+    by_two = project_sparse_block(P, block, Fa, max_elements=2 * 9 * 13)          # slices of 2 examples
+    fewer = project_sparse_block(P, block, Fa[:5], max_elements=2 * 9 * 13)
+    rows = project_sparse_block(P, block, Fa, max_elements=3 * 13)                # 3 rows, one example at a time
+    again = project_sparse_block(P, block, Fa[:4], max_elements=3 * 13)
+    assert built == []
+    M = explicit_matrix(P, "layer-csr-once", (9, 13))
+    dense = factors_module.materialize(F64a).flatten(1) @ M.T
+    for got, n in ((whole, 6), (by_two, 6), (fewer, 5), (rows, 6), (again, 4)):
+        _close(got, dense[:n], "sliced SJLT", rtol=1e-5)
 
 
 def test_plans_count_the_sparse_tables_each_pass_keeps():
     """A pass that applies a sparse projection holds its cached tables: an SJLT of d
-    coordinates 13·d·s bytes (rows, signs and the CPU CSR), once per (projector, block);
+    coordinates 5·d·s bytes (int32 rows, int8 signs), once per (projector, block);
     a Kronecker projection has none."""
     from gradalg.plan.planner import _Planner
     task = ga.tasks.classification(mlp(dtype=torch.float32))
@@ -342,7 +392,7 @@ def test_plans_count_the_sparse_tables_each_pass_keeps():
 
     for s_ in (1, 3):
         got, p = tables(ga.proj.sparse(16, s=s_, seed=0))
-        assert got == 13.0 * s_ * dims
+        assert got == 5.0 * s_ * dims
         step = next(step for step in p.passes if _Planner._table_bytes(step.jobs))
         assert step.fixed_bytes >= got and step.cost.peak_bytes >= got
     assert tables(ga.proj.kron(16, seed=0))[0] == 0.0
@@ -392,7 +442,8 @@ def test_subset_by_rejection(monkeypatch):
     lambda seed: ga.proj.mask(8, seed),
     lambda seed: ga.proj.grass(4, seed, mask_k=20),
     lambda seed: ga.proj.factgrass(4, seed),
-], ids=["sparse", "sparse-s2", "mask", "grass", "factgrass"])
+    lambda seed: ga.proj.tensorsketch(6, seed, per_block=True),
+], ids=["sparse", "sparse-s2", "mask", "grass", "factgrass", "tensorsketch"])
 def test_inner_products_unbiased_over_seeds(make):
     Fa = _random_factors(n=2, T=3, n_out=8, n_in=9, seed=11)
     block = Block("layer", (8, 9), "linear")
@@ -433,3 +484,20 @@ def test_repr_and_validation():
         ga.proj.Projector("grass", 4, per_block=False)
     with pytest.raises(ValueError, match="no dense matrix"):
         ga.proj.dense_matrix(ga.proj.sparse(4), "x", 10)
+
+
+def test_tensorsketch_never_materializes_and_is_one_sparse_map(materialize_calls):
+    """A TensorSketch is an SJLT with the factored hash (h_out(o) + h_in(i)) mod k and sign
+    σ_out(o)σ_in(i): one ±1 per column of its explicit matrix; on factors it never forms
+    an (out, in) gradient (FFTs of the factors' count sketches), in token blocks or not,
+    and it is unbiased over seeds like the other kinds (test_inner_products_unbiased_over_seeds)."""
+    M = tensorsketch_matrix(ga.proj.tensorsketch(16, seed=2), "layer", (7, 11))
+    assert torch.equal((M != 0).sum(0), torch.ones(77, dtype=torch.long)) and set(M.abs().unique().tolist()) == {0.0, 1.0}
+    task, train, _, layers, _ = _gpt2_case()
+    G = _captured_once(ga.grads(task, train, layers=layers, batch_size=3))
+    P = ga.proj.tensorsketch(16, seed=2)
+    whole = P(G).to_dense()["projected"]
+    with ga.options(token_block=2):
+        blocked = P(G).to_dense()["projected"]
+    assert materialize_calls == []
+    torch.testing.assert_close(blocked, whole, rtol=1e-5, atol=1e-5)

@@ -36,7 +36,7 @@ from .capture_pass import SourceCapture, eval_mode, model_device_dtype
 from .phases import PhaseClock
 from ..capture.chunks import Chunk, concat_chunks
 from .resolve import precondition, resolve_node
-from .rowwise import apply_rowwise
+from .rowwise import apply_rowwise, fuses_blocks, project_blockwise
 from .runner import PassRunner
 from .state import RunState
 
@@ -162,6 +162,9 @@ class LocalExecutor(Executor):
                 acc.update(chunk)
             self._cache[node.token] = acc.finish()
             yield from self._cache[node.token]
+        elif fuses_blocks(node) and node.grads.token not in self._cache:   # P(G.adam(·)) a block at a time
+            for chunk in self.iter_chunks(node.grads.grads):
+                yield project_blockwise(self, node, chunk)
         elif isinstance(node, ROW_WISE):
             for chunk in self.iter_chunks(node.grads):
                 yield apply_rowwise(self, node, chunk)

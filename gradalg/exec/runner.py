@@ -31,7 +31,7 @@ from .allocator import ResidentGuard, peak_resident_bytes, release_free_memory, 
 from .capture_pass import PassCapture, eval_mode, model_device_dtype
 from ..capture.chunks import Chunk
 from .progress import progress_bar
-from .rowwise import apply_rowwise
+from .rowwise import apply_rowwise, fuses_blocks, project_blockwise
 from .sinks import Sink, open_sink
 
 __all__ = ["PassRunner", "InProcess"]
@@ -163,6 +163,9 @@ class PassRunner:
             return memo[node.token]
         if not isinstance(node, ROW_WISE):
             raise PlanError(f"{node.label!r} is not available in this pass (planner bug: report it)")
-        out = [apply_rowwise(self.ctx, node, c) for c in self.derive(node.grads, base, memo)]
+        if fuses_blocks(node) and node.grads.token not in memo:   # P(G.adam(·)) one block at a time
+            out = [project_blockwise(self.ctx, node, c) for c in self.derive(node.grads.grads, base, memo)]
+        else:
+            out = [apply_rowwise(self.ctx, node, c) for c in self.derive(node.grads, base, memo)]
         memo[node.token] = out
         return out

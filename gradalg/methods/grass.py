@@ -41,6 +41,11 @@ def grass(task: Task, train, queries, *, layers=None, k: int = 256, seed: int = 
         of the projected Gauss-Newton matrix, computed with it.
     relative_damping : 0.1 (see the module docstring: 1 measured a little higher on a
         GPT-2, within noise, and lower on held-out logistic regression).
+    factored : FactGraSS (default) or GraSS. At width neither forms a per-example
+        gradient of a layer, let alone of the model: FactGraSS masks each layer's factors
+        and forms only the (k_out, k_in) ≈ 4k masked gradient, GraSS gathers its mask_k
+        coordinates from the factors; each layer's tables (about 4k entries) are seeded
+        per layer (docs/projections.md, "At width").
     """
     P = factgrass_projector(k, seed) if factored else grass_projector(k, seed)
     G, Q = P(grads(task, train, layers)), P(grads(task, queries, layers))

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..api import Scores, adam_state, grads, sum_scores
-from ..expr.projection import Projector, rademacher
+from ..expr.projection import Projector, dense_or_sparse
 from ..task import Task
 
 
@@ -28,10 +28,22 @@ def less(checkpoints: Sequence[Task], optimizers: Sequence, learning_rates: Sequ
         at each checkpoint (``torch.optim`` objects over that checkpoint's model).
     targets : the validation examples of all target tasks; target_groups : the task
         label of each of them (rows of the result).
+    k, seed : the projection's size (8192, the paper's) and seed.
+    projector : default the paper's dense Rademacher (±1/√k) while its (k, d) float64
+        matrix fits ``ga.options(dense_projection_bytes)`` (1 GiB: d ≤ 16,384 at k = 8192),
+        else a sparse JL transform (SJLT) with the same k and seed
+        (:func:`~gradalg.expr.projection.dense_or_sparse`): at GPT-2 small's 85 M block
+        coordinates a dense map would be a 5.6 TB matrix and 7·10¹¹ multiply-adds per
+        example. Nothing is formed for the whole model: each block's rows are
+        materialized from its factors, Adam-preconditioned and projected by the block's
+        own seeded table, then dropped, and the blocks' projections summed into k
+        coordinates (``exec/rowwise.py``: ``project_blockwise``). The plan's "projection
+        map" decision shows the choice and the option.
     """
     if not (len(checkpoints) == len(optimizers) == len(learning_rates)):
         raise ValueError("give one optimizer and one learning rate per checkpoint")
-    P = projector or rademacher(k, seed)
+    dim = grads(checkpoints[0], train, layers).space.dim
+    P = projector or dense_or_sparse("rademacher", k, dim, seed, factored=False)     # Adam's rows are flat
     terms = []
     for task, opt in zip(checkpoints, optimizers):
         G = grads(task, train, layers)

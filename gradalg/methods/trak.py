@@ -21,26 +21,29 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..api import Scores, fisher, grads, mean_scores, row_weights
-from ..expr.projection import Projector, gaussian, sparse
+from ..expr.projection import Projector, dense_or_sparse
 from ..task import Task
 
 RELATIVE_DAMPING = 1.0    # default λ / mean eigenvalue of TRAK's kernel (docs/fidelity.md, LM defaults)
-DENSE_PROJECTION_BYTES = 2**30   # above this, the default projection is sparse (see default_projector)
 K = 2048                  # default projection dimension (docs/fidelity.md, "How the defaults were chosen")
 
 
 def default_projector(k: int, dim: int, seed: int = 0) -> Projector | None:
     """TRAK's projection when none is given: none at all when the gradients have at most
-    ``k`` coordinates (a projection up to k ≥ dim adds cost and reduces nothing); else
-    the paper's dense Gaussian while its (k, dim) float64 matrix stays under
-    :data:`DENSE_PROJECTION_BYTES` (1 GiB: dim ≤ 65,536 at k = 2048), else a sparse
-    Johnson–Lindenstrauss projection with the same k (one ±1/√s entry per coordinate and
-    hash: no matrix, O(dim) per example). Both preserve inner products to the same
-    (1 ± ε) in expectation; the choice depends on the model's shape only, never on
-    options, so the same model always gets the same projection."""
+    ``k`` coordinates (a projection up to k ≥ dim adds cost and reduces nothing); else, by
+    width (:func:`~gradalg.expr.projection.dense_or_sparse`), the paper's dense Gaussian
+    while its (k, dim) float64 matrix is within ``ga.options(dense_projection_bytes)``
+    (1 GiB: dim ≤ 65,536 at k = 2048), a sparse Johnson–Lindenstrauss projection (SJLT)
+    with the same k while its tables are within ``ga.options(sjlt_table_bytes)`` (256 MiB:
+    dim ≤ 53 M, the GPT-2s of docs/fidelity.md), and a TensorSketch above (an SJLT with a
+    hash factored over each layer's outputs and inputs, applied to the factors by FFT).
+    All preserve inner products in expectation. At width nothing is formed for the
+    whole model: each block is projected on its own (seeded per block) and the blocks
+    summed into the k coordinates; the TensorSketch never forms a layer's gradient either
+    (on GPT-2 small, 85 M coordinates, TRAK then costs 1.1× LoGra; with the SJLT 3.2×)."""
     if dim <= k:
         return None
-    return gaussian(k, seed) if k * dim * 8 <= DENSE_PROJECTION_BYTES else sparse(k, seed)
+    return dense_or_sparse("gaussian", k, dim, seed)
 
 
 def trak(tasks: Task | Sequence[Task], train, queries, *, layers=None, projector: Projector | None = None,
@@ -50,8 +53,11 @@ def trak(tasks: Task | Sequence[Task], train, queries, *, layers=None, projector
 
     projector : default :func:`default_projector` — none when the gradients have at most
         ``k`` coordinates, a dense Gaussian (the paper's) for small models, a sparse JL
-        projection once the dense matrix would pass 1 GiB (GPT-2-sized layers), with the
-        same ``k`` and ``seed``.
+        projection once the dense matrix would pass ``ga.options(dense_projection_bytes)``
+        (1 GiB: GPT-2-sized layers), a TensorSketch once its tables would pass
+        ``ga.options(sjlt_table_bytes)`` (10⁸-parameter models), with the same ``k`` and
+        ``seed``, applied block by block (the plan's "projection map" decision says which
+        and why).
     k : projection dimension of the default projector, 2048. Measured (docs/fidelity.md,
         LDS on 50 retrained halves of a 2-layer GPT-2, one model): k = 128 / 512 / 2048
         scored 0.20 / 0.31 / 0.36 (EK-FAC influence 0.36), and 2048 was also the cheaper

@@ -318,19 +318,23 @@ def project_cost(node: Project, n: int, T: int, elem: int = 4, chunk: int | None
                     drawn.add(key)
         else:
             total = node.grads.space.dim
-            cost = cost + _sparse_project_cost(p, b, n, T, factored, total, elem) + Cost(
+            cost = cost + _sparse_project_cost(p, b, n, T, factored, total, elem, chunks) + Cost(
                 ops=float(chunks * OPS_PER_SPARSE_BLOCK))
+            key = (p, b.name, b.dim)
+            if p.kind != "mask" and (drawn is None or key not in drawn):   # tables built once per process
+                cost = cost + sjlt_build_cost(p, b)
+                if drawn is not None:
+                    drawn.add(key)
     return cost
 
 
 def sparse_table_bytes(p, b) -> float:
     """Bytes the process keeps for one block's sparse-projection tables
     (:mod:`gradalg.proj.sparse_tables`, cached for the run): an SJLT of d columns takes
-    5·d·s (int32 rows, int8 signs) plus 8·d·s for its float32 CSR form (the CPU kernel's
-    operand; on an accelerator only a transient 5·d·s copy, so an upper bound there); a
-    mask 8 bytes per kept coordinate. d is the block's size (``sparse``), GraSS's mask
+    5·d·s (int32 rows, int8 signs; the CPU kernel's bincount reads them as they are); a
+    mask 8 bytes per kept coordinate; a TensorSketch 9 bytes per output and input. d is the block's size (``sparse``), GraSS's mask
     size, FactGraSS's k_out·k_in. Zero for projections without tables (dense, Kronecker)."""
-    sjlt = 13.0 * p.s
+    sjlt = 5.0 * p.s
     if p.kind == "sparse":
         return sjlt * b.dim
     if p.kind == "grass":
@@ -341,6 +345,8 @@ def sparse_table_bytes(p, b) -> float:
         return 8.0 * (k_out + k_in) + sjlt * k_out * k_in
     if p.kind == "mask":
         return 16.0 * min(p.k, b.dim)      # per block or its share of a global mask: positions and coordinates
+    if p.kind == "tensorsketch":         # int64 row and int8 sign per output and per input
+        return 9.0 * (sum(b.shape) if len(b.shape) == 2 else 1 + b.dim)
     return 0.0
 
 
@@ -349,14 +355,51 @@ def sparse_table_bytes(p, b) -> float:
 OPS_PER_SPARSE_BLOCK = 16
 
 
-def _scatter_cost(n: int, coords: float, elem: int) -> Cost:
-    """An SJLT of ``coords`` input coordinates (times its s) per row: each coordinate
-    multiplied into its output (read it, its column index and value, read and write the
-    target: the CSR product on the CPU, ``index_add_`` elsewhere; ``gradalg.proj.kernels``)."""
-    return Cost(flops=2.0 * n * coords, bytes=4.0 * elem * n * coords)
+#: An SJLT product's traffic, priced at the elementwise bandwidth: per non-zero and call,
+#: its row and sign read and the weights formed (:data:`SJLT_NONZERO_BYTES`), and per
+#: non-zero and example a weighted ``bincount`` step (:data:`SJLT_ROW_BYTES`).
+#: Calibrated on one CPU thread (2.36 M non-zeros, k = 2048, CPU seconds: 0.018 for 2
+#: examples, 0.061 for 8, 0.22 for 32; the old 4·elem·n bytes at the copy bandwidth gave
+#: a tenth of the CSR product's time, and TRAK's GPT-2-small pass 14× its estimate).
+SJLT_NONZERO_BYTES = 20.0
+SJLT_ROW_BYTES = 28.0
+
+#: Drawing an SJLT's tables once per process (the rows and signs:
+#: :mod:`gradalg.proj.sparse_tables`), in float64 random numbers per non-zero: measured
+#: 24 ms for 2.36 M non-zeros on one CPU thread (≈ 0.75 draws of 14 ns)
+SJLT_BUILD_RANDOMS = 1.0
+
+#: A TensorSketch's FFT work per position and output row, in bytes at the elementwise
+#: rate: two real FFTs of k (float32) and their complex product, summed over positions.
+#: Calibrated on one CPU thread (GPT-2 c_fc 3072 × 769, n = 8, T = 64, k = 2048: 13 ms,
+#: about 25 µs a position, 6 of them the count sketches).
+TS_BYTES_PER_BIN = 100.0
 
 
-def _sparse_project_cost(p, b, n: int, T: int, factored: bool, total: int, elem: int) -> Cost:
+def _scatter_cost(n: int, coords: float, elem: int, calls: int = 1) -> Cost:
+    """An SJLT of ``coords`` input coordinates (times its s) per row, for n rows in
+    ``calls`` products: each coordinate multiplied into its output (the CSR product on the
+    CPU, ``index_add_`` elsewhere; ``gradalg.proj.kernels``), random access priced at the
+    elementwise rate (:data:`SJLT_NONZERO_BYTES`, :data:`SJLT_ROW_BYTES`)."""
+    return Cost(flops=2.0 * n * coords, elementwise=coords * (SJLT_NONZERO_BYTES * calls + SJLT_ROW_BYTES * n))
+
+
+def sjlt_build_cost(p, b) -> Cost:
+    """Drawing one block's sparse-projection tables and their CSR form (once per process):
+    :data:`SJLT_BUILD_RANDOMS` random draws per non-zero, the tables' bytes touched fresh."""
+    if p.kind == "sparse":
+        columns = b.dim
+    elif p.kind == "grass":
+        columns = p.grass_mask_size(b.dim)
+    elif p.kind == "factgrass" and len(b.shape) == 2:
+        k_out, k_in = p.factgrass_shape(*b.shape)
+        columns = k_out * k_in
+    else:
+        return Cost()
+    return Cost(randoms=SJLT_BUILD_RANDOMS * columns * p.s, faulted=sparse_table_bytes(p, b))
+
+
+def _sparse_project_cost(p, b, n: int, T: int, factored: bool, total: int, elem: int, calls: int = 1) -> Cost:
     """One block of a sparse projection (``gradalg.proj.kernels``), n rows:
 
     * ``sparse`` (SJLT): factors materialized (in slices of rows), then n·d·s scatter-adds;
@@ -367,7 +410,7 @@ def _sparse_project_cost(p, b, n: int, T: int, factored: bool, total: int, elem:
     * ``factgrass``: the factors' kept features gathered, the small (k_out, k_in)
       gradient materialized, then its SJLT."""
     if p.kind == "sparse":
-        cost = _scatter_cost(n, b.dim * p.s, elem)
+        cost = _scatter_cost(n, b.dim * p.s, elem, calls)
         if factored:
             cost = cost + materialize_cost(n, T, b.shape[1], b.shape[0], elem)
         return cost
@@ -382,7 +425,13 @@ def _sparse_project_cost(p, b, n: int, T: int, factored: bool, total: int, elem:
             cost = Cost(flops=2.0 * n * T * m, elementwise=4.0 * elem * n * T * m, bytes=3.0 * elem * n * T * m)
         else:
             cost = Cost(bytes=2.0 * elem * n * m)
-        return cost + (_scatter_cost(n, m * p.s, elem) if p.kind == "grass" else Cost())
+        return cost + (_scatter_cost(n, m * p.s, elem, calls) if p.kind == "grass" else Cost())
+    if p.kind == "tensorsketch":
+        out_f, in_f = b.shape if len(b.shape) == 2 else (1, b.dim)
+        if factored:      # per position: two count sketches, two real FFTs of k, their product
+            return Cost(flops=2.0 * n * T * (out_f + in_f),
+                        elementwise=n * T * (4.0 * elem * (out_f + in_f) + TS_BYTES_PER_BIN * p.k))
+        return Cost(flops=2.0 * n * b.dim, elementwise=n * out_f * (4.0 * elem * in_f + TS_BYTES_PER_BIN * p.k / 2))
     if p.kind == "factgrass":
         out_f, in_f = b.shape
         k_out, k_in = p.factgrass_shape(out_f, in_f)
@@ -390,7 +439,7 @@ def _sparse_project_cost(p, b, n: int, T: int, factored: bool, total: int, elem:
             cost = Cost(elementwise=2.0 * elem * n * T * (k_out + k_in)) + materialize_cost(n, T, k_in, k_out, elem)
         else:
             cost = Cost(elementwise=2.0 * elem * n * k_out * k_in)
-        return cost + _scatter_cost(n, k_out * k_in * p.s, elem)
+        return cost + _scatter_cost(n, k_out * k_in * p.s, elem, calls)
     raise ValueError(f"no cost formula for a {p.kind!r} projection")
 
 
@@ -405,8 +454,20 @@ def elementwise_cost(numbers: float, reads: float, writes: float, elem: int = 4)
 
 #: full-size ops of Adam's preconditioning per chunk, ``m / (√v + ε)`` with
 #: ``m = β₁ m₀ + (1 − β₁) g`` and ``v = β₂ v₀ + (1 − β₂) g²`` (``exec/rowwise.py``):
-#: (1 − β₁)g, + β₁m₀, (1 − β₂)g, ·g, + β₂v₀, √, + ε, ÷ — operands read, outputs written
-ADAM_OPS = {"reads": 10, "writes": 8}
+#: (1 − β₁)g, + β₁m₀, (1 − β₂)g, ·g, + β₂v₀, √, + ε, ÷ — operands read, outputs written;
+#: the first op of each of m and v writes fresh memory, the other six write in place
+#: (``adam_block``: two buffers of the rows' size, block by block)
+ADAM_OPS = {"reads": 12, "writes": 8, "fresh": 2}
+
+
+def _materialize_cost(node, c: int, layout: dict, elem: int) -> Cost:
+    """The factored blocks of a chunk of ``node`` materialized, one at a time."""
+    T = positions(node)
+    cost = Cost()
+    for b in node.space.blocks:
+        if layout.get(b.name) == "factors" and len(b.shape) == 2:
+            cost = cost + materialize_cost(c, T[b.name], b.shape[1], b.shape[0], elem)
+    return cost
 
 
 def _flatten_cost(node, c: int, layout: dict, elem: int) -> Cost:
@@ -427,8 +488,8 @@ def rowwise_cost(node, n: int, chunk: int | None, layout: dict, elem: int = 4, o
     "flat"}`` of the input rows. Per chunk of c rows and d coordinates:
 
     * a projection: :func:`project_cost`;
-    * Adam's preconditioning: the input flattened (materialized from factors) and
-      :data:`ADAM_OPS` full-size elementwise ops;
+    * Adam's preconditioning: each block materialized (from factors) and
+      :data:`ADAM_OPS` full-size elementwise ops, two of them into fresh memory;
     * a normalization: squared norms (read once; factored blocks by their ghost
       identity) and the rows scaled (factored blocks: their output gradients);
       with a metric H, the rows flattened, H applied (:func:`apply_cost`), ⟨g, Hg⟩ and
@@ -460,8 +521,9 @@ def rowwise_cost(node, n: int, chunk: int | None, layout: dict, elem: int = 4, o
         return out
 
     if isinstance(node, AdamPrecondition):
-        per = _flatten_cost(src, c, layout, elem) + elementwise_cost(c * d, ADAM_OPS["reads"], ADAM_OPS["writes"],
-                                                                     elem)
+        per = _materialize_cost(src, c, layout, elem) + Cost(     # block by block: no concatenated row
+            bytes=float(elem) * c * d * (ADAM_OPS["reads"] + ADAM_OPS["writes"]),
+            faulted=float(elem) * c * d * ADAM_OPS["fresh"])
     elif isinstance(node, Normalize) and node.op is None:
         per = Cost(flops=2.0 * c * d, bytes=float(elem) * c * d) + scale_rows()
     elif isinstance(node, Normalize):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from ..capture.factors import Factors, compute_dtype, ghost_workspace_elements
 from ..errors import MemoryBudgetError
-from ..expr import Captured, Source
+from ..expr import Captured, Project, Source
 from ..expr.stored import Stored
 from ..expr.lowrank import lowrank_below
 from ..expr.tokens import token_rows
@@ -32,7 +32,8 @@ from .shapes import element_size, forward_shapes, rows_per_example
 __all__ = ["positions", "rows_of", "rows_bytes", "capture_bytes_per_example", "consumer_bytes_per_example",
            "kron_bytes", "kron_output_bytes", "ekfac_example_bytes", "ekfac_bytes", "kron_factor_bytes", "kron_precision_rows", "kron_bytes_arithmetic",
            "statistics_bytes", "check_statistics_fit", "captured_positions", "ghost_workspace_bytes",
-           "ghost_norm_bytes_per_example", "token_block_of"]
+           "ghost_norm_bytes_per_example", "token_block_of", "projection_map_rows",
+           "projection_workspace_bytes"]
 
 
 def positions(node) -> dict[str, int]:
@@ -289,18 +290,88 @@ def _diagonal_row(b, diag: list, options) -> tuple:
               "re-fits its eigenvalues per coordinate")
 
 
+def projection_map_rows(node, options) -> list[tuple]:
+    """``(what, chosen, alternatives, why)`` for each distinct dense, sparse-JL or
+    TensorSketch projection (``gaussian``, ``rademacher``, ``sparse``, ``tensorsketch``) of
+    ``node``: the map it applies, what each map would hold and do per example, and the two
+    thresholds the methods' defaults choose by (:func:`~gradalg.expr.projection.dense_or_sparse`):
+    a dense (k, d) float64 matrix against ``options.dense_projection_bytes``, SJLT tables
+    (5·d bytes) against ``options.sjlt_table_bytes``. Every map is applied block by block
+    (each block's own seeded matrix or table; a global map is the sum of the blocks')."""
+    names = {"gaussian": "dense", "rademacher": "dense", "sparse": "sparse JL", "tensorsketch": "tensorsketch"}
+    rows, seen = [], set()
+    for x in node.walk():
+        if not isinstance(x, Project) or x.projector.kind not in names:
+            continue
+        p, space = x.projector, x.grads.space
+        d = space.dim
+        if (p.token, d) in seen:
+            continue
+        seen.add((p.token, d))
+        dense, tables = 8.0 * p.k * d, 5.0 * p.s * d
+        sides = sum(sum(b.shape) if len(b.shape) == 2 else 1 + b.dim for b in space.blocks)
+        alternatives = {"dense": f"{_gb(dense)} GB matrix, {p.k * d:.3g} multiply-adds per example",
+                        "sparse JL": f"{_gb(tables)} GB tables, {p.s * d:.3g} additions per example (each "
+                                     "layer's gradient formed from its factors)",
+                        "tensorsketch": f"{_gb(9.0 * sides)} GB tables, FFTs of k per position (no layer's "
+                                        "gradient formed)"}
+        verdict = [f"a dense ({p.k}, {d}) matrix takes {_gb(dense)} GB, "
+                   + ("over" if dense > options.dense_projection_bytes else "within")
+                   + f" ga.options(dense_projection_bytes={_gb(options.dense_projection_bytes)} GB)",
+                   f"SJLT tables {_gb(tables)} GB, "
+                   + ("over" if tables > options.sjlt_table_bytes else "within")
+                   + f" ga.options(sjlt_table_bytes={_gb(options.sjlt_table_bytes)} GB)"]
+        rows.append((
+            f"projection map {p!r} of {d:,} coordinates", names[p.kind], alternatives,
+            "; ".join(verdict) + " (trak and less default to the dense map within the first, the SJLT "
+            "within the second, a TensorSketch above it; less keeps the SJLT: its Adam rows are flat); "
+            f"applied to {len(space.blocks)} block(s) one at a time, each with its own seeded "
+            + ("matrix" if names[p.kind] == "dense" else "tables")
+            + (", summed into k coordinates" if not p.per_block else "")))
+    return rows
+
+
 def _gb(nbytes: float) -> str:
     """Bytes in GB (10⁹) to three significant digits: "0.0084", "1.64", "13.2"."""
     return f"{nbytes / 1e9:.3g}"
 
 
+def projection_workspace_bytes(node, dtype) -> float:
+    """Working bytes per example of the projections in ``node``'s row-wise chain, beyond
+    their outputs: a dense or sparse-JL projection forms one block's rows at a time (from
+    its factors, or Adam-preconditioned: ``exec/rowwise.py``) and the product reads a
+    transposed copy, so it holds 2·d_b numbers per example of its largest block b (a
+    sparse projection's slices are capped by ``projection_slice_elements``: this is an
+    upper bound); Adam's preconditioning adds two more temporaries of the block; a
+    TensorSketch holds two count sketches of k and their FFTs per position."""
+    elem = element_size(dtype)
+    out = 0.0
+    x = node
+    while x is not None and hasattr(x, "grads"):
+        if isinstance(x, Project) and x.projector.kind == "tensorsketch":
+            # a token block's two count sketches and their FFTs (T positions: an upper bound)
+            T = max(positions(x.grads).values(), default=1)
+            out = max(out, 4.0 * elem * T * (x.projector.k + 2))
+        elif isinstance(x, Project) and x.projector.kind in ("gaussian", "rademacher", "sparse"):
+            widest = max((b.dim for b in x.grads.space.blocks), default=0)
+            adam = type(x.grads).__name__ == "AdamPrecondition"
+            out = max(out, (4.0 if adam else 2.0) * elem * widest)
+        x = x.grads
+    return out
+
+
 def consumer_bytes_per_example(job, dtype) -> float:
     """Working bytes per streamed example of a job, beyond the captured rows: rows it
-    materializes (a flat Fisher or a dense score kernel) and their float64 copies. Rows
-    of one example's Gauss-Newton terms arrive as separate chunks: counted once."""
-    elem = element_size(dtype)
+    materializes (a flat Fisher or a dense score kernel) and their float64 copies, and the
+    workspace of the projections its streams apply (:func:`projection_workspace_bytes`).
+    Rows of one example's Gauss-Newton terms arrive as separate chunks: counted once."""
     if not job.streams:
         return 0.0
+    return _consumer_bytes_per_example(job, dtype) + max(projection_workspace_bytes(s, dtype) for s in job.streams)
+
+
+def _consumer_bytes_per_example(job, dtype) -> float:
+    elem = element_size(dtype)
     node = job.streams[0]
     rows = 1
     dim = node.space.dim

@@ -54,7 +54,8 @@ from .devices import DeviceProfile, profile
 from .shapes import element_size, forward_shapes
 from .jobs import (CollectJob, DiagJob, EKFACJob, FisherJob, GroupJob, Job, KFACJob, ScoresJob, StoreJob, TopK,
                    TopKJob)
-from .memory import capture_bytes_per_example, check_statistics_fit, kron_precision_rows, positions, rows_bytes
+from .memory import (capture_bytes_per_example, check_statistics_fit, kron_precision_rows, positions,
+                     projection_map_rows, rows_bytes)
 from .rules import Firing, PlanError, simplify_until_fixpoint
 
 __all__ = ["Job", "Pass", "Decision", "Plan", "plan", "estimate", "stream_root", "PlanError"]  # jobs: plan/jobs.py
@@ -964,6 +965,7 @@ def _plan(root, simplified, fired, options, prof, budget, choices, measure_shape
         roots = sorted(planner.op_deps(simplified))
     else:
         raise PlanError(f"cannot plan a {type(root).__name__}")
+    planner.decisions.extend(Decision(*row) for row in projection_map_rows(simplified, options))
     passes, stored = planner.schedule()
     mark_released_held(planner.jobs.values(), passes, simplified, planner.dtype)
     return Plan(root, simplified, fired, planner.decisions, passes, planner.jobs, roots, options, prof, stored,

@@ -5,10 +5,11 @@
 >>> S = P(Q) @ P(G).T     # LoGra-style projected Grad-Dot
 >>> P = ga.proj.factgrass(k=4096)   # FactGraSS: mask the factors, then a sparse JL transform
 """
-from ..expr.projection import Projector, factgrass, gaussian, grass, kron, mask, rademacher, sparse
+from ..expr.projection import Projector, factgrass, gaussian, grass, kron, mask, rademacher, sparse, tensorsketch
 from .matrices import dense_matrix, kron_matrices
-from .sparse_tables import SJLT, factgrass_tables, global_mask, grass_tables, mask_indices, sjlt
+from .sparse_tables import SJLT, factgrass_tables, global_mask, grass_tables, mask_indices, sjlt, tensorsketch_tables
 
-__all__ = ["Projector", "gaussian", "rademacher", "kron", "sparse", "mask", "grass", "factgrass",
+__all__ = ["Projector", "gaussian", "rademacher", "kron", "sparse", "mask", "grass", "factgrass", "tensorsketch",
+           "tensorsketch_tables",
            "dense_matrix", "kron_matrices", "SJLT", "sjlt", "mask_indices", "grass_tables",
            "factgrass_tables", "global_mask"]

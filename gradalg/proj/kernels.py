@@ -10,6 +10,7 @@ Kernel                       work for n examples          never forms
 ``entries(F, coords)``       n·T·m multiply-adds          the (out, in) gradient
 ``mask_factors(F, O, I)``    n·T·(k_out + k_in) gathers   —
 ``factgrass`` (below)        n·T·k_out·k_in + n·k_out·k_in·s   the (out, in) gradient
+``tensor_sketch`` (below)    n·T·(out + in) + n·T·O(k log k)   the (out, in) gradient
 
 ``max_elements`` bounds the temporaries of the sliced loops (elements, not bytes).
 """
@@ -23,15 +24,16 @@ from ..capture import factors as _factors
 from ..capture.factors import Factors, OneHot
 from ..expr.projection import Projector
 from ..space import Block
-from .sparse_tables import SJLT, factgrass_tables, global_mask, grass_tables, mask_indices, sjlt
+from .sparse_tables import SJLT, factgrass_tables, global_mask, grass_tables, mask_indices, sjlt, tensorsketch_tables
 
-__all__ = ["sjlt_apply", "sjlt_scatter_add", "entries", "mask_factors", "project_sparse_block", "SPARSE_KINDS"]
+__all__ = ["sjlt_apply", "sjlt_bincount", "sjlt_scatter_add", "entries", "mask_factors", "tensor_sketch", "project_sparse_block",
+           "SPARSE_KINDS"]
 
-SPARSE_KINDS = ("sparse", "mask", "grass", "factgrass")
+SPARSE_KINDS = ("sparse", "mask", "grass", "factgrass", "tensorsketch")
 DEFAULT_MAX_ELEMENTS = 1 << 24
 
 
-#: dtypes the CPU sparse-dense product (MKL) takes; others scatter-add
+#: dtypes the CPU kernel (weighted bincount) takes; others scatter-add
 _CSR_DTYPES = (torch.float32, torch.float64)
 
 
@@ -40,16 +42,30 @@ def sjlt_apply(x: torch.Tensor, S: SJLT) -> torch.Tensor:
 
     x : (n, d)   returns (n, k), contiguous
 
-    On the CPU (float32/64) one sparse-dense product with ``S`` as a CSR matrix
-    (:meth:`SJLT.csr`, built once per table): ``index_add_`` along the columns of a few
-    rows has a per-index cost that does not shrink with n, and the product is 4.6× faster
-    at n = 4, s = 1 (1.6× at n = 64, 12× at n = 4, s = 4: ``benchmarks/sjlt.py``).
-    Elsewhere :func:`sjlt_scatter_add` (atomic on GPUs). Both sum each output's terms in
-    column order: the same numbers.
+    On the CPU (float32/64) :func:`sjlt_bincount`: one weighted ``bincount`` per example
+    and non-zero per column, summed in float64 — a sequential read of the example and
+    its table into k bins that stay in cache. It needs only the tables (5·d·s bytes),
+    no CSR form (8·d·s more, and an argsort of the d·s non-zeros to build it), and it
+    is faster than the CSR product it replaced (GPT-2 c_fc, 2.36 M columns, k = 2048, one
+    thread, CPU seconds: 0.018 against 0.035 for 2 examples, 0.061 against 0.092 for 8).
+    Elsewhere :func:`sjlt_scatter_add` (atomic on GPUs).
     """
     if x.device.type == "cpu" and x.dtype in _CSR_DTYPES and x.layout == torch.strided:
-        return (S.csr(x.dtype) @ x.T).T.contiguous()
+        return sjlt_bincount(x, S)
     return sjlt_scatter_add(x, S)
+
+
+def sjlt_bincount(x: torch.Tensor, S: SJLT) -> torch.Tensor:
+    """``x Sᵀ`` by weighted ``torch.bincount`` of the table's rows, one per example and
+    non-zero per column, accumulated in float64 and returned in x's dtype.   (n, d) → (n, k)"""
+    out = torch.zeros(x.shape[0], S.k, dtype=torch.float64)
+    scale = 1.0 / math.sqrt(S.s)
+    for c in range(S.s):
+        rows = S.rows[:, c].contiguous()
+        w = S.signs[:, c].to(x.dtype) * scale
+        for i in range(x.shape[0]):
+            out[i] += torch.bincount(rows, weights=x[i] * w, minlength=S.k)
+    return out.to(x.dtype)
 
 
 def sjlt_scatter_add(x: torch.Tensor, S: SJLT) -> torch.Tensor:
@@ -63,19 +79,32 @@ def sjlt_scatter_add(x: torch.Tensor, S: SJLT) -> torch.Tensor:
 
 
 def _sjlt_block(value, shape, S: SJLT, max_elements: int, token_block: int | None = None) -> torch.Tensor:
-    """SJLT of a whole block; factors are materialized a slice of output rows at a time
-    (each summed over token blocks of ``token_block`` positions)."""
+    """SJLT of a whole block (n, d) → (n, k). Factors are materialized a slice of examples
+    at a time (``max_elements // d`` of them, each summed over token blocks of
+    ``token_block`` positions), and every slice is projected by the block's one cached
+    table. Only a block of more than ``max_elements`` coordinates is
+    cut into slices of output rows, one example at a time, each with its cached column
+    slice of the table (:meth:`SJLT.column_slice`, cached)."""
     if not isinstance(value, Factors):
         return sjlt_apply(value, S)
     n_out, n_in = shape
-    rows = max(1, max_elements // max(1, value.n * n_in))
-    total = None
-    for o0 in range(0, n_out, rows):
-        o1 = min(n_out, o0 + rows)
-        G = _factors.materialize(Factors(value.A, value.D[:, :, o0:o1]), token_block).flatten(1)   # (n, rows·in)
-        part = sjlt_apply(G, S.columns(o0 * n_in, o1 * n_in))
-        total = part if total is None else total + part
-    return total
+    d = n_out * n_in
+    if d <= max_elements:
+        step = max(1, max_elements // d)
+        parts = [sjlt_apply(_factors.materialize(value[i:i + step], token_block).flatten(1), S)
+                 for i in range(0, value.n, step)]                                   # (step, k) each
+        return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+    rows = max(1, max_elements // n_in)
+    out = []
+    for i in range(value.n):
+        one, total = value[i:i + 1], None
+        for o0 in range(0, n_out, rows):
+            o1 = min(n_out, o0 + rows)
+            G = _factors.materialize(Factors(one.A, one.D[:, :, o0:o1]), token_block).flatten(1)   # (1, rows·in)
+            part = sjlt_apply(G, S.column_slice(o0 * n_in, o1 * n_in))
+            total = part if total is None else total + part
+        out.append(total)
+    return torch.cat(out, 0)
 
 
 def _act_rows(A, idx: torch.Tensor, dtype) -> torch.Tensor:
@@ -134,6 +163,60 @@ def _factgrass(value, shape, out_idx, in_idx, S: SJLT, token_block: int | None =
     return sjlt_apply(small.flatten(1), S) * scale
 
 
+def _count_sketch(x: torch.Tensor, rows: torch.Tensor, signs: torch.Tensor, k: int) -> torch.Tensor:
+    """Σ_j σ_j x_j e_{h_j} along the last dimension.   (..., m) → (..., k)"""
+    return x.new_zeros(*x.shape[:-1], k).index_add_(-1, rows, x * signs.to(x.dtype))
+
+
+def _sketch_activations(A, rows, signs, k, dtype) -> torch.Tensor:
+    """Count sketch of each position's activations (n, b, in) → (n, b, k); one-hot
+    activations (token ids) put their sign at their token's row."""
+    if isinstance(A, OneHot):
+        out = torch.zeros(*A.idx.shape, k, dtype=dtype, device=A.idx.device)
+        value = signs[A.idx].to(dtype) * A.weights(dtype)
+        return out.scatter_add_(-1, rows[A.idx].unsqueeze(-1), value.unsqueeze(-1))
+    return _count_sketch(A.to(dtype), rows, signs, k)
+
+
+def tensor_sketch(value, shape, tables, k: int, max_elements: int = DEFAULT_MAX_ELEMENTS,
+                  token_block: int | None = None) -> torch.Tensor:
+    """TensorSketch of each example's (out, in) block.   Returns (n, k).
+
+        (P vec G)_r = Σ_{o,i: (h_out(o) + h_in(i)) mod k = r} σ_out(o) σ_in(i) G_{oi}
+
+    On factors, ``G_i = Σ_t d_t a_tᵀ`` gives ``P vec G_i = Σ_t CS_out(d_t) ⊛ CS_in(a_t)``
+    (circular convolution of the count sketches, a product of their real FFTs), summed
+    over positions in the frequency domain, one token block at a time. A flat block
+    (n, out·in) is the same with the rows of G as positions and ``CS_out(e_o) = σ_o e_{h_o}``,
+    in slices of rows under ``max_elements``. Computed in :func:`compute_dtype` (float32 or
+    float64): equal to the explicit (k, out·in) matrix to that precision's FFT rounding."""
+    h_out, s_out, h_in, s_in = tables
+    n_out, n_in = shape
+    if isinstance(value, Factors):
+        dtype = _factors.compute_dtype(value.D.dtype)
+        acc = None
+        for tp in _factors.token_slices(value.T, token_block):
+            part = value.tokens(tp)
+            cd = torch.fft.rfft(_count_sketch(part.D.to(dtype), h_out, s_out, k))              # (n, b, k/2+1)
+            ca = torch.fft.rfft(_sketch_activations(part.A, h_in, s_in, k, dtype))
+            term = (cd * ca).sum(1)
+            acc = term if acc is None else acc + term
+        return torch.fft.irfft(acc, n=k)
+    x = value.float() if value.dtype in _factors.HALF_DTYPES else value
+    G = x.reshape(x.shape[0], n_out, n_in)
+    step = max(1, max_elements // max(1, x.shape[0] * k))
+    freq = torch.arange(k // 2 + 1, device=x.device, dtype=x.dtype)
+    acc = None
+    for o0 in range(0, n_out, step):
+        o1 = min(n_out, o0 + step)
+        cs = torch.fft.rfft(_count_sketch(G[:, o0:o1], h_in, s_in, k))                        # (n, rows, k/2+1)
+        shift = torch.polar(s_out[o0:o1].to(x.dtype).unsqueeze(1).expand(-1, freq.numel()).contiguous(),
+                            -2 * math.pi * h_out[o0:o1].to(x.dtype).unsqueeze(1) * freq / k)   # σ_o e^{-2πi h_o f / k}
+        term = (cs * shift).sum(1)
+        acc = term if acc is None else acc + term
+    return torch.fft.irfft(acc, n=k)
+
+
 def project_sparse_block(projector: Projector, block: Block, value, *,
                          space_blocks: tuple[tuple[str, int], ...] | None = None,
                          max_elements: int = DEFAULT_MAX_ELEMENTS, token_block: int | None = None) -> torch.Tensor:
@@ -172,4 +255,8 @@ def project_sparse_block(projector: Projector, block: Block, value, *,
     if p.kind == "factgrass":
         out_idx, in_idx, S = factgrass_tables(p, block.name, *block.shape, device=device)
         return _factgrass(value, block.shape, out_idx, in_idx, S, token_block)
+    if p.kind == "tensorsketch":
+        shape = block.shape if len(block.shape) == 2 else (1, block.dim)
+        tables = tensorsketch_tables(p, block.name, *shape, device=device)
+        return tensor_sketch(value, shape, tables, p.k, max_elements, token_block)
     raise ValueError(f"{p.kind!r} is not a sparse projector kind; expected one of {SPARSE_KINDS}")

@@ -17,6 +17,7 @@ mask, global  k of the concatenated space's coordinates    "global-mask" (of all
 grass         mask_k of d, then SJLT of mask_k to k        "grass-mask", "grass-sjlt"
 factgrass     k_out of out, k_in of in, SJLT of k_out·k_in  "mask-out", "mask-in",
                                                            "factgrass-sjlt"
+tensorsketch  a row and a sign per output and per input    "ts-out", "ts-in"
 ============  ==========================================  =========================
 
 As with the dense matrices, a global SJLT (``per_block=False``) is the sum of the
@@ -24,12 +25,14 @@ blocks' SJLTs, each drawn with its block's own seed: the columns of an SJLT are
 independent, so this *is* one (k, Σd) SJLT.
 
 Memory: an SJLT of d columns takes 5·d·s bytes (int32 rows, int8 signs), held in an
-LRU cache on the CPU and copied to the chunk's device at each use; on the CPU its CSR
-form (:meth:`SJLT.csr`, the kernel's operand) adds 4·d·s bytes of column indices and
-4·d·s of float32 values. Each pass that applies a table counts it in its held bytes
+LRU cache on the CPU and copied to the chunk's device at each use; the CPU kernel (a
+weighted ``bincount``, :func:`gradalg.proj.kernels.sjlt_bincount`) reads them as they
+are. Its CSR form (:meth:`SJLT.csr`, 8·d·s bytes more) is built only when asked for.
+Each pass that applies a table counts it in its held bytes
 (:func:`gradalg.plan.estimates.sparse_table_bytes`). That is small for
 ``grass`` and ``factgrass`` (d = mask size ≈ 4k) but of the order of the model for a
-plain ``sparse`` projection of large layers (a hashed, table-free SJLT would avoid it).
+plain ``sparse`` projection of large layers: at width ``tensorsketch`` (a hash factored
+over a layer's outputs and inputs) keeps out + in entries per layer instead.
 """
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ import torch
 
 from ..expr.projection import Projector
 
-__all__ = ["SJLT", "sjlt", "mask_indices", "global_mask", "factgrass_tables", "grass_tables"]
+__all__ = ["SJLT", "sjlt", "mask_indices", "global_mask", "factgrass_tables", "grass_tables", "tensorsketch_tables"]
 
 _RANDPERM_MAX = 1 << 22   # draw a subset by randperm up to this size, by rejection above it
 
@@ -83,6 +86,20 @@ class SJLT:
     def columns(self, start: int, stop: int) -> "SJLT":
         """The (k, stop - start) SJLT of columns ``start:stop``."""
         return SJLT(self.rows[start:stop], self.signs[start:stop], self.k)
+
+    def column_slice(self, start: int, stop: int) -> "SJLT":
+        """:meth:`columns`, kept: the same slice asked again returns the same object, so its
+        CSR form is built once (the sliced kernel of a block wider than
+        ``projection_slice_elements`` asks for the same slices at every chunk)."""
+        if (start, stop) == (0, self.d):
+            return self
+        if (start, stop) not in self._slices:
+            self._slices[(start, stop)] = self.columns(start, stop)
+        return self._slices[(start, stop)]
+
+    @cached_property
+    def _slices(self) -> dict:
+        return {}
 
     @cached_property
     def _csr32(self) -> torch.Tensor:
@@ -210,3 +227,21 @@ def global_mask(projector: Projector, blocks: tuple[tuple[str, int], ...], block
     output positions (in ``range(k)``) and the block's coordinates that land there."""
     positions, coords = _global_mask_cpu(projector, blocks)[block_name]
     return positions.to(device), coords.to(device)
+
+
+@lru_cache(maxsize=256)
+def _tensorsketch_cpu(projector: Projector, block_name: str, out: int, n_in: int):
+    parts = []
+    for part, m in (("ts-out", out), ("ts-in", n_in)):
+        gen = torch.Generator().manual_seed(projector.block_seed(block_name, part))
+        rows = torch.randint(0, projector.k, (m,), generator=gen)
+        signs = torch.randint(0, 2, (m,), generator=gen, dtype=torch.int8) * 2 - 1
+        parts += [rows, signs]
+    return tuple(parts)
+
+
+def tensorsketch_tables(projector: Projector, block_name: str, out: int, n_in: int, *, device="cpu"):
+    """``(h_out (out,), σ_out (out,), h_in (in,), σ_in (in,))`` of a "tensorsketch"
+    projection of an (out, in) block: coordinate (o, i) goes to row ``(h_out[o] + h_in[i])
+    mod k`` with sign ``σ_out[o]·σ_in[i]``. Rows int64, signs int8 (9·(out + in) bytes)."""
+    return tuple(t.to(device) for t in _tensorsketch_cpu(projector, block_name, out, n_in))
