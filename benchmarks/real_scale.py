@@ -45,14 +45,21 @@ Not run: ``magic`` and ``source`` replay a training run (``ga.unroll.TrainingRun
 which a model built from a config does not have; ``ensemble`` is a combinator (its cost
 is its member's times the number of models).
 
-Each (model, T, method) runs in its own subprocess, so that its peak resident memory
-(``resource.getrusage(RUSAGE_SELF).ru_maxrss``; on CUDA also the device's peak) is that
-run's alone. In that process, after building the model: a plain forward+backward over
-the same tokens (training set and queries, batches of ``max(1, 2048 // T)`` sequences,
-after a one-sequence warm-up), then the method's ``Scores.explain(analyze=True)``, which
-plans, runs every pass and keeps each pass's estimated and measured seconds. Printed per
+Each (model, T, method) runs in its own subprocess, so that its peak resident memory is
+that run's alone. In that process, after building the model and a
+one-sequence warm-up forward+backward, the resident high-water mark is reset (Linux
+``/proc/self/clear_refs``, to the RSS of the model, its data and the warm-up's allocator
+pools), then the method's ``Scores.explain(analyze=True)``, which
+plans, runs every pass and keeps each pass's estimated and measured seconds; its peak is
+``VmHWM`` (``ru_maxrss`` since the reset; the process's ``ru_maxrss`` is kept beside it,
+and is the peak where the reset is not possible; on CUDA also the device's peak). Then,
+the unit: a plain forward+backward over the same tokens (training set and queries,
+batches of ``max(1, 2048 // T)`` sequences), after the method so that its activations
+are not in the method's peak. Printed per
 method: seconds per 1,000 tokens (training + query tokens), the multiple of the plain
-pass, peak RSS against ``ga.get_options().memory_budget`` (the budget in force in that
+pass (wall time, and process CPU time: with one thread, the work without the waits for a
+core that other processes of a shared machine cause), peak RSS against
+``ga.get_options().memory_budget`` (the budget in force in that
 process: the library's default unless ``--memory-budget``), and measured / estimated
 seconds per pass; a refusal (a ``ga.GradalgError``) prints ``refused: <message>``.
 The parent kills a run past ``--timeout`` seconds (900) or above ``--max-rss-gb`` resident
@@ -264,7 +271,30 @@ def build_scores(method: str, task, model, train, queries):
 
 # ----------------------------------------------------------------------------- one run (child)
 def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux: KiB
+    """The process's peak resident memory: ``ru_maxrss`` (Linux: KiB), or the high-water
+    mark ``VmHWM`` since :func:`_reset_peak_rss` where that worked."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the resident high-water mark to the current RSS (Linux ≥ 4.0: ``5`` to
+    /proc/self/clear_refs), so that the method's peak is not the plain pass's. False
+    where it cannot (then the peak is the whole process's, ``ru_maxrss``)."""
+    import gc
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def plain_pass(task, model, items, batch: int, device) -> None:
@@ -278,8 +308,8 @@ def plain_pass(task, model, items, batch: int, device) -> None:
 
 
 def run_one(spec: dict) -> dict:
-    """One (model, T, method) in this process: the plain pass, then the method's
-    ``explain(analyze=True)``. Returns the record (status "ok", "refused" or "error")."""
+    """One (model, T, method) in this process: the method's ``explain(analyze=True)``, then
+    (when it ran) the plain pass. Returns the record (status "ok", "refused" or "error")."""
     import torch
     torch.set_num_threads(spec["threads"])
     import gradalg as ga
@@ -298,7 +328,7 @@ def run_one(spec: dict) -> dict:
     train, queries = make_data(spec["data"], config.vocab_size, spec["T"], spec["train"], spec["queries"],
                                Path(spec["cache"]))
     tokens = (len(train) + len(queries)) * spec["T"]
-    rec = {"parameters": n_params, "tokens": tokens}
+    rec = {"parameters": n_params, "tokens": tokens, "status": None}
 
     def sync():
         if cuda:
@@ -307,11 +337,8 @@ def run_one(spec: dict) -> dict:
     batch = max(1, 2048 // spec["T"])
     plain_pass(task, model, train[:1], 1, device)                      # warm-up: allocator, kernels
     sync()
-    start = time.perf_counter()
-    plain_pass(task, model, train + queries, batch, device)
-    sync()
-    rec["plain_seconds"] = time.perf_counter() - start
-    rec["plain_peak_rss_bytes"] = _peak_rss_bytes()
+    rec["peak_rss_reset"] = _reset_peak_rss()
+    rec["rss_before_method_bytes"] = _peak_rss_bytes()
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     options = {"progress": False}
@@ -319,7 +346,7 @@ def run_one(spec: dict) -> dict:
         options["memory_budget"] = spec["memory_budget_arg"]
     with ga.options(**options):
         rec["memory_budget"] = int(ga.get_options().memory_budget)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         try:
             S = build_scores(spec["method"], task, model, train, queries)
             explained = S.explain(analyze=True)
@@ -330,18 +357,29 @@ def run_one(spec: dict) -> dict:
         except Exception as err:  # noqa: BLE001 - recorded in the table, the other runs go on
             rec.update(status="error", message=f"{type(err).__name__}: {err}")
         else:
-            seconds = time.perf_counter() - start
+            seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
             passes = [{"reads": r["reads"], "estimated": r["seconds"], "measured": r["measured_seconds"],
                        "measured_cpu": r.get("measured_cpu_seconds"), "batch_size": r["batch_size"],
                        "estimated_peak_bytes": r["peak_bytes"]}
                       for r in explained.passes() if "measured_seconds" in r]
-            rec.update(status="ok", seconds=seconds, ratio=seconds / rec["plain_seconds"],
-                       seconds_per_1k_tokens=1000 * seconds / tokens, passes=passes,
+            rec.update(status="ok", seconds=seconds, cpu_seconds=cpu_seconds, passes=passes,
                        estimated_seconds=float(explained.plan.seconds),
                        estimated_peak_bytes=float(explained.plan.peak_bytes))
     rec["peak_rss_bytes"] = _peak_rss_bytes()
+    rec["process_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if cuda:
         rec["peak_device_bytes"] = int(torch.cuda.max_memory_allocated(device))
+    S = explained = None
+    if rec["status"] != "ok":
+        return rec
+    # the unit, after the method (so that its activations are not in the method's peak)
+    sync()
+    start, cpu = time.perf_counter(), time.process_time()
+    plain_pass(task, model, train + queries, batch, device)
+    sync()
+    rec["plain_seconds"], rec["plain_cpu_seconds"] = time.perf_counter() - start, time.process_time() - cpu
+    rec.update(ratio=rec["seconds"] / rec["plain_seconds"], cpu_ratio=rec["cpu_seconds"] / rec["plain_cpu_seconds"],
+               seconds_per_1k_tokens=1000 * rec["seconds"] / tokens)
     return rec
 
 
@@ -420,12 +458,17 @@ def pass_ratios(rec: dict) -> str:
     return ", ".join(out) or "-"
 
 
+def _cpu_ratio(rec: dict) -> str:
+    return f"{rec['cpu_ratio']:.2f}×" if rec.get("cpu_ratio") is not None else "-"
+
+
 def line_of(rec: dict) -> str:
     head = f"{rec['model']:12} T={rec['T']:<5} {rec['method']:18}"
     status = rec.get("status")
     if status == "ok":
         budget = rec["memory_budget"]
-        return (f"{head} {rec['seconds_per_1k_tokens']:8.2f} s/1k tokens  {rec['ratio']:6.2f}× fwd+bwd  "
+        return (f"{head} {rec['seconds_per_1k_tokens']:8.2f} s/1k tokens  {rec['ratio']:6.2f}× fwd+bwd "
+                f"({_cpu_ratio(rec)} in CPU time)  "
                 f"peak {_gb(rec['peak_rss_bytes'])} GB / budget {_gb(budget)} GB "
                 f"({rec['peak_rss_bytes'] / budget:.2f}×)  measured/estimated per pass: {pass_ratios(rec)}")
     label = "refused" if status == "refused" else status
@@ -438,17 +481,17 @@ def _cell(text: str) -> str:
 
 def markdown(runs: list[dict]) -> str:
     """The table for docs/performance.md: one row per run, in the order run."""
-    lines = ["| model | T | method | s / 1k tokens | × fwd+bwd | peak RSS / budget (GB) | measured / estimated, "
-             "per pass | note |", "|---|---:|---|---:|---:|---|---|---|"]
+    lines = ["| model | T | method | s / 1k tokens | × fwd+bwd (wall) | × fwd+bwd (CPU) | peak RSS / budget (GB) "
+             "| measured / estimated, per pass | note |", "|---|---:|---|---:|---:|---:|---|---|---|"]
     for r in runs:
         model = f"{r['model']} ({r['parameters'] / 1e6:.0f} M, {r['dtype']})" if r.get("parameters") else r["model"]
         if r.get("status") == "ok":
             peak = f"{_gb(r['peak_rss_bytes'])} / {_gb(r['memory_budget'])} ({r['peak_rss_bytes'] / r['memory_budget']:.1f}×)"
             lines.append(f"| {model} | {r['T']} | {r['method']} | {r['seconds_per_1k_tokens']:.2f} | "
-                         f"{r['ratio']:.2f} | {peak} | {pass_ratios(r)} | |")
+                         f"{r['ratio']:.2f} | {_cpu_ratio(r)} | {peak} | {pass_ratios(r)} | |")
         else:
             label = "refused" if r.get("status") == "refused" else r.get("status", "?")
-            lines.append(f"| {model} | {r['T']} | {r['method']} | | | | | {label}: "
+            lines.append(f"| {model} | {r['T']} | {r['method']} | | | | | | {label}: "
                          f"{_cell(r.get('message', ''))[:240]} |")
     return "\n".join(lines)
 
