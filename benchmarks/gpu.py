@@ -108,6 +108,13 @@ class RandomTokens(Dataset):
         g = torch.Generator().manual_seed(seed)
         self.ids = torch.randint(0, vocab, (n, T), generator=g)
 
+    @classmethod
+    def of(cls, ids: torch.Tensor) -> "RandomTokens":
+        """The same dataset over given token ids (n, T) (the W3 workload's)."""
+        data = cls.__new__(cls)
+        data.ids = ids
+        return data
+
     def __len__(self):
         return len(self.ids)
 
@@ -362,12 +369,12 @@ def run_w3(args, device, clock, deadline, record) -> dict:
     train = [{"input_ids": r} for r in wl["train"][0]]
     queries = [{"input_ids": r} for r in wl["test"][0]]
     bs = wl["batch_size"]
-    data = RandomTokens(0, 1, 1, 0)
-    data.ids = wl["train"][0]
+    data = RandomTokens.of(wl["train"][0])
     plain_pass(task, model, data, bs, device)                      # warm-up
     plain = min(clock.time(lambda: plain_pass(task, model, data, bs, device))[0] for _ in range(args.w3_repeats))
     result = {"source": wl["source"], "layers": len(layers), "n_train": len(train), "n_query": len(queries),
-              "T": wl["seq_len"], "batch": bs, "plain_seconds": plain, "variants": {}}
+              "T": wl["seq_len"], "batch": bs, "plain_seconds": plain, "variants": {},
+              "precision": "float32, TF32 GEMMs" if device.type == "cuda" else "float32"}
     print(f"W3 ({wl['source']}): {len(layers)} Linear layers; plain fwd+bwd {plain:.3f} s", flush=True)
     record(result)
     with ga.options(batch_size=bs):
@@ -399,7 +406,7 @@ def run_w3(args, device, clock, deadline, record) -> dict:
 
 
 def w3_markdown(w3: dict) -> list[str]:
-    lines = [f"## W3: GPT-2-small width, {w3['layers']} block Linears, float32 + TF32 ({w3['source']})", "",
+    lines = [f"## W3: GPT-2-small width, {w3['layers']} block Linears, {w3['precision']} ({w3['source']})", "",
              f"{w3['n_train']} training sequences × {w3['T']} tokens, {w3['n_query']} queries, batches of "
              f"{w3['batch']}; plain fwd+bwd {w3['plain_seconds']:.3f} s (best of runs); each variant best of its "
              "runs after a warm-up.", "",
@@ -445,9 +452,12 @@ class HardGuard:
 
     def _exit(self):
         self.report["stopped"] = "watchdog: a kernel held the interpreter past --hard-s + 30 s"
-        write_report({k: v for k, v in self.report.items() if not k.startswith("_")}, self.out)
-        print("hard time limit: report written, exiting", flush=True)
-        os._exit(3)
+        try:   # the main thread is inside a kernel: the report is as the last method left it
+            write_report(json.loads(json.dumps({k: v for k, v in self.report.items() if not k.startswith("_")},
+                                               default=str)), self.out)
+            print("hard time limit: report written, exiting", flush=True)
+        finally:
+            os._exit(3)
 
     def close(self):
         signal.setitimer(signal.ITIMER_REAL, 0)
