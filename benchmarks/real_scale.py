@@ -38,6 +38,8 @@ the library picks for a causal LM are the ones timed):
     trackstar                   TrackStar with the same Adam state
     tracin                      TracIn-CP over 2 checkpoints (the model and a copy with
                                 weights moved by 1e-3 · N(0, 1)): two models in memory
+    (the Adam state and the second checkpoint are built before the method's clock and
+    memory peak start: a user has them already)
     self_influence              self_influence(influence, curvature="ekfac") on the
                                 training set (the default Gauss-Newton is influence_gn's)
 
@@ -229,8 +231,27 @@ def _adam_after_one_step(task, model, train):
     return opt
 
 
-def build_scores(method: str, task, model, train, queries):
-    """The lazy Scores of ``method`` at the catalogue's defaults."""
+def method_inputs(method: str, task, model, train) -> dict:
+    """What a method needs besides the model and the data, built before its clock and its
+    memory peak start (a user has them already): the Adam state of LESS and TrackStar,
+    TracIn's second checkpoint."""
+    import torch
+
+    import gradalg as ga
+    if method in ("less", "trackstar"):
+        return {"optimizer": _adam_after_one_step(task, model, train)}
+    if method == "tracin":
+        other = copy.deepcopy(model)
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in other.parameters():
+                p.add_(1e-3 * torch.randn(p.shape, generator=g).to(p))
+        return {"second": ga.tasks.causal_lm(other.eval(), name=f"{task.name}-ckpt2")}
+    return {}
+
+
+def build_scores(method: str, task, train, queries, inputs: dict):
+    """The lazy Scores of ``method`` at the catalogue's defaults (``inputs``: :func:`method_inputs`)."""
     import torch
 
     import gradalg as ga
@@ -252,18 +273,11 @@ def build_scores(method: str, task, model, train, queries):
     if method == "trak":
         return m.trak(task, train, queries)
     if method == "less":
-        opt = _adam_after_one_step(task, model, train)
-        return m.less([task], [opt], [1.0], train, queries, torch.arange(len(queries)))
+        return m.less([task], [inputs["optimizer"]], [1.0], train, queries, torch.arange(len(queries)))
     if method == "trackstar":
-        return m.trackstar(task, train, queries, optimizer=_adam_after_one_step(task, model, train))
+        return m.trackstar(task, train, queries, optimizer=inputs["optimizer"])
     if method == "tracin":
-        other = copy.deepcopy(model)
-        g = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for p in other.parameters():
-                p.add_(1e-3 * torch.randn(p.shape, generator=g).to(p))
-        second = ga.tasks.causal_lm(other.eval(), name=f"{task.name}-ckpt2")
-        return m.tracin([task, second], [1.0, 1.0], train, queries)
+        return m.tracin([task, inputs["second"]], [1.0, 1.0], train, queries)
     if method == "self_influence":
         return m.self_influence(m.influence, task, train, curvature="ekfac")
     raise SystemExit(f"unknown method {method!r}: one of {', '.join(METHODS)}")
@@ -350,6 +364,7 @@ def run_one(spec: dict) -> dict:
 
     batch = max(1, 2048 // spec["T"])
     plain_pass(task, model, train[:1], 1, device)                      # warm-up: allocator, kernels
+    inputs = method_inputs(spec["method"], task, model, train)
     sync()
     rec["peak_rss_reset"] = _reset_peak_rss()
     rec["rss_before_method_bytes"] = _peak_rss_bytes()
@@ -362,7 +377,7 @@ def run_one(spec: dict) -> dict:
         rec["memory_budget"] = int(ga.get_options().memory_budget)
         start, cpu = time.perf_counter(), time.process_time()
         try:
-            S = build_scores(spec["method"], task, model, train, queries)
+            S = build_scores(spec["method"], task, train, queries, inputs)
             explained = S.explain(analyze=True)
             sync()
         except ga.GradalgError as err:
@@ -377,7 +392,7 @@ def run_one(spec: dict) -> dict:
     rec["process_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if cuda:
         rec["peak_device_bytes"] = int(torch.cuda.max_memory_allocated(device))
-    S = explained = None
+    S = explained = inputs = None
     if rec["status"] != "ok":
         return rec
     # the unit, after the method (so that its activations are not in the method's peak)
