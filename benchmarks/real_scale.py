@@ -482,7 +482,7 @@ def pass_ratios(rec: dict) -> str:
 
 
 def _cpu_ratio(rec: dict) -> str:
-    return f"{rec['cpu_ratio']:.2f}×" if rec.get("cpu_ratio") is not None else "-"
+    return f"{rec['cpu_ratio']:.2f}" if rec.get("cpu_ratio") is not None else "-"
 
 
 def line_of(rec: dict) -> str:
@@ -491,31 +491,40 @@ def line_of(rec: dict) -> str:
     if status == "ok":
         budget = rec["memory_budget"]
         return (f"{head} {rec['seconds_per_1k_tokens']:8.2f} s/1k tokens  {rec['ratio']:6.2f}× fwd+bwd "
-                f"({_cpu_ratio(rec)} in CPU time)  "
+                f"({_cpu_ratio(rec)}× in CPU time)  "
                 f"peak {_gb(rec['peak_rss_bytes'])} GB / budget {_gb(budget)} GB "
                 f"({rec['peak_rss_bytes'] / budget:.2f}×)  measured/estimated per pass: {pass_ratios(rec)}")
-    label = "refused" if status == "refused" else status
-    return f"{head} {label}: {rec.get('message', '')[:300]}"
+    return f"{head} {_status_label(rec)}{rec.get('message', '')[:300]}"
+
+
+def _status_label(rec: dict) -> str:
+    """"refused: " / "error: "; nothing for a killed run (its message says timeout or memory)."""
+    return "" if rec.get("status") == "killed" else f"{rec.get('status')}: "
 
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _order(rec: dict) -> tuple:
+    model, method = rec.get("model"), rec.get("method")
+    return (MODELS.index(model) if model in MODELS else len(MODELS), rec.get("T") or 0,
+            METHODS.index(method) if method in METHODS else len(METHODS))
+
+
 def markdown(runs: list[dict]) -> str:
-    """The table for docs/performance.md: one row per run, in the order run."""
+    """The table for docs/performance.md: one row per run, by model, T and method."""
     lines = ["| model | T | method | s / 1k tokens | × fwd+bwd (wall) | × fwd+bwd (CPU) | peak RSS / budget (GB) "
              "| measured / estimated, per pass | note |", "|---|---:|---|---:|---:|---:|---|---|---|"]
-    for r in runs:
+    for r in sorted(runs, key=_order):
         model = f"{r['model']} ({r['parameters'] / 1e6:.0f} M, {r['dtype']})" if r.get("parameters") else r["model"]
         if r.get("status") == "ok":
             peak = f"{_gb(r['peak_rss_bytes'])} / {_gb(r['memory_budget'])} ({r['peak_rss_bytes'] / r['memory_budget']:.1f}×)"
             lines.append(f"| {model} | {r['T']} | {r['method']} | {r['seconds_per_1k_tokens']:.2f} | "
                          f"{r['ratio']:.2f} | {_cpu_ratio(r)} | {peak} | {pass_ratios(r)} | |")
         else:
-            label = "refused" if r.get("status") == "refused" else r.get("status", "?")
-            lines.append(f"| {model} | {r['T']} | {r['method']} | | | | | | {label}: "
-                         f"{_cell(r.get('message', ''))[:240]} |")
+            lines.append(f"| {model} | {r['T']} | {r['method']} | | | | | | {_status_label(r)}"
+                         f"{_cell(r.get('message', ''))[:200]} |")
     return "\n".join(lines)
 
 
