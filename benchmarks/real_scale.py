@@ -76,6 +76,7 @@ data, dtype, device, threads, budget) already recorded (``--force`` reruns them)
             --methods grad_dot logra trak influence_ekfac influence_kfac less
     ... benchmarks/real_scale.py --methods all --T 128 512 --data stdlib-bpe
     ... benchmarks/real_scale.py --table          # the markdown table for docs/performance.md
+    ... benchmarks/real_scale.py --table --before benchmarks/results/real_scale_before.json   # old beside new
 """
 from __future__ import annotations
 
@@ -512,19 +513,33 @@ def _order(rec: dict) -> tuple:
             METHODS.index(method) if method in METHODS else len(METHODS))
 
 
-def markdown(runs: list[dict]) -> str:
-    """The table for docs/performance.md: one row per run, by model, T and method."""
+def _before_cell(rec: dict | None) -> str:
+    if rec is None:
+        return "-"
+    if rec.get("status") == "ok":
+        return f"{_cpu_ratio(rec)}, {_gb(rec['peak_rss_bytes'])} GB"
+    return "killed" if rec.get("status") == "killed" else rec.get("status", "?")
+
+
+def markdown(runs: list[dict], before: list[dict] | None = None) -> str:
+    """The table for docs/performance.md: one row per run, by model, T and method; with
+    ``before`` (the records of another checkout), a column of its × fwd+bwd (CPU) and peak
+    for the same (model, T, method, data, sizes), or its refusal."""
+    earlier = {key_of(r): r for r in before or []}
+    extra = " before: × fwd+bwd (CPU), peak |" if before is not None else ""
     lines = ["| model | T | method | s / 1k tokens | × fwd+bwd (wall) | × fwd+bwd (CPU) | peak RSS / budget (GB) "
-             "| measured / estimated, per pass | note |", "|---|---:|---|---:|---:|---:|---|---|---|"]
+             "| measured / estimated, per pass | note |" + extra,
+             "|---|---:|---|---:|---:|---:|---|---|---|" + ("---|" if extra else "")]
     for r in sorted(runs, key=_order):
         model = f"{r['model']} ({r['parameters'] / 1e6:.0f} M, {r['dtype']})" if r.get("parameters") else r["model"]
+        tail = f" {_before_cell(earlier.get(key_of(r)))} |" if extra else ""
         if r.get("status") == "ok":
             peak = f"{_gb(r['peak_rss_bytes'])} / {_gb(r['memory_budget'])} ({r['peak_rss_bytes'] / r['memory_budget']:.1f}×)"
             lines.append(f"| {model} | {r['T']} | {r['method']} | {r['seconds_per_1k_tokens']:.2f} | "
-                         f"{r['ratio']:.2f} | {_cpu_ratio(r)} | {peak} | {pass_ratios(r)} | |")
+                         f"{r['ratio']:.2f} | {_cpu_ratio(r)} | {peak} | {pass_ratios(r)} | |" + tail)
         else:
             lines.append(f"| {model} | {r['T']} | {r['method']} | | | | | | {_status_label(r)}"
-                         f"{_cell(r.get('message', ''))[:200]} |")
+                         f"{_cell(r.get('message', ''))[:200]} |" + tail)
     return "\n".join(lines)
 
 
@@ -554,6 +569,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--results", default=str(DEFAULT_RESULTS))
     p.add_argument("--force", action="store_true", help="rerun what the results file already has")
     p.add_argument("--table", action="store_true", help="print the markdown table of the results file and exit")
+    p.add_argument("--before", default=None, help="with --table: another results file (e.g. the code before a "
+                   "change), shown in a column beside each run")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -564,7 +581,7 @@ def main(argv=None) -> list[dict]:
     results = Path(args.results)
     runs = load_results(results)
     if args.table:
-        print(markdown(runs))
+        print(markdown(runs, load_results(Path(args.before)) if args.before else None))
         return runs
     methods = list(METHODS) if args.methods == ["all"] else args.methods
     for m in methods:

@@ -45,6 +45,10 @@ def test_tiny_run_records_a_resumable_result_and_its_table(tmp_path, capsys, mon
     rs.main(["--table", "--results", str(results)])
     table = capsys.readouterr().out
     assert "| tiny-gpt2 (" in table and "| 32 | grad_dot |" in table
+    # old beside new: the same run found in the other file
+    rs.main(["--table", "--results", str(results), "--before", str(results)])
+    table = capsys.readouterr().out
+    assert "before: × fwd+bwd (CPU), peak" in table and f"| {rec['cpu_ratio']:.2f}, " in table
 
 
 def test_time_guard_kills_and_records_and_refusals_print():
