@@ -1,7 +1,8 @@
-"""benchmarks/gpu.py runs end to end on the CPU with ``--smoke`` (tiny GPT-2 and Qwen2
-configs, T = 64): every method family's scores are computed through the same code path
-the GPU run takes, checked finite and of shape (query, train), and written as JSON and
-markdown. The GPU numbers themselves come from running the script on a GPU machine."""
+"""benchmarks/gpu.py runs end to end on the CPU with ``--smoke`` (tiny GPT-2, GPT-NeoX,
+Llama and Qwen2 configs, T = 64, and a tiny W3): every method family's scores are computed
+through the same code path the GPU run takes, checked finite and of shape (query, train),
+and written as JSON and markdown; the hard time limit stops a run and still writes its
+report. The GPU numbers themselves come from running the script on a GPU machine."""
 from __future__ import annotations
 
 import importlib.util
@@ -23,12 +24,20 @@ def _load():
     return module
 
 
-def test_gpu_script_smoke_run_writes_every_method_for_both_models(tmp_path):
+def test_gpu_script_smoke_run_writes_every_method_for_every_model_and_w3(tmp_path):
     gpu = _load()
     out = tmp_path / "smoke"
-    report = gpu.main(["--smoke", "--out", str(out), "--n-train", "8", "--n-query", "2", "--batch", "4"])
+    report = gpu.main(["--smoke", "--out", str(out), "--n-train", "8", "--n-query", "2", "--batch", "4",
+                       "--w3-repeats", "1"])
     written = json.loads(out.with_suffix(".json").read_text())
-    assert written["models"].keys() == {"gpt2-small", "qwen2-0.5b"} == report["models"].keys()
+    assert written["models"].keys() == set(gpu.MODELS) == report["models"].keys()
+    assert "stopped" not in written
+    w3 = written["w3"]
+    assert w3["layers"] == 8 and w3["plain_seconds"] > 0           # 2 blocks × 4 Linear (Conv1D swapped)
+    assert list(w3["variants"]) == list(gpu.W3_VARIANTS)
+    for variant, row in w3["variants"].items():
+        assert "skipped" not in row and "error" not in row, (variant, row)
+        assert row["seconds"] > 0 and math.isclose(row["ratio"], row["seconds"] / w3["plain_seconds"])
     assert written["tokens"] == 64 and written["dtype"] == "bfloat16"
     for name, res in written["models"].items():
         assert res["plain"]["seconds"] > 0 and res["plain"]["tokens_per_s"] > 0
@@ -40,6 +49,17 @@ def test_gpu_script_smoke_run_writes_every_method_for_both_models(tmp_path):
     table = out.with_suffix(".md").read_text()
     for method in gpu.METHODS:
         assert f"| {method} |" in table
+    assert "## W3: GPT-2-small width, 8 block Linears" in table
+
+
+def test_gpu_script_hard_limit_stops_and_writes_the_report(tmp_path):
+    gpu = _load()
+    out = tmp_path / "stopped"
+    report = gpu.main(["--smoke", "--out", str(out), "--models", "gpt2-small", "--methods", "trak", "--no-w3",
+                       "--n-train", "8", "--n-query", "2", "--batch", "4", "--hard-s", "0.5"])
+    written = json.loads(out.with_suffix(".json").read_text())
+    assert "--hard-s reached" in written["stopped"] == report["stopped"]
+    assert "Stopped by the hard time limit" in out.with_suffix(".md").read_text()
 
 
 def test_gpu_script_default_out_is_under_OUT(monkeypatch, tmp_path):
