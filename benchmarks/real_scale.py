@@ -342,6 +342,7 @@ def run_one(spec: dict) -> dict:
     import torch
     torch.set_num_threads(spec["threads"])
     import gradalg as ga
+    from gradalg.plan.budget import budget_bytes
     from gradalg.plan.devices import local_profile
     device = torch.device(spec["device"])
     cuda = device.type == "cuda"
@@ -375,7 +376,9 @@ def run_one(spec: dict) -> dict:
     if spec.get("memory_budget_arg"):
         options["memory_budget"] = spec["memory_budget_arg"]
     with ga.options(**options):
-        rec["memory_budget"] = int(ga.get_options().memory_budget)
+        # the budget a plan made now gets (ga.options(memory_budget=None): a fraction of the
+        # memory available; the plan's own, read below, is the one it ran under)
+        rec["memory_budget"] = budget_bytes(ga.get_options(), next(model.parameters()).device)
         start, cpu = time.perf_counter(), time.process_time()
         try:
             S = build_scores(spec["method"], task, train, queries, inputs)
@@ -389,6 +392,7 @@ def run_one(spec: dict) -> dict:
         else:
             seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
             rec.update(status="ok", seconds=seconds, cpu_seconds=cpu_seconds, **_plan_numbers(explained))
+            rec["memory_budget"] = int(explained.plan.options.memory_budget)
     rec["peak_rss_bytes"] = _peak_rss_bytes()
     rec["process_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if cuda:
