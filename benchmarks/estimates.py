@@ -11,11 +11,19 @@ seconds of each pass beside the planner's estimate:
   fewer sequences by default (``--n-train``, ``--n-query``) so that the whole table
   takes a few minutes on one core;
 * **mlp**: a 3-layer MLP classifier (64 → 256 → 256 → 10, ``ga.tasks.classification``),
-  2,000 training examples and 64 queries, every Linear attributed.
+  2,000 training examples and 64 queries, every Linear attributed;
+* **gpt2-2l** and **gpt2-small**: GPT-2 of 2 and of 12 layers at GPT-2 small's width
+  (768, 12 heads, vocabulary 50,257, tied head, random init), ``ga.tasks.causal_lm``,
+  10 training sequences and 2 queries of 64 tokens (``--small-train``, ``--small-query``),
+  every method at its defaults (no layers, k or damping given); by default LoGra,
+  Grad-Dot and EK-FAC influence on the 2-layer model and LoGra and Grad-Dot on GPT-2 small
+  (each run once: no warm-up run, a GPT-2 small pass takes seconds to minutes).
 
 It prints one line per pass (workload, method, pass, what it reads, estimated s,
 measured CPU s, wall s, measured CPU / estimated) and a summary: the worst ratio and
-the number of passes within [0.5, 2]. With one thread the process's CPU time is the
+the number of passes within [0.5, 2], over all passes and per workload (the worst
+pass of each setting: the planner's estimates should hold on small in-memory passes
+as on passes over data). With one thread the process's CPU time is the
 pass's work without the waits for a core that other processes cause on a shared
 machine; on a quiet one it equals the wall time. Each workload starts with a warm-up
 run of its first method (imports, allocator, kernels); put a method that draws no
@@ -25,6 +33,7 @@ measured once and cached); it is printed first.
     OMP_NUM_THREADS=1 nice .venv/bin/python benchmarks/estimates.py
     OMP_NUM_THREADS=1 nice .venv/bin/python benchmarks/estimates.py --workloads mlp --methods grad_dot,ekfac
     OMP_NUM_THREADS=1 nice .venv/bin/python benchmarks/estimates.py --refresh   # re-measure the profile
+    OMP_NUM_THREADS=1 nice .venv/bin/python benchmarks/estimates.py --workloads mlp,gpt2,gpt2-2l,gpt2-small
 
 Timings of a shared machine vary with its load (printed at the start and the end); run
 with one thread (the profile is measured with the thread count in force).
@@ -103,6 +112,43 @@ class MLPWorkload:
         return [_adam_state(t.model, (X[:BATCH], y[:BATCH]), loss) for t in self.checkpoints]
 
 
+class GPT2DefaultsWorkload:
+    """GPT-2 at GPT-2 small's width (``n_layer`` layers), random init, with
+    ``ga.tasks.causal_lm`` and every method at its defaults (:func:`default_methods`)."""
+
+    defaults = True
+    warm_up = False     # one run of each: a GPT-2 small pass takes seconds to minutes
+
+    def __init__(self, n_layer: int, n_train: int, n_query: int, T: int = 64):
+        from transformers import GPT2Config, GPT2LMHeadModel
+        torch.manual_seed(0)
+        config = GPT2Config(n_layer=n_layer, n_embd=768, n_head=12, vocab_size=50257)
+        self.model = GPT2LMHeadModel(config).eval()
+        self.name = "gpt2-small" if n_layer == 12 else f"gpt2-{n_layer}l"
+        self.task = ga.tasks.causal_lm(self.model)
+        g = torch.Generator().manual_seed(0)
+        self.train = {"input_ids": torch.randint(0, config.vocab_size, (n_train, T), generator=g)}
+        self.queries = {"input_ids": torch.randint(0, config.vocab_size, (n_query, T), generator=g)}
+        self.default_keys = ("logra", "grad_dot") if n_layer >= 12 else ("logra", "grad_dot", "influence_ekfac")
+
+
+def default_methods(w) -> dict:
+    """``{key: (description, lambda: lazy Scores)}``: the catalogue at its defaults on
+    workload ``w`` (its task, training data and queries only)."""
+    m = ga.methods
+    return {
+        "logra": ("LoGra, defaults", lambda: m.logra(w.task, w.train, w.queries)),
+        "grad_dot": ("Grad-Dot, defaults", lambda: m.grad_dot(w.task, w.train, w.queries)),
+        "grad_cos": ("Grad-Cos, defaults", lambda: m.grad_cos(w.task, w.train, w.queries)),
+        "influence_ekfac": ("influence, EK-FAC, defaults",
+                            lambda: m.influence(w.task, w.train, w.queries, curvature="ekfac")),
+        "influence_kfac": ("influence, K-FAC, defaults",
+                           lambda: m.influence(w.task, w.train, w.queries, curvature="kfac")),
+        "trak": ("TRAK, defaults", lambda: m.trak(w.task, w.train, w.queries)),
+        "grass": ("GraSS, defaults", lambda: m.grass(w.task, w.train, w.queries)),
+    }
+
+
 def _adam_state(model, batch, loss):
     """An Adam optimizer over ``model``'s parameters after one step (LESS reads its
     moments); the weights are put back, so the checkpoint is unchanged."""
@@ -165,7 +211,7 @@ def rows_of(explained) -> list[dict]:
 
 def run(workload, keys, log) -> list[dict]:
     table = []
-    catalogue = methods(workload)
+    catalogue = default_methods(workload) if getattr(workload, "defaults", False) else methods(workload)
     for key in keys:
         label, build = catalogue[key]
         with ga.options(batch_size=BATCH, progress=False):
@@ -209,6 +255,8 @@ def main(argv=None):
     parser.add_argument("--gpt2-query", type=int, default=8)
     parser.add_argument("--mlp-train", type=int, default=2000)
     parser.add_argument("--mlp-query", type=int, default=64)
+    parser.add_argument("--small-train", type=int, default=10, help="training sequences of gpt2-2l and gpt2-small")
+    parser.add_argument("--small-query", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--refresh", action="store_true", help="measure the device profile again")
     parser.add_argument("--markdown", action="store_true", help="print the table as markdown at the end")
@@ -224,10 +272,18 @@ def main(argv=None):
           f"{'cpu/est':>6}")
     table = []
     for name in args.workloads.split(","):
-        workload = (MLPWorkload(args.mlp_train, args.mlp_query) if name == "mlp"
-                    else GPT2Workload(args.gpt2_train, args.gpt2_query))
-        keys = [k for k in (args.methods.split(",") if args.methods else methods(workload)) if k]
-        run(workload, keys[:1], lambda s: None)          # warm-up: allocator, kernels, first-call costs
+        if name == "mlp":
+            workload = MLPWorkload(args.mlp_train, args.mlp_query)
+        elif name == "gpt2":
+            workload = GPT2Workload(args.gpt2_train, args.gpt2_query)
+        elif name in ("gpt2-small", "gpt2-2l"):
+            workload = GPT2DefaultsWorkload(12 if name == "gpt2-small" else 2, args.small_train, args.small_query)
+        else:
+            parser.error(f"unknown workload {name!r}: mlp, gpt2, gpt2-2l or gpt2-small")
+        default = getattr(workload, "default_keys", None) or list(methods(workload))
+        keys = [k for k in (args.methods.split(",") if args.methods else default) if k]
+        if getattr(workload, "warm_up", True):
+            run(workload, keys[:1], lambda s: None)          # warm-up: allocator, kernels, first-call costs
         table += run(workload, keys, lambda s: print(s, flush=True))
     load1 = os.getloadavg()
     if not table:
@@ -237,6 +293,12 @@ def main(argv=None):
     print(f"\nsummary: {len(table)} passes, {inside} within [0.5, 2]; worst ratio {worst['ratio']:.2f} "
           f"({worst['workload']} {worst['method']} pass {worst['pass']}: est {worst['estimated']:.3f} s, "
           f"measured {worst['measured']:.3f} s); load average {load0[0]:.2f} at start, {load1[0]:.2f} at the end")
+    for name in dict.fromkeys(r["workload"] for r in table):    # the worst pass of each setting
+        rows = [r for r in table if r["workload"] == name]
+        w = max(rows, key=lambda r: max(r["ratio"], 1 / r["ratio"]))
+        print(f"  {name:10s} {len(rows):3d} passes, {sum(0.5 <= r['ratio'] <= 2.0 for r in rows):3d} within [0.5, 2]; "
+              f"worst {w['ratio']:.2f} ({w['method']} pass {w['pass']}, {w['reads'][:26]}: est {w['estimated']:.4f} s, "
+              f"measured {w['measured']:.4f} s, wall {w['wall']:.4f} s)")
     if args.markdown:
         print()
         print(markdown(table))

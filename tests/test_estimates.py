@@ -91,7 +91,8 @@ def test_job_costs_follow_the_rows_layout_and_kind():
     # once, both factors' eigendecompositions
     assert c.gemms == ((9, 9, 8, 3, 8), (16, 16, 8, 3, 8), (17, 17, 8, 3, 8), (3, 3, 8, 3, 8))
     assert c.eighs == ((9, 1), (16, 1), (17, 1), (3, 1))
-    assert c.ops == 3 * 2 * E.OPS_PER_BLOCK["kfac"]                   # 3 chunks × 2 blocks
+    # the fixed cost of 3 chunks × 2 blocks (measured per block, else OPS_PER_BLOCK ops each)
+    assert c.blocks == (("kfac", 6.0, float(E.OPS_PER_BLOCK["kfac"])),) and c.ops == 0
     # the inverse applied to 5 held rows in its eigenbasis (KronOp.apply_blocks): per block
     # Q_Sᵀ · and Q_S · as two batched calls of 5 (out, in, out) products, · Q_A and · Q_Aᵀ
     # as two (5·out, in, in) GEMMs, and the rows read and written
@@ -230,6 +231,26 @@ def test_pass_seconds_are_the_profile_price_of_the_pass_cost():
     memory = [s for s in p.passes if not s.reads_data]
     assert memory and all(s.cost.ops < E.OPS_PER_PASS for s in memory)
     assert E.pass_overhead(2, reads_data=False).ops == 2 * E.OPS_PER_MEMORY_PASS
+
+
+def test_a_pass_over_stored_rows_is_costed_per_chunk_they_were_stored_in():
+    """Rows a pass stores batch by batch are read back in those chunks: a later pass over
+    them pays its per-chunk GEMMs and per-block fixed costs per stored batch (20 rows in
+    batches of 8: 3 chunks), not once over all rows; a Kronecker inverse is resolved
+    (its eigenvalues inverted) once per block, and applied with each block's fixed cost."""
+    _, task, train, query, batch = mlp()
+    G = ga.grads(task, train)
+    with ga.options(batch_size=batch):
+        p = plan((ga.grads(task, query) @ ga.ekfac(G).damp(0.1).inv() @ G.T).expr, device=A100)
+    stored = next(s for s in p.passes if any(j.kind == "store" for j in s.jobs))
+    ekfac = next((s, j) for s in p.passes for j in s.jobs if j.kind == "ekfac")
+    assert not ekfac[0].reads_data and stored.batch_size == batch
+    assert ekfac[1].cost.blocks == (("ekfac", 3.0 * 2, float(E.OPS_PER_BLOCK["ekfac"])),)   # 3 chunks × 2 blocks
+    assert ekfac[1].cost == E.job_cost(ekfac[1], 20, {"0": "factors", "2": "factors"}, batch, p.dtype,
+                                       options=ga.options())
+    op = next(j for s in p.passes for j in s.jobs if j.kind == "scores").target.op
+    assert E.resolve_cost(op).blocks == (("resolve", 2.0, 0.0),)
+    assert ("precondition", 2.0, 0.0) in E.apply_cost(op, G.space, 5).blocks
 
 
 def test_explain_analyze_shows_estimate_and_measured_side_by_side():

@@ -166,6 +166,23 @@ def test_device_profile_prices_gemms_by_shape_and_fixed_costs():
     assert (c + C.Cost(flops=1e10)).seconds(prof) == pytest.approx(c.seconds(prof) + 1.0)
 
 
+def test_block_fixed_costs_are_priced_at_the_measured_seconds_per_block_of_their_kind():
+    """A block of gradalg's per-block work costs the profile's measured seconds for its
+    kind (``block_seconds``), else its small ops at ``op_seconds``; counts scale per chunk;
+    a measured profile has every kind the estimates use."""
+    b = C.block_cost("ekfac", 3, ops=10) + C.block_cost("resolve", 2)
+    assert b.blocks == (("ekfac", 3.0, 10.0), ("resolve", 2.0, 0.0)) and b.scaled(4).blocks[0] == ("ekfac", 12.0, 10.0)
+    assert C.block_cost("ekfac", 0, 10) == C.Cost()
+    plain = devices.DeviceProfile("toy", 1e10, 1e10, 1e9, 1e9, op_seconds=1e-6)
+    assert b.seconds(plain) == pytest.approx(3 * 10 * 1e-6)           # unmeasured: ops, and nothing for resolve
+    timed = replace(plain, block_seconds=(("ekfac", 4e-5), ("resolve", 2e-5)))
+    assert b.seconds(timed) == pytest.approx(3 * 4e-5 + 2 * 2e-5)
+    assert devices.DeviceProfile.from_json(timed.to_json()) == timed
+    measured = dict(devices._measure_blocks())
+    assert set(measured) == {"ekfac", "kfac", "scores", "ghost", "precondition", "resolve"}
+    assert all(0 < s < 0.05 for s in measured.values())
+
+
 def test_batched_gemms_are_priced_by_their_total_size_plus_one_call():
     """b products in one call: op_seconds plus b·2mnk FLOPs at the batched rate of
     their size (the single-GEMM rate where faster), not b single calls; without batched

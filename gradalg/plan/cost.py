@@ -16,7 +16,11 @@ A :class:`Cost` counts, device-independently,
 * ``passes`` over datasets, and fixed costs: module ``calls`` (each forward or backward
   of a module: a hook, an autograd node), small tensor ``ops`` (gradalg's per-chunk
   bookkeeping), captured ``batches`` and recorded ``layer_batches`` (a layer of a
-  captured batch).
+  captured batch), and ``blocks``: the fixed cost of gradalg's own work per block of a
+  chunk, ``(kind, count, ops)`` for ``count`` blocks of a job or step of that kind
+  ("ekfac", "kfac", "scores", "ghost", "precondition", "resolve", …), priced at the
+  device profile's measured seconds per block of that kind (``block_seconds``), else as
+  ``ops`` small ops each.
 
 :meth:`gradalg.plan.devices.DeviceProfile.time_of` turns a Cost into seconds.
 :func:`model_flops` counts a model's forward FLOPs per token from its module shapes
@@ -37,7 +41,7 @@ from ..expr.tokens import token_rows
 
 __all__ = ["Cost", "activation_bytes", "output_bytes", "model_flops", "first_example_shape", "tokens_hint", "gemm_cost", "bmm_cost",
            "gram_cost", "ghost_cost",
-           "dense_cost", "materialize_cost", "kron_project_cost", "dense_project_cost", "fisher_cost", "eigh_cost",
+           "dense_cost", "materialize_cost", "kron_project_cost", "dense_project_cost", "fisher_cost", "eigh_cost", "block_cost",
            "svd_cost", "SVD_GEMMS"]
 
 
@@ -64,6 +68,7 @@ class Cost:
     faulted: float = 0.0       # bytes of fresh memory touched (page faults)
     randoms: float = 0.0       # float64 random numbers drawn on the CPU (a dense projection's matrix)
     bmms: tuple = ()           # ((b, m, n, k, count, elem), ...): count batched calls of b GEMMs each (FLOPs in flops)
+    blocks: tuple = ()         # ((kind, count, ops), ...): fixed costs per block of a kind (measured, else ops each)
 
     def __add__(self, other: "Cost") -> "Cost":
         return Cost(self.flops + other.flops, self.bytes + other.bytes,
@@ -71,7 +76,7 @@ class Cost:
                     self.calls + other.calls, self.gemms + other.gemms, self.eighs + other.eighs,
                     self.ops + other.ops, self.batches + other.batches, self.layer_batches + other.layer_batches,
                     self.elementwise + other.elementwise, self.faulted + other.faulted,
-                    self.randoms + other.randoms, self.bmms + other.bmms)
+                    self.randoms + other.randoms, self.bmms + other.bmms, self.blocks + other.blocks)
 
     def scaled(self, c: float) -> "Cost":
         """This cost repeated ``c`` times: every count times ``c`` except ``peak_bytes``
@@ -80,7 +85,8 @@ class Cost:
                     tuple((m, n, k, count * c, e) for m, n, k, count, e in self.gemms),
                     tuple((d, count * c) for d, count in self.eighs), self.ops * c, self.batches * c,
                     self.layer_batches * c, self.elementwise * c, self.faulted * c, self.randoms * c,
-                    tuple((b, m, n, k, count * c, e) for b, m, n, k, count, e in self.bmms))
+                    tuple((b, m, n, k, count * c, e) for b, m, n, k, count, e in self.bmms),
+                    tuple((kind, count * c, ops) for kind, count, ops in self.blocks))
 
     def seconds(self, profile, dtype=torch.float32) -> float:
         """Estimated seconds on a device ``profile`` (:mod:`gradalg.plan.devices`): GEMMs by
@@ -202,6 +208,18 @@ def svd_cost(n, n_out, n_in, elem=4) -> Cost:
     m, big = min(n_out, n_in), max(n_out, n_in)
     return (bmm_cost(n, big, m, m, SVD_GEMMS, elem) + eigh_cost(m, n)
             + Cost(bytes=float(elem) * n * (n_out + n_in + 1) * m))
+
+
+def block_cost(kind: str, count: float, ops: float = 0.0) -> Cost:
+    """The fixed cost of ``count`` blocks of gradalg's per-block work of ``kind`` (a job's
+    work on one block of one chunk, a resolved operator applied to or resolved for one
+    block): the casts, views, small products and accumulations beyond the GEMMs and
+    traffic counted by shape, priced at the profile's measured seconds per block of that
+    kind (:attr:`gradalg.plan.devices.DeviceProfile.block_seconds`), else as ``ops``
+    small ops each."""
+    if count <= 0:
+        return Cost()
+    return Cost(blocks=((kind, float(count), float(ops)),))
 
 
 def eigh_cost(d, count=1) -> Cost:

@@ -33,6 +33,12 @@ A :class:`DeviceProfile` prices the counts of a :class:`~gradalg.plan.cost.Cost`
   of gradalg's own per-chunk work (dispatch of a torch op), and ``batch_seconds`` +
   ``layer_seconds`` × recorded layers per captured batch (the Python of one capture:
   installing hooks, ``autograd.grad`` over the recorded outputs, building factors).
+  ``block_seconds`` per block of gradalg's own per-chunk work, by kind: measured by
+  running the kernels a job runs on one block (EK-FAC's rotation, K-FAC's Grams, a score
+  block, a Kronecker preconditioner applied and inverted) on tiny blocks, less the
+  batched-GEMM calls the cost model prices by shape. A pass over rows in memory is
+  mostly these: GPT-2 small's 48 projected blocks cost 30–300 µs each in casts, views and
+  small products, where ``op_seconds`` (a chain of ops on 4 × 4 tensors) priced 14 µs.
 * **Random numbers**: ``random_seconds`` per float64 normal number drawn by torch's CPU
   generator (a dense projection's matrix is drawn there on every device).
 
@@ -71,8 +77,8 @@ __all__ = ["DeviceProfile", "PRESETS", "PROFILE_VERSION", "UNMEASURED_CPU", "cac
 #: the cost model's version: a cached profile without every number this one prices is
 #: measured again (1: matmul, copy and module call; 2: GEMMs by shape, eigh by size,
 #: per-op and per-batch overheads; 3: medians, elementwise and page-fault bandwidths;
-#: 4: random numbers; 5: batched GEMMs)
-PROFILE_VERSION = 5
+#: 4: random numbers; 5: batched GEMMs; 6: fixed costs per block of a job's work)
+PROFILE_VERSION = 6
 
 
 #: GEMMs with a smaller inner dimension k are outer products (see ``gemm_seconds``)
@@ -120,6 +126,7 @@ class DeviceProfile:
     bmm_call_seconds: float = 0.0  # fixed cost of one batched-GEMM call (an einsum); 0: op_seconds
     eigh_times: tuple = ()       # ((d, seconds), …): float64 eigh; () = 9 d³ FLOPs at the float64 rate
     random_seconds: float = 3e-8  # one float64 normal number from torch's CPU generator
+    block_seconds: tuple = ()    # ((kind, seconds), …): fixed cost per block of gradalg's work; () = ops each
     version: int = PROFILE_VERSION
     link_bandwidth: float = 0.0  # bytes/s one GPU receives from its peers (NVLink); 0: not modelled
     count: int = 1               # devices of this kind a run may use (scale estimates; planning is per device)
@@ -212,7 +219,16 @@ class DeviceProfile:
         return (gemm_time + eigh_time + rest / self.flops(dtype) + cost.bytes / self.bandwidth
                 + cost.elementwise / elementwise + faults + cost.randoms * self.random_seconds
                 + cost.calls * self.call_seconds + cost.ops * self.op_seconds
-                + cost.batches * self.batch_seconds + cost.layer_batches * self.layer_seconds)
+                + cost.batches * self.batch_seconds + cost.layer_batches * self.layer_seconds
+                + sum(count * self.block_fixed_seconds(kind, ops) for kind, count, ops in getattr(cost, "blocks", ())))
+
+    def block_fixed_seconds(self, kind: str, ops: float = 0.0) -> float:
+        """The fixed cost of one block of gradalg's per-block work of ``kind``: measured
+        (``block_seconds``), else ``ops`` small ops (``op_seconds`` each)."""
+        for name, seconds in self.block_seconds:
+            if name == kind:
+                return seconds
+        return ops * self.op_seconds
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -224,7 +240,7 @@ class DeviceProfile:
             raise ValueError("cached device profile of another cost-model version")
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in entry.items() if k in known}
-        for key in ("gemm_rates", "bmm_rates", "eigh_times"):
+        for key in ("gemm_rates", "bmm_rates", "eigh_times", "block_seconds"):
             values[key] = tuple(tuple(p) for p in values.get(key, ()))
         return cls(**values)
 
@@ -348,7 +364,7 @@ def _measure_cpu() -> DeviceProfile:
                          elementwise_bandwidth=_measure_elementwise(), fault_bandwidth=_measure_faults(),
                          gemm_rates=rates, bmm_rates=_measure_bmms(), bmm_call_seconds=_measure_bmm_call(),
                          eigh_times=_measure_eighs(),
-                         random_seconds=_measure_randoms())
+                         random_seconds=_measure_randoms(), block_seconds=_measure_blocks())
 
 
 def _measure_faults() -> float:
@@ -435,6 +451,73 @@ def _measure_capture(call: float) -> tuple[float, float]:
     two, six = timing(2), timing(6)
     layer = max((six - two) / 4, 1e-6)
     return max(two - 2 * layer, 1e-6), layer
+
+
+#: the per-block kernels timed by :func:`_measure_blocks`: a block of ``BLOCK_WIDTH`` ×
+#: ``BLOCK_WIDTH`` (out, in) of ``BLOCK_ROWS`` examples of ``BLOCK_POSITIONS`` positions, so
+#: small that their arithmetic is negligible beside their fixed cost
+BLOCK_WIDTH, BLOCK_ROWS, BLOCK_POSITIONS = 4, 2, 4
+
+
+def _measure_blocks() -> tuple:
+    """``((kind, seconds), …)``: the fixed cost of one block of gradalg's per-chunk work,
+    each kind the kernels of its job run on one tiny block (:data:`BLOCK_WIDTH`), less
+    the batched-GEMM calls (einsums over examples) the cost model prices by shape
+    (``bmm_call_seconds`` each):
+
+    * ``ekfac``: EK-FAC's rotation of a chunk's factors into float64 K-FAC eigenbases
+      (``rotate_factors``, as ``torch.linalg.eigh`` returns them) and its squares summed
+      into float64 (one einsum);
+    * ``kfac``: K-FAC's statistics of a chunk (``KronStats.update``: both Grams, the
+      running sums);
+    * ``scores``: a dense score block, the streamed factors materialized (one einsum),
+      one GEMM with the held rows, added to the chunk's scores;
+    * ``ghost``: a ghost score block (``ghost_inner``: two einsums);
+    * ``precondition``: a Kronecker preconditioner applied to one block of rows (rotated
+      in, scaled by Λ, rotated back, cast: two batched products);
+    * ``resolve``: a Kronecker operator's inverse on one block (its eigenvalues checked
+      and inverted in float64).
+    """
+    from ..capture.factors import Factors, ghost_inner, materialize
+    from ..curvature.kron import KronStats, _rotate_back, rotate_factors, rotate_rows
+    from ..linalg.base import reciprocal
+
+    w, n, T = BLOCK_WIDTH, BLOCK_ROWS, BLOCK_POSITIONS
+    g = torch.Generator().manual_seed(0)
+    F = Factors(torch.randn(n, T, w, generator=g), torch.randn(n, T, w, generator=g))
+    held = torch.randn(n, w * w, generator=g)
+    M = torch.randn(w, w, dtype=torch.float64, generator=g)
+    Q = torch.linalg.eigh(M @ M.T + torch.eye(w, dtype=torch.float64))[1]     # (w, w), column-major
+    lam = torch.rand(w, w, generator=g) + 1.0
+    sums = torch.zeros(w, w, dtype=torch.float64)
+    G = torch.randn(n, w, w, generator=g)
+    bmm_call = _measure_bmm_call()
+
+    def ekfac():
+        sums.add_((rotate_factors(F, Q, Q) ** 2).sum(0).to(torch.float64))
+
+    def kfac():
+        KronStats(float64_width=w).update(F)
+
+    def scores():
+        return torch.zeros(n, n) + held @ materialize(F).flatten(1).T
+
+    def ghost():
+        return torch.zeros(n, n) + ghost_inner(F, F)
+
+    def precondition():
+        return _rotate_back(rotate_rows(G, Q, Q) * lam, Q, Q).flatten(1).to(torch.float32)
+
+    def resolve():
+        return reciprocal(lam.to(torch.float64), "a block").to(lam.dtype)
+
+    kernels = {"ekfac": (ekfac, 1), "kfac": (kfac, 0), "scores": (scores, 1), "ghost": (ghost, 2),
+               "precondition": (precondition, 2), "resolve": (resolve, 0)}
+    out = []
+    for kind, (fn, calls) in kernels.items():
+        fn()
+        out.append((kind, max(_fastest(fn, 0.05) - calls * bmm_call, 1e-7)))
+    return tuple(out)
 
 
 def read_cached(key: str) -> DeviceProfile | None:

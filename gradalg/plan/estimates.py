@@ -35,7 +35,7 @@ from torch import nn
 
 from ..expr import (AdamPrecondition, DataInf, Fisher, Inverse, LowRank, Normalize, Power, Precondition, Project, ScaleRows,
                     Source)
-from .cost import (Cost, activation_bytes, bmm_cost, dense_cost, eigh_cost, fisher_cost, gemm_cost,
+from .cost import (Cost, activation_bytes, block_cost, bmm_cost, dense_cost, eigh_cost, fisher_cost, gemm_cost,
                    ghost_cost, gram_cost, kron_project_cost, materialize_cost, svd_cost, tokens_hint)
 from .memory import positions, rows_of
 from .shapes import element_size, rows_per_example
@@ -48,7 +48,10 @@ __all__ = ["capture_cost", "pass_capture_cost", "job_cost", "apply_cost", "apply
 #: forward and per backward: nonlinearities, norms, residual adds, the loss head, and
 #: autograd's saved tensors read back (calibrated with ``benchmarks/estimates.py``)
 ELEMENTWISE_SWEEPS = {"forward": 3.0, "backward": 4.0}
-#: small tensor ops a job runs per chunk and block (casts, views, accumulation, checks)
+#: small tensor ops a job runs per chunk and block (casts, views, accumulation, checks),
+#: the price of its fixed cost per block (``block_cost(kind, …)``) on a profile that has not
+#: measured that kind (``DeviceProfile.block_seconds``: the nominal GPU profiles; on a
+#: measured CPU "ekfac", "kfac", "scores" and "ghost" blocks are timed)
 OPS_PER_BLOCK = {"collect": 4, "store": 4, "group": 6, "fisher": 6, "kfac": 14, "ekfac": 10, "scores": 10,
                  "diag": 6}
 #: small-op equivalents a pass over data runs once per job (opening sinks, fingerprinting the
@@ -194,7 +197,8 @@ def apply_cost(op, space, n: int, elem: int = 4, options=None) -> Cost:
     (n, d, d)), a Kronecker eigenbasis rotates each (out, in) block in and back
     (``KronOp.apply_blocks``: twice a batched call of n (out, in, out) products, ``Q_S``
     from the left, and one (n·out, in, in) GEMM, ``Q_A`` from the right; an identity basis,
-    the side of a factor wider than ``options.kron_diagonal_width``, costs nothing), a rank-r
+    the side of a factor wider than ``options.kron_diagonal_width``, costs nothing) plus each
+    block's fixed cost (``block_cost("precondition", …)``: casts, scaling), a rank-r
     factorization costs 4n·d·r.
     Implicit operators are costed as dense; DataInf as its closed form over its data."""
     structure = op.structure
@@ -211,8 +215,8 @@ def apply_cost(op, space, n: int, elem: int = 4, options=None) -> Cost:
         for b in space.blocks:
             cost = cost + gemm_cost(n, b.dim, b.dim, 1, elem)
         return cost
-    if structure == "kron":
-        cost = Cost()
+    if structure == "kron":      # per block: the fixed cost of its rotations, scaling and cast
+        cost = block_cost("precondition", sum(1 for b in space.blocks if len(b.shape) == 2))
         diagonal_width = getattr(options, "kron_diagonal_width", None)
         for b in space.blocks:
             if len(b.shape) == 2:
@@ -243,11 +247,14 @@ def apply_flops(op, space, n: int) -> float:
 
 def resolve_cost(op) -> Cost:
     """Resolving ``op`` where it is applied: an inverse or power of a dense or block
-    Fisher is a float64 eigendecomposition per matrix and a (d, d, d) GEMM to rebuild it
-    (K-FAC's eigendecompositions belong to its ``kfac`` job)."""
-    if op.structure not in ("dense", "block") or _find(op, DataInf) is not None:
+    Fisher is a float64 eigendecomposition per matrix and a (d, d, d) GEMM to rebuild it;
+    of a Kronecker operator, its eigenvalues inverted per block (the fixed cost
+    ``block_cost("resolve", blocks)``: K-FAC's eigendecompositions belong to its ``kfac`` job)."""
+    if _find(op, DataInf) is not None or _find(op, (Inverse, Power)) is None:
         return Cost()
-    if _find(op, (Inverse, Power)) is None:
+    if op.structure == "kron":     # its eigenvalues inverted block by block (eigenbases: the kfac job's)
+        return block_cost("resolve", len(op.space.blocks))
+    if op.structure not in ("dense", "block"):
         return Cost()
     fisher = _find(op, Fisher)
     space = fisher.space if fisher is not None else op.space
@@ -641,7 +648,12 @@ def _chunk_cost(job, node, c: int, layout: dict, elem: int) -> Cost:
     kind = job.kind
     T = positions(node)
     blocks = node.space.blocks
-    cost = Cost(ops=len(blocks) * OPS_PER_BLOCK.get(kind, 4))
+    ops = OPS_PER_BLOCK.get(kind, 4)
+    if kind == "scores":     # a ghost block's fixed cost is its own (measured apart)
+        ghosts = sum(1 for b in blocks if job.kernels.get(b.name) == "ghost")
+        cost = block_cost("ghost", ghosts, ops) + block_cost(kind, len(blocks) - ghosts, ops)
+    else:
+        cost = block_cost(kind, len(blocks), ops)
     factored = {b.name: layout.get(b.name) == "factors" and len(b.shape) == 2 for b in blocks}
 
     def flat(b):   # the block's rows made flat (materialized from factors when they are factors)
@@ -686,7 +698,7 @@ def _chunk_cost(job, node, c: int, layout: dict, elem: int) -> Cost:
                     cost = cost + gemm_cost(T[b.name], in_f, in_f, c, elem)
                 if not _diagonal(out_f, diagonal_width):
                     cost = cost + gemm_cost(T[b.name], out_f, out_f, c, elem)
-                cost = cost + gemm_cost(out_f, in_f, T[b.name], c, elem) + Cost(ops=3 * c)
+                cost = cost + gemm_cost(out_f, in_f, T[b.name], c, elem) + block_cost("ekfac", c - 1, 3)
             elif factored[b.name]:
                 m = c * T[b.name]
                 cost = (cost + gemm_cost(m, in_f, in_f, 1, elem) + gemm_cost(m, out_f, out_f, 1, elem)

@@ -184,6 +184,7 @@ class _Planner:
         self._share_keys: dict[int, tuple] = {}      # {id(source): (source, forward_share_key)}
         self.drawn: set = set()     # dense projection matrices an earlier pass draws (kept by the process)
         self.resolved: set = set()  # operators an earlier pass or transform resolves (kept by the run)
+        self.stored_chunks: dict = {}  # {token: examples per chunk} of rows a pass stores batch by batch
 
     # ---- jobs -------------------------------------------------------------------
     def add(self, job: Job) -> tuple:
@@ -832,16 +833,21 @@ class _Planner:
                        "the activations small" if by_tokens and p.batch_size == by_tokens < fit else "")))
             cost = self._pass_capture_cost(sources, p.batch_size)
             n = data.n
+            chunk = p.batch_size
+            for job in p.jobs:    # stored rows stay in the chunks of this pass's batches
+                if job.kind == "store":
+                    self.stored_chunks[job.target.token] = p.batch_size
         else:
             cost = Cost()
             n = p.jobs[0].streams[0].n
+            chunk = self.stored_chunks.get(p.key[1])   # rows in memory: read in the chunks they were stored in
         cost = cost + estimates.pass_overhead(len(p.jobs), n if p.reads_data else 0, per_ex, p.reads_data)
         for job in p.jobs:
             # rows streamed by the job: n·T for per-token rows (ga.GradientSet.per_token)
             job.cost = self._job_cost(job, job.streams[0].n if job.streams and p.reads_data else n,
-                                      p.reads_data, p.batch_size)
+                                      p.reads_data, chunk)
             cost = cost + job.cost
-        cost = cost + self._rowwise_cost(p.jobs, n, p.batch_size, set() if p.reads_data else {p.key[1]},
+        cost = cost + self._rowwise_cost(p.jobs, n, chunk, set() if p.reads_data else {p.key[1]},
                                          p.reads_data)
         # one read of the data, however many sources are captured from each batch
         cost = replace(cost, peak_bytes=fixed + per_ex * (p.batch_size or 1), passes=1.0 if p.reads_data else 0.0)
