@@ -172,6 +172,13 @@ class Options:
         A sparse (SJLT / mask) projection of a factored block materializes the block in
         slices of examples of at most this many elements (a block larger than this: one
         example at a time, in slices of output rows).
+    dense_curvature_dim : int
+        ``curvature="auto"`` (the default of ``ga.methods.influence`` and ``relatif`` with the
+        direct solver) is the dense Gauss-Newton when the (projected) gradient space has at
+        most this many coordinates, EK-FAC above it (default 16384: a dense float64 H of
+        16,384² is 2 GiB, and its eigendecomposition a few seconds; GPT-2 small's block
+        linears are 85 M coordinates, whose dense H would be 58 PB). The choice and this
+        threshold are named in the plan (the damping's note).
     dense_projection_bytes : int
         The largest dense (k, d) float64 projection matrix a method draws by default
         (``ga.methods.trak``, ``ga.methods.less``; default 1 GiB: d ≤ 65,536 at k = 2048,
@@ -235,6 +242,7 @@ class Options:
     kron_float32_rtol: float = 1e-2
     kron_diagonal_width: int = 16384
     projection_slice_elements: int = 2**26
+    dense_curvature_dim: int = 16384
     dense_projection_bytes: int = 2**30
     sjlt_table_bytes: int = 2**28
     reuse_buffer_bytes: int = 2**20
@@ -280,7 +288,7 @@ class Options:
         if isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not 0 < rtol < 1:
             raise OptionError(f"kron_float32_rtol must be a number in (0, 1), got {rtol!r}")
         for name in ("ghost_slice_elements", "projection_slice_elements", "reuse_buffer_bytes", "token_block",
-                     "kron_float64_width", "kron_diagonal_width", "dense_projection_bytes",
+                     "kron_float64_width", "kron_diagonal_width", "dense_curvature_dim", "dense_projection_bytes",
                      "sjlt_table_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

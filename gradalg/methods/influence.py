@@ -10,7 +10,9 @@ decay and λ extra damping. ``curvature`` picks H, ``solver`` how it is inverted
 =================  ===========================================================  =====================
 curvature          H                                                             solvers
 =================  ===========================================================  =====================
-``gauss_newton``   Gauss-Newton = true Fisher (default): exact from the task's   direct, cg, lissa,
+``auto``           (default) ``gauss_newton`` up to ``ga.options(dense_curvature_dim)``  as those
+                   (projected) coordinates with the direct solver, ``ekfac`` above
+``gauss_newton``   Gauss-Newton = true Fisher: exact from the task's             direct, cg, lissa,
                    ``expected_terms`` (small output spaces), else sampled labels arnoldi
 ``empirical``      empirical Fisher (1/n) Σ ∇L(z)∇L(z)ᵀ of the true labels        direct
 ``hessian``        (1/n) Σ ∇²L(z), through Hessian-vector products (torch.func)  cg, lissa, arnoldi
@@ -25,7 +27,12 @@ solvers never form H: each step is one pass over the curvature data (Agarwal et 
 2017 for LiSSA; Schioppa et al. 2022 for Arnoldi).
 
 Measured on a small MLP (see docs/fidelity.md) the empirical Fisher loses LDS against
-the Gauss-Newton curvature, which is why Gauss-Newton is the default.
+the Gauss-Newton curvature, which is why Gauss-Newton is the default where a dense H fits.
+At width a dense H cannot exist (GPT-2 small's 85 M block coordinates: 58 PB), so the
+default ``curvature="auto"`` takes EK-FAC above ``ga.options(dense_curvature_dim)``
+coordinates (16,384 by default), as Kronfluence does for every model; with an iterative
+solver it is the Gauss-Newton through products, which never forms H. The plan names the
+choice in the damping's note.
 
 Damping and weight decay (shown in the plan, each ``damp`` with where it came from):
 
@@ -71,9 +78,10 @@ import torch
 from ..api import (Operator, Scores, arnoldi, datainf, diagonal, fisher, gauss_newton, grads, hessian, kfac)
 from ..expr.projection import Projector
 from ..objective import DecayTerm, ObjectiveError, training_objective
+from ..options import get_options
 from ..task import Task
 
-CURVATURES = ("gauss_newton", "empirical", "hessian", "kfac", "ekfac", "datainf")
+CURVATURES = ("auto", "gauss_newton", "empirical", "hessian", "kfac", "ekfac", "datainf")
 SOLVERS = ("direct", "cg", "lissa", "arnoldi")
 #: default λ / mean eigenvalue of an explicit H, per curvature, measured on the digits MLP
 #: (benchmarks/damping_defaults.py, LDS, 50 subsets; docs/user_guide.md "Defaults from the
@@ -146,21 +154,42 @@ def decay_term(weight_decay=None, optimizer=None, like=None) -> DecayTerm | None
     return None
 
 
+def resolve_curvature(curvature: str, solver: str, dim: int) -> tuple[str, str | None]:
+    """``(curvature, note)``: ``"auto"`` made concrete for a space of ``dim`` (projected)
+    coordinates, and the note the plan shows for it (None for a curvature given by name).
+
+    ``"auto"``: ``"gauss_newton"`` through products with an iterative solver; with the direct
+    solver ``"gauss_newton"`` (dense H) when ``dim ≤ ga.options(dense_curvature_dim)``, else
+    ``"ekfac"``."""
+    if curvature != "auto":
+        return curvature, None
+    limit = get_options().dense_curvature_dim
+    if solver != "direct":
+        return "gauss_newton", f"curvature='auto': Gauss-Newton products ({solver})"
+    if dim <= limit:
+        return "gauss_newton", (f"curvature='auto': dense Gauss-Newton, {dim:,} coordinates ≤ "
+                                f"ga.options(dense_curvature_dim={limit})")
+    return "ekfac", (f"curvature='auto': EK-FAC, {dim:,} coordinates > ga.options(dense_curvature_dim={limit}) "
+                     "(a dense H would need " + f"{8.0 * dim * dim / 2**30:,.1f} GiB)")
+
+
 def damped(H: Operator, *, damping: float | None, relative_damping: float, explicit: bool,
            decay: DecayTerm | None = None, parameter_coordinates: bool = True, exact_diagonal: bool = True,
-           what: str = "this curvature") -> Operator:
-    """``H + λI + (weight-decay term)``, each part labelled with where it came from.
+           what: str = "this curvature", why: str | None = None) -> Operator:
+    """``H + λI + (weight-decay term)``, each part labelled with where it came from
+    (``why``: how the curvature was chosen, added to the damping's note).
 
     explicit : H's spectrum is at hand (relative damping possible).
     parameter_coordinates : H lives in the model's parameter coordinates (no projection).
     exact_diagonal : a per-coordinate decay can be added to H exactly (not K-FAC / DataInf).
     """
+    suffix = f"; {why}" if why else ""
     if damping is not None:
-        H = H.damp(damping, note="damping (given)")
+        H = H.damp(damping, note="damping (given)" + suffix)
     elif explicit:
-        H = H.damp(relative_damping, relative=True, note=f"default: {relative_damping:g} × mean eigenvalue")
+        H = H.damp(relative_damping, relative=True, note=f"default: {relative_damping:g} × mean eigenvalue" + suffix)
     else:
-        H = H.damp(ABSOLUTE_DAMPING, note="default: no spectrum for products-only H")
+        H = H.damp(ABSOLUTE_DAMPING, note="default: no spectrum for products-only H" + suffix)
     if decay is None or decay.zero:
         return H
     if decay.uniform:
@@ -184,7 +213,7 @@ def _refuse_nonuniform(decay: DecayTerm, parameter_coordinates: bool, exact_diag
 
 
 def curvature_operator(task: Task, data, *, layers=None, projector: Projector | None = None,
-                       curvature: str = "gauss_newton", solver: str = "direct", damping: float | None = None,
+                       curvature: str = "auto", solver: str = "direct", damping: float | None = None,
                        structure: str = "dense", rank: int = 32, seed: int = 0, solver_settings=None,
                        train_grads=None, relative_damping: float | None = None, weight_decay=None,
                        optimizer=None, covariance_max_examples: int | None = None,
@@ -202,9 +231,14 @@ def curvature_operator(task: Task, data, *, layers=None, projector: Projector | 
     """
     if curvature not in CURVATURES:
         raise ValueError(f"curvature must be one of {CURVATURES}, got {curvature!r}")
-    check_kron_subsets(curvature, covariance_max_examples, lambda_max_examples)
     if solver not in SOLVERS:
         raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
+    why = None
+    if curvature == "auto":
+        space = (train_grads if train_grads is not None else
+                 (projector or (lambda G: G))(grads(task, data, layers))).space
+        curvature, why = resolve_curvature(curvature, solver, space.dim)
+    check_kron_subsets(curvature, covariance_max_examples, lambda_max_examples)
     settings = dict(solver_settings or {})
     if relative_damping is None:
         relative_damping = RELATIVE_DAMPING.get(curvature, 0.1)
@@ -230,9 +264,9 @@ def curvature_operator(task: Task, data, *, layers=None, projector: Projector | 
         if solver == "arnoldi":
             H = arnoldi(H, rank, seed=seed)
             return damped(H, damping=damping, relative_damping=relative_damping, explicit=False, decay=decay,
-                          exact_diagonal=False, what="Arnoldi's low-rank H").inv()
+                          exact_diagonal=False, what="Arnoldi's low-rank H", why=why).inv()
         return damped(H, damping=damping, relative_damping=relative_damping, explicit=False,
-                      decay=decay).inv(method=solver, **settings)
+                      decay=decay, why=why).inv(method=solver, **settings)
     if solver != "direct":
         raise ValueError(f"curvature={curvature!r} is formed explicitly: use solver='direct'")
     objective = "loss" if curvature == "empirical" else gauss_newton_objective(task)
@@ -242,20 +276,24 @@ def curvature_operator(task: Task, data, *, layers=None, projector: Projector | 
         H = kfac(C, eigen_correction=curvature == "ekfac", covariance_max_examples=covariance_max_examples,
                  lambda_max_examples=lambda_max_examples)
         return damped(H, damping=damping, relative_damping=relative_damping, explicit=True, decay=decay,
-                      parameter_coordinates=in_params, exact_diagonal=False, what=curvature.upper()).inv()
+                      parameter_coordinates=in_params, exact_diagonal=False, what=curvature.upper(),
+                      why=why).inv()
     return damped(fisher(C, structure=structure), damping=damping, relative_damping=relative_damping,
-                  explicit=True, decay=decay, parameter_coordinates=in_params).inv()
+                  explicit=True, decay=decay, parameter_coordinates=in_params, why=why).inv()
 
 
 def influence(task: Task, train, queries, *, layers=None, projector: Projector | None = None,
               damping: float | None = None, weight_decay: float | None = None, optimizer=None,
-              curvature: str = "gauss_newton", solver: str = "direct", structure: str = "dense",
+              curvature: str = "auto", solver: str = "direct", structure: str = "dense",
               curvature_data=None, rank: int = 32, seed: int = 0, solver_settings: dict | None = None,
               relative_damping: float | None = None, covariance_max_examples: int | None = None,
               lambda_max_examples: int | None = None, query_gradient_rank: int | None = None,
               data_weight: float = 1.0) -> Scores:
     """Influence-function scores ``P(Q) @ (H + λI + wd)⁻¹ @ P(G).T``.
 
+    curvature : "auto" (default): the dense Gauss-Newton up to ``ga.options(dense_curvature_dim)``
+        (projected) coordinates with the direct solver, EK-FAC above (a real-size LM), the
+        Gauss-Newton through products with an iterative solver; or one of the table's names.
     curvature_data : examples H is estimated on (default: ``train``).
     damping : an absolute λ; default (None) ``relative_damping`` × H's mean eigenvalue for an
         explicit H (default factor per curvature: 1 for the dense Gauss-Newton / Fisher, 0.1 for
@@ -278,7 +316,6 @@ def influence(task: Task, train, queries, *, layers=None, projector: Projector |
         ``(Q @ H⁻¹).low_rank(r) @ G.T``: the held query side keeps r·(out + in) numbers per
         block instead of out·in (:mod:`gradalg.expr.lowrank`; the plan shows both sizes).
     """
-    check_kron_subsets(curvature, covariance_max_examples, lambda_max_examples)
     G = grads(task, train, layers)
     Q = grads(task, queries, layers)
     if projector is not None:

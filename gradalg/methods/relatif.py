@@ -15,11 +15,13 @@ from .influence import curvature_operator
 
 
 def relatif(task: Task, train, queries, *, layers=None, projector: Projector | None = None,
-            damping: float = 1e-3, weight_decay: float = 0.0, curvature: str = "gauss_newton",
+            damping: float = 1e-3, weight_decay: float = 0.0, curvature: str = "auto",
             solver: str = "direct", seed: int = 0, covariance_max_examples: int | None = None,
             lambda_max_examples: int | None = None) -> Scores:
     """``P(Q) @ H⁻¹ @ P(G).normalize(metric=H⁻¹).T``, H damped by λ + weight decay.
 
+    curvature : "auto" (default; ``ga.methods.influence``): the dense Gauss-Newton up to
+        ``ga.options(dense_curvature_dim)`` (projected) coordinates, EK-FAC above.
     covariance_max_examples / lambda_max_examples : K-FAC / EK-FAC statistics on the first m
     training examples (``ga.methods.influence``)."""
     G, Q = grads(task, train, layers), grads(task, queries, layers)

@@ -20,12 +20,15 @@ the same, and the ghost kernel's three (nL', nR', bL, bR) intermediates at most
 """
 from __future__ import annotations
 
+import os
+
 from ..capture.factors import Factors, compute_dtype, ghost_workspace_elements
 from ..errors import MemoryBudgetError
 from ..expr import Captured, Project, Source
 from ..expr.stored import Stored
 from ..expr.lowrank import lowrank_below
 from ..expr.tokens import token_rows
+from .budget import suggest_budget
 from .cost import activation_bytes, output_bytes, tokens_hint
 from .shapes import element_size, forward_shapes, rows_per_example
 
@@ -455,11 +458,30 @@ def statistics_bytes(node) -> float:
 
 
 def check_statistics_fit(node, memory_budget: int) -> None:
-    """Refuse a Fisher whose matrix alone exceeds the budget, naming the fixes."""
+    """Refuse a Fisher whose matrix alone exceeds the budget, naming the fixes that fit: a
+    Kronecker curvature (always: its factors are per layer), a projection, the other
+    structures whose matrix fits, and a larger budget only where the machine has the memory."""
     need = statistics_bytes(node)
-    if need > memory_budget:
-        raise MemoryBudgetError(
-            f"a {node.structure} Fisher over {node.space.dim:,} coordinates needs {need / 2**30:.1f} GiB, over "
-            f"the memory budget of {memory_budget / 2**30:.1f} GiB. Project first "
-            "(ga.fisher(P(G)) with P = ga.proj.kron(k=...)), use structure='block' or 'diag', "
-            "or raise ga.options(memory_budget=...).")
+    if need <= memory_budget:
+        return
+    space = node.space
+    fixes = ["a Kronecker curvature, ga.ekfac(G) or ga.kfac(G) (in ga.methods.influence / relatif: "
+             "curvature='ekfac')",
+             "project first, ga.fisher(P(G)) with P = ga.proj.kron(k=...) (in the methods: "
+             "projector=ga.proj.kron(k=...))"]
+    sizes = {"block": 8.0 * sum(b.dim ** 2 for b in space.blocks), "diag": 8.0 * space.dim}
+    fixes += [f"structure={s!r} ({b / 2**30:.3g} GiB)" for s, b in sizes.items()
+              if s != node.structure and b <= memory_budget]
+    if need <= _physical_memory():
+        fixes.append(f"a larger budget, ga.options(memory_budget={suggest_budget(need)!r})")
+    raise MemoryBudgetError(
+        f"a {node.structure} Fisher over {space.dim:,} coordinates needs {need / 2**30:,.1f} GiB, over "
+        f"the memory budget of {memory_budget / 2**30:.1f} GiB. Fixes: " + "; or ".join(fixes) + ".")
+
+
+def _physical_memory() -> float:
+    """The machine's physical memory in bytes (inf where the platform does not say)."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return float("inf")
