@@ -105,7 +105,8 @@ class Options:
         NaN/inf.
     check_reduction : bool
         On the first batch of a computation, verify that the task's loss is summed over
-        examples (two extra forward passes without gradients).
+        examples (forward passes without gradients of a few examples: one forward of the
+        batch when the capture's own loss of a 2–4 example batch is reused, two otherwise).
     share_forward : bool
         Sources of one pass that differ only in their objective (the training loss and
         labels drawn from the model, say) are captured from one forward per batch and

@@ -240,17 +240,24 @@ class Task:
                          f"got {objective!r}")
 
     @torch.no_grad()
-    def check_reduction(self, batch: Any) -> None:
+    def check_reduction(self, batch: Any, full_loss: float | None = None) -> None:
         """Refuse a loss that averages over the batch while declared a sum.
 
         Compares ``L(batch)`` with ``L(first) + L(rest)`` and with the batch-size weighted
         mean of the two, using forward passes only. A batch of one example is checked as
         that example twice (a sum doubles, a mean does not). Inconclusive cases (both
         parts with equal losses and ``L = 0``, a batch that cannot be indexed) pass.
+
+        ``full_loss``: ``summed_loss(model, batch)`` already computed in eval mode (the
+        capture's own forward of this batch). When the check's examples are the whole
+        batch (2 to 4 examples) it stands for ``L(batch)``, so the check costs the
+        forwards of ``first`` and ``rest`` only (one forward of the batch, not two).
         """
-        b = min(batch_size_of(batch), 4)  # a few examples decide it: the check costs ~2 of their forwards
+        n = batch_size_of(batch)
+        b = min(n, 4)  # a few examples decide it: the check costs ~2 of their forwards
         if b < 1:
             return
+        known = float(full_loss) if full_loss is not None and 2 <= n <= 4 else None
         if b == 1:
             # one example: compare it with a batch holding it twice (a sum doubles, a mean does not)
             try:
@@ -266,7 +273,7 @@ class Task:
         self.model.eval()
         try:
             with torch.no_grad():
-                full = float(self.summed_loss(self.model, batch))
+                full = known if known is not None else float(self.summed_loss(self.model, batch))
                 first = float(self.summed_loss(self.model, slice_batch(batch, slice(0, 1))))
                 rest = float(self.summed_loss(self.model, slice_batch(batch, slice(1, b))))
         finally:

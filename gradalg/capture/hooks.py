@@ -27,7 +27,7 @@ from .rows import layout_for
 from .tying import LayerUse, tie_layers, use_factors
 from .wrappers import BASE_LAYER, display_name, strip_prefixes, unwrap
 
-__all__ = ["resolve_layers", "ForwardRecorder", "capture_batch", "LayerRef", "forward_share_key"]
+__all__ = ["resolve_layers", "ForwardRecorder", "capture_batch", "LayerRef", "forward_share_key", "released_params"]
 
 
 @dataclass(frozen=True)
@@ -234,11 +234,20 @@ class _Call:
 
 @dataclass
 class ForwardRecorder:
-    """Context manager: records ``A`` and the output tensor of every call of each layer."""
+    """Context manager: records ``A`` and the output tensor of every call of each layer.
+
+    ``model`` (optional): the model whose forward is recorded. While recording, its
+    parameters outside the recorded blocks stop requiring grad (:func:`released_params`),
+    so the forward keeps no tensors for their gradients and the backward of
+    :func:`capture_batch` starts at the first recorded layer; the flags are restored on
+    exit. The output gradients are the same: they never depend on which leaves require
+    grad, only on every recorded output requiring it, which its own parameters ensure.
+    """
 
     layers: list[LayerRef]
     calls: dict[str, list[_Call]] = field(default_factory=dict)
     _handles: list = field(default_factory=list)
+    model: nn.Module | None = None
 
     def __enter__(self):
         self.calls = {ref.name: [] for ref in self.layers}
@@ -247,6 +256,9 @@ class ForwardRecorder:
         self._frozen = [p for ref in self.layers for p in _block_params(ref) if not p.requires_grad]
         for p in self._frozen:
             p.requires_grad_(True)
+        self._released = released_params(self.model, self.layers) if self.model is not None else []
+        for p in self._released:
+            p.requires_grad_(False)
         self._stack = CallStack().__enter__()
         for ref in self.layers:
             for use in ref.uses:
@@ -259,7 +271,9 @@ class ForwardRecorder:
         self._handles.clear()
         for p in getattr(self, "_frozen", ()):
             p.requires_grad_(False)
-        self._frozen = []
+        for p in getattr(self, "_released", ()):
+            p.requires_grad_(True)
+        self._frozen = self._released = []
         self._stack.__exit__(*exc)
         return False
 
@@ -276,6 +290,25 @@ class ForwardRecorder:
 
 def _block_params(ref: LayerRef) -> list:
     return [p for p in (getattr(ref.module, n, None) for n in ref.param_names()) if isinstance(p, nn.Parameter)]
+
+
+def released_params(model: nn.Module, layers: list[LayerRef]) -> list:
+    """The parameters of ``model`` that require grad but belong to no recorded block
+    (nor to a module a block records: a replayed norm's, a tied block's holders'), which
+    capture can run without: the embedding a recorded head is tied to is kept, an untied
+    embedding or norm below the first recorded layer is released.
+
+    None are released (``[]``) for a wrapped model (DDP, FSDP, ``torch.compile``, PEFT:
+    their hooks and compiled guards follow the flags) or one holding a compiled submodule,
+    whose flags are left as the user set them."""
+    inner, prefixes = unwrap(model)
+    if prefixes or any(getattr(m, "_compiled_call_impl", None) is not None
+                       or type(m).__name__ in ("FullyShardedDataParallel", "DistributedDataParallel")
+                       for m in inner.modules()):
+        return []
+    kept = {id(p) for ref in layers for p in _block_params(ref)}
+    kept |= {id(p) for ref in layers for use in ref.uses for p in use.module.parameters(recurse=False)}
+    return [p for p in inner.parameters() if p.requires_grad and id(p) not in kept]
 
 
 def capture_batch(loss: torch.Tensor, recorder: ForwardRecorder, *, token_mask: torch.Tensor | None = None,

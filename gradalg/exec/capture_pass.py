@@ -58,7 +58,8 @@ class SourceCapture:
 
     def capture(self, batch, ids) -> list[Chunk]:
         src, task = self.source, self.source.task
-        self.check_reduction(batch)
+        if src.backend != "hooks" or src.objective == "expected":
+            self.check_reduction(batch)   # the hooks backend checks with its own forward's loss
         if src.objective == "expected":
             terms = self._expected_blocks(batch)
             if self.options.check_finite:   # NaN inputs name their examples here too
@@ -71,14 +72,18 @@ class SourceCapture:
             blocks, forward = self._hook_blocks(batch, ids)
         return self.finish(blocks, batch, ids, forward)
 
-    def check_reduction(self, batch) -> None:
-        """The task's sum/mean check, once per task (training-loss objective only)."""
+    def check_reduction(self, batch, loss: torch.Tensor | None = None) -> None:
+        """The task's sum/mean check, once per task (training-loss objective only).
+
+        ``loss``: this batch's summed loss from the capture's forward; the check then
+        reuses it instead of running that forward again (``Task.check_reduction``'s
+        ``full_loss``: a batch of 2 to 4 examples)."""
         task = self.source.task
         if self._reduction_checked or not (self.options.check_reduction and self.source.objective == "loss"):
             return
         self._reduction_checked = True
         if task.token not in self.checked:
-            task.check_reduction(batch)
+            task.check_reduction(batch, full_loss=None if loss is None else float(loss.detach()))
             self.checked.add(task.token)
 
     def loss(self, batch, ids) -> torch.Tensor:
@@ -106,16 +111,18 @@ class SourceCapture:
         """The batch's factors, and the record of its forward when it may be replayed."""
         replay = self.options.share_forward and self.share_key() is not None
         shared = SharedForward(self.source.task.model) if replay else contextlib.nullcontext()
-        with torch.enable_grad(), ForwardRecorder(self.refs) as recorder, shared:
-            blocks = capture_batch(self.loss(batch, ids), recorder, token_mask=self.token_mask(batch),
+        with torch.enable_grad(), ForwardRecorder(self.refs, model=self.source.task.model) as recorder, shared:
+            loss = self.loss(batch, ids)
+            blocks = capture_batch(loss, recorder, token_mask=self.token_mask(batch),
                                    n_examples=batch_size_of(batch))
+        self.check_reduction(batch, loss)
         return blocks, shared.record if replay else None
 
     def _expected_blocks(self, batch):
         """One set of factors per term of ``task.expected_terms``; one forward in all."""
         task = self.source.task
         out = []
-        with torch.enable_grad(), ForwardRecorder(self.refs) as recorder:
+        with torch.enable_grad(), ForwardRecorder(self.refs, model=task.model) as recorder:
             terms = self.objective(task.model, batch)
             mask = task.token_mask(batch) if task.token_mask is not None else None
             for i, term in enumerate(terms):
@@ -176,10 +183,9 @@ class PassCapture:
 
     @staticmethod
     def _shared(group: list[SourceCapture], batch, ids) -> dict[str, list[Chunk]] | None:
-        for c in group:
-            c.check_reduction(batch)
         model = group[0].source.task.model
-        with torch.enable_grad(), ForwardRecorder(group[0].refs) as recorder, SharedForward(model) as shared:
+        with torch.enable_grad(), ForwardRecorder(group[0].refs, model=model) as recorder, \
+                SharedForward(model) as shared:
             losses = []                                  # (capturer, term or None, loss)
             for k, c in enumerate(group):
                 calls = shared.calls
@@ -193,6 +199,8 @@ class PassCapture:
             blocks = [capture_batch(loss, recorder, token_mask=mask, retain_graph=k < len(losses) - 1,
                                     n_examples=batch_size_of(batch))
                       for k, (_, _, loss) in enumerate(losses)]
+        for c, term, loss in losses:   # the sum/mean check reuses each training loss's value
+            c.check_reduction(batch, loss if term is None else None)
         out: dict[str, list[Chunk]] = {c.source.token: [] for c in group}
         for (c, term, _), b in zip(losses, blocks):
             if term is None:
