@@ -15,8 +15,13 @@ Grosse 2015) approximates the layer's Fisher block
 
 (George et al. 2018): the eigenvalues are re-fitted in the Kronecker eigenbasis, which
 makes Λ the exact diagonal of F in that basis. Both are stored as a :class:`KronOp`
-(per block ``Q_S``, ``Q_A`` and a (out, in) eigenvalue matrix), so damping, inverse
+(per block ``Q_S``, ``Q_A`` and the eigenvalues Λ (out, in)), so damping, inverse
 and powers act on the eigenvalues: ``(F + λI)⁻¹ G = Q_S [(Q_Sᵀ G Q_A) / (Λ + λ)] Q_Aᵀ``.
+Λ is kept as what it is made from (:class:`BlockEigenvalues`): K-FAC's two vectors
+λ_S, λ_A (out + in numbers, not out·in) or EK-FAC's one grid, with damping, scaling,
+inverse and powers recorded as elementwise steps, so that the operators of a chain
+F → F + λI → (F + λI)⁻¹ share one set of numbers; Λ is made a slice of rows at a time
+where it is applied (the same numbers as a grid would give).
 
 Precision of wide factors
 -------------------------
@@ -73,7 +78,8 @@ from ..errors import CurvatureError, GradalgError
 from ..linalg import rules as _rules
 from ..linalg.base import LinearOp, power_values, reciprocal
 
-__all__ = ["KronStats", "KronOp", "BlockEigenvalues", "EigenvalueGrids", "kron_eigenbasis", "rotate_factors", "rotate_rows", "work_dtype", "gram",
+__all__ = ["KronStats", "KronOp", "BlockEigenvalues", "EigenvalueGrids", "kron_eigenbasis", "rotate_factors",
+           "rotate_rows", "work_dtype", "gram",
            "factor_dtype", "checked_eigh", "EighCheck", "FLOAT32_ROUNDOFF", "is_diagonal_factor", "token_counts",
            "diagonal_factors", "diagonal_factor_rules"]
 
@@ -444,7 +450,8 @@ class BlockEigenvalues:
             lo, top, small = float("inf"), 0.0, float("inf")
             for a, b in self.slices():
                 v = self.rows(a, b).to(torch.float64)
-                lo, top, small = min(lo, float(v.min())), max(top, float(v.abs().max())), min(small, float(v.abs().min()))
+                lo, top = min(lo, float(v.min())), max(top, float(v.abs().max()))
+                small = min(small, float(v.abs().min()))
             cached = (lo, top, small)
             object.__setattr__(self, "_extremes", cached)
         return cached

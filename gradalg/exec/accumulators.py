@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from ..capture.factors import HALF_DTYPES, Factors, ghost_inner, materialize, self_inner, token_slices
-from ..curvature.kron import (FLOAT32_ROUNDOFF, BlockEigenvalues, EighCheck, KronOp, KronStats, checked_eigh, diagonal_factor_rules,
-                              is_diagonal_factor, rotate_factors, rotate_rows)
+from ..curvature.kron import (FLOAT32_ROUNDOFF, BlockEigenvalues, EighCheck, KronOp, KronStats, checked_eigh,
+                              diagonal_factor_rules, is_diagonal_factor, rotate_factors, rotate_rows)
 from ..errors import DataError, GradalgError
 from ..expr import KFAC, Fisher, GroupMean
 from ..plan.memory import check_statistics_fit
