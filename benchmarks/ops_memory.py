@@ -61,7 +61,8 @@ def one(curvature: str, n_layer: int) -> dict:
     for p, st in zip(ex.last_plan.passes, ex.pass_stats):
         est = p.fixed_bytes + p.per_example_bytes * (p.batch_size or 1)
         passes.append({"pass": p.label[:60], "estimate_gb": est / 1e9,
-                       "growth_gb": (st["peak_rss_growth_bytes"] or 0) / 1e9, "bound": st["peak_rss_is_bound"]})
+                       "growth_gb": (st["peak_rss_growth_bytes"] or 0) / 1e9, "bound": st["peak_rss_is_bound"],
+                       "seconds": st["seconds"]})
     return {"curvature": curvature, "n_layer": n_layer,
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
             "held_operator_gb": held_operator_bytes(ex.state) / 1e9, "passes": passes,
@@ -88,8 +89,8 @@ def main():
         print(f"{r['curvature']:6s} {r['n_layer']} layers: peak RSS {r['peak_rss_gb']:.2f} GB, held operators "
               f"{r['held_operator_gb']:.3f} GB, scores sum {r['scores_sum']!r}, S[0,0] {r['scores_00']!r}")
         for p in r["passes"]:
-            print(f"    {p['pass']:60s} estimate {p['estimate_gb']:.3f} GB, measured growth {p['growth_gb']:.3f} GB"
-                  + (" (bound)" if p["bound"] else ""))
+            print(f"    {p['pass']:45s} estimate {p['estimate_gb']:.3f} GB, measured growth {p['growth_gb']:.3f} GB"
+                  + (" (bound)" if p["bound"] else "") + f", {p['seconds']:.1f} s")
 
 
 if __name__ == "__main__":
