@@ -150,11 +150,12 @@ def test_meta_plan_has_every_linear_block_and_kfac_statistics_bytes_from_the_con
     assert [tuple(b.shape) for b in G.space.blocks] == shapes
     # float64 factors: the larger of their sums 8·(o² + i²) per block with one chunk's update
     # (12·w², w the widest factor), and finishing block by block: each block's sums or its
-    # eigenbases (the same 8·(o² + i²) in float64), every eigenvalue grid 8·o·i, and the
-    # larger of one block's covariance copies and the largest eigendecomposition's 24·w²
+    # eigenbases (the same 8·(o² + i²) in float64), every block's two eigenvalue vectors
+    # 8·(o + i) (K-FAC's Λ = λ_S λ_Aᵀ is never a grid), and the larger of one block's
+    # covariance copies and the largest eigendecomposition's 24·w²
     sums = sum(8.0 * (o ** 2 + i ** 2) for o, i in shapes)
     widest = max(max(o, i) for o, i in shapes)
-    finish = sums + sum(8.0 * o * i for o, i in shapes) + max(
+    finish = sums + sum(8.0 * (o + i) for o, i in shapes) + max(
         24.0 * widest ** 2, max(8.0 * (o ** 2 + i ** 2) for o, i in shapes))
     expected = max(sums + 12.0 * widest ** 2, finish)
     assert kron_bytes(G.space) == expected

@@ -15,8 +15,13 @@ Grosse 2015) approximates the layer's Fisher block
 
 (George et al. 2018): the eigenvalues are re-fitted in the Kronecker eigenbasis, which
 makes Λ the exact diagonal of F in that basis. Both are stored as a :class:`KronOp`
-(per block ``Q_S``, ``Q_A`` and a (out, in) eigenvalue matrix), so damping, inverse
+(per block ``Q_S``, ``Q_A`` and the eigenvalues Λ (out, in)), so damping, inverse
 and powers act on the eigenvalues: ``(F + λI)⁻¹ G = Q_S [(Q_Sᵀ G Q_A) / (Λ + λ)] Q_Aᵀ``.
+Λ is kept as what it is made from (:class:`BlockEigenvalues`): K-FAC's two vectors
+λ_S, λ_A (out + in numbers, not out·in) or EK-FAC's one grid, with damping, scaling,
+inverse and powers recorded as elementwise steps, so that the operators of a chain
+F → F + λI → (F + λI)⁻¹ share one set of numbers; Λ is made a slice of rows at a time
+where it is applied (the same numbers as a grid would give).
 
 Precision of wide factors
 -------------------------
@@ -63,6 +68,7 @@ logit gradients (diagonal approximation).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -72,7 +78,8 @@ from ..errors import CurvatureError, GradalgError
 from ..linalg import rules as _rules
 from ..linalg.base import LinearOp, power_values, reciprocal
 
-__all__ = ["KronStats", "KronOp", "kron_eigenbasis", "rotate_factors", "rotate_rows", "work_dtype", "gram",
+__all__ = ["KronStats", "KronOp", "BlockEigenvalues", "EigenvalueGrids", "kron_eigenbasis", "rotate_factors",
+           "rotate_rows", "work_dtype", "gram",
            "factor_dtype", "checked_eigh", "EighCheck", "FLOAT32_ROUNDOFF", "is_diagonal_factor", "token_counts",
            "diagonal_factors", "diagonal_factor_rules"]
 
@@ -368,6 +375,133 @@ def _rotate_back(rotated: torch.Tensor, Q_S: torch.Tensor | None, Q_A: torch.Ten
     return back if Q_S is None else torch.matmul(Q_S.to(dtype), back)
 
 
+#: rows × columns of one slice of an eigenvalue grid made at once (float64: 32 MiB), so that
+#: an operator's lazily made Λ (:class:`BlockEigenvalues`) never exists whole beside the rows
+_SLICE_ELEMENTS = 2 ** 22
+
+
+@dataclass(frozen=True)
+class BlockEigenvalues:
+    """One block's eigenvalues Λ (out, in), kept as what they are made from.
+
+    ``base``: K-FAC's two per-side vectors ``(λ_S (out,), λ_A (in,))``, Λ₀ = λ_S λ_Aᵀ (an
+    outer product: out + in numbers), or an (out, in) grid (EK-FAC's re-fitted Λ, a sum of
+    operators); ``steps``: the elementwise maps applied since, in order —
+    ``("scale", c)`` c·Λ, ``("damp", λ)`` Λ + λ, ``("inverse", None)`` 1/Λ and
+    ``("power", p)`` Λ^p (these two in float64, back to Λ's dtype). A damp → inverse chain of operators thus
+    shares one base (one grid for EK-FAC, two vectors for K-FAC) instead of holding a
+    grid per operator; :meth:`rows` makes a slice of rows of Λ on demand, by exactly
+    the operations the grid itself would have gone through (the same numbers).
+    """
+
+    base: tuple          # (λ_S, λ_A) vectors, or (grid,)
+    steps: tuple = ()
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.base[0].shape) if len(self.base) == 1 else (self.base[0].shape[0], self.base[1].shape[0])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.base[0].dtype
+
+    def then(self, *step) -> "BlockEigenvalues":
+        return replace(self, steps=self.steps + (step,))
+
+    def rows(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows ``start:stop`` of Λ, made from the base.   (stop − start, in)"""
+        if len(self.base) == 1:
+            v = self.base[0][start:stop]
+        else:
+            v = torch.outer(self.base[0][start:stop], self.base[1])
+        for kind, arg in self.steps:
+            if kind == "scale":
+                v = arg * v
+            elif kind == "damp":
+                v = v + arg
+            elif kind == "inverse":    # reciprocal without its check (done when the step was added)
+                v = (1.0 / v.to(torch.float64)).to(v.dtype)
+            else:                      # ("power", p): power_values without its checks
+                v64 = v.to(torch.float64)
+                if arg < 0:
+                    v64 = (1.0 / v64) ** (-arg)
+                elif float(arg).is_integer():
+                    v64 = v64 ** arg
+                else:
+                    v64 = v64.clamp_min(0) ** arg
+                v = v64.to(v.dtype)
+        return v
+
+    def value(self) -> torch.Tensor:
+        """The whole (out, in) grid (a new tensor unless it is stored as one)."""
+        return self.rows()
+
+    def slices(self):
+        """Row ranges of at most ``_SLICE_ELEMENTS`` numbers each."""
+        o, i = self.shape
+        step = max(1, _SLICE_ELEMENTS // max(i, 1))
+        for start in range(0, o, step):
+            yield start, min(o, start + step)
+
+    def extremes(self) -> tuple[float, float, float]:
+        """``(min Λ, max |Λ|, min |Λ|)``, a slice at a time (cached: the object is immutable)."""
+        cached = self.__dict__.get("_extremes")
+        if cached is None:
+            lo, top, small = float("inf"), 0.0, float("inf")
+            for a, b in self.slices():
+                v = self.rows(a, b).to(torch.float64)
+                lo, top = min(lo, float(v.min())), max(top, float(v.abs().max()))
+                small = min(small, float(v.abs().min()))
+            cached = (lo, top, small)
+            object.__setattr__(self, "_extremes", cached)
+        return cached
+
+    def summary(self) -> torch.Tensor:
+        """A two-entry float64 tensor with the same min and max |·| as Λ: what the checks of
+        :func:`~gradalg.linalg.base.reciprocal` and :func:`~gradalg.linalg.base.power_values`
+        read, so they raise the same errors without Λ made whole."""
+        lo, top, _ = self.extremes()
+        return torch.tensor([lo, top], dtype=torch.float64)
+
+    def mul_into(self, rotated: torch.Tensor) -> torch.Tensor:
+        """``rotated *= Λ`` in place for rotated rows (n, out, in), Λ made a slice of rows at a
+        time in rotated's precision.   Returns rotated."""
+        for a, b in self.slices():
+            rotated[:, a:b] *= self.rows(a, b).to(rotated.dtype)
+        return rotated
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.base)
+
+
+class EigenvalueGrids(Mapping):
+    """``{block: Λ (out, in)}`` of a :class:`KronOp`, each grid made when read
+    (:meth:`BlockEigenvalues.value`, a new tensor for a lazy one); ``parts[block]`` is the
+    lazy form (:class:`BlockEigenvalues`)."""
+
+    def __init__(self, parts: dict):
+        self.parts = dict(parts)
+
+    def __getitem__(self, name) -> torch.Tensor:
+        return self.parts[name].value()
+
+    def __iter__(self):
+        return iter(self.parts)
+
+    def __len__(self) -> int:
+        return len(self.parts)
+
+    def __repr__(self) -> str:
+        return f"EigenvalueGrids({self.parts!r})"
+
+
+def _as_parts(eigenvalues) -> dict:
+    """``{block: BlockEigenvalues}`` from grids, lazy parts or an :class:`EigenvalueGrids`."""
+    if isinstance(eigenvalues, EigenvalueGrids):
+        return dict(eigenvalues.parts)
+    return {k: v if isinstance(v, BlockEigenvalues) else BlockEigenvalues((v,)) for k, v in eigenvalues.items()}
+
+
 @dataclass
 class KronOp(LinearOp):
     """Per block: eigenbases ``Q_S`` (out, out), ``Q_A`` (in, in) and eigenvalues Λ (out, in).
@@ -381,6 +515,15 @@ class KronOp(LinearOp):
     ``eigenvalue_errors``: for blocks with float32 factors (module docstring), the
     estimated error δ_Λ of the entries of Λ; an inverse or negative power is refused
     (:class:`~gradalg.errors.CurvatureError`) where ``δ_Λ / min |Λ| > float32_rtol``.
+
+    ``eigenvalues`` is given as grids or :class:`BlockEigenvalues` and kept as an
+    :class:`EigenvalueGrids`: Λ of K-FAC is its two per-side vectors, and damping,
+    scaling, the inverse and powers add a step to each block's Λ instead of making a new
+    grid, so the operators of a chain (F, F + λI, (F + λI)⁻¹) share their numbers and
+    hold, all together, the bytes of one (:meth:`nbytes`). Λ is made a slice of rows at
+    a time where it is applied; the checks of the inverse and of powers read its
+    extremes, computed the same way, when the step is added (the same refusals, at the
+    same moment, as with a grid).
     """
 
     space: object
@@ -394,15 +537,26 @@ class KronOp(LinearOp):
     form = "kronecker"
     kind = "kron"
 
+    def __post_init__(self):
+        self.eigenvalues = EigenvalueGrids(_as_parts(self.eigenvalues))
+
+    @property
+    def parts(self) -> dict:
+        """``{block: BlockEigenvalues}``: each block's Λ as it is kept."""
+        return self.eigenvalues.parts
+
     def _with(self, eigenvalues) -> "KronOp":
         return replace(self, eigenvalues=eigenvalues)
 
+    def _then(self, *step) -> "KronOp":
+        return self._with({k: lam.then(*step) for k, lam in self.parts.items()})
+
     def _scale(self, c: float) -> "KronOp":
-        return replace(self._with({k: c * v for k, v in self.eigenvalues.items()}),
+        return replace(self._then("scale", c),
                        eigenvalue_errors={k: abs(c) * e for k, e in self.eigenvalue_errors.items()})
 
     def _damp(self, damping: float) -> "KronOp":
-        return self._with({k: v + damping for k, v in self.eigenvalues.items()})
+        return self._then("damp", damping)
 
     def _check_float32(self, what: str, p: float) -> None:
         """Refuse H^p (p < 0) where a float32 block's eigenvalues are not accurate enough:
@@ -410,8 +564,8 @@ class KronOp(LinearOp):
         # the float64 fix covers every float32 block, not just this one (else the next one refuses)
         widest = max([Q.shape[0] for k in self.eigenvalue_errors for Q in self.bases[k] if Q is not None] or [0])
         for name, err in self.eigenvalue_errors.items():
-            lam = self.eigenvalues[name]
-            smallest = float(lam.abs().min())
+            lam = self.parts[name]
+            smallest = lam.extremes()[2]
             relative = abs(p) * err / smallest if smallest > 0 else float("inf")
             if relative <= self.float32_rtol:
                 continue
@@ -430,22 +584,23 @@ class KronOp(LinearOp):
 
     def _inverse(self, what, rule, settings) -> "KronOp":
         self._check_float32(what, -1.0)
-        out = self._with({k: reciprocal(v.to(torch.float64), f"{what} (block {k!r})").to(v.dtype)
-                          for k, v in self.eigenvalues.items()})
-        return replace(out, eigenvalue_errors={})    # checked here, where the division happens
+        for k, lam in self.parts.items():   # reciprocal's refusal, read from Λ's extremes
+            reciprocal(lam.summary(), f"{what} (block {k!r})")
+        return replace(self._then("inverse", None), eigenvalue_errors={})   # checked here, where the division happens
 
     def _power(self, p, what, rtol) -> "KronOp":
         if p < 0:
             self._check_float32(what, p)
-        out = self._with({k: power_values(v.to(torch.float64), p, f"{what} (block {k!r})", rtol).to(v.dtype)
-                          for k, v in self.eigenvalues.items()})
+        for k, lam in self.parts.items():   # power_values' refusals, read from Λ's extremes
+            power_values(lam.summary(), p, f"{what} (block {k!r})", rtol)
+        out = self._then("power", p)
         return replace(out, eigenvalue_errors={}) if p < 0 else out
 
     def _spectral(self, fn, what) -> "KronOp":
         return self._with({k: fn(v.to(torch.float64)).to(v.dtype) for k, v in self.eigenvalues.items()})
 
     def trace(self) -> float:
-        return sum(float(v.sum()) for v in self.eigenvalues.values())
+        return sum(float(lam.value().sum()) for lam in self.parts.values())   # a block's grid at a time
 
     def damp_factorwise(self, damping: float, *, rtol: float = 1e-10) -> "KronOp":
         """K-FAC's factor-wise damping, rule ``kronecker.factorwise_damp`` (another operator
@@ -475,7 +630,7 @@ class KronOp(LinearOp):
         return self._with(out)._recorded(self.rules + (rule.name,), self.tags)
 
     def _intrinsic_tags(self) -> frozenset:
-        return frozenset({"psd"}) if all(bool((v >= 0).all()) for v in self.eigenvalues.values()) else frozenset()
+        return frozenset({"psd"}) if all(lam.extremes()[0] >= 0 for lam in self.parts.values()) else frozenset()
 
     def apply(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows (n, dim) ↦ (H x_i)_i.   Returns (n, dim)."""
@@ -483,10 +638,13 @@ class KronOp(LinearOp):
         dtype = work_dtype(rows)  # float32 rows are rotated in float32 (orthogonal maps: no growth)
         for name, s in self.space.offsets().items():
             Q_S, Q_A = self.bases[name]
-            lam = self.eigenvalues[name].to(dtype)
+            lam = self.parts[name]
             G = rows[:, s].reshape(rows.shape[0], *lam.shape)
             rotated = rotate_rows(G.to(dtype), Q_S, Q_A)
-            out[:, s] = _rotate_back(rotated * lam, Q_S, Q_A).flatten(1).to(rows.dtype)
+            if rotated.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr():
+                rotated = rotated.clone()     # no basis to rotate by: a view of the caller's rows
+            scaled = lam.mul_into(rotated)
+            out[:, s] = _rotate_back(scaled, Q_S, Q_A).flatten(1).to(rows.dtype)
         return out
 
     def apply_blocks(self, blocks: dict, *, consume: bool = False) -> dict:
@@ -512,7 +670,7 @@ class KronOp(LinearOp):
         basis of a diagonal factor costs nothing: its out² or in² terms are 0).
         """
         Q_S, Q_A = self.bases[name]
-        o, i = self.eigenvalues[name].shape
+        o, i = self.parts[name].shape
         o_b, i_b = (o if Q_S is not None else 0), (i if Q_A is not None else 0)
         if isinstance(value, Factors) and value.T * (o_b * o + i_b * i + o * i) < value.T * o * i + o * i * (o_b + i_b):
             rotated = rotate_factors(value, Q_S, Q_A)
@@ -521,17 +679,17 @@ class KronOp(LinearOp):
             rotated = rotate_rows(G.reshape(G.shape[0], o, i), Q_S, Q_A)
         del value
         n = rotated.shape[0]
-        rotated *= self.eigenvalues[name].to(rotated.dtype)
+        self.parts[name].mul_into(rotated)   # Λ a slice of rows at a time
         return _rotate_back(rotated, Q_S, Q_A).reshape(n, o * i)
 
     def block_matrix(self, name: str) -> torch.Tensor:
         """Block ``name``'s (out·in, out·in) matrix (Q_S⊗Q_A) diag(vec Λ) (Q_S⊗Q_A)ᵀ."""
         Q_S, Q_A = self.bases[name]
-        lam = self.eigenvalues[name]
+        lam = self.eigenvalues[name]   # the grid, made once
         Q_S = Q_S if Q_S is not None else torch.eye(lam.shape[0], dtype=lam.dtype)
         Q_A = Q_A if Q_A is not None else torch.eye(lam.shape[1], dtype=lam.dtype)
         K = torch.kron(Q_S.contiguous(), Q_A.to(Q_S.dtype).contiguous())
-        return (K * self.eigenvalues[name].flatten().unsqueeze(0)) @ K.T
+        return (K * lam.flatten().unsqueeze(0)) @ K.T
 
     def dense(self) -> torch.Tensor:
         return torch.block_diag(*(self.block_matrix(n) for n in self.space.names))
@@ -539,7 +697,6 @@ class KronOp(LinearOp):
     def nbytes(self) -> int:
         total = 0
         for name in self.space.names:
-            lam = self.eigenvalues[name]
             total += sum(Q.numel() * Q.element_size() for Q in self.bases[name] if Q is not None)
-            total += lam.numel() * lam.element_size()
+            total += self.parts[name].nbytes()      # K-FAC: (out + in) numbers; a grid: out·in
         return total

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from ..capture.factors import HALF_DTYPES, Factors, ghost_inner, materialize, self_inner, token_slices
-from ..curvature.kron import (FLOAT32_ROUNDOFF, EighCheck, KronOp, KronStats, checked_eigh, diagonal_factor_rules,
-                              is_diagonal_factor, rotate_factors, rotate_rows)
+from ..curvature.kron import (FLOAT32_ROUNDOFF, BlockEigenvalues, EighCheck, KronOp, KronStats, checked_eigh,
+                              diagonal_factor_rules, is_diagonal_factor, rotate_factors, rotate_rows)
 from ..errors import DataError, GradalgError
 from ..expr import KFAC, Fisher, GroupMean
 from ..plan.memory import check_statistics_fit
@@ -150,7 +150,8 @@ class KronAccumulator:
             bases[name] = (Q_S, Q_A)
             dtype = torch.promote_types(lam_S.dtype, lam_A.dtype) if torch.float32 not in (
                 lam_S.dtype, lam_A.dtype) else torch.float32
-            eigenvalues[name] = torch.outer(lam_S.to(dtype), lam_A.to(dtype))
+            # Λ = λ_S λ_Aᵀ kept as its two vectors (made a slice at a time where applied)
+            eigenvalues[name] = BlockEigenvalues((lam_S.to(dtype), lam_A.to(dtype)))
             if check_S.error or check_A.error:
                 # |λ̂_S λ̂_A − λ_S λ_A| ≤ δ_S max λ_A + max λ_S δ_A + δ_S δ_A
                 top_S, top_A = float(lam_S.max()), float(lam_A.max())
@@ -176,7 +177,8 @@ class EKFACAccumulator:
 
     def __init__(self, node: KFAC, kfac: KronOp, token_block: int | None = None):
         self.node, self.kfac, self.token_block = node, kfac, token_block
-        self.sums = {name: torch.zeros_like(v, dtype=torch.float64) for name, v in kfac.eigenvalues.items()}
+        self.sums = {name: torch.zeros(lam.shape, dtype=torch.float64, device=lam.base[0].device)
+                     for name, lam in kfac.parts.items()}
 
     def update(self, chunk: Chunk) -> None:
         for name in self.node.space.names:
@@ -206,12 +208,12 @@ class EKFACAccumulator:
 
     def finish(self) -> KronOp:
         n = self.node.lambda_grads.n   # the examples fed (lambda_max_examples)
-        eigenvalues = {k: (s / n).to(self.kfac.eigenvalues[k].dtype) for k, s in self.sums.items()}
+        eigenvalues = {k: (s / n).to(self.kfac.parts[k].dtype) for k, s in self.sums.items()}
         errors = {}
         for name, err in self.kfac.eigenvalue_errors.items():
             # the K-FAC basis's relative error, times the largest re-fitted eigenvalue, and
             # the float32 rounding of the stored eigenvalues
-            top = float(self.kfac.eigenvalues[name].abs().max())
+            top = self.kfac.parts[name].extremes()[1]
             relative = (err / top if top > 0 else 0.0) + FLOAT32_ROUNDOFF
             errors[name] = relative * float(eigenvalues[name].abs().max())
         return KronOp(self.node.space, self.kfac.bases, eigenvalues, eigenvalue_errors=errors,

@@ -204,6 +204,10 @@ class EKFACJob(KronStatisticsJob):
         return (f"EK-FAC correction: eigenbases, K-FAC and corrected eigenvalues and their float64 sums "
                 f"{_gb(self.fixed_bytes(dtype))} GB")
 
+    def output_bytes(self, n: int) -> float:
+        """The eigenbases and the re-fitted (out, in) eigenvalue grid of each block."""
+        return kron_output_bytes(self.target.space, self.kron_float64_width, self.kron_diagonal_width, refit=True)
+
     def describe(self) -> str:
         notes = [x for x in self.target.subset_notes() if x.startswith("eigenvalue")]
         return f"{self.kind} ekfac" + (f" ({notes[0]})" if notes else "")

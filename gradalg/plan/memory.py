@@ -143,8 +143,19 @@ def kron_factor_bytes(d: int, float64_width: int | None, diagonal_width: int | N
 
 
 def _eigenvalue_bytes(o: int, i: int, parts) -> float:
-    """The (out, in) eigenvalues: float32 when a factor is float32, else float64."""
-    return o * i * (4.0 if any(p["dtype"] == "float32" for p in parts) else 8.0)
+    """An (out, in) eigenvalue grid (EK-FAC's re-fitted Λ): float32 when a factor is
+    float32, else float64."""
+    return o * i * _eigenvalue_element(parts)
+
+
+def _kfac_eigenvalue_bytes(o: int, i: int, parts) -> float:
+    """K-FAC's eigenvalues Λ = λ_S λ_Aᵀ, kept as the two vectors (out + in numbers; the grid
+    is made a slice at a time where it is applied: :class:`~gradalg.curvature.kron.BlockEigenvalues`)."""
+    return (o + i) * _eigenvalue_element(parts)
+
+
+def _eigenvalue_element(parts) -> float:
+    return 4.0 if any(p["dtype"] == "float32" for p in parts) else 8.0
 
 
 def _dense_widths(space, diagonal_width: int | None) -> list[int]:
@@ -160,8 +171,9 @@ def kron_bytes(space, float64_width: int | None = None, diagonal_width: int | No
       d × d product with its float64 copy or the Kahan sum's new total (12·d²);
     * finishing, block by block (``KronAccumulator.finish``): a block's sums are freed as
       its covariances are formed and eigendecomposed, so each block holds the larger of
-      its sums and its eigenbases; beside them every (out, in) eigenvalue grid, and the
-      larger of one block's covariance copies and one eigendecomposition's workspace.
+      its sums and its eigenbases; beside them every block's two eigenvalue vectors
+      (λ_S, λ_A: K-FAC's Λ = λ_S λ_Aᵀ is never kept as a grid), and the larger of one
+      block's covariance copies and one eigendecomposition's workspace.
 
     Factors wider than ``float64_width`` in float32, wider than ``diagonal_width``
     diagonal (8·d bytes, no basis: :func:`kron_factor_bytes`)."""
@@ -171,7 +183,7 @@ def kron_bytes(space, float64_width: int | None = None, diagonal_width: int | No
         block_sums = sum(p["sum"] for p in parts)
         sums += block_sums
         held += max(block_sums, sum(p["basis"] for p in parts))
-        lam += _eigenvalue_bytes(o, i, parts)
+        lam += _kfac_eigenvalue_bytes(o, i, parts)
         eigh = max([eigh] + [p["eigh"] for p in parts])
         copies = max(copies, block_sums)
     widest = max(_dense_widths(space, diagonal_width) or [0])
@@ -179,22 +191,29 @@ def kron_bytes(space, float64_width: int | None = None, diagonal_width: int | No
 
 
 def ekfac_bytes(space, float64_width: int | None = None, diagonal_width: int | None = None) -> float:
-    """EK-FAC's correction pass: the K-FAC eigenbases and eigenvalues it rotates into, its
-    float64 sums of squares (one (out, in) grid per block) and, when it finishes, the
-    corrected eigenvalues beside them."""
+    """EK-FAC's correction pass: the K-FAC eigenbases and eigenvalue vectors it rotates
+    into, its float64 sums of squares (one (out, in) grid per block) and, when it
+    finishes, the corrected eigenvalues (one grid per block) beside them."""
     total = 0.0
     for o, i in _factor_widths(space):
         parts = [kron_factor_bytes(d, float64_width, diagonal_width) for d in (o, i)]
-        total += sum(p["basis"] for p in parts) + 2 * _eigenvalue_bytes(o, i, parts) + 8.0 * o * i
+        total += (sum(p["basis"] for p in parts) + _kfac_eigenvalue_bytes(o, i, parts)
+                  + _eigenvalue_bytes(o, i, parts) + 8.0 * o * i)
     return total
 
 
-def kron_output_bytes(space, float64_width: int | None = None, diagonal_width: int | None = None) -> float:
-    """Bytes of the K-FAC operator a job produces: eigenbases and eigenvalues."""
+def kron_output_bytes(space, float64_width: int | None = None, diagonal_width: int | None = None,
+                      refit: bool = False) -> float:
+    """Bytes of the Kronecker operator a job produces: eigenbases and eigenvalues — K-FAC's
+    two vectors per block, or with ``refit`` EK-FAC's (out, in) grid per block. The
+    operators a score derives from it (damped, inverted, powers) share these numbers
+    (:class:`~gradalg.curvature.kron.BlockEigenvalues`): the scores pass holds no other
+    copy, and makes Λ a slice of rows at a time (``gradalg.curvature.kron._SLICE_ELEMENTS`` numbers)."""
     total = 0.0
     for o, i in _factor_widths(space):
         parts = [kron_factor_bytes(d, float64_width, diagonal_width) for d in (o, i)]
-        total += sum(p["basis"] for p in parts) + _eigenvalue_bytes(o, i, parts)
+        lam = _eigenvalue_bytes(o, i, parts) if refit else _kfac_eigenvalue_bytes(o, i, parts)
+        total += sum(p["basis"] for p in parts) + lam
     return total
 
 
@@ -210,7 +229,7 @@ def kron_bytes_arithmetic(space, float64_width: int | None = None, diagonal_widt
         parts = [kron_factor_bytes(d, float64_width, diagonal_width) for d in (o, i)]
         sums += sum(p["sum"] for p in parts)
         bases += sum(p["basis"] for p in parts)
-        lam += _eigenvalue_bytes(o, i, parts)
+        lam += _kfac_eigenvalue_bytes(o, i, parts)
         for d, p in zip((o, i), parts):
             if p["dtype"] == "diagonal":
                 diagonal.append(d)
