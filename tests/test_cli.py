@@ -535,3 +535,20 @@ def test_sigterm_and_ctrl_c_exit_with_the_resume_hint(workdir, capsys, monkeypat
     monkeypatch.setattr(build_cmd, "run", interrupted)
     assert run("build", "-c", cfg(workdir)) == 130
     assert "run the same command again" in capsys.readouterr().err
+
+
+def test_every_projector_kind_of_the_library_is_accepted(workdir, api):
+    """The config's projector kinds are ga.proj's (tensorsketch included), and one scores."""
+    from gradalg.cli.config import PROJECTOR_KINDS
+    assert set(PROJECTOR_KINDS) == set(ga.proj.__all__) - {"Projector", "SJLT", "sjlt", "factgrass_tables",
+                                                            "global_mask", "grass_tables", "mask_indices",
+                                                            "tensorsketch_tables", "dense_matrix", "kron_matrices"}
+    out = workdir / "s" / "ts.zarr"
+    assert run("score", "-c", cfg(workdir), "-q", "--set", f"score.output='{out}'", "--set", "method.name='grad_dot'",
+               "--set", "method.options={}", "--set", "projector.kind='tensorsketch'", "--set", "projector.k=32") == 0
+    with ga.options(batch_size=4):
+        P = ga.proj.tensorsketch(32, 0)
+        G, Q = ga.grads(api["task"], api["train"], LAYERS), ga.grads(api["task"], api["queries"], LAYERS)
+        ref = (P(Q) @ P(G).T).compute()
+    got = read_scores(out).sel(query=ref["query"], train=ref["train"])
+    assert_close(torch.from_numpy(np.asarray(got.values)), torch.from_numpy(ref.values), rtol=1e-9, atol=1e-9)

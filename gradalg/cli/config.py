@@ -60,7 +60,7 @@ __all__ = ["Config", "ConfigError", "load_config", "ModelSection", "TaskSection"
            "ProjectorSection", "StoreSection", "QuerySection", "MethodSection", "ScoreSection", "ExecutorSection",
            "PROJECTOR_KINDS", "METHODS", "DTYPES"]
 
-PROJECTOR_KINDS = ("gaussian", "rademacher", "kron", "sparse", "mask", "grass", "factgrass")
+PROJECTOR_KINDS = ("gaussian", "rademacher", "kron", "sparse", "tensorsketch", "mask", "grass", "factgrass")
 # methods the command line runs: one model, train and queries (tracin / less need checkpoints)
 METHODS = ("grad_dot", "grad_cos", "influence", "trak", "logra", "grass", "relatif")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -169,7 +169,7 @@ class ProjectorSection(Section):
     """A ``ga.proj`` projector applied to every gradient (``kind = "none"``: no projection)."""
 
     kind: Literal[PROJECTOR_KINDS + ("none",)] = Field(  # type: ignore[valid-type]
-        "kron", description="gaussian, rademacher, kron, sparse, mask, grass, factgrass, or none")
+        "kron", description="gaussian, rademacher, kron, sparse, tensorsketch, mask, grass, factgrass, or none")
     k: int = Field(64, ge=1, description="output dimension (per layer for kron, grass, factgrass, mask)")
     seed: int = Field(0, description="the projection's seed (the same numbers on every machine)")
     options: dict[str, Any] = Field(default_factory=dict, description="other arguments of ga.proj.<kind> "
