@@ -92,3 +92,21 @@ def test_dense_fisher_refusal_names_fixes_that_work(setting):
             assert bool(torch.isfinite(torch.as_tensor(scores.values)).all())
     with ga.options(memory_budget="1MB"):
         ga.methods.influence(task, train, query, curvature="gauss_newton").compute()
+
+
+def test_auto_on_a_dataset_and_a_tied_lm_matches_the_named_curvature():
+    """Inputs other than tensors: a tied GPT-2 (layers="all": the tied embedding/head one
+    block) fed as a list of dicts; above the threshold 'auto' is exactly EK-FAC's numbers."""
+    from models import gpt2, padded_token_data
+    model = gpt2(tied=True)
+    task = ga.tasks.causal_lm(model)
+    ids, mask = padded_token_data(n=6)
+    data = [{"input_ids": i[m.bool()]} for i, m in zip(ids, mask)]      # variable-length dicts
+    train, query = data[:4], data[4:]
+    with ga.options(dense_curvature_dim=100):
+        auto = ga.methods.influence(task, train, query, layers="all")
+        assert "curvature='auto': EK-FAC" in _note(auto)
+        got = auto.compute()
+    ref = ga.methods.influence(task, train, query, layers="all", curvature="ekfac").compute()
+    assert_close(got.values, ref.values, rtol=1e-10, atol=0)
+    assert bool(torch.isfinite(torch.as_tensor(got.values)).all())
