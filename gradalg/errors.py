@@ -5,6 +5,8 @@ Every error a user can trigger with bad input is one of these, so notebooks can 
 """
 from __future__ import annotations
 
+from collections import Counter
+
 __all__ = [
     "GradalgError",
     "UnsupportedLayerError",
@@ -28,6 +30,7 @@ __all__ = [
     "ObjectiveError",
     "DistributedError",
     "ModelMismatchError",
+    "IdMismatchError",
 ]
 
 
@@ -49,6 +52,63 @@ class SpaceMismatchError(GradalgError, ValueError):
 
 class ShapeMismatchError(GradalgError, ValueError):
     """A tensor handed to gradalg has the wrong shape."""
+
+
+class IdMismatchError(ShapeMismatchError):
+    """Two results that are paired (scores and a ground truth, two score matrices, a
+    store and the rows written to it) do not carry the same ids along a dimension, or
+    one repeats an id. The results are paired by id, never by position: ids in another
+    order are aligned, and any other difference is this error, which names the ids and
+    the fix. A :class:`ShapeMismatchError`.
+
+    Attributes
+    ----------
+    dim : str
+        The dimension ("query", "train", "subset", ...).
+    missing : list
+        Ids of the reference side (``reference``) that the other side lacks.
+    extra : list
+        Ids of the other side that the reference side lacks.
+    repeated : list
+        Ids that occur more than once on either side.
+    """
+
+    def __init__(self, message: str, dim: str = "", missing=(), extra=(), repeated=()):
+        self.message, self.dim = message, dim
+        self.missing, self.extra, self.repeated = list(missing), list(extra), list(repeated)
+        super().__init__(message)
+
+    def __reduce__(self):   # picklable (raised on a Dask worker, re-raised here)
+        return type(self), (self.message, self.dim, self.missing, self.extra, self.repeated)
+
+    @staticmethod
+    def difference(reference, other) -> tuple[list, list, list]:
+        """(missing, extra, repeated): ids of ``reference`` not in ``other``, ids of
+        ``other`` not in ``reference``, ids repeated on either side (each in first-seen order)."""
+        reference, other = list(reference), list(other)
+        ref_set, other_set = set(reference), set(other)
+        missing = [i for i in dict.fromkeys(reference) if i not in other_set]
+        extra = [i for i in dict.fromkeys(other) if i not in ref_set]
+        counts_ref, counts_other = Counter(reference), Counter(other)
+        repeated = [i for i in dict.fromkeys(reference + other) if counts_ref[i] > 1 or counts_other[i] > 1]
+        return missing, extra, repeated
+
+    @staticmethod
+    def describe(missing, extra, repeated, reference_name: str, other_name: str, dim: str) -> str:
+        """One sentence naming (a few of) the missing, extra and repeated ids."""
+        def few(ids):
+            shown = ", ".join(repr(i) for i in ids[:8])
+            return f"[{shown}{', ...' if len(ids) > 8 else ''}]"
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} {dim} id{'s' if len(missing) > 1 else ''} of {reference_name} "
+                         f"missing from {other_name} {few(missing)}")
+        if extra:
+            parts.append(f"{len(extra)} {dim} id{'s' if len(extra) > 1 else ''} of {other_name} not in "
+                         f"{reference_name} {few(extra)}")
+        if repeated:
+            parts.append(f"repeated {dim} ids {few(repeated)}")
+        return "; ".join(parts) if parts else f"the {dim} ids are in another order"
 
 
 class MemoryBudgetError(GradalgError, MemoryError):

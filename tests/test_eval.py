@@ -98,7 +98,7 @@ def test_lds_per_query_equals_scipy_spearman():
 def test_lds_takes_dataarray_scores_and_target_from_retrain_attrs():
     tau, masks, _ = _synthetic(n_train=10, n_query=3, n_subsets=8)
     gt = ga.eval.retrain(lambda idx: idx, 10, n_subsets=8, fraction=0.5, targets_fn=lambda idx: -tau[:, idx].sum(1),
-                         target="loss")
+                         target="loss", query_ids=["a", "b", "c"])
     np.testing.assert_array_equal(gt["masks"].values, masks)
     scores = xr.DataArray(tau, dims=("query", "train"), coords={"query": ["a", "b", "c"], "train": np.arange(10)})
     result = ga.eval.lds(scores, gt)

@@ -22,6 +22,9 @@ for a margin; :func:`loo_correlation` applies the same ``target`` sign.
     >>> result
     LDS 0.873 (95% CI 0.851 to 0.893; 100 queries, 50 subsets, Spearman)
     >>> result.per_query            # xarray.DataArray, dim "query"
+
+Both functions pair scores and ground truth by their ids (``query``, ``train``,
+``removed`` coordinates), never by position where ids exist (:mod:`.align`).
 """
 from __future__ import annotations
 
@@ -33,7 +36,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..errors import ShapeMismatchError
+from ..errors import DataError, IdMismatchError, ShapeMismatchError
+from .align import aligned_pair, labels, locate
 
 if TYPE_CHECKING:                 # xarray loads when a result is made (about 76 MB)
     import xarray as xr
@@ -91,7 +95,9 @@ def spearman(x, y, axis: int = 0) -> np.ndarray:
 
     x, y: same shape; returns that shape without ``axis`` (a 0-d array for vectors).
     Equals ``scipy.stats.spearmanr`` column by column; NaN where either side is constant
-    or holds a non-finite value.
+    or holds a non-finite value. Two DataArrays are paired by dimension name and id
+    (``y`` transposed and reordered to ``x``'s, ``axis`` counted in ``x``; other ids or
+    repeated ids raise :class:`~gradalg.errors.IdMismatchError`); anything else by position.
     """
     x, y, lead = _pair(x, y, axis)
     bad = ~(np.isfinite(x).all(-1) & np.isfinite(y).all(-1))
@@ -102,12 +108,14 @@ def spearman(x, y, axis: int = 0) -> np.ndarray:
 
 
 def pearson(x, y, axis: int = 0) -> np.ndarray:
-    """Pearson correlation of ``x`` and ``y`` along ``axis``; NaN where a side is constant."""
+    """Pearson correlation of ``x`` and ``y`` along ``axis``; NaN where a side is constant.
+    Two DataArrays are paired by dimension name and id, as in :func:`spearman`."""
     x, y, lead = _pair(x, y, axis)
     return _pearson_rows(x, y).reshape(lead)
 
 
 def _pair(x, y, axis):
+    x, y = aligned_pair(x, y)                 # two DataArrays: y in x's dims and ids
     x = np.moveaxis(_numpy(x), axis, -1)
     y = np.moveaxis(_numpy(y), axis, -1)
     if x.shape != y.shape:
@@ -174,14 +182,25 @@ def retest_correlation(runs) -> np.ndarray:
         return np.nanmean(pairs, axis=0)
 
 
-def _ceiling(ground_truth, actual) -> float | None:
+def _ceiling(ground_truth, actual, subsets=None, queries=None) -> float | None:
     """√ρ_k (ρ₁ clipped at 0) averaged over queries when ``ground_truth`` holds k ≥ 2 runs per subset
-    whose mean is its ``targets`` (else None): the LDS ceiling :func:`lds` reports."""
+    whose mean is its ``targets`` (else None): the LDS ceiling :func:`lds` reports. ``actual``
+    (M, n_query) is in the order of the ids ``subsets`` and ``queries`` (None: by position);
+    labelled runs are put in that order first."""
     try:
-        runs = ground_truth_array(ground_truth, "runs", ("subset", "run", "query"))
+        runs, ids = _labelled(ground_truth, "runs", ("subset", "run", "query"))
     except (KeyError, TypeError):
         return None
-    if runs.ndim != 3 or runs.shape[1] < 2 or runs.shape[0] < 3 or runs.shape[::2] != actual.shape \
+    if runs.ndim != 3:
+        return None
+    try:
+        for axis, (dim, ref) in enumerate((("subset", subsets), ("query", queries))):
+            if ref is not None and ids[dim] is not None:
+                runs = np.take(runs, locate(ref, ids[dim], dim=dim, wanted_name="targets",
+                                            available_name="runs", fix=""), axis=2 * axis)
+    except ShapeMismatchError:           # runs of other subsets or queries: no ceiling claimed
+        return None
+    if runs.shape[1] < 2 or runs.shape[0] < 3 or runs.shape[::2] != actual.shape \
             or not np.allclose(runs.mean(axis=1), actual, rtol=1e-12, atol=1e-12, equal_nan=True):
         return None
     value = mean_ceiling(retest_correlation(runs), runs.shape[1])
@@ -205,11 +224,21 @@ def lds(scores, ground_truth, *, target: str | None = None, bootstrap: int = 100
     Parameters
     ----------
     scores : (n_query, n_train) DataArray from ``Scores.compute()``, a lazy
-        :class:`~gradalg.api.Scores` (computed here), or an array. Its train axis is in
-        the order of the training examples ``train_fn`` indexes; its queries in the order
-        of ``targets_fn``'s values.
+        :class:`~gradalg.api.Scores` (computed here), or an array.
     ground_truth : the Dataset of :func:`gradalg.eval.retrain`: ``masks`` (subset, train)
         and ``targets`` (subset, query) (any mapping with those two arrays).
+
+    Pairing. Scores and ground truth are paired **by id** where both carry ids (a
+    DataArray's ``query`` and ``train`` coordinates; ``retrain`` labels the training
+    examples 0..n_train-1, the positions ``train_fn`` indexes, unless given
+    ``train_ids=``, and the queries 0..n_query-1 unless given ``query_ids=``): ids in
+    another order are aligned, giving the number of the aligned input. Scores of other
+    queries or training examples, of a subset or a superset of the ground truth's, or
+    with a repeated id, raise :class:`~gradalg.errors.IdMismatchError` naming the ids
+    and how to subset explicitly (``scores.sel(query=ground_truth["query"])``): LDS over
+    the intersection would silently change the protocol. A side without ids (NumPy,
+    torch) is paired by position, and only when the shapes agree. ``per_query`` follows
+    the ground truth's query order.
     target : "loss" (helpful examples lower the target: predicted = −Σ_{i∈S} τ_qi) or
         "margin" (they raise it: predicted = +Σ_{i∈S} τ_qi). Default: the ``target``
         recorded by ``retrain(..., target=...)``; one of the two is required.
@@ -231,13 +260,19 @@ def lds(scores, ground_truth, *, target: str | None = None, bootstrap: int = 100
     √ρ_k averaged over queries (:func:`gradalg.eval.reliability`); None otherwise.
     """
     sign = _sign(target, ground_truth)
-    masks = ground_truth_array(ground_truth, "masks", ("subset", "train"))       # (M, n_train)
-    actual = ground_truth_array(ground_truth, "targets", ("subset", "query"))    # (M, n_query)
-    tau, query = _scores(scores)                                      # (n_query, n_train)
+    masks, mask_ids = _labelled(ground_truth, "masks", ("subset", "train"))       # (M, n_train)
+    actual, target_ids = _labelled(ground_truth, "targets", ("subset", "query"))  # (M, n_query)
+    tau, score_ids = _scores(scores)                                  # (n_query, n_train)
     if masks.ndim != 2 or actual.ndim != 2 or masks.shape[0] != actual.shape[0]:
         raise ShapeMismatchError(f"ground truth needs masks (M, n_train) and targets (M, n_query), got "
                                  f"{masks.shape} and {actual.shape}")
-    if tau.shape != (actual.shape[1], masks.shape[1]):
+    if mask_ids["subset"] is not None and target_ids["subset"] is not None:
+        actual = actual[locate(mask_ids["subset"], target_ids["subset"], dim="subset",
+                               wanted_name="the ground truth's masks", available_name="its targets",
+                               fix="take masks and targets from one retraining (the Dataset of ga.eval.retrain)")]
+    tau, query = _aligned_scores(tau, score_ids, {"query": target_ids["query"], "train": mask_ids["train"]},
+                                 "ground_truth", _lds_fix)
+    if tau.shape != (actual.shape[1], masks.shape[1]):                # paired by position: sizes must agree
         raise ShapeMismatchError(f"scores are {tau.shape} (query, train) but the ground truth has "
                                  f"{actual.shape[1]} queries and {masks.shape[1]} training examples")
     if masks.shape[0] < 3:
@@ -246,10 +281,11 @@ def lds(scores, ground_truth, *, target: str | None = None, bootstrap: int = 100
         raise ValueError(f"resample must be one of {RESAMPLE}, got {resample!r}")
     predicted = sign * (masks @ tau.T)                                # (M, n_query)
     per_query = spearman(predicted, actual, axis=0)
-    query = query if query is not None else _coord(ground_truth, "query", actual.shape[1])
+    query = query if query is not None else np.arange(actual.shape[1])
     result = _result("LDS", "spearman", per_query, query, masks.shape[0],
                      bootstrap if resample == "queries" else 0, confidence, seed)
-    result = replace(result, ceiling=_ceiling(ground_truth, actual))
+    subsets = mask_ids["subset"] if mask_ids["subset"] is not None else target_ids["subset"]
+    result = replace(result, ceiling=_ceiling(ground_truth, actual, subsets, query))
     if resample == "queries" or not bootstrap:
         return result
     interval = lds_resampled(predicted, actual, over=resample, n_resamples=bootstrap, confidence=confidence,
@@ -262,7 +298,8 @@ def lds_resampled(predicted, actual, *, over: str = "both", n_resamples: int = 1
     """Percentile bootstrap interval of the LDS, resampling subsets and/or queries.
 
     predicted, actual : (M, n_query) the additive predictions sign·Σ_{i∈S_j} τ_qi and the
-        retrained targets (rows: subsets).
+        retrained targets (rows: subsets); two DataArrays are paired by dimension name and
+        id (as in :func:`spearman`), anything else by position.
     over : "subsets", "queries" or "both".
 
     Resample b draws, from ``numpy.random.default_rng(seed)``, first (for "subsets" and
@@ -285,6 +322,7 @@ def lds_resampled(predicted, actual, *, over: str = "both", n_resamples: int = 1
         raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
     if n_resamples < 1:
         raise ValueError(f"n_resamples must be positive, got {n_resamples!r}")
+    predicted, actual = aligned_pair(predicted, actual, "predicted and actual")   # two DataArrays: by id
     predicted = _numpy(predicted).astype(np.float64)
     actual = _numpy(actual).astype(np.float64)
     if predicted.shape != actual.shape or predicted.ndim != 2:
@@ -346,6 +384,11 @@ def loo_correlation(scores, loo, *, target: str | None = None, method: str = "pe
                     confidence: float = 0.95, seed: int = 0) -> CorrelationResult:
     """Per query, the correlation across removed examples of τ_qi and the LOO effect.
 
+    Pairing: the queries by id as in :func:`lds`; each removed example's score column by
+    its id (the ``removed`` coordinate) among the scores' ``train`` ids (scores without
+    ids: ``removed`` holds column positions). Missing or repeated ids raise
+    :class:`~gradalg.errors.IdMismatchError` with the fix.
+
     ``loo`` is the Dataset of :func:`gradalg.eval.leave_one_out` (``effect`` (removed,
     query), coordinate ``removed``). The prediction is ``−sign · τ_qi`` (the loss rises by
     τ when a helpful example goes: ``target="loss"`` correlates τ with the effect,
@@ -354,18 +397,30 @@ def loo_correlation(scores, loo, *, target: str | None = None, method: str = "pe
     if method not in ("pearson", "spearman"):
         raise ValueError(f"method must be 'pearson' or 'spearman', got {method!r}")
     sign = _sign(target, loo)
-    effect = ground_truth_array(loo, "effect", ("removed", "query"))             # (n_removed, n_query)
-    removed = np.asarray(_coord(loo, "removed", effect.shape[0])).astype(np.int64)
-    tau, query = _scores(scores)                                      # (n_query, n_train)
-    if effect.ndim != 2 or tau.shape[0] != effect.shape[1]:
-        raise ShapeMismatchError(f"scores have {tau.shape[0]} queries, the LOO effect "
-                                 f"{effect.shape[-1]}")
-    if removed.max() >= tau.shape[1]:
-        raise ShapeMismatchError(f"removed example {removed.max()} is beyond the {tau.shape[1]} scored ones")
-    predicted = -sign * tau[:, removed].T                              # (n_removed, n_query)
+    effect, effect_ids = _labelled(loo, "effect", ("removed", "query"))         # (n_removed, n_query)
+    tau, score_ids = _scores(scores)                                  # (n_query, n_train)
+    if effect.ndim != 2:
+        raise ShapeMismatchError(f"the LOO effect must be (removed, query), got shape {effect.shape}")
+    removed = effect_ids["removed"] if effect_ids["removed"] is not None else _coord(loo, "removed")
+    if removed is None:
+        raise DataError("the LOO effect needs the ids of the removed examples: the Dataset of "
+                        "ga.eval.leave_one_out (coordinate 'removed')")
+    tau, query = _aligned_scores(tau, score_ids, {"query": effect_ids["query"], "train": None}, "loo",
+                                 _loo_fix, check_train=False)
+    if tau.shape[0] != effect.shape[1]:
+        raise ShapeMismatchError(f"scores have {tau.shape[0]} queries, the LOO effect {effect.shape[1]}")
+    if len(removed) != effect.shape[0]:
+        raise ShapeMismatchError(f"the LOO effect has {effect.shape[0]} rows for {len(removed)} removed examples")
+    if score_ids["train"] is not None:                               # removed examples by id
+        columns = locate(removed, score_ids["train"], dim="train", wanted_name="the removed examples",
+                         available_name="the scores",
+                         fix=lambda m, e, r: _loo_fix("train", "loo", m, e, r), allow_extra=True)
+    else:                                                             # by position
+        columns = _positions(removed, tau.shape[1])
+    predicted = -sign * tau[:, columns].T                             # (n_removed, n_query)
     per_query = (spearman if method == "spearman" else pearson)(predicted, effect, axis=0)
-    query = query if query is not None else _coord(loo, "query", effect.shape[1])
-    return _result("LOO", method, per_query, query, removed.size, bootstrap, confidence, seed)
+    query = query if query is not None else np.arange(effect.shape[1])
+    return _result("LOO", method, per_query, query, len(removed), bootstrap, confidence, seed)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -382,7 +437,7 @@ def _sign(target, data) -> float:
 
 
 def _scores(scores):
-    """(values (n_query, n_train) float64, query coordinate or None)."""
+    """(values (n_query, n_train) float64, {"query": ids or None, "train": ids or None})."""
     import xarray as xr
     if not isinstance(scores, (xr.DataArray, np.ndarray, torch.Tensor)) and hasattr(scores, "compute"):
         scores = scores.compute()                                     # lazy ga.Scores
@@ -392,38 +447,134 @@ def _scores(scores):
                 scores = scores.transpose("query", "train")
             else:
                 raise ShapeMismatchError(f"scores need dims ('query', 'train'), got {scores.dims}")
-        return np.asarray(scores.values, dtype=np.float64), np.asarray(scores["query"].values)
+        return (np.asarray(scores.values, dtype=np.float64),
+                {"query": labels(scores, "query"), "train": labels(scores, "train")})
     values = _numpy(scores).astype(np.float64)
     if values.ndim != 2:
         raise ShapeMismatchError(f"scores must be (n_query, n_train), got shape {values.shape}")
-    return values, None
+    return values, {"query": None, "train": None}
+
+
+def _aligned_scores(tau, score_ids: dict, reference: dict, name: str, fix, check_train: bool = True):
+    """``tau`` (n_query, n_train) with its rows (and, with ``check_train``, columns) in the
+    order of the ``reference`` ids of ``name`` (the ground truth); where either side has
+    no ids, by position (equal lengths required). Returns (tau, query labels or None)."""
+    for axis, dim in enumerate(("query", "train")):
+        if dim == "train" and not check_train:
+            continue
+        ref, own = reference[dim], score_ids[dim]
+        if ref is not None and own is not None:
+            tau = np.take(tau, locate(ref, own, dim=dim, wanted_name=name, available_name="the scores",
+                                      fix=lambda m, e, r, dim=dim: fix(dim, name, m, e, r)), axis=axis)
+        elif ref is not None and len(ref) != tau.shape[axis]:
+            raise ShapeMismatchError(f"scores are {tau.shape} (query, train) and carry no {dim} ids, so they are "
+                                     f"paired with the {len(ref)} {dim} ids of {name} by position: the lengths "
+                                     "must agree")
+    query = reference["query"] if reference["query"] is not None else score_ids["query"]
+    return tau, query
+
+
+def _repeated_fix(dim: str) -> str:
+    return (f"Each {dim} id must occur once on each side: drop the repeats, or combine rows seen in several "
+            "epochs first (ga.integrations.combine_repeats)")
+
+
+def _lds_fix(dim: str, name: str, missing: list, extra: list, repeated: list) -> str:
+    """What to do when the scores' ``dim`` ids are not the ground truth's (:func:`lds`)."""
+    if repeated:
+        return _repeated_fix(dim)
+    if dim == "query":
+        if not extra:
+            return ("Score every query of the ground truth, or compare on the scored queries explicitly: "
+                    f"ga.eval.lds(scores, {name}.sel(query=scores['query']))")
+        if not missing:
+            return f"Select the ground truth's queries explicitly: ga.eval.lds(scores.sel(query={name}['query']), {name})"
+        return ("These are scores of other queries than the ground truth's. If they are the same queries under "
+                "other labels, in the order targets_fn returns them, label the ground truth with the scores' ids: "
+                f"{name}.assign_coords(query=scores['query'].values) (or ga.eval.retrain(..., query_ids=...)); "
+                "or select the queries both hold on both sides with .sel(query=...)")
+    if not missing:
+        return ("The scores hold training examples the retrained subsets never drew from; select the ground "
+                f"truth's explicitly: ga.eval.lds(scores.sel(train={name}['train']), {name})")
+    if not extra:
+        return ("The retrained models saw training examples that have no score column: score the whole training "
+                "set train_fn indexes (LDS on fewer examples is another protocol)")
+    return ("ga.eval.retrain labels the training examples 0..n_train-1, the positions train_fn indexes, unless "
+            "given train_ids=. If the scores' train axis is in that order, label the ground truth with the scores' "
+            f"ids: {name}.assign_coords(train=scores['train'].values) (or ga.eval.retrain(..., train_ids=...))")
+
+
+def _loo_fix(dim: str, name: str = "loo", missing=(), extra=(), repeated=()) -> str:
+    """What to do when the scores' ids are not the LOO effect's (:func:`loo_correlation`)."""
+    if dim != "train":
+        return _lds_fix(dim, name, missing, extra, repeated).replace("ga.eval.lds", "ga.eval.loo_correlation") \
+            .replace("ga.eval.retrain", "ga.eval.leave_one_out")
+    if repeated:
+        return _repeated_fix(dim)
+    return ("ga.eval.leave_one_out labels each removed example by its position in the training set (0..n_train-1) "
+            "unless given train_ids=. If the scores' train axis is in that order, label the removed examples with "
+            f"the scores' ids: {name}.assign_coords(removed=scores['train'].values[{name}['removed'].values]) "
+            "(or ga.eval.leave_one_out(..., train_ids=...)); otherwise score the removed examples")
+
+
+def _positions(removed, n_train: int) -> np.ndarray:
+    """Removed examples as column positions of scores without ids (ints in [0, n_train))."""
+    values = np.asarray(removed)
+    if values.dtype.kind not in "iu":
+        raise ShapeMismatchError(f"the scores carry no train ids, so the removed examples {values[:5].tolist()} "
+                                 "must be column positions (ints); pass the scores as a DataArray with a train "
+                                 "coordinate to pair them by id")
+    values = values.astype(np.int64)
+    if values.size and (values.min() < 0 or values.max() >= n_train):
+        raise ShapeMismatchError(f"removed example {values.max() if values.max() >= n_train else values.min()} "
+                                 f"is outside the {n_train} scored ones")
+    if np.unique(values).size != values.size:
+        raise IdMismatchError(f"the removed examples repeat: {values.tolist()[:8]}. {_repeated_fix('removed')}",
+                              "removed", repeated=[int(v) for v in values if (values == v).sum() > 1])
+    return values
 
 
 def _numpy(x) -> np.ndarray:
     import xarray as xr
     if isinstance(x, torch.Tensor):
-        return x.detach().to("cpu").numpy()
+        x = x.detach().to("cpu")
+        return (x.double() if x.is_floating_point() else x).numpy()
     if isinstance(x, xr.DataArray):
         return np.asarray(x.values)
     return np.asarray(x)
 
 
-def ground_truth_array(ground_truth, name: str, dims: tuple[str, ...]) -> np.ndarray:
-    """``ground_truth[name]`` as a float64 array with axes in the order ``dims``: an
-    xarray variable with exactly those dimensions in another order (``gt.transpose(...)``)
-    is put back in order by name, so its axes are never misread by position."""
+def _labelled(data, name: str, dims: tuple[str, ...]) -> tuple[np.ndarray, dict]:
+    """``data[name]`` as a float64 array with axes in the order ``dims``, and its ids per
+    dimension ({dim: list or None}). An xarray variable with exactly those dimensions in
+    another order (``gt.transpose(...)``) is put back in order by name, so its axes are
+    never misread by position; a variable without dimension names has no ids."""
     import xarray as xr
-    value = ground_truth[name]
-    if isinstance(value, xr.DataArray) and value.dims != dims and set(value.dims) == set(dims):
-        value = value.transpose(*dims)
-    return _numpy(value).astype(np.float64)
-
-
-def _coord(data, name, size):
     try:
-        return np.asarray(data[name].values)
-    except (KeyError, AttributeError, TypeError):
-        return np.arange(size)
+        value = data[name]
+    except (KeyError, IndexError, TypeError) as err:
+        raise DataError(f"the ground truth has no {name!r} ({name} {dims}): pass the Dataset "
+                        "ga.eval.retrain / ga.eval.leave_one_out returned, or a mapping with that array") from err
+    named = isinstance(value, xr.DataArray) and set(value.dims) == set(dims) and len(value.dims) == len(dims)
+    if named and value.dims != dims:
+        value = value.transpose(*dims)
+    ids = {d: labels(value, d) if named else None for d in dims}
+    return _numpy(value).astype(np.float64), ids
+
+
+def ground_truth_array(ground_truth, name: str, dims: tuple[str, ...]) -> np.ndarray:
+    """``ground_truth[name]`` as a float64 array with axes in the order ``dims`` (by name
+    for an xarray variable with those dimensions, see :func:`_labelled`)."""
+    return _labelled(ground_truth, name, dims)[0]
+
+
+def _coord(data, name):
+    """``data[name]`` as a list (a coordinate of a Dataset, a key of a mapping), or None."""
+    try:
+        value = data[name]
+    except (KeyError, IndexError, TypeError):
+        return None
+    return np.asarray(getattr(value, "values", value)).reshape(-1).tolist()
 
 
 def _result(name, method, per_query, query, n_samples, bootstrap, confidence, seed) -> CorrelationResult:

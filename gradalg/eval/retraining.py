@@ -42,6 +42,7 @@ Resuming
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 import json
 import os
 import random
@@ -53,7 +54,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 import torch
 
-from ..errors import GradalgError, ShapeMismatchError
+from ..errors import DataError, GradalgError, ShapeMismatchError
 
 if TYPE_CHECKING:                 # xarray loads when a result is made (about 76 MB)
     import xarray as xr
@@ -114,7 +115,7 @@ def _subset_rng(seed: int, j: int) -> np.random.Generator:
 def retrain(train_fn: Callable[[np.ndarray], Any], n_train: int, *, n_subsets: int, fraction: float = 0.5,
             targets_fn: Callable[[Any], Any], seed: int = 0, training_seed: int | None = None,
             seeds_per_subset: int = 1, store: str | os.PathLike | None = None,
-            query_ids: Sequence | None = None, target: str | None = None,
+            query_ids: Sequence | None = None, train_ids: Sequence | None = None, target: str | None = None,
             progress: bool = False) -> xr.Dataset:
     """Retrain on ``n_subsets`` random subsets and record each model's targets.
 
@@ -139,7 +140,13 @@ def retrain(train_fn: Callable[[np.ndarray], Any], n_train: int, *, n_subsets: i
         ``runs`` keeps each; with k ≥ 2 :func:`gradalg.eval.reliability` tells how
         repeatable they are. k = 1 trains exactly what earlier versions trained.
     store : a directory for resumable results (created if missing), or None.
-    query_ids : labels of the queries (default 0..n_query-1).
+    query_ids : labels of the queries, in the order of ``targets_fn``'s values (default
+        0..n_query-1): the ``query`` coordinate, by which :func:`gradalg.eval.lds` pairs
+        the ground truth with the scores' query ids.
+    train_ids : labels of the training examples, in the order ``train_fn``'s indices
+        count them (default 0..n_train-1): the ``train`` coordinate, by which ``lds``
+        pairs the masks with the scores' train ids (pass the ids the scores carry, e.g.
+        ``ga.grads(task, data, ids=...)``'s, when they are not the positions).
     target : optional label recorded in ``attrs["target"]`` ("loss" or "margin"),
         which :func:`gradalg.eval.lds` reads when it is not told.
     progress : print one line per trained subset.
@@ -162,6 +169,8 @@ def retrain(train_fn: Callable[[np.ndarray], Any], n_train: int, *, n_subsets: i
         raise ValueError(f"seeds_per_subset must be a positive integer (training runs per subset), "
                          f"got {seeds_per_subset!r}")
     masks = subset_masks(n_train, n_subsets, fraction, seed)
+    train_labels = _labels(train_ids, n_train, "train_ids", "training examples")
+    _early_query_check(query_ids)
     meta = {"kind": "subsets", "n_train": int(n_train), "fraction": float(fraction), "seed": int(seed),
             "training_seed": None if training_seed is None else int(training_seed)}
     runs = _RunStore(store, meta)
@@ -183,8 +192,8 @@ def retrain(train_fn: Callable[[np.ndarray], Any], n_train: int, *, n_subsets: i
     return xr.Dataset(
         {"masks": (("subset", "train"), masks), "targets": (("subset", "query"), values.mean(axis=1)),
          "runs": (("subset", "run", "query"), values)},
-        coords={"subset": np.arange(n_subsets), "train": np.arange(n_train), "run": np.arange(values.shape[1]),
-                "query": _query_coords(query_ids, values.shape[2])},
+        coords={"subset": np.arange(n_subsets), "train": train_labels, "run": np.arange(values.shape[1]),
+                "query": _labels(query_ids, values.shape[2], "query_ids", "targets")},
         attrs=attrs,
     )
 
@@ -216,8 +225,8 @@ def select_runs(ground_truth: xr.Dataset, runs) -> xr.Dataset:
 
 def leave_one_out(train_fn: Callable[[np.ndarray], Any], n_train: int, indices: Sequence[int],
                   targets_fn: Callable[[Any], Any], *, seed: int = 0, store: str | os.PathLike | None = None,
-                  query_ids: Sequence | None = None, target: str | None = None,
-                  progress: bool = False) -> xr.Dataset:
+                  query_ids: Sequence | None = None, train_ids: Sequence | None = None,
+                  target: str | None = None, progress: bool = False) -> xr.Dataset:
     """Retrain without each of ``indices`` (and once on everything) with one training seed.
 
     Every run, the full one included, is trained with the same training seed ``seed``
@@ -230,7 +239,11 @@ def leave_one_out(train_fn: Callable[[np.ndarray], Any], n_train: int, indices: 
         ``base``    (query,)            targets of the model trained on all n examples
         ``targets`` (removed, query)    targets of the model trained without example i
         ``effect``  (removed, query)    ``targets − base``: the effect of removing i
-    coordinate ``removed`` = ``indices``; attrs ``n_train``, ``seed``, ``kind="loo"``.
+    coordinate ``removed``: the removed examples' ids, ``indices`` themselves (positions
+    0..n_train-1 in the order ``train_fn`` counts) or, with ``train_ids`` (labels of the
+    training examples in that order), ``train_ids[indices]``;
+    :func:`gradalg.eval.loo_correlation` reads the scores' columns by these ids. ``query``:
+    ``query_ids`` (default 0..n_query-1). Attrs ``n_train``, ``seed``, ``kind="loo"``.
     """
     import xarray as xr
     _check_callable(train_fn, "train_fn")
@@ -245,6 +258,8 @@ def leave_one_out(train_fn: Callable[[np.ndarray], Any], n_train: int, indices: 
         raise ValueError(f"indices must lie in [0, {n_train}), got values in [{removed.min()}, {removed.max()}]")
     if np.unique(removed).size != removed.size:
         raise ValueError("indices must not repeat")
+    train_labels = _labels(train_ids, n_train, "train_ids", "training examples")
+    _early_query_check(query_ids)
     meta = {"kind": "loo", "n_train": int(n_train), "seed": int(seed)}
     runs = _RunStore(store, meta)
     everything = np.arange(n_train, dtype=np.int64)
@@ -267,7 +282,7 @@ def leave_one_out(train_fn: Callable[[np.ndarray], Any], n_train: int, indices: 
     return xr.Dataset(
         {"base": (("query",), base), "targets": (("removed", "query"), values),
          "effect": (("removed", "query"), values - base[None, :])},
-        coords={"removed": removed, "query": _query_coords(query_ids, base.shape[0])},
+        coords={"removed": train_labels[removed], "query": _labels(query_ids, base.shape[0], "query_ids", "targets")},
         attrs=attrs,
     )
 
@@ -314,13 +329,28 @@ def _stack(rows: list[np.ndarray]) -> np.ndarray:
     return np.stack(rows)
 
 
-def _query_coords(query_ids, n_query):
-    if query_ids is None:
-        return np.arange(n_query)
-    ids = np.asarray(query_ids)
-    if ids.shape != (n_query,):
-        raise ShapeMismatchError(f"query_ids has {ids.size} labels for {n_query} targets")
-    return ids
+def _early_query_check(query_ids) -> None:
+    """Refuse repeated or unhashable ``query_ids`` before any training (their number is
+    checked against the targets once ``targets_fn`` has run)."""
+    if query_ids is not None:
+        values = np.asarray(query_ids.detach().cpu() if isinstance(query_ids, torch.Tensor) else query_ids)
+        _labels(values, values.shape[0] if values.ndim else 1, "query_ids", "queries")
+
+
+def _labels(ids, n: int, name: str, what: str) -> np.ndarray:
+    """``ids`` (one unique label per item, n of them) as a coordinate; 0..n-1 when None."""
+    if ids is None:
+        return np.arange(n)
+    values = np.asarray(ids.detach().cpu() if isinstance(ids, torch.Tensor) else ids)
+    if values.shape != (n,):
+        raise ShapeMismatchError(f"{name} has {values.size} labels (shape {values.shape}) for {n} {what}")
+    try:
+        repeated = [i for i, c in Counter(values.tolist()).items() if c > 1]
+    except TypeError as err:
+        raise DataError(f"{name} must be ints or strings, got {values.dtype}") from err
+    if repeated:
+        raise DataError(f"{name} repeat: {repeated[:8]}; give each of the {n} {what} its own label")
+    return values
 
 
 @contextlib.contextmanager
