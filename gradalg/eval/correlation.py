@@ -188,7 +188,7 @@ def _ceiling(ground_truth, actual, subsets=None, queries=None) -> float | None:
     (M, n_query) is in the order of the ids ``subsets`` and ``queries`` (None: by position);
     labelled runs are put in that order first."""
     try:
-        runs, ids = _labelled(ground_truth, "runs", ("subset", "run", "query"))
+        runs, ids = labelled_array(ground_truth, "runs", ("subset", "run", "query"))
     except (KeyError, TypeError):
         return None
     if runs.ndim != 3:
@@ -260,8 +260,8 @@ def lds(scores, ground_truth, *, target: str | None = None, bootstrap: int = 100
     √ρ_k averaged over queries (:func:`gradalg.eval.reliability`); None otherwise.
     """
     sign = _sign(target, ground_truth)
-    masks, mask_ids = _labelled(ground_truth, "masks", ("subset", "train"))       # (M, n_train)
-    actual, target_ids = _labelled(ground_truth, "targets", ("subset", "query"))  # (M, n_query)
+    masks, mask_ids = labelled_array(ground_truth, "masks", ("subset", "train"))       # (M, n_train)
+    actual, target_ids = labelled_array(ground_truth, "targets", ("subset", "query"))  # (M, n_query)
     tau, score_ids = _scores(scores)                                  # (n_query, n_train)
     if masks.ndim != 2 or actual.ndim != 2 or masks.shape[0] != actual.shape[0]:
         raise ShapeMismatchError(f"ground truth needs masks (M, n_train) and targets (M, n_query), got "
@@ -397,7 +397,7 @@ def loo_correlation(scores, loo, *, target: str | None = None, method: str = "pe
     if method not in ("pearson", "spearman"):
         raise ValueError(f"method must be 'pearson' or 'spearman', got {method!r}")
     sign = _sign(target, loo)
-    effect, effect_ids = _labelled(loo, "effect", ("removed", "query"))         # (n_removed, n_query)
+    effect, effect_ids = labelled_array(loo, "effect", ("removed", "query"))         # (n_removed, n_query)
     tau, score_ids = _scores(scores)                                  # (n_query, n_train)
     if effect.ndim != 2:
         raise ShapeMismatchError(f"the LOO effect must be (removed, query), got shape {effect.shape}")
@@ -544,7 +544,7 @@ def _numpy(x) -> np.ndarray:
     return np.asarray(x)
 
 
-def _labelled(data, name: str, dims: tuple[str, ...]) -> tuple[np.ndarray, dict]:
+def labelled_array(data, name: str, dims: tuple[str, ...]) -> tuple[np.ndarray, dict]:
     """``data[name]`` as a float64 array with axes in the order ``dims``, and its ids per
     dimension ({dim: list or None}). An xarray variable with exactly those dimensions in
     another order (``gt.transpose(...)``) is put back in order by name, so its axes are
@@ -565,7 +565,7 @@ def _labelled(data, name: str, dims: tuple[str, ...]) -> tuple[np.ndarray, dict]
 def ground_truth_array(ground_truth, name: str, dims: tuple[str, ...]) -> np.ndarray:
     """``ground_truth[name]`` as a float64 array with axes in the order ``dims`` (by name
     for an xarray variable with those dimensions, see :func:`_labelled`)."""
-    return _labelled(ground_truth, name, dims)[0]
+    return labelled_array(ground_truth, name, dims)[0]
 
 
 def _coord(data, name):

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import ShapeMismatchError
-from .correlation import ground_truth_array, lds_bootstrap, mean_ceiling, retest_correlation
+from .correlation import labelled_array, lds_bootstrap, mean_ceiling, retest_correlation
 
 if TYPE_CHECKING:                 # xarray loads when a result is made (about 76 MB)
     import xarray as xr
@@ -115,7 +115,7 @@ def reliability(ground_truth, *, bootstrap: int = 1000, confidence: float = 0.95
                          "ga.eval.retrain(..., seeds_per_subset=2 or more), or a mapping with 'runs' "
                          f"(subset, run, query); got {type(ground_truth).__name__}"
                          + (" without 'runs'" if hasattr(ground_truth, "keys") else ""))
-    runs = ground_truth_array(ground_truth, "runs", ("subset", "run", "query"))
+    runs, ids = labelled_array(ground_truth, "runs", ("subset", "run", "query"))
     if runs.ndim != 3:
         raise ShapeMismatchError(f"ground truth 'runs' must be (subset, run, query), got shape {runs.shape}")
     m, k, n_query = runs.shape
@@ -130,8 +130,7 @@ def reliability(ground_truth, *, bootstrap: int = 1000, confidence: float = 0.95
     retest = float(finite.mean()) if finite.size else float("nan")
     interval = (lds_bootstrap(per_query, n_resamples=bootstrap, confidence=confidence, seed=seed)
                 if bootstrap and finite.size else (float("nan"), float("nan")))
-    query = (np.asarray(ground_truth["query"]) if "query" in getattr(ground_truth, "coords", {})
-             else np.arange(n_query))
+    query = np.asarray(ids["query"]) if ids["query"] is not None else np.arange(n_query)   # labelled by id
     return Reliability(per_query=xr.DataArray(per_query, dims=("query",), coords={"query": query},
                                               name="test_retest"),
                        retest=retest, interval=interval, runs=int(k), n_subsets=int(m),

@@ -1,0 +1,243 @@
+"""Every function that pairs two results aligns them by id, never by position.
+
+For each one: both sides permuted (and renamed consistently) give the number of the
+aligned input; scores of other queries or examples, a subset or a superset, and
+repeated ids are refused with an :class:`IdMismatchError` that names the ids and a fix,
+and the fix is run. Sides without ids (NumPy, torch) are paired by position only when
+their shapes agree. (docs/reliability.md, "Aligned by id".)
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import xarray as xr
+
+import gradalg as ga
+from gradalg.errors import IdMismatchError, ShapeMismatchError
+
+N_TRAIN, N_QUERY, M = 16, 5, 12
+
+
+def _setup(noise: float = 0.0, seed: int = 0):
+    """Scores τ (query, train) as a DataArray and a retrained ground truth whose targets
+    are exactly additive in τ (noise 0: LDS 1.0 when paired right)."""
+    rng = np.random.default_rng(seed)
+    tau = rng.normal(size=(N_QUERY, N_TRAIN))
+    jitter = rng.normal(size=(10_000, N_QUERY))
+    calls = iter(range(10_000))
+
+    def targets_fn(idx):
+        return -tau[:, idx].sum(1) + noise * jitter[next(calls)]
+
+    gt = ga.eval.retrain(lambda idx: idx, N_TRAIN, n_subsets=M, fraction=0.5, targets_fn=targets_fn, target="loss")
+    scores = xr.DataArray(tau, dims=("query", "train"),
+                          coords={"query": np.arange(N_QUERY), "train": np.arange(N_TRAIN)})
+    return scores, gt
+
+
+def _permutations(seed=1):
+    rng = np.random.default_rng(seed)
+    return rng.permutation(N_QUERY), rng.permutation(N_TRAIN), rng.permutation(M)
+
+
+# ------------------------------------------------------------------------------------ LDS
+def test_lds_of_an_additive_ground_truth_is_one_under_any_permutation_of_either_side():
+    scores, gt = _setup()
+    q, t, s = _permutations()
+    assert ga.eval.lds(scores, gt, bootstrap=0).mean == pytest.approx(1.0, abs=1e-12)
+    for permuted in (scores.isel(query=q), scores.isel(train=t), scores.isel(query=q, train=t),
+                     scores.isel(query=q, train=t).T):
+        assert ga.eval.lds(permuted, gt, bootstrap=0).mean == pytest.approx(1.0, abs=1e-12)
+    shuffled_gt = gt.isel(query=q, train=t, subset=s)
+    assert ga.eval.lds(scores.isel(train=t[::-1]), shuffled_gt, bootstrap=0).mean == pytest.approx(1.0, abs=1e-12)
+    # masks and targets as separate DataArrays, each in its own subset order
+    pieces = {"masks": gt["masks"].isel(subset=s), "targets": gt["targets"].isel(subset=s[::-1], query=q)}
+    assert ga.eval.lds(scores.isel(train=t), pieces, target="loss", bootstrap=0).mean == pytest.approx(1.0, abs=1e-12)
+
+
+def test_lds_of_permuted_and_renamed_inputs_equals_the_aligned_reference():
+    scores, gt = _setup(noise=3.0)
+    q, t, s = _permutations()
+    reference = ga.eval.lds(scores, gt, bootstrap=200, seed=3, resample="both")
+    assert 0.1 < reference.mean < 0.95          # a number that a misalignment would change
+    labels_q = np.array([f"q{i}" for i in range(N_QUERY)])
+    labels_t = np.array([f"doc-{i}" for i in range(N_TRAIN)])
+    renamed_gt = gt.assign_coords(query=labels_q, train=labels_t)
+    renamed_scores = scores.assign_coords(query=labels_q, train=labels_t)
+    for sc, truth in ((scores.isel(query=q, train=t), gt),
+                      (renamed_scores.isel(query=q, train=t).T, renamed_gt),
+                      (renamed_scores, renamed_gt)):
+        result = ga.eval.lds(sc, truth, bootstrap=200, seed=3, resample="both")
+        assert result.mean == reference.mean
+        np.testing.assert_array_equal(result.per_query.values, reference.per_query.values)
+        assert result.interval == reference.interval
+    per_query = ga.eval.lds(scores, gt.isel(query=q), bootstrap=0).per_query   # the ground truth's order
+    np.testing.assert_array_equal(per_query["query"].values, q)
+    np.testing.assert_allclose(per_query.sel(query=np.arange(N_QUERY)).values, reference.per_query.values, atol=0)
+    # train_ids given to retrain label the masks as the scores are labelled
+    relabelled = ga.eval.retrain(lambda idx: idx, N_TRAIN, n_subsets=M, fraction=0.5,
+                                 targets_fn=lambda idx: -scores.values[:, idx].sum(1), target="loss",
+                                 train_ids=labels_t, query_ids=labels_q)
+    assert ga.eval.lds(renamed_scores.isel(train=t, query=q), relabelled, bootstrap=0).mean == pytest.approx(1.0)
+
+
+def _refused(fn, *ids):
+    with pytest.raises(IdMismatchError) as info:
+        fn()
+    text = str(info.value)
+    for i in ids:
+        assert repr(i) in text, (i, text)
+    return info.value
+
+
+def test_lds_refuses_other_missing_extra_and_repeated_ids_and_each_fix_works():
+    scores, gt = _setup(noise=1.0)
+    reference = ga.eval.lds(scores, gt, bootstrap=0)
+    # scores of other queries altogether (was LDS 1.0 by position)
+    err = _refused(lambda: ga.eval.lds(scores.assign_coords(query=np.arange(N_QUERY) + 100), gt), 100, 0)
+    assert err.dim == "query" and err.missing == list(range(N_QUERY)) and isinstance(err, ShapeMismatchError)
+    # a subset of the queries: refused, and the suggested explicit subset works
+    some = scores.isel(query=[3, 1])
+    err = _refused(lambda: ga.eval.lds(some, gt), 0, 2, 4)
+    assert "ground_truth.sel(query=scores['query'])" in str(err)
+    ground_truth = gt
+    fixed = ga.eval.lds(some, ground_truth.sel(query=some["query"]), bootstrap=0)
+    np.testing.assert_array_equal(fixed.per_query.values, reference.per_query.values[[3, 1]])
+    # a superset of the queries
+    more = xr.concat([scores, scores.isel(query=[0]).assign_coords(query=[77])], "query")
+    err = _refused(lambda: ga.eval.lds(more, gt), 77)
+    assert "scores.sel(query=ground_truth['query'])" in str(err)
+    assert ga.eval.lds(more.sel(query=ground_truth["query"]), gt, bootstrap=0).mean == reference.mean
+    # a superset of the training examples
+    wider = xr.concat([scores, scores.isel(train=[0]).assign_coords(train=[500])], "train")
+    err = _refused(lambda: ga.eval.lds(wider, gt), 500)
+    assert ga.eval.lds(wider.sel(train=ground_truth["train"]), gt, bootstrap=0).mean == reference.mean
+    # fewer training examples than the retrained models saw: no explicit fix changes the protocol
+    _refused(lambda: ga.eval.lds(scores.isel(train=slice(0, 10)), gt), 10, 15)
+    # string ids against retrain's positions: relabel the ground truth
+    named = scores.assign_coords(train=[f"doc-{i}" for i in range(N_TRAIN)])
+    err = _refused(lambda: ga.eval.lds(named, gt), "doc-0", 0)
+    assert "assign_coords(train=scores['train'].values)" in str(err)
+    assert ga.eval.lds(named, ground_truth.assign_coords(train=named["train"].values), bootstrap=0).mean == \
+        reference.mean
+    # repeated ids
+    err = _refused(lambda: ga.eval.lds(scores.assign_coords(train=[0, 0] + list(range(2, N_TRAIN))), gt), 0)
+    assert err.repeated == [0] and "combine_repeats" in str(err)
+    err = _refused(lambda: ga.eval.lds(scores.assign_coords(query=[0, 1, 2, 3, 3]), gt), 3)
+    # a ground truth whose masks and targets disagree on the subsets
+    pieces = {"masks": gt["masks"], "targets": gt["targets"].assign_coords(subset=np.arange(M) + 1)}
+    _refused(lambda: ga.eval.lds(scores, pieces, target="loss"), M)
+
+
+def test_lds_pairs_sides_without_ids_by_position_only_when_shapes_agree():
+    scores, gt = _setup(noise=1.0)
+    reference = ga.eval.lds(scores, gt, bootstrap=0).mean
+    for plain in (scores.values, torch.tensor(scores.values), torch.tensor(scores.values, dtype=torch.bfloat16)):
+        value = ga.eval.lds(plain, gt, bootstrap=0).mean
+        assert value == pytest.approx(reference, abs=0.05 if plain.dtype == torch.bfloat16 else 0)
+    unlabelled = {"masks": gt["masks"].values, "targets": gt["targets"].values}
+    assert ga.eval.lds(scores.isel(query=[1, 0, 2, 3, 4]), unlabelled, target="loss", bootstrap=0).mean != reference
+    assert ga.eval.lds(scores, unlabelled, target="loss", bootstrap=0).mean == reference
+    with pytest.raises(ShapeMismatchError, match="paired with the 16 train ids"):
+        ga.eval.lds(scores.values[:, :-1], gt)
+    with pytest.raises(ShapeMismatchError):
+        ga.eval.lds(scores, {"masks": gt["masks"].values[:, :-1], "targets": gt["targets"].values}, target="loss")
+
+
+def test_lds_ceiling_reads_runs_by_id():
+    rng = np.random.default_rng(0)
+    tau = rng.normal(size=(N_QUERY, N_TRAIN))
+    gt = ga.eval.retrain(lambda idx: idx, N_TRAIN, n_subsets=M, fraction=0.5, seeds_per_subset=2, target="loss",
+                         targets_fn=lambda idx: -tau[:, idx].sum(1) + torch.randn(N_QUERY).numpy())
+    scores = xr.DataArray(tau, dims=("query", "train"))
+    result = ga.eval.lds(scores.values, gt, bootstrap=0)
+    assert result.ceiling is not None
+    q, _, s = _permutations()
+    pieces = {"masks": gt["masks"], "targets": gt["targets"].isel(query=q), "runs": gt["runs"].isel(subset=s)}
+    assert ga.eval.lds(scores.values[q], pieces, target="loss", bootstrap=0).ceiling == pytest.approx(result.ceiling)
+
+
+# ------------------------------------------------------------------------ leave-one-out
+def test_loo_correlation_pairs_queries_and_removed_examples_by_id():
+    rng = np.random.default_rng(2)
+    tau = rng.normal(size=(N_QUERY, N_TRAIN))
+    effect = rng.normal(size=(N_TRAIN, N_QUERY)) + 2 * tau.T        # a correlated, imperfect LOO effect
+    removed = [3, 7, 1, 12, 9]
+    loo = ga.eval.leave_one_out(lambda idx: idx, N_TRAIN, removed, lambda idx: effect.T @ np.isin(
+        np.arange(N_TRAIN), idx, invert=True), target="loss")
+    scores = xr.DataArray(tau, dims=("query", "train"),
+                          coords={"query": np.arange(N_QUERY), "train": np.arange(N_TRAIN)})
+    reference = ga.eval.loo_correlation(scores, loo, bootstrap=0)
+    assert 0.2 < reference.mean < 0.99
+    q, t, _ = _permutations()
+    for sc in (scores.isel(query=q, train=t), scores.isel(train=t).T):
+        result = ga.eval.loo_correlation(sc, loo, bootstrap=0)
+        np.testing.assert_array_equal(result.per_query.values, reference.per_query.values)
+    # by position without ids
+    assert ga.eval.loo_correlation(tau, loo, bootstrap=0).mean == reference.mean
+    # other queries; removed examples the scores lack; string ids and the fix
+    _refused(lambda: ga.eval.loo_correlation(scores.assign_coords(query=np.arange(N_QUERY) + 9), loo), 9)
+    _refused(lambda: ga.eval.loo_correlation(scores.isel(train=slice(0, 8)), loo), 12, 9)
+    named = scores.assign_coords(train=[f"doc-{i}" for i in range(N_TRAIN)]).isel(train=t)
+    err = _refused(lambda: ga.eval.loo_correlation(named, loo), 3, 7)
+    assert "loo.assign_coords(removed=scores['train'].values[loo['removed'].values])" in str(err)
+    ordered = scores.assign_coords(train=[f"doc-{i}" for i in range(N_TRAIN)])
+    fixed = ga.eval.loo_correlation(named, loo.assign_coords(removed=ordered["train"].values[loo["removed"].values]),
+                                    bootstrap=0)
+    assert fixed.mean == reference.mean
+    labelled = ga.eval.leave_one_out(lambda idx: idx, N_TRAIN, removed, lambda idx: effect.T @ np.isin(
+        np.arange(N_TRAIN), idx, invert=True), target="loss", train_ids=ordered["train"].values)
+    assert list(labelled["removed"].values) == [f"doc-{i}" for i in removed]
+    assert ga.eval.loo_correlation(named, labelled, bootstrap=0).mean == reference.mean
+    _refused(lambda: ga.eval.loo_correlation(scores.assign_coords(train=[0, 0] + list(range(2, N_TRAIN))), loo), 0)
+
+
+# ------------------------------------------------------------ correlations, reliability
+def test_spearman_and_pearson_of_two_dataarrays_pair_by_name_and_id():
+    rng = np.random.default_rng(4)
+    x = xr.DataArray(rng.normal(size=(6, 9)), dims=("query", "train"),
+                     coords={"query": list("abcdef"), "train": np.arange(9)})
+    y = x + rng.normal(size=x.shape)
+    for f in (ga.eval.spearman, ga.eval.pearson):
+        reference = f(x.values, y.values, axis=1)
+        shuffled = y.isel(query=[5, 3, 1, 0, 2, 4], train=rng.permutation(9)).T
+        np.testing.assert_array_equal(f(x, shuffled, axis=1), reference)
+        assert not np.allclose(f(x.values, shuffled.T.values, axis=1), reference)    # by position: other numbers
+        with pytest.raises(IdMismatchError, match="'z'"):
+            f(x, y.assign_coords(query=list("abcdez")), axis=1)
+        with pytest.raises(ShapeMismatchError, match="dimensions differ"):
+            f(x, y.rename(train="example"), axis=1)
+    predicted, actual = x.rename(query="subset", train="query"), y.rename(query="subset", train="query")
+    reference = ga.eval.lds_resampled(predicted.values, actual.values, n_resamples=50)
+    assert ga.eval.lds_resampled(predicted, actual.isel(subset=[2, 0, 1, 5, 4, 3]), n_resamples=50) == reference
+
+
+def test_reliability_labels_its_queries_by_id():
+    rng = np.random.default_rng(5)
+    gt = ga.eval.retrain(lambda idx: idx, N_TRAIN, n_subsets=M, fraction=0.5, seeds_per_subset=2,
+                         query_ids=[f"q{i}" for i in range(N_QUERY)],
+                         targets_fn=lambda idx: rng.normal(size=N_QUERY) + np.arange(N_QUERY) * len(idx))
+    reference = ga.eval.reliability(gt, bootstrap=0).per_query
+    q, _, s = _permutations()
+    shuffled = ga.eval.reliability(gt.isel(query=q, subset=s), bootstrap=0).per_query
+    xr.testing.assert_allclose(shuffled.sel(query=reference["query"]), reference)
+    pieces = {"runs": gt["runs"].isel(query=q)}
+    assert list(ga.eval.reliability(pieces, bootstrap=0).per_query["query"].values) == [f"q{i}" for i in q]
+
+
+def test_retrain_refuses_repeated_labels_before_training():
+    calls = []
+
+    def train_fn(idx):
+        calls.append(idx)
+        return idx
+
+    for kwargs in ({"train_ids": [0] * N_TRAIN}, {"query_ids": ["a", "a", "b"]}):
+        with pytest.raises(ga.DataError, match="repeat"):
+            ga.eval.retrain(train_fn, N_TRAIN, n_subsets=3, targets_fn=lambda i: np.zeros(3), **kwargs)
+        with pytest.raises(ga.DataError, match="repeat"):
+            ga.eval.leave_one_out(train_fn, N_TRAIN, [1], lambda i: np.zeros(3), **kwargs)
+    with pytest.raises(ShapeMismatchError, match="train_ids has 3 labels"):
+        ga.eval.retrain(train_fn, N_TRAIN, n_subsets=3, targets_fn=lambda i: np.zeros(3), train_ids=[1, 2, 3])
+    assert calls == []
