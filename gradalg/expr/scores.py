@@ -9,7 +9,7 @@ from abc import abstractmethod
 
 from dataclasses import dataclass
 
-from ..errors import ShapeMismatchError
+from ..errors import IdMismatchError, ShapeMismatchError
 from .base import Node
 from .grads import GradNode
 from .operators import Identity, OpNode
@@ -75,19 +75,21 @@ class Inner(ScoreNode):
 
 @dataclass(frozen=True, eq=False)
 class ScoreSum(ScoreNode):
-    """Σ_k coefs[k] · terms[k]; all terms have equal shapes and ids."""
+    """Σ_k coefs[k] · terms[k]; all terms have equal shapes and ids, in the same order
+    (other ids, or the same in another order: :class:`~gradalg.errors.IdMismatchError`
+    naming them; the sum is taken entry by entry)."""
 
     terms: tuple[ScoreNode, ...]
     coefs: tuple[float, ...]
 
     def __post_init__(self):
         first = self.terms[0]
-        for t in self.terms[1:]:
+        for k, t in enumerate(self.terms[1:], start=1):
+            for dim, mine, theirs in (("query", first.row_ids, t.row_ids), ("train", first.col_ids, t.col_ids)):
+                if mine != theirs:
+                    raise _id_mismatch(dim, mine, theirs, k)
             if t.shape != first.shape:
                 raise ShapeMismatchError(f"cannot add scores of shapes {first.shape} and {t.shape}")
-            if t.row_ids != first.row_ids or t.col_ids != first.col_ids:
-                raise ShapeMismatchError("cannot add scores over different examples (their ids differ); "
-                                         "compute both over the same query and training sets")
 
     @property
     def shape(self):
@@ -104,6 +106,21 @@ class ScoreSum(ScoreNode):
     @property
     def label(self):
         return "sum of " + ", ".join(f"{c:g}·[{i}]" for i, c in enumerate(self.coefs))
+
+
+def _id_mismatch(dim: str, first: tuple, other: tuple, k: int) -> IdMismatchError:
+    """The error for a sum whose term ``k`` has other ``dim`` ids than the first term: a
+    lazy sum adds score matrices entry by entry, so their ids must agree, order included."""
+    missing, extra, repeated = IdMismatchError.difference(first, other)
+    what = IdMismatchError.describe(missing, extra, repeated, "the first scores", f"term {k}", dim)
+    if not (missing or extra or repeated):
+        what = f"the same {dim} ids in another order (first: {list(first[:5])}, term {k}: {list(other[:5])})"
+    return IdMismatchError(
+        f"cannot add scores over different {dim} examples: {what}. A sum of lazy scores is taken entry by entry, "
+        "so every term must be built over the same data, with the same ids in the same order: build each term "
+        "from the same data object (ga.grads(task, data, ids=...) with one ids order); or compute the terms and "
+        "align them by id explicitly: a = S1.compute(); b = S2.compute().sel(query=a['query'], "
+        "train=a['train']); a + b", dim, missing, extra, repeated)
 
 
 @dataclass(frozen=True, eq=False)

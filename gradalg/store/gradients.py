@@ -28,7 +28,7 @@ from ..exec.resilience import PAYLOAD, run_tasks
 from . import layout
 from .describe import digest, store_attrs
 from .integrity import chunk_error
-from .rows import fault_policy, check_shippable, executor_for, flat_rows, freeze_ops, restrictable, rows_of
+from .rows import check_row_ids, fault_policy, check_shippable, executor_for, flat_rows, freeze_ops, restrictable, rows_of
 
 if TYPE_CHECKING:                 # xarray loads when a result is made (about 76 MB)
     import xarray as xr
@@ -261,6 +261,7 @@ def _write_whole(path, attrs, ex, node, ids, state) -> None:
     """Rows that cannot be computed by ranges (in-memory captures, group means): computed
     once, written chunk by chunk."""
     chunk = ex.gradients(node)
+    check_row_ids(chunk.ids, node.ids, "rows")
     rows = flat_rows(chunk, [b["name"] for b in attrs["blocks"]])
     size = int(attrs["chunk_rows"])
     if state == "new":
@@ -305,7 +306,8 @@ def open_gradients(path, like=None):
                "(ga.store.write(G, path, overwrite=True))")
         layout.compare(attrs, expected, [k for k in LIKE_KEYS if k != "expression_digest"], "like", fix)
         if tuple(like.ids) != ids:
-            raise StoreMismatchError(["the store's example ids differ from like's"], fix)
+            raise StoreMismatchError([layout.ids_difference("the store's example ids", "like's", ids, like.ids,
+                                                            "example")], fix)
         layout.compare(attrs, expected, ["expression_digest"], "like", fix)
     store = GradientStore(path, attrs, ids)
     rep = tuple((b["name"], "projected" if b["representation"] == "projected" else "dense")

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import StoreIncompleteError, StoreMismatchError
+from ..errors import IdMismatchError, StoreIncompleteError, StoreMismatchError
 from . import integrity
 
 if TYPE_CHECKING:                 # xarray loads when a result is made (about 76 MB)
@@ -73,6 +73,18 @@ def ids_array(ids) -> np.ndarray:
     kinds = sorted({type(i).__name__ for i in ids})
     raise TypeError(f"a store keeps example ids that are all ints or all strings; these are {kinds}. "
                     "Pass ids=[str(i) for i in ...] to ga.grads")
+
+
+def ids_difference(first_name: str, second_name: str, first, second, dim: str) -> str:
+    """One line saying how two id lists differ (a few missing, extra or repeated ids, or
+    the same ids in another order): a store's rows are positional, so both must agree."""
+    first, second = list(np.asarray(first).tolist()), list(np.asarray(second).tolist())
+    missing, extra, repeated = IdMismatchError.difference(first, second)
+    text = IdMismatchError.describe(missing, extra, repeated, first_name.removeprefix("the "), second_name, dim)
+    if not (missing or extra or repeated):
+        at = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+        text = f"the same ids in another order (position {at}: {first[at]!r} and {second[at]!r})"
+    return f"{first_name} differ from {second_name}: {text}"
 
 
 def ids_tuple(values: np.ndarray) -> tuple:
@@ -202,7 +214,7 @@ def prepare(path, attrs: dict, ids: np.ndarray, keys, *, overwrite: bool, kind: 
     dim = "example" if kind == "gradients" else "train"
     stored_ids = ds[dim].values
     if stored_ids.shape != ids.shape or not np.array_equal(stored_ids, ids):
-        raise StoreMismatchError([f"the store's {dim} ids differ from this write's"], fix)
+        raise StoreMismatchError([ids_difference(f"the store's {dim} ids", "this write's", stored_ids, ids, dim)], fix)
     compare(old, attrs, [k for k in keys if k == "expression_digest"], "this write", fix)
     for leftover in path.rglob("*.partial"):
         leftover.unlink(missing_ok=True)

@@ -19,12 +19,13 @@ from dataclasses import replace
 
 import torch
 
-from ..errors import GradalgError
+from ..errors import ExampleIdsError, GradalgError
 from ..capture.chunks import Chunk, concat_chunks, flat_block
 from ..exec.shards import restrict
 from ..expr import GradNode, Normalize, Precondition, Source
 from ..expr.stored import Stored, StoredOp
 from ..plan.planner import ROW_WISE, stream_root
+from . import layout
 
 __all__ = ["executor_for", "restrict_rows", "restrictable", "freeze_ops", "ResolvedStore", "MemoryRows", "flat_rows"]
 
@@ -157,4 +158,18 @@ def rows_of(executor, node: GradNode, start: int, stop: int) -> Chunk:
     if sum(c.n for c in chunks) != stop - start:
         raise GradalgError(f"rows {start}:{stop} gave {sum(c.n for c in chunks)} rows: the data must give "
                            "one row per example")
-    return concat_chunks(chunks)
+    out = concat_chunks(chunks)
+    check_row_ids(out.ids, node.ids[start:stop], f"rows {start}:{stop}")
+    return out
+
+
+def check_row_ids(got, expected, where: str) -> None:
+    """Rows are written by position: refuse rows whose ids are not the expected ones, in
+    order (a loader or ``collate_fn`` that reorders or swaps examples)."""
+    got, expected = list(got), list(expected)
+    if got != expected:
+        raise ExampleIdsError(layout.ids_difference(f"the ids of the computed {where}", "the expression's", got, expected,
+                                             "example")
+                              + ": the data yielded other examples, or in another order, than its ids say; "
+                                "give the data in the order of its ids (no shuffling sampler or reordering "
+                                "collate_fn)")
