@@ -36,6 +36,7 @@ from .expr.base import transform
 from .expr.stored import Stored, StoredOp
 from .fingerprint import forget
 from .store.describe import digest
+from .store.rows import check_row_ids
 
 __all__ = ["compile", "Compiled"]
 
@@ -166,6 +167,7 @@ class Compiled:
                                    resolved.kind)
             if self._holds(inner):
                 rows = ex.gradients(inner.right)
+                check_row_ids(rows.ids, inner.right.ids, f"rows of {inner.right.label}")   # held by position
                 if resolved is not None:
                     rows = precondition(resolved, rows, inner.right.space)
                 rows = rows.replace({n: _flat(v) for n, v in rows.blocks.items()})

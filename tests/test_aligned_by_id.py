@@ -241,3 +241,133 @@ def test_retrain_refuses_repeated_labels_before_training():
     with pytest.raises(ShapeMismatchError, match="train_ids has 3 labels"):
         ga.eval.retrain(train_fn, N_TRAIN, n_subsets=3, targets_fn=lambda i: np.zeros(3), train_ids=[1, 2, 3])
     assert calls == []
+
+
+# ------------------------------------------- lazy scores: sums, ensembles, stores, compiled
+@pytest.fixture(scope="module")
+def lazy():
+    from models import classification_data, mlp
+
+    torch.set_num_threads(1)
+    X, y = classification_data(n=18, d_in=5, classes=3)
+    tasks = [ga.tasks.classification(mlp(d_in=5, hidden=4, classes=3, seed=s)) for s in range(2)]
+    perm = np.random.default_rng(7).permutation(12)
+    return {"tasks": tasks, "train": (X[:12], y[:12]), "query": (X[12:], y[12:]), "perm": perm,
+            "train_perm": (X[:12][perm], y[:12][perm]), "X": X, "y": y}
+
+
+def _by_id(scores: xr.DataArray, like: xr.DataArray) -> np.ndarray:
+    return scores.sel(query=like["query"], train=like["train"]).values
+
+
+def test_a_sum_of_scores_over_reordered_or_other_examples_is_refused_and_the_fix_works(lazy):
+    task, perm = lazy["tasks"][0], lazy["perm"]
+    Q = ga.grads(task, lazy["query"])
+    G = ga.grads(task, lazy["train"])
+    Gp = ga.grads(task, lazy["train_perm"], ids=perm.tolist())      # the same examples, another order
+    S1, S2 = Q @ G.T, Q @ Gp.T
+    np.testing.assert_allclose(_by_id(S2.compute(), S1.compute()), S1.compute().values, rtol=1e-12)
+    for bad in (lambda: S1 + S2, lambda: ga.mean([S1, S2]), lambda: ga.sum(S1, S2, weights=[1, 2])):
+        with pytest.raises(IdMismatchError, match="another order") as info:
+            bad()
+        assert info.value.dim == "train" and "S2.compute().sel(query=a['query'], train=a['train'])" in str(info.value)
+    a = S1.compute()
+    b = S2.compute().sel(query=a["query"], train=a["train"])         # the fix the error names
+    np.testing.assert_allclose((a + b).values, 2 * a.values, rtol=1e-12)
+    Q_other = ga.grads(task, lazy["query"], ids=[f"q{i}" for i in range(6)])
+    with pytest.raises(IdMismatchError, match="'q0'") as info:
+        ga.mean([S1, Q_other @ G.T])
+    assert info.value.dim == "query" and info.value.missing == list(range(6))
+    with pytest.raises(IdMismatchError, match=r"\[10, 11\]"):
+        S1 + Q @ ga.grads(task, (lazy["X"][:10], lazy["y"][:10])).T
+
+
+def test_an_ensemble_over_a_reordered_training_set_gives_the_same_scores_by_id(lazy):
+    tasks, perm = lazy["tasks"], lazy["perm"]
+    E = ga.methods.ensemble(ga.methods.grad_dot, tasks, lazy["train"], lazy["query"]).compute()
+    Ep = ga.methods.ensemble(ga.methods.grad_dot, tasks, ga.data.as_data(lazy["train_perm"], ids=perm.tolist()),
+                             lazy["query"]).compute()
+    assert list(Ep["train"].values) == perm.tolist()
+    np.testing.assert_allclose(_by_id(Ep, E), E.values, rtol=1e-12)
+
+
+def test_stores_keep_ids_and_refuse_rows_in_another_order(lazy, tmp_path):
+    pytest.importorskip("zarr")
+    from gradalg.errors import StoreMismatchError
+
+    task, perm = lazy["tasks"][0], lazy["perm"]
+    P = ga.proj.gaussian(k=6, seed=0)
+    Q, G = ga.grads(task, lazy["query"]), ga.grads(task, lazy["train"])
+    Gp = ga.grads(task, lazy["train_perm"], ids=perm.tolist())
+    stored = ga.store.write(P(G), tmp_path / "g.zarr", chunk_rows=5)
+    reference = (P(Q) @ P(G).T).compute()
+    from_store = (P(Q) @ stored.T).compute()
+    np.testing.assert_allclose(_by_id(from_store, reference), reference.values, rtol=1e-12)
+    with pytest.raises(StoreMismatchError, match="another order"):
+        ga.store.open(tmp_path / "g.zarr", like=P(Gp))
+    with pytest.raises(StoreMismatchError, match="another order"):
+        ga.store.write(P(Gp), tmp_path / "g.zarr", chunk_rows=5)
+    fewer = ga.grads(task, (lazy["X"][:10], lazy["y"][:10]))
+    with pytest.raises(StoreMismatchError, match=r"\[10, 11\]"):
+        ga.store.open(tmp_path / "g.zarr", like=P(fewer))
+    # a score store of the permuted training set reads back labelled by id
+    written = ga.store.write_scores(P(Q) @ P(Gp).T, tmp_path / "s.zarr", chunk_rows=5)
+    assert list(written["train"].values) == perm.tolist()
+    np.testing.assert_allclose(_by_id(written.compute(), reference), reference.values, rtol=1e-12)
+
+
+def test_store_rows_with_other_ids_than_expected_are_refused():
+    from gradalg.store.rows import check_row_ids
+
+    check_row_ids((1, 2, 3), (1, 2, 3), "rows 0:3")
+    with pytest.raises(ga.GradalgError, match=r"another order \(position 0: 2 and 1\)"):
+        check_row_ids((2, 1, 3), (1, 2, 3), "rows 0:3")
+    with pytest.raises(ga.GradalgError, match=r"\[9\]"):
+        check_row_ids((1, 2, 9), (1, 2, 3), "rows 0:3")
+
+
+def test_compiled_scores_of_reordered_queries_and_training_sets_match_by_id(lazy):
+    task, perm = lazy["tasks"][0], lazy["perm"]
+    Q, G = ga.grads(task, lazy["query"]), ga.grads(task, lazy["train"])
+    S = Q @ ga.fisher(G).damp(0.1).inv() @ G.T
+    reference = S.compute()
+    C = ga.compile(S)
+    q_perm = [4, 2, 0, 5, 1, 3]
+    Qp = ga.grads(task, (lazy["query"][0][q_perm], lazy["query"][1][q_perm]), ids=q_perm)
+    got = C.scores(Qp)
+    assert list(got["query"].values) == q_perm
+    np.testing.assert_allclose(_by_id(got, reference), reference.values, rtol=1e-10)
+    Gp = ga.grads(task, lazy["train_perm"], ids=perm.tolist())
+    other_order = C(Q @ ga.fisher(G).damp(0.1).inv() @ Gp.T)
+    np.testing.assert_allclose(_by_id(other_order, reference), reference.values, rtol=1e-10)
+
+
+def test_combine_repeats_is_by_id_whatever_the_order_of_the_rows(lazy):
+    from gradalg.api import GradientSet
+    from gradalg.capture.chunks import Chunk
+    from gradalg.exec.local import LocalExecutor
+    from gradalg.expr.stored import Stored
+    from gradalg.store.rows import MemoryRows
+
+    task = lazy["tasks"][0]
+    P = ga.proj.gaussian(k=6, seed=0)
+    G = P(ga.grads(task, lazy["train"]))
+    rows = LocalExecutor().gradients(G.expr)
+    ids = list(rows.ids) + list(rows.ids[:5])                       # five examples seen twice
+    blocks = {k: torch.cat([v, 3 * v[:5]]) for k, v in rows.blocks.items()}
+
+    def rows_in(order):
+        chunk = Chunk(tuple(ids[i] for i in order), {k: v[list(order)] for k, v in blocks.items()})
+        return GradientSet(Stored(MemoryRows(chunk, f"rows-{list(order)}", "rows"), G.space,
+                                  tuple(G.expr.representation.items())))
+
+    Q = P(ga.grads(task, lazy["query"]))
+    order = np.random.default_rng(3).permutation(len(ids)).tolist()
+    for how in ("sum", "mean"):
+        a = (Q @ ga.integrations.combine_repeats(rows_in(range(len(ids))), how).T).compute()
+        b = (Q @ ga.integrations.combine_repeats(rows_in(order), how).T).compute()
+        np.testing.assert_allclose(_by_id(b, a), a.values, rtol=1e-12)
+        seen = (Q @ G.T).compute().values
+        expected = seen.copy()
+        expected[:, :5] *= 4 if how == "sum" else 2
+        np.testing.assert_allclose(a.values, expected, rtol=1e-12)
