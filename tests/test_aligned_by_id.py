@@ -314,6 +314,13 @@ def test_stores_keep_ids_and_refuse_rows_in_another_order(lazy, tmp_path):
     written = ga.store.write_scores(P(Q) @ P(Gp).T, tmp_path / "s.zarr", chunk_rows=5)
     assert list(written["train"].values) == perm.tolist()
     np.testing.assert_allclose(_by_id(written.compute(), reference), reference.values, rtol=1e-12)
+    # resuming a score store with the queries (or training examples) in another order is refused
+    q_perm = [5, 4, 3, 2, 1, 0]
+    Qp = ga.grads(task, (lazy["query"][0][q_perm], lazy["query"][1][q_perm]), ids=q_perm)
+    with pytest.raises(StoreMismatchError, match="query ids differ .*another order"):
+        ga.store.write_scores(P(Qp) @ P(Gp).T, tmp_path / "s.zarr", chunk_rows=5)
+    with pytest.raises(StoreMismatchError, match="train ids differ .*another order"):
+        ga.store.write_scores(P(Q) @ P(G).T, tmp_path / "s.zarr", chunk_rows=5)
 
 
 def test_store_rows_with_other_ids_than_expected_are_refused():

@@ -184,7 +184,8 @@ def compare(stored: dict, new: dict, keys, what: str, fix: str) -> None:
         raise StoreMismatchError(problems, fix)
 
 
-def prepare(path, attrs: dict, ids: np.ndarray, keys, *, overwrite: bool, kind: str, verify: bool = False) -> str:
+def prepare(path, attrs: dict, ids: np.ndarray, keys, *, overwrite: bool, kind: str, verify: bool = False,
+            other_ids: dict | None = None) -> str:
     """Decide how to write ``path``: "new" (no store yet: write the template), "resume"
     (a matching store with unfinished or damaged chunks) or "complete" (nothing to do).
 
@@ -192,7 +193,9 @@ def prepare(path, attrs: dict, ids: np.ndarray, keys, *, overwrite: bool, kind: 
     ``overwrite=True`` deletes only a gradalg store (anything else is refused). Damaged
     chunks of a matching store (missing or failing their checksum, see
     :mod:`gradalg.store.integrity`) are unflagged, so that they are written again; the
-    checksums are read when resuming or when ``verify``.
+    checksums are read when resuming or when ``verify``. ``ids`` are the chunked
+    dimension's; ``other_ids`` ({dim: ids}, e.g. a score store's queries) are compared too,
+    before the expression digest, so that the error names the ids that differ.
     """
     path = Path(path)
     for leftover in path.parent.glob(f".{path.name}.*.partial"):   # a killed template or operator write
@@ -215,6 +218,11 @@ def prepare(path, attrs: dict, ids: np.ndarray, keys, *, overwrite: bool, kind: 
     stored_ids = ds[dim].values
     if stored_ids.shape != ids.shape or not np.array_equal(stored_ids, ids):
         raise StoreMismatchError([ids_difference(f"the store's {dim} ids", "this write's", stored_ids, ids, dim)], fix)
+    for other_dim, other in (other_ids or {}).items():
+        stored_other = ds[other_dim].values
+        if stored_other.shape != other.shape or not np.array_equal(stored_other, other):
+            raise StoreMismatchError([ids_difference(f"the store's {other_dim} ids", "this write's", stored_other,
+                                                     other, other_dim)], fix)
     compare(old, attrs, [k for k in keys if k == "expression_digest"], "this write", fix)
     for leftover in path.rglob("*.partial"):
         leftover.unlink(missing_ok=True)

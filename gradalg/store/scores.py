@@ -123,7 +123,8 @@ def write_scores(S, path, *, chunk_rows: int = 1024, executor=None, overwrite: b
     _terms(node)   # a clear error for unsupported expressions before anything runs
     train_ids = layout.ids_array(node.col_ids)
     attrs = layout.with_metadata(_describe(S, chunk_rows), metadata)
-    state = layout.prepare(path, attrs, train_ids, RESUME_KEYS, overwrite=overwrite, kind=KIND)
+    state = layout.prepare(path, attrs, train_ids, RESUME_KEYS, overwrite=overwrite, kind=KIND,
+                           other_ids={"query": layout.ids_array(node.row_ids)})
     if state == "complete":
         return open_scores(path)
     with executor_for(executor) as ex:
