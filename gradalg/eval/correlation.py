@@ -285,7 +285,7 @@ def lds(scores, ground_truth, *, target: str | None = None, bootstrap: int = 100
     result = _result("LDS", "spearman", per_query, query, masks.shape[0],
                      bootstrap if resample == "queries" else 0, confidence, seed)
     subsets = mask_ids["subset"] if mask_ids["subset"] is not None else target_ids["subset"]
-    result = replace(result, ceiling=_ceiling(ground_truth, actual, subsets, query))
+    result = replace(result, ceiling=_ceiling(ground_truth, actual, subsets, target_ids["query"]))
     if resample == "queries" or not bootstrap:
         return result
     interval = lds_resampled(predicted, actual, over=resample, n_resamples=bootstrap, confidence=confidence,
@@ -475,6 +475,8 @@ def _aligned_scores(tau, score_ids: dict, reference: dict, name: str, fix, check
 
 
 def _repeated_fix(dim: str) -> str:
+    if dim == "query":
+        return "Each query id must occur once on each side: drop the repeated queries, or label them apart"
     return (f"Each {dim} id must occur once on each side: drop the repeats, or combine rows seen in several "
             "epochs first (ga.integrations.combine_repeats)")
 
@@ -564,7 +566,7 @@ def labelled_array(data, name: str, dims: tuple[str, ...]) -> tuple[np.ndarray, 
 
 def ground_truth_array(ground_truth, name: str, dims: tuple[str, ...]) -> np.ndarray:
     """``ground_truth[name]`` as a float64 array with axes in the order ``dims`` (by name
-    for an xarray variable with those dimensions, see :func:`_labelled`)."""
+    for an xarray variable with those dimensions, see :func:`labelled_array`)."""
     return labelled_array(ground_truth, name, dims)[0]
 
 
