@@ -78,11 +78,11 @@ def ids_array(ids) -> np.ndarray:
 def ids_difference(first_name: str, second_name: str, first, second, dim: str) -> str:
     """One line saying how two id lists differ (a few missing, extra or repeated ids, or
     the same ids in another order): a store's rows are positional, so both must agree."""
-    first, second = list(np.asarray(first).tolist()), list(np.asarray(second).tolist())
+    first, second = (list(x.tolist() if isinstance(x, np.ndarray) else x) for x in (first, second))
     missing, extra, repeated = IdMismatchError.difference(first, second)
     text = IdMismatchError.describe(missing, extra, repeated, first_name.removeprefix("the "), second_name, dim)
-    if not (missing or extra or repeated):
-        at = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    at = next((i for i, (a, b) in enumerate(zip(first, second)) if a != b), None)
+    if not (missing or extra or repeated) and at is not None:
         text = f"the same ids in another order (position {at}: {first[at]!r} and {second[at]!r})"
     return f"{first_name} differ from {second_name}: {text}"
 
