@@ -378,3 +378,28 @@ def test_combine_repeats_is_by_id_whatever_the_order_of_the_rows(lazy):
         expected = seen.copy()
         expected[:, :5] *= 4 if how == "sum" else 2
         np.testing.assert_allclose(a.values, expected, rtol=1e-12)
+
+
+# ------------------------------------------------------- eval arguments (no raw errors)
+def test_eval_takes_numpy_scalars_and_refuses_other_arguments_with_gradalg_errors():
+    scores, gt = _setup(noise=1.0)
+    reference = ga.eval.lds(scores, gt, bootstrap=20, confidence=0.9, seed=1)
+    same = ga.eval.lds(scores, gt, bootstrap=np.int64(20), confidence=np.float32(0.9), seed=np.int32(1))
+    assert same.mean == reference.mean and same.interval == pytest.approx(reference.interval)
+    masks = ga.eval.subset_masks(np.int64(N_TRAIN), np.int32(4), np.float32(0.5), seed=np.int64(0))
+    np.testing.assert_array_equal(masks, ga.eval.subset_masks(N_TRAIN, 4, 0.5, seed=0))
+    bad = [lambda: ga.eval.lds(scores, gt, bootstrap="many"), lambda: ga.eval.lds(scores, gt, bootstrap=1.5),
+           lambda: ga.eval.lds(scores, gt, confidence="high"), lambda: ga.eval.lds(scores, gt, seed="a"),
+           lambda: ga.eval.lds(scores, gt, target=["loss"]), lambda: ga.eval.lds(scores, None, target="loss"),
+           lambda: ga.eval.lds_bootstrap([0.1, 0.2], n_resamples=0),
+           lambda: ga.eval.lds_resampled(np.zeros((3, 2)), np.zeros((3, 2)), confidence=1),
+           lambda: ga.eval.subset_masks(N_TRAIN, 3, "half"), lambda: ga.eval.subset_size(N_TRAIN, None),
+           lambda: ga.eval.retrain(lambda i: i, N_TRAIN, n_subsets=3, targets_fn=len, seed="x"),
+           lambda: ga.eval.leave_one_out(lambda i: i, N_TRAIN, ["a"], len),
+           lambda: ga.eval.leave_one_out(lambda i: i, N_TRAIN, [1], len, seed=0.5),
+           lambda: ga.eval.reliability(gt, bootstrap=-1),
+           lambda: ga.eval.reliability(gt),                 # one run per subset
+           lambda: ga.eval.loo_correlation(scores, gt, target="loss")]          # not a LOO Dataset
+    for call in bad:
+        with pytest.raises(ga.GradalgError):
+            call()

@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..errors import DataError, IdMismatchError, ShapeMismatchError
+from ..errors import DataError, IdMismatchError, OptionError, ShapeMismatchError
+from . import arguments
 from .align import aligned_pair, labels, locate
 
 if TYPE_CHECKING:                 # xarray loads when a result is made (about 76 MB)
@@ -159,10 +160,10 @@ def spearman_brown(rho_1, runs: int):
     estimate of ρ_1 (no repeatable signal, up to sampling noise) has no meaning here and
     is refused; clip it at 0 first, as :func:`mean_ceiling` does."""
     if isinstance(runs, bool) or not isinstance(runs, (int, np.integer)) or runs < 1:
-        raise ValueError(f"runs must be a positive integer, got {runs!r}")
+        raise OptionError(f"runs must be a positive integer, got {runs!r}")
     rho_1 = np.asarray(rho_1, dtype=np.float64)
     if np.any(rho_1[np.isfinite(rho_1)] < 0) or np.any(rho_1[np.isfinite(rho_1)] > 1):
-        raise ValueError("spearman_brown needs single-run reliabilities in [0, 1] (clip a negative estimate "
+        raise OptionError("spearman_brown needs single-run reliabilities in [0, 1] (clip a negative estimate "
                          f"at 0 first); got values in [{np.nanmin(rho_1):.3g}, {np.nanmax(rho_1):.3g}]")
     return runs * rho_1 / (1.0 + (runs - 1) * rho_1)
 
@@ -260,6 +261,7 @@ def lds(scores, ground_truth, *, target: str | None = None, bootstrap: int = 100
     √ρ_k averaged over queries (:func:`gradalg.eval.reliability`); None otherwise.
     """
     sign = _sign(target, ground_truth)
+    bootstrap, confidence, seed = _bootstrap_args(bootstrap, confidence, seed)
     masks, mask_ids = labelled_array(ground_truth, "masks", ("subset", "train"))       # (M, n_train)
     actual, target_ids = labelled_array(ground_truth, "targets", ("subset", "query"))  # (M, n_query)
     tau, score_ids = _scores(scores)                                  # (n_query, n_train)
@@ -276,9 +278,9 @@ def lds(scores, ground_truth, *, target: str | None = None, bootstrap: int = 100
         raise ShapeMismatchError(f"scores are {tau.shape} (query, train) but the ground truth has "
                                  f"{actual.shape[1]} queries and {masks.shape[1]} training examples")
     if masks.shape[0] < 3:
-        raise ValueError(f"LDS needs at least 3 subsets, got {masks.shape[0]}")
+        raise DataError(f"LDS needs at least 3 subsets, got {masks.shape[0]}")
     if resample not in RESAMPLE:
-        raise ValueError(f"resample must be one of {RESAMPLE}, got {resample!r}")
+        raise OptionError(f"resample must be one of {RESAMPLE}, got {resample!r}")
     predicted = sign * (masks @ tau.T)                                # (M, n_query)
     per_query = spearman(predicted, actual, axis=0)
     query = query if query is not None else np.arange(actual.shape[1])
@@ -317,11 +319,8 @@ def lds_resampled(predicted, actual, *, over: str = "both", n_resamples: int = 1
     mean).
     """
     if over not in RESAMPLE:
-        raise ValueError(f"over must be one of {RESAMPLE}, got {over!r}")
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
-    if n_resamples < 1:
-        raise ValueError(f"n_resamples must be positive, got {n_resamples!r}")
+        raise OptionError(f"over must be one of {RESAMPLE}, got {over!r}")
+    n_resamples, confidence, seed = _bootstrap_args(n_resamples, confidence, seed, "n_resamples", 1)
     predicted, actual = aligned_pair(predicted, actual, "predicted and actual")   # two DataArrays: by id
     predicted = _numpy(predicted).astype(np.float64)
     actual = _numpy(actual).astype(np.float64)
@@ -364,14 +363,11 @@ def lds_bootstrap(per_query, *, n_resamples: int = 1000, confidence: float = 0.9
     """
     if isinstance(per_query, CorrelationResult):
         per_query = per_query.per_query
-    values = _numpy(per_query).reshape(-1)
+    n_resamples, confidence, seed = _bootstrap_args(n_resamples, confidence, seed, "n_resamples", 1)
+    values = _numpy(per_query).astype(np.float64).reshape(-1)
     values = values[np.isfinite(values)]
     if values.size == 0:
         return (float("nan"), float("nan"))
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
-    if n_resamples < 1:
-        raise ValueError(f"n_resamples must be positive, got {n_resamples!r}")
     rng = np.random.default_rng(seed)
     means = values[rng.integers(0, values.size, size=(n_resamples, values.size))].mean(axis=1)
     tail = (1 - confidence) / 2
@@ -395,8 +391,9 @@ def loo_correlation(scores, loo, *, target: str | None = None, method: str = "pe
     ``target="margin"`` correlates −τ with it). ``method``: "pearson" or "spearman".
     """
     if method not in ("pearson", "spearman"):
-        raise ValueError(f"method must be 'pearson' or 'spearman', got {method!r}")
+        raise OptionError(f"method must be 'pearson' or 'spearman', got {method!r}")
     sign = _sign(target, loo)
+    bootstrap, confidence, seed = _bootstrap_args(bootstrap, confidence, seed)
     effect, effect_ids = labelled_array(loo, "effect", ("removed", "query"))         # (n_removed, n_query)
     tau, score_ids = _scores(scores)                                  # (n_query, n_train)
     if effect.ndim != 2:
@@ -424,15 +421,22 @@ def loo_correlation(scores, loo, *, target: str | None = None, method: str = "pe
 
 
 # ----------------------------------------------------------------------------- helpers
+def _bootstrap_args(n, confidence, seed, name: str = "bootstrap", minimum: int = 0):
+    """(resamples, confidence level, seed) checked: an int ≥ ``minimum``, a level in
+    (0, 1), an int or None (Python or NumPy numbers)."""
+    return (arguments.count(name, n, minimum), arguments.level("confidence", confidence),
+            None if seed is None else arguments.integer("seed", seed))
+
+
 def _sign(target, data) -> float:
     if target is None:
         attrs = getattr(data, "attrs", {}) or {}
         target = attrs.get("target")
         if target is None:
-            raise ValueError("say what the targets are: target='loss' (helpful examples lower it) or "
+            raise OptionError("say what the targets are: target='loss' (helpful examples lower it) or "
                              "target='margin' (they raise it); or record it with retrain(..., target=...)")
-    if target not in _SIGN:
-        raise ValueError(f"target must be 'loss' or 'margin', got {target!r}")
+    if not isinstance(target, str) or target not in _SIGN:
+        raise OptionError(f"target must be 'loss' or 'margin', got {target!r}")
     return _SIGN[target]
 
 
