@@ -280,6 +280,11 @@ def test_a_sum_of_scores_over_reordered_or_other_examples_is_refused_and_the_fix
     assert info.value.dim == "query" and info.value.missing == list(range(6))
     with pytest.raises(IdMismatchError, match=r"\[10, 11\]"):
         S1 + Q @ ga.grads(task, (lazy["X"][:10], lazy["y"][:10])).T
+    # a diagonal pairs the i-th query with the i-th training example: the same ids, in order
+    with pytest.raises(IdMismatchError, match="another order"):
+        (Gp @ G.T).diag()
+    diag = (G @ G.T).diag().compute()
+    np.testing.assert_allclose(diag.values, np.diag((G @ G.T).compute().values), rtol=1e-10)
 
 
 def test_an_ensemble_over_a_reordered_training_set_gives_the_same_scores_by_id(lazy):

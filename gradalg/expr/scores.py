@@ -133,11 +133,16 @@ class Diagonal(Node):
     scores: ScoreNode
 
     def __post_init__(self):
-        if self.scores.row_ids != self.scores.col_ids:
-            raise ShapeMismatchError(
-                "the diagonal needs the same examples on both sides: build the scores with "
-                "the training set as the queries, e.g. method(task, train, train)"
-            )
+        rows, cols = self.scores.row_ids, self.scores.col_ids
+        if rows != cols:
+            missing, extra, repeated = IdMismatchError.difference(cols, rows)
+            what = IdMismatchError.describe(missing, extra, repeated, "the training side", "the query side", "example")
+            if not (missing or extra or repeated):
+                what = "the same ids in another order"
+            raise IdMismatchError(
+                f"the diagonal S_ii needs the same examples on both sides, in the same order: {what}. Build the "
+                "scores with the training set as the queries, e.g. method(task, train, train) or (G @ G.T).diag()",
+                "example", missing, extra, repeated)
 
     @property
     def n(self):
