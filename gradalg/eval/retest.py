@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import DataError, OptionError, ShapeMismatchError
+from ..errors import DataError, ShapeMismatchError
 from . import arguments
 from .correlation import labelled_array, lds_bootstrap, mean_ceiling, retest_correlation
 
