@@ -479,7 +479,8 @@ def cli_dir(tmp_path_factory):
         "    def loss(m, b):\n"
         "        logits = m(input_ids=b['input_ids'], attention_mask=b['attention_mask']).logits[:, :-1]\n"
         "        t = b['input_ids'][:, 1:].masked_fill(b['attention_mask'][:, 1:] == 0, -100)\n"
-        "        return F.cross_entropy(logits.transpose(1, 2), t, ignore_index=-100)\n"
+        "        tok = F.cross_entropy(logits.transpose(1, 2), t, ignore_index=-100, reduction='none')\n"
+        "        return tok.sum(1).mean()   # a mean over the sequences of the batch\n"
         "    return ga.Task(model, loss)\n")
     sys.path.insert(0, str(root))
     return root

@@ -9,11 +9,12 @@ Checks, in order (each a :class:`~gradalg.check.result.Finding` kind):
    ``model.eval()``.
 3. ``special_tokens``: no example starts with BOS/CLS twice or ends with EOS/SEP twice
    (a warning).
-4. ``loss_sum``: the loss L_B and autograd gradient g_B of a batch B of n examples are
-   Σ_{i∈B} L_i and Σ_{i∈B} g_i, the sums of the examples' computed alone. A loss averaged
-   over the batch (g_B = (1/n) Σ g_i) fails, naming ``reduction``; a batch loss with terms no
-   example has alone (a target predicted from a padding position) fails too, when the
-   examples' captured rows are their own (else check 5 reports the interaction).
+4. ``loss_sum``: the loss L_B of a batch B of n examples and the sum of its captured
+   rows Σ_i g_i^B are Σ_{i∈B} L_i and Σ_{i∈B} g_i, the sums over the examples computed
+   alone. A loss averaged over the batch (both 1/n of the sums) fails, naming
+   ``reduction``; a batch loss with terms no example has alone (a target predicted from a
+   padding position) fails too, when the examples' rows are their own (else check 5
+   reports the interaction).
 5. ``batch_independence``: each example's captured gradient alone equals its row in
    every batch of the examples together (the data's own batch, and right- and left-padded
    batches for dict token data where the task accepts that side): catches padding read as
@@ -23,17 +24,19 @@ Checks, in order (each a :class:`~gradalg.check.result.Finding` kind):
    and the data's own batches pass, is a warning (gradalg's collate pads on the right).
 6. ``tied_weights``: for each example alone, the captured gradient of each block equals
    autograd's gradient of the block's parameters: a weight used somewhere hooks do not see
-   (``h @ emb.weight.T``) fails, naming the block. With checks 4 and 5 this closes the
-   triangle: rows in a batch = rows alone = autograd alone, summed = autograd of the batch.
+   (``h @ emb.weight.T``) fails, naming the block; compared exactly (Σ_i D_iᵀA_i against
+   ``torch.autograd.grad``). With checks 4 and 5: an example's row in any batch = its row
+   alone = autograd's gradient of its loss alone, and the batch's loss is the sum of those.
 7. ``coverage``: which trainable parameters the layers attribute (an info,
    :mod:`gradalg.capture.coverage`).
 
 Checks 4–6 run the real capture path (``capture.hooks``: what ``ga.grads`` runs per batch)
-in eval mode, as ``ga.grads`` does, and compare random sketches of the gradients
-(:mod:`gradalg.check.sketch`) by relative difference ‖a − b‖ / max(‖a‖, ‖b‖) against
+in eval mode, as ``ga.grads`` does; checks 4–5 compare random sketches of the gradients
+(:mod:`gradalg.check.sketch`), all by relative difference ‖a − b‖ / max(‖a‖, ‖b‖) against
 ``tolerance``: by the parameters' dtype 1e-6 (float64), 1e-3 (float32), 2e-2 (float16),
 5e-2 (bfloat16), unless given. Cost: n + 1 to n + 3 forward and backward passes (the n
-examples alone, then one to three batches of all n), plus two forwards in train mode.
+examples alone, each with a second backward for autograd's gradient, then one to three
+batches of all n), plus two forwards in train mode.
 """
 from __future__ import annotations
 
@@ -186,7 +189,7 @@ def _run_checks(task, refs, examples, tol, sketch, encoder_decoder) -> list:
             findings.append(special)
         together, refused = together_batches(examples, task, encoder_decoder)
         with _mode(task.model, False):      # ga.grads captures in eval mode
-            alone = [capture_sketch(task, b, refs, sketch, device) for b in examples.alone]
+            alone = [capture_sketch(task, b, refs, sketch, device, autograd=True) for b in examples.alone]
             batches = [(t, capture_sketch(task, t.batch, refs, sketch, device)) for t in together]
     except GradalgError as err:
         return findings + [Finding("refused", "fail", f"capturing the examples {list(examples.ids)[:_SHOWN]} "
@@ -207,56 +210,61 @@ def _run_checks(task, refs, examples, tol, sketch, encoder_decoder) -> list:
 
 
 def _mean_scales(alone, batches, tol) -> dict:
-    """``{batch name: 1/n}`` for the batches whose autograd gradient g_B is (1/n) Σ_i g_i:
-    a loss averaged over the batch (their rows are compared times n)."""
-    total = torch.stack([s.flat_total() for s in alone]).sum(0)
+    """``{batch name: 1/n}`` for the batches whose gradient Σ_i g_i^B is (1/n) Σ_i g_i, and
+    whose loss is (1/n) Σ_i L_i: a loss averaged over the batch (their rows are then
+    compared times n)."""
+    total = torch.cat([s.flat_rows() for s in alone]).sum(0)
+    loss = sum(s.loss for s in alone)
     scales = {}
     for t, s in batches:
-        g, n = s.flat_total(), len(alone)
-        if relative(g, total) > tol and relative(g * n, total) <= tol:
+        g, n = s.flat_rows().sum(0), len(alone)
+        if relative(g, total) > tol and relative(g * n, total) <= tol and \
+                abs(s.loss * n - loss) <= tol * max(abs(loss), 1e-30):
             scales[t.name] = 1.0 / n
     return scales
 
 
 def _loss_sum(alone, batches, tol, scales, coupled) -> Finding:
-    """Each batch's loss and autograd gradient against the sums of the examples' alone.
-    ``coupled``: the batches whose rows differ from the examples' alone (reported by
-    batch_independence)."""
-    total = torch.stack([s.flat_total() for s in alone]).sum(0)
+    """Each batch's loss and gradient (the sum of its captured rows) against the sums over
+    the examples alone. ``coupled``: the batches whose rows differ from the examples' alone
+    (reported by batch_independence)."""
+    total = torch.cat([s.flat_rows() for s in alone]).sum(0)
     loss_alone = sum(s.loss for s in alone)
     n = len(alone)
-    diffs = {t.name: (relative(s.flat_total(), total), abs(s.loss - loss_alone) / max(abs(loss_alone), 1e-30),
+    diffs = {t.name: (relative(s.flat_rows().sum(0), total), abs(s.loss - loss_alone) / max(abs(loss_alone), 1e-30),
                       s.loss) for t, s in batches}
     numbers = {"tolerance": tol, "batches": len(batches), "loss_of_examples_alone": loss_alone,
-               "relative_difference": max((d[0] for d in diffs.values()), default=0.0)}
+               "relative_difference": max((max(d[:2]) for d in diffs.values()), default=0.0)}
     if scales:
         name = next(iter(scales))
         return Finding("loss_sum", "fail",
-                       f"the loss is a mean over the batch, not a sum: the gradient of the {name} batch of {n} "
-                       f"examples is 1/{n} of the sum of their gradients",
+                       f"the loss is a mean over the batch, not a sum: the loss and gradient of the {name} batch "
+                       f"of {n} examples are 1/{n} of the sums over the examples alone",
                        "sum the per-example losses (e.g. F.cross_entropy(..., reduction='sum')), or declare "
                        "the mean: ga.Task(model, loss, reduction='mean') (gradalg rescales by the batch size)",
                        numbers, where=tuple(scales))
-    extra = [name for name, (dg, dl, _) in diffs.items() if max(dg, dl) > tol and name not in coupled]
+    extra = [name for name, (_, dl, _) in diffs.items() if dl > tol and name not in coupled]
     if extra:
         name = extra[0]
         return Finding("loss_sum", "fail",
                        f"the loss of the {name} batch of {n} ({diffs[name][2]:.6g}) is not the sum of its examples' "
-                       f"losses alone ({loss_alone:.6g}; gradients differ by {diffs[name][0]:.2g}) although each "
-                       "example's captured gradient is its own: the loss counts terms that no example has alone "
-                       "(a target predicted from a padding position, a penalty on the whole batch), so output "
-                       "functions and per-example weights built on it are wrong",
+                       f"losses alone ({loss_alone:.6g}) although each example's captured gradient is its own: the "
+                       "loss counts terms that no example has alone (a target predicted from a padding position, "
+                       "a penalty on the whole batch), so output functions and per-example weights built on it "
+                       "are wrong",
                        "make the loss a sum of per-example terms over real positions only: give every target "
                        "whose input position is padding the label -100 (targets[:, t] where attention_mask[:, t] "
-                       "is 0, not only where attention_mask[:, t + 1] is 0)", numbers, where=tuple(extra))
-    others = [name for name, (dg, dl, _) in diffs.items() if max(dg, dl) > tol]
+                       "is 0, not only where attention_mask[:, t + 1] is 0; with ga.tasks.causal_lm(model, "
+                       "padding_side='left'), pass labels that are -100 at each row's first real token)", numbers,
+                       where=tuple(extra))
+    others = [name for name, d in diffs.items() if max(d[:2]) > tol]
     if others:
         return Finding("loss_sum", "info",
-                       f"the gradient of the {others[0]} batch is neither the sum nor the mean of the examples' "
-                       f"gradients (relative difference {diffs[others[0]][0]:.2g}): the examples interact in the "
-                       "batch, see batch_independence", numbers=numbers, where=tuple(others))
-    return Finding("loss_sum", "ok", f"the loss and gradient of each batch are the sums of its {n} examples' "
-                   "alone", numbers=numbers)
+                       f"the loss or gradient of the {others[0]} batch is neither the sum nor the mean of the "
+                       f"examples' (relative difference {max(diffs[others[0]][:2]):.2g}): the examples interact in "
+                       "the batch, see batch_independence", numbers=numbers, where=tuple(others))
+    return Finding("loss_sum", "ok", f"the loss and gradient of each batch are the sums over its {n} examples "
+                   "computed alone", numbers=numbers)
 
 
 def _independence(ids, alone, batches, tol, scales, refused) -> list:
@@ -319,15 +327,15 @@ def _independence_fix(name: str, severity: str) -> str:
             "attention_mask the model reads")
 
 
-def _tied(sketched, tol) -> Finding:
-    """Σ_i captured rows against autograd's gradient, per block, for each example alone (in
-    a batch, the rows are checked against these by batch_independence and the batch's
-    gradient against their sum by loss_sum)."""
+def _tied(alone, tol) -> Finding:
+    """Σ_i captured gradient against autograd's, per block, for each example alone (in a
+    batch, the rows are checked against these by batch_independence, and their sum and the
+    batch's loss against the examples' by loss_sum)."""
     worst: dict = {}
-    for s in sketched:
-        for b, total in s.total.items():
-            if total is not None:
-                worst[b] = max(worst.get(b, 0.0), relative(s.rows[b].sum(0), total))
+    for s in alone:
+        for b, d in s.autograd.items():
+            if d is not None:
+                worst[b] = max(worst.get(b, 0.0), d)
     missed = [b for b, d in sorted(worst.items(), key=lambda kv: -kv[1]) if d > tol]
     numbers = {"tolerance": tol, "blocks_compared": len(worst),
                "max_relative_difference": max(worst.values(), default=0.0)}

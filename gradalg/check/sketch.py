@@ -1,21 +1,24 @@
-"""One batch through the real capture path, and the same gradients from autograd, sketched.
+"""One batch through the real capture path, sketched; and, for a batch of one example,
+the same gradient from autograd.
 
 For a batch of n examples and the blocks ``refs``, :func:`capture_sketch` runs the task's
 summed loss once with :class:`~gradalg.capture.hooks.ForwardRecorder` and
-:func:`~gradalg.capture.hooks.capture_batch` (what ``ga.grads`` does per batch), then asks
-autograd for the gradient of the same loss w.r.t. each block's parameters. Both are
-reduced by a fixed random sketch per block (:class:`Sketch`)::
+:func:`~gradalg.capture.hooks.capture_batch` (what ``ga.grads`` does per batch) and
+reduces each example's gradient of each block by a fixed random sketch (:class:`Sketch`)::
 
-    rows[b]  = vec(P_out G_{b,i} P_inᵀ)              (n, k_out·k_in)   G_{b,i} = D_{b,i}ᵀ A_{b,i}
-    total[b] = vec(P_out (∂L/∂θ_b) P_inᵀ)           (k_out·k_in,)     in the block's (out, in) layout
+    rows[b] = vec(P_out G_{b,i} P_inᵀ)              (n, k_out·k_in)   G_{b,i} = D_{b,i}ᵀ A_{b,i}
 
 with ``P_out`` (k_out, out) and ``P_in`` (k_in, in) Gaussian with entries of variance 1/k
-(the identity where out ≤ k or in ≤ k: that side is exact). The sketch is linear, so
-``Σ_i rows[b][i] = total[b]`` exactly when capture sees every use of the block's
-parameters and the loss is a sum, and two batches' rows of one example are equal when its
-gradient does not depend on its batch; by Johnson–Lindenstrauss, relative differences of
-sketches estimate those of the gradients (k = 16: a few tens of percent of spread on
-differences that are either at rounding level or far above it).
+(the identity where out ≤ k or in ≤ k: that side is exact). The sketch is linear, so two
+batches' rows of one example are equal when its gradient does not depend on its batch,
+and a batch's rows sum to the sketch of the batch's gradient; by Johnson–Lindenstrauss,
+relative differences of sketches estimate those of the gradients (k = 16: a spread of a
+few tens of percent on differences that are either at rounding level or far above it).
+
+With ``autograd=True`` it also asks autograd for the gradient of the same loss w.r.t. each
+block's parameters and compares it, exactly (no sketch), with Σ_i G_{b,i} = D_allᵀ A_all
+read in the parameters' layout: they are equal when capture sees every use of the block's
+parameters.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capture.factors import Factors, compute_dtype, kron_project
+from ..capture.factors import Factors, OneHot, compute_dtype, kron_project, materialize
 from ..capture.hooks import ForwardRecorder, capture_batch
 from ..data import batch_size_of, move_batch
 
@@ -74,59 +77,74 @@ class Sketch:
 
 @dataclass
 class Sketched:
-    """One batch's sketches: ``rows`` {block: (n, K)} from capture, ``total`` {block: (K,)
-    or None where the block's layout could not be rebuilt} from autograd, ``loss`` the
-    summed loss."""
+    """One batch's sketches: ``rows`` {block: (n, K)} from capture, ``loss`` the summed
+    loss, and (when asked for) ``autograd`` {block: relative difference between Σ_i of the
+    captured gradients and autograd's gradient of the block's parameters, or None where
+    the block's layout could not be read}."""
 
     rows: dict
-    total: dict
     loss: float
+    autograd: dict | None = None
 
     def flat_rows(self) -> torch.Tensor:
         """Every block's row sketches side by side.   (n, Σ K)"""
         return torch.cat([r.to(torch.float64) for r in self.rows.values()], dim=1)
 
-    def flat_total(self) -> torch.Tensor:
-        """Autograd's total gradient, sketched, every block side by side (captured sums where
-        a block's autograd layout is unknown).   (Σ K,)"""
-        return torch.cat([(t if t is not None else self.rows[b].sum(0)).to(torch.float64)
-                          for b, t in self.total.items()])
+
+def _summed(F: Factors) -> Factors:
+    """The n examples' factors as one example: Σ_i D_iᵀA_i = D_allᵀ A_all.   (1, n·T, ·)"""
+    D = F.D.reshape(1, -1, F.D.shape[-1])
+    if isinstance(F.A, OneHot):
+        valid = None if F.A.valid is None else F.A.valid.reshape(1, -1)
+        return Factors(OneHot(F.A.idx.reshape(1, -1), F.A.size, valid), D)
+    return Factors(F.A.reshape(1, -1, F.A.shape[-1]), D)
 
 
-def _block_total(ref, grads: dict, like: Factors, sketch: Sketch):
-    """Autograd's gradient of block ``ref`` in its (out, in) layout, sketched (None when the
-    block's rule cannot rebuild it or its shape differs from the captured factors)."""
+def _against_autograd(ref, F: Factors, grads: dict) -> float | None:
+    """‖Σ_i G_i − ∂L/∂θ‖ / max(‖·‖) over the block's parameters, Σ_i G_i = D_allᵀA_all read
+    in the parameters' layout (``rule.to_params``: views, no copy of the gradient). None
+    when the rule cannot split the block into these parameters."""
     try:
-        params = {n: (g if g is not None else torch.zeros_like(getattr(ref.module, n))).unsqueeze(0)
-                  for n, g in grads.items()}
-        M = ref.rule.from_params(ref.module, params)[0]
-    except (KeyError, AttributeError, RuntimeError, TypeError):
+        captured = ref.rule.to_params(ref.module, materialize(_summed(F)))
+    except (KeyError, AttributeError, RuntimeError, TypeError, IndexError):
         return None
-    if M.dim() != 2 or tuple(M.shape) != (like.out_features, like.in_features):
-        return None
-    return sketch.matrix(ref.name, M)
+    diff = size_a = size_b = 0.0
+    for name, g in grads.items():
+        if name not in captured:
+            return None
+        c = captured[name][0]
+        g = torch.zeros_like(c) if g is None else g.to(c.dtype)
+        if c.shape != g.shape:
+            return None
+        diff += float((c - g).norm()) ** 2
+        size_a += float(c.norm()) ** 2
+        size_b += float(g.norm()) ** 2
+    scale = max(size_a, size_b) ** 0.5
+    return diff ** 0.5 / scale if scale > 0 else 0.0
 
 
-def capture_sketch(task, batch, refs, sketch: Sketch, device) -> Sketched:
-    """Capture ``batch`` (already checked by the task) and sketch its gradients (module
-    docstring). Runs in the model's current mode; the caller chooses it."""
+def capture_sketch(task, batch, refs, sketch: Sketch, device, *, autograd: bool = False) -> Sketched:
+    """Capture ``batch`` (already checked by the task) and sketch its rows (module
+    docstring). ``autograd``: also compare Σ_i of the captured gradients with autograd's
+    gradient of the same loss w.r.t. each block's parameters (a second backward). Runs in
+    the model's current mode; the caller chooses it."""
     model = task.model
     batch = move_batch(batch, device)
     n = batch_size_of(batch)
     with torch.enable_grad(), ForwardRecorder(list(refs), model=model) as recorder:
         loss = task.summed_loss(model, batch)
         mask = task.token_mask(batch) if task.token_mask is not None else None
-        blocks = capture_batch(loss, recorder, token_mask=mask, n_examples=n, retain_graph=True)
-        named = [(ref, pname, getattr(ref.module, pname)) for ref in refs for pname in ref.param_names()]
-        grads = torch.autograd.grad(loss, [p for _, _, p in named], allow_unused=True)
-    per_ref: dict = {ref.name: {} for ref in refs}
-    for (ref, pname, _), g in zip(named, grads):
-        per_ref[ref.name][pname] = g
-    rows, total = {}, {}
+        blocks = capture_batch(loss, recorder, token_mask=mask, n_examples=n, retain_graph=autograd)
+        if autograd:
+            named = [(ref, pname, getattr(ref.module, pname)) for ref in refs for pname in ref.param_names()]
+            grads = torch.autograd.grad(loss, [p for _, _, p in named], allow_unused=True)
+    rows, compared = {}, {}
     for ref in refs:
         F = blocks[ref.name]
         if not isinstance(F, Factors):          # a dense block: (n, dim) as one column
             F = Factors(F.new_ones(F.shape[0], 1, 1), F.reshape(F.shape[0], 1, -1))
         rows[ref.name] = sketch.rows(ref.name, F)
-        total[ref.name] = _block_total(ref, per_ref[ref.name], F, sketch)
-    return Sketched(rows, total, float(loss.detach()))
+        if autograd:
+            own = {pname: g for (r, pname, _), g in zip(named, grads) if r is ref}
+            compared[ref.name] = _against_autograd(ref, F, own)
+    return Sketched(rows, float(loss.detach()), compared if autograd else None)
