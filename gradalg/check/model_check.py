@@ -24,14 +24,14 @@ Checks, in order (each a :class:`~gradalg.check.result.Finding` kind):
    and the data's own batches pass, is a warning (gradalg's collate pads on the right).
 6. ``tied_weights``: for each example alone, the captured gradient of each block equals
    autograd's gradient of the block's parameters: a weight used somewhere hooks do not see
-   (``h @ emb.weight.T``) fails, naming the block; compared exactly (Σ_i D_iᵀA_i against
-   ``torch.autograd.grad``). With checks 4 and 5: an example's row in any batch = its row
+   (``h @ emb.weight.T``) fails, naming the block (Σ_i D_iᵀA_i against
+   ``torch.autograd.grad``, sketched in the parameters' layout). With checks 4 and 5: an example's row in any batch = its row
    alone = autograd's gradient of its loss alone, and the batch's loss is the sum of those.
 7. ``coverage``: which trainable parameters the layers attribute (an info,
    :mod:`gradalg.capture.coverage`).
 
 Checks 4–6 run the real capture path (``capture.hooks``: what ``ga.grads`` runs per batch)
-in eval mode, as ``ga.grads`` does; checks 4–5 compare random sketches of the gradients
+in eval mode, as ``ga.grads`` does, and compare random sketches of the gradients
 (:mod:`gradalg.check.sketch`), all by relative difference ‖a − b‖ / max(‖a‖, ‖b‖) against
 ``tolerance``: by the parameters' dtype 1e-6 (float64), 1e-3 (float32), 2e-2 (float16),
 5e-2 (bfloat16), unless given. Cost: n + 1 to n + 3 forward and backward passes (the n

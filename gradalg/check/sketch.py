@@ -16,9 +16,10 @@ relative differences of sketches estimate those of the gradients (k = 16: a spre
 few tens of percent on differences that are either at rounding level or far above it).
 
 With ``autograd=True`` it also asks autograd for the gradient of the same loss w.r.t. each
-block's parameters and compares it, exactly (no sketch), with Σ_i G_{b,i} = D_allᵀ A_all
-read in the parameters' layout: they are equal when capture sees every use of the block's
-parameters.
+block's parameters and compares it with Σ_i G_{b,i} = D_allᵀ A_all read in the
+parameters' layout, both sketched by the same matrices in that layout (P_a X P_bᵀ per
+parameter, exact for 1-D ones): they are equal when capture sees every use of the
+block's parameters.
 """
 from __future__ import annotations
 
@@ -100,15 +101,26 @@ def _summed(F: Factors) -> Factors:
     return Factors(F.A.reshape(1, -1, F.A.shape[-1]), D)
 
 
-def _against_autograd(ref, F: Factors, grads: dict) -> float | None:
-    """‖Σ_i G_i − ∂L/∂θ‖ / max(‖·‖) over the block's parameters, Σ_i G_i = D_allᵀA_all read
-    in the parameters' layout (``rule.to_params``: views, no copy of the gradient). None
-    when the rule cannot split the block into these parameters."""
+def _param_sketch(x: torch.Tensor, sketch: "Sketch", key: str) -> torch.Tensor:
+    """A parameter-shaped gradient ``x`` sketched: P_a X P_bᵀ for X = x as (a, b) (a 2-D view
+    is used as it is, strided or not: one GEMM reads it once), ``x`` itself when 1-D."""
+    if x.dim() <= 1:
+        return x.reshape(-1)
+    X = x if x.dim() == 2 else x.reshape(x.shape[0], -1)
+    P_a, P_b = sketch.mats(key, X.shape[0], X.shape[1], X.dtype, X.device)
+    return (P_a @ X @ P_b.T).flatten()
+
+
+def _against_autograd(ref, F: Factors, grads: dict, sketch: "Sketch") -> float | None:
+    """‖Σ_i G_i − ∂L/∂θ‖ / max(‖·‖) over the block's parameters, both sketched in the
+    parameters' layout by the same random matrices (:func:`_param_sketch`), Σ_i G_i =
+    D_allᵀA_all read in that layout (``rule.to_params``: views). None when the rule cannot
+    split the block into these parameters."""
     try:
         captured = ref.rule.to_params(ref.module, materialize(_summed(F)))
     except (KeyError, AttributeError, RuntimeError, TypeError, IndexError):
         return None
-    diff = size_a = size_b = 0.0
+    ours, theirs = [], []
     for name, g in grads.items():
         if name not in captured:
             return None
@@ -116,11 +128,10 @@ def _against_autograd(ref, F: Factors, grads: dict) -> float | None:
         g = torch.zeros_like(c) if g is None else g.to(c.dtype)
         if c.shape != g.shape:
             return None
-        diff += float((c - g).norm()) ** 2
-        size_a += float(c.norm()) ** 2
-        size_b += float(g.norm()) ** 2
-    scale = max(size_a, size_b) ** 0.5
-    return diff ** 0.5 / scale if scale > 0 else 0.0
+        key = f"{ref.name}.{name}"
+        ours.append(_param_sketch(c, sketch, key))
+        theirs.append(_param_sketch(g, sketch, key))
+    return relative(torch.cat(ours), torch.cat(theirs)) if ours else None
 
 
 def capture_sketch(task, batch, refs, sketch: Sketch, device, *, autograd: bool = False) -> Sketched:
@@ -146,5 +157,5 @@ def capture_sketch(task, batch, refs, sketch: Sketch, device, *, autograd: bool 
         rows[ref.name] = sketch.rows(ref.name, F)
         if autograd:
             own = {pname: g for (r, pname, _), g in zip(named, grads) if r is ref}
-            compared[ref.name] = _against_autograd(ref, F, own)
+            compared[ref.name] = _against_autograd(ref, F, own, sketch)
     return Sketched(rows, float(loss.detach()), compared if autograd else None)
