@@ -513,3 +513,43 @@ def test_cli_docs_page_holds_the_check_help():
     text = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
     assert "<!-- generated: help check -->" in text and "## `gradalg check`" in text
     assert reference.render(text) == text
+
+
+# ----------------------------------------------------------------------- hostile inputs
+def test_a_loss_that_raises_names_the_example():
+    """A token id beyond the vocabulary: the loss's own IndexError becomes a finding naming
+    the example, not a raw error."""
+    items = token_items()
+    items[2] = {"input_ids": torch.tensor([3, 5, 500, 7])}
+    check = ga.check_model(ga.tasks.causal_lm(gpt2()), items, n_examples=4)
+    assert not check.ok and kinds(check) == {"refused"}
+    assert check["refused"][0].examples == (2,) and "IndexError" in check["refused"][0].message
+
+
+def test_dict_of_batched_tensors_is_cut_to_each_examples_tokens():
+    """{"input_ids": (N, T), "attention_mask": (N, T)} already right-padded: each example
+    alone is cut to its real tokens."""
+    ids, mask = padded_token_data(n=5)
+    check = ga.check_model(ga.tasks.causal_lm(gpt2()), {"input_ids": ids, "attention_mask": mask}, n_examples=5)
+    assert check.ok, check
+    assert "collated and right-padded" in check["batch_independence"][0].message
+    # int32 ids: whatever the task does with them, no raw error escapes the check
+    ga.check_model(ga.tasks.causal_lm(gpt2()), {"input_ids": ids.to(torch.int32), "attention_mask": mask},
+                   n_examples=3)
+
+
+def test_masked_lm_and_seq2seq_dict_items():
+    """BERT (labels aligned with input_ids) and T5 (decoder labels of their own length) as
+    dict items of unequal length: padded on the encoder's side only where it must."""
+    model, _, data, _ = zoo.bert()
+    ids, mask, labels = data
+    items = [{"input_ids": ids[i][mask[i].bool()], "labels": labels[i][mask[i].bool()]} for i in range(4)]
+    keep = [i for i, item in enumerate(items) if (item["labels"] != -100).any()]
+    check = ga.check_model(ga.Task(model.eval(), lambda m, b: zoo.masked_lm_loss(
+        m, (b["input_ids"], b["attention_mask"], b["labels"]))), [items[i] for i in keep], n_examples=4)
+    assert check.ok, check
+    t5, task, data, _ = zoo.t5()
+    ids, mask, dec, dec_mask, labels = data
+    items = [{"input_ids": ids[i][mask[i].bool()], "labels": labels[i][dec_mask[i].bool()]} for i in range(4)]
+    check = ga.check_model(ga.tasks.seq2seq(t5.eval()), items, n_examples=4)
+    assert check.ok, check

@@ -54,7 +54,7 @@ from ..task import Task
 from .batches import examples_of, together_batches
 from .probes import batch_stat_modules, dropout_modules, finite_state, special_tokens, train_mode
 from .result import Finding, ModelCheck
-from .sketch import Sketch, capture_sketch, relative
+from .sketch import LossFailedError, Sketch, capture_sketch, relative
 
 __all__ = ["check_model", "TOLERANCES"]
 
@@ -189,12 +189,19 @@ def _run_checks(task, refs, examples, tol, sketch, encoder_decoder) -> list:
             findings.append(special)
         together, refused = together_batches(examples, task, encoder_decoder)
         with _mode(task.model, False):      # ga.grads captures in eval mode
-            alone = [capture_sketch(task, b, refs, sketch, device, autograd=True) for b in examples.alone]
-            batches = [(t, capture_sketch(task, t.batch, refs, sketch, device)) for t in together]
+            alone = [capture_sketch(task, b, refs, sketch, device, autograd=True, ids=(i,))
+                     for i, b in zip(examples.ids, examples.alone)]
+            batches = [(t, capture_sketch(task, t.batch, refs, sketch, device, ids=examples.ids)) for t in together]
+    except LossFailedError as err:
+        return findings + [Finding("refused", "fail", str(err),
+                                   "run task.loss(model, batch) on these examples to see the error: token ids "
+                                   "within the vocabulary, fields of matching shapes (labels as wide as "
+                                   "input_ids); ga.grads would stop on the same error", examples=tuple(err.example_ids))]
     except GradalgError as err:
         return findings + [Finding("refused", "fail", f"capturing the examples {list(examples.ids)[:_SHOWN]} "
                                    f"was refused: {err}", "the message above names the fix; "
-                                   "ga.grads would refuse the same batches")]
+                                   "ga.grads would refuse the same batches",
+                                   examples=tuple(getattr(err, "example_ids", ()) or ()))]
     bad = [i for i, s in zip(examples.ids, alone) if not s.loss == s.loss or abs(s.loss) == float("inf")]
     if bad:
         return findings + [Finding("finite", "fail", f"the loss of examples {bad[:_SHOWN]} is NaN/inf",

@@ -31,8 +31,9 @@ import torch
 from ..capture.factors import Factors, OneHot, compute_dtype, kron_project, materialize
 from ..capture.hooks import ForwardRecorder, capture_batch
 from ..data import batch_size_of, move_batch
+from ..errors import GradalgError
 
-__all__ = ["Sketch", "Sketched", "capture_sketch", "relative"]
+__all__ = ["Sketch", "Sketched", "capture_sketch", "relative", "LossFailedError"]
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -134,16 +135,35 @@ def _against_autograd(ref, F: Factors, grads: dict, sketch: "Sketch") -> float |
     return relative(torch.cat(ours), torch.cat(theirs)) if ours else None
 
 
-def capture_sketch(task, batch, refs, sketch: Sketch, device, *, autograd: bool = False) -> Sketched:
+class LossFailedError(GradalgError, RuntimeError):
+    """The task's loss raised a non-gradalg error on a batch of the check: ``error`` is that
+    exception, ``example_ids`` the batch's examples."""
+
+    def __init__(self, error: BaseException, example_ids=()):
+        self.error, self.example_ids = error, list(example_ids)
+        super().__init__(f"the task's loss raised {type(error).__name__}: {error} on example ids "
+                         f"{self.example_ids[:8]}")
+
+    def __reduce__(self):
+        return type(self), (self.error, self.example_ids)
+
+
+def capture_sketch(task, batch, refs, sketch: Sketch, device, *, autograd: bool = False, ids=()) -> Sketched:
     """Capture ``batch`` (already checked by the task) and sketch its rows (module
     docstring). ``autograd``: also compare Σ_i of the captured gradients with autograd's
     gradient of the same loss w.r.t. each block's parameters (a second backward). Runs in
-    the model's current mode; the caller chooses it."""
+    the model's current mode; the caller chooses it. ``ids``: the batch's example ids, named
+    by :class:`LossFailedError` when the loss raises an error of its own."""
     model = task.model
     batch = move_batch(batch, device)
     n = batch_size_of(batch)
     with torch.enable_grad(), ForwardRecorder(list(refs), model=model) as recorder:
-        loss = task.summed_loss(model, batch)
+        try:
+            loss = task.summed_loss(model, batch)
+        except GradalgError:
+            raise
+        except Exception as err:  # noqa: BLE001 - the user's loss or model failed on these examples
+            raise LossFailedError(err, ids) from err
         mask = task.token_mask(batch) if task.token_mask is not None else None
         blocks = capture_batch(loss, recorder, token_mask=mask, n_examples=n, retain_graph=autograd)
         if autograd:
