@@ -171,6 +171,9 @@ def test_batchnorm_in_train_mode_fails_and_eval_fixes_it():
     assert kinds(check) == {"train_mode"}
     assert check["train_mode"][0].where == ("1",)
     assert torch.equal(model[1].running_mean, before)      # the check updates no statistics
+    model[1].eval()                                         # a frozen BatchNorm in a model in train mode
+    check = ga.check_model(ga.Task(model, sum_ce), (x, y))
+    assert check.ok and model.training and not model[1].training     # each module's mode kept
     model.eval()
     assert ga.check_model(ga.Task(model, sum_ce), (x, y)).ok
 

@@ -89,13 +89,16 @@ def _tolerance(model, tolerance) -> float:
 
 
 @contextlib.contextmanager
-def _mode(model, training: bool):
-    was = model.training
-    model.train(training)
+def _eval_mode(model):
+    """Every module in eval mode; each module's own mode restored afterwards (a model in
+    train mode with a frozen, eval-mode BatchNorm keeps it so)."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
     try:
         yield
     finally:
-        model.train(was)
+        for m, training in modes:
+            m.training = training
 
 
 def _device(model):
@@ -188,7 +191,7 @@ def _run_checks(task, refs, examples, tol, sketch, encoder_decoder) -> list:
         if special is not None:
             findings.append(special)
         together, refused = together_batches(examples, task, encoder_decoder)
-        with _mode(task.model, False):      # ga.grads captures in eval mode
+        with _eval_mode(task.model):      # ga.grads captures in eval mode
             alone = [capture_sketch(task, b, refs, sketch, device, autograd=True, ids=(i,))
                      for i, b in zip(examples.ids, examples.alone)]
             batches = [(t, capture_sketch(task, t.batch, refs, sketch, device, ids=examples.ids)) for t in together]
