@@ -426,8 +426,22 @@ def test_arguments_are_validated():
         ga.check_model(model, (x, y))
     with pytest.raises(ga.OptionError, match="tolerance"):
         ga.check_model(task, (x, y), tolerance=-1)
+    with pytest.raises(ga.OptionError, match="tolerance"):
+        ga.check_model(task, (x, y), tolerance=float("inf"))
+    with pytest.raises(ga.OptionError, match="sketch_dim"):
+        ga.check_model(task, (x, y), sketch_dim=0)
     with pytest.raises(ga.UnsupportedLayerError, match="no module named"):
         ga.check_model(task, (x, y), layers=["nope"])
+    with pytest.raises(ga.UnsupportedLayerError):
+        ga.check_model(task, (x, y), layers=[])
+    with pytest.raises(ga.DataError):
+        ga.check_model(task, None)
+    with torch.device("meta"):
+        meta = nn.Linear(8, 3)
+    with pytest.raises(ga.ModelMismatchError, match="meta device"):
+        ga.check_model(ga.Task(meta, sum_ce), (x.float(), y))
+    vector = ga.check_model(ga.Task(model, lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none")), (x, y))
+    assert kinds(vector) == {"refused"} and "scalar" in vector["refused"][0].message
     assert ga.check_model(task, (x, y), n_examples=np.int64(3), tolerance=np.float32(1e-5)).examples == (0, 1, 2)
     one = ga.check_model(task, (x[:1], y[:1]))
     assert one.ok and "one example" in one["batch_independence"][0].message
@@ -503,6 +517,7 @@ def test_cli_check_passes_and_fails_with_exit_7(cli_dir, capsys):
     assert "each finding above names its fix" in captured.err
     assert 7 in EXIT_CODES
     assert main(["check", "-c", run, "--examples", "1"]) == 2
+    assert main(["check", "-c", run, "--examples", "many"]) == 2
     assert main(["check", "-c", run, "--set", 'layers=["nope"]']) == 2
     assert main(["check", "-c", run, "--data", "queries", "--examples", "2", "--html", str(cli_dir / "c.html")]) == 0
     assert "<table>" in (cli_dir / "c.html").read_text()

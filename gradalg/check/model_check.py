@@ -49,7 +49,7 @@ import torch
 from ..capture.coverage import layer_coverage
 from ..capture.hooks import resolve_layers
 from ..data import move_batch
-from ..errors import GradalgError, OptionError, UnsupportedLayerError
+from ..errors import GradalgError, ModelMismatchError, OptionError, UnsupportedLayerError
 from ..task import Task
 from .batches import examples_of, together_batches
 from .probes import batch_stat_modules, dropout_modules, finite_state, special_tokens, train_mode
@@ -81,8 +81,8 @@ def _tolerance(model, tolerance) -> float:
             value = float(tolerance)
         except (TypeError, ValueError):
             raise OptionError(f"tolerance must be a positive number, got {tolerance!r}") from None
-        if not value > 0:
-            raise OptionError(f"tolerance must be a positive number, got {tolerance!r}")
+        if not 0 < value < float("inf"):
+            raise OptionError(f"tolerance must be a positive finite number, got {tolerance!r}")
         return value
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     return TOLERANCES.get(dtype, 1e-3)
@@ -156,6 +156,10 @@ def check_model(task: Task, data, *, layers=None, n_examples: int = 8, tolerance
     sketch_dim = _positive_int("sketch_dim", sketch_dim, 1)
     seed = _positive_int("seed", seed, 0)
     model = task.model
+    if any(p.is_meta for p in model.parameters()):
+        raise ModelMismatchError(f"{type(model).__name__}'s weights are on the meta device (shapes only): there "
+                                 "is nothing to run. Load the weights (from_pretrained, or load_state_dict(..., "
+                                 "assign=True)) before ga.check_model")
     tol = _tolerance(model, tolerance)
     try:
         refs = resolve_layers(model, task.layers_for(layers))
