@@ -25,8 +25,9 @@ Checks, in order (each a :class:`~gradalg.check.result.Finding` kind):
 6. ``tied_weights``: for each example alone, the captured gradient of each block equals
    autograd's gradient of the block's parameters: a weight used somewhere hooks do not see
    (``h @ emb.weight.T``) fails, naming the block (Σ_i D_iᵀA_i against
-   ``torch.autograd.grad``, sketched in the parameters' layout). With checks 4 and 5: an example's row in any batch = its row
-   alone = autograd's gradient of its loss alone, and the batch's loss is the sum of those.
+   ``torch.autograd.grad``, sketched in the parameters' layout). With checks 4 and 5: an
+   example's row in any batch = its row alone = autograd's gradient of its loss alone, and
+   the batch's loss is the sum of those.
 7. ``coverage``: which trainable parameters the layers attribute (an info,
    :mod:`gradalg.capture.coverage`).
 
@@ -203,7 +204,8 @@ def _run_checks(task, refs, examples, tol, sketch, encoder_decoder) -> list:
         return findings + [Finding("refused", "fail", str(err),
                                    "run task.loss(model, batch) on these examples to see the error: token ids "
                                    "within the vocabulary, fields of matching shapes (labels as wide as "
-                                   "input_ids); ga.grads would stop on the same error", examples=tuple(err.example_ids))]
+                                   "input_ids); ga.grads would stop on the same error",
+                                   examples=tuple(err.example_ids))]
     except GradalgError as err:
         return findings + [Finding("refused", "fail", f"capturing the examples {list(examples.ids)[:_SHOWN]} "
                                    f"was refused: {err}", "the message above names the fix; "
