@@ -25,6 +25,7 @@ from .exec import LocalExecutor
 from . import fingerprint  # noqa: E402 - ga.fingerprint.forget(model) after writes through .data
 from . import unroll  # noqa: E402 - ga.unroll.TrainingRun, replayed by ga.methods.magic / source
 from .objective import training_objective
+from .check import ModelCheckError, check_model  # noqa: E402 - ga.check_model(task, data) before a long run
 from .options import get_options, options
 from .task import ExampleRandom, Task, TransformerBlocks
 
@@ -43,6 +44,6 @@ __all__ = [
     "ShapeMismatchError", "SpaceMismatchError", "UnsupportedLayerError", "store", "StoreMismatchError",
     "StoreIncompleteError", "BatchContentError", "PerTokenError", "StoreCorruptError", "OptionError",
     "DataError", "WorkerFaultError", "fingerprint", "compile", "Compiled", "OperatorError", "CurvatureError", "DistributedError", "ModelMismatchError",
-    "StaleCompiledError", "unroll", "training_objective", "ObjectiveError",
+    "StaleCompiledError", "unroll", "training_objective", "ObjectiveError", "check_model", "ModelCheckError",
     "IdMismatchError",
 ]

@@ -29,7 +29,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("plan",),                                          # the planner
     ("exec",),                                          # the executors
     ("api", "objective", "token_scores"),               # user objects over nodes
-    ("loop_capture", "compiled", "methods", "store", "integrations", "widgets"),  # above api
+    ("loop_capture", "compiled", "methods", "store", "integrations", "widgets", "check"),  # above api
     ("gradalg",),                                       # the package's re-exports
     ("cli", "testing"),                                 # users of the public package
 )

@@ -13,6 +13,7 @@
 5       gradalg refused the computation (any other ``GradalgError``: the data, the model
         or the memory budget; the message says what to change)
 6       a library an optional feature needs is not installed (the message names the extra)
+7       ``gradalg check`` ran and a check failed (each finding names its fix)
 130     interrupted (Ctrl-C); a store being built resumes at the next run
 143     terminated by SIGTERM (a SLURM time limit or preemption); resumes likewise
 ======  ==================================================================================
@@ -20,9 +21,10 @@
 from __future__ import annotations
 
 __all__ = ["EXIT_CODES", "exit_code", "OK", "FAILED", "USAGE", "REFUSED", "STORE_UNUSABLE", "RUN_REFUSED",
-           "MISSING_LIBRARY"]
+           "MISSING_LIBRARY", "CHECK_FAILED"]
 
 OK, FAILED, USAGE, REFUSED, STORE_UNUSABLE, RUN_REFUSED, MISSING_LIBRARY = 0, 1, 2, 3, 4, 5, 6
+CHECK_FAILED = 7
 
 EXIT_CODES = {
     OK: "success (or nothing to do: the result exists and matches the config)",
@@ -32,6 +34,7 @@ EXIT_CODES = {
     STORE_UNUSABLE: "the store is unfinished, damaged or missing",
     RUN_REFUSED: "gradalg refused the computation (data, model, memory budget)",
     MISSING_LIBRARY: "an optional library is missing (the message names the pip extra)",
+    CHECK_FAILED: "gradalg check: a check failed (each finding names its fix)",
     130: "interrupted (Ctrl-C); run the same command again to resume",
     143: "terminated (SIGTERM: a scheduler's time limit); run the same command again to resume",
 }
