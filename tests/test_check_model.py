@@ -92,12 +92,6 @@ def test_lm_task_with_tied_head_and_layers_all_passes():
     assert check["tied_weights"][0].severity == "ok"
 
 
-LEFT_TARGET_BUG = ("ga.tasks.causal_lm(padding_side='left') counts the target of the last padding position "
-                   "(the first real token, targets masked by attention_mask[:, 1:] only), a term the sequence "
-                   "alone does not have: loss_sum fails (tasks/language.py targets_of)")
-
-
-@pytest.mark.xfail(strict=True, reason=LEFT_TARGET_BUG)
 def test_left_padding_task_compares_left_padded_batches():
     from torch.utils.data import DataLoader
 

@@ -329,3 +329,19 @@ def test_items_without_an_attention_mask_get_one_when_padded():
     task = ga.tasks.causal_lm(model)
     close(dense(ga.grads(task, data, layers=layers, batch_size=4), layers),
           oracle(model, layers, data, next_token_nll))
+
+
+@pytest.mark.parametrize("arch", MODELS)
+def test_left_padded_sequences_have_their_unpadded_loss(arch):
+    """Under left padding the last pad position must not 'predict' the first real token: each
+    sequence's loss (what TRAK's margins and the output objectives read) equals its loss alone."""
+    model, _ = MODELS[arch]()
+    data = items(4)
+    T = max(len(d["input_ids"]) for d in data)
+    left = {"input_ids": torch.stack([F.pad(d["input_ids"], (T - len(d["input_ids"]), 0)) for d in data]),
+            "attention_mask": torch.stack([F.pad(d["attention_mask"], (T - len(d["input_ids"]), 0)) for d in data])}
+    task = ga.tasks.causal_lm(model, padding_side="left")
+    with torch.no_grad():
+        batched = float(task.summed_loss(model, left))
+        alone = sum(float(next_token_nll(model(input_ids=d["input_ids"][None]).logits[0], d)) for d in data)
+    assert math.isclose(batched, alone, rel_tol=1e-5), (batched, alone)

@@ -195,7 +195,9 @@ def causal_lm(model: nn.Module, *, padding_side: str = "right", completion_only:
         ids = field(batch, "input_ids", "causal_lm")
         mask = real_mask(batch)
         base = batch["labels"] if "labels" in batch else ids
-        targets = base[:, 1:].masked_fill(~mask[:, 1:], IGNORE)
+        # a target counts only when both the predicting position and the predicted token are
+        # real: under left padding the last pad would otherwise 'predict' the first token
+        targets = base[:, 1:].masked_fill(~(mask[:, 1:] & mask[:, :-1]), IGNORE)
         if completion_only:
             if "completion_mask" in batch:
                 targets = targets.masked_fill(~batch["completion_mask"][:, 1:].bool(), IGNORE)
