@@ -48,6 +48,8 @@ class DecisionKind(enum.Enum):
     PROJECTION_MAP = "projection map {label}"                   # dense, sparse JL or TensorSketch
 
     def title(self, label: str = "", block: str = "") -> str:
+        """The kind's title with the subject's ``label`` and the ``block`` filled in:
+        ``DecisionKind.KERNEL.title("scores", "'fc1'")`` is ``"kernel for block 'fc1' of scores"``."""
         return self.value.format(label=label, block=block)
 
 

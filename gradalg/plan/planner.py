@@ -445,29 +445,12 @@ class _Planner:
             factored = len(b.shape) == 2 and self._is_factored(held, b.name) and self._is_factored(streamed, b.name)
             if not factored:
                 continue           # flat rows on one side: dense is the only kernel
-            if not isinstance(inner.op, Identity):
-                self.decisions.append(Decision(
-                    DecisionKind.KERNEL, inner.token, "dense",
-                    {"ghost": "unavailable", "dense": "the preconditioned held rows"},
-                    "H·L_i of a preconditioned product is not a product of the factors of L_i: the held "
-                    "rows are materialized once, preconditioned, and multiplied with each streamed chunk", **about))
-                continue
-            if kept[b.name] != "factors":
-                self.decisions.append(Decision(
-                    DecisionKind.KERNEL, inner.token, "dense",
-                    {"ghost": "needs the held factors", "dense": "the flat held rows"},
-                    "the held rows of this block are kept flat (see their storage decision)", **about))
+            fixed = self._kernel_without_choice(inner, kept[b.name], known)
+            if fixed is not None:      # dense or "when run", nothing to cost
+                kernels[b.name] = fixed[0]
+                self.decisions.append(Decision(DecisionKind.KERNEL, inner.token, *fixed, **about))
                 continue
             mode = self.options.ghost
-            if mode == "auto" and not known and not self.for_run:
-                # T differs per layer (convolutions, non-token inputs): measured on the meta
-                # device by the executor, which plans again with it before running
-                kernels[b.name] = "when run"
-                self.decisions.append(Decision(
-                    DecisionKind.KERNEL, inner.token, "when run", {"ghost": "needs T", "dense": "needs T"},
-                    "the positions per example (T) of this layer are not known from the data's shape: "
-                    "an executor measures them (one meta-device forward) and decides before the run", **about))
-                continue
             out_f, in_f = b.shape
             TL, TR = P_h[b.name], P_s[b.name]
             # both kernels priced by the calibrated cost model, as the scores job costs them
@@ -495,6 +478,25 @@ class _Planner:
             self.decisions.append(Decision(DecisionKind.KERNEL, inner.token, chosen, {"ghost": ghost, "dense": dense},
                                            why, **about))
         return kernels
+
+    def _kernel_without_choice(self, inner: Inner, held_storage: str, known: bool) -> tuple | None:
+        """``(chosen, alternatives, reason)`` of a factored block whose kernel is not a
+        costed choice: dense for a preconditioned product or flat held rows, "when run"
+        while the positions per example are unmeasured; None when both kernels are costed."""
+        if not isinstance(inner.op, Identity):
+            return ("dense", {"ghost": "unavailable", "dense": "the preconditioned held rows"},
+                    "H·L_i of a preconditioned product is not a product of the factors of L_i: the held "
+                    "rows are materialized once, preconditioned, and multiplied with each streamed chunk")
+        if held_storage != "factors":
+            return ("dense", {"ghost": "needs the held factors", "dense": "the flat held rows"},
+                    "the held rows of this block are kept flat (see their storage decision)")
+        if self.options.ghost == "auto" and not known and not self.for_run:
+            # T differs per layer (convolutions, non-token inputs): measured on the meta
+            # device by the executor, which plans again with it before running
+            return ("when run", {"ghost": "needs T", "dense": "needs T"},
+                    "the positions per example (T) of this layer are not known from the data's shape: "
+                    "an executor measures them (one meta-device forward) and decides before the run")
+        return None
 
     def _positions_measured(self, node: GradNode) -> bool:
         """Whether ``positions(node)`` are every layer's real T: known from the data's shape
@@ -768,6 +770,47 @@ class _Planner:
                 return False
             x = x.grads
 
+    def _decide_batch_size(self, p: Pass, sources: list[Source], fixed: float, per_ex: float) -> None:
+        """The examples per batch of pass ``p`` over data (``p.batch_size``, ``p.note``), a
+        ``BATCH_SIZE`` decision: the data's own batch size, else the smallest of
+        ``ga.options(batch_size)``, what fits the memory budget beside ``fixed`` held bytes at
+        ``per_ex`` bytes per example, and ``batch_tokens`` over the positions per example."""
+        data, budget = sources[0].data, self.options.memory_budget
+        if data.batch_size is not None or _is_loader(data):
+            p.batch_size = data.batch_size or getattr(data.source, "batch_size", None)
+            p.note = "batch size fixed by the data"
+            self.decisions.append(Decision(
+                DecisionKind.BATCH_SIZE, p.key, str(p.batch_size),
+                {"the data's": str(p.batch_size), "ga.options": str(self.options.batch_size)},
+                "fixed by the data (a DataLoader, or ga.grads(..., batch_size=...))", label=p.label))
+        else:
+            room = budget - fixed
+            if room < per_ex:  # not even a batch of one example fits next to the held rows
+                err = MemoryBudgetError(
+                    f"{p.label}: held rows and statistics take {_si(fixed)}B and one example's "
+                    f"factors and activations {_si(per_ex)}B, over the memory budget of {_si(budget)}B. "
+                    "Project the gradients (ga.proj.kron), use fewer queries per call, or raise "
+                    "ga.options(memory_budget=...)")
+                err.needed = fixed + per_ex
+                raise err
+            fit = int(room // max(per_ex, 1.0))
+            tokens, T, by_tokens = self._batch_tokens(sources)
+            p.batch_size = max(1, min(self.options.batch_size, fit, by_tokens or self.options.batch_size))
+            if p.batch_size < self.options.batch_size:
+                p.note = (f"batch size {p.batch_size} (not {self.options.batch_size}) "
+                          + ("to stay under the memory budget" if p.batch_size == fit else
+                             f"of {T} positions each: {tokens} positions per batch (ga.options(batch_tokens))"))
+            alternatives = {"ga.options": str(self.options.batch_size), "largest under the budget": f"{fit:,}"}
+            if by_tokens:
+                alternatives[f"batch_tokens {tokens} / T {T}"] = f"{by_tokens:,}"
+            self.decisions.append(Decision(
+                DecisionKind.BATCH_SIZE, p.key, str(p.batch_size), alternatives,
+                f"the smallest: {_si(fixed)}B held and {_si(per_ex)}B per example "
+                f"under the memory budget of {_si(budget)}B"
+                + (f"; batches of {tokens} positions already run efficient GEMMs, and fewer examples keep "
+                   "the activations small" if by_tokens and p.batch_size == by_tokens < fit else ""),
+                label=p.label))
+
     def _size_pass(self, p: Pass, stored: set) -> None:
         sources = self._sources(p.jobs, stored) if p.reads_data else []
         per_ex = self._per_example_bytes(p.jobs, sources)
@@ -786,40 +829,7 @@ class _Planner:
             raise err
         if p.reads_data:
             data = sources[0].data
-            if data.batch_size is not None or _is_loader(data):
-                p.batch_size = data.batch_size or getattr(data.source, "batch_size", None)
-                p.note = "batch size fixed by the data"
-                self.decisions.append(Decision(
-                    DecisionKind.BATCH_SIZE, p.key, str(p.batch_size),
-                    {"the data's": str(p.batch_size), "ga.options": str(self.options.batch_size)},
-                    "fixed by the data (a DataLoader, or ga.grads(..., batch_size=...))", label=p.label))
-            else:
-                room = budget - fixed
-                if room < per_ex:  # not even a batch of one example fits next to the held rows
-                    err = MemoryBudgetError(
-                        f"{p.label}: held rows and statistics take {_si(fixed)}B and one example's "
-                        f"factors and activations {_si(per_ex)}B, over the memory budget of {_si(budget)}B. "
-                        "Project the gradients (ga.proj.kron), use fewer queries per call, or raise "
-                        "ga.options(memory_budget=...)")
-                    err.needed = fixed + per_ex
-                    raise err
-                fit = int(room // max(per_ex, 1.0))
-                tokens, T, by_tokens = self._batch_tokens(sources)
-                p.batch_size = max(1, min(self.options.batch_size, fit, by_tokens or self.options.batch_size))
-                if p.batch_size < self.options.batch_size:
-                    p.note = (f"batch size {p.batch_size} (not {self.options.batch_size}) "
-                              + ("to stay under the memory budget" if p.batch_size == fit else
-                                 f"of {T} positions each: {tokens} positions per batch (ga.options(batch_tokens))"))
-                alternatives = {"ga.options": str(self.options.batch_size), "largest under the budget": f"{fit:,}"}
-                if by_tokens:
-                    alternatives[f"batch_tokens {tokens} / T {T}"] = f"{by_tokens:,}"
-                self.decisions.append(Decision(
-                    DecisionKind.BATCH_SIZE, p.key, str(p.batch_size), alternatives,
-                    f"the smallest: {_si(fixed)}B held and {_si(per_ex)}B per example "
-                    f"under the memory budget of {_si(budget)}B"
-                    + (f"; batches of {tokens} positions already run efficient GEMMs, and fewer examples keep "
-                       "the activations small" if by_tokens and p.batch_size == by_tokens < fit else ""),
-                    label=p.label))
+            self._decide_batch_size(p, sources, fixed, per_ex)
             cost = self._pass_capture_cost(sources, p.batch_size)
             n = data.n
             chunk = p.batch_size
