@@ -520,6 +520,8 @@ def _score_sink(store, chunk_rows: int | None, overwrite: bool | None) -> ScoreS
         raise OptionError("S.compute(store=path) writes through a score store, and none is declared: "
                           "`import gradalg` declares the Zarr store (gradalg.store), or pass a sink: "
                           "store=ga.store.ScoreStore(path)")
+    if isinstance(chunk_rows, numbers.Integral) and not isinstance(chunk_rows, bool):
+        chunk_rows = int(chunk_rows)     # a numpy integer reads as its value
     return _PATH_SINK[0](store, chunk_rows=1024 if chunk_rows is None else chunk_rows,
                          overwrite=bool(overwrite))
 

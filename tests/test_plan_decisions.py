@@ -82,6 +82,11 @@ def test_lookup_by_field(sides):
     assert isinstance(err.value, KeyError) and isinstance(err.value, PlanError)
     with pytest.raises(KeyError, match="0 decisions of kind STORE.*pass block= or subject="):
         p.decisions.one(DecisionKind.STORE)
+    # nearly valid lookups work: a kind's name in any case, a block index as an int
+    assert p.decisions.of("kernel") == p.decisions.of("KERNEL") == kernels
+    assert p.decisions.one("kernel", block=2) is kernels[1]
+    with pytest.raises(PlanError, match="no decision kind 'kernels'.*DecisionKind.{HELD_SIDE"):
+        p.decisions.of("kernels")           # a typo is refused, not an empty list
 
 
 def test_a_decision_is_immutable_and_picklable(sides):
@@ -94,8 +99,9 @@ def test_a_decision_is_immutable_and_picklable(sides):
         d.alternatives["ghost"] = 0.0
     back = pickle.loads(pickle.dumps(p.decisions))
     assert isinstance(back, Decisions) and back == p.decisions
-    with pytest.raises(PlanError, match="DecisionKind"):
-        Decision("kernel", "x", "ghost", {})
+    with pytest.raises(PlanError, match="no decision kind"):
+        Decision("kernl", "x", "ghost", {})
+    assert Decision("kernel", "x", "ghost", {}).kind is DecisionKind.KERNEL
 
 
 def test_text_html_and_dict_are_rendered_from_the_fields(sides):

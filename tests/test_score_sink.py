@@ -36,12 +36,13 @@ def scores():
 
 def test_a_score_store_sink_equals_memory_and_the_path_form(scores, tmp_path):
     S, full = scores
-    sink = ga.store.ScoreStore(tmp_path / "a.zarr", chunk_rows=10)
+    sink = ga.store.ScoreStore(tmp_path / "a.zarr", chunk_rows=np.int32(10))
+    assert sink.chunk_rows == 10 and type(sink.chunk_rows) is int
     assert isinstance(sink, api.ScoreSink)
     stored = S.compute(store=sink)
     assert stored.chunks == ((3,), (10, 10, 3))                   # the sink's chunking
     np.testing.assert_allclose(stored.values, full, rtol=1e-10, atol=1e-12)
-    by_path = S.compute(store=str(tmp_path / "b.zarr"), chunk_rows=10)
+    by_path = S.compute(store=str(tmp_path / "b.zarr"), chunk_rows=np.int64(10))    # a numpy integer works
     assert by_path.chunks == stored.chunks
     np.testing.assert_allclose(by_path.values, full, rtol=1e-10, atol=1e-12)
     again = S.compute(store=ga.store.ScoreStore(tmp_path / "a.zarr", chunk_rows=10, overwrite=True))

@@ -47,6 +47,17 @@ class DecisionKind(enum.Enum):
     KRON_DIAGONAL = "structure of the Kronecker factors of block {block}"    # diagonal or dense
     PROJECTION_MAP = "projection map {label}"                   # dense, sparse JL or TensorSketch
 
+    @classmethod
+    def coerce(cls, kind) -> "DecisionKind":
+        """``kind`` as a member: a member, or its name in any case (``"kernel"``); anything
+        else raises :class:`~gradalg.errors.PlanError` listing the kinds."""
+        if isinstance(kind, cls):
+            return kind
+        if isinstance(kind, str) and kind.upper() in cls.__members__:
+            return cls[kind.upper()]
+        raise PlanError(f"no decision kind {kind!r}: use one of DecisionKind."
+                        f"{{{', '.join(cls.__members__)}}} (or its name, e.g. 'kernel')")
+
     def title(self, label: str = "", block: str = "") -> str:
         """The kind's title with the subject's ``label`` and the ``block`` filled in:
         ``DecisionKind.KERNEL.title("scores", "'fc1'")`` is ``"kernel for block 'fc1' of scores"``."""
@@ -68,8 +79,7 @@ class Decision:
     label: str = ""
 
     def __post_init__(self):
-        if not isinstance(self.kind, DecisionKind):
-            raise PlanError(f"a Decision's kind is a DecisionKind, got {self.kind!r}")
+        object.__setattr__(self, "kind", DecisionKind.coerce(self.kind))
         object.__setattr__(self, "alternatives", MappingProxyType(dict(self.alternatives)))
 
     def __reduce__(self):      # picklable (plans travel to Dask workers): the mapping as a dict
@@ -93,12 +103,16 @@ class Decision:
 class Decisions(list):
     """The plan's decisions in the order they were made, looked up by their fields."""
 
-    def of(self, kind: DecisionKind, block: str | None = None, subject=None) -> list[Decision]:
-        """The decisions of ``kind`` (about ``block`` and ``subject`` when given), in order."""
+    def of(self, kind: DecisionKind | str, block: str | None = None, subject=None) -> list[Decision]:
+        """The decisions of ``kind`` (a :class:`DecisionKind`, or its name: ``"kernel"``)
+        about ``block`` (a block name; ``0`` reads as ``"0"``) and ``subject`` when given,
+        in the order they were made."""
+        kind = DecisionKind.coerce(kind)
+        block = None if block is None else str(block)
         return [d for d in self if d.kind is kind and (block is None or d.block == block)
                 and (subject is None or d.subject == subject)]
 
-    def one(self, kind: DecisionKind, block: str | None = None, subject=None) -> Decision:
+    def one(self, kind: DecisionKind | str, block: str | None = None, subject=None) -> Decision:
         """The one decision of ``kind`` (about ``block`` and ``subject`` when given); a
         :class:`~gradalg.errors.PlanError` (also a ``KeyError``) names the decisions there
         are when there is none or several."""
@@ -108,7 +122,7 @@ class Decisions(list):
         about = "".join(f", {k}={v!r}" for k, v in (("block", block), ("subject", subject)) if v is not None)
         there = sorted({(d.kind.name, d.block or "") for d in self})
         raise DecisionLookupError(
-            f"{len(found)} decisions of kind {kind.name}{about} (want exactly one): pass block= or subject= "
+            f"{len(found)} decisions of kind {DecisionKind.coerce(kind).name}{about} (want exactly one): pass block= or subject= "
             f"to pick one, or use plan.decisions.of(...) for all; the plan has {there}")
 
 

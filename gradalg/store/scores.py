@@ -13,6 +13,7 @@ writes the columns a:b. Chunks are atomic and resumable as in a gradient store (
 """
 from __future__ import annotations
 
+import numbers
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -178,6 +179,10 @@ class ScoreStore:
     chunk_rows: int = 1024
     overwrite: bool = False
     metadata: dict | None = field(default=None, compare=False)
+
+    def __post_init__(self):
+        if isinstance(self.chunk_rows, numbers.Integral) and not isinstance(self.chunk_rows, bool):
+            object.__setattr__(self, "chunk_rows", int(self.chunk_rows))   # a numpy integer reads as its value
 
     def write_scores(self, scores, *, executor=None) -> xr.DataArray:
         """Compute ``scores`` into the store (:func:`write_scores`); its DataArray read back."""
