@@ -49,6 +49,7 @@ from gradalg.exec.accumulators import ScoreAccumulator  # noqa: E402
 from gradalg.capture.chunks import Chunk, flat_block  # noqa: E402
 from gradalg.plan.cost import dense_cost, ghost_cost  # noqa: E402
 from gradalg.plan.devices import local_profile  # noqa: E402
+from gradalg.plan import DecisionKind  # noqa: E402
 from gradalg.plan.planner import plan  # noqa: E402
 
 VOCAB = 256
@@ -180,9 +181,9 @@ def sweep(widths, lengths, queries, reps, cap, min_seconds, log):
                 row = {"width": width, "T": T, "nq": nq, "capture_s": capture_s, "blocks": []}
                 for block in G.space.blocks:
                     try:
-                        d = p.decision(f"kernel for block {block.name!r}")
+                        d = p.decisions.one(DecisionKind.KERNEL, block=block.name)
                         pick, why = d.chosen, "costed"
-                    except KeyError:
+                    except KeyError:   # no kernel decision (DecisionLookupError is a KeyError)
                         pick, why = "dense", "factors larger than the gradient: kept flat"
                     pred = predicted_seconds(block, nq, T, prof)
                     space = G.select([block.name]).space

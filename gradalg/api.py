@@ -10,7 +10,8 @@ Building them never runs the model; ``.compute()`` hands the node to an executor
 from __future__ import annotations
 
 import numbers
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+import os
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -27,7 +28,7 @@ if TYPE_CHECKING:                 # xarray loads when a result is made (about 76
 
 __all__ = ["GradientSet", "TransposedGradients", "Operator", "Scores", "grads", "fisher", "identity",
            "diagonal", "dense", "sum_scores", "mean_scores", "row_weights", "kfac", "ekfac", "hessian",
-           "gauss_newton", "arnoldi", "datainf", "adam_state", "SelfScores"]
+           "gauss_newton", "arnoldi", "datainf", "adam_state", "SelfScores", "ScoreSink", "register_path_sink"]
 
 
 def _executor(executor):
@@ -473,10 +474,56 @@ def _warn_expanding(before, after, projector) -> None:
             + (f" ({len(wide)} blocks are like this)" if len(wide) > 1 else ""), UserWarning, stacklevel=4)
 
 
-#: ``write_scores(S, path, chunk_rows=, executor=, overwrite=)`` of :mod:`gradalg.store`, which
-#: registers it when imported (the store sits above api: it returns api objects, so api
-#: must not import it); ``Scores.compute(store=...)`` calls it.
-SCORE_STORE_WRITER = None
+@runtime_checkable
+class ScoreSink(Protocol):
+    """Where ``Scores.compute(store=sink)`` puts the scores instead of memory:
+    ``sink.write_scores(S, executor=...)`` computes ``S`` into it and returns the result read
+    back from it (a DataArray). :class:`gradalg.store.ScoreStore` is one (a resumable Zarr
+    score store, ``ga.store.ScoreStore("scores.zarr", chunk_rows=1024)``); any object with
+    this method is another."""
+
+    def write_scores(self, scores: "Scores", *, executor=None) -> "xr.DataArray": ...
+
+
+#: The factory ``(path, chunk_rows=, overwrite=) -> ScoreSink`` that ``Scores.compute(store=path)``
+#: writes a path through, declared by :func:`register_path_sink` (empty: none declared)
+_PATH_SINK: list = []
+
+
+def register_path_sink(factory: Callable[..., ScoreSink]) -> None:
+    """Declare the sink a path given as ``Scores.compute(store="scores.zarr")`` is written to:
+    ``factory(path, chunk_rows=, overwrite=)`` returns a :class:`ScoreSink`. :mod:`gradalg.store`
+    declares :class:`~gradalg.store.ScoreStore` with it (the store sits above api: it returns
+    api objects, so api does not import it; ``gradalg/__init__.py`` imports the store, so
+    any ``import gradalg...`` declares it before a score is computed). Declaring again
+    replaces the factory. A sink object, ``store=ga.store.ScoreStore(path)``, needs none."""
+    if not callable(factory):
+        raise OptionError(f"register_path_sink takes a callable (path, chunk_rows=, overwrite=) -> sink, "
+                          f"got {type(factory).__name__}")
+    _PATH_SINK[:] = [factory]
+
+
+def _score_sink(store, chunk_rows: int | None, overwrite: bool | None) -> ScoreSink:
+    """The sink ``Scores.compute(store=...)`` writes to: ``store`` itself when it is a
+    :class:`ScoreSink` (its own chunking and overwrite), else the declared path sink of the
+    path ``store``."""
+    if isinstance(store, ScoreSink):
+        if chunk_rows is not None or overwrite is not None:
+            raise OptionError("S.compute(store=sink, chunk_rows=..., overwrite=...): a sink carries its own "
+                              "chunking and overwrite; set them on it, e.g. store=ga.store.ScoreStore(path, "
+                              "chunk_rows=1024, overwrite=True), or pass a path as store=")
+        return store
+    if not isinstance(store, (str, os.PathLike)):
+        raise OptionError(f"S.compute(store=...) takes a path (store='scores.zarr') or a score sink "
+                          f"(store=ga.store.ScoreStore(path)), got {type(store).__name__}")
+    if not _PATH_SINK:
+        raise OptionError("S.compute(store=path) writes through a score store, and none is declared: "
+                          "`import gradalg` declares the Zarr store (gradalg.store), or pass a sink: "
+                          "store=ga.store.ScoreStore(path)")
+    if isinstance(chunk_rows, numbers.Integral) and not isinstance(chunk_rows, bool):
+        chunk_rows = int(chunk_rows)     # a numpy integer reads as its value
+    return _PATH_SINK[0](store, chunk_rows=1024 if chunk_rows is None else chunk_rows,
+                         overwrite=bool(overwrite))
 
 
 class Scores(_Displayed):
@@ -564,7 +611,7 @@ class Scores(_Displayed):
             attrs={"expression": _expression_text(self.expr), "k": k, "largest": int(largest),
                    "ties": "lower training position first", "kernels": dict(getattr(ex, "trace", {}))})
 
-    def compute(self, executor=None, *, store=None, chunk_rows: int = 1024, overwrite: bool = False
+    def compute(self, executor=None, *, store=None, chunk_rows: int | None = None, overwrite: bool | None = None
                 ) -> xr.DataArray:
         """Run the expression. Returns a DataArray with dims ("query", "train"); a side made
         of per-token rows (``G.per_token()``) adds its token axis: ("query", "query_token",
@@ -576,17 +623,19 @@ class Scores(_Displayed):
         ``attrs`` records the expression and which kernels ran (``kernels``).
 
         ``store``: a path (``"scores.zarr"``): the scores are written to a Zarr score store
-        block by block of ``chunk_rows`` training examples as the training side streams
-        (each block atomic; a store left unfinished by a killed run is completed, only its
-        missing blocks computed; ``overwrite=True`` replaces it) and the result is a
-        Dask-backed DataArray over the store (:func:`gradalg.store.write_scores`), for
-        results that do not fit in memory.
+        block by block of ``chunk_rows`` (default 1024) training examples as the training
+        side streams (each block atomic; a store left unfinished by a killed run is
+        completed, only its missing blocks computed; ``overwrite=True`` replaces it) and the
+        result is a Dask-backed DataArray over the store (:func:`gradalg.store.write_scores`),
+        for results that do not fit in memory. Or a sink object (:class:`ScoreSink`), e.g.
+        ``store=ga.store.ScoreStore(path, chunk_rows=1024)``, which carries its own
+        ``chunk_rows`` and ``overwrite``.
         """
         if store is not None:
-            if SCORE_STORE_WRITER is None:
-                raise ImportError("S.compute(store=...) needs gradalg.store: `import gradalg` (or "
-                                  "gradalg.store) registers it; or call ga.store.write_scores(S, path)")
-            return SCORE_STORE_WRITER(self, store, chunk_rows=chunk_rows, executor=executor, overwrite=overwrite)
+            return _score_sink(store, chunk_rows, overwrite).write_scores(self, executor=executor)
+        if chunk_rows is not None or overwrite is not None:
+            raise OptionError("chunk_rows= and overwrite= apply to S.compute(store=...): pass store='scores.zarr' "
+                              "to write a score store, or leave them out")
         ex = _executor(executor)
         with _PhaseDelta(ex) as seconds:
             values = ex.scores(self.expr)

@@ -31,6 +31,7 @@ __all__ = [
     "DistributedError",
     "ModelMismatchError",
     "IdMismatchError",
+    "PlanError",
 ]
 
 
@@ -246,3 +247,10 @@ class ModelMismatchError(GradalgError, ValueError):
     (``DaskExecutor(model_fn=...)``) is not the client's: another architecture, other
     weights (both fingerprints are named), or workers that disagree with each other; or a
     pass needs the weights of a model the client holds on the ``meta`` device."""
+
+
+class PlanError(GradalgError, RuntimeError):
+    """The planner could not produce a plan for this expression: a stage did not converge,
+    jobs depend on each other in a circle, or the expression asks for something no pass
+    can compute (the message names it and what to write instead). Importable as
+    ``gradalg.plan.PlanError`` too."""

@@ -29,7 +29,7 @@ import models  # noqa: E402
 from references import one_thread, reference_rows  # noqa: E402,F401 - one_thread is an autouse fixture
 
 import gradalg as ga  # noqa: E402
-from gradalg.plan import Choices  # noqa: E402
+from gradalg.plan import Choices, DecisionKind  # noqa: E402
 
 distributed = pytest.importorskip("distributed")
 
@@ -177,7 +177,7 @@ def test_the_quickstart_influence_stores_its_training_rows_once_on_dask(existing
     with ga.options(progress=False):
         got = S.compute(executor=ex)
         want = S.compute().values
-    assert ex.last_plan.decision("second use").chosen == "store"
+    assert ex.last_plan.decisions.one(DecisionKind.STORE).chosen == "store"
     assert got.shape == (10, 300)
     np.testing.assert_allclose(np.asarray(got.values), want, rtol=1e-10, atol=1e-12)
 

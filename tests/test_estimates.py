@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import gradalg as ga
+from gradalg.plan import DecisionKind
 from gradalg.plan import cost as C
 from gradalg.plan import devices, estimates as E
 from gradalg.plan.planner import plan
@@ -324,7 +325,7 @@ def test_ghost_or_dense_is_the_faster_kernel_by_the_device_profile(device, chose
     S = gpt2_scores(36, 40)
     with ga.options(batch_size=8):
         p = plan(S.expr, device=device)
-    d = p.decision("kernel for block 'transformer.h.0.attn.c_attn'")
+    d = p.decisions.one(DecisionKind.KERNEL, block="transformer.h.0.attn.c_attn")
     costs = E.kernel_costs(2, 6, 8, 40, 40, 65, 192, elem=8)
     assert d.alternatives == {"ghost": pytest.approx(device.time_of(costs["ghost"], torch.float64)),
                               "dense": pytest.approx(device.time_of(costs["dense"], torch.float64))}
@@ -335,8 +336,9 @@ def test_ghost_or_dense_is_the_faster_kernel_by_the_device_profile(device, chose
     assert scores.kernels["transformer.h.0.attn.c_attn"] == chosen
     # forcing keeps both prices in the decision
     with ga.options(batch_size=8, ghost="never" if chosen == "ghost" else "always"):
-        forced = plan(S.expr, device=device).decision("kernel for block 'transformer.h.0.attn.c_attn'")
-    assert forced.chosen != chosen and forced.alternatives == d.alternatives and "forced" in forced.why
+        forced = plan(S.expr, device=device).decisions.one(
+            DecisionKind.KERNEL, block="transformer.h.0.attn.c_attn")
+    assert forced.chosen != chosen and forced.alternatives == d.alternatives and "forced" in forced.reason
 
 
 def test_kernel_costs_count_the_held_side_once_and_each_chunk():

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import gradalg as ga
+from gradalg.plan import DecisionKind
 from gradalg.errors import PerTokenError
 from gradalg.methods.influence import curvature_operator
 from gradalg.plan.jobs import ScoresJob
@@ -176,7 +177,7 @@ def test_held_bytes_and_kernel_cost_reflect_the_rank(lm):
         got = rows_bytes(job.held, job.held_storage, torch.float64)
         assert got == Q.n * want * 8, (r, got, Q.n * want * 8)
         sizes[r] = got
-        d = next(d for d in p.decisions if d.what.startswith("rank of held rows"))
+        d = p.decisions.one(DecisionKind.LOW_RANK)
         assert d.chosen == f"rank-{r} factors"
     assert sizes[1] < sizes[4]
     text = str((Q.low_rank(4) @ G.T).explain())
@@ -188,7 +189,7 @@ def test_kernel_is_costed_with_r_held_positions(lm):
     def ghost_seconds(r):
         with ga.options(ghost="always"):
             p = plan((lm["Q"].low_rank(r) @ lm["G"].T).expr)
-        d = next(d for d in p.decisions if "transformer.h.0.mlp.c_fc" in d.what and d.what.startswith("kernel"))
+        d = p.decisions.one(DecisionKind.KERNEL, block="transformer.h.0.mlp.c_fc")
         return d.alternatives["ghost"]
     assert ghost_seconds(1) < ghost_seconds(4)
 

@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import gradalg as ga
+from gradalg.plan import DecisionKind
 from gradalg.testing import assert_close
 from gradalg.testing.conformance import project_dense
 
@@ -277,8 +278,8 @@ def test_less_default_is_the_dense_rademacher_on_small_models():
     assert (got == same.compute().values).all()
     M = project_dense(torch.eye(space.dim, dtype=F64), space, ga.proj.rademacher(24, 3)).T      # (k, dim)
     assert_close(torch.from_numpy(got), less_formula(s, space, st, M, groups), what="LESS dense", **TOL)
-    d = S.explain().plan.decision("projection map")
-    assert d.chosen == "dense" and "dense_projection_bytes" in d.why
+    d = S.explain().plan.decisions.one(DecisionKind.PROJECTION_MAP)
+    assert d.chosen == "dense" and "dense_projection_bytes" in d.reason
 
 
 def test_less_at_width_projects_block_by_block_without_a_dense_matrix(monkeypatch):
@@ -293,9 +294,9 @@ def test_less_at_width_projects_block_by_block_without_a_dense_matrix(monkeypatc
     groups = [0, 1, 1, 0]
     with ga.options(dense_projection_bytes=24 * space.dim * 8 - 1):       # one byte under the dense matrix
         S = ga.methods.less([s["task"]], [opt], [1e-3], s["train"], s["query"], groups, k=24, seed=3)
-        d = S.explain().plan.decision("projection map")
+        d = S.explain().plan.decisions.one(DecisionKind.PROJECTION_MAP)
     assert {x.projector for x in S.expr.walk() if isinstance(x, Project)} == {ga.proj.sparse(24, 3)}
-    assert d.chosen == "sparse JL" and "over ga.options(dense_projection_bytes" in d.why
+    assert d.chosen == "sparse JL" and "over ga.options(dense_projection_bytes" in d.reason
 
     def refuse(*args, **kwargs):
         raise AssertionError("a dense projection matrix was drawn")
@@ -395,9 +396,9 @@ def test_trak_at_width_takes_a_tensorsketch_past_the_sjlt_table_option():
     dim = ga.grads(s["task"], s["train"]).space.dim
     with ga.options(dense_projection_bytes=12 * dim * 8 - 1, sjlt_table_bytes=5 * dim - 1):
         S = ga.methods.trak(s["task"], s["train"], s["query"], k=12, seed=3)
-        d = S.explain().plan.decision("projection map")
+        d = S.explain().plan.decisions.one(DecisionKind.PROJECTION_MAP)
     P = ga.proj.tensorsketch(12, 3)
     assert {x.projector for x in S.expr.walk() if isinstance(x, Project)} == {P}
-    assert d.chosen == "tensorsketch" and "over ga.options(sjlt_table_bytes" in d.why
+    assert d.chosen == "tensorsketch" and "over ga.options(sjlt_table_bytes" in d.reason
     assert_close(values(S), trak_formula(s, P, relative=trak_module.RELATIVE_DAMPING), what="TRAK, tensorsketch",
                  rtol=1e-6, atol=1e-8)

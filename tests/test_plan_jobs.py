@@ -14,7 +14,7 @@ import torch
 import gradalg as ga
 from gradalg.exec import sinks
 from gradalg.capture.chunks import flatten
-from gradalg.plan import Choices
+from gradalg.plan import Choices, DecisionKind
 from gradalg.plan.jobs import (JOB_TYPES, CollectJob, DiagJob, EKFACJob, FisherJob, GroupJob, KFACJob, ScoresJob,
                                StoreJob, job_type)
 from gradalg.plan.planner import plan
@@ -183,14 +183,15 @@ def test_forced_choices_are_obeyed_and_recorded():
     ex = ga.LocalExecutor(choices=Choices(held="left", store="never"))
     torch.testing.assert_close(run(S, ex), want, **TOL)
     p = ex.last_plan
-    assert p.decision("second use").chosen == "recompute" and "forced by Choices(store='never')" in \
-        p.decision("second use").why
+    d = p.decisions.one(DecisionKind.STORE)
+    assert d.chosen == "recompute" and "forced by Choices(store='never')" in d.reason
     assert StoreJob not in job_classes(p) and p.data_passes == 3
     # the training rows held (collected beside the Fisher), the queries streamed
     ex = ga.LocalExecutor(choices=Choices(held="right"))
     torch.testing.assert_close(run(S, ex), want, **TOL)
     p = ex.last_plan
-    assert "forced by Choices(held='right')" in p.decision("held side").why
+    d = p.decisions.one(DecisionKind.HELD_SIDE)
+    assert d.chosen == "right (training) rows" and "forced by Choices(held='right')" in d.reason
     (job,) = [j for step in p.passes for j in step.jobs if isinstance(j, ScoresJob)]
     assert job.transposed and job.held == G.expr and job.streams == (Q.expr,)
 
@@ -201,7 +202,7 @@ def test_normalization_of_the_streamed_side_is_a_decision_the_sink_follows():
     S = Q @ G.normalize().T
     ex = ga.LocalExecutor()
     got = run(S, ex)
-    d = ex.last_plan.decision("normalization of")
+    d = ex.last_plan.decisions.one(DecisionKind.NORMALIZATION)
     (job,) = [j for step in ex.last_plan.passes for j in step.jobs if isinstance(j, ScoresJob)]
     assert d.chosen == "in the score kernel" and job.normalize_streamed and set(d.alternatives) == {
         "in the score kernel", "row-wise"}
@@ -225,22 +226,17 @@ def test_the_executor_runs_the_kernels_the_plan_names():
     torch.testing.assert_close(ex.state.scores(p.simplified), s["RQ"] @ s["R"].T, **TOL)
 
 
-def test_conv_kernels_are_decided_before_the_run(monkeypatch):
+def test_conv_kernels_are_decided_before_the_run():
     """Convolutions' positions are measured before a run is planned: every block has a
-    kernel decision, and no chunk is routed at run time."""
-    import gradalg.plan.routing as routing
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a kernel was routed at run time")
-    monkeypatch.setattr(routing, "choose_kernel", refuse)
+    kernel decision, and every chunk runs the kernel its block's decision names."""
     model = models.cnn()
     task = ga.tasks.classification(model)
     G, Q = ga.grads(task, models.image_data(n=8), batch_size=4), ga.grads(task, models.image_data(n=2, seed=5))
     display = plan((Q @ G.T).expr)
-    assert {d.chosen for d in display.decisions if d.what.startswith("kernel")} >= {"when run"}
+    assert {d.chosen for d in display.decisions.of(DecisionKind.KERNEL)} >= {"when run"}
     ex = ga.LocalExecutor()
     (Q @ G.T).compute(executor=ex)
-    kernels = {d.what: d.chosen for d in ex.last_plan.decisions if d.what.startswith("kernel")}
+    kernels = {d.block: d.chosen for d in ex.last_plan.decisions.of(DecisionKind.KERNEL)}
     assert len(kernels) == len(G.layers) and set(kernels.values()) <= {"ghost", "dense"}
     ran = {k: v * 1 for k, v in ex.trace.items()}
     assert sum(ran.values()) == 2 * len(G.layers)           # 2 chunks × every block
@@ -263,8 +259,8 @@ def test_captured_rows_are_planned_with_their_recorded_positions():
     S = Q @ cap.grads.T
     display = plan(S.expr)
     for name in LAYERS:
-        d = display.decision(f"kernel for block {name!r}")
-        assert d.chosen == "ghost" and "T=1/1" in d.why
+        d = display.decisions.one(DecisionKind.KERNEL, block=name)
+        assert d.chosen == "ghost" and "T=1/1" in d.reason
     ex = ga.LocalExecutor()
     got = run(S, ex)
     assert dict(ex.trace) == {"ghost": 3 * len(LAYERS)}
@@ -279,12 +275,13 @@ def influence():
 
 def test_store_fraction_decides_the_store_and_is_shown():
     S = influence()
-    assert plan(S.expr).decision("second use").chosen == "store"
+    assert plan(S.expr).decisions.one(DecisionKind.STORE).chosen == "store"
     with ga.options(store_fraction=1e-9):
         p = plan(S.expr)
         text = str(S.explain())
-    assert p.decision("second use").chosen == "recompute"
-    assert "would exceed the store cap" in p.decision("second use").why and "store_fraction=1e-09" in text
+    d = p.decisions.one(DecisionKind.STORE)
+    assert d.chosen == "recompute" and isinstance(d.alternatives["store"], str)    # over the cap: not costed
+    assert "would exceed the store cap" in d.reason and "store_fraction=1e-09" in text
 
 
 @pytest.mark.parametrize("mode", ["flat", "factors"])
@@ -292,13 +289,13 @@ def test_row_storage_decides_how_rows_are_kept_and_is_shown(mode):
     s = setup()
     G, Q = grads(), grads(which="query")
     S = Q @ G.T
-    assert plan(S.expr).decision("storage of held rows").chosen == "factors"     # an MLP: factors are smaller
+    assert plan(S.expr).decisions.one(DecisionKind.HELD_STORAGE).chosen == "factors"     # an MLP: factors are smaller
     with ga.options(row_storage=mode):
         p = plan(S.expr)
         text = str(S.explain())
         ex = ga.LocalExecutor()
         got = run(S, ex)
-    assert p.decision("storage of held rows").chosen == mode and f"row_storage={mode!r}" in text
+    assert p.decisions.one(DecisionKind.HELD_STORAGE).chosen == mode and f"row_storage={mode!r}" in text
     (job,) = [j for step in p.passes for j in step.jobs if isinstance(j, ScoresJob)]
     assert set(job.kernels.values()) == {"ghost" if mode == "factors" else "dense"}
     torch.testing.assert_close(got, s["RQ"] @ s["R"].T, **TOL)

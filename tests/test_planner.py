@@ -22,7 +22,7 @@ import gradalg as ga
 from gradalg.exec import accumulators
 from gradalg.expr import Damp, Identity, Inner, Normalize, Project, ScoreSum, SumOp
 from gradalg.plan import cost as C
-from gradalg.plan import devices, rules
+from gradalg.plan import DecisionKind, devices, rules
 from gradalg.plan.explain import Explain
 from gradalg.plan.planner import PlanError, plan
 from gradalg.plan.rules import simplify_until_fixpoint
@@ -491,11 +491,11 @@ def test_grad_dot_plan_is_one_query_pass_then_one_scoring_pass():
     ]
     scores = p.passes[1].jobs[0]
     assert scores.held == Q.expr and scores.streams == (G.expr,) and not scores.transposed
-    assert p.decision("held side").chosen.startswith("left")
+    assert p.decisions.one(DecisionKind.HELD_SIDE).chosen.startswith("left")
     assert p.data_passes == 2 and p.stored == set() and p.fired == []
     # T = 1: ghost products are cheaper than materializing, for every block
     for name in MLP_LAYERS:
-        d = p.decision(f"kernel for block {name!r}")
+        d = p.decisions.one(DecisionKind.KERNEL, block=name)
         assert d.chosen == "ghost" and d.alternatives["ghost"] < d.alternatives["dense"]
     assert p.passes[1].batch_size == ga.get_options().batch_size
     assert p.total.passes == 2
@@ -510,7 +510,7 @@ def test_smaller_side_is_held_and_scores_transposed():
         (("data", G.expr.data.token), [("collect", G.expr.token)]),
         (("data", Q.expr.data.token), [("scores", S.expr.token)]),
     ]
-    assert p.passes[1].jobs[0].transposed and p.decision("held side").chosen.startswith("right")
+    assert p.passes[1].jobs[0].transposed and p.decisions.one(DecisionKind.HELD_SIDE).chosen.startswith("right")
     assert_close(values(S.compute()), s["R"] @ s["RQ"].T, what="transposed", **TOL)
 
 
@@ -534,7 +534,7 @@ def test_influence_stores_projected_rows_in_the_fisher_pass():
         (("memory", G.expr.token), [("scores", inner.token)]),
     ]
     assert p.stored == {G.expr.token} and p.data_passes == 2
-    assert p.decision("second use").chosen == "store"
+    assert p.decisions.one(DecisionKind.STORE, subject=G.expr.token).chosen == "store"
     assert [f.rule for f in p.fired] == ["absorb_precondition"]
 
 
@@ -552,7 +552,7 @@ def test_tiny_budget_recomputes_with_a_second_data_pass():
             (("data", G.expr.source.data.token), [("scores", inner.token)]),
         ]
         assert p.stored == set() and p.data_passes == 3
-        d = p.decision("second use")
+        d = p.decisions.one(DecisionKind.STORE)
         assert d.chosen == "recompute" and set(d.alternatives) == {"store", "recompute"}
         assert p.peak_bytes <= 3 * rows_bytes
         with Counting(s["model"]) as recompute:
@@ -601,7 +601,7 @@ def test_relatif_keeps_the_projected_rows_of_the_curvature_pass():
     S = ga.methods.relatif(task, train, query, projector=P, damping=1e-2)
     p = plan(S.expr)
     G = P(ga.grads(task, train))
-    assert p.decision(f"second use of {G.expr.label!r}").chosen == "store"
+    assert p.decisions.one(DecisionKind.STORE, subject=G.expr.token).chosen == "store"
     assert p.data_passes == 2      # the queries, then the training data once
     with ga.options(check_reduction=False), Counting(s["model"][0]) as seen:
         got = values(S.compute())
@@ -680,7 +680,7 @@ def test_auto_routes_short_sequences_to_ghost(ghost_calls, one_rate_profile):
     G, Q = ga.grads(g["task"], g["train"], g["layers"]), ga.grads(g["task"], g["query"], g["layers"])
     S = Q @ G.T
     p = plan(S.expr)
-    assert all(p.decision(f"kernel for block {b!r}").chosen == "ghost" for b in g["layers"])
+    assert all(p.decisions.one(DecisionKind.KERNEL, block=b).chosen == "ghost" for b in g["layers"])
     ex = ga.LocalExecutor()
     got = S.compute(ex)
     assert len(ghost_calls) == len(g["layers"]) and ex.trace["dense"] == 0
@@ -693,7 +693,7 @@ def test_auto_routes_long_sequences_to_dense(ghost_calls, one_rate_profile):
     G, Q = ga.grads(g["task"], g["train"], g["layers"]), ga.grads(g["task"], g["query"], g["layers"])
     S = Q @ G.T
     p = plan(S.expr)
-    d = p.decision("kernel for block 'transformer.h.0.attn.c_attn'")
+    d = p.decisions.one(DecisionKind.KERNEL, block="transformer.h.0.attn.c_attn")
     assert d.chosen == "dense" and d.alternatives["dense"] < d.alternatives["ghost"]
     ex = ga.LocalExecutor()
     auto = S.compute(ex)
@@ -1049,7 +1049,7 @@ def test_capture_is_costed_with_a_fixed_overhead_per_module_call():
 def test_applying_the_operator_is_costed_by_its_structure():
     """The held side's preconditioning in a scores pass: Kronecker rotations for (E)K-FAC,
     per-block products for a block Fisher, a scaling for a diagonal — not a dense d²."""
-    from gradalg.plan.planner import apply_flops
+    from gradalg.plan.estimates import apply_flops
     g = gpt2_setup()
     G, Q = ga.grads(g["task"], g["train"], g["layers"]), ga.grads(g["task"], g["query"], g["layers"])
     space, n, d = Q.space, Q.n, Q.space.dim
@@ -1221,7 +1221,7 @@ def test_long_sequences_are_read_in_batches_of_batch_tokens_positions_with_the_s
             ex = ga.exec.LocalExecutor()
             p = ex.plan(S.expr)
             assert [s.batch_size for s in p.passes if s.reads_data] == [8, 8]
-            decision = next(d for d in p.decisions if d.what.startswith("batch size of") and "20 examples" in d.what)
+            decision = next(d for d in p.decisions.of(DecisionKind.BATCH_SIZE) if d.subject[-1] == 20)   # (..., n)
             assert decision.alternatives["batch_tokens 512 / T 64"] == "8" and "512 positions" in str(S.explain())
             small = S.compute(executor=ex).values
             # the loss check's probes (1, 2) follow the first batch, whose loss L(batch) they reuse

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import gradalg as ga
+from gradalg.plan import DecisionKind
 from gradalg.capture import factors as F_mod
 from gradalg.capture.factors import Factors, OneHot, ghost_inner, ghost_workspace_elements, materialize, self_inner
 from gradalg.curvature.kron import KronStats, rotate_factors
@@ -163,7 +164,7 @@ def test_plan_shows_and_counts_token_blocks(setup):
     Q, G = grads(setup)
     with ga.options(ghost="always", token_block=BLOCK, progress=False):
         plan = ga.exec.LocalExecutor().plan((Q @ G.T).expr)
-    assert any(f"pairs of blocks of {BLOCK} positions" in d.why for d in plan.decisions)
+    assert any(f"pairs of blocks of {BLOCK} positions" in d.reason for d in plan.decisions.of(DecisionKind.KERNEL))
     job = next(j for j in plan.jobs.values() if j.kind == "scores")
     assert job.token_block == BLOCK
     assert ghost_workspace_bytes(job, torch.float64) == 3 * 8 * min(

@@ -19,6 +19,7 @@ import torch
 import gradalg as ga
 from gradalg.curvature.kron import KronStats
 from gradalg.exec.local import LocalExecutor
+from gradalg.plan import DecisionKind
 from references import one_thread  # noqa: F401 - one intra-op thread per test module
 from models import lm_loss, padded_token_data
 from test_tied import oracle, task_of
@@ -177,17 +178,18 @@ def test_plan_names_the_diagonal_factor_and_the_resolved_operator_records_it(dat
     G, Q = ga.grads(task, train, layers=["lm_head"]), ga.grads(task, queries, layers=["lm_head"])
     S = Q @ ga.ekfac(G).damp(DAMP).inv() @ G.T
     with ga.options(kron_diagonal_width=NARROW, progress=False):
-        text = str(S.explain())
+        explained = S.explain()
+        text = str(explained)
         op = LocalExecutor().operator(ga.ekfac(G).expr)
-    line = next(x for x in text.splitlines() if "structure of the Kronecker factors of block 'transformer.wte'" in x)
-    assert "chose diagonal" in line
+    assert explained.plan.decisions.one(DecisionKind.KRON_DIAGONAL, block="transformer.wte").chosen == "diagonal"
     assert f"wider than ga.options(kron_diagonal_width={NARROW}): S ({V}×{V}) approximated by diag(S)" in text
     rules_line = next(x for x in text.splitlines() if "kronecker.invert_eigenvalues" in x)
     assert "kronecker.diagonal_factor" in rules_line
     assert op.rules == ("kronecker.diagonal_factor",)
     with ga.options(progress=False):   # the default width (16384) keeps a 96-wide factor dense
-        text = str(S.explain())
-    assert "structure of the Kronecker factors" not in text and "kronecker.diagonal_factor" not in text
+        explained = S.explain()
+        text = str(explained)
+    assert not explained.plan.decisions.of(DecisionKind.KRON_DIAGONAL) and "kronecker.diagonal_factor" not in text
 
 
 def test_gpt2_small_vocabulary_is_planned_without_a_vocabulary_squared_factor():
@@ -202,8 +204,9 @@ def test_gpt2_small_vocabulary_is_planned_without_a_vocabulary_squared_factor():
     ids = torch.zeros(8, 64, dtype=torch.long)
     batch = (ids, torch.ones_like(ids))
     G = ga.grads(task, batch, layers=["lm_head"])
-    text = str((G @ ga.ekfac(G).damp(DAMP).inv() @ G.T).explain())
-    assert "structure of the Kronecker factors of block 'transformer.wte': chose diagonal" in text
+    explained = (G @ ga.ekfac(G).damp(DAMP).inv() @ G.T).explain()
+    text = str(explained)
+    assert explained.plan.decisions.one(DecisionKind.KRON_DIAGONAL, block="transformer.wte").chosen == "diagonal"
     assert "50,257×50,257" in text and "kron_diagonal_width=16384" in text
     from gradalg.plan.memory import kron_bytes
     assert kron_bytes(G.space, 8192, 16384) < 0.4e9 < 50e9 < kron_bytes(G.space, 8192, None)

@@ -16,6 +16,7 @@ from torch import nn
 import gradalg as ga
 from gradalg.curvature.kron import FLOAT32_ROUNDOFF, KronStats, checked_eigh
 from gradalg.capture.factors import Factors
+from gradalg.plan import DecisionKind
 from references import one_thread  # noqa: F401 - one intra-op thread per test module
 
 D, N = 1024, 3000
@@ -65,9 +66,9 @@ def test_float32_factors_match_float64(well_conditioned, fn, tol, monkeypatch):
 def test_plan_shows_the_precision_and_its_bytes(well_conditioned):
     Q, G = well_conditioned
     with ga.options(kron_float64_width=FLOAT32, progress=False):
-        text = str((Q @ ga.kfac(G).damp(1e-3).inv() @ G.T).explain())
-    line = next(x for x in text.splitlines() if "precision of the Kronecker factors of block '0'" in x)
-    assert "chose float32" in line
+        explained = (Q @ ga.kfac(G).damp(1e-3).inv() @ G.T).explain()
+        text = str(explained)
+    assert explained.plan.decisions.one(DecisionKind.KRON_PRECISION, block="0").chosen == "float32"
     assert "A (1025×1025) wider than ga.options(kron_float64_width=512)" in text
     assert f"Kahan compensation ({8 * 1025 ** 2 / 1e9:.3g} GB)" in text
 
@@ -164,9 +165,11 @@ def test_llama_8b_meta_plan_shows_wide_factor_bytes_and_refuses_over_budget():
     layers = ["model.layers.*.mlp.*"]
     G, Q = ga.grads(task, ids, layers), ga.grads(task, ids[:8], layers)
     S = Q @ ga.kfac(G).damp(1e-3).inv() @ G.T
-    text = str(S.explain(device="h200"))
+    explained = S.explain(device="h200")
+    text = str(explained)
     sum_gb, basis_gb = 8 * 14336 ** 2 / 1e9, 4 * 14336 ** 2 / 1e9
-    assert "precision of the Kronecker factors of block 'model.layers.0.mlp.gate_proj': chose float32" in text
+    d = explained.plan.decisions.one(DecisionKind.KRON_PRECISION, block="model.layers.0.mlp.gate_proj")
+    assert d.chosen == "float32"
     assert f"S (14336×14336) wider than ga.options(kron_float64_width=8192)" in text
     assert f"Kahan compensation ({sum_gb:.3g} GB)" in text and f"basis {basis_gb:.3g} GB" in text
     with ga.options(memory_budget="8GB"):

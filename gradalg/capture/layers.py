@@ -321,9 +321,6 @@ class ConvRule(LayerRule):
         return torch.cat([w, params["bias"].unsqueeze(-1)], dim=-1)
 
 
-Conv2dRule = ConvRule   # the name before Conv1d / Conv3d were added
-
-
 @dataclass(frozen=True)
 class EmbeddingBagRule(LayerRule):
     """``nn.EmbeddingBag`` with ``mode="sum"`` or ``"mean"``: one bag per example.

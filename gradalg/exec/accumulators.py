@@ -22,7 +22,7 @@ from ..errors import DataError, GradalgError
 from ..expr import KFAC, Fisher, GroupMean
 from ..plan.memory import check_statistics_fit
 from ..plan.rules import PlanError
-from ..capture.chunks import Chunk, concat_chunks, flat_block, flatten, row_sq_norms, unflatten
+from ..capture.chunks import Chunk, flat_block, flatten, row_sq_norms, unflatten
 from .allocator import release_free_memory
 from .operators import ResolvedOp
 
@@ -530,7 +530,3 @@ class TopKAccumulator:
         if self.rows:
             return torch.cat([v for v, _ in self.rows]), torch.cat([p for _, p in self.rows])
         return self.values, self.positions
-
-
-def held_chunk(chunks: list[Chunk]) -> Chunk:
-    return concat_chunks(chunks)

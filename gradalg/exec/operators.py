@@ -7,9 +7,4 @@ from __future__ import annotations
 
 from ..linalg import LinearOp, ResolvedOp
 
-__all__ = ["ResolvedOp", "LinearOp", "damp_resolved"]
-
-
-def damp_resolved(op: LinearOp, damping: float, relative: bool = False) -> LinearOp:
-    """``op + λI``; with ``relative``, λ = damping · tr(op)/dim (the mean eigenvalue)."""
-    return op.damp(damping, relative=relative)
+__all__ = ["ResolvedOp", "LinearOp"]

@@ -1,8 +1,9 @@
-"""Planning: kernel routing and cost estimates (the full planner builds on these)."""
+"""Planning: an expression → its passes, jobs, typed decisions and cost estimates."""
+from ..errors import PlanError
 from .choices import Choices
 from .cost import Cost
+from .decisions import Decision, DecisionKind
 from .jobs import TopK
 from .planner import estimate
-from .routing import choose_kernel
 
-__all__ = ["Choices", "Cost", "TopK", "estimate", "choose_kernel"]
+__all__ = ["Choices", "Cost", "Decision", "DecisionKind", "PlanError", "TopK", "estimate"]

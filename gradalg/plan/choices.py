@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import OptionError
+
 __all__ = ["Choices"]
 
 HELD = ("auto", "left", "right")
@@ -41,9 +43,9 @@ class Choices:
 
     def __post_init__(self):
         if self.held not in HELD:
-            raise ValueError(f"held must be one of {HELD}, got {self.held!r}")
+            raise OptionError(f"Choices(held=...) must be one of {HELD}, got {self.held!r}")
         if self.store not in STORE:
-            raise ValueError(f"store must be one of {STORE}, got {self.store!r}")
+            raise OptionError(f"Choices(store=...) must be one of {STORE}, got {self.store!r}")
 
     def __str__(self) -> str:
         return f"Choices(held={self.held!r}, store={self.store!r})"

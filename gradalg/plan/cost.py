@@ -25,8 +25,7 @@ A :class:`Cost` counts, device-independently,
 :meth:`gradalg.plan.devices.DeviceProfile.time_of` turns a Cost into seconds.
 :func:`model_flops` counts a model's forward FLOPs per token from its module shapes
 (meta-device models work: nothing is allocated). The per-kernel formulas are those of
-the kernels in :mod:`gradalg.capture.factors` (the lowest floor that both the planner
-and the kernels' run-time choice, :func:`gradalg.plan.routing.choose_kernel`, import);
+the kernels in :mod:`gradalg.capture.factors` (the lowest floor the planner imports);
 unit tests pin them to exact numbers.
 """
 from __future__ import annotations

@@ -71,6 +71,8 @@ from dataclasses import asdict, dataclass, fields, replace
 import torch
 from pathlib import Path
 
+from ..errors import OptionError
+
 __all__ = ["DeviceProfile", "PRESETS", "PROFILE_VERSION", "UNMEASURED_CPU", "cached_local_profile",
            "local_profile", "profile", "read_cached", "write_cached"]
 
@@ -582,8 +584,8 @@ def profile(device: str | DeviceProfile | torch.device | None = None, *, measure
         four H200s (:mod:`gradalg.plan.scale`).
     ``measure=False`` never benchmarks a device: the cached measurement, else
     :data:`UNMEASURED_CPU` (the CPU) or the GPU's nominal profile."""
-    if count is not None and (int(count) != count or count < 1):
-        raise ValueError(f"count must be a positive integer, got {count!r}")
+    if count is not None and not positive_integer(count):
+        raise OptionError(f"count must be a positive integer (devices of this kind), got {count!r}")
     if isinstance(device, DeviceProfile):
         found = device
     elif device is None or device == "cpu" or (isinstance(device, torch.device) and device.type == "cpu"):
@@ -593,14 +595,23 @@ def profile(device: str | DeviceProfile | torch.device | None = None, *, measure
         try:
             dev = torch.device(device)
         except RuntimeError as err:
-            raise ValueError(f"unknown device {device!r}: {err}") from err
+            raise OptionError(f"unknown device {device!r}: {err}; use 'cpu', 'cuda', 'cuda:0', one of "
+                              f"{sorted(PRESETS)}, or a DeviceProfile") from err
         if dev.type != "cuda":
-            raise ValueError(f"no profile for a model on {dev}: use 'cpu', 'cuda', one of {sorted(PRESETS)}, "
-                             "or a DeviceProfile")
+            raise OptionError(f"no profile for a model on {dev}: use 'cpu', 'cuda', one of {sorted(PRESETS)}, "
+                              "or a DeviceProfile")
         found = cuda_profile(dev.index, measure=measure)
     elif isinstance(device, str) and device.lower() in PRESETS:
         found = PRESETS[device.lower()]
     else:
-        raise ValueError(f"unknown device {device!r}: use 'cpu', 'cuda', one of {sorted(PRESETS)}, "
-                         "or a DeviceProfile")
+        raise OptionError(f"unknown device {device!r}: use 'cpu', 'cuda', one of {sorted(PRESETS)}, "
+                          "or a DeviceProfile")
     return found if count is None or count == found.count else replace(found, count=int(count))
+
+
+def positive_integer(x) -> bool:
+    """Whether ``x`` is a whole number ≥ 1 (an int, a numpy integer, or a float like 4.0)."""
+    try:
+        return not isinstance(x, (bool, str)) and int(x) == x and x >= 1
+    except (TypeError, ValueError, OverflowError):
+        return False

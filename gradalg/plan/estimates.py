@@ -35,6 +35,7 @@ from torch import nn
 
 from ..expr import (AdamPrecondition, DataInf, Fisher, Inverse, LowRank, Normalize, Power, Precondition, Project, ScaleRows,
                     Source)
+from ..errors import PlanError
 from .cost import (Cost, activation_bytes, block_cost, bmm_cost, dense_cost, eigh_cost, fisher_cost, gemm_cost,
                    ghost_cost, gram_cost, kron_project_cost, materialize_cost, svd_cost, tokens_hint)
 from .memory import positions, rows_of
@@ -447,7 +448,8 @@ def _sparse_project_cost(p, b, n: int, T: int, factored: bool, total: int, elem:
         else:
             cost = Cost(elementwise=2.0 * elem * n * k_out * k_in)
         return cost + _scatter_cost(n, k_out * k_in * p.s, elem, calls)
-    raise ValueError(f"no cost formula for a {p.kind!r} projection")
+    raise PlanError(f"no cost formula for a {p.kind!r} projection: add one to gradalg/plan/estimates.py "
+                    "(project_cost) beside the projector's kernel")
 
 
 # ------------------------------------------------------------------ row-wise transforms

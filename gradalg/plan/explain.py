@@ -23,7 +23,6 @@ same single stage in both.
 from __future__ import annotations
 
 import html
-import re
 from dataclasses import dataclass, field
 
 import torch
@@ -34,14 +33,13 @@ from ..linalg.rules import describe_rule
 from ..viz.describe import block_label, operator_chain
 from ..viz.tree import text_tree
 from .cost import _si
+from .decisions import Decision
 from .devices import profile
 from .planner import Plan
 from .resolution import operator_rules
+from .scale import scale_estimates
 
-__all__ = ["Explain", "scale_estimates"]
-
-_NODE_ID = re.compile(r" \[([a-z_]+-[0-9a-f]{8,})\]")
-_BLOCK = re.compile(r"block '([^']*)'")
+__all__ = ["Explain"]
 
 
 def _space_of(node):
@@ -52,21 +50,17 @@ def _space_of(node):
     return space
 
 
-def readable(what: str, nodes: dict | None = None) -> str:
-    """A decision's subject as a reader wants it: without the node ids the plan keys it
-    by (``[inner-38a5…]``) and with each block named by its module path, kind and shape
-    (``block 0 (linear 16×9)``) when ``nodes`` ({token: node}) knows the node's space."""
-    found = _NODE_ID.search(what)
-    space = _space_of(nodes.get(found.group(1))) if (found and nodes) else None
-    out = _NODE_ID.sub("", what)
-    if space is not None:
-        def label(match):
-            try:
-                return "block " + block_label(space[match.group(1)])
-            except KeyError:
-                return match.group(0)
-        out = _BLOCK.sub(label, out)
-    return out
+def decision_title(d: Decision, nodes: dict) -> str:
+    """What ``d`` decided, as a reader names it, from its fields: its kind's title with its
+    subject's label, and its block named by module path, kind and shape
+    (``block 0 (linear 16×9)``) when ``nodes`` ({token: node}) knows the subject's space."""
+    if d.block is None:
+        return d.title()
+    space = _space_of(nodes.get(d.subject)) if isinstance(d.subject, str) else None
+    try:
+        return d.title(block_label(space[d.block]) if space is not None else None)
+    except KeyError:    # a block its subject's space does not name: shown by its name
+        return d.title()
 
 
 def _rule_math(name: str) -> str:
@@ -95,14 +89,6 @@ def _fmt_ratio(r: float) -> str:
 
 def _fmt_alt(v) -> str:
     return _fmt_seconds(v) if isinstance(v, (int, float)) else str(v)
-
-
-def scale_estimates(plan: Plan, gpus=(1, 4, 8), device="h200") -> list[dict]:
-    """Estimated time and memory per GPU when the plan's passes are split across GPUs:
-    data-parallel with the weights sharded FSDP-style; what is modelled and what is not:
-    :mod:`gradalg.plan.scale`."""
-    from .scale import scale_estimates as estimates
-    return estimates(plan, gpus, device)
 
 
 @dataclass
@@ -157,10 +143,11 @@ class Explain:
                 for r in operator_rules(self.plan.simplified)]
 
     def decisions(self) -> list[dict]:
+        """Each decision as plain data (:meth:`~gradalg.plan.decisions.Decision.to_dict`:
+        kind, subject, block, chosen, alternatives, reason), with ``what`` its title as the
+        displays show it (blocks named by module path, kind and shape)."""
         nodes = self._nodes()
-        return [{"what": readable(d.what, nodes), "chosen": d.chosen, "alternatives": dict(d.alternatives),
-                 "why": d.why}
-                for d in self.plan.decisions]
+        return [{**d.to_dict(), "what": decision_title(d, nodes)} for d in self.plan.decisions]
 
     def passes(self) -> list[dict]:
         out = []
@@ -254,8 +241,8 @@ class Explain:
         for d in self.decisions():
             alts = "; ".join(f"{k}: {_fmt_alt(v)}" for k, v in d["alternatives"].items())
             lines.append(f"   - {d['what']}: chose {d['chosen']}  [{alts}]")
-            if d["why"]:
-                lines.append(f"       {d['why']}")
+            if d["reason"]:
+                lines.append(f"       {d['reason']}")
         return lines
 
     def _text_physical(self) -> list[str]:
@@ -330,7 +317,7 @@ class Explain:
         rows = "".join(
             f"<tr><td>{esc(d['what'])}</td><td><b>{esc(d['chosen'])}</b></td><td>"
             + "<br>".join(f"{esc(k)}: {esc(_fmt_alt(v))}" for k, v in d["alternatives"].items())
-            + f"</td><td>{esc(d['why'])}</td></tr>" for d in self.decisions())
+            + f"</td><td>{esc(d['reason'])}</td></tr>" for d in self.decisions())
         return ("<details open><summary>3. costed decisions</summary><table class='ga-table'><tr><th>what"
                 "</th><th>chosen</th><th>alternatives (est.)</th><th>why</th></tr>" + rows + "</table></details>")
 

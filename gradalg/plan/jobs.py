@@ -6,7 +6,7 @@ feeds it, and ``deps``: the keys of jobs that must finish first), what it produc
 ``cost`` (FLOPs and traffic of this job in its pass), ``fixed`` (bytes it holds for the
 whole pass: held rows, statistics) and ``per_example`` (working bytes per streamed
 example). Every choice the planner made for a job is a field of the job (kernels,
-storage, normalization) and a :class:`~gradalg.plan.planner.Decision` in the plan; the
+storage, normalization) and a :class:`~gradalg.plan.decisions.Decision` in the plan; the
 executor interprets the job as it is (:mod:`gradalg.exec.sinks`).
 
 =============  ==============================================  ========================
@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from ..errors import OptionError
 from ..expr import GradNode, Node
 from ..expr.operators import Identity
 from ..expr.tokens import token_rows
@@ -294,7 +295,7 @@ class TopK:
 
     def __post_init__(self):
         if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
-            raise ValueError(f"k must be a positive integer, got {self.k!r}")
+            raise OptionError(f"k must be a positive integer (the best training rows per query), got {self.k!r}")
 
 
 @dataclass(eq=False)

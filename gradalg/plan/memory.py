@@ -30,12 +30,13 @@ from ..expr.lowrank import lowrank_below
 from ..expr.tokens import token_rows
 from .budget import suggest_budget
 from .cost import activation_bytes, output_bytes, tokens_hint
+from .decisions import Decision, DecisionKind
 from .shapes import element_size, forward_shapes, rows_per_example
 
 __all__ = ["positions", "rows_of", "rows_bytes", "capture_bytes_per_example", "consumer_bytes_per_example",
-           "kron_bytes", "kron_output_bytes", "ekfac_example_bytes", "ekfac_bytes", "kron_factor_bytes", "kron_precision_rows", "kron_bytes_arithmetic",
+           "kron_bytes", "kron_output_bytes", "ekfac_example_bytes", "ekfac_bytes", "kron_factor_bytes", "kron_precision_decisions", "kron_bytes_arithmetic",
            "statistics_bytes", "check_statistics_fit", "captured_positions", "ghost_workspace_bytes",
-           "ghost_norm_bytes_per_example", "token_block_of", "projection_map_rows",
+           "ghost_norm_bytes_per_example", "token_block_of", "projection_map_decisions",
            "projection_workspace_bytes"]
 
 
@@ -253,20 +254,20 @@ def kron_bytes_arithmetic(space, float64_width: int | None = None, diagonal_widt
     return text
 
 
-def kron_precision_rows(space, options) -> list[tuple]:
-    """``(what, chosen, alternatives, why)`` for each block with a factor wider than
-    ``options.kron_float64_width`` (its precision, with the bytes of both) or wider than
-    ``options.kron_diagonal_width`` (its structure: diagonal, with the bytes of the dense
-    factor it replaces): the planner records them as decisions."""
+def kron_precision_decisions(op, options) -> list[Decision]:
+    """A :class:`~gradalg.plan.decisions.Decision` about the K-FAC operator ``op`` for each
+    block with a factor wider than ``options.kron_float64_width`` (``KRON_PRECISION``, with
+    the bytes of both precisions) or wider than ``options.kron_diagonal_width``
+    (``KRON_DIAGONAL``: diagonal, with the bytes of the dense factor it replaces)."""
     width, diagonal_width = options.kron_float64_width, options.kron_diagonal_width
     rows = []
-    for b in space.blocks:
+    for b in op.space.blocks:
         if len(b.shape) != 2:
             continue
         o, i = b.shape[0], b.shape[-1]
         diag = [(label, d) for label, d in (("S", o), ("A", i)) if d > diagonal_width]
         if diag:
-            rows.append(_diagonal_row(b, diag, options))
+            rows.append(_diagonal_decision(op, b, diag, options))
         wide = [(label, d) for label, d in (("S", o), ("A", i)) if width < d <= diagonal_width]
         if not wide:
             continue
@@ -274,20 +275,20 @@ def kron_precision_rows(space, options) -> list[tuple]:
         f32, f64 = kron_factor_bytes(d, width), kron_factor_bytes(d, None)
         peak32, peak64 = f32["sum"] + f32["basis"] + f32["eigh"], f64["sum"] + f64["basis"] + f64["eigh"]
         factors = " and ".join(f"{label} ({dd}×{dd})" for label, dd in wide)
-        rows.append((
-            f"precision of the Kronecker factors of block {b.name!r}", "float32",
+        rows.append(Decision(
+            DecisionKind.KRON_PRECISION, op.token, "float32",
             {"float32": f"{_gb(peak32)} GB at its eigendecomposition",
              "float64": f"{_gb(peak64)} GB at its eigendecomposition"},
             f"{factors} wider than ga.options(kron_float64_width={width}): summed in float32 with a Kahan "
             f"compensation ({_gb(f32['sum'])} GB), eigendecomposed in float32 on the device "
             f"(basis {_gb(f32['basis'])} GB, workspace {_gb(f32['eigh'])} GB; float64: {_gb(f64['basis'])} GB and "
             f"{_gb(f64['eigh'])} GB) and checked to kron_float32_rtol={options.kron_float32_rtol:g} "
-            "(residual, orthogonality, the error of inverted eigenvalues)"))
+            "(residual, orthogonality, the error of inverted eigenvalues)", block=b.name))
     return rows
 
 
-def _diagonal_row(b, diag: list, options) -> tuple:
-    """The decision row of a block whose factors ``diag`` ([(side, width)]) are kept diagonal."""
+def _diagonal_decision(op, b, diag: list, options) -> Decision:
+    """The decision about block ``b`` of ``op`` whose factors ``diag`` ([(side, width)]) are kept diagonal."""
     dense = [kron_factor_bytes(d, options.kron_float64_width) for _, d in diag]
     dense_peak = sum(p["sum"] + p["basis"] for p in dense) + max(p["eigh"] for p in dense)
     kept = sum(8.0 * d for _, d in diag)
@@ -303,17 +304,18 @@ def _diagonal_row(b, diag: list, options) -> tuple:
         else:
             sides.append(f"{label} ({d:,}×{d:,}) approximated by its diagonal: the off-diagonal covariances "
                          "are dropped")
-    return (f"structure of the Kronecker factors of block {b.name!r}", "diagonal",
+    return Decision(DecisionKind.KRON_DIAGONAL, op.token, "diagonal",
             {"diagonal": f"{_gb(kept)} GB, no eigendecomposition",
              "dense": f"{_gb(dense_peak)} GB at its eigendecomposition"},
             f"wider than ga.options(kron_diagonal_width={options.kron_diagonal_width}): "
             + "; ".join(sides)
             + ". The identity is the diagonal factor's eigenbasis (rule kronecker.diagonal_factor); EK-FAC "
-              "re-fits its eigenvalues per coordinate")
+              "re-fits its eigenvalues per coordinate", block=b.name)
 
 
-def projection_map_rows(node, options) -> list[tuple]:
-    """``(what, chosen, alternatives, why)`` for each distinct dense, sparse-JL or
+def projection_map_decisions(node, options) -> list[Decision]:
+    """A ``PROJECTION_MAP`` :class:`~gradalg.plan.decisions.Decision` (its subject the
+    projector's token) for each distinct dense, sparse-JL or
     TensorSketch projection (``gaussian``, ``rademacher``, ``sparse``, ``tensorsketch``) of
     ``node``: the map it applies, what each map would hold and do per example, and the two
     thresholds the methods' defaults choose by (:func:`~gradalg.expr.projection.dense_or_sparse`):
@@ -343,13 +345,13 @@ def projection_map_rows(node, options) -> list[tuple]:
                    f"SJLT tables {_gb(tables)} GB, "
                    + ("over" if tables > options.sjlt_table_bytes else "within")
                    + f" ga.options(sjlt_table_bytes={_gb(options.sjlt_table_bytes)} GB)"]
-        rows.append((
-            f"projection map {p!r} of {d:,} coordinates", names[p.kind], alternatives,
+        rows.append(Decision(
+            DecisionKind.PROJECTION_MAP, p.token, names[p.kind], alternatives,
             "; ".join(verdict) + " (trak and less default to the dense map within the first, the SJLT "
             "within the second, a TensorSketch above it; less keeps the SJLT: its Adam rows are flat); "
             f"applied to {len(space.blocks)} block(s) one at a time, each with its own seeded "
             + ("matrix" if names[p.kind] == "dense" else "tables")
-            + (", summed into k coordinates" if not p.per_block else "")))
+            + (", summed into k coordinates" if not p.per_block else ""), label=f"{p!r} of {d:,} coordinates"))
     return rows
 
 

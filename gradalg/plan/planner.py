@@ -42,7 +42,7 @@ from ..expr import (KFAC, AdamPrecondition, Arnoldi, Captured, Damp, DataInf, Fi
                     Precondition, Project, ScaledOp, ScaleRows, ScoreDiagonal, ScoreNode, ScoreSum, Select,
                     Source, SumOp)
 from ..expr.spectral import Spectral
-from ..errors import MemoryBudgetError
+from ..errors import MemoryBudgetError, ObjectiveError
 from ..expr.lowrank import lowrank_below
 from ..expr.tokens import token_rows
 from ..options import CPU_BATCH_TOKENS, Options, get_options
@@ -54,11 +54,12 @@ from .devices import DeviceProfile, profile
 from .shapes import element_size, forward_shapes
 from .jobs import (CollectJob, DiagJob, EKFACJob, FisherJob, GroupJob, Job, KFACJob, ScoresJob, StoreJob, TopK,
                    TopKJob)
-from .memory import (capture_bytes_per_example, check_statistics_fit, kron_precision_rows, positions,
-                     projection_map_rows, rows_bytes)
+from .decisions import Decision, DecisionKind, Decisions
+from .memory import (capture_bytes_per_example, check_statistics_fit, kron_precision_decisions, positions,
+                     projection_map_decisions, rows_bytes)
 from .rules import Firing, PlanError, simplify_until_fixpoint
 
-__all__ = ["Job", "Pass", "Decision", "Plan", "plan", "estimate", "stream_root", "PlanError"]  # jobs: plan/jobs.py
+__all__ = ["Job", "Pass", "Decision", "DecisionKind", "Plan", "plan", "estimate", "stream_root", "PlanError"]  # jobs: plan/jobs.py
 
 ROW_WISE = (Project, Normalize, Select, Precondition, ScaleRows, AdamPrecondition, PerToken, LowRank)
 #: block kinds whose positions per example depend on the layer (unfolded convolutions)
@@ -115,23 +116,13 @@ class Pass:
 
 
 @dataclass
-class Decision:
-    """A choice the planner made: the winner, every alternative and its estimated seconds."""
-
-    what: str
-    chosen: str
-    alternatives: dict  # name -> seconds (or a string when not costed)
-    why: str = ""
-
-
-@dataclass
 class Plan:
     """The planner's output: every stage, the decisions and the physical passes."""
 
     logical: Node
     simplified: Node
     fired: list[Firing]
-    decisions: list[Decision]
+    decisions: Decisions        # typed records: plan.decisions.of(DecisionKind.KERNEL, block=...)
     passes: list[Pass]
     jobs: dict
     roots: list[str]
@@ -160,12 +151,6 @@ class Plan:
     def data_passes(self) -> int:
         return sum(1 for p in self.passes if p.reads_data)
 
-    def decision(self, what_prefix: str) -> Decision:
-        for d in self.decisions:
-            if d.what.startswith(what_prefix):
-                return d
-        raise KeyError(f"no decision about {what_prefix!r}; decisions: {[d.what for d in self.decisions]}")
-
 
 # ------------------------------------------------------------------ the planner
 class _Planner:
@@ -174,7 +159,7 @@ class _Planner:
         self.choices = choices or Choices()
         self.device = device
         self.jobs: dict[tuple, Job] = {}
-        self.decisions: list[Decision] = []
+        self.decisions = Decisions()
         self.dtype = torch.float32
         self.for_run = False     # planning a run: every layer's positions were measured
         # {id(node): (node, representation)}: a node's representation is a fresh dict over
@@ -222,7 +207,7 @@ class _Planner:
             cov, lam = op.covariance_grads, op.lambda_grads
             job = KFACJob(op, (cov,), self.stream_deps(cov))
             if job.key not in self.jobs:
-                self.decisions.extend(Decision(*row) for row in kron_precision_rows(op.space, self.options))
+                self.decisions.extend(kron_precision_decisions(op, self.options))
             first = self.add(job)
             if not op.eigen_correction:
                 return {first}
@@ -277,12 +262,13 @@ class _Planner:
         for side in (node.left, node.right):
             src = stream_root(side)
             if isinstance(src, Source) and src.objective == "expected":
-                raise ValueError("gradients with objective='expected' have one row per term of the "
-                                 "Gauss-Newton decomposition, not per example: use them for curvature "
-                                 "(ga.fisher, ga.kfac) only")
+                raise ObjectiveError("gradients with objective='expected' have one row per term of the "
+                                     "Gauss-Newton decomposition, not per example: use them for curvature "
+                                     "(ga.fisher, ga.kfac) only, and score with objective='loss' (the default) "
+                                     "or 'sampled' gradients")
         held, streamed, transposed = node.left, node.right, False
-        hold_left = self._held_bytes(node.left)
-        hold_right = self._held_bytes(node.right)
+        hold_left = self._rows_bytes(node.left)
+        hold_right = self._rows_bytes(node.right)
         forced = self.choices.held if hold is None else hold
         if (forced == "right") or (forced == "auto" and hold_right < hold_left):
             held, streamed, transposed = node.right, node.left, True
@@ -290,13 +276,13 @@ class _Planner:
                else f"forced by Choices(held={forced!r})" if hold is None
                else "a term of a top-k over a sum: every term streams the training side")
         self.decisions.append(Decision(
-            f"held side of {node.label} [{node.token}]", "right (training) rows" if transposed else "left (query) rows",
+            DecisionKind.HELD_SIDE, node.token, "right (training) rows" if transposed else "left (query) rows",
             {"hold left": f"{hold_left / 2**20:.2f} MiB", "hold right": f"{hold_right / 2**20:.2f} MiB"},
             why + "; H (symmetric) is applied once to the held rows"
-            + ("" if isinstance(node.op, Identity) else " (precondition the held side)")))
+            + ("" if isinstance(node.op, Identity) else " (precondition the held side)"), label=node.label))
         kernels = self._kernels(held, streamed, node)
         storage = self._held_storage(held, kernels, node)
-        self._record_storage(held, storage, "held rows")
+        self._record_storage(held, storage, DecisionKind.HELD_STORAGE)
         self._record_low_rank(held)
         if isinstance(held, GroupMean):
             # its group job keeps the held rows (state.rows[held.token], in this storage):
@@ -331,14 +317,14 @@ class _Planner:
         exact = rows_bytes(low.grads, self.storage(low.grads), self.dtype)   # as the exact rows would be kept
         approx = rows_bytes(low, self.storage(low), self.dtype)
         self.decisions.append(Decision(
-            f"rank of held rows {held.label!r} [{held.token}]", f"rank-{r} factors",
+            DecisionKind.LOW_RANK, held.token, f"rank-{r} factors",
             {"exact rows": f"{_si(exact)}B", f"rank-{r} factors": f"{_si(approx)}B"},
             f"each held row's (out, in) block replaced by its best rank-{r} approximation L Rᵀ (truncated "
             f"SVD), r·(out + in) numbers instead of out·in, in {len(names)} block(s)"
             + (f"; exact in {len(kept)} block(s) with min(out, in) ≤ {r} or no matrix shape" if kept else "")
             + "; scored against factored rows as Σ_t Σ_k (d_t·l_k)(a_t·r_k) (the ghost kernel with r "
               "held positions) or materialized once (dense: out·in per row while scoring), per the kernel "
-              "decisions; ga.options(ghost='always') keeps them factored"))
+              "decisions; ga.options(ghost='always') keeps them factored", label=repr(held.label)))
 
     def diag_jobs(self, node: ScoreDiagonal) -> list[tuple]:
         inner = node.scores
@@ -381,8 +367,9 @@ class _Planner:
         return {b.name: "factors" if len(b.shape) == 2 and self._is_factored(node, b.name) else "flat"
                 for b in node.space.blocks}
 
-    def _record_storage(self, node: GradNode, storage: dict, what: str) -> None:
-        """The factors-vs-flat decision for kept rows, when some block could be either."""
+    def _record_storage(self, node: GradNode, storage: dict, kind: DecisionKind) -> None:
+        """The factors-vs-flat decision for kept rows (``kind``: held or stored rows), when
+        some block could be either."""
         factored = [b for b in node.space.blocks if len(b.shape) == 2 and self._is_factored(node, b.name)]
         if not factored:
             return
@@ -395,15 +382,15 @@ class _Planner:
         why = ("per block the smaller of its factors, T·(in + out) numbers per row, and its flat "
                "gradient, out·in" if mode == "auto" else f"forced by ga.options(row_storage={mode!r})")
         T = positions(node)
-        if mode == "auto" and what == "held rows" and any(
+        if mode == "auto" and kind is DecisionKind.HELD_STORAGE and any(
                 storage[b.name] == "flat" and T[b.name] * sum(b.shape) < b.dim for b in factored):
             why += "; flat where the block's kernel is dense (it multiplies the flat rows: not kept twice)"
         if self.options.ghost == "always":
             why += "; factors kept for ghost kernels (ga.options(ghost='always'))"
         self.decisions.append(Decision(
-            f"storage of {what} {node.label!r} [{node.token}]", chosen,
+            kind, node.token, chosen,
             {"factors": f"{_si(rows_bytes(node, as_factors, self.dtype))}B",
-             "flat": f"{_si(rows_bytes(node, as_flat, self.dtype))}B"}, why))
+             "flat": f"{_si(rows_bytes(node, as_flat, self.dtype))}B"}, why, label=repr(node.label)))
 
     def _rows_bytes(self, node: GradNode, storage: dict | None = None) -> float:
         """Bytes of all rows of ``node`` in its storage form (factors or flat)."""
@@ -417,9 +404,6 @@ class _Planner:
             root = root.grads
         return isinstance(root, Project) and root.projector.kind == "kron" and \
             stream_root(root.grads) is not None and self._representation(root.grads).get(block) == "factored"
-
-    def _held_bytes(self, node: GradNode) -> float:
-        return self._rows_bytes(node)
 
     def _task_token(self, task) -> str:
         """``task.token`` once per plan: it fingerprints the model (a walk of every module),
@@ -457,31 +441,16 @@ class _Planner:
         known = self._positions_measured(held) and self._positions_measured(streamed)
         for b in held.space.blocks:
             kernels[b.name] = "dense"
-            what = f"kernel for block {b.name!r} of {inner.label} [{inner.token}]"
+            about = dict(block=b.name, label=inner.label)
             factored = len(b.shape) == 2 and self._is_factored(held, b.name) and self._is_factored(streamed, b.name)
             if not factored:
                 continue           # flat rows on one side: dense is the only kernel
-            if not isinstance(inner.op, Identity):
-                self.decisions.append(Decision(
-                    what, "dense", {"ghost": "unavailable", "dense": "the preconditioned held rows"},
-                    "H·L_i of a preconditioned product is not a product of the factors of L_i: the held "
-                    "rows are materialized once, preconditioned, and multiplied with each streamed chunk"))
-                continue
-            if kept[b.name] != "factors":
-                self.decisions.append(Decision(
-                    what, "dense", {"ghost": "needs the held factors", "dense": "the flat held rows"},
-                    "the held rows of this block are kept flat (see their storage decision)"))
+            fixed = self._kernel_without_choice(inner, kept[b.name], known)
+            if fixed is not None:      # dense or "when run", nothing to cost
+                kernels[b.name] = fixed[0]
+                self.decisions.append(Decision(DecisionKind.KERNEL, inner.token, *fixed, **about))
                 continue
             mode = self.options.ghost
-            if mode == "auto" and not known and not self.for_run:
-                # T differs per layer (convolutions, non-token inputs): measured on the meta
-                # device by the executor, which plans again with it before running
-                kernels[b.name] = "when run"
-                self.decisions.append(Decision(
-                    what, "when run", {"ghost": "needs T", "dense": "needs T"},
-                    "the positions per example (T) of this layer are not known from the data's shape: "
-                    "an executor measures them (one meta-device forward) and decides before the run"))
-                continue
             out_f, in_f = b.shape
             TL, TR = P_h[b.name], P_s[b.name]
             # both kernels priced by the calibrated cost model, as the scores job costs them
@@ -506,8 +475,28 @@ class _Planner:
                         "materialized into one reused buffer")
             kernels[b.name] = chosen
             # the estimated seconds of each kernel (GEMMs by shape, traffic) on this device
-            self.decisions.append(Decision(what, chosen, {"ghost": ghost, "dense": dense}, why))
+            self.decisions.append(Decision(DecisionKind.KERNEL, inner.token, chosen, {"ghost": ghost, "dense": dense},
+                                           why, **about))
         return kernels
+
+    def _kernel_without_choice(self, inner: Inner, held_storage: str, known: bool) -> tuple | None:
+        """``(chosen, alternatives, reason)`` of a factored block whose kernel is not a
+        costed choice: dense for a preconditioned product or flat held rows, "when run"
+        while the positions per example are unmeasured; None when both kernels are costed."""
+        if not isinstance(inner.op, Identity):
+            return ("dense", {"ghost": "unavailable", "dense": "the preconditioned held rows"},
+                    "H·L_i of a preconditioned product is not a product of the factors of L_i: the held "
+                    "rows are materialized once, preconditioned, and multiplied with each streamed chunk")
+        if held_storage != "factors":
+            return ("dense", {"ghost": "needs the held factors", "dense": "the flat held rows"},
+                    "the held rows of this block are kept flat (see their storage decision)")
+        if self.options.ghost == "auto" and not known and not self.for_run:
+            # T differs per layer (convolutions, non-token inputs): measured on the meta
+            # device by the executor, which plans again with it before running
+            return ("when run", {"ghost": "needs T", "dense": "needs T"},
+                    "the positions per example (T) of this layer are not known from the data's shape: "
+                    "an executor measures them (one meta-device forward) and decides before the run")
+        return None
 
     def _positions_measured(self, node: GradNode) -> bool:
         """Whether ``positions(node)`` are every layer's real T: known from the data's shape
@@ -697,12 +686,12 @@ class _Planner:
                 continue
             job.normalize_streamed = not (p.key[0] == "memory" and p.key[1] == s.token)
             self.decisions.append(Decision(
-                f"normalization of {s.label!r} in {job.target.label} [{job.target.token}]",
-                "in the score kernel" if job.normalize_streamed else "row-wise",
+                DecisionKind.NORMALIZATION, s.token, "in the score kernel" if job.normalize_streamed else "row-wise",
                 {"in the score kernel": "⟨h, g⟩/‖g‖ per column", "row-wise": "g/‖g‖ per row, then ⟨h, ·⟩"},
                 "the normalized rows are kept in memory: read as they are" if not job.normalize_streamed else
                 "the pass reads the rows before normalization: each column is divided by its row's norm, "
-                "from the rows the kernel reads (ghost blocks by their factors)"))
+                "from the rows the kernel reads (ghost blocks by their factors)",
+                label=f"{s.label!r} in {job.target.label}"))
 
     def _consider_storing(self, key, group, remaining, done, stored):
         """Store rows that a later job on this same data will need, when cheaper than re-reading.
@@ -720,10 +709,10 @@ class _Planner:
             if isinstance(job, TopKJob) and len(job.streams) > 1:
                 # a pass over rows in memory reads one node: terms streaming several read the data again
                 self.decisions.append(Decision(
-                    f"second use of the training sides of {job.target.label} [{job.target.token}]", "recompute",
+                    DecisionKind.STORE, job.target.token, "recompute",
                     {"store": "n/a: a pass over rows in memory reads one node", "recompute": "one pass over the data"},
                     f"the top-k's terms stream {len(job.streams)} different nodes, summed block by block: "
-                    "they are read together from the data"))
+                    "they are read together from the data", label=f"the training sides of {job.target.label}"))
                 continue
             for node in job.streams:
                 # the longest row-wise prefix computable now: for P(G).normalize(metric=H⁻¹)
@@ -753,12 +742,13 @@ class _Planner:
                 else:
                     why = f"fits under the store cap, {_store_cap(self.options)}, but moving the rows costs more than recapturing them"
                 self.decisions.append(Decision(
-                    f"second use of {node.label!r} [{node.token}]", choice,
+                    DecisionKind.STORE, node.token, choice,
                     {"store": keep if fits else f"{size / 2**20:.2f} MiB over the limit", "recompute": recompute},
-                    "a later job needs these rows after statistics from the same pass; storing them " + why))
+                    "a later job needs these rows after statistics from the same pass; storing them " + why,
+                    label=repr(node.label)))
                 if choice == "store":
                     stored.add(node.token)
-                    self._record_storage(node, storage, "stored rows")
+                    self._record_storage(node, storage, DecisionKind.STORED_STORAGE)
                     group.append(StoreJob(node, (node,), set(), storage=storage))
 
     def _factors_needed(self, node: GradNode, jobs: dict) -> frozenset:
@@ -780,6 +770,47 @@ class _Planner:
                 return False
             x = x.grads
 
+    def _decide_batch_size(self, p: Pass, sources: list[Source], fixed: float, per_ex: float) -> None:
+        """The examples per batch of pass ``p`` over data (``p.batch_size``, ``p.note``), a
+        ``BATCH_SIZE`` decision: the data's own batch size, else the smallest of
+        ``ga.options(batch_size)``, what fits the memory budget beside ``fixed`` held bytes at
+        ``per_ex`` bytes per example, and ``batch_tokens`` over the positions per example."""
+        data, budget = sources[0].data, self.options.memory_budget
+        if data.batch_size is not None or _is_loader(data):
+            p.batch_size = data.batch_size or getattr(data.source, "batch_size", None)
+            p.note = "batch size fixed by the data"
+            self.decisions.append(Decision(
+                DecisionKind.BATCH_SIZE, p.key, str(p.batch_size),
+                {"the data's": str(p.batch_size), "ga.options": str(self.options.batch_size)},
+                "fixed by the data (a DataLoader, or ga.grads(..., batch_size=...))", label=p.label))
+        else:
+            room = budget - fixed
+            if room < per_ex:  # not even a batch of one example fits next to the held rows
+                err = MemoryBudgetError(
+                    f"{p.label}: held rows and statistics take {_si(fixed)}B and one example's "
+                    f"factors and activations {_si(per_ex)}B, over the memory budget of {_si(budget)}B. "
+                    "Project the gradients (ga.proj.kron), use fewer queries per call, or raise "
+                    "ga.options(memory_budget=...)")
+                err.needed = fixed + per_ex
+                raise err
+            fit = int(room // max(per_ex, 1.0))
+            tokens, T, by_tokens = self._batch_tokens(sources)
+            p.batch_size = max(1, min(self.options.batch_size, fit, by_tokens or self.options.batch_size))
+            if p.batch_size < self.options.batch_size:
+                p.note = (f"batch size {p.batch_size} (not {self.options.batch_size}) "
+                          + ("to stay under the memory budget" if p.batch_size == fit else
+                             f"of {T} positions each: {tokens} positions per batch (ga.options(batch_tokens))"))
+            alternatives = {"ga.options": str(self.options.batch_size), "largest under the budget": f"{fit:,}"}
+            if by_tokens:
+                alternatives[f"batch_tokens {tokens} / T {T}"] = f"{by_tokens:,}"
+            self.decisions.append(Decision(
+                DecisionKind.BATCH_SIZE, p.key, str(p.batch_size), alternatives,
+                f"the smallest: {_si(fixed)}B held and {_si(per_ex)}B per example "
+                f"under the memory budget of {_si(budget)}B"
+                + (f"; batches of {tokens} positions already run efficient GEMMs, and fewer examples keep "
+                   "the activations small" if by_tokens and p.batch_size == by_tokens < fit else ""),
+                label=p.label))
+
     def _size_pass(self, p: Pass, stored: set) -> None:
         sources = self._sources(p.jobs, stored) if p.reads_data else []
         per_ex = self._per_example_bytes(p.jobs, sources)
@@ -798,39 +829,7 @@ class _Planner:
             raise err
         if p.reads_data:
             data = sources[0].data
-            if data.batch_size is not None or _is_loader(data):
-                p.batch_size = data.batch_size or getattr(data.source, "batch_size", None)
-                p.note = "batch size fixed by the data"
-                self.decisions.append(Decision(
-                    f"batch size of {p.label}", str(p.batch_size),
-                    {"the data's": str(p.batch_size), "ga.options": str(self.options.batch_size)},
-                    "fixed by the data (a DataLoader, or ga.grads(..., batch_size=...))"))
-            else:
-                room = budget - fixed
-                if room < per_ex:  # not even a batch of one example fits next to the held rows
-                    err = MemoryBudgetError(
-                        f"{p.label}: held rows and statistics take {_si(fixed)}B and one example's "
-                        f"factors and activations {_si(per_ex)}B, over the memory budget of {_si(budget)}B. "
-                        "Project the gradients (ga.proj.kron), use fewer queries per call, or raise "
-                        "ga.options(memory_budget=...)")
-                    err.needed = fixed + per_ex
-                    raise err
-                fit = int(room // max(per_ex, 1.0))
-                tokens, T, by_tokens = self._batch_tokens(sources)
-                p.batch_size = max(1, min(self.options.batch_size, fit, by_tokens or self.options.batch_size))
-                if p.batch_size < self.options.batch_size:
-                    p.note = (f"batch size {p.batch_size} (not {self.options.batch_size}) "
-                              + ("to stay under the memory budget" if p.batch_size == fit else
-                                 f"of {T} positions each: {tokens} positions per batch (ga.options(batch_tokens))"))
-                alternatives = {"ga.options": str(self.options.batch_size), "largest under the budget": f"{fit:,}"}
-                if by_tokens:
-                    alternatives[f"batch_tokens {tokens} / T {T}"] = f"{by_tokens:,}"
-                self.decisions.append(Decision(
-                    f"batch size of {p.label}", str(p.batch_size), alternatives,
-                    f"the smallest: {_si(fixed)}B held and {_si(per_ex)}B per example "
-                    f"under the memory budget of {_si(budget)}B"
-                    + (f"; batches of {tokens} positions already run efficient GEMMs, and fewer examples keep "
-                       "the activations small" if by_tokens and p.batch_size == by_tokens < fit else "")))
+            self._decide_batch_size(p, sources, fixed, per_ex)
             cost = self._pass_capture_cost(sources, p.batch_size)
             n = data.n
             chunk = p.batch_size
@@ -853,12 +852,6 @@ class _Planner:
         cost = replace(cost, peak_bytes=fixed + per_ex * (p.batch_size or 1), passes=1.0 if p.reads_data else 0.0)
         p.cost = cost
         p.seconds = cost.seconds(self.device, self.dtype)
-
-
-def apply_flops(op: OpNode, space, n: int) -> float:
-    """FLOPs of applying the resolved ``op`` to n rows of ``space``, by its structure
-    (:func:`gradalg.plan.estimates.apply_cost`)."""
-    return estimates.apply_flops(op, space, n)
 
 
 def _store_cap(options: Options) -> str:
@@ -971,7 +964,7 @@ def _plan(root, simplified, fired, options, prof, budget, choices, measure_shape
         roots = sorted(planner.op_deps(simplified))
     else:
         raise PlanError(f"cannot plan a {type(root).__name__}")
-    planner.decisions.extend(Decision(*row) for row in projection_map_rows(simplified, options))
+    planner.decisions.extend(projection_map_decisions(simplified, options))
     passes, stored = planner.schedule()
     mark_released_held(planner.jobs.values(), passes, simplified, planner.dtype)
     return Plan(root, simplified, fired, planner.decisions, passes, planner.jobs, roots, options, prof, stored,

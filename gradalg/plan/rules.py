@@ -13,16 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..errors import GradalgError
+from ..errors import PlanError
 from ..expr import (Damp, Identity, Inner, Inverse, LowRank, Node, Normalize, Precondition, Project, ScaledOp,
                     ScoreSum, Select, Source, SumOp)
 from ..expr.base import transform
 
 __all__ = ["Rule", "RULES", "rule", "Firing", "simplify_until_fixpoint", "PlanError"]
-
-
-class PlanError(GradalgError, RuntimeError):
-    """The planner could not produce a plan (a stage did not converge, a cycle)."""
 
 
 @dataclass(frozen=True)

@@ -39,9 +39,9 @@ from dataclasses import asdict, dataclass
 
 from torch import nn
 
-from ..errors import MemoryBudgetError
+from ..errors import MemoryBudgetError, OptionError
 from .cost import _si
-from .devices import DeviceProfile, profile
+from .devices import DeviceProfile, positive_integer, profile
 
 __all__ = ["GPUEstimate", "scale_estimates", "check_fits", "model_bytes", "fsdp_unit_bytes"]
 
@@ -110,8 +110,8 @@ def scale_estimates(plan, gpus=(1, 4, 8), device="h200") -> list[dict]:
     U = sum(fsdp_unit_bytes(m) for m in models)
     rows = []
     for g in gpus:
-        if int(g) != g or g < 1:
-            raise ValueError(f"GPU counts must be positive integers, got {g!r}")
+        if not positive_integer(g):
+            raise OptionError(f"GPU counts must be positive integers, got {g!r}: e.g. explain(gpus=(1, 4, 8))")
         g = int(g)
         weights = W / g
         gathered = min(2.0 * U, W - weights)

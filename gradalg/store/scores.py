@@ -3,6 +3,7 @@
     S = P(Q) @ ga.fisher(P(G)).damp(1e-3).inv() @ P(G).T
     ga.store.write_scores(S, "scores.zarr", chunk_rows=1024)   # resumable
     ga.store.open_scores("scores.zarr")                         # Dask-backed DataArray
+    S.compute(store=ga.store.ScoreStore("scores.zarr"))        # the same, as a result sink
 
 Before the first chunk, each score term's left side (the queries) and operator are
 computed once, by the given executor, and kept; each chunk then streams training rows
@@ -12,6 +13,9 @@ writes the columns a:b. Chunks are atomic and resumable as in a gradient store (
 """
 from __future__ import annotations
 
+import numbers
+import os
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -28,7 +32,7 @@ from .rows import (fault_policy, MemoryRows, ResolvedStore, check_shippable, exe
 if TYPE_CHECKING:                 # xarray loads when a result is made (about 76 MB)
     import xarray as xr
 
-__all__ = ["write_scores", "open_scores"]
+__all__ = ["write_scores", "open_scores", "ScoreStore"]
 
 KIND = "scores"
 RESUME_KEYS = ("projector", "layers", "objective", "model_fingerprint", "n_query", "n_train", "chunk_rows",
@@ -163,6 +167,28 @@ def _write(path, attrs, ex, node, train_ids, state) -> None:
     else:
         for i in todo:
             _compute_and_write(path, attrs, terms, i, options, rewrites)
+
+
+@dataclass(frozen=True)
+class ScoreStore:
+    """A Zarr score store at ``path`` as the result sink of ``S.compute(store=...)``
+    (:class:`gradalg.api.ScoreSink`): ``S.compute(store=ScoreStore(path, chunk_rows=10))``
+    is ``write_scores(S, path, chunk_rows=10)``, and ``S.compute(store=path, chunk_rows=10)``
+    writes through one (:func:`gradalg.api.register_path_sink`)."""
+
+    path: str | os.PathLike
+    chunk_rows: int = 1024
+    overwrite: bool = False
+    metadata: dict | None = field(default=None, compare=False)
+
+    def __post_init__(self):
+        if isinstance(self.chunk_rows, numbers.Integral) and not isinstance(self.chunk_rows, bool):
+            object.__setattr__(self, "chunk_rows", int(self.chunk_rows))   # a numpy integer reads as its value
+
+    def write_scores(self, scores, *, executor=None) -> xr.DataArray:
+        """Compute ``scores`` into the store (:func:`write_scores`); its DataArray read back."""
+        return write_scores(scores, self.path, chunk_rows=self.chunk_rows, executor=executor,
+                            overwrite=self.overwrite, metadata=self.metadata)
 
 
 def open_scores(path) -> xr.DataArray:

@@ -1,0 +1,133 @@
+"""The planner's decisions as typed records: what was decided, about what, and why.
+
+A :class:`Decision` is one choice the planner made, with every alternative it weighed:
+
+    kind          DecisionKind: which question (held side, kernel per block, ...)
+    subject       what it is about: a node's token (``inner-38a5…``), a projector's token,
+                  or a pass key (a tuple) for a pass's batch size
+    block         the parameter block it is about (a kernel, a Kronecker factor), or None
+    chosen        the winner, as the plan shows it ("ghost", "store", "left (query) rows")
+    alternatives  {name: estimated seconds (a float) or a description (a str)}, the
+                  winner among them where it was costed
+    reason        why the winner won, with the thresholds (``ga.options`` fields) it used
+    label         the subject as a reader names it (a node's label): display only
+
+Look decisions up by their fields, never by their wording::
+
+    plan.decisions.of(DecisionKind.KERNEL, block="transformer.h.0.mlp.c_fc")   # [Decision]
+    plan.decisions.one(DecisionKind.HELD_SIDE)                                 # exactly one
+
+The text and HTML of ``explain()`` are rendered from the fields (:meth:`Decision.title`).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
+
+from ..errors import PlanError
+
+__all__ = ["Decision", "DecisionKind", "Decisions"]
+
+
+class DecisionKind(enum.Enum):
+    """Every kind of decision the planner records; the value is its title's template
+    (``{label}``: the subject as a reader names it, ``{block}``: the block)."""
+
+    HELD_SIDE = "held side of {label}"                          # which side of a score is held
+    HELD_STORAGE = "storage of held rows {label}"               # factors or flat, held rows
+    STORED_STORAGE = "storage of stored rows {label}"           # factors or flat, stored rows
+    LOW_RANK = "rank of held rows {label}"                      # rank-r factors of held rows
+    KERNEL = "kernel for block {block} of {label}"              # ghost or dense, per block
+    NORMALIZATION = "normalization of {label}"                  # in the score kernel or row-wise
+    STORE = "second use of {label}"                             # store or recompute rows used twice
+    BATCH_SIZE = "batch size of {label}"                        # examples per batch of a pass
+    KRON_PRECISION = "precision of the Kronecker factors of block {block}"   # float32 or float64
+    KRON_DIAGONAL = "structure of the Kronecker factors of block {block}"    # diagonal or dense
+    PROJECTION_MAP = "projection map {label}"                   # dense, sparse JL or TensorSketch
+
+    @classmethod
+    def coerce(cls, kind) -> "DecisionKind":
+        """``kind`` as a member: a member, or its name in any case (``"kernel"``); anything
+        else raises :class:`~gradalg.errors.PlanError` listing the kinds."""
+        if isinstance(kind, cls):
+            return kind
+        if isinstance(kind, str) and kind.upper() in cls.__members__:
+            return cls[kind.upper()]
+        raise PlanError(f"no decision kind {kind!r}: use one of DecisionKind."
+                        f"{{{', '.join(cls.__members__)}}} (or its name, e.g. 'kernel')")
+
+    def title(self, label: str = "", block: str = "") -> str:
+        """The kind's title with the subject's ``label`` and the ``block`` filled in:
+        ``DecisionKind.KERNEL.title("scores", "'fc1'")`` is ``"kernel for block 'fc1' of scores"``."""
+        return self.value.format(label=label, block=block)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A choice the planner made: its kind, subject and block, the winner, every
+    alternative with its estimated seconds (or a description where it was not costed), and
+    the reason. Immutable: ``alternatives`` is a read-only mapping."""
+
+    kind: DecisionKind
+    subject: str | tuple
+    chosen: str
+    alternatives: Mapping[str, float | str]
+    reason: str = ""
+    block: str | None = None
+    label: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "kind", DecisionKind.coerce(self.kind))
+        object.__setattr__(self, "alternatives", MappingProxyType(dict(self.alternatives)))
+
+    def __reduce__(self):      # picklable (plans travel to Dask workers): the mapping as a dict
+        return (Decision, (self.kind, self.subject, self.chosen, dict(self.alternatives), self.reason,
+                           self.block, self.label))
+
+    def title(self, block: str | None = None) -> str:
+        """What was decided, as a reader names it: ``kernel for block 'fc1' of scores``.
+        ``block``: how to show the block (default: its name, quoted)."""
+        shown = block if block is not None else (repr(self.block) if self.block is not None else "")
+        return self.kind.title(self.label, shown)
+
+    def to_dict(self) -> dict:
+        """Plain data: the kind's name, the subject (a pass key as a list), the block, the
+        winner, the alternatives and the reason."""
+        subject = list(self.subject) if isinstance(self.subject, tuple) else self.subject
+        return {"kind": self.kind.name.lower(), "subject": subject, "block": self.block, "what": self.title(),
+                "chosen": self.chosen, "alternatives": dict(self.alternatives), "reason": self.reason}
+
+
+class Decisions(list):
+    """The plan's decisions in the order they were made, looked up by their fields."""
+
+    def of(self, kind: DecisionKind | str, block: str | None = None, subject=None) -> list[Decision]:
+        """The decisions of ``kind`` (a :class:`DecisionKind`, or its name: ``"kernel"``)
+        about ``block`` (a block name; ``0`` reads as ``"0"``) and ``subject`` when given,
+        in the order they were made."""
+        kind = DecisionKind.coerce(kind)
+        block = None if block is None else str(block)
+        return [d for d in self if d.kind is kind and (block is None or d.block == block)
+                and (subject is None or d.subject == subject)]
+
+    def one(self, kind: DecisionKind | str, block: str | None = None, subject=None) -> Decision:
+        """The one decision of ``kind`` (about ``block`` and ``subject`` when given); a
+        :class:`~gradalg.errors.PlanError` (also a ``KeyError``) names the decisions there
+        are when there is none or several."""
+        found = self.of(kind, block, subject)
+        if len(found) == 1:
+            return found[0]
+        about = "".join(f", {k}={v!r}" for k, v in (("block", block), ("subject", subject)) if v is not None)
+        there = sorted({(d.kind.name, d.block or "") for d in self})
+        raise DecisionLookupError(
+            f"{len(found)} decisions of kind {DecisionKind.coerce(kind).name}{about} (want exactly one): pass block= or subject= "
+            f"to pick one, or use plan.decisions.of(...) for all; the plan has {there}")
+
+
+class DecisionLookupError(PlanError, KeyError):
+    """No decision, or several, matches a :meth:`Decisions.one` lookup."""
+
+    def __str__(self) -> str:   # the message, not KeyError's quoted repr of it
+        return str(self.args[0]) if self.args else ""
