@@ -70,13 +70,14 @@ over gradient clipping so that it runs after the correction (Trainer clips befor
 """
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Callable
 
 import torch
 from transformers import TrainerCallback
 
-from ..errors import ExampleIdsError, LossReductionError, UnsupportedLayerError
+from ..errors import DataError, ExampleIdsError, LossReductionError, UnsupportedLayerError
 from . import distributed as _dist
 from .distributed import unwrap_model
 from .sampled_ids import SampledIds
@@ -96,6 +97,29 @@ def _rows_of(kwargs) -> int | None:
         if torch.is_tensor(value) and value.dim() > 0:
             return int(value.shape[0])
     return None
+
+
+def _forward_params(model) -> tuple[bool, set]:
+    """(whether ``model.forward`` takes ``**kwargs``, the names of its parameters)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+        return True, set()
+    return (any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values()),
+            {name for name, p in params.items() if p.kind != inspect.Parameter.VAR_KEYWORD})
+
+
+def _column_dropped(loader, column: str) -> bool:
+    """Whether Trainer's train ``loader`` removes ``column`` before the model sees it: a
+    ``datasets.Dataset`` whose columns no longer include it, or the ``RemoveColumnsCollator``
+    Trainer wraps around the collator of any other dataset (streaming ones included)."""
+    if loader is None:
+        return False
+    collate = getattr(loader, "collate_fn", None)
+    if type(collate).__name__ == "RemoveColumnsCollator":
+        return column not in getattr(collate, "signature_columns", [column])
+    names = getattr(getattr(loader, "dataset", None), "column_names", None)
+    return isinstance(names, list) and column not in names
 
 
 def _shifts_labels(model) -> bool:
@@ -173,6 +197,7 @@ class GradientCallback(TrainerCallback):
     # ------------------------------------------------------------------ Trainer events
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
         model = unwrap_model(model)
+        self._refuse_up_front(args, model, train_dataloader)
         self._world = max(1, int(getattr(args, "world_size", 1)))
         if self.selection is not None:
             if self.scale != "loss":
@@ -216,6 +241,41 @@ class GradientCallback(TrainerCallback):
         if self.selection is not None and args.max_grad_norm and args.max_grad_norm > 0:
             self._clip, args.max_grad_norm = args.max_grad_norm, 0.0
         (self.selection or self.capture).__enter__()
+
+    def _refuse_up_front(self, args, model, loader) -> None:
+        """Refuse, before the first step, the combinations that would fail at a training forward.
+
+        An index column Trainer drops (``remove_unused_columns``), ``scale="sum"``/``"mean"``
+        without the token count, and a ``record`` key the model cannot take are known from the
+        arguments, the model's signature and the dataloader; data-dependent mismatches (a
+        collator that joins rows, tokens out of step) are caught at the first forward that
+        shows them.
+        """
+        column = self.ids not in (None, "sampler", "auto", "grpo")
+        if column and getattr(args, "remove_unused_columns", False) and _column_dropped(loader, self.ids):
+            raise ExampleIdsError(
+                f"GradientCallback(ids={self.ids!r}) reads the index column {self.ids!r} from each batch, but Trainer "
+                f"drops it before the model is called (remove_unused_columns=True and the model's forward does not "
+                f"take {self.ids!r}). Set TrainingArguments(remove_unused_columns=False) and keep the column in your "
+                "collator, or use ids='auto' (the indices the sampler yields; a streaming dataset numbers rows in "
+                "the order seen)")
+        takes_kwargs, params = _forward_params(model)
+        if self.scale != "loss":
+            accepts = getattr(model, "accepts_loss_kwargs", takes_kwargs)
+            smoothing = float(getattr(args, "label_smoothing_factor", 0.0) or 0.0)
+            if not accepts or smoothing > 0:
+                why = ("Trainer smooths the labels itself (label_smoothing_factor > 0), so the model receives no "
+                       "`labels`" if accepts else
+                       f"{type(model).__name__}.forward takes no loss kwargs, so Trainer passes it no "
+                       "`num_items_in_batch`")
+                raise LossReductionError(
+                    f"GradientCallback(scale={self.scale!r}) needs the Trainer's token count and the labels at each "
+                    f"forward: {why}. Use scale='loss' (each example's contribution to the step's gradient)")
+        missing = [key for key in self.record if not takes_kwargs and key not in params]
+        if missing:
+            raise DataError(
+                f"GradientCallback(record={self.record!r}): {type(model).__name__}.forward takes no {missing[0]!r} "
+                f"(it takes {sorted(params)}), so no batch can carry it to the model; record model inputs only")
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         self.capture.end_step()
@@ -305,8 +365,10 @@ class GradientCallback(TrainerCallback):
         for key in self.record:
             value = kwargs.get(key)
             if value is None:
-                raise KeyError(f"GradientCallback(record=...) asked for {key!r}, but the model was called "
-                               f"with {sorted(kwargs)}")
+                self._close(self._args)
+                raise DataError(f"GradientCallback(record=...) asked for {key!r}, but the model was called "
+                                f"with {sorted(kwargs)}: record one of those inputs, or keep {key!r} in the "
+                                "batch (TrainingArguments(remove_unused_columns=False))")
             self.inputs[key].extend(value.detach().cpu().unbind(0))
         if self.scale == "loss":
             if self._world > 1:

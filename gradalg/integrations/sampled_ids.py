@@ -25,7 +25,15 @@ import torch
 
 from ..errors import ExampleIdsError
 
-__all__ = ["SampledIds"]
+__all__ = ["SampledIds", "is_iterable"]
+
+
+def is_iterable(loader) -> bool:
+    """Whether ``loader`` (a DataLoader, or accelerate's wrapper of one) streams an IterableDataset."""
+    dataset = getattr(loader, "dataset", None)
+    base = getattr(loader, "base_dataloader", None)
+    return (isinstance(dataset, torch.utils.data.IterableDataset)
+            or isinstance(getattr(base, "dataset", None), torch.utils.data.IterableDataset))
 
 
 class SampledIds:
@@ -51,6 +59,14 @@ class SampledIds:
                 "with remove_unused_columns=False, or ids=None")
         inner = getattr(bs, "batch_sampler", bs)
         sampler = getattr(inner, "sampler", None)
+        if is_iterable(loader) or type(sampler).__name__ == "_InfiniteConstantSampler":
+            # a DataLoader over an IterableDataset still has a batch sampler, but it yields
+            # [None, None, ...]: the stream, not the sampler, decides which examples come
+            raise ExampleIdsError(
+                f"ids='sampler' needs a map-style dataset, but the training DataLoader streams an IterableDataset "
+                f"({type(getattr(loader, 'dataset', None)).__name__}): it has no indices to sample. Add an index "
+                "column to each example and pass ids='<column>' with TrainingArguments(remove_unused_columns="
+                "False), or ids=None (rows numbered in the order the stream yields them)")
         if not repeats and (type(sampler).__name__ == "RepeatSampler" or type(bs).__name__ == "RepeatSampler"):
             raise ExampleIdsError(
                 "TRL's GRPOTrainer generates completions for a buffer of sampled prompts and shuffles the buffer "

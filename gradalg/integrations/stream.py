@@ -140,6 +140,11 @@ class StoreStream:
             self.manifest = self._resume(old, new)
         self._remove_orphans()
         _write_manifest(self.path, self.manifest)
+        # rows numbered in the order seen (no dataset index: a streaming dataset) go on from the
+        # rows kept before the checkpoint, so that a resumed run's ids do not repeat theirs
+        kept = sum(seg["n"] for seg in self.manifest["segments"])
+        if kept:
+            capture.number_from(kept)
         capture.on_step(self)
         return self
 

@@ -168,6 +168,11 @@ class TrainingCapture:
         many as it has rows; a step that closes with ids left over is refused."""
         self._id_feed.extend(i if isinstance(i, str) else int(i) for i in ids)
 
+    def number_from(self, n: int) -> None:
+        """Number the following unlabelled rows (no ``ids_next``/``feed_ids``) from ``n``:
+        a resumed run continues the numbering of the rows recorded before its checkpoint."""
+        self._seen = int(n)
+
     def set_scale(self, scale) -> None:
         """Multiply the rows of every following micro-batch by ``scale`` (a number; None = 1)."""
         self.row_scale = scale
