@@ -272,6 +272,33 @@ def test_padding_collator_on_a_stream_and_on_a_map_dataset():
     assert_rows_match_loop(cb.grads, rec)
 
 
+def test_collator_that_drops_examples():
+    """A collator that drops the last example of each batch: the sampler's indices of the rows
+    left are found by their tokens (with a warning naming the dropped ones); rows equal the
+    loop. Two identical examples in a batch make the drop ambiguous: refused, naming the fix,
+    which (an index column) then runs."""
+    rows = lm_rows(n=12, idx=True)
+
+    def dropping(features):
+        return default_data_collator(features[:-1])
+
+    rec, cb = Recorder(), GradientCallback(layers=LAYERS)
+    with pytest.warns(UserWarning, match="collator dropped 1 of the 3"):
+        train([{k: v for k, v in r.items() if k != "idx"} for r in rows], cb, rec,
+              trainer_kw=dict(data_collator=dropping))
+    G = cb.grads
+    assert G.n == 8 and len(set(G.ids)) == 8
+    assert all(torch.equal(f, tokens_of(rows[i])) for f, i in zip(fed_tokens(rec), G.ids))
+    assert_rows_match_loop(G, rec)
+    same = [dict(rows[i % 2], idx=i) for i in range(12)]    # examples 0, 2, 4... identical
+    with pytest.raises(ga.integrations.ExampleIdsError, match="ids='<column>'"):
+        train([{k: v for k, v in r.items() if k != "idx"} for r in same], GradientCallback(layers=LAYERS),
+              trainer_kw=dict(data_collator=dropping))
+    cb = GradientCallback(layers=LAYERS, ids="idx")
+    train(same, cb, trainer_kw=dict(data_collator=dropping), remove_unused_columns=False)
+    assert cb.grads.n == 8
+
+
 def test_datasets_iterable_dataset():
     datasets = pytest.importorskip("datasets")
     rows = lm_rows(n=12, idx=True)
