@@ -334,7 +334,7 @@ def test_evaluation_steps_under_no_grad_capture_nothing(streaming):
     rec, cb = Recorder(), GradientCallback(layers=LAYERS, ids="idx")
     trainer = train(ds, cb, rec, max_steps=3, eval_strategy="steps", eval_steps=1, remove_unused_columns=False,
                     per_device_eval_batch_size=3,
-                    trainer_kw=dict(eval_dataset=lm_rows(n=6, seed=5)))   # no idx column in evaluation
+                    trainer_kw=dict(eval_dataset=lm_rows(n=6, seed=5, idx=streaming)))  # idx taken out, or absent
     assert rec.eval_forwards >= 3 * 2                       # three evaluations of 2 batches ran
     assert sum("eval_loss" in e for e in trainer.state.log_history) == 3
     G = cb.grads

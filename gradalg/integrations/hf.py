@@ -40,18 +40,21 @@ Which example each row is (``ids``)
 Rows are labelled with the **dataset index** of their example (``cb.grads.ids``, the
 ``train`` coordinate of scores):
 
-``ids="auto"`` (default)  ``"sampler"`` where the train dataloader has a batch sampler (a
-    map-style dataset; not GRPO's, see :mod:`gradalg.integrations.grpo`); otherwise rows
-    are numbered in the order seen, with a warning that says how to label them.
+``ids="auto"`` (default)  ``"sampler"`` where the train dataloader has a batch sampler
+    over a map-style dataset (not GRPO's, see :mod:`gradalg.integrations.grpo`); otherwise
+    (a streaming ``IterableDataset``) rows are numbered in the order seen, with a warning
+    at ``on_train_begin`` that says how to label them.
 ``ids="sampler"``  the indices the train dataloader's batch sampler yields on this
     rank (Trainer's own shuffling sampler, accelerate's per-rank shard), matched to the
     training forwards in order; every forward checks that its rows are as many as the
     sampled indices and, when the dataset's items carry ``input_ids``, that each row's
     tokens are its example's (``verify_ids``). A resumed run skips the batches Trainer
-    skips. Works whatever the collator and ``remove_unused_columns`` do.
+    skips. Works whatever the collator and ``remove_unused_columns`` do; a collator that
+    drops examples is followed by their tokens. Refused at ``on_train_begin`` for a
+    streaming dataset (it has no indices to sample).
 ``ids="<column>"``  an index column the batch carries to the model (set
-    ``remove_unused_columns=False`` so that Trainer keeps it); the callback takes it out of
-    the model's inputs.
+    ``remove_unused_columns=False`` so that Trainer keeps it, else it is refused at
+    ``on_train_begin``); the callback takes it out of the model's inputs.
 ``ids=None``  rows numbered in the order seen.
 
 An example seen in several steps (epochs) gives one row per step with the same id;
@@ -61,7 +64,11 @@ Streaming: ``stream=ga.integrations.StoreStream(path, projector)`` projects each
 and appends them to disk (flushed at every checkpoint save, closed at the end of training;
 a run resumed from a checkpoint continues the stream). ``keep`` then defaults to False.
 
-Gradient accumulation: one step = every micro-batch until the optimizer step.
+Gradient accumulation: one step = every micro-batch until the optimizer step (one row
+per example). Evaluation forwards (``no_grad``, eval mode) are not recorded.
+What can be known before training (an index column Trainer removes, ``scale="sum"``/
+``"mean"`` without the token count or labels, a ``record`` key the model cannot take) is
+refused at ``on_train_begin``, before the first forward.
 Mixed precision (``bf16=True``): factors are kept in the wider dtype of input and gradient.
 Gradient checkpointing: non-reentrant (transformers' default) is handled; reentrant is
 refused with the fix. With ``selection`` and ``max_grad_norm > 0`` the callback takes
