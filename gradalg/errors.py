@@ -28,6 +28,7 @@ __all__ = [
     "ObjectiveError",
     "DistributedError",
     "ModelMismatchError",
+    "CaptureStateError",
 ]
 
 
@@ -186,3 +187,9 @@ class ModelMismatchError(GradalgError, ValueError):
     (``DaskExecutor(model_fn=...)``) is not the client's: another architecture, other
     weights (both fingerprints are named), or workers that disagree with each other; or a
     pass needs the weights of a model the client holds on the ``meta`` device."""
+
+
+class CaptureStateError(GradalgError, RuntimeError, ValueError):
+    """A training-time capture used out of order: its rows read before any training ran or
+    when it keeps none (``keep=False``), a capture entered twice, a stream used before it is
+    attached. Both a ``RuntimeError`` and a ``ValueError``."""

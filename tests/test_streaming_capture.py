@@ -507,3 +507,60 @@ def test_plain_loop_over_a_streaming_loader_with_accumulation_and_evaluation():
     dense = tc.grads.to_dense()
     got = torch.cat([dense[n].flatten(1) for n in tc.grads.layers], 1)
     torch.testing.assert_close(got, torch.stack(ref), rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------- arguments
+@pytest.mark.parametrize("make", [
+    lambda: GradientCallback(scale="avg"),
+    lambda: GradientCallback(scale=None),
+    lambda: GradientCallback(ids=3),
+    lambda: GradientCallback(ids=""),
+    lambda: GradientCallback(record=(1,)),
+    lambda: GradientCallback(selection="drop"),
+    lambda: GradientCallback(stream="run.grads"),
+    lambda: GradientCallback(scale="sum", selection=ga.integrations.OnlineSelection(
+        ga.integrations.BatchMean(), ga.integrations.KeepAll())),
+    lambda: StoreStream("x", ga.proj.kron(k=4), flush_rows=0),
+    lambda: StoreStream("x", ga.proj.kron(k=4), flush_rows=True),
+    lambda: StoreStream("x", ga.proj.kron(k=4), flush_rows=2.5),
+    lambda: StoreStream("x", "kron"),
+    lambda: ga.integrations.training_capture(torch.nn.Linear(2, 2), step_on="epoch"),
+    lambda: ga.integrations.training_capture(torch.nn.Linear(2, 2), step_on="optimizer"),
+    lambda: ga.integrations.training_capture(torch.nn.Linear(2, 2), optimizer="sgd"),
+])
+def test_bad_arguments_raise_option_errors(make):
+    with pytest.raises(ga.OptionError):
+        make()
+
+
+def test_numpy_integers_and_reading_rows_out_of_order():
+    import numpy as np
+
+    assert StoreStream("x", ga.proj.kron(k=4), flush_rows=np.int64(8)).flush_rows == 8
+    with pytest.raises(ga.integrations.CaptureStateError, match="no training has run"):
+        GradientCallback().grads
+    tc = ga.integrations.training_capture(torch.nn.Linear(2, 2).double())
+    with pytest.raises(ga.integrations.CaptureStateError, match="keep=True"):
+        tc.grads
+    with tc, pytest.raises(ga.integrations.CaptureStateError, match="entered twice"):
+        tc.__enter__()
+
+
+def test_string_ids_dropped_by_the_default_collator_are_refused_with_the_fix():
+    """transformers' default collator keeps numbers only: string ids never reach the model.
+    Refused at the first forward, naming the collator; a collator that keeps them runs."""
+    rows = [dict(r, idx=f"doc-{r['idx']}") for r in lm_rows(n=6, idx=True)]
+    with pytest.raises(ga.integrations.ExampleIdsError, match="string values"):
+        train(Stream(rows), GradientCallback(layers=LAYERS, ids="idx"), remove_unused_columns=False,
+              gradient_accumulation_steps=1)
+
+    def keeping(features):
+        names = [f["idx"] for f in features]
+        out = default_data_collator([{k: v for k, v in f.items() if k != "idx"} for f in features])
+        out["idx"] = names
+        return out
+
+    cb = GradientCallback(layers=LAYERS, ids="idx")
+    train(Stream(rows), cb, remove_unused_columns=False, gradient_accumulation_steps=1,
+          trainer_kw=dict(data_collator=keeping))
+    assert cb.grads.ids == tuple(f"doc-{i}" for i in range(6))

@@ -84,7 +84,8 @@ from typing import Callable
 import torch
 from transformers import TrainerCallback
 
-from ..errors import DataError, ExampleIdsError, LossReductionError, UnsupportedLayerError
+from ..errors import (CaptureStateError, DataError, ExampleIdsError, LossReductionError, OptionError,
+                      UnsupportedLayerError)
 from . import distributed as _dist
 from .distributed import unwrap_model
 from .sampled_ids import SampledIds
@@ -162,10 +163,24 @@ class GradientCallback(TrainerCallback):
     def __init__(self, layers=None, *, keep: bool | None = None, scale: str = "loss",
                  selection: OnlineSelection | None = None, record: tuple[str, ...] = (),
                  ids: str | None = "auto", verify_ids: bool = True, stream=None):
-        if scale not in ("loss", "sum", "mean"):
-            raise ValueError(f"scale must be 'loss', 'sum' or 'mean', got {scale!r}")
-        if ids is not None and not isinstance(ids, str):
-            raise TypeError(f"ids must be 'sampler', a column name or None, got {ids!r}")
+        if not isinstance(scale, str) or scale not in ("loss", "sum", "mean"):
+            raise OptionError(f"GradientCallback(scale=...) must be 'loss', 'sum' or 'mean', got {scale!r}")
+        if ids is not None and (not isinstance(ids, str) or not ids):
+            raise OptionError(f"GradientCallback(ids=...) must be 'auto', 'sampler', an index column's name or None, "
+                              f"got {ids!r}")
+        if selection is not None and not isinstance(selection, OnlineSelection):
+            raise OptionError(f"GradientCallback(selection=...) must be a ga.integrations.OnlineSelection, got "
+                              f"{type(selection).__name__}")
+        if selection is not None and scale != "loss":
+            raise OptionError("online selection corrects the step's gradient from each example's contribution "
+                              "to it: use GradientCallback(scale='loss') with selection=")
+        if stream is not None and not hasattr(stream, "attach"):
+            raise OptionError(f"GradientCallback(stream=...) must be a ga.integrations.StoreStream, got "
+                              f"{type(stream).__name__}")
+        record = (record,) if isinstance(record, str) else record
+        if not isinstance(record, (tuple, list)) or not all(isinstance(k, str) for k in record):
+            raise OptionError(f"GradientCallback(record=...) must be model input names, e.g. ('input_ids',), "
+                              f"got {record!r}")
         self.layers = layers
         self.keep = (stream is None) if keep is None else keep
         self.ids = ids
@@ -176,7 +191,7 @@ class GradientCallback(TrainerCallback):
         self._mode = ids          # "sampler", a column, "grpo" or None, once training has begun
         self.scale = scale
         self.selection = selection
-        self.record = tuple([record] if isinstance(record, str) else record)
+        self.record = tuple(record)
         self.inputs: dict[str, list] = {key: [] for key in self.record}
         self.capture: TrainingCapture | None = None
         self._on_step: list[Callable] = []
@@ -198,7 +213,8 @@ class GradientCallback(TrainerCallback):
     def grads(self):
         """GradientSet of every example of the run (keep=True), in the order Trainer fed them."""
         if self.capture is None:
-            raise RuntimeError("no training has run with this callback yet")
+            raise CaptureStateError("no training has run with this callback yet: its rows exist once "
+                                    "trainer.train() has begun")
         return self.capture.grads
 
     # ------------------------------------------------------------------ Trainer events
@@ -207,9 +223,6 @@ class GradientCallback(TrainerCallback):
         self._refuse_up_front(args, model, train_dataloader)
         self._world = max(1, int(getattr(args, "world_size", 1)))
         if self.selection is not None:
-            if self.scale != "loss":
-                raise ValueError("online selection corrects the step's gradient from each example's contribution "
-                                 "to it: use GradientCallback(scale='loss') with selection=")
             self.selection.attach(model, step_on="manual", keep=self.keep)
             if self._world > 1:
                 # rows are already contributions to the rank-averaged gradient (divided by the world
@@ -356,11 +369,15 @@ class GradientCallback(TrainerCallback):
         column = kwargs.pop(self.ids, None)
         if column is None:
             self._close(self._args)
+            why = ("Trainer drops columns the model does not take. Set TrainingArguments(remove_unused_columns="
+                   "False) and keep the column in your collator"
+                   if getattr(self._args, "remove_unused_columns", True) else
+                   "the collator did not pass it on (transformers' default collator keeps numbers only and drops "
+                   "string values). Use integer ids, or a collator that keeps the column")
             raise ExampleIdsError(
                 f"GradientCallback(ids={self.ids!r}) reads the index column {self.ids!r} from the batch, but the "
-                f"model was called with {sorted(kwargs)}: Trainer drops columns the model does not take. Set "
-                "TrainingArguments(remove_unused_columns=False) and keep the column in your collator, or use "
-                "ids='auto' (the default: the indices the sampler yields)")
+                f"model was called with {sorted(kwargs)}: {why}; or use ids='auto' (the default: the indices the "
+                "sampler yields)")
         ids = column.reshape(-1).tolist() if torch.is_tensor(column) else list(column)
         if rows is not None and len(ids) != rows:
             self._close(self._args)
