@@ -564,3 +564,39 @@ def test_string_ids_dropped_by_the_default_collator_are_refused_with_the_fix():
     train(Stream(rows), cb, remove_unused_columns=False, gradient_accumulation_steps=1,
           trainer_kw=dict(data_collator=keeping))
     assert cb.grads.ids == tuple(f"doc-{i}" for i in range(6))
+
+
+def test_trl_sft_trainer_on_a_streaming_dataset():
+    """TRL's SFTTrainer over a streaming datasets.IterableDataset: rows in the order seen, each
+    holding its text's tokens; an index column (which TRL's collator never passes on) is
+    refused before the first forward."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from test_training_ids import _word_tokenizer
+
+    tok = _word_tokenizer()
+    g = torch.Generator().manual_seed(5)
+    texts = [" ".join(f"t{int(t)}" for t in torch.randint(2, 101, (int(L),), generator=g))
+             for L in torch.randint(3, 8, (12,), generator=g)]
+    stream = datasets.Dataset.from_dict({"text": texts, "idx": list(range(12))}).to_iterable_dataset()
+
+    def run(cb, extra=()):
+        with tempfile.TemporaryDirectory() as d:
+            args = trl.SFTConfig(output_dir=d, per_device_train_batch_size=3, gradient_accumulation_steps=2,
+                                 max_steps=2, learning_rate=0.1, use_cpu=True, report_to=[], logging_strategy="no",
+                                 save_strategy="no", seed=0, disable_tqdm=True, bf16=False,
+                                 remove_unused_columns=False)
+            trl.SFTTrainer(model=gpt2(), args=args, train_dataset=stream, processing_class=tok,
+                           callbacks=[*extra, cb]).train()
+
+    count = Forwards()
+    with pytest.raises(ga.integrations.ExampleIdsError, match="TRL's"):
+        run(GradientCallback(layers=LAYERS[:-1], ids="idx"), (count,))
+    assert count.n == 0
+    cb = GradientCallback(layers=LAYERS[:-1], record=("input_ids",))   # TRL fuses the head: leave it out
+    with pytest.warns(UserWarning, match="numbered in the order seen"):
+        run(cb)
+    assert cb.grads.ids == tuple(range(12))
+    for row, i in zip(cb.inputs["input_ids"], cb.grads.ids):
+        want = tok(texts[i])["input_ids"]
+        assert row.tolist()[:len(want)] == want

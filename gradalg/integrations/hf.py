@@ -88,7 +88,7 @@ from ..errors import (CaptureStateError, DataError, ExampleIdsError, LossReducti
                       UnsupportedLayerError)
 from . import distributed as _dist
 from .distributed import unwrap_model
-from .sampled_ids import SampledIds
+from .sampled_ids import SampledIds, is_iterable
 from .selection import OnlineSelection
 from .training import TrainingCapture
 
@@ -271,6 +271,8 @@ class GradientCallback(TrainerCallback):
         collator that joins rows, tokens out of step) are caught at the first forward that
         shows them.
         """
+        if self.ids == "sampler" and is_iterable(loader):
+            SampledIds.install(loader, verify=False)   # raises: a stream has no indices to sample
         column = self.ids not in (None, "sampler", "auto", "grpo")
         if column and getattr(args, "remove_unused_columns", False) and _column_dropped(loader, self.ids):
             raise ExampleIdsError(
@@ -279,6 +281,14 @@ class GradientCallback(TrainerCallback):
                 f"take {self.ids!r}). Set TrainingArguments(remove_unused_columns=False) and keep the column in your "
                 "collator, or use ids='auto' (the indices the sampler yields; a streaming dataset numbers rows in "
                 "the order seen)")
+        collate = getattr(loader, "collate_fn", None)
+        collate = getattr(collate, "data_collator", collate)        # inside Trainer's RemoveColumnsCollator
+        if column and type(collate).__module__.split(".")[0] == "trl":
+            raise ExampleIdsError(
+                f"GradientCallback(ids={self.ids!r}) reads an index column from each batch, but TRL's "
+                f"{type(collate).__name__} passes on only its own keys (input_ids, labels, masks), so the column "
+                "never reaches the model. Use ids='auto' (the indices the sampler yields, for a map-style dataset; "
+                "rows numbered in the order seen for a streaming one)")
         takes_kwargs, params = _forward_params(model)
         if self.scale != "loss":
             accepts = getattr(model, "accepts_loss_kwargs", takes_kwargs)
@@ -373,7 +383,8 @@ class GradientCallback(TrainerCallback):
                    "False) and keep the column in your collator"
                    if getattr(self._args, "remove_unused_columns", True) else
                    "the collator did not pass it on (transformers' default collator keeps numbers only and drops "
-                   "string values). Use integer ids, or a collator that keeps the column")
+                   "string values; a custom collator may keep only its own keys). Use integer ids, or a collator "
+                   "that keeps the column")
             raise ExampleIdsError(
                 f"GradientCallback(ids={self.ids!r}) reads the index column {self.ids!r} from the batch, but the "
                 f"model was called with {sorted(kwargs)}: {why}; or use ids='auto' (the default: the indices the "
