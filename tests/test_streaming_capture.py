@@ -9,10 +9,12 @@ backpropagated (``Σ_t ce_it / N``, ``N`` the step's ``num_items_in_batch``), re
 - HF ``Trainer`` with a torch ``IterableDataset`` (with and without ``__len__``), a
   ``datasets.IterableDataset``, ``max_steps`` shorter than the stream, gradient
   accumulation, ``dataloader_drop_last``, a padding collator, evaluation steps under
-  ``no_grad``, an index column, a resumed run streaming to a store;
+  ``no_grad``, an index column, a resumed run streaming to a store, collators that pad,
+  drop examples or drop an index column, TRL's ``SFTTrainer`` over a stream;
 - combinations that cannot work are refused at ``on_train_begin``, before any forward,
   and the suggested fix runs;
-- the plain-loop helper (``training_capture``) over a streaming ``DataLoader``.
+- the plain-loop helper (``training_capture``) over a streaming ``DataLoader``;
+- DDP (torchrun, 2 ranks) over a streaming dataset.
 """
 from __future__ import annotations
 
@@ -600,3 +602,26 @@ def test_trl_sft_trainer_on_a_streaming_dataset():
     for row, i in zip(cb.inputs["input_ids"], cb.grads.ids):
         want = tok(texts[i])["input_ids"]
         assert row.tolist()[:len(want)] == want
+
+
+# ---------------------------------------------------------------------------- DDP
+@pytest.mark.slow
+def test_trainer_ddp_over_a_streaming_dataset(tmp_path):
+    """torchrun, 2 ranks (gloo): accelerate dispatches slices of each streamed global batch;
+    index-column rows hold their examples' tokens and cover the stream once over the ranks;
+    ids='auto' runs and gathers to 0..n-1 (tests/dist_scripts/trainer_stream.py)."""
+    import json
+    import subprocess
+
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is needed")
+    script = os.path.join(os.path.dirname(__file__), "dist_scripts", "trainer_stream.py")
+    out = tmp_path / "result.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.path.dirname(os.path.dirname(__file__)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script, str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0 and out.exists(), f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    assert json.loads(out.read_text())["result"] == "ok", json.loads(out.read_text())["result"]
