@@ -625,3 +625,16 @@ def test_trainer_ddp_over_a_streaming_dataset(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0 and out.exists(), f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     assert json.loads(out.read_text())["result"] == "ok", json.loads(out.read_text())["result"]
+
+
+def test_one_callback_for_two_runs_describes_the_last():
+    """A callback reused for a second run (e.g. a resumed one): its rows, recorded inputs and
+    ids are the second run's, aligned (recorded inputs used to pile up over runs)."""
+    rows = lm_rows(n=12)
+    cb = GradientCallback(layers=LAYERS, record=("input_ids",))
+    with pytest.warns(UserWarning, match="numbered in the order seen"):
+        train(Stream(rows), cb)
+    train(rows, cb, max_steps=1)
+    assert cb.grads.n == 6 and len(cb.inputs["input_ids"]) == 6
+    for row, i in zip(cb.inputs["input_ids"], cb.grads.ids):
+        assert torch.equal(row, rows[i]["input_ids"])

@@ -221,6 +221,11 @@ class GradientCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
         model = unwrap_model(model)
         self._refuse_up_front(args, model, train_dataloader)
+        # a callback used for a second run (or a resumed one) describes that run: rows, inputs, ids
+        self.inputs = {key: [] for key in self.record}
+        if self.sampled is not None:
+            self.sampled.remove()
+            self.sampled = None
         self._world = max(1, int(getattr(args, "world_size", 1)))
         if self.selection is not None:
             self.selection.attach(model, step_on="manual", keep=self.keep)
@@ -252,8 +257,9 @@ class GradientCallback(TrainerCallback):
             self.sampled.resume_skip(state.global_step, args.gradient_accumulation_steps,
                                      ignore_data_skip=bool(getattr(args, "ignore_data_skip", False)))
         if self.stream is not None:
-            if self._world > 1:
-                self.stream.path = self.stream.path / f"rank-{_dist.rank():03d}"
+            rank_dir = f"rank-{_dist.rank():03d}"
+            if self._world > 1 and self.stream.path.name != rank_dir:
+                self.stream.path = self.stream.path / rank_dir
             self.stream.attach(self.capture, start_step=state.global_step,
                                info={"integration": "transformers.Trainer", "scale": self.scale,
                                      "world_size": self._world})
