@@ -220,15 +220,37 @@ def test_streaming_dataset_rows_equal_loop_of_backwards(dataset):
     assert_rows_match_loop(G, rec)
 
 
+def test_map_dataset_max_steps_shorter_than_an_epoch():
+    """30 examples, 2 steps of 2 micro-batches of 3: 12 shuffled examples, each row labelled with
+    its dataset index (checked by tokens); the sampler's prefetched batches are never used."""
+    rows = lm_rows(n=30)
+    rec, cb = Recorder(), GradientCallback(layers=LAYERS)
+    train(rows, cb, rec, max_steps=2)
+    G = cb.grads
+    assert G.n == 12 and len(set(G.ids)) == 12 and set(G.ids) <= set(range(30))
+    assert all(torch.equal(f, tokens_of(rows[i])) for f, i in zip(fed_tokens(rec), G.ids))
+    assert_rows_match_loop(G, rec)
+
+
 def test_streaming_dataset_with_index_column_and_true_scales():
     """ids='<column>' on a stream: each row carries its example's index (checked by content);
-    scale='sum' rows equal the loop of backwards of each example's summed token loss."""
+    scale='sum' / 'mean' rows equal the loop of backwards of each example's summed token
+    loss / that divided by its loss tokens."""
     rows = lm_rows(n=12, idx=True)
     rec = Recorder()
     cb = GradientCallback(layers=LAYERS, ids="idx", scale="sum", record=("input_ids",))
+    mean = GradientCallback(layers=LAYERS, ids="idx", scale="mean")
     with warnings.catch_warnings():
         warnings.simplefilter("error")      # a column names the examples: no warning
-        train(Stream(rows), cb, rec, remove_unused_columns=False, max_steps=2)
+        train(Stream(rows), cb, rec, extra=(mean,), remove_unused_columns=False, max_steps=2)
+    assert mean.grads.ids == cb.grads.ids
+    ref = loop_reference(rec, LAYERS, "sum")
+    tokens = torch.cat([(kw["labels"][:, 1:] != -100).sum(1) for kw in rec.inputs]).double()
+    got = captured_params(mean.grads)
+    for name in ref:
+        want = ref[name] / tokens.view(-1, *[1] * (ref[name].dim() - 1))
+        err = float(((got[name] - want).flatten(1).norm(dim=1) / want.flatten(1).norm(dim=1)).max())
+        assert err <= 1e-6, f"scale='mean' {name}: {err:.3g}"
     G = cb.grads
     assert G.ids == tuple(range(12))
     for row, i in zip(cb.inputs["input_ids"], G.ids):

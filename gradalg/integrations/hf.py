@@ -130,6 +130,23 @@ def _column_dropped(loader, column: str) -> bool:
     return isinstance(names, list) and column not in names
 
 
+def _take_column(module, kwargs: dict, name: str):
+    """Remove the index column ``name`` from this forward's ``kwargs`` (the model does not take
+    it) and return it. Several callbacks reading the same column (one per scale, say) share
+    it: the first to take it leaves it on the module for the others in the same call."""
+    if name in kwargs:
+        value = kwargs.pop(name)
+        # keyed by the kwargs dict itself (held, so never confused with a later call's)
+        module._gradalg_columns = (kwargs, {**_columns_of(module, kwargs), name: value})
+        return value
+    return _columns_of(module, kwargs).get(name)
+
+
+def _columns_of(module, kwargs: dict) -> dict:
+    taken = module.__dict__.get("_gradalg_columns")
+    return taken[1] if taken is not None and taken[0] is kwargs else {}
+
+
 def _shifts_labels(model) -> bool:
     """Whether the model's own loss predicts token t+1 from t (so labels[:, 0] is never a target)."""
     try:
@@ -338,6 +355,7 @@ class GradientCallback(TrainerCallback):
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self.capture.model.__dict__.pop("_gradalg_columns", None)   # the last batch's index column
         if self.sampled is not None:
             self.sampled.remove()
         if self._clip:
@@ -365,11 +383,11 @@ class GradientCallback(TrainerCallback):
             return
         if kwargs.get("fused_lm_head"):
             self._check_fused_head(module)
-        changed = self._label_rows(kwargs)
+        changed = self._label_rows(kwargs, module)
         self._scale_rows(kwargs)
         return (args, kwargs) if changed else None
 
-    def _label_rows(self, kwargs) -> bool:
+    def _label_rows(self, kwargs, module) -> bool:
         """Give the capture this forward's dataset indices; True when ``kwargs`` was changed."""
         if self._mode is None or self._mode == "grpo":
             return False
@@ -382,7 +400,7 @@ class GradientCallback(TrainerCallback):
                 raise
             self.capture.ids_next(ids)
             return False
-        column = kwargs.pop(self.ids, None)
+        column = _take_column(module, kwargs, self.ids)
         if column is None:
             self._close(self._args)
             why = ("Trainer drops columns the model does not take. Set TrainingArguments(remove_unused_columns="
