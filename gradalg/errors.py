@@ -32,6 +32,7 @@ __all__ = [
     "ModelMismatchError",
     "IdMismatchError",
     "PlanError",
+    "CaptureStateError",
 ]
 
 
@@ -254,3 +255,9 @@ class PlanError(GradalgError, RuntimeError):
     jobs depend on each other in a circle, or the expression asks for something no pass
     can compute (the message names it and what to write instead). Importable as
     ``gradalg.plan.PlanError`` too."""
+
+
+class CaptureStateError(GradalgError, RuntimeError, ValueError):
+    """A training-time capture used out of order: its rows read before any training ran or
+    when it keeps none (``keep=False``), a capture entered twice, a stream used before it is
+    attached. Both a ``RuntimeError`` and a ``ValueError``."""

@@ -26,9 +26,9 @@ from .selection import (BatchMean, DropFraction, FixedTarget, KeepAll, OnlineSel
 from .repeats import combine_repeats
 from .stream import StoreStream, open_stream, stream_steps
 from .training import StepGrads, TrainingCapture, training_capture
-from ..errors import ExampleIdsError
+from ..errors import CaptureStateError, ExampleIdsError
 
 __all__ = ["training_capture", "TrainingCapture", "StepGrads", "OnlineSelection", "SelectionRecord", "Target",
            "BatchMean", "FixedTarget", "ValidationTarget", "Policy", "DropFraction", "Threshold", "Reweight",
            "RandomDrop", "KeepAll", "gather", "unwrap_model", "StoreStream", "open_stream", "stream_steps",
-           "ExampleIdsError", "combine_repeats"]
+           "ExampleIdsError", "CaptureStateError", "combine_repeats"]

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ExampleIdsError
+from ..errors import ExampleIdsError, OptionError
 
 __all__ = ["grpo_ids", "IDS_KEY"]
 
@@ -40,7 +40,7 @@ def _callback(trainer):
 
     found = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, GradientCallback)]
     if len(found) != 1:
-        raise ValueError(f"grpo_ids needs exactly one GradientCallback among the trainer's callbacks, found "
+        raise OptionError(f"grpo_ids needs exactly one GradientCallback among the trainer's callbacks, found "
                          f"{len(found)}: pass callbacks=[GradientCallback(...)] to GRPOTrainer")
     return found[0]
 

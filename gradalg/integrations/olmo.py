@@ -36,6 +36,7 @@ import torch
 from olmo_core.data.data_loader import DataLoaderBase
 from olmo_core.train.callbacks import Callback
 
+from ..errors import CaptureStateError, OptionError
 from . import distributed as _dist
 from .selection import OnlineSelection
 from .training import TrainingCapture
@@ -58,8 +59,10 @@ class OLMoCoreCallback(Callback):
     _callbacks: list = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self):
-        if self.scale not in ("loss", "sum"):
-            raise ValueError(f"scale must be 'loss' or 'sum', got {self.scale!r}")
+        if not isinstance(self.scale, str) or self.scale not in ("loss", "sum"):
+            raise OptionError(f"OLMoCoreCallback(scale=...) must be 'loss' or 'sum', got {self.scale!r}")
+        if self.selection is not None and self.scale != "loss":
+            raise OptionError("online selection needs each example's contribution to the step: scale='loss'")
 
     def on_step(self, callback: Callable) -> Callable:
         """Call ``callback(step: StepGrads)`` at each step, before clipping and the optimizer."""
@@ -71,15 +74,14 @@ class OLMoCoreCallback(Callback):
     @property
     def grads(self):
         if self.capture is None:
-            raise RuntimeError("no training has run with this callback yet")
+            raise CaptureStateError("no training has run with this callback yet: its rows exist once "
+                                    "trainer.fit() has begun")
         return self.capture.grads
 
     # ------------------------------------------------------------------ OLMo-core events
     def pre_train(self):
         model = self.trainer.train_module.model
         if self.selection is not None:
-            if self.scale != "loss":
-                raise ValueError("online selection needs each example's contribution to the step: scale='loss'")
             self.selection.attach(model, step_on="manual", keep=self.keep)
             if _dist.world_size(getattr(self.trainer, "dp_process_group", None)) > 1:
                 self.selection.world_reduction = "sum"  # rows are already divided by the world size

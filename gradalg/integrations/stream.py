@@ -39,6 +39,7 @@ already taken, e.g. the Trainer's ``global_step`` after resuming a checkpoint):
 from __future__ import annotations
 
 import json
+import operator
 import os
 import shutil
 import uuid
@@ -46,7 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import StoreIncompleteError, StoreMismatchError
+from ..errors import CaptureStateError, OptionError, StoreIncompleteError, StoreMismatchError
 
 __all__ = ["StoreStream", "open_stream", "stream_steps"]
 
@@ -95,9 +96,15 @@ class StoreStream:
         from ..expr import Projector
 
         if not isinstance(projector, Projector):
-            raise TypeError(f"projector must be a ga.proj projector, got {type(projector).__name__}")
-        if not isinstance(flush_rows, int) or flush_rows < 1:
-            raise ValueError(f"flush_rows must be a positive integer, got {flush_rows!r}")
+            raise OptionError(f"StoreStream(projector=...) must be a ga.proj projector (e.g. ga.proj.kron(k=16)), "
+                              f"got {type(projector).__name__}")
+        try:
+            rows = None if isinstance(flush_rows, bool) else operator.index(flush_rows)   # int or numpy integer
+        except TypeError:
+            rows = None
+        if rows is None or rows < 1:
+            raise OptionError(f"StoreStream(flush_rows=...) must be a positive integer, got {flush_rows!r}")
+        flush_rows = int(rows)
         self.path = Path(path)
         self.projector = projector
         self.flush_rows = flush_rows
@@ -140,6 +147,11 @@ class StoreStream:
             self.manifest = self._resume(old, new)
         self._remove_orphans()
         _write_manifest(self.path, self.manifest)
+        # rows numbered in the order seen (no dataset index: a streaming dataset) go on from the
+        # rows kept before the checkpoint, so that a resumed run's ids do not repeat theirs
+        kept = sum(seg["n"] for seg in self.manifest["segments"])
+        if kept:
+            capture.number_from(kept)
         capture.on_step(self)
         return self
 
@@ -191,7 +203,8 @@ class StoreStream:
         from ..exec.local import LocalExecutor
 
         if self.manifest is None:
-            raise RuntimeError("StoreStream.attach(capture) must run before training")
+            raise CaptureStateError("StoreStream.attach(capture) must run before training (or pass the "
+                                    "stream to GradientCallback(stream=...) / OLMoCoreCallback(stream=...))")
         node = self.projector(step.grads).expr
         chunk = LocalExecutor().gradients(node)
         rows = {b.name: flat_block(chunk.blocks[b.name]).detach().cpu() for b in node.space.blocks}

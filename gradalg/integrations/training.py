@@ -37,7 +37,7 @@ from torch import nn
 
 from ..capture.factors import Factors, self_inner
 from ..capture.session import LoopRecorder
-from ..errors import ExampleIdsError
+from ..errors import CaptureStateError, ExampleIdsError, OptionError
 from ..loop_capture import captured_grads
 from ..capture.chunks import Chunk
 from .distributed import unwrap_model
@@ -107,10 +107,12 @@ class TrainingCapture:
                  step_on: str = "auto", upcast: bool = True):
         if step_on == "auto":
             step_on = "optimizer" if optimizer is not None else "backward"
-        if step_on not in ("optimizer", "backward", "manual"):
-            raise ValueError(f"step_on must be 'auto', 'optimizer', 'backward' or 'manual', got {step_on!r}")
+        if not isinstance(step_on, str) or step_on not in ("optimizer", "backward", "manual"):
+            raise OptionError(f"step_on must be 'auto', 'optimizer', 'backward' or 'manual', got {step_on!r}")
         if step_on == "optimizer" and optimizer is None:
-            raise ValueError("step_on='optimizer' needs the optimizer: training_capture(..., optimizer=opt)")
+            raise OptionError("step_on='optimizer' needs the optimizer: training_capture(..., optimizer=opt)")
+        if optimizer is not None and not hasattr(optimizer, "register_step_pre_hook"):
+            raise OptionError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.model = unwrap_model(model)
         self.session = LoopRecorder(self.model, layers, reduction="sum", keep=False)
         self.session.on_chunk(self._micro_batch_done)
@@ -168,6 +170,11 @@ class TrainingCapture:
         many as it has rows; a step that closes with ids left over is refused."""
         self._id_feed.extend(i if isinstance(i, str) else int(i) for i in ids)
 
+    def number_from(self, n: int) -> None:
+        """Number the following unlabelled rows (no ``ids_next``/``feed_ids``) from ``n``:
+        a resumed run continues the numbering of the rows recorded before its checkpoint."""
+        self._seen = int(n)
+
     def set_scale(self, scale) -> None:
         """Multiply the rows of every following micro-batch by ``scale`` (a number; None = 1)."""
         self.row_scale = scale
@@ -210,13 +217,15 @@ class TrainingCapture:
     def grads(self):
         """GradientSet of every example of the closed steps (needs ``keep=True``), in order."""
         if not self.keep:
-            raise ValueError("this capture keeps nothing (keep=False); pass keep=True to read .grads")
+            raise CaptureStateError("this capture keeps nothing (keep=False); pass keep=True to read .grads, or "
+                                    "read each step's rows in an on_step callback")
         return captured_grads(list(self._kept), self.space)
 
     # ------------------------------------------------------------------ context
     def __enter__(self):
         if self._active:
-            raise RuntimeError("this TrainingCapture is already active")
+            raise CaptureStateError("this TrainingCapture is already active (entered twice): leave the first "
+                                    "`with` block before entering it again")
         self.session.__enter__()
         if self.step_on == "optimizer":
             self._handles.append(self.optimizer.register_step_pre_hook(self._pre_step_hook))
