@@ -27,6 +27,9 @@ from typing import Callable
 import torch
 from torch.func import jacrev, vjp, vmap
 
+from ..errors import NonFiniteGradientError
+from ..finite import nonfinite_examples
+from ..options import get_options
 from .errors import NonDeterministicTrainingError, UnsupportedTrainingError
 from .replay import Ledger, reverse_states
 from .run import TrainingRun
@@ -125,7 +128,50 @@ def metagradients(run: TrainingRun, query_fn: Callable[[dict], torch.Tensor], *,
         lam_params, lam_state, lam_w = _second_order(vmap(vjp_fn), (lam_params, lam_state), t)
         out.index_add_(1, idx, lam_w.to(out.dtype))
         expected = (params, opt)
+    if get_options().check_finite and not (bool(torch.isfinite(out).all()) and bool(torch.isfinite(targets).all())):
+        _name_nonfinite(run, query_fn, eps, targets)
     return Metagradients(out, targets.detach(), ledger, lam_params)
+
+
+def _name_nonfinite(run: TrainingRun, query_fn, eps: torch.Tensor, targets: torch.Tensor) -> None:
+    """NaN/inf metagradients: find where they start and raise
+    :class:`~gradalg.errors.NonFiniteGradientError` naming it. Runs only on failure: one
+    forward run, checking each step's per-example losses (the training examples of the
+    first step with a non-finite loss are named) and the parameters after it (a run that
+    diverges names the step and the parameter); then the queries' losses at θ_T."""
+    params, state = run.initial_state()
+    with torch.no_grad():
+        for t in range(run.n_steps):
+            idx = run.batches[t]
+            run.training_mode()
+            per = run.losses(params, run.batch(t)).detach()
+            bad = (~torch.isfinite(per)).nonzero().flatten().tolist()
+            if bad:
+                ids = sorted({int(idx[i]) for i in bad})
+                inputs = set(nonfinite_examples(run.data)) & set(ids)
+                cause = (f"the inputs of examples {sorted(inputs)} hold NaN/inf" if inputs else
+                         "their inputs are finite: check their labels and the loss (a log of zero, an "
+                         "empty target, an overflow)")
+                raise NonFiniteGradientError(
+                    ids, [], f"NaN/inf training losses at step {t} of the run (MAGIC)",
+                    f"Every metagradient would be NaN: {cause}. Remove these examples from the run's data "
+                    "(and its batches), or fix them")
+            params, state = run.step(params, state, eps[run.batches[t]], t)
+            for name, value in params.items():
+                if not bool(torch.isfinite(value).all()):
+                    raise NonFiniteGradientError(
+                        [], [name], f"the training run diverges: parameter {name!r} is NaN/inf after step {t} "
+                        "though every loss up to that step is finite",
+                        "Lower the learning rate (or clip gradients in the loss), or compute in float64")
+    bad = (~torch.isfinite(targets.detach())).nonzero().flatten().tolist()
+    if bad:
+        raise NonFiniteGradientError(
+            bad, [], "NaN/inf query losses at the run's final parameters (MAGIC; ids are query positions)",
+            "Check these queries' inputs and labels, or remove them from the queries")
+    raise NonFiniteGradientError(
+        [], [], "the MAGIC metagradients hold NaN/inf though the run's losses, its parameters and the query "
+        "losses are finite: an overflow in the backward through the steps (second derivatives)",
+        "Compute in float64 (model.double() and float64 data), or use a smaller learning rate")
 
 
 def _second_order(vjp_fn, adjoints, t: int):

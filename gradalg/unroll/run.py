@@ -37,6 +37,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad
 
+from ..finite import check_model
+from ..options import get_options
 from .errors import NonDeterministicTrainingError, UnsupportedOptimizerError, UnsupportedTrainingError
 from .optimizers import OptimizerSpec, from_torch
 
@@ -171,6 +173,8 @@ class TrainingRun:
                 f"optimizer must be ga.unroll.SGD / Adam / AdamW or a torch.optim SGD / Adam / AdamW, got "
                 f"{type(optimizer).__name__}")
         self._refuse_unreplayable(model, random_seed)
+        if get_options().check_finite:   # θ₀ with a NaN: named here, not a NaN metagradient later
+            check_model(model)
         self.model = copy.deepcopy(model)
         self.loss = loss
         self.data = _as_tensors(data)
