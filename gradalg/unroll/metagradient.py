@@ -133,6 +133,14 @@ def metagradients(run: TrainingRun, query_fn: Callable[[dict], torch.Tensor], *,
     return Metagradients(out, targets.detach(), ledger, lam_params)
 
 
+def _finite_at_start(run: TrainingRun, ids: list) -> bool:
+    """Whether examples ``ids`` have finite losses at the run's initial parameters."""
+    from .run import _take
+    run.training_mode()
+    per = run.losses(run.initial_params(), _take(run.data, torch.tensor(ids, device=run._first_data_device())))
+    return bool(torch.isfinite(per.detach()).all())
+
+
 def _name_nonfinite(run: TrainingRun, query_fn, eps: torch.Tensor, targets: torch.Tensor) -> None:
     """NaN/inf metagradients: find where they start and raise
     :class:`~gradalg.errors.NonFiniteGradientError` naming it. Runs only on failure: one
@@ -148,6 +156,12 @@ def _name_nonfinite(run: TrainingRun, query_fn, eps: torch.Tensor, targets: torc
             bad = (~torch.isfinite(per)).nonzero().flatten().tolist()
             if bad:
                 ids = sorted({int(idx[i]) for i in bad})
+                if t > 0 and _finite_at_start(run, ids):
+                    top = max(float(v.abs().max()) for v in params.values())
+                    raise NonFiniteGradientError(
+                        [], [], f"the training run diverges: at step {t} the losses of examples {ids[:20]} are "
+                        f"NaN/inf though they were finite at the start (largest |parameter| now {top:.3g})",
+                        "Lower the learning rate (or clip gradients in the loss), or compute in float64")
                 inputs = set(nonfinite_examples(run.data)) & set(ids)
                 cause = (f"the inputs of examples {sorted(inputs)} hold NaN/inf" if inputs else
                          "their inputs are finite: check their labels and the loss (a log of zero, an "
