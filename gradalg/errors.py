@@ -126,8 +126,8 @@ class NonFiniteGradientError(GradalgError, FloatingPointError):
         at = f" for example ids [{shown}]{more}" if self.example_ids else ""
         super().__init__(
             f"{what}{at}. " + (fix if fix is not None else
-            "The model's parameters and buffers were checked and are finite, so these examples are at "
-            "fault: check their inputs and labels (an empty target, a log of zero, an overflow in half precision); remove "
+            "The model's parameters and buffers passed the weight check (no NaN/inf), so these examples "
+            "are at fault: check their inputs and labels (an empty target, a log of zero, an overflow in half precision); remove "
             "them with a filtered dataset, or compute in float32/float64.")
         )
 

@@ -5,8 +5,8 @@ path keeps (content fingerprints, :mod:`gradalg.fingerprint`).
 * a store records the ``model_digest`` of the models it was written from: its rows or
   operator next to another model's gradients are refused as in memory
   (``SpaceMismatchError``), in this process and in another; ``check_models=False`` allows it;
-* ``open(like=)`` and resuming a write compare the data by content (same ids and first
-  example, another later example: refused);
+* ``open(like=)`` and resuming a write compare the data by its ids and the values of
+  its first and last examples (another last example: refused);
 * ``ga.compile``: a training or query tensor edited in place recompiles (equal to a fresh
   computation) or raises, and the suggested fix works;
 * ``kron(k)`` with k above a layer's size keeps the layer exact (not a random square map).
@@ -120,7 +120,7 @@ def test_stores_compare_the_data_by_content(two_models, tmp_path):
     path = tmp_path / "rows.zarr"
     ga.store.write(P(ga.grads(tA, (X, y))), path, chunk_rows=5)
     Y = X.clone()
-    Y[7] += 1.0                                # same ids, same first example, another row 7
+    Y[11] += 1.0                               # same ids, same first example, another last one
     GY = P(ga.grads(tA, (Y, y)))
     with pytest.raises(ga.StoreMismatchError, match="expression differs"):
         ga.store.open(path, like=GY)

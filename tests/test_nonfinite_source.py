@@ -10,6 +10,7 @@ import os
 import pickle
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -148,7 +149,7 @@ def test_nan_inputs_still_name_their_examples_after_the_weight_check():
     with pytest.raises(ga.NonFiniteGradientError) as info:
         (G @ G.T).compute()
     assert type(info.value) is ga.NonFiniteGradientError and info.value.example_ids == ["ex1", "ex6"]
-    assert "parameters and buffers were checked" in str(info.value)
+    assert "passed the weight check" in str(info.value)
 
 
 # ---------------------------------------------------------------------------- ga.capture
@@ -270,6 +271,32 @@ def test_magic_names_a_nan_weight_a_nan_query_and_a_diverging_run():
     with pytest.raises(ga.NonFiniteGradientError, match="the training run diverges: at step") as info:
         ga.methods.magic(run, (X[:2], y[:2])).compute()
     assert info.value.example_ids == []
+
+
+def test_an_inf_input_with_a_finite_loss_is_named_by_the_step_that_made_the_weights_nan():
+    X, y = models.classification_data(n=8)
+    Xn = X.clone()
+    Xn[4, 0] = float("inf")             # tanh saturates: the loss is finite, the gradient is not
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 3)).to(F64)
+    run = ga.unroll.TrainingRun(model, _ce, (Xn, y), ga.unroll.Adam(0.01), batch_size=4, epochs=2, seed=0)
+    with pytest.raises(ga.NonFiniteGradientError, match="their inputs hold NaN/inf") as info:
+        ga.methods.magic(run, (X[:2], y[:2])).compute()
+    assert info.value.example_ids == [4]
+    with pytest.raises(ga.NonFiniteGradientError, match="their inputs hold NaN/inf"):
+        run.train()                                            # the retraining ground truth too
+
+
+def test_source_names_the_training_example_behind_nan_checkpoints():
+    X, y = models.classification_data(n=8)
+    Xn = X.clone()
+    Xn[5, 3] = float("nan")
+    with pytest.raises(ga.NonFiniteGradientError) as info:
+        ga.methods.source(_run(Xn, y), (X[:2], y[:2]), n_segments=1, checkpoints_per_segment=2).compute()
+    assert info.value.example_ids == [5] and type(info.value) is ga.NonFiniteGradientError
+    keep = [i for i in range(8) if i != 5]                    # the fix
+    S = ga.methods.source(_run(Xn[keep], y[keep]), (X[:2], y[:2]), n_segments=1, checkpoints_per_segment=2)
+    assert np.isfinite(S.compute().values).all()
 
 
 # ---------------------------------------------------------------------------- curvature

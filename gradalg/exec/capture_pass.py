@@ -14,7 +14,6 @@ import contextlib
 
 import torch
 
-from ..capture.factors import Factors
 from ..capture.hooks import ForwardRecorder, capture_batch, forward_share_key, resolve_layers
 from ..capture.reference import block_param_names, per_example_grads
 from ..data import batch_size_of

@@ -24,7 +24,7 @@ import torch
 
 from ..capture.wrappers import unwrap
 from ..data import DataRef
-from ..fingerprint import is_stable, stable_model_digest
+from ..fingerprint import stable_model_digest
 from ..expr import Captured, Node, Project, Projector, Source
 from ..space import ParamSpace
 from ..expr.stored import Stored, StoredOp
@@ -122,6 +122,18 @@ def _first_example_digest(data: DataRef) -> str | None:
         return None
 
 
+def _last_example_digest(data: DataRef) -> str | None:
+    """A digest of the data's last example (the values, not the container: a store built
+    by the ``gradalg`` command from a JSONL file matches the same examples given as a
+    list). None for one example, or when it cannot be read alone (an iterable dataset)."""
+    if data.n < 2:
+        return None
+    try:
+        return _batch_digest(data.subset(data.n - 1, data.n).first_example_batch())
+    except Exception:  # noqa: BLE001 - an unusual dataset: ids and the first example still identify it
+        return None
+
+
 def describe(value, fingerprints: dict | None = None):
     """A JSON-able description of ``value`` (usually an expression node) that does not
     depend on the process: see the module docstring."""
@@ -146,9 +158,9 @@ def describe(value, fingerprints: dict | None = None):
             return {"node": "Captured", "token": x.token}
         if isinstance(x, Node):
             return {"node": type(x).__name__, **{f.name: go(getattr(x, f.name)) for f in fields(x)}}
-        if isinstance(x, DataRef):   # content: the data's fingerprint (gradalg.fingerprint), when stable
+        if isinstance(x, DataRef):
             return {"n": x.n, "ids": _ids_digest(x.ids), "first_example": _first_example_digest(x),
-                    "content": x.key if is_stable(x.key) else None}
+                    "last_example": _last_example_digest(x)}
         if isinstance(x, torch.nn.Module):
             return {"model": model_fp(x)}
         if hasattr(x, "model") and hasattr(x, "objective_fn"):   # a Task outside a Source

@@ -28,7 +28,6 @@ import torch
 from torch.func import jacrev, vjp, vmap
 
 from ..errors import NonFiniteGradientError
-from ..finite import nonfinite_examples
 from ..options import get_options
 from .errors import NonDeterministicTrainingError, UnsupportedTrainingError
 from .replay import Ledger, reverse_states
@@ -133,50 +132,12 @@ def metagradients(run: TrainingRun, query_fn: Callable[[dict], torch.Tensor], *,
     return Metagradients(out, targets.detach(), ledger, lam_params)
 
 
-def _finite_at_start(run: TrainingRun, ids: list) -> bool:
-    """Whether examples ``ids`` have finite losses at the run's initial parameters."""
-    from .run import _take
-    run.training_mode()
-    per = run.losses(run.initial_params(), _take(run.data, torch.tensor(ids, device=run._first_data_device())))
-    return bool(torch.isfinite(per.detach()).all())
-
-
 def _name_nonfinite(run: TrainingRun, query_fn, eps: torch.Tensor, targets: torch.Tensor) -> None:
     """NaN/inf metagradients: find where they start and raise
-    :class:`~gradalg.errors.NonFiniteGradientError` naming it. Runs only on failure: one
-    forward run, checking each step's per-example losses (the training examples of the
-    first step with a non-finite loss are named) and the parameters after it (a run that
-    diverges names the step and the parameter); then the queries' losses at θ_T."""
-    params, state = run.initial_state()
-    with torch.no_grad():
-        for t in range(run.n_steps):
-            idx = run.batches[t]
-            run.training_mode()
-            per = run.losses(params, run.batch(t)).detach()
-            bad = (~torch.isfinite(per)).nonzero().flatten().tolist()
-            if bad:
-                ids = sorted({int(idx[i]) for i in bad})
-                if t > 0 and _finite_at_start(run, ids):
-                    top = max(float(v.abs().max()) for v in params.values())
-                    raise NonFiniteGradientError(
-                        [], [], f"the training run diverges: at step {t} the losses of examples {ids[:20]} are "
-                        f"NaN/inf though they were finite at the start (largest |parameter| now {top:.3g})",
-                        "Lower the learning rate (or clip gradients in the loss), or compute in float64")
-                inputs = set(nonfinite_examples(run.data)) & set(ids)
-                cause = (f"the inputs of examples {sorted(inputs)} hold NaN/inf" if inputs else
-                         "their inputs are finite: check their labels and the loss (a log of zero, an "
-                         "empty target, an overflow)")
-                raise NonFiniteGradientError(
-                    ids, [], f"NaN/inf training losses at step {t} of the run (MAGIC)",
-                    f"Every metagradient would be NaN: {cause}. Remove these examples from the run's data "
-                    "(and its batches), or fix them")
-            params, state = run.step(params, state, eps[run.batches[t]], t)
-            for name, value in params.items():
-                if not bool(torch.isfinite(value).all()):
-                    raise NonFiniteGradientError(
-                        [], [name], f"the training run diverges: parameter {name!r} is NaN/inf after step {t} "
-                        "though every loss up to that step is finite",
-                        "Lower the learning rate (or clip gradients in the loss), or compute in float64")
+    :class:`~gradalg.errors.NonFiniteGradientError` naming it. Runs only on failure: the
+    run's forward once more (:meth:`TrainingRun.name_nonfinite`: a training example's
+    loss, inputs or gradient, or a run that diverges), then the queries' losses at θ_T."""
+    run.name_nonfinite(eps)
     bad = (~torch.isfinite(targets.detach())).nonzero().flatten().tolist()
     if bad:
         raise NonFiniteGradientError(
