@@ -31,8 +31,8 @@ if TYPE_CHECKING:                 # xarray loads when a result is made (about 76
 __all__ = ["write_scores", "open_scores"]
 
 KIND = "scores"
-RESUME_KEYS = ("projector", "layers", "objective", "model_fingerprint", "n_query", "n_train", "chunk_rows",
-               "expression_digest")
+RESUME_KEYS = ("projector", "layers", "objective", "model_fingerprint", "model_digest", "n_query", "n_train",
+               "chunk_rows", "expression_digest")
 
 
 
