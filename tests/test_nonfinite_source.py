@@ -312,3 +312,25 @@ def test_overflowing_kronecker_factors_name_the_layer_and_float64_fixes_it(curva
     G64 = ga.grads(ga.tasks.classification(model.double()), (big, y))       # the fix: float64
     S = (G64 @ getattr(ga, curvature)(G64).damp(1e-3).inv() @ G64.T).compute().values
     assert torch.isfinite(torch.from_numpy(S)).all()
+
+
+@pytest.mark.parametrize("kind", ["hessian", "gauss_newton"])
+def test_curvature_products_name_a_bad_weight_and_the_examples_of_a_nan_input(kind):
+    X, y = models.classification_data(n=8)
+    model = models.mlp()
+    task = ga.tasks.classification(model)
+    G = ga.grads(task, (X, y))
+    _poison(model[2].weight, 0, float("nan"))
+    H = getattr(ga, kind)(task, (X, y))
+    with pytest.raises(ga.NonFiniteWeightError, match="'2.weight'"):
+        (G @ H.damp(0.1).inv(method="cg") @ G.T).compute()
+    with pytest.raises(ga.NonFiniteWeightError, match="'2.weight'"):     # not a failed eigensolver
+        ga.arnoldi(H, 3).to_dense()
+    model = models.mlp()
+    task = ga.tasks.classification(model)
+    Xn = X.clone()
+    Xn[3, 0] = float("nan")
+    with pytest.raises(ga.NonFiniteGradientError) as info:
+        (ga.grads(task, (X, y)) @ getattr(ga, kind)(task, (Xn, y)).damp(0.1).inv(method="cg")
+         @ ga.grads(task, (X, y)).T).compute()
+    assert info.value.example_ids == [3]
