@@ -104,6 +104,9 @@ def test_the_error_pickles_and_check_finite_false_turns_the_check_off():
         check_model(model)
     copy = pickle.loads(pickle.dumps(info.value))
     assert type(copy) is ga.NonFiniteWeightError and str(copy) == str(info.value)
+    for err in (ga.NonFiniteGradientError([3, 5], ["fc"]), ga.NonFiniteGradientError([1], [], "NaN in x", "Fix x")):
+        copy = pickle.loads(pickle.dumps(err))         # raised on a Dask worker, re-raised here
+        assert str(copy) == str(err) and copy.example_ids == err.example_ids
     X, y = models.classification_data(n=4)
     G = ga.grads(ga.tasks.classification(model), (X, y))
     with ga.options(check_finite=False):
