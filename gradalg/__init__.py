@@ -15,7 +15,7 @@ from .api import (GradientSet, Operator, Scores, SelfScores, TransposedGradients
 from .capture import per_example_grads
 from .loop_capture import capture  # ga.capture, the function (gradalg.capture stays the package in sys.modules)
 from .compiled import Compiled, compile  # noqa: A004 - ga.compile(S): compile once, score many queries
-from .errors import (BatchContentError, GradalgError, LossReductionError, MemoryBudgetError, NonFiniteGradientError, PerTokenError,
+from .errors import (BatchContentError, GradalgError, LossReductionError, MemoryBudgetError, NonFiniteGradientError, NonFiniteWeightError, PerTokenError,
                      ShapeMismatchError, SpaceMismatchError, StoreIncompleteError, StoreMismatchError,
                      UnsupportedLayerError)
 from .errors import DataError, ObjectiveError, OptionError, StoreCorruptError, WorkerFaultError  # noqa: E402
@@ -40,7 +40,7 @@ __all__ = [
     "Task", "TransformerBlocks", "grads", "fisher", "adam_state", "SelfScores", "kfac", "ekfac", "hessian", "gauss_newton", "arnoldi", "datainf", "identity", "diagonal", "dense", "sum", "mean", "sum_scores",
     "mean_scores", "row_weights", "capture", "per_example_grads", "options", "get_options",
     "GradientSet", "Operator", "Scores", "TransposedGradients", "LocalExecutor", "methods", "proj",
-    "tasks", "viz", "integrations", "GradalgError", "LossReductionError", "MemoryBudgetError", "NonFiniteGradientError",
+    "tasks", "viz", "integrations", "GradalgError", "LossReductionError", "MemoryBudgetError", "NonFiniteGradientError", "NonFiniteWeightError",
     "ShapeMismatchError", "SpaceMismatchError", "UnsupportedLayerError", "store", "StoreMismatchError",
     "StoreIncompleteError", "BatchContentError", "PerTokenError", "StoreCorruptError", "OptionError",
     "DataError", "WorkerFaultError", "fingerprint", "compile", "Compiled", "OperatorError", "CurvatureError", "DistributedError", "ModelMismatchError",

@@ -21,9 +21,15 @@ token. Tokens are cached per node, and model fingerprints per tensor version, wh
 in-place write through ``p.data`` does not bump; so before every use the compiled
 object re-hashes its models' weights without the fingerprint cache
 (``check_weights="full"``, the default; "versions" trusts version counters and is
-cheaper). When they changed, ``on_change="recompute"`` compiles again (new passes) and
-``"raise"`` raises :class:`~gradalg.errors.StaleCompiledError`. ``C.invalidate()``
-drops everything; the next use compiles again.
+cheaper). The data is checked the same way, by its content fingerprint
+(:func:`gradalg.data.data_fingerprint`; tensors by their values, cached per tensor
+version, so an in-place edit of a training or query tensor is seen; a write through
+``X.data`` needs ``ga.fingerprint.forget(X)``). When weights or data changed,
+``on_change="recompute"`` compiles again (new passes; the expression's data is named
+anew by its content) and ``"raise"`` raises :class:`~gradalg.errors.StaleCompiledError`.
+``C.invalidate()`` drops everything; the next use compiles again. A dataset without a
+stable fingerprint (unpicklable, no ``__gradalg_fingerprint__``) is named per object, so
+its in-place edits cannot be seen.
 """
 from __future__ import annotations
 
@@ -88,6 +94,33 @@ def _tasks(node) -> list:
     return out
 
 
+def _datas(node) -> list:
+    """The DataRefs the expression's sources read, each once."""
+    seen, out = set(), []
+    for x in node.walk():
+        if isinstance(x, Source) and id(x.data) not in seen:
+            seen.add(id(x.data))
+            out.append(x.data)
+    return out
+
+
+def _renamed_data(node):
+    """``node`` with every source's DataRef named again from its data's content now (an
+    in-place edit since the DataRef was made changes its name, so no memo of the old
+    content is reused)."""
+    from dataclasses import replace
+    fresh = {}
+
+    def fn(x):
+        if isinstance(x, Source):
+            if id(x.data) not in fresh:
+                fresh[id(x.data)] = replace(x.data, key=None)
+            return replace(x, data=fresh[id(x.data)])
+        return None
+
+    return transform(node, fn)
+
+
 def _drop_cached_tokens(root) -> None:
     """Forget the tokens cached on ``root``'s nodes (they name the old weights), so that the
     expression — and the user's expressions sharing its nodes — are matched by the new ones."""
@@ -137,6 +170,12 @@ class Compiled:
         with options(fingerprint_cache=False):
             return {id(t): t.token for t in tasks}
 
+    def _data(self) -> dict:
+        """The content fingerprint of every dataset the expression reads, now (tensor
+        digests cached per version: an in-place edit is seen)."""
+        from .data import data_fingerprint
+        return {id(d): data_fingerprint(d.source) for d in _datas(self.source.expr)}
+
     def _holds(self, inner: Inner) -> bool:
         if self.hold != "auto":
             return bool(self.hold)
@@ -151,7 +190,8 @@ class Compiled:
         from .plan.rules import simplify_until_fixpoint
 
         self._stamp = self._weights()
-        epoch = digest(sorted(self._stamp.values()))
+        self._data_stamp = self._data()
+        epoch = digest(sorted(self._stamp.values()) + sorted(self._data_stamp.values()))
         simplified, _ = simplify_until_fixpoint(self.source.expr)
         self._simplified = simplified
         ex = self._executor()
@@ -183,14 +223,24 @@ class Compiled:
         if self._parts is None:
             self._compile()
             return
-        if self._weights() == self._stamp:
+        weights_changed = self._weights() != self._stamp
+        data_changed = self._data() != self._data_stamp
+        if not (weights_changed or data_changed):
             return
-        for task in _tasks(self.source.expr):   # cached digests are stale: drop them
-            forget(task.model)
-        _drop_cached_tokens(self.source.expr)
+        if weights_changed:
+            for task in _tasks(self.source.expr):   # cached digests are stale: drop them
+                forget(task.model)
+            _drop_cached_tokens(self.source.expr)
+        if data_changed:   # the DataRefs name the old content: name the data again
+            self.source = Scores(_renamed_data(self.source.expr))
+            reset = getattr(self.executor, "reset", None)
+            if reset is not None:   # its memo holds results under the old data's names
+                reset()
         if self.on_change == "raise":
+            what = " and ".join(w for w, changed in (("the model weights", weights_changed),
+                                                    ("the data (a training or query tensor)", data_changed)) if changed)
             raise StaleCompiledError(
-                "the model weights changed since ga.compile(S) (an optimizer step or an in-place write): "
+                f"{what} changed since ga.compile(S) (an optimizer step or an in-place write): "
                 "its operators and preconditioned training rows are stale. Call C.invalidate() and use it "
                 "again (or compile with on_change='recompute'), and rebuild the query gradients")
         self._compile()

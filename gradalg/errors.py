@@ -13,6 +13,7 @@ __all__ = [
     "LossReductionError",
     "SpaceMismatchError",
     "NonFiniteGradientError",
+    "NonFiniteWeightError",
     "ShapeMismatchError",
     "MemoryBudgetError",
     "StoreMismatchError",
@@ -166,27 +167,69 @@ class WorkerFaultError(GradalgError, RuntimeError):
 
 
 class NonFiniteGradientError(GradalgError, FloatingPointError):
-    """Per-example gradients contain NaN or inf.
+    """Per-example gradients, inputs or losses contain NaN or inf.
 
     Attributes
     ----------
     example_ids : list
-        Ids of the examples whose gradients are not finite.
+        Ids of the examples whose gradients (inputs, losses) are not finite.
     layers : list[str]
-        Layers in which the non-finite values were found.
+        Layers in which the non-finite values were found (empty when found in the inputs
+        or the losses).
     """
 
-    def __init__(self, example_ids, layers):
+    def __init__(self, example_ids, layers, where: str | None = None, fix: str | None = None):
         self.example_ids = list(example_ids)
         self.layers = list(layers)
+        self.where, self.fix = where, fix
         shown = ", ".join(map(str, self.example_ids[:20]))
         more = "" if len(self.example_ids) <= 20 else f" (and {len(self.example_ids) - 20} more)"
+        what = where if where is not None else f"NaN/inf per-example gradients in layers {self.layers}"
+        at = f" for example ids [{shown}]{more}" if self.example_ids else ""
         super().__init__(
-            f"NaN/inf per-example gradients for example ids [{shown}]{more} in layers "
-            f"{self.layers}. Check these examples' inputs and labels (an empty target, a "
-            "log of zero, an overflow in half precision); remove them with a filtered "
-            "dataset, or compute in float32/float64."
+            f"{what}{at}. " + (fix if fix is not None else
+            "The model's parameters and buffers passed the weight check (no NaN/inf), so these examples "
+            "are at fault: check their inputs and labels (an empty target, a log of zero, an overflow in half precision); remove "
+            "them with a filtered dataset, or compute in float32/float64.")
         )
+
+    def __reduce__(self):   # picklable (raised on a Dask worker, re-raised here)
+        return type(self), (self.example_ids, self.layers, self.where, self.fix)
+
+
+class NonFiniteWeightError(NonFiniteGradientError):
+    """A parameter or buffer of the model holds NaN or inf, so every gradient and score
+    computed from it would be NaN: the examples are not at fault. Raised before the
+    first pass (checked once per pass, one ``isfinite`` per tensor).
+
+    Attributes
+    ----------
+    name : str
+        The parameter's or buffer's name (``model.named_parameters()`` / ``named_buffers()``).
+    kind : str
+        ``"parameter"`` or ``"buffer"``.
+    layer : str
+        The module that holds it (``""``: the model itself).
+    example_ids, layers : ``[]`` and ``[layer]`` (as for :class:`NonFiniteGradientError`).
+    """
+
+    def __init__(self, name: str, kind: str, n_nan: int, n_inf: int, numel: int):
+        self.name, self.kind, self.n_nan, self.n_inf, self.numel = name, kind, n_nan, n_inf, numel
+        self.layer = name.rpartition(".")[0]
+        self.example_ids, self.layers = [], [self.layer]
+        self.where = self.fix = None
+        layer = f" of layer {self.layer!r}" if self.layer else ""
+        GradalgError.__init__(
+            self,
+            f"the model's {kind} {name!r}{layer} holds {n_nan:,} NaN and {n_inf:,} inf of its {numel:,} "
+            "values: every gradient and score computed from it would be NaN, whatever the examples. "
+            "Load finite weights (the checkpoint before the training run diverged; a float16/bfloat16 "
+            "conversion that overflowed), or repair this tensor "
+            f"(with torch.no_grad(): model.get_{kind}({name!r}).nan_to_num_(0.0)) if you know its "
+            "values do not matter")
+
+    def __reduce__(self):
+        return type(self), (self.name, self.kind, self.n_nan, self.n_inf, self.numel)
 
 
 class BatchContentError(GradalgError, ValueError):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import inspect
 import io
 import pickle
@@ -36,7 +37,7 @@ import weakref
 
 import torch
 
-__all__ = ["tensor_digest", "model_digest", "callable_fingerprint", "object_fingerprint", "stable_token",
+__all__ = ["tensor_digest", "model_digest", "stable_model_digest", "callable_fingerprint", "object_fingerprint", "stable_token",
            "forget", "is_stable"]
 
 _DIGEST_SIZE = 12
@@ -219,6 +220,16 @@ def model_digest(model: torch.nn.Module) -> str:
                 seen.add(id(t))
                 out.append(f"{kind}:{prefix}{key}:{tensor_digest(sharded.get(id(t), t))}")
     return "model-" + _h(*parts, *params, *buffers)
+
+
+def stable_model_digest(model: torch.nn.Module) -> str | None:
+    """:func:`model_digest`, or None for a model with tensors on the ``meta`` device (no
+    values: its digest names this object only, so it cannot be compared with one written
+    by another process, a store's)."""
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        if t.device.type == "meta":
+            return None
+    return model_digest(model)
 
 
 # ------------------------------------------------------------------ functions

@@ -102,7 +102,9 @@ class Options:
         Factored ("ghost") inner products: chosen by cost, forced, or disabled.
     check_finite : bool
         Raise :class:`NonFiniteGradientError` naming the examples whose gradients are
-        NaN/inf.
+        NaN/inf, and, before a pass (or ``ga.capture``, or a ``TrainingRun``),
+        :class:`NonFiniteWeightError` naming a parameter or buffer that holds NaN/inf
+        (:mod:`gradalg.finite`).
     check_reduction : bool
         On the first batch of a computation, verify that the task's loss is summed over
         examples (forward passes without gradients of a few examples: one forward of the

@@ -30,6 +30,9 @@ from .layers import check_session_layers
 from .rows import layout_for, session_rows
 from .tying import LayerUse, use_factors
 from .chunks import Chunk
+from ..errors import NonFiniteGradientError
+from ..finite import check_model, check_rows
+from ..options import get_options
 from ..space import ParamSpace
 
 __all__ = ["CaptureStore", "LoopRecorder"]
@@ -107,6 +110,8 @@ class LoopRecorder:
 
     # ------------------------------------------------------------------ context
     def __enter__(self):
+        if get_options().check_finite:   # a NaN weight is named now, not blamed on the examples later
+            check_model(self.model)
         self._reset_step()
         for ref in self.refs:
             for use in ref.uses:
@@ -180,9 +185,21 @@ class LoopRecorder:
             blocks = {k: v.scale_rows(torch.full((n,), float(n))) for k, v in blocks.items()}
         start = self.store.n
         chunk = Chunk(tuple(range(start, start + n)), blocks)
+        if get_options().check_finite:
+            self._check_finite(chunk)
         if self.keep:
             self.store.chunks_.append(chunk)
         self.steps += 1
         for cb in self._callbacks:
             cb(chunk)
+
+    def _check_finite(self, chunk: Chunk) -> None:
+        """NaN/inf rows: the weights are named if they are at fault (a step that diverged),
+        else the examples (numbered in the order this recorder saw them)."""
+        try:
+            check_rows(chunk.blocks, chunk.ids, f"NaN/inf per-example gradients in backward {self.steps} "
+                                                "of ga.capture (examples numbered in the order seen)")
+        except NonFiniteGradientError:
+            check_model(self.model)
+            raise
 

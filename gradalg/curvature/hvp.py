@@ -21,7 +21,10 @@ from torch import nn
 from torch.func import functional_call, grad, jvp, vjp, vmap
 
 from ..capture.hooks import resolve_layers
-from ..data import DataRef, move_batch
+from ..data import DataRef, batch_size_of, move_batch
+from ..errors import NonFiniteGradientError
+from ..finite import check_model, nonfinite_examples
+from ..options import get_options
 
 __all__ = ["ParamCoords", "dataset_matvec"]
 
@@ -81,16 +84,22 @@ def dataset_matvec(task, data: DataRef, layers, *, kind: str = "hessian", batch_
     coords = ParamCoords(model, layers, backend)
     free_names = coords.param_names
     device = next(model.parameters()).device
+    check = get_options().check_finite
+    if check:   # a NaN weight is named here, not a NaN product (or a failed eigensolver) later
+        check_model(model)
 
     def matvec(V: torch.Tensor) -> torch.Tensor:
         was_training = model.training
         model.eval()
         try:
-            total = None
+            total, start = None, 0
             for batch in data.loader(batch_size):
                 batch = move_batch(batch, device)
                 part = _batch_product(task, batch, coords.to_params(V), free_names, kind)
                 rows = coords.from_params(part)
+                if check and not bool(torch.isfinite(rows).all()) and bool(torch.isfinite(V).all()):
+                    _name_examples(batch, data.ids[start:start + batch_size_of(batch)], kind)
+                start += batch_size_of(batch)
                 total = rows if total is None else total + rows
         finally:
             model.train(was_training)
@@ -98,6 +107,20 @@ def dataset_matvec(task, data: DataRef, layers, *, kind: str = "hessian", batch_
 
     matvec.coords = coords
     return matvec
+
+
+def _name_examples(batch, ids, kind: str) -> None:
+    """A batch whose products with finite vectors are NaN/inf: raise
+    :class:`NonFiniteGradientError` naming its examples with NaN/inf inputs (else all of
+    them: their labels or the loss are at fault)."""
+    held = nonfinite_examples(batch)
+    what = kind.replace("_", "-")
+    if held:
+        raise NonFiniteGradientError([ids[i] for i in held], [], f"NaN/inf {what}-vector products: NaN/inf in the inputs")
+    raise NonFiniteGradientError(
+        list(ids), [], f"NaN/inf {what}-vector products of a batch whose inputs are finite",
+        "Check these examples' labels and the loss (a log of zero, an empty target, an overflow in "
+        "half precision), or compute in float64")
 
 
 def _batch_product(task, batch, V: dict, free_names: list[str], kind: str) -> dict:

@@ -18,7 +18,7 @@ import torch
 from ..capture.factors import HALF_DTYPES, Factors, ghost_inner, materialize, self_inner, token_slices
 from ..curvature.kron import (FLOAT32_ROUNDOFF, BlockEigenvalues, EighCheck, KronOp, KronStats, checked_eigh,
                               diagonal_factor_rules, is_diagonal_factor, rotate_factors, rotate_rows)
-from ..errors import DataError, GradalgError
+from ..errors import CurvatureError, DataError, GradalgError
 from ..expr import KFAC, Fisher, GroupMean
 from ..plan.memory import check_statistics_fit
 from ..plan.rules import PlanError
@@ -164,6 +164,12 @@ def _eigenbasis(M: torch.Tensor, rtol: float, what: str, float64_fix: int | None
     """``(Q, λ ≥ 0, EighCheck)`` of a factor: :func:`checked_eigh` of a (d, d) matrix, or
     ``(None, diagonal, exact)`` for a diagonal factor kept as its (d,) diagonal (the
     identity is its eigenbasis)."""
+    if not bool(torch.isfinite(M).all()):   # finite rows whose products overflowed: named, never NaN scores
+        raise CurvatureError(
+            f"{what} holds NaN/inf ({int((~torch.isfinite(M)).sum()):,} of {M.numel():,} entries) though every "
+            "per-example gradient is finite: the sums of products of its activations or output gradients "
+            "overflowed (values near the float32 range). Compute in float64 (model.double() and float64 "
+            "inputs), scale the inputs down, or leave this layer out")
     if M.dim() == 1:
         return None, M.clamp_min(0), EighCheck(M.shape[0], torch.float64)
     return checked_eigh(M, rtol, what, float64_fix)

@@ -14,11 +14,10 @@ import contextlib
 
 import torch
 
-from ..capture.factors import Factors
 from ..capture.hooks import ForwardRecorder, capture_batch, forward_share_key, resolve_layers
 from ..capture.reference import block_param_names, per_example_grads
 from ..data import batch_size_of
-from ..errors import NonFiniteGradientError
+from ..finite import check_model, check_rows as check_finite
 from ..expr import Source
 from ..capture.chunks import Chunk
 
@@ -50,6 +49,8 @@ class SourceCapture:
         self.options = options
         self.checked = checked_tasks
         self.refs = resolve_layers(source.task.model, list(source.layers), backend=source.backend)
+        if options.check_finite:   # a NaN weight is named here, not blamed on every example
+            check_model(source.task.model)
         self.objective = source.task.objective_fn(source.objective, source.seed)
         # a task's token fingerprints its model and functions: computed once per pass
         # (the weights do not change during one), not once per batch
@@ -269,36 +270,3 @@ def _same_inputs(a, b) -> bool:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - values without a truth value are not the same input
         return False
-
-
-def _finite_rows(x: torch.Tensor) -> torch.Tensor:
-    """(n,) bool: row i of ``x`` (n, ...) has no NaN/inf.
-
-    A row sum is NaN/inf whenever one of its entries is, so one reduction over the data
-    clears the common case; only rows whose sum is not finite (a bad entry, or finite
-    entries overflowing) are checked entry by entry.
-    """
-    rows = x.flatten(1)
-    ok = torch.isfinite(rows.sum(1))
-    if not bool(ok.all()):
-        suspect = (~ok).nonzero().flatten()
-        ok[suspect] = torch.isfinite(rows[suspect]).all(1)
-    return ok
-
-
-def check_finite(blocks: dict, ids) -> None:
-    """Raise :class:`NonFiniteGradientError` naming the examples with NaN/inf gradients."""
-    bad = None
-    layers = []
-    for name, value in blocks.items():
-        if isinstance(value, Factors):
-            ok = _finite_rows(value.D)
-            if isinstance(value.A, torch.Tensor):  # one-hot activations are always finite
-                ok &= _finite_rows(value.A)
-        else:
-            ok = _finite_rows(value)
-        if not ok.all():
-            layers.append(name)
-            bad = ~ok if bad is None else bad | ~ok
-    if bad is not None:
-        raise NonFiniteGradientError([ids[i] for i in bad.nonzero().flatten().tolist()], layers)

@@ -54,7 +54,7 @@ from dataclasses import replace
 
 import torch
 
-from ..errors import DistributedError, NonFiniteGradientError
+from ..errors import DistributedError, NonFiniteGradientError, NonFiniteWeightError
 from ..expr import CurvatureProducts, Source
 from ..data import move_batch
 from ..options import get_options
@@ -274,6 +274,8 @@ class TorchDistributed(ComposedExecutor):
                 base = next(batches)
             except StopIteration:
                 return
+            except NonFiniteWeightError:    # found before the first forward: no collective ran
+                raise
             except NonFiniteGradientError:
                 stepped[0] += 1
                 raise

@@ -155,6 +155,10 @@ class Projector:
         projects *up* (k_out ≤ out, k_in ≤ in) with the most coordinates (k_out·k_in ≤ k),
         the most even one among those: a 10-output layer with k=256 gets 10 × 25, not
         16 × 16 (which would make its projected Fisher rank-deficient).
+
+        A side that comes out the layer's own size (k above out or in: ``k_out = out``)
+        is projected by the identity (:func:`gradalg.proj.kron_matrices`), not by a random
+        square map; a layer with out·in ≤ k is kept exact.
         """
         if self.k_out is not None:
             return min(self.k_out, out), min(self.k_in, n_in)
@@ -223,7 +227,12 @@ def rademacher(k: int, seed: int = 0, *, per_block: bool = False) -> Projector:
 
 
 def kron(k: int, seed: int = 0, *, k_out: int | None = None, k_in: int | None = None) -> Projector:
-    """Kronecker (LoGra) projection ``P_out ⊗ P_in`` applied factor-wise, per layer."""
+    """Kronecker (LoGra) projection ``P_out ⊗ P_in`` applied factor-wise, per layer.
+
+    Each layer (out, in) gets k_out × k_in ≤ k coordinates (:meth:`Projector.kron_shape`);
+    a side that k does not reduce (k_out = out, or k_in = in) is kept exact (the identity),
+    so a layer with out·in ≤ k is not projected at all.
+    """
     return Projector("kron", k, seed, True, k_out, k_in)
 
 

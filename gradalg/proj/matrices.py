@@ -58,14 +58,21 @@ def dense_matrix(projector: Projector, block_name: str, dim: int, *, dtype=torch
 @lru_cache(maxsize=64)
 def _kron(projector: Projector, block_name: str, out: int, n_in: int, dtype: torch.dtype, device: str):
     k_out, k_in = projector.kron_shape(out, n_in)
-    P_out = _draw("gaussian", k_out, out, projector.block_seed(block_name, "out"))
-    P_in = _draw("gaussian", k_in, n_in, projector.block_seed(block_name, "in"))
+    # a side that k does not reduce (k_out = out: k above the layer's size) is kept exact:
+    # the identity, not a random square map (which reduces nothing and only adds variance)
+    P_out = torch.eye(out, dtype=torch.float64) if k_out == out else \
+        _draw("gaussian", k_out, out, projector.block_seed(block_name, "out"))
+    P_in = torch.eye(n_in, dtype=torch.float64) if k_in == n_in else \
+        _draw("gaussian", k_in, n_in, projector.block_seed(block_name, "in"))
     return P_out.to(device=device, dtype=dtype), P_in.to(device=device, dtype=dtype)
 
 
 def kron_matrices(projector: Projector, block_name: str, out: int, n_in: int, *,
                   dtype=torch.float32, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """``(P_out (k_out, out), P_in (k_in, in))`` with N(0, 1/k_·) entries."""
+    """``(P_out (k_out, out), P_in (k_in, in))`` with N(0, 1/k_·) entries; a side that
+    the projection does not reduce (``k_out = out`` or ``k_in = in``, as
+    :meth:`~gradalg.expr.projection.Projector.kron_shape` clamps a ``k`` above the layer's
+    size) is the identity, so a layer with out·in ≤ k is kept exact."""
     return _kron(projector, block_name, out, n_in, dtype, _device_key(device))
 
 

@@ -22,12 +22,14 @@ from dataclasses import asdict, fields, is_dataclass
 
 import torch
 
+from ..capture.wrappers import unwrap
 from ..data import DataRef
+from ..fingerprint import stable_model_digest
 from ..expr import Captured, Node, Project, Projector, Source
 from ..space import ParamSpace
 from ..expr.stored import Stored, StoredOp
 
-__all__ = ["model_fingerprint", "tensor_digest", "describe", "digest", "summary"]
+__all__ = ["model_fingerprint", "model_identity", "tensor_digest", "describe", "digest", "summary"]
 
 SAMPLE = 65_536
 
@@ -68,6 +70,15 @@ def model_fingerprint(model: torch.nn.Module, sample: int = SAMPLE) -> str:
             h.update(f"{kind}|{name}|".encode())
             _update(h, tensor, sample)
     return f"model-{h.hexdigest()}"
+
+
+def model_identity(model: torch.nn.Module) -> str | None:
+    """The model's identity as the in-memory check of two operands reads it
+    (:func:`gradalg.expr.models.check_same_models`): :func:`gradalg.fingerprint.model_digest`
+    of the unwrapped model (module tree and every value, not a sample); None for a model
+    on the ``meta`` device. A store records it as ``model_digest``, so that its rows and
+    operators are refused next to another model's gradients."""
+    return stable_model_digest(unwrap(model)[0])
 
 
 def digest(value) -> str:
@@ -111,6 +122,18 @@ def _first_example_digest(data: DataRef) -> str | None:
         return None
 
 
+def _last_example_digest(data: DataRef) -> str | None:
+    """A digest of the data's last example (the values, not the container: a store built
+    by the ``gradalg`` command from a JSONL file matches the same examples given as a
+    list). None for one example, or when it cannot be read alone (an iterable dataset)."""
+    if data.n < 2:
+        return None
+    try:
+        return _batch_digest(data.subset(data.n - 1, data.n).first_example_batch())
+    except Exception:  # noqa: BLE001 - an unusual dataset: ids and the first example still identify it
+        return None
+
+
 def describe(value, fingerprints: dict | None = None):
     """A JSON-able description of ``value`` (usually an expression node) that does not
     depend on the process: see the module docstring."""
@@ -136,7 +159,8 @@ def describe(value, fingerprints: dict | None = None):
         if isinstance(x, Node):
             return {"node": type(x).__name__, **{f.name: go(getattr(x, f.name)) for f in fields(x)}}
         if isinstance(x, DataRef):
-            return {"n": x.n, "ids": _ids_digest(x.ids), "first_example": _first_example_digest(x)}
+            return {"n": x.n, "ids": _ids_digest(x.ids), "first_example": _first_example_digest(x),
+                    "last_example": _last_example_digest(x)}
         if isinstance(x, torch.nn.Module):
             return {"model": model_fp(x)}
         if hasattr(x, "model") and hasattr(x, "objective_fn"):   # a Task outside a Source
@@ -174,7 +198,8 @@ def summary(node, fingerprints: dict | None = None) -> dict:
     Leaves that are stores contribute what their own metadata says.
     """
     fp = {} if fingerprints is None else fingerprints
-    out = {"projector": [], "layers": [], "objective": [], "backend": [], "model_fingerprint": []}
+    out = {"projector": [], "layers": [], "objective": [], "backend": [], "model_fingerprint": [],
+           "model_digest": []}
 
     def add(key, value):
         if value not in out[key]:
@@ -190,6 +215,9 @@ def summary(node, fingerprints: dict | None = None) -> dict:
             add("objective", x.objective)
             add("backend", x.backend)
             add("model_fingerprint", fp[id(x.task.model)])
+            identity = model_identity(x.task.model)
+            if identity is not None:
+                add("model_digest", identity)
         elif isinstance(x, (Stored, StoredOp)):
             inner = getattr(x.store, "summary", None) or {}
             for key in out:
@@ -210,7 +238,7 @@ def store_attrs(kind: str, node) -> dict:
         "gradalg_store": kind,
         "format_version": FORMAT_VERSION,
         "gradalg_version": __version__,
-        **{k: info[k] for k in ("projector", "layers", "objective", "backend", "model_fingerprint")},
+        **{k: info[k] for k in ("projector", "layers", "objective", "backend", "model_fingerprint", "model_digest")},
         "expression": node.label,
         "expression_digest": digest(describe(node, fingerprints)),
     }

@@ -50,7 +50,7 @@ __all__ = ["index", "open_index", "GradientIndex"]
 METRICS = ("ip", "cos")
 KINDS = ("flat", "ivf", "hnsw")
 #: what a query must share with the store (compared with ``store_attrs`` of the query)
-QUERY_KEYS = ("projector", "layers", "model_fingerprint")
+QUERY_KEYS = ("projector", "layers", "model_fingerprint", "model_digest")
 INDEX_FORMAT = 1
 
 
@@ -237,7 +237,7 @@ class GradientIndex:
         theirs = store_attrs("gradients", Q.expr)
         ours = self.reader.attrs
         differ = [f"{k}: store {ours.get(k)!r}, queries {theirs.get(k)!r}" for k in QUERY_KEYS
-                  if ours.get(k) != theirs.get(k)]
+                  if ours.get(k) != theirs.get(k) and k in ours]   # model_digest: absent in older stores
         blocks = [[b.name, list(b.shape)] for b in Q.expr.space.blocks]
         if blocks != [[b["name"], list(b["shape"])] for b in ours["blocks"]]:
             differ.append(f"blocks: store {[b['name'] for b in ours['blocks']]}, queries {[b[0] for b in blocks]}")

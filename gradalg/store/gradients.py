@@ -37,10 +37,11 @@ __all__ = ["write", "open_gradients", "dataset", "GradientStore"]
 
 KIND = "gradients"
 # what must agree for a write to resume an existing store
-RESUME_KEYS = ("projector", "layers", "objective", "backend", "model_fingerprint", "blocks", "n", "chunk_rows",
-               "expression_digest")
+RESUME_KEYS = ("projector", "layers", "objective", "backend", "model_fingerprint", "model_digest", "blocks", "n",
+               "chunk_rows", "expression_digest")
 # what must agree for open(path, like=G)
-LIKE_KEYS = ("projector", "layers", "objective", "backend", "model_fingerprint", "blocks", "expression_digest")
+LIKE_KEYS = ("projector", "layers", "objective", "backend", "model_fingerprint", "model_digest", "blocks",
+             "expression_digest")
 
 
 
@@ -83,7 +84,7 @@ class GradientStore:
                                                      else f"[{self.start}:{self.stop}]")
         self.description = {"store": attrs.get("expression_digest"), "rows": [self.start, self.stop]}
         self.summary = {k: attrs.get(k, []) for k in ("projector", "layers", "objective", "backend",
-                                                      "model_fingerprint")}
+                                                      "model_fingerprint", "model_digest")}
         self._ds = None
 
     def __getstate__(self):

@@ -114,7 +114,7 @@ def write_operator(H, path, *, executor=None, overwrite: bool = False):
             raise StoreMismatchError([f"{path} exists and is not a gradalg store"],
                                      "choose another path, or pass overwrite=True to replace it")
         layout.compare(old, attrs, ("gradalg_store", "projector", "layers", "objective", "model_fingerprint",
-                                    "blocks", "expression_digest"), "this operator",
+                                    "model_digest", "blocks", "expression_digest"), "this operator",
                        "pass overwrite=True to replace the store, or write to another path")
         return open_operator(path)
     with executor_for(executor) as ex:
@@ -150,7 +150,7 @@ class OperatorStore:
         self.label = os.path.basename(self.path)
         self.description = {"operator": attrs.get("expression_digest")}
         self.summary = {k: attrs.get(k, []) for k in ("projector", "layers", "objective", "backend",
-                                                      "model_fingerprint")}
+                                                      "model_fingerprint", "model_digest")}
         self._loaded = None
 
     def __getstate__(self):

@@ -35,8 +35,8 @@ if TYPE_CHECKING:                 # xarray loads when a result is made (about 76
 __all__ = ["write_scores", "open_scores", "ScoreStore"]
 
 KIND = "scores"
-RESUME_KEYS = ("projector", "layers", "objective", "model_fingerprint", "n_query", "n_train", "chunk_rows",
-               "expression_digest")
+RESUME_KEYS = ("projector", "layers", "objective", "model_fingerprint", "model_digest", "n_query", "n_train",
+               "chunk_rows", "expression_digest")
 
 
 

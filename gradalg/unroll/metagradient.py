@@ -27,6 +27,8 @@ from typing import Callable
 import torch
 from torch.func import jacrev, vjp, vmap
 
+from ..errors import NonFiniteGradientError
+from ..options import get_options
 from .errors import NonDeterministicTrainingError, UnsupportedTrainingError
 from .replay import Ledger, reverse_states
 from .run import TrainingRun
@@ -125,7 +127,26 @@ def metagradients(run: TrainingRun, query_fn: Callable[[dict], torch.Tensor], *,
         lam_params, lam_state, lam_w = _second_order(vmap(vjp_fn), (lam_params, lam_state), t)
         out.index_add_(1, idx, lam_w.to(out.dtype))
         expected = (params, opt)
+    if get_options().check_finite and not (bool(torch.isfinite(out).all()) and bool(torch.isfinite(targets).all())):
+        _name_nonfinite(run, query_fn, eps, targets)
     return Metagradients(out, targets.detach(), ledger, lam_params)
+
+
+def _name_nonfinite(run: TrainingRun, query_fn, eps: torch.Tensor, targets: torch.Tensor) -> None:
+    """NaN/inf metagradients: find where they start and raise
+    :class:`~gradalg.errors.NonFiniteGradientError` naming it. Runs only on failure: the
+    run's forward once more (:meth:`TrainingRun.name_nonfinite`: a training example's
+    loss, inputs or gradient, or a run that diverges), then the queries' losses at θ_T."""
+    run.name_nonfinite(eps)
+    bad = (~torch.isfinite(targets.detach())).nonzero().flatten().tolist()
+    if bad:
+        raise NonFiniteGradientError(
+            bad, [], "NaN/inf query losses at the run's final parameters (MAGIC; ids are query positions)",
+            "Check these queries' inputs and labels, or remove them from the queries")
+    raise NonFiniteGradientError(
+        [], [], "the MAGIC metagradients hold NaN/inf though the run's losses, its parameters and the query "
+        "losses are finite: an overflow in the backward through the steps (second derivatives)",
+        "Compute in float64 (model.double() and float64 data), or use a smaller learning rate")
 
 
 def _second_order(vjp_fn, adjoints, t: int):

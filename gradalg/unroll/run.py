@@ -37,6 +37,9 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad
 
+from ..errors import NonFiniteGradientError
+from ..finite import check_model, nonfinite_examples
+from ..options import get_options
 from .errors import NonDeterministicTrainingError, UnsupportedOptimizerError, UnsupportedTrainingError
 from .optimizers import OptimizerSpec, from_torch
 
@@ -84,6 +87,10 @@ def _rows(data) -> int:
     if len(sizes) != 1:
         raise UnsupportedTrainingError(f"the data tensors have different numbers of rows {sorted(sizes)}")
     return sizes.pop()
+
+
+def _all_finite(params: dict) -> bool:
+    return all(bool(torch.isfinite(v).all()) for v in params.values())
 
 
 def _take(data, idx: torch.Tensor):
@@ -171,6 +178,8 @@ class TrainingRun:
                 f"optimizer must be ga.unroll.SGD / Adam / AdamW or a torch.optim SGD / Adam / AdamW, got "
                 f"{type(optimizer).__name__}")
         self._refuse_unreplayable(model, random_seed)
+        if get_options().check_finite:   # θ₀ with a NaN: named here, not a NaN metagradient later
+            check_model(model)
         self.model = copy.deepcopy(model)
         self.loss = loss
         self.data = _as_tensors(data)
@@ -287,15 +296,73 @@ class TrainingRun:
     def train(self, weights=None) -> nn.Module:
         """A copy of the model after the run with per-example ``weights`` (default: ones), in eval mode."""
         params = self.final_params(weights)
-        return self.model_with(params).eval()
+        if get_options().check_finite and not _all_finite(params):
+            self.name_nonfinite(self._weights(weights))
+        return self.model_with(params, checked=True).eval()
 
-    def model_with(self, params: dict) -> nn.Module:
+    def model_with(self, params: dict, checked: bool = False) -> nn.Module:
+        """A copy of the model holding ``params``. Parameters of the run (ε = 1) that are
+        NaN/inf are traced to their source first (:meth:`name_nonfinite`)."""
+        if not checked and get_options().check_finite and not _all_finite(params):
+            self.name_nonfinite()
         model = copy.deepcopy(self.model)
         named = dict(model.named_parameters())
         with torch.no_grad():
             for n, v in params.items():
                 named[n].copy_(v)
         return model
+
+    def name_nonfinite(self, weights: torch.Tensor | None = None) -> None:
+        """Replay the run (data weights ``weights``, default ones) and raise
+        :class:`~gradalg.errors.NonFiniteGradientError` at the first step whose
+        per-example losses are NaN/inf (naming its training examples: their inputs hold
+        NaN/inf, or their labels or the loss are at fault; or, for losses finite at the
+        start, a run that diverges), or after which a parameter is NaN/inf (naming the
+        examples of the step whose inputs hold NaN/inf, else the parameter of a diverging
+        run). Returns when every step is finite. Called only on failure: one forward run."""
+        eps = self._weights(weights)
+        params, state = self.initial_state()
+        with torch.no_grad():
+            for t in range(self.n_steps):
+                idx = self.batches[t]
+                self.training_mode()
+                per = self.losses(params, self.batch(t)).detach()
+                bad = sorted({int(idx[i]) for i in (~torch.isfinite(per)).nonzero().flatten().tolist()})
+                inputs = [int(idx[i]) for i in nonfinite_examples(self.batch(t))]
+                if bad and t > 0 and not inputs and self._finite_at_start(bad):
+                    top = max(float(v.abs().max()) for v in params.values())
+                    raise NonFiniteGradientError(
+                        [], [], f"the training run diverges: at step {t} the losses of examples {bad[:20]} are "
+                        f"NaN/inf though they were finite at the start (largest |parameter| now {top:.3g})",
+                        "Lower the learning rate (or clip gradients in the loss), or compute in float64")
+                if bad:
+                    held = sorted(set(inputs) & set(bad))
+                    cause = (f"the inputs of examples {held} hold NaN/inf" if held else
+                             "their inputs are finite: check their labels and the loss (a log of zero, an "
+                             "empty target, an overflow)")
+                    raise NonFiniteGradientError(
+                        bad, [], f"NaN/inf training losses at step {t} of the run",
+                        f"Every metagradient and checkpoint after it would be NaN: {cause}. Remove these "
+                        "examples from the run's data (and its batches), or fix them")
+                params, state = self.step(params, state, eps[idx], t)
+                broken = [n for n, v in params.items() if not bool(torch.isfinite(v).all())]
+                if broken and inputs:
+                    raise NonFiniteGradientError(
+                        sorted(set(inputs)), [], f"NaN/inf gradients at step {t} of the run (their inputs hold "
+                        f"NaN/inf; parameter {broken[0]!r} is NaN/inf after the step)",
+                        "Every metagradient and checkpoint after it would be NaN. Remove these examples from "
+                        "the run's data (and its batches), or fix their inputs")
+                if broken:
+                    raise NonFiniteGradientError(
+                        [], [broken[0]], f"the training run diverges: parameter {broken[0]!r} is NaN/inf after "
+                        f"step {t} though every loss and input up to that step is finite",
+                        "Lower the learning rate (or clip gradients in the loss), or compute in float64")
+
+    def _finite_at_start(self, ids: list) -> bool:
+        """Whether examples ``ids`` have finite losses at the run's initial parameters."""
+        self.training_mode()
+        per = self.losses(self.initial_params(), _take(self.data, torch.tensor(ids, device=self._first_data_device())))
+        return bool(torch.isfinite(per.detach()).all())
 
     def _weights(self, weights) -> torch.Tensor:
         if weights is None:
