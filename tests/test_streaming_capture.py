@@ -660,3 +660,17 @@ def test_one_callback_for_two_runs_describes_the_last():
     assert cb.grads.n == 6 and len(cb.inputs["input_ids"]) == 6
     for row, i in zip(cb.inputs["input_ids"], cb.grads.ids):
         assert torch.equal(row, rows[i]["input_ids"])
+
+
+def test_fp16_loss_scaling_refused_before_training():
+    """fp16 training multiplies the loss by a GradScaler factor that changes between steps (and
+    skips overflowing steps): captured rows would carry it. Refused before the first forward
+    (Trainer refuses fp16 on CPU itself, so the check is called as on_train_begin calls it)."""
+    from types import SimpleNamespace
+
+    cb = GradientCallback(layers=LAYERS, ids=None)
+    loader = DataLoader(lm_rows(n=4), batch_size=2, collate_fn=default_data_collator)
+    args = SimpleNamespace(fp16=True, bf16=False, remove_unused_columns=True, label_smoothing_factor=0.0)
+    with pytest.raises(ga.OptionError, match="bf16=True"):
+        cb._refuse_up_front(args, gpt2(), loader)
+    cb._refuse_up_front(SimpleNamespace(**{**vars(args), "fp16": False, "bf16": True}), gpt2(), loader)

@@ -324,6 +324,12 @@ class GradientCallback(TrainerCallback):
                 raise LossReductionError(
                     f"GradientCallback(scale={self.scale!r}) needs the Trainer's token count and the labels at each "
                     f"forward: {why}. Use scale='loss' (each example's contribution to the step's gradient)")
+        if getattr(args, "fp16", False):
+            raise OptionError(
+                "GradientCallback with TrainingArguments(fp16=True): float16 training scales the loss by a "
+                "GradScaler factor that changes between steps (and skips steps whose gradients overflow to inf), "
+                "so the captured rows would carry that factor, or be inf. Train with bf16=True (no loss "
+                "scaling) or in float32")
         missing = [key for key in self.record if not takes_kwargs and key not in params]
         if missing:
             raise DataError(
