@@ -47,7 +47,7 @@ class LinearOp(ABC):
     @property
     @abstractmethod
     def form(self) -> str:
-        """How the numbers are kept: one of :data:`gradalg.linalg.rules.FORMS`."""
+        """How the numbers are kept: one of :data:`gradalg.linalg.labels.FORMS`."""
 
     @property
     def structure(self) -> frozenset:
@@ -58,8 +58,8 @@ class LinearOp(ABC):
     def _intrinsic_tags(self) -> frozenset:
         return frozenset()
 
-    #: the form in one short word ("diag", "block", "dense", "kron", "lowrank", "implicit");
-    #: a class attribute of each operator (a field of ResolvedOp)
+    #: the form in one word, :data:`gradalg.linalg.labels.SHORT` ("diag", "block", "dense",
+    #: "kron", "lowrank", "implicit"); a class attribute of each operator (a field of ResolvedOp)
     kind: str
 
     def _recorded(self, rules: tuple, tags=None) -> "LinearOp":

@@ -13,10 +13,12 @@ from dataclasses import dataclass
 import torch
 
 from .base import LinearOp, power_values, reciprocal, sym_eig_map
+from .labels import SHORT
 
 __all__ = ["ResolvedOp", "explicit"]
 
-_FORM = {"diag": "diagonal", "block": "block", "dense": "dense"}
+#: ``kind`` (the form's one-word name, :data:`~gradalg.linalg.labels.SHORT`) ↦ the form
+_FORM = {SHORT[form]: form for form in ("diagonal", "block", "dense")}
 
 
 @dataclass
