@@ -33,6 +33,7 @@ from gradalg.linalg.labels import form_of  # noqa: E402
 from gradalg.plan.cost import Cost  # noqa: E402
 from gradalg.plan.estimates import OperatorPrices  # noqa: E402
 from gradalg.plan.resolution import resolution_rules  # noqa: E402
+from gradalg.plan.rules import PlanError  # noqa: E402
 from gradalg.space import ParamSpace  # noqa: E402
 
 F64 = torch.float64
@@ -237,6 +238,21 @@ def test_an_outside_operator_composes_by_the_rules_of_its_labels(setting):
     H = ga.Operator(AdamSecondMoment(torch.ones(G.space.dim, dtype=F64), G.space)).pow(0.5).damp(0.1)
     assert resolution_rules(H) == ["diagonal.elementwise_power", "diagonal.shift"]
     assert list(LocalExecutor().resolve(H.expr).rules) == resolution_rules(H)
+
+
+def test_a_statistic_no_job_computes_is_refused_when_planned(setting):
+    """No silent fall-through: a statistic of a kind the plan has no job for is refused
+    with the kinds there are, before any pass."""
+    task, data, G = setting
+
+    @dataclass(frozen=True, eq=False)
+    class Mystery(AdamSecondMoment):
+        def statistics(self):
+            return (Statistic("mystery", self, G.expr),)
+
+    H = ga.Operator(Mystery(torch.ones(G.space.dim, dtype=F64), G.space))
+    with pytest.raises(PlanError, match="'mystery'.*'ekfac', 'fisher', 'kfac'"):
+        LocalExecutor().plan((G @ H @ G.T).expr)
 
 
 def test_labels_outside_the_vocabulary_are_refused():
