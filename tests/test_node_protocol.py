@@ -256,9 +256,9 @@ def test_a_statistic_no_job_computes_is_refused_when_planned(setting):
 
 
 def test_labels_outside_the_vocabulary_are_refused():
-    with pytest.raises(ValueError, match="exactly one form"):
+    with pytest.raises(ga.OperatorError, match="exactly one form"):
         Labels({"diagonal", "sparse"})
-    with pytest.raises(ValueError, match="exactly one form"):
+    with pytest.raises(ga.OperatorError, match="exactly one form"):
         Labels({"psd"})
 
 

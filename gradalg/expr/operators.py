@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
-from ..errors import OperatorError, ShapeMismatchError
+from ..errors import OperatorError, OptionError, ShapeMismatchError
 from ..linalg import Labels, LinearOp, ResolvedOp
 from ..linalg.labels import from_short, short_name
 from ..space import ParamSpace
@@ -242,7 +242,8 @@ class Fisher(OpNode):
 
     def __post_init__(self):
         if self.structure_ not in ("dense", "block", "diag"):
-            raise ValueError(f"Fisher structure must be 'dense', 'block' or 'diag', got {self.structure_!r}")
+            raise OptionError(f"Fisher structure must be 'dense', 'block' or 'diag', got {self.structure_!r}: "
+                              "e.g. ga.fisher(G, structure='block')")
 
     @property
     def space(self):
@@ -312,7 +313,8 @@ class Inverse(OpNode):
 
     def __post_init__(self):
         if self.method not in ("auto", "cg", "lissa"):
-            raise ValueError(f"inverse method must be 'auto', 'cg' or 'lissa', got {self.method!r}")
+            raise OptionError(f"inverse method must be 'auto', 'cg' or 'lissa', got {self.method!r}: "
+                              "e.g. H.inv(method='cg')")
 
     @property
     def space(self):

@@ -26,6 +26,7 @@ from dataclasses import replace
 
 import torch
 
+from ..errors import OptionError
 from . import rules as _rules
 
 __all__ = ["LinearOp", "SINGULAR_RTOL", "PSD_RTOL", "sym_eig_map", "reciprocal", "power_values"]
@@ -91,7 +92,7 @@ class LinearOp(ABC):
     def damp(self, damping: float, *, relative: bool = False, what: str = "the operator") -> "LinearOp":
         """H + λI; ``relative``: λ = damping · tr(H)/dim (a multiple of the mean eigenvalue)."""
         if not damping >= 0:
-            raise ValueError(f"damping must be non-negative, got {damping}")
+            raise OptionError(f"damping must be non-negative, got {damping}: pass λ ≥ 0")
         steps = []
         if relative:
             steps.append(_rules.choose("damp_relative", self.structure, what=what).name)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import OperatorError
 from .base import LinearOp, power_values, reciprocal, sym_eig_map
 from .labels import SHORT
 
@@ -55,7 +56,8 @@ class ResolvedOp(LinearOp):
             return self._new("block", {n: torch.diag(self.data[s]) for n, s in self.space.offsets().items()})
         if kind == "dense":
             return self._new("dense", self.dense())
-        raise ValueError(f"cannot keep a {self.kind} operator as {kind}")
+        raise OperatorError(f"cannot keep a {self.kind} operator as {kind}: only as 'block' (a diagonal) "
+                            "or 'dense' (any)")
 
     def dense(self) -> torch.Tensor:
         """The full (dim, dim) matrix."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..capture.factors import Factors, OneHot, materialize, token_slices
-from ..errors import CurvatureError
+from ..errors import CurvatureError, OptionError
 from . import rules as _rules
 from .base import LinearOp, power_values, reciprocal
 
@@ -355,7 +355,7 @@ class KronOp(LinearOp):
         λ_S ⊗ λ_A. Needs K-FAC's Λ = λ_S λ_Aᵀ (rank one up to ``rtol``); EK-FAC's re-fitted
         eigenvalues are refused."""
         if not damping >= 0:
-            raise ValueError(f"damping must be non-negative, got {damping}")
+            raise OptionError(f"damping must be non-negative, got {damping}: pass λ ≥ 0")
         rule = _rules.choose("damp", self.structure, variant="factorwise")
         root = damping ** 0.5
         out = {}

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import OperatorError
+
 __all__ = ["FORMS", "TAGS", "VOCABULARY", "SHORT", "form_of", "short_name", "from_short", "Labels"]
 
 #: the labels that say how an operator's numbers are kept (exactly one per operator)
@@ -50,7 +52,7 @@ def form_of(structure) -> str:
     for f in FORMS:
         if f in structure:
             return f
-    raise ValueError(f"structure {sorted(structure)} has no form label (one of {FORMS})")
+    raise OperatorError(f"structure {sorted(structure)} has no form label: give it one of {FORMS}")
 
 
 def short_name(structure) -> str:
@@ -65,7 +67,7 @@ def from_short(word: str) -> frozenset:
         return frozenset({"diagonal", "identity"})
     forms = {v: k for k, v in SHORT.items() if k in FORMS}
     if word not in forms:
-        raise ValueError(f"unknown structure {word!r}: one of {sorted(SHORT.values())}")
+        raise OperatorError(f"unknown structure {word!r}: use one of {sorted(SHORT.values())}")
     return frozenset({forms[word]})
 
 
@@ -85,8 +87,8 @@ class Labels:
         object.__setattr__(self, "rules", tuple(self.rules))
         unknown = self.labels - VOCABULARY
         if unknown or sum(f in self.labels for f in FORMS) != 1:
-            raise ValueError(f"operator labels {sorted(self.labels)}: need exactly one form of {FORMS} and tags "
-                             f"of {TAGS} only (unknown: {sorted(unknown)})")
+            raise OperatorError(f"operator labels {sorted(self.labels)}: need exactly one form of {FORMS} and "
+                                f"tags of {TAGS} only (unknown: {sorted(unknown)})")
 
     def __iter__(self):
         return iter(self.labels)
