@@ -199,7 +199,7 @@ def test_kron_operator_applied_block_by_block_to_factors_equals_the_dense_matrix
     """``KronOp.apply_blocks`` (the held side of EK-FAC scores) on factored rows: rotated in
     from the factors when T is short, materialized first when it is long."""
     from gradalg.capture.factors import Factors
-    from gradalg.curvature.kron import KronOp
+    from gradalg.linalg import KronOp
     from gradalg.space import Block, ParamSpace
     g = torch.Generator().manual_seed(0)
     shapes = {"a": (5, 3), "b": (4, 6)}
@@ -225,7 +225,7 @@ def test_preconditioning_held_rows_that_are_consumed_drops_each_raw_block_with_t
     the non-consuming path, which leaves its input whole."""
     from gradalg.capture.chunks import Chunk
     from gradalg.capture.factors import Factors
-    from gradalg.curvature.kron import KronOp
+    from gradalg.linalg import KronOp
     from gradalg.exec.resolve import precondition
     from gradalg.space import Block, ParamSpace
     g = torch.Generator().manual_seed(1)

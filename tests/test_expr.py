@@ -21,7 +21,7 @@ from torch.utils.data import TensorDataset
 import gradalg as ga
 from gradalg.capture import chunks as capture_chunks
 import gradalg.exec.accumulators
-import gradalg.exec.operators
+from gradalg.linalg import ResolvedOp
 from gradalg.capture.factors import Factors, dense_flops, ghost_flops
 from gradalg.expr import Inner, Precondition, ScoreSum
 from gradalg.plan import DecisionKind
@@ -194,13 +194,13 @@ def test_precondition_absorption_rewrite(s):
 def test_preconditioner_applied_to_the_smaller_side(s, monkeypatch):
     """G @ H @ Q.T with 24 training and 5 query rows: H is applied to the 5 query rows only."""
     rows_seen = []
-    real = gradalg.exec.operators.ResolvedOp.apply
+    real = ResolvedOp.apply
 
     def spy(self, rows):
         rows_seen.append(rows.shape[0])
         return real(self, rows)
 
-    monkeypatch.setattr(gradalg.exec.operators.ResolvedOp, "apply", spy)
+    monkeypatch.setattr(ResolvedOp, "apply", spy)
     G, Q = s.G(), s.Q()
     M = torch.diag(torch.linspace(0.5, 2.0, G.space.dim, dtype=F64))
     got = values(G @ ga.dense(M, G) @ Q.T)

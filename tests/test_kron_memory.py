@@ -1,4 +1,4 @@
-"""What a Kronecker damp → inverse chain holds (:class:`gradalg.curvature.kron.BlockEigenvalues`).
+"""What a Kronecker damp → inverse chain holds (:class:`gradalg.linalg.kron.BlockEigenvalues`).
 
 K-FAC's Λ = λ_S λ_Aᵀ is kept as its two vectors and damping, scaling, inverses and powers
 add elementwise steps to it instead of making a new (out, in) grid, so the operators of
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import gradalg as ga
-import gradalg.curvature.kron as kron
-from gradalg.curvature.kron import BlockEigenvalues, KronOp
+import gradalg.linalg.kron as kron
+from gradalg.linalg.kron import BlockEigenvalues, KronOp
 from gradalg.errors import OperatorError
 from gradalg.exec.local import LocalExecutor
 from gradalg.plan.memory import kron_output_bytes

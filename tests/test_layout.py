@@ -22,8 +22,9 @@ PACKAGE = ROOT / "gradalg"
 # floor and the floors below it; imports within a floor must not form a circle.
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("errors", "version", "options", "fingerprint", "finite", "collate", "notebook_runner"),  # foundation
-    ("data", "task", "tasks", "space", "linalg", "unroll", "eval"),  # inputs, shapes, torch-only math
+    ("data", "task", "tasks", "space", "unroll", "eval"),  # inputs, shapes, torch-only math
     ("capture",),                                       # recording per-example factors
+    ("linalg",),                                        # resolved operators (on flat or factored rows)
     ("expr",),                                          # immutable expression nodes
     ("proj", "curvature", "viz"),                       # kernels and displays over nodes
     ("plan",),                                          # the planner

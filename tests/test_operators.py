@@ -8,11 +8,10 @@ import pytest
 import torch
 
 import gradalg as ga
-from gradalg.curvature.kron import KronOp
-from gradalg.capture.chunks import Chunk
-from gradalg.exec.curvature import DataInfOp
+from gradalg.linalg import KronOp
+from gradalg.linalg import DataInfOp
 from gradalg.exec.local import LocalExecutor
-from gradalg.expr import Block, DataInf, ParamSpace
+from gradalg.expr import Block, ParamSpace
 from gradalg.linalg import ImplicitOp, LinearOp, LowRankOp, ResolvedOp, SolvedOp
 from gradalg.plan.resolution import resolution_rules
 from gradalg.plan.rules import simplify_until_fixpoint
@@ -151,24 +150,19 @@ def test_lissa_variant_is_chosen_by_method():
                                rtol=1e-7, atol=1e-9)
 
 
-class _Rows:
-    """A stand-in executor: iter_chunks yields fixed training rows."""
-
-    def __init__(self, G):
-        self.G = G
-
-    def iter_chunks(self, node):
-        for start in range(0, len(self.G), 3):
-            rows = self.G[start:start + 3]
-            yield Chunk(tuple(range(start, start + len(rows))),
-                        {"a": rows[:, :12], "b": rows[:, 12:]})
+def _rows_of(G):
+    """A stream of fixed training rows, three at a time, as DataInfOp reads them."""
+    def stream():
+        for start in range(0, len(G), 3):
+            rows = G[start:start + 3]
+            yield {"a": rows[:, :12], "b": rows[:, 12:]}
+    return stream
 
 
 def test_datainf_against_its_closed_form_and_refusals():
     G = torch.randn(7, DIM, generator=_gen(3), dtype=F64)
     lam = 0.4
-    node = DataInf(ga.grads(ga.tasks.classification(mlp()), classification_data(n=4)).expr, lam)
-    op = DataInfOp(SPACE, _Rows(G), node)
+    op = DataInfOp(SPACE, _rows_of(G), lam)
     blocks = []
     for s in SPACE.offsets().values():
         g = G[:, s]

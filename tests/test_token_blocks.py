@@ -14,7 +14,8 @@ import gradalg as ga
 from gradalg.plan import DecisionKind
 from gradalg.capture import factors as F_mod
 from gradalg.capture.factors import Factors, OneHot, ghost_inner, ghost_workspace_elements, materialize, self_inner
-from gradalg.curvature.kron import KronStats, rotate_factors
+from gradalg.curvature.kron import KronStats
+from gradalg.linalg.kron import rotate_factors
 from references import one_thread  # noqa: F401 - one intra-op thread per test module
 from models import lm_loss
 

@@ -4,9 +4,8 @@ from .distributed import TorchDistributed
 from .clusters import gpu_cluster, pinned_worker_specs, visible_gpus
 from .local import LocalExecutor
 from .models import WorkerModel
-from .operators import ResolvedOp
 
-__all__ = ["Executor", "get_executor", "LocalExecutor", "DaskExecutor", "TorchDistributed", "ResolvedOp", "WorkerModel",
+__all__ = ["Executor", "get_executor", "LocalExecutor", "DaskExecutor", "TorchDistributed", "WorkerModel",
            "gpu_cluster", "pinned_worker_specs", "visible_gpus"]
 
 

@@ -16,15 +16,16 @@ from __future__ import annotations
 import torch
 
 from ..capture.factors import HALF_DTYPES, Factors, ghost_inner, materialize, self_inner, token_slices
-from ..curvature.kron import (FLOAT32_ROUNDOFF, BlockEigenvalues, EighCheck, KronOp, KronStats, checked_eigh,
-                              diagonal_factor_rules, is_diagonal_factor, rotate_factors, rotate_rows)
+from ..curvature.kron import FLOAT32_ROUNDOFF, EighCheck, KronStats, checked_eigh
+from ..linalg.kron import (BlockEigenvalues, KronOp, diagonal_factor_rules, is_diagonal_factor, rotate_factors,
+                           rotate_rows)
 from ..errors import CurvatureError, DataError, GradalgError
 from ..expr import KFAC, Fisher, GroupMean
 from ..plan.memory import check_statistics_fit
 from ..plan.rules import PlanError
 from ..capture.chunks import Chunk, flat_block, flatten, row_sq_norms, unflatten
 from .allocator import release_free_memory
-from .operators import ResolvedOp
+from ..linalg import ResolvedOp
 
 __all__ = ["FisherAccumulator", "KronAccumulator", "EKFACAccumulator", "GroupAccumulator", "Collector",
            "ScoreAccumulator", "DiagAccumulator", "TopKAccumulator", "select_topk"]

@@ -1,95 +1,92 @@
 """Resolution: an operator node ↦ its numbers, a :class:`~gradalg.linalg.LinearOp`.
 
-Leaves are read (``Identity``, ``Diagonal``, ``Dense``, a stored operator), accumulated
-over the data on the executor's pull path when no pass of the plan produced them
-(``Fisher``, ``KFAC``), or built from products (:mod:`gradalg.exec.curvature`).
-Every other node is one operation of the protocol on its operand, done by the named
-rule its structure selects (:mod:`gradalg.linalg.rules`); the rules applied are in
-the result's ``rules``, the same list :func:`gradalg.plan.resolution.resolution_rules`
+Each node resolves itself (``node.resolve(ctx)``, :mod:`gradalg.expr.operators`); this
+module is the executor's side of it, :class:`Resolution`, the context a node asks for its
+operands' numbers, its statistics (from a pass of the plan, else accumulated over the
+data here, on the pull path), a stream of rows, or products with the loss curvature.
+The rules applied are in the result's ``rules``, the same list the node's ``labels()``
 predicts from the expression alone.
 
 ``precondition`` applies a resolved operator to the held side of a score.
 """
 from __future__ import annotations
 
-import torch
-
-from ..expr import (KFAC, Arnoldi, CurvatureProducts, Damp, DataInf, Dense, Diagonal, Fisher, Identity, Inverse,
-                    OpNode, Power, ScaledOp, SumOp)
-from ..expr.spectral import Spectral
-from ..expr.stored import StoredOp
-from ..linalg import LinearOp, ResolvedOp
-from .accumulators import EKFACAccumulator, FisherAccumulator, KronAccumulator
 from ..capture.chunks import Chunk, flatten, unflatten
-from .allocator import release_free_memory
-from .curvature import resolve_curvature
-from .rowwise import dtype_device
-from ..errors import MemoryBudgetError
+from ..curvature.hvp import dataset_matvec
+from ..errors import MemoryBudgetError, OperatorError
+from ..expr import OpNode, Statistic
+from ..linalg import LinearOp
 from ..plan.budget import resolve_budget, with_note
+from .accumulators import EKFACAccumulator, FisherAccumulator, KronAccumulator
+from .allocator import release_free_memory
+from .rowwise import dtype_device
 
-__all__ = ["resolve_node", "precondition"]
-
-CURVATURE_NODES = (CurvatureProducts, Arnoldi, DataInf)
+__all__ = ["resolve_node", "precondition", "Resolution"]
 
 
 def resolve_node(executor, node: OpNode) -> LinearOp:
     """The numbers of ``node``; operands through ``executor.resolve`` (memoized there)."""
-    if isinstance(node, Identity):
-        return ResolvedOp.identity(node.space, torch.float64)  # exact in any row dtype
-    if isinstance(node, Diagonal):
-        return ResolvedOp(node.space, "diag", node.values)
-    if isinstance(node, Dense):
-        return ResolvedOp(node.space, "dense", node.matrix)
-    if isinstance(node, StoredOp):  # numbers kept outside the expression (ga.store, ga.compile)
-        return node.store.load()
-    if isinstance(node, Fisher):
-        budget = resolve_budget(executor.options)    # the pull path runs without a plan
-        try:
-            acc = FisherAccumulator(node, budget.bytes)
-        except MemoryBudgetError as err:
-            err.args = (with_note(err, budget), *err.args[1:])
-            raise
-        for chunk in executor.iter_chunks(node.grads):
-            acc.update(chunk)
-        return acc.finish()
-    if isinstance(node, KFAC):
-        return _kfac(executor, node)
-    if isinstance(node, Damp):
-        return executor.resolve(node.op).damp(node.damping, relative=node.relative, what=node.op.label)
-    if isinstance(node, Inverse):
-        method = None if node.method == "auto" else node.method
-        return executor.resolve(node.op).inverse(node.op.label, method=method, **dict(node.settings))
-    if isinstance(node, Power):
-        return executor.resolve(node.op).power(node.p, node.op.label)
-    if isinstance(node, Spectral):
-        return executor.resolve(node.op).spectral(node.fn, node.op.label)
-    if isinstance(node, ScaledOp):
-        return executor.resolve(node.op).scale(node.scale)
-    if isinstance(node, SumOp):
-        total = executor.resolve(node.ops[0])
-        for op in node.ops[1:]:
-            total = total.add(executor.resolve(op))
-        return total
-    if isinstance(node, CURVATURE_NODES):
-        return resolve_curvature(executor, node)
-    raise TypeError(f"the {getattr(executor, 'name', 'local')} executor cannot resolve operator "
-                    f"{type(node).__name__}")
+    return node.resolve(Resolution(executor))
 
 
-def _kfac(executor, node: KFAC) -> LinearOp:
+class Resolution:
+    """The :class:`~gradalg.expr.operators.ResolveContext` of one executor."""
+
+    def __init__(self, executor):
+        self.executor, self.options = executor, executor.options
+
+    def resolve(self, op: OpNode) -> LinearOp:
+        return self.executor.resolve(op)
+
+    def accumulate(self, statistic: Statistic, *prior: LinearOp) -> LinearOp:
+        """The statistic's numbers, accumulated over its rows on the pull path (a pass of
+        the plan that computed them left them where ``executor.resolve`` finds them)."""
+        if statistic.job not in _ACCUMULATE:
+            raise OperatorError(f"{statistic.node.label} asks for a statistic of job kind {statistic.job!r}; the "
+                            f"executors accumulate {sorted(_ACCUMULATE)}: return one of those from its statistics(), "
+                            "or read the rows in resolve(ctx) with ctx.rows(grads)")
+        return _ACCUMULATE[statistic.job](self.executor, statistic, *prior)
+
+    def rows(self, grads):
+        return lambda: (chunk.blocks for chunk in self.executor.iter_chunks(grads))
+
+    def products(self, task, data, layers, kind):
+        return dataset_matvec(task, data, layers, kind=kind, batch_size=self.options.batch_size)
+
+
+def _fisher(executor, statistic: Statistic) -> LinearOp:
+    budget = resolve_budget(executor.options)    # the pull path runs without a plan
+    try:
+        acc = FisherAccumulator(statistic.node, budget.bytes)
+    except MemoryBudgetError as err:
+        err.args = (with_note(err, budget), *err.args[1:])
+        raise
+    return _run(acc, executor.iter_chunks(statistic.rows))
+
+
+def _kfac(executor, statistic: Statistic) -> LinearOp:
+    """K-FAC's eigenbasis: the one a pass left awaiting its EK-FAC correction, else accumulated."""
+    node, o = statistic.node, executor.options
     kfac = executor._kron.get(node.token) if hasattr(executor, "_kron") else None
-    if kfac is None:
-        o = executor.options
-        acc = KronAccumulator(node, o.token_block, o.kron_float64_width, o.kron_float32_rtol, o.kron_diagonal_width)
-        for chunk in executor.iter_chunks(node.covariance_grads):   # covariance_max_examples
-            acc.update(chunk)
-        kfac = acc.finish()
-    if not node.eigen_correction:
+    if kfac is not None:
         return kfac
-    corr = EKFACAccumulator(node, kfac, executor.options.token_block)
-    for chunk in executor.iter_chunks(node.lambda_grads):           # lambda_max_examples
-        corr.update(chunk)
-    return corr.finish()
+    acc = KronAccumulator(node, o.token_block, o.kron_float64_width, o.kron_float32_rtol, o.kron_diagonal_width)
+    return _run(acc, executor.iter_chunks(statistic.rows))      # covariance_max_examples
+
+
+def _ekfac(executor, statistic: Statistic, kfac: LinearOp) -> LinearOp:
+    acc = EKFACAccumulator(statistic.node, kfac, executor.options.token_block)
+    return _run(acc, executor.iter_chunks(statistic.rows))      # lambda_max_examples
+
+
+def _run(acc, chunks) -> LinearOp:
+    for chunk in chunks:
+        acc.update(chunk)
+    return acc.finish()
+
+
+#: the accumulation of each statistics job kind on the pull path
+_ACCUMULATE = {"fisher": _fisher, "kfac": _kfac, "ekfac": _ekfac}
 
 
 def precondition(resolved: LinearOp, held: Chunk, space, *, consume: bool = False) -> Chunk:

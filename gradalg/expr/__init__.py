@@ -2,8 +2,8 @@
 from .base import Node, tokenize
 from .grads import (AdamPrecondition, AdamState, Captured, GradNode, GroupMean, Normalize, Precondition,
                     Project, RowWeights, ScaleRows, Select, Source)
-from .operators import (Damp, Dense, Diagonal, Fisher, Identity, Inverse, OpNode, Power, ScaledOp,
-                        SumOp)
+from .operators import (Damp, Dense, Diagonal, Fisher, Identity, Inverse, OpNode, Power, ResolveContext, ScaledOp,
+                        Statistic, SumOp)
 from .projection import Projector
 from .scores import Diagonal as ScoreDiagonal
 from .scores import Inner, ScoreNode, ScoreSum

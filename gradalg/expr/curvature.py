@@ -1,6 +1,7 @@
 """Curvature operator nodes beyond the Fisher: Kronecker (K-FAC / EK-FAC), products
 with the Hessian or Gauss-Newton matrix, their Arnoldi low-rank approximation, and
-DataInf's closed-form inverse. See :mod:`gradalg.curvature` for the math.
+DataInf's closed-form inverse. See :mod:`gradalg.curvature` for the math; each node
+implements the operator protocol of :mod:`gradalg.expr.operators`.
 """
 from __future__ import annotations
 
@@ -8,10 +9,16 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+import torch
+
 from ..data import DataRef
+from ..linalg import DataInfOp, ImplicitOp, Labels, LowRankOp
+from ..linalg.kron import diagonal_factor_rules
+from ..linalg.solvers import arnoldi
+from ..options import get_options
 from ..space import ParamSpace
 from .grads import GradNode, first_examples
-from .operators import OpNode
+from .operators import OpNode, Statistic
 
 __all__ = ["KFAC", "CurvatureProducts", "Arnoldi", "DataInf"]
 
@@ -43,9 +50,29 @@ class KFAC(OpNode):
     def space(self) -> ParamSpace:
         return self.grads.space
 
-    @property
-    def structure(self):
-        return "kron"
+    def labels(self):
+        """Kronecker; a factor wider than ``ga.options(kron_diagonal_width)`` kept diagonal
+        is named (rule ``kronecker.diagonal_factor``); two K-FACs of the same gradients
+        share their eigenbasis."""
+        rules = diagonal_factor_rules(self.space, get_options().kron_diagonal_width)
+        return Labels({"kronecker"}, rules, ("kfac", self.grads.token))
+
+    def statistics(self):
+        """The covariances over the first ``covariance_max_examples`` rows (a ``kfac`` job),
+        and for EK-FAC the eigenvalues over the first ``lambda_max_examples`` (``ekfac``,
+        after it: it needs the eigenbasis)."""
+        kfac = Statistic("kfac", self, self.covariance_grads)
+        if not self.eigen_correction:
+            return (kfac,)
+        return (kfac, Statistic("ekfac", self, self.lambda_grads, after=(kfac,)))
+
+    def resolve(self, ctx):
+        kfac, *ekfac = self.statistics()
+        basis = ctx.accumulate(kfac)
+        return ctx.accumulate(ekfac[0], basis) if ekfac else basis
+
+    def apply_cost(self, space, n, prices):
+        return prices.by_form(self.labels(), space, n)
 
     @cached_property
     def covariance_grads(self) -> GradNode:
@@ -93,9 +120,19 @@ class CurvatureProducts(OpNode):
     def space(self):
         return self.space_
 
-    @property
-    def structure(self):
-        return "implicit"
+    def labels(self):
+        return Labels({"implicit"})
+
+    def statistics(self):
+        return ()
+
+    def resolve(self, ctx):
+        matvec = ctx.products(self.task, self.data, self.layers, self.kind)
+        # the Gauss-Newton matrix is PSD; the Hessian need not be
+        return ImplicitOp(self.space, matvec, tags=frozenset({"psd"}) if self.kind != "hessian" else frozenset())
+
+    def apply_cost(self, space, n, prices):
+        return prices.by_form(self.labels(), space, n)
 
     @property
     def label(self):
@@ -115,9 +152,23 @@ class Arnoldi(OpNode):
     def space(self):
         return self.op.space
 
-    @property
-    def structure(self):
-        return "lowrank"
+    def labels(self):
+        self.op.labels()        # its operand must resolve (refusals surface here)
+        return Labels({"low-rank"})
+
+    def statistics(self):
+        return self.op.statistics()
+
+    def resolve(self, ctx):
+        inner = ctx.resolve(self.op)
+        dtype = torch.float64
+        evals, vecs = arnoldi(lambda V: inner.apply(V.to(dtype)), self.space.dim, self.rank,
+                              iters=self.iters, seed=self.seed, dtype=dtype)
+        return LowRankOp(self.space, evals, vecs, inner.tags & {"psd"})
+
+    def apply_cost(self, space, n, prices):
+        """V diag(μ) Vᵀ applied: 4n·d·r."""
+        return prices.low_rank(space, n, self.rank)
 
     @property
     def label(self):
@@ -141,9 +192,23 @@ class DataInf(OpNode):
     def space(self):
         return self.grads.space
 
-    @property
-    def structure(self):
-        return "implicit"
+    def labels(self):
+        return Labels({"implicit", "approximate-inverse"})
+
+    def statistics(self):
+        """No job of its own: it reads its rows each time it is applied."""
+        return (Statistic(None, self, self.grads),)
+
+    def resolve(self, ctx):
+        return DataInfOp(self.space, ctx.rows(self.grads), self.damping)
+
+    def apply_cost(self, space, n, prices):
+        """One read of the n_train training rows (captured again, factored blocks
+        materialized) and, per block, two GEMMs (n, n_train, d_b) with the n held rows."""
+        rows, cost = self.grads, prices.rows_read(self.grads)
+        for b in rows.space.blocks:
+            cost = cost + prices.gemm(n, rows.n, b.dim, 2) + prices.traffic(2.0 * prices.elem * rows.n * b.dim)
+        return cost
 
     @property
     def label(self):

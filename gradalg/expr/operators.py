@@ -1,55 +1,135 @@
-"""Operator nodes: symmetric linear maps on a :class:`ParamSpace`.
+"""Operator nodes: symmetric linear maps on a :class:`ParamSpace`, and their protocol.
 
-``structure`` tells the executor how the operator is stored once resolved:
+Every operator node implements four plain methods (abstract on :class:`OpNode`, so a
+node type that forgets one cannot be built); the planner and the executors only call
+them, they never ask a node's type:
 
-``identity``  I
-``diag``      a vector v: H = diag(v)
-``block``     one (d_b, d_b) matrix per block (block-diagonal across layers)
-``dense``     one (dim, dim) matrix over the whole space
+``labels()``                   its structure once resolved, in the one vocabulary of
+                               :mod:`gradalg.linalg.labels` (a :class:`~gradalg.linalg.Labels`:
+                               labels, the named rules resolving it applies, its eigenbasis);
+                               an operation its structure cannot do raises the rule's refusal
+``statistics()``               the statistics it needs computed over data before it
+                               resolves (:class:`Statistic`: a job of the plan per statistic)
+``resolve(ctx)``               its numbers, a :class:`~gradalg.linalg.LinearOp`, asking the
+                               executor only through ``ctx`` (:class:`ResolveContext`)
+``apply_cost(space, n, prices)``  the cost of applying the resolved operator to n rows of
+                               ``space``, priced with ``prices``
+                               (:class:`gradalg.plan.estimates.OperatorPrices`)
 
-Algebra: ``A + B``, ``c * A``, ``A.damp(λ) = A + λI``, ``A.inv()``, ``A.pow(p)``. The
-structure of a result is the coarsest of its operands' (dense ⊃ block ⊃ diag ⊃ identity).
+Algebra: ``A + B``, ``c * A``, ``A.damp(λ) = A + λI``, ``A.inv()``, ``A.pow(p)``; each
+wrapper's labels follow from its operand's by the named rules (``Labels.damp`` ...), the
+same rules the resolved operators apply. ``structure`` is the one-word name of the labels
+(:func:`~gradalg.linalg.labels.short_name`: "identity", "diag", "block", "dense", "kron",
+"lowrank", "implicit"). Writing a new operator: ``docs/contributing.md``.
 """
 from __future__ import annotations
 
 from abc import abstractmethod
-
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import reduce
+from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
-from ..errors import ShapeMismatchError
+from ..errors import OperatorError, OptionError, ShapeMismatchError
+from ..linalg import Labels, LinearOp, ResolvedOp
+from ..linalg.labels import from_short, short_name
 from ..space import ParamSpace
 from .base import Node
 from .grads import GradNode
 
-__all__ = ["OpNode", "Identity", "Diagonal", "Dense", "Fisher", "Damp", "Inverse", "Power",
-           "ScaledOp", "SumOp", "coarsest"]
-
-_ORDER = ("identity", "diag", "kron", "lowrank", "block", "dense", "implicit")
+__all__ = ["OpNode", "Statistic", "ResolveContext", "Identity", "Diagonal", "Dense", "Fisher", "Damp", "Inverse",
+           "Power", "ScaledOp", "SumOp"]
 
 
-def coarsest(*structures: str) -> str:
-    return max(structures, key=_ORDER.index)
+@dataclass(frozen=True)
+class Statistic:
+    """A statistic an operator needs before it resolves: the plan's job of kind ``job``
+    (``"fisher"``, ``"kfac"``, ``"ekfac"``: :mod:`gradalg.plan.jobs`) accumulates it for
+    ``node`` over the rows ``rows``, after the statistics ``after``. ``job=None``: no job
+    of its own, the operator reads ``rows`` itself when applied (DataInf), so only the
+    statistics those rows need must be ready."""
+
+    job: str | None
+    node: "OpNode"
+    rows: GradNode
+    after: tuple = ()
+
+
+class ResolveContext(Protocol):
+    """What :meth:`OpNode.resolve` may ask of the executor (:mod:`gradalg.exec.resolve`)."""
+
+    options: Any
+
+    def resolve(self, op: "OpNode") -> LinearOp:
+        """An operand's numbers (memoized by the executor)."""
+
+    def accumulate(self, statistic: Statistic, *prior: LinearOp) -> LinearOp:
+        """A statistic's numbers: from the pass of the plan that computed it, else
+        accumulated over its rows now (the pull path); ``prior``: the statistics of
+        ``statistic.after``, resolved."""
+
+    def rows(self, grads: GradNode) -> Callable[[], Iterable[dict]]:
+        """A callable giving a fresh stream of the rows of ``grads``, chunk by chunk, as
+        ``{block: (c, d_b) rows or Factors}``."""
+
+    def products(self, task, data, layers: tuple, kind: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        """V (k, dim) ↦ (H v_i)_i (k, dim) with the loss curvature ``kind`` ("hessian",
+        "gauss_newton") of ``task`` over ``data`` on ``layers``: one pass per call."""
 
 
 class OpNode(Node):
-    """Base of operator nodes."""
+    """Base of operator nodes: the four methods of the protocol (module docs) are abstract."""
 
     @property
     @abstractmethod
     def space(self) -> ParamSpace:
         """Defined by each node type."""
 
-    @property
     @abstractmethod
+    def labels(self) -> Labels:
+        """The structure once resolved (labels, rules, eigenbasis); raises the
+        :class:`~gradalg.errors.OperatorError` of an operation the structure refuses."""
+
+    @abstractmethod
+    def statistics(self) -> tuple[Statistic, ...]:
+        """The statistics over data this operator (and its operands) need before it resolves."""
+
+    @abstractmethod
+    def resolve(self, ctx: ResolveContext) -> LinearOp:
+        """The numbers of this operator."""
+
+    @abstractmethod
+    def apply_cost(self, space: ParamSpace, n: int, prices):
+        """The :class:`~gradalg.plan.cost.Cost` of applying the resolved operator to n rows
+        of ``space`` (``prices``: :class:`gradalg.plan.estimates.OperatorPrices`)."""
+
+    @property
     def structure(self) -> str:
-        """Defined by each node type."""
+        """The labels' one-word name ("identity", "diag", "block", "dense", "kron",
+        "lowrank", "implicit"); a refused operation shows its operand's."""
+        try:
+            return short_name(self.labels())
+        except OperatorError:
+            operands = [c for c in self.children if isinstance(c, OpNode)]
+            return operands[0].structure if operands else "implicit"
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.space.dim, self.space.dim)
+
+
+def operand_cost(node: "OpNode", op: "OpNode", space: ParamSpace, n: int, prices):
+    """The apply cost of ``node``, a map of ``op`` (damped, inverted, ...): the operand's
+    when ``node`` keeps its form (its rank, its eigenbases, its data), else by
+    ``node``'s form (a damped identity is a diagonal)."""
+    try:
+        mine, theirs = node.labels(), op.labels()
+    except OperatorError:
+        return op.apply_cost(space, n, prices)
+    if mine.form == theirs.form and "identity" not in theirs:
+        return op.apply_cost(space, n, prices)
+    return prices.by_form(mine, space, n)
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,9 +142,17 @@ class Identity(OpNode):
     def space(self):
         return self.space_
 
-    @property
-    def structure(self):
-        return "identity"
+    def labels(self):
+        return Labels({"diagonal", "identity"})
+
+    def statistics(self):
+        return ()
+
+    def resolve(self, ctx):
+        return ResolvedOp.identity(self.space, torch.float64)  # exact in any row dtype
+
+    def apply_cost(self, space, n, prices):
+        return prices.free()
 
     @property
     def label(self):
@@ -89,9 +177,17 @@ class Diagonal(OpNode):
     def space(self):
         return self.space_
 
-    @property
-    def structure(self):
-        return "diag"
+    def labels(self):
+        return Labels({"diagonal"})
+
+    def statistics(self):
+        return ()
+
+    def resolve(self, ctx):
+        return ResolvedOp(self.space, "diag", self.values)
+
+    def apply_cost(self, space, n, prices):
+        return prices.by_form(self.labels(), space, n)
 
     @property
     def label(self):
@@ -115,9 +211,17 @@ class Dense(OpNode):
     def space(self):
         return self.space_
 
-    @property
-    def structure(self):
-        return "dense"
+    def labels(self):
+        return Labels({"dense"})
+
+    def statistics(self):
+        return ()
+
+    def resolve(self, ctx):
+        return ResolvedOp(self.space, "dense", self.matrix)
+
+    def apply_cost(self, space, n, prices):
+        return prices.by_form(self.labels(), space, n)
 
     @property
     def label(self):
@@ -138,15 +242,24 @@ class Fisher(OpNode):
 
     def __post_init__(self):
         if self.structure_ not in ("dense", "block", "diag"):
-            raise ValueError(f"Fisher structure must be 'dense', 'block' or 'diag', got {self.structure_!r}")
+            raise OptionError(f"Fisher structure must be 'dense', 'block' or 'diag', got {self.structure_!r}: "
+                              "e.g. ga.fisher(G, structure='block')")
 
     @property
     def space(self):
         return self.grads.space
 
-    @property
-    def structure(self):
-        return self.structure_
+    def labels(self):
+        return Labels(from_short(self.structure_))
+
+    def statistics(self):
+        return (Statistic("fisher", self, self.grads),)
+
+    def resolve(self, ctx):
+        return ctx.accumulate(self.statistics()[0])
+
+    def apply_cost(self, space, n, prices):
+        return prices.by_form(self.labels(), space, n)
 
     @property
     def label(self):
@@ -169,9 +282,17 @@ class Damp(OpNode):
     def space(self):
         return self.op.space
 
-    @property
-    def structure(self):
-        return coarsest(self.op.structure, "diag")
+    def labels(self):
+        return self.op.labels().damp(relative=self.relative, what=self.op.label)
+
+    def statistics(self):
+        return self.op.statistics()
+
+    def resolve(self, ctx):
+        return ctx.resolve(self.op).damp(self.damping, relative=self.relative, what=self.op.label)
+
+    def apply_cost(self, space, n, prices):
+        return operand_cost(self, self.op, space, n, prices)
 
     @property
     def label(self):
@@ -192,15 +313,25 @@ class Inverse(OpNode):
 
     def __post_init__(self):
         if self.method not in ("auto", "cg", "lissa"):
-            raise ValueError(f"inverse method must be 'auto', 'cg' or 'lissa', got {self.method!r}")
+            raise OptionError(f"inverse method must be 'auto', 'cg' or 'lissa', got {self.method!r}: "
+                              "e.g. H.inv(method='cg')")
 
     @property
     def space(self):
         return self.op.space
 
-    @property
-    def structure(self):
-        return self.op.structure
+    def labels(self):
+        return self.op.labels().inverse(None if self.method == "auto" else self.method, what=self.op.label)
+
+    def statistics(self):
+        return self.op.statistics()
+
+    def resolve(self, ctx):
+        method = None if self.method == "auto" else self.method
+        return ctx.resolve(self.op).inverse(self.op.label, method=method, **dict(self.settings))
+
+    def apply_cost(self, space, n, prices):
+        return operand_cost(self, self.op, space, n, prices)
 
     @property
     def label(self):
@@ -218,9 +349,17 @@ class Power(OpNode):
     def space(self):
         return self.op.space
 
-    @property
-    def structure(self):
-        return self.op.structure
+    def labels(self):
+        return self.op.labels().power(self.p, what=self.op.label)
+
+    def statistics(self):
+        return self.op.statistics()
+
+    def resolve(self, ctx):
+        return ctx.resolve(self.op).power(self.p, self.op.label)
+
+    def apply_cost(self, space, n, prices):
+        return operand_cost(self, self.op, space, n, prices)
 
     @property
     def label(self):
@@ -238,9 +377,17 @@ class ScaledOp(OpNode):
     def space(self):
         return self.op.space
 
-    @property
-    def structure(self):
-        return coarsest(self.op.structure, "diag")
+    def labels(self):
+        return self.op.labels().scale()
+
+    def statistics(self):
+        return self.op.statistics()
+
+    def resolve(self, ctx):
+        return ctx.resolve(self.op).scale(self.scale)
+
+    def apply_cost(self, space, n, prices):
+        return operand_cost(self, self.op, space, n, prices)
 
     @property
     def label(self):
@@ -261,9 +408,21 @@ class SumOp(OpNode):
     def space(self):
         return self.ops[0].space
 
-    @cached_property
-    def structure(self):
-        return coarsest(*(op.structure for op in self.ops))
+    def labels(self):
+        return reduce(Labels.add, (op.labels() for op in self.ops))
+
+    def statistics(self):
+        return tuple(s for op in self.ops for s in op.statistics())
+
+    def resolve(self, ctx):
+        return reduce(LinearOp.add, (ctx.resolve(op) for op in self.ops))
+
+    def apply_cost(self, space, n, prices):
+        """By the sum's form; a sum known through products applies each term: Σ costs."""
+        labels = self.labels()
+        if labels.form == "implicit":
+            return reduce(lambda a, b: a + b, (op.apply_cost(space, n, prices) for op in self.ops))
+        return prices.by_form(labels, space, n)
 
     @property
     def label(self):

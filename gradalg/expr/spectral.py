@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .operators import OpNode
+from .operators import OpNode, operand_cost
 
 __all__ = ["Spectral", "UnrollDecay", "UnrollResponse"]
 
@@ -65,9 +65,17 @@ class Spectral(OpNode):
     def space(self):
         return self.op.space
 
-    @property
-    def structure(self):
-        return self.op.structure
+    def labels(self):
+        return self.op.labels().spectral(what=self.op.label)
+
+    def statistics(self):
+        return self.op.statistics()
+
+    def resolve(self, ctx):
+        return ctx.resolve(self.op).spectral(self.fn, self.op.label)
+
+    def apply_cost(self, space, n, prices):
+        return operand_cost(self, self.op, space, n, prices)
 
     @property
     def label(self):

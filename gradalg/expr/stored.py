@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..linalg import Labels
+from ..linalg.labels import from_short
 from ..space import ParamSpace
 from .grads import Captured
 from .operators import OpNode
@@ -57,9 +59,21 @@ class StoredOp(OpNode):
     def space(self):
         return self.space_
 
-    @property
-    def structure(self):
-        return self.structure_
+    def labels(self):
+        """A compiled operator's labels and rules as it was resolved (``store.structure``,
+        ``store.rules``), else those of its stored form; its eigenbasis is its own."""
+        labels = getattr(self.store, "structure", None)
+        labels = frozenset(labels) if labels is not None else from_short(self.structure_)
+        return Labels(labels - {"psd"}, tuple(getattr(self.store, "rules", ())), ("stored", self.token))
+
+    def statistics(self):
+        return ()
+
+    def resolve(self, ctx):
+        return self.store.load()
+
+    def apply_cost(self, space, n, prices):
+        return prices.by_form(self.labels(), space, n)
 
     @property
     def label(self):

@@ -26,6 +26,7 @@ from dataclasses import replace
 
 import torch
 
+from ..errors import OptionError
 from . import rules as _rules
 
 __all__ = ["LinearOp", "SINGULAR_RTOL", "PSD_RTOL", "sym_eig_map", "reciprocal", "power_values"]
@@ -47,7 +48,7 @@ class LinearOp(ABC):
     @property
     @abstractmethod
     def form(self) -> str:
-        """How the numbers are kept: one of :data:`gradalg.linalg.rules.FORMS`."""
+        """How the numbers are kept: one of :data:`gradalg.linalg.labels.FORMS`."""
 
     @property
     def structure(self) -> frozenset:
@@ -58,8 +59,8 @@ class LinearOp(ABC):
     def _intrinsic_tags(self) -> frozenset:
         return frozenset()
 
-    #: the form in one short word ("diag", "block", "dense", "kron", "lowrank", "implicit");
-    #: a class attribute of each operator (a field of ResolvedOp)
+    #: the form in one word, :data:`gradalg.linalg.labels.SHORT` ("diag", "block", "dense",
+    #: "kron", "lowrank", "implicit"); a class attribute of each operator (a field of ResolvedOp)
     kind: str
 
     def _recorded(self, rules: tuple, tags=None) -> "LinearOp":
@@ -91,7 +92,7 @@ class LinearOp(ABC):
     def damp(self, damping: float, *, relative: bool = False, what: str = "the operator") -> "LinearOp":
         """H + λI; ``relative``: λ = damping · tr(H)/dim (a multiple of the mean eigenvalue)."""
         if not damping >= 0:
-            raise ValueError(f"damping must be non-negative, got {damping}")
+            raise OptionError(f"damping must be non-negative, got {damping}: pass λ ≥ 0")
         steps = []
         if relative:
             steps.append(_rules.choose("damp_relative", self.structure, what=what).name)

@@ -12,11 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import OperatorError
 from .base import LinearOp, power_values, reciprocal, sym_eig_map
+from .labels import SHORT
 
 __all__ = ["ResolvedOp", "explicit"]
 
-_FORM = {"diag": "diagonal", "block": "block", "dense": "dense"}
+#: ``kind`` (the form's one-word name, :data:`~gradalg.linalg.labels.SHORT`) ↦ the form
+_FORM = {SHORT[form]: form for form in ("diagonal", "block", "dense")}
 
 
 @dataclass
@@ -53,7 +56,8 @@ class ResolvedOp(LinearOp):
             return self._new("block", {n: torch.diag(self.data[s]) for n, s in self.space.offsets().items()})
         if kind == "dense":
             return self._new("dense", self.dense())
-        raise ValueError(f"cannot keep a {self.kind} operator as {kind}")
+        raise OperatorError(f"cannot keep a {self.kind} operator as {kind}: only as 'block' (a diagonal) "
+                            "or 'dense' (any)")
 
     def dense(self) -> torch.Tensor:
         """The full (dim, dim) matrix."""

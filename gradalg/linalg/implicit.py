@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from ..errors import OptionError
 from .base import LinearOp
 from .solvers import conjugate_gradient, lissa
 
@@ -70,7 +71,7 @@ class SolvedOp(LinearOp):
             return self.coef * conjugate_gradient(matvec, rows, lam, **self.settings)
         if self.method == "lissa":
             return self.coef * lissa(matvec, rows, lam, **self.settings)
-        raise ValueError(f"unknown solver {self.method!r}: use 'cg' or 'lissa'")
+        raise OptionError(f"unknown solver {self.method!r}: use 'cg' or 'lissa'")
 
     def solve(self, rows: torch.Tensor, **settings) -> torch.Tensor:
         """(coef · A⁻¹)⁻¹ x = A x / coef: the products themselves, no solver."""

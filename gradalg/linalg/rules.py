@@ -1,35 +1,28 @@
 """Named algebraic rules: how each operation on a resolved operator is done, by structure.
 
-An operator's ``structure`` is a frozenset of labels. Its *form* — exactly one of
-``diagonal``, ``block``, ``dense``, ``kronecker``, ``low-rank``, ``implicit`` — says how
-its numbers are kept; other labels add facts about it:
-
-``identity``             a multiple of the identity, c·I
-``inverse``              an inverse applied by an iterative solver, (c·H + λI)⁻¹
-``approximate-inverse``  an inverse known only by a closed form of products (DataInf)
-``psd``                  positive semi-definite (curvature statistics and what keeps it so)
+An operator's ``structure`` is a frozenset of labels of the one vocabulary of
+:mod:`gradalg.linalg.labels`: exactly one *form* (``diagonal``, ``block``, ``dense``,
+``kronecker``, ``low-rank``, ``implicit``: how its numbers are kept) and tags
+(``identity``, ``inverse``, ``approximate-inverse``, ``psd``: facts about it).
 
 Each operation (``damp``, ``damp_relative``, ``inverse``, ``power``, ``scale``) takes
 the first rule of its table whose labels the operand carries; a sum takes the rules of
 :func:`choose_sum`. The rule's name is appended to the result's ``rules``, and because
 the choice needs only labels, the planner lists the same names before any data is read
-(:func:`gradalg.plan.resolution.resolution_rules`). A rule with a ``refusal`` raises
+(:class:`~gradalg.linalg.labels.Labels`, an operator node's ``labels()``). A rule with a ``refusal`` raises
 :class:`~gradalg.errors.OperatorError` naming the structure and the fix: an operation
 that cannot be done exactly for a structure is refused, never approximated silently.
 
-This module imports nothing but the errors: it is the floor both ``exec/`` and
-``store/`` build on.
+This module imports nothing but the errors and the vocabulary.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..errors import OperatorError
+from .labels import FORMS, form_of
 
 __all__ = ["FORMS", "Rule", "RULES", "choose", "choose_sum", "describe_rule", "form_of", "refuse"]
-
-#: the labels that say how an operator's numbers are kept (exactly one per operator)
-FORMS = ("diagonal", "block", "dense", "kronecker", "low-rank", "implicit")
 
 
 @dataclass(frozen=True)
@@ -151,14 +144,6 @@ SUM_RULES: tuple[Rule, ...] = (
 )
 
 _DOCS = {r.name: r.doc for r in RULES + SUM_RULES if r.refusal is None}
-
-
-def form_of(structure) -> str:
-    """The one label of ``structure`` that says how the numbers are kept."""
-    for f in FORMS:
-        if f in structure:
-            return f
-    raise ValueError(f"structure {sorted(structure)} has no form label (one of {FORMS})")
 
 
 def _describe_structure(structure) -> str:

@@ -481,7 +481,8 @@ def _measure_blocks() -> tuple:
       and inverted in float64).
     """
     from ..capture.factors import Factors, ghost_inner, materialize
-    from ..curvature.kron import KronStats, _rotate_back, rotate_factors, rotate_rows
+    from ..curvature.kron import KronStats
+    from ..linalg.kron import rotate_back as _rotate_back, rotate_factors, rotate_rows
     from ..linalg.base import reciprocal
 
     w, n, T = BLOCK_WIDTH, BLOCK_ROWS, BLOCK_POSITIONS

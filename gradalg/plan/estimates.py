@@ -13,9 +13,9 @@ example's shape):
 ``job_cost``         a job's own work on the rows it streams, dispatched on ``job.kind``
                      ("collect", "store", "group", "fisher", "kfac", "ekfac", "scores",
                      "diag"): GEMMs by shape, traffic, and its small per-chunk ops
-``apply_cost``       a resolved operator applied to n rows, by structure, and
-                     ``resolve_cost``: what resolving it costs in the pass that applies it
-                     (a dense or block Fisher's eigendecomposition)
+``apply_cost``       a resolved operator applied to n rows: the node's ``apply_cost``
+                     priced by :class:`OperatorPrices`; ``resolve_cost``: what resolving it
+                     costs in the pass that applies it (a dense or block eigendecomposition)
 ``project_cost``     a projection of n examples (Kronecker, dense Gaussian, sparse)
 ``rowwise_cost``     any row-wise transform a pass derives chunk by chunk (a projection,
                      Adam's preconditioning, a normalization, a preconditioner, row weights)
@@ -29,19 +29,21 @@ estimates with measured passes for every catalogue method (``docs/planner.md``).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ..expr import (AdamPrecondition, DataInf, Fisher, Inverse, LowRank, Normalize, Power, Precondition, Project, ScaleRows,
-                    Source)
-from ..errors import PlanError
+from ..errors import OperatorError, PlanError
+from ..expr import AdamPrecondition, LowRank, Normalize, Precondition, Project, ScaleRows, Source
+from ..linalg.kron import is_diagonal_factor
+from ..linalg.labels import form_of
 from .cost import (Cost, activation_bytes, block_cost, bmm_cost, dense_cost, eigh_cost, fisher_cost, gemm_cost,
                    ghost_cost, gram_cost, kron_project_cost, materialize_cost, svd_cost, tokens_hint)
 from .memory import positions, rows_of
 from .shapes import element_size, rows_per_example
 
-__all__ = ["capture_cost", "pass_capture_cost", "job_cost", "apply_cost", "apply_flops", "resolve_cost",
+__all__ = ["capture_cost", "pass_capture_cost", "job_cost", "apply_cost", "OperatorPrices", "apply_flops", "resolve_cost",
            "project_cost", "rowwise_cost", "kernel_costs", "elementwise_cost", "pass_overhead", "ELEMENTWISE_SWEEPS", "OPS_PER_BLOCK", "OPS_PER_PASS",
            "OPS_PER_MEMORY_PASS", "ADAM_OPS"]
 
@@ -173,72 +175,96 @@ def _num_outputs(model: nn.Module) -> int:
 
 
 # ------------------------------------------------------------------ operators
-def _base(op):
-    while hasattr(op, "op") and not hasattr(op, "rank"):
-        op = op.op
-    return op
-
-
-def _find(op, kind):
-    """The first node of type ``kind`` under operator ``op`` (through wrappers and sums)."""
-    stack = [op]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, kind):
-            return x
-        stack.extend(getattr(x, "ops", ()) or ())
-        if getattr(x, "op", None) is not None:
-            stack.append(x.op)
-    return None
-
-
 def apply_cost(op, space, n: int, elem: int = 4, options=None) -> Cost:
-    """Applying the resolved ``op`` to n rows of ``space``, by structure: a diagonal
-    scales (n·d), block-diagonal and dense matrices multiply (GEMMs (n, d_b, d_b),
-    (n, d, d)), a Kronecker eigenbasis rotates each (out, in) block in and back
-    (``KronOp.apply_blocks``: twice a batched call of n (out, in, out) products, ``Q_S``
-    from the left, and one (n·out, in, in) GEMM, ``Q_A`` from the right; an identity basis,
-    the side of a factor wider than ``options.kron_diagonal_width``, costs nothing) plus each
-    block's fixed cost (``block_cost("precondition", …)``: casts, scaling), a rank-r
-    factorization costs 4n·d·r.
-    Implicit operators are costed as dense; DataInf as its closed form over its data."""
-    structure = op.structure
-    d = space.dim
-    if structure == "identity":
+    """Applying the resolved ``op`` to n rows of ``space``: the node's own
+    ``apply_cost`` (:mod:`gradalg.expr.operators`), priced by :class:`OperatorPrices`. An
+    operator whose structure refuses an operation costs nothing here: ``explain()``
+    shows its refusal, and resolving it raises it."""
+    try:
+        return op.apply_cost(space, n, OperatorPrices(elem, options))
+    except OperatorError:
         return Cost()
-    datainf = _find(op, DataInf)
-    if datainf is not None:
-        return datainf_cost(datainf, n, options, elem)
-    if structure == "diag":
-        return Cost(flops=float(n * d), bytes=3.0 * elem * n * d)
-    if structure == "block":
-        cost = Cost()
-        for b in space.blocks:
-            cost = cost + gemm_cost(n, b.dim, b.dim, 1, elem)
-        return cost
-    if structure == "kron":      # per block: the fixed cost of its rotations, scaling and cast
+
+
+@dataclass(frozen=True)
+class OperatorPrices:
+    """The prices an operator node's ``apply_cost(space, n, prices)`` is written in, for
+    rows of ``elem`` bytes under ``options``: a resolved operator applied by its form
+    (:meth:`by_form`), a low-rank one by its rank, and the parts of a closed form over data
+    (a read of training rows, GEMMs, memory traffic)."""
+
+    elem: int = 4
+    options: object = None
+
+    def free(self) -> Cost:
+        return Cost()
+
+    def by_form(self, labels, space, n: int) -> Cost:
+        """By the form of ``labels``: a diagonal scales (n·d), block-diagonal and dense
+        matrices multiply (GEMMs (n, d_b, d_b), (n, d, d)), a Kronecker eigenbasis rotates
+        each (out, in) block in and back (``KronOp.apply_blocks``: twice a batched call of n
+        (out, in, out) products, ``Q_S`` from the left, and one (n·out, in, in) GEMM, ``Q_A``
+        from the right; an identity basis, the side of a factor wider than
+        ``options.kron_diagonal_width``, costs nothing) plus each block's fixed cost
+        (``block_cost("precondition", …)``: casts, scaling); a low-rank one as rank d; one
+        known through products as a dense GEMM (its own ``apply_cost`` says better)."""
+        form, elem, d = form_of(labels), self.elem, space.dim
+        if form == "diagonal":
+            return Cost(flops=float(n * d), bytes=3.0 * elem * n * d)
+        if form == "block":
+            return sum((gemm_cost(n, b.dim, b.dim, 1, elem) for b in space.blocks), Cost())
+        if form == "kronecker":
+            return self._kronecker(space, n)
+        if form == "low-rank":
+            return self.low_rank(space, n, d)
+        return gemm_cost(n, d, d, 1, elem)         # dense; implicit priced as dense
+
+    def _kronecker(self, space, n: int) -> Cost:
+        elem, diagonal_width = self.elem, getattr(self.options, "kron_diagonal_width", None)
         cost = block_cost("precondition", sum(1 for b in space.blocks if len(b.shape) == 2))
-        diagonal_width = getattr(options, "kron_diagonal_width", None)
         for b in space.blocks:
-            if len(b.shape) == 2:
-                out_f, in_f = b.shape
-                if not _diagonal(out_f, diagonal_width):
-                    cost = cost + bmm_cost(n, out_f, in_f, out_f, 2, elem)
-                if not _diagonal(in_f, diagonal_width):
-                    cost = cost + gemm_cost(n * out_f, in_f, in_f, 2, elem)
-                cost = cost + Cost(bytes=4.0 * elem * n * b.dim)
-            else:
+            if len(b.shape) != 2:
                 cost = cost + gemm_cost(n, b.dim, b.dim, 1, elem)
+                continue
+            out_f, in_f = b.shape
+            if not is_diagonal_factor(out_f, diagonal_width):
+                cost = cost + bmm_cost(n, out_f, in_f, out_f, 2, elem)
+            if not is_diagonal_factor(in_f, diagonal_width):
+                cost = cost + gemm_cost(n * out_f, in_f, in_f, 2, elem)
+            cost = cost + Cost(bytes=4.0 * elem * n * b.dim)
         return cost
-    if structure == "lowrank":
-        r = getattr(_base(op), "rank", d)
-        return gemm_cost(n, r, d, 2, elem)
-    return gemm_cost(n, d, d, 1, elem)
+
+    def low_rank(self, space, n: int, rank: int) -> Cost:
+        """V diag(μ) Vᵀ applied to n rows: 4n·d·r."""
+        return gemm_cost(n, rank, space.dim, 2, self.elem)
+
+    def rows_read(self, grads) -> Cost:
+        """Reading the rows of ``grads`` again, flat: their source captured again (when
+        ``options`` are known) and their factored blocks materialized."""
+        root = grads
+        while not isinstance(root, Source) and hasattr(root, "grads"):
+            root = root.grads
+        cost = Cost()
+        if isinstance(root, Source) and self.options is not None:
+            cost = capture_cost(root, self.options, torch.float32)
+        T = positions(grads)
+        for b in grads.space.blocks:
+            if len(b.shape) == 2 and grads.representation.get(b.name) == "factored":
+                cost = cost + materialize_cost(grads.n, T[b.name], b.shape[1], b.shape[0], self.elem)
+        return cost
+
+    def gemm(self, m: int, k: int, n: int, times: int = 1) -> Cost:
+        """``times`` GEMMs (m, k) @ (k, n)."""
+        return gemm_cost(m, k, n, times, self.elem)
+
+    def traffic(self, nbytes: float) -> Cost:
+        """Memory traffic of ``nbytes``."""
+        return Cost(bytes=float(nbytes))
 
 
 def _diagonal(width: int, diagonal_width: int | None) -> bool:
     """A Kronecker factor kept as its diagonal (identity eigenbasis: no rotation, no eigh)."""
-    return diagonal_width is not None and width > diagonal_width
+    return is_diagonal_factor(width, diagonal_width)
 
 
 def apply_flops(op, space, n: int) -> float:
@@ -246,42 +272,31 @@ def apply_flops(op, space, n: int) -> float:
     return apply_cost(op, space, n).flops
 
 
+#: the rules that eigendecompose an explicit matrix, and a Kronecker inverse or power
+_EIGH_RULES = {"block": ("block.eigh_per_block", "block.eigh_power_per_block"),
+               "dense": ("dense.eigh", "dense.eigh_power")}
+_KRON_RESOLVE_RULES = ("kronecker.invert_eigenvalues", "kronecker.eigenvalue_power")
+
+
 def resolve_cost(op) -> Cost:
-    """Resolving ``op`` where it is applied: an inverse or power of a dense or block
-    Fisher is a float64 eigendecomposition per matrix and a (d, d, d) GEMM to rebuild it;
-    of a Kronecker operator, its eigenvalues inverted per block (the fixed cost
+    """Resolving ``op`` where it is applied, read from the rules its resolution applies
+    (``op.labels().rules``): an inverse or power of a dense or block matrix is a float64
+    eigendecomposition per matrix and a (d, d, d) GEMM to rebuild it; of a Kronecker
+    operator, its eigenvalues inverted per block (the fixed cost
     ``block_cost("resolve", blocks)``: K-FAC's eigendecompositions belong to its ``kfac`` job)."""
-    if _find(op, DataInf) is not None or _find(op, (Inverse, Power)) is None:
+    try:
+        rules = set(op.labels().rules)
+    except OperatorError:
         return Cost()
-    if op.structure == "kron":     # its eigenvalues inverted block by block (eigenbases: the kfac job's)
+    if rules & set(_KRON_RESOLVE_RULES):
         return block_cost("resolve", len(op.space.blocks))
-    if op.structure not in ("dense", "block"):
-        return Cost()
-    fisher = _find(op, Fisher)
-    space = fisher.space if fisher is not None else op.space
-    dims = [b.dim for b in space.blocks] if op.structure == "block" else [space.dim]
-    cost = Cost()
-    for d in dims:
-        cost = cost + eigh_cost(d) + gemm_cost(d, d, d, 1, 8) + Cost(bytes=8.0 * 6 * d * d)
-    return cost
-
-
-def datainf_cost(node: DataInf, n_held: int, options=None, elem: int = 4) -> Cost:
-    """DataInf's closed-form inverse applied to ``n_held`` rows: one pass over its
-    training gradients (captured again) and, per block and chunk, two GEMMs with the
-    held rows (n_train, n_held, d_b)."""
-    root = node.grads
-    while not isinstance(root, Source) and hasattr(root, "grads"):
-        root = root.grads
-    n_train = node.grads.n
-    cost = Cost()
-    if isinstance(root, Source) and options is not None:
-        cost = capture_cost(root, options, torch.float32)
-    T = positions(node.grads)
-    for b in node.grads.space.blocks:
-        if len(b.shape) == 2 and node.grads.representation.get(b.name) == "factored":
-            cost = cost + materialize_cost(n_train, T[b.name], b.shape[1], b.shape[0], elem)
-        cost = cost + gemm_cost(n_held, n_train, b.dim, 2, elem) + Cost(bytes=2.0 * elem * n_train * b.dim)
+    space, cost = op.space, Cost()
+    for form, names in _EIGH_RULES.items():
+        if rules & set(names):
+            dims = [b.dim for b in space.blocks] if form == "block" else [space.dim]
+            for d in dims:
+                cost = cost + eigh_cost(d) + gemm_cost(d, d, d, 1, 8) + Cost(bytes=8.0 * 6 * d * d)
+            return cost
     return cost
 
 

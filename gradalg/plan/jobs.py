@@ -272,7 +272,7 @@ class ScoresJob(Job):
 
 def blockwise_preconditioner(op) -> bool:
     """Whether ``op`` resolves to an operator applied block by block to factored rows (a
-    Kronecker K-FAC / EK-FAC, :meth:`~gradalg.curvature.kron.KronOp.apply_block`): its
+    Kronecker K-FAC / EK-FAC, :meth:`~gradalg.linalg.kron.KronOp.apply_block`): its
     structure is "kron" and no iterative solver (``Inverse(method="cg"/"lissa")``) wraps it."""
     if getattr(op, "structure", None) != "kron":
         return False

@@ -151,7 +151,7 @@ def _eigenvalue_bytes(o: int, i: int, parts) -> float:
 
 def _kfac_eigenvalue_bytes(o: int, i: int, parts) -> float:
     """K-FAC's eigenvalues Λ = λ_S λ_Aᵀ, kept as the two vectors (out + in numbers; the grid
-    is made a slice at a time where it is applied: :class:`~gradalg.curvature.kron.BlockEigenvalues`)."""
+    is made a slice at a time where it is applied: :class:`~gradalg.linalg.kron.BlockEigenvalues`)."""
     return (o + i) * _eigenvalue_element(parts)
 
 
@@ -208,8 +208,8 @@ def kron_output_bytes(space, float64_width: int | None = None, diagonal_width: i
     """Bytes of the Kronecker operator a job produces: eigenbases and eigenvalues — K-FAC's
     two vectors per block, or with ``refit`` EK-FAC's (out, in) grid per block. The
     operators a score derives from it (damped, inverted, powers) share these numbers
-    (:class:`~gradalg.curvature.kron.BlockEigenvalues`): the scores pass holds no other
-    copy, and makes Λ a slice of rows at a time (``gradalg.curvature.kron._SLICE_ELEMENTS`` numbers)."""
+    (:class:`~gradalg.linalg.kron.BlockEigenvalues`): the scores pass holds no other
+    copy, and makes Λ a slice of rows at a time (``gradalg.linalg.kron._SLICE_ELEMENTS`` numbers)."""
     total = 0.0
     for o, i in _factor_widths(space):
         parts = [kron_factor_bytes(d, float64_width, diagonal_width) for d in (o, i)]

@@ -38,10 +38,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..capture.hooks import forward_share_key
-from ..expr import (KFAC, AdamPrecondition, Arnoldi, Captured, Damp, DataInf, Fisher, GradNode, GroupMean, Identity, Inner, Inverse, LowRank, Node, Normalize, OpNode, PerToken, Power,
-                    Precondition, Project, ScaledOp, ScaleRows, ScoreDiagonal, ScoreNode, ScoreSum, Select,
-                    Source, SumOp)
-from ..expr.spectral import Spectral
+from ..expr import (AdamPrecondition, Captured, GradNode, GroupMean, Identity, Inner, LowRank, Node, Normalize, OpNode, PerToken,
+                    Precondition, Project, ScaleRows, ScoreDiagonal, ScoreNode, ScoreSum, Select, Source)
 from ..errors import MemoryBudgetError, ObjectiveError
 from ..expr.lowrank import lowrank_below
 from ..expr.tokens import token_rows
@@ -76,15 +74,17 @@ def stream_root(node: GradNode) -> GradNode:
 
 
 def chain_ops(node: GradNode) -> list[OpNode]:
-    """Operators used by the row-wise chain from ``node`` down to its stream root."""
+    """Operators used by the row-wise chain from ``node`` down to its stream root (the
+    operator operands of each of its nodes: a preconditioner, a normalization's metric)."""
     ops = []
     while isinstance(node, ROW_WISE):
-        if isinstance(node, Precondition):
-            ops.append(node.op)
-        elif isinstance(node, Normalize) and node.op is not None:
-            ops.append(node.op)
+        ops.extend(c for c in node.children if isinstance(c, OpNode))
         node = node.grads
     return ops
+
+
+#: the job class of each statistics kind an operator asks for (``Statistic.job``)
+STATISTICS_JOBS = {cls.kind: cls for cls in (FisherJob, KFACJob, EKFACJob)}
 
 
 # ------------------------------------------------------------------ plan records
@@ -198,30 +198,38 @@ class _Planner:
         return deps
 
     def op_deps(self, op: OpNode) -> set:
-        if isinstance(op, Fisher):
-            check_statistics_fit(op, self.options.memory_budget)   # refused here, before any pass runs
-            return {self.add(FisherJob(op, (op.grads,), self.stream_deps(op.grads)))}
-        if isinstance(op, KFAC):
-            # each statistic streams the rows it is estimated on: all of op.grads, or the
-            # first covariance_max_examples / lambda_max_examples examples (a pass of their own)
-            cov, lam = op.covariance_grads, op.lambda_grads
-            job = KFACJob(op, (cov,), self.stream_deps(cov))
-            if job.key not in self.jobs:
-                self.decisions.extend(kron_precision_decisions(op, self.options))
-            first = self.add(job)
-            if not op.eigen_correction:
-                return {first}
-            return {self.add(EKFACJob(op, (lam,), {first} | self.stream_deps(lam)))}
-        if isinstance(op, (Damp, Inverse, Power, ScaledOp, Arnoldi, Spectral)):
-            return self.op_deps(op.op)
-        if isinstance(op, SumOp):
-            out = set()
-            for child in op.ops:
-                out |= self.op_deps(child)
-            return out
-        if isinstance(op, DataInf):
-            return self.stream_deps(op.grads)
-        return set()  # Identity, Diagonal, Dense, CurvatureProducts: nothing to precompute
+        """The keys of the jobs that must finish before ``op`` resolves: one per statistic
+        it needs (``op.statistics()``), each after the jobs its rows need."""
+        out = set()
+        for statistic in op.statistics():
+            out |= self.statistic_deps(statistic)
+        return out
+
+    def statistic_deps(self, statistic) -> set:
+        """The job of one statistic (added), or for a statistic read when applied (no job),
+        the jobs its rows need."""
+        deps = self.stream_deps(statistic.rows)
+        for before in statistic.after:
+            deps |= self.statistic_deps(before)
+        if statistic.job is None:
+            return deps
+        if statistic.job not in STATISTICS_JOBS:
+            raise PlanError(f"{statistic.node.label} asks for a statistic of job kind {statistic.job!r}; the planner "
+                            f"has jobs {sorted(STATISTICS_JOBS)}: return one of those from its statistics(), or "
+                            "Statistic(None, node, rows) for rows it reads itself when applied")
+        job = STATISTICS_JOBS[statistic.job](statistic.node, (statistic.rows,), deps)
+        if job.key not in self.jobs:
+            self._first_statistic(job)
+        return {self.add(job)}
+
+    def _first_statistic(self, job: Job) -> None:
+        """What planning a statistics job adds the first time: a Fisher's memory check
+        (refused here, before any pass runs), K-FAC's factor precisions."""
+        if isinstance(job, FisherJob):
+            check_statistics_fit(job.target, self.options.memory_budget)
+        if isinstance(job, KFACJob):
+            op = job.target
+            self.decisions.extend(kron_precision_decisions(op, self.options))
 
     def score_jobs(self, node: ScoreNode) -> list[tuple]:
         if isinstance(node, ScoreSum):

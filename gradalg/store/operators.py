@@ -21,9 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..curvature.kron import KronOp
 from ..errors import GradalgError, StoreCorruptError, StoreIncompleteError, StoreMismatchError
-from ..linalg import LinearOp, LowRankOp, ResolvedOp
+from ..linalg import KronOp, LinearOp, LowRankOp, ResolvedOp
 from ..space import Block, ParamSpace
 from ..expr.stored import StoredOp
 from . import integrity, layout

@@ -29,10 +29,12 @@ import unittest
 
 import torch
 
+from ..linalg import SHORT, VOCABULARY
+
 __all__ = ["GradientSetConformance", "OperatorConformance", "assert_close", "project_dense"]
 
 F64 = torch.float64
-_STRUCTURES = ("identity", "diag", "kron", "lowrank", "block", "dense", "implicit")
+_STRUCTURES = tuple(SHORT.values())   # the one-word names of the vocabulary of gradalg.linalg.labels
 
 
 def _as64(x) -> torch.Tensor:
@@ -427,6 +429,8 @@ class OperatorConformance(_Base):
         assert isinstance(op, Operator)
         assert op.shape == tuple(ref.shape) == (op.space.dim, op.space.dim)
         assert op.structure in _STRUCTURES, f"unknown structure {op.structure!r}"
+        labels = op.expr.labels().labels
+        assert labels <= VOCABULARY, f"labels {sorted(labels - VOCABULARY)} are not in gradalg.linalg.labels"
 
     def test_to_dense(self):
         op = self.create()
@@ -439,8 +443,8 @@ class OperatorConformance(_Base):
         M = self._dense(op)
         if op.structure in ("identity", "diag"):
             self.check(M - torch.diag(torch.diagonal(M)), torch.zeros_like(M), f"{op.structure} has no off-diagonal")
-        if op.structure == "identity":
-            self.check(M, self._eye(), "identity")
+        if op.structure == "identity":   # a multiple of the identity, c·I
+            self.check(M, M[0, 0] * self._eye(), "identity")
         if op.structure in ("block", "kron"):   # block-diagonal across layers
             mask = torch.block_diag(*(torch.ones(b.dim, b.dim, dtype=F64) for b in op.space.blocks))
             self.check(M * (1 - mask), torch.zeros_like(M), "block structure has no cross-block entries")
