@@ -25,6 +25,8 @@ from .exec import LocalExecutor
 from . import fingerprint  # noqa: E402 - ga.fingerprint.forget(model) after writes through .data
 from . import unroll  # noqa: E402 - ga.unroll.TrainingRun, replayed by ga.methods.magic / source
 from .objective import training_objective
+from .expr import OpNode, ResolveContext, Statistic  # noqa: E402 - the operator protocol (docs/contributing.md)
+from .linalg import Labels, LinearOp, ResolvedOp  # noqa: E402 - what an operator node resolves to
 from .check import ModelCheckError, check_model  # noqa: E402 - ga.check_model(task, data) before a long run
 from .options import get_options, options
 from .task import ExampleRandom, Task, TransformerBlocks
@@ -45,5 +47,5 @@ __all__ = [
     "StoreIncompleteError", "BatchContentError", "PerTokenError", "StoreCorruptError", "OptionError",
     "DataError", "WorkerFaultError", "fingerprint", "compile", "Compiled", "OperatorError", "CurvatureError", "DistributedError", "ModelMismatchError",
     "StaleCompiledError", "unroll", "training_objective", "ObjectiveError", "check_model", "ModelCheckError",
-    "IdMismatchError",
+    "IdMismatchError", "OpNode", "ResolveContext", "Statistic", "Labels", "LinearOp", "ResolvedOp",
 ]

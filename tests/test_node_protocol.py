@@ -279,3 +279,21 @@ def test_an_outside_operator_runs_on_dask(setting):
         finally:
             ex.close()
             cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+
+
+def test_the_contributing_recipe_runs_as_written(setting):
+    """docs/contributing.md's operator example, executed as the page shows it (public API only)."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "contributing.md").read_text()
+    code = re.search(r"```python\n(.*?)```", page, flags=re.S).group(1)
+    task, data, G = setting
+    v = torch.rand(G.space.dim, generator=torch.Generator().manual_seed(5), dtype=F64) + 0.1
+    queries = (data[0][:3], data[1][:3])
+    namespace = {"task": task, "train": data, "queries": queries, "v": v, "__name__": "recipe"}
+    exec(compile(code, "docs/contributing.md", "exec", dont_inherit=True), namespace)
+    layers = G.space.names
+    expected = (reference_rows(task, queries, layers) @ torch.diag(1.0 / (v.sqrt() + 1e-8))
+                @ reference_rows(task, data, layers).T)
+    torch.testing.assert_close(torch.as_tensor(namespace["S"].compute().values), expected, rtol=1e-8, atol=1e-10)
