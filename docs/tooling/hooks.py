@@ -19,6 +19,13 @@ seconds; ``make docs`` executes first, once per changed notebook.
 ``02_evaluating_attribution.ipynb`` (right in the repository); links that resolve to a
 notebook or a ``docs/`` page are rewritten to the page's place in the site.
 
+**Math that renders offline.** Formulas (``$…$`` in notebooks, ``$…$`` / ``\\(…\\)`` in
+pages through ``pymdownx.arithmatex``) are typeset in the browser by KaTeX, served from
+the site itself: the hook adds the KaTeX files vendored in the package
+(``gradalg/report/katex/``: the report inlines the same files) to the site as
+``assets/katex/``, which ``extra_javascript`` / ``extra_css`` of ``mkdocs.yml`` load. No
+page asks a CDN for anything (``tests/test_docs_math.py`` checks it in headless Chromium).
+
 **The nav.** A page of ``docs/`` missing from ``nav`` is appended under "More" (and
 ``tests/test_docs.py`` asks for it to be listed properly); a nav entry whose page does
 not exist yet (``cli.md`` before the command line's branch merges) is dropped, logged.
@@ -40,6 +47,8 @@ log = logging.getLogger("mkdocs.hooks.gradalg")
 
 NOTEBOOK_FOLDERS = ("notebooks", "tutorials")
 EXECUTED_DEFAULT = Path("docs") / "executed"
+KATEX_DIR = Path("gradalg") / "report" / "katex"      # vendored KaTeX, served as assets/katex/
+KATEX_SITE = "assets/katex"
 _LINK = re.compile(r"(\]\()([^)\s#]+)(#[^)\s]*)?(\))")
 
 _state: dict = {}
@@ -181,6 +190,10 @@ def on_files(files, config):
         nbformat.write(nb, out)
         files.append(File(rel, src_dir=str(tmp), dest_dir=config.site_dir,
                           use_directory_urls=config.use_directory_urls))
+    for path in sorted((root / KATEX_DIR).rglob("*")):
+        if path.is_file() and path.suffix in (".js", ".css", ".woff2", "") and "__pycache__" not in path.parts:
+            rel = f"{KATEX_SITE}/{path.relative_to(root / KATEX_DIR).as_posix()}"
+            files.append(File.generated(config, rel, abs_src_path=str(path)))
     return files
 
 
@@ -188,6 +201,15 @@ def on_page_markdown(markdown, page, config, files):
     root = repo_root(config)
     docs_rel = Path(config.docs_dir).resolve().relative_to(root).as_posix()
     return _rewrite_links(markdown, f"{docs_rel}/{page.file.src_uri}", _site_paths(config, files))
+
+
+_MATHJAX = re.compile(r"<!-- Load mathjax -->.*?<!-- End of mathjax configuration -->", re.S)
+
+
+def on_post_page(output, page, config):
+    """Drop the MathJax loader nbconvert writes into notebook pages (an empty ``src`` and
+    its configuration): KaTeX typesets the math instead."""
+    return _MATHJAX.sub("", output)
 
 
 def on_post_build(config):
