@@ -611,6 +611,17 @@ class Scores(_Displayed):
             attrs={"expression": _expression_text(self.expr), "k": k, "largest": int(largest),
                    "ties": "lower training position first", "kernels": dict(getattr(ex, "trace", {}))})
 
+    def to_html(self, path, *, texts=None, queries=None, k: int = 5, method: str | None = None, **kwargs):
+        """Write a report page of these scores to ``path``: one self-contained HTML file (no
+        network) with, per query, its text and its top and bottom ``k`` training examples
+        with their scores and texts (``texts``: a list in data order, a dict {id: text} or a
+        function id -> text; ``queries`` likewise, a ``(prompt, completion)`` pair marks the
+        completion), the ``method``'s formula and fidelity note, and the plan. Other
+        arguments (``token_scores``, ``tokens``, ``title``, ``math``, ``executor``):
+        :func:`gradalg.report.write_report`. Returns the path."""
+        from .report import write_report
+        return write_report(self, path, texts=texts, queries=queries, k=k, method=method, **kwargs)
+
     def compute(self, executor=None, *, store=None, chunk_rows: int | None = None, overwrite: bool | None = None
                 ) -> xr.DataArray:
         """Run the expression. Returns a DataArray with dims ("query", "train"); a side made

@@ -6,6 +6,7 @@
     gradalg explain -c run.toml        # the plan, no data read
     gradalg inspect out/train.zarr     # what a store holds
     gradalg check   -c run.toml        # per-example gradients checked before a long run
+    gradalg report  -c run.toml -o report.html   # a method's top / bottom documents as one HTML page
 
 Every command takes ``--config`` (a TOML or YAML file, :mod:`gradalg.cli.config`),
 ``--set KEY=VALUE`` overrides, ``--quiet`` and ``--verbose``. Exit codes are in
@@ -23,7 +24,7 @@ from .codes import EXIT_CODES, exit_code
 
 __all__ = ["main", "build_parser", "EXIT_CODES", "exit_code"]
 
-COMMANDS = ("build", "query", "score", "explain", "inspect", "check")
+COMMANDS = ("build", "query", "score", "explain", "inspect", "check", "report")
 
 DESCRIPTION = """\
 gradalg: training data attribution from the shell.
@@ -43,14 +44,14 @@ example:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every command (imports no model library)."""
-    from . import build, check, explain, inspect_store, query, score
+    from . import build, check, explain, inspect_store, query, report, score
 
     parser = argparse.ArgumentParser(prog="gradalg", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     from ..version import __version__
     parser.add_argument("--version", action="version", version=f"gradalg {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
-    for module in (build, query, score, explain, inspect_store, check):
+    for module in (build, query, score, explain, inspect_store, check, report):
         module.add_parser(sub)
     return parser
 
