@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import html
 import math
+import numbers
 import os
 from pathlib import Path
 
@@ -162,9 +163,10 @@ def report_html(scores, *, texts=None, queries=None, k: int = 5, method: str | N
                 executor=None) -> str:
     """The report of ``scores`` (lazy :class:`~gradalg.api.Scores`, (n_query, n_train)) as
     one HTML string; :func:`write_report` writes it. Parameters as :func:`write_report`."""
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+    if not isinstance(k, numbers.Integral) or isinstance(k, bool) or k < 1:
         raise OptionError(f"k= is how many top and bottom training examples to show per query: a positive "
                           f"integer, got {k!r}")
+    k = int(k)
     expr = scores.expr
     text_of = text_lookup(texts, list(expr.col_ids), what="texts")
     query_of = text_lookup(queries, list(expr.row_ids), what="queries")
