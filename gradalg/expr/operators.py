@@ -116,6 +116,7 @@ class OpNode(Node):
 
     @property
     def shape(self) -> tuple[int, int]:
+        """(dim, dim): a square operator on its parameter space."""
         return (self.space.dim, self.space.dim)
 
 

@@ -98,6 +98,7 @@ class Labels:
 
     @property
     def form(self) -> str:
+        """How the numbers are kept: the one form label (``diagonal``, ``kronecker``, ...)."""
         return form_of(self.labels)
 
     def _then(self, rule: str, labels=None) -> "Labels":
