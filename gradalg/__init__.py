@@ -24,6 +24,7 @@ from .errors import IdMismatchError  # noqa: E402 - results paired by id whose i
 from .exec import LocalExecutor
 from . import fingerprint  # noqa: E402 - ga.fingerprint.forget(model) after writes through .data
 from . import unroll  # noqa: E402 - ga.unroll.TrainingRun, replayed by ga.methods.magic / source
+from . import report  # noqa: E402 - ga.report: S.to_html(path), one self-contained page
 from .objective import training_objective
 from .expr import OpNode, ResolveContext, Statistic  # noqa: E402 - the operator protocol (docs/contributing.md)
 from .linalg import Labels, LinearOp, ResolvedOp  # noqa: E402 - what an operator node resolves to
@@ -47,5 +48,5 @@ __all__ = [
     "StoreIncompleteError", "BatchContentError", "PerTokenError", "StoreCorruptError", "OptionError",
     "DataError", "WorkerFaultError", "fingerprint", "compile", "Compiled", "OperatorError", "CurvatureError", "DistributedError", "ModelMismatchError",
     "StaleCompiledError", "unroll", "training_objective", "ObjectiveError", "check_model", "ModelCheckError",
-    "IdMismatchError", "OpNode", "ResolveContext", "Statistic", "Labels", "LinearOp", "ResolvedOp",
+    "IdMismatchError", "report", "OpNode", "ResolveContext", "Statistic", "Labels", "LinearOp", "ResolvedOp",
 ]
