@@ -184,7 +184,7 @@ class _Planner:
         o = self.options
         job.token_block, job.slice_elements = o.token_block, o.ghost_slice_elements
         job.kron_float64_width, job.kron_float32_rtol = o.kron_float64_width, o.kron_float32_rtol
-        job.kron_diagonal_width = o.kron_diagonal_width
+        job.kron_diagonal_width, job.buffer_bytes = o.kron_diagonal_width, o.reuse_buffer_bytes
         return job
 
     def stream_deps(self, node: GradNode) -> set:
@@ -259,7 +259,8 @@ class _Planner:
             deps |= j.deps
             if j.streams[0].token not in {s.token for s in streams}:
                 streams.append(j.streams[0])
-        job = TopKJob(node, tuple(streams), deps, k=spec.k, largest=spec.largest, terms=tuple(jobs))
+        terms = tuple((c, self._with_kernel_options(j)) for c, j in jobs)   # its sink runs them
+        job = TopKJob(node, tuple(streams), deps, k=spec.k, largest=spec.largest, terms=terms)
         return [self.add(job)]
 
     def _score_job(self, node: Inner, hold: str | None = None) -> ScoresJob:
@@ -579,16 +580,8 @@ class _Planner:
                 for b in node.space.blocks}
 
     def _job_cost(self, job: Job, n_stream: int, reads_data: bool = True, chunk: int | None = None) -> Cost:
-        if isinstance(job, TopKJob):   # its terms' score blocks (the merge is O(n_query·(k + chunk)))
-            total = Cost()
-            for _, term in job.terms:
-                total = total + self._job_cost(term, n_stream, reads_data, chunk)
-            return total
-        node = job.streams[0] if job.streams else None
-        layout = self._layout(node, reads_data) if node is not None else {}
-        held = self.storage(job.held) if job.held is not None else None
-        return estimates.job_cost(job, n_stream, layout, chunk or self.options.batch_size, self.dtype, held,
-                                  self.options, self.resolved)
+        return job.stream_cost(n_stream, chunk or self.options.batch_size, self.dtype,
+                               lambda node: self._layout(node, reads_data), self.storage, self.options, self.resolved)
 
     def _rowwise_cost(self, jobs: list[Job], n: int, chunk: int | None, base: set, reads_data: bool) -> Cost:
         """The row-wise transforms the pass derives from the rows it reads (``base``: their
@@ -842,7 +835,7 @@ class _Planner:
             n = data.n
             chunk = p.batch_size
             for job in p.jobs:    # stored rows stay in the chunks of this pass's batches
-                if job.kind == "store":
+                if isinstance(job, StoreJob):
                     self.stored_chunks[job.target.token] = p.batch_size
         else:
             cost = Cost()
