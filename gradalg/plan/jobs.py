@@ -55,9 +55,9 @@ from ..expr.tokens import token_rows
 from .cost import Cost, block_cost, fisher_cost
 from .estimates import (chunk_count, diag_chunk_cost, ekfac_chunk_cost, fisher_chunk_cost, kfac_chunk_cost,
                         kfac_once_cost, resolve_once, rows_chunk_cost, scores_chunk_cost, scores_once_cost)
-from .memory import (_gb, ekfac_bytes, ekfac_example_bytes, ekfac_rotated_bytes, flat_example_bytes,
+from .memory import (_gb, check_statistics_fit, ekfac_bytes, ekfac_example_bytes, ekfac_rotated_bytes, flat_example_bytes,
                      ghost_norm_bytes_per_example, ghost_workspace_bytes, kfac_example_bytes, kron_bytes,
-                     kron_bytes_arithmetic, kron_output_bytes, rows_bytes, rows_of, stream_workspace_bytes)
+                     kron_bytes_arithmetic, kron_output_bytes, kron_precision_decisions, rows_bytes, rows_of, stream_workspace_bytes)
 from .shapes import element_size
 
 __all__ = ["Job", "CollectJob", "StoreJob", "GroupJob", "FisherJob", "KFACJob", "EKFACJob", "ScoresJob",
@@ -181,6 +181,16 @@ class Job:
         """How :meth:`fixed_bytes` adds up, for messages ("" when it is one number)."""
         return ""
 
+    # ------------------------------------------------------------------ planning
+    def first_decisions(self, options) -> list:
+        """What planning the job adds the first time it enters a plan: a refusal before
+        any pass runs (raised), decisions shown by ``explain()``. None by default."""
+        return []
+
+    def score_parts(self) -> tuple:
+        """The :class:`ScoresJob` s whose kernels this job runs (itself, a top-k's terms)."""
+        return ()
+
     def output_bytes(self, n: int) -> float:
         """Rough bytes of the job's result over ``n`` streamed examples (what the shards of
         a distributed pass send back, summed over shards)."""
@@ -244,6 +254,11 @@ class FisherJob(Job):
     def chunk_cost(self, node, c, layout, elem) -> Cost:
         return fisher_chunk_cost(node, c, layout, self.target.structure, elem)
 
+    def first_decisions(self, options) -> list:
+        """A Fisher whose matrix alone exceeds the memory budget is refused here."""
+        check_statistics_fit(self.target, options.memory_budget)
+        return []
+
     def example_bytes(self, dtype) -> float:
         return flat_example_bytes(self.streams[0], dtype, 16.0)   # materialized, cast to float64, its product
 
@@ -284,6 +299,10 @@ class KFACJob(KronStatisticsJob):
 
     def once_cost(self, elem, storage_of=None, options=None, resolved=None) -> Cost:
         return kfac_once_cost(self.streams[0], self.kron_diagonal_width)
+
+    def first_decisions(self, options) -> list:
+        """The precision (float32 or float64) and form (dense or diagonal) of each factor."""
+        return kron_precision_decisions(self.target, options)
 
     def example_bytes(self, dtype) -> float:
         return kfac_example_bytes(self.streams[0], self.token_block)
@@ -389,6 +408,9 @@ class ScoresJob(Job):
     def output_bytes(self, n: int) -> float:
         return 8.0 * self.held.n * n
 
+    def score_parts(self) -> tuple:
+        return (self,)
+
     def example_bytes(self, dtype) -> float:
         return 0.0
 
@@ -468,6 +490,9 @@ class TopKJob(Job):
         for _, term in self.terms:
             total = total + term.stream_cost(n_stream, chunk, dtype, layout_of, storage_of, options, resolved)
         return total
+
+    def score_parts(self) -> tuple:
+        return tuple(t for _, t in self.terms)
 
     def fixed_bytes(self, dtype) -> float:
         return sum(j.fixed_bytes(dtype) for _, j in self.terms) + 16.0 * self.n_query * self.k

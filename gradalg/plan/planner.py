@@ -53,7 +53,7 @@ from .shapes import element_size, forward_shapes
 from .jobs import (CollectJob, DiagJob, EKFACJob, FisherJob, GroupJob, Job, KFACJob, ScoresJob, StoreJob, TopK,
                    TopKJob)
 from .decisions import Decision, DecisionKind, Decisions
-from .memory import (capture_bytes_per_example, check_statistics_fit, kron_precision_decisions, positions,
+from .memory import (capture_bytes_per_example, positions,
                      projection_map_decisions, rows_bytes)
 from .rules import Firing, PlanError, simplify_until_fixpoint
 
@@ -219,17 +219,8 @@ class _Planner:
                             "Statistic(None, node, rows) for rows it reads itself when applied")
         job = STATISTICS_JOBS[statistic.job](statistic.node, (statistic.rows,), deps)
         if job.key not in self.jobs:
-            self._first_statistic(job)
+            self.decisions.extend(job.first_decisions(self.options))
         return {self.add(job)}
-
-    def _first_statistic(self, job: Job) -> None:
-        """What planning a statistics job adds the first time: a Fisher's memory check
-        (refused here, before any pass runs), K-FAC's factor precisions."""
-        if isinstance(job, FisherJob):
-            check_statistics_fit(job.target, self.options.memory_budget)
-        if isinstance(job, KFACJob):
-            op = job.target
-            self.decisions.extend(kron_precision_decisions(op, self.options))
 
     def score_jobs(self, node: ScoreNode) -> list[tuple]:
         if isinstance(node, ScoreSum):
@@ -681,9 +672,9 @@ class _Planner:
         score kernel, each column divided by its row's norm (⟨h, g/‖g‖⟩ = ⟨h, g⟩/‖g‖, the
         norm taken from rows the kernel reads anyway), when the pass reads G or something
         below it; row-wise when the normalized rows themselves are kept in memory."""
-        for job in [t for j in p.jobs for t in ([t for _, t in j.terms] if isinstance(j, TopKJob) else [j])]:
+        for job in [t for j in p.jobs for t in j.score_parts()]:
             s = job.streams[0] if job.streams else None
-            if not (isinstance(job, ScoresJob) and isinstance(s, Normalize) and s.op is None):
+            if not (isinstance(s, Normalize) and s.op is None):
                 continue
             job.normalize_streamed = not (p.key[0] == "memory" and p.key[1] == s.token)
             self.decisions.append(Decision(
