@@ -1,9 +1,12 @@
 """What a job does with the chunks of one pass: accumulate, collect, score.
 
-Each accumulator has ``update(chunk)`` (called once per chunk of the pass, in order)
-and ``finish()``; the executor stores what ``finish`` returns. For sharded passes,
-``export()`` gives a shard's partial state as plain tensors and ``absorb(state)`` adds
-it to another accumulator of the same job (shards absorbed in order). The same accumulators
+Every accumulator satisfies :class:`Accumulator`: ``update(chunk)`` (called once per
+chunk of the pass, in order; a self-score's takes the aligned left and right chunks, a
+top-k's a block of scores and its first training position) and ``finish()``; the
+executor stores what ``finish`` returns. For sharded passes (Dask, torch.distributed),
+``export()`` gives a shard's partial state as plain tensors (pickled, sent to the
+client) and ``absorb(state)`` adds it to another accumulator of the same job (shards
+absorbed in order). The same accumulators
 serve the fused passes of a plan and the one-node-at-a-time pull path, so both give
 identical numbers.
 
@@ -12,6 +15,8 @@ Accumulators decide nothing: kernels, storage and slice sizes are the plan's
 before a pass runs (:mod:`gradalg.plan.memory`).
 """
 from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -27,8 +32,23 @@ from ..capture.chunks import Chunk, flat_block, flatten, row_sq_norms, unflatten
 from .allocator import release_free_memory
 from ..linalg import ResolvedOp
 
-__all__ = ["FisherAccumulator", "KronAccumulator", "EKFACAccumulator", "GroupAccumulator", "Collector",
+__all__ = ["Accumulator", "FisherAccumulator", "KronAccumulator", "EKFACAccumulator", "GroupAccumulator", "Collector",
            "ScoreAccumulator", "DiagAccumulator", "TopKAccumulator", "select_topk"]
+
+
+@runtime_checkable
+class Accumulator(Protocol):
+    """What a job's sink (:mod:`gradalg.exec.sinks`) drives over one pass: ``update`` per
+    chunk, ``export`` / ``absorb`` of a shard's partial state (plain tensors, absorbed in
+    shard order), then ``finish`` once for the job's result."""
+
+    def update(self, *chunks: Any) -> None: ...
+
+    def export(self) -> Any: ...
+
+    def absorb(self, part: Any) -> None: ...
+
+    def finish(self) -> Any: ...
 
 
 class FisherAccumulator:

@@ -1,7 +1,9 @@
 """Sinks: what the executor does with each job of a pass, registered by job type.
 
-A sink wraps the accumulator of one job (:mod:`gradalg.exec.accumulators`) and knows
-three things the accumulator does not:
+A job type is its class in :mod:`gradalg.plan.jobs` (streams, cost, bytes) and its sink
+here: the plan's floor does not import the executor's, so ``open`` (the job's
+:class:`~gradalg.exec.accumulators.Accumulator`, made from the job's fields) lives on
+the sink. A sink wraps that accumulator and knows three things it does not:
 
 ``fed``               the gradient nodes whose chunks the pass hands it (the job's streams,
                       or the rows below a normalization the kernel applies itself)
@@ -13,8 +15,8 @@ three things the accumulator does not:
 (``@sink_for(FisherJob)``); :func:`open_sink` looks a job's class up. A new job type
 registers a sink; the pass runner has no list of job kinds. Everything a sink needs to
 decide was decided by the planner and is a field of its job (kernels, storage,
-normalization); ``ctx`` (the executor) gives the options, the trace of kernels that ran,
-the run state and resolved operators.
+normalization, slice and buffer sizes); ``ctx`` (the executor) gives the trace of
+kernels that ran, the run state and resolved operators, never options.
 
 For sharded passes, ``export()`` / ``absorb(state)`` move partial states between
 processes and ``for_shard(start)`` tells a sink the first example of its shard.
@@ -28,7 +30,7 @@ from ..plan.rules import PlanError
 from ..expr import Identity
 from ..plan.jobs import (CollectJob, DiagJob, EKFACJob, FisherJob, GroupJob, Job, KFACJob, ScoresJob, StoreJob,
                          TopKJob)
-from .accumulators import (Collector, DiagAccumulator, EKFACAccumulator, FisherAccumulator, GroupAccumulator,
+from .accumulators import (Accumulator, Collector, DiagAccumulator, EKFACAccumulator, FisherAccumulator, GroupAccumulator,
                            KronAccumulator, ScoreAccumulator, TopKAccumulator)
 from ..capture.chunks import Chunk, concat_chunks, flatten, unflatten
 from .state import RunState
@@ -64,11 +66,12 @@ class Sink:
 
     phase = "scoring"
 
-    def __init__(self, job: Job, acc):
+    def __init__(self, job: Job, acc: Accumulator):
         self.job, self.acc = job, acc
 
     @classmethod
     def open(cls, job: Job, ctx) -> "Sink":
+        """The sink of ``job`` with its accumulator, ready for the pass."""
         raise NotImplementedError
 
     @property
@@ -185,9 +188,8 @@ def _score_accumulator(job: ScoresJob, ctx) -> ScoreAccumulator:
         held = concat_chunks(ctx.state.rows.pop(job.held.token) if release else ctx.state.rows[job.held.token])
         held = held.replace(dict(held.blocks))      # its own dict: a store's chunk is never emptied
         held = ctx.precondition_held(job.target.op, held, space, consume=release)
-    opts = ctx.options
     return ScoreAccumulator(held, space, job.kernels, ctx.trace, normalize_streamed=job.normalize_streamed,
-                            slice_elements=opts.ghost_slice_elements, buffer_bytes=opts.reuse_buffer_bytes,
+                            slice_elements=job.slice_elements, buffer_bytes=job.buffer_bytes,
                             token_block=job.token_block)
 
 

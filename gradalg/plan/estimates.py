@@ -10,9 +10,12 @@ example's shape):
                      weight-gradient GEMMs are skipped), attention products, the model's
                      elementwise traffic, a fixed cost per module call, per captured batch
                      and per recorded layer, the factors written
-``job_cost``         a job's own work on the rows it streams, dispatched on ``job.kind``
-                     ("collect", "store", "group", "fisher", "kfac", "ekfac", "scores",
-                     "diag"): GEMMs by shape, traffic, and its small per-chunk ops
+``*_chunk_cost``     a job's own work on one chunk of the rows it streams, one function per
+                     job type (``rows_``, ``fisher_``, ``kfac_``, ``ekfac_``, ``scores_``,
+                     ``diag_chunk_cost``; what it does once: ``kfac_once_cost``,
+                     ``scores_once_cost``): GEMMs by shape and traffic. The job class calls
+                     its own (:meth:`gradalg.plan.jobs.Job.stream_cost`) and adds its small
+                     per-chunk ops (``Job.ops_per_block``)
 ``apply_cost``       a resolved operator applied to n rows: the node's ``apply_cost``
                      priced by :class:`OperatorPrices`; ``resolve_cost``: what resolving it
                      costs in the pass that applies it (a dense or block eigendecomposition)
@@ -43,20 +46,16 @@ from .cost import (Cost, activation_bytes, block_cost, bmm_cost, dense_cost, eig
 from .memory import positions, rows_of
 from .shapes import element_size, rows_per_example
 
-__all__ = ["capture_cost", "pass_capture_cost", "job_cost", "apply_cost", "OperatorPrices", "apply_flops", "resolve_cost",
-           "project_cost", "rowwise_cost", "kernel_costs", "elementwise_cost", "pass_overhead", "ELEMENTWISE_SWEEPS", "OPS_PER_BLOCK", "OPS_PER_PASS",
+__all__ = ["capture_cost", "pass_capture_cost", "chunk_count", "rows_chunk_cost", "fisher_chunk_cost", "kfac_chunk_cost",
+           "kfac_once_cost", "ekfac_chunk_cost", "scores_chunk_cost", "scores_once_cost", "diag_chunk_cost",
+           "resolve_once", "apply_cost", "OperatorPrices", "apply_flops", "resolve_cost",
+           "project_cost", "rowwise_cost", "kernel_costs", "elementwise_cost", "pass_overhead", "ELEMENTWISE_SWEEPS", "OPS_PER_PASS",
            "OPS_PER_MEMORY_PASS", "ADAM_OPS"]
 
 #: memory sweeps over a weight layer's inputs and outputs (``activation_bytes``) per
 #: forward and per backward: nonlinearities, norms, residual adds, the loss head, and
 #: autograd's saved tensors read back (calibrated with ``benchmarks/estimates.py``)
 ELEMENTWISE_SWEEPS = {"forward": 3.0, "backward": 4.0}
-#: small tensor ops a job runs per chunk and block (casts, views, accumulation, checks),
-#: the price of its fixed cost per block (``block_cost(kind, …)``) on a profile that has not
-#: measured that kind (``DeviceProfile.block_seconds``: the nominal GPU profiles; on a
-#: measured CPU "ekfac", "kfac", "scores" and "ghost" blocks are timed)
-OPS_PER_BLOCK = {"collect": 4, "store": 4, "group": 6, "fisher": 6, "kfac": 14, "ekfac": 10, "scores": 10,
-                 "diag": 6}
 #: small-op equivalents a pass over data runs once per job (opening sinks, fingerprinting the
 #: task for the shared-forward key, resolving hooks, concatenating held rows; calibrated with
 #: ``benchmarks/estimates.py``)
@@ -553,10 +552,10 @@ def rowwise_cost(node, n: int, chunk: int | None, layout: dict, elem: int = 4, o
     elif isinstance(node, Normalize):
         per = (_flatten_cost(src, c, layout, elem) + apply_cost(node.op, src.space, c, elem, options)
                + elementwise_cost(c * d, 4, 2, elem))
-        once = _resolve_once(node.op, resolved)
+        once = resolve_once(node.op, resolved)
     elif isinstance(node, Precondition):
         per = _flatten_cost(src, c, layout, elem) + apply_cost(node.op, src.space, c, elem, options)
-        once = _resolve_once(node.op, resolved)
+        once = resolve_once(node.op, resolved)
     elif isinstance(node, ScaleRows):
         per = scale_rows()
     elif isinstance(node, LowRank):     # per truncated block: materialized (from factors), one SVD per row
@@ -589,56 +588,21 @@ def pass_overhead(n_jobs: int, examples: int = 0, example_bytes: float = 0.0, re
     return Cost(ops=per_job * max(1, n_jobs), faulted=examples * example_bytes)
 
 
-def job_cost(job, n_stream: int, layout: dict, chunk: int, dtype=torch.float32, held_layout: dict | None = None,
-             options=None, resolved: set | None = None) -> Cost:
-    """One job's work on the ``n_stream`` examples it streams in chunks of ``chunk``.
-
-    ``layout`` is ``{block: "factors" | "flat"}`` of the streamed rows as they arrive in
-    this pass (factors from a capture or a Kronecker projection, flat otherwise);
-    ``held_layout`` the same for a scores job's held rows. Dispatches on ``job.kind``.
-    The per-chunk work is costed for one chunk (its GEMMs have the chunk's shapes: a
-    Gram over 32 rows is not a Gram over 20,000) and counted once per chunk — a chunk
-    per batch and per row set (one per Gauss-Newton term); what a job does once (an
-    eigendecomposition at its end, the held side's preconditioning) is added once; an
-    operator in ``resolved`` (resolved by an earlier pass or transform of the plan) is not
-    resolved again, and one this job resolves is added to it.
-    """
-    kind = job.kind
-    elem = element_size(dtype)
-    node = job.streams[0] if job.streams else None
-    if node is None:
-        return Cost()
-    rows = rows_of(node) if kind in ("fisher", "kfac", "ekfac", "store", "collect") else 1
-    c = max(1, min(chunk or n_stream, n_stream))            # examples per chunk
-    chunks = _chunks(n_stream, c) * rows
-    per, once = _chunk_cost(job, node, c, layout, elem), Cost()
-    if kind == "kfac":
-        diagonal_width = getattr(job, "kron_diagonal_width", None)
-        for b in node.space.blocks:
-            if len(b.shape) == 2:
-                for d in (b.shape[1], b.shape[0]):   # A's, then S's
-                    if not _diagonal(d, diagonal_width):
-                        once = once + eigh_cost(d)
-    elif kind == "scores":
-        held = job.held
-        P_h = positions(held)
-        for b in held.space.blocks:
-            if (job.kernels.get(b.name) != "ghost" and (held_layout or {}).get(b.name) == "factors"
-                    and len(b.shape) == 2):    # the held side materialized once for the dense kernel
-                once = once + materialize_cost(held.n, P_h[b.name], b.shape[1], b.shape[0], elem)
-        op = job.target.op
-        once = once + _resolve_once(op, resolved) + apply_cost(op, held.space, held.n, elem, options)
-    elif kind == "diag":
-        op = job.target.scores.op
-        once = once + _resolve_once(op, resolved)
-    return per.scaled(chunks) + once
+def chunk_count(n_stream: int, chunk: int | None, row_sets: int = 1) -> tuple[int, int]:
+    """``(c, chunks)``: examples per chunk (``chunk`` capped at ``n_stream``; None: all)
+    and chunks a job sees over ``n_stream`` examples, one per chunk and per row set (one
+    per Gauss-Newton term, ``row_sets``). A job's per-chunk work is costed for one chunk
+    (its GEMMs have the chunk's shapes: a Gram over 32 rows is not a Gram over 20,000) and
+    counted ``chunks`` times (:meth:`gradalg.plan.jobs.Job.stream_cost`)."""
+    c = max(1, min(chunk or n_stream, n_stream))
+    return c, _chunks(n_stream, c) * row_sets
 
 
 def kernel_costs(n_held: int, n_stream: int, chunk: int, TL: int, TR: int, n_in: int, n_out: int,
                  elem: int = 4) -> dict[str, Cost]:
     """``{"ghost": Cost, "dense": Cost}``: one block's inner products between ``n_held``
     held examples (TL positions) and ``n_stream`` streamed ones (TR positions) in chunks
-    of ``chunk``, by either kernel, as the scores job costs them (:func:`job_cost`):
+    of ``chunk``, by either kernel, as the scores job costs them (:func:`scores_chunk_cost`):
     ghost products per chunk (:func:`~gradalg.plan.cost.ghost_cost`), or the chunk
     materialized and one GEMM with the held rows, which are materialized once
     (:func:`~gradalg.plan.cost.dense_cost`). The planner prices both with its device
@@ -651,8 +615,9 @@ def kernel_costs(n_held: int, n_stream: int, chunk: int, TL: int, TR: int, n_in:
     return {"ghost": ghost, "dense": dense}
 
 
-def _resolve_once(op, resolved: set | None) -> Cost:
-    """:func:`resolve_cost` unless ``op`` was resolved before in the plan (``resolved``)."""
+def resolve_once(op, resolved: set | None) -> Cost:
+    """:func:`resolve_cost` unless ``op`` was resolved before in the plan (``resolved``, the
+    tokens resolved so far, to which ``op`` is added)."""
     if resolved is not None:
         if op.token in resolved:
             return Cost()
@@ -660,87 +625,123 @@ def _resolve_once(op, resolved: set | None) -> Cost:
     return resolve_cost(op)
 
 
-def _chunk_cost(job, node, c: int, layout: dict, elem: int) -> Cost:
-    """The work of ``job`` on one chunk of ``c`` rows (one row set) of ``node``."""
-    kind = job.kind
-    T = positions(node)
-    blocks = node.space.blocks
-    ops = OPS_PER_BLOCK.get(kind, 4)
-    if kind == "scores":     # a ghost block's fixed cost is its own (measured apart)
-        ghosts = sum(1 for b in blocks if job.kernels.get(b.name) == "ghost")
-        cost = block_cost("ghost", ghosts, ops) + block_cost(kind, len(blocks) - ghosts, ops)
-    else:
-        cost = block_cost(kind, len(blocks), ops)
-    factored = {b.name: layout.get(b.name) == "factors" and len(b.shape) == 2 for b in blocks}
+def _factored(node, layout: dict) -> dict:
+    """``{block: bool}``: the block's rows arrive as factors (``layout``) and it is 2-D."""
+    return {b.name: layout.get(b.name) == "factors" and len(b.shape) == 2 for b in node.space.blocks}
 
-    def flat(b):   # the block's rows made flat (materialized from factors when they are factors)
-        if factored[b.name]:
-            return materialize_cost(c, T[b.name], b.shape[1], b.shape[0], elem)
-        return Cost()
 
-    if kind in ("collect", "store", "group"):
-        keep = job.storage or {}
-        for b in blocks:
-            if factored[b.name] and keep.get(b.name, "flat") == "factors":
-                cost = cost + Cost(bytes=2.0 * elem * c * T[b.name] * sum(b.shape))
+def _flat(b, c: int, T: dict, factored: dict, elem: int) -> Cost:
+    """A block's rows of one chunk made flat (materialized when they arrive as factors)."""
+    if factored[b.name]:
+        return materialize_cost(c, T[b.name], b.shape[1], b.shape[0], elem)
+    return Cost()
+
+
+def rows_chunk_cost(node, c: int, layout: dict, storage: dict, elem: int) -> Cost:
+    """Rows kept (collect, store, group) from one chunk of ``c`` examples: factors copied
+    where ``storage`` keeps factors, else the rows made flat and copied (read + write)."""
+    T, factored, cost = positions(node), _factored(node, layout), Cost()
+    for b in node.space.blocks:
+        if factored[b.name] and storage.get(b.name, "flat") == "factors":
+            cost = cost + Cost(bytes=2.0 * elem * c * T[b.name] * sum(b.shape))
+        else:
+            cost = cost + _flat(b, c, T, factored, elem) + Cost(bytes=2.0 * elem * c * b.dim)
+    return cost
+
+
+def fisher_chunk_cost(node, c: int, layout: dict, structure: str, elem: int) -> Cost:
+    """A Fisher's sums Σ g gᵀ over one chunk: the rows made flat and their products."""
+    T, factored, cost = positions(node), _factored(node, layout), Cost()
+    for b in node.space.blocks:
+        cost = cost + _flat(b, c, T, factored, elem)
+    return cost + fisher_cost(c, [b.dim for b in node.space.blocks], structure)
+
+
+def kfac_chunk_cost(node, c: int, elem: int, diagonal_width: int | None) -> Cost:
+    """K-FAC's factor sums over one chunk, per 2-D block and m = c·T positions: for A (in)
+    and S (out) a dense factor's Gram and d × d float64 sums, a diagonal one's squares."""
+    T, cost = positions(node), Cost()
+    for b in node.space.blocks:
+        if len(b.shape) != 2:
+            continue
+        m = c * T[b.name]
+        for d in (b.shape[1], b.shape[0]):   # A, S
+            if _diagonal(d, diagonal_width):
+                cost = cost + Cost(flops=2.0 * m * d, bytes=elem * m * d * 2 + 16.0 * d)
             else:
-                cost = cost + flat(b) + Cost(bytes=2.0 * elem * c * b.dim)
-        return cost
-    if kind == "fisher":
-        for b in blocks:
-            cost = cost + flat(b)
-        return cost + fisher_cost(c, [b.dim for b in blocks], job.target.structure)
-    diagonal_width = getattr(job, "kron_diagonal_width", None)
-    if kind == "kfac":
-        for b in blocks:
-            if len(b.shape) != 2:
-                continue
+                cost = cost + gram_cost(m, d, elem) + Cost(bytes=elem * m * d + 24.0 * d * d)
+        cost = cost + Cost(bytes=elem * m * b.shape[1])
+    return cost
+
+
+def kfac_once_cost(node, diagonal_width: int | None) -> Cost:
+    """K-FAC's eigendecompositions at the end of its pass: one per dense factor (A, then S)."""
+    once = Cost()
+    for b in node.space.blocks:
+        if len(b.shape) == 2:
+            for d in (b.shape[1], b.shape[0]):
+                if not _diagonal(d, diagonal_width):
+                    once = once + eigh_cost(d)
+    return once
+
+
+def ekfac_chunk_cost(node, c: int, layout: dict, elem: int, diagonal_width: int | None) -> Cost:
+    """EK-FAC's correction over one chunk: each (out, in) block rotated into the K-FAC
+    eigenbases (factors: ``kron.rotate_factors``, one example at a time where a factor is
+    diagonal; flat rows: ``kron.rotate_rows``), squared and summed."""
+    T, factored, cost = positions(node), _factored(node, layout), Cost()
+    for b in node.space.blocks:
+        if len(b.shape) != 2:
+            continue
+        out_f, in_f = b.shape
+        if factored[b.name] and (_diagonal(out_f, diagonal_width) or _diagonal(in_f, diagonal_width)):
+            # kron.rotate_factors one example at a time (EKFACAccumulator), an identity side not rotated
+            if not _diagonal(in_f, diagonal_width):
+                cost = cost + gemm_cost(T[b.name], in_f, in_f, c, elem)
+            if not _diagonal(out_f, diagonal_width):
+                cost = cost + gemm_cost(T[b.name], out_f, out_f, c, elem)
+            cost = cost + gemm_cost(out_f, in_f, T[b.name], c, elem) + block_cost("ekfac", c - 1, 3)
+        elif factored[b.name]:
             m = c * T[b.name]
-            for d in (b.shape[1], b.shape[0]):   # A, S: a dense factor's Gram and d × d sums; a diagonal one's squares
-                if _diagonal(d, diagonal_width):
-                    cost = cost + Cost(flops=2.0 * m * d, bytes=elem * m * d * 2 + 16.0 * d)
-                else:
-                    cost = cost + gram_cost(m, d, elem) + Cost(bytes=elem * m * d + 24.0 * d * d)
-            cost = cost + Cost(bytes=elem * m * b.shape[1])
-        return cost
-    if kind == "ekfac":
-        for b in blocks:
-            if len(b.shape) != 2:
-                continue
-            out_f, in_f = b.shape
-            if factored[b.name] and (_diagonal(out_f, diagonal_width) or _diagonal(in_f, diagonal_width)):
-                # kron.rotate_factors one example at a time (EKFACAccumulator), an identity side not rotated
-                m = c * T[b.name]
-                if not _diagonal(in_f, diagonal_width):
-                    cost = cost + gemm_cost(T[b.name], in_f, in_f, c, elem)
-                if not _diagonal(out_f, diagonal_width):
-                    cost = cost + gemm_cost(T[b.name], out_f, out_f, c, elem)
-                cost = cost + gemm_cost(out_f, in_f, T[b.name], c, elem) + block_cost("ekfac", c - 1, 3)
-            elif factored[b.name]:
-                m = c * T[b.name]
-                cost = (cost + gemm_cost(m, in_f, in_f, 1, elem) + gemm_cost(m, out_f, out_f, 1, elem)
-                        + bmm_cost(c, out_f, in_f, T[b.name], 1, elem))    # kron.rotate_factors
-            else:                                                           # kron.rotate_rows
-                cost = cost + bmm_cost(c, out_f, in_f, out_f, 1, elem) + gemm_cost(c * out_f, in_f, in_f, 1, elem)
-            cost = cost + Cost(bytes=4.0 * elem * c * out_f * in_f)     # rotated, squared, summed
-        return cost
-    if kind == "scores":
-        held = job.held
-        P_h, n_h = positions(held), held.n
-        for b in held.space.blocks:
-            T_h, T_s = P_h[b.name], T[b.name]
-            if job.kernels.get(b.name) == "ghost":
-                cost = cost + ghost_cost(n_h, c, T_h, T_s, b.shape[1], b.shape[0], elem)
-            elif factored[b.name]:
-                cost = cost + dense_cost(n_h, c, T_h, T_s, b.shape[1], b.shape[0], True, elem)
-            else:
-                cost = cost + gemm_cost(n_h, c, b.dim, 1, elem) + Cost(bytes=float(elem) * c * b.dim)
-        return cost
-    if kind == "diag":
-        space = node.space
-        for b in blocks:
-            cost = cost + flat(b)
-        cost = cost + Cost(flops=2.0 * c * space.dim, bytes=3.0 * elem * c * space.dim)
-        op = job.target.scores.op
-        return cost + apply_cost(op, space, c, elem)
-    return cost + Cost(flops=2.0 * c * node.space.dim, bytes=2.0 * elem * c * node.space.dim)
+            cost = (cost + gemm_cost(m, in_f, in_f, 1, elem) + gemm_cost(m, out_f, out_f, 1, elem)
+                    + bmm_cost(c, out_f, in_f, T[b.name], 1, elem))    # kron.rotate_factors
+        else:                                                           # kron.rotate_rows
+            cost = cost + bmm_cost(c, out_f, in_f, out_f, 1, elem) + gemm_cost(c * out_f, in_f, in_f, 1, elem)
+        cost = cost + Cost(bytes=4.0 * elem * c * out_f * in_f)     # rotated, squared, summed
+    return cost
+
+
+def scores_chunk_cost(node, held, kernels: dict, c: int, layout: dict, elem: int) -> Cost:
+    """One chunk of ``c`` streamed rows against the ``held`` rows, per block by its kernel:
+    ghost products, the chunk materialized and one GEMM (dense over factors), or a GEMM."""
+    T, factored, cost = positions(node), _factored(node, layout), Cost()
+    P_h, n_h = positions(held), held.n
+    for b in held.space.blocks:
+        T_h, T_s = P_h[b.name], T[b.name]
+        if kernels.get(b.name) == "ghost":
+            cost = cost + ghost_cost(n_h, c, T_h, T_s, b.shape[1], b.shape[0], elem)
+        elif factored[b.name]:
+            cost = cost + dense_cost(n_h, c, T_h, T_s, b.shape[1], b.shape[0], True, elem)
+        else:
+            cost = cost + gemm_cost(n_h, c, b.dim, 1, elem) + Cost(bytes=float(elem) * c * b.dim)
+    return cost
+
+
+def scores_once_cost(held, kernels: dict, held_layout: dict, op, elem: int, options=None,
+                     resolved: set | None = None) -> Cost:
+    """What a scores job does once: held factored blocks a dense kernel reads materialized,
+    its operator resolved (unless ``resolved`` before) and applied to the held rows."""
+    once, P_h = Cost(), positions(held)
+    for b in held.space.blocks:
+        if kernels.get(b.name) != "ghost" and held_layout.get(b.name) == "factors" and len(b.shape) == 2:
+            once = once + materialize_cost(held.n, P_h[b.name], b.shape[1], b.shape[0], elem)
+    return once + resolve_once(op, resolved) + apply_cost(op, held.space, held.n, elem, options)
+
+
+def diag_chunk_cost(node, op, c: int, layout: dict, elem: int) -> Cost:
+    """Self-scores of one chunk: the rows made flat, the operator applied, the row products."""
+    T, factored, cost, space = positions(node), _factored(node, layout), Cost(), node.space
+    for b in space.blocks:
+        cost = cost + _flat(b, c, T, factored, elem)
+    cost = cost + Cost(flops=2.0 * c * space.dim, bytes=3.0 * elem * c * space.dim)
+    return cost + apply_cost(op, space, c, elem)

@@ -25,10 +25,23 @@ TopKJob        its terms' streamed sides; their held sides      (n_query, k) bes
 DiagJob        both sides in lockstep (or one, the other held)  (n,) self-scores
 =============  ==============================================  ========================
 
-``Job.kind`` is the job's short name (``"scores"``, ...), shown by ``describe()`` and
-kept for code that dispatches on it. A job is keyed by ``(kind, target token)``
-(:attr:`Job.key`): the plan's ``jobs`` dict, the dependencies and the executor's
-results all use that key.
+A job type is one class here and one sink in :mod:`gradalg.exec.sinks` (the executor's
+floor: the plan does not import it). The class answers everything the planner asks of it,
+as methods that call the formulas of :mod:`gradalg.plan.estimates` and
+:mod:`gradalg.plan.memory`; nothing dispatches on its kind:
+
+``stream_cost``        its work on the rows it streams (:meth:`Job.chunk_cost` per chunk,
+                       times the chunks, plus :meth:`Job.once_cost`)
+``fixed_bytes``        bytes held for the whole pass
+``per_example_bytes``  working bytes per streamed example (:meth:`Job.example_bytes`, and
+                       the workspace of the projections its streams apply)
+``output_bytes``       bytes of its result (what shards send back)
+
+``Job.kind`` is the job's short name (``"scores"``, ...), shown by ``describe()``; a
+class that sets it registers itself in :data:`JOB_TYPES`. A job is keyed by
+``(kind, target token)`` (:attr:`Job.key`): the plan's ``jobs`` dict, the dependencies
+and the executor's results all use that key. ``tests/test_plan_jobs.py`` checks that
+every registered type implements the methods and has a sink.
 """
 from __future__ import annotations
 
@@ -39,23 +52,41 @@ from ..errors import OptionError
 from ..expr import GradNode, Node
 from ..expr.operators import Identity
 from ..expr.tokens import token_rows
-from .cost import Cost, fisher_cost
-from .memory import (_gb, consumer_bytes_per_example, ekfac_bytes, ekfac_example_bytes, ghost_norm_bytes_per_example,
-                     ghost_workspace_bytes, kron_bytes,
-                     kron_bytes_arithmetic, kron_output_bytes, rows_bytes, rows_of)
+from .cost import Cost, block_cost, fisher_cost
+from .estimates import (chunk_count, diag_chunk_cost, ekfac_chunk_cost, fisher_chunk_cost, kfac_chunk_cost,
+                        kfac_once_cost, resolve_once, rows_chunk_cost, scores_chunk_cost, scores_once_cost)
+from .memory import (_gb, check_statistics_fit, ekfac_bytes, ekfac_example_bytes, ekfac_rotated_bytes, flat_example_bytes,
+                     ghost_norm_bytes_per_example, ghost_workspace_bytes, kfac_example_bytes, kron_bytes,
+                     kron_bytes_arithmetic, kron_output_bytes, kron_precision_decisions, rows_bytes, rows_of, stream_workspace_bytes)
 from .shapes import element_size
 
 __all__ = ["Job", "CollectJob", "StoreJob", "GroupJob", "FisherJob", "KFACJob", "EKFACJob", "ScoresJob",
            "DiagJob", "TopK", "TopKJob", "JOB_TYPES", "job_type"]
 
+#: every job class with a ``kind``, by kind (filled as the classes are defined)
+JOB_TYPES: dict[str, type["Job"]] = {}
+
 
 @dataclass(eq=False)
 class Job:
-    """One job of a pass. ``key`` is ``(kind, target token)``."""
+    """One job of a pass. ``key`` is ``(kind, target token)``.
+
+    A job type sets ``kind`` and implements :meth:`chunk_cost` (or :meth:`stream_cost`),
+    :meth:`example_bytes` (or :meth:`per_example_bytes`), :meth:`fixed_bytes` and
+    :meth:`output_bytes`; the base raises for what a type leaves out."""
 
     kind: ClassVar[str] = "job"
     #: what ``finish`` of the job's sink gives the executor
     output: ClassVar[str] = ""
+    #: small tensor ops the job runs per chunk and block (casts, views, accumulation,
+    #: checks): the price of its fixed cost per block (``block_cost(kind, …)``) on a
+    #: profile that has not measured that kind (``DeviceProfile.block_seconds``: the
+    #: nominal GPU profiles; on a measured CPU "ekfac", "kfac", "scores" and "ghost"
+    #: blocks are timed)
+    ops_per_block: ClassVar[int] = 4
+    #: each row set of an example (one per Gauss-Newton term) reaches the job as its own
+    #: chunk (statistics and kept rows); False: one chunk per batch
+    per_row_set: ClassVar[bool] = False
 
     target: Node
     streams: tuple[GradNode, ...] = ()
@@ -77,6 +108,13 @@ class Job:
     kron_float32_rtol: float = 1e-2
     #: Kronecker factors wider than this kept as their diagonal (``ga.options(kron_diagonal_width)``; None: never)
     kron_diagonal_width: int | None = None
+    #: streamed blocks of at least this many bytes reuse one buffer (``ga.options(reuse_buffer_bytes)``)
+    buffer_bytes: int = 2**20
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "kind" in cls.__dict__:
+            JOB_TYPES[cls.kind] = cls
 
     def __post_init__(self):
         if type(self) is Job or isinstance(self.target, str):
@@ -90,22 +128,73 @@ class Job:
     def describe(self) -> str:
         return f"{self.kind} {self.target.label}"
 
+    # ------------------------------------------------------------------ cost
+    def stream_cost(self, n_stream: int, chunk: int | None, dtype, layout_of, storage_of=None, options=None,
+                    resolved: set | None = None) -> Cost:
+        """The job's work on the ``n_stream`` examples it streams in chunks of ``chunk``:
+        per chunk (:meth:`block_cost` + :meth:`chunk_cost`, for one chunk's shapes) times
+        the chunks (one per chunk and, where ``per_row_set``, per row set), plus what it
+        does once (:meth:`once_cost`).
+
+        ``layout_of(node)``: ``{block: "factors" | "flat"}`` of ``node``'s rows as they
+        arrive in this pass; ``storage_of(node)``: how kept rows of ``node`` are stored (a
+        held side); ``resolved``: tokens of operators resolved earlier in the plan (not
+        resolved again; one this job resolves is added)."""
+        if not self.streams:
+            return Cost()
+        node = self.streams[0]
+        c, chunks = chunk_count(n_stream, chunk, rows_of(node) if self.per_row_set else 1)
+        elem = element_size(dtype)
+        per = self.block_cost(node) + self.chunk_cost(node, c, layout_of(node), elem)
+        return per.scaled(chunks) + self.once_cost(elem, storage_of, options, resolved)
+
+    def block_cost(self, node) -> Cost:
+        """The fixed cost of one chunk: ``ops_per_block`` small ops per block of ``node``."""
+        return block_cost(self.kind, len(node.space.blocks), self.ops_per_block)
+
+    def chunk_cost(self, node, c: int, layout: dict, elem: int) -> Cost:
+        """FLOPs and traffic of the job on one chunk of ``c`` examples of ``node``."""
+        raise NotImplementedError(f"{type(self).__name__} does not say what a chunk costs (Job.chunk_cost)")
+
+    def once_cost(self, elem: int, storage_of=None, options=None, resolved: set | None = None) -> Cost:
+        """What the job does once per pass (an eigendecomposition, the held side's preconditioning)."""
+        return Cost()
+
+    # ------------------------------------------------------------------ memory
     def fixed_bytes(self, dtype) -> float:
         """Bytes the job holds for its whole pass (held rows, statistics)."""
-        return 0.0
+        raise NotImplementedError(f"{type(self).__name__} does not say what it holds (Job.fixed_bytes)")
 
     def per_example_bytes(self, dtype) -> float:
-        """Working bytes per streamed example, beyond the captured rows."""
-        return consumer_bytes_per_example(self, dtype)
+        """Working bytes per streamed example, beyond the captured rows: what the job
+        materializes (:meth:`example_bytes`) and the workspace of the projections its
+        streams apply (:func:`~gradalg.plan.memory.stream_workspace_bytes`)."""
+        if not self.streams:
+            return 0.0
+        return self.example_bytes(dtype) + stream_workspace_bytes(self.streams, dtype)
+
+    def example_bytes(self, dtype) -> float:
+        """Bytes the job materializes per streamed example (rows made flat, float64 copies)."""
+        raise NotImplementedError(f"{type(self).__name__} does not say its bytes per example (Job.example_bytes)")
 
     def bytes_arithmetic(self, dtype) -> str:
         """How :meth:`fixed_bytes` adds up, for messages ("" when it is one number)."""
         return ""
 
+    # ------------------------------------------------------------------ planning
+    def first_decisions(self, options) -> list:
+        """What planning the job adds the first time it enters a plan: a refusal before
+        any pass runs (raised), decisions shown by ``explain()``. None by default."""
+        return []
+
+    def score_parts(self) -> tuple:
+        """The :class:`ScoresJob` s whose kernels this job runs (itself, a top-k's terms)."""
+        return ()
+
     def output_bytes(self, n: int) -> float:
         """Rough bytes of the job's result over ``n`` streamed examples (what the shards of
         a distributed pass send back, summed over shards)."""
-        return 8.0 * n
+        raise NotImplementedError(f"{type(self).__name__} does not say its output's bytes (Job.output_bytes)")
 
 
 @dataclass(eq=False)
@@ -114,8 +203,14 @@ class RowsJob(Job):
 
     output: ClassVar[str] = "rows"
 
+    def chunk_cost(self, node, c, layout, elem) -> Cost:
+        return rows_chunk_cost(node, c, layout, self.storage or {}, elem)
+
     def fixed_bytes(self, dtype) -> float:
         return rows_bytes(self.target, self.storage, dtype)
+
+    def example_bytes(self, dtype) -> float:
+        return 0.0
 
     def output_bytes(self, n: int) -> float:
         return 4.0 * self.target.n * self.target.space.dim
@@ -126,6 +221,7 @@ class CollectJob(RowsJob):
     """Keep every row of ``target`` (a held side, or the rows of a gradient node)."""
 
     kind: ClassVar[str] = "collect"
+    per_row_set: ClassVar[bool] = True
 
     def describe(self) -> str:
         return f"{self.kind} {self.target.label!r} ({self.target.n:,} rows)"
@@ -143,6 +239,7 @@ class GroupJob(RowsJob):
     """Group means of the rows of ``target.grads`` (a :class:`~gradalg.expr.GroupMean`)."""
 
     kind: ClassVar[str] = "group"
+    ops_per_block: ClassVar[int] = 6
 
 
 @dataclass(eq=False)
@@ -151,6 +248,19 @@ class FisherJob(Job):
 
     kind: ClassVar[str] = "fisher"
     output: ClassVar[str] = "operator"
+    ops_per_block: ClassVar[int] = 6
+    per_row_set: ClassVar[bool] = True
+
+    def chunk_cost(self, node, c, layout, elem) -> Cost:
+        return fisher_chunk_cost(node, c, layout, self.target.structure, elem)
+
+    def first_decisions(self, options) -> list:
+        """A Fisher whose matrix alone exceeds the memory budget is refused here."""
+        check_statistics_fit(self.target, options.memory_budget)
+        return []
+
+    def example_bytes(self, dtype) -> float:
+        return flat_example_bytes(self.streams[0], dtype, 16.0)   # materialized, cast to float64, its product
 
     def fixed_bytes(self, dtype) -> float:
         return fisher_cost(1, [b.dim for b in self.target.space.blocks], self.target.structure).peak_bytes
@@ -165,6 +275,7 @@ class KronStatisticsJob(Job):
     matrices per block are its footprint and its output."""
 
     output: ClassVar[str] = "operator"
+    per_row_set: ClassVar[bool] = True
 
     def fixed_bytes(self, dtype) -> float:
         return kron_bytes(self.target.space, self.kron_float64_width, self.kron_diagonal_width)
@@ -181,6 +292,20 @@ class KFACJob(KronStatisticsJob):
     """K-FAC's Kronecker factors S = E[DᵀD], A = E[AᵀA] per block, and their eigenbases."""
 
     kind: ClassVar[str] = "kfac"
+    ops_per_block: ClassVar[int] = 14
+
+    def chunk_cost(self, node, c, layout, elem) -> Cost:
+        return kfac_chunk_cost(node, c, elem, self.kron_diagonal_width)
+
+    def once_cost(self, elem, storage_of=None, options=None, resolved=None) -> Cost:
+        return kfac_once_cost(self.streams[0], self.kron_diagonal_width)
+
+    def first_decisions(self, options) -> list:
+        """The precision (float32 or float64) and form (dense or diagonal) of each factor."""
+        return kron_precision_decisions(self.target, options)
+
+    def example_bytes(self, dtype) -> float:
+        return kfac_example_bytes(self.streams[0], self.token_block)
 
     def describe(self) -> str:
         t = self.target
@@ -194,6 +319,13 @@ class EKFACJob(KronStatisticsJob):
     (a second pass: it depends on the KFACJob of the same operator)."""
 
     kind: ClassVar[str] = "ekfac"
+    ops_per_block: ClassVar[int] = 10
+
+    def chunk_cost(self, node, c, layout, elem) -> Cost:
+        return ekfac_chunk_cost(node, c, layout, elem, self.kron_diagonal_width)
+
+    def example_bytes(self, dtype) -> float:
+        return ekfac_rotated_bytes(self.streams[0], self.token_block, self.kron_diagonal_width)
 
     def fixed_bytes(self, dtype) -> float:
         """The statistics' bytes, and one example's rotated gradient of a block with a
@@ -224,6 +356,7 @@ class ScoresJob(Job):
 
     kind: ClassVar[str] = "scores"
     output: ClassVar[str] = "scores"
+    ops_per_block: ClassVar[int] = 10
 
     held_storage: dict = field(default_factory=dict)
     normalize_streamed: bool = False
@@ -258,8 +391,28 @@ class ScoresJob(Job):
             return min(raw + flat, max(raw, flat) + block) + ghost_workspace_bytes(self, dtype)
         return raw + flat + ghost_workspace_bytes(self, dtype)
 
+    def block_cost(self, node) -> Cost:
+        """A ghost block's fixed cost is its own (measured apart)."""
+        blocks = node.space.blocks
+        ghosts = sum(1 for b in blocks if self.kernels.get(b.name) == "ghost")
+        return block_cost("ghost", ghosts, self.ops_per_block) + block_cost(self.kind, len(blocks) - ghosts,
+                                                                            self.ops_per_block)
+
+    def chunk_cost(self, node, c, layout, elem) -> Cost:
+        return scores_chunk_cost(node, self.held, self.kernels, c, layout, elem)
+
+    def once_cost(self, elem, storage_of=None, options=None, resolved=None) -> Cost:
+        held_layout = storage_of(self.held) if storage_of is not None else {}
+        return scores_once_cost(self.held, self.kernels, held_layout, self.target.op, elem, options, resolved)
+
     def output_bytes(self, n: int) -> float:
         return 8.0 * self.held.n * n
+
+    def score_parts(self) -> tuple:
+        return (self,)
+
+    def example_bytes(self, dtype) -> float:
+        return 0.0
 
     def per_example_bytes(self, dtype) -> float:
         total = super().per_example_bytes(dtype)
@@ -331,6 +484,16 @@ class TopKJob(Job):
     def n_query(self) -> int:
         return self.target.shape[0]
 
+    def stream_cost(self, n_stream, chunk, dtype, layout_of, storage_of=None, options=None, resolved=None) -> Cost:
+        """Its terms' score blocks (the merge is O(n_query·(k + chunk)), not counted)."""
+        total = Cost()
+        for _, term in self.terms:
+            total = total + term.stream_cost(n_stream, chunk, dtype, layout_of, storage_of, options, resolved)
+        return total
+
+    def score_parts(self) -> tuple:
+        return tuple(t for _, t in self.terms)
+
     def fixed_bytes(self, dtype) -> float:
         return sum(j.fixed_bytes(dtype) for _, j in self.terms) + 16.0 * self.n_query * self.k
 
@@ -351,16 +514,28 @@ class DiagJob(Job):
 
     kind: ClassVar[str] = "diag"
     output: ClassVar[str] = "scores"
+    ops_per_block: ClassVar[int] = 6
+
+    def chunk_cost(self, node, c, layout, elem) -> Cost:
+        return diag_chunk_cost(node, self.target.scores.op, c, layout, elem)
+
+    def once_cost(self, elem, storage_of=None, options=None, resolved=None) -> Cost:
+        return resolve_once(self.target.scores.op, resolved)
+
+    def fixed_bytes(self, dtype) -> float:
+        """Nothing: a held side is a CollectJob's rows."""
+        return 0.0
+
+    def output_bytes(self, n: int) -> float:
+        return 8.0 * n
+
+    def example_bytes(self, dtype) -> float:
+        return flat_example_bytes(self.streams[0], dtype, 8.0)
 
     def per_example_bytes(self, dtype) -> float:
         """What the job materializes per example, and the ghost norms' intermediates of
         factored rows (a self-score of one side: ‖G_i‖² by the ghost identity)."""
         return super().per_example_bytes(dtype) + ghost_norm_bytes_per_example(self, dtype)
-
-
-JOB_TYPES: dict[str, type[Job]] = {cls.kind: cls for cls in
-                                   (CollectJob, StoreJob, GroupJob, FisherJob, KFACJob, EKFACJob, ScoresJob,
-                                    DiagJob, TopKJob)}
 
 
 def job_type(kind: str) -> type[Job]:

@@ -33,7 +33,8 @@ from .cost import activation_bytes, output_bytes, tokens_hint
 from .decisions import Decision, DecisionKind
 from .shapes import element_size, forward_shapes, rows_per_example
 
-__all__ = ["positions", "rows_of", "rows_bytes", "capture_bytes_per_example", "consumer_bytes_per_example",
+__all__ = ["positions", "rows_of", "rows_bytes", "capture_bytes_per_example", "stream_workspace_bytes", "flat_example_bytes",
+           "kfac_example_bytes", "ekfac_rotated_bytes",
            "kron_bytes", "kron_output_bytes", "ekfac_example_bytes", "ekfac_bytes", "kron_factor_bytes", "kron_precision_decisions", "kron_bytes_arithmetic",
            "statistics_bytes", "check_statistics_fit", "captured_positions", "ghost_workspace_bytes",
            "ghost_norm_bytes_per_example", "token_block_of", "projection_map_decisions",
@@ -384,38 +385,40 @@ def projection_workspace_bytes(node, dtype) -> float:
     return out
 
 
-def consumer_bytes_per_example(job, dtype) -> float:
-    """Working bytes per streamed example of a job, beyond the captured rows: rows it
-    materializes (a flat Fisher or a dense score kernel) and their float64 copies, and the
-    workspace of the projections its streams apply (:func:`projection_workspace_bytes`).
-    Rows of one example's Gauss-Newton terms arrive as separate chunks: counted once."""
-    if not job.streams:
-        return 0.0
-    return _consumer_bytes_per_example(job, dtype) + max(projection_workspace_bytes(s, dtype) for s in job.streams)
+def stream_workspace_bytes(streams, dtype) -> float:
+    """Working bytes per example of the projections a job's ``streams`` apply
+    (:func:`projection_workspace_bytes`, the largest); rows of one example's Gauss-Newton
+    terms arrive as separate chunks: counted once. Every job's
+    :meth:`~gradalg.plan.jobs.Job.per_example_bytes` adds its own on top."""
+    return max((projection_workspace_bytes(s, dtype) for s in streams), default=0.0)
 
 
-def _consumer_bytes_per_example(job, dtype) -> float:
-    elem = element_size(dtype)
-    node = job.streams[0]
-    rows = 1
-    dim = node.space.dim
-    if job.kind == "fisher":
-        return rows * dim * (elem + 16.0)        # materialized, cast to float64, its product/square
-    if job.kind == "diag":
-        return rows * dim * (elem + 8.0)
-    if job.kind == "ekfac":
-        # rotated gradients, squared (float64), and one token block of rotated factors; a
-        # block with a diagonal factor is rotated one example at a time (ekfac_fixed_bytes)
-        T = positions(node)
-        diag = _diagonal_blocks(node.space, getattr(job, "kron_diagonal_width", None))
-        return rows * sum((16.0 * b.dim if b.name not in diag else 0.0)
-                          + (token_block_of(job, T[b.name]) * sum(b.shape) * 8.0 if len(b.shape) == 2 else 0.0)
-                          for b in node.space.blocks)
-    if job.kind == "kfac":
-        T = positions(node)
-        return rows * sum(token_block_of(job, T[b.name]) * sum(b.shape) * 8.0
-                          for b in node.space.blocks if len(b.shape) == 2)
-    return 0.0
+def flat_example_bytes(node, dtype, copy_bytes: float) -> float:
+    """One example's rows of ``node`` materialized flat, and ``copy_bytes`` more per
+    coordinate (a Fisher's float64 copy and product: 16; a self-score's product: 8)."""
+    return node.space.dim * (element_size(dtype) + copy_bytes)
+
+
+def kfac_example_bytes(node, token_block: int | None) -> float:
+    """K-FAC's sums of one example: one token block of its factors in float64 per 2-D block."""
+    T = positions(node)
+    return sum(_token_block(token_block, T[b.name]) * sum(b.shape) * 8.0
+               for b in node.space.blocks if len(b.shape) == 2)
+
+
+def ekfac_rotated_bytes(node, token_block: int | None, diagonal_width: int | None) -> float:
+    """EK-FAC's correction of one example: rotated gradients, squared (float64), and one
+    token block of rotated factors; a block with a diagonal factor is rotated one example
+    at a time (:func:`ekfac_example_bytes`, counted in the job's fixed bytes)."""
+    T = positions(node)
+    diag = _diagonal_blocks(node.space, diagonal_width)
+    return sum((16.0 * b.dim if b.name not in diag else 0.0)
+               + (_token_block(token_block, T[b.name]) * sum(b.shape) * 8.0 if len(b.shape) == 2 else 0.0)
+               for b in node.space.blocks)
+
+
+def _token_block(block: int | None, T: int) -> int:
+    return min(T, block) if block else T
 
 
 def _diagonal_blocks(space, diagonal_width: int | None) -> set:
@@ -434,8 +437,7 @@ def ekfac_example_bytes(space, diagonal_width: int | None) -> float:
 
 def token_block_of(job, T: int) -> int:
     """Positions per example the job's kernels take at once: ``min(T, job.token_block)``."""
-    block = getattr(job, "token_block", None)
-    return min(T, block) if block else T
+    return _token_block(getattr(job, "token_block", None), T)
 
 
 def ghost_norm_bytes_per_example(job, dtype) -> float:

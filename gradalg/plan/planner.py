@@ -53,7 +53,7 @@ from .shapes import element_size, forward_shapes
 from .jobs import (CollectJob, DiagJob, EKFACJob, FisherJob, GroupJob, Job, KFACJob, ScoresJob, StoreJob, TopK,
                    TopKJob)
 from .decisions import Decision, DecisionKind, Decisions
-from .memory import (capture_bytes_per_example, check_statistics_fit, kron_precision_decisions, positions,
+from .memory import (capture_bytes_per_example, positions,
                      projection_map_decisions, rows_bytes)
 from .rules import Firing, PlanError, simplify_until_fixpoint
 
@@ -184,7 +184,7 @@ class _Planner:
         o = self.options
         job.token_block, job.slice_elements = o.token_block, o.ghost_slice_elements
         job.kron_float64_width, job.kron_float32_rtol = o.kron_float64_width, o.kron_float32_rtol
-        job.kron_diagonal_width = o.kron_diagonal_width
+        job.kron_diagonal_width, job.buffer_bytes = o.kron_diagonal_width, o.reuse_buffer_bytes
         return job
 
     def stream_deps(self, node: GradNode) -> set:
@@ -219,17 +219,8 @@ class _Planner:
                             "Statistic(None, node, rows) for rows it reads itself when applied")
         job = STATISTICS_JOBS[statistic.job](statistic.node, (statistic.rows,), deps)
         if job.key not in self.jobs:
-            self._first_statistic(job)
+            self.decisions.extend(job.first_decisions(self.options))
         return {self.add(job)}
-
-    def _first_statistic(self, job: Job) -> None:
-        """What planning a statistics job adds the first time: a Fisher's memory check
-        (refused here, before any pass runs), K-FAC's factor precisions."""
-        if isinstance(job, FisherJob):
-            check_statistics_fit(job.target, self.options.memory_budget)
-        if isinstance(job, KFACJob):
-            op = job.target
-            self.decisions.extend(kron_precision_decisions(op, self.options))
 
     def score_jobs(self, node: ScoreNode) -> list[tuple]:
         if isinstance(node, ScoreSum):
@@ -259,7 +250,8 @@ class _Planner:
             deps |= j.deps
             if j.streams[0].token not in {s.token for s in streams}:
                 streams.append(j.streams[0])
-        job = TopKJob(node, tuple(streams), deps, k=spec.k, largest=spec.largest, terms=tuple(jobs))
+        terms = tuple((c, self._with_kernel_options(j)) for c, j in jobs)   # its sink runs them
+        job = TopKJob(node, tuple(streams), deps, k=spec.k, largest=spec.largest, terms=terms)
         return [self.add(job)]
 
     def _score_job(self, node: Inner, hold: str | None = None) -> ScoresJob:
@@ -579,16 +571,8 @@ class _Planner:
                 for b in node.space.blocks}
 
     def _job_cost(self, job: Job, n_stream: int, reads_data: bool = True, chunk: int | None = None) -> Cost:
-        if isinstance(job, TopKJob):   # its terms' score blocks (the merge is O(n_query·(k + chunk)))
-            total = Cost()
-            for _, term in job.terms:
-                total = total + self._job_cost(term, n_stream, reads_data, chunk)
-            return total
-        node = job.streams[0] if job.streams else None
-        layout = self._layout(node, reads_data) if node is not None else {}
-        held = self.storage(job.held) if job.held is not None else None
-        return estimates.job_cost(job, n_stream, layout, chunk or self.options.batch_size, self.dtype, held,
-                                  self.options, self.resolved)
+        return job.stream_cost(n_stream, chunk or self.options.batch_size, self.dtype,
+                               lambda node: self._layout(node, reads_data), self.storage, self.options, self.resolved)
 
     def _rowwise_cost(self, jobs: list[Job], n: int, chunk: int | None, base: set, reads_data: bool) -> Cost:
         """The row-wise transforms the pass derives from the rows it reads (``base``: their
@@ -688,9 +672,9 @@ class _Planner:
         score kernel, each column divided by its row's norm (⟨h, g/‖g‖⟩ = ⟨h, g⟩/‖g‖, the
         norm taken from rows the kernel reads anyway), when the pass reads G or something
         below it; row-wise when the normalized rows themselves are kept in memory."""
-        for job in [t for j in p.jobs for t in ([t for _, t in j.terms] if isinstance(j, TopKJob) else [j])]:
+        for job in [t for j in p.jobs for t in j.score_parts()]:
             s = job.streams[0] if job.streams else None
-            if not (isinstance(job, ScoresJob) and isinstance(s, Normalize) and s.op is None):
+            if not (isinstance(s, Normalize) and s.op is None):
                 continue
             job.normalize_streamed = not (p.key[0] == "memory" and p.key[1] == s.token)
             self.decisions.append(Decision(
@@ -842,7 +826,7 @@ class _Planner:
             n = data.n
             chunk = p.batch_size
             for job in p.jobs:    # stored rows stay in the chunks of this pass's batches
-                if job.kind == "store":
+                if isinstance(job, StoreJob):
                     self.stored_chunks[job.target.token] = p.batch_size
         else:
             cost = Cost()
