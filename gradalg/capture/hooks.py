@@ -24,7 +24,7 @@ from .factors import Factors
 from .layers import LayerRule, replaying, rule_for
 from .provenance import CallStack, find_routed, replay_frames, routed_frames
 from .rows import layout_for
-from .tying import LayerUse, tie_layers, use_factors
+from .tying import LayerUse, container_modules, tie_layers, use_factors
 from .wrappers import BASE_LAYER, display_name, strip_prefixes, unwrap
 
 __all__ = ["resolve_layers", "ForwardRecorder", "capture_batch", "LayerRef", "forward_share_key", "released_params"]
@@ -141,8 +141,9 @@ def _layer_names(model: nn.Module, layers, backend: str, every_kind: bool = Fals
                   if isinstance(m, nn.MultiheadAttention)} if backend != "func" else set()
     if layers is None:
         names = []
+        containers = container_modules(model)   # recorded through the descendant holding their parameters
         for name, module in model.named_modules():
-            if not any(p.requires_grad for p in module.parameters(recurse=False)):
+            if not any(p.requires_grad for p in module.parameters(recurse=False)) or name in containers:
                 continue
             if name in functional:
                 continue  # its forward hook never fires (MultiheadAttention calls F.linear on its weight)
