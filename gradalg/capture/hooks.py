@@ -170,8 +170,9 @@ def _layer_names(model: nn.Module, layers, backend: str, every_kind: bool = Fals
         if pattern in functional:
             raise UnsupportedLayerError(
                 f"{pattern!r} belongs to an nn.MultiheadAttention, which uses its weights without "
-                "calling it: hook capture cannot record it. Leave it out of `layers`, or use "
-                "backend='func'")
+                "calling it: hook capture cannot record it alone. Name the nn.MultiheadAttention "
+                f"itself ({pattern.rsplit('.', 1)[0]!r}: replayed per example with its input "
+                "projections and out_proj), pass layers='all', or use backend='func'")
         if pattern in modules:  # an exact name; "" is the model itself (a bare nn.Linear)
             base = modules[pattern]
             # a PEFT tuner layer stands for the frozen layer it wraps
@@ -290,7 +291,8 @@ class ForwardRecorder:
 
 
 def _block_params(ref: LayerRef) -> list:
-    return [p for p in (getattr(ref.module, n, None) for n in ref.param_names()) if isinstance(p, nn.Parameter)]
+    own = dict(ref.module.named_parameters())    # dotted names too (a replayed MultiheadAttention's out_proj)
+    return [own[n] for n in ref.param_names() if n in own]
 
 
 def released_params(model: nn.Module, layers: list[LayerRef]) -> list:
