@@ -20,6 +20,7 @@ from .errors import (BatchContentError, GradalgError, LossReductionError, Memory
                      UnsupportedLayerError)
 from .errors import DataError, ObjectiveError, OptionError, StoreCorruptError, WorkerFaultError  # noqa: E402
 from .errors import CurvatureError, DistributedError, ModelMismatchError, OperatorError, StaleCompiledError  # noqa: E402
+from .errors import HeadMismatchError, PartialGradientError  # noqa: E402
 from .exec import LocalExecutor
 from . import fingerprint  # noqa: E402 - ga.fingerprint.forget(model) after writes through .data
 from . import unroll  # noqa: E402 - ga.unroll.TrainingRun, replayed by ga.methods.magic / source
@@ -42,5 +43,6 @@ __all__ = [
     "ShapeMismatchError", "SpaceMismatchError", "UnsupportedLayerError", "store", "StoreMismatchError",
     "StoreIncompleteError", "BatchContentError", "PerTokenError", "StoreCorruptError", "OptionError",
     "DataError", "WorkerFaultError", "fingerprint", "compile", "Compiled", "OperatorError", "CurvatureError", "DistributedError", "ModelMismatchError",
+    "HeadMismatchError", "PartialGradientError",
     "StaleCompiledError", "unroll", "training_objective", "ObjectiveError",
 ]

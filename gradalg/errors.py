@@ -28,6 +28,8 @@ __all__ = [
     "ObjectiveError",
     "DistributedError",
     "ModelMismatchError",
+    "HeadMismatchError",
+    "PartialGradientError",
 ]
 
 
@@ -186,3 +188,17 @@ class ModelMismatchError(GradalgError, ValueError):
     (``DaskExecutor(model_fn=...)``) is not the client's: another architecture, other
     weights (both fingerprints are named), or workers that disagree with each other; or a
     pass needs the weights of a model the client holds on the ``meta`` device."""
+
+
+class HeadMismatchError(GradalgError, ValueError):
+    """The task's loss does not fit the model's head: a cross-entropy over one logit per
+    example (0 whatever the model: every gradient would be a silent 0), labels of another
+    shape than the head's outputs."""
+
+
+class PartialGradientError(GradalgError, RuntimeError):
+    """Hook capture accounts for only part of a parameter's gradient: the weight is also
+    used outside the module that holds it (an ``nn.Embedding`` weight reused by
+    ``x @ emb.weight.T`` or ``F.linear``: a hand-written tied head), so its per-example
+    gradients would miss that use. Checked on the first batch against autograd's gradient
+    (:mod:`gradalg.capture.verify`); the message names the parameters and the fix."""

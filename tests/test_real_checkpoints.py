@@ -14,7 +14,7 @@ import gradalg as ga
 from gradalg.capture.coverage import layer_coverage
 from gradalg.capture.hooks import POSITION_EMBEDDINGS, resolve_layers
 from references import one_thread  # noqa: F401 - fixture
-from zoo import STOCK_TASKS, ZOO, stock, stock_items, stock_oracle, worst_relative_error
+from zoo import STOCK_TASKS, VOCAB, ZOO, stock, stock_items, stock_oracle, worst_relative_error
 
 ARCHS = list(ZOO) + ["bart"]
 TOL = 1e-9
@@ -112,3 +112,106 @@ def test_multihead_attention_with_a_per_example_mask_is_refused():
     task = ga.Task(model, lambda m, b: m(b[0]).sum())
     with pytest.raises(ga.errors.UnsupportedLayerError, match="key_padding_mask"):
         ga.grads(task, (torch.randn(3, 5, 4, dtype=torch.float64),), layers="all").to_dense()
+
+
+# ------------------------------------------------------- sequence-classification heads
+def _classifier(num_labels, problem_type=None):
+    from transformers import BertConfig, BertForSequenceClassification
+    torch.manual_seed(0)
+    config = BertConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+                        vocab_size=VOCAB, max_position_embeddings=32, num_labels=num_labels,
+                        problem_type=problem_type, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return BertForSequenceClassification(config).double().eval()
+
+
+def _labels(kind, num_labels, g):
+    if kind == "int":
+        return torch.randint(0, max(num_labels, 3), (), generator=g)
+    if kind == "float":
+        return torch.randn((num_labels,) if num_labels > 1 else (), generator=g, dtype=torch.float64)
+    return (torch.rand(num_labels, generator=g) < 0.5).double()          # multi-hot
+
+
+def _hf_loss_oracle(model, items, params, cast=None):
+    """Each item alone through the HF model with its labels: ``model(**item).loss`` (HF's
+    own choice of loss), differentiated with ``torch.autograd.grad``."""
+    tensors = [model.get_parameter(n) for n in params]
+    rows = []
+    for item in items:
+        labels = item["labels"] if cast is None else item["labels"].to(cast)
+        loss = model(input_ids=item["input_ids"][None], labels=labels[None]).loss
+        rows.append([torch.zeros_like(p) if g is None else g
+                     for g, p in zip(torch.autograd.grad(loss, tensors, allow_unused=True), tensors)])
+    return {n: torch.stack([r[j] for r in rows]) for j, n in enumerate(params)}
+
+
+HEADS = [  # (num_labels, problem_type, labels, what HF computes)
+    (1, None, "float", "regression"), (1, None, "int", "regression"), (2, "regression", "float", "regression"),
+    (3, "multi_label_classification", "multi", "BCE"), (3, None, "multi", "BCE (float labels)"),
+    (3, None, "int", "cross-entropy"), (3, "single_label_classification", "int", "cross-entropy")]
+
+
+@pytest.mark.parametrize("layers", [None, "all"])
+@pytest.mark.parametrize("num_labels,problem_type,labels,what", HEADS)
+def test_sequence_classification_heads_match_hf_loss(num_labels, problem_type, labels, what, layers):
+    model = _classifier(num_labels, problem_type)
+    g = torch.Generator().manual_seed(1)
+    items = [{"input_ids": torch.randint(3, VOCAB, (n,), generator=g), "labels": _labels(labels, num_labels, g)}
+             for n in (5, 3, 4)]
+    task = ga.tasks.sequence_classification(model)
+    captured = ga.grads(task, items, layers=layers).to_params()
+    # HF's MSE needs float targets: the reference casts integer regression targets itself
+    cast = torch.float64 if what == "regression" else None
+    reference = _hf_loss_oracle(model, items, list(captured), cast)
+    err, where = worst_relative_error(captured, reference)
+    assert err <= TOL, f"{what}: {err:.2e} at {where}"
+    assert max(v.abs().max() for v in captured.values()) > 0
+
+
+def test_one_logit_cross_entropy_is_refused_up_front_and_regression_works():
+    model = _classifier(1)
+    with pytest.raises(ga.HeadMismatchError, match="problem_type='regression'"):
+        ga.tasks.sequence_classification(model, problem_type="single_label_classification")
+    items = [{"input_ids": torch.tensor([5, 6, 7]), "labels": torch.tensor(2)}]
+    captured = ga.grads(ga.tasks.sequence_classification(model, problem_type="regression"), items).to_params()
+    reference = _hf_loss_oracle(model, items, list(captured), torch.float64)
+    assert worst_relative_error(captured, reference)[0] <= TOL
+
+
+def test_one_logit_plain_classifier_is_refused_with_a_fix_that_works():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1)).double()
+    X, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 2, (5,))
+    with pytest.raises(ga.HeadMismatchError, match="1 logit"):
+        ga.grads(ga.tasks.classification(model), (X, y)).to_dense()
+    task = ga.Task(model, lambda m, b: torch.nn.functional.binary_cross_entropy_with_logits(
+        m(b[0]).squeeze(1), b[1].double(), reduction="sum"))
+    G = ga.grads(task, (X, y)).to_params()
+    reference = ga.per_example_grads(task, (X, y), list(G), method="loop")
+    assert worst_relative_error(G, reference)[0] <= TOL
+
+
+def test_regression_labels_of_another_shape_are_refused():
+    model = _classifier(2, "regression")
+    items = [{"input_ids": torch.tensor([5, 6, 7]), "labels": torch.tensor([1.0, 2.0, 3.0])}]
+    with pytest.raises(ga.HeadMismatchError, match=r"labels \(1, 2\)"):
+        ga.grads(ga.tasks.sequence_classification(model), items).to_dense()
+
+
+@pytest.mark.parametrize("problem_type", ["regression", "multi_label_classification"])
+def test_expected_terms_give_the_exact_gauss_newton_matrix(problem_type):
+    """Σ_c g_c g_cᵀ of the expected terms = Jᵀ H J with H the loss's Hessian in the outputs."""
+    model = _classifier(3, problem_type)
+    task = ga.tasks.sequence_classification(model)
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8]]), "labels": torch.tensor([[1.0, 0.0, 1.0]])}
+    theta = model.classifier.weight
+    terms = task.expected_terms(model, batch)
+    G = sum(torch.outer(g, g) for g in (torch.autograd.grad(t, theta, retain_graph=True)[0].flatten() for t in terms))
+    f = model(input_ids=batch["input_ids"]).logits[0]
+    J = torch.stack([torch.autograd.grad(f[c], theta, retain_graph=True)[0].flatten() for c in range(3)])
+    if problem_type == "regression":
+        H = torch.eye(3, dtype=torch.float64) * 2 / 3
+    else:
+        p = torch.sigmoid(f.detach())
+        H = torch.diag(p * (1 - p)) / 3
+    torch.testing.assert_close(G, J.T @ H @ J)
