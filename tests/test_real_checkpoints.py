@@ -215,3 +215,61 @@ def test_expected_terms_give_the_exact_gauss_newton_matrix(problem_type):
         p = torch.sigmoid(f.detach())
         H = torch.diag(p * (1 - p)) / 3
     torch.testing.assert_close(G, J.T @ H @ J)
+
+
+# ------------------------------------------------------------ hand-written tied heads
+class HandTied(nn.Module):
+    """Embedding → Linear → tanh → logits from the embedding weight itself (``how``), or
+    from an nn.Linear head holding that weight (``"module"``, what gradalg records)."""
+
+    def __init__(self, how, vocab=13, d=6):
+        super().__init__()
+        self.how = how
+        self.emb = nn.Embedding(vocab, d)
+        self.mid = nn.Linear(d, d)
+        if how == "module":
+            self.head = nn.Linear(d, vocab, bias=False)
+            self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        h = torch.tanh(self.mid(self.emb(x)))
+        if self.how == "matmul":
+            return h @ self.emb.weight.T
+        if self.how == "linear":
+            return torch.nn.functional.linear(h, self.emb.weight)
+        if self.how == "einsum":
+            return torch.einsum("btd,vd->btv", h, self.emb.weight)
+        return self.head(h)
+
+
+def _hand_tied(how):
+    torch.manual_seed(0)
+    model = HandTied(how).double()
+    x, y = torch.randint(0, 13, (4, 5)), torch.randint(0, 13, (4, 5))
+
+    def loss(m, b):
+        return torch.nn.functional.cross_entropy(m(b[0]).reshape(-1, 13), b[1].reshape(-1), reduction="sum")
+    return ga.Task(model, loss), (x, y)
+
+
+@pytest.mark.parametrize("layers", [None, "all", ["emb"]])
+@pytest.mark.parametrize("how", ["matmul", "linear", "einsum"])
+def test_embedding_weight_reused_outside_its_module_is_refused(how, layers):
+    task, data = _hand_tied(how)
+    with pytest.raises(ga.PartialGradientError, match=r"'emb.weight'.*head.weight = emb.weight"):
+        ga.grads(task, data, layers=layers).to_dense()
+
+
+@pytest.mark.parametrize("fix", ["module", "leave_out", "func"])
+def test_the_fixes_named_for_a_reused_weight_work(fix):
+    task, data = _hand_tied("module" if fix == "module" else "matmul")
+    layers = ["mid"] if fix == "leave_out" else None
+    G = ga.grads(task, data, layers=layers, backend="func" if fix == "func" else "hooks")
+    if fix == "func":
+        got = ga.LocalExecutor().gradients(G.expr).blocks["emb"]
+        want = ga.per_example_grads(task, data, ["emb.weight"], method="loop")["emb.weight"].flatten(1)
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+        return
+    captured = G.to_params()
+    reference = ga.per_example_grads(task, data, list(captured), method="loop")
+    assert worst_relative_error(captured, reference)[0] <= TOL
