@@ -273,3 +273,54 @@ def test_the_fixes_named_for_a_reused_weight_work(fix):
     captured = G.to_params()
     reference = ga.per_example_grads(task, data, list(captured), method="loop")
     assert worst_relative_error(captured, reference)[0] <= TOL
+
+
+# ------------------------------------------------------- two forwards before one backward
+def _mlp_data():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    return model, torch.randn(16, 4, dtype=torch.float64), torch.randint(0, 3, (16,))
+
+
+@pytest.mark.parametrize("sizes", [(8, 8), (8, 5, 3), (16,)])
+def test_capture_of_several_forwards_before_one_backward_gives_one_row_per_example(sizes):
+    model, X, y = _mlp_data()
+    bounds = torch.tensor((0,) + sizes).cumsum(0).tolist()
+    with ga.capture(model, reduction="sum") as cap:
+        for _ in range(2):
+            losses = [torch.nn.functional.cross_entropy(model(X[a:b]), y[a:b], reduction="sum")
+                      for a, b in zip(bounds, bounds[1:])]
+            sum(losses).backward()
+    assert cap.grads.n == 32 and cap.steps == 2
+    captured = cap.grads.to_dense()
+    reference = ga.grads(ga.tasks.classification(model), (X, y)).to_dense()
+    for name, want in reference.items():
+        torch.testing.assert_close(captured[name], torch.cat([want, want]), rtol=1e-12, atol=1e-12)
+
+
+def test_capture_of_two_lm_forwards_of_unequal_lengths():
+    import zoo
+    model, task, _, _ = zoo.gpt2()
+    g = torch.Generator().manual_seed(2)
+    first, second = torch.randint(1, VOCAB, (3, 6), generator=g), torch.randint(1, VOCAB, (2, 4), generator=g)
+    layers = ["transformer.h.0.attn.c_attn", "transformer.h.1.mlp.c_proj"]
+    with ga.capture(model, layers=layers, reduction="sum") as cap:
+        loss = sum(zoo.causal_lm_loss(model, (ids, torch.ones_like(ids))) for ids in (first, second))
+        loss.backward()
+    captured = cap.grads.to_dense()      # (n, out, in): Conv1D blocks are [Wᵀ | b]
+    rows = [ids[i:i + 1] for ids in (first, second) for i in range(ids.shape[0])]
+    assert cap.grads.n == 5
+    for layer in layers:
+        weight, bias = (model.get_parameter(f"{layer}.{p}") for p in ("weight", "bias"))
+        per_row = [torch.autograd.grad(zoo.causal_lm_loss(model, (r, torch.ones_like(r))), (weight, bias))
+                   for r in rows]
+        want = torch.stack([torch.cat([w.T, b[:, None]], 1) for w, b in per_row])
+        torch.testing.assert_close(captured[layer], want, rtol=1e-9, atol=1e-12)
+
+
+def test_capture_of_two_forwards_with_a_mean_loss_is_refused():
+    model, X, y = _mlp_data()
+    with pytest.raises(ga.LossReductionError, match="reduction='sum'"):
+        with ga.capture(model, reduction="mean"):
+            loss = sum(torch.nn.functional.cross_entropy(model(X[a:a + 8]), y[a:a + 8]) for a in (0, 8))
+            loss.backward()

@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..errors import LossReductionError
 from .factors import Factors
 from .hooks import LayerRef, check_batch_rows, resolve_layers
 from .layers import check_session_layers
@@ -108,6 +109,9 @@ class LoopRecorder:
     # ------------------------------------------------------------------ context
     def __enter__(self):
         self._reset_step()
+        # each call of the model starts a forward: the rows of two forwards before one backward
+        # are two groups of examples, not one
+        self._handles.append(self.model.register_forward_pre_hook(self._forward_started))
         for ref in self.refs:
             for use in ref.uses:
                 self._handles.append(use.module.register_forward_hook(self._forward_hook(ref, use)))
@@ -124,6 +128,13 @@ class LoopRecorder:
         self._pending = {ref.name: [] for ref in self.refs}
         self._expected = 0
         self._received = 0
+        self._forward = 0
+
+    def _forward_started(self, module, args):
+        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            if self._received and self._received == self._expected:
+                self._reset_step()
+            self._forward += 1
 
     def _forward_hook(self, ref: LayerRef, use: LayerUse):
         def hook(module, args, output):
@@ -144,7 +155,7 @@ class LoopRecorder:
                                    "ga.capture records one forward/backward at a time")
             if self._received and self._received == self._expected:
                 self._reset_step()
-            slot = {"A": use.rule.activations(module, args[0].detach()), "D": None}
+            slot = {"A": use.rule.activations(module, args[0].detach()), "D": None, "forward": self._forward}
             self._pending[ref.name].append(slot)
             self._expected += 1
             output.register_hook(self._grad_hook(use, slot))
@@ -160,22 +171,20 @@ class LoopRecorder:
         return hook
 
     def _finish_step(self):
-        blocks = {}
-        n_examples, lengths = session_rows(self._pending)
-        for ref in self.refs:
-            slots = self._pending[ref.name]
-            if not slots:
-                continue
-            parts = [layout_for(ref.name, s["A"].shape[0], n_examples, lengths).group(s["F"]) for s in slots]
-            blocks[ref.name] = Factors.concat_tokens(parts)
-        if len(blocks) != len(self.refs):
-            missing = [r.name for r in self.refs if r.name not in blocks]
-            raise RuntimeError(f"layers {missing} were not used in this step's forward pass, or their output "
-                               "needed no gradient (a frozen layer, e.g. PEFT's base weights, with no trainable "
-                               "parameter before it); leave them out of `layers`, or use ga.grads, which "
-                               "records frozen layers")
+        forwards = sorted({s["forward"] for slots in self._pending.values() for s in slots})
+        if len(forwards) > 1 and self.reduction == "mean":
+            raise LossReductionError(
+                f"ga.capture(reduction='mean') saw {len(forwards)} forwards of the model before one "
+                "backward: whether the loss is a mean over each forward's batch or over all of them "
+                "is not known, so neither scaling is safe. Sum the losses (reduction='sum' on each) "
+                "and pass ga.capture(..., reduction='sum'), or run one forward per backward")
+        # two forwards before one backward: each forward's rows are examples of their own,
+        # stacked in the order of the forwards
+        parts = [self._forward_blocks({name: [s for s in slots if s["forward"] == f]
+                                       for name, slots in self._pending.items()}, k, len(forwards))
+                 for k, f in enumerate(forwards)]
+        blocks = {name: Factors.concat_examples([p[name] for p in parts]) for name in parts[0]}
         n = next(iter(blocks.values())).n
-        check_batch_rows(blocks)
         if self.reduction == "mean":
             blocks = {k: v.scale_rows(torch.full((n,), float(n))) for k, v in blocks.items()}
         start = self.store.n
@@ -186,3 +195,22 @@ class LoopRecorder:
         for cb in self._callbacks:
             cb(chunk)
 
+    def _forward_blocks(self, pending: dict, k: int, n_forwards: int) -> dict:
+        """The factors of one forward's calls ``pending`` (``{layer: [slot]}``)."""
+        blocks = {}
+        n_examples, lengths = session_rows(pending)
+        for ref in self.refs:
+            slots = pending[ref.name]
+            if not slots:
+                continue
+            parts = [layout_for(ref.name, s["A"].shape[0], n_examples, lengths).group(s["F"]) for s in slots]
+            blocks[ref.name] = Factors.concat_tokens(parts)
+        if len(blocks) != len(self.refs):
+            missing = [r.name for r in self.refs if r.name not in blocks]
+            which = "this step's forward pass" if n_forwards == 1 else f"forward {k + 1} of this step's {n_forwards}"
+            raise RuntimeError(f"layers {missing} were not used in {which}, or their output "
+                               "needed no gradient (a frozen layer, e.g. PEFT's base weights, with no trainable "
+                               "parameter before it); leave them out of `layers`, or use ga.grads, which "
+                               "records frozen layers")
+        check_batch_rows(blocks)
+        return blocks
