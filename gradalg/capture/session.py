@@ -11,6 +11,9 @@ A forward hook keeps each recorded layer's input ``A`` and hooks its output tens
 the output's gradient ``D`` arrives during the user's own ``backward()``. When every
 recorded call of a step has its gradient, the step's factors are complete: they are
 stored (``keep=True``) and handed to each callback registered with :meth:`on_chunk`.
+Several calls of the model before one backward (``(loss(model(x1)) + loss(model(x2))).backward()``)
+are several groups of examples: the step's rows are the first forward's examples, then
+the second's (a forward pre-hook on the model counts them).
 
 This module records rows only. ``ga.capture`` (:mod:`gradalg.loop_capture`, above the
 api) wraps a recorder and hands its rows to users as GradientSets; the training-time
