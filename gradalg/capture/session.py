@@ -30,6 +30,8 @@ from torch import nn
 from ..errors import LossReductionError
 from .factors import Factors
 from .hooks import LayerRef, check_batch_rows, resolve_layers
+from .provenance import CallStack
+from .weight_uses import OutsideUses, mark_checked, needs_check
 from .layers import check_session_layers
 from .rows import layout_for, session_rows
 from .tying import LayerUse, use_factors
@@ -88,6 +90,7 @@ class LoopRecorder:
         self._pending: dict[str, list] = {}
         self._expected = 0
         self._received = 0
+        self._trace = None
         self.steps = 0
 
     # ------------------------------------------------------------------ public
@@ -115,6 +118,7 @@ class LoopRecorder:
         # each call of the model starts a forward: the rows of two forwards before one backward
         # are two groups of examples, not one
         self._handles.append(self.model.register_forward_pre_hook(self._forward_started))
+        self._handles.append(self.model.register_forward_hook(self._forward_done, always_call=True))
         for ref in self.refs:
             for use in ref.uses:
                 self._handles.append(use.module.register_forward_hook(self._forward_hook(ref, use)))
@@ -138,6 +142,25 @@ class LoopRecorder:
             if self._received and self._received == self._expected:
                 self._reset_step()
             self._forward += 1
+            if self._trace is None and needs_check(self.model, self.refs):
+                # the first forward: recorded weights used outside their modules (a hand-written
+                # tied head) are refused before the backward (capture.weight_uses)
+                stack = CallStack().__enter__()
+                stack._push(module, args)
+                uses = OutsideUses(self.refs, stack)
+                uses.__enter__()
+                self._trace = (stack, uses)
+
+    def _forward_done(self, module, args, output):
+        if self._trace is None:
+            return
+        stack, uses = self._trace
+        self._trace = None
+        uses.__exit__(None, None, None)
+        stack.__exit__(None, None, None)
+        if output is not None:      # None: the forward raised (always_call), its error stands
+            uses.check(func_backend=False)
+            mark_checked(self.model, self.refs)
 
     def _forward_hook(self, ref: LayerRef, use: LayerUse):
         def hook(module, args, output):
@@ -186,7 +209,8 @@ class LoopRecorder:
         parts = [self._forward_blocks({name: [s for s in slots if s["forward"] == f]
                                        for name, slots in self._pending.items()}, k, len(forwards))
                  for k, f in enumerate(forwards)]
-        blocks = {name: Factors.concat_examples([p[name] for p in parts]) for name in parts[0]}
+        blocks = parts[0] if len(parts) == 1 else {name: Factors.concat_examples([p[name] for p in parts])
+                                                   for name in parts[0]}
         n = next(iter(blocks.values())).n
         if self.reduction == "mean":
             blocks = {k: v.scale_rows(torch.full((n,), float(n))) for k, v in blocks.items()}

@@ -192,9 +192,9 @@ def holders(model: nn.Module) -> dict[int, list[tuple[str, nn.Module, str]]]:
     A module holding a parameter that one of its own descendants also holds is a
     *container* of it, not a use, and is left out: HF's ``BertLMPredictionHead`` registers
     ``bias`` only so that ``decoder.bias`` can be tied to it, and its forward calls
-    ``decoder``. (A container whose own forward also used the parameter would make the
-    captured gradient partial; :func:`gradalg.capture.verify.check_gradient_sums` refuses that
-    on the first batch.)"""
+    ``decoder``. (A container whose own forward also used the parameter directly would
+    make the captured gradient partial: :mod:`gradalg.capture.weight_uses` refuses such a
+    use on the first batch.)"""
     out: dict[int, list] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         for pname, p in module.named_parameters(recurse=False):

@@ -97,8 +97,9 @@ class OutsideUses(TorchFunctionMode):
                     self.found[name] = _function_name(func)
         return out
 
-    def check(self) -> None:
-        """Raise :class:`PartialGradientError` for the uses found."""
+    def check(self, func_backend: bool = True) -> None:
+        """Raise :class:`PartialGradientError` for the uses found (``func_backend``: name
+        ``backend='func'`` among the fixes; ``ga.capture`` has none)."""
         if not self.found:
             return
         uses = ", ".join(f"{name!r} (by {fn})" for name, fn in self.found.items())
@@ -108,5 +109,5 @@ class OutsideUses(TorchFunctionMode):
             "only those modules' own calls, so these parameters' per-example gradients would miss the "
             "other use (a hand-written tied head, `h @ emb.weight.T` or `F.linear(h, emb.weight)`). Make "
             "the reuse a module call (an nn.Linear head sharing the weight, `head.weight = emb.weight`: "
-            f"gradalg records every holder of a tied weight as one block), use backend='func', or leave "
-            f"{layers} out of `layers`")
+            "gradalg records every holder of a tied weight as one block), "
+            + ("use backend='func', " if func_backend else "") + f"or leave {layers} out of `layers`")
