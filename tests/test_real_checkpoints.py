@@ -373,3 +373,8 @@ def test_a_parameter_held_by_a_container_and_its_child_is_recorded_once_or_refus
     assert set(captured) == {n for n, _ in model.named_parameters()}
     reference = ga.per_example_grads(task, data, list(captured), method="loop")
     assert worst_relative_error(captured, reference)[0] <= TOL
+
+
+def test_an_unknown_problem_type_is_refused():
+    with pytest.raises(ga.OptionError, match="problem_type"):
+        ga.tasks.sequence_classification(_classifier(3), problem_type="ordinal")

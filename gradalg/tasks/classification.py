@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import HeadMismatchError
+from ..errors import HeadMismatchError, OptionError
 from ..task import Task, TransformerBlocks
 from .regression import multilabel_task, regression_task
 
@@ -113,7 +113,8 @@ def head_problem(model: nn.Module, problem_type: str | None = None) -> str | Non
     decides by the labels' dtype)."""
     if problem_type is not None:
         if problem_type not in PROBLEM_TYPES:
-            raise ValueError(f"problem_type must be one of {PROBLEM_TYPES} or None, got {problem_type!r}")
+            raise OptionError(f"ga.tasks.sequence_classification: problem_type must be one of {PROBLEM_TYPES} "
+                              f"or None (the model's config decides), got {problem_type!r}")
         return problem_type
     config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
     if getattr(config, "problem_type", None) in PROBLEM_TYPES:
@@ -162,9 +163,13 @@ def categorical_task(model: nn.Module, logits_of: Callable, targets: Callable, *
                      token_mask=None, default_layers=None, name: str | None = None) -> Task:
     """The classification task of ``logits_of(model, batch)`` (B, C) and ``targets(batch)`` (B,);
     ``default_layers`` as in :class:`~gradalg.Task`."""
+    raw_logits = logits_of
+
+    def logits_of(m, batch):        # every output refuses a single logit (a silent 0 otherwise)
+        return _checked(raw_logits(m, batch))
 
     def loss(m, batch):
-        return F.cross_entropy(_checked(logits_of(m, batch)), targets(batch), reduction="sum")
+        return F.cross_entropy(logits_of(m, batch), targets(batch), reduction="sum")
 
     def sampled_loss(m, batch, rng):
         logits = logits_of(m, batch)
@@ -188,7 +193,7 @@ def categorical_task(model: nn.Module, logits_of: Callable, targets: Callable, *
         return [-(weight[:, c] * logp[:, c]).sum() for c in range(logp.shape[-1])]
 
     def loss_from_outputs(logits, batch):
-        return F.cross_entropy(logits, targets(batch), reduction="sum")
+        return F.cross_entropy(_checked(logits), targets(batch), reduction="sum")
 
     return Task(model, loss, sampled_loss=sampled_loss, output=margin, output_weight=one_minus_p,
                 expected_terms=expected_terms, forward=logits_of, loss_from_outputs=loss_from_outputs,
