@@ -21,6 +21,7 @@ from .errors import (BatchContentError, GradalgError, LossReductionError, Memory
 from .errors import DataError, ObjectiveError, OptionError, StoreCorruptError, WorkerFaultError  # noqa: E402
 from .errors import CurvatureError, DistributedError, ModelMismatchError, OperatorError, StaleCompiledError  # noqa: E402
 from .errors import IdMismatchError  # noqa: E402 - results paired by id whose ids differ
+from .errors import HeadMismatchError, PartialGradientError  # noqa: E402
 from .exec import LocalExecutor
 from . import fingerprint  # noqa: E402 - ga.fingerprint.forget(model) after writes through .data
 from . import unroll  # noqa: E402 - ga.unroll.TrainingRun, replayed by ga.methods.magic / source
@@ -49,4 +50,5 @@ __all__ = [
     "DataError", "WorkerFaultError", "fingerprint", "compile", "Compiled", "OperatorError", "CurvatureError", "DistributedError", "ModelMismatchError",
     "StaleCompiledError", "unroll", "training_objective", "ObjectiveError", "check_model", "ModelCheckError",
     "IdMismatchError", "report", "OpNode", "ResolveContext", "Statistic", "Labels", "LinearOp", "ResolvedOp",
+    "HeadMismatchError", "PartialGradientError",
 ]

@@ -361,7 +361,7 @@ class GradientSet(_Displayed):
         for name, block in self.to_dense(executor).items():
             ref = refs[name]
             for pname, value in ref.rule.to_params(ref.module, block).items():
-                out[canonical[id(getattr(ref.module, pname))]] = value
+                out[canonical[id(ref.module.get_parameter(pname))]] = value
         from .space import AliasDict   # a tied block's parameters by any holder's name
         return AliasDict.params(out, self.space)
 

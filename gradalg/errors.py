@@ -34,6 +34,8 @@ __all__ = [
     "IdMismatchError",
     "PlanError",
     "CaptureStateError",
+    "HeadMismatchError",
+    "PartialGradientError",
 ]
 
 
@@ -304,3 +306,17 @@ class CaptureStateError(GradalgError, RuntimeError, ValueError):
     """A training-time capture used out of order: its rows read before any training ran or
     when it keeps none (``keep=False``), a capture entered twice, a stream used before it is
     attached. Both a ``RuntimeError`` and a ``ValueError``."""
+
+
+class HeadMismatchError(GradalgError, ValueError):
+    """The task's loss does not fit the model's head: a cross-entropy over one logit per
+    example (0 whatever the model: every gradient would be a silent 0), labels of another
+    shape than the head's outputs."""
+
+
+class PartialGradientError(GradalgError, RuntimeError):
+    """Hook capture accounts for only part of a parameter's gradient: the weight is also
+    used outside the module that holds it (an ``nn.Embedding`` weight reused by
+    ``x @ emb.weight.T`` or ``F.linear``: a hand-written tied head), so its per-example
+    gradients would miss that use. Checked on the first batch against autograd's gradient
+    (:mod:`gradalg.capture.verify`); the message names the parameters and the fix."""

@@ -197,3 +197,95 @@ def worst_relative_error(captured: dict, reference: dict) -> tuple[float, str]:
         if err > worst or not where:
             worst, where = err, module
     return worst, where
+
+
+# ------------------------------------------------------------------ stock checkpoints
+# Each architecture as a released checkpoint is built: its config class's defaults (tied
+# embeddings and head where the architecture ties them), small sizes, dropout off, and the
+# ga.tasks task its head takes. Items are dicts of unpadded tensors of unequal lengths.
+STOCK_TASKS = {"bert": "masked_lm", "t5": "seq2seq", "bart": "seq2seq"}
+
+
+def stock(arch: str):
+    """``(model, task)`` of ``arch`` at its config's defaults (tied weights kept), float64."""
+    import transformers as tf
+    torch.manual_seed(0)
+    small = {k: v for k, v in SMALL.items() if k != "tie_word_embeddings"}
+    if arch == "gpt2":
+        config = tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=64,
+                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = tf.GPT2LMHeadModel(config)
+    elif arch == "bert":
+        config = tf.BertConfig(**small, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        model = tf.BertForMaskedLM(config)
+    elif arch == "t5":
+        config = tf.T5Config(d_model=32, d_ff=48, d_kv=8, num_layers=2, num_heads=4, vocab_size=VOCAB,
+                             dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+        model = tf.T5ForConditionalGeneration(config)
+    elif arch == "bart":
+        config = tf.BartConfig(d_model=32, encoder_ffn_dim=48, decoder_ffn_dim=48, encoder_layers=2,
+                               decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                               vocab_size=VOCAB, max_position_embeddings=64, dropout=0.0,
+                               attention_dropout=0.0, activation_dropout=0.0)
+        model = tf.BartForConditionalGeneration(config)
+    else:
+        extra = {"gpt_neox": dict(rotary_pct=0.5), "llama": dict(num_key_value_heads=2),
+                 "qwen2": dict(num_key_value_heads=1), "mistral": dict(num_key_value_heads=2, sliding_window=4),
+                 "gemma": dict(num_key_value_heads=2, head_dim=8), "phi3": dict(num_key_value_heads=2, pad_token_id=0),
+                 "olmo2": dict(num_key_value_heads=2),
+                 "mixtral": dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                 experts_implementation="eager"),
+                 "qwen2_moe": dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                   moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                                   decoder_sparse_step=1, experts_implementation="eager")}[arch]
+        names = {"gpt_neox": "GPTNeoX", "llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral",
+                 "gemma": "Gemma", "phi3": "Phi3", "olmo2": "Olmo2", "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe"}
+        config = getattr(tf, names[arch] + "Config")(**small, **extra)
+        model = getattr(tf, names[arch] + "ForCausalLM")(config)
+    model = model.double().eval()
+    kind = STOCK_TASKS.get(arch, "causal_lm")
+    return model, getattr(ga.tasks, kind)(model)
+
+
+def stock_items(arch: str, n: int = 3) -> list[dict]:
+    """``n`` unpadded dict items of unequal lengths for ``arch``'s task."""
+    g = torch.Generator().manual_seed(11)
+    kind = STOCK_TASKS.get(arch, "causal_lm")
+    items = []
+    for i, length in enumerate((6, 4, 5, 7)[:n]):
+        ids = torch.randint(3, VOCAB, (length,), generator=g)
+        if kind == "masked_lm":
+            labels = torch.full_like(ids, -100)
+            labels[:: 2] = ids[:: 2]
+            items.append({"input_ids": ids.masked_fill(labels != -100, 2), "labels": labels})
+        elif kind == "seq2seq":
+            items.append({"input_ids": ids, "labels": torch.randint(3, VOCAB, (2 + i,), generator=g)})
+        else:
+            items.append({"input_ids": ids})
+    return items
+
+
+def stock_loss(model, item: dict, kind: str) -> torch.Tensor:
+    """One item's summed token cross-entropy, written from the HF call (independent of ga.tasks)."""
+    batch = {k: v[None] for k, v in item.items()}
+    if kind == "causal_lm":
+        logits = model(input_ids=batch["input_ids"]).logits[:, :-1]
+        targets = batch["input_ids"][:, 1:]
+    elif kind == "masked_lm":
+        logits, targets = model(input_ids=batch["input_ids"]).logits, batch["labels"]
+    else:
+        labels = batch["labels"]
+        dec = model.prepare_decoder_input_ids_from_labels(labels=labels)
+        logits, targets = model(input_ids=batch["input_ids"], decoder_input_ids=dec).logits, labels
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum",
+                           ignore_index=-100)
+
+
+def stock_oracle(model, items, kind, params: list[str]) -> dict[str, torch.Tensor]:
+    """Each item alone: ``torch.autograd.grad`` of :func:`stock_loss` on ``params``."""
+    tensors = [model.get_parameter(n) for n in params]
+    rows = []
+    for item in items:
+        grads = torch.autograd.grad(stock_loss(model, item, kind), tensors, allow_unused=True)
+        rows.append([torch.zeros_like(p) if g is None else g for g, p in zip(grads, tensors)])
+    return {n: torch.stack([r[j] for r in rows]) for j, n in enumerate(params)}

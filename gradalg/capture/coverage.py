@@ -133,7 +133,7 @@ def layer_coverage(model: nn.Module, layers, backend: str = "hooks", selection=N
     inner, _ = unwrap(model)
     chosen: set[int] = set()
     for ref in refs:   # a tied block's parameters are its first holder's (the same tensors)
-        own = dict(ref.module.named_parameters(recurse=False))
+        own = dict(ref.module.named_parameters())   # dotted: a MultiheadAttention's out_proj
         chosen.update(id(own[n]) for n in ref.param_names() if n in own)
     # each parameter once, with every module holding it (first holder first)
     holders: dict[int, list[tuple[str, nn.Module]]] = {}

@@ -24,7 +24,8 @@ from .factors import Factors
 from .layers import LayerRule, replaying, rule_for
 from .provenance import CallStack, find_routed, replay_frames, routed_frames
 from .rows import layout_for
-from .tying import LayerUse, tie_layers, use_factors
+from .tying import LayerUse, container_modules, tie_layers, use_factors
+from .weight_uses import OutsideUses, mark_checked, needs_check
 from .wrappers import BASE_LAYER, display_name, strip_prefixes, unwrap
 
 __all__ = ["resolve_layers", "ForwardRecorder", "capture_batch", "LayerRef", "forward_share_key", "released_params"]
@@ -141,8 +142,9 @@ def _layer_names(model: nn.Module, layers, backend: str, every_kind: bool = Fals
                   if isinstance(m, nn.MultiheadAttention)} if backend != "func" else set()
     if layers is None:
         names = []
+        containers = container_modules(model)   # recorded through the descendant holding their parameters
         for name, module in model.named_modules():
-            if not any(p.requires_grad for p in module.parameters(recurse=False)):
+            if not any(p.requires_grad for p in module.parameters(recurse=False)) or name in containers:
                 continue
             if name in functional:
                 continue  # its forward hook never fires (MultiheadAttention calls F.linear on its weight)
@@ -169,8 +171,9 @@ def _layer_names(model: nn.Module, layers, backend: str, every_kind: bool = Fals
         if pattern in functional:
             raise UnsupportedLayerError(
                 f"{pattern!r} belongs to an nn.MultiheadAttention, which uses its weights without "
-                "calling it: hook capture cannot record it. Leave it out of `layers`, or use "
-                "backend='func'")
+                "calling it: hook capture cannot record it alone. Name the nn.MultiheadAttention "
+                f"itself ({pattern.rsplit('.', 1)[0]!r}: replayed per example with its input "
+                "projections and out_proj), pass layers='all', or use backend='func'")
         if pattern in modules:  # an exact name; "" is the model itself (a bare nn.Linear)
             base = modules[pattern]
             # a PEFT tuner layer stands for the frozen layer it wraps
@@ -260,6 +263,10 @@ class ForwardRecorder:
         for p in self._released:
             p.requires_grad_(False)
         self._stack = CallStack().__enter__()
+        # the first batch of a (model, layers) pair: recorded weights used outside their modules
+        self._uses = OutsideUses(self.layers, self._stack) if needs_check(self.model, self.layers) else None
+        if self._uses is not None:
+            self._uses.__enter__()
         for ref in self.layers:
             for use in ref.uses:
                 self._handles.append(use.module.register_forward_hook(self._hook(ref, use), with_kwargs=True))
@@ -269,6 +276,9 @@ class ForwardRecorder:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if getattr(self, "_uses", None) is not None:
+            self._uses.__exit__(*exc)
+            self._uses = None
         for p in getattr(self, "_frozen", ()):
             p.requires_grad_(False)
         for p in getattr(self, "_released", ()):
@@ -276,6 +286,14 @@ class ForwardRecorder:
         self._frozen = self._released = []
         self._stack.__exit__(*exc)
         return False
+
+    def check_uses(self) -> None:
+        """After the forward: refuse recorded weights used outside their modules
+        (:mod:`gradalg.capture.weight_uses`; the first batch of a model and layers only)."""
+        if getattr(self, "_uses", None) is not None and not getattr(self, "_uses_checked", False):
+            self._uses.check()
+            self._uses_checked = True
+            mark_checked(self.model, self.layers)
 
     def _hook(self, ref: LayerRef, use: LayerUse):
         def hook(module, args, kwargs, output):
@@ -289,7 +307,8 @@ class ForwardRecorder:
 
 
 def _block_params(ref: LayerRef) -> list:
-    return [p for p in (getattr(ref.module, n, None) for n in ref.param_names()) if isinstance(p, nn.Parameter)]
+    own = dict(ref.module.named_parameters())    # dotted names too (a replayed MultiheadAttention's out_proj)
+    return [own[n] for n in ref.param_names() if n in own]
 
 
 def released_params(model: nn.Module, layers: list[LayerRef]) -> list:
@@ -322,6 +341,7 @@ def capture_batch(loss: torch.Tensor, recorder: ForwardRecorder, *, token_mask: 
     token mask's rows) lets rows of flattened tokens (B·T, d) be attributed to examples
     (:mod:`gradalg.capture.rows`).
     """
+    recorder.check_uses()
     n_examples, lengths = batch_rows(recorder, n_examples, token_mask)
     routed = find_routed(recorder, n_examples, lengths)    # rows gathered by index: replayed
     outputs, edges, owners = [], [], []

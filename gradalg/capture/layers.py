@@ -29,7 +29,7 @@ from ..errors import UnsupportedLayerError
 from .factors import Factors, OneHot
 from .rows import RowLayout
 
-__all__ = ["LayerRule", "ReplayRule", "rule_for", "SUPPORTED_LAYERS", "DEFAULT_LAYERS", "check_session_layers"]
+__all__ = ["LayerRule", "ReplayRule", "MultiheadAttentionRule", "rule_for", "SUPPORTED_LAYERS", "DEFAULT_LAYERS", "check_session_layers"]
 
 
 def _hf_conv1d_type():
@@ -423,6 +423,7 @@ class _ReplayCall:
     kwargs: dict
     output_index: int | None      # None: the output is a tensor; else its index in the tuple
     output: torch.Tensor
+    time_major: bool = False      # inputs and output stored batch-first from a (T, B, ·) call
 
     @property
     def shape(self):
@@ -542,7 +543,7 @@ class ReplayRule(LayerRule):
             args, kwargs = inputs
 
             def f(th):
-                out = functional_call(module, th, args, kwargs)
+                out = self._call(module, th, args, kwargs, recorded)
                 return out if k is None else out[k]
             out, pullback = vjp(f, theta)
             return out, pullback(g_b)[0]
@@ -565,7 +566,7 @@ class ReplayRule(LayerRule):
             rows = layout.example_rows(b)
             args, kwargs = tree_map(lambda t: _leading_rows(t, n_rows, rows), (recorded.args, recorded.kwargs))
             with torch.enable_grad():
-                out = module.forward(*args, **kwargs)       # no hooks: not recorded again
+                out = self._call(module, None, args, kwargs, recorded)   # no hooks: not recorded again
                 if recorded.output_index is not None:
                     out = out[recorded.output_index]
                 self._check_replay(module, out, recorded.output[rows])
@@ -575,6 +576,14 @@ class ReplayRule(LayerRule):
             per_example.append(torch.cat([(r if r is not None else torch.zeros_like(p)).reshape(-1)
                                           for r, p in zip(row, params)]))
         return torch.stack(per_example)
+
+    def _call(self, module, theta, args, kwargs, recorded):
+        """The module's forward on recorded inputs: with parameters ``theta`` swapped in
+        (``functional_call``), or its own (``theta`` None; no hooks run either way)."""
+        if theta is None:
+            return module.forward(*args, **kwargs)
+        from torch.func import functional_call
+        return functional_call(module, theta, args, kwargs)
 
     @staticmethod
     def _check_replay(module, out, expected):
@@ -601,6 +610,67 @@ class ReplayRule(LayerRule):
         return torch.cat([params[name].reshape(n, -1) for name, _ in self._params(module)], dim=1).unsqueeze(-1)
 
 
+_MHA_INPUTS = ("query", "key", "value")
+
+
+@dataclass(frozen=True)
+class MultiheadAttentionRule(ReplayRule):
+    """``nn.MultiheadAttention``: replayed per example with **all** its parameters, the
+    input projections and ``out_proj`` (which its forward applies with ``F.linear`` on the
+    weight, never calling the submodule, so no hook of ``out_proj`` fires).
+
+    Parameters, in order: ``named_parameters(recurse=False)`` (``in_proj_weight``,
+    ``in_proj_bias``, or ``q/k/v_proj_weight``; ``bias_k``, ``bias_v``), then
+    ``out_proj.weight``, ``out_proj.bias``: the block is their (P, 1) column, as for
+    :class:`ReplayRule`. A call with ``batch_first=False`` ((T, B, E) inputs) is stored
+    batch-first and transposed back to replay it; ``attn_mask`` must be shared by the
+    batch ((T, S)): a per-example (B·heads, T, S) mask is refused.
+    """
+
+    @staticmethod
+    def _params(module):
+        own = [(n, p) for n, p in module.named_parameters(recurse=False) if p is not None]
+        return own + [(f"out_proj.{n}", p) for n, p in module.out_proj.named_parameters(recurse=False)
+                      if p is not None]
+
+    def param_names(self, module):
+        return tuple(n for n, _ in self._params(module))
+
+    def record(self, module, args, kwargs, output):
+        names = dict(zip(_MHA_INPUTS + ("key_padding_mask", "need_weights", "attn_mask"), args)) | kwargs
+        mask = names.get("attn_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 3:
+            raise UnsupportedLayerError(
+                f"nn.MultiheadAttention called with a per-example attn_mask of shape {tuple(mask.shape)}: "
+                "its replay per example needs a mask shared by the batch, (T, S); pass per-example "
+                "padding as key_padding_mask (B, S), or use backend='func'")
+        calls = super().record(module, args, kwargs, output)
+        if module.batch_first or names["query"].dim() != 3:
+            return calls
+        flip = lambda t: t.transpose(0, 1) if isinstance(t, torch.Tensor) and t.dim() == 3 else t  # noqa: E731
+        out = []
+        for call, alias in calls:
+            a = tuple(flip(t) if i < 3 else t for i, t in enumerate(call.args))
+            kw = {k: flip(v) if k in _MHA_INPUTS else v for k, v in call.kwargs.items()}
+            o = call.output.transpose(0, 1) if call.output_index == 0 else call.output
+            out.append((_ReplayCall(a, kw, call.output_index, o, time_major=True), alias))
+        return out
+
+    def factors(self, module, recorded, g, layout):
+        if recorded.time_major and recorded.output_index == 0:
+            g = g.transpose(0, 1)
+        return super().factors(module, recorded, g, layout)
+
+    def _call(self, module, theta, args, kwargs, recorded):
+        if not recorded.time_major:
+            return super()._call(module, theta, args, kwargs, recorded)
+        flip = lambda t: t.transpose(0, 1) if isinstance(t, torch.Tensor) and t.dim() == 3 else t  # noqa: E731
+        args = tuple(flip(t) if i < 3 else t for i, t in enumerate(args))
+        kwargs = {k: flip(v) if k in _MHA_INPUTS else v for k, v in kwargs.items()}
+        out = super()._call(module, theta, args, kwargs, recorded)
+        return (out[0].transpose(0, 1), *out[1:])
+
+
 #: factored layers: in the default ``layers``, and recorded by ``ga.capture`` too
 DEFAULT_LAYERS = ("nn.Linear", "transformers Conv1D", "nn.Embedding", "nn.EmbeddingBag", "nn.Conv1d",
                   "nn.Conv2d", "nn.Conv3d")
@@ -621,7 +691,9 @@ def rule_for(name: str, module: nn.Module) -> LayerRule:
         return HFConv1DRule()
     if isinstance(module, nn.Embedding):
         return EmbeddingRule()
-    if isinstance(module, nn.EmbeddingBag):
+    if isinstance(module, nn.MultiheadAttention):
+        rule = MultiheadAttentionRule()
+    elif isinstance(module, nn.EmbeddingBag):
         rule = EmbeddingBagRule()
     elif isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
         rule = ConvRule(kind=_CONV_KINDS[len(module.kernel_size)])

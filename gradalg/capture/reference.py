@@ -53,7 +53,7 @@ def block_param_names(model: nn.Module, ref) -> list[str]:
     holder's), so a block that several modules share is differentiated once: its gradient
     is the sum over all its uses, not one copy per module."""
     canonical = {id(p): n for n, p in model.named_parameters()}
-    return [canonical[id(getattr(ref.module, pname))] for pname in ref.param_names()]
+    return [canonical[id(ref.module.get_parameter(pname))] for pname in ref.param_names()]
 
 
 def per_example_grads(task, batch: Any, params: list[str] | None = None, *,

@@ -11,6 +11,9 @@ A forward hook keeps each recorded layer's input ``A`` and hooks its output tens
 the output's gradient ``D`` arrives during the user's own ``backward()``. When every
 recorded call of a step has its gradient, the step's factors are complete: they are
 stored (``keep=True``) and handed to each callback registered with :meth:`on_chunk`.
+Several calls of the model before one backward (``(loss(model(x1)) + loss(model(x2))).backward()``)
+are several groups of examples: the step's rows are the first forward's examples, then
+the second's (a forward pre-hook on the model counts them).
 
 This module records rows only. ``ga.capture`` (:mod:`gradalg.loop_capture`, above the
 api) wraps a recorder and hands its rows to users as GradientSets; the training-time
@@ -24,8 +27,11 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..errors import LossReductionError
 from .factors import Factors
 from .hooks import LayerRef, check_batch_rows, resolve_layers
+from .provenance import CallStack
+from .weight_uses import OutsideUses, mark_checked, needs_check
 from .layers import check_session_layers
 from .rows import layout_for, session_rows
 from .tying import LayerUse, use_factors
@@ -87,6 +93,7 @@ class LoopRecorder:
         self._pending: dict[str, list] = {}
         self._expected = 0
         self._received = 0
+        self._trace = None
         self.steps = 0
 
     # ------------------------------------------------------------------ public
@@ -113,6 +120,10 @@ class LoopRecorder:
         if get_options().check_finite:   # a NaN weight is named now, not blamed on the examples later
             check_model(self.model)
         self._reset_step()
+        # each call of the model starts a forward: the rows of two forwards before one backward
+        # are two groups of examples, not one
+        self._handles.append(self.model.register_forward_pre_hook(self._forward_started))
+        self._handles.append(self.model.register_forward_hook(self._forward_done, always_call=True))
         for ref in self.refs:
             for use in ref.uses:
                 self._handles.append(use.module.register_forward_hook(self._forward_hook(ref, use)))
@@ -129,6 +140,32 @@ class LoopRecorder:
         self._pending = {ref.name: [] for ref in self.refs}
         self._expected = 0
         self._received = 0
+        self._forward = 0
+
+    def _forward_started(self, module, args):
+        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            if self._received and self._received == self._expected:
+                self._reset_step()
+            self._forward += 1
+            if self._trace is None and needs_check(self.model, self.refs):
+                # the first forward: recorded weights used outside their modules (a hand-written
+                # tied head) are refused before the backward (capture.weight_uses)
+                stack = CallStack().__enter__()
+                stack._push(module, args)
+                uses = OutsideUses(self.refs, stack)
+                uses.__enter__()
+                self._trace = (stack, uses)
+
+    def _forward_done(self, module, args, output):
+        if self._trace is None:
+            return
+        stack, uses = self._trace
+        self._trace = None
+        uses.__exit__(None, None, None)
+        stack.__exit__(None, None, None)
+        if output is not None:      # None: the forward raised (always_call), its error stands
+            uses.check(func_backend=False)
+            mark_checked(self.model, self.refs)
 
     def _forward_hook(self, ref: LayerRef, use: LayerUse):
         def hook(module, args, output):
@@ -149,7 +186,7 @@ class LoopRecorder:
                                    "ga.capture records one forward/backward at a time")
             if self._received and self._received == self._expected:
                 self._reset_step()
-            slot = {"A": use.rule.activations(module, args[0].detach()), "D": None}
+            slot = {"A": use.rule.activations(module, args[0].detach()), "D": None, "forward": self._forward}
             self._pending[ref.name].append(slot)
             self._expected += 1
             output.register_hook(self._grad_hook(use, slot))
@@ -165,22 +202,21 @@ class LoopRecorder:
         return hook
 
     def _finish_step(self):
-        blocks = {}
-        n_examples, lengths = session_rows(self._pending)
-        for ref in self.refs:
-            slots = self._pending[ref.name]
-            if not slots:
-                continue
-            parts = [layout_for(ref.name, s["A"].shape[0], n_examples, lengths).group(s["F"]) for s in slots]
-            blocks[ref.name] = Factors.concat_tokens(parts)
-        if len(blocks) != len(self.refs):
-            missing = [r.name for r in self.refs if r.name not in blocks]
-            raise RuntimeError(f"layers {missing} were not used in this step's forward pass, or their output "
-                               "needed no gradient (a frozen layer, e.g. PEFT's base weights, with no trainable "
-                               "parameter before it); leave them out of `layers`, or use ga.grads, which "
-                               "records frozen layers")
+        forwards = sorted({s["forward"] for slots in self._pending.values() for s in slots})
+        if len(forwards) > 1 and self.reduction == "mean":
+            raise LossReductionError(
+                f"ga.capture(reduction='mean') saw {len(forwards)} forwards of the model before one "
+                "backward: whether the loss is a mean over each forward's batch or over all of them "
+                "is not known, so neither scaling is safe. Sum the losses (reduction='sum' on each) "
+                "and pass ga.capture(..., reduction='sum'), or run one forward per backward")
+        # two forwards before one backward: each forward's rows are examples of their own,
+        # stacked in the order of the forwards
+        parts = [self._forward_blocks({name: [s for s in slots if s["forward"] == f]
+                                       for name, slots in self._pending.items()}, k, len(forwards))
+                 for k, f in enumerate(forwards)]
+        blocks = parts[0] if len(parts) == 1 else {name: Factors.concat_examples([p[name] for p in parts])
+                                                   for name in parts[0]}
         n = next(iter(blocks.values())).n
-        check_batch_rows(blocks)
         if self.reduction == "mean":
             blocks = {k: v.scale_rows(torch.full((n,), float(n))) for k, v in blocks.items()}
         start = self.store.n
@@ -203,3 +239,23 @@ class LoopRecorder:
             check_model(self.model)
             raise
 
+
+    def _forward_blocks(self, pending: dict, k: int, n_forwards: int) -> dict:
+        """The factors of one forward's calls ``pending`` (``{layer: [slot]}``)."""
+        blocks = {}
+        n_examples, lengths = session_rows(pending)
+        for ref in self.refs:
+            slots = pending[ref.name]
+            if not slots:
+                continue
+            parts = [layout_for(ref.name, s["A"].shape[0], n_examples, lengths).group(s["F"]) for s in slots]
+            blocks[ref.name] = Factors.concat_tokens(parts)
+        if len(blocks) != len(self.refs):
+            missing = [r.name for r in self.refs if r.name not in blocks]
+            which = "this step's forward pass" if n_forwards == 1 else f"forward {k + 1} of this step's {n_forwards}"
+            raise RuntimeError(f"layers {missing} were not used in {which}, or their output "
+                               "needed no gradient (a frozen layer, e.g. PEFT's base weights, with no trainable "
+                               "parameter before it); leave them out of `layers`, or use ga.grads, which "
+                               "records frozen layers")
+        check_batch_rows(blocks)
+        return blocks

@@ -41,7 +41,7 @@ from .layers import EmbeddingRule, LayerRule, LinearRule, _as_btf, rule_for
 from .rows import RowLayout
 
 __all__ = ["LayerUse", "TiedRule", "WeightOnlyLinearRule", "BiasOnlyLinearRule", "tie_layers", "use_factors",
-           "holders"]
+           "holders", "container_modules"]
 
 
 @dataclass(frozen=True)
@@ -186,13 +186,41 @@ def transpose_embedding(F: Factors) -> Factors:
 
 # ------------------------------------------------------------------------------ grouping
 def holders(model: nn.Module) -> dict[int, list[tuple[str, nn.Module, str]]]:
-    """Every module holding each parameter: ``id(param) -> [(module_name, module, param_name)]``,
-    in ``named_modules`` order (a module registered under two names appears under both)."""
+    """Every module using each parameter: ``id(param) -> [(module_name, module, param_name)]``,
+    in ``named_modules`` order (a module registered under two names appears under both).
+
+    A module holding a parameter that one of its own descendants also holds is a
+    *container* of it, not a use, and is left out: HF's ``BertLMPredictionHead`` registers
+    ``bias`` only so that ``decoder.bias`` can be tied to it, and its forward calls
+    ``decoder``. (A container whose own forward also used the parameter directly would
+    make the captured gradient partial: :mod:`gradalg.capture.weight_uses` refuses such a
+    use on the first batch.)"""
     out: dict[int, list] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         for pname, p in module.named_parameters(recurse=False):
             if p is not None:
                 out.setdefault(id(p), []).append((name, module, pname))
+    for pid, hs in out.items():
+        names = [n for n, _, _ in hs]
+        kept = [h for h in hs if not any(_is_inside(other, h[0]) for other in names)]
+        out[pid] = kept or hs
+    return out
+
+
+def _is_inside(name: str, ancestor: str) -> bool:
+    return name != ancestor and (ancestor == "" or name.startswith(ancestor + "."))
+
+
+def container_modules(model: nn.Module) -> set[str]:
+    """Names of the modules whose every parameter of their own is held by one of their
+    descendants too (containers: see :func:`holders`); their parameters are recorded
+    through the descendant, so a layer selection of every module skips them."""
+    used = {(n, pid) for pid, hs in holders(model).items() for n, _, _ in hs}
+    out = set()
+    for name, module in model.named_modules(remove_duplicate=False):
+        own = [id(p) for p in module.parameters(recurse=False)]
+        if own and not any((name, pid) in used for pid in own):
+            out.add(name)
     return out
 
 

@@ -39,7 +39,7 @@ class ParamCoords:
         # parameter names as model.named_parameters() gives them (a wrapper's prefix, one
         # name for a tied parameter), per block: {local name in ref.module: full name}
         canonical = {id(p): n for n, p in model.named_parameters()}
-        self.local = [{pname: canonical[id(getattr(ref.module, pname))] for pname in ref.param_names()}
+        self.local = [{pname: canonical[id(ref.module.get_parameter(pname))] for pname in ref.param_names()}
                       for ref in self.refs]
         self.param_names = [full for names in self.local for full in names.values()]
 
@@ -49,7 +49,7 @@ class ParamCoords:
         for ref, names in zip(self.refs, self.local):
             if self.backend == "func":
                 for pname, full in names.items():
-                    p = getattr(ref.module, pname)
+                    p = ref.module.get_parameter(pname)
                     out[full] = rows[:, start:start + p.numel()].reshape(m, *p.shape)
                     start += p.numel()
                 continue

@@ -60,7 +60,7 @@ def _module_blocks(task, layers, backend) -> tuple[Block, ...]:
     blocks = []
     for ref in refs:
         if backend == "func":
-            dim = sum(getattr(ref.module, p).numel() for p in ref.param_names())
+            dim = sum(ref.module.get_parameter(p).numel() for p in ref.param_names())
             blocks.append(Block(ref.name, (dim,), "param", aliases=ref.aliases))
         else:
             blocks.append(ref.block())

@@ -488,7 +488,7 @@ class OnlineSelection:
                 F = step.chunks[0].blocks[ref.name]
                 delta = F.D.new_zeros(out, n_in)
             for pname, value in ref.rule.to_params(ref.module, delta.unsqueeze(0)).items():
-                p = getattr(ref.module, pname)
+                p = ref.module.get_parameter(pname)
                 if p.requires_grad:
                     _add(corrections, p, value[0])
         if self._affine is not None:

@@ -2,7 +2,7 @@
 
 ========================================  ==============================================
 ``classification(model)``                 batches ``(x, y)``, cross-entropy on (B, C) logits
-``sequence_classification(model)``        HF ``*ForSequenceClassification``, dict batches
+``sequence_classification(model)``        HF ``*ForSequenceClassification``, dict batches (its problem_type)
 ``causal_lm(model)``                      HF ``*ForCausalLM`` (or logits (B, T, V)), next token
 ``masked_lm(model)``                      HF ``*ForMaskedLM`` (BERT), masked positions
 ``seq2seq(model)``                        HF ``*ForConditionalGeneration`` (T5, BART)

@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import HeadMismatchError, OptionError
 from ..task import Task, TransformerBlocks
+from .regression import multilabel_task, regression_task
 
 __all__ = ["classification", "sequence_classification"]
 
@@ -37,14 +39,28 @@ def classification(model: nn.Module, *, inputs: Callable[[Any], Any] = lambda b:
     return categorical_task(model, logits_of, targets, name=name)
 
 
-def sequence_classification(model: nn.Module, *, padding_side: str = "right", name: str | None = None) -> Task:
-    """Cross-entropy over (B, C) logits of an HF ``*ForSequenceClassification`` on dict
+def sequence_classification(model: nn.Module, *, padding_side: str = "right", problem_type: str | None = None,
+                            name: str | None = None) -> Task:
+    """The loss of an HF ``*ForSequenceClassification`` head over its (B, C) logits on dict
     batches: ``input_ids`` (B, T), ``attention_mask``, ``token_type_ids`` optional, the
-    class in ``labels`` (or ``label``) (B,). Every output of :func:`classification`
-    (sampled labels, exact per-class Gauss-Newton terms, TRAK's margin and 1 − p) comes
-    with it; ``token_mask`` is the attention mask. ``padding_side="left"`` passes
-    ``position_ids`` counted from each row's first real token; a batch padded on the other
-    side, or a row without a real token, is refused naming the example ids.
+    labels in ``labels`` (or ``label``). ``token_mask`` is the attention mask.
+    ``padding_side="left"`` passes ``position_ids`` counted from each row's first real
+    token; a batch padded on the other side, or a row without a real token, is refused
+    naming the example ids.
+
+    The loss follows the head's ``problem_type`` as HF's does (``problem_type`` here, else
+    ``model.config.problem_type``, else HF's rule: ``num_labels == 1`` is regression):
+
+    * ``"single_label_classification"``: cross-entropy, class ids (B,); every output of
+      :func:`classification` (sampled labels, exact per-class Gauss-Newton terms, TRAK's
+      margin and 1 − p) comes with it;
+    * ``"regression"``: squared error, targets (B,) or (B, C), integer targets cast to float;
+    * ``"multi_label_classification"``: binary cross-entropy, 0/1 labels (B, C);
+    * none set and ``num_labels > 1``: decided per batch as HF does, integer labels →
+      single-label, float labels → multi-label.
+
+    The regression and multi-label losses and their Gauss-Newton terms are in
+    :mod:`gradalg.tasks.regression`.
 
     Default layers (``layers=None``): :class:`~gradalg.TransformerBlocks` with
     ``head=True``, the linear layers inside the transformer blocks **and** the
@@ -72,14 +88,85 @@ def sequence_classification(model: nn.Module, *, padding_side: str = "right", na
         key = "labels" if "labels" in batch else "label"
         return field(batch, key, "sequence_classification", hint="; the class goes in 'labels' (B,)")
 
-    return categorical_task(model, logits_of, targets, check_batch=check_batch, token_mask=real_mask,
-                            default_layers=TransformerBlocks(head=True), name=name)
+    kind = head_problem(model, problem_type)
+    if kind == "single_label_classification" and _num_labels(model) == 1:
+        _checked(torch.zeros(1, 1))     # refused now, not at the first batch
+    common = dict(check_batch=check_batch, token_mask=real_mask, default_layers=TransformerBlocks(head=True),
+                  name=name)
+    if kind == "regression":
+        return regression_task(model, logits_of, targets, **common)
+    if kind == "multi_label_classification":
+        return multilabel_task(model, logits_of, targets, **common)
+    if kind == "single_label_classification":
+        return categorical_task(model, logits_of, targets, **common)
+    single = categorical_task(model, logits_of, targets, **common)
+    multi = multilabel_task(model, logits_of, targets, **common)
+    return _by_label_dtype(single, multi, targets)
+
+
+PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
+
+
+def head_problem(model: nn.Module, problem_type: str | None = None) -> str | None:
+    """The loss an HF classification head trains with: ``problem_type`` if given, else
+    ``config.problem_type``, else ``"regression"`` for ``num_labels == 1``, else None (HF
+    decides by the labels' dtype)."""
+    if problem_type is not None:
+        if problem_type not in PROBLEM_TYPES:
+            raise OptionError(f"ga.tasks.sequence_classification: problem_type must be one of {PROBLEM_TYPES} "
+                              f"or None (the model's config decides), got {problem_type!r}")
+        return problem_type
+    config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
+    if getattr(config, "problem_type", None) in PROBLEM_TYPES:
+        return config.problem_type
+    if _num_labels(model) == 1:
+        return "regression"
+    return None
+
+
+def _num_labels(model: nn.Module):
+    config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
+    return getattr(config, "num_labels", None)
+
+
+def _by_label_dtype(single: Task, multi: Task, targets: Callable) -> Task:
+    """HF's rule when no problem type is set: integer labels → cross-entropy, float labels →
+    binary cross-entropy; each of the task's functions dispatches on the batch's labels."""
+    def pick(attr):
+        def fn(m, batch, *rest):
+            label = targets(batch)
+            chosen = single if not torch.is_floating_point(torch.as_tensor(label)) else multi
+            return getattr(chosen, attr)(m, batch, *rest)
+        return fn
+
+    return Task(single.model, pick("loss"), sampled_loss=pick("sampled_loss"), output=pick("output"),
+                output_weight=pick("output_weight"), expected_terms=pick("expected_terms"),
+                forward=single.forward, loss_from_outputs=pick("loss_from_outputs"),
+                check_batch=single.check_batch, token_mask=single.token_mask,
+                default_layers=single.default_layers, name=single.name)
+
+
+def _checked(logits: torch.Tensor) -> torch.Tensor:
+    """Refuse one logit per example: a softmax over one class is 1 whatever the model,
+    so the cross-entropy and every gradient would be a silent 0."""
+    if logits.dim() == 2 and logits.shape[1] == 1:
+        raise HeadMismatchError(
+            "the model gives 1 logit per example: cross-entropy over a single class is 0 for every "
+            "example (every gradient and score would be 0). A one-output model is a regression "
+            "(or binary) head: use ga.tasks.sequence_classification(model, problem_type='regression') "
+            "for an HF head, or write its loss as ga.Task(model, loss) (e.g. squared error, "
+            "or F.binary_cross_entropy_with_logits, summed over the batch)")
+    return logits
 
 
 def categorical_task(model: nn.Module, logits_of: Callable, targets: Callable, *, check_batch=None,
                      token_mask=None, default_layers=None, name: str | None = None) -> Task:
     """The classification task of ``logits_of(model, batch)`` (B, C) and ``targets(batch)`` (B,);
     ``default_layers`` as in :class:`~gradalg.Task`."""
+    raw_logits = logits_of
+
+    def logits_of(m, batch):        # every output refuses a single logit (a silent 0 otherwise)
+        return _checked(raw_logits(m, batch))
 
     def loss(m, batch):
         return F.cross_entropy(logits_of(m, batch), targets(batch), reduction="sum")
@@ -106,7 +193,7 @@ def categorical_task(model: nn.Module, logits_of: Callable, targets: Callable, *
         return [-(weight[:, c] * logp[:, c]).sum() for c in range(logp.shape[-1])]
 
     def loss_from_outputs(logits, batch):
-        return F.cross_entropy(logits, targets(batch), reduction="sum")
+        return F.cross_entropy(_checked(logits), targets(batch), reduction="sum")
 
     return Task(model, loss, sampled_loss=sampled_loss, output=margin, output_weight=one_minus_p,
                 expected_terms=expected_terms, forward=logits_of, loss_from_outputs=loss_from_outputs,
