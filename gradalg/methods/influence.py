@@ -91,6 +91,7 @@ from ..linalg.labels import form_of
 from ..objective import DecayTerm, ObjectiveError, training_objective
 from ..options import get_options
 from ..task import Task
+from .registry import method
 
 SOLVERS = ("direct", "cg", "lissa", "arnoldi")
 #: default λ / mean eigenvalue of an explicit H, per curvature, measured on the digits MLP
@@ -436,6 +437,8 @@ def curvature_operator(task: Task, data, *, curvature="auto", solver: str = "dir
                   what=curvature.upper() if kron else "this curvature", why=why).inv()
 
 
+@method('Influence function ∇L(q)ᵀ(H + λI)⁻¹∇L(z); H: Gauss-Newton, empirical Fisher, Hessian, K-FAC, '
+        'EK-FAC, DataInf; solvers: direct, CG, LiSSA, Arnoldi (Koh & Liang 2017)', cli=True)
 def influence(task: Task, train, queries, *, curvature="auto", solver: str = "direct",
               damping: float | None = None, layers=None, projector: Projector | None = None,
               weight_decay: float | None = None, optimizer=None, curvature_data=None, data_weight: float = 1.0,

@@ -12,8 +12,10 @@ from ..api import Operator, Scores, grads
 from ..expr.projection import Projector
 from ..task import Task
 from .influence import curvature_operator
+from .registry import method
 
 
+@method('RelatIF: influence divided by √(self-influence) of the training example (Barshan et al. 2020)', cli=True)
 def relatif(task: Task, train, queries, *, layers=None, projector: Projector | None = None,
             damping: float = 1e-3, weight_decay: float = 0.0, curvature="auto",
             solver: str = "direct", seed: int = 0, covariance_max_examples: int | None = None,
