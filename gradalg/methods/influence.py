@@ -230,14 +230,13 @@ class Curvature:
     absolute :data:`ABSOLUTE_DAMPING`).
 
     ``build(task, data, layers, projector, solver, options)`` returns H, undamped, as a lazy
-    :class:`~gradalg.api.Operator` (DataInf: its already damped inverse, tagged
-    ``approximate-inverse``); the damping, weight decay and inverse are added by
-    :func:`curvature_operator` from H's labels, the same way as for an Operator given by
-    the caller.
+    :class:`~gradalg.api.Operator`; the damping, weight decay and inverse are added by
+    :func:`curvature_operator`. DataInf has no builder (None): its operator is the damped
+    inverse itself, ``ga.datainf(G, λ + wd)``, built there.
     """
 
     name: str
-    build: Callable
+    build: Callable | None
     solvers: tuple[str, ...]
     options: tuple[str, ...]
     relative_damping: float | None
@@ -273,10 +272,6 @@ def _hessian(task, data, layers, P, solver, o):
     return hessian(task, data, layers)
 
 
-def _datainf(task, data, layers, P, solver, o):
-    raise AssertionError("DataInf is built by curvature_operator (its damping is inside)")   # pragma: no cover
-
-
 #: the named curvatures, by name (``curvature="<name>"``); ``"auto"`` picks one of them
 CURVATURE_TABLE: dict[str, Curvature] = {c.name: c for c in (
     Curvature("gauss_newton", _gauss_newton, ("direct", "cg", "lissa", "arnoldi"),
@@ -294,7 +289,7 @@ CURVATURE_TABLE: dict[str, Curvature] = {c.name: c for c in (
               ("covariance_max_examples", "lambda_max_examples", "seed", "relative_damping"),
               RELATIVE_DAMPING["ekfac"],
               "EK-FAC of the Gauss-Newton rows"),
-    Curvature("datainf", _datainf, ("direct",), (), None, "DataInf's averaged Sherman-Morrison inverse"),
+    Curvature("datainf", None, ("direct",), (), None, "DataInf's averaged Sherman-Morrison inverse (damping inside)"),
 )}
 CURVATURES = ("auto", *CURVATURE_TABLE)
 #: the knobs of a named curvature, accepted as keywords of influence / curvature_operator
@@ -419,22 +414,15 @@ def curvature_operator(task: Task, data, *, curvature="auto", solver: str = "dir
         return datainf(G, lam + (decay.value if decay is not None else 0.0))
     if solver != "direct" and solver not in entry.solvers:
         raise OptionError(f"curvature={curvature!r} is formed explicitly: use solver='direct'")
-    if entry.relative_damping is None or solver != "direct":   # through products (Hessian: direct → CG)
-        if projector is not None:
-            raise OptionError(f"curvature={curvature!r} with solver={solver!r} works in parameter "
-                              "coordinates: drop the projector, or use solver='direct'")
-        H = entry.build(task, data, layers, P, solver, o)
-        if solver == "arnoldi":
-            H = arnoldi(H, o.get("rank", 32), seed=o.get("seed", 0))
-            return damped(H, damping=damping, relative_damping=relative_damping, explicit=False, decay=decay,
-                          exact_diagonal=False, what="Arnoldi's low-rank H", why=why).inv()
-        return damped(H, damping=damping, relative_damping=relative_damping, explicit=False,
-                      decay=decay, why=why).inv(method="cg" if solver == "direct" else solver, **settings)
+    if (entry.relative_damping is None or solver != "direct") and projector is not None:   # through products
+        raise OptionError(f"curvature={curvature!r} with solver={solver!r} works in parameter "
+                          "coordinates: drop the projector, or use solver='direct'")
     H = entry.build(task, data, layers, P, solver, o)
-    kron = curvature in ("kfac", "ekfac")
-    return damped(H, damping=damping, relative_damping=relative_damping, explicit=True, decay=decay,
-                  parameter_coordinates=projector is None, exact_diagonal=not kron,
-                  what=curvature.upper() if kron else "this curvature", why=why).inv()
+    what = curvature.upper() if curvature in ("kfac", "ekfac") else "this curvature"
+    if solver == "arnoldi":
+        H, solver, what = arnoldi(H, o.get("rank", 32), seed=o.get("seed", 0)), "direct", "Arnoldi's low-rank H"
+    return _operator_inverse(H, solver=solver, damping=damping, relative_damping=relative_damping, decay=decay,
+                             why=why, what=what, settings=settings)
 
 
 @method('Influence function ∇L(q)ᵀ(H + λI)⁻¹∇L(z); H: Gauss-Newton, empirical Fisher, Hessian, K-FAC, '
