@@ -54,6 +54,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from ..methods import REGISTRY
 from .errors import ConfigError
 
 __all__ = ["Config", "ConfigError", "load_config", "ModelSection", "TaskSection", "DataSection",
@@ -61,8 +62,9 @@ __all__ = ["Config", "ConfigError", "load_config", "ModelSection", "TaskSection"
            "PROJECTOR_KINDS", "METHODS", "DTYPES"]
 
 PROJECTOR_KINDS = ("gaussian", "rademacher", "kron", "sparse", "tensorsketch", "mask", "grass", "factgrass")
-# methods the command line runs: one model, train and queries (tracin / less need checkpoints)
-METHODS = ("grad_dot", "grad_cos", "influence", "trak", "logra", "grass", "relatif")
+# methods the command line runs: one model, train and queries (tracin / less need checkpoints); a
+# method lists itself here with @method(..., cli=True) (gradalg/methods/registry.py)
+METHODS = tuple(name for name, entry in REGISTRY.items() if entry.cli)
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 OUTPUT_SUFFIXES = (".csv", ".parquet", ".zarr")
 
@@ -203,8 +205,7 @@ class QuerySection(Section):
 class MethodSection(Section):
     """``gradalg score``: a published method, ``ga.methods.<name>``."""
 
-    name: Literal[METHODS] = Field(..., description="grad_dot, grad_cos, influence, trak, logra, grass "  # type: ignore[valid-type]
-                                   "or relatif")
+    name: Literal[METHODS] = Field(..., description=", ".join(METHODS[:-1]) + " or " + METHODS[-1])  # type: ignore[valid-type]
     options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the method "
                                     "(damping, curvature, k, ...)")
     use_projector: bool = Field(True, description="pass [projector] to methods that take one (influence, "

@@ -11,6 +11,7 @@ from __future__ import annotations
 from ..api import Scores, grads
 from ..expr.projection import Projector
 from ..task import Task
+from .registry import method
 
 
 def _sides(task, train, queries, layers, projector):
@@ -21,6 +22,7 @@ def _sides(task, train, queries, layers, projector):
     return Q, G
 
 
+@method('Grad-Dot: ⟨∇L(q), ∇L(z)⟩ (Charpiat et al. 2019)', cli=True)
 def grad_dot(task: Task, train, queries, *, layers=None, projector: Projector | None = None,
              query_gradient_rank: int | None = None) -> Scores:
     """``Q @ G.T``: inner products of query and training gradients (optionally projected).
@@ -34,6 +36,7 @@ def grad_dot(task: Task, train, queries, *, layers=None, projector: Projector | 
     return Q @ G.T
 
 
+@method('Grad-Cos: cosine of ∇L(q) and ∇L(z) (Charpiat et al. 2019; Pruthi et al. 2020)', cli=True)
 def grad_cos(task: Task, train, queries, *, layers=None, projector: Projector | None = None) -> Scores:
     """``Q.normalize() @ G.normalize().T``: cosine similarity of gradients."""
     Q, G = _sides(task, train, queries, layers, projector)

@@ -24,11 +24,13 @@ from ..proj import factgrass as factgrass_projector, grass as grass_projector
 from ..api import Scores, fisher, grads
 from ..task import Task
 from .influence import gauss_newton_objective
+from .registry import method
 
 
 RELATIVE_DAMPING = 0.1   # docs/fidelity.md, "How the defaults were chosen"
 
 
+@method('GraSS / FactGraSS: mask then sparse JL projection, influence in k dims (Hu et al. 2025)', cli=True)
 def grass(task: Task, train, queries, *, layers=None, k: int = 256, seed: int = 0, damping: float | None = None,
           relative_damping: float = RELATIVE_DAMPING, factored: bool = True) -> Scores:
     """(Fact)GraSS influence scores with ``k`` coordinates per layer.

@@ -21,6 +21,12 @@ curvature          H                                                            
 ``datainf``        DataInf's averaged Sherman-Morrison inverse (Kwon et al. 2024) direct
 =================  ===========================================================  =====================
 
+The names are the rows of :data:`CURVATURE_TABLE` (one :class:`Curvature` each: builder,
+solvers, knobs, default damping). ``curvature=`` also takes an :class:`~gradalg.api.Operator`
+H that carries its own knobs (``ga.ekfac(G, covariance_max_examples=m)``,
+``ga.fisher(G, structure="block")``, ``ga.gauss_newton(task, data)``, ``ga.arnoldi(H, rank)``):
+it is damped and inverted from its labels, as the named curvature of the same form is.
+
 ``direct`` forms H explicitly (dense, in the projected space when a ``projector`` is
 given: the LoGra / TRAK recipe) and inverts it by eigendecomposition. The iterative
 solvers never form H: each step is one pass over the curvature data (Agarwal et al.
@@ -73,15 +79,20 @@ centre: leave c = 1 there.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
 from ..api import (Operator, Scores, arnoldi, datainf, diagonal, fisher, gauss_newton, grads, hessian, kfac)
+from ..errors import OptionError
 from ..expr.projection import Projector
+from ..linalg.labels import form_of
 from ..objective import DecayTerm, ObjectiveError, training_objective
 from ..options import get_options
 from ..task import Task
+from .registry import method
 
-CURVATURES = ("auto", "gauss_newton", "empirical", "hessian", "kfac", "ekfac", "datainf")
 SOLVERS = ("direct", "cg", "lissa", "arnoldi")
 #: default λ / mean eigenvalue of an explicit H, per curvature, measured on the digits MLP
 #: (benchmarks/damping_defaults.py, LDS, 50 subsets; docs/user_guide.md "Defaults from the
@@ -212,101 +223,233 @@ def _refuse_nonuniform(decay: DecayTerm, parameter_coordinates: bool, exact_diag
             "weight_decay= a single number")
 
 
-def curvature_operator(task: Task, data, *, layers=None, projector: Projector | None = None,
-                       curvature: str = "auto", solver: str = "direct", damping: float | None = None,
-                       structure: str = "dense", rank: int = 32, seed: int = 0, solver_settings=None,
-                       train_grads=None, relative_damping: float | None = None, weight_decay=None,
-                       optimizer=None, covariance_max_examples: int | None = None,
-                       lambda_max_examples: int | None = None, data_weight: float = 1.0):
+@dataclass(frozen=True)
+class Curvature:
+    """One named curvature of the table above: how H is built from the data, which solvers
+    invert it, its knobs, and its default relative damping (None: products only, so the
+    absolute :data:`ABSOLUTE_DAMPING`).
+
+    ``build(task, data, layers, projector, solver, options)`` returns H, undamped, as a lazy
+    :class:`~gradalg.api.Operator`; the damping, weight decay and inverse are added by
+    :func:`curvature_operator`. DataInf has no builder (None): its operator is the damped
+    inverse itself, ``ga.datainf(G, λ + wd)``, built there.
+    """
+
+    name: str
+    build: Callable | None
+    solvers: tuple[str, ...]
+    options: tuple[str, ...]
+    relative_damping: float | None
+    description: str
+
+
+def _formed(objective):
+    """A builder of the Fisher / Gauss-Newton formed from (projected) gradient rows."""
+    def build(task, data, layers, P, solver, o):
+        obj = objective or gauss_newton_objective(task)
+        C = P(grads(task, data, layers, objective=obj, seed=o.get("seed", 0)))
+        return fisher(C, structure=o.get("structure", "dense"))
+    return build
+
+
+def _kron(eigen_correction):
+    """A builder of K-FAC (``eigen_correction=False``) or EK-FAC of the Gauss-Newton rows."""
+    def build(task, data, layers, P, solver, o):
+        C = P(grads(task, data, layers, objective=gauss_newton_objective(task), seed=o.get("seed", 0)))
+        return kfac(C, eigen_correction=eigen_correction, covariance_max_examples=o.get("covariance_max_examples"),
+                    lambda_max_examples=o.get("lambda_max_examples"))
+    return build
+
+
+def _gauss_newton(task, data, layers, P, solver, o):
+    """Formed (direct solver), else through products (CG, LiSSA, Arnoldi)."""
+    if solver == "direct":
+        return _formed(None)(task, data, layers, P, solver, o)
+    return gauss_newton(task, data, layers)
+
+
+def _hessian(task, data, layers, P, solver, o):
+    return hessian(task, data, layers)
+
+
+#: the named curvatures, by name (``curvature="<name>"``); ``"auto"`` picks one of them
+CURVATURE_TABLE: dict[str, Curvature] = {c.name: c for c in (
+    Curvature("gauss_newton", _gauss_newton, ("direct", "cg", "lissa", "arnoldi"),
+              ("structure", "seed", "rank", "solver_settings", "relative_damping"), RELATIVE_DAMPING["gauss_newton"],
+              "Gauss-Newton = true Fisher (exact expected terms, else sampled labels)"),
+    Curvature("empirical", _formed("loss"), ("direct",), ("structure", "seed", "relative_damping"),
+              RELATIVE_DAMPING["empirical"],
+              "empirical Fisher of the true labels"),
+    Curvature("hessian", _hessian, ("cg", "lissa", "arnoldi"), ("rank", "seed", "solver_settings"), None,
+              "(1/n) Σ ∇²L(z) through Hessian-vector products"),
+    Curvature("kfac", _kron(False), ("direct",), ("covariance_max_examples", "seed", "relative_damping"),
+              RELATIVE_DAMPING["kfac"],
+              "K-FAC of the Gauss-Newton rows"),
+    Curvature("ekfac", _kron(True), ("direct",),
+              ("covariance_max_examples", "lambda_max_examples", "seed", "relative_damping"),
+              RELATIVE_DAMPING["ekfac"],
+              "EK-FAC of the Gauss-Newton rows"),
+    Curvature("datainf", None, ("direct",), (), None, "DataInf's averaged Sherman-Morrison inverse (damping inside)"),
+)}
+CURVATURES = ("auto", *CURVATURE_TABLE)
+#: the knobs of a named curvature, accepted as keywords of influence / curvature_operator
+#: (an Operator given as ``curvature=`` carries its own: ``ga.ekfac(G, covariance_max_examples=m)``)
+CURVATURE_OPTIONS = ("structure", "rank", "seed", "solver_settings", "relative_damping",
+                     "covariance_max_examples", "lambda_max_examples")
+#: the knobs an Operator given as ``curvature=`` still takes from the call (how it is damped and solved)
+OPERATOR_CALL_OPTIONS = ("relative_damping", "solver_settings")
+#: default λ / mean eigenvalue of an explicit H given as an Operator, by its form (the named
+#: curvatures' measured factors, :data:`RELATIVE_DAMPING`, by the form they resolve to)
+RELATIVE_DAMPING_BY_FORM = {"dense": 1.0, "block": 1.0, "diagonal": 1.0, "kronecker": 0.1}
+
+
+def _check_options(options: dict, allowed: tuple[str, ...], what: str) -> None:
+    """Refuse a keyword that is not a curvature knob, or one not in ``allowed`` (for an Operator:
+    one it carries itself) given a value other than None."""
+    for name, value in options.items():
+        if name not in CURVATURE_OPTIONS:
+            raise OptionError(f"unknown keyword {name!r}: the curvature knobs are {list(CURVATURE_OPTIONS)}; "
+                              "other knobs belong to an Operator passed as curvature= (e.g. "
+                              "ga.ekfac(G, covariance_max_examples=m))")
+        if name not in allowed and value is not None:
+            raise OptionError(f"{name}= is a knob of a named curvature; {what} carries its own. Set it on the "
+                              "operator (ga.ekfac(G, covariance_max_examples=m), ga.fisher(G, structure=...), "
+                              "ga.arnoldi(H, rank, seed=...)), or pass curvature= by name")
+
+
+def _operator_inverse(H: Operator, *, solver: str, damping, relative_damping, decay, why, what: str,
+                      settings: dict) -> Operator:
+    """(H + λI + decay)⁻¹ for a curvature H, damped and inverted according to its labels.
+
+    An H tagged ``inverse`` / ``approximate-inverse`` is used as the inverse (no damping may
+    be added); ``implicit`` (products only): absolute damping, iterative ``solver`` (direct → CG);
+    ``low-rank``: absolute damping, inverted in closed form; any other form: relative damping
+    (``relative_damping``, default by form), inverted by structure (direct solver only)."""
+    labels = H.expr.labels()
+    form = form_of(labels.labels)
+    in_params = all(b.basis == "params" for b in H.space.blocks)
+    if {"inverse", "approximate-inverse"} & labels.labels:
+        if damping is not None or decay is not None:
+            raise OptionError(f"curvature= is already an inverse ({what}): its damping is inside it. Drop "
+                              "damping= / weight_decay= / optimizer=, or pass the curvature H itself")
+        return H
+    if form == "implicit":
+        method = "cg" if solver == "direct" else solver
+        if method == "arnoldi":
+            raise OptionError("solver='arnoldi' with a curvature Operator: pass ga.arnoldi(H, rank) as curvature= "
+                              "(the operator carries its rank and seed)")
+        return damped(H, damping=damping, relative_damping=0.0, explicit=False, decay=decay,
+                      parameter_coordinates=in_params, why=why).inv(method=method, **settings)
+    if solver != "direct":
+        raise OptionError(f"curvature= is formed explicitly ({what}, {form}): use solver='direct'")
+    if form == "low-rank":
+        return damped(H, damping=damping, relative_damping=0.0, explicit=False, decay=decay,
+                      parameter_coordinates=in_params, exact_diagonal=False, what=what, why=why).inv()
+    if relative_damping is None:
+        relative_damping = RELATIVE_DAMPING_BY_FORM.get(form, 1.0)
+    return damped(H, damping=damping, relative_damping=relative_damping, explicit=True, decay=decay,
+                  parameter_coordinates=in_params, exact_diagonal=form != "kronecker", what=what, why=why).inv()
+
+
+def curvature_operator(task: Task, data, *, curvature="auto", solver: str = "direct",
+                       damping: float | None = None, layers=None, projector: Projector | None = None,
+                       weight_decay=None, optimizer=None, data_weight: float = 1.0, train_grads=None,
+                       **curvature_options):
     """(H + λI + decay / c)⁻¹ as a lazy Operator, for every curvature/solver pair in the table above.
 
+    curvature : ``"auto"``, a name of :data:`CURVATURE_TABLE`, or an :class:`~gradalg.api.Operator`
+        H that carries its own knobs (``ga.ekfac(G, covariance_max_examples=m)``,
+        ``ga.fisher(G, structure="block")``, ``ga.gauss_newton(task, data)``,
+        ``ga.arnoldi(H, rank)``, ``ga.datainf(G, λ)`` …), damped and inverted by its labels
+        (a kronecker form takes the relative damping 0.1, dense / block / diagonal 1, products
+        and low-rank the absolute :data:`ABSOLUTE_DAMPING`; an inverse is used as it is).
     damping : absolute λ; default None: ``relative_damping`` (default per curvature,
         :data:`RELATIVE_DAMPING`) × H's mean eigenvalue where H is explicit, else
         :data:`ABSOLUTE_DAMPING` (see the module docs).
     weight_decay / optimizer : the objective's weight decay, given or read (module docs).
-    covariance_max_examples / lambda_max_examples : K-FAC / EK-FAC only: the covariances and
-        the eigenvalue correction from the first m examples of ``data`` (:func:`gradalg.kfac`).
     data_weight : c, the uniform data weight the model was trained at: the decay term is
         divided by c (module docs, "Data weight").
+    **curvature_options : the knobs of a named curvature (:data:`CURVATURE_OPTIONS`), kept as
+        keywords for compatibility: ``structure`` ("dense" | "block" | "diag", formed
+        Fisher), ``rank`` / ``seed`` (Arnoldi; ``seed`` also of sampled labels),
+        ``solver_settings`` (CG / LiSSA), ``relative_damping``, ``covariance_max_examples`` /
+        ``lambda_max_examples`` (K-FAC / EK-FAC statistics on the first m examples of
+        ``data``, :func:`gradalg.kfac`). With an Operator only ``relative_damping`` and
+        ``solver_settings`` apply; the others are refused (the operator carries them).
     """
-    if curvature not in CURVATURES:
-        raise ValueError(f"curvature must be one of {CURVATURES}, got {curvature!r}")
     if solver not in SOLVERS:
-        raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
-    why = None
-    if curvature == "auto":
-        space = (train_grads if train_grads is not None else
-                 (projector or (lambda G: G))(grads(task, data, layers))).space
-        curvature, why = resolve_curvature(curvature, solver, space.dim)
-    check_kron_subsets(curvature, covariance_max_examples, lambda_max_examples)
-    settings = dict(solver_settings or {})
-    if relative_damping is None:
-        relative_damping = RELATIVE_DAMPING.get(curvature, 0.1)
-    P = projector if projector is not None else (lambda G: G)
+        raise OptionError(f"solver must be one of {SOLVERS}, got {solver!r}")
+    settings = dict(curvature_options.get("solver_settings") or {})
     decay = decay_term(weight_decay, optimizer, grads(task, data, layers)) if (
         weight_decay is not None or optimizer is not None) else None
     c = check_data_weight(data_weight)
     if decay is not None and c != 1.0:
         decay = decay.scaled(1.0 / c, f"/ data weight {c:g}")
+    if isinstance(curvature, Operator):
+        _check_options(curvature_options, OPERATOR_CALL_OPTIONS, "an Operator given as curvature=")
+        return _operator_inverse(curvature, solver=solver, damping=damping,
+                                 relative_damping=curvature_options.get("relative_damping"), decay=decay,
+                                 why=None, what=f"a {curvature.structure} operator", settings=settings)
+    if curvature not in CURVATURES:
+        raise OptionError(f"curvature must be one of {CURVATURES} or a ga.Operator (e.g. ga.ekfac(G)), "
+                          f"got {curvature!r}")
+    _check_options(curvature_options, CURVATURE_OPTIONS, "")
+    why = None
+    if curvature == "auto":
+        space = (train_grads if train_grads is not None else
+                 (projector or (lambda G: G))(grads(task, data, layers))).space
+        curvature, why = resolve_curvature(curvature, solver, space.dim)
+    o = curvature_options
+    check_kron_subsets(curvature, o.get("covariance_max_examples"), o.get("lambda_max_examples"))
+    entry = CURVATURE_TABLE[curvature]
+    relative_damping = o.get("relative_damping")
+    if relative_damping is None:
+        relative_damping = entry.relative_damping if entry.relative_damping is not None else 0.1
+    P = projector if projector is not None else (lambda G: G)
     if curvature == "datainf":
         G = train_grads if train_grads is not None else P(grads(task, data, layers))
         if decay is not None and not decay.uniform:
             _refuse_nonuniform(decay, projector is None, False, "DataInf (one λ per layer)")
         lam = ABSOLUTE_DAMPING if damping is None else damping
         return datainf(G, lam + (decay.value if decay is not None else 0.0))
-    if curvature in ("hessian",) or (curvature == "gauss_newton" and solver != "direct"):
-        if projector is not None:
-            raise ValueError(f"curvature={curvature!r} with solver={solver!r} works in parameter "
-                             "coordinates: drop the projector, or use solver='direct'")
-        if curvature == "hessian" and solver == "direct":
-            solver = "cg"
-        H = (hessian if curvature == "hessian" else gauss_newton)(task, data, layers)
-        if solver == "arnoldi":
-            H = arnoldi(H, rank, seed=seed)
-            return damped(H, damping=damping, relative_damping=relative_damping, explicit=False, decay=decay,
-                          exact_diagonal=False, what="Arnoldi's low-rank H", why=why).inv()
-        return damped(H, damping=damping, relative_damping=relative_damping, explicit=False,
-                      decay=decay, why=why).inv(method=solver, **settings)
-    if solver != "direct":
-        raise ValueError(f"curvature={curvature!r} is formed explicitly: use solver='direct'")
-    objective = "loss" if curvature == "empirical" else gauss_newton_objective(task)
-    C = P(grads(task, data, layers, objective=objective, seed=seed))
-    in_params = projector is None
-    if curvature in ("kfac", "ekfac"):
-        H = kfac(C, eigen_correction=curvature == "ekfac", covariance_max_examples=covariance_max_examples,
-                 lambda_max_examples=lambda_max_examples)
-        return damped(H, damping=damping, relative_damping=relative_damping, explicit=True, decay=decay,
-                      parameter_coordinates=in_params, exact_diagonal=False, what=curvature.upper(),
-                      why=why).inv()
-    return damped(fisher(C, structure=structure), damping=damping, relative_damping=relative_damping,
-                  explicit=True, decay=decay, parameter_coordinates=in_params, why=why).inv()
+    if solver != "direct" and solver not in entry.solvers:
+        raise OptionError(f"curvature={curvature!r} is formed explicitly: use solver='direct'")
+    if (entry.relative_damping is None or solver != "direct") and projector is not None:   # through products
+        raise OptionError(f"curvature={curvature!r} with solver={solver!r} works in parameter "
+                          "coordinates: drop the projector, or use solver='direct'")
+    H = entry.build(task, data, layers, P, solver, o)
+    what = curvature.upper() if curvature in ("kfac", "ekfac") else "this curvature"
+    if solver == "arnoldi":
+        H, solver, what = arnoldi(H, o.get("rank", 32), seed=o.get("seed", 0)), "direct", "Arnoldi's low-rank H"
+    return _operator_inverse(H, solver=solver, damping=damping, relative_damping=relative_damping, decay=decay,
+                             why=why, what=what, settings=settings)
 
 
-def influence(task: Task, train, queries, *, layers=None, projector: Projector | None = None,
-              damping: float | None = None, weight_decay: float | None = None, optimizer=None,
-              curvature: str = "auto", solver: str = "direct", structure: str = "dense",
-              curvature_data=None, rank: int = 32, seed: int = 0, solver_settings: dict | None = None,
-              relative_damping: float | None = None, covariance_max_examples: int | None = None,
-              lambda_max_examples: int | None = None, query_gradient_rank: int | None = None,
-              data_weight: float = 1.0) -> Scores:
+@method('Influence function ∇L(q)ᵀ(H + λI)⁻¹∇L(z); H: Gauss-Newton, empirical Fisher, Hessian, K-FAC, '
+        'EK-FAC, DataInf; solvers: direct, CG, LiSSA, Arnoldi (Koh & Liang 2017)', cli=True)
+def influence(task: Task, train, queries, *, curvature="auto", solver: str = "direct",
+              damping: float | None = None, layers=None, projector: Projector | None = None,
+              weight_decay: float | None = None, optimizer=None, curvature_data=None, data_weight: float = 1.0,
+              query_gradient_rank: int | None = None, **curvature_options) -> Scores:
     """Influence-function scores ``P(Q) @ (H + λI + wd)⁻¹ @ P(G).T``.
 
     curvature : "auto" (default): the dense Gauss-Newton up to ``ga.options(dense_curvature_dim)``
         (projected) coordinates with the direct solver, EK-FAC above (a real-size LM), the
-        Gauss-Newton through products with an iterative solver; or one of the table's names.
-    curvature_data : examples H is estimated on (default: ``train``).
+        Gauss-Newton through products with an iterative solver; or one of the table's names;
+        or an :class:`~gradalg.api.Operator` H that carries its own knobs, e.g.
+        ``ga.ekfac(ga.grads(task, train, objective="sampled"), covariance_max_examples=m)``,
+        ``ga.fisher(G, structure="block")``, ``ga.gauss_newton(task, data)`` (with
+        ``solver="cg"``), ``ga.arnoldi(H, rank)``: damped and inverted by its structure
+        (:func:`curvature_operator`). It must live in the space of the (projected) gradients.
+    solver : "direct" (default), "cg", "lissa", "arnoldi" (the table's pairs).
     damping : an absolute λ; default (None) ``relative_damping`` × H's mean eigenvalue for an
         explicit H (default factor per curvature: 1 for the dense Gauss-Newton / Fisher, 0.1 for
         K-FAC / EK-FAC, :data:`RELATIVE_DAMPING`), :data:`ABSOLUTE_DAMPING` for products-only
         solvers and DataInf.
+    curvature_data : examples a named H is estimated on (default: ``train``).
     weight_decay : the training objective's L2 coefficient (its Hessian is wd·I).
     optimizer : the optimizer that trained the model (torch SGD / Adam / AdamW, or a
         transformers Trainer): its weight decay is read per parameter (module docs).
-    rank : eigenvectors kept by ``solver="arnoldi"``.
-    covariance_max_examples : K-FAC / EK-FAC only: the Kronecker covariances from the first m
-        examples of the curvature data (Kronfluence's option of the same name; None: all, exact;
-        m ≥ n: all). A clear ``ValueError`` for other curvatures.
-    lambda_max_examples : EK-FAC only: the eigenvalue correction from the first m examples.
     data_weight : c (default 1): the model was trained with every example at weight c in a
         sum-normalised objective (e.g. at c = α, the mean of retraining on α-subsets; the same
         training with weight decay wd/c): scores ``(1/c) P(Q) @ (H + λI + wd/c)⁻¹ @ P(G).T``,
@@ -315,18 +458,31 @@ def influence(task: Task, train, queries, *, layers=None, projector: Projector |
         replaced by their best rank-r approximation (Kronfluence's ``query_gradient_low_rank``),
         ``(Q @ H⁻¹).low_rank(r) @ G.T``: the held query side keeps r·(out + in) numbers per
         block instead of out·in (:mod:`gradalg.expr.lowrank`; the plan shows both sizes).
+    **curvature_options : the knobs of a *named* curvature, kept as keywords for compatibility
+        (:data:`CURVATURE_OPTIONS`; an Operator carries its own, and only ``relative_damping`` /
+        ``solver_settings`` apply to it):
+
+        * ``structure`` : "dense" (default), "block" or "diag": the formed Fisher's structure.
+        * ``rank`` (default 32) / ``seed`` (default 0): Arnoldi's kept eigenvectors and its
+          start; ``seed`` also draws the sampled labels of a Gauss-Newton.
+        * ``solver_settings`` : CG / LiSSA settings (``max_iter``, ``rtol``, ``scale``, ...).
+        * ``relative_damping`` : the factor of the default damping.
+        * ``covariance_max_examples`` : K-FAC / EK-FAC only: the Kronecker covariances from the
+          first m examples of the curvature data (Kronfluence's option of the same name; None:
+          all, exact; m ≥ n: all). A clear ``ValueError`` for other curvatures.
+        * ``lambda_max_examples`` : EK-FAC only: the eigenvalue correction from the first m examples.
     """
     G = grads(task, train, layers)
     Q = grads(task, queries, layers)
     if projector is not None:
         G, Q = projector(G), projector(Q)
+    if isinstance(curvature, Operator) and curvature_data is not None:
+        raise OptionError("curvature_data= is the data of a named curvature; an Operator given as curvature= "
+                          "is already built from its data: drop curvature_data=")
     Hinv = curvature_operator(task, train if curvature_data is None else curvature_data, layers=layers,
                               projector=projector, curvature=curvature, solver=solver, damping=damping,
-                              structure=structure, rank=rank, seed=seed, solver_settings=solver_settings,
-                              train_grads=G if curvature_data is None else None,
-                              relative_damping=relative_damping, weight_decay=weight_decay, optimizer=optimizer,
-                              covariance_max_examples=covariance_max_examples,
-                              lambda_max_examples=lambda_max_examples, data_weight=data_weight)
+                              train_grads=G if curvature_data is None else None, weight_decay=weight_decay,
+                              optimizer=optimizer, data_weight=data_weight, **curvature_options)
     S = (Q @ Hinv).low_rank(query_gradient_rank) @ G.T if query_gradient_rank is not None else Q @ Hinv @ G.T
     c = check_data_weight(data_weight)
     return S if c == 1.0 else S / c

@@ -17,8 +17,10 @@ from typing import Sequence
 from ..api import Scores, adam_state, grads, sum_scores
 from ..expr.projection import Projector, dense_or_sparse
 from ..task import Task
+from .registry import method
 
 
+@method('LESS: Adam-preconditioned, normalized, projected gradients; max over targets (Xia et al. 2024)')
 def less(checkpoints: Sequence[Task], optimizers: Sequence, learning_rates: Sequence[float], train, targets,
          target_groups, *, layers=None, k: int = 8192, seed: int = 0,
          projector: Projector | None = None) -> Scores:

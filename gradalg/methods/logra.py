@@ -17,10 +17,12 @@ from ..api import Scores, fisher, grads, kfac
 from ..expr.projection import kron
 from ..task import Task
 from .influence import check_kron_subsets, gauss_newton_objective
+from .registry import method
 
 K = 4096     # default k = k_out·k_in per layer, 64 × 64 (docs/fidelity.md, "How the defaults were chosen")
 
 
+@method('LoGra: Kronecker projection of the factors + EK-FAC in the projected space (Choe et al. 2024)', cli=True)
 def logra(task: Task, train, queries, *, layers=None, k: int = K, seed: int = 0, damping: float = 1e-3,
           curvature: str = "ekfac", covariance_max_examples: int | None = None,
           lambda_max_examples: int | None = None, query_gradient_rank: int | None = None) -> Scores:

@@ -30,6 +30,7 @@ from ..unroll.metagradient import Metagradients, metagradients
 from ..unroll.replay import check_schedule, schedule_bound
 from ..unroll.run import TrainingRun, _as_tensors, _LossOf, _rows
 from ..unroll.errors import UnsupportedTrainingError
+from .registry import method
 
 if TYPE_CHECKING:                 # xarray loads when a result is made (about 76 MB)
     import xarray as xr
@@ -91,6 +92,7 @@ class MagicScores:
                 f"{self.run.n_steps + 1}, one backward through {self.run.n_steps} optimizer steps")
 
 
+@method('MAGIC: exact metagradients −∂f_q/∂ε_i through a replayed training run (Ilyas & Engstrom 2025)')
 def magic(run: TrainingRun, queries, *, query_loss: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
           checkpointing="sqrt", replay_tolerance: float = 0.0) -> MagicScores:
     """MAGIC scores ``τ_qi = −∂ f_q(θ_T) / ∂ε_i`` for a :class:`ga.unroll.TrainingRun`.

@@ -8,27 +8,33 @@ stops a few high-loss, high-gradient outliers from dominating every query.
 """
 from __future__ import annotations
 
-from ..api import Scores, grads
+from ..api import Operator, Scores, grads
 from ..expr.projection import Projector
 from ..task import Task
 from .influence import curvature_operator
+from .registry import method
 
 
+@method('RelatIF: influence divided by √(self-influence) of the training example (Barshan et al. 2020)', cli=True)
 def relatif(task: Task, train, queries, *, layers=None, projector: Projector | None = None,
-            damping: float = 1e-3, weight_decay: float = 0.0, curvature: str = "auto",
+            damping: float = 1e-3, weight_decay: float = 0.0, curvature="auto",
             solver: str = "direct", seed: int = 0, covariance_max_examples: int | None = None,
             lambda_max_examples: int | None = None) -> Scores:
     """``P(Q) @ H⁻¹ @ P(G).normalize(metric=H⁻¹).T``, H damped by λ + weight decay.
 
     curvature : "auto" (default; ``ga.methods.influence``): the dense Gauss-Newton up to
-        ``ga.options(dense_curvature_dim)`` (projected) coordinates, EK-FAC above.
+        ``ga.options(dense_curvature_dim)`` (projected) coordinates, EK-FAC above; a name of
+        ``ga.methods.influence``'s table; or an Operator H carrying its own knobs
+        (``ga.ekfac(G, covariance_max_examples=m)``; :func:`~gradalg.methods.influence.curvature_operator`).
+    seed : of sampled labels / Arnoldi, for a named curvature.
     covariance_max_examples / lambda_max_examples : K-FAC / EK-FAC statistics on the first m
-    training examples (``ga.methods.influence``)."""
+    training examples (``ga.methods.influence``), for a named curvature."""
     G, Q = grads(task, train, layers), grads(task, queries, layers)
     if projector is not None:
         G, Q = projector(G), projector(Q)
+    named = {} if isinstance(curvature, Operator) else {"seed": seed}
     Hinv = curvature_operator(task, train, layers=layers, projector=projector, curvature=curvature,
-                              solver=solver, damping=damping + weight_decay, seed=seed,
+                              solver=solver, damping=damping + weight_decay,
                               covariance_max_examples=covariance_max_examples,
-                              lambda_max_examples=lambda_max_examples)
+                              lambda_max_examples=lambda_max_examples, **named)
     return Q @ Hinv @ G.normalize(metric=Hinv).T

@@ -11,8 +11,10 @@ from __future__ import annotations
 from typing import Callable
 
 from ..api import SelfScores
+from .registry import method
 
 
+@method('Self-influence S_zz of any method, without the off-diagonal scores')
 def self_influence(method: Callable, task, train, **kwargs) -> SelfScores:
     """``method(task, train, train, **kwargs).diag()``; e.g.
     ``self_influence(ga.methods.influence, task, train, damping=1e-3).compute()``."""

@@ -45,6 +45,7 @@ from ..unroll.errors import UnsupportedOptimizerError, UnsupportedTrainingError
 from ..unroll.optimizers import SGD
 from ..unroll.run import TrainingRun
 from .influence import check_kron_subsets, gauss_newton_objective
+from .registry import method
 
 __all__ = ["source", "Segment", "segments_of_run", "CrossCheckpointScores"]
 
@@ -134,6 +135,7 @@ def _curvature(task: Task, data, layers, curvature: str, seed: int, covariance_m
     return fisher(C)
 
 
+@method('SOURCE: segment-wise approximate unrolling with (EK-)FAC per segment (Bae et al. 2024)')
 def source(training, queries, *, train=None, final: Task | None = None, n_segments: int = 3,
            checkpoints_per_segment: int = 1, task_fn: Callable | None = None, layers=None,
            curvature: str = "ekfac", damping: float = 0.0, weight_decay: float | None = None,

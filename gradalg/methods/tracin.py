@@ -21,8 +21,11 @@ from ..api import Scores, grads, sum_scores
 from ..expr.projection import Projector
 from ..task import Task
 from .influence import curvature_operator
+from .registry import method
 
 
+@method('TracIn-CP: Σ_c η_c ⟨∇L(q; θ_c), ∇L(z; θ_c)⟩ over checkpoints (Pruthi et al. 2020); curvature= '
+        'preconditions each checkpoint by its own H_c⁻¹')
 def tracin(checkpoints: Sequence[Task], learning_rates: Sequence[float], train, queries, *, layers=None,
            projector: Projector | None = None, normalize: bool = False, curvature: str | None = None,
            damping: float | None = None, relative_damping: float | None = None,

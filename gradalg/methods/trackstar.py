@@ -62,6 +62,7 @@ from ..api import Scores, diagonal, fisher, grads
 from ..expr.projection import Projector
 from ..objective import training_objective
 from ..task import Task
+from .registry import method
 from .trak import default_projector
 
 RELATIVE_DAMPING = 0.1   # λ_R / mean eigenvalue of R: Kronfluence's factor (chosen, not measured for TrackStar)
@@ -91,6 +92,7 @@ def mixing_coefficient(train_eigenvalues: torch.Tensor, task_eigenvalues: torch.
     return s_train / (s_task + s_train)
 
 
+@method('TrackStar: Adam-√v̂-corrected, projected, R^{-1/2}-whitened, unit-normalized gradients (Chang et al. 2024)')
 def trackstar(task: Task, train, queries, *, optimizer, layers=None, k: int = 4096, seed: int = 0,
               projector: Projector | None = None, task_data=None, mix: float | str | None = None,
               downweight_components: int = DOWNWEIGHT_COMPONENTS, damping: float | None = None,

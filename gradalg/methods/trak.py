@@ -23,6 +23,7 @@ from typing import Sequence
 from ..api import Scores, fisher, grads, mean_scores, row_weights
 from ..expr.projection import Projector, dense_or_sparse
 from ..task import Task
+from .registry import method
 
 RELATIVE_DAMPING = 1.0    # default λ / mean eigenvalue of TRAK's kernel (docs/fidelity.md, LM defaults)
 K = 2048                  # default projection dimension (docs/fidelity.md, "How the defaults were chosen")
@@ -46,6 +47,7 @@ def default_projector(k: int, dim: int, seed: int = 0) -> Projector | None:
     return dense_or_sparse("gaussian", k, dim, seed)
 
 
+@method('TRAK: projected output-function gradients, Gauss-Newton kernel, ensembles (Park et al. 2023)', cli=True)
 def trak(tasks: Task | Sequence[Task], train, queries, *, layers=None, projector: Projector | None = None,
          k: int = K, seed: int = 0, damping: float | None = None, relative_damping: float = RELATIVE_DAMPING,
          weight_decay: float = 0.0) -> Scores:
