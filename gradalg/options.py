@@ -178,10 +178,13 @@ class Options:
     dense_curvature_dim : int
         ``curvature="auto"`` (the default of ``ga.methods.influence`` and ``relatif`` with the
         direct solver) is the dense Gauss-Newton when the (projected) gradient space has at
-        most this many coordinates, EK-FAC above it (default 16384: a dense float64 H of
-        16,384² is 2 GiB, and its eigendecomposition a few seconds; GPT-2 small's block
-        linears are 85 M coordinates, whose dense H would be 58 PB). The choice and this
-        threshold are named in the plan (the damping's note).
+        most this many coordinates, EK-FAC above it (default 4096, chosen by cost: a dense
+        float64 H of 4,096² is 128 MiB and its eigendecomposition ~0.6 TFLOP, seconds on one
+        CPU core; at 16,384 coordinates it is ~40 TFLOP, and a 2-layer BERT's 14.8 k block
+        coordinates were planned at 12 minutes; GPT-2 small's block linears are 85 M
+        coordinates, whose dense H would be 58 PB). Every measured fidelity setting keeps its
+        curvature (the digits MLP's 2.4 k coordinates are dense, the LMs' ≥ 24 k EK-FAC). The
+        choice and this threshold are named in the plan (the damping's note).
     dense_projection_bytes : int
         The largest dense (k, d) float64 projection matrix a method draws by default
         (``ga.methods.trak``, ``ga.methods.less``; default 1 GiB: d ≤ 65,536 at k = 2048,
@@ -245,7 +248,7 @@ class Options:
     kron_float32_rtol: float = 1e-2
     kron_diagonal_width: int = 16384
     projection_slice_elements: int = 2**26
-    dense_curvature_dim: int = 16384
+    dense_curvature_dim: int = 4096
     dense_projection_bytes: int = 2**30
     sjlt_table_bytes: int = 2**28
     reuse_buffer_bytes: int = 2**20

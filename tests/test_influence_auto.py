@@ -28,7 +28,7 @@ def test_auto_is_the_dense_gauss_newton_where_it_fits(setting):
     S = ga.methods.influence(task, train, query)
     ref = ga.methods.influence(task, train, query, curvature="gauss_newton").compute()
     assert_close(S.compute().values, ref.values, rtol=1e-10, atol=0)
-    assert "curvature='auto': dense Gauss-Newton, 195 coordinates ≤ ga.options(dense_curvature_dim=16384)" \
+    assert "curvature='auto': dense Gauss-Newton, 195 coordinates ≤ ga.options(dense_curvature_dim=4096)" \
         in _note(S)
 
 

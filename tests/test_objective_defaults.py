@@ -193,4 +193,4 @@ def test_default_damping_is_relative_to_the_spectrum(setting):
     S = ga.methods.influence(s["task"], s["train"], s["query"], layers=LAYERS, damping=0.01, weight_decay=0.02)
     text = str(S.explain(stage="simplified"))   # curvature='auto' names its choice in the same note
     assert "damp(λ=0.03) [damping (given); curvature='auto': dense Gauss-Newton" in text
-    assert "ga.options(dense_curvature_dim=16384) + weight_decay=0.02 (given)]" in text
+    assert "ga.options(dense_curvature_dim=4096) + weight_decay=0.02 (given)]" in text
