@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 import hashlib
+import itertools
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from .collate import DictDataset, pad_collate
 from .errors import DataError, OptionError
@@ -104,15 +105,23 @@ class DataRef:
         return hash(self.token)
 
     def loader(self, default_batch_size: int) -> Iterator:
-        """Batches over the examples, in order (a DataLoader is used as it is)."""
+        """Batches over the examples, in order (a DataLoader is used as it is), each checked
+        to hold as many examples as the loader was asked for (:func:`counted_batches`): a
+        ``collate_fn`` that drops or adds examples is refused naming the batch, rather than
+        rows being labelled with the wrong ids. A ``DataLoader(batch_size=None)`` yields
+        one example per item: they are batched ``default_batch_size`` at a time."""
         if isinstance(self.source, DataLoader):
-            return iter(self.source)
+            if _unbatched(self.source):
+                bs = self.batch_size or default_batch_size
+                return counted_batches(_group_items(iter(self.source), bs), _even_sizes(self.n, bs), self.n)
+            return counted_batches(iter(self.source), _loader_sizes(self.source, self.n), self.n)
         if isinstance(self.source, Dataset) or hasattr(self.source, "__getitem__"):
             bs = self.batch_size or default_batch_size
             # gradalg's own loaders pad dict items of unequal length (collate.pad_collate)
-            return iter(DataLoader(self.source, batch_size=bs, shuffle=False,
-                                   collate_fn=self.collate_fn or pad_collate))
-        raise TypeError(f"cannot iterate over {type(self.source).__name__}")
+            collate = self.collate_fn or pad_collate
+            return counted_batches(iter(DataLoader(self.source, batch_size=bs, shuffle=False, collate_fn=collate)),
+                                   _even_sizes(self.n, bs), self.n)
+        raise DataError(f"cannot iterate over a {type(self.source).__name__}: pass a Dataset, a DataLoader or tensors")
 
     def subset(self, start: int, stop: int) -> "DataRef":
         """Examples ``start:stop`` (a shard), batched like this one (same batch size and
@@ -121,9 +130,10 @@ class DataRef:
         base = _dataset_of(self.source)
         is_loader = isinstance(self.source, DataLoader)
         bs = self.batch_size or (self.source.batch_size if is_loader else None)
-        collate = self.source.collate_fn if is_loader else self.collate_fn
+        collate = _example_collate(self.source) if is_loader else self.collate_fn
         key = f"{self.key}[{start}:{stop}]"
-        return DataRef(Subset(base, range(start, stop)), self.ids[start:stop], bs, key, collate)
+        part = IterableSlice(base, start, stop) if isinstance(base, IterableDataset) else Subset(base, range(start, stop))
+        return DataRef(part, self.ids[start:stop], bs, key, collate)
 
     def prefix(self, n: int | None) -> "DataRef":
         """The first ``n`` examples (all of them when ``n`` is None or at least ``self.n``),
@@ -138,8 +148,96 @@ class DataRef:
 
     def first_example_batch(self) -> Any:
         """A batch holding the first example only: used for shape hints, never a forward."""
-        collate = self.source.collate_fn if isinstance(self.source, DataLoader) else self.collate_fn
+        collate = _example_collate(self.source) if isinstance(self.source, DataLoader) else self.collate_fn
         return next(iter(DataLoader(_dataset_of(self.source), batch_size=1, collate_fn=collate or pad_collate)))
+
+
+class IterableSlice(IterableDataset):
+    """Items ``start:stop`` of an ``IterableDataset`` (a shard of one: ``Subset`` needs
+    ``__getitem__``). Reads and discards the first ``start`` items."""
+
+    def __init__(self, dataset, start: int, stop: int):
+        self.dataset, self.start, self.stop = dataset, start, stop
+
+    def __iter__(self):
+        return itertools.islice(iter(self.dataset), self.start, self.stop)
+
+    def __len__(self):
+        return self.stop - self.start
+
+
+class ItemsCollate:
+    """The collate of a ``DataLoader(batch_size=None)``'s items as examples: the loader's
+    own per-item function (``collate_fn``, torch's ``default_convert`` by default) on each
+    item, then :func:`~gradalg.collate.pad_collate` over them. Picklable."""
+
+    def __init__(self, per_item):
+        self.per_item = per_item
+
+    def __call__(self, items: list):
+        return pad_collate([self.per_item(item) for item in items])
+
+
+def _unbatched(loader: DataLoader) -> bool:
+    """Whether a DataLoader has automatic batching off (``batch_size=None``): one example per item."""
+    return loader.batch_size is None and loader.batch_sampler is None
+
+
+def _example_collate(loader: DataLoader):
+    """The function batching a list of the loader's dataset items as the loader would."""
+    return ItemsCollate(loader.collate_fn) if _unbatched(loader) else loader.collate_fn
+
+
+def _group_items(items: Iterator, size: int) -> Iterator:
+    """Batches of ``size`` items (the last may be smaller) of an unbatched loader."""
+    while True:
+        group = list(itertools.islice(items, size))
+        if not group:
+            return
+        yield pad_collate(group)
+
+
+def _even_sizes(n: int, size: int) -> list[int]:
+    """The batch sizes of ``n`` examples batched ``size`` at a time."""
+    return [min(size, n - start) for start in range(0, n, size)]
+
+
+def _loader_sizes(loader: DataLoader, n: int) -> list[int] | None:
+    """How many examples each batch of a DataLoader holds, from its batch sampler (None for
+    an IterableDataset, whose batches are known only by counting them)."""
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    batches = loader.batch_sampler
+    if isinstance(loader.dataset, IterableDataset):
+        return None
+    if batches is None:
+        return [1] * n
+    if type(batches) is BatchSampler and type(batches.sampler) is SequentialSampler:
+        return _even_sizes(n, batches.batch_size)[: len(batches)]
+    return [len(indices) for indices in batches]
+
+
+def counted_batches(batches: Iterator, sizes: list[int] | None, n: int) -> Iterator:
+    """``batches``, each checked against ``sizes[k]`` (the examples batch k was made from),
+    and all together against ``n`` examples. A batch of another size means the
+    ``collate_fn`` dropped, split or added examples: its rows could not be labelled with
+    their ids, so it is refused (:class:`DataError`, the batch and both counts named)."""
+    seen = 0
+    for k, batch in enumerate(batches):
+        got = batch_size_of(batch)
+        expected = sizes[k] if sizes is not None and k < len(sizes) else None
+        if (expected is not None and got != expected) or seen + got > n:
+            made_from = f"{expected} examples" if expected is not None else f"at most the {n - seen} examples left"
+            raise DataError(
+                f"batch {k} (from example {seen} on) holds {got} examples, but the loader made it from "
+                f"{made_from}: its collate_fn drops, splits or adds examples, so rows cannot be matched to "
+                "their example ids. Make the collate_fn return one row per item it is given (remove "
+                "unwanted examples from the dataset instead)")
+        seen += got
+        yield batch
+    if seen != n:
+        raise DataError(f"the data yielded {seen} examples but has {n} (its len()): every example must "
+                        "come out of the loader exactly once; make len() match what the data yields")
 
 
 def _ids_digest(ids: tuple) -> str:
@@ -185,6 +283,8 @@ def _check_loader(data: DataLoader, n: int) -> None:
     """Refuse a loader that would not give every example once, in order."""
     from torch.utils.data import BatchSampler, SequentialSampler
 
+    if isinstance(data.dataset, IterableDataset):
+        return   # its order is its own; counted_batches checks that it yields n examples
     sampler = type(data.sampler).__name__
     if type(data.sampler) is not SequentialSampler and not _in_order(data.sampler, n):
         raise DataError(
