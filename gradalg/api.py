@@ -17,6 +17,7 @@ import torch
 
 from .data import as_data
 from .errors import OptionError
+from .options import plain
 from .expr import (KFAC, AdamPrecondition, AdamState, GroupMean, ScoreDiagonal, Arnoldi, CurvatureProducts, DataInf, Damp, Dense, Diagonal, Fisher, GradNode, Identity, Inner, Inverse, LowRank, Normalize, OpNode,
                    Power, Precondition, Project, Projector, RowWeights, ScaledOp, ScaleRows, ScoreNode,
                    ScoreSum, Select, Source, SumOp)
@@ -527,7 +528,7 @@ class Scores(_Displayed):
         result is n_query·k, not n_query·n_train."""
         if topk is not None:
             from .plan.jobs import TopK
-            return _TopKView(self.expr, TopK(topk, largest)).explain(**kwargs)
+            return _TopKView(self.expr, TopK(_positive_int("topk", topk), largest)).explain(**kwargs)
         return super().explain(**kwargs)
 
     def topk(self, k: int, *, largest: bool = True, executor=None) -> xr.DataArray:
@@ -547,6 +548,9 @@ class Scores(_Displayed):
         from .plan.jobs import TopK
         from .token_scores import token_sides
 
+        k, largest = _positive_int("k", k), plain(largest)
+        if not isinstance(largest, bool):
+            raise OptionError(f"largest must be True or False, got {largest!r}")
         spec = TopK(k, largest)
         if token_sides(self.expr) != (None, None):
             raise ValueError("S.topk ranks whole examples: a side of per-token rows (G.per_token()) has "
@@ -813,10 +817,16 @@ def _max_examples(name: str, value, n: int) -> int | None:
     covers all ``n`` examples."""
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int (a number of examples) or None for all "
-                         f"of them, got {value!r}")
+    value = _positive_int(name, value, "(a number of examples) or None for all of them")
     return None if value >= n else value
+
+
+def _positive_int(name: str, value, what: str = "") -> int:
+    """``value`` as a positive int (numpy integers accepted), or an OptionError naming it."""
+    value = plain(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise OptionError(f"{name} must be a positive int{' ' + what if what else ''}, got {value!r}")
+    return value
 
 
 def ekfac(G: GradientSet, *, covariance_max_examples: int | None = None,

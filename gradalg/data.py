@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from .collate import DictDataset, pad_collate
 from .errors import DataError, OptionError
+from .options import plain
 from .fingerprint import callable_fingerprint, object_fingerprint, stable_token, tensor_digest
 
 __all__ = ["DataRef", "batch_size_of", "slice_batch", "move_batch", "as_data", "data_fingerprint"]
@@ -140,6 +141,7 @@ class DataRef:
         batched like this one: a :meth:`subset` ``0:n``, whose identity is the data's and
         the range (so a pass over it is a pass of its own, reading ``n`` examples only).
         Used by statistics estimated on a subset (``ga.kfac(..., covariance_max_examples=)``)."""
+        n = plain(n)
         if n is None or n >= self.n:
             return self
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -326,6 +328,7 @@ def as_data(data: Any, ids=None, batch_size: int | None = None) -> DataRef:
     """
     if isinstance(data, DataRef):
         return data
+    batch_size = plain(batch_size)
     if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
         raise OptionError(f"batch_size must be a positive int, got {batch_size!r}")
     if isinstance(data, torch.Tensor):
@@ -358,7 +361,8 @@ def as_data(data: Any, ids=None, batch_size: int | None = None) -> DataRef:
     if ids is None:
         ids = tuple(range(n))
     else:
-        ids = tuple(ids.tolist() if isinstance(ids, torch.Tensor) else ids)
+        ids = tuple(ids.tolist() if isinstance(ids, torch.Tensor) or type(ids).__module__ == "numpy"
+                    else (plain(i) for i in ids))
         if len(ids) != n:
             raise DataError(f"got {len(ids)} ids for {n} examples: pass one id per example")
         try:

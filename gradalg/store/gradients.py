@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ..errors import OptionError, StoreMismatchError
+from ..options import plain
 from ..capture.chunks import Chunk
 from ..space import Block, ParamSpace
 from ..expr.stored import Stored
@@ -208,6 +209,7 @@ def write(G, path, *, chunk_rows: int = 256, executor=None, overwrite: bool = Fa
     layout.require()
     if not isinstance(G, GradientSet):
         raise TypeError(f"ga.store.write takes a GradientSet, got {type(G).__name__}")
+    chunk_rows = plain(chunk_rows)   # np.int64 works as an int
     if not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1:
         raise OptionError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
     node = G.expr

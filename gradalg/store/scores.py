@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import OptionError
+from ..options import plain
 from ..expr import Identity, Inner, ScoreSum
 from ..expr.stored import Stored, StoredOp
 from ..exec.resilience import PAYLOAD, run_tasks
@@ -117,6 +118,7 @@ def write_scores(S, path, *, chunk_rows: int = 1024, executor=None, overwrite: b
     layout.require()
     if not isinstance(S, Scores):
         raise TypeError(f"ga.store.write_scores takes Scores, got {type(S).__name__}")
+    chunk_rows = plain(chunk_rows)   # np.int64 works as an int
     if not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1:
         raise OptionError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
     node = S.expr

@@ -48,7 +48,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..errors import BatchContentError
+from ..errors import BatchContentError, OptionError
+from ..options import plain
 from ..task import ExampleRandom, Task, TransformerBlocks
 from .tokens import (IGNORE, PADDING_SIDES, check_counted, check_padding, content_keys, field, model_logits,
                      position_ids, real_mask, sampled_targets, token_margin, token_nll)
@@ -62,7 +63,7 @@ TRAK_OUTPUTS = ("token", "sequence")
 
 def _check_side(padding_side: str) -> None:
     if padding_side not in PADDING_SIDES:
-        raise ValueError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
+        raise OptionError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
 
 
 def hf_forward(padding_side: str, fields=MODEL_INPUTS, extra: Callable | None = None):
@@ -88,10 +89,11 @@ def sequence_task(model: nn.Module, logits_of: Callable[[nn.Module, Any], torch.
     (B, T', V) and ``targets_of(batch)`` (B, T') with ``-100`` for positions that do not
     count; everything in the module docstring is derived from these two. ``default_layers``
     as in :class:`~gradalg.Task` (default: the linear layers inside the transformer blocks)."""
-    if not isinstance(n_samples, int) or n_samples < 1:
-        raise ValueError(f"n_samples must be a positive int, got {n_samples!r}")
+    n_samples = plain(n_samples)
+    if not isinstance(n_samples, int) or isinstance(n_samples, bool) or n_samples < 1:
+        raise OptionError(f"n_samples must be a positive int, got {n_samples!r}")
     if trak_output not in TRAK_OUTPUTS:
-        raise ValueError(f"trak_output must be one of {TRAK_OUTPUTS}, got {trak_output!r}")
+        raise OptionError(f"trak_output must be one of {TRAK_OUTPUTS}, got {trak_output!r}")
 
     def summed_nll(logits, targets):
         return token_nll(logits, targets).sum()
