@@ -21,7 +21,7 @@ from collections.abc import Mapping
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from .errors import BatchContentError
+from .errors import BatchContentError, DataError
 
 __all__ = ["pad_collate", "DictDataset", "PAD_VALUES"]
 
@@ -46,14 +46,16 @@ def pad_collate(items: list):
         odd = sorted(set.union(*keys) - set.intersection(*keys))
         raise BatchContentError(f"the items of a batch have different fields: {odd} are in some only; "
                                 "give every item the same fields")
+    _check_aligned(items)
     out, lengths = {}, None
     for key in items[0]:
         values = [item[key] for item in items]
         if all(isinstance(v, torch.Tensor) and v.dim() >= 1 for v in values) and \
                 len({tuple(v.shape) for v in values}) > 1:
             if len({tuple(v.shape[1:]) for v in values}) > 1:
-                raise ValueError(f"field {key!r} differs in more than its first dimension across "
-                                 f"the items of a batch: {sorted({tuple(v.shape) for v in values})}")
+                raise BatchContentError(f"field {key!r} differs in more than its first dimension across "
+                                        f"the items of a batch: {sorted({tuple(v.shape) for v in values})}; "
+                                        "give every item's field the same shape after the token axis")
             out[key] = torch.nn.utils.rnn.pad_sequence(values, batch_first=True,
                                                        padding_value=PAD_VALUES.get(key, 0))
             if lengths is None or key == "input_ids":
@@ -66,6 +68,26 @@ def pad_collate(items: list):
     return out
 
 
+#: fields with one entry per token of ``input_ids`` in every item
+ALIGNED_FIELDS = ("attention_mask", "token_type_ids", "completion_mask")
+
+
+def _check_aligned(items: list) -> None:
+    """Refuse an item whose ``attention_mask`` (or ``token_type_ids``, ``completion_mask``)
+    has another length than its ``input_ids``: padded to the batch's longest, the mask would
+    count padding as tokens (or drop tokens) without any error."""
+    for position, item in enumerate(items):
+        ids = item.get("input_ids")
+        if not isinstance(ids, torch.Tensor) or ids.dim() < 1:
+            continue
+        for key in ALIGNED_FIELDS:
+            value = item.get(key)
+            if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] != ids.shape[0]:
+                raise BatchContentError(
+                    f"item {position} of a batch has {value.shape[0]} entries of {key!r} for {ids.shape[0]} "
+                    f"tokens of 'input_ids': give {key!r} one entry per token (the same length as input_ids)")
+
+
 class DictDataset(Dataset):
     """Dict tensors with the examples along dim 0, as a dataset of dict items."""
 
@@ -73,9 +95,11 @@ class DictDataset(Dataset):
         fields = dict(fields)
         sizes = {k: v.shape[0] for k, v in fields.items() if isinstance(v, torch.Tensor)}
         if not sizes:
-            raise TypeError("a dict batch needs tensor fields with the examples along dim 0")
+            raise DataError("a dict batch needs tensor fields with the examples along dim 0, got "
+                                    f"{ {k: type(v).__name__ for k, v in fields.items()} }")
         if len(set(sizes.values())) > 1:
-            raise ValueError(f"the fields of a dict batch have different numbers of examples: {sizes}")
+            raise DataError(f"the fields of a dict batch have different numbers of examples: {sizes}; "
+                                    "give every field the same first dimension (one entry per example)")
         self.fields = fields
         self.n = next(iter(sizes.values()))
 

@@ -106,7 +106,7 @@ class Compiled:
     def __init__(self, S: Scores, *, executor=None, hold="auto", on_change: str = "recompute",
                  check_weights: str = "full"):
         if not isinstance(S, Scores):
-            raise TypeError(f"ga.compile takes Scores (Q @ H @ G.T), got {type(S).__name__}")
+            raise OptionError(f"ga.compile takes Scores (Q @ H @ G.T), got {type(S).__name__}")
         if hold not in ("auto", True, False):
             raise OptionError(f"hold must be 'auto', True or False, got {hold!r}")
         if on_change not in ("recompute", "raise"):
@@ -243,7 +243,7 @@ class Compiled:
         """Scores of new ``queries`` in place of the expression's query side: ``S`` with its
         left (query) gradient set replaced. Needs an ``S`` with one query side."""
         if not isinstance(queries, GradientSet):
-            raise TypeError(f"C.scores takes a GradientSet of queries, got {type(queries).__name__}")
+            raise OptionError(f"C.scores takes a GradientSet of queries, got {type(queries).__name__}")
         lefts = {p.inner.left.token: p.inner.left for p in self._parts} if self._parts else \
             {n.left.token: n.left for n in self._simplified.walk() if isinstance(n, Inner)}
         if len(lefts) != 1:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 import hashlib
 import itertools
+import os
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Iterator
@@ -120,8 +121,9 @@ class DataRef:
             bs = self.batch_size or default_batch_size
             # gradalg's own loaders pad dict items of unequal length (collate.pad_collate)
             collate = self.collate_fn or pad_collate
+            sizes = None if isinstance(self.source, IterableDataset) else _even_sizes(self.n, bs)
             return counted_batches(iter(DataLoader(self.source, batch_size=bs, shuffle=False, collate_fn=collate)),
-                                   _even_sizes(self.n, bs), self.n)
+                                   sizes, self.n)
         raise DataError(f"cannot iterate over a {type(self.source).__name__}: pass a Dataset, a DataLoader or tensors")
 
     def subset(self, start: int, stop: int) -> "DataRef":
@@ -220,26 +222,30 @@ def _loader_sizes(loader: DataLoader, n: int) -> list[int] | None:
 
 
 def counted_batches(batches: Iterator, sizes: list[int] | None, n: int) -> Iterator:
-    """``batches``, each checked against ``sizes[k]`` (the examples batch k was made from),
-    and all together against ``n`` examples. A batch of another size means the
-    ``collate_fn`` dropped, split or added examples: its rows could not be labelled with
-    their ids, so it is refused (:class:`DataError`, the batch and both counts named)."""
+    """``batches``, each checked against ``sizes[k]`` (the examples batch k was made from;
+    None: only counted, for an ``IterableDataset``), and all together against ``n``
+    examples. A batch of another size means the ``collate_fn`` dropped, split or added
+    examples, and a total other than ``n`` a ``len()`` that is not what the data yields:
+    either way rows could not be labelled with their ids, so it is refused
+    (:class:`DataError`, the batch and the counts named)."""
     seen = 0
     for k, batch in enumerate(batches):
         got = batch_size_of(batch)
         expected = sizes[k] if sizes is not None and k < len(sizes) else None
-        if (expected is not None and got != expected) or seen + got > n:
-            made_from = f"{expected} examples" if expected is not None else f"at most the {n - seen} examples left"
+        if expected is not None and got != expected:
             raise DataError(
                 f"batch {k} (from example {seen} on) holds {got} examples, but the loader made it from "
-                f"{made_from}: its collate_fn drops, splits or adds examples, so rows cannot be matched to "
-                "their example ids. Make the collate_fn return one row per item it is given (remove "
+                f"{expected} examples: its collate_fn drops, splits or adds examples, so rows cannot be matched "
+                "to their example ids. Make the collate_fn return one row per item it is given (remove "
                 "unwanted examples from the dataset instead)")
+        if seen + got > n:
+            raise DataError(f"the data yields more than the {n} examples its len() says (batch {k} reaches "
+                            f"{seen + got}): make len() return the number of examples the data yields")
         seen += got
         yield batch
     if seen != n:
-        raise DataError(f"the data yielded {seen} examples but has {n} (its len()): every example must "
-                        "come out of the loader exactly once; make len() match what the data yields")
+        raise DataError(f"the data yielded {seen} examples but its len() says {n}: make len() return the "
+                        "number of examples the data yields (every example must come out exactly once)")
 
 
 def _ids_digest(ids: tuple) -> str:
@@ -329,6 +335,10 @@ def as_data(data: Any, ids=None, batch_size: int | None = None) -> DataRef:
     if isinstance(data, DataRef):
         return data
     batch_size = plain(batch_size)
+    if data is None or isinstance(data, (str, bytes, int, float, os.PathLike)):
+        raise DataError(f"the data is a {type(data).__name__} ({data!r:.60}), not examples: pass a Dataset, a "
+                        "DataLoader, a list of examples or tensors with the examples along dimension 0 (a file "
+                        "is read by you, or by the `gradalg` command's [data] section)")
     if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
         raise OptionError(f"batch_size must be a positive int, got {batch_size!r}")
     if isinstance(data, torch.Tensor):

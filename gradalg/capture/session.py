@@ -31,6 +31,7 @@ from .rows import layout_for, session_rows
 from .tying import LayerUse, use_factors
 from .chunks import Chunk
 from ..space import ParamSpace
+from ..errors import OptionError
 
 __all__ = ["CaptureStore", "LoopRecorder"]
 
@@ -72,7 +73,7 @@ class LoopRecorder:
 
     def __init__(self, model: nn.Module, layers=None, *, reduction: str = "sum", keep: bool = True):
         if reduction not in ("sum", "mean"):
-            raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+            raise OptionError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
         self.model = model
         self.refs: list[LayerRef] = resolve_layers(model, layers)
         check_session_layers(self.refs)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..errors import ShapeMismatchError
+from ..errors import ShapeMismatchError, OptionError
 
 if TYPE_CHECKING:                 # xarray loads when a result is made (about 76 MB)
     import xarray as xr
@@ -151,10 +151,10 @@ def spearman_brown(rho_1, runs: int):
     estimate of ρ_1 (no repeatable signal, up to sampling noise) has no meaning here and
     is refused; clip it at 0 first, as :func:`mean_ceiling` does."""
     if isinstance(runs, bool) or not isinstance(runs, (int, np.integer)) or runs < 1:
-        raise ValueError(f"runs must be a positive integer, got {runs!r}")
+        raise OptionError(f"runs must be a positive integer, got {runs!r}")
     rho_1 = np.asarray(rho_1, dtype=np.float64)
     if np.any(rho_1[np.isfinite(rho_1)] < 0) or np.any(rho_1[np.isfinite(rho_1)] > 1):
-        raise ValueError("spearman_brown needs single-run reliabilities in [0, 1] (clip a negative estimate "
+        raise OptionError("spearman_brown needs single-run reliabilities in [0, 1] (clip a negative estimate "
                          f"at 0 first); got values in [{np.nanmin(rho_1):.3g}, {np.nanmax(rho_1):.3g}]")
     return runs * rho_1 / (1.0 + (runs - 1) * rho_1)
 
@@ -241,9 +241,9 @@ def lds(scores, ground_truth, *, target: str | None = None, bootstrap: int = 100
         raise ShapeMismatchError(f"scores are {tau.shape} (query, train) but the ground truth has "
                                  f"{actual.shape[1]} queries and {masks.shape[1]} training examples")
     if masks.shape[0] < 3:
-        raise ValueError(f"LDS needs at least 3 subsets, got {masks.shape[0]}")
+        raise OptionError(f"LDS needs at least 3 subsets, got {masks.shape[0]}")
     if resample not in RESAMPLE:
-        raise ValueError(f"resample must be one of {RESAMPLE}, got {resample!r}")
+        raise OptionError(f"resample must be one of {RESAMPLE}, got {resample!r}")
     predicted = sign * (masks @ tau.T)                                # (M, n_query)
     per_query = spearman(predicted, actual, axis=0)
     query = query if query is not None else _coord(ground_truth, "query", actual.shape[1])
@@ -280,11 +280,11 @@ def lds_resampled(predicted, actual, *, over: str = "both", n_resamples: int = 1
     mean).
     """
     if over not in RESAMPLE:
-        raise ValueError(f"over must be one of {RESAMPLE}, got {over!r}")
+        raise OptionError(f"over must be one of {RESAMPLE}, got {over!r}")
     if not 0 < confidence < 1:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+        raise OptionError(f"confidence must be in (0, 1), got {confidence!r}")
     if n_resamples < 1:
-        raise ValueError(f"n_resamples must be positive, got {n_resamples!r}")
+        raise OptionError(f"n_resamples must be positive, got {n_resamples!r}")
     predicted = _numpy(predicted).astype(np.float64)
     actual = _numpy(actual).astype(np.float64)
     if predicted.shape != actual.shape or predicted.ndim != 2:
@@ -331,9 +331,9 @@ def lds_bootstrap(per_query, *, n_resamples: int = 1000, confidence: float = 0.9
     if values.size == 0:
         return (float("nan"), float("nan"))
     if not 0 < confidence < 1:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+        raise OptionError(f"confidence must be in (0, 1), got {confidence!r}")
     if n_resamples < 1:
-        raise ValueError(f"n_resamples must be positive, got {n_resamples!r}")
+        raise OptionError(f"n_resamples must be positive, got {n_resamples!r}")
     rng = np.random.default_rng(seed)
     means = values[rng.integers(0, values.size, size=(n_resamples, values.size))].mean(axis=1)
     tail = (1 - confidence) / 2
@@ -352,7 +352,7 @@ def loo_correlation(scores, loo, *, target: str | None = None, method: str = "pe
     ``target="margin"`` correlates −τ with it). ``method``: "pearson" or "spearman".
     """
     if method not in ("pearson", "spearman"):
-        raise ValueError(f"method must be 'pearson' or 'spearman', got {method!r}")
+        raise OptionError(f"method must be 'pearson' or 'spearman', got {method!r}")
     sign = _sign(target, loo)
     effect = ground_truth_array(loo, "effect", ("removed", "query"))             # (n_removed, n_query)
     removed = np.asarray(_coord(loo, "removed", effect.shape[0])).astype(np.int64)
@@ -374,10 +374,10 @@ def _sign(target, data) -> float:
         attrs = getattr(data, "attrs", {}) or {}
         target = attrs.get("target")
         if target is None:
-            raise ValueError("say what the targets are: target='loss' (helpful examples lower it) or "
+            raise OptionError("say what the targets are: target='loss' (helpful examples lower it) or "
                              "target='margin' (they raise it); or record it with retrain(..., target=...)")
     if target not in _SIGN:
-        raise ValueError(f"target must be 'loss' or 'margin', got {target!r}")
+        raise OptionError(f"target must be 'loss' or 'margin', got {target!r}")
     return _SIGN[target]
 
 

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import ShapeMismatchError
+from ..errors import ShapeMismatchError, OptionError
 from .correlation import ground_truth_array, lds_bootstrap, mean_ceiling, retest_correlation
 
 if TYPE_CHECKING:                 # xarray loads when a result is made (about 76 MB)
@@ -111,7 +111,7 @@ def reliability(ground_truth, *, bootstrap: int = 1000, confidence: float = 0.95
     """
     import xarray as xr
     if not hasattr(ground_truth, "keys") or "runs" not in ground_truth.keys():
-        raise ValueError("reliability needs the ground truth's individual training runs: the Dataset of "
+        raise OptionError("reliability needs the ground truth's individual training runs: the Dataset of "
                          "ga.eval.retrain(..., seeds_per_subset=2 or more), or a mapping with 'runs' "
                          f"(subset, run, query); got {type(ground_truth).__name__}"
                          + (" without 'runs'" if hasattr(ground_truth, "keys") else ""))
@@ -120,11 +120,11 @@ def reliability(ground_truth, *, bootstrap: int = 1000, confidence: float = 0.95
         raise ShapeMismatchError(f"ground truth 'runs' must be (subset, run, query), got shape {runs.shape}")
     m, k, n_query = runs.shape
     if k < 2:
-        raise ValueError(f"reliability compares training runs of the same subsets, and this ground truth has "
+        raise OptionError(f"reliability compares training runs of the same subsets, and this ground truth has "
                          f"{k} run per subset: retrain with seeds_per_subset=2 or more (with the same store, "
                          "only the new runs are trained)")
     if m < 3:
-        raise ValueError(f"reliability needs at least 3 subsets, got {m}")
+        raise OptionError(f"reliability needs at least 3 subsets, got {m}")
     per_query = retest_correlation(runs)                                                 # (n_query,)
     finite = per_query[np.isfinite(per_query)]
     retest = float(finite.mean()) if finite.size else float("nan")

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 import torch
 
-from ..errors import GradalgError, ShapeMismatchError
+from ..errors import GradalgError, ShapeMismatchError, OptionError
 
 if TYPE_CHECKING:                 # xarray loads when a result is made (about 76 MB)
     import xarray as xr
@@ -67,9 +67,9 @@ _STORE_VERSION = 1
 def subset_size(n_train: int, fraction: float) -> int:
     """Examples per subset: round(α · n), at least 1."""
     if not isinstance(n_train, (int, np.integer)) or n_train < 1:
-        raise ValueError(f"n_train must be a positive integer, got {n_train!r}")
+        raise OptionError(f"n_train must be a positive integer, got {n_train!r}")
     if not 0 < fraction <= 1:
-        raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
+        raise OptionError(f"fraction must be in (0, 1], got {fraction!r}")
     return max(1, round(fraction * n_train))
 
 
@@ -81,7 +81,7 @@ def subset_masks(n_train: int, n_subsets: int, fraction: float, seed: int = 0) -
     ``n_subsets``.
     """
     if not isinstance(n_subsets, (int, np.integer)) or n_subsets < 1:
-        raise ValueError(f"n_subsets must be a positive integer, got {n_subsets!r}")
+        raise OptionError(f"n_subsets must be a positive integer, got {n_subsets!r}")
     size = subset_size(n_train, fraction)
     masks = np.zeros((n_subsets, n_train), dtype=bool)
     for j in range(n_subsets):
@@ -159,7 +159,7 @@ def retrain(train_fn: Callable[[np.ndarray], Any], n_train: int, *, n_subsets: i
     _check_target(target)
     if isinstance(seeds_per_subset, bool) or not isinstance(seeds_per_subset, (int, np.integer)) \
             or seeds_per_subset < 1:
-        raise ValueError(f"seeds_per_subset must be a positive integer (training runs per subset), "
+        raise OptionError(f"seeds_per_subset must be a positive integer (training runs per subset), "
                          f"got {seeds_per_subset!r}")
     masks = subset_masks(n_train, n_subsets, fraction, seed)
     meta = {"kind": "subsets", "n_train": int(n_train), "fraction": float(fraction), "seed": int(seed),
@@ -198,16 +198,16 @@ def select_runs(ground_truth: xr.Dataset, runs) -> xr.Dataset:
     (``ground_truth.isel(run=...)`` alone would keep the mean over all runs in ``targets``).
     """
     if "runs" not in ground_truth:
-        raise ValueError("select_runs needs the ground truth's individual runs ('runs', from ga.eval.retrain)")
+        raise OptionError("select_runs needs the ground truth's individual runs ('runs', from ga.eval.retrain)")
     k = ground_truth.sizes["run"]
     if isinstance(runs, (int, np.integer)) and not isinstance(runs, bool):
         if not 1 <= runs <= k:
-            raise ValueError(f"runs must be between 1 and the {k} runs per subset stored, got {runs}")
+            raise OptionError(f"runs must be between 1 and the {k} runs per subset stored, got {runs}")
         chosen = np.arange(int(runs))
     else:
         chosen = np.asarray(list(runs), dtype=np.int64).reshape(-1)
         if chosen.size == 0 or chosen.min() < 0 or chosen.max() >= k or np.unique(chosen).size != chosen.size:
-            raise ValueError(f"runs must be distinct indices in [0, {k}), got {list(chosen)}")
+            raise OptionError(f"runs must be distinct indices in [0, {k}), got {list(chosen)}")
     out = ground_truth.isel(run=chosen)
     out["targets"] = out["runs"].mean("run")
     out.attrs = {**ground_truth.attrs, "seeds_per_subset": int(chosen.size)}
@@ -237,14 +237,14 @@ def leave_one_out(train_fn: Callable[[np.ndarray], Any], n_train: int, indices: 
     _check_callable(targets_fn, "targets_fn")
     _check_target(target)
     if not isinstance(n_train, (int, np.integer)) or n_train < 2:
-        raise ValueError(f"n_train must be an integer ≥ 2, got {n_train!r}")
+        raise OptionError(f"n_train must be an integer ≥ 2, got {n_train!r}")
     removed = np.asarray(indices, dtype=np.int64).reshape(-1)
     if removed.size == 0:
-        raise ValueError("leave_one_out needs at least one index to remove")
+        raise OptionError("leave_one_out needs at least one index to remove")
     if removed.min() < 0 or removed.max() >= n_train:
-        raise ValueError(f"indices must lie in [0, {n_train}), got values in [{removed.min()}, {removed.max()}]")
+        raise OptionError(f"indices must lie in [0, {n_train}), got values in [{removed.min()}, {removed.max()}]")
     if np.unique(removed).size != removed.size:
-        raise ValueError("indices must not repeat")
+        raise OptionError("indices must not repeat")
     meta = {"kind": "loo", "n_train": int(n_train), "seed": int(seed)}
     runs = _RunStore(store, meta)
     everything = np.arange(n_train, dtype=np.int64)
@@ -275,12 +275,12 @@ def leave_one_out(train_fn: Callable[[np.ndarray], Any], n_train: int, indices: 
 # ----------------------------------------------------------------------------- running
 def _check_callable(fn, what):
     if not callable(fn):
-        raise TypeError(f"{what} must be a callable, got {type(fn).__name__}")
+        raise OptionError(f"{what} must be a callable, got {type(fn).__name__}")
 
 
 def _check_target(target):
     if target is not None and target not in ("loss", "margin"):
-        raise ValueError(f"target must be 'loss', 'margin' or None, got {target!r}")
+        raise OptionError(f"target must be 'loss', 'margin' or None, got {target!r}")
 
 
 def _run(train_fn, targets_fn, indices, run_seed, progress, label) -> np.ndarray:

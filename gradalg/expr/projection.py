@@ -221,6 +221,15 @@ class Projector:
         return f"ga.proj.{self.kind}(k={self.k}, seed={self.seed}{extra})"
 
 
+def check_projector(projector):
+    """``projector`` when it is None or a projector (anything callable on a GradientSet,
+    e.g. ``ga.proj.kron(k=64)``); otherwise an OptionError naming the fix."""
+    if projector is not None and not callable(projector):
+        raise OptionError(f"projector must be a ga.proj projector (e.g. ga.proj.kron(k=64)) or None, got "
+                          f"{projector!r:.80}")
+    return projector
+
+
 def gaussian(k: int, seed: int = 0, *, per_block: bool = False) -> Projector:
     """Dense Gaussian projection: entries N(0, 1/k)."""
     return Projector("gaussian", k, seed, per_block)

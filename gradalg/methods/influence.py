@@ -76,10 +76,11 @@ from __future__ import annotations
 import torch
 
 from ..api import (Operator, Scores, arnoldi, datainf, diagonal, fisher, gauss_newton, grads, hessian, kfac)
-from ..expr.projection import Projector
+from ..expr.projection import Projector, check_projector
 from ..objective import DecayTerm, ObjectiveError, training_objective
 from ..options import get_options
 from ..task import Task
+from ..errors import OptionError
 
 CURVATURES = ("auto", "gauss_newton", "empirical", "hessian", "kfac", "ekfac", "datainf")
 SOLVERS = ("direct", "cg", "lissa", "arnoldi")
@@ -99,11 +100,11 @@ def check_kron_subsets(curvature: str, covariance_max_examples, lambda_max_examp
     given = [name for name, v in (("covariance_max_examples", covariance_max_examples),
                                   ("lambda_max_examples", lambda_max_examples)) if v is not None]
     if given and curvature not in ("kfac", "ekfac"):
-        raise ValueError(f"{given[0]} sets how many examples K-FAC / EK-FAC statistics are estimated on: "
+        raise OptionError(f"{given[0]} sets how many examples K-FAC / EK-FAC statistics are estimated on: "
                          f"it applies to curvature='kfac' or 'ekfac', not {curvature!r}. Drop it, or use "
                          "curvature='ekfac'")
     if lambda_max_examples is not None and curvature == "kfac":
-        raise ValueError("lambda_max_examples is the number of examples of EK-FAC's eigenvalue correction: "
+        raise OptionError("lambda_max_examples is the number of examples of EK-FAC's eigenvalue correction: "
                          "use it with curvature='ekfac', or leave it None for K-FAC")
 
 
@@ -122,7 +123,7 @@ def gauss_newton_objective(task: Task) -> str:
         return "expected"
     if task.sampled_loss is not None:
         return "sampled"
-    raise ValueError("a Gauss-Newton curvature needs Task(..., expected_terms=...) or "
+    raise OptionError("a Gauss-Newton curvature needs Task(..., expected_terms=...) or "
                      "Task(..., sampled_loss=...) (ga.tasks.classification provides both), or use "
                      "curvature='empirical' / 'hessian'")
 
@@ -132,10 +133,10 @@ def check_data_weight(data_weight) -> float:
     try:
         c = float(data_weight)
     except (TypeError, ValueError):
-        raise ValueError(f"data_weight must be a number (the uniform weight c every training example had "
+        raise OptionError(f"data_weight must be a number (the uniform weight c every training example had "
                          f"in the objective the model was trained on), got {data_weight!r}") from None
     if not (c > 0.0 and c < float("inf")):
-        raise ValueError(f"data_weight must be positive and finite (c = α for a model trained at the mean "
+        raise OptionError(f"data_weight must be positive and finite (c = α for a model trained at the mean "
                          f"of α-subsets; 1 for the full set), got {data_weight!r}")
     return c
 
@@ -230,9 +231,9 @@ def curvature_operator(task: Task, data, *, layers=None, projector: Projector | 
         divided by c (module docs, "Data weight").
     """
     if curvature not in CURVATURES:
-        raise ValueError(f"curvature must be one of {CURVATURES}, got {curvature!r}")
+        raise OptionError(f"curvature must be one of {CURVATURES}, got {curvature!r}")
     if solver not in SOLVERS:
-        raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
+        raise OptionError(f"solver must be one of {SOLVERS}, got {solver!r}")
     why = None
     if curvature == "auto":
         space = (train_grads if train_grads is not None else
@@ -256,7 +257,7 @@ def curvature_operator(task: Task, data, *, layers=None, projector: Projector | 
         return datainf(G, lam + (decay.value if decay is not None else 0.0))
     if curvature in ("hessian",) or (curvature == "gauss_newton" and solver != "direct"):
         if projector is not None:
-            raise ValueError(f"curvature={curvature!r} with solver={solver!r} works in parameter "
+            raise OptionError(f"curvature={curvature!r} with solver={solver!r} works in parameter "
                              "coordinates: drop the projector, or use solver='direct'")
         if curvature == "hessian" and solver == "direct":
             solver = "cg"
@@ -268,7 +269,7 @@ def curvature_operator(task: Task, data, *, layers=None, projector: Projector | 
         return damped(H, damping=damping, relative_damping=relative_damping, explicit=False,
                       decay=decay, why=why).inv(method=solver, **settings)
     if solver != "direct":
-        raise ValueError(f"curvature={curvature!r} is formed explicitly: use solver='direct'")
+        raise OptionError(f"curvature={curvature!r} is formed explicitly: use solver='direct'")
     objective = "loss" if curvature == "empirical" else gauss_newton_objective(task)
     C = P(grads(task, data, layers, objective=objective, seed=seed))
     in_params = projector is None
@@ -319,7 +320,7 @@ def influence(task: Task, train, queries, *, layers=None, projector: Projector |
     G = grads(task, train, layers)
     Q = grads(task, queries, layers)
     if projector is not None:
-        G, Q = projector(G), projector(Q)
+        G, Q = check_projector(projector)(G), projector(Q)
     Hinv = curvature_operator(task, train if curvature_data is None else curvature_data, layers=layers,
                               projector=projector, curvature=curvature, solver=solver, damping=damping,
                               structure=structure, rank=rank, seed=seed, solver_settings=solver_settings,

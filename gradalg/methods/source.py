@@ -45,6 +45,7 @@ from ..unroll.errors import UnsupportedOptimizerError, UnsupportedTrainingError
 from ..unroll.optimizers import SGD
 from ..unroll.run import TrainingRun
 from .influence import check_kron_subsets, gauss_newton_objective
+from ..errors import OptionError
 
 __all__ = ["source", "Segment", "segments_of_run", "CrossCheckpointScores"]
 
@@ -155,7 +156,7 @@ def source(training, queries, *, train=None, final: Task | None = None, n_segmen
         statistics on the first m training examples (``ga.kfac``).
     """
     if curvature not in CURVATURES:
-        raise ValueError(f"curvature must be one of {CURVATURES}, got {curvature!r}")
+        raise OptionError(f"curvature must be one of {CURVATURES}, got {curvature!r}")
     check_kron_subsets(curvature, covariance_max_examples, lambda_max_examples)
     if isinstance(training, TrainingRun):
         segments, final_task, default_scale = segments_of_run(training, n_segments, checkpoints_per_segment, task_fn)

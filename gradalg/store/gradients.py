@@ -208,13 +208,13 @@ def write(G, path, *, chunk_rows: int = 256, executor=None, overwrite: bool = Fa
 
     layout.require()
     if not isinstance(G, GradientSet):
-        raise TypeError(f"ga.store.write takes a GradientSet, got {type(G).__name__}")
+        raise OptionError(f"ga.store.write takes a GradientSet, got {type(G).__name__}")
     chunk_rows = plain(chunk_rows)   # np.int64 works as an int
     if not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1:
         raise OptionError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
     node = G.expr
     if node.n == 0:
-        raise ValueError("G has no rows to store")
+        raise OptionError("G has no rows to store")
     ids = layout.ids_array(node.ids)
     attrs = layout.with_metadata(describe_gradients(G, chunk_rows), metadata)
     state = layout.prepare(path, attrs, ids, RESUME_KEYS, overwrite=overwrite, kind=KIND, verify=verify)
@@ -301,7 +301,7 @@ def open_gradients(path, like=None):
     ids = layout.ids_tuple(ds["example"].values)
     if like is not None:
         if not isinstance(like, GradientSet):
-            raise TypeError(f"like must be a GradientSet, got {type(like).__name__}")
+            raise OptionError(f"like must be a GradientSet, got {type(like).__name__}")
         expected = describe_gradients(like)
         fix = ("open the store that was written from these gradients, or write them again "
                "(ga.store.write(G, path, overwrite=True))")

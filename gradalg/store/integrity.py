@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import StoreCorruptError
+from ..errors import StoreCorruptError, StoreNotFoundError
 
 __all__ = ["verify", "VerifyReport", "scan", "checksum_encoding", "seal", "check_attrs", "ATTRS_DIGEST"]
 
@@ -248,7 +248,7 @@ def verify(path) -> VerifyReport:
     (False, [3])
     """
     if not Path(path).exists():
-        raise FileNotFoundError(f"no store at {path}")
+        raise StoreNotFoundError(f"no store at {path}")
     return scan(path, full=True)
 
 

@@ -46,7 +46,7 @@ def _terms(node):
         for c, t in zip(node.coefs, node.terms):
             out.extend((c * c2, inner) for c2, inner in _terms(t))
         return out
-    raise TypeError(f"ga.store.write_scores takes scores built with @ (and sums of them), not {node.label!r}")
+    raise OptionError(f"ga.store.write_scores takes scores built with @ (and sums of them), not {node.label!r}")
 
 
 def _describe(S, chunk_rows: int) -> dict:
@@ -60,7 +60,7 @@ def _prepared(ex, node):
     out = []
     for coef, inner in _terms(node):
         if not restrictable(inner.right):
-            raise TypeError(f"the training side {inner.right.label!r} cannot be streamed by row ranges: "
+            raise OptionError(f"the training side {inner.right.label!r} cannot be streamed by row ranges: "
                             "it must come from ga.grads (or a gradient store)")
         if inner.left.token not in memo:
             rows = ex.gradients(inner.left)
@@ -117,7 +117,7 @@ def write_scores(S, path, *, chunk_rows: int = 1024, executor=None, overwrite: b
 
     layout.require()
     if not isinstance(S, Scores):
-        raise TypeError(f"ga.store.write_scores takes Scores, got {type(S).__name__}")
+        raise OptionError(f"ga.store.write_scores takes Scores, got {type(S).__name__}")
     chunk_rows = plain(chunk_rows)   # np.int64 works as an int
     if not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1:
         raise OptionError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
