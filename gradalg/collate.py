@@ -7,7 +7,8 @@ lengths differ are **right-padded** to the longest item of the batch: ``labels``
 ``completion_mask``, ...) with 0, so padding is never a real token (attention_mask 0)
 and never a counted label. Items without an ``attention_mask`` get one when they are
 padded (ones over each item's own length, zeros over the padding, as HF's
-``DataCollatorWithPadding`` does): without it the model and the loss would read the
+``DataCollatorWithPadding`` does). Fields given as numpy arrays or lists of numbers (an HF
+dataset without torch format) are read as tensors first: without it the model and the loss would read the
 padding as tokens and an example's gradient would depend on its batch. Equal-length
 items, tuples and tensors go to PyTorch's ``default_collate`` unchanged.
 
@@ -41,6 +42,7 @@ def pad_collate(items: list):
     """
     if not items or not isinstance(items[0], Mapping):
         return default_collate(items)
+    items = [{k: _as_tensor(v) for k, v in item.items()} if isinstance(item, Mapping) else item for item in items]
     keys = [set(item) for item in items]
     if any(k != keys[0] for k in keys):
         odd = sorted(set.union(*keys) - set.intersection(*keys))
@@ -66,6 +68,17 @@ def pad_collate(items: list):
         positions = torch.arange(int(lengths.max()))
         out["attention_mask"] = (positions.unsqueeze(0) < lengths.unsqueeze(1)).long()
     return out
+
+
+def _as_tensor(value):
+    """A numpy array, or a list of numbers (an HF dataset without torch format), as a
+    tensor, so items of unequal length are padded like tensors; anything else unchanged."""
+    if type(value).__module__ == "numpy" and getattr(value, "dtype", None) is not None \
+            and value.dtype.kind in "biuf":
+        return torch.as_tensor(value)
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, (int, float)) for v in value):
+        return torch.as_tensor(value)
+    return value
 
 
 #: fields with one entry per token of ``input_ids`` in every item

@@ -25,11 +25,17 @@ from ..task import Task, TransformerBlocks
 __all__ = ["classification", "sequence_classification"]
 
 
-def classification(model: nn.Module, *, inputs: Callable[[Any], Any] = lambda b: b[0],
-                   targets: Callable[[Any], torch.Tensor] = lambda b: b[1],
+def classification(model: nn.Module, *, inputs: Callable[[Any], Any] | None = None,
+                   targets: Callable[[Any], torch.Tensor] | None = None,
                    name: str | None = None) -> Task:
     """A cross-entropy classification task over batches from which ``inputs(batch)`` and
-    ``targets(batch)`` extract the model input and the (B,) integer labels."""
+    ``targets(batch)`` extract the model input and the (B,) integer labels (default:
+    ``batch[0]`` and ``batch[1]`` of ``(x, y)`` batches; a dict or one-field batch is
+    refused naming the fix). Labels of any integer dtype, or (B, 1), are read as (B,)
+    int64 and checked to lie in [0, C) (:mod:`gradalg.tasks.validation`)."""
+    from .validation import pair_field
+    inputs = inputs if inputs is not None else pair_field(0)
+    targets = targets if targets is not None else pair_field(1)
 
     def logits_of(m, batch):
         return m(inputs(batch))

@@ -31,7 +31,7 @@ import torch
 
 from ..errors import BatchContentError
 
-__all__ = ["token_batch", "class_labels", "input_vocab", "output_vocab", "IGNORE"]
+__all__ = ["token_batch", "class_labels", "pair_field", "input_vocab", "output_vocab", "max_positions", "IGNORE"]
 
 IGNORE = -100
 #: integer fields read as int64 (token ids, labels, lengths)
@@ -40,6 +40,14 @@ INTEGER_FIELDS = ("input_ids", "labels", "token_type_ids", "decoder_input_ids", 
 ALIGNED = ("attention_mask", "token_type_ids", "completion_mask")
 #: 0/1 fields
 MASKS = ("attention_mask", "completion_mask", "decoder_attention_mask")
+
+
+def _traced(value) -> bool:
+    """Whether ``value`` is seen through a torch.func transform (``vmap`` / ``grad`` of the
+    func backend and the per-example references): its values cannot steer Python there, so
+    the value checks are skipped. The batch itself was checked before (``Task.validate_batch``
+    runs on the real tensors before every capture)."""
+    return isinstance(value, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(value)
 
 
 def _rows(rows, ids) -> tuple[str, list]:
@@ -90,6 +98,32 @@ def output_vocab(model) -> int | None:
     return input_vocab(model)
 
 
+def max_positions(model) -> int | None:
+    """The most positions a model with *learned* absolute position embeddings can read
+    (``config.max_position_embeddings``, when an embedding named like ``*pos*`` / ``wpe``
+    exists); None for relative or rotary positions (no table to index past)."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return None
+    learned = any(isinstance(m, torch.nn.Embedding) and ("pos" in name.rsplit(".", 1)[-1] or name.endswith("wpe"))
+                  for name, m in model.named_modules())
+    return limit if learned else None
+
+
+def _check_length(tokens: torch.Tensor, mask, model, ids, task: str) -> None:
+    limit = max_positions(model) if model is not None else None
+    if limit is None or tokens.shape[1] <= limit or _traced(tokens):
+        return
+    lengths = mask.sum(1) if mask is not None else torch.full((tokens.shape[0],), tokens.shape[1])
+    rows = torch.nonzero(lengths > limit).flatten()
+    what = (f"have more than the model's {limit} positions (max_position_embeddings)" if len(rows) else
+            f"are padded to {tokens.shape[1]} tokens, more than the model's {limit} positions "
+            "(max_position_embeddings)")
+    raise _refuse(task, f"the sequences {what}" if not len(rows) else what, rows, ids,
+                  f"truncate to {limit} tokens (tokenizer(..., truncation=True, max_length={limit})) and pad "
+                  "no further than that")
+
+
 def _tensor(batch, name: str, task: str) -> torch.Tensor:
     value = batch[name]
     if isinstance(value, (list, tuple)):
@@ -119,7 +153,7 @@ def _check_shape(value: torch.Tensor, name: str, shape: tuple, task: str, agains
 
 
 def _check_mask(value: torch.Tensor, name: str, ids, task: str) -> None:
-    if value.dtype == torch.bool:
+    if value.dtype == torch.bool or _traced(value):
         return
     bad = (value != 0) & (value != 1)
     if bool(bad.any()):
@@ -129,6 +163,8 @@ def _check_mask(value: torch.Tensor, name: str, ids, task: str) -> None:
 
 
 def _check_range(value: torch.Tensor, name: str, vocab: int | None, ids, task: str, labels: bool) -> None:
+    if _traced(value):
+        return
     allowed_neg = value == IGNORE if labels else torch.zeros_like(value, dtype=torch.bool)
     low = (value < 0) & ~allowed_neg
     if bool(low.any()):
@@ -153,7 +189,7 @@ def _check_preshifted(ids_t: torch.Tensor, labels: torch.Tensor, mask: torch.Ten
     counted labels, each counted label at position t equals ``input_ids[t + 1]``, the
     label of the last real token is -100, and some counted label differs from
     ``input_ids[t]`` (labels aligned with the inputs, HF's convention, never qualify)."""
-    if ids_t.shape[1] < 2:
+    if ids_t.shape[1] < 2 or _traced(ids_t) or _traced(labels):
         return
     counted = (labels != IGNORE) & mask
     head = counted[:, :-1]
@@ -218,6 +254,8 @@ def token_batch(batch, task: str, model=None, *, labels: str | None = None, ids=
                           fix="give 'prompt_length' one length per example (B,)")
         out["prompt_length"] = plen
     _check_range(tokens, "input_ids", input_vocab(model) if model is not None else None, ids, task, labels=False)
+    mask = out.get("attention_mask")
+    _check_length(tokens, mask.bool() if isinstance(mask, torch.Tensor) else None, model, ids, task)
     if labels is not None and "labels" in batch:
         out["labels"] = _labels(batch, out, task, model, labels, ids, decoder_vocab)
     return out
@@ -255,6 +293,35 @@ def _labels(batch, out: dict, task: str, model, kind: str, ids, decoder_vocab) -
     return value
 
 
+class PairField:
+    """``batch[index]`` of an ``(x, y)`` batch (``ga.tasks.classification``'s default
+    ``inputs`` / ``targets``), refusing a dict batch or one without that field."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __call__(self, batch):
+        if isinstance(batch, Mapping):
+            raise BatchContentError(
+                f"ga.tasks.classification reads (x, y) batches, got a dict with fields {sorted(batch)}: pass "
+                "inputs=lambda b: b['x'], targets=lambda b: b['label'] (your field names), or use "
+                "ga.tasks.sequence_classification for an HF *ForSequenceClassification")
+        if isinstance(batch, (tuple, list)) and len(batch) > self.index:
+            return batch[self.index]
+        count = len(batch) if isinstance(batch, (tuple, list)) else 1
+        raise BatchContentError(
+            f"ga.tasks.classification reads (x, y) batches, got a batch of {count} field(s): pass the data "
+            "with its labels, e.g. ga.grads(task, (X, y)) or a Dataset of (x, y) pairs")
+
+    def __repr__(self):
+        return f"batch[{self.index}]"
+
+
+def pair_field(index: int) -> PairField:
+    """The default extractor of field ``index`` of ``(x, y)`` batches."""
+    return PairField(index)
+
+
 def class_labels(labels, n_classes: int, task: str = "classification", ids=None,
                  probabilities: bool = True) -> torch.Tensor:
     """Labels for a cross-entropy over ``n_classes`` logits: (B,) int64 in ``[0, C)``
@@ -282,6 +349,8 @@ def class_labels(labels, n_classes: int, task: str = "classification", ids=None,
         raise BatchContentError(f"ga.tasks.{task}: the labels have shape {tuple(labels.shape)}; pass one class "
                                 "index per example, shape (B,)")
     labels = labels.long()
+    if _traced(labels):
+        return labels
     bad = (labels < 0) | (labels >= n_classes)
     if bool(bad.any()):
         rows = torch.nonzero(bad).flatten()
