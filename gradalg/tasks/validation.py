@@ -25,6 +25,7 @@ Class labels (:func:`class_labels`), for the classification tasks: (B,) (or (B, 
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -105,9 +106,14 @@ def max_positions(model) -> int | None:
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if not isinstance(limit, int):
         return None
-    learned = any(isinstance(m, torch.nn.Embedding) and ("pos" in name.rsplit(".", 1)[-1] or name.endswith("wpe"))
-                  for name, m in model.named_modules())
-    return limit if learned else None
+    if model not in _LEARNED_POSITIONS:   # one walk over the modules per model
+        _LEARNED_POSITIONS[model] = any(
+            isinstance(m, torch.nn.Embedding) and ("pos" in name.rsplit(".", 1)[-1] or name.endswith("wpe"))
+            for name, m in model.named_modules())
+    return limit if _LEARNED_POSITIONS[model] else None
+
+
+_LEARNED_POSITIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _check_length(tokens: torch.Tensor, mask, model, ids, task: str) -> None:
