@@ -41,7 +41,7 @@ def pad_collate(items: list):
     else of the first padded field).   (B, T_max), int64
     """
     if not items or not isinstance(items[0], Mapping):
-        return default_collate(items)
+        return _stack(items)
     items = [{k: _as_tensor(v) for k, v in item.items()} if isinstance(item, Mapping) else item for item in items]
     keys = [set(item) for item in items]
     if any(k != keys[0] for k in keys):
@@ -63,11 +63,24 @@ def pad_collate(items: list):
             if lengths is None or key == "input_ids":
                 lengths = torch.tensor([v.shape[0] for v in values])
         else:
-            out[key] = default_collate(values)
+            out[key] = _stack(values)
     if lengths is not None and "attention_mask" not in out:
         positions = torch.arange(int(lengths.max()))
         out["attention_mask"] = (positions.unsqueeze(0) < lengths.unsqueeze(1)).long()
     return out
+
+
+def _stack(values: list):
+    """PyTorch's ``default_collate``, its errors (an item that is None, a string among
+    tensors, tensors of unequal shapes that are not dict fields) as a BatchContentError."""
+    try:
+        return default_collate(values)
+    except (TypeError, RuntimeError) as err:
+        kinds = sorted({type(v).__name__ for v in values})
+        raise BatchContentError(
+            f"the items of a batch cannot be stacked ({kinds}: {err}): an example must be a tensor, a number, "
+            "or a dict / tuple of them, with equal shapes across examples (dict fields of unequal length "
+            "are padded); pass a collate_fn for anything else") from err
 
 
 def _as_tensor(value):
@@ -93,6 +106,9 @@ def _check_aligned(items: list) -> None:
         ids = item.get("input_ids")
         if not isinstance(ids, torch.Tensor) or ids.dim() < 1:
             continue
+        if ids.shape[0] == 0:
+            raise BatchContentError(f"item {position} of a batch has no tokens (empty 'input_ids'): drop empty "
+                                    "sequences from the data")
         for key in ALIGNED_FIELDS:
             value = item.get(key)
             if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] != ids.shape[0]:

@@ -321,6 +321,17 @@ def _check_loader(data: DataLoader, n: int) -> None:
                 "or the Dataset and let gradalg batch it")
 
 
+def _tensor_of(value) -> torch.Tensor:
+    """A column of tensor data given as a list or a numpy array, as a tensor (DataError if not numbers)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise DataError(f"a tuple of tensors was passed as data, but one element is a {type(value).__name__} "
+                        "that is not an array of numbers: pass tensors with the examples along dimension 0") from err
+
+
 def as_data(data: Any, ids=None, batch_size: int | None = None) -> DataRef:
     """Wrap ``data`` (Dataset, DataLoader, tensor or tuple of tensors) as a :class:`DataRef`.
 
@@ -343,7 +354,9 @@ def as_data(data: Any, ids=None, batch_size: int | None = None) -> DataRef:
         raise OptionError(f"batch_size must be a positive int, got {batch_size!r}")
     if isinstance(data, torch.Tensor):
         data = TensorDataset(data)
-    elif isinstance(data, tuple) and data and all(isinstance(t, torch.Tensor) for t in data):
+    elif isinstance(data, tuple) and data and any(isinstance(t, torch.Tensor) or type(t).__module__ == "numpy"
+                                                  for t in data):
+        data = tuple(_tensor_of(t) for t in data)   # (X, labels as a list or numpy array) works too
         sizes = {t.shape[0] if t.dim() else None for t in data}
         if len(sizes) != 1 or None in sizes:
             raise DataError(f"the tensors passed as data have different numbers of examples along "

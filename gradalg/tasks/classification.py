@@ -33,12 +33,13 @@ def classification(model: nn.Module, *, inputs: Callable[[Any], Any] | None = No
     ``batch[0]`` and ``batch[1]`` of ``(x, y)`` batches; a dict or one-field batch is
     refused naming the fix). Labels of any integer dtype, or (B, 1), are read as (B,)
     int64 and checked to lie in [0, C) (:mod:`gradalg.tasks.validation`)."""
-    from .validation import pair_field
+    from .validation import model_inputs, pair_field, reading
     inputs = inputs if inputs is not None else pair_field(0)
     targets = targets if targets is not None else pair_field(1)
 
     def logits_of(m, batch):
-        return m(inputs(batch))
+        with reading("classification"):   # a dtype or width the model does not take: a BatchContentError
+            return m(model_inputs(inputs(batch), m))
 
     return categorical_task(model, logits_of, targets, name=name)
 

@@ -53,7 +53,7 @@ from ..options import plain
 from ..task import ExampleRandom, Task, TransformerBlocks
 from .tokens import (IGNORE, PADDING_SIDES, check_counted, check_padding, content_keys, field, model_logits,
                      position_ids, real_mask, sampled_targets, token_margin, token_nll)
-from .validation import token_batch
+from .validation import reading, token_batch
 
 __all__ = ["causal_lm", "masked_lm", "seq2seq", "sequence_task"]
 
@@ -76,7 +76,9 @@ def hf_forward(padding_side: str, fields=MODEL_INPUTS, extra: Callable | None = 
             kwargs["position_ids"] = position_ids(real_mask(batch))
         if extra is not None:
             kwargs.update(extra(model, batch))
-        return model_logits(model(**kwargs))
+        with reading("language model"):   # an error the model raises on the batch: a BatchContentError
+            out = model(**kwargs)
+        return model_logits(out)
     return forward
 
 

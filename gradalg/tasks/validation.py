@@ -25,12 +25,14 @@ Class labels (:func:`class_labels`), for the classification tasks: (B,) (or (B, 
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import weakref
 from collections.abc import Mapping
 
 import torch
 
-from ..errors import BatchContentError
+from ..errors import BatchContentError, GradalgError
 
 __all__ = ["token_batch", "class_labels", "pair_field", "input_vocab", "output_vocab", "max_positions", "IGNORE"]
 
@@ -49,6 +51,48 @@ def _traced(value) -> bool:
     the value checks are skipped. The batch itself was checked before (``Task.validate_batch``
     runs on the real tensors before every capture)."""
     return isinstance(value, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(value)
+
+
+@contextlib.contextmanager
+def reading(task: str):
+    """Run the model on a batch; an error the model raises on it (a dtype or a width its
+    layers do not take) becomes a :class:`BatchContentError` carrying the model's message
+    (the original chained). Errors raised inside gradalg's own code pass unchanged: they
+    are gradalg's, not the batch's."""
+    try:
+        yield
+    except GradalgError:
+        raise
+    except (RuntimeError, IndexError, TypeError, ValueError) as err:
+        if _raised_in_gradalg(err):
+            raise
+        raise BatchContentError(
+            f"ga.tasks.{task}: the model could not read the batch ({type(err).__name__}: {str(err)[:300]}): "
+            "give it inputs of the dtype, shape and device its layers take (float features of the model's "
+            "dtype and width, integer token ids)") from err
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TASKS = os.path.dirname(os.path.abspath(__file__))
+
+
+def _raised_in_gradalg(err: BaseException) -> bool:
+    """Whether the innermost frame of ``err`` is gradalg's own code (outside ``tasks/``)."""
+    tb, last = err.__traceback__, None
+    while tb is not None:
+        last, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
+    path = os.path.abspath(last or "")
+    return path.startswith(_PACKAGE + os.sep) and not path.startswith(_TASKS + os.sep)
+
+
+def model_inputs(x, model):
+    """``x`` for ``model(x)``: a floating tensor in another floating dtype than the model's
+    parameters is cast to theirs (float32 features for a float64 model); anything else as is."""
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        param = next((p for p in model.parameters() if p.is_floating_point()), None)
+        if param is not None and param.dtype != x.dtype:
+            return x.to(param.dtype)
+    return x
 
 
 def _rows(rows, ids) -> tuple[str, list]:
