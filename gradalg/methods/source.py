@@ -39,7 +39,7 @@ import torch
 
 from ..api import Operator, Scores, fisher, grads, kfac, sum_scores
 from ..expr.spectral import Spectral, UnrollDecay, UnrollResponse
-from ..options import options
+from ..options import options, plain
 from ..task import Task
 from ..unroll.errors import UnsupportedOptimizerError, UnsupportedTrainingError
 from ..unroll.optimizers import SGD
@@ -91,6 +91,7 @@ def segments_of_run(run: TrainingRun, n_segments: int, checkpoints_per_segment: 
             f"SOURCE's closed form is derived for SGD; this run uses {opt.name} (its preconditioner is not "
             "modelled): use ga.methods.magic for exact metagradients through the run")
     T = run.n_steps
+    n_segments, checkpoints_per_segment = plain(n_segments), plain(checkpoints_per_segment)   # np.int64 works
     if not isinstance(n_segments, int) or not 1 <= n_segments <= T:
         raise UnsupportedTrainingError(f"n_segments must be an int in [1, {T}] (the run's steps), got {n_segments!r}")
     if not isinstance(checkpoints_per_segment, int) or checkpoints_per_segment < 1:
