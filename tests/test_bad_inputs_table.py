@@ -517,3 +517,25 @@ def test_cli_bad_arguments_exit_with_their_code(cli_dir, capsys, argv, code):
     err = capsys.readouterr().err
     assert got == code, err
     assert "Traceback" not in err and "unexpected" not in err
+
+
+@pytest.mark.parametrize("line, code, words", [
+    ({"tokens": [1, 2]}, 5, "no column 'input_ids'"),
+    ({"input_ids": ["a", "b"]}, 5, "not a list of integer token ids"),
+    ({"input_ids": [1.5, 2.0]}, 5, "not a list of integer token ids"),     # would be truncated to ints silently
+    ({"input_ids": [[1, 2], [3]]}, 5, "not a list of integer token ids"),
+    ({"input_ids": []}, 5, "no tokens"),
+    ({"input_ids": [1, -100, 3]}, 5, "-100"),
+    ({"input_ids": list(range(1, 40))}, 5, "max_position_embeddings"),
+    ("{not json", 2, "not JSON"),
+])
+def test_cli_bad_data_lines_exit_with_their_code(cli_dir, capsys, line, code, words):
+    name = f"bad{abs(hash(str(line))) % 10**6}"
+    good = (cli_dir / "gpt2_tiny" / "train.jsonl").read_text().splitlines()[:3]
+    path = cli_dir / "gpt2_tiny" / f"{name}.jsonl"
+    path.write_text("\n".join(good + [line if isinstance(line, str) else json.dumps(line)]) + "\n")
+    got = _cli("build", "-c", cli_dir / "run.toml", "-q", "--set", f"data.train.path='{path}'",
+               "--set", f"store.path='{cli_dir / name}.zarr'", "--set", "data.train.n=4")
+    err = capsys.readouterr().err
+    assert got == code, err
+    assert words in err and "Traceback" not in err
