@@ -60,6 +60,12 @@ class _PhaseDelta:
         return {k: v - self.start.get(k, 0.0) for k, v in self.end.items()}
 
 
+def _unsupported(op: str, left, right, takes: str):
+    """An OptionError for ``left <op> right`` with an operand the wrapper does not combine with."""
+    raise OptionError(f"{type(left).__name__} {op} {type(right).__name__}: a {type(left).__name__} combines "
+                      f"with {takes} here")
+
+
 def _expression_text(node) -> str:
     """The expression tree as plain text (no cost line), for a result's attrs."""
     from .viz.tree import text_tree
@@ -327,7 +333,7 @@ class GradientSet(_Displayed):
     def __mul__(self, other):
         if isinstance(other, (numbers.Real, RowWeights)):
             return self.scale(other)
-        return NotImplemented
+        _unsupported("*", self, other, "a number or ga.row_weights(fn)")
 
     __rmul__ = __mul__
 
@@ -439,12 +445,12 @@ class Operator(_Displayed):
     def __add__(self, other):
         if isinstance(other, Operator):
             return Operator(SumOp((self.expr, other.expr)))
-        return NotImplemented
+        _unsupported("+", self, other, "another Operator")
 
     def __mul__(self, c):
         if isinstance(c, numbers.Real):
             return Operator(ScaledOp(self.expr, float(c)))
-        return NotImplemented
+        _unsupported("*", self, c, "a number")
 
     __rmul__ = __mul__
 
@@ -500,24 +506,26 @@ class Scores(_Displayed):
     def __add__(self, other):
         if isinstance(other, Scores):
             return Scores(ScoreSum((self.expr, other.expr), (1.0, 1.0)))
-        return NotImplemented
+        _unsupported("+", self, other, "other Scores")
 
     def __sub__(self, other):
         if isinstance(other, Scores):
             return Scores(ScoreSum((self.expr, other.expr), (1.0, -1.0)))
-        return NotImplemented
+        _unsupported("-", self, other, "other Scores")
 
     def __mul__(self, c):
         if isinstance(c, numbers.Real):
             return Scores(ScoreSum((self.expr,), (float(c),)))
-        return NotImplemented
+        _unsupported("*", self, c, "a number")
 
     __rmul__ = __mul__
 
     def __truediv__(self, c):
         if isinstance(c, numbers.Real):
+            if c == 0 or c != c:
+                raise OptionError(f"S / {c!r}: divide scores by a finite non-zero number")
             return self * (1.0 / c)
-        return NotImplemented
+        _unsupported("/", self, c, "a number")
 
     def _run(self, ex):
         return ex.scores(self.expr)
@@ -763,6 +771,9 @@ def mean_scores(scores: Iterable[Scores] | Scores, *more: Scores,
 
 def row_weights(fn: Callable[[torch.nn.Module, Any], torch.Tensor], name: str | None = None) -> RowWeights:
     """Per-example values ``fn(model, batch) -> (B,)`` to scale gradient rows by (e.g. TRAK's 1 − p)."""
+    if not callable(fn) or isinstance(fn, GradientSet) or not (name is None or isinstance(name, str)):
+        raise OptionError("ga.row_weights(fn, name=None) takes a function fn(model, batch) -> (B,) weights; "
+                          "scale a GradientSet with G * ga.row_weights(fn) or G * number")
     return RowWeights(fn, name or getattr(fn, "__name__", "weights"))
 
 

@@ -227,6 +227,8 @@ class Compiled:
         return self._compute(S2, executor)
 
     def _compute(self, S2: Scores, executor=None):
+        if not isinstance(S2, Scores):
+            raise OptionError(f"a compiled expression scores Scores (C(S2), S2 = Q2 @ H @ G.T), got {type(S2).__name__}")
         rewritten = self.rewrite(S2)
         out = rewritten.compute(executor if executor is not None else self.executor)
         # label the result with the expression the user wrote

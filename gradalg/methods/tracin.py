@@ -15,6 +15,8 @@ damped alike).
 """
 from __future__ import annotations
 
+import math
+
 from typing import Sequence
 
 from ..api import Scores, grads, sum_scores
@@ -22,6 +24,7 @@ from ..expr.projection import Projector, check_projector
 from ..task import Task
 from .influence import curvature_operator
 from ..errors import OptionError
+from ..options import plain
 
 
 def tracin(checkpoints: Sequence[Task], learning_rates: Sequence[float], train, queries, *, layers=None,
@@ -46,6 +49,8 @@ def tracin(checkpoints: Sequence[Task], learning_rates: Sequence[float], train, 
     checkpoints = list(checkpoints)
     if len(checkpoints) != len(learning_rates):
         raise OptionError(f"got {len(checkpoints)} checkpoints and {len(learning_rates)} learning rates")
+    if not all(isinstance(plain(lr), (int, float)) and math.isfinite(plain(lr)) for lr in learning_rates):
+        raise OptionError(f"learning_rates must be finite numbers, got {list(learning_rates)!r:.120}")
     if optimizers is not None and (curvature is None or len(optimizers) != len(checkpoints)):
         raise OptionError("optimizers= needs curvature= and one optimizer per checkpoint")
     if curvature is not None and normalize:

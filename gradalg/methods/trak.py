@@ -79,6 +79,8 @@ def trak(tasks: Task | Sequence[Task], train, queries, *, layers=None, projector
         so pass it only to match that objective on purpose.
     """
     tasks = [tasks] if isinstance(tasks, Task) else list(tasks)
+    if not tasks or not all(isinstance(t, Task) for t in tasks):
+        raise OptionError(f"trak takes a ga.Task or a non-empty list of them (an ensemble), got {tasks!r:.80}")
     P = check_projector(projector) or default_projector(k, grads(tasks[0], train, layers).space.dim, seed) or (lambda G: G)
     per_model = []
     for task in tasks:
