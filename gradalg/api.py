@@ -440,6 +440,9 @@ class Operator(_Displayed):
 
     def pow(self, p: float) -> "Operator":
         """H^p for a positive semi-definite H."""
+        p = plain(p)
+        if not isinstance(p, numbers.Real) or isinstance(p, bool) or p != p or abs(p) == float("inf"):
+            raise OptionError(f"the power p must be a finite number, got {p!r}")
         return Operator(Power(self.expr, float(p)))
 
     def __add__(self, other):
@@ -697,7 +700,7 @@ def grads(task: Task, data, layers=None, *, ids=None, batch_size: int | None = N
         raise OptionError(f"objective must be 'loss', 'sampled', 'expected' or 'output', got {objective!r}")
     task.objective_fn(objective)  # a missing sampled_loss/output is reported now
     return GradientSet(Source(task, as_data(data, ids, batch_size), tuple(r.name for r in refs), backend,
-                              objective, int(seed)))
+                              objective, _int("seed", seed)))
 
 
 def fisher(G: GradientSet, structure: str = "dense") -> Operator:
@@ -838,6 +841,14 @@ def _max_examples(name: str, value, n: int) -> int | None:
     return None if value >= n else value
 
 
+def _int(name: str, value) -> int:
+    """``value`` as an int (numpy integers accepted), or an OptionError naming it."""
+    value = plain(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise OptionError(f"{name} must be an int, got {value!r}")
+    return value
+
+
 def _positive_int(name: str, value, what: str = "") -> int:
     """``value`` as a positive int (numpy integers accepted), or an OptionError naming it."""
     value = plain(value)
@@ -891,6 +902,9 @@ def arnoldi(H: Operator, rank: int, *, iters: int | None = None, seed: int = 0) 
 
 def datainf(G: GradientSet, damping: float) -> Operator:
     """DataInf's closed-form approximation of (F + λI)⁻¹ per layer (Kwon et al. 2024)."""
+    damping = plain(damping)
+    if not isinstance(damping, numbers.Real) or isinstance(damping, bool) or not 0 <= damping < float("inf"):
+        raise OptionError(f"damping must be a finite non-negative number, got {damping!r}")
     return Operator(DataInf(G.expr, float(damping)))
 
 

@@ -27,6 +27,7 @@ from ..space import Block, ParamSpace
 from ..expr.stored import Stored
 from ..exec.resilience import PAYLOAD, run_tasks
 from . import layout
+from .layout import store_path
 from .describe import digest, store_attrs
 from .integrity import chunk_error
 from .rows import fault_policy, check_shippable, executor_for, flat_rows, freeze_ops, restrictable, rows_of
@@ -204,6 +205,7 @@ def write(G, path, *, chunk_rows: int = 256, executor=None, overwrite: bool = Fa
     objective, model fingerprint, example ids and ``chunk_rows``), only its unfinished
     chunks are computed; a store of anything else raises :class:`StoreMismatchError`.
     """
+    path = store_path(path)   # a str or os.PathLike, else an OptionError
     from ..api import GradientSet
 
     layout.require()
@@ -293,6 +295,7 @@ def open_gradients(path, like=None):
         objective, model fingerprint, blocks and example ids are compared with the
         store's, and any difference raises :class:`StoreMismatchError`.
     """
+    path = store_path(path)   # a str or os.PathLike, else an OptionError
     from ..api import GradientSet
 
     layout.require()
@@ -318,6 +321,7 @@ def open_gradients(path, like=None):
 def dataset(path) -> xr.Dataset:
     """A finished store (gradients or scores) as a Dask-backed xarray Dataset, with its
     metadata in ``attrs``."""
+    path = store_path(path)   # a str or os.PathLike, else an OptionError
     attrs = layout.read_attrs(path)
     kind = attrs.get("gradalg_store") if attrs else KIND
     layout.check_complete(path, kind, f"ga.store.write{'' if kind == KIND else '_' + kind}(...)")

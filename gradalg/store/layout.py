@@ -233,6 +233,13 @@ def remove_store(path) -> None:
     shutil.rmtree(path)
 
 
+def store_path(path):
+    """``path`` checked to be a str or ``os.PathLike`` (an OptionError naming the fix otherwise)."""
+    if not isinstance(path, (str, os.PathLike)) or (isinstance(path, str) and not path):
+        raise OptionError(f"a store's path must be a folder name (a str or pathlib.Path), got {path!r:.80}")
+    return path
+
+
 def write_template(path, template: xr.Dataset) -> None:
     """Metadata, coordinates and attributes; no data chunk (they are written per chunk).
 

@@ -22,6 +22,7 @@ from ..expr import Identity, Inner, ScoreSum
 from ..expr.stored import Stored, StoredOp
 from ..exec.resilience import PAYLOAD, run_tasks
 from . import layout
+from .layout import store_path
 from .describe import store_attrs
 from .rows import (fault_policy, MemoryRows, ResolvedStore, check_shippable, executor_for, freeze_ops, restrict_rows,
                    restrictable)
@@ -113,6 +114,7 @@ def write_scores(S, path, *, chunk_rows: int = 1024, executor=None, overwrite: b
     An unfinished store of the same scores at ``path`` is completed (only its unfinished
     chunks are computed); a store of other scores raises :class:`StoreMismatchError`.
     """
+    path = store_path(path)   # a str or os.PathLike, else an OptionError
     from ..api import Scores
 
     layout.require()
@@ -169,6 +171,7 @@ def _write(path, attrs, ex, node, train_ids, state) -> None:
 def open_scores(path) -> xr.DataArray:
     """A finished score store as a Dask-backed DataArray, dims ("query", "train"), with the
     store's metadata in ``attrs``. An unfinished store raises :class:`StoreIncompleteError`."""
+    path = store_path(path)   # a str or os.PathLike, else an OptionError
     layout.require()
     layout.check_complete(path, KIND, "ga.store.write_scores(S, path)")
     ds = layout.open_dataset(path, chunks={})
