@@ -18,6 +18,7 @@ import torch
 
 from .data import as_data
 from .errors import OptionError
+from .options import plain
 from .expr import (KFAC, AdamPrecondition, AdamState, GroupMean, ScoreDiagonal, Arnoldi, CurvatureProducts, DataInf, Damp, Dense, Diagonal, Fisher, GradNode, Identity, Inner, Inverse, LowRank, Normalize, OpNode,
                    Power, Precondition, Project, Projector, RowWeights, ScaledOp, ScaleRows, ScoreNode,
                    ScoreSum, Select, Source, SumOp)
@@ -58,6 +59,12 @@ class _PhaseDelta:
 
     def report(self) -> dict:
         return {k: v - self.start.get(k, 0.0) for k, v in self.end.items()}
+
+
+def _unsupported(op: str, left, right, takes: str):
+    """An OptionError for ``left <op> right`` with an operand the wrapper does not combine with."""
+    raise OptionError(f"{type(left).__name__} {op} {type(right).__name__}: a {type(left).__name__} combines "
+                      f"with {takes} here")
 
 
 def _expression_text(node) -> str:
@@ -130,7 +137,7 @@ class _Displayed:
             n_devices = device.count
         if n_devices is not None:
             if device is None or device == "cpu":
-                raise ValueError("n_devices needs a GPU device: explain(device='h200', n_devices=4)")
+                raise OptionError("n_devices needs a GPU device: explain(device='h200', n_devices=4)")
             gpus = (n_devices,)
         result = self._explain(analyze, stage, rewrites, device, gpus, memory_budget, executor)
         if n_devices is not None:
@@ -185,7 +192,7 @@ class _Displayed:
             return Explain(p, [], tuple(gpus), device, stage, executor, warning=warning)
 
     def _run(self, ex):  # each wrapper runs its node with the executor's matching entry point
-        raise TypeError(f"{type(self).__name__} has no executor entry point")
+        raise OptionError(f"{type(self).__name__} has no executor entry point")
 
     def _plan_args(self) -> dict:  # what the planner is asked besides the node (a top-k)
         return {}
@@ -200,7 +207,7 @@ class GradientSet(_Displayed):
 
     def __init__(self, expr: GradNode):
         if not isinstance(expr, GradNode):
-            raise TypeError(f"GradientSet wraps a gradient node, got {type(expr).__name__}")
+            raise OptionError(f"GradientSet wraps a gradient node, got {type(expr).__name__}")
         self.expr = expr
 
     # ---- metadata ------------------------------------------------------------------
@@ -252,9 +259,10 @@ class GradientSet(_Displayed):
         if isinstance(other, Operator):
             return GradientSet(Precondition(self.expr, other.expr))
         if isinstance(other, GradientSet):
-            raise TypeError("Q @ G is a product of two gradient sets with examples as rows: "
+            raise OptionError("Q @ G is a product of two gradient sets with examples as rows: "
                             "write Q @ G.T for scores")
-        return NotImplemented
+        raise OptionError(f"G @ {type(other).__name__}: a GradientSet multiplies G.T (scores) or an Operator "
+                          "(preconditioning); wrap a matrix as ga.dense(M, like=G) or ga.diagonal(d, like=G)")
 
     def project(self, projector: Projector) -> "GradientSet":
         """``P(G)``: the projected set (same as calling the projector)."""
@@ -269,7 +277,7 @@ class GradientSet(_Displayed):
         """
         if metric is not None:
             if not isinstance(metric, Operator):
-                raise TypeError("metric must be an Operator, e.g. ga.fisher(G).damp(1e-3).inv()")
+                raise OptionError("metric must be an Operator, e.g. ga.fisher(G).damp(1e-3).inv()")
             self.space.check_same(metric.space, "the gradients and the metric")
             return GradientSet(Normalize(self.expr, metric.expr))
         return GradientSet(Normalize(self.expr))
@@ -320,13 +328,13 @@ class GradientSet(_Displayed):
     def scale(self, weights) -> "GradientSet":
         """Rows times a constant, or times per-example values (:func:`row_weights`)."""
         if not isinstance(weights, (numbers.Real, RowWeights)):
-            raise TypeError("scale takes a number or ga.row_weights(fn)")
+            raise OptionError("scale takes a number or ga.row_weights(fn)")
         return GradientSet(ScaleRows(self.expr, weights if isinstance(weights, RowWeights) else float(weights)))
 
     def __mul__(self, other):
         if isinstance(other, (numbers.Real, RowWeights)):
             return self.scale(other)
-        return NotImplemented
+        _unsupported("*", self, other, "a number or ga.row_weights(fn)")
 
     __rmul__ = __mul__
 
@@ -349,9 +357,9 @@ class GradientSet(_Displayed):
         """
         src = self.expr.source
         if not isinstance(src, Source) or src.backend != "hooks":
-            raise ValueError("to_params needs gradients captured with ga.grads(..., backend='hooks')")
+            raise OptionError("to_params needs gradients captured with ga.grads(..., backend='hooks')")
         if any(b.basis != "params" for b in self.space.blocks):
-            raise ValueError("projected gradients have no parameter layout; use to_dense()")
+            raise OptionError("projected gradients have no parameter layout; use to_dense()")
         from .capture.hooks import resolve_layers
         from .capture.wrappers import unwrap
         refs = {r.name: r for r in resolve_layers(src.task.model, list(self.layers))}
@@ -392,7 +400,7 @@ class Operator(_Displayed):
 
     def __init__(self, expr: OpNode):
         if not isinstance(expr, OpNode):
-            raise TypeError(f"Operator wraps an operator node, got {type(expr).__name__}")
+            raise OptionError(f"Operator wraps an operator node, got {type(expr).__name__}")
         self.expr = expr
 
     @property
@@ -427,21 +435,26 @@ class Operator(_Displayed):
         ``method`` picks the iterative solver: "cg" (default; ``max_iter``, ``rtol``) or
         "lissa" (``scale`` > λ_max, ``depth``, ``tol``). Ignored for explicit structures.
         """
+        if method not in ("auto", "cg", "lissa"):
+            raise OptionError(f"inverse method must be 'auto', 'cg' or 'lissa', got {method!r}")
         return Operator(Inverse(self.expr, method, tuple(sorted(settings.items()))))
 
     def pow(self, p: float) -> "Operator":
         """H^p for a positive semi-definite H."""
+        p = plain(p)
+        if not isinstance(p, numbers.Real) or isinstance(p, bool) or p != p or abs(p) == float("inf"):
+            raise OptionError(f"the power p must be a finite number, got {p!r}")
         return Operator(Power(self.expr, float(p)))
 
     def __add__(self, other):
         if isinstance(other, Operator):
             return Operator(SumOp((self.expr, other.expr)))
-        return NotImplemented
+        _unsupported("+", self, other, "another Operator")
 
     def __mul__(self, c):
         if isinstance(c, numbers.Real):
             return Operator(ScaledOp(self.expr, float(c)))
-        return NotImplemented
+        _unsupported("*", self, c, "a number")
 
     __rmul__ = __mul__
 
@@ -449,8 +462,9 @@ class Operator(_Displayed):
         if isinstance(other, TransposedGradients):
             return TransposedGradients(Precondition(other.expr, self.expr))
         if isinstance(other, GradientSet):
-            raise TypeError("H @ G: write H @ G.T (examples are the columns on the right)")
-        return NotImplemented
+            raise OptionError("H @ G: write H @ G.T (examples are the columns on the right)")
+        raise OptionError(f"H @ {type(other).__name__}: an Operator multiplies G.T (a TransposedGradients); wrap "
+                          "a matrix as ga.dense(M, like=G)")
 
     def _run(self, ex):
         return ex.operator(self.expr)
@@ -531,7 +545,7 @@ class Scores(_Displayed):
 
     def __init__(self, expr: ScoreNode):
         if not isinstance(expr, ScoreNode):
-            raise TypeError(f"Scores wraps a score node, got {type(expr).__name__}")
+            raise OptionError(f"Scores wraps a score node, got {type(expr).__name__}")
         self.expr = expr
 
     @property
@@ -542,24 +556,26 @@ class Scores(_Displayed):
     def __add__(self, other):
         if isinstance(other, Scores):
             return Scores(ScoreSum((self.expr, other.expr), (1.0, 1.0)))
-        return NotImplemented
+        _unsupported("+", self, other, "other Scores")
 
     def __sub__(self, other):
         if isinstance(other, Scores):
             return Scores(ScoreSum((self.expr, other.expr), (1.0, -1.0)))
-        return NotImplemented
+        _unsupported("-", self, other, "other Scores")
 
     def __mul__(self, c):
         if isinstance(c, numbers.Real):
             return Scores(ScoreSum((self.expr,), (float(c),)))
-        return NotImplemented
+        _unsupported("*", self, c, "a number")
 
     __rmul__ = __mul__
 
     def __truediv__(self, c):
         if isinstance(c, numbers.Real):
+            if c == 0 or c != c:
+                raise OptionError(f"S / {c!r}: divide scores by a finite non-zero number")
             return self * (1.0 / c)
-        return NotImplemented
+        _unsupported("/", self, c, "a number")
 
     def _run(self, ex):
         return ex.scores(self.expr)
@@ -574,7 +590,7 @@ class Scores(_Displayed):
         result is n_query·k, not n_query·n_train."""
         if topk is not None:
             from .plan.jobs import TopK
-            return _TopKView(self.expr, TopK(topk, largest)).explain(**kwargs)
+            return _TopKView(self.expr, TopK(_positive_int("topk", topk), largest)).explain(**kwargs)
         return super().explain(**kwargs)
 
     def topk(self, k: int, *, largest: bool = True, executor=None) -> xr.DataArray:
@@ -594,9 +610,12 @@ class Scores(_Displayed):
         from .plan.jobs import TopK
         from .token_scores import token_sides
 
+        k, largest = _positive_int("k", k), plain(largest)
+        if not isinstance(largest, bool):
+            raise OptionError(f"largest must be True or False, got {largest!r}")
         spec = TopK(k, largest)
         if token_sides(self.expr) != (None, None):
-            raise ValueError("S.topk ranks whole examples: a side of per-token rows (G.per_token()) has "
+            raise OptionError("S.topk ranks whole examples: a side of per-token rows (G.per_token()) has "
                              "several score rows per example; rank S.compute() instead, or sum the tokens first")
         ex = _executor(executor)
         values, positions = ex.topk(self.expr, spec)
@@ -730,24 +749,26 @@ def grads(task: Task, data, layers=None, *, ids=None, batch_size: int | None = N
     seed : seed of the sampled targets.
     """
     if not isinstance(task, Task):
-        raise TypeError(f"ga.grads needs a ga.Task, got {type(task).__name__}: wrap the model "
+        raise OptionError(f"ga.grads needs a ga.Task, got {type(task).__name__}: wrap the model "
                         "as ga.Task(model, loss)")
     if backend not in ("hooks", "func"):
-        raise ValueError(f"backend must be 'hooks' or 'func', got {backend!r}")
+        raise OptionError(f"backend must be 'hooks' or 'func', got {backend!r}")
     from .capture.hooks import resolve_layers
 
     refs = resolve_layers(task.model, task.layers_for(layers), backend=backend)  # errors now, not at compute time
     if objective not in ("loss", "sampled", "expected", "output", "weighted_output"):
-        raise ValueError(f"objective must be 'loss', 'sampled', 'expected' or 'output', got {objective!r}")
+        raise OptionError(f"objective must be 'loss', 'sampled', 'expected' or 'output', got {objective!r}")
     task.objective_fn(objective)  # a missing sampled_loss/output is reported now
     return GradientSet(Source(task, as_data(data, ids, batch_size), tuple(r.name for r in refs), backend,
-                              objective, int(seed)))
+                              objective, _int("seed", seed)))
 
 
 def fisher(G: GradientSet, structure: str = "dense") -> Operator:
     """F = (1/n) Σ_i g_i g_iᵀ over the rows of ``G``: "dense", "block" (per layer) or "diag"."""
     if not isinstance(G, GradientSet):
-        raise TypeError("ga.fisher takes a GradientSet, e.g. ga.fisher(P(G))")
+        raise OptionError("ga.fisher takes a GradientSet, e.g. ga.fisher(P(G))")
+    if structure not in ("dense", "block", "diag"):
+        raise OptionError(f"Fisher structure must be 'dense', 'block' or 'diag', got {structure!r}")
     return Operator(Fisher(G.expr, structure))
 
 
@@ -771,7 +792,7 @@ def _score_list(scores, more) -> list:
     items = [scores, *more] if isinstance(scores, Scores) else [*scores, *more]
     bad = [type(s).__name__ for s in items if not isinstance(s, Scores)]
     if bad:
-        raise TypeError(f"expected Scores (lazy, e.g. Q @ G.T or a ga.methods result), got {bad[0]}")
+        raise OptionError(f"expected Scores (lazy, e.g. Q @ G.T or a ga.methods result), got {bad[0]}")
     return items
 
 
@@ -785,10 +806,10 @@ def sum_scores(scores: Iterable[Scores] | Scores, *more: Scores,
         weights, more = more[0], more[1:]
     scores = _score_list(scores, more)
     if not scores:
-        raise ValueError("sum_scores needs at least one Scores")
+        raise OptionError("sum_scores needs at least one Scores")
     w = [1.0] * len(scores) if weights is None else [float(x) for x in weights]
     if len(w) != len(scores):
-        raise ValueError(f"got {len(w)} weights for {len(scores)} scores")
+        raise OptionError(f"got {len(w)} weights for {len(scores)} scores")
     return Scores(ScoreSum(tuple(s.expr for s in scores), tuple(w)))
 
 
@@ -799,20 +820,23 @@ def mean_scores(scores: Iterable[Scores] | Scores, *more: Scores,
     ``ga.mean(members, weights=[2, 1, 1])``."""
     scores = _score_list(scores, more)
     if not scores:
-        raise ValueError("ga.mean needs at least one Scores")
+        raise OptionError("ga.mean needs at least one Scores")
     if weights is None:
         return sum_scores(scores, weights=[1.0 / len(scores)] * len(scores))
     w = [float(x) for x in weights]
     if len(w) != len(scores):
-        raise ValueError(f"got {len(w)} weights for {len(scores)} scores")
+        raise OptionError(f"got {len(w)} weights for {len(scores)} scores")
     if any(x < 0 or x != x for x in w) or sum(w) <= 0:
-        raise ValueError(f"a weighted mean needs non-negative weights with a positive sum, got {w}")
+        raise OptionError(f"a weighted mean needs non-negative weights with a positive sum, got {w}")
     total = sum(w)
     return sum_scores(scores, weights=[x / total for x in w])
 
 
 def row_weights(fn: Callable[[torch.nn.Module, Any], torch.Tensor], name: str | None = None) -> RowWeights:
     """Per-example values ``fn(model, batch) -> (B,)`` to scale gradient rows by (e.g. TRAK's 1 − p)."""
+    if not callable(fn) or isinstance(fn, GradientSet) or not (name is None or isinstance(name, str)):
+        raise OptionError("ga.row_weights(fn, name=None) takes a function fn(model, batch) -> (B,) weights; "
+                          "scale a GradientSet with G * ga.row_weights(fn) or G * number")
     return RowWeights(fn, name or getattr(fn, "__name__", "weights"))
 
 
@@ -845,15 +869,15 @@ def kfac(G: GradientSet, *, eigen_correction: bool = False, covariance_max_examp
     examples"). ``G`` must then be computed from data (``ga.grads``), not captured rows.
     """
     if not isinstance(G, GradientSet):
-        raise TypeError("ga.kfac takes a GradientSet")
+        raise OptionError("ga.kfac takes a GradientSet")
     for b in G.space.blocks:
         if len(b.shape) != 2:
             if b.basis == "params":
-                raise ValueError(
+                raise OptionError(
                     f"K-FAC needs (out, in) layer blocks; block {b.name!r} has shape {b.shape}: its rows are "
                     "flat (ga.grads with backend='func'). Use ga.grads(task, data, layers, backend='hooks') (the "
                     "default), whose rows keep their Kronecker factors")
-            raise ValueError(
+            raise OptionError(
                 f"K-FAC needs (out, in) layer blocks; block {b.name!r} has shape {b.shape}: a flat projection "
                 f"(gaussian, rademacher, sparse) has no Kronecker structure. Project each layer with "
                 f"ga.proj.kron(k={min(b.shape[0], 64)}), which keeps (k, k) blocks, or use ga.fisher on the flat rows")
@@ -861,7 +885,7 @@ def kfac(G: GradientSet, *, eigen_correction: bool = False, covariance_max_examp
     lam = _max_examples("lambda_max_examples", lambda_max_examples, G.n)
     if not eigen_correction:
         if lambda_max_examples is not None:
-            raise ValueError("lambda_max_examples is the number of examples of EK-FAC's eigenvalue "
+            raise OptionError("lambda_max_examples is the number of examples of EK-FAC's eigenvalue "
                              "correction: use it with ga.ekfac (eigen_correction=True), or leave it None")
     node = KFAC(G.expr, eigen_correction, cov, lam)
     node.covariance_grads, node.lambda_grads   # refused now (captured rows), not at compute time
@@ -873,10 +897,24 @@ def _max_examples(name: str, value, n: int) -> int | None:
     covers all ``n`` examples."""
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int (a number of examples) or None for all "
-                         f"of them, got {value!r}")
+    value = _positive_int(name, value, "(a number of examples) or None for all of them")
     return None if value >= n else value
+
+
+def _int(name: str, value) -> int:
+    """``value`` as an int (numpy integers accepted), or an OptionError naming it."""
+    value = plain(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise OptionError(f"{name} must be an int, got {value!r}")
+    return value
+
+
+def _positive_int(name: str, value, what: str = "") -> int:
+    """``value`` as a positive int (numpy integers accepted), or an OptionError naming it."""
+    value = plain(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise OptionError(f"{name} must be a positive integer{' ' + what if what else ''}, got {value!r}")
+    return value
 
 
 def ekfac(G: GradientSet, *, covariance_max_examples: int | None = None,
@@ -918,12 +956,15 @@ def gauss_newton(task: Task, data, layers=None, *, ids=None, batch_size: int | N
 def arnoldi(H: Operator, rank: int, *, iters: int | None = None, seed: int = 0) -> Operator:
     """H ≈ V diag(μ) Vᵀ on its top-``rank`` eigenspace (Schioppa et al. 2022)."""
     if rank < 1:
-        raise ValueError(f"rank must be positive, got {rank}")
+        raise OptionError(f"rank must be positive, got {rank}")
     return Operator(Arnoldi(H.expr, int(rank), iters, int(seed)))
 
 
 def datainf(G: GradientSet, damping: float) -> Operator:
     """DataInf's closed-form approximation of (F + λI)⁻¹ per layer (Kwon et al. 2024)."""
+    damping = plain(damping)
+    if not isinstance(damping, numbers.Real) or isinstance(damping, bool) or not 0 <= damping < float("inf"):
+        raise OptionError(f"damping must be a finite non-negative number, got {damping!r}")
     return Operator(DataInf(G.expr, float(damping)))
 
 
@@ -937,14 +978,14 @@ def adam_state(optimizer: torch.optim.Optimizer, like: GradientSet) -> AdamState
 
     src = like.expr.source
     if not isinstance(src, Source):
-        raise ValueError("adam_state needs gradients from ga.grads (to map parameters to blocks)")
+        raise OptionError("adam_state needs gradients from ga.grads (to map parameters to blocks)")
     coords = ParamCoords(src.task.model, src.layers, src.backend)
     params = dict(src.task.model.named_parameters())
     m, v = {}, {}
     for name in coords.param_names:
         state = optimizer.state.get(params[name], {})
         if "exp_avg" not in state:
-            raise ValueError(f"the optimizer has no Adam state for {name!r}: take a step first, "
+            raise OptionError(f"the optimizer has no Adam state for {name!r}: take a step first, "
                              "and pass an Adam/AdamW optimizer over this model's parameters")
         m[name] = state["exp_avg"].detach().unsqueeze(0)
         v[name] = state["exp_avg_sq"].detach().unsqueeze(0)

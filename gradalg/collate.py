@@ -7,7 +7,8 @@ lengths differ are **right-padded** to the longest item of the batch: ``labels``
 ``completion_mask``, ...) with 0, so padding is never a real token (attention_mask 0)
 and never a counted label. Items without an ``attention_mask`` get one when they are
 padded (ones over each item's own length, zeros over the padding, as HF's
-``DataCollatorWithPadding`` does): without it the model and the loss would read the
+``DataCollatorWithPadding`` does). Fields given as numpy arrays or lists of numbers (an HF
+dataset without torch format) are read as tensors first: without it the model and the loss would read the
 padding as tokens and an example's gradient would depend on its batch. Equal-length
 items, tuples and tensors go to PyTorch's ``default_collate`` unchanged.
 
@@ -21,7 +22,7 @@ from collections.abc import Mapping
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from .errors import BatchContentError
+from .errors import BatchContentError, DataError
 
 __all__ = ["pad_collate", "DictDataset", "PAD_VALUES"]
 
@@ -40,30 +41,80 @@ def pad_collate(items: list):
     else of the first padded field).   (B, T_max), int64
     """
     if not items or not isinstance(items[0], Mapping):
-        return default_collate(items)
+        return _stack(items)
+    items = [{k: _as_tensor(v) for k, v in item.items()} if isinstance(item, Mapping) else item for item in items]
     keys = [set(item) for item in items]
     if any(k != keys[0] for k in keys):
         odd = sorted(set.union(*keys) - set.intersection(*keys))
         raise BatchContentError(f"the items of a batch have different fields: {odd} are in some only; "
                                 "give every item the same fields")
+    _check_aligned(items)
     out, lengths = {}, None
     for key in items[0]:
         values = [item[key] for item in items]
         if all(isinstance(v, torch.Tensor) and v.dim() >= 1 for v in values) and \
                 len({tuple(v.shape) for v in values}) > 1:
             if len({tuple(v.shape[1:]) for v in values}) > 1:
-                raise ValueError(f"field {key!r} differs in more than its first dimension across "
-                                 f"the items of a batch: {sorted({tuple(v.shape) for v in values})}")
+                raise BatchContentError(f"field {key!r} differs in more than its first dimension across "
+                                        f"the items of a batch: {sorted({tuple(v.shape) for v in values})}; "
+                                        "give every item's field the same shape after the token axis")
             out[key] = torch.nn.utils.rnn.pad_sequence(values, batch_first=True,
                                                        padding_value=PAD_VALUES.get(key, 0))
             if lengths is None or key == "input_ids":
                 lengths = torch.tensor([v.shape[0] for v in values])
         else:
-            out[key] = default_collate(values)
+            out[key] = _stack(values)
     if lengths is not None and "attention_mask" not in out:
         positions = torch.arange(int(lengths.max()))
         out["attention_mask"] = (positions.unsqueeze(0) < lengths.unsqueeze(1)).long()
     return out
+
+
+def _stack(values: list):
+    """PyTorch's ``default_collate``, its errors (an item that is None, a string among
+    tensors, tensors of unequal shapes that are not dict fields) as a BatchContentError."""
+    try:
+        return default_collate(values)
+    except (TypeError, RuntimeError) as err:
+        kinds = sorted({type(v).__name__ for v in values})
+        raise BatchContentError(
+            f"the items of a batch cannot be stacked ({kinds}: {err}): an example must be a tensor, a number, "
+            "or a dict / tuple of them, with equal shapes across examples (dict fields of unequal length "
+            "are padded); pass a collate_fn for anything else") from err
+
+
+def _as_tensor(value):
+    """A numpy array, or a list of numbers (an HF dataset without torch format), as a
+    tensor, so items of unequal length are padded like tensors; anything else unchanged."""
+    if type(value).__module__ == "numpy" and getattr(value, "dtype", None) is not None \
+            and value.dtype.kind in "biuf":
+        return torch.as_tensor(value)
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, (int, float)) for v in value):
+        return torch.as_tensor(value)
+    return value
+
+
+#: fields with one entry per token of ``input_ids`` in every item
+ALIGNED_FIELDS = ("attention_mask", "token_type_ids", "completion_mask")
+
+
+def _check_aligned(items: list) -> None:
+    """Refuse an item whose ``attention_mask`` (or ``token_type_ids``, ``completion_mask``)
+    has another length than its ``input_ids``: padded to the batch's longest, the mask would
+    count padding as tokens (or drop tokens) without any error."""
+    for position, item in enumerate(items):
+        ids = item.get("input_ids")
+        if not isinstance(ids, torch.Tensor) or ids.dim() < 1:
+            continue
+        if ids.shape[0] == 0:
+            raise BatchContentError(f"item {position} of a batch has no tokens (empty 'input_ids'): drop empty "
+                                    "sequences from the data")
+        for key in ALIGNED_FIELDS:
+            value = item.get(key)
+            if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] != ids.shape[0]:
+                raise BatchContentError(
+                    f"item {position} of a batch has {value.shape[0]} entries of {key!r} for {ids.shape[0]} "
+                    f"tokens of 'input_ids': give {key!r} one entry per token (the same length as input_ids)")
 
 
 class DictDataset(Dataset):
@@ -73,9 +124,11 @@ class DictDataset(Dataset):
         fields = dict(fields)
         sizes = {k: v.shape[0] for k, v in fields.items() if isinstance(v, torch.Tensor)}
         if not sizes:
-            raise TypeError("a dict batch needs tensor fields with the examples along dim 0")
+            raise DataError("a dict batch needs tensor fields with the examples along dim 0, got "
+                                    f"{ {k: type(v).__name__ for k, v in fields.items()} }")
         if len(set(sizes.values())) > 1:
-            raise ValueError(f"the fields of a dict batch have different numbers of examples: {sizes}")
+            raise DataError(f"the fields of a dict batch have different numbers of examples: {sizes}; "
+                                    "give every field the same first dimension (one entry per example)")
         self.fields = fields
         self.n = next(iter(sizes.values()))
 

@@ -140,7 +140,7 @@ class Compiled:
     def __init__(self, S: Scores, *, executor=None, hold="auto", on_change: str = "recompute",
                  check_weights: str = "full"):
         if not isinstance(S, Scores):
-            raise TypeError(f"ga.compile takes Scores (Q @ H @ G.T), got {type(S).__name__}")
+            raise OptionError(f"ga.compile takes Scores (Q @ H @ G.T), got {type(S).__name__}")
         if hold not in ("auto", True, False):
             raise OptionError(f"hold must be 'auto', True or False, got {hold!r}")
         if on_change not in ("recompute", "raise"):
@@ -279,6 +279,8 @@ class Compiled:
         return self._compute(S2, executor)
 
     def _compute(self, S2: Scores, executor=None):
+        if not isinstance(S2, Scores):
+            raise OptionError(f"a compiled expression scores Scores (C(S2), S2 = Q2 @ H @ G.T), got {type(S2).__name__}")
         rewritten = self.rewrite(S2)
         out = rewritten.compute(executor if executor is not None else self.executor)
         # label the result with the expression the user wrote
@@ -295,7 +297,7 @@ class Compiled:
         """Scores of new ``queries`` in place of the expression's query side: ``S`` with its
         left (query) gradient set replaced. Needs an ``S`` with one query side."""
         if not isinstance(queries, GradientSet):
-            raise TypeError(f"C.scores takes a GradientSet of queries, got {type(queries).__name__}")
+            raise OptionError(f"C.scores takes a GradientSet of queries, got {type(queries).__name__}")
         lefts = {p.inner.left.token: p.inner.left for p in self._parts} if self._parts else \
             {n.left.token: n.left for n in self._simplified.walk() if isinstance(n, Inner)}
         if len(lefts) != 1:

@@ -7,15 +7,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 import hashlib
+import itertools
+import os
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from .collate import DictDataset, pad_collate
 from .errors import DataError, OptionError
+from .options import plain
 from .fingerprint import callable_fingerprint, object_fingerprint, stable_token, tensor_digest
 
 __all__ = ["DataRef", "batch_size_of", "slice_batch", "move_batch", "as_data", "data_fingerprint"]
@@ -104,15 +107,24 @@ class DataRef:
         return hash(self.token)
 
     def loader(self, default_batch_size: int) -> Iterator:
-        """Batches over the examples, in order (a DataLoader is used as it is)."""
+        """Batches over the examples, in order (a DataLoader is used as it is), each checked
+        to hold as many examples as the loader was asked for (:func:`counted_batches`): a
+        ``collate_fn`` that drops or adds examples is refused naming the batch, rather than
+        rows being labelled with the wrong ids. A ``DataLoader(batch_size=None)`` yields
+        one example per item: they are batched ``default_batch_size`` at a time."""
         if isinstance(self.source, DataLoader):
-            return iter(self.source)
+            if _unbatched(self.source):
+                bs = self.batch_size or default_batch_size
+                return counted_batches(_group_items(iter(self.source), bs), _even_sizes(self.n, bs), self.n)
+            return counted_batches(iter(self.source), _loader_sizes(self.source, self.n), self.n)
         if isinstance(self.source, Dataset) or hasattr(self.source, "__getitem__"):
             bs = self.batch_size or default_batch_size
             # gradalg's own loaders pad dict items of unequal length (collate.pad_collate)
-            return iter(DataLoader(self.source, batch_size=bs, shuffle=False,
-                                   collate_fn=self.collate_fn or pad_collate))
-        raise TypeError(f"cannot iterate over {type(self.source).__name__}")
+            collate = self.collate_fn or pad_collate
+            sizes = None if isinstance(self.source, IterableDataset) else _even_sizes(self.n, bs)
+            return counted_batches(iter(DataLoader(self.source, batch_size=bs, shuffle=False, collate_fn=collate)),
+                                   sizes, self.n)
+        raise DataError(f"cannot iterate over a {type(self.source).__name__}: pass a Dataset, a DataLoader or tensors")
 
     def subset(self, start: int, stop: int) -> "DataRef":
         """Examples ``start:stop`` (a shard), batched like this one (same batch size and
@@ -121,15 +133,17 @@ class DataRef:
         base = _dataset_of(self.source)
         is_loader = isinstance(self.source, DataLoader)
         bs = self.batch_size or (self.source.batch_size if is_loader else None)
-        collate = self.source.collate_fn if is_loader else self.collate_fn
+        collate = _example_collate(self.source) if is_loader else self.collate_fn
         key = f"{self.key}[{start}:{stop}]"
-        return DataRef(Subset(base, range(start, stop)), self.ids[start:stop], bs, key, collate)
+        part = IterableSlice(base, start, stop) if isinstance(base, IterableDataset) else Subset(base, range(start, stop))
+        return DataRef(part, self.ids[start:stop], bs, key, collate)
 
     def prefix(self, n: int | None) -> "DataRef":
         """The first ``n`` examples (all of them when ``n`` is None or at least ``self.n``),
         batched like this one: a :meth:`subset` ``0:n``, whose identity is the data's and
         the range (so a pass over it is a pass of its own, reading ``n`` examples only).
         Used by statistics estimated on a subset (``ga.kfac(..., covariance_max_examples=)``)."""
+        n = plain(n)
         if n is None or n >= self.n:
             return self
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -138,8 +152,100 @@ class DataRef:
 
     def first_example_batch(self) -> Any:
         """A batch holding the first example only: used for shape hints, never a forward."""
-        collate = self.source.collate_fn if isinstance(self.source, DataLoader) else self.collate_fn
+        collate = _example_collate(self.source) if isinstance(self.source, DataLoader) else self.collate_fn
         return next(iter(DataLoader(_dataset_of(self.source), batch_size=1, collate_fn=collate or pad_collate)))
+
+
+class IterableSlice(IterableDataset):
+    """Items ``start:stop`` of an ``IterableDataset`` (a shard of one: ``Subset`` needs
+    ``__getitem__``). Reads and discards the first ``start`` items."""
+
+    def __init__(self, dataset, start: int, stop: int):
+        self.dataset, self.start, self.stop = dataset, start, stop
+
+    def __iter__(self):
+        return itertools.islice(iter(self.dataset), self.start, self.stop)
+
+    def __len__(self):
+        return self.stop - self.start
+
+
+class ItemsCollate:
+    """The collate of a ``DataLoader(batch_size=None)``'s items as examples: the loader's
+    own per-item function (``collate_fn``, torch's ``default_convert`` by default) on each
+    item, then :func:`~gradalg.collate.pad_collate` over them. Picklable."""
+
+    def __init__(self, per_item):
+        self.per_item = per_item
+
+    def __call__(self, items: list):
+        return pad_collate([self.per_item(item) for item in items])
+
+
+def _unbatched(loader: DataLoader) -> bool:
+    """Whether a DataLoader has automatic batching off (``batch_size=None``): one example per item."""
+    return loader.batch_size is None and loader.batch_sampler is None
+
+
+def _example_collate(loader: DataLoader):
+    """The function batching a list of the loader's dataset items as the loader would."""
+    return ItemsCollate(loader.collate_fn) if _unbatched(loader) else loader.collate_fn
+
+
+def _group_items(items: Iterator, size: int) -> Iterator:
+    """Batches of ``size`` items (the last may be smaller) of an unbatched loader."""
+    while True:
+        group = list(itertools.islice(items, size))
+        if not group:
+            return
+        yield pad_collate(group)
+
+
+def _even_sizes(n: int, size: int) -> list[int]:
+    """The batch sizes of ``n`` examples batched ``size`` at a time."""
+    return [min(size, n - start) for start in range(0, n, size)]
+
+
+def _loader_sizes(loader: DataLoader, n: int) -> list[int] | None:
+    """How many examples each batch of a DataLoader holds, from its batch sampler (None for
+    an IterableDataset, whose batches are known only by counting them)."""
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    batches = loader.batch_sampler
+    if isinstance(loader.dataset, IterableDataset):
+        return None
+    if batches is None:
+        return [1] * n
+    if type(batches) is BatchSampler and type(batches.sampler) is SequentialSampler:
+        return _even_sizes(n, batches.batch_size)[: len(batches)]
+    return [len(indices) for indices in batches]
+
+
+def counted_batches(batches: Iterator, sizes: list[int] | None, n: int) -> Iterator:
+    """``batches``, each checked against ``sizes[k]`` (the examples batch k was made from;
+    None: only counted, for an ``IterableDataset``), and all together against ``n``
+    examples. A batch of another size means the ``collate_fn`` dropped, split or added
+    examples, and a total other than ``n`` a ``len()`` that is not what the data yields:
+    either way rows could not be labelled with their ids, so it is refused
+    (:class:`DataError`, the batch and the counts named)."""
+    seen = 0
+    for k, batch in enumerate(batches):
+        got = batch_size_of(batch)
+        expected = sizes[k] if sizes is not None and k < len(sizes) else None
+        if expected is not None and got != expected:
+            raise DataError(
+                f"batch {k} (from example {seen} on) holds {got} examples, but the loader made it from "
+                f"{expected} examples: its collate_fn drops, splits or adds examples, so rows cannot be matched "
+                "to their example ids. Make the collate_fn return one row per item it is given (remove "
+                "unwanted examples from the dataset instead)")
+        if seen + got > n:
+            raise DataError(f"the data yields more than the {n} examples its len() says (batch {k} reaches "
+                            f"{seen + got}): make len() return the number of examples the data yields")
+        seen += got
+        yield batch
+    if seen != n:
+        raise DataError(f"the data yielded {seen} examples but its len() says {n}: make len() return the "
+                        "number of examples the data yields (every example must come out exactly once)")
 
 
 def _ids_digest(ids: tuple) -> str:
@@ -185,6 +291,8 @@ def _check_loader(data: DataLoader, n: int) -> None:
     """Refuse a loader that would not give every example once, in order."""
     from torch.utils.data import BatchSampler, SequentialSampler
 
+    if isinstance(data.dataset, IterableDataset):
+        return   # its order is its own; counted_batches checks that it yields n examples
     sampler = type(data.sampler).__name__
     if type(data.sampler) is not SequentialSampler and not _in_order(data.sampler, n):
         raise DataError(
@@ -213,6 +321,17 @@ def _check_loader(data: DataLoader, n: int) -> None:
                 "or the Dataset and let gradalg batch it")
 
 
+def _tensor_of(value) -> torch.Tensor:
+    """A column of tensor data given as a list or a numpy array, as a tensor (DataError if not numbers)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise DataError(f"a tuple of tensors was passed as data, but one element is a {type(value).__name__} "
+                        "that is not an array of numbers: pass tensors with the examples along dimension 0") from err
+
+
 def as_data(data: Any, ids=None, batch_size: int | None = None) -> DataRef:
     """Wrap ``data`` (Dataset, DataLoader, tensor or tuple of tensors) as a :class:`DataRef`.
 
@@ -226,11 +345,18 @@ def as_data(data: Any, ids=None, batch_size: int | None = None) -> DataRef:
     """
     if isinstance(data, DataRef):
         return data
+    batch_size = plain(batch_size)
+    if data is None or isinstance(data, (str, bytes, int, float, os.PathLike)):
+        raise DataError(f"the data is a {type(data).__name__} ({data!r:.60}), not examples: pass a Dataset, a "
+                        "DataLoader, a list of examples or tensors with the examples along dimension 0 (a file "
+                        "is read by you, or by the `gradalg` command's [data] section)")
     if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
         raise OptionError(f"batch_size must be a positive int, got {batch_size!r}")
     if isinstance(data, torch.Tensor):
         data = TensorDataset(data)
-    elif isinstance(data, tuple) and data and all(isinstance(t, torch.Tensor) for t in data):
+    elif isinstance(data, tuple) and data and any(isinstance(t, torch.Tensor) or type(t).__module__ == "numpy"
+                                                  for t in data):
+        data = tuple(_tensor_of(t) for t in data)   # (X, labels as a list or numpy array) works too
         sizes = {t.shape[0] if t.dim() else None for t in data}
         if len(sizes) != 1 or None in sizes:
             raise DataError(f"the tensors passed as data have different numbers of examples along "
@@ -258,7 +384,8 @@ def as_data(data: Any, ids=None, batch_size: int | None = None) -> DataRef:
     if ids is None:
         ids = tuple(range(n))
     else:
-        ids = tuple(ids.tolist() if isinstance(ids, torch.Tensor) else ids)
+        ids = tuple(ids.tolist() if isinstance(ids, torch.Tensor) or type(ids).__module__ == "numpy"
+                    else (plain(i) for i in ids))
         if len(ids) != n:
             raise DataError(f"got {len(ids)} ids for {n} examples: pass one id per example")
         try:

@@ -36,6 +36,8 @@ __all__ = [
     "CaptureStateError",
     "HeadMismatchError",
     "PartialGradientError",
+    "LayerNameError",
+    "StoreNotFoundError",
 ]
 
 
@@ -147,6 +149,10 @@ class StoreIncompleteError(GradalgError, RuntimeError):
     """A store whose writing did not finish (or never started) was opened."""
 
 
+class StoreNotFoundError(GradalgError, FileNotFoundError):
+    """No store at the path given (``ga.store.open``, ``ga.store.verify``, ``gradalg inspect``)."""
+
+
 class StoreCorruptError(GradalgError, OSError):
     """A store's files are damaged: a chunk is missing, truncated or fails its checksum,
     or its attributes contradict its data. The message names the files."""
@@ -155,6 +161,14 @@ class StoreCorruptError(GradalgError, OSError):
 class OptionError(GradalgError, ValueError, TypeError):
     """An option or argument is unknown or has an invalid value (wrong type or out of
     range). Both a ``ValueError`` and a ``TypeError``."""
+
+
+class LayerNameError(OptionError, KeyError):
+    """A layer name or glob pattern matches no module of the model (close names are
+    suggested). Also a ``KeyError``."""
+
+    def __str__(self):   # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
 
 
 class DataError(GradalgError, ValueError, TypeError):

@@ -21,6 +21,7 @@ from typing import Callable
 from torch import nn
 
 from .api import GradientSet
+from .errors import OptionError
 from .capture.session import CaptureStore, LoopRecorder
 from .expr import Captured
 
@@ -107,6 +108,8 @@ def capture(model: nn.Module, layers=None, *, reduction: str | None = None, keep
     keep : keep every step's factors in memory for ``cap.grads`` (set False when only
         callbacks are needed).
     """
+    if not isinstance(model, nn.Module):
+        raise OptionError(f"ga.capture takes the torch.nn.Module being trained, got a {type(model).__name__}")
     if reduction is None:
         warnings.warn(
             "ga.capture cannot see the training loop's loss, so it cannot check how it combines the "

@@ -15,7 +15,17 @@ from dataclasses import dataclass, field, fields, replace
 
 from .errors import OptionError
 
-__all__ = ["Options", "options", "get_options"]
+__all__ = ["Options", "options", "get_options", "plain"]
+
+
+def plain(value):
+    """``value`` as a plain Python number when it is a numpy scalar (``np.int64``,
+    ``np.float32``, ``np.bool_``) or a 0-d array; anything else unchanged. Options and
+    the public numeric arguments (batch sizes, ``k``, ranks, seeds, chunk sizes) pass
+    through it, so numpy values work wherever Python numbers do."""
+    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():
+        return value.item()
+    return value
 
 
 def _parse_bytes(value) -> int:
@@ -257,6 +267,8 @@ class Options:
     device_memory_fraction: float = 0.4
 
     def __post_init__(self):
+        for f in fields(self):   # numpy scalars (np.int64(8), np.float32(0.5)) as Python numbers
+            object.__setattr__(self, f.name, plain(getattr(self, f.name)))
         if not isinstance(self.batch_size, int) or isinstance(self.batch_size, bool) or self.batch_size < 1:
             raise OptionError(f"batch_size must be a positive int, got {self.batch_size!r}")
         if self.memory_budget is not None:

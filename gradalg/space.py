@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .errors import SpaceMismatchError
+from .errors import LayerNameError, SpaceMismatchError
 
 __all__ = ["Block", "ParamSpace", "AliasDict"]
 
@@ -67,7 +67,7 @@ class ParamSpace:
         for b in self.blocks:
             if name in b.aliases:
                 return b
-        raise KeyError(f"no block {name!r} in this space; blocks: {list(self.names)}")
+        raise LayerNameError(f"no block {name!r} in this space; blocks: {list(self.names)}")
 
     def canonical(self, name: str) -> str:
         """The block name ``name`` stands for (itself, or the block it is an alias of)."""

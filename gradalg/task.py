@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .data import batch_size_of, slice_batch
-from .errors import LossReductionError
+from .errors import LossReductionError, OptionError
 from .fingerprint import callable_fingerprint, model_digest
 
 __all__ = ["Task", "TransformerBlocks"]
@@ -129,11 +129,11 @@ class Task:
                  loss_from_outputs: Callable | None = None, default_layers: Any = None,
                  name: str | None = None):
         if not isinstance(model, nn.Module):
-            raise TypeError(f"Task needs a torch.nn.Module, got {type(model).__name__}")
+            raise OptionError(f"Task needs a torch.nn.Module, got {type(model).__name__}")
         if not callable(loss):
-            raise TypeError("loss must be a callable loss(model, batch) -> scalar tensor")
+            raise OptionError("loss must be a callable loss(model, batch) -> scalar tensor")
         if reduction not in ("sum", "mean"):
-            raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+            raise OptionError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
         self.model = model
         self.loss = loss
         self.reduction = reduction
@@ -144,13 +144,13 @@ class Task:
         self.expected_terms = expected_terms
         self.weighted_output = weighted_output
         if curvature_objective not in (None, "expected", "sampled"):
-            raise ValueError(f"curvature_objective must be 'expected' or 'sampled', got {curvature_objective!r}")
+            raise OptionError(f"curvature_objective must be 'expected' or 'sampled', got {curvature_objective!r}")
         self.curvature_objective = curvature_objective
         self.check_batch = check_batch
         self.forward = forward
         self.loss_from_outputs = loss_from_outputs
         if isinstance(default_layers, (list, tuple)) and not all(isinstance(n, str) for n in default_layers):
-            raise TypeError("default_layers must be None, 'all', module names / glob patterns, a "
+            raise OptionError("default_layers must be None, 'all', module names / glob patterns, a "
                             "ga.TransformerBlocks() selection or a callable model -> list of names")
         self.default_layers = default_layers
         self.name = name or type(model).__name__
@@ -163,7 +163,7 @@ class Task:
         if callable(self.default_layers) and not isinstance(self.default_layers, TransformerBlocks):
             names = self.default_layers(self.model)
             if isinstance(names, str) or not all(isinstance(n, str) for n in names):
-                raise TypeError(f"default_layers(model) must return a list of module names, got {names!r}")
+                raise OptionError(f"default_layers(model) must return a list of module names, got {names!r}")
             return list(names)
         return self.default_layers
 
@@ -215,7 +215,7 @@ class Task:
             return self.summed_loss
         if objective == "sampled":
             if self.sampled_loss is None:
-                raise ValueError("objective='sampled' needs Task(..., sampled_loss=fn(model, batch, "
+                raise OptionError("objective='sampled' needs Task(..., sampled_loss=fn(model, batch, "
                                  "generator)); ga.tasks.classification(model) provides one")
             def sampled(model, batch, ids=None):
                 ids = range(batch_size_of(batch)) if ids is None else ids
@@ -223,20 +223,20 @@ class Task:
             return sampled
         if objective == "output":
             if self.output is None:
-                raise ValueError("objective='output' needs Task(..., output=fn(model, batch)); "
+                raise OptionError("objective='output' needs Task(..., output=fn(model, batch)); "
                                  "ga.tasks.classification(model) provides the TRAK margin")
             return self.output
         if objective == "weighted_output":
             if self.weighted_output is None:
-                raise ValueError("objective='weighted_output' needs Task(..., weighted_output=fn(model, batch)); "
+                raise OptionError("objective='weighted_output' needs Task(..., weighted_output=fn(model, batch)); "
                                  "ga.tasks.causal_lm(model) provides TRAK's per-token weighted margin")
             return self.weighted_output
         if objective == "expected":
             if self.expected_terms is None:
-                raise ValueError("objective='expected' needs Task(..., expected_terms=fn(model, batch)); "
+                raise OptionError("objective='expected' needs Task(..., expected_terms=fn(model, batch)); "
                                  "ga.tasks.classification(model) provides one")
             return self.expected_terms
-        raise ValueError("objective must be 'loss', 'sampled', 'expected', 'output' or 'weighted_output', "
+        raise OptionError("objective must be 'loss', 'sampled', 'expected', 'output' or 'weighted_output', "
                          f"got {objective!r}")
 
     @torch.no_grad()

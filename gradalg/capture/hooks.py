@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from ..errors import UnsupportedLayerError
+from ..errors import LayerNameError, OptionError, UnsupportedLayerError
 from ..space import Block
 from ..task import TransformerBlocks
 from .blocks import select_block_layers
@@ -95,6 +95,9 @@ def resolve_layers(model: nn.Module, layers=None, *, backend: str = "hooks") -> 
     if every_kind:
         layers = None
     if layers is not None:
+        if not isinstance(layers, (str, list, tuple)) or not all(isinstance(n, str) for n in layers):
+            raise OptionError(f"layers must be None, 'all', a module name or glob pattern, a list of them or "
+                              f"ga.TransformerBlocks(), got {layers!r:.80}")
         layers = [layers] if isinstance(layers, str) else list(layers)
         if not layers:
             raise UnsupportedLayerError("layers=[] names no layer: pass layers=None for every supported "
@@ -193,7 +196,7 @@ def _layer_names(model: nn.Module, layers, backend: str, every_kind: bool = Fals
             close = [n for n in named if pattern.split(".")[-1] in n][:5]
             close += [n for n in difflib.get_close_matches(pattern, named, n=3) if n not in close]
             hint = f"; did you mean one of {close}?" if close else ""
-            raise KeyError(f"no module named {pattern!r} in {type(model).__name__}{hint} "
+            raise LayerNameError(f"no module named {pattern!r} in {type(model).__name__}{hint} "
                            "(names are those of model.named_modules())")
         names.extend(h for h in hits if h not in names)
     order = {n: i for i, n in enumerate(modules)}

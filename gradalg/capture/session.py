@@ -40,6 +40,7 @@ from ..errors import NonFiniteGradientError
 from ..finite import check_model, check_rows
 from ..options import get_options
 from ..space import ParamSpace
+from ..errors import OptionError
 
 __all__ = ["CaptureStore", "LoopRecorder"]
 
@@ -81,7 +82,7 @@ class LoopRecorder:
 
     def __init__(self, model: nn.Module, layers=None, *, reduction: str = "sum", keep: bool = True):
         if reduction not in ("sum", "mean"):
-            raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+            raise OptionError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
         self.model = model
         self.refs: list[LayerRef] = resolve_layers(model, layers)
         check_session_layers(self.refs)

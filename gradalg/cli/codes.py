@@ -43,7 +43,7 @@ EXIT_CODES = {
 def exit_code(err: BaseException) -> int:
     """The exit code of an error raised by a command."""
     from ..errors import (GradalgError, OptionError, StoreCorruptError, StoreIncompleteError, StoreMismatchError,
-                          UnsupportedLayerError)
+                          StoreNotFoundError, UnsupportedLayerError)
     from .errors import ConfigError, OutputExistsError
 
     if isinstance(err, SystemExit):
@@ -52,7 +52,7 @@ def exit_code(err: BaseException) -> int:
         return USAGE
     if isinstance(err, (StoreMismatchError, OutputExistsError)):
         return REFUSED
-    if isinstance(err, (StoreIncompleteError, StoreCorruptError)):
+    if isinstance(err, (StoreIncompleteError, StoreCorruptError, StoreNotFoundError)):
         return STORE_UNUSABLE
     if isinstance(err, GradalgError):
         return RUN_REFUSED

@@ -17,6 +17,7 @@ and the path.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 import hashlib
 import importlib
 import json
@@ -184,7 +185,7 @@ class TokenDataset(torch.utils.data.Dataset):
         rec = self.records[i]
         out = {}
         for f in self.fields:
-            values = rec[f]
+            values = _token_column(rec, f, i, self.name)
             if self.max_length is not None:
                 values = values[:self.max_length]
             out[f] = torch.as_tensor(values, dtype=torch.long)
@@ -198,6 +199,24 @@ class TokenDataset(torch.utils.data.Dataset):
 
     def __repr__(self) -> str:
         return f"TokenDataset({self.name!r}, n={len(self)}, fields={list(self.fields)})"
+
+
+def _token_column(rec, field: str, i: int, name: str) -> list:
+    """Record ``i``'s column ``field`` as a list of ints, or a DataError naming the record
+    (a float would be truncated silently, a string or a nested list cannot be a token id)."""
+    from ..errors import DataError
+
+    if not isinstance(rec, Mapping) or field not in rec:
+        has = sorted(rec) if isinstance(rec, Mapping) else type(rec).__name__
+        raise DataError(f"{name}: example {i} has no column {field!r} (it has {has}): give every example "
+                        "the same columns")
+    values = rec[field]
+    values = values.tolist() if hasattr(values, "tolist") else values
+    if not isinstance(values, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool)
+                                                        for v in values):
+        raise DataError(f"{name}: example {i}'s {field!r} is not a list of integer token ids ({str(values)[:80]}): "
+                        "store token ids as ints (tokenize first, or set text = '<column>' with a tokenizer)")
+    return values
 
 
 def _file_digest(path: Path) -> str:

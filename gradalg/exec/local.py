@@ -153,6 +153,7 @@ class LocalExecutor(Executor):
                     b = batch_size_of(batch)
                     ids = node.data.ids[start:start + b]
                     start += b
+                    node.task.validate_batch(batch, ids)   # bad batches name their example ids here too
                     yield from capture.capture(batch, ids)
         elif isinstance(node, Captured):
             yield from node.store.chunks()

@@ -18,6 +18,7 @@ from typing import Any, Callable
 from ..capture.hooks import resolve_layers
 from ..data import DataRef
 from ..space import Block, ParamSpace
+from ..errors import OptionError
 from .base import Node
 from .projection import Projector
 
@@ -243,7 +244,7 @@ class GroupMean(GradNode):
 
     def __post_init__(self):
         if len(self.groups) != self.grads.n:
-            raise ValueError(f"got {len(self.groups)} group labels for {self.grads.n} rows: give one per row")
+            raise OptionError(f"got {len(self.groups)} group labels for {self.grads.n} rows: give one per row")
 
     @property
     def space(self):

@@ -24,15 +24,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from ..errors import OptionError
+from ..options import plain
 from .grads import GradNode, Normalize, Project, ScaleRows, Select, _RowMap
 
 __all__ = ["LowRank", "check_rank", "truncated_blocks", "lowrank_below"]
 
 
 def check_rank(rank) -> int:
-    """``rank`` as a positive int, or ValueError naming the fix."""
+    """``rank`` as a positive int (a numpy integer accepted), or OptionError naming the fix."""
+    rank = plain(rank)
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"the rank of a low-rank approximation must be a positive int (e.g. 32), got {rank!r}; "
+        raise OptionError(f"the rank of a low-rank approximation must be a positive int (e.g. 32), got {rank!r}; "
                          "use None (the default of query_gradient_rank) for exact rows")
     return rank
 
@@ -53,7 +56,7 @@ class LowRank(_RowMap):
     rank: int
 
     def __post_init__(self):
-        check_rank(self.rank)
+        object.__setattr__(self, "rank", check_rank(self.rank))
         if not any(len(b.shape) == 2 for b in self.grads.space.blocks):
             raise ValueError(
                 "a low-rank approximation replaces each (out, in) layer block by a rank-r matrix, but no block "

@@ -52,7 +52,8 @@ import math
 import zlib
 from dataclasses import dataclass
 
-from ..options import get_options
+from ..errors import OptionError
+from ..options import get_options, plain
 
 __all__ = ["Projector", "gaussian", "rademacher", "kron", "sparse", "mask", "grass", "factgrass",
            "tensorsketch", "dense_or_sparse", "KINDS", "GRASS_BLOWUP"]
@@ -107,32 +108,40 @@ class Projector:
     mask_k: int | None = None
 
     def __post_init__(self):
+        for name in ("k", "seed", "k_out", "k_in", "s", "mask_k"):   # np.int64 works as an int
+            value = plain(getattr(self, name))
+            object.__setattr__(self, name, value)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise OptionError(f"the projector's {name} must be an int, got {value!r}")
+        if not isinstance(plain(self.per_block), bool):
+            raise OptionError(f"per_block must be True or False, got {self.per_block!r}")
+        object.__setattr__(self, "per_block", plain(self.per_block))
         if self.kind not in KINDS:
-            raise ValueError(f"unknown projector kind {self.kind!r}; expected one of {KINDS}")
+            raise OptionError(f"unknown projector kind {self.kind!r}; expected one of {KINDS}")
         if self.k < 1:
-            raise ValueError(f"projection size k must be positive, got {self.k}")
+            raise OptionError(f"projection size k must be positive, got {self.k}")
         if self.kind in ("kron", "grass", "factgrass") and not self.per_block:
-            raise ValueError(f"a {self.kind} projection is per layer: use per_block=True")
+            raise OptionError(f"a {self.kind} projection is per layer: use per_block=True")
         if (self.k_out is not None or self.k_in is not None) and self.kind not in ("kron", "factgrass"):
-            raise ValueError(f"k_out/k_in apply to kron and factgrass projections, not {self.kind}")
+            raise OptionError(f"k_out/k_in apply to kron and factgrass projections, not {self.kind}")
         if (self.k_out is None) != (self.k_in is None):
-            raise ValueError("give both k_out and k_in, or neither")
+            raise OptionError("give both k_out and k_in, or neither")
         if self.k_out is not None and (self.k_out < 1 or self.k_in < 1):
-            raise ValueError(f"k_out and k_in must be positive, got {self.k_out} and {self.k_in}")
+            raise OptionError(f"k_out and k_in must be positive, got {self.k_out} and {self.k_in}")
         if self.kind == "kron" and self.k_out is not None and self.k_out * self.k_in != self.k:
-            raise ValueError(f"k_out * k_in = {self.k_out * self.k_in} must equal k = {self.k}")
+            raise OptionError(f"k_out * k_in = {self.k_out * self.k_in} must equal k = {self.k}")
         if self.kind == "factgrass" and self.k_out is not None and self.k_out * self.k_in < self.k:
-            raise ValueError(f"factgrass keeps k_out * k_in = {self.k_out * self.k_in} features, fewer "
+            raise OptionError(f"factgrass keeps k_out * k_in = {self.k_out * self.k_in} features, fewer "
                              f"than k = {self.k}: the sparse projection would only pad; use "
                              f"k_out * k_in >= k (about {GRASS_BLOWUP}k is the default)")
         if self.s != 1 and self.kind not in SJLT_KINDS:
-            raise ValueError(f"s (non-zeros per column) applies to {SJLT_KINDS}, not {self.kind}")
+            raise OptionError(f"s (non-zeros per column) applies to {SJLT_KINDS}, not {self.kind}")
         if not 1 <= self.s <= self.k:
-            raise ValueError(f"s must be between 1 and k = {self.k}, got {self.s}")
+            raise OptionError(f"s must be between 1 and k = {self.k}, got {self.s}")
         if self.mask_k is not None and self.kind != "grass":
-            raise ValueError(f"mask_k applies to grass projections, not {self.kind}")
+            raise OptionError(f"mask_k applies to grass projections, not {self.kind}")
         if self.mask_k is not None and self.mask_k < self.k:
-            raise ValueError(f"mask_k = {self.mask_k} must be at least k = {self.k}: the mask "
+            raise OptionError(f"mask_k = {self.mask_k} must be at least k = {self.k}: the mask "
                              "keeps more coordinates than the sparse projection outputs")
 
     @property
@@ -199,7 +208,7 @@ class Projector:
         """``P(G)``: the lazy projection of a GradientSet."""
         project = getattr(grads, "project", None)
         if project is None:
-            raise TypeError(f"a projector applies to a GradientSet, not a {type(grads).__name__}")
+            raise OptionError(f"a projector applies to a GradientSet, not a {type(grads).__name__}")
         return project(self)
 
     def __repr__(self):
@@ -214,6 +223,15 @@ class Projector:
         if self.k_out:
             extra += f", k_out={self.k_out}, k_in={self.k_in}"
         return f"ga.proj.{self.kind}(k={self.k}, seed={self.seed}{extra})"
+
+
+def check_projector(projector):
+    """``projector`` when it is None or a projector (anything callable on a GradientSet,
+    e.g. ``ga.proj.kron(k=64)``); otherwise an OptionError naming the fix."""
+    if projector is not None and not callable(projector):
+        raise OptionError(f"projector must be a ga.proj projector (e.g. ga.proj.kron(k=64)) or None, got "
+                          f"{projector!r:.80}")
+    return projector
 
 
 def gaussian(k: int, seed: int = 0, *, per_block: bool = False) -> Projector:
@@ -291,7 +309,7 @@ def dense_or_sparse(kind: str, k: int, dim: int, seed: int = 0, *, factored: boo
     ga.proj.sparse(k=8192, seed=0)
     """
     if kind not in ("gaussian", "rademacher"):
-        raise ValueError(f"kind must be 'gaussian' or 'rademacher', got {kind!r}")
+        raise OptionError(f"kind must be 'gaussian' or 'rademacher', got {kind!r}")
     o = get_options()
     if k * dim * 8 <= o.dense_projection_bytes:
         return Projector(kind, k, seed)

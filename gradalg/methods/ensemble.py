@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 
 from ..api import Scores, mean_scores
 from ..task import Task
+from ..errors import OptionError
 
 
 def ensemble(method: Callable[..., Scores], tasks: Sequence[Task], train, queries, *,
@@ -34,9 +35,9 @@ def ensemble(method: Callable[..., Scores], tasks: Sequence[Task], train, querie
     """
     tasks = [tasks] if isinstance(tasks, Task) else list(tasks)
     if not tasks:
-        raise ValueError("an ensemble needs at least one task")
+        raise OptionError("an ensemble needs at least one task")
     if per_member is not None and len(per_member) != len(tasks):
-        raise ValueError(f"got {len(per_member)} per-member settings for {len(tasks)} tasks")
+        raise OptionError(f"got {len(per_member)} per-member settings for {len(tasks)} tasks")
     members = [method(task, train, queries, **{**kwargs, **(per_member[m] if per_member else {})})
                for m, task in enumerate(tasks)]
     return mean_scores(members, weights=weights)

@@ -9,7 +9,7 @@ Grad-Cos (same paper; used by Pruthi et al. 2020 and LESS):
 from __future__ import annotations
 
 from ..api import Scores, grads
-from ..expr.projection import Projector
+from ..expr.projection import Projector, check_projector
 from ..task import Task
 from .registry import method
 
@@ -18,7 +18,7 @@ def _sides(task, train, queries, layers, projector):
     G = grads(task, train, layers)
     Q = grads(task, queries, layers)
     if projector is not None:
-        G, Q = projector(G), projector(Q)
+        G, Q = check_projector(projector)(G), projector(Q)
     return Q, G
 
 

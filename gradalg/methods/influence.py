@@ -86,7 +86,7 @@ import torch
 
 from ..api import (Operator, Scores, arnoldi, datainf, diagonal, fisher, gauss_newton, grads, hessian, kfac)
 from ..errors import OptionError
-from ..expr.projection import Projector
+from ..expr.projection import Projector, check_projector
 from ..linalg.labels import form_of
 from ..objective import DecayTerm, ObjectiveError, training_objective
 from ..options import get_options
@@ -110,11 +110,11 @@ def check_kron_subsets(curvature: str, covariance_max_examples, lambda_max_examp
     given = [name for name, v in (("covariance_max_examples", covariance_max_examples),
                                   ("lambda_max_examples", lambda_max_examples)) if v is not None]
     if given and curvature not in ("kfac", "ekfac"):
-        raise ValueError(f"{given[0]} sets how many examples K-FAC / EK-FAC statistics are estimated on: "
+        raise OptionError(f"{given[0]} sets how many examples K-FAC / EK-FAC statistics are estimated on: "
                          f"it applies to curvature='kfac' or 'ekfac', not {curvature!r}. Drop it, or use "
                          "curvature='ekfac'")
     if lambda_max_examples is not None and curvature == "kfac":
-        raise ValueError("lambda_max_examples is the number of examples of EK-FAC's eigenvalue correction: "
+        raise OptionError("lambda_max_examples is the number of examples of EK-FAC's eigenvalue correction: "
                          "use it with curvature='ekfac', or leave it None for K-FAC")
 
 
@@ -133,7 +133,7 @@ def gauss_newton_objective(task: Task) -> str:
         return "expected"
     if task.sampled_loss is not None:
         return "sampled"
-    raise ValueError("a Gauss-Newton curvature needs Task(..., expected_terms=...) or "
+    raise OptionError("a Gauss-Newton curvature needs Task(..., expected_terms=...) or "
                      "Task(..., sampled_loss=...) (ga.tasks.classification provides both), or use "
                      "curvature='empirical' / 'hessian'")
 
@@ -143,10 +143,10 @@ def check_data_weight(data_weight) -> float:
     try:
         c = float(data_weight)
     except (TypeError, ValueError):
-        raise ValueError(f"data_weight must be a number (the uniform weight c every training example had "
+        raise OptionError(f"data_weight must be a number (the uniform weight c every training example had "
                          f"in the objective the model was trained on), got {data_weight!r}") from None
     if not (c > 0.0 and c < float("inf")):
-        raise ValueError(f"data_weight must be positive and finite (c = α for a model trained at the mean "
+        raise OptionError(f"data_weight must be positive and finite (c = α for a model trained at the mean "
                          f"of α-subsets; 1 for the full set), got {data_weight!r}")
     return c
 
@@ -475,7 +475,7 @@ def influence(task: Task, train, queries, *, curvature="auto", solver: str = "di
     G = grads(task, train, layers)
     Q = grads(task, queries, layers)
     if projector is not None:
-        G, Q = projector(G), projector(Q)
+        G, Q = check_projector(projector)(G), projector(Q)
     if isinstance(curvature, Operator) and curvature_data is not None:
         raise OptionError("curvature_data= is the data of a named curvature; an Operator given as curvature= "
                           "is already built from its data: drop curvature_data=")

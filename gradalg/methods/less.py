@@ -15,9 +15,10 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..api import Scores, adam_state, grads, sum_scores
-from ..expr.projection import Projector, dense_or_sparse
+from ..expr.projection import Projector, dense_or_sparse, check_projector
 from ..task import Task
 from .registry import method
+from ..errors import OptionError
 
 
 @method('LESS: Adam-preconditioned, normalized, projected gradients; max over targets (Xia et al. 2024)')
@@ -43,9 +44,9 @@ def less(checkpoints: Sequence[Task], optimizers: Sequence, learning_rates: Sequ
         map" decision shows the choice and the option.
     """
     if not (len(checkpoints) == len(optimizers) == len(learning_rates)):
-        raise ValueError("give one optimizer and one learning rate per checkpoint")
+        raise OptionError("give one optimizer and one learning rate per checkpoint")
     dim = grads(checkpoints[0], train, layers).space.dim
-    P = projector or dense_or_sparse("rademacher", k, dim, seed, factored=False)     # Adam's rows are flat
+    P = check_projector(projector) or dense_or_sparse("rademacher", k, dim, seed, factored=False)     # Adam's rows are flat
     terms = []
     for task, opt in zip(checkpoints, optimizers):
         G = grads(task, train, layers)

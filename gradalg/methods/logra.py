@@ -18,6 +18,7 @@ from ..expr.projection import kron
 from ..task import Task
 from .influence import check_kron_subsets, gauss_newton_objective
 from .registry import method
+from ..errors import OptionError
 
 K = 4096     # default k = k_out·k_in per layer, 64 × 64 (docs/fidelity.md, "How the defaults were chosen")
 
@@ -46,7 +47,7 @@ def logra(task: Task, train, queries, *, layers=None, k: int = K, seed: int = 0,
         (:mod:`gradalg.expr.lowrank`).
     """
     if curvature not in ("ekfac", "kfac", "fisher"):
-        raise ValueError(f"curvature must be 'ekfac', 'kfac' or 'fisher', got {curvature!r}")
+        raise OptionError(f"curvature must be 'ekfac', 'kfac' or 'fisher', got {curvature!r}")
     check_kron_subsets(curvature, covariance_max_examples, lambda_max_examples)
     P = kron(k, seed)
     G, Q = P(grads(task, train, layers)), P(grads(task, queries, layers))

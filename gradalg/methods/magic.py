@@ -31,6 +31,7 @@ from ..unroll.replay import check_schedule, schedule_bound
 from ..unroll.run import TrainingRun, _as_tensors, _LossOf, _rows
 from ..unroll.errors import UnsupportedTrainingError
 from .registry import method
+from ..options import plain
 
 if TYPE_CHECKING:                 # xarray loads when a result is made (about 76 MB)
     import xarray as xr
@@ -107,6 +108,7 @@ def magic(run: TrainingRun, queries, *, query_loss: Callable[[torch.nn.Module, A
     """
     if not isinstance(run, TrainingRun):
         raise UnsupportedTrainingError(f"magic needs a ga.unroll.TrainingRun, got {type(run).__name__}")
+    checkpointing = plain(checkpointing)   # np.int64 works as an interval
     check_schedule(checkpointing)
     return MagicScores(run, _as_tensors(queries), query_loss if query_loss is not None else run.loss,
                        checkpointing, float(replay_tolerance))

@@ -9,7 +9,7 @@ stops a few high-loss, high-gradient outliers from dominating every query.
 from __future__ import annotations
 
 from ..api import Operator, Scores, grads
-from ..expr.projection import Projector
+from ..expr.projection import Projector, check_projector
 from ..task import Task
 from .influence import curvature_operator
 from .registry import method
@@ -31,7 +31,7 @@ def relatif(task: Task, train, queries, *, layers=None, projector: Projector | N
     training examples (``ga.methods.influence``), for a named curvature."""
     G, Q = grads(task, train, layers), grads(task, queries, layers)
     if projector is not None:
-        G, Q = projector(G), projector(Q)
+        G, Q = check_projector(projector)(G), projector(Q)
     named = {} if isinstance(curvature, Operator) else {"seed": seed}
     Hinv = curvature_operator(task, train, layers=layers, projector=projector, curvature=curvature,
                               solver=solver, damping=damping + weight_decay,

@@ -39,13 +39,14 @@ import torch
 
 from ..api import Operator, Scores, fisher, grads, kfac, sum_scores
 from ..expr.spectral import Spectral, UnrollDecay, UnrollResponse
-from ..options import options
+from ..options import options, plain
 from ..task import Task
 from ..unroll.errors import UnsupportedOptimizerError, UnsupportedTrainingError
 from ..unroll.optimizers import SGD
 from ..unroll.run import TrainingRun
 from .influence import check_kron_subsets, gauss_newton_objective
 from .registry import method
+from ..errors import OptionError
 
 __all__ = ["source", "Segment", "segments_of_run", "CrossCheckpointScores"]
 
@@ -91,6 +92,7 @@ def segments_of_run(run: TrainingRun, n_segments: int, checkpoints_per_segment: 
             f"SOURCE's closed form is derived for SGD; this run uses {opt.name} (its preconditioner is not "
             "modelled): use ga.methods.magic for exact metagradients through the run")
     T = run.n_steps
+    n_segments, checkpoints_per_segment = plain(n_segments), plain(checkpoints_per_segment)   # np.int64 works
     if not isinstance(n_segments, int) or not 1 <= n_segments <= T:
         raise UnsupportedTrainingError(f"n_segments must be an int in [1, {T}] (the run's steps), got {n_segments!r}")
     if not isinstance(checkpoints_per_segment, int) or checkpoints_per_segment < 1:
@@ -157,7 +159,7 @@ def source(training, queries, *, train=None, final: Task | None = None, n_segmen
         statistics on the first m training examples (``ga.kfac``).
     """
     if curvature not in CURVATURES:
-        raise ValueError(f"curvature must be one of {CURVATURES}, got {curvature!r}")
+        raise OptionError(f"curvature must be one of {CURVATURES}, got {curvature!r}")
     check_kron_subsets(curvature, covariance_max_examples, lambda_max_examples)
     if isinstance(training, TrainingRun):
         segments, final_task, default_scale = segments_of_run(training, n_segments, checkpoints_per_segment, task_fn)

@@ -15,13 +15,17 @@ damped alike).
 """
 from __future__ import annotations
 
+import math
+
 from typing import Sequence
 
 from ..api import Scores, grads, sum_scores
-from ..expr.projection import Projector
+from ..expr.projection import Projector, check_projector
 from ..task import Task
 from .influence import curvature_operator
 from .registry import method
+from ..errors import OptionError
+from ..options import plain
 
 
 @method('TracIn-CP: Σ_c η_c ⟨∇L(q; θ_c), ∇L(z; θ_c)⟩ over checkpoints (Pruthi et al. 2020); curvature= '
@@ -44,19 +48,21 @@ def tracin(checkpoints: Sequence[Task], learning_rates: Sequence[float], train, 
         statistics on the first m examples of the curvature data (``ga.methods.influence``).
     """
     if curvature is None and (covariance_max_examples is not None or lambda_max_examples is not None):
-        raise ValueError("covariance_max_examples / lambda_max_examples need curvature='kfac' or 'ekfac'")
+        raise OptionError("covariance_max_examples / lambda_max_examples need curvature='kfac' or 'ekfac'")
     checkpoints = list(checkpoints)
     if len(checkpoints) != len(learning_rates):
-        raise ValueError(f"got {len(checkpoints)} checkpoints and {len(learning_rates)} learning rates")
+        raise OptionError(f"got {len(checkpoints)} checkpoints and {len(learning_rates)} learning rates")
+    if not all(isinstance(plain(lr), (int, float)) and math.isfinite(plain(lr)) for lr in learning_rates):
+        raise OptionError(f"learning_rates must be finite numbers, got {list(learning_rates)!r:.120}")
     if optimizers is not None and (curvature is None or len(optimizers) != len(checkpoints)):
-        raise ValueError("optimizers= needs curvature= and one optimizer per checkpoint")
+        raise OptionError("optimizers= needs curvature= and one optimizer per checkpoint")
     if curvature is not None and normalize:
-        raise ValueError("normalize=True is TracInCP-cos, a plain inner product: drop curvature= or normalize=")
+        raise OptionError("normalize=True is TracInCP-cos, a plain inner product: drop curvature= or normalize=")
     terms = []
     for c, task in enumerate(checkpoints):
         G, Q = grads(task, train, layers), grads(task, queries, layers)
         if projector is not None:
-            G, Q = projector(G), projector(Q)
+            G, Q = check_projector(projector)(G), projector(Q)
         if normalize:
             G, Q = G.normalize(), Q.normalize()
         if curvature is None:

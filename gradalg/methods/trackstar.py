@@ -59,11 +59,12 @@ import numbers
 import torch
 
 from ..api import Scores, diagonal, fisher, grads
-from ..expr.projection import Projector
+from ..expr.projection import Projector, check_projector
 from ..objective import training_objective
 from ..task import Task
 from .registry import method
 from .trak import default_projector
+from ..errors import OptionError
 
 RELATIVE_DAMPING = 0.1   # λ_R / mean eigenvalue of R: Kronfluence's factor (chosen, not measured for TrackStar)
 DOWNWEIGHT_COMPONENTS = 1000   # c of mix="auto": the paper's ≈ 1000 task components (of 2¹⁶ dimensions)
@@ -83,11 +84,11 @@ def mixing_coefficient(train_eigenvalues: torch.Tensor, task_eigenvalues: torch.
     task = torch.sort(task_eigenvalues.double().clamp(min=0), descending=True).values
     if not isinstance(components, numbers.Integral) or isinstance(components, bool) or \
             not 1 <= components <= min(len(train), len(task)):
-        raise ValueError(f"downweight_components must be an int in [1, {min(len(train), len(task))}] (the projected "
+        raise OptionError(f"downweight_components must be an int in [1, {min(len(train), len(task))}] (the projected "
                          f"dimension), got {components!r}")
     s_train, s_task = float(train[components - 1]), float(task[components - 1])
     if s_train + s_task == 0.0:
-        raise ValueError(f"the {components}-th eigenvalues of R_train and R_task are both 0 (the component count is "
+        raise OptionError(f"the {components}-th eigenvalues of R_train and R_task are both 0 (the component count is "
                          "above both matrices' ranks): pass a smaller downweight_components or mix=λ")
     return s_train / (s_task + s_train)
 
@@ -115,15 +116,15 @@ def trackstar(task: Task, train, queries, *, optimizer, layers=None, k: int = 40
         and its value is shown in the plan.
     """
     if task_data is not None and mix is None:
-        raise ValueError("task_data= needs mix= (λ in R = (1 − λ) R_train + λ R_task, e.g. 0.5, or 'auto' for the "
+        raise OptionError("task_data= needs mix= (λ in R = (1 − λ) R_train + λ R_task, e.g. 0.5, or 'auto' for the "
                          "paper's rule)")
     if mix is not None and (task_data is None or not (mix == "auto" or (
             isinstance(mix, numbers.Real) and not isinstance(mix, bool) and 0.0 <= mix <= 1.0))):
-        raise ValueError(f"mix must be in [0, 1] or 'auto' and comes with task_data=, got mix={mix!r}")
+        raise OptionError(f"mix must be in [0, 1] or 'auto' and comes with task_data=, got mix={mix!r}")
     G, Q = grads(task, train, layers), grads(task, queries, layers)
     if correction:
         if optimizer is None:
-            raise ValueError("TrackStar's correction divides by Adam's √v̂ + ε: pass optimizer= (the Adam/AdamW "
+            raise OptionError("TrackStar's correction divides by Adam's √v̂ + ε: pass optimizer= (the Adam/AdamW "
                              "optimizer at this checkpoint), or correction=False")
         objective = training_objective(optimizer)
         v_hat, eps = objective.second_moment(G)
@@ -134,7 +135,7 @@ def trackstar(task: Task, train, queries, *, optimizer, layers=None, k: int = 40
     else:
         def corrected(X):
             return X
-    P = projector or default_projector(k, G.space.dim, seed) or (lambda X: X)     # k ≥ dim: none
+    P = check_projector(projector) or default_projector(k, G.space.dim, seed) or (lambda X: X)     # k ≥ dim: none
     Phi, phi = P(corrected(G)), P(corrected(Q))                       # (n, k), (n_q, k)
     R = fisher(Phi)                                                    # (1/n) Σ Φ Φᵀ   (k, k)
     if task_data is not None:

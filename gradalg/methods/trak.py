@@ -21,9 +21,10 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..api import Scores, fisher, grads, mean_scores, row_weights
-from ..expr.projection import Projector, dense_or_sparse
+from ..expr.projection import Projector, dense_or_sparse, check_projector
 from ..task import Task
 from .registry import method
+from ..errors import OptionError
 
 RELATIVE_DAMPING = 1.0    # default λ / mean eigenvalue of TRAK's kernel (docs/fidelity.md, LM defaults)
 K = 2048                  # default projection dimension (docs/fidelity.md, "How the defaults were chosen")
@@ -80,11 +81,13 @@ def trak(tasks: Task | Sequence[Task], train, queries, *, layers=None, projector
         so pass it only to match that objective on purpose.
     """
     tasks = [tasks] if isinstance(tasks, Task) else list(tasks)
-    P = projector or default_projector(k, grads(tasks[0], train, layers).space.dim, seed) or (lambda G: G)
+    if not tasks or not all(isinstance(t, Task) for t in tasks):
+        raise OptionError(f"trak takes a ga.Task or a non-empty list of them (an ensemble), got {tasks!r:.80}")
+    P = check_projector(projector) or default_projector(k, grads(tasks[0], train, layers).space.dim, seed) or (lambda G: G)
     per_model = []
     for task in tasks:
         if task.output is None or (task.output_weight is None and task.weighted_output is None):
-            raise ValueError("TRAK needs Task(..., output=..., output_weight=...) or weighted_output=...; "
+            raise OptionError("TRAK needs Task(..., output=..., output_weight=...) or weighted_output=...; "
                              "ga.tasks.classification(model) and ga.tasks.causal_lm(model) provide them")
         Phi = P(grads(task, train, layers, objective="output"))
         phi = P(grads(task, queries, layers, objective="output"))

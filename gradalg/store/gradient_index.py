@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from ..errors import OptionError, StoreMismatchError
+from ..options import plain
 from . import layout
 from .describe import digest, store_attrs
 from .rows import flat_rows
@@ -264,6 +265,7 @@ class GradientIndex:
         ``attrs`` say which metric, kind and candidate count produced them.
         """
         import xarray as xr
+        k = plain(k)
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= self.n:
             raise OptionError(f"k must be an integer in 1..{self.n}, got {k!r}")
         faiss = _faiss()

@@ -21,11 +21,13 @@ import numpy as np
 import torch
 
 from ..errors import OptionError, StoreMismatchError
+from ..options import plain
 from ..capture.chunks import Chunk
 from ..space import Block, ParamSpace
 from ..expr.stored import Stored
 from ..exec.resilience import PAYLOAD, run_tasks
 from . import layout
+from .layout import store_path
 from .describe import digest, store_attrs
 from .integrity import chunk_error
 from .rows import check_row_ids, fault_policy, check_shippable, executor_for, flat_rows, freeze_ops, restrictable, rows_of
@@ -204,16 +206,18 @@ def write(G, path, *, chunk_rows: int = 256, executor=None, overwrite: bool = Fa
     objective, model fingerprint, example ids and ``chunk_rows``), only its unfinished
     chunks are computed; a store of anything else raises :class:`StoreMismatchError`.
     """
+    path = store_path(path)   # a str or os.PathLike, else an OptionError
     from ..api import GradientSet
 
     layout.require()
     if not isinstance(G, GradientSet):
-        raise TypeError(f"ga.store.write takes a GradientSet, got {type(G).__name__}")
+        raise OptionError(f"ga.store.write takes a GradientSet, got {type(G).__name__}")
+    chunk_rows = plain(chunk_rows)   # np.int64 works as an int
     if not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1:
         raise OptionError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
     node = G.expr
     if node.n == 0:
-        raise ValueError("G has no rows to store")
+        raise OptionError("G has no rows to store")
     ids = layout.ids_array(node.ids)
     attrs = layout.with_metadata(describe_gradients(G, chunk_rows), metadata)
     state = layout.prepare(path, attrs, ids, RESUME_KEYS, overwrite=overwrite, kind=KIND, verify=verify)
@@ -293,6 +297,7 @@ def open_gradients(path, like=None):
         objective, model fingerprint, blocks and example ids are compared with the
         store's, and any difference raises :class:`StoreMismatchError`.
     """
+    path = store_path(path)   # a str or os.PathLike, else an OptionError
     from ..api import GradientSet
 
     layout.require()
@@ -301,7 +306,7 @@ def open_gradients(path, like=None):
     ids = layout.ids_tuple(ds["example"].values)
     if like is not None:
         if not isinstance(like, GradientSet):
-            raise TypeError(f"like must be a GradientSet, got {type(like).__name__}")
+            raise OptionError(f"like must be a GradientSet, got {type(like).__name__}")
         expected = describe_gradients(like)
         fix = ("open the store that was written from these gradients, or write them again "
                "(ga.store.write(G, path, overwrite=True))")
@@ -319,6 +324,7 @@ def open_gradients(path, like=None):
 def dataset(path) -> xr.Dataset:
     """A finished store (gradients or scores) as a Dask-backed xarray Dataset, with its
     metadata in ``attrs``."""
+    path = store_path(path)   # a str or os.PathLike, else an OptionError
     attrs = layout.read_attrs(path)
     kind = attrs.get("gradalg_store") if attrs else KIND
     layout.check_complete(path, kind, f"ga.store.write{'' if kind == KIND else '_' + kind}(...)")

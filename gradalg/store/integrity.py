@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import StoreCorruptError
+from ..errors import StoreCorruptError, StoreNotFoundError
+from .layout import store_path
 
 __all__ = ["verify", "VerifyReport", "scan", "checksum_encoding", "seal", "check_attrs", "ATTRS_DIGEST"]
 
@@ -247,8 +248,9 @@ def verify(path) -> VerifyReport:
     >>> report.ok, report.damaged_chunks
     (False, [3])
     """
+    path = store_path(path)   # a str or os.PathLike, else an OptionError
     if not Path(path).exists():
-        raise FileNotFoundError(f"no store at {path}")
+        raise StoreNotFoundError(f"no store at {path}")
     return scan(path, full=True)
 
 

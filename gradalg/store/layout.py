@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import IdMismatchError, StoreIncompleteError, StoreMismatchError
+from ..errors import IdMismatchError, OptionError, StoreIncompleteError, StoreMismatchError, StoreNotFoundError
 from . import integrity
 
 if TYPE_CHECKING:                 # xarray loads when a result is made (about 76 MB)
@@ -55,7 +55,7 @@ def with_metadata(attrs: dict, metadata: dict | None) -> dict:
         return attrs
     clash = sorted(set(metadata) & (set(attrs) | {"dtype", "attrs_digest"}))
     if clash:
-        raise ValueError(f"metadata may not set the store's own attributes {clash}: use other names")
+        raise OptionError(f"metadata may not set the store's own attributes {clash}: use other names")
     return dict(attrs, **metadata)
 
 
@@ -71,7 +71,7 @@ def ids_array(ids) -> np.ndarray:
     if all(isinstance(i, str) for i in ids):
         return np.asarray(ids, dtype=object)
     kinds = sorted({type(i).__name__ for i in ids})
-    raise TypeError(f"a store keeps example ids that are all ints or all strings; these are {kinds}. "
+    raise OptionError(f"a store keeps example ids that are all ints or all strings; these are {kinds}. "
                     "Pass ids=[str(i) for i in ...] to ga.grads")
 
 
@@ -253,6 +253,13 @@ def remove_store(path) -> None:
     shutil.rmtree(path)
 
 
+def store_path(path):
+    """``path`` checked to be a str or ``os.PathLike`` (an OptionError naming the fix otherwise)."""
+    if not isinstance(path, (str, os.PathLike)) or (isinstance(path, str) and not path):
+        raise OptionError(f"a store's path must be a folder name (a str or pathlib.Path), got {path!r:.80}")
+    return path
+
+
 def write_template(path, template: xr.Dataset) -> None:
     """Metadata, coordinates and attributes; no data chunk (they are written per chunk).
 
@@ -289,7 +296,7 @@ def check_complete(path, kind: str, write_call: str) -> xr.Dataset:
     attrs = read_attrs(path)
     if attrs is None:
         if not Path(path).exists():
-            raise FileNotFoundError(f"no store at {path}")
+            raise StoreNotFoundError(f"no store at {path}")
         try:
             other = open_dataset(path).attrs.get("gradalg_store")
         except Exception:  # noqa: BLE001 - not a Zarr group

@@ -29,6 +29,7 @@ from . import integrity, layout
 from .describe import digest, store_attrs
 from .gradients import _variables
 from .rows import executor_for
+from .layout import store_path
 
 __all__ = ["write_operator", "open_operator", "OperatorStore"]
 
@@ -96,6 +97,7 @@ def write_operator(H, path, *, executor=None, overwrite: bool = False):
     at ``path`` is returned as it is; one of another operator raises
     :class:`StoreMismatchError` unless ``overwrite=True``.
     """
+    path = store_path(path)   # a str or os.PathLike, else an OptionError
     from ..api import Operator
 
     layout.require()
@@ -205,6 +207,7 @@ def open_operator(path):
     """The Operator kept at ``path`` (see :func:`write_operator`): a leaf that the executor
     resolves by loading the numbers, usable like any Operator (``.inv()``, ``.damp()``,
     ``Q @ H @ G.T``)."""
+    path = store_path(path)   # a str or os.PathLike, else an OptionError
     from ..api import Operator
 
     layout.require()

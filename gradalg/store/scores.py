@@ -21,10 +21,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import OptionError
+from ..options import plain
 from ..expr import Identity, Inner, ScoreSum
 from ..expr.stored import Stored, StoredOp
 from ..exec.resilience import PAYLOAD, run_tasks
 from . import layout
+from .layout import store_path
 from .describe import store_attrs
 from .rows import (fault_policy, MemoryRows, ResolvedStore, check_shippable, executor_for, freeze_ops, restrict_rows,
                    restrictable)
@@ -49,7 +51,7 @@ def _terms(node):
         for c, t in zip(node.coefs, node.terms):
             out.extend((c * c2, inner) for c2, inner in _terms(t))
         return out
-    raise TypeError(f"ga.store.write_scores takes scores built with @ (and sums of them), not {node.label!r}")
+    raise OptionError(f"ga.store.write_scores takes scores built with @ (and sums of them), not {node.label!r}")
 
 
 def _describe(S, chunk_rows: int) -> dict:
@@ -63,7 +65,7 @@ def _prepared(ex, node):
     out = []
     for coef, inner in _terms(node):
         if not restrictable(inner.right):
-            raise TypeError(f"the training side {inner.right.label!r} cannot be streamed by row ranges: "
+            raise OptionError(f"the training side {inner.right.label!r} cannot be streamed by row ranges: "
                             "it must come from ga.grads (or a gradient store)")
         if inner.left.token not in memo:
             rows = ex.gradients(inner.left)
@@ -116,11 +118,13 @@ def write_scores(S, path, *, chunk_rows: int = 1024, executor=None, overwrite: b
     An unfinished store of the same scores at ``path`` is completed (only its unfinished
     chunks are computed); a store of other scores raises :class:`StoreMismatchError`.
     """
+    path = store_path(path)   # a str or os.PathLike, else an OptionError
     from ..api import Scores
 
     layout.require()
     if not isinstance(S, Scores):
-        raise TypeError(f"ga.store.write_scores takes Scores, got {type(S).__name__}")
+        raise OptionError(f"ga.store.write_scores takes Scores, got {type(S).__name__}")
+    chunk_rows = plain(chunk_rows)   # np.int64 works as an int
     if not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1:
         raise OptionError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
     node = S.expr
@@ -194,6 +198,7 @@ class ScoreStore:
 def open_scores(path) -> xr.DataArray:
     """A finished score store as a Dask-backed DataArray, dims ("query", "train"), with the
     store's metadata in ``attrs``. An unfinished store raises :class:`StoreIncompleteError`."""
+    path = store_path(path)   # a str or os.PathLike, else an OptionError
     layout.require()
     layout.check_complete(path, KIND, "ga.store.write_scores(S, path)")
     ds = layout.open_dataset(path, chunks={})

@@ -27,14 +27,21 @@ from .regression import multilabel_task, regression_task
 __all__ = ["classification", "sequence_classification"]
 
 
-def classification(model: nn.Module, *, inputs: Callable[[Any], Any] = lambda b: b[0],
-                   targets: Callable[[Any], torch.Tensor] = lambda b: b[1],
+def classification(model: nn.Module, *, inputs: Callable[[Any], Any] | None = None,
+                   targets: Callable[[Any], torch.Tensor] | None = None,
                    name: str | None = None) -> Task:
     """A cross-entropy classification task over batches from which ``inputs(batch)`` and
-    ``targets(batch)`` extract the model input and the (B,) integer labels."""
+    ``targets(batch)`` extract the model input and the (B,) integer labels (default:
+    ``batch[0]`` and ``batch[1]`` of ``(x, y)`` batches; a dict or one-field batch is
+    refused naming the fix). Labels of any integer dtype, or (B, 1), are read as (B,)
+    int64 and checked to lie in [0, C) (:mod:`gradalg.tasks.validation`)."""
+    from .validation import model_inputs, pair_field, reading
+    inputs = inputs if inputs is not None else pair_field(0)
+    targets = targets if targets is not None else pair_field(1)
 
     def logits_of(m, batch):
-        return m(inputs(batch))
+        with reading("classification"):   # a dtype or width the model does not take: a BatchContentError
+            return m(model_inputs(inputs(batch), m))
 
     return categorical_task(model, logits_of, targets, name=name)
 
@@ -72,17 +79,18 @@ def sequence_classification(model: nn.Module, *, padding_side: str = "right", pr
     """
     from .language import MODEL_INPUTS, hf_forward
     from .tokens import check_padding, field, real_mask
+    from .validation import token_batch
 
     forward = hf_forward(padding_side, MODEL_INPUTS)
 
     def check_batch(batch, ids=None):
-        field(batch, "input_ids", "sequence_classification")
         targets(batch)
+        batch = token_batch(batch, "sequence_classification", model, ids=ids)   # tasks/validation.py
         check_padding(real_mask(batch), padding_side, ids, "sequence_classification")
+        return batch
 
     def logits_of(m, batch):
-        check_batch(batch)
-        return forward(m, batch)
+        return forward(m, check_batch(batch))
 
     def targets(batch):
         key = "labels" if "labels" in batch else "label"
@@ -162,14 +170,21 @@ def _checked(logits: torch.Tensor) -> torch.Tensor:
 def categorical_task(model: nn.Module, logits_of: Callable, targets: Callable, *, check_batch=None,
                      token_mask=None, default_layers=None, name: str | None = None) -> Task:
     """The classification task of ``logits_of(model, batch)`` (B, C) and ``targets(batch)`` (B,);
-    ``default_layers`` as in :class:`~gradalg.Task`."""
+    ``default_layers`` as in :class:`~gradalg.Task`. The targets are checked against the
+    logits' C classes (:func:`~gradalg.tasks.validation.class_labels`: int64 in [0, C),
+    or class probabilities (B, C))."""
+    from .validation import class_labels
     raw_logits = logits_of
 
     def logits_of(m, batch):        # every output refuses a single logit (a silent 0 otherwise)
         return _checked(raw_logits(m, batch))
 
+    def labels(logits, batch, indices=False):   # (B,) int64 in [0, C), or probabilities (B, C) unless indices
+        return class_labels(targets(batch), logits.shape[-1], name or "classification", probabilities=not indices)
+
     def loss(m, batch):
-        return F.cross_entropy(logits_of(m, batch), targets(batch), reduction="sum")
+        logits = logits_of(m, batch)
+        return F.cross_entropy(logits, labels(logits, batch), reduction="sum")
 
     def sampled_loss(m, batch, rng):
         logits = logits_of(m, batch)
@@ -178,13 +193,14 @@ def categorical_task(model: nn.Module, logits_of: Callable, targets: Callable, *
 
     def margin(m, batch):
         logp = torch.log_softmax(logits_of(m, batch), dim=-1)
-        y = targets(batch)
+        y = labels(logp, batch, indices=True)
         correct = logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
         others = logp.scatter(-1, y.unsqueeze(-1), float("-inf")).logsumexp(-1)
         return (correct - others).sum()
 
     def one_minus_p(m, batch):
-        p = torch.softmax(logits_of(m, batch), dim=-1).gather(-1, targets(batch).unsqueeze(-1)).squeeze(-1)
+        probs = torch.softmax(logits_of(m, batch), dim=-1)
+        p = probs.gather(-1, labels(probs, batch, indices=True).unsqueeze(-1)).squeeze(-1)
         return 1 - p
 
     def expected_terms(m, batch):
@@ -193,7 +209,7 @@ def categorical_task(model: nn.Module, logits_of: Callable, targets: Callable, *
         return [-(weight[:, c] * logp[:, c]).sum() for c in range(logp.shape[-1])]
 
     def loss_from_outputs(logits, batch):
-        return F.cross_entropy(_checked(logits), targets(batch), reduction="sum")
+        return F.cross_entropy(_checked(logits), labels(logits, batch), reduction="sum")
 
     return Task(model, loss, sampled_loss=sampled_loss, output=margin, output_weight=one_minus_p,
                 expected_terms=expected_terms, forward=logits_of, loss_from_outputs=loss_from_outputs,

@@ -48,10 +48,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..errors import BatchContentError
+from ..errors import BatchContentError, OptionError
+from ..options import plain
 from ..task import ExampleRandom, Task, TransformerBlocks
 from .tokens import (IGNORE, PADDING_SIDES, check_counted, check_padding, content_keys, field, model_logits,
                      position_ids, real_mask, sampled_targets, token_margin, token_nll)
+from .validation import reading, token_batch
 
 __all__ = ["causal_lm", "masked_lm", "seq2seq", "sequence_task"]
 
@@ -61,7 +63,7 @@ TRAK_OUTPUTS = ("token", "sequence")
 
 def _check_side(padding_side: str) -> None:
     if padding_side not in PADDING_SIDES:
-        raise ValueError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
+        raise OptionError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
 
 
 def hf_forward(padding_side: str, fields=MODEL_INPUTS, extra: Callable | None = None):
@@ -74,7 +76,9 @@ def hf_forward(padding_side: str, fields=MODEL_INPUTS, extra: Callable | None = 
             kwargs["position_ids"] = position_ids(real_mask(batch))
         if extra is not None:
             kwargs.update(extra(model, batch))
-        return model_logits(model(**kwargs))
+        with reading("language model"):   # an error the model raises on the batch: a BatchContentError
+            out = model(**kwargs)
+        return model_logits(out)
     return forward
 
 
@@ -87,10 +91,11 @@ def sequence_task(model: nn.Module, logits_of: Callable[[nn.Module, Any], torch.
     (B, T', V) and ``targets_of(batch)`` (B, T') with ``-100`` for positions that do not
     count; everything in the module docstring is derived from these two. ``default_layers``
     as in :class:`~gradalg.Task` (default: the linear layers inside the transformer blocks)."""
-    if not isinstance(n_samples, int) or n_samples < 1:
-        raise ValueError(f"n_samples must be a positive int, got {n_samples!r}")
+    n_samples = plain(n_samples)
+    if not isinstance(n_samples, int) or isinstance(n_samples, bool) or n_samples < 1:
+        raise OptionError(f"n_samples must be a positive int, got {n_samples!r}")
     if trak_output not in TRAK_OUTPUTS:
-        raise ValueError(f"trak_output must be one of {TRAK_OUTPUTS}, got {trak_output!r}")
+        raise OptionError(f"trak_output must be one of {TRAK_OUTPUTS}, got {trak_output!r}")
 
     def summed_nll(logits, targets):
         return token_nll(logits, targets).sum()
@@ -191,7 +196,13 @@ def causal_lm(model: nn.Module, *, padding_side: str = "right", completion_only:
     _check_side(padding_side)
     logits_of = logits or hf_forward(padding_side)
 
+    def clean(batch, ids=None):   # checked, integer fields int64 (tasks/validation.py)
+        return token_batch(batch, "causal_lm", model, labels="causal", ids=ids)
+
     def targets_of(batch):
+        return shifted_targets(clean(batch))
+
+    def shifted_targets(batch):
         ids = field(batch, "input_ids", "causal_lm")
         mask = real_mask(batch)
         base = batch["labels"] if "labels" in batch else ids
@@ -210,14 +221,15 @@ def causal_lm(model: nn.Module, *, padding_side: str = "right", completion_only:
         return targets
 
     def check_batch(batch, ids=None):
-        field(batch, "input_ids", "causal_lm")
+        batch = clean(batch, ids)
         check_padding(real_mask(batch), padding_side, ids, "causal_lm")
-        check_counted(targets_of(batch), ids, "causal_lm",
+        check_counted(shifted_targets(batch), ids, "causal_lm",
                       " after the shift by one: a one-token row, labels all -100"
                       + (", or no completion token" if completion_only else ""))
+        return batch
 
     def checked_logits(m, batch):   # (B, T - 1, V): the predictions of tokens 2..T
-        check_batch(batch)        # cheap; also guards calls that do not come through a capture pass
+        batch = check_batch(batch)  # cheap; also guards calls that do not come through a capture pass
         return logits_of(m, batch)[:, :-1]
 
     return sequence_task(model, checked_logits, targets_of, check_batch=check_batch,
@@ -234,18 +246,24 @@ def masked_lm(model: nn.Module, *, n_samples: int = 1, trak_output: str = "seque
     layers inside the transformer blocks) as in :func:`causal_lm`."""
     logits_of = hf_forward("right")
 
+    def clean(batch, ids=None):   # checked, integer fields int64 (tasks/validation.py)
+        return token_batch(batch, "masked_lm", model, labels="aligned", ids=ids)
+
     def targets_of(batch):
+        return masked_targets(clean(batch))
+
+    def masked_targets(batch):
         labels = field(batch, "labels", "masked_lm", hint="; masked_lm needs labels (-100 where not masked)")
         return labels.masked_fill(~real_mask(batch), IGNORE)
 
     def check_batch(batch, ids=None):
-        field(batch, "input_ids", "masked_lm")
+        batch = clean(batch, ids)
         check_padding(real_mask(batch), "right", ids, "masked_lm")
-        check_counted(targets_of(batch), ids, "masked_lm", ": no masked position")
+        check_counted(masked_targets(batch), ids, "masked_lm", ": no masked position")
+        return batch
 
     def checked_logits(m, batch):
-        check_batch(batch)
-        return logits_of(m, batch)
+        return logits_of(m, check_batch(batch))
 
     return sequence_task(model, checked_logits, targets_of, check_batch=check_batch, token_mask=real_mask,
                          n_samples=n_samples, seed_salt="masked_lm", trak_output=trak_output, name=name)
@@ -282,20 +300,26 @@ def seq2seq(model: nn.Module, *, n_samples: int = 1, trak_output: str = "sequenc
 
     logits_of = hf_forward("right", extra=decoder_inputs)
 
+    def clean(batch, ids=None):   # checked, integer fields int64 (tasks/validation.py)
+        return token_batch(batch, "seq2seq", model, labels="decoder", ids=ids)
+
     def targets_of(batch):
-        labels = field(batch, "labels", "seq2seq")
+        return decoder_targets(clean(batch))
+
+    def decoder_targets(batch):
+        labels = field(batch, "labels", "seq2seq", hint="; seq2seq needs decoder labels (B, T_dec)")
         if "decoder_attention_mask" in batch:
             labels = labels.masked_fill(~batch["decoder_attention_mask"].bool(), IGNORE)
         return labels
 
     def check_batch(batch, ids=None):
-        field(batch, "input_ids", "seq2seq")
+        batch = clean(batch, ids)
         check_padding(real_mask(batch), "right", ids, "seq2seq")
-        check_counted(targets_of(batch), ids, "seq2seq")
+        check_counted(decoder_targets(batch), ids, "seq2seq")
+        return batch
 
     def checked_logits(m, batch):
-        check_batch(batch)
-        return logits_of(m, batch)
+        return logits_of(m, check_batch(batch))
 
     return sequence_task(model, checked_logits, targets_of, check_batch=check_batch, n_samples=n_samples,
                          seed_salt="seq2seq", trak_output=trak_output, name=name)

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from ..errors import BatchContentError
+from ..errors import BatchContentError, OptionError
 
 IGNORE = -100
 PADDING_SIDES = ("right", "left")
@@ -111,7 +111,7 @@ def model_logits(out) -> torch.Tensor:
         return out.logits
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         return out[0]
-    raise TypeError(f"cannot find logits in a {type(out).__name__}: pass logits=fn(model, batch) -> (B, T, V)")
+    raise OptionError(f"cannot find logits in a {type(out).__name__}: pass logits=fn(model, batch) -> (B, T, V)")
 
 
 def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from ..errors import OptionError
+
 __all__ = ["Ledger", "reverse_states", "schedule_bound", "SCHEDULES"]
 
 SCHEDULES = ("all", "sqrt", "log")
@@ -74,7 +76,7 @@ def schedule_bound(schedule, n_steps: int) -> int:
 def check_schedule(schedule) -> None:
     if schedule in SCHEDULES or (isinstance(schedule, int) and not isinstance(schedule, bool) and schedule >= 1):
         return
-    raise ValueError(f"checkpointing must be one of {SCHEDULES} or a positive checkpoint interval (int), "
+    raise OptionError(f"checkpointing must be one of {SCHEDULES} or a positive checkpoint interval (int), "
                      f"got {schedule!r}")
 
 
