@@ -529,13 +529,13 @@ def test_cli_docs_page_holds_the_check_help():
 
 # ----------------------------------------------------------------------- hostile inputs
 def test_a_loss_that_raises_names_the_example():
-    """A token id beyond the vocabulary: the loss's own IndexError becomes a finding naming
-    the example, not a raw error."""
+    """A token id beyond the vocabulary: the task's batch validation refuses it, and the
+    refusal becomes a finding naming the example, not a raw error."""
     items = token_items()
     items[2] = {"input_ids": torch.tensor([3, 5, 500, 7])}
     check = ga.check_model(ga.tasks.causal_lm(gpt2()), items, n_examples=4)
     assert not check.ok and kinds(check) == {"refused"}
-    assert check["refused"][0].examples == (2,) and "IndexError" in check["refused"][0].message
+    assert check["refused"][0].examples == (2,) and "'input_ids' holds ids >=" in check["refused"][0].message
 
 
 def test_dict_of_batched_tensors_is_cut_to_each_examples_tokens():

@@ -22,6 +22,7 @@ record); compiled models are not traced (a function mode would change their grap
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -57,6 +58,23 @@ def mark_checked(model: nn.Module, layers) -> None:
         _CHECKED.setdefault(model, set()).add(_key(layers))
     except TypeError:
         pass
+
+
+@contextlib.contextmanager
+def untraced(model: nn.Module, layers):
+    """Skip the first-batch trace of (model, layers) inside the block, and restore it after:
+    ``ga.check_model`` compares the captured gradients with autograd's itself and reports the
+    difference as a finding (with its numbers) instead of this refusal."""
+    try:
+        had = _key(layers) in _CHECKED.get(model, set())
+    except TypeError:
+        had = True
+    mark_checked(model, layers)
+    try:
+        yield
+    finally:
+        if not had:
+            _CHECKED.get(model, set()).discard(_key(layers))
 
 
 def _function_name(func) -> str:

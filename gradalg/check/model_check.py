@@ -49,6 +49,7 @@ import torch
 
 from ..capture.coverage import layer_coverage
 from ..capture.hooks import resolve_layers
+from ..capture.weight_uses import untraced
 from ..data import move_batch
 from ..errors import GradalgError, ModelMismatchError, OptionError, UnsupportedLayerError
 from ..task import Task
@@ -196,7 +197,7 @@ def _run_checks(task, refs, examples, tol, sketch, encoder_decoder) -> list:
         if special is not None:
             findings.append(special)
         together, refused = together_batches(examples, task, encoder_decoder)
-        with _eval_mode(task.model):      # ga.grads captures in eval mode
+        with _eval_mode(task.model), untraced(task.model, refs):   # eval mode, as ga.grads; tied_weights below
             alone = [capture_sketch(task, b, refs, sketch, device, autograd=True, ids=(i,))
                      for i, b in zip(examples.ids, examples.alone)]
             batches = [(t, capture_sketch(task, t.batch, refs, sketch, device, ids=examples.ids)) for t in together]
