@@ -25,6 +25,8 @@ FORMULAS = {
     "relatif": rf"\tau(q, z) = \frac{{{_G}(q)^\top H^{{-1}} {_G}(z)}}{{\sqrt{{{_G}(z)^\top H^{{-1}} {_G}(z)}}}}",
     "magic": r"\tau(q, z) = -\partial f_q(\theta_T(\varepsilon)) / \partial \varepsilon_z",
 }
+"""method → its score as a LaTeX formula (KaTeX), shown on a report page; only methods whose
+score fits on one line."""
 
 #: method → (logreg LDS [95 % CI], lm LDS [95 % CI], configuration), quoted from docs/fidelity.md
 _MEASURED = {
@@ -52,6 +54,7 @@ FIDELITY.update({
     "ensemble": "An average of another method over models, seeds or checkpoints: see \"Ensembles on the LM\" "
                 "in docs/fidelity.md for what averaging gains.",
 })
+"""method → its fidelity note: the LDS quoted from docs/fidelity.md, shown on a report page."""
 
 
 def fidelity_note(method: str | None) -> str:

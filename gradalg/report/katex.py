@@ -17,6 +17,7 @@ from pathlib import Path
 __all__ = ["KATEX_DIR", "KATEX_VERSION", "inline_katex"]
 
 KATEX_DIR = Path(__file__).resolve().parent / "katex"
+"""The vendored KaTeX files (JS, CSS, woff2 fonts, its LICENSE), served by the docs site and inlined in reports."""
 KATEX_VERSION = "0.19.1"
 _FONT = re.compile(r"url\((fonts/[^)]+\.woff2)\)")
 
