@@ -323,3 +323,23 @@ def test_capture_warns_when_the_loops_reduction_is_not_stated():
         warnings.simplefilter("error")
         ga.capture(model, reduction="sum")
         ga.capture(model, reduction="mean")
+
+
+def test_an_evaluation_forward_without_backward_is_named_with_the_fix():
+    """A forward with gradients on whose output never reaches a backward leaves the step open:
+    the next forward raises gradalg's CaptureStateError (a RuntimeError) naming the fix, and the
+    fix (evaluation under no_grad) captures every training step."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    x = torch.randn(5, 4)
+    with pytest.raises(ga.errors.CaptureStateError, match="no_grad"):
+        with ga.capture(m, reduction="sum"):
+            m(x)
+            m(x).sum().backward()
+            m(x).sum().backward()
+    with ga.capture(m, reduction="sum") as cap:
+        with torch.no_grad():
+            m(x)
+        m(x).sum().backward()
+        m(x).sum().backward()
+    assert cap.grads.n == 10

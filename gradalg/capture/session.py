@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..errors import LossReductionError
+from ..errors import CaptureStateError, LossReductionError
 from .factors import Factors
 from .hooks import LayerRef, check_batch_rows, resolve_layers
 from .provenance import CallStack
@@ -176,15 +176,17 @@ class LoopRecorder:
                 # a forward inside backward(): activation checkpointing recomputes a segment
                 if any(s["D"] is None for s in self._pending[ref.name]):
                     return  # non-reentrant: this call's factors were recorded by the first forward
-                raise RuntimeError(
+                raise CaptureStateError(
                     f"layer {ref.name!r} ran its forward inside backward() without a recorded first "
                     "forward: reentrant activation checkpointing (use_reentrant=True) hides the first "
                     "forward from hooks. Use use_reentrant=False (e.g. model.gradient_checkpointing_enable("
                     "gradient_checkpointing_kwargs={'use_reentrant': False})) or leave this layer out"
                 )
             if self._received and self._received < self._expected:
-                raise RuntimeError("a forward pass started before the previous backward finished; "
-                                   "ga.capture records one forward/backward at a time")
+                raise CaptureStateError(
+                    "a forward pass started before the previous backward finished: ga.capture records one "
+                    "forward/backward at a time. Run evaluation forwards under torch.no_grad() (in training-time "
+                    "capture, inside `with capture.paused():`), or call backward on each forward's loss first")
             if self._received and self._received == self._expected:
                 self._reset_step()
             slot = {"A": use.rule.activations(module, args[0].detach()), "D": None, "forward": self._forward}
@@ -254,7 +256,7 @@ class LoopRecorder:
         if len(blocks) != len(self.refs):
             missing = [r.name for r in self.refs if r.name not in blocks]
             which = "this step's forward pass" if n_forwards == 1 else f"forward {k + 1} of this step's {n_forwards}"
-            raise RuntimeError(f"layers {missing} were not used in {which}, or their output "
+            raise CaptureStateError(f"layers {missing} were not used in {which}, or their output "
                                "needed no gradient (a frozen layer, e.g. PEFT's base weights, with no trainable "
                                "parameter before it); leave them out of `layers`, or use ga.grads, which "
                                "records frozen layers")
