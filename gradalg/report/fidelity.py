@@ -46,6 +46,7 @@ LM_CEILING = "one retraining of the LMs' subsets repeats only to ρ₁ ≈ 0.50,
 FIDELITY = {name: (f"LDS against retraining ({config}): {logreg} on logistic regression (digits), {lm} on a "
                    f"2-layer GPT-2; on the LM, {LM_CEILING} (docs/fidelity.md).")
             for name, (logreg, lm, config) in _MEASURED.items()}
+"""method → its fidelity note: the LDS quoted from docs/fidelity.md, shown on a report page."""
 FIDELITY.update({
     "magic": "Exact metagradients of a replayed SGD / Adam run: measured on the MLP's SGD and AdamW runs "
              "(docs/unrolled.md), not in the LDS tables of docs/fidelity.md.",
@@ -54,7 +55,6 @@ FIDELITY.update({
     "ensemble": "An average of another method over models, seeds or checkpoints: see \"Ensembles on the LM\" "
                 "in docs/fidelity.md for what averaging gains.",
 })
-"""method → its fidelity note: the LDS quoted from docs/fidelity.md, shown on a report page."""
 
 
 def fidelity_note(method: str | None) -> str:
