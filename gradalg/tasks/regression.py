@@ -60,9 +60,6 @@ def regression_task(model: nn.Module, outputs_of: Callable, targets: Callable, *
     def per_example(f, y):
         return ((f - _float_targets(f, y, "sequence_classification")) ** 2).mean(1)     # (B,)
 
-    def loss(m, batch):
-        return per_example(outputs_of(m, batch), targets(batch)).sum()
-
     def sampled_loss(m, batch, rng: ExampleRandom):
         f = outputs_of(m, batch)
         u = rng.uniform(f.shape[1]).to(f.device).clamp(1e-12, 1 - 1e-12)
@@ -74,17 +71,8 @@ def regression_task(model: nn.Module, outputs_of: Callable, targets: Callable, *
         scale = math.sqrt(2 / f.shape[1])
         return [scale * f[:, c].sum() for c in range(f.shape[1])]
 
-    def output(m, batch):
-        return -loss(m, batch)
-
-    def weight(m, batch):
-        f = outputs_of(m, batch)
-        return torch.ones(f.shape[0], dtype=f.dtype, device=f.device)
-
-    return Task(model, loss, sampled_loss=sampled_loss, output=output, output_weight=weight,
-                expected_terms=expected_terms, forward=outputs_of,
-                loss_from_outputs=lambda f, b: per_example(f, targets(b)).sum(), check_batch=check_batch,
-                token_mask=token_mask, default_layers=default_layers, name=name or type(model).__name__)
+    return _loss_task(model, outputs_of, targets, per_example, sampled_loss, expected_terms, check_batch,
+                      token_mask, default_layers, name)
 
 
 def multilabel_task(model: nn.Module, logits_of: Callable, targets: Callable, *, check_batch=None,
@@ -95,9 +83,6 @@ def multilabel_task(model: nn.Module, logits_of: Callable, targets: Callable, *,
     def per_example(f, y):
         y = _float_targets(f, y, "sequence_classification")
         return F.binary_cross_entropy_with_logits(f, y, reduction="none").mean(1)        # (B,)
-
-    def loss(m, batch):
-        return per_example(logits_of(m, batch), targets(batch)).sum()
 
     def sampled_loss(m, batch, rng: ExampleRandom):
         f = logits_of(m, batch)
@@ -111,14 +96,26 @@ def multilabel_task(model: nn.Module, logits_of: Callable, targets: Callable, *,
         w = (p * (1 - p) / f.shape[1]).sqrt()
         return [(w[:, c] * f[:, c]).sum() for c in range(f.shape[1])]
 
+    return _loss_task(model, logits_of, targets, per_example, sampled_loss, expected_terms, check_batch,
+                      token_mask, default_layers, name)
+
+
+def _loss_task(model, forward, targets, per_example, sampled_loss, expected_terms, check_batch, token_mask,
+               default_layers, name) -> Task:
+    """The Task of ℓ = Σ_i per_example(forward(m, b), targets(b))_i, with output f_i = −ℓ_i and
+    output weight 1 (w ∇f = −∇ℓ exactly)."""
+
+    def loss(m, batch):
+        return per_example(forward(m, batch), targets(batch)).sum()
+
     def output(m, batch):
         return -loss(m, batch)
 
     def weight(m, batch):
-        f = logits_of(m, batch)
+        f = forward(m, batch)
         return torch.ones(f.shape[0], dtype=f.dtype, device=f.device)
 
     return Task(model, loss, sampled_loss=sampled_loss, output=output, output_weight=weight,
-                expected_terms=expected_terms, forward=logits_of,
+                expected_terms=expected_terms, forward=forward,
                 loss_from_outputs=lambda f, b: per_example(f, targets(b)).sum(), check_batch=check_batch,
                 token_mask=token_mask, default_layers=default_layers, name=name or type(model).__name__)
