@@ -593,7 +593,7 @@ class Scores(_Displayed):
             return _TopKView(self.expr, TopK(_positive_int("topk", topk), largest)).explain(**kwargs)
         return super().explain(**kwargs)
 
-    def topk(self, k: int, *, largest: bool = True, executor=None) -> xr.DataArray:
+    def topk(self, k: int, *, largest: bool = True, executor=None, texts=None) -> xr.DataArray:
         """The ``k`` highest-scoring training examples per query (``largest=False``: the
         ``k`` lowest, e.g. the most harmful), by streaming score blocks through a running
         top-k: the (n_query, n_train) matrix is never formed (memory n_query·(k + batch)
@@ -606,6 +606,12 @@ class Scores(_Displayed):
         a stable sort of ``S.compute()`` by score (and is the same with any batch size or
         number of Dask shards). ``k`` above n_train returns n_train ranks.
         ``executor``: as :meth:`compute`.
+
+        ``texts``: the training documents (a list in training-data order, a dict {id: text},
+        a function id -> text, a ``datasets.Dataset`` column, ``ga.report.jsonl_texts(path,
+        field)``) add a ``text`` coordinate (query, rank), aligned by training id; an id
+        without text raises DataError, before any pass. ``ga.report.documents_frame(top)``:
+        a DataFrame of query, rank, train, score, text.
         """
         from .plan.jobs import TopK
         from .token_scores import token_sides
@@ -614,6 +620,9 @@ class Scores(_Displayed):
         if not isinstance(largest, bool):
             raise OptionError(f"largest must be True or False, got {largest!r}")
         spec = TopK(k, largest)
+        if texts is not None:             # checked before the passes: every training id needs its text
+            from .report.texts import check_texts
+            check_texts(texts, list(self.expr.col_ids))
         if token_sides(self.expr) != (None, None):
             raise OptionError("S.topk ranks whole examples: a side of per-token rows (G.per_token()) has "
                              "several score rows per example; rank S.compute() instead, or sum the tokens first")
@@ -622,13 +631,17 @@ class Scores(_Displayed):
         train_ids = np.asarray(self.expr.col_ids)
         positions = positions.detach().cpu().numpy()
         import xarray as xr              # after the passes (as in compute)
-        return xr.DataArray(
+        result = xr.DataArray(
             values.detach().cpu().numpy(), dims=("query", "rank"),
             coords={"query": np.asarray(self.expr.row_ids), "rank": np.arange(positions.shape[1]),
                     "train": (("query", "rank"), train_ids[positions])},
             name="scores",
             attrs={"expression": _expression_text(self.expr), "k": k, "largest": int(largest),
                    "ties": "lower training position first", "kernels": dict(getattr(ex, "trace", {}))})
+        if texts is None:
+            return result
+        from .report.texts import with_texts
+        return with_texts(result, texts, ids=list(self.expr.col_ids))
 
     def to_html(self, path, *, texts=None, queries=None, k: int = 5, method: str | None = None, **kwargs):
         """Write a report page of these scores to ``path``: one self-contained HTML file (no

@@ -10,6 +10,8 @@
     ga.store.verify("train.zarr")                      # checksums of every chunk: VerifyReport
     idx = ga.store.index("train.zarr", metric="ip")    # faiss ANN index beside the store (gradalg[index])
     idx.search(P(Q), k=10)                             # exact scores of the candidates: DataArray
+    ga.store.write(P(G), "train.zarr", texts=docs)     # the documents too: search adds a ``text`` coordinate
+    ga.store.texts("train.zarr")                       # {id: text} recorded with the store (or None)
 
 See docs/store.md for the layout, the metadata and the guarantees.
 """
@@ -20,6 +22,7 @@ from .gradients import dataset, open_gradients, write
 from .operators import open_operator, write_operator
 from .scores import ScoreStore, open_scores, write_scores
 from .gradient_index import GradientIndex, index, open_index
+from .texts import read_texts as texts
 from ..api import register_path_sink
 
 register_path_sink(ScoreStore)   # S.compute(store="scores.zarr", chunk_rows=) writes through a ScoreStore
@@ -27,5 +30,5 @@ register_path_sink(ScoreStore)   # S.compute(store="scores.zarr", chunk_rows=) w
 open = open_gradients  # noqa: A001 - ga.store.open reads like the other stores' APIs
 
 __all__ = ["write", "open", "open_gradients", "dataset", "write_operator", "open_operator", "write_scores",
-           "open_scores", "ScoreStore", "index", "open_index", "GradientIndex", "model_fingerprint", "verify", "VerifyReport", "StoreMismatchError", "StoreIncompleteError",
+           "open_scores", "ScoreStore", "index", "open_index", "GradientIndex", "model_fingerprint", "texts", "verify", "VerifyReport", "StoreMismatchError", "StoreIncompleteError",
            "StoreCorruptError"]

@@ -250,7 +250,7 @@ class GradientIndex:
         return torch.cat([v.reshape(chunk.n, -1) for v in flat_rows(chunk, names).values()], dim=1), chunk.ids
 
     def search(self, Q, k: int = 10, *, largest: bool = True, candidates: int | None = None,
-               nprobe: int | None = None, ef_search: int | None = None) -> xr.DataArray:
+               nprobe: int | None = None, ef_search: int | None = None, texts=None) -> xr.DataArray:
         """The ``k`` best training rows per query, by exact score among faiss's candidates.
 
         Q : the queries' projected gradients, ``P(ga.grads(task, queries))``.
@@ -259,6 +259,10 @@ class GradientIndex:
             more: higher recall, slower.
         nprobe : IVF clusters searched (default max(8, nlist/16)); ef_search : HNSW's
             search breadth (default max(candidates, 64)).
+        texts : the training documents (a list in the store's row order, a dict {id: text},
+            a function id -> text, ``ga.report.jsonl_texts``); default: those recorded with
+            the store (``ga.store.write(..., texts=)``), if any. Adds a ``text``
+            coordinate (query, rank); an id without text raises DataError.
 
         Returns a DataArray like ``S.topk``: dims ("query", "rank"), the exact scores
         (float64), coordinates ``query``, ``rank`` and ``train`` (query, rank) ids;
@@ -283,7 +287,7 @@ class GradientIndex:
         _, proposed = self.faiss_index.search(vec, m, params=params)          # (n_query, m) positions, -1 = none
         values, positions = self._rerank(q, proposed, k, largest)
         train_ids = np.asarray(self.reader.ids, dtype=object)
-        return xr.DataArray(
+        result = xr.DataArray(
             values.numpy(), dims=("query", "rank"),
             coords={"query": np.asarray(ids), "rank": np.arange(k),
                     "train": (("query", "rank"), _as_ids(train_ids[positions.numpy()]))},
@@ -291,6 +295,13 @@ class GradientIndex:
             attrs={"metric": self.metric, "kind": self.kind, "candidates": m, "largest": int(largest),
                    "scores": "exact (candidates re-scored in float64 from the stored rows)",
                    "ties": "lower training position first"})
+        if texts is None:
+            from .texts import read_texts
+            texts = read_texts(self.reader.path)
+        if texts is None:
+            return result
+        from ..report.texts import with_texts
+        return with_texts(result, texts, ids=list(self.reader.ids))
 
     def _rerank(self, q: torch.Tensor, proposed: np.ndarray, k: int, largest: bool):
         """Exact scores of each query's candidates from the stored rows, then its top k."""

@@ -186,7 +186,7 @@ def _warn_factored(node) -> None:
 
 
 def write(G, path, *, chunk_rows: int = 256, executor=None, overwrite: bool = False, verify: bool = False,
-          metadata: dict | None = None):
+          metadata: dict | None = None, texts=None):
     """Write the rows of ``G`` to a Zarr store at ``path``, chunk by chunk; return the
     store opened as a lazy GradientSet (see :func:`open_gradients`).
 
@@ -201,6 +201,10 @@ def write(G, path, *, chunk_rows: int = 256, executor=None, overwrite: bool = Fa
         only that its files exist); damaged chunks are rewritten.
     metadata : extra JSON-able attributes kept with a new store (the ``gradalg`` command
         line records its config and versions here); not compared on resume.
+    texts : the training documents, recorded as ``<path>.texts.jsonl`` beside the store (see
+        :mod:`gradalg.store.texts`): a list in data order, a dict {id: text}, a function
+        id -> text, a ``datasets.Dataset`` column or ``ga.report.jsonl_texts(path, field)``.
+        Every example needs one (else DataError); an index of the store then returns them.
 
     If ``path`` holds an unfinished or damaged store of the same ``G`` (same projector, layers,
     objective, model fingerprint, example ids and ``chunk_rows``), only its unfinished
@@ -220,8 +224,15 @@ def write(G, path, *, chunk_rows: int = 256, executor=None, overwrite: bool = Fa
         raise OptionError("G has no rows to store")
     ids = layout.ids_array(node.ids)
     attrs = layout.with_metadata(describe_gradients(G, chunk_rows), metadata)
+    if texts is not None:                # refused before any pass when an example has no text
+        from ..report.texts import check_texts
+        check_texts(texts, list(node.ids))
     state = layout.prepare(path, attrs, ids, RESUME_KEYS, overwrite=overwrite, kind=KIND, verify=verify)
+    if state == "new" and texts is None:     # a new store: no texts of an older one
+        from .texts import remove_texts
+        remove_texts(path)
     if state == "complete":
+        _record_texts(path, node.ids, texts)
         return open_gradients(path)
     _warn_factored(node)
     with executor_for(executor) as ex:
@@ -229,7 +240,14 @@ def write(G, path, *, chunk_rows: int = 256, executor=None, overwrite: bool = Fa
             _write_by_ranges(path, attrs, ex, node, ids, state)
         else:
             _write_whole(path, attrs, ex, node, ids, state)
+    _record_texts(path, node.ids, texts)
     return open_gradients(path)
+
+
+def _record_texts(path, ids, texts) -> None:
+    if texts is not None:
+        from .texts import write_texts
+        write_texts(path, ids, texts)
 
 
 def _write_by_ranges(path, attrs, ex, node, ids, state) -> None:
