@@ -146,3 +146,21 @@ def test_highlight_colours_tokens_by_score():
     assert "style" not in spans[2] and "&lt;b&gt;" in spans[2]               # NaN: white; escaped
     with pytest.raises(OptionError, match="one document's per-token scores"):
         ga.report.highlight(["a"], np.zeros((2, 2)))
+
+
+def test_with_texts_on_a_score_matrix_and_pairs_round_trip(setting, tmp_path):
+    s = setting
+    full = (s["Q"] @ s["G"].T).compute()
+    shuffled = full.isel(train=np.random.default_rng(0).permutation(N))      # ids in another order
+    got = ga.report.with_texts(shuffled, s["docs"])
+    assert got["text"].dims == ("train",)
+    assert list(got["text"].values) == [f"document number {t}" for t in got["train"].values]
+    in_order = [s["docs"][i] for i in s["ids"]]
+    with pytest.raises(OptionError, match="pass ids="):      # the matrix's order is not the data's
+        ga.report.with_texts(shuffled, in_order)
+    got = ga.report.with_texts(shuffled, in_order, ids=s["ids"])
+    assert list(got["text"].values) == [f"document number {t}" for t in got["train"].values]
+    from gradalg.store.documents import texts as read_texts, write_texts
+    pairs = {i: (f"prompt {i}", f" completion {i}") for i in s["ids"]}
+    write_texts(tmp_path / "x.zarr", s["ids"], pairs)
+    assert read_texts(tmp_path / "x.zarr") == pairs

@@ -95,11 +95,9 @@ def with_texts(result, texts, *, ids: Sequence | None = None, what: str = "texts
                           "a 'train' coordinate")
     train = result.coords["train"]
     if isinstance(texts, Sequence) and not isinstance(texts, (str, bytes)) and ids is None:
-        if train.dims == ("train",):
-            ids = list(train.values)
-        else:
-            raise OptionError(f"{what}= as a list is by position in the training data: pass ids= (the training "
-                              "ids in data order), or give a dict {id: text} / a function id -> text")
+        # a result's own order is not the data's (a selection, a ranking): never guess it
+        raise OptionError(f"{what}= as a list is by position in the training data: pass ids= (the training "
+                          "ids in data order), or give a dict {id: text} / a function id -> text")
     values = np.asarray(train.values)
     flat = texts_for(texts, list(ids) if ids is not None else [], values.ravel().tolist(), what=what)
     text = np.empty(values.size, dtype=object)
@@ -167,17 +165,19 @@ class KeyedJsonlTexts(Mapping):
         self.lines = JsonlTexts(path, field)
         self.id_field = id_field
         self._where = {}
-        for off in self.lines._offsets:
-            record = json.loads(self._line(off))
-            if id_field not in record:
-                raise DataError(f"{self.lines.path}: a line has no id field {id_field!r}: name it (id_field=...) "
-                                "or leave id_field out to read the lines in data order")
-            self._where[_key(record[id_field])] = off
+        with self.lines.path.open("rb") as f:          # one pass: each line's id and offset
+            pos = f.tell()
+            for line in iter(f.readline, b""):
+                if line.strip():
+                    record = json.loads(line)
+                    if not isinstance(record, dict) or id_field not in record:
+                        raise DataError(f"{self.lines.path}: a line has no id field {id_field!r}: name it "
+                                        "(id_field=...) or leave id_field out to read the lines in data order")
+                    self._where[_key(record[id_field])] = pos
+                pos = f.tell()
 
-    def _line(self, off: int) -> bytes:
-        with self.lines.path.open("rb") as f:
-            f.seek(off)
-            return f.readline()
+    def __contains__(self, i):
+        return _key(i) in self._where
 
     def __getitem__(self, i):
         return self.lines._record(self._where[_key(i)])[self.lines.field]

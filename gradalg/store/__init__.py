@@ -22,7 +22,7 @@ from .gradients import dataset, open_gradients, write
 from .operators import open_operator, write_operator
 from .scores import ScoreStore, open_scores, write_scores
 from .gradient_index import GradientIndex, index, open_index
-from .texts import read_texts as texts
+from .documents import texts
 from ..api import register_path_sink
 
 register_path_sink(ScoreStore)   # S.compute(store="scores.zarr", chunk_rows=) writes through a ScoreStore

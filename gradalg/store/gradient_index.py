@@ -296,7 +296,7 @@ class GradientIndex:
                    "scores": "exact (candidates re-scored in float64 from the stored rows)",
                    "ties": "lower training position first"})
         if texts is None:
-            from .texts import read_texts
+            from .documents import texts as read_texts
             texts = read_texts(self.reader.path)
         if texts is None:
             return result

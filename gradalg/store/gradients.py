@@ -202,7 +202,7 @@ def write(G, path, *, chunk_rows: int = 256, executor=None, overwrite: bool = Fa
     metadata : extra JSON-able attributes kept with a new store (the ``gradalg`` command
         line records its config and versions here); not compared on resume.
     texts : the training documents, recorded as ``<path>.texts.jsonl`` beside the store (see
-        :mod:`gradalg.store.texts`): a list in data order, a dict {id: text}, a function
+        :mod:`gradalg.store.documents`): a list in data order, a dict {id: text}, a function
         id -> text, a ``datasets.Dataset`` column or ``ga.report.jsonl_texts(path, field)``.
         Every example needs one (else DataError); an index of the store then returns them.
 
@@ -229,7 +229,7 @@ def write(G, path, *, chunk_rows: int = 256, executor=None, overwrite: bool = Fa
         check_texts(texts, list(node.ids))
     state = layout.prepare(path, attrs, ids, RESUME_KEYS, overwrite=overwrite, kind=KIND, verify=verify)
     if state == "new" and texts is None:     # a new store: no texts of an older one
-        from .texts import remove_texts
+        from .documents import remove_texts
         remove_texts(path)
     if state == "complete":
         _record_texts(path, node.ids, texts)
@@ -246,7 +246,7 @@ def write(G, path, *, chunk_rows: int = 256, executor=None, overwrite: bool = Fa
 
 def _record_texts(path, ids, texts) -> None:
     if texts is not None:
-        from .texts import write_texts
+        from .documents import write_texts
         write_texts(path, ids, texts)
 
 

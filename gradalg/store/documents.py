@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..report.texts import texts_for
 
-__all__ = ["write_texts", "read_texts", "texts_path", "remove_texts"]
+__all__ = ["write_texts", "texts", "texts_path", "remove_texts"]
 
 
 def texts_path(path) -> Path:
@@ -55,7 +55,7 @@ def write_texts(path, ids, texts) -> Path:
     return target
 
 
-def read_texts(path) -> dict | None:
+def texts(path) -> dict | None:
     """The texts recorded with the store at ``path``: {id: text}, or None when none were."""
     target = texts_path(path)
     if not target.is_file():
