@@ -185,3 +185,18 @@ def test_model_kept_in_its_mode_and_rng_untouched(tok):
     ga.tasks.causal_lm(m).queries_from_prompts(["the cat"], tokenizer=tok, max_new_tokens=2,
                                                generate={"do_sample": True})
     assert m.training and torch.equal(state, torch.random.get_rng_state())
+
+
+def test_scores_of_training_documents_for_a_generation(model, tok):
+    """A method's scores with generated queries: ∇L(completion | prompt) · ∇L(document)."""
+    task = ga.tasks.causal_lm(model)
+    queries = task.queries_from_prompts(PROMPTS[:2], tokenizer=tok, max_new_tokens=3)
+    train = [{"input_ids": torch.tensor(tok(text)["input_ids"]),
+              "attention_mask": torch.ones(len(tok(text)["input_ids"]), dtype=torch.long)} for text in CORPUS[:5]]
+    S = ga.methods.grad_dot(task, train, queries, layers=LAYERS).compute()
+    Q, _ = completion_loss_rows(model, queries, LAYERS)
+    every_target = [dict(item, completion_mask=(torch.arange(len(item["input_ids"])) > 0).long()) for item in train]
+    G, _ = completion_loss_rows(model, every_target, LAYERS)
+    scores = torch.as_tensor(S.values)
+    assert scores.shape == (2, 5)
+    torch.testing.assert_close(scores, Q @ G.T, rtol=1e-8, atol=1e-10)
