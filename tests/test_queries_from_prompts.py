@@ -200,3 +200,18 @@ def test_scores_of_training_documents_for_a_generation(model, tok):
     scores = torch.as_tensor(S.values)
     assert scores.shape == (2, 5)
     torch.testing.assert_close(scores, Q @ G.T, rtol=1e-8, atol=1e-10)
+
+
+def test_prompt_keeps_bos_but_not_an_appended_eos(model):
+    """A tokenizer that wraps text as <bos> … <eos>: the prompt ends with its text, not EOS."""
+    from tokenizers.processors import TemplateProcessing
+
+    tok = tiny_tokenizer()
+    bos, eos = tok.convert_tokens_to_ids("<|system|>"), tok.eos_token_id
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single="<|system|> $A <eos>",
+                                                              special_tokens=[("<|system|>", bos), ("<eos>", eos)])
+    plain = tok("the cat", add_special_tokens=False)["input_ids"]
+    assert tok("the cat")["input_ids"] == [bos] + plain + [eos]
+    item = ga.tasks.queries_from_prompts(model, ["the cat"], ["sat"], tokenizer=tok)[0]
+    assert item["input_ids"].tolist() == [bos] + plain + tok("sat", add_special_tokens=False)["input_ids"]
+    assert item["completion_mask"].tolist() == [0] * (len(plain) + 1) + [1]

@@ -16,8 +16,9 @@ query's loss counts the completion tokens only:
     L = Σ_{j=1..k} −log p_θ(c_j | p_1…p_m, c_1…c_{j−1})
 
 (the first completion token is predicted from the last prompt position; no prompt token
-is a target). The prompt and the completion are tokenized separately and concatenated, so
-the prompt/completion boundary is exact; a generated completion keeps the token ids the
+is a target). A plain prompt keeps the special tokens its tokenizer puts before the text
+(BOS) but not those it appends (EOS). The prompt and the completion are tokenized
+separately and concatenated, so the prompt/completion boundary is exact; a generated completion keeps the token ids the
 model produced (never decoded and re-encoded).
 
 Generation is ``model.generate`` on each prompt alone (no padding), greedy by default,
@@ -68,11 +69,23 @@ def _prompt_ids(tokenizer, prompt: Any, i: int, chat_template: bool, system: str
         if not isinstance(prompt, str):
             raise DataError(f"queries_from_prompts: prompt {i} is a {type(prompt).__name__}, not a string; pass "
                             "strings, or chat messages with chat_template=True")
-        ids = tokenizer(prompt)["input_ids"]
+        ids = _without_trailing_specials(tokenizer(prompt)["input_ids"],
+                                         tokenizer(prompt, add_special_tokens=False)["input_ids"])
     if not ids:
         raise DataError(f"queries_from_prompts: prompt {i} ({prompt!r}) has no token: the first completion "
                         "token needs a prompt to be predicted from; drop it or give it some text")
     return list(ids)
+
+
+def _without_trailing_specials(ids: list[int], plain: list[int]) -> list[int]:
+    """The prompt's ids with the special tokens the tokenizer puts *before* the text (BOS)
+    and without those it appends after it (an EOS of ``add_eos_token=True`` tokenizers):
+    a prompt that ends in EOS would ask for a completion after the end of the text."""
+    ids, plain = list(ids), list(plain)
+    for start in range(len(ids) - len(plain) + 1):
+        if ids[start:start + len(plain)] == plain:
+            return ids[:start + len(plain)]
+    return ids          # the text tokenized differently with its specials: kept as the tokenizer gives it
 
 
 def _generate(model, prompt_ids: list[int], tokenizer, max_new_tokens: int, seed: int, kwargs: dict) -> list[int]:
