@@ -18,8 +18,8 @@ query's loss counts the completion tokens only:
 (the first completion token is predicted from the last prompt position; no prompt token
 is a target). A plain prompt keeps the special tokens its tokenizer puts before the text
 (BOS) but not those it appends (EOS). The prompt and the completion are tokenized
-separately and concatenated, so the prompt/completion boundary is exact; a generated completion keeps the token ids the
-model produced (never decoded and re-encoded).
+separately and concatenated, so the prompt/completion boundary is exact; a generated
+completion keeps the token ids the model produced (never decoded and re-encoded).
 
 Generation is ``model.generate`` on each prompt alone (no padding), greedy by default,
 under ``torch`` seeded by ``seed`` (sampling, when asked through ``generate=``, is
