@@ -6,6 +6,7 @@
 ``causal_lm(model)``                      HF ``*ForCausalLM`` (or logits (B, T, V)), next token
 ``masked_lm(model)``                      HF ``*ForMaskedLM`` (BERT), masked positions
 ``seq2seq(model)``                        HF ``*ForConditionalGeneration`` (T5, BART)
+``contrastive(task)``                     ``task`` with paired queries: L(behaviour) − L(control)
 ========================================  ==============================================
 
 Each provides the loss (a sum over examples; for sequences, a sum over each one's
@@ -14,8 +15,9 @@ function and weights, and, for sequences, ``token_mask`` and batch checks.
 """
 from __future__ import annotations
 
+from .contrast import contrast_pairs, contrastive
 from .classification import categorical_task, classification, sequence_classification
 from .language import causal_lm, masked_lm, seq2seq, sequence_task
 
 __all__ = ["classification", "sequence_classification", "causal_lm", "masked_lm", "seq2seq",
-           "categorical_task", "sequence_task"]
+           "categorical_task", "sequence_task", "contrastive", "contrast_pairs"]
