@@ -98,9 +98,14 @@ def test_tensor_pairs_for_a_classifier():
     model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).to(F64)
     x = torch.randn(4, 4, dtype=F64)
     yb, yc = torch.tensor([0, 1, 2, 0]), torch.tensor([1, 2, 0, 2])
-    base = ga.tasks.classification(model)
-    task = ga.tasks.contrastive(base)
-    Q = ga.grads(task, ga.tasks.contrast_pairs((x, yb), (x, yc), batch_size=3))
+    mean = ga.Task(model, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]), reduction="mean")
+    for base in (ga.tasks.classification(model), mean):
+        Q = ga.grads(ga.tasks.contrastive(base), ga.tasks.contrast_pairs((x, yb), (x, yc), batch_size=3))
+        blocks = Q.to_dense()
+        close(torch.cat([blocks[n].flatten(1) for n in ("0", "2")], 1), reference(model, x, yb, yc))
+
+
+def reference(model, x, yb, yc):
     ref = []
     for i in range(4):
         rows = []
@@ -110,5 +115,17 @@ def test_tensor_pairs_for_a_classifier():
             rows.append(torch.cat([torch.cat([m.weight.grad, m.bias.grad[:, None]], 1).flatten()
                                    for m in (model[0], model[2])]))
         ref.append(rows[0] - rows[1])
-    blocks = Q.to_dense()
-    close(torch.cat([blocks[n].flatten(1) for n in ("0", "2")], 1), torch.stack(ref))
+    return torch.stack(ref)
+
+
+def test_planner_sees_both_sides_tokens():
+    """The factored width of a paired query is T_b + T_c per layer (two forward calls,
+    concatenated): the planner's positions per example, which the ghost / dense decision
+    uses, count both sides."""
+    from gradalg.plan.cost import tokens_hint
+    model, layers, _, behaviour, control = setup()
+    task = ga.tasks.contrastive(ga.tasks.causal_lm(model))
+    Q = ga.grads(task, ga.tasks.contrast_pairs(behaviour, control), layers)
+    assert tokens_hint(Q.expr) == len(behaviour[0]["input_ids"]) + len(control[0]["input_ids"])
+    S = ga.methods.grad_dot(task, items(6), ga.tasks.contrast_pairs(behaviour, control), layers=layers)
+    assert "needs T" not in str(S.explain())

@@ -42,12 +42,13 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ..collate import pad_collate
+from ..data import as_data, batch_size_of
 from ..errors import DataError, OptionError
 from ..task import Task
 
 __all__ = ["contrastive", "contrast_pairs", "ContrastPairs", "is_pair_batch", "split_pair"]
 
-#: key of the marker field of a paired batch, (B,) int8 ones
+#: key of the marker field of a paired batch, (B, T_b + T_c) int8 ones (see :func:`pair_collate`)
 MARKER = "__gradalg_contrast__"
 SIDES = ("behaviour", "control")
 
@@ -74,7 +75,6 @@ class ContrastPairs(Dataset):
 
 def _items(data, side: str):
     """``data`` as an indexable sequence of examples (a list, a Dataset, tensors)."""
-    from ..data import as_data
     if isinstance(data, Dataset) or (isinstance(data, Sequence) and not isinstance(data, (str, bytes, tuple))):
         return data
     source = as_data(data).source      # tensors, a tuple of tensors, dict of batched tensors
@@ -86,12 +86,24 @@ def _items(data, side: str):
 
 def pair_collate(pairs: list) -> dict:
     """Batch a list of ``(behaviour_item, control_item)``: each side by ``pad_collate``,
-    flattened into one dict (``"behaviour" + key`` …) with the marker field ``(B,)``, so
+    flattened into one dict (``"behaviour/" + key`` …) after the marker field, so
     gradalg slices, moves and counts it as any dict batch.  Top-level: picklable."""
-    out = {MARKER: torch.ones(len(pairs), dtype=torch.int8)}
+    out = {}
     for s, side in enumerate(SIDES):
         out.update(_flatten(side, pad_collate([pair[s] for pair in pairs])))
-    return out
+    return {MARKER: torch.ones(len(pairs), _positions(out), dtype=torch.int8), **out}
+
+
+def _positions(flat: dict) -> int:
+    """T_b + T_c: the token axes of the two sides (1 for a side without one, e.g. flat
+    features). The marker is (B, T_b + T_c) and comes first, so the planner, which reads
+    the first tensor of an example's batch for its positions per example, costs the
+    factored width a paired query really has (both forward calls' tokens, concatenated)."""
+    total = 0
+    for side in SIDES:
+        first = next(v for k, v in flat.items() if k == side or k.startswith((side + "/", side + "#")))
+        total += first.shape[1] if first.dim() == 2 and not first.is_floating_point() else 1
+    return total
 
 
 def _flatten(side: str, batch) -> dict:
@@ -174,7 +186,8 @@ def contrastive(task: Task, *, name: str | None = None) -> Task:
     loss, reduction = task.loss, task.reduction
 
     def summed(model, batch):      # the base loss as a sum over examples (its reduction applied)
-        return Task(model, loss, reduction=reduction).summed_loss(model, batch)
+        value = loss(model, batch)
+        return value * batch_size_of(batch) if reduction == "mean" else value
 
     def token_mask(batch):
         if is_pair_batch(batch):
