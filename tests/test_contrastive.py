@@ -90,6 +90,10 @@ def test_mismatched_pairs_and_pairs_as_curvature_data_are_refused():
     pairs = ga.tasks.contrast_pairs(behaviour, control)
     with pytest.raises(OptionError, match="contrastive pairs are queries"):
         ga.grads(task, pairs, layers, objective="sampled").to_dense()
+    bad = [dict(control[0]), {"input_ids": torch.tensor([3]), "attention_mask": torch.tensor([1])}, control[2]]
+    with pytest.raises(ga.BatchContentError, match="the control side of contrastive queries") as err:
+        ga.grads(task, ga.tasks.contrast_pairs(behaviour, bad), layers).to_dense()
+    assert err.value.example_ids == [1]
 
 
 def test_tensor_pairs_for_a_classifier():

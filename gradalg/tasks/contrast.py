@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ..collate import pad_collate
 from ..data import as_data, batch_size_of
-from ..errors import DataError, OptionError
+from ..errors import BatchContentError, DataError, OptionError
 from ..task import Task
 
 __all__ = ["contrastive", "contrast_pairs", "ContrastPairs", "is_pair_batch", "split_pair"]
@@ -196,8 +196,12 @@ def contrastive(task: Task, *, name: str | None = None) -> Task:
 
     def check_batch(batch, ids=None):
         if is_pair_batch(batch):
-            for side in split_pair(batch):
-                task.validate_batch(side, ids)
+            for side_name, side in zip(SIDES, split_pair(batch)):
+                try:
+                    task.validate_batch(side, ids)
+                except BatchContentError as err:   # which side of the pairs is at fault
+                    raise BatchContentError(f"the {side_name} side of contrastive queries: {err.message}",
+                                            err.example_ids) from err
             return batch
         task.validate_batch(batch, ids)
         return batch
