@@ -22,8 +22,8 @@ from references import one_thread  # noqa: E402,F401 - one intra-op thread per t
 
 import gradalg as ga  # noqa: E402
 from gradalg.api import GradientSet  # noqa: E402
-from gradalg.expr import (AdamPrecondition, AdamState, GradNode, LowRank, Normalize, PerToken, Precondition,  # noqa: E402
-                          Project, RowWise, ScaleRows, Select)
+from gradalg.expr import (AdamPrecondition, AdamState, GradNode, LowRank, Normalize,  # noqa: E402
+                          PerToken, Precondition, Project, RowWise, ScaleRows, Select)
 from gradalg.expr.grads import first_examples  # noqa: E402
 from gradalg.plan.cost import Cost  # noqa: E402
 from gradalg.plan.estimates import rowwise_cost  # noqa: E402

@@ -12,7 +12,8 @@ from ..capture.chunks import Chunk, flat_block
 from .lowrank import truncate_chunk
 from .per_token import split_tokens
 
-__all__ = ["apply_rowwise", "RowContext", "dtype_device", "scale_rows", "adam_block", "fuses_blocks", "project_blockwise"]
+__all__ = ["apply_rowwise", "RowContext", "dtype_device", "scale_rows", "adam_block", "fuses_blocks",
+           "project_blockwise"]
 
 
 def dtype_device(value):

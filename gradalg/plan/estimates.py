@@ -49,7 +49,8 @@ from .shapes import element_size, rows_per_example
 __all__ = ["capture_cost", "pass_capture_cost", "chunk_count", "rows_chunk_cost", "fisher_chunk_cost", "kfac_chunk_cost",
            "kfac_once_cost", "ekfac_chunk_cost", "scores_chunk_cost", "scores_once_cost", "diag_chunk_cost",
            "resolve_once", "apply_cost", "OperatorPrices", "apply_flops", "resolve_cost",
-           "project_cost", "RowPrices", "rowwise_cost", "kernel_costs", "elementwise_cost", "pass_overhead", "ELEMENTWISE_SWEEPS", "OPS_PER_PASS",
+           "project_cost", "RowPrices", "rowwise_cost",
+           "kernel_costs", "elementwise_cost", "pass_overhead", "ELEMENTWISE_SWEEPS", "OPS_PER_PASS",
            "OPS_PER_MEMORY_PASS", "ADAM_OPS"]
 
 #: memory sweeps over a weight layer's inputs and outputs (``activation_bytes``) per
