@@ -5,16 +5,15 @@ from __future__ import annotations
 import torch
 
 from ..capture.factors import Factors, compute_dtype, project_factors
-from ..errors import GradalgError
-from ..expr import (AdamPrecondition, LowRank, Normalize, PerToken, Precondition, Project, RowWeights, ScaleRows,
-                    Select)
+from ..expr import AdamPrecondition, Project, RowWeights
 from ..proj.kernels import SPARSE_KINDS, project_sparse_block
 from ..proj.matrices import dense_matrix, kron_matrices
-from ..capture.chunks import Chunk, flat_block, flatten, row_sq_norms, unflatten
+from ..capture.chunks import Chunk, flat_block
 from .lowrank import truncate_chunk
 from .per_token import split_tokens
 
-__all__ = ["apply_rowwise", "dtype_device", "scale_rows", "adam_block", "fuses_blocks", "project_blockwise"]
+__all__ = ["apply_rowwise", "RowContext", "dtype_device", "scale_rows", "adam_block", "fuses_blocks",
+           "project_blockwise"]
 
 
 def dtype_device(value):
@@ -31,41 +30,36 @@ def scale_rows(value, w: torch.Tensor):
 
 
 def apply_rowwise(executor, node, chunk: Chunk) -> Chunk:
-    """The chunk of ``node`` computed from the matching chunk of ``node.grads``."""
-    if isinstance(node, Project):
-        return chunk.replace(_project(executor, node, chunk))
-    if isinstance(node, Normalize):
-        if node.op is None:
-            o = executor.options
-            norms = row_sq_norms(chunk, o.ghost_slice_elements, o.token_block).sqrt()
-            inv = torch.where(norms > 0, 1.0 / norms, torch.zeros_like(norms))
-            return chunk.replace({n: scale_rows(v, inv) for n, v in chunk.blocks.items()})
-        metric = executor.resolve(node.op)
-        x = flatten(chunk, node.space)
-        sq = (x * metric.apply(x).to(x.dtype)).sum(1)
-        if bool((sq < 0).any()):
-            raise GradalgError("the normalizing operator gave a negative ⟨g, H g⟩: it must be "
-                               "positive semi-definite (damp it)")
-        norms = sq.sqrt()
-        inv = torch.where(norms > 0, 1.0 / norms, torch.zeros_like(norms))
-        return chunk.replace(unflatten(x * inv.unsqueeze(1), node.space))
-    if isinstance(node, Select):
-        return chunk.replace({n: chunk.blocks[n] for n in node.names})
-    if isinstance(node, PerToken):  # B examples -> B·tokens (example, position) rows
+    """The chunk of ``node`` (a :class:`~gradalg.expr.RowWise`) computed from the matching
+    chunk of ``node.grads``."""
+    return node.apply(chunk, RowContext(executor))
+
+
+class RowContext:
+    """What a row-wise node's ``apply(chunk, ctx)`` asks of the executor: its options,
+    resolved operators, projection kernels, per-token split, truncated SVDs and row weights."""
+
+    def __init__(self, executor):
+        self.executor = executor
+        self.options = executor.options
+
+    def resolve(self, op):
+        return self.executor.resolve(op)
+
+    def project(self, node: Project, chunk: Chunk) -> dict:
+        return _project(self.executor, node, chunk)
+
+    def split_tokens(self, node, chunk: Chunk) -> Chunk:
         return split_tokens(node, chunk)
-    if isinstance(node, Precondition):
-        resolved = executor.resolve(node.op)
-        return chunk.replace(unflatten(resolved.apply(flatten(chunk, node.space)), node.space))
-    if isinstance(node, ScaleRows):
-        w = _row_weights(node.weights, chunk)
-        return chunk.replace({n: scale_rows(v, w) for n, v in chunk.blocks.items()})
-    if isinstance(node, LowRank):   # each (out, in) block's truncated SVD, as rank-r factors
-        return truncate_chunk(node, chunk, executor.options.token_block)
-    if isinstance(node, AdamPrecondition):   # elementwise: one block at a time, never the whole model flat
-        offsets = node.space.offsets()
-        return chunk.replace({b.name: adam_block(node.state, chunk.blocks[b.name], offsets[b.name])
-                              for b in node.space.blocks})
-    raise TypeError(f"{type(node).__name__} is not a row-wise node")
+
+    def truncate(self, node, chunk: Chunk) -> Chunk:
+        return truncate_chunk(node, chunk, self.options.token_block)
+
+    def row_weights(self, weights, chunk: Chunk) -> torch.Tensor:
+        return _row_weights(weights, chunk)
+
+    def scale_rows(self, value, w: torch.Tensor):
+        return scale_rows(value, w)
 
 
 def _check_dense_matrix(p, dim: int, options) -> None:
@@ -101,17 +95,9 @@ def _row_weights(weights, chunk: Chunk) -> torch.Tensor:
 
 
 def adam_block(state, value, coords: slice) -> torch.Tensor:
-    """Adam's direction ``m / (√v + ε)`` of one block's rows, with ``m = β₁ m₀ + (1 − β₁) g``
-    and ``v = β₂ v₀ + (1 − β₂) g²`` (m₀, v₀: the state's entries ``coords`` of the space).
+    """Adam's direction of one block's rows (:meth:`gradalg.expr.AdamState.direction`).
     value : factors or (n, d_b) rows   returns (n, d_b)"""
-    g = flat_block(value)
-    # the same float operations as m / (√v + ε) written out, in two buffers of the rows'
-    # size (the (d_b,) terms β₁m₀ and β₂v₀ are formed once, not per example)
-    m = (1 - state.beta1) * g
-    m.add_(state.beta1 * state.exp_avg[coords].to(g))
-    v = (1 - state.beta2) * g
-    v.mul_(g).add_(state.beta2 * state.exp_avg_sq[coords].to(g))
-    return m.div_(v.sqrt_().add_(state.eps))
+    return state.direction(value, coords)
 
 
 def fuses_blocks(node) -> bool:

@@ -10,11 +10,6 @@ range of ``size`` examples is read in.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
-from ..expr import Source
-from ..plan.planner import ROW_WISE
-
 __all__ = ["restrict", "shard_ranges", "rank_ranges", "batches_in"]
 
 
@@ -41,17 +36,7 @@ def batches_in(size: int, batch_size: int) -> int:
 
 
 def restrict(node, data_token: str, start: int, stop: int):
-    """``node`` with its row chain's Source over ``data_token`` limited to examples start:stop.
-
-    Only the rows are restricted: operators inside the chain (a preconditioner, the
-    metric of a normalization) keep their full data, so they are the same operators
-    with the same identity as in the unsharded plan.
-    """
-    if isinstance(node, Source):
-        if node.data.token != data_token:
-            return node
-        return Source(node.task, node.data.subset(start, stop), node.layers, node.backend, node.objective, node.seed)
-    if isinstance(node, ROW_WISE):
-        inner = restrict(node.grads, data_token, start, stop)
-        return node if inner is node.grads else replace(node, grads=inner)
-    return node
+    """``node`` with its row chain's Source over ``data_token`` limited to examples start:stop
+    (:meth:`gradalg.expr.GradNode.restrict`): only the rows are restricted, operators inside
+    the chain keep their full data, the same operators as in the unsharded plan."""
+    return node.restrict(data_token, start, stop)

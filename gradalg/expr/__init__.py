@@ -1,7 +1,7 @@
 """Lazy expression nodes: pure data, no computation."""
 from .base import Node, tokenize
 from .grads import (AdamPrecondition, AdamState, Captured, GradNode, GroupMean, Normalize, Precondition,
-                    Project, RowWeights, ScaleRows, Select, Source)
+                    Project, RowWeights, RowWise, ScaleRows, Select, Source)
 from .operators import (Damp, Dense, Diagonal, Fisher, Identity, Inverse, OpNode, Power, ResolveContext, ScaledOp,
                         Statistic, SumOp)
 from .projection import Projector

@@ -15,14 +15,17 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any, Callable
 
+import torch
+
+from ..capture.chunks import flat_block, flatten, row_sq_norms, unflatten
 from ..capture.hooks import resolve_layers
 from ..data import DataRef
 from ..space import Block, ParamSpace
-from ..errors import OptionError
+from ..errors import GradalgError, OptionError
 from .base import Node
 from .projection import Projector
 
-__all__ = ["GradNode", "Source", "Captured", "Project", "Normalize", "Select", "Precondition",
+__all__ = ["GradNode", "RowWise", "Source", "Captured", "Project", "Normalize", "Select", "Precondition",
            "ScaleRows", "RowWeights", "GroupMean", "AdamState", "AdamPrecondition", "first_examples"]
 
 
@@ -49,10 +52,62 @@ class GradNode(Node):
     def representation(self) -> dict[str, str]:
         """Defined by each node type."""
 
+    @abstractmethod
+    def restrict(self, data_token: str, start: int, stop: int) -> "GradNode":
+        """This node with its rows read from data ``data_token`` limited to examples
+        start:stop (a shard); itself when its rows are not read from that data."""
+
+    @abstractmethod
+    def first_examples(self, n: int) -> "GradNode":
+        """This node over the first ``n`` examples of its data, ``n`` < ``self.n``
+        (:func:`first_examples`); raises ValueError when its rows are not a pass of their own."""
+
     @property
     def source(self) -> "Source | Captured":
         """The leaf this gradient set is computed from."""
         return self.grads.source  # type: ignore[attr-defined]
+
+
+def _not_from_data(node: GradNode, n: int):
+    raise ValueError(
+        f"statistics on the first {n} examples need gradients computed from data (ga.grads, "
+        f"optionally projected or selected); {node.label!r} is not: compute them on all rows "
+        "(covariance_max_examples=None, lambda_max_examples=None)")
+
+
+class RowWise(GradNode):
+    """A node computed row by row from its input ``grads``: a chunk of the input's rows
+    gives the chunk of this node for the same examples. The row-wise protocol, which the
+    planner and the executors call instead of asking a node its type:
+
+    ``apply(chunk, ctx)``           the chunk of this node from the matching chunk of
+                                    ``grads`` (``ctx``: :class:`gradalg.exec.rowwise.RowContext`,
+                                    the executor's resolved operators, projections, options)
+    ``row_cost(n, chunk, prices)``  the :class:`~gradalg.plan.cost.Cost` of that for n
+                                    examples of the input in chunks of ``chunk`` rows
+                                    (``prices``: :class:`gradalg.plan.estimates.RowPrices`)
+    ``restrict(data, a, b)``        the same transform of the input's rows a:b (shards)
+    ``representation``              each block's representation after the transform
+
+    ``apply`` and ``row_cost`` are abstract: a row-wise type that forgets one fails when built.
+    """
+
+    @abstractmethod
+    def apply(self, chunk, ctx):
+        """The chunk of this node computed from ``chunk``, the same rows of ``grads``."""
+
+    @abstractmethod
+    def row_cost(self, n: int, chunk: int | None, prices):
+        """The Cost of :meth:`apply` over ``n`` examples of ``grads`` in chunks of ``chunk``."""
+
+    def restrict(self, data_token, start, stop):
+        """Only the rows are restricted: operators inside the chain (a preconditioner, the
+        metric of a normalization) keep their full data, the same operators as unsharded."""
+        inner = self.grads.restrict(data_token, start, stop)
+        return self if inner is self.grads else replace(self, grads=inner)
+
+    def first_examples(self, n):
+        return replace(self, grads=first_examples(self.grads, n))
 
 
 def _module_blocks(task, layers, backend) -> tuple[Block, ...]:
@@ -104,6 +159,14 @@ class Source(GradNode):
     def source(self):
         return self
 
+    def restrict(self, data_token, start, stop):
+        if self.data.token != data_token:
+            return self
+        return Source(self.task, self.data.subset(start, stop), self.layers, self.backend, self.objective, self.seed)
+
+    def first_examples(self, n):
+        return replace(self, data=self.data.prefix(n))
+
     @property
     def label(self):
         extra = "" if self.objective == "loss" else f", objective={self.objective}"
@@ -138,13 +201,19 @@ class Captured(GradNode):
     def source(self):
         return self
 
+    def restrict(self, data_token, start, stop):
+        return self        # recorded rows, not read from data
+
+    def first_examples(self, n):
+        _not_from_data(self, n)
+
     @property
     def label(self):
         return f"captured(n={self.n})"
 
 
 @dataclass(frozen=True, eq=False)
-class Project(GradNode):
+class Project(RowWise):
     """``P(G)``: each example's gradient projected by ``projector``."""
 
     grads: GradNode
@@ -182,12 +251,18 @@ class Project(GradNode):
     def representation(self):
         return {b.name: "projected" for b in self.space.blocks}
 
+    def apply(self, chunk, ctx):
+        return chunk.replace(ctx.project(self, chunk))
+
+    def row_cost(self, n, chunk, prices):
+        return prices.project(self, n, chunk)
+
     @property
     def label(self):
         return f"project {self.projector!r}"
 
 
-class _RowMap(GradNode):
+class _RowMap(RowWise):
     """A node that keeps its input's rows and space."""
 
     @property
@@ -226,6 +301,34 @@ class Normalize(_RowMap):
         # the metric's ⟨g, H g⟩ needs the flat rows: the executor materializes factored blocks
         return {k: ("projected" if v == "projected" else "dense") for k, v in rep.items()}
 
+    def apply(self, chunk, ctx):
+        """Rows scaled by 1/‖G_i‖ (0 for a zero row); factored blocks by their output
+        gradients. With H: the rows flattened, (c, d), and ⟨g, H g⟩ from H applied."""
+        if self.op is None:
+            o = ctx.options
+            norms = row_sq_norms(chunk, o.ghost_slice_elements, o.token_block).sqrt()
+            inv = torch.where(norms > 0, 1.0 / norms, torch.zeros_like(norms))
+            return chunk.replace({n: ctx.scale_rows(v, inv) for n, v in chunk.blocks.items()})
+        metric = ctx.resolve(self.op)
+        x = flatten(chunk, self.space)
+        sq = (x * metric.apply(x).to(x.dtype)).sum(1)
+        if bool((sq < 0).any()):
+            raise GradalgError("the normalizing operator gave a negative ⟨g, H g⟩: it must be "
+                               "positive semi-definite (damp it)")
+        norms = sq.sqrt()
+        inv = torch.where(norms > 0, 1.0 / norms, torch.zeros_like(norms))
+        return chunk.replace(unflatten(x * inv.unsqueeze(1), self.space))
+
+    def row_cost(self, n, chunk, prices):
+        """Squared norms (one read; factored blocks by their ghost identity) and the rows
+        scaled; with H: the rows flattened, H applied, ⟨g, Hg⟩ and the scaled rows (4 reads,
+        2 writes), H resolved once."""
+        src = self.grads
+        if self.op is None:
+            return prices.per_chunk(src, n, chunk, lambda c: prices.norms(src, c) + prices.scale_rows(src, c))
+        return prices.per_chunk(src, n, chunk, lambda c: (prices.flatten(src, c) + prices.apply(self.op, src.space, c)
+                                                          + prices.elementwise(c * src.space.dim, 4, 2)), self.op)
+
     @property
     def label(self):
         return "normalize" if self.op is None else "normalize in the metric of an operator"
@@ -262,6 +365,12 @@ class GroupMean(GradNode):
     def representation(self):
         return {k: ("projected" if v == "projected" else "dense") for k, v in self.grads.representation.items()}
 
+    def restrict(self, data_token, start, stop):
+        return self        # a group's mean needs every row of its group
+
+    def first_examples(self, n):
+        _not_from_data(self, n)
+
     @property
     def label(self):
         return f"mean over {self.n} groups"
@@ -279,6 +388,19 @@ class AdamState:
     beta1: float
     beta2: float
     eps: float
+
+    def direction(self, value, coords: slice) -> torch.Tensor:
+        """Adam's direction ``m / (√v + ε)`` of one block's rows, with ``m = β₁ m₀ + (1 − β₁) g``
+        and ``v = β₂ v₀ + (1 − β₂) g²`` (m₀, v₀: the entries ``coords`` of the space).
+        value : factors or (n, d_b) rows   returns (n, d_b)"""
+        g = flat_block(value)
+        # the same float operations as m / (√v + ε) written out, in two buffers of the rows'
+        # size (the (d_b,) terms β₁m₀ and β₂v₀ are formed once, not per example)
+        m = (1 - self.beta1) * g
+        m.add_(self.beta1 * self.exp_avg[coords].to(g))
+        v = (1 - self.beta2) * g
+        v.mul_(g).add_(self.beta2 * self.exp_avg_sq[coords].to(g))
+        return m.div_(v.sqrt_().add_(self.eps))
 
     @property
     def token(self):
@@ -309,6 +431,17 @@ class AdamPrecondition(_RowMap):
     def representation(self):
         return {k: ("projected" if v == "projected" else "dense") for k, v in self.grads.representation.items()}
 
+    def apply(self, chunk, ctx):
+        """Elementwise, one block at a time: never the whole model's rows flat."""
+        offsets = self.space.offsets()
+        return chunk.replace({b.name: self.state.direction(chunk.blocks[b.name], offsets[b.name])
+                              for b in self.space.blocks})
+
+    def row_cost(self, n, chunk, prices):
+        """Each block materialized (from factors) and Adam's elementwise ops (``prices.adam``)."""
+        return prices.per_chunk(self.grads, n, chunk,
+                                lambda c: prices.materialize(self.grads, c) + prices.adam(self.grads, c))
+
     @property
     def label(self):
         return "adam transform"
@@ -329,6 +462,12 @@ class Select(_RowMap):
     def representation(self):
         rep = self.grads.representation
         return {n: rep[n] for n in self.names}
+
+    def apply(self, chunk, ctx):
+        return chunk.replace({n: chunk.blocks[n] for n in self.names})
+
+    def row_cost(self, n, chunk, prices):
+        return prices.free()      # a view
 
     @property
     def label(self):
@@ -354,6 +493,16 @@ class Precondition(_RowMap):
         rep = self.grads.representation
         return {k: ("projected" if v == "projected" else "dense") for k, v in rep.items()}
 
+    def apply(self, chunk, ctx):
+        resolved = ctx.resolve(self.op)
+        return chunk.replace(unflatten(resolved.apply(flatten(chunk, self.space)), self.space))
+
+    def row_cost(self, n, chunk, prices):
+        """The rows flattened and H applied; H resolved once."""
+        src = self.grads
+        return prices.per_chunk(src, n, chunk,
+                                lambda c: prices.flatten(src, c) + prices.apply(self.op, src.space, c), self.op)
+
     @property
     def label(self):
         return "precondition"
@@ -378,6 +527,13 @@ class ScaleRows(_RowMap):
     grads: GradNode
     weights: Any  # float or RowWeights
 
+    def apply(self, chunk, ctx):
+        w = ctx.row_weights(self.weights, chunk)
+        return chunk.replace({n: ctx.scale_rows(v, w) for n, v in chunk.blocks.items()})
+
+    def row_cost(self, n, chunk, prices):
+        return prices.per_chunk(self.grads, n, chunk, lambda c: prices.scale_rows(self.grads, c))
+
     @property
     def label(self):
         w = self.weights
@@ -399,11 +555,4 @@ def first_examples(node: GradNode, n: int | None) -> GradNode:
     """
     if n is None or n >= node.n:
         return node
-    if isinstance(node, Source):
-        return replace(node, data=node.data.prefix(n))
-    if isinstance(node, (Project, _RowMap)):
-        return replace(node, grads=first_examples(node.grads, n))
-    raise ValueError(
-        f"statistics on the first {n} examples need gradients computed from data (ga.grads, "
-        f"optionally projected or selected); {node.label!r} is not: compute them on all rows "
-        "(covariance_max_examples=None, lambda_max_examples=None)")
+    return node.first_examples(n)

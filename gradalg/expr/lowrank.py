@@ -83,6 +83,26 @@ class LowRank(_RowMap):
         return {name: (min(T, self.rank) if rep.get(name) == "factored" else self.rank)
                 if name in self.truncated else T for name, T in below.items()}
 
+    def apply(self, chunk, ctx):
+        return ctx.truncate(self, chunk)
+
+    def row_cost(self, n, chunk, prices):
+        """Per truncated block: materialized (from factors; a factored block with at most
+        ``rank`` positions is kept as it is) and one thin SVD per row."""
+        src = self.grads
+
+        def per(c):
+            cost, T = prices.free(), prices.positions(src)
+            for b in src.space.blocks:
+                factors = prices.layout.get(b.name) == "factors"
+                if b.name not in self.truncated or (factors and T[b.name] <= self.rank):
+                    continue
+                if factors:
+                    cost = cost + prices.materialize_block(c, T[b.name], b.shape[1], b.shape[0])
+                cost = cost + prices.svd(c, b.shape[0], b.shape[1])
+            return cost
+        return prices.per_chunk(src, n, chunk, per)
+
     @property
     def label(self):
         return f"rank-{self.rank} approximation (truncated SVD per block)"

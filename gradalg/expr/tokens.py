@@ -38,15 +38,15 @@ from functools import cached_property
 import torch
 
 from ..errors import PerTokenError
-from .grads import (AdamPrecondition, Captured, GradNode, Normalize, Precondition, Project, ScaleRows, Select,
-                    Source)
+from .grads import (AdamPrecondition, Captured, GradNode, Normalize, Precondition, Project, RowWise, ScaleRows,
+                    Select, Source, _not_from_data)
 from .lowrank import LowRank
 
 __all__ = ["PerToken", "token_rows", "per_token_node", "infer_positions", "PerTokenError"]
 
 
 @dataclass(frozen=True, eq=False)
-class PerToken(GradNode):
+class PerToken(RowWise):
     """Rows (example, position) of ``grads``: row (i, t) = d_it a_itᵀ per block.
 
     ``tokens``: positions per example (the padded sequence length); n = grads.n · tokens;
@@ -92,6 +92,16 @@ class PerToken(GradNode):
     @property
     def representation(self):
         return {name: "factored" for name in self.space.names}
+
+    def apply(self, chunk, ctx):
+        """B examples -> B·tokens rows (example, position)."""
+        return ctx.split_tokens(self, chunk)
+
+    def row_cost(self, n, chunk, prices):
+        return prices.free()      # views of the factors
+
+    def first_examples(self, n):
+        _not_from_data(self, n)   # its rows are positions, not examples
 
     @property
     def label(self):

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ..errors import OperatorError, PlanError
-from ..expr import AdamPrecondition, LowRank, Normalize, Precondition, Project, ScaleRows, Source
+from ..expr import Project, Source
 from ..linalg.kron import is_diagonal_factor
 from ..linalg.labels import form_of
 from .cost import (Cost, activation_bytes, block_cost, bmm_cost, dense_cost, eigh_cost, fisher_cost, gemm_cost,
@@ -49,7 +49,8 @@ from .shapes import element_size, rows_per_example
 __all__ = ["capture_cost", "pass_capture_cost", "chunk_count", "rows_chunk_cost", "fisher_chunk_cost", "kfac_chunk_cost",
            "kfac_once_cost", "ekfac_chunk_cost", "scores_chunk_cost", "scores_once_cost", "diag_chunk_cost",
            "resolve_once", "apply_cost", "OperatorPrices", "apply_flops", "resolve_cost",
-           "project_cost", "rowwise_cost", "kernel_costs", "elementwise_cost", "pass_overhead", "ELEMENTWISE_SWEEPS", "OPS_PER_PASS",
+           "project_cost", "RowPrices", "rowwise_cost",
+           "kernel_costs", "elementwise_cost", "pass_overhead", "ELEMENTWISE_SWEEPS", "OPS_PER_PASS",
            "OPS_PER_MEMORY_PASS", "ADAM_OPS"]
 
 #: memory sweeps over a weight layer's inputs and outputs (``activation_bytes``) per
@@ -504,71 +505,89 @@ def _flatten_cost(node, c: int, layout: dict, elem: int) -> Cost:
     return cost
 
 
+@dataclass(frozen=True)
+class RowPrices:
+    """The prices a row-wise node's ``row_cost(n, chunk, prices)`` is written in
+    (:class:`gradalg.expr.RowWise`), for input rows of ``layout`` (``{block: "factors" |
+    "flat"}``) of ``elem`` bytes under ``options``. ``drawn``: the projections whose
+    matrices an earlier transform drew; ``resolved``: the tokens of the operators an earlier
+    pass or transform resolved (an operator is resolved once in a plan; :meth:`per_chunk`
+    adds the ones it resolves)."""
+
+    layout: dict
+    elem: int = 4
+    options: object = None
+    drawn: set | None = None
+    resolved: set | None = None
+
+    def free(self) -> Cost:
+        return Cost()
+
+    def per_chunk(self, src, n: int, chunk: int | None, per, op=None) -> Cost:
+        """``per(c)``, the cost of one chunk of c rows of ``src``, over the chunks of n
+        examples' rows, plus resolving ``op`` once (when given and not resolved before)."""
+        n = n * rows_of(src)
+        c = max(1, min(chunk or n, n))
+        once = resolve_once(op, self.resolved) if op is not None else Cost()
+        return per(c).scaled(_chunks(n, c)) + once
+
+    def positions(self, src) -> dict:
+        return positions(src)
+
+    def project(self, node, n: int, chunk: int | None) -> Cost:
+        return project_cost(node, n, tokens_hint(node), self.elem, chunk, self.drawn)
+
+    def materialize(self, src, c: int) -> Cost:
+        return _materialize_cost(src, c, self.layout, self.elem)
+
+    def materialize_block(self, c: int, T: int, d_in: int, d_out: int) -> Cost:
+        return materialize_cost(c, T, d_in, d_out, self.elem)
+
+    def flatten(self, src, c: int) -> Cost:
+        return _flatten_cost(src, c, self.layout, self.elem)
+
+    def apply(self, op, space, c: int) -> Cost:
+        return apply_cost(op, space, c, self.elem, self.options)
+
+    def elementwise(self, count: int, reads: int, writes: int) -> Cost:
+        return elementwise_cost(count, reads, writes, self.elem)
+
+    def svd(self, c: int, d_out: int, d_in: int) -> Cost:
+        return svd_cost(c, d_out, d_in, self.elem)
+
+    def norms(self, src, c: int) -> Cost:
+        """Squared norms of c rows of ``src`` (read once; factored blocks by their ghost identity)."""
+        d = src.space.dim
+        return Cost(flops=2.0 * c * d, bytes=float(self.elem) * c * d)
+
+    def adam(self, src, c: int) -> Cost:
+        """:data:`ADAM_OPS` full-size elementwise ops on c rows, two into fresh memory
+        (block by block: no concatenated row)."""
+        d, elem = src.space.dim, self.elem
+        return Cost(bytes=float(elem) * c * d * (ADAM_OPS["reads"] + ADAM_OPS["writes"]),
+                    faulted=float(elem) * c * d * ADAM_OPS["fresh"])
+
+    def scale_rows(self, src, c: int) -> Cost:
+        """Each block of c rows scaled: factored (out, in) blocks by their output gradients."""
+        T, out = positions(src), Cost()
+        for b in src.space.blocks:
+            if self.layout.get(b.name) == "factors" and len(b.shape) == 2:
+                out = out + elementwise_cost(c * T[b.name] * b.shape[0], 1, 1, self.elem)
+            else:
+                out = out + elementwise_cost(c * b.dim, 1, 1, self.elem)
+        return out
+
+
 def rowwise_cost(node, n: int, chunk: int | None, layout: dict, elem: int = 4, options=None,
                  drawn: set | None = None, resolved: set | None = None) -> Cost:
     """The row-wise transform ``node`` derived from ``node.grads`` for n examples in
     chunks of ``chunk`` (``gradalg.exec.rowwise``); ``layout`` is ``{block: "factors" |
-    "flat"}`` of the input rows. Per chunk of c rows and d coordinates:
-
-    * a projection: :func:`project_cost`;
-    * Adam's preconditioning: each block materialized (from factors) and
-      :data:`ADAM_OPS` full-size elementwise ops, two of them into fresh memory;
-    * a normalization: squared norms (read once; factored blocks by their ghost
-      identity) and the rows scaled (factored blocks: their output gradients);
-      with a metric H, the rows flattened, H applied (:func:`apply_cost`), ⟨g, Hg⟩ and
-      the scaled rows (4 reads, 2 writes);
-    * a preconditioner H: the rows flattened and H applied;
-    * row weights: the rows scaled;
-    * a rank-r approximation: each truncated block materialized (from factors) and one
-      thin SVD per row (:func:`~gradalg.plan.cost.svd_cost`).
-
-    An operator (H) is resolved once in a plan: ``resolved`` holds the tokens of those
-    an earlier pass or transform resolved (this call adds the ones it resolves)."""
-    if isinstance(node, Project):
-        return project_cost(node, n, tokens_hint(node), elem, chunk, drawn)
-    n = n * rows_of(node.grads)
-    c = max(1, min(chunk or n, n))
-    chunks = _chunks(n, c)
-    src = node.grads
-    d = src.space.dim
-    T = positions(src)
-    once = Cost()
-
-    def scale_rows() -> Cost:    # each block scaled: factors by their output gradients
-        out = Cost()
-        for b in src.space.blocks:
-            if layout.get(b.name) == "factors" and len(b.shape) == 2:
-                out = out + elementwise_cost(c * T[b.name] * b.shape[0], 1, 1, elem)
-            else:
-                out = out + elementwise_cost(c * b.dim, 1, 1, elem)
-        return out
-
-    if isinstance(node, AdamPrecondition):
-        per = _materialize_cost(src, c, layout, elem) + Cost(     # block by block: no concatenated row
-            bytes=float(elem) * c * d * (ADAM_OPS["reads"] + ADAM_OPS["writes"]),
-            faulted=float(elem) * c * d * ADAM_OPS["fresh"])
-    elif isinstance(node, Normalize) and node.op is None:
-        per = Cost(flops=2.0 * c * d, bytes=float(elem) * c * d) + scale_rows()
-    elif isinstance(node, Normalize):
-        per = (_flatten_cost(src, c, layout, elem) + apply_cost(node.op, src.space, c, elem, options)
-               + elementwise_cost(c * d, 4, 2, elem))
-        once = resolve_once(node.op, resolved)
-    elif isinstance(node, Precondition):
-        per = _flatten_cost(src, c, layout, elem) + apply_cost(node.op, src.space, c, elem, options)
-        once = resolve_once(node.op, resolved)
-    elif isinstance(node, ScaleRows):
-        per = scale_rows()
-    elif isinstance(node, LowRank):     # per truncated block: materialized (from factors), one SVD per row
-        per = Cost()
-        for b in src.space.blocks:
-            if b.name not in node.truncated or (layout.get(b.name) == "factors" and T[b.name] <= node.rank):
-                continue
-            if layout.get(b.name) == "factors":
-                per = per + materialize_cost(c, T[b.name], b.shape[1], b.shape[0], elem)
-            per = per + svd_cost(c, b.shape[0], b.shape[1], elem)
-    else:                         # a selection of blocks, rows split per token: views
-        return Cost()
-    return per.scaled(chunks) + once
+    "flat"}`` of the input rows. Each node type prices itself (``node.row_cost``, in
+    :class:`RowPrices`): a projection by :func:`project_cost`, Adam's preconditioning by
+    :data:`ADAM_OPS`, a normalization or preconditioner by :func:`apply_cost` of its
+    operator (resolved once: ``resolved``), a rank-r approximation by
+    :func:`~gradalg.plan.cost.svd_cost`, a selection or per-token split as views (free)."""
+    return node.row_cost(n, chunk, RowPrices(layout, elem, options, drawn, resolved))
 
 
 # ------------------------------------------------------------------ jobs

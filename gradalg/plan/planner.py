@@ -38,8 +38,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..capture.hooks import forward_share_key
-from ..expr import (AdamPrecondition, Captured, GradNode, GroupMean, Identity, Inner, LowRank, Node, Normalize, OpNode, PerToken,
-                    Precondition, Project, ScaleRows, ScoreDiagonal, ScoreNode, ScoreSum, Select, Source)
+from ..expr import (AdamPrecondition, Captured, GradNode, GroupMean, Identity, Inner, Node, Normalize, OpNode,
+                    Precondition, Project, RowWise, ScoreDiagonal, ScoreNode, ScoreSum, Source)
 from ..errors import MemoryBudgetError, ObjectiveError
 from ..expr.lowrank import lowrank_below
 from ..expr.tokens import token_rows
@@ -59,7 +59,7 @@ from .rules import Firing, PlanError, simplify_until_fixpoint
 
 __all__ = ["Job", "Pass", "Decision", "DecisionKind", "Plan", "plan", "estimate", "stream_root", "PlanError"]  # jobs: plan/jobs.py
 
-ROW_WISE = (Project, Normalize, Select, Precondition, ScaleRows, AdamPrecondition, PerToken, LowRank)
+ROW_WISE = RowWise      # the nodes a pass derives chunk by chunk (the row-wise protocol)
 #: block kinds whose positions per example depend on the layer (unfolded convolutions)
 #: rather than on the data's token length
 CONV_KINDS = ("conv1d_nn", "conv2d", "conv3d")
