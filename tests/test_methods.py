@@ -309,7 +309,8 @@ def test_less_at_width_projects_block_by_block_without_a_dense_matrix(monkeypatc
         return original(state, value, coords)
 
     monkeypatch.setattr(matrices, "_draw", refuse)
-    monkeypatch.setattr(rowwise, "flatten", refuse)                 # no (n, dim) row of the whole model
+    import gradalg.expr.grads as grad_nodes                         # the row-wise nodes flatten there
+    monkeypatch.setattr(grad_nodes, "flatten", refuse)              # no (n, dim) row of the whole model
     monkeypatch.setattr(rowwise, "adam_block", spy)
     got = torch.from_numpy(S.compute().values)
     assert widths and max(widths) == max(b.dim for b in space.blocks) < space.dim
