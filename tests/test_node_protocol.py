@@ -297,3 +297,32 @@ def test_the_contributing_recipe_runs_as_written(setting):
     expected = (reference_rows(task, queries, layers) @ torch.diag(1.0 / (v.sqrt() + 1e-8))
                 @ reference_rows(task, data, layers).T)
     torch.testing.assert_close(torch.as_tensor(namespace["S"].compute().values), expected, rtol=1e-8, atol=1e-10)
+
+
+@dataclass(frozen=True, eq=False)
+class PlainSetAdam(AdamSecondMoment):
+    """The same operator, its labels() written as a plain set of strings."""
+
+    def labels(self):
+        return {"diagonal"}
+
+
+def test_labels_given_as_a_plain_set_are_read_as_labels(setting):
+    """An outside operator whose labels() returns {"diagonal"} composes (damp, inverse, power)
+    like one returning ga.Labels; anything else is refused naming the class and the fix."""
+    task, data, G = setting
+    v = torch.rand(G.space.dim, generator=torch.Generator().manual_seed(5), dtype=F64) + 0.1
+    plain, typed = PlainSetAdam(v, G.space), AdamSecondMoment(v, G.space)
+    assert plain.labels() == typed.labels()
+    Q = ga.grads(task, (data[0][:3], data[1][:3]))
+    got = (Q @ ga.Operator(plain).pow(0.5).damp(0.1).inv() @ G.T).compute().values
+    want = (Q @ ga.Operator(typed).pow(0.5).damp(0.1).inv() @ G.T).compute().values
+    torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(want), rtol=1e-12, atol=0)
+
+    @dataclass(frozen=True, eq=False)
+    class Wrong(AdamSecondMoment):
+        def labels(self):
+            return 3
+
+    with pytest.raises(ga.OperatorError, match=r"Wrong.labels\(\) returned int.*ga.Labels"):
+        Wrong(v, G.space).labels()

@@ -24,6 +24,7 @@ same rules the resolved operators apply. ``structure`` is the one-word name of t
 """
 from __future__ import annotations
 
+import functools
 from abc import abstractmethod
 from dataclasses import dataclass, field
 from functools import reduce
@@ -80,6 +81,21 @@ class ResolveContext(Protocol):
 
 class OpNode(Node):
     """Base of operator nodes: the four methods of the protocol (module docs) are abstract."""
+
+    def __init_subclass__(cls, **kwargs):
+        """A subclass's own ``labels()`` may return a plain set of label strings: it is read
+        as :class:`~gradalg.linalg.Labels` (:meth:`Labels.coerce`), so every caller gets Labels."""
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("labels")
+        if own is None or getattr(own, "__isabstractmethod__", False) or getattr(own, "_coerced", False):
+            return
+
+        @functools.wraps(own)
+        def labels(self):
+            return Labels.coerce(own(self), type(self).__name__)
+
+        labels._coerced = True
+        cls.labels = labels
 
     @property
     @abstractmethod

@@ -90,6 +90,20 @@ class Labels:
             raise OperatorError(f"operator labels {sorted(self.labels)}: need exactly one form of {FORMS} and "
                                 f"tags of {TAGS} only (unknown: {sorted(unknown)})")
 
+    @classmethod
+    def coerce(cls, value, owner: str = "an operator") -> "Labels":
+        """``value`` as Labels: Labels as they are; a set, frozenset, list or tuple of labels,
+        or one label string (``"diagonal"``), as Labels with no rules and no shared basis."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            value = {value}
+        if isinstance(value, (set, frozenset, list, tuple)) and all(isinstance(v, str) for v in value):
+            return cls(frozenset(value))
+        raise OperatorError(f"{owner}.labels() returned {type(value).__name__} {value!r}: return "
+                            f"ga.Labels({{'diagonal'}}) (one form of {FORMS}, tags of {TAGS}) or a set of "
+                            "those label strings")
+
     def __iter__(self):
         return iter(self.labels)
 
