@@ -72,7 +72,7 @@ class Sink:
     @classmethod
     def open(cls, job: Job, ctx) -> "Sink":
         """The sink of ``job`` with its accumulator, ready for the pass."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{cls.__name__} does not say how it opens (Sink.open)")
 
     @property
     def fed(self) -> tuple:
@@ -95,7 +95,8 @@ class Sink:
         return self.acc.finish()
 
     def publish(self, result, state: RunState) -> None:
-        raise NotImplementedError
+        """Put the finished result where the run's later passes and assembly read it."""
+        raise NotImplementedError(f"{type(self).__name__} does not say where its result goes (Sink.publish)")
 
 
 @sink_for(CollectJob, StoreJob)

@@ -141,13 +141,13 @@ class LinearOp(ABC):
 
     # ---- primitives each form implements for its rules -------------------------------
     def _damp(self, damping: float) -> "LinearOp":
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} has no damping primitive (LinearOp._damp)")
 
     def _inverse(self, what: str, rule, settings: dict) -> "LinearOp":
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} has no inverse primitive (LinearOp._inverse)")
 
     def _power(self, p: float, what: str, rtol: float) -> "LinearOp":
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} has no power primitive (LinearOp._power)")
 
     def _scale(self, c: float) -> "LinearOp":
         raise NotImplementedError
