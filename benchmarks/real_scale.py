@@ -257,22 +257,12 @@ def build_scores(method: str, task, train, queries, inputs: dict):
 
     import gradalg as ga
     m = ga.methods
-    if method == "grad_dot":
-        return m.grad_dot(task, train, queries)
-    if method == "grad_cos":
-        return m.grad_cos(task, train, queries)
+    if method in ("grad_dot", "grad_cos", "relatif", "logra", "grass", "trak"):    # (task, train, queries)
+        return getattr(m, method)(task, train, queries)
     if method == "influence_gn":
         return m.influence(task, train, queries)
     if method.startswith("influence_"):
         return m.influence(task, train, queries, curvature=method.split("_", 1)[1])
-    if method == "relatif":
-        return m.relatif(task, train, queries)
-    if method == "logra":
-        return m.logra(task, train, queries)
-    if method == "grass":
-        return m.grass(task, train, queries)
-    if method == "trak":
-        return m.trak(task, train, queries)
     if method == "less":
         return m.less([task], [inputs["optimizer"]], [1.0], train, queries, torch.arange(len(queries)))
     if method == "trackstar":
