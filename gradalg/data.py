@@ -150,10 +150,16 @@ class DataRef:
             raise OptionError(f"a prefix of the data needs a positive int number of examples, got {n!r}")
         return self.subset(0, n)
 
+    def examples(self) -> Iterator:
+        """Each example alone, in order, as a batch of one (collated as the data's own loader
+        would: a DataLoader's ``collate_fn``, else this ref's or ``pad_collate``): for reading
+        values example by example (content digests), never for a forward."""
+        collate = _example_collate(self.source) if isinstance(self.source, DataLoader) else self.collate_fn
+        return iter(DataLoader(_dataset_of(self.source), batch_size=1, collate_fn=collate or pad_collate))
+
     def first_example_batch(self) -> Any:
         """A batch holding the first example only: used for shape hints, never a forward."""
-        collate = _example_collate(self.source) if isinstance(self.source, DataLoader) else self.collate_fn
-        return next(iter(DataLoader(_dataset_of(self.source), batch_size=1, collate_fn=collate or pad_collate)))
+        return next(self.examples())
 
 
 class IterableSlice(IterableDataset):

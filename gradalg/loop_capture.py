@@ -44,13 +44,13 @@ class CaptureSession:
 
         Runs inside ``backward()``, before the optimizer step. Usable as a decorator.
         """
-        self.recorder.on_chunk(lambda chunk: callback(captured_grads([chunk], self.space)))
+        self.recorder.on_chunk(lambda chunk: callback(captured_grads([chunk], self.space, self.model)))
         return callback
 
     @property
     def grads(self) -> GradientSet:
         """GradientSet of every example captured so far (requires ``keep=True``)."""
-        return captured_grads(list(self.store.chunks_), self.space)
+        return captured_grads(list(self.store.chunks_), self.space, self.model)
 
     @property
     def model(self) -> nn.Module:
@@ -85,11 +85,13 @@ class CaptureSession:
         return self.recorder.__exit__(*exc)
 
 
-def captured_grads(chunks: list, space) -> GradientSet:
+def captured_grads(chunks: list, space, model: nn.Module | None = None) -> GradientSet:
     """Recorded rows as a lazy GradientSet: a :class:`~gradalg.expr.Captured` leaf over the
-    ``chunks`` (:class:`~gradalg.capture.chunks.Chunk`, in order) in ``space``. Shared by
-    ``ga.capture`` and the training-time integrations."""
-    return GradientSet(Captured(CaptureStore(chunks), space))
+    ``chunks`` (:class:`~gradalg.capture.chunks.Chunk`, in order) in ``space``, recorded
+    from ``model`` (kept, so that the rows are refused beside another model's gradients or
+    curvature; None: unknown, not checked). Shared by ``ga.capture`` and the training-time
+    integrations."""
+    return GradientSet(Captured(CaptureStore(chunks, model=model), space))
 
 
 def capture(model: nn.Module, layers=None, *, reduction: str | None = None, keep: bool = True) -> CaptureSession:

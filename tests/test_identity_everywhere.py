@@ -131,6 +131,57 @@ def test_stores_compare_the_data_by_content(two_models, tmp_path):
     _close((GY @ rewritten.T).compute().values, (GY @ GY.T).compute().values)
 
 
+@pytest.mark.parametrize("where", [0, 5, 11])
+def test_stores_see_an_edit_of_any_example(two_models, tmp_path, where):
+    """Not only the first or last example: an edit in the middle of the data is refused too
+    (the store records a digest of every example's values)."""
+    X, y, tA, _ = two_models
+    P = ga.proj.gaussian(k=8, seed=0)
+    path = tmp_path / "rows.zarr"
+    ga.store.write(P(ga.grads(tA, (X, y))), path, chunk_rows=5)
+    Y = X.clone()
+    Y[where, 0] += 1e-3
+    GY = P(ga.grads(tA, (Y, y)))
+    with pytest.raises(ga.StoreMismatchError, match="expression differs"):
+        ga.store.open(path, like=GY)
+    with pytest.raises(ga.StoreMismatchError, match="expression differs"):
+        ga.store.write(GY, path, chunk_rows=5)        # complete store: not silently returned
+    labels = y.clone()
+    labels[where] = (labels[where] + 1) % 3
+    with pytest.raises(ga.StoreMismatchError, match="expression differs"):
+        ga.store.write(P(ga.grads(tA, (X, labels))), path, chunk_rows=5)
+
+
+def test_a_list_and_a_dataset_of_the_same_records_name_the_same_data(tmp_path):
+    """The content digest reads values, not containers: the same records as a list or as a
+    Dataset resume the same store."""
+    X, y = models.classification_data(n=12)
+    task = ga.tasks.classification(models.mlp(seed=0))
+    P = ga.proj.gaussian(k=8, seed=0)
+    records = [(X[i], y[i]) for i in range(12)]
+    path = tmp_path / "rows.zarr"
+    ga.store.write(P(ga.grads(task, records)), path, chunk_rows=5)
+    reopened = ga.store.open(path, like=P(ga.grads(task, ListDataset(X, y))))
+    assert reopened.n == 12
+
+
+# ---------------------------------------------------------------------------- ga.capture rows
+def test_captured_rows_are_refused_beside_another_models_gradients(two_models):
+    X, y, tA, tB = two_models
+    with ga.capture(tA.model, reduction="sum") as cap:
+        torch.nn.functional.cross_entropy(tA.model(X), y, reduction="sum").backward()
+    rows = cap.grads
+    with pytest.raises(ga.SpaceMismatchError, match="different models.*captured rows"):
+        ga.grads(tB, (X[:2], y[:2])) @ rows.T
+    with pytest.raises(ga.SpaceMismatchError, match="different models"):
+        rows @ ga.fisher(ga.grads(tB, (X, y))).damp(1e-3).inv() @ rows.T
+    same = (ga.grads(tA, (X[:2], y[:2])) @ rows.T).compute().values     # the same model: allowed
+    ref = (ga.grads(tA, (X[:2], y[:2])) @ ga.grads(tA, (X, y)).T).compute().values
+    _close(same, ref)
+    with ga.options(check_models=False):                                # the fix the message names
+        (ga.grads(tB, (X[:2], y[:2])) @ rows.T).compute()
+
+
 # ---------------------------------------------------------------------------- ga.compile
 @pytest.mark.parametrize("hold", ["auto", False])
 @pytest.mark.parametrize("edit", ["train", "query", "list dataset"])

@@ -22,7 +22,7 @@ integrations (:mod:`gradalg.integrations.training`) group its chunks into optimi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -47,9 +47,15 @@ __all__ = ["CaptureStore", "LoopRecorder"]
 
 @dataclass
 class CaptureStore:
-    """Factored per-example gradients of the batches seen, in memory, in order."""
+    """Factored per-example gradients of the batches seen, in memory, in order.
+
+    ``model``: the module whose backward produced the rows (None when unknown), so that
+    rows captured from one model are refused beside another's
+    (:func:`gradalg.expr.models.check_same_models`).
+    """
 
     chunks_: list = field(default_factory=list)
+    model: Any = field(default=None, repr=False, compare=False)
 
     @property
     def n(self) -> int:
@@ -88,7 +94,7 @@ class LoopRecorder:
         check_session_layers(self.refs)
         self.reduction = reduction
         self.keep = keep
-        self.store = CaptureStore()
+        self.store = CaptureStore(model=model)
         self._callbacks: list[Callable] = []
         self._handles = []
         self._pending: dict[str, list] = {}

@@ -9,20 +9,40 @@ the same ones), none with the same fingerprint (module tree and weights, see
 :mod:`gradalg.fingerprint`). A store (``ga.store``: gradient rows, an operator) stands
 for the models it was written from by the fingerprints it recorded (``model_digest``),
 so a store of model A next to model B's gradients is refused as the in-memory operands
-are. Operands without a model (captured rows, resolved numbers, stores written before
+are. Rows recorded by ``ga.capture`` or the training integrations stand for the module they
+were recorded from. Operands without a model (resolved numbers, stores written before
 the fingerprint was recorded) are not checked. ``ga.options(check_models=False)`` turns the check off (e.g.
 to compare a fine-tuned model's query gradients with the base model's on purpose).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from ..errors import SpaceMismatchError
 
 __all__ = ["check_same_models"]
 
 
+@dataclass(frozen=True)
+class _Recorded:
+    """A model known only as the one rows were recorded from (``ga.capture``, the training
+    integrations): named like a task for the error message."""
+
+    model: object
+    name: str = "captured rows"
+
+
 def _models(node) -> dict:
-    from .grads import Source
-    return {id(x.task.model): x.task for x in node.walk() if isinstance(x, Source)}
+    """{id(model): its task (or :class:`_Recorded`)} of every leaf of ``node`` with a model:
+    ``ga.grads`` sources and captured rows that recorded theirs."""
+    from .grads import Captured, Source
+    out = {}
+    for x in node.walk():
+        if isinstance(x, Source):
+            out[id(x.task.model)] = x.task
+        elif isinstance(x, Captured) and getattr(x.store, "model", None) is not None:
+            out.setdefault(id(x.store.model), _Recorded(x.store.model))
+    return out
 
 
 def _stored_digests(node) -> set:

@@ -59,8 +59,9 @@ def _to_cpu(value):
     return value.detach().cpu()
 
 
-def _local_chunks(grads) -> tuple[list, object]:
-    """The chunks (in memory) and space behind a GradientSet, StepGrads or TrainingCapture."""
+def _local_chunks(grads) -> tuple[list, object, object]:
+    """The chunks (in memory), space and model (None: unknown) behind a GradientSet,
+    StepGrads or TrainingCapture."""
     from ..api import GradientSet
     from ..expr import Captured
     from .training import StepGrads, TrainingCapture
@@ -68,9 +69,9 @@ def _local_chunks(grads) -> tuple[list, object]:
     if isinstance(grads, TrainingCapture):
         grads = grads.grads
     if isinstance(grads, StepGrads):
-        return list(grads.chunks), grads.space
+        return list(grads.chunks), grads.space, grads.model
     if isinstance(grads, GradientSet) and isinstance(grads.expr, Captured):
-        return list(grads.expr.store.chunks()), grads.space
+        return list(grads.expr.store.chunks()), grads.space, getattr(grads.expr.store, "model", None)
     raise TypeError("gather takes the gradients a capture recorded (cap.grads, a TrainingCapture or a "
                     f"StepGrads), got {type(grads).__name__}; compute other sets on each rank instead")
 
@@ -92,7 +93,7 @@ def gather(grads, *, order: str = "step", group=None):
 
     if order not in ("step", "rank"):
         raise ValueError(f"order must be 'step' or 'rank', got {order!r}")
-    chunks, space = _local_chunks(grads)
+    chunks, space, model = _local_chunks(grads)
     mine = [(tuple(c.ids) if c.meta.get("labelled") else None, {k: _to_cpu(v) for k, v in c.blocks.items()})
             for c in chunks]
     if is_distributed(group):
@@ -116,7 +117,7 @@ def gather(grads, *, order: str = "step", group=None):
         n = next(iter(b.values())).n if b else 0
         out.append(Chunk(ids, b, meta={"labelled": True}) if labelled else Chunk(tuple(range(start, start + n)), b))
         start += n
-    return captured_grads(out, space)
+    return captured_grads(out, space, model)
 
 
 def all_gather_scores(local: torch.Tensor, group=None) -> tuple[torch.Tensor, slice]:

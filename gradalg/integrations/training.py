@@ -59,6 +59,7 @@ class StepGrads:
     chunks: tuple
     space: object
     extras: dict = field(default_factory=dict)
+    model: object = field(default=None, repr=False)   # the module trained (rows refused beside another's)
 
     @property
     def n(self) -> int:
@@ -78,7 +79,7 @@ class StepGrads:
     @property
     def grads(self):
         """The step's rows as a lazy GradientSet (project, normalize, score it as any other)."""
-        return captured_grads(list(self.chunks), self.space)
+        return captured_grads(list(self.chunks), self.space, self.model)
 
     def factors(self, layer: str) -> Factors:
         """One layer's factors over the whole step: A (n, T, in), D (n, T, out)."""
@@ -204,7 +205,7 @@ class TrainingCapture:
                 "the step's batch had more examples than its micro-batches had rows (rows joined or dropped)")
         if not self._micro:
             return None
-        step = StepGrads(self.steps, tuple(self._micro), self.space)
+        step = StepGrads(self.steps, tuple(self._micro), self.space, model=self.model)
         self._micro = []
         for cb in self._callbacks:
             cb(step)
@@ -219,7 +220,7 @@ class TrainingCapture:
         if not self.keep:
             raise CaptureStateError("this capture keeps nothing (keep=False); pass keep=True to read .grads, or "
                                     "read each step's rows in an on_step callback")
-        return captured_grads(list(self._kept), self.space)
+        return captured_grads(list(self._kept), self.space, self.model)
 
     # ------------------------------------------------------------------ context
     def __enter__(self):

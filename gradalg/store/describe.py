@@ -34,13 +34,13 @@ __all__ = ["model_fingerprint", "model_identity", "tensor_digest", "describe", "
 SAMPLE = 65_536
 
 
-def _update(h, tensor: torch.Tensor, sample: int) -> None:
+def _update(h, tensor: torch.Tensor, sample: int | None) -> None:
     h.update(f"{tuple(tensor.shape)}|{tensor.dtype}|".encode())
     if tensor.device.type == "meta":
         h.update(b"meta")
         return
     flat = tensor.detach().reshape(-1)
-    if flat.numel() > sample:
+    if sample is not None and flat.numel() > sample:
         stride = math.ceil(flat.numel() / sample)
         flat = flat[::stride]
         h.update(f"stride{stride}|".encode())
@@ -91,12 +91,14 @@ def _ids_digest(ids) -> str:
     return digest([repr(i) for i in ids])
 
 
-def _batch_digest(batch) -> str:
+def _batch_digest(batch, sample: int | None = 1 << 20) -> str:
+    """A digest of a batch's values (tensors: shape, dtype and bytes, strided down to
+    ``sample`` values when larger; None: every byte)."""
     h = hashlib.blake2b(digest_size=12)
 
     def go(x):
         if isinstance(x, torch.Tensor):
-            _update(h, x, 1 << 20)
+            _update(h, x, sample)
         elif isinstance(x, dict):
             for k in sorted(x, key=str):
                 h.update(str(k).encode())
@@ -111,27 +113,25 @@ def _batch_digest(batch) -> str:
     return h.hexdigest()
 
 
-def _first_example_digest(data: DataRef) -> str | None:
-    """A digest of the data's first example: two datasets with the same ids (0..n-1 by
-    default) are still told apart. None when the example cannot be read alone."""
+def content_digest(data: DataRef) -> str | None:
+    """A digest of every example's values, in order: ``blake2b`` over each example collated
+    alone (batch of one, so that padding and batching do not enter), its tensors hashed
+    byte for byte. Two sources holding the same examples (a JSONL file read by the
+    ``gradalg`` command, the same records in a list) agree; an edit of any one example
+    (not only the first or last) changes it. Costs one read of the data (no forward);
+    None when the examples cannot be read one by one (then ids and size identify it).
+    """
     if data.n == 0:
         return None
+    h = hashlib.blake2b(digest_size=12)
     try:
-        return _batch_digest(data.first_example_batch())
+        for i, example in enumerate(data.examples()):
+            if i >= data.n:
+                break
+            h.update(_batch_digest(example, sample=None).encode())
     except Exception:  # noqa: BLE001 - an unusual dataset: ids and size still identify it
         return None
-
-
-def _last_example_digest(data: DataRef) -> str | None:
-    """A digest of the data's last example (the values, not the container: a store built
-    by the ``gradalg`` command from a JSONL file matches the same examples given as a
-    list). None for one example, or when it cannot be read alone (an iterable dataset)."""
-    if data.n < 2:
-        return None
-    try:
-        return _batch_digest(data.subset(data.n - 1, data.n).first_example_batch())
-    except Exception:  # noqa: BLE001 - an unusual dataset: ids and the first example still identify it
-        return None
+    return h.hexdigest()
 
 
 def describe(value, fingerprints: dict | None = None):
@@ -159,8 +159,7 @@ def describe(value, fingerprints: dict | None = None):
         if isinstance(x, Node):
             return {"node": type(x).__name__, **{f.name: go(getattr(x, f.name)) for f in fields(x)}}
         if isinstance(x, DataRef):
-            return {"n": x.n, "ids": _ids_digest(x.ids), "first_example": _first_example_digest(x),
-                    "last_example": _last_example_digest(x)}
+            return {"n": x.n, "ids": _ids_digest(x.ids), "content": content_digest(x)}
         if isinstance(x, torch.nn.Module):
             return {"model": model_fp(x)}
         if hasattr(x, "model") and hasattr(x, "objective_fn"):   # a Task outside a Source
