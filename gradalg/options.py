@@ -31,10 +31,10 @@ def plain(value):
 def _parse_bytes(value) -> int:
     if isinstance(value, (int, float)):
         if value != value or value in (float("inf"), float("-inf")):
-            raise ValueError(f"not a finite number of bytes: {value!r}")
+            raise OptionError(f"not a finite number of bytes: {value!r}")
         return int(value)
     if not isinstance(value, str):
-        raise TypeError(f"not a number of bytes: {value!r}")
+        raise OptionError(f"not a number of bytes: {value!r}")
     text = str(value).strip().upper().replace(" ", "")
     units = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40, "K": 2**10, "M": 2**20,
              "G": 2**30, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "B": 1}

@@ -43,6 +43,8 @@ wider than ``ga.options(kron_float64_width)`` in float32 with a Kahan compensati
 """
 from __future__ import annotations
 
+from ..errors import OptionError
+
 from dataclasses import dataclass
 
 import torch
@@ -61,7 +63,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def token_slices(T: int, token_block: int | None) -> list[slice]:
     """Positions ``0..T`` in consecutive blocks of ``token_block`` (one block when None)."""
     if token_block is not None and (not isinstance(token_block, int) or token_block < 1):
-        raise ValueError(f"token_block must be a positive int or None, got {token_block!r}")
+        raise OptionError(f"token_block must be a positive int or None, got {token_block!r}")
     b = T if not token_block else token_block
     return [slice(t, min(t + b, T)) for t in range(0, max(T, 1), max(b, 1))]
 

@@ -7,6 +7,8 @@ loops over single examples with ``torch.autograd.grad``. Slow, simple, obviously
 """
 from __future__ import annotations
 
+from ..errors import OptionError
+
 from typing import Any
 
 import torch
@@ -78,7 +80,7 @@ def per_example_grads(task, batch: Any, params: list[str] | None = None, *,
         raise KeyError(f"no parameters named {missing} in {type(model).__name__}")
     names = list(dict.fromkeys(alias[n] for n in requested))
     if method not in ("auto", "vmap", "loop"):
-        raise ValueError(f"method must be 'auto', 'vmap' or 'loop', got {method!r}")
+        raise OptionError(f"method must be 'auto', 'vmap' or 'loop', got {method!r}")
     out = None
     if method in ("auto", "vmap"):
         try:

@@ -75,7 +75,7 @@ class Section(BaseModel):
 
 def _importable(value: str | None, what: str) -> str | None:
     if value is not None and (value.count(":") != 1 or not all(value.split(":"))):
-        raise ValueError(f"{what} must be 'module:function' (an importable name), got {value!r}")
+        raise ConfigError(f"{what} must be 'module:function' (an importable name), got {value!r}")
     return value
 
 
@@ -104,10 +104,10 @@ class ModelSection(Section):
     def _one_source(self):
         given = [k for k in ("config", "checkpoint", "factory") if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError("give exactly one of model.config (random init), model.checkpoint (a local "
+            raise ConfigError("give exactly one of model.config (random init), model.checkpoint (a local "
                              f"from_pretrained folder) or model.factory ('module:function'); got {given or 'none'}")
         if self.factory is None and self.class_ is None:
-            raise ValueError(f"model.{given[0]} needs model.class: a transformers class such as "
+            raise ConfigError(f"model.{given[0]} needs model.class: a transformers class such as "
                              "'GPT2LMHeadModel' (or 'module:Class')")
         return self
 
@@ -126,7 +126,7 @@ class TaskSection(Section):
         if ":" in v:
             return _importable(v, "task.kind")
         if v not in builtin:
-            raise ValueError(f"task.kind must be one of {list(builtin)} or 'module:function', got {v!r}")
+            raise ConfigError(f"task.kind must be one of {list(builtin)} or 'module:function', got {v!r}")
         return v
 
 
@@ -161,9 +161,9 @@ class DataSection(Section):
     @model_validator(mode="after")
     def _one_source(self):
         if (self.path is None) == (self.function is None):
-            raise ValueError("give exactly one of path (a file or a datasets folder) or function ('module:function')")
+            raise ConfigError("give exactly one of path (a file or a datasets folder) or function ('module:function')")
         if self.text is not None and self.tokenizer is None:
-            raise ValueError("text needs tokenizer: a local tokenizer folder (saved with save_pretrained)")
+            raise ConfigError("text needs tokenizer: a local tokenizer folder (saved with save_pretrained)")
         return self
 
 
@@ -225,7 +225,7 @@ class ScoreSection(Section):
 
 def _output(value: str, where: str) -> str:
     if not value.endswith(OUTPUT_SUFFIXES):
-        raise ValueError(f"{where} must end in one of {list(OUTPUT_SUFFIXES)} (the format), got {value!r}")
+        raise ConfigError(f"{where} must end in one of {list(OUTPUT_SUFFIXES)} (the format), got {value!r}")
     return value
 
 
@@ -294,7 +294,7 @@ class Config(Section):
         valid = {f.name for f in fields(Options)}
         unknown = sorted(set(v) - valid)
         if unknown:
-            raise ValueError(f"unknown ga.options {unknown}; valid: {sorted(valid)}")
+            raise ConfigError(f"unknown ga.options {unknown}; valid: {sorted(valid)}")
         return v
 
     def resolve(self, path: str | None) -> str | None:

@@ -22,7 +22,7 @@ from torch.func import functional_call, grad, jvp, vjp, vmap
 
 from ..capture.hooks import resolve_layers
 from ..data import DataRef, batch_size_of, move_batch
-from ..errors import NonFiniteGradientError
+from ..errors import NonFiniteGradientError, OptionError
 from ..finite import check_model, nonfinite_examples
 from ..options import get_options
 
@@ -76,9 +76,9 @@ def dataset_matvec(task, data: DataRef, layers, *, kind: str = "hessian", batch_
                    backend: str = "hooks") -> Callable[[torch.Tensor], torch.Tensor]:
     """``matvec(V)`` = H V for the curvature ``kind`` of ``task`` averaged over ``data``."""
     if kind not in ("hessian", "gauss_newton"):
-        raise ValueError(f"kind must be 'hessian' or 'gauss_newton', got {kind!r}")
+        raise OptionError(f"kind must be 'hessian' or 'gauss_newton', got {kind!r}")
     if kind == "gauss_newton" and (task.forward is None or task.loss_from_outputs is None):
-        raise ValueError("Gauss-Newton products need Task(forward=..., loss_from_outputs=...); "
+        raise OptionError("Gauss-Newton products need Task(forward=..., loss_from_outputs=...); "
                          "ga.tasks.classification(model) provides both")
     model = task.model
     coords = ParamCoords(model, layers, backend)

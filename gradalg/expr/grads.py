@@ -69,7 +69,7 @@ class GradNode(Node):
 
 
 def _not_from_data(node: GradNode, n: int):
-    raise ValueError(
+    raise OptionError(
         f"statistics on the first {n} examples need gradients computed from data (ga.grads, "
         f"optionally projected or selected); {node.label!r} is not: compute them on all rows "
         "(covariance_max_examples=None, lambda_max_examples=None)")
@@ -231,7 +231,7 @@ class Project(RowWise):
         for b in self.grads.space.blocks:
             if p.kind in ("kron", "factgrass") and (len(b.shape) != 2 or b.basis != "params"):
                 what = "a Kronecker" if p.kind == "kron" else "a FactGraSS"
-                raise ValueError(
+                raise OptionError(
                     f"{what} projection needs (out, in) layer blocks in parameter "
                     f"coordinates; block {b.name!r} is {b.shape} in basis {b.basis}. Use "
                     "ga.proj.grass or ga.proj.sparse for other blocks"
@@ -424,7 +424,7 @@ class AdamPrecondition(_RowMap):
     def __post_init__(self):
         d = self.grads.space.dim
         if tuple(self.state.exp_avg.shape) != (d,) or tuple(self.state.exp_avg_sq.shape) != (d,):
-            raise ValueError(f"Adam state has shapes {tuple(self.state.exp_avg.shape)}, "
+            raise OptionError(f"Adam state has shapes {tuple(self.state.exp_avg.shape)}, "
                              f"{tuple(self.state.exp_avg_sq.shape)}; the space has {d} coordinates")
 
     @property

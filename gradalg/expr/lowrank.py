@@ -58,7 +58,7 @@ class LowRank(_RowMap):
     def __post_init__(self):
         object.__setattr__(self, "rank", check_rank(self.rank))
         if not any(len(b.shape) == 2 for b in self.grads.space.blocks):
-            raise ValueError(
+            raise OptionError(
                 "a low-rank approximation replaces each (out, in) layer block by a rank-r matrix, but no block "
                 f"of this space is a matrix ({[b.shape for b in self.grads.space.blocks]}: a flat projection "
                 "or backend='func'): drop the rank (query_gradient_rank=None), or use gradients from "

@@ -17,6 +17,8 @@ parameter gradients consistently on every rank.
 """
 from __future__ import annotations
 
+from ..errors import OptionError
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -72,7 +74,7 @@ def _local_chunks(grads) -> tuple[list, object, object]:
         return list(grads.chunks), grads.space, grads.model
     if isinstance(grads, GradientSet) and isinstance(grads.expr, Captured):
         return list(grads.expr.store.chunks()), grads.space, getattr(grads.expr.store, "model", None)
-    raise TypeError("gather takes the gradients a capture recorded (cap.grads, a TrainingCapture or a "
+    raise OptionError("gather takes the gradients a capture recorded (cap.grads, a TrainingCapture or a "
                     f"StepGrads), got {type(grads).__name__}; compute other sets on each rank instead")
 
 
@@ -92,7 +94,7 @@ def gather(grads, *, order: str = "step", group=None):
     from ..loop_capture import captured_grads
 
     if order not in ("step", "rank"):
-        raise ValueError(f"order must be 'step' or 'rank', got {order!r}")
+        raise OptionError(f"order must be 'step' or 'rank', got {order!r}")
     chunks, space, model = _local_chunks(grads)
     mine = [(tuple(c.ids) if c.meta.get("labelled") else None, {k: _to_cpu(v) for k, v in c.blocks.items()})
             for c in chunks]
@@ -103,7 +105,7 @@ def gather(grads, *, order: str = "step", group=None):
         everyone = [mine]
     counts = {len(r) for r in everyone}
     if order == "step" and len(counts) != 1:
-        raise ValueError(f"ranks recorded different numbers of micro-batches {sorted(counts)}; "
+        raise OptionError(f"ranks recorded different numbers of micro-batches {sorted(counts)}; "
                          "use order='rank'")
     if order == "step":
         blocks = [r[k] for k in range(len(everyone[0])) for r in everyone]
@@ -155,7 +157,7 @@ def apply_correction(corrections: dict, *, world_reduction: str = "mean", group=
         DTensor) gets its own shard of Δ_p. Parameters without a gradient are skipped.
     """
     if world_reduction not in ("mean", "sum"):
-        raise ValueError(f"world_reduction must be 'mean' or 'sum', got {world_reduction!r}")
+        raise OptionError(f"world_reduction must be 'mean' or 'sum', got {world_reduction!r}")
     params = list(corrections)
     deltas = all_reduce_sum([corrections[p] for p in params], group)
     if world_reduction == "mean" and is_distributed(group):

@@ -13,6 +13,8 @@ Rows are ordered by first appearance; the result's ids are the unique example id
 """
 from __future__ import annotations
 
+from ..errors import OptionError
+
 from collections import Counter
 
 import torch
@@ -29,7 +31,7 @@ def combine_repeats(G, how: str = "sum"):
     from ..store.rows import MemoryRows
 
     if how not in ("sum", "mean"):
-        raise ValueError(f"how must be 'sum' or 'mean', got {how!r}")
+        raise OptionError(f"how must be 'sum' or 'mean', got {how!r}")
     M = G.group_mean(G.ids)
     if how == "mean":
         return M

@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from ..capture.factors import Factors, OneHot, ghost_flops, ghost_inner, self_inner
-from ..errors import UnsupportedLayerError
+from ..errors import UnsupportedLayerError, OptionError
 from . import distributed as _dist
 from .affine import AffineRecorder, affine_kind
 from .training import StepGrads, TrainingCapture
@@ -143,7 +143,7 @@ class FixedTarget(Target):
             for name in layers:
                 shape = sel.capture.space[name].shape
                 if tuple(dense[name].shape) != tuple(shape):
-                    raise ValueError(f"target block {name!r} has shape {tuple(dense[name].shape)}, the layer's "
+                    raise OptionError(f"target block {name!r} has shape {tuple(dense[name].shape)}, the layer's "
                                      f"gradient block is {tuple(shape)} (out, in + bias)")
             self._dense = dense
         return {name: TargetSpec(dense=self._dense[name]) for name in layers}
@@ -231,7 +231,7 @@ class DropFraction(Policy):
 
     def __post_init__(self):
         if not 0.0 <= self.fraction < 1.0:
-            raise ValueError(f"fraction must be in [0, 1), got {self.fraction}")
+            raise OptionError(f"fraction must be in [0, 1), got {self.fraction}")
 
     def weights(self, scores, step):
         k = int(math.floor(self.fraction * scores.numel()))
@@ -266,7 +266,7 @@ class Reweight(Policy):
     def weights(self, scores, step):
         w = torch.as_tensor(self.fn(scores), dtype=scores.dtype, device=scores.device)
         if w.shape != scores.shape:
-            raise ValueError(f"the re-weighting function returned shape {tuple(w.shape)} for "
+            raise OptionError(f"the re-weighting function returned shape {tuple(w.shape)} for "
                              f"{tuple(scores.shape)} scores")
         return w
 
@@ -319,12 +319,12 @@ class OnlineSelection:
                  uncovered: str = "error", world_reduction: str = "mean", group=None,
                  keep_history: bool = True, route: str = "auto"):
         if route not in ("auto", "ghost", "dense"):
-            raise ValueError(f"route must be 'auto', 'ghost' or 'dense', got {route!r}")
+            raise OptionError(f"route must be 'auto', 'ghost' or 'dense', got {route!r}")
         self.route = route
         if similarity not in ("dot", "cosine"):
-            raise ValueError(f"similarity must be 'dot' or 'cosine', got {similarity!r}")
+            raise OptionError(f"similarity must be 'dot' or 'cosine', got {similarity!r}")
         if uncovered not in ("error", "ignore"):
-            raise ValueError(f"uncovered must be 'error' or 'ignore', got {uncovered!r}")
+            raise OptionError(f"uncovered must be 'error' or 'ignore', got {uncovered!r}")
         self.target = target if target is not None else BatchMean()
         self.policy = policy if policy is not None else KeepAll()
         self.layers = layers
@@ -359,7 +359,7 @@ class OnlineSelection:
         if step_on == "auto":
             step_on = "optimizer" if optimizer is not None else "manual"
         if step_on == "backward":
-            raise ValueError("online selection corrects p.grad after the step's last backward has finished; "
+            raise OptionError("online selection corrects p.grad after the step's last backward has finished; "
                              "use step_on='optimizer' (with the optimizer) or 'manual' (call sel.apply())")
         self.capture = TrainingCapture(model, self.layers, optimizer=optimizer, keep=keep, step_on=step_on)
         self.model = self.capture.model
@@ -452,14 +452,14 @@ class OnlineSelection:
         scores, mine = _dist.all_gather_scores(local_scores.detach(), self.group)
         weights = self.policy.weights(scores, step.index).to(scores.dtype)
         if bool((weights < 0).any()):
-            raise ValueError("policy returned negative weights")
+            raise OptionError("policy returned negative weights")
         u = (1.0 - weights[mine]).to(local_scores.device)
         if bool((weights != 1).any()):
             self._correct(step, u)
         if self.renormalize:
             kept = float(weights.sum())
             if kept <= 0:
-                raise ValueError("every example of the step was dropped; cannot renormalize")
+                raise OptionError("every example of the step was dropped; cannot renormalize")
             _dist.scale_grads(self._params, scores.numel() / kept)
         if self._affine is not None:
             self._affine.clear()

@@ -263,7 +263,7 @@ class TrainingCapture:
             w = torch.as_tensor(scale, dtype=torch.float64).reshape(-1)
             w = w.expand(n) if w.numel() == 1 else w
             if w.numel() != n:
-                raise ValueError(f"scale_next got {w.numel()} row scales for a micro-batch of {n} examples")
+                raise OptionError(f"scale_next got {w.numel()} row scales for a micro-batch of {n} examples")
             blocks = {k: v.scale_rows(w.to(v.D.device)) for k, v in blocks.items()}
             meta["row_scale"] = w  # (n,): what the rows were multiplied by
         if self.upcast:

@@ -16,6 +16,8 @@ new file needs no other edit there. ``tests/test_contributing.py`` checks each e
 """
 from __future__ import annotations
 
+from ..errors import OptionError
+
 from dataclasses import dataclass
 from typing import Callable
 
@@ -45,7 +47,7 @@ def method(summary: str, *, name: str | None = None, cli: bool = False) -> Calla
     def register(fn: Callable) -> Callable:
         key = name or fn.__name__
         if key in REGISTRY and REGISTRY[key].fn is not fn:
-            raise ValueError(f"a method named {key!r} is already registered ({REGISTRY[key].fn.__module__}); "
+            raise OptionError(f"a method named {key!r} is already registered ({REGISTRY[key].fn.__module__}); "
                              "give the new one another name")
         REGISTRY[key] = Method(key, fn, summary, cli)
         return fn

@@ -70,7 +70,7 @@ def _store_path(store) -> Path:
 
     if isinstance(store, GradientSet):
         if not isinstance(store.expr, Stored) or not hasattr(store.expr.store, "path"):
-            raise TypeError("ga.store.index takes a gradient store: its path, or ga.store.open(path)")
+            raise OptionError("ga.store.index takes a gradient store: its path, or ga.store.open(path)")
         return Path(store.expr.store.path)
     return Path(store)
 
@@ -233,7 +233,7 @@ class GradientIndex:
         from ..exec.local import LocalExecutor
 
         if not isinstance(Q, GradientSet):
-            raise TypeError(f"search takes the queries' projected gradients, P(Q) (a GradientSet), "
+            raise OptionError(f"search takes the queries' projected gradients, P(Q) (a GradientSet), "
                             f"got {type(Q).__name__}")
         theirs = store_attrs("gradients", Q.expr)
         ours = self.reader.attrs

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import GradalgError, StoreCorruptError, StoreIncompleteError, StoreMismatchError
+from ..errors import GradalgError, StoreCorruptError, StoreIncompleteError, StoreMismatchError, OptionError
 from ..linalg import KronOp, LinearOp, LowRankOp, ResolvedOp
 from ..space import Block, ParamSpace
 from ..expr.stored import StoredOp
@@ -102,7 +102,7 @@ def write_operator(H, path, *, executor=None, overwrite: bool = False):
 
     layout.require()
     if not isinstance(H, Operator):
-        raise TypeError(f"ga.store.write_operator takes an Operator, got {type(H).__name__}")
+        raise OptionError(f"ga.store.write_operator takes an Operator, got {type(H).__name__}")
     attrs = _describe(H)
     if overwrite and Path(path).exists() and not layout.is_gradalg_store(path) and \
             not (Path(path).is_dir() and not any(Path(path).iterdir())):

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import torch
 
-from ..errors import ExampleIdsError, GradalgError
+from ..errors import ExampleIdsError, GradalgError, OptionError
 from ..capture.chunks import Chunk, concat_chunks, flat_block
 from ..exec.shards import restrict
 from ..expr import GradNode, Normalize, Precondition, Source
@@ -60,7 +60,7 @@ def restrict_rows(node: GradNode, start: int, stop: int) -> GradNode:
     root = stream_root(node)
     if isinstance(root, Source):
         if root.objective == "expected":
-            raise ValueError("gradients with objective='expected' have one row per term of the "
+            raise OptionError("gradients with objective='expected' have one row per term of the "
                              "Gauss-Newton decomposition, not per example: they cannot be stored or "
                              "scored by rows; use them for curvature (ga.fisher) only")
         return restrict(node, root.data.token, start, stop)

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 from torch.func import jacrev, vjp, vmap
 
-from ..errors import NonFiniteGradientError
+from ..errors import NonFiniteGradientError, OptionError
 from ..options import get_options
 from .errors import NonDeterministicTrainingError, UnsupportedTrainingError
 from .replay import Ledger, reverse_states
@@ -110,7 +110,7 @@ def metagradients(run: TrainingRun, query_fn: Callable[[dict], torch.Tensor], *,
     final_params = final[0]
     targets = query_fn(final_params)
     if targets.ndim != 1:
-        raise ValueError(f"query_fn must return a vector (n_query,), got shape {tuple(targets.shape)}")
+        raise OptionError(f"query_fn must return a vector (n_query,), got shape {tuple(targets.shape)}")
     n_query = targets.shape[0]
     lam_params = jacrev(query_fn)(final_params)                         # name -> (n_query, *shape)
     lam_state = _zeros_like_batched(final[1], n_query)

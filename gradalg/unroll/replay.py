@@ -57,7 +57,7 @@ def _segment_length(schedule, n_steps: int) -> int | None:
         return max(1, math.ceil(math.sqrt(n_steps)))
     if isinstance(schedule, int) and not isinstance(schedule, bool):
         if schedule < 1:
-            raise ValueError(f"a checkpoint interval must be ≥ 1, got {schedule}")
+            raise OptionError(f"a checkpoint interval must be ≥ 1, got {schedule}")
         return schedule
     return None
 

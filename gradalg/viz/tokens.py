@@ -12,6 +12,8 @@ on a diverging scale centred at 0 (red helps, blue hurts). Padding (NaN) is blan
 """
 from __future__ import annotations
 
+from ..errors import OptionError
+
 import numpy as np
 
 __all__ = ["token_heatmap"]
@@ -40,17 +42,17 @@ def token_heatmap(scores, query=None, *, top: int = 10, tokens=None, by: str = "
 
     dims = set(scores.dims)
     if {"query_token", "train_token"} <= dims:
-        raise ValueError("the scores have both a query_token and a train_token axis: reduce one first, "
+        raise OptionError("the scores have both a query_token and a train_token axis: reduce one first, "
                          "e.g. token_heatmap(S.sum('query_token'), ...)")
     if "query_token" in dims:
         token_dim = "query_token"
     elif "train_token" in dims:
         token_dim = "train_token"
     else:
-        raise ValueError(f"token_heatmap needs per-token scores (a query_token or train_token axis); got dims "
+        raise OptionError(f"token_heatmap needs per-token scores (a query_token or train_token axis); got dims "
                          f"{scores.dims}: compute Q.per_token() @ G.T or Q @ G.per_token().T")
     if by not in ("total", "abs"):
-        raise ValueError(f"by must be 'total' or 'abs', got {by!r}")
+        raise OptionError(f"by must be 'total' or 'abs', got {by!r}")
     one = scores.isel(query=0) if query is None else scores.sel(query=query)
     qid = one["query"].item() if "query" in one.coords else query
     grid = one.transpose("train", token_dim)
@@ -79,7 +81,7 @@ def token_heatmap(scores, query=None, *, top: int = 10, tokens=None, by: str = "
         ax.set_xticklabels([str(p) for p in positions])
     elif tokens is not None:
         if len(tokens) > len(positions):
-            raise ValueError(f"got {len(tokens)} token strings for {len(positions)} positions")
+            raise OptionError(f"got {len(tokens)} token strings for {len(positions)} positions")
         ax.set_xticklabels(list(tokens) + [""] * (len(positions) - len(tokens)), rotation=60, ha="right")
     else:
         ax.set_xticklabels([str(p) for p in positions])
