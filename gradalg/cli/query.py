@@ -30,7 +30,7 @@ EXAMPLE = """\
   $ gradalg build -c run.toml && gradalg query -c run.toml
   $ gradalg query -c run.toml --set query.output=out/all.zarr --set query.top_k=0   # 0: every score
   $ gradalg query -c run.toml --interactive --k 5 --max-new-tokens 20   # type prompts; :save s.csv, :quit
-  $ printf 'def parse(\n:save out/s.csv\n' | gradalg query -c run.toml --interactive   # scripted
+  $ printf 'def parse(\\n:save out/s.csv\\n' | gradalg query -c run.toml --interactive   # scripted
 """
 
 

@@ -64,6 +64,7 @@ class QueryBox(QuerySession):
             self._show(f"<p style='color:#b00020'><b>error:</b> {html.escape(str(err))}</p>")
 
     def ask(self, prompt: str, completion: str | None = None):
+        """:meth:`QuerySession.ask`, and the answer shown in the box (when displayed)."""
         answer = super().ask(prompt, completion)
         self.last_error = None
         self._show(answer._repr_html_())

@@ -208,6 +208,7 @@ class QuerySession:
 
     @property
     def k(self) -> int:
+        """Documents listed at each end of the next answers (a positive int; OptionError otherwise)."""
         return self._k
 
     @k.setter
