@@ -2,6 +2,7 @@
 
     gradalg build   -c run.toml        # training gradients → a Zarr store (resumable)
     gradalg query   -c run.toml        # new queries against the store → zarr / csv / parquet
+    gradalg query   -c run.toml -i     # a prompt loop: generation, top and bottom documents
     gradalg score   -c run.toml        # a method end to end (ga.methods.<name>)
     gradalg explain -c run.toml        # the plan, no data read
     gradalg inspect out/train.zarr     # what a store holds

@@ -4,7 +4,10 @@ The store is written by ``ga.store.write``: chunk by chunk, each chunk atomic, s
 build that was interrupted (Ctrl-C, SIGKILL, a lost node) resumes where it stopped
 when the same command runs again, and a finished store is left alone (the second run
 says so and computes nothing). A store at the path written from another model, data,
-layers or projector is refused (exit 3) with the fields that differ.
+layers or projector is refused (exit 3) with the fields that differ. When
+``[data.train]`` has a ``text`` column, the texts are recorded beside the store
+(``<store>.texts.jsonl``, ``ga.store.texts``): ``gradalg query --interactive`` and the
+store's index show the documents, not only their ids.
 """
 from __future__ import annotations
 
@@ -55,6 +58,7 @@ def run(args) -> int:
     from ..store import layout
     from .monitor import ChunkMonitor
     from .provenance import ATTRIBUTE, record
+    from .report import _config_texts
     from .session import Session
 
     cfg = load(args)
@@ -62,6 +66,7 @@ def run(args) -> int:
     path = cfg.resolve(cfg.store.path)
     chunk_rows = cfg.store.chunk_rows
     session = Session(cfg)
+    texts = _config_texts(cfg, "train")
     # the chunk monitor reports progress: the per-pass bars of every chunk would be noise
     with options_for(cfg, args, progress=False):
         G = session.grads("train")
@@ -75,7 +80,7 @@ def run(args) -> int:
                 ChunkMonitor(path, chunks, chunk_rows, n, enabled=not args.quiet, interval=args.progress_interval):
             try:
                 ga.store.write(G, path, chunk_rows=chunk_rows, overwrite=args.overwrite, verify=args.verify,
-                               executor=executor, metadata={ATTRIBUTE: record(cfg, "build")})
+                               executor=executor, metadata={ATTRIBUTE: record(cfg, "build")}, texts=texts)
             except StoreMismatchError as err:
                 raise StoreMismatchError(err.differences, f"{path} was built from something else: pass --overwrite "
                                          "to replace it, or set store.path to another folder") from None

@@ -195,6 +195,9 @@ class QuerySection(Section):
     damping: float = Field(1e-3, gt=0, description="λ of similarity = 'influence'")
     top_k: int | None = Field(None, ge=0, description="keep the k highest training scores per query (0: every score)")
     chunk_rows: int = Field(1024, ge=1, description="training columns per chunk of a .zarr output")
+    other_checkpoint: bool = Field(False, description="allow a model whose weights differ from the store's: "
+                                   "scores of the query gradients at [model] against the training gradients "
+                                   "stored at the store's checkpoint (docs/cli.md)")
 
     @field_validator("output")
     @classmethod

@@ -81,12 +81,14 @@ def expression(session, what: str):
     if not Path(path).exists():
         raise ConfigError(f"store.path: no store at {path}: `explain --what query` reads the built store's "
                           "metadata; run `gradalg build` first, or explain the build (--what build)")
-    from .query import check_store, open_store
+    from .query import check_store, open_store, other_models
 
     stored = open_store(path, cfg)
     Q = session.grads("queries")
-    check_store(dict(stored.expr.store.attrs), Q, path, weights=not session.planning)
-    return session.query_scores(stored)
+    check_store(dict(stored.expr.store.attrs), Q, path, weights=not session.planning,
+                other_checkpoint=cfg.query.other_checkpoint)
+    with other_models(cfg.query.other_checkpoint):
+        return session.query_scores(stored)
 
 
 def run(args) -> int:
