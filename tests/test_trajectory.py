@@ -269,8 +269,10 @@ def test_bad_input_is_refused():
         ga.trajectory(model, task, (torch.randn(3, 5, dtype=torch.float64), Qy), layers=LAYERS, lr=0.1)
     with pytest.raises(ga.DataError):
         ga.trajectory(model, task, (Qx, Qy[:2]), layers=LAYERS, lr=0.1)
-    with pytest.raises(ga.OptionError, match="pass optimizer=opt"):
-        ga.trajectory(model, task, (Qx, Qy), layers=LAYERS, precondition="adam")
+    adam = ga.trajectory(model, task, (Qx, Qy), layers=LAYERS, precondition="adam")   # the HF callback may bring it
+    with pytest.raises(ga.OptionError, match=r"optimizer=opt\) \(a torch.optim.Adam"):
+        with adam:                                    # refused before the first forward
+            raise AssertionError("not reached")
     with pytest.raises(ga.OptionError, match="Adam or AdamW"):
         ga.trajectory(model, task, (Qx, Qy), layers=LAYERS, precondition="adam",
                       optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
@@ -283,7 +285,13 @@ def test_bad_input_is_refused():
     traj = ga.trajectory(model, task, (Qx, Qy), layers=LAYERS)   # no optimizer, no lr
     with pytest.raises(ga.OptionError, match="lr="):
         with traj:
+            raise AssertionError("not reached")
+    tc = ga.integrations.training_capture(model, LAYERS)
+    tc.on_step(traj.on_step)                           # a plain callback: refused at the first step
+    with pytest.raises(ga.OptionError, match="lr="):
+        with tc:
             sum_ce(model, (X[:2], Y[:2])).backward()
+    assert not tc._active
 
 
 def test_plot_trajectory_draws_the_top_examples():
@@ -306,3 +314,69 @@ def test_plot_trajectory_draws_the_top_examples():
     plt.close(fig)
     with pytest.raises(ga.OptionError, match="query"):
         ga.viz.plot_trajectory(S, query=99)
+
+
+# ---------------------------------------------------------------------------- HF Trainer
+def lm_sum(model, batch):
+    """Σ over tokens of the cross-entropy of each sequence, summed over sequences (the rows of
+    ``GradientCallback(scale="sum")``: ∇ Σ_t ce_it)."""
+    ids, mask = batch
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+    targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+    return F.cross_entropy(logits.transpose(1, 2), targets, reduction="sum", ignore_index=-100)
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw_torch"])
+def test_hf_trainer_matches_dense_reference(optim, tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from models import gpt2, padded_token_data
+
+    layers = ["transformer.h.0.attn.c_attn", "lm_head"]
+    ids, mask = padded_token_data(n=8, seed=3)
+    rows = [{"input_ids": ids[i], "attention_mask": mask[i], "labels": ids[i].masked_fill(mask[i] == 0, -100)}
+            for i in range(8)]
+    qids, qmask = padded_token_data(n=2, seed=9)
+    model = gpt2()
+    traj = ga.trajectory(model, ga.Task(model, lm_sum), (qids, qmask), layers=layers,
+                         precondition="adam" if optim != "sgd" else None)
+    cb = traj.hf_callback(scale="sum")
+    saved, after = [], []
+
+    @cb.on_step
+    def keep(step):                       # θ_t and the step's example ids, for the reference
+        saved.append(({k: v.clone() for k, v in model.state_dict().items()}, step.ids))
+
+    class AfterStep(TrainerCallback):     # Adam's own state after each step: v_{t+1}, t+1
+        def on_optimizer_step(self, args, state, control, optimizer=None, **kw):
+            opt = getattr(optimizer, "optimizer", optimizer)
+            g = opt.param_groups[0]
+            after.append({n: ((opt.state[p]["exp_avg_sq"].double()
+                               / (1 - g["betas"][1] ** float(opt.state[p]["step"]))).sqrt() + g["eps"])
+                          for n, p in model.named_parameters() if p in opt.state and "exp_avg_sq" in opt.state[p]})
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             max_steps=2, learning_rate=0.05, use_cpu=True, report_to=[], logging_strategy="no",
+                             save_strategy="no", seed=0, lr_scheduler_type="constant", optim=optim,
+                             weight_decay=0.0, max_grad_norm=0.0, disable_tqdm=True)
+    Trainer(model=model, args=args, train_dataset=rows, callbacks=[cb, AfterStep()]).train()
+    S = traj.scores
+    assert S.shape[2] == 2 and len(saved) == 2
+    A = S.array
+    names = [f"{layer}.{p}" for layer in layers for p, _ in dict(model.named_modules())[layer].named_parameters()]
+    for t, (state, step_ids) in enumerate(saved):
+        theta = gpt2()                    # a fresh module (a deep copy would carry the callback's hooks)
+        theta.load_state_dict(state)
+        params = [theta.get_parameter(n) for n in names]
+        w = [0.05 / (after[t][n] if optim != "sgd" else 1.0) for n in names]
+        for q in range(2):
+            gq = torch.autograd.grad(lm_sum(theta, (qids[q:q + 1], qmask[q:q + 1])), params)
+            ref = {}
+            for i in step_ids:
+                gi = torch.autograd.grad(lm_sum(theta, (ids[i:i + 1], mask[i:i + 1])), params)
+                ref[i] = ref.get(i, 0.0) + float(sum((a * c * b).sum() for a, c, b in zip(gq, w, gi)))
+            for i in range(8):
+                got = float(A.sel(query=q, step=t, train=i)) if i in A.train.values else 0.0
+                # Trainer's loss casts the logits to float32 (ForCausalLMLoss): float32 agreement
+                assert got == pytest.approx(ref.get(i, 0.0), rel=1e-5, abs=1e-9), (t, q, i)

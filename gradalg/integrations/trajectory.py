@@ -204,11 +204,7 @@ class Trajectory:
             raise OptionError(f"precondition must be None (η⟨g_q, g_i⟩) or 'adam' (η⟨g_q, g_i/(√v̂+ε)⟩), "
                               f"got {precondition!r}")
         self.optimizer = _torch_optimizer(optimizer) if optimizer is not None else None
-        if precondition == "adam":
-            if optimizer is None:
-                raise OptionError("precondition='adam' reads Adam's second moment from the optimizer at every step: "
-                                  "pass optimizer=opt (a torch.optim.Adam or AdamW); with the HF Trainer, "
-                                  "traj.hf_callback() takes the Trainer's optimizer")
+        if precondition == "adam" and self.optimizer is not None:
             _check_adam(self.optimizer)
         if lr is not None and not callable(lr) and not _finite_number(lr):
             raise OptionError(f"lr must be a finite number or a function step -> lr, got {lr!r}")
@@ -245,11 +241,26 @@ class Trajectory:
         if missing:
             raise OptionError(f"the capture does not record layers {missing} of this trajectory; record them "
                               f"(training_capture(model, layers=[..., {missing[0]!r}])) or leave them out of layers=")
+        self._require_optimizer()
         self.capture = capture
         capture.on_step(self.on_step)
         return self
 
+    def _require_optimizer(self) -> None:
+        """Refuse, before training, a form that needs the optimizer when there is none (the HF
+        callback brings the Trainer's at ``on_train_begin``)."""
+        if self.optimizer is not None:
+            return
+        if self.precondition == "adam":
+            raise OptionError("precondition='adam' reads Adam's second moment from the optimizer at every step: "
+                              "pass ga.trajectory(..., optimizer=opt) (a torch.optim.Adam or AdamW); with the HF "
+                              "Trainer, traj.hf_callback() takes the Trainer's optimizer")
+        if self.lr is None:
+            raise OptionError("the learning rate of each step comes from the optimizer: pass "
+                              "ga.trajectory(..., optimizer=opt), or lr= (a number or a function step -> lr)")
+
     def __enter__(self):
+        self._require_optimizer()
         if self.capture is None:
             from .training import training_capture
             self.attach(training_capture(self.model, list(self.layers), optimizer=self.optimizer))
@@ -286,6 +297,7 @@ class Trajectory:
         from ..api import diagonal, grads
         from ..exec.local import LocalExecutor
 
+        self._require_optimizer()
         capture = step.capture if step.capture is not None else self.capture
         if capture is None:
             raise CaptureStateError("the trajectory scores a step with the queries' forward and backward at θ_t, "
@@ -409,8 +421,8 @@ def _adam_denominator(opt, p: torch.Tensor, group: dict) -> torch.Tensor:
 
 def _torch_optimizer(opt):
     inner = getattr(opt, "optimizer", None)      # accelerate's AcceleratedOptimizer wraps the torch one
-    if not isinstance(opt, torch.optim.Optimizer) and isinstance(inner, torch.optim.Optimizer):
-        opt = inner
+    while isinstance(inner, torch.optim.Optimizer):   # (itself an Optimizer subclass)
+        opt, inner = inner, getattr(inner, "optimizer", None)
     if not isinstance(opt, torch.optim.Optimizer):
         raise OptionError(f"optimizer must be a torch.optim.Optimizer, got {type(opt).__name__}")
     return opt
