@@ -144,6 +144,10 @@ def test_matches_dense_reference_over_checkpoints(kind, reduction, precondition)
     assert np.abs(got[:, 0, :2]).min() > 0 and np.abs(got[:, 1, 3]).min() > 0
     np.testing.assert_allclose(S.total().values, ref.sum(-1)[:, :10], rtol=TOL, atol=TOL)
     np.testing.assert_allclose(S.cumulative().values[..., -1], S.total().values, rtol=TOL, atol=TOL)
+    rec = S.records()                                  # long format: one row per (query, example, step) seen
+    assert len(rec) == 3 * (3 + 4 + 4 + 2)             # distinct examples per step (1 twice in step 3: summed)
+    for r in rec.itertuples():
+        assert r.score == pytest.approx(ref[r.query, r.train, r.step], rel=TOL, abs=TOL)
     assert list(S.array.step.values) == [0, 1, 2, 3]
 
 

@@ -168,6 +168,27 @@ class TrajectoryScores:
                             coords={"query": np.asarray(self.query_ids), "train": np.asarray(st.ids)},
                             name="step_scores", attrs={"step": st.index, "lr": st.lr})
 
+    def records(self):
+        """Every kept score as a long pandas DataFrame (columns query, train, step, lr, score):
+        one row per (query, row of a step), rows of an example seen twice in a step summed.
+        Its size is what was kept, not n_query × n_train × n_steps."""
+        import pandas as pd
+
+        frames = []
+        for st in self.steps:
+            if st.values is None:
+                continue
+            ids = np.asarray(st.ids, dtype=object)
+            for q, qid in enumerate(self.query_ids):
+                rows = st.kept[q] if st.kept is not None else np.arange(len(st.ids))
+                frames.append(pd.DataFrame({"query": qid, "train": ids[rows], "step": st.index, "lr": st.lr,
+                                            "score": st.values[q]}))
+        if not frames:
+            return pd.DataFrame(columns=["query", "train", "step", "lr", "score"])
+        out = pd.concat(frames, ignore_index=True)
+        return out.groupby(["query", "train", "step"], sort=False, as_index=False).agg(
+            lr=("lr", "first"), score=("score", "sum"))
+
     def top(self, query, k: int = 5, *, largest: bool = True):
         """The ``k`` examples with the largest (or smallest) total score for ``query`` (an id):
         a pandas Series of totals, best first."""
