@@ -50,13 +50,15 @@ def sum_ce(model, batch):
 
 
 def make_opt(model, kind, lr=0.1):
-    if kind == "sgd":
+    if kind in ("sgd", "sgd-decay"):
         return torch.optim.SGD(model.parameters(), lr=lr)
     if kind == "sgd-groups":     # per-layer learning rates: M_t is a diagonal, not a number
         return torch.optim.SGD([{"params": model[0].parameters(), "lr": lr},
                                 {"params": model[2].parameters(), "lr": lr / 4}], lr=lr)
     if kind == "adam":
         return torch.optim.Adam(model.parameters(), lr=0.05, betas=(0.8, 0.95), eps=1e-3)
+    if kind == "adam-ams-l2":    # amsgrad's running maximum; L2 decay inside Adam's gradient
+        return torch.optim.Adam(model.parameters(), lr=0.05, eps=1e-3, amsgrad=True, weight_decay=0.05)
     if kind == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1, eps=1e-3)
     raise ValueError(kind)
@@ -68,6 +70,7 @@ def train_with_trajectory(kind, reduction="sum", precondition=None, schedule=SCH
     opt = make_opt(model, kind)
     traj = ga.trajectory(model, ga.Task(model, sum_ce), (Qx, Qy), layers=LAYERS, optimizer=opt,
                          precondition=precondition, **kw)
+    sched = decay(opt, kind)
     with traj:
         for step in schedule:
             for mb in step:
@@ -75,7 +78,13 @@ def train_with_trajectory(kind, reduction="sum", precondition=None, schedule=SCH
                 F.cross_entropy(model(X[mb]), Y[mb], reduction=reduction).backward()
             opt.step()
             opt.zero_grad()
+            sched.step()
     return traj, model
+
+
+def decay(opt, kind):
+    """A learning-rate schedule: η_t = η / (1 + t) for "-decay" kinds, constant otherwise."""
+    return torch.optim.lr_scheduler.LambdaLR(opt, (lambda t: 1 / (1 + t)) if kind.endswith("decay") else (lambda t: 1.0))
 
 
 def reference(kind, reduction="sum", precondition=None, schedule=SCHEDULE):
@@ -84,6 +93,7 @@ def reference(kind, reduction="sum", precondition=None, schedule=SCHEDULE):
     model = net()
     opt = make_opt(model, kind)
     checkpoints, denoms, lrs = [], [], []
+    sched = decay(opt, kind)
     for step in schedule:
         checkpoints.append(copy.deepcopy(model))
         lrs.append({id(p): g["lr"] for g in opt.param_groups for p in g["params"]})
@@ -91,13 +101,15 @@ def reference(kind, reduction="sum", precondition=None, schedule=SCHEDULE):
             F.cross_entropy(model(X[mb]), Y[mb], reduction=reduction).backward()
         opt.step()
         opt.zero_grad()
+        sched.step()
         if precondition == "adam":   # Adam's own state after the step: v_{t+1} and t+1
             d = {}
             for g in opt.param_groups:
                 for p in g["params"]:
                     st = opt.state[p]
                     bc2 = 1 - g["betas"][1] ** float(st["step"])
-                    d[id(p)] = (st["exp_avg_sq"].double() / bc2).sqrt() + g["eps"]
+                    v = st["max_exp_avg_sq"] if g["amsgrad"] else st["exp_avg_sq"]
+                    d[id(p)] = (v.double() / bc2).sqrt() + g["eps"]
             denoms.append(d)
     tau = np.zeros((len(Qx), len(X), len(schedule)))
     for t, (theta, step) in enumerate(zip(checkpoints, schedule)):
@@ -126,8 +138,8 @@ def dense_of(S) -> np.ndarray:
 
 
 @pytest.mark.parametrize("kind,reduction,precondition", [
-    ("sgd", "sum", None), ("sgd", "mean", None), ("sgd-groups", "sum", None),
-    ("adam", "sum", "adam"), ("adamw", "mean", "adam"),
+    ("sgd", "sum", None), ("sgd", "mean", None), ("sgd-groups", "sum", None), ("sgd-decay", "sum", None),
+    ("adam", "sum", "adam"), ("adamw", "mean", "adam"), ("adam-ams-l2", "sum", "adam"),
 ])
 def test_matches_dense_reference_over_checkpoints(kind, reduction, precondition):
     traj, model = train_with_trajectory(kind, reduction, precondition)
@@ -149,6 +161,8 @@ def test_matches_dense_reference_over_checkpoints(kind, reduction, precondition)
     for r in rec.itertuples():
         assert r.score == pytest.approx(ref[r.query, r.train, r.step], rel=TOL, abs=TOL)
     assert list(S.array.step.values) == [0, 1, 2, 3]
+    if kind == "sgd-decay":                            # η_t read at each step, before the scheduler moves it
+        np.testing.assert_allclose(S.array.lr.values, [0.1 / (1 + t) for t in range(4)])
 
 
 def test_step_sum_is_first_order_loss_change():
