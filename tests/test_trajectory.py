@@ -330,8 +330,17 @@ def test_plot_trajectory_draws_the_top_examples():
         np.testing.assert_allclose(line.get_xdata(), S.array.step.values)
         np.testing.assert_allclose(line.get_ydata(), cum.sel(train=i).values)
     plt.close(fig)
+    fig, ax = plt.subplots()                            # on a given axis, with the two lowest totals dashed
+    assert ga.viz.plot_trajectory(S.array, query=0, top=1, bottom=2, ax=ax) is fig
+    labels = [line.get_label() for line in ax.get_lines()]
+    worst = S.top(0, 2, largest=False)
+    assert labels == [f"train {S.top(0, 1).index[0]}"] + [f"train {i}" for i in worst.index]
+    assert [line.get_linestyle() for line in ax.get_lines()] == ["-", "--", "--"]
+    plt.close(fig)
     with pytest.raises(ga.OptionError, match="query"):
         ga.viz.plot_trajectory(S, query=99)
+    with pytest.raises(ga.OptionError, match="dims"):
+        ga.viz.plot_trajectory(S.total(), query=0)
 
 
 # ---------------------------------------------------------------------------- HF Trainer

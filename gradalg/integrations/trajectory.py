@@ -403,7 +403,7 @@ class Trajectory:
             p = params[name]
             g = group_of.get(id(p))
             if g is None:
-                per[name] = torch.zeros((1, *p.shape), dtype=torch.float64)    # not updated by this optimizer
+                per[name] = torch.zeros((1, *p.shape), dtype=torch.float64, device=p.device)   # not updated
                 lrs.add(0.0)
                 continue
             lr = float(self.lr(step.index) if callable(self.lr) else self.lr) if self.lr is not None else float(g["lr"])
@@ -411,7 +411,7 @@ class Trajectory:
             if self.precondition == "adam":
                 per[name] = (lr / _adam_denominator(self.optimizer, p, g)).unsqueeze(0)
             else:
-                per[name] = torch.full((1, *p.shape), lr, dtype=torch.float64)
+                per[name] = torch.full((1, *p.shape), lr, dtype=torch.float64, device=p.device)
         if self.precondition is None and len(lrs) == 1:
             return lrs.pop(), None
         return 1.0, coords.from_params(per)[0]
@@ -422,10 +422,11 @@ def _adam_denominator(opt, p: torch.Tensor, group: dict) -> torch.Tensor:
     beta1, beta2 = group["betas"]
     eps = float(group["eps"])
     state = opt.state.get(p, {})
-    v = state["exp_avg_sq"].detach().double() if "exp_avg_sq" in state else torch.zeros(p.shape, dtype=torch.float64)
+    v = (state["exp_avg_sq"].detach().double() if "exp_avg_sq" in state
+         else torch.zeros(p.shape, dtype=torch.float64, device=p.device))
     t = float(state["step"]) if "step" in state else 0.0
     if p.grad is None:
-        return torch.full(p.shape, math.inf, dtype=torch.float64)   # Adam skips p this step: no update
+        return torch.full(p.shape, math.inf, dtype=torch.float64, device=p.device)   # Adam skips p: no update
     g = p.grad.detach().double()
     if group.get("maximize", False):
         g = -g
@@ -435,7 +436,7 @@ def _adam_denominator(opt, p: torch.Tensor, group: dict) -> torch.Tensor:
     if group.get("amsgrad", False):
         vmax = state.get("max_exp_avg_sq")
         if vmax is not None:
-            v = torch.maximum(vmax.detach().double(), v)
+            v = torch.maximum(vmax.detach().double().to(v.device), v)
     bc2 = 1 - beta2 ** (t + 1)
     return (v / bc2).sqrt() + eps
 
