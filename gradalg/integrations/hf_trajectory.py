@@ -9,7 +9,8 @@ It is a :class:`~gradalg.integrations.hf.GradientCallback` (``keep=False``) over
 trajectory's layers, whose ``on_step`` is the trajectory's; rows are labelled with the
 dataset indices the Trainer's sampler yields (``ids="auto"``). At ``on_train_begin`` it
 takes the Trainer's optimizer when the trajectory has none (its learning rates and, for
-``precondition="adam"``, Adam's moments). The rows' scale follows ``scale=`` (default
+``precondition="adam"``, Adam's moments), and numbers steps from the Trainer's
+``global_step`` (a run resumed from a checkpoint continues the step axis). The rows' scale follows ``scale=`` (default
 ``"loss"``: each example's contribution to the step's gradient; ``"sum"``: the gradient
 of its summed token loss). Trainer clips gradients (``max_grad_norm``) before the step:
 the rows are the unclipped gradients (see :mod:`gradalg.integrations.trajectory`).
@@ -40,4 +41,5 @@ class TrajectoryCallback(GradientCallback):
             traj.optimizer = _torch_optimizer(optimizer)
             if traj.precondition == "adam":
                 _check_adam(traj.optimizer)
+        traj.step_offset = int(state.global_step)      # a resumed run numbers its steps on
         super().on_train_begin(args, state, control, model=model, train_dataloader=train_dataloader, **kwargs)

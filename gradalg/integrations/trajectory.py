@@ -203,7 +203,13 @@ class TrajectoryScores:
 
 
 class Trajectory:
-    """Per-step TracIn scores computed during training. Build it with :func:`trajectory`."""
+    """Per-step TracIn scores computed during training. Build it with :func:`trajectory`.
+
+    Attributes: ``scores`` (:class:`TrajectoryScores` of the steps so far), ``capture`` (the
+    :class:`TrainingCapture` it scores), ``layers``, ``query_ids``, ``optimizer``,
+    ``step_offset`` (added to the capture's step numbers: the steps a resumed run took before;
+    the HF callback sets it from ``global_step``).
+    """
 
     def __init__(self, model: nn.Module, task: Task, queries, *, layers=None, optimizer=None,
                  precondition: str | None = None, lr=None, projector=None, topk: int | None = None,
@@ -249,6 +255,7 @@ class Trajectory:
         self._steps: list[StepScores] = []
         self._seconds = 0.0
         self._coords = None
+        self.step_offset = 0      # optimizer steps taken before this capture began (a resumed run)
 
     # ------------------------------------------------------------------ wiring
     def attach(self, capture: TrainingCapture) -> "Trajectory":
@@ -333,7 +340,7 @@ class Trajectory:
             Q = grads(self.task, self.queries, list(self.layers))      # at θ_t: the live model
             P = self.projector
             if diag is not None:
-                D = diagonal(diag, like=Q, note=f"step {step.index}: η" + (" / (√v̂+ε) from Adam"
+                D = diagonal(diag, like=Q, note=f"step {self._index(step)}: η" + (" / (√v̂+ε) from Adam"
                                                                              if self.precondition else ""))
                 S = (P(Q @ D) @ P(G).T) if P is not None else (Q @ D @ G.T)
             else:
@@ -354,12 +361,12 @@ class Trajectory:
             np.add.at(self._totals[q], cols, values[q])
         lr = float(self._lr_scalar(step))
         if self.topk == 0:
-            rec = StepScores(step.index, lr, tuple(ids), None)
+            rec = StepScores(self._index(step), lr, tuple(ids), None)
         elif self.topk is None or self.topk >= values.shape[1]:
-            rec = StepScores(step.index, lr, tuple(ids), values)
+            rec = StepScores(self._index(step), lr, tuple(ids), values)
         else:
             kept = np.argsort(-np.abs(values), axis=1, kind="stable")[:, :self.topk]
-            rec = StepScores(step.index, lr, tuple(ids), np.take_along_axis(values, kept, 1), kept)
+            rec = StepScores(self._index(step), lr, tuple(ids), np.take_along_axis(values, kept, 1), kept)
         self._steps.append(rec)
 
     @property
@@ -370,10 +377,15 @@ class Trajectory:
                 "seconds": round(self._seconds, 6)}
         return TrajectoryScores(self.query_ids, tuple(self._col), self._totals, self._steps, info)
 
+    def _index(self, step: StepGrads) -> int:
+        """The step's number in the run: ``step_offset`` (the optimizer steps taken before this
+        capture began, e.g. a resumed Trainer's ``global_step``) plus the capture's count."""
+        return self.step_offset + step.index
+
     # ------------------------------------------------------------------ M_t
     def _lr_scalar(self, step: StepGrads) -> float:
         if self.lr is not None:
-            return float(self.lr(step.index) if callable(self.lr) else self.lr)
+            return float(self.lr(self._index(step)) if callable(self.lr) else self.lr)
         if self.optimizer is None:
             raise OptionError("the learning rate of each step comes from the optimizer: pass optimizer=opt to "
                               "ga.trajectory, or lr= (a number or a function step -> lr)")
@@ -390,7 +402,7 @@ class Trajectory:
         if self.lr is not None and self.precondition is None:
             lr = self._lr_scalar(step)
             if not math.isfinite(lr):
-                raise OptionError(f"lr({step.index}) returned {lr!r}: a finite number is needed")
+                raise OptionError(f"lr({self._index(step)}) returned {lr!r}: a finite number is needed")
             return lr, None
         if self.optimizer is None:
             self._lr_scalar(step)     # raises, naming the fix
@@ -406,7 +418,7 @@ class Trajectory:
                 per[name] = torch.zeros((1, *p.shape), dtype=torch.float64, device=p.device)   # not updated
                 lrs.add(0.0)
                 continue
-            lr = float(self.lr(step.index) if callable(self.lr) else self.lr) if self.lr is not None else float(g["lr"])
+            lr = float(self.lr(self._index(step)) if callable(self.lr) else self.lr) if self.lr is not None else float(g["lr"])
             lrs.add(lr)
             if self.precondition == "adam":
                 per[name] = (lr / _adam_denominator(self.optimizer, p, g)).unsqueeze(0)
