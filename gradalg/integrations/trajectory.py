@@ -138,11 +138,14 @@ class TrajectoryScores:
                     np.add.at(out[q, :, t], cols, st.values[q])
             else:
                 out[:, np.unique(cols), t] = np.nan
+                rows_of = np.bincount(cols, minlength=n)
                 for q in range(m):
-                    rows = st.kept[q]
-                    keep = cols[rows]
+                    keep = cols[st.kept[q]]
                     out[q, np.unique(keep), t] = 0.0
                     np.add.at(out[q, :, t], keep, st.values[q])
+                    # an example with several rows in the step, not all kept: no partial sum
+                    partial = np.nonzero(np.bincount(keep, minlength=n) < rows_of)[0]
+                    out[q, partial[np.isin(partial, keep)], t] = np.nan
         return xr.DataArray(out, dims=("query", "train", "step"),
                             coords={"query": np.asarray(self.query_ids), "train": np.asarray(self.train_ids),
                                     "step": np.asarray([st.index for st in self.steps]),
@@ -171,7 +174,9 @@ class TrajectoryScores:
     def records(self):
         """Every kept score as a long pandas DataFrame (columns query, train, step, lr, score):
         one row per (query, row of a step), rows of an example seen twice in a step summed.
-        Its size is what was kept, not n_query × n_train × n_steps."""
+        Its size is what was kept, not n_query × n_train × n_steps. With ``topk``, only kept
+        rows are listed (an example with several rows in a step, some dropped, sums the kept ones;
+        :attr:`array` shows NaN there)."""
         import pandas as pd
 
         frames = []
