@@ -31,6 +31,7 @@ from .expr import OpNode, ResolveContext, Statistic  # noqa: E402 - the operator
 from .linalg import Labels, LinearOp, ResolvedOp  # noqa: E402 - what an operator node resolves to
 from .check import ModelCheckError, check_model  # noqa: E402 - ga.check_model(task, data) before a long run
 from .options import get_options, options
+from .integrations.trajectory import trajectory  # noqa: E402 - ga.trajectory: TracIn per training step
 from .task import ExampleRandom, Task, TransformerBlocks
 
 sum = sum_scores  # noqa: A001 - ga.sum / ga.mean read like the math
@@ -50,5 +51,5 @@ __all__ = [
     "DataError", "WorkerFaultError", "fingerprint", "compile", "Compiled", "OperatorError", "CurvatureError", "DistributedError", "ModelMismatchError",
     "StaleCompiledError", "unroll", "training_objective", "ObjectiveError", "check_model", "ModelCheckError",
     "IdMismatchError", "report", "OpNode", "ResolveContext", "Statistic", "Labels", "LinearOp", "ResolvedOp",
-    "HeadMismatchError", "PartialGradientError",
+    "HeadMismatchError", "PartialGradientError", "trajectory",
 ]

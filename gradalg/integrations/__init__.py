@@ -10,7 +10,9 @@ Core (no optional dependency):
   correct the step's gradient exactly;
 - :func:`gather`: every DDP/FSDP rank's captured rows in one GradientSet;
 - :class:`StoreStream` / :func:`open_stream`: project each step's rows and append them to
-  a store on disk as training goes (bounded memory; resumes with the run).
+  a store on disk as training goes (bounded memory; resumes with the run);
+- :func:`trajectory` / :class:`Trajectory` (``ga.trajectory``): TracIn per (query, example,
+  step) along the run, the queries' gradients taken at each step's parameters.
 
 Trainer integrations (import the submodule; each needs its library):
 
@@ -26,9 +28,11 @@ from .selection import (BatchMean, DropFraction, FixedTarget, KeepAll, OnlineSel
 from .repeats import combine_repeats
 from .stream import StoreStream, open_stream, stream_steps
 from .training import StepGrads, TrainingCapture, training_capture
+from .trajectory import StepScores, Trajectory, TrajectoryScores, trajectory
 from ..errors import CaptureStateError, ExampleIdsError
 
 __all__ = ["training_capture", "TrainingCapture", "StepGrads", "OnlineSelection", "SelectionRecord", "Target",
            "BatchMean", "FixedTarget", "ValidationTarget", "Policy", "DropFraction", "Threshold", "Reweight",
            "RandomDrop", "KeepAll", "gather", "unwrap_model", "StoreStream", "open_stream", "stream_steps",
-           "ExampleIdsError", "CaptureStateError", "combine_repeats"]
+           "ExampleIdsError", "CaptureStateError", "combine_repeats", "trajectory", "Trajectory",
+           "TrajectoryScores", "StepScores"]

@@ -53,6 +53,8 @@ class StepGrads:
     chunks : one :class:`~gradalg.capture.chunks.Chunk` per micro-batch, in order; each block
         is :class:`~gradalg.capture.Factors` (n_mb, T, in) / (n_mb, T, out).
     space : the ParamSpace of the captured layers.
+    capture : the :class:`TrainingCapture` that closed the step (a callback that runs the
+        model, e.g. a trajectory's queries, pauses it with ``step.capture.paused()``).
     """
 
     index: int
@@ -60,6 +62,7 @@ class StepGrads:
     space: object
     extras: dict = field(default_factory=dict)
     model: object = field(default=None, repr=False)   # the module trained (rows refused beside another's)
+    capture: object = field(default=None, repr=False, compare=False)
 
     @property
     def n(self) -> int:
@@ -205,7 +208,7 @@ class TrainingCapture:
                 "the step's batch had more examples than its micro-batches had rows (rows joined or dropped)")
         if not self._micro:
             return None
-        step = StepGrads(self.steps, tuple(self._micro), self.space, model=self.model)
+        step = StepGrads(self.steps, tuple(self._micro), self.space, model=self.model, capture=self)
         self._micro = []
         for cb in self._callbacks:
             cb(step)
