@@ -151,6 +151,7 @@ class DaskShards(ShardStrategy):
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
+        """Close the cluster this strategy started (a client given to it stays open)."""
         if self._own and self.client is not None:
             cluster = self.client.cluster
             self.client.close()

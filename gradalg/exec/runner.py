@@ -61,38 +61,35 @@ HERE = Placement(False, "in this process")
 
 class ShardStrategy:
     """How an executor maps a pass's shards and gathers their results; this base runs
-    every pass whole in this process (:class:`InProcess`).
-
-    ``place(step)``             the pass's :class:`Placement`, decided when the plan is made
-    ``run_shards(runner, step, sinks)``  feed every sink every example of a sharded pass;
-                                returns results it finished itself, by sink index
-    ``describe_pass(step)``     how the pass is split (``explain()``), or None
-    ``budget(options, node)``   the memory budget to plan under (None: the options')
-    ``before_run(plan)``        checks before a plan runs
-    ``as_array(result)``        a score term as the executor returns it
-    ``keeps_held_rows``         sinks are opened again per shard: a score's raw held rows
-                                are kept, not released as they are preconditioned
-    """
+    every pass whole in this process (:class:`InProcess`). ``keeps_held_rows``: sinks are
+    opened again per shard, so a score's raw held rows are kept, not released as they
+    are preconditioned."""
 
     keeps_held_rows = False
 
     def place(self, step: Pass) -> Placement:
+        """Where ``step`` runs (decided when the plan is made, recorded in ``plan.placement``)."""
         return HERE
 
     def run_shards(self, runner: "PassRunner", step: Pass, sinks: list[Sink]) -> dict:
+        """Feed every sink every example of a pass placed on shards; returns the results
+        it finished itself, by sink index (the runner finishes the others)."""
         runner.feed(step, sinks)
         return {}
 
     def describe_pass(self, step: Pass) -> str | None:
+        """How ``step`` is split and what crosses the network (``explain()``), or None."""
         return None
 
     def budget(self, options, node):
+        """The memory budget to plan ``node`` under (None: the options')."""
         return None
 
     def before_run(self, plan: Plan) -> None:
-        pass
+        """Checks before ``plan`` runs (the ranks agree on it, the models allow it)."""
 
     def as_array(self, result):
+        """A score term as the executor returns it (here: as computed)."""
         return result
 
     def close(self) -> None:
