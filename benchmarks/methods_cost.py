@@ -225,7 +225,7 @@ class CountingExecutor(ga.LocalExecutor):
 
     def iter_chunks(self, node):
         from gradalg.expr import Source
-        if isinstance(node, Source) and node.n == self.n_train and node.token not in self._cache:
+        if isinstance(node, Source) and node.n == self.n_train and node.token not in self.state.rows:
             self.pulls += 1
         return super().iter_chunks(node)
 

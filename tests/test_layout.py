@@ -225,8 +225,8 @@ from gradalg.exec.runner import PassRunner
 assert "xarray" not in sys.modules and "pandas" not in sys.modules, "loaded by import gradalg"
 loaded_in_a_pass = []
 run_pass = PassRunner.run_pass
-def watched(self, step):
-    run_pass(self, step)
+def watched(self, step, *where):
+    run_pass(self, step, *where)
     loaded_in_a_pass.append("xarray" in sys.modules)
 PassRunner.run_pass = watched
 torch.manual_seed(0)

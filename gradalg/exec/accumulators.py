@@ -103,7 +103,7 @@ class FisherAccumulator:
 
     def finish(self) -> ResolvedOp:
         if self.rows == 0:
-            raise ValueError("cannot compute a Fisher over zero examples")
+            raise DataError("cannot compute a Fisher over zero examples: give the Fisher rows (its data is empty)")
         n = self.node.grads.n  # rows may repeat an example (objective="expected": one row per term)
         # kept in the accumulation's float64: rounding a rank-deficient Gram matrix (TRAK's
         # ΦᵀΦ with n < k) to float32 leaves eigenvalues of ±1e-7·‖F‖, which a small damping
@@ -455,7 +455,7 @@ class DiagAccumulator:
         x = flatten(left, self.space)
         y = x if right is None else flatten(right, self.space).to(x.dtype)
         if right is not None and right.ids != left.ids:
-            raise ValueError("the two sides of the diagonal are chunked differently; give both "
+            raise DataError("the two sides of the diagonal are chunked differently; give both "
                              "the same data object and batch size")
         if self.resolved is not None:
             y = self.resolved.apply(y).to(x.dtype)

@@ -1,58 +1,198 @@
-"""The executor interface and the registry of executors.
+"""The executor: one compute path for every result, and the registry of executors.
 
-An executor runs expression nodes. Required entry points:
+Every result is computed the same way, :meth:`Executor.compute`:
 
-``scores(node)``     (n_query, n_train) scores of a score node
-``diagonal(node)``   self-scores of a :class:`~gradalg.expr.ScoreDiagonal`
-``gradients(node)``  all rows of a gradient node (a Chunk)
-``operator(node)``   the resolved numbers of an operator node
+1. **plan** (:func:`gradalg.plan.planner.plan`): the passes, their jobs and kernels, and
+   for each pass where its shards run (``plan.placement``, decided by the shard strategy
+   from the pass alone, :meth:`~gradalg.exec.runner.ShardStrategy.place`);
+2. **run** (:class:`~gradalg.exec.runner.PassRunner`): each pass's sinks fed, by the
+   strategy (``run_shards``) or in this process, their results published into the
+   :class:`~gradalg.exec.state.RunState`;
+3. **assemble**: the result read from the run state.
 
-Optional: ``plan(node)`` (the plan it would run), ``topk(node, spec)`` (the best scores
-per query, from ``plan(node, topk=spec)``) and ``close()``. Executors are picked
-by object or by name (``get_executor("local")``, ``get_executor("dask")``); a missing
-optional dependency is reported with the command that installs it.
+The entry points are that path with their reader: ``scores(node)`` (n_query, n_train),
+``diagonal(node)`` (n,) self-scores, ``topk(node, spec)`` ``(values, positions)`` each
+(n_query, k), ``gradients(node)`` all rows (a Chunk), ``operator(node)`` the resolved
+:class:`~gradalg.linalg.LinearOp`. Executors differ only in their shard strategy:
+:class:`~gradalg.exec.LocalExecutor` (this process), :class:`~gradalg.exec.DaskExecutor`
+(shards on Dask workers), :class:`~gradalg.exec.TorchDistributed` (ranks of a torchrun
+job). Besides plans, the executor offers a pull path (``iter_chunks``, ``resolve``) that
+computes one node at a time; iterative solvers and operators known only through products
+use it from inside a pass.
+
+Executors are picked by object or by name (``get_executor("local")``,
+``get_executor("dask")``); a missing optional dependency is reported with the command
+that installs it.
 """
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from collections import Counter
+from dataclasses import replace
+from typing import Callable, Iterator
+
+import torch
+
+from ..capture.chunks import Chunk, concat_chunks
+from ..errors import OptionError
+from ..expr import Captured, GradNode, GroupMean, OpNode, ScoreDiagonal, ScoreNode, Source
+from ..options import Options, get_options
+from ..plan.choices import Choices
+from ..plan.planner import ROW_WISE, Plan, plan as make_plan
+from .accumulators import GroupAccumulator
+from .phases import PhaseClock
+from .resolve import precondition, resolve_node
+from .rowwise import derive_rows
+from .runner import InProcess, PassRunner, ShardStrategy, captured_batches
+from .state import RunState
 
 __all__ = ["Executor", "get_executor", "EXECUTORS"]
 
 
-class Executor(ABC):
-    """Runs expression nodes: the interface every executor implements.
+class Executor:
+    """Runs expression nodes: plan, run the passes with a shard strategy, assemble.
 
-    ``S.compute(executor=...)`` hands its node to :meth:`scores`; the other entry points
-    serve self-scores (:meth:`diagonal`), gradient rows and resolved operators. Subclasses:
-    :class:`~gradalg.exec.LocalExecutor` (this process) and
-    :class:`~gradalg.exec.DaskExecutor` (passes sharded over Dask workers)."""
-    name: str = "executor"
+    One executor serves one ``compute()``. ``rewrites=False`` disables the planner's
+    rewrite rules and ``choices`` (:class:`~gradalg.plan.Choices`) forces the held side
+    and store-vs-recompute decisions (differential tests compare all of them).
+    ``release_memory_above``: after each batch of a pass whose planned working set is
+    at least this many bytes, free memory is returned to the system
+    (:mod:`gradalg.exec.allocator`; smaller batches free too little to be worth the call;
+    ``float("inf")`` never). ``shards``: the
+    :class:`~gradalg.exec.runner.ShardStrategy` (default: the whole pass in this process).
+    ``state``: a :class:`~gradalg.exec.state.RunState` to start from (a Dask worker's:
+    the resolved operators its shard needs).
 
-    @abstractmethod
-    def scores(self, node):
-        """(n_left, n_right) scores of ``node``."""
+    After a run, ``last_plan`` is the plan that ran, ``pass_stats`` the measured seconds
+    and memory of each pass, ``trace`` the counts of the kernels that ran and
+    ``phase_seconds`` the wall seconds per phase (:mod:`gradalg.exec.phases`).
+    """
 
-    @abstractmethod
-    def diagonal(self, node):
-        """Self-scores (n,) of a ScoreDiagonal node."""
+    name = "local"
 
-    @abstractmethod
-    def gradients(self, node):
-        """All rows of a gradient node."""
+    def __init__(self, options: Options | None = None, *, rewrites: bool = True, choices: Choices | None = None,
+                 release_memory_above: float = 2**20, shards: ShardStrategy | None = None,
+                 state: RunState | None = None):
+        self.options = options or get_options()
+        self.rewrites = rewrites
+        self.choices = choices
+        self.release_memory_above = release_memory_above
+        self.shards = shards if shards is not None else InProcess()
+        self.reset(state)
 
-    @abstractmethod
-    def operator(self, node):
-        """Resolved numbers of an operator node."""
+    def reset(self, state: RunState | None = None) -> None:
+        """Forget every resolved operator, kept row and result of earlier runs.
 
-    def topk(self, node, spec):
-        """The ``spec.k`` best scores per query of the score node ``node`` and their training
-        positions, ``(values, positions)`` each (n_query, k), by one top-k plan
-        (:class:`~gradalg.plan.jobs.TopKJob`); for executors with ``plan``, ``run`` and ``state``."""
-        p = self.run(self.plan(node, topk=spec))
-        return self.state.results[("topk", p.simplified.token)]
+        An executor memoizes by node identity, which does not see model weights changed
+        in place: call ``reset()`` (or use a new executor) after a training step."""
+        self.trace: Counter = Counter()
+        self.state = state if state is not None else RunState()
+        self.runner = PassRunner(self, self.shards)
+        self.last_plan: Plan | None = None
+        self.pass_stats: list[dict] = []
+        self.clock = PhaseClock()
 
+    @property
+    def phase_seconds(self) -> dict[str, float]:
+        """Wall seconds per phase of this executor's runs (:mod:`gradalg.exec.phases`)."""
+        return self.clock.report()
+
+    # ------------------------------------------------------------------ the compute path
+    def plan(self, node, topk=None, budget=None) -> Plan:
+        """The plan this executor would run for ``node``, under its options, rewrites and
+        forced choices (row counts measured from the data; nothing is computed), each
+        pass placed by the shard strategy; ``topk`` (:class:`~gradalg.plan.jobs.TopK`):
+        the plan of its top-k; ``budget`` (:class:`~gradalg.plan.budget.Budget`): a memory
+        budget other than the strategy's (:meth:`ShardStrategy.budget`) or the options'."""
+        with self.clock.phase("planning"):
+            budget = budget or self.shards.budget(self.options, node)
+            p = make_plan(node, options=self.options, rewrites=self.rewrites, choices=self.choices,
+                          measure_shapes=True, topk=topk, budget=budget)
+            return replace(p, placement=tuple(self.shards.place(step) for step in p.passes))
+
+    def run(self, p: Plan) -> Plan:
+        """Run every pass of ``p`` (:class:`~gradalg.exec.runner.PassRunner`)."""
+        self.shards.before_run(p)
+        self.last_plan = p
+        return self.runner.run(p)
+
+    def compute(self, node, read: Callable, topk=None):
+        """Plan ``node``, run the plan, and assemble: ``read(plan.simplified)``."""
+        p = self.run(self.plan(node, topk=topk))
+        with self.clock.phase("assembly"):
+            return read(p.simplified)
+
+    def scores(self, node: ScoreNode):
+        """The (n_left, n_right) score matrix of ``node`` (score terms as the strategy
+        returns them: tensors here, Dask arrays of the shards' blocks on Dask)."""
+        return self.compute(node, lambda n: self.state.scores(n, as_array=self.shards.as_array))
+
+    def diagonal(self, node: ScoreDiagonal) -> torch.Tensor:
+        """S_ii of a square score expression, without its off-diagonal entries.   (n,)"""
+        return self.compute(node, lambda n: self.state.diagonal(n.scores))
+
+    def topk(self, node: ScoreNode, spec):
+        """The ``spec.k`` best scores per query of ``node`` and their training positions,
+        ``(values, positions)`` each (n_query, k), by one top-k plan
+        (:class:`~gradalg.plan.jobs.TopKJob`)."""
+        return self.compute(node, lambda n: self.state.results[("topk", n.token)], topk=spec)
+
+    def gradients(self, node: GradNode) -> Chunk:
+        """All rows of ``node`` in one chunk (for inspection and tests; holds n × dim)."""
+        return self.compute(node, lambda n: concat_chunks(self.state.rows[n.token]))
+
+    def operator(self, node: OpNode):
+        """The resolved numbers of an operator node."""
+        return self.compute(node, self.resolve)
+
+    def precondition_held(self, op: OpNode, held: Chunk, space, *, consume: bool = False) -> Chunk:
+        """The held rows of a score with the resolved ``op`` applied (once per pass);
+        ``consume`` empties ``held`` block by block (:func:`~gradalg.exec.resolve.precondition`)."""
+        resolved = self.resolve(op)
+        with self.clock.phase("scoring"):
+            return precondition(resolved, held, space, consume=consume)
+
+    # ------------------------------------------------------------------ pull path
+    def iter_chunks(self, node: GradNode) -> Iterator[Chunk]:
+        """Chunks of rows of ``node``, in order, one node at a time (no fusion)."""
+        rows = self.state.rows
+        if node.token in rows:
+            yield from rows[node.token]
+        elif isinstance(node, Source):
+            for chunks in captured_batches(self, [node], self.options.batch_size):
+                yield from chunks[node.token]
+        elif isinstance(node, Captured):
+            yield from node.store.chunks()
+        elif isinstance(node, GroupMean):
+            acc = GroupAccumulator(node)
+            for chunk in self.iter_chunks(node.grads):
+                acc.update(chunk)
+            rows[node.token] = acc.finish()
+            yield from rows[node.token]
+        elif isinstance(node, ROW_WISE):
+            yield from derive_rows(self, node, self.iter_chunks, rows)
+        else:
+            raise OptionError(f"the executor cannot compute {type(node).__name__} rows")
+
+    def resolve(self, node: OpNode):
+        """The numbers of an operator node (memoized; computed on the pull path if no
+        pass of the plan produced them)."""
+        ops = self.state.ops
+        if node.token not in ops:
+            with self.clock.phase("statistics"):
+                ops[node.token] = resolve_node(self, node)   # by the named rules of the operator protocol
+        return ops[node.token]
+
+    # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Release resources (clusters, files)."""
+        """Release the strategy's resources (clusters, files)."""
+        self.shards.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
 
 
 def _local(**kwargs):
@@ -83,6 +223,6 @@ def get_executor(executor=None, **kwargs) -> Executor:
         return _local(**kwargs)
     if isinstance(executor, str):
         if executor not in EXECUTORS:
-            raise ValueError(f"unknown executor {executor!r}; choose one of {sorted(EXECUTORS)}")
+            raise OptionError(f"unknown executor {executor!r}; choose one of {sorted(EXECUTORS)}")
         return EXECUTORS[executor](**kwargs)
     return executor

@@ -23,6 +23,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from ..errors import OptionError
+
 __all__ = ["visible_gpus", "pinned_worker_specs", "gpu_cluster"]
 
 
@@ -44,7 +46,7 @@ def pinned_worker_specs(devices, *, threads_per_worker: int = 1, memory_limit="a
 
     devices = [str(d) for d in devices]
     if len(set(devices)) != len(devices):
-        raise ValueError(f"devices must be distinct, got {devices}")
+        raise OptionError(f"devices must be distinct, got {devices}")
     specs = {}
     for device in devices:
         specs[f"gpu-{device}"] = {"cls": Nanny, "options": {

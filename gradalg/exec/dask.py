@@ -1,10 +1,10 @@
 """The Dask executor: the same physical plan, each pass over data split into shards
 that run on Dask workers.
 
-Composition, not inheritance: a ``DaskExecutor`` holds a :class:`LocalExecutor` (the
-plan, the pass runner, the run state, the pull path) and is that executor's *shard
-strategy* (``run_shards``, :mod:`gradalg.exec.runner`). For every pass that reads a
-dataset, the examples are split into index ranges (``shards``, default 2 per worker).
+A ``DaskExecutor`` is the one :class:`~gradalg.exec.base.Executor` (plan, run, assemble;
+the run state and the pull path stay in this process) with :class:`DaskShards` as its
+shard strategy (:mod:`gradalg.exec.runner`). For every pass the plan places on the
+workers, the examples are split into index ranges (default 2 per worker).
 The pass's sinks — with the state they need (held rows already preconditioned,
 resolved operators of the row-wise chains, K-FAC bases) — are pickled once per pass
 (:func:`gradalg.exec.models.pack`) and scattered to every worker; each shard loads its
@@ -12,8 +12,8 @@ own copy. The model travels inside, once per worker; or, with ``model_fn``
 (:class:`~gradalg.exec.WorkerModel`), as a reference that each worker resolves to the
 model it built once and checked against the client's fingerprint (a client holding the
 model on the ``meta`` device sends every pass over data to the workers). Each shard
-task feeds its sub-dataset to the sinks with a worker-side :class:`LocalExecutor` built
-from that state (``LocalExecutor(options, state=RunState(...))``) and returns the sinks'
+task feeds its sub-dataset to the sinks with a worker-side executor built from that
+state (``Executor(options, state=RunState(...))``) and returns the sinks'
 partial states (``export``), pickled with the worker's model named by its key; the
 client absorbs them in shard order.
 Score blocks are gathered to the client as each shard finishes: the result is a Dask
@@ -26,35 +26,35 @@ worker's copy of the model, and capture hooks its modules.
 Faults (:mod:`gradalg.exec.resilience`): a worker that dies is replaced by its nanny;
 shards lost with it (or with the scattered payload, when every holder died) are
 submitted again from the client; every shard is a pure function of its range, so the
-result is the same. ``task_timeout`` names a stalled worker. Passes over rows in memory,
-and passes over fewer than ``min_shard_examples`` examples when the client holds the
-model's weights, run on the client.
+result is the same. ``task_timeout`` names a stalled worker.
+
+Where each pass runs is decided when the plan is made (:meth:`DaskShards.place`, shown by
+``explain()``): on the client when it reads rows in memory, reads fewer than
+``min_shard_examples`` examples while the client holds the model's weights, or needs
+operators known only through products of the client's model (their structure labels say
+``implicit``, :mod:`gradalg.linalg.labels`); on the workers otherwise.
 """
 from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import replace
 
 import torch
 
-from ..data import move_batch
-from ..errors import DistributedError, ModelMismatchError, OptionError
-from ..expr import Source
+from ..errors import DistributedError, ModelMismatchError, OperatorError, OptionError
 from ..plan.jobs import ScoresJob
-from ..plan.planner import chain_ops, stream_root
-from .composed import ComposedExecutor
-from .capture_pass import eval_mode, model_device_dtype
+from ..plan.planner import chain_ops
+from .base import Executor
 from .distributed import is_sharded
-from .local import LocalExecutor
 from .models import (as_worker_model, is_meta_model, make_ref, pack, register_client_model, to_client,
                      to_workers, unpack, worker_models_seen)
 from .progress import in_notebook, progress_bar
 from .resilience import PAYLOAD, FaultPolicy, run_tasks
-from .shards import restrict, shard_ranges
+from .runner import Placement, ShardStrategy, check_reductions, pass_models, pass_sources
+from .shards import restrict_step, shard_ranges
 from .state import RunState
 
-__all__ = ["DaskExecutor"]
+__all__ = ["DaskExecutor", "DaskShards"]
 
 
 def _set_threads(n: int):
@@ -83,20 +83,16 @@ def _run_shard_alone(blob: bytes, start: int, stop: int) -> bytes:
     if threads:
         torch.set_num_threads(threads)   # per task: OpenMP settings are per thread
     # the loss reduction was checked on the client (state.checked)
-    ex = LocalExecutor(options, state=RunState(ops=dict(state.ops), kron=dict(state.kron),
-                                               checked=set(state.checked)))
-    jobs = [replace(job, streams=tuple(restrict(s, data_token, start, stop) for s in job.streams))
-            for job in step.jobs]
-    shard_step = replace(step, jobs=jobs)
-    for job, sink in zip(jobs, sinks):
+    ex = Executor(options, state=RunState(ops=dict(state.ops), kron=dict(state.kron), checked=set(state.checked)))
+    shard = restrict_step(step, data_token, start, stop)
+    for job, sink in zip(shard.jobs, sinks):
         sink.job = job
         sink.for_shard(start)
-    ex.runner.feed(shard_step, sinks)
-    models = _models_of(step)
+    ex.runner.feed(shard, sinks)
     seen = worker_models_seen()
     digests = {key: (seen[key], _worker_name()) for key in keys if key in seen}
     # rows returned (Chunk objects name their task) name the model by its key, not its weights
-    back = [to_client(model, key) for model, key in zip(models, keys)]
+    back = [to_client(model, key) for model, key in zip(pass_models(step), keys)]
     return pack(([sink.export() for sink in sinks], dict(ex.trace), digests), back, to_cpu=True)
 
 
@@ -108,26 +104,204 @@ def _worker_name() -> str:
         return "this process"
 
 
-def _models_of(step) -> list:
-    """The distinct models of a pass's sources, in the order the jobs name them (the same
-    order on the client and on a worker)."""
-    models, seen = [], set()
-    for job in step.jobs:
-        for s in job.streams:
-            root = stream_root(s)
-            if isinstance(root, Source) and id(root.task.model) not in seen:
-                seen.add(id(root.task.model))
-                models.append(root.task.model)
-    return models
-
-
 def _pick(result, index):
     block = result[0][index]   # result: (states, trace, digests)
     return block.detach().cpu().numpy()
 
 
-class DaskExecutor(ComposedExecutor):
-    """Runs plans on a Dask cluster.
+class DaskShards(ShardStrategy):
+    """The Dask shard strategy: each pass the plan places on the cluster is split into
+    example ranges run as tasks on the workers, their partial states absorbed in shard
+    order; parameters as :class:`DaskExecutor`'s.
+
+    Attributes: ``client``, ``transfers`` (one dict per pass run on the cluster:
+    ``{"pass": label, "payload_bytes": bytes scattered to each worker, "result_bytes":
+    [bytes each shard task returned]}``), and the settings below."""
+
+    keeps_held_rows = True
+
+    def __init__(self, client=None, *, n_workers: int = 2, threads_per_worker: int = 1,
+                 shards_per_worker: int = 2, min_shard_examples: int = 32, retries: int = 3,
+                 task_timeout: float | None = None, resubmits: int = 3, worker_wait: float = 60.0, model_fn=None):
+        from distributed import Client, LocalCluster
+
+        if min_shard_examples < 1:
+            raise OptionError(f"min_shard_examples must be at least 1, got {min_shard_examples}")
+        self._own = client is None
+        if client is None:
+            cluster = LocalCluster(n_workers=n_workers, threads_per_worker=threads_per_worker, processes=True,
+                                   dashboard_address=":0")
+            client = Client(cluster)
+        self.client = client
+        self.threads_per_worker = threads_per_worker
+        self.client.run(_set_threads, threads_per_worker)
+        self.shards_per_worker = shards_per_worker
+        self.min_shard_examples = min_shard_examples
+        self.retries = retries
+        self.faults = FaultPolicy(retries, resubmits, task_timeout, worker_wait)
+        if isinstance(model_fn, dict):
+            self._factories = {id(m): (m, as_worker_model(f)) for m, f in model_fn.items()}
+            self._model_fn = None
+        else:
+            self._factories = {}
+            self._model_fn = as_worker_model(model_fn) if model_fn is not None else None
+        self._bound = None                                # the client model a single model_fn stands for
+        self._digests: dict[str, tuple[str, str]] = {}   # factory key -> (weights digest, first worker)
+        self.transfers: list[dict] = []
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Close the cluster this strategy started (a client given to it stays open)."""
+        if self._own and self.client is not None:
+            cluster = self.client.cluster
+            self.client.close()
+            cluster.close()
+            self.client = None
+
+    @property
+    def n_workers(self) -> int:
+        """Workers the scheduler knows now (at least 1)."""
+        return max(1, len(self.client.scheduler_info().get("workers", {})))
+
+    def as_array(self, result):
+        """A score term as the Dask executor returns it: Dask arrays as they are, tensors as NumPy."""
+        return result.detach().cpu().numpy() if isinstance(result, torch.Tensor) else result
+
+    # ------------------------------------------------------------------ where a pass runs
+    def place(self, step) -> Placement:
+        """On the client: passes over rows in memory, passes whose row-wise chains need
+        operators known only through products of the client's model (refused when the
+        client holds the model on the meta device), and passes over fewer than
+        ``min_shard_examples`` examples when the client holds the weights; on the workers,
+        every other pass."""
+        if not step.reads_data:
+            return Placement(False, "rows already in memory")
+        meta = any(is_meta_model(m) for m in pass_models(step))
+        if _needs_products(step):
+            refusal = None if not meta else ModelMismatchError(
+                f"{step.label} needs operators known only through products of this process's model "
+                "(an iterative solver), and this process holds the model on the meta device: use a "
+                "curvature with a closed form (K-FAC, EK-FAC, a Fisher in projected space), or hold the "
+                "weights here")
+            return Placement(False, "needs operators known only through products of this process's model", refusal)
+        n = pass_sources(step)[0].data.n
+        if n < self.min_shard_examples and not meta:   # tiny passes stay here (not on a meta model)
+            return Placement(False, f"{n} examples, fewer than min_shard_examples={self.min_shard_examples}")
+        return Placement(True, "on the workers")
+
+    def describe_pass(self, step) -> str:
+        """How a pass is distributed: shards, tasks and what crosses the network."""
+        where = self.place(step)
+        if not where.sharded:
+            return f"runs on the client ({where.reason})"
+        data, models = pass_sources(step)[0].data, pass_models(step)
+        shards = len(self._ranges(data.n))
+        sent = []
+        for model in models:
+            size = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+            try:
+                factory = self._factory_of(model, len(models), bind=False)
+            except OptionError:
+                factory = None
+            sent.append(f"the model ({size:.1f} MiB)" if factory is None else
+                        f"a reference to the model ({size:.1f} MiB built once per worker by {factory!r})")
+        back = sum(job.output_bytes(data.n) for job in step.jobs)
+        return (f"{shards} shard tasks over {self.n_workers} workers (~{data.n // max(shards, 1)} examples each); "
+                f"scattered once per worker: the jobs, {', '.join(sent)} and held rows "
+                f"({step.fixed_bytes / 2**20:.1f} MiB); returned: partial states (~{back / 2**20:.1f} MiB in all)")
+
+    # ------------------------------------------------------------------ a pass on the cluster
+    def run_shards(self, runner, step, sinks) -> dict:
+        """Run one pass on the cluster, a shard per example range, the sinks absorbing the
+        shards' partial states in order. Returns the score results, by sink index: Dask
+        arrays of the blocks gathered from the shards."""
+        ctx, models = runner.ctx, pass_models(step)
+        _refuse_sharded(step, models)
+        data = pass_sources(step)[0].data
+        ranges = self._ranges(data.n)
+        check_reductions(ctx, step)
+        refs = self._refs(models)
+        keys = [r.key if r is not None else f"pickled-{id(m)}" for m, r in zip(models, refs)]
+        for model, key in zip(models, keys):
+            register_client_model(key, model)
+        payload = (step, sinks, _state_for(ctx, step), ctx.options, data.token, self.threads_per_worker, keys)
+        blob = pack(payload, [to_workers(m, r) for m, r in zip(models, refs) if r is not None])
+        packed = self._submit(ctx.options, step, blob, ranges, data.n)
+        self.transfers.append({"pass": step.label, "payload_bytes": len(blob),
+                               "result_bytes": [len(b) for b in packed]})
+        results = [unpack(b) for b in packed]
+        self._check_workers_agree(refs, results)
+        scores = {i for i, sink in enumerate(sinks) if isinstance(sink.job, ScoresJob)}
+        for states, trace, _ in results:
+            ctx.trace.update(trace)
+            for i, sink in enumerate(sinks):
+                if i not in scores:
+                    sink.absorb(states[i])
+        return {i: _lazy_scores(results, i) for i in scores}
+
+    def _submit(self, options, step, blob: bytes, ranges: list, n: int) -> list[bytes]:
+        """Run the shard tasks of ``ranges`` (:func:`~gradalg.exec.resilience.run_tasks`),
+        with a progress display; their packed results, in shard order."""
+        widget = bool(options.progress) and in_notebook()   # Dask's own progress widget
+        with progress_bar(options.progress if not widget else False, n,
+                          f"{step.label} ({len(ranges)} shards)", interval=options.progress_interval) as bar:
+            return run_tasks(self.client, _run_shard, blob, [(PAYLOAD, a, b) for a, b in ranges],
+                             policy=self.faults, labels=[f"examples {a}:{b}" for a, b in ranges],
+                             progress=widget, on_result=lambda i: bar.update(ranges[i][1] - ranges[i][0]))
+
+    def _factory_of(self, model, n_models: int, bind: bool = True):
+        """The factory of the client's ``model`` (None: pickled). A single ``model_fn`` is
+        bound to the first model a pass reads; another model is refused."""
+        if id(model) in self._factories:
+            return self._factories[id(model)][1]
+        if self._model_fn is None:
+            return None
+        bound = self._bound() if self._bound is not None else None
+        if n_models > 1 or (bound is not None and bound is not model):
+            raise OptionError(
+                f"model_fn gives one model, and {'this pass reads' if n_models > 1 else 'this executor has run'} "
+                f"another ({type(model).__name__}): pass a dict model_fn={{client_model: factory, ...}} naming "
+                "each model the workers should build, or use a new executor for a new model")
+        if bind:
+            self._bound = weakref.ref(model)
+        return self._model_fn
+
+    def _refs(self, models) -> list:
+        """What each model of a pass travels as: a :class:`ModelRef` (built on the workers)
+        or None (pickled with the pass)."""
+        refs = []
+        for i, model in enumerate(models):
+            factory = self._factory_of(model, len(models))
+            if factory is None and is_meta_model(model):
+                raise ModelMismatchError(
+                    f"model {i} of this pass ({type(model).__name__}) is on the meta device (no weights) and has "
+                    "no factory: pass DaskExecutor(model_fn=...) so that the workers build or load it")
+            refs.append(make_ref(model, factory, type(model).__name__) if factory is not None else None)
+        return refs
+
+    def _check_workers_agree(self, refs, results) -> None:
+        """Models whose weights the client cannot check (meta device, no declared
+        fingerprint): every worker must have built the same weights."""
+        for _, _, digests in results:
+            for key, (digest, worker) in digests.items():
+                first = self._digests.setdefault(key, (digest, worker))
+                if first[0] != digest:
+                    ref = next(r for r in refs if r is not None and r.key == key)
+                    raise ModelMismatchError(
+                        f"workers built different weights from {ref.factory!r}: {first[1]} has fingerprint "
+                        f"{first[0]}, {worker} has {digest}. Make the factory deterministic (seed its "
+                        "initialization, or load a checkpoint), and declare the expected weights with "
+                        "WorkerModel(..., fingerprint=...)")
+
+    def _ranges(self, n: int) -> list:
+        """Shards of n examples: shards_per_worker per worker, none under min_shard_examples."""
+        return shard_ranges(n, max(1, min(self.n_workers * self.shards_per_worker, n // self.min_shard_examples)))
+
+
+
+class DaskExecutor(DaskShards, Executor):
+    """Runs plans on a Dask cluster: the :class:`~gradalg.exec.base.Executor` with the
+    :class:`DaskShards` strategy (its members are the executor's: ``dx.client``, ``dx.transfers``).
 
     Parameters
     ----------
@@ -180,241 +354,50 @@ class DaskExecutor(ComposedExecutor):
                  shards_per_worker: int = 2, min_shard_examples: int = 32, retries: int = 3, options=None,
                  rewrites: bool = True, task_timeout: float | None = None, resubmits: int = 3,
                  worker_wait: float = 60.0, choices=None, model_fn=None):
-        from distributed import Client, LocalCluster
+        DaskShards.__init__(self, client, n_workers=n_workers, threads_per_worker=threads_per_worker,
+                            shards_per_worker=shards_per_worker, min_shard_examples=min_shard_examples,
+                            retries=retries, task_timeout=task_timeout, resubmits=resubmits,
+                            worker_wait=worker_wait, model_fn=model_fn)
+        Executor.__init__(self, options, rewrites=rewrites, choices=choices, shards=self)
 
-        # the plan, the pass runner, the run state and the pull path; passes' shards run here
-        self.local = LocalExecutor(options, rewrites=rewrites, choices=choices, shards=self)
 
-        self._own = client is None
-        if client is None:
-            cluster = LocalCluster(n_workers=n_workers, threads_per_worker=threads_per_worker, processes=True,
-                                   dashboard_address=":0")
-            client = Client(cluster)
-        self.client = client
-        self.threads_per_worker = threads_per_worker
-        self.client.run(_set_threads, threads_per_worker)
-        self.shards_per_worker = shards_per_worker
-        if min_shard_examples < 1:
-            raise ValueError(f"min_shard_examples must be at least 1, got {min_shard_examples}")
-        self.min_shard_examples = min_shard_examples
-        self.retries = retries
-        self.faults = FaultPolicy(retries, resubmits, task_timeout, worker_wait)
-        if isinstance(model_fn, dict):
-            self._factories = {id(m): (m, as_worker_model(f)) for m, f in model_fn.items()}
-            self._model_fn = None
-        else:
-            self._factories = {}
-            self._model_fn = as_worker_model(model_fn) if model_fn is not None else None
-        self._bound = None                                # the client model a single model_fn stands for
-        self._digests: dict[str, tuple[str, str]] = {}   # factory key -> (weights digest, first worker)
-        self.transfers: list[dict] = []
+def _needs_products(step) -> bool:
+    """Whether a pass's row-wise chains apply operators known only through products (their
+    labels say ``implicit``): resolved, they hold the client's model and its executor."""
+    for job in step.jobs:
+        for s in job.streams:
+            for op in chain_ops(s):
+                try:
+                    if "implicit" in op.labels():
+                        return True
+                except OperatorError:   # refused when resolved: resolved here, where it raises
+                    return True
+    return False
 
-    # ------------------------------------------------------------------ the composed executor
-    def run(self, p):
-        """Run plan ``p``: each pass over data sharded over the workers."""
-        return self.local.run(p)
 
-    def gradients(self, node):
-        return self.local.gradients(node)
+def _state_for(ctx, step) -> RunState:
+    """The part of the run state a shard of ``step`` needs: the resolved operators of its
+    row-wise chains (the sinks carry their held rows and bases)."""
+    ops, done = {}, ctx.state.ops
+    for job in step.jobs:
+        for s in job.streams:
+            for op in chain_ops(s):
+                ops[op.token] = ctx.resolve(op)
+                for sub in op.walk():
+                    if sub.token in done:
+                        ops[sub.token] = done[sub.token]
+    return RunState(ops=ops, checked=set(ctx.state.checked))
 
-    def operator(self, node):
-        return self.local.operator(node)
 
-    def diagonal(self, node):
-        return self.local.diagonal(node)
-
-    def scores(self, node):
-        """Scores of ``node``: a Dask array of the shards' blocks where a pass ran on the
-        cluster, NumPy where it ran here."""
-        p = self.local.run(self.local.plan(node))
-        return self.local.state.scores(p.simplified, as_array=_as_array)
-
-    # ------------------------------------------------------------------ lifecycle
-    def close(self) -> None:
-        if self._own and self.client is not None:
-            cluster = self.client.cluster
-            self.client.close()
-            cluster.close()
-            self.client = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
-
-    @property
-    def n_workers(self) -> int:
-        """Workers the scheduler knows now (at least 1)."""
-        return max(1, len(self.client.scheduler_info().get("workers", {})))
-
-    def describe_pass(self, step) -> str:
-        """How a pass is distributed: shards, tasks and what crosses the network."""
-        if not step.reads_data:
-            return "runs on the client (rows already in memory)"
-        sources = [stream_root(s) for j in step.jobs for s in j.streams if isinstance(stream_root(s), Source)]
-        data = sources[0].data
-        models = _models_of(step)
-        meta = any(is_meta_model(m) for m in models)
-        if data.n < self.min_shard_examples and not meta:
-            return f"runs on the client ({data.n} examples, fewer than min_shard_examples={self.min_shard_examples})"
-        shards = len(self._ranges(data.n))
-        sent = []
-        for model in models:
-            size = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-            try:
-                factory = self._factory_of(model, len(models), bind=False)
-            except OptionError:
-                factory = None
-            sent.append(f"the model ({size:.1f} MiB)" if factory is None else
-                        f"a reference to the model ({size:.1f} MiB built once per worker by {factory!r})")
-        back = sum(job.output_bytes(data.n) for job in step.jobs)
-        return (f"{shards} shard tasks over {self.n_workers} workers (~{data.n // max(shards, 1)} examples each); "
-                f"scattered once per worker: the jobs, {', '.join(sent)} and held rows "
-                f"({step.fixed_bytes / 2**20:.1f} MiB); returned: partial states (~{back / 2**20:.1f} MiB in all)")
-
-    # ------------------------------------------------------------------ passes
-    def run_shards(self, runner, step, sinks) -> dict:
-        """Run one pass: on the cluster, a shard per example range, the sinks absorbing the
-        shards' partial states in order; here (``runner.feed``) when the pass reads rows in
-        memory, too few examples, or needs operators this process holds. Returns the score
-        results, by sink index: Dask arrays of the blocks gathered from the shards."""
-        if not step.reads_data:
-            runner.feed(step, sinks)
-            return {}
-        models = _models_of(step)
-        sharded = [type(m).__name__ for m in models if is_sharded(m)]
-        if sharded:
-            raise DistributedError(
-                f"{step.label} reads a model sharded across torch.distributed ranks ({', '.join(sharded)}: DTensor "
-                "parameters, FSDP2 or tensor parallel); a Dask worker would receive only this rank's shards. Run "
-                "the plan inside the torchrun job with executor=ga.exec.TorchDistributed(), or give the Dask "
-                "workers the whole model (DaskExecutor(model_fn=...)) and plan on an unsharded or meta-device copy")
-        meta = [m for m in models if is_meta_model(m)]
-        if not self._shippable(step):
-            if meta:
-                raise ModelMismatchError(
-                    f"{step.label} needs operators known only through products of this process's model "
-                    "(an iterative solver), and this process holds the model on the meta device: use a "
-                    "curvature with a closed form (K-FAC, EK-FAC, a Fisher in projected space), or hold the "
-                    "weights here")
-            runner.feed(step, sinks)
-            return {}
-        sources = [stream_root(s) for j in step.jobs for s in j.streams if isinstance(stream_root(s), Source)]
-        data = sources[0].data
-        if data.n < self.min_shard_examples and not meta:   # tiny passes stay here (not on a meta model)
-            runner.feed(step, sinks)
-            return {}
-        ranges = self._ranges(data.n)
-        self._check_reduction_here(sources, data)
-        refs = self._refs(models)
-        keys = [r.key if r is not None else f"pickled-{id(m)}" for m, r in zip(models, refs)]
-        for model, key in zip(models, keys):
-            register_client_model(key, model)
-        payload = (step, sinks, self._state_for(step), self.options, data.token, self.threads_per_worker, keys)
-        blob = pack(payload, [to_workers(m, r) for m, r in zip(models, refs) if r is not None])
-        widget = bool(self.options.progress) and in_notebook()   # Dask's own progress widget
-        with progress_bar(self.options.progress if not widget else False, data.n,
-                          f"{step.label} ({len(ranges)} shards)", interval=self.options.progress_interval) as bar:
-            packed = run_tasks(self.client, _run_shard, blob, [(PAYLOAD, a, b) for a, b in ranges],
-                               policy=self.faults, labels=[f"examples {a}:{b}" for a, b in ranges],
-                               progress=widget, on_result=lambda i: bar.update(ranges[i][1] - ranges[i][0]))
-        self.transfers.append({"pass": step.label, "payload_bytes": len(blob),
-                               "result_bytes": [len(b) for b in packed]})
-        results = [unpack(b) for b in packed]
-        self._check_workers_agree(refs, results)
-        scores = {i for i, sink in enumerate(sinks) if isinstance(sink.job, ScoresJob)}
-        for states, trace, _ in results:
-            self.trace.update(trace)
-            for i, sink in enumerate(sinks):
-                if i not in scores:
-                    sink.absorb(states[i])
-        return {i: _lazy_scores(results, i) for i in scores}
-
-    def _factory_of(self, model, n_models: int, bind: bool = True):
-        """The factory of the client's ``model`` (None: pickled). A single ``model_fn`` is
-        bound to the first model a pass reads; another model is refused."""
-        if id(model) in self._factories:
-            return self._factories[id(model)][1]
-        if self._model_fn is None:
-            return None
-        bound = self._bound() if self._bound is not None else None
-        if n_models > 1 or (bound is not None and bound is not model):
-            raise OptionError(
-                f"model_fn gives one model, and {'this pass reads' if n_models > 1 else 'this executor has run'} "
-                f"another ({type(model).__name__}): pass a dict model_fn={{client_model: factory, ...}} naming "
-                "each model the workers should build, or use a new executor for a new model")
-        if bind:
-            self._bound = weakref.ref(model)
-        return self._model_fn
-
-    def _refs(self, models) -> list:
-        """What each model of a pass travels as: a :class:`ModelRef` (built on the workers)
-        or None (pickled with the pass)."""
-        refs = []
-        for i, model in enumerate(models):
-            factory = self._factory_of(model, len(models))
-            if factory is None and is_meta_model(model):
-                raise ModelMismatchError(
-                    f"model {i} of this pass ({type(model).__name__}) is on the meta device (no weights) and has "
-                    "no factory: pass DaskExecutor(model_fn=...) so that the workers build or load it")
-            refs.append(make_ref(model, factory, type(model).__name__) if factory is not None else None)
-        return refs
-
-    def _check_workers_agree(self, refs, results) -> None:
-        """Models whose weights the client cannot check (meta device, no declared
-        fingerprint): every worker must have built the same weights."""
-        for _, _, digests in results:
-            for key, (digest, worker) in digests.items():
-                first = self._digests.setdefault(key, (digest, worker))
-                if first[0] != digest:
-                    ref = next(r for r in refs if r is not None and r.key == key)
-                    raise ModelMismatchError(
-                        f"workers built different weights from {ref.factory!r}: {first[1]} has fingerprint "
-                        f"{first[0]}, {worker} has {digest}. Make the factory deterministic (seed its "
-                        "initialization, or load a checkpoint), and declare the expected weights with "
-                        "WorkerModel(..., fingerprint=...)")
-
-    def _ranges(self, n: int) -> list:
-        """Shards of n examples: shards_per_worker per worker, none under min_shard_examples."""
-        return shard_ranges(n, max(1, min(self.n_workers * self.shards_per_worker, n // self.min_shard_examples)))
-
-    def _shippable(self, step) -> bool:
-        """Passes whose row-wise chains need operators known only through products (which
-        hold this process's executor) run here instead."""
-        for job in step.jobs:
-            for s in job.streams:
-                for op in chain_ops(s):
-                    if self.resolve(op).kind == "implicit":
-                        return False
-        return True
-
-    def _state_for(self, step) -> RunState:
-        """The part of the run state a shard of ``step`` needs: the resolved operators of its
-        row-wise chains (the sinks carry their held rows and bases)."""
-        ops, done = {}, self.state.ops
-        for job in step.jobs:
-            for s in job.streams:
-                for op in chain_ops(s):
-                    ops[op.token] = self.resolve(op)
-                    for sub in op.walk():
-                        if sub.token in done:
-                            ops[sub.token] = done[sub.token]
-        return RunState(ops=ops, checked=set(self.state.checked))
-
-    def _check_reduction_here(self, sources, data) -> None:
-        """Check each task's loss reduction once, on the client, instead of once per shard."""
-        for src in sources:
-            task = src.task
-            if not self.options.check_reduction or src.objective != "loss" or task.token in self.state.checked:
-                continue
-            if is_meta_model(task.model):      # no weights here: each shard checks on its worker
-                continue
-            batch = next(iter(data.loader(min(self.options.batch_size, 8))))
-            with eval_mode(task.model):
-                task.check_reduction(move_batch(batch, model_device_dtype(task.model)[0]))
-            self.state.checked.add(task.token)
+def _refuse_sharded(step, models) -> None:
+    """Refuse a model sharded across torch.distributed ranks: a worker would get one rank's shards."""
+    sharded = [type(m).__name__ for m in models if is_sharded(m)]
+    if sharded:
+        raise DistributedError(
+            f"{step.label} reads a model sharded across torch.distributed ranks ({', '.join(sharded)}: DTensor "
+            "parameters, FSDP2 or tensor parallel); a Dask worker would receive only this rank's shards. Run "
+            "the plan inside the torchrun job with executor=ga.exec.TorchDistributed(), or give the Dask "
+            "workers the whole model (DaskExecutor(model_fn=...)) and plan on an unsharded or meta-device copy")
 
 
 def _lazy_scores(results, index):
@@ -423,8 +406,3 @@ def _lazy_scores(results, index):
     import dask.array as da
 
     return da.concatenate([da.from_array(_pick(result, index), chunks=-1) for result in results], axis=1)
-
-
-def _as_array(result):
-    """A score term as the Dask executor returns it: Dask arrays as they are, tensors as NumPy."""
-    return result.detach().cpu().numpy() if isinstance(result, torch.Tensor) else result

@@ -5,10 +5,10 @@ runs the same plan on its part of each dataset and returns the same full result.
 the model is sharded by FSDP2 (``fully_shard``), replicated by DDP, or plain. Every rank
 calls ``S.compute(executor=ex)`` with the same expression.
 
-Composition, as :class:`~gradalg.exec.dask.DaskExecutor`: a ``TorchDistributed`` holds a
-:class:`~gradalg.exec.LocalExecutor` (the plan, the pass runner, the run state, the pull
-path) and is that executor's *shard strategy* (:mod:`gradalg.exec.runner`). For each pass
-that reads a dataset of n examples over W ranks:
+A ``TorchDistributed`` is the one :class:`~gradalg.exec.base.Executor` (plan, run,
+assemble) with :class:`RankShards` as its shard strategy (:mod:`gradalg.exec.runner`),
+as :class:`~gradalg.exec.dask.DaskExecutor` is with Dask's. For each pass that reads a
+dataset of n examples over W ranks:
 
 1. **split**: rank r reads examples ``rank_ranges(n, W)[r]`` (contiguous, in rank order,
    sizes differing by at most one; :mod:`gradalg.exec.shards`), the pass's jobs restricted
@@ -54,19 +54,16 @@ from dataclasses import replace
 
 import torch
 
-from ..errors import DistributedError, NonFiniteGradientError, NonFiniteWeightError
+from ..errors import DistributedError
 from ..expr import CurvatureProducts, Source
-from ..data import move_batch
 from ..options import get_options
-from ..plan.planner import stream_root
-from .composed import ComposedExecutor
-from .capture_pass import eval_mode, model_device_dtype
-from .local import LocalExecutor
-from .shards import batches_in, rank_ranges, restrict
+from .base import Executor
+from .capture_pass import model_device_dtype
+from .runner import Placement, ShardStrategy, check_reductions, pass_sources
+from .shards import batches_in, rank_ranges, restrict, restrict_step
 from .sinks import open_sink
-from .state import RunState
 
-__all__ = ["TorchDistributed", "is_sharded", "plan_outline"]
+__all__ = ["TorchDistributed", "RankShards", "is_sharded", "plan_outline"]
 
 
 def _dist():
@@ -100,6 +97,8 @@ class _Discard:
     """A sink that derives what the real one is fed (same rows, projections, weights:
     the same forward/backward calls) and keeps nothing: a padding batch's consumer."""
 
+    phase = "capture"
+
     def __init__(self, fed):
         self.fed = fed
 
@@ -107,37 +106,15 @@ class _Discard:
         pass
 
 
-class TorchDistributed(ComposedExecutor):
-    """Runs plans over the ranks of a torch.distributed process group (``torchrun``).
+class RankShards(ShardStrategy):
+    """The torch.distributed shard strategy: each pass over data split over the ranks of
+    ``group``, each sink combined on its owner rank and broadcast; parameters as
+    :class:`TorchDistributed`'s. ``traffic``: per pass over data, the bytes this rank sent
+    as partial states and received as finished results."""
 
-    Every rank builds one (after ``torch.distributed.init_process_group``) and computes
-    the same expression with it; each rank reads its part of every dataset, partial
-    statistics are combined by their owner rank and broadcast, and every rank returns
-    the same full (query, train) result, equal to one process's to float tolerance.
+    keeps_held_rows = True
 
-    Parameters
-    ----------
-    group : the process group (default: the default group, ``torch.distributed.group.WORLD``).
-    options, rewrites, choices : as :class:`~gradalg.exec.LocalExecutor`.
-    check_plans : compare the ranks' plans before running them (one small all-gather
-        per plan); a difference raises :class:`~gradalg.errors.DistributedError` on every rank.
-
-    After a run, ``traffic`` lists per pass over data the bytes this rank sent as partial
-    states (``part_bytes``, to the jobs' owners) and received as finished results
-    (``result_bytes``, broadcast by the owners; an owner counts its own results too).
-
-    Example (``torchrun --nproc_per_node 2 examples/torch_distributed.py``)::
-
-        dist.init_process_group("gloo")             # "nccl" on GPUs, after torch.cuda.set_device
-        fully_shard(model)                          # or DDP(model), or the plain model
-        ex = ga.exec.TorchDistributed()
-        S = ga.methods.grad_dot(ga.Task(model, loss), train, queries)
-        scores = S.compute(executor=ex)             # the same DataArray on every rank
-    """
-
-    name = "torch_distributed"
-
-    def __init__(self, group=None, *, options=None, rewrites: bool = True, choices=None, check_plans: bool = True):
+    def __init__(self, group=None, *, check_plans: bool = True):
         dist = _dist()
         if not dist.is_initialized():
             raise DistributedError(
@@ -149,112 +126,74 @@ class TorchDistributed(ComposedExecutor):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.check_plans = check_plans
-        options = options or get_options()
-        if self.rank != 0 and options.progress:   # one progress display per job, rank 0's
-            options = replace(options, progress=False)
-        self.local = LocalExecutor(options, rewrites=rewrites, choices=choices, shards=self)
         self.traffic: list[dict] = []
 
-    # ------------------------------------------------------------------ entry points
-    def run(self, p):
-        """Run plan ``p`` on every rank: each pass over data split over the ranks."""
-        self._refuse_inexact(p.simplified)
+    # ------------------------------------------------------------------ planning and checks
+    def budget(self, options, node):
+        """One memory budget on every rank: a budget from the machine
+        (``ga.options(memory_budget=None)``) is each rank's free memory, which differs
+        between ranks, and so would their batch sizes; the ranks take the smallest (one
+        small all-gather per plan). None: the options' budget, the same everywhere."""
+        if options.memory_budget is not None:
+            return None
+        from ..plan.budget import resolve_budget
+        from ..plan.planner import model_device
+        mine = resolve_budget(options, model_device(getattr(node, "expr", node)))
+        budgets = [None] * self.world_size
+        _dist().all_gather_object(budgets, mine, group=self.group)
+        budget = min(budgets, key=lambda b: b.bytes)
+        return replace(budget, source=f"{budget.source}, the smallest of {self.world_size} ranks")
+
+    def before_run(self, p) -> None:
+        """Refuse what a sharded model cannot run; compare the ranks' plans."""
+        _refuse_inexact(p.simplified)
         self.traffic = []
         if self.check_plans:
             self._agree(p)
-        return self.local.run(p)
 
-    def scores(self, node):
-        """The (n_query, n_train) scores of ``node``, the same tensor on every rank."""
-        p = self.run(self.plan(node))
-        return self.local.state.scores(p.simplified)
+    def place(self, step) -> Placement:
+        """Passes over data are split over the ranks; passes over rows in memory or over a
+        store read no model and run whole on every rank (the same on each)."""
+        if not step.reads_data:
+            return Placement(False, f"runs whole on each of the {self.world_size} ranks (rows already in memory)")
+        return Placement(True, "split over the ranks")
 
-    def diagonal(self, node):
-        """Self-scores (n,) of a ScoreDiagonal node, the same on every rank."""
-        p = self.run(self.plan(node))
-        return self.local.state.diagonal(p.simplified.scores)
-
-    def gradients(self, node):
-        """All rows of a gradient node in one chunk, on every rank."""
-        from ..capture.chunks import concat_chunks
-        p = self.run(self.plan(node))
-        return concat_chunks(self.local.state.rows[p.simplified.token])
-
-    def operator(self, node):
-        """The resolved numbers of an operator node, the same on every rank."""
-        p = self.run(self.plan(node))
-        return self.local.resolve(p.simplified)
-
-    def plan(self, node, topk=None):
-        """The plan for ``node`` under one memory budget on every rank: a budget from the
-        machine (``ga.options(memory_budget=None)``) is each rank's free memory, which
-        differs between ranks, and so would their batch sizes; the ranks take the smallest
-        (one small all-gather per plan)."""
-        budget = None
-        if self.local.options.memory_budget is None:
-            from ..plan.budget import resolve_budget
-            from ..plan.planner import model_device
-            mine = resolve_budget(self.local.options, model_device(getattr(node, "expr", node)))
-            budgets = [None] * self.world_size
-            _dist().all_gather_object(budgets, mine, group=self.group)
-            budget = min(budgets, key=lambda b: b.bytes)
-            budget = replace(budget, source=f"{budget.source}, the smallest of {self.world_size} ranks")
-        return self.local.plan(node, topk=topk, budget=budget)
-
-    # ------------------------------------------------------------------ the shard strategy
     def describe_pass(self, step) -> str:
         """How a pass is split over the ranks and what crosses the network."""
-        if not step.reads_data:
-            return f"runs whole on each of the {self.world_size} ranks (rows already in memory)"
-        data = self._data_of(step)
+        where = self.place(step)
+        if not where.sharded:
+            return where.reason
+        data = pass_sources(step)[0].data
         sizes = [b - a for a, b in rank_ranges(data.n, self.world_size)]
-        batch = self._batch_size(step, data)
-        steps = batches_in(max(sizes), batch)
+        steps = batches_in(max(sizes), _batch_size(step, data, get_options()))
         back = sum(job.output_bytes(data.n) for job in step.jobs)
         return (f"{self.world_size} ranks, {min(sizes)}–{max(sizes)} examples each, {steps} forward/backward "
                 f"steps per rank (shorter ranges padded); per job, every rank's partial state is gathered "
                 f"by its owner rank and the finished result broadcast (~{back / 2**20:.1f} MiB of results)")
 
+    # ------------------------------------------------------------------ a pass over the ranks
     def run_shards(self, runner, step, sinks) -> dict:
         """Run one pass: this rank's range of the data, padding batches up to the largest
         range's count, then each sink combined on its owner rank and broadcast. Returns
         every sink's finished result (the same on every rank)."""
-        if not step.reads_data:
-            runner.feed(step, sinks)   # rows in memory or a store: no model call, the same on every rank
-            return {}
-        data = self._data_of(step)
+        data = pass_sources(step)[0].data
         ranges = rank_ranges(data.n, self.world_size)
         start, stop = ranges[self.rank]
-        batch = self._batch_size(step, data)
-        steps = batches_in(max(b - a for a, b in ranges), batch)
-        error = None
-        try:   # the same forwards on every rank: a failure is every rank's
-            self._check_reduction_here(step, data)
-        except Exception as err:  # noqa: BLE001 - raised on every rank below
-            error = err
+        steps = batches_in(max(b - a for a, b in ranges), _batch_size(step, data, runner.ctx.options))
+        error = _caught(check_reductions, runner.ctx, step)   # the same forwards on every rank
         self._raise_any(error, step)
         trace = runner.ctx.trace
         before = trace.copy()
-        jobs = [replace(job, streams=tuple(restrict(s, data.token, start, stop) for s in job.streams))
-                for job in step.jobs]
-        shard_step = replace(step, jobs=jobs)
         stepped, parts = [0], None
         try:   # an empty range (n < ranks) exports empty states
-            shard_sinks = [open_sink(job, runner.ctx) for job in jobs]
-            for sink in shard_sinks:
-                sink.for_shard(start)
-            if stop > start:
-                self._feed(runner, shard_step, shard_sinks, stepped)
-            parts = [sink.export() for sink in shard_sinks]
+            parts = self._feed_range(runner, step, data.token, start, stop, stepped)
         except Exception as err:  # noqa: BLE001 - reported to every rank below
             error = err
-        try:
-            self._pad(runner, step, sinks, data, steps - stepped[0])
-        except Exception as err:  # noqa: BLE001 - reported to every rank below
-            error = error or err
+        padded = _caught(self._pad, runner, step, sinks, data, steps - stepped[0])   # even after an error
+        error = error or padded
         self._raise_any(error, step)
         self._sum_traces(trace, before)
-        device = model_device_dtype(self._sources(step)[0].task.model)[0]
+        device = model_device_dtype(pass_sources(step)[0].task.model)[0]
         self._bytes = {"parts": 0, "results": 0}
         done = {i: self._combine(i, sink, parts[i], device) for i, sink in enumerate(sinks)}
         self.traffic.append({"pass": step.label, "part_bytes": self._bytes["parts"],
@@ -262,42 +201,31 @@ class TorchDistributed(ComposedExecutor):
         return done
 
     # ------------------------------------------------------------------ pieces of a pass
-    def _feed(self, runner, step, sinks, stepped: list) -> None:
-        """``runner.feed``, counting in ``stepped[0]`` the batches whose forward and
-        backward ran. A batch whose capture raised counts when the error came after its
-        backward (a :class:`~gradalg.errors.NonFiniteGradientError` names the examples
-        then); any other error is taken to have stopped it before its collectives."""
-        state = runner.ctx.state
-        batches = runner.batches(step)
-        while True:
-            try:
-                base = next(batches)
-            except StopIteration:
-                return
-            except NonFiniteWeightError:    # found before the first forward: no collective ran
-                raise
-            except NonFiniteGradientError:
-                stepped[0] += 1
-                raise
-            stepped[0] += 1
-            memo: dict = {}
-            for sink in sinks:
-                sink.feed([runner.derive(s, base, memo) for s in sink.fed], state)
+    @staticmethod
+    def _feed_range(runner, step, token: str, start: int, stop: int, stepped: list) -> list:
+        """This rank's partial states: the pass restricted to examples start:stop, fed to
+        freshly opened sinks (counting the batches that ran in ``stepped[0]``)."""
+        shard = restrict_step(step, token, start, stop)
+        sinks = [open_sink(job, runner.ctx) for job in shard.jobs]
+        for sink in sinks:
+            sink.for_shard(start)
+        if stop > start:
+            runner.feed(shard, sinks, stepped)
+        return [sink.export() for sink in sinks]
 
-    def _pad(self, runner, step, sinks, data, count: int) -> None:
+    @staticmethod
+    def _pad(runner, step, sinks, data, count: int) -> None:
         """``count`` batches of the pass's first example, captured and derived like real
         ones (the same collectives) and kept nowhere; their kernels are not traced."""
         if count <= 0:
             return
-        jobs = [replace(job, streams=tuple(restrict(s, data.token, 0, 1) for s in job.streams))
-                for job in step.jobs]
-        pad_step = replace(step, jobs=jobs)
+        pad_step = restrict_step(step, data.token, 0, 1)
         discard = [_Discard(tuple(restrict(s, data.token, 0, 1) for s in sink.fed)) for sink in sinks]
         trace = runner.ctx.trace
         before = trace.copy()
         try:
             for _ in range(count):
-                self._feed(runner, pad_step, discard, [0])
+                runner.feed(pad_step, discard, [0])
         finally:
             trace.clear()
             trace.update(before)
@@ -352,39 +280,6 @@ class TorchDistributed(ComposedExecutor):
         for c in counts:
             trace.update(c)
 
-    def _check_reduction_here(self, step, data) -> None:
-        """Check each task's loss reduction before the pass, on the same batch on every
-        rank (a rank's range may be empty; the check's forwards must match everywhere)."""
-        for src in self._sources(step):
-            task = src.task
-            if not self.options.check_reduction or src.objective != "loss" or task.token in self.state.checked:
-                continue
-            first = next(iter(data.loader(min(self.options.batch_size, 8))))
-            with eval_mode(task.model):
-                task.check_reduction(move_batch(first, model_device_dtype(task.model)[0]))
-            self.state.checked.add(task.token)
-
-    # ------------------------------------------------------------------ checks before running
-    def _refuse_inexact(self, node) -> None:
-        """Refuse what reads whole parameters of a sharded model (``torch.func``)."""
-        for x in node.walk():
-            task = getattr(x, "task", None)
-            if task is not None and _fsdp1(task.model):
-                raise DistributedError(
-                    f"{x.label!r} uses a model wrapped in FSDP1 (FullyShardedDataParallel), whose flat "
-                    "parameters TorchDistributed does not read exactly: shard it with FSDP2 "
-                    "(torch.distributed.fsdp.fully_shard) or replicate it with DDP")
-            if isinstance(x, Source) and x.backend == "func" and is_sharded(x.task.model):
-                raise DistributedError(
-                    f"gradients of {x.label!r} use backend='func' (torch.func over whole parameters), but the "
-                    "model's parameters are sharded (FSDP2 DTensors): use backend='hooks' (the default), which "
-                    "captures each layer's activations and output gradients inside FSDP's own forward/backward")
-            if isinstance(x, CurvatureProducts) and is_sharded(x.task.model):
-                raise DistributedError(
-                    f"{x.label!r} is known through Hessian/Gauss-Newton-vector products (torch.func over whole "
-                    "parameters), which a sharded (FSDP2) model does not hold: use ga.kfac / ga.ekfac or "
-                    "ga.fisher of (projected) gradients, or replicate the model with DDP")
-
     def _agree(self, p) -> None:
         """Compare this rank's plan with every other rank's (by content, not by token)."""
         dist = _dist()
@@ -406,22 +301,80 @@ class TorchDistributed(ComposedExecutor):
             return rank
         return _dist().get_global_rank(self.group, rank)
 
-    @staticmethod
-    def _sources(step) -> list:
-        out = []
-        for job in step.jobs:
-            for s in job.streams:
-                r = stream_root(s)
-                if isinstance(r, Source) and r not in out:
-                    out.append(r)
-        return out
 
-    def _data_of(self, step):
-        return self._sources(step)[0].data
+class TorchDistributed(RankShards, Executor):
+    """Runs plans over the ranks of a torch.distributed process group (``torchrun``): the
+    :class:`~gradalg.exec.base.Executor` with the :class:`RankShards` strategy.
 
-    def _batch_size(self, step, data) -> int:
-        """The batch size a range of ``data`` is read with (as ``PassRunner.batches``)."""
-        return data.subset(0, 0).batch_size or step.batch_size or self.options.batch_size
+    Every rank builds one (after ``torch.distributed.init_process_group``) and computes
+    the same expression with it; each rank reads its part of every dataset, partial
+    statistics are combined by their owner rank and broadcast, and every rank returns
+    the same full (query, train) result, equal to one process's to float tolerance.
+
+    Parameters
+    ----------
+    group : the process group (default: the default group, ``torch.distributed.group.WORLD``).
+    options, rewrites, choices : as :class:`~gradalg.exec.LocalExecutor`.
+    check_plans : compare the ranks' plans before running them (one small all-gather
+        per plan); a difference raises :class:`~gradalg.errors.DistributedError` on every rank.
+
+    After a run, ``traffic`` lists per pass over data the bytes this rank sent as partial
+    states (``part_bytes``, to the jobs' owners) and received as finished results
+    (``result_bytes``, broadcast by the owners; an owner counts its own results too).
+
+    Example (``torchrun --nproc_per_node 2 examples/torch_distributed.py``)::
+
+        dist.init_process_group("gloo")             # "nccl" on GPUs, after torch.cuda.set_device
+        fully_shard(model)                          # or DDP(model), or the plain model
+        ex = ga.exec.TorchDistributed()
+        S = ga.methods.grad_dot(ga.Task(model, loss), train, queries)
+        scores = S.compute(executor=ex)             # the same DataArray on every rank
+    """
+
+    name = "torch_distributed"
+
+    def __init__(self, group=None, *, options=None, rewrites: bool = True, choices=None, check_plans: bool = True):
+        RankShards.__init__(self, group, check_plans=check_plans)
+        options = options or get_options()
+        if self.rank != 0 and options.progress:   # one progress display per job, rank 0's
+            options = replace(options, progress=False)
+        Executor.__init__(self, options, rewrites=rewrites, choices=choices, shards=self)
+
+
+def _caught(fn, *args) -> Exception | None:
+    """``fn(*args)``'s exception, or None: a rank's failure is raised on every rank after
+    the collectives every rank runs (:meth:`RankShards._raise_any`)."""
+    try:
+        fn(*args)
+    except Exception as err:  # noqa: BLE001 - raised on every rank by the caller
+        return err
+    return None
+
+
+def _batch_size(step, data, options) -> int:
+    """The batch size a range of ``data`` is read with (as ``PassRunner.batches``)."""
+    return data.subset(0, 0).batch_size or step.batch_size or options.batch_size
+
+
+def _refuse_inexact(node) -> None:
+    """Refuse what reads whole parameters of a sharded model (``torch.func``)."""
+    for x in node.walk():
+        task = getattr(x, "task", None)
+        if task is not None and _fsdp1(task.model):
+            raise DistributedError(
+                f"{x.label!r} uses a model wrapped in FSDP1 (FullyShardedDataParallel), whose flat "
+                "parameters TorchDistributed does not read exactly: shard it with FSDP2 "
+                "(torch.distributed.fsdp.fully_shard) or replicate it with DDP")
+        if isinstance(x, Source) and x.backend == "func" and is_sharded(x.task.model):
+            raise DistributedError(
+                f"gradients of {x.label!r} use backend='func' (torch.func over whole parameters), but the "
+                "model's parameters are sharded (FSDP2 DTensors): use backend='hooks' (the default), which "
+                "captures each layer's activations and output gradients inside FSDP's own forward/backward")
+        if isinstance(x, CurvatureProducts) and is_sharded(x.task.model):
+            raise DistributedError(
+                f"{x.label!r} is known through Hessian/Gauss-Newton-vector products (torch.func over whole "
+                "parameters), which a sharded (FSDP2) model does not hold: use ga.kfac / ga.ekfac or "
+                "ga.fisher of (projected) gradients, or replicate the model with DDP")
 
 
 def _pack(obj) -> bytes:
@@ -443,7 +396,7 @@ def plan_outline(p) -> list:
     for step in p.passes:
         data = None
         if step.reads_data:
-            src = TorchDistributed._sources(step)[0]
+            src = pass_sources(step)[0]
             data = (src.data.token, src.data.n)
         out.append((step.key[0], data, step.batch_size, tuple(type(j).__name__ for j in step.jobs)))
     return out

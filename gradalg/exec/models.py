@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..errors import ModelMismatchError
+from ..errors import ModelMismatchError, OptionError
 from ..fingerprint import callable_fingerprint, model_digest, stable_token
 
 __all__ = ["WorkerModel", "ModelRef", "as_worker_model", "worker_device", "is_meta_model", "model_structure",
@@ -87,7 +87,7 @@ class WorkerModel:
 
     def __init__(self, fn, *args, device: str = "auto", fingerprint: str | None = None, **kwargs):
         if not (callable(fn) or (isinstance(fn, str) and ":" in fn)):
-            raise TypeError(f"WorkerModel needs a callable or an import path 'pkg.module:name', got {fn!r}")
+            raise OptionError(f"WorkerModel needs a callable or an import path 'pkg.module:name', got {fn!r}")
         self.fn = fn
         self.args = tuple(args)
         self.kwargs = dict(kwargs)
@@ -130,7 +130,7 @@ class WorkerModel:
         """Make the model in this process (on the device ``fn`` puts it on)."""
         model = _resolve_callable(self.fn)(*self.args, **self.kwargs)
         if not isinstance(model, nn.Module):
-            raise TypeError(f"the model factory {self.fn!r} returned {type(model).__name__}, not an nn.Module")
+            raise OptionError(f"the model factory {self.fn!r} returned {type(model).__name__}, not an nn.Module")
         return model
 
     def meta(self) -> nn.Module:
@@ -154,11 +154,11 @@ def as_worker_model(spec) -> WorkerModel:
     if isinstance(spec, (str, os.PathLike)) and os.path.isdir(spec):
         return WorkerModel.from_pretrained(spec)
     if isinstance(spec, (str, os.PathLike)) and os.path.isfile(spec):
-        raise TypeError(f"{os.fspath(spec)!r} is a file: a state dict needs the function that builds its model, "
+        raise OptionError(f"{os.fspath(spec)!r} is a file: a state dict needs the function that builds its model, "
                         "WorkerModel.from_state_dict(path, 'pkg.module:build', ...)")
     if callable(spec) or (isinstance(spec, str) and ":" in spec):
         return WorkerModel(spec)
-    raise TypeError(f"model_fn must be a WorkerModel, a callable, 'pkg.module:name' or a checkpoint directory, "
+    raise OptionError(f"model_fn must be a WorkerModel, a callable, 'pkg.module:name' or a checkpoint directory, "
                     f"got {spec!r}")
 
 
@@ -185,7 +185,7 @@ def _hf_class(path: str, model_class):
     config = transformers.AutoConfig.from_pretrained(path)
     names = getattr(config, "architectures", None) or []
     if not names:
-        raise TypeError(f"{path}: the config names no architecture; pass model_class=")
+        raise OptionError(f"{path}: the config names no architecture; pass model_class=")
     return getattr(transformers, names[0])
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import time
 
+from ..errors import OptionError
+
 __all__ = ["PHASES", "PhaseClock"]
 
 PHASES = ("planning", "capture", "statistics", "scoring", "assembly")
@@ -47,7 +49,7 @@ class PhaseClock:
     def phase(self, name: str):
         """Charge the time inside the block to ``name`` (not to the enclosing phase)."""
         if name not in self.seconds:
-            raise ValueError(f"unknown phase {name!r}; one of {PHASES}")
+            raise OptionError(f"unknown phase {name!r}; one of {PHASES}")
         self._charge()
         self._stack.append(name)
         try:

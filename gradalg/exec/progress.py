@@ -33,7 +33,7 @@ import logging
 import sys
 import time
 
-__all__ = ["progress_bar", "progress_mode", "LineProgress", "in_notebook", "LOGGER"]
+__all__ = ["progress_bar", "progress_mode", "LineProgress", "in_notebook", "LOGGER", "SILENT"]
 
 LOGGER = "gradalg"
 logging.getLogger(LOGGER).addHandler(logging.NullHandler())   # the library never configures output
@@ -46,6 +46,10 @@ class _Silent:
 
     def close(self) -> None:
         pass
+
+
+#: a progress display that shows nothing
+SILENT = _Silent()
 
 
 def _count(n: float) -> str:

@@ -67,7 +67,7 @@ def _fisher(executor, statistic: Statistic) -> LinearOp:
 def _kfac(executor, statistic: Statistic) -> LinearOp:
     """K-FAC's eigenbasis: the one a pass left awaiting its EK-FAC correction, else accumulated."""
     node, o = statistic.node, executor.options
-    kfac = executor._kron.get(node.token) if hasattr(executor, "_kron") else None
+    kfac = executor.state.kron.get(node.token)
     if kfac is not None:
         return kfac
     acc = KronAccumulator(node, o.token_block, o.kron_float64_width, o.kron_float32_rtol, o.kron_diagonal_width)

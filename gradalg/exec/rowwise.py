@@ -2,6 +2,8 @@
 chunk of the node (same rows). Shared by fused passes and the pull path."""
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 
 from ..capture.factors import Factors, compute_dtype, project_factors
@@ -9,11 +11,12 @@ from ..expr import AdamPrecondition, Project, RowWeights
 from ..proj.kernels import SPARSE_KINDS, project_sparse_block
 from ..proj.matrices import dense_matrix, kron_matrices
 from ..capture.chunks import Chunk, flat_block
+from ..errors import DataError
 from .lowrank import truncate_chunk
 from .per_token import split_tokens
 
-__all__ = ["apply_rowwise", "RowContext", "dtype_device", "scale_rows", "adam_block", "fuses_blocks",
-           "project_blockwise"]
+__all__ = ["apply_rowwise", "derive_rows", "RowContext", "dtype_device", "scale_rows", "adam_block",
+           "fuses_blocks", "project_blockwise"]
 
 
 def dtype_device(value):
@@ -33,6 +36,16 @@ def apply_rowwise(executor, node, chunk: Chunk) -> Chunk:
     """The chunk of ``node`` (a :class:`~gradalg.expr.RowWise`) computed from the matching
     chunk of ``node.grads``."""
     return node.apply(chunk, RowContext(executor))
+
+
+def derive_rows(executor, node, chunks_of, have) -> Iterator[Chunk]:
+    """The chunks of the row-wise ``node`` from those of its input, ``chunks_of(x)`` giving
+    the chunks of a node ``x``: a projection of Adam-preconditioned rows whose input rows
+    are not in ``have`` (tokens of rows already made) is computed a block at a time from
+    the rows below them (:func:`project_blockwise`), any other node chunk by chunk."""
+    if fuses_blocks(node) and node.grads.token not in have:
+        return (project_blockwise(executor, node, c) for c in chunks_of(node.grads.grads))
+    return (apply_rowwise(executor, node, c) for c in chunks_of(node.grads))
 
 
 class RowContext:
@@ -81,7 +94,7 @@ def _row_weights(weights, chunk: Chunk) -> torch.Tensor:
     if not isinstance(weights, RowWeights):
         return torch.full((chunk.n,), float(weights), dtype=torch.float64)
     if chunk.batch is None or chunk.task is None:
-        raise ValueError(f"per-example weights {weights.name!r} need the batches the gradients "
+        raise DataError(f"per-example weights {weights.name!r} need the batches the gradients "
                          "came from; apply them to gradients from ga.grads, not to stored ones")
     # replay the captured batch's forward when the weights ask for the same outputs
     # (TRAK's 1 − p): SharedForward returns them instead of running the model again
@@ -89,7 +102,7 @@ def _row_weights(weights, chunk: Chunk) -> torch.Tensor:
     with torch.no_grad(), SharedForward(chunk.task.model, first=chunk.meta.get("forward")):
         w = weights.fn(chunk.task.model, chunk.batch)
     if w.shape != (chunk.n,):
-        raise ValueError(f"row weights {weights.name!r} returned shape {tuple(w.shape)}; expected "
+        raise DataError(f"row weights {weights.name!r} returned shape {tuple(w.shape)}; expected "
                          f"({chunk.n},), one value per example")
     return w.detach()
 

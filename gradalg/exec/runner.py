@@ -3,17 +3,19 @@
 For each :class:`~gradalg.plan.planner.Pass` the runner
 
 1. opens one sink per job (:func:`gradalg.exec.sinks.open_sink`, by job class);
-2. hands the pass to the executor's **shard strategy**, which makes every sink see
-   every example once: :class:`InProcess` reads the data here, batch by batch
-   (:meth:`PassRunner.feed`); ``DaskExecutor`` splits it into shards that run
-   :meth:`PassRunner.feed` on workers and absorbs their partial states;
+2. feeds the sinks every example of the pass once: where the plan placed the pass
+   (``plan.placement``, a :class:`Placement` per pass) in this process
+   (:meth:`PassRunner.feed`, batch by batch), else through the executor's
+   **shard strategy** (``run_shards``): the Dask strategy splits the pass into shards that
+   run :meth:`PassRunner.feed` on workers and absorbs their partial states, the
+   torch.distributed one feeds this rank's range and combines the ranks' states;
 3. publishes each sink's result into the run's :class:`~gradalg.exec.state.RunState`,
    and records the pass's measured time and memory (``executor.pass_stats``).
 
-A shard strategy is an object with ``run_shards(runner, step, sinks) -> dict`` (results
-it finished itself, by sink index: Dask's lazily gathered score blocks) and
-``describe_pass(step) -> str | None``. The runner decides nothing: kernels, storage,
-normalization and batch sizes are the plan's.
+A shard strategy (:class:`ShardStrategy`) says where each pass runs (``place``, when the
+plan is made), runs a sharded pass (``run_shards(runner, step, sinks) -> dict``: results it
+finished itself, by sink index) and describes it (``describe_pass``). The runner decides
+nothing: kernels, storage, normalization, batch sizes and placement are the plan's.
 
 :meth:`PassRunner.feed` reads a pass's data once: each batch is captured once per
 source (:class:`~gradalg.exec.capture_pass.PassCapture`), the row-wise chains of the
@@ -21,20 +23,119 @@ jobs' streams derived from it once per node (``memo``), and every sink fed.
 """
 from __future__ import annotations
 
+import contextlib
 import time
+from dataclasses import dataclass
 from typing import Iterator
 
 from ..data import batch_size_of, move_batch
+from ..errors import NonFiniteGradientError, NonFiniteWeightError
 from ..expr import GradNode, Source
 from ..plan.planner import ROW_WISE, Pass, Plan, PlanError, stream_root
 from .allocator import ResidentGuard, peak_resident_bytes, release_free_memory, resident_bytes
 from .capture_pass import PassCapture, eval_mode, model_device_dtype
 from ..capture.chunks import Chunk
-from .progress import progress_bar
-from .rowwise import apply_rowwise, fuses_blocks, project_blockwise
+from .models import is_meta_model
+from .progress import SILENT, progress_bar
+from .rowwise import derive_rows
 from .sinks import Sink, open_sink
 
-__all__ = ["PassRunner", "InProcess"]
+__all__ = ["PassRunner", "ShardStrategy", "InProcess", "Placement", "pass_sources", "pass_models",
+           "check_reductions", "captured_batches"]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one pass runs: ``sharded`` (by the strategy's ``run_shards``) or in this
+    process, and why (shown by ``explain()``); ``refusal``: an error the pass raises
+    instead of running (a pass the strategy cannot run anywhere)."""
+
+    sharded: bool
+    reason: str = ""
+    refusal: Exception | None = None
+
+
+#: a pass run whole in this process
+HERE = Placement(False, "in this process")
+
+
+class ShardStrategy:
+    """How an executor maps a pass's shards and gathers their results; this base runs
+    every pass whole in this process (:class:`InProcess`). ``keeps_held_rows``: sinks are
+    opened again per shard, so a score's raw held rows are kept, not released as they
+    are preconditioned."""
+
+    keeps_held_rows = False
+
+    def place(self, step: Pass) -> Placement:
+        """Where ``step`` runs (decided when the plan is made, recorded in ``plan.placement``)."""
+        return HERE
+
+    def run_shards(self, runner: "PassRunner", step: Pass, sinks: list[Sink]) -> dict:
+        """Feed every sink every example of a pass placed on shards; returns the results
+        it finished itself, by sink index (the runner finishes the others)."""
+        runner.feed(step, sinks)
+        return {}
+
+    def describe_pass(self, step: Pass) -> str | None:
+        """How ``step`` is split and what crosses the network (``explain()``), or None."""
+        return None
+
+    def budget(self, options, node):
+        """The memory budget to plan ``node`` under (None: the options')."""
+        return None
+
+    def before_run(self, plan: Plan) -> None:
+        """Checks before ``plan`` runs (the ranks agree on it, the models allow it)."""
+
+    def as_array(self, result):
+        """A score term as the executor returns it (here: as computed)."""
+        return result
+
+    def close(self) -> None:
+        """Release resources (clusters, files)."""
+
+
+class InProcess(ShardStrategy):
+    """The shard strategy of one process: the whole pass here, as one shard."""
+
+
+def pass_sources(step: Pass) -> list[Source]:
+    """The distinct sources a pass's jobs read, in the order the jobs name them (the same
+    order on every process)."""
+    out = []
+    for job in step.jobs:
+        for s in job.streams:
+            r = stream_root(s)
+            if isinstance(r, Source) and r not in out:
+                out.append(r)
+    return out
+
+
+def pass_models(step: Pass) -> list:
+    """The distinct models of a pass's sources, in the order the jobs name them."""
+    models, seen = [], set()
+    for src in pass_sources(step):
+        if id(src.task.model) not in seen:
+            seen.add(id(src.task.model))
+            models.append(src.task.model)
+    return models
+
+
+def check_reductions(ctx, step: Pass) -> None:
+    """Check each task's loss reduction once before a sharded pass, here, on the pass's
+    first (at most 8) examples, instead of once per shard (every rank checks the same
+    batch, so their forwards match); a model on the meta device is checked on its workers."""
+    for src in pass_sources(step):
+        task = src.task
+        if not ctx.options.check_reduction or src.objective != "loss" or task.token in ctx.state.checked:
+            continue
+        if is_meta_model(task.model):      # no weights here: each shard checks on its worker
+            continue
+        batch = next(iter(src.data.loader(min(ctx.options.batch_size, 8))))
+        with eval_mode(task.model):
+            task.check_reduction(move_batch(batch, model_device_dtype(task.model)[0]))
+        ctx.state.checked.add(task.token)
 
 
 def _peak_growth(rss_start: int | None, mark_start: int, mark_end: int) -> dict:
@@ -54,31 +155,22 @@ def _peak_growth(rss_start: int | None, mark_start: int, mark_end: int) -> dict:
     return {"peak_rss_growth_bytes": max(0, mark_end - rss_start), "peak_rss_is_bound": mark_end <= mark_start}
 
 
-class InProcess:
-    """The shard strategy of one process: the whole pass here, as one shard."""
-
-    def run_shards(self, runner: "PassRunner", step: Pass, sinks: list[Sink]) -> dict:
-        runner.feed(step, sinks)
-        return {}
-
-    def describe_pass(self, step: Pass) -> str | None:
-        return None
-
-
 class PassRunner:
     """Runs plans for the executor ``ctx`` (its ``options``, ``trace``, ``state``,
     ``resolve``, ``pass_stats``, ``release_memory_above``) with a shard strategy."""
 
-    def __init__(self, ctx, shards=None):
+    def __init__(self, ctx, shards: ShardStrategy | None = None):
         self.ctx = ctx
         self.shards = shards if shards is not None else InProcess()
 
     # ------------------------------------------------------------------ plans and passes
     def run(self, plan: Plan) -> Plan:
-        for index, step in enumerate(plan.passes):
+        """Run each pass where the plan placed it (placed now when the plan came without)."""
+        placement = plan.placement or tuple(self.shards.place(step) for step in plan.passes)
+        for index, (step, where) in enumerate(zip(plan.passes, placement)):
             start, cpu0 = time.perf_counter(), time.process_time()
             rss0, mark0 = resident_bytes(), peak_resident_bytes()
-            self.run_pass(step)
+            self.run_pass(step, where)
             mark1 = peak_resident_bytes()
             self.ctx.pass_stats.append({
                 "pass": index, "seconds": time.perf_counter() - start,
@@ -88,19 +180,26 @@ class PassRunner:
             })
         return plan
 
-    def run_pass(self, step: Pass) -> None:
+    def run_pass(self, step: Pass, where: Placement = HERE) -> None:
+        if where.refusal is not None:
+            raise where.refusal
         sinks = [open_sink(job, self.ctx) for job in step.jobs]
-        done = self.shards.run_shards(self, step, sinks)
+        if where.sharded:
+            done = self.shards.run_shards(self, step, sinks)
+        else:
+            self.feed(step, sinks)
+            done = {}
         clock = self.ctx.clock
         for i, sink in enumerate(sinks):
             with clock.phase(sink.phase):
                 sink.publish(done[i] if i in done else sink.finish(), self.ctx.state)
 
     # ------------------------------------------------------------------ one process's feed
-    def feed(self, step: Pass, sinks: list[Sink]) -> None:
-        """Read ``step``'s data once and hand every chunk to every sink."""
+    def feed(self, step: Pass, sinks: list, stepped: list | None = None) -> None:
+        """Read ``step``'s data once and hand every chunk to every sink; ``stepped[0]``
+        (optional) counts the batches whose forward and backward ran (:func:`_counted`)."""
         state, clock = self.ctx.state, self.ctx.clock
-        for base in self.batches(step):
+        for base in _counted(self.batches(step), stepped):
             memo: dict[str, list[Chunk]] = {}
             for sink in sinks:
                 with clock.phase("capture"):
@@ -117,43 +216,17 @@ class PassRunner:
             for chunk in self.ctx.state.rows[step.key[1]]:
                 yield {step.key[1]: [chunk]}
             return
-        roots = []
-        for job in step.jobs:
-            for s in job.streams:
-                r = stream_root(s)
-                if r not in roots:
-                    roots.append(r)
         if kind == "captured":
-            for chunk in roots[0].store.chunks():
-                yield {roots[0].token: [chunk]}
+            root = stream_root(step.jobs[0].streams[0])
+            for chunk in root.store.chunks():
+                yield {root.token: [chunk]}
             return
-        sources = [r for r in roots if isinstance(r, Source)]
+        sources = pass_sources(step)
         if not sources:
             raise PlanError(f"no source to read for {step.label}")
-        ctx = self.ctx
-        data, task = sources[0].data, sources[0].task
-        capture = PassCapture(sources, ctx.options, ctx.state.checked)
-        device, _ = model_device_dtype(task.model)
-        start = 0
-        batch_size = step.batch_size or ctx.options.batch_size
-        trim = step.per_example_bytes * batch_size >= ctx.release_memory_above
-        guard = ResidentGuard(ctx.options.release_growth) if trim else None
-        with eval_mode(task.model), progress_bar(ctx.options.progress, data.n, step.label,
-                                                interval=ctx.options.progress_interval) as bar:
-            for batch in data.loader(batch_size):
-                batch = move_batch(batch, device)
-                b = batch_size_of(batch)
-                ids = data.ids[start:start + b]
-                start += b
-                with ctx.clock.phase("capture"):
-                    chunks = capture.capture(batch, ids)
-                yield chunks
-                del chunks
-                if guard is not None:   # the batch's tensors are gone: keep resident memory to one batch's
-                    guard.after_batch()
-                bar.update(b)
-        if guard is not None:   # what the pass freed is not carried into the next pass
-            release_free_memory()
+        batch_size = step.batch_size or self.ctx.options.batch_size
+        trim = step.per_example_bytes * batch_size >= self.ctx.release_memory_above
+        yield from captured_batches(self.ctx, sources, batch_size, label=step.label, trim=trim)
 
     def derive(self, node: GradNode, base: dict, memo: dict) -> list[Chunk]:
         """Chunks of ``node`` in this batch: read, or derived row-wise from what was read."""
@@ -163,9 +236,58 @@ class PassRunner:
             return memo[node.token]
         if not isinstance(node, ROW_WISE):
             raise PlanError(f"{node.label!r} is not available in this pass (planner bug: report it)")
-        if fuses_blocks(node) and node.grads.token not in memo:   # P(G.adam(·)) one block at a time
-            out = [project_blockwise(self.ctx, node, c) for c in self.derive(node.grads.grads, base, memo)]
-        else:
-            out = [apply_rowwise(self.ctx, node, c) for c in self.derive(node.grads, base, memo)]
-        memo[node.token] = out
-        return out
+        memo[node.token] = list(derive_rows(self.ctx, node, lambda x: self.derive(x, base, memo), memo))
+        return memo[node.token]
+
+
+def captured_batches(ctx, sources: list, batch_size: int, *, label: str | None = None,
+                     trim: bool = False) -> Iterator[dict[str, list[Chunk]]]:
+    """Per batch of the sources' data (one dataset), ``{source token: chunks}``, each
+    batch captured once per source (:class:`~gradalg.exec.capture_pass.PassCapture`) in the
+    executor ``ctx``'s run state. ``label``: shown by a progress display (None: none);
+    ``trim``: keep resident memory to one batch's (:class:`~gradalg.exec.allocator.ResidentGuard`)."""
+    data, task = sources[0].data, sources[0].task
+    capture = PassCapture(sources, ctx.options, ctx.state.checked)
+    device, _ = model_device_dtype(task.model)
+    start = 0
+    guard = ResidentGuard(ctx.options.release_growth) if trim else None
+    shown = progress_bar(ctx.options.progress, data.n, label, interval=ctx.options.progress_interval) \
+        if label is not None else contextlib.nullcontext(SILENT)
+    with eval_mode(task.model), shown as bar:
+        for batch in data.loader(batch_size):
+            batch = move_batch(batch, device)
+            b = batch_size_of(batch)
+            ids = data.ids[start:start + b]
+            start += b
+            with ctx.clock.phase("capture"):
+                chunks = capture.capture(batch, ids)
+            yield chunks
+            del chunks
+            if guard is not None:   # the batch's tensors are gone: keep resident memory to one batch's
+                guard.after_batch()
+            bar.update(b)
+    if guard is not None:   # what the pass freed is not carried into the next pass
+        release_free_memory()
+
+
+def _counted(batches: Iterator, stepped: list | None) -> Iterator:
+    """``batches``, counting in ``stepped[0]`` those whose forward and backward ran. A batch
+    whose capture raised counts when the error came after its backward (a
+    :class:`~gradalg.errors.NonFiniteGradientError` names the examples then); a
+    :class:`~gradalg.errors.NonFiniteWeightError` is found before the first forward, and any
+    other error is taken to have stopped the batch before its collectives."""
+    if stepped is None:
+        yield from batches
+        return
+    while True:
+        try:
+            base = next(batches)
+        except StopIteration:
+            return
+        except NonFiniteWeightError:
+            raise
+        except NonFiniteGradientError:
+            stepped[0] += 1
+            raise
+        stepped[0] += 1
+        yield base

@@ -3,14 +3,19 @@
 A pass reads one dataset; split it into index ranges and each shard is the same pass
 over a sub-dataset. ``restrict(node, data_token, start, stop)`` rebuilds a node with
 every source over that dataset replaced by the same source over examples
-``start:stop``; ``shard_ranges(n, shards)`` splits n examples evenly (no empty shard);
+``start:stop``, ``restrict_step`` a pass with its jobs' streams so restricted;
+``shard_ranges(n, shards)`` splits n examples evenly (no empty shard);
 ``rank_ranges(n, ranks)`` gives exactly one contiguous range per rank, in rank order
 (empty ones when n < ranks), and ``batches_in(size, batch_size)`` how many batches a
 range of ``size`` examples is read in.
 """
 from __future__ import annotations
 
-__all__ = ["restrict", "shard_ranges", "rank_ranges", "batches_in"]
+from dataclasses import replace
+
+from ..errors import OptionError
+
+__all__ = ["restrict", "restrict_step", "shard_ranges", "rank_ranges", "batches_in"]
 
 
 def shard_ranges(n: int, shards: int) -> list[tuple[int, int]]:
@@ -24,7 +29,7 @@ def rank_ranges(n: int, ranks: int) -> list[tuple[int, int]]:
     sizes differ by at most one (the first ``n % ranks`` ranks get one more), and a rank
     gets an empty range (start == stop) when n < ranks."""
     if ranks < 1:
-        raise ValueError(f"ranks must be at least 1, got {ranks}")
+        raise OptionError(f"ranks must be at least 1, got {ranks}")
     base, extra = divmod(n, ranks)
     bounds = [r * base + min(r, extra) for r in range(ranks + 1)]
     return list(zip(bounds[:-1], bounds[1:]))
@@ -40,3 +45,10 @@ def restrict(node, data_token: str, start: int, stop: int):
     (:meth:`gradalg.expr.GradNode.restrict`): only the rows are restricted, operators inside
     the chain keep their full data, the same operators as in the unsharded plan."""
     return node.restrict(data_token, start, stop)
+
+
+def restrict_step(step, data_token: str, start: int, stop: int):
+    """The pass ``step`` over examples start:stop of the dataset ``data_token``: each
+    job's streams restricted (:func:`restrict`), the operators in them unchanged."""
+    return replace(step, jobs=[replace(job, streams=tuple(restrict(s, data_token, start, stop) for s in job.streams))
+                               for job in step.jobs])

@@ -183,9 +183,9 @@ def _score_accumulator(job: ScoresJob, ctx) -> ScoreAccumulator:
         held = concat_chunks(ctx.state.rows[job.held.token])
     else:
         # no other job reads the raw rows (planner): dropped block by block as they are
-        # preconditioned; a composed executor (Dask, torch.distributed) opens the sink again
-        # per shard, which reads them: kept there
-        release = job.release_held and getattr(ctx, "shards", None) is None
+        # preconditioned; a shard strategy that opens the sink again per shard (Dask,
+        # torch.distributed: keeps_held_rows) reads them: kept there
+        release = job.release_held and not ctx.shards.keeps_held_rows
         held = concat_chunks(ctx.state.rows.pop(job.held.token) if release else ctx.state.rows[job.held.token])
         held = held.replace(dict(held.blocks))      # its own dict: a store's chunk is never emptied
         held = ctx.precondition_held(job.target.op, held, space, consume=release)

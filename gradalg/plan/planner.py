@@ -131,6 +131,7 @@ class Plan:
     stored: set
     dtype: torch.dtype = torch.float32
     budget: Budget | None = None    # the memory budget and its source (options.memory_budget is its bytes)
+    placement: tuple = ()           # per pass, where it runs (exec.runner.Placement), from the executor's shard strategy
 
     @property
     def total(self) -> Cost:

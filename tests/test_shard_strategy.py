@@ -1,0 +1,92 @@
+"""The one compute path with a shard strategy written here (:class:`gradalg.exec.ShardStrategy`).
+
+An executor is :class:`gradalg.exec.Executor` and a strategy: where each pass runs is
+decided when the plan is made (``plan.placement``) and read from the plan by the runner;
+only passes placed on shards reach ``run_shards``. A strategy that splits every pass over
+data into two halves in this process (fresh sinks per half, partial states absorbed in
+order, as the Dask and torch.distributed strategies do across processes) gives the local
+executor's numbers for scores, self-scores, top-k and operators.
+"""
+import pytest
+import torch
+
+import gradalg as ga
+from gradalg.exec import Executor, LocalExecutor, ShardStrategy
+from gradalg.exec.runner import Placement, pass_sources
+from gradalg.exec.shards import restrict_step, shard_ranges
+from gradalg.exec.sinks import open_sink
+
+
+class Halves(ShardStrategy):
+    """Every pass over data as two shards, here; passes over rows in memory whole."""
+
+    keeps_held_rows = True   # sinks are opened again per shard: the raw held rows are read again
+
+    def __init__(self):
+        self.placed, self.sharded = [], []
+
+    def place(self, step):
+        self.placed.append(step.label)
+        return Placement(True, "two halves") if step.reads_data else Placement(False, "rows in memory")
+
+    def run_shards(self, runner, step, sinks):
+        self.sharded.append(step.label)
+        data = pass_sources(step)[0].data
+        for start, stop in shard_ranges(data.n, 2):
+            shard = restrict_step(step, data.token, start, stop)
+            parts = [open_sink(job, runner.ctx) for job in shard.jobs]
+            for part in parts:
+                part.for_shard(start)
+            runner.feed(shard, parts)
+            for sink, part in zip(sinks, parts):
+                sink.absorb(part.export())
+        return {}
+
+
+def _setting(n=23, nq=5):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    X, y = torch.randn(n, 4), torch.randint(0, 3, (n,))
+    return ga.tasks.classification(model), (X, y), (X[:nq], y[:nq])
+
+
+@pytest.mark.parametrize("curvature", ["kfac", "ekfac", "empirical"])
+def test_a_strategy_of_two_halves_equals_the_local_executor(curvature):
+    task, train, queries = _setting()
+    S = ga.methods.influence(task, train, queries, curvature=curvature)
+    with ga.options(progress=False, batch_size=4):
+        local = LocalExecutor().scores(S.expr)
+        strategy = Halves()
+        ex = Executor(shards=strategy)
+        got = ex.scores(S.expr)
+    torch.testing.assert_close(got, local, rtol=1e-4, atol=1e-6)
+    p = ex.last_plan
+    # the placement was decided once per pass, when the plan was made, and read from it
+    assert len(p.placement) == len(p.passes) and strategy.placed == [step.label for step in p.passes]
+    assert strategy.sharded == [step.label for step, where in zip(p.passes, p.placement) if where.sharded]
+
+
+def test_self_scores_topk_and_operators_take_the_same_path():
+    task, train, _ = _setting(n=17)
+    G = ga.grads(task, train)
+    S = G @ G.T
+    H = ga.fisher(G, structure="block")
+    with ga.options(progress=False, batch_size=4):
+        local, halves = LocalExecutor(), Executor(shards=Halves())
+        torch.testing.assert_close(halves.diagonal(S.diag().expr), local.diagonal(S.diag().expr))
+        from gradalg.plan.jobs import TopK
+        values, positions = halves.topk(S.expr, TopK(3, True))
+        want_values, want_positions = local.topk(S.expr, TopK(3, True))
+        torch.testing.assert_close(values, want_values)
+        assert torch.equal(positions, want_positions)
+        torch.testing.assert_close(halves.operator(H.expr).dense(), local.operator(H.expr).dense())
+
+
+def test_the_executors_differ_only_in_their_strategy():
+    """DaskExecutor and TorchDistributed write no entry point of their own."""
+    from gradalg.exec.dask import DaskExecutor, DaskShards
+    from gradalg.exec.distributed import RankShards, TorchDistributed
+    entry = {"plan", "run", "compute", "scores", "diagonal", "topk", "gradients", "operator", "resolve", "iter_chunks"}
+    for cls, strategy in ((DaskExecutor, DaskShards), (TorchDistributed, RankShards)):
+        assert cls.__mro__[1:3] == (strategy, ShardStrategy) and Executor in cls.__mro__
+        assert not entry & set(vars(cls)) and not entry & set(vars(strategy))
