@@ -30,16 +30,21 @@ on those sources and cached as JSON under ``build/fidelity/text-bpe-<vocab>-<dig
 The model: a GPT-2 from a config (random init; the vocabulary of the tokenizer; tied
 embedding and head, no dropout), trained by Adam (lr 3e-3, batches of 16 drawn with
 replacement from a seeded stream, a fixed number of steps: fidelity_lm's recipe at half
-its batch, so that one run costs a few seconds of one core).
+its batch, so that one run costs a few seconds of one core). Sizes (``SETTINGS``): both
+settings 2 layers, n_embd 32, 2 heads, vocabulary 1024 (≈ 25 k coordinates in the
+default layers), 256 training items, 64 queries, 80 Adam steps.
 
-Ground truth (``ga.eval.retrain``): ``N_SUBSETS`` random 50 % subsets, each trained afresh
+Ground truth (``ga.eval.retrain``): ``N_SUBSETS`` (32) random 50 % subsets, each trained afresh
 ``--seeds-per-subset`` times (default 3; run r with seed r: the same initialisation and
 batch-index stream for every subset's run r), targets averaged over the runs;
 ``ga.eval.reliability`` gives the ground truth's test–retest correlation and the LDS
 ceiling. Every catalogue method runs AT ITS DEFAULTS, called as ``method(task, train,
 queries)`` (the task's default layers: the linear layers inside the transformer blocks);
-the methods that need checkpoints (TracIn, LESS, TrackStar) score 3 evenly spaced
-snapshots of the full-data run and their Adam states. LDS: ``ga.eval.lds(...,
+the methods that need checkpoints (TracIn, LESS, TrackStar) score 3 snapshots of the
+full-data run and their Adam states, taken every ⌊T/3⌋ steps (fidelity_lm's rule: steps
+26, 52, 78 of 80; TrackStar's "final Adam state" is the last of them). Not run:
+self-influence (no query × train scores), MAGIC (its replays are over this benchmark's
+time on 2 shared cores) and SOURCE (an SGD run's segments); rows saying so are written. LDS: ``ga.eval.lds(...,
 target="loss", resample="both")``, 95 % percentile bootstrap over queries and subsets.
 Cost: wall time of ``Scores.compute()`` over one plain forward + backward pass over the
 training set in batches of 32, measured in the same process (scores are cached with both
