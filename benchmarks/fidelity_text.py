@@ -491,8 +491,11 @@ def cached_scores(p: Prepared, method: str, config: str, thunk, base: float):
 
 def _write(out: Path, label: str, p: Prepared, n_subsets: int, seeds_per_subset: int, base: float,
            row: dict) -> None:
-    """Add (or replace) ``row`` in ``out``, read afresh, in fidelity_lm's results format."""
+    """Add (or replace) ``row`` in ``out``, read afresh, in fidelity_lm's results format
+    (``fwd_bwd_seconds``: the median of the rows' own, which their costs divide by)."""
     rows = [r for r in _read(out) if (r["method"], r["config"]) != (row["method"], row["config"])] + [row]
+    bases = [r["fwd_bwd_seconds"] for r in rows if "fwd_bwd_seconds" in r]   # each row's cost divides by its own
+    base = float(np.median(bases)) if bases else base                      # (measured where its scores ran)
     rel = p.reliability
     BUILD.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
