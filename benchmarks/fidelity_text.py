@@ -319,7 +319,8 @@ class Prepared:
         self.model = train_model(setting, self.train)
         # the hand-written target is causal_lm's loss (completion only for instruct): checked here too
         with torch.no_grad():
-            mine, theirs = float(self.query_losses(self.model).sum()), float(self.task().loss(self.model, self.query_batch))
+            mine = float(self.query_losses(self.model).sum())
+            theirs = float(self.task().loss(self.model, self.query_batch))
         if abs(mine - theirs) > 1e-4 * abs(theirs):
             raise AssertionError(f"query targets {mine} ≠ the task's loss {theirs}")
         self.key = (f"{setting.name}-L{setting.n_layer}-d{setting.n_embd}-v{setting.vocab_size}-n{setting.n_train}"
@@ -533,7 +534,8 @@ def main(argv=None):
     ap.add_argument("--retrain-only", action="store_true")
     ap.add_argument("--scores-only", action="store_true", help="only the rows' scores, into their cache "
                     "(no ground truth): to run beside a --retrain-only process")
-    ap.add_argument("--recompute", action="store_true", help="rerun rows already in the results file (their scores from the cache)")
+    ap.add_argument("--recompute", action="store_true",
+                    help="rerun rows already in the results file (their scores from the cache)")
     ap.add_argument("--progress", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
