@@ -1,12 +1,11 @@
-"""Stage 3 of planning, **decide**: the job graph, every choice that does not depend on
-the order of the passes made and recorded.
+"""Stage 3 of planning, **decide**: the job graph, with every choice that does not depend
+on the order of the passes.
 
-``decide(lowered, facts, choices)`` → :class:`JobGraph`: the jobs keyed by
-``(kind, target token)``, each created once with its choices as fields (held side and its
-storage, the kernel of each block, the ``ga.options`` its kernels run under), their
-dependencies, and the :class:`~gradalg.plan.decisions.Decision` s. Per score ``Inner``:
-hold the side with the smaller footprint (:func:`held_side`), collect it, and stream the
-other; every operator's statistics become jobs (``op.statistics()``).
+``decide(lowered, facts, choices)`` → :class:`JobGraph`: the jobs keyed by ``(kind, target
+token)``, each created once with its choices as fields (held side, storage, the kernel of
+each block: :mod:`gradalg.plan.blocks`; the ``ga.options`` its kernels run under), their
+dependencies, and the recorded decisions. Per score ``Inner``: hold the side with the
+smaller footprint, collect it, stream the other; operators' statistics become jobs.
 """
 from __future__ import annotations
 
@@ -18,11 +17,10 @@ from .decisions import Decision, DecisionKind
 from .facts import Facts
 from .graph import ROW_WISE, STATISTICS_JOBS, chain_ops, pass_key, stream_root
 from .jobs import CollectJob, DiagJob, GroupJob, Job, ScoresJob, TopKJob
-from .kernels import kernels
 from .lower import Lowered
 from .memory import projection_map_decisions, rows_bytes
 from .rules import PlanError
-from .storage import as_captured, held_storage, low_rank_decision, storage, storage_decision
+from .blocks import as_captured, held_storage, kernels, low_rank_decision, storage, storage_decision
 
 __all__ = ["JobGraph", "decide", "kernel_fields"]
 
@@ -39,15 +37,13 @@ class JobGraph:
     stream_deps: dict
 
     def describe(self) -> str:
-        lines = [f"{j.describe()}" + (f"  after {sorted(k for k, _ in j.deps)}" if j.deps else "")
-                 for j in self.jobs.values()]
-        return "\n".join(lines + [f"decision: {d.title()}: {d.chosen}" for d in self.decisions])
+        return "\n".join([j.describe() + (f"  after {sorted(k for k, _ in j.deps)}" if j.deps else "")
+                          for j in self.jobs.values()] + [f"decision: {d.title()}: {d.chosen}" for d in self.decisions])
 
 
-def kernel_fields(options) -> dict:
-    """The kernel options a job runs under (token blocks, ghost slices, precision of
-    Kronecker factors), from ``ga.options``: the executor reads them from the job."""
-    o = options
+def kernel_fields(o) -> dict:
+    """The ``ga.options`` a job's kernels run under (token blocks, ghost slices, precision
+    of Kronecker factors): the executor reads them from the job."""
     return dict(token_block=o.token_block, slice_elements=o.ghost_slice_elements,
                 kron_float64_width=o.kron_float64_width, kron_float32_rtol=o.kron_float32_rtol,
                 kron_diagonal_width=o.kron_diagonal_width, buffer_bytes=o.reuse_buffer_bytes)
@@ -103,21 +99,16 @@ class _Graph:
             self.decisions.extend(job.first_decisions(self.facts.options))
         return {self.add(job)}
 
-    def note(self, decision: Decision | None) -> None:
-        if decision is not None:
-            self.decisions.append(decision)
-
     def held_side(self, node: Inner, hold: str | None) -> bool:
         """Whether the right (training) side is held: the side with the smaller footprint,
         or as ``hold`` / ``Choices(held=...)`` forces; a recorded decision."""
-        hold_left = rows_bytes(node.left, storage(node.left, self.facts), self.facts.dtype)
-        hold_right = rows_bytes(node.right, storage(node.right, self.facts), self.facts.dtype)
+        hold_left, hold_right = (rows_bytes(x, storage(x, self.facts), self.facts.dtype) for x in (node.left, node.right))
         forced = self.choices.held if hold is None else hold
         transposed = forced == "right" or (forced == "auto" and hold_right < hold_left)
         why = ("hold the side with the smaller footprint and stream the other" if forced == "auto"
                else f"forced by Choices(held={forced!r})" if hold is None
                else "a term of a top-k over a sum: every term streams the training side")
-        self.note(Decision(
+        self.decisions.append(Decision(
             DecisionKind.HELD_SIDE, node.token, "right (training) rows" if transposed else "left (query) rows",
             {"hold left": f"{hold_left / 2**20:.2f} MiB", "hold right": f"{hold_right / 2**20:.2f} MiB"},
             why + "; H (symmetric) is applied once to the held rows"
@@ -130,10 +121,9 @@ class _Graph:
         transposed = self.held_side(node, hold)
         held, streamed = (node.right, node.left) if transposed else (node.left, node.right)
         chosen, decisions = kernels(held, streamed, node, self.facts)
-        self.decisions.extend(decisions)
         kept = held_storage(held, chosen, node, self.facts)
-        self.note(storage_decision(held, kept, DecisionKind.HELD_STORAGE, self.facts))
-        self.note(low_rank_decision(held, self.facts))
+        self.decisions += [d for d in (*decisions, storage_decision(held, kept, DecisionKind.HELD_STORAGE, self.facts),
+                                       low_rank_decision(held, self.facts)) if d is not None]
         if isinstance(held, GroupMean):
             # its group job keeps the held rows (state.rows[held.token], in this storage):
             # collecting them again would be a pass that copies them

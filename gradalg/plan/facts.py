@@ -1,19 +1,13 @@
 """Stage 2 of planning, **facts**: what is known about an expression before any choice.
 
-``facts(lowered, options, device, measure)`` → :class:`Facts`, a frozen record the
-later stages read and nothing writes:
-
-- ``shapes``: ``{source token: ForwardShapes}``, each recorded layer's positions T_b per
-  example, measured by one meta-device forward when ``measure`` (executors, before a run;
-  :func:`~gradalg.plan.shapes.measure_forward_shapes`), else none (``tokens_hint``);
-- ``device`` (the :class:`~gradalg.plan.devices.DeviceProfile` that prices the plan) and
-  ``dtype`` (the model's);
-- per node, computed once: the representation of its blocks, a source's task token and
-  shared-forward key.
-
-Measurements are memoised by source token in a cache the caller owns (``memo``; executors
-use :data:`MEASURED`, bounded). No fact is written onto a node, so a display plans the
-same before and after a ``compute()``.
+``facts(root, options, device, measure)`` → :class:`Facts`, read by the later stages and
+written by none: ``shapes``, ``{source token: ForwardShapes}`` (each recorded layer's
+positions T_b per example, measured by one meta-device forward when ``measure``:
+executors, before a run), the device profile that prices the plan, the model's dtype, and
+per node, once: its blocks' representation, a source's task token (a fingerprint of the
+model) and shared-forward key. Measurements are memoised by source token in a cache the
+caller owns (``memo``; default :data:`MEASURED`, read only by measuring plans). No fact is
+written onto a node, so a display plans the same before and after a ``compute()``.
 """
 from __future__ import annotations
 
@@ -33,9 +27,8 @@ from .shapes import ForwardShapes, measure_forward_shapes
 
 __all__ = ["Facts", "facts", "MEASURED", "positions_known"]
 
-#: ``{source token: ForwardShapes}`` measured by executors' plans (bounded, oldest dropped)
+#: ``{source token: ForwardShapes}`` measured by executors' plans (the 256 latest)
 MEASURED: dict = {}
-_MEASURED_KEPT = 256
 
 
 @dataclass(frozen=True)
@@ -45,58 +38,42 @@ class Facts:
     options: Options
     device: DeviceProfile
     dtype: torch.dtype
-    for_run: bool                       # every layer's positions were measured (a run's plan)
+    for_run: bool                           # every layer's positions were measured (a run's plan)
     shapes: Mapping[str, ForwardShapes]     # {source token: measured shapes}
     representations: Mapping[str, Mapping]  # {node token: {block: representation}}
-    task_tokens: Mapping[str, str]          # {source token: task.token}
+    task_tokens: Mapping[str, str]          # {source token: its task's token}
     share_keys: Mapping[str, object]        # {source token: forward_share_key(source)}
 
     def representation(self, node: GradNode) -> Mapping:
-        hit = self.representations.get(node.token)
-        return node.representation if hit is None else hit
+        return self.representations.get(node.token) or node.representation
 
     def task_token(self, src: Source) -> str:
-        return self.task_tokens[src.token] if src.token in self.task_tokens else src.task.token
+        return self.task_tokens.get(src.token) or src.task.token
 
     def share_key(self, src: Source):
         return self.share_keys[src.token] if src.token in self.share_keys else forward_share_key(src)
 
     def describe(self) -> str:
-        lines = [f"device {self.device.name}, dtype {self.dtype}, "
-                 f"{'measured for a run' if self.for_run else 'not measured (shape hints)'}"]
-        for token, s in self.shapes.items():
-            T = ", ".join(f"{k}: {v}" for k, v in s.positions.items())
-            lines.append(f"source {token[:12]}: positions {{{T}}}, {s.activations:,} activations"
-                         f"{'' if s.measured else ' (not measured)'}")
-        return "\n".join(lines)
+        return "\n".join([f"device {self.device.name}, dtype {self.dtype}, "
+                          + ("measured for a run" if self.for_run else "not measured (shape hints)")]
+                         + [f"source {t[:12]}: positions {dict(s.positions)}, {s.activations:,} activations"
+                            for t, s in self.shapes.items()])
 
 
 def positions_known(node: GradNode) -> bool:
     """Whether ``tokens_hint`` is every layer's T: the examples are token ids (T = their
-    length) or flat vectors (T = 1). Images and other multi-dimensional inputs give each
-    layer its own T (a convolution's output positions), known only when it runs."""
+    length) or flat vectors (T = 1), or the rows are per token. Images and other inputs
+    give each layer its own T (a convolution's output positions), known when it runs."""
     if token_rows(node) > 1:
-        return True   # per-token rows: one position each
+        return True
     data = getattr(node.source, "data", None)
-    if data is None:
-        return False
-    first = first_example_shape(data)   # None: unreadable; a shape hint never fails planning
+    first = first_example_shape(data) if data is not None else None   # None: unreadable
     return first is not None and len(first[0]) == 2
-
-
-def _measure(src: Source, memo: dict) -> ForwardShapes:
-    hit = memo.get(src.token)
-    if hit is None:
-        hit = measure_forward_shapes(src)
-        if len(memo) >= _MEASURED_KEPT:
-            memo.pop(next(iter(memo)))
-        memo[src.token] = hit
-    return hit
 
 
 def facts(root: Node, options: Options, device: DeviceProfile, measure: bool = False,
           memo: dict | None = None) -> Facts:
-    """The :class:`Facts` of the simplified expression ``root``. ``measure``: run one
+    """The :class:`Facts` of the simplified expression ``root``. ``measure``: one
     meta-device forward per source whose positions the data's shape does not tell
     (convolutions, non-token inputs), memoised in ``memo`` (default :data:`MEASURED`)."""
     memo = MEASURED if memo is None else memo
@@ -106,11 +83,11 @@ def facts(root: Node, options: Options, device: DeviceProfile, measure: bool = F
             reps[node.token] = node.representation
         if not isinstance(node, Source) or node.token in tasks:
             continue
-        if dtype is None:
-            dtype = next((p.dtype for p in node.task.model.parameters()), None)
+        dtype = dtype or next((p.dtype for p in node.task.model.parameters()), None)
         tasks[node.token], shares[node.token] = node.task.token, forward_share_key(node)
-        # flat inputs (T = 1) and token ids (T = their length) tell every linear
-        # layer's positions: the probe is for convolutions and other inputs
         if measure and (not positions_known(node) or any(b.kind in CONV_KINDS for b in node.space.blocks)):
-            shapes[node.token] = _measure(node, memo)
+            if node.token not in memo and len(memo) >= 256:
+                memo.pop(next(iter(memo)))
+            memo[node.token] = memo.get(node.token) or measure_forward_shapes(node)
+            shapes[node.token] = memo[node.token]
     return Facts(options, device, dtype or torch.float32, measure, shapes, reps, tasks, shares)

@@ -67,7 +67,7 @@ __all__ = ["Job", "CollectJob", "StoreJob", "GroupJob", "FisherJob", "KFACJob", 
 JOB_TYPES: dict[str, type["Job"]] = {}
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class Job:
     """One job of a pass. ``key`` is ``(kind, target token)``.
 
@@ -197,7 +197,7 @@ class Job:
         raise NotImplementedError(f"{type(self).__name__} does not say its output's bytes (Job.output_bytes)")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class RowsJob(Job):
     """A job whose output is rows kept in memory: their bytes are its footprint."""
 
@@ -216,7 +216,7 @@ class RowsJob(Job):
         return 4.0 * self.target.n * self.target.space.dim
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class CollectJob(RowsJob):
     """Keep every row of ``target`` (a held side, or the rows of a gradient node)."""
 
@@ -227,14 +227,14 @@ class CollectJob(RowsJob):
         return f"{self.kind} {self.target.label!r} ({self.target.n:,} rows)"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class StoreJob(CollectJob):
     """Keep rows that a later pass reads after this pass's statistics (stored, not re-read)."""
 
     kind: ClassVar[str] = "store"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class GroupJob(RowsJob):
     """Group means of the rows of ``target.grads`` (a :class:`~gradalg.expr.GroupMean`)."""
 
@@ -242,7 +242,7 @@ class GroupJob(RowsJob):
     ops_per_block: ClassVar[int] = 6
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class FisherJob(Job):
     """F = (1/n) Σ_i g_i g_iᵀ in float64 (dense d², block Σ d_b², diag d)."""
 
@@ -269,7 +269,7 @@ class FisherJob(Job):
         return self.fixed_bytes(None)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class KronStatisticsJob(Job):
     """A job accumulating per-block Kronecker statistics: two (out, out) and (in, in)
     matrices per block are its footprint and its output."""
@@ -287,7 +287,7 @@ class KronStatisticsJob(Job):
         return kron_output_bytes(self.target.space, self.kron_float64_width, self.kron_diagonal_width)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class KFACJob(KronStatisticsJob):
     """K-FAC's Kronecker factors S = E[DᵀD], A = E[AᵀA] per block, and their eigenbases."""
 
@@ -313,7 +313,7 @@ class KFACJob(KronStatisticsJob):
         return f"{self.kind} {'ekfac' if t.eigen_correction else 'kfac'}" + (f" ({notes[0]})" if notes else "")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class EKFACJob(KronStatisticsJob):
     """EK-FAC's eigenvalue correction E[(Q_Sᵀ G Q_A)²], in the KFACJob's eigenbases
     (a second pass: it depends on the KFACJob of the same operator)."""
@@ -346,7 +346,7 @@ class EKFACJob(KronStatisticsJob):
         return f"{self.kind} ekfac" + (f" ({notes[0]})" if notes else "")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class ScoresJob(Job):
     """⟨held_i, H streamed_j⟩ for a score ``Inner(L, H, R)``: the held side (collected by
     a CollectJob, preconditioned once) against each chunk of the streamed side.
@@ -451,7 +451,7 @@ class TopK:
             raise OptionError(f"k must be a positive integer (the best training rows per query), got {self.k!r}")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class TopKJob(Job):
     """The ``k`` best training rows per query of a score expression, merged chunk by
     chunk of the streamed side; the (query × train) matrix is never formed.
@@ -507,7 +507,7 @@ class TopKJob(Job):
         return 16.0 * self.n_query * self.k
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class DiagJob(Job):
     """d_i = ⟨L_i, H R_i⟩ of a :class:`~gradalg.expr.ScoreDiagonal`: both sides streamed in
     lockstep, or the left one ``held`` (collected) and aligned to the streamed rows by id."""

@@ -34,13 +34,12 @@ class Lowered:
 
 
 def _check_objective(inner: Inner) -> None:
-    for side in (inner.left, inner.right):
-        src = stream_root(side)
-        if isinstance(src, Source) and src.objective == "expected":
-            raise ObjectiveError("gradients with objective='expected' have one row per term of the "
-                                 "Gauss-Newton decomposition, not per example: use them for curvature "
-                                 "(ga.fisher, ga.kfac) only, and score with objective='loss' (the default) "
-                                 "or 'sampled' gradients")
+    roots = [stream_root(side) for side in (inner.left, inner.right)]
+    if any(isinstance(r, Source) and r.objective == "expected" for r in roots):
+        raise ObjectiveError("gradients with objective='expected' have one row per term of the "
+                             "Gauss-Newton decomposition, not per example: use them for curvature "
+                             "(ga.fisher, ga.kfac) only, and score with objective='loss' (the default) "
+                             "or 'sampled' gradients")
 
 
 def lower(root: Node, topk: TopK | None = None) -> Lowered:
@@ -60,7 +59,6 @@ def lower(root: Node, topk: TopK | None = None) -> Lowered:
         terms, result = (), "rows" if isinstance(root, GradNode) else "operator"
     else:
         raise PlanError(f"cannot plan a {type(root).__name__}")
-    if result != "diag":
-        for _, inner in terms:
-            _check_objective(inner)
+    for _, inner in terms if result != "diag" else ():
+        _check_objective(inner)
     return Lowered(root, result, terms, topk)

@@ -1,33 +1,12 @@
-"""The planner: expression → simplified → lower → facts → decide → schedule → size.
+"""The planner: an expression → its :class:`Plan`, through stages that are each a function
+from one frozen record to the next, in a module of its own (``plan.explain(stage=...)``
+shows a stage's record):
 
-Stages (each a function from one frozen record to the next, one module each;
-``plan.explain(stage=...)`` shows a stage's record)
-------
-``logical``     the expression as the user wrote it
-``simplified``  rewrite rules (:mod:`gradalg.plan.rules`) applied to a fixpoint
-``lower``       what the passes must give: scores, a top-k, self-scores, rows or operator
-                statistics, with the score terms (:mod:`gradalg.plan.lower`)
-``facts``       what is known before any choice: measured positions per layer, the device
-                profile, the dtype, node representations (:mod:`gradalg.plan.facts`)
-``decide``      the job graph, every choice recorded with its alternatives and their
-                estimated costs: which side of a score is held (and preconditioned), its
-                storage, ghost vs dense kernel per block (:mod:`gradalg.plan.decide`)
-``schedule``    an ordered list of :class:`Pass` es; each reads one dataset once and feeds
-                every job that can run in it; store vs recompute for data used by two
-                passes, normalization, released held rows (:mod:`gradalg.plan.schedule`)
-``size``        batch sizes under the memory budget, bytes and costs (:mod:`gradalg.plan.size`)
-
-Jobs (one class each in :mod:`gradalg.plan.jobs`; ``kind`` in brackets)
-----
-CollectJob (``collect``)  keep all rows of a gradient node (a held side); StoreJob
-                          (``store``) rows a later pass needs again
-GroupJob (``group``)      accumulate group means (GroupMean)
-FisherJob (``fisher``)    accumulate Σ g gᵀ (dense / block / diag)
-KFACJob (``kfac``)        accumulate Kronecker factors; EKFACJob (``ekfac``) the
-                          eigenvalue correction (a second pass: it needs the eigenbasis)
-ScoresJob (``scores``)    inner products of the streamed side with the held side
-TopKJob (``topk``)        the k best scores per query, merged block by block (``plan(..., topk=)``)
-DiagJob (``diag``)        self-scores, both sides streamed in lockstep
+    logical → simplified (:mod:`~gradalg.plan.rules`) → lower (:mod:`~gradalg.plan.lower`:
+    what the passes must give) → facts (:mod:`~gradalg.plan.facts`: measured shapes, the
+    device) → decide (:mod:`~gradalg.plan.decide`: the job graph and its choices) →
+    schedule (:mod:`~gradalg.plan.schedule`: ordered passes) → size
+    (:mod:`~gradalg.plan.size`: batch sizes, bytes, costs)
 """
 from __future__ import annotations
 
@@ -80,10 +59,7 @@ class Plan:
 
     @property
     def total(self) -> Cost:
-        total = Cost()
-        for p in self.passes:
-            total = total + p.cost
-        return total
+        return sum((p.cost for p in self.passes), Cost())
 
     @property
     def seconds(self) -> float:
@@ -103,11 +79,9 @@ class Plan:
         decisions), ``"schedule"`` (passes in order) or ``"size"`` (batch sizes, bytes, seconds)."""
         if stage not in STAGES:
             raise PlanError(f"unknown stage {stage!r}: the planner's stages are {', '.join(STAGES)}")
-        if stage == "size":
-            return "\n".join(f"{i + 1}. {p.label}: batch {p.batch_size}, {p.fixed_bytes:,.0f} B held + "
-                             f"{p.per_example_bytes:,.0f} B per example, {p.seconds:.3g} s" + (f" ({p.note})" if p.note else "")
-                             for i, p in enumerate(self.passes))
-        return self.stages[stage].describe()
+        return self.stages[stage].describe() if stage != "size" else "\n".join(
+            f"{i + 1}. {p.label}: batch {p.batch_size}, {p.fixed_bytes:,.0f} B held + {p.per_example_bytes:,.0f} B "
+            f"per example, {p.seconds:.3g} s" + (f" ({p.note})" if p.note else "") for i, p in enumerate(self.passes))
 
 
 def model_device(root: Node) -> torch.device | None:
@@ -128,10 +102,10 @@ def plan(root: Node, *, options: Options | None = None, device=None, rewrites: b
 
     ``choices`` forces decisions the planner would otherwise cost (:class:`Choices`).
     ``measure_shapes`` (executors about to run the plan) finds every layer's positions
-    per example with one meta-device call of each source's loss
-    (:func:`gradalg.plan.shapes.forward_shapes`) and measures this machine's speeds if
-    they were never measured; without it the planner calls no model and benchmarks
-    nothing (displays: the cached device profile, or an unmeasured default).
+    per example with one meta-device call of each source's loss (the facts stage) and
+    measures this machine's speeds if they were never measured; without it the planner
+    calls no model and benchmarks nothing (displays: the cached device profile, or an
+    unmeasured default).
     ``topk`` (:class:`~gradalg.plan.jobs.TopK`): plan the ``k`` best training rows per
     query of the score node ``root`` (one :class:`~gradalg.plan.jobs.TopKJob`), not its
     full matrix.
@@ -147,20 +121,16 @@ def plan(root: Node, *, options: Options | None = None, device=None, rewrites: b
     prof = profile(where, measure=measure_shapes and options.measure_devices)
     budget = budget or resolve_budget(options, where, prof)
     options = replace(options, memory_budget=budget.bytes)
+    lowered = lower(simplified, topk)
+    known = find_facts(simplified, options, prof, measure=measure_shapes)
     try:
-        return _plan(root, simplified, fired, options, prof, budget, choices, measure_shapes, topk)
+        with measured(known.shapes):
+            graph = decide(lowered, known, choices)
+            scheduled = schedule(graph, known, simplified, choices)
+            passes, decisions = size(scheduled, known)
     except MemoryBudgetError as err:   # every refusal says where the budget came from and how to change it
         err.args = (with_note(err, budget, getattr(err, "needed", None)), *err.args[1:])
         raise
-
-
-def _plan(root, simplified, fired, options, prof, budget, choices, measure_shapes, topk) -> Plan:
-    lowered = lower(simplified, topk)
-    known = find_facts(simplified, options, prof, measure=measure_shapes)
-    with measured(known.shapes):
-        graph = decide(lowered, known, choices)
-        scheduled = schedule(graph, known, simplified, choices)
-        passes, decisions = size(scheduled, known)
     return Plan(root, simplified, fired, Decisions(decisions), list(passes), scheduled.jobs, list(graph.roots),
                 options, prof, set(scheduled.stored), known.dtype, budget,
                 {"lower": lowered, "facts": known, "decide": graph, "schedule": scheduled})

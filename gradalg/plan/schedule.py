@@ -1,13 +1,13 @@
 """Stage 4 of planning, **schedule**: the job graph as an ordered list of passes.
 
-``schedule(graph, facts, choices)`` → :class:`Schedule`. A job runs in a pass when the
-jobs it depends on have finished; ready jobs over the same (task, data) share a pass. When
-a job must wait for statistics computed from the data it streams (a Fisher before scoring
-against the same training set), its rows are stored in the first pass if they fit the store
-cap and cost less than a second read (a ``STORE`` decision), else the data is read again.
-Per pass: where ``G.normalize()`` is normalized (a ``NORMALIZATION`` decision) and which
-preconditioned scores jobs release their raw held rows (``release_held``). Jobs are new
-records where a choice changes them; none is modified.
+``schedule(graph, facts, target, choices)`` → :class:`Schedule`. A job runs in a pass when
+the jobs it depends on have finished; ready jobs over the same (task, data) share a pass.
+When a job must wait for statistics computed from the data it streams (a Fisher before
+scoring against the same training set), its rows are stored in the first pass if they fit
+the store cap and cost less than a second read (a ``STORE`` decision), else the data is
+read again. Then per pass: where ``G.normalize()`` is normalized (``NORMALIZATION``), and
+which preconditioned scores jobs release their raw held rows (``release_held``), as new
+job records.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from .graph import ROW_WISE, chain_contains, pass_key, stream_root
 from .jobs import CollectJob, KFACJob, ScoresJob, StoreJob, TopKJob
 from .memory import rows_bytes
 from .rules import PlanError
-from .storage import storage, storage_decision
+from .blocks import storage, storage_decision
 
 __all__ = ["Pass", "Schedule", "schedule", "store_cap"]
 
@@ -32,7 +32,7 @@ __all__ = ["Pass", "Schedule", "schedule", "store_cap"]
 @dataclass(frozen=True)
 class Pass:
     """One read of a dataset (or of rows kept in memory) feeding several jobs; the size
-    stage fills ``batch_size``, ``cost``, ``seconds`` and the bytes (a new record)."""
+    stage gives it a batch size, cost, seconds and bytes (a new record)."""
 
     key: tuple
     jobs: list
@@ -45,12 +45,9 @@ class Pass:
 
     @property
     def label(self) -> str:
-        kind = self.key[0]
-        if kind == "data":
+        if self.key[0] == "data":
             return f"pass over {self.key[3]} ({self.key[4]:,} examples)"
-        if kind == "captured":
-            return "pass over captured rows"
-        return "pass over rows in memory"
+        return "pass over captured rows" if self.key[0] == "captured" else "pass over rows in memory"
 
     @property
     def reads_data(self) -> bool:
@@ -82,21 +79,18 @@ def _defer_held(ready: list, remaining: dict, done: set, stored: set, facts: Fac
     """Ready jobs to run in this wave, less the collections of held rows that can wait.
 
     A held side collected in a pass of its own (no other ready job reads its data) is
-    collected in the last wave before its scores job can run, not the first: the rows
-    are not carried through the passes that build the preconditioner (EK-FAC's
-    covariance and eigenvalue-correction passes would otherwise hold the query
-    gradients). Collections that share a pass with another ready job stay (that read
-    of the data is shared)."""
+    collected in the last wave before its scores job can run: the rows are not carried
+    through the passes that build the preconditioner (EK-FAC's covariance and correction
+    passes would otherwise hold the query gradients)."""
     keys = {j.key: pass_key(j.streams[0], stored, facts) for j in ready}
     after = done | set(keys)
-    kept = []
-    for j in ready:
-        if isinstance(j, CollectJob) and len(ready) > 1 and sum(k == keys[j.key] for k in keys.values()) == 1:
-            consumers = [c for c in remaining.values() if j.key in c.deps]
-            if consumers and all(not (c.deps - {j.key}) <= after for c in consumers):
-                continue
-        kept.append(j)
-    return kept or ready
+
+    def waits(j) -> bool:
+        if not (isinstance(j, CollectJob) and len(ready) > 1 and list(keys.values()).count(keys[j.key]) == 1):
+            return False
+        consumers = [c for c in remaining.values() if j.key in c.deps]
+        return bool(consumers) and all(not (c.deps - {j.key}) <= after for c in consumers)
+    return [j for j in ready if not waits(j)] or ready
 
 
 def _store_or_recompute(node, remaining: dict, facts: Facts, choices: Choices) -> tuple[str, Decision, dict]:
@@ -113,15 +107,11 @@ def _store_or_recompute(node, remaining: dict, facts: Facts, choices: Choices) -
     fits = size <= o.store_fraction * o.memory_budget
     keep = 2.0 * size / facts.device.bandwidth     # write the rows once, read them once
     choice = "store" if fits and keep <= recompute else "recompute"
+    why = (f"fits under the store cap, {store_cap(o)}, and costs less than reading the data again"
+           if choice == "store" else f"would exceed the store cap, {store_cap(o)}" if not fits else
+           f"fits under the store cap, {store_cap(o)}, but moving the rows costs more than recapturing them")
     if choices.store != "auto":
-        choice = "store" if choices.store == "always" else "recompute"
-        why = f"forced by Choices(store={choices.store!r})"
-    elif not fits:
-        why = f"would exceed the store cap, {store_cap(o)}"
-    elif choice == "store":
-        why = f"fits under the store cap, {store_cap(o)}, and costs less than reading the data again"
-    else:
-        why = f"fits under the store cap, {store_cap(o)}, but moving the rows costs more than recapturing them"
+        choice, why = "store" if choices.store == "always" else "recompute", f"forced by Choices(store={choices.store!r})"
     return choice, Decision(
         DecisionKind.STORE, node.token, choice,
         {"store": keep if fits else f"{size / 2**20:.2f} MiB over the limit", "recompute": recompute},
@@ -161,7 +151,7 @@ def _stores(key, group, remaining, done, stored, graph: JobGraph, facts, choices
             decisions.append(decision)
             if choice == "store":
                 stored.add(node.token)
-                decisions += [d for d in (storage_decision(node, kept, DecisionKind.STORED_STORAGE, facts),) if d]
+                decisions += [d for d in [storage_decision(node, kept, DecisionKind.STORED_STORAGE, facts)] if d]
                 out.append(StoreJob(node, (node,), set(), storage=kept))
     return out
 
@@ -171,7 +161,7 @@ def _waves(graph: JobGraph, facts: Facts, choices: Choices, decisions: list) -> 
     remaining, done, stored, passes = dict(graph.jobs), set(), set(), []
     for _ in range(4 * len(graph.jobs) + 4):
         if not remaining:
-            return passes, stored
+            break
         ready = [j for j in remaining.values() if j.deps <= done]
         if not ready:
             raise PlanError(f"circular job dependencies among {sorted(remaining)}")
@@ -184,7 +174,7 @@ def _waves(graph: JobGraph, facts: Facts, choices: Choices, decisions: list) -> 
             for j in group:
                 remaining.pop(j.key, None)
         done |= {j.key for g in groups.values() for j in g}
-    if remaining:
+    else:
         raise PlanError("the scheduling stage did not converge")
     return passes, stored
 
@@ -216,19 +206,15 @@ def released(jobs, passes, target) -> set:
     job, not the job's own streamed side, no pass over rows kept in memory) and the plan
     does not return: the run drops the raw rows once the preconditioned copy exists
     (EK-FAC influence on GPT-2: the raw query gradients were 20 % of the peak)."""
-    jobs = list(jobs)
+    jobs, out = list(jobs), set()
     from_memory = {key[1] for key, _ in passes if key[0] == "memory"}
-    out = set()
+    def reads(j, job, token) -> bool:
+        return not (isinstance(j, CollectJob) and j.target.token == token) and (
+            any(stream_root(s).token == token or s.token == token for s in j.streams)
+            or (j is not job and getattr(getattr(j, "held", None), "token", None) == token))
     for job in jobs:
-        if not isinstance(job, ScoresJob) or isinstance(job.target.op, Identity) or job.held is target:
-            continue
-        token = job.held.token
-        if token in from_memory:
-            continue
-        if not any(not (isinstance(j, CollectJob) and j.target.token == token)
-                   and (any(stream_root(s).token == token or s.token == token for s in j.streams)
-                        or (j is not job and getattr(getattr(j, "held", None), "token", None) == token))
-                   for j in jobs):
+        if isinstance(job, ScoresJob) and not isinstance(job.target.op, Identity) and job.held is not target \
+                and job.held.token not in from_memory and not any(reads(j, job, job.held.token) for j in jobs):
             out.add(job.key)
     return out
 
@@ -239,12 +225,8 @@ def schedule(graph: JobGraph, facts: Facts, target, choices: Choices | None = No
     decisions = list(graph.decisions)
     waves, stored = _waves(graph, facts, choices or Choices(), decisions)
     release = released(graph.jobs.values(), waves, target)
-    passes, jobs = [], {}
-    for key, group in waves:
-        group = [_normalized(j, key, decisions) for j in group]
-        group = [replace(j, release_held=True) if j.key in release and not isinstance(j, StoreJob) else j
-                 for j in group]
-        jobs.update({j.key: j for j in group})
-        passes.append(Pass(key, group))
+    passes = [Pass(key, [replace(j, release_held=True) if j.key in release else j
+                         for j in (_normalized(j, key, decisions) for j in group)]) for key, group in waves]
+    jobs = {j.key: j for p in passes for j in p.jobs}
     jobs = {k: jobs.get(k, j) for k, j in graph.jobs.items()}
     return Schedule(tuple(passes), frozenset(stored), jobs, tuple(decisions))

@@ -3,7 +3,7 @@ recorded layer, rows per example of an objective, the element size of the rows.
 
 A layer's factors hold one row per *position* of its input: the tokens of a sequence,
 the output pixels of a convolution (H_out·W_out, which only the layers before it
-determine). :func:`block_positions` finds them by running the task's loss once on the
+determine). :func:`measure_forward_shapes` finds them by running the task's loss once on the
 ``meta`` device for the first example — shapes propagate, nothing is computed or
 allocated, the model's own parameters are not touched — and records, per block,
 ``T_b = output.numel() / (batch · out_features)``. Models whose forward cannot run on
@@ -29,7 +29,7 @@ from torch.func import functional_call
 from ..capture.hooks import resolve_layers
 from .cost import tokens_hint
 
-__all__ = ["ForwardShapes", "forward_shapes", "measure_forward_shapes", "measured", "block_positions", "rows_per_example", "element_size"]
+__all__ = ["ForwardShapes", "forward_shapes", "measure_forward_shapes", "measured", "rows_per_example", "element_size"]
 
 
 def _to_meta(value):
@@ -95,11 +95,6 @@ def measure_forward_shapes(src) -> ForwardShapes:
         except Exception:  # noqa: BLE001 - shapes are a hint: a model meta cannot run keeps tokens_hint
             pass
     return shapes
-
-
-def block_positions(src) -> dict[str, int]:
-    """``{block name: positions per example}`` of a Source.   T_b ≥ 1"""
-    return forward_shapes(src).positions
 
 
 def _measure_on_meta(task, batch, layers) -> tuple[dict[str, int], int]:

@@ -1,14 +1,11 @@
 """Stage 5 of planning, **size**: batch sizes, bytes and costs of each scheduled pass.
 
-``size(schedule, facts)`` → ``(passes, decisions)``: each :class:`~gradalg.plan.schedule.Pass`
-again as a new record with its ``batch_size`` (the smallest of the data's own, the memory
-budget beside the held bytes, ``ga.options(batch_size)`` and ``batch_tokens``; a
-``BATCH_SIZE`` decision), ``per_example_bytes``, ``fixed_bytes``, ``cost`` and ``seconds``,
-and each job with its ``cost``. A pass whose held rows and statistics alone exceed the
-budget is refused (:class:`~gradalg.errors.MemoryBudgetError`) before anything runs.
-
-Batches are sized with a released held side counted twice (raw and preconditioned: safe);
-the pass's ``fixed_bytes`` and peak are then what the release leaves.
+``size(schedule, facts)`` → ``(passes, decisions)``: each pass a new record with its batch
+size (the smallest of the data's own, what the memory budget leaves beside the held bytes,
+``ga.options(batch_size)`` and ``batch_tokens``: a ``BATCH_SIZE`` decision), bytes, cost
+and seconds, each job with its cost. Held rows and statistics over the budget are refused
+(:class:`~gradalg.errors.MemoryBudgetError`) before anything runs. Batches are sized with
+a released held side counted twice (safe); the pass's bytes are what the release leaves.
 """
 from __future__ import annotations
 
@@ -29,14 +26,13 @@ from .memory import capture_bytes_per_example
 from .jobs import StoreJob
 from .schedule import Pass, Schedule
 from .shapes import element_size
-from .storage import as_captured, storage
+from .blocks import as_captured, storage
 
 __all__ = ["size", "table_bytes"]
 
 
 def table_bytes(jobs) -> float:
-    """Bytes of the index tables of the sparse projections the jobs' streams apply, each
-    (projector, block) once."""
+    """Bytes of the index tables of the sparse projections the jobs' streams apply (once each)."""
     tables: dict[tuple, float] = {}
     for job in jobs:
         for x in job.streams:
@@ -49,13 +45,8 @@ def table_bytes(jobs) -> float:
 
 
 def _sources(jobs) -> list[Source]:
-    out = []
-    for j in jobs:
-        for s in j.streams:
-            root = stream_root(s)
-            if isinstance(root, Source) and root not in out:
-                out.append(root)
-    return out
+    roots = [stream_root(s) for j in jobs for s in j.streams]
+    return [r for i, r in enumerate(roots) if isinstance(r, Source) and r not in roots[:i]]
 
 
 def _batch_tokens(sources: list[Source], options) -> tuple[int, int, int | None]:
@@ -74,17 +65,20 @@ def _batch_tokens(sources: list[Source], options) -> tuple[int, int, int | None]
     return tokens, T, max(1, -(-tokens // T))
 
 
+def _over_budget(message: str, needed: float) -> MemoryBudgetError:
+    err = MemoryBudgetError(message)
+    err.needed = needed     # what a batch of one example needs (refusal_note)
+    return err
+
+
 def _refuse(p: Pass, jobs, fixed: float, per_ex: float, budget: float, dtype) -> MemoryBudgetError:
     """Held rows and statistics alone over the budget: refused before anything runs."""
     parts = "".join(f" ({a})" for a in (j.bytes_arithmetic(dtype) for j in jobs) if a)
     tables = table_bytes(jobs)
     parts += f" (sparse projection tables {_si(tables)}B)" if tables else ""
-    err = MemoryBudgetError(
-        f"{p.label}: held rows and statistics take {_si(fixed)}B{parts}, over the memory budget of "
-        f"{_si(budget)}B: use fewer queries per call, project the gradients (ga.proj.kron), "
-        "or raise ga.options(memory_budget=...)")
-    err.needed = fixed + per_ex     # what a batch of one example needs (refusal_note)
-    return err
+    return _over_budget(f"{p.label}: held rows and statistics take {_si(fixed)}B{parts}, over the memory budget "
+                        f"of {_si(budget)}B: use fewer queries per call, project the gradients (ga.proj.kron), "
+                        "or raise ga.options(memory_budget=...)", fixed + per_ex)
 
 
 def _batch_size(p: Pass, sources, fixed: float, per_ex: float, facts: Facts) -> tuple[int, str, Decision]:
@@ -100,13 +94,10 @@ def _batch_size(p: Pass, sources, fixed: float, per_ex: float, facts: Facts) -> 
             DecisionKind.BATCH_SIZE, p.key, str(batch), {"the data's": str(batch), "ga.options": str(o.batch_size)},
             "fixed by the data (a DataLoader, or ga.grads(..., batch_size=...))", label=p.label)
     if budget - fixed < per_ex:  # not even a batch of one example fits next to the held rows
-        err = MemoryBudgetError(
-            f"{p.label}: held rows and statistics take {_si(fixed)}B and one example's "
-            f"factors and activations {_si(per_ex)}B, over the memory budget of {_si(budget)}B. "
-            "Project the gradients (ga.proj.kron), use fewer queries per call, or raise "
-            "ga.options(memory_budget=...)")
-        err.needed = fixed + per_ex
-        raise err
+        raise _over_budget(f"{p.label}: held rows and statistics take {_si(fixed)}B and one example's factors and "
+                           f"activations {_si(per_ex)}B, over the memory budget of {_si(budget)}B. Project the "
+                           "gradients (ga.proj.kron), use fewer queries per call, or raise "
+                           "ga.options(memory_budget=...)", fixed + per_ex)
     fit = int((budget - fixed) // max(per_ex, 1.0))
     tokens, T, by_tokens = _batch_tokens(sources, o)
     batch = max(1, min(o.batch_size, fit, by_tokens or o.batch_size))
@@ -125,9 +116,9 @@ def _batch_size(p: Pass, sources, fixed: float, per_ex: float, facts: Facts) -> 
 
 
 class _Sizer:
-    """Sizes the passes of one schedule in order (local to one :func:`size` call): the
-    dense projections an earlier pass draws and the operators it resolves are not
-    counted again; rows in memory are read in the chunks they were stored in."""
+    """Sizes the passes of one schedule in order (local to one :func:`size` call): what an
+    earlier pass draws (dense projections) or resolves (operators) is not counted again;
+    rows in memory are read in the chunks they were stored in."""
 
     def __init__(self, schedule: Schedule, facts: Facts):
         self.schedule, self.facts = schedule, facts
@@ -136,12 +127,9 @@ class _Sizer:
 
     def layout(self, node, reads_data: bool) -> dict:
         """``{block: "factors" | "flat"}`` of ``node``'s rows as a pass delivers them: as
-        stored (a pass over rows in memory), else as captured or Kronecker-projected."""
-        if not reads_data:
-            kept = self.schedule.jobs.get(("store", node.token)) or self.schedule.jobs.get(("collect", node.token))
-            if kept is not None and kept.storage:
-                return dict(kept.storage)
-        return as_captured(node, self.facts)
+        collected (a pass over rows in memory), else as captured or Kronecker-projected."""
+        kept = None if reads_data else self.schedule.jobs.get(("collect", node.token))
+        return dict(kept.storage) if kept is not None and kept.storage else as_captured(node, self.facts)
 
     def per_example_bytes(self, jobs, sources) -> float:
         total, forwards, dtype = 0.0, set(), self.facts.dtype
