@@ -11,7 +11,7 @@ from . import estimates
 from .cost import _si
 from .decisions import Decision, DecisionKind
 from .facts import Facts, positions_known
-from .graph import CONV_KINDS, ROW_WISE, stream_root
+from .lower import CONV_KINDS, ROW_WISE, stream_root
 from .memory import positions, rows_bytes
 from .shapes import element_size, forward_shapes
 

@@ -15,9 +15,8 @@ from ..expr import GradNode, GroupMean, Identity, Inner, OpNode, ScoreDiagonal
 from .choices import Choices
 from .decisions import Decision, DecisionKind
 from .facts import Facts
-from .graph import ROW_WISE, STATISTICS_JOBS, chain_ops, pass_key, stream_root
+from .lower import ROW_WISE, STATISTICS_JOBS, Lowered, chain_ops, pass_key, stream_root
 from .jobs import CollectJob, DiagJob, GroupJob, Job, ScoresJob, TopKJob
-from .lower import Lowered
 from .memory import projection_map_decisions, rows_bytes
 from .rules import PlanError
 from .blocks import as_captured, held_storage, kernels, low_rank_decision, storage, storage_decision
@@ -148,12 +147,9 @@ class _Graph:
                     f"the top-k of {node.label} needs every term's training side streamed in one pass, but its "
                     f"terms read {len(keys)} different (model, data) pairs: compute the scores into a store "
                     "(S.compute(store='scores.zarr')) and rank that, or take each term's top-k separately")
-        streams, deps = [], set()
-        for _, j in jobs:
-            deps |= j.deps
-            if j.streams[0].token not in {s.token for s in streams}:
-                streams.append(j.streams[0])
-        return [self.add(TopKJob(node, tuple(streams), deps, k=spec.k, largest=spec.largest, terms=tuple(jobs)))]
+        streams = tuple({j.streams[0].token: j.streams[0] for _, j in jobs}.values())   # first of each token
+        deps = set().union(*(j.deps for _, j in jobs))
+        return [self.add(TopKJob(node, streams, deps, k=spec.k, largest=spec.largest, terms=tuple(jobs)))]
 
     def diag_job(self, node, inner: Inner) -> tuple:
         deps = self.op_deps(inner.op) | self.stream_deps(inner.left) | self.stream_deps(inner.right)

@@ -22,7 +22,7 @@ from ..expr.tokens import token_rows
 from ..options import Options
 from .cost import first_example_shape
 from .devices import DeviceProfile
-from .graph import CONV_KINDS
+from .lower import CONV_KINDS
 from .shapes import ForwardShapes, measure_forward_shapes
 
 __all__ = ["Facts", "facts", "MEASURED", "positions_known"]

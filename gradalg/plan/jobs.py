@@ -2,7 +2,8 @@
 
 A :class:`Job` names what it reads (``streams``: gradient nodes whose chunks the pass
 feeds it, and ``deps``: the keys of jobs that must finish first), what it produces
-(``output``) and how much it costs, filled in when the planner sizes its pass:
+(``output``) and how much it costs, in the new record the size stage makes of it (jobs are
+frozen: a stage that decides something about a job makes a new one):
 ``cost`` (FLOPs and traffic of this job in its pass), ``fixed`` (bytes it holds for the
 whole pass: held rows, statistics) and ``per_example`` (working bytes per streamed
 example). Every choice the planner made for a job is a field of the job (kernels,
@@ -97,7 +98,7 @@ class Job:
     kernels: dict = field(default_factory=dict)
     #: {block: "factors" | "flat"}: how kept rows are stored (collect, store jobs)
     storage: dict = field(default_factory=dict)
-    #: estimated FLOPs and traffic of this job in its pass (set when the pass is sized)
+    #: estimated FLOPs and traffic of this job in its pass (the size stage's record)
     cost: Cost = field(default_factory=Cost)
     #: positions of an example its kernels over factors take at once (``ga.options(token_block)``;
     #: None: all); the ghost kernel's largest intermediate slice (``ga.options(ghost_slice_elements)``)

@@ -24,9 +24,8 @@ from .decide import decide
 from .decisions import Decision, DecisionKind, Decisions
 from .devices import DeviceProfile, profile
 from .facts import facts as find_facts
-from .graph import CONV_KINDS, ROW_WISE, STATISTICS_JOBS, chain_ops, stream_root  # noqa: F401 (exec reads them here)
+from .lower import CONV_KINDS, ROW_WISE, STATISTICS_JOBS, chain_ops, lower, stream_root  # noqa: F401 (exec reads)
 from .jobs import Job, TopK
-from .lower import lower
 from .rules import Firing, PlanError, simplify_until_fixpoint
 from .schedule import Pass, schedule
 from .shapes import measured

@@ -20,7 +20,7 @@ from .cost import Cost, _si
 from .decide import JobGraph
 from .decisions import Decision, DecisionKind
 from .facts import Facts
-from .graph import ROW_WISE, chain_contains, pass_key, stream_root
+from .lower import ROW_WISE, chain_contains, pass_key, stream_root
 from .jobs import CollectJob, KFACJob, ScoresJob, StoreJob, TopKJob
 from .memory import rows_bytes
 from .rules import PlanError

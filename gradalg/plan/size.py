@@ -21,7 +21,7 @@ from . import estimates
 from .cost import Cost, _si, tokens_hint
 from .decisions import Decision, DecisionKind
 from .facts import Facts
-from .graph import ROW_WISE, stream_root
+from .lower import ROW_WISE, stream_root
 from .memory import capture_bytes_per_example
 from .jobs import StoreJob
 from .schedule import Pass, Schedule
