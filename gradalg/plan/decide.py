@@ -1,11 +1,8 @@
-"""Stage 3 of planning, **decide**: the job graph, with every choice that does not depend
-on the order of the passes.
-
-``decide(lowered, facts, choices)`` → :class:`JobGraph`: the jobs keyed by ``(kind, target
-token)``, each created once with its choices as fields (held side, storage, the kernel of
-each block: :mod:`gradalg.plan.blocks`; the ``ga.options`` its kernels run under), their
-dependencies, and the recorded decisions. Per score ``Inner``: hold the side with the
-smaller footprint, collect it, stream the other; operators' statistics become jobs.
+"""Stage 3 of planning, **decide**: ``decide(lowered, facts, choices)`` → :class:`JobGraph`,
+the jobs keyed by ``(kind, target token)``, each created once with its choices as fields
+(held side, storage and kernels: :mod:`gradalg.plan.blocks`; its kernels' ``ga.options``),
+their dependencies and the decisions. Per score ``Inner``: hold the side with the smaller
+footprint, collect it, stream the other; operators' statistics become jobs.
 """
 from __future__ import annotations
 

@@ -1,17 +1,13 @@
-"""Stage 2 of planning, **facts**: what is known about an expression before any choice.
-
-``facts(root, options, device, measure)`` → :class:`Facts`, read by the later stages and
-written by none: ``shapes``, ``{source token: ForwardShapes}`` (each recorded layer's
-positions T_b per example, measured by one meta-device forward when ``measure``:
-executors, before a run), the device profile that prices the plan, the model's dtype, and
-per node, once: its blocks' representation, a source's task token (a fingerprint of the
-model) and shared-forward key. Measurements are memoised by source token in a cache the
-caller owns (``memo``; default :data:`MEASURED`, read only by measuring plans). No fact is
-written onto a node, so a display plans the same before and after a ``compute()``.
+"""Stage 2 of planning, **facts**: ``facts(root, options, device, measure)`` → :class:`Facts`,
+what is known before any choice, read by the later stages and written by none: each
+layer's positions T_b per example (measured on ``meta`` when ``measure``: executors), the
+device profile, the dtype, and per node, once, its representation, task token and
+shared-forward key. Measurements are memoised by source token in the caller's ``memo``,
+never written onto a node: a display plans the same before and after a ``compute()``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 import torch
@@ -41,17 +37,24 @@ class Facts:
     for_run: bool                           # every layer's positions were measured (a run's plan)
     shapes: Mapping[str, ForwardShapes]     # {source token: measured shapes}
     representations: Mapping[str, Mapping]  # {node token: {block: representation}}
-    task_tokens: Mapping[str, str]          # {source token: its task's token}
-    share_keys: Mapping[str, object]        # {source token: forward_share_key(source)}
+    #: {id(task): (task, task.token)} and {source token: forward_share_key(source)}, each
+    #: read once when first asked (a model's fingerprint walks every tensor)
+    memo: dict = field(default_factory=lambda: {"tasks": {}, "shares": {}}, repr=False, compare=False)
 
     def representation(self, node: GradNode) -> Mapping:
         return self.representations.get(node.token) or node.representation
 
     def task_token(self, src: Source) -> str:
-        return self.task_tokens.get(src.token) or src.task.token
+        tasks = self.memo["tasks"]
+        if tasks.get(id(src.task), (None,))[0] is not src.task:
+            tasks[id(src.task)] = (src.task, src.task.token)
+        return tasks[id(src.task)][1]
 
     def share_key(self, src: Source):
-        return self.share_keys[src.token] if src.token in self.share_keys else forward_share_key(src)
+        shares = self.memo["shares"]
+        if src.token not in shares:
+            shares[src.token] = forward_share_key(src)
+        return shares[src.token]
 
     def describe(self) -> str:
         return "\n".join([f"device {self.device.name}, dtype {self.dtype}, "
@@ -77,17 +80,17 @@ def facts(root: Node, options: Options, device: DeviceProfile, measure: bool = F
     meta-device forward per source whose positions the data's shape does not tell
     (convolutions, non-token inputs), memoised in ``memo`` (default :data:`MEASURED`)."""
     memo = MEASURED if memo is None else memo
-    shapes, reps, tasks, shares, dtype = {}, {}, {}, {}, None
+    shapes, reps, sources, dtype = {}, {}, set(), None
     for node in root.walk():
         if isinstance(node, GradNode) and node.token not in reps:
             reps[node.token] = node.representation
-        if not isinstance(node, Source) or node.token in tasks:
+        if not isinstance(node, Source) or node.token in sources:
             continue
+        sources.add(node.token)
         dtype = dtype or next((p.dtype for p in node.task.model.parameters()), None)
-        tasks[node.token], shares[node.token] = node.task.token, forward_share_key(node)
         if measure and (not positions_known(node) or any(b.kind in CONV_KINDS for b in node.space.blocks)):
             if node.token not in memo and len(memo) >= 256:
                 memo.pop(next(iter(memo)))
             memo[node.token] = memo.get(node.token) or measure_forward_shapes(node)
             shapes[node.token] = memo[node.token]
-    return Facts(options, device, dtype or torch.float32, measure, shapes, reps, tasks, shares)
+    return Facts(options, device, dtype or torch.float32, measure, shapes, reps)

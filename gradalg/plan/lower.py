@@ -1,11 +1,7 @@
-"""Stage 1 of planning, **lower**: what the simplified expression asks the passes for,
-and the walks of an expression the later stages share (row-wise chains, their stream
-roots and operators, the pass a node's rows are read in).
-
-``lower(root, topk)`` → :class:`Lowered`: the kind of result (``scores``, ``topk``,
-``diag``, ``rows`` of a gradient node, ``operator`` statistics) and, for scores, their
-``Inner`` terms with their coefficients (sums flattened). No size is read and nothing is
-chosen; an expression the planner cannot run is refused here.
+"""Stage 1 of planning, **lower**: ``lower(root, topk)`` → :class:`Lowered`, what the
+simplified expression asks the passes for (scores, a top-k, self-scores, rows, operator
+statistics) and its score terms, sums flattened; nothing is sized or chosen, and what the
+planner cannot run is refused here. Also the walks of an expression the stages share.
 """
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
-"""Stage 4 of planning, **schedule**: the job graph as an ordered list of passes.
-
-``schedule(graph, facts, target, choices)`` → :class:`Schedule`. A job runs in a pass when
-the jobs it depends on have finished; ready jobs over the same (task, data) share a pass.
-When a job must wait for statistics computed from the data it streams (a Fisher before
-scoring against the same training set), its rows are stored in the first pass if they fit
-the store cap and cost less than a second read (a ``STORE`` decision), else the data is
-read again. Then per pass: where ``G.normalize()`` is normalized (``NORMALIZATION``), and
-which preconditioned scores jobs release their raw held rows (``release_held``), as new
-job records.
+"""Stage 4 of planning, **schedule**: ``schedule(graph, facts, target, choices)`` →
+:class:`Schedule`, the job graph as ordered passes. A job runs once its dependencies have
+finished; ready jobs over the same (task, data) share a pass. Rows a later job needs after
+statistics from the same data are stored if that costs less than a second read (``STORE``).
+Per pass: where ``G.normalize()`` is normalized, and which preconditioned scores jobs
+release their raw held rows (new job records).
 """
 from __future__ import annotations
 

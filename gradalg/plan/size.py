@@ -1,11 +1,7 @@
-"""Stage 5 of planning, **size**: batch sizes, bytes and costs of each scheduled pass.
-
-``size(schedule, facts)`` → ``(passes, decisions)``: each pass a new record with its batch
-size (the smallest of the data's own, what the memory budget leaves beside the held bytes,
-``ga.options(batch_size)`` and ``batch_tokens``: a ``BATCH_SIZE`` decision), bytes, cost
-and seconds, each job with its cost. Held rows and statistics over the budget are refused
-(:class:`~gradalg.errors.MemoryBudgetError`) before anything runs. Batches are sized with
-a released held side counted twice (safe); the pass's bytes are what the release leaves.
+"""Stage 5 of planning, **size**: ``size(schedule, facts)`` → ``(passes, decisions)``, each
+pass a new record with its batch size (a ``BATCH_SIZE`` decision), bytes, cost and seconds,
+each job with its cost; memory over the budget is refused before anything runs. Batches are
+sized with a released held side counted twice (safe); a pass's bytes are what it leaves.
 """
 from __future__ import annotations
 
