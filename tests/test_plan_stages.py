@@ -50,6 +50,9 @@ def test_each_stage_is_a_frozen_record_shown_by_explain():
         assert stage_pass.key == sized.key and stage_pass.batch_size is None     # size made new records
     with pytest.raises(PlanError, match="stages are lower, facts"):
         p.explain("costed")
+    shown = str(S.explain(stage="decide"))      # the expression's explain() shows a planner stage too
+    assert "planner stage decide" in shown and "held side" in shown.lower() and "1. logical" not in shown
+    assert "planner stage schedule" in S.explain(stage="schedule")._repr_html_()
 
 
 def test_measured_shapes_are_facts_not_node_attributes():
