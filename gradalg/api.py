@@ -114,7 +114,8 @@ class _Displayed:
         prints a text table and renders HTML in a notebook.
 
         analyze : also run the plan and add measured time and memory per pass.
-        stage : show only "logical", "simplified", "costed", "physical" or "scale".
+        stage : show only "logical", "simplified", "costed", "physical" or "scale", or the
+            record of one of the planner's stages: "lower", "facts", "decide", "schedule", "size".
         rewrites : False shows (and runs) the plan without rewrite rules.
         device : plan for this device ("h200", "h100", "a100", or a profile such as
             ``ga.plan.devices.profile("h200", count=4)``; default: this machine) and add

@@ -379,7 +379,7 @@ def test_plans_count_the_sparse_tables_each_pass_keeps():
     """A pass that applies a sparse projection holds its cached tables: an SJLT of d
     coordinates 5·d·s bytes (int32 rows, int8 signs), once per (projector, block);
     a Kronecker projection has none."""
-    from gradalg.plan.planner import _Planner
+    from gradalg.plan.size import table_bytes
     task = ga.tasks.classification(mlp(dtype=torch.float32))
     data, queries = classification_data(n=24, dtype=torch.float32), classification_data(n=4, seed=5,
                                                                                          dtype=torch.float32)
@@ -388,12 +388,12 @@ def test_plans_count_the_sparse_tables_each_pass_keeps():
     def tables(projector):
         S = ga.methods.grad_dot(task, data, queries, projector=projector)
         p = ga.exec.LocalExecutor().plan(S.expr)
-        return max(_Planner._table_bytes(step.jobs) for step in p.passes), p
+        return max(table_bytes(step.jobs) for step in p.passes), p
 
     for s_ in (1, 3):
         got, p = tables(ga.proj.sparse(16, s=s_, seed=0))
         assert got == 5.0 * s_ * dims
-        step = next(step for step in p.passes if _Planner._table_bytes(step.jobs))
+        step = next(step for step in p.passes if table_bytes(step.jobs))
         assert step.fixed_bytes >= got and step.cost.peak_bytes >= got
     assert tables(ga.proj.kron(16, seed=0))[0] == 0.0
 

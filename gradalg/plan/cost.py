@@ -320,24 +320,14 @@ def first_example_shape(data) -> tuple | None:
 def tokens_hint(node) -> int:
     """Positions per example T, read off the first example's shape (1 when unknown).
 
-    Reads the shape of one example of the data (no model is run), once per dataset:
-    cached on the data reference and the source node.
+    Reads the shape of one example of the data (no model is run), once per dataset
+    (:func:`first_example_shape` keeps it by the data's fingerprint; nothing is cached
+    on the node).
     """
     if token_rows(node) > 1:
         return 1  # per-token rows (ga.GradientSet.per_token): one position each
-    src = node.source
-    data = getattr(src, "data", None)
-    if data is None:
-        return 1
-    cached = getattr(src, "_tokens_hint", None)
-    if cached is None:   # known once per dataset: every source over it shares the first read
-        cached = getattr(data, "_tokens_hint", None)
-    if cached is not None:
-        return cached
-    T = 1
-    first = first_example_shape(data)
+    data = getattr(node.source, "data", None)
+    first = first_example_shape(data) if data is not None else None
     if first is not None and len(first[0]) == 2 and not first[1].is_floating_point:
-        T = int(first[0][1])
-    object.__setattr__(src, "_tokens_hint", T)
-    object.__setattr__(data, "_tokens_hint", T)
-    return T
+        return int(first[0][1])
+    return 1

@@ -2,7 +2,8 @@
 
 :class:`Explain` displays itself (``print`` it, or leave it last in a notebook cell):
 
-1. logical      the expression tree as written
+1. logical      the expression tree as written (``stage="lower"``, ``"facts"``, ``"decide"``,
+                ``"schedule"`` or ``"size"`` shows one of the planner's own records instead)
 2. simplified   after the rewrite rules, with each rule that fired and why, and the
                 named operator rules (``kronecker.invert_eigenvalues``, ...) that
                 resolving each operator will apply, from its structure labels alone
@@ -35,7 +36,7 @@ from ..viz.tree import text_tree
 from .cost import _si
 from .decisions import Decision
 from .devices import profile
-from .planner import Plan
+from .planner import STAGES, Plan
 from .resolution import operator_rules
 from .scale import scale_estimates
 
@@ -214,6 +215,8 @@ class Explain:
         lines += [c.describe() for c in self.coverage()]
         for key in self.stages():
             lines += ["", *getattr(self, f"_text_{key}")()]
+        if self.stage in STAGES:   # one of the planner's own stages: its record
+            lines += ["", f"planner stage {self.stage}", self.plan.explain(self.stage)]
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -286,6 +289,9 @@ class Explain:
         parts += [f"<div class='ga-coverage'>{'<br>'.join(esc(x) for x in c.describe().splitlines())}</div>"
                   for c in self.coverage()]
         parts += [getattr(self, f"_html_{key}")() for key in self.stages()]
+        if self.stage in STAGES:
+            parts.append(f"<details open><summary>planner stage {self.stage}</summary>"
+                         f"<pre>{html.escape(self.plan.explain(self.stage))}</pre></details>")
         parts.append("</div>")
         return "".join(parts)
 

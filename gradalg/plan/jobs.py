@@ -2,7 +2,8 @@
 
 A :class:`Job` names what it reads (``streams``: gradient nodes whose chunks the pass
 feeds it, and ``deps``: the keys of jobs that must finish first), what it produces
-(``output``) and how much it costs, filled in when the planner sizes its pass:
+(``output``) and how much it costs, in the new record the size stage makes of it (jobs are
+frozen: a stage that decides something about a job makes a new one):
 ``cost`` (FLOPs and traffic of this job in its pass), ``fixed`` (bytes it holds for the
 whole pass: held rows, statistics) and ``per_example`` (working bytes per streamed
 example). Every choice the planner made for a job is a field of the job (kernels,
@@ -67,7 +68,7 @@ __all__ = ["Job", "CollectJob", "StoreJob", "GroupJob", "FisherJob", "KFACJob", 
 JOB_TYPES: dict[str, type["Job"]] = {}
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class Job:
     """One job of a pass. ``key`` is ``(kind, target token)``.
 
@@ -97,7 +98,7 @@ class Job:
     kernels: dict = field(default_factory=dict)
     #: {block: "factors" | "flat"}: how kept rows are stored (collect, store jobs)
     storage: dict = field(default_factory=dict)
-    #: estimated FLOPs and traffic of this job in its pass (set when the pass is sized)
+    #: estimated FLOPs and traffic of this job in its pass (the size stage's record)
     cost: Cost = field(default_factory=Cost)
     #: positions of an example its kernels over factors take at once (``ga.options(token_block)``;
     #: None: all); the ghost kernel's largest intermediate slice (``ga.options(ghost_slice_elements)``)
@@ -197,7 +198,7 @@ class Job:
         raise NotImplementedError(f"{type(self).__name__} does not say its output's bytes (Job.output_bytes)")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class RowsJob(Job):
     """A job whose output is rows kept in memory: their bytes are its footprint."""
 
@@ -216,7 +217,7 @@ class RowsJob(Job):
         return 4.0 * self.target.n * self.target.space.dim
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class CollectJob(RowsJob):
     """Keep every row of ``target`` (a held side, or the rows of a gradient node)."""
 
@@ -227,14 +228,14 @@ class CollectJob(RowsJob):
         return f"{self.kind} {self.target.label!r} ({self.target.n:,} rows)"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class StoreJob(CollectJob):
     """Keep rows that a later pass reads after this pass's statistics (stored, not re-read)."""
 
     kind: ClassVar[str] = "store"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class GroupJob(RowsJob):
     """Group means of the rows of ``target.grads`` (a :class:`~gradalg.expr.GroupMean`)."""
 
@@ -242,7 +243,7 @@ class GroupJob(RowsJob):
     ops_per_block: ClassVar[int] = 6
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class FisherJob(Job):
     """F = (1/n) Σ_i g_i g_iᵀ in float64 (dense d², block Σ d_b², diag d)."""
 
@@ -269,7 +270,7 @@ class FisherJob(Job):
         return self.fixed_bytes(None)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class KronStatisticsJob(Job):
     """A job accumulating per-block Kronecker statistics: two (out, out) and (in, in)
     matrices per block are its footprint and its output."""
@@ -287,7 +288,7 @@ class KronStatisticsJob(Job):
         return kron_output_bytes(self.target.space, self.kron_float64_width, self.kron_diagonal_width)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class KFACJob(KronStatisticsJob):
     """K-FAC's Kronecker factors S = E[DᵀD], A = E[AᵀA] per block, and their eigenbases."""
 
@@ -313,7 +314,7 @@ class KFACJob(KronStatisticsJob):
         return f"{self.kind} {'ekfac' if t.eigen_correction else 'kfac'}" + (f" ({notes[0]})" if notes else "")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class EKFACJob(KronStatisticsJob):
     """EK-FAC's eigenvalue correction E[(Q_Sᵀ G Q_A)²], in the KFACJob's eigenbases
     (a second pass: it depends on the KFACJob of the same operator)."""
@@ -346,7 +347,7 @@ class EKFACJob(KronStatisticsJob):
         return f"{self.kind} ekfac" + (f" ({notes[0]})" if notes else "")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class ScoresJob(Job):
     """⟨held_i, H streamed_j⟩ for a score ``Inner(L, H, R)``: the held side (collected by
     a CollectJob, preconditioned once) against each chunk of the streamed side.
@@ -451,7 +452,7 @@ class TopK:
             raise OptionError(f"k must be a positive integer (the best training rows per query), got {self.k!r}")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class TopKJob(Job):
     """The ``k`` best training rows per query of a score expression, merged chunk by
     chunk of the streamed side; the (query × train) matrix is never formed.
@@ -507,7 +508,7 @@ class TopKJob(Job):
         return 16.0 * self.n_query * self.k
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class DiagJob(Job):
     """d_i = ⟨L_i, H R_i⟩ of a :class:`~gradalg.expr.ScoreDiagonal`: both sides streamed in
     lockstep, or the left one ``held`` (collected) and aligned to the streamed rows by id."""

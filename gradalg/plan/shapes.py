@@ -3,19 +3,23 @@ recorded layer, rows per example of an objective, the element size of the rows.
 
 A layer's factors hold one row per *position* of its input: the tokens of a sequence,
 the output pixels of a convolution (H_out·W_out, which only the layers before it
-determine). :func:`block_positions` finds them by running the task's loss once on the
+determine). :func:`measure_forward_shapes` finds them by running the task's loss once on the
 ``meta`` device for the first example — shapes propagate, nothing is computed or
 allocated, the model's own parameters are not touched — and records, per block,
 ``T_b = output.numel() / (batch · out_features)``. Models whose forward cannot run on
 ``meta`` (a data-dependent branch, ``.item()``) fall back to :func:`tokens_hint` for
 every block.
 
-Executors measure before they plan a run (``plan(..., measure_shapes=True)``); displays
-(``repr``, ``explain()``, the plan explorer) never call the model: they use a
-measurement an earlier run cached on the source, or ``tokens_hint``.
+Executors measure before they plan a run (``plan(..., measure_shapes=True)``: the facts
+stage, :mod:`gradalg.plan.facts`); displays (``repr``, ``explain()``, the plan explorer)
+never call the model and use ``tokens_hint``. Nothing is cached on a node: a measurement
+is a field of the plan's :class:`~gradalg.plan.facts.Facts`, which the planner puts in
+force (:func:`measured`) while its stages run.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +29,7 @@ from torch.func import functional_call
 from ..capture.hooks import resolve_layers
 from .cost import tokens_hint
 
-__all__ = ["ForwardShapes", "forward_shapes", "block_positions", "rows_per_example", "element_size"]
+__all__ = ["ForwardShapes", "forward_shapes", "measure_forward_shapes", "measured", "rows_per_example", "element_size"]
 
 
 def _to_meta(value):
@@ -53,17 +57,35 @@ class ForwardShapes:
     measured: bool
 
 
-def forward_shapes(src, measure: bool = False) -> ForwardShapes:
-    """The :class:`ForwardShapes` of a Source: measured on meta and cached on it when
-    ``measure`` (executors, before running a plan), else the cached measurement or
-    ``tokens_hint`` for every block (displays: ``repr``, ``explain()`` run nothing)."""
-    cached = getattr(src, "_forward_shapes", None)
-    if cached is not None:
-        return cached
+#: ``{source token: ForwardShapes}`` measured for the plan being made (:func:`measured`)
+_MEASURED: ContextVar[dict] = ContextVar("gradalg_measured_shapes", default={})
+
+
+@contextmanager
+def measured(shapes: dict):
+    """Put ``shapes`` (``{source token: ForwardShapes}``, a plan's facts) in force for
+    :func:`forward_shapes` while a plan's stages run."""
+    reset = _MEASURED.set(shapes)
+    try:
+        yield
+    finally:
+        _MEASURED.reset(reset)
+
+
+def forward_shapes(src) -> ForwardShapes:
+    """The :class:`ForwardShapes` of a Source: its measurement in the plan's facts (in
+    force by :func:`measured`), else ``tokens_hint`` for every block (not measured)."""
+    hit = _MEASURED.get().get(src.token)
+    if hit is not None:
+        return hit
     fallback = tokens_hint(src)
-    shapes = ForwardShapes({b.name: fallback for b in src.space.blocks}, 0, False)
-    if not measure:
-        return shapes
+    return ForwardShapes({b.name: fallback for b in src.space.blocks}, 0, False)
+
+
+def measure_forward_shapes(src) -> ForwardShapes:
+    """One meta-device forward of the first example (executors, before running a plan):
+    every recorded layer's positions; ``tokens_hint`` where the forward cannot run."""
+    shapes = forward_shapes(src)
     data = getattr(src, "data", None)
     task = getattr(src, "task", None)
     if data is not None and task is not None and src.backend == "hooks":
@@ -72,13 +94,7 @@ def forward_shapes(src, measure: bool = False) -> ForwardShapes:
             shapes = ForwardShapes({**shapes.positions, **positions}, activations, bool(positions))
         except Exception:  # noqa: BLE001 - shapes are a hint: a model meta cannot run keeps tokens_hint
             pass
-    object.__setattr__(src, "_forward_shapes", shapes)
     return shapes
-
-
-def block_positions(src) -> dict[str, int]:
-    """``{block name: positions per example}`` of a Source.   T_b ≥ 1"""
-    return forward_shapes(src).positions
 
 
 def _measure_on_meta(task, batch, layers) -> tuple[dict[str, int], int]:

@@ -1,0 +1,174 @@
+"""Per-block choices of the decide stage: how kept rows are stored (``"factors"``,
+n·T_b·(in + out) numbers, or ``"flat"``, n·dim) and the inner-product kernel of a
+scores job (``ghost`` from the factors, or ``dense``: materialize, one GEMM), each a
+recorded :class:`~gradalg.plan.decisions.Decision` where there is a choice. The executor
+runs what these return; it never routes a chunk itself."""
+from __future__ import annotations
+
+from ..expr import AdamPrecondition, Captured, GradNode, Identity, Inner, Normalize, Precondition, Project, Source
+from ..expr.lowrank import lowrank_below
+from . import estimates
+from .cost import _si
+from .decisions import Decision, DecisionKind
+from .facts import Facts, positions_known
+from .lower import CONV_KINDS, ROW_WISE, stream_root
+from .memory import positions, rows_bytes
+from .shapes import element_size, forward_shapes
+
+__all__ = ["storage", "as_captured", "held_storage", "storage_decision", "low_rank_decision", "kernels"]
+
+
+def _factored(node: GradNode, facts: Facts) -> list:
+    """The 2-D blocks whose rows arrive as factors (A, D): captured so, or through a
+    Kronecker projection of factored rows (with no preconditioner or metric between)."""
+    rep, out = facts.representation(node), []
+    for b in node.space.blocks:
+        if len(b.shape) != 2 or rep[b.name] not in ("factored", "projected"):
+            continue
+        root = node
+        while rep[b.name] == "projected" and isinstance(root, ROW_WISE) and not isinstance(root, Project):
+            if isinstance(root, (Precondition, AdamPrecondition)) or (isinstance(root, Normalize) and root.op):
+                break
+            root = root.grads
+        if rep[b.name] == "factored" or (isinstance(root, Project) and root.projector.kind == "kron"
+                                         and facts.representation(root.grads).get(b.name) == "factored"):
+            out.append(b)
+    return out
+
+
+def storage(node: GradNode, facts: Facts, need_factors: frozenset = frozenset()) -> dict[str, str]:
+    """How kept rows are stored, per block: "factors" where smaller than flat under
+    ``ga.options(row_storage="auto")`` (T_b·(in + out) < dim), else as that option forces;
+    factors where a consumer needs them (``need_factors``: K-FAC statistics) or
+    ``ga.options(ghost="always")`` forces ghost kernels. Blocks not factored are flat."""
+    T, o = positions(node), facts.options
+    factored = {b.name for b in _factored(node, facts)}
+    return {b.name: "factors" if b.name in factored and (
+        o.ghost == "always" or b.name in need_factors or o.row_storage == "factors"
+        or (o.row_storage == "auto" and T[b.name] * (b.shape[0] + b.shape[1]) < b.dim)) else "flat"
+        for b in node.space.blocks}
+
+
+def as_captured(node: GradNode, facts: Facts) -> dict[str, str]:
+    """Rows kept as the pass produces them: factored blocks as factors, others flat."""
+    factored = {b.name for b in _factored(node, facts)}
+    return {b.name: "factors" if b.name in factored else "flat" for b in node.space.blocks}
+
+
+def held_storage(held: GradNode, kernels: dict, inner: Inner, facts: Facts) -> dict[str, str]:
+    """The held rows' :func:`storage`, except that a block whose kernel is dense in an
+    unpreconditioned product is kept flat under ``row_storage="auto"`` (the dense kernel
+    multiplies the flat rows: factors too would hold the block twice)."""
+    kept = storage(held, facts)
+    if facts.options.row_storage != "auto" or not isinstance(inner.op, Identity):
+        return kept
+    return {name: "flat" if how == "factors" and kernels.get(name) == "dense" else how for name, how in kept.items()}
+
+
+def storage_decision(node: GradNode, kept: dict, kind: DecisionKind, facts: Facts) -> Decision | None:
+    """The factors-vs-flat decision for kept rows (``kind``: held or stored rows), when
+    some block could be either."""
+    factored = _factored(node, facts)
+    if not factored:
+        return None
+    kinds = sorted({kept[b.name] for b in factored})
+    chosen = kinds[0] if len(kinds) == 1 else ", ".join(
+        f"{k} for {sum(kept[b.name] == k for b in factored)} block(s)" for k in kinds)
+    mode, T = facts.options.row_storage, positions(node)
+    why = ("per block the smaller of its factors, T·(in + out) numbers per row, and its flat "
+           "gradient, out·in" if mode == "auto" else f"forced by ga.options(row_storage={mode!r})")
+    if mode == "auto" and kind is DecisionKind.HELD_STORAGE and any(
+            kept[b.name] == "flat" and T[b.name] * sum(b.shape) < b.dim for b in factored):
+        why += "; flat where the block's kernel is dense (it multiplies the flat rows: not kept twice)"
+    if facts.options.ghost == "always":
+        why += "; factors kept for ghost kernels (ga.options(ghost='always'))"
+    sizes = {how: f"{_si(rows_bytes(node, {**kept, **{b.name: how for b in factored}}, facts.dtype))}B"
+             for how in ("factors", "flat")}
+    return Decision(kind, node.token, chosen, sizes, why, label=repr(node.label))
+
+
+def low_rank_decision(held: GradNode, facts: Facts) -> Decision | None:
+    """What a rank-r approximation of the held rows keeps (``G.low_rank(r)``,
+    ``query_gradient_rank=``): its bytes against the exact rows', per truncated block."""
+    low = lowrank_below(held)
+    if low is None:
+        return None
+    r, names = low.rank, low.truncated
+    kept = [b.name for b in low.space.blocks if b.name not in names]
+    exact = rows_bytes(low.grads, storage(low.grads, facts), facts.dtype)   # as the exact rows would be kept
+    approx = rows_bytes(low, storage(low, facts), facts.dtype)
+    return Decision(
+        DecisionKind.LOW_RANK, held.token, f"rank-{r} factors",
+        {"exact rows": f"{_si(exact)}B", f"rank-{r} factors": f"{_si(approx)}B"},
+        f"each held row's (out, in) block replaced by its best rank-{r} approximation L Rᵀ (truncated "
+        f"SVD), r·(out + in) numbers instead of out·in, in {len(names)} block(s)"
+        + (f"; exact in {len(kept)} block(s) with min(out, in) ≤ {r} or no matrix shape" if kept else "")
+        + "; scored against factored rows as Σ_t Σ_k (d_t·l_k)(a_t·r_k) (the ghost kernel with r "
+          "held positions) or materialized once (dense: out·in per row while scoring), per the kernel "
+          "decisions; ga.options(ghost='always') keeps them factored", label=repr(held.label))
+
+
+def _measured(node: GradNode) -> bool:
+    """Whether ``positions(node)`` are every layer's real T: known from the data's shape
+    (token ids, flat vectors), rows in memory, or measured (the plan's facts)."""
+    if positions_known(node) and not any(b.kind in CONV_KINDS for b in node.space.blocks):
+        return True
+    src = node.source
+    return isinstance(src, Captured) or (isinstance(src, Source) and forward_shapes(src).measured)
+
+
+def _fixed_kernel(inner: Inner, held_storage: str, known: bool, facts: Facts) -> tuple | None:
+    """``(chosen, alternatives, reason)`` of a factored block whose kernel is not a costed
+    choice: dense for a preconditioned product or flat held rows, "when run" while the
+    positions per example are unmeasured (an executor measures them and plans again)."""
+    if not isinstance(inner.op, Identity):
+        return ("dense", {"ghost": "unavailable", "dense": "the preconditioned held rows"},
+                "H·L_i of a preconditioned product is not a product of the factors of L_i: the held "
+                "rows are materialized once, preconditioned, and multiplied with each streamed chunk")
+    if held_storage != "factors":
+        return ("dense", {"ghost": "needs the held factors", "dense": "the flat held rows"},
+                "the held rows of this block are kept flat (see their storage decision)")
+    if facts.options.ghost == "auto" and not known and not facts.for_run:
+        return ("when run", {"ghost": "needs T", "dense": "needs T"},
+                "the positions per example (T) of this layer are not known from the data's shape: "
+                "an executor measures them (one meta-device forward) and decides before the run")
+    return None
+
+
+def _costed(held, streamed, b, TL: int, TR: int, known: bool, facts: Facts) -> tuple[str, dict, str]:
+    """``(chosen, {"ghost": s, "dense": s}, reason)``: both kernels priced by the
+    calibrated cost model on the device profile, as the scores job costs them."""
+    o, device, mode = facts.options, facts.device, facts.options.ghost
+    out_f, in_f = b.shape
+    costs = estimates.kernel_costs(held.n, streamed.n, o.batch_size, TL, TR, in_f, out_f, element_size(facts.dtype))
+    ghost, dense = (device.time_of(costs[k], facts.dtype) for k in ("ghost", "dense"))
+    if mode == "auto" and not known:
+        chosen = "dense"   # the forward could not be measured: dense grows linearly in T, ghost as T²
+        why = (f"T of this layer unknown (its model cannot run on the meta device; {TL}/{TR} "
+               "assumed): dense, whose cost grows linearly with T where ghost's grows as T²")
+    else:
+        chosen = "ghost" if (mode == "always" or (mode == "auto" and ghost <= dense)) else "dense"
+        why = (f"T={TL}/{TR}, in={in_f}, out={out_f}, {held.n}×{streamed.n} pairs in chunks of "
+               f"{min(o.batch_size, streamed.n)}: the faster by the device profile ({device.name})"
+               + ("" if mode == "auto" else f" (forced by ga.options(ghost={mode!r}))"))
+    why += (f"; in slices of at most {o.ghost_slice_elements:,} elements, pairs of blocks of {o.token_block} "
+            "positions" if chosen == "ghost" else
+            f"; streamed blocks of {_si(o.reuse_buffer_bytes)}B or more are materialized into one reused buffer")
+    return chosen, {"ghost": ghost, "dense": dense}, why
+
+
+def kernels(held: GradNode, streamed: GradNode, inner: Inner, facts: Facts) -> tuple[dict, list]:
+    """``({block: "ghost" | "dense" | "when run"}, decisions)`` of the scores ``inner``
+    holding ``held`` and streaming ``streamed``: dense where one side is flat."""
+    out, decisions, kept = {}, [], storage(held, facts)
+    P_h, P_s = positions(held), positions(streamed)
+    known = _measured(held) and _measured(streamed)
+    both = {b.name for b in _factored(held, facts)} & {b.name for b in _factored(streamed, facts)}
+    for b in held.space.blocks:
+        out[b.name] = "dense"
+        if b.name in both:
+            chosen = _fixed_kernel(inner, kept[b.name], known, facts) or \
+                _costed(held, streamed, b, P_h[b.name], P_s[b.name], known, facts)
+            out[b.name] = chosen[0]
+            decisions.append(Decision(DecisionKind.KERNEL, inner.token, *chosen, block=b.name, label=inner.label))
+    return out, decisions

@@ -1,0 +1,195 @@
+"""Stage 3 of planning, **decide**: ``decide(lowered, facts, choices)`` → :class:`JobGraph`,
+the jobs keyed by ``(kind, target token)``, each created once with its choices as fields
+(held side, storage and kernels: :mod:`gradalg.plan.blocks`; its kernels' ``ga.options``),
+their dependencies and the decisions. Per score ``Inner``: hold the side with the smaller
+footprint, collect it, stream the other; operators' statistics become jobs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..expr import GradNode, GroupMean, Identity, Inner, OpNode, ScoreDiagonal
+from .choices import Choices
+from .decisions import Decision, DecisionKind
+from .facts import Facts
+from .lower import ROW_WISE, STATISTICS_JOBS, Lowered, chain_ops, pass_key, stream_root
+from .jobs import CollectJob, DiagJob, GroupJob, Job, ScoresJob, TopKJob
+from .memory import projection_map_decisions, rows_bytes
+from .rules import PlanError
+from .blocks import as_captured, held_storage, kernels, low_rank_decision, storage, storage_decision
+
+__all__ = ["JobGraph", "decide", "kernel_fields"]
+
+
+@dataclass(frozen=True)
+class JobGraph:
+    """The jobs of a plan (insertion order), the keys of those that give its result,
+    the decisions made so far, and ``stream_deps``: ``{token: keys}`` of the jobs each
+    node of a streamed row-wise chain waits for."""
+
+    jobs: dict
+    roots: tuple
+    decisions: tuple
+    stream_deps: dict
+
+    def describe(self) -> str:
+        return "\n".join([j.describe() + (f"  after {sorted(k for k, _ in j.deps)}" if j.deps else "")
+                          for j in self.jobs.values()] + [f"decision: {d.title()}: {d.chosen}" for d in self.decisions])
+
+
+def kernel_fields(o) -> dict:
+    """The ``ga.options`` a job's kernels run under (token blocks, ghost slices, precision
+    of Kronecker factors): the executor reads them from the job."""
+    return dict(token_block=o.token_block, slice_elements=o.ghost_slice_elements,
+                kron_float64_width=o.kron_float64_width, kron_float32_rtol=o.kron_float32_rtol,
+                kron_diagonal_width=o.kron_diagonal_width, buffer_bytes=o.reuse_buffer_bytes)
+
+
+class _Graph:
+    """The jobs as they are added (local to one :func:`decide` call)."""
+
+    def __init__(self, facts: Facts, choices: Choices):
+        self.facts, self.choices, self.fields = facts, choices, kernel_fields(facts.options)
+        self.jobs: dict[tuple, Job] = {}
+        self.decisions: list[Decision] = []
+        self.deps: dict[str, frozenset] = {}
+
+    def add(self, job: Job) -> tuple:
+        if job.key not in self.jobs:
+            self.jobs[job.key] = replace(job, **self.fields)
+        return job.key
+
+    def stream_deps(self, node: GradNode) -> set:
+        deps = set()
+        for op in chain_ops(node):
+            deps |= self.op_deps(op)
+        root = stream_root(node)
+        if isinstance(root, GroupMean):
+            deps.add(self.add(GroupJob(root, (root.grads,), self.stream_deps(root.grads),
+                                       storage=storage(root, self.facts))))
+        self.deps[node.token] = frozenset(deps)
+        return deps
+
+    def op_deps(self, op: OpNode) -> set:
+        """The keys of the jobs that must finish before ``op`` resolves: one per statistic
+        it needs (``op.statistics()``), each after the jobs its rows need."""
+        out = set()
+        for statistic in op.statistics():
+            out |= self.statistic_deps(statistic)
+        return out
+
+    def statistic_deps(self, statistic) -> set:
+        """The job of one statistic (added), or for a statistic read when applied (no job),
+        the jobs its rows need."""
+        deps = self.stream_deps(statistic.rows)
+        for before in statistic.after:
+            deps |= self.statistic_deps(before)
+        if statistic.job is None:
+            return deps
+        if statistic.job not in STATISTICS_JOBS:
+            raise PlanError(f"{statistic.node.label} asks for a statistic of job kind {statistic.job!r}; the planner "
+                            f"has jobs {sorted(STATISTICS_JOBS)}: return one of those from its statistics(), or "
+                            "Statistic(None, node, rows) for rows it reads itself when applied")
+        job = STATISTICS_JOBS[statistic.job](statistic.node, (statistic.rows,), deps)
+        if job.key not in self.jobs:
+            self.decisions.extend(job.first_decisions(self.facts.options))
+        return {self.add(job)}
+
+    def held_side(self, node: Inner, hold: str | None) -> bool:
+        """Whether the right (training) side is held: the side with the smaller footprint,
+        or as ``hold`` / ``Choices(held=...)`` forces; a recorded decision."""
+        hold_left, hold_right = (rows_bytes(x, storage(x, self.facts), self.facts.dtype) for x in (node.left, node.right))
+        forced = self.choices.held if hold is None else hold
+        transposed = forced == "right" or (forced == "auto" and hold_right < hold_left)
+        why = ("hold the side with the smaller footprint and stream the other" if forced == "auto"
+               else f"forced by Choices(held={forced!r})" if hold is None
+               else "a term of a top-k over a sum: every term streams the training side")
+        self.decisions.append(Decision(
+            DecisionKind.HELD_SIDE, node.token, "right (training) rows" if transposed else "left (query) rows",
+            {"hold left": f"{hold_left / 2**20:.2f} MiB", "hold right": f"{hold_right / 2**20:.2f} MiB"},
+            why + "; H (symmetric) is applied once to the held rows"
+            + ("" if isinstance(node.op, Identity) else " (precondition the held side)"), label=node.label))
+        return transposed
+
+    def score_job(self, node: Inner, hold: str | None = None) -> ScoresJob:
+        """The scores job of one ``Inner`` (its held side's collect job added); ``hold``
+        forces the held side ("left"), else the planner (or ``Choices(held=...)``) picks it."""
+        transposed = self.held_side(node, hold)
+        held, streamed = (node.right, node.left) if transposed else (node.left, node.right)
+        chosen, decisions = kernels(held, streamed, node, self.facts)
+        kept = held_storage(held, chosen, node, self.facts)
+        self.decisions += [d for d in (*decisions, storage_decision(held, kept, DecisionKind.HELD_STORAGE, self.facts),
+                                       low_rank_decision(held, self.facts)) if d is not None]
+        if isinstance(held, GroupMean):
+            # its group job keeps the held rows (state.rows[held.token], in this storage):
+            # collecting them again would be a pass that copies them
+            ready = self.stream_deps(held)
+        else:
+            ready = {self.add(CollectJob(held, (held,), self.stream_deps(held), storage=kept))}
+        return ScoresJob(node, (streamed,), ready | self.op_deps(node.op) | self.stream_deps(streamed),
+                         held=held, transposed=transposed, held_storage=kept, kernels=chosen, **self.fields)
+
+    def topk_job(self, lowered: Lowered) -> list[tuple]:
+        """One :class:`TopKJob` for the whole score expression: its terms' score blocks are
+        summed per streamed chunk and merged into a running top-k. A sum's terms all hold
+        their query side and stream the training side in one pass (summed column blocks)."""
+        terms, node, spec = lowered.terms, lowered.root, lowered.topk
+        if len(terms) == 1 and terms[0][0] == 1.0:
+            jobs = [(1.0, self.score_job(terms[0][1]))]
+        else:
+            jobs = [(c, self.score_job(t, hold="left")) for c, t in terms]
+            keys = {pass_key(j.streams[0], (), self.facts) for _, j in jobs}
+            if len(keys) > 1:
+                raise PlanError(
+                    f"the top-k of {node.label} needs every term's training side streamed in one pass, but its "
+                    f"terms read {len(keys)} different (model, data) pairs: compute the scores into a store "
+                    "(S.compute(store='scores.zarr')) and rank that, or take each term's top-k separately")
+        streams = tuple({j.streams[0].token: j.streams[0] for _, j in jobs}.values())   # first of each token
+        deps = set().union(*(j.deps for _, j in jobs))
+        return [self.add(TopKJob(node, streams, deps, k=spec.k, largest=spec.largest, terms=tuple(jobs)))]
+
+    def diag_job(self, node, inner: Inner) -> tuple:
+        deps = self.op_deps(inner.op) | self.stream_deps(inner.left) | self.stream_deps(inner.right)
+        if inner.left == inner.right:
+            return self.add(DiagJob(node, (inner.left,), deps))
+        if pass_key(inner.left, (), self.facts) == pass_key(inner.right, (), self.facts):
+            return self.add(DiagJob(node, (inner.left, inner.right), deps))
+        deps.add(self.add(CollectJob(inner.left, (inner.left,), self.stream_deps(inner.left),
+                                     storage=as_captured(inner.left, self.facts))))
+        return self.add(DiagJob(node, (inner.right,), deps, held=inner.left))
+
+    def chains(self) -> None:
+        """``stream_deps`` of every node of every streamed row-wise chain (the schedule
+        stage asks which prefix of a chain can be stored)."""
+        for job in list(self.jobs.values()):
+            for x in job.streams:
+                while True:
+                    if x.token not in self.deps:
+                        self.stream_deps(x)
+                    if not isinstance(x, ROW_WISE):
+                        break
+                    x = x.grads
+
+
+def _roots(g: _Graph, lowered: Lowered) -> list:
+    root = lowered.root
+    if lowered.result == "topk":
+        return g.topk_job(lowered)
+    if lowered.result == "scores":
+        return [g.add(g.score_job(t)) for _, t in lowered.terms]
+    if lowered.result == "diag":
+        if len(lowered.terms) == 1 and lowered.terms[0][1] is root.scores:
+            return [g.diag_job(root, root.scores)]
+        return [g.diag_job(ScoreDiagonal(t), t) for _, t in lowered.terms]
+    if lowered.result == "rows":
+        return [g.add(CollectJob(root, (root,), g.stream_deps(root), storage=as_captured(root, g.facts)))]
+    return sorted(g.op_deps(root))
+
+
+def decide(lowered: Lowered, facts: Facts, choices: Choices | None = None) -> JobGraph:
+    """The :class:`JobGraph` of ``lowered`` under ``facts`` (``choices`` forces the held side)."""
+    g = _Graph(facts, choices or Choices())
+    roots = _roots(g, lowered)
+    g.decisions.extend(projection_map_decisions(lowered.root, facts.options))
+    g.chains()
+    return JobGraph(g.jobs, tuple(roots), tuple(g.decisions), g.deps)

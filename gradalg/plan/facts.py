@@ -1,0 +1,96 @@
+"""Stage 2 of planning, **facts**: ``facts(root, options, device, measure)`` → :class:`Facts`,
+what is known before any choice, read by the later stages and written by none: each
+layer's positions T_b per example (measured on ``meta`` when ``measure``: executors), the
+device profile, the dtype, and per node, once, its representation, task token and
+shared-forward key. Measurements are memoised by source token in the caller's ``memo``,
+never written onto a node: a display plans the same before and after a ``compute()``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+
+from ..capture.hooks import forward_share_key
+from ..expr import GradNode, Node, Source
+from ..expr.tokens import token_rows
+from ..options import Options
+from .cost import first_example_shape
+from .devices import DeviceProfile
+from .lower import CONV_KINDS
+from .shapes import ForwardShapes, measure_forward_shapes
+
+__all__ = ["Facts", "facts", "MEASURED", "positions_known"]
+
+#: ``{source token: ForwardShapes}`` measured by executors' plans (the 256 latest)
+MEASURED: dict = {}
+
+
+@dataclass(frozen=True)
+class Facts:
+    """Inputs of the decide, schedule and size stages, fixed before they run."""
+
+    options: Options
+    device: DeviceProfile
+    dtype: torch.dtype
+    for_run: bool                           # every layer's positions were measured (a run's plan)
+    shapes: Mapping[str, ForwardShapes]     # {source token: measured shapes}
+    representations: Mapping[str, Mapping]  # {node token: {block: representation}}
+    #: {id(task): (task, task.token)} and {source token: forward_share_key(source)}, each
+    #: read once when first asked (a model's fingerprint walks every tensor)
+    memo: dict = field(default_factory=lambda: {"tasks": {}, "shares": {}}, repr=False, compare=False)
+
+    def representation(self, node: GradNode) -> Mapping:
+        return self.representations.get(node.token) or node.representation
+
+    def task_token(self, src: Source) -> str:
+        tasks = self.memo["tasks"]
+        if tasks.get(id(src.task), (None,))[0] is not src.task:
+            tasks[id(src.task)] = (src.task, src.task.token)
+        return tasks[id(src.task)][1]
+
+    def share_key(self, src: Source):
+        shares = self.memo["shares"]
+        if src.token not in shares:
+            shares[src.token] = forward_share_key(src)
+        return shares[src.token]
+
+    def describe(self) -> str:
+        return "\n".join([f"device {self.device.name}, dtype {self.dtype}, "
+                          + ("measured for a run" if self.for_run else "not measured (shape hints)")]
+                         + [f"source {t[:12]}: positions {dict(s.positions)}, {s.activations:,} activations"
+                            for t, s in self.shapes.items()])
+
+
+def positions_known(node: GradNode) -> bool:
+    """Whether ``tokens_hint`` is every layer's T: the examples are token ids (T = their
+    length) or flat vectors (T = 1), or the rows are per token. Images and other inputs
+    give each layer its own T (a convolution's output positions), known when it runs."""
+    if token_rows(node) > 1:
+        return True
+    data = getattr(node.source, "data", None)
+    first = first_example_shape(data) if data is not None else None   # None: unreadable
+    return first is not None and len(first[0]) == 2
+
+
+def facts(root: Node, options: Options, device: DeviceProfile, measure: bool = False,
+          memo: dict | None = None) -> Facts:
+    """The :class:`Facts` of the simplified expression ``root``. ``measure``: one
+    meta-device forward per source whose positions the data's shape does not tell
+    (convolutions, non-token inputs), memoised in ``memo`` (default :data:`MEASURED`)."""
+    memo = MEASURED if memo is None else memo
+    shapes, reps, sources, dtype = {}, {}, set(), None
+    for node in root.walk():
+        if isinstance(node, GradNode) and node.token not in reps:
+            reps[node.token] = node.representation
+        if not isinstance(node, Source) or node.token in sources:
+            continue
+        sources.add(node.token)
+        dtype = dtype or next((p.dtype for p in node.task.model.parameters()), None)
+        if measure and (not positions_known(node) or any(b.kind in CONV_KINDS for b in node.space.blocks)):
+            if node.token not in memo and len(memo) >= 256:
+                memo.pop(next(iter(memo)))
+            memo[node.token] = memo.get(node.token) or measure_forward_shapes(node)
+            shapes[node.token] = memo[node.token]
+    return Facts(options, device, dtype or torch.float32, measure, shapes, reps)

@@ -1,0 +1,228 @@
+"""Stage 4 of planning, **schedule**: ``schedule(graph, facts, target, choices)`` →
+:class:`Schedule`, the job graph as ordered passes. A job runs once its dependencies have
+finished; ready jobs over the same (task, data) share a pass. Rows a later job needs after
+statistics from the same data are stored if that costs less than a second read (``STORE``).
+Per pass: where ``G.normalize()`` is normalized, and which preconditioned scores jobs
+release their raw held rows (new job records).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from ..expr import Identity, Normalize, Source
+from . import estimates
+from .choices import Choices
+from .cost import Cost, _si
+from .decide import JobGraph
+from .decisions import Decision, DecisionKind
+from .facts import Facts
+from .lower import ROW_WISE, chain_contains, pass_key, stream_root
+from .jobs import CollectJob, KFACJob, ScoresJob, StoreJob, TopKJob
+from .memory import rows_bytes
+from .rules import PlanError
+from .blocks import storage, storage_decision
+
+__all__ = ["Pass", "Schedule", "schedule", "store_cap"]
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One read of a dataset (or of rows kept in memory) feeding several jobs; the size
+    stage gives it a batch size, cost, seconds and bytes (a new record)."""
+
+    key: tuple
+    jobs: list
+    batch_size: int | None = None
+    cost: Cost = field(default_factory=Cost)
+    seconds: float = 0.0
+    per_example_bytes: float = 0.0
+    fixed_bytes: float = 0.0
+    note: str = ""
+
+    @property
+    def label(self) -> str:
+        if self.key[0] == "data":
+            return f"pass over {self.key[3]} ({self.key[4]:,} examples)"
+        return "pass over captured rows" if self.key[0] == "captured" else "pass over rows in memory"
+
+    @property
+    def reads_data(self) -> bool:
+        return self.key[0] == "data"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The passes in order (unsized), the tokens of rows stored for a later pass, the jobs
+    as scheduled (``{key: job}``) and every decision so far."""
+
+    passes: tuple
+    stored: frozenset
+    jobs: dict
+    decisions: tuple
+
+    def describe(self) -> str:
+        return "\n".join(f"{i + 1}. {p.label}: " + "; ".join(j.describe() for j in p.jobs)
+                         for i, p in enumerate(self.passes))
+
+
+def store_cap(options) -> str:
+    """The store cap as the plan shows it: ``ga.options(store_fraction=...)`` of the budget."""
+    return (f"{_si(options.store_fraction * options.memory_budget)}B "
+            f"(store_fraction={options.store_fraction:g} of the memory budget)")
+
+
+def _defer_held(ready: list, remaining: dict, done: set, stored: set, facts: Facts) -> list:
+    """Ready jobs to run in this wave, less the collections of held rows that can wait.
+
+    A held side collected in a pass of its own (no other ready job reads its data) is
+    collected in the last wave before its scores job can run: the rows are not carried
+    through the passes that build the preconditioner (EK-FAC's covariance and correction
+    passes would otherwise hold the query gradients)."""
+    keys = {j.key: pass_key(j.streams[0], stored, facts) for j in ready}
+    after = done | set(keys)
+
+    def waits(j) -> bool:
+        if not (isinstance(j, CollectJob) and len(ready) > 1 and list(keys.values()).count(keys[j.key]) == 1):
+            return False
+        consumers = [c for c in remaining.values() if j.key in c.deps]
+        return bool(consumers) and all(not (c.deps - {j.key}) <= after for c in consumers)
+    return [j for j in ready if not waits(j)] or ready
+
+
+def _store_or_recompute(node, remaining: dict, facts: Facts, choices: Choices) -> tuple[str, Decision, dict]:
+    """``(choice, decision, storage)``: store ``node``'s rows in this pass, or read the
+    data again, whichever costs less (writing and reading the rows once vs recapturing)."""
+    need = frozenset(node.space.names) if any(
+        isinstance(j, KFACJob) and any(chain_contains(s, node) for s in j.streams) for j in remaining.values()) \
+        else frozenset()   # a later K-FAC job reads the rows as factors (covariances of A and D)
+    kept = storage(node, facts, need)
+    size = rows_bytes(node, kept, facts.dtype)
+    src, o = stream_root(node), facts.options
+    recompute = estimates.capture_cost(src, o, facts.dtype).seconds(facts.device, facts.dtype) \
+        if isinstance(src, Source) else 0.0
+    fits = size <= o.store_fraction * o.memory_budget
+    keep = 2.0 * size / facts.device.bandwidth     # write the rows once, read them once
+    choice = "store" if fits and keep <= recompute else "recompute"
+    why = (f"fits under the store cap, {store_cap(o)}, and costs less than reading the data again"
+           if choice == "store" else f"would exceed the store cap, {store_cap(o)}" if not fits else
+           f"fits under the store cap, {store_cap(o)}, but moving the rows costs more than recapturing them")
+    if choices.store != "auto":
+        choice, why = "store" if choices.store == "always" else "recompute", f"forced by Choices(store={choices.store!r})"
+    return choice, Decision(
+        DecisionKind.STORE, node.token, choice,
+        {"store": keep if fits else f"{size / 2**20:.2f} MiB over the limit", "recompute": recompute},
+        "a later job needs these rows after statistics from the same pass; storing them " + why,
+        label=repr(node.label)), kept
+
+
+def _stores(key, group, remaining, done, stored, graph: JobGraph, facts, choices, decisions) -> list:
+    """Store jobs for rows that a later job on this same data will need, when cheaper than
+    re-reading (``stored`` gains their tokens). A later job whose rows depend on this
+    pass's statistics (a metric-normalized or preconditioned side) can still reuse the
+    part of its row-wise chain that does not: that prefix is stored, and the later pass
+    derives the rest from memory."""
+    if key[0] != "data":
+        return []
+    out, group_keys = [], {j.key for j in group}
+    for job in list(remaining.values()):
+        if job.key in group_keys or job.deps <= done:
+            continue
+        if isinstance(job, TopKJob) and len(job.streams) > 1:
+            # a pass over rows in memory reads one node: terms streaming several read the data again
+            decisions.append(Decision(
+                DecisionKind.STORE, job.target.token, "recompute",
+                {"store": "n/a: a pass over rows in memory reads one node", "recompute": "one pass over the data"},
+                f"the top-k's terms stream {len(job.streams)} different nodes, summed block by block: "
+                "they are read together from the data", label=f"the training sides of {job.target.label}"))
+            continue
+        for node in job.streams:
+            # the longest row-wise prefix computable now: for P(G).normalize(metric=H⁻¹)
+            # with H from this pass, the projected rows P(G) (RelatIF's training side)
+            while isinstance(node, ROW_WISE) and not graph.stream_deps[node.token] <= done:
+                node = node.grads
+            if node.token in stored or pass_key(node, stored, facts) != key \
+                    or not graph.stream_deps[node.token] <= done:
+                continue
+            choice, decision, kept = _store_or_recompute(node, remaining, facts, choices)
+            decisions.append(decision)
+            if choice == "store":
+                stored.add(node.token)
+                decisions += [d for d in [storage_decision(node, kept, DecisionKind.STORED_STORAGE, facts)] if d]
+                out.append(StoreJob(node, (node,), set(), storage=kept))
+    return out
+
+
+def _waves(graph: JobGraph, facts: Facts, choices: Choices, decisions: list) -> tuple[list, set]:
+    """``([(pass key, jobs)], stored tokens)``: the jobs grouped into passes, in order."""
+    remaining, done, stored, passes = dict(graph.jobs), set(), set(), []
+    for _ in range(4 * len(graph.jobs) + 4):
+        if not remaining:
+            break
+        ready = [j for j in remaining.values() if j.deps <= done]
+        if not ready:
+            raise PlanError(f"circular job dependencies among {sorted(remaining)}")
+        groups: dict[tuple, list] = {}
+        for j in _defer_held(ready, remaining, done, stored, facts):
+            groups.setdefault(pass_key(j.streams[0], stored, facts), []).append(j)
+        for key, group in groups.items():
+            passes.append((key, group + _stores(key, group, remaining, done, stored, graph, facts, choices,
+                                                decisions)))
+            for j in group:
+                remaining.pop(j.key, None)
+        done |= {j.key for g in groups.values() for j in g}
+    else:
+        raise PlanError("the scheduling stage did not converge")
+    return passes, stored
+
+
+def _normalized(job, key: tuple, decisions: list):
+    """``job`` with ``normalize_streamed`` decided for a streamed side ``G.normalize()``:
+    in the score kernel, each column divided by its row's norm (⟨h, g/‖g‖⟩ = ⟨h, g⟩/‖g‖,
+    the norm taken from rows the kernel reads anyway), when the pass reads G or something
+    below it; row-wise when the normalized rows themselves are kept in memory."""
+    if isinstance(job, TopKJob):
+        terms = tuple((c, _normalized(t, key, decisions)) for c, t in job.terms)
+        return job if all(a is b for (_, a), (_, b) in zip(terms, job.terms)) else replace(job, terms=terms)
+    s = job.streams[0] if isinstance(job, ScoresJob) and job.streams else None
+    if not (isinstance(s, Normalize) and s.op is None):
+        return job
+    inside = not (key[0] == "memory" and key[1] == s.token)
+    decisions.append(Decision(
+        DecisionKind.NORMALIZATION, s.token, "in the score kernel" if inside else "row-wise",
+        {"in the score kernel": "⟨h, g⟩/‖g‖ per column", "row-wise": "g/‖g‖ per row, then ⟨h, ·⟩"},
+        "the normalized rows are kept in memory: read as they are" if not inside else
+        "the pass reads the rows before normalization: each column is divided by its row's norm, "
+        "from the rows the kernel reads (ghost blocks by their factors)",
+        label=f"{s.label!r} in {job.target.label}"))
+    return replace(job, normalize_streamed=inside)
+
+
+def released(jobs, passes, target) -> set:
+    """Keys of the preconditioned scores jobs whose held rows nothing else reads (no other
+    job, not the job's own streamed side, no pass over rows kept in memory) and the plan
+    does not return: the run drops the raw rows once the preconditioned copy exists
+    (EK-FAC influence on GPT-2: the raw query gradients were 20 % of the peak)."""
+    jobs, out = list(jobs), set()
+    from_memory = {key[1] for key, _ in passes if key[0] == "memory"}
+    def reads(j, job, token) -> bool:
+        return not (isinstance(j, CollectJob) and j.target.token == token) and (
+            any(stream_root(s).token == token or s.token == token for s in j.streams)
+            or (j is not job and getattr(getattr(j, "held", None), "token", None) == token))
+    for job in jobs:
+        if isinstance(job, ScoresJob) and not isinstance(job.target.op, Identity) and job.held is not target \
+                and job.held.token not in from_memory and not any(reads(j, job, job.held.token) for j in jobs):
+            out.add(job.key)
+    return out
+
+
+def schedule(graph: JobGraph, facts: Facts, target, choices: Choices | None = None) -> Schedule:
+    """The :class:`Schedule` of ``graph`` (``target``: the simplified root, whose own held
+    rows a plan returns and so never releases)."""
+    decisions = list(graph.decisions)
+    waves, stored = _waves(graph, facts, choices or Choices(), decisions)
+    release = released(graph.jobs.values(), waves, target)
+    passes = [Pass(key, [replace(j, release_held=True) if j.key in release else j
+                         for j in (_normalized(j, key, decisions) for j in group)]) for key, group in waves]
+    jobs = {j.key: j for p in passes for j in p.jobs}
+    jobs = {k: jobs.get(k, j) for k, j in graph.jobs.items()}
+    return Schedule(tuple(passes), frozenset(stored), jobs, tuple(decisions))

@@ -1,0 +1,194 @@
+"""Stage 5 of planning, **size**: ``size(schedule, facts)`` → ``(passes, decisions)``, each
+pass a new record with its batch size (a ``BATCH_SIZE`` decision), bytes, cost and seconds,
+each job with its cost; memory over the budget is refused before anything runs. Batches are
+sized with a released held side counted twice (safe); a pass's bytes are what it leaves.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from torch.utils.data import DataLoader
+
+from ..errors import MemoryBudgetError
+from ..expr import Project, Source
+from ..expr.tokens import token_rows
+from ..options import CPU_BATCH_TOKENS
+from . import estimates
+from .cost import Cost, _si, tokens_hint
+from .decisions import Decision, DecisionKind
+from .facts import Facts
+from .lower import ROW_WISE, stream_root
+from .memory import capture_bytes_per_example
+from .jobs import StoreJob
+from .schedule import Pass, Schedule
+from .shapes import element_size
+from .blocks import as_captured, storage
+
+__all__ = ["size", "table_bytes"]
+
+
+def table_bytes(jobs) -> float:
+    """Bytes of the index tables of the sparse projections the jobs' streams apply (once each)."""
+    tables: dict[tuple, float] = {}
+    for job in jobs:
+        for x in job.streams:
+            while isinstance(x, ROW_WISE):
+                if isinstance(x, Project):
+                    for b in x.grads.space.blocks:
+                        tables[(x.projector, b.name, b.dim)] = estimates.sparse_table_bytes(x.projector, b)
+                x = x.grads
+    return sum(tables.values())
+
+
+def _sources(jobs) -> list[Source]:
+    roots = [stream_root(s) for j in jobs for s in j.streams]
+    return [r for i, r in enumerate(roots) if isinstance(r, Source) and r not in roots[:i]]
+
+
+def _batch_tokens(sources: list[Source], options) -> tuple[int, int, int | None]:
+    """``(batch_tokens, T, examples)``: the ``batch_tokens`` in force for the pass's
+    model (``ga.options``; None: :data:`~gradalg.options.CPU_BATCH_TOKENS` on the CPU,
+    no limit elsewhere), the positions T per example of its data (the first
+    example's) and the examples per batch that many positions allow,
+    ``max(1, ⌈batch_tokens / T⌉)`` (None: no limit)."""
+    tokens = options.batch_tokens
+    if tokens is None:
+        param = next(iter(sources[0].task.model.parameters()), None)
+        tokens = CPU_BATCH_TOKENS if param is None or param.device.type == "cpu" else 0
+    if not tokens:
+        return 0, 1, None
+    T = max(tokens_hint(s) for s in sources)
+    return tokens, T, max(1, -(-tokens // T))
+
+
+def _over_budget(message: str, needed: float) -> MemoryBudgetError:
+    err = MemoryBudgetError(message)
+    err.needed = needed     # what a batch of one example needs (refusal_note)
+    return err
+
+
+def _refuse(p: Pass, jobs, fixed: float, per_ex: float, budget: float, dtype) -> MemoryBudgetError:
+    """Held rows and statistics alone over the budget: refused before anything runs."""
+    parts = "".join(f" ({a})" for a in (j.bytes_arithmetic(dtype) for j in jobs) if a)
+    tables = table_bytes(jobs)
+    parts += f" (sparse projection tables {_si(tables)}B)" if tables else ""
+    return _over_budget(f"{p.label}: held rows and statistics take {_si(fixed)}B{parts}, over the memory budget "
+                        f"of {_si(budget)}B: use fewer queries per call, project the gradients (ga.proj.kron), "
+                        "or raise ga.options(memory_budget=...)", fixed + per_ex)
+
+
+def _batch_size(p: Pass, sources, fixed: float, per_ex: float, facts: Facts) -> tuple[int, str, Decision]:
+    """``(batch size, note, BATCH_SIZE decision)`` of a pass over data: the data's own
+    batch size, else the smallest of ``ga.options(batch_size)``, what fits the memory
+    budget beside ``fixed`` held bytes at ``per_ex`` bytes per example, and
+    ``batch_tokens`` over the positions per example."""
+    data, o = sources[0].data, facts.options
+    budget = o.memory_budget
+    if data.batch_size is not None or isinstance(data.source, DataLoader):
+        batch = data.batch_size or getattr(data.source, "batch_size", None)
+        return batch, "batch size fixed by the data", Decision(
+            DecisionKind.BATCH_SIZE, p.key, str(batch), {"the data's": str(batch), "ga.options": str(o.batch_size)},
+            "fixed by the data (a DataLoader, or ga.grads(..., batch_size=...))", label=p.label)
+    if budget - fixed < per_ex:  # not even a batch of one example fits next to the held rows
+        raise _over_budget(f"{p.label}: held rows and statistics take {_si(fixed)}B and one example's factors and "
+                           f"activations {_si(per_ex)}B, over the memory budget of {_si(budget)}B. Project the "
+                           "gradients (ga.proj.kron), use fewer queries per call, or raise "
+                           "ga.options(memory_budget=...)", fixed + per_ex)
+    fit = int((budget - fixed) // max(per_ex, 1.0))
+    tokens, T, by_tokens = _batch_tokens(sources, o)
+    batch = max(1, min(o.batch_size, fit, by_tokens or o.batch_size))
+    note = "" if batch >= o.batch_size else (
+        f"batch size {batch} (not {o.batch_size}) " + ("to stay under the memory budget" if batch == fit else
+                                                      f"of {T} positions each: {tokens} positions per batch "
+                                                      "(ga.options(batch_tokens))"))
+    alternatives = {"ga.options": str(o.batch_size), "largest under the budget": f"{fit:,}"}
+    if by_tokens:
+        alternatives[f"batch_tokens {tokens} / T {T}"] = f"{by_tokens:,}"
+    return batch, note, Decision(
+        DecisionKind.BATCH_SIZE, p.key, str(batch), alternatives,
+        f"the smallest: {_si(fixed)}B held and {_si(per_ex)}B per example under the memory budget of {_si(budget)}B"
+        + (f"; batches of {tokens} positions already run efficient GEMMs, and fewer examples keep "
+           "the activations small" if by_tokens and batch == by_tokens < fit else ""), label=p.label)
+
+
+class _Sizer:
+    """Sizes the passes of one schedule in order (local to one :func:`size` call): what an
+    earlier pass draws (dense projections) or resolves (operators) is not counted again;
+    rows in memory are read in the chunks they were stored in."""
+
+    def __init__(self, schedule: Schedule, facts: Facts):
+        self.schedule, self.facts = schedule, facts
+        self.drawn, self.resolved, self.stored_chunks = set(), set(), {}
+        self.decisions: list[Decision] = []
+
+    def layout(self, node, reads_data: bool) -> dict:
+        """``{block: "factors" | "flat"}`` of ``node``'s rows as a pass delivers them: as
+        collected (a pass over rows in memory), else as captured or Kronecker-projected."""
+        kept = None if reads_data else self.schedule.jobs.get(("collect", node.token))
+        return dict(kept.storage) if kept is not None and kept.storage else as_captured(node, self.facts)
+
+    def per_example_bytes(self, jobs, sources) -> float:
+        total, forwards, dtype = 0.0, set(), self.facts.dtype
+        for src in sources:   # sources sharing one forward per batch keep its activations once
+            key = self.facts.share_key(src)
+            total += capture_bytes_per_example(src, dtype, forward_shared=key is not None and key in forwards)
+            forwards.add(key)
+        return total + sum(job.per_example_bytes(dtype) for job in jobs)
+
+    def rowwise_cost(self, jobs, n: int, chunk, base: set, reads_data: bool) -> Cost:
+        """The row-wise transforms the pass derives from the rows it reads (``base``: their
+        tokens, when the pass reads rows in memory), each distinct one once."""
+        seen, cost = set(), Cost()
+        for job in jobs:
+            for s in job.streams:
+                # a normalization the score kernel applies: the sink is fed the rows below it
+                x = s.grads if getattr(job, "normalize_streamed", False) else s
+                while isinstance(x, ROW_WISE) and x.token not in base and x.token not in seen:
+                    seen.add(x.token)
+                    cost = cost + estimates.rowwise_cost(
+                        x, n * token_rows(x), chunk, self.layout(x.grads, reads_data),
+                        element_size(self.facts.dtype), self.facts.options, self.drawn, self.resolved)
+                    x = x.grads
+        return cost
+
+    def size_pass(self, p: Pass) -> Pass:
+        facts, dtype, o = self.facts, self.facts.dtype, self.facts.options
+        sizing = [replace(j, release_held=False) if getattr(j, "release_held", False) else j for j in p.jobs]
+        sources = _sources(p.jobs) if p.reads_data else []
+        per_ex = self.per_example_bytes(sizing, sources)
+        fixed = sum(job.fixed_bytes(dtype) for job in sizing) + table_bytes(sizing)
+        if fixed > o.memory_budget:
+            raise _refuse(p, sizing, fixed, per_ex, o.memory_budget, dtype)
+        batch, note, cost = None, "", Cost()
+        if p.reads_data:
+            batch, note, decision = _batch_size(p, sources, fixed, per_ex, facts)
+            self.decisions.append(decision)
+            cost = estimates.pass_capture_cost(sources, o, dtype, facts.share_key, batch)
+            n, chunk = sources[0].data.n, batch
+            self.stored_chunks.update({j.target.token: batch for j in p.jobs if isinstance(j, StoreJob)})
+        else:
+            n, chunk = p.jobs[0].streams[0].n, self.stored_chunks.get(p.key[1])
+        cost = cost + estimates.pass_overhead(len(p.jobs), n if p.reads_data else 0, per_ex, p.reads_data)
+        jobs = []
+        for job in p.jobs:
+            # rows streamed by the job: n·T for per-token rows (ga.GradientSet.per_token)
+            n_job = job.streams[0].n if job.streams and p.reads_data else n
+            job = replace(job, cost=job.stream_cost(n_job, chunk or o.batch_size, dtype,
+                                                    lambda node: self.layout(node, p.reads_data),
+                                                    lambda node: storage(node, facts), o, self.resolved))
+            jobs.append(job)
+            cost = cost + job.cost
+        cost = cost + self.rowwise_cost(jobs, n, chunk, set() if p.reads_data else {p.key[1]}, p.reads_data)
+        drop = sum(a.fixed_bytes(dtype) - b.fixed_bytes(dtype) for a, b in zip(sizing, jobs) if getattr(b, "release_held", False))
+        drop = drop if drop > 0 else 0.0
+        # one read of the data, however many sources are captured from each batch
+        cost = replace(cost, peak_bytes=fixed + per_ex * (batch or 1) - drop, passes=1.0 if p.reads_data else 0.0)
+        return replace(p, jobs=jobs, batch_size=batch, note=note, cost=cost, seconds=cost.seconds(facts.device, dtype),
+                       per_example_bytes=per_ex, fixed_bytes=fixed - drop)
+
+
+def size(schedule: Schedule, facts: Facts) -> tuple[tuple, tuple]:
+    """``(sized passes, decisions)`` of ``schedule`` under ``facts``."""
+    sizer = _Sizer(schedule, facts)
+    passes = tuple(sizer.size_pass(p) for p in schedule.passes)
+    return passes, schedule.decisions + tuple(sizer.decisions)
