@@ -477,11 +477,11 @@ def elementwise_cost(numbers: float, reads: float, writes: float, elem: int = 4)
 
 
 #: full-size ops of Adam's preconditioning per chunk, ``m / (√v + ε)`` with
-#: ``m = β₁ m₀ + (1 − β₁) g`` and ``v = β₂ v₀ + (1 − β₂) g²`` (``exec/rowwise.py``):
-#: (1 − β₁)g, + β₁m₀, (1 − β₂)g, ·g, + β₂v₀, √, + ε, ÷ — operands read, outputs written;
-#: the first op of each of m and v writes fresh memory, the other six write in place
-#: (``adam_block``: two buffers of the rows' size, block by block)
-ADAM_OPS = {"reads": 12, "writes": 8, "fresh": 2}
+#: ``m = β₁ m₀ + (1 − β₁) g`` and ``v = β₂ v₀ + (1 − β₂) g²``
+#: (:meth:`gradalg.expr.grads.AdamState.direction`, tiled): addcmul(β₂v₀, g, g),
+#: √, + ε, add(β₁m₀, g), ÷ — operands read, outputs written; only the result is fresh
+#: memory (v is one reused tile), one block at a time
+ADAM_OPS = {"reads": 9, "writes": 5, "fresh": 1}
 
 
 def _materialize_cost(node, c: int, layout: dict, elem: int) -> Cost:
@@ -561,7 +561,7 @@ class RowPrices:
         return Cost(flops=2.0 * c * d, bytes=float(self.elem) * c * d)
 
     def adam(self, src, c: int) -> Cost:
-        """:data:`ADAM_OPS` full-size elementwise ops on c rows, two into fresh memory
+        """:data:`ADAM_OPS` full-size elementwise ops on c rows, one into fresh memory
         (block by block: no concatenated row)."""
         d, elem = src.space.dim, self.elem
         return Cost(bytes=float(elem) * c * d * (ADAM_OPS["reads"] + ADAM_OPS["writes"]),
