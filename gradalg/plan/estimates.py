@@ -379,13 +379,15 @@ OPS_PER_SPARSE_BLOCK = 16
 
 
 #: An SJLT product's traffic, priced at the elementwise bandwidth: per non-zero and call,
-#: its row and sign read and the weights formed (:data:`SJLT_NONZERO_BYTES`), and per
-#: non-zero and example a weighted ``bincount`` step (:data:`SJLT_ROW_BYTES`).
-#: Calibrated on one CPU thread (2.36 M non-zeros, k = 2048, CPU seconds: 0.018 for 2
-#: examples, 0.061 for 8, 0.22 for 32; the old 4·elem·n bytes at the copy bandwidth gave
-#: a tenth of the CSR product's time, and TRAK's GPT-2-small pass 14× its estimate).
+#: its row and sign read and the signed bin index formed (:data:`SJLT_NONZERO_BYTES`), and
+#: per non-zero and example a weighted ``bincount`` step (:data:`SJLT_ROW_BYTES`).
+#: Calibrated on one CPU thread (2.36 M non-zeros, k = 2048, CPU seconds: 0.022 for 2
+#: examples, 0.042 for 8, 0.14 for 32 with the signs folded into the bins; 0.022, 0.059,
+#: 0.24 with the weights multiplied by the signs, which ``SJLT_ROW_BYTES`` = 28 priced; the
+#: old 4·elem·n bytes at the copy bandwidth gave a tenth of the CSR product's time, and
+#: TRAK's GPT-2-small pass 14× its estimate).
 SJLT_NONZERO_BYTES = 20.0
-SJLT_ROW_BYTES = 28.0
+SJLT_ROW_BYTES = 15.0
 
 #: Drawing an SJLT's tables once per process (the rows and signs:
 #: :mod:`gradalg.proj.sparse_tables`), in float64 random numbers per non-zero: measured
