@@ -169,8 +169,8 @@ def use_factors(use: LayerUse, A, g: torch.Tensor, token_mask: torch.Tensor | No
     if isinstance(F.A, torch.Tensor) and F.A.dtype != F.D.dtype:   # autocast: fp32 inputs, bf16 grads
         dtype = torch.promote_types(F.A.dtype, F.D.dtype)
         F = Factors(F.A.to(dtype), F.D.to(dtype))
-    if token_mask is not None and F.T == token_mask.shape[1]:
-        F = F.mask_tokens(token_mask)
+    if token_mask is not None and F.T == token_mask.shape[1] and not bool(token_mask.all()):
+        F = F.mask_tokens(token_mask)     # (a mask of all ones, no padding, changes nothing: two passes saved)
     if use.transpose:
         F = transpose_embedding(F)
     return F

@@ -379,13 +379,15 @@ OPS_PER_SPARSE_BLOCK = 16
 
 
 #: An SJLT product's traffic, priced at the elementwise bandwidth: per non-zero and call,
-#: its row and sign read and the weights formed (:data:`SJLT_NONZERO_BYTES`), and per
-#: non-zero and example a weighted ``bincount`` step (:data:`SJLT_ROW_BYTES`).
-#: Calibrated on one CPU thread (2.36 M non-zeros, k = 2048, CPU seconds: 0.018 for 2
-#: examples, 0.061 for 8, 0.22 for 32; the old 4·elem·n bytes at the copy bandwidth gave
-#: a tenth of the CSR product's time, and TRAK's GPT-2-small pass 14× its estimate).
+#: its row and sign read and the signed bin index formed (:data:`SJLT_NONZERO_BYTES`), and
+#: per non-zero and example a weighted ``bincount`` step (:data:`SJLT_ROW_BYTES`).
+#: Calibrated on one CPU thread (2.36 M non-zeros, k = 2048, CPU seconds: 0.022 for 2
+#: examples, 0.042 for 8, 0.14 for 32 with the signs folded into the bins; 0.022, 0.059,
+#: 0.24 with the weights multiplied by the signs, which ``SJLT_ROW_BYTES`` = 28 priced; the
+#: old 4·elem·n bytes at the copy bandwidth gave a tenth of the CSR product's time, and
+#: TRAK's GPT-2-small pass 14× its estimate).
 SJLT_NONZERO_BYTES = 20.0
-SJLT_ROW_BYTES = 28.0
+SJLT_ROW_BYTES = 15.0
 
 #: Drawing an SJLT's tables once per process (the rows and signs:
 #: :mod:`gradalg.proj.sparse_tables`), in float64 random numbers per non-zero: measured
@@ -477,11 +479,11 @@ def elementwise_cost(numbers: float, reads: float, writes: float, elem: int = 4)
 
 
 #: full-size ops of Adam's preconditioning per chunk, ``m / (√v + ε)`` with
-#: ``m = β₁ m₀ + (1 − β₁) g`` and ``v = β₂ v₀ + (1 − β₂) g²`` (``exec/rowwise.py``):
-#: (1 − β₁)g, + β₁m₀, (1 − β₂)g, ·g, + β₂v₀, √, + ε, ÷ — operands read, outputs written;
-#: the first op of each of m and v writes fresh memory, the other six write in place
-#: (``adam_block``: two buffers of the rows' size, block by block)
-ADAM_OPS = {"reads": 12, "writes": 8, "fresh": 2}
+#: ``m = β₁ m₀ + (1 − β₁) g`` and ``v = β₂ v₀ + (1 − β₂) g²``
+#: (:meth:`gradalg.expr.grads.AdamState.direction`, tiled): addcmul(β₂v₀, g, g),
+#: √, + ε, add(β₁m₀, g), ÷ — operands read, outputs written; only the result is fresh
+#: memory (v is one reused tile), one block at a time
+ADAM_OPS = {"reads": 9, "writes": 5, "fresh": 1}
 
 
 def _materialize_cost(node, c: int, layout: dict, elem: int) -> Cost:
@@ -561,7 +563,7 @@ class RowPrices:
         return Cost(flops=2.0 * c * d, bytes=float(self.elem) * c * d)
 
     def adam(self, src, c: int) -> Cost:
-        """:data:`ADAM_OPS` full-size elementwise ops on c rows, two into fresh memory
+        """:data:`ADAM_OPS` full-size elementwise ops on c rows, one into fresh memory
         (block by block: no concatenated row)."""
         d, elem = src.space.dim, self.elem
         return Cost(bytes=float(elem) * c * d * (ADAM_OPS["reads"] + ADAM_OPS["writes"]),

@@ -27,7 +27,8 @@ independent, so this *is* one (k, Σd) SJLT.
 Memory: an SJLT of d columns takes 5·d·s bytes (int32 rows, int8 signs), held in an
 LRU cache on the CPU and copied to the chunk's device at each use; the CPU kernel (a
 weighted ``bincount``, :func:`gradalg.proj.kernels.sjlt_bincount`) reads them as they
-are. Its CSR form (:meth:`SJLT.csr`, 8·d·s bytes more) is built only when asked for.
+are (forming a (d,) int32 signed bin index per call, dropped after it). Its CSR form
+(:meth:`SJLT.csr`, 8·d·s bytes more) is built only when asked for.
 Each pass that applies a table counts it in its held bytes
 (:func:`gradalg.plan.estimates.sparse_table_bytes`). That is small for
 ``grass`` and ``factgrass`` (d = mask size ≈ 4k) but of the order of the model for a
