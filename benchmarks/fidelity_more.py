@@ -40,12 +40,16 @@ full-data run (the last with its Adam state for TrackStar); MAGIC and SOURCE (a 
 run) and self-influence are listed, not run. LDS: ``ga.eval.lds(..., target="loss",
 resample="both")``, 95 % bootstrap over queries and subsets. Cost: the wall time of
 ``Scores.compute()`` over one plain forward + backward over the training set in batches of
-32 (the same process, right before). Rows go to ``build/fidelity/results-<setting>-k<K>.json``
+32 (the same process, right before); the scores, both times, are cached under
+``build/fidelity/scores-<key>/`` (``--scores-only`` computes them beside a ``--retrain-only``
+process, and the LDS is then computed from the cache). Rows go to ``build/fidelity/results-<setting>-k<K>.json``
 (``fidelity_lm``'s format; tables by ``benchmarks/fidelity_report.py``).
 
     PYTHONPATH=. OMP_NUM_THREADS=1 nice -n 10 python benchmarks/fidelity_more.py --settings llama,conv,seqcls
     ... --retrain-only           # only the ground truth (resumable)
+    ... --scores-only            # only the methods' scores (cached), beside a --retrain-only process
     ... --methods trak,logra     # rows whose method name is in the list
+    ... --n-subsets 24           # LDS on the first 24 subsets (the masks do not depend on the count)
 """
 from __future__ import annotations
 
@@ -404,7 +408,7 @@ def method_rows(s: Setting, model, snapshots):
     yield "relatif", _defaults("relatif", "damping"), lambda: m.relatif(task, tr, qu)
     yield "tracin", f"defaults, {len(tasks)} Adam checkpoints", lambda: m.tracin(tasks, lrs, tr, qu)
     yield "less", _defaults("less", "k") + f", {len(tasks)} Adam checkpoints", \
-        lambda: m.less(tasks, optimizers, lrs, tr, qu, np.arange(len(qu)))
+        lambda: m.less(tasks, optimizers, lrs, tr, qu, np.arange(s.n_query))
     yield "trackstar", _defaults("trackstar", "k", "relative_damping") + ", final Adam state", \
         lambda: m.trackstar(tasks[-1], tr, qu, optimizer=optimizers[-1])
 
@@ -419,39 +423,65 @@ def ground_truth(s: Setting, *, n_subsets=N_SUBSETS, seeds_per_subset=SEEDS_PER_
                            seeds_per_subset=seeds_per_subset)
 
 
-def run(s: Setting, *, only=None, recompute=False, n_subsets=N_SUBSETS, seeds_per_subset=SEEDS_PER_SUBSET,
-        progress=False, retrain_only=False) -> list:
-    torch.set_num_threads(1)
+def cached_scores(s: Setting, method: str, config: str, thunk, base: float):
+    """(values (n_query, n_train), seconds, base): the scores of one row, computed once and
+    kept in ``build/fidelity/scores-<key>/`` with the wall time of ``compute()`` and the
+    forward + backward time measured beside it, so that the ground truth and the scores can
+    be computed in separate (resumable) processes."""
+    path = BUILD / f"scores-{s.key}" / (re.sub(r"[^\w.=-]+", "_", f"{method}-{config}").strip("_") + ".npz")
+    if path.exists():
+        cached = np.load(path)
+        return cached["values"], float(cached["seconds"]), float(cached["base"])
+    scores = thunk()
     t0 = time.perf_counter()
-    truth = ground_truth(s, n_subsets=n_subsets, seeds_per_subset=seeds_per_subset, progress=progress)
-    truth_seconds = time.perf_counter() - t0
-    reliability = ga.eval.reliability(truth) if seeds_per_subset > 1 else None
+    values = np.asarray(scores.compute().values)
+    seconds = time.perf_counter() - t0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, values=values, seconds=seconds, base=base)
+    tmp.replace(path)
+    return values, seconds, base
+
+
+def run(s: Setting, *, only=None, recompute=False, n_subsets=N_SUBSETS, seeds_per_subset=SEEDS_PER_SUBSET,
+        progress=False, retrain_only=False, scores_only=False) -> list:
+    """The ground truth (unless ``scores_only``), then every row of ``method_rows`` (unless
+    ``retrain_only``): its scores (cached), LDS and cost, written to the results file."""
+    import xarray as xr
+    torch.set_num_threads(1)
     label = s.name + (f"-k{seeds_per_subset}" if seeds_per_subset > 1 else "")
-    print(f"[{label}] {s.description}; ground truth {n_subsets} subsets × {seeds_per_subset} run(s) ready in "
-          f"{truth_seconds:.0f} s", flush=True)
-    if reliability is not None:
-        print(f"  {reliability!r}", flush=True)
+    truth = reliability = None
+    if not scores_only:
+        t0 = time.perf_counter()
+        truth = ground_truth(s, n_subsets=n_subsets, seeds_per_subset=seeds_per_subset, progress=progress)
+        reliability = ga.eval.reliability(truth) if seeds_per_subset > 1 else None
+        print(f"[{label}] {s.description}; ground truth {n_subsets} subsets × {seeds_per_subset} run(s) ready "
+              f"in {time.perf_counter() - t0:.0f} s", flush=True)
+        if reliability is not None:
+            print(f"  {reliability!r}", flush=True)
     if retrain_only:
         return []
     model, snapshots = s.train_model(checkpoints=CHECKPOINTS)
     base = s.fwd_bwd_seconds(model)
     print(f"  plain forward+backward over the training set: {base:.3f} s", flush=True)
     out = BUILD / f"results-{label}.json"
-    done = set() if recompute else {(r["method"], r["config"]) for r in _read(out)}
-    header = _header(s, label, n_subsets, seeds_per_subset, reliability, base)
+    done = set() if recompute or scores_only else {(r["method"], r["config"]) for r in _read(out)}
+    header = None if scores_only else _header(s, label, n_subsets, seeds_per_subset, reliability, base)
     rows = []
     for method, config, thunk in method_rows(s, model, snapshots):
         if (only and method not in only) or (method, config) in done:
             continue
         row = {"setting": label, "method": method, "config": config}
         try:
-            scores = thunk()
-            t1 = time.perf_counter()
-            values = scores.compute()                            # (n_query, n_train)
-            row["seconds"] = time.perf_counter() - t1
-            row["cost"] = row["seconds"] / base
-            if not np.isfinite(values.values).all():
+            values, row["seconds"], row_base = cached_scores(s, method, config, thunk, base)
+            row["cost"] = row["seconds"] / row_base
+            if not np.isfinite(values).all():
                 raise ValueError("non-finite scores")
+            if scores_only:
+                print(f"  {method:10s} {config:44s} scores in {row['seconds']:6.2f} s ({row['cost']:.0f}× fwd+bwd)",
+                      flush=True)
+                continue
+            values = xr.DataArray(values, dims=("query", "train"), name=method)       # (n_query, n_train)
             result = ga.eval.lds(values, truth, target="loss", bootstrap=1000, resample="both")
             row.update(lds=result.mean, low=result.interval[0], high=result.interval[1])
             print(f"  {method:10s} {config:44s} LDS {row['lds']:6.3f} [{row['low']:.3f}, {row['high']:.3f}]"
@@ -459,11 +489,13 @@ def run(s: Setting, *, only=None, recompute=False, n_subsets=N_SUBSETS, seeds_pe
         except Exception as exc:  # noqa: BLE001 - reported, not fatal
             row["skipped"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:160]
             print(f"  {method:10s} {config:44s} skipped: {row['skipped']}", flush=True)
-        rows.append(row)
-        _write(out, header, row)                                # an interrupted run keeps its rows
-    for method, reason in NOT_RUN.items():
-        if not only or method in only:
-            _write(out, header, {"setting": label, "method": method, "config": "", "skipped": reason})
+        if not scores_only:
+            rows.append(row)
+            _write(out, header, row)                            # an interrupted run keeps its rows
+    if not scores_only:
+        for method, reason in NOT_RUN.items():
+            if not only or method in only:
+                _write(out, header, {"setting": label, "method": method, "config": "", "skipped": reason})
     return rows
 
 
@@ -509,6 +541,8 @@ def main(argv=None):
     ap.add_argument("--n-subsets", type=int, default=N_SUBSETS)
     ap.add_argument("--seeds-per-subset", type=int, default=SEEDS_PER_SUBSET)
     ap.add_argument("--retrain-only", action="store_true")
+    ap.add_argument("--scores-only", action="store_true", help="only the methods' scores (cached; no ground "
+                    "truth): to run beside a --retrain-only process")
     ap.add_argument("--recompute", action="store_true", help="rerun rows already in the results file")
     ap.add_argument("--progress", action="store_true")
     args = ap.parse_args(argv)
@@ -517,7 +551,8 @@ def main(argv=None):
     only = set(args.methods.split(",")) if args.methods else None
     for name in args.settings.split(","):
         run(SETTINGS[name](), only=only, recompute=args.recompute, n_subsets=args.n_subsets,
-            seeds_per_subset=args.seeds_per_subset, progress=args.progress, retrain_only=args.retrain_only)
+            seeds_per_subset=args.seeds_per_subset, progress=args.progress, retrain_only=args.retrain_only,
+            scores_only=args.scores_only)
 
 
 if __name__ == "__main__":
