@@ -50,6 +50,7 @@ process, and the LDS is then computed from the cache). Rows go to ``build/fideli
     ... --scores-only            # only the methods' scores (cached), beside a --retrain-only process
     ... --methods trak,logra     # rows whose method name is in the list
     ... --n-subsets 24           # LDS on the first 24 subsets (the masks do not depend on the count)
+    ... --cached-only            # LDS rows from the scores cached so far (no training, no scoring)
 """
 from __future__ import annotations
 
@@ -423,12 +424,16 @@ def ground_truth(s: Setting, *, n_subsets=N_SUBSETS, seeds_per_subset=SEEDS_PER_
                            seeds_per_subset=seeds_per_subset)
 
 
+def scores_path(s: Setting, method: str, config: str) -> Path:
+    return BUILD / f"scores-{s.key}" / (re.sub(r"[^\w.=-]+", "_", f"{method}-{config}").strip("_") + ".npz")
+
+
 def cached_scores(s: Setting, method: str, config: str, thunk, base: float):
     """(values (n_query, n_train), seconds, base): the scores of one row, computed once and
     kept in ``build/fidelity/scores-<key>/`` with the wall time of ``compute()`` and the
     forward + backward time measured beside it, so that the ground truth and the scores can
     be computed in separate (resumable) processes."""
-    path = BUILD / f"scores-{s.key}" / (re.sub(r"[^\w.=-]+", "_", f"{method}-{config}").strip("_") + ".npz")
+    path = scores_path(s, method, config)
     if path.exists():
         cached = np.load(path)
         return cached["values"], float(cached["seconds"]), float(cached["base"])
@@ -444,7 +449,7 @@ def cached_scores(s: Setting, method: str, config: str, thunk, base: float):
 
 
 def run(s: Setting, *, only=None, recompute=False, n_subsets=N_SUBSETS, seeds_per_subset=SEEDS_PER_SUBSET,
-        progress=False, retrain_only=False, scores_only=False) -> list:
+        progress=False, retrain_only=False, scores_only=False, cached_only=False) -> list:
     """The ground truth (unless ``scores_only``), then every row of ``method_rows`` (unless
     ``retrain_only``): its scores (cached), LDS and cost, written to the results file."""
     import xarray as xr
@@ -461,9 +466,14 @@ def run(s: Setting, *, only=None, recompute=False, n_subsets=N_SUBSETS, seeds_pe
             print(f"  {reliability!r}", flush=True)
     if retrain_only:
         return []
-    model, snapshots = s.train_model(checkpoints=CHECKPOINTS)
-    base = s.fwd_bwd_seconds(model)
-    print(f"  plain forward+backward over the training set: {base:.3f} s", flush=True)
+    if cached_only:          # rows from cached scores only: the thunks are never called, no training
+        model = s.new_model(TRAINING_SEED)
+        snapshots = [(model, torch.optim.Adam(model.parameters()))] * CHECKPOINTS
+        base = float("nan")
+    else:
+        model, snapshots = s.train_model(checkpoints=CHECKPOINTS)
+        base = s.fwd_bwd_seconds(model)
+        print(f"  plain forward+backward over the training set: {base:.3f} s", flush=True)
     out = BUILD / f"results-{label}.json"
     done = set() if recompute or scores_only else {(r["method"], r["config"]) for r in _read(out)}
     header = None if scores_only else _header(s, label, n_subsets, seeds_per_subset, reliability, base)
@@ -471,9 +481,14 @@ def run(s: Setting, *, only=None, recompute=False, n_subsets=N_SUBSETS, seeds_pe
     for method, config, thunk in method_rows(s, model, snapshots):
         if (only and method not in only) or (method, config) in done:
             continue
+        if cached_only and not scores_path(s, method, config).exists():
+            print(f"  {method:10s} {config:44s} no cached scores", flush=True)
+            continue
         row = {"setting": label, "method": method, "config": config}
         try:
             values, row["seconds"], row_base = cached_scores(s, method, config, thunk, base)
+            if header is not None and not np.isfinite(header["fwd_bwd_seconds"]):
+                header["fwd_bwd_seconds"] = row_base
             row["cost"] = row["seconds"] / row_base
             if not np.isfinite(values).all():
                 raise ValueError("non-finite scores")
@@ -543,6 +558,8 @@ def main(argv=None):
     ap.add_argument("--retrain-only", action="store_true")
     ap.add_argument("--scores-only", action="store_true", help="only the methods' scores (cached; no ground "
                     "truth): to run beside a --retrain-only process")
+    ap.add_argument("--cached-only", action="store_true", help="rows from the cached scores only (no "
+                    "training, no scoring): the LDS of what --scores-only has computed so far")
     ap.add_argument("--recompute", action="store_true", help="rerun rows already in the results file")
     ap.add_argument("--progress", action="store_true")
     args = ap.parse_args(argv)
@@ -552,7 +569,7 @@ def main(argv=None):
     for name in args.settings.split(","):
         run(SETTINGS[name](), only=only, recompute=args.recompute, n_subsets=args.n_subsets,
             seeds_per_subset=args.seeds_per_subset, progress=args.progress, retrain_only=args.retrain_only,
-            scores_only=args.scores_only)
+            scores_only=args.scores_only, cached_only=args.cached_only)
 
 
 if __name__ == "__main__":
