@@ -51,6 +51,7 @@ process, and the LDS is then computed from the cache). Rows go to ``build/fideli
     ... --methods trak,logra     # rows whose method name is in the list
     ... --n-subsets 24           # LDS on the first 24 subsets (the masks do not depend on the count)
     ... --cached-only            # LDS rows from the scores cached so far (no training, no scoring)
+    ... --summary                # one table: each row's LDS on every setting, worst and mean
 """
 from __future__ import annotations
 
@@ -549,6 +550,24 @@ def _write(out: Path, header: dict, row: dict) -> None:
     tmp.replace(out)
 
 
+def summary(labels=("llama-k3", "conv-k3", "seqcls-k3")) -> str:
+    """The rows present in every results file, one column of LDS per setting, with the
+    worst and the mean over the settings; sorted by the worst, best first (markdown)."""
+    lds = {}
+    for label in labels:
+        for r in _read(BUILD / f"results-{label}.json"):
+            if "lds" in r:
+                lds.setdefault((r["method"], r["config"]), {})[label] = r["lds"]
+    rows = sorted(((min(v.values()), key, [v[x] for x in labels]) for key, v in lds.items() if len(v) == len(labels)),
+                  key=lambda t: -t[0])
+    head = "| method, configuration | " + " | ".join(f"`{x.removesuffix('-k3')}`" for x in labels) + " | worst | mean |"
+    lines = [head, "|---|" + "---:|" * (len(labels) + 2)]
+    for worst, (method, config), values in rows:
+        lines.append(f"| {method}, {config} | " + " | ".join(f"{x:.3f}" for x in values)
+                     + f" | {worst:.3f} | {sum(values) / len(values):.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--settings", default="llama,conv,seqcls")
@@ -562,7 +581,12 @@ def main(argv=None):
                     "training, no scoring): the LDS of what --scores-only has computed so far")
     ap.add_argument("--recompute", action="store_true", help="rerun rows already in the results file")
     ap.add_argument("--progress", action="store_true")
+    ap.add_argument("--summary", action="store_true", help="print the table of every setting's LDS per row "
+                    "(from the results files) and stop")
     args = ap.parse_args(argv)
+    if args.summary:
+        print(summary(tuple(f"{n}-k{args.seeds_per_subset}" for n in args.settings.split(","))))
+        return
     torch.set_num_threads(1)
     ga.options(progress=False)
     only = set(args.methods.split(",")) if args.methods else None
