@@ -42,8 +42,10 @@ resample="both")``, 95 % bootstrap over queries and subsets. Cost: the wall time
 ``Scores.compute()`` over one plain forward + backward over the training set in batches of
 32 (the same process, right before); the scores, both times, are cached under
 ``build/fidelity/scores-<key>/`` (``--scores-only`` computes them beside a ``--retrain-only``
-process, and the LDS is then computed from the cache). Rows go to ``build/fidelity/results-<setting>-k<K>.json``
-(``fidelity_lm``'s format; tables by ``benchmarks/fidelity_report.py``).
+process, and the LDS is then computed from the cache; the cache does not see a change to
+gradalg: ``--recompute`` computes the scores afresh). Rows go to
+``build/fidelity/results-<setting>-k<K>.json`` (``fidelity_lm``'s format; tables by
+``benchmarks/fidelity_report.py``).
 
     PYTHONPATH=. OMP_NUM_THREADS=1 nice -n 10 python benchmarks/fidelity_more.py --settings llama,conv,seqcls
     ... --retrain-only           # only the ground truth (resumable)
@@ -335,7 +337,8 @@ class SeqCls(Setting):
         under ``build/fidelity/``): every fine-tuning run starts from them."""
         if self._pretrained is not None:
             return self._pretrained
-        path = BUILD / f"pretrained-seqcls-d{self.hidden}-L{self.layers}-p{self.pretrain_steps}m{self.pretrain_modules}.pt"
+        path = BUILD / (f"pretrained-seqcls-d{self.hidden}-L{self.layers}-p{self.pretrain_steps}"
+                        f"m{self.pretrain_modules}.pt")
         if self.cache and path.exists():
             self._pretrained = torch.load(path)
             return self._pretrained
@@ -429,13 +432,15 @@ def scores_path(s: Setting, method: str, config: str) -> Path:
     return BUILD / f"scores-{s.key}" / (re.sub(r"[^\w.=-]+", "_", f"{method}-{config}").strip("_") + ".npz")
 
 
-def cached_scores(s: Setting, method: str, config: str, thunk, base: float):
+def cached_scores(s: Setting, method: str, config: str, thunk, base: float, refresh: bool = False):
     """(values (n_query, n_train), seconds, base): the scores of one row, computed once and
     kept in ``build/fidelity/scores-<key>/`` with the wall time of ``compute()`` and the
     forward + backward time measured beside it, so that the ground truth and the scores can
-    be computed in separate (resumable) processes."""
+    be computed in separate (resumable) processes. The cache is keyed by the setting and
+    the row's label, not by gradalg's code: after a method or a default changes, rerun with
+    ``--recompute`` (``refresh``), which computes the scores afresh."""
     path = scores_path(s, method, config)
-    if path.exists():
+    if path.exists() and not refresh:
         cached = np.load(path)
         return cached["values"], float(cached["seconds"]), float(cached["base"])
     scores = thunk()
@@ -487,7 +492,8 @@ def run(s: Setting, *, only=None, recompute=False, n_subsets=N_SUBSETS, seeds_pe
             continue
         row = {"setting": label, "method": method, "config": config}
         try:
-            values, row["seconds"], row_base = cached_scores(s, method, config, thunk, base)
+            values, row["seconds"], row_base = cached_scores(s, method, config, thunk, base,
+                                                             refresh=recompute and not cached_only)
             if header is not None and not np.isfinite(header["fwd_bwd_seconds"]):
                 header["fwd_bwd_seconds"] = row_base
             row["cost"] = row["seconds"] / row_base
@@ -579,7 +585,8 @@ def main(argv=None):
                     "truth): to run beside a --retrain-only process")
     ap.add_argument("--cached-only", action="store_true", help="rows from the cached scores only (no "
                     "training, no scoring): the LDS of what --scores-only has computed so far")
-    ap.add_argument("--recompute", action="store_true", help="rerun rows already in the results file")
+    ap.add_argument("--recompute", action="store_true", help="rerun rows already in the results file, "
+                    "their scores computed afresh (with --cached-only: from the cached scores)")
     ap.add_argument("--progress", action="store_true")
     ap.add_argument("--summary", action="store_true", help="print the table of every setting's LDS per row "
                     "(from the results files) and stop")
