@@ -23,7 +23,7 @@ from __future__ import annotations
 from ..proj import factgrass as factgrass_projector, grass as grass_projector
 from ..api import Scores, fisher, grads
 from ..task import Task
-from .influence import gauss_newton_objective
+from .influence import auto_note, damping_rule, gauss_newton_objective
 from .registry import method
 
 
@@ -53,5 +53,9 @@ def grass(task: Task, train, queries, *, layers=None, k: int = 256, seed: int = 
     G, Q = P(grads(task, train, layers)), P(grads(task, queries, layers))
     C = P(grads(task, train, layers, objective=gauss_newton_objective(task), seed=seed))
     H = fisher(C, structure="block")
-    H = H.damp(relative_damping, relative=True) if damping is None else H.damp(damping)
+    rule = damping_rule(damping, "block")
+    if rule is not None:
+        H = H.damp(rule, note=auto_note(damping, rule))
+    else:
+        H = H.damp(relative_damping, relative=True) if damping is None else H.damp(damping)
     return Q @ H.inv() @ G.T

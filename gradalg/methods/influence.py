@@ -87,6 +87,7 @@ import torch
 from ..api import (Operator, Scores, arnoldi, datainf, diagonal, fisher, gauss_newton, grads, hessian, kfac)
 from ..errors import OptionError
 from ..expr.projection import Projector, check_projector
+from ..linalg.autodamp import DampingRule
 from ..linalg.labels import form_of
 from ..objective import DecayTerm, ObjectiveError, training_objective
 from ..options import get_options
@@ -101,6 +102,30 @@ SOLVERS = ("direct", "cg", "lissa", "arnoldi")
 #: (the old absolute 1e-3: Gauss-Newton 0.818, EK-FAC 0.713, K-FAC 0.722).
 RELATIVE_DAMPING = {"gauss_newton": 1.0, "empirical": 1.0, "kfac": 0.1, "ekfac": 0.1}
 ABSOLUTE_DAMPING = 1e-3   # default λ where H's spectrum is not at hand (CG, LiSSA, Arnoldi, DataInf)
+#: ``damping="auto"``: the rule per form of H (:mod:`gradalg.linalg.autodamp`; λ_b from each
+#: block's own spectrum, no ground truth), chosen by LDS across the four fidelity settings
+#: (benchmarks/auto_damping.py, docs/fidelity.md "Automatic damping")
+AUTO_DAMPING = {"dense": DampingRule("mass", 0.99), "block": DampingRule("mass", 0.99),
+                "diagonal": DampingRule("mass", 0.99), "kronecker": DampingRule("mass", 0.9)}
+
+
+def damping_rule(damping, form: str = "dense"):
+    """The :class:`~gradalg.linalg.autodamp.DampingRule` ``damping`` asks for (``"auto"``: the
+    rule of H's form, :data:`AUTO_DAMPING`; a DampingRule: itself), or None for a number / None."""
+    if isinstance(damping, DampingRule):
+        return damping
+    if isinstance(damping, str):
+        if damping != "auto":
+            raise OptionError(f"damping must be a number ≥ 0, None, 'auto' or a ga.linalg.DampingRule, got "
+                              f"{damping!r}: e.g. damping='auto' or damping=ga.linalg.DampingRule('mass', 0.99)")
+        return AUTO_DAMPING.get(form, AUTO_DAMPING["dense"])
+    return None
+
+
+def auto_note(damping, rule) -> str:
+    """The plan's provenance of an automatic λ: which rule, given or by ``damping='auto'``."""
+    how = "damping='auto'" if isinstance(damping, str) else "damping=DampingRule (given)"
+    return f"{how}: {rule.describe()}, from H's own spectrum"
 
 
 def check_kron_subsets(curvature: str, covariance_max_examples, lambda_max_examples) -> None:
@@ -195,7 +220,13 @@ def damped(H: Operator, *, damping: float | None, relative_damping: float, expli
     exact_diagonal : a per-coordinate decay can be added to H exactly (not K-FAC / DataInf).
     """
     suffix = f"; {why}" if why else ""
-    if damping is not None:
+    rule = damping_rule(damping, form_of(H.expr.labels().labels) if explicit else "implicit")
+    if rule is not None:
+        if not explicit:
+            raise OptionError(f"damping={damping!r} chooses λ from the spectrum of H, which {what} does not have "
+                              f"(products only or low-rank): pass an absolute damping=λ, e.g. {ABSOLUTE_DAMPING:g}")
+        H = H.damp(rule, note=auto_note(damping, rule) + suffix)
+    elif damping is not None:
         H = H.damp(damping, note="damping (given)" + suffix)
     elif explicit:
         H = H.damp(relative_damping, relative=True, note=f"default: {relative_damping:g} × mean eigenvalue" + suffix)
@@ -410,6 +441,9 @@ def curvature_operator(task: Task, data, *, curvature="auto", solver: str = "dir
         G = train_grads if train_grads is not None else P(grads(task, data, layers))
         if decay is not None and not decay.uniform:
             _refuse_nonuniform(decay, projector is None, False, "DataInf (one λ per layer)")
+        if damping_rule(damping) is not None:
+            raise OptionError(f"damping={damping!r}: DataInf's inverse is closed-form, with no spectrum to read; "
+                              f"pass an absolute damping=λ (default {ABSOLUTE_DAMPING:g})")
         lam = ABSOLUTE_DAMPING if damping is None else damping
         return datainf(G, lam + (decay.value if decay is not None else 0.0))
     if solver != "direct" and solver not in entry.solvers:

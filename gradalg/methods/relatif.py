@@ -11,7 +11,7 @@ from __future__ import annotations
 from ..api import Operator, Scores, grads
 from ..expr.projection import Projector, check_projector
 from ..task import Task
-from .influence import curvature_operator
+from .influence import curvature_operator, damping_rule
 from .registry import method
 
 
@@ -34,7 +34,9 @@ def relatif(task: Task, train, queries, *, layers=None, projector: Projector | N
         G, Q = check_projector(projector)(G), projector(Q)
     named = {} if isinstance(curvature, Operator) else {"seed": seed}
     Hinv = curvature_operator(task, train, layers=layers, projector=projector, curvature=curvature,
-                              solver=solver, damping=damping + weight_decay,
+                              solver=solver,
+                              **({"damping": damping, "weight_decay": weight_decay or None}
+                                 if damping_rule(damping) is not None else {"damping": damping + weight_decay}),
                               covariance_max_examples=covariance_max_examples,
                               lambda_max_examples=lambda_max_examples, **named)
     return Q @ Hinv @ G.normalize(metric=Hinv).T

@@ -62,6 +62,7 @@ from ..api import Scores, diagonal, fisher, grads
 from ..expr.projection import Projector, check_projector
 from ..objective import training_objective
 from ..task import Task
+from .influence import auto_note, damping_rule
 from .registry import method
 from .trak import default_projector
 from ..errors import OptionError
@@ -144,7 +145,13 @@ def trackstar(task: Task, train, queries, *, optimizer, layers=None, k: int = 40
             mix = mixing_coefficient(torch.linalg.eigvalsh(R.to_dense().double()),
                                      torch.linalg.eigvalsh(R_task.to_dense().double()), downweight_components)
         R = (1.0 - mix) * R + mix * R_task
-    R = R.damp(damping, note="damping (given)") if damping is not None else R.damp(
+    rule = damping_rule(damping)
+    if rule is not None:
+        R = R.damp(rule, note=auto_note(damping, rule))
+    elif damping is not None:
+        R = R.damp(damping, note="damping (given)")
+    else:
+        R = R.damp(
         relative_damping, relative=True, note=f"default: {relative_damping:g} × mean eigenvalue")
     W = R.pow(-0.5)                                                    # R^{-1/2}
     return (phi @ W).normalize() @ (Phi @ W).normalize().T

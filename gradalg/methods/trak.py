@@ -23,6 +23,7 @@ from typing import Sequence
 from ..api import Scores, fisher, grads, mean_scores, row_weights
 from ..expr.projection import Projector, dense_or_sparse, check_projector
 from ..task import Task
+from .influence import auto_note, damping_rule
 from .registry import method
 from ..errors import OptionError
 
@@ -93,7 +94,10 @@ def trak(tasks: Task | Sequence[Task], train, queries, *, layers=None, projector
         phi = P(grads(task, queries, layers, objective="output"))
         n = Phi.n
         gram = fisher(Phi) * n                                               # ΦᵀΦ
-        if damping is None and not weight_decay:
+        rule = damping_rule(damping)
+        if rule is not None:                                                 # λ from the kernel's spectrum
+            gram, damping = gram.damp(rule, note=auto_note(damping, rule)), None
+        elif damping is None and not weight_decay:
             gram = gram.damp(relative_damping, relative=True)
         kernel = gram.damp((damping or 0.0) + n * weight_decay).inv()       # (ΦᵀΦ + λI)⁻¹
         if task.weighted_output is not None:     # Q per token: ΦᵀQ = P ∇ Σ_t (1 − p_t) f_t
