@@ -40,7 +40,8 @@ def grass(task: Task, train, queries, *, layers=None, k: int = 256, seed: int = 
         examples make the projected Gauss-Newton rank-deficient, and k = 1024 cost 6×
         more (docs/fidelity.md).
     damping : an absolute λ; default (None) ``relative_damping`` × the mean eigenvalue
-        of the projected Gauss-Newton matrix, computed with it.
+        of the projected Gauss-Newton matrix, computed with it; ``"auto"`` or a ``ga.linalg.DampingRule``: λ_b per block from its own spectrum
+        (``ga.methods.influence``'s ``damping="auto"``; shown in the plan).
     relative_damping : 0.1 (see the module docstring: 1 measured a little higher on a
         GPT-2, within noise, and lower on held-out logistic regression).
     factored : FactGraSS (default) or GraSS. At width neither forms a per-example

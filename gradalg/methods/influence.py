@@ -48,6 +48,10 @@ Damping and weight decay (shown in the plan, each ``damp`` with where it came fr
   each factor measured (:data:`RELATIVE_DAMPING`). Operators known only through
   products (CG, LiSSA, Arnoldi) and DataInf have no cheap spectrum: there the default is
   the absolute :data:`ABSOLUTE_DAMPING`. ``damping=`` gives an absolute λ instead.
+  ``damping="auto"`` chooses λ_b for each block b of an explicit H from that block's own
+  eigenvalues, with no ground truth (:mod:`gradalg.linalg.autodamp`; the rule per form is
+  :data:`AUTO_DAMPING`), and ``damping=ga.linalg.DampingRule(kind, value)`` names a rule;
+  the plan shows the rule and where it came from.
 * the objective's weight decay, from ``weight_decay=`` or read from ``optimizer=`` (a torch
   optimizer or a transformers Trainer, :mod:`gradalg.objective`): wd·I for coupled decay
   (SGD, Adam), wd_j per coordinate where param groups differ, wd·diag(√v̂ + ε) for AdamW's
@@ -396,7 +400,8 @@ def curvature_operator(task: Task, data, *, curvature="auto", solver: str = "dir
         and low-rank the absolute :data:`ABSOLUTE_DAMPING`; an inverse is used as it is).
     damping : absolute λ; default None: ``relative_damping`` (default per curvature,
         :data:`RELATIVE_DAMPING`) × H's mean eigenvalue where H is explicit, else
-        :data:`ABSOLUTE_DAMPING` (see the module docs).
+        :data:`ABSOLUTE_DAMPING` (see the module docs); ``"auto"`` or a
+        :class:`~gradalg.linalg.autodamp.DampingRule`: λ_b per block from its spectrum.
     weight_decay / optimizer : the objective's weight decay, given or read (module docs).
     data_weight : c, the uniform data weight the model was trained at: the decay term is
         divided by c (module docs, "Data weight").
@@ -479,7 +484,9 @@ def influence(task: Task, train, queries, *, curvature="auto", solver: str = "di
     damping : an absolute λ; default (None) ``relative_damping`` × H's mean eigenvalue for an
         explicit H (default factor per curvature: 1 for the dense Gauss-Newton / Fisher, 0.1 for
         K-FAC / EK-FAC, :data:`RELATIVE_DAMPING`), :data:`ABSOLUTE_DAMPING` for products-only
-        solvers and DataInf.
+        solvers and DataInf. ``"auto"``: λ_b for each block from its own eigenvalues
+        (:data:`AUTO_DAMPING`, :mod:`gradalg.linalg.autodamp`; explicit H only), or a
+        ``ga.linalg.DampingRule(kind, value)`` to pick the rule.
     curvature_data : examples a named H is estimated on (default: ``train``).
     weight_decay : the training objective's L2 coefficient (its Hessian is wd·I).
     optimizer : the optimizer that trained the model (torch SGD / Adam / AdamW, or a

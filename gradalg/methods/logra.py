@@ -37,7 +37,8 @@ def logra(task: Task, train, queries, *, layers=None, k: int = K, seed: int = 0,
         k = 64, the old default, lost a quarter of EK-FAC's LDS. Held out: another GPT-2
         0.43 (EK-FAC 0.44); digits logistic regression 0.55 → 0.79.
     damping : absolute λ added to the projected (EK-)FAC (1e-3; 1e-2 and 1e-1 measured
-        no better on the GPT-2).
+        no better on the GPT-2); ``"auto"`` or a ``ga.linalg.DampingRule``: λ_b per block from its own spectrum
+        (``ga.methods.influence``'s ``damping="auto"``; shown in the plan).
     curvature : "ekfac" (default), "kfac", or "fisher" (dense per-layer Fisher of the
     projected gradients).
     covariance_max_examples / lambda_max_examples : (EK-)FAC only: the projected covariances and

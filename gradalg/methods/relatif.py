@@ -22,6 +22,9 @@ def relatif(task: Task, train, queries, *, layers=None, projector: Projector | N
             lambda_max_examples: int | None = None) -> Scores:
     """``P(Q) @ H⁻¹ @ P(G).normalize(metric=H⁻¹).T``, H damped by λ + weight decay.
 
+    damping : an absolute λ (1e-3), or ``"auto"`` / a ``ga.linalg.DampingRule``: λ_b per block
+        from H's own spectrum (``ga.methods.influence``), the weight decay added to it.
+
     curvature : "auto" (default; ``ga.methods.influence``): the dense Gauss-Newton up to
         ``ga.options(dense_curvature_dim)`` (projected) coordinates, EK-FAC above; a name of
         ``ga.methods.influence``'s table; or an Operator H carrying its own knobs

@@ -25,7 +25,9 @@ so that R_task dominates the mixture on its top c components and R_train beyond 
 (c ≈ 1000 of 2¹⁶ dimensions in the paper: λ ≈ 0.90 on T-REx, 0.99 on C4).
 
 R is damped before its inverse square root: ``relative_damping`` × its mean eigenvalue
-(needed when k exceeds the examples R is estimated on), or an absolute ``damping``.
+(needed when k exceeds the examples R is estimated on), or an absolute ``damping``, or
+``damping="auto"`` / a ``ga.linalg.DampingRule`` (λ from R's own spectrum, as
+``ga.methods.influence``'s).
 
 Checked against the public implementation in EleutherAI's Bergson
 (github.com/EleutherAI/bergson: ``bergson/utils/math.py`` ``compute_lambda`` — the rule

@@ -75,6 +75,8 @@ def trak(tasks: Task | Sequence[Task], train, queries, *, layers=None, projector
         scale with n, the gradients' size and 1/k), and a tiny one fails when k ≥ n: the
         kernel then has rank ≤ n and φ_q(ΦᵀΦ + λI)⁻¹Φᵀ interpolates (measured in
         docs/fidelity.md: chance-level scores on a 256-sequence LM at k = 512, λ = 1e-6).
+        ``"auto"`` or a ``ga.linalg.DampingRule``: λ_b per block from its own spectrum
+        (``ga.methods.influence``'s ``damping="auto"``; shown in the plan).
     weight_decay : the L2 coefficient of the (mean-loss) training objective; it adds
         n·wd to the kernel's damping, the curvature weight decay gives the summed
         objective. Measured on digits logistic regression (docs/fidelity.md, 100
