@@ -78,9 +78,9 @@ def digits_setting(name):
     return methods, gt
 
 
-def lm_setting(name):
+def lm_setting(name, n_subsets=None):
     import fidelity_lm as FL
-    p = FL.Prepared(FL.SETTINGS[name], FL.N_SUBSETS)
+    p = FL.Prepared(FL.SETTINGS[name], n_subsets or FL.N_SUBSETS)
     task, tr, qu, L = p.task(), p.train, p.queries[:p.n_query], FL.LAYERS
     m = ga.methods
     methods = {
@@ -96,10 +96,10 @@ def lm_setting(name):
     return methods, p.truth.isel(query=slice(0, p.n_query))
 
 
-def run(name, only_methods=None, only_variants=None):
+def run(name, only_methods=None, only_variants=None, lm_subsets=None):
     torch.set_num_threads(1)
     ga.options(progress=False)
-    methods, gt = (digits_setting if name in ("logreg", "mlp") else lm_setting)(name)
+    methods, gt = digits_setting(name) if name in ("logreg", "mlp") else lm_setting(name, lm_subsets)
     OUT.mkdir(parents=True, exist_ok=True)
     out = OUT / f"results-{name}.json"
     rows = json.loads(out.read_text()) if out.exists() else []
@@ -117,7 +117,8 @@ def run(name, only_methods=None, only_variants=None):
                 values = S.compute()
                 row["seconds"] = time.perf_counter() - t0
                 r = ga.eval.lds(values[:gt.sizes["query"]], gt, target="loss", bootstrap=500, resample="both")
-                row.update(lds=float(r.mean), low=float(r.interval[0]), high=float(r.interval[1]))
+                row.update(lds=float(r.mean), low=float(r.interval[0]), high=float(r.interval[1]),
+                           n_subsets=int(gt.sizes["subset"]))
                 print(f"[{name}] {method:26s} {label:18s} LDS {row['lds']:.3f} [{row['low']:.3f}, {row['high']:.3f}]"
                       f" {row['seconds']:.1f} s", flush=True)
             except Exception as exc:  # noqa: BLE001 - reported, not fatal
@@ -165,6 +166,8 @@ def main(argv=None):
     ap.add_argument("--methods", default=None, help="comma-separated method labels")
     ap.add_argument("--variants", default=None, help="comma-separated labels of VARIANTS")
     ap.add_argument("--report", action="store_true", help="print the table from the results files")
+    ap.add_argument("--lm-subsets", type=int, default=None,
+                    help="score the LMs on their first N retrained subsets (default fidelity_lm's 50)")
     args = ap.parse_args(argv)
     settings = args.settings.split(",")
     if args.report:
@@ -172,7 +175,7 @@ def main(argv=None):
         return
     for name in settings:
         run(name, set(args.methods.split(",")) if args.methods else None,
-            set(args.variants.split(",")) if args.variants else None)
+            set(args.variants.split(",")) if args.variants else None, args.lm_subsets)
 
 
 if __name__ == "__main__":
