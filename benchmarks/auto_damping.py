@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -124,8 +125,11 @@ def run(name, only_methods=None, only_variants=None, lm_subsets=None):
             except Exception as exc:  # noqa: BLE001 - reported, not fatal
                 row["skipped"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
                 print(f"[{name}] {method:26s} {label:18s} skipped: {row['skipped']}", flush=True)
+            rows = json.loads(out.read_text()) if out.exists() else []     # another process may have added rows
             rows = [x for x in rows if (x["method"], x["variant"]) != (method, label)] + [row]
-            out.write_text(json.dumps(rows, indent=1))
+            tmp = out.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(rows, indent=1))
+            tmp.replace(out)
 
 
 def report(settings):
