@@ -53,6 +53,7 @@ VARIANTS = {
     "mean 0.1": DampingRule("mean", 0.1),
     "mean 1": DampingRule("mean", 1.0),
     "mass 0.95 global": DampingRule("mass", 0.95, per_block=False),
+    "mass 0.99 global": DampingRule("mass", 0.99, per_block=False),
 }
 
 

@@ -109,8 +109,8 @@ ABSOLUTE_DAMPING = 1e-3   # default λ where H's spectrum is not at hand (CG, Li
 #: ``damping="auto"``: the rule per form of H (:mod:`gradalg.linalg.autodamp`; λ_b from each
 #: block's own spectrum, no ground truth), chosen by LDS across the four fidelity settings
 #: (benchmarks/auto_damping.py, docs/fidelity.md "Automatic damping")
-AUTO_DAMPING = {"dense": DampingRule("mass", 0.99), "block": DampingRule("mass", 0.99),
-                "diagonal": DampingRule("mass", 0.99), "kronecker": DampingRule("mass", 0.9)}
+AUTO_DAMPING = {"dense": DampingRule("mass", 0.95), "block": DampingRule("mass", 0.95),
+                "diagonal": DampingRule("mass", 0.95), "kronecker": DampingRule("mass", 0.99)}
 
 
 def damping_rule(damping, form: str = "dense"):
