@@ -424,7 +424,13 @@ class Operator(_Displayed):
     def damp(self, damping: float, *, relative: bool = False, note: str = "") -> "Operator":
         """H + λI; ``relative=True``: λ = damping · tr(H)/dim, a multiple of H's mean
         eigenvalue (scale-free; needs an explicit H: dense, block, diagonal or K-FAC).
-        ``note`` says where λ came from; it is shown in the plan, not part of the value."""
+        ``note`` says where λ came from; it is shown in the plan, not part of the value.
+        ``damping`` may be a :class:`~gradalg.linalg.autodamp.DampingRule`: λ_b per block from
+        that block's spectrum (automatic damping; explicit and Kronecker operators)."""
+        from .linalg.autodamp import DampingRule
+        if isinstance(damping, DampingRule):
+            from .expr.operators import AutoDamp
+            return Operator(AutoDamp(self.expr, damping, str(note)))
         if not isinstance(damping, numbers.Real) or isinstance(damping, bool) or not 0 <= damping < float("inf"):
             raise OptionError(f"damping must be a finite non-negative number, got {damping!r}")
         return Operator(Damp(self.expr, float(damping), bool(relative), str(note)))

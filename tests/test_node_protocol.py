@@ -72,6 +72,7 @@ def _examples(setting):
     space = G.space
     return {
         "CurvatureProducts": lambda: ga.gauss_newton(task, data).expr,
+        "AutoDamp": lambda: ga.fisher(G, "block").damp(ga.linalg.DampingRule("mass", 0.9)).expr,
         "Spectral": lambda: type_by_name("Spectral")(ga.fisher(G, "block").expr, UnrollDecay(0.1, 3)),
         "StoredOp": lambda: StoredOp(_Store(ResolvedOp(space, "diag", torch.ones(space.dim, dtype=F64))), space,
                                      "diag"),

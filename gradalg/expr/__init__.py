@@ -2,7 +2,7 @@
 from .base import Node, tokenize
 from .grads import (AdamPrecondition, AdamState, Captured, GradNode, GroupMean, Normalize, Precondition,
                     Project, RowWeights, RowWise, ScaleRows, Select, Source)
-from .operators import (Damp, Dense, Diagonal, Fisher, Identity, Inverse, OpNode, Power, ResolveContext, ScaledOp,
+from .operators import (AutoDamp, Damp, Dense, Diagonal, Fisher, Identity, Inverse, OpNode, Power, ResolveContext, ScaledOp,
                         Statistic, SumOp)
 from .projection import Projector
 from .scores import Diagonal as ScoreDiagonal

@@ -39,7 +39,7 @@ from ..space import ParamSpace
 from .base import Node
 from .grads import GradNode
 
-__all__ = ["OpNode", "Statistic", "ResolveContext", "Identity", "Diagonal", "Dense", "Fisher", "Damp", "Inverse",
+__all__ = ["OpNode", "Statistic", "ResolveContext", "Identity", "Diagonal", "Dense", "Fisher", "Damp", "AutoDamp", "Inverse",
            "Power", "ScaledOp", "SumOp"]
 
 
@@ -314,6 +314,38 @@ class Damp(OpNode):
     @property
     def label(self):
         text = f"damp(λ={self.damping:g}·mean eig)" if self.relative else f"damp(λ={self.damping:g})"
+        return f"{text} [{self.note}]" if self.note else text
+
+
+@dataclass(frozen=True, eq=False)
+class AutoDamp(OpNode):
+    """op + ⊕_b λ_b I_b, each λ_b chosen from block b's own eigenvalues by ``rule`` (a
+    :class:`~gradalg.linalg.autodamp.DampingRule`: automatic damping, no ground truth),
+    known once op is computed. The label names the rule; ``note`` where it came from."""
+
+    op: OpNode
+    rule: object
+    note: str = field(default="", metadata={"identity": False})
+
+    @property
+    def space(self):
+        return self.op.space
+
+    def labels(self):
+        return self.op.labels().damp(auto=True, what=self.op.label)
+
+    def statistics(self):
+        return self.op.statistics()
+
+    def resolve(self, ctx):
+        return ctx.resolve(self.op).damp(0.0, rule=self.rule, what=self.op.label)
+
+    def apply_cost(self, space, n, prices):
+        return operand_cost(self, self.op, space, n, prices)
+
+    @property
+    def label(self):
+        text = f"damp(auto: {self.rule.short()})"
         return f"{text} [{self.note}]" if self.note else text
 
 

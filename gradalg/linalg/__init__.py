@@ -11,9 +11,11 @@ here. Imports torch, :mod:`gradalg.errors` and the factored rows of
 ``LowRankOp``    V diag(μ) Vᵀ on a kept eigenspace
 ``ImplicitOp``   c·H + λI known through products; ``SolvedOp`` its CG / LiSSA inverse
 ``DataInfOp``    DataInf's closed-form inverse over a stream of training rows
+``DampingRule``  automatic damping: λ_b per block from its own spectrum (``autodamp``)
 ``rules``        the named rules (``RULES``, ``choose``, ``choose_sum``, ``describe_rule``)
 """
 from . import rules
+from .autodamp import DampingRule
 from .base import PSD_RTOL, SINGULAR_RTOL, LinearOp
 from .datainf import DataInfOp
 from .explicit import ResolvedOp, explicit
@@ -24,6 +26,6 @@ from .lowrank import LowRankOp
 from .rules import choose, choose_sum, describe_rule
 from .sums import add
 
-__all__ = ["LinearOp", "ResolvedOp", "KronOp", "LowRankOp", "ImplicitOp", "SolvedOp", "DataInfOp", "explicit", "add",
+__all__ = ["DampingRule", "LinearOp", "ResolvedOp", "KronOp", "LowRankOp", "ImplicitOp", "SolvedOp", "DataInfOp", "explicit", "add",
            "rules", "Labels", "FORMS", "TAGS", "VOCABULARY", "SHORT",
            "choose", "choose_sum", "describe_rule", "PSD_RTOL", "SINGULAR_RTOL"]

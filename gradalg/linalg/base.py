@@ -89,8 +89,16 @@ class LinearOp(ABC):
         _rules.refuse("take the trace of", self.structure, "pass an absolute damping")
 
     # ---- algebra, by named rules -----------------------------------------------------
-    def damp(self, damping: float, *, relative: bool = False, what: str = "the operator") -> "LinearOp":
-        """H + λI; ``relative``: λ = damping · tr(H)/dim (a multiple of the mean eigenvalue)."""
+    def damp(self, damping: float, *, relative: bool = False, what: str = "the operator",
+             rule=None) -> "LinearOp":
+        """H + λI; ``relative``: λ = damping · tr(H)/dim (a multiple of the mean eigenvalue);
+        ``rule`` (a :class:`~gradalg.linalg.autodamp.DampingRule`): H + ⊕_b λ_b I_b, λ_b from
+        block b's spectrum (``damping`` is then ignored; rule ``damp.per_block_spectrum``)."""
+        if rule is not None:
+            from .autodamp import block_lambdas
+            step = _rules.choose("damp_auto", self.structure, what=what).name
+            shift = _rules.choose("damp", self.structure, variant="exact", what=what).name
+            return self._damp_blocks(block_lambdas(self, rule))._recorded(self.rules + (step, shift), self.tags)
         if not damping >= 0:
             raise OptionError(f"damping must be non-negative, got {damping}: pass λ ≥ 0")
         steps = []
@@ -142,6 +150,10 @@ class LinearOp(ABC):
     # ---- primitives each form implements for its rules -------------------------------
     def _damp(self, damping: float) -> "LinearOp":
         raise NotImplementedError(f"{type(self).__name__} has no damping primitive (LinearOp._damp)")
+
+    def _damp_blocks(self, lambdas: dict) -> "LinearOp":
+        """H + ⊕_b λ_b I_b for ``lambdas`` {block name: λ_b} (automatic damping)."""
+        raise NotImplementedError(f"{type(self).__name__} has no per-block damping primitive (LinearOp._damp_blocks)")
 
     def _inverse(self, what: str, rule, settings: dict) -> "LinearOp":
         raise NotImplementedError(f"{type(self).__name__} has no inverse primitive (LinearOp._inverse)")

@@ -112,6 +112,16 @@ class ResolvedOp(LinearOp):
         return self._new("block", {n: m + damping * torch.eye(len(m), dtype=m.dtype, device=m.device)
                                    for n, m in self.data.items()})
 
+    def _damp_blocks(self, lambdas: dict) -> "ResolvedOp":
+        if self.kind == "block":
+            return self._new("block", {n: m + lambdas[n] * torch.eye(len(m), dtype=m.dtype, device=m.device)
+                                       for n, m in self.data.items()})
+        shift = torch.empty(self.space.dim, dtype=self.data.dtype, device=self.data.device)
+        for n, s in self.space.offsets().items():
+            shift[s] = lambdas[n]
+        return self._new("diag", self.data + shift) if self.kind == "diag" else \
+            self._new("dense", self.data + torch.diag(shift))
+
     def _map(self, fn, what) -> "ResolvedOp":
         if self.kind == "diag":
             return self._new("diag", fn(self.data.to(torch.float64), what).to(self.data.dtype))

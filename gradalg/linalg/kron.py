@@ -303,6 +303,9 @@ class KronOp(LinearOp):
     def _damp(self, damping: float) -> "KronOp":
         return self._then("damp", damping)
 
+    def _damp_blocks(self, lambdas: dict) -> "KronOp":
+        return self._with({k: lam.then("damp", lambdas[k]) for k, lam in self.parts.items()})
+
     def _check_float32(self, what: str, p: float) -> None:
         """Refuse H^p (p < 0) where a float32 block's eigenvalues are not accurate enough:
         the relative error of (Λ_ij)^p is about |p|·δ_Λ/|Λ_ij|."""

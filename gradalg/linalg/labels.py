@@ -119,10 +119,14 @@ class Labels:
         return Labels(self.labels if labels is None else labels, self.rules + (rule,), self.basis)
 
     # ---- the algebra of LinearOp, on labels -------------------------------------------
-    def damp(self, *, relative: bool = False, what: str = "the operator") -> "Labels":
-        """H + λI (``relative``: λ a multiple of the mean eigenvalue)."""
+    def damp(self, *, relative: bool = False, what: str = "the operator", auto: bool = False) -> "Labels":
+        """H + λI (``relative``: λ a multiple of the mean eigenvalue; ``auto``: λ_b per block
+        from its spectrum)."""
         from .rules import choose
-        out = self._then(choose("damp_relative", self.labels, what=what).name) if relative else self
+        if auto:
+            out = self._then(choose("damp_auto", self.labels, what=what).name)
+        else:
+            out = self._then(choose("damp_relative", self.labels, what=what).name) if relative else self
         return out._then(choose("damp", self.labels, variant="exact", what=what).name)
 
     def inverse(self, method: str | None = None, what: str = "the operator") -> "Labels":

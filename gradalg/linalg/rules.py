@@ -72,6 +72,16 @@ RULES: tuple[Rule, ...] = (
                   "does not have exactly: pass an absolute damping, H.damp(λ)"),
     _rule("damp_relative", "damp.relative_to_mean_eigenvalue", (),
           "λ = damping · tr(H)/dim, a multiple of H's mean eigenvalue"),
+    # ---- damp with a rule (automatic damping): λ_b from each block's spectrum
+    _rule("damp_auto", "refused", {"implicit"}, "",
+          refusal="automatic damping reads each block's eigenvalues, which an operator known only through "
+                  "products does not have: pass an absolute damping, H.damp(λ)"),
+    _rule("damp_auto", "refused", {"low-rank"}, "",
+          refusal="automatic damping needs every block's spectrum; a low-rank operator keeps one eigenspace: "
+                  "pass an absolute damping, H.damp(λ)"),
+    _rule("damp_auto", "damp.per_block_spectrum", (),
+          "H + ⊕_b λ_b I_b, λ_b from block b's own eigenvalues by a DampingRule (mass, effdim, mean; "
+          "gradalg.linalg.autodamp)"),
     # ---- inverse: H⁻¹
     _rule("inverse", "identity.reciprocal", {"identity"}, "(c·I)⁻¹ = (1/c)·I"),
     _rule("inverse", "diagonal.reciprocal", {"diagonal"}, "diag(v)⁻¹ = diag(1/v)"),
@@ -168,7 +178,7 @@ def choose(operation: str, structure, *, variant: str | None = None, what: str =
         if r.variant is not None and variant != r.variant and (variant is not None or operation == "damp"):
             continue   # a variant rule only when asked for (the first one is the default, except damping's)
         if r.refusal is not None:
-            refuse({"damp_relative": "damp relatively", "power": "take a power of",
+            refuse({"damp_relative": "damp relatively", "damp_auto": "damp automatically", "power": "take a power of",
                      "spectral": "apply a function of the eigenvalues of"}.get(operation, operation),
                    structure, r.refusal, what)
         return r

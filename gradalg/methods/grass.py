@@ -23,7 +23,7 @@ from __future__ import annotations
 from ..proj import factgrass as factgrass_projector, grass as grass_projector
 from ..api import Scores, fisher, grads
 from ..task import Task
-from .influence import gauss_newton_objective
+from .influence import auto_note, damping_rule, gauss_newton_objective
 from .registry import method
 
 
@@ -40,7 +40,8 @@ def grass(task: Task, train, queries, *, layers=None, k: int = 256, seed: int = 
         examples make the projected Gauss-Newton rank-deficient, and k = 1024 cost 6×
         more (docs/fidelity.md).
     damping : an absolute λ; default (None) ``relative_damping`` × the mean eigenvalue
-        of the projected Gauss-Newton matrix, computed with it.
+        of the projected Gauss-Newton matrix, computed with it; ``"auto"`` or a ``ga.linalg.DampingRule``: λ_b per block from its own spectrum
+        (``ga.methods.influence``'s ``damping="auto"``; shown in the plan).
     relative_damping : 0.1 (see the module docstring: 1 measured a little higher on a
         GPT-2, within noise, and lower on held-out logistic regression).
     factored : FactGraSS (default) or GraSS. At width neither forms a per-example
@@ -53,5 +54,9 @@ def grass(task: Task, train, queries, *, layers=None, k: int = 256, seed: int = 
     G, Q = P(grads(task, train, layers)), P(grads(task, queries, layers))
     C = P(grads(task, train, layers, objective=gauss_newton_objective(task), seed=seed))
     H = fisher(C, structure="block")
-    H = H.damp(relative_damping, relative=True) if damping is None else H.damp(damping)
+    rule = damping_rule(damping, "block")
+    if rule is not None:
+        H = H.damp(rule, note=auto_note(damping, rule))
+    else:
+        H = H.damp(relative_damping, relative=True) if damping is None else H.damp(damping)
     return Q @ H.inv() @ G.T

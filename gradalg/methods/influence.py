@@ -48,6 +48,10 @@ Damping and weight decay (shown in the plan, each ``damp`` with where it came fr
   each factor measured (:data:`RELATIVE_DAMPING`). Operators known only through
   products (CG, LiSSA, Arnoldi) and DataInf have no cheap spectrum: there the default is
   the absolute :data:`ABSOLUTE_DAMPING`. ``damping=`` gives an absolute λ instead.
+  ``damping="auto"`` chooses λ_b for each block b of an explicit H from that block's own
+  eigenvalues, with no ground truth (:mod:`gradalg.linalg.autodamp`; the rule per form is
+  :data:`AUTO_DAMPING`), and ``damping=ga.linalg.DampingRule(kind, value)`` names a rule;
+  the plan shows the rule and where it came from.
 * the objective's weight decay, from ``weight_decay=`` or read from ``optimizer=`` (a torch
   optimizer or a transformers Trainer, :mod:`gradalg.objective`): wd·I for coupled decay
   (SGD, Adam), wd_j per coordinate where param groups differ, wd·diag(√v̂ + ε) for AdamW's
@@ -87,6 +91,7 @@ import torch
 from ..api import (Operator, Scores, arnoldi, datainf, diagonal, fisher, gauss_newton, grads, hessian, kfac)
 from ..errors import OptionError
 from ..expr.projection import Projector, check_projector
+from ..linalg.autodamp import DampingRule
 from ..linalg.labels import form_of
 from ..objective import DecayTerm, ObjectiveError, training_objective
 from ..options import get_options
@@ -101,6 +106,30 @@ SOLVERS = ("direct", "cg", "lissa", "arnoldi")
 #: (the old absolute 1e-3: Gauss-Newton 0.818, EK-FAC 0.713, K-FAC 0.722).
 RELATIVE_DAMPING = {"gauss_newton": 1.0, "empirical": 1.0, "kfac": 0.1, "ekfac": 0.1}
 ABSOLUTE_DAMPING = 1e-3   # default λ where H's spectrum is not at hand (CG, LiSSA, Arnoldi, DataInf)
+#: ``damping="auto"``: the rule per form of H (:mod:`gradalg.linalg.autodamp`; λ_b from each
+#: block's own spectrum, no ground truth), chosen by LDS across the four fidelity settings
+#: (benchmarks/auto_damping.py, docs/fidelity.md "Automatic damping")
+AUTO_DAMPING = {"dense": DampingRule("mass", 0.95), "block": DampingRule("mass", 0.95),
+                "diagonal": DampingRule("mass", 0.95), "kronecker": DampingRule("mass", 0.99)}
+
+
+def damping_rule(damping, form: str = "dense"):
+    """The :class:`~gradalg.linalg.autodamp.DampingRule` ``damping`` asks for (``"auto"``: the
+    rule of H's form, :data:`AUTO_DAMPING`; a DampingRule: itself), or None for a number / None."""
+    if isinstance(damping, DampingRule):
+        return damping
+    if isinstance(damping, str):
+        if damping != "auto":
+            raise OptionError(f"damping must be a number ≥ 0, None, 'auto' or a ga.linalg.DampingRule, got "
+                              f"{damping!r}: e.g. damping='auto' or damping=ga.linalg.DampingRule('mass', 0.99)")
+        return AUTO_DAMPING.get(form, AUTO_DAMPING["dense"])
+    return None
+
+
+def auto_note(damping, rule) -> str:
+    """The plan's provenance of an automatic λ: which rule, given or by ``damping='auto'``."""
+    how = "damping='auto'" if isinstance(damping, str) else "damping=DampingRule (given)"
+    return f"{how}: {rule.describe()}, from H's own spectrum"
 
 
 def check_kron_subsets(curvature: str, covariance_max_examples, lambda_max_examples) -> None:
@@ -195,7 +224,13 @@ def damped(H: Operator, *, damping: float | None, relative_damping: float, expli
     exact_diagonal : a per-coordinate decay can be added to H exactly (not K-FAC / DataInf).
     """
     suffix = f"; {why}" if why else ""
-    if damping is not None:
+    rule = damping_rule(damping, form_of(H.expr.labels().labels) if explicit else "implicit")
+    if rule is not None:
+        if not explicit:
+            raise OptionError(f"damping={damping!r} chooses λ from the spectrum of H, which {what} does not have "
+                              f"(products only or low-rank): pass an absolute damping=λ, e.g. {ABSOLUTE_DAMPING:g}")
+        H = H.damp(rule, note=auto_note(damping, rule) + suffix)
+    elif damping is not None:
         H = H.damp(damping, note="damping (given)" + suffix)
     elif explicit:
         H = H.damp(relative_damping, relative=True, note=f"default: {relative_damping:g} × mean eigenvalue" + suffix)
@@ -365,7 +400,8 @@ def curvature_operator(task: Task, data, *, curvature="auto", solver: str = "dir
         and low-rank the absolute :data:`ABSOLUTE_DAMPING`; an inverse is used as it is).
     damping : absolute λ; default None: ``relative_damping`` (default per curvature,
         :data:`RELATIVE_DAMPING`) × H's mean eigenvalue where H is explicit, else
-        :data:`ABSOLUTE_DAMPING` (see the module docs).
+        :data:`ABSOLUTE_DAMPING` (see the module docs); ``"auto"`` or a
+        :class:`~gradalg.linalg.autodamp.DampingRule`: λ_b per block from its spectrum.
     weight_decay / optimizer : the objective's weight decay, given or read (module docs).
     data_weight : c, the uniform data weight the model was trained at: the decay term is
         divided by c (module docs, "Data weight").
@@ -410,6 +446,9 @@ def curvature_operator(task: Task, data, *, curvature="auto", solver: str = "dir
         G = train_grads if train_grads is not None else P(grads(task, data, layers))
         if decay is not None and not decay.uniform:
             _refuse_nonuniform(decay, projector is None, False, "DataInf (one λ per layer)")
+        if damping_rule(damping) is not None:
+            raise OptionError(f"damping={damping!r}: DataInf's inverse is closed-form, with no spectrum to read; "
+                              f"pass an absolute damping=λ (default {ABSOLUTE_DAMPING:g})")
         lam = ABSOLUTE_DAMPING if damping is None else damping
         return datainf(G, lam + (decay.value if decay is not None else 0.0))
     if solver != "direct" and solver not in entry.solvers:
@@ -445,7 +484,9 @@ def influence(task: Task, train, queries, *, curvature="auto", solver: str = "di
     damping : an absolute λ; default (None) ``relative_damping`` × H's mean eigenvalue for an
         explicit H (default factor per curvature: 1 for the dense Gauss-Newton / Fisher, 0.1 for
         K-FAC / EK-FAC, :data:`RELATIVE_DAMPING`), :data:`ABSOLUTE_DAMPING` for products-only
-        solvers and DataInf.
+        solvers and DataInf. ``"auto"``: λ_b for each block from its own eigenvalues
+        (:data:`AUTO_DAMPING`, :mod:`gradalg.linalg.autodamp`; explicit H only), or a
+        ``ga.linalg.DampingRule(kind, value)`` to pick the rule.
     curvature_data : examples a named H is estimated on (default: ``train``).
     weight_decay : the training objective's L2 coefficient (its Hessian is wd·I).
     optimizer : the optimizer that trained the model (torch SGD / Adam / AdamW, or a

@@ -11,7 +11,7 @@ from __future__ import annotations
 from ..api import Operator, Scores, grads
 from ..expr.projection import Projector, check_projector
 from ..task import Task
-from .influence import curvature_operator
+from .influence import curvature_operator, damping_rule
 from .registry import method
 
 
@@ -21,6 +21,9 @@ def relatif(task: Task, train, queries, *, layers=None, projector: Projector | N
             solver: str = "direct", seed: int = 0, covariance_max_examples: int | None = None,
             lambda_max_examples: int | None = None) -> Scores:
     """``P(Q) @ H⁻¹ @ P(G).normalize(metric=H⁻¹).T``, H damped by λ + weight decay.
+
+    damping : an absolute λ (1e-3), or ``"auto"`` / a ``ga.linalg.DampingRule``: λ_b per block
+        from H's own spectrum (``ga.methods.influence``), the weight decay added to it.
 
     curvature : "auto" (default; ``ga.methods.influence``): the dense Gauss-Newton up to
         ``ga.options(dense_curvature_dim)`` (projected) coordinates, EK-FAC above; a name of
@@ -34,7 +37,9 @@ def relatif(task: Task, train, queries, *, layers=None, projector: Projector | N
         G, Q = check_projector(projector)(G), projector(Q)
     named = {} if isinstance(curvature, Operator) else {"seed": seed}
     Hinv = curvature_operator(task, train, layers=layers, projector=projector, curvature=curvature,
-                              solver=solver, damping=damping + weight_decay,
+                              solver=solver,
+                              **({"damping": damping, "weight_decay": weight_decay or None}
+                                 if damping_rule(damping) is not None else {"damping": damping + weight_decay}),
                               covariance_max_examples=covariance_max_examples,
                               lambda_max_examples=lambda_max_examples, **named)
     return Q @ Hinv @ G.normalize(metric=Hinv).T

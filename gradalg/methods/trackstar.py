@@ -25,7 +25,9 @@ so that R_task dominates the mixture on its top c components and R_train beyond 
 (c ≈ 1000 of 2¹⁶ dimensions in the paper: λ ≈ 0.90 on T-REx, 0.99 on C4).
 
 R is damped before its inverse square root: ``relative_damping`` × its mean eigenvalue
-(needed when k exceeds the examples R is estimated on), or an absolute ``damping``.
+(needed when k exceeds the examples R is estimated on), or an absolute ``damping``, or
+``damping="auto"`` / a ``ga.linalg.DampingRule`` (λ from R's own spectrum, as
+``ga.methods.influence``'s).
 
 Checked against the public implementation in EleutherAI's Bergson
 (github.com/EleutherAI/bergson: ``bergson/utils/math.py`` ``compute_lambda`` — the rule
@@ -62,6 +64,7 @@ from ..api import Scores, diagonal, fisher, grads
 from ..expr.projection import Projector, check_projector
 from ..objective import training_objective
 from ..task import Task
+from .influence import auto_note, damping_rule
 from .registry import method
 from .trak import default_projector
 from ..errors import OptionError
@@ -144,7 +147,13 @@ def trackstar(task: Task, train, queries, *, optimizer, layers=None, k: int = 40
             mix = mixing_coefficient(torch.linalg.eigvalsh(R.to_dense().double()),
                                      torch.linalg.eigvalsh(R_task.to_dense().double()), downweight_components)
         R = (1.0 - mix) * R + mix * R_task
-    R = R.damp(damping, note="damping (given)") if damping is not None else R.damp(
+    rule = damping_rule(damping)
+    if rule is not None:
+        R = R.damp(rule, note=auto_note(damping, rule))
+    elif damping is not None:
+        R = R.damp(damping, note="damping (given)")
+    else:
+        R = R.damp(
         relative_damping, relative=True, note=f"default: {relative_damping:g} × mean eigenvalue")
     W = R.pow(-0.5)                                                    # R^{-1/2}
     return (phi @ W).normalize() @ (Phi @ W).normalize().T

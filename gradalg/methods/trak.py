@@ -23,6 +23,7 @@ from typing import Sequence
 from ..api import Scores, fisher, grads, mean_scores, row_weights
 from ..expr.projection import Projector, dense_or_sparse, check_projector
 from ..task import Task
+from .influence import auto_note, damping_rule
 from .registry import method
 from ..errors import OptionError
 
@@ -74,6 +75,8 @@ def trak(tasks: Task | Sequence[Task], train, queries, *, layers=None, projector
         scale with n, the gradients' size and 1/k), and a tiny one fails when k ≥ n: the
         kernel then has rank ≤ n and φ_q(ΦᵀΦ + λI)⁻¹Φᵀ interpolates (measured in
         docs/fidelity.md: chance-level scores on a 256-sequence LM at k = 512, λ = 1e-6).
+        ``"auto"`` or a ``ga.linalg.DampingRule``: λ_b per block from its own spectrum
+        (``ga.methods.influence``'s ``damping="auto"``; shown in the plan).
     weight_decay : the L2 coefficient of the (mean-loss) training objective; it adds
         n·wd to the kernel's damping, the curvature weight decay gives the summed
         objective. Measured on digits logistic regression (docs/fidelity.md, 100
@@ -93,7 +96,10 @@ def trak(tasks: Task | Sequence[Task], train, queries, *, layers=None, projector
         phi = P(grads(task, queries, layers, objective="output"))
         n = Phi.n
         gram = fisher(Phi) * n                                               # ΦᵀΦ
-        if damping is None and not weight_decay:
+        rule = damping_rule(damping)
+        if rule is not None:                                                 # λ from the kernel's spectrum
+            gram, damping = gram.damp(rule, note=auto_note(damping, rule)), None
+        elif damping is None and not weight_decay:
             gram = gram.damp(relative_damping, relative=True)
         kernel = gram.damp((damping or 0.0) + n * weight_decay).inv()       # (ΦᵀΦ + λI)⁻¹
         if task.weighted_output is not None:     # Q per token: ΦᵀQ = P ∇ Σ_t (1 − p_t) f_t

@@ -1,0 +1,137 @@
+"""Automatic damping: λ_b for each block b of an explicit operator, from its own spectrum.
+
+``H.damp(rule=DampingRule(...))`` adds ``λ_b I`` on block b (the blocks of H's space, one
+per layer or projected layer), each λ_b computed from the eigenvalues μ_b of that block
+alone (μ < 0, round-off of a PSD curvature, count as 0). Blocks whose spectra differ by
+orders of magnitude — a layer norm next to an MLP, an embedding next to attention — thus
+get a λ on their own scale, where one λ = c · tr(H)/dim (the relative rule) over-damps the
+small blocks and under-damps the large ones. No ground truth is read: only H.
+
+Rules (``DampingRule.kind``; ``value`` is the rule's one parameter):
+
+``mass``    λ_b = μ_(k), the k-th largest eigenvalue of block b, k the smallest with
+            Σ_{i≤k} μ_(i) ≥ q · tr(H_b), q = ``value`` ∈ (0, 1]: the directions that
+            carry the last 1 − q of the block's eigenvalue mass are damped to the knee.
+``effdim``  λ_b solving d_eff(λ) = Σ_i μ_i / (μ_i + λ) = f · r_b, r_b = (Σμ)² / Σμ² the
+            block's participation ratio (its effective rank, a function of μ alone),
+            f = ``value`` > 0; d_eff falls from #{μ > 0} at λ = 0 to 0, so λ_b is unique
+            (bisection in log λ to a relative 1e-10); a target at or above #{μ > 0} gives 0.
+``mean``    λ_b = c · tr(H_b)/d_b, c = ``value``: the relative rule of one block.
+
+Eigenvalues of a block: a diagonal's entries; a block's (d_b, d_b) matrix or a dense
+matrix's diagonal block H_bb by float64 ``eigvalsh``; a Kronecker block's Λ (out, in)
+(K-FAC's λ_S λ_Aᵀ, EK-FAC's re-fitted grid). A dense H damped per block adds
+diag(λ_b I_b): the same matrix a block-diagonal H damped per block gets on its blocks.
+``global_`` (``per_block=False``) pools every block's eigenvalues into one spectrum and
+one λ (a dense H's pooled spectrum is then its own eigenvalues).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import OptionError
+
+__all__ = ["DampingRule", "RULE_KINDS", "block_spectra", "block_lambdas", "rule_lambda"]
+
+RULE_KINDS = ("mass", "effdim", "mean")
+
+
+@dataclass(frozen=True)
+class DampingRule:
+    """A data-driven damping: ``kind`` (:data:`RULE_KINDS`), its parameter ``value``, and
+    whether λ is chosen per block (``per_block``, default) or once for the whole H."""
+
+    kind: str
+    value: float
+    per_block: bool = True
+
+    def __post_init__(self):
+        if self.kind not in RULE_KINDS:
+            raise OptionError(f"damping rule must be one of {RULE_KINDS}, got {self.kind!r}: e.g. "
+                              "DampingRule('mass', 0.99)")
+        v = self.value
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0 or (
+                self.kind == "mass" and v > 1):
+            raise OptionError(f"DampingRule({self.kind!r}, {v!r}): the value must be a finite number > 0"
+                              + (" and ≤ 1 (a fraction of the eigenvalue mass)" if self.kind == "mass" else ""))
+
+    def describe(self) -> str:
+        """The rule in words, as the plan shows it."""
+        where = "per block" if self.per_block else "one λ for all blocks"
+        if self.kind == "mass":
+            return f"λ_b = the eigenvalue where the top ones hold {self.value:g} of the mass, {where}"
+        if self.kind == "effdim":
+            return f"λ_b at effective dimension {self.value:g} × participation ratio, {where}"
+        return f"λ_b = {self.value:g} × mean eigenvalue, {where}"
+
+    def short(self) -> str:
+        return f"{self.kind}={self.value:g}" + ("" if self.per_block else ", global")
+
+
+def rule_lambda(rule: DampingRule, mu: torch.Tensor) -> float:
+    """λ of ``rule`` for the eigenvalues ``mu`` (any shape; negatives count as 0)."""
+    mu = mu.detach().reshape(-1).to(torch.float64).clamp_min(0)
+    total = float(mu.sum())
+    if mu.numel() == 0 or total <= 0:
+        return 0.0
+    if rule.kind == "mean":
+        return rule.value * total / mu.numel()
+    if rule.kind == "mass":
+        s = torch.sort(mu, descending=True).values
+        cum = torch.cumsum(s, 0)
+        k = int(torch.searchsorted(cum, torch.tensor(rule.value * total * (1 - 1e-12), dtype=torch.float64)))
+        return float(s[min(k, s.numel() - 1)])
+    # effdim: Σ μ/(μ+λ) = f · (Σμ)²/Σμ²
+    pos = mu[mu > 0]
+    target = rule.value * total ** 2 / float((pos ** 2).sum())
+    if target >= pos.numel():
+        return 0.0
+    lo, hi = math.log(float(pos.min())) - 40.0, math.log(float(pos.max())) + 40.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if float((pos / (pos + math.exp(mid))).sum()) > target:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo < 1e-10:
+            break
+    return math.exp((lo + hi) / 2)
+
+
+def block_spectra(op) -> dict:
+    """``{block name: eigenvalues (float64, flat)}`` of an explicit or Kronecker operator."""
+    from .explicit import ResolvedOp
+    from .kron import KronOp
+    offsets = op.space.offsets()
+    if isinstance(op, KronOp):
+        return {n: op.parts[n].value().reshape(-1).to(torch.float64) for n in op.parts}
+    if isinstance(op, ResolvedOp):
+        if op.kind == "diag":
+            return {n: op.data[s].to(torch.float64) for n, s in offsets.items()}
+        if op.kind == "block":
+            return {n: torch.linalg.eigvalsh(_sym(op.data[n])) for n in op.space.names}
+        return {n: torch.linalg.eigvalsh(_sym(op.data[s, s])) for n, s in offsets.items()}
+    raise OptionError(f"automatic damping needs the spectrum of an explicit operator; got {type(op).__name__}: "
+                      "pass an absolute damping=λ")
+
+
+def _sym(m: torch.Tensor) -> torch.Tensor:
+    m = m.to(torch.float64)
+    return (m + m.T) / 2
+
+
+def block_lambdas(op, rule: DampingRule) -> dict:
+    """``{block name: λ_b}`` of ``rule`` on ``op`` (one shared λ when not ``per_block``;
+    a dense operator's shared λ from its full spectrum)."""
+    if rule.per_block:
+        return {n: rule_lambda(rule, mu) for n, mu in block_spectra(op).items()}
+    from .explicit import ResolvedOp
+    if isinstance(op, ResolvedOp) and op.kind == "dense":
+        mu = torch.linalg.eigvalsh(_sym(op.data))
+    else:
+        mu = torch.cat(list(block_spectra(op).values()))
+    lam = rule_lambda(rule, mu)
+    return {n: lam for n in op.space.names}
