@@ -165,30 +165,6 @@ def test_a_list_and_a_dataset_of_the_same_records_name_the_same_data(tmp_path):
     assert reopened.n == 12
 
 
-class _Named(ListDataset):
-    """A large dataset that names itself: the store trusts the name and reads nothing."""
-
-    reads = 0
-
-    def __getitem__(self, i):
-        type(self).reads += 1
-        return super().__getitem__(i)
-
-    def __gradalg_fingerprint__(self):
-        return "my-corpus-v1"
-
-
-def test_a_dataset_that_names_itself_is_not_read_for_its_digest():
-    from gradalg.data import as_data
-    from gradalg.store.describe import content_digest
-    X, y = models.classification_data(n=12)
-    _Named.reads = 0
-    assert content_digest(as_data(_Named(X, y))).startswith("named-")
-    assert _Named.reads == 0
-    assert content_digest(as_data(_Named(X, y)).subset(2, 7)).startswith("named-")
-    assert content_digest(as_data(ListDataset(X, y))) != content_digest(as_data(ListDataset(X + 1, y)))
-
-
 # ---------------------------------------------------------------------------- ga.capture rows
 def test_captured_rows_are_refused_beside_another_models_gradients(two_models):
     X, y, tA, tB = two_models

@@ -113,14 +113,6 @@ def _batch_digest(batch, sample: int | None = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def _names_itself(source) -> bool:
-    from torch.utils.data import DataLoader, Subset
-    from ..data import IterableSlice
-    while isinstance(source, (DataLoader, Subset, IterableSlice)):
-        source = source.dataset
-    return callable(getattr(source, "__gradalg_fingerprint__", None))
-
-
 def content_digest(data: DataRef) -> str | None:
     """A digest of every example's values, in order: ``blake2b`` over each example collated
     alone (batch of one, so that padding and batching do not enter), its tensors hashed
@@ -128,13 +120,12 @@ def content_digest(data: DataRef) -> str | None:
     ``gradalg`` command, the same records in a list) agree; an edit of any one example
     (not only the first or last) changes it. Costs one read of the data (no forward);
     None when the examples cannot be read one by one (then ids and size identify it).
-    A dataset that names itself (``__gradalg_fingerprint__()``, see
-    :mod:`gradalg.fingerprint`) is not read: its name (in ``data.key``) stands for its content.
+    A dataset's own name (``__gradalg_fingerprint__()``) does not replace this read: the
+    digest must agree between containers of the same values (the ``gradalg`` command's
+    JSONL dataset and the same records in a list), which a container's name cannot.
     """
     if data.n == 0:
         return None
-    if _names_itself(data.source):
-        return "named-" + str(data.key)
     h = hashlib.blake2b(digest_size=12)
     try:
         for i, example in enumerate(data.examples()):

@@ -149,11 +149,11 @@ def isolate_pass_peaks() -> list[dict]:
 
     isolated, run_pass = [], PassRunner.run_pass
 
-    def measured(self, step):
+    def measured(self, step, *where):
         gc.collect()
         reset = reset_peak()
         start = current_rss()
-        run_pass(self, step)
+        run_pass(self, step, *where)
         isolated.append({"peak_rss_growth_bytes": peak_rss() - start, "reset": reset})
     PassRunner.run_pass = measured
     return isolated
