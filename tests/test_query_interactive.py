@@ -305,3 +305,45 @@ def test_another_checkpoint_refused_or_scored_with_its_meaning(work, monkeypatch
                            "query.other_checkpoint=true", "--k", "3")
     assert code == 0 and "mixed-checkpoint" in o.out
     _queries(root, ["the cat"])                  # leave queries.jsonl as the other tests wrote it
+
+
+# ------------------------------------------------------------ prompts in [data.queries]
+def test_prompt_column_queries_generate_and_score_without_the_loop(work, tmp_path):
+    """``[data.queries] prompt = "prompt"``: ``gradalg query`` (non-interactive) generates each
+    completion greedily and scores the completion's loss only: equal to the dense reference of
+    ``ga.tasks.queries_from_prompts``; a given ``completion`` column is used as written."""
+    root = work["root"]
+    prompts = ["the cat", "a dog ran"]
+    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p, "reference": "sat on a mat"}) + "\n"
+                                                for p in prompts))
+    base = ["--set", "data.queries.path='prompts.jsonl'", "--set", "data.queries.prompt='prompt'",
+            "--set", "data.queries.tokenizer='tok'", "--set", f"data.queries.max_new_tokens={MAX_NEW}",
+            "--set", "query.top_k=0", "--overwrite"]
+    out = root / "out" / "prompts.zarr"
+    assert run("query", "-c", root / "run.toml", "-q", "--set", f"query.output='{out}'", *base) == 0
+    got = read_scores(out)
+    items = ga.tasks.queries_from_prompts(work["task"], prompts, tokenizer=work["tok"], max_new_tokens=MAX_NEW)
+    assert_close(torch.from_numpy(np.asarray(got.values)), torch.from_numpy(dense(items)), rtol=1e-9, atol=1e-12)
+
+    given = root / "out" / "given.zarr"
+    assert run("query", "-c", root / "run.toml", "-q", "--set", f"query.output='{given}'", *base,
+               "--set", "data.queries.completion='reference'") == 0
+    items = ga.tasks.queries_from_prompts(work["task"], prompts, ["sat on a mat"] * 2, tokenizer=work["tok"])
+    assert_close(torch.from_numpy(np.asarray(read_scores(given).values)), torch.from_numpy(dense(items)),
+                 rtol=1e-9, atol=1e-12)
+
+
+def test_prompt_column_bad_configs_name_the_fix(work, capsys):
+    root = work["root"]
+    (root / "prompts.jsonl").write_text(json.dumps({"prompt": "the cat"}) + "\n")
+    code = run("query", "-c", root / "run.toml", "-q", "--set", "data.queries.path='prompts.jsonl'",
+               "--set", "data.queries.prompt='prompt'", "--overwrite")
+    assert code == 2 and "prompt needs tokenizer" in capsys.readouterr().err
+    code = run("query", "-c", root / "run.toml", "-q", "--set", "data.queries.path='prompts.jsonl'",
+               "--set", "data.queries.prompt='question'", "--set", "data.queries.tokenizer='tok'", "--overwrite")
+    assert code == 2 and "no column 'question'" in capsys.readouterr().err
+    code = run("query", "-c", root / "run.toml", "-q", "--set", "data.train.prompt='text'", "--overwrite")
+    err = capsys.readouterr().err
+    assert code == 2 and "data.train" in err and "prompt" in err
+    code = run("query", "-c", root / "run.toml", "-q", "--set", "data.queries.completion='reference'", "--overwrite")
+    assert code == 2 and "completion needs prompt" in capsys.readouterr().err

@@ -143,6 +143,13 @@ class DataSection(Section):
                                "(e.g. input_ids, attention_mask, labels); without attention_mask, one of ones "
                                "is added")
     text: str | None = Field(None, description="a text column, tokenized with `tokenizer` (instead of ids)")
+    prompt: str | None = Field(None, description="queries only: a prompt text column; each query is the prompt "
+                               "and its completion (the `completion` column, else generated greedily by the "
+                               "model), and only the completion's tokens count (ga.tasks.queries_from_prompts)")
+    completion: str | None = Field(None, description="with `prompt`: a completion text column (left out: "
+                                   "generated)")
+    max_new_tokens: int = Field(32, ge=1, description="with `prompt` and no `completion`: the longest generated "
+                                "completion, in tokens")
     tokenizer: str | None = Field(None, description="a local tokenizer folder (AutoTokenizer)")
     max_length: int | None = Field(None, ge=1, description="truncate sequences to this many tokens")
     id_column: str | None = Field(None, description="a column holding each example's id (default 0..n-1)")
@@ -164,6 +171,12 @@ class DataSection(Section):
             raise ConfigError("give exactly one of path (a file or a datasets folder) or function ('module:function')")
         if self.text is not None and self.tokenizer is None:
             raise ConfigError("text needs tokenizer: a local tokenizer folder (saved with save_pretrained)")
+        if self.prompt is not None and self.tokenizer is None:
+            raise ConfigError("prompt needs tokenizer: a local tokenizer folder (saved with save_pretrained)")
+        if self.prompt is not None and self.text is not None:
+            raise ConfigError("give one of text (whole documents) or prompt (prompts with completions), not both")
+        if self.completion is not None and self.prompt is None:
+            raise ConfigError("completion needs prompt: the column of the prompts the completions follow")
         return self
 
 
@@ -247,6 +260,13 @@ class ExecutorSection(Section):
 class DataSets(Section):
     train: DataSection | None = None
     queries: DataSection | None = None
+
+    @model_validator(mode="after")
+    def _prompts_are_queries(self):
+        if self.train is not None and self.train.prompt is not None:
+            raise ConfigError("data.train.prompt: prompts with completions are queries; give the training "
+                              "documents as token ids or text (data.train.text)")
+        return self
 
 
 class Config(Section):

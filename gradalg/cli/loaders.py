@@ -273,15 +273,20 @@ def _records(section: DataSection, path: Path, where: str):
     return ds
 
 
-def _tokenized(section: DataSection, cfg: Config, records, where: str):
+def _load_tokenizer(cfg: Config, section: DataSection, where: str):
     from transformers import AutoTokenizer
 
     tok_path = Path(cfg.resolve(section.tokenizer))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(tok_path), local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(tok_path), local_files_only=True)
     except (OSError, ValueError) as err:
         raise ConfigError(f"{where}.tokenizer = {section.tokenizer!r}: cannot load a tokenizer from {tok_path} "
                           f"({err})") from None
+
+
+def _tokenized(section: DataSection, cfg: Config, records, where: str):
+    tok_path = Path(cfg.resolve(section.tokenizer))
+    tokenizer = _load_tokenizer(cfg, section, where)
     out = []
     for i, rec in enumerate(records):
         if section.text not in rec:
@@ -345,6 +350,54 @@ def load_data(cfg: Config, which: str):
     return TokenDataset(records, fields, max_length=section.max_length, name=str(path), key=key), ids
 
 
+def prompt_data(cfg: Config, which: str, task):
+    """``(items, ids)`` of a ``[data.<which>]`` with a ``prompt`` column: one query item per
+    record, the prompt followed by its completion (the ``completion`` column, else generated
+    greedily by the task's model, at most ``max_new_tokens``), whose loss counts only the
+    completion's tokens (:func:`gradalg.tasks.queries_from_prompts`)."""
+    import gradalg as ga
+
+    section = getattr(cfg.data, which)
+    where = f"data.{which}"
+    path = Path(cfg.resolve(section.path)) if section.path is not None else None
+    if path is None:
+        raise ConfigError(f"{where}.prompt reads a file: give {where}.path (a .jsonl / .parquet file or a "
+                          "datasets folder with a prompt column)")
+    if not path.exists():
+        raise ConfigError(f"{where}.path = {section.path!r}: no such file or folder ({path})")
+    records = _records(section, path, where)
+    if section.limit is not None:
+        records = records.select(range(min(section.limit, len(records)))) if hasattr(records, "select") \
+            else records[:section.limit]
+    if len(records) == 0:
+        raise ConfigError(f"{where}.path: {path} has no examples")
+    prompts = _text_column(records, section.prompt, f"{where}.prompt")
+    completions = None if section.completion is None else _text_column(records, section.completion,
+                                                                         f"{where}.completion")
+    tokenizer = _load_tokenizer(cfg, section, where)
+    items = ga.tasks.queries_from_prompts(task, prompts, completions, tokenizer=tokenizer,
+                                          max_new_tokens=section.max_new_tokens)
+    ids = None if section.id_column is None else [_column(r, section.id_column, i, where) for i, r in enumerate(records)]
+    _check_n(section, len(items), where)
+    return items, ids
+
+
+def _column(rec, name: str, i: int, where: str):
+    if name not in rec:
+        raise ConfigError(f"{where}: example {i} has no column {name!r} (it has {sorted(rec)})")
+    return rec[name]
+
+
+def _text_column(records, name: str, where: str) -> list[str]:
+    out = []
+    for i, rec in enumerate(records):
+        value = _column(rec, name, i, where)
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} = {name!r}: example {i} holds a {type(value).__name__}, not text")
+        out.append(value)
+    return out
+
+
 def _check_n(section: DataSection, n: int, where: str) -> None:
     if section.n is not None and section.n != n:
         raise ConfigError(f"{where}.n = {section.n}, but the data have {n} examples: correct n (used by "
@@ -381,6 +434,7 @@ def planning_data(cfg: Config, which: str):
         raise ConfigError(f"{where}.n is not set: `gradalg explain` reads no data, so it needs the number of "
                           f"examples (set {where}.n, and {where}.seq_len for the tokens per example)")
     seq_len = section.seq_len or section.max_length or 128
-    fields = ("input_ids", "attention_mask") if section.text is not None else \
+    fields = ("input_ids", "attention_mask", "labels") if section.prompt is not None else \
+        ("input_ids", "attention_mask") if section.text is not None else \
         tuple(dict.fromkeys(list(section.columns) + (["attention_mask"] if "input_ids" in section.columns else [])))
     return PlanningData(section.n, seq_len, fields), None

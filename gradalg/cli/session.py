@@ -77,8 +77,12 @@ class Session:
     def data(self, which: str):
         """``(dataset, ids)`` of ``[data.<which>]`` (read once)."""
         if which not in self._data:
-            load = loaders.planning_data if self.planning else loaders.load_data
-            self._data[which] = load(self.cfg, which)
+            section = getattr(self.cfg.data, which, None)
+            if not self.planning and section is not None and section.prompt is not None:
+                self._data[which] = loaders.prompt_data(self.cfg, which, self.task)   # generates with the model
+            else:
+                load = loaders.planning_data if self.planning else loaders.load_data
+                self._data[which] = load(self.cfg, which)
         return self._data[which]
 
     def grads(self, which: str):
