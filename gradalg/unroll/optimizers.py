@@ -66,10 +66,12 @@ class OptimizerSpec:
         return _lr_at(self.lr, step)
 
     def init(self, params: dict) -> dict:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} does not define init(params) -> state: an OptimizerSpec "
+                                  "subclass implements init and step")
 
     def step(self, params: dict, state: dict, grads: dict, t: int) -> tuple[dict, dict]:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} does not define step(params, state, grads, t): an "
+                                  "OptimizerSpec subclass implements init and step")
 
 
 @dataclass(frozen=True)
