@@ -324,16 +324,8 @@ def load_data(cfg: Config, which: str):
             data = torch.utils.data.Subset(data, range(min(section.limit, len(data))))
         _check_n(section, len(data), where)
         return data, None
-    path = Path(cfg.resolve(section.path))
-    if not path.exists():
-        raise ConfigError(f"{where}.path = {section.path!r}: no such file or folder ({path})")
-    records = _records(section, path, where)
+    path, records = _file_records(cfg, section, where)
     key = _file_digest(path)
-    if section.limit is not None:
-        records = records.select(range(min(section.limit, len(records)))) if hasattr(records, "select") \
-            else records[:section.limit]
-    if len(records) == 0:
-        raise ConfigError(f"{where}.path: {path} has no examples")
     if section.text is not None:
         records, tok_key = _tokenized(section, cfg, records, where)
         key = f"{key}-{tok_key}-{section.text}"
@@ -359,18 +351,10 @@ def prompt_data(cfg: Config, which: str, task):
 
     section = getattr(cfg.data, which)
     where = f"data.{which}"
-    path = Path(cfg.resolve(section.path)) if section.path is not None else None
-    if path is None:
+    if section.path is None:
         raise ConfigError(f"{where}.prompt reads a file: give {where}.path (a .jsonl / .parquet file or a "
                           "datasets folder with a prompt column)")
-    if not path.exists():
-        raise ConfigError(f"{where}.path = {section.path!r}: no such file or folder ({path})")
-    records = _records(section, path, where)
-    if section.limit is not None:
-        records = records.select(range(min(section.limit, len(records)))) if hasattr(records, "select") \
-            else records[:section.limit]
-    if len(records) == 0:
-        raise ConfigError(f"{where}.path: {path} has no examples")
+    _, records = _file_records(cfg, section, where)
     prompts = _text_column(records, section.prompt, f"{where}.prompt")
     completions = None if section.completion is None else _text_column(records, section.completion,
                                                                          f"{where}.completion")
@@ -380,6 +364,20 @@ def prompt_data(cfg: Config, which: str, task):
     ids = None if section.id_column is None else [_column(r, section.id_column, i, where) for i, r in enumerate(records)]
     _check_n(section, len(items), where)
     return items, ids
+
+
+def _file_records(cfg: Config, section: DataSection, where: str):
+    """``(path, records)`` of a section's file: checked to exist, cut to ``limit``, not empty."""
+    path = Path(cfg.resolve(section.path))
+    if not path.exists():
+        raise ConfigError(f"{where}.path = {section.path!r}: no such file or folder ({path})")
+    records = _records(section, path, where)
+    if section.limit is not None:
+        records = records.select(range(min(section.limit, len(records)))) if hasattr(records, "select") \
+            else records[:section.limit]
+    if len(records) == 0:
+        raise ConfigError(f"{where}.path: {path} has no examples")
+    return path, records
 
 
 def _column(rec, name: str, i: int, where: str):
