@@ -15,6 +15,7 @@ from torch.utils.data import TensorDataset
 import gradalg as ga
 from gradalg.plan import DecisionKind
 from gradalg.plan import cost as C
+from gradalg.plan import shapes as S
 from gradalg.plan import devices, estimates as E
 from gradalg.plan.planner import plan
 
@@ -47,9 +48,9 @@ def test_capture_cost_counts_forward_and_input_gradient_gemms_by_shape():
     assert c.flops == 2.0 * 8 * (16 * 8 + 3 * 16) * 2 * batches + 2.0 * 4 * (16 * 8 + 3 * 16) * 2
     assert (c.calls, c.batches, c.layer_batches, c.passes) == (3 * 3 * 2, 3, 6, 1)
     # the layers' activations swept forward and backward, and the factors written (A, D)
-    act = C.activation_bytes(model, 1, 8) * 20
+    act = S.activation_bytes(model, 1, 8) * 20
     factors = 2.0 * 20 * 8 * ((9 + 16) + (17 + 3))
-    sweeps = E.ELEMENTWISE_SWEEPS["forward"] + E.ELEMENTWISE_SWEEPS["backward"]
+    sweeps = sum(devices.UNMEASURED_CPU.elementwise_sweeps)     # the nominal calibration
     assert c.elementwise == pytest.approx(act * sweeps) and c.bytes == pytest.approx(factors)
     # a second source sharing the forward costs its backward only
     shared = E.capture_cost(G.expr, opts, torch.float64, forward=False)
@@ -219,7 +220,7 @@ def test_pass_seconds_are_the_profile_price_of_the_pass_cost():
         p = plan((ga.grads(task, query) @ ga.grads(task, train).T).expr, device=A100)
     for step in p.passes:
         assert step.seconds == pytest.approx(A100.time_of(step.cost, p.dtype))
-        assert step.cost.ops >= E.OPS_PER_PASS            # every pass over data pays its fixed cost
+        assert step.cost.ops >= devices.UNMEASURED_CPU.ops_per_pass            # every pass over data pays its fixed cost
     # each captured example's working set is touched fresh once: 4 queries in a batch of
     # 8 touch 4 examples' memory, 20 training examples 20 (batches of 8, 8 and 4)
     assert [s.cost.faulted for s in p.passes] == [pytest.approx(4 * p.passes[0].per_example_bytes),
@@ -230,8 +231,8 @@ def test_pass_seconds_are_the_profile_price_of_the_pass_cost():
     with ga.options(batch_size=batch):
         p = plan((Q @ ga.fisher(G).damp(0.1).inv() @ G.T).expr, device=A100)
     memory = [s for s in p.passes if not s.reads_data]
-    assert memory and all(s.cost.ops < E.OPS_PER_PASS for s in memory)
-    assert E.pass_overhead(2, reads_data=False).ops == 2 * E.OPS_PER_MEMORY_PASS
+    assert memory and all(s.cost.ops < devices.UNMEASURED_CPU.ops_per_pass for s in memory)
+    assert E.pass_overhead(2, reads_data=False).ops == 2 * devices.UNMEASURED_CPU.ops_per_memory_pass
 
 
 def test_a_pass_over_stored_rows_is_costed_per_chunk_they_were_stored_in():

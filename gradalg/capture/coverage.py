@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from .blocks import select_block_layers
-from .hooks import POSITION_EMBEDDINGS, resolve_layers
+from .hooks import resolve_layers
+from .layers import rule_class
 from .wrappers import display_name, unwrap
 
 __all__ = ["Coverage", "layer_coverage", "count_label"]
@@ -111,10 +112,6 @@ def _is_norm(module: nn.Module) -> bool:
     return "Norm" in type(module).__name__
 
 
-def _is_position_embedding(name: str, module: nn.Module) -> bool:
-    return isinstance(module, nn.Embedding) and name.split(".")[-1] in POSITION_EMBEDDINGS
-
-
 def _note(tied: set, position: bool) -> str:
     notes = (["tied to " + ", ".join(sorted(tied))] if tied else []) + (
         ["position embedding: backend='func' only"] if position else [])
@@ -156,7 +153,7 @@ def layer_coverage(model: nn.Module, layers, backend: str = "hooks", selection=N
         entry[0].add(owner)
         entry[1] += p.numel()
         entry[2].update(display_name(n) for n, _ in others)
-        entry[3] = entry[3] or (backend == "hooks" and _is_position_embedding(owner, module))
+        entry[3] = entry[3] or (backend == "hooks" and rule_class(module).batch_shared(owner))
     left_out = tuple(sorted((LeftOut(k, len(v[0]), v[1], _note(v[2], v[3]), v[3]) for k, v in groups.items()),
                             key=lambda g: (-g.params, g.label)))
     rule = ""

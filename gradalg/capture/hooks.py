@@ -21,7 +21,7 @@ from ..space import Block
 from ..task import TransformerBlocks
 from .blocks import select_block_layers
 from .factors import Factors
-from .layers import LayerRule, replaying, rule_for
+from .layers import POSITION_EMBEDDINGS, LayerRule, replaying, rule_class, rule_for  # noqa: F401 (re-exported)
 from .provenance import CallStack, find_routed, replay_frames, routed_frames
 from .rows import layout_for
 from .tying import LayerUse, container_modules, tie_layers, use_factors
@@ -66,8 +66,6 @@ class LayerRef:
         return tuple(n for n, p in self.module.named_parameters(recurse=False) if p is not None)
 
 
-POSITION_EMBEDDINGS = ("wpe", "position_embeddings", "embed_positions", "pos_emb", "pos_embed",
-                       "relative_attention_bias")
 
 
 def resolve_layers(model: nn.Module, layers=None, *, backend: str = "hooks") -> list[LayerRef]:
@@ -140,29 +138,15 @@ def _layer_names(model: nn.Module, layers, backend: str, every_kind: bool = Fals
     """Module names (of ``model``) that ``layers`` selects, in model order (``every_kind``:
     ``layers="all"``, the default kinds and the replayed ones)."""
     modules = dict(model.named_modules(remove_duplicate=False))
-    # nn.MultiheadAttention uses its out_proj's weights functionally: the module is never called
-    functional = {f"{n}.out_proj" if n else "out_proj" for n, m in modules.items()
-                  if isinstance(m, nn.MultiheadAttention)} if backend != "func" else set()
+    # submodules whose weights their parent uses without calling them (nn.MultiheadAttention's
+    # out_proj): no hook of theirs fires. {name: the parent's name}
+    functional = {f"{n}.{c}" if n else c: n for n, m in modules.items()
+                  for c in rule_class(m).uses_without_calling} if backend != "func" else {}
     if layers is None:
-        names = []
         containers = container_modules(model)   # recorded through the descendant holding their parameters
-        for name, module in model.named_modules():
-            if not any(p.requires_grad for p in module.parameters(recurse=False)) or name in containers:
-                continue
-            if name in functional:
-                continue  # its forward hook never fires (MultiheadAttention calls F.linear on its weight)
-            if isinstance(module, nn.Embedding) and name.split(".")[-1] in POSITION_EMBEDDINGS:
-                continue  # called with positions shared by the batch: no per-example gradient
-            if backend == "func":
-                names.append(name)
-                continue
-            try:
-                rule = rule_for(name, module)
-            except UnsupportedLayerError:
-                continue
-            if not every_kind and not rule.in_default:
-                continue   # norms and other replayed modules: layers="all"
-            names.append(name)
+        names = [name for name, module in model.named_modules()
+                 if name not in containers and name not in functional and not rule_class(module).batch_shared(name)
+                 and _recordable(name, module, backend, every_kind)]
         if not names:
             raise UnsupportedLayerError(
                 f"{type(model).__name__} has no layer that hook capture supports; pass "
@@ -171,37 +155,48 @@ def _layer_names(model: nn.Module, layers, backend: str, every_kind: bool = Fals
         return names
     names = []
     for pattern in layers:
-        if pattern in functional:
-            raise UnsupportedLayerError(
-                f"{pattern!r} belongs to an nn.MultiheadAttention, which uses its weights without "
-                "calling it: hook capture cannot record it alone. Name the nn.MultiheadAttention "
-                f"itself ({pattern.rsplit('.', 1)[0]!r}: replayed per example with its input "
-                "projections and out_proj), pass layers='all', or use backend='func'")
-        if pattern in modules:  # an exact name; "" is the model itself (a bare nn.Linear)
-            base = modules[pattern]
-            # a PEFT tuner layer stands for the frozen layer it wraps
-            inner = pattern + BASE_LAYER if pattern + BASE_LAYER in modules and not _recordable(
-                pattern, base, backend) else pattern
-            hits = [inner]
-        elif _param_path(model, pattern, modules):   # "<module>.bias": a tied module's own bias
-            hits = [pattern.rsplit(".", 1)[0]]
-        else:
-            # a glob keeps the modules it can record: parameterless ones (activations,
-            # dropout) and, for hooks, unsupported ones (norms) are skipped
-            hits = [n for n in modules if n and (fnmatch.fnmatchcase(n, pattern)
-                                                 or fnmatch.fnmatchcase(display_name(n), pattern))
-                    and _recordable(n, modules[n], backend) and n not in functional]
-        if not hits:
-            named = [n for n in modules if n]
-            close = [n for n in named if pattern.split(".")[-1] in n][:5]
-            close += [n for n in difflib.get_close_matches(pattern, named, n=3) if n not in close]
-            hint = f"; did you mean one of {close}?" if close else ""
-            raise LayerNameError(f"no module named {pattern!r} in {type(model).__name__}{hint} "
-                           "(names are those of model.named_modules())")
-        names.extend(h for h in hits if h not in names)
+        names.extend(h for h in _pattern_names(model, modules, functional, pattern, backend) if h not in names)
     order = {n: i for i, n in enumerate(modules)}
     names.sort(key=order.__getitem__)
     return names
+
+
+def _pattern_names(model, modules: dict, functional: dict, pattern: str, backend: str) -> list[str]:
+    """The module names one entry of ``layers`` selects: an exact name, ``<module>.<param>``
+    or a glob; a name that selects nothing raises :class:`LayerNameError` with close names."""
+    if pattern in functional:
+        parent = functional[pattern]
+        raise UnsupportedLayerError(
+            f"{pattern!r} belongs to an {_qualified(modules[parent])}, which uses its weights without "
+            f"calling it: hook capture cannot record it alone. Name the {_qualified(modules[parent])} "
+            f"itself ({parent!r}: replayed per example with all its parameters), pass layers='all', "
+            "or use backend='func'")
+    if pattern in modules:  # an exact name; "" is the model itself (a bare nn.Linear)
+        # a PEFT tuner layer stands for the frozen layer it wraps
+        wrapped = pattern + BASE_LAYER in modules and not _recordable(pattern, modules[pattern], backend)
+        hits = [pattern + BASE_LAYER if wrapped else pattern]
+    elif _param_path(model, pattern, modules):   # "<module>.bias": a tied module's own bias
+        hits = [pattern.rsplit(".", 1)[0]]
+    else:
+        # a glob keeps the modules it can record: parameterless ones (activations,
+        # dropout) and, for hooks, unsupported ones (norms) are skipped
+        hits = [n for n in modules if n and (fnmatch.fnmatchcase(n, pattern)
+                                             or fnmatch.fnmatchcase(display_name(n), pattern))
+                and _recordable(n, modules[n], backend) and n not in functional]
+    if not hits:
+        named = [n for n in modules if n]
+        close = [n for n in named if pattern.split(".")[-1] in n][:5]
+        close += [n for n in difflib.get_close_matches(pattern, named, n=3) if n not in close]
+        hint = f"; did you mean one of {close}?" if close else ""
+        raise LayerNameError(f"no module named {pattern!r} in {type(model).__name__}{hint} "
+                             "(names are those of model.named_modules())")
+    return hits
+
+
+def _qualified(module: nn.Module) -> str:
+    """``nn.MultiheadAttention`` for a torch.nn class, else the class's name."""
+    name = type(module).__name__
+    return f"nn.{name}" if getattr(nn, name, None) is type(module) else name
 
 
 def forward_share_key(source, refs: list[LayerRef] | None = None):
@@ -217,7 +212,9 @@ def forward_share_key(source, refs: list[LayerRef] | None = None):
     return (source.task.token, tuple(ref.name for ref in refs))
 
 
-def _recordable(name: str, module: nn.Module, backend: str) -> bool:
+def _recordable(name: str, module: nn.Module, backend: str, every_kind: bool = False) -> bool:
+    """Whether ``module`` has trainable parameters of its own that ``backend`` records
+    (hooks: by a rule of the default kinds; ``every_kind``: replayed ones too)."""
     if not any(p.requires_grad for p in module.parameters(recurse=False)):
         return False
     if backend == "func":
@@ -226,7 +223,7 @@ def _recordable(name: str, module: nn.Module, backend: str) -> bool:
         rule = rule_for(name, module)
     except UnsupportedLayerError:
         return False
-    return rule.in_default
+    return every_kind or rule.in_default
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Per-layer rules: how a module's per-example gradient factors as ``D_iᵀ A_i``.
+"""Per-layer rules, one registry keyed by module type: how a module's per-example gradient
+factors as ``D_iᵀ A_i`` (capture), and its shapes for the planner (model facts).
 
 For every supported layer the weight gradient of example ``i`` is a sum over its
 positions ``t`` (tokens, or spatial positions of a convolution)::
@@ -10,6 +11,15 @@ bias, so the bias gradient is the last column of ``G_i``) and ``D_i`` (T, out) t
 gradients of the summed loss with respect to the layer's outputs. Every block of a
 :class:`~gradalg.space.ParamSpace` is stored in this canonical ``(out, in)``
 orientation; :meth:`LayerRule.to_params` maps it back to the module's parameters.
+
+A rule class is registered for the module types it records with :func:`register_layer`;
+:func:`rule_for` picks the rule of the most specific registered class in the module's
+MRO (``nn.Module`` itself: :class:`ReplayRule`). The same rule answers the planner
+(:mod:`gradalg.plan.shapes`): the GEMM a forward multiplies each position by
+(:meth:`LayerRule.weight_gemm`), the numbers autograd keeps per position
+(:meth:`LayerRule.activation_numbers`), the output width (:meth:`LayerRule.output_width`),
+whether its positions must be measured (:attr:`LayerRule.measured_kinds`). Adding a
+layer type is one rule class with its decorator.
 """
 from __future__ import annotations
 
@@ -29,17 +39,36 @@ from ..errors import UnsupportedLayerError
 from .factors import Factors, OneHot
 from .rows import RowLayout
 
-__all__ = ["LayerRule", "ReplayRule", "MultiheadAttentionRule", "rule_for", "SUPPORTED_LAYERS", "DEFAULT_LAYERS", "check_session_layers"]
+__all__ = ["LayerRule", "ReplayRule", "MultiheadAttentionRule", "rule_for", "rule_class", "register_layer", "LAYER_RULES",
+           "measured_kind", "SUPPORTED_LAYERS", "DEFAULT_LAYERS", "check_session_layers"]
+
+#: ``{module type, or "package.module:Class": LayerRule subclass}``; a string names a type
+#: of a library looked up only once that library is imported (a model holding it has)
+LAYER_RULES: dict = {}
 
 
-def _hf_conv1d_type():
-    if "transformers" not in sys.modules:   # a model holding HF Conv1D layers has imported it
-        return None
-    try:
-        from transformers.pytorch_utils import Conv1D
-    except Exception:  # transformers not installed
-        return None
-    return Conv1D
+def register_layer(*module_types):
+    """Class decorator: the :class:`LayerRule` records modules of ``module_types`` and of
+    their subclasses (unless a more specific type is registered)."""
+    def register(rule):
+        LAYER_RULES.update(dict.fromkeys(module_types, rule))
+        return rule
+    return register
+
+
+def rule_class(module: nn.Module) -> type:
+    """The rule class registered for the most specific type in ``type(module).__mro__``; a
+    type named by a string is looked up once its module is imported (a model holding an
+    instance has imported it)."""
+    lazy = {getattr(sys.modules.get(k.partition(":")[0]), k.partition(":")[2], None): cls
+            for k, cls in LAYER_RULES.items() if isinstance(k, str)}
+    return next(LAYER_RULES.get(t) or lazy[t] for t in type(module).__mro__ if t in LAYER_RULES or t in lazy)
+
+
+def measured_kind(kind: str) -> bool:
+    """Whether blocks of ``kind`` have positions of their own (a convolution's output
+    pixels), known only by running the model, not from the data's shape."""
+    return any(kind in cls.measured_kinds for cls in set(LAYER_RULES.values()))
 
 
 @dataclass(frozen=True)
@@ -73,6 +102,43 @@ class LayerRule(ABC):
 
     #: whether ``layers=None`` (the default) records this kind; ``layers="all"`` records every kind
     in_default: ClassVar[bool] = True
+    #: whether ``ga.capture`` records it (one row per example, ``A`` from the first input)
+    in_session: ClassVar[bool] = True
+
+    #: submodules whose parameters the module's forward uses without calling them (no
+    #: hook of theirs fires, so they cannot be recorded alone)
+    uses_without_calling: ClassVar[tuple[str, ...]] = ()
+
+    #: block kinds whose positions T are the layer's own (measured by a meta forward)
+    measured_kinds: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def batch_shared(cls, name: str) -> bool:
+        """Whether the module called ``name`` is called with inputs shared by the whole
+        batch (no per-example gradient: left out of the default layers)."""
+        return False
+
+    # --- the planner's model facts, per position, from module shapes (meta modules work)
+    def weight_gemm(self, module: nn.Module) -> tuple[int, int] | None:
+        """``(in, out)`` of the GEMM the forward multiplies each position by; None: none."""
+        return None
+
+    def activation_numbers(self, module: nn.Module) -> int:
+        """Numbers per position autograd keeps around the layer: its input and output
+        widths, read as ``weight.shape[:2]`` (0 without a matrix weight)."""
+        w = getattr(module, "weight", None)
+        return int(sum(w.shape[:2])) if isinstance(w, torch.Tensor) and w.dim() >= 2 else 0
+
+    def output_width(self, module: nn.Module) -> int | None:
+        """Numbers per position of the layer's output when it ends a model (the width a
+        loss reads); None: the layer cannot be a model's head."""
+        w = getattr(module, "weight", None)
+        return int(w.shape[0]) if isinstance(w, torch.Tensor) and w.dim() >= 2 else None
+
+    @classmethod
+    def for_module(cls, module: nn.Module) -> "LayerRule":
+        """The rule instance recording ``module`` (a subclass may set its kind from it)."""
+        return cls()
 
     #: the forward of the module class this rule reads (``nn.Linear.forward``, ...); a
     #: subclass that overrides it is checked on each call (see :meth:`record`)
@@ -151,6 +217,7 @@ def _as_btf(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], -1, x.shape[-1])
 
 
+@register_layer(nn.Linear)
 @dataclass(frozen=True)
 class LinearRule(LayerRule):
     kind: str = "linear"
@@ -158,6 +225,9 @@ class LinearRule(LayerRule):
 
     def block_shape(self, module):
         return module.out_features, module.in_features + (module.bias is not None)
+
+    def weight_gemm(self, module):
+        return module.in_features, module.out_features
 
     def activations(self, module, x):
         x = _as_btf(x)
@@ -178,6 +248,7 @@ class LinearRule(LayerRule):
         return torch.cat([params["weight"], params["bias"].unsqueeze(-1)], dim=-1)
 
 
+@register_layer("transformers.pytorch_utils:Conv1D")
 @dataclass(frozen=True)
 class HFConv1DRule(LayerRule):
     """HF ``Conv1D`` (GPT-2): ``y = x @ W + b`` with ``W`` stored (in, out)."""
@@ -187,6 +258,12 @@ class HFConv1DRule(LayerRule):
     def block_shape(self, module):
         n_in, n_out = module.weight.shape
         return n_out, n_in + 1
+
+    def weight_gemm(self, module):
+        return tuple(module.weight.shape)
+
+    def output_width(self, module):
+        return module.weight.shape[1]
 
     def activations(self, module, x):
         return _with_ones(_as_btf(x))
@@ -201,8 +278,20 @@ class HFConv1DRule(LayerRule):
         return torch.cat([params["weight"].transpose(1, 2), params["bias"].unsqueeze(-1)], dim=-1)
 
 
+class _Lookup:
+    """Model facts of an embedding: a row lookup, no GEMM, no activations of its own
+    beyond its output (counted by the layer that reads it), never a model's head."""
+
+    def activation_numbers(self, module):
+        return 0
+
+    def output_width(self, module):
+        return None
+
+
+@register_layer(nn.Embedding)
 @dataclass(frozen=True)
-class EmbeddingRule(LayerRule):
+class EmbeddingRule(_Lookup, LayerRule):
     """``nn.Embedding``: ``A`` is the one-hot of the token ids, never materialized.
 
     The block is (embedding_dim, num_embeddings), the transpose of ``weight``. Positions
@@ -211,6 +300,12 @@ class EmbeddingRule(LayerRule):
 
     kind: str = "embedding"
     base_forward: ClassVar[Any] = staticmethod(nn.Embedding.forward)
+
+    @classmethod
+    def batch_shared(cls, name):
+        """Position embeddings (:data:`POSITION_EMBEDDINGS`): HF models call them with
+        positions shared by the batch."""
+        return name.split(".")[-1] in POSITION_EMBEDDINGS
 
     def block_shape(self, module):
         return module.embedding_dim, module.num_embeddings
@@ -236,6 +331,9 @@ class EmbeddingRule(LayerRule):
         return params["weight"].transpose(1, 2)
 
 
+POSITION_EMBEDDINGS = ("wpe", "position_embeddings", "embed_positions", "pos_emb", "pos_embed",
+                       "relative_attention_bias")
+
 _CONV_KINDS = {1: "conv1d_nn", 2: "conv2d", 3: "conv3d"}   # "conv1d" is transformers' Conv1D
 
 
@@ -259,6 +357,7 @@ def unfold_patches(x: torch.Tensor, kernel, stride, padding, dilation) -> torch.
     return x.permute(order).reshape(B, math.prod(positions), -1)
 
 
+@register_layer(nn.Conv1d, nn.Conv2d, nn.Conv3d)
 @dataclass(frozen=True)
 class ConvRule(LayerRule):
     """``nn.Conv1d`` / ``Conv2d`` / ``Conv3d`` as a Linear over unfolded patches.
@@ -269,6 +368,14 @@ class ConvRule(LayerRule):
     """
 
     kind: str = "conv2d"
+    measured_kinds: ClassVar[tuple[str, ...]] = tuple(_CONV_KINDS.values())
+
+    @classmethod
+    def for_module(cls, module):
+        return cls(kind=_CONV_KINDS[len(module.kernel_size)])
+
+    def weight_gemm(self, module):
+        return module.weight[0].numel(), module.weight.shape[0]
 
     @property
     def base_forward(self):
@@ -321,8 +428,9 @@ class ConvRule(LayerRule):
         return torch.cat([w, params["bias"].unsqueeze(-1)], dim=-1)
 
 
+@register_layer(nn.EmbeddingBag)
 @dataclass(frozen=True)
-class EmbeddingBagRule(LayerRule):
+class EmbeddingBagRule(_Lookup, LayerRule):
     """``nn.EmbeddingBag`` with ``mode="sum"`` or ``"mean"``: one bag per example.
 
     Bag ``i`` holds ids ``j_1 … j_L`` with weights ``w_l`` (1 for sum, ``1/L`` for mean,
@@ -334,6 +442,7 @@ class EmbeddingBagRule(LayerRule):
     """
 
     kind: str = "embedding"
+    in_session: ClassVar[bool] = False     # needs the call's offsets and weights
 
     def _check(self, module):
         problems = []
@@ -435,6 +544,7 @@ def _leading_rows(x, n: int, rows: slice):
     return x[rows] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == n else x
 
 
+@register_layer(nn.Module)
 @dataclass(frozen=True)
 class ReplayRule(LayerRule):
     """Any module with parameters of its own (LayerNorm, RMSNorm of any model, GroupNorm, a
@@ -462,6 +572,7 @@ class ReplayRule(LayerRule):
 
     kind: str = "dense"
     in_default: ClassVar[bool] = False
+    in_session: ClassVar[bool] = False
 
     @staticmethod
     def _params(module):
@@ -613,6 +724,7 @@ class ReplayRule(LayerRule):
 _MHA_INPUTS = ("query", "key", "value")
 
 
+@register_layer(nn.MultiheadAttention)
 @dataclass(frozen=True)
 class MultiheadAttentionRule(ReplayRule):
     """``nn.MultiheadAttention``: replayed per example with **all** its parameters, the
@@ -626,6 +738,8 @@ class MultiheadAttentionRule(ReplayRule):
     batch-first and transposed back to replay it; ``attn_mask`` must be shared by the
     batch ((T, S)): a per-example (B·heads, T, S) mask is refused.
     """
+
+    uses_without_calling: ClassVar[tuple[str, ...]] = ("out_proj",)
 
     @staticmethod
     def _params(module):
@@ -679,26 +793,13 @@ SUPPORTED_LAYERS = DEFAULT_LAYERS + ("any other module with parameters of its ow
 
 
 def rule_for(name: str, module: nn.Module) -> LayerRule:
-    """The rule recording ``module``, or an :class:`UnsupportedLayerError` naming the fix.
+    """The rule recording ``module`` (:data:`LAYER_RULES`, by :func:`rule_class`), or an
+    :class:`UnsupportedLayerError` naming the fix.
 
     Factored rules for the layers of :data:`DEFAULT_LAYERS`; :class:`ReplayRule` (dense,
     not in the default layers) for any other module with parameters of its own.
     """
-    conv1d = _hf_conv1d_type()
-    if isinstance(module, nn.Linear):
-        return LinearRule()
-    if conv1d is not None and isinstance(module, conv1d):
-        return HFConv1DRule()
-    if isinstance(module, nn.Embedding):
-        return EmbeddingRule()
-    if isinstance(module, nn.MultiheadAttention):
-        rule = MultiheadAttentionRule()
-    elif isinstance(module, nn.EmbeddingBag):
-        rule = EmbeddingBagRule()
-    elif isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
-        rule = ConvRule(kind=_CONV_KINDS[len(module.kernel_size)])
-    else:
-        rule = ReplayRule()
+    rule = rule_class(module).for_module(module)
     rule.block_shape(module)    # refuses unsupported variants now
     return rule
 
@@ -707,7 +808,7 @@ def check_session_layers(refs) -> None:
     """``ga.capture`` records the factored layers of :data:`DEFAULT_LAYERS` (one row per
     example, A from the first input); refuse the others before the loop starts."""
     bad = [f"{r.name!r} ({type(r.module).__name__})" for r in refs
-           if isinstance(r.rule, (ReplayRule, EmbeddingBagRule))
+           if not r.rule.in_session
            or (r.rule.base_forward is not None and type(r.module).forward is not r.rule.base_forward)]
     if bad:
         raise UnsupportedLayerError(

@@ -20,19 +20,20 @@ square sizes (``GPU_GEMM_SIZES``), a bfloat16 GEMM of the largest, batched float
 products (``GPU_BMM_SIZES``), float64 ``eigh`` (``GPU_EIGH_SIZES``; Kronecker factors are
 decomposed on their device), a copy (bandwidth), a GELU forward and backward
 (elementwise bandwidth), and the fixed costs of a module call, a small op and a captured
-batch (kernel launches and Python: the same code as the CPU's). Random numbers are drawn
+batch (kernel launches and Python: the CPU's measurements of :mod:`gradalg.plan.devices`
+with this module's synchronized timer). Random numbers are drawn
 by torch's CPU generator on every device: that rate is the CPU profile's.
 """
 from __future__ import annotations
 
-import os
 import platform
 import time
 from dataclasses import replace
 
 import torch
 
-from .devices import _MEM_EFF, PRESETS, PROFILE_VERSION, DeviceProfile, cached_local_profile, read_cached, write_cached
+from .devices import (_MEM_EFF, PRESETS, PROFILE_VERSION, DeviceProfile, _measure_bmm_call, _measure_call, _measure_capture,
+                      _measure_elementwise, _measure_op, cached_local_profile, host_memory, read_cached, write_cached)
 
 __all__ = ["cuda_profile", "nominal_profile", "measure_profile", "nominal_key", "GPU_GEMM_SIZES",
            "GPU_BMM_SIZES", "GPU_EIGH_SIZES"]
@@ -120,10 +121,7 @@ def _timer(device: torch.device):
 def _device_memory(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory * _MEM_EFF
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.8
-    except (ValueError, OSError, AttributeError):
-        return 8e9
+    return host_memory()
 
 
 def measure_profile(device: torch.device, *, gemm_sizes=GPU_GEMM_SIZES, bmm_sizes=GPU_BMM_SIZES,
@@ -148,8 +146,7 @@ def measure_profile(device: torch.device, *, gemm_sizes=GPU_GEMM_SIZES, bmm_size
         x, y = torch.randn(count, m, m, device=device), torch.randn(count, m, m, device=device)
         bmm_rates.append((m, 2.0 * count * m ** 3 / timed(lambda: torch.bmm(x, y), seconds)))
         del x, y
-    d, e = torch.randn(2, 4, 4, device=device), torch.randn(2, 4, 4, device=device)
-    bmm_call = timed(lambda: torch.einsum("nto,nti->noi", d, e), seconds)
+    bmm_call = _measure_bmm_call(timed, device, seconds)
     eigh_times = []
     g = torch.Generator().manual_seed(0)
     for k in eigh_sizes:
@@ -160,24 +157,10 @@ def measure_profile(device: torch.device, *, gemm_sizes=GPU_GEMM_SIZES, bmm_size
     y = torch.empty_like(x)
     bandwidth = 2 * x.numel() * 4 / timed(lambda: y.copy_(x), seconds)
     del x, y
-    u = torch.randn(max(copy_bytes // 64, 2**10), device=device, requires_grad=True)
-    v = torch.randn(u.numel(), device=device)
-
-    def gelu_step():
-        (torch.nn.functional.gelu(u, approximate="tanh") * v).backward(v)
-
-    elementwise = 11 * 4 * u.numel() / timed(gelu_step, seconds)   # 11 numbers moved per element
-    layers = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(8)]).to(device)
-    small = torch.randn(2, 4, device=device)
-    call = timed(lambda: layers(small).sum().backward(), seconds) / 16
-
-    def ops():
-        z = small
-        for _ in range(10):
-            z = (z * 0.5).add_(small)
-
-    op = timed(ops, seconds) / 20
-    batch, layer = _capture_seconds(device, timed, call, seconds)
+    elementwise = _measure_elementwise(timed, device, max(copy_bytes // 64, 2**10), seconds)
+    call = _measure_call(timed, device, seconds)
+    op = _measure_op(timed, device, seconds)
+    batch, layer = _measure_capture(call, timed, device, seconds)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
     return DeviceProfile(f"{name} ({device}, measured)", gemm_rates[-1][1], max(bf16, gemm_rates[-1][1]),
                          bandwidth, _device_memory(device), measured=True, call_seconds=call, op_seconds=op,
@@ -186,24 +169,3 @@ def measure_profile(device: torch.device, *, gemm_sizes=GPU_GEMM_SIZES, bmm_size
                          bmm_call_seconds=bmm_call, eigh_times=tuple(eigh_times),
                          random_seconds=cached_local_profile().random_seconds,
                          link_bandwidth=PRESETS[nominal_key(name)].link_bandwidth if device.type == "cuda" else 0.0)
-
-
-def _capture_seconds(device, timed, call: float, seconds: float) -> tuple[float, float]:
-    """(seconds per captured batch, per recorded layer) beyond the module calls, as
-    ``devices._measure_capture`` on the CPU: capture through 2 and 6 tiny layers."""
-    from ..capture.hooks import ForwardRecorder, capture_batch, resolve_layers
-
-    def timing(n_layers: int) -> float:
-        model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(n_layers)]).to(device)
-        refs = resolve_layers(model)
-        x = torch.randn(2, 4, device=device)
-
-        def step():
-            with torch.enable_grad(), ForwardRecorder(refs) as recorder:
-                capture_batch(model(x).sum(), recorder)
-
-        return timed(step, seconds) - 2 * n_layers * call
-
-    two, six = timing(2), timing(6)
-    layer = max((six - two) / 4, 1e-6)
-    return max(two - 2 * layer, 1e-6), layer

@@ -22,9 +22,9 @@ A :class:`Cost` counts, device-independently,
   device profile's measured seconds per block of that kind (``block_seconds``), else as
   ``ops`` small ops each.
 
-:meth:`gradalg.plan.devices.DeviceProfile.time_of` turns a Cost into seconds.
-:func:`model_flops` counts a model's forward FLOPs per token from its module shapes
-(meta-device models work: nothing is allocated). The per-kernel formulas are those of
+:meth:`gradalg.plan.devices.DeviceProfile.time_of` turns a Cost into seconds; a model's
+forward FLOPs and activations are counted by :mod:`gradalg.plan.shapes` from the layer
+registry (:mod:`gradalg.capture.layers`). The per-kernel formulas are those of
 the kernels in :mod:`gradalg.capture.factors` (the lowest floor the planner imports);
 unit tests pin them to exact numbers.
 """
@@ -33,12 +33,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from ..capture.factors import dense_flops, ghost_flops
 from ..expr.tokens import token_rows
 
-__all__ = ["Cost", "activation_bytes", "output_bytes", "model_flops", "first_example_shape", "tokens_hint", "gemm_cost", "bmm_cost",
+__all__ = ["Cost", "first_example_shape", "tokens_hint", "gemm_cost", "bmm_cost",
            "gram_cost", "ghost_cost",
            "dense_cost", "materialize_cost", "kron_project_cost", "dense_project_cost", "fisher_cost", "eigh_cost", "block_cost",
            "svd_cost", "SVD_GEMMS"]
@@ -226,66 +225,7 @@ def eigh_cost(d, count=1) -> Cost:
     return Cost(flops=9.0 * d ** 3 * count, peak_bytes=16.0 * d * d, eighs=((d, count),))
 
 
-# ------------------------------------------------------------------ models and data
-_WEIGHT_TYPES = (nn.Linear, nn.Conv2d, nn.Conv1d)
-
-
-def model_flops(model: nn.Module, tokens: int) -> float:
-    """Forward FLOPs for one example of ``tokens`` positions, from module shapes.
-
-    Linear-type layers (incl. HF Conv1D) cost 2·in·out per token; attention adds
-    4·T·d per token per layer when the model has a transformer config. Convolutions
-    are counted per output position as if T positions (a lower bound for images).
-    """
-    per_token = 0.0
-    for module in model.modules():
-        w = getattr(module, "weight", None)
-        if not isinstance(w, torch.Tensor) or isinstance(module, (nn.Embedding, nn.LayerNorm)):
-            continue
-        if isinstance(module, _WEIGHT_TYPES) or type(module).__name__ == "Conv1D":
-            per_token += 2.0 * w.numel()
-    config = getattr(model, "config", None)
-    if config is not None:
-        layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) or 0
-        width = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or 0
-        per_token += 4.0 * tokens * width * layers
-    return per_token * tokens
-
-
-def activation_bytes(model: nn.Module, tokens: int, elem: int = 4) -> float:
-    """Bytes autograd keeps per example for a forward/backward: the inputs and outputs of
-    every Linear-type layer at every position (a lower bound; nonlinearities add a few)."""
-    total = 0.0
-    for module in model.modules():
-        w = getattr(module, "weight", None)
-        if isinstance(w, torch.Tensor) and w.dim() >= 2 and not isinstance(module, nn.Embedding):
-            total += sum(w.shape[:2])
-    return total * tokens * elem
-
-
-#: copies of the model's output (per position, its full width) that the loss over it adds
-#: while a batch is captured, beyond the output itself (``activation_bytes``): a language
-#: model's shifted contiguous logits, their log-softmax and its gradient. Measured on a
-#: GPT-2 of width 768 with a 50,257-token vocabulary (T = 64, one thread,
-#: ``benchmarks/machine_budget.py``): resident growth rose 67 MB (block linears) and
-#: 92 MB (every layer) per example of a batch against 33 and 58 MB counted without this
-#: term, i.e. 2.8 more (T, V) float32 tensors per example.
-OUTPUT_COPIES = 3
-
-
-def output_bytes(model: nn.Module, tokens: int, elem: int = 4) -> float:
-    """Bytes per example the loss adds over the model's output: :data:`OUTPUT_COPIES` ×
-    the output width of its last registered Linear-type layer (a head: ``lm_head`` of a
-    Hugging Face model, the last Linear of a Sequential) × ``tokens``. Noticeable only for
-    wide outputs: 3 × 50,257 × 64 × 4 B = 38.6 MB per GPT-2 sequence of 64 tokens."""
-    width = 0
-    for module in model.modules():
-        w = getattr(module, "weight", None)
-        if isinstance(w, torch.Tensor) and w.dim() >= 2 and not isinstance(module, nn.Embedding):
-            width = w.shape[0]
-    return OUTPUT_COPIES * width * tokens * elem
-
-
+# ------------------------------------------------------------------ data
 #: ``{(data key, collate_fn): (shape, dtype) | None}`` of the datasets planned so far (bounded)
 _FIRST_SHAPES: dict = {}
 _FIRST_SHAPES_KEPT = 1024

@@ -41,6 +41,17 @@ A :class:`DeviceProfile` prices the counts of a :class:`~gradalg.plan.cost.Cost`
   small products, where ``op_seconds`` (a chain of ops on 4 × 4 tensors) priced 14 µs.
 * **Random numbers**: ``random_seconds`` per float64 normal number drawn by torch's CPU
   generator (a dense projection's matrix is drawn there on every device).
+* **Calibration** of what the planner counts but cannot time by shape, fitted with
+  ``benchmarks/estimates.py`` (the same nominal values on every device; not measured by
+  ``local_profile``): ``elementwise_sweeps``, the memory sweeps over a layer's inputs and
+  outputs per forward and per backward (nonlinearities, norms, residual adds, the loss
+  head, autograd's saved tensors read back); ``ops_per_pass``, the small-op equivalents a
+  pass over data runs once per job (opening sinks, the task's fingerprint for the
+  shared-forward key, resolving hooks, concatenating held rows); ``ops_per_memory_pass``,
+  the same for a pass over rows in memory (a sink opened and published: LESS's passes
+  that re-read two grouped rows measure 20–40 µs); ``ops_per_batch``, per captured batch
+  beyond the capture (finite checks, ids, chunk records, row-wise derivations, the
+  allocator's trim). :meth:`DeviceProfile.calibration` shows them (``explain()``).
 
 ``local_profile()`` measures this machine's CPU the first time (about three seconds;
 medians of repeated runs in process CPU time, so that other processes competing for
@@ -73,7 +84,7 @@ from pathlib import Path
 
 from ..errors import OptionError
 
-__all__ = ["DeviceProfile", "PRESETS", "PROFILE_VERSION", "UNMEASURED_CPU", "cached_local_profile",
+__all__ = ["DeviceProfile", "CALIBRATION", "PRESETS", "PROFILE_VERSION", "UNMEASURED_CPU", "cached_local_profile",
            "local_profile", "profile", "read_cached", "write_cached"]
 
 #: the cost model's version: a cached profile without every number this one prices is
@@ -82,6 +93,9 @@ __all__ = ["DeviceProfile", "PRESETS", "PROFILE_VERSION", "UNMEASURED_CPU", "cac
 #: 4: random numbers; 5: batched GEMMs; 6: fixed costs per block of a job's work)
 PROFILE_VERSION = 6
 
+
+#: the profile's calibration fields (module docstring), shown by ``explain()``
+CALIBRATION = ("elementwise_sweeps", "ops_per_pass", "ops_per_memory_pass", "ops_per_batch")
 
 #: GEMMs with a smaller inner dimension k are outer products (see ``gemm_seconds``)
 OUTER_K = 8
@@ -132,6 +146,17 @@ class DeviceProfile:
     version: int = PROFILE_VERSION
     link_bandwidth: float = 0.0  # bytes/s one GPU receives from its peers (NVLink); 0: not modelled
     count: int = 1               # devices of this kind a run may use (scale estimates; planning is per device)
+    elementwise_sweeps: tuple = (3.0, 4.0)   # (forward, backward) sweeps over a layer's inputs and outputs
+    ops_per_pass: float = 800          # small-op equivalents per job of a pass over data
+    ops_per_memory_pass: float = 10    # … of a pass over rows in memory
+    ops_per_batch: float = 300         # … per captured batch beyond the capture itself
+
+    def calibration(self) -> str:
+        """The calibrated counts (module docstring), one line for plans."""
+        forward, backward = self.elementwise_sweeps
+        return (f"calibration: {forward:g}/{backward:g} elementwise sweeps per forward/backward, "
+                f"{self.ops_per_pass:g} ops per job of a pass over data ({self.ops_per_memory_pass:g} in memory), "
+                f"{self.ops_per_batch:g} per captured batch")
 
     def flops(self, dtype: torch.dtype) -> float:
         if dtype in (torch.bfloat16, torch.float16):
@@ -244,6 +269,8 @@ class DeviceProfile:
         values = {k: v for k, v in entry.items() if k in known}
         for key in ("gemm_rates", "bmm_rates", "eigh_times", "block_seconds"):
             values[key] = tuple(tuple(p) for p in values.get(key, ()))
+        if "elementwise_sweeps" in values:
+            values["elementwise_sweeps"] = tuple(values["elementwise_sweeps"])
         return cls(**values)
 
 
@@ -297,6 +324,22 @@ def _fastest(fn, seconds: float, least: int = 3) -> float:
     return max(times[len(times) // 2], 1e-9)
 
 
+def _warm_fastest(fn, seconds: float, least: int = 3) -> float:
+    """:func:`_fastest` after one call (warm-up): the CPU's timer of the measurements below
+    that :mod:`gradalg.plan.accelerators` shares with its own (synchronized) timer."""
+    fn()
+    return _fastest(fn, seconds, least)
+
+
+def host_memory() -> float:
+    """Bytes of this machine's memory for tensors: 80 % of its physical memory (8 GB when
+    unknown)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.8
+    except (ValueError, OSError, AttributeError):
+        return 8e9
+
+
 #: square GEMM sizes and eigh sizes measured on the CPU (about 0.5 s and 0.4 s); the fixed
 #: costs, page faults and elementwise work get 0.15–0.3 s windows each: medians of shorter
 #: windows varied 2–3× between runs a few minutes apart on a loaded shared machine
@@ -329,13 +372,12 @@ def _measure_bmms() -> tuple:
     return tuple(rates)
 
 
-def _measure_bmm_call() -> float:
+def _measure_bmm_call(timed=_warm_fastest, device="cpu", seconds: float = 0.1) -> float:
     """Seconds of one batched-GEMM call when the arithmetic is negligible: the einsum
     over examples that materializes per-example gradients (``capture.factors``), on
     tiny (2, 4, 4) factors."""
-    d, a = torch.randn(2, 4, 4), torch.randn(2, 4, 4)
-    torch.einsum("nto,nti->noi", d, a)
-    return _fastest(lambda: torch.einsum("nto,nti->noi", d, a), 0.1)
+    d, a = torch.randn(2, 4, 4, device=device), torch.randn(2, 4, 4, device=device)
+    return timed(lambda: torch.einsum("nto,nti->noi", d, a), seconds)
 
 
 def _measure_eighs() -> tuple:
@@ -355,13 +397,9 @@ def _measure_cpu() -> DeviceProfile:
     y = torch.empty_like(x)
     y.copy_(x)
     bw = 2 * x.numel() * 4 / _fastest(lambda: y.copy_(x), 0.1)
-    try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.8
-    except (ValueError, OSError, AttributeError):
-        memory = 8e9
     call = _measure_call()
     batch, layer = _measure_capture(call)
-    return DeviceProfile(f"cpu ({torch.get_num_threads()} threads)", flops, flops, bw, memory, measured=True,
+    return DeviceProfile(f"cpu ({torch.get_num_threads()} threads)", flops, flops, bw, host_memory(), measured=True,
                          call_seconds=call, op_seconds=_measure_op(), batch_seconds=batch, layer_seconds=layer,
                          elementwise_bandwidth=_measure_elementwise(), fault_bandwidth=_measure_faults(),
                          gemm_rates=rates, bmm_rates=_measure_bmms(), bmm_call_seconds=_measure_bmm_call(),
@@ -388,39 +426,32 @@ def _measure_randoms() -> float:
     return _fastest(lambda: torch.randn(n, generator=g, dtype=torch.float64), 0.05) / n
 
 
-def _measure_elementwise() -> float:
+def _measure_elementwise(timed=_warm_fastest, device="cpu", numel: int = 2**20, seconds: float = 0.3) -> float:
     """Bytes/s of a model's elementwise work: a tanh-approximated GELU forward and
-    backward and a product on 2²⁰ float32 numbers (4 MiB, an activation's size), each op
-    counted as reading its inputs and writing its output."""
-    x = torch.randn(2**20, requires_grad=True)
-    y = torch.randn(2**20)
+    backward and a product on ``numel`` float32 numbers (4 MiB, an activation's size), each
+    op counted as reading its inputs and writing its output."""
+    x = torch.randn(numel, device=device, requires_grad=True)
+    y = torch.randn(numel, device=device)
 
     def step():
-        out = torch.nn.functional.gelu(x, approximate="tanh") * y
-        out.backward(y)
+        (torch.nn.functional.gelu(x, approximate="tanh") * y).backward(y)
 
-    step()
     # forward: gelu (read x, write), product (read 2, write); backward: product (read 2,
     # write), gelu's gradient (read 2, write): 11 numbers of 4 bytes moved per element
-    return 11 * 4 * x.numel() / _fastest(step, 0.3)
+    return 11 * 4 * numel / timed(step, seconds)
 
 
-def _measure_call() -> float:
+def _measure_call(timed=_warm_fastest, device="cpu", seconds: float = 0.25) -> float:
     """Seconds per module forward or backward when the arithmetic is negligible: a forward
     and backward through 8 tiny layers, divided by their 16 calls."""
-    layers = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(8)])
-    x = torch.randn(2, 4)
-
-    def step():
-        layers(x).sum().backward()
-
-    step()
-    return _fastest(step, 0.25) / 16
+    layers = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(8)]).to(device)
+    x = torch.randn(2, 4, device=device)
+    return timed(lambda: layers(x).sum().backward(), seconds) / 16
 
 
-def _measure_op() -> float:
+def _measure_op(timed=_warm_fastest, device="cpu", seconds: float = 0.15) -> float:
     """Seconds per small tensor op (dispatch, allocation): a chain of 20 tiny ops / 20."""
-    x = torch.randn(4, 4)
+    x = torch.randn(4, 4, device=device)
 
     def step():
         y = x
@@ -428,27 +459,25 @@ def _measure_op() -> float:
             y = (y * 0.5).add_(x)
         return y
 
-    step()
-    return _fastest(step, 0.15) / 20
+    return timed(step, seconds) / 20
 
 
-def _measure_capture(call: float) -> tuple[float, float]:
+def _measure_capture(call: float, timed=_warm_fastest, device="cpu", seconds: float = 0.2) -> tuple[float, float]:
     """(seconds per captured batch, seconds per recorded layer of it) beyond the module
     calls: gradalg's own capture (hooks, ``autograd.grad`` to the outputs, factors) of
     one tiny batch through 2 and through 6 recorded layers."""
     from ..capture.hooks import ForwardRecorder, capture_batch, resolve_layers
 
     def timing(n_layers: int) -> float:
-        model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(n_layers)])
+        model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(n_layers)]).to(device)
         refs = resolve_layers(model)
-        x = torch.randn(2, 4)
+        x = torch.randn(2, 4, device=device)
 
         def step():
             with torch.enable_grad(), ForwardRecorder(refs) as recorder:
                 capture_batch(model(x).sum(), recorder)
 
-        step()
-        return _fastest(step, 0.2) - 2 * n_layers * call
+        return timed(step, seconds) - 2 * n_layers * call
 
     two, six = timing(2), timing(6)
     layer = max((six - two) / 4, 1e-6)

@@ -41,63 +41,21 @@ from ..errors import OperatorError, PlanError
 from ..expr import Project, Source
 from ..linalg.kron import is_diagonal_factor
 from ..linalg.labels import form_of
-from .cost import (Cost, activation_bytes, block_cost, bmm_cost, dense_cost, eigh_cost, fisher_cost, gemm_cost,
+from .cost import (Cost, block_cost, bmm_cost, dense_cost, eigh_cost, fisher_cost, gemm_cost,
                    ghost_cost, gram_cost, kron_project_cost, materialize_cost, svd_cost, tokens_hint)
+from .devices import UNMEASURED_CPU as NOMINAL, DeviceProfile
 from .memory import positions, rows_of
-from .shapes import element_size, rows_per_example
+from .shapes import activation_bytes, attention_shape, element_size, output_width, rows_per_example, weight_layers
 
 __all__ = ["capture_cost", "pass_capture_cost", "chunk_count", "rows_chunk_cost", "fisher_chunk_cost", "kfac_chunk_cost",
            "kfac_once_cost", "ekfac_chunk_cost", "scores_chunk_cost", "scores_once_cost", "diag_chunk_cost",
-           "resolve_once", "apply_cost", "OperatorPrices", "apply_flops", "resolve_cost",
+           "resolve_once", "apply_cost", "OperatorPrices", "resolve_cost",
            "project_cost", "RowPrices", "rowwise_cost",
-           "kernel_costs", "elementwise_cost", "pass_overhead", "ELEMENTWISE_SWEEPS", "OPS_PER_PASS",
-           "OPS_PER_MEMORY_PASS", "ADAM_OPS"]
+           "kernel_costs", "elementwise_cost", "pass_overhead", "ADAM_OPS"]
 
-#: memory sweeps over a weight layer's inputs and outputs (``activation_bytes``) per
-#: forward and per backward: nonlinearities, norms, residual adds, the loss head, and
-#: autograd's saved tensors read back (calibrated with ``benchmarks/estimates.py``)
-ELEMENTWISE_SWEEPS = {"forward": 3.0, "backward": 4.0}
-#: small-op equivalents a pass over data runs once per job (opening sinks, fingerprinting the
-#: task for the shared-forward key, resolving hooks, concatenating held rows; calibrated with
-#: ``benchmarks/estimates.py``)
-OPS_PER_PASS = 800
-#: … and a pass over rows in memory (opening and publishing a sink: no task, no hooks;
-#: LESS's passes that only re-read two grouped rows measure 20–40 µs)
-OPS_PER_MEMORY_PASS = 10
-#: small-op equivalents per captured batch beyond the capture itself (finite checks per
-#: block, ids, chunk records, row-wise derivations, the allocator's trim; calibrated)
-OPS_PER_BATCH = 300
 
 
 # ------------------------------------------------------------------ model shapes
-def weight_layers(model: nn.Module) -> list[tuple[int, int]]:
-    """``(in, out)`` of every weight layer a forward multiplies by (Linear, HF Conv1D,
-    convolutions with their kernel folded into ``in``), in module order."""
-    out = []
-    for module in model.modules():
-        w = getattr(module, "weight", None)
-        if not isinstance(w, torch.Tensor) or w.dim() < 2 or isinstance(module, nn.Embedding):
-            continue
-        if isinstance(module, nn.Linear):
-            out.append((module.in_features, module.out_features))
-        elif type(module).__name__ == "Conv1D":          # HF GPT-2: weight (in, out)
-            out.append((w.shape[0], w.shape[1]))
-        elif isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
-            out.append((w[0].numel(), w.shape[0]))
-    return out
-
-
-def _attention(model: nn.Module) -> tuple[int, int, int]:
-    """(layers, width, heads) of a transformer config, (0, 0, 1) otherwise."""
-    config = getattr(model, "config", None)
-    if config is None:
-        return 0, 0, 1
-    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) or 0
-    width = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or 0
-    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None) or 1
-    return int(layers), int(width), int(heads)
-
-
 def _leaf_modules(model: nn.Module) -> int:
     return sum(1 for m in model.modules() if not any(True for _ in m.children()))
 
@@ -108,7 +66,8 @@ def _batch_size(src: Source, options) -> int:
 
 
 # ------------------------------------------------------------------ capture
-def capture_cost(src: Source, options, dtype=torch.float32, forward: bool = True, batch: int | None = None) -> Cost:
+def capture_cost(src: Source, options, dtype=torch.float32, forward: bool = True, batch: int | None = None,
+                 device: DeviceProfile = NOMINAL) -> Cost:
     """Capturing every batch of ``src``: its forward (unless shared with another source
     of the pass) and one backward to the recorded outputs per row set (one per
     Gauss-Newton term for ``objective="expected"``), with no weight-gradient GEMMs.
@@ -117,7 +76,7 @@ def capture_cost(src: Source, options, dtype=torch.float32, forward: bool = True
     forward GEMM (B·T, out, in), input-gradient GEMM (B·T, in, out) per backward;
     attention (a transformer config) adds per layer batched calls of B·heads (T, T,
     d_head) products, two forward and four per backward. Elementwise traffic is the layers' inputs and
-    outputs (``activation_bytes``) times :data:`ELEMENTWISE_SWEEPS`; fixed costs are
+    outputs (``activation_bytes``) times the ``device``'s ``elementwise_sweeps``; fixed costs are
     the module calls (each leaf module once per forward and per backward), the
     captured batches and their recorded layers.
     """
@@ -132,46 +91,40 @@ def capture_cost(src: Source, options, dtype=torch.float32, forward: bool = True
         if forward:
             cost = cost + gemm_cost(B * T, n_out, n_in, batches, elem)
         cost = cost + gemm_cost(B * T, n_in, n_out, batches * sweeps, elem)
-    layers, width, heads = _attention(model)
+    layers, width, heads = attention_shape(model)
     if layers and T > 1:
         d_head = max(1, width // heads)
         calls = batches * layers * (2 * int(forward) + 4 * sweeps)
         cost = cost + bmm_cost(B * heads, T, T, d_head, calls, elem)
     act = activation_bytes(model, T, elem) * n
-    cost = cost + Cost(elementwise=act * (ELEMENTWISE_SWEEPS["forward"] * int(forward)
-                                          + ELEMENTWISE_SWEEPS["backward"] * sweeps))
+    sweep_forward, sweep_backward = device.elementwise_sweeps
+    cost = cost + Cost(elementwise=act * (sweep_forward * int(forward) + sweep_backward * sweeps))
     # the recorded layers' factors: A kept (with its bias column), D written, per backward
     recorded = len(src.space.blocks)
     factor_bytes = sum(T * (b.shape[-1] + b.shape[0]) for b in src.space.blocks if len(b.shape) == 2) * n * elem
     cost = cost + Cost(bytes=2.0 * factor_bytes * sweeps)
     if src.objective == "sampled":   # labels drawn from the model: a float64 softmax and search over outputs
-        cost = cost + Cost(bytes=n * T * _num_outputs(model) * 8.0 * 4)
+        cost = cost + Cost(bytes=n * T * (output_width(model) or 1) * 8.0 * 4)
     if src.objective == "loss" and options.check_reduction:   # the sum/mean check: 2 forwards of ≤ 4 examples
         m = min(4, B) * T
         for n_in, n_out in weight_layers(model):
             cost = cost + gemm_cost(m, n_out, n_in, 2, elem)
     calls = batches * _leaf_modules(model) * (int(forward) + sweeps)
     return cost + Cost(calls=calls, batches=batches * sweeps, layer_batches=batches * sweeps * recorded,
-                       ops=batches * OPS_PER_BATCH)
+                       ops=batches * device.ops_per_batch)
 
 
-def pass_capture_cost(sources, options, dtype, share_key, batch: int | None = None) -> Cost:
+def pass_capture_cost(sources, options, dtype, share_key, batch: int | None = None,
+                      device: DeviceProfile = NOMINAL) -> Cost:
     """Capturing all sources of a pass: those with the same ``share_key(src)`` (not
     None) share one forward per batch (:class:`~gradalg.exec.capture_pass.PassCapture`)."""
     cost, forwards = Cost(), set()
     for src in sources:
         key = share_key(src) if options.share_forward else None
-        cost = cost + capture_cost(src, options, dtype, forward=key is None or key not in forwards, batch=batch)
+        cost = cost + capture_cost(src, options, dtype, forward=key is None or key not in forwards, batch=batch,
+                                   device=device)
         forwards.add(key)
     return cost
-
-
-def _num_outputs(model: nn.Module) -> int:
-    last = None
-    for m in model.modules():
-        if isinstance(m, nn.Linear):
-            last = m
-    return last.out_features if last is not None else 1
 
 
 # ------------------------------------------------------------------ operators
@@ -265,11 +218,6 @@ class OperatorPrices:
 def _diagonal(width: int, diagonal_width: int | None) -> bool:
     """A Kronecker factor kept as its diagonal (identity eigenbasis: no rotation, no eigh)."""
     return is_diagonal_factor(width, diagonal_width)
-
-
-def apply_flops(op, space, n: int) -> float:
-    """FLOPs of :func:`apply_cost`."""
-    return apply_cost(op, space, n).flops
 
 
 #: the rules that eigendecompose an explicit matrix, and a Kronecker inverse or power
@@ -597,15 +545,16 @@ def _chunks(n_rows: int, chunk: int) -> int:
     return max(1, math.ceil(n_rows / max(1, chunk)))
 
 
-def pass_overhead(n_jobs: int, examples: int = 0, example_bytes: float = 0.0, reads_data: bool = True) -> Cost:
+def pass_overhead(n_jobs: int, examples: int = 0, example_bytes: float = 0.0, reads_data: bool = True,
+                  device: DeviceProfile = NOMINAL) -> Cost:
     """What a pass costs beyond its kernels: opening its sinks (and their checks), and
     for a pass over data (``reads_data``) the task's fingerprint and hooks
-    (:data:`OPS_PER_PASS` per job, else :data:`OPS_PER_MEMORY_PASS`) and the working set
+    (the ``device``'s ``ops_per_pass`` per job, else ``ops_per_memory_pass``) and the working set
     of each of its ``examples`` captured (``example_bytes``, the planner's memory
     estimate per example), touched fresh: the executor returns a batch's pages after
     it. A batch holds the examples there are, not more (8 examples in batches of 32
     touch 8 examples' memory)."""
-    per_job = OPS_PER_PASS if reads_data else OPS_PER_MEMORY_PASS
+    per_job = device.ops_per_pass if reads_data else device.ops_per_memory_pass
     return Cost(ops=per_job * max(1, n_jobs), faulted=examples * example_bytes)
 
 

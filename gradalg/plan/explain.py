@@ -35,7 +35,7 @@ from ..viz.describe import block_label, operator_chain
 from ..viz.tree import text_tree
 from .cost import _si
 from .decisions import Decision
-from .devices import profile
+from .devices import CALIBRATION, profile
 from .planner import STAGES, Plan
 from .resolution import operator_rules
 from .scale import scale_estimates
@@ -175,6 +175,7 @@ class Explain:
     def to_dict(self) -> dict:
         return {
             "device": self.plan.device.name, "device_measured": self.plan.device.measured,
+            "device_calibration": {k: getattr(self.plan.device, k) for k in CALIBRATION},
             "memory_budget": self.plan.options.memory_budget,
             "memory_budget_source": self.plan.budget.to_dict() if self.plan.budget else None,
             "rules_fired": [f.__dict__ for f in self.plan.fired], "decisions": self.decisions(),
@@ -249,7 +250,7 @@ class Explain:
         return lines
 
     def _text_physical(self) -> list[str]:
-        lines = ["4. physical passes"]
+        lines = ["4. physical passes", f"   {self.plan.device.calibration()}"]
         header = f"   {'#':>2}  {'reads':<38} {'batch':>5} {'est FLOP':>10} {'est time':>10} {'est peak':>9}"
         if self.analyzed:
             header += f" {'measured':>10} {'meas/est':>8} {'held':>9} {'meas peak':>10}"
@@ -350,7 +351,7 @@ class Explain:
                          f"<td>{html.escape(_measured_peak(row))}</td>")
             body += "</tr>"
         return (f"<details open><summary>4. physical passes</summary><table class='ga-table'>{head_row}{body}"
-                "</table></details>")
+                f"</table><div class='ga-cost'>{esc(self.plan.device.calibration())}</div></details>")
 
     def _html_scale(self) -> str:
         esc = html.escape

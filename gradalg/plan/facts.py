@@ -13,12 +13,12 @@ from typing import Mapping
 import torch
 
 from ..capture.hooks import forward_share_key
+from ..capture.layers import measured_kind
 from ..expr import GradNode, Node, Source
 from ..expr.tokens import token_rows
 from ..options import Options
 from .cost import first_example_shape
 from .devices import DeviceProfile
-from .lower import CONV_KINDS
 from .shapes import ForwardShapes, measure_forward_shapes
 
 __all__ = ["Facts", "facts", "MEASURED", "positions_known"]
@@ -88,7 +88,7 @@ def facts(root: Node, options: Options, device: DeviceProfile, measure: bool = F
             continue
         sources.add(node.token)
         dtype = dtype or next((p.dtype for p in node.task.model.parameters()), None)
-        if measure and (not positions_known(node) or any(b.kind in CONV_KINDS for b in node.space.blocks)):
+        if measure and (not positions_known(node) or any(measured_kind(b.kind) for b in node.space.blocks)):
             if node.token not in memo and len(memo) >= 256:
                 memo.pop(next(iter(memo)))
             memo[node.token] = memo.get(node.token) or measure_forward_shapes(node)

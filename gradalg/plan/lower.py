@@ -13,13 +13,10 @@ from ..expr import (Captured, GradNode, Inner, Node, OpNode, RowWise, ScoreDiago
 from .jobs import EKFACJob, FisherJob, KFACJob, TopK
 from .rules import PlanError
 
-__all__ = ["Lowered", "lower", "ROW_WISE", "CONV_KINDS", "STATISTICS_JOBS", "stream_root", "chain_ops",
+__all__ = ["Lowered", "lower", "ROW_WISE", "STATISTICS_JOBS", "stream_root", "chain_ops",
            "chain_contains", "flat_terms", "pass_key"]
 
 ROW_WISE = RowWise      # the nodes a pass derives chunk by chunk (the row-wise protocol)
-#: block kinds whose positions per example depend on the layer (unfolded convolutions)
-#: rather than on the data's token length
-CONV_KINDS = ("conv1d_nn", "conv2d", "conv3d")
 #: the job class of each statistics kind an operator asks for (``Statistic.job``)
 STATISTICS_JOBS = {cls.kind: cls for cls in (FisherJob, KFACJob, EKFACJob)}
 

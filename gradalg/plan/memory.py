@@ -29,9 +29,9 @@ from ..expr.stored import Stored
 from ..expr.lowrank import lowrank_below
 from ..expr.tokens import token_rows
 from .budget import suggest_budget
-from .cost import activation_bytes, output_bytes, tokens_hint
+from .cost import tokens_hint
 from .decisions import Decision, DecisionKind
-from .shapes import element_size, forward_shapes, rows_per_example
+from .shapes import activation_bytes, element_size, forward_shapes, output_bytes, rows_per_example
 
 __all__ = ["positions", "rows_of", "rows_bytes", "capture_bytes_per_example", "stream_workspace_bytes", "flat_example_bytes",
            "kfac_example_bytes", "ekfac_rotated_bytes",

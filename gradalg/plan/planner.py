@@ -24,7 +24,7 @@ from .decide import decide
 from .decisions import Decision, DecisionKind, Decisions
 from .devices import DeviceProfile, profile
 from .facts import facts as find_facts
-from .lower import CONV_KINDS, ROW_WISE, STATISTICS_JOBS, chain_ops, lower, stream_root  # noqa: F401 (exec reads)
+from .lower import ROW_WISE, STATISTICS_JOBS, chain_ops, lower, stream_root  # noqa: F401 (exec reads)
 from .jobs import Job, TopK
 from .rules import Firing, PlanError, simplify_until_fixpoint
 from .schedule import Pass, schedule

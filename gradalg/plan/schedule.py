@@ -98,7 +98,7 @@ def _store_or_recompute(node, remaining: dict, facts: Facts, choices: Choices) -
     kept = storage(node, facts, need)
     size = rows_bytes(node, kept, facts.dtype)
     src, o = stream_root(node), facts.options
-    recompute = estimates.capture_cost(src, o, facts.dtype).seconds(facts.device, facts.dtype) \
+    recompute = estimates.capture_cost(src, o, facts.dtype, device=facts.device).seconds(facts.device, facts.dtype) \
         if isinstance(src, Source) else 0.0
     fits = size <= o.store_fraction * o.memory_budget
     keep = 2.0 * size / facts.device.bandwidth     # write the rows once, read them once

@@ -27,9 +27,12 @@ from torch import nn
 from torch.func import functional_call
 
 from ..capture.hooks import resolve_layers
+from ..capture.layers import rule_class
 from .cost import tokens_hint
 
-__all__ = ["ForwardShapes", "forward_shapes", "measure_forward_shapes", "measured", "rows_per_example", "element_size"]
+__all__ = ["ForwardShapes", "forward_shapes", "measure_forward_shapes", "measured", "rows_per_example", "element_size",
+           "weight_layers", "attention_shape", "model_flops", "activation_bytes", "output_width", "output_bytes",
+           "OUTPUT_COPIES"]
 
 
 def _to_meta(value):
@@ -150,14 +153,76 @@ class _MetaModel:
 
 def rows_per_example(src) -> int:
     """Rows a source captures per example: one, or one per Gauss-Newton term
-    (``objective="expected"``: the number of model outputs)."""
+    (``objective="expected"``: the number of model outputs, :func:`output_width`)."""
     if getattr(src, "objective", "loss") != "expected":
         return 1
-    last = None
-    for m in src.task.model.modules():
-        if isinstance(m, nn.Linear):
-            last = m
-    return last.out_features if last is not None else 1
+    return output_width(src.task.model) or 1
+
+
+# ------------------------------------------------------------------ model facts
+def _layers(model: nn.Module):
+    """``(module, rule)`` of every module, its rule from the layer registry."""
+    return [(m, rule_class(m).for_module(m)) for m in model.modules()]
+
+
+def weight_layers(model: nn.Module) -> list[tuple[int, int]]:
+    """``(in, out)`` of every GEMM a forward multiplies each position by, in module order
+    (:meth:`~gradalg.capture.layers.LayerRule.weight_gemm`: Linear, HF Conv1D, convolutions
+    with their kernel folded into ``in``)."""
+    return [g for m, rule in _layers(model) if (g := rule.weight_gemm(m)) is not None]
+
+
+def attention_shape(model: nn.Module) -> tuple[int, int, int]:
+    """(layers, width, heads) of a transformer config, (0, 0, 1) otherwise."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return 0, 0, 1
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) or 0
+    width = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or 0
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None) or 1
+    return int(layers), int(width), int(heads)
+
+
+def model_flops(model: nn.Module, tokens: int) -> float:
+    """Forward FLOPs for one example of ``tokens`` positions, from module shapes: 2·in·out
+    per position for each of :func:`weight_layers` (convolutions counted per output
+    position as if ``tokens`` positions: a lower bound for images), plus attention's
+    4·T·width per position per layer when the model has a transformer config."""
+    layers, width, _ = attention_shape(model)
+    per_token = sum(2.0 * n_in * n_out for n_in, n_out in weight_layers(model)) + 4.0 * tokens * width * layers
+    return per_token * tokens
+
+
+def activation_bytes(model: nn.Module, tokens: int, elem: int = 4) -> float:
+    """Bytes autograd keeps per example for a forward/backward: the inputs and outputs of
+    every layer with a matrix weight at every position
+    (:meth:`~gradalg.capture.layers.LayerRule.activation_numbers`; a lower bound:
+    nonlinearities add a few)."""
+    return float(sum(rule.activation_numbers(m) for m, rule in _layers(model))) * tokens * elem
+
+
+def output_width(model: nn.Module) -> int | None:
+    """The output width of the model's last layer that can be a head (``lm_head`` of a
+    Hugging Face model, the last Linear of a Sequential); None without one."""
+    widths = [w for m, rule in _layers(model) if (w := rule.output_width(m)) is not None]
+    return widths[-1] if widths else None
+
+
+#: copies of the model's output (per position, its full width) that the loss over it adds
+#: while a batch is captured, beyond the output itself (``activation_bytes``): a language
+#: model's shifted contiguous logits, their log-softmax and its gradient. Measured on a
+#: GPT-2 of width 768 with a 50,257-token vocabulary (T = 64, one thread,
+#: ``benchmarks/machine_budget.py``): resident growth rose 67 MB (block linears) and
+#: 92 MB (every layer) per example of a batch against 33 and 58 MB counted without this
+#: term, i.e. 2.8 more (T, V) float32 tensors per example.
+OUTPUT_COPIES = 3
+
+
+def output_bytes(model: nn.Module, tokens: int, elem: int = 4) -> float:
+    """Bytes per example the loss adds over the model's output: :data:`OUTPUT_COPIES` ×
+    :func:`output_width` × ``tokens``. Noticeable only for wide outputs: 3 × 50,257 × 64 ×
+    4 B = 38.6 MB per GPT-2 sequence of 64 tokens."""
+    return float(OUTPUT_COPIES * (output_width(model) or 0) * tokens * elem)
 
 
 def element_size(dtype: torch.dtype) -> int:

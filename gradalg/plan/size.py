@@ -163,12 +163,12 @@ class _Sizer:
         if p.reads_data:
             batch, note, decision = _batch_size(p, sources, fixed, per_ex, facts)
             self.decisions.append(decision)
-            cost = estimates.pass_capture_cost(sources, o, dtype, facts.share_key, batch)
+            cost = estimates.pass_capture_cost(sources, o, dtype, facts.share_key, batch, facts.device)
             n, chunk = sources[0].data.n, batch
             self.stored_chunks.update({j.target.token: batch for j in p.jobs if isinstance(j, StoreJob)})
         else:
             n, chunk = p.jobs[0].streams[0].n, self.stored_chunks.get(p.key[1])
-        cost = cost + estimates.pass_overhead(len(p.jobs), n if p.reads_data else 0, per_ex, p.reads_data)
+        cost = cost + estimates.pass_overhead(len(p.jobs), n if p.reads_data else 0, per_ex, p.reads_data, facts.device)
         jobs = []
         for job in p.jobs:
             # rows streamed by the job: n·T for per-token rows (ga.GradientSet.per_token)
