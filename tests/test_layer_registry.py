@@ -103,7 +103,6 @@ def test_registered_toy_is_planned(toy_registered):
     G = ga.grads(ga.tasks.classification(model), (x, y))
     # the planner's model facts: its GEMM, its activations (in + out per position), its width
     assert S.weight_layers(model) == [(8, 6), (6, 3)]
-    assert S.model_flops(model, 1) == 2.0 * (8 * 6 + 6 * 3)
     assert S.activation_bytes(model, 1, 8) == 8.0 * ((6 + 8) + (3 + 6))
     assert S.output_width(model) == 3
     with ga.options(batch_size=10, check_reduction=False) as opts:
@@ -112,3 +111,18 @@ def test_registered_toy_is_planned(toy_registered):
     # its positions are its own (as a convolution's): measured before a run
     assert L.measured_kind("toy") and not L.measured_kind("linear")
     assert "0" in str(G.explain())
+
+
+def test_registry_answers_which_submodules_cannot_be_recorded_alone():
+    """``uses_without_calling`` (nn.MultiheadAttention's out_proj, applied with F.linear):
+    left out of the defaults, refused by name with the fix; ``batch_shared``: position
+    embeddings left out of the defaults."""
+    from gradalg.capture.hooks import resolve_layers
+    from gradalg.errors import UnsupportedLayerError
+
+    model = nn.Sequential(nn.Linear(3, 8), nn.MultiheadAttention(8, 2))
+    assert [r.name for r in resolve_layers(model, "all")] == ["0", "1"]
+    with pytest.raises(UnsupportedLayerError, match="'1.out_proj' belongs to '1' .*without calling it"):
+        resolve_layers(model, ["1.out_proj"])
+    lm = nn.ModuleDict({"wte": nn.Embedding(5, 4), "wpe": nn.Embedding(7, 4)})
+    assert [r.name for r in resolve_layers(lm)] == ["wte"]

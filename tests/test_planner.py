@@ -216,20 +216,16 @@ def test_batched_gemms_are_priced_by_their_total_size_plus_one_call():
     assert einsum.bmm_seconds(100, 16, 16, 16) == pytest.approx(prof.bmm_seconds(100, 16, 16, 16) - 1e-6 + 1.5e-5)
 
 
-def test_model_flops_exact():
-    mlp = models.mlp()   # Linear(8, 16), Linear(16, 3): weights 128 + 48
-    assert S.model_flops(mlp, 1) == 2.0 * 176
-    assert S.model_flops(mlp, 5) == 5 * 2.0 * 176
+def test_model_shapes_exact():
+    mlp = models.mlp()   # Linear(8, 16), Linear(16, 3)
+    assert S.weight_layers(mlp) == [(8, 16), (16, 3)]
     assert S.activation_bytes(mlp, 1) == 4.0 * ((16 + 8) + (3 + 16))
     # the loss's copies of the output: OUTPUT_COPIES × the last Linear's width (the head) × T
     assert S.output_bytes(mlp, 5) == S.OUTPUT_COPIES * 3 * 5 * 4.0
     assert S.output_bytes(models.gpt2(), 9, 2) == S.OUTPUT_COPIES * 101 * 9 * 2.0   # lm_head 101×64
-    gpt = models.gpt2()  # 2 layers, width 64, untied lm_head 101×64, 4 Conv1D per layer
-    per_layer = 64 * 192 + 64 * 64 + 64 * 256 + 256 * 64
-    linear = 2 * per_layer + 64 * 101
-    for T in (1, 9, 64):
-        # 2 FLOPs per weight per token, plus attention 4·T·width per token per layer
-        assert S.model_flops(gpt, T) == (2.0 * linear + 4.0 * T * 64 * 2) * T
+    gpt = models.gpt2()  # 2 layers, width 64, untied lm_head 101×64, 4 Conv1D per layer (weights (in, out))
+    assert S.weight_layers(gpt) == [(64, 192), (64, 64), (64, 256), (256, 64)] * 2 + [(64, 101)]
+    assert S.attention_shape(gpt) == (2, 64, 4)
 
 
 def test_tokens_hint():

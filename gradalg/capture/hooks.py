@@ -167,10 +167,9 @@ def _pattern_names(model, modules: dict, functional: dict, pattern: str, backend
     if pattern in functional:
         parent = functional[pattern]
         raise UnsupportedLayerError(
-            f"{pattern!r} belongs to an {_qualified(modules[parent])}, which uses its weights without "
-            f"calling it: hook capture cannot record it alone. Name the {_qualified(modules[parent])} "
-            f"itself ({parent!r}: replayed per example with all its parameters), pass layers='all', "
-            "or use backend='func'")
+            f"{pattern!r} belongs to {parent!r} ({type(modules[parent]).__name__}), which uses its weights "
+            f"without calling it: hook capture cannot record it alone. Name {parent!r} itself (replayed "
+            "per example with all its parameters), pass layers='all', or use backend='func'")
     if pattern in modules:  # an exact name; "" is the model itself (a bare nn.Linear)
         # a PEFT tuner layer stands for the frozen layer it wraps
         wrapped = pattern + BASE_LAYER in modules and not _recordable(pattern, modules[pattern], backend)
@@ -191,12 +190,6 @@ def _pattern_names(model, modules: dict, functional: dict, pattern: str, backend
         raise LayerNameError(f"no module named {pattern!r} in {type(model).__name__}{hint} "
                              "(names are those of model.named_modules())")
     return hits
-
-
-def _qualified(module: nn.Module) -> str:
-    """``nn.MultiheadAttention`` for a torch.nn class, else the class's name."""
-    name = type(module).__name__
-    return f"nn.{name}" if getattr(nn, name, None) is type(module) else name
 
 
 def forward_share_key(source, refs: list[LayerRef] | None = None):

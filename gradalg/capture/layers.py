@@ -12,14 +12,10 @@ gradients of the summed loss with respect to the layer's outputs. Every block of
 :class:`~gradalg.space.ParamSpace` is stored in this canonical ``(out, in)``
 orientation; :meth:`LayerRule.to_params` maps it back to the module's parameters.
 
-A rule class is registered for the module types it records with :func:`register_layer`;
-:func:`rule_for` picks the rule of the most specific registered class in the module's
-MRO (``nn.Module`` itself: :class:`ReplayRule`). The same rule answers the planner
-(:mod:`gradalg.plan.shapes`): the GEMM a forward multiplies each position by
-(:meth:`LayerRule.weight_gemm`), the numbers autograd keeps per position
-(:meth:`LayerRule.activation_numbers`), the output width (:meth:`LayerRule.output_width`),
-whether its positions must be measured (:attr:`LayerRule.measured_kinds`). Adding a
-layer type is one rule class with its decorator.
+A rule class is registered for its module types with :func:`register_layer`; the most
+specific registered class in a module's MRO wins (``nn.Module``: :class:`ReplayRule`).
+The same rule answers the planner's model facts (:mod:`gradalg.plan.shapes`). Adding a
+layer type is one rule class with its decorator (``docs/layers.md``).
 """
 from __future__ import annotations
 
@@ -42,8 +38,7 @@ from .rows import RowLayout
 __all__ = ["LayerRule", "ReplayRule", "MultiheadAttentionRule", "rule_for", "rule_class", "register_layer", "LAYER_RULES",
            "measured_kind", "SUPPORTED_LAYERS", "DEFAULT_LAYERS", "check_session_layers"]
 
-#: ``{module type, or "package.module:Class": LayerRule subclass}``; a string names a type
-#: of a library looked up only once that library is imported (a model holding it has)
+#: ``{module type, or "package.module:Class" of a library imported lazily: LayerRule subclass}``
 LAYER_RULES: dict = {}
 
 
@@ -104,18 +99,20 @@ class LayerRule(ABC):
     in_default: ClassVar[bool] = True
     #: whether ``ga.capture`` records it (one row per example, ``A`` from the first input)
     in_session: ClassVar[bool] = True
-
-    #: submodules whose parameters the module's forward uses without calling them (no
-    #: hook of theirs fires, so they cannot be recorded alone)
+    #: submodules whose parameters the forward uses without calling them (no hook fires)
     uses_without_calling: ClassVar[tuple[str, ...]] = ()
-
     #: block kinds whose positions T are the layer's own (measured by a meta forward)
     measured_kinds: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
+    def for_module(cls, module: nn.Module) -> "LayerRule":
+        """The rule instance recording ``module`` (a subclass may set its kind from it)."""
+        return cls()
+
+    @classmethod
     def batch_shared(cls, name: str) -> bool:
-        """Whether the module called ``name`` is called with inputs shared by the whole
-        batch (no per-example gradient: left out of the default layers)."""
+        """Whether the module ``name`` is called with inputs shared by the batch (no
+        per-example gradient: left out of the default layers)."""
         return False
 
     # --- the planner's model facts, per position, from module shapes (meta modules work)
@@ -124,21 +121,14 @@ class LayerRule(ABC):
         return None
 
     def activation_numbers(self, module: nn.Module) -> int:
-        """Numbers per position autograd keeps around the layer: its input and output
-        widths, read as ``weight.shape[:2]`` (0 without a matrix weight)."""
+        """Numbers autograd keeps around the layer: ``sum(weight.shape[:2])`` (in + out)."""
         w = getattr(module, "weight", None)
         return int(sum(w.shape[:2])) if isinstance(w, torch.Tensor) and w.dim() >= 2 else 0
 
     def output_width(self, module: nn.Module) -> int | None:
-        """Numbers per position of the layer's output when it ends a model (the width a
-        loss reads); None: the layer cannot be a model's head."""
+        """The output's width when the layer is a model's head (None: it cannot be one)."""
         w = getattr(module, "weight", None)
         return int(w.shape[0]) if isinstance(w, torch.Tensor) and w.dim() >= 2 else None
-
-    @classmethod
-    def for_module(cls, module: nn.Module) -> "LayerRule":
-        """The rule instance recording ``module`` (a subclass may set its kind from it)."""
-        return cls()
 
     #: the forward of the module class this rule reads (``nn.Linear.forward``, ...); a
     #: subclass that overrides it is checked on each call (see :meth:`record`)
@@ -279,8 +269,7 @@ class HFConv1DRule(LayerRule):
 
 
 class _Lookup:
-    """Model facts of an embedding: a row lookup, no GEMM, no activations of its own
-    beyond its output (counted by the layer that reads it), never a model's head."""
+    """Model facts of an embedding: a row lookup, no GEMM or activations, never a head."""
 
     def activation_numbers(self, module):
         return 0

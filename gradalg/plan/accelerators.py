@@ -32,8 +32,9 @@ from dataclasses import replace
 
 import torch
 
-from .devices import (_MEM_EFF, PRESETS, PROFILE_VERSION, DeviceProfile, _measure_bmm_call, _measure_call, _measure_capture,
-                      _measure_elementwise, _measure_op, cached_local_profile, host_memory, read_cached, write_cached)
+from .devices import (_MEM_EFF, PRESETS, PROFILE_VERSION, DeviceProfile, _measure_bmm_call, _measure_bmms, _measure_call,
+                      _measure_capture, _measure_copy, _measure_eighs, _measure_elementwise, _measure_gemms, _measure_op,
+                      cached_local_profile, host_memory, read_cached, write_cached)
 
 __all__ = ["cuda_profile", "nominal_profile", "measure_profile", "nominal_key", "GPU_GEMM_SIZES",
            "GPU_BMM_SIZES", "GPU_EIGH_SIZES"]
@@ -131,32 +132,12 @@ def measure_profile(device: torch.device, *, gemm_sizes=GPU_GEMM_SIZES, bmm_size
     are small enough for a GPU's fraction of a second, and smaller ones test it on a CPU."""
     device = torch.device(device)
     timed = _timer(device)
-    gemm_rates = []
-    for n in gemm_sizes:
-        a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-        gemm_rates.append((n, 2.0 * n ** 3 / timed(lambda: a @ b, seconds)))
-        del a, b
-    n = gemm_sizes[-1]
-    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
-    bf16 = 2.0 * n ** 3 / timed(lambda: a @ b, seconds)
-    del a, b
-    bmm_rates = []
-    for m in bmm_sizes:
-        count = max(8, batch_elements // m ** 3)
-        x, y = torch.randn(count, m, m, device=device), torch.randn(count, m, m, device=device)
-        bmm_rates.append((m, 2.0 * count * m ** 3 / timed(lambda: torch.bmm(x, y), seconds)))
-        del x, y
+    gemm_rates = _measure_gemms(gemm_sizes, timed, device, seconds)
+    bf16 = _measure_gemms(gemm_sizes[-1:], timed, device, seconds, torch.bfloat16)[0][1]
+    bmm_rates = _measure_bmms(bmm_sizes, timed, device, seconds, batch_elements)
     bmm_call = _measure_bmm_call(timed, device, seconds)
-    eigh_times = []
-    g = torch.Generator().manual_seed(0)
-    for k in eigh_sizes:
-        x = torch.randn(k, k, dtype=torch.float64, generator=g).to(device)
-        m = x @ x.T + torch.eye(k, dtype=torch.float64, device=device)
-        eigh_times.append((k, timed(lambda: torch.linalg.eigh(m), seconds, least=2)))
-    x = torch.empty(copy_bytes // 4, device=device)
-    y = torch.empty_like(x)
-    bandwidth = 2 * x.numel() * 4 / timed(lambda: y.copy_(x), seconds)
-    del x, y
+    eigh_times = _measure_eighs(eigh_sizes, timed, device, seconds, least=2)
+    bandwidth = _measure_copy(timed, device, copy_bytes, seconds)
     elementwise = _measure_elementwise(timed, device, max(copy_bytes // 64, 2**10), seconds)
     call = _measure_call(timed, device, seconds)
     op = _measure_op(timed, device, seconds)
@@ -165,7 +146,7 @@ def measure_profile(device: torch.device, *, gemm_sizes=GPU_GEMM_SIZES, bmm_size
     return DeviceProfile(f"{name} ({device}, measured)", gemm_rates[-1][1], max(bf16, gemm_rates[-1][1]),
                          bandwidth, _device_memory(device), measured=True, call_seconds=call, op_seconds=op,
                          batch_seconds=batch, layer_seconds=layer, elementwise_bandwidth=elementwise,
-                         fault_bandwidth=0.0, gemm_rates=tuple(gemm_rates), bmm_rates=tuple(bmm_rates),
-                         bmm_call_seconds=bmm_call, eigh_times=tuple(eigh_times),
+                         fault_bandwidth=0.0, gemm_rates=gemm_rates, bmm_rates=bmm_rates,
+                         bmm_call_seconds=bmm_call, eigh_times=eigh_times,
                          random_seconds=cached_local_profile().random_seconds,
                          link_bandwidth=PRESETS[nominal_key(name)].link_bandwidth if device.type == "cuda" else 0.0)

@@ -5,7 +5,6 @@ recorded :class:`~gradalg.plan.decisions.Decision` where there is a choice. The 
 runs what these return; it never routes a chunk itself."""
 from __future__ import annotations
 
-from ..capture.layers import measured_kind
 from ..expr import AdamPrecondition, Captured, GradNode, Identity, Inner, Normalize, Precondition, Project, Source
 from ..expr.lowrank import lowrank_below
 from . import estimates
@@ -112,7 +111,7 @@ def low_rank_decision(held: GradNode, facts: Facts) -> Decision | None:
 def _measured(node: GradNode) -> bool:
     """Whether ``positions(node)`` are every layer's real T: known from the data's shape
     (token ids, flat vectors), rows in memory, or measured (the plan's facts)."""
-    if positions_known(node) and not any(measured_kind(b.kind) for b in node.space.blocks):
+    if positions_known(node):
         return True
     src = node.source
     return isinstance(src, Captured) or (isinstance(src, Source) and forward_shapes(src).measured)

@@ -165,11 +165,6 @@ class DeviceProfile:
             return self.flops_fp32 / 2
         return self.flops_fp32
 
-    def seconds(self, flops: float, nbytes: float, dtype=torch.float32, calls: float = 0.0) -> float:
-        """Roofline estimate of plain counts: compute at the large-GEMM rate and memory
-        traffic do not overlap (pessimistic), plus a fixed cost per module call."""
-        return flops / self.flops(dtype) + nbytes / self.bandwidth + calls * self.call_seconds
-
     def gemm_seconds(self, m: float, n: float, k: float, elem: int = 4) -> float:
         """One ``(m, k) @ (k, n)`` GEMM in numbers of ``elem`` bytes (8: float64, 2: half)."""
         flops = 2.0 * m * n * k
@@ -351,24 +346,24 @@ BMM_SIZES = (4, 8, 16, 32, 64)
 EIGH_SIZES = (32, 128, 384)
 
 
-def _measure_gemms() -> tuple:
+def _measure_gemms(sizes=GEMM_SIZES, timed=_warm_fastest, device="cpu", seconds: float = 0.12,
+                   dtype=torch.float32) -> tuple:
+    """``((n, FLOP/s), …)`` of square (n, n) GEMMs."""
     rates = []
-    for n in GEMM_SIZES:
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        a @ b
-        # the fastest repetition, not the mean: other processes competing for the cores
-        # while this runs once would otherwise be cached as this machine's speed
-        rates.append((n, 2.0 * n ** 3 / _fastest(lambda: a @ b, 0.12)))
+    for n in sizes:
+        a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+        rates.append((n, 2.0 * n ** 3 / timed(lambda: a @ b, seconds)))
     return tuple(rates)
 
 
-def _measure_bmms() -> tuple:
+def _measure_bmms(sizes=BMM_SIZES, timed=_warm_fastest, device="cpu", seconds: float = 0.06,
+                  elements: int = 2**20) -> tuple:
+    """``((n, FLOP/s), …)`` of batched square products, ``elements`` multiply-adds a call."""
     rates = []
-    for n in BMM_SIZES:
-        b = max(8, 2**20 // n ** 3)
-        x, y = torch.randn(b, n, n), torch.randn(b, n, n)
-        torch.bmm(x, y)
-        rates.append((n, 2.0 * b * n ** 3 / _fastest(lambda: torch.bmm(x, y), 0.06)))
+    for n in sizes:
+        b = max(8, elements // n ** 3)
+        x, y = torch.randn(b, n, n, device=device), torch.randn(b, n, n, device=device)
+        rates.append((n, 2.0 * b * n ** 3 / timed(lambda: torch.bmm(x, y), seconds)))
     return tuple(rates)
 
 
@@ -380,23 +375,22 @@ def _measure_bmm_call(timed=_warm_fastest, device="cpu", seconds: float = 0.1) -
     return timed(lambda: torch.einsum("nto,nti->noi", d, a), seconds)
 
 
-def _measure_eighs() -> tuple:
+def _measure_eighs(sizes=EIGH_SIZES, timed=_warm_fastest, device="cpu", seconds: float = 0.12,
+                   least: int = 3) -> tuple:
+    """``((d, seconds), …)`` of float64 symmetric eigendecompositions."""
     out = []
     g = torch.Generator().manual_seed(0)
-    for d in EIGH_SIZES:
-        x = torch.randn(d, d, dtype=torch.float64, generator=g)
-        m = x @ x.T + torch.eye(d, dtype=torch.float64)
-        out.append((d, _fastest(lambda: torch.linalg.eigh(m), 0.12)))
+    for d in sizes:
+        x = torch.randn(d, d, dtype=torch.float64, generator=g).to(device)
+        m = x @ x.T + torch.eye(d, dtype=torch.float64, device=device)
+        out.append((d, timed(lambda: torch.linalg.eigh(m), seconds, least)))
     return tuple(out)
 
 
 def _measure_cpu() -> DeviceProfile:
     rates = _measure_gemms()
     flops = max(r for _, r in rates)
-    x = torch.empty(64 * 2**20 // 4)       # larger than a CPU's last-level cache: memory, not cache
-    y = torch.empty_like(x)
-    y.copy_(x)
-    bw = 2 * x.numel() * 4 / _fastest(lambda: y.copy_(x), 0.1)
+    bw = _measure_copy()
     call = _measure_call()
     batch, layer = _measure_capture(call)
     return DeviceProfile(f"cpu ({torch.get_num_threads()} threads)", flops, flops, bw, host_memory(), measured=True,
@@ -405,6 +399,14 @@ def _measure_cpu() -> DeviceProfile:
                          gemm_rates=rates, bmm_rates=_measure_bmms(), bmm_call_seconds=_measure_bmm_call(),
                          eigh_times=_measure_eighs(),
                          random_seconds=_measure_randoms(), block_seconds=_measure_blocks())
+
+
+def _measure_copy(timed=_warm_fastest, device="cpu", nbytes: int = 64 * 2**20, seconds: float = 0.1) -> float:
+    """Bytes/s of a copy of ``nbytes`` (larger than a CPU's last-level cache: memory, not
+    cache), read and written."""
+    x = torch.empty(nbytes // 4, device=device)
+    y = torch.empty_like(x)
+    return 2 * x.numel() * 4 / timed(lambda: y.copy_(x), seconds)
 
 
 def _measure_faults() -> float:

@@ -64,9 +64,11 @@ class Facts:
 
 
 def positions_known(node: GradNode) -> bool:
-    """Whether ``tokens_hint`` is every layer's T: the examples are token ids (T = their
-    length) or flat vectors (T = 1), or the rows are per token. Images and other inputs
-    give each layer its own T (a convolution's output positions), known when it runs."""
+    """Whether ``tokens_hint`` is every layer's T: no layer has positions of its own (a
+    convolution's output positions: ``measured_kind``, known when it runs) and the examples
+    are token ids (T = their length) or flat vectors (T = 1), or the rows are per token."""
+    if any(measured_kind(b.kind) for b in node.space.blocks):
+        return False
     if token_rows(node) > 1:
         return True
     data = getattr(node.source, "data", None)
@@ -88,7 +90,7 @@ def facts(root: Node, options: Options, device: DeviceProfile, measure: bool = F
             continue
         sources.add(node.token)
         dtype = dtype or next((p.dtype for p in node.task.model.parameters()), None)
-        if measure and (not positions_known(node) or any(measured_kind(b.kind) for b in node.space.blocks)):
+        if measure and not positions_known(node):
             if node.token not in memo and len(memo) >= 256:
                 memo.pop(next(iter(memo)))
             memo[node.token] = memo.get(node.token) or measure_forward_shapes(node)

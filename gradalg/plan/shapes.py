@@ -31,7 +31,7 @@ from ..capture.layers import rule_class
 from .cost import tokens_hint
 
 __all__ = ["ForwardShapes", "forward_shapes", "measure_forward_shapes", "measured", "rows_per_example", "element_size",
-           "weight_layers", "attention_shape", "model_flops", "activation_bytes", "output_width", "output_bytes",
+           "weight_layers", "attention_shape", "activation_bytes", "output_width", "output_bytes",
            "OUTPUT_COPIES"]
 
 
@@ -181,16 +181,6 @@ def attention_shape(model: nn.Module) -> tuple[int, int, int]:
     width = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or 0
     heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None) or 1
     return int(layers), int(width), int(heads)
-
-
-def model_flops(model: nn.Module, tokens: int) -> float:
-    """Forward FLOPs for one example of ``tokens`` positions, from module shapes: 2·in·out
-    per position for each of :func:`weight_layers` (convolutions counted per output
-    position as if ``tokens`` positions: a lower bound for images), plus attention's
-    4·T·width per position per layer when the model has a transformer config."""
-    layers, width, _ = attention_shape(model)
-    per_token = sum(2.0 * n_in * n_out for n_in, n_out in weight_layers(model)) + 4.0 * tokens * width * layers
-    return per_token * tokens
 
 
 def activation_bytes(model: nn.Module, tokens: int, elem: int = 4) -> float:
