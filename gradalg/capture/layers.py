@@ -51,13 +51,23 @@ def register_layer(*module_types):
     return register
 
 
+#: ``{module type: rule class}`` found for the registry as it was (its items, compared)
+_FOUND: dict = {"for": None}
+
+
 def rule_class(module: nn.Module) -> type:
     """The rule class registered for the most specific type in ``type(module).__mro__``; a
     type named by a string is looked up once its module is imported (a model holding an
     instance has imported it)."""
-    lazy = {getattr(sys.modules.get(k.partition(":")[0]), k.partition(":")[2], None): cls
-            for k, cls in LAYER_RULES.items() if isinstance(k, str)}
-    return next(LAYER_RULES.get(t) or lazy[t] for t in type(module).__mro__ if t in LAYER_RULES or t in lazy)
+    kind = type(module)
+    if _FOUND["for"] != LAYER_RULES:
+        _FOUND.clear()
+        _FOUND["for"] = dict(LAYER_RULES)
+    if kind not in _FOUND:
+        lazy = {getattr(sys.modules.get(k.partition(":")[0]), k.partition(":")[2], None): cls
+                for k, cls in LAYER_RULES.items() if isinstance(k, str)}
+        _FOUND[kind] = next(LAYER_RULES.get(t) or lazy[t] for t in kind.__mro__ if t in LAYER_RULES or t in lazy)
+    return _FOUND[kind]
 
 
 def measured_kind(kind: str) -> bool:
