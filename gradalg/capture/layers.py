@@ -56,9 +56,8 @@ _FOUND: dict = {"for": None}
 
 
 def rule_class(module: nn.Module) -> type:
-    """The rule class registered for the most specific type in ``type(module).__mro__``; a
-    type named by a string is looked up once its module is imported (a model holding an
-    instance has imported it)."""
+    """The rule class registered for the most specific type in ``type(module).__mro__`` (a
+    type named by a string is looked up once imported: an instance's library is)."""
     kind = type(module)
     if _FOUND["for"] != LAYER_RULES:
         _FOUND.clear()

@@ -320,15 +320,13 @@ def _fastest(fn, seconds: float, least: int = 3) -> float:
 
 
 def _warm_fastest(fn, seconds: float, least: int = 3) -> float:
-    """:func:`_fastest` after one call (warm-up): the CPU's timer of the measurements below
-    that :mod:`gradalg.plan.accelerators` shares with its own (synchronized) timer."""
+    """:func:`_fastest` after one call (warm-up); accelerators pass their synchronized timer."""
     fn()
     return _fastest(fn, seconds, least)
 
 
 def host_memory() -> float:
-    """Bytes of this machine's memory for tensors: 80 % of its physical memory (8 GB when
-    unknown)."""
+    """Bytes of this machine's memory for tensors: 80 % of it (8 GB when unknown)."""
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.8
     except (ValueError, OSError, AttributeError):

@@ -198,13 +198,10 @@ def output_width(model: nn.Module) -> int | None:
     return widths[-1] if widths else None
 
 
-#: copies of the model's output (per position, its full width) that the loss over it adds
-#: while a batch is captured, beyond the output itself (``activation_bytes``): a language
-#: model's shifted contiguous logits, their log-softmax and its gradient. Measured on a
-#: GPT-2 of width 768 with a 50,257-token vocabulary (T = 64, one thread,
-#: ``benchmarks/machine_budget.py``): resident growth rose 67 MB (block linears) and
-#: 92 MB (every layer) per example of a batch against 33 and 58 MB counted without this
-#: term, i.e. 2.8 more (T, V) float32 tensors per example.
+#: copies of the model's output (per position, its full width) the loss adds while a batch is
+#: captured (a language model's shifted logits, their log-softmax and its gradient). Measured
+#: on a GPT-2 of width 768, vocabulary 50,257, T = 64 (``benchmarks/machine_budget.py``): 67 and
+#: 92 MB per example (block linears, every layer) against 33 and 58 MB without it: 2.8 (T, V) tensors.
 OUTPUT_COPIES = 3
 
 
