@@ -54,7 +54,6 @@ __all__ = ["capture_cost", "pass_capture_cost", "chunk_count", "rows_chunk_cost"
            "kernel_costs", "elementwise_cost", "pass_overhead", "ADAM_OPS"]
 
 
-
 # ------------------------------------------------------------------ model shapes
 def _leaf_modules(model: nn.Module) -> int:
     return sum(1 for m in model.modules() if not any(True for _ in m.children()))
