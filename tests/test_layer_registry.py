@@ -126,3 +126,18 @@ def test_registry_answers_which_submodules_cannot_be_recorded_alone():
         resolve_layers(model, ["1.out_proj"])
     lm = nn.ModuleDict({"wte": nn.Embedding(5, 4), "wpe": nn.Embedding(7, 4)})
     assert [r.name for r in resolve_layers(lm)] == ["wte"]
+
+
+def test_measured_positions_are_the_rules():
+    """A meta-device forward measures each block's T by its rule: a convolution's output
+    positions, one position for a block recorded by replay (a GroupNorm's (P, 1) column;
+    it was output.numel() / (batch · P), half the pixels, before the registry asked it)."""
+    from gradalg.plan.shapes import measure_forward_shapes
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 3)).double()
+    x, y = torch.randn(6, 2, 6, 6, dtype=torch.float64), torch.randint(0, 3, (6,))
+    G = ga.grads(ga.tasks.classification(model), (x, y), layers="all")
+    assert measure_forward_shapes(G.expr).positions == {"0": 16, "1": 1, "4": 1}
+    chunk = ga.LocalExecutor().gradients(G.expr)         # the factors capture records
+    assert {name: F.T for name, F in chunk.blocks.items()} == {"0": 16, "1": 1, "4": 1}

@@ -125,6 +125,10 @@ class LayerRule(ABC):
         return False
 
     # --- the planner's model facts, per position, from module shapes (meta modules work)
+    def positions(self, module: nn.Module, output: torch.Tensor) -> int:
+        """T of the factors of a call that returned ``output`` (B, ..., out): its positions."""
+        return max(1, int(output.numel() // max(1, output.shape[0] * self.block_shape(module)[0])))
+
     def weight_gemm(self, module: nn.Module) -> tuple[int, int] | None:
         """``(in, out)`` of the GEMM the forward multiplies each position by; None: none."""
         return None
@@ -575,6 +579,9 @@ class ReplayRule(LayerRule):
     @staticmethod
     def _params(module):
         return [(n, p) for n, p in module.named_parameters(recurse=False) if p is not None]
+
+    def positions(self, module, output):
+        return 1     # the block is one (P, 1) column per example
 
     def block_shape(self, module):
         params = self._params(module)

@@ -5,8 +5,9 @@ A layer's factors hold one row per *position* of its input: the tokens of a sequ
 the output pixels of a convolution (H_out·W_out, which only the layers before it
 determine). :func:`measure_forward_shapes` finds them by running the task's loss once on the
 ``meta`` device for the first example — shapes propagate, nothing is computed or
-allocated, the model's own parameters are not touched — and records, per block,
-``T_b = output.numel() / (batch · out_features)``. Models whose forward cannot run on
+allocated, the model's own parameters are not touched — and records, per block, its
+rule's ``positions`` (``T_b = output.numel() / (batch · out_features)``; 1 for a block
+recorded by replay, one (P, 1) column per example). Models whose forward cannot run on
 ``meta`` (a data-dependent branch, ``.item()``) fall back to :func:`tokens_hint` for
 every block.
 
@@ -107,11 +108,9 @@ def _measure_on_meta(task, batch, layers) -> tuple[dict[str, int], int]:
     activations = [0]
     handles = []
     for ref in refs:
-        out_features = ref.rule.block_shape(ref.module)[0]
-
-        def hook(module, args, output, name=ref.name, out_features=out_features):
+        def hook(module, args, output, name=ref.name, rule=ref.rule):
             if isinstance(output, torch.Tensor) and name not in seen:
-                seen[name] = max(1, int(output.numel() // max(1, output.shape[0] * out_features)))
+                seen[name] = rule.positions(module, output)
         handles.append(ref.module.register_forward_hook(hook))
 
     def count(module, args, output):
