@@ -41,17 +41,13 @@ A :class:`DeviceProfile` prices the counts of a :class:`~gradalg.plan.cost.Cost`
   small products, where ``op_seconds`` (a chain of ops on 4 × 4 tensors) priced 14 µs.
 * **Random numbers**: ``random_seconds`` per float64 normal number drawn by torch's CPU
   generator (a dense projection's matrix is drawn there on every device).
-* **Calibration** of what the planner counts but cannot time by shape, fitted with
-  ``benchmarks/estimates.py`` (the same nominal values on every device; not measured by
-  ``local_profile``): ``elementwise_sweeps``, the memory sweeps over a layer's inputs and
-  outputs per forward and per backward (nonlinearities, norms, residual adds, the loss
-  head, autograd's saved tensors read back); ``ops_per_pass``, the small-op equivalents a
-  pass over data runs once per job (opening sinks, the task's fingerprint for the
-  shared-forward key, resolving hooks, concatenating held rows); ``ops_per_memory_pass``,
-  the same for a pass over rows in memory (a sink opened and published: LESS's passes
-  that re-read two grouped rows measure 20–40 µs); ``ops_per_batch``, per captured batch
-  beyond the capture (finite checks, ids, chunk records, row-wise derivations, the
-  allocator's trim). :meth:`DeviceProfile.calibration` shows them (``explain()``).
+* **Calibration** (nominal on every device, fitted with ``benchmarks/estimates.py``):
+  ``elementwise_sweeps``, memory sweeps over a layer's inputs and outputs per forward and
+  per backward (nonlinearities, norms, the loss head, saved tensors read back);
+  ``ops_per_pass``, small ops per job of a pass over data (sinks, the task's fingerprint,
+  hooks, held rows concatenated); ``ops_per_memory_pass``, of a pass over rows in memory
+  (LESS's re-reads of two grouped rows: 20–40 µs); ``ops_per_batch``, per captured batch
+  (finite checks, ids, chunk records, the allocator's trim). ``explain()`` shows them.
 
 ``local_profile()`` measures this machine's CPU the first time (about three seconds;
 medians of repeated runs in process CPU time, so that other processes competing for
