@@ -51,22 +51,24 @@ def register_layer(*module_types):
     return register
 
 
-#: ``{module type: rule class}`` found for the registry as it was (its items, compared)
-_FOUND: dict = {"for": None}
+#: ``[the registry as it was, {module type: rule class} found for it]``
+_FOUND: list = [None, {}]
 
 
 def rule_class(module: nn.Module) -> type:
     """The rule class registered for the most specific type in ``type(module).__mro__`` (a
     type named by a string is looked up once imported: an instance's library is)."""
-    kind = type(module)
-    if _FOUND["for"] != LAYER_RULES:
-        _FOUND.clear()
-        _FOUND["for"] = dict(LAYER_RULES)
-    if kind not in _FOUND:
+    registry, found = _FOUND
+    if registry != LAYER_RULES:
+        registry, found = dict(LAYER_RULES), {}
+        _FOUND[:] = [registry, found]
+    rule = found.get(type(module))
+    if rule is None:
         lazy = {getattr(sys.modules.get(k.partition(":")[0]), k.partition(":")[2], None): cls
-                for k, cls in LAYER_RULES.items() if isinstance(k, str)}
-        _FOUND[kind] = next(LAYER_RULES.get(t) or lazy[t] for t in kind.__mro__ if t in LAYER_RULES or t in lazy)
-    return _FOUND[kind]
+                for k, cls in registry.items() if isinstance(k, str)}
+        rule = found[type(module)] = next(registry.get(t) or lazy[t] for t in type(module).__mro__
+                                          if t in registry or t in lazy)
+    return rule
 
 
 def measured_kind(kind: str) -> bool:
