@@ -39,7 +39,7 @@ from ..expr.tokens import token_rows
 
 __all__ = ["Cost", "first_example_shape", "tokens_hint", "gemm_cost", "bmm_cost",
            "gram_cost", "ghost_cost",
-           "dense_cost", "materialize_cost", "kron_project_cost", "dense_project_cost", "fisher_cost", "eigh_cost", "block_cost",
+           "dense_cost", "materialize_cost", "kron_project_cost", "fisher_cost", "eigh_cost", "block_cost",
            "svd_cost", "SVD_GEMMS"]
 
 
@@ -168,13 +168,6 @@ def dense_cost(nL, nR, TL, TR, n_in, n_out, left_ready=True, elem=4) -> Cost:
 def kron_project_cost(n, T, n_in, n_out, k_in, k_out, elem=4) -> Cost:
     """(A P_inᵀ, D P_outᵀ): factor-wise Kronecker projection, factors kept."""
     return gemm_cost(n * T, k_in, n_in, 1, elem) + gemm_cost(n * T, k_out, n_out, 1, elem)
-
-
-def dense_project_cost(n, T, dim, k, factored=True, elem=4) -> Cost:
-    """Materialize (if factored: n·T·dim MACs, the rows written) then a (k, dim) GEMM
-    that reads the (k, dim) matrix."""
-    made = Cost(flops=2.0 * n * T * dim, bytes=float(elem) * n * dim) if factored else Cost()
-    return made + gemm_cost(n, k, dim, 1, elem) + Cost(bytes=float(elem) * k * dim)
 
 
 def fisher_cost(n, block_dims, structure) -> Cost:
