@@ -221,7 +221,7 @@ def _blas_threads():
 
 def symmetric_eigh(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(λ ascending (d,), Q (d, d))`` of a symmetric M (its lower triangle is read), as
-    ``torch.linalg.eigh``; M may be overwritten.
+    ``torch.linalg.eigh`` (M is left as it is).
 
     A float64 matrix on the CPU goes to LAPACK's divide-and-conquer ``dsyevd`` through
     ``scipy.linalg.eigh(driver="evd")`` (scipy's OpenBLAS), limited to torch's thread count
@@ -230,15 +230,16 @@ def symmetric_eigh(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     1.5·10⁻¹⁵, orthogonality 6·10⁻¹⁵ both, d = 3072), in about 0.78× the CPU time on an
     AVX-512 CPU (d = 2304–3072, one thread; ``benchmarks/ekfac_floor.py``): EK-FAC's
     eigendecompositions are most of its time at GPT-2 width. Q comes back column-major,
-    as torch's. Anything else (float32, a GPU, or threadpoolctl missing): torch."""
-    if M.dtype == torch.float64 and M.device.type == "cpu" and M.dim() == 2 and M.shape[0] > 1:
+    as torch's. Anything else (float32, a GPU, NaN/inf, or threadpoolctl missing): torch."""
+    if (M.dtype == torch.float64 and M.device.type == "cpu" and M.dim() == 2 and M.shape[0] > 1
+            and bool(torch.isfinite(M).all())):   # NaN/inf: torch's eigh, which raises
         controller = _blas_threads()
         if controller is None:
             return torch.linalg.eigh(M)
         import scipy.linalg
         a = M.detach().numpy().T    # the transpose of a row-major symmetric M: itself, column-major
         with controller.limit(limits=torch.get_num_threads(), user_api="blas"):
-            lam, Q = scipy.linalg.eigh(a, lower=False, driver="evd", overwrite_a=True, check_finite=False)
+            lam, Q = scipy.linalg.eigh(a, lower=False, driver="evd", check_finite=False)
         return torch.from_numpy(lam), torch.from_numpy(Q)
     return torch.linalg.eigh(M)
 
@@ -294,7 +295,7 @@ def checked_eigh(M: torch.Tensor, rtol: float, what: str = "a Kronecker factor",
     M = (M + M.T) / 2
     d = M.shape[0]
     if M.dtype == torch.float64:
-        lam, Q = symmetric_eigh(M)        # M is not needed past this: overwritten
+        lam, Q = symmetric_eigh(M)
         return Q, lam.clamp_min(0), EighCheck(d, M.dtype)
     lam, Q = torch.linalg.eigh(M)
     lam64 = lam.to(torch.float64)
