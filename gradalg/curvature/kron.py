@@ -227,9 +227,9 @@ def symmetric_eigh(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``scipy.linalg.eigh(driver="evd")`` (scipy's OpenBLAS), limited to torch's thread count
     (``torch.get_num_threads()``, by ``threadpoolctl``): the same algorithm as torch's
     (MKL's ``dsyevd``), the same accuracy (residual ‖Mq − λq‖/‖M‖ 1.1·10⁻¹⁵ against
-    1.5·10⁻¹⁵, orthogonality 6·10⁻¹⁵ both, d = 3072), in about 0.78× the CPU time on an
-    AVX-512 CPU (d = 2304–3072, one thread; ``benchmarks/ekfac_floor.py``): EK-FAC's
-    eigendecompositions are most of its time at GPT-2 width. Q comes back column-major,
+    1.5·10⁻¹⁵, orthogonality 6·10⁻¹⁵ both, d = 3072), in 0.78–0.80× the CPU time on an
+    AVX-512 CPU (d = 3072, rank 2048 and full, one thread; docs/peers.md, "EK-FAC against
+    the floor of its math"): EK-FAC's eigendecompositions are most of its time at GPT-2 width. Q comes back column-major,
     as torch's. Anything else (float32, a GPU, NaN/inf, or threadpoolctl missing): torch."""
     if (M.dtype == torch.float64 and M.device.type == "cpu" and M.dim() == 2 and M.shape[0] > 1
             and bool(torch.isfinite(M).all())):   # NaN/inf: torch's eigh, which raises
