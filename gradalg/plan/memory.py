@@ -16,13 +16,13 @@ Kernels over factors work on blocks of ``b = min(T, token_block)`` positions
 (``ga.options(token_block=...)``, :mod:`gradalg.capture.factors`), so their temporaries
 are counted with b, not T: K-FAC statistics b·(in + out) per example, EK-FAC's rotation
 the same, and the ghost kernel's three (nL', nR', bL, bR) intermediates at most
-``max(ghost_slice_elements, bL·bR)`` elements each (:func:`ghost_workspace_bytes`).
+``max(ghost_slice_elements, bL·bR)`` elements each (:meth:`gradalg.plan.jobs.ScoresJob.ghost_workspace_bytes`).
 """
 from __future__ import annotations
 
 import os
 
-from ..capture.factors import Factors, compute_dtype, ghost_workspace_elements
+from ..capture.factors import Factors
 from ..errors import MemoryBudgetError
 from ..expr import Captured, Project, Source
 from ..expr.stored import Stored
@@ -33,12 +33,10 @@ from .cost import activation_bytes, output_bytes, tokens_hint
 from .decisions import Decision, DecisionKind
 from .shapes import element_size, forward_shapes, rows_per_example
 
-__all__ = ["positions", "rows_of", "rows_bytes", "capture_bytes_per_example", "stream_workspace_bytes", "flat_example_bytes",
-           "kfac_example_bytes", "ekfac_rotated_bytes",
-           "kron_bytes", "kron_output_bytes", "ekfac_example_bytes", "ekfac_bytes", "kron_factor_bytes", "kron_precision_decisions", "kron_bytes_arithmetic",
-           "statistics_bytes", "check_statistics_fit", "captured_positions", "ghost_workspace_bytes",
-           "ghost_norm_bytes_per_example", "token_block_of", "projection_map_decisions",
-           "projection_workspace_bytes"]
+__all__ = ["positions", "rows_of", "rows_bytes", "capture_bytes_per_example", "stream_workspace_bytes",
+           "kron_bytes", "kron_output_bytes", "ekfac_bytes", "kron_factor_bytes", "kron_precision_decisions",
+           "kron_bytes_arithmetic", "statistics_bytes", "check_statistics_fit", "captured_positions",
+           "projection_map_decisions", "projection_workspace_bytes"]
 
 
 def positions(node) -> dict[str, int]:
@@ -391,86 +389,6 @@ def stream_workspace_bytes(streams, dtype) -> float:
     terms arrive as separate chunks: counted once. Every job's
     :meth:`~gradalg.plan.jobs.Job.per_example_bytes` adds its own on top."""
     return max((projection_workspace_bytes(s, dtype) for s in streams), default=0.0)
-
-
-def flat_example_bytes(node, dtype, copy_bytes: float) -> float:
-    """One example's rows of ``node`` materialized flat, and ``copy_bytes`` more per
-    coordinate (a Fisher's float64 copy and product: 16; a self-score's product: 8)."""
-    return node.space.dim * (element_size(dtype) + copy_bytes)
-
-
-def kfac_example_bytes(node, token_block: int | None) -> float:
-    """K-FAC's sums of one example: one token block of its factors in float64 per 2-D block."""
-    T = positions(node)
-    return sum(_token_block(token_block, T[b.name]) * sum(b.shape) * 8.0
-               for b in node.space.blocks if len(b.shape) == 2)
-
-
-def ekfac_rotated_bytes(node, token_block: int | None, diagonal_width: int | None) -> float:
-    """EK-FAC's correction of one example: rotated gradients, squared (float64), and one
-    token block of rotated factors; a block with a diagonal factor is rotated one example
-    at a time (:func:`ekfac_example_bytes`, counted in the job's fixed bytes)."""
-    T = positions(node)
-    diag = _diagonal_blocks(node.space, diagonal_width)
-    return sum((16.0 * b.dim if b.name not in diag else 0.0)
-               + (_token_block(token_block, T[b.name]) * sum(b.shape) * 8.0 if len(b.shape) == 2 else 0.0)
-               for b in node.space.blocks)
-
-
-def _token_block(block: int | None, T: int) -> int:
-    return min(T, block) if block else T
-
-
-def _diagonal_blocks(space, diagonal_width: int | None) -> set:
-    """Names of the 2-D blocks of ``space`` with a factor wider than ``diagonal_width``."""
-    return {b.name for b in space.blocks if len(b.shape) == 2 and diagonal_width is not None
-            and max(b.shape) > diagonal_width}
-
-
-def ekfac_example_bytes(space, diagonal_width: int | None) -> float:
-    """EK-FAC's correction of a block with a diagonal factor, one example at a time: its
-    rotated (out, in) gradient, squared in place, and their float64 copy (or the scattered
-    one-hot gradient and its rotation): 16·out·in bytes for the largest such block."""
-    diag = _diagonal_blocks(space, diagonal_width)
-    return max([16.0 * b.dim for b in space.blocks if b.name in diag] or [0.0])
-
-
-def token_block_of(job, T: int) -> int:
-    """Positions per example the job's kernels take at once: ``min(T, job.token_block)``."""
-    return _token_block(getattr(job, "token_block", None), T)
-
-
-def ghost_norm_bytes_per_example(job, dtype) -> float:
-    """Bytes per streamed example of the ghost norms ‖G_i‖² of a self-score (diag) job:
-    three (bT, bS) Gram-sized intermediates per example for the widest-positioned
-    factored block (b = min(T, token_block); the kernel caps a slice at
-    ``max(ghost_slice_elements, b²)`` elements, so this overcounts large batches)."""
-    import torch
-    if not job.streams:
-        return 0.0
-    node = job.streams[0]
-    elem = element_size(compute_dtype(dtype if isinstance(dtype, torch.dtype) else torch.float32))
-    T = positions(node)
-    worst = max([token_block_of(job, T[b.name]) ** 2 for b in node.space.blocks if len(b.shape) == 2] or [0])
-    return 3.0 * elem * worst
-
-
-def ghost_workspace_bytes(job, dtype) -> float:
-    """Bytes of the ghost kernel's intermediates for a scores job: per ghost block the
-    activation Gram, the gradient Gram and their product, each
-    :func:`~gradalg.capture.factors.ghost_workspace_elements` numbers of the compute dtype
-    (float32 for half-precision factors); the blocks run one after the other, so the
-    largest counts."""
-    import torch
-    elem = element_size(compute_dtype(dtype if isinstance(dtype, torch.dtype) else torch.float32))
-    held, streamed = job.held, job.streams[0]
-    P_h, P_s = positions(held), positions(streamed)
-    worst = 0
-    for b in held.space.blocks:
-        if job.kernels.get(b.name) == "ghost":
-            worst = max(worst, ghost_workspace_elements(held.n, streamed.n, P_h[b.name], P_s[b.name],
-                                                        job.slice_elements, job.token_block))
-    return 3.0 * elem * worst
 
 
 def statistics_bytes(node) -> float:
