@@ -130,6 +130,10 @@ class Job:
     def key(self) -> tuple[str, str]:
         return (self.kind, self.target.token)
 
+    def at_once(self, T: int) -> int:
+        """Positions of an example its kernels over factors take at once: ``min(T, token_block)``."""
+        return min(T, self.token_block) if self.token_block else T
+
     def describe(self) -> str:
         return f"{self.kind} {self.target.label}"
 

@@ -32,10 +32,6 @@ from .base import Job
 __all__ = ["KronStatisticsJob", "KFACJob", "EKFACJob", "KronAccumulator", "EKFACAccumulator"]
 
 
-def _token_block(block: int | None, T: int) -> int:
-    return min(T, block) if block else T
-
-
 def _diagonal_blocks(space, diagonal_width: int | None) -> set:
     """Names of the 2-D blocks of ``space`` with a factor wider than ``diagonal_width``."""
     return {b.name for b in space.blocks if len(b.shape) == 2 and diagonal_width is not None
@@ -103,7 +99,7 @@ class KFACJob(KronStatisticsJob):
         """One example's sums: one token block of its factors in float64 per 2-D block."""
         node = self.streams[0]
         T = positions(node)
-        return sum(_token_block(self.token_block, T[b.name]) * sum(b.shape) * 8.0
+        return sum(self.at_once(T[b.name]) * sum(b.shape) * 8.0
                    for b in node.space.blocks if len(b.shape) == 2)
 
     def describe(self) -> str:
@@ -159,7 +155,7 @@ class EKFACJob(KronStatisticsJob):
         node = self.streams[0]
         T, diag = positions(node), _diagonal_blocks(node.space, self.kron_diagonal_width)
         return sum((16.0 * b.dim if b.name not in diag else 0.0)
-                   + (_token_block(self.token_block, T[b.name]) * sum(b.shape) * 8.0 if len(b.shape) == 2 else 0.0)
+                   + (self.at_once(T[b.name]) * sum(b.shape) * 8.0 if len(b.shape) == 2 else 0.0)
                    for b in node.space.blocks)
 
     def fixed_bytes(self, dtype) -> float:

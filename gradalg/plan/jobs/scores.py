@@ -36,10 +36,6 @@ def _compute_elem(dtype) -> int:
     return element_size(compute_dtype(dtype if isinstance(dtype, torch.dtype) else torch.float32))
 
 
-def _token_block(block: int | None, T: int) -> int:
-    return min(T, block) if block else T
-
-
 @dataclass(eq=False, frozen=True)
 class ScoresJob(Job):
     """⟨held_i, H streamed_j⟩ for a score ``Inner(L, H, R)``: the held side (collected by
@@ -230,7 +226,7 @@ class DiagJob(Job):
             return 0.0
         node = self.streams[0]
         T = positions(node)
-        worst = max([_token_block(self.token_block, T[b.name]) ** 2 for b in node.space.blocks
+        worst = max([self.at_once(T[b.name]) ** 2 for b in node.space.blocks
                      if len(b.shape) == 2] or [0])
         return super().per_example_bytes(dtype) + 3.0 * _compute_elem(dtype) * worst
 
