@@ -7,7 +7,7 @@ the K-FAC job of the same operator) rotates each example's gradient into those
 eigenbases and sums its squares, Λ = (1/n) Σ_i (Q_Sᵀ G_i Q_A)². Kernels over factors take
 ``token_block`` positions at once; factors wider than ``kron_float64_width`` are summed
 and eigendecomposed in float32, wider than ``kron_diagonal_width`` kept as their
-diagonal (the job's fields, from ``ga.options``; bytes in :mod:`gradalg.plan.memory`).
+diagonal (the job's fields, from ``ga.options``).
 """
 from __future__ import annotations
 
@@ -25,11 +25,12 @@ from ...linalg.kron import (BlockEigenvalues, KronOp, diagonal_factor_rules, is_
                             rotate_rows)
 from ..cost import Cost, bmm_cost, block_cost, eigh_cost, gemm_cost, gram_cost
 from ..estimates import _factored
-from ..memory import (_gb, ekfac_bytes, kron_bytes, kron_bytes_arithmetic, kron_output_bytes,
-                      kron_precision_decisions, positions)
+from ..decisions import Decision, DecisionKind
+from ..memory import _gb, positions
 from .base import Job
 
-__all__ = ["KronStatisticsJob", "KFACJob", "EKFACJob", "KronAccumulator", "EKFACAccumulator"]
+__all__ = ["KronStatisticsJob", "KFACJob", "EKFACJob", "KronAccumulator", "EKFACAccumulator", "kron_factor_bytes",
+           "kron_bytes", "ekfac_bytes", "kron_output_bytes", "kron_bytes_arithmetic", "kron_precision_decisions"]
 
 
 def _diagonal_blocks(space, diagonal_width: int | None) -> set:
@@ -185,6 +186,201 @@ class EKFACJob(KronStatisticsJob):
         return EKFACAccumulator(self.target, ctx.state.kron[self.target.token], self.token_block)
 
 
+# ------------------------------------------------------------------ bytes of the statistics
+def _factor_widths(space):
+    """``(out, in)`` of each Kronecker-factored (2-D) block."""
+    return [(b.shape[0], b.shape[-1]) for b in space.blocks]
+
+
+def _factor_parts(space, float64_width: int | None, diagonal_width: int | None):
+    """``(out, in, [S's, A's kron_factor_bytes])`` of each block."""
+    for o, i in _factor_widths(space):
+        yield o, i, [kron_factor_bytes(d, float64_width, diagonal_width) for d in (o, i)]
+
+
+def kron_factor_bytes(d: int, float64_width: int | None, diagonal_width: int | None = None) -> dict:
+    """Bytes of one d-wide Kronecker factor: ``sum`` (float64, or float32 with its Kahan
+    compensation: 8·d² either way), ``basis`` (its eigenvectors: 8·d² or 4·d²) and ``eigh``
+    (the peak of its eigendecomposition beyond the basis: the symmetrized input and
+    LAPACK's workspace, 24·d² in float64; 12·d² in float32, with the float64 check's
+    three (d, 512) column blocks). float32 beyond ``float64_width``. Beyond
+    ``diagonal_width`` the factor is its diagonal: a float64 sum of 8·d bytes, no basis
+    (the identity) and no eigendecomposition (``"dtype": "diagonal"``)."""
+    if diagonal_width is not None and d > diagonal_width:
+        return {"dtype": "diagonal", "sum": 8.0 * d, "basis": 0.0, "eigh": 0.0}
+    wide = float64_width is not None and d > float64_width
+    elem = 4.0 if wide else 8.0
+    return {"dtype": "float32" if wide else "float64", "sum": 8.0 * d * d, "basis": elem * d * d,
+            "eigh": 3.0 * elem * d * d + (3 * 8.0 * d * 512 if wide else 0.0)}
+
+
+def _eigenvalue_bytes(o: int, i: int, parts) -> float:
+    """An (out, in) eigenvalue grid (EK-FAC's re-fitted Λ): float32 when a factor is
+    float32, else float64."""
+    return o * i * _eigenvalue_element(parts)
+
+
+def _kfac_eigenvalue_bytes(o: int, i: int, parts) -> float:
+    """K-FAC's eigenvalues Λ = λ_S λ_Aᵀ, kept as the two vectors (out + in numbers; the grid
+    is made a slice at a time where it is applied: :class:`~gradalg.linalg.kron.BlockEigenvalues`)."""
+    return (o + i) * _eigenvalue_element(parts)
+
+
+def _eigenvalue_element(parts) -> float:
+    return 4.0 if any(p["dtype"] == "float32" for p in parts) else 8.0
+
+
+def _dense_widths(space, diagonal_width: int | None) -> list[int]:
+    """The widths of the factors kept as d × d matrices."""
+    return [d for o, i in _factor_widths(space) for d in (o, i)
+            if diagonal_width is None or d <= diagonal_width]
+
+
+def kron_bytes(space, float64_width: int | None = None, diagonal_width: int | None = None) -> float:
+    """K-FAC's statistics and eigendecompositions, the larger of two moments:
+
+    * a chunk's update: every block's two factor sums, and the widest dense factor's
+      d × d product with its float64 copy or the Kahan sum's new total (12·d²);
+    * finishing, block by block (``KronAccumulator.finish``): a block's sums are freed as
+      its covariances are formed and eigendecomposed, so each block holds the larger of
+      its sums and its eigenbases; beside them every block's two eigenvalue vectors
+      (λ_S, λ_A: K-FAC's Λ = λ_S λ_Aᵀ is never kept as a grid), and the larger of one
+      block's covariance copies and one eigendecomposition's workspace.
+
+    Factors wider than ``float64_width`` in float32, wider than ``diagonal_width``
+    diagonal (8·d bytes, no basis: :func:`kron_factor_bytes`)."""
+    sums, held, lam, eigh, copies = 0.0, 0.0, 0.0, 0.0, 0.0
+    for o, i, parts in _factor_parts(space, float64_width, diagonal_width):
+        block_sums = sum(p["sum"] for p in parts)
+        sums += block_sums
+        held += max(block_sums, sum(p["basis"] for p in parts))
+        lam += _kfac_eigenvalue_bytes(o, i, parts)
+        eigh = max([eigh] + [p["eigh"] for p in parts])
+        copies = max(copies, block_sums)
+    widest = max(_dense_widths(space, diagonal_width) or [0])
+    return max(sums + 12.0 * widest * widest, held + lam + max(eigh, copies))
+
+
+def ekfac_bytes(space, float64_width: int | None = None, diagonal_width: int | None = None) -> float:
+    """EK-FAC's correction pass: the K-FAC eigenbases and eigenvalue vectors it rotates
+    into, its float64 sums of squares (one (out, in) grid per block) and, when it
+    finishes, the corrected eigenvalues (one grid per block) beside them."""
+    total = 0.0
+    for o, i, parts in _factor_parts(space, float64_width, diagonal_width):
+        total += (sum(p["basis"] for p in parts) + _kfac_eigenvalue_bytes(o, i, parts)
+                  + _eigenvalue_bytes(o, i, parts) + 8.0 * o * i)
+    return total
+
+
+def kron_output_bytes(space, float64_width: int | None = None, diagonal_width: int | None = None,
+                      refit: bool = False) -> float:
+    """Bytes of the Kronecker operator a job produces: eigenbases and eigenvalues — K-FAC's
+    two vectors per block, or with ``refit`` EK-FAC's (out, in) grid per block. The
+    operators a score derives from it (damped, inverted, powers) share these numbers
+    (:class:`~gradalg.linalg.kron.BlockEigenvalues`): the scores pass holds no other
+    copy, and makes Λ a slice of rows at a time (``gradalg.linalg.kron._SLICE_ELEMENTS`` numbers)."""
+    total = 0.0
+    for o, i, parts in _factor_parts(space, float64_width, diagonal_width):
+        lam = _eigenvalue_bytes(o, i, parts) if refit else _kfac_eigenvalue_bytes(o, i, parts)
+        total += sum(p["basis"] for p in parts) + lam
+    return total
+
+
+def kron_bytes_arithmetic(space, float64_width: int | None = None, diagonal_width: int | None = None) -> str:
+    """:func:`kron_bytes` spelled out: the sums, bases and eigenvalues of the blocks, and
+    the largest eigendecomposition, with the widest factor's size and precision; when a
+    dense factor is wider than ``float64_width``, the option that keeps it diagonal and
+    what the statistics then take (the fix a refusal names)."""
+    sums = bases = lam = 0.0
+    widest, eigh = 0, 0.0
+    diagonal = []
+    for o, i, parts in _factor_parts(space, float64_width, diagonal_width):
+        sums += sum(p["sum"] for p in parts)
+        bases += sum(p["basis"] for p in parts)
+        lam += _kfac_eigenvalue_bytes(o, i, parts)
+        for d, p in zip((o, i), parts):
+            if p["dtype"] == "diagonal":
+                diagonal.append(d)
+            elif p["eigh"] > eigh:
+                widest, eigh = d, p["eigh"]
+    update = 12.0 * max(_dense_widths(space, diagonal_width) or [0]) ** 2
+    text = (f"Kronecker statistics of {len(space.blocks)} block(s): factor sums {_gb(sums)} GB + a chunk's update "
+            f"({_gb(update)} GB), or, finishing block by block, each block's larger of its sums and eigenbases "
+            f"(eigenbases {_gb(bases)} GB in all) + eigenvalues {_gb(lam)} GB")
+    if widest:
+        dtype = kron_factor_bytes(widest, float64_width)["dtype"]
+        text += f" + the largest eigendecomposition ({widest}×{widest}, {dtype}) {_gb(eigh)} GB"
+    if diagonal:
+        text += f"; {len(diagonal)} factor(s) of width {max(diagonal):,} kept diagonal"
+    text += f" = {_gb(kron_bytes(space, float64_width, diagonal_width))} GB"
+    if widest and float64_width is not None and widest > float64_width:
+        narrower = max([d for d in _dense_widths(space, diagonal_width) if d < widest] or [1])
+        text += (f"; to keep the {widest}×{widest} factor (and any wider) diagonal instead, "
+                 f"ga.options(kron_diagonal_width={narrower}): "
+                 f"{_gb(kron_bytes(space, float64_width, narrower))} GB")
+    return text
+
+
+def kron_precision_decisions(op, options) -> list[Decision]:
+    """A :class:`~gradalg.plan.decisions.Decision` about the K-FAC operator ``op`` for each
+    block with a factor wider than ``options.kron_float64_width`` (``KRON_PRECISION``, with
+    the bytes of both precisions) or wider than ``options.kron_diagonal_width``
+    (``KRON_DIAGONAL``: diagonal, with the bytes of the dense factor it replaces)."""
+    width, diagonal_width = options.kron_float64_width, options.kron_diagonal_width
+    rows = []
+    for b in op.space.blocks:
+        if len(b.shape) != 2:
+            continue
+        o, i = b.shape[0], b.shape[-1]
+        diag = [(label, d) for label, d in (("S", o), ("A", i)) if d > diagonal_width]
+        if diag:
+            rows.append(_diagonal_decision(op, b, diag, options))
+        wide = [(label, d) for label, d in (("S", o), ("A", i)) if width < d <= diagonal_width]
+        if not wide:
+            continue
+        d = max(dd for _, dd in wide)
+        f32, f64 = kron_factor_bytes(d, width), kron_factor_bytes(d, None)
+        peak32, peak64 = f32["sum"] + f32["basis"] + f32["eigh"], f64["sum"] + f64["basis"] + f64["eigh"]
+        factors = " and ".join(f"{label} ({dd}×{dd})" for label, dd in wide)
+        rows.append(Decision(
+            DecisionKind.KRON_PRECISION, op.token, "float32",
+            {"float32": f"{_gb(peak32)} GB at its eigendecomposition",
+             "float64": f"{_gb(peak64)} GB at its eigendecomposition"},
+            f"{factors} wider than ga.options(kron_float64_width={width}): summed in float32 with a Kahan "
+            f"compensation ({_gb(f32['sum'])} GB), eigendecomposed in float32 on the device "
+            f"(basis {_gb(f32['basis'])} GB, workspace {_gb(f32['eigh'])} GB; float64: {_gb(f64['basis'])} GB and "
+            f"{_gb(f64['eigh'])} GB) and checked to kron_float32_rtol={options.kron_float32_rtol:g} "
+            "(residual, orthogonality, the error of inverted eigenvalues)", block=b.name))
+    return rows
+
+
+def _diagonal_decision(op, b, diag: list, options) -> Decision:
+    """The decision about block ``b`` of ``op`` whose factors ``diag`` ([(side, width)]) are kept diagonal."""
+    dense = [kron_factor_bytes(d, options.kron_float64_width) for _, d in diag]
+    dense_peak = sum(p["sum"] + p["basis"] for p in dense) + max(p["eigh"] for p in dense)
+    kept = sum(8.0 * d for _, d in diag)
+    sides = []
+    for label, d in diag:
+        if label == "A" and b.kind == "embedding":
+            sides.append(f"A ({d:,}×{d:,}) exact: an embedding's one-hot inputs have a diagonal covariance, "
+                         "the token counts")
+        elif label == "S" and b.kind == "tied":
+            sides.append(f"S ({d:,}×{d:,}) approximated by diag(S): the tied embedding's one-hot rows add "
+                         "exactly diagonal terms, the head's output-gradient covariances lose their "
+                         "off-diagonal entries")
+        else:
+            sides.append(f"{label} ({d:,}×{d:,}) approximated by its diagonal: the off-diagonal covariances "
+                         "are dropped")
+    return Decision(DecisionKind.KRON_DIAGONAL, op.token, "diagonal",
+            {"diagonal": f"{_gb(kept)} GB, no eigendecomposition",
+             "dense": f"{_gb(dense_peak)} GB at its eigendecomposition"},
+            f"wider than ga.options(kron_diagonal_width={options.kron_diagonal_width}): "
+            + "; ".join(sides)
+            + ". The identity is the diagonal factor's eigenbasis (rule kronecker.diagonal_factor); EK-FAC "
+              "re-fits its eigenvalues per coordinate", block=b.name)
+
+
+# ------------------------------------------------------------------ accumulators
 def _factors(node, name, value) -> Factors:
     if not isinstance(value, Factors):
         raise GradalgError(
