@@ -10,24 +10,16 @@ example). Every choice the planner made for a job is a field of the job (kernels
 storage, normalization, token blocks, Kronecker precision, release of held rows) and a
 :class:`~gradalg.plan.decisions.Decision` in the plan.
 
-A job type is **one class** (in a module of this package with its accumulator) that
-answers everything the planner and the executor ask of it; nothing dispatches on its kind:
-
-======================  =================================================================
-planning                ``stream_cost`` (:meth:`Job.chunk_cost` per chunk times the
-                        chunks, plus :meth:`Job.once_cost`), ``fixed_bytes``,
-                        ``per_example_bytes`` (:meth:`Job.example_bytes` and its streams'
-                        projection workspace), ``output_bytes``, ``first_decisions``
-running                 ``accumulator(ctx)``: its :class:`Accumulator`, made from the
-                        job's fields; ``fed`` (the nodes whose chunks it is handed),
-                        ``feed(acc, chunks, state)``, ``for_shard(acc, start)`` and
-                        ``publish(result, state)`` (where the result goes in the run's
-                        :class:`~gradalg.exec.state.RunState`)
-======================  =================================================================
-
-``ctx`` is the executor running the pass (duck-typed: the plan's floor does not import
-the executor's): its ``trace`` of kernels, ``state``, ``resolve(op)`` and
-``precondition_held``; never its options.
+A job type is **one class** (in a module of this package, with its accumulator) that
+answers everything the planner and the executor ask of it; nothing dispatches on its
+kind. The planner asks ``stream_cost`` (:meth:`Job.chunk_cost` per chunk, plus
+:meth:`Job.once_cost`), ``fixed_bytes``, ``per_example_bytes``, ``output_bytes`` and
+``first_decisions``; the executor ``accumulator(ctx)`` (its :class:`Accumulator`, made
+from the job's fields), ``fed``, ``feed``, ``for_shard`` and ``publish`` (where the
+result goes in the run's :class:`~gradalg.exec.state.RunState`). ``ctx`` is the executor
+(duck-typed: the plan's floor does not import the executor's): its ``trace`` of
+kernels, ``state``, ``resolve(op)``, ``precondition_held`` and
+``release_free_memory``; never its options.
 
 ``Job.kind`` is the job's short name (``"scores"``, ...), shown by ``describe()``; a
 class that sets it registers itself in :data:`JOB_TYPES`. A job is keyed by

@@ -1,15 +1,5 @@
-"""Jobs whose output is rows kept in memory, with their accumulators.
-
-=============  ==============================================  ========================
-class          reads                                            produces
-=============  ==============================================  ========================
-CollectJob     every row of ``target`` (a held side)            rows (list of chunks)
-StoreJob       rows a later pass needs after this pass's        rows (list of chunks)
-               statistics (the store-vs-recompute decision)
-GroupJob       rows of ``target.grads``                         group means (rows)
-=============  ==============================================  ========================
-
-Their footprint is the rows they keep (:func:`~gradalg.plan.memory.rows_bytes`): per
+"""Jobs whose output is rows kept in memory (a held side, rows stored for a later pass,
+group means), with their accumulators. Their footprint is the rows they keep (:func:`~gradalg.plan.memory.rows_bytes`): per
 example ``rows · Σ_b T_b·(in_b + out_b)`` numbers for a block kept as factors, ``rows ·
 Σ_b dim_b`` for a block kept flat.
 """

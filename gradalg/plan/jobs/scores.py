@@ -1,13 +1,6 @@
-"""Score jobs, with their accumulators: a score matrix against held rows, and the
-self-scores (diagonal) of a square score expression.
-
-=============  ==============================================  ========================
-class          reads                                            produces
-=============  ==============================================  ========================
-ScoresJob      the streamed side; the held side (collected)     (n_left, n_right) scores
-DiagJob        both sides in lockstep (or one, the other held)  (n,) self-scores
-=============  ==============================================  ========================
-"""
+"""Score jobs, with their accumulators: a score matrix, each streamed chunk against the
+held rows (:class:`ScoresJob`), and the self-scores of a square score expression, both
+sides streamed in lockstep or one held (:class:`DiagJob`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
