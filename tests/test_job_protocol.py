@@ -97,3 +97,27 @@ def test_every_job_class_prices_and_runs_itself(instances):
                            job.per_example_bytes(torch.float64), job.output_bytes(12)):
                 assert math.isfinite(number) and number >= 0, (cls.__name__, number)
             assert job.fed and job.phase and job.describe()
+
+
+def test_release_of_held_rows_is_decided_by_the_planner():
+    """A scores job drops its raw held rows once preconditioned (``release_held``) when the
+    schedule stage says so; an executor whose shards open the jobs again (its strategy's
+    ``keeps_held_rows``) gets a plan that keeps them, and the run follows the plan."""
+    from gradalg.exec import Executor, InProcess
+
+    class Reopening(InProcess):
+        keeps_held_rows = True
+
+    model = models.mlp()
+    task = ga.tasks.classification(model)
+    G = ga.grads(task, models.classification_data(12, seed=1), LAYERS, batch_size=5)
+    Q = ga.grads(task, models.classification_data(3, seed=2), LAYERS, batch_size=5)
+    S = Q @ ga.kfac(G).damp(0.1).inv() @ G.T
+    runs = {}
+    for name, ex in (("released", ga.LocalExecutor()), ("kept", Executor(shards=Reopening()))):
+        p = ex.plan(S.expr)
+        scores = [j for j in p.jobs.values() if isinstance(j, ScoresJob)]
+        assert scores and all(j.release_held == (name == "released") for j in scores), name
+        runs[name] = torch.as_tensor(S.compute(executor=ex).values)
+        assert (Q.expr.token in ex.state.rows) == (name == "kept")
+    torch.testing.assert_close(runs["released"], runs["kept"], rtol=0, atol=0)
