@@ -9,7 +9,7 @@ block, between
 
 This script sweeps sequence length T (16 … 1024), number of queries and layer width,
 captures the factors once per (width, T), then runs **every alternative** through the
-executor's own score kernel (``gradalg.exec.accumulators.ScoreAccumulator`` with
+executor's own score kernel (``gradalg.plan.jobs.ScoreAccumulator`` with
 ``ghost="always"`` / ``"never"``) over the same training chunks, per block, and
 compares the measured times with the planner's predicted ranking and its pick
 (``gradalg.plan.planner.plan(..., options=ga.options(ghost="auto"))``).
@@ -45,7 +45,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gradalg as ga  # noqa: E402
 from gradalg.capture.factors import Factors  # noqa: E402
-from gradalg.exec.accumulators import ScoreAccumulator  # noqa: E402
+from gradalg.plan.jobs import ScoreAccumulator  # noqa: E402
 from gradalg.capture.chunks import Chunk, flat_block  # noqa: E402
 from gradalg.plan.cost import dense_cost, ghost_cost  # noqa: E402
 from gradalg.plan.devices import local_profile  # noqa: E402

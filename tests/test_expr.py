@@ -20,7 +20,7 @@ from torch.utils.data import TensorDataset
 
 import gradalg as ga
 from gradalg.capture import chunks as capture_chunks
-import gradalg.exec.accumulators
+import gradalg.plan.jobs.scores
 from gradalg.linalg import ResolvedOp
 from gradalg.capture.factors import Factors, dense_flops, ghost_flops
 from gradalg.expr import Inner, Precondition, ScoreSum
@@ -506,7 +506,7 @@ def test_streaming_never_materializes_more_than_a_batch(monkeypatch):
 
     # every module that materializes factors: the rows of a chunk and the score kernels
     monkeypatch.setattr(capture_chunks, "materialize", spy)
-    monkeypatch.setattr(gradalg.exec.accumulators, "materialize", spy)
+    monkeypatch.setattr(gradalg.plan.jobs.scores, "materialize", spy)
     G = s.G()
     Q = ga.grads(s.task, s.query, ["0", "2"], batch_size=6)
     P = ga.proj.gaussian(8, seed=0)

@@ -8,7 +8,7 @@ each of the chain's operators had its own float64 grid: GPT-2 small with its tie
 ``layers="all"``: ~1 GB each, a scores pass peaking at 3.8 GB against 2.08 GB estimated).
 
 References: the same operators kept as grids (a KronOp given materialized Λ), compared
-bit for bit, and the bytes the planner counts (:func:`gradalg.plan.memory.kron_output_bytes`).
+bit for bit, and the bytes the planner counts (:func:`gradalg.plan.jobs.kron.kron_output_bytes`).
 """
 import pytest
 import torch
@@ -18,7 +18,7 @@ import gradalg.linalg.kron as kron
 from gradalg.linalg.kron import BlockEigenvalues, KronOp
 from gradalg.errors import OperatorError
 from gradalg.exec.local import LocalExecutor
-from gradalg.plan.memory import kron_output_bytes
+from gradalg.plan.jobs.kron import kron_output_bytes
 from gradalg.space import Block, ParamSpace
 from references import one_thread  # noqa: F401 - one intra-op thread per test module
 

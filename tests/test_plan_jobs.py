@@ -12,11 +12,9 @@ import pytest
 import torch
 
 import gradalg as ga
-from gradalg.exec import accumulators, sinks
 from gradalg.capture.chunks import flatten
 from gradalg.plan import Choices, DecisionKind
-from gradalg.plan.jobs import (JOB_TYPES, CollectJob, Job, DiagJob, EKFACJob, FisherJob, GroupJob, KFACJob, ScoresJob,
-                               StoreJob, job_type)
+from gradalg.plan.jobs import CollectJob, DiagJob, EKFACJob, FisherJob, GroupJob, KFACJob, ScoresJob, StoreJob
 from gradalg.plan.planner import plan
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -68,48 +66,6 @@ def kfac_reference(s):
 
 
 # ---------------------------------------------------------------------- the job types
-def test_every_job_class_has_a_sink_and_its_kind_name():
-    assert set(sinks.SINKS) == set(JOB_TYPES.values())
-    for kind, cls in JOB_TYPES.items():
-        assert cls.kind == kind and job_type(kind) is cls
-    with pytest.raises(KeyError, match="unknown job kind"):
-        job_type("nope")
-    with pytest.raises(TypeError, match="instance of its class"):   # the old string-typed constructor
-        ScoresJob("scores", grads().expr)
-
-
-def _job_classes(cls=Job):
-    for sub in cls.__subclasses__():
-        yield sub
-        yield from _job_classes(sub)
-
-
-#: what a job type answers, and the hook of the base's template that may answer it instead
-JOB_METHODS = {"stream_cost": "chunk_cost", "per_example_bytes": "example_bytes", "fixed_bytes": None,
-               "output_bytes": None}
-
-
-def test_every_job_type_implements_its_methods():
-    """A job type is one class (and its sink): every subclass of Job with a kind is
-    registered, answers its cost and bytes itself (the base raises, no fall-through to
-    another type's numbers), has a sink, and its accumulator is an Accumulator."""
-    from gradalg.exec.accumulators import Accumulator
-    concrete = [c for c in _job_classes() if "kind" in c.__dict__]
-    assert concrete and set(concrete) == set(JOB_TYPES.values())
-    for cls in concrete:
-        for method, hook in JOB_METHODS.items():
-            own = getattr(cls, method) is not getattr(Job, method)
-            assert own or (hook and getattr(cls, hook) is not getattr(Job, hook)), (cls.__name__, method)
-        assert cls in sinks.SINKS, cls.__name__
-    for name in accumulators.__all__:
-        obj = getattr(accumulators, name)
-        if isinstance(obj, type) and name != "Accumulator":
-            assert issubclass(obj, Accumulator), name
-    # the base refuses rather than pricing an unknown job like another
-    with pytest.raises(NotImplementedError, match="chunk_cost"):
-        Job.chunk_cost(object(), None, 1, {}, 4)
-
-
 def test_collect_and_scores_jobs_round_trip():
     s = setup()
     G, Q = grads(), grads(which="query")

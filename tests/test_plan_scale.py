@@ -19,7 +19,7 @@ from gradalg import fingerprint
 from gradalg.expr import projection
 from gradalg.plan import devices
 from gradalg.plan.cost import Cost
-from gradalg.plan.memory import kron_bytes
+from gradalg.plan.jobs.kron import kron_bytes
 from gradalg.plan.scale import check_fits, fsdp_unit_bytes, model_bytes, scale_estimates
 
 transformers = pytest.importorskip("transformers")

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset, TensorDataset
 
 import gradalg as ga
-from gradalg.exec import accumulators
+from gradalg.plan.jobs import scores as score_jobs
 from gradalg.expr import Damp, Identity, Inner, Normalize, Project, ScoreSum, SumOp
 from gradalg.plan import cost as C
 from gradalg.plan import shapes as S
@@ -622,13 +622,13 @@ def test_shared_gradient_set_is_captured_once():
 @pytest.fixture
 def ghost_calls(monkeypatch):
     calls = []
-    real = accumulators.ghost_inner
+    real = score_jobs.ghost_inner
 
     def wrapped(L, R, *args, **kwargs):
         calls.append((L.n, R.n, L.T, R.T))
         return real(L, R, *args, **kwargs)
 
-    monkeypatch.setattr(accumulators, "ghost_inner", wrapped)
+    monkeypatch.setattr(score_jobs, "ghost_inner", wrapped)
     return calls
 
 

@@ -10,7 +10,7 @@ import torch
 import gradalg as ga
 from gradalg.errors import OptionError
 from gradalg.exec import allocator
-from gradalg.exec.accumulators import Collector
+from gradalg.plan.jobs import Collector
 from gradalg.exec.phases import PHASES, PhaseClock
 from gradalg.capture.chunks import Chunk
 from gradalg.capture.factors import Factors

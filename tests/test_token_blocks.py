@@ -160,15 +160,14 @@ def test_ghost_intermediates_bounded_independently_of_T(monkeypatch):
 
 def test_plan_shows_and_counts_token_blocks(setup):
     """The ghost decision names the token block; the scores job's ghost workspace is the
-    same for any T above the block (counted by plan.memory.ghost_workspace_bytes)."""
-    from gradalg.plan.memory import ghost_workspace_bytes
+    same for any T above the block (counted by ScoresJob.ghost_workspace_bytes)."""
     Q, G = grads(setup)
     with ga.options(ghost="always", token_block=BLOCK, progress=False):
         plan = ga.exec.LocalExecutor().plan((Q @ G.T).expr)
     assert any(f"pairs of blocks of {BLOCK} positions" in d.reason for d in plan.decisions.of(DecisionKind.KERNEL))
     job = next(j for j in plan.jobs.values() if j.kind == "scores")
     assert job.token_block == BLOCK
-    assert ghost_workspace_bytes(job, torch.float64) == 3 * 8 * min(
+    assert job.ghost_workspace_bytes(torch.float64) == 3 * 8 * min(
         job.slice_elements, job.held.n * job.streams[0].n * BLOCK * BLOCK)
     with pytest.raises(ga.errors.OptionError):
         ga.options(token_block=0)

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import gradalg as ga
-from gradalg.exec.accumulators import TopKAccumulator, select_topk
+from gradalg.plan.jobs import TopKAccumulator, select_topk
 from gradalg.exec.local import LocalExecutor
 from gradalg.plan import Choices
 from gradalg.plan.jobs import TopK, TopKJob

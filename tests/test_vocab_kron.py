@@ -208,7 +208,7 @@ def test_gpt2_small_vocabulary_is_planned_without_a_vocabulary_squared_factor():
     text = str(explained)
     assert explained.plan.decisions.one(DecisionKind.KRON_DIAGONAL, block="transformer.wte").chosen == "diagonal"
     assert "50,257×50,257" in text and "kron_diagonal_width=16384" in text
-    from gradalg.plan.memory import kron_bytes
+    from gradalg.plan.jobs.kron import kron_bytes
     assert kron_bytes(G.space, 8192, 16384) < 0.4e9 < 50e9 < kron_bytes(G.space, 8192, None)
 
 

@@ -38,7 +38,7 @@ memory). Every kernel here computes in :func:`compute_dtype` of the factors — 
 for bfloat16 / float16, their own dtype otherwise — so inner products, materialized
 gradients and projections are float32 sums of the half-precision entries, never sums
 rounded to 8 (bf16) or 11 (fp16) bits. Statistics (Fisher, K-FAC covariances) are summed
-in float64 downstream (``exec/accumulators.py``, ``curvature/kron.py``; Kronecker factors
+in float64 downstream (``plan/jobs/``, ``curvature/kron.py``; Kronecker factors
 wider than ``ga.options(kron_float64_width)`` in float32 with a Kahan compensation).
 """
 from __future__ import annotations

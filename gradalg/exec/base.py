@@ -37,8 +37,9 @@ from ..errors import OptionError
 from ..expr import Captured, GradNode, GroupMean, OpNode, ScoreDiagonal, ScoreNode, Source
 from ..options import Options, get_options
 from ..plan.choices import Choices
+from ..plan.jobs import GroupAccumulator
 from ..plan.planner import ROW_WISE, Plan, plan as make_plan
-from .accumulators import GroupAccumulator
+from .allocator import release_free_memory
 from .phases import PhaseClock
 from .resolve import precondition, resolve_node
 from .rowwise import derive_rows
@@ -68,6 +69,8 @@ class Executor:
     """
 
     name = "local"
+    #: returns freed heap pages to the operating system (a held side joined block by block calls it)
+    release_free_memory = staticmethod(release_free_memory)
 
     def __init__(self, options: Options | None = None, *, rewrites: bool = True, choices: Choices | None = None,
                  release_memory_above: float = 2**20, shards: ShardStrategy | None = None,
@@ -106,7 +109,8 @@ class Executor:
         with self.clock.phase("planning"):
             budget = budget or self.shards.budget(self.options, node)
             p = make_plan(node, options=self.options, rewrites=self.rewrites, choices=self.choices,
-                          measure_shapes=True, topk=topk, budget=budget)
+                          measure_shapes=True, topk=topk, budget=budget,
+                          keep_held_rows=self.shards.keeps_held_rows)
             return replace(p, placement=tuple(self.shards.place(step) for step in p.passes))
 
     def run(self, p: Plan) -> Plan:

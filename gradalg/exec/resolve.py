@@ -17,7 +17,7 @@ from ..errors import MemoryBudgetError, OperatorError
 from ..expr import OpNode, Statistic
 from ..linalg import LinearOp
 from ..plan.budget import resolve_budget, with_note
-from .accumulators import EKFACAccumulator, FisherAccumulator, KronAccumulator
+from ..plan.jobs import EKFACAccumulator, FisherAccumulator, KronAccumulator
 from .allocator import release_free_memory
 from .rowwise import dtype_device
 

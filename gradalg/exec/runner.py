@@ -2,7 +2,8 @@
 
 For each :class:`~gradalg.plan.planner.Pass` the runner
 
-1. opens one sink per job (:func:`gradalg.exec.sinks.open_sink`, by job class);
+1. opens one sink per job (:func:`gradalg.exec.sinks.open_sink`: the job and the
+   accumulator it makes, ``job.accumulator(ctx)``);
 2. feeds the sinks every example of the pass once: where the plan placed the pass
    (``plan.placement``, a :class:`Placement` per pass) in this process
    (:meth:`PassRunner.feed`, batch by batch), else through the executor's

@@ -10,12 +10,9 @@ example's shape):
                      weight-gradient GEMMs are skipped), attention products, the model's
                      elementwise traffic, a fixed cost per module call, per captured batch
                      and per recorded layer, the factors written
-``*_chunk_cost``     a job's own work on one chunk of the rows it streams, one function per
-                     job type (``rows_``, ``fisher_``, ``kfac_``, ``ekfac_``, ``scores_``,
-                     ``diag_chunk_cost``; what it does once: ``kfac_once_cost``,
-                     ``scores_once_cost``): GEMMs by shape and traffic. The job class calls
-                     its own (:meth:`gradalg.plan.jobs.Job.stream_cost`) and adds its small
-                     per-chunk ops (``Job.ops_per_block``)
+``chunk_count``      how many chunks of which size a job sees; a job's own work on one
+                     chunk is a method of its class (:meth:`gradalg.plan.jobs.Job.chunk_cost`,
+                     from the kernels below and :mod:`gradalg.plan.cost`)
 ``apply_cost``       a resolved operator applied to n rows: the node's ``apply_cost``
                      priced by :class:`OperatorPrices`; ``resolve_cost``: what resolving it
                      costs in the pass that applies it (a dense or block eigendecomposition)
@@ -41,15 +38,13 @@ from ..errors import OperatorError, PlanError
 from ..expr import Project, Source
 from ..linalg.kron import is_diagonal_factor
 from ..linalg.labels import form_of
-from .cost import (Cost, block_cost, bmm_cost, dense_cost, eigh_cost, fisher_cost, gemm_cost,
-                   ghost_cost, gram_cost, kron_project_cost, materialize_cost, svd_cost, tokens_hint)
+from .cost import (Cost, block_cost, bmm_cost, dense_cost, eigh_cost, gemm_cost,
+                   ghost_cost, kron_project_cost, materialize_cost, svd_cost, tokens_hint)
 from .devices import UNMEASURED_CPU as NOMINAL, DeviceProfile
 from .memory import positions, rows_of
 from .shapes import activation_bytes, attention_shape, element_size, output_width, rows_per_example, weight_layers
 
-__all__ = ["capture_cost", "pass_capture_cost", "chunk_count", "rows_chunk_cost", "fisher_chunk_cost", "kfac_chunk_cost",
-           "kfac_once_cost", "ekfac_chunk_cost", "scores_chunk_cost", "scores_once_cost", "diag_chunk_cost",
-           "resolve_once", "apply_cost", "OperatorPrices", "resolve_cost",
+__all__ = ["capture_cost", "pass_capture_cost", "chunk_count", "resolve_once", "apply_cost", "OperatorPrices", "resolve_cost",
            "project_cost", "RowPrices", "rowwise_cost",
            "kernel_costs", "elementwise_cost", "pass_overhead", "ADAM_OPS"]
 
@@ -212,11 +207,6 @@ class OperatorPrices:
     def traffic(self, nbytes: float) -> Cost:
         """Memory traffic of ``nbytes``."""
         return Cost(bytes=float(nbytes))
-
-
-def _diagonal(width: int, diagonal_width: int | None) -> bool:
-    """A Kronecker factor kept as its diagonal (identity eigenbasis: no rotation, no eigh)."""
-    return is_diagonal_factor(width, diagonal_width)
 
 
 #: the rules that eigendecompose an explicit matrix, and a Kronecker inverse or power
@@ -571,7 +561,7 @@ def kernel_costs(n_held: int, n_stream: int, chunk: int, TL: int, TR: int, n_in:
                  elem: int = 4) -> dict[str, Cost]:
     """``{"ghost": Cost, "dense": Cost}``: one block's inner products between ``n_held``
     held examples (TL positions) and ``n_stream`` streamed ones (TR positions) in chunks
-    of ``chunk``, by either kernel, as the scores job costs them (:func:`scores_chunk_cost`):
+    of ``chunk``, by either kernel, as the scores job costs them (:meth:`ScoresJob.chunk_cost <gradalg.plan.jobs.ScoresJob.chunk_cost>`):
     ghost products per chunk (:func:`~gradalg.plan.cost.ghost_cost`), or the chunk
     materialized and one GEMM with the held rows, which are materialized once
     (:func:`~gradalg.plan.cost.dense_cost`). The planner prices both with its device
@@ -604,113 +594,3 @@ def _flat(b, c: int, T: dict, factored: dict, elem: int) -> Cost:
     if factored[b.name]:
         return materialize_cost(c, T[b.name], b.shape[1], b.shape[0], elem)
     return Cost()
-
-
-def rows_chunk_cost(node, c: int, layout: dict, storage: dict, elem: int) -> Cost:
-    """Rows kept (collect, store, group) from one chunk of ``c`` examples: factors copied
-    where ``storage`` keeps factors, else the rows made flat and copied (read + write)."""
-    T, factored, cost = positions(node), _factored(node, layout), Cost()
-    for b in node.space.blocks:
-        if factored[b.name] and storage.get(b.name, "flat") == "factors":
-            cost = cost + Cost(bytes=2.0 * elem * c * T[b.name] * sum(b.shape))
-        else:
-            cost = cost + _flat(b, c, T, factored, elem) + Cost(bytes=2.0 * elem * c * b.dim)
-    return cost
-
-
-def fisher_chunk_cost(node, c: int, layout: dict, structure: str, elem: int) -> Cost:
-    """A Fisher's sums Σ g gᵀ over one chunk: the rows made flat and their products."""
-    T, factored, cost = positions(node), _factored(node, layout), Cost()
-    for b in node.space.blocks:
-        cost = cost + _flat(b, c, T, factored, elem)
-    return cost + fisher_cost(c, [b.dim for b in node.space.blocks], structure)
-
-
-def kfac_chunk_cost(node, c: int, elem: int, diagonal_width: int | None) -> Cost:
-    """K-FAC's factor sums over one chunk, per 2-D block and m = c·T positions: for A (in)
-    and S (out) a dense factor's Gram and d × d float64 sums, a diagonal one's squares."""
-    T, cost = positions(node), Cost()
-    for b in node.space.blocks:
-        if len(b.shape) != 2:
-            continue
-        m = c * T[b.name]
-        for d in (b.shape[1], b.shape[0]):   # A, S
-            if _diagonal(d, diagonal_width):
-                cost = cost + Cost(flops=2.0 * m * d, bytes=elem * m * d * 2 + 16.0 * d)
-            else:
-                cost = cost + gram_cost(m, d, elem) + Cost(bytes=elem * m * d + 24.0 * d * d)
-        cost = cost + Cost(bytes=elem * m * b.shape[1])
-    return cost
-
-
-def kfac_once_cost(node, diagonal_width: int | None) -> Cost:
-    """K-FAC's eigendecompositions at the end of its pass: one per dense factor (A, then S)."""
-    once = Cost()
-    for b in node.space.blocks:
-        if len(b.shape) == 2:
-            for d in (b.shape[1], b.shape[0]):
-                if not _diagonal(d, diagonal_width):
-                    once = once + eigh_cost(d)
-    return once
-
-
-def ekfac_chunk_cost(node, c: int, layout: dict, elem: int, diagonal_width: int | None) -> Cost:
-    """EK-FAC's correction over one chunk: each (out, in) block rotated into the K-FAC
-    eigenbases (factors: ``kron.rotate_factors``, one example at a time where a factor is
-    diagonal; flat rows: ``kron.rotate_rows``), squared and summed."""
-    T, factored, cost = positions(node), _factored(node, layout), Cost()
-    for b in node.space.blocks:
-        if len(b.shape) != 2:
-            continue
-        out_f, in_f = b.shape
-        if factored[b.name] and (_diagonal(out_f, diagonal_width) or _diagonal(in_f, diagonal_width)):
-            # kron.rotate_factors one example at a time (EKFACAccumulator), an identity side not rotated
-            if not _diagonal(in_f, diagonal_width):
-                cost = cost + gemm_cost(T[b.name], in_f, in_f, c, elem)
-            if not _diagonal(out_f, diagonal_width):
-                cost = cost + gemm_cost(T[b.name], out_f, out_f, c, elem)
-            cost = cost + gemm_cost(out_f, in_f, T[b.name], c, elem) + block_cost("ekfac", c - 1, 3)
-        elif factored[b.name]:
-            m = c * T[b.name]
-            cost = (cost + gemm_cost(m, in_f, in_f, 1, elem) + gemm_cost(m, out_f, out_f, 1, elem)
-                    + bmm_cost(c, out_f, in_f, T[b.name], 1, elem))    # kron.rotate_factors
-        else:                                                           # kron.rotate_rows
-            cost = cost + bmm_cost(c, out_f, in_f, out_f, 1, elem) + gemm_cost(c * out_f, in_f, in_f, 1, elem)
-        cost = cost + Cost(bytes=4.0 * elem * c * out_f * in_f)     # rotated, squared, summed
-    return cost
-
-
-def scores_chunk_cost(node, held, kernels: dict, c: int, layout: dict, elem: int) -> Cost:
-    """One chunk of ``c`` streamed rows against the ``held`` rows, per block by its kernel:
-    ghost products, the chunk materialized and one GEMM (dense over factors), or a GEMM."""
-    T, factored, cost = positions(node), _factored(node, layout), Cost()
-    P_h, n_h = positions(held), held.n
-    for b in held.space.blocks:
-        T_h, T_s = P_h[b.name], T[b.name]
-        if kernels.get(b.name) == "ghost":
-            cost = cost + ghost_cost(n_h, c, T_h, T_s, b.shape[1], b.shape[0], elem)
-        elif factored[b.name]:
-            cost = cost + dense_cost(n_h, c, T_h, T_s, b.shape[1], b.shape[0], True, elem)
-        else:
-            cost = cost + gemm_cost(n_h, c, b.dim, 1, elem) + Cost(bytes=float(elem) * c * b.dim)
-    return cost
-
-
-def scores_once_cost(held, kernels: dict, held_layout: dict, op, elem: int, options=None,
-                     resolved: set | None = None) -> Cost:
-    """What a scores job does once: held factored blocks a dense kernel reads materialized,
-    its operator resolved (unless ``resolved`` before) and applied to the held rows."""
-    once, P_h = Cost(), positions(held)
-    for b in held.space.blocks:
-        if kernels.get(b.name) != "ghost" and held_layout.get(b.name) == "factors" and len(b.shape) == 2:
-            once = once + materialize_cost(held.n, P_h[b.name], b.shape[1], b.shape[0], elem)
-    return once + resolve_once(op, resolved) + apply_cost(op, held.space, held.n, elem, options)
-
-
-def diag_chunk_cost(node, op, c: int, layout: dict, elem: int) -> Cost:
-    """Self-scores of one chunk: the rows made flat, the operator applied, the row products."""
-    T, factored, cost, space = positions(node), _factored(node, layout), Cost(), node.space
-    for b in space.blocks:
-        cost = cost + _flat(b, c, T, factored, elem)
-    cost = cost + Cost(flops=2.0 * c * space.dim, bytes=3.0 * elem * c * space.dim)
-    return cost + apply_cost(op, space, c, elem)

@@ -1,4 +1,6 @@
-"""Bytes of a plan's jobs: every size the planner compares with the memory budget.
+"""Bytes the jobs of a plan share: kept rows, a captured example, a Fisher's matrix, a
+projection's workspace (each job type adds its own in its class, :mod:`gradalg.plan.jobs`;
+the Kronecker statistics' in :mod:`gradalg.plan.jobs.kron`).
 
 Rows of a gradient node, kept in memory (a held side, stored rows), take per example
 
@@ -9,20 +11,20 @@ with ``rows`` the rows per example (one per Gauss-Newton term for
 ``objective="expected"``), ``T_b`` the block's positions per example (tokens, or a
 convolution's output pixels: :mod:`gradalg.plan.shapes`) and numbers of the model's
 dtype. Capturing one example of a source keeps its activations for the backward and,
-per block, the factors of each row (and autograd's copy of them). Statistics are float64:
-a dense Fisher 8·d², Kronecker factors 8·(out² + in²) per block.
+per block, the factors of each row (and autograd's copy of them). A Fisher's statistics
+are float64: dense 8·d², block 8·Σ_b d_b², diag 8·d.
 
 Kernels over factors work on blocks of ``b = min(T, token_block)`` positions
 (``ga.options(token_block=...)``, :mod:`gradalg.capture.factors`), so their temporaries
 are counted with b, not T: K-FAC statistics b·(in + out) per example, EK-FAC's rotation
 the same, and the ghost kernel's three (nL', nR', bL, bR) intermediates at most
-``max(ghost_slice_elements, bL·bR)`` elements each (:func:`ghost_workspace_bytes`).
+``max(ghost_slice_elements, bL·bR)`` elements each (:meth:`gradalg.plan.jobs.ScoresJob.ghost_workspace_bytes`).
 """
 from __future__ import annotations
 
 import os
 
-from ..capture.factors import Factors, compute_dtype, ghost_workspace_elements
+from ..capture.factors import Factors
 from ..errors import MemoryBudgetError
 from ..expr import Captured, Project, Source
 from ..expr.stored import Stored
@@ -33,11 +35,8 @@ from .cost import tokens_hint
 from .decisions import Decision, DecisionKind
 from .shapes import activation_bytes, element_size, forward_shapes, output_bytes, rows_per_example
 
-__all__ = ["positions", "rows_of", "rows_bytes", "capture_bytes_per_example", "stream_workspace_bytes", "flat_example_bytes",
-           "kfac_example_bytes", "ekfac_rotated_bytes",
-           "kron_bytes", "kron_output_bytes", "ekfac_example_bytes", "ekfac_bytes", "kron_factor_bytes", "kron_precision_decisions", "kron_bytes_arithmetic",
-           "statistics_bytes", "check_statistics_fit", "captured_positions", "ghost_workspace_bytes",
-           "ghost_norm_bytes_per_example", "token_block_of", "projection_map_decisions",
+__all__ = ["positions", "rows_of", "rows_bytes", "capture_bytes_per_example", "stream_workspace_bytes",
+           "statistics_bytes", "check_statistics_fit", "captured_positions", "projection_map_decisions",
            "projection_workspace_bytes"]
 
 
@@ -123,197 +122,6 @@ def capture_bytes_per_example(src: Source, dtype, forward_shared: bool = False) 
     return total + output_bytes(src.task.model, T, elem)    # the loss's copies of the output
 
 
-def _factor_widths(space):
-    """``(out, in)`` of each Kronecker-factored (2-D) block."""
-    return [(b.shape[0], b.shape[-1]) for b in space.blocks]
-
-
-def kron_factor_bytes(d: int, float64_width: int | None, diagonal_width: int | None = None) -> dict:
-    """Bytes of one d-wide Kronecker factor: ``sum`` (float64, or float32 with its Kahan
-    compensation: 8·d² either way), ``basis`` (its eigenvectors: 8·d² or 4·d²) and ``eigh``
-    (the peak of its eigendecomposition beyond the basis: the symmetrized input and
-    LAPACK's workspace, 24·d² in float64; 12·d² in float32, with the float64 check's
-    three (d, 512) column blocks). float32 beyond ``float64_width``. Beyond
-    ``diagonal_width`` the factor is its diagonal: a float64 sum of 8·d bytes, no basis
-    (the identity) and no eigendecomposition (``"dtype": "diagonal"``)."""
-    if diagonal_width is not None and d > diagonal_width:
-        return {"dtype": "diagonal", "sum": 8.0 * d, "basis": 0.0, "eigh": 0.0}
-    wide = float64_width is not None and d > float64_width
-    elem = 4.0 if wide else 8.0
-    return {"dtype": "float32" if wide else "float64", "sum": 8.0 * d * d, "basis": elem * d * d,
-            "eigh": 3.0 * elem * d * d + (3 * 8.0 * d * 512 if wide else 0.0)}
-
-
-def _eigenvalue_bytes(o: int, i: int, parts) -> float:
-    """An (out, in) eigenvalue grid (EK-FAC's re-fitted Λ): float32 when a factor is
-    float32, else float64."""
-    return o * i * _eigenvalue_element(parts)
-
-
-def _kfac_eigenvalue_bytes(o: int, i: int, parts) -> float:
-    """K-FAC's eigenvalues Λ = λ_S λ_Aᵀ, kept as the two vectors (out + in numbers; the grid
-    is made a slice at a time where it is applied: :class:`~gradalg.linalg.kron.BlockEigenvalues`)."""
-    return (o + i) * _eigenvalue_element(parts)
-
-
-def _eigenvalue_element(parts) -> float:
-    return 4.0 if any(p["dtype"] == "float32" for p in parts) else 8.0
-
-
-def _dense_widths(space, diagonal_width: int | None) -> list[int]:
-    """The widths of the factors kept as d × d matrices."""
-    return [d for o, i in _factor_widths(space) for d in (o, i)
-            if diagonal_width is None or d <= diagonal_width]
-
-
-def kron_bytes(space, float64_width: int | None = None, diagonal_width: int | None = None) -> float:
-    """K-FAC's statistics and eigendecompositions, the larger of two moments:
-
-    * a chunk's update: every block's two factor sums, and the widest dense factor's
-      d × d product with its float64 copy or the Kahan sum's new total (12·d²);
-    * finishing, block by block (``KronAccumulator.finish``): a block's sums are freed as
-      its covariances are formed and eigendecomposed, so each block holds the larger of
-      its sums and its eigenbases; beside them every block's two eigenvalue vectors
-      (λ_S, λ_A: K-FAC's Λ = λ_S λ_Aᵀ is never kept as a grid), and the larger of one
-      block's covariance copies and one eigendecomposition's workspace.
-
-    Factors wider than ``float64_width`` in float32, wider than ``diagonal_width``
-    diagonal (8·d bytes, no basis: :func:`kron_factor_bytes`)."""
-    sums, held, lam, eigh, copies = 0.0, 0.0, 0.0, 0.0, 0.0
-    for o, i in _factor_widths(space):
-        parts = [kron_factor_bytes(d, float64_width, diagonal_width) for d in (o, i)]
-        block_sums = sum(p["sum"] for p in parts)
-        sums += block_sums
-        held += max(block_sums, sum(p["basis"] for p in parts))
-        lam += _kfac_eigenvalue_bytes(o, i, parts)
-        eigh = max([eigh] + [p["eigh"] for p in parts])
-        copies = max(copies, block_sums)
-    widest = max(_dense_widths(space, diagonal_width) or [0])
-    return max(sums + 12.0 * widest * widest, held + lam + max(eigh, copies))
-
-
-def ekfac_bytes(space, float64_width: int | None = None, diagonal_width: int | None = None) -> float:
-    """EK-FAC's correction pass: the K-FAC eigenbases and eigenvalue vectors it rotates
-    into, its float64 sums of squares (one (out, in) grid per block) and, when it
-    finishes, the corrected eigenvalues (one grid per block) beside them."""
-    total = 0.0
-    for o, i in _factor_widths(space):
-        parts = [kron_factor_bytes(d, float64_width, diagonal_width) for d in (o, i)]
-        total += (sum(p["basis"] for p in parts) + _kfac_eigenvalue_bytes(o, i, parts)
-                  + _eigenvalue_bytes(o, i, parts) + 8.0 * o * i)
-    return total
-
-
-def kron_output_bytes(space, float64_width: int | None = None, diagonal_width: int | None = None,
-                      refit: bool = False) -> float:
-    """Bytes of the Kronecker operator a job produces: eigenbases and eigenvalues — K-FAC's
-    two vectors per block, or with ``refit`` EK-FAC's (out, in) grid per block. The
-    operators a score derives from it (damped, inverted, powers) share these numbers
-    (:class:`~gradalg.linalg.kron.BlockEigenvalues`): the scores pass holds no other
-    copy, and makes Λ a slice of rows at a time (``gradalg.linalg.kron._SLICE_ELEMENTS`` numbers)."""
-    total = 0.0
-    for o, i in _factor_widths(space):
-        parts = [kron_factor_bytes(d, float64_width, diagonal_width) for d in (o, i)]
-        lam = _eigenvalue_bytes(o, i, parts) if refit else _kfac_eigenvalue_bytes(o, i, parts)
-        total += sum(p["basis"] for p in parts) + lam
-    return total
-
-
-def kron_bytes_arithmetic(space, float64_width: int | None = None, diagonal_width: int | None = None) -> str:
-    """:func:`kron_bytes` spelled out: the sums, bases and eigenvalues of the blocks, and
-    the largest eigendecomposition, with the widest factor's size and precision; when a
-    dense factor is wider than ``float64_width``, the option that keeps it diagonal and
-    what the statistics then take (the fix a refusal names)."""
-    sums = bases = lam = 0.0
-    widest, eigh = 0, 0.0
-    diagonal = []
-    for o, i in _factor_widths(space):
-        parts = [kron_factor_bytes(d, float64_width, diagonal_width) for d in (o, i)]
-        sums += sum(p["sum"] for p in parts)
-        bases += sum(p["basis"] for p in parts)
-        lam += _kfac_eigenvalue_bytes(o, i, parts)
-        for d, p in zip((o, i), parts):
-            if p["dtype"] == "diagonal":
-                diagonal.append(d)
-            elif p["eigh"] > eigh:
-                widest, eigh = d, p["eigh"]
-    update = 12.0 * max(_dense_widths(space, diagonal_width) or [0]) ** 2
-    text = (f"Kronecker statistics of {len(space.blocks)} block(s): factor sums {_gb(sums)} GB + a chunk's update "
-            f"({_gb(update)} GB), or, finishing block by block, each block's larger of its sums and eigenbases "
-            f"(eigenbases {_gb(bases)} GB in all) + eigenvalues {_gb(lam)} GB")
-    if widest:
-        dtype = kron_factor_bytes(widest, float64_width)["dtype"]
-        text += f" + the largest eigendecomposition ({widest}×{widest}, {dtype}) {_gb(eigh)} GB"
-    if diagonal:
-        text += f"; {len(diagonal)} factor(s) of width {max(diagonal):,} kept diagonal"
-    text += f" = {_gb(kron_bytes(space, float64_width, diagonal_width))} GB"
-    if widest and float64_width is not None and widest > float64_width:
-        narrower = max([d for d in _dense_widths(space, diagonal_width) if d < widest] or [1])
-        text += (f"; to keep the {widest}×{widest} factor (and any wider) diagonal instead, "
-                 f"ga.options(kron_diagonal_width={narrower}): "
-                 f"{_gb(kron_bytes(space, float64_width, narrower))} GB")
-    return text
-
-
-def kron_precision_decisions(op, options) -> list[Decision]:
-    """A :class:`~gradalg.plan.decisions.Decision` about the K-FAC operator ``op`` for each
-    block with a factor wider than ``options.kron_float64_width`` (``KRON_PRECISION``, with
-    the bytes of both precisions) or wider than ``options.kron_diagonal_width``
-    (``KRON_DIAGONAL``: diagonal, with the bytes of the dense factor it replaces)."""
-    width, diagonal_width = options.kron_float64_width, options.kron_diagonal_width
-    rows = []
-    for b in op.space.blocks:
-        if len(b.shape) != 2:
-            continue
-        o, i = b.shape[0], b.shape[-1]
-        diag = [(label, d) for label, d in (("S", o), ("A", i)) if d > diagonal_width]
-        if diag:
-            rows.append(_diagonal_decision(op, b, diag, options))
-        wide = [(label, d) for label, d in (("S", o), ("A", i)) if width < d <= diagonal_width]
-        if not wide:
-            continue
-        d = max(dd for _, dd in wide)
-        f32, f64 = kron_factor_bytes(d, width), kron_factor_bytes(d, None)
-        peak32, peak64 = f32["sum"] + f32["basis"] + f32["eigh"], f64["sum"] + f64["basis"] + f64["eigh"]
-        factors = " and ".join(f"{label} ({dd}×{dd})" for label, dd in wide)
-        rows.append(Decision(
-            DecisionKind.KRON_PRECISION, op.token, "float32",
-            {"float32": f"{_gb(peak32)} GB at its eigendecomposition",
-             "float64": f"{_gb(peak64)} GB at its eigendecomposition"},
-            f"{factors} wider than ga.options(kron_float64_width={width}): summed in float32 with a Kahan "
-            f"compensation ({_gb(f32['sum'])} GB), eigendecomposed in float32 on the device "
-            f"(basis {_gb(f32['basis'])} GB, workspace {_gb(f32['eigh'])} GB; float64: {_gb(f64['basis'])} GB and "
-            f"{_gb(f64['eigh'])} GB) and checked to kron_float32_rtol={options.kron_float32_rtol:g} "
-            "(residual, orthogonality, the error of inverted eigenvalues)", block=b.name))
-    return rows
-
-
-def _diagonal_decision(op, b, diag: list, options) -> Decision:
-    """The decision about block ``b`` of ``op`` whose factors ``diag`` ([(side, width)]) are kept diagonal."""
-    dense = [kron_factor_bytes(d, options.kron_float64_width) for _, d in diag]
-    dense_peak = sum(p["sum"] + p["basis"] for p in dense) + max(p["eigh"] for p in dense)
-    kept = sum(8.0 * d for _, d in diag)
-    sides = []
-    for label, d in diag:
-        if label == "A" and b.kind == "embedding":
-            sides.append(f"A ({d:,}×{d:,}) exact: an embedding's one-hot inputs have a diagonal covariance, "
-                         "the token counts")
-        elif label == "S" and b.kind == "tied":
-            sides.append(f"S ({d:,}×{d:,}) approximated by diag(S): the tied embedding's one-hot rows add "
-                         "exactly diagonal terms, the head's output-gradient covariances lose their "
-                         "off-diagonal entries")
-        else:
-            sides.append(f"{label} ({d:,}×{d:,}) approximated by its diagonal: the off-diagonal covariances "
-                         "are dropped")
-    return Decision(DecisionKind.KRON_DIAGONAL, op.token, "diagonal",
-            {"diagonal": f"{_gb(kept)} GB, no eigendecomposition",
-             "dense": f"{_gb(dense_peak)} GB at its eigendecomposition"},
-            f"wider than ga.options(kron_diagonal_width={options.kron_diagonal_width}): "
-            + "; ".join(sides)
-            + ". The identity is the diagonal factor's eigenbasis (rule kronecker.diagonal_factor); EK-FAC "
-              "re-fits its eigenvalues per coordinate", block=b.name)
-
-
 def projection_map_decisions(node, options) -> list[Decision]:
     """A ``PROJECTION_MAP`` :class:`~gradalg.plan.decisions.Decision` (its subject the
     projector's token) for each distinct dense, sparse-JL or
@@ -391,86 +199,6 @@ def stream_workspace_bytes(streams, dtype) -> float:
     terms arrive as separate chunks: counted once. Every job's
     :meth:`~gradalg.plan.jobs.Job.per_example_bytes` adds its own on top."""
     return max((projection_workspace_bytes(s, dtype) for s in streams), default=0.0)
-
-
-def flat_example_bytes(node, dtype, copy_bytes: float) -> float:
-    """One example's rows of ``node`` materialized flat, and ``copy_bytes`` more per
-    coordinate (a Fisher's float64 copy and product: 16; a self-score's product: 8)."""
-    return node.space.dim * (element_size(dtype) + copy_bytes)
-
-
-def kfac_example_bytes(node, token_block: int | None) -> float:
-    """K-FAC's sums of one example: one token block of its factors in float64 per 2-D block."""
-    T = positions(node)
-    return sum(_token_block(token_block, T[b.name]) * sum(b.shape) * 8.0
-               for b in node.space.blocks if len(b.shape) == 2)
-
-
-def ekfac_rotated_bytes(node, token_block: int | None, diagonal_width: int | None) -> float:
-    """EK-FAC's correction of one example: rotated gradients, squared (float64), and one
-    token block of rotated factors; a block with a diagonal factor is rotated one example
-    at a time (:func:`ekfac_example_bytes`, counted in the job's fixed bytes)."""
-    T = positions(node)
-    diag = _diagonal_blocks(node.space, diagonal_width)
-    return sum((16.0 * b.dim if b.name not in diag else 0.0)
-               + (_token_block(token_block, T[b.name]) * sum(b.shape) * 8.0 if len(b.shape) == 2 else 0.0)
-               for b in node.space.blocks)
-
-
-def _token_block(block: int | None, T: int) -> int:
-    return min(T, block) if block else T
-
-
-def _diagonal_blocks(space, diagonal_width: int | None) -> set:
-    """Names of the 2-D blocks of ``space`` with a factor wider than ``diagonal_width``."""
-    return {b.name for b in space.blocks if len(b.shape) == 2 and diagonal_width is not None
-            and max(b.shape) > diagonal_width}
-
-
-def ekfac_example_bytes(space, diagonal_width: int | None) -> float:
-    """EK-FAC's correction of a block with a diagonal factor, one example at a time: its
-    rotated (out, in) gradient, squared in place, and their float64 copy (or the scattered
-    one-hot gradient and its rotation): 16·out·in bytes for the largest such block."""
-    diag = _diagonal_blocks(space, diagonal_width)
-    return max([16.0 * b.dim for b in space.blocks if b.name in diag] or [0.0])
-
-
-def token_block_of(job, T: int) -> int:
-    """Positions per example the job's kernels take at once: ``min(T, job.token_block)``."""
-    return _token_block(getattr(job, "token_block", None), T)
-
-
-def ghost_norm_bytes_per_example(job, dtype) -> float:
-    """Bytes per streamed example of the ghost norms ‖G_i‖² of a self-score (diag) job:
-    three (bT, bS) Gram-sized intermediates per example for the widest-positioned
-    factored block (b = min(T, token_block); the kernel caps a slice at
-    ``max(ghost_slice_elements, b²)`` elements, so this overcounts large batches)."""
-    import torch
-    if not job.streams:
-        return 0.0
-    node = job.streams[0]
-    elem = element_size(compute_dtype(dtype if isinstance(dtype, torch.dtype) else torch.float32))
-    T = positions(node)
-    worst = max([token_block_of(job, T[b.name]) ** 2 for b in node.space.blocks if len(b.shape) == 2] or [0])
-    return 3.0 * elem * worst
-
-
-def ghost_workspace_bytes(job, dtype) -> float:
-    """Bytes of the ghost kernel's intermediates for a scores job: per ghost block the
-    activation Gram, the gradient Gram and their product, each
-    :func:`~gradalg.capture.factors.ghost_workspace_elements` numbers of the compute dtype
-    (float32 for half-precision factors); the blocks run one after the other, so the
-    largest counts."""
-    import torch
-    elem = element_size(compute_dtype(dtype if isinstance(dtype, torch.dtype) else torch.float32))
-    held, streamed = job.held, job.streams[0]
-    P_h, P_s = positions(held), positions(streamed)
-    worst = 0
-    for b in held.space.blocks:
-        if job.kernels.get(b.name) == "ghost":
-            worst = max(worst, ghost_workspace_elements(held.n, streamed.n, P_h[b.name], P_s[b.name],
-                                                        job.slice_elements, job.token_block))
-    return 3.0 * elem * worst
 
 
 def statistics_bytes(node) -> float:

@@ -97,7 +97,7 @@ def model_device(root: Node) -> torch.device | None:
 # ------------------------------------------------------------------ entry point
 def plan(root: Node, *, options: Options | None = None, device=None, rewrites: bool = True,
          choices: Choices | None = None, measure_shapes: bool = False, topk: TopK | None = None,
-         budget: Budget | None = None) -> Plan:
+         budget: Budget | None = None, keep_held_rows: bool = False) -> Plan:
     """Plan ``root`` (a score, self-score, gradient or operator node).
 
     ``choices`` forces decisions the planner would otherwise cost (:class:`Choices`).
@@ -114,7 +114,10 @@ def plan(root: Node, *, options: Options | None = None, device=None, rewrites: b
     with its measured or nominal profile (:mod:`gradalg.plan.accelerators`), else the CPU's.
     ``budget`` (default: :func:`gradalg.plan.budget.resolve_budget` now, for that device):
     the plan's ``options.memory_budget`` becomes its bytes, and ``plan.budget`` keeps its
-    source; a refusal for memory says both (:func:`gradalg.plan.budget.refusal_note`)."""
+    source; a refusal for memory says both (:func:`gradalg.plan.budget.refusal_note`).
+    ``keep_held_rows``: the executor opens each pass's jobs again per shard (its shard
+    strategy's ``keeps_held_rows``: Dask, torch.distributed), so every shard reads a
+    score's raw held rows and no scores job releases them (the schedule stage)."""
     options = options or get_options()
     simplified, fired = simplify_until_fixpoint(root, enabled=rewrites)
     where = device if device is not None else model_device(simplified)
@@ -126,7 +129,7 @@ def plan(root: Node, *, options: Options | None = None, device=None, rewrites: b
     try:
         with measured(known.shapes):
             graph = decide(lowered, known, choices)
-            scheduled = schedule(graph, known, simplified, choices)
+            scheduled = schedule(graph, known, simplified, choices, keep_held_rows)
             passes, decisions = size(scheduled, known)
     except MemoryBudgetError as err:   # every refusal says where the budget came from and how to change it
         err.args = (with_note(err, budget, getattr(err, "needed", None)), *err.args[1:])

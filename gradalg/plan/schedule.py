@@ -215,12 +215,14 @@ def released(jobs, passes, target) -> set:
     return out
 
 
-def schedule(graph: JobGraph, facts: Facts, target, choices: Choices | None = None) -> Schedule:
+def schedule(graph: JobGraph, facts: Facts, target, choices: Choices | None = None,
+             keep_held_rows: bool = False) -> Schedule:
     """The :class:`Schedule` of ``graph`` (``target``: the simplified root, whose own held
-    rows a plan returns and so never releases)."""
+    rows a plan returns and so never releases; ``keep_held_rows``: the executor opens the
+    jobs again per shard, each reading the raw held rows: none are released)."""
     decisions = list(graph.decisions)
     waves, stored = _waves(graph, facts, choices or Choices(), decisions)
-    release = released(graph.jobs.values(), waves, target)
+    release = set() if keep_held_rows else released(graph.jobs.values(), waves, target)
     passes = [Pass(key, [replace(j, release_held=True) if j.key in release else j
                          for j in (_normalized(j, key, decisions) for j in group)]) for key, group in waves]
     jobs = {j.key: j for p in passes for j in p.jobs}

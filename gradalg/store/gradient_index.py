@@ -305,7 +305,7 @@ class GradientIndex:
 
     def _rerank(self, q: torch.Tensor, proposed: np.ndarray, k: int, largest: bool):
         """Exact scores of each query's candidates from the stored rows, then its top k."""
-        from ..exec.accumulators import select_topk
+        from ..plan.jobs import select_topk
 
         if (proposed < 0).sum(1).max() > proposed.shape[1] - k:
             raise OptionError(f"faiss proposed fewer than k={k} rows for some query: search more clusters "

@@ -1,0 +1,117 @@
+"""The Fisher job: F = (1/n) Σ_i g_i g_iᵀ in float64 (dense d², block Σ d_b², diag d),
+with its accumulator."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ...capture.chunks import Chunk, flat_block, flatten
+from ...errors import DataError
+from ...expr import Fisher
+from ...linalg import ResolvedOp
+from ..cost import Cost, fisher_cost
+from ..estimates import _factored, _flat
+from ..memory import check_statistics_fit, positions
+from ..shapes import element_size
+from .base import Job
+
+__all__ = ["FisherJob", "FisherAccumulator"]
+
+
+@dataclass(eq=False, frozen=True)
+class FisherJob(Job):
+    """F = (1/n) Σ_i g_i g_iᵀ in float64 (dense d², block Σ d_b², diag d)."""
+
+    kind: ClassVar[str] = "fisher"
+    output: ClassVar[str] = "operator"
+    phase: ClassVar[str] = "statistics"
+    ops_per_block: ClassVar[int] = 6
+    per_row_set: ClassVar[bool] = True
+
+    def chunk_cost(self, node, c, layout, elem) -> Cost:
+        """The sums Σ g gᵀ over one chunk: the rows made flat and their products."""
+        T, factored, cost = positions(node), _factored(node, layout), Cost()
+        for b in node.space.blocks:
+            cost = cost + _flat(b, c, T, factored, elem)
+        return cost + fisher_cost(c, [b.dim for b in node.space.blocks], self.target.structure)
+
+    def first_decisions(self, options) -> list:
+        """A Fisher whose matrix alone exceeds the memory budget is refused here."""
+        check_statistics_fit(self.target, options.memory_budget)
+        return []
+
+    def example_bytes(self, dtype) -> float:
+        """One example's rows materialized, their float64 copy and its product (16 bytes more
+        per coordinate)."""
+        return self.streams[0].space.dim * (element_size(dtype) + 16.0)
+
+    def fixed_bytes(self, dtype) -> float:
+        return fisher_cost(1, [b.dim for b in self.target.space.blocks], self.target.structure).peak_bytes
+
+    def output_bytes(self, n: int) -> float:
+        return self.fixed_bytes(None)
+
+    def accumulator(self, ctx) -> "FisherAccumulator":
+        return FisherAccumulator(self.target)
+
+    def publish(self, result, state) -> None:
+        state.ops[self.target.token] = result
+
+
+class FisherAccumulator:
+    """F = (1/n) Σ_i g_i g_iᵀ, accumulated in float64, as dense, block or diag.
+
+    ``memory_budget``: for the pull path, which runs without a plan: the planner's own
+    check (:func:`gradalg.plan.memory.check_statistics_fit`) is made here. A plan's
+    Fisher jobs were checked when planned and pass None."""
+
+    def __init__(self, node: Fisher, memory_budget: int | None = None):
+        if memory_budget is not None:
+            check_statistics_fit(node, memory_budget)
+        self.node, self.space, self.structure = node, node.space, node.structure
+        self.acc = None
+        self.rows = 0
+
+    def update(self, chunk: Chunk) -> None:
+        self.rows += chunk.n
+        if self.structure == "dense":
+            x = flatten(chunk, self.space).to(torch.float64)
+            part = x.T @ x
+        elif self.structure == "diag":
+            part = (flatten(chunk, self.space).to(torch.float64) ** 2).sum(0)
+        else:
+            part = {}
+            for name in self.space.names:
+                x = flat_block(chunk.blocks[name]).to(torch.float64)
+                part[name] = x.T @ x
+        self._add(part)
+
+    def _add(self, part) -> None:
+        if self.acc is None:
+            self.acc = part
+        elif self.structure == "block":
+            for k in self.acc:
+                self.acc[k] += part[k]
+        else:
+            self.acc += part
+
+    def export(self) -> dict:
+        return {"acc": self.acc, "rows": self.rows}
+
+    def absorb(self, state: dict) -> None:
+        self.rows += state["rows"]
+        if state["acc"] is not None:
+            self._add(state["acc"])
+
+    def finish(self) -> ResolvedOp:
+        if self.rows == 0:
+            raise DataError("cannot compute a Fisher over zero examples: give the Fisher rows (its data is empty)")
+        n = self.node.grads.n  # rows may repeat an example (objective="expected": one row per term)
+        # kept in the accumulation's float64: rounding a rank-deficient Gram matrix (TRAK's
+        # ΦᵀΦ with n < k) to float32 leaves eigenvalues of ±1e-7·‖F‖, which a small damping
+        # does not cover; rows are cast to the operator where it is applied
+        if self.structure == "block":
+            return ResolvedOp(self.space, "block", {k: v / n for k, v in self.acc.items()})
+        return ResolvedOp(self.space, self.structure, self.acc / n)

@@ -1,0 +1,515 @@
+"""The Kronecker statistics jobs, K-FAC's factors and EK-FAC's eigenvalue correction,
+with their accumulators.
+
+Per 2-D (out, in) block, K-FAC sums S = E[DᵀD] and A = E[AᵀA] over m = c·T positions of a
+chunk and eigendecomposes them when its pass ends; EK-FAC (a second pass: it depends on
+the K-FAC job of the same operator) rotates each example's gradient into those
+eigenbases and sums its squares, Λ = (1/n) Σ_i (Q_Sᵀ G_i Q_A)². Kernels over factors take
+``token_block`` positions at once; factors wider than ``kron_float64_width`` are summed
+and eigendecomposed in float32, wider than ``kron_diagonal_width`` kept as their
+diagonal (the job's fields, from ``ga.options``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ...capture.chunks import Chunk
+from ...capture.factors import Factors
+from ...curvature.kron import FLOAT32_ROUNDOFF, EighCheck, KronStats, checked_eigh
+from ...errors import CurvatureError, GradalgError
+from ...expr import KFAC
+from ...linalg.kron import (BlockEigenvalues, KronOp, diagonal_factor_rules, is_diagonal_factor, rotate_factors,
+                            rotate_rows)
+from ..cost import Cost, bmm_cost, block_cost, eigh_cost, gemm_cost, gram_cost
+from ..estimates import _factored
+from ..decisions import Decision, DecisionKind
+from ..memory import _gb, positions
+from .base import Job
+
+__all__ = ["KronStatisticsJob", "KFACJob", "EKFACJob", "KronAccumulator", "EKFACAccumulator", "kron_factor_bytes",
+           "kron_bytes", "ekfac_bytes", "kron_output_bytes", "kron_bytes_arithmetic", "kron_precision_decisions"]
+
+
+def _diagonal_blocks(space, diagonal_width: int | None) -> set:
+    """Names of the 2-D blocks of ``space`` with a factor wider than ``diagonal_width``."""
+    return {b.name for b in space.blocks if len(b.shape) == 2 and diagonal_width is not None
+            and max(b.shape) > diagonal_width}
+
+
+@dataclass(eq=False, frozen=True)
+class KronStatisticsJob(Job):
+    """A job accumulating per-block Kronecker statistics: two (out, out) and (in, in)
+    matrices per block are its footprint and its output."""
+
+    output: ClassVar[str] = "operator"
+    phase: ClassVar[str] = "statistics"
+    per_row_set: ClassVar[bool] = True
+
+    def fixed_bytes(self, dtype) -> float:
+        return kron_bytes(self.target.space, self.kron_float64_width, self.kron_diagonal_width)
+
+    def bytes_arithmetic(self, dtype) -> str:
+        return kron_bytes_arithmetic(self.target.space, self.kron_float64_width, self.kron_diagonal_width)
+
+    def output_bytes(self, n: int) -> float:
+        return kron_output_bytes(self.target.space, self.kron_float64_width, self.kron_diagonal_width)
+
+    def _diagonal(self, d: int) -> bool:
+        return is_diagonal_factor(d, self.kron_diagonal_width)
+
+    def publish(self, result, state) -> None:
+        state.ops[self.target.token] = result
+
+
+@dataclass(eq=False, frozen=True)
+class KFACJob(KronStatisticsJob):
+    """K-FAC's Kronecker factors S = E[DᵀD], A = E[AᵀA] per block, and their eigenbases."""
+
+    kind: ClassVar[str] = "kfac"
+    ops_per_block: ClassVar[int] = 14
+
+    def chunk_cost(self, node, c, layout, elem) -> Cost:
+        """The factor sums over one chunk, per 2-D block and m = c·T positions: for A (in)
+        and S (out) a dense factor's Gram and d × d float64 sums, a diagonal one's squares."""
+        T, cost = positions(node), Cost()
+        for b in node.space.blocks:
+            if len(b.shape) != 2:
+                continue
+            m = c * T[b.name]
+            for d in (b.shape[1], b.shape[0]):   # A, S
+                if self._diagonal(d):
+                    cost = cost + Cost(flops=2.0 * m * d, bytes=elem * m * d * 2 + 16.0 * d)
+                else:
+                    cost = cost + gram_cost(m, d, elem) + Cost(bytes=elem * m * d + 24.0 * d * d)
+            cost = cost + Cost(bytes=elem * m * b.shape[1])
+        return cost
+
+    def once_cost(self, elem, storage_of=None, options=None, resolved=None) -> Cost:
+        """The eigendecompositions at the end of its pass: one per dense factor (A, then S)."""
+        return sum((eigh_cost(d) for b in self.streams[0].space.blocks if len(b.shape) == 2
+                    for d in (b.shape[1], b.shape[0]) if not self._diagonal(d)), Cost())
+
+    def first_decisions(self, options) -> list:
+        """The precision (float32 or float64) and form (dense or diagonal) of each factor."""
+        return kron_precision_decisions(self.target, options)
+
+    def example_bytes(self, dtype) -> float:
+        """One example's sums: one token block of its factors in float64 per 2-D block."""
+        node = self.streams[0]
+        T = positions(node)
+        return sum(self.at_once(T[b.name]) * sum(b.shape) * 8.0
+                   for b in node.space.blocks if len(b.shape) == 2)
+
+    def describe(self) -> str:
+        t = self.target
+        notes = [x for x in t.subset_notes() if x.startswith("covariances")]
+        return f"{self.kind} {'ekfac' if t.eigen_correction else 'kfac'}" + (f" ({notes[0]})" if notes else "")
+
+    def accumulator(self, ctx) -> "KronAccumulator":
+        return KronAccumulator(self.target, self.token_block, self.kron_float64_width, self.kron_float32_rtol,
+                               self.kron_diagonal_width)
+
+    def publish(self, result, state) -> None:
+        """An EK-FAC operator's eigenbases wait in ``state.kron`` for its correction."""
+        where = state.kron if self.target.eigen_correction else state.ops
+        where[self.target.token] = result
+
+
+@dataclass(eq=False, frozen=True)
+class EKFACJob(KronStatisticsJob):
+    """EK-FAC's eigenvalue correction E[(Q_Sᵀ G Q_A)²], in the KFACJob's eigenbases
+    (a second pass: it depends on the KFACJob of the same operator)."""
+
+    kind: ClassVar[str] = "ekfac"
+    ops_per_block: ClassVar[int] = 10
+
+    def chunk_cost(self, node, c, layout, elem) -> Cost:
+        """The correction over one chunk: each (out, in) block rotated into the K-FAC
+        eigenbases (factors: ``kron.rotate_factors``, one example at a time where a factor
+        is diagonal; flat rows: ``kron.rotate_rows``), squared and summed."""
+        T, factored, cost = positions(node), _factored(node, layout), Cost()
+        for b in node.space.blocks:
+            if len(b.shape) != 2:
+                continue
+            (out_f, in_f), t = b.shape, T[b.name]
+            if factored[b.name] and (self._diagonal(out_f) or self._diagonal(in_f)):
+                # rotate_factors one example at a time (EKFACAccumulator), an identity side not rotated
+                for d in (in_f, out_f):
+                    if not self._diagonal(d):
+                        cost = cost + gemm_cost(t, d, d, c, elem)
+                cost = cost + gemm_cost(out_f, in_f, t, c, elem) + block_cost("ekfac", c - 1, 3)
+            elif factored[b.name]:                                       # kron.rotate_factors
+                cost = (cost + gemm_cost(c * t, in_f, in_f, 1, elem) + gemm_cost(c * t, out_f, out_f, 1, elem)
+                        + bmm_cost(c, out_f, in_f, t, 1, elem))
+            else:                                                        # kron.rotate_rows
+                cost = cost + bmm_cost(c, out_f, in_f, out_f, 1, elem) + gemm_cost(c * out_f, in_f, in_f, 1, elem)
+            cost = cost + Cost(bytes=4.0 * elem * c * out_f * in_f)     # rotated, squared, summed
+        return cost
+
+    def example_bytes(self, dtype) -> float:
+        """One example's correction: rotated gradients, squared (float64), and one token
+        block of rotated factors; a block with a diagonal factor is rotated one example at
+        a time (counted in :meth:`fixed_bytes`)."""
+        node = self.streams[0]
+        T, diag = positions(node), _diagonal_blocks(node.space, self.kron_diagonal_width)
+        return sum((16.0 * b.dim if b.name not in diag else 0.0)
+                   + (self.at_once(T[b.name]) * sum(b.shape) * 8.0 if len(b.shape) == 2 else 0.0)
+                   for b in node.space.blocks)
+
+    def fixed_bytes(self, dtype) -> float:
+        """The statistics' bytes, and one example's rotated gradient of a block with a
+        diagonal (vocabulary-wide) factor, which is corrected one example at a time: its
+        (out, in) rotated gradient, squared in place, and their float64 copy, 16·out·in
+        bytes for the largest such block."""
+        space = self.target.space
+        diag = _diagonal_blocks(space, self.kron_diagonal_width)
+        return (ekfac_bytes(space, self.kron_float64_width, self.kron_diagonal_width)
+                + max([16.0 * b.dim for b in space.blocks if b.name in diag] or [0.0]))
+
+    def bytes_arithmetic(self, dtype) -> str:
+        return (f"EK-FAC correction: eigenbases, K-FAC and corrected eigenvalues and their float64 sums "
+                f"{_gb(self.fixed_bytes(dtype))} GB")
+
+    def output_bytes(self, n: int) -> float:
+        """The eigenbases and the re-fitted (out, in) eigenvalue grid of each block."""
+        return kron_output_bytes(self.target.space, self.kron_float64_width, self.kron_diagonal_width, refit=True)
+
+    def describe(self) -> str:
+        notes = [x for x in self.target.subset_notes() if x.startswith("eigenvalue")]
+        return f"{self.kind} ekfac" + (f" ({notes[0]})" if notes else "")
+
+    def accumulator(self, ctx) -> "EKFACAccumulator":
+        """Rotates into the eigenbases the K-FAC job's pass left in ``ctx.state.kron``."""
+        return EKFACAccumulator(self.target, ctx.state.kron[self.target.token], self.token_block)
+
+
+# ------------------------------------------------------------------ bytes of the statistics
+def _factor_widths(space):
+    """``(out, in)`` of each Kronecker-factored (2-D) block."""
+    return [(b.shape[0], b.shape[-1]) for b in space.blocks]
+
+
+def _factor_parts(space, float64_width: int | None, diagonal_width: int | None):
+    """``(out, in, [S's, A's kron_factor_bytes])`` of each block."""
+    for o, i in _factor_widths(space):
+        yield o, i, [kron_factor_bytes(d, float64_width, diagonal_width) for d in (o, i)]
+
+
+def kron_factor_bytes(d: int, float64_width: int | None, diagonal_width: int | None = None) -> dict:
+    """Bytes of one d-wide Kronecker factor: ``sum`` (float64, or float32 with its Kahan
+    compensation: 8·d² either way), ``basis`` (its eigenvectors: 8·d² or 4·d²) and ``eigh``
+    (the peak of its eigendecomposition beyond the basis: the symmetrized input and
+    LAPACK's workspace, 24·d² in float64; 12·d² in float32, with the float64 check's
+    three (d, 512) column blocks). float32 beyond ``float64_width``. Beyond
+    ``diagonal_width`` the factor is its diagonal: a float64 sum of 8·d bytes, no basis
+    (the identity) and no eigendecomposition (``"dtype": "diagonal"``)."""
+    if diagonal_width is not None and d > diagonal_width:
+        return {"dtype": "diagonal", "sum": 8.0 * d, "basis": 0.0, "eigh": 0.0}
+    wide = float64_width is not None and d > float64_width
+    elem = 4.0 if wide else 8.0
+    return {"dtype": "float32" if wide else "float64", "sum": 8.0 * d * d, "basis": elem * d * d,
+            "eigh": 3.0 * elem * d * d + (3 * 8.0 * d * 512 if wide else 0.0)}
+
+
+def _eigenvalue_bytes(o: int, i: int, parts) -> float:
+    """An (out, in) eigenvalue grid (EK-FAC's re-fitted Λ): float32 when a factor is
+    float32, else float64."""
+    return o * i * _eigenvalue_element(parts)
+
+
+def _kfac_eigenvalue_bytes(o: int, i: int, parts) -> float:
+    """K-FAC's eigenvalues Λ = λ_S λ_Aᵀ, kept as the two vectors (out + in numbers; the grid
+    is made a slice at a time where it is applied: :class:`~gradalg.linalg.kron.BlockEigenvalues`)."""
+    return (o + i) * _eigenvalue_element(parts)
+
+
+def _eigenvalue_element(parts) -> float:
+    return 4.0 if any(p["dtype"] == "float32" for p in parts) else 8.0
+
+
+def _dense_widths(space, diagonal_width: int | None) -> list[int]:
+    """The widths of the factors kept as d × d matrices."""
+    return [d for o, i in _factor_widths(space) for d in (o, i)
+            if diagonal_width is None or d <= diagonal_width]
+
+
+def kron_bytes(space, float64_width: int | None = None, diagonal_width: int | None = None) -> float:
+    """K-FAC's statistics and eigendecompositions, the larger of two moments:
+
+    * a chunk's update: every block's two factor sums, and the widest dense factor's
+      d × d product with its float64 copy or the Kahan sum's new total (12·d²);
+    * finishing, block by block (``KronAccumulator.finish``): a block's sums are freed as
+      its covariances are formed and eigendecomposed, so each block holds the larger of
+      its sums and its eigenbases; beside them every block's two eigenvalue vectors
+      (λ_S, λ_A: K-FAC's Λ = λ_S λ_Aᵀ is never kept as a grid), and the larger of one
+      block's covariance copies and one eigendecomposition's workspace.
+
+    Factors wider than ``float64_width`` in float32, wider than ``diagonal_width``
+    diagonal (8·d bytes, no basis: :func:`kron_factor_bytes`)."""
+    sums, held, lam, eigh, copies = 0.0, 0.0, 0.0, 0.0, 0.0
+    for o, i, parts in _factor_parts(space, float64_width, diagonal_width):
+        block_sums = sum(p["sum"] for p in parts)
+        sums += block_sums
+        held += max(block_sums, sum(p["basis"] for p in parts))
+        lam += _kfac_eigenvalue_bytes(o, i, parts)
+        eigh = max([eigh] + [p["eigh"] for p in parts])
+        copies = max(copies, block_sums)
+    widest = max(_dense_widths(space, diagonal_width) or [0])
+    return max(sums + 12.0 * widest * widest, held + lam + max(eigh, copies))
+
+
+def ekfac_bytes(space, float64_width: int | None = None, diagonal_width: int | None = None) -> float:
+    """EK-FAC's correction pass: the K-FAC eigenbases and eigenvalue vectors it rotates
+    into, its float64 sums of squares (one (out, in) grid per block) and, when it
+    finishes, the corrected eigenvalues (one grid per block) beside them."""
+    total = 0.0
+    for o, i, parts in _factor_parts(space, float64_width, diagonal_width):
+        total += (sum(p["basis"] for p in parts) + _kfac_eigenvalue_bytes(o, i, parts)
+                  + _eigenvalue_bytes(o, i, parts) + 8.0 * o * i)
+    return total
+
+
+def kron_output_bytes(space, float64_width: int | None = None, diagonal_width: int | None = None,
+                      refit: bool = False) -> float:
+    """Bytes of the Kronecker operator a job produces: eigenbases and eigenvalues — K-FAC's
+    two vectors per block, or with ``refit`` EK-FAC's (out, in) grid per block. The
+    operators a score derives from it (damped, inverted, powers) share these numbers
+    (:class:`~gradalg.linalg.kron.BlockEigenvalues`): the scores pass holds no other
+    copy, and makes Λ a slice of rows at a time (``gradalg.linalg.kron._SLICE_ELEMENTS`` numbers)."""
+    total = 0.0
+    for o, i, parts in _factor_parts(space, float64_width, diagonal_width):
+        lam = _eigenvalue_bytes(o, i, parts) if refit else _kfac_eigenvalue_bytes(o, i, parts)
+        total += sum(p["basis"] for p in parts) + lam
+    return total
+
+
+def kron_bytes_arithmetic(space, float64_width: int | None = None, diagonal_width: int | None = None) -> str:
+    """:func:`kron_bytes` spelled out: the sums, bases and eigenvalues of the blocks, and
+    the largest eigendecomposition, with the widest factor's size and precision; when a
+    dense factor is wider than ``float64_width``, the option that keeps it diagonal and
+    what the statistics then take (the fix a refusal names)."""
+    sums = bases = lam = 0.0
+    widest, eigh = 0, 0.0
+    diagonal = []
+    for o, i, parts in _factor_parts(space, float64_width, diagonal_width):
+        sums += sum(p["sum"] for p in parts)
+        bases += sum(p["basis"] for p in parts)
+        lam += _kfac_eigenvalue_bytes(o, i, parts)
+        for d, p in zip((o, i), parts):
+            if p["dtype"] == "diagonal":
+                diagonal.append(d)
+            elif p["eigh"] > eigh:
+                widest, eigh = d, p["eigh"]
+    update = 12.0 * max(_dense_widths(space, diagonal_width) or [0]) ** 2
+    text = (f"Kronecker statistics of {len(space.blocks)} block(s): factor sums {_gb(sums)} GB + a chunk's update "
+            f"({_gb(update)} GB), or, finishing block by block, each block's larger of its sums and eigenbases "
+            f"(eigenbases {_gb(bases)} GB in all) + eigenvalues {_gb(lam)} GB")
+    if widest:
+        dtype = kron_factor_bytes(widest, float64_width)["dtype"]
+        text += f" + the largest eigendecomposition ({widest}×{widest}, {dtype}) {_gb(eigh)} GB"
+    if diagonal:
+        text += f"; {len(diagonal)} factor(s) of width {max(diagonal):,} kept diagonal"
+    text += f" = {_gb(kron_bytes(space, float64_width, diagonal_width))} GB"
+    if widest and float64_width is not None and widest > float64_width:
+        narrower = max([d for d in _dense_widths(space, diagonal_width) if d < widest] or [1])
+        text += (f"; to keep the {widest}×{widest} factor (and any wider) diagonal instead, "
+                 f"ga.options(kron_diagonal_width={narrower}): "
+                 f"{_gb(kron_bytes(space, float64_width, narrower))} GB")
+    return text
+
+
+def kron_precision_decisions(op, options) -> list[Decision]:
+    """A :class:`~gradalg.plan.decisions.Decision` about the K-FAC operator ``op`` for each
+    block with a factor wider than ``options.kron_float64_width`` (``KRON_PRECISION``, with
+    the bytes of both precisions) or wider than ``options.kron_diagonal_width``
+    (``KRON_DIAGONAL``: diagonal, with the bytes of the dense factor it replaces)."""
+    width, diagonal_width = options.kron_float64_width, options.kron_diagonal_width
+    rows = []
+    for b in op.space.blocks:
+        if len(b.shape) != 2:
+            continue
+        o, i = b.shape[0], b.shape[-1]
+        diag = [(label, d) for label, d in (("S", o), ("A", i)) if d > diagonal_width]
+        if diag:
+            rows.append(_diagonal_decision(op, b, diag, options))
+        wide = [(label, d) for label, d in (("S", o), ("A", i)) if width < d <= diagonal_width]
+        if not wide:
+            continue
+        d = max(dd for _, dd in wide)
+        f32, f64 = kron_factor_bytes(d, width), kron_factor_bytes(d, None)
+        peak32, peak64 = f32["sum"] + f32["basis"] + f32["eigh"], f64["sum"] + f64["basis"] + f64["eigh"]
+        factors = " and ".join(f"{label} ({dd}×{dd})" for label, dd in wide)
+        rows.append(Decision(
+            DecisionKind.KRON_PRECISION, op.token, "float32",
+            {"float32": f"{_gb(peak32)} GB at its eigendecomposition",
+             "float64": f"{_gb(peak64)} GB at its eigendecomposition"},
+            f"{factors} wider than ga.options(kron_float64_width={width}): summed in float32 with a Kahan "
+            f"compensation ({_gb(f32['sum'])} GB), eigendecomposed in float32 on the device "
+            f"(basis {_gb(f32['basis'])} GB, workspace {_gb(f32['eigh'])} GB; float64: {_gb(f64['basis'])} GB and "
+            f"{_gb(f64['eigh'])} GB) and checked to kron_float32_rtol={options.kron_float32_rtol:g} "
+            "(residual, orthogonality, the error of inverted eigenvalues)", block=b.name))
+    return rows
+
+
+def _diagonal_decision(op, b, diag: list, options) -> Decision:
+    """The decision about block ``b`` of ``op`` whose factors ``diag`` ([(side, width)]) are kept diagonal."""
+    dense = [kron_factor_bytes(d, options.kron_float64_width) for _, d in diag]
+    dense_peak = sum(p["sum"] + p["basis"] for p in dense) + max(p["eigh"] for p in dense)
+    kept = sum(8.0 * d for _, d in diag)
+    sides = []
+    for label, d in diag:
+        if label == "A" and b.kind == "embedding":
+            sides.append(f"A ({d:,}×{d:,}) exact: an embedding's one-hot inputs have a diagonal covariance, "
+                         "the token counts")
+        elif label == "S" and b.kind == "tied":
+            sides.append(f"S ({d:,}×{d:,}) approximated by diag(S): the tied embedding's one-hot rows add "
+                         "exactly diagonal terms, the head's output-gradient covariances lose their "
+                         "off-diagonal entries")
+        else:
+            sides.append(f"{label} ({d:,}×{d:,}) approximated by its diagonal: the off-diagonal covariances "
+                         "are dropped")
+    return Decision(DecisionKind.KRON_DIAGONAL, op.token, "diagonal",
+            {"diagonal": f"{_gb(kept)} GB, no eigendecomposition",
+             "dense": f"{_gb(dense_peak)} GB at its eigendecomposition"},
+            f"wider than ga.options(kron_diagonal_width={options.kron_diagonal_width}): "
+            + "; ".join(sides)
+            + ". The identity is the diagonal factor's eigenbasis (rule kronecker.diagonal_factor); EK-FAC "
+              "re-fits its eigenvalues per coordinate", block=b.name)
+
+
+# ------------------------------------------------------------------ accumulators
+def _factors(node, name, value) -> Factors:
+    if not isinstance(value, Factors):
+        raise GradalgError(
+            f"K-FAC needs factored gradients, but block {name!r} is {node.grads.representation[name]}: "
+            "apply ga.kfac to gradients from ga.grads (hook backend), optionally projected with "
+            "ga.proj.kron, not to normalized, preconditioned or gaussian-projected ones"
+        )
+    return value
+
+
+class KronAccumulator:
+    """K-FAC's Kronecker factors; ``finish`` gives the eigenbasis and K-FAC eigenvalues.
+
+    ``token_block``: positions of each example whose statistics are computed at once;
+    ``float64_width``: factors wider than this are summed and eigendecomposed in float32,
+    checked to ``float32_rtol`` (:mod:`gradalg.curvature.kron`, "Precision of wide
+    factors"); ``diagonal_width``: factors wider than this are kept as their diagonal, with
+    the identity as eigenbasis ("Diagonal factors of vocabulary-wide sides"). All are
+    fields of the plan's job (``ga.options``)."""
+
+    def __init__(self, node: KFAC, token_block: int | None = None, float64_width: int | None = None,
+                 float32_rtol: float = 1e-2, diagonal_width: int | None = None):
+        self.node, self.token_block = node, token_block
+        self.float32_rtol, self.diagonal_width = float32_rtol, diagonal_width
+        self.stats = {name: KronStats(float64_width=float64_width, diagonal_width=diagonal_width)
+                      for name in node.space.names}
+        self.rules = diagonal_factor_rules(node.space, diagonal_width)
+
+    def update(self, chunk: Chunk) -> None:
+        for name in self.node.space.names:
+            self.stats[name].update(_factors(self.node, name, chunk.blocks[name]), self.token_block)
+
+    def export(self) -> dict:
+        return {n: (*st.sums(), st.tokens, st.examples) for n, st in self.stats.items()}
+
+    def absorb(self, state: dict) -> None:
+        for name, (A, S, tokens, examples) in state.items():
+            st = self.stats[name]
+            st.add_sums(A, S)
+            st.tokens += tokens
+            st.examples += examples
+
+    def finish(self) -> KronOp:
+        bases, eigenvalues, errors = {}, {}, {}
+        # the float64 width a failed float32 check names: the widest dense factor of all blocks
+        widest = max([d for b in self.node.space.blocks if len(b.shape) == 2 for d in b.shape
+                      if not is_diagonal_factor(d, self.diagonal_width)] or [0])
+        for name in self.node.space.names:
+            self.stats[name].examples = self.node.covariance_grads.n   # the examples fed (covariance_max_examples)
+            S, A = self.stats[name].covariances()
+            self.stats[name] = None        # the sums are not needed past their eigendecomposition
+            Q_S, lam_S, check_S = _eigenbasis(S, self.float32_rtol, f"the output-gradient factor of {name!r}", widest)
+            del S
+            Q_A, lam_A, check_A = _eigenbasis(A, self.float32_rtol, f"the activation factor of {name!r}", widest)
+            del A
+            bases[name] = (Q_S, Q_A)
+            dtype = torch.promote_types(lam_S.dtype, lam_A.dtype) if torch.float32 not in (
+                lam_S.dtype, lam_A.dtype) else torch.float32
+            # Λ = λ_S λ_Aᵀ kept as its two vectors (made a slice at a time where applied)
+            eigenvalues[name] = BlockEigenvalues((lam_S.to(dtype), lam_A.to(dtype)))
+            if check_S.error or check_A.error:
+                # |λ̂_S λ̂_A − λ_S λ_A| ≤ δ_S max λ_A + max λ_S δ_A + δ_S δ_A
+                top_S, top_A = float(lam_S.max()), float(lam_A.max())
+                errors[name] = check_S.error * top_A + top_S * check_A.error + check_S.error * check_A.error
+        return KronOp(self.node.space, bases, eigenvalues, eigenvalue_errors=errors,
+                      float32_rtol=self.float32_rtol, rules=self.rules)
+
+
+def _eigenbasis(M: torch.Tensor, rtol: float, what: str, float64_fix: int | None = None):
+    """``(Q, λ ≥ 0, EighCheck)`` of a factor: :func:`checked_eigh` of a (d, d) matrix, or
+    ``(None, diagonal, exact)`` for a diagonal factor kept as its (d,) diagonal (the
+    identity is its eigenbasis)."""
+    if not bool(torch.isfinite(M).all()):   # finite rows whose products overflowed: named, never NaN scores
+        raise CurvatureError(
+            f"{what} holds NaN/inf ({int((~torch.isfinite(M)).sum()):,} of {M.numel():,} entries) though every "
+            "per-example gradient is finite: the sums of products of its activations or output gradients "
+            "overflowed (values near the float32 range). Compute in float64 (model.double() and float64 "
+            "inputs), scale the inputs down, or leave this layer out")
+    if M.dim() == 1:
+        return None, M.clamp_min(0), EighCheck(M.shape[0], torch.float64)
+    return checked_eigh(M, rtol, what, float64_fix)
+
+
+class EKFACAccumulator:
+    """EK-FAC's eigenvalue correction Λ = (1/n) Σ_i (Q_Sᵀ G_i Q_A)² in a K-FAC eigenbasis
+    (summed in float64; stored in the K-FAC eigenvalues' dtype). A block with a diagonal
+    factor (an identity basis: a vocabulary-wide side) is rotated one example at a time:
+    its (out, in) rotated gradient is the size of the block (GPT-2's tied head: 154 MB)."""
+
+    def __init__(self, node: KFAC, kfac: KronOp, token_block: int | None = None):
+        self.node, self.kfac, self.token_block = node, kfac, token_block
+        self.sums = {name: torch.zeros(lam.shape, dtype=torch.float64, device=lam.base[0].device)
+                     for name, lam in kfac.parts.items()}
+
+    def update(self, chunk: Chunk) -> None:
+        for name in self.node.space.names:
+            Q_S, Q_A = self.kfac.bases[name]
+            value = chunk.blocks[name]
+            if isinstance(value, torch.Tensor) and value.dim() == 2:
+                # rows kept flat (a Kronecker-projected block over long sequences is
+                # smaller than its factors): rotate the (out, in) gradients themselves
+                rotated = rotate_rows(value.reshape(value.shape[0], Q_S.shape[0], Q_A.shape[0]), Q_S, Q_A)
+            elif Q_S is None or Q_A is None:
+                F = _factors(self.node, name, value)
+                for i in range(F.n):
+                    rotated = rotate_factors(F[i:i + 1], Q_S, Q_A, self.token_block)
+                    self.sums[name] += rotated[0].square_().to(self.sums[name].dtype)
+                    del rotated
+                continue
+            else:
+                rotated = rotate_factors(_factors(self.node, name, value), Q_S, Q_A, self.token_block)
+            self.sums[name] += (rotated ** 2).sum(0).to(self.sums[name].dtype)
+
+    def export(self) -> dict:
+        return self.sums
+
+    def absorb(self, state: dict) -> None:
+        for k, v in state.items():
+            self.sums[k] += v
+
+    def finish(self) -> KronOp:
+        n = self.node.lambda_grads.n   # the examples fed (lambda_max_examples)
+        eigenvalues = {k: (s / n).to(self.kfac.parts[k].dtype) for k, s in self.sums.items()}
+        errors = {}
+        for name, err in self.kfac.eigenvalue_errors.items():
+            # the K-FAC basis's relative error, times the largest re-fitted eigenvalue, and
+            # the float32 rounding of the stored eigenvalues
+            top = self.kfac.parts[name].extremes()[1]
+            relative = (err / top if top > 0 else 0.0) + FLOAT32_ROUNDOFF
+            errors[name] = relative * float(eigenvalues[name].abs().max())
+        return KronOp(self.node.space, self.kfac.bases, eigenvalues, eigenvalue_errors=errors,
+                      float32_rtol=self.kfac.float32_rtol, rules=self.kfac.rules)

@@ -1,0 +1,401 @@
+"""Score jobs, with their accumulators: a score matrix, each streamed chunk against the
+held rows (:class:`ScoresJob`), and the self-scores of a square score expression, both
+sides streamed in lockstep or one held (:class:`DiagJob`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from ...capture.chunks import Chunk, concat_chunks, flat_block, flatten, row_sq_norms, unflatten
+from ...capture.factors import (HALF_DTYPES, Factors, compute_dtype, ghost_inner, ghost_workspace_elements,
+                                materialize, self_inner, token_slices)
+from ...errors import DataError
+from ...expr.operators import Identity
+from ...expr.tokens import token_rows
+from ..cost import Cost, block_cost, dense_cost, gemm_cost, ghost_cost, materialize_cost
+from ..estimates import _factored, _flat, apply_cost, resolve_once
+from ..memory import positions, rows_bytes, rows_of
+from ..rules import PlanError
+from ..shapes import element_size
+from .base import Job
+
+__all__ = ["ScoresJob", "DiagJob", "blockwise_preconditioner", "ScoreAccumulator", "DiagAccumulator"]
+
+
+def _compute_elem(dtype) -> int:
+    """Bytes per number the ghost kernels compute in (float32 for half-precision factors)."""
+    return element_size(compute_dtype(dtype if isinstance(dtype, torch.dtype) else torch.float32))
+
+
+@dataclass(eq=False, frozen=True)
+class ScoresJob(Job):
+    """⟨held_i, H streamed_j⟩ for a score ``Inner(L, H, R)``: the held side (collected by
+    a CollectJob, preconditioned once) against each chunk of the streamed side.
+
+    ``held_storage``: how the held rows are kept; ``normalize_streamed``: the streamed
+    side is ``G.normalize()`` read unnormalized, each column divided by its row's norm;
+    ``release_held``: no other job (nor a shard opened again) reads the raw held rows,
+    so the run drops them block by block as they are preconditioned (schedule stage)."""
+
+    kind: ClassVar[str] = "scores"
+    output: ClassVar[str] = "scores"
+    ops_per_block: ClassVar[int] = 10
+
+    held_storage: dict = field(default_factory=dict)
+    normalize_streamed: bool = False
+    release_held: bool = False
+
+    def describe(self) -> str:
+        side = "rows" if not self.transposed else "columns"
+        return (f"scores ({self.target.label}) streaming {self.streams[0].label!r}, "
+                f"held {side}: {self.held.label!r}")
+
+    # ------------------------------------------------------------------ cost
+    def block_cost(self, node) -> Cost:
+        """A ghost block's fixed cost is its own (measured apart)."""
+        blocks = node.space.blocks
+        ghosts = sum(1 for b in blocks if self.kernels.get(b.name) == "ghost")
+        return block_cost("ghost", ghosts, self.ops_per_block) + block_cost(self.kind, len(blocks) - ghosts,
+                                                                            self.ops_per_block)
+
+    def chunk_cost(self, node, c, layout, elem) -> Cost:
+        """One chunk of ``c`` streamed rows against the held rows, per block by its kernel:
+        ghost products, the chunk materialized and one GEMM (dense over factors), or a GEMM."""
+        T, factored, cost = positions(node), _factored(node, layout), Cost()
+        P_h, n_h = positions(self.held), self.held.n
+        for b in self.held.space.blocks:
+            T_h, T_s = P_h[b.name], T[b.name]
+            if self.kernels.get(b.name) == "ghost":
+                cost = cost + ghost_cost(n_h, c, T_h, T_s, b.shape[1], b.shape[0], elem)
+            elif factored[b.name]:
+                cost = cost + dense_cost(n_h, c, T_h, T_s, b.shape[1], b.shape[0], True, elem)
+            else:
+                cost = cost + gemm_cost(n_h, c, b.dim, 1, elem) + Cost(bytes=float(elem) * c * b.dim)
+        return cost
+
+    def once_cost(self, elem, storage_of=None, options=None, resolved=None) -> Cost:
+        """Held factored blocks a dense kernel reads materialized once, the operator
+        resolved (unless ``resolved`` before) and applied to the held rows."""
+        held, once = self.held, Cost()
+        held_layout = storage_of(held) if storage_of is not None else {}
+        P_h = positions(held)
+        for b in held.space.blocks:
+            if self.kernels.get(b.name) != "ghost" and held_layout.get(b.name) == "factors" and len(b.shape) == 2:
+                once = once + materialize_cost(held.n, P_h[b.name], b.shape[1], b.shape[0], elem)
+        op = self.target.op
+        return once + resolve_once(op, resolved) + apply_cost(op, held.space, held.n, elem, options)
+
+    # ------------------------------------------------------------------ memory
+    def fixed_bytes(self, dtype) -> float:
+        """The held rows, their preconditioned copy, and the ghost kernel's intermediates
+        (bounded by token blocks).
+
+        A preconditioned product ``⟨H L_i, R_j⟩`` makes ``H L_i`` once, as flat rows
+        (n_held, dim) beside the held rows it is made from, and both count (EK-FAC
+        influence on W2, 32 queries: 292 MiB of factors + 471 MB of preconditioned rows)
+        for an operator applied to the concatenated rows. A Kronecker one with
+        ``release_held`` (:func:`blockwise_preconditioner`) is applied block by block, each
+        raw block dropped as it is done: at most the larger of the two copies plus one
+        block's preconditioned rows, and never more than both (W2: the scores pass grew
+        by 325 MB against 1.03 GB counted with both copies). The size stage sizes batches
+        with both copies (safe) and gives the pass these bytes."""
+        raw = rows_bytes(self.held, self.held_storage, dtype)
+        if isinstance(self.target.op, Identity):
+            return raw + self.ghost_workspace_bytes(dtype)
+        flat = rows_bytes(self.held, {}, dtype)
+        if self.release_held and blockwise_preconditioner(self.target.op):
+            block = max((self.held.n * rows_of(self.held) * b.dim * element_size(dtype)
+                         for b in self.held.space.blocks), default=0.0)
+            return min(raw + flat, max(raw, flat) + block) + self.ghost_workspace_bytes(dtype)
+        return raw + flat + self.ghost_workspace_bytes(dtype)
+
+    def ghost_workspace_bytes(self, dtype) -> float:
+        """The ghost kernel's intermediates: per ghost block the activation Gram, the
+        gradient Gram and their product, each
+        :func:`~gradalg.capture.factors.ghost_workspace_elements` numbers of the compute
+        dtype; the blocks run one after the other, so the largest counts."""
+        held, streamed = self.held, self.streams[0]
+        P_h, P_s = positions(held), positions(streamed)
+        worst = max([ghost_workspace_elements(held.n, streamed.n, P_h[b.name], P_s[b.name], self.slice_elements,
+                                              self.token_block)
+                     for b in held.space.blocks if self.kernels.get(b.name) == "ghost"] or [0])
+        return 3.0 * _compute_elem(dtype) * worst
+
+    def example_bytes(self, dtype) -> float:
+        return 0.0
+
+    def per_example_bytes(self, dtype) -> float:
+        total = super().per_example_bytes(dtype)
+        for b in self.held.space.blocks:
+            if self.kernels.get(b.name) != "ghost":
+                # the streamed rows materialized, and their product (T rows per example when per-token)
+                total += b.dim * 8 * token_rows(self.streams[0])
+        return total
+
+    def output_bytes(self, n: int) -> float:
+        return 8.0 * self.held.n * n
+
+    def score_parts(self) -> tuple:
+        return (self,)
+
+    # ------------------------------------------------------------------ running
+    def accumulator(self, ctx) -> "ScoreAccumulator":
+        """The held rows, preconditioned once here; with ``release_held`` the raw rows are
+        taken out of the run state and dropped block by block as they are preconditioned."""
+        space, rows = self.held.space, ctx.state.rows
+        if isinstance(self.target.op, Identity):
+            held = concat_chunks(rows[self.held.token])
+        else:
+            held = concat_chunks(rows.pop(self.held.token) if self.release_held else rows[self.held.token])
+            held = held.replace(dict(held.blocks))      # its own dict: a store's chunk is never emptied
+            held = ctx.precondition_held(self.target.op, held, space, consume=self.release_held)
+        return ScoreAccumulator(held, space, self.kernels, ctx.trace, normalize_streamed=self.normalize_streamed,
+                                slice_elements=self.slice_elements, buffer_bytes=self.buffer_bytes,
+                                token_block=self.token_block)
+
+    @property
+    def fed(self) -> tuple:
+        """A normalization the kernel applies is read below it (the unnormalized rows)."""
+        return (self.streams[0].grads if self.normalize_streamed else self.streams[0],)
+
+    def publish(self, result, state) -> None:
+        state.results[self.key] = result.T if self.transposed else result
+
+
+def blockwise_preconditioner(op) -> bool:
+    """Whether ``op`` resolves to an operator applied block by block to factored rows (a
+    Kronecker K-FAC / EK-FAC, :meth:`~gradalg.linalg.kron.KronOp.apply_block`): its
+    structure is "kron" and no iterative solver (``Inverse(method="cg"/"lissa")``) wraps it."""
+    if getattr(op, "structure", None) != "kron":
+        return False
+    x = op
+    while x is not None:
+        if getattr(x, "method", "auto") in ("cg", "lissa"):
+            return False
+        x = getattr(x, "op", None)
+    return True
+
+
+@dataclass(eq=False, frozen=True)
+class DiagJob(Job):
+    """d_i = ⟨L_i, H R_i⟩ of a :class:`~gradalg.expr.ScoreDiagonal`: both sides streamed in
+    lockstep, or the left one ``held`` (collected) and aligned to the streamed rows by id."""
+
+    kind: ClassVar[str] = "diag"
+    output: ClassVar[str] = "scores"
+    ops_per_block: ClassVar[int] = 6
+
+    def chunk_cost(self, node, c, layout, elem) -> Cost:
+        """Self-scores of one chunk: the rows made flat, the operator applied, the row products."""
+        T, factored, cost, space = positions(node), _factored(node, layout), Cost(), node.space
+        for b in space.blocks:
+            cost = cost + _flat(b, c, T, factored, elem)
+        cost = cost + Cost(flops=2.0 * c * space.dim, bytes=3.0 * elem * c * space.dim)
+        return cost + apply_cost(self.target.scores.op, space, c, elem)
+
+    def once_cost(self, elem, storage_of=None, options=None, resolved=None) -> Cost:
+        return resolve_once(self.target.scores.op, resolved)
+
+    def fixed_bytes(self, dtype) -> float:
+        """Nothing: a held side is a CollectJob's rows."""
+        return 0.0
+
+    def output_bytes(self, n: int) -> float:
+        return 8.0 * n
+
+    def example_bytes(self, dtype) -> float:
+        """One example's rows materialized flat, and their product (8 bytes more per coordinate)."""
+        return self.streams[0].space.dim * (element_size(dtype) + 8.0)
+
+    def per_example_bytes(self, dtype) -> float:
+        """What the job materializes per example, and the ghost norms' intermediates of
+        factored rows (a self-score of one side: ‖G_i‖² by the ghost identity): three
+        (bT, bS) Gram-sized intermediates per example for the widest-positioned factored
+        block (b = min(T, token_block); the kernel caps a slice at
+        ``max(ghost_slice_elements, b²)`` elements, so this overcounts large batches)."""
+        if not self.streams:
+            return 0.0
+        node = self.streams[0]
+        T = positions(node)
+        worst = max([self.at_once(T[b.name]) ** 2 for b in node.space.blocks
+                     if len(b.shape) == 2] or [0])
+        return super().per_example_bytes(dtype) + 3.0 * _compute_elem(dtype) * worst
+
+    def accumulator(self, ctx) -> "DiagAccumulator":
+        inner = self.target.scores
+        resolved = None if isinstance(inner.op, Identity) else ctx.resolve(inner.op)
+        return DiagAccumulator(inner.left.space, resolved, inner.left == inner.right, self.slice_elements,
+                               self.token_block)
+
+    def feed(self, acc, chunks, state) -> None:
+        """One stream, two in lockstep, or the held side aligned to the streamed chunk by id."""
+        if self.held is not None:
+            for right in chunks[0]:
+                acc.update(_aligned_held(state, self.held, right), right)
+        elif len(chunks) == 2:
+            for left, right in zip(*chunks):
+                acc.update(left, right)
+        else:
+            for chunk in chunks[0]:
+                acc.update(chunk)
+
+    def publish(self, result, state) -> None:
+        state.results[self.key] = result
+
+
+class ScoreAccumulator:
+    """Columns of ⟨held_i, streamed_j⟩ summed over blocks, chunk by chunk of the streamed side.
+
+    ``held`` is already preconditioned. Per block the kernel is the plan's choice
+    (``kernels``: what ``explain()`` shows; ``ga.options(ghost=...)`` forces it there);
+    a ghost kernel on rows that are not factored on both sides is a planner bug and is
+    refused. ``slice_elements`` bounds the ghost kernel's intermediate (with pairs of
+    ``token_block`` positions), ``buffer_bytes`` is the size from which streamed blocks
+    reuse one buffer (``ga.options(ghost_slice_elements=..., token_block=...,
+    reuse_buffer_bytes=...)``).
+
+    ``normalize_streamed``: the streamed rows arrive unnormalized and each column is
+    divided by its row's norm, ⟨h, g/‖g‖⟩ = ⟨h, g⟩/‖g‖ (Grad-Cos, TracIn-cos). A block
+    the dense kernel materializes gives its ‖g‖² from the materialized rows for a read
+    of them; only ghost blocks pay the ghost identity's T²·(in + out).
+    """
+
+    def __init__(self, held: Chunk, space, kernels: dict, trace, normalize_streamed: bool = False,
+                 slice_elements: int = 2**26, buffer_bytes: int = 2**20, token_block: int | None = None):
+        self.held, self.space, self.kernels = held, space, kernels
+        self.trace = trace
+        self.slice_elements, self.buffer_bytes, self.token_block = slice_elements, buffer_bytes, token_block
+        self.normalize_streamed = normalize_streamed
+        self._sq_norms: torch.Tensor | None = None
+        self.columns: list[torch.Tensor] = []
+        self._materialized: dict[str, torch.Tensor] = {}
+        self._buffer: torch.Tensor | None = None
+
+    def update(self, chunk: Chunk) -> None:
+        self.columns.append(self.block(chunk))
+
+    def block(self, chunk: Chunk) -> torch.Tensor:
+        """The scores of the held rows against one streamed chunk, kept nowhere.   (n_held, chunk.n)"""
+        total = None
+        self._sq_norms = None
+        for name in self.space.names:
+            part = self._block(name, self.held.blocks[name], chunk.blocks[name])
+            total = part if total is None else total + part
+        if self.normalize_streamed:
+            norms = self._sq_norms.sqrt().to(total.dtype)
+            total = total * torch.where(norms > 0, 1.0 / norms, torch.zeros_like(norms)).unsqueeze(0)
+        return total
+
+    def _add_sq_norms(self, sq: torch.Tensor) -> None:
+        self._sq_norms = sq if self._sq_norms is None else self._sq_norms + sq.to(self._sq_norms.dtype)
+
+    def _block(self, name, lval, rval) -> torch.Tensor:
+        kernel = self.kernels.get(name, "dense")
+        if kernel == "ghost":
+            if not (isinstance(lval, Factors) and isinstance(rval, Factors)):
+                raise PlanError(f"the plan chose the ghost kernel for block {name!r}, but its rows are not "
+                                "factored on both sides (a planner bug: please report it)")
+            self.trace["ghost"] += 1
+            if self.normalize_streamed:
+                self._add_sq_norms(self_inner(rval, self.slice_elements, self.token_block))
+            return ghost_inner(lval, rval, self.slice_elements, self.token_block)
+        if kernel != "dense":
+            raise PlanError(f"block {name!r} has no kernel in the plan ({kernel!r}): plan it with "
+                            "measure_shapes=True, as executors do")
+        self.trace["dense"] += 1
+        if isinstance(lval, Factors):
+            if name not in self._materialized:
+                self._materialized[name] = materialize(lval, self.token_block).flatten(1)
+            lflat = self._materialized[name]
+        else:
+            lflat = lval
+        rows = self._streamed_rows(rval)
+        if self.normalize_streamed:
+            self._add_sq_norms(torch.linalg.vector_norm(rows, dim=1).square())
+        return lflat @ rows.to(lflat.dtype).T
+
+    def _streamed_rows(self, value) -> torch.Tensor:
+        """A streamed block as (n, dim) rows, valid until the next call.
+
+        Large factored blocks are materialized into one buffer reused across blocks and
+        chunks: a fresh tensor of tens of MB per block and chunk (above the allocator's
+        mmap threshold) costs about as much in page faults as the batched GEMM that fills
+        it. Small ones (under ``buffer_bytes``, 1 MiB by default, recycled by the allocator)
+        take the ordinary path.
+        """
+        if not isinstance(value, Factors):
+            return flat_block(value)
+        if (not isinstance(value.A, torch.Tensor) or value.A.dtype != value.D.dtype
+                or value.D.dtype in HALF_DTYPES):   # half precision: float32 rows
+            return materialize(value, self.token_block).flatten(1)
+        D, A = value.D, value.A
+        n, size = D.shape[0], D.shape[0] * D.shape[2] * A.shape[2]
+        if size * D.element_size() < self.buffer_bytes:
+            return materialize(value, self.token_block).flatten(1)
+        buf = self._buffer
+        if buf is None or buf.numel() < size or buf.dtype != D.dtype or buf.device != D.device:
+            buf = self._buffer = torch.empty(size, dtype=D.dtype, device=D.device)
+        out = buf[:size].view(n, D.shape[2], A.shape[2])
+        for k, tp in enumerate(token_slices(value.T, self.token_block)):   # G_i = Σ_p D_{i,p}ᵀ A_{i,p}  (n, out, in)
+            if k == 0:
+                torch.bmm(D[:, tp].transpose(1, 2), A[:, tp], out=out)
+            else:
+                out.baddbmm_(D[:, tp].transpose(1, 2), A[:, tp])
+        return out.view(n, -1)
+
+    def export(self) -> torch.Tensor:
+        return torch.cat(self.columns, dim=1) if self.columns else None
+
+    def absorb(self, columns) -> None:
+        if columns is not None:
+            self.columns.append(columns)
+
+    def finish(self) -> torch.Tensor:
+        return torch.cat(self.columns, dim=1)
+
+
+class DiagAccumulator:
+    """d_i = ⟨L_i, H R_i⟩ for chunks of the two sides arriving together."""
+
+    def __init__(self, space, resolved, same: bool, slice_elements: int = 2**26, token_block: int | None = None):
+        self.space, self.resolved, self.same = space, resolved, same
+        self.slice_elements, self.token_block = slice_elements, token_block   # of the ghost norms
+        self.parts: list[torch.Tensor] = []
+
+    def update(self, left: Chunk, right: Chunk | None = None) -> None:
+        if self.same and self.resolved is None:
+            self.parts.append(row_sq_norms(left, self.slice_elements, self.token_block))
+            return
+        x = flatten(left, self.space)
+        y = x if right is None else flatten(right, self.space).to(x.dtype)
+        if right is not None and right.ids != left.ids:
+            raise DataError("the two sides of the diagonal are chunked differently; give both "
+                             "the same data object and batch size")
+        if self.resolved is not None:
+            y = self.resolved.apply(y).to(x.dtype)
+        self.parts.append((x * y).sum(1))
+
+    def export(self) -> torch.Tensor:
+        return torch.cat(self.parts) if self.parts else None
+
+    def absorb(self, part) -> None:
+        if part is not None:
+            self.parts.append(part)
+
+    def finish(self) -> torch.Tensor:
+        return torch.cat(self.parts)
+
+
+def _aligned_held(state, held, right: Chunk) -> Chunk:
+    """The held rows of a self-score, in the order of the streamed chunk's example ids."""
+    rows = concat_chunks(state.rows[held.token])
+    position = {i: k for k, i in enumerate(rows.ids)}
+    if len(position) != len(rows.ids):
+        raise DataError(
+            "the rows of a self-score (a diagonal S_zz) repeat example ids (e.g. training-time rows "
+            "of an example seen in several epochs), so they cannot be aligned by id: combine them "
+            "first, ga.integrations.combine_repeats(G, 'sum' or 'mean')")
+    index = torch.tensor([position[i] for i in right.ids])
+    return Chunk(right.ids, unflatten(flatten(rows, held.space)[index], held.space))

@@ -1,0 +1,123 @@
+"""Every registered job type is one class that answers the planner and the executor
+itself: built from real plans and run through the pass runner, each class prices its
+work and bytes with its own methods (the base raises, so no type is priced or run like
+another) and makes an accumulator that satisfies the :class:`Accumulator` protocol."""
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+import gradalg as ga
+from gradalg.exec import runner as pass_runner
+from gradalg.plan.jobs import JOB_TYPES, Accumulator, Job, ScoresJob, TopK, job_type
+
+sys.path.insert(0, os.path.dirname(__file__))
+import models  # noqa: E402
+
+LAYERS = ["0", "2"]
+
+#: what a job type answers, and the hook of the base's template that may answer it instead
+PLANNING = {"stream_cost": "chunk_cost", "per_example_bytes": "example_bytes", "fixed_bytes": None,
+            "output_bytes": None}
+RUNNING = ("accumulator", "publish")
+
+
+def _subclasses(cls=Job):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
+
+
+def _own(cls, method: str) -> bool:
+    return getattr(cls, method) is not getattr(Job, method)
+
+
+def test_every_job_class_is_registered_by_its_kind():
+    concrete = [c for c in _subclasses() if "kind" in c.__dict__]
+    assert concrete and set(concrete) == set(JOB_TYPES.values())
+    for kind, cls in JOB_TYPES.items():
+        assert cls.kind == kind and job_type(kind) is cls
+        for method, hook in PLANNING.items():
+            assert _own(cls, method) or (hook and _own(cls, hook)), (cls.__name__, method)
+        for method in RUNNING:
+            assert _own(cls, method), (cls.__name__, method)
+    with pytest.raises(KeyError, match="unknown job kind"):
+        job_type("nope")
+    with pytest.raises(TypeError, match="instance of its class"):   # the old string-typed constructor
+        ScoresJob("scores", None)
+    # the base refuses rather than pricing or running an unknown job like another
+    for method, args in (("chunk_cost", (None, 1, {}, 4)), ("fixed_bytes", (None,)), ("example_bytes", (None,)),
+                         ("output_bytes", (1,)), ("accumulator", (None,)), ("publish", (None, None))):
+        with pytest.raises(NotImplementedError, match=method):
+            getattr(Job, method)(object(), *args)
+
+
+@pytest.fixture(scope="module")
+def instances():
+    """Every job a set of small plans builds and runs, with the accumulator each opened:
+    ``{class: [(job, accumulator), ...]}``."""
+    model = models.mlp()
+    task = ga.tasks.classification(model)
+    train, query = models.classification_data(12, seed=1), models.classification_data(3, seed=2)
+    G, Q = ga.grads(task, train, LAYERS, batch_size=5), ga.grads(task, query, LAYERS, batch_size=5)
+    opened: dict[type, list] = {}
+    real = pass_runner.open_sink
+
+    def recording(job, ctx):
+        sink = real(job, ctx)
+        opened.setdefault(type(job), []).append((job, sink.acc))
+        return sink
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(pass_runner, "open_sink", recording)
+    try:
+        ex = ga.LocalExecutor()
+        (Q @ ga.fisher(G).damp(0.1).inv() @ G.T).compute(executor=ex)     # collect, fisher, store, scores
+        (Q @ G.group_mean([i % 4 for i in range(12)]).T).compute(executor=ex)   # group
+        ex.operator(ga.ekfac(G).expr)                                      # kfac, ekfac
+        (G @ G.T).diag().compute(executor=ex)                              # diag
+        ex.topk((Q @ G.T).expr, TopK(2))                                   # topk
+    finally:
+        mp.undo()
+    return opened
+
+
+def test_every_job_class_prices_and_runs_itself(instances):
+    assert set(instances) == set(JOB_TYPES.values()), sorted(c.__name__ for c in set(JOB_TYPES.values()) - set(instances))
+    for cls, pairs in instances.items():
+        for job, acc in pairs:
+            assert isinstance(acc, Accumulator), cls.__name__
+            layout = {b.name: "factors" for b in job.streams[0].space.blocks} if job.streams else {}
+            cost = job.stream_cost(12, 5, torch.float64, lambda node: layout, lambda node: {}, ga.get_options(), set())
+            for number in (cost.flops, cost.bytes, job.fixed_bytes(torch.float64),
+                           job.per_example_bytes(torch.float64), job.output_bytes(12)):
+                assert math.isfinite(number) and number >= 0, (cls.__name__, number)
+            assert job.fed and job.phase and job.describe()
+
+
+def test_release_of_held_rows_is_decided_by_the_planner():
+    """A scores job drops its raw held rows once preconditioned (``release_held``) when the
+    schedule stage says so; an executor whose shards open the jobs again (its strategy's
+    ``keeps_held_rows``) gets a plan that keeps them, and the run follows the plan."""
+    from gradalg.exec import Executor, InProcess
+
+    class Reopening(InProcess):
+        keeps_held_rows = True
+
+    model = models.mlp()
+    task = ga.tasks.classification(model)
+    G = ga.grads(task, models.classification_data(12, seed=1), LAYERS, batch_size=5)
+    Q = ga.grads(task, models.classification_data(3, seed=2), LAYERS, batch_size=5)
+    S = Q @ ga.kfac(G).damp(0.1).inv() @ G.T
+    runs = {}
+    for name, ex in (("released", ga.LocalExecutor()), ("kept", Executor(shards=Reopening()))):
+        p = ex.plan(S.expr)
+        scores = [j for j in p.jobs.values() if isinstance(j, ScoresJob)]
+        assert scores and all(j.release_held == (name == "released") for j in scores), name
+        runs[name] = torch.as_tensor(S.compute(executor=ex).values)
+        assert (Q.expr.token in ex.state.rows) == (name == "kept")
+    torch.testing.assert_close(runs["released"], runs["kept"], rtol=0, atol=0)
