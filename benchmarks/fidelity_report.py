@@ -21,6 +21,7 @@ configuration says "ensemble" or "× last"), ``unrolled`` (MAGIC, SOURCE).
 
     python benchmarks/fidelity_report.py                       # every setting's table
     python benchmarks/fidelity_report.py --settings lm,lm2
+    python benchmarks/fidelity_report.py --settings lm,lm2 --update-docs   # those tables in docs/fidelity.md
     python benchmarks/fidelity_report.py --points              # rewrite benchmarks/results/fidelity_points.json
     python benchmarks/fidelity_report.py --frontier            # docs/img/fidelity_frontier.png + the defaults table
 
@@ -311,10 +312,26 @@ def draw(data: dict, path: Path | None = FIGURE, ncols: int = 3):
     return fig
 
 
+def splice(md: str, result: dict) -> str:
+    """``md`` with the table of ``result['setting']`` (its ``**<setting>**:`` line through the
+    end of the table under it) replaced by ``table(result)``; unchanged when it has none."""
+    lines = md.splitlines()
+    head = f"**{result['setting']}**:"
+    start = next((i for i, line in enumerate(lines) if line.startswith(head)), None)
+    if start is None:
+        return md
+    end = start + 2
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    return "\n".join(lines[:start] + table(result).splitlines() + lines[end:]) + ("\n" if md.endswith("\n") else "")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--settings", default=None)
     ap.add_argument("--points", action="store_true", help=f"rewrite {POINTS.relative_to(ROOT)} from the results")
+    ap.add_argument("--update-docs", action="store_true",
+                    help="replace the named settings' tables in docs/fidelity.md instead of printing them")
     ap.add_argument("--frontier", action="store_true",
                     help=f"draw {FIGURE.relative_to(ROOT)} from {POINTS.relative_to(ROOT)}; print the defaults table")
     args = ap.parse_args(argv)
@@ -332,6 +349,12 @@ def main(argv=None):
         return
     names = (args.settings.split(",") if args.settings
              else sorted(p.stem.removeprefix("results-") for p in BUILD.glob("results-*.json")))
+    if args.update_docs:
+        md = DOCS.read_text()
+        for name in names:
+            md = splice(md, load(name))
+        DOCS.write_text(md)
+        return
     for name in names:
         print(table(load(name)) + "\n")
 
