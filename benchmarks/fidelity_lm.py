@@ -485,7 +485,10 @@ class WithOptions:
 def tied_rows(task, tr, qu, blocks, tied: str = "transformer.wte", diagonal: bool = True):
     """K-FAC / EK-FAC influence with the tied embedding / head in the curvature (issue 31 item 4),
     beside the block-only rows: ``layers="all"`` (also the norms), the blocks and the tied
-    embedding by name, and ``layers="all"`` with the vocabulary-wide output factor S (V×V) kept
+    embedding by name, RelatIF (EK-FAC) with ``layers="all"``; as references without a
+    Kronecker factorisation, Gauss-Newton influence in a sparse k = 2048 projection on the
+    blocks only and with ``layers="all"``, Grad-Dot and LoGra with ``layers="all"``; and
+    ``layers="all"`` with the vocabulary-wide output factor S (V×V) kept
     diagonal as the planner does past ``ga.options(kron_diagonal_width)`` (16,384 by default;
     set to 512 here so a vocabulary of 1,024 takes that path; ``diagonal=False`` leaves
     these rows out, for a vocabulary under 512 where they equal the dense ones)."""
@@ -496,6 +499,16 @@ def tied_rows(task, tr, qu, blocks, tied: str = "transformer.wte", diagonal: boo
         task, tr, qu, layers="all", curvature="ekfac")
     yield "influence", f"EK-FAC, blocks + {tied} (tied) by name", lambda: m.influence(
         task, tr, qu, layers=list(blocks) + [tied], curvature="ekfac")
+    yield "relatif", "EK-FAC, layers='all' (tied embedding/head included)", lambda: m.relatif(
+        task, tr, qu, layers="all", curvature="ekfac")
+    # references without a Kronecker factorisation: what including the embedding does to the
+    # Gauss-Newton influence in a 2048-d sparse projection, and to the plain inner product
+    yield "influence", "Gauss-Newton, sparse k=2048, blocks only (reference)", lambda: m.influence(
+        task, tr, qu, layers=list(blocks), projector=ga.proj.sparse(2048, seed=0))
+    yield "influence", "Gauss-Newton, sparse k=2048, layers='all' (reference)", lambda: m.influence(
+        task, tr, qu, layers="all", projector=ga.proj.sparse(2048, seed=0))
+    yield "grad_dot", "layers='all'", lambda: m.grad_dot(task, tr, qu, layers="all")
+    yield "logra", "layers='all' (defaults otherwise)", lambda: m.logra(task, tr, qu, layers="all")
     if not diagonal:
         return
     yield "influence", "EK-FAC, layers='all', vocabulary factor diagonal (kron_diagonal_width=512)", \
