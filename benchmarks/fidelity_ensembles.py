@@ -5,7 +5,9 @@ For ``text`` / ``instruct`` (``benchmarks/fidelity_text.py``) and ``llama`` / ``
 ``seqcls`` (``benchmarks/fidelity_more.py``), against the same ground truths (3 runs per
 subset, targets averaged). ``ga.methods.ensemble(method, tasks, train, queries)`` =
 ``ga.mean`` of one expression per member (the method at its defaults on each member's task).
-Members, as ``fidelity_lm.py --rows ensembles``:
+Each row's method runs at its defaults on the task's default layers, or with
+``layers="all"`` where its configuration says so. Members, as ``fidelity_lm.py --rows
+ensembles``:
 
 * **seeds**: the setting's own full-data model (seed 0) and M − 1 more trained on every
   example with seeds 1 … M − 1 (initialisation and batch stream);
@@ -45,19 +47,26 @@ import gradalg as ga  # noqa: E402
 BUILD = ROOT / "build" / "fidelity"
 ENSEMBLE_SUBSET_SEED, SNAPSHOTS = 1, 10
 
-#: (method name, configuration of the members) rows, cheapest first
-ROWS = (("relatif", "seeds", 5, 1), ("relatif", "checkpoints", 1, 5), ("relatif", "checkpoints", 1, 10),
-        ("relatif", "subsets", 10, 1), ("relatif", "seeds", 10, 1), ("relatif", "checkpoints", 5, 5),
-        ("influence", "checkpoints", 1, 5), ("influence", "seeds", 10, 1), ("influence", "subsets", 10, 1),
-        ("logra", "checkpoints", 1, 5), ("logra", "seeds", 10, 1))
+#: (method name, members' kind, members or runs, last checkpoints, the method's arguments) rows:
+#: the method at its defaults on the task's default layers, then with every layer the capture
+#: attributes (``layers="all"``: the embedding / head too, which lifts one model most on text)
+ALL = {"layers": "all"}
+ROWS = (("relatif", "seeds", 5, 1, {}), ("relatif", "checkpoints", 1, 5, {}),
+        ("relatif", "seeds", 5, 1, ALL), ("relatif", "seeds", 10, 1, ALL), ("influence", "seeds", 10, 1, ALL),
+        ("relatif", "checkpoints", 5, 5, ALL), ("relatif", "subsets", 10, 1, ALL),
+        ("relatif", "checkpoints", 1, 10, {}), ("relatif", "subsets", 10, 1, {}), ("relatif", "seeds", 10, 1, {}),
+        ("relatif", "checkpoints", 5, 5, {}), ("influence", "checkpoints", 1, 5, {}),
+        ("influence", "seeds", 10, 1, {}), ("influence", "subsets", 10, 1, {}),
+        ("logra", "checkpoints", 1, 5, {}), ("logra", "seeds", 10, 1, {}))
 
 
-def label_of(kind: str, members: int, last: int) -> str:
+def label_of(kind: str, members: int, last: int, kwargs: dict | None = None) -> str:
+    head = "defaults" + "".join(f", {k}={v!r}" for k, v in (kwargs or {}).items())
     if kind == "seeds":
-        return f"defaults, ensemble of {members} seeds"
+        return f"{head}, ensemble of {members} seeds"
     if kind == "subsets":
-        return f"defaults, ensemble of {members} models on 50 % subsets"
-    return f"defaults, {members} seed(s) × last {last} of {SNAPSHOTS} checkpoints"
+        return f"{head}, ensemble of {members} models on 50 % subsets"
+    return f"{head}, {members} seed(s) × last {last} of {SNAPSHOTS} checkpoints"
 
 
 class Members:
@@ -98,9 +107,10 @@ class Members:
         return out, seconds
 
 
-def ensemble_scores(method: str, tasks, train, queries) -> np.ndarray:
-    """(n_query, n_train) scores of ``ga.methods.ensemble`` of ``method`` at its defaults."""
-    values = ga.methods.ensemble(getattr(ga.methods, method), tasks, train, queries).compute()
+def ensemble_scores(method: str, tasks, train, queries, **kwargs) -> np.ndarray:
+    """(n_query, n_train) scores of ``ga.methods.ensemble`` of ``method`` at its defaults but
+    ``kwargs``."""
+    values = ga.methods.ensemble(getattr(ga.methods, method), tasks, train, queries, **kwargs).compute()
     return np.asarray(values.transpose("query", "train").values)
 
 
@@ -108,10 +118,10 @@ def rows(ctx, only=None):
     """Every ``ROWS`` entry of ``ctx`` (its members, task, data, truth, key, base, write):
     scores (cached), LDS and cost, written with ``ctx.write(row)``."""
     import xarray as xr
-    for method, kind, members, last in ROWS:
+    for method, kind, members, last, kwargs in ROWS:
         if only and method not in only:
             continue
-        config = label_of(kind, members, last)
+        config = label_of(kind, members, last, kwargs)
         row = {"setting": ctx.label, "method": method, "config": config}
         slug = hashlib.sha256(f"{method}|{config}".encode()).hexdigest()[:10]
         path = BUILD / f"ensemble-{ctx.key}-{method}-{slug}.npz"
@@ -122,7 +132,7 @@ def rows(ctx, only=None):
             else:
                 models, train_seconds = ctx.members.models(kind, members, last)
                 t0 = time.perf_counter()
-                values = ensemble_scores(method, [ctx.task(m) for m in models], ctx.train, ctx.queries)
+                values = ensemble_scores(method, [ctx.task(m) for m in models], ctx.train, ctx.queries, **kwargs)
                 seconds, base = time.perf_counter() - t0 + train_seconds, ctx.base
                 tmp = path.with_suffix(".tmp.npz")
                 np.savez(tmp, values=values, seconds=seconds, fwd_bwd_seconds=base)
