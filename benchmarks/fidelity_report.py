@@ -22,6 +22,7 @@ configuration says "ensemble" or "× last"), ``unrolled`` (MAGIC, SOURCE).
     python benchmarks/fidelity_report.py                       # every setting's table
     python benchmarks/fidelity_report.py --settings lm,lm2
     python benchmarks/fidelity_report.py --settings lm,lm2 --update-docs   # those tables in docs/fidelity.md
+    python benchmarks/fidelity_report.py --settings text-k3,instruct-k3 --tied   # the tied-embedding rows
     python benchmarks/fidelity_report.py --points              # rewrite benchmarks/results/fidelity_points.json
     python benchmarks/fidelity_report.py --frontier            # docs/img/fidelity_frontier.png + the defaults table
 
@@ -312,6 +313,42 @@ def draw(data: dict, path: Path | None = FIGURE, ncols: int = 3):
     return fig
 
 
+#: (label, method, default-layers config, layers="all" config, by-name config, diagonal config);
+#: a tuple: the first configuration the results file has (fidelity_more's rows name them shorter)
+TIED = (("K-FAC influence", "influence", "K-FAC", ("K-FAC, layers='all' (tied embedding/head included)",
+                                                  "K-FAC, layers='all'"), None,
+         "K-FAC, layers='all', vocabulary factor diagonal (kron_diagonal_width=512)"),
+        ("EK-FAC influence", "influence", "EK-FAC", ("EK-FAC, layers='all' (tied embedding/head included)",
+                                                    "EK-FAC, layers='all'"),
+         "EK-FAC, blocks + transformer.wte (tied) by name",
+         "EK-FAC, layers='all', vocabulary factor diagonal (kron_diagonal_width=512)"),
+        ("RelatIF (EK-FAC)", "relatif", ("EK-FAC", "defaults (damping=0.001)"),
+         ("EK-FAC, layers='all' (tied embedding/head included)", "EK-FAC, layers='all'"), None, None),
+        ("reference: Gauss-Newton, sparse k = 2048", "influence", "Gauss-Newton, sparse k=2048, blocks only (reference)",
+         "Gauss-Newton, sparse k=2048, layers='all' (reference)", None, None),
+        ("Grad-Dot", "grad_dot", "defaults", "layers='all'", None, None),
+        ("LoGra (defaults otherwise)", "logra", None, "layers='all' (defaults otherwise)", None, None))
+
+
+def tied_table(results: list[dict]) -> str:
+    """Markdown rows of the "Tied embeddings" table: per setting and method, LDS [CI] (cost)
+    at the default layers, with ``layers="all"``, blocks + the tied embedding by name, and
+    with the vocabulary factor diagonal (the rows of ``fidelity_lm.tied_rows``)."""
+    lines = []
+    for res in results:
+        rows = {(r["method"], r["config"]): r for r in res["rows"] if "lds" in r}
+        for label, method, *configs in TIED:
+            if configs[0] is None:                       # LoGra: its default row
+                configs[0] = next((c for (m, c) in rows if m == method and c.startswith("defaults (")), None)
+            configs = [next((x for x in c if (method, x) in rows), None) if isinstance(c, tuple) else c
+                       for c in configs]
+            cells = [(f"{rows[(method, c)]['lds']:.3f} [{rows[(method, c)]['low']:.3f}, {rows[(method, c)]['high']:.3f}]"
+                      f" ({_cost(rows[(method, c)]['cost'])})" if c and (method, c) in rows else "") for c in configs]
+            if cells[1]:
+                lines.append(f"| `{res['setting'].split('-k')[0]}` | {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def splice(md: str, result: dict) -> str:
     """``md`` with the table of ``result['setting']`` (its ``**<setting>**:`` line through the
     end of the table under it) replaced by ``table(result)``; unchanged when it has none."""
@@ -332,6 +369,8 @@ def main(argv=None):
     ap.add_argument("--points", action="store_true", help=f"rewrite {POINTS.relative_to(ROOT)} from the results")
     ap.add_argument("--update-docs", action="store_true",
                     help="replace the named settings' tables in docs/fidelity.md instead of printing them")
+    ap.add_argument("--tied", action="store_true", help="the rows of docs/fidelity.md's tied-embedding table "
+                    "for the named settings")
     ap.add_argument("--frontier", action="store_true",
                     help=f"draw {FIGURE.relative_to(ROOT)} from {POINTS.relative_to(ROOT)}; print the defaults table")
     args = ap.parse_args(argv)
@@ -349,6 +388,9 @@ def main(argv=None):
         return
     names = (args.settings.split(",") if args.settings
              else sorted(p.stem.removeprefix("results-") for p in BUILD.glob("results-*.json")))
+    if args.tied:
+        print(tied_table([load(n) for n in names]))
+        return
     if args.update_docs:
         md = DOCS.read_text()
         for name in names:
