@@ -94,8 +94,8 @@ def points_of(result: dict, setting: str) -> list[dict]:
     high, cost, kind, default (bool)."""
     done = [r for r in result["rows"] if not r.get("skipped") and r.get("cost") and
             r.get("lds") is not None and math.isfinite(r["lds"])]
-    pts = [{"method": r["method"], "config": r["config"], "lds": round(r["lds"], 4), "low": round(r["low"], 4),
-            "high": round(r["high"], 4), "cost": round(r["cost"], 3), "kind": kind(r["method"], r["config"]),
+    pts = [{"method": r["method"], "config": r["config"], "lds": round(r["lds"], 6), "low": round(r["low"], 6),
+            "high": round(r["high"], 6), "cost": round(r["cost"], 4), "kind": kind(r["method"], r["config"]),
             "default": False} for r in done]
     for method in dict.fromkeys(p["method"] for p in pts):
         mine = [p for p in pts if p["method"] == method and p["kind"] != "ensemble"]
@@ -242,6 +242,32 @@ def defaults_table(data: dict) -> str:
     return "\n".join(lines)
 
 
+LM_SETTINGS = ("lm", "lm2", "text", "instruct", "llama")
+
+
+def targets_table(data: dict, settings=LM_SETTINGS) -> str:
+    """Markdown: per LM setting, the best method at its defaults (one model), the best one
+    model in any configuration, the best point overall (ensembles and MAGIC included), each
+    with LDS [CI] and cost, and the ground truth's LDS ceiling (issue 31 item 6)."""
+    def cell(p):
+        if p is None:
+            return ""
+        return (f"{p['lds']:.3f} [{p['low']:.3f}, {p['high']:.3f}] — {p['method']}, {p['config'] or 'defaults'} "
+                f"({_cost(p['cost'])})")
+    lines = ["| setting | best at its defaults (one model) | best one model, any configuration | best overall "
+             "(ensembles allowed) | LDS ceiling |", "|---|---|---|---|---:|"]
+    for s in settings:
+        if s not in data["settings"]:
+            continue
+        d = data["settings"][s]
+        pts = d["points"]
+        best = lambda ps: max(ps, key=lambda p: p["lds"]) if ps else None  # noqa: E731
+        ceiling = f"{d['ceiling']:.2f}" if d.get("ceiling") else "not measured (1 run per subset)"
+        lines.append(f"| `{s}` | {cell(best([p for p in pts if p['default']]))} | "
+                     f"{cell(best([p for p in pts if p['kind'] == 'single']))} | {cell(best(pts))} | {ceiling} |")
+    return "\n".join(lines)
+
+
 def _cost(c: float) -> str:
     return f"{c:,.0f}×" if c >= 10 else f"{c:.1f}×"
 
@@ -384,6 +410,8 @@ def main(argv=None):
         draw(data)
         print(f"wrote {FIGURE.relative_to(ROOT)}\n")
         print(defaults_table(data))
+        print()
+        print(targets_table(data))
     if args.points or args.frontier:
         return
     names = (args.settings.split(",") if args.settings
