@@ -27,6 +27,7 @@ ensemble costs a user. Rows go into the setting's standard results file
 
     PYTHONPATH=. OMP_NUM_THREADS=1 nice -n 10 python benchmarks/fidelity_ensembles.py --settings text,instruct,llama
     ... --methods relatif       # rows of these methods only
+    ... --first 5               # the first 5 rows of ROWS only
 """
 from __future__ import annotations
 
@@ -114,11 +115,11 @@ def ensemble_scores(method: str, tasks, train, queries, **kwargs) -> np.ndarray:
     return np.asarray(values.transpose("query", "train").values)
 
 
-def rows(ctx, only=None):
+def rows(ctx, only=None, first=None):
     """Every ``ROWS`` entry of ``ctx`` (its members, task, data, truth, key, base, write):
     scores (cached), LDS and cost, written with ``ctx.write(row)``."""
     import xarray as xr
-    for method, kind, members, last, kwargs in ROWS:
+    for method, kind, members, last, kwargs in ROWS[:first]:
         if only and method not in only:
             continue
         config = label_of(kind, members, last, kwargs)
@@ -199,6 +200,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--settings", default="text,instruct,llama")
     ap.add_argument("--methods", default=None, help="comma-separated method names")
+    ap.add_argument("--first", type=int, default=None, help="only the first N rows of ROWS")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     ga.options(progress=False)
@@ -206,7 +208,7 @@ def main(argv=None):
     for name in args.settings.split(","):
         ctx = TextContext(name) if name in ("text", "instruct") else MoreContext(name)
         print(f"[{ctx.label}] ensembles; plain forward+backward {ctx.base:.3f} s", flush=True)
-        rows(ctx, only)
+        rows(ctx, only, args.first)
 
 
 if __name__ == "__main__":
