@@ -108,11 +108,21 @@ class Members:
         return out, seconds
 
 
+#: members scored together: ``ga.methods.ensemble`` over chunks of at most this many, their
+#: means averaged with the chunks' sizes as weights (the same mean; 25 members of 58 k
+#: coordinates in one expression held more than 4 GB)
+MEMBER_CHUNK = 5
+
+
 def ensemble_scores(method: str, tasks, train, queries, **kwargs) -> np.ndarray:
     """(n_query, n_train) scores of ``ga.methods.ensemble`` of ``method`` at its defaults but
-    ``kwargs``."""
-    values = ga.methods.ensemble(getattr(ga.methods, method), tasks, train, queries, **kwargs).compute()
-    return np.asarray(values.transpose("query", "train").values)
+    ``kwargs``: (1/M) Σ_m τ_m, computed ``MEMBER_CHUNK`` members at a time."""
+    total = 0.0
+    for start in range(0, len(tasks), MEMBER_CHUNK):
+        part = tasks[start:start + MEMBER_CHUNK]
+        values = ga.methods.ensemble(getattr(ga.methods, method), part, train, queries, **kwargs).compute()
+        total = total + np.asarray(values.transpose("query", "train").values) * len(part)
+    return total / len(tasks)
 
 
 def rows(ctx, only=None, first=None):
