@@ -28,6 +28,7 @@ ensemble costs a user. Rows go into the setting's standard results file
     PYTHONPATH=. OMP_NUM_THREADS=1 nice -n 10 python benchmarks/fidelity_ensembles.py --settings text,instruct,llama
     ... --methods relatif       # rows of these methods only
     ... --first 5               # the first 5 rows of ROWS only
+    ... --rows 7,10             # rows 7 and 10 of ROWS only
 """
 from __future__ import annotations
 
@@ -125,11 +126,12 @@ def ensemble_scores(method: str, tasks, train, queries, **kwargs) -> np.ndarray:
     return total / len(tasks)
 
 
-def rows(ctx, only=None, first=None):
+def rows(ctx, only=None, first=None, picked=None):
     """Every ``ROWS`` entry of ``ctx`` (its members, task, data, truth, key, base, write):
     scores (cached), LDS and cost, written with ``ctx.write(row)``."""
     import xarray as xr
-    for method, kind, members, last, kwargs in ROWS[:first]:
+    chosen = ROWS[:first] if picked is None else [ROWS[i] for i in picked]
+    for method, kind, members, last, kwargs in chosen:
         if only and method not in only:
             continue
         config = label_of(kind, members, last, kwargs)
@@ -211,6 +213,7 @@ def main(argv=None):
     ap.add_argument("--settings", default="text,instruct,llama")
     ap.add_argument("--methods", default=None, help="comma-separated method names")
     ap.add_argument("--first", type=int, default=None, help="only the first N rows of ROWS")
+    ap.add_argument("--rows", default=None, help="only these rows of ROWS (comma-separated indices)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     ga.options(progress=False)
@@ -218,7 +221,7 @@ def main(argv=None):
     for name in args.settings.split(","):
         ctx = TextContext(name) if name in ("text", "instruct") else MoreContext(name)
         print(f"[{ctx.label}] ensembles; plain forward+backward {ctx.base:.3f} s", flush=True)
-        rows(ctx, only, args.first)
+        rows(ctx, only, args.first, [int(i) for i in args.rows.split(",")] if args.rows else None)
 
 
 if __name__ == "__main__":
