@@ -26,9 +26,10 @@ configuration says "ensemble" or "× last"), ``unrolled`` (MAGIC, SOURCE).
     python benchmarks/fidelity_report.py --points              # rewrite benchmarks/results/fidelity_points.json
     python benchmarks/fidelity_report.py --frontier            # docs/img/fidelity_frontier.png + the defaults table
 
-``--points`` reads every results file under ``build/fidelity``; a setting without one keeps
-the points it already has in the JSON (each setting records its ``source``), so the docs
-and notebook 03 render without ``build/``. ``--frontier`` draws from that JSON.
+``--points`` reads every results file under ``build/fidelity`` (a partial rerun is completed
+with the rows of that setting's table in ``docs/fidelity.md`` it has not rerun); a setting
+without one keeps the points it already has in the JSON, or else takes its docs table's
+(each setting records its ``source``), so the docs and notebook 03 render without ``build/``. ``--frontier`` draws from that JSON.
 """
 from __future__ import annotations
 
@@ -124,9 +125,10 @@ def setting_of(path: Path) -> str:
     return base if base in SETTINGS and name in (base, *(f"{base}-k{k}" for k in range(2, 13))) else None
 
 
-def collect(root: Path = BUILD, previous: dict | None = None) -> dict:
+def collect(root: Path = BUILD, previous: dict | None = None, docs_md: str | None = None) -> dict:
     """The points JSON: each setting from its results file under ``root`` when there (the
-    file with the most seeds per subset), else as in ``previous``."""
+    file with the most seeds per subset), else as in ``previous``, else from the tables of
+    ``docs_md`` (default: ``docs/fidelity.md``'s text)."""
     out = {"generated_by": "python benchmarks/fidelity_report.py --points", "settings": {}}
     found = {}
     for path in sorted(root.glob("results-*.json")):
@@ -137,19 +139,29 @@ def collect(root: Path = BUILD, previous: dict | None = None) -> dict:
         k = res.get("protocol", {}).get("seeds_per_subset", 1)
         if s not in found or k > found[s][0]:
             found[s] = (k, path, res)
+    docs = None
     for s in SETTINGS:
         if s in found:
             k, path, res = found[s]
             rel = res.get("reliability", {})
-            out["settings"][s] = {"source": f"build/fidelity/{path.name}", "description": res["description"],
+            source = f"build/fidelity/{path.name}"
+            docs = from_docs(DOCS.read_text() if docs_md is None else docs_md) if docs is None else docs
+            table_rows = docs.get(res["setting"], {}).get("rows", [])
+            have = {(r["method"], r["config"]) for r in res["rows"]}
+            missing = [r for r in table_rows if (r["method"], r["config"]) not in have]
+            if missing:        # a partial rerun: the table's other rows (same protocol and seeds) kept
+                res = dict(res, rows=missing + res["rows"])
+                source += f" + {len(missing)} rows of its table in docs/fidelity.md not rerun"
+            out["settings"][s] = {"source": source, "description": res["description"],
                                   "seeds_per_subset": k, "ceiling": rel.get("ceiling"),
                                   "points": points_of(res, s)}
         elif previous and s in previous.get("settings", {}):
             out["settings"][s] = previous["settings"][s]
         else:
-            docs = {n.split("-k")[0]: res for n, res in from_docs(DOCS.read_text()).items()}
-            if s in docs:
-                res = docs[s]
+            docs = from_docs(DOCS.read_text() if docs_md is None else docs_md) if docs is None else docs
+            by_base = {n.split("-k")[0]: res for n, res in docs.items()}
+            if s in by_base:
+                res = by_base[s]
                 out["settings"][s] = {"source": "docs/fidelity.md (its table; not rerun into build/fidelity here)",
                                       "description": res["description"],
                                       "seeds_per_subset": res["protocol"]["seeds_per_subset"],

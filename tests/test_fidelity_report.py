@@ -101,9 +101,14 @@ def test_collect_and_draw(fr, tmp_path):
     (tmp_path / "results-lm.json").write_text(json.dumps(dict(RESULT, setting="lm")))
     (tmp_path / "results-lm-unrolled-q16.json").write_text(json.dumps(dict(RESULT, setting="x")))   # not a panel
     previous = {"settings": {"mlp": {"source": "kept", "points": []}}}
-    data = fr.collect(tmp_path, previous)
-    assert set(data["settings"]) >= {"lm", "mlp"} and "toy" not in data["settings"]
-    assert data["settings"]["lm"]["source"] == "build/fidelity/results-lm.json"
+    # the docs' lm table has a row the results file lacks: kept beside the rerun rows
+    docs = fr.table(dict(RESULT, setting="lm", rows=RESULT["rows"][:2] + [_row("less", "sparse", 0.3, 9.0)]))
+    data = fr.collect(tmp_path, previous, docs_md=docs)
+    assert set(data["settings"]) == {"lm", "mlp"}
+    assert data["settings"]["lm"]["source"] == "build/fidelity/results-lm.json + 1 rows of its table in " \
+                                               "docs/fidelity.md not rerun"
+    assert sorted(p["method"] for p in data["settings"]["lm"]["points"]) == sorted(
+        [r["method"] for r in RESULT["rows"] if "lds" in r] + ["less"])
     assert data["settings"]["mlp"]["source"] == "kept"
     data["settings"] = {"lm": data["settings"]["lm"]}
     fig = fr.draw(data, tmp_path / "f.png")
