@@ -356,7 +356,8 @@ def draw(data: dict, path: Path | None = FIGURE, ncols: int = 3):
 TIED = (("K-FAC influence", "influence", "K-FAC", ("K-FAC, layers='all' (tied embedding/head included)",
                                                   "K-FAC, layers='all'"), None,
          "K-FAC, layers='all', vocabulary factor diagonal (kron_diagonal_width=512)"),
-        ("EK-FAC influence", "influence", "EK-FAC", ("EK-FAC, layers='all' (tied embedding/head included)",
+        ("EK-FAC influence", "influence", ("EK-FAC", "EK-FAC (default damping)"),
+         ("EK-FAC, layers='all' (tied embedding/head included)",
                                                     "EK-FAC, layers='all'"),
          "EK-FAC, blocks + transformer.wte (tied) by name",
          "EK-FAC, layers='all', vocabulary factor diagonal (kron_diagonal_width=512)"),
@@ -364,7 +365,7 @@ TIED = (("K-FAC influence", "influence", "K-FAC", ("K-FAC, layers='all' (tied em
          ("EK-FAC, layers='all' (tied embedding/head included)", "EK-FAC, layers='all'"), None, None),
         ("reference: Gauss-Newton, sparse k = 2048", "influence", "Gauss-Newton, sparse k=2048, blocks only (reference)",
          "Gauss-Newton, sparse k=2048, layers='all' (reference)", None, None),
-        ("Grad-Dot", "grad_dot", "defaults", "layers='all'", None, None),
+        ("Grad-Dot", "grad_dot", ("defaults", ""), "layers='all'", None, None),
         ("LoGra (defaults otherwise)", "logra", None, "layers='all' (defaults otherwise)", None, None))
 
 
