@@ -15,7 +15,8 @@ costs no more and has a higher LDS. Each method's **default point** is its row w
 configuration starts with ``defaults`` (or is empty: Grad-Dot / Grad-Cos have no knobs);
 for a method without such a row in a setting — the older digits and ``lm`` tables label
 the configuration instead — its first row (the scripts write defaults first), unless
-that row is in ``NOT_DEFAULT``. Kinds: ``single`` (one model, checkpoint methods
+that row is in ``NOT_DEFAULT`` (rows naming ``NOT_DEFAULT_WORDS``, e.g. ``layers=``, are never
+defaults). Kinds: ``single`` (one model, checkpoint methods
 included), ``ensemble`` (``ga.methods.ensemble`` over seeds, subsets or checkpoints: the
 configuration says "ensemble" or "× last"), ``unrolled`` (MAGIC, SOURCE).
 
@@ -47,6 +48,10 @@ SETTINGS = ("logreg", "mlp", "lm", "lm2", "text", "instruct", "llama", "conv", "
 #: (setting, method, configuration) of first rows that are not the method's default
 NOT_DEFAULT = {("lm", "less", "3 Adam checkpoints, sparse k=8192"),     # LESS's defaults (a dense map) refused there
                ("lm2", "less", "3 Adam checkpoints, sparse k=8192")}
+
+
+#: a configuration naming one of these sets an argument away from its default: never a default point
+NOT_DEFAULT_WORDS = ("layers=", "by name", "(reference)", "kron_diagonal_width")
 
 
 def load(setting: str, root: Path = BUILD) -> dict:
@@ -99,7 +104,8 @@ def points_of(result: dict, setting: str) -> list[dict]:
             "high": round(r["high"], 6), "cost": round(r["cost"], 4), "kind": kind(r["method"], r["config"]),
             "default": False} for r in done]
     for method in dict.fromkeys(p["method"] for p in pts):
-        mine = [p for p in pts if p["method"] == method and p["kind"] != "ensemble"]
+        mine = [p for p in pts if p["method"] == method and p["kind"] != "ensemble"
+                and not any(word in p["config"] for word in NOT_DEFAULT_WORDS)]
         named = [p for p in mine if p["config"].startswith("defaults") or p["config"] == ""]
         if named:
             named[0]["default"] = True
