@@ -62,6 +62,7 @@ process, right before).
     ... --rows ensembles        # influence / RelatIF averaged over 5 and 10 seeds, over 5, 10, 20
                                 # models trained on random 50 % subsets, and over the last 5 / 10 of
                                 # 10 checkpoints of 1 or 10 runs (cost counts training the extra models)
+    ... --rows tied             # K-FAC / EK-FAC with the tied embedding/head (layers="all") in the curvature
     ... --protocol unrolled --queries 16   # MAGIC's cost is ≈ linear in the queries
     ... --seeds-per-subset 4    # each subset trained 4 times; the reliability and LDS ceiling printed
 """
@@ -464,6 +465,57 @@ def ensemble_rows(p: Prepared):
                 lambda fn=fn, M=M, last=last: TimedEnsemble(p, fn, M, checkpoints=last, curvature="ekfac")
 
 
+
+class WithOptions:
+    """Lazy scores computed (and explained) under ``ga.options(**changes)``: a row whose
+    configuration is an option of the planner, not an argument of the method."""
+
+    def __init__(self, scores, **changes):
+        self.scores, self.changes = scores, changes
+
+    def compute(self):
+        with ga.options(**self.changes):
+            return self.scores.compute()
+
+    def explain(self):
+        with ga.options(**self.changes):
+            return self.scores.explain()
+
+
+def tied_rows(task, tr, qu, blocks, tied: str = "transformer.wte", diagonal: bool = True):
+    """K-FAC / EK-FAC influence with the tied embedding / head in the curvature (issue 31 item 4),
+    beside the block-only rows: ``layers="all"`` (also the norms), the blocks and the tied
+    embedding by name, RelatIF (EK-FAC) with ``layers="all"``; as references without a
+    Kronecker factorisation, Gauss-Newton influence in a sparse k = 2048 projection on the
+    blocks only and with ``layers="all"``, Grad-Dot and LoGra with ``layers="all"``; and
+    ``layers="all"`` with the vocabulary-wide output factor S (V×V) kept
+    diagonal as the planner does past ``ga.options(kron_diagonal_width)`` (16,384 by default;
+    set to 512 here so a vocabulary of 1,024 takes that path; ``diagonal=False`` leaves
+    these rows out, for a vocabulary under 512 where they equal the dense ones)."""
+    m = ga.methods
+    yield "influence", "K-FAC, layers='all' (tied embedding/head included)", lambda: m.influence(
+        task, tr, qu, layers="all", curvature="kfac")
+    yield "influence", "EK-FAC, layers='all' (tied embedding/head included)", lambda: m.influence(
+        task, tr, qu, layers="all", curvature="ekfac")
+    yield "influence", f"EK-FAC, blocks + {tied} (tied) by name", lambda: m.influence(
+        task, tr, qu, layers=list(blocks) + [tied], curvature="ekfac")
+    yield "relatif", "EK-FAC, layers='all' (tied embedding/head included)", lambda: m.relatif(
+        task, tr, qu, layers="all", curvature="ekfac")
+    # references without a Kronecker factorisation: what including the embedding does to the
+    # Gauss-Newton influence in a 2048-d sparse projection, and to the plain inner product
+    yield "influence", "Gauss-Newton, sparse k=2048, blocks only (reference)", lambda: m.influence(
+        task, tr, qu, layers=list(blocks), projector=ga.proj.sparse(2048, seed=0))
+    yield "influence", "Gauss-Newton, sparse k=2048, layers='all' (reference)", lambda: m.influence(
+        task, tr, qu, layers="all", projector=ga.proj.sparse(2048, seed=0))
+    yield "grad_dot", "layers='all'", lambda: m.grad_dot(task, tr, qu, layers="all")
+    yield "logra", "layers='all' (defaults otherwise)", lambda: m.logra(task, tr, qu, layers="all")
+    if not diagonal:
+        return
+    yield "influence", "EK-FAC, layers='all', vocabulary factor diagonal (kron_diagonal_width=512)", \
+        lambda: WithOptions(m.influence(task, tr, qu, layers="all", curvature="ekfac"), kron_diagonal_width=512)
+    yield "influence", "K-FAC, layers='all', vocabulary factor diagonal (kron_diagonal_width=512)", \
+        lambda: WithOptions(m.influence(task, tr, qu, layers="all", curvature="kfac"), kron_diagonal_width=512)
+
 _CHECKPOINTS = {}
 
 
@@ -496,7 +548,9 @@ def run(setting: LMSetting, *, rows_of=("methods",), only=None, recompute=False,
     rows = []
     out = BUILD / f"results-{label}.json"
     done = {(r["method"], r["config"]) for r in _read(out)} if not recompute else set()
-    generators = [{"methods": method_rows, "sweeps": knob_rows, "ensembles": ensemble_rows}[r](p)
+    generators = [{"methods": method_rows, "sweeps": knob_rows, "ensembles": ensemble_rows,
+                   "tied": lambda p: tied_rows(p.task(), p.train, p.queries[:p.n_query], LAYERS,
+                                              diagonal=False)}[r](p)
                   for r in rows_of]
     for gen in generators:
         for method, config, thunk in gen:
@@ -570,7 +624,8 @@ def main(argv=None):
     ap.add_argument("--methods", default=None, help="comma-separated method names")
     ap.add_argument("--rows", default="methods", help="'methods' (every method, defaults first), 'sweeps' "
                     "(the knob sweeps behind the defaults), 'ensembles' (influence and RelatIF over 5 and "
-                    "10 seeds, over 5, 10, 20 models on 50 % subsets, over checkpoints of 1 or 10 runs), or several, comma-separated")
+                    "10 seeds, over 5, 10, 20 models on 50 % subsets, over checkpoints of 1 or 10 runs), 'tied' (K-FAC / "
+                    "EK-FAC with the tied embedding/head in the curvature), or several, comma-separated")
     ap.add_argument("--n-subsets", type=int, default=N_SUBSETS)
     ap.add_argument("--seeds-per-subset", type=int, default=1,
                     help="training runs per subset (seeds TRAINING_SEED + r), targets averaged; ≥ 2 also "

@@ -399,7 +399,8 @@ def _defaults(name: str, *knobs) -> str:
 
 def method_rows(s: Setting, model, snapshots):
     """(method, configuration, thunk -> lazy Scores): every catalogue method at its defaults,
-    called as ``method(task, train, queries)``; checkpoint methods on ``snapshots``."""
+    called as ``method(task, train, queries)``; checkpoint methods on ``snapshots``; then
+    EK-FAC / K-FAC influence and RelatIF with ``layers="all"``."""
     m, task, tr, qu = ga.methods, s.task(model), s.train, s.queries
     tasks, optimizers, lrs = [s.task(x) for x, _ in snapshots], [o for _, o in snapshots], [s.lr] * len(snapshots)
     yield "grad_dot", "defaults", lambda: m.grad_dot(task, tr, qu)
@@ -416,6 +417,11 @@ def method_rows(s: Setting, model, snapshots):
         lambda: m.less(tasks, optimizers, lrs, tr, qu, np.arange(s.n_query))
     yield "trackstar", _defaults("trackstar", "k", "relative_damping") + ", final Adam state", \
         lambda: m.trackstar(tasks[-1], tr, qu, optimizer=optimizers[-1])
+    # issue 31 item 4: every parameter the capture can attribute (embeddings, an untied head,
+    # norms) in the curvature, beside the default layers' rows above
+    yield "influence", "EK-FAC, layers='all'", lambda: m.influence(task, tr, qu, layers="all", curvature="ekfac")
+    yield "influence", "K-FAC, layers='all'", lambda: m.influence(task, tr, qu, layers="all", curvature="kfac")
+    yield "relatif", "EK-FAC, layers='all'", lambda: m.relatif(task, tr, qu, layers="all", curvature="ekfac")
 
 
 # ---------------------------------------------------------------------------------- run

@@ -79,7 +79,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gradalg as ga  # noqa: E402
-from fidelity_lm import _read, defaults  # noqa: E402
+from fidelity_lm import _read, defaults, tied_rows  # noqa: E402
 
 BUILD = ROOT / "build" / "fidelity"
 N_SUBSETS, FRACTION, SUBSET_SEED, TRAINING_SEED, SEEDS_PER_SUBSET = 32, 0.5, 0, 0, 3
@@ -404,6 +404,8 @@ def method_rows(p: Prepared):
     yield "relatif", "EK-FAC", lambda: m.relatif(task, tr, qu, curvature="ekfac")
     yield "less", "3 Adam checkpoints, sparse k=8192", lambda: m.less(
         *checkpoints(p), tr, qu, np.arange(len(qu)), projector=ga.proj.sparse(8192, seed=0))
+    # issue 31 item 4: the tied embedding / head in the curvature (block-only rows above)
+    yield from tied_rows(task, tr, qu, ["transformer.h.*"])
 
 
 NOT_RUN = {

@@ -1,0 +1,117 @@
+"""benchmarks/fidelity_report.py's frontier: the Pareto frontier of hand-made points, which
+row is each method's default, the docs tables parsed back to the rows they were written
+from, a table spliced into a document, and the figure drawn from points."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "fidelity_report.py"
+
+
+@pytest.fixture(scope="module")
+def fr():
+    spec = importlib.util.spec_from_file_location("fidelity_report_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+def _row(method, config, lds, cost, **kw):
+    return {"method": method, "config": config, "lds": lds, "low": lds - 0.05, "high": lds + 0.05,
+            "seconds": cost * 0.1, "cost": cost, **kw}
+
+
+RESULT = {"setting": "toy-k3", "description": "a toy", "fwd_bwd_seconds": 0.1,
+          "protocol": {"name": "subset-retrain", "counterfactual": "c", "n_subsets": 4, "queries": "the first 2 of 2",
+                       "seeds_per_subset": 3, "training_seed": "0 + r for run r = 0 … 2"},
+          "reliability": {"test_retest": 0.6, "test_retest_interval": [0.5, 0.7], "ceiling": 0.9,
+                          "ceiling_one_run": 0.8},
+          "rows": [_row("grad_dot", "defaults", 0.10, 2.0),
+                   _row("influence", "defaults (curvature='auto')", 0.30, 5.0),
+                   _row("influence", "K-FAC", 0.35, 4.0),
+                   _row("relatif", "EK-FAC", 0.40, 8.0),
+                   _row("trak", "k=128", 0.20, 3.0),
+                   _row("trak", "defaults (k=2048)", 0.25, 30.0),
+                   _row("relatif", "defaults, ensemble of 5 seeds", 0.50, 40.0),
+                   {"method": "magic", "config": "", "skipped": "not run"}]}
+
+
+def test_frontier_keeps_the_points_nothing_cheaper_beats(fr):
+    pts = fr.points_of(RESULT, "toy")
+    front = [(p["method"], p["config"]) for p in fr.frontier(pts)]
+    assert front == [("grad_dot", "defaults"), ("trak", "k=128"), ("influence", "K-FAC"), ("relatif", "EK-FAC"),
+                     ("relatif", "defaults, ensemble of 5 seeds")]
+
+
+def test_default_points_and_kinds(fr):
+    pts = {(p["method"], p["config"]): p for p in fr.points_of(RESULT, "toy")}
+    defaults = sorted(k for k, p in pts.items() if p["default"])
+    # a row named "defaults…" wins; RelatIF has none, so its first single-model row is its default
+    assert defaults == [("grad_dot", "defaults"), ("influence", "defaults (curvature='auto')"),
+                        ("relatif", "EK-FAC"), ("trak", "defaults (k=2048)")]
+    assert pts[("relatif", "defaults, ensemble of 5 seeds")]["kind"] == "ensemble"
+    assert ("magic", "") not in pts                            # skipped rows are not points
+    assert fr.kind("magic", "replayable run") == "unrolled"
+    assert fr.kind("influence", "EK-FAC, 10 seed(s) × last 5 of 10 checkpoints") == "ensemble"
+
+
+def test_defaults_table_says_where_each_default_sits(fr):
+    data = {"settings": {"toy": {"points": fr.points_of(RESULT, "toy")}}}
+    lines = {line.split(" | ")[1]: line for line in fr.defaults_table(data).splitlines()[2:]}
+    assert "**yes**" in lines["grad_dot"] and "**yes**" in lines["relatif"]
+    # influence's default (0.30 at 5×) is beaten by K-FAC (0.35 at 4×): 0.050 below the frontier
+    assert "no (−0.050)" in lines["influence"] and "K-FAC: 0.350 at 4.0×" in lines["influence"]
+    assert "no (−0.150)" in lines["trak"]
+
+
+def test_docs_tables_parse_back_to_their_rows(fr):
+    md = "# doc\n\nsome text\n\n" + fr.table(RESULT) + "\n\nmore text\n"
+    parsed = fr.from_docs(md)["toy-k3"]
+    assert parsed["protocol"]["seeds_per_subset"] == 3 and parsed["reliability"]["ceiling"] == 0.9
+    done = [r for r in RESULT["rows"] if "lds" in r]
+    got = [r for r in parsed["rows"] if "lds" in r]
+    assert [(r["method"], r["config"]) for r in got] == [(r["method"], r["config"]) for r in
+                                                         sorted(done, key=lambda r: [x["method"] for x in
+                                                                                     RESULT["rows"]].index(r["method"]))]
+    for r in got:
+        ref = next(x for x in done if (x["method"], x["config"]) == (r["method"], r["config"]))
+        assert r["lds"] == pytest.approx(ref["lds"], abs=5e-4) and r["cost"] == pytest.approx(ref["cost"], abs=0.5)
+    assert any(r.get("skipped") for r in parsed["rows"])
+
+
+def test_splice_replaces_only_that_table(fr):
+    old = dict(RESULT, rows=RESULT["rows"][:2])
+    md = "# doc\n\n" + fr.table(old) + "\n\nafter\n"
+    out = fr.splice(md, RESULT)
+    assert out == "# doc\n\n" + fr.table(RESULT) + "\n\nafter\n"
+    assert fr.splice("# nothing here\n", RESULT) == "# nothing here\n"
+
+
+def test_collect_and_draw(fr, tmp_path):
+    import json
+    (tmp_path / "results-toy-k3.json").write_text(json.dumps(RESULT))
+    (tmp_path / "results-lm.json").write_text(json.dumps(dict(RESULT, setting="lm")))
+    (tmp_path / "results-lm-unrolled-q16.json").write_text(json.dumps(dict(RESULT, setting="x")))   # not a panel
+    previous = {"settings": {"mlp": {"source": "kept", "points": []}}}
+    # the docs' lm table has a row the results file lacks: kept beside the rerun rows
+    docs = fr.table(dict(RESULT, setting="lm", rows=RESULT["rows"][:2] + [_row("less", "sparse", 0.3, 9.0)]))
+    data = fr.collect(tmp_path, previous, docs_md=docs)
+    assert set(data["settings"]) == {"lm", "mlp"}
+    assert data["settings"]["lm"]["source"] == "build/fidelity/results-lm.json + 1 rows of its table in " \
+                                               "docs/fidelity.md not rerun"
+    assert sorted(p["method"] for p in data["settings"]["lm"]["points"]) == sorted(
+        [r["method"] for r in RESULT["rows"] if "lds" in r] + ["less"])
+    assert data["settings"]["mlp"]["source"] == "kept"
+    data["settings"] = {"lm": data["settings"]["lm"]}
+    fig = fr.draw(data, tmp_path / "f.png")
+    assert (tmp_path / "f.png").stat().st_size > 1000
+    import matplotlib.pyplot as plt
+    plt.close(fig)
