@@ -33,10 +33,12 @@ from typing import Callable, Iterator
 import torch
 
 from ..capture.chunks import Chunk, concat_chunks
-from ..errors import OptionError
+from ..errors import MemoryBudgetError, OptionError
 from ..expr import Captured, GradNode, GroupMean, OpNode, ScoreDiagonal, ScoreNode, Source
 from ..options import Options, get_options
+from ..plan.budget import resolve_budget, with_note
 from ..plan.choices import Choices
+from ..plan.decide import refuse_dense_projections
 from ..plan.planner import ROW_WISE, Plan, plan as make_plan
 from .accumulators import GroupAccumulator
 from .phases import PhaseClock
@@ -153,7 +155,18 @@ class Executor:
 
     # ------------------------------------------------------------------ pull path
     def iter_chunks(self, node: GradNode) -> Iterator[Chunk]:
-        """Chunks of rows of ``node``, in order, one node at a time (no fusion)."""
+        """Chunks of rows of ``node``, in order, one node at a time (no fusion); refused
+        as a plan of ``node`` would be for a dense projection over the memory budget
+        (:func:`~gradalg.plan.decide.refuse_dense_projections`)."""
+        budget = resolve_budget(self.options)     # the matrix is kept in the CPU's memory
+        try:
+            refuse_dense_projections(node, budget.bytes)
+        except MemoryBudgetError as err:
+            err.args = (with_note(err, budget, err.needed), *err.args[1:])
+            raise
+        return self._chunks(node)
+
+    def _chunks(self, node: GradNode) -> Iterator[Chunk]:
         rows = self.state.rows
         if node.token in rows:
             yield from rows[node.token]
@@ -164,12 +177,12 @@ class Executor:
             yield from node.store.chunks()
         elif isinstance(node, GroupMean):
             acc = GroupAccumulator(node)
-            for chunk in self.iter_chunks(node.grads):
+            for chunk in self._chunks(node.grads):
                 acc.update(chunk)
             rows[node.token] = acc.finish()
             yield from rows[node.token]
         elif isinstance(node, ROW_WISE):
-            yield from derive_rows(self, node, self.iter_chunks, rows)
+            yield from derive_rows(self, node, self._chunks, rows)
         else:
             raise OptionError(f"the executor cannot compute {type(node).__name__} rows")
 

@@ -75,21 +75,6 @@ class RowContext:
         return scale_rows(value, w)
 
 
-def _check_dense_matrix(p, dim: int, options) -> None:
-    """A dense projection keeps a (k, dim) float64 matrix on the CPU (``proj.matrices``):
-    refuse one over the memory budget (k = 512 on a 3 M-coordinate GPT-2 would be 13 GB)."""
-    need = p.k * dim * 8
-    from ..plan.budget import refusal_note, resolve_budget
-    budget = resolve_budget(options)    # the matrix is kept in the CPU's memory
-    if need > budget.bytes:
-        from ..errors import MemoryBudgetError
-        raise MemoryBudgetError(
-            f"a dense {p.kind} projection of {dim:,} coordinates to k={p.k} keeps a {need / 2**30:.1f} GiB "
-            f"matrix, over the memory budget of {budget.bytes / 2**30:.1f} GiB: use a projection without a dense "
-            f"matrix (ga.proj.sparse({p.k}), ga.proj.grass(k), ga.proj.kron(k)), fewer layers, or raise "
-            f"ga.options(memory_budget=...). {refusal_note(budget, need)}")
-
-
 def _row_weights(weights, chunk: Chunk) -> torch.Tensor:
     if not isinstance(weights, RowWeights):
         return torch.full((chunk.n,), float(weights), dtype=torch.float64)
@@ -137,8 +122,6 @@ def _project(executor, node: Project, chunk: Chunk, values=None) -> dict:
     blocks' values in space order, made one at a time (:func:`project_blockwise`)."""
     p = node.projector
     src_space = node.grads.space
-    if p.kind in ("gaussian", "rademacher"):
-        _check_dense_matrix(p, src_space.dim, executor.options)
     values = values if values is not None else (chunk.blocks[b.name] for b in src_space.blocks)
     out = {}
     combined = None
