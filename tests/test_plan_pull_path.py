@@ -41,3 +41,32 @@ def test_a_dense_projection_over_the_budget_is_refused_by_the_plan_and_its_fix_w
             S2 = P2(Q) @ P2(G).T
             S2.explain()
             assert S2.compute().values.shape == (5, 40)
+
+
+def test_where_each_pass_runs_is_a_typed_decision():
+    from gradalg.exec import Executor, LocalExecutor
+    from gradalg.plan.decisions import DecisionKind
+    from test_shard_strategy import Halves
+    task, G, Q = _mlp(n=23, width=8)
+    H = ga.fisher(G, structure="block").damp(0.1).inv()
+    S = Q @ H @ G.T
+    with ga.options(progress=False, batch_size=4):
+        ex = Executor(shards=Halves())
+        ex.scores(S.expr)
+        local = LocalExecutor()
+        local.scores(S.expr)
+    p = ex.last_plan
+    placed = p.decisions.of(DecisionKind.PLACEMENT)
+    assert len(placed) == len(p.passes) == len(p.placement)
+    for i, (d, step, where) in enumerate(zip(placed, p.passes, p.placement)):
+        assert d.subject == (i, *step.key)
+        assert d.chosen == ("on shards" if where.sharded else "in this process")
+        assert d.chosen == ("on shards" if step.reads_data else "in this process")   # Halves' rule
+        assert set(d.alternatives) == {"in this process", "on shards"}
+        assert d.alternatives["in this process"] == step.seconds
+        assert d.reason.startswith("two halves" if step.reads_data else "rows in memory")
+    # one process has nothing to choose: no placement decision
+    assert local.last_plan.decisions.of(DecisionKind.PLACEMENT) == []
+    # explain() renders them from the fields, with or without a run
+    text = str(S.explain(executor=Executor(shards=Halves())))
+    assert f"where pass 1 ({p.passes[0].label}) runs: chose {placed[0].chosen}" in text

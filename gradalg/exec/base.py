@@ -4,7 +4,8 @@ Every result is computed the same way, :meth:`Executor.compute`:
 
 1. **plan** (:func:`gradalg.plan.planner.plan`): the passes, their jobs and kernels, and
    for each pass where its shards run (``plan.placement``, decided by the shard strategy
-   from the pass alone, :meth:`~gradalg.exec.runner.ShardStrategy.place`);
+   from the pass alone, :meth:`~gradalg.exec.runner.ShardStrategy.place`, and recorded
+   as a ``PLACEMENT`` decision in ``plan.decisions``);
 2. **run** (:class:`~gradalg.exec.runner.PassRunner`): each pass's sinks fed, by the
    strategy (``run_shards``) or in this process, their results published into the
    :class:`~gradalg.exec.state.RunState`;
@@ -38,6 +39,7 @@ from ..expr import Captured, GradNode, GroupMean, OpNode, ScoreDiagonal, ScoreNo
 from ..options import Options, get_options
 from ..plan.budget import resolve_budget, with_note
 from ..plan.choices import Choices
+from ..plan.decisions import Decisions
 from ..plan.decide import refuse_dense_projections
 from ..plan.planner import ROW_WISE, Plan, plan as make_plan
 from .accumulators import GroupAccumulator
@@ -109,7 +111,9 @@ class Executor:
             budget = budget or self.shards.budget(self.options, node)
             p = make_plan(node, options=self.options, rewrites=self.rewrites, choices=self.choices,
                           measure_shapes=True, topk=topk, budget=budget)
-            return replace(p, placement=tuple(self.shards.place(step) for step in p.passes))
+            placed = [self.shards.placement(i, step) for i, step in enumerate(p.passes)]
+            return replace(p, placement=tuple(where for where, _ in placed),
+                           decisions=Decisions([*p.decisions, *(d for _, d in placed if d is not None)]))
 
     def run(self, p: Plan) -> Plan:
         """Run every pass of ``p`` (:class:`~gradalg.exec.runner.PassRunner`)."""
