@@ -70,3 +70,34 @@ def test_where_each_pass_runs_is_a_typed_decision():
     # explain() renders them from the fields, with or without a run
     text = str(S.explain(executor=Executor(shards=Halves())))
     assert f"where pass 1 ({p.passes[0].label}) runs: chose {placed[0].chosen}" in text
+
+
+@pytest.mark.parametrize("make", ["fisher", "kfac", "ekfac"])
+def test_an_operator_resolved_on_its_own_has_its_statistics_planned(make):
+    """``executor.resolve(op)`` outside a plan of ``op``: its statistics are the passes of a
+    plan (estimated, placed by the shard strategy, run by the runner), the same numbers as
+    ``executor.operator(op)``, the Fisher against the dense float64 reference."""
+    from gradalg.exec import Executor, LocalExecutor
+    from references import reference_rows
+    from test_shard_strategy import Halves
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+    X, y = torch.randn(13, 5), torch.randint(0, 3, (13,))
+    task = ga.tasks.classification(model)
+    G = ga.grads(task, (X, y), ["0", "2"])
+    op = {"fisher": ga.fisher(G, structure="block"), "kfac": ga.kfac(G), "ekfac": ga.ekfac(G)}[make].expr
+    with ga.options(progress=False, batch_size=4):
+        ex, halves = LocalExecutor(), Executor(shards=Halves())
+        got, sharded = ex.resolve(op), halves.resolve(op)
+        want = LocalExecutor().operator(op)
+    kinds = [j.kind for step in ex.last_plan.passes for j in step.jobs if j.kind != "store"]
+    assert kinds == {"fisher": ["fisher"], "kfac": ["kfac"], "ekfac": ["kfac", "ekfac"]}[make]
+    assert len(ex.pass_stats) == len(ex.last_plan.passes) and all(p.seconds > 0 for p in ex.last_plan.passes)
+    assert halves.shards.sharded == [s.label for s in halves.last_plan.passes if s.reads_data]   # on shards
+    torch.testing.assert_close(got.dense(), want.dense(), rtol=0, atol=0)
+    torch.testing.assert_close(sharded.dense(), want.dense(), rtol=1e-5, atol=1e-7)   # float32 rows, summed per shard
+    if make == "fisher":
+        R = reference_rows(task, (X, y), ["0", "2"])
+        blocks = [R[:, :24], R[:, 24:]]                      # (4×5 + 4) and (3×4 + 3) coordinates
+        dense = torch.block_diag(*[b.T @ b / len(X) for b in blocks])
+        torch.testing.assert_close(got.dense(), dense, rtol=1e-5, atol=1e-7)

@@ -19,7 +19,8 @@ The entry points are that path with their reader: ``scores(node)`` (n_query, n_t
 (shards on Dask workers), :class:`~gradalg.exec.TorchDistributed` (ranks of a torchrun
 job). Besides plans, the executor offers a pull path (``iter_chunks``, ``resolve``) that
 computes one node at a time; iterative solvers and operators known only through products
-use it from inside a pass.
+use it from inside a pass. An operator resolved on its own has its statistics planned and
+run as passes (:meth:`Executor.run_statistics`).
 
 Executors are picked by object or by name (``get_executor("local")``,
 ``get_executor("dask")``); a missing optional dependency is reported with the command
@@ -189,6 +190,15 @@ class Executor:
             yield from derive_rows(self, node, self._chunks, rows)
         else:
             raise OptionError(f"the executor cannot compute {type(node).__name__} rows")
+
+    def run_statistics(self, op: OpNode) -> None:
+        """Plan and run the passes of ``op``'s statistics (an operator resolved outside a
+        plan that computed them): planned, placed by the shard strategy and run like any
+        pass; the sinks publish them into the run state. ``last_plan`` stays the plan being
+        run, if any (else it is this one)."""
+        outer = self.last_plan
+        self.run(self.plan(op))
+        self.last_plan = outer or self.last_plan
 
     def resolve(self, node: OpNode):
         """The numbers of an operator node (memoized; computed on the pull path if no
