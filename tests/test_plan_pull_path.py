@@ -101,3 +101,68 @@ def test_an_operator_resolved_on_its_own_has_its_statistics_planned(make):
         blocks = [R[:, :24], R[:, 24:]]                      # (4×5 + 4) and (3×4 + 3) coordinates
         dense = torch.block_diag(*[b.T @ b / len(X) for b in blocks])
         torch.testing.assert_close(got.dense(), dense, rtol=1e-5, atol=1e-7)
+
+
+def _datainf_reference(R, RQ, lam, splits):
+    """DataInf's H⁻¹ applied to the query rows RQ, per block, from float64 rows R (n, dim)."""
+    out, start = [], 0
+    for width in splits:
+        g, q = R[:, start:start + width], RQ[:, start:start + width]
+        coef = (q @ g.T) / (lam + (g * g).sum(1))
+        out.append((q - coef @ g / len(g)) / lam)
+        start += width
+    return torch.cat(out, dim=1)
+
+
+@pytest.mark.parametrize("shards", ["local", "halves"])
+def test_datainf_reads_its_rows_in_a_planned_pass(shards):
+    """DataInf applied to the held queries is a planned ``apply`` job (shown by explain(),
+    estimated, run on shards by a strategy) in the pass that also keeps the training rows:
+    the training data is read once, not again outside the plan; scores against float64."""
+    from gradalg.exec import Executor, LocalExecutor
+    from references import reference_rows
+    from test_shard_strategy import Halves
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+    X, y = torch.randn(30, 5), torch.randint(0, 3, (30,))
+    task = ga.tasks.classification(model)
+    G, Q = ga.grads(task, (X, y), ["0", "2"]), ga.grads(task, (X[:4], y[:4]), ["0", "2"])
+    S = Q @ ga.datainf(G, 0.1) @ G.T
+    reads = []
+
+    class Counting(LocalExecutor if shards == "local" else Executor):
+        def _chunks(self, node):      # the pull path: a read outside the plan
+            reads.append(node.label)
+            return super()._chunks(node)
+
+    with ga.options(progress=False, batch_size=8):
+        text = str(S.explain())
+        ex = Counting() if shards == "local" else Counting(shards=Halves())
+        got = ex.scores(S.expr)
+    assert "apply datainf⁻¹(λ=0.1) to the held rows" in text
+    p = ex.last_plan
+    jobs = [sorted(j.kind for j in step.jobs) for step in p.passes]
+    assert jobs == [["collect"], ["apply", "store"], ["scores"]] and p.data_passes == 2
+    apply_pass = p.passes[1]
+    apply = next(j for j in apply_pass.jobs if j.kind == "apply")
+    assert apply_pass.seconds > 0 and apply.cost.flops > 0      # estimated like any job
+    assert reads == []                                   # nothing read outside the plan's passes
+    R, RQ = reference_rows(task, (X, y), ["0", "2"]), reference_rows(task, (X[:4], y[:4]), ["0", "2"])
+    want = _datainf_reference(R, RQ, 0.1, [24, 15]) @ R.T
+    torch.testing.assert_close(got.to(torch.float64), want, rtol=1e-5, atol=1e-6)
+
+
+def test_datainf_outside_a_held_side_still_reads_its_rows_when_applied():
+    """Self-scores have no held side to apply it to in a pass: the operator reads its rows
+    when applied, the same numbers as the float64 reference."""
+    from references import reference_rows
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+    X, y = torch.randn(30, 5), torch.randint(0, 3, (30,))
+    task = ga.tasks.classification(model)
+    G, Q = ga.grads(task, (X, y), ["0", "2"]), ga.grads(task, (X[:4], y[:4]), ["0", "2"])
+    with ga.options(progress=False, batch_size=8):
+        got = (Q @ ga.datainf(G, 0.1) @ Q.T).diag().compute().values
+    R, RQ = reference_rows(task, (X, y), ["0", "2"]), reference_rows(task, (X[:4], y[:4]), ["0", "2"])
+    want = (_datainf_reference(R, RQ, 0.1, [24, 15]) * RQ).sum(1)
+    torch.testing.assert_close(torch.as_tensor(got).to(torch.float64), want, rtol=1e-5, atol=1e-6)

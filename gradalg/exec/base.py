@@ -34,7 +34,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..capture.chunks import Chunk, concat_chunks
+from ..capture.chunks import Chunk, concat_chunks, flatten, unflatten
 from ..errors import MemoryBudgetError, OptionError
 from ..expr import Captured, GradNode, GroupMean, OpNode, ScoreDiagonal, ScoreNode, Source
 from ..options import Options, get_options
@@ -43,8 +43,10 @@ from ..plan.choices import Choices
 from ..plan.decisions import Decisions
 from ..plan.decide import refuse_dense_projections
 from ..plan.planner import ROW_WISE, Plan, plan as make_plan
+from ..plan.pull_jobs import ApplyJob
 from .accumulators import GroupAccumulator
 from .phases import PhaseClock
+from .pull_sinks import applied
 from .resolve import precondition, resolve_node
 from .rowwise import derive_rows
 from .runner import InProcess, PassRunner, ShardStrategy, captured_batches
@@ -152,10 +154,16 @@ class Executor:
         return self.compute(node, self.resolve)
 
     def precondition_held(self, op: OpNode, held: Chunk, space, *, consume: bool = False) -> Chunk:
-        """The held rows of a score with the resolved ``op`` applied (once per pass);
-        ``consume`` empties ``held`` block by block (:func:`~gradalg.exec.resolve.precondition`)."""
+        """The held rows of a score with the resolved ``op`` applied (once per pass): as a
+        planned :class:`~gradalg.plan.pull_jobs.ApplyJob` left them for exactly these rows
+        (:func:`~gradalg.exec.pull_sinks.applied`), else now; ``consume`` empties ``held``
+        block by block (:func:`~gradalg.exec.resolve.precondition`)."""
         resolved = self.resolve(op)
         with self.clock.phase("scoring"):
+            if any(key[0] == ApplyJob.kind for key in self.state.results):   # applied by a pass of the plan?
+                ready = applied(self.state, op, flatten(held, space))
+                if ready is not None:
+                    return held.replace(unflatten(ready, space))
             return precondition(resolved, held, space, consume=consume)
 
     # ------------------------------------------------------------------ pull path

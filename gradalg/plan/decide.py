@@ -17,6 +17,7 @@ from .facts import Facts
 from .lower import ROW_WISE, STATISTICS_JOBS, Lowered, chain_ops, pass_key, stream_root
 from .jobs import CollectJob, DiagJob, GroupJob, Job, ScoresJob, TopKJob
 from .memory import projection_map_decisions, rows_bytes
+from .pull_jobs import ApplyJob, held_application
 from .rules import PlanError
 from .blocks import as_captured, held_storage, kernels, low_rank_decision, storage, storage_decision
 
@@ -86,7 +87,7 @@ class _Graph:
         deps = self.stream_deps(statistic.rows)
         for before in statistic.after:
             deps |= self.statistic_deps(before)
-        if statistic.job is None:
+        if statistic.job in (None, "apply"):     # read by the operator when applied (a held side's: ApplyJob)
             return deps
         if statistic.job not in STATISTICS_JOBS:
             raise PlanError(f"{statistic.node.label} asks for a statistic of job kind {statistic.job!r}; the planner "
@@ -128,8 +129,19 @@ class _Graph:
             ready = self.stream_deps(held)
         else:
             ready = {self.add(CollectJob(held, (held,), self.stream_deps(held), storage=kept))}
+        ready |= self.apply_job(node, held, ready)
         return ScoresJob(node, (streamed,), ready | self.op_deps(node.op) | self.stream_deps(streamed),
                          held=held, transposed=transposed, held_storage=kept, kernels=chosen, **self.fields)
+
+    def apply_job(self, node: Inner, held: GradNode, ready: set) -> set:
+        """``{key}`` of the :class:`~gradalg.plan.pull_jobs.ApplyJob` that applies
+        ``node.op`` to the held rows in a pass over the operator's rows, when the operator
+        reads its rows when applied (``Statistic("apply", ...)``: DataInf); else empty."""
+        statistic = held_application(node.op)
+        if statistic is None:
+            return set()
+        deps = ready | self.stream_deps(statistic.rows)
+        return {self.add(ApplyJob(node, (statistic.rows,), deps, held=held))}
 
     def topk_job(self, lowered: Lowered) -> list[tuple]:
         """One :class:`TopKJob` for the whole score expression: its terms' score blocks are
