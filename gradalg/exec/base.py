@@ -47,7 +47,7 @@ from ..plan.pull_jobs import ApplyJob
 from .accumulators import GroupAccumulator
 from .phases import PhaseClock
 from .pull_sinks import applied
-from .resolve import precondition, resolve_node
+from .resolve import Resolution, precondition
 from .rowwise import derive_rows
 from .runner import InProcess, PassRunner, ShardStrategy, captured_batches
 from .state import RunState
@@ -214,7 +214,7 @@ class Executor:
         ops = self.state.ops
         if node.token not in ops:
             with self.clock.phase("statistics"):
-                ops[node.token] = resolve_node(self, node)   # by the named rules of the operator protocol
+                ops[node.token] = node.resolve(Resolution(self))   # by the named rules of the operator protocol
         return ops[node.token]
 
     # ------------------------------------------------------------------ lifecycle

@@ -20,12 +20,7 @@ from ..linalg import LinearOp
 from .allocator import release_free_memory
 from .rowwise import dtype_device
 
-__all__ = ["resolve_node", "precondition", "Resolution", "published"]
-
-
-def resolve_node(executor, node: OpNode) -> LinearOp:
-    """The numbers of ``node``; operands through ``executor.resolve`` (memoized there)."""
-    return node.resolve(Resolution(executor))
+__all__ = ["precondition", "Resolution", "published"]
 
 
 def published(state, statistic: Statistic) -> LinearOp | None:

@@ -16,7 +16,7 @@ from .lowrank import truncate_chunk
 from .per_token import split_tokens
 
 __all__ = ["apply_rowwise", "derive_rows", "RowContext", "dtype_device", "scale_rows", "adam_block",
-           "fuses_blocks", "project_blockwise"]
+           "project_blockwise"]
 
 
 def dtype_device(value):
@@ -43,7 +43,7 @@ def derive_rows(executor, node, chunks_of, have) -> Iterator[Chunk]:
     the chunks of a node ``x``: a projection of Adam-preconditioned rows whose input rows
     are not in ``have`` (tokens of rows already made) is computed a block at a time from
     the rows below them (:func:`project_blockwise`), any other node chunk by chunk."""
-    if fuses_blocks(node) and node.grads.token not in have:
+    if isinstance(node, Project) and isinstance(node.grads, AdamPrecondition) and node.grads.token not in have:
         return (project_blockwise(executor, node, c) for c in chunks_of(node.grads.grads))
     return (apply_rowwise(executor, node, c) for c in chunks_of(node.grads))
 
@@ -96,12 +96,6 @@ def adam_block(state, value, coords: slice) -> torch.Tensor:
     """Adam's direction of one block's rows (:meth:`gradalg.expr.AdamState.direction`).
     value : factors or (n, d_b) rows   returns (n, d_b)"""
     return state.direction(value, coords)
-
-
-def fuses_blocks(node) -> bool:
-    """Whether ``node`` is a projection of Adam-preconditioned rows, which
-    :func:`project_blockwise` computes one block at a time from the unpreconditioned chunk."""
-    return isinstance(node, Project) and isinstance(node.grads, AdamPrecondition)
 
 
 def project_blockwise(executor, node: Project, chunk: Chunk) -> Chunk:
