@@ -35,7 +35,7 @@ def held_application(op):
 class ApplyJob(Job):
     """The operator of the score ``target`` (an :class:`~gradalg.expr.Inner`) applied to
     its held rows ``held`` (m of them) while its rows ``streams[0]`` (n) are read: per chunk
-    of c rows and block b, two GEMMs (m, c, d_b) in float64 (DataInf's sums,
+    of c rows and block b, two GEMMs (m, c, d_b) (DataInf's sums,
     :class:`~gradalg.linalg.datainf.DataInfSums`). Keyed by the score: each held side
     gets its own application."""
 
@@ -49,14 +49,14 @@ class ApplyJob(Job):
 
     def chunk_cost(self, node, c, layout, elem) -> Cost:
         flat = fisher_chunk_cost(node, c, layout, "diag", elem)     # rows made flat, their squared norms
-        return sum((gemm_cost(self.held.n, c, b.dim, 2, 8) for b in node.space.blocks), flat)
+        return sum((gemm_cost(self.held.n, c, b.dim, 2, elem) for b in node.space.blocks), flat)
 
     def example_bytes(self, dtype) -> float:
-        return flat_example_bytes(self.streams[0], dtype, 8.0)      # the rows made flat, a float64 copy
+        return flat_example_bytes(self.streams[0], dtype, 0.0)      # the rows made flat
 
     def fixed_bytes(self, dtype) -> float:
-        """The held rows flat, their float64 copy and the float64 sums: m·dim·(elem + 16)."""
-        return self.held.n * self.held.space.dim * (element_size(dtype) + 16.0)
+        """The held rows flat and the sums: m·dim·2·elem."""
+        return self.held.n * self.held.space.dim * 2.0 * element_size(dtype)
 
     def output_bytes(self, n: int) -> float:
         return 8.0 * self.held.n * self.held.space.dim
