@@ -166,3 +166,26 @@ def test_datainf_outside_a_held_side_still_reads_its_rows_when_applied():
     R, RQ = reference_rows(task, (X, y), ["0", "2"]), reference_rows(task, (X[:4], y[:4]), ["0", "2"])
     want = (_datainf_reference(R, RQ, 0.1, [24, 15]) * RQ).sum(1)
     torch.testing.assert_close(torch.as_tensor(got).to(torch.float64), want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_scores_job_does_not_count_a_planned_application_again():
+    """The apply job carries DataInf's application (its pass reads the rows); the scores
+    job's estimate is its own work only: the same plan priced with the scores job doing
+    the application itself costs one ``apply_cost`` (a read of the training rows) more."""
+    from gradalg.plan.estimates import apply_cost, scores_once_cost
+    from gradalg.plan.planner import plan
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+    X, y = torch.randn(30, 5), torch.randint(0, 3, (30,))
+    task = ga.tasks.classification(model)
+    G, Q = ga.grads(task, (X, y)), ga.grads(task, (X[:4], y[:4]))
+    op = ga.datainf(G, 0.1).expr
+    p = plan((Q @ ga.datainf(G, 0.1) @ G.T).expr)
+    scores = next(j for j in p.jobs.values() if j.kind == "scores")
+    layout = {b.name: "flat" for b in scores.held.space.blocks}
+    alone = scores_once_cost(scores.held, scores.kernels, layout, op, 4, p.options, set())
+    planned = scores_once_cost(scores.held, scores.kernels, layout, op, 4, p.options,
+                               {("applied", op.token, scores.held.token)})
+    extra = apply_cost(op, scores.held.space, scores.held.n, 4, p.options)
+    assert extra.flops > 0 and alone.flops == pytest.approx(planned.flops + extra.flops)
+    assert alone.seconds(p.device, torch.float32) > planned.seconds(p.device, torch.float32)

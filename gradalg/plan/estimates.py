@@ -751,11 +751,15 @@ def scores_chunk_cost(node, held, kernels: dict, c: int, layout: dict, elem: int
 def scores_once_cost(held, kernels: dict, held_layout: dict, op, elem: int, options=None,
                      resolved: set | None = None) -> Cost:
     """What a scores job does once: held factored blocks a dense kernel reads materialized,
-    its operator resolved (unless ``resolved`` before) and applied to the held rows."""
+    its operator resolved (unless ``resolved`` before) and applied to the held rows (unless
+    a planned apply job did: ``("applied", op token, held token)`` in ``resolved``,
+    :class:`~gradalg.plan.pull_jobs.ApplyJob`)."""
     once, P_h = Cost(), positions(held)
     for b in held.space.blocks:
         if kernels.get(b.name) != "ghost" and held_layout.get(b.name) == "factors" and len(b.shape) == 2:
             once = once + materialize_cost(held.n, P_h[b.name], b.shape[1], b.shape[0], elem)
+    if resolved is not None and ("applied", op.token, held.token) in resolved:
+        return once + resolve_once(op, resolved)
     return once + resolve_once(op, resolved) + apply_cost(op, held.space, held.n, elem, options)
 
 

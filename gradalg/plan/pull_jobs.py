@@ -51,6 +51,13 @@ class ApplyJob(Job):
         flat = fisher_chunk_cost(node, c, layout, "diag", elem)     # rows made flat, their squared norms
         return sum((gemm_cost(self.held.n, c, b.dim, 2, elem) for b in node.space.blocks), flat)
 
+    def once_cost(self, elem, storage_of=None, options=None, resolved=None) -> Cost:
+        """None of its own; the scores job it serves then does not count the application
+        again (``("applied", op token, held token)`` added to ``resolved``)."""
+        if resolved is not None:
+            resolved.add(("applied", self.target.op.token, self.held.token))
+        return Cost()
+
     def example_bytes(self, dtype) -> float:
         return flat_example_bytes(self.streams[0], dtype, 0.0)      # the rows made flat
 
