@@ -81,6 +81,7 @@ def instances():
         ex.operator(ga.ekfac(G).expr)                                      # kfac, ekfac
         (G @ G.T).diag().compute(executor=ex)                              # diag
         ex.topk((Q @ G.T).expr, TopK(2))                                   # topk
+        (Q @ ga.datainf(G, 0.1) @ G.T).compute(executor=ex)                # apply (DataInf's read of its rows)
     finally:
         mp.undo()
     return opened

@@ -171,12 +171,12 @@ def test_every_node_type_labels_statistics_cost_and_resolution(setting):
 
 def test_statistics_are_jobs_of_the_plan(setting):
     """A Fisher's and an EK-FAC's statistics are jobs of their plan's passes; DataInf's
-    (read when applied) adds none."""
+    (read when applied) is a job applying it to the held rows (``apply``)."""
     task, data, G = setting
     Q = ga.grads(task, (data[0][:3], data[1][:3]))
     for H, kinds in ((ga.fisher(G, "block").damp(0.1).inv(), {"fisher"}),
                      (ga.ekfac(G).damp(0.1).inv(), {"kfac", "ekfac"}),
-                     (ga.datainf(G, 0.1), set())):
+                     (ga.datainf(G, 0.1), {"apply"})):
         plan = LocalExecutor().plan((Q @ H @ G.T).expr)
         jobs = {key[0] for key in plan.jobs} - {"collect", "scores", "store"}
         assert jobs == kinds, (H, jobs)

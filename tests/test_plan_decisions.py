@@ -41,8 +41,11 @@ def _plans(G, Q):
     P = ga.proj.gaussian(6, seed=0)
     with ga.options(kron_float64_width=4, kron_diagonal_width=12):
         kfac = plan((Q @ ga.ekfac(G).damp(0.1).inv() @ G.T).expr)
+    from gradalg.exec import Executor
+    from test_shard_strategy import Halves
+    placed = Executor(shards=Halves()).plan((Q @ G.T).expr)    # where each pass runs: a shard strategy's
     return [kfac, plan((Q @ G.normalize().T).expr), plan((P(Q) @ P(G).T).expr),
-            plan((Q.low_rank(1) @ G.T).expr)]
+            plan((Q.low_rank(1) @ G.T).expr), placed]
 
 
 def test_every_kind_is_made_and_every_subject_is_named(sides):
@@ -58,6 +61,8 @@ def test_every_kind_is_made_and_every_subject_is_named(sides):
             assert isinstance(d, Decision) and isinstance(d.kind, DecisionKind)
             if d.kind is DecisionKind.BATCH_SIZE:
                 assert d.subject in keys
+            elif d.kind is DecisionKind.PLACEMENT:
+                assert p.passes[d.subject[0]].key == d.subject[1:]
             elif d.kind is DecisionKind.PROJECTION_MAP:
                 assert d.subject in projectors
             else:

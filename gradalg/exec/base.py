@@ -4,7 +4,8 @@ Every result is computed the same way, :meth:`Executor.compute`:
 
 1. **plan** (:func:`gradalg.plan.planner.plan`): the passes, their jobs and kernels, and
    for each pass where its shards run (``plan.placement``, decided by the shard strategy
-   from the pass alone, :meth:`~gradalg.exec.runner.ShardStrategy.place`);
+   from the pass alone, :meth:`~gradalg.exec.runner.ShardStrategy.place`, and recorded
+   as a ``PLACEMENT`` decision in ``plan.decisions``);
 2. **run** (:class:`~gradalg.exec.runner.PassRunner`): each pass's sinks fed, by the
    strategy (``run_shards``) or in this process, their results published into the
    :class:`~gradalg.exec.state.RunState`;
@@ -18,7 +19,8 @@ The entry points are that path with their reader: ``scores(node)`` (n_query, n_t
 (shards on Dask workers), :class:`~gradalg.exec.TorchDistributed` (ranks of a torchrun
 job). Besides plans, the executor offers a pull path (``iter_chunks``, ``resolve``) that
 computes one node at a time; iterative solvers and operators known only through products
-use it from inside a pass.
+use it from inside a pass. An operator resolved on its own has its statistics planned and
+run as passes (:meth:`Executor.run_statistics`).
 
 Executors are picked by object or by name (``get_executor("local")``,
 ``get_executor("dask")``); a missing optional dependency is reported with the command
@@ -32,16 +34,19 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..capture.chunks import Chunk, concat_chunks
-from ..errors import OptionError
+from ..capture.chunks import Chunk, concat_chunks, flatten, unflatten
+from ..errors import MemoryBudgetError, OptionError
 from ..expr import Captured, GradNode, GroupMean, OpNode, ScoreDiagonal, ScoreNode, Source
 from ..options import Options, get_options
+from ..plan.budget import resolve_budget, with_note
 from ..plan.choices import Choices
-from ..plan.jobs import GroupAccumulator
+from ..plan.decisions import Decisions
+from ..plan.decide import refuse_dense_projections
+from ..plan.jobs import ApplyJob, GroupAccumulator, applied
 from ..plan.planner import ROW_WISE, Plan, plan as make_plan
 from .allocator import release_free_memory
 from .phases import PhaseClock
-from .resolve import precondition, resolve_node
+from .resolve import Resolution, precondition
 from .rowwise import derive_rows
 from .runner import InProcess, PassRunner, ShardStrategy, captured_batches
 from .state import RunState
@@ -111,7 +116,9 @@ class Executor:
             p = make_plan(node, options=self.options, rewrites=self.rewrites, choices=self.choices,
                           measure_shapes=True, topk=topk, budget=budget,
                           keep_held_rows=self.shards.keeps_held_rows)
-            return replace(p, placement=tuple(self.shards.place(step) for step in p.passes))
+            placed = [self.shards.placement(i, step) for i, step in enumerate(p.passes)]
+            return replace(p, placement=tuple(where for where, _ in placed),
+                           decisions=Decisions([*p.decisions, *(d for _, d in placed if d is not None)]))
 
     def run(self, p: Plan) -> Plan:
         """Run every pass of ``p`` (:class:`~gradalg.exec.runner.PassRunner`)."""
@@ -149,15 +156,32 @@ class Executor:
         return self.compute(node, self.resolve)
 
     def precondition_held(self, op: OpNode, held: Chunk, space, *, consume: bool = False) -> Chunk:
-        """The held rows of a score with the resolved ``op`` applied (once per pass);
-        ``consume`` empties ``held`` block by block (:func:`~gradalg.exec.resolve.precondition`)."""
+        """The held rows of a score with the resolved ``op`` applied (once per pass): as a
+        planned :class:`~gradalg.plan.jobs.apply.ApplyJob` left them for exactly these rows
+        (:func:`~gradalg.plan.jobs.apply.applied`), else now; ``consume`` empties ``held``
+        block by block (:func:`~gradalg.exec.resolve.precondition`)."""
         resolved = self.resolve(op)
         with self.clock.phase("scoring"):
+            if any(key[0] == ApplyJob.kind for key in self.state.results):   # applied by a pass of the plan?
+                ready = applied(self.state, op, flatten(held, space))
+                if ready is not None:
+                    return held.replace(unflatten(ready, space))
             return precondition(resolved, held, space, consume=consume)
 
     # ------------------------------------------------------------------ pull path
     def iter_chunks(self, node: GradNode) -> Iterator[Chunk]:
-        """Chunks of rows of ``node``, in order, one node at a time (no fusion)."""
+        """Chunks of rows of ``node``, in order, one node at a time (no fusion); refused
+        as a plan of ``node`` would be for a dense projection over the memory budget
+        (:func:`~gradalg.plan.decide.refuse_dense_projections`)."""
+        budget = resolve_budget(self.options)     # the matrix is kept in the CPU's memory
+        try:
+            refuse_dense_projections(node, budget.bytes)
+        except MemoryBudgetError as err:
+            err.args = (with_note(err, budget, err.needed), *err.args[1:])
+            raise
+        return self._chunks(node)
+
+    def _chunks(self, node: GradNode) -> Iterator[Chunk]:
         rows = self.state.rows
         if node.token in rows:
             yield from rows[node.token]
@@ -168,14 +192,23 @@ class Executor:
             yield from node.store.chunks()
         elif isinstance(node, GroupMean):
             acc = GroupAccumulator(node)
-            for chunk in self.iter_chunks(node.grads):
+            for chunk in self._chunks(node.grads):
                 acc.update(chunk)
             rows[node.token] = acc.finish()
             yield from rows[node.token]
         elif isinstance(node, ROW_WISE):
-            yield from derive_rows(self, node, self.iter_chunks, rows)
+            yield from derive_rows(self, node, self._chunks, rows)
         else:
             raise OptionError(f"the executor cannot compute {type(node).__name__} rows")
+
+    def run_statistics(self, op: OpNode) -> None:
+        """Plan and run the passes of ``op``'s statistics (an operator resolved outside a
+        plan that computed them): planned, placed by the shard strategy and run like any
+        pass; the sinks publish them into the run state. ``last_plan`` stays the plan being
+        run, if any (else it is this one)."""
+        outer = self.last_plan
+        self.run(self.plan(op))
+        self.last_plan = outer or self.last_plan
 
     def resolve(self, node: OpNode):
         """The numbers of an operator node (memoized; computed on the pull path if no
@@ -183,7 +216,7 @@ class Executor:
         ops = self.state.ops
         if node.token not in ops:
             with self.clock.phase("statistics"):
-                ops[node.token] = resolve_node(self, node)   # by the named rules of the operator protocol
+                ops[node.token] = node.resolve(Resolution(self))   # by the named rules of the operator protocol
         return ops[node.token]
 
     # ------------------------------------------------------------------ lifecycle

@@ -119,6 +119,10 @@ class DaskShards(ShardStrategy):
     [bytes each shard task returned]}``), and the settings below."""
 
     keeps_held_rows = True
+    here, spread = "on the client", "on the workers"
+
+    def ways(self) -> int:
+        return self.n_workers
 
     def __init__(self, client=None, *, n_workers: int = 2, threads_per_worker: int = 1,
                  shards_per_worker: int = 2, min_shard_examples: int = 32, retries: int = 3,

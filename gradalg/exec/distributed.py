@@ -113,6 +113,10 @@ class RankShards(ShardStrategy):
     as partial states and received as finished results."""
 
     keeps_held_rows = True
+    here, spread = "whole on every rank", "split over the ranks"
+
+    def ways(self) -> int:
+        return self.world_size
 
     def __init__(self, group=None, *, check_plans: bool = True):
         dist = _dist()

@@ -2,8 +2,9 @@
 
 Each node resolves itself (``node.resolve(ctx)``, :mod:`gradalg.expr.operators`); this
 module is the executor's side of it, :class:`Resolution`, the context a node asks for its
-operands' numbers, its statistics (from a pass of the plan, else accumulated over the
-data here, on the pull path), a stream of rows, or products with the loss curvature.
+operands' numbers, its statistics (left in the run state by the planned passes that
+computed them: an operator resolved outside such a plan has its statistics planned and run
+then, :meth:`Resolution.accumulate`), a stream of rows, or products with the loss curvature.
 The rules applied are in the result's ``rules``, the same list the node's ``labels()``
 predicts from the expression alone.
 
@@ -13,20 +14,23 @@ from __future__ import annotations
 
 from ..capture.chunks import Chunk, flatten, unflatten
 from ..curvature.hvp import dataset_matvec
-from ..errors import MemoryBudgetError, OperatorError
+from ..errors import PlanError
 from ..expr import OpNode, Statistic
 from ..linalg import LinearOp
-from ..plan.budget import resolve_budget, with_note
-from ..plan.jobs import EKFACAccumulator, FisherAccumulator, KronAccumulator
 from .allocator import release_free_memory
 from .rowwise import dtype_device
 
-__all__ = ["resolve_node", "precondition", "Resolution"]
+__all__ = ["precondition", "Resolution", "published"]
 
 
-def resolve_node(executor, node: OpNode) -> LinearOp:
-    """The numbers of ``node``; operands through ``executor.resolve`` (memoized there)."""
-    return node.resolve(Resolution(executor))
+def published(state, statistic: Statistic) -> LinearOp | None:
+    """Where the sink of a statistic's job left its numbers in the run ``state``
+    (:mod:`gradalg.exec.sinks`), or None: a K-FAC basis awaiting its EK-FAC correction in
+    ``state.kron``, every other statistic as its operator in ``state.ops``."""
+    token = statistic.node.token
+    if statistic.job == "kfac" and getattr(statistic.node, "eigen_correction", False):
+        return state.kron.get(token)
+    return state.ops.get(token)
 
 
 class Resolution:
@@ -39,54 +43,26 @@ class Resolution:
         return self.executor.resolve(op)
 
     def accumulate(self, statistic: Statistic, *prior: LinearOp) -> LinearOp:
-        """The statistic's numbers, accumulated over its rows on the pull path (a pass of
-        the plan that computed them left them where ``executor.resolve`` finds them)."""
-        if statistic.job not in _ACCUMULATE:
-            raise OperatorError(f"{statistic.node.label} asks for a statistic of job kind {statistic.job!r}; the "
-                            f"executors accumulate {sorted(_ACCUMULATE)}: return one of those from its statistics(), "
-                            "or read the rows in resolve(ctx) with ctx.rows(grads)")
-        return _ACCUMULATE[statistic.job](self.executor, statistic, *prior)
+        """The statistic's numbers, from the pass of a plan that computed them; for an
+        operator resolved outside such a plan (``executor.resolve(op)`` on its own), the
+        executor plans and runs its statistics' passes now
+        (:meth:`~gradalg.exec.base.Executor.run_statistics`: estimated, placed by the shard
+        strategy and run like any pass). ``prior`` (the statistics of ``statistic.after``)
+        were computed by the same plan."""
+        found = published(self.executor.state, statistic)
+        if found is None:
+            self.executor.run_statistics(statistic.node)
+            found = published(self.executor.state, statistic)
+        if found is None:
+            raise PlanError(f"the plan of {statistic.node.label} did not compute its {statistic.job!r} statistic "
+                            "(a planner bug: report it)")
+        return found
 
     def rows(self, grads):
         return lambda: (chunk.blocks for chunk in self.executor.iter_chunks(grads))
 
     def products(self, task, data, layers, kind):
         return dataset_matvec(task, data, layers, kind=kind, batch_size=self.options.batch_size)
-
-
-def _fisher(executor, statistic: Statistic) -> LinearOp:
-    budget = resolve_budget(executor.options)    # the pull path runs without a plan
-    try:
-        acc = FisherAccumulator(statistic.node, budget.bytes)
-    except MemoryBudgetError as err:
-        err.args = (with_note(err, budget), *err.args[1:])
-        raise
-    return _run(acc, executor.iter_chunks(statistic.rows))
-
-
-def _kfac(executor, statistic: Statistic) -> LinearOp:
-    """K-FAC's eigenbasis: the one a pass left awaiting its EK-FAC correction, else accumulated."""
-    node, o = statistic.node, executor.options
-    kfac = executor.state.kron.get(node.token)
-    if kfac is not None:
-        return kfac
-    acc = KronAccumulator(node, o.token_block, o.kron_float64_width, o.kron_float32_rtol, o.kron_diagonal_width)
-    return _run(acc, executor.iter_chunks(statistic.rows))      # covariance_max_examples
-
-
-def _ekfac(executor, statistic: Statistic, kfac: LinearOp) -> LinearOp:
-    acc = EKFACAccumulator(statistic.node, kfac, executor.options.token_block)
-    return _run(acc, executor.iter_chunks(statistic.rows))      # lambda_max_examples
-
-
-def _run(acc, chunks) -> LinearOp:
-    for chunk in chunks:
-        acc.update(chunk)
-    return acc.finish()
-
-
-#: the accumulation of each statistics job kind on the pull path
-_ACCUMULATE = {"fisher": _fisher, "kfac": _kfac, "ekfac": _ekfac}
 
 
 def precondition(resolved: LinearOp, held: Chunk, space, *, consume: bool = False) -> Chunk:

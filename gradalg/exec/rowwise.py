@@ -16,7 +16,7 @@ from .lowrank import truncate_chunk
 from .per_token import split_tokens
 
 __all__ = ["apply_rowwise", "derive_rows", "RowContext", "dtype_device", "scale_rows", "adam_block",
-           "fuses_blocks", "project_blockwise"]
+           "project_blockwise"]
 
 
 def dtype_device(value):
@@ -43,7 +43,7 @@ def derive_rows(executor, node, chunks_of, have) -> Iterator[Chunk]:
     the chunks of a node ``x``: a projection of Adam-preconditioned rows whose input rows
     are not in ``have`` (tokens of rows already made) is computed a block at a time from
     the rows below them (:func:`project_blockwise`), any other node chunk by chunk."""
-    if fuses_blocks(node) and node.grads.token not in have:
+    if isinstance(node, Project) and isinstance(node.grads, AdamPrecondition) and node.grads.token not in have:
         return (project_blockwise(executor, node, c) for c in chunks_of(node.grads.grads))
     return (apply_rowwise(executor, node, c) for c in chunks_of(node.grads))
 
@@ -75,21 +75,6 @@ class RowContext:
         return scale_rows(value, w)
 
 
-def _check_dense_matrix(p, dim: int, options) -> None:
-    """A dense projection keeps a (k, dim) float64 matrix on the CPU (``proj.matrices``):
-    refuse one over the memory budget (k = 512 on a 3 M-coordinate GPT-2 would be 13 GB)."""
-    need = p.k * dim * 8
-    from ..plan.budget import refusal_note, resolve_budget
-    budget = resolve_budget(options)    # the matrix is kept in the CPU's memory
-    if need > budget.bytes:
-        from ..errors import MemoryBudgetError
-        raise MemoryBudgetError(
-            f"a dense {p.kind} projection of {dim:,} coordinates to k={p.k} keeps a {need / 2**30:.1f} GiB "
-            f"matrix, over the memory budget of {budget.bytes / 2**30:.1f} GiB: use a projection without a dense "
-            f"matrix (ga.proj.sparse({p.k}), ga.proj.grass(k), ga.proj.kron(k)), fewer layers, or raise "
-            f"ga.options(memory_budget=...). {refusal_note(budget, need)}")
-
-
 def _row_weights(weights, chunk: Chunk) -> torch.Tensor:
     if not isinstance(weights, RowWeights):
         return torch.full((chunk.n,), float(weights), dtype=torch.float64)
@@ -113,12 +98,6 @@ def adam_block(state, value, coords: slice) -> torch.Tensor:
     return state.direction(value, coords)
 
 
-def fuses_blocks(node) -> bool:
-    """Whether ``node`` is a projection of Adam-preconditioned rows, which
-    :func:`project_blockwise` computes one block at a time from the unpreconditioned chunk."""
-    return isinstance(node, Project) and isinstance(node.grads, AdamPrecondition)
-
-
 def project_blockwise(executor, node: Project, chunk: Chunk) -> Chunk:
     """``P(G.adam(state))`` from a chunk of ``G``, one block at a time: each block's rows
     are materialized (from factors), preconditioned and projected, then dropped, so a
@@ -137,8 +116,6 @@ def _project(executor, node: Project, chunk: Chunk, values=None) -> dict:
     blocks' values in space order, made one at a time (:func:`project_blockwise`)."""
     p = node.projector
     src_space = node.grads.space
-    if p.kind in ("gaussian", "rademacher"):
-        _check_dense_matrix(p, src_space.dim, executor.options)
     values = values if values is not None else (chunk.blocks[b.name] for b in src_space.blocks)
     out = {}
     combined = None

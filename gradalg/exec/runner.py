@@ -14,7 +14,8 @@ For each :class:`~gradalg.plan.planner.Pass` the runner
    and records the pass's measured time and memory (``executor.pass_stats``).
 
 A shard strategy (:class:`ShardStrategy`) says where each pass runs (``place``, when the
-plan is made), runs a sharded pass (``run_shards(runner, step, sinks) -> dict``: results it
+plan is made, recorded as a ``PLACEMENT`` :class:`~gradalg.plan.decisions.Decision` with
+both places' estimates: :meth:`ShardStrategy.placement`), runs a sharded pass (``run_shards(runner, step, sinks) -> dict``: results it
 finished itself, by sink index) and describes it (``describe_pass``). The runner decides
 nothing: kernels, storage, normalization, batch sizes and placement are the plan's.
 
@@ -32,6 +33,7 @@ from typing import Iterator
 from ..data import batch_size_of, move_batch
 from ..errors import NonFiniteGradientError, NonFiniteWeightError
 from ..expr import GradNode, Source
+from ..plan.decisions import Decision, DecisionKind
 from ..plan.planner import ROW_WISE, Pass, Plan, PlanError, stream_root
 from .allocator import ResidentGuard, peak_resident_bytes, release_free_memory, resident_bytes
 from .capture_pass import PassCapture, eval_mode, model_device_dtype
@@ -64,13 +66,37 @@ class ShardStrategy:
     """How an executor maps a pass's shards and gathers their results; this base runs
     every pass whole in this process (:class:`InProcess`). ``keeps_held_rows``: sinks are
     opened again per shard, so a score's raw held rows are kept, not released as they
-    are preconditioned."""
+    are preconditioned. ``here`` and ``spread`` name the two places a pass can run (whole
+    in this process, or on shards; ``spread`` None: a strategy that never shards)."""
 
     keeps_held_rows = False
+    here = "in this process"
+    spread: str | None = "on shards"
 
     def place(self, step: Pass) -> Placement:
         """Where ``step`` runs (decided when the plan is made, recorded in ``plan.placement``)."""
         return HERE
+
+    def ways(self) -> int:
+        """Shards that run at once (a sharded pass's estimate is the pass's divided by it)."""
+        return 1
+
+    def placement(self, index: int, step: Pass) -> tuple[Placement, Decision | None]:
+        """Where pass ``index`` runs (:meth:`place`, asked once) and the ``PLACEMENT``
+        decision recording it: subject ``(index, *step.key)``, chosen :attr:`here` or
+        :attr:`spread`, the alternatives the pass's estimated seconds here and divided by
+        :meth:`ways` on shards (transfers not costed), the reason :meth:`place`'s (and its
+        refusal). None for a strategy that never shards (nothing to choose)."""
+        where = self.place(step)
+        if self.spread is None:
+            return where, None
+        ways = self.ways()
+        reason = where.reason + (f"; refused: {where.refusal}" if where.refusal is not None else "")
+        return where, Decision(
+            DecisionKind.PLACEMENT, (index, *step.key), self.spread if where.sharded else self.here,
+            {self.here: step.seconds, self.spread: step.seconds / ways},
+            f"{reason} (on shards: the pass's estimate over {ways} shard(s) at once; transfers not costed)",
+            label=f"pass {index + 1} ({step.label})")
 
     def run_shards(self, runner: "PassRunner", step: Pass, sinks: list[Sink]) -> dict:
         """Feed every sink every example of a pass placed on shards; returns the results
@@ -99,6 +125,8 @@ class ShardStrategy:
 
 class InProcess(ShardStrategy):
     """The shard strategy of one process: the whole pass here, as one shard."""
+
+    spread = None
 
 
 def pass_sources(step: Pass) -> list[Source]:

@@ -196,8 +196,9 @@ class DataInf(OpNode):
         return Labels({"implicit", "approximate-inverse"})
 
     def statistics(self):
-        """No job of its own: it reads its rows each time it is applied."""
-        return (Statistic(None, self, self.grads),)
+        """It reads its rows when applied: to a score's held rows in a planned pass
+        (``"apply"``: :class:`~gradalg.plan.jobs.apply.ApplyJob`), elsewhere by itself."""
+        return (Statistic("apply", self, self.grads),)
 
     def resolve(self, ctx):
         return DataInfOp(self.space, ctx.rows(self.grads), self.damping)

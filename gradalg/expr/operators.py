@@ -48,8 +48,9 @@ class Statistic:
     """A statistic an operator needs before it resolves: the plan's job of kind ``job``
     (``"fisher"``, ``"kfac"``, ``"ekfac"``: :mod:`gradalg.plan.jobs`) accumulates it for
     ``node`` over the rows ``rows``, after the statistics ``after``. ``job=None``: no job
-    of its own, the operator reads ``rows`` itself when applied (DataInf), so only the
-    statistics those rows need must be ready."""
+    of its own, the operator reads ``rows`` itself when applied, so only the statistics
+    those rows need must be ready; ``job="apply"``: the same, except that applied to a
+    score's held rows that read is a job of the plan (DataInf: :mod:`gradalg.plan.jobs.apply`)."""
 
     job: str | None
     node: "OpNode"

@@ -8,17 +8,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..expr import GradNode, GroupMean, Identity, Inner, OpNode, ScoreDiagonal
+from ..errors import MemoryBudgetError
+from ..expr import GradNode, GroupMean, Identity, Inner, OpNode, Project, ScoreDiagonal
 from .choices import Choices
+from .cost import _si
 from .decisions import Decision, DecisionKind
 from .facts import Facts
 from .lower import ROW_WISE, STATISTICS_JOBS, Lowered, chain_ops, pass_key, stream_root
 from .jobs import CollectJob, DiagJob, GroupJob, Job, ScoresJob, TopKJob
 from .memory import projection_map_decisions, rows_bytes
+from .jobs import ApplyJob, held_application
 from .rules import PlanError
 from .blocks import as_captured, held_storage, kernels, low_rank_decision, storage, storage_decision
 
-__all__ = ["JobGraph", "decide", "kernel_fields"]
+__all__ = ["JobGraph", "decide", "kernel_fields", "refuse_dense_projections"]
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,7 @@ class _Graph:
         deps = self.stream_deps(statistic.rows)
         for before in statistic.after:
             deps |= self.statistic_deps(before)
-        if statistic.job is None:
+        if statistic.job in (None, "apply"):     # read by the operator when applied (a held side's: ApplyJob)
             return deps
         if statistic.job not in STATISTICS_JOBS:
             raise PlanError(f"{statistic.node.label} asks for a statistic of job kind {statistic.job!r}; the planner "
@@ -126,8 +129,19 @@ class _Graph:
             ready = self.stream_deps(held)
         else:
             ready = {self.add(CollectJob(held, (held,), self.stream_deps(held), storage=kept))}
+        ready |= self.apply_job(node, held, ready)
         return ScoresJob(node, (streamed,), ready | self.op_deps(node.op) | self.stream_deps(streamed),
                          held=held, transposed=transposed, held_storage=kept, kernels=chosen, **self.fields)
+
+    def apply_job(self, node: Inner, held: GradNode, ready: set) -> set:
+        """``{key}`` of the :class:`~gradalg.plan.jobs.apply.ApplyJob` that applies
+        ``node.op`` to the held rows in a pass over the operator's rows, when the operator
+        reads its rows when applied (``Statistic("apply", ...)``: DataInf); else empty."""
+        statistic = held_application(node.op)
+        if statistic is None:
+            return set()
+        deps = ready | self.stream_deps(statistic.rows)
+        return {self.add(ApplyJob(node, (statistic.rows,), deps, held=held))}
 
     def topk_job(self, lowered: Lowered) -> list[tuple]:
         """One :class:`TopKJob` for the whole score expression: its terms' score blocks are
@@ -186,8 +200,32 @@ def _roots(g: _Graph, lowered: Lowered) -> list:
     return sorted(g.op_deps(root))
 
 
+def refuse_dense_projections(root, budget: float) -> None:
+    """Refuse a dense projection (``gaussian``, ``rademacher``) of ``root`` whose matrix is
+    over the memory budget: it keeps a (k, dim) float64 matrix in the CPU's memory
+    (:mod:`gradalg.proj.matrices`), k·dim·8 bytes against ``budget`` bytes (k = 512
+    on a 3 M-coordinate GPT-2 would be 13 GB). The :class:`~gradalg.errors.MemoryBudgetError`
+    names the matrix, the budget and the projections without a dense matrix; its ``needed``
+    (bytes) lets :func:`~gradalg.plan.planner.plan` say which budget would fit."""
+    for x in root.walk():
+        if not (isinstance(x, Project) and x.projector.kind in ("gaussian", "rademacher")):
+            continue
+        p, dim = x.projector, x.grads.space.dim
+        need = p.k * dim * 8
+        if need > budget:
+            err = MemoryBudgetError(
+                f"a dense {p.kind} projection of {dim:,} coordinates to k={p.k} keeps a {_si(need)}B "
+                f"matrix, over the memory budget of {_si(budget)}B: use a projection without a dense "
+                f"matrix (ga.proj.sparse({p.k}), ga.proj.grass({p.k}), ga.proj.kron({p.k})), fewer layers, or "
+                f"raise ga.options(memory_budget=...)")
+            err.needed = need
+            raise err
+
+
 def decide(lowered: Lowered, facts: Facts, choices: Choices | None = None) -> JobGraph:
-    """The :class:`JobGraph` of ``lowered`` under ``facts`` (``choices`` forces the held side)."""
+    """The :class:`JobGraph` of ``lowered`` under ``facts`` (``choices`` forces the held side);
+    a dense projection over the memory budget is refused here (:func:`refuse_dense_projections`)."""
+    refuse_dense_projections(lowered.root, facts.options.memory_budget)
     g = _Graph(facts, choices or Choices())
     roots = _roots(g, lowered)
     g.decisions.extend(projection_map_decisions(lowered.root, facts.options))

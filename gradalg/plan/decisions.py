@@ -4,7 +4,8 @@ A :class:`Decision` is one choice the planner made, with every alternative it we
 
     kind          DecisionKind: which question (held side, kernel per block, ...)
     subject       what it is about: a node's token (``inner-38a5…``), a projector's token,
-                  or a pass key (a tuple) for a pass's batch size
+                  a pass key (a tuple) for a pass's batch size, or ``(index, *pass key)``
+                  for where a pass runs
     block         the parameter block it is about (a kernel, a Kronecker factor), or None
     chosen        the winner, as the plan shows it ("ghost", "store", "left (query) rows")
     alternatives  {name: estimated seconds (a float) or a description (a str)}, the
@@ -46,6 +47,7 @@ class DecisionKind(enum.Enum):
     KRON_PRECISION = "precision of the Kronecker factors of block {block}"   # float32 or float64
     KRON_DIAGONAL = "structure of the Kronecker factors of block {block}"    # diagonal or dense
     PROJECTION_MAP = "projection map {label}"                   # dense, sparse JL or TensorSketch
+    PLACEMENT = "where {label} runs"                            # here (client, every rank) or on shards
 
     @classmethod
     def coerce(cls, kind) -> "DecisionKind":

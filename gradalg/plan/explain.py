@@ -148,7 +148,16 @@ class Explain:
         kind, subject, block, chosen, alternatives, reason), with ``what`` its title as the
         displays show it (blocks named by module path, kind and shape)."""
         nodes = self._nodes()
-        return [{**d.to_dict(), "what": decision_title(d, nodes)} for d in self.plan.decisions]
+        return [{**d.to_dict(), "what": decision_title(d, nodes)} for d in self._all_decisions()]
+
+    def _all_decisions(self) -> list[Decision]:
+        """The plan's decisions; for a plan made without an executor, shown with one
+        (``explain(executor=...)``), where its strategy would place each pass."""
+        shards = getattr(self.executor, "shards", None)
+        if self.plan.placement or not hasattr(shards, "placement"):
+            return list(self.plan.decisions)
+        placed = (shards.placement(i, step)[1] for i, step in enumerate(self.plan.passes))
+        return [*self.plan.decisions, *(d for d in placed if d is not None)]
 
     def passes(self) -> list[dict]:
         out = []

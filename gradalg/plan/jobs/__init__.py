@@ -16,8 +16,10 @@ ScoresJob      the streamed side; the held side (collected)     (n_left, n_right
 TopKJob        its terms' streamed sides; their held sides      (n_query, k) best scores
                                                                 and training positions
 DiagJob        both sides in lockstep (or one, the other held)  (n,) self-scores
+ApplyJob       an operator's rows, once (DataInf)               H⁻¹ (a score's held rows)
 =============  ==============================================  ========================
 """
+from .apply import AppliedSums, ApplyJob, applied, held_application
 from .base import JOB_TYPES, Accumulator, Job, job_type
 from .fisher import FisherAccumulator, FisherJob
 from .kron import EKFACAccumulator, EKFACJob, KFACJob, KronAccumulator, KronStatisticsJob
@@ -28,4 +30,4 @@ from .topk import TopK, TopKAccumulator, TopKJob, select_topk
 __all__ = ["Job", "Accumulator", "JOB_TYPES", "job_type", "RowsJob", "CollectJob", "StoreJob", "GroupJob",
            "FisherJob", "KronStatisticsJob", "KFACJob", "EKFACJob", "ScoresJob", "DiagJob", "TopK", "TopKJob",
            "blockwise_preconditioner", "Collector", "GroupAccumulator", "FisherAccumulator", "KronAccumulator",
-           "EKFACAccumulator", "ScoreAccumulator", "DiagAccumulator", "TopKAccumulator", "select_topk"]
+           "EKFACAccumulator", "ScoreAccumulator", "DiagAccumulator", "TopKAccumulator", "select_topk", "ApplyJob", "AppliedSums", "applied", "held_application"]

@@ -77,7 +77,9 @@ class ScoresJob(Job):
 
     def once_cost(self, elem, storage_of=None, options=None, resolved=None) -> Cost:
         """Held factored blocks a dense kernel reads materialized once, the operator
-        resolved (unless ``resolved`` before) and applied to the held rows."""
+        resolved (unless ``resolved`` before) and applied to the held rows (unless a planned
+        apply job did: ``("applied", op token, held token)`` in ``resolved``,
+        :class:`~gradalg.plan.jobs.apply.ApplyJob`)."""
         held, once = self.held, Cost()
         held_layout = storage_of(held) if storage_of is not None else {}
         P_h = positions(held)
@@ -85,6 +87,8 @@ class ScoresJob(Job):
             if self.kernels.get(b.name) != "ghost" and held_layout.get(b.name) == "factors" and len(b.shape) == 2:
                 once = once + materialize_cost(held.n, P_h[b.name], b.shape[1], b.shape[0], elem)
         op = self.target.op
+        if resolved is not None and ("applied", op.token, held.token) in resolved:
+            return once + resolve_once(op, resolved)
         return once + resolve_once(op, resolved) + apply_cost(op, held.space, held.n, elem, options)
 
     # ------------------------------------------------------------------ memory

@@ -1,0 +1,123 @@
+"""The apply job: an operator known only by a closed form over training rows (DataInf's
+inverse, :class:`~gradalg.expr.DataInf`) applied to a score's held rows in a planned pass
+over its own rows, with its accumulator.
+
+The operator says so with ``Statistic("apply", op, rows)``: applying it to held rows
+reads ``rows`` once. The decide stage plans that read as an :class:`ApplyJob` in a pass
+over ``rows``, after the held rows are collected and before the scores job that
+preconditions them; the executor then finds the preconditioned rows ready
+(:func:`applied`, :meth:`~gradalg.exec.base.Executor.precondition_held`). Elsewhere (a
+row-wise chain, a self-score) the operator still reads its rows itself when applied.
+
+class       reads                        produces
+ApplyJob    the operator's rows, once    H⁻¹ (held rows): (m, dim), for the scores job
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ...capture.chunks import concat_chunks, flatten
+from ..cost import Cost, fisher_cost, gemm_cost
+from ..estimates import _factored, _flat
+from ..memory import positions
+from ..shapes import element_size
+from .base import Job
+
+__all__ = ["ApplyJob", "AppliedSums", "held_application", "applied"]
+
+
+def held_application(op):
+    """The ``"apply"`` statistic of ``op`` itself (its rows are read when it is applied to
+    held rows, by a planned :class:`ApplyJob`), or None."""
+    return next((s for s in op.statistics() if s.job == "apply" and s.node is op), None)
+
+
+@dataclass(eq=False, frozen=True)
+class ApplyJob(Job):
+    """The operator of the score ``target`` (an :class:`~gradalg.expr.Inner`) applied to
+    its held rows ``held`` (m of them) while its rows ``streams[0]`` (n) are read: per chunk
+    of c rows and block b, two GEMMs (m, c, d_b) (DataInf's sums,
+    :class:`~gradalg.linalg.datainf.DataInfSums`). Keyed by the score: each held side
+    gets its own application."""
+
+    kind: ClassVar[str] = "apply"
+    output: ClassVar[str] = "rows"
+    phase: ClassVar[str] = "statistics"
+    ops_per_block: ClassVar[int] = 6
+    per_row_set: ClassVar[bool] = True
+
+    def describe(self) -> str:
+        return f"apply {self.target.op.label} to the held rows {self.held.label!r} ({self.held.n:,} rows)"
+
+    def chunk_cost(self, node, c, layout, elem) -> Cost:
+        """The chunk's rows made flat, their squared norms, and two GEMMs (m, c, d_b) per block."""
+        T, factored = positions(node), _factored(node, layout)
+        flat = sum((_flat(b, c, T, factored, elem) for b in node.space.blocks), Cost())
+        flat = flat + fisher_cost(c, [b.dim for b in node.space.blocks], "diag")
+        return sum((gemm_cost(self.held.n, c, b.dim, 2, elem) for b in node.space.blocks), flat)
+
+    def once_cost(self, elem, storage_of=None, options=None, resolved=None) -> Cost:
+        """None of its own; the scores job it serves then does not count the application
+        again (``("applied", op token, held token)`` added to ``resolved``)."""
+        if resolved is not None:
+            resolved.add(("applied", self.target.op.token, self.held.token))
+        return Cost()
+
+    def example_bytes(self, dtype) -> float:
+        return self.streams[0].space.dim * element_size(dtype)      # the rows made flat
+
+    def fixed_bytes(self, dtype) -> float:
+        """The held rows flat and the sums: m·dim·2·elem."""
+        return self.held.n * self.held.space.dim * 2.0 * element_size(dtype)
+
+    def output_bytes(self, n: int) -> float:
+        return 8.0 * self.held.n * self.held.space.dim
+
+    # ------------------------------------------------------------------ running
+    def accumulator(self, ctx) -> "AppliedSums":
+        """The resolved operator's sums of its application to the held rows
+        (``resolved.sums(q)``; no data read: its rows are a lazy stream)."""
+        resolved = ctx.resolve(self.target.op)
+        q = flatten(concat_chunks(ctx.state.rows[self.held.token]), self.held.space)      # (m, dim)
+        return AppliedSums(resolved.sums(q), resolved.coef, q)
+
+    def feed(self, acc, chunks, state) -> None:
+        for chunk in chunks[0]:
+            acc.update(chunk.blocks)
+
+    def publish(self, result, state) -> None:
+        q, applied_rows = result
+        state.results[self.key] = (self.target.op.token, q, applied_rows)
+
+
+class AppliedSums:
+    """The sums of an operator applied to held rows ``q`` (m, dim), fed the operator's rows
+    chunk by chunk; ``finish()`` gives ``(q, coef · sums)``, the held rows and H⁻¹q."""
+
+    def __init__(self, sums, coef: float, q):
+        self.sums, self.coef, self.q = sums, coef, q
+
+    def update(self, blocks) -> None:
+        self.sums.update(blocks)
+
+    def export(self):
+        return self.sums.export()
+
+    def absorb(self, part) -> None:
+        self.sums.absorb(part)
+
+    def finish(self):
+        return self.q, self.coef * self.sums.finish()
+
+
+def applied(state, op, q):
+    """The rows ``op`` (a node) applied to ``q`` (m, dim) that a planned :class:`ApplyJob`
+    left in ``state``, or None: its held rows must equal ``q`` exactly (same shape, dtype
+    and values)."""
+    for key, value in state.results.items():
+        if key[0] == ApplyJob.kind and value[0] == op.token:
+            _, held, result = value
+            if held.shape == q.shape and held.dtype == q.dtype and bool((held == q).all()):
+                return result
+    return None
