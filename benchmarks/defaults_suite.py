@@ -69,9 +69,9 @@ MEAN_01 = DampingRule("mean", 0.1)
 CANDIDATES = {
     "influence": [
         ("defaults (curvature='auto')", {}, "defaults (curvature='auto')"),
+        ("damping='auto'", dict(damping="auto"), None),
         ("EK-FAC", dict(curvature="ekfac"), "EK-FAC"),
         ("K-FAC", dict(curvature="kfac"), "K-FAC"),
-        ("damping='auto'", dict(damping="auto"), None),
         ("EK-FAC, damping='auto'", dict(curvature="ekfac", damping="auto"), None),
         ("K-FAC, damping='auto'", dict(curvature="kfac", damping="auto"), None),
         ("damping=mean 0.1", dict(damping=MEAN_01), None),
@@ -384,11 +384,14 @@ def table(method: str, settings=SETTINGS) -> tuple[dict, list[str]]:
 
 
 def choose(method: str, by: dict, settings) -> tuple[str | None, dict]:
-    """Issue 31's rule on the settings where every candidate has a number: among candidates
+    """Issue 31's rule on ``settings`` (those where the previous default has a number; a
+    candidate without a number on one of them is not eligible): among candidates
     never worse than the previous default by more than its interval's lower half-width
     (LDS − low) on any setting, the best worst case, then the best mean. A refused
     candidate (skipped) on a setting counts as −1 there. Returns (choice, summary per candidate)."""
     previous = PREVIOUS_DEFAULT[method]
+    if not settings:
+        return None, {}
     summary = {}
     for label, rows in by.items():
         values = {}
@@ -417,18 +420,20 @@ def choose(method: str, by: dict, settings) -> tuple[str | None, dict]:
     return eligible[0][2], summary
 
 
-def report(methods, settings=SETTINGS) -> str:
+def report(methods, settings=SETTINGS, compact: bool = False) -> str:
+    """Per method: candidate × setting (LDS [95 % interval]; ``compact``: LDS only), worst,
+    mean, cost range, and the candidate ``choose`` picks marked."""
     lines = []
     for method in methods:
         by, _ = table(method, settings)
         if not by:
             continue
         present = [s for s in settings if any(s in rows for rows in by.values())]
-        complete = [s for s in present if all(s in by.get(c, {}) and ("lds" in by[c][s] or "skipped" in by[c][s])
-                                              for c, _, _ in CANDIDATES[method] if c in by)]
+        previous = by.get(PREVIOUS_DEFAULT[method], {})
+        complete = [s for s in present if "lds" in previous.get(s, {})]
         choice, summary = choose(method, by, complete)
-        lines += [f"\n**{method}** (previous default: {PREVIOUS_DEFAULT[method]}; worst / mean over "
-                  f"{len(complete)} settings with every candidate: {', '.join(complete)})\n",
+        lines += [f"\n**{method}** (previous default: {PREVIOUS_DEFAULT[method]}; worst / mean over the "
+                  f"{len(complete)} settings where it has an LDS: {', '.join(complete)}; blank: not run)\n",
                   "| candidate | " + " | ".join(present) + " | worst | mean | cost (× fwd+bwd, range) |",
                   "|---|" + "---:|" * (len(present) + 3)]
         for label, _, _ in CANDIDATES[method]:
@@ -443,7 +448,7 @@ def report(methods, settings=SETTINGS) -> str:
                 elif "skipped" in r:
                     cells.append("refused")
                 elif "lds" in r:
-                    cells.append(f"{r['lds']:.3f} [{r['low']:.3f}, {r['high']:.3f}]")
+                    cells.append(f"{r['lds']:.3f}" if compact else f"{r['lds']:.3f} [{r['low']:.3f}, {r['high']:.3f}]")
                 else:
                     cells.append("(scored)")
                 if r is not None and "cost" in r:
@@ -463,10 +468,11 @@ def main(argv=None):
     ap.add_argument("--methods", default=",".join(CANDIDATES))
     ap.add_argument("--lds", action="store_true", help="only the LDS of rows already scored")
     ap.add_argument("--report", action="store_true", help="print the tables and the choices")
+    ap.add_argument("--compact", action="store_true", help="with --report: LDS without intervals")
     args = ap.parse_args(argv)
     names, methods = args.settings.split(","), args.methods.split(",")
     if args.report:
-        print(report(methods, tuple(names)))
+        print(report(methods, tuple(names), args.compact))
         return
     torch.set_num_threads(1)
     ga.options(progress=False)
