@@ -68,10 +68,11 @@ MEAN_01 = DampingRule("mean", 0.1)
 # computes the same scores (shared cache).
 CANDIDATES = {
     "influence": [
-        ("defaults (curvature='auto')", {}, "defaults (curvature='auto')"),
+        # the previous default: relative_damping 1 for the dense Gauss-Newton, 0.1 for (E)K-FAC
+        ("defaults (curvature='auto')", dict(relative_damping="previous"), "defaults (curvature='auto')"),
         ("damping='auto'", dict(damping="auto"), None),
-        ("EK-FAC", dict(curvature="ekfac"), "EK-FAC"),
-        ("K-FAC", dict(curvature="kfac"), "K-FAC"),
+        ("EK-FAC", dict(curvature="ekfac", relative_damping=0.1), "EK-FAC"),
+        ("K-FAC", dict(curvature="kfac", relative_damping=0.1), "K-FAC"),
         ("EK-FAC, damping='auto'", dict(curvature="ekfac", damping="auto"), None),
         ("K-FAC, damping='auto'", dict(curvature="kfac", damping="auto"), None),
         ("damping=mean 0.1", dict(damping=MEAN_01), None),
@@ -147,6 +148,8 @@ class Context:
         m, task, tr, qu, kw = ga.methods, self.task, self.train, self.queries, _kwargs(kwargs)
         if self.layers is not None:
             kw["layers"] = self.layers
+        if kw.get("relative_damping") == "previous":          # influence's default before issue 31
+            kw["relative_damping"] = 1.0 if self.auto == "gauss_newton" else 0.1
         if method in ("influence", "trak", "logra", "grass", "relatif"):
             return lambda: getattr(m, method)(task, tr, qu, **kw)
         tasks, optimizers, lrs = self.snapshots()
