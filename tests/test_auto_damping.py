@@ -196,3 +196,20 @@ def test_trak_and_grass_default_to_auto(setting):
         np.testing.assert_allclose(old, np.asarray(call(damping=None, relative_damping=(
             1.0 if method is ga.methods.trak else 0.1)).compute().values), rtol=1e-12, atol=0)
         assert not np.allclose(old, np.asarray(default.compute().values))
+
+
+def test_relatif_defaults_to_auto_where_h_has_a_spectrum(setting):
+    """Issue 31: RelatIF's default damping is "auto" for an explicit H (same scores as
+    damping="auto", the plan names the rule); an iterative solver keeps the absolute 1e-3."""
+    s = setting
+    call = lambda **kw: ga.methods.relatif(s["task"], s["train"], s["query"], layers=LAYERS, **kw)  # noqa: E731
+    for curvature in ("gauss_newton", "ekfac"):
+        default = call(curvature=curvature)
+        assert "damping='auto'" in repr(default)
+        np.testing.assert_allclose(np.asarray(default.compute().values),
+                                   np.asarray(call(curvature=curvature, damping="auto").compute().values),
+                                   rtol=1e-12, atol=0)
+    cg = call(curvature="gauss_newton", solver="cg")
+    np.testing.assert_allclose(np.asarray(cg.compute().values),
+                               np.asarray(call(curvature="gauss_newton", solver="cg", damping=1e-3).compute().values),
+                               rtol=1e-12, atol=0)
