@@ -65,7 +65,12 @@ def _defaults(method: str, *names) -> str:
     """'defaults (k=512, ...)': the label names the default values it runs with."""
     import inspect
     params = inspect.signature(getattr(ga.methods, method)).parameters
-    return "defaults (" + ", ".join(f"{n}={params[n].default:g}" for n in names) + ")"
+    return "defaults (" + ", ".join(f"{n}={_value(params[n].default)}" for n in names) + ")"
+
+
+def _value(v) -> str:
+    """A default as a label shows it: numbers by :g, anything else (damping="auto") by repr."""
+    return f"{v:g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else repr(v)
 
 
 CONFIG = {

@@ -281,7 +281,12 @@ def defaults(fn, *names) -> str:
     """'defaults (k=512, ...)': the label names the default values it ran with."""
     import inspect
     params = inspect.signature(fn).parameters
-    return "defaults (" + ", ".join(f"{n}={params[n].default:g}" for n in names) + ")"
+    return "defaults (" + ", ".join(f"{n}={label_value(params[n].default)}" for n in names) + ")"
+
+
+def label_value(v) -> str:
+    """A default as a label shows it: numbers by :g, anything else (damping="auto") by repr."""
+    return f"{v:g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else repr(v)
 
 
 class CachedMagic:
