@@ -64,7 +64,8 @@ MEAN_01 = DampingRule("mean", 0.1)
 
 # --------------------------------------------------------------------------- candidates
 # method -> [(label, kwargs, standard row's label or None)]. The first is the previous default,
-# with its values spelled out. ``standard`` names the row of fidelity_text / fidelity_more that
+# with its values spelled out (TRAK's and GraSS's relative rule needs damping=None since their
+# default became "auto"). ``standard`` names the row of fidelity_text / fidelity_more that
 # computes the same scores (shared cache).
 CANDIDATES = {
     "influence": [
@@ -78,9 +79,9 @@ CANDIDATES = {
         ("damping=mean 0.1", dict(damping=MEAN_01), None),
     ],
     "trak": [
-        ("defaults (k=2048, relative_damping=1)", dict(k=2048, relative_damping=1.0),
+        ("defaults (k=2048, relative_damping=1)", dict(k=2048, damping=None, relative_damping=1.0),
          "defaults (k=2048, relative_damping=1)"),
-        ("relative_damping=0.1", dict(k=2048, relative_damping=0.1), None),
+        ("relative_damping=0.1", dict(k=2048, damping=None, relative_damping=0.1), None),
         ("damping='auto'", dict(k=2048, damping="auto"), None),
     ],
     "logra": [
@@ -89,9 +90,9 @@ CANDIDATES = {
         ("damping='auto'", dict(k=4096, damping="auto"), None),
     ],
     "grass": [
-        ("defaults (k=256, relative_damping=0.1)", dict(k=256, relative_damping=0.1),
+        ("defaults (k=256, relative_damping=0.1)", dict(k=256, damping=None, relative_damping=0.1),
          "defaults (k=256, relative_damping=0.1)"),
-        ("relative_damping=1", dict(k=256, relative_damping=1.0), None),
+        ("relative_damping=1", dict(k=256, damping=None, relative_damping=1.0), None),
         ("damping='auto'", dict(k=256, damping="auto"), None),
     ],
     "relatif": [

@@ -336,15 +336,15 @@ def method_rows(p: Prepared):
     if p.protocol == "unrolled" or p.n_query < p.setting.n_query:   # beside MAGIC: the few that place it
         yield "influence", "EK-FAC (default damping)", lambda: m.influence(task, tr, qu, layers=L, curvature="ekfac")
         yield "relatif", "EK-FAC", lambda: m.relatif(task, tr, qu, layers=L, curvature="ekfac")
-        yield "trak", defaults(m.trak, "k", "relative_damping"), lambda: m.trak(task, tr, qu, layers=L)
+        yield "trak", defaults(m.trak, "k", "damping"), lambda: m.trak(task, tr, qu, layers=L)
         yield "logra", defaults(m.logra, "k", "damping"), lambda: m.logra(task, tr, qu, layers=L)
         yield "grad_dot", "", lambda: m.grad_dot(task, tr, qu, layers=L)
         yield magic
         return
     yield "influence", "EK-FAC (default damping)", lambda: m.influence(task, tr, qu, layers=L, curvature="ekfac")
-    yield "trak", defaults(m.trak, "k", "relative_damping"), lambda: m.trak(task, tr, qu, layers=L)
+    yield "trak", defaults(m.trak, "k", "damping"), lambda: m.trak(task, tr, qu, layers=L)
     yield "logra", defaults(m.logra, "k", "damping"), lambda: m.logra(task, tr, qu, layers=L)
-    yield "grass", defaults(m.grass, "k", "relative_damping"), lambda: m.grass(task, tr, qu, layers=L)
+    yield "grass", defaults(m.grass, "k", "damping"), lambda: m.grass(task, tr, qu, layers=L)
     yield "grad_dot", "", lambda: m.grad_dot(task, tr, qu, layers=L)
     yield "influence", "K-FAC", lambda: m.influence(task, tr, qu, layers=L, curvature="kfac")
     # the plain references of TRAK's and GraSS's math: influence in a 2048-d sparse projection

@@ -407,9 +407,9 @@ def method_rows(s: Setting, model, snapshots):
     yield "influence", "defaults (curvature='auto')", lambda: m.influence(task, tr, qu)
     yield "influence", "EK-FAC", lambda: m.influence(task, tr, qu, curvature="ekfac")
     yield "influence", "K-FAC", lambda: m.influence(task, tr, qu, curvature="kfac")
-    yield "trak", _defaults("trak", "k", "relative_damping"), lambda: m.trak(task, tr, qu)
+    yield "trak", _defaults("trak", "k", "damping"), lambda: m.trak(task, tr, qu)
     yield "logra", _defaults("logra", "k", "damping"), lambda: m.logra(task, tr, qu)
-    yield "grass", _defaults("grass", "k", "relative_damping"), lambda: m.grass(task, tr, qu)
+    yield "grass", _defaults("grass", "k", "damping"), lambda: m.grass(task, tr, qu)
     yield "relatif", _defaults("relatif", "damping"), lambda: m.relatif(task, tr, qu)
     yield "tracin", f"defaults, {len(tasks)} Adam checkpoints", lambda: m.tracin(tasks, lrs, tr, qu)
     yield "less", _defaults("less", "k") + f", {len(tasks)} Adam checkpoints", \

@@ -213,3 +213,15 @@ def test_relatif_defaults_to_auto_where_h_has_a_spectrum(setting):
     np.testing.assert_allclose(np.asarray(cg.compute().values),
                                np.asarray(call(curvature="gauss_newton", solver="cg", damping=1e-3).compute().values),
                                rtol=1e-12, atol=0)
+
+
+def test_trak_and_grass_relative_damping_given_is_used(setting):
+    """relative_damping=c given with the default damping is the relative rule (not silently
+    replaced by "auto"): the same scores as damping=None, relative_damping=c."""
+    s = setting
+    for method, extra in ((ga.methods.trak, dict(k=8)), (ga.methods.grass, dict(k=4))):
+        call = lambda **kw: method(s["task"], s["train"], s["query"], layers=LAYERS, **extra, **kw)  # noqa: E731
+        given = np.asarray(call(relative_damping=0.3).compute().values)
+        np.testing.assert_allclose(given, np.asarray(call(damping=None, relative_damping=0.3).compute().values),
+                                   rtol=1e-12, atol=0)
+        assert not np.allclose(given, np.asarray(call().compute().values))

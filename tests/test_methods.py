@@ -200,7 +200,8 @@ def trak_formula(s, P, damping=None, relative=None, mass=None):
             mu = torch.linalg.eigvalsh(Kb).clamp_min(0).flip(0)                               # descending
             lam += [float(mu[int((torch.cumsum(mu, 0) < mass * mu.sum() * (1 - 1e-12)).sum())])] * size
             start += size
-        return phi @ torch.linalg.solve(Phi.T @ Phi + torch.diag(torch.tensor(lam, dtype=F64)), Phi.T) * (1 - p)[None, :]
+        K = Phi.T @ Phi + torch.diag(torch.tensor(lam, dtype=F64))
+        return phi @ torch.linalg.solve(K, Phi.T) * (1 - p)[None, :]
     K = Phi.T @ Phi + damping * torch.eye(M.shape[0], dtype=F64)
     return phi @ torch.linalg.solve(K, Phi.T) * (1 - p)[None, :]
 

@@ -36,7 +36,7 @@ DEFAULT_DAMPING = "auto"
 
 @method('GraSS / FactGraSS: mask then sparse JL projection, influence in k dims (Hu et al. 2025)', cli=True)
 def grass(task: Task, train, queries, *, layers=None, k: int = 256, seed: int = 0, damping=DEFAULT_DAMPING,
-          relative_damping: float = RELATIVE_DAMPING, factored: bool = True) -> Scores:
+          relative_damping: float | None = None, factored: bool = True) -> Scores:
     """(Fact)GraSS influence scores with ``k`` coordinates per layer.
 
     k : coordinates per layer (256). Measured on the GPT-2 (LDS, relative damping 0.1):
@@ -50,11 +50,13 @@ def grass(task: Task, train, queries, *, layers=None, k: int = 256, seed: int = 
         fidelity settings, never worse than the previous default by more than its bootstrap
         interval; ``benchmarks/defaults_suite.py``, docs/fidelity.md): worst / mean 0.256 /
         0.431 against 0.249 / 0.434 for the previous default (relative 0.1) and 0.236 / 0.414
-        for relative 1. ``None``: ``relative_damping`` × the mean eigenvalue of the projected
+        for relative 1. ``None``: ``relative_damping`` (0.1 if not given) × the mean eigenvalue of the projected
         Gauss-Newton matrix, computed with it; a number: an absolute λ; a
         ``ga.linalg.DampingRule``: another rule.
-    relative_damping : c with ``damping=None`` (0.1, the default before issue 31: 1 measured
-        a little higher on a GPT-2, within noise, and lower on held-out logistic regression).
+    relative_damping : c: λ = c × the mean eigenvalue, used when given (instead of the default
+        ``"auto"``) or with ``damping=None`` (then c = 0.1, the default before issue 31: 1
+        measured a little higher on a GPT-2, within noise, and lower on held-out logistic
+        regression).
     factored : FactGraSS (default) or GraSS. At width neither forms a per-example
         gradient of a layer, let alone of the model: FactGraSS masks each layer's factors
         and forms only the (k_out, k_in) ≈ 4k masked gradient, GraSS gathers its mask_k
@@ -66,9 +68,11 @@ def grass(task: Task, train, queries, *, layers=None, k: int = 256, seed: int = 
     C = P(grads(task, train, layers, objective=gauss_newton_objective(task), seed=seed))
     H = fisher(C, structure="block")
     rule = damping_rule(damping, "block")
-    if rule is not None:
+    if relative_damping is not None and (damping is None or damping is DEFAULT_DAMPING):
+        H = H.damp(relative_damping, relative=True)                         # asked for: the relative rule
+    elif rule is not None:
         H = H.damp(rule, note=(f"default: damping='auto', {rule.describe()}, from H's own spectrum (chosen on nine "
                                "fidelity settings)" if damping is DEFAULT_DAMPING else auto_note(damping, rule)))
     else:
-        H = H.damp(relative_damping, relative=True) if damping is None else H.damp(damping)
+        H = H.damp(RELATIVE_DAMPING, relative=True) if damping is None else H.damp(damping)
     return Q @ H.inv() @ G.T

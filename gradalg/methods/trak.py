@@ -55,7 +55,7 @@ def default_projector(k: int, dim: int, seed: int = 0) -> Projector | None:
 
 @method('TRAK: projected output-function gradients, Gauss-Newton kernel, ensembles (Park et al. 2023)', cli=True)
 def trak(tasks: Task | Sequence[Task], train, queries, *, layers=None, projector: Projector | None = None,
-         k: int = K, seed: int = 0, damping=DEFAULT_DAMPING, relative_damping: float = RELATIVE_DAMPING,
+         k: int = K, seed: int = 0, damping=DEFAULT_DAMPING, relative_damping: float | None = None,
          weight_decay: float = 0.0) -> Scores:
     """TRAK scores for one task or an ensemble of tasks (same architecture, other weights).
 
@@ -80,7 +80,7 @@ def trak(tasks: Task | Sequence[Task], train, queries, *, layers=None, projector
         previous default by more than its bootstrap interval): worst / mean 0.218 / 0.453
         against 0.212 / 0.447 for relative 1 × the mean eigenvalue (the previous default) and
         0.195 / 0.385 for 0.1
-        (``benchmarks/defaults_suite.py``). ``None``: λ = ``relative_damping`` × the kernel's
+        (``benchmarks/defaults_suite.py``). ``None``: λ = ``relative_damping`` (1 if not given) × the kernel's
         mean eigenvalue tr(ΦᵀΦ)/k, computed with the kernel — unless ``weight_decay`` is
         given, whose n·wd is then the damping (the training objective's own curvature, as
         measured on digits). A number: an absolute λ; a ``ga.linalg.DampingRule``: another
@@ -88,8 +88,8 @@ def trak(tasks: Task | Sequence[Task], train, queries, *, layers=None, projector
         scale with n, the gradients' size and 1/k), and a tiny one fails when k ≥ n: the
         kernel then has rank ≤ n and φ_q(ΦᵀΦ + λI)⁻¹Φᵀ interpolates (measured in
         docs/fidelity.md: chance-level scores on a 256-sequence LM at k = 512, λ = 1e-6).
-    relative_damping : c of λ = c × mean eigenvalue with ``damping=None`` (1, the default
-        before issue 31).
+    relative_damping : c: λ = c × the kernel's mean eigenvalue, used when given (instead of
+        the default ``"auto"``) or with ``damping=None`` (then c = 1, the default before issue 31).
     weight_decay : the L2 coefficient of the (mean-loss) training objective; it adds
         n·wd to the kernel's damping, the curvature weight decay gives the summed
         objective. Measured on digits logistic regression (docs/fidelity.md, 100
@@ -110,12 +110,14 @@ def trak(tasks: Task | Sequence[Task], train, queries, *, layers=None, projector
         n = Phi.n
         gram = fisher(Phi) * n                                               # ΦᵀΦ
         rule, lam = damping_rule(damping), damping
-        if rule is not None:                                                 # λ from the kernel's spectrum
+        if relative_damping is not None and (damping is None or damping is DEFAULT_DAMPING):
+            gram, lam = gram.damp(relative_damping, relative=True), None           # asked for: the relative rule
+        elif rule is not None:                                                 # λ from the kernel's spectrum
             note = (f"default: damping='auto', {rule.describe()}, from the kernel's own spectrum (chosen on nine "
                     "fidelity settings)" if damping is DEFAULT_DAMPING else auto_note(damping, rule))
             gram, lam = gram.damp(rule, note=note), None
         elif damping is None and not weight_decay:
-            gram = gram.damp(relative_damping, relative=True)
+            gram = gram.damp(RELATIVE_DAMPING, relative=True)
         kernel = gram.damp((lam or 0.0) + n * weight_decay).inv()           # (ΦᵀΦ + λI)⁻¹
         if task.weighted_output is not None:     # Q per token: ΦᵀQ = P ∇ Σ_t (1 − p_t) f_t
             train_side = P(grads(task, train, layers, objective="weighted_output"))
