@@ -65,7 +65,12 @@ def _defaults(method: str, *names) -> str:
     """'defaults (k=512, ...)': the label names the default values it runs with."""
     import inspect
     params = inspect.signature(getattr(ga.methods, method)).parameters
-    return "defaults (" + ", ".join(f"{n}={params[n].default:g}" for n in names) + ")"
+    return "defaults (" + ", ".join(f"{n}={_value(params[n].default)}" for n in names) + ")"
+
+
+def _value(v) -> str:
+    """A default as a label shows it: numbers by :g, anything else (damping="auto") by repr."""
+    return f"{v:g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else repr(v)
 
 
 CONFIG = {
@@ -98,11 +103,11 @@ CONFIG = {
         "EK-FAC, at the subsets' centre": dict(curvature="ekfac", damping=0.0, weight_decay=WD, centre=True),
     },
     # TRAK's kernel is Φᵀ Φ = n·F: the objective's weight decay enters as n·wd
-    "trak": {"1 model, k=2048": dict(k=2048, damping=N_TRAIN * WD), _defaults("trak", "k", "relative_damping"): {},
+    "trak": {"1 model, k=2048": dict(k=2048, damping=N_TRAIN * WD), _defaults("trak", "k", "damping"): {},
              _defaults("trak", "k") + " + weight_decay": dict(weight_decay=WD)},
     "logra": {"EK-FAC, k=256": dict(k=256, damping=WD), _defaults("logra", "k", "damping"): {}},
     "grass": {"FactGraSS, k=256": dict(k=256, damping=WD), "GraSS, k=256": dict(k=256, damping=WD, factored=False),
-              _defaults("grass", "k", "relative_damping"): {}},
+              _defaults("grass", "k", "damping"): {}},
     "less": {"5 Adam checkpoints, k=2048": dict(k=2048)},
     "relatif": {"Gauss-Newton": dict(damping=WD)},
     "trackstar": {"defaults, last of 5 Adam checkpoints": {}},

@@ -282,7 +282,12 @@ def defaults(fn, *names) -> str:
     """'defaults (k=512, ...)': the label names the default values it ran with."""
     import inspect
     params = inspect.signature(fn).parameters
-    return "defaults (" + ", ".join(f"{n}={params[n].default:g}" for n in names) + ")"
+    return "defaults (" + ", ".join(f"{n}={label_value(params[n].default)}" for n in names) + ")"
+
+
+def label_value(v) -> str:
+    """A default as a label shows it: numbers by :g, anything else (damping="auto") by repr."""
+    return f"{v:g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else repr(v)
 
 
 class CachedMagic:
@@ -332,15 +337,15 @@ def method_rows(p: Prepared):
     if p.protocol == "unrolled" or p.n_query < p.setting.n_query:   # beside MAGIC: the few that place it
         yield "influence", "EK-FAC (default damping)", lambda: m.influence(task, tr, qu, layers=L, curvature="ekfac")
         yield "relatif", "EK-FAC", lambda: m.relatif(task, tr, qu, layers=L, curvature="ekfac")
-        yield "trak", defaults(m.trak, "k", "relative_damping"), lambda: m.trak(task, tr, qu, layers=L)
+        yield "trak", defaults(m.trak, "k", "damping"), lambda: m.trak(task, tr, qu, layers=L)
         yield "logra", defaults(m.logra, "k", "damping"), lambda: m.logra(task, tr, qu, layers=L)
         yield "grad_dot", "", lambda: m.grad_dot(task, tr, qu, layers=L)
         yield magic
         return
     yield "influence", "EK-FAC (default damping)", lambda: m.influence(task, tr, qu, layers=L, curvature="ekfac")
-    yield "trak", defaults(m.trak, "k", "relative_damping"), lambda: m.trak(task, tr, qu, layers=L)
+    yield "trak", defaults(m.trak, "k", "damping"), lambda: m.trak(task, tr, qu, layers=L)
     yield "logra", defaults(m.logra, "k", "damping"), lambda: m.logra(task, tr, qu, layers=L)
-    yield "grass", defaults(m.grass, "k", "relative_damping"), lambda: m.grass(task, tr, qu, layers=L)
+    yield "grass", defaults(m.grass, "k", "damping"), lambda: m.grass(task, tr, qu, layers=L)
     yield "grad_dot", "", lambda: m.grad_dot(task, tr, qu, layers=L)
     yield "influence", "K-FAC", lambda: m.influence(task, tr, qu, layers=L, curvature="kfac")
     # the plain references of TRAK's and GraSS's math: influence in a 2048-d sparse projection

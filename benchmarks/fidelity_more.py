@@ -76,7 +76,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gradalg as ga  # noqa: E402
-from fidelity_lm import LMSetting, batch_stream, make_corpus, token_losses  # noqa: E402
+from fidelity_lm import LMSetting, batch_stream, label_value, make_corpus, token_losses  # noqa: E402
 
 BUILD = ROOT / "build" / "fidelity"
 N_SUBSETS, FRACTION, SUBSET_SEED, TRAINING_SEED, SEEDS_PER_SUBSET = 40, 0.5, 0, 0, 3
@@ -394,7 +394,7 @@ NOT_RUN = {"magic": "differentiates a replayable run (ga.unroll.TrainingRun): no
 def _defaults(name: str, *knobs) -> str:
     import inspect
     params = inspect.signature(getattr(ga.methods, name)).parameters
-    return "defaults" + (" (" + ", ".join(f"{k}={params[k].default:g}" for k in knobs) + ")" if knobs else "")
+    return "defaults" + (" (" + ", ".join(f"{k}={label_value(params[k].default)}" for k in knobs) + ")" if knobs else "")
 
 
 def method_rows(s: Setting, model, snapshots):
@@ -408,9 +408,9 @@ def method_rows(s: Setting, model, snapshots):
     yield "influence", "defaults (curvature='auto')", lambda: m.influence(task, tr, qu)
     yield "influence", "EK-FAC", lambda: m.influence(task, tr, qu, curvature="ekfac")
     yield "influence", "K-FAC", lambda: m.influence(task, tr, qu, curvature="kfac")
-    yield "trak", _defaults("trak", "k", "relative_damping"), lambda: m.trak(task, tr, qu)
+    yield "trak", _defaults("trak", "k", "damping"), lambda: m.trak(task, tr, qu)
     yield "logra", _defaults("logra", "k", "damping"), lambda: m.logra(task, tr, qu)
-    yield "grass", _defaults("grass", "k", "relative_damping"), lambda: m.grass(task, tr, qu)
+    yield "grass", _defaults("grass", "k", "damping"), lambda: m.grass(task, tr, qu)
     yield "relatif", _defaults("relatif", "damping"), lambda: m.relatif(task, tr, qu)
     yield "tracin", f"defaults, {len(tasks)} Adam checkpoints", lambda: m.tracin(tasks, lrs, tr, qu)
     yield "less", _defaults("less", "k") + f", {len(tasks)} Adam checkpoints", \

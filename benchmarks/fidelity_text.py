@@ -387,9 +387,9 @@ def method_rows(p: Prepared):
     yield "grad_dot", "defaults", lambda: m.grad_dot(task, tr, qu)
     yield "grad_cos", "defaults", lambda: m.grad_cos(task, tr, qu)
     yield "influence", "defaults (curvature='auto')", lambda: m.influence(task, tr, qu)
-    yield "trak", defaults(m.trak, "k", "relative_damping"), lambda: m.trak(task, tr, qu)
+    yield "trak", defaults(m.trak, "k", "damping"), lambda: m.trak(task, tr, qu)
     yield "logra", defaults(m.logra, "k", "damping"), lambda: m.logra(task, tr, qu)
-    yield "grass", defaults(m.grass, "k", "relative_damping"), lambda: m.grass(task, tr, qu)
+    yield "grass", defaults(m.grass, "k", "damping"), lambda: m.grass(task, tr, qu)
     yield "relatif", defaults(m.relatif, "damping"), lambda: m.relatif(task, tr, qu)
     yield "tracin", "defaults, 3 checkpoints of the Adam run", lambda: m.tracin(
         checkpoints(p)[0], checkpoints(p)[2], tr, qu)

@@ -179,3 +179,49 @@ def test_every_damping_method_takes_auto(setting, method):
     assert "damp(auto: " in repr(S) and "damping='auto'" in repr(S)
     v = np.asarray(S.compute().values)
     assert v.shape == (6, 24) and np.isfinite(v).all()
+
+
+def test_trak_and_grass_default_to_auto(setting):
+    """Issue 31: TRAK's and GraSS's default damping is "auto" (chosen across the nine fidelity
+    settings, docs/fidelity.md); the plan says it is the default; damping=None gives the
+    previous default, relative_damping × the mean eigenvalue."""
+    s = setting
+    for method, extra in ((ga.methods.trak, dict(k=8)), (ga.methods.grass, dict(k=4))):
+        call = lambda **kw: method(s["task"], s["train"], s["query"], layers=LAYERS, **extra, **kw)  # noqa: E731
+        default = call()
+        assert "[default: damping='auto', λ_b = the eigenvalue where the top ones hold 0.95" in repr(default)
+        np.testing.assert_allclose(np.asarray(default.compute().values),
+                                   np.asarray(call(damping="auto").compute().values), rtol=1e-12, atol=0)
+        old = np.asarray(call(damping=None).compute().values)
+        np.testing.assert_allclose(old, np.asarray(call(damping=None, relative_damping=(
+            1.0 if method is ga.methods.trak else 0.1)).compute().values), rtol=1e-12, atol=0)
+        assert not np.allclose(old, np.asarray(default.compute().values))
+
+
+def test_relatif_defaults_to_auto_where_h_has_a_spectrum(setting):
+    """Issue 31: RelatIF's default damping is "auto" for an explicit H (same scores as
+    damping="auto", the plan names the rule); an iterative solver keeps the absolute 1e-3."""
+    s = setting
+    call = lambda **kw: ga.methods.relatif(s["task"], s["train"], s["query"], layers=LAYERS, **kw)  # noqa: E731
+    for curvature in ("gauss_newton", "ekfac"):
+        default = call(curvature=curvature)
+        assert "damping='auto'" in repr(default)
+        np.testing.assert_allclose(np.asarray(default.compute().values),
+                                   np.asarray(call(curvature=curvature, damping="auto").compute().values),
+                                   rtol=1e-12, atol=0)
+    cg = call(curvature="gauss_newton", solver="cg")
+    np.testing.assert_allclose(np.asarray(cg.compute().values),
+                               np.asarray(call(curvature="gauss_newton", solver="cg", damping=1e-3).compute().values),
+                               rtol=1e-12, atol=0)
+
+
+def test_trak_and_grass_relative_damping_given_is_used(setting):
+    """relative_damping=c given with the default damping is the relative rule (not silently
+    replaced by "auto"): the same scores as damping=None, relative_damping=c."""
+    s = setting
+    for method, extra in ((ga.methods.trak, dict(k=8)), (ga.methods.grass, dict(k=4))):
+        call = lambda **kw: method(s["task"], s["train"], s["query"], layers=LAYERS, **extra, **kw)  # noqa: E731
+        given = np.asarray(call(relative_damping=0.3).compute().values)
+        np.testing.assert_allclose(given, np.asarray(call(damping=None, relative_damping=0.3).compute().values),
+                                   rtol=1e-12, atol=0)
+        assert not np.allclose(given, np.asarray(call().compute().values))

@@ -159,9 +159,11 @@ def test_influence_gauss_newton_exact(proj):
 
 
 # ---------------------------------------------------------------------- TRAK
-def trak_formula(s, P, damping=None, relative=None):
+def trak_formula(s, P, damping=None, relative=None, mass=None):
     """φ (ΦᵀΦ + λI)⁻¹ Φᵀ diag(1 − p), Φ = P ∇f(z), φ = P ∇f(q), f the margin log p/(1−p);
-    λ = damping, or relative · tr(ΦᵀΦ)/k (trak's default)."""
+    λ = damping, or relative · tr(ΦᵀΦ)/k (trak's default before issue 31), or with ``mass=q``
+    the eigenvalue μ_(j) of ΦᵀΦ (descending) at the first j whose top eigenvalues hold q of
+    the trace (``damping="auto"``, trak's default)."""
     model, task = s["model"], s["task"]
     names = [f"{layer}.{p}" for layer in LAYERS for p in ("weight", "bias")]
 
@@ -190,6 +192,16 @@ def trak_formula(s, P, damping=None, relative=None):
         p = torch.softmax(model(s["x"]), -1).gather(1, s["y"][:, None]).squeeze(1)
     if relative is not None:
         damping = relative * float(torch.trace(Phi.T @ Phi)) / M.shape[0]
+    if mass is not None:     # per block of the kernel's space: the layers unprojected, one block projected
+        sizes = [b.dim for b in space.blocks] if P is None else [M.shape[0]]
+        lam, start = [], 0
+        for size in sizes:
+            Kb = (Phi.T @ Phi)[start:start + size, start:start + size]
+            mu = torch.linalg.eigvalsh(Kb).clamp_min(0).flip(0)                               # descending
+            lam += [float(mu[int((torch.cumsum(mu, 0) < mass * mu.sum() * (1 - 1e-12)).sum())])] * size
+            start += size
+        K = Phi.T @ Phi + torch.diag(torch.tensor(lam, dtype=F64))
+        return phi @ torch.linalg.solve(K, Phi.T) * (1 - p)[None, :]
     K = Phi.T @ Phi + damping * torch.eye(M.shape[0], dtype=F64)
     return phi @ torch.linalg.solve(K, Phi.T) * (1 - p)[None, :]
 
@@ -198,10 +210,14 @@ def test_trak_one_model():
     s = setup()
     P = ga.proj.gaussian(12, seed=3)
     S = ga.methods.trak(s["task"], s["train"], s["query"], k=12, seed=3)
-    # default damping: RELATIVE_DAMPING × the kernel's mean eigenvalue (was an absolute 1e-6,
-    # which interpolates when k ≥ n: chance-level scores on an LM, docs/fidelity.md)
+    # default damping (issue 31): "auto", λ from the kernel's spectrum (mass 0.95), shown in the plan
+    assert_close(values(S), trak_formula(s, P, mass=0.95), what="TRAK, default damping='auto'", rtol=1e-6, atol=1e-8)
+    assert "[default: damping='auto', λ_b = the eigenvalue where the top ones hold 0.95" in repr(S)
+    # damping=None: RELATIVE_DAMPING × the kernel's mean eigenvalue (the default before; the one
+    # before that, an absolute 1e-6, interpolates when k ≥ n: chance-level scores on an LM)
     import importlib
     relative = importlib.import_module("gradalg.methods.trak").RELATIVE_DAMPING
+    S = ga.methods.trak(s["task"], s["train"], s["query"], k=12, seed=3, damping=None)
     assert_close(values(S), trak_formula(s, P, relative=relative), what="TRAK", rtol=1e-6, atol=1e-8)
     S2 = ga.methods.trak(s["task"], s["train"], s["query"], projector=P, damping=0.1)
     assert_close(values(S2), trak_formula(s, P, 0.1), what="TRAK damped", **TOL)
@@ -225,8 +241,7 @@ def test_trak_default_projection_turns_sparse_past_a_gib_of_matrix(monkeypatch):
         S = ga.methods.trak(s["task"], s["train"], s["query"], k=12, seed=3)
     kinds = {x.projector.kind for x in S.expr.walk() if isinstance(x, Project)}
     assert kinds == {"sparse"}
-    relative = trak_module.RELATIVE_DAMPING
-    assert_close(values(S), trak_formula(s, ga.proj.sparse(12, 3), relative=relative), what="TRAK, sparse default",
+    assert_close(values(S), trak_formula(s, ga.proj.sparse(12, 3), mass=0.95), what="TRAK, sparse default",
                  rtol=1e-6, atol=1e-8)
 
 
@@ -349,8 +364,7 @@ def test_trak_default_k_at_or_above_the_gradient_dimension_projects_nothing():
     assert trak_module.default_projector(dim - 1, dim, 3) == ga.proj.gaussian(dim - 1, 3)
     S = ga.methods.trak(s["task"], s["train"], s["query"], k=dim)
     assert not [x for x in S.expr.walk() if isinstance(x, Project)]
-    assert_close(values(S), trak_formula(s, None, relative=trak_module.RELATIVE_DAMPING), what="TRAK, no projection",
-                 rtol=1e-6, atol=1e-8)
+    assert_close(values(S), trak_formula(s, None, mass=0.95), what="TRAK, no projection", rtol=1e-6, atol=1e-8)
     assert trak_module.K == inspect.signature(ga.methods.trak).parameters["k"].default
 
 
@@ -401,5 +415,4 @@ def test_trak_at_width_takes_a_tensorsketch_past_the_sjlt_table_option():
     P = ga.proj.tensorsketch(12, 3)
     assert {x.projector for x in S.expr.walk() if isinstance(x, Project)} == {P}
     assert d.chosen == "tensorsketch" and "over ga.options(sjlt_table_bytes" in d.reason
-    assert_close(values(S), trak_formula(s, P, relative=trak_module.RELATIVE_DAMPING), what="TRAK, tensorsketch",
-                 rtol=1e-6, atol=1e-8)
+    assert_close(values(S), trak_formula(s, P, mass=0.95), what="TRAK, tensorsketch", rtol=1e-6, atol=1e-8)

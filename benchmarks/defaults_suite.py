@@ -1,0 +1,489 @@
+"""Defaults chosen across the whole fidelity suite: each method's candidate configurations
+on all nine settings, LDS with bootstrap intervals, worst case and mean.
+
+The nine settings and their ground truths are the fidelity scripts' own (imported, never
+copied): ``benchmarks/fidelity.py`` (logreg, mlp), ``benchmarks/fidelity_lm.py`` (lm, lm2,
+``layers=["transformer.h.*"]``), ``benchmarks/fidelity_text.py`` (text, instruct) and
+``benchmarks/fidelity_more.py`` (llama, conv, seqcls). Every candidate is a method called as
+a user would (``method(task, train, queries, **kwargs)``; checkpoint methods on the
+settings' own snapshots), differing from the method's previous default only in
+``CANDIDATES``' keyword arguments, which are explicit values (the rows do not move when a
+default changes). No candidate reads the ground truth.
+
+Two steps, each resumable:
+
+    scores   each (setting, method, candidate)'s scores computed once and cached (the
+             scripts' own caches where they have one: ``build/fidelity/scores-…``, keyed by
+             method and configuration, shared with their rows; a candidate that *is* a
+             standard row uses that row's label), with the wall time of ``compute()`` and of
+             one plain forward + backward over the training set measured in the same process.
+             The row goes to ``build/fidelity/defaults-<setting>.json`` without an LDS. Never
+             retrains a ground truth of the LM / text / more settings.
+    lds      for every row without an LDS whose setting's ground truth is complete in its
+             store: ``ga.eval.lds(scores, truth, target="loss", bootstrap=1000,
+             resample="both")`` (95 % percentile interval over queries and subsets).
+
+``--report`` prints, per method, the table candidate × setting (LDS [interval]) with each
+candidate's worst case and mean over the settings, and the choice by the rule of
+issue 31 (``choose``): the candidate with the best worst case, then the best mean, among
+those no worse than the previous default by more than the previous default's bootstrap
+interval (its lower half-width) on any setting. A method's default changes only when the
+chosen candidate is not the previous default.
+
+    PYTHONPATH=. OMP_NUM_THREADS=1 nice -n 10 python benchmarks/defaults_suite.py --settings logreg,mlp,conv
+    ... --methods influence,trak     # only these methods' candidates
+    ... --lds                        # only the LDS of rows already scored (no training, no scoring)
+    python benchmarks/defaults_suite.py --report [--markdown]
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gradalg as ga  # noqa: E402
+from gradalg.linalg.autodamp import DampingRule  # noqa: E402
+
+BUILD = ROOT / "build" / "fidelity"
+SETTINGS = ("logreg", "mlp", "lm", "lm2", "text", "instruct", "llama", "conv", "seqcls")
+#: settings where influence's / RelatIF's curvature="auto" is EK-FAC (the default layers have more
+#: than ga.options(dense_curvature_dim) = 16,384 coordinates); logreg, mlp and conv get the dense
+#: Gauss-Newton (650 / 2,410 / 3,818 coordinates). Checked at run time (``_auto_curvature``).
+MEAN_01 = DampingRule("mean", 0.1)
+
+# --------------------------------------------------------------------------- candidates
+# method -> [(label, kwargs, standard row's label or None)]. The first is the previous default,
+# with its values spelled out (TRAK's and GraSS's relative rule needs damping=None since their
+# default became "auto"). ``standard`` names the row of fidelity_text / fidelity_more that
+# computes the same scores (shared cache).
+CANDIDATES = {
+    "influence": [
+        # the previous default: relative_damping 1 for the dense Gauss-Newton, 0.1 for (E)K-FAC
+        ("defaults (curvature='auto')", dict(relative_damping="previous"), "defaults (curvature='auto')"),
+        ("damping='auto'", dict(damping="auto"), None),
+        ("EK-FAC", dict(curvature="ekfac", relative_damping=0.1), "EK-FAC"),
+        ("K-FAC", dict(curvature="kfac", relative_damping=0.1), "K-FAC"),
+        ("EK-FAC, damping='auto'", dict(curvature="ekfac", damping="auto"), None),
+        ("K-FAC, damping='auto'", dict(curvature="kfac", damping="auto"), None),
+        ("damping=mean 0.1", dict(damping=MEAN_01), None),
+    ],
+    "trak": [
+        ("defaults (k=2048, relative_damping=1)", dict(k=2048, damping=None, relative_damping=1.0),
+         "defaults (k=2048, relative_damping=1)"),
+        ("relative_damping=0.1", dict(k=2048, damping=None, relative_damping=0.1), None),
+        ("damping='auto'", dict(k=2048, damping="auto"), None),
+    ],
+    "logra": [
+        ("defaults (k=4096, damping=0.001)", dict(k=4096, damping=1e-3), "defaults (k=4096, damping=0.001)"),
+        ("damping=mean 0.1", dict(k=4096, damping=MEAN_01), None),
+        ("damping='auto'", dict(k=4096, damping="auto"), None),
+    ],
+    "grass": [
+        ("defaults (k=256, relative_damping=0.1)", dict(k=256, damping=None, relative_damping=0.1),
+         "defaults (k=256, relative_damping=0.1)"),
+        ("relative_damping=1", dict(k=256, damping=None, relative_damping=1.0), None),
+        ("damping='auto'", dict(k=256, damping="auto"), None),
+    ],
+    "relatif": [
+        ("defaults (damping=0.001)", dict(damping=1e-3), "defaults (damping=0.001)"),
+        ("damping='auto'", dict(damping="auto"), None),
+        ("damping=mean 0.1", dict(damping=MEAN_01), None),
+    ],
+    "trackstar": [
+        ("defaults (k=4096, relative_damping=0.1)", dict(k=4096, relative_damping=0.1),
+         "defaults (k=4096, relative_damping=0.1), final Adam state"),
+        ("damping='auto'", dict(k=4096, damping="auto"), None),
+        ("relative_damping=1", dict(k=4096, relative_damping=1.0), None),
+    ],
+    "less": [
+        ("defaults (k=8192)", dict(k=8192), "defaults (k=8192), 3 Adam checkpoints"),
+        ("sparse k=8192", dict(projector=("sparse", 8192)), "3 Adam checkpoints, sparse k=8192"),
+        ("k=2048", dict(k=2048), None),
+    ],
+}
+PREVIOUS_DEFAULT = {m: rows[0][0] for m, rows in CANDIDATES.items()}
+#: where curvature="auto" is EK-FAC these influence rows are the same computation as another:
+#: scored once, the row copied (its note says so)
+SAME_WHEN_AUTO_IS_EKFAC = {("influence", "EK-FAC"): "defaults (curvature='auto')",
+                           ("influence", "EK-FAC, damping='auto'"): "damping='auto'"}
+
+
+def _kwargs(kwargs: dict) -> dict:
+    out = dict(kwargs)
+    if isinstance(out.get("projector"), tuple):
+        kind, k = out["projector"]
+        out["projector"] = getattr(ga.proj, kind)(k, seed=0)
+    return out
+
+
+# ------------------------------------------------------------------------------ settings
+class Pending(Exception):
+    """The setting's ground truth is not complete in its store yet."""
+
+
+def _never(indices):
+    raise Pending
+
+
+class Context:
+    """One setting: the user's call pieces, the scores cache and the ground truth's store."""
+
+    def __init__(self, name, task, train, queries, n_query, base, layers=None, snapshots=None,
+                 cache=None, truth_spec=None, truth_fn=None):
+        self.name, self.task, self.train, self.queries, self.n_query = name, task, train, queries, n_query
+        self.base, self.layers, self.snapshots = base, layers, snapshots     # snapshots: (tasks, optimizers, lrs)
+        self.cache, self.truth_spec, self.truth_fn = cache, truth_spec, truth_fn
+
+    def thunk(self, method: str, kwargs: dict):
+        m, task, tr, qu, kw = ga.methods, self.task, self.train, self.queries, _kwargs(kwargs)
+        if self.layers is not None:
+            kw["layers"] = self.layers
+        if kw.get("relative_damping") == "previous":          # influence's default before issue 31
+            kw["relative_damping"] = 1.0 if self.auto == "gauss_newton" else 0.1
+        if method in ("influence", "trak", "logra", "grass", "relatif"):
+            return lambda: getattr(m, method)(task, tr, qu, **kw)
+        tasks, optimizers, lrs = self.snapshots()
+        if method == "trackstar":
+            return lambda: m.trackstar(tasks[-1], tr, qu, optimizer=optimizers[-1], **kw)
+        if method == "less":
+            return lambda: m.less(tasks, optimizers, lrs, tr, qu, np.arange(self.n_query), **kw)
+        raise ValueError(method)
+
+
+def _own_cache(key: str):
+    """fidelity_more's cache layout for the settings whose script has none (digits, lm)."""
+    def cache(method, config, thunk, base):
+        path = BUILD / f"scores-{key}" / (re.sub(r"[^\w.=-]+", "_", f"{method}-{config}").strip("_") + ".npz")
+        if path.exists():
+            with np.load(path) as z:
+                return z["values"], float(z["seconds"]), float(z["base"]), str(path)
+        scores = thunk()
+        t0 = time.perf_counter()
+        values = np.asarray(scores.compute().transpose("query", "train").values)
+        seconds = time.perf_counter() - t0
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")
+        np.savez(tmp, values=values, seconds=seconds, base=base)
+        tmp.replace(path)
+        return values, seconds, base, str(path)
+    return cache
+
+
+def digits(name: str) -> Context:
+    import fidelity as F
+    s = F.SETTINGS[name]
+    s.prepare()
+    n_subsets = {"logreg": 100, "mlp": 50}[name]
+    store = F.CACHE / f"{s.name}-n{F.N_TRAIN}-q{F.N_QUERY}-wd{F.WD:g}-tol{s.tol_subset:g}"
+
+    def truth():          # deterministic and cheap: trained here when missing
+        return ga.eval.retrain(s.train_fn, F.N_TRAIN, n_subsets=n_subsets, fraction=F.FRACTION, seed=0,
+                               targets_fn=s.query_losses, target="loss", store=store)
+
+    def snapshots():
+        models, optimizers, lrs = s.trajectory("adam")
+        return [s.task(x) for x in models], optimizers, lrs
+
+    return Context(name, s.task(), s.train, s.queries, F.N_QUERY, F.fwd_bwd_seconds(s), snapshots=snapshots,
+                   cache=_own_cache(f"{name}-n{F.N_TRAIN}-q{F.N_QUERY}-wd{F.WD:g}"),
+                   truth_spec=dict(store=str(store), n_train=F.N_TRAIN, n_subsets=n_subsets, fraction=F.FRACTION,
+                                   seed=0, training_seed=None, seeds_per_subset=1, n_query=F.N_QUERY),
+                   truth_fn=truth)
+
+
+def lm(name: str) -> Context:
+    import fidelity_lm as FL
+    p = FL.Prepared(FL.SETTINGS[name], retrain=False)
+    p.model = FL.train_model(p.setting, p.train)
+    spec = dict(store=str(FL.BUILD / p.key), n_train=p.setting.n_train, n_subsets=FL.N_SUBSETS,
+                fraction=FL.FRACTION, seed=FL.SUBSET_SEED, training_seed=FL.TRAINING_SEED, seeds_per_subset=1,
+                n_query=p.n_query)
+    return Context(name, p.task(), p.train, p.queries[:p.n_query], p.n_query, p.fwd_bwd_seconds(),
+                   layers=FL.LAYERS, snapshots=lambda: FL._checkpoints(p, "less"), cache=_own_cache(p.key),
+                   truth_spec=spec)
+
+
+def text(name: str) -> Context:
+    import fidelity_text as FT
+    p = FT.Prepared(FT.SETTINGS[name], retrain=False)
+
+    def cache(method, config, thunk, base):
+        values, seconds, base = FT.cached_scores(p, method, config, thunk, base)
+        slug = hashlib.sha256(f"{method}|{config}".encode()).hexdigest()[:10]
+        return np.asarray(values.values), seconds, base, str(FT.BUILD / f"scores-{p.key}-{method}-{slug}.npz")
+
+    spec = dict(store=str(FT.BUILD / p.key), n_train=p.setting.n_train, n_subsets=FT.N_SUBSETS,
+                fraction=FT.FRACTION, seed=FT.SUBSET_SEED, training_seed=FT.TRAINING_SEED,
+                seeds_per_subset=FT.SEEDS_PER_SUBSET, n_query=p.n_query)
+    return Context(name, p.task(), p.train, p.queries, p.n_query, p.fwd_bwd_seconds(),
+                   snapshots=lambda: FT.checkpoints(p), cache=cache, truth_spec=spec)
+
+
+def more(name: str) -> Context:
+    import fidelity_more as FM
+    s = FM.SETTINGS[name]()
+    if name == "seqcls":
+        pretrained = FM.BUILD / (f"pretrained-seqcls-d{s.hidden}-L{s.layers}-p{s.pretrain_steps}"
+                                 f"m{s.pretrain_modules}.pt")
+        if not pretrained.exists():            # written by the ground truth's process: not raced here
+            raise Pending
+    model, snaps = s.train_model(checkpoints=FM.CHECKPOINTS)
+
+    def cache(method, config, thunk, base):
+        values, seconds, base = FM.cached_scores(s, method, config, thunk, base)
+        return values, seconds, base, str(FM.scores_path(s, method, config))
+
+    spec = dict(store=str(FM.BUILD / s.key), n_train=s.n_train, n_subsets=FM.N_SUBSETS, fraction=FM.FRACTION,
+                seed=FM.SUBSET_SEED, training_seed=FM.TRAINING_SEED, seeds_per_subset=FM.SEEDS_PER_SUBSET,
+                n_query=s.n_query)
+    return Context(name, s.task(model), s.train, s.queries, s.n_query, s.fwd_bwd_seconds(model),
+                   snapshots=lambda: ([s.task(x) for x, _ in snaps], [o for _, o in snaps], [s.lr] * len(snaps)),
+                   cache=cache, truth_spec=spec)
+
+
+def context(name: str) -> Context:
+    if name in ("logreg", "mlp"):
+        return digits(name)
+    if name in ("lm", "lm2"):
+        return lm(name)
+    if name in ("text", "instruct"):
+        return text(name)
+    return more(name)
+
+
+def load_truth(spec: dict):
+    """The ground truth from its store, or raise Pending when a run is missing (never trains)."""
+    spec = dict(spec)
+    store, n_query = Path(spec.pop("store")), spec.pop("n_query")
+    if not (store / "meta.json").exists():
+        raise Pending
+    truth = ga.eval.retrain(_never, spec.pop("n_train"), targets_fn=_never, target="loss", store=store, **spec)
+    return truth.isel(query=slice(0, n_query))
+
+
+def _auto_curvature(ctx: Context) -> str:
+    """Which curvature influence's ``curvature="auto"`` takes here (from the plan's note)."""
+    text = str(ga.methods.influence(ctx.task, ctx.train, ctx.queries,
+                                    **({"layers": ctx.layers} if ctx.layers else {})).explain())
+    return "ekfac" if "curvature='auto': EK-FAC" in text else "gauss_newton"
+
+
+# ---------------------------------------------------------------------------------- rows
+def results_path(name: str) -> Path:
+    return BUILD / f"defaults-{name}.json"
+
+
+def _read(name: str) -> dict:
+    path = results_path(name)
+    return json.loads(path.read_text()) if path.exists() else {"setting": name, "rows": []}
+
+
+def _write_row(name: str, row: dict, header: dict | None = None) -> None:
+    """Add (or replace) ``row`` in the setting's results, read afresh (another process may write)."""
+    data = _read(name)
+    if header:
+        data.update(header)
+    data["rows"] = [r for r in data["rows"] if (r["method"], r["config"]) != (row["method"], row["config"])] + [row]
+    BUILD.mkdir(parents=True, exist_ok=True)
+    tmp = results_path(name).with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=float))
+    tmp.replace(results_path(name))
+
+
+def score(names, methods, progress=True) -> None:
+    """Every candidate's scores (cached) on each setting, method-major (the first methods on
+    every setting before the next ones); rows written without an LDS."""
+    contexts = {}
+    for method in methods:
+        for name in names:
+            if name not in contexts:
+                try:
+                    contexts[name] = context(name)
+                except Pending:
+                    print(f"[{name}] not ready (its pre-trained weights are being written): later", flush=True)
+                    contexts[name] = None
+                    continue
+                ctx = contexts[name]
+                auto = ctx.auto = _auto_curvature(ctx)
+                header = {"description": f"fidelity setting {name}", "truth": ctx.truth_spec,
+                          "influence_auto_curvature": auto, "fwd_bwd_seconds": ctx.base}
+                _write_row(name, {"method": "_header", "config": ""}, header)
+                print(f"[{name}] ready: forward+backward {ctx.base:.3f} s; curvature='auto' is {auto}", flush=True)
+                if ctx.truth_fn is not None:
+                    ctx.truth_fn()                              # digits: train what is missing (cheap)
+            ctx = contexts[name]
+            if ctx is None:
+                continue
+            done = {(r["method"], r["config"]) for r in _read(name)["rows"] if "seconds" in r or "skipped" in r}
+            for label, kwargs, standard in CANDIDATES[method]:
+                if (method, label) in done:
+                    continue
+                row = {"method": method, "config": label, "kwargs": repr(kwargs)}
+                same = SAME_WHEN_AUTO_IS_EKFAC.get((method, label)) if ctx.auto == "ekfac" else None
+                twin = next((r for r in _read(name)["rows"] if (r["method"], r["config"]) == (method, same)
+                             and "scores" in r), None) if same else None
+                if twin is not None:
+                    row.update({k: twin[k] for k in ("seconds", "fwd_bwd_seconds", "cost", "scores")},
+                               note=f"curvature='auto' is EK-FAC here: the scores of {same!r}")
+                    _write_row(name, row)
+                    continue
+                try:
+                    values, seconds, base, path = ctx.cache(method, standard or f"defaults-suite {label}",
+                                                            ctx.thunk(method, kwargs), ctx.base)
+                    if not np.isfinite(values).all():
+                        raise ValueError("non-finite scores")
+                    row.update(seconds=seconds, fwd_bwd_seconds=base, cost=seconds / base, scores=path)
+                    print(f"  [{name}] {method:10s} {label:40s} {seconds:7.1f} s ({seconds / base:.0f}× fwd+bwd)",
+                          flush=True)
+                except Exception as exc:  # noqa: BLE001 - a refusal is a result
+                    row["skipped"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+                    print(f"  [{name}] {method:10s} {label:40s} skipped: {row['skipped']}", flush=True)
+                _write_row(name, row)
+
+
+def lds(names) -> None:
+    """The LDS of every scored row without one, where the setting's ground truth is complete."""
+    import xarray as xr
+    for name in names:
+        data = _read(name)
+        todo = [r for r in data["rows"] if "scores" in r and "lds" not in r]
+        if not todo:
+            continue
+        try:
+            truth = load_truth(data["truth"])
+        except Pending:
+            print(f"[{name}] ground truth not complete yet: {len(todo)} rows wait", flush=True)
+            continue
+        for row in todo:
+            with np.load(row["scores"]) as z:
+                values = xr.DataArray(np.asarray(z["values"])[:truth.sizes["query"]], dims=("query", "train"))
+            r = ga.eval.lds(values, truth, target="loss", bootstrap=1000, resample="both")
+            row.update(lds=float(r.mean), low=float(r.interval[0]), high=float(r.interval[1]),
+                       n_subsets=int(truth.sizes["subset"]))
+            _write_row(name, row)
+            print(f"  [{name}] {row['method']:10s} {row['config']:40s} LDS {row['lds']:.3f} "
+                  f"[{row['low']:.3f}, {row['high']:.3f}]", flush=True)
+
+
+# -------------------------------------------------------------------------------- report
+def table(method: str, settings=SETTINGS) -> tuple[dict, list[str]]:
+    """{candidate: {setting: row}} for ``method`` and the settings that have every candidate's LDS."""
+    by = {}
+    for name in settings:
+        for r in _read(name)["rows"]:
+            if r["method"] == method:
+                by.setdefault(r["config"], {})[name] = r
+    return by, settings
+
+
+def choose(method: str, by: dict, settings) -> tuple[str | None, dict]:
+    """Issue 31's rule on ``settings`` (those where the previous default has a number; a
+    candidate without a number on one of them is not eligible): among candidates
+    never worse than the previous default by more than its interval's lower half-width
+    (LDS − low) on any setting, the best worst case, then the best mean. A refused
+    candidate (skipped) on a setting counts as −1 there. Returns (choice, summary per candidate)."""
+    previous = PREVIOUS_DEFAULT[method]
+    if not settings:
+        return None, {}
+    summary = {}
+    for label, rows in by.items():
+        values = {}
+        for s in settings:
+            r = rows.get(s)
+            if r is None or ("lds" not in r and "skipped" not in r):
+                values = None
+                break
+            values[s] = r.get("lds", -1.0)
+        summary[label] = values
+    base = by.get(previous, {})
+    eligible = []
+    for label, values in summary.items():
+        if values is None:
+            continue
+        ok = True
+        for s, v in values.items():
+            b = base.get(s, {})
+            if "lds" in b and v < b["lds"] - (b["lds"] - b["low"]):
+                ok = False
+        if ok:
+            eligible.append((min(values.values()), float(np.mean(list(values.values()))), label))
+    if not eligible or summary.get(previous) is None:
+        return None, summary
+    eligible.sort(key=lambda t: (-round(t[0], 3), -round(t[1], 3), t[2] != previous))
+    return eligible[0][2], summary
+
+
+def report(methods, settings=SETTINGS, compact: bool = False) -> str:
+    """Per method: candidate × setting (LDS [95 % interval]; ``compact``: LDS only), worst,
+    mean, cost range, and the candidate ``choose`` picks marked."""
+    lines = []
+    for method in methods:
+        by, _ = table(method, settings)
+        if not by:
+            continue
+        present = [s for s in settings if any(s in rows for rows in by.values())]
+        previous = by.get(PREVIOUS_DEFAULT[method], {})
+        complete = [s for s in present if "lds" in previous.get(s, {})]
+        choice, summary = choose(method, by, complete)
+        lines += [f"\n**{method}** (previous default: {PREVIOUS_DEFAULT[method]}; worst / mean over the "
+                  f"{len(complete)} settings where it has an LDS: {', '.join(complete)}; blank: not run)\n",
+                  "| candidate | " + " | ".join(present) + " | worst | mean | cost (× fwd+bwd, range) |",
+                  "|---|" + "---:|" * (len(present) + 3)]
+        for label, _, _ in CANDIDATES[method]:
+            rows = by.get(label)
+            if rows is None:
+                continue
+            cells, costs = [], []
+            for s in present:
+                r = rows.get(s)
+                if r is None:
+                    cells.append("")
+                elif "skipped" in r:
+                    cells.append("refused")
+                elif "lds" in r:
+                    cells.append(f"{r['lds']:.3f}" if compact else f"{r['lds']:.3f} [{r['low']:.3f}, {r['high']:.3f}]")
+                else:
+                    cells.append("(scored)")
+                if r is not None and "cost" in r:
+                    costs.append(r["cost"])
+            values = summary.get(label)
+            tail = ([f"{min(values.values()):.3f}", f"{np.mean(list(values.values())):.3f}"]
+                    if values else ["", ""])
+            cost = f"{min(costs):.0f}–{max(costs):.0f}" if costs else ""
+            mark = " **(chosen)**" if label == choice else ""
+            lines.append(f"| {label}{mark} | " + " | ".join(cells) + " | " + " | ".join(tail) + f" | {cost} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--methods", default=",".join(CANDIDATES))
+    ap.add_argument("--lds", action="store_true", help="only the LDS of rows already scored")
+    ap.add_argument("--report", action="store_true", help="print the tables and the choices")
+    ap.add_argument("--compact", action="store_true", help="with --report: LDS without intervals")
+    args = ap.parse_args(argv)
+    names, methods = args.settings.split(","), args.methods.split(",")
+    if args.report:
+        print(report(methods, tuple(names), args.compact))
+        return
+    torch.set_num_threads(1)
+    ga.options(progress=False)
+    if not args.lds:
+        score(names, methods)
+    lds(names)
+
+
+if __name__ == "__main__":
+    main()
