@@ -201,4 +201,4 @@ def test_gradalg_report_equals_api(tmp_path):
     assert shown(page) == expected(ref, 2)
     for _, tid in shown(page)[0][0]:
         assert f"training text number {tid}" in page
-    assert "Method: logra" in page and "0.792 [0.763, 0.809]" in page
+    assert "Method: logra" in page and "0.859 [0.838, 0.869]" in page

@@ -41,6 +41,8 @@ def _malloc_trim():
 
 
 def release_free_memory() -> None:
+    """Return the allocator's free pages to the system (glibc ``malloc_trim(0)``; nothing
+    elsewhere): called after a pass or a large join so that the next pass's peak is its own."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
