@@ -195,6 +195,125 @@ def launch(spec: dict, timeout: float, max_rss: float) -> dict:
         return rec
 
 
+# ----------------------------------------------------------------------------- plans only
+PLAN_METHODS = ("grad_dot", "grad_cos", "influence_gn", "influence_ekfac", "influence_kfac", "influence_datainf",
+                "relatif", "logra", "grass", "trak", "self_influence")   # (LESS, TrackStar, TracIn need a state)
+PROJECTABLE = ("grad_dot", "grad_cos", "influence_gn", "influence_ekfac", "influence_kfac", "influence_datainf",
+               "relatif", "self_influence")
+
+
+def _fixes(message: str) -> list[tuple[str, dict, dict]]:
+    """The fixes a refusal names, as written: ``(label, ga.options, method keywords)``."""
+    import re
+    out = []
+    for key, value in re.findall(r"ga\.options\((memory_budget|kron_diagonal_width)=('[^']+'|\d+)\)", message):
+        if key == "memory_budget" and value.startswith("'"):
+            out.append((f"ga.options(memory_budget={value})", {"memory_budget": value.strip("'")}, {}))
+        elif key == "kron_diagonal_width":
+            out.append((f"ga.options(kron_diagonal_width={value})", {"kron_diagonal_width": int(value)}, {}))
+    if "ga.proj.kron" in message:
+        out.append(("projector=ga.proj.kron(64)", {}, {"projector": "kron64"}))
+    seen, unique = set(), []
+    for fix in out:
+        if fix[0] not in seen:
+            seen.add(fix[0])
+            unique.append(fix)
+    return unique
+
+
+def plan_one(model, name: str, method: str, T: int, n_train: int, n_query: int, options: dict,
+             keywords: dict) -> dict:
+    """explain() (a plan, no pass) of ``method`` at its defaults (plus ``keywords``) on a
+    ``meta``-device model under ``ga.options(**options)``: the plan's estimated seconds and
+    peak against its budget, or the refusal."""
+    import torch
+
+    import gradalg as ga
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    train = [{"input_ids": torch.randint(0, vocab, (T,), generator=g)} for _ in range(n_train)]
+    queries = [{"input_ids": torch.randint(0, vocab, (T,), generator=g)} for _ in range(n_query)]
+    rec = {"model": name, "method": method, "T": T, "train": n_train, "queries": n_query,
+           "options": {k: v for k, v in options.items()}, "keywords": dict(keywords)}
+    try:
+        task = ga.tasks.causal_lm(model, name=name)
+        if keywords.get("projector") == "kron64":
+            kw = {"projector": ga.proj.kron(64)}
+            m = ga.methods
+            if method == "self_influence":
+                S = m.self_influence(m.influence, task, train, curvature="ekfac", **kw)
+            elif method.startswith("influence_"):
+                curvature = {"gn": "auto"}.get(method.split("_", 1)[1], method.split("_", 1)[1])
+                S = m.influence(task, train, queries, curvature=curvature, **kw)
+            else:
+                S = getattr(m, method)(task, train, queries, **kw)
+        else:
+            S = real_scale.build_scores(method, task, train, queries, {})
+        with ga.options(**options):
+            e = S.explain()
+        rec.update(status="planned", estimated_seconds=float(e.plan.seconds),
+                   estimated_peak_bytes=float(e.plan.peak_bytes), memory_budget=int(e.plan.options.memory_budget))
+    except ga.GradalgError as err:
+        rec.update(status="refused", message=f"{type(err).__name__}: {err}")
+    return rec
+
+
+def plan_all(models, methods, T, n_train, n_query, budget: str, results: Path) -> list[dict]:
+    """Every (model, method) planned on ``meta`` models under ``memory_budget=budget``; each
+    refusal's named fixes applied as written and planned again (``fix_of`` names the run)."""
+    import torch
+    runs = []
+    for name in models:
+        cls, config = build_config(name, T)
+        with torch.device("meta"):
+            model = cls(config).eval()
+        for method in methods:
+            rec = plan_one(model, name, method, T, n_train, n_query, {"memory_budget": budget}, {})
+            runs.append(rec)
+            print(_plan_line(rec), flush=True)
+            if rec["status"] != "refused" or rec["message"].startswith("HeadMismatchError"):
+                continue
+            for label, options, keywords in _fixes(rec["message"]):
+                if keywords and method not in PROJECTABLE:
+                    continue
+                fixed = plan_one(model, name, method, T, n_train, n_query, {"memory_budget": budget, **options},
+                                 keywords)
+                fixed["fix_of"] = label
+                runs.append(fixed)
+                print("   fix " + _plan_line(fixed), flush=True)
+            if len(runs) and method == methods[-1]:
+                real_scale.save_results(results, runs)
+        real_scale.save_results(results, runs)
+    return runs
+
+
+def _plan_line(rec: dict) -> str:
+    head = f"{rec['model']:15} {rec['method']:18} {rec.get('fix_of', ''):38}"
+    if rec["status"] == "planned":
+        return (f"{head} plan: {rec['estimated_seconds']:.1f} s, peak {rec['estimated_peak_bytes'] / 1e9:.2f} GB "
+                f"/ budget {rec['memory_budget'] / 1e9:.2f} GB")
+    return f"{head} refused: {rec['message'][:240]}"
+
+
+def plan_markdown(runs: list[dict]) -> str:
+    """Per model and method: planned (estimated seconds, peak / budget), or the refusal and
+    which of its named fixes plan."""
+    rows = ["| model | method | at the defaults | the refusal's fixes, applied as written |", "|---|---|---|---|"]
+    for r in runs:
+        if r.get("fix_of"):
+            continue
+        fixes = [f for f in runs if f.get("fix_of") and f["model"] == r["model"] and f["method"] == r["method"]]
+        if r["status"] == "planned":
+            cell = (f"plans: {r['estimated_seconds']:.0f} s, peak {r['estimated_peak_bytes'] / 1e9:.2f} / "
+                    f"{r['memory_budget'] / 1e9:.2f} GB")
+        else:
+            cell = "refused: " + real_scale._cell(r["message"].split(":")[0])
+        fix_cell = "; ".join(f"`{f['fix_of']}` " + ("plans" if f["status"] == "planned" else "refused")
+                             for f in fixes) or ("-" if r["status"] == "planned" else "none named")
+        rows.append(f"| {r['model']} | {r['method']} | {cell} | {fix_cell} |")
+    return "\n".join(rows)
+
+
 # ----------------------------------------------------------------------------- checks
 def checks(rec: dict, runs: list[dict]) -> dict:
     """Issue 28's checks of one run: {name: (passed, detail)} (only those that apply)."""
@@ -265,11 +384,14 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--train", type=int, default=4)
     p.add_argument("--queries", type=int, default=2)
     p.add_argument("--memory-budget", default=None, help="ga.options(memory_budget=...) (a refusal's fix)")
-    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run before it is killed (a shared, loaded machine)")
     p.add_argument("--max-rss-gb", type=float, default=8.0)
     p.add_argument("--results", default=str(DEFAULT_RESULTS))
     p.add_argument("--force", action="store_true")
     p.add_argument("--table", action="store_true")
+    p.add_argument("--plan-only", action="store_true", help="plan every method on meta-device models (no pass, "
+                   "no memory), apply each refusal's fixes, write --plan-results")
+    p.add_argument("--plan-results", default=str(ROOT / "benchmarks" / "results" / "arch_probe_plans.json"))
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -277,12 +399,19 @@ def main(argv=None) -> list[dict]:
         rec = child(json.loads(args.child))
         Path(args.child_out).write_text(json.dumps(rec))
         return [rec]
+    if args.plan_only:
+        return plan_all(args.models, [m for m in args.methods if m in PLAN_METHODS], args.T, args.train, args.queries,
+                        args.memory_budget or "8GB", Path(args.plan_results))
     results = Path(args.results)
     runs = real_scale.load_results(results)
     if args.table:
         print(markdown(runs))
         print()
         print(coverage_lines(runs))
+        plans = real_scale.load_results(Path(args.plan_results))
+        if plans:
+            print()
+            print(plan_markdown(plans))
         return runs
     print(f"# gradalg arch probe — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.machine()}, "
           f"{os.cpu_count()} cores, 1 thread; load average {os.getloadavg()[0]:.1f}; T={args.T}, "

@@ -20,34 +20,34 @@ from zoo import stock_oracle
 
 F64 = torch.float64
 V = 37
-SMALL = dict(hidden_size=16, num_attention_heads=2, vocab_size=V)
 
 
-def build(arch: str) -> nn.Module:
-    """A 2-layer, width-16 model of ``arch`` at its config's defaults otherwise (tied
+def build(arch: str, h: int = 16) -> nn.Module:
+    """A 2-layer, width-``h`` model of ``arch`` at its config's defaults otherwise (tied
     heads where the architecture ties them), float64, eval."""
     import transformers as tf
     torch.manual_seed(0)
+    SMALL = dict(hidden_size=h, num_attention_heads=2, vocab_size=V)
     n2 = dict(num_hidden_layers=2)
     if arch == "opt":
-        model = tf.OPTForCausalLM(tf.OPTConfig(**SMALL, **n2, ffn_dim=24, word_embed_proj_dim=16,
+        model = tf.OPTForCausalLM(tf.OPTConfig(**SMALL, **n2, ffn_dim=24, word_embed_proj_dim=h,
                                                max_position_embeddings=32, dropout=0.0, pad_token_id=1))
     elif arch == "opt_project":   # OPT-350m: embeddings of another width, project_in / project_out
-        model = tf.OPTForCausalLM(tf.OPTConfig(**SMALL, **n2, ffn_dim=24, word_embed_proj_dim=8,
+        model = tf.OPTForCausalLM(tf.OPTConfig(**SMALL, **n2, ffn_dim=24, word_embed_proj_dim=h // 2,
                                                do_layer_norm_before=False, max_position_embeddings=32,
                                                dropout=0.0, pad_token_id=1))
     elif arch == "bloom":
-        model = tf.BloomForCausalLM(tf.BloomConfig(hidden_size=16, n_layer=2, n_head=2, vocab_size=V))
+        model = tf.BloomForCausalLM(tf.BloomConfig(hidden_size=h, n_layer=2, n_head=2, vocab_size=V))
     elif arch == "falcon":
         model = tf.FalconForCausalLM(tf.FalconConfig(**SMALL, **n2))
     elif arch == "falcon_new":    # Falcon-40B's layout: GQA, two layer norms, parallel attention
         model = tf.FalconForCausalLM(tf.FalconConfig(**SMALL, **n2, num_kv_heads=1, new_decoder_architecture=True))
     elif arch == "gpt_neo":
-        model = tf.GPTNeoForCausalLM(tf.GPTNeoConfig(hidden_size=16, num_layers=2, num_heads=2, vocab_size=V,
+        model = tf.GPTNeoForCausalLM(tf.GPTNeoConfig(hidden_size=h, num_layers=2, num_heads=2, vocab_size=V,
                                                      attention_types=[[["global", "local"], 1]], window_size=3,
                                                      max_position_embeddings=32))
     elif arch == "gptj":
-        model = tf.GPTJForCausalLM(tf.GPTJConfig(n_embd=16, n_layer=2, n_head=2, rotary_dim=4, vocab_size=V,
+        model = tf.GPTJForCausalLM(tf.GPTJConfig(n_embd=h, n_layer=2, n_head=2, rotary_dim=4, vocab_size=V,
                                                  n_positions=32))
     elif arch == "gemma3":
         model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**SMALL, **n2, intermediate_size=24, num_key_value_heads=1,
@@ -115,8 +115,9 @@ def test_grad_dot_at_defaults_matches_the_loop_reference_and_coverage_is_counted
 @pytest.mark.parametrize("arch", ("opt", "bloom", "gemma3", "olmoe"))
 def test_influence_at_defaults_matches_the_dense_formula(arch):
     """curvature='auto' is the dense Gauss-Newton of sampled labels at this size, damped by
-    its mean eigenvalue: RQ (CᵀC/n + λI)⁻¹ RGᵀ with λ = tr(CᵀC/n)/dim."""
-    model = build(arch)
+    its mean eigenvalue: RQ (CᵀC/n + λI)⁻¹ RGᵀ with λ = tr(CᵀC/n)/dim (width 8: ≈ 1,000
+    coordinates)."""
+    model = build(arch, h=8)
     task = ga.tasks.causal_lm(model)
     train, queries = items(4, 1), items(2, 2)
     layers = block_linears(model)
@@ -162,3 +163,25 @@ def test_causal_lm_refuses_an_encoder_decoder_and_its_fix_works():
     params = [f"{n}.{p}" for n in layers for p, _ in dict(model.named_modules())[n].named_parameters(recurse=False)]
     rows = block_rows(model, layers, stock_oracle(model, data, "seq2seq", params))
     torch.testing.assert_close(got, rows[2:] @ rows[:2].T, rtol=1e-9, atol=1e-12)
+
+
+def test_a_memory_refusal_offers_fewer_queries_only_where_that_fits():
+    """K-FAC statistics do not shrink with the queries: a refusal they cause does not offer
+    "fewer queries per call" (applied, it would be refused again); held query rows do, and
+    there the fix, applied as written, runs (Phi-3-mini's EK-FAC at 4 GB was the first case)."""
+    model = build("opt")
+    task = ga.tasks.causal_lm(model)
+    train = items(4, 1)
+    g = torch.Generator().manual_seed(5)
+    queries = [{"input_ids": torch.randint(3, V, (6,), generator=g)} for _ in range(64)]
+    with ga.options(memory_budget="200kB"):
+        for n in (2, 1):
+            with pytest.raises(ga.errors.MemoryBudgetError) as err:
+                ga.methods.influence(task, train, queries[:n], curvature="ekfac").explain()
+            assert "fewer queries" not in str(err.value) and "ga.proj.kron" in str(err.value)
+        with pytest.raises(ga.errors.MemoryBudgetError, match="use fewer queries per call"):
+            ga.methods.grad_dot(task, train, queries).explain()
+        got = torch.from_numpy(ga.methods.grad_dot(task, train, queries[:1]).compute().values)
+    layers = block_linears(model)
+    expected = reference_rows(model, queries[:1], layers) @ reference_rows(model, train, layers).T
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)
