@@ -112,7 +112,7 @@ def test_grad_dot_at_defaults_matches_the_loop_reference_and_coverage_is_counted
     assert f"{100 * by_hand / cov.total:.1f} %" in str(S.explain())
 
 
-@pytest.mark.parametrize("arch", ("opt", "bloom", "gemma3", "olmoe"))
+@pytest.mark.parametrize("arch", ("opt", "bloom", "falcon_new", "gptj", "gemma3", "phi", "olmoe"))
 def test_influence_at_defaults_matches_the_dense_formula(arch):
     """curvature='auto' is the dense Gauss-Newton of sampled labels at this size, damped by
     its mean eigenvalue: RQ (CᵀC/n + λI)⁻¹ RGᵀ with λ = tr(CᵀC/n)/dim (width 8: ≈ 1,000
