@@ -268,7 +268,7 @@ def plan_all(models, methods, T, n_train, n_query, budget: str, results: Path) -
     """Every (model, method) planned on ``meta`` models under ``memory_budget=budget``; each
     refusal's named fixes applied as written and planned again (``fix_of`` names the run)."""
     import torch
-    runs = []
+    runs = [r for r in real_scale.load_results(results) if r["model"] not in models]   # other models' kept
     for name in models:
         cls, config = build_config(name, T)
         with torch.device("meta"):
@@ -280,7 +280,7 @@ def plan_all(models, methods, T, n_train, n_query, budget: str, results: Path) -
             if rec["status"] != "refused":
                 continue
             for label, options, keywords in _fixes(rec["message"]):
-                if keywords and method not in PROJECTABLE:
+                if "projector" in keywords and method not in PROJECTABLE:
                     continue
                 fixed = plan_one(model, name, method, T, n_train, n_query, {"memory_budget": budget, **options},
                                  keywords)
@@ -382,10 +382,12 @@ def coverage_lines(runs: list[dict]) -> str:
 
 def record(results: Path, rec: dict) -> list[dict]:
     """Add ``rec`` to the results file (replacing the run of its key), re-read under a lock
-    on ``<results>.lock``: several drivers may write one file."""
+    (a file in the temporary directory named after it): several drivers may write one file."""
     import fcntl
+    import hashlib
     results.parent.mkdir(parents=True, exist_ok=True)
-    with open(str(results) + ".lock", "w") as lock:
+    tag = hashlib.sha1(str(results.resolve()).encode()).hexdigest()[:12]
+    with open(Path(tempfile.gettempdir()) / f"arch_probe_{tag}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         runs = [r for r in real_scale.load_results(results) if real_scale.key_of(r) != real_scale.key_of(rec)]
         runs.append(rec)
