@@ -338,7 +338,8 @@ def checks(rec: dict, runs: list[dict]) -> dict:
                         ", ".join(f"{r:.2g}" for r in ratios) or "-")
     if rec["method"] == "trak":
         logra = next((r for r in runs if r.get("model") == rec["model"] and r.get("method") == "logra"
-                      and r.get("status") == "ok" and r.get("T") == rec["T"]), None)
+                      and r.get("status") == "ok" and r.get("T") == rec["T"]
+                      and r.get("memory_budget_arg") == rec.get("memory_budget_arg")), None)
         if logra is not None:
             ratio = rec["cpu_seconds"] / logra["cpu_seconds"]
             out["trak_vs_logra"] = (ratio <= TRAK_LIMIT, f"{ratio:.2f}× LoGra (CPU time)")
@@ -347,8 +348,9 @@ def checks(rec: dict, runs: list[dict]) -> dict:
 
 def markdown(runs: list[dict]) -> str:
     """The table of docs/performance.md's "Architectures nobody tuned on"."""
-    lines = ["| model | method | × fwd+bwd (CPU) | peak / budget (GB) | measured / estimated, per pass | checks | note |",
-             "|---|---|---:|---|---|---|---|"]
+    lines = ["| model | method | budget | × fwd+bwd (CPU) | peak RSS / budget (GB) | measured / estimated, per pass "
+             "| checks | note |",
+             "|---|---|---|---:|---|---|---|---|"]
     order = lambda r: (MODELS.index(r["model"]) if r["model"] in MODELS else 99,  # noqa: E731
                        METHODS.index(r["method"]) if r["method"] in METHODS else 99)
     for r in sorted(runs, key=order):
@@ -356,14 +358,17 @@ def markdown(runs: list[dict]) -> str:
         failed = [k for k, (ok, _) in checks(r, runs).items() if not ok]
         tick = "ok" if not failed else "**" + ", ".join(failed) + "**"
         extra = "; ".join(d for k, (ok, d) in checks(r, runs).items() if k == "trak_vs_logra")
+        budget = f"`{r['memory_budget_arg']}`" if r.get("memory_budget_arg") else "machine's"
         if r.get("status") == "ok":
+            own = (r["peak_rss_bytes"] - r.get("rss_before_method_bytes", 0)) / r["memory_budget"]
             peak = f"{real_scale._gb(r['peak_rss_bytes'])} / {real_scale._gb(r['memory_budget'])} " \
-                   f"({r['peak_rss_bytes'] / r['memory_budget']:.2f}×)"
-            lines.append(f"| {r['model']}{params} | {r['method']} | {r.get('cpu_ratio', 0):.2f} | {peak} | "
+                   f"({r['peak_rss_bytes'] / r['memory_budget']:.2f}×; the method's own {own:.2f}×)"
+            lines.append(f"| {r['model']}{params} | {r['method']} | {budget} | {r.get('cpu_ratio', 0):.2f} | {peak} | "
                          f"{real_scale.pass_ratios(r)} | {tick} | {extra} |")
         else:
-            msg = real_scale._cell(r.get("message", ""))[:220]
-            lines.append(f"| {r['model']}{params} | {r['method']} | | | | {tick} | {r.get('status')}: {msg} |")
+            msg = real_scale._cell(r.get("message", ""))
+            msg = msg if len(msg) <= 300 else f"{msg[:110]} … {msg[-180:]}"   # the fixes are at the end
+            lines.append(f"| {r['model']}{params} | {r['method']} | {budget} | | | | {tick} | {r.get('status')}: {msg} |")
     return "\n".join(lines)
 
 
