@@ -30,7 +30,9 @@ t ∈ C_i (p_it = p_θ(y_it | context)):
 **Default layers.** Called without ``layers``, ``ga.grads``, ``ga.hessian``,
 ``ga.gauss_newton`` and every method attribute the linear layers inside the transformer
 blocks (attention and MLP projections, ``nn.Linear`` experts, LoRA adapters:
-:class:`~gradalg.TransformerBlocks`), as Kronfluence, Bergson and dattri do. The
+:class:`~gradalg.TransformerBlocks`), as Kronfluence, Bergson and dattri do. MoE experts
+stored fused as 3-D parameters (transformers ≥ 5) are not linear layers: left out, and
+named by ``explain()``'s coverage line. The
 embeddings, the LM head (on GPT-2 small the tied 50,257 × 768 matrix, a third of the
 model, whose curvature factor alone is vocabulary × vocabulary) and the norms are left
 out; ``explain()`` names them with their share of the parameters. ``layers="all"``
