@@ -200,7 +200,9 @@ def causal_lm(model: nn.Module, *, padding_side: str = "right", completion_only:
         measurement (docs/fidelity.md, LM defaults): per-token margins weigh the query's
         most confident tokens by 1/(1 − p_t) and scored 0.31 against 0.39 (k = 512).
     logits : ``(model, batch) -> (B, T, V)`` replacing the default call
-        ``model(input_ids=, attention_mask=[, position_ids=]).logits``.
+        ``model(input_ids=, attention_mask=[, position_ids=]).logits``. Without it, an
+        encoder-decoder model (``config.is_encoder_decoder``) is refused
+        (:class:`~gradalg.errors.HeadMismatchError`): use :func:`seq2seq`.
 
     Default layers: the linear layers inside the transformer blocks (module docstring);
     pass ``layers="all"`` or module names to ``ga.grads`` / the methods for the embeddings
