@@ -113,8 +113,8 @@ def coverage_by_hand(model) -> dict:
     (each tensor once)."""
     from torch import nn
     from transformers.pytorch_utils import Conv1D
-    lists = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) >= 2
-             and n.split(".")[-1] in ("layers", "h", "block", "layer")]
+    lists = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList)
+             and n.split(".")[-1] in ("layers", "h", "block", "layer")]      # a 1-layer model's list too
     lists = [n for n in lists if not any(n.startswith(o + ".") for o in lists if o != n)]
     seen, attributed = set(), 0
     for name, module in model.named_modules():
