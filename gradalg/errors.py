@@ -325,7 +325,7 @@ class CaptureStateError(GradalgError, RuntimeError, ValueError):
 class HeadMismatchError(GradalgError, ValueError):
     """The task's loss does not fit the model's head: a cross-entropy over one logit per
     example (0 whatever the model: every gradient would be a silent 0), labels of another
-    shape than the head's outputs."""
+    shape than the head's outputs, a causal-LM task on an encoder-decoder model."""
 
 
 class PartialGradientError(GradalgError, RuntimeError):

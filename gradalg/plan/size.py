@@ -19,7 +19,7 @@ from .decisions import Decision, DecisionKind
 from .facts import Facts
 from .lower import ROW_WISE, stream_root
 from .memory import capture_bytes_per_example
-from .jobs import StoreJob
+from .jobs import FisherJob, KronStatisticsJob, StoreJob
 from .schedule import Pass, Schedule
 from .shapes import element_size
 from .blocks import as_captured, storage
@@ -67,13 +67,23 @@ def _over_budget(message: str, needed: float) -> MemoryBudgetError:
     return err
 
 
+def _fewer_queries_fit(jobs, per_ex: float, budget: float, dtype) -> bool:
+    """Whether holding fewer rows (fewer queries per call) can fit the pass: the
+    statistics (K-FAC / EK-FAC factors, a formed Fisher) and the projection tables do not
+    shrink with the queries, so when they and one example exceed the budget alone, that
+    fix would fail as written and the refusal does not offer it."""
+    stats = sum(j.fixed_bytes(dtype) for j in jobs if isinstance(j, (KronStatisticsJob, FisherJob)))
+    return stats + table_bytes(jobs) + per_ex <= budget
+
+
 def _refuse(p: Pass, jobs, fixed: float, per_ex: float, budget: float, dtype) -> MemoryBudgetError:
     """Held rows and statistics alone over the budget: refused before anything runs."""
     parts = "".join(f" ({a})" for a in (j.bytes_arithmetic(dtype) for j in jobs) if a)
     tables = table_bytes(jobs)
     parts += f" (sparse projection tables {_si(tables)}B)" if tables else ""
+    fewer = "use fewer queries per call, " if _fewer_queries_fit(jobs, per_ex, budget, dtype) else ""
     return _over_budget(f"{p.label}: held rows and statistics take {_si(fixed)}B{parts}, over the memory budget "
-                        f"of {_si(budget)}B: use fewer queries per call, project the gradients (ga.proj.kron), "
+                        f"of {_si(budget)}B: {fewer}project the gradients (ga.proj.kron), "
                         "or raise ga.options(memory_budget=...)", fixed + per_ex)
 
 
@@ -90,10 +100,10 @@ def _batch_size(p: Pass, sources, fixed: float, per_ex: float, facts: Facts) -> 
             DecisionKind.BATCH_SIZE, p.key, str(batch), {"the data's": str(batch), "ga.options": str(o.batch_size)},
             "fixed by the data (a DataLoader, or ga.grads(..., batch_size=...))", label=p.label)
     if budget - fixed < per_ex:  # not even a batch of one example fits next to the held rows
+        fewer = "use fewer queries per call, " if _fewer_queries_fit(p.jobs, per_ex, budget, facts.dtype) else ""
         raise _over_budget(f"{p.label}: held rows and statistics take {_si(fixed)}B and one example's factors and "
                            f"activations {_si(per_ex)}B, over the memory budget of {_si(budget)}B. Project the "
-                           "gradients (ga.proj.kron), use fewer queries per call, or raise "
-                           "ga.options(memory_budget=...)", fixed + per_ex)
+                           f"gradients (ga.proj.kron), {fewer}or raise ga.options(memory_budget=...)", fixed + per_ex)
     fit = int((budget - fixed) // max(per_ex, 1.0))
     tokens, T, by_tokens = _batch_tokens(sources, o)
     batch = max(1, min(o.batch_size, fit, by_tokens or o.batch_size))

@@ -30,7 +30,9 @@ t ∈ C_i (p_it = p_θ(y_it | context)):
 **Default layers.** Called without ``layers``, ``ga.grads``, ``ga.hessian``,
 ``ga.gauss_newton`` and every method attribute the linear layers inside the transformer
 blocks (attention and MLP projections, ``nn.Linear`` experts, LoRA adapters:
-:class:`~gradalg.TransformerBlocks`), as Kronfluence, Bergson and dattri do. The
+:class:`~gradalg.TransformerBlocks`), as Kronfluence, Bergson and dattri do. MoE experts
+stored fused as 3-D parameters (transformers ≥ 5) are not linear layers: left out, and
+named by ``explain()``'s coverage line. The
 embeddings, the LM head (on GPT-2 small the tied 50,257 × 768 matrix, a third of the
 model, whose curvature factor alone is vocabulary × vocabulary) and the norms are left
 out; ``explain()`` names them with their share of the parameters. ``layers="all"``
@@ -48,7 +50,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..errors import BatchContentError, OptionError
+from ..errors import BatchContentError, HeadMismatchError, OptionError
 from ..options import plain
 from ..task import ExampleRandom, Task, TransformerBlocks
 from .tokens import (IGNORE, PADDING_SIDES, check_counted, check_padding, content_keys, field, model_logits,
@@ -198,7 +200,9 @@ def causal_lm(model: nn.Module, *, padding_side: str = "right", completion_only:
         measurement (docs/fidelity.md, LM defaults): per-token margins weigh the query's
         most confident tokens by 1/(1 − p_t) and scored 0.31 against 0.39 (k = 512).
     logits : ``(model, batch) -> (B, T, V)`` replacing the default call
-        ``model(input_ids=, attention_mask=[, position_ids=]).logits``.
+        ``model(input_ids=, attention_mask=[, position_ids=]).logits``. Without it, an
+        encoder-decoder model (``config.is_encoder_decoder``) is refused
+        (:class:`~gradalg.errors.HeadMismatchError`): use :func:`seq2seq`.
 
     Default layers: the linear layers inside the transformer blocks (module docstring);
     pass ``layers="all"`` or module names to ``ga.grads`` / the methods for the embeddings
@@ -209,6 +213,8 @@ def causal_lm(model: nn.Module, *, padding_side: str = "right", completion_only:
     sampled loss, TRAK's output and weights.
     """
     _check_side(padding_side)
+    if logits is None:
+        _check_decoder_only(model)
     logits_of = logits or hf_forward(padding_side)
 
     def clean(batch, ids=None):   # checked, integer fields int64 (tasks/validation.py)
@@ -250,6 +256,18 @@ def causal_lm(model: nn.Module, *, padding_side: str = "right", completion_only:
     return sequence_task(model, checked_logits, targets_of, check_batch=check_batch,
                          token_mask=real_mask, n_samples=n_samples, seed_salt="causal_lm",
                          trak_output=trak_output, name=name, task_class=CausalLMTask)
+
+
+def _check_decoder_only(model: nn.Module) -> None:
+    """Refuse an encoder–decoder model (``config.is_encoder_decoder``: T5, BART, ...) in
+    :func:`causal_lm`: its forward needs decoder inputs that a causal-LM batch does not have."""
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        raise HeadMismatchError(
+            f"ga.tasks.causal_lm got {type(model).__name__}, an encoder-decoder model "
+            "(config.is_encoder_decoder): it predicts labels from encoder inputs, not the next "
+            "token of its input. Use ga.tasks.seq2seq(model) with items {'input_ids': ..., "
+            "'labels': ...}, or pass causal_lm(model, logits=...) to say how logits are computed")
 
 
 def masked_lm(model: nn.Module, *, n_samples: int = 1, trak_output: str = "sequence",

@@ -1,0 +1,187 @@
+"""Architectures nobody tuned on (issue 28, ``benchmarks/arch_probe.py``), as tiny configs:
+OPT (and OPT-350m's project_in/out), BLOOM, Falcon (both decoder layouts), GPT-Neo, GPT-J,
+Gemma-3, Phi, StableLM, OLMoE and Qwen3-MoE (fused 3-D experts). For each, with
+``ga.tasks.causal_lm`` at its defaults: Grad-Dot scores equal the loop-of-backward
+reference (each sequence alone, ``torch.autograd.grad`` of its summed token cross-entropy
+written from the HF call), the influence scores equal the dense formula, and the coverage
+line counts what a hand count of the block linears gives. An encoder-decoder model given to
+``causal_lm`` is refused with a fix that works as written."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import gradalg as ga
+from gradalg.capture.coverage import layer_coverage
+from gradalg.capture.hooks import resolve_layers
+from references import block_rows, one_thread  # noqa: F401 - fixture
+from zoo import stock_oracle
+
+F64 = torch.float64
+V = 37
+
+
+def build(arch: str, h: int = 16) -> nn.Module:
+    """A 2-layer, width-``h`` model of ``arch`` at its config's defaults otherwise (tied
+    heads where the architecture ties them), float64, eval."""
+    import transformers as tf
+    torch.manual_seed(0)
+    SMALL = dict(hidden_size=h, num_attention_heads=2, vocab_size=V)
+    n2 = dict(num_hidden_layers=2)
+    if arch == "opt":
+        model = tf.OPTForCausalLM(tf.OPTConfig(**SMALL, **n2, ffn_dim=24, word_embed_proj_dim=h,
+                                               max_position_embeddings=32, dropout=0.0, pad_token_id=1))
+    elif arch == "opt_project":   # OPT-350m: embeddings of another width, project_in / project_out
+        model = tf.OPTForCausalLM(tf.OPTConfig(**SMALL, **n2, ffn_dim=24, word_embed_proj_dim=h // 2,
+                                               do_layer_norm_before=False, max_position_embeddings=32,
+                                               dropout=0.0, pad_token_id=1))
+    elif arch == "bloom":
+        model = tf.BloomForCausalLM(tf.BloomConfig(hidden_size=h, n_layer=2, n_head=2, vocab_size=V))
+    elif arch == "falcon":
+        model = tf.FalconForCausalLM(tf.FalconConfig(**SMALL, **n2))
+    elif arch == "falcon_new":    # Falcon-40B's layout: GQA, two layer norms, parallel attention
+        model = tf.FalconForCausalLM(tf.FalconConfig(**SMALL, **n2, num_kv_heads=1, new_decoder_architecture=True))
+    elif arch == "gpt_neo":
+        model = tf.GPTNeoForCausalLM(tf.GPTNeoConfig(hidden_size=h, num_layers=2, num_heads=2, vocab_size=V,
+                                                     attention_types=[[["global", "local"], 1]], window_size=3,
+                                                     max_position_embeddings=32))
+    elif arch == "gptj":
+        model = tf.GPTJForCausalLM(tf.GPTJConfig(n_embd=h, n_layer=2, n_head=2, rotary_dim=4, vocab_size=V,
+                                                 n_positions=32))
+    elif arch == "gemma3":
+        model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**SMALL, **n2, intermediate_size=24, num_key_value_heads=1,
+                                                         head_dim=8, sliding_window=3, max_position_embeddings=32))
+    elif arch == "phi":
+        model = tf.PhiForCausalLM(tf.PhiConfig(**SMALL, **n2, intermediate_size=24, max_position_embeddings=32))
+    elif arch == "stablelm":
+        model = tf.StableLmForCausalLM(tf.StableLmConfig(**SMALL, **n2, intermediate_size=24, num_key_value_heads=1,
+                                                         max_position_embeddings=32))
+    elif arch == "olmoe":
+        model = tf.OlmoeForCausalLM(tf.OlmoeConfig(**SMALL, **n2, intermediate_size=8, num_experts=4,
+                                                   num_experts_per_tok=2, max_position_embeddings=32,
+                                                   experts_implementation="eager"))
+    elif arch == "qwen3_moe":
+        model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**SMALL, **n2, intermediate_size=24, moe_intermediate_size=8,
+                                                         num_key_value_heads=1, head_dim=8, num_experts=4,
+                                                         num_experts_per_tok=2, max_position_embeddings=32,
+                                                         experts_implementation="eager"))
+    else:
+        raise KeyError(arch)
+    return model.double().eval()
+
+
+ARCHS = ("opt", "opt_project", "bloom", "falcon", "falcon_new", "gpt_neo", "gptj", "gemma3", "phi", "stablelm",
+         "olmoe", "qwen3_moe")
+
+
+def items(n: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(3, V, (length,), generator=g)} for length in (6, 4, 5, 7)[:n]]
+
+
+def block_linears(model: nn.Module) -> list[str]:
+    """By hand: the nn.Linear / HF Conv1D modules inside ``<...>.layers`` / ``.h`` (the blocks)."""
+    from transformers.pytorch_utils import Conv1D
+    return [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, Conv1D))
+            and any(f".{lst}." in f".{n}" for lst in ("layers", "h"))]
+
+
+def reference_rows(model, data, layers) -> torch.Tensor:
+    params = [f"{name}.{p}" for name in layers for p, _ in dict(model.named_modules())[name].named_parameters(
+        recurse=False)]
+    return block_rows(model, layers, stock_oracle(model, data, "causal_lm", params))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_grad_dot_at_defaults_matches_the_loop_reference_and_coverage_is_counted(arch):
+    model = build(arch)
+    task = ga.tasks.causal_lm(model)
+    train, queries = items(4, 1), items(2, 2)
+    layers = block_linears(model)
+    assert [r.name for r in resolve_layers(model, ga.TransformerBlocks())] == layers
+    S = ga.methods.grad_dot(task, train, queries)
+    got = torch.from_numpy(S.compute().values)                               # (2, 4)
+    expected = reference_rows(model, queries, layers) @ reference_rows(model, train, layers).T
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)
+    # the coverage line: the block linears' parameters over every trainable one, each once
+    cov = layer_coverage(model, layers, selection=ga.TransformerBlocks())
+    modules = dict(model.named_modules())
+    by_hand = sum(p.numel() for n in layers for p in modules[n].parameters(recurse=False))
+    assert (cov.attributed, cov.total) == (by_hand, sum(p.numel() for p in model.parameters()))
+    assert f"{100 * by_hand / cov.total:.1f} %" in str(S.explain())
+
+
+@pytest.mark.parametrize("arch", ("opt", "bloom", "falcon_new", "gptj", "gemma3", "phi", "olmoe"))
+def test_influence_at_defaults_matches_the_dense_formula(arch):
+    """curvature='auto' is the dense Gauss-Newton of sampled labels at this size, damped by
+    its mean eigenvalue: RQ (CᵀC/n + λI)⁻¹ RGᵀ with λ = tr(CᵀC/n)/dim (width 8: ≈ 1,000
+    coordinates)."""
+    model = build(arch, h=8)
+    task = ga.tasks.causal_lm(model)
+    train, queries = items(4, 1), items(2, 2)
+    layers = block_linears(model)
+    with ga.options(dense_curvature_dim=10**5):
+        got = torch.from_numpy(ga.methods.influence(task, train, queries).compute().values)
+    C = ga.grads(task, train, objective="sampled", seed=0).to_dense()
+    C = torch.cat([C[n].flatten(1) for n in layers], 1).to(F64)
+    H = C.T @ C / C.shape[0]
+    H += torch.trace(H) / H.shape[0] * torch.eye(H.shape[0], dtype=F64)
+    RG, RQ = reference_rows(model, train, layers), reference_rows(model, queries, layers)
+    torch.testing.assert_close(got, RQ @ torch.linalg.solve(H, RG.T), rtol=1e-7, atol=1e-10)
+
+
+@pytest.mark.parametrize("arch", ("olmoe", "qwen3_moe"))
+def test_fused_experts_are_named_in_the_coverage_line(arch):
+    """Fused 3-D experts (transformers ≥ 5) are not factored layers: left out of the defaults,
+    named with their share; layers="all" records them (by replay) exactly."""
+    model = build(arch)
+    line = layer_coverage(model, block_linears(model), selection=ga.TransformerBlocks()).describe()
+    assert "model.layers.*.mlp.experts (2 modules" in line
+    data = items(3, 1)
+    captured = ga.grads(ga.tasks.causal_lm(model), data, layers=["model.layers.0.mlp.experts"]).to_params()
+    reference = stock_oracle(model, data, "causal_lm", list(captured))
+    for name in captured:
+        torch.testing.assert_close(captured[name], reference[name], rtol=1e-9, atol=1e-12)
+
+
+def test_causal_lm_refuses_an_encoder_decoder_and_its_fix_works():
+    import transformers as tf
+    torch.manual_seed(0)
+    model = tf.T5ForConditionalGeneration(tf.T5Config(d_model=16, d_ff=24, d_kv=8, num_layers=2, num_heads=2,
+                                                      vocab_size=V, decoder_start_token_id=0,
+                                                      pad_token_id=0)).double().eval()
+    with pytest.raises(ga.errors.HeadMismatchError, match=r"ga.tasks.seq2seq\(model\) with items"):
+        ga.tasks.causal_lm(model)
+    # the fix as written: ga.tasks.seq2seq(model), items {'input_ids': ..., 'labels': ...}
+    g = torch.Generator().manual_seed(3)
+    data = [{"input_ids": torch.randint(3, V, (5,), generator=g), "labels": torch.randint(3, V, (3,), generator=g)}
+            for _ in range(3)]
+    task = ga.tasks.seq2seq(model)
+    got = torch.from_numpy(ga.methods.grad_dot(task, data[:2], data[2:]).compute().values)
+    layers = [r.name for r in resolve_layers(model, ga.TransformerBlocks())]
+    params = [f"{n}.{p}" for n in layers for p, _ in dict(model.named_modules())[n].named_parameters(recurse=False)]
+    rows = block_rows(model, layers, stock_oracle(model, data, "seq2seq", params))
+    torch.testing.assert_close(got, rows[2:] @ rows[:2].T, rtol=1e-9, atol=1e-12)
+
+
+def test_a_memory_refusal_offers_fewer_queries_only_where_that_fits():
+    """K-FAC statistics do not shrink with the queries: a refusal they cause does not offer
+    "fewer queries per call" (applied, it would be refused again); held query rows do, and
+    there the fix, applied as written, runs (Phi-3-mini's EK-FAC at 4 GB was the first case)."""
+    model = build("opt")
+    task = ga.tasks.causal_lm(model)
+    train = items(4, 1)
+    g = torch.Generator().manual_seed(5)
+    queries = [{"input_ids": torch.randint(3, V, (6,), generator=g)} for _ in range(64)]
+    with ga.options(memory_budget="200kB"):
+        for n in (2, 1):
+            with pytest.raises(ga.errors.MemoryBudgetError) as err:
+                ga.methods.influence(task, train, queries[:n], curvature="ekfac").explain()
+            assert "fewer queries" not in str(err.value) and "ga.proj.kron" in str(err.value)
+        with pytest.raises(ga.errors.MemoryBudgetError, match="use fewer queries per call"):
+            ga.methods.grad_dot(task, train, queries).explain()
+        got = torch.from_numpy(ga.methods.grad_dot(task, train, queries[:1]).compute().values)
+    layers = block_linears(model)
+    expected = reference_rows(model, queries[:1], layers) @ reference_rows(model, train, layers).T
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)
