@@ -31,7 +31,7 @@ from ..expr.stored import Stored
 from ..expr.lowrank import lowrank_below
 from ..expr.tokens import token_rows
 from .budget import suggest_budget
-from .cost import tokens_hint
+from .cost import _si, tokens_hint
 from .decisions import Decision, DecisionKind
 from .shapes import activation_bytes, element_size, forward_shapes, output_bytes, rows_per_example
 
@@ -221,13 +221,13 @@ def check_statistics_fit(node, memory_budget: int) -> None:
              "project first, ga.fisher(P(G)) with P = ga.proj.kron(k=...) (in the methods: "
              "projector=ga.proj.kron(k=...))"]
     sizes = {"block": 8.0 * sum(b.dim ** 2 for b in space.blocks), "diag": 8.0 * space.dim}
-    fixes += [f"structure={s!r} ({b / 2**30:.3g} GiB)" for s, b in sizes.items()
+    fixes += [f"structure={s!r} ({_si(b)}B)" for s, b in sizes.items()
               if s != node.structure and b <= memory_budget]
     if need <= _physical_memory():
         fixes.append(f"a larger budget, ga.options(memory_budget={suggest_budget(need)!r})")
     raise MemoryBudgetError(
-        f"a {node.structure} Fisher over {space.dim:,} coordinates needs {need / 2**30:,.1f} GiB, over "
-        f"the memory budget of {memory_budget / 2**30:.1f} GiB. Fixes: " + "; or ".join(fixes) + ".")
+        f"a {node.structure} Fisher over {space.dim:,} coordinates needs {_si(need)}B, over "
+        f"the memory budget of {_si(memory_budget)}B. Fixes: " + "; or ".join(fixes) + ".")
 
 
 def _physical_memory() -> float:

@@ -100,6 +100,13 @@ def _batch_size(p: Pass, sources, fixed: float, per_ex: float, facts: Facts) -> 
             DecisionKind.BATCH_SIZE, p.key, str(batch), {"the data's": str(batch), "ga.options": str(o.batch_size)},
             "fixed by the data (a DataLoader, or ga.grads(..., batch_size=...))", label=p.label)
     if budget - fixed < per_ex:  # not even a batch of one example fits next to the held rows
+        if per_ex > budget:   # one example alone: projecting or fewer queries shrinks only the held rows
+            T = max(tokens_hint(s) for s in sources)
+            raise _over_budget(f"{p.label}: one example's factors and activations ({T:,} positions) take "
+                               f"{_si(per_ex)}B on their own (held rows and statistics {_si(fixed)}B more), over "
+                               f"the memory budget of {_si(budget)}B. They grow with the positions per example, "
+                               "not with the queries or a projection: use shorter sequences, or raise "
+                               "ga.options(memory_budget=...)", fixed + per_ex)
         fewer = "use fewer queries per call, " if _fewer_queries_fit(p.jobs, per_ex, budget, facts.dtype) else ""
         raise _over_budget(f"{p.label}: held rows and statistics take {_si(fixed)}B and one example's factors and "
                            f"activations {_si(per_ex)}B, over the memory budget of {_si(budget)}B. Project the "
