@@ -200,12 +200,34 @@ class _Sizer:
         drop = drop if drop > 0 else 0.0
         # one read of the data, however many sources are captured from each batch
         cost = replace(cost, peak_bytes=fixed + per_ex * (batch or 1) - drop, passes=1.0 if p.reads_data else 0.0)
+        if cost.peak_bytes > o.memory_budget:   # a pass over rows in memory: its chunk beside what it holds
+            raise _over_budget(f"{p.label}: held rows and statistics take {_si(fixed - drop)}B and its work on "
+                               f"one chunk {_si(per_ex)}B more, over the memory budget of {_si(o.memory_budget)}B. "
+                               "Project the gradients (ga.proj.kron), or raise ga.options(memory_budget=...)",
+                               cost.peak_bytes)
         return replace(p, jobs=jobs, batch_size=batch, note=note, cost=cost, seconds=cost.seconds(facts.device, dtype),
                        per_example_bytes=per_ex, fixed_bytes=fixed - drop)
 
 
 def size(schedule: Schedule, facts: Facts) -> tuple[tuple, tuple]:
-    """``(sized passes, decisions)`` of ``schedule`` under ``facts``."""
+    """``(sized passes, decisions)`` of ``schedule`` under ``facts``.
+
+    A pass over the budget is refused (:class:`~gradalg.errors.MemoryBudgetError`); its
+    ``needed`` is the smallest budget under which EVERY pass fits (each at a batch of one:
+    what it holds plus one example's or one chunk's work), so that the budget the refusal
+    suggests plans as written, not only past the pass that was refused first."""
     sizer = _Sizer(schedule, facts)
-    passes = tuple(sizer.size_pass(p) for p in schedule.passes)
+    try:
+        passes = tuple(sizer.size_pass(p) for p in schedule.passes)
+    except MemoryBudgetError as err:
+        err.needed = max(getattr(err, "needed", None) or 0.0, _needed(schedule, facts))
+        raise
     return passes, schedule.decisions + tuple(sizer.decisions)
+
+
+def _needed(schedule: Schedule, facts: Facts) -> float:
+    """The smallest budget every pass of ``schedule`` fits in: the largest of each pass's
+    held bytes plus one example's (or one chunk's) working bytes, sized without a budget."""
+    unlimited = replace(facts, options=replace(facts.options, memory_budget=2**62))
+    sizer = _Sizer(schedule, unlimited)
+    return max((p.fixed_bytes + p.per_example_bytes for p in map(sizer.size_pass, schedule.passes)), default=0.0)
