@@ -54,7 +54,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -164,35 +163,7 @@ def child(spec: dict) -> dict:
 def launch(spec: dict, timeout: float, max_rss: float) -> dict:
     """Run ``spec`` in a child process of this file (``real_scale.launch``'s guard: killed
     past ``timeout`` s or ``max_rss`` resident bytes)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), MKL_NUM_THREADS=str(spec["threads"]),
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec), "--child-out", str(out)]
-        start = time.perf_counter()
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        killed, peak = None, 0
-        while proc.poll() is None:
-            peak = max(peak, real_scale._rss_bytes(proc.pid))
-            if time.perf_counter() - start > timeout:
-                killed = f"timeout: killed after {timeout:.0f} s"
-            elif peak > max_rss:
-                killed = f"killed: resident memory {peak / 1e9:.1f} GB over --max-rss-gb {max_rss / 1e9:.1f}"
-            if killed:
-                proc.kill()
-                proc.wait()
-                break
-            time.sleep(0.25)
-        output = proc.stdout.read()
-        if killed:
-            return {"status": "killed", "message": killed, "peak_rss_bytes": peak,
-                    "wall_seconds": time.perf_counter() - start}
-        if proc.returncode != 0 or not out.exists():
-            tail = " | ".join(output.strip().splitlines()[-3:])
-            return {"status": "error", "message": f"exit {proc.returncode}: {tail[-400:]}"}
-        rec = json.loads(out.read_text())
-        rec["wall_seconds"] = time.perf_counter() - start
-        return rec
+    return real_scale.launch(spec, timeout, max_rss, script=__file__)
 
 
 # ----------------------------------------------------------------------------- plans only

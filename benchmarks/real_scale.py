@@ -413,13 +413,14 @@ def _rss_bytes(pid: int) -> int:
     return 0
 
 
-def launch(spec: dict, timeout: float, max_rss: float) -> dict:
-    """Run ``spec`` in a child process; kill it past ``timeout`` s or ``max_rss`` bytes."""
+def launch(spec: dict, timeout: float, max_rss: float, script: str | Path | None = None) -> dict:
+    """Run ``spec`` in a child process of ``script`` (default: this file; it must take
+    ``--child SPEC --child-out FILE``); kill it past ``timeout`` s or ``max_rss`` bytes."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), MKL_NUM_THREADS=str(spec["threads"]),
                    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec), "--child-out", str(out)]
+        cmd = [sys.executable, str(Path(script or __file__).resolve()), "--child", json.dumps(spec), "--child-out", str(out)]
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         killed, peak = None, 0
