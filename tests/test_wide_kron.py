@@ -14,8 +14,7 @@ import torch
 from torch import nn
 
 import gradalg as ga
-import gradalg.curvature.kron as kron_curvature
-from gradalg.curvature.kron import FLOAT32_ROUNDOFF, KronStats, checked_eigh, symmetric_eigh
+from gradalg.curvature.kron import FLOAT32_ROUNDOFF, KronStats, checked_eigh
 from gradalg.capture.factors import Factors
 from gradalg.plan import DecisionKind
 from references import one_thread  # noqa: F401 - one intra-op thread per test module
@@ -49,15 +48,12 @@ def well_conditioned():
 def test_float32_factors_match_float64(well_conditioned, fn, tol, monkeypatch):
     Q, G = well_conditioned
     eighs = []
+    real = torch.linalg.eigh
 
-    def spying(real):
-        def spy(M, *args, **kwargs):
-            eighs.append((M.shape[0], M.dtype))
-            return real(M, *args, **kwargs)
-        return spy
-    # float64 factors go through symmetric_eigh (scipy's dsyevd), float32 ones to torch's
-    monkeypatch.setattr(torch.linalg, "eigh", spying(torch.linalg.eigh))
-    monkeypatch.setattr(kron_curvature, "symmetric_eigh", spying(kron_curvature.symmetric_eigh))
+    def spy(M, *args, **kwargs):
+        eighs.append((M.shape[0], M.dtype))
+        return real(M, *args, **kwargs)
+    monkeypatch.setattr(torch.linalg, "eigh", spy)
     ref = influence(Q, G, fn, FLOAT64, 1e-3)
     assert (1025, torch.float64) in eighs and (1025, torch.float32) not in eighs
     eighs.clear()
@@ -128,28 +124,6 @@ def test_checked_eigh_error_bounds_the_float32_eigenvalues():
     assert check.orthogonality < 1e-5
     _, _, exact = checked_eigh(M, rtol=1e-2)
     assert exact.error == 0.0
-
-
-def test_symmetric_eigh_matches_torch():
-    """float64 factors go to scipy's dsyevd: the eigenvalues of torch's eigh to rounding, an
-    orthonormal basis that reconstructs M, column-major as torch's, M left unchanged; float32
-    and NaN go to torch."""
-    g = torch.Generator().manual_seed(0)
-    X = torch.randn(300, 257, generator=g, dtype=torch.float64) * torch.logspace(0, -4, 257, dtype=torch.float64)
-    M = X.T @ X / 300
-    kept = M.clone()
-    lam, Q = symmetric_eigh(M)
-    lam_t, _ = torch.linalg.eigh(M)
-    assert torch.equal(M, kept)
-    assert lam.dtype == Q.dtype == torch.float64 and Q.stride() == (1, 257)
-    top = float(lam_t.abs().max())
-    assert float((lam - lam_t).abs().max()) <= 1e-13 * top
-    assert float((Q.T @ Q - torch.eye(257, dtype=torch.float64)).abs().max()) <= 1e-13
-    assert float((Q * lam @ Q.T - M).abs().max()) <= 1e-13 * top
-    lam32, Q32 = symmetric_eigh(M.float())
-    assert Q32.dtype == torch.float32 and torch.equal(lam32, torch.linalg.eigh(M.float())[0])
-    M[3, 3] = float("nan")     # to torch (LAPACK is never handed a NaN): not finite, as torch's
-    assert not bool(torch.isfinite(symmetric_eigh(M)[0]).all())
 
 
 def test_kahan_sums_of_many_chunks():

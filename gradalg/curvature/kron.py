@@ -77,7 +77,7 @@ from ..capture.factors import Factors, OneHot, token_slices
 from ..errors import CurvatureError, GradalgError
 from ..linalg.kron import is_diagonal_factor, work_dtype
 
-__all__ = ["KronStats", "kron_eigenbasis", "symmetric_eigh", "gram", "factor_dtype", "checked_eigh", "EighCheck", "FLOAT32_ROUNDOFF",
+__all__ = ["KronStats", "kron_eigenbasis", "gram", "factor_dtype", "checked_eigh", "EighCheck", "FLOAT32_ROUNDOFF",
            "token_counts"]
 
 #: unit roundoff of float32, u = 2⁻²⁴
@@ -203,51 +203,10 @@ def gram(X: torch.Tensor, block: int = 128) -> torch.Tensor:
     return out
 
 
-_CONTROLLER = []
-
-
-def _blas_threads():
-    """threadpoolctl's controller of the loaded BLAS libraries (made once: it scans them),
-    or None where threadpoolctl or scipy is not installed."""
-    if not _CONTROLLER:
-        try:
-            import scipy.linalg  # noqa: F401  (loads scipy's BLAS before the scan)
-            from threadpoolctl import ThreadpoolController
-            _CONTROLLER.append(ThreadpoolController())
-        except ImportError:
-            _CONTROLLER.append(None)
-    return _CONTROLLER[0]
-
-
-def symmetric_eigh(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(λ ascending (d,), Q (d, d))`` of a symmetric M (its lower triangle is read), as
-    ``torch.linalg.eigh`` (M is left as it is).
-
-    A float64 matrix on the CPU goes to LAPACK's divide-and-conquer ``dsyevd`` through
-    ``scipy.linalg.eigh(driver="evd")`` (scipy's OpenBLAS), limited to torch's thread count
-    (``torch.get_num_threads()``, by ``threadpoolctl``): the same algorithm as torch's
-    (MKL's ``dsyevd``), the same accuracy (residual ‖Mq − λq‖/‖M‖ 1.1·10⁻¹⁵ against
-    1.5·10⁻¹⁵, orthogonality 6·10⁻¹⁵ both, d = 3072), in 0.78–0.80× the CPU time on an
-    AVX-512 CPU (d = 3072, rank 2048 and full, one thread; docs/peers.md, "EK-FAC against
-    the floor of its math"): EK-FAC's eigendecompositions are most of its time at GPT-2 width. Q comes back column-major,
-    as torch's. Anything else (float32, a GPU, NaN/inf, or threadpoolctl missing): torch."""
-    if (M.dtype == torch.float64 and M.device.type == "cpu" and M.dim() == 2 and M.shape[0] > 1
-            and bool(torch.isfinite(M).all())):   # NaN/inf: torch's eigh, which raises
-        controller = _blas_threads()
-        if controller is None:
-            return torch.linalg.eigh(M)
-        import scipy.linalg
-        a = M.detach().numpy().T    # the transpose of a row-major symmetric M: itself, column-major
-        with controller.limit(limits=torch.get_num_threads(), user_api="blas"):
-            lam, Q = scipy.linalg.eigh(a, lower=False, driver="evd", check_finite=False)
-        return torch.from_numpy(lam), torch.from_numpy(Q)
-    return torch.linalg.eigh(M)
-
-
 def kron_eigenbasis(S: torch.Tensor, A: torch.Tensor):
     """``(Q_S, λ_S, Q_A, λ_A)`` of symmetric S (out, out) and A (in, in), in float64."""
-    lam_S, Q_S = symmetric_eigh((S + S.T) / 2)
-    lam_A, Q_A = symmetric_eigh((A + A.T) / 2)
+    lam_S, Q_S = torch.linalg.eigh((S + S.T) / 2)
+    lam_A, Q_A = torch.linalg.eigh((A + A.T) / 2)
     return Q_S, lam_S.clamp_min(0), Q_A, lam_A.clamp_min(0)
 
 
@@ -293,11 +252,10 @@ def checked_eigh(M: torch.Tensor, rtol: float, what: str = "a Kronecker factor",
     ``ga.options(kron_float64_width=float64_fix)`` (default d; the caller passes the widest
     float32 factor of the operator, so that no other factor fails next)."""
     M = (M + M.T) / 2
+    lam, Q = torch.linalg.eigh(M)
     d = M.shape[0]
     if M.dtype == torch.float64:
-        lam, Q = symmetric_eigh(M)
         return Q, lam.clamp_min(0), EighCheck(d, M.dtype)
-    lam, Q = torch.linalg.eigh(M)
     lam64 = lam.to(torch.float64)
     residual, orthogonality = 0.0, 0.0
     for c0 in range(0, d, _CHECK_COLUMNS):
