@@ -18,11 +18,10 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ...capture.chunks import concat_chunks, flatten
-from ..cost import Cost, fisher_cost, gemm_cost
-from ..estimates import _factored, _flat
-from ..memory import positions
+from ..cost import Cost, gemm_cost
 from ..shapes import element_size
 from .base import Job
+from .fisher import flat_sums_cost
 
 __all__ = ["ApplyJob", "AppliedSums", "held_application", "applied"]
 
@@ -52,9 +51,7 @@ class ApplyJob(Job):
 
     def chunk_cost(self, node, c, layout, elem) -> Cost:
         """The chunk's rows made flat, their squared norms, and two GEMMs (m, c, d_b) per block."""
-        T, factored = positions(node), _factored(node, layout)
-        flat = sum((_flat(b, c, T, factored, elem) for b in node.space.blocks), Cost())
-        flat = flat + fisher_cost(c, [b.dim for b in node.space.blocks], "diag")
+        flat = flat_sums_cost(node, c, layout, "diag", elem)
         return sum((gemm_cost(self.held.n, c, b.dim, 2, elem) for b in node.space.blocks), flat)
 
     def once_cost(self, elem, storage_of=None, options=None, resolved=None) -> Cost:

@@ -17,7 +17,16 @@ from ..memory import check_statistics_fit, positions
 from ..shapes import element_size
 from .base import Job
 
-__all__ = ["FisherJob", "FisherAccumulator"]
+__all__ = ["FisherJob", "FisherAccumulator", "flat_sums_cost"]
+
+
+def flat_sums_cost(node, c: int, layout: dict, structure: str, elem: int) -> Cost:
+    """One chunk of ``c`` rows of ``node`` made flat and summed as Σ g gᵀ in ``structure``
+    ("dense", "block", or "diag": the squared norms)."""
+    T, factored, cost = positions(node), _factored(node, layout), Cost()
+    for b in node.space.blocks:
+        cost = cost + _flat(b, c, T, factored, elem)
+    return cost + fisher_cost(c, [b.dim for b in node.space.blocks], structure)
 
 
 @dataclass(eq=False, frozen=True)
@@ -32,10 +41,7 @@ class FisherJob(Job):
 
     def chunk_cost(self, node, c, layout, elem) -> Cost:
         """The sums Σ g gᵀ over one chunk: the rows made flat and their products."""
-        T, factored, cost = positions(node), _factored(node, layout), Cost()
-        for b in node.space.blocks:
-            cost = cost + _flat(b, c, T, factored, elem)
-        return cost + fisher_cost(c, [b.dim for b in node.space.blocks], self.target.structure)
+        return flat_sums_cost(node, c, layout, self.target.structure, elem)
 
     def first_decisions(self, options) -> list:
         """A Fisher whose matrix alone exceeds the memory budget is refused here."""
