@@ -5,7 +5,7 @@ the budget is measured when the plan is made::
 
     budget = memory_fraction × available          (default memory_fraction = 0.5)
     available = free memory of the model's CUDA device   torch.cuda.mem_get_info
-              | MemAvailable                              /proc/meminfo (Linux)
+              | min(MemAvailable, cgroup room)            /proc/meminfo, /sys/fs/cgroup (Linux)
               | psutil.virtual_memory().available         where psutil is installed
               | 2 GiB, "free memory unknown"               elsewhere
 
@@ -19,6 +19,16 @@ counted nor double-counted. A run's resident growth measured 0.94–1.31× its b
 vocabulary (``benchmarks/machine_budget.py``, ``docs/planner.md``); half of what is free
 leaves a quarter of it to the rest of the machine even at 1.5×.
 
+Inside a container or a cluster job (Docker, Kubernetes, Slurm) the process is held to a
+control group's memory limit, which ``/proc/meminfo`` does not show: it reports the whole
+host. The cgroup room is, over the process's memory cgroup and each of its ancestors that
+sets a limit (cgroup v2 ``memory.max``, v1 ``memory.limit_in_bytes``)::
+
+    room = limit − (usage − inactive file cache)     (memory.current / memory.usage_in_bytes,
+                                                       memory.stat inactive_file: reclaimable)
+
+and the smaller of the two is what is available (source ``"cgroup memory limit"``).
+
 A :class:`Budget` records the bytes and their source; the plan keeps it (``plan.budget``),
 ``explain()`` shows ``memory budget 11.2 GB = 0.5 × 22.4 GB available (MemAvailable;
 memory_fraction)``, and every refusal for memory says where the budget came from and how to change it
@@ -27,16 +37,24 @@ memory_fraction)``, and every refusal for memory says where the budget came from
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from ..options import Options
 from .cost import _si
 
 __all__ = ["Budget", "resolve_budget", "device_budget", "is_here", "available_memory", "budget_bytes",
-           "refusal_note", "with_note", "suggest_budget", "FALLBACK_BYTES", "MEMINFO"]
+           "refusal_note", "with_note", "suggest_budget", "FALLBACK_BYTES", "MEMINFO", "CGROUP_ROOT",
+           "PROC_CGROUP", "cgroup_room"]
 
 #: the file ``MemAvailable`` is read from (tests point it at a fake one)
 MEMINFO = "/proc/meminfo"
+#: the cgroup file system and this process's cgroup list (tests point them at fake ones)
+CGROUP_ROOT = "/sys/fs/cgroup"
+PROC_CGROUP = "/proc/self/cgroup"
+#: a v1 ``memory.limit_in_bytes`` at or above this means "no limit" (the kernel writes
+#: PAGE_COUNTER_MAX, 2^63 rounded down to a page)
+_V1_UNLIMITED = 2**60
 #: the budget's ``available`` where the machine's free memory cannot be read
 FALLBACK_BYTES = 2 * 2**30
 
@@ -84,6 +102,64 @@ def _meminfo_available(path: str) -> float | None:
     return None
 
 
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _inactive_file(folder: str) -> float:
+    """Reclaimable page cache charged to the cgroup (``memory.stat``), 0 when unreadable."""
+    text = _read(os.path.join(folder, "memory.stat")) or ""
+    found = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key in ("inactive_file", "total_inactive_file") and value.strip().isdigit():
+            found[key] = float(value)
+    return found.get("total_inactive_file", found.get("inactive_file", 0.0))
+
+
+def _room(folder: str, limit_file: str, usage_file: str) -> float | None:
+    """``limit − (usage − inactive file cache)`` of one cgroup folder, None without a limit."""
+    limit, usage = _read(os.path.join(folder, limit_file)), _read(os.path.join(folder, usage_file))
+    if limit is None or usage is None or not limit.isdigit() or not usage.isdigit():
+        return None                       # "max" (v2), missing or unreadable: no limit here
+    if int(limit) >= _V1_UNLIMITED:
+        return None
+    return max(0.0, float(limit) - max(0.0, float(usage) - _inactive_file(folder)))
+
+
+def _cgroup_folders(root: str, proc_cgroup: str):
+    """``(folder, limit file, usage file)`` for this process's memory cgroup and its
+    ancestors up to the mount point, v2 (unified) and v1 (``memory`` controller)."""
+    text = _read(proc_cgroup) or ""
+    for line in text.splitlines():
+        ident, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if ident == "0" and controllers == "":
+            base, files = root, ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            base, files = os.path.join(root, "memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        parts = [p for p in path.strip().split("/") if p]
+        # inside a cgroup namespace the path may not exist under the mount: the mount is the group
+        while parts and not os.path.isdir(os.path.join(base, *parts)):
+            parts.pop(0)
+        for depth in range(len(parts), -1, -1):
+            yield (os.path.join(base, *parts[:depth]),) + files
+
+
+def cgroup_room(root: str | None = None, proc_cgroup: str | None = None) -> float | None:
+    """The bytes this process may still take under its control groups' memory limits (the
+    smallest room over the limited ones, module docstring), or None where no limit is set or
+    none can be read (not Linux, no cgroup file system)."""
+    rooms = [r for folder, limit, usage in _cgroup_folders(root or CGROUP_ROOT, proc_cgroup or PROC_CGROUP)
+             if (r := _room(folder, limit, usage)) is not None]
+    return min(rooms) if rooms else None
+
+
 def available_memory(device=None) -> tuple[float, str]:
     """(bytes available now, where the number comes from) on ``device``: the free memory
     of a CUDA device, else this machine's available RAM (module docstring)."""
@@ -94,6 +170,9 @@ def available_memory(device=None) -> tuple[float, str]:
         free, _total = torch.cuda.mem_get_info(index)
         return float(free), f"free memory of cuda:{index} (torch.cuda.mem_get_info)"
     found = _meminfo_available(MEMINFO)
+    room = cgroup_room()
+    if room is not None and (found is None or room < found):
+        return room, "cgroup memory limit"
     if found is not None:
         return found, "MemAvailable"
     try:
