@@ -157,7 +157,11 @@ class RankShards(ShardStrategy):
 
     def place(self, step) -> Placement:
         """Passes over data are split over the ranks; passes over rows in memory or over a
-        store read no model and run whole on every rank (the same on each)."""
+        store read no model and run whole on every rank (the same on each); so does a
+        products pass, called by its solver on every rank (each reads all of its data)."""
+        if step.per_call:
+            return Placement(False, f"runs whole on each of the {self.world_size} ranks: its solver calls it on every "
+                                    "rank, one pass over all of its data per call (the same products on each)")
         if not step.reads_data:
             return Placement(False, f"runs whole on each of the {self.world_size} ranks (rows already in memory)")
         return Placement(True, "split over the ranks")
