@@ -135,7 +135,9 @@ class CurvatureProducts(OpNode):
         return ImplicitOp(self.space, matvec, tags=frozenset({"psd"}) if self.kind != "hessian" else frozenset())
 
     def apply_cost(self, space, n, prices):
-        return prices.by_form(self.labels(), space, n)
+        """The n rows read and written: the products themselves are its products pass's
+        (priced there per call, :class:`~gradalg.plan.jobs.products.ProductsJob`)."""
+        return prices.traffic(2.0 * prices.elem * n * space.dim)
 
     @property
     def label(self):
