@@ -29,7 +29,8 @@ submitted again from the client; every shard is a pure function of its range, so
 result is the same. ``task_timeout`` names a stalled worker.
 
 Where each pass runs is decided when the plan is made (:meth:`DaskShards.place`, shown by
-``explain()``): on the client when it reads rows in memory, reads fewer than
+``explain()``): on the client when it is a products pass (called by its solver there, one
+pass per iteration), reads rows in memory, reads fewer than
 ``min_shard_examples`` examples while the client holds the model's weights, or needs
 operators known only through products of the client's model (their structure labels say
 ``implicit``, :mod:`gradalg.linalg.labels`); on the workers otherwise.

@@ -27,8 +27,9 @@ dataset of n examples over W ranks:
    rotates rows into a K-FAC basis uses one basis everywhere.
 
 Passes over rows in memory or over a store read no model: every rank runs them whole.
-Operators known only through products (``ga.hessian``, ``ga.gauss_newton``) are resolved
-on the pull path, over the whole dataset on every rank (same numbers, not faster); on a
+Operators known only through products (``ga.hessian``, ``ga.gauss_newton``) run their
+products pass whole on every rank, called by the solver, over the whole dataset (same
+numbers, not faster; a typed placement decision says so); on a
 sharded model they are refused, as is ``backend="func"`` (both read whole parameters
 through ``torch.func``), and FSDP1 (``FullyShardedDataParallel``, flat parameters) is
 refused with FSDP2 and DDP named.
