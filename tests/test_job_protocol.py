@@ -82,6 +82,8 @@ def instances():
         (G @ G.T).diag().compute(executor=ex)                              # diag
         ex.topk((Q @ G.T).expr, TopK(2))                                   # topk
         (Q @ ga.datainf(G, 0.1) @ G.T).compute(executor=ex)                # apply (DataInf's read of its rows)
+        H = ga.gauss_newton(task, train, LAYERS)
+        (Q @ H.damp(0.1).inv(method="cg", max_iter=3) @ G.T).compute(executor=ex)   # products (CG's)
     finally:
         mp.undo()
     return opened
@@ -97,7 +99,8 @@ def test_every_job_class_prices_and_runs_itself(instances):
             for number in (cost.flops, cost.bytes, job.fixed_bytes(torch.float64),
                            job.per_example_bytes(torch.float64), job.output_bytes(12)):
                 assert math.isfinite(number) and number >= 0, (cls.__name__, number)
-            assert job.fed and job.phase and job.describe()
+            # a job is fed chunks of its streams, or runs a pass of its own (products: raw batches per call)
+            assert (job.fed or job.pass_key()) and job.phase and job.describe()
 
 
 def test_release_of_held_rows_is_decided_by_the_planner():

@@ -13,6 +13,7 @@ product needs ``Task(forward=..., loss_from_outputs=...)``, which
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Callable
 
@@ -26,7 +27,7 @@ from ..errors import NonFiniteGradientError, OptionError
 from ..finite import check_model, nonfinite_examples
 from ..options import get_options
 
-__all__ = ["ParamCoords", "dataset_matvec"]
+__all__ = ["ParamCoords", "Products", "dataset_matvec", "eval_mode"]
 
 
 class ParamCoords:
@@ -72,41 +73,76 @@ class ParamCoords:
         return torch.cat(parts, dim=1)
 
 
+class Products:
+    """The curvature products of ``kind`` over ``data``, a batch at a time: what one call of
+    :func:`dataset_matvec` (and one run of a planned products pass,
+    :class:`~gradalg.plan.jobs.products.ProductsJob`) computes per batch.
+
+    ``batch_rows(batch, V, start)`` gives Σ_{i in batch} H_i V, rows (m, dim) in the
+    canonical block coordinates (the per-example products summed, not averaged), with the
+    finite check naming the batch's examples (``start``: the batch's first position in
+    ``data``); H V is the sum over every batch divided by ``data.n``.
+    """
+
+    def __init__(self, task, data: DataRef, layers, kind: str = "hessian", backend: str = "hooks"):
+        if kind not in ("hessian", "gauss_newton"):
+            raise OptionError(f"kind must be 'hessian' or 'gauss_newton', got {kind!r}")
+        if kind == "gauss_newton" and (task.forward is None or task.loss_from_outputs is None):
+            raise OptionError("Gauss-Newton products need Task(forward=..., loss_from_outputs=...); "
+                             "ga.tasks.classification(model) provides both")
+        self.task, self.data, self.kind = task, data, kind
+        self.model = task.model
+        self.coords = ParamCoords(self.model, layers, backend)
+        self.device = next(self.model.parameters()).device
+        self.check = get_options().check_finite
+        if self.check:   # a NaN weight is named here, not a NaN product (or a failed eigensolver) later
+            check_model(self.model)
+
+    def batches(self, batch_size: int):
+        """``(start, batch)`` of ``data`` on the model's device, in order."""
+        start = 0
+        for batch in self.data.loader(batch_size):
+            batch = move_batch(batch, self.device)
+            yield start, batch
+            start += batch_size_of(batch)
+
+    def batch_rows(self, batch, V: torch.Tensor, start: int) -> torch.Tensor:
+        """Σ_{i in batch} H_i V: (m, dim) for V (m, dim)."""
+        part = _batch_product(self.task, batch, self.coords.to_params(V), self.coords.param_names, self.kind)
+        rows = self.coords.from_params(part)
+        if self.check and not bool(torch.isfinite(rows).all()) and bool(torch.isfinite(V).all()):
+            _name_examples(batch, self.data.ids[start:start + batch_size_of(batch)], self.kind)
+        return rows
+
+
 def dataset_matvec(task, data: DataRef, layers, *, kind: str = "hessian", batch_size: int = 64,
                    backend: str = "hooks") -> Callable[[torch.Tensor], torch.Tensor]:
-    """``matvec(V)`` = H V for the curvature ``kind`` of ``task`` averaged over ``data``."""
-    if kind not in ("hessian", "gauss_newton"):
-        raise OptionError(f"kind must be 'hessian' or 'gauss_newton', got {kind!r}")
-    if kind == "gauss_newton" and (task.forward is None or task.loss_from_outputs is None):
-        raise OptionError("Gauss-Newton products need Task(forward=..., loss_from_outputs=...); "
-                         "ga.tasks.classification(model) provides both")
-    model = task.model
-    coords = ParamCoords(model, layers, backend)
-    free_names = coords.param_names
-    device = next(model.parameters()).device
-    check = get_options().check_finite
-    if check:   # a NaN weight is named here, not a NaN product (or a failed eigensolver) later
-        check_model(model)
+    """``matvec(V)`` = H V for the curvature ``kind`` of ``task`` averaged over ``data``
+    (one pass over ``data`` per call, outside any plan; a plan runs the same products as a
+    planned pass, :class:`~gradalg.plan.jobs.products.ProductsJob`)."""
+    products = Products(task, data, layers, kind, backend)
 
     def matvec(V: torch.Tensor) -> torch.Tensor:
-        was_training = model.training
-        model.eval()
-        try:
-            total, start = None, 0
-            for batch in data.loader(batch_size):
-                batch = move_batch(batch, device)
-                part = _batch_product(task, batch, coords.to_params(V), free_names, kind)
-                rows = coords.from_params(part)
-                if check and not bool(torch.isfinite(rows).all()) and bool(torch.isfinite(V).all()):
-                    _name_examples(batch, data.ids[start:start + batch_size_of(batch)], kind)
-                start += batch_size_of(batch)
+        total = None
+        with eval_mode(products.model):
+            for start, batch in products.batches(batch_size):
+                rows = products.batch_rows(batch, V, start)
                 total = rows if total is None else total + rows
-        finally:
-            model.train(was_training)
         return total / data.n
 
-    matvec.coords = coords
+    matvec.coords = products.coords
     return matvec
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module):
+    """The model in eval mode for the products, its training flag restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
 
 
 def _name_examples(batch, ids, kind: str) -> None:

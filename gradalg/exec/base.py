@@ -18,9 +18,10 @@ The entry points are that path with their reader: ``scores(node)`` (n_query, n_t
 :class:`~gradalg.exec.LocalExecutor` (this process), :class:`~gradalg.exec.DaskExecutor`
 (shards on Dask workers), :class:`~gradalg.exec.TorchDistributed` (ranks of a torchrun
 job). Besides plans, the executor offers a pull path (``iter_chunks``, ``resolve``) that
-computes one node at a time; iterative solvers and operators known only through products
-use it from inside a pass. An operator resolved on its own has its statistics planned and
-run as passes (:meth:`Executor.run_statistics`).
+computes one node at a time. Operators known only through products run them through the
+products pass their plan published (one pass over their data per call of the solver,
+:mod:`gradalg.plan.jobs.products`). An operator resolved on its own has its statistics
+(products included) planned and run as passes (:meth:`Executor.run_statistics`).
 
 Executors are picked by object or by name (``get_executor("local")``,
 ``get_executor("dask")``); a missing optional dependency is reported with the command

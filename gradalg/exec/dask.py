@@ -29,7 +29,8 @@ submitted again from the client; every shard is a pure function of its range, so
 result is the same. ``task_timeout`` names a stalled worker.
 
 Where each pass runs is decided when the plan is made (:meth:`DaskShards.place`, shown by
-``explain()``): on the client when it reads rows in memory, reads fewer than
+``explain()``): on the client when it is a products pass (called by its solver there, one
+pass per iteration), reads rows in memory, reads fewer than
 ``min_shard_examples`` examples while the client holds the model's weights, or needs
 operators known only through products of the client's model (their structure labels say
 ``implicit``, :mod:`gradalg.linalg.labels`); on the workers otherwise.
@@ -173,11 +174,20 @@ class DaskShards(ShardStrategy):
 
     # ------------------------------------------------------------------ where a pass runs
     def place(self, step) -> Placement:
-        """On the client: passes over rows in memory, passes whose row-wise chains need
+        """On the client: products passes (called by their solver here), passes over rows
+        in memory, passes whose row-wise chains need
         operators known only through products of the client's model (refused when the
         client holds the model on the meta device), and passes over fewer than
         ``min_shard_examples`` examples when the client holds the weights; on the workers,
         every other pass."""
+        if step.per_call:
+            model = step.jobs[0].target.task.model
+            refusal = None if not is_meta_model(model) else ModelMismatchError(
+                f"{step.label}: the products of {step.jobs[0].target.label} run in this process, called by its "
+                "solver, and this process holds the model on the meta device: use a curvature with a closed "
+                "form (K-FAC, EK-FAC, a Fisher in projected space), or hold the weights here")
+            return Placement(False, "a products pass: its solver calls it on the client, one pass over the data "
+                                    "per iteration (each call is too short to ship)", refusal)
         if not step.reads_data:
             return Placement(False, "rows already in memory")
         meta = any(is_meta_model(m) for m in pass_models(step))

@@ -27,8 +27,9 @@ dataset of n examples over W ranks:
    rotates rows into a K-FAC basis uses one basis everywhere.
 
 Passes over rows in memory or over a store read no model: every rank runs them whole.
-Operators known only through products (``ga.hessian``, ``ga.gauss_newton``) are resolved
-on the pull path, over the whole dataset on every rank (same numbers, not faster); on a
+Operators known only through products (``ga.hessian``, ``ga.gauss_newton``) run their
+products pass whole on every rank, called by the solver, over the whole dataset (same
+numbers, not faster; a typed placement decision says so); on a
 sharded model they are refused, as is ``backend="func"`` (both read whole parameters
 through ``torch.func``), and FSDP1 (``FullyShardedDataParallel``, flat parameters) is
 refused with FSDP2 and DDP named.
@@ -157,7 +158,11 @@ class RankShards(ShardStrategy):
 
     def place(self, step) -> Placement:
         """Passes over data are split over the ranks; passes over rows in memory or over a
-        store read no model and run whole on every rank (the same on each)."""
+        store read no model and run whole on every rank (the same on each); so does a
+        products pass, called by its solver on every rank (each reads all of its data)."""
+        if step.per_call:
+            return Placement(False, f"runs whole on each of the {self.world_size} ranks: its solver calls it on every "
+                                    "rank, one pass over all of its data per call (the same products on each)")
         if not step.reads_data:
             return Placement(False, f"runs whole on each of the {self.world_size} ranks (rows already in memory)")
         return Placement(True, "split over the ranks")

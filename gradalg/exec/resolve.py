@@ -4,7 +4,8 @@ Each node resolves itself (``node.resolve(ctx)``, :mod:`gradalg.expr.operators`)
 module is the executor's side of it, :class:`Resolution`, the context a node asks for its
 operands' numbers, its statistics (left in the run state by the planned passes that
 computed them: an operator resolved outside such a plan has its statistics planned and run
-then, :meth:`Resolution.accumulate`), a stream of rows, or products with the loss curvature.
+then, :meth:`Resolution.accumulate`), a stream of rows, or products with the loss curvature
+(the matvec a planned products pass published, :meth:`Resolution.products`).
 The rules applied are in the result's ``rules``, the same list the node's ``labels()``
 predicts from the expression alone.
 
@@ -61,8 +62,21 @@ class Resolution:
     def rows(self, grads):
         return lambda: (chunk.blocks for chunk in self.executor.iter_chunks(grads))
 
-    def products(self, task, data, layers, kind):
-        return dataset_matvec(task, data, layers, kind=kind, batch_size=self.options.batch_size)
+    def products(self, task, data, layers, kind, node=None):
+        """The matvec of ``node``'s products: the planned products pass's
+        (:class:`~gradalg.plan.jobs.products.ProductPass`, published by the plan that ran it;
+        for an operator resolved outside such a plan, its products pass is planned and run
+        now, :meth:`~gradalg.exec.base.Executor.run_statistics`). Without ``node`` (a caller
+        that names only the data): one pass over ``data`` per call, outside any plan."""
+        if node is None:
+            return dataset_matvec(task, data, layers, kind=kind, batch_size=self.options.batch_size)
+        key = ("products", node.token)
+        state = self.executor.state
+        if key not in state.results:
+            self.executor.run_statistics(node)
+        if key not in state.results:
+            raise PlanError(f"the plan of {node.label} did not plan its products pass (a planner bug: report it)")
+        return state.results[key]
 
 
 def precondition(resolved: LinearOp, held: Chunk, space, *, consume: bool = False) -> Chunk:

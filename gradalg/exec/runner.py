@@ -13,6 +13,11 @@ For each :class:`~gradalg.plan.planner.Pass` the runner
 3. publishes each sink's result into the run's :class:`~gradalg.exec.state.RunState`,
    and records the pass's measured time and memory (``executor.pass_stats``).
 
+A products pass (``Pass.per_call``) is fed nothing when the plan runs: its job publishes
+the matvec its solver calls, and each call reads the data then
+(:class:`~gradalg.plan.jobs.products.ProductPass`, which adds the call's seconds to the
+pass's entry in ``pass_stats``).
+
 A shard strategy (:class:`ShardStrategy`) says where each pass runs (``place``, when the
 plan is made, recorded as a ``PLACEMENT`` :class:`~gradalg.plan.decisions.Decision` with
 both places' estimates: :meth:`ShardStrategy.placement`), runs a sharded pass (``run_shards(runner, step, sinks) -> dict``: results it
@@ -202,7 +207,7 @@ class PassRunner:
             self.run_pass(step, where)
             mark1 = peak_resident_bytes()
             self.ctx.pass_stats.append({
-                "pass": index, "seconds": time.perf_counter() - start,
+                "pass": index, "key": step.key, "seconds": time.perf_counter() - start,
                 "cpu_seconds": time.process_time() - cpu0,   # this process's CPU time (excludes waiting for a core)
                 **_peak_growth(rss0, mark0, mark1),
                 "held_bytes": self.ctx.state.held_bytes(),
@@ -241,6 +246,8 @@ class PassRunner:
     def batches(self, step: Pass) -> Iterator[dict[str, list[Chunk]]]:
         """Per batch of the pass, ``{root token: chunks}`` of the nodes it reads."""
         kind = step.key[0]
+        if step.per_call:   # a products pass reads its batches on each call of its solver (ProductPass)
+            return
         if kind == "memory":
             for chunk in self.ctx.state.rows[step.key[1]]:
                 yield {step.key[1]: [chunk]}

@@ -14,7 +14,7 @@ import torch
 from ..data import DataRef
 from ..linalg import DataInfOp, ImplicitOp, Labels, LowRankOp
 from ..linalg.kron import diagonal_factor_rules
-from ..linalg.solvers import arnoldi
+from ..linalg.solvers import arnoldi, arnoldi_iters
 from ..options import get_options
 from ..space import ParamSpace
 from .grads import GradNode, first_examples
@@ -124,15 +124,20 @@ class CurvatureProducts(OpNode):
         return Labels({"implicit"})
 
     def statistics(self):
-        return ()
+        """Its products: a planned pass over raw batches of ``data`` per call
+        (:class:`~gradalg.plan.jobs.products.ProductsJob`), once unless a solver above it
+        says how many times (:meth:`Statistic.solved`)."""
+        return (Statistic("products", self, None),)
 
     def resolve(self, ctx):
-        matvec = ctx.products(self.task, self.data, self.layers, self.kind)
+        matvec = ctx.products(self.task, self.data, self.layers, self.kind, node=self)
         # the Gauss-Newton matrix is PSD; the Hessian need not be
         return ImplicitOp(self.space, matvec, tags=frozenset({"psd"}) if self.kind != "hessian" else frozenset())
 
     def apply_cost(self, space, n, prices):
-        return prices.by_form(self.labels(), space, n)
+        """The n rows read and written: the products themselves are its products pass's
+        (priced there per call, :class:`~gradalg.plan.jobs.products.ProductsJob`)."""
+        return prices.traffic(2.0 * prices.elem * n * space.dim)
 
     @property
     def label(self):
@@ -157,7 +162,11 @@ class Arnoldi(OpNode):
         return Labels({"low-rank"})
 
     def statistics(self):
-        return self.op.statistics()
+        """The operand's; its products run once per Arnoldi iteration on one vector
+        (:func:`~gradalg.linalg.solvers.arnoldi_iters` at most)."""
+        iters = arnoldi_iters(self.space.dim, self.rank, self.iters)
+        why = f"Arnoldi iters={self.iters}" if self.iters else "Arnoldi iters=min(dim, 2·rank+10)"
+        return tuple(s.solved(iters, why, vectors=1) for s in self.op.statistics())
 
     def resolve(self, ctx):
         inner = ctx.resolve(self.op)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 from abc import abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import reduce
 from typing import Any, Callable, Iterable, Protocol
 
@@ -35,6 +35,7 @@ import torch
 from ..errors import OperatorError, OptionError, ShapeMismatchError
 from ..linalg import Labels, LinearOp, ResolvedOp
 from ..linalg.labels import from_short, short_name
+from ..linalg.solvers import iteration_bound
 from ..space import ParamSpace
 from .base import Node
 from .grads import GradNode
@@ -50,12 +51,30 @@ class Statistic:
     ``node`` over the rows ``rows``, after the statistics ``after``. ``job=None``: no job
     of its own, the operator reads ``rows`` itself when applied, so only the statistics
     those rows need must be ready; ``job="apply"``: the same, except that applied to a
-    score's held rows that read is a job of the plan (DataInf: :mod:`gradalg.plan.jobs.apply`)."""
+    score's held rows that read is a job of the plan (DataInf: :mod:`gradalg.plan.jobs.apply`);
+    ``job="products"``: products with the loss curvature over raw batches of its data
+    (``rows`` None: no gradient rows are read), a pass run once per call, ``calls`` times
+    at most (an iterative solver's iteration bound: :meth:`Inverse.statistics`,
+    :meth:`~gradalg.expr.curvature.Arnoldi.statistics`) on ``vectors`` rows per call
+    (None: the rows the operator is applied to; :mod:`gradalg.plan.jobs.products`)."""
 
     job: str | None
     node: "OpNode"
-    rows: GradNode
+    rows: GradNode | None
     after: tuple = ()
+    calls: int = 1
+    calls_why: str = ""
+    vectors: int | None = None
+
+    def solved(self, calls: int, why: str, vectors: int | None = None) -> "Statistic":
+        """This statistic inside an iterative solver of ``calls`` iterations at most
+        (``why``: the solver's setting): a products statistic's calls multiply, any other
+        statistic is computed once."""
+        if self.job != "products":
+            return self
+        why = f"{why} × {self.calls_why}" if self.calls_why else why
+        return replace(self, calls=self.calls * calls, calls_why=why,
+                       vectors=self.vectors if vectors is None else vectors)
 
 
 class ResolveContext(Protocol):
@@ -75,9 +94,11 @@ class ResolveContext(Protocol):
         """A callable giving a fresh stream of the rows of ``grads``, chunk by chunk, as
         ``{block: (c, d_b) rows or Factors}``."""
 
-    def products(self, task, data, layers: tuple, kind: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    def products(self, task, data, layers: tuple, kind: str, node: "OpNode | None" = None
+                 ) -> Callable[[torch.Tensor], torch.Tensor]:
         """V (k, dim) ↦ (H v_i)_i (k, dim) with the loss curvature ``kind`` ("hessian",
-        "gauss_newton") of ``task`` over ``data`` on ``layers``: one pass per call."""
+        "gauss_newton") of ``task`` over ``data`` on ``layers``: one pass per call (``node``,
+        whose ``"products"`` statistic asked for them: the plan's products pass runs it)."""
 
 
 class OpNode(Node):
@@ -374,7 +395,17 @@ class Inverse(OpNode):
         return self.op.labels().inverse(None if self.method == "auto" else self.method, what=self.op.label)
 
     def statistics(self):
-        return self.op.statistics()
+        """The operand's; solved by CG or LiSSA, its products run once per iteration, at most
+        the solver's bound (:func:`~gradalg.linalg.solvers.iteration_bound`) times."""
+        stats = self.op.statistics()
+        try:
+            rule = self.labels().rules[-1]
+        except OperatorError:
+            return stats
+        if not rule.startswith("implicit.solve_by_"):
+            return stats
+        calls, why = iteration_bound(rule.removeprefix("implicit.solve_by_"), dict(self.settings), self.space.dim)
+        return tuple(s.solved(calls, why) for s in stats)
 
     def resolve(self, ctx):
         method = None if self.method == "auto" else self.method

@@ -18,15 +18,40 @@ import torch
 
 from ..errors import GradalgError
 
-__all__ = ["conjugate_gradient", "lissa", "arnoldi"]
+__all__ = ["conjugate_gradient", "lissa", "arnoldi", "cg_max_iter", "arnoldi_iters", "LISSA_DEPTH", "iteration_bound"]
 
 MatVec = Callable[[torch.Tensor], torch.Tensor]
+
+#: LiSSA's default recursion depth (products per solve, at most)
+LISSA_DEPTH = 1000
+
+
+def cg_max_iter(dim: int, max_iter: int | None = None) -> int:
+    """CG's iterations at most (one product each): ``max_iter``, else min(2·dim + 10, 1000)
+    (rounding: exact arithmetic needs dim)."""
+    return max_iter or min(2 * dim + 10, 1000)
+
+
+def arnoldi_iters(dim: int, rank: int, iters: int | None = None) -> int:
+    """Arnoldi's iterations (one product of one vector each): min(dim, iters or 2·rank + 10)."""
+    return min(dim, iters or 2 * rank + 10)
+
+
+def iteration_bound(method: str, settings: dict, dim: int) -> tuple[int, str]:
+    """``(products at most, the setting that bounds them)`` of one solve by ``method``
+    ("cg", "lissa") with ``settings`` on ``dim`` coordinates: each iteration is one
+    product; CG and LiSSA may stop earlier (``rtol``, ``tol``)."""
+    if method == "cg":
+        given = settings.get("max_iter")
+        return cg_max_iter(dim, given), f"CG max_iter={given}" if given else "CG max_iter=min(2·dim+10, 1000)"
+    depth = settings.get("depth")
+    return depth or LISSA_DEPTH, f"LiSSA depth={depth or LISSA_DEPTH}"
 
 
 def conjugate_gradient(matvec: MatVec, X: torch.Tensor, damping: float = 0.0, *, max_iter: int | None = None,
                        rtol: float = 1e-10) -> torch.Tensor:
     """Solve (H + λI) Y = X row-wise by conjugate gradients.   X: (m, dim) → Y: (m, dim)."""
-    max_iter = max_iter or min(2 * X.shape[1] + 10, 1000)   # rounding: exact arithmetic needs dim
+    max_iter = cg_max_iter(X.shape[1], max_iter)
 
     def A(V):
         return matvec(V) + damping * V
@@ -55,7 +80,7 @@ def conjugate_gradient(matvec: MatVec, X: torch.Tensor, damping: float = 0.0, *,
     return Y
 
 
-def lissa(matvec: MatVec, X: torch.Tensor, damping: float = 0.0, *, scale: float = 10.0, depth: int = 1000,
+def lissa(matvec: MatVec, X: torch.Tensor, damping: float = 0.0, *, scale: float = 10.0, depth: int = LISSA_DEPTH,
           tol: float = 1e-10) -> torch.Tensor:
     """(H + λI)⁻¹ X by LiSSA's recursion; needs ``scale`` > the largest eigenvalue of H + λI.
 
@@ -83,7 +108,7 @@ def arnoldi(matvec: MatVec, dim: int, rank: int, *, iters: int | None = None, se
     re-orthogonalization, then keeps the ``rank`` largest Ritz pairs.
     Returns (eigenvalues (rank,), eigenvectors (dim, rank)).
     """
-    iters = min(dim, iters or 2 * rank + 10)
+    iters = arnoldi_iters(dim, rank, iters)
     gen = torch.Generator().manual_seed(seed)
     v = torch.randn(dim, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
     V = torch.zeros(iters + 1, dim, dtype=dtype, device=device)

@@ -65,7 +65,7 @@ class _Graph:
     def stream_deps(self, node: GradNode) -> set:
         deps = set()
         for op in chain_ops(node):
-            deps |= self.op_deps(op)
+            deps |= self.op_deps(op, vectors=node.n)
         root = stream_root(node)
         if isinstance(root, GroupMean):
             deps.add(self.add(GroupJob(root, (root.grads,), self.stream_deps(root.grads),
@@ -73,18 +73,19 @@ class _Graph:
         self.deps[node.token] = frozenset(deps)
         return deps
 
-    def op_deps(self, op: OpNode) -> set:
+    def op_deps(self, op: OpNode, vectors: int | None = None) -> set:
         """The keys of the jobs that must finish before ``op`` resolves: one per statistic
-        it needs (``op.statistics()``), each after the jobs its rows need."""
+        it needs (``op.statistics()``), each after the jobs its rows need (``vectors``: the
+        rows ``op`` is applied to, the vectors of its products per call)."""
         out = set()
         for statistic in op.statistics():
-            out |= self.statistic_deps(statistic)
+            out |= self.statistic_deps(statistic, vectors)
         return out
 
-    def statistic_deps(self, statistic) -> set:
+    def statistic_deps(self, statistic, vectors: int | None = None) -> set:
         """The job of one statistic (added), or for a statistic read when applied (no job),
-        the jobs its rows need."""
-        deps = self.stream_deps(statistic.rows)
+        the jobs its rows need (none for products: they read raw batches)."""
+        deps = self.stream_deps(statistic.rows) if statistic.rows is not None else set()
         for before in statistic.after:
             deps |= self.statistic_deps(before)
         if statistic.job in (None, "apply"):     # read by the operator when applied (a held side's: ApplyJob)
@@ -93,7 +94,7 @@ class _Graph:
             raise PlanError(f"{statistic.node.label} asks for a statistic of job kind {statistic.job!r}; the planner "
                             f"has jobs {sorted(STATISTICS_JOBS)}: return one of those from its statistics(), or "
                             "Statistic(None, node, rows) for rows it reads itself when applied")
-        job = STATISTICS_JOBS[statistic.job](statistic.node, (statistic.rows,), deps)
+        job = STATISTICS_JOBS[statistic.job].for_statistic(statistic, deps, self.facts.options, vectors)
         if job.key not in self.jobs:
             self.decisions.extend(job.first_decisions(self.facts.options))
         return {self.add(job)}
@@ -130,7 +131,7 @@ class _Graph:
         else:
             ready = {self.add(CollectJob(held, (held,), self.stream_deps(held), storage=kept))}
         ready |= self.apply_job(node, held, ready)
-        return ScoresJob(node, (streamed,), ready | self.op_deps(node.op) | self.stream_deps(streamed),
+        return ScoresJob(node, (streamed,), ready | self.op_deps(node.op, held.n) | self.stream_deps(streamed),
                          held=held, transposed=transposed, held_storage=kept, kernels=chosen, **self.fields)
 
     def apply_job(self, node: Inner, held: GradNode, ready: set) -> set:

@@ -178,6 +178,8 @@ class Explain:
                 row["measured_rss_growth_bytes"] = stats["peak_rss_growth_bytes"]
                 # True: an earlier peak hid this pass's own; its growth is at most the number above
                 row["measured_rss_is_bound"] = stats.get("peak_rss_is_bound", False)
+                if "calls" in stats:   # a products pass: its seconds are over every call of its solver
+                    row["measured_calls"] = stats["calls"]
             out.append(row)
         return out
 
@@ -273,6 +275,8 @@ class Explain:
                          f" {_si(row['measured_held_bytes']) + 'B':>9} {_measured_peak(row):>10}")
             lines.append(line)
             lines += [f"        · {job}" for job in row["jobs"]]
+            if "measured_calls" in row:
+                lines.append(f"        measured: {row['measured_calls']:,} call(s)")
             if row["note"]:
                 lines.append(f"        ! {row['note']}")
             if row.get("distributed"):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from ..errors import ObjectiveError
 from ..expr import (Captured, GradNode, Inner, Node, OpNode, RowWise, ScoreDiagonal, ScoreNode, ScoreSum,
                     Source)
-from .jobs import EKFACJob, FisherJob, KFACJob, TopK
+from .jobs import EKFACJob, FisherJob, KFACJob, ProductsJob, TopK
 from .rules import PlanError
 
 __all__ = ["Lowered", "lower", "ROW_WISE", "STATISTICS_JOBS", "stream_root", "chain_ops",
@@ -18,7 +18,7 @@ __all__ = ["Lowered", "lower", "ROW_WISE", "STATISTICS_JOBS", "stream_root", "ch
 
 ROW_WISE = RowWise      # the nodes a pass derives chunk by chunk (the row-wise protocol)
 #: the job class of each statistics kind an operator asks for (``Statistic.job``)
-STATISTICS_JOBS = {cls.kind: cls for cls in (FisherJob, KFACJob, EKFACJob)}
+STATISTICS_JOBS = {cls.kind: cls for cls in (FisherJob, KFACJob, EKFACJob, ProductsJob)}
 
 
 def stream_root(node: GradNode) -> GradNode:

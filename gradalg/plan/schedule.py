@@ -41,13 +41,22 @@ class Pass:
 
     @property
     def label(self) -> str:
+        if self.key[0] == "products":
+            return f"up to {self.key[4]:,} passes over {self.key[2]} ({self.key[3]:,} examples)"
         if self.key[0] == "data":
             return f"pass over {self.key[3]} ({self.key[4]:,} examples)"
         return "pass over captured rows" if self.key[0] == "captured" else "pass over rows in memory"
 
     @property
     def reads_data(self) -> bool:
+        """A pass over data captured once when the plan runs (a products pass reads its
+        data on each call of its solver instead: :attr:`per_call`)."""
         return self.key[0] == "data"
+
+    @property
+    def per_call(self) -> bool:
+        """A products pass: run on each call of the solver that uses it, not when the plan runs."""
+        return self.key[0] == "products"
 
 
 @dataclass(frozen=True)
@@ -78,7 +87,7 @@ def _defer_held(ready: list, remaining: dict, done: set, stored: set, facts: Fac
     collected in the last wave before its scores job can run: the rows are not carried
     through the passes that build the preconditioner (EK-FAC's covariance and correction
     passes would otherwise hold the query gradients)."""
-    keys = {j.key: pass_key(j.streams[0], stored, facts) for j in ready}
+    keys = {j.key: job_pass_key(j, stored, facts) for j in ready}
     after = done | set(keys)
 
     def waits(j) -> bool:
@@ -87,6 +96,12 @@ def _defer_held(ready: list, remaining: dict, done: set, stored: set, facts: Fac
         consumers = [c for c in remaining.values() if j.key in c.deps]
         return bool(consumers) and all(not (c.deps - {j.key}) <= after for c in consumers)
     return [j for j in ready if not waits(j)] or ready
+
+
+def job_pass_key(job, stored, facts) -> tuple:
+    """The key of the pass ``job`` runs in: its own (``job.pass_key()``: products), else
+    the pass that reads its first stream."""
+    return job.pass_key() or pass_key(job.streams[0], stored, facts)
 
 
 def _store_or_recompute(node, remaining: dict, facts: Facts, choices: Choices) -> tuple[str, Decision, dict]:
@@ -163,7 +178,7 @@ def _waves(graph: JobGraph, facts: Facts, choices: Choices, decisions: list) -> 
             raise PlanError(f"circular job dependencies among {sorted(remaining)}")
         groups: dict[tuple, list] = {}
         for j in _defer_held(ready, remaining, done, stored, facts):
-            groups.setdefault(pass_key(j.streams[0], stored, facts), []).append(j)
+            groups.setdefault(job_pass_key(j, stored, facts), []).append(j)
         for key, group in groups.items():
             passes.append((key, group + _stores(key, group, remaining, done, stored, graph, facts, choices,
                                                 decisions)))

@@ -168,7 +168,23 @@ class _Sizer:
                     x = x.grads
         return cost
 
+    def size_per_call(self, p: Pass) -> Pass:
+        """A products pass (:attr:`Pass.per_call`): its job's bound on the calls times one
+        call (:meth:`~gradalg.plan.jobs.products.ProductsJob.stream_cost`), in batches of
+        the job's ``batch`` (``ga.options(batch_size)``, as the products read their data),
+        its vectors held beside one batch's activations. Not refused for memory: the
+        products have always run at that batch size."""
+        dtype, job = self.facts.dtype, p.jobs[0]
+        job = replace(job, cost=job.stream_cost(0, None, dtype, None))
+        fixed, per_ex = job.fixed_bytes(dtype), job.per_example_bytes(dtype)
+        cost = replace(job.cost, peak_bytes=fixed + per_ex * job.batch, passes=float(job.calls))
+        return replace(p, jobs=[job], batch_size=job.batch, cost=cost, seconds=cost.seconds(self.facts.device, dtype),
+                       per_example_bytes=per_ex, fixed_bytes=fixed,
+                       note=f"run by its solver, one pass per call: the estimate is for {job.calls:,} calls")
+
     def size_pass(self, p: Pass) -> Pass:
+        if p.per_call:
+            return self.size_per_call(p)
         facts, dtype, o = self.facts, self.facts.dtype, self.facts.options
         sizing = [replace(j, release_held=False) if getattr(j, "release_held", False) else j for j in p.jobs]
         sources = _sources(p.jobs) if p.reads_data else []

@@ -17,11 +17,14 @@ TopKJob        its terms' streamed sides; their held sides      (n_query, k) bes
                                                                 and training positions
 DiagJob        both sides in lockstep (or one, the other held)  (n,) self-scores
 ApplyJob       an operator's rows, once (DataInf)               H⁻¹ (a score's held rows)
+ProductsJob    raw batches of a curvature's data, once per      V ↦ H V (a matvec), for
+               call (CG / LiSSA / Arnoldi iterations)           an iterative solver
 =============  ==============================================  ========================
 """
 from .apply import AppliedSums, ApplyJob, applied, held_application
 from .base import JOB_TYPES, Accumulator, Job, job_type
 from .fisher import FisherAccumulator, FisherJob
+from .products import ProductPass, ProductsJob, ProductSums
 from .kron import EKFACAccumulator, EKFACJob, KFACJob, KronAccumulator, KronStatisticsJob
 from .rows import CollectJob, Collector, GroupAccumulator, GroupJob, RowsJob, StoreJob
 from .scores import DiagAccumulator, DiagJob, ScoreAccumulator, ScoresJob, blockwise_preconditioner
@@ -30,4 +33,5 @@ from .topk import TopK, TopKAccumulator, TopKJob, select_topk
 __all__ = ["Job", "Accumulator", "JOB_TYPES", "job_type", "RowsJob", "CollectJob", "StoreJob", "GroupJob",
            "FisherJob", "KronStatisticsJob", "KFACJob", "EKFACJob", "ScoresJob", "DiagJob", "TopK", "TopKJob",
            "blockwise_preconditioner", "Collector", "GroupAccumulator", "FisherAccumulator", "KronAccumulator",
-           "EKFACAccumulator", "ScoreAccumulator", "DiagAccumulator", "TopKAccumulator", "select_topk", "ApplyJob", "AppliedSums", "applied", "held_application"]
+           "EKFACAccumulator", "ScoreAccumulator", "DiagAccumulator", "TopKAccumulator", "select_topk", "ApplyJob", "AppliedSums", "applied", "held_application",
+           "ProductsJob", "ProductSums", "ProductPass"]

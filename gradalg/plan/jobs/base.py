@@ -122,6 +122,18 @@ class Job:
     def key(self) -> tuple[str, str]:
         return (self.kind, self.target.token)
 
+    @classmethod
+    def for_statistic(cls, statistic, deps: set, options=None, vectors: int | None = None) -> "Job":
+        """The job of an operator's :class:`~gradalg.expr.Statistic` of this kind, after
+        ``deps``: it reads the statistic's rows (``vectors``: the rows the operator is
+        applied to, for a job that cares)."""
+        return cls(statistic.node, (statistic.rows,), set(deps))
+
+    def pass_key(self) -> tuple | None:
+        """The key of a pass of its own (a job that reads no gradient rows: products), or
+        None: the pass that reads ``streams[0]`` (:func:`~gradalg.plan.lower.pass_key`)."""
+        return None
+
     def at_once(self, T: int) -> int:
         """Positions of an example its kernels over factors take at once: ``min(T, token_block)``."""
         return min(T, self.token_block) if self.token_block else T

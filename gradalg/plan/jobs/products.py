@@ -1,0 +1,223 @@
+"""The products job: products with the loss curvature (Hessian or Gauss-Newton, known only
+through them: :class:`~gradalg.expr.curvature.CurvatureProducts`) as a planned pass over raw
+batches of the curvature data, with its accumulator.
+
+The operator says so with ``Statistic("products", H, None, calls=...)``: each product of H
+with a batch of vectors V (m, dim) reads every batch of H's data once, a forward and the
+product's backward(s), and an iterative solver above H (CG, LiSSA: :class:`~gradalg.expr.Inverse`;
+Arnoldi: :class:`~gradalg.expr.curvature.Arnoldi`) asks for one product per iteration, at
+most its iteration bound. The decide stage plans them as a :class:`ProductsJob` in a pass
+of its own (key ``("products", H token, task name, n, calls)``), priced as one product times
+the bound, which ``explain()`` shows. When the plan runs, the pass reads nothing: it
+publishes a :class:`ProductPass`, the matvec the solver calls, and each call runs the pass
+(every batch, a :class:`ProductSums` accumulating the per-batch products), timed into the
+pass's measured seconds (``explain(analyze=True)``: seconds over every call, and the calls).
+
+class        reads                                   produces
+ProductsJob  raw batches of H's data, once per call  V ↦ H V (a matvec), for the solver
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ...curvature.hvp import Products, eval_mode
+from ..cost import Cost, bmm_cost, first_example_shape, gemm_cost
+from ..rules import PlanError
+from ..shapes import activation_bytes, attention_shape, element_size, weight_layers
+from .base import Job
+
+__all__ = ["ProductsJob", "ProductSums", "ProductPass", "PRODUCT_SWEEPS", "positions"]
+
+#: per kind of product, ``(primal, tangent)``: forward-equivalents of GEMM work per batch
+#: (one forward of a weight layer = one GEMM (B·T, out, in); its backward = two, the input
+#: and the weight gradient), the primal once per batch, the tangent once per vector.
+#: By the product rule, the tangent of a bilinear op y = W x is Ẇ x + W ẋ: two GEMMs.
+#:
+#: ``hessian`` (forward-over-reverse, ``jvp(grad(loss))``): primal forward + backward = 3;
+#: tangent of the forward (2) and of the backward's two GEMMs (2 × 2) = 6.
+#: ``gauss_newton`` (``jvp`` of the outputs, the output Hessian, ``vjp``): primal two
+#: forwards (the jvp's and the vjp's) = 2; tangent of the forward (2) and the vjp's
+#: backward (2) = 4. (Under ``vmap`` the primal runs once for the m vectors; the loop
+#: fallback for models ``vmap`` cannot batch runs it per vector.)
+PRODUCT_SWEEPS = {"hessian": (3, 6), "gauss_newton": (2, 4)}
+
+
+def positions(data) -> int:
+    """Positions per example T of ``data``: the second dimension of an integer first
+    tensor (token ids), else 1 (as :func:`~gradalg.plan.cost.tokens_hint` reads a source's)."""
+    first = first_example_shape(data)
+    if first is not None and len(first[0]) == 2 and not first[1].is_floating_point:
+        return int(first[0][1])
+    return 1
+
+
+@dataclass(eq=False, frozen=True)
+class ProductsJob(Job):
+    """The products of ``target`` (a :class:`~gradalg.expr.curvature.CurvatureProducts`) with
+    ``vectors`` rows per call, ``calls`` calls at most (``calls_why``: the solver's setting
+    that bounds them), each a pass over its data in batches of ``batch``
+    (``ga.options(batch_size)``, as the products always read it). ``streams`` is empty:
+    it reads raw batches, not gradient rows."""
+
+    kind: ClassVar[str] = "products"
+    output: ClassVar[str] = "matvec"
+    phase: ClassVar[str] = "statistics"
+    ops_per_block: ClassVar[int] = 0
+
+    calls: int = 1
+    calls_why: str = ""
+    vectors: int = 1
+    batch: int = 64
+
+    @classmethod
+    def for_statistic(cls, statistic, deps: set, options=None, vectors: int | None = None) -> "ProductsJob":
+        """The job of a ``"products"`` statistic: its calls, and its vectors (the
+        statistic's, else ``vectors``: the rows the operator is applied to, else one)."""
+        m = statistic.vectors or vectors or 1
+        return cls(statistic.node, (), set(deps), calls=max(1, int(statistic.calls)), calls_why=statistic.calls_why,
+                   vectors=int(m), batch=options.batch_size if options is not None else 64)
+
+    def pass_key(self) -> tuple:
+        """Its own pass: ``("products", H token, task name, n, calls)``."""
+        t = self.target
+        return ("products", t.token, t.task.name, t.data.n, self.calls)
+
+    def describe(self) -> str:
+        t = self.target
+        bound = f"up to {self.calls:,} calls" + (f" ({self.calls_why})" if self.calls_why else "")
+        return (f"{t.label}: {self.vectors:,} vector(s) per call over {len(t.layers)} layer(s), "
+                f"{bound}, each one pass")
+
+    # ------------------------------------------------------------------ cost
+    def stream_cost(self, n_stream, chunk, dtype, layout_of, storage_of=None, options=None, resolved=None) -> Cost:
+        """``calls`` × one call: per batch of B examples (``batch``) of T positions, m vectors,
+        each weight layer ``(in, out)`` (:func:`~gradalg.plan.shapes.weight_layers`) runs
+        ``primal + tangent·m`` GEMMs (B·T, out, in) (:data:`PRODUCT_SWEEPS`); attention
+        (a transformer config) two batched (T, T, d_head) products per forward-equivalent;
+        elementwise traffic the activations (:func:`~gradalg.plan.shapes.activation_bytes`)
+        once per forward-equivalent; the per-batch sum of the products (m, dim) read and
+        written, and each leaf module called once per primal forward-equivalent."""
+        return self.call_cost(dtype).scaled(self.calls)
+
+    def call_cost(self, dtype) -> Cost:
+        """One call: one pass over the data (:meth:`stream_cost`)."""
+        t, elem = self.target, element_size(dtype)
+        model, n, m = t.task.model, t.data.n, self.vectors
+        T = positions(t.data)
+        B = max(1, min(self.batch, n))
+        batches = -(-n // B)
+        primal, tangent = PRODUCT_SWEEPS[t.kind]
+        cost = Cost(calls=float(batches * _leaf_modules(model) * primal), batches=float(batches))
+        for n_in, n_out in weight_layers(model):
+            cost = cost + gemm_cost(B * T, n_out, n_in, batches * primal, elem)
+            cost = cost + gemm_cost(B * T, n_out, n_in, batches * tangent * m, elem)
+        layers, width, heads = attention_shape(model)
+        if layers and T > 1:
+            d_head = max(1, width // heads)
+            cost = cost + bmm_cost(B * heads, T, T, d_head, 2 * batches * layers * (primal + tangent * m), elem)
+        cost = cost + Cost(elementwise=activation_bytes(model, T, elem) * n * (primal + tangent * m))
+        dim = t.space.dim
+        return cost + Cost(bytes=5.0 * elem * m * dim * batches)   # V to parameters, back, and the running sum
+
+    # ------------------------------------------------------------------ memory
+    def fixed_bytes(self, dtype) -> float:
+        """The vectors, their products and the running sum: 3·m·dim·elem."""
+        return 3.0 * self.vectors * self.target.space.dim * element_size(dtype)
+
+    def per_example_bytes(self, dtype) -> float:
+        """What autograd keeps per example: the activations, once for the primal and once
+        per vector's tangent (a lower bound, as :func:`~gradalg.plan.shapes.activation_bytes`)."""
+        t = self.target
+        return activation_bytes(t.task.model, positions(t.data), element_size(dtype)) * (1 + self.vectors)
+
+    def output_bytes(self, n: int) -> float:
+        return 8.0 * self.vectors * self.target.space.dim
+
+    # ------------------------------------------------------------------ running
+    def accumulator(self, ctx) -> "ProductsOpened":
+        return ProductsOpened(self, ctx)
+
+    def publish(self, result, state) -> None:
+        state.results[self.key] = result
+
+
+def _leaf_modules(model) -> int:
+    return sum(1 for mod in model.modules() if not any(True for _ in mod.children()))
+
+
+class ProductSums:
+    """One call's accumulator: ``update(rows)`` adds a batch's Σ_i H_i V (m, dim);
+    ``finish()`` is H V = the sum / n. ``export`` / ``absorb``: the partial sum of a shard."""
+
+    def __init__(self, n: int):
+        self.n, self.total = n, None
+
+    def update(self, rows: torch.Tensor) -> None:
+        self.total = rows if self.total is None else self.total + rows
+
+    def export(self):
+        return self.total
+
+    def absorb(self, part) -> None:
+        if part is not None:
+            self.update(part)
+
+    def finish(self) -> torch.Tensor:
+        return self.total / self.n
+
+
+class ProductsOpened:
+    """The products pass as the runner opens it when the plan runs: it is fed nothing then
+    (its batches are read on each call); ``finish()`` gives the :class:`ProductPass`."""
+
+    def __init__(self, job: ProductsJob, ctx):
+        self.job, self.ctx = job, ctx
+
+    def update(self, *chunks) -> None:
+        raise PlanError(f"{self.job.describe()} reads its own batches on each call; a pass fed it chunks "
+                        "(a planner bug: report it)")
+
+    def export(self):
+        return None
+
+    def absorb(self, part) -> None:
+        """Nothing: the pass is never sharded (its calls come from the solver here)."""
+
+    def finish(self) -> "ProductPass":
+        return ProductPass(self.job, self.ctx)
+
+
+class ProductPass:
+    """``V (m, dim) ↦ H V (m, dim)``: each call one run of the products pass of ``job`` (every
+    batch of its data, the per-batch products summed by a :class:`ProductSums`). Each call's
+    seconds are added to its pass's measured entry (``ctx.pass_stats``, the entry whose
+    ``key`` is the pass's), with the number of calls."""
+
+    def __init__(self, job: ProductsJob, ctx):
+        t = job.target
+        self.job, self.ctx = job, ctx
+        self.products = Products(t.task, t.data, t.layers, t.kind)
+        self.coords = self.products.coords
+        self.calls = 0
+
+    def __call__(self, V: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        sums = ProductSums(self.job.target.data.n)
+        with eval_mode(self.products.model):
+            for first, batch in self.products.batches(self.job.batch):
+                sums.update(self.products.batch_rows(batch, V, first))
+        self.calls += 1
+        self._record(time.perf_counter() - start)
+        return sums.finish()
+
+    def _record(self, seconds: float) -> None:
+        key = self.job.pass_key()
+        for entry in reversed(getattr(self.ctx, "pass_stats", [])):
+            if entry.get("key") == key:
+                entry["seconds"] += seconds
+                entry["calls"] = entry.get("calls", 0) + 1
+                return

@@ -1,0 +1,166 @@
+"""Products with the loss curvature (Hessian / Gauss-Newton, known only through them) are a
+planned pass (:class:`~gradalg.plan.jobs.products.ProductsJob`): the plan lists it with its
+estimate and its iteration bound (CG ``max_iter``, LiSSA ``depth``, Arnoldi ``iters``),
+``explain(analyze=True)`` measures it over every call, and the solver's products run
+through it with the numbers of the products computed outside a plan (bit-identical), on an
+MLP and a small GPT-2, and against the dense reference."""
+import math
+import os
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import gradalg as ga
+from gradalg.exec import LocalExecutor
+from gradalg.expr.curvature import CurvatureProducts
+from gradalg.plan.jobs import ProductPass, ProductsJob
+
+sys.path.insert(0, os.path.dirname(__file__))
+import models  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def setting():
+    model = models.mlp()
+    X, y = models.classification_data(n=40)
+    return ga.tasks.classification(model), (X, y), (X[:3], y[:3])
+
+
+def _products_passes(plan):
+    return [p for p in plan.passes if p.per_call]
+
+
+def _unplanned(monkeypatch):
+    """Products computed as before they were planned: one pass per call outside any plan
+    (``ctx.products`` without the node: :func:`~gradalg.curvature.hvp.dataset_matvec`)."""
+    from gradalg.linalg import ImplicitOp
+
+    def resolve(self, ctx):
+        matvec = ctx.products(self.task, self.data, self.layers, self.kind)
+        return ImplicitOp(self.space, matvec, tags=frozenset({"psd"}) if self.kind != "hessian" else frozenset())
+    monkeypatch.setattr(CurvatureProducts, "resolve", resolve)
+
+
+CASES = [("cg", dict(curvature="gauss_newton", solver_settings={"max_iter": 7}), 7, 3, "CG max_iter=7"),
+         ("cg", dict(curvature="gauss_newton"), None, 3, "CG max_iter=min(2·dim+10, 1000)"),
+         ("lissa", dict(curvature="gauss_newton", solver_settings={"depth": 50, "scale": 20.0}), 50, 3,
+          "LiSSA depth=50"),
+         ("arnoldi", dict(curvature="hessian", rank=4), None, 1, "Arnoldi iters=min(dim, 2·rank+10)")]
+
+
+@pytest.mark.parametrize("solver,kw,calls,vectors,why", CASES)
+def test_the_plan_lists_the_products_pass_with_its_estimate_and_iteration_bound(setting, solver, kw, calls,
+                                                                                 vectors, why):
+    task, train, queries = setting
+    S = ga.methods.influence(task, train, queries, solver=solver, damping=0.1, **kw)
+    plan = LocalExecutor().plan(S.expr)
+    [step] = _products_passes(plan)
+    [job] = step.jobs
+    dim = job.target.space.dim
+    expected = calls or (min(2 * dim + 10, 1000) if solver == "cg" else min(dim, 2 * 4 + 10))
+    assert isinstance(job, ProductsJob) and job.calls == expected and job.vectors == vectors
+    assert job.calls_why == why and job.batch == ga.get_options().batch_size
+    assert math.isfinite(step.seconds) and step.seconds > 0 and step.cost.flops > 0
+    assert step.cost.passes == expected and not step.reads_data
+    # one call's GEMMs are priced from the model's layers: primal + tangent·m forward-equivalents
+    one = job.call_cost(torch.float64)
+    torch.testing.assert_close(step.cost.flops, one.flops * expected)
+    text = str(S.explain())
+    assert f"up to {expected:,} calls ({why})" in text and f"up to {expected:,} passes over" in text
+
+
+def test_the_products_pass_runs_through_the_job_with_the_numbers_outside_a_plan(setting, monkeypatch):
+    task, train, queries = setting
+    S = ga.methods.influence(task, train, queries, curvature="gauss_newton", solver="cg", damping=0.1)
+    ex = LocalExecutor()
+    planned = np.asarray(S.compute(executor=ex))
+    assert isinstance(ex.state.results[("products", _products_passes(ex.last_plan)[0].jobs[0].target.token)],
+                      ProductPass)
+    _unplanned(monkeypatch)
+    before = np.asarray(S.compute(executor=LocalExecutor()))
+    np.testing.assert_array_equal(planned, before)
+    # and the dense reference: ∇f_qᵀ (H + λI)⁻¹ ∇ℓ_z with H the dense Gauss-Newton
+    flat = lambda R: torch.cat([v.flatten(1) for v in R.to_dense().values()], 1)   # noqa: E731
+    Q, G = flat(ga.grads(task, queries)), flat(ga.grads(task, train))
+    H = ga.gauss_newton(task, train).to_dense()
+    ref = (Q @ torch.linalg.solve(H + 0.1 * torch.eye(len(H), dtype=H.dtype), G.T)).numpy()
+    np.testing.assert_allclose(planned, ref, rtol=1e-6, atol=1e-6 * float(np.abs(ref).max()))
+
+
+@pytest.mark.parametrize("solver", ["lissa", "arnoldi"])
+def test_lissa_and_arnoldi_through_the_pass_equal_the_products_outside_a_plan(setting, monkeypatch, solver):
+    task, train, queries = setting
+    kw = dict(solver_settings={"depth": 60, "scale": 20.0}) if solver == "lissa" else dict(rank=5)
+    S = ga.methods.influence(task, train, queries, curvature="gauss_newton", solver=solver, damping=0.1, **kw)
+    planned = np.asarray(S.compute(executor=LocalExecutor()))
+    _unplanned(monkeypatch)
+    np.testing.assert_array_equal(planned, np.asarray(S.compute(executor=LocalExecutor())))
+
+
+def test_analyze_measures_the_products_pass_over_its_calls(setting):
+    task, train, queries = setting
+    S = ga.methods.influence(task, train, queries, curvature="gauss_newton", solver="cg", damping=0.1,
+                             solver_settings={"max_iter": 9})
+    shown = S.explain(analyze=True)
+    rows = [r for r in shown.passes() if "measured_calls" in r]
+    assert len(rows) == 1
+    [row] = rows
+    assert 1 <= row["measured_calls"] <= 9 and row["measured_seconds"] > 0
+    assert f"measured: {row['measured_calls']:,} call(s)" in str(shown)
+
+
+def test_an_operator_resolved_on_its_own_plans_its_products_pass(setting):
+    task, train, _ = setting
+    H = ga.gauss_newton(task, train)
+    ex = LocalExecutor()
+    resolved = ex.resolve(H.expr)
+    assert [j.kind for p in ex.last_plan.passes for j in p.jobs] == ["products"]
+    V = torch.randn(2, H.expr.space.dim, dtype=torch.float64)
+    torch.testing.assert_close(resolved.apply(V), V @ H.to_dense(), rtol=1e-10, atol=1e-12)
+
+
+def test_gpt2_hessian_products_through_the_pass_equal_the_products_outside_a_plan(monkeypatch):
+    model = models.gpt2(n_layer=1, n_embd=32)
+    task = models.lm_task(model)
+    data = models.padded_token_data(n=5, max_len=6)
+    layers = ["transformer.h.0.mlp.c_fc"]
+    Q, G = ga.grads(task, data, layers), ga.grads(task, data, layers)
+    H = ga.arnoldi(ga.hessian(task, data, layers), rank=3, iters=6)
+    S = Q @ H.damp(0.5).inv() @ G.T
+    ex = LocalExecutor()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)   # vmap's loop over vectors (HF attention masks)
+        planned = np.asarray(S.compute(executor=ex))
+    [step] = _products_passes(ex.last_plan)
+    assert step.jobs[0].calls == 6 and step.jobs[0].vectors == 1
+    assert math.isfinite(step.seconds) and step.seconds > 0 and step.cost.bmms   # attention priced
+    _unplanned(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        np.testing.assert_array_equal(planned, np.asarray(S.compute(executor=LocalExecutor())))
+
+
+@pytest.mark.slow
+def test_on_dask_the_products_pass_is_placed_on_the_client_as_a_typed_decision(setting):
+    pytest.importorskip("distributed")
+    from gradalg.plan.decisions import DecisionKind
+    task, train, queries = setting
+    S = ga.methods.influence(task, train, queries, curvature="gauss_newton", solver="cg", damping=0.1)
+    with ga.options(progress=False):
+        local = np.asarray(S.compute(executor=LocalExecutor()))
+        dx = ga.exec.DaskExecutor(n_workers=1, threads_per_worker=1, min_shard_examples=1)
+        try:
+            got = np.asarray(S.compute(executor=dx))
+            plan = dx.last_plan
+        finally:
+            dx.close()
+    np.testing.assert_allclose(got, local, rtol=1e-9, atol=1e-12)
+    placed = plan.decisions.of(DecisionKind.PLACEMENT)
+    [(index, step)] = [(i, p) for i, p in enumerate(plan.passes) if p.per_call]
+    [decision] = [d for d in placed if d.subject == (index, *step.key)]
+    assert decision.chosen == "on the client" and not plan.placement[index].sharded
+    assert decision.reason.startswith("a products pass: its solver calls it on the client")
+    assert any(plan.placement[i].sharded for i, p in enumerate(plan.passes) if p.reads_data)   # the others shard
