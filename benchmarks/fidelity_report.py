@@ -46,7 +46,7 @@ FIGURE = ROOT / "docs" / "img" / "fidelity_frontier.png"
 #: the panels, in this order (a results file ``results-<name>[-k<K>].json`` fills its panel)
 SETTINGS = ("logreg", "mlp", "lm", "lm2", "text", "instruct", "llama", "conv", "seqcls")
 #: (setting, method, configuration) of first rows that are not the method's default
-NOT_DEFAULT = {("lm", "less", "3 Adam checkpoints, sparse k=8192"),     # LESS's defaults (a dense map) refused there
+NOT_DEFAULT = {("lm", "less", "3 Adam checkpoints, sparse k=8192"),     # LESS's defaults (then a dense map) were refused
                ("lm2", "less", "3 Adam checkpoints, sparse k=8192")}
 
 
@@ -367,7 +367,7 @@ TIED = (("K-FAC influence", "influence", "K-FAC", ("K-FAC, layers='all' (tied em
                                                     "EK-FAC, layers='all'"),
          "EK-FAC, blocks + transformer.wte (tied) by name",
          "EK-FAC, layers='all', vocabulary factor diagonal (kron_diagonal_width=512)"),
-        ("RelatIF (EK-FAC)", "relatif", ("EK-FAC", "defaults (damping=0.001)"),
+        ("RelatIF (EK-FAC)", "relatif", ("EK-FAC", "EK-FAC, damping=0.001", "defaults (damping=0.001)"),
          ("EK-FAC, layers='all' (tied embedding/head included)", "EK-FAC, layers='all'"), None, None),
         ("reference: Gauss-Newton, sparse k = 2048", "influence", "Gauss-Newton, sparse k=2048, blocks only (reference)",
          "Gauss-Newton, sparse k=2048, layers='all' (reference)", None, None),
