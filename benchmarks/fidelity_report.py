@@ -60,8 +60,9 @@ def load(setting: str, root: Path = BUILD) -> dict:
 
 def table(result: dict) -> str:
     bases = [r["seconds"] / r["cost"] for r in result["rows"] if r.get("cost")]     # each run measured its own
-    base = (f"{min(bases) * 1e3:.1f}–{max(bases) * 1e3:.1f} ms (measured in each run)" if bases and
-            max(bases) > 1.05 * min(bases) else f"{result['fwd_bwd_seconds'] * 1e3:.1f} ms")
+    ms = lambda x: f"{x * 1e3:.1f}" if x >= 1e-3 else f"{x * 1e3:.2f}"  # noqa: E731 - a digits run is 0.2 ms
+    base = (f"{ms(min(bases))}–{ms(max(bases))} ms (measured in each run)" if bases and
+            max(bases) > 1.05 * min(bases) else f"{ms(result['fwd_bwd_seconds'])} ms")
     proto = result.get("protocol", {})
     named = (f" Protocol **{proto['name']}** ({proto['counterfactual']}); {proto['n_subsets']} subsets, "
              f"{proto['queries']} queries." if "name" in proto else "")
