@@ -353,12 +353,18 @@ def method_rows(p: Prepared):
         task, tr, qu, layers=L, curvature="empirical", projector=ga.proj.sparse(2048, seed=0))
     yield "influence", "Gauss-Newton, sparse k=2048", lambda: m.influence(
         task, tr, qu, layers=L, projector=ga.proj.sparse(2048, seed=0))
-    yield "relatif", "EK-FAC", lambda: m.relatif(task, tr, qu, layers=L, curvature="ekfac")
+    yield "relatif", defaults(m.relatif, "damping"), lambda: m.relatif(task, tr, qu, layers=L)
+    # RelatIF's previous default (an absolute 1e-3; "auto" since issue 31), kept for comparison
+    yield "relatif", "EK-FAC, damping=0.001", lambda: m.relatif(task, tr, qu, layers=L, curvature="ekfac",
+                                                              damping=1e-3)
     yield "grad_cos", "", lambda: m.grad_cos(task, tr, qu, layers=L)
     yield "influence", "DataInf", lambda: m.influence(task, tr, qu, layers=L, curvature="datainf")
     yield "grass", "GraSS (unfactored)", lambda: m.grass(task, tr, qu, layers=L, factored=False)
     yield "tracin", "3 checkpoints of the Adam run", lambda: m.tracin(*_checkpoints(p, "tracin"), tr, qu, layers=L)
-    # LESS's default dense k=8192 projection of ~100k coordinates is over the memory budget
+    # LESS at its defaults: the dense k=8192 Rademacher map within ga.options(dense_projection_bytes),
+    # else an SJLT (refused here before 2026-12-05, when the default was always dense)
+    yield "less", defaults(m.less, "k") + ", 3 Adam checkpoints", lambda: m.less(
+        *_checkpoints(p, "less"), tr, qu, np.arange(len(qu)), layers=L)
     yield "less", "3 Adam checkpoints, sparse k=8192", lambda: m.less(
         *_checkpoints(p, "less"), tr, qu, np.arange(len(qu)), layers=L, projector=ga.proj.sparse(8192, seed=0))
     # TrackStar at the run's last checkpoint (the final model and its Adam state), train R only
@@ -504,8 +510,10 @@ def tied_rows(task, tr, qu, blocks, tied: str = "transformer.wte", diagonal: boo
         task, tr, qu, layers="all", curvature="ekfac")
     yield "influence", f"EK-FAC, blocks + {tied} (tied) by name", lambda: m.influence(
         task, tr, qu, layers=list(blocks) + [tied], curvature="ekfac")
+    # damping=1e-3: RelatIF's default when these rows were measured (2026-12-05; "auto" since),
+    # pinned so that the cached scores and the tied-embedding table stay what they say
     yield "relatif", "EK-FAC, layers='all' (tied embedding/head included)", lambda: m.relatif(
-        task, tr, qu, layers="all", curvature="ekfac")
+        task, tr, qu, layers="all", curvature="ekfac", damping=1e-3)
     # references without a Kronecker factorisation: what including the embedding does to the
     # Gauss-Newton influence in a 2048-d sparse projection, and to the plain inner product
     yield "influence", "Gauss-Newton, sparse k=2048, blocks only (reference)", lambda: m.influence(

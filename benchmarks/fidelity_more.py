@@ -421,7 +421,9 @@ def method_rows(s: Setting, model, snapshots):
     # norms) in the curvature, beside the default layers' rows above
     yield "influence", "EK-FAC, layers='all'", lambda: m.influence(task, tr, qu, layers="all", curvature="ekfac")
     yield "influence", "K-FAC, layers='all'", lambda: m.influence(task, tr, qu, layers="all", curvature="kfac")
-    yield "relatif", "EK-FAC, layers='all'", lambda: m.relatif(task, tr, qu, layers="all", curvature="ekfac")
+    # damping=1e-3: RelatIF's default when this row was measured (2026-12-05; "auto" since), pinned
+    yield "relatif", "EK-FAC, layers='all'", lambda: m.relatif(task, tr, qu, layers="all", curvature="ekfac",
+                                                               damping=1e-3)
 
 
 # ---------------------------------------------------------------------------------- run

@@ -401,7 +401,8 @@ def method_rows(p: Prepared):
     yield "influence", "EK-FAC", lambda: m.influence(task, tr, qu, curvature="ekfac")
     yield "influence", "K-FAC", lambda: m.influence(task, tr, qu, curvature="kfac")
     yield "influence", "DataInf", lambda: m.influence(task, tr, qu, curvature="datainf")
-    yield "relatif", "EK-FAC", lambda: m.relatif(task, tr, qu, curvature="ekfac")
+    # RelatIF's previous default (an absolute 1e-3; "auto" since issue 31), kept for comparison
+    yield "relatif", "EK-FAC, damping=0.001", lambda: m.relatif(task, tr, qu, curvature="ekfac", damping=1e-3)
     yield "less", "3 Adam checkpoints, sparse k=8192", lambda: m.less(
         *checkpoints(p), tr, qu, np.arange(len(qu)), projector=ga.proj.sparse(8192, seed=0))
     # issue 31 item 4: the tied embedding / head in the curvature (block-only rows above)
