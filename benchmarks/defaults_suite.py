@@ -62,6 +62,21 @@ SETTINGS = ("logreg", "mlp", "lm", "lm2", "text", "instruct", "llama", "conv", "
 #: Gauss-Newton (650 / 2,410 / 3,818 coordinates). Checked at run time (``_auto_curvature``).
 MEAN_01 = DampingRule("mean", 0.1)
 
+
+class ByForm(tuple):
+    """A damping that depends on which curvature ``curvature="auto"`` takes on the setting, as
+    ``damping="auto"``'s own rule does (``influence.AUTO_DAMPING``): ``ByForm((dense, kronecker))``
+    passes ``dense`` where it is the dense Gauss-Newton, ``kronecker`` where it is EK-FAC."""
+
+    def __repr__(self):
+        return f"ByForm(dense={self[0]!r}, kronecker={self[1]!r})"
+
+
+#: issue 31 item 3: ``damping="auto"``'s rules (mass 0.95 dense, 0.99 Kronecker) with one λ from
+#: the pooled spectrum, or per block at least the relative default's λ (1 / 0.1 × mean eigenvalue)
+AUTO_POOLED = ByForm((DampingRule("mass", 0.95, per_block=False), DampingRule("mass", 0.99, per_block=False)))
+AUTO_FLOORED = ByForm((DampingRule("mass", 0.95, floor=1.0), DampingRule("mass", 0.99, floor=0.1)))
+
 # --------------------------------------------------------------------------- candidates
 # method -> [(label, kwargs, standard row's label or None)]. The first is the previous default,
 # with its values spelled out (TRAK's and GraSS's relative rule needs damping=None since their
@@ -77,6 +92,8 @@ CANDIDATES = {
         ("EK-FAC, damping='auto'", dict(curvature="ekfac", damping="auto"), None),
         ("K-FAC, damping='auto'", dict(curvature="kfac", damping="auto"), None),
         ("damping=mean 0.1", dict(damping=MEAN_01), None),
+        ("damping='auto', pooled", dict(damping=AUTO_POOLED), None),
+        ("damping='auto', floor at the relative default", dict(damping=AUTO_FLOORED), None),
     ],
     "trak": [
         ("defaults (k=2048, relative_damping=1)", dict(k=2048, damping=None, relative_damping=1.0),
@@ -151,6 +168,8 @@ class Context:
             kw["layers"] = self.layers
         if kw.get("relative_damping") == "previous":          # influence's default before issue 31
             kw["relative_damping"] = 1.0 if self.auto == "gauss_newton" else 0.1
+        if isinstance(kw.get("damping"), ByForm):
+            kw["damping"] = kw["damping"][0 if self.auto == "gauss_newton" else 1]
         if method in ("influence", "trak", "logra", "grass", "relatif"):
             return lambda: getattr(m, method)(task, tr, qu, **kw)
         tasks, optimizers, lrs = self.snapshots()
@@ -262,10 +281,19 @@ def context(name: str) -> Context:
     return more(name)
 
 
+def cached(path) -> Path:
+    """A path the rows recorded (a store, a scores file), in this tree's ``build/fidelity``: rows
+    written from another worktree name theirs, and the shared cache is the same directory."""
+    path = Path(path)
+    if path.exists() or "build/fidelity/" not in str(path):
+        return path
+    return BUILD / str(path).split("build/fidelity/", 1)[1]
+
+
 def load_truth(spec: dict):
     """The ground truth from its store, or raise Pending when a run is missing (never trains)."""
     spec = dict(spec)
-    store, n_query = Path(spec.pop("store")), spec.pop("n_query")
+    store, n_query = cached(spec.pop("store")), spec.pop("n_query")
     if not (store / "meta.json").exists():
         raise Pending
     truth = ga.eval.retrain(_never, spec.pop("n_train"), targets_fn=_never, target="loss", store=store, **spec)
@@ -366,7 +394,7 @@ def lds(names) -> None:
             print(f"[{name}] ground truth not complete yet: {len(todo)} rows wait", flush=True)
             continue
         for row in todo:
-            with np.load(row["scores"]) as z:
+            with np.load(cached(row["scores"])) as z:
                 values = xr.DataArray(np.asarray(z["values"])[:truth.sizes["query"]], dims=("query", "train"))
             r = ga.eval.lds(values, truth, target="loss", bootstrap=1000, resample="both")
             row.update(lds=float(r.mean), low=float(r.interval[0]), high=float(r.interval[1]),

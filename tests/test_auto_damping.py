@@ -98,6 +98,41 @@ def test_blocks_of_different_scale_get_their_own_lambda():
     assert pooled["a"] == pooled["b"] == 4e4
 
 
+def test_floor_bounds_each_lambda_by_a_multiple_of_the_pooled_mean():
+    """λ_b = max(rule_b, c · tr(H)/dim): the small block is lifted to c × the pooled mean, the
+    large one keeps its own; bad floors are refused."""
+    from gradalg.linalg import ResolvedOp
+    from gradalg.space import Block, ParamSpace
+    space = ParamSpace((Block("a", (3,), "param"), Block("b", (3,), "param")))
+    op = ResolvedOp(space, "block", {"a": torch.diag(torch.tensor([4e4, 2e4, 1e4], dtype=torch.float64)),
+                                     "b": torch.diag(torch.tensor([4.0, 2.0, 1.0], dtype=torch.float64))})
+    mean = (7e4 + 7.0) / 6
+    got = block_lambdas(op, DampingRule("mass", 0.5, floor=0.1))
+    assert got["a"] == 4e4 and math.isclose(got["b"], 0.1 * mean, rel_tol=1e-12)
+    assert block_lambdas(op, DampingRule("mass", 0.5, floor=0.0)) == {"a": 4e4, "b": 4.0}
+    pooled = block_lambdas(op, DampingRule("mass", 0.5, per_block=False, floor=10.0))
+    assert math.isclose(pooled["a"], 10 * mean, rel_tol=1e-12) and pooled["a"] == pooled["b"]
+    for bad in (-1.0, float("inf"), True):
+        with pytest.raises(OptionError, match="floor"):
+            DampingRule("mass", 0.5, floor=bad)
+    assert "at least 0.1 × H's mean eigenvalue" in DampingRule("mass", 0.5, floor=0.1).describe()
+
+
+def test_floored_rule_on_a_dense_gauss_newton_matches_a_dense_reference(setting):
+    s = setting
+    G, Q = reference_rows(s["task"], s["train"], LAYERS), reference_rows(s["task"], s["query"], LAYERS)
+    Gl = ga.grads(s["task"], s["train"], LAYERS)
+    offsets = Gl.space.offsets()
+    Fm = G.T @ G / G.shape[0]
+    rule = DampingRule("mass", 0.9, floor=1.0)
+    shift = torch.empty(Fm.shape[0], dtype=Fm.dtype)
+    for sl in offsets.values():
+        shift[sl] = max(rule_lambda(rule, torch.linalg.eigvalsh(Fm[sl, sl])), float(torch.trace(Fm)) / Fm.shape[0])
+    want = Q @ torch.linalg.solve(Fm + torch.diag(shift), G.T)
+    got = (ga.grads(s["task"], s["query"], LAYERS) @ ga.fisher(Gl).damp(rule).inv() @ Gl.T).compute().values
+    close(np.asarray(got), want.numpy())
+
+
 def test_kronecker_damped_per_block_matches_a_dense_reference(setting):
     """K-FAC / EK-FAC: λ_b from block b's Λ; (F_kron + ⊕ λ_b I)⁻¹ against the dense matrix."""
     s = setting
