@@ -76,6 +76,8 @@ class ByForm(tuple):
 #: the pooled spectrum, or per block at least the relative default's λ (1 / 0.1 × mean eigenvalue)
 AUTO_POOLED = ByForm((DampingRule("mass", 0.95, per_block=False), DampingRule("mass", 0.99, per_block=False)))
 AUTO_FLOORED = ByForm((DampingRule("mass", 0.95, floor=1.0), DampingRule("mass", 0.99, floor=0.1)))
+AUTO_BY_STRUCTURE = ByForm((AUTO_POOLED[0], "auto"))
+AUTO_IF_KRONECKER = ByForm(("previous", "auto"))
 
 # --------------------------------------------------------------------------- candidates
 # method -> [(label, kwargs, standard row's label or None)]. The first is the previous default,
@@ -94,6 +96,10 @@ CANDIDATES = {
         ("damping=mean 0.1", dict(damping=MEAN_01), None),
         ("damping='auto', pooled", dict(damping=AUTO_POOLED), None),
         ("damping='auto', floor at the relative default", dict(damping=AUTO_FLOORED), None),
+        # per block only where H is block-diagonal (Kronecker: its blocks' spectra are H's spectrum);
+        # a dense H keeps one λ: from its own spectrum (mass 0.95), or the relative 1 × mean eigenvalue
+        ("damping='auto' per block if Kronecker, pooled if dense", dict(damping=AUTO_BY_STRUCTURE), None),
+        ("damping='auto' if Kronecker, else 1 × mean eigenvalue", dict(damping=AUTO_IF_KRONECKER), None),
     ],
     "trak": [
         ("defaults (k=2048, relative_damping=1)", dict(k=2048, damping=None, relative_damping=1.0),
@@ -133,7 +139,13 @@ PREVIOUS_DEFAULT = {m: rows[0][0] for m, rows in CANDIDATES.items()}
 #: where curvature="auto" is EK-FAC these influence rows are the same computation as another:
 #: scored once, the row copied (its note says so)
 SAME_WHEN_AUTO_IS_EKFAC = {("influence", "EK-FAC"): "defaults (curvature='auto')",
-                           ("influence", "EK-FAC, damping='auto'"): "damping='auto'"}
+                           ("influence", "EK-FAC, damping='auto'"): "damping='auto'",
+                           ("influence", "damping='auto' per block if Kronecker, pooled if dense"): "damping='auto'",
+                           ("influence", "damping='auto' if Kronecker, else 1 × mean eigenvalue"): "damping='auto'"}
+#: the same where it is the dense Gauss-Newton
+SAME_WHEN_AUTO_IS_DENSE = {
+    ("influence", "damping='auto' per block if Kronecker, pooled if dense"): "damping='auto', pooled",
+    ("influence", "damping='auto' if Kronecker, else 1 × mean eigenvalue"): "defaults (curvature='auto')"}
 
 
 def _kwargs(kwargs: dict) -> dict:
@@ -170,6 +182,9 @@ class Context:
             kw["relative_damping"] = 1.0 if self.auto == "gauss_newton" else 0.1
         if isinstance(kw.get("damping"), ByForm):
             kw["damping"] = kw["damping"][0 if self.auto == "gauss_newton" else 1]
+            if kw["damping"] == "previous":
+                kw.pop("damping")
+                kw["relative_damping"] = 1.0 if self.auto == "gauss_newton" else 0.1
         if method in ("influence", "trak", "logra", "grass", "relatif"):
             return lambda: getattr(m, method)(task, tr, qu, **kw)
         tasks, optimizers, lrs = self.snapshots()
@@ -329,12 +344,41 @@ def _write_row(name: str, row: dict, header: dict | None = None) -> None:
     tmp.replace(results_path(name))
 
 
+def _twin(name: str, method: str, label: str, auto: str):
+    """The row whose scores ``label``'s are on a setting where curvature='auto' is ``auto``, or None."""
+    same = (SAME_WHEN_AUTO_IS_EKFAC if auto == "ekfac" else SAME_WHEN_AUTO_IS_DENSE).get((method, label))
+    return next((r for r in _read(name)["rows"] if (r["method"], r["config"]) == (method, same)
+                 and "scores" in r), None) if same else None
+
+
+def copy_twins(name: str, method: str, auto: str) -> bool:
+    """Write the rows that repeat another's scores (with its LDS); True when none is left to compute."""
+    done = {(r["method"], r["config"]) for r in _read(name)["rows"] if "seconds" in r or "skipped" in r}
+    left = False
+    for label, kwargs, _ in CANDIDATES[method]:
+        if (method, label) in done:
+            continue
+        twin = _twin(name, method, label, auto)
+        if twin is None:
+            left = True
+            continue
+        row = {"method": method, "config": label, "kwargs": repr(kwargs),
+               "note": f"curvature='auto' is {auto} here: the scores of {twin['config']!r}"}
+        row.update({k: twin[k] for k in ("seconds", "fwd_bwd_seconds", "cost", "scores", "lds", "low", "high",
+                                         "n_subsets") if k in twin})
+        _write_row(name, row)
+    return not left
+
+
 def score(names, methods, progress=True) -> None:
     """Every candidate's scores (cached) on each setting, method-major (the first methods on
     every setting before the next ones); rows written without an LDS."""
     contexts = {}
     for method in methods:
         for name in names:
+            auto = _read(name).get("influence_auto_curvature")
+            if name not in contexts and auto and copy_twins(name, method, auto):
+                continue
             if name not in contexts:
                 try:
                     contexts[name] = context(name)
@@ -358,13 +402,8 @@ def score(names, methods, progress=True) -> None:
                 if (method, label) in done:
                     continue
                 row = {"method": method, "config": label, "kwargs": repr(kwargs)}
-                same = SAME_WHEN_AUTO_IS_EKFAC.get((method, label)) if ctx.auto == "ekfac" else None
-                twin = next((r for r in _read(name)["rows"] if (r["method"], r["config"]) == (method, same)
-                             and "scores" in r), None) if same else None
-                if twin is not None:
-                    row.update({k: twin[k] for k in ("seconds", "fwd_bwd_seconds", "cost", "scores")},
-                               note=f"curvature='auto' is EK-FAC here: the scores of {same!r}")
-                    _write_row(name, row)
+                if _twin(name, method, label, ctx.auto) is not None:
+                    copy_twins(name, method, ctx.auto)
                     continue
                 try:
                     values, seconds, base, path = ctx.cache(method, standard or f"defaults-suite {label}",

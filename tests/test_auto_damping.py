@@ -150,6 +150,10 @@ def test_kronecker_damped_per_block_matches_a_dense_reference(setting):
         S = ga.methods.influence(s["task"], s["train"], s["query"], layers=LAYERS,
                                  curvature="ekfac" if eigen_correction else "kfac", damping="auto")
         close(np.asarray(S.compute().values), want.numpy())
+        # the default of a Kronecker H (issue 31): the same λ_b per block
+        S = ga.methods.influence(s["task"], s["train"], s["query"], layers=LAYERS,
+                                 curvature="ekfac" if eigen_correction else "kfac")
+        close(np.asarray(S.compute().values), want.numpy())
 
 
 def test_influence_auto_matches_a_dense_reference_and_adds_weight_decay(setting):
