@@ -85,6 +85,8 @@ AUTO_IF_KRONECKER = ByForm(("previous", "auto"))
 # default became "auto"). ``standard`` names the row of fidelity_text / fidelity_more that
 # computes the same scores (shared cache).
 CANDIDATES = {
+    # influence's default since issue 31's evening run: the row "damping='auto' if Kronecker, else
+    # 1 × mean eigenvalue" (the first row stays the default before, the rule's reference)
     "influence": [
         # the previous default: relative_damping 1 for the dense Gauss-Newton, 0.1 for (E)K-FAC
         ("defaults (curvature='auto')", dict(relative_damping="previous"), "defaults (curvature='auto')"),
@@ -121,6 +123,7 @@ CANDIDATES = {
     "relatif": [
         ("defaults (damping=0.001)", dict(damping=1e-3), "defaults (damping=0.001)"),
         ("damping='auto'", dict(damping="auto"), None),
+        ("damping='auto' per block if Kronecker, pooled if dense", dict(damping=AUTO_BY_STRUCTURE), None),
         ("damping=mean 0.1", dict(damping=MEAN_01), None),
     ],
     "trackstar": [
@@ -141,7 +144,8 @@ PREVIOUS_DEFAULT = {m: rows[0][0] for m, rows in CANDIDATES.items()}
 SAME_WHEN_AUTO_IS_EKFAC = {("influence", "EK-FAC"): "defaults (curvature='auto')",
                            ("influence", "EK-FAC, damping='auto'"): "damping='auto'",
                            ("influence", "damping='auto' per block if Kronecker, pooled if dense"): "damping='auto'",
-                           ("influence", "damping='auto' if Kronecker, else 1 × mean eigenvalue"): "damping='auto'"}
+                           ("influence", "damping='auto' if Kronecker, else 1 × mean eigenvalue"): "damping='auto'",
+                           ("relatif", "damping='auto' per block if Kronecker, pooled if dense"): "damping='auto'"}
 #: the same where it is the dense Gauss-Newton
 SAME_WHEN_AUTO_IS_DENSE = {
     ("influence", "damping='auto' per block if Kronecker, pooled if dense"): "damping='auto', pooled",
