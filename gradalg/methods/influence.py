@@ -511,16 +511,17 @@ def influence(task: Task, train, queries, *, curvature="auto", solver: str = "di
         docs/fidelity.md "How the defaults were chosen"), LDS of ``influence`` at its defaults:
 
         ======================  ======  =====  =====  =====  =====  ========  =====  =====  ======  =====  =====
-        damping                 logreg  mlp    lm     lm2    text   instruct  llama  conv   seqcls  worst  mean
+        damping (Kronecker H)   logreg  mlp    lm     lm2    text   instruct  llama  conv   seqcls  worst  mean
         ======================  ======  =====  =====  =====  =====  ========  =====  =====  ======  =====  =====
-        earlier (0.1 × mean)    0.922   0.829  0.355  0.420  0.334  0.474     0.474  0.468  0.370   0.334  0.516
+        0.1 × mean (earlier)    0.922   0.829  0.355  0.420  0.334  0.474     0.474  0.468  0.370   0.334  0.516
         per Kronecker block     0.922   0.829  0.362  0.426  0.353  0.475     0.476  0.468  0.361   0.353  0.519
-        "auto" (dense too)      0.943   0.827  0.362  0.426  0.353  0.475     0.476  0.357  0.361   0.353  0.509
+        "auto", dense H too     0.943   0.827  0.362  0.426  0.353  0.475     0.476  0.357  0.361   0.353  0.509
         ======================  ======  =====  =====  =====  =====  ========  =====  =====  ======  =====  =====
 
-        (logreg, mlp and conv take the dense Gauss-Newton, unchanged; the others EK-FAC.) ``"auto"``: λ_b for each block from its own eigenvalues
-        (:data:`AUTO_DAMPING`, :mod:`gradalg.linalg.autodamp`; explicit H only), or a
-        ``ga.linalg.DampingRule(kind, value)`` to pick the rule.
+        (logreg, mlp and conv take the dense Gauss-Newton, whose default is unchanged; the others EK-FAC.)
+        ``"auto"``: λ_b for each block from its own eigenvalues (:data:`AUTO_DAMPING`,
+        :mod:`gradalg.linalg.autodamp`; explicit H only), or a ``ga.linalg.DampingRule(kind,
+        value)`` to pick the rule.
     curvature_data : examples a named H is estimated on (default: ``train``).
     weight_decay : the training objective's L2 coefficient (its Hessian is wd·I).
     optimizer : the optimizer that trained the model (torch SGD / Adam / AdamW, or a
