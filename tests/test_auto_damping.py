@@ -150,9 +150,11 @@ def test_kronecker_damped_per_block_matches_a_dense_reference(setting):
         S = ga.methods.influence(s["task"], s["train"], s["query"], layers=LAYERS,
                                  curvature="ekfac" if eigen_correction else "kfac", damping="auto")
         close(np.asarray(S.compute().values), want.numpy())
-        # the default of a Kronecker H (issue 31): the same λ_b per block
+        # the default of a Kronecker H (issue 31): the same λ_b per block, named or given as an Operator
         S = ga.methods.influence(s["task"], s["train"], s["query"], layers=LAYERS,
                                  curvature="ekfac" if eigen_correction else "kfac")
+        close(np.asarray(S.compute().values), want.numpy())
+        S = ga.methods.influence(s["task"], s["train"], s["query"], layers=LAYERS, curvature=K)
         close(np.asarray(S.compute().values), want.numpy())
 
 

@@ -351,7 +351,8 @@ CURVATURE_OPTIONS = ("structure", "rank", "seed", "solver_settings", "relative_d
 #: the knobs an Operator given as ``curvature=`` still takes from the call (how it is damped and solved)
 OPERATOR_CALL_OPTIONS = ("relative_damping", "solver_settings")
 #: default λ / mean eigenvalue of an explicit H given as an Operator, by its form (the named
-#: curvatures' measured factors, :data:`RELATIVE_DAMPING`, by the form they resolve to)
+#: curvatures' measured factors, :data:`RELATIVE_DAMPING`, by the form they resolve to; a
+#: Kronecker H without ``damping`` / ``relative_damping`` takes :data:`DEFAULT_KRONECKER_DAMPING`)
 RELATIVE_DAMPING_BY_FORM = {"dense": 1.0, "block": 1.0, "diagonal": 1.0, "kronecker": 0.1}
 
 
@@ -417,11 +418,13 @@ def curvature_operator(task: Task, data, *, curvature="auto", solver: str = "dir
         H that carries its own knobs (``ga.ekfac(G, covariance_max_examples=m)``,
         ``ga.fisher(G, structure="block")``, ``ga.gauss_newton(task, data)``,
         ``ga.arnoldi(H, rank)``, ``ga.datainf(G, λ)`` …), damped and inverted by its labels
-        (a kronecker form takes the relative damping 0.1, dense / block / diagonal 1, products
-        and low-rank the absolute :data:`ABSOLUTE_DAMPING`; an inverse is used as it is).
+        (a kronecker form takes λ_b per block, :data:`DEFAULT_KRONECKER_DAMPING`, dense / block /
+        diagonal the relative damping 1, products and low-rank the absolute
+        :data:`ABSOLUTE_DAMPING`; an inverse is used as it is).
     damping : absolute λ; default None: ``relative_damping`` (default per curvature,
-        :data:`RELATIVE_DAMPING`) × H's mean eigenvalue where H is explicit, else
-        :data:`ABSOLUTE_DAMPING` (see the module docs); ``"auto"`` or a
+        :data:`RELATIVE_DAMPING`) × H's mean eigenvalue where H is explicit and not Kronecker,
+        λ_b per block (:data:`DEFAULT_KRONECKER_DAMPING`) for K-FAC / EK-FAC unless
+        ``relative_damping`` is given, else :data:`ABSOLUTE_DAMPING` (see the module docs); ``"auto"`` or a
         :class:`~gradalg.linalg.autodamp.DampingRule`: λ_b per block from its spectrum.
     weight_decay / optimizer : the objective's weight decay, given or read (module docs).
     data_weight : c, the uniform data weight the model was trained at: the decay term is
