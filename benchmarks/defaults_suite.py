@@ -120,6 +120,7 @@ CANDIDATES = {
         ("relative_damping=1", dict(k=256, damping=None, relative_damping=1.0), None),
         ("damping='auto'", dict(k=256, damping="auto"), None),
     ],
+    # RelatIF's default since issue 31's evening run: "damping='auto' per block if Kronecker, pooled if dense"
     "relatif": [
         ("defaults (damping=0.001)", dict(damping=1e-3), "defaults (damping=0.001)"),
         ("damping='auto'", dict(damping="auto"), None),

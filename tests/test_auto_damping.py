@@ -240,16 +240,33 @@ def test_trak_and_grass_default_to_auto(setting):
 
 
 def test_relatif_defaults_to_auto_where_h_has_a_spectrum(setting):
-    """Issue 31: RelatIF's default damping is "auto" for an explicit H (same scores as
-    damping="auto", the plan names the rule); an iterative solver keeps the absolute 1e-3."""
+    """Issue 31: RelatIF's default damping is "auto" per block for a Kronecker H, one λ from the
+    pooled spectrum (mass 0.95) for a dense H (checked against a dense reference), the plan
+    names the rule and where it came from; an iterative solver keeps the absolute 1e-3."""
     s = setting
     call = lambda **kw: ga.methods.relatif(s["task"], s["train"], s["query"], layers=LAYERS, **kw)  # noqa: E731
-    for curvature in ("gauss_newton", "ekfac"):
+    default = call(curvature="ekfac")
+    assert "damping='auto'" in repr(default)
+    np.testing.assert_allclose(np.asarray(default.compute().values),
+                               np.asarray(call(curvature="ekfac", damping="auto").compute().values),
+                               rtol=1e-12, atol=0)
+    for curvature in ("gauss_newton", "auto"):           # "auto" is the dense Gauss-Newton here
         default = call(curvature=curvature)
-        assert "damping='auto'" in repr(default)
+        assert "RelatIF's default for a dense H (issue 31)" in repr(default)
+        assert "mass=0.95, global" in repr(default)
+        pooled = DampingRule("mass", 0.95, per_block=False)
         np.testing.assert_allclose(np.asarray(default.compute().values),
-                                   np.asarray(call(curvature=curvature, damping="auto").compute().values),
+                                   np.asarray(call(curvature=curvature, damping=pooled).compute().values),
                                    rtol=1e-12, atol=0)
+    # against a dense reference: H = the empirical Fisher (dense), one λ from its full spectrum
+    G, Q = reference_rows(s["task"], s["train"], LAYERS), reference_rows(s["task"], s["query"], LAYERS)
+    H = G.T @ G / G.shape[0]
+    A = H + rule_lambda(DampingRule("mass", 0.95), torch.linalg.eigvalsh(H)) * torch.eye(H.shape[0], dtype=H.dtype)
+    X = torch.linalg.solve(A, G.T)
+    want = (Q @ X) / torch.sqrt(torch.einsum("ij,ji->i", G, X))[None, :]
+    close(np.asarray(call(curvature="empirical").compute().values), want.numpy())
+    # damping="auto" given: influence's per-block rule on the dense H too
+    assert "damping='auto'" in repr(call(curvature="gauss_newton", damping="auto"))
     cg = call(curvature="gauss_newton", solver="cg")
     np.testing.assert_allclose(np.asarray(cg.compute().values),
                                np.asarray(call(curvature="gauss_newton", solver="cg", damping=1e-3).compute().values),

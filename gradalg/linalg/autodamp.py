@@ -34,7 +34,7 @@ damping").
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -54,6 +54,8 @@ class DampingRule:
     value: float
     per_block: bool = True
     floor: float = 0.0
+    #: where the rule came from, for the plan (a method's default names itself); not part of equality
+    note: str = field(default="", compare=False)
 
     def __post_init__(self):
         if self.kind not in RULE_KINDS:

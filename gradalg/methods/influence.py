@@ -145,7 +145,7 @@ def damping_rule(damping, form: str = "dense"):
 
 def auto_note(damping, rule) -> str:
     """The plan's provenance of an automatic λ: which rule, given or by ``damping='auto'``."""
-    how = "damping='auto'" if isinstance(damping, str) else "damping=DampingRule (given)"
+    how = rule.note or ("damping='auto'" if isinstance(damping, str) else "damping=DampingRule (given)")
     return f"{how}: {rule.describe()}, from H's own spectrum"
 
 
