@@ -25,6 +25,9 @@ diag(λ_b I_b): the same matrix a block-diagonal H damped per block gets on its 
 ``global_`` (``per_block=False``) pools every block's eigenvalues into one spectrum and
 one λ (a dense H's pooled spectrum is then its own eigenvalues).
 
+``note`` names where a rule came from in the plan (a method's default names itself), in
+place of "damping='auto'" / "damping=DampingRule (given)"; it is not part of equality.
+
 ``floor`` = c > 0 bounds every λ_b below by c · tr(H)/dim, H's pooled mean eigenvalue (the
 relative rule's λ at factor c): λ_b = max(rule_b, c · tr(H)/dim). A block whose own scale is
 far below the rest keeps at least the damping one shared λ would give it (issue 31: on a
