@@ -62,12 +62,31 @@ SETTINGS = ("logreg", "mlp", "lm", "lm2", "text", "instruct", "llama", "conv", "
 #: Gauss-Newton (650 / 2,410 / 3,818 coordinates). Checked at run time (``_auto_curvature``).
 MEAN_01 = DampingRule("mean", 0.1)
 
+
+class ByForm(tuple):
+    """A damping that depends on which curvature ``curvature="auto"`` takes on the setting, as
+    ``damping="auto"``'s own rule does (``influence.AUTO_DAMPING``): ``ByForm((dense, kronecker))``
+    passes ``dense`` where it is the dense Gauss-Newton, ``kronecker`` where it is EK-FAC."""
+
+    def __repr__(self):
+        return f"ByForm(dense={self[0]!r}, kronecker={self[1]!r})"
+
+
+#: issue 31 item 3: ``damping="auto"``'s rules (mass 0.95 dense, 0.99 Kronecker) with one λ from
+#: the pooled spectrum, or per block at least the relative default's λ (1 / 0.1 × mean eigenvalue)
+AUTO_POOLED = ByForm((DampingRule("mass", 0.95, per_block=False), DampingRule("mass", 0.99, per_block=False)))
+AUTO_FLOORED = ByForm((DampingRule("mass", 0.95, floor=1.0), DampingRule("mass", 0.99, floor=0.1)))
+AUTO_BY_STRUCTURE = ByForm((AUTO_POOLED[0], "auto"))
+AUTO_IF_KRONECKER = ByForm(("previous", "auto"))
+
 # --------------------------------------------------------------------------- candidates
 # method -> [(label, kwargs, standard row's label or None)]. The first is the previous default,
 # with its values spelled out (TRAK's and GraSS's relative rule needs damping=None since their
 # default became "auto"). ``standard`` names the row of fidelity_text / fidelity_more that
 # computes the same scores (shared cache).
 CANDIDATES = {
+    # influence's default since issue 31's evening run: the row "damping='auto' if Kronecker, else
+    # 1 × mean eigenvalue" (the first row stays the default before, the rule's reference)
     "influence": [
         # the previous default: relative_damping 1 for the dense Gauss-Newton, 0.1 for (E)K-FAC
         ("defaults (curvature='auto')", dict(relative_damping="previous"), "defaults (curvature='auto')"),
@@ -77,6 +96,12 @@ CANDIDATES = {
         ("EK-FAC, damping='auto'", dict(curvature="ekfac", damping="auto"), None),
         ("K-FAC, damping='auto'", dict(curvature="kfac", damping="auto"), None),
         ("damping=mean 0.1", dict(damping=MEAN_01), None),
+        ("damping='auto', pooled", dict(damping=AUTO_POOLED), None),
+        ("damping='auto', floor at the relative default", dict(damping=AUTO_FLOORED), None),
+        # per block only where H is block-diagonal (Kronecker: its blocks' spectra are H's spectrum);
+        # a dense H keeps one λ: from its own spectrum (mass 0.95), or the relative 1 × mean eigenvalue
+        ("damping='auto' per block if Kronecker, pooled if dense", dict(damping=AUTO_BY_STRUCTURE), None),
+        ("damping='auto' if Kronecker, else 1 × mean eigenvalue", dict(damping=AUTO_IF_KRONECKER), None),
     ],
     "trak": [
         ("defaults (k=2048, relative_damping=1)", dict(k=2048, damping=None, relative_damping=1.0),
@@ -95,9 +120,11 @@ CANDIDATES = {
         ("relative_damping=1", dict(k=256, damping=None, relative_damping=1.0), None),
         ("damping='auto'", dict(k=256, damping="auto"), None),
     ],
+    # RelatIF's default since issue 31's evening run: "damping='auto' per block if Kronecker, pooled if dense"
     "relatif": [
         ("defaults (damping=0.001)", dict(damping=1e-3), "defaults (damping=0.001)"),
         ("damping='auto'", dict(damping="auto"), None),
+        ("damping='auto' per block if Kronecker, pooled if dense", dict(damping=AUTO_BY_STRUCTURE), None),
         ("damping=mean 0.1", dict(damping=MEAN_01), None),
     ],
     "trackstar": [
@@ -116,7 +143,14 @@ PREVIOUS_DEFAULT = {m: rows[0][0] for m, rows in CANDIDATES.items()}
 #: where curvature="auto" is EK-FAC these influence rows are the same computation as another:
 #: scored once, the row copied (its note says so)
 SAME_WHEN_AUTO_IS_EKFAC = {("influence", "EK-FAC"): "defaults (curvature='auto')",
-                           ("influence", "EK-FAC, damping='auto'"): "damping='auto'"}
+                           ("influence", "EK-FAC, damping='auto'"): "damping='auto'",
+                           ("influence", "damping='auto' per block if Kronecker, pooled if dense"): "damping='auto'",
+                           ("influence", "damping='auto' if Kronecker, else 1 × mean eigenvalue"): "damping='auto'",
+                           ("relatif", "damping='auto' per block if Kronecker, pooled if dense"): "damping='auto'"}
+#: the same where it is the dense Gauss-Newton
+SAME_WHEN_AUTO_IS_DENSE = {
+    ("influence", "damping='auto' per block if Kronecker, pooled if dense"): "damping='auto', pooled",
+    ("influence", "damping='auto' if Kronecker, else 1 × mean eigenvalue"): "defaults (curvature='auto')"}
 
 
 def _kwargs(kwargs: dict) -> dict:
@@ -151,6 +185,11 @@ class Context:
             kw["layers"] = self.layers
         if kw.get("relative_damping") == "previous":          # influence's default before issue 31
             kw["relative_damping"] = 1.0 if self.auto == "gauss_newton" else 0.1
+        if isinstance(kw.get("damping"), ByForm):
+            kw["damping"] = kw["damping"][0 if self.auto == "gauss_newton" else 1]
+            if kw["damping"] == "previous":
+                kw.pop("damping")
+                kw["relative_damping"] = 1.0 if self.auto == "gauss_newton" else 0.1
         if method in ("influence", "trak", "logra", "grass", "relatif"):
             return lambda: getattr(m, method)(task, tr, qu, **kw)
         tasks, optimizers, lrs = self.snapshots()
@@ -262,10 +301,19 @@ def context(name: str) -> Context:
     return more(name)
 
 
+def cached(path) -> Path:
+    """A path the rows recorded (a store, a scores file), in this tree's ``build/fidelity``: rows
+    written from another worktree name theirs, and the shared cache is the same directory."""
+    path = Path(path)
+    if path.exists() or "build/fidelity/" not in str(path):
+        return path
+    return BUILD / str(path).split("build/fidelity/", 1)[1]
+
+
 def load_truth(spec: dict):
     """The ground truth from its store, or raise Pending when a run is missing (never trains)."""
     spec = dict(spec)
-    store, n_query = Path(spec.pop("store")), spec.pop("n_query")
+    store, n_query = cached(spec.pop("store")), spec.pop("n_query")
     if not (store / "meta.json").exists():
         raise Pending
     truth = ga.eval.retrain(_never, spec.pop("n_train"), targets_fn=_never, target="loss", store=store, **spec)
@@ -301,12 +349,41 @@ def _write_row(name: str, row: dict, header: dict | None = None) -> None:
     tmp.replace(results_path(name))
 
 
+def _twin(name: str, method: str, label: str, auto: str):
+    """The row whose scores ``label``'s are on a setting where curvature='auto' is ``auto``, or None."""
+    same = (SAME_WHEN_AUTO_IS_EKFAC if auto == "ekfac" else SAME_WHEN_AUTO_IS_DENSE).get((method, label))
+    return next((r for r in _read(name)["rows"] if (r["method"], r["config"]) == (method, same)
+                 and "scores" in r), None) if same else None
+
+
+def copy_twins(name: str, method: str, auto: str) -> bool:
+    """Write the rows that repeat another's scores (with its LDS); True when none is left to compute."""
+    done = {(r["method"], r["config"]) for r in _read(name)["rows"] if "seconds" in r or "skipped" in r}
+    left = False
+    for label, kwargs, _ in CANDIDATES[method]:
+        if (method, label) in done:
+            continue
+        twin = _twin(name, method, label, auto)
+        if twin is None:
+            left = True
+            continue
+        row = {"method": method, "config": label, "kwargs": repr(kwargs),
+               "note": f"curvature='auto' is {auto} here: the scores of {twin['config']!r}"}
+        row.update({k: twin[k] for k in ("seconds", "fwd_bwd_seconds", "cost", "scores", "lds", "low", "high",
+                                         "n_subsets") if k in twin})
+        _write_row(name, row)
+    return not left
+
+
 def score(names, methods, progress=True) -> None:
     """Every candidate's scores (cached) on each setting, method-major (the first methods on
     every setting before the next ones); rows written without an LDS."""
     contexts = {}
     for method in methods:
         for name in names:
+            auto = _read(name).get("influence_auto_curvature")
+            if name not in contexts and auto and copy_twins(name, method, auto):
+                continue
             if name not in contexts:
                 try:
                     contexts[name] = context(name)
@@ -330,13 +407,8 @@ def score(names, methods, progress=True) -> None:
                 if (method, label) in done:
                     continue
                 row = {"method": method, "config": label, "kwargs": repr(kwargs)}
-                same = SAME_WHEN_AUTO_IS_EKFAC.get((method, label)) if ctx.auto == "ekfac" else None
-                twin = next((r for r in _read(name)["rows"] if (r["method"], r["config"]) == (method, same)
-                             and "scores" in r), None) if same else None
-                if twin is not None:
-                    row.update({k: twin[k] for k in ("seconds", "fwd_bwd_seconds", "cost", "scores")},
-                               note=f"curvature='auto' is EK-FAC here: the scores of {same!r}")
-                    _write_row(name, row)
+                if _twin(name, method, label, ctx.auto) is not None:
+                    copy_twins(name, method, ctx.auto)
                     continue
                 try:
                     values, seconds, base, path = ctx.cache(method, standard or f"defaults-suite {label}",
@@ -366,7 +438,7 @@ def lds(names) -> None:
             print(f"[{name}] ground truth not complete yet: {len(todo)} rows wait", flush=True)
             continue
         for row in todo:
-            with np.load(row["scores"]) as z:
+            with np.load(cached(row["scores"])) as z:
                 values = xr.DataArray(np.asarray(z["values"])[:truth.sizes["query"]], dims=("query", "train"))
             r = ga.eval.lds(values, truth, target="loss", bootstrap=1000, resample="both")
             row.update(lds=float(r.mean), low=float(r.interval[0]), high=float(r.interval[1]),

@@ -98,6 +98,41 @@ def test_blocks_of_different_scale_get_their_own_lambda():
     assert pooled["a"] == pooled["b"] == 4e4
 
 
+def test_floor_bounds_each_lambda_by_a_multiple_of_the_pooled_mean():
+    """λ_b = max(rule_b, c · tr(H)/dim): the small block is lifted to c × the pooled mean, the
+    large one keeps its own; bad floors are refused."""
+    from gradalg.linalg import ResolvedOp
+    from gradalg.space import Block, ParamSpace
+    space = ParamSpace((Block("a", (3,), "param"), Block("b", (3,), "param")))
+    op = ResolvedOp(space, "block", {"a": torch.diag(torch.tensor([4e4, 2e4, 1e4], dtype=torch.float64)),
+                                     "b": torch.diag(torch.tensor([4.0, 2.0, 1.0], dtype=torch.float64))})
+    mean = (7e4 + 7.0) / 6
+    got = block_lambdas(op, DampingRule("mass", 0.5, floor=0.1))
+    assert got["a"] == 4e4 and math.isclose(got["b"], 0.1 * mean, rel_tol=1e-12)
+    assert block_lambdas(op, DampingRule("mass", 0.5, floor=0.0)) == {"a": 4e4, "b": 4.0}
+    pooled = block_lambdas(op, DampingRule("mass", 0.5, per_block=False, floor=10.0))
+    assert math.isclose(pooled["a"], 10 * mean, rel_tol=1e-12) and pooled["a"] == pooled["b"]
+    for bad in (-1.0, float("inf"), True):
+        with pytest.raises(OptionError, match="floor"):
+            DampingRule("mass", 0.5, floor=bad)
+    assert "at least 0.1 × H's mean eigenvalue" in DampingRule("mass", 0.5, floor=0.1).describe()
+
+
+def test_floored_rule_on_a_dense_gauss_newton_matches_a_dense_reference(setting):
+    s = setting
+    G, Q = reference_rows(s["task"], s["train"], LAYERS), reference_rows(s["task"], s["query"], LAYERS)
+    Gl = ga.grads(s["task"], s["train"], LAYERS)
+    offsets = Gl.space.offsets()
+    Fm = G.T @ G / G.shape[0]
+    rule = DampingRule("mass", 0.9, floor=1.0)
+    shift = torch.empty(Fm.shape[0], dtype=Fm.dtype)
+    for sl in offsets.values():
+        shift[sl] = max(rule_lambda(rule, torch.linalg.eigvalsh(Fm[sl, sl])), float(torch.trace(Fm)) / Fm.shape[0])
+    want = Q @ torch.linalg.solve(Fm + torch.diag(shift), G.T)
+    got = (ga.grads(s["task"], s["query"], LAYERS) @ ga.fisher(Gl).damp(rule).inv() @ Gl.T).compute().values
+    close(np.asarray(got), want.numpy())
+
+
 def test_kronecker_damped_per_block_matches_a_dense_reference(setting):
     """K-FAC / EK-FAC: λ_b from block b's Λ; (F_kron + ⊕ λ_b I)⁻¹ against the dense matrix."""
     s = setting
@@ -114,6 +149,12 @@ def test_kronecker_damped_per_block_matches_a_dense_reference(setting):
         want = Q @ torch.linalg.solve(Hd + torch.diag(shift), G.T)
         S = ga.methods.influence(s["task"], s["train"], s["query"], layers=LAYERS,
                                  curvature="ekfac" if eigen_correction else "kfac", damping="auto")
+        close(np.asarray(S.compute().values), want.numpy())
+        # the default of a Kronecker H (issue 31): the same λ_b per block, named or given as an Operator
+        S = ga.methods.influence(s["task"], s["train"], s["query"], layers=LAYERS,
+                                 curvature="ekfac" if eigen_correction else "kfac")
+        close(np.asarray(S.compute().values), want.numpy())
+        S = ga.methods.influence(s["task"], s["train"], s["query"], layers=LAYERS, curvature=K)
         close(np.asarray(S.compute().values), want.numpy())
 
 
@@ -199,16 +240,33 @@ def test_trak_and_grass_default_to_auto(setting):
 
 
 def test_relatif_defaults_to_auto_where_h_has_a_spectrum(setting):
-    """Issue 31: RelatIF's default damping is "auto" for an explicit H (same scores as
-    damping="auto", the plan names the rule); an iterative solver keeps the absolute 1e-3."""
+    """Issue 31: RelatIF's default damping is "auto" per block for a Kronecker H, one λ from the
+    pooled spectrum (mass 0.95) for a dense H (checked against a dense reference), the plan
+    names the rule and where it came from; an iterative solver keeps the absolute 1e-3."""
     s = setting
     call = lambda **kw: ga.methods.relatif(s["task"], s["train"], s["query"], layers=LAYERS, **kw)  # noqa: E731
-    for curvature in ("gauss_newton", "ekfac"):
+    default = call(curvature="ekfac")
+    assert "damping='auto'" in repr(default)
+    np.testing.assert_allclose(np.asarray(default.compute().values),
+                               np.asarray(call(curvature="ekfac", damping="auto").compute().values),
+                               rtol=1e-12, atol=0)
+    for curvature in ("gauss_newton", "auto"):           # "auto" is the dense Gauss-Newton here
         default = call(curvature=curvature)
-        assert "damping='auto'" in repr(default)
+        assert "RelatIF's default for a dense H (issue 31)" in repr(default)
+        assert "mass=0.95, global" in repr(default)
+        pooled = DampingRule("mass", 0.95, per_block=False)
         np.testing.assert_allclose(np.asarray(default.compute().values),
-                                   np.asarray(call(curvature=curvature, damping="auto").compute().values),
+                                   np.asarray(call(curvature=curvature, damping=pooled).compute().values),
                                    rtol=1e-12, atol=0)
+    # against a dense reference: H = the empirical Fisher (dense), one λ from its full spectrum
+    G, Q = reference_rows(s["task"], s["train"], LAYERS), reference_rows(s["task"], s["query"], LAYERS)
+    H = G.T @ G / G.shape[0]
+    A = H + rule_lambda(DampingRule("mass", 0.95), torch.linalg.eigvalsh(H)) * torch.eye(H.shape[0], dtype=H.dtype)
+    X = torch.linalg.solve(A, G.T)
+    want = (Q @ X) / torch.sqrt(torch.einsum("ij,ji->i", G, X))[None, :]
+    close(np.asarray(call(curvature="empirical").compute().values), want.numpy())
+    # damping="auto" given: influence's per-block rule on the dense H too
+    assert "damping='auto'" in repr(call(curvature="gauss_newton", damping="auto"))
     cg = call(curvature="gauss_newton", solver="cg")
     np.testing.assert_allclose(np.asarray(cg.compute().values),
                                np.asarray(call(curvature="gauss_newton", solver="cg", damping=1e-3).compute().values),

@@ -170,8 +170,10 @@ def test_trainer_optimizer_groups_are_read():
 
 
 def test_default_damping_is_relative_to_the_spectrum(setting):
-    """λ = c × tr(H)/dim for explicit H (c = 1 for the dense Fisher, 0.1 for K-FAC / EK-FAC),
-    shown in the plan; products-only solvers keep an absolute default, also shown."""
+    """λ = c × tr(H)/dim for an explicit dense H (c = 1), shown in the plan; K-FAC / EK-FAC
+    default to λ_b per Kronecker block (``damping="auto"``'s rule, issue 31) and take
+    ``relative_damping=c`` for the relative rule; products-only solvers keep an absolute
+    default, also shown."""
     s = setting
     G, Q = reference_rows(s["task"], s["train"], LAYERS), reference_rows(s["task"], s["query"], LAYERS)
     Fm = G.T @ G / G.shape[0]
@@ -179,8 +181,13 @@ def test_default_damping_is_relative_to_the_spectrum(setting):
     S = ga.methods.influence(s["task"], s["train"], s["query"], layers=LAYERS, curvature="empirical")
     close(values(S), (Q @ torch.linalg.solve(Fm + lam * torch.eye(Fm.shape[0], dtype=Fm.dtype), G.T)).numpy())
     assert "damp(λ=1·mean eig) [default: 1 × mean eigenvalue]" in repr(S)
-    assert "damp(λ=0.1·mean eig) [default: 0.1 × mean eigenvalue]" in repr(
+    assert "damp(auto: mass=0.99) [damping='auto'" in repr(
         ga.methods.influence(s["task"], s["train"], s["query"], layers=LAYERS, curvature="ekfac"))
+    assert "the default for a Kronecker H since issue 31" in repr(
+        ga.methods.influence(s["task"], s["train"], s["query"], layers=LAYERS, curvature="ekfac"))
+    assert "damp(λ=0.1·mean eig) [default: 0.1 × mean eigenvalue]" in repr(
+        ga.methods.influence(s["task"], s["train"], s["query"], layers=LAYERS, curvature="ekfac",
+                             relative_damping=0.1))
     for curvature in ("kfac", "ekfac"):
         C = ga.grads(s["task"], s["train"], LAYERS, objective="expected")
         H = ga.kfac(C, eigen_correction=curvature == "ekfac").to_dense()

@@ -24,11 +24,20 @@ matrix's diagonal block H_bb by float64 ``eigvalsh``; a Kronecker block's Λ (ou
 diag(λ_b I_b): the same matrix a block-diagonal H damped per block gets on its blocks.
 ``global_`` (``per_block=False``) pools every block's eigenvalues into one spectrum and
 one λ (a dense H's pooled spectrum is then its own eigenvalues).
+
+``note`` names where a rule came from in the plan (a method's default names itself), in
+place of "damping='auto'" / "damping=DampingRule (given)"; it is not part of equality.
+
+``floor`` = c > 0 bounds every λ_b below by c · tr(H)/dim, H's pooled mean eigenvalue (the
+relative rule's λ at factor c): λ_b = max(rule_b, c · tr(H)/dim). A block whose own scale is
+far below the rest keeps at least the damping one shared λ would give it (issue 31: on a
+conv net, per-block λ under-damps the small-scale conv block; docs/fidelity.md "Automatic
+damping").
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,6 +56,9 @@ class DampingRule:
     kind: str
     value: float
     per_block: bool = True
+    floor: float = 0.0
+    #: where the rule came from, for the plan (a method's default names itself); not part of equality
+    note: str = field(default="", compare=False)
 
     def __post_init__(self):
         if self.kind not in RULE_KINDS:
@@ -57,10 +69,16 @@ class DampingRule:
                 self.kind == "mass" and v > 1):
             raise OptionError(f"DampingRule({self.kind!r}, {v!r}): the value must be a finite number > 0"
                               + (" and ≤ 1 (a fraction of the eigenvalue mass)" if self.kind == "mass" else ""))
+        f = self.floor
+        if not isinstance(f, (int, float)) or isinstance(f, bool) or not math.isfinite(f) or f < 0:
+            raise OptionError(f"DampingRule floor={f!r}: a factor c ≥ 0 of H's mean eigenvalue (λ_b ≥ c · tr(H)/dim), "
+                              "e.g. floor=1.0; 0 for none")
 
     def describe(self) -> str:
         """The rule in words, as the plan shows it."""
         where = "per block" if self.per_block else "one λ for all blocks"
+        if self.floor:
+            where += f", at least {self.floor:g} × H's mean eigenvalue"
         if self.kind == "mass":
             return f"λ_b = the eigenvalue where the top ones hold {self.value:g} of the mass, {where}"
         if self.kind == "effdim":
@@ -68,7 +86,8 @@ class DampingRule:
         return f"λ_b = {self.value:g} × mean eigenvalue, {where}"
 
     def short(self) -> str:
-        return f"{self.kind}={self.value:g}" + ("" if self.per_block else ", global")
+        return (f"{self.kind}={self.value:g}" + ("" if self.per_block else ", global")
+                + (f", floor {self.floor:g}×mean" if self.floor else ""))
 
 
 def rule_lambda(rule: DampingRule, mu: torch.Tensor) -> float:
@@ -125,13 +144,21 @@ def _sym(m: torch.Tensor) -> torch.Tensor:
 
 def block_lambdas(op, rule: DampingRule) -> dict:
     """``{block name: λ_b}`` of ``rule`` on ``op`` (one shared λ when not ``per_block``;
-    a dense operator's shared λ from its full spectrum)."""
+    a dense operator's shared λ from its full spectrum), each at least ``rule.floor`` ×
+    tr(op)/dim (the blocks' eigenvalues summed: a dense op's diagonal blocks hold its trace)."""
+    spectra = block_spectra(op)
     if rule.per_block:
-        return {n: rule_lambda(rule, mu) for n, mu in block_spectra(op).items()}
-    from .explicit import ResolvedOp
-    if isinstance(op, ResolvedOp) and op.kind == "dense":
-        mu = torch.linalg.eigvalsh(_sym(op.data))
+        out = {n: rule_lambda(rule, mu) for n, mu in spectra.items()}
     else:
-        mu = torch.cat(list(block_spectra(op).values()))
-    lam = rule_lambda(rule, mu)
-    return {n: lam for n in op.space.names}
+        from .explicit import ResolvedOp
+        if isinstance(op, ResolvedOp) and op.kind == "dense":
+            mu = torch.linalg.eigvalsh(_sym(op.data))
+        else:
+            mu = torch.cat(list(spectra.values()))
+        lam = rule_lambda(rule, mu)
+        out = {n: lam for n in op.space.names}
+    if rule.floor:
+        dim = sum(mu.numel() for mu in spectra.values())
+        least = rule.floor * float(sum(mu.sum() for mu in spectra.values())) / max(dim, 1)
+        out = {n: max(lam, least) for n, lam in out.items()}
+    return out

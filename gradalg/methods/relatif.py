@@ -11,14 +11,38 @@ from __future__ import annotations
 from ..api import Operator, Scores, grads
 from ..expr.projection import Projector, check_projector
 from ..task import Task
+from ..linalg.autodamp import DampingRule
 from ..linalg.labels import form_of
-from .influence import ABSOLUTE_DAMPING, curvature_operator, damping_rule
+from .influence import ABSOLUTE_DAMPING, curvature_operator, damping_rule, resolve_curvature
 from .registry import method
 
 
-#: the default damping (issue 31): ``"auto"`` where H is explicit, chosen by
-#: benchmarks/defaults_suite.py across the nine fidelity settings (docs/fidelity.md)
-DEFAULT_DAMPING = "auto"
+class _DefaultDamping(str):
+    """The default's marker: equal to ``"auto"``, told apart from a given ``damping="auto"``
+    by identity (the default depends on H's form; a given ``"auto"`` is influence's rule)."""
+
+
+#: the default damping (issue 31), chosen by benchmarks/defaults_suite.py across the nine
+#: fidelity settings (docs/fidelity.md): ``"auto"``'s per-block rule where H is block-diagonal
+#: (K-FAC / EK-FAC, a block Fisher), one λ from the pooled spectrum where H is dense
+#: (:data:`DENSE_DAMPING`), the absolute 1e-3 where H has no spectrum
+DEFAULT_DAMPING = _DefaultDamping("auto")
+#: the default λ of a dense H: the eigenvalue where H's largest eigenvalues hold 0.95 of its
+#: trace, one λ for all blocks (a dense H couples its blocks: per block from its diagonal
+#: blocks scored 0.319 on the conv net, one λ 0.356)
+DENSE_DAMPING = DampingRule("mass", 0.95, per_block=False, note="RelatIF's default for a dense H (issue 31)")
+
+
+def _dense(curvature, solver: str, dim: int) -> bool:
+    """Whether H is formed dense: the Gauss-Newton / empirical Fisher by the direct solver
+    (``curvature="auto"`` up to ``ga.options(dense_curvature_dim)`` coordinates), or a dense Operator."""
+    if solver != "direct":
+        return False
+    if isinstance(curvature, Operator):
+        return form_of(curvature.expr.labels().labels) == "dense"
+    if curvature == "auto":
+        curvature, _ = resolve_curvature("auto", solver, dim)
+    return curvature in ("gauss_newton", "empirical")
 
 
 def _has_spectrum(curvature, solver: str) -> bool:
@@ -38,16 +62,28 @@ def relatif(task: Task, train, queries, *, layers=None, projector: Projector | N
             lambda_max_examples: int | None = None) -> Scores:
     """``P(Q) @ H⁻¹ @ P(G).normalize(metric=H⁻¹).T``, H damped by λ + weight decay.
 
-    damping : default ``"auto"`` (issue 31): λ_b per block from H's own spectrum
-        (``ga.methods.influence``'s ``damping="auto"``; shown in the plan), the weight decay
-        added to it; where H has no spectrum (an iterative solver, DataInf, a products-only or
-        low-rank Operator) the absolute 1e-3 (:data:`~gradalg.methods.influence.ABSOLUTE_DAMPING`).
-        Chosen by issue 31's rule (best worst case, then mean, LDS across the nine fidelity
-        settings, never worse than the previous default by more than its bootstrap interval;
-        ``benchmarks/defaults_suite.py``, docs/fidelity.md): worst / mean 0.319 / 0.451 against
-        0.289 / 0.450 for the previous absolute 1e-3 (worst on the conv net; the text LMs favour
-        1e-3 by 0.02–0.03, inside its intervals). A number: an absolute λ (1e-3 gives the
-        previous default); a ``ga.linalg.DampingRule``: another rule.
+    damping : default (issue 31) read from H's own spectrum, shown in the plan with the weight
+        decay added to it: where H is block-diagonal (K-FAC / EK-FAC, the LMs' default) λ_b per
+        block, ``ga.methods.influence``'s ``damping="auto"``; where H is dense (the dense
+        Gauss-Newton, ``curvature="auto"`` on a small model) one λ from its pooled spectrum,
+        :data:`DENSE_DAMPING` (a dense H couples its blocks); where H has no spectrum (an
+        iterative solver, DataInf, a products-only or low-rank Operator) the absolute 1e-3
+        (:data:`~gradalg.methods.influence.ABSOLUTE_DAMPING`). Chosen by issue 31's rule (best
+        worst case, then mean, LDS across the nine fidelity settings, never worse than the
+        previous default by more than its bootstrap interval; ``benchmarks/defaults_suite.py``,
+        docs/fidelity.md "How the defaults were chosen"):
+
+        ================================  ======  =====  =====  =====  =====  ========  =====  =====  ======  =====  =====
+        damping                           logreg  mlp    lm     lm2    text   instruct  llama  conv   seqcls  worst  mean
+        ================================  ======  =====  =====  =====  =====  ========  =====  =====  ======  =====  =====
+        1e-3 (before issue 31)            0.642   0.484  0.395  0.473  0.375  0.506     0.490  0.289  0.393   0.289  0.450
+        ``"auto"`` (per block everywhere)  0.653   0.507  0.395  0.461  0.354  0.477     0.490  0.319  0.406   0.319  0.451
+        per block / pooled if dense       0.653   0.518  0.395  0.461  0.354  0.477     0.490  0.356  0.406   0.354  0.457
+        ================================  ======  =====  =====  =====  =====  ========  =====  =====  ======  =====  =====
+
+        (the text LMs favour 1e-3 by 0.02–0.03, inside its intervals). ``"auto"`` given: per
+        block on every explicit H; a number: an absolute λ (1e-3 gives the default before issue
+        31); a ``ga.linalg.DampingRule``: another rule.
 
     curvature : "auto" (default; ``ga.methods.influence``): the dense Gauss-Newton up to
         ``ga.options(dense_curvature_dim)`` (projected) coordinates, EK-FAC above; a name of
@@ -60,8 +96,9 @@ def relatif(task: Task, train, queries, *, layers=None, projector: Projector | N
     if projector is not None:
         G, Q = check_projector(projector)(G), projector(Q)
     named = {} if isinstance(curvature, Operator) else {"seed": seed}
-    if damping is DEFAULT_DAMPING and not _has_spectrum(curvature, solver):
-        damping = ABSOLUTE_DAMPING
+    if damping is DEFAULT_DAMPING:
+        damping = (ABSOLUTE_DAMPING if not _has_spectrum(curvature, solver) else
+                   DENSE_DAMPING if _dense(curvature, solver, G.space.dim) else "auto")
     Hinv = curvature_operator(task, train, layers=layers, projector=projector, curvature=curvature,
                               solver=solver,
                               **({"damping": damping, "weight_decay": weight_decay or None}

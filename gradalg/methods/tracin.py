@@ -41,7 +41,8 @@ def tracin(checkpoints: Sequence[Task], learning_rates: Sequence[float], train, 
     curvature : None (plain TracIn) or a curvature of ``ga.methods.influence`` ("gauss_newton",
         "ekfac", "kfac", "empirical", ...) estimated at each checkpoint on ``curvature_data``
         (default ``train``), damped by ``damping`` or ``relative_damping`` × its mean eigenvalue
-        (default: influence's factor for that curvature).
+        (default: influence's default for that curvature: 1 × the mean eigenvalue for a dense
+        one, λ_b per Kronecker block for K-FAC / EK-FAC).
     optimizers : with ``curvature``, the optimizer at each checkpoint: its weight decay enters
         H_c (see :mod:`gradalg.objective`).
     covariance_max_examples / lambda_max_examples : with ``curvature="kfac"`` / ``"ekfac"``, its
