@@ -55,7 +55,21 @@ def reference_mix(R_train, R_task, components) -> float:
     return s_train / (s_train + s_task)
 
 
-def reference(s, P, *, rel=0.1, mix=None, correction=True, components=None) -> np.ndarray:
+def mass_lambda(R, q=0.95) -> float:
+    """λ of damping='auto' on a dense R by hand: the k-th largest eigenvalue, k the smallest
+    with the top k holding q of the trace."""
+    mu = sorted(torch.linalg.eigvalsh(R).clamp_min(0).tolist(), reverse=True)
+    total, run = sum(mu), 0.0
+    for value in mu:
+        run += value
+        if run >= q * total * (1 - 1e-12):
+            return value
+    return mu[-1]
+
+
+def reference(s, P, *, rel="auto", mix=None, correction=True, components=None, blocks=None) -> np.ndarray:
+    """rel: "auto" (the default: per block b of ``blocks`` (sizes; None: one block), λ_b =
+    :func:`mass_lambda` of R's diagonal block) or c (λ = c × R's mean eigenvalue)."""
     m, opt = s["model"], s["opt"]
     beta2, eps = opt.param_groups[0]["betas"][1], opt.param_groups[0]["eps"]
     v_hat = layout(m, {p: opt.state[p]["exp_avg_sq"] / (1 - beta2 ** float(opt.state[p]["step"]))
@@ -67,7 +81,13 @@ def reference(s, P, *, rel=0.1, mix=None, correction=True, components=None) -> n
         R_task = Phi[2].T @ Phi[2] / len(Phi[2])
         mix = reference_mix(R, R_task, components) if mix == "auto" else mix
         R = (1 - mix) * R + mix * R_task
-    R = R + rel * torch.trace(R) / R.shape[0] * torch.eye(R.shape[0], dtype=R.dtype)
+    if rel == "auto":
+        edges = np.cumsum([0] + list(blocks or [R.shape[0]]))
+        lam = torch.cat([torch.full((b - a,), mass_lambda(R[a:b, a:b]), dtype=R.dtype)
+                         for a, b in zip(edges[:-1], edges[1:])])
+    else:
+        lam = torch.full((R.shape[0],), rel * float(torch.trace(R)) / R.shape[0], dtype=R.dtype)
+    R = R + torch.diag(lam)
     w, V = torch.linalg.eigh(R)
     W = V @ torch.diag(w ** -0.5) @ V.T                                     # R^{-1/2}
     Gz, Gq = Phi[0] @ W, Phi[1] @ W
@@ -97,7 +117,19 @@ def test_trackstar_equals_plain_torch_reference(setting, variant):
     assert np.all(np.abs(got) <= 1 + 1e-12)                                # cosines
     text = repr(S)
     assert ("1/(√v̂ + ε) from AdamW state (ε=1e-05)" in text) == (variant != "no correction")
-    assert "damp(λ=0.1·mean eig) [default: 0.1 × mean eigenvalue]" in text and "pow(-0.5)" in text
+    assert "[default: damping='auto', λ_b = the eigenvalue where the top ones hold 0.95 of the mass" in text
+    assert "pow(-0.5)" in text
+
+
+@pytest.mark.parametrize("kwargs", [{"relative_damping": 0.1}, {"damping": None}])
+def test_trackstar_previous_default_is_one_argument_away(setting, kwargs):
+    """relative_damping=0.1 (or damping=None) is the rule before issue 31: 0.1 × R's mean eigenvalue."""
+    s, P = setting, ga.proj.gaussian(12, seed=3)
+    S = ga.methods.trackstar(s["task"], s["train"], s["query"], optimizer=s["opt"], layers=LAYERS, projector=P,
+                             **kwargs)
+    want = reference(s, projection_matrix(P, ga.grads(s["task"], s["train"], LAYERS)), rel=0.1)
+    np.testing.assert_allclose(np.asarray(S.compute().values), want, rtol=1e-9, atol=1e-10)
+    assert "0.1 × mean eigenvalue" in repr(S)
 
 
 def test_trackstar_with_k_above_the_dimension_projects_nothing(setting):
@@ -105,7 +137,8 @@ def test_trackstar_with_k_above_the_dimension_projects_nothing(setting):
     s = setting
     dim = ga.grads(s["task"], s["train"], LAYERS).space.dim                # 39 coordinates
     S = ga.methods.trackstar(s["task"], s["train"], s["query"], optimizer=s["opt"], layers=LAYERS, k=4096)
-    want = reference(s, torch.eye(dim, dtype=torch.float64))
+    sizes = [b.dim for b in ga.grads(s["task"], s["train"], LAYERS).space.blocks]   # λ_b per block (24, 15)
+    want = reference(s, torch.eye(dim, dtype=torch.float64), blocks=sizes)
     np.testing.assert_allclose(np.asarray(S.compute().values), want, rtol=1e-8, atol=1e-10)
     assert "project" not in repr(S).lower()
 
