@@ -285,6 +285,29 @@ def defaults(fn, *names) -> str:
     return "defaults (" + ", ".join(f"{n}={label_value(params[n].default)}" for n in names) + ")"
 
 
+def expression_token(scores) -> str | None:
+    """The content token of a row's lazy scores (``scores.expr.token``): it names the
+    expression with every resolved argument, a method's defaults included, so a cache
+    entry written under another default no longer matches. None for scores that are not a
+    lazy expression (MAGIC's replay)."""
+    return getattr(getattr(scores, "expr", None), "token", None)
+
+
+def cache_is_current(cached, token: str | None, path) -> bool:
+    """Whether a cached ``.npz`` holds the scores of the expression ``token`` names: its
+    stored ``token`` equals it. An entry without a token (written before tokens were kept)
+    or under another token is stale: it is recomputed, and the reason printed."""
+    if token is None:
+        return True
+    stored = str(cached["token"]) if "token" in cached.files else None
+    if stored == token:
+        return True
+    why = "no expression token (written before tokens were kept)" if stored is None else \
+        f"written for {stored}, the row is now {token} (a default or the method changed)"
+    print(f"    recomputing {Path(path).name}: {why}", flush=True)
+    return False
+
+
 def label_value(v) -> str:
     """A default as a label shows it: numbers by :g, anything else (damping="auto") by repr."""
     return f"{v:g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else repr(v)

@@ -445,19 +445,24 @@ def cached_scores(s: Setting, method: str, config: str, thunk, base: float, refr
     kept in ``build/fidelity/scores-<key>/`` with the wall time of ``compute()`` and the
     forward + backward time measured beside it, so that the ground truth and the scores can
     be computed in separate (resumable) processes. The cache is keyed by the setting and
-    the row's label, not by gradalg's code: after a method or a default changes, rerun with
-    ``--recompute`` (``refresh``), which computes the scores afresh."""
+    the row's label, and checked against the expression's content token (``expr.token``:
+    the method's resolved arguments, its defaults included), kept beside the scores: after a
+    default changes, the cached scores of the old expression are recomputed, not served
+    (:func:`fidelity_lm.cache_is_current`). ``--recompute`` (``refresh``) recomputes anyway."""
+    from fidelity_lm import cache_is_current, expression_token
     path = scores_path(s, method, config)
-    if path.exists() and not refresh:
-        cached = np.load(path)
-        return cached["values"], float(cached["seconds"]), float(cached["base"])
     scores = thunk()
+    token = expression_token(scores)
+    if path.exists() and not refresh:
+        with np.load(path) as cached:
+            if cache_is_current(cached, token, path):
+                return cached["values"], float(cached["seconds"]), float(cached["base"])
     t0 = time.perf_counter()
     values = np.asarray(scores.compute().values)
     seconds = time.perf_counter() - t0
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp.npz")
-    np.savez(tmp, values=values, seconds=seconds, base=base)
+    np.savez(tmp, values=values, seconds=seconds, base=base, token=token)
     tmp.replace(path)
     return values, seconds, base
 

@@ -469,15 +469,21 @@ def run(setting: TextSetting, *, only=None, recompute=False, n_subsets=N_SUBSETS
 def cached_scores(p: Prepared, method: str, config: str, thunk, base: float):
     """(scores (n_query, n_train) DataArray, seconds of ``compute()``, the forward + backward
     seconds measured beside it) of one row, from ``build/fidelity/scores-<key>-<row>.npz`` when
-    there (written otherwise): the costly part, computed once, resumable."""
+    there (written otherwise): the costly part, computed once, resumable. Checked against
+    the expression's content token kept beside the scores: after a default changes, the old
+    expression's scores are recomputed, not served (:func:`fidelity_lm.cache_is_current`)."""
     import xarray as xr
+    from fidelity_lm import cache_is_current, expression_token
     slug = hashlib.sha256(f"{method}|{config}".encode()).hexdigest()[:10]
     path = BUILD / f"scores-{p.key}-{method}-{slug}.npz"
+    scores = thunk()
+    token = expression_token(scores)
+    current = False
     if path.exists():
         with np.load(path) as z:
-            values, seconds, base = z["values"], float(z["seconds"]), float(z["fwd_bwd_seconds"])
-    else:
-        scores = thunk()
+            if (current := cache_is_current(z, token, path)):
+                values, seconds, base = z["values"], float(z["seconds"]), float(z["fwd_bwd_seconds"])
+    if not current:
         t0 = time.perf_counter()
         computed = scores.compute()                                         # (n_query, n_train)
         seconds = time.perf_counter() - t0
@@ -488,7 +494,7 @@ def cached_scores(p: Prepared, method: str, config: str, thunk, base: float):
         values = np.asarray(computed.transpose("query", "train").values)
         BUILD.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp.npz")
-        np.savez(tmp, values=values, seconds=seconds, fwd_bwd_seconds=base)
+        np.savez(tmp, values=values, seconds=seconds, fwd_bwd_seconds=base, token=token)
         tmp.replace(path)
     return xr.DataArray(values, dims=("query", "train"), name=method), seconds, base
 
