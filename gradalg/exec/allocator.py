@@ -16,6 +16,13 @@ again (measured on a GPT-2 pass, 4 layers × 256, batches of 16: 2.2 M page faul
 every batch), so a steady pass keeps its pages and a growing one is cut back; the pass
 runner trims once more after a pass's last batch (one batch's pages faulted in again
 per pass, not per batch).
+
+Joining or preconditioning rows block by block frees a block at a time; each
+``malloc_trim`` walks every free chunk of every arena (one ``madvise`` per chunk
+spanning a page), so its cost grows with the process's heap, not with what was freed.
+:class:`FreedBytes` trims only once the blocks freed since the last trim reach the
+executor's ``release_memory_above`` (1 MiB): a block smaller than that is reused by the
+allocator anyway (MEASURED-TODO).
 """
 from __future__ import annotations
 
@@ -25,7 +32,7 @@ import functools
 
 import os
 
-__all__ = ["release_free_memory", "resident_bytes", "peak_resident_bytes", "ResidentGuard"]
+__all__ = ["release_free_memory", "resident_bytes", "peak_resident_bytes", "ResidentGuard", "FreedBytes"]
 
 
 @functools.cache
@@ -96,4 +103,27 @@ class ResidentGuard:
             return
         if rss is None or rss > self.growth * self.reference:
             release_free_memory()
+            self.trims += 1
+
+
+class FreedBytes:
+    """Returns free pages once enough bytes were freed since the last return.
+
+    ``freed(nbytes)`` adds ``nbytes`` (a block just dropped) to the pending count and,
+    when it reaches ``above`` bytes, calls ``release`` (default
+    :func:`release_free_memory`, looked up when called) and starts the count again.
+    ``above`` 0 returns pages after every block; ``float("inf")`` never. ``trims``
+    counts the returns.
+    """
+
+    def __init__(self, above: float, release=None):
+        self.above, self.release = float(above), release
+        self.pending = 0.0
+        self.trims = 0
+
+    def freed(self, nbytes: float) -> None:
+        self.pending += float(nbytes)
+        if self.pending >= self.above:
+            (self.release or release_free_memory)()
+            self.pending = 0.0
             self.trims += 1
