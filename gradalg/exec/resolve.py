@@ -85,8 +85,9 @@ def precondition(resolved: LinearOp, held: Chunk, space, *, consume: bool = Fals
             value = held.blocks.pop(name) if consume else held.blocks[name]
             dtype = dtype_device(value)[0]
             out[name] = resolved.apply_block(name, value).to(dtype)
-            if consume:   # the raw blocks' pages back to the OS: the next, larger outputs cannot reuse them
-                pages.freed(block_bytes(value))
+            dropped = block_bytes(value)
             del value
+            if consume:   # the raw blocks' pages back to the OS: the next, larger outputs cannot reuse them
+                pages.freed(dropped)
         return Chunk(held.ids, out, held.batch, held.task, held.meta)
     return held.replace(unflatten(resolved.apply(flatten(held, space)), space))
