@@ -25,7 +25,12 @@ executor's ``release_memory_above`` (1 MiB): a block smaller than that is reused
 allocator anyway. Measured (issue 28, LoGra's scores over held query rows, 48 projected
 64 × 64 blocks of 16–32 KiB, GPT-2 small at T = 128, 2.6 GB process, load 9–12): 48
 trims took 8.5 ms of the pass's 27 ms of CPU and the pages they returned faulted in
-again (1,750 page faults against 200); with one trim per MiB the pass took 18 ms.
+again (1,750 page faults against 200); with one trim per MiB the pass took 18 ms. A heap
+with many free chunks makes each trim far dearer: after ``tokenizers`` trained and ran a
+byte-level BPE in the process (``benchmarks/real_scale.py --data stdlib-bpe``), one
+``malloc_trim(0)`` that freed nothing took 5–9 ms of CPU (8 µs before), which is the
+0.29 s of GPT-2 small's 48 held blocks (25× the pass's estimate) and the 0.88 s of
+Qwen2-0.5B's 168 (49×).
 """
 from __future__ import annotations
 
