@@ -13,7 +13,7 @@ import torch
 from .factors import HALF_DTYPES, Factors, materialize, self_inner
 from ..space import ParamSpace
 
-__all__ = ["Chunk", "flat_block", "flatten", "unflatten", "row_sq_norms", "concat_chunks"]
+__all__ = ["Chunk", "block_bytes", "flat_block", "flatten", "unflatten", "row_sq_norms", "concat_chunks"]
 
 
 @dataclass
@@ -36,6 +36,11 @@ class Chunk:
 
     def replace(self, blocks) -> "Chunk":
         return Chunk(self.ids, blocks, self.batch, self.task, self.meta)
+
+
+def block_bytes(value) -> int:
+    """Bytes of one block of a chunk: its factors (:meth:`Factors.nbytes`) or its flat rows."""
+    return value.nbytes() if isinstance(value, Factors) else value.numel() * value.element_size()
 
 
 def flat_block(value) -> torch.Tensor:

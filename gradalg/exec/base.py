@@ -45,7 +45,7 @@ from ..plan.decisions import Decisions
 from ..plan.decide import refuse_dense_projections
 from ..plan.jobs import ApplyJob, GroupAccumulator, applied
 from ..plan.planner import ROW_WISE, Plan, plan as make_plan
-from .allocator import release_free_memory
+from .allocator import FreedBytes, release_free_memory
 from .phases import PhaseClock
 from .resolve import Resolution, precondition
 from .rowwise import derive_rows
@@ -64,7 +64,9 @@ class Executor:
     ``release_memory_above``: after each batch of a pass whose planned working set is
     at least this many bytes, free memory is returned to the system
     (:mod:`gradalg.exec.allocator`; smaller batches free too little to be worth the call;
-    ``float("inf")`` never). ``shards``: the
+    ``float("inf")`` never); rows joined or preconditioned block by block return it
+    each time the blocks dropped since the last return reach this many bytes
+    (:class:`~gradalg.exec.allocator.FreedBytes`). ``shards``: the
     :class:`~gradalg.exec.runner.ShardStrategy` (default: the whole pass in this process).
     ``state``: a :class:`~gradalg.exec.state.RunState` to start from (a Dask worker's:
     the resolved operators its shard needs).
@@ -75,7 +77,7 @@ class Executor:
     """
 
     name = "local"
-    #: returns freed heap pages to the operating system (a held side joined block by block calls it)
+    #: returns freed heap pages to the operating system (through :meth:`page_returner` for rows joined block by block)
     release_free_memory = staticmethod(release_free_memory)
 
     def __init__(self, options: Options | None = None, *, rewrites: bool = True, choices: Choices | None = None,
@@ -156,18 +158,24 @@ class Executor:
         """The resolved numbers of an operator node."""
         return self.compute(node, self.resolve)
 
+    def page_returner(self) -> FreedBytes:
+        """A counter of dropped bytes that returns free pages to the operating system each
+        time ``release_memory_above`` bytes were dropped (rows joined block by block)."""
+        return FreedBytes(self.release_memory_above, self.release_free_memory)
+
     def precondition_held(self, op: OpNode, held: Chunk, space, *, consume: bool = False) -> Chunk:
         """The held rows of a score with the resolved ``op`` applied (once per pass): as a
         planned :class:`~gradalg.plan.jobs.apply.ApplyJob` left them for exactly these rows
         (:func:`~gradalg.plan.jobs.apply.applied`), else now; ``consume`` empties ``held``
-        block by block (:func:`~gradalg.exec.resolve.precondition`)."""
+        block by block, returning pages per ``release_memory_above`` bytes dropped
+        (:func:`~gradalg.exec.resolve.precondition`)."""
         resolved = self.resolve(op)
         with self.clock.phase("scoring"):
             if any(key[0] == ApplyJob.kind for key in self.state.results):   # applied by a pass of the plan?
                 ready = applied(self.state, op, flatten(held, space))
                 if ready is not None:
                     return held.replace(unflatten(ready, space))
-            return precondition(resolved, held, space, consume=consume)
+            return precondition(resolved, held, space, consume=consume, release_above=self.release_memory_above)
 
     # ------------------------------------------------------------------ pull path
     def iter_chunks(self, node: GradNode) -> Iterator[Chunk]:

@@ -13,12 +13,12 @@ predicts from the expression alone.
 """
 from __future__ import annotations
 
-from ..capture.chunks import Chunk, flatten, unflatten
+from ..capture.chunks import Chunk, block_bytes, flatten, unflatten
 from ..curvature.hvp import dataset_matvec
 from ..errors import PlanError
 from ..expr import OpNode, Statistic
 from ..linalg import LinearOp
-from .allocator import release_free_memory
+from .allocator import FreedBytes
 from .rowwise import dtype_device
 
 __all__ = ["precondition", "Resolution", "published"]
@@ -79,23 +79,29 @@ class Resolution:
         return state.results[key]
 
 
-def precondition(resolved: LinearOp, held: Chunk, space, *, consume: bool = False) -> Chunk:
+def precondition(resolved: LinearOp, held: Chunk, space, *, consume: bool = False,
+                 release_above: float = 2**20) -> Chunk:
     """The held side of a score with the operator applied: block by block for operators
     that act per block on factored rows (Kronecker), else on the concatenated rows.
 
     consume : the caller owns ``held.blocks`` (no other reader): each raw block is dropped
         from it once its preconditioned rows exist, so the two copies of the rows are not
-        all in memory together (``held`` is left with no blocks), and its pages are
-        returned to the operating system (:func:`~gradalg.exec.allocator.release_free_memory`).
+        all in memory together (``held`` is left with no blocks), and their pages are
+        returned to the operating system once the blocks dropped since the last return
+        reach ``release_above`` bytes (:class:`~gradalg.exec.allocator.FreedBytes`: the
+        executor's ``release_memory_above``; a return per small block costs a walk of the
+        whole heap each).
     """
     if hasattr(resolved, "apply_block"):
         out = {}
+        pages = FreedBytes(release_above)
         for name in list(held.blocks):
             value = held.blocks.pop(name) if consume else held.blocks[name]
             dtype = dtype_device(value)[0]
             out[name] = resolved.apply_block(name, value).to(dtype)
+            dropped = block_bytes(value)
             del value
-            if consume:   # the raw block's pages back to the OS: the next, larger output cannot reuse them
-                release_free_memory()
+            if consume:   # the raw blocks' pages back to the OS: the next, larger outputs cannot reuse them
+                pages.freed(dropped)
         return Chunk(held.ids, out, held.batch, held.task, held.meta)
     return held.replace(unflatten(resolved.apply(flatten(held, space)), space))

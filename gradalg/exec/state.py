@@ -19,9 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..capture.factors import Factors
 from ..expr import ScoreDiagonal, ScoreSum
-from ..capture.chunks import Chunk
+from ..capture.chunks import Chunk, block_bytes
 
 __all__ = ["RunState"]
 
@@ -54,5 +53,5 @@ class RunState:
         for chunks in self.rows.values():
             for c in chunks:
                 for v in c.blocks.values():
-                    total += v.nbytes() if isinstance(v, Factors) else v.numel() * v.element_size()
+                    total += block_bytes(v)
         return total

@@ -19,7 +19,7 @@ from the job's fields), ``fed``, ``feed``, ``for_shard`` and ``publish`` (where 
 result goes in the run's :class:`~gradalg.exec.state.RunState`). ``ctx`` is the executor
 (duck-typed: the plan's floor does not import the executor's): its ``trace`` of
 kernels, ``state``, ``resolve(op)``, ``precondition_held`` and
-``release_free_memory``; never its options.
+``page_returner()`` (a :class:`~gradalg.exec.allocator.FreedBytes`); never its options.
 
 ``Job.kind`` is the job's short name (``"scores"``, ...), shown by ``describe()``; a
 class that sets it registers itself in :data:`JOB_TYPES`. A job is keyed by

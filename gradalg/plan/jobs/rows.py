@@ -6,11 +6,11 @@ example ``rows · Σ_b T_b·(in_b + out_b)`` numbers for a block kept as factors
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 import torch
 
-from ...capture.chunks import Chunk, flat_block, flatten, unflatten
+from ...capture.chunks import Chunk, block_bytes, flat_block, flatten, unflatten
 from ...capture.factors import Factors
 from ...expr import GroupMean
 from ..cost import Cost
@@ -65,7 +65,7 @@ class CollectJob(RowsJob):
     def accumulator(self, ctx) -> "Collector":
         """A held side is read whole by its scores job: kept as one chunk, its pieces
         freed as it is made (stored rows are streamed back chunk by chunk)."""
-        return Collector(self.target, self.storage, whole=True, release=ctx.release_free_memory)
+        return Collector(self.target, self.storage, whole=True, release=ctx.page_returner())
 
 
 @dataclass(eq=False, frozen=True)
@@ -97,12 +97,14 @@ class Collector:
 
     ``storage[block] == "flat"`` keeps that block materialized when it is smaller than
     its factors (a Kronecker-projected block over long sequences). ``whole``: ``finish``
-    joins the chunks into one, block by block, calling ``release()`` after each (the
-    executor's return of freed pages to the operating system).
+    joins the chunks into one, block by block, telling ``release.freed(nbytes)`` the
+    bytes of each block's pieces once they are dropped (the executor's
+    :class:`~gradalg.exec.allocator.FreedBytes`: freed pages go back to the operating
+    system once enough bytes were dropped).
     """
 
     def __init__(self, node, storage: dict | None = None, whole: bool = False,
-                 release: Callable[[], None] | None = None):
+                 release=None):
         self.node = node
         self.flat = {name for name, how in (storage or {}).items() if how == "flat"}
         self.chunks: list[Chunk] = []
@@ -132,12 +134,13 @@ class Collector:
         for name in list(chunks[0].blocks):   # block by block, each block's pieces freed once joined
             parts = [c.blocks.pop(name) for c in chunks]
             blocks[name] = Factors.concat_examples(parts) if isinstance(parts[0], Factors) else torch.cat(parts, 0)
+            dropped = sum(block_bytes(p) for p in parts)
             del parts
             # the pieces' pages back to the OS: glibc keeps freed batch-sized pieces in its heap,
             # where the joined block (larger) cannot reuse them (full Grad-Dot on GPT-2: the
             # 471 MB of held queries were resident twice)
             if self.release is not None:
-                self.release()
+                self.release.freed(dropped)
         return [Chunk(ids, blocks)]
 
 
