@@ -88,7 +88,7 @@ def test_job_costs_follow_the_rows_layout_and_kind():
         p = plan((ga.grads(task, query) @ K.damp(0.1).inv() @ G.T).expr, device=A100)
     kfac = next(j for s in p.passes for j in s.jobs if j.kind == "kfac")
     layout = {"0": "factors", "2": "factors"}
-    c = kfac.stream_cost(20, 8, torch.float64, lambda node: layout)
+    c = kfac.stream_cost(20, 8, p.facts, lambda node: layout)
     # per chunk of 8 rows (3 chunks): Grams of A (8, 9), D (8, 16), A (8, 17), D (8, 3);
     # once, both factors' eigendecompositions
     assert c.gemms == ((9, 9, 8, 3, 8), (16, 16, 8, 3, 8), (17, 17, 8, 3, 8), (3, 3, 8, 3, 8))
@@ -112,11 +112,11 @@ def test_job_costs_follow_the_rows_layout_and_kind():
     with ga.options(batch_size=batch):
         p = plan((ga.grads(task, query) @ eig.damp(0.1).inv() @ G.T).expr, device=A100)
     ekfac = next(j for s in p.passes for j in s.jobs if j.kind == "ekfac")
-    from_factors = ekfac.stream_cost(20, 8, torch.float64, lambda node: layout)
+    from_factors = ekfac.stream_cost(20, 8, p.facts, lambda node: layout)
     assert from_factors.gemms[:2] == ((8, 9, 9, 3, 8), (8, 16, 16, 3, 8))
     # the per-example products: one batched call of 8 (out, in, T) products per chunk and block
     assert from_factors.bmms == ((8, 16, 9, 1, 3, 8), (8, 3, 17, 1, 3, 8))
-    flat = ekfac.stream_cost(20, 8, torch.float64, lambda node: {"0": "flat", "2": "flat"})
+    flat = ekfac.stream_cost(20, 8, p.facts, lambda node: {"0": "flat", "2": "flat"})
     assert flat.bmms == ((8, 16, 9, 16, 3, 8), (8, 3, 17, 3, 3, 8))
     assert flat.gemms == ((8 * 16, 9, 9, 3, 8), (8 * 3, 17, 17, 3, 8))
 
@@ -248,7 +248,7 @@ def test_a_pass_over_stored_rows_is_costed_per_chunk_they_were_stored_in():
     ekfac = next((s, j) for s in p.passes for j in s.jobs if j.kind == "ekfac")
     assert not ekfac[0].reads_data and stored.batch_size == batch
     assert ekfac[1].cost.blocks == (("ekfac", 3.0 * 2, float(ekfac[1].ops_per_block)),)   # 3 chunks × 2 blocks
-    assert ekfac[1].cost == ekfac[1].stream_cost(20, batch, p.dtype, lambda node: {"0": "factors", "2": "factors"},
+    assert ekfac[1].cost == ekfac[1].stream_cost(20, batch, p.facts, lambda node: {"0": "factors", "2": "factors"},
                                                  options=ga.options())
     op = next(j for s in p.passes for j in s.jobs if j.kind == "scores").target.op
     assert E.resolve_cost(op).blocks == (("resolve", 2.0, 0.0),)

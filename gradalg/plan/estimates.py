@@ -29,7 +29,9 @@ estimates with measured passes for every catalogue method (``docs/planner.md``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
 
 import torch
 from torch import nn
@@ -47,6 +49,9 @@ from .shapes import activation_bytes, attention_shape, element_size, output_widt
 __all__ = ["capture_cost", "pass_capture_cost", "chunk_count", "resolve_once", "apply_cost", "OperatorPrices", "resolve_cost",
            "project_cost", "RowPrices", "rowwise_cost",
            "kernel_costs", "elementwise_cost", "pass_overhead", "ADAM_OPS"]
+
+#: no measured forward shapes (every layer at ``tokens_hint``): the prices' default outside a plan
+EMPTY: Mapping = MappingProxyType({})
 
 
 # ------------------------------------------------------------------ model shapes
@@ -122,13 +127,14 @@ def pass_capture_cost(sources, options, dtype, share_key, batch: int | None = No
 
 
 # ------------------------------------------------------------------ operators
-def apply_cost(op, space, n: int, elem: int = 4, options=None) -> Cost:
+def apply_cost(op, space, n: int, elem: int = 4, options=None, shapes: Mapping = EMPTY) -> Cost:
     """Applying the resolved ``op`` to n rows of ``space``: the node's own
-    ``apply_cost`` (:mod:`gradalg.expr.operators`), priced by :class:`OperatorPrices`. An
+    ``apply_cost`` (:mod:`gradalg.expr.operators`), priced by :class:`OperatorPrices`
+    (``shapes``: the plan's measured forward shapes, :class:`~gradalg.plan.shapes.ModelFacts`). An
     operator whose structure refuses an operation costs nothing here: ``explain()``
     shows its refusal, and resolving it raises it."""
     try:
-        return op.apply_cost(space, n, OperatorPrices(elem, options))
+        return op.apply_cost(space, n, OperatorPrices(elem, options, shapes))
     except OperatorError:
         return Cost()
 
@@ -138,10 +144,12 @@ class OperatorPrices:
     """The prices an operator node's ``apply_cost(space, n, prices)`` is written in, for
     rows of ``elem`` bytes under ``options``: a resolved operator applied by its form
     (:meth:`by_form`), a low-rank one by its rank, and the parts of a closed form over data
-    (a read of training rows, GEMMs, memory traffic)."""
+    (a read of training rows, GEMMs, memory traffic). ``shapes``: the plan's measured
+    forward shapes, ``{source token: ForwardShapes}`` (empty: ``tokens_hint``)."""
 
     elem: int = 4
     options: object = None
+    shapes: Mapping = field(default_factory=dict)
 
     def free(self) -> Cost:
         return Cost()
@@ -194,7 +202,7 @@ class OperatorPrices:
         cost = Cost()
         if isinstance(root, Source) and self.options is not None:
             cost = capture_cost(root, self.options, torch.float32)
-        T = positions(grads)
+        T = positions(grads, self.shapes)
         for b in grads.space.blocks:
             if len(b.shape) == 2 and grads.representation.get(b.name) == "factored":
                 cost = cost + materialize_cost(grads.n, T[b.name], b.shape[1], b.shape[0], self.elem)
@@ -423,9 +431,9 @@ def elementwise_cost(numbers: float, reads: float, writes: float, elem: int = 4)
 ADAM_OPS = {"reads": 9, "writes": 5, "fresh": 1}
 
 
-def _materialize_cost(node, c: int, layout: dict, elem: int) -> Cost:
+def _materialize_cost(node, c: int, layout: dict, elem: int, shapes: Mapping) -> Cost:
     """The factored blocks of a chunk of ``node`` materialized, one at a time."""
-    T = positions(node)
+    T = positions(node, shapes)
     cost = Cost()
     for b in node.space.blocks:
         if layout.get(b.name) == "factors" and len(b.shape) == 2:
@@ -433,10 +441,10 @@ def _materialize_cost(node, c: int, layout: dict, elem: int) -> Cost:
     return cost
 
 
-def _flatten_cost(node, c: int, layout: dict, elem: int) -> Cost:
+def _flatten_cost(node, c: int, layout: dict, elem: int, shapes: Mapping) -> Cost:
     """``flatten``: the blocks of a chunk of ``node`` concatenated into one (c, d) tensor,
     factored blocks materialized first."""
-    T = positions(node)
+    T = positions(node, shapes)
     cost = elementwise_cost(c * node.space.dim, 1, 1, elem)
     for b in node.space.blocks:
         if layout.get(b.name) == "factors" and len(b.shape) == 2:
@@ -451,13 +459,15 @@ class RowPrices:
     "flat"}``) of ``elem`` bytes under ``options``. ``drawn``: the projections whose
     matrices an earlier transform drew; ``resolved``: the tokens of the operators an earlier
     pass or transform resolved (an operator is resolved once in a plan; :meth:`per_chunk`
-    adds the ones it resolves)."""
+    adds the ones it resolves); ``shapes``: the plan's measured forward shapes (empty:
+    ``tokens_hint``)."""
 
     layout: dict
     elem: int = 4
     options: object = None
     drawn: set | None = None
     resolved: set | None = None
+    shapes: Mapping = field(default_factory=dict)
 
     def free(self) -> Cost:
         return Cost()
@@ -471,22 +481,22 @@ class RowPrices:
         return per(c).scaled(_chunks(n, c)) + once
 
     def positions(self, src) -> dict:
-        return positions(src)
+        return positions(src, self.shapes)
 
     def project(self, node, n: int, chunk: int | None) -> Cost:
         return project_cost(node, n, tokens_hint(node), self.elem, chunk, self.drawn)
 
     def materialize(self, src, c: int) -> Cost:
-        return _materialize_cost(src, c, self.layout, self.elem)
+        return _materialize_cost(src, c, self.layout, self.elem, self.shapes)
 
     def materialize_block(self, c: int, T: int, d_in: int, d_out: int) -> Cost:
         return materialize_cost(c, T, d_in, d_out, self.elem)
 
     def flatten(self, src, c: int) -> Cost:
-        return _flatten_cost(src, c, self.layout, self.elem)
+        return _flatten_cost(src, c, self.layout, self.elem, self.shapes)
 
     def apply(self, op, space, c: int) -> Cost:
-        return apply_cost(op, space, c, self.elem, self.options)
+        return apply_cost(op, space, c, self.elem, self.options, self.shapes)
 
     def elementwise(self, count: int, reads: int, writes: int) -> Cost:
         return elementwise_cost(count, reads, writes, self.elem)
@@ -508,7 +518,7 @@ class RowPrices:
 
     def scale_rows(self, src, c: int) -> Cost:
         """Each block of c rows scaled: factored (out, in) blocks by their output gradients."""
-        T, out = positions(src), Cost()
+        T, out = positions(src, self.shapes), Cost()
         for b in src.space.blocks:
             if self.layout.get(b.name) == "factors" and len(b.shape) == 2:
                 out = out + elementwise_cost(c * T[b.name] * b.shape[0], 1, 1, self.elem)
@@ -518,7 +528,7 @@ class RowPrices:
 
 
 def rowwise_cost(node, n: int, chunk: int | None, layout: dict, elem: int = 4, options=None,
-                 drawn: set | None = None, resolved: set | None = None) -> Cost:
+                 drawn: set | None = None, resolved: set | None = None, shapes: Mapping = EMPTY) -> Cost:
     """The row-wise transform ``node`` derived from ``node.grads`` for n examples in
     chunks of ``chunk`` (``gradalg.exec.rowwise``); ``layout`` is ``{block: "factors" |
     "flat"}`` of the input rows. Each node type prices itself (``node.row_cost``, in
@@ -526,7 +536,7 @@ def rowwise_cost(node, n: int, chunk: int | None, layout: dict, elem: int = 4, o
     :data:`ADAM_OPS`, a normalization or preconditioner by :func:`apply_cost` of its
     operator (resolved once: ``resolved``), a rank-r approximation by
     :func:`~gradalg.plan.cost.svd_cost`, a selection or per-token split as views (free)."""
-    return node.row_cost(n, chunk, RowPrices(layout, elem, options, drawn, resolved))
+    return node.row_cost(n, chunk, RowPrices(layout, elem, options, drawn, resolved, shapes))
 
 
 # ------------------------------------------------------------------ jobs
