@@ -323,22 +323,6 @@ def sparse_table_bytes(p, b) -> float:
 OPS_PER_SPARSE_BLOCK = 16
 
 
-#: An SJLT product's traffic, priced at the elementwise bandwidth: per non-zero and call,
-#: its row and sign read and the signed bin index formed (:data:`SJLT_NONZERO_BYTES`), and
-#: per non-zero and example a weighted ``bincount`` step (:data:`SJLT_ROW_BYTES`).
-#: Calibrated on one CPU thread (2.36 M non-zeros, k = 2048, CPU seconds: 0.022 for 2
-#: examples, 0.042 for 8, 0.14 for 32 with the signs folded into the bins; 0.022, 0.059,
-#: 0.24 with the weights multiplied by the signs, which ``SJLT_ROW_BYTES`` = 28 priced; the
-#: old 4·elem·n bytes at the copy bandwidth gave a tenth of the CSR product's time, and
-#: TRAK's GPT-2-small pass 14× its estimate).
-SJLT_NONZERO_BYTES = 20.0
-SJLT_ROW_BYTES = 15.0
-
-#: Drawing an SJLT's tables once per process (the rows and signs:
-#: :mod:`gradalg.proj.sparse_tables`), in float64 random numbers per non-zero: measured
-#: 24 ms for 2.36 M non-zeros on one CPU thread (≈ 0.75 draws of 14 ns)
-SJLT_BUILD_RANDOMS = 1.0
-
 #: A TensorSketch's FFT work per position and output row, in bytes at the elementwise
 #: rate: two real FFTs of k (float32) and their complex product, summed over positions.
 #: Calibrated on one CPU thread (GPT-2 c_fc 3072 × 769, n = 8, T = 64, k = 2048: 13 ms,
@@ -348,15 +332,17 @@ TS_BYTES_PER_BIN = 100.0
 
 def _scatter_cost(n: int, coords: float, elem: int, calls: int = 1) -> Cost:
     """An SJLT of ``coords`` input coordinates (times its s) per row, for n rows in
-    ``calls`` products: each coordinate multiplied into its output (the CSR product on the
-    CPU, ``index_add_`` elsewhere; ``gradalg.proj.kernels``), random access priced at the
-    elementwise rate (:data:`SJLT_NONZERO_BYTES`, :data:`SJLT_ROW_BYTES`)."""
-    return Cost(flops=2.0 * n * coords, elementwise=coords * (SJLT_NONZERO_BYTES * calls + SJLT_ROW_BYTES * n))
+    ``calls`` products: each coordinate added into its output bin (a weighted ``bincount``
+    per example on the CPU, ``index_add_`` elsewhere; ``gradalg.proj.kernels``): counted as
+    ``coords · calls`` non-zeros read and ``coords · n`` bin steps, which the device profile
+    prices by its measured ``sjlt_bytes`` (random access, not a GEMM)."""
+    return Cost(flops=2.0 * n * coords, scatter=float(coords * calls), scatter_rows=float(coords * n))
 
 
 def sjlt_build_cost(p, b) -> Cost:
-    """Drawing one block's sparse-projection tables and their CSR form (once per process):
-    :data:`SJLT_BUILD_RANDOMS` random draws per non-zero, the tables' bytes touched fresh."""
+    """Drawing one block's sparse-projection tables (once per process, on the CPU): its
+    non-zeros drawn (``sjlt_draws``, priced by the profile's measured ``sjlt_build_randoms``
+    random numbers each), the tables' bytes touched fresh."""
     if p.kind == "sparse":
         columns = b.dim
     elif p.kind == "grass":
@@ -366,7 +352,7 @@ def sjlt_build_cost(p, b) -> Cost:
         columns = k_out * k_in
     else:
         return Cost()
-    return Cost(randoms=SJLT_BUILD_RANDOMS * columns * p.s, faulted=sparse_table_bytes(p, b))
+    return Cost(sjlt_draws=float(columns * p.s), faulted=sparse_table_bytes(p, b))
 
 
 def _sparse_project_cost(p, b, n: int, T: int, factored: bool, total: int, elem: int, calls: int = 1) -> Cost:
