@@ -296,21 +296,33 @@ def project_cost(node: Project, n: int, T: int, elem: int = 4, chunk: int | None
     return cost
 
 
-def sparse_table_bytes(p, b) -> float:
-    """Bytes the process keeps for one block's sparse-projection tables
-    (:mod:`gradalg.proj.sparse_tables`, cached for the run): an SJLT of d columns takes
-    5·d·s (int32 rows, int8 signs; the CPU kernel's bincount reads them as they are); a
-    mask 8 bytes per kept coordinate; a TensorSketch 9 bytes per output and input. d is the block's size (``sparse``), GraSS's mask
-    size, FactGraSS's k_out·k_in. Zero for projections without tables (dense, Kronecker)."""
-    sjlt = 5.0 * p.s
+def _sjlt_columns(p, b) -> int:
+    """Columns d of one block's SJLT: the block's size (``sparse``), GraSS's mask size,
+    FactGraSS's k_out·k_in; 0 for a projection with no SJLT stage."""
     if p.kind == "sparse":
-        return sjlt * b.dim
+        return b.dim
     if p.kind == "grass":
-        m = p.grass_mask_size(b.dim)
-        return 8.0 * m + sjlt * m
+        return p.grass_mask_size(b.dim)
     if p.kind == "factgrass" and len(b.shape) == 2:
         k_out, k_in = p.factgrass_shape(*b.shape)
-        return 8.0 * (k_out + k_in) + sjlt * k_out * k_in
+        return k_out * k_in
+    return 0
+
+
+def sparse_table_bytes(p, b) -> float:
+    """Bytes the process keeps for one block's sparse-projection tables
+    (:mod:`gradalg.proj.sparse_tables`, cached for the run): an SJLT of d columns
+    (:func:`_sjlt_columns`) takes 5·d·s (int32 rows, int8 signs; the CPU kernel's bincount
+    reads them as they are); a mask 8 bytes per kept coordinate (GraSS's m, FactGraSS's
+    k_out + k_in); a TensorSketch 9 bytes per output and input. Zero for projections
+    without tables (dense, Kronecker)."""
+    sjlt = 5.0 * p.s * _sjlt_columns(p, b)
+    if p.kind == "sparse":
+        return sjlt
+    if p.kind == "grass":
+        return 8.0 * p.grass_mask_size(b.dim) + sjlt
+    if p.kind == "factgrass" and len(b.shape) == 2:
+        return 8.0 * sum(p.factgrass_shape(*b.shape)) + sjlt
     if p.kind == "mask":
         return 16.0 * min(p.k, b.dim)      # per block or its share of a global mask: positions and coordinates
     if p.kind == "tensorsketch":         # int64 row and int8 sign per output and per input
@@ -343,16 +355,8 @@ def sjlt_build_cost(p, b) -> Cost:
     """Drawing one block's sparse-projection tables (once per process, on the CPU): its
     non-zeros drawn (``sjlt_draws``, priced by the profile's measured ``sjlt_build_randoms``
     random numbers each), the tables' bytes touched fresh."""
-    if p.kind == "sparse":
-        columns = b.dim
-    elif p.kind == "grass":
-        columns = p.grass_mask_size(b.dim)
-    elif p.kind == "factgrass" and len(b.shape) == 2:
-        k_out, k_in = p.factgrass_shape(*b.shape)
-        columns = k_out * k_in
-    else:
-        return Cost()
-    return Cost(sjlt_draws=float(columns * p.s), faulted=sparse_table_bytes(p, b))
+    columns = _sjlt_columns(p, b)
+    return Cost(sjlt_draws=float(columns * p.s), faulted=sparse_table_bytes(p, b)) if columns else Cost()
 
 
 def _sparse_project_cost(p, b, n: int, T: int, factored: bool, total: int, elem: int, calls: int = 1) -> Cost:
@@ -430,12 +434,7 @@ def _materialize_cost(node, c: int, layout: dict, elem: int, shapes: Mapping) ->
 def _flatten_cost(node, c: int, layout: dict, elem: int, shapes: Mapping) -> Cost:
     """``flatten``: the blocks of a chunk of ``node`` concatenated into one (c, d) tensor,
     factored blocks materialized first."""
-    T = positions(node, shapes)
-    cost = elementwise_cost(c * node.space.dim, 1, 1, elem)
-    for b in node.space.blocks:
-        if layout.get(b.name) == "factors" and len(b.shape) == 2:
-            cost = cost + materialize_cost(c, T[b.name], b.shape[1], b.shape[0], elem)
-    return cost
+    return elementwise_cost(c * node.space.dim, 1, 1, elem) + _materialize_cost(node, c, layout, elem, shapes)
 
 
 @dataclass(frozen=True)
