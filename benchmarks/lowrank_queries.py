@@ -42,6 +42,7 @@ import gradalg as ga  # noqa: E402
 from gradalg.expr import Identity  # noqa: E402
 from gradalg.plan.jobs import ScoresJob  # noqa: E402
 from gradalg.plan.memory import rows_bytes  # noqa: E402
+from gradalg.plan.shapes import ModelFacts  # noqa: E402
 
 T, BATCH, VOCAB = 128, 32, 2048
 LAYERS = ["transformer.h.*"]
@@ -101,7 +102,7 @@ def held_bytes(job: ScoresJob, elem: int = 4) -> tuple[float, float]:
     in their storage (factors or flat). While scoring, added: the rows preconditioned in
     the scores sink, dense n·dim (an exact influence: ``Q`` is held, ``H⁻¹Q`` formed there),
     and the factored held blocks the dense kernel materializes once (n·out·in each)."""
-    rest = rows_bytes(job.held, job.held_storage, torch.float32)
+    rest = rows_bytes(job.held, job.held_storage, ModelFacts(dtype=torch.float32))   # token rows: T from the data
     n = job.held.n
     if not isinstance(job.target.op, Identity):
         return rest, rest + n * job.held.space.dim * elem

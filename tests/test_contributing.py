@@ -264,3 +264,87 @@ def test_the_method_recipe_runs_as_written():
     finally:
         REGISTRY.pop("norm_dot", None)
         sys.modules.pop(module.__name__, None)
+
+
+# ------------------------------------------------------------------ a layer rule
+#: what docs/contributing.md's "A layer rule" says every rule answers itself: the capture
+#: hooks and the planner's facts (register_layer refuses a rule without one)
+LAYER_STEPS = ("block_shape", "activations", "output_grads", "to_params", "from_params", "weight_gemm",
+               "measured_kinds")
+
+
+def _layer_recipe():
+    """The layer-rule example of docs/contributing.md, executed as written (it registers
+    its rule); returns its namespace. The caller removes the registration."""
+    import re
+
+    page = (ROOT / "docs" / "contributing.md").read_text()
+    code = next(c for c in re.findall(r"```python\n(.*?)```", page, flags=re.S) if "@register_layer(" in c)
+    namespace: dict = {"__name__": "layer_recipe_example"}
+    exec(compile(code, "docs/contributing.md", "exec", dont_inherit=True), namespace)
+    return namespace
+
+
+def test_the_layer_rule_recipe_runs_as_written():
+    """The recipe's rule registers itself, captures its block number by number as
+    torch.func does, and the planner prices its GEMM (forward and input gradient)."""
+    from gradalg.capture import layers as L
+    from gradalg.plan import estimates as E
+    from gradalg.plan import shapes as S
+
+    ns = _layer_recipe()
+    module_type = ns["InOutLinear"]
+    try:
+        assert L.LAYER_RULES[module_type] is ns["InOutLinearRule"]
+        torch.manual_seed(0)
+        model = nn.Sequential(module_type(8, 6), nn.Tanh(), nn.Linear(6, 3).double())
+        x, y = torch.randn(10, 8, dtype=F64), torch.randint(0, 3, (10,))
+        task = ga.tasks.classification(model)
+        G = ga.grads(task, (x, y), batch_size=4)
+        assert [(b.name, b.kind, tuple(b.shape)) for b in G.space.blocks] == [("0", "inout", (6, 8)),
+                                                                               ("2", "linear", (3, 7))]
+        captured = G.to_params()
+        reference = ga.per_example_grads(task, (x, y), list(captured), method="vmap")
+        for name, ref in reference.items():
+            torch.testing.assert_close(captured[name], ref, rtol=1e-9, atol=1e-12)
+        assert S.weight_layers(model) == [(8, 6), (6, 3)]
+        with ga.options(check_reduction=False) as opts:
+            cost = E.capture_cost(G.expr, opts, F64)
+        # three batches of 4 (batch_size=4): its forward and its input gradient GEMMs, (4, 6, 8) and (4, 8, 6)
+        assert (4, 6, 8, 3, 8) in cost.gemms and (4, 8, 6, 3, 8) in cost.gemms
+        assert "inout" in str(G.explain())
+    finally:
+        L.LAYER_RULES.pop(module_type, None)
+
+
+@pytest.mark.parametrize("step", LAYER_STEPS)
+def test_a_layer_rule_missing_a_step_is_refused_at_registration(step):
+    """The recipe's rule with one hook or fact left out: refused by register_layer, naming
+    it, before any model is captured or planned with it (not priced with no GEMM or T)."""
+    from gradalg.capture import layers as L
+
+    ns = _layer_recipe()
+    module_type, rule = ns["InOutLinear"], ns["InOutLinearRule"]
+    L.LAYER_RULES.pop(module_type, None)
+    members = {k: v for k, v in rule.__dict__.items() if not k.startswith("__") and k != step}
+    incomplete = type(f"Without_{step}", (L.LayerRule,), members)
+    with pytest.raises(ga.errors.UnsupportedLayerError, match=step):
+        L.register_layer(module_type)(incomplete)
+    assert module_type not in L.LAYER_RULES
+
+
+def test_every_registered_layer_rule_answers_every_step():
+    """Each rule of the registry (the package's, and any registered since) states each
+    step itself or through a base of its own, not LayerRule's default."""
+    from gradalg.capture import layers as L
+
+    for rule in set(L.LAYER_RULES.values()):
+        L.check_rule(rule)
+        assert not getattr(rule, "__abstractmethods__", None), rule.__name__
+
+
+def test_the_layer_rule_recipe_names_every_hook():
+    page = (ROOT / "docs" / "contributing.md").read_text()
+    section = page.split("## A layer rule", 1)[1].split("\n## ", 1)[0]
+    for step in LAYER_STEPS:
+        assert f"`{step}" in section, step

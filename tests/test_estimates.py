@@ -5,6 +5,7 @@ never timings: how true the estimates are is measured by benchmarks/estimates.py
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -88,7 +89,7 @@ def test_job_costs_follow_the_rows_layout_and_kind():
         p = plan((ga.grads(task, query) @ K.damp(0.1).inv() @ G.T).expr, device=A100)
     kfac = next(j for s in p.passes for j in s.jobs if j.kind == "kfac")
     layout = {"0": "factors", "2": "factors"}
-    c = kfac.stream_cost(20, 8, torch.float64, lambda node: layout)
+    c = kfac.stream_cost(20, 8, p.facts, lambda node: layout)
     # per chunk of 8 rows (3 chunks): Grams of A (8, 9), D (8, 16), A (8, 17), D (8, 3);
     # once, both factors' eigendecompositions
     assert c.gemms == ((9, 9, 8, 3, 8), (16, 16, 8, 3, 8), (17, 17, 8, 3, 8), (3, 3, 8, 3, 8))
@@ -112,11 +113,11 @@ def test_job_costs_follow_the_rows_layout_and_kind():
     with ga.options(batch_size=batch):
         p = plan((ga.grads(task, query) @ eig.damp(0.1).inv() @ G.T).expr, device=A100)
     ekfac = next(j for s in p.passes for j in s.jobs if j.kind == "ekfac")
-    from_factors = ekfac.stream_cost(20, 8, torch.float64, lambda node: layout)
+    from_factors = ekfac.stream_cost(20, 8, p.facts, lambda node: layout)
     assert from_factors.gemms[:2] == ((8, 9, 9, 3, 8), (8, 16, 16, 3, 8))
     # the per-example products: one batched call of 8 (out, in, T) products per chunk and block
     assert from_factors.bmms == ((8, 16, 9, 1, 3, 8), (8, 3, 17, 1, 3, 8))
-    flat = ekfac.stream_cost(20, 8, torch.float64, lambda node: {"0": "flat", "2": "flat"})
+    flat = ekfac.stream_cost(20, 8, p.facts, lambda node: {"0": "flat", "2": "flat"})
     assert flat.bmms == ((8, 16, 9, 16, 3, 8), (8, 3, 17, 3, 3, 8))
     assert flat.gemms == ((8 * 16, 9, 9, 3, 8), (8 * 3, 17, 17, 3, 8))
 
@@ -156,14 +157,19 @@ def test_sparse_projections_cost_what_their_kernels_do():
     c = E.project_cost(grass(G).expr, 20, 1, elem=8, chunk=8)
     assert c.gemms == ()                                              # nothing materialized
     m = 8 * 2                                                         # two blocks
-    scatter = m * (E.SJLT_NONZERO_BYTES * 3 + E.SJLT_ROW_BYTES * 20)   # 3 CSR products of each table, 20 rows
-    assert c.elementwise == pytest.approx(4.0 * 8 * 20 * 1 * m + scatter)   # two strided gathers, read and written
+    assert (c.scatter, c.scatter_rows) == (m * 3, m * 20)              # 3 products of each table, 20 rows
+    assert c.elementwise == pytest.approx(4.0 * 8 * 20 * 1 * m)       # two strided gathers, read and written
     assert c.bytes == pytest.approx(3.0 * 8 * 20 * m)                  # product summed
-    assert c.randoms == pytest.approx(E.SJLT_BUILD_RANDOMS * m)        # the SJLT tables, built once
+    assert c.sjlt_draws == m and c.randoms == 0                        # the SJLT tables, built once
     assert c.ops == 3 * 2 * E.OPS_PER_SPARSE_BLOCK                     # 3 chunks × 2 blocks
+    # priced by the profile's calibration (measured where the profile is): bytes at the elementwise rate, draws
+    prof = ga.plan.devices.DeviceProfile("t", 1e9, 1e9, 1e9, 1e9, elementwise_bandwidth=1e9, random_seconds=1e-8,
+                                         sjlt_bytes=(2.0, 3.0), sjlt_build_randoms=0.5)
+    free = dataclasses.replace(c, scatter=0.0, scatter_rows=0.0, sjlt_draws=0.0)
+    assert prof.time_of(c) - prof.time_of(free) == pytest.approx((2.0 * m * 3 + 3.0 * m * 20) / 1e9 + 0.5 * m * 1e-8)
     drawn = set()
     E.project_cost(grass(G).expr, 20, 1, elem=8, chunk=8, drawn=drawn)
-    assert E.project_cost(grass(G).expr, 20, 1, elem=8, chunk=8, drawn=drawn).randoms == 0   # kept by the process
+    assert E.project_cost(grass(G).expr, 20, 1, elem=8, chunk=8, drawn=drawn).sjlt_draws == 0   # kept by the process
     sjlt = E.project_cost(ga.proj.sparse(2, seed=0)(G).expr, 20, 1, elem=8, chunk=8)
     assert sjlt.bmms == ((20, 16, 9, 1, 1, 8), (20, 3, 17, 1, 1, 8))   # one batched call of (out, in, T) per example
 
@@ -248,7 +254,7 @@ def test_a_pass_over_stored_rows_is_costed_per_chunk_they_were_stored_in():
     ekfac = next((s, j) for s in p.passes for j in s.jobs if j.kind == "ekfac")
     assert not ekfac[0].reads_data and stored.batch_size == batch
     assert ekfac[1].cost.blocks == (("ekfac", 3.0 * 2, float(ekfac[1].ops_per_block)),)   # 3 chunks × 2 blocks
-    assert ekfac[1].cost == ekfac[1].stream_cost(20, batch, p.dtype, lambda node: {"0": "factors", "2": "factors"},
+    assert ekfac[1].cost == ekfac[1].stream_cost(20, batch, p.facts, lambda node: {"0": "factors", "2": "factors"},
                                                  options=ga.options())
     op = next(j for s in p.passes for j in s.jobs if j.kind == "scores").target.op
     assert E.resolve_cost(op).blocks == (("resolve", 2.0, 0.0),)
@@ -349,3 +355,18 @@ def test_kernel_costs_count_the_held_side_once_and_each_chunk():
     # the held rows; the held rows materialized once
     assert costs["dense"].gemms == ((2, 8, 36, 3, 4),)
     assert costs["dense"].bmms == ((8, 4, 9, 7, 3, 4), (2, 4, 9, 5, 1, 4))   # one batched call per chunk, held once
+
+
+def test_the_sparse_jl_rates_are_measured_with_the_profile():
+    """The sparse-JL calibration is measured by the profile's own functions (the kernel
+    the runs use, the package's table draw), not a constant: positive bytes per non-zero
+    per call and per row at the elementwise rate, draws per non-zero; a measured CPU
+    profile carries them and explain() shows them."""
+    from gradalg.plan import devices as D
+
+    per_call, per_row = D._measure_sjlt(5e9, seconds=0.01)
+    assert per_call > 0 and per_row > 0
+    assert D._measure_sjlt_build(1.6e-8, columns=2**14, seconds=0.01) > 0
+    assert {"sjlt_bytes", "sjlt_build_randoms"} <= set(D.CALIBRATION)
+    line = D.DeviceProfile("t", 1e9, 1e9, 1e9, 1e9, sjlt_bytes=(12.5, 9.0), sjlt_build_randoms=0.5).calibration()
+    assert "sparse JL 12.5/9 B per non-zero and call/row" in line and "0.5 normal draws per non-zero" in line

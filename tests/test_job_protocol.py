@@ -14,6 +14,7 @@ import torch
 import gradalg as ga
 from gradalg.exec import runner as pass_runner
 from gradalg.plan.jobs import JOB_TYPES, Accumulator, Job, ScoresJob, TopK, job_type
+from gradalg.plan.shapes import ModelFacts
 
 sys.path.insert(0, os.path.dirname(__file__))
 import models  # noqa: E402
@@ -95,9 +96,10 @@ def test_every_job_class_prices_and_runs_itself(instances):
         for job, acc in pairs:
             assert isinstance(acc, Accumulator), cls.__name__
             layout = {b.name: "factors" for b in job.streams[0].space.blocks} if job.streams else {}
-            cost = job.stream_cost(12, 5, torch.float64, lambda node: layout, lambda node: {}, ga.get_options(), set())
-            for number in (cost.flops, cost.bytes, job.fixed_bytes(torch.float64),
-                           job.per_example_bytes(torch.float64), job.output_bytes(12)):
+            facts = ModelFacts(dtype=torch.float64)     # nothing measured: every layer at tokens_hint
+            cost = job.stream_cost(12, 5, facts, lambda node: layout, lambda node: {}, ga.get_options(), set())
+            for number in (cost.flops, cost.bytes, job.fixed_bytes(facts),
+                           job.per_example_bytes(facts), job.output_bytes(12)):
                 assert math.isfinite(number) and number >= 0, (cls.__name__, number)
             # a job is fed chunks of its streams, or runs a pass of its own (products: raw batches per call)
             assert (job.fed or job.pass_key()) and job.phase and job.describe()

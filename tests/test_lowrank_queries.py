@@ -174,7 +174,7 @@ def test_held_bytes_and_kernel_cost_reflect_the_rank(lm):
         # (T = 9 positions) or flat rows, whichever is smaller
         assert job.held_storage and p.decisions
         from gradalg.plan.memory import rows_bytes
-        got = rows_bytes(job.held, job.held_storage, torch.float64)
+        got = rows_bytes(job.held, job.held_storage, p.facts)
         assert got == Q.n * want * 8, (r, got, Q.n * want * 8)
         sizes[r] = got
         d = p.decisions.one(DecisionKind.LOW_RANK)

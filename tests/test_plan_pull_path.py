@@ -14,6 +14,7 @@ import torch
 
 import gradalg as ga
 from gradalg.errors import MemoryBudgetError
+from gradalg.plan.shapes import ModelFacts
 
 
 def _mlp(n=40, nq=5, width=64):
@@ -183,8 +184,8 @@ def test_the_scores_job_does_not_count_a_planned_application_again():
     p = plan((Q @ ga.datainf(G, 0.1) @ G.T).expr)
     scores = next(j for j in p.jobs.values() if j.kind == "scores")
     layout = {b.name: "flat" for b in scores.held.space.blocks}
-    alone = scores.once_cost(4, lambda node: layout, p.options, set())
-    planned = scores.once_cost(4, lambda node: layout, p.options, {("applied", op.token, scores.held.token)})
+    alone = scores.once_cost(ModelFacts(), lambda node: layout, p.options, set())
+    planned = scores.once_cost(ModelFacts(), lambda node: layout, p.options, {("applied", op.token, scores.held.token)})
     extra = apply_cost(op, scores.held.space, scores.held.n, 4, p.options)
     assert extra.flops > 0 and alone.flops == pytest.approx(planned.flops + extra.flops)
     assert alone.seconds(p.device, torch.float32) > planned.seconds(p.device, torch.float32)

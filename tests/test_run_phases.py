@@ -181,14 +181,14 @@ def test_a_released_kronecker_held_side_is_counted_once_plus_one_block():
     step = next(s for s in p.passes if any(isinstance(j, ScoresJob) for j in s.jobs))
     job = next(j for j in step.jobs if isinstance(j, ScoresJob))
     assert job.release_held and blockwise_preconditioner(job.target.op)
-    raw, flat = rows_bytes(job.held, job.held_storage, p.dtype), rows_bytes(job.held, {}, p.dtype)
+    raw, flat = rows_bytes(job.held, job.held_storage, p.facts), rows_bytes(job.held, {}, p.facts)
     block = max(job.held.n * b.dim * 4 for b in job.held.space.blocks)
-    assert job.fixed_bytes(p.dtype) == pytest.approx(min(raw + flat, max(raw, flat) + block))
-    assert step.fixed_bytes >= job.fixed_bytes(p.dtype)
+    assert job.fixed_bytes(p.facts) == pytest.approx(min(raw + flat, max(raw, flat) + block))
+    assert step.fixed_bytes >= job.fixed_bytes(p.facts)
     assert step.cost.peak_bytes == pytest.approx(step.fixed_bytes + step.per_example_bytes * (step.batch_size or 1))
     import dataclasses
     kept = dataclasses.replace(job, release_held=False)     # jobs are frozen records
-    assert kept.fixed_bytes(p.dtype) == pytest.approx(raw + flat)
+    assert kept.fixed_bytes(p.facts) == pytest.approx(raw + flat)
     G = ga.grads(ga.tasks.classification(models.mlp()), models.classification_data(n=6))
     assert not blockwise_preconditioner(ga.ekfac(G).damp(1e-3).inv(method="cg").expr)
     assert blockwise_preconditioner(ga.ekfac(G).damp(1e-3).inv().expr)

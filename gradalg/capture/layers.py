@@ -15,7 +15,9 @@ orientation; :meth:`LayerRule.to_params` maps it back to the module's parameters
 A rule class is registered for its module types with :func:`register_layer`; the most
 specific registered class in a module's MRO wins (``nn.Module``: :class:`ReplayRule`).
 The same rule answers the planner's model facts (:mod:`gradalg.plan.shapes`). Adding a
-layer type is one rule class with its decorator (``docs/layers.md``).
+layer type is one rule class with its decorator (``docs/contributing.md``, "A layer
+rule"); :func:`register_layer` refuses a rule that leaves out a capture hook or a planner
+fact (:func:`check_rule`).
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from ..errors import UnsupportedLayerError
 from .factors import Factors, OneHot
 from .rows import RowLayout
 
-__all__ = ["LayerRule", "ReplayRule", "MultiheadAttentionRule", "rule_for", "rule_class", "register_layer", "LAYER_RULES",
+__all__ = ["LayerRule", "ReplayRule", "MultiheadAttentionRule", "rule_for", "rule_class", "register_layer", "check_rule", "LAYER_RULES",
            "measured_kind", "SUPPORTED_LAYERS", "DEFAULT_LAYERS", "check_session_layers"]
 
 #: ``{module type, or "package.module:Class" of a library imported lazily: LayerRule subclass}``
@@ -44,11 +46,44 @@ LAYER_RULES: dict = {}
 
 def register_layer(*module_types):
     """Class decorator: the :class:`LayerRule` records modules of ``module_types`` and of
-    their subclasses (unless a more specific type is registered)."""
+    their subclasses (unless a more specific type is registered). A rule that leaves out
+    a capture hook or a planner fact is refused here (:func:`check_rule`), before any
+    model is captured or planned with it."""
     def register(rule):
+        check_rule(rule)
         LAYER_RULES.update(dict.fromkeys(module_types, rule))
         return rule
     return register
+
+
+#: the model facts a registered rule must state itself (``docs/contributing.md``, "A layer
+#: rule"): the planner reads them for every module of the type, and LayerRule's defaults
+#: would price it silently (no forward GEMM, positions taken from the data's shape).
+#: ``weight_gemm`` may return None (no GEMM); ``measured_kinds`` is ``()`` when the data's
+#: shape tells T. (Rules used only inside a tied block, never registered, keep the defaults.)
+DECLARED_FACTS = ("weight_gemm", "measured_kinds")
+
+
+def check_rule(rule) -> None:
+    """Refuse a layer rule that does not answer everything capture and the planner ask:
+    a :class:`LayerRule` subclass with no abstract hook left (``block_shape``,
+    ``activations``, ``output_grads``, ``to_params``, ``from_params``) and each of
+    :data:`DECLARED_FACTS` defined by the rule or a base of its own, not inherited from
+    :class:`LayerRule`. Raises :class:`~gradalg.errors.UnsupportedLayerError`
+    naming what is missing."""
+    if not (isinstance(rule, type) and issubclass(rule, LayerRule)):
+        raise UnsupportedLayerError(f"register_layer decorates a LayerRule subclass, got {rule!r}: write "
+                                    "`@register_layer(MyModule) @dataclass(frozen=True) class MyRule(LayerRule): ...`")
+    missing = sorted(getattr(rule, "__abstractmethods__", ()))
+    own = rule.__mro__[:rule.__mro__.index(LayerRule)]
+    missing += [name for name in DECLARED_FACTS if not any(name in c.__dict__ for c in own)]
+    if missing:
+        raise UnsupportedLayerError(
+            f"layer rule {rule.__name__} does not say {', '.join(missing)}: define "
+            + ", ".join(f"`{m}`" for m in missing) + " on the rule (docs/contributing.md, 'A layer rule': "
+            "weight_gemm returns (in, out) of the GEMM its forward multiplies each position by, or None "
+            "for none; measured_kinds = (kind,) when its positions are its own, as a convolution's, "
+            "else ())")
 
 
 #: ``[the registry as it was, {module type: rule class} found for it]``
@@ -112,7 +147,8 @@ class LayerRule(ABC):
     in_session: ClassVar[bool] = True
     #: submodules whose parameters the forward uses without calling them (no hook fires)
     uses_without_calling: ClassVar[tuple[str, ...]] = ()
-    #: block kinds whose positions T are the layer's own (measured by a meta forward)
+    #: block kinds whose positions T are the layer's own (measured by a meta forward); every
+    #: registered rule states it (``()``: T is known from the data's shape), :func:`check_rule`
     measured_kinds: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
@@ -132,7 +168,8 @@ class LayerRule(ABC):
         return max(1, int(output.numel() // max(1, output.shape[0] * self.block_shape(module)[0])))
 
     def weight_gemm(self, module: nn.Module) -> tuple[int, int] | None:
-        """``(in, out)`` of the GEMM the forward multiplies each position by; None: none."""
+        """``(in, out)`` of the GEMM the forward multiplies each position by; None: none
+        (a lookup, a replayed module). Every registered rule defines it (:func:`check_rule`)."""
         return None
 
     def activation_numbers(self, module: nn.Module) -> int:
@@ -226,6 +263,7 @@ def _as_btf(x: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class LinearRule(LayerRule):
     kind: str = "linear"
+    measured_kinds: ClassVar[tuple[str, ...]] = ()
     base_forward: ClassVar[Any] = staticmethod(nn.Linear.forward)
 
     def block_shape(self, module):
@@ -259,6 +297,7 @@ class HFConv1DRule(LayerRule):
     """HF ``Conv1D`` (GPT-2): ``y = x @ W + b`` with ``W`` stored (in, out)."""
 
     kind: str = "conv1d"
+    measured_kinds: ClassVar[tuple[str, ...]] = ()
 
     def block_shape(self, module):
         n_in, n_out = module.weight.shape
@@ -284,7 +323,13 @@ class HFConv1DRule(LayerRule):
 
 
 class _Lookup:
-    """Model facts of an embedding: a row lookup, no GEMM or activations, never a head."""
+    """Model facts of an embedding: a row lookup, no GEMM or activations, never a head,
+    one position per id (known from the data's shape)."""
+
+    measured_kinds: ClassVar[tuple[str, ...]] = ()
+
+    def weight_gemm(self, module):
+        return None
 
     def activation_numbers(self, module):
         return 0
@@ -577,6 +622,10 @@ class ReplayRule(LayerRule):
     kind: str = "dense"
     in_default: ClassVar[bool] = False
     in_session: ClassVar[bool] = False
+    measured_kinds: ClassVar[tuple[str, ...]] = ()     # one position: positions() below
+
+    def weight_gemm(self, module):
+        return None     # its arithmetic is whatever its forward does: not priced by shape
 
     @staticmethod
     def _params(module):

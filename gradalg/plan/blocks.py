@@ -13,7 +13,7 @@ from .decisions import Decision, DecisionKind
 from .facts import Facts, positions_known
 from .lower import ROW_WISE, stream_root
 from .memory import positions, rows_bytes
-from .shapes import element_size, forward_shapes
+from .shapes import forward_shapes
 
 __all__ = ["storage", "as_captured", "held_storage", "storage_decision", "low_rank_decision", "kernels"]
 
@@ -41,7 +41,7 @@ def storage(node: GradNode, facts: Facts, need_factors: frozenset = frozenset())
     ``ga.options(row_storage="auto")`` (T_b·(in + out) < dim), else as that option forces;
     factors where a consumer needs them (``need_factors``: K-FAC statistics) or
     ``ga.options(ghost="always")`` forces ghost kernels. Blocks not factored are flat."""
-    T, o = positions(node), facts.options
+    T, o = positions(node, facts.shapes), facts.options
     factored = {b.name for b in _factored(node, facts)}
     return {b.name: "factors" if b.name in factored and (
         o.ghost == "always" or b.name in need_factors or o.row_storage == "factors"
@@ -74,7 +74,7 @@ def storage_decision(node: GradNode, kept: dict, kind: DecisionKind, facts: Fact
     kinds = sorted({kept[b.name] for b in factored})
     chosen = kinds[0] if len(kinds) == 1 else ", ".join(
         f"{k} for {sum(kept[b.name] == k for b in factored)} block(s)" for k in kinds)
-    mode, T = facts.options.row_storage, positions(node)
+    mode, T = facts.options.row_storage, positions(node, facts.shapes)
     why = ("per block the smaller of its factors, T·(in + out) numbers per row, and its flat "
            "gradient, out·in" if mode == "auto" else f"forced by ga.options(row_storage={mode!r})")
     if mode == "auto" and kind is DecisionKind.HELD_STORAGE and any(
@@ -82,7 +82,7 @@ def storage_decision(node: GradNode, kept: dict, kind: DecisionKind, facts: Fact
         why += "; flat where the block's kernel is dense (it multiplies the flat rows: not kept twice)"
     if facts.options.ghost == "always":
         why += "; factors kept for ghost kernels (ga.options(ghost='always'))"
-    sizes = {how: f"{_si(rows_bytes(node, {**kept, **{b.name: how for b in factored}}, facts.dtype))}B"
+    sizes = {how: f"{_si(rows_bytes(node, {**kept, **{b.name: how for b in factored}}, facts))}B"
              for how in ("factors", "flat")}
     return Decision(kind, node.token, chosen, sizes, why, label=repr(node.label))
 
@@ -95,8 +95,8 @@ def low_rank_decision(held: GradNode, facts: Facts) -> Decision | None:
         return None
     r, names = low.rank, low.truncated
     kept = [b.name for b in low.space.blocks if b.name not in names]
-    exact = rows_bytes(low.grads, storage(low.grads, facts), facts.dtype)   # as the exact rows would be kept
-    approx = rows_bytes(low, storage(low, facts), facts.dtype)
+    exact = rows_bytes(low.grads, storage(low.grads, facts), facts)   # as the exact rows would be kept
+    approx = rows_bytes(low, storage(low, facts), facts)
     return Decision(
         DecisionKind.LOW_RANK, held.token, f"rank-{r} factors",
         {"exact rows": f"{_si(exact)}B", f"rank-{r} factors": f"{_si(approx)}B"},
@@ -108,13 +108,13 @@ def low_rank_decision(held: GradNode, facts: Facts) -> Decision | None:
           "decisions; ga.options(ghost='always') keeps them factored", label=repr(held.label))
 
 
-def _measured(node: GradNode) -> bool:
-    """Whether ``positions(node)`` are every layer's real T: known from the data's shape
-    (token ids, flat vectors), rows in memory, or measured (the plan's facts)."""
+def _measured(node: GradNode, facts: Facts) -> bool:
+    """Whether ``positions(node, facts.shapes)`` are every layer's real T: known from the
+    data's shape (token ids, flat vectors), rows in memory, or measured (the plan's facts)."""
     if positions_known(node):
         return True
     src = node.source
-    return isinstance(src, Captured) or (isinstance(src, Source) and forward_shapes(src).measured)
+    return isinstance(src, Captured) or (isinstance(src, Source) and forward_shapes(src, facts.shapes).measured)
 
 
 def _fixed_kernel(inner: Inner, held_storage: str, known: bool, facts: Facts) -> tuple | None:
@@ -140,7 +140,7 @@ def _costed(held, streamed, b, TL: int, TR: int, known: bool, facts: Facts) -> t
     calibrated cost model on the device profile, as the scores job costs them."""
     o, device, mode = facts.options, facts.device, facts.options.ghost
     out_f, in_f = b.shape
-    costs = estimates.kernel_costs(held.n, streamed.n, o.batch_size, TL, TR, in_f, out_f, element_size(facts.dtype))
+    costs = estimates.kernel_costs(held.n, streamed.n, o.batch_size, TL, TR, in_f, out_f, facts.elem)
     ghost, dense = (device.time_of(costs[k], facts.dtype) for k in ("ghost", "dense"))
     if mode == "auto" and not known:
         chosen = "dense"   # the forward could not be measured: dense grows linearly in T, ghost as T²
@@ -161,8 +161,8 @@ def kernels(held: GradNode, streamed: GradNode, inner: Inner, facts: Facts) -> t
     """``({block: "ghost" | "dense" | "when run"}, decisions)`` of the scores ``inner``
     holding ``held`` and streaming ``streamed``: dense where one side is flat."""
     out, decisions, kept = {}, [], storage(held, facts)
-    P_h, P_s = positions(held), positions(streamed)
-    known = _measured(held) and _measured(streamed)
+    P_h, P_s = positions(held, facts.shapes), positions(streamed, facts.shapes)
+    known = _measured(held, facts) and _measured(streamed, facts)
     both = {b.name for b in _factored(held, facts)} & {b.name for b in _factored(streamed, facts)}
     for b in held.space.blocks:
         out[b.name] = "dense"

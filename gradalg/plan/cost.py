@@ -67,6 +67,12 @@ class Cost:
     randoms: float = 0.0       # float64 random numbers drawn on the CPU (a dense projection's matrix)
     bmms: tuple = ()           # ((b, m, n, k, count, elem), ...): count batched calls of b GEMMs each (FLOPs in flops)
     blocks: tuple = ()         # ((kind, count, ops), ...): fixed costs per block of a kind (measured, else ops each)
+    #: sparse-JL products (``gradalg.proj.kernels.sjlt_apply``): non-zeros × calls (a row and
+    #: sign read, a bin index formed) and non-zeros × rows (one bincount / index_add step),
+    #: priced by the profile's ``sjlt_bytes``; non-zeros of tables drawn, by its ``sjlt_build_randoms``
+    scatter: float = 0.0
+    scatter_rows: float = 0.0
+    sjlt_draws: float = 0.0
 
     def __add__(self, other: "Cost") -> "Cost":
         return Cost(self.flops + other.flops, self.bytes + other.bytes,
@@ -74,7 +80,9 @@ class Cost:
                     self.calls + other.calls, self.gemms + other.gemms, self.eighs + other.eighs,
                     self.ops + other.ops, self.batches + other.batches, self.layer_batches + other.layer_batches,
                     self.elementwise + other.elementwise, self.faulted + other.faulted,
-                    self.randoms + other.randoms, self.bmms + other.bmms, self.blocks + other.blocks)
+                    self.randoms + other.randoms, self.bmms + other.bmms, self.blocks + other.blocks,
+                    self.scatter + other.scatter, self.scatter_rows + other.scatter_rows,
+                    self.sjlt_draws + other.sjlt_draws)
 
     def scaled(self, c: float) -> "Cost":
         """This cost repeated ``c`` times: every count times ``c`` except ``peak_bytes``
@@ -84,7 +92,8 @@ class Cost:
                     tuple((d, count * c) for d, count in self.eighs), self.ops * c, self.batches * c,
                     self.layer_batches * c, self.elementwise * c, self.faulted * c, self.randoms * c,
                     tuple((b, m, n, k, count * c, e) for b, m, n, k, count, e in self.bmms),
-                    tuple((kind, count * c, ops) for kind, count, ops in self.blocks))
+                    tuple((kind, count * c, ops) for kind, count, ops in self.blocks),
+                    self.scatter * c, self.scatter_rows * c, self.sjlt_draws * c)
 
     def seconds(self, profile, dtype=torch.float32) -> float:
         """Estimated seconds on a device ``profile`` (:mod:`gradalg.plan.devices`): GEMMs by

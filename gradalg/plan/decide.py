@@ -102,7 +102,7 @@ class _Graph:
     def held_side(self, node: Inner, hold: str | None) -> bool:
         """Whether the right (training) side is held: the side with the smaller footprint,
         or as ``hold`` / ``Choices(held=...)`` forces; a recorded decision."""
-        hold_left, hold_right = (rows_bytes(x, storage(x, self.facts), self.facts.dtype) for x in (node.left, node.right))
+        hold_left, hold_right = (rows_bytes(x, storage(x, self.facts), self.facts) for x in (node.left, node.right))
         forced = self.choices.held if hold is None else hold
         transposed = forced == "right" or (forced == "auto" and hold_right < hold_left)
         why = ("hold the side with the smaller footprint and stream the other" if forced == "auto"

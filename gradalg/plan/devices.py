@@ -47,7 +47,18 @@ A :class:`DeviceProfile` prices the counts of a :class:`~gradalg.plan.cost.Cost`
   ``ops_per_pass``, small ops per job of a pass over data (sinks, the task's fingerprint,
   hooks, held rows concatenated); ``ops_per_memory_pass``, of a pass over rows in memory
   (LESS's re-reads of two grouped rows: 20–40 µs); ``ops_per_batch``, per captured batch
-  (finite checks, ids, chunk records, the allocator's trim). ``explain()`` shows them.
+  (finite checks, ids, chunk records, the allocator's trim). Measured where the profile is
+  measured (:func:`_measure_sjlt`, :func:`_measure_sjlt_build`), nominal elsewhere (the
+  CPU fit below): ``sjlt_bytes``, a sparse-JL product's random access in bytes at the
+  elementwise bandwidth, per non-zero and call (its row and sign read, the bin index
+  formed) and per non-zero and row (one weighted ``bincount`` step on the CPU, an
+  ``index_add_`` on a GPU) — nominal (20, 15), fitted on one CPU thread (2.36 M
+  non-zeros, k = 2048: 0.022 s for 2 examples, 0.042 for 8, 0.14 for 32; the old
+  4·elem·n bytes at the copy bandwidth gave a tenth of the product's time and TRAK's
+  GPT-2-small pass 14× its estimate); ``sjlt_build_randoms``, drawing a sparse-JL table
+  (on the CPU, once per process: :mod:`gradalg.proj.sparse_tables`) in float64 normal
+  draws per non-zero — nominal 1 (24 ms for 2.36 M non-zeros, ≈ 0.75 draws of 14 ns).
+  ``explain()`` shows them all.
 
 ``local_profile()`` measures this machine's CPU the first time (about three seconds;
 medians of repeated runs in process CPU time, so that other processes competing for
@@ -86,12 +97,14 @@ __all__ = ["DeviceProfile", "CALIBRATION", "PRESETS", "PROFILE_VERSION", "UNMEAS
 #: the cost model's version: a cached profile without every number this one prices is
 #: measured again (1: matmul, copy and module call; 2: GEMMs by shape, eigh by size,
 #: per-op and per-batch overheads; 3: medians, elementwise and page-fault bandwidths;
-#: 4: random numbers; 5: batched GEMMs; 6: fixed costs per block of a job's work)
-PROFILE_VERSION = 6
+#: 4: random numbers; 5: batched GEMMs; 6: fixed costs per block of a job's work; 7: the
+#: sparse-JL product and table rates)
+PROFILE_VERSION = 7
 
 
 #: the profile's calibration fields (module docstring), shown by ``explain()``
-CALIBRATION = ("elementwise_sweeps", "ops_per_pass", "ops_per_memory_pass", "ops_per_batch")
+CALIBRATION = ("elementwise_sweeps", "ops_per_pass", "ops_per_memory_pass", "ops_per_batch", "sjlt_bytes",
+               "sjlt_build_randoms")
 
 #: GEMMs with a smaller inner dimension k are outer products (see ``gemm_seconds``)
 OUTER_K = 8
@@ -146,13 +159,17 @@ class DeviceProfile:
     ops_per_pass: float = 800          # small-op equivalents per job of a pass over data
     ops_per_memory_pass: float = 10    # … of a pass over rows in memory
     ops_per_batch: float = 300         # … per captured batch beyond the capture itself
+    sjlt_bytes: tuple = (20.0, 15.0)   # sparse-JL product: bytes at the elementwise rate per non-zero (call, row)
+    sjlt_build_randoms: float = 1.0    # sparse-JL tables drawn: normal draws per non-zero
 
     def calibration(self) -> str:
         """The calibrated counts (module docstring), one line for plans."""
         forward, backward = self.elementwise_sweeps
+        per_call, per_row = self.sjlt_bytes
         return (f"calibration: {forward:g}/{backward:g} elementwise sweeps per forward/backward, "
                 f"{self.ops_per_pass:g} ops per job of a pass over data ({self.ops_per_memory_pass:g} in memory), "
-                f"{self.ops_per_batch:g} per captured batch")
+                f"{self.ops_per_batch:g} per captured batch, sparse JL {per_call:.3g}/{per_row:.3g} B per "
+                f"non-zero and call/row, its tables {self.sjlt_build_randoms:.3g} normal draws per non-zero")
 
     def flops(self, dtype: torch.dtype) -> float:
         if dtype in (torch.bfloat16, torch.float16):
@@ -234,8 +251,10 @@ class DeviceProfile:
         rest = max(0.0, cost.flops - shaped)
         elementwise = self.elementwise_bandwidth or self.bandwidth
         faults = cost.faulted / self.fault_bandwidth if self.fault_bandwidth else 0.0
+        scatter = cost.scatter * self.sjlt_bytes[0] + cost.scatter_rows * self.sjlt_bytes[1]
+        randoms = cost.randoms + cost.sjlt_draws * self.sjlt_build_randoms
         return (gemm_time + eigh_time + rest / self.flops(dtype) + cost.bytes / self.bandwidth
-                + cost.elementwise / elementwise + faults + cost.randoms * self.random_seconds
+                + (cost.elementwise + scatter) / elementwise + faults + randoms * self.random_seconds
                 + cost.calls * self.call_seconds + cost.ops * self.op_seconds
                 + cost.batches * self.batch_seconds + cost.layer_batches * self.layer_seconds
                 + sum(count * self.block_fixed_seconds(kind, ops) for kind, count, ops in getattr(cost, "blocks", ())))
@@ -260,8 +279,9 @@ class DeviceProfile:
         values = {k: v for k, v in entry.items() if k in known}
         for key in ("gemm_rates", "bmm_rates", "eigh_times", "block_seconds"):
             values[key] = tuple(tuple(p) for p in values.get(key, ()))
-        if "elementwise_sweeps" in values:
-            values["elementwise_sweeps"] = tuple(values["elementwise_sweeps"])
+        for key in ("elementwise_sweeps", "sjlt_bytes"):
+            if key in values:
+                values[key] = tuple(values[key])
         return cls(**values)
 
 
@@ -387,12 +407,14 @@ def _measure_cpu() -> DeviceProfile:
     bw = _measure_copy()
     call = _measure_call()
     batch, layer = _measure_capture(call)
+    elementwise, randoms = _measure_elementwise(), _measure_randoms()
     return DeviceProfile(f"cpu ({torch.get_num_threads()} threads)", flops, flops, bw, host_memory(), measured=True,
                          call_seconds=call, op_seconds=_measure_op(), batch_seconds=batch, layer_seconds=layer,
-                         elementwise_bandwidth=_measure_elementwise(), fault_bandwidth=_measure_faults(),
+                         elementwise_bandwidth=elementwise, fault_bandwidth=_measure_faults(),
                          gemm_rates=rates, bmm_rates=_measure_bmms(), bmm_call_seconds=_measure_bmm_call(),
                          eigh_times=_measure_eighs(),
-                         random_seconds=_measure_randoms(), block_seconds=_measure_blocks())
+                         random_seconds=randoms, block_seconds=_measure_blocks(),
+                         sjlt_bytes=_measure_sjlt(elementwise), sjlt_build_randoms=_measure_sjlt_build(randoms))
 
 
 def _measure_copy(timed=_warm_fastest, device="cpu", nbytes: int = 64 * 2**20, seconds: float = 0.1) -> float:
@@ -435,6 +457,45 @@ def _measure_elementwise(timed=_warm_fastest, device="cpu", numel: int = 2**20, 
     # forward: gelu (read x, write), product (read 2, write); backward: product (read 2,
     # write), gelu's gradient (read 2, write): 11 numbers of 4 bytes moved per element
     return 11 * 4 * numel / timed(step, seconds)
+
+
+#: the sparse-JL product timed by :func:`_measure_sjlt`: ``SJLT_COLUMNS`` input coordinates
+#: (s = 1; as many as a GPT-2 MLP weight, beyond the caches) into k = ``SJLT_BINS``, on 2 and on 8
+#: rows (about 0.6 s on one CPU thread)
+SJLT_COLUMNS, SJLT_BINS = 2**21, 2048
+
+
+def _measure_sjlt(elementwise: float, timed=_warm_fastest, device="cpu", seconds: float = 0.06) -> tuple:
+    """``(per non-zero and call, per non-zero and row)``: the sparse-JL product
+    (:func:`gradalg.proj.kernels.sjlt_apply`, the kernel the runs use) as bytes at the
+    ``elementwise`` bandwidth. One call on n rows of d columns takes d·(a + b·n) seconds;
+    timed at n = 2 and 8, b = (t₈ − t₂)/(6d), a = t₂/d − 2b."""
+    from ..proj.kernels import sjlt_apply
+    from ..proj.sparse_tables import SJLT
+
+    d, k = SJLT_COLUMNS, SJLT_BINS
+    g = torch.Generator().manual_seed(0)
+    S = SJLT(torch.randint(0, k, (d, 1), generator=g, dtype=torch.int32),
+             torch.randint(0, 2, (d, 1), generator=g, dtype=torch.int8) * 2 - 1, k).to(device)
+    times = {}
+    for n in (2, 8):
+        x = torch.ones(n, d, device=device)      # the kernel's time does not depend on the values
+        times[n] = timed(lambda: sjlt_apply(x, S), seconds)
+    row = max((times[8] - times[2]) / (6 * d), 1e-12)
+    nonzero = max(times[2] / d - 2 * row, 1e-12)
+    return nonzero * elementwise, row * elementwise
+
+
+def _measure_sjlt_build(random_seconds: float, columns: int = 2**19, seconds: float = 0.05) -> float:
+    """Float64 normal draws per non-zero of drawing a sparse-JL table on the CPU (the
+    package's own draw, :mod:`gradalg.proj.sparse_tables`; ``columns``, s = 2)."""
+    from ..expr.projection import Projector
+    from ..proj.sparse_tables import _sjlt_cpu
+
+    projector = Projector("sparse", SJLT_BINS, s=2)
+    build = _sjlt_cpu.__wrapped__       # the draw itself, not its per-process cache
+    per_nonzero = _fastest(lambda: build(projector, "calibration", columns, "sjlt"), seconds) / (2 * columns)
+    return per_nonzero / random_seconds
 
 
 def _measure_call(timed=_warm_fastest, device="cpu", seconds: float = 0.25) -> float:

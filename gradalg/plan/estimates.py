@@ -29,7 +29,9 @@ estimates with measured passes for every catalogue method (``docs/planner.md``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
 
 import torch
 from torch import nn
@@ -47,6 +49,9 @@ from .shapes import activation_bytes, attention_shape, element_size, output_widt
 __all__ = ["capture_cost", "pass_capture_cost", "chunk_count", "resolve_once", "apply_cost", "OperatorPrices", "resolve_cost",
            "project_cost", "RowPrices", "rowwise_cost",
            "kernel_costs", "elementwise_cost", "pass_overhead", "ADAM_OPS"]
+
+#: no measured forward shapes (every layer at ``tokens_hint``): the prices' default outside a plan
+EMPTY: Mapping = MappingProxyType({})
 
 
 # ------------------------------------------------------------------ model shapes
@@ -122,13 +127,14 @@ def pass_capture_cost(sources, options, dtype, share_key, batch: int | None = No
 
 
 # ------------------------------------------------------------------ operators
-def apply_cost(op, space, n: int, elem: int = 4, options=None) -> Cost:
+def apply_cost(op, space, n: int, elem: int = 4, options=None, shapes: Mapping = EMPTY) -> Cost:
     """Applying the resolved ``op`` to n rows of ``space``: the node's own
-    ``apply_cost`` (:mod:`gradalg.expr.operators`), priced by :class:`OperatorPrices`. An
+    ``apply_cost`` (:mod:`gradalg.expr.operators`), priced by :class:`OperatorPrices`
+    (``shapes``: the plan's measured forward shapes, :class:`~gradalg.plan.shapes.ModelFacts`). An
     operator whose structure refuses an operation costs nothing here: ``explain()``
     shows its refusal, and resolving it raises it."""
     try:
-        return op.apply_cost(space, n, OperatorPrices(elem, options))
+        return op.apply_cost(space, n, OperatorPrices(elem, options, shapes))
     except OperatorError:
         return Cost()
 
@@ -138,10 +144,12 @@ class OperatorPrices:
     """The prices an operator node's ``apply_cost(space, n, prices)`` is written in, for
     rows of ``elem`` bytes under ``options``: a resolved operator applied by its form
     (:meth:`by_form`), a low-rank one by its rank, and the parts of a closed form over data
-    (a read of training rows, GEMMs, memory traffic)."""
+    (a read of training rows, GEMMs, memory traffic). ``shapes``: the plan's measured
+    forward shapes, ``{source token: ForwardShapes}`` (empty: ``tokens_hint``)."""
 
     elem: int = 4
     options: object = None
+    shapes: Mapping = field(default_factory=dict)
 
     def free(self) -> Cost:
         return Cost()
@@ -194,7 +202,7 @@ class OperatorPrices:
         cost = Cost()
         if isinstance(root, Source) and self.options is not None:
             cost = capture_cost(root, self.options, torch.float32)
-        T = positions(grads)
+        T = positions(grads, self.shapes)
         for b in grads.space.blocks:
             if len(b.shape) == 2 and grads.representation.get(b.name) == "factored":
                 cost = cost + materialize_cost(grads.n, T[b.name], b.shape[1], b.shape[0], self.elem)
@@ -288,21 +296,33 @@ def project_cost(node: Project, n: int, T: int, elem: int = 4, chunk: int | None
     return cost
 
 
-def sparse_table_bytes(p, b) -> float:
-    """Bytes the process keeps for one block's sparse-projection tables
-    (:mod:`gradalg.proj.sparse_tables`, cached for the run): an SJLT of d columns takes
-    5·d·s (int32 rows, int8 signs; the CPU kernel's bincount reads them as they are); a
-    mask 8 bytes per kept coordinate; a TensorSketch 9 bytes per output and input. d is the block's size (``sparse``), GraSS's mask
-    size, FactGraSS's k_out·k_in. Zero for projections without tables (dense, Kronecker)."""
-    sjlt = 5.0 * p.s
+def _sjlt_columns(p, b) -> int:
+    """Columns d of one block's SJLT: the block's size (``sparse``), GraSS's mask size,
+    FactGraSS's k_out·k_in; 0 for a projection with no SJLT stage."""
     if p.kind == "sparse":
-        return sjlt * b.dim
+        return b.dim
     if p.kind == "grass":
-        m = p.grass_mask_size(b.dim)
-        return 8.0 * m + sjlt * m
+        return p.grass_mask_size(b.dim)
     if p.kind == "factgrass" and len(b.shape) == 2:
         k_out, k_in = p.factgrass_shape(*b.shape)
-        return 8.0 * (k_out + k_in) + sjlt * k_out * k_in
+        return k_out * k_in
+    return 0
+
+
+def sparse_table_bytes(p, b) -> float:
+    """Bytes the process keeps for one block's sparse-projection tables
+    (:mod:`gradalg.proj.sparse_tables`, cached for the run): an SJLT of d columns
+    (:func:`_sjlt_columns`) takes 5·d·s (int32 rows, int8 signs; the CPU kernel's bincount
+    reads them as they are); a mask 8 bytes per kept coordinate (GraSS's m, FactGraSS's
+    k_out + k_in); a TensorSketch 9 bytes per output and input. Zero for projections
+    without tables (dense, Kronecker)."""
+    sjlt = 5.0 * p.s * _sjlt_columns(p, b)
+    if p.kind == "sparse":
+        return sjlt
+    if p.kind == "grass":
+        return 8.0 * p.grass_mask_size(b.dim) + sjlt
+    if p.kind == "factgrass" and len(b.shape) == 2:
+        return 8.0 * sum(p.factgrass_shape(*b.shape)) + sjlt
     if p.kind == "mask":
         return 16.0 * min(p.k, b.dim)      # per block or its share of a global mask: positions and coordinates
     if p.kind == "tensorsketch":         # int64 row and int8 sign per output and per input
@@ -315,22 +335,6 @@ def sparse_table_bytes(p, b) -> float:
 OPS_PER_SPARSE_BLOCK = 16
 
 
-#: An SJLT product's traffic, priced at the elementwise bandwidth: per non-zero and call,
-#: its row and sign read and the signed bin index formed (:data:`SJLT_NONZERO_BYTES`), and
-#: per non-zero and example a weighted ``bincount`` step (:data:`SJLT_ROW_BYTES`).
-#: Calibrated on one CPU thread (2.36 M non-zeros, k = 2048, CPU seconds: 0.022 for 2
-#: examples, 0.042 for 8, 0.14 for 32 with the signs folded into the bins; 0.022, 0.059,
-#: 0.24 with the weights multiplied by the signs, which ``SJLT_ROW_BYTES`` = 28 priced; the
-#: old 4·elem·n bytes at the copy bandwidth gave a tenth of the CSR product's time, and
-#: TRAK's GPT-2-small pass 14× its estimate).
-SJLT_NONZERO_BYTES = 20.0
-SJLT_ROW_BYTES = 15.0
-
-#: Drawing an SJLT's tables once per process (the rows and signs:
-#: :mod:`gradalg.proj.sparse_tables`), in float64 random numbers per non-zero: measured
-#: 24 ms for 2.36 M non-zeros on one CPU thread (≈ 0.75 draws of 14 ns)
-SJLT_BUILD_RANDOMS = 1.0
-
 #: A TensorSketch's FFT work per position and output row, in bytes at the elementwise
 #: rate: two real FFTs of k (float32) and their complex product, summed over positions.
 #: Calibrated on one CPU thread (GPT-2 c_fc 3072 × 769, n = 8, T = 64, k = 2048: 13 ms,
@@ -340,25 +344,19 @@ TS_BYTES_PER_BIN = 100.0
 
 def _scatter_cost(n: int, coords: float, elem: int, calls: int = 1) -> Cost:
     """An SJLT of ``coords`` input coordinates (times its s) per row, for n rows in
-    ``calls`` products: each coordinate multiplied into its output (the CSR product on the
-    CPU, ``index_add_`` elsewhere; ``gradalg.proj.kernels``), random access priced at the
-    elementwise rate (:data:`SJLT_NONZERO_BYTES`, :data:`SJLT_ROW_BYTES`)."""
-    return Cost(flops=2.0 * n * coords, elementwise=coords * (SJLT_NONZERO_BYTES * calls + SJLT_ROW_BYTES * n))
+    ``calls`` products: each coordinate added into its output bin (a weighted ``bincount``
+    per example on the CPU, ``index_add_`` elsewhere; ``gradalg.proj.kernels``): counted as
+    ``coords · calls`` non-zeros read and ``coords · n`` bin steps, which the device profile
+    prices by its measured ``sjlt_bytes`` (random access, not a GEMM)."""
+    return Cost(flops=2.0 * n * coords, scatter=float(coords * calls), scatter_rows=float(coords * n))
 
 
 def sjlt_build_cost(p, b) -> Cost:
-    """Drawing one block's sparse-projection tables and their CSR form (once per process):
-    :data:`SJLT_BUILD_RANDOMS` random draws per non-zero, the tables' bytes touched fresh."""
-    if p.kind == "sparse":
-        columns = b.dim
-    elif p.kind == "grass":
-        columns = p.grass_mask_size(b.dim)
-    elif p.kind == "factgrass" and len(b.shape) == 2:
-        k_out, k_in = p.factgrass_shape(*b.shape)
-        columns = k_out * k_in
-    else:
-        return Cost()
-    return Cost(randoms=SJLT_BUILD_RANDOMS * columns * p.s, faulted=sparse_table_bytes(p, b))
+    """Drawing one block's sparse-projection tables (once per process, on the CPU): its
+    non-zeros drawn (``sjlt_draws``, priced by the profile's measured ``sjlt_build_randoms``
+    random numbers each), the tables' bytes touched fresh."""
+    columns = _sjlt_columns(p, b)
+    return Cost(sjlt_draws=float(columns * p.s), faulted=sparse_table_bytes(p, b)) if columns else Cost()
 
 
 def _sparse_project_cost(p, b, n: int, T: int, factored: bool, total: int, elem: int, calls: int = 1) -> Cost:
@@ -423,9 +421,9 @@ def elementwise_cost(numbers: float, reads: float, writes: float, elem: int = 4)
 ADAM_OPS = {"reads": 9, "writes": 5, "fresh": 1}
 
 
-def _materialize_cost(node, c: int, layout: dict, elem: int) -> Cost:
+def _materialize_cost(node, c: int, layout: dict, elem: int, shapes: Mapping) -> Cost:
     """The factored blocks of a chunk of ``node`` materialized, one at a time."""
-    T = positions(node)
+    T = positions(node, shapes)
     cost = Cost()
     for b in node.space.blocks:
         if layout.get(b.name) == "factors" and len(b.shape) == 2:
@@ -433,15 +431,10 @@ def _materialize_cost(node, c: int, layout: dict, elem: int) -> Cost:
     return cost
 
 
-def _flatten_cost(node, c: int, layout: dict, elem: int) -> Cost:
+def _flatten_cost(node, c: int, layout: dict, elem: int, shapes: Mapping) -> Cost:
     """``flatten``: the blocks of a chunk of ``node`` concatenated into one (c, d) tensor,
     factored blocks materialized first."""
-    T = positions(node)
-    cost = elementwise_cost(c * node.space.dim, 1, 1, elem)
-    for b in node.space.blocks:
-        if layout.get(b.name) == "factors" and len(b.shape) == 2:
-            cost = cost + materialize_cost(c, T[b.name], b.shape[1], b.shape[0], elem)
-    return cost
+    return elementwise_cost(c * node.space.dim, 1, 1, elem) + _materialize_cost(node, c, layout, elem, shapes)
 
 
 @dataclass(frozen=True)
@@ -451,13 +444,15 @@ class RowPrices:
     "flat"}``) of ``elem`` bytes under ``options``. ``drawn``: the projections whose
     matrices an earlier transform drew; ``resolved``: the tokens of the operators an earlier
     pass or transform resolved (an operator is resolved once in a plan; :meth:`per_chunk`
-    adds the ones it resolves)."""
+    adds the ones it resolves); ``shapes``: the plan's measured forward shapes (empty:
+    ``tokens_hint``)."""
 
     layout: dict
     elem: int = 4
     options: object = None
     drawn: set | None = None
     resolved: set | None = None
+    shapes: Mapping = field(default_factory=dict)
 
     def free(self) -> Cost:
         return Cost()
@@ -471,22 +466,22 @@ class RowPrices:
         return per(c).scaled(_chunks(n, c)) + once
 
     def positions(self, src) -> dict:
-        return positions(src)
+        return positions(src, self.shapes)
 
     def project(self, node, n: int, chunk: int | None) -> Cost:
         return project_cost(node, n, tokens_hint(node), self.elem, chunk, self.drawn)
 
     def materialize(self, src, c: int) -> Cost:
-        return _materialize_cost(src, c, self.layout, self.elem)
+        return _materialize_cost(src, c, self.layout, self.elem, self.shapes)
 
     def materialize_block(self, c: int, T: int, d_in: int, d_out: int) -> Cost:
         return materialize_cost(c, T, d_in, d_out, self.elem)
 
     def flatten(self, src, c: int) -> Cost:
-        return _flatten_cost(src, c, self.layout, self.elem)
+        return _flatten_cost(src, c, self.layout, self.elem, self.shapes)
 
     def apply(self, op, space, c: int) -> Cost:
-        return apply_cost(op, space, c, self.elem, self.options)
+        return apply_cost(op, space, c, self.elem, self.options, self.shapes)
 
     def elementwise(self, count: int, reads: int, writes: int) -> Cost:
         return elementwise_cost(count, reads, writes, self.elem)
@@ -508,7 +503,7 @@ class RowPrices:
 
     def scale_rows(self, src, c: int) -> Cost:
         """Each block of c rows scaled: factored (out, in) blocks by their output gradients."""
-        T, out = positions(src), Cost()
+        T, out = positions(src, self.shapes), Cost()
         for b in src.space.blocks:
             if self.layout.get(b.name) == "factors" and len(b.shape) == 2:
                 out = out + elementwise_cost(c * T[b.name] * b.shape[0], 1, 1, self.elem)
@@ -518,7 +513,7 @@ class RowPrices:
 
 
 def rowwise_cost(node, n: int, chunk: int | None, layout: dict, elem: int = 4, options=None,
-                 drawn: set | None = None, resolved: set | None = None) -> Cost:
+                 drawn: set | None = None, resolved: set | None = None, shapes: Mapping = EMPTY) -> Cost:
     """The row-wise transform ``node`` derived from ``node.grads`` for n examples in
     chunks of ``chunk`` (``gradalg.exec.rowwise``); ``layout`` is ``{block: "factors" |
     "flat"}`` of the input rows. Each node type prices itself (``node.row_cost``, in
@@ -526,7 +521,7 @@ def rowwise_cost(node, n: int, chunk: int | None, layout: dict, elem: int = 4, o
     :data:`ADAM_OPS`, a normalization or preconditioner by :func:`apply_cost` of its
     operator (resolved once: ``resolved``), a rank-r approximation by
     :func:`~gradalg.plan.cost.svd_cost`, a selection or per-token split as views (free)."""
-    return node.row_cost(n, chunk, RowPrices(layout, elem, options, drawn, resolved))
+    return node.row_cost(n, chunk, RowPrices(layout, elem, options, drawn, resolved, shapes))
 
 
 # ------------------------------------------------------------------ jobs

@@ -19,7 +19,7 @@ from ..expr.tokens import token_rows
 from ..options import Options
 from .cost import first_example_shape
 from .devices import DeviceProfile
-from .shapes import ForwardShapes, measure_forward_shapes
+from .shapes import ModelFacts, measure_forward_shapes
 
 __all__ = ["Facts", "facts", "MEASURED", "positions_known"]
 
@@ -28,14 +28,15 @@ MEASURED: dict = {}
 
 
 @dataclass(frozen=True)
-class Facts:
-    """Inputs of the decide, schedule and size stages, fixed before they run."""
+class Facts(ModelFacts):
+    """Inputs of the decide, schedule and size stages, fixed before they run: a
+    :class:`~gradalg.plan.shapes.ModelFacts` (``dtype``; ``shapes``, ``{source token:
+    measured shapes}``, handed to every cost and bytes formula) with the options, the
+    device profile and each node's representation."""
 
     options: Options
     device: DeviceProfile
-    dtype: torch.dtype
     for_run: bool                           # every layer's positions were measured (a run's plan)
-    shapes: Mapping[str, ForwardShapes]     # {source token: measured shapes}
     representations: Mapping[str, Mapping]  # {node token: {block: representation}}
     #: {id(task): (task, task.token)} and {source token: forward_share_key(source)}, each
     #: read once when first asked (a model's fingerprint walks every tensor)
@@ -95,4 +96,4 @@ def facts(root: Node, options: Options, device: DeviceProfile, measure: bool = F
                 memo.pop(next(iter(memo)))
             memo[node.token] = memo.get(node.token) or measure_forward_shapes(node)
             shapes[node.token] = memo[node.token]
-    return Facts(options, device, dtype or torch.float32, measure, shapes, reps)
+    return Facts(options, device, measure, reps, dtype=dtype or torch.float32, shapes=shapes)

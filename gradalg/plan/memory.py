@@ -23,6 +23,7 @@ the same, and the ghost kernel's three (nL', nR', bL, bR) intermediates at most
 from __future__ import annotations
 
 import os
+from typing import Mapping
 
 from ..capture.factors import Factors
 from ..errors import MemoryBudgetError
@@ -33,25 +34,27 @@ from ..expr.tokens import token_rows
 from .budget import suggest_budget
 from .cost import _si, tokens_hint
 from .decisions import Decision, DecisionKind
-from .shapes import activation_bytes, element_size, forward_shapes, output_bytes, rows_per_example
+from .shapes import ModelFacts, activation_bytes, forward_shapes, output_bytes, rows_per_example
 
 __all__ = ["positions", "rows_of", "rows_bytes", "capture_bytes_per_example", "stream_workspace_bytes",
            "statistics_bytes", "check_statistics_fit", "captured_positions", "projection_map_decisions",
            "projection_workspace_bytes"]
 
 
-def positions(node) -> dict[str, int]:
-    """``{block: T_b}`` of a gradient node (its source's layers; projections keep T; rows
-    recorded by ``ga.capture``: the most positions of any of their chunks, in memory;
-    rows of a rank-r approximation: r factor positions per truncated block)."""
+def positions(node, shapes: Mapping) -> dict[str, int]:
+    """``{block: T_b}`` of a gradient node (its source's layers, measured in ``shapes``,
+    ``{source token: ForwardShapes}`` of the plan's facts, else ``tokens_hint``;
+    projections keep T; rows recorded by ``ga.capture``: the most positions of any of
+    their chunks, in memory; rows of a rank-r approximation: r factor positions per
+    truncated block)."""
     low = lowrank_below(node)
     if low is not None:
-        below = low.positions(positions(low.grads))
+        below = low.positions(positions(low.grads, shapes))
         return {b.name: below.get(b.name, 1) for b in node.space.blocks}
     src = node.source
     T = tokens_hint(node)
     if isinstance(src, Source):
-        known = forward_shapes(src).positions
+        known = forward_shapes(src, shapes).positions
     elif isinstance(src, Captured) and not isinstance(src, Stored) and token_rows(node) == 1:
         known = captured_positions(src)   # ga.capture's rows, in memory; stored rows are flat
     else:
@@ -77,9 +80,10 @@ def rows_of(node) -> int:
     return rows_per_example(src) if isinstance(src, Source) else 1
 
 
-def rows_bytes(node, storage: dict, dtype) -> float:
-    """Bytes of all rows of ``node`` kept as ``storage[block]`` ("factors" or "flat")."""
-    T, elem = positions(node), element_size(dtype)
+def rows_bytes(node, storage: dict, facts: ModelFacts) -> float:
+    """Bytes of all rows of ``node`` kept as ``storage[block]`` ("factors" or "flat"), in
+    ``facts.dtype`` at ``facts.shapes``' positions."""
+    T, elem = positions(node, facts.shapes), facts.elem
     per_row = 0.0
     for b in node.space.blocks:
         if storage.get(b.name) == "factors":
@@ -89,7 +93,7 @@ def rows_bytes(node, storage: dict, dtype) -> float:
     return node.n * rows_of(node) * per_row * elem
 
 
-def capture_bytes_per_example(src: Source, dtype, forward_shared: bool = False) -> float:
+def capture_bytes_per_example(src: Source, facts: ModelFacts, forward_shared: bool = False) -> float:
     """Bytes one example of ``src`` holds while its batch is captured: activations
     (forward outputs kept for the backward, and their gradients), and per row the
     factors of every block with autograd's copy.
@@ -98,8 +102,8 @@ def capture_bytes_per_example(src: Source, dtype, forward_shared: bool = False) 
         and layers, another objective: one forward per batch, ``PassCapture``): its
         activations and input factors A are counted there; only this source's output
         factors D (and per-row blocks) are added."""
-    elem = element_size(dtype)
-    shapes = forward_shapes(src)
+    elem = facts.elem
+    shapes = forward_shapes(src, facts.shapes)
     rows = rows_per_example(src)
     total = 0.0
     for b in src.space.blocks:
@@ -169,7 +173,7 @@ def _gb(nbytes: float) -> str:
     return f"{nbytes / 1e9:.3g}"
 
 
-def projection_workspace_bytes(node, dtype) -> float:
+def projection_workspace_bytes(node, facts: ModelFacts) -> float:
     """Working bytes per example of the projections in ``node``'s row-wise chain, beyond
     their outputs: a dense or sparse-JL projection forms one block's rows at a time (from
     its factors, or Adam-preconditioned: ``exec/rowwise.py``) and the product reads a
@@ -177,13 +181,13 @@ def projection_workspace_bytes(node, dtype) -> float:
     sparse projection's slices are capped by ``projection_slice_elements``: this is an
     upper bound); Adam's preconditioning adds two more temporaries of the block; a
     TensorSketch holds two count sketches of k and their FFTs per position."""
-    elem = element_size(dtype)
+    elem = facts.elem
     out = 0.0
     x = node
     while x is not None and hasattr(x, "grads"):
         if isinstance(x, Project) and x.projector.kind == "tensorsketch":
             # a token block's two count sketches and their FFTs (T positions: an upper bound)
-            T = max(positions(x.grads).values(), default=1)
+            T = max(positions(x.grads, facts.shapes).values(), default=1)
             out = max(out, 4.0 * elem * T * (x.projector.k + 2))
         elif isinstance(x, Project) and x.projector.kind in ("gaussian", "rademacher", "sparse"):
             widest = max((b.dim for b in x.grads.space.blocks), default=0)
@@ -193,12 +197,12 @@ def projection_workspace_bytes(node, dtype) -> float:
     return out
 
 
-def stream_workspace_bytes(streams, dtype) -> float:
+def stream_workspace_bytes(streams, facts: ModelFacts) -> float:
     """Working bytes per example of the projections a job's ``streams`` apply
     (:func:`projection_workspace_bytes`, the largest); rows of one example's Gauss-Newton
     terms arrive as separate chunks: counted once. Every job's
     :meth:`~gradalg.plan.jobs.Job.per_example_bytes` adds its own on top."""
-    return max((projection_workspace_bytes(s, dtype) for s in streams), default=0.0)
+    return max((projection_workspace_bytes(s, facts) for s in streams), default=0.0)
 
 
 def statistics_bytes(node) -> float:

@@ -28,7 +28,6 @@ from .lower import ROW_WISE, STATISTICS_JOBS, chain_ops, lower, stream_root  # n
 from .jobs import Job, TopK
 from .rules import Firing, PlanError, simplify_until_fixpoint
 from .schedule import Pass, schedule
-from .shapes import measured
 from .size import size
 
 __all__ = ["Job", "Pass", "Decision", "DecisionKind", "Plan", "plan", "estimate", "stream_root", "PlanError"]
@@ -56,6 +55,13 @@ class Plan:
     budget: Budget | None = None    # the memory budget and its source (options.memory_budget is its bytes)
     stages: dict = field(default_factory=dict, repr=False)
     placement: tuple = ()           # per pass, where it runs (exec.runner.Placement), from the executor's shard strategy
+
+    @property
+    def facts(self):
+        """The facts stage's record (:class:`~gradalg.plan.facts.Facts`): the dtype, the
+        measured forward shapes and the device every estimate of the plan was made with;
+        a job's cost and bytes hooks take it (``job.fixed_bytes(plan.facts)``)."""
+        return self.stages["facts"]
 
     @property
     def total(self) -> Cost:
@@ -127,10 +133,9 @@ def plan(root: Node, *, options: Options | None = None, device=None, rewrites: b
     lowered = lower(simplified, topk)
     known = find_facts(simplified, options, prof, measure=measure_shapes)
     try:
-        with measured(known.shapes):
-            graph = decide(lowered, known, choices)
-            scheduled = schedule(graph, known, simplified, choices, keep_held_rows)
-            passes, decisions = size(scheduled, known)
+        graph = decide(lowered, known, choices)
+        scheduled = schedule(graph, known, simplified, choices, keep_held_rows)
+        passes, decisions = size(scheduled, known)
     except MemoryBudgetError as err:   # every refusal says where the budget came from and how to change it
         err.args = (with_note(err, budget, getattr(err, "needed", None)), *err.args[1:])
         raise

@@ -111,7 +111,7 @@ def _store_or_recompute(node, remaining: dict, facts: Facts, choices: Choices) -
         isinstance(j, KFACJob) and any(chain_contains(s, node) for s in j.streams) for j in remaining.values()) \
         else frozenset()   # a later K-FAC job reads the rows as factors (covariances of A and D)
     kept = storage(node, facts, need)
-    size = rows_bytes(node, kept, facts.dtype)
+    size = rows_bytes(node, kept, facts)
     src, o = stream_root(node), facts.options
     recompute = estimates.capture_cost(src, o, facts.dtype, device=facts.device).seconds(facts.device, facts.dtype) \
         if isinstance(src, Source) else 0.0

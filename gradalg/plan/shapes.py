@@ -13,15 +13,15 @@ every block.
 
 Executors measure before they plan a run (``plan(..., measure_shapes=True)``: the facts
 stage, :mod:`gradalg.plan.facts`); displays (``repr``, ``explain()``, the plan explorer)
-never call the model and use ``tokens_hint``. Nothing is cached on a node: a measurement
-is a field of the plan's :class:`~gradalg.plan.facts.Facts`, which the planner puts in
-force (:func:`measured`) while its stages run.
+never call the model and use ``tokens_hint``. Nothing is cached on a node and nothing is in
+force behind a call: a measurement is a field of a :class:`ModelFacts` (the plan's
+:class:`~gradalg.plan.facts.Facts` is one), handed to every cost and bytes formula that
+reads a layer's positions (:func:`gradalg.plan.memory.positions`, the jobs' hooks).
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
 
 import torch
 from torch import nn
@@ -31,7 +31,7 @@ from ..capture.hooks import resolve_layers
 from ..capture.layers import rule_class
 from .cost import tokens_hint
 
-__all__ = ["ForwardShapes", "forward_shapes", "measure_forward_shapes", "measured", "rows_per_example", "element_size",
+__all__ = ["ForwardShapes", "ModelFacts", "forward_shapes", "measure_forward_shapes", "rows_per_example", "element_size",
            "weight_layers", "attention_shape", "activation_bytes", "output_width", "output_bytes",
            "OUTPUT_COPIES"]
 
@@ -61,25 +61,27 @@ class ForwardShapes:
     measured: bool
 
 
-#: ``{source token: ForwardShapes}`` measured for the plan being made (:func:`measured`)
-_MEASURED: ContextVar[dict] = ContextVar("gradalg_measured_shapes", default={})
+@dataclass(frozen=True, kw_only=True)
+class ModelFacts:
+    """What the cost and bytes formulas read besides the nodes: the dtype of the rows and
+    the measured forward shapes, ``{source token: ForwardShapes}`` (empty: nothing
+    measured, every layer at ``tokens_hint``). The plan's
+    :class:`~gradalg.plan.facts.Facts` is one; a job's hooks take it
+    (``job.fixed_bytes(facts)``, ``job.stream_cost(n, chunk, facts, ...)``)."""
+
+    dtype: torch.dtype = torch.float32
+    shapes: Mapping[str, ForwardShapes] = field(default_factory=dict)
+
+    @property
+    def elem(self) -> int:
+        """Bytes per number of the rows (:func:`element_size` of ``dtype``)."""
+        return element_size(self.dtype)
 
 
-@contextmanager
-def measured(shapes: dict):
-    """Put ``shapes`` (``{source token: ForwardShapes}``, a plan's facts) in force for
-    :func:`forward_shapes` while a plan's stages run."""
-    reset = _MEASURED.set(shapes)
-    try:
-        yield
-    finally:
-        _MEASURED.reset(reset)
-
-
-def forward_shapes(src) -> ForwardShapes:
-    """The :class:`ForwardShapes` of a Source: its measurement in the plan's facts (in
-    force by :func:`measured`), else ``tokens_hint`` for every block (not measured)."""
-    hit = _MEASURED.get().get(src.token)
+def forward_shapes(src, shapes: Mapping[str, ForwardShapes]) -> ForwardShapes:
+    """The :class:`ForwardShapes` of a Source: its measurement in ``shapes`` (a plan's
+    facts), else ``tokens_hint`` for every block (not measured)."""
+    hit = shapes.get(src.token)
     if hit is not None:
         return hit
     fallback = tokens_hint(src)
@@ -89,7 +91,7 @@ def forward_shapes(src) -> ForwardShapes:
 def measure_forward_shapes(src) -> ForwardShapes:
     """One meta-device forward of the first example (executors, before running a plan):
     every recorded layer's positions; ``tokens_hint`` where the forward cannot run."""
-    shapes = forward_shapes(src)
+    shapes = forward_shapes(src, {})
     data = getattr(src, "data", None)
     task = getattr(src, "task", None)
     if data is not None and task is not None and src.backend == "hooks":

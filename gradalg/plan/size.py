@@ -21,7 +21,6 @@ from .lower import ROW_WISE, stream_root
 from .memory import capture_bytes_per_example
 from .jobs import FisherJob, KronStatisticsJob, StoreJob
 from .schedule import Pass, Schedule
-from .shapes import element_size
 from .blocks import as_captured, storage
 
 __all__ = ["size", "table_bytes"]
@@ -67,21 +66,21 @@ def _over_budget(message: str, needed: float) -> MemoryBudgetError:
     return err
 
 
-def _fewer_queries_fit(jobs, per_ex: float, budget: float, dtype) -> bool:
+def _fewer_queries_fit(jobs, per_ex: float, budget: float, facts: Facts) -> bool:
     """Whether holding fewer rows (fewer queries per call) can fit the pass: the
     statistics (K-FAC / EK-FAC factors, a formed Fisher) and the projection tables do not
     shrink with the queries, so when they and one example exceed the budget alone, that
     fix would fail as written and the refusal does not offer it."""
-    stats = sum(j.fixed_bytes(dtype) for j in jobs if isinstance(j, (KronStatisticsJob, FisherJob)))
+    stats = sum(j.fixed_bytes(facts) for j in jobs if isinstance(j, (KronStatisticsJob, FisherJob)))
     return stats + table_bytes(jobs) + per_ex <= budget
 
 
-def _refuse(p: Pass, jobs, fixed: float, per_ex: float, budget: float, dtype) -> MemoryBudgetError:
+def _refuse(p: Pass, jobs, fixed: float, per_ex: float, budget: float, facts: Facts) -> MemoryBudgetError:
     """Held rows and statistics alone over the budget: refused before anything runs."""
-    parts = "".join(f" ({a})" for a in (j.bytes_arithmetic(dtype) for j in jobs) if a)
+    parts = "".join(f" ({a})" for a in (j.bytes_arithmetic(facts) for j in jobs) if a)
     tables = table_bytes(jobs)
     parts += f" (sparse projection tables {_si(tables)}B)" if tables else ""
-    fewer = "use fewer queries per call, " if _fewer_queries_fit(jobs, per_ex, budget, dtype) else ""
+    fewer = "use fewer queries per call, " if _fewer_queries_fit(jobs, per_ex, budget, facts) else ""
     return _over_budget(f"{p.label}: held rows and statistics take {_si(fixed)}B{parts}, over the memory budget "
                         f"of {_si(budget)}B: {fewer}project the gradients (ga.proj.kron), "
                         "or raise ga.options(memory_budget=...)", fixed + per_ex)
@@ -107,7 +106,7 @@ def _batch_size(p: Pass, sources, fixed: float, per_ex: float, facts: Facts) -> 
                                f"the memory budget of {_si(budget)}B. They grow with the positions per example, "
                                "not with the queries or a projection: use shorter sequences, or raise "
                                "ga.options(memory_budget=...)", fixed + per_ex)
-        fewer = "use fewer queries per call, " if _fewer_queries_fit(p.jobs, per_ex, budget, facts.dtype) else ""
+        fewer = "use fewer queries per call, " if _fewer_queries_fit(p.jobs, per_ex, budget, facts) else ""
         raise _over_budget(f"{p.label}: held rows and statistics take {_si(fixed)}B and one example's factors and "
                            f"activations {_si(per_ex)}B, over the memory budget of {_si(budget)}B. Project the "
                            f"gradients (ga.proj.kron), {fewer}or raise ga.options(memory_budget=...)", fixed + per_ex)
@@ -145,12 +144,12 @@ class _Sizer:
         return dict(kept.storage) if kept is not None and kept.storage else as_captured(node, self.facts)
 
     def per_example_bytes(self, jobs, sources) -> float:
-        total, forwards, dtype = 0.0, set(), self.facts.dtype
+        total, forwards = 0.0, set()
         for src in sources:   # sources sharing one forward per batch keep its activations once
             key = self.facts.share_key(src)
-            total += capture_bytes_per_example(src, dtype, forward_shared=key is not None and key in forwards)
+            total += capture_bytes_per_example(src, self.facts, forward_shared=key is not None and key in forwards)
             forwards.add(key)
-        return total + sum(job.per_example_bytes(dtype) for job in jobs)
+        return total + sum(job.per_example_bytes(self.facts) for job in jobs)
 
     def rowwise_cost(self, jobs, n: int, chunk, base: set, reads_data: bool) -> Cost:
         """The row-wise transforms the pass derives from the rows it reads (``base``: their
@@ -164,7 +163,7 @@ class _Sizer:
                     seen.add(x.token)
                     cost = cost + estimates.rowwise_cost(
                         x, n * token_rows(x), chunk, self.layout(x.grads, reads_data),
-                        element_size(self.facts.dtype), self.facts.options, self.drawn, self.resolved)
+                        self.facts.elem, self.facts.options, self.drawn, self.resolved, self.facts.shapes)
                     x = x.grads
         return cost
 
@@ -189,9 +188,9 @@ class _Sizer:
         sizing = [replace(j, release_held=False) if getattr(j, "release_held", False) else j for j in p.jobs]
         sources = _sources(p.jobs) if p.reads_data else []
         per_ex = self.per_example_bytes(sizing, sources)
-        fixed = sum(job.fixed_bytes(dtype) for job in sizing) + table_bytes(sizing)
+        fixed = sum(job.fixed_bytes(facts) for job in sizing) + table_bytes(sizing)
         if fixed > o.memory_budget:
-            raise _refuse(p, sizing, fixed, per_ex, o.memory_budget, dtype)
+            raise _refuse(p, sizing, fixed, per_ex, o.memory_budget, facts)
         batch, note, cost = None, "", Cost()
         if p.reads_data:
             batch, note, decision = _batch_size(p, sources, fixed, per_ex, facts)
@@ -206,13 +205,13 @@ class _Sizer:
         for job in p.jobs:
             # rows streamed by the job: n·T for per-token rows (ga.GradientSet.per_token)
             n_job = job.streams[0].n if job.streams and p.reads_data else n
-            job = replace(job, cost=job.stream_cost(n_job, chunk or o.batch_size, dtype,
+            job = replace(job, cost=job.stream_cost(n_job, chunk or o.batch_size, facts,
                                                     lambda node: self.layout(node, p.reads_data),
                                                     lambda node: storage(node, facts), o, self.resolved))
             jobs.append(job)
             cost = cost + job.cost
         cost = cost + self.rowwise_cost(jobs, n, chunk, set() if p.reads_data else {p.key[1]}, p.reads_data)
-        drop = sum(a.fixed_bytes(dtype) - b.fixed_bytes(dtype) for a, b in zip(sizing, jobs) if getattr(b, "release_held", False))
+        drop = sum(a.fixed_bytes(facts) - b.fixed_bytes(facts) for a, b in zip(sizing, jobs) if getattr(b, "release_held", False))
         drop = drop if drop > 0 else 0.0
         # one read of the data, however many sources are captured from each batch
         cost = replace(cost, peak_bytes=fixed + per_ex * (batch or 1) - drop, passes=1.0 if p.reads_data else 0.0)

@@ -197,7 +197,7 @@ def resident_at_start(p, plan) -> float:
     does not see them)."""
     from gradalg.plan.jobs import ScoresJob
     from gradalg.plan.memory import rows_bytes
-    return sum(rows_bytes(j.held, j.held_storage, plan.dtype) for j in p.jobs if isinstance(j, ScoresJob))
+    return sum(rows_bytes(j.held, j.held_storage, plan.facts) for j in p.jobs if isinstance(j, ScoresJob))
 
 
 if __name__ == "__main__":

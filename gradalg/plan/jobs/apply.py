@@ -19,7 +19,6 @@ from typing import ClassVar
 
 from ...capture.chunks import concat_chunks, flatten
 from ..cost import Cost, gemm_cost
-from ..shapes import element_size
 from .base import Job
 from .fisher import flat_sums_cost
 
@@ -49,24 +48,24 @@ class ApplyJob(Job):
     def describe(self) -> str:
         return f"apply {self.target.op.label} to the held rows {self.held.label!r} ({self.held.n:,} rows)"
 
-    def chunk_cost(self, node, c, layout, elem) -> Cost:
+    def chunk_cost(self, node, c, layout, facts) -> Cost:
         """The chunk's rows made flat, their squared norms, and two GEMMs (m, c, d_b) per block."""
-        flat = flat_sums_cost(node, c, layout, "diag", elem)
-        return sum((gemm_cost(self.held.n, c, b.dim, 2, elem) for b in node.space.blocks), flat)
+        flat = flat_sums_cost(node, c, layout, "diag", facts)
+        return sum((gemm_cost(self.held.n, c, b.dim, 2, facts.elem) for b in node.space.blocks), flat)
 
-    def once_cost(self, elem, storage_of=None, options=None, resolved=None) -> Cost:
+    def once_cost(self, facts, storage_of=None, options=None, resolved=None) -> Cost:
         """None of its own; the scores job it serves then does not count the application
         again (``("applied", op token, held token)`` added to ``resolved``)."""
         if resolved is not None:
             resolved.add(("applied", self.target.op.token, self.held.token))
         return Cost()
 
-    def example_bytes(self, dtype) -> float:
-        return self.streams[0].space.dim * element_size(dtype)      # the rows made flat
+    def example_bytes(self, facts) -> float:
+        return self.streams[0].space.dim * facts.elem      # the rows made flat
 
-    def fixed_bytes(self, dtype) -> float:
+    def fixed_bytes(self, facts) -> float:
         """The held rows flat and the sums: m·dim·2·elem."""
-        return self.held.n * self.held.space.dim * 2.0 * element_size(dtype)
+        return self.held.n * self.held.space.dim * 2.0 * facts.elem
 
     def output_bytes(self, n: int) -> float:
         return 8.0 * self.held.n * self.held.space.dim

@@ -14,7 +14,10 @@ A job type is **one class** (in a module of this package, with its accumulator) 
 answers everything the planner and the executor ask of it; nothing dispatches on its
 kind. The planner asks ``stream_cost`` (:meth:`Job.chunk_cost` per chunk, plus
 :meth:`Job.once_cost`), ``fixed_bytes``, ``per_example_bytes``, ``output_bytes`` and
-``first_decisions``; the executor ``accumulator(ctx)`` (its :class:`Accumulator`, made
+``first_decisions``, each cost and bytes hook with the plan's
+:class:`~gradalg.plan.shapes.ModelFacts` (``facts``: the dtype of the rows and the measured
+positions of every layer, ``positions(node, facts.shapes)``: an explicit input, nothing in
+force behind the call); the executor ``accumulator(ctx)`` (its :class:`Accumulator`, made
 from the job's fields), ``fed``, ``feed``, ``for_shard`` and ``publish`` (where the
 result goes in the run's :class:`~gradalg.exec.state.RunState`). ``ctx`` is the executor
 (duck-typed: the plan's floor does not import the executor's): its ``trace`` of
@@ -36,7 +39,7 @@ from ...expr import GradNode, Node
 from ..cost import Cost, block_cost
 from ..estimates import chunk_count
 from ..memory import rows_of, stream_workspace_bytes
-from ..shapes import element_size
+from ..shapes import ModelFacts
 
 __all__ = ["Accumulator", "Job", "JOB_TYPES", "job_type"]
 
@@ -142,8 +145,8 @@ class Job:
         return f"{self.kind} {self.target.label}"
 
     # ------------------------------------------------------------------ cost
-    def stream_cost(self, n_stream: int, chunk: int | None, dtype, layout_of, storage_of=None, options=None,
-                    resolved: set | None = None) -> Cost:
+    def stream_cost(self, n_stream: int, chunk: int | None, facts: ModelFacts, layout_of, storage_of=None,
+                    options=None, resolved: set | None = None) -> Cost:
         """The job's work on the ``n_stream`` examples it streams in chunks of ``chunk``:
         per chunk (:meth:`block_cost` + :meth:`chunk_cost`, for one chunk's shapes) times
         the chunks (one per chunk and, where ``per_row_set``, per row set), plus what it
@@ -157,40 +160,39 @@ class Job:
             return Cost()
         node = self.streams[0]
         c, chunks = chunk_count(n_stream, chunk, rows_of(node) if self.per_row_set else 1)
-        elem = element_size(dtype)
-        per = self.block_cost(node) + self.chunk_cost(node, c, layout_of(node), elem)
-        return per.scaled(chunks) + self.once_cost(elem, storage_of, options, resolved)
+        per = self.block_cost(node) + self.chunk_cost(node, c, layout_of(node), facts)
+        return per.scaled(chunks) + self.once_cost(facts, storage_of, options, resolved)
 
     def block_cost(self, node) -> Cost:
         """The fixed cost of one chunk: ``ops_per_block`` small ops per block of ``node``."""
         return block_cost(self.kind, len(node.space.blocks), self.ops_per_block)
 
-    def chunk_cost(self, node, c: int, layout: dict, elem: int) -> Cost:
+    def chunk_cost(self, node, c: int, layout: dict, facts: ModelFacts) -> Cost:
         """FLOPs and traffic of the job on one chunk of ``c`` examples of ``node``."""
         raise NotImplementedError(f"{type(self).__name__} does not say what a chunk costs (Job.chunk_cost)")
 
-    def once_cost(self, elem: int, storage_of=None, options=None, resolved: set | None = None) -> Cost:
+    def once_cost(self, facts: ModelFacts, storage_of=None, options=None, resolved: set | None = None) -> Cost:
         """What the job does once per pass (an eigendecomposition, the held side's preconditioning)."""
         return Cost()
 
     # ------------------------------------------------------------------ memory
-    def fixed_bytes(self, dtype) -> float:
+    def fixed_bytes(self, facts: ModelFacts) -> float:
         """Bytes the job holds for its whole pass (held rows, statistics)."""
         raise NotImplementedError(f"{type(self).__name__} does not say what it holds (Job.fixed_bytes)")
 
-    def per_example_bytes(self, dtype) -> float:
+    def per_example_bytes(self, facts: ModelFacts) -> float:
         """Working bytes per streamed example, beyond the captured rows: what the job
         materializes (:meth:`example_bytes`) and the workspace of the projections its
         streams apply (:func:`~gradalg.plan.memory.stream_workspace_bytes`)."""
         if not self.streams:
             return 0.0
-        return self.example_bytes(dtype) + stream_workspace_bytes(self.streams, dtype)
+        return self.example_bytes(facts) + stream_workspace_bytes(self.streams, facts)
 
-    def example_bytes(self, dtype) -> float:
+    def example_bytes(self, facts: ModelFacts) -> float:
         """Bytes the job materializes per streamed example (rows made flat, float64 copies)."""
         raise NotImplementedError(f"{type(self).__name__} does not say its bytes per example (Job.example_bytes)")
 
-    def bytes_arithmetic(self, dtype) -> str:
+    def bytes_arithmetic(self, facts: ModelFacts) -> str:
         """How :meth:`fixed_bytes` adds up, for messages ("" when it is one number)."""
         return ""
 

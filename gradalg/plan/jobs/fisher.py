@@ -14,18 +14,17 @@ from ...linalg import ResolvedOp
 from ..cost import Cost, fisher_cost
 from ..estimates import _factored, _flat
 from ..memory import check_statistics_fit, positions
-from ..shapes import element_size
 from .base import Job
 
 __all__ = ["FisherJob", "FisherAccumulator", "flat_sums_cost"]
 
 
-def flat_sums_cost(node, c: int, layout: dict, structure: str, elem: int) -> Cost:
+def flat_sums_cost(node, c: int, layout: dict, structure: str, facts) -> Cost:
     """One chunk of ``c`` rows of ``node`` made flat and summed as Σ g gᵀ in ``structure``
     ("dense", "block", or "diag": the squared norms)."""
-    T, factored, cost = positions(node), _factored(node, layout), Cost()
+    T, factored, cost = positions(node, facts.shapes), _factored(node, layout), Cost()
     for b in node.space.blocks:
-        cost = cost + _flat(b, c, T, factored, elem)
+        cost = cost + _flat(b, c, T, factored, facts.elem)
     return cost + fisher_cost(c, [b.dim for b in node.space.blocks], structure)
 
 
@@ -39,21 +38,21 @@ class FisherJob(Job):
     ops_per_block: ClassVar[int] = 6
     per_row_set: ClassVar[bool] = True
 
-    def chunk_cost(self, node, c, layout, elem) -> Cost:
+    def chunk_cost(self, node, c, layout, facts) -> Cost:
         """The sums Σ g gᵀ over one chunk: the rows made flat and their products."""
-        return flat_sums_cost(node, c, layout, self.target.structure, elem)
+        return flat_sums_cost(node, c, layout, self.target.structure, facts)
 
     def first_decisions(self, options) -> list:
         """A Fisher whose matrix alone exceeds the memory budget is refused here."""
         check_statistics_fit(self.target, options.memory_budget)
         return []
 
-    def example_bytes(self, dtype) -> float:
+    def example_bytes(self, facts) -> float:
         """One example's rows materialized, their float64 copy and its product (16 bytes more
         per coordinate)."""
-        return self.streams[0].space.dim * (element_size(dtype) + 16.0)
+        return self.streams[0].space.dim * (facts.elem + 16.0)
 
-    def fixed_bytes(self, dtype) -> float:
+    def fixed_bytes(self, facts) -> float:
         return fisher_cost(1, [b.dim for b in self.target.space.blocks], self.target.structure).peak_bytes
 
     def output_bytes(self, n: int) -> float:

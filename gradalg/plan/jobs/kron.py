@@ -48,10 +48,10 @@ class KronStatisticsJob(Job):
     phase: ClassVar[str] = "statistics"
     per_row_set: ClassVar[bool] = True
 
-    def fixed_bytes(self, dtype) -> float:
+    def fixed_bytes(self, facts) -> float:
         return kron_bytes(self.target.space, self.kron_float64_width, self.kron_diagonal_width)
 
-    def bytes_arithmetic(self, dtype) -> str:
+    def bytes_arithmetic(self, facts) -> str:
         return kron_bytes_arithmetic(self.target.space, self.kron_float64_width, self.kron_diagonal_width)
 
     def output_bytes(self, n: int) -> float:
@@ -71,10 +71,10 @@ class KFACJob(KronStatisticsJob):
     kind: ClassVar[str] = "kfac"
     ops_per_block: ClassVar[int] = 14
 
-    def chunk_cost(self, node, c, layout, elem) -> Cost:
+    def chunk_cost(self, node, c, layout, facts) -> Cost:
         """The factor sums over one chunk, per 2-D block and m = c·T positions: for A (in)
         and S (out) a dense factor's Gram and d × d float64 sums, a diagonal one's squares."""
-        T, cost = positions(node), Cost()
+        T, cost, elem = positions(node, facts.shapes), Cost(), facts.elem
         for b in node.space.blocks:
             if len(b.shape) != 2:
                 continue
@@ -87,7 +87,7 @@ class KFACJob(KronStatisticsJob):
             cost = cost + Cost(bytes=elem * m * b.shape[1])
         return cost
 
-    def once_cost(self, elem, storage_of=None, options=None, resolved=None) -> Cost:
+    def once_cost(self, facts, storage_of=None, options=None, resolved=None) -> Cost:
         """The eigendecompositions at the end of its pass: one per dense factor (A, then S)."""
         return sum((eigh_cost(d) for b in self.streams[0].space.blocks if len(b.shape) == 2
                     for d in (b.shape[1], b.shape[0]) if not self._diagonal(d)), Cost())
@@ -96,10 +96,10 @@ class KFACJob(KronStatisticsJob):
         """The precision (float32 or float64) and form (dense or diagonal) of each factor."""
         return kron_precision_decisions(self.target, options)
 
-    def example_bytes(self, dtype) -> float:
+    def example_bytes(self, facts) -> float:
         """One example's sums: one token block of its factors in float64 per 2-D block."""
         node = self.streams[0]
-        T = positions(node)
+        T = positions(node, facts.shapes)
         return sum(self.at_once(T[b.name]) * sum(b.shape) * 8.0
                    for b in node.space.blocks if len(b.shape) == 2)
 
@@ -126,11 +126,11 @@ class EKFACJob(KronStatisticsJob):
     kind: ClassVar[str] = "ekfac"
     ops_per_block: ClassVar[int] = 10
 
-    def chunk_cost(self, node, c, layout, elem) -> Cost:
+    def chunk_cost(self, node, c, layout, facts) -> Cost:
         """The correction over one chunk: each (out, in) block rotated into the K-FAC
         eigenbases (factors: ``kron.rotate_factors``, one example at a time where a factor
         is diagonal; flat rows: ``kron.rotate_rows``), squared and summed."""
-        T, factored, cost = positions(node), _factored(node, layout), Cost()
+        T, factored, cost, elem = positions(node, facts.shapes), _factored(node, layout), Cost(), facts.elem
         for b in node.space.blocks:
             if len(b.shape) != 2:
                 continue
@@ -149,17 +149,17 @@ class EKFACJob(KronStatisticsJob):
             cost = cost + Cost(bytes=4.0 * elem * c * out_f * in_f)     # rotated, squared, summed
         return cost
 
-    def example_bytes(self, dtype) -> float:
+    def example_bytes(self, facts) -> float:
         """One example's correction: rotated gradients, squared (float64), and one token
         block of rotated factors; a block with a diagonal factor is rotated one example at
         a time (counted in :meth:`fixed_bytes`)."""
         node = self.streams[0]
-        T, diag = positions(node), _diagonal_blocks(node.space, self.kron_diagonal_width)
+        T, diag = positions(node, facts.shapes), _diagonal_blocks(node.space, self.kron_diagonal_width)
         return sum((16.0 * b.dim if b.name not in diag else 0.0)
                    + (self.at_once(T[b.name]) * sum(b.shape) * 8.0 if len(b.shape) == 2 else 0.0)
                    for b in node.space.blocks)
 
-    def fixed_bytes(self, dtype) -> float:
+    def fixed_bytes(self, facts) -> float:
         """The statistics' bytes, and one example's rotated gradient of a block with a
         diagonal (vocabulary-wide) factor, which is corrected one example at a time: its
         (out, in) rotated gradient, squared in place, and their float64 copy, 16·out·in
@@ -169,9 +169,9 @@ class EKFACJob(KronStatisticsJob):
         return (ekfac_bytes(space, self.kron_float64_width, self.kron_diagonal_width)
                 + max([16.0 * b.dim for b in space.blocks if b.name in diag] or [0.0]))
 
-    def bytes_arithmetic(self, dtype) -> str:
+    def bytes_arithmetic(self, facts) -> str:
         return (f"EK-FAC correction: eigenbases, K-FAC and corrected eigenvalues and their float64 sums "
-                f"{_gb(self.fixed_bytes(dtype))} GB")
+                f"{_gb(self.fixed_bytes(facts))} GB")
 
     def output_bytes(self, n: int) -> float:
         """The eigenbases and the re-fitted (out, in) eigenvalue grid of each block."""

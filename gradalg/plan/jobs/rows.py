@@ -28,10 +28,11 @@ class RowsJob(Job):
     output: ClassVar[str] = "rows"
     phase: ClassVar[str] = "capture"
 
-    def chunk_cost(self, node, c, layout, elem) -> Cost:
+    def chunk_cost(self, node, c, layout, facts) -> Cost:
         """Rows kept from one chunk of ``c`` examples: factors copied where ``storage``
         keeps factors, else the rows made flat and copied (read + write)."""
-        T, factored, cost, storage = positions(node), _factored(node, layout), Cost(), self.storage or {}
+        T, factored, cost, storage = positions(node, facts.shapes), _factored(node, layout), Cost(), self.storage or {}
+        elem = facts.elem
         for b in node.space.blocks:
             if factored[b.name] and storage.get(b.name, "flat") == "factors":
                 cost = cost + Cost(bytes=2.0 * elem * c * T[b.name] * sum(b.shape))
@@ -39,10 +40,10 @@ class RowsJob(Job):
                 cost = cost + _flat(b, c, T, factored, elem) + Cost(bytes=2.0 * elem * c * b.dim)
         return cost
 
-    def fixed_bytes(self, dtype) -> float:
-        return rows_bytes(self.target, self.storage, dtype)
+    def fixed_bytes(self, facts) -> float:
+        return rows_bytes(self.target, self.storage, facts)
 
-    def example_bytes(self, dtype) -> float:
+    def example_bytes(self, facts) -> float:
         return 0.0
 
     def output_bytes(self, n: int) -> float:

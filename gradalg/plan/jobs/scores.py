@@ -60,11 +60,11 @@ class ScoresJob(Job):
         return block_cost("ghost", ghosts, self.ops_per_block) + block_cost(self.kind, len(blocks) - ghosts,
                                                                             self.ops_per_block)
 
-    def chunk_cost(self, node, c, layout, elem) -> Cost:
+    def chunk_cost(self, node, c, layout, facts) -> Cost:
         """One chunk of ``c`` streamed rows against the held rows, per block by its kernel:
         ghost products, the chunk materialized and one GEMM (dense over factors), or a GEMM."""
-        T, factored, cost = positions(node), _factored(node, layout), Cost()
-        P_h, n_h = positions(self.held), self.held.n
+        T, factored, cost, elem = positions(node, facts.shapes), _factored(node, layout), Cost(), facts.elem
+        P_h, n_h = positions(self.held, facts.shapes), self.held.n
         for b in self.held.space.blocks:
             T_h, T_s = P_h[b.name], T[b.name]
             if self.kernels.get(b.name) == "ghost":
@@ -75,24 +75,24 @@ class ScoresJob(Job):
                 cost = cost + gemm_cost(n_h, c, b.dim, 1, elem) + Cost(bytes=float(elem) * c * b.dim)
         return cost
 
-    def once_cost(self, elem, storage_of=None, options=None, resolved=None) -> Cost:
+    def once_cost(self, facts, storage_of=None, options=None, resolved=None) -> Cost:
         """Held factored blocks a dense kernel reads materialized once, the operator
         resolved (unless ``resolved`` before) and applied to the held rows (unless a planned
         apply job did: ``("applied", op token, held token)`` in ``resolved``,
         :class:`~gradalg.plan.jobs.apply.ApplyJob`)."""
         held, once = self.held, Cost()
         held_layout = storage_of(held) if storage_of is not None else {}
-        P_h = positions(held)
+        P_h, elem = positions(held, facts.shapes), facts.elem
         for b in held.space.blocks:
             if self.kernels.get(b.name) != "ghost" and held_layout.get(b.name) == "factors" and len(b.shape) == 2:
                 once = once + materialize_cost(held.n, P_h[b.name], b.shape[1], b.shape[0], elem)
         op = self.target.op
         if resolved is not None and ("applied", op.token, held.token) in resolved:
             return once + resolve_once(op, resolved)
-        return once + resolve_once(op, resolved) + apply_cost(op, held.space, held.n, elem, options)
+        return once + resolve_once(op, resolved) + apply_cost(op, held.space, held.n, elem, options, facts.shapes)
 
     # ------------------------------------------------------------------ memory
-    def fixed_bytes(self, dtype) -> float:
+    def fixed_bytes(self, facts) -> float:
         """The held rows, their preconditioned copy, and the ghost kernel's intermediates
         (bounded by token blocks).
 
@@ -105,33 +105,33 @@ class ScoresJob(Job):
         block's preconditioned rows, and never more than both (W2: the scores pass grew
         by 325 MB against 1.03 GB counted with both copies). The size stage sizes batches
         with both copies (safe) and gives the pass these bytes."""
-        raw = rows_bytes(self.held, self.held_storage, dtype)
+        raw = rows_bytes(self.held, self.held_storage, facts)
         if isinstance(self.target.op, Identity):
-            return raw + self.ghost_workspace_bytes(dtype)
-        flat = rows_bytes(self.held, {}, dtype)
+            return raw + self.ghost_workspace_bytes(facts)
+        flat = rows_bytes(self.held, {}, facts)
         if self.release_held and blockwise_preconditioner(self.target.op):
-            block = max((self.held.n * rows_of(self.held) * b.dim * element_size(dtype)
+            block = max((self.held.n * rows_of(self.held) * b.dim * facts.elem
                          for b in self.held.space.blocks), default=0.0)
-            return min(raw + flat, max(raw, flat) + block) + self.ghost_workspace_bytes(dtype)
-        return raw + flat + self.ghost_workspace_bytes(dtype)
+            return min(raw + flat, max(raw, flat) + block) + self.ghost_workspace_bytes(facts)
+        return raw + flat + self.ghost_workspace_bytes(facts)
 
-    def ghost_workspace_bytes(self, dtype) -> float:
+    def ghost_workspace_bytes(self, facts) -> float:
         """The ghost kernel's intermediates: per ghost block the activation Gram, the
         gradient Gram and their product, each
         :func:`~gradalg.capture.factors.ghost_workspace_elements` numbers of the compute
         dtype; the blocks run one after the other, so the largest counts."""
         held, streamed = self.held, self.streams[0]
-        P_h, P_s = positions(held), positions(streamed)
+        P_h, P_s = positions(held, facts.shapes), positions(streamed, facts.shapes)
         worst = max([ghost_workspace_elements(held.n, streamed.n, P_h[b.name], P_s[b.name], self.slice_elements,
                                               self.token_block)
                      for b in held.space.blocks if self.kernels.get(b.name) == "ghost"] or [0])
-        return 3.0 * _compute_elem(dtype) * worst
+        return 3.0 * _compute_elem(facts.dtype) * worst
 
-    def example_bytes(self, dtype) -> float:
+    def example_bytes(self, facts) -> float:
         return 0.0
 
-    def per_example_bytes(self, dtype) -> float:
-        total = super().per_example_bytes(dtype)
+    def per_example_bytes(self, facts) -> float:
+        total = super().per_example_bytes(facts)
         for b in self.held.space.blocks:
             if self.kernels.get(b.name) != "ghost":
                 # the streamed rows materialized, and their product (T rows per example when per-token)
@@ -191,29 +191,30 @@ class DiagJob(Job):
     output: ClassVar[str] = "scores"
     ops_per_block: ClassVar[int] = 6
 
-    def chunk_cost(self, node, c, layout, elem) -> Cost:
+    def chunk_cost(self, node, c, layout, facts) -> Cost:
         """Self-scores of one chunk: the rows made flat, the operator applied, the row products."""
-        T, factored, cost, space = positions(node), _factored(node, layout), Cost(), node.space
+        T, factored, cost, space = positions(node, facts.shapes), _factored(node, layout), Cost(), node.space
+        elem = facts.elem
         for b in space.blocks:
             cost = cost + _flat(b, c, T, factored, elem)
         cost = cost + Cost(flops=2.0 * c * space.dim, bytes=3.0 * elem * c * space.dim)
-        return cost + apply_cost(self.target.scores.op, space, c, elem)
+        return cost + apply_cost(self.target.scores.op, space, c, elem, shapes=facts.shapes)
 
-    def once_cost(self, elem, storage_of=None, options=None, resolved=None) -> Cost:
+    def once_cost(self, facts, storage_of=None, options=None, resolved=None) -> Cost:
         return resolve_once(self.target.scores.op, resolved)
 
-    def fixed_bytes(self, dtype) -> float:
+    def fixed_bytes(self, facts) -> float:
         """Nothing: a held side is a CollectJob's rows."""
         return 0.0
 
     def output_bytes(self, n: int) -> float:
         return 8.0 * n
 
-    def example_bytes(self, dtype) -> float:
+    def example_bytes(self, facts) -> float:
         """One example's rows materialized flat, and their product (8 bytes more per coordinate)."""
-        return self.streams[0].space.dim * (element_size(dtype) + 8.0)
+        return self.streams[0].space.dim * (facts.elem + 8.0)
 
-    def per_example_bytes(self, dtype) -> float:
+    def per_example_bytes(self, facts) -> float:
         """What the job materializes per example, and the ghost norms' intermediates of
         factored rows (a self-score of one side: ‖G_i‖² by the ghost identity): three
         (bT, bS) Gram-sized intermediates per example for the widest-positioned factored
@@ -222,10 +223,10 @@ class DiagJob(Job):
         if not self.streams:
             return 0.0
         node = self.streams[0]
-        T = positions(node)
+        T = positions(node, facts.shapes)
         worst = max([self.at_once(T[b.name]) ** 2 for b in node.space.blocks
                      if len(b.shape) == 2] or [0])
-        return super().per_example_bytes(dtype) + 3.0 * _compute_elem(dtype) * worst
+        return super().per_example_bytes(facts) + 3.0 * _compute_elem(facts.dtype) * worst
 
     def accumulator(self, ctx) -> "DiagAccumulator":
         inner = self.target.scores

@@ -9,7 +9,6 @@ import torch
 
 from ...errors import DataError, OptionError
 from ..cost import Cost
-from ..shapes import element_size
 from .base import Job
 
 __all__ = ["TopK", "TopKJob", "TopKAccumulator", "select_topk"]
@@ -62,23 +61,23 @@ class TopKJob(Job):
     def n_query(self) -> int:
         return self.target.shape[0]
 
-    def stream_cost(self, n_stream, chunk, dtype, layout_of, storage_of=None, options=None, resolved=None) -> Cost:
+    def stream_cost(self, n_stream, chunk, facts, layout_of, storage_of=None, options=None, resolved=None) -> Cost:
         """Its terms' score blocks (the merge is O(n_query·(k + chunk)), not counted)."""
         total = Cost()
         for _, term in self.terms:
-            total = total + term.stream_cost(n_stream, chunk, dtype, layout_of, storage_of, options, resolved)
+            total = total + term.stream_cost(n_stream, chunk, facts, layout_of, storage_of, options, resolved)
         return total
 
     def score_parts(self) -> tuple:
         return tuple(t for _, t in self.terms)
 
-    def fixed_bytes(self, dtype) -> float:
-        return sum(j.fixed_bytes(dtype) for _, j in self.terms) + 16.0 * self.n_query * self.k
+    def fixed_bytes(self, facts) -> float:
+        return sum(j.fixed_bytes(facts) for _, j in self.terms) + 16.0 * self.n_query * self.k
 
-    def per_example_bytes(self, dtype) -> float:
+    def per_example_bytes(self, facts) -> float:
         held = max((j.held.n for _, j in self.terms), default=0)
-        elem = element_size(dtype) if dtype is not None else 4
-        return (sum(j.per_example_bytes(dtype) for _, j in self.terms)
+        elem = facts.elem
+        return (sum(j.per_example_bytes(facts) for _, j in self.terms)
                 + held * (elem * (len(self.terms) + 2) + 16.0))
 
     def output_bytes(self, n: int) -> float:
