@@ -173,9 +173,9 @@ class _Sizer:
         the job's ``batch`` (``ga.options(batch_size)``, as the products read their data),
         its vectors held beside one batch's activations. Not refused for memory: the
         products have always run at that batch size."""
-        dtype, job = self.facts.dtype, p.jobs[0]
-        job = replace(job, cost=job.stream_cost(0, None, dtype, None))
-        fixed, per_ex = job.fixed_bytes(dtype), job.per_example_bytes(dtype)
+        facts, dtype, job = self.facts, self.facts.dtype, p.jobs[0]
+        job = replace(job, cost=job.stream_cost(0, None, facts, None))
+        fixed, per_ex = job.fixed_bytes(facts), job.per_example_bytes(facts)
         cost = replace(job.cost, peak_bytes=fixed + per_ex * job.batch, passes=float(job.calls))
         return replace(p, jobs=[job], batch_size=job.batch, cost=cost, seconds=cost.seconds(self.facts.device, dtype),
                        per_example_bytes=per_ex, fixed_bytes=fixed,

@@ -93,7 +93,7 @@ class ProductsJob(Job):
                 f"{bound}, each one pass")
 
     # ------------------------------------------------------------------ cost
-    def stream_cost(self, n_stream, chunk, dtype, layout_of, storage_of=None, options=None, resolved=None) -> Cost:
+    def stream_cost(self, n_stream, chunk, facts, layout_of, storage_of=None, options=None, resolved=None) -> Cost:
         """``calls`` × one call: per batch of B examples (``batch``) of T positions, m vectors,
         each weight layer ``(in, out)`` (:func:`~gradalg.plan.shapes.weight_layers`) runs
         ``primal + tangent·m`` GEMMs (B·T, out, in) (:data:`PRODUCT_SWEEPS`); attention
@@ -101,7 +101,7 @@ class ProductsJob(Job):
         elementwise traffic the activations (:func:`~gradalg.plan.shapes.activation_bytes`)
         once per forward-equivalent; the per-batch sum of the products (m, dim) read and
         written, and each leaf module called once per primal forward-equivalent."""
-        return self.call_cost(dtype).scaled(self.calls)
+        return self.call_cost(facts.dtype).scaled(self.calls)
 
     def call_cost(self, dtype) -> Cost:
         """One call: one pass over the data (:meth:`stream_cost`)."""
@@ -124,15 +124,15 @@ class ProductsJob(Job):
         return cost + Cost(bytes=5.0 * elem * m * dim * batches)   # V to parameters, back, and the running sum
 
     # ------------------------------------------------------------------ memory
-    def fixed_bytes(self, dtype) -> float:
+    def fixed_bytes(self, facts) -> float:
         """The vectors, their products and the running sum: 3·m·dim·elem."""
-        return 3.0 * self.vectors * self.target.space.dim * element_size(dtype)
+        return 3.0 * self.vectors * self.target.space.dim * facts.elem
 
-    def per_example_bytes(self, dtype) -> float:
+    def per_example_bytes(self, facts) -> float:
         """What autograd keeps per example: the activations, once for the primal and once
         per vector's tangent (a lower bound, as :func:`~gradalg.plan.shapes.activation_bytes`)."""
         t = self.target
-        return activation_bytes(t.task.model, positions(t.data), element_size(dtype)) * (1 + self.vectors)
+        return activation_bytes(t.task.model, positions(t.data), facts.elem) * (1 + self.vectors)
 
     def output_bytes(self, n: int) -> float:
         return 8.0 * self.vectors * self.target.space.dim
