@@ -36,7 +36,7 @@ from .layers import rule_for
 __all__ = ["block_lists", "select_block_layers", "BlockSelection", "LINEAR_KINDS"]
 
 #: the layer kinds a block's "linear layers" are (``LayerRule.kind``)
-LINEAR_KINDS = ("linear", "conv1d")
+LINEAR_KINDS = ("linear", "conv1d", "experts")
 
 
 @dataclass(frozen=True)

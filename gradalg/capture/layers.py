@@ -112,6 +112,10 @@ class LayerRule(ABC):
     in_session: ClassVar[bool] = True
     #: submodules whose parameters the forward uses without calling them (no hook fires)
     uses_without_calling: ClassVar[tuple[str, ...]] = ()
+    #: whether the factors' positions are the call's tokens, so a (B, T) token mask applies to
+    #: them; False: the rule's positions are its own (a fused expert's routed tokens) and the
+    #: mask is applied to the output gradient's rows of flattened tokens before :meth:`factors`
+    positions_are_tokens: ClassVar[bool] = True
     #: block kinds whose positions T are the layer's own (measured by a meta forward)
     measured_kinds: ClassVar[tuple[str, ...]] = ()
 
