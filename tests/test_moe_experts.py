@@ -207,6 +207,11 @@ def test_planner_facts_and_coverage_on_an_olmoe_shape():
     rule = resolve_layers(model, ["model.layers.0.mlp.experts.down_proj.3"])[0].rule
     assert (rule.expert, rule.matrix) == (3, "down_proj")
     assert rule.positions(module, torch.empty(7, H, device="meta")) == math.ceil(7 * K / E)
+    # the plan's positions without running the model: ⌈T k / E⌉ for the experts, T for the rest
+    from gradalg.plan.shapes import forward_shapes
+    T = forward_shapes(ga.grads(ga.tasks.causal_lm(model), items((10, 10), 1)).expr.source).positions
+    assert T["model.layers.0.mlp.experts.down_proj.3"] == math.ceil(10 * K / E)
+    assert T["model.layers.0.self_attn.q_proj"] == 10
     I = module.down_proj.shape[2]
     assert FusedExpertsRule().weight_gemm(module) == (H, 3 * K * I)
     cov = layer_coverage(model, [r.name for r in resolve_layers(model, ga.TransformerBlocks())],

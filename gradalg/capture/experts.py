@@ -189,9 +189,10 @@ class FusedExpertsRule(_ExpertsBase):
 
 @dataclass(frozen=True)
 class ExpertMatrixRule(_ExpertsBase):
-    """One expert's ``gate_up_proj`` (2I, H) or ``down_proj`` (H, I) as a factored block."""
+    """One expert's ``gate_up_proj`` (2I, H) or ``down_proj`` (H, I) as a factored block
+    (kind ``"expert"``: a linear map of the tokens routed to it)."""
 
-    kind: str = "linear"
+    kind: str = "expert"
     expert: int = 0
     matrix: str = "gate_up_proj"
 
@@ -220,8 +221,12 @@ class ExpertMatrixRule(_ExpertsBase):
     def positions(self, module, output):
         """The mean routed tokens per example, ``⌈T k / E⌉`` (the meta forward that measures
         positions runs one example: ``output`` (T, H))."""
-        E = module.gate_up_proj.shape[0]
-        return max(1, math.ceil(output.shape[0] * _top_k(module) / E))
+        return self.positions_for_tokens(module, output.shape[0])
+
+    def positions_for_tokens(self, module, tokens):
+        """``⌈T k / E⌉``: an example's tokens routed to one expert, on average (balanced
+        routing; a batch's padded length is its most-routed example's count, at least this)."""
+        return max(1, math.ceil(tokens * _top_k(module) / module.gate_up_proj.shape[0]))
 
     def record(self, module, args, kwargs, output):
         if not isinstance(output, torch.Tensor) or not output.requires_grad:

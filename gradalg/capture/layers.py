@@ -135,6 +135,12 @@ class LayerRule(ABC):
         """T of the factors of a call that returned ``output`` (B, ..., out): its positions."""
         return max(1, int(output.numel() // max(1, output.shape[0] * self.block_shape(module)[0])))
 
+    def positions_for_tokens(self, module: nn.Module, tokens: int) -> int:
+        """Positions per example when the example has ``tokens`` tokens, known without
+        running the model (the planner's hint): ``tokens`` itself, except for rules whose
+        positions are their own (a fused expert's routed tokens)."""
+        return tokens
+
     def weight_gemm(self, module: nn.Module) -> tuple[int, int] | None:
         """``(in, out)`` of the GEMM the forward multiplies each position by; None: none."""
         return None

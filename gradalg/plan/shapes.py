@@ -82,8 +82,26 @@ def forward_shapes(src) -> ForwardShapes:
     hit = _MEASURED.get().get(src.token)
     if hit is not None:
         return hit
-    fallback = tokens_hint(src)
-    return ForwardShapes({b.name: fallback for b in src.space.blocks}, 0, False)
+    return ForwardShapes(_hinted_positions(src, tokens_hint(src)), 0, False)
+
+
+def _hinted_positions(src, tokens: int) -> dict:
+    """``{block: T_b}`` without running the model: ``tokens`` for every block, but what its
+    rule's :meth:`~gradalg.capture.layers.LayerRule.positions_for_tokens` says (a fused
+    expert's share of the tokens)."""
+    out = {b.name: tokens for b in src.space.blocks}
+    task = getattr(src, "task", None)
+    if task is None or getattr(src, "backend", "hooks") != "hooks" or not any(
+            b.name not in _module_names(task.model) for b in src.space.blocks):
+        return out
+    for ref in resolve_layers(task.model, list(src.layers)):
+        if ref.name in out:
+            out[ref.name] = ref.rule.positions_for_tokens(ref.module, tokens)
+    return out
+
+
+def _module_names(model) -> set:
+    return {n for n, _ in model.named_modules()}
 
 
 def measure_forward_shapes(src) -> ForwardShapes:
