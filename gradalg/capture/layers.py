@@ -562,7 +562,8 @@ def _leading_rows(x, n: int, rows: slice):
 @dataclass(frozen=True)
 class ReplayRule(LayerRule):
     """Any module with parameters of its own (LayerNorm, RMSNorm of any model, GroupNorm, a
-    MoE router, fused experts): per-example gradients by replaying it on each example.
+    MoE router, fused experts of another layout than :mod:`gradalg.capture.experts` factors):
+    per-example gradients by replaying it on each example.
 
     The forward hook keeps the call's inputs; given the gradient ``g`` of the summed loss
     w.r.t. its output (rows attributed to examples by :mod:`gradalg.capture.rows`), example
@@ -805,8 +806,10 @@ class MultiheadAttentionRule(ReplayRule):
 #: factored layers: in the default ``layers``, and recorded by ``ga.capture`` too
 DEFAULT_LAYERS = ("nn.Linear", "transformers Conv1D", "nn.Embedding", "nn.EmbeddingBag", "nn.Conv1d",
                   "nn.Conv2d", "nn.Conv3d")
-SUPPORTED_LAYERS = DEFAULT_LAYERS + ("any other module with parameters of its own (LayerNorm, RMSNorm, "
-                                     "GroupNorm, ...), by per-example replay",)
+SUPPORTED_LAYERS = DEFAULT_LAYERS + ("transformers' fused MoE experts (one factored block per expert and "
+                                     "matrix, ga.grads only)",
+                                     "any other module with parameters of its own (LayerNorm, RMSNorm, "
+                                     "GroupNorm, ...), by per-example replay")
 
 
 def rule_for(name: str, module: nn.Module) -> LayerRule:
