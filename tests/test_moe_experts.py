@@ -34,12 +34,12 @@ V, H, E, K = 37, 16, 4, 2
 ARCHS = ("olmoe", "qwen3_moe", "qwen2_moe", "mixtral")
 
 
-def build(arch: str) -> nn.Module:
+def build(arch: str, implementation: str = "eager") -> nn.Module:
     """A 2-layer, width-16 MoE of ``arch``: 4 experts, top-2 routing, float64, eval."""
     import transformers as tf
     torch.manual_seed(0)
     common = dict(hidden_size=H, num_attention_heads=2, num_key_value_heads=1, vocab_size=V, num_hidden_layers=2,
-                  max_position_embeddings=32, num_experts_per_tok=K, experts_implementation="eager")
+                  max_position_embeddings=32, num_experts_per_tok=K, experts_implementation=implementation)
     if arch == "olmoe":
         model = tf.OlmoeForCausalLM(tf.OlmoeConfig(**common, intermediate_size=8, num_experts=E))
     elif arch == "qwen3_moe":
@@ -109,6 +109,17 @@ def test_grad_dot_at_defaults_equals_the_loop_reference(arch):
     got = torch.from_numpy(ga.methods.grad_dot(task, train, queries).compute().values)
     expected = reference_rows(model, queries, names) @ reference_rows(model, train, names).T
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("implementation", ("batched_mm",))    # (torch's grouped_mm has no float64)
+def test_the_experts_implementation_computes_the_same_map(implementation):
+    """transformers' batched GEMM forward of the experts: the same blocks."""
+    model = build("olmoe", implementation)
+    data = items((6, 3, 5), 1)
+    names = [r.name for r in resolve_layers(model, ga.TransformerBlocks())]
+    blocks = ga.grads(ga.tasks.causal_lm(model), data).to_dense()
+    got = torch.cat([blocks[n].flatten(1) for n in names], 1).to(F64)
+    torch.testing.assert_close(got, reference_rows(model, data, names), rtol=1e-10, atol=1e-13)
 
 
 @pytest.mark.parametrize("arch", ("olmoe", "mixtral"))
@@ -244,3 +255,16 @@ def test_an_experts_forward_of_its_own_is_replayed_not_factored():
     reference = stock_oracle(model, data, "causal_lm", list(captured))
     for name in captured:
         torch.testing.assert_close(captured[name], reference[name], rtol=1e-9, atol=1e-12)
+
+
+def test_ga_capture_at_its_defaults_leaves_the_fused_experts_to_ga_grads():
+    """``ga.capture`` records one A per call (no routing): at its default layers the fused
+    experts are not recorded (named explicitly, they are refused, naming ga.grads)."""
+    model = build("olmoe")
+    ids = torch.stack([d["input_ids"] for d in items((5, 5), 1)])
+    with ga.capture(model, reduction="sum") as cap:
+        out = model(input_ids=ids, labels=ids)
+        (out.loss * ids.numel()).backward()
+    assert cap.refs and not any("experts" in r.name for r in cap.refs)
+    with pytest.raises(ga.errors.UnsupportedLayerError, match="ga.grads"):
+        ga.capture(model, layers=["model.layers.0.mlp.experts"], reduction="sum")

@@ -94,6 +94,9 @@ def check_fused_experts(module: nn.Module) -> None:
     problems = []
     if cls is not None and type(module).forward is not cls.forward:
         problems.append(f"{type(module).__name__} overrides {cls.__name__}.forward")
+    gate = getattr(type(module), "_apply_gate", None)
+    if gate is not None and getattr(gate, "__name__", "") != "_default_apply_gate":
+        problems.append(f"{type(module).__name__} has a gate of its own (_apply_gate)")
     for attr, value in _LAYOUT:
         if getattr(module, attr, value) != value:
             problems.append(f"{attr}={getattr(module, attr)!r}")
