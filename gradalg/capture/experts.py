@@ -17,10 +17,11 @@ recorded as ``2E`` factored blocks, named ``<module>.gate_up_proj.<e>`` and
 
 with ``g_t`` (H) the gradient of the summed loss w.r.t. the module's output at token
 ``t`` (the routing weight is applied where the forward applies it: on the expert's
-output). The hook keeps the call's three inputs; given ``g``, each block's factors are
-recomputed for its expert alone: one gate/up product (M_e × H × 2I), and for ``gate_up``
-one ``δ W^down_e`` product and φ's vector-Jacobian product (autograd on the recomputed
-gate/up only). The weight-gradient GEMMs are never formed.
+output). The hook keeps the call's three inputs (one record shared by its ``2E`` blocks);
+given ``g``, each expert's factors are recomputed for its routed tokens alone: one gate/up
+product (M_e × H × 2I), one ``δ W^down_e`` product and φ's vector-Jacobian product
+(autograd on the recomputed gate/up only); the ``down`` block reuses the ``gate_up``
+block's ``h`` (recomputed when recorded alone). The weight-gradient GEMMs are never formed.
 
 Representation (token-sparse): example ``i``'s positions in the block of expert ``e`` are
 the tokens of ``i`` routed to ``e``, in token order, padded with zero rows to the batch's
@@ -48,7 +49,8 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -118,11 +120,14 @@ def _top_k(module: nn.Module) -> int:
 
 @dataclass
 class _ExpertCall:
-    """One call's inputs (detached): tokens (N, H), experts (N, k), routing weights (N, k)."""
+    """One call's inputs (detached): tokens (N, H), experts (N, k), routing weights (N, k),
+    shared by the call's ``2E`` blocks; ``gated``: ``{expert: act(gate)·up}`` of its routed
+    tokens, left by the ``gate_up`` block for the ``down`` block that follows it."""
 
     x: torch.Tensor
     index: torch.Tensor
     weights: torch.Tensor
+    gated: dict = field(default_factory=dict)
 
     @property
     def shape(self):
@@ -234,10 +239,15 @@ class ExpertMatrixRule(_ExpertsBase):
     def record(self, module, args, kwargs, output):
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
             return []
+        hit = _CALLS.get(id(output))      # the call's other blocks recorded it already
+        if hit is not None and hit[0]() is output:
+            return [(hit[1], output)]
         names = ("hidden_states", "top_k_index", "top_k_weights")
         given = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
-        x, index, weights = (given[n].detach() for n in names)
-        return [(_ExpertCall(x, index, weights), output)]
+        call = _ExpertCall(*(given[n].detach() for n in names))
+        key = id(output)
+        _CALLS[key] = (weakref.ref(output, lambda _, key=key: _CALLS.pop(key, None)), call)
+        return [(call, output)]
 
     def rows(self, recorded):
         return recorded.shape
@@ -249,16 +259,22 @@ class ExpertMatrixRule(_ExpertsBase):
         W_down = module.down_proj.detach()[self.expert]           # (H, I)
         xe = x[rows]                                              # (M, H)
         delta = g[rows] * weights[rows, slot].unsqueeze(-1).to(g.dtype)     # (M, H)
+        if self.matrix == "down_proj" and self.expert in recorded.gated:
+            return _by_example(recorded.gated.pop(self.expert), delta, rows, layout)
         with torch.enable_grad():
             h = nn.functional.linear(xe, W_gu).requires_grad_(self.matrix == "gate_up_proj")
             gate, up = h.chunk(2, dim=-1)
             act = module.act_fn(gate) * up                        # (M, I)
-            if self.matrix == "gate_up_proj":
-                (gamma,) = torch.autograd.grad(act, h, delta @ W_down.to(delta.dtype))
-                A, D = xe, gamma
-            else:
-                A, D = act.detach(), delta
-        return _by_example(A, D, rows, layout)
+            if self.matrix == "down_proj":
+                return _by_example(act, delta, rows, layout)
+            (gamma,) = torch.autograd.grad(act, h, delta @ W_down.to(delta.dtype))
+        recorded.gated[self.expert] = act.detach()
+        return _by_example(xe, gamma, rows, layout)
+
+
+#: ``{id(module output): (weak reference to it, _ExpertCall)}``: one record per call, made by
+#: whichever of its blocks' hooks runs first, dropped with the output tensor
+_CALLS: dict = {}
 
 
 def _by_example(A: torch.Tensor, D: torch.Tensor, rows: torch.Tensor, layout: RowLayout) -> Factors:
