@@ -268,3 +268,10 @@ def test_ga_capture_at_its_defaults_leaves_the_fused_experts_to_ga_grads():
     assert cap.refs and not any("experts" in r.name for r in cap.refs)
     with pytest.raises(ga.errors.UnsupportedLayerError, match="ga.grads"):
         ga.capture(model, layers=["model.layers.0.mlp.experts"], reduction="sum")
+
+
+def test_check_model_compares_each_expert_block_with_its_slice_of_autograd():
+    model = build("olmoe")
+    report = ga.check_model(ga.tasks.causal_lm(model), items((5, 6, 4), 1))
+    assert "tied_weights: captured gradients equal autograd's for all 24 blocks" in str(report)
+    assert "FAIL" not in str(report)

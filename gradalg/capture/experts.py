@@ -203,6 +203,7 @@ class ExpertMatrixRule(_ExpertsBase):
     kind: str = "expert"
     expert: int = 0
     matrix: str = "gate_up_proj"
+    partial_params: ClassVar[bool] = True
 
     def block_shape(self, module):
         return tuple(getattr(module, self.matrix).shape[1:])

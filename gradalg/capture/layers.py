@@ -112,6 +112,9 @@ class LayerRule(ABC):
     in_session: ClassVar[bool] = True
     #: submodules whose parameters the forward uses without calling them (no hook fires)
     uses_without_calling: ClassVar[tuple[str, ...]] = ()
+    #: whether the block is a slice of its parameters (one expert of a fused experts
+    #: module): :meth:`to_params` fills the rest with zeros, so compare in the block's layout
+    partial_params: ClassVar[bool] = False
     #: whether the factors' positions are the call's tokens, so a (B, T) token mask applies to
     #: them; False: the rule's positions are its own (a fused expert's routed tokens) and the
     #: mask is applied to the output gradient's rows of flattened tokens before :meth:`factors`
