@@ -122,6 +122,16 @@ def test_the_experts_implementation_computes_the_same_map(implementation):
     torch.testing.assert_close(got, reference_rows(model, data, names), rtol=1e-10, atol=1e-13)
 
 
+def test_grouped_mm_in_float32_gives_the_loop_reference():
+    """transformers' default experts forward (grouped GEMMs; float32 only) computes the same map."""
+    model = build("olmoe", "grouped_mm").float()
+    data = items((6, 3, 5), 1)
+    names = [r.name for r in resolve_layers(model, ga.TransformerBlocks())]
+    blocks = ga.grads(ga.tasks.causal_lm(model), data).to_dense()
+    got = torch.cat([blocks[n].flatten(1) for n in names], 1).to(F64)
+    torch.testing.assert_close(got, reference_rows(model, data, names), rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("arch", ("olmoe", "mixtral"))
 def test_an_expert_without_tokens_of_an_example_has_a_zero_block(arch):
     model = build(arch)

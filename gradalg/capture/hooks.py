@@ -106,18 +106,21 @@ def resolve_layers(model: nn.Module, layers=None, *, backend: str = "hooks") -> 
     modules = dict(model.named_modules(remove_duplicate=False))
     # "<module>.<part>": one block of a module recorded as several (fused experts)
     parts_named: dict[str, set] = {}
+    known_parts: dict[str, set] = {}
     if layers is not None and backend != "func":
-        whole = [p for p in layers if _part_of(p, modules) is None]
+        whole = []
         for p in layers:
-            if (hit := _part_of(p, modules)) is not None:
+            if (hit := _part_of(p, modules, known_parts)) is not None:
                 parts_named.setdefault(hit[0], set()).add(hit[1])
+            else:
+                whole.append(p)
         selected = _layer_names(model, whole, backend) if whole else []
         order = {n: i for i, n in enumerate(modules)}
         names = sorted(set(selected) | set(parts_named), key=order.__getitem__)
         parts_named = {m: s for m, s in parts_named.items() if m not in selected}   # whole: every part
     else:   # backend='func' records modules whole: a part names its module
         if layers is not None:
-            layers = list(dict.fromkeys(hit[0] if (hit := _part_of(p, modules)) else p for p in layers))
+            layers = list(dict.fromkeys(hit[0] if (hit := _part_of(p, modules, known_parts)) else p for p in layers))
         names = _layer_names(model, layers, backend, every_kind)
     # a module registered under several names is one block, named by the first
     every: dict[int, list[str]] = {}
@@ -142,19 +145,23 @@ def resolve_layers(model: nn.Module, layers=None, *, backend: str = "hooks") -> 
     return tie_layers(model, refs, _make_ref, backend)
 
 
-def _part_of(pattern: str, modules: dict) -> tuple[str, str] | None:
+def _part_of(pattern: str, modules: dict, known: dict) -> tuple[str, str] | None:
     """``(module name, part)`` when ``pattern`` names one block of a module recorded as
-    several (``model.layers.0.mlp.experts.down_proj.3``), else None."""
+    several (``model.layers.0.mlp.experts.down_proj.3``), else None. ``known``: ``{module
+    name: its parts' suffixes}``, filled as modules are met (one resolve)."""
     if pattern in modules:
         return None
     for cut in (2, 1):
         bits = pattern.rsplit(".", cut)
-        if len(bits) != cut + 1 or bits[0] not in modules:
+        owner = bits[0]
+        if len(bits) != cut + 1 or owner not in modules:
             continue
-        rule = rule_class(modules[bits[0]]).for_module(modules[bits[0]])
+        if owner not in known:
+            rule = rule_class(modules[owner]).for_module(modules[owner])
+            known[owner] = {s for s, _ in rule.parts(modules[owner])} if hasattr(rule, "parts") else set()
         suffix = ".".join(bits[1:])
-        if hasattr(rule, "parts") and suffix in {s for s, _ in rule.parts(modules[bits[0]])}:
-            return bits[0], suffix
+        if suffix in known[owner]:
+            return owner, suffix
     return None
 
 

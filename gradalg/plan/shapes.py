@@ -88,20 +88,22 @@ def forward_shapes(src) -> ForwardShapes:
 def _hinted_positions(src, tokens: int) -> dict:
     """``{block: T_b}`` without running the model: ``tokens`` for every block, but what its
     rule's :meth:`~gradalg.capture.layers.LayerRule.positions_for_tokens` says (a fused
-    expert's share of the tokens)."""
+    expert's share of the tokens). Kept by ``(source token, tokens)`` (a few, most recent)."""
     out = {b.name: tokens for b in src.space.blocks}
     task = getattr(src, "task", None)
-    if task is None or getattr(src, "backend", "hooks") != "hooks" or not any(
-            b.name not in _module_names(task.model) for b in src.space.blocks):
+    if task is None or getattr(src, "backend", "hooks") != "hooks":
         return out
-    for ref in resolve_layers(task.model, list(src.layers)):
-        if ref.name in out:
-            out[ref.name] = ref.rule.positions_for_tokens(ref.module, tokens)
-    return out
+    key = (src.token, tokens)
+    if key not in _HINTS:
+        _HINTS[key] = {ref.name: ref.rule.positions_for_tokens(ref.module, tokens)
+                       for ref in resolve_layers(task.model, list(src.layers))}
+        while len(_HINTS) > 32:
+            _HINTS.pop(next(iter(_HINTS)))
+    return {name: _HINTS[key].get(name, T) for name, T in out.items()}
 
 
-def _module_names(model) -> set:
-    return {n for n, _ in model.named_modules()}
+#: ``{(source token, tokens): {block: T_b}}`` of :func:`_hinted_positions`
+_HINTS: dict = {}
 
 
 def measure_forward_shapes(src) -> ForwardShapes:
