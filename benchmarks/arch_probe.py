@@ -107,9 +107,9 @@ def build_config(name: str, T: int):
 
 def coverage_by_hand(model) -> dict:
     """The default layers' share written out without gradalg: trainable parameters of the
-    ``nn.Linear`` / HF ``Conv1D`` modules inside the outermost ``nn.ModuleList`` of the
-    model's repeated blocks (names from ``named_modules``), over every trainable parameter
-    (each tensor once)."""
+    ``nn.Linear`` / HF ``Conv1D`` modules and of the fused experts (3-D ``gate_up_proj`` /
+    ``down_proj``) inside the outermost ``nn.ModuleList`` of the model's repeated blocks
+    (names from ``named_modules``), over every trainable parameter (each tensor once)."""
     from torch import nn
     from transformers.pytorch_utils import Conv1D
     lists = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList)
@@ -117,7 +117,8 @@ def coverage_by_hand(model) -> dict:
     lists = [n for n in lists if not any(n.startswith(o + ".") for o in lists if o != n)]
     seen, attributed = set(), 0
     for name, module in model.named_modules():
-        if isinstance(module, (nn.Linear, Conv1D)) and any(name.startswith(o + ".") for o in lists):
+        fused = isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) and module.gate_up_proj.dim() == 3
+        if (isinstance(module, (nn.Linear, Conv1D)) or fused) and any(name.startswith(o + ".") for o in lists):
             for p in module.parameters(recurse=False):
                 if p.requires_grad and id(p) not in seen:
                     seen.add(id(p))

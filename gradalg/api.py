@@ -370,7 +370,8 @@ class GradientSet(_Displayed):
         for name, block in self.to_dense(executor).items():
             ref = refs[name]
             for pname, value in ref.rule.to_params(ref.module, block).items():
-                out[canonical[id(ref.module.get_parameter(pname))]] = value
+                key = canonical[id(ref.module.get_parameter(pname))]
+                out[key] = out[key] + value if key in out else value   # a fused experts' blocks add up
         from .space import AliasDict   # a tied block's parameters by any holder's name
         return AliasDict.params(out, self.space)
 

@@ -24,7 +24,7 @@ class Block:
     name : layer name (or ``"projected"`` for a projection of the whole space)
     shape : ``(out, in)`` for a layer, ``(k_out, k_in)`` for a Kronecker projection,
         ``(k,)`` for a dense projection
-    kind : the layer kind ("linear", "conv1d", "conv2d", "embedding", "param") or
+    kind : the layer kind ("linear", "conv1d", "conv2d", "embedding", "expert", "param") or
         "projected"
     basis : "params" for the model's own coordinates, else the projector's token
     aliases : other module names that select this block (a tied parameter's other

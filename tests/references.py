@@ -26,7 +26,8 @@ def block_rows(model: nn.Module, layers, grads: dict) -> torch.Tensor:
     """Reference per-example gradients ``{param: (n, *shape)}`` laid out as hook blocks.
 
     Canonical (out, in) orientation with the bias as the last input column: Linear
-    ``[W | b]``, HF Conv1D ``[Wᵀ | b]``, Conv2d ``[W.flatten | b]``, Embedding ``Wᵀ``.
+    ``[W | b]``, HF Conv1D ``[Wᵀ | b]``, Conv2d ``[W.flatten | b]``, Embedding ``Wᵀ``; a
+    fused experts module's ``<module>.<matrix>.<e>``: ``grads["<module>.<matrix>"][:, e]``.
     Returns (n, dim) in the order of ``layers``.
     """
     from transformers.pytorch_utils import Conv1D
@@ -34,6 +35,10 @@ def block_rows(model: nn.Module, layers, grads: dict) -> torch.Tensor:
     modules = dict(model.named_modules())
     parts = []
     for name in layers:
+        if name not in modules:     # one expert's matrix of a fused experts module: "<module>.<matrix>.<e>"
+            owner, matrix, e = name.rsplit(".", 2)
+            parts.append(grads[f"{owner}.{matrix}"][:, int(e)].flatten(1))
+            continue
         m = modules[name]
         W = grads[f"{name}.weight"]
         bias = grads.get(f"{name}.bias")

@@ -1,6 +1,7 @@
 """Architectures nobody tuned on (issue 28, ``benchmarks/arch_probe.py``), as tiny configs:
 OPT (and OPT-350m's project_in/out), BLOOM, Falcon (both decoder layouts), GPT-Neo, GPT-J,
-Gemma-3, Phi, StableLM, OLMoE and Qwen3-MoE (fused 3-D experts). For each, with
+Gemma-3, Phi, StableLM, OLMoE and Qwen3-MoE (fused 3-D experts: one block per expert and
+matrix, ``gradalg.capture.experts``). For each, with
 ``ga.tasks.causal_lm`` at its defaults: Grad-Dot scores equal the loop-of-backward
 reference (each sequence alone, ``torch.autograd.grad`` of its summed token cross-entropy
 written from the HF call), the influence scores equal the dense formula, and the coverage
@@ -81,16 +82,34 @@ def items(n: int, seed: int) -> list[dict]:
 
 
 def block_linears(model: nn.Module) -> list[str]:
-    """By hand: the nn.Linear / HF Conv1D modules inside ``<...>.layers`` / ``.h`` (the blocks)."""
+    """By hand: the nn.Linear / HF Conv1D modules inside ``<...>.layers`` / ``.h`` (the blocks),
+    and each expert's two matrices of a fused experts module there (``<module>.<matrix>.<e>``)."""
     from transformers.pytorch_utils import Conv1D
-    return [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, Conv1D))
-            and any(f".{lst}." in f".{n}" for lst in ("layers", "h"))]
+    names = []
+    for n, m in model.named_modules():
+        if not any(f".{lst}." in f".{n}" for lst in ("layers", "h")):
+            continue
+        if isinstance(m, (nn.Linear, Conv1D)):
+            names.append(n)
+        elif isinstance(getattr(m, "gate_up_proj", None), nn.Parameter) and m.gate_up_proj.dim() == 3:
+            names += [f"{n}.{mat}.{e}" for e in range(m.gate_up_proj.shape[0]) for mat in ("gate_up_proj", "down_proj")]
+    return names
+
+
+def block_params(model, layers) -> list[str]:
+    """The parameter names the blocks ``layers`` hold (a fused experts module's once)."""
+    modules = dict(model.named_modules())
+    out = []
+    for name in layers:
+        if name in modules:
+            out += [f"{name}.{p}" for p, _ in modules[name].named_parameters(recurse=False)]
+        else:
+            out.append(name.rsplit(".", 1)[0])
+    return list(dict.fromkeys(out))
 
 
 def reference_rows(model, data, layers) -> torch.Tensor:
-    params = [f"{name}.{p}" for name in layers for p, _ in dict(model.named_modules())[name].named_parameters(
-        recurse=False)]
-    return block_rows(model, layers, stock_oracle(model, data, "causal_lm", params))
+    return block_rows(model, layers, stock_oracle(model, data, "causal_lm", block_params(model, layers)))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -106,8 +125,7 @@ def test_grad_dot_at_defaults_matches_the_loop_reference_and_coverage_is_counted
     torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)
     # the coverage line: the block linears' parameters over every trainable one, each once
     cov = layer_coverage(model, layers, selection=ga.TransformerBlocks())
-    modules = dict(model.named_modules())
-    by_hand = sum(p.numel() for n in layers for p in modules[n].parameters(recurse=False))
+    by_hand = sum(model.get_parameter(n).numel() for n in block_params(model, layers))
     assert (cov.attributed, cov.total) == (by_hand, sum(p.numel() for p in model.parameters()))
     assert f"{100 * by_hand / cov.total:.1f} %" in str(S.explain())
 
@@ -132,14 +150,16 @@ def test_influence_at_defaults_matches_the_dense_formula(arch):
 
 
 @pytest.mark.parametrize("arch", ("olmoe", "qwen3_moe"))
-def test_fused_experts_are_named_in_the_coverage_line(arch):
-    """Fused 3-D experts (transformers ≥ 5) are not factored layers: left out of the defaults,
-    named with their share; layers="all" records them (by replay) exactly."""
+def test_fused_experts_are_default_layers_and_their_blocks_add_up_to_the_parameters(arch):
+    """Fused 3-D experts (transformers ≥ 5) are block linears: one factored block per expert
+    and matrix, counted by the coverage line; naming the module records all of them, and
+    ``to_params`` sums them into the 3-D parameters exactly (the loop of backward)."""
     model = build(arch)
     line = layer_coverage(model, block_linears(model), selection=ga.TransformerBlocks()).describe()
-    assert "model.layers.*.mlp.experts (2 modules" in line
+    assert "experts" not in line and "24 blocks" in line
     data = items(3, 1)
     captured = ga.grads(ga.tasks.causal_lm(model), data, layers=["model.layers.0.mlp.experts"]).to_params()
+    assert sorted(captured) == ["model.layers.0.mlp.experts.down_proj", "model.layers.0.mlp.experts.gate_up_proj"]
     reference = stock_oracle(model, data, "causal_lm", list(captured))
     for name in captured:
         torch.testing.assert_close(captured[name], reference[name], rtol=1e-9, atol=1e-12)

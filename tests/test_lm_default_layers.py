@@ -26,8 +26,17 @@ def _linear(module) -> bool:
 
 
 def expected_block_linears(model, lists) -> list[str]:
-    return [n for n, m in model.named_modules()
-            if _linear(m) and any(n.startswith(p + ".") for p in lists)]
+    """Linear layers inside the blocks, and each expert's two matrices of a fused experts
+    module there (``<module>.gate_up_proj.<e>``, ``<module>.down_proj.<e>``)."""
+    names = []
+    for n, m in model.named_modules():
+        if not any(n.startswith(p + ".") for p in lists):
+            continue
+        if _linear(m):
+            names.append(n)
+        elif isinstance(getattr(m, "gate_up_proj", None), nn.Parameter) and m.gate_up_proj.dim() == 3:
+            names += [f"{n}.{mat}.{e}" for e in range(m.gate_up_proj.shape[0]) for mat in ("gate_up_proj", "down_proj")]
+    return names
 
 
 def items(n=4, vocab=zoo.VOCAB, seed=0):

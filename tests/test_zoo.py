@@ -22,9 +22,9 @@ from zoo import ZOO, loop_oracle, worst_relative_error
 TOL = 1e-9      # float64; the issue asks ≤ 1e-6, measured ≤ 3e-15
 
 
-def _layers(model, layers):
+def _layers(model, layers, backend="hooks"):
     # the untied T5's `shared` embedding is not called (tied weights: tests of their own)
-    return [r.name for r in resolve_layers(model, layers) if r.name != "shared"]
+    return [r.name for r in resolve_layers(model, layers, backend=backend) if r.name != "shared"]
 
 
 @pytest.mark.parametrize("layers", [None, "all"])
@@ -46,7 +46,7 @@ def test_zoo_hooks_match_loop_oracle(arch, layers):
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "gemma", "bert", "t5", "mixtral"])
 def test_zoo_func_backend_matches_loop_oracle(arch):
     model, task, data, unpad = ZOO[arch]()
-    names = _layers(model, "all")
+    names = _layers(model, "all", backend="func")      # modules whole (fused experts: one block)
     G = ga.grads(task, data, layers=names, batch_size=3, backend="func")
     blocks = ga.LocalExecutor().gradients(G.expr).blocks
     params = param_names_of(model, names)
@@ -59,7 +59,8 @@ def test_zoo_func_backend_matches_loop_oracle(arch):
 
 
 def test_moe_experts_receive_only_their_routed_tokens():
-    """Mixtral's fused experts see (B·T, d) rows with their routing: replayed per example."""
+    """Mixtral's fused experts see (B·T, d) rows with their routing: one factored block per
+    expert and matrix (gradalg.capture.experts), summed into the 3-D parameters."""
     model, task, data, unpad = ZOO["mixtral"]()
     experts = "model.layers.0.mlp.experts"
     G = ga.grads(task, data, layers=[experts, "model.layers.0.mlp.gate"], batch_size=5)
@@ -388,8 +389,14 @@ def test_norms_are_replayed_with_vmap_and_experts_with_a_loop(monkeypatch):
         paths.append((type(module).__name__, out is not None))
         return out
     monkeypatch.setattr(ReplayRule, "_vmapped", spy)
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    class OwnExperts(MixtralExperts):    # a forward of its own: not factored, replayed
+        def forward(self, *args):
+            return super().forward(*args)
     model, task, data, unpad = ZOO["mixtral"]()
+    model.model.layers[0].mlp.experts.__class__ = OwnExperts
     layers = ["model.layers.0.input_layernorm", "model.layers.0.mlp.experts"]
     captured = ga.grads(task, data, layers=layers, batch_size=5).to_params()
-    assert set(paths) == {("MixtralRMSNorm", True), ("MixtralExperts", False)}
+    assert set(paths) == {("MixtralRMSNorm", True), ("OwnExperts", False)}
     assert worst_relative_error(captured, loop_oracle(task, data, unpad, list(captured)))[0] <= TOL

@@ -10,10 +10,10 @@ found from the module tree alone, never from model names:
 * the **block linears** are the modules inside a block list that hook capture factors
   as linear maps (``nn.Linear``, HF ``Conv1D``) and have trainable parameters: the
   attention and MLP projections, ``nn.Linear`` experts, PEFT's LoRA adapters (the frozen
-  layer they wrap has no trainable parameter). Experts stored fused, as 3-D parameters of
-  one module (transformers ≥ 5's Mixtral / Qwen-MoE / OLMoE ``experts``: ``gate_up_proj``
-  (E, 2I, H), ``down_proj`` (E, H, I)), are not linear layers and are not selected: the
-  coverage line names them; ``layers=[".../experts"]`` records them by replay (dense rows);
+  layer they wrap has no trainable parameter), and experts stored fused, as 3-D parameters
+  of one module (transformers ≥ 5's Mixtral / Qwen-MoE / OLMoE ``experts``: ``gate_up_proj``
+  (E, 2I, H), ``down_proj`` (E, H, I)), whose rule (:mod:`gradalg.capture.experts`, kind
+  ``"experts"``) gives one factored block per expert and matrix;
 * a model **without** a block list falls back to every default layer (factored kinds)
   except the input embeddings and the output head: ``get_input_embeddings()`` and
   ``get_output_embeddings()`` when the model has them (HF), else every ``nn.Embedding``
@@ -36,7 +36,7 @@ from .layers import rule_for
 __all__ = ["block_lists", "select_block_layers", "BlockSelection", "LINEAR_KINDS"]
 
 #: the layer kinds a block's "linear layers" are (``LayerRule.kind``)
-LINEAR_KINDS = ("linear", "conv1d")
+LINEAR_KINDS = ("linear", "conv1d", "experts")
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ def select_block_layers(model: nn.Module, head: bool = False) -> BlockSelection:
         except UnsupportedLayerError:
             continue
         if not rule.in_default:
-            continue    # norms, fused experts and other replayed modules: layers="all" or their names
+            continue    # norms, routers and other replayed modules: layers="all" or their names
         if lists and _inside(name, lists):
             if rule.kind in LINEAR_KINDS:
                 names.append(name)

@@ -19,6 +19,7 @@ from torch.autograd.graph import get_gradient_edge
 from ..errors import LayerNameError, OptionError, UnsupportedLayerError
 from ..space import Block
 from ..task import TransformerBlocks
+from . import experts as _experts  # noqa: F401 (registers the fused experts' rule)
 from .blocks import select_block_layers
 from .factors import Factors
 from .layers import POSITION_EMBEDDINGS, LayerRule, replaying, rule_class, rule_for  # noqa: F401 (re-exported)
@@ -102,8 +103,25 @@ def resolve_layers(model: nn.Module, layers=None, *, backend: str = "hooks") -> 
                                         "layer, or a list of module names")
         known = dict(model.named_modules(remove_duplicate=False))
         layers = [strip_prefixes(p, prefixes, known) for p in layers]
-    names = _layer_names(model, layers, backend, every_kind)
     modules = dict(model.named_modules(remove_duplicate=False))
+    # "<module>.<part>": one block of a module recorded as several (fused experts)
+    parts_named: dict[str, set] = {}
+    known_parts: dict[str, set] = {}
+    if layers is not None and backend != "func":
+        whole = []
+        for p in layers:
+            if (hit := _part_of(p, modules, known_parts)) is not None:
+                parts_named.setdefault(hit[0], set()).add(hit[1])
+            else:
+                whole.append(p)
+        selected = _layer_names(model, whole, backend) if whole else []
+        order = {n: i for i, n in enumerate(modules)}
+        names = sorted(set(selected) | set(parts_named), key=order.__getitem__)
+        parts_named = {m: s for m, s in parts_named.items() if m not in selected}   # whole: every part
+    else:   # backend='func' records modules whole: a part names its module
+        if layers is not None:
+            layers = list(dict.fromkeys(hit[0] if (hit := _part_of(p, modules, known_parts)) else p for p in layers))
+        names = _layer_names(model, layers, backend, every_kind)
     # a module registered under several names is one block, named by the first
     every: dict[int, list[str]] = {}
     for name, module in modules.items():
@@ -118,8 +136,33 @@ def resolve_layers(model: nn.Module, layers=None, *, backend: str = "hooks") -> 
         shown = display_name(first)
         aliases = tuple(display_name(n) for n in every[id(module)][1:])
         rule = None if backend == "func" else rule_for(first, module)
+        if hasattr(rule, "parts"):     # a module recorded as several blocks (fused experts)
+            wanted = parts_named.get(name)
+            refs.extend(LayerRef(f"{shown}.{suffix}", module, part, aliases=tuple(f"{a}.{suffix}" for a in aliases))
+                        for suffix, part in rule.parts(module) if wanted is None or suffix in wanted)
+            continue
         refs.append(LayerRef(shown, module, rule, aliases=aliases))
     return tie_layers(model, refs, _make_ref, backend)
+
+
+def _part_of(pattern: str, modules: dict, known: dict) -> tuple[str, str] | None:
+    """``(module name, part)`` when ``pattern`` names one block of a module recorded as
+    several (``model.layers.0.mlp.experts.down_proj.3``), else None. ``known``: ``{module
+    name: its parts' suffixes}``, filled as modules are met (one resolve)."""
+    if pattern in modules:
+        return None
+    for cut in (2, 1):
+        bits = pattern.rsplit(".", cut)
+        owner = bits[0]
+        if len(bits) != cut + 1 or owner not in modules:
+            continue
+        if owner not in known:
+            rule = rule_class(modules[owner]).for_module(modules[owner])
+            known[owner] = {s for s, _ in rule.parts(modules[owner])} if hasattr(rule, "parts") else set()
+        suffix = ".".join(bits[1:])
+        if suffix in known[owner]:
+            return owner, suffix
+    return None
 
 
 def _make_ref(name, module, rule, uses, aliases, params) -> LayerRef:

@@ -147,6 +147,13 @@ class LayerRule(ABC):
     in_session: ClassVar[bool] = True
     #: submodules whose parameters the forward uses without calling them (no hook fires)
     uses_without_calling: ClassVar[tuple[str, ...]] = ()
+    #: whether the block is a slice of its parameters (one expert of a fused experts
+    #: module): :meth:`to_params` fills the rest with zeros, so compare in the block's layout
+    partial_params: ClassVar[bool] = False
+    #: whether the factors' positions are the call's tokens, so a (B, T) token mask applies to
+    #: them; False: the rule's positions are its own (a fused expert's routed tokens) and the
+    #: mask is applied to the output gradient's rows of flattened tokens before :meth:`factors`
+    positions_are_tokens: ClassVar[bool] = True
     #: block kinds whose positions T are the layer's own (measured by a meta forward); every
     #: registered rule states it (``()``: T is known from the data's shape), :func:`check_rule`
     measured_kinds: ClassVar[tuple[str, ...]] = ()
@@ -166,6 +173,12 @@ class LayerRule(ABC):
     def positions(self, module: nn.Module, output: torch.Tensor) -> int:
         """T of the factors of a call that returned ``output`` (B, ..., out): its positions."""
         return max(1, int(output.numel() // max(1, output.shape[0] * self.block_shape(module)[0])))
+
+    def positions_for_tokens(self, module: nn.Module, tokens: int) -> int:
+        """Positions per example when the example has ``tokens`` tokens, known without
+        running the model (the planner's hint): ``tokens`` itself, except for rules whose
+        positions are their own (a fused expert's routed tokens)."""
+        return tokens
 
     def weight_gemm(self, module: nn.Module) -> tuple[int, int] | None:
         """``(in, out)`` of the GEMM the forward multiplies each position by; None: none
@@ -597,7 +610,8 @@ def _leading_rows(x, n: int, rows: slice):
 @dataclass(frozen=True)
 class ReplayRule(LayerRule):
     """Any module with parameters of its own (LayerNorm, RMSNorm of any model, GroupNorm, a
-    MoE router, fused experts): per-example gradients by replaying it on each example.
+    MoE router, fused experts of another layout than :mod:`gradalg.capture.experts` factors):
+    per-example gradients by replaying it on each example.
 
     The forward hook keeps the call's inputs; given the gradient ``g`` of the summed loss
     w.r.t. its output (rows attributed to examples by :mod:`gradalg.capture.rows`), example
@@ -844,8 +858,10 @@ class MultiheadAttentionRule(ReplayRule):
 #: factored layers: in the default ``layers``, and recorded by ``ga.capture`` too
 DEFAULT_LAYERS = ("nn.Linear", "transformers Conv1D", "nn.Embedding", "nn.EmbeddingBag", "nn.Conv1d",
                   "nn.Conv2d", "nn.Conv3d")
-SUPPORTED_LAYERS = DEFAULT_LAYERS + ("any other module with parameters of its own (LayerNorm, RMSNorm, "
-                                     "GroupNorm, ...), by per-example replay",)
+SUPPORTED_LAYERS = DEFAULT_LAYERS + ("transformers' fused MoE experts (one factored block per expert and "
+                                     "matrix, ga.grads only)",
+                                     "any other module with parameters of its own (LayerNorm, RMSNorm, "
+                                     "GroupNorm, ...), by per-example replay")
 
 
 def rule_for(name: str, module: nn.Module) -> LayerRule:

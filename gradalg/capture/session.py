@@ -77,7 +77,8 @@ class LoopRecorder:
     """Records the per-example factors of every backward run inside ``with recorder:``.
 
     model : the module being trained.
-    layers : module names or glob patterns (default: every supported layer), as for ``ga.grads``.
+    layers : module names or glob patterns, as for ``ga.grads`` (default: every layer of a factored
+        kind it records; the blocks of fused experts are recorded by ``ga.grads`` only).
     reduction : ``"sum"`` (rows are the loss's per-example gradients) or ``"mean"`` (each
         step's rows are multiplied by its batch size, undoing the loss's ``1/B``).
     keep : append every chunk to :attr:`store` (False when only callbacks need them).
@@ -91,6 +92,8 @@ class LoopRecorder:
             raise OptionError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
         self.model = model
         self.refs: list[LayerRef] = resolve_layers(model, layers)
+        if layers is None:    # the default: the layers ga.capture records (not fused experts' blocks)
+            self.refs = [r for r in self.refs if r.rule.in_session]
         check_session_layers(self.refs)
         self.reduction = reduction
         self.keep = keep

@@ -165,6 +165,11 @@ def use_factors(use: LayerUse, A, g: torch.Tensor, token_mask: torch.Tensor | No
     g = g.detach() if grad_scale == 1.0 else g.detach() * grad_scale
     if layout is None:
         layout = RowLayout(use.rule.rows(A)[0], 1)
+    if not use.rule.positions_are_tokens and token_mask is not None:
+        # the rule's positions are its own (routed tokens): zero the padding tokens' rows of g
+        if token_mask.dim() == 2 and layout.rows == g.shape[0] and layout.per_example == token_mask.shape[1]:
+            g = g * token_mask.reshape(-1, *([1] * (g.dim() - 1))).to(g.dtype)
+        token_mask = None
     F = use.rule.factors(use.module, A, g, layout)   # rows grouped into examples by ``layout``
     if isinstance(F.A, torch.Tensor) and F.A.dtype != F.D.dtype:   # autocast: fp32 inputs, bf16 grads
         dtype = torch.promote_types(F.A.dtype, F.D.dtype)

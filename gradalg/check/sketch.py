@@ -117,6 +117,12 @@ def _against_autograd(ref, F: Factors, grads: dict, sketch: "Sketch") -> float |
     parameters' layout by the same random matrices (:func:`_param_sketch`), Σ_i G_i =
     D_allᵀA_all read in that layout (``rule.to_params``: views). None when the rule cannot
     split the block into these parameters."""
+    if getattr(ref.rule, "partial_params", False):    # a slice of its parameters (one fused expert)
+        if any(g is None for g in grads.values()):
+            return None
+        ours = materialize(_summed(F))[0]
+        theirs = ref.rule.from_params(ref.module, {n: g[None] for n, g in grads.items()})[0].to(ours.dtype)
+        return relative(_param_sketch(ours, sketch, ref.name), _param_sketch(theirs, sketch, ref.name))
     try:
         captured = ref.rule.to_params(ref.module, materialize(_summed(F)))
     except (KeyError, AttributeError, RuntimeError, TypeError, IndexError):

@@ -42,7 +42,7 @@ class ParamCoords:
         canonical = {id(p): n for n, p in model.named_parameters()}
         self.local = [{pname: canonical[id(ref.module.get_parameter(pname))] for pname in ref.param_names()}
                       for ref in self.refs]
-        self.param_names = [full for names in self.local for full in names.values()]
+        self.param_names = list(dict.fromkeys(full for names in self.local for full in names.values()))
 
     def to_params(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         """(m, dim) → {param_name: (m, *shape)}."""
@@ -58,7 +58,8 @@ class ParamCoords:
             block = rows[:, start:start + out_f * in_f].reshape(m, out_f, in_f)
             start += out_f * in_f
             for pname, value in ref.rule.to_params(ref.module, block).items():
-                out[names[pname]] = value
+                key = names[pname]
+                out[key] = out[key] + value if key in out else value   # a fused experts' blocks add up
         return out
 
     def from_params(self, params: dict[str, torch.Tensor]) -> torch.Tensor:

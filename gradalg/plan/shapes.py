@@ -84,8 +84,28 @@ def forward_shapes(src, shapes: Mapping[str, ForwardShapes]) -> ForwardShapes:
     hit = shapes.get(src.token)
     if hit is not None:
         return hit
-    fallback = tokens_hint(src)
-    return ForwardShapes({b.name: fallback for b in src.space.blocks}, 0, False)
+    return ForwardShapes(_hinted_positions(src, tokens_hint(src)), 0, False)
+
+
+def _hinted_positions(src, tokens: int) -> dict:
+    """``{block: T_b}`` without running the model: ``tokens`` for every block, but what its
+    rule's :meth:`~gradalg.capture.layers.LayerRule.positions_for_tokens` says (a fused
+    expert's share of the tokens). Kept by ``(source token, tokens)`` (a few, most recent)."""
+    out = {b.name: tokens for b in src.space.blocks}
+    task = getattr(src, "task", None)
+    if task is None or getattr(src, "backend", "hooks") != "hooks":
+        return out
+    key = (src.token, tokens)
+    if key not in _HINTS:
+        _HINTS[key] = {ref.name: ref.rule.positions_for_tokens(ref.module, tokens)
+                       for ref in resolve_layers(task.model, list(src.layers))}
+        while len(_HINTS) > 32:
+            _HINTS.pop(next(iter(_HINTS)))
+    return {name: _HINTS[key].get(name, T) for name, T in out.items()}
+
+
+#: ``{(source token, tokens): {block: T_b}}`` of :func:`_hinted_positions`
+_HINTS: dict = {}
 
 
 def measure_forward_shapes(src) -> ForwardShapes:

@@ -1,0 +1,300 @@
+"""Fused mixture-of-experts modules: one factored block per expert and weight matrix.
+
+transformers ≥ 5 stores the experts of Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE as two 3-D
+parameters of one module (``…Experts``): ``gate_up_proj`` (E, 2I, H) and ``down_proj``
+(E, H, I). Its forward takes the block's flattened tokens ``x`` (N, H), each token's
+``k`` experts ``top_k_index`` (N, k) and routing weights ``top_k_weights`` (N, k), and
+returns (N, H)::
+
+    y_t = Σ_{s<k} w_{t,s} · W^down_{e_{t,s}} φ(W^gu_{e_{t,s}} x_t)       φ([g; u]) = act(g) ⊙ u
+
+so every expert is two linear maps applied to the tokens routed to it. The module is
+recorded as ``2E`` factored blocks, named ``<module>.gate_up_proj.<e>`` and
+``<module>.down_proj.<e>``, each the (out, in) matrix ``W_e`` of one expert::
+
+    grad W^down_e (example i) = Σ_{t ∈ i → e} δ_t h_tᵀ      δ_t = w_{t,s} g_t    h_t = φ(W^gu_e x_t)
+    grad W^gu_e   (example i) = Σ_{t ∈ i → e} γ_t x_tᵀ      γ_t = J_φ(W^gu_e x_t)ᵀ (W^down_eᵀ δ_t)
+
+with ``g_t`` (H) the gradient of the summed loss w.r.t. the module's output at token
+``t`` (the routing weight is applied where the forward applies it: on the expert's
+output). The hook keeps the call's three inputs (one record shared by its ``2E`` blocks);
+given ``g``, each expert's factors are recomputed for its routed tokens alone: one gate/up
+product (M_e × H × 2I), one ``δ W^down_e`` product and φ's vector-Jacobian product
+(autograd on the recomputed gate/up only); the ``down`` block reuses the ``gate_up``
+block's ``h`` (recomputed when recorded alone). The weight-gradient GEMMs are never formed.
+
+Representation (token-sparse): example ``i``'s positions in the block of expert ``e`` are
+the tokens of ``i`` routed to ``e``, in token order, padded with zero rows to the batch's
+largest count ``L_e = max_i |{t ∈ i → e}|`` (at least 1): factors ``A`` (B, L_e, in) and
+``D`` (B, L_e, out). Zero rows add nothing to ``G_i = D_iᵀ A_i``, to inner products or to
+Kronecker statistics, so every factored kernel applies unchanged. A token routed to no
+expert of example ``i`` (an expert that receives nothing from ``i``) leaves ``G_i = 0``.
+
+Planner facts (per position of the module's input, :mod:`gradalg.plan.shapes`): the
+forward multiplies each token by ``k`` experts' ``H × 2I`` and ``I × H`` matrices (FLOPs
+of one (H, 3kI) GEMM); autograd keeps, per token and routed expert, its input, gate/up
+output, gated activation, expert output and weighted output (``k (3H + 4I)`` numbers);
+each block's positions per example are priced at the mean ``⌈T k / E⌉`` (balanced
+routing; the padded length ``L_e`` of a batch is at least that).
+
+Only the forward these classes ship (concatenated gate/up, not transposed, no biases, no
+post-expert norm) is factored; ``config.experts_implementation`` (eager, grouped or
+batched GEMMs) computes the same map and is accepted. Any other layout, or a subclass
+overriding ``forward``, is recorded like any module with parameters of its own: by
+per-example replay (:class:`~gradalg.capture.layers.ReplayRule`, dense rows), when named
+in ``layers`` or with ``layers="all"``; it is then not a default layer, and the coverage
+line names it.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import weakref
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from ..errors import UnsupportedLayerError
+from .factors import Factors
+from .layers import LayerRule, ReplayRule, register_layer
+from .rows import RowLayout
+
+__all__ = ["FUSED_EXPERTS", "FusedExpertsRule", "ExpertMatrixRule", "MATRICES"]
+
+#: the transformers classes whose forward this module factors ("package.module:Class")
+FUSED_EXPERTS = (
+    "transformers.models.olmoe.modeling_olmoe:OlmoeExperts",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe:Qwen3MoeExperts",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe:Qwen2MoeExperts",
+    "transformers.models.mixtral.modeling_mixtral:MixtralExperts",
+)
+
+#: the module's two weight matrices, in block order within one expert
+MATRICES = ("gate_up_proj", "down_proj")
+
+#: (attribute, value) the forward factored here needs (set by transformers' decorator)
+_LAYOUT = (("has_gate", True), ("has_bias", False), ("is_transposed", False), ("is_concatenated", True),
+           ("has_post_expert_norm", False))
+
+
+def _registered_class(module: nn.Module):
+    """The class of FUSED_EXPERTS (imported) in ``type(module).__mro__``, or None."""
+    names = {}
+    for key in FUSED_EXPERTS:
+        mod, _, cls = key.partition(":")
+        found = getattr(sys.modules.get(mod), cls, None)
+        if found is not None:
+            names[found] = key
+    return next((t for t in type(module).__mro__ if t in names), None)
+
+
+def check_fused_experts(module: nn.Module) -> None:
+    """Refuse an experts module whose forward is not the one factored here."""
+    cls = _registered_class(module)
+    problems = []
+    if cls is not None and type(module).forward is not cls.forward:
+        problems.append(f"{type(module).__name__} overrides {cls.__name__}.forward")
+    gate = getattr(type(module), "_apply_gate", None)
+    if gate is not None and getattr(gate, "__name__", "") != "_default_apply_gate":
+        problems.append(f"{type(module).__name__} has a gate of its own (_apply_gate)")
+    for attr, value in _LAYOUT:
+        if getattr(module, attr, value) != value:
+            problems.append(f"{attr}={getattr(module, attr)!r}")
+    gu, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(gu, torch.Tensor) and isinstance(down, torch.Tensor) and gu.dim() == 3 and down.dim() == 3
+            and gu.shape[0] == down.shape[0] and gu.shape[1] == 2 * down.shape[2] and gu.shape[2] == down.shape[1]):
+        problems.append("parameters are not gate_up_proj (E, 2I, H) and down_proj (E, H, I)")
+    if problems:
+        raise UnsupportedLayerError(
+            f"{type(module).__name__} is a fused experts module with a layout gradalg does not factor "
+            f"({'; '.join(problems)}): leave it out of `layers` (the default layers do), or use backend='func'")
+
+
+def _top_k(module: nn.Module) -> int:
+    config = getattr(module, "config", None)
+    k = getattr(config, "num_experts_per_tok", None) or getattr(config, "top_k", None)
+    return int(k) if k else 1
+
+
+@dataclass
+class _ExpertCall:
+    """One call's inputs (detached): tokens (N, H), experts (N, k), routing weights (N, k),
+    shared by the call's ``2E`` blocks; ``gated``: ``{expert: act(gate)·up}`` of its routed
+    tokens, left by the ``gate_up`` block for the ``down`` block that follows it."""
+
+    x: torch.Tensor
+    index: torch.Tensor
+    weights: torch.Tensor
+    gated: dict = field(default_factory=dict)
+
+    @property
+    def shape(self):
+        return (self.x.shape[0], 1)
+
+
+@dataclass(frozen=True)
+class _ExpertsBase(LayerRule):
+    """What the module and its blocks share: the model facts of its forward."""
+
+    kind: str = "experts"
+    in_session: ClassVar[bool] = False    # ga.capture records one A per call: not these
+    positions_are_tokens: ClassVar[bool] = False
+    #: the routed tokens depend on the data, which a meta forward does not have: positions are
+    #: priced by :meth:`positions_for_tokens` (⌈T·k/E⌉), not measured
+    measured_kinds: ClassVar[tuple[str, ...]] = ()
+
+    def weight_gemm(self, module):
+        E, I2, H = module.gate_up_proj.shape
+        return H, 3 * _top_k(module) * (I2 // 2)
+
+    def activation_numbers(self, module):
+        _, I2, H = module.gate_up_proj.shape
+        return _top_k(module) * (3 * H + 2 * I2)
+
+    def output_width(self, module):
+        return None
+
+    def activations(self, module, x):
+        raise UnsupportedLayerError(
+            f"{type(module).__name__} (fused experts) is recorded by ga.grads (hooks backend) only; "
+            "leave it out of ga.capture's `layers`")
+
+    def output_grads(self, module, g):
+        return g
+
+
+@dataclass(frozen=True)
+class FusedExpertsRule(_ExpertsBase):
+    """The experts module as a whole: it is selected like a layer (by its name, a glob, the
+    default layers), and :func:`~gradalg.capture.hooks.resolve_layers` replaces it by its
+    ``2E`` blocks (:meth:`parts`, each an :class:`ExpertMatrixRule`)."""
+
+    @classmethod
+    def for_module(cls, module):
+        """This rule for the forward it factors; :class:`~gradalg.capture.layers.ReplayRule`
+        (dense rows by per-example replay, not a default layer) for any other."""
+        try:
+            check_fused_experts(module)
+        except UnsupportedLayerError:
+            return ReplayRule()
+        return cls()
+
+    def block_shape(self, module):
+        check_fused_experts(module)
+        E, I2, H = module.gate_up_proj.shape
+        return 2 * E, I2 * H + H * I2 // 2     # never a block: the sizes of its parts, summed
+
+    def parts(self, module) -> list[tuple[str, "ExpertMatrixRule"]]:
+        """``[(suffix, rule)]``: ``gate_up_proj.<e>`` and ``down_proj.<e>`` for every expert."""
+        check_fused_experts(module)
+        return [(f"{m}.{e}", ExpertMatrixRule(expert=e, matrix=m))
+                for e in range(module.gate_up_proj.shape[0]) for m in MATRICES]
+
+    def to_params(self, module, block):
+        raise UnsupportedLayerError("a fused experts module is recorded as its experts' blocks, never whole")
+
+    from_params = to_params
+
+
+@dataclass(frozen=True)
+class ExpertMatrixRule(_ExpertsBase):
+    """One expert's ``gate_up_proj`` (2I, H) or ``down_proj`` (H, I) as a factored block
+    (kind ``"expert"``: a linear map of the tokens routed to it)."""
+
+    kind: str = "expert"
+    expert: int = 0
+    matrix: str = "gate_up_proj"
+    partial_params: ClassVar[bool] = True
+
+    def block_shape(self, module):
+        return tuple(getattr(module, self.matrix).shape[1:])
+
+    def param_names(self, module):
+        return (self.matrix,)
+
+    def weight_gemm(self, module):
+        return None    # the module's rule answers for the whole forward
+
+    def activation_numbers(self, module):
+        return 0
+
+    def to_params(self, module, block):
+        """(n, out, in) → ``{matrix: (n, E, out, in)}``, zero but for this expert (the
+        callers sum the blocks of one parameter)."""
+        full = block.new_zeros(block.shape[0], *getattr(module, self.matrix).shape)
+        full[:, self.expert] = block
+        return {self.matrix: full}
+
+    def from_params(self, module, params):
+        return params[self.matrix][:, self.expert]
+
+    def positions(self, module, output):
+        """The mean routed tokens per example, ``⌈T k / E⌉`` (the meta forward that measures
+        positions runs one example: ``output`` (T, H))."""
+        return self.positions_for_tokens(module, output.shape[0])
+
+    def positions_for_tokens(self, module, tokens):
+        """``⌈T k / E⌉``: an example's tokens routed to one expert, on average (balanced
+        routing; a batch's padded length is its most-routed example's count, at least this)."""
+        return max(1, math.ceil(tokens * _top_k(module) / module.gate_up_proj.shape[0]))
+
+    def record(self, module, args, kwargs, output):
+        if not isinstance(output, torch.Tensor) or not output.requires_grad:
+            return []
+        hit = _CALLS.get(id(output))      # the call's other blocks recorded it already
+        if hit is not None and hit[0]() is output:
+            return [(hit[1], output)]
+        names = ("hidden_states", "top_k_index", "top_k_weights")
+        given = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
+        call = _ExpertCall(*(given[n].detach() for n in names))
+        key = id(output)
+        _CALLS[key] = (weakref.ref(output, lambda _, key=key: _CALLS.pop(key, None)), call)
+        return [(call, output)]
+
+    def rows(self, recorded):
+        return recorded.shape
+
+    def factors(self, module, recorded, g, layout: RowLayout) -> Factors:
+        x, index, weights = recorded.x, recorded.index, recorded.weights
+        rows, slot = torch.where(index == self.expert)            # rows ascending: token order
+        W_gu = module.gate_up_proj.detach()[self.expert]          # (2I, H)
+        W_down = module.down_proj.detach()[self.expert]           # (H, I)
+        xe = x[rows]                                              # (M, H)
+        delta = g[rows] * weights[rows, slot].unsqueeze(-1).to(g.dtype)     # (M, H)
+        if self.matrix == "down_proj" and self.expert in recorded.gated:
+            return _by_example(recorded.gated.pop(self.expert), delta, rows, layout)
+        with torch.enable_grad():
+            h = nn.functional.linear(xe, W_gu).requires_grad_(self.matrix == "gate_up_proj")
+            gate, up = h.chunk(2, dim=-1)
+            act = module.act_fn(gate) * up                        # (M, I)
+            if self.matrix == "down_proj":
+                return _by_example(act, delta, rows, layout)
+            (gamma,) = torch.autograd.grad(act, h, delta @ W_down.to(delta.dtype))
+        recorded.gated[self.expert] = act.detach()
+        return _by_example(xe, gamma, rows, layout)
+
+
+#: ``{id(module output): (weak reference to it, _ExpertCall)}``: one record per call, made by
+#: whichever of its blocks' hooks runs first, dropped with the output tensor
+_CALLS: dict = {}
+
+
+def _by_example(A: torch.Tensor, D: torch.Tensor, rows: torch.Tensor, layout: RowLayout) -> Factors:
+    """Rows (M, ·) of flattened tokens ``rows`` → (B, L, ·) per example, token order kept,
+    zero-padded to the largest count ``L`` (≥ 1)."""
+    B, per = layout.n_examples, layout.per_example
+    example = torch.div(rows, per, rounding_mode="floor")
+    counts = torch.bincount(example, minlength=B)
+    L = max(1, int(counts.max())) if rows.numel() else 1
+    first = torch.cumsum(counts, 0) - counts
+    position = torch.arange(rows.numel(), device=rows.device) - first[example]
+    outA = A.new_zeros(B, L, A.shape[-1])
+    outD = D.new_zeros(B, L, D.shape[-1])
+    outA[example, position] = A
+    outD[example, position] = D
+    return Factors(outA, outD)
+
+
+register_layer(*FUSED_EXPERTS)(FusedExpertsRule)

@@ -1,0 +1,287 @@
+"""Fused 3-D experts (transformers ≥ 5: OLMoE, Qwen3-MoE, Qwen2-MoE, Mixtral) as default
+layers, one factored block per expert and matrix (``gradalg.capture.experts``), on tiny
+float64 models with 4 experts and top-2 routing:
+
+* Grad-Dot at the LM task's defaults equals the loop-of-backward reference (each sequence
+  alone, ``torch.autograd.grad`` of its summed token cross-entropy on the attributed
+  parameters), in batches of sequences of unequal lengths (padding);
+* an expert that receives no token of an example has an exactly zero block there;
+* influence with an EK-FAC curvature equals the dense formula on the experts' blocks: the
+  Kronecker eigenbases from the factor covariances, computed here from the experts' inputs
+  (a forward hook) and the loop reference's per-example gradients, the eigenvalues refit to
+  the reference's exact diagonal;
+* the planner's facts (positions ⌈T k / E⌉, the forward's GEMMs) and the coverage line.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradalg as ga
+from gradalg.capture.coverage import layer_coverage
+from gradalg.capture.experts import ExpertMatrixRule, FusedExpertsRule
+from gradalg.capture.hooks import resolve_layers
+from gradalg.capture.layers import ReplayRule, rule_class
+from references import block_rows, one_thread  # noqa: F401 - fixture
+from zoo import stock_oracle
+
+F64 = torch.float64
+V, H, E, K = 37, 16, 4, 2
+ARCHS = ("olmoe", "qwen3_moe", "qwen2_moe", "mixtral")
+
+
+def build(arch: str, implementation: str = "eager") -> nn.Module:
+    """A 2-layer, width-16 MoE of ``arch``: 4 experts, top-2 routing, float64, eval."""
+    import transformers as tf
+    torch.manual_seed(0)
+    common = dict(hidden_size=H, num_attention_heads=2, num_key_value_heads=1, vocab_size=V, num_hidden_layers=2,
+                  max_position_embeddings=32, num_experts_per_tok=K, experts_implementation=implementation)
+    if arch == "olmoe":
+        model = tf.OlmoeForCausalLM(tf.OlmoeConfig(**common, intermediate_size=8, num_experts=E))
+    elif arch == "qwen3_moe":
+        model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**common, intermediate_size=24, moe_intermediate_size=8,
+                                                         head_dim=8, num_experts=E))
+    elif arch == "qwen2_moe":
+        model = tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(**common, intermediate_size=24, moe_intermediate_size=8,
+                                                         shared_expert_intermediate_size=12, num_experts=E,
+                                                         decoder_sparse_step=1))
+    else:
+        model = tf.MixtralForCausalLM(tf.MixtralConfig(**common, intermediate_size=8, num_local_experts=E))
+    return model.double().eval()
+
+
+def items(lengths, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(3, V, (n,), generator=g)} for n in lengths]
+
+
+def experts_of(model) -> dict[str, nn.Module]:
+    return {n: m for n, m in model.named_modules() if rule_class(m) is FusedExpertsRule}
+
+
+def expert_blocks(model) -> list[str]:
+    """By hand: ``<module>.<matrix>.<e>`` for every expert of every fused experts module."""
+    return [f"{n}.{mat}.{e}" for n in experts_of(model) for e in range(E) for mat in ("gate_up_proj", "down_proj")]
+
+
+def block_params(model, layers) -> list[str]:
+    modules = dict(model.named_modules())
+    out = []
+    for name in layers:
+        out += ([f"{name}.{p}" for p, _ in modules[name].named_parameters(recurse=False)] if name in modules
+                else [name.rsplit(".", 1)[0]])
+    return list(dict.fromkeys(out))
+
+
+def reference_rows(model, data, layers) -> torch.Tensor:
+    """(n, dim): the loop of backward, laid out as the blocks ``layers``."""
+    return block_rows(model, layers, stock_oracle(model, data, "causal_lm", block_params(model, layers)))
+
+
+def routing(model, data) -> dict[str, list[torch.Tensor]]:
+    """Per experts module, per sequence (alone): its tokens' experts (T, k), from a forward hook."""
+    out = {n: [] for n in experts_of(model)}
+    handles = [m.register_forward_hook(lambda mod, args, o, n=n: out[n].append(args[1].clone()))
+               for n, m in experts_of(model).items()]
+    try:
+        with torch.no_grad():
+            for item in data:
+                model(input_ids=item["input_ids"][None])
+    finally:
+        for h in handles:
+            h.remove()
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_grad_dot_at_defaults_equals_the_loop_reference(arch):
+    model = build(arch)
+    task = ga.tasks.causal_lm(model)
+    train, queries = items((6, 3, 5, 7), 1), items((4, 6), 2)
+    refs = resolve_layers(model, ga.TransformerBlocks())
+    names = [r.name for r in refs]
+    assert [n for n in names if ".experts." in n] == expert_blocks(model)
+    assert all(type(r.rule) is ExpertMatrixRule for r in refs if ".experts." in r.name)
+    got = torch.from_numpy(ga.methods.grad_dot(task, train, queries).compute().values)
+    expected = reference_rows(model, queries, names) @ reference_rows(model, train, names).T
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("implementation", ("batched_mm",))    # (torch's grouped_mm has no float64)
+def test_the_experts_implementation_computes_the_same_map(implementation):
+    """transformers' batched GEMM forward of the experts: the same blocks."""
+    model = build("olmoe", implementation)
+    data = items((6, 3, 5), 1)
+    names = [r.name for r in resolve_layers(model, ga.TransformerBlocks())]
+    blocks = ga.grads(ga.tasks.causal_lm(model), data).to_dense()
+    got = torch.cat([blocks[n].flatten(1) for n in names], 1).to(F64)
+    torch.testing.assert_close(got, reference_rows(model, data, names), rtol=1e-10, atol=1e-13)
+
+
+def test_grouped_mm_in_float32_gives_the_loop_reference():
+    """transformers' default experts forward (grouped GEMMs; float32 only) computes the same map."""
+    model = build("olmoe", "grouped_mm").float()
+    data = items((6, 3, 5), 1)
+    names = [r.name for r in resolve_layers(model, ga.TransformerBlocks())]
+    blocks = ga.grads(ga.tasks.causal_lm(model), data).to_dense()
+    got = torch.cat([blocks[n].flatten(1) for n in names], 1).to(F64)
+    torch.testing.assert_close(got, reference_rows(model, data, names), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ("olmoe", "mixtral"))
+def test_an_expert_without_tokens_of_an_example_has_a_zero_block(arch):
+    model = build(arch)
+    data = items((2, 3, 6, 4), 5)
+    routes = routing(model, data)
+    blocks = ga.grads(ga.tasks.causal_lm(model), data).to_dense()
+    zero = nonzero = 0
+    for module, per_example in routes.items():
+        for i, idx in enumerate(per_example):
+            assert idx.shape[1] == K and bool((idx[:, 0] != idx[:, 1]).all())     # top-2, distinct experts
+            for e in range(E):
+                for mat in ("gate_up_proj", "down_proj"):
+                    block = blocks[f"{module}.{mat}.{e}"][i]
+                    if bool((idx == e).any()):
+                        nonzero += bool(block.abs().max() > 0)
+                    else:
+                        assert bool((block == 0).all())
+                        zero += 1
+    assert zero > 0 and nonzero > 0    # the data has both cases
+    names = list(blocks)
+    R = reference_rows(model, data, names)
+    got = torch.cat([blocks[n].flatten(1) for n in names], 1).to(F64)
+    torch.testing.assert_close(got, R, rtol=1e-10, atol=1e-13)
+
+
+def _expert_inputs(model, data) -> dict[str, list[torch.Tensor]]:
+    """Per experts block ``<module>.<matrix>.<e>``, per sequence: the inputs of every token
+    routed to expert e (x for gate_up, act(gate)·up for down), from a forward hook."""
+    out: dict[str, list] = {}
+
+    def hook(module, args, output, name):
+        x, idx = args[0].detach(), args[1]
+        for e in range(E):
+            rows = (idx == e).any(1)
+            xe = x[rows]
+            gate, up = F.linear(xe, module.gate_up_proj[e].detach()).chunk(2, -1)
+            out.setdefault(f"{name}.gate_up_proj.{e}", []).append(xe)
+            out.setdefault(f"{name}.down_proj.{e}", []).append(module.act_fn(gate) * up)
+    handles = [m.register_forward_hook(lambda mod, a, o, n=n: hook(mod, a, o, n)) for n, m in experts_of(model).items()]
+    try:
+        with torch.no_grad():
+            for item in data:
+                model(input_ids=item["input_ids"][None])
+    finally:
+        for h in handles:
+            h.remove()
+    return out
+
+
+@pytest.mark.parametrize("arch", ("olmoe", "qwen3_moe"))
+def test_ekfac_influence_on_the_experts_equals_the_dense_formula(arch):
+    """Sequences of 2 tokens: only position 0 has a loss gradient, so each example's block is
+    ``G_i = d_i a_iᵀ`` (a_i: position 0's input when routed to the expert, else G_i = 0) and
+    the output-side covariance is ``S = Σ_i d_i d_iᵀ / n = Σ_i G_i G_iᵀ / ‖a_i‖² / n``;
+    ``A = Σ_t a_t a_tᵀ / #tokens`` over every routed token. EK-FAC: the eigenbases of S and
+    A, eigenvalues the exact diagonal of the block's Fisher in that basis."""
+    model = build(arch)
+    task = ga.tasks.causal_lm(model)
+    train, queries = items((2,) * 12, 3), items((2, 2, 2), 4)
+    layers = list(experts_of(model))
+    lam = 1e-3
+    S = ga.methods.influence(task, train, queries, layers=layers, damping=lam,
+                             curvature=ga.ekfac(ga.grads(task, train, layers=layers)))
+    got = torch.from_numpy(S.compute().values)
+    names = expert_blocks(model)
+    RG, RQ = reference_rows(model, train, names), reference_rows(model, queries, names)
+    inputs = _expert_inputs(model, train)
+    n, blocks, start = len(train), [], 0
+    for name in names:
+        owner, mat, e = name.rsplit(".", 2)
+        out_f, in_f = dict(model.named_modules())[owner].get_parameter(mat).shape[1:]
+        G = RG[:, start:start + out_f * in_f].reshape(n, out_f, in_f)
+        start += out_f * in_f
+        a_all = torch.cat(inputs[name])
+        A = a_all.T @ a_all / max(1, a_all.shape[0])
+        S_cov = torch.zeros(out_f, out_f, dtype=F64)
+        for i, a in enumerate(inputs[name]):
+            if len(a):   # a[0] is position 0's input when it is routed here, else G_i = 0
+                S_cov += G[i] @ G[i].T / (a[0] @ a[0])
+        S_cov /= n
+        Q = torch.kron(torch.linalg.eigh(S_cov)[1], torch.linalg.eigh(A)[1])
+        Fb = G.flatten(1).T @ G.flatten(1) / n
+        lamb = torch.diagonal(Q.T @ Fb @ Q)
+        blocks.append(Q @ torch.diag(1 / (lamb + lam)) @ Q.T)
+    expected = RQ @ torch.block_diag(*blocks) @ RG.T
+    torch.testing.assert_close(got, expected, rtol=1e-7, atol=1e-10)
+
+
+def test_planner_facts_and_coverage_on_an_olmoe_shape():
+    """Positions per example are priced at ⌈T k / E⌉; the forward's GEMMs are the k experts'
+    gate/up and down products; the coverage line counts the experts (no longer left out)."""
+    model = build("olmoe")
+    module = model.model.layers[0].mlp.experts
+    rule = resolve_layers(model, ["model.layers.0.mlp.experts.down_proj.3"])[0].rule
+    assert (rule.expert, rule.matrix) == (3, "down_proj")
+    assert rule.positions(module, torch.empty(7, H, device="meta")) == math.ceil(7 * K / E)
+    # the plan's positions without running the model: ⌈T k / E⌉ for the experts, T for the rest
+    from gradalg.plan.shapes import forward_shapes
+    T = forward_shapes(ga.grads(ga.tasks.causal_lm(model), items((10, 10), 1)).expr.source, {}).positions
+    assert T["model.layers.0.mlp.experts.down_proj.3"] == math.ceil(10 * K / E)
+    assert T["model.layers.0.self_attn.q_proj"] == 10
+    I = module.down_proj.shape[2]
+    assert FusedExpertsRule().weight_gemm(module) == (H, 3 * K * I)
+    cov = layer_coverage(model, [r.name for r in resolve_layers(model, ga.TransformerBlocks())],
+                         selection=ga.TransformerBlocks())
+    experts = sum(p.numel() for m in experts_of(model).values() for p in m.parameters())
+    attention = sum(p.numel() for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".self_attn." in n
+                    for p in m.parameters())
+    assert cov.attributed == experts + attention
+    assert "experts" not in cov.describe()
+
+
+def test_an_experts_forward_of_its_own_is_replayed_not_factored():
+    """A subclass overriding forward is not the map the rule factors: it is recorded by
+    replay (dense rows) when named, left out of the defaults, and named by the coverage line."""
+    from transformers.models.olmoe.modeling_olmoe import OlmoeExperts
+
+    class Own(OlmoeExperts):
+        def forward(self, *args):
+            return super().forward(*args)
+    model = build("olmoe")
+    for layer in model.model.layers:
+        layer.mlp.experts.__class__ = Own
+    assert isinstance(rule_class(model.model.layers[0].mlp.experts).for_module(model.model.layers[0].mlp.experts),
+                      ReplayRule)
+    names = [r.name for r in resolve_layers(model, ga.TransformerBlocks())]
+    assert not any("experts" in n for n in names)
+    assert "model.layers.*.mlp.experts (2 modules" in layer_coverage(model, names).describe()
+    data = items((3, 5), 1)
+    captured = ga.grads(ga.tasks.causal_lm(model), data, layers=["model.layers.0.mlp.experts"]).to_params()
+    reference = stock_oracle(model, data, "causal_lm", list(captured))
+    for name in captured:
+        torch.testing.assert_close(captured[name], reference[name], rtol=1e-9, atol=1e-12)
+
+
+def test_ga_capture_at_its_defaults_leaves_the_fused_experts_to_ga_grads():
+    """``ga.capture`` records one A per call (no routing): at its default layers the fused
+    experts are not recorded (named explicitly, they are refused, naming ga.grads)."""
+    model = build("olmoe")
+    ids = torch.stack([d["input_ids"] for d in items((5, 5), 1)])
+    with ga.capture(model, reduction="sum") as cap:
+        out = model(input_ids=ids, labels=ids)
+        (out.loss * ids.numel()).backward()
+    assert cap.refs and not any("experts" in r.name for r in cap.refs)
+    with pytest.raises(ga.errors.UnsupportedLayerError, match="ga.grads"):
+        ga.capture(model, layers=["model.layers.0.mlp.experts"], reduction="sum")
+
+
+def test_check_model_compares_each_expert_block_with_its_slice_of_autograd():
+    model = build("olmoe")
+    report = ga.check_model(ga.tasks.causal_lm(model), items((5, 6, 4), 1))
+    assert "tied_weights: captured gradients equal autograd's for all 24 blocks" in str(report)
+    assert "FAIL" not in str(report)
