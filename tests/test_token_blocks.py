@@ -12,6 +12,7 @@ import torch
 
 import gradalg as ga
 from gradalg.plan import DecisionKind
+from gradalg.plan.shapes import ModelFacts
 from gradalg.capture import factors as F_mod
 from gradalg.capture.factors import Factors, OneHot, ghost_inner, ghost_workspace_elements, materialize, self_inner
 from gradalg.curvature.kron import KronStats
@@ -167,7 +168,8 @@ def test_plan_shows_and_counts_token_blocks(setup):
     assert any(f"pairs of blocks of {BLOCK} positions" in d.reason for d in plan.decisions.of(DecisionKind.KERNEL))
     job = next(j for j in plan.jobs.values() if j.kind == "scores")
     assert job.token_block == BLOCK
-    assert job.ghost_workspace_bytes(torch.float64) == 3 * 8 * min(
+    facts = ModelFacts(dtype=torch.float64, shapes=plan.facts.shapes)         # the plan's shapes, float64 rows
+    assert job.ghost_workspace_bytes(facts) == 3 * 8 * min(
         job.slice_elements, job.held.n * job.streams[0].n * BLOCK * BLOCK)
     with pytest.raises(ga.errors.OptionError):
         ga.options(token_block=0)
