@@ -18,7 +18,7 @@ from .cost import Cost, _si, tokens_hint
 from .decisions import Decision, DecisionKind
 from .facts import Facts
 from .lower import ROW_WISE, stream_root
-from .memory import capture_bytes_per_example
+from .memory import capture_bytes_per_example, flattened_rows_bytes
 from .jobs import FisherJob, KronStatisticsJob, StoreJob
 from .schedule import Pass, Schedule
 from .shapes import element_size
@@ -150,7 +150,8 @@ class _Sizer:
             key = self.facts.share_key(src)
             total += capture_bytes_per_example(src, dtype, forward_shared=key is not None and key in forwards)
             forwards.add(key)
-        return total + sum(job.per_example_bytes(dtype) for job in jobs)
+        return (total + sum(job.per_example_bytes(dtype) for job in jobs)
+                + flattened_rows_bytes([s for job in jobs for s in job.streams], dtype))
 
     def rowwise_cost(self, jobs, n: int, chunk, base: set, reads_data: bool) -> Cost:
         """The row-wise transforms the pass derives from the rows it reads (``base``: their
