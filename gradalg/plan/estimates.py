@@ -46,7 +46,7 @@ from .devices import UNMEASURED_CPU as NOMINAL, DeviceProfile
 from .memory import positions, rows_of
 from .shapes import activation_bytes, attention_shape, element_size, output_width, rows_per_example, weight_layers
 
-__all__ = ["capture_cost", "pass_capture_cost", "chunk_count", "resolve_once", "apply_cost", "OperatorPrices", "resolve_cost",
+__all__ = ["capture_cost", "pass_capture_cost", "chunk_count", "resolve_once", "resolve_bytes", "apply_cost", "OperatorPrices", "resolve_cost",
            "project_cost", "RowPrices", "rowwise_cost",
            "kernel_costs", "elementwise_cost", "pass_overhead", "ADAM_OPS"]
 
@@ -567,6 +567,25 @@ def kernel_costs(n_held: int, n_stream: int, chunk: int, TL: int, TR: int, n_in:
     dense = (dense_cost(n_held, c, TL, TR, n_in, n_out, True, elem).scaled(chunks)
              + materialize_cost(n_held, TL, n_in, n_out, elem))
     return {"ghost": ghost, "dense": dense}
+
+
+def resolve_bytes(op) -> float:
+    """Peak working bytes of resolving ``op`` where it is applied (beside what the pass
+    holds): an inverse or power of a dense or block matrix is
+    :func:`~gradalg.linalg.base.sym_eig_map` on each matrix, one at a time: its float64
+    copy and symmetrized copy, the eigenvectors, LAPACK's workspace (syevd: ≈ 2·d² numbers),
+    then the scaled eigenvectors and their product, about 32·d² bytes for the widest d
+    (measured 35·d² at d = 4096 with the input's damped copy). Kronecker operators resolve
+    per factor in their own jobs (:mod:`gradalg.plan.jobs.kron`): 0 here."""
+    try:
+        rules = set(op.labels().rules)
+    except OperatorError:
+        return 0.0
+    for form, names in _EIGH_RULES.items():
+        if rules & set(names):
+            d = max(b.dim for b in op.space.blocks) if form == "block" else op.space.dim
+            return 32.0 * d * d
+    return 0.0
 
 
 def resolve_once(op, resolved: set | None) -> Cost:

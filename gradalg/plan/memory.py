@@ -27,7 +27,7 @@ from typing import Mapping
 
 from ..capture.factors import Factors
 from ..errors import MemoryBudgetError
-from ..expr import Captured, Project, Source
+from ..expr import Captured, Precondition, Project, Source
 from ..expr.stored import Stored
 from ..expr.lowrank import lowrank_below
 from ..expr.tokens import token_rows
@@ -38,7 +38,7 @@ from .shapes import ModelFacts, activation_bytes, forward_shapes, output_bytes, 
 
 __all__ = ["positions", "rows_of", "rows_bytes", "capture_bytes_per_example", "stream_workspace_bytes",
            "statistics_bytes", "check_statistics_fit", "captured_positions", "projection_map_decisions",
-           "projection_workspace_bytes"]
+           "projection_workspace_bytes", "flattened_rows_bytes"]
 
 
 def positions(node, shapes: Mapping) -> dict[str, int]:
@@ -194,6 +194,24 @@ def projection_workspace_bytes(node, facts: ModelFacts) -> float:
             adam = type(x.grads).__name__ == "AdamPrecondition"
             out = max(out, (4.0 if adam else 2.0) * elem * widest)
         x = x.grads
+    return out
+
+
+def flattened_rows_bytes(streams, dtype) -> float:
+    """Working bytes per example of an operator applied to rows below a projection
+    (``Precondition`` under a ``Project``: TrackStar's 1/(√v̂ + ε) before its projection):
+    ``Precondition.apply`` flattens the whole space of its input and writes the product,
+    2·d numbers per example (d: the whole space's dimension, 10⁸ on a real-size LM, where
+    a projection alone holds 2·d_b of one block). Jobs of one pass that read the same rows
+    derive them once, so a pass counts the largest over all its jobs' streams, once."""
+    elem, out = element_size(dtype), 0.0
+    for node in streams:
+        below_projection, x = False, node
+        while x is not None and hasattr(x, "grads"):
+            if below_projection and isinstance(x, Precondition):
+                out = max(out, 2.0 * elem * x.space.dim)
+            below_projection = below_projection or isinstance(x, Project)
+            x = x.grads
     return out
 
 

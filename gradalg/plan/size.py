@@ -10,7 +10,7 @@ from dataclasses import replace
 from torch.utils.data import DataLoader
 
 from ..errors import MemoryBudgetError
-from ..expr import Project, Source
+from ..expr import Precondition, Project, Source
 from ..expr.tokens import token_rows
 from ..options import CPU_BATCH_TOKENS
 from . import estimates
@@ -18,7 +18,7 @@ from .cost import Cost, _si, tokens_hint
 from .decisions import Decision, DecisionKind
 from .facts import Facts
 from .lower import ROW_WISE, stream_root
-from .memory import capture_bytes_per_example
+from .memory import capture_bytes_per_example, flattened_rows_bytes
 from .jobs import FisherJob, KronStatisticsJob, StoreJob
 from .schedule import Pass, Schedule
 from .blocks import as_captured, storage
@@ -66,27 +66,37 @@ def _over_budget(message: str, needed: float) -> MemoryBudgetError:
     return err
 
 
-def _fewer_queries_fit(jobs, per_ex: float, budget: float, facts: Facts) -> bool:
+def _fewer_queries_fit(jobs, per_ex: float, budget: float, facts: Facts, resolving: float = 0.0) -> bool:
     """Whether holding fewer rows (fewer queries per call) can fit the pass: the
     statistics (K-FAC / EK-FAC factors, a formed Fisher) and the projection tables do not
     shrink with the queries, so when they and one example exceed the budget alone, that
-    fix would fail as written and the refusal does not offer it."""
+    fix would fail as written and the refusal does not offer it; nor does an operator's
+    resolution (``resolving``: :meth:`_Sizer.resolving_bytes`)."""
     stats = sum(j.fixed_bytes(facts) for j in jobs if isinstance(j, (KronStatisticsJob, FisherJob)))
-    return stats + table_bytes(jobs) + per_ex <= budget
+    return stats + table_bytes(jobs) + resolving + per_ex <= budget
 
 
-def _refuse(p: Pass, jobs, fixed: float, per_ex: float, budget: float, facts: Facts) -> MemoryBudgetError:
+def _refuse(p: Pass, jobs, fixed: float, per_ex: float, budget: float, facts: Facts,
+            resolving: float = 0.0) -> MemoryBudgetError:
     """Held rows and statistics alone over the budget: refused before anything runs."""
     parts = "".join(f" ({a})" for a in (j.bytes_arithmetic(facts) for j in jobs) if a)
     tables = table_bytes(jobs)
     parts += f" (sparse projection tables {_si(tables)}B)" if tables else ""
-    fewer = "use fewer queries per call, " if _fewer_queries_fit(jobs, per_ex, budget, facts) else ""
+    parts += _resolving_part(resolving)
+    fewer = "use fewer queries per call, " if _fewer_queries_fit(jobs, per_ex, budget, facts, resolving) else ""
+    smaller = "project to a smaller k, " if resolving else ""
     return _over_budget(f"{p.label}: held rows and statistics take {_si(fixed)}B{parts}, over the memory budget "
-                        f"of {_si(budget)}B: {fewer}project the gradients (ga.proj.kron), "
+                        f"of {_si(budget)}B: {fewer}{smaller}project the gradients (ga.proj.kron), "
                         "or raise ga.options(memory_budget=...)", fixed + per_ex)
 
 
-def _batch_size(p: Pass, sources, fixed: float, per_ex: float, facts: Facts) -> tuple[int, str, Decision]:
+def _resolving_part(resolving: float) -> str:
+    return (f" (resolving an operator {_si(resolving)}B: a d × d eigendecomposition in float64, 32·d² bytes, "
+            "which a smaller projection dimension k shrinks)") if resolving else ""
+
+
+def _batch_size(p: Pass, sources, fixed: float, per_ex: float, facts: Facts,
+                resolving: float = 0.0) -> tuple[int, str, Decision]:
     """``(batch size, note, BATCH_SIZE decision)`` of a pass over data: the data's own
     batch size, else the smallest of ``ga.options(batch_size)``, what fits the memory
     budget beside ``fixed`` held bytes at ``per_ex`` bytes per example, and
@@ -106,10 +116,12 @@ def _batch_size(p: Pass, sources, fixed: float, per_ex: float, facts: Facts) -> 
                                f"the memory budget of {_si(budget)}B. They grow with the positions per example, "
                                "not with the queries or a projection: use shorter sequences, or raise "
                                "ga.options(memory_budget=...)", fixed + per_ex)
-        fewer = "use fewer queries per call, " if _fewer_queries_fit(p.jobs, per_ex, budget, facts) else ""
-        raise _over_budget(f"{p.label}: held rows and statistics take {_si(fixed)}B and one example's factors and "
-                           f"activations {_si(per_ex)}B, over the memory budget of {_si(budget)}B. Project the "
-                           f"gradients (ga.proj.kron), {fewer}or raise ga.options(memory_budget=...)", fixed + per_ex)
+        fewer = "use fewer queries per call, " if _fewer_queries_fit(p.jobs, per_ex, budget, facts, resolving) else ""
+        smaller = "project to a smaller k, " if resolving else ""
+        raise _over_budget(f"{p.label}: held rows and statistics take {_si(fixed)}B{_resolving_part(resolving)} and "
+                           f"one example's factors and activations {_si(per_ex)}B, over the memory budget of "
+                           f"{_si(budget)}B. Project the gradients (ga.proj.kron), {smaller}{fewer}or raise "
+                           "ga.options(memory_budget=...)", fixed + per_ex)
     fit = int((budget - fixed) // max(per_ex, 1.0))
     tokens, T, by_tokens = _batch_tokens(sources, o)
     batch = max(1, min(o.batch_size, fit, by_tokens or o.batch_size))
@@ -149,7 +161,22 @@ class _Sizer:
             key = self.facts.share_key(src)
             total += capture_bytes_per_example(src, self.facts, forward_shared=key is not None and key in forwards)
             forwards.add(key)
-        return total + sum(job.per_example_bytes(self.facts) for job in jobs)
+        return (total + sum(job.per_example_bytes(self.facts) for job in jobs)
+                + flattened_rows_bytes([s for job in jobs for s in job.streams], self.facts.dtype))
+
+    def resolving_bytes(self, jobs) -> float:
+        """The working set of the operators this pass applies and no earlier pass resolved
+        (:func:`~gradalg.plan.estimates.resolve_bytes`: a dense or block inverse or power,
+        32·d²; TrackStar's R^{-1/2} at k = 4096 takes 0.54 GB), the largest: they are
+        resolved one at a time, beside what the pass holds."""
+        ops = []
+        for job in jobs:
+            for s in job.streams:
+                ops += [x.op for x in s.walk() if isinstance(x, Precondition)]
+            scores = getattr(getattr(job, "target", None), "scores", None)
+            if getattr(scores, "op", None) is not None:
+                ops.append(scores.op)
+        return max((estimates.resolve_bytes(op) for op in ops if op.token not in self.resolved), default=0.0)
 
     def rowwise_cost(self, jobs, n: int, chunk, base: set, reads_data: bool) -> Cost:
         """The row-wise transforms the pass derives from the rows it reads (``base``: their
@@ -188,12 +215,13 @@ class _Sizer:
         sizing = [replace(j, release_held=False) if getattr(j, "release_held", False) else j for j in p.jobs]
         sources = _sources(p.jobs) if p.reads_data else []
         per_ex = self.per_example_bytes(sizing, sources)
-        fixed = sum(job.fixed_bytes(facts) for job in sizing) + table_bytes(sizing)
+        resolving = self.resolving_bytes(sizing)
+        fixed = sum(job.fixed_bytes(facts) for job in sizing) + table_bytes(sizing) + resolving
         if fixed > o.memory_budget:
-            raise _refuse(p, sizing, fixed, per_ex, o.memory_budget, facts)
+            raise _refuse(p, sizing, fixed, per_ex, o.memory_budget, facts, resolving)
         batch, note, cost = None, "", Cost()
         if p.reads_data:
-            batch, note, decision = _batch_size(p, sources, fixed, per_ex, facts)
+            batch, note, decision = _batch_size(p, sources, fixed, per_ex, facts, resolving)
             self.decisions.append(decision)
             cost = estimates.pass_capture_cost(sources, o, dtype, facts.share_key, batch, facts.device)
             n, chunk = sources[0].data.n, batch

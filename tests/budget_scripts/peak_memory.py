@@ -137,8 +137,28 @@ def gpt2_held_queries(n):
     return scores
 
 
+def gpt2_trackstar(n):
+    """TrackStar at its defaults on a small GPT-2 (block linears: 1.6 M coordinates, wider
+    than its k = 4096, so its rows are corrected by Adam's 1/(√v̂ + ε) as flat rows and
+    then projected), 16-token sequences; the optimizer after one step on 4 sequences."""
+    model = models.gpt2(dtype=torch.float32, n_layer=2, n_embd=256)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 101, (n + 4, 16), generator=g)
+    mask = torch.ones_like(ids)
+    task = models.lm_task(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    task.summed_loss(model, (ids[:4], mask[:4])).backward()
+    opt.step()
+    model.zero_grad(set_to_none=True)
+
+    def scores(m):
+        return ga.methods.trackstar(task, (ids[:m], mask[:m]), (ids[n:], mask[n:]), optimizer=opt)
+    return scores
+
+
 CASES = {"conv_ekfac": (conv_ekfac, 400), "mlp_classes": (mlp_classes, 1500), "gpt2_logra": (gpt2_logra, 300),
-         "llama_kfac": (llama_kfac, 200), "gpt2_held_queries": (gpt2_held_queries, 48)}
+         "llama_kfac": (llama_kfac, 200), "gpt2_held_queries": (gpt2_held_queries, 48),
+         "gpt2_trackstar": (gpt2_trackstar, 64)}
 
 
 def isolate_pass_peaks() -> list[dict]:
