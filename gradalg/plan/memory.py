@@ -34,7 +34,7 @@ from ..expr.tokens import token_rows
 from .budget import suggest_budget
 from .cost import _si, tokens_hint
 from .decisions import Decision, DecisionKind
-from .shapes import ModelFacts, activation_bytes, forward_shapes, output_bytes, rows_per_example
+from .shapes import ModelFacts, activation_bytes, element_size, forward_shapes, output_bytes, rows_per_example
 
 __all__ = ["positions", "rows_of", "rows_bytes", "capture_bytes_per_example", "stream_workspace_bytes",
            "statistics_bytes", "check_statistics_fit", "captured_positions", "projection_map_decisions",
