@@ -391,7 +391,7 @@ def method_rows(p: Prepared):
     yield "less", "3 Adam checkpoints, sparse k=8192", lambda: m.less(
         *_checkpoints(p, "less"), tr, qu, np.arange(len(qu)), layers=L, projector=ga.proj.sparse(8192, seed=0))
     # TrackStar at the run's last checkpoint (the final model and its Adam state), train R only
-    yield "trackstar", defaults(m.trackstar, "k", "relative_damping") + ", final Adam state", lambda: m.trackstar(
+    yield "trackstar", defaults(m.trackstar, "k", "damping") + ", final Adam state", lambda: m.trackstar(
         _checkpoints(p, "less")[0][-1], tr, qu, optimizer=_checkpoints(p, "less")[1][-1], layers=L)
     yield magic
 

@@ -415,7 +415,7 @@ def method_rows(s: Setting, model, snapshots):
     yield "tracin", f"defaults, {len(tasks)} Adam checkpoints", lambda: m.tracin(tasks, lrs, tr, qu)
     yield "less", _defaults("less", "k") + f", {len(tasks)} Adam checkpoints", \
         lambda: m.less(tasks, optimizers, lrs, tr, qu, np.arange(s.n_query))
-    yield "trackstar", _defaults("trackstar", "k", "relative_damping") + ", final Adam state", \
+    yield "trackstar", _defaults("trackstar", "k", "damping") + ", final Adam state", \
         lambda: m.trackstar(tasks[-1], tr, qu, optimizer=optimizers[-1])
     # issue 31 item 4: every parameter the capture can attribute (embeddings, an untied head,
     # norms) in the curvature, beside the default layers' rows above

@@ -395,7 +395,7 @@ def method_rows(p: Prepared):
         checkpoints(p)[0], checkpoints(p)[2], tr, qu)
     yield "less", defaults(m.less, "k") + ", 3 Adam checkpoints", lambda: m.less(
         *checkpoints(p), tr, qu, np.arange(len(qu)))
-    yield "trackstar", defaults(m.trackstar, "k", "relative_damping") + ", final Adam state", lambda: m.trackstar(
+    yield "trackstar", defaults(m.trackstar, "k", "damping") + ", final Adam state", lambda: m.trackstar(
         checkpoints(p)[0][-1], tr, qu, optimizer=checkpoints(p)[1][-1])
     # fidelity_lm's variants
     yield "influence", "EK-FAC", lambda: m.influence(task, tr, qu, curvature="ekfac")
