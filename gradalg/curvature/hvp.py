@@ -137,7 +137,8 @@ def dataset_matvec(task, data: DataRef, layers, *, kind: str = "hessian", batch_
 
 @contextlib.contextmanager
 def eval_mode(model: nn.Module):
-    """The model in eval mode for the products, its training flag restored after."""
+    """The model in eval mode (dropout off, BatchNorm frozen) for attribution: the capture
+    passes and the curvature products; its training flag restored after."""
     was_training = model.training
     model.eval()
     try:

@@ -20,6 +20,7 @@ from ..data import batch_size_of
 from ..finite import check_model, check_rows as check_finite
 from ..expr import Source
 from ..capture.chunks import Chunk
+from ..curvature.hvp import eval_mode
 
 __all__ = ["SourceCapture", "PassCapture", "SharedForward", "model_device_dtype", "eval_mode"]
 
@@ -28,17 +29,6 @@ def model_device_dtype(model):
     for p in model.parameters():
         return p.device, p.dtype
     return torch.device("cpu"), torch.float32
-
-
-@contextlib.contextmanager
-def eval_mode(model):
-    """Attribution runs with dropout off and BatchNorm frozen; the mode is restored after."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
 
 
 class SourceCapture:
