@@ -162,17 +162,26 @@ class OperatorPrices:
         from the right; an identity basis, the side of a factor wider than
         ``options.kron_diagonal_width``, costs nothing) plus each block's fixed cost
         (``block_cost("precondition", …)``: casts, scaling); a low-rank one as rank d; one
-        known through products as a dense GEMM (its own ``apply_cost`` says better)."""
+        known through products as a dense GEMM (its own ``apply_cost`` says better). A
+        dense or block matrix adds its cast to the rows' dtype (:meth:`matrix_cast`)."""
         form, elem, d = form_of(labels), self.elem, space.dim
         if form == "diagonal":
             return Cost(flops=float(n * d), bytes=3.0 * elem * n * d)
         if form == "block":
-            return sum((gemm_cost(n, b.dim, b.dim, 1, elem) for b in space.blocks), Cost())
+            return sum((gemm_cost(n, b.dim, b.dim, 1, elem) + self.matrix_cast(b.dim) for b in space.blocks), Cost())
         if form == "kronecker":
             return self._kronecker(space, n)
         if form == "low-rank":
             return self.low_rank(space, n, d)
-        return gemm_cost(n, d, d, 1, elem)         # dense; implicit priced as dense
+        return gemm_cost(n, d, d, 1, elem) + self.matrix_cast(d)         # dense; implicit priced as dense
+
+    def matrix_cast(self, d: int) -> Cost:
+        """A resolved dense or block matrix (d, d) is kept in float64 (its inverse or power
+        comes from a float64 eigendecomposition, :mod:`gradalg.linalg.explicit`) and cast to
+        the rows' dtype on each application: 8·d² bytes read, elem·d² written (nothing for
+        float64 rows; the copy is fresh memory, faulted in). On a few rows this is most of the work (TrackStar's R^-1/2 at
+        k = 4096: 0.2 GB per application, where the GEMM's FLOPs price 2 ms)."""
+        return Cost() if self.elem == 8 else Cost(bytes=(8.0 + self.elem) * d * d, faulted=float(self.elem) * d * d)
 
     def _kronecker(self, space, n: int) -> Cost:
         elem, diagonal_width = self.elem, getattr(self.options, "kron_diagonal_width", None)
