@@ -37,7 +37,7 @@ import torch
 from ..capture.factors import dense_flops, ghost_flops
 from ..expr.tokens import token_rows
 
-__all__ = ["Cost", "first_example_shape", "tokens_hint", "gemm_cost", "bmm_cost",
+__all__ = ["Cost", "first_example_shape", "tokens_hint", "data_tokens_hint", "gemm_cost", "bmm_cost",
            "gram_cost", "ghost_cost",
            "dense_cost", "materialize_cost", "kron_project_cost", "fisher_cost", "eigh_cost", "block_cost",
            "svd_cost", "SVD_GEMMS"]
@@ -269,7 +269,13 @@ def tokens_hint(node) -> int:
     if token_rows(node) > 1:
         return 1  # per-token rows (ga.GradientSet.per_token): one position each
     data = getattr(node.source, "data", None)
-    first = first_example_shape(data) if data is not None else None
+    return data_tokens_hint(data) if data is not None else 1
+
+
+def data_tokens_hint(data) -> int:
+    """Positions per example T of ``data``: the second dimension of an integer first
+    tensor (token ids), else 1."""
+    first = first_example_shape(data)
     if first is not None and len(first[0]) == 2 and not first[1].is_floating_point:
         return int(first[0][1])
     return 1

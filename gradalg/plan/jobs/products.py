@@ -25,12 +25,13 @@ from typing import ClassVar
 import torch
 
 from ...curvature.hvp import Products, eval_mode
-from ..cost import Cost, bmm_cost, first_example_shape, gemm_cost
+from ..cost import Cost, bmm_cost, data_tokens_hint, gemm_cost
+from ..estimates import _leaf_modules
 from ..rules import PlanError
 from ..shapes import activation_bytes, attention_shape, element_size, weight_layers
 from .base import Job
 
-__all__ = ["ProductsJob", "ProductSums", "ProductPass", "PRODUCT_SWEEPS", "positions"]
+__all__ = ["ProductsJob", "ProductSums", "ProductPass", "PRODUCT_SWEEPS"]
 
 #: per kind of product, ``(primal, tangent)``: forward-equivalents of GEMM work per batch
 #: (one forward of a weight layer = one GEMM (B·T, out, in); its backward = two, the input
@@ -44,15 +45,6 @@ __all__ = ["ProductsJob", "ProductSums", "ProductPass", "PRODUCT_SWEEPS", "posit
 #: backward (2) = 4. (Under ``vmap`` the primal runs once for the m vectors; the loop
 #: fallback for models ``vmap`` cannot batch runs it per vector.)
 PRODUCT_SWEEPS = {"hessian": (3, 6), "gauss_newton": (2, 4)}
-
-
-def positions(data) -> int:
-    """Positions per example T of ``data``: the second dimension of an integer first
-    tensor (token ids), else 1 (as :func:`~gradalg.plan.cost.tokens_hint` reads a source's)."""
-    first = first_example_shape(data)
-    if first is not None and len(first[0]) == 2 and not first[1].is_floating_point:
-        return int(first[0][1])
-    return 1
 
 
 @dataclass(eq=False, frozen=True)
@@ -107,7 +99,7 @@ class ProductsJob(Job):
         """One call: one pass over the data (:meth:`stream_cost`)."""
         t, elem = self.target, element_size(dtype)
         model, n, m = t.task.model, t.data.n, self.vectors
-        T = positions(t.data)
+        T = data_tokens_hint(t.data)
         B = max(1, min(self.batch, n))
         batches = -(-n // B)
         primal, tangent = PRODUCT_SWEEPS[t.kind]
@@ -132,7 +124,7 @@ class ProductsJob(Job):
         """What autograd keeps per example: the activations, once for the primal and once
         per vector's tangent (a lower bound, as :func:`~gradalg.plan.shapes.activation_bytes`)."""
         t = self.target
-        return activation_bytes(t.task.model, positions(t.data), facts.elem) * (1 + self.vectors)
+        return activation_bytes(t.task.model, data_tokens_hint(t.data), facts.elem) * (1 + self.vectors)
 
     def output_bytes(self, n: int) -> float:
         return 8.0 * self.vectors * self.target.space.dim
@@ -143,10 +135,6 @@ class ProductsJob(Job):
 
     def publish(self, result, state) -> None:
         state.results[self.key] = result
-
-
-def _leaf_modules(model) -> int:
-    return sum(1 for mod in model.modules() if not any(True for _ in mod.children()))
 
 
 class ProductSums:
