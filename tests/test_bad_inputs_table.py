@@ -213,6 +213,7 @@ def preshifted(it):
 # (id, call, expected, reference): reference() gives the number the call must equal (WORKS rows)
 REF_LM = lambda: lm_rows(items())                     # noqa: E731
 REF_MLP = lambda: mlp_rows(XY)                        # noqa: E731
+IDS = torch.randint(1, VOCAB, (4, 5), generator=torch.Generator().manual_seed(3))
 
 TABLE = [
     # ---- LM batches: ga.grads over ga.tasks.causal_lm
@@ -250,6 +251,9 @@ TABLE = [
     ("lm float labels", lambda: lm_rows(with_(items(), "labels", lambda it: it["input_ids"].to(F64))), REFUSE, "integer"),
     ("lm longer than the model's positions", lambda: lm_rows([{"input_ids": torch.randint(1, VOCAB, (L,))} for L in (5, 40, 6)]), REFUSE, "max_position_embeddings"),
     ("lm tuple batches", lambda: lm_rows(TensorDataset(torch.randint(1, VOCAB, (4, 5)))), REFUSE, "dict"),
+    ("lm a bare (N, T) id tensor", lambda: lm_rows(IDS), REFUSE, "{'input_ids': ids}"),
+    ("lm the message's fix for a bare id tensor", lambda: lm_rows({"input_ids": IDS}), WORKS,
+     lambda: lm_rows([{"input_ids": r} for r in IDS])),
     ("lm completion_only without fields", lambda: rows(ga.grads(ga.tasks.causal_lm(lm().model, completion_only=True), items(), layers=LM_LAYERS)), REFUSE, "completion_mask"),
     ("lm prompt_length of another count", lambda: rows(ga.grads(ga.tasks.causal_lm(lm().model, completion_only=True), {"input_ids": torch.randint(1, VOCAB, (3, 5)), "prompt_length": torch.tensor([[1, 2, 1]]).T.repeat(1, 2)}, layers=LM_LAYERS)), REFUSE, "prompt_length"),
     ("lm collate_fn that drops an example", lambda: lm_rows(DataLoader(items(), batch_size=2, collate_fn=dropping)), REFUSE, "collate_fn"),

@@ -23,7 +23,7 @@ from ..errors import BatchContentError, OptionError
 IGNORE = -100
 PADDING_SIDES = ("right", "left")
 
-__all__ = ["IGNORE", "PADDING_SIDES", "field", "real_mask", "check_padding", "check_counted",
+__all__ = ["IGNORE", "PADDING_SIDES", "not_a_dict", "field", "real_mask", "check_padding", "check_counted",
            "position_ids", "token_nll", "token_margin", "sampled_targets", "content_keys", "model_logits"]
 
 
@@ -38,12 +38,29 @@ def _id_text(rows, ids) -> str:
     return ("example ids " if ids is not None else "batch rows ") + str(shown[:10]) + more
 
 
+def not_a_dict(batch, task: str) -> BatchContentError:
+    """The error for a batch that is not a dict of fields, naming what it is.
+
+    Tensors passed as the data (``ids`` (N, T), or ``(ids, labels)``) reach the task as a
+    list of batch tensors, which carries no field names: the message says so and gives the
+    dict spelling of the same data."""
+    if isinstance(batch, (list, tuple)) and batch and all(isinstance(t, torch.Tensor) for t in batch):
+        shapes = ", ".join(str(tuple(t.shape)) for t in batch)
+        got = (f"unnamed tensors {shapes} (the data was passed as a tensor or a tuple of tensors), so "
+               "gradalg cannot tell the token ids from the rest")
+        fix = ("pass a dict of tensors with the examples along dimension 0, e.g. {'input_ids': ids} or "
+               "{'input_ids': ids, 'attention_mask': mask, 'labels': labels}")
+    else:
+        got = f"a {type(batch).__name__}"
+        fix = "pass a dict of tensors, a list of dicts, or a datasets.Dataset in torch format"
+    return BatchContentError(f"ga.tasks.{task} takes dict batches (HF style: input_ids, attention_mask, labels), "
+                             f"got {got}; {fix}")
+
+
 def field(batch, name: str, task: str, hint: str = "") -> torch.Tensor:
     """``batch[name]``, or a :class:`BatchContentError` naming the fields there are."""
     if not isinstance(batch, Mapping):
-        raise BatchContentError(f"ga.tasks.{task} takes dict batches (HF style: input_ids, attention_mask, "
-                                f"labels), got a {type(batch).__name__}; pass a list of dicts, a datasets.Dataset "
-                                "in torch format, or a dict of tensors")
+        raise not_a_dict(batch, task)
     if name not in batch:
         raise BatchContentError(f"ga.tasks.{task}: the batch has no {name!r} field (it has "
                                 f"{sorted(batch)}){hint}")

@@ -33,6 +33,7 @@ from collections.abc import Mapping
 import torch
 
 from ..errors import BatchContentError, GradalgError
+from .tokens import not_a_dict
 
 __all__ = ["token_batch", "class_labels", "pair_field", "input_vocab", "output_vocab", "max_positions", "IGNORE"]
 
@@ -268,9 +269,7 @@ def token_batch(batch, task: str, model=None, *, labels: str | None = None, ids=
     ids : the batch's example ids, for the messages (batch rows when None).
     """
     if not isinstance(batch, Mapping):
-        raise BatchContentError(f"ga.tasks.{task} takes dict batches (HF style: input_ids, attention_mask, "
-                                f"labels), got a {type(batch).__name__}; pass a list of dicts, a datasets.Dataset "
-                                "in torch format, or a dict of tensors")
+        raise not_a_dict(batch, task)
     if "input_ids" not in batch:
         raise BatchContentError(f"ga.tasks.{task}: the batch has no 'input_ids' field (it has {sorted(batch)})")
     out = dict(batch)
