@@ -52,8 +52,10 @@ def row_quadratic(op, left: dict, space, right: dict | None = None) -> torch.Ten
         for start in range(0, n, step):
             rows = slice(start, min(n, start + step))
             L = flat_block(left[b.name][rows])   # factored rows: both A and D sliced (Factors[rows])
-            R = L if right is None and not isinstance(left[b.name], Factors) else \
-                (left if right is None else right)[b.name][rows]
+            R = (left if right is None else right)[b.name][rows]
+            if not (isinstance(R, Factors) and R.D.dtype == L.dtype):
+                # flat rows in L's precision (half-precision rows in float32, as the flat path)
+                R = L if right is None else flat_block(R).to(L.dtype)
             if isinstance(R, torch.Tensor) and all(q is None for q in op.bases[b.name]):
                 R = R.clone()   # no basis on either side: apply_block would scale the caller's rows in place
             image = op.apply_block(b.name, R)
