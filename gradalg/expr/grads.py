@@ -22,6 +22,7 @@ from ..capture.hooks import resolve_layers
 from ..data import DataRef
 from ..space import Block, ParamSpace
 from ..errors import GradalgError, OptionError
+from ..linalg.quadratic import row_quadratic
 from .base import Node
 from .projection import Projector
 
@@ -295,29 +296,27 @@ class Normalize(_RowMap):
 
     @property
     def representation(self):
-        rep = self.grads.representation
-        if self.op is None:
-            return rep
-        # the metric's ⟨g, H g⟩ needs the flat rows: the executor materializes factored blocks
-        return {k: ("projected" if v == "projected" else "dense") for k, v in rep.items()}
+        """The rows' own: each row is scaled, factored blocks by their output gradients
+        (with H too: ⟨g, H g⟩ is computed block by block, the rows are not kept flat)."""
+        return self.grads.representation
 
     def apply(self, chunk, ctx):
         """Rows scaled by 1/‖G_i‖ (0 for a zero row); factored blocks by their output
-        gradients. With H: the rows flattened, (c, d), and ⟨g, H g⟩ from H applied."""
+        gradients. With H: ⟨g, H g⟩ by :func:`~gradalg.linalg.quadratic.row_quadratic`,
+        a block at a time where H acts per block (K-FAC / EK-FAC: a few (c, d_b) arrays of
+        the widest block, not the (c, d) flat rows and their image), then the rows scaled
+        the same way."""
+        o = ctx.options
         if self.op is None:
-            o = ctx.options
-            norms = row_sq_norms(chunk, o.ghost_slice_elements, o.token_block).sqrt()
-            inv = torch.where(norms > 0, 1.0 / norms, torch.zeros_like(norms))
-            return chunk.replace({n: ctx.scale_rows(v, inv) for n, v in chunk.blocks.items()})
-        metric = ctx.resolve(self.op)
-        x = flatten(chunk, self.space)
-        sq = (x * metric.apply(x).to(x.dtype)).sum(1)
-        if bool((sq < 0).any()):
-            raise GradalgError("the normalizing operator gave a negative ⟨g, H g⟩: it must be "
-                               "positive semi-definite (damp it)")
+            sq = row_sq_norms(chunk, o.ghost_slice_elements, o.token_block)
+        else:
+            sq = row_quadratic(ctx.resolve(self.op), chunk.blocks, self.space)
+            if bool((sq < 0).any()):
+                raise GradalgError("the normalizing operator gave a negative ⟨g, H g⟩: it must be "
+                                   "positive semi-definite (damp it)")
         norms = sq.sqrt()
         inv = torch.where(norms > 0, 1.0 / norms, torch.zeros_like(norms))
-        return chunk.replace(unflatten(x * inv.unsqueeze(1), self.space))
+        return chunk.replace({n: ctx.scale_rows(v, inv) for n, v in chunk.blocks.items()})
 
     def row_cost(self, n, chunk, prices):
         """Squared norms (one read; factored blocks by their ghost identity) and the rows

@@ -27,10 +27,11 @@ from typing import Mapping
 
 from ..capture.factors import Factors
 from ..errors import MemoryBudgetError
-from ..expr import Captured, Precondition, Project, Source
+from ..expr import Captured, Normalize, Precondition, Project, Source
 from ..expr.stored import Stored
 from ..expr.lowrank import lowrank_below
 from ..expr.tokens import token_rows
+from ..linalg.labels import form_of
 from .budget import suggest_budget
 from .cost import _si, tokens_hint
 from .decisions import Decision, DecisionKind
@@ -38,7 +39,7 @@ from .shapes import ModelFacts, activation_bytes, element_size, forward_shapes, 
 
 __all__ = ["positions", "rows_of", "rows_bytes", "capture_bytes_per_example", "stream_workspace_bytes",
            "statistics_bytes", "check_statistics_fit", "captured_positions", "projection_map_decisions",
-           "projection_workspace_bytes", "flattened_rows_bytes"]
+           "projection_workspace_bytes", "flattened_rows_bytes", "quadratic_form_bytes", "metric_normalize_bytes"]
 
 
 def positions(node, shapes: Mapping) -> dict[str, int]:
@@ -215,12 +216,43 @@ def flattened_rows_bytes(streams, dtype) -> float:
     return out
 
 
+def quadratic_form_bytes(op, space, elem: float) -> float:
+    """Working bytes per row of ``q_i = ⟨L_i, H R_i⟩``
+    (:func:`~gradalg.linalg.quadratic.row_quadratic`: RelatIF's ``normalize(metric=H)``, a
+    self-influence's diagonal), H = ``op``: for a Kronecker H (K-FAC / EK-FAC), applied a
+    block at a time, 5·d_b numbers of the widest block b (its rows rotated in, scaled,
+    rotated back through one intermediate, the flat rows and their product); for any other
+    H, applied to the concatenated rows, 3·d (the flat rows, their image, the product).
+    (Before, the flat path ran for every H: 3·d per row at 85 M coordinates, 8 rows a chunk,
+    was 8 GB the plans of RelatIF and self-influence on GPT-2 small did not count.)"""
+    if form_of(op.labels().labels) == "kronecker":
+        return 5.0 * elem * max((b.dim for b in space.blocks), default=0)
+    return 3.0 * elem * space.dim
+
+
+def metric_normalize_bytes(streams, dtype) -> float:
+    """Working bytes per example of the metric normalizations (``Normalize`` with an
+    operator) in the row-wise chains of ``streams``: :func:`quadratic_form_bytes`, the
+    largest; each row is then scaled in place of the rows (factored ones by their output
+    gradients), so nothing of d is kept."""
+    elem, out = element_size(dtype), 0.0
+    for node in streams:
+        x = node
+        while x is not None and hasattr(x, "grads"):
+            if isinstance(x, Normalize) and x.op is not None:
+                out = max(out, rows_of(x) * quadratic_form_bytes(x.op, x.space, elem))
+            x = x.grads
+    return out
+
+
 def stream_workspace_bytes(streams, facts: ModelFacts) -> float:
     """Working bytes per example of the projections a job's ``streams`` apply
     (:func:`projection_workspace_bytes`, the largest); rows of one example's Gauss-Newton
-    terms arrive as separate chunks: counted once. Every job's
+    terms arrive as separate chunks: counted once. Plus the metric normalizations in
+    them (:func:`metric_normalize_bytes`). Every job's
     :meth:`~gradalg.plan.jobs.Job.per_example_bytes` adds its own on top."""
-    return max((projection_workspace_bytes(s, facts) for s in streams), default=0.0)
+    return (max((projection_workspace_bytes(s, facts) for s in streams), default=0.0)
+            + metric_normalize_bytes(streams, facts.dtype))
 
 
 def statistics_bytes(node) -> float:

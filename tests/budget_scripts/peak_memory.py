@@ -156,9 +156,32 @@ def gpt2_trackstar(n):
     return scores
 
 
+def _gpt2_causal(n, queries=4):
+    """A small GPT-2 whose block linears (1.6 M coordinates, the widest 263 k) take EK-FAC
+    at ``curvature="auto"``, through ``ga.tasks.causal_lm``, 16-token sequences."""
+    model = models.gpt2(dtype=torch.float32, n_layer=2, n_embd=256)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 101, (n + queries, 16), generator=g)
+    return ga.tasks.causal_lm(model), [{"input_ids": r} for r in ids]
+
+
+def gpt2_relatif(n):
+    """RelatIF at its defaults (EK-FAC): the training side normalized in the metric of H⁻¹,
+    ⟨g, H⁻¹ g⟩ per training row (issue 28: flat rows and their image, 3·d per row, unplanned)."""
+    task, items = _gpt2_causal(n)
+    return lambda m: ga.methods.relatif(task, items[:m], items[n:])
+
+
+def gpt2_self_influence(n):
+    """EK-FAC self-influence, ⟨g_z, H⁻¹ g_z⟩ per training row (the diagonal's working set)."""
+    task, items = _gpt2_causal(n)
+    return lambda m: ga.methods.self_influence(ga.methods.influence, task, items[:m], curvature="ekfac")
+
+
 CASES = {"conv_ekfac": (conv_ekfac, 400), "mlp_classes": (mlp_classes, 1500), "gpt2_logra": (gpt2_logra, 300),
          "llama_kfac": (llama_kfac, 200), "gpt2_held_queries": (gpt2_held_queries, 48),
-         "gpt2_trackstar": (gpt2_trackstar, 64)}
+         "gpt2_trackstar": (gpt2_trackstar, 64), "gpt2_relatif": (gpt2_relatif, 32),
+         "gpt2_self_influence": (gpt2_self_influence, 32)}
 
 
 def isolate_pass_peaks() -> list[dict]:

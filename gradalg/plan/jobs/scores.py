@@ -14,9 +14,10 @@ from ...capture.factors import (HALF_DTYPES, Factors, compute_dtype, ghost_inner
 from ...errors import DataError
 from ...expr.operators import Identity
 from ...expr.tokens import token_rows
+from ...linalg.quadratic import row_quadratic
 from ..cost import Cost, block_cost, dense_cost, gemm_cost, ghost_cost, materialize_cost
 from ..estimates import _factored, _flat, apply_cost, resolve_once
-from ..memory import positions, rows_bytes, rows_of
+from ..memory import positions, quadratic_form_bytes, rows_bytes, rows_of
 from ..rules import PlanError
 from ..shapes import element_size
 from .base import Job
@@ -211,8 +212,13 @@ class DiagJob(Job):
         return 8.0 * n
 
     def example_bytes(self, facts) -> float:
-        """One example's rows materialized flat, and their product (8 bytes more per coordinate)."""
-        return self.streams[0].space.dim * (facts.elem + 8.0)
+        """With an operator H: ⟨L_i, H R_i⟩'s working set (:func:`~gradalg.plan.memory.quadratic_form_bytes`:
+        a block at a time for a Kronecker H); else one example's rows materialized flat,
+        and their product (8 bytes more per coordinate)."""
+        op, space = self.target.scores.op, self.streams[0].space
+        if not isinstance(op, Identity):
+            return quadratic_form_bytes(op, space, facts.elem)
+        return space.dim * (facts.elem + 8.0)
 
     def per_example_bytes(self, facts) -> float:
         """What the job materializes per example, and the ghost norms' intermediates of
@@ -373,13 +379,15 @@ class DiagAccumulator:
         if self.same and self.resolved is None:
             self.parts.append(row_sq_norms(left, self.slice_elements, self.token_block))
             return
-        x = flatten(left, self.space)
-        y = x if right is None else flatten(right, self.space).to(x.dtype)
         if right is not None and right.ids != left.ids:
             raise DataError("the two sides of the diagonal are chunked differently; give both "
                              "the same data object and batch size")
-        if self.resolved is not None:
-            y = self.resolved.apply(y).to(x.dtype)
+        if self.resolved is not None:   # a block at a time where H acts per block (K-FAC / EK-FAC)
+            self.parts.append(row_quadratic(self.resolved, left.blocks, self.space,
+                                            None if right is None else right.blocks))
+            return
+        x = flatten(left, self.space)
+        y = x if right is None else flatten(right, self.space).to(x.dtype)
         self.parts.append((x * y).sum(1))
 
     def export(self) -> torch.Tensor:
