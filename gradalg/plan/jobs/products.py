@@ -59,7 +59,8 @@ FIXED_SCALE = {kind: sum(sweeps) / sum(PRODUCT_SWEEPS["gauss_newton"]) for kind,
 #: outside leaf modules (heads split and merged, scores, mask, softmax) each dispatched
 #: through every torch.func level. Measured with Gauss-Newton products of GPT-2 (eager
 #: attention, width 64, T = 16, one CPU thread): 4 layers cost 29 ms per batch more than 1,
-#: 9.6 ms a layer, about 120 of the 81 µs a leaf module costs, 10 of them its own leaves.
+#: 9.6 ms a layer, about 118 leaf modules' worth at the 81 µs measured per module, less the
+#: layer's 10 leaf modules counted already.
 ATTENTION_MODULES = 110
 
 
@@ -156,7 +157,8 @@ class ProductsJob(Job):
     def call_cost(self, dtype, device=None) -> Cost:
         """One call: one pass over the data (:meth:`stream_cost`), its work
         (:func:`product_work`, per batch) weighed by ``device``'s measured ``product_work``
-        and its fixed costs (:func:`product_fixed`) priced by its ``product_seconds``."""
+        (at its plain price without a device) and its fixed costs (:func:`product_fixed`),
+        which a profile prices by its ``product_seconds``."""
         t, elem = self.target, element_size(dtype)
         model, n = t.task.model, t.data.n
         B = max(1, min(self.batch, n))
