@@ -174,6 +174,23 @@ def test_sparse_projections_cost_what_their_kernels_do():
     assert sjlt.bmms == ((20, 16, 9, 1, 1, 8), (20, 3, 17, 1, 1, 8))   # one batched call of (out, in, T) per example
 
 
+def test_a_tensorsketch_is_costed_per_position_and_bin_at_the_measured_rate():
+    """TensorSketch on factors: per position its count sketches (4·elem·(out + in) bytes)
+    and k bins of FFTs, a ``"tensorsketch"`` block per position and bin, priced by the
+    profile's measured ``ts_bytes_per_bin`` at the elementwise bandwidth (was the hand-set
+    ``TS_BYTES_PER_BIN``); on flat rows k/2 bins per output row."""
+    _, task, train, _, _ = mlp()
+    G = ga.grads(task, train)
+    P = ga.proj.tensorsketch(32, 0)
+    c = E.project_cost(P(G).expr, 20, 1, elem=8, chunk=8)
+    bins = sum(count for kind, count, _ in c.blocks if kind == "tensorsketch")
+    assert bins == 20 * 1 * 32 * 2                                     # 20 rows × T = 1 × k, two blocks
+    prof = ga.plan.devices.DeviceProfile("t", 1e9, 1e9, 1e9, 1e9, elementwise_bandwidth=2e9, ts_bytes_per_bin=18.0)
+    free = dataclasses.replace(c, blocks=tuple(b for b in c.blocks if b[0] != "tensorsketch"))
+    assert prof.time_of(c) - prof.time_of(free) == pytest.approx(bins * 18.0 / 2e9)
+    assert prof.block_fixed_seconds("tensorsketch") == pytest.approx(18.0 / 2e9)
+
+
 def test_adam_preconditioning_and_normalization_are_costed_per_chunk():
     model, task, train, _, batch = mlp()
     G = ga.grads(task, train)

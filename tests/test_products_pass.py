@@ -164,3 +164,75 @@ def test_on_dask_the_products_pass_is_placed_on_the_client_as_a_typed_decision(s
     assert decision.chosen == "on the client" and not plan.placement[index].sharded
     assert decision.reason.startswith("a products pass: its solver calls it on the client")
     assert any(plan.placement[i].sharded for i, p in enumerate(plan.passes) if p.reads_data)   # the others shard
+
+
+# ------------------------------------------------------------------ calibration
+def test_a_products_call_is_priced_as_its_work_under_torch_func_plus_its_fixed_costs(setting):
+    """One call: every batch's work (GEMMs, elementwise, the rows to parameters and back)
+    priced ``product_work`` times over (its FLOPs unchanged), plus per batch the measured
+    fixed cost of torch.func's products, ``product_seconds`` = (per batch, per leaf
+    module), the Hessian's 1.5× the Gauss-Newton's (its 9 forward-equivalents to 6)."""
+    from dataclasses import replace
+    from gradalg.plan.devices import DeviceProfile
+    from gradalg.plan.jobs.products import FIXED_SCALE, product_work, weighed
+    from gradalg.plan.estimates import _leaf_modules
+
+    task, train, _ = setting
+    prof = DeviceProfile("t", 1e9, 1e9, 1e9, 1e9, elementwise_bandwidth=1e9, product_seconds=(2e-3, 3e-4),
+                         product_work=2.5)
+    plain = replace(prof, product_work=1.0)
+    assert FIXED_SCALE == {"gauss_newton": 1.0, "hessian": 1.5}
+    for kind, make in (("gauss_newton", ga.gauss_newton), ("hessian", ga.hessian)):
+        H = make(task, train)
+        with ga.options(batch_size=16):
+            plan = LocalExecutor().plan(H.expr)
+        [step] = _products_passes(plan)
+        job = step.jobs[0]
+        n, dim = 40, H.expr.space.dim
+        work = product_work(task.model, 16, 1, 1, kind, dim, 8)     # float64 model: 8 bytes a number
+        batches = 3                                                   # 40 examples in batches of 16
+        modules = _leaf_modules(task.model)
+        assert modules == 3                                           # Linear, Tanh, Linear
+        fixed = batches * FIXED_SCALE[kind] * (2e-3 + modules * 3e-4)
+        call = job.call_cost(torch.float64, prof)
+        assert call.flops == pytest.approx(work.flops * batches)     # the arithmetic shown is unchanged
+        assert prof.time_of(call, torch.float64) == pytest.approx(
+            2.5 * plain.time_of(work.scaled(batches), torch.float64) + fixed, rel=1e-9)
+        assert weighed(work, 2.5).flops == work.flops and weighed(work, 2.5).bytes == pytest.approx(2.5 * work.bytes)
+        assert n == train[0].shape[0]
+
+
+def test_the_product_rates_are_measured_with_the_profile_and_shown():
+    """The products' fixed costs and work factor are measured by the profile's own functions
+    on the package's products (:class:`~gradalg.curvature.hvp.Products`), not set by hand;
+    a measured CPU profile carries them, nominal GPU profiles say theirs, and explain()'s
+    calibration line shows them (and the TensorSketch rate)."""
+    from gradalg.plan import devices as D
+
+    per_batch, per_module = D._measure_products_fixed(seconds=0.01)
+    assert per_batch > 0 and per_module > 0
+    prof = D.replace(D.UNMEASURED_CPU, product_seconds=(per_batch, per_module))
+    assert D._measure_product_work(prof, seconds=0.01) > 0
+    assert D._measure_tensorsketch(5e9, seconds=0.01) > 0
+    assert {"product_seconds", "product_work", "ts_bytes_per_bin"} <= set(D.CALIBRATION)
+    assert D.PRESETS["h100"].product_seconds == (4e-3, 1e-4) and D.PRESETS["h100"].product_work == 2.0
+    line = D.DeviceProfile("t", 1e9, 1e9, 1e9, 1e9, product_seconds=(3e-3, 1.2e-4), product_work=1.8,
+                           ts_bytes_per_bin=17.5).calibration()
+    assert "curvature products 3 ms per batch + 120 µs per module, their work ×1.8" in line
+    assert "TensorSketch 17.5 B per position and bin" in line
+
+
+def test_analyze_compares_one_products_call_with_one_and_counts_its_cpu_time(setting):
+    """The products pass's estimate is for the solver's bound on the calls; analyze compares
+    one measured call with one estimated call, and the pass's CPU seconds are its calls'."""
+    task, train, queries = setting
+    S = ga.methods.influence(task, train, queries, curvature="gauss_newton", solver="cg", damping=0.1,
+                             solver_settings={"max_iter": 9})
+    shown = S.explain(analyze=True)
+    [row] = [r for r in shown.passes() if "measured_calls" in r]
+    calls = row["measured_calls"]
+    assert row["estimated_call_seconds"] == pytest.approx(row["seconds"] / 9)
+    assert row["measured_call_seconds"] == pytest.approx(row["measured_seconds"] / calls)
+    assert row["ratio"] == pytest.approx(row["measured_call_seconds"] / row["estimated_call_seconds"])
+    assert 0 < row["measured_cpu_seconds"] <= row["measured_seconds"] * 1.5 + 0.05
+    assert "per call against" in str(shown)

@@ -34,7 +34,7 @@ import torch
 
 from .devices import (_MEM_EFF, PRESETS, PROFILE_VERSION, DeviceProfile, _measure_bmm_call, _measure_bmms, _measure_call,
                       _measure_capture, _measure_copy, _measure_eighs, _measure_elementwise, _measure_gemms, _measure_op,
-                      _measure_sjlt,
+                      _measure_sjlt, _measure_tensorsketch, _with_products,
                       cached_local_profile, host_memory, read_cached, write_cached)
 
 __all__ = ["cuda_profile", "nominal_profile", "measure_profile", "nominal_key", "GPU_GEMM_SIZES",
@@ -145,11 +145,13 @@ def measure_profile(device: torch.device, *, gemm_sizes=GPU_GEMM_SIZES, bmm_size
     batch, layer = _measure_capture(call, timed, device, seconds)
     sjlt = _measure_sjlt(elementwise, timed, device, seconds)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
-    return DeviceProfile(f"{name} ({device}, measured)", gemm_rates[-1][1], max(bf16, gemm_rates[-1][1]),
+    prof = DeviceProfile(f"{name} ({device}, measured)", gemm_rates[-1][1], max(bf16, gemm_rates[-1][1]),
                          bandwidth, _device_memory(device), measured=True, call_seconds=call, op_seconds=op,
                          batch_seconds=batch, layer_seconds=layer, elementwise_bandwidth=elementwise,
                          fault_bandwidth=0.0, gemm_rates=gemm_rates, bmm_rates=bmm_rates,
                          bmm_call_seconds=bmm_call, eigh_times=eigh_times,
                          random_seconds=cached_local_profile().random_seconds, sjlt_bytes=sjlt,
                          sjlt_build_randoms=cached_local_profile().sjlt_build_randoms,   # tables are drawn on the CPU
+                         ts_bytes_per_bin=_measure_tensorsketch(elementwise, timed, device, seconds),
                          link_bandwidth=PRESETS[nominal_key(name)].link_bandwidth if device.type == "cuda" else 0.0)
+    return _with_products(prof, timed, device)

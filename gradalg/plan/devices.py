@@ -57,7 +57,19 @@ A :class:`DeviceProfile` prices the counts of a :class:`~gradalg.plan.cost.Cost`
   4·elem·n bytes at the copy bandwidth gave a tenth of the product's time and TRAK's
   GPT-2-small pass 14× its estimate); ``sjlt_build_randoms``, drawing a sparse-JL table
   (on the CPU, once per process: :mod:`gradalg.proj.sparse_tables`) in float64 normal
-  draws per non-zero — nominal 1 (24 ms for 2.36 M non-zeros, ≈ 0.75 draws of 14 ns).
+  draws per non-zero — nominal 1 (24 ms for 2.36 M non-zeros, ≈ 0.75 draws of 14 ns);
+  ``ts_bytes_per_bin``, a TensorSketch's two real FFTs of k and their product per position
+  and output bin, in bytes at the elementwise bandwidth (:func:`_measure_tensorsketch`, the
+  runs' kernel) — nominal 100, the old CPU fit; about 18 on this machine's one thread, which
+  priced GPT-2's c_fc (3072 × 769, 8 × 64 positions, k = 2048) at 10.0 ms against 11.3 ms
+  measured. **Curvature products** through torch.func (HVP, Gauss-Newton: CG, LiSSA,
+  Arnoldi; :mod:`gradalg.plan.jobs.products`) dispatch every op through its ``vmap`` /
+  ``jvp`` / ``grad`` levels: ``product_seconds`` = (seconds per batch, per leaf module of
+  the model), measured on tiny MLPs (:func:`_measure_products_fixed`; about 4 ms and
+  80–170 µs here, one thread), and ``product_work``, the products' GEMM and elementwise work
+  over its price as plain ops, measured on an MLP of width 512 (:func:`_measure_product_work`;
+  about 1.8–1.9 here) — nominal (4 ms, 100 µs) and 2 (this machine's fit; assumed for GPUs).
+  Without them a products pass was priced 5–35× below its measured time on small models.
   ``explain()`` shows them all.
 
 ``local_profile()`` measures this machine's CPU the first time (about three seconds;
@@ -98,13 +110,13 @@ __all__ = ["DeviceProfile", "CALIBRATION", "PRESETS", "PROFILE_VERSION", "UNMEAS
 #: measured again (1: matmul, copy and module call; 2: GEMMs by shape, eigh by size,
 #: per-op and per-batch overheads; 3: medians, elementwise and page-fault bandwidths;
 #: 4: random numbers; 5: batched GEMMs; 6: fixed costs per block of a job's work; 7: the
-#: sparse-JL product and table rates)
-PROFILE_VERSION = 7
+#: sparse-JL product and table rates; 8: curvature products through torch.func)
+PROFILE_VERSION = 8
 
 
 #: the profile's calibration fields (module docstring), shown by ``explain()``
 CALIBRATION = ("elementwise_sweeps", "ops_per_pass", "ops_per_memory_pass", "ops_per_batch", "sjlt_bytes",
-               "sjlt_build_randoms")
+               "sjlt_build_randoms", "ts_bytes_per_bin", "product_seconds", "product_work")
 
 #: GEMMs with a smaller inner dimension k are outer products (see ``gemm_seconds``)
 OUTER_K = 8
@@ -161,15 +173,22 @@ class DeviceProfile:
     ops_per_batch: float = 300         # … per captured batch beyond the capture itself
     sjlt_bytes: tuple = (20.0, 15.0)   # sparse-JL product: bytes at the elementwise rate per non-zero (call, row)
     sjlt_build_randoms: float = 1.0    # sparse-JL tables drawn: normal draws per non-zero
+    product_seconds: tuple = (4e-3, 1e-4)   # curvature products (torch.func): fixed s per batch, per leaf module
+    product_work: float = 2.0          # … their GEMM and elementwise work: × its price as plain ops
+    ts_bytes_per_bin: float = 100.0    # TensorSketch: bytes at the elementwise rate per position and bin
 
     def calibration(self) -> str:
         """The calibrated counts (module docstring), one line for plans."""
         forward, backward = self.elementwise_sweeps
         per_call, per_row = self.sjlt_bytes
+        per_batch, per_module = self.product_seconds
         return (f"calibration: {forward:g}/{backward:g} elementwise sweeps per forward/backward, "
                 f"{self.ops_per_pass:g} ops per job of a pass over data ({self.ops_per_memory_pass:g} in memory), "
                 f"{self.ops_per_batch:g} per captured batch, sparse JL {per_call:.3g}/{per_row:.3g} B per "
-                f"non-zero and call/row, its tables {self.sjlt_build_randoms:.3g} normal draws per non-zero")
+                f"non-zero and call/row, its tables {self.sjlt_build_randoms:.3g} normal draws per non-zero, "
+                f"TensorSketch {self.ts_bytes_per_bin:.3g} B per position and bin, "
+                f"curvature products {per_batch * 1e3:.3g} ms per batch + {per_module * 1e6:.3g} µs per module, "
+                f"their work ×{self.product_work:.3g}")
 
     def flops(self, dtype: torch.dtype) -> float:
         if dtype in (torch.bfloat16, torch.float16):
@@ -261,7 +280,16 @@ class DeviceProfile:
 
     def block_fixed_seconds(self, kind: str, ops: float = 0.0) -> float:
         """The fixed cost of one block of gradalg's per-block work of ``kind``: measured
-        (``block_seconds``), else ``ops`` small ops (``op_seconds`` each)."""
+        (``block_seconds``), else ``ops`` small ops (``op_seconds`` each). Kind
+        ``"products"`` is one batch of curvature products through torch.func whose
+        ``ops`` are the model's leaf modules: ``product_seconds`` (per batch, per module);
+        ``"tensorsketch"`` one position and output bin of a TensorSketch (its FFTs and
+        product): ``ts_bytes_per_bin`` bytes at the elementwise bandwidth."""
+        if kind == "products":
+            per_batch, per_module = self.product_seconds
+            return per_batch + ops * per_module
+        if kind == "tensorsketch":
+            return self.ts_bytes_per_bin / (self.elementwise_bandwidth or self.bandwidth)
         for name, seconds in self.block_seconds:
             if name == kind:
                 return seconds
@@ -279,7 +307,7 @@ class DeviceProfile:
         values = {k: v for k, v in entry.items() if k in known}
         for key in ("gemm_rates", "bmm_rates", "eigh_times", "block_seconds"):
             values[key] = tuple(tuple(p) for p in values.get(key, ()))
-        for key in ("elementwise_sweeps", "sjlt_bytes"):
+        for key in ("elementwise_sweeps", "sjlt_bytes", "product_seconds"):
             if key in values:
                 values[key] = tuple(values[key])
         return cls(**values)
@@ -288,7 +316,11 @@ class DeviceProfile:
 _EFF = 0.6        # sustained fraction of a spec-sheet peak FLOP rate (assumed, not measured)
 _BW_EFF = 0.8     # sustained fraction of a spec-sheet memory or link bandwidth (assumed)
 _MEM_EFF = 0.9    # fraction of the memory left for tensors (CUDA context, allocator slack; assumed)
-_GPU_FIXED = dict(call_seconds=1e-5, op_seconds=1e-5, batch_seconds=5e-4, layer_seconds=5e-5)
+# curvature products through torch.func on a GPU: their fixed costs are the host's dispatch
+# (this machine's CPU fit) and their work the CPU's measured multiple, both nominal (assumed,
+# not measured on a GPU): a measured GPU profile (accelerators) measures them there
+_GPU_FIXED = dict(call_seconds=1e-5, op_seconds=1e-5, batch_seconds=5e-4, layer_seconds=5e-5,
+                  product_seconds=(4e-3, 1e-4), product_work=2.0)
 PRESETS = {
     # Spec-sheet numbers of the SXM parts (NVIDIA data sheets; dense, i.e. without the 2:4
     # sparsity that doubles the headline tensor-core numbers), none measured by gradalg:
@@ -408,13 +440,82 @@ def _measure_cpu() -> DeviceProfile:
     call = _measure_call()
     batch, layer = _measure_capture(call)
     elementwise, randoms = _measure_elementwise(), _measure_randoms()
-    return DeviceProfile(f"cpu ({torch.get_num_threads()} threads)", flops, flops, bw, host_memory(), measured=True,
+    prof = DeviceProfile(f"cpu ({torch.get_num_threads()} threads)", flops, flops, bw, host_memory(), measured=True,
                          call_seconds=call, op_seconds=_measure_op(), batch_seconds=batch, layer_seconds=layer,
                          elementwise_bandwidth=elementwise, fault_bandwidth=_measure_faults(),
                          gemm_rates=rates, bmm_rates=_measure_bmms(), bmm_call_seconds=_measure_bmm_call(),
                          eigh_times=_measure_eighs(),
                          random_seconds=randoms, block_seconds=_measure_blocks(),
-                         sjlt_bytes=_measure_sjlt(elementwise), sjlt_build_randoms=_measure_sjlt_build(randoms))
+                         sjlt_bytes=_measure_sjlt(elementwise), sjlt_build_randoms=_measure_sjlt_build(randoms),
+                         ts_bytes_per_bin=_measure_tensorsketch(elementwise))
+    return _with_products(prof)
+
+
+def _with_products(prof: DeviceProfile, timed=_warm_fastest, device="cpu") -> DeviceProfile:
+    """``prof`` with its curvature products measured (:func:`_measure_products`)."""
+    fixed = _measure_products_fixed(timed, device)
+    return replace(prof, product_seconds=fixed,
+                   product_work=_measure_product_work(replace(prof, product_seconds=fixed), timed, device))
+
+
+#: the products timed by :func:`_measure_products_fixed`: Gauss-Newton products of one vector
+#: through MLPs of ``PRODUCT_DEPTHS`` Linear(4, 4) + Tanh layers on 2 examples (their
+#: arithmetic negligible); by :func:`_measure_product_work`, through one of
+#: ``PRODUCT_WORK_SHAPE`` = (width, depth, batch), whose GEMMs and elementwise work dominate
+PRODUCT_DEPTHS, PRODUCT_WORK_SHAPE = (2, 6), (512, 2, 128)
+
+
+def _product_batch(width: int, depth: int, n: int, device="cpu"):
+    """``(run one batch of Gauss-Newton products, the model, its batch size, its dim)``:
+    the package's own products (:class:`gradalg.curvature.hvp.Products`, the runs' code)
+    through an MLP of ``depth`` Linear(width, width) + Tanh layers and a Linear(width, 4)
+    head, classification with cross-entropy, on ``n`` random examples."""
+    from ..curvature.hvp import Products
+    from ..data import as_data
+    from ..tasks import classification
+
+    g = torch.Generator().manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(width, 4)).to(device).eval()
+    X, y = torch.randn(n, width, generator=g).to(device), torch.randint(0, 4, (n,), generator=g).to(device)
+    products = Products(classification(model), as_data((X, y)), [str(i) for i in range(0, 2 * depth + 1, 2)],
+                        "gauss_newton")
+    _, batch = next(products.batches(n))
+    dim = sum(p.numel() for p in model.parameters())
+    V = torch.randn(1, dim, generator=g).to(device)
+    return (lambda: products.batch_rows(batch, V, 0)), model, n, dim
+
+
+def _measure_products_fixed(timed=_warm_fastest, device="cpu", seconds: float = 0.15) -> tuple:
+    """``(seconds per batch, per leaf module)`` of Gauss-Newton products through torch.func
+    when their arithmetic is negligible: one batch through tiny MLPs of 2 and 6 layers
+    (:data:`PRODUCT_DEPTHS`; 5 and 13 leaf modules), the difference per module."""
+    from .estimates import _leaf_modules
+
+    times = {}
+    for depth in PRODUCT_DEPTHS:
+        run, model, _, _ = _product_batch(4, depth, 2, device)
+        times[_leaf_modules(model)] = timed(run, seconds)
+    (few, t_few), (many, t_many) = sorted(times.items())
+    per_module = max((t_many - t_few) / (many - few), 1e-7)
+    return max(t_few - few * per_module, 1e-6), per_module
+
+
+def _measure_product_work(prof: DeviceProfile, timed=_warm_fastest, device="cpu", seconds: float = 0.2) -> float:
+    """The products' work through torch.func over its price as plain ops: one batch of
+    Gauss-Newton products through an MLP of :data:`PRODUCT_WORK_SHAPE`, less its fixed cost
+    (``prof.product_seconds``), over :func:`~gradalg.plan.jobs.products.product_work`
+    priced by ``prof``."""
+    from .estimates import _leaf_modules
+    from .jobs.products import product_work
+
+    width, depth, n = PRODUCT_WORK_SHAPE
+    run, model, n, dim = _product_batch(width, depth, n, device)
+    measured = timed(run, seconds) - prof.block_fixed_seconds("products", _leaf_modules(model))
+    priced = prof.time_of(product_work(model, n, 1, 1, "gauss_newton", dim, 4))
+    return max(measured / max(priced, 1e-9), 0.1)
 
 
 def _measure_copy(timed=_warm_fastest, device="cpu", nbytes: int = 64 * 2**20, seconds: float = 0.1) -> float:
@@ -484,6 +585,29 @@ def _measure_sjlt(elementwise: float, timed=_warm_fastest, device="cpu", seconds
     row = max((times[8] - times[2]) / (6 * d), 1e-12)
     nonzero = max(times[2] / d - 2 * row, 1e-12)
     return nonzero * elementwise, row * elementwise
+
+
+#: the TensorSketch timed by :func:`_measure_tensorsketch`: factors of ``TS_SHAPE`` = (rows,
+#: positions, width) into k = :data:`SJLT_BINS` (its count sketches negligible beside its FFTs)
+TS_SHAPE = (2, 64, 8)
+
+
+def _measure_tensorsketch(elementwise: float, timed=_warm_fastest, device="cpu", seconds: float = 0.1) -> float:
+    """Bytes per position and output bin of a TensorSketch on factors (the runs' kernel,
+    :func:`gradalg.proj.kernels.tensor_sketch`: two real FFTs of k and their product per
+    position, summed), at the ``elementwise`` bandwidth. Nominal 100, the old CPU fit
+    (GPT-2 c_fc 3072 × 769, n = 8, T = 64, k = 2048: 13 ms on one thread)."""
+    from ..capture.factors import Factors
+    from ..expr.projection import Projector
+    from ..proj.kernels import tensor_sketch
+    from ..proj.sparse_tables import tensorsketch_tables
+
+    n, T, w = TS_SHAPE
+    g = torch.Generator().manual_seed(0)
+    F = Factors(torch.randn(n, T, w, generator=g).to(device), torch.randn(n, T, w, generator=g).to(device))
+    tables = tensorsketch_tables(Projector("tensorsketch", SJLT_BINS), "calibration", w, w, device=device)
+    per_bin = timed(lambda: tensor_sketch(F, (w, w), tables, SJLT_BINS), seconds) / (n * T * SJLT_BINS)
+    return per_bin * elementwise
 
 
 def _measure_sjlt_build(random_seconds: float, columns: int = 2**19, seconds: float = 0.05) -> float:

@@ -344,13 +344,6 @@ def sparse_table_bytes(p, b) -> float:
 OPS_PER_SPARSE_BLOCK = 16
 
 
-#: A TensorSketch's FFT work per position and output row, in bytes at the elementwise
-#: rate: two real FFTs of k (float32) and their complex product, summed over positions.
-#: Calibrated on one CPU thread (GPT-2 c_fc 3072 × 769, n = 8, T = 64, k = 2048: 13 ms,
-#: about 25 µs a position, 6 of them the count sketches).
-TS_BYTES_PER_BIN = 100.0
-
-
 def _scatter_cost(n: int, coords: float, elem: int, calls: int = 1) -> Cost:
     """An SJLT of ``coords`` input coordinates (times its s) per row, for n rows in
     ``calls`` products: each coordinate added into its output bin (a weighted ``bincount``
@@ -398,9 +391,10 @@ def _sparse_project_cost(p, b, n: int, T: int, factored: bool, total: int, elem:
     if p.kind == "tensorsketch":
         out_f, in_f = b.shape if len(b.shape) == 2 else (1, b.dim)
         if factored:      # per position: two count sketches, two real FFTs of k, their product
-            return Cost(flops=2.0 * n * T * (out_f + in_f),
-                        elementwise=n * T * (4.0 * elem * (out_f + in_f) + TS_BYTES_PER_BIN * p.k))
-        return Cost(flops=2.0 * n * b.dim, elementwise=n * out_f * (4.0 * elem * in_f + TS_BYTES_PER_BIN * p.k / 2))
+            return Cost(flops=2.0 * n * T * (out_f + in_f), elementwise=n * T * 4.0 * elem * (out_f + in_f),
+                        blocks=(("tensorsketch", float(n * T * p.k), 0.0),))   # FFTs: the profile's ts_bytes_per_bin
+        return Cost(flops=2.0 * n * b.dim, elementwise=n * out_f * 4.0 * elem * in_f,
+                    blocks=(("tensorsketch", n * out_f * p.k / 2, 0.0),))
     if p.kind == "factgrass":
         out_f, in_f = b.shape
         k_out, k_in = p.factgrass_shape(out_f, in_f)

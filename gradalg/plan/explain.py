@@ -180,6 +180,12 @@ class Explain:
                 row["measured_rss_is_bound"] = stats.get("peak_rss_is_bound", False)
                 if "calls" in stats:   # a products pass: its seconds are over every call of its solver
                     row["measured_calls"] = stats["calls"]
+                    # its estimate is for the solver's bound on the calls: compare one call with one
+                    bound = max(1, getattr(p.jobs[0], "calls", 1))
+                    row["estimated_call_seconds"] = p.seconds / bound
+                    if stats["calls"]:
+                        row["measured_call_seconds"] = stats["seconds"] / stats["calls"]
+                        row["ratio"] = row["measured_call_seconds"] / max(row["estimated_call_seconds"], 1e-12)
             out.append(row)
         return out
 
@@ -276,7 +282,10 @@ class Explain:
             lines.append(line)
             lines += [f"        · {job}" for job in row["jobs"]]
             if "measured_calls" in row:
-                lines.append(f"        measured: {row['measured_calls']:,} call(s)")
+                per_call = (f", {_fmt_seconds(row['measured_call_seconds'])} per call against "
+                            f"{_fmt_seconds(row['estimated_call_seconds'])} estimated (the ratio is per call)"
+                            if "measured_call_seconds" in row else "")
+                lines.append(f"        measured: {row['measured_calls']:,} call(s){per_call}")
             if row["note"]:
                 lines.append(f"        ! {row['note']}")
             if row.get("distributed"):

@@ -19,7 +19,7 @@ ProductsJob  raw batches of H's data, once per call  V ↦ H V (a matvec), for t
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -31,7 +31,8 @@ from ..rules import PlanError
 from ..shapes import activation_bytes, attention_shape, element_size, weight_layers
 from .base import Job
 
-__all__ = ["ProductsJob", "ProductSums", "ProductPass", "PRODUCT_SWEEPS"]
+__all__ = ["ProductsJob", "ProductSums", "ProductPass", "PRODUCT_SWEEPS", "FIXED_SCALE", "ATTENTION_MODULES", "product_work",
+           "product_fixed", "weighed"]
 
 #: per kind of product, ``(primal, tangent)``: forward-equivalents of GEMM work per batch
 #: (one forward of a weight layer = one GEMM (B·T, out, in); its backward = two, the input
@@ -45,6 +46,63 @@ __all__ = ["ProductsJob", "ProductSums", "ProductPass", "PRODUCT_SWEEPS"]
 #: backward (2) = 4. (Under ``vmap`` the primal runs once for the m vectors; the loop
 #: fallback for models ``vmap`` cannot batch runs it per vector.)
 PRODUCT_SWEEPS = {"hessian": (3, 6), "gauss_newton": (2, 4)}
+
+
+#: forward-equivalents of the fixed cost (:func:`product_fixed`) per kind, relative to the
+#: Gauss-Newton product the device profile measures (``product_seconds``): the primal and
+#: tangent sweeps of :data:`PRODUCT_SWEEPS`, ``(3 + 6) / (2 + 4)`` for the Hessian (measured
+#: on MLPs of 2 to 16 layers, one CPU thread: 1.3–1.6× the Gauss-Newton's fixed cost)
+FIXED_SCALE = {kind: sum(sweeps) / sum(PRODUCT_SWEEPS["gauss_newton"]) for kind, sweeps in PRODUCT_SWEEPS.items()}
+
+
+#: one attention layer's fixed cost in leaf modules' (:func:`product_fixed`): its functional ops
+#: outside leaf modules (heads split and merged, scores, mask, softmax) each dispatched
+#: through every torch.func level. Measured with Gauss-Newton products of GPT-2 (eager
+#: attention, width 64, T = 16, one CPU thread): 4 layers cost 29 ms per batch more than 1,
+#: 9.6 ms a layer, about 118 leaf modules' worth at the 81 µs measured per module, less the
+#: layer's 10 leaf modules counted already.
+ATTENTION_MODULES = 110
+
+
+def product_work(model, B: int, T: int, m: int, kind: str, dim: int, elem: int) -> Cost:
+    """The work of one batch of products, as plain ops would do it: B examples of T
+    positions, m vectors, each weight layer ``(in, out)``
+    (:func:`~gradalg.plan.shapes.weight_layers`) ``primal + tangent·m`` GEMMs (B·T, out, in)
+    (:data:`PRODUCT_SWEEPS`); attention (a transformer config) two batched (T, T, d_head)
+    products per forward-equivalent; elementwise traffic the activations
+    (:func:`~gradalg.plan.shapes.activation_bytes`) once per forward-equivalent; the sum of
+    the products (m, dim): V to parameters, back, and the running sum (5·m·dim numbers).
+    Under torch.func this work takes the device profile's ``product_work`` times as long
+    (tangent formulas of every elementwise op, transposed copies: :func:`weighed`)."""
+    primal, tangent = PRODUCT_SWEEPS[kind]
+    cost = Cost()
+    for n_in, n_out in weight_layers(model):
+        cost = cost + gemm_cost(B * T, n_out, n_in, primal, elem) + gemm_cost(B * T, n_out, n_in, tangent * m, elem)
+    layers, width, heads = attention_shape(model)
+    if layers and T > 1:
+        d_head = max(1, width // heads)
+        cost = cost + bmm_cost(B * heads, T, T, d_head, 2 * layers * (primal + tangent * m), elem)
+    cost = cost + Cost(elementwise=activation_bytes(model, T, elem) * B * (primal + tangent * m))
+    return cost + Cost(bytes=5.0 * elem * m * dim)
+
+
+def weighed(work: Cost, factor: float) -> Cost:
+    """``work`` priced ``factor`` times over: its GEMMs, batched GEMMs, elementwise and
+    memory traffic counted ``factor`` times, its FLOPs unchanged (they are the products'
+    arithmetic, which ``explain()`` shows)."""
+    return replace(work.scaled(factor), flops=work.flops)
+
+
+def product_fixed(model, kind: str, batches: int) -> Cost:
+    """torch.func's fixed cost of ``batches`` batches of products: per batch, the
+    functional call, ``vmap`` / ``jvp`` / ``grad`` set up and the rows to parameters and
+    back, plus every leaf module's dispatched ops (``_leaf_modules``; an attention layer
+    counts :data:`ATTENTION_MODULES` more), in the Gauss-Newton product's units
+    (:data:`FIXED_SCALE`), priced by the device profile's measured ``product_seconds`` (a
+    block of kind ``"products"`` whose ``ops`` are the modules;
+    :meth:`~gradalg.plan.devices.DeviceProfile.block_fixed_seconds`)."""
+    modules = _leaf_modules(model) + ATTENTION_MODULES * attention_shape(model)[0]
+    return Cost(blocks=(("products", float(batches) * FIXED_SCALE[kind], float(modules)),))
 
 
 @dataclass(eq=False, frozen=True)
@@ -92,28 +150,22 @@ class ProductsJob(Job):
         (a transformer config) two batched (T, T, d_head) products per forward-equivalent;
         elementwise traffic the activations (:func:`~gradalg.plan.shapes.activation_bytes`)
         once per forward-equivalent; the per-batch sum of the products (m, dim) read and
-        written, and each leaf module called once per primal forward-equivalent."""
-        return self.call_cost(facts.dtype).scaled(self.calls)
+        written (:func:`product_work`, weighed by the device's measured ``product_work``);
+        and torch.func's fixed cost per batch (:func:`product_fixed`)."""
+        return self.call_cost(facts.dtype, getattr(facts, "device", None)).scaled(self.calls)
 
-    def call_cost(self, dtype) -> Cost:
-        """One call: one pass over the data (:meth:`stream_cost`)."""
+    def call_cost(self, dtype, device=None) -> Cost:
+        """One call: one pass over the data (:meth:`stream_cost`), its work
+        (:func:`product_work`, per batch) weighed by ``device``'s measured ``product_work``
+        (at its plain price without a device) and its fixed costs (:func:`product_fixed`),
+        which a profile prices by its ``product_seconds``."""
         t, elem = self.target, element_size(dtype)
-        model, n, m = t.task.model, t.data.n, self.vectors
-        T = data_tokens_hint(t.data)
+        model, n = t.task.model, t.data.n
         B = max(1, min(self.batch, n))
         batches = -(-n // B)
-        primal, tangent = PRODUCT_SWEEPS[t.kind]
-        cost = Cost(calls=float(batches * _leaf_modules(model) * primal), batches=float(batches))
-        for n_in, n_out in weight_layers(model):
-            cost = cost + gemm_cost(B * T, n_out, n_in, batches * primal, elem)
-            cost = cost + gemm_cost(B * T, n_out, n_in, batches * tangent * m, elem)
-        layers, width, heads = attention_shape(model)
-        if layers and T > 1:
-            d_head = max(1, width // heads)
-            cost = cost + bmm_cost(B * heads, T, T, d_head, 2 * batches * layers * (primal + tangent * m), elem)
-        cost = cost + Cost(elementwise=activation_bytes(model, T, elem) * n * (primal + tangent * m))
-        dim = t.space.dim
-        return cost + Cost(bytes=5.0 * elem * m * dim * batches)   # V to parameters, back, and the running sum
+        work = product_work(model, B, data_tokens_hint(t.data), self.vectors, t.kind, t.space.dim, elem)
+        factor = device.product_work if device is not None else 1.0
+        return weighed(work.scaled(batches), factor) + product_fixed(model, t.kind, batches)
 
     # ------------------------------------------------------------------ memory
     def fixed_bytes(self, facts) -> float:
@@ -182,8 +234,8 @@ class ProductsOpened:
 class ProductPass:
     """``V (m, dim) ↦ H V (m, dim)``: each call one run of the products pass of ``job`` (every
     batch of its data, the per-batch products summed by a :class:`ProductSums`). Each call's
-    seconds are added to its pass's measured entry (``ctx.pass_stats``, the entry whose
-    ``key`` is the pass's), with the number of calls."""
+    seconds (wall and this process's CPU) are added to its pass's measured entry
+    (``ctx.pass_stats``, the entry whose ``key`` is the pass's), with the number of calls."""
 
     def __init__(self, job: ProductsJob, ctx):
         t = job.target
@@ -193,19 +245,21 @@ class ProductPass:
         self.calls = 0
 
     def __call__(self, V: torch.Tensor) -> torch.Tensor:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         sums = ProductSums(self.job.target.data.n)
         with eval_mode(self.products.model):
             for first, batch in self.products.batches(self.job.batch):
                 sums.update(self.products.batch_rows(batch, V, first))
         self.calls += 1
-        self._record(time.perf_counter() - start)
+        self._record(time.perf_counter() - start, time.process_time() - cpu)
         return sums.finish()
 
-    def _record(self, seconds: float) -> None:
+    def _record(self, seconds: float, cpu_seconds: float) -> None:
         key = self.job.pass_key()
         for entry in reversed(getattr(self.ctx, "pass_stats", [])):
             if entry.get("key") == key:
                 entry["seconds"] += seconds
+                if "cpu_seconds" in entry:
+                    entry["cpu_seconds"] += cpu_seconds
                 entry["calls"] = entry.get("calls", 0) + 1
                 return
