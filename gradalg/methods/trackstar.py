@@ -64,16 +64,22 @@ from ..api import Scores, diagonal, fisher, grads
 from ..expr.projection import Projector, check_projector
 from ..objective import training_objective
 from ..task import Task
+from ..linalg.autodamp import DampingRule
 from .influence import auto_note, damping_rule
 from .registry import method
+from .relatif import _DefaultDamping
 from .trak import default_projector
 from ..errors import OptionError
 
 RELATIVE_DAMPING = 0.1   # λ_R / mean eigenvalue of R with damping=None (the default before issue 31)
-#: the default damping (issue 31): λ from R's own spectrum (``damping="auto"``), chosen by the
-#: suite rule across the nine fidelity settings (``benchmarks/fidelity_checkpoint_methods.py``;
-#: docs/fidelity.md, "How the defaults were chosen")
-DEFAULT_DAMPING = "auto"
+#: the default damping (issue 31; its marker equals ``"auto"``, a given ``damping="auto"`` is told
+#: apart by identity): :data:`DEFAULT_RULE`, chosen by the suite rule across the nine fidelity
+#: settings (``benchmarks/defaults_suite.py``; docs/fidelity.md, "How the defaults were chosen")
+DEFAULT_DAMPING = _DefaultDamping("auto")
+#: the default λ of R: the eigenvalue where R's largest eigenvalues hold 0.95 of its trace, one λ
+#: from the pooled spectrum. R is dense (it couples the layers' blocks where the gradients are not
+#: projected); projected into one k-block, as on every LM setting, it is ``damping="auto"``'s λ
+DEFAULT_RULE = DampingRule("mass", 0.95, per_block=False, note="TrackStar's default (issue 31)")
 DOWNWEIGHT_COMPONENTS = 1000   # c of mix="auto": the paper's ≈ 1000 task components (of 2¹⁶ dimensions)
 
 
@@ -178,9 +184,11 @@ def trackstar(task: Task, train, queries, *, optimizer, layers=None, k: int = 40
         R = R.damp(relative_damping, relative=True, note=f"relative_damping: {relative_damping:g} × mean eigenvalue")
     elif damping is None:
         R = R.damp(RELATIVE_DAMPING, relative=True, note=f"damping=None: {RELATIVE_DAMPING:g} × mean eigenvalue")
+    elif damping is DEFAULT_DAMPING:
+        R = R.damp(DEFAULT_RULE, note=f"default: {DEFAULT_RULE.describe()}, from R's own spectrum (chosen on nine "
+                                      "fidelity settings)")
     elif (rule := damping_rule(damping)) is not None:
-        R = R.damp(rule, note=(f"default: damping='auto', {rule.describe()}, from R's own spectrum (chosen on nine "
-                               "fidelity settings)" if damping is DEFAULT_DAMPING else auto_note(damping, rule)))
+        R = R.damp(rule, note=auto_note(damping, rule))
     else:
         R = R.damp(damping, note="damping (given)")
     W = R.pow(-0.5)                                                    # R^{-1/2}
