@@ -24,9 +24,10 @@ R_train and R_task, each sorted in decreasing order, and c = ``downweight_compon
 so that R_task dominates the mixture on its top c components and R_train beyond them
 (c ≈ 1000 of 2¹⁶ dimensions in the paper: λ ≈ 0.90 on T-REx, 0.99 on C4).
 
-R is damped before its inverse square root: ``relative_damping`` × its mean eigenvalue
-(needed when k exceeds the examples R is estimated on), or an absolute ``damping``, or
-``damping="auto"`` / a ``ga.linalg.DampingRule`` (λ from R's own spectrum, as
+R is damped before its inverse square root: by default one λ from R's own spectrum
+(:data:`DEFAULT_RULE`; needed when k exceeds the examples R is estimated on), or
+``relative_damping`` × its mean eigenvalue, or an absolute ``damping``, or
+``damping="auto"`` / a ``ga.linalg.DampingRule`` (λ_b per block from R's own spectrum, as
 ``ga.methods.influence``'s).
 
 Checked against the public implementation in EleutherAI's Bergson
@@ -127,25 +128,33 @@ def trackstar(task: Task, train, queries, *, optimizer, layers=None, k: int = 40
         R_task once, when the scores are built (one pass over ``train`` and one over
         ``task_data``), to read their eigenvalues; λ is then a number in the expression
         and its value is shown in the plan.
-    damping : λ_R, added to R before R^{-1/2}. Default ``"auto"`` (issue 31): λ from R's own
-        spectrum (the eigenvalue where its top eigenvalues hold 0.95 of the trace,
-        ``ga.methods.influence``'s rule for a dense matrix; shown in the plan). Chosen by
-        issue 31's rule (best worst case, then best mean LDS across the nine fidelity
-        settings of docs/fidelity.md, no setting below the previous default's bootstrap
-        interval; ``benchmarks/fidelity_checkpoint_methods.py``); it scored higher on every
-        one of the nine:
+    damping : λ_R, added to R before R^{-1/2}. Default (issue 31; the marker shows as
+        ``'auto'``) :data:`DEFAULT_RULE`: one λ from R's own pooled spectrum, the eigenvalue where
+        its top eigenvalues hold 0.95 of the trace (RelatIF's rule for a dense H; shown in the
+        plan). Projected into one k-block (k < the gradients' dimension: every LM setting) that
+        is ``damping="auto"``'s λ; unprojected over several layers R is dense and couples their
+        blocks, where ``"auto"`` takes λ_b from each diagonal block. Chosen by issue 31's rule
+        (best worst case, then best mean LDS across the nine fidelity settings of
+        docs/fidelity.md, no setting below the previous default's bootstrap interval;
+        ``benchmarks/defaults_suite.py --methods trackstar``): ``"auto"`` first (2026-12-05
+        evening, higher than 0.1 × the mean eigenvalue on all nine), then one λ (night: the two
+        differ on ``mlp`` (2 layers, 2,410 coordinates ≤ k) and ``conv`` (3 layers, 3,818); one
+        λ has the same worst case and the better mean):
 
-        ===========================  =====  =====  =====  =====  =====  ========  =====  =====  ======  =====  =====
-        damping                      logreg  mlp    lm     lm2    text  instruct  llama  conv   seqcls  worst  mean
-        ===========================  =====  =====  =====  =====  =====  ========  =====  =====  ======  =====  =====
-        ``"auto"`` (default)         0.579  0.438  0.374  0.399  0.203  0.304     0.438  0.291  0.356   0.203  0.376
-        0.1 × mean eigenvalue (old)  0.462  0.313  0.330  0.303  0.172  0.223     0.314  0.265  0.258   0.172  0.293
-        ===========================  =====  =====  =====  =====  =====  ========  =====  =====  ======  =====  =====
+        ===============================  ======  =====  =====  =====  =====  ========  =====  =====  ======  =====  =====
+        damping                          logreg  mlp    lm     lm2    text   instruct  llama  conv   seqcls  worst  mean
+        ===============================  ======  =====  =====  =====  =====  ========  =====  =====  ======  =====  =====
+        one λ, pooled (default)          0.579   0.451  0.374  0.399  0.203  0.304     0.438  0.287  0.356   0.203  0.377
+        ``"auto"``, per block (evening)  0.579   0.438  0.374  0.399  0.203  0.304     0.438  0.291  0.356   0.203  0.376
+        0.1 × mean eigenvalue (before)   0.462   0.313  0.330  0.303  0.172  0.223     0.314  0.265  0.258   0.172  0.293
+        ===============================  ======  =====  =====  =====  =====  ========  =====  =====  ======  =====  =====
 
-        ``None``: λ = ``relative_damping`` (0.1 if not given) × R's mean eigenvalue, the
-        previous default. A number: an absolute λ; a ``ga.linalg.DampingRule``: another rule.
+        (``conv`` −0.004 is inside the previous default's interval [0.225, 0.345].) ``"auto"``
+        given: λ_b per block. ``None``: λ = ``relative_damping`` (0.1 if not given) × R's mean
+        eigenvalue, the default before issue 31. A number: an absolute λ; a
+        ``ga.linalg.DampingRule``: another rule.
     relative_damping : c: λ = c × R's mean eigenvalue, used when given (instead of the
-        default ``"auto"``) or with ``damping=None``.
+        default damping) or with ``damping=None``.
     """
     if task_data is not None and mix is None:
         raise OptionError("task_data= needs mix= (λ in R = (1 − λ) R_train + λ R_task, e.g. 0.5, or 'auto' for the "
