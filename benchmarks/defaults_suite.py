@@ -17,8 +17,14 @@ Two steps, each resumable:
              method and configuration, shared with their rows; a candidate that *is* a
              standard row uses that row's label), with the wall time of ``compute()`` and of
              one plain forward + backward over the training set measured in the same process.
+             Every cache entry is checked against the expression's content token kept beside
+             it (``scores.expr.token``, every resolved argument and default included;
+             ``fidelity_lm.cache_is_current``): one written under another default, or before
+             tokens were kept, is recomputed, not served under its label.
              The row goes to ``build/fidelity/defaults-<setting>.json`` without an LDS. Never
-             retrains a ground truth of the LM / text / more settings.
+             retrains a ground truth of the LM / text / more settings. A candidate that is
+             another row's computation on a setting (``SAME_WHEN_AUTO_IS_EKFAC`` /
+             ``_DENSE``, ``SAME_WHEN_ONE_BLOCK``) copies that row, its note says why.
     lds      for every row without an LDS whose setting's ground truth is complete in its
              store: ``ga.eval.lds(scores, truth, target="loss", bootstrap=1000,
              resample="both")`` (95 % percentile interval over queries and subsets).
@@ -32,6 +38,7 @@ chosen candidate is not the previous default.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 nice -n 10 python benchmarks/defaults_suite.py --settings logreg,mlp,conv
     ... --methods influence,trak     # only these methods' candidates
+    ... --candidates 2,3             # only these candidates (indices into each method's list)
     ... --lds                        # only the LDS of rows already scored (no training, no scoring)
     python benchmarks/defaults_suite.py --report [--markdown]
 """
@@ -79,6 +86,11 @@ AUTO_FLOORED = ByForm((DampingRule("mass", 0.95, floor=1.0), DampingRule("mass",
 AUTO_BY_STRUCTURE = ByForm((AUTO_POOLED[0], "auto"))
 AUTO_IF_KRONECKER = ByForm(("previous", "auto"))
 
+#: issue 31, the dense-H reading for TRAK's kernel, GraSS's H and TrackStar's R: ``damping="auto"``'s
+#: q = 0.95 with one λ from the pooled spectrum (RelatIF's ``DENSE_DAMPING``) instead of one per block
+AUTO_ONE_LAMBDA = DampingRule("mass", 0.95, per_block=False)
+POOLED_LABEL = "damping='auto', one λ (pooled)"
+
 # --------------------------------------------------------------------------- candidates
 # method -> [(label, kwargs, standard row's label or None)]. The first is the previous default,
 # with its values spelled out (TRAK's and GraSS's relative rule needs damping=None since their
@@ -108,6 +120,7 @@ CANDIDATES = {
          "defaults (k=2048, relative_damping=1)"),
         ("relative_damping=0.1", dict(k=2048, damping=None, relative_damping=0.1), None),
         ("damping='auto'", dict(k=2048, damping="auto"), None),
+        (POOLED_LABEL, dict(k=2048, damping=AUTO_ONE_LAMBDA), None),
     ],
     "logra": [
         ("defaults (k=4096, damping=0.001)", dict(k=4096, damping=1e-3), "defaults (k=4096, damping=0.001)"),
@@ -119,6 +132,7 @@ CANDIDATES = {
          "defaults (k=256, relative_damping=0.1)"),
         ("relative_damping=1", dict(k=256, damping=None, relative_damping=1.0), None),
         ("damping='auto'", dict(k=256, damping="auto"), None),
+        (POOLED_LABEL, dict(k=256, damping=AUTO_ONE_LAMBDA), None),
     ],
     # RelatIF's default since issue 31's evening run: "damping='auto' per block if Kronecker, pooled if dense"
     "relatif": [
@@ -132,6 +146,7 @@ CANDIDATES = {
          "defaults (k=4096, relative_damping=0.1), final Adam state"),
         ("damping='auto'", dict(k=4096, damping="auto"), None),
         ("relative_damping=1", dict(k=4096, relative_damping=1.0), None),
+        (POOLED_LABEL, dict(k=4096, damping=AUTO_ONE_LAMBDA), None),
     ],
     "less": [
         ("defaults (k=8192)", dict(k=8192), "defaults (k=8192), 3 Adam checkpoints"),
@@ -140,6 +155,15 @@ CANDIDATES = {
     ],
 }
 PREVIOUS_DEFAULT = {m: rows[0][0] for m, rows in CANDIDATES.items()}
+#: defaults adopted since (issue 31): the rule's reference for the next choice is the default a
+#: candidate would replace. (The tables of docs/fidelity.md that chose these defaults were made with
+#: the first rows as the reference.)
+PREVIOUS_DEFAULT.update({"trak": "damping='auto'", "grass": "damping='auto'", "trackstar": "damping='auto'"})
+#: candidates that are another row's computation wherever the matrix they damp has ONE block (an
+#: unprojected one-layer model, or a projection into one k-block): one λ from the pooled spectrum is
+#: then the block's own λ. Checked per setting (``damped_blocks``); the row is copied, its note says so.
+SAME_WHEN_ONE_BLOCK = {("trak", POOLED_LABEL): "damping='auto'", ("grass", POOLED_LABEL): "damping='auto'",
+                       ("trackstar", POOLED_LABEL): "damping='auto'"}
 #: where curvature="auto" is EK-FAC these influence rows are the same computation as another:
 #: scored once, the row copied (its note says so)
 SAME_WHEN_AUTO_IS_EKFAC = {("influence", "EK-FAC"): "defaults (curvature='auto')",
@@ -201,19 +225,28 @@ class Context:
 
 
 def _own_cache(key: str):
-    """fidelity_more's cache layout for the settings whose script has none (digits, lm)."""
+    """fidelity_more's cache layout for the settings whose script has none (digits, lm), keyed by
+    method and label and checked, as the standard rows' caches are, against the expression's
+    content token kept beside the scores (``scores.expr.token``: every resolved argument, a
+    method's defaults included): an entry written under another default, or before tokens were
+    kept, is recomputed with the reason printed, not served under its label
+    (:func:`fidelity_lm.cache_is_current`)."""
+    from fidelity_lm import cache_is_current, expression_token
+
     def cache(method, config, thunk, base):
         path = BUILD / f"scores-{key}" / (re.sub(r"[^\w.=-]+", "_", f"{method}-{config}").strip("_") + ".npz")
+        scores = thunk()                                   # lazy: building it computes nothing
+        token = expression_token(scores)
         if path.exists():
             with np.load(path) as z:
-                return z["values"], float(z["seconds"]), float(z["base"]), str(path)
-        scores = thunk()
+                if cache_is_current(z, token, path):
+                    return z["values"], float(z["seconds"]), float(z["base"]), str(path)
         t0 = time.perf_counter()
         values = np.asarray(scores.compute().transpose("query", "train").values)
         seconds = time.perf_counter() - t0
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")
-        np.savez(tmp, values=values, seconds=seconds, base=base)
+        np.savez(tmp, values=values, seconds=seconds, base=base, token=token)
         tmp.replace(path)
         return values, seconds, base, str(path)
     return cache
@@ -320,6 +353,23 @@ def load_truth(spec: dict):
     return truth.isel(query=slice(0, n_query))
 
 
+def damped_blocks(ctx: Context, method: str, kwargs: dict) -> int | None:
+    """How many blocks the matrix that ``method``'s damping acts on has on this setting, as the
+    method builds it: TRAK's kernel and TrackStar's R live in the space of the projected gradients
+    (:func:`gradalg.methods.trak.default_projector` with the candidate's ``k``: one k-block, or
+    the layers' blocks when the gradients have at most k coordinates and are not projected);
+    GraSS's H in one projected block per layer. None for another method."""
+    from gradalg.methods.trak import K as TRAK_K, default_projector
+    if method not in ("trak", "trackstar", "grass"):
+        return None
+    G = ga.grads(ctx.task, ctx.train, ctx.layers)
+    if method == "grass":
+        return len(ga.proj.factgrass(kwargs.get("k", 256), 0)(G).space.blocks)
+    k = kwargs.get("k", TRAK_K if method == "trak" else 4096)
+    P = default_projector(k, G.space.dim, kwargs.get("seed", 0))
+    return len((P(G) if P is not None else G).space.blocks)
+
+
 def _auto_curvature(ctx: Context) -> str:
     """Which curvature influence's ``curvature="auto"`` takes here (from the plan's note)."""
     text = str(ga.methods.influence(ctx.task, ctx.train, ctx.queries,
@@ -375,6 +425,26 @@ def copy_twins(name: str, method: str, auto: str) -> bool:
     return not left
 
 
+def copy_one_block_twin(name: str, ctx: Context, method: str, label: str, kwargs: dict) -> bool:
+    """Write ``label``'s row as a copy of its :data:`SAME_WHEN_ONE_BLOCK` twin (scores, LDS) where
+    the damped matrix has one block on this setting and the twin is scored; True when written."""
+    same = SAME_WHEN_ONE_BLOCK.get((method, label))
+    if same is None:
+        return False
+    twin = next((r for r in _read(name)["rows"] if (r["method"], r["config"]) == (method, same) and "scores" in r),
+                None)
+    if twin is None or damped_blocks(ctx, method, kwargs) != 1:
+        return False
+    row = {"method": method, "config": label, "kwargs": repr(kwargs),
+           "note": f"the damped matrix has one block here: one λ from the pooled spectrum is the block's own; "
+                   f"the scores of {same!r}"}
+    row.update({k: twin[k] for k in ("seconds", "fwd_bwd_seconds", "cost", "scores", "lds", "low", "high",
+                                     "n_subsets") if k in twin})
+    _write_row(name, row)
+    print(f"  [{name}] {method:10s} {label:40s} one block: the row of {same!r}", flush=True)
+    return True
+
+
 def score(names, methods, progress=True) -> None:
     """Every candidate's scores (cached) on each setting, method-major (the first methods on
     every setting before the next ones); rows written without an LDS."""
@@ -409,6 +479,8 @@ def score(names, methods, progress=True) -> None:
                 row = {"method": method, "config": label, "kwargs": repr(kwargs)}
                 if _twin(name, method, label, ctx.auto) is not None:
                     copy_twins(name, method, ctx.auto)
+                    continue
+                if copy_one_block_twin(name, ctx, method, label, kwargs):
                     continue
                 try:
                     values, seconds, base, path = ctx.cache(method, standard or f"defaults-suite {label}",
@@ -542,11 +614,17 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--methods", default=",".join(CANDIDATES))
+    ap.add_argument("--candidates", default=None, help="only these candidates (comma-separated indices into "
+                    "each method's CANDIDATES list, e.g. 2,3); when scoring")
     ap.add_argument("--lds", action="store_true", help="only the LDS of rows already scored")
     ap.add_argument("--report", action="store_true", help="print the tables and the choices")
     ap.add_argument("--compact", action="store_true", help="with --report: LDS without intervals")
     args = ap.parse_args(argv)
     names, methods = args.settings.split(","), args.methods.split(",")
+    if args.candidates and not args.report:
+        keep = {int(i) for i in args.candidates.split(",")}
+        for m in CANDIDATES:
+            CANDIDATES[m] = [c for i, c in enumerate(CANDIDATES[m]) if i in keep]
     if args.report:
         print(report(methods, tuple(names), args.compact))
         return

@@ -23,7 +23,12 @@ run (its seed-0 run and that run's snapshots are free: a user has them), so the 
 (÷ one forward + backward over the training set, measured in the same process) is what the
 ensemble costs a user. Rows go into the setting's standard results file
 (``build/fidelity/results-<setting>-k3.json``), scores cached under
-``build/fidelity/ensemble-<key>-<row>.npz``.
+``build/fidelity/ensemble-<key>-<row>.npz``, keyed by the row's label and checked, as the
+standard rows' caches are (:func:`fidelity_lm.cache_is_current`), against the row's expression
+token kept beside the scores (:func:`row_token`: the method at the row's arguments on the
+setting's own model, every resolved argument and default included): an entry written under
+another default, or before tokens were kept, is recomputed with the reason printed, not
+served under its label.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 nice -n 10 python benchmarks/fidelity_ensembles.py --settings text,instruct,llama
     ... --methods relatif       # rows of these methods only
@@ -129,6 +134,34 @@ def ensemble_scores(method: str, tasks, train, queries, **kwargs) -> np.ndarray:
     return total / len(tasks)
 
 
+def row_token(ctx, method: str, kwargs: dict) -> str | None:
+    """The content token (``scores.expr.token``) of ``method`` at the row's arguments on the
+    setting's own model (``ctx.members.base``, the seed-0 full-data run every kind starts from):
+    it names every resolved argument, the method's defaults included, so an entry cached under
+    another default no longer matches. The members themselves are this script's deterministic
+    training, which the label names (kind, count, checkpoints); they are not trained to check the
+    cache. Building the expression computes nothing."""
+    from fidelity_lm import expression_token
+    return expression_token(getattr(ga.methods, method)(ctx.task(ctx.members.base), ctx.train, ctx.queries,
+                                                         **kwargs))
+
+
+def cached_ensemble(path: Path, token: str | None, compute):
+    """(values (n_query, n_train), seconds, forward + backward seconds) from ``path`` when its
+    stored token is ``token`` (:func:`fidelity_lm.cache_is_current`), else ``compute()`` →
+    the same triple, written to ``path`` with ``token``."""
+    from fidelity_lm import cache_is_current
+    if path.exists():
+        with np.load(path) as z:
+            if cache_is_current(z, token, path):
+                return z["values"], float(z["seconds"]), float(z["fwd_bwd_seconds"])
+    values, seconds, base = compute()
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, values=values, seconds=seconds, fwd_bwd_seconds=base, token=token)
+    tmp.replace(path)
+    return values, seconds, base
+
+
 def rows(ctx, only=None, first=None, picked=None):
     """Every ``ROWS`` entry of ``ctx`` (its members, task, data, truth, key, base, write):
     scores (cached), LDS and cost, written with ``ctx.write(row)``."""
@@ -142,17 +175,13 @@ def rows(ctx, only=None, first=None, picked=None):
         slug = hashlib.sha256(f"{method}|{config}".encode()).hexdigest()[:10]
         path = BUILD / f"ensemble-{ctx.key}-{method}-{slug}.npz"
         try:
-            if path.exists():
-                with np.load(path) as z:
-                    values, seconds, base = z["values"], float(z["seconds"]), float(z["fwd_bwd_seconds"])
-            else:
+            def compute(method=method, kind=kind, members=members, last=last, kwargs=kwargs):
                 models, train_seconds = ctx.members.models(kind, members, last)
                 t0 = time.perf_counter()
                 values = ensemble_scores(method, [ctx.task(m) for m in models], ctx.train, ctx.queries, **kwargs)
-                seconds, base = time.perf_counter() - t0 + train_seconds, ctx.base
-                tmp = path.with_suffix(".tmp.npz")
-                np.savez(tmp, values=values, seconds=seconds, fwd_bwd_seconds=base)
-                tmp.replace(path)
+                return values, time.perf_counter() - t0 + train_seconds, ctx.base
+
+            values, seconds, base = cached_ensemble(path, row_token(ctx, method, kwargs), compute)
             result = ga.eval.lds(xr.DataArray(values, dims=("query", "train"), name=method), ctx.truth,
                                  target="loss", bootstrap=1000, resample="both")
             row.update(seconds=seconds, fwd_bwd_seconds=base, cost=seconds / base, lds=result.mean,

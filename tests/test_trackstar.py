@@ -117,7 +117,7 @@ def test_trackstar_equals_plain_torch_reference(setting, variant):
     assert np.all(np.abs(got) <= 1 + 1e-12)                                # cosines
     text = repr(S)
     assert ("1/(√v̂ + ε) from AdamW state (ε=1e-05)" in text) == (variant != "no correction")
-    assert "[default: damping='auto', λ_b = the eigenvalue where the top ones hold 0.95 of the mass" in text
+    assert "[default: λ_b = the eigenvalue where the top ones hold 0.95 of the mass, one λ for all blocks" in text
     assert "pow(-0.5)" in text
 
 
@@ -133,14 +133,23 @@ def test_trackstar_previous_default_is_one_argument_away(setting, kwargs):
 
 
 def test_trackstar_with_k_above_the_dimension_projects_nothing(setting):
-    """The default projection is none when k ≥ dim (TRAK's rule): the reference with P = I."""
+    """The default projection is none when k ≥ dim (TRAK's rule): the reference with P = I. R then
+    spans the two layers' blocks and couples them; the default damps it by one λ from its pooled
+    spectrum (issue 31), a given damping='auto' per block (λ_b from R's diagonal blocks)."""
     s = setting
     dim = ga.grads(s["task"], s["train"], LAYERS).space.dim                # 39 coordinates
+    sizes = [b.dim for b in ga.grads(s["task"], s["train"], LAYERS).space.blocks]   # (24, 15)
     S = ga.methods.trackstar(s["task"], s["train"], s["query"], optimizer=s["opt"], layers=LAYERS, k=4096)
-    sizes = [b.dim for b in ga.grads(s["task"], s["train"], LAYERS).space.blocks]   # λ_b per block (24, 15)
-    want = reference(s, torch.eye(dim, dtype=torch.float64), blocks=sizes)
+    want = reference(s, torch.eye(dim, dtype=torch.float64))                 # one λ: R's own spectrum
     np.testing.assert_allclose(np.asarray(S.compute().values), want, rtol=1e-8, atol=1e-10)
     assert "project" not in repr(S).lower()
+    assert "[default: λ_b = the eigenvalue where the top ones hold 0.95 of the mass, one λ for all blocks" in repr(S)
+    per_block = ga.methods.trackstar(s["task"], s["train"], s["query"], optimizer=s["opt"], layers=LAYERS, k=4096,
+                                     damping="auto")
+    want_blocks = reference(s, torch.eye(dim, dtype=torch.float64), blocks=sizes)
+    np.testing.assert_allclose(np.asarray(per_block.compute().values), want_blocks, rtol=1e-8, atol=1e-10)
+    assert not np.allclose(want, want_blocks)                                # the two rules differ here
+    assert "[damping='auto': λ_b = the eigenvalue where the top ones hold 0.95 of the mass, per block" in repr(per_block)
 
 
 def test_mixing_coefficient_places_the_crossing_at_the_cth_component():

@@ -24,9 +24,10 @@ R_train and R_task, each sorted in decreasing order, and c = ``downweight_compon
 so that R_task dominates the mixture on its top c components and R_train beyond them
 (c ≈ 1000 of 2¹⁶ dimensions in the paper: λ ≈ 0.90 on T-REx, 0.99 on C4).
 
-R is damped before its inverse square root: ``relative_damping`` × its mean eigenvalue
-(needed when k exceeds the examples R is estimated on), or an absolute ``damping``, or
-``damping="auto"`` / a ``ga.linalg.DampingRule`` (λ from R's own spectrum, as
+R is damped before its inverse square root: by default one λ from R's own spectrum
+(:data:`DEFAULT_RULE`; needed when k exceeds the examples R is estimated on), or
+``relative_damping`` × its mean eigenvalue, or an absolute ``damping``, or
+``damping="auto"`` / a ``ga.linalg.DampingRule`` (λ_b per block from R's own spectrum, as
 ``ga.methods.influence``'s).
 
 Checked against the public implementation in EleutherAI's Bergson
@@ -64,16 +65,22 @@ from ..api import Scores, diagonal, fisher, grads
 from ..expr.projection import Projector, check_projector
 from ..objective import training_objective
 from ..task import Task
+from ..linalg.autodamp import DampingRule
 from .influence import auto_note, damping_rule
 from .registry import method
+from .relatif import _DefaultDamping
 from .trak import default_projector
 from ..errors import OptionError
 
 RELATIVE_DAMPING = 0.1   # λ_R / mean eigenvalue of R with damping=None (the default before issue 31)
-#: the default damping (issue 31): λ from R's own spectrum (``damping="auto"``), chosen by the
-#: suite rule across the nine fidelity settings (``benchmarks/fidelity_checkpoint_methods.py``;
-#: docs/fidelity.md, "How the defaults were chosen")
-DEFAULT_DAMPING = "auto"
+#: the default damping (issue 31; its marker equals ``"auto"``, a given ``damping="auto"`` is told
+#: apart by identity): :data:`DEFAULT_RULE`, chosen by the suite rule across the nine fidelity
+#: settings (``benchmarks/defaults_suite.py``; docs/fidelity.md, "How the defaults were chosen")
+DEFAULT_DAMPING = _DefaultDamping("auto")
+#: the default λ of R: the eigenvalue where R's largest eigenvalues hold 0.95 of its trace, one λ
+#: from the pooled spectrum. R is dense (it couples the layers' blocks where the gradients are not
+#: projected); projected into one k-block, as on every LM setting, it is ``damping="auto"``'s λ
+DEFAULT_RULE = DampingRule("mass", 0.95, per_block=False, note="TrackStar's default (issue 31)")
 DOWNWEIGHT_COMPONENTS = 1000   # c of mix="auto": the paper's ≈ 1000 task components (of 2¹⁶ dimensions)
 
 
@@ -121,25 +128,33 @@ def trackstar(task: Task, train, queries, *, optimizer, layers=None, k: int = 40
         R_task once, when the scores are built (one pass over ``train`` and one over
         ``task_data``), to read their eigenvalues; λ is then a number in the expression
         and its value is shown in the plan.
-    damping : λ_R, added to R before R^{-1/2}. Default ``"auto"`` (issue 31): λ from R's own
-        spectrum (the eigenvalue where its top eigenvalues hold 0.95 of the trace,
-        ``ga.methods.influence``'s rule for a dense matrix; shown in the plan). Chosen by
-        issue 31's rule (best worst case, then best mean LDS across the nine fidelity
-        settings of docs/fidelity.md, no setting below the previous default's bootstrap
-        interval; ``benchmarks/fidelity_checkpoint_methods.py``); it scored higher on every
-        one of the nine:
+    damping : λ_R, added to R before R^{-1/2}. Default (issue 31; the marker shows as
+        ``'auto'``) :data:`DEFAULT_RULE`: one λ from R's own pooled spectrum, the eigenvalue where
+        its top eigenvalues hold 0.95 of the trace (RelatIF's rule for a dense H; shown in the
+        plan). Projected into one k-block (k < the gradients' dimension: every LM setting) that
+        is ``damping="auto"``'s λ; unprojected over several layers R is dense and couples their
+        blocks, where ``"auto"`` takes λ_b from each diagonal block. Chosen by issue 31's rule
+        (best worst case, then best mean LDS across the nine fidelity settings of
+        docs/fidelity.md, no setting below the previous default's bootstrap interval;
+        ``benchmarks/defaults_suite.py --methods trackstar``): ``"auto"`` first (2026-12-05
+        evening, higher than 0.1 × the mean eigenvalue on all nine), then one λ (night: the two
+        differ on ``mlp`` (2 layers, 2,410 coordinates ≤ k) and ``conv`` (3 layers, 3,818); one
+        λ has the same worst case and the better mean):
 
-        ===========================  =====  =====  =====  =====  =====  ========  =====  =====  ======  =====  =====
-        damping                      logreg  mlp    lm     lm2    text  instruct  llama  conv   seqcls  worst  mean
-        ===========================  =====  =====  =====  =====  =====  ========  =====  =====  ======  =====  =====
-        ``"auto"`` (default)         0.579  0.438  0.374  0.399  0.203  0.304     0.438  0.291  0.356   0.203  0.376
-        0.1 × mean eigenvalue (old)  0.462  0.313  0.330  0.303  0.172  0.223     0.314  0.265  0.258   0.172  0.293
-        ===========================  =====  =====  =====  =====  =====  ========  =====  =====  ======  =====  =====
+        ===============================  ======  =====  =====  =====  =====  ========  =====  =====  ======  =====  =====
+        damping                          logreg  mlp    lm     lm2    text   instruct  llama  conv   seqcls  worst  mean
+        ===============================  ======  =====  =====  =====  =====  ========  =====  =====  ======  =====  =====
+        one λ, pooled (default)          0.579   0.451  0.374  0.399  0.203  0.304     0.438  0.287  0.356   0.203  0.377
+        ``"auto"``, per block (evening)  0.579   0.438  0.374  0.399  0.203  0.304     0.438  0.291  0.356   0.203  0.376
+        0.1 × mean eigenvalue (before)   0.462   0.313  0.330  0.303  0.172  0.223     0.314  0.265  0.258   0.172  0.293
+        ===============================  ======  =====  =====  =====  =====  ========  =====  =====  ======  =====  =====
 
-        ``None``: λ = ``relative_damping`` (0.1 if not given) × R's mean eigenvalue, the
-        previous default. A number: an absolute λ; a ``ga.linalg.DampingRule``: another rule.
+        (``conv`` −0.004 is inside the previous default's interval [0.225, 0.345].) ``"auto"``
+        given: λ_b per block. ``None``: λ = ``relative_damping`` (0.1 if not given) × R's mean
+        eigenvalue, the default before issue 31. A number: an absolute λ; a
+        ``ga.linalg.DampingRule``: another rule.
     relative_damping : c: λ = c × R's mean eigenvalue, used when given (instead of the
-        default ``"auto"``) or with ``damping=None``.
+        default damping) or with ``damping=None``.
     """
     if task_data is not None and mix is None:
         raise OptionError("task_data= needs mix= (λ in R = (1 − λ) R_train + λ R_task, e.g. 0.5, or 'auto' for the "
@@ -178,9 +193,11 @@ def trackstar(task: Task, train, queries, *, optimizer, layers=None, k: int = 40
         R = R.damp(relative_damping, relative=True, note=f"relative_damping: {relative_damping:g} × mean eigenvalue")
     elif damping is None:
         R = R.damp(RELATIVE_DAMPING, relative=True, note=f"damping=None: {RELATIVE_DAMPING:g} × mean eigenvalue")
+    elif damping is DEFAULT_DAMPING:
+        R = R.damp(DEFAULT_RULE, note=f"default: {DEFAULT_RULE.describe()}, from R's own spectrum (chosen on nine "
+                                      "fidelity settings)")
     elif (rule := damping_rule(damping)) is not None:
-        R = R.damp(rule, note=(f"default: damping='auto', {rule.describe()}, from R's own spectrum (chosen on nine "
-                               "fidelity settings)" if damping is DEFAULT_DAMPING else auto_note(damping, rule)))
+        R = R.damp(rule, note=auto_note(damping, rule))
     else:
         R = R.damp(damping, note="damping (given)")
     W = R.pow(-0.5)                                                    # R^{-1/2}

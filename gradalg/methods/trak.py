@@ -80,7 +80,15 @@ def trak(tasks: Task | Sequence[Task], train, queries, *, layers=None, projector
         previous default by more than its bootstrap interval): worst / mean 0.218 / 0.453
         against 0.212 / 0.447 for relative 1 × the mean eigenvalue (the previous default) and
         0.195 / 0.385 for 0.1
-        (``benchmarks/defaults_suite.py``). ``None``: λ = ``relative_damping`` (1 if not given) × the kernel's
+        (``benchmarks/defaults_suite.py``). Where the kernel spans several layers' blocks (no
+        projection: at most ``k`` coordinates over several layers) ``"auto"`` takes λ_b per
+        block; one λ from the pooled spectrum (``DampingRule("mass", 0.95, per_block=False)``,
+        RelatIF's rule for a dense H) was measured against it on the nine settings (issue 31):
+        there the kernel has ONE block everywhere (``logreg``: one layer, 650 coordinates,
+        unprojected; the other eight projected into one k-block), so both rules give the same λ
+        and the same LDS (worst / mean 0.218 / 0.453); per block is kept (the rule keeps the
+        default on a tie), and the choice for a multi-layer unprojected kernel is unmeasured.
+        ``None``: λ = ``relative_damping`` (1 if not given) × the kernel's
         mean eigenvalue tr(ΦᵀΦ)/k, computed with the kernel — unless ``weight_decay`` is
         given, whose n·wd is then the damping (the training objective's own curvature, as
         measured on digits). A number: an absolute λ; a ``ga.linalg.DampingRule``: another

@@ -1,0 +1,131 @@
+"""The scores caches of ``benchmarks/defaults_suite.py`` (digits / lm settings) and
+``benchmarks/fidelity_ensembles.py`` are keyed by label and checked against the row's
+expression token, as the standard rows' caches are (``fidelity_lm.cache_is_current``): an
+entry written under another default, or before tokens were kept, is recomputed, not served.
+Also the suite's one-block twins: one pooled λ is the per-block λ where the damped matrix has
+one block (so the row may be copied), and not where it has several."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+import gradalg as ga
+from gradalg.linalg.autodamp import DampingRule
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import models  # noqa: E402
+from references import one_thread  # noqa: E402,F401 - one intra-op thread in this module
+import defaults_suite as D  # noqa: E402
+import fidelity_ensembles as E  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = models.mlp(seed=0)                               # blocks "0" (16, 9), "2" (3, 17): 195 coords
+    x, y = models.classification_data(20, seed=1)
+    xq, yq = models.classification_data(4, seed=2)
+    return SimpleNamespace(model=model, task=ga.tasks.classification(model), train=TensorDataset(x, y),
+                           queries=TensorDataset(xq, yq), layers=None)
+
+
+def _rewrite(path: Path, **changes):
+    """Rewrite a cached .npz with some fields replaced (None: dropped)."""
+    with np.load(path) as z:
+        fields = {k: z[k] for k in z.files}
+    for k, v in changes.items():
+        if v is None:
+            fields.pop(k, None)
+        else:
+            fields[k] = v
+    np.savez(path, **fields)
+
+
+def test_defaults_suite_cache_serves_only_the_current_expression(tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr(D, "BUILD", tmp_path)
+    cache = D._own_cache("tiny")
+
+    def thunk():
+        return ga.methods.grass(tiny.task, tiny.train, tiny.queries, k=4)
+
+    expected = np.asarray(thunk().compute().transpose("query", "train").values)       # (4, 20)
+    values, _, base, path = cache("grass", "row", thunk, 0.5)
+    np.testing.assert_array_equal(values, expected)
+    with np.load(path) as z:
+        assert str(z["token"]) == thunk().expr.token and float(z["base"]) == 0.5
+
+    _rewrite(Path(path), values=np.zeros_like(expected))                 # same token: served as stored
+    np.testing.assert_array_equal(cache("grass", "row", thunk, 0.5)[0], 0.0)
+
+    _rewrite(Path(path), token=np.asarray("another expression"))          # another token: recomputed
+    np.testing.assert_array_equal(cache("grass", "row", thunk, 0.5)[0], expected)
+    with np.load(path) as z:
+        assert str(z["token"]) == thunk().expr.token
+
+    _rewrite(Path(path), values=np.zeros_like(expected), token=None)     # no token (older entry): recomputed
+    np.testing.assert_array_equal(cache("grass", "row", thunk, 0.5)[0], expected)
+
+    # the method's default changes: the same call under the same label is recomputed at the new default
+    np.testing.assert_array_equal(cache("grass", "row", thunk, 0.5)[0], expected)
+    monkeypatch.setitem(ga.methods.grass.__kwdefaults__, "relative_damping", 1.0)
+    fresh = np.asarray(thunk().compute().transpose("query", "train").values)
+    assert not np.allclose(fresh, expected)
+    np.testing.assert_array_equal(cache("grass", "row", thunk, 0.5)[0], fresh)
+
+
+def test_ensemble_row_token_follows_the_methods_defaults(tiny, monkeypatch):
+    ctx = SimpleNamespace(members=SimpleNamespace(base=tiny.model), task=ga.tasks.classification,
+                          train=tiny.train, queries=tiny.queries)
+    token = E.row_token(ctx, "grass", {"k": 4})
+    assert token == ga.methods.grass(tiny.task, tiny.train, tiny.queries, k=4).expr.token
+    assert E.row_token(ctx, "grass", {"k": 4}) == token                                   # stable
+    assert E.row_token(ctx, "grass", {"k": 4, "damping": 1e-3}) != token                  # the arguments
+    monkeypatch.setitem(ga.methods.grass.__kwdefaults__, "damping", None)                 # a default changes
+    assert E.row_token(ctx, "grass", {"k": 4}) != token
+
+
+def test_ensemble_cache_serves_only_the_current_token(tmp_path):
+    path, calls = tmp_path / "ensemble-row.npz", []
+
+    def compute():
+        calls.append(1)
+        return np.full((2, 3), float(len(calls))), 7.0, 0.25
+
+    values, seconds, base = E.cached_ensemble(path, "tok-a", compute)
+    assert (values == 1.0).all() and (seconds, base) == (7.0, 0.25) and len(calls) == 1
+    assert (E.cached_ensemble(path, "tok-a", compute)[0] == 1.0).all() and len(calls) == 1   # served
+    assert (E.cached_ensemble(path, "tok-b", compute)[0] == 2.0).all() and len(calls) == 2   # another token
+    with np.load(path) as z:
+        assert str(z["token"]) == "tok-b"
+    _rewrite(path, token=None)
+    assert (E.cached_ensemble(path, "tok-b", compute)[0] == 3.0).all() and len(calls) == 3   # no token
+
+
+def test_one_pooled_lambda_is_the_per_block_lambda_on_one_block(tiny):
+    """Projected into one k-block, TRAK's kernel (and TrackStar's R) damped by one pooled λ is
+    damped by the block's own λ: the same scores, which the suite's twin rows rely on. Unprojected
+    (two layer blocks) they differ, and ``damped_blocks`` says so."""
+    pooled = DampingRule("mass", 0.95, per_block=False)
+    opt = torch.optim.Adam(tiny.model.parameters())
+    loss = torch.nn.functional.cross_entropy(tiny.model(tiny.train.tensors[0]), tiny.train.tensors[1])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    calls = {"trak": lambda k, d: ga.methods.trak(tiny.task, tiny.train, tiny.queries, k=k, damping=d),
+             "trackstar": lambda k, d: ga.methods.trackstar(tiny.task, tiny.train, tiny.queries, optimizer=opt,
+                                                            k=k, damping=d)}
+    for method, call in calls.items():
+        assert D.damped_blocks(tiny, method, {"k": 8}) == 1
+        assert D.damped_blocks(tiny, method, {"k": 4096}) == 2
+        one = [np.asarray(call(8, d).compute().values) for d in ("auto", pooled)]
+        np.testing.assert_array_equal(one[0], one[1])
+        two = [np.asarray(call(4096, d).compute().values) for d in ("auto", pooled)]
+        assert not np.allclose(two[0], two[1])
+    assert D.damped_blocks(tiny, "grass", {"k": 4}) == 2
+    assert D.damped_blocks(tiny, "influence", {}) is None
