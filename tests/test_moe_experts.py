@@ -10,11 +10,12 @@ float64 models with 4 experts and top-2 routing:
   Kronecker eigenbases from the factor covariances, computed here from the experts' inputs
   (a forward hook) and the loop reference's per-example gradients, the eigenvalues refit to
   the reference's exact diagonal;
-* the planner's facts (the forward's GEMMs, the coverage line) and positions: an expert's
-  block is priced at the expected padded length of a chunk (the largest of B binomial
-  counts, checked against an enumeration of every routing), at balanced routing without
-  running the model and at the first example's routing before a run (the meta-device
-  measurement runs for a causal LM: a shape-only experts forward, value checks skipped);
+* the planner's facts (the forward's GEMMs, the coverage line) and positions: without
+  running the model an expert's block is priced at the expected padded length of a chunk
+  at balanced routing (the largest of B binomial counts, checked against an enumeration of
+  every routing); before a run, at the padded length measured on the data's first chunk,
+  equal to what capture then pads (the meta-device measurement runs for a causal LM: a
+  shape-only experts forward, value checks skipped);
 * ``to_params`` of one expert's block is that expert's slice, not its (E, ...) parameter.
 """
 from __future__ import annotations
@@ -310,11 +311,12 @@ def test_expected_padded_length_equals_an_enumeration_of_every_routing(tokens, s
 
 
 @pytest.mark.parametrize("arch", ("olmoe", "qwen2_moe"))
-def test_the_shape_measurement_runs_for_a_causal_lm_and_the_plan_uses_it(arch):
+def test_the_shape_measurement_runs_for_a_causal_lm_and_the_plan_uses_it(arch, monkeypatch):
     """Before a run the planner measures a causal LM's shapes (a meta forward, the batch's
-    value checks skipped there, the experts' forward shape-only) and the first example's
-    routing (a real forward): every expert's block is priced at the padded length of a chunk
-    routed with the measured shares; the plan's facts hold that measurement."""
+    value checks skipped there, the experts' forward shape-only) and the routing of the data's
+    first chunk (a real forward): every expert's block is priced at the padded length capture
+    then gives it in that chunk (recorded here from the factors of the run, padding included);
+    the plan's facts hold that measurement."""
     from gradalg.plan.planner import plan
     from gradalg.plan.shapes import chunk_examples, measure_forward_shapes
     model = build(arch)
@@ -323,19 +325,24 @@ def test_the_shape_measurement_runs_for_a_causal_lm_and_the_plan_uses_it(arch):
     src = G.expr.source
     shapes = measure_forward_shapes(src)
     assert shapes.measured and shapes.activations > 0
-    B = chunk_examples(src)
-    assert B == 3
-    first = routing(model, data[:1])
-    for name, module in experts_of(model).items():
-        counts = torch.bincount(first[name][0].flatten(), minlength=E)
-        for e in range(E):
-            want = max(1, math.ceil(expected_padded(9, round(float(counts[e]) / 9, 6), B) - 1e-9))
-            for mat in ("gate_up_proj", "down_proj"):
-                assert shapes.positions[f"{name}.{mat}.{e}"] == want, (name, e)
+    assert chunk_examples(src) == 3
     assert all(shapes.positions[n] == 9 for n in shapes.positions if ".self_attn." in n)
     p = plan((G @ G.T).expr, measure_shapes=True)
     assert p.stages["facts"].shapes[src.token] == shapes
     assert "measured for a run" in p.explain("facts")
+    # what capture pads each block to in the run's (only) chunk
+    padded, factors = {}, ExpertMatrixRule.factors
+    names = {id(m): n for n, m in experts_of(model).items()}
+
+    def recording(self, module, recorded, g, layout):
+        out = factors(self, module, recorded, g, layout)
+        padded.setdefault(f"{names[id(module)]}.{self.matrix}.{self.expert}", out.A.shape[1])
+        return out
+    monkeypatch.setattr(ExpertMatrixRule, "factors", recording)
+    G.to_dense()
+    assert set(padded) == set(expert_blocks(model))
+    assert {n: shapes.positions[n] for n in padded} == padded
+    assert sum(padded.values()) > sum(math.ceil(9 * K / E) for _ in padded)   # more than the mean
     # the real batch is still checked: a token outside the vocabulary is refused by name
     with pytest.raises(ga.errors.BatchContentError, match="vocabulary"):
         ga.grads(ga.tasks.causal_lm(model), [{"input_ids": torch.tensor([1, V + 3, 2])}]).to_dense()

@@ -39,12 +39,13 @@ to, the expected largest of ``B`` routed counts (:func:`expected_padded`)::
 
     T_e = ⌈E[max_{i<B} c_{i,e}]⌉      c_{i,e} ~ Binomial(T, p_e)      E[max] = Σ_{m≥1} 1 − F(m−1)^B
 
-with ``p_e`` the share of tokens routed to expert ``e``: ``k / E`` without running the model
-(balanced routing: displays, hints; ``B = 1`` gives the mean ``⌈T k / E⌉``), and the share
-measured on the first example (one no-grad forward, :func:`routed_counts`) before a run
-(:func:`gradalg.plan.shapes.measure_forward_shapes`), with ``B`` the most examples a chunk
-of the pass may hold. Measured at real widths and random init (``benchmarks/moe_positions.py``),
-routing is far from balanced and ``⌈T k / E⌉`` priced 0.5× the padded length.
+with ``p_e = k / E`` the share of tokens routed to expert ``e`` at balanced routing
+(``B = 1`` gives the mean ``⌈T k / E⌉``): the price without running the model (displays).
+Before a run (:func:`gradalg.plan.shapes.measure_forward_shapes`) the padded length is
+measured instead: one no-grad forward of the data's first chunk of ``B`` examples, ``L_e =
+max_i c_{i,e}`` (:func:`routed_counts`). Routing is neither balanced nor the same across
+examples (each document has experts of its own): at real widths on real text
+(``benchmarks/moe_positions.py``) the balanced price was ½ of the padded length.
 
 Only the forward these classes ship (concatenated gate/up, not transposed, no biases, no
 post-expert norm) is factored; ``config.experts_implementation`` (eager, grouped or
@@ -154,11 +155,17 @@ def expected_padded(tokens: int, share: float, examples: int) -> float:
     return 1.0 + float((1.0 - cdf[1:tokens].pow(examples)).sum())
 
 
-def routed_counts(module: nn.Module, top_k_index: torch.Tensor) -> torch.Tensor:
-    """(E,) tokens of one call routed to each expert, from its ``top_k_index`` (N, k)."""
-    index = top_k_index.reshape(-1)
-    index = index[(index >= 0) & (index < _n_experts(module))]
-    return torch.bincount(index.long().cpu(), minlength=_n_experts(module))
+def routed_counts(module: nn.Module, top_k_index: torch.Tensor, examples: int = 1) -> torch.Tensor:
+    """(B, E) tokens of each example routed to each expert, from a call's ``top_k_index``
+    (N, k), ``N = B·T`` tokens flattened batch-major (``B = examples``; as ``_by_example``
+    groups them: padding tokens count). ``.max(0)`` is what capture pads each expert to."""
+    E = _n_experts(module)
+    index = top_k_index.detach().long().cpu()
+    example = torch.div(torch.arange(index.shape[0]), max(1, index.shape[0] // max(1, examples)),
+                        rounding_mode="floor").unsqueeze(1).expand_as(index)
+    keep = (index >= 0) & (index < E)
+    flat = example[keep] * E + index[keep]
+    return torch.bincount(flat, minlength=examples * E)[:examples * E].reshape(examples, E)
 
 
 def meta_forward(module: nn.Module, args, kwargs) -> torch.Tensor:

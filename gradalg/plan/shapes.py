@@ -12,10 +12,10 @@ recorded by replay, one (P, 1) column per example). Models whose forward cannot 
 every block. The tasks skip their value checks on meta tensors (the real batch is checked
 before every capture); fused MoE experts (:mod:`gradalg.capture.experts`) run a shape-only
 forward there, and their routed positions are measured for real: one no-grad forward of
-the first example records each experts module's routing (stopped after the last one), and
-each expert's block is priced at the padded length of a chunk of ``B`` examples routed
-with the measured shares (:func:`~gradalg.capture.experts.expected_padded`), ``B`` the most
-examples a chunk of the pass holds (:func:`chunk_examples`).
+the first chunk of the data, ``B`` examples (:func:`chunk_examples`, the most a chunk of the
+pass holds), stopped at the last experts module, records each module's routing, and each
+expert's block is priced at what capture pads it to in that chunk, its most-routed
+example's count (:func:`_routed_positions`).
 
 Executors measure before they plan a run (``plan(..., measure_shapes=True)``: the facts
 stage, :mod:`gradalg.plan.facts`); displays (``repr``, ``explain()``, the plan explorer)
@@ -37,7 +37,7 @@ from torch.func import functional_call
 from ..capture.experts import ExpertMatrixRule, FusedExpertsRule, meta_forward, routed_counts
 from ..capture.hooks import resolve_layers
 from ..capture.layers import rule_class
-from ..data import move_batch
+from ..data import batch_size_of, move_batch
 from ..options import get_options
 from .cost import tokens_hint
 
@@ -151,7 +151,7 @@ def measure_forward_shapes(src) -> ForwardShapes:
             refs = resolve_layers(task.model, list(src.layers))
             positions, activations = _measure_on_meta(task, batch, refs)
             if positions and any(isinstance(r.rule, ExpertMatrixRule) for r in refs):
-                positions.update(_routed_positions(task, batch, refs, tokens_hint(src), chunk_examples(src)))
+                positions.update(_routed_positions(task, data, refs, chunk_examples(src)))
             shapes = ForwardShapes({**shapes.positions, **positions}, activations, bool(positions))
         except Exception:  # noqa: BLE001 - shapes are a hint: a model meta cannot run keeps tokens_hint
             pass
@@ -209,29 +209,31 @@ class _Routed(Exception):
     forward is not needed."""
 
 
-def _routed_positions(task, batch, refs, tokens: int, examples: int) -> dict[str, int]:
-    """``{expert block: T_b}``: one real no-grad forward of the one-example ``batch``,
-    stopped at the last fused experts module, records each module's routing (the share
-    ``p_e`` of the example's tokens routed to expert ``e``); each block is priced at
-    :meth:`~gradalg.capture.experts.ExpertMatrixRule.positions_for_tokens` (``tokens``
-    positions, a chunk of ``examples``, share ``p_e``). Empty when the forward fails (the
-    balanced-routing price stays)."""
+def _routed_positions(task, data, refs, examples: int) -> dict[str, int]:
+    """``{expert block: T_b}``: the padded length of each expert's blocks in the first chunk
+    of ``examples`` examples, ``L_e = max(1, max_i c_{i,e})`` (``c_{i,e}``: tokens of example
+    ``i`` routed to expert ``e``, padding tokens included, as capture pads them), from one
+    real no-grad forward of that chunk stopped at the last fused experts module. Empty when
+    the forward fails (the balanced-routing price stays)."""
     experts = {id(r.module): r.module for r in refs if isinstance(r.rule, ExpertMatrixRule)}
-    counts: dict[int, tuple] = {}
+    padded: dict[int, torch.Tensor] = {}
 
     def pre(module, args, kwargs):
         index = args[1] if len(args) > 1 else kwargs.get("top_k_index")
-        if id(module) not in counts and isinstance(index, torch.Tensor):
-            counts[id(module)] = (routed_counts(module, index), index.shape[0])
-        if len(counts) == len(experts):
+        if id(module) not in padded and isinstance(index, torch.Tensor):
+            padded[id(module)] = routed_counts(module, index, chunk).max(0).values.clamp_min(1)
+        if len(padded) == len(experts):
             raise _Routed
     handles = [m.register_forward_pre_hook(pre, with_kwargs=True) for m in experts.values()]
+    batches = None
     try:
+        batches = data.prefix(examples).loader(examples)
+        batch = next(iter(batches))
+        chunk = batch_size_of(batch)
         model = task.model
         param = next(iter(model.parameters()), None)
-        moved = move_batch(batch, param.device) if param is not None else batch
         with torch.no_grad():
-            task.loss(model, moved)
+            task.loss(model, move_batch(batch, param.device) if param is not None else batch)
     except _Routed:
         pass
     except Exception:  # noqa: BLE001 - shapes are a hint: a forward that fails keeps the balanced price
@@ -239,14 +241,10 @@ def _routed_positions(task, batch, refs, tokens: int, examples: int) -> dict[str
     finally:
         for h in handles:
             h.remove()
-    out = {}
-    for ref in refs:
-        hit = counts.get(id(ref.module)) if isinstance(ref.rule, ExpertMatrixRule) else None
-        if hit is not None:
-            c, n_tokens = hit
-            share = float(c[ref.rule.expert]) / max(1, n_tokens)
-            out[ref.name] = ref.rule.positions_for_tokens(ref.module, tokens, examples, share=share)
-    return out
+        if hasattr(batches, "close"):
+            batches.close()
+    return {ref.name: int(padded[id(ref.module)][ref.rule.expert]) for ref in refs
+            if isinstance(ref.rule, ExpertMatrixRule) and id(ref.module) in padded}
 
 
 def _meta_loss(task, model, state, batch):
