@@ -106,14 +106,13 @@ def _hinted_positions(src, tokens: int) -> dict:
     task = getattr(src, "task", None)
     if task is None or getattr(src, "backend", "hooks") != "hooks":
         return out
-    refs = resolve_layers(task.model, list(src.layers))
-    examples = chunk_examples(src) if any(isinstance(r.rule, ExpertMatrixRule) for r in refs) else 1
+    examples = chunk_examples(src) if any(b.kind == ExpertMatrixRule.kind for b in src.space.blocks) else 1
     key = (src.token, tokens, examples)
     if key not in _HINTS:
         _HINTS[key] = {ref.name: (ref.rule.positions_for_tokens(ref.module, tokens, examples)
                                   if isinstance(ref.rule, ExpertMatrixRule)
                                   else ref.rule.positions_for_tokens(ref.module, tokens))
-                       for ref in refs}
+                       for ref in resolve_layers(task.model, list(src.layers))}
         while len(_HINTS) > 32:
             _HINTS.pop(next(iter(_HINTS)))
     return {name: _HINTS[key].get(name, T) for name, T in out.items()}
@@ -141,7 +140,9 @@ def chunk_examples(src) -> int:
 
 def measure_forward_shapes(src) -> ForwardShapes:
     """One meta-device forward of the first example (executors, before running a plan):
-    every recorded layer's positions; ``tokens_hint`` where the forward cannot run."""
+    every recorded layer's positions; ``tokens_hint`` where the forward cannot run. With
+    fused experts among the layers, also one real no-grad forward of the data's first chunk
+    (:func:`_routed_positions`: the experts' padded lengths)."""
     shapes = forward_shapes(src, {})
     data = getattr(src, "data", None)
     task = getattr(src, "task", None)
