@@ -56,6 +56,16 @@ def _to_meta(value):
     return value
 
 
+def _meta_batch(batch):
+    """``batch`` on meta (:func:`_to_meta`), without an ``attention_mask`` of all ones (a
+    dict batch's): a Hugging Face model reads a missing mask as all ones, and its mask
+    builder reads the mask's values (``.all()``), which a meta tensor does not have."""
+    if isinstance(batch, Mapping) and isinstance(batch.get("attention_mask"), torch.Tensor) \
+            and bool((batch["attention_mask"] != 0).all()):
+        batch = {k: v for k, v in batch.items() if k != "attention_mask"}
+    return _to_meta(batch)
+
+
 @dataclass(frozen=True)
 class ForwardShapes:
     """What one example's forward leaves in memory, from a meta-device run.
@@ -185,7 +195,7 @@ def _measure_on_meta(task, batch, refs) -> tuple[dict[str, int], int]:
     try:
         state = {k: torch.empty_like(v, device="meta") for k, v in model.state_dict(keep_vars=True).items()}
         with torch.no_grad():
-            _meta_loss(task, model, state, _to_meta(batch))
+            _meta_loss(task, model, state, _meta_batch(batch))
     finally:
         for h in handles:
             h.remove()
