@@ -243,7 +243,9 @@ def _routed_positions(task, data, refs, examples: int) -> dict[str, int]:
         chunk = batch_size_of(batch)
         model = task.model
         param = next(iter(model.parameters()), None)
-        with torch.no_grad():
+        cuda = [param.device] if param is not None and param.device.type == "cuda" else []
+        # the random state is restored: a model in training mode (dropout) draws the run's numbers unchanged
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
             task.loss(model, move_batch(batch, param.device) if param is not None else batch)
     except _Routed:
         pass
