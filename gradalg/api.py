@@ -361,6 +361,7 @@ class GradientSet(_Displayed):
             raise OptionError("to_params needs gradients captured with ga.grads(..., backend='hooks')")
         if any(b.basis != "params" for b in self.space.blocks):
             raise OptionError("projected gradients have no parameter layout; use to_dense()")
+        from .capture.experts import add_param
         from .capture.hooks import resolve_layers
         from .capture.wrappers import unwrap
         refs = {r.name: r for r in resolve_layers(src.task.model, list(self.layers))}
@@ -371,7 +372,7 @@ class GradientSet(_Displayed):
             ref = refs[name]
             for pname, value in ref.rule.to_params(ref.module, block).items():
                 key = canonical[id(ref.module.get_parameter(pname))]
-                out[key] = out[key] + value if key in out else value   # a fused experts' blocks add up
+                add_param(out, key, value)   # a fused experts' blocks add up (one tensor per parameter)
         from .space import AliasDict   # a tied block's parameters by any holder's name
         return AliasDict.params(out, self.space)
 

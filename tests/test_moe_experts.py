@@ -10,10 +10,17 @@ float64 models with 4 experts and top-2 routing:
   Kronecker eigenbases from the factor covariances, computed here from the experts' inputs
   (a forward hook) and the loop reference's per-example gradients, the eigenvalues refit to
   the reference's exact diagonal;
-* the planner's facts (positions ⌈T k / E⌉, the forward's GEMMs) and the coverage line.
+* the planner's facts (the forward's GEMMs, the coverage line) and positions: without
+  running the model an expert's block is priced at the expected padded length of a chunk
+  at balanced routing (the largest of B binomial counts, checked against an enumeration of
+  every routing); before a run, at the padded length measured on the data's first chunk,
+  equal to what capture then pads (the meta-device measurement runs for a causal LM: a
+  shape-only experts forward, value checks skipped);
+* ``to_params`` of one expert's block is that expert's slice, not its (E, ...) parameter.
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -23,7 +30,7 @@ from torch import nn
 
 import gradalg as ga
 from gradalg.capture.coverage import layer_coverage
-from gradalg.capture.experts import ExpertMatrixRule, FusedExpertsRule
+from gradalg.capture.experts import ExpertMatrixRule, FusedExpertsRule, ParamPart, expected_padded
 from gradalg.capture.hooks import resolve_layers
 from gradalg.capture.layers import ReplayRule, rule_class
 from references import block_rows, one_thread  # noqa: F401 - fixture
@@ -228,10 +235,13 @@ def test_planner_facts_and_coverage_on_an_olmoe_shape():
     rule = resolve_layers(model, ["model.layers.0.mlp.experts.down_proj.3"])[0].rule
     assert (rule.expert, rule.matrix) == (3, "down_proj")
     assert rule.positions(module, torch.empty(7, H, device="meta")) == math.ceil(7 * K / E)
-    # the plan's positions without running the model: ⌈T k / E⌉ for the experts, T for the rest
-    from gradalg.plan.shapes import forward_shapes
-    T = forward_shapes(ga.grads(ga.tasks.causal_lm(model), items((10, 10), 1)).expr.source, {}).positions
-    assert T["model.layers.0.mlp.experts.down_proj.3"] == math.ceil(10 * K / E)
+    # the plan's positions without running the model: the padded length of a chunk of the two
+    # examples at balanced routing (share k / E) for the experts, T for the rest
+    from gradalg.plan.shapes import chunk_examples, forward_shapes
+    src = ga.grads(ga.tasks.causal_lm(model), items((10, 10), 1)).expr.source
+    assert chunk_examples(src) == 2
+    T = forward_shapes(src, {}).positions
+    assert T["model.layers.0.mlp.experts.down_proj.3"] == math.ceil(expected_padded(10, K / E, 2)) == 6
     assert T["model.layers.0.self_attn.q_proj"] == 10
     I = module.down_proj.shape[2]
     assert FusedExpertsRule().weight_gemm(module) == (H, 3 * K * I)
@@ -285,3 +295,72 @@ def test_check_model_compares_each_expert_block_with_its_slice_of_autograd():
     report = ga.check_model(ga.tasks.causal_lm(model), items((5, 6, 4), 1))
     assert "tied_weights: captured gradients equal autograd's for all 24 blocks" in str(report)
     assert "FAIL" not in str(report)
+
+
+@pytest.mark.parametrize("tokens,share,examples", [(4, 0.25, 1), (4, 0.25, 2), (3, 0.5, 3), (4, 0.75, 2), (2, 0.1, 4)])
+def test_expected_padded_length_equals_an_enumeration_of_every_routing(tokens, share, examples):
+    """E[max(1, max_i c_i)] over every assignment of ``examples × tokens`` tokens (each routed
+    to the expert with probability ``share``), weighted by its probability."""
+    expected = 0.0
+    for routed in itertools.product((0, 1), repeat=tokens * examples):
+        weight = math.prod(share if r else 1 - share for r in routed)
+        counts = [sum(routed[i * tokens:(i + 1) * tokens]) for i in range(examples)]
+        expected += weight * max(1, max(counts))
+    assert expected_padded(tokens, share, examples) == pytest.approx(expected, rel=1e-12)
+    assert expected_padded(tokens, 0.0, examples) == 1.0 and expected_padded(tokens, 1.0, examples) == tokens
+
+
+@pytest.mark.parametrize("arch", ("olmoe", "qwen2_moe"))
+def test_the_shape_measurement_runs_for_a_causal_lm_and_the_plan_uses_it(arch, monkeypatch):
+    """Before a run the planner measures a causal LM's shapes (a meta forward, the batch's
+    value checks skipped there, the experts' forward shape-only) and the routing of the data's
+    first chunk (a real forward): every expert's block is priced at the padded length capture
+    then gives it in that chunk (recorded here from the factors of the run, padding included);
+    the plan's facts hold that measurement."""
+    from gradalg.plan.planner import plan
+    from gradalg.plan.shapes import chunk_examples, measure_forward_shapes
+    model = build(arch)
+    data = items((9, 9, 7), 3)
+    G = ga.grads(ga.tasks.causal_lm(model), data)
+    src = G.expr.source
+    shapes = measure_forward_shapes(src)
+    assert shapes.measured and shapes.activations > 0
+    assert chunk_examples(src) == 3
+    assert all(shapes.positions[n] == 9 for n in shapes.positions if ".self_attn." in n)
+    p = plan((G @ G.T).expr, measure_shapes=True)
+    assert p.stages["facts"].shapes[src.token] == shapes
+    assert "measured for a run" in p.explain("facts")
+    # what capture pads each block to in the run's (only) chunk
+    padded, factors = {}, ExpertMatrixRule.factors
+    names = {id(m): n for n, m in experts_of(model).items()}
+
+    def recording(self, module, recorded, g, layout):
+        out = factors(self, module, recorded, g, layout)
+        padded.setdefault(f"{names[id(module)]}.{self.matrix}.{self.expert}", out.A.shape[1])
+        return out
+    monkeypatch.setattr(ExpertMatrixRule, "factors", recording)
+    G.to_dense()
+    assert set(padded) == set(expert_blocks(model))
+    assert {n: shapes.positions[n] for n in padded} == padded
+    assert sum(padded.values()) > sum(math.ceil(9 * K / E) for _ in padded)   # more than the mean
+    # the real batch is still checked: a token outside the vocabulary is refused by name
+    with pytest.raises(ga.errors.BatchContentError, match="vocabulary"):
+        ga.grads(ga.tasks.causal_lm(model), [{"input_ids": torch.tensor([1, V + 3, 2])}]).to_dense()
+
+
+def test_to_params_of_one_expert_is_its_slice_and_the_parts_add_up():
+    """``to_params`` of an expert's block holds that expert's (n, out, in) only; ``G.to_params()``
+    adds the parts into one (n, E, out, in) tensor per parameter, equal to the loop reference."""
+    model = build("olmoe")
+    module = model.model.layers[0].mlp.experts
+    rule = resolve_layers(model, ["model.layers.0.mlp.experts.down_proj.2"])[0].rule
+    block = torch.randn(3, *module.down_proj.shape[1:], dtype=F64)
+    part = rule.to_params(module, block)["down_proj"]
+    assert isinstance(part, ParamPart) and part.value is block and part.index == 2
+    assert part.dense().shape == (3, *module.down_proj.shape) and torch.equal(part.dense()[:, 2], block)
+    data = items((5, 3, 6), 2)
+    captured = ga.grads(ga.tasks.causal_lm(model), data, layers=["model.layers.0.mlp.experts"]).to_params()
+    assert set(captured) == {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"}
+    reference = stock_oracle(model, data, "causal_lm", list(captured))
+    for name in captured:
+        torch.testing.assert_close(captured[name], reference[name], rtol=1e-9, atol=1e-12)

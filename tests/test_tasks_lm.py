@@ -345,3 +345,25 @@ def test_left_padded_sequences_have_their_unpadded_loss(arch):
         batched = float(task.summed_loss(model, left))
         alone = sum(float(next_token_nll(model(input_ids=d["input_ids"][None]).logits[0], d)) for d in data)
     assert math.isclose(batched, alone, rel_tol=1e-5), (batched, alone)
+
+
+@pytest.mark.parametrize("arch", MODELS)
+def test_the_meta_shape_measurement_runs_on_a_causal_lm_and_the_batch_is_still_checked(arch):
+    """The planner's shape measurement runs the task's loss on meta copies of a batch: the
+    token checks skip their value checks there (no ``.item()`` on meta) and keep the shape
+    checks, so every layer's positions are measured; the real batch is still refused."""
+    from gradalg.plan.shapes import measure_forward_shapes
+    from gradalg.tasks.validation import token_batch
+    model, layers = MODELS[arch]()
+    meta = {"input_ids": torch.empty(2, 7, dtype=torch.long, device="meta"),
+            "attention_mask": torch.empty(2, 7, dtype=torch.long, device="meta")}
+    assert token_batch(meta, "causal_lm", model, labels="causal")["input_ids"].is_meta
+    with pytest.raises(ga.errors.BatchContentError, match="shape"):
+        token_batch({**meta, "attention_mask": torch.empty(2, 6, device="meta")}, "causal_lm", model)
+    data = items()
+    shapes = measure_forward_shapes(ga.grads(ga.tasks.causal_lm(model), data, layers=layers).expr.source)
+    assert shapes.measured and shapes.activations > 0
+    assert shapes.positions == {name: 5 for name in layers}       # the first example's 5 tokens
+    bad = [{**data[0], "input_ids": data[0]["input_ids"].clone().fill_(VOCAB + 1)}]
+    with pytest.raises(ga.errors.BatchContentError, match="vocabulary"):
+        ga.grads(ga.tasks.causal_lm(model), bad, layers=layers).to_dense()

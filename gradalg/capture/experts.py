@@ -34,8 +34,18 @@ Planner facts (per position of the module's input, :mod:`gradalg.plan.shapes`): 
 forward multiplies each token by ``k`` experts' ``H × 2I`` and ``I × H`` matrices (FLOPs
 of one (H, 3kI) GEMM); autograd keeps, per token and routed expert, its input, gate/up
 output, gated activation, expert output and weighted output (``k (3H + 4I)`` numbers);
-each block's positions per example are priced at the mean ``⌈T k / E⌉`` (balanced
-routing; the padded length ``L_e`` of a batch is at least that).
+each block's positions per example are priced at what a chunk of ``B`` examples pads it
+to, the expected largest of ``B`` routed counts (:func:`expected_padded`)::
+
+    T_e = ⌈E[max_{i<B} c_{i,e}]⌉      c_{i,e} ~ Binomial(T, p_e)      E[max] = Σ_{m≥1} 1 − F(m−1)^B
+
+with ``p_e = k / E`` the share of tokens routed to expert ``e`` at balanced routing
+(``B = 1`` gives the mean ``⌈T k / E⌉``): the price without running the model (displays).
+Before a run (:func:`gradalg.plan.shapes.measure_forward_shapes`) the padded length is
+measured instead: one no-grad forward of the data's first chunk of ``B`` examples, ``L_e =
+max_i c_{i,e}`` (:func:`routed_counts`). Routing is neither balanced nor the same across
+examples (each document has experts of its own): at real widths on real text
+(``benchmarks/moe_positions.py``) the balanced price was ½ of the padded length.
 
 Only the forward these classes ship (concatenated gate/up, not transposed, no biases, no
 post-expert norm) is factored; ``config.experts_implementation`` (eager, grouped or
@@ -47,6 +57,7 @@ line names it.
 """
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import weakref
@@ -61,7 +72,8 @@ from .factors import Factors
 from .layers import LayerRule, ReplayRule, register_layer
 from .rows import RowLayout
 
-__all__ = ["FUSED_EXPERTS", "FusedExpertsRule", "ExpertMatrixRule", "MATRICES"]
+__all__ = ["FUSED_EXPERTS", "FusedExpertsRule", "ExpertMatrixRule", "MATRICES", "expected_padded",
+           "routed_counts", "meta_forward", "ParamPart", "add_param", "dense_param"]
 
 #: the transformers classes whose forward this module factors ("package.module:Class")
 FUSED_EXPERTS = (
@@ -118,6 +130,52 @@ def _top_k(module: nn.Module) -> int:
     return int(k) if k else 1
 
 
+def _n_experts(module: nn.Module) -> int:
+    return int(module.gate_up_proj.shape[0])
+
+
+@functools.lru_cache(maxsize=4096)
+def expected_padded(tokens: int, share: float, examples: int) -> float:
+    """``E[max(1, max_{i<B} c_i)]`` for ``B = examples`` independent counts ``c_i ~
+    Binomial(tokens, share)``: the expected padded length of one expert's block in a chunk
+    of ``B`` examples of ``tokens`` tokens each (``_by_example`` pads to the largest count,
+    at least 1). Exact: ``1 + Σ_{m≥2} 1 − F(m−1)^B`` with ``F`` the binomial CDF (float64,
+    from the log-pmf). ``B = 1``: ``max(1, tokens · share)`` up to the floor at 1."""
+    tokens, examples = int(tokens), max(1, int(examples))
+    p = min(max(float(share), 0.0), 1.0)
+    if tokens < 1 or p == 0.0:
+        return 1.0
+    if p == 1.0:
+        return float(tokens)
+    m = torch.arange(tokens + 1, dtype=torch.float64)
+    log_pmf = (torch.lgamma(torch.tensor(tokens + 1.0, dtype=torch.float64)) - torch.lgamma(m + 1)
+               - torch.lgamma(tokens - m + 1) + m * math.log(p) + (tokens - m) * math.log1p(-p))
+    cdf = torch.cumsum(log_pmf.exp(), 0).clamp(max=1.0)           # F(m), m = 0..tokens
+    # E[max(1, M)] = Σ_{m≥1} P(max(1, M) ≥ m) = 1 + Σ_{m=2}^{tokens} (1 − F(m−1)^B)
+    return 1.0 + float((1.0 - cdf[1:tokens].pow(examples)).sum())
+
+
+def routed_counts(module: nn.Module, top_k_index: torch.Tensor, examples: int = 1) -> torch.Tensor:
+    """(B, E) tokens of each example routed to each expert, from a call's ``top_k_index``
+    (N, k), ``N = B·T`` tokens flattened batch-major (``B = examples``; as ``_by_example``
+    groups them: padding tokens count). ``.max(0)`` is what capture pads each expert to."""
+    E = _n_experts(module)
+    index = top_k_index.detach().long().cpu()
+    example = torch.div(torch.arange(index.shape[0]), max(1, index.shape[0] // max(1, examples)),
+                        rounding_mode="floor").unsqueeze(1).expand_as(index)
+    keep = (index >= 0) & (index < E)
+    flat = example[keep] * E + index[keep]
+    return torch.bincount(flat, minlength=examples * E)[:examples * E].reshape(examples, E)
+
+
+def meta_forward(module: nn.Module, args, kwargs) -> torch.Tensor:
+    """The fused experts' output on the ``meta`` device (the planner's shape measurement):
+    (N, H) like ``hidden_states``, the routing is not known there (the module's own forward
+    needs it: ``nonzero``)."""
+    hidden = args[0] if args else kwargs["hidden_states"]
+    return torch.empty_like(hidden)
+
+
 @dataclass
 class _ExpertCall:
     """One call's inputs (detached): tokens (N, H), experts (N, k), routing weights (N, k),
@@ -141,9 +199,10 @@ class _ExpertsBase(LayerRule):
     kind: str = "experts"
     in_session: ClassVar[bool] = False    # ga.capture records one A per call: not these
     positions_are_tokens: ClassVar[bool] = False
-    #: the routed tokens depend on the data, which a meta forward does not have: positions are
-    #: priced by :meth:`positions_for_tokens` (⌈T·k/E⌉), not measured
-    measured_kinds: ClassVar[tuple[str, ...]] = ()
+    #: the routed tokens depend on the data: positions are measured before a run (the routing
+    #: of the first example, :func:`gradalg.plan.shapes.measure_forward_shapes`), priced at
+    #: balanced routing otherwise (:meth:`ExpertMatrixRule.positions_for_tokens`)
+    measured_kinds: ClassVar[tuple[str, ...]] = ("expert",)
 
     def weight_gemm(self, module):
         E, I2, H = module.gate_up_proj.shape
@@ -221,24 +280,31 @@ class ExpertMatrixRule(_ExpertsBase):
         return 0
 
     def to_params(self, module, block):
-        """(n, out, in) → ``{matrix: (n, E, out, in)}``, zero but for this expert (the
-        callers sum the blocks of one parameter)."""
-        full = block.new_zeros(block.shape[0], *getattr(module, self.matrix).shape)
-        full[:, self.expert] = block
-        return {self.matrix: full}
+        """(n, out, in) → ``{matrix: ParamPart}``: this expert's slice ``[:, e]`` of the
+        (n, E, out, in) parameter, not allocated whole (the callers add the parts of one
+        parameter with :func:`add_param`: one (n, E, out, in) tensor for all its experts)."""
+        return {self.matrix: ParamPart(block, self.expert, tuple(getattr(module, self.matrix).shape))}
 
     def from_params(self, module, params):
         return params[self.matrix][:, self.expert]
 
     def positions(self, module, output):
         """The mean routed tokens per example, ``⌈T k / E⌉`` (the meta forward that measures
-        positions runs one example: ``output`` (T, H))."""
+        positions runs one example: ``output`` (T, H); the routing is not known on meta:
+        :func:`gradalg.plan.shapes.measure_forward_shapes` replaces this by
+        :meth:`positions_for_tokens` at the measured share and the chunk's examples)."""
         return self.positions_for_tokens(module, output.shape[0])
 
-    def positions_for_tokens(self, module, tokens):
-        """``⌈T k / E⌉``: an example's tokens routed to one expert, on average (balanced
-        routing; a batch's padded length is its most-routed example's count, at least this)."""
-        return max(1, math.ceil(tokens * _top_k(module) / module.gate_up_proj.shape[0]))
+    def positions_for_tokens(self, module, tokens, examples: int = 1, share: float | None = None):
+        """``⌈E[max_{i<B} c_i]⌉`` (:func:`expected_padded`), ``B = examples``: the padded
+        length of this expert's block in a chunk of ``B`` examples of ``tokens`` tokens, each
+        token routed here with probability ``share`` (default ``k / E``, balanced routing;
+        ``B = 1`` then gives the mean ``⌈T k / E⌉``)."""
+        if share is None:
+            share = _top_k(module) / _n_experts(module)
+            if examples <= 1:
+                return max(1, math.ceil(tokens * share))
+        return max(1, math.ceil(expected_padded(int(tokens), round(float(share), 6), int(examples)) - 1e-9))
 
     def record(self, module, args, kwargs, output):
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
@@ -274,6 +340,59 @@ class ExpertMatrixRule(_ExpertsBase):
             (gamma,) = torch.autograd.grad(act, h, delta @ W_down.to(delta.dtype))
         recorded.gated[self.expert] = act.detach()
         return _by_example(xe, gamma, rows, layout)
+
+
+@dataclass(frozen=True, eq=False)
+class ParamPart:
+    """One expert's slice of a fused parameter: ``value`` (n, out, in) is ``full[:, index]``
+    of the parameter's (n, E, out, in) gradient, zero elsewhere (``shape``: the parameter's
+    (E, out, in)). :func:`add_param` adds it into one tensor per parameter."""
+
+    value: torch.Tensor
+    index: int
+    shape: tuple
+
+    def dense(self) -> torch.Tensor:
+        """(n, E, out, in): zero but for ``[:, index]`` (a new tensor)."""
+        full = self.value.new_zeros(self.value.shape[0], *self.shape)
+        full[:, self.index] = self.value
+        return full
+
+
+def add_param(acc: dict, key, value) -> None:
+    """``acc[key] += value`` for the values of ``rule.to_params``: a tensor, or a
+    :class:`ParamPart` written into ``acc[key]`` in place (its first part allocates the
+    parameter's tensor once; a tensor ``acc`` did not allocate this way is copied first,
+    never written)."""
+    old = acc.get(key)
+    if not isinstance(value, ParamPart):
+        acc[key] = value if old is None else old + value.to(old.dtype)
+        return
+    if old is None:
+        acc[key] = _own(value.dense())
+        return
+    if not _owned(old):
+        old = acc[key] = _own(old.clone())
+    old[:, value.index] += value.value.to(old.dtype)
+
+
+def dense_param(value) -> torch.Tensor:
+    """A value of ``rule.to_params`` as a tensor (a :class:`ParamPart` made whole)."""
+    return value.dense() if isinstance(value, ParamPart) else value
+
+
+#: ``{id(tensor): weak reference}`` of the tensors :func:`add_param` allocated (writable)
+_OWNED: dict = {}
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    _OWNED[id(t)] = weakref.ref(t, lambda _, key=id(t): _OWNED.pop(key, None))
+    return t
+
+
+def _owned(t: torch.Tensor) -> bool:
+    ref = _OWNED.get(id(t))
+    return ref is not None and ref() is t
 
 
 #: ``{id(module output): (weak reference to it, _ExpertCall)}``: one record per call, made by

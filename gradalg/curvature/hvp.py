@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, jvp, vjp, vmap
 
+from ..capture.experts import add_param
 from ..capture.hooks import resolve_layers
 from ..data import DataRef, batch_size_of, move_batch
 from ..errors import NonFiniteGradientError, OptionError
@@ -58,8 +59,7 @@ class ParamCoords:
             block = rows[:, start:start + out_f * in_f].reshape(m, out_f, in_f)
             start += out_f * in_f
             for pname, value in ref.rule.to_params(ref.module, block).items():
-                key = names[pname]
-                out[key] = out[key] + value if key in out else value   # a fused experts' blocks add up
+                add_param(out, names[pname], value)   # a fused experts' blocks add up
         return out
 
     def from_params(self, params: dict[str, torch.Tensor]) -> torch.Tensor:

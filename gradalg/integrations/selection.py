@@ -49,6 +49,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..capture.experts import dense_param
 from ..capture.factors import Factors, OneHot, ghost_flops, ghost_inner, self_inner
 from ..errors import UnsupportedLayerError, OptionError
 from . import distributed as _dist
@@ -490,7 +491,7 @@ class OnlineSelection:
             for pname, value in ref.rule.to_params(ref.module, delta.unsqueeze(0)).items():
                 p = ref.module.get_parameter(pname)
                 if p.requires_grad:
-                    _add(corrections, p, value[0])
+                    _add(corrections, p, dense_param(value)[0])
         if self._affine is not None:
             for name, module in self._affine.modules.items():
                 for k, c in enumerate(step.chunks):

@@ -9,7 +9,13 @@ allocated, the model's own parameters are not touched — and records, per block
 rule's ``positions`` (``T_b = output.numel() / (batch · out_features)``; 1 for a block
 recorded by replay, one (P, 1) column per example). Models whose forward cannot run on
 ``meta`` (a data-dependent branch, ``.item()``) fall back to :func:`tokens_hint` for
-every block.
+every block. The tasks skip their value checks on meta tensors (the real batch is checked
+before every capture); fused MoE experts (:mod:`gradalg.capture.experts`) run a shape-only
+forward there, and their routed positions are measured for real: one no-grad forward of
+the first chunk of the data, ``B`` examples (:func:`chunk_examples`, the most a chunk of the
+pass holds), stopped at the last experts module, records each module's routing, and each
+expert's block is priced at what capture pads it to in that chunk, its most-routed
+example's count (:func:`_routed_positions`).
 
 Executors measure before they plan a run (``plan(..., measure_shapes=True)``: the facts
 stage, :mod:`gradalg.plan.facts`); displays (``repr``, ``explain()``, the plan explorer)
@@ -20,6 +26,7 @@ reads a layer's positions (:func:`gradalg.plan.memory.positions`, the jobs' hook
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -27,13 +34,16 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from ..capture.experts import ExpertMatrixRule, FusedExpertsRule, meta_forward, routed_counts
 from ..capture.hooks import resolve_layers
 from ..capture.layers import rule_class
+from ..data import batch_size_of, move_batch
+from ..options import get_options
 from .cost import tokens_hint
 
 __all__ = ["ForwardShapes", "ModelFacts", "forward_shapes", "measure_forward_shapes", "rows_per_example", "element_size",
            "weight_layers", "attention_shape", "activation_bytes", "output_width", "output_bytes",
-           "OUTPUT_COPIES"]
+           "OUTPUT_COPIES", "chunk_examples"]
 
 
 def _to_meta(value):
@@ -44,6 +54,16 @@ def _to_meta(value):
     if isinstance(value, (tuple, list)):
         return type(value)(_to_meta(v) for v in value)
     return value
+
+
+def _meta_batch(batch):
+    """``batch`` on meta (:func:`_to_meta`), without an ``attention_mask`` of all ones (a
+    dict batch's): a Hugging Face model reads a missing mask as all ones, and its mask
+    builder reads the mask's values (``.all()``), which a meta tensor does not have."""
+    if isinstance(batch, Mapping) and isinstance(batch.get("attention_mask"), torch.Tensor) \
+            and bool((batch["attention_mask"] != 0).all()):
+        batch = {k: v for k, v in batch.items() if k != "attention_mask"}
+    return _to_meta(batch)
 
 
 @dataclass(frozen=True)
@@ -90,65 +110,154 @@ def forward_shapes(src, shapes: Mapping[str, ForwardShapes]) -> ForwardShapes:
 def _hinted_positions(src, tokens: int) -> dict:
     """``{block: T_b}`` without running the model: ``tokens`` for every block, but what its
     rule's :meth:`~gradalg.capture.layers.LayerRule.positions_for_tokens` says (a fused
-    expert's share of the tokens). Kept by ``(source token, tokens)`` (a few, most recent)."""
+    expert's padded share of the tokens in a chunk of :func:`chunk_examples`, at balanced
+    routing). Kept by ``(source token, tokens, examples)`` (a few, most recent)."""
     out = {b.name: tokens for b in src.space.blocks}
     task = getattr(src, "task", None)
     if task is None or getattr(src, "backend", "hooks") != "hooks":
         return out
-    key = (src.token, tokens)
+    examples = chunk_examples(src) if any(b.kind == ExpertMatrixRule.kind for b in src.space.blocks) else 1
+    key = (src.token, tokens, examples)
     if key not in _HINTS:
-        _HINTS[key] = {ref.name: ref.rule.positions_for_tokens(ref.module, tokens)
+        _HINTS[key] = {ref.name: (ref.rule.positions_for_tokens(ref.module, tokens, examples)
+                                  if isinstance(ref.rule, ExpertMatrixRule)
+                                  else ref.rule.positions_for_tokens(ref.module, tokens))
                        for ref in resolve_layers(task.model, list(src.layers))}
         while len(_HINTS) > 32:
             _HINTS.pop(next(iter(_HINTS)))
     return {name: _HINTS[key].get(name, T) for name, T in out.items()}
 
 
-#: ``{(source token, tokens): {block: T_b}}`` of :func:`_hinted_positions`
+#: ``{(source token, tokens, examples): {block: T_b}}`` of :func:`_hinted_positions`
 _HINTS: dict = {}
+
+
+def chunk_examples(src) -> int:
+    """The most examples one chunk of a pass over ``src`` holds: ``min(n, batch_size,
+    ⌈batch_tokens / T⌉)`` (``ga.options``; the data's own batch size when it has one). The
+    planner may choose fewer (under ``memory_budget``); a fused expert's padded length
+    grows with the chunk, so pricing it here is an upper bound for a smaller one."""
+    from .size import _batch_tokens     # size imports this module
+    options = get_options()
+    data = getattr(src, "data", None)
+    B = min(int(getattr(src, "n", 1) or 1), getattr(data, "batch_size", None) or options.batch_size)
+    try:
+        by_tokens = _batch_tokens([src], options)[2]
+    except Exception:  # noqa: BLE001 - a model without parameters: no token limit
+        by_tokens = None
+    return max(1, min(B, by_tokens) if by_tokens else B)
 
 
 def measure_forward_shapes(src) -> ForwardShapes:
     """One meta-device forward of the first example (executors, before running a plan):
-    every recorded layer's positions; ``tokens_hint`` where the forward cannot run."""
+    every recorded layer's positions; ``tokens_hint`` where the forward cannot run. With
+    fused experts among the layers, also one real no-grad forward of the data's first chunk
+    (:func:`_routed_positions`: the experts' padded lengths)."""
     shapes = forward_shapes(src, {})
     data = getattr(src, "data", None)
     task = getattr(src, "task", None)
     if data is not None and task is not None and src.backend == "hooks":
         try:
-            positions, activations = _measure_on_meta(task, data.first_example_batch(), list(src.layers))
+            batch = data.first_example_batch()
+            refs = resolve_layers(task.model, list(src.layers))
+            positions, activations = _measure_on_meta(task, batch, refs)
+            if positions and any(isinstance(r.rule, ExpertMatrixRule) for r in refs):
+                positions.update(_routed_positions(task, data, refs, chunk_examples(src)))
             shapes = ForwardShapes({**shapes.positions, **positions}, activations, bool(positions))
         except Exception:  # noqa: BLE001 - shapes are a hint: a model meta cannot run keeps tokens_hint
             pass
     return shapes
 
 
-def _measure_on_meta(task, batch, layers) -> tuple[dict[str, int], int]:
+def _measure_on_meta(task, batch, refs) -> tuple[dict[str, int], int]:
+    """``({block: T_b}, activations)`` of one meta forward of the one-example ``batch``:
+    every recorded layer's positions and the numbers in every leaf module's output (a
+    fused experts module: its own per-token numbers, ``activation_numbers``)."""
     model: nn.Module = task.model
-    refs = resolve_layers(model, layers)
     seen: dict[str, int] = {}
     activations = [0]
-    handles = []
+    handles, patched = [], {}
     for ref in refs:
         def hook(module, args, output, name=ref.name, rule=ref.rule):
             if isinstance(output, torch.Tensor) and name not in seen:
                 seen[name] = rule.positions(module, output)
         handles.append(ref.module.register_forward_hook(hook))
 
-    def count(module, args, output):
+    def count(module, args, output):     # one example: every number of the output is its
         if isinstance(output, torch.Tensor) and output.dim() > 0:
-            activations[0] += output.numel() // max(1, output.shape[0])
+            activations[0] += output.numel()
     for module in model.modules():
         if not any(True for _ in module.children()):
             handles.append(module.register_forward_hook(count))
+        elif isinstance(rule_class(module).for_module(module), FusedExpertsRule) and id(module) not in patched:
+            patched[id(module)] = (module, module.__dict__.get("forward"))   # an instance forward (accelerate's) kept
+            module.forward = functools.partial(_meta_experts, module, activations)
     try:
         state = {k: torch.empty_like(v, device="meta") for k, v in model.state_dict(keep_vars=True).items()}
         with torch.no_grad():
-            _meta_loss(task, model, state, _to_meta(batch))
+            _meta_loss(task, model, state, _meta_batch(batch))
     finally:
         for h in handles:
             h.remove()
+        for module, own in patched.values():
+            if own is None:
+                del module.forward
+            else:
+                module.forward = own
     return seen, activations[0]
+
+
+def _meta_experts(module, activations, *args, **kwargs):
+    """A fused experts module's forward on meta (its own needs the routing's values): the
+    output's shape, and its per-token activations added to ``activations[0]``."""
+    out = meta_forward(module, args, kwargs)
+    activations[0] += FusedExpertsRule().activation_numbers(module) * int(out.shape[0])
+    return out
+
+
+class _Routed(Exception):
+    """Raised by the last experts module's pre-hook: the routing is known, the rest of the
+    forward is not needed."""
+
+
+def _routed_positions(task, data, refs, examples: int) -> dict[str, int]:
+    """``{expert block: T_b}``: the padded length of each expert's blocks in the first chunk
+    of ``examples`` examples, ``L_e = max(1, max_i c_{i,e})`` (``c_{i,e}``: tokens of example
+    ``i`` routed to expert ``e``, padding tokens included, as capture pads them), from one
+    real no-grad forward of that chunk stopped at the last fused experts module. Empty when
+    the forward fails (the balanced-routing price stays)."""
+    experts = {id(r.module): r.module for r in refs if isinstance(r.rule, ExpertMatrixRule)}
+    padded: dict[int, torch.Tensor] = {}
+
+    def pre(module, args, kwargs):
+        index = args[1] if len(args) > 1 else kwargs.get("top_k_index")
+        if id(module) not in padded and isinstance(index, torch.Tensor):
+            padded[id(module)] = routed_counts(module, index, chunk).max(0).values.clamp_min(1)
+        if len(padded) == len(experts):
+            raise _Routed
+    handles = [m.register_forward_pre_hook(pre, with_kwargs=True) for m in experts.values()]
+    batches = None
+    try:
+        batches = data.prefix(examples).loader(examples)
+        batch = next(iter(batches))
+        chunk = batch_size_of(batch)
+        model = task.model
+        param = next(iter(model.parameters()), None)
+        cuda = [param.device] if param is not None and param.device.type == "cuda" else []
+        # the random state is restored: a model in training mode (dropout) draws the run's numbers unchanged
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+            task.loss(model, move_batch(batch, param.device) if param is not None else batch)
+    except _Routed:
+        pass
+    except Exception:  # noqa: BLE001 - shapes are a hint: a forward that fails keeps the balanced price
+        return {}
+    finally:
+        for h in handles:
+            h.remove()
+        if hasattr(batches, "close"):
+            batches.close()
+    return {ref.name: int(padded[id(ref.module)][ref.rule.expert]) for ref in refs
+            if isinstance(ref.rule, ExpertMatrixRule) and id(ref.module) in padded}
 
 
 def _meta_loss(task, model, state, batch):

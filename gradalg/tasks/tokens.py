@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import BatchContentError, OptionError
+from .validation import values_known
 
 IGNORE = -100
 PADDING_SIDES = ("right", "left")
@@ -79,7 +80,11 @@ def check_padding(mask: torch.Tensor, padding_side: str, ids=None, task: str = "
 
     ``mask`` (B, T) bool. Right padding: real tokens first (1…1 0…0); left padding: the
     padding first (0…0 1…1). A row of neither form (a hole) is refused either way.
+    Skipped where the values are unknown (meta tensors of the planner's shape measurement,
+    a torch.func transform: :func:`~gradalg.tasks.validation.values_known`).
     """
+    if not values_known(mask):
+        return
     empty = torch.nonzero(~mask.any(1)).flatten()
     if len(empty):
         raise BatchContentError(f"ga.tasks.{task}: {_id_text(empty, ids)} have no real token "
@@ -107,7 +112,10 @@ def check_padding(mask: torch.Tensor, padding_side: str, ids=None, task: str = "
 
 def check_counted(targets: torch.Tensor, ids=None, task: str = "causal_lm", why: str = "") -> None:
     """Refuse rows none of whose targets count (all ``-100``): their loss is 0 by
-    construction, so their gradient would be a silent zero."""
+    construction, so their gradient would be a silent zero. Skipped where the values are
+    unknown (as :func:`check_padding`)."""
+    if not values_known(targets):
+        return
     empty = torch.nonzero(~(targets != IGNORE).any(1)).flatten()
     if len(empty):
         raise BatchContentError(f"ga.tasks.{task}: {_id_text(empty, ids)} have no label that counts "

@@ -35,7 +35,8 @@ import torch
 from ..errors import BatchContentError, GradalgError
 from .tokens import not_a_dict
 
-__all__ = ["token_batch", "class_labels", "pair_field", "input_vocab", "output_vocab", "max_positions", "IGNORE"]
+__all__ = ["token_batch", "class_labels", "pair_field", "input_vocab", "output_vocab", "max_positions", "IGNORE",
+           "values_known"]
 
 IGNORE = -100
 #: integer fields read as int64 (token ids, labels, lengths)
@@ -47,11 +48,20 @@ MASKS = ("attention_mask", "completion_mask", "decoder_attention_mask")
 
 
 def _traced(value) -> bool:
-    """Whether ``value`` is seen through a torch.func transform (``vmap`` / ``grad`` of the
-    func backend and the per-example references): its values cannot steer Python there, so
-    the value checks are skipped. The batch itself was checked before (``Task.validate_batch``
-    runs on the real tensors before every capture)."""
-    return isinstance(value, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(value)
+    """Whether the values of ``value`` are unknown to Python: a tensor seen through a
+    torch.func transform (``vmap`` / ``grad`` of the func backend and the per-example
+    references), or a ``meta`` tensor (the planner's shape measurement,
+    :func:`gradalg.plan.shapes.measure_forward_shapes`, which runs the loss on meta copies
+    of the batch). The value checks are skipped there; the shape checks still run. The
+    batch itself was checked before (``Task.validate_batch`` runs on the real tensors
+    before every capture)."""
+    return isinstance(value, torch.Tensor) and (value.is_meta
+                                                 or torch._C._functorch.is_functorch_wrapped_tensor(value))
+
+
+def values_known(value) -> bool:
+    """Whether the value checks can read ``value`` (not :func:`_traced`, not meta)."""
+    return not _traced(value)
 
 
 @contextlib.contextmanager
