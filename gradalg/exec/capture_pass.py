@@ -20,9 +20,8 @@ from ..data import batch_size_of
 from ..finite import check_model, check_rows as check_finite
 from ..expr import Source
 from ..capture.chunks import Chunk
-from ..curvature.hvp import eval_mode
 
-__all__ = ["SourceCapture", "PassCapture", "SharedForward", "model_device_dtype", "eval_mode"]
+__all__ = ["SourceCapture", "PassCapture", "SharedForward", "model_device_dtype"]
 
 
 def model_device_dtype(model):
