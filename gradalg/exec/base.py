@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import replace
+from importlib import import_module
 from typing import Callable, Iterator
 
 import torch
@@ -241,34 +242,23 @@ class Executor:
         return False
 
 
-def _local(**kwargs):
-    from .local import LocalExecutor
-    return LocalExecutor(**kwargs)
-
-
-def _dask(**kwargs):
-    try:
-        import distributed  # noqa: F401
-    except ImportError as err:
-        raise ImportError("the Dask executor needs dask.distributed: pip install 'gradalg[dask]'") from err
-    from .dask import DaskExecutor
-    return DaskExecutor(**kwargs)
-
-
-def _torch_distributed(**kwargs):
-    from .distributed import TorchDistributed
-    return TorchDistributed(**kwargs)
-
-
-EXECUTORS = {"local": _local, "dask": _dask, "torch_distributed": _torch_distributed}
+#: executors by name: (module of gradalg.exec, class, (the package it imports, how to install it) or None)
+EXECUTORS = {"local": ("local", "LocalExecutor", None),
+             "dask": ("dask", "DaskExecutor", ("distributed", "pip install 'gradalg[dask]'")),
+             "torch_distributed": ("distributed", "TorchDistributed", None)}
 
 
 def get_executor(executor=None, **kwargs) -> Executor:
     """An executor from a name ("local", "dask", "torch_distributed"), an Executor, or None (local)."""
-    if executor is None:
-        return _local(**kwargs)
-    if isinstance(executor, str):
-        if executor not in EXECUTORS:
-            raise OptionError(f"unknown executor {executor!r}; choose one of {sorted(EXECUTORS)}")
-        return EXECUTORS[executor](**kwargs)
-    return executor
+    if executor is not None and not isinstance(executor, str):
+        return executor
+    name = executor or "local"
+    if name not in EXECUTORS:
+        raise OptionError(f"unknown executor {name!r}; choose one of {sorted(EXECUTORS)}")
+    module, cls, needs = EXECUTORS[name]
+    if needs is not None:
+        try:
+            import_module(needs[0])
+        except ImportError as err:
+            raise ImportError(f"the {name} executor needs {needs[0]}: {needs[1]}") from err
+    return getattr(import_module(f"{__package__}.{module}"), cls)(**kwargs)

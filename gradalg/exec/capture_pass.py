@@ -20,9 +20,8 @@ from ..data import batch_size_of
 from ..finite import check_model, check_rows as check_finite
 from ..expr import Source
 from ..capture.chunks import Chunk
-from ..curvature.hvp import eval_mode
 
-__all__ = ["SourceCapture", "PassCapture", "SharedForward", "model_device_dtype", "eval_mode"]
+__all__ = ["SourceCapture", "PassCapture", "SharedForward", "model_device_dtype"]
 
 
 def model_device_dtype(model):
@@ -48,15 +47,12 @@ class SourceCapture:
         self._reduction_checked = False
 
     def capture(self, batch, ids) -> list[Chunk]:
-        src, task = self.source, self.source.task
+        src = self.source
         if src.backend != "hooks" or src.objective == "expected":
             self.check_reduction(batch)   # the hooks backend checks with its own forward's loss
-        if src.objective == "expected":
-            terms = self._expected_blocks(batch)
-            if self.options.check_finite:   # NaN inputs name their examples here too
-                for blocks in terms:
-                    check_finite(blocks, ids)
-            return [Chunk(ids, blocks, batch, task, {"term": term}) for term, blocks in enumerate(terms)]
+        if src.objective == "expected":   # NaN inputs name their examples here too
+            return [c for term, blocks in enumerate(self._expected_blocks(batch))
+                    for c in self.finish(blocks, batch, ids, term=term)]
         if src.backend == "func":
             blocks, forward = self._func_blocks(batch), None
         else:
@@ -87,12 +83,14 @@ class SourceCapture:
         task = self.source.task
         return task.token_mask(batch) if task.token_mask is not None else None
 
-    def finish(self, blocks: dict, batch, ids, forward=None) -> list[Chunk]:
-        """The batch's chunk; ``forward`` (a :class:`SharedForward` record) lets per-example
-        weights of this batch reuse its forward (dropped when rows are kept)."""
+    def finish(self, blocks: dict, batch, ids, forward=None, term: int | None = None) -> list[Chunk]:
+        """The batch's chunk (of Gauss-Newton term ``term`` for ``objective="expected"``);
+        ``forward`` (a :class:`SharedForward` record) lets per-example weights of this batch
+        reuse its forward (dropped when rows are kept)."""
         if self.options.check_finite:
             check_finite(blocks, ids)
-        return [Chunk(ids, blocks, batch, self.source.task, {"forward": forward} if forward else {})]
+        meta = {"term": term} if term is not None else {"forward": forward} if forward else {}
+        return [Chunk(ids, blocks, batch, self.source.task, meta)]
 
     def share_key(self):
         """Sources with equal keys can share one forward per batch; None: never shared."""
@@ -194,12 +192,7 @@ class PassCapture:
             c.check_reduction(batch, loss if term is None else None)
         out: dict[str, list[Chunk]] = {c.source.token: [] for c in group}
         for (c, term, _), b in zip(losses, blocks):
-            if term is None:
-                out[c.source.token] += c.finish(b, batch, ids, shared.record)
-            else:
-                if c.options.check_finite:
-                    check_finite(b, ids)
-                out[c.source.token].append(Chunk(ids, b, batch, c.source.task, {"term": term}))
+            out[c.source.token] += c.finish(b, batch, ids, shared.record if term is None else None, term)
         return out
 
 

@@ -44,15 +44,14 @@ import torch
 
 from ..errors import DistributedError, ModelMismatchError, OperatorError, OptionError
 from ..plan.jobs import ScoresJob
-from ..plan.planner import chain_ops
 from .base import Executor
 from .distributed import is_sharded
 from .models import (as_worker_model, is_meta_model, make_ref, pack, register_client_model, to_client,
                      to_workers, unpack, worker_models_seen)
 from .progress import in_notebook, progress_bar
 from .resilience import PAYLOAD, FaultPolicy, run_tasks
-from .runner import Placement, ShardStrategy, check_reductions, pass_models, pass_sources
-from .shards import restrict_step, shard_ranges
+from .runner import Placement, ShardStrategy, check_reductions, pass_models, pass_operators, pass_sources
+from .shards import shard_ranges
 from .state import RunState
 
 __all__ = ["DaskExecutor", "DaskShards"]
@@ -85,16 +84,12 @@ def _run_shard_alone(blob: bytes, start: int, stop: int) -> bytes:
         torch.set_num_threads(threads)   # per task: OpenMP settings are per thread
     # the loss reduction was checked on the client (state.checked)
     ex = Executor(options, state=RunState(ops=dict(state.ops), kron=dict(state.kron), checked=set(state.checked)))
-    shard = restrict_step(step, data_token, start, stop)
-    for job, sink in zip(shard.jobs, sinks):
-        sink.job = job
-        sink.for_shard(start)
-    ex.runner.feed(shard, sinks)
+    parts = ex.runner.feed_shard(step, data_token, start, stop, sinks)
     seen = worker_models_seen()
     digests = {key: (seen[key], _worker_name()) for key in keys if key in seen}
     # rows returned (Chunk objects name their task) name the model by its key, not its weights
     back = [to_client(model, key) for model, key in zip(pass_models(step), keys)]
-    return pack(([sink.export() for sink in sinks], dict(ex.trace), digests), back, to_cpu=True)
+    return pack((parts, dict(ex.trace), digests), back, to_cpu=True)
 
 
 def _worker_name() -> str:
@@ -103,11 +98,6 @@ def _worker_name() -> str:
         return get_worker().address
     except (ImportError, ValueError):
         return "this process"
-
-
-def _pick(result, index):
-    block = result[0][index]   # result: (states, trace, digests)
-    return block.detach().cpu().numpy()
 
 
 class DaskShards(ShardStrategy):
@@ -173,43 +163,32 @@ class DaskShards(ShardStrategy):
         return result.detach().cpu().numpy() if isinstance(result, torch.Tensor) else result
 
     # ------------------------------------------------------------------ where a pass runs
-    def place(self, step) -> Placement:
-        """On the client: products passes (called by their solver here), passes over rows
-        in memory, passes whose row-wise chains need
-        operators known only through products of the client's model (refused when the
-        client holds the model on the meta device), and passes over fewer than
-        ``min_shard_examples`` examples when the client holds the weights; on the workers,
-        every other pass."""
-        if step.per_call:
-            model = step.jobs[0].target.task.model
-            refusal = None if not is_meta_model(model) else ModelMismatchError(
-                f"{step.label}: the products of {step.jobs[0].target.label} run in this process, called by its "
-                "solver, and this process holds the model on the meta device: use a curvature with a closed "
-                "form (K-FAC, EK-FAC, a Fisher in projected space), or hold the weights here")
-            return Placement(False, "a products pass: its solver calls it on the client, one pass over the data "
-                                    "per iteration (each call is too short to ship)", refusal)
-        if not step.reads_data:
-            return Placement(False, "rows already in memory")
-        meta = any(is_meta_model(m) for m in pass_models(step))
+    def place_data(self, step) -> Placement:
+        """On the client: passes whose row-wise chains need operators known only through
+        products of the client's model, and passes over fewer than ``min_shard_examples``
+        examples when the client holds the weights; on the workers, every other pass over
+        data (:meth:`ShardStrategy.place`: products passes and passes over rows in memory
+        run on the client)."""
         if _needs_products(step):
-            refusal = None if not meta else ModelMismatchError(
-                f"{step.label} needs operators known only through products of this process's model "
-                "(an iterative solver), and this process holds the model on the meta device: use a "
-                "curvature with a closed form (K-FAC, EK-FAC, a Fisher in projected space), or hold the "
-                "weights here")
-            return Placement(False, "needs operators known only through products of this process's model", refusal)
+            what = "operators known only through products of this process's model (an iterative solver)"
+            return Placement(False, f"needs {what}", self.refuse_here(step, what))
         n = pass_sources(step)[0].data.n
-        if n < self.min_shard_examples and not meta:   # tiny passes stay here (not on a meta model)
+        if n < self.min_shard_examples and not any(is_meta_model(m) for m in pass_models(step)):
             return Placement(False, f"{n} examples, fewer than min_shard_examples={self.min_shard_examples}")
         return Placement(True, "on the workers")
 
-    def describe_pass(self, step) -> str:
-        """How a pass is distributed: shards, tasks and what crosses the network."""
-        where = self.place(step)
-        if not where.sharded:
-            return f"runs on the client ({where.reason})"
-        data, models = pass_sources(step)[0].data, pass_models(step)
-        shards = len(self._ranges(data.n))
+    def refuse_here(self, step, what: str) -> Exception | None:
+        """Work that needs this process's model, refused when the client holds it on the
+        meta device."""
+        if not any(is_meta_model(m) for m in pass_models(step)):
+            return None
+        return ModelMismatchError(
+            f"{step.label} needs {what} in this process, which holds the model on the meta device: use a "
+            "curvature with a closed form (K-FAC, EK-FAC, a Fisher in projected space), or hold the weights here")
+
+    def describe_shards(self, step, n: int, result_bytes: float) -> str:
+        """The shard tasks of a pass over ``n`` examples and what crosses the network."""
+        models, shards = pass_models(step), len(self._ranges(n))
         sent = []
         for model in models:
             size = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
@@ -219,10 +198,9 @@ class DaskShards(ShardStrategy):
                 factory = None
             sent.append(f"the model ({size:.1f} MiB)" if factory is None else
                         f"a reference to the model ({size:.1f} MiB built once per worker by {factory!r})")
-        back = sum(job.output_bytes(data.n) for job in step.jobs)
-        return (f"{shards} shard tasks over {self.n_workers} workers (~{data.n // max(shards, 1)} examples each); "
+        return (f"{shards} shard tasks over {self.n_workers} workers (~{n // max(shards, 1)} examples each); "
                 f"scattered once per worker: the jobs, {', '.join(sent)} and held rows "
-                f"({step.fixed_bytes / 2**20:.1f} MiB); returned: partial states (~{back / 2**20:.1f} MiB in all)")
+                f"({step.fixed_bytes / 2**20:.1f} MiB); returned: partial states (~{result_bytes / 2**20:.1f} MiB in all)")
 
     # ------------------------------------------------------------------ a pass on the cluster
     def run_shards(self, runner, step, sinks) -> dict:
@@ -364,28 +342,20 @@ class DaskExecutor(DaskShards, Executor):
 
     name = "dask"
 
-    def __init__(self, client=None, *, n_workers: int = 2, threads_per_worker: int = 1,
-                 shards_per_worker: int = 2, min_shard_examples: int = 32, retries: int = 3, options=None,
-                 rewrites: bool = True, task_timeout: float | None = None, resubmits: int = 3,
-                 worker_wait: float = 60.0, choices=None, model_fn=None):
-        DaskShards.__init__(self, client, n_workers=n_workers, threads_per_worker=threads_per_worker,
-                            shards_per_worker=shards_per_worker, min_shard_examples=min_shard_examples,
-                            retries=retries, task_timeout=task_timeout, resubmits=resubmits,
-                            worker_wait=worker_wait, model_fn=model_fn)
+    def __init__(self, client=None, *, options=None, rewrites: bool = True, choices=None, **settings):
+        DaskShards.__init__(self, client, **settings)
         Executor.__init__(self, options, rewrites=rewrites, choices=choices, shards=self)
 
 
 def _needs_products(step) -> bool:
     """Whether a pass's row-wise chains apply operators known only through products (their
     labels say ``implicit``): resolved, they hold the client's model and its executor."""
-    for job in step.jobs:
-        for s in job.streams:
-            for op in chain_ops(s):
-                try:
-                    if "implicit" in op.labels():
-                        return True
-                except OperatorError:   # refused when resolved: resolved here, where it raises
-                    return True
+    for op in pass_operators(step):
+        try:
+            if "implicit" in op.labels():
+                return True
+        except OperatorError:   # refused when resolved: resolved here, where it raises
+            return True
     return False
 
 
@@ -393,13 +363,9 @@ def _state_for(ctx, step) -> RunState:
     """The part of the run state a shard of ``step`` needs: the resolved operators of its
     row-wise chains (the sinks carry their held rows and bases)."""
     ops, done = {}, ctx.state.ops
-    for job in step.jobs:
-        for s in job.streams:
-            for op in chain_ops(s):
-                ops[op.token] = ctx.resolve(op)
-                for sub in op.walk():
-                    if sub.token in done:
-                        ops[sub.token] = done[sub.token]
+    for op in pass_operators(step):
+        ops[op.token] = ctx.resolve(op)
+        ops.update((sub.token, done[sub.token]) for sub in op.walk() if sub.token in done)
     return RunState(ops=ops, checked=set(ctx.state.checked))
 
 
@@ -419,4 +385,5 @@ def _lazy_scores(results, index):
     result outlives worker deaths and the executor)."""
     import dask.array as da
 
-    return da.concatenate([da.from_array(_pick(result, index), chunks=-1) for result in results], axis=1)
+    blocks = (states[index].detach().cpu().numpy() for states, _, _ in results)   # result: (states, trace, digests)
+    return da.concatenate([da.from_array(block, chunks=-1) for block in blocks], axis=1)

@@ -60,9 +60,8 @@ from ..expr import CurvatureProducts, Source
 from ..options import get_options
 from .base import Executor
 from .capture_pass import model_device_dtype
-from .runner import Placement, ShardStrategy, check_reductions, pass_sources
-from .shards import batches_in, rank_ranges, restrict, restrict_step
-from .sinks import open_sink
+from .runner import ShardStrategy, check_reductions, pass_sources
+from .shards import batches_in, rank_ranges, restrict_step
 
 __all__ = ["TorchDistributed", "RankShards", "is_sharded", "plan_outline"]
 
@@ -156,29 +155,13 @@ class RankShards(ShardStrategy):
         if self.check_plans:
             self._agree(p)
 
-    def place(self, step) -> Placement:
-        """Passes over data are split over the ranks; passes over rows in memory or over a
-        store read no model and run whole on every rank (the same on each); so does a
-        products pass, called by its solver on every rank (each reads all of its data)."""
-        if step.per_call:
-            return Placement(False, f"runs whole on each of the {self.world_size} ranks: its solver calls it on every "
-                                    "rank, one pass over all of its data per call (the same products on each)")
-        if not step.reads_data:
-            return Placement(False, f"runs whole on each of the {self.world_size} ranks (rows already in memory)")
-        return Placement(True, "split over the ranks")
-
-    def describe_pass(self, step) -> str:
-        """How a pass is split over the ranks and what crosses the network."""
-        where = self.place(step)
-        if not where.sharded:
-            return where.reason
-        data = pass_sources(step)[0].data
-        sizes = [b - a for a, b in rank_ranges(data.n, self.world_size)]
-        steps = batches_in(max(sizes), _batch_size(step, data, get_options()))
-        back = sum(job.output_bytes(data.n) for job in step.jobs)
+    def describe_shards(self, step, n: int, result_bytes: float) -> str:
+        """How a pass over ``n`` examples is split over the ranks and what crosses the network."""
+        sizes = [b - a for a, b in rank_ranges(n, self.world_size)]
+        steps = batches_in(max(sizes), _batch_size(step, pass_sources(step)[0].data, get_options()))
         return (f"{self.world_size} ranks, {min(sizes)}–{max(sizes)} examples each, {steps} forward/backward "
                 f"steps per rank (shorter ranges padded); per job, every rank's partial state is gathered "
-                f"by its owner rank and the finished result broadcast (~{back / 2**20:.1f} MiB of results)")
+                f"by its owner rank and the finished result broadcast (~{result_bytes / 2**20:.1f} MiB of results)")
 
     # ------------------------------------------------------------------ a pass over the ranks
     def run_shards(self, runner, step, sinks) -> dict:
@@ -195,7 +178,7 @@ class RankShards(ShardStrategy):
         before = trace.copy()
         stepped, parts = [0], None
         try:   # an empty range (n < ranks) exports empty states
-            parts = self._feed_range(runner, step, data.token, start, stop, stepped)
+            parts = runner.feed_shard(step, data.token, start, stop, stepped=stepped)
         except Exception as err:  # noqa: BLE001 - reported to every rank below
             error = err
         padded = _caught(self._pad, runner, step, sinks, data, steps - stepped[0])   # even after an error
@@ -211,25 +194,13 @@ class RankShards(ShardStrategy):
 
     # ------------------------------------------------------------------ pieces of a pass
     @staticmethod
-    def _feed_range(runner, step, token: str, start: int, stop: int, stepped: list) -> list:
-        """This rank's partial states: the pass restricted to examples start:stop, fed to
-        freshly opened sinks (counting the batches that ran in ``stepped[0]``)."""
-        shard = restrict_step(step, token, start, stop)
-        sinks = [open_sink(job, runner.ctx) for job in shard.jobs]
-        for sink in sinks:
-            sink.for_shard(start)
-        if stop > start:
-            runner.feed(shard, sinks, stepped)
-        return [sink.export() for sink in sinks]
-
-    @staticmethod
     def _pad(runner, step, sinks, data, count: int) -> None:
         """``count`` batches of the pass's first example, captured and derived like real
         ones (the same collectives) and kept nowhere; their kernels are not traced."""
         if count <= 0:
             return
         pad_step = restrict_step(step, data.token, 0, 1)
-        discard = [_Discard(tuple(restrict(s, data.token, 0, 1) for s in sink.fed)) for sink in sinks]
+        discard = [_Discard(tuple(s.restrict(data.token, 0, 1) for s in sink.fed)) for sink in sinks]
         trace = runner.ctx.trace
         before = trace.copy()
         try:
@@ -342,8 +313,8 @@ class TorchDistributed(RankShards, Executor):
 
     name = "torch_distributed"
 
-    def __init__(self, group=None, *, options=None, rewrites: bool = True, choices=None, check_plans: bool = True):
-        RankShards.__init__(self, group, check_plans=check_plans)
+    def __init__(self, group=None, *, options=None, rewrites: bool = True, choices=None, **settings):
+        RankShards.__init__(self, group, **settings)
         options = options or get_options()
         if self.rank != 0 and options.progress:   # one progress display per job, rank 0's
             options = replace(options, progress=False)

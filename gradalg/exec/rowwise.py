@@ -15,7 +15,7 @@ from ..errors import DataError
 from .lowrank import truncate_chunk
 from .per_token import split_tokens
 
-__all__ = ["apply_rowwise", "derive_rows", "RowContext", "dtype_device", "scale_rows", "adam_block",
+__all__ = ["apply_rowwise", "derive_rows", "RowContext", "dtype_device", "adam_block",
            "project_blockwise"]
 
 
@@ -24,12 +24,6 @@ def dtype_device(value):
     if isinstance(value, Factors):
         return compute_dtype(value.D.dtype), value.D.device
     return compute_dtype(value.dtype), value.device
-
-
-def scale_rows(value, w: torch.Tensor):
-    if isinstance(value, Factors):
-        return value.scale_rows(w)
-    return value * w.to(device=value.device, dtype=value.dtype).unsqueeze(1)
 
 
 def apply_rowwise(executor, node, chunk: Chunk) -> Chunk:
@@ -43,9 +37,10 @@ def derive_rows(executor, node, chunks_of, have) -> Iterator[Chunk]:
     the chunks of a node ``x``: a projection of Adam-preconditioned rows whose input rows
     are not in ``have`` (tokens of rows already made) is computed a block at a time from
     the rows below them (:func:`project_blockwise`), any other node chunk by chunk."""
+    ctx = RowContext(executor)
     if isinstance(node, Project) and isinstance(node.grads, AdamPrecondition) and node.grads.token not in have:
         return (project_blockwise(executor, node, c) for c in chunks_of(node.grads.grads))
-    return (apply_rowwise(executor, node, c) for c in chunks_of(node.grads))
+    return (node.apply(c, ctx) for c in chunks_of(node.grads))
 
 
 class RowContext:
@@ -68,29 +63,31 @@ class RowContext:
     def truncate(self, node, chunk: Chunk) -> Chunk:
         return truncate_chunk(node, chunk, self.options.token_block)
 
-    def row_weights(self, weights, chunk: Chunk) -> torch.Tensor:
-        return _row_weights(weights, chunk)
+    @staticmethod
+    def scale_rows(value, w: torch.Tensor):
+        """Each row of a block (factors, or (n, d) rows) times its weight.   w: (n,)"""
+        if isinstance(value, Factors):
+            return value.scale_rows(w)
+        return value * w.to(device=value.device, dtype=value.dtype).unsqueeze(1)
 
-    def scale_rows(self, value, w: torch.Tensor):
-        return scale_rows(value, w)
-
-
-def _row_weights(weights, chunk: Chunk) -> torch.Tensor:
-    if not isinstance(weights, RowWeights):
-        return torch.full((chunk.n,), float(weights), dtype=torch.float64)
-    if chunk.batch is None or chunk.task is None:
-        raise DataError(f"per-example weights {weights.name!r} need the batches the gradients "
-                         "came from; apply them to gradients from ga.grads, not to stored ones")
-    # replay the captured batch's forward when the weights ask for the same outputs
-    # (TRAK's 1 − p): SharedForward returns them instead of running the model again
-    from .capture_pass import SharedForward
-    with torch.no_grad(), SharedForward(chunk.task.model, first=chunk.meta.get("forward")):
-        w = weights.fn(chunk.task.model, chunk.batch)
-    if w.shape != (chunk.n,):
-        raise DataError(f"row weights {weights.name!r} returned shape {tuple(w.shape)}; expected "
-                         f"({chunk.n},), one value per example")
-    return w.detach()
-
+    @staticmethod
+    def row_weights(weights, chunk: Chunk) -> torch.Tensor:
+        """Per-example weights (n,) of a chunk: a constant, or ``weights.fn`` of the model
+        and the chunk's batch (the captured forward replayed when it asks for the same outputs)."""
+        if not isinstance(weights, RowWeights):
+            return torch.full((chunk.n,), float(weights), dtype=torch.float64)
+        if chunk.batch is None or chunk.task is None:
+            raise DataError(f"per-example weights {weights.name!r} need the batches the gradients "
+                            "came from; apply them to gradients from ga.grads, not to stored ones")
+        # replay the captured batch's forward when the weights ask for the same outputs
+        # (TRAK's 1 − p): SharedForward returns them instead of running the model again
+        from .capture_pass import SharedForward
+        with torch.no_grad(), SharedForward(chunk.task.model, first=chunk.meta.get("forward")):
+            w = weights.fn(chunk.task.model, chunk.batch)
+        if w.shape != (chunk.n,):
+            raise DataError(f"row weights {weights.name!r} returned shape {tuple(w.shape)}; expected "
+                            f"({chunk.n},), one value per example")
+        return w.detach()
 
 def adam_block(state, value, coords: slice) -> torch.Tensor:
     """Adam's direction of one block's rows (:meth:`gradalg.expr.AdamState.direction`).

@@ -35,21 +35,23 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
+from ..curvature.hvp import eval_mode
 from ..data import batch_size_of, move_batch
 from ..errors import NonFiniteGradientError, NonFiniteWeightError
 from ..expr import GradNode, Source
 from ..plan.decisions import Decision, DecisionKind
-from ..plan.planner import ROW_WISE, Pass, Plan, PlanError, stream_root
+from ..plan.planner import ROW_WISE, Pass, Plan, PlanError, chain_ops, stream_root
 from .allocator import ResidentGuard, peak_resident_bytes, release_free_memory, resident_bytes
-from .capture_pass import PassCapture, eval_mode, model_device_dtype
+from .capture_pass import PassCapture, model_device_dtype
 from ..capture.chunks import Chunk
 from .models import is_meta_model
 from .progress import SILENT, progress_bar
 from .rowwise import derive_rows
+from .shards import restrict_step
 from .sinks import Sink, open_sink
 
 __all__ = ["PassRunner", "ShardStrategy", "InProcess", "Placement", "pass_sources", "pass_models",
-           "check_reductions", "captured_batches"]
+           "pass_operators", "check_reductions", "captured_batches"]
 
 
 @dataclass(frozen=True)
@@ -79,8 +81,28 @@ class ShardStrategy:
     spread: str | None = "on shards"
 
     def place(self, step: Pass) -> Placement:
-        """Where ``step`` runs (decided when the plan is made, recorded in ``plan.placement``)."""
-        return HERE
+        """Where ``step`` runs (decided when the plan is made, recorded in ``plan.placement``).
+        Whole :attr:`here`: a products pass (its solver calls it here, one pass over all
+        of its data per call; refused where :meth:`refuse_here` says) and a pass over
+        rows in memory; a pass over data where :meth:`place_data` says."""
+        if self.spread is None:
+            return HERE
+        if step.per_call:
+            return Placement(False, f"a products pass: its solver calls it {self.here}, one pass over all of its "
+                                    "data per call",
+                             self.refuse_here(step, f"the products of {step.jobs[0].target.label} (called by its solver)"))
+        if not step.reads_data:
+            return Placement(False, "rows already in memory")
+        return self.place_data(step)
+
+    def place_data(self, step: Pass) -> Placement:
+        """Where a pass over data runs (here: on shards)."""
+        return Placement(True, self.spread)
+
+    def refuse_here(self, step: Pass, what: str) -> Exception | None:
+        """The error of a pass that must run :attr:`here` (it needs ``what`` of this
+        process's model) but cannot, or None."""
+        return None
 
     def ways(self) -> int:
         """Shards that run at once (a sharded pass's estimate is the pass's divided by it)."""
@@ -110,8 +132,21 @@ class ShardStrategy:
         return {}
 
     def describe_pass(self, step: Pass) -> str | None:
-        """How ``step`` is split and what crosses the network (``explain()``), or None."""
-        return None
+        """How ``step`` is split and what crosses the network (``explain()``): where it runs
+        and why, or for a sharded pass :meth:`describe_shards`; None for a strategy that
+        never shards."""
+        if self.spread is None:
+            return None
+        where = self.place(step)
+        if not where.sharded:
+            return f"runs {self.here} ({where.reason})"
+        n = pass_sources(step)[0].data.n
+        return self.describe_shards(step, n, sum(job.output_bytes(n) for job in step.jobs))
+
+    def describe_shards(self, step: Pass, n: int, result_bytes: float) -> str:
+        """How a sharded pass over ``n`` examples is split, its jobs' results being
+        ``result_bytes`` in all."""
+        return f"{n} examples on shards"
 
     def budget(self, options, node):
         """The memory budget to plan ``node`` under (None: the options')."""
@@ -147,13 +182,15 @@ def pass_sources(step: Pass) -> list[Source]:
 
 
 def pass_models(step: Pass) -> list:
-    """The distinct models of a pass's sources, in the order the jobs name them."""
-    models, seen = [], set()
-    for src in pass_sources(step):
-        if id(src.task.model) not in seen:
-            seen.add(id(src.task.model))
-            models.append(src.task.model)
-    return models
+    """The distinct models of a pass's sources (and of a products pass's target), in the
+    order the jobs name them."""
+    tasks = [src.task for src in pass_sources(step)] + ([step.jobs[0].target.task] if step.per_call else [])
+    return list({id(task.model): task.model for task in tasks}.values())
+
+
+def pass_operators(step: Pass) -> list:
+    """The operators the row-wise chains of a pass's streams apply, in order."""
+    return [op for job in step.jobs for s in job.streams for op in chain_ops(s)]
 
 
 def check_reductions(ctx, step: Pass) -> None:
@@ -242,6 +279,22 @@ class PassRunner:
                     sink.feed(fed, state)
                 del fed
             del base, memo   # the batch's rows are dropped before the next batch is captured
+
+    def feed_shard(self, step: Pass, data_token: str, start: int, stop: int, sinks: list | None = None,
+                   stepped: list | None = None) -> list:
+        """The partial states (``export()``) of ``step``'s sinks over examples start:stop of
+        the dataset ``data_token``: the pass restricted to them
+        (:func:`~gradalg.exec.shards.restrict_step`), fed to ``sinks`` (a Dask worker's,
+        unpickled, bound to the restricted jobs) or to freshly opened ones (a rank's);
+        ``stepped`` as :meth:`feed`. An empty range (more ranks than examples) feeds nothing."""
+        shard = restrict_step(step, data_token, start, stop)
+        sinks = sinks if sinks is not None else [open_sink(job, self.ctx) for job in shard.jobs]
+        for job, sink in zip(shard.jobs, sinks):
+            sink.job = job
+            sink.for_shard(start)
+        if stop > start:
+            self.feed(shard, sinks, stepped)
+        return [sink.export() for sink in sinks]
 
     def batches(self, step: Pass) -> Iterator[dict[str, list[Chunk]]]:
         """Per batch of the pass, ``{root token: chunks}`` of the nodes it reads."""
