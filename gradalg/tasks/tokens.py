@@ -19,12 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import BatchContentError, OptionError
-from .validation import values_known
+from .validation import not_a_dict, values_known
 
 IGNORE = -100
 PADDING_SIDES = ("right", "left")
 
-__all__ = ["IGNORE", "PADDING_SIDES", "not_a_dict", "field", "real_mask", "check_padding", "check_counted",
+__all__ = ["IGNORE", "PADDING_SIDES", "field", "real_mask", "check_padding", "check_counted",
            "position_ids", "token_nll", "token_margin", "sampled_targets", "content_keys", "model_logits"]
 
 
@@ -37,25 +37,6 @@ def _id_text(rows, ids) -> str:
     shown = _named(rows, ids)
     more = "" if len(shown) <= 10 else f" (and {len(shown) - 10} more)"
     return ("example ids " if ids is not None else "batch rows ") + str(shown[:10]) + more
-
-
-def not_a_dict(batch, task: str) -> BatchContentError:
-    """The error for a batch that is not a dict of fields, naming what it is.
-
-    Tensors passed as the data (``ids`` (N, T), or ``(ids, labels)``) reach the task as a
-    list of batch tensors, which carries no field names: the message says so and gives the
-    dict spelling of the same data."""
-    if isinstance(batch, (list, tuple)) and batch and all(isinstance(t, torch.Tensor) for t in batch):
-        shapes = ", ".join(str(tuple(t.shape)) for t in batch)
-        got = (f"unnamed tensors {shapes} (the data was passed as a tensor or a tuple of tensors), so "
-               "gradalg cannot tell the token ids from the rest")
-        fix = ("pass a dict of tensors with the examples along dimension 0, e.g. {'input_ids': ids} or "
-               "{'input_ids': ids, 'attention_mask': mask, 'labels': labels}")
-    else:
-        got = f"a {type(batch).__name__}"
-        fix = "pass a dict of tensors, a list of dicts, or a datasets.Dataset in torch format"
-    return BatchContentError(f"ga.tasks.{task} takes dict batches (HF style: input_ids, attention_mask, labels), "
-                             f"got {got}; {fix}")
 
 
 def field(batch, name: str, task: str, hint: str = "") -> torch.Tensor:

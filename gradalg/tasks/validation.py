@@ -33,9 +33,8 @@ from collections.abc import Mapping
 import torch
 
 from ..errors import BatchContentError, GradalgError
-from .tokens import not_a_dict
 
-__all__ = ["token_batch", "class_labels", "pair_field", "input_vocab", "output_vocab", "max_positions", "IGNORE",
+__all__ = ["token_batch", "not_a_dict", "class_labels", "pair_field", "input_vocab", "output_vocab", "max_positions", "IGNORE",
            "values_known"]
 
 IGNORE = -100
@@ -266,6 +265,25 @@ def _check_preshifted(ids_t: torch.Tensor, labels: torch.Tensor, mask: torch.Ten
                       "trained to predict the one after next", rows, ids,
                       "pass labels aligned with input_ids (labels = input_ids.clone(), -100 where a token "
                       "should not count), or leave 'labels' out")
+
+
+def not_a_dict(batch, task: str) -> BatchContentError:
+    """The error for a batch that is not a dict of fields, naming what it is.
+
+    Tensors passed as the data (``ids`` (N, T), or ``(ids, labels)``) reach the task as a
+    list of batch tensors, which carries no field names: the message says so and gives the
+    dict spelling of the same data."""
+    if isinstance(batch, (list, tuple)) and batch and all(isinstance(t, torch.Tensor) for t in batch):
+        shapes = ", ".join(str(tuple(t.shape)) for t in batch)
+        got = (f"unnamed tensors {shapes} (the data was passed as a tensor or a tuple of tensors), so "
+               "gradalg cannot tell the token ids from the rest")
+        fix = ("pass a dict of tensors with the examples along dimension 0, e.g. {'input_ids': ids} or "
+               "{'input_ids': ids, 'attention_mask': mask, 'labels': labels}")
+    else:
+        got = f"a {type(batch).__name__}"
+        fix = "pass a dict of tensors, a list of dicts, or a datasets.Dataset in torch format"
+    return BatchContentError(f"ga.tasks.{task} takes dict batches (HF style: input_ids, attention_mask, labels), "
+                             f"got {got}; {fix}")
 
 
 def token_batch(batch, task: str, model=None, *, labels: str | None = None, ids=None,
