@@ -24,9 +24,10 @@ from torch.func import functional_call, grad, jvp, vjp, vmap
 from ..capture.experts import add_param
 from ..capture.hooks import resolve_layers
 from ..data import DataRef, batch_size_of, move_batch
-from ..errors import NonFiniteGradientError, OptionError
+from ..errors import NonFiniteGradientError, OptionError, UnsupportedLayerError
 from ..finite import check_model, nonfinite_examples
 from ..options import get_options
+from ..tasks.validation import no_forward_ad
 
 __all__ = ["ParamCoords", "Products", "dataset_matvec", "eval_mode"]
 
@@ -186,13 +187,32 @@ def _batch_product(task, batch, V: dict, free_names: list[str], kind: str) -> di
     try:
         return vmap(product, randomness="different")(V)
     except Exception as err:  # data-dependent control flow (HF attention masks) defeats vmap
+        if no_forward_ad(err):
+            raise _no_forward_ad(kind, err) from err
         if not _warned:
             _warned.append(True)
             warnings.warn(f"curvature products fall back to a loop over vectors ({type(err).__name__}: "
                           f"{str(err)[:120]}); results are the same, only slower", RuntimeWarning, stacklevel=2)
-        m = next(iter(V.values())).shape[0]
+    m = next(iter(V.values())).shape[0]
+    try:
         rows = [product({k: v[i] for k, v in V.items()}) for i in range(m)]
-        return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+    except NotImplementedError as err:
+        if no_forward_ad(err):
+            raise _no_forward_ad(kind, err) from err
+        raise
+    return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def _no_forward_ad(kind: str, err: NotImplementedError) -> UnsupportedLayerError:
+    """The error for a model torch.func cannot push a tangent through (``err``)."""
+    op = str(err).split("with ", 1)[-1].split(" that ", 1)[0] if "with " in str(err) else "an operation"
+    return UnsupportedLayerError(
+        f"{kind.replace('_', '-')}-vector products push a tangent through the model (torch.func.jvp, "
+        f"forward-mode AD), and torch has no forward-AD rule for {op}, which the model runs (on CPU, the "
+        "fused attention of scaled_dot_product_attention). Fix: switch a transformers model to eager "
+        "attention, model.set_attn_implementation('eager') (or load it with attn_implementation='eager'), "
+        "or use a curvature that needs no products: curvature='ekfac' or 'kfac' (built from captured "
+        "factors)")
 
 
 _warned: list = []

@@ -34,7 +34,7 @@ import torch
 
 from ..errors import BatchContentError, GradalgError
 
-__all__ = ["token_batch", "not_a_dict", "class_labels", "pair_field", "input_vocab", "output_vocab", "max_positions", "IGNORE",
+__all__ = ["token_batch", "not_a_dict", "no_forward_ad", "class_labels", "pair_field", "input_vocab", "output_vocab", "max_positions", "IGNORE",
            "values_known"]
 
 IGNORE = -100
@@ -74,12 +74,18 @@ def reading(task: str):
     except GradalgError:
         raise
     except (RuntimeError, IndexError, TypeError, ValueError) as err:
-        if _raised_in_gradalg(err):
-            raise
+        if _raised_in_gradalg(err) or no_forward_ad(err):
+            raise   # gradalg's own, or an operation torch.func cannot differentiate: not the batch's fault
         raise BatchContentError(
             f"ga.tasks.{task}: the model could not read the batch ({type(err).__name__}: {str(err)[:300]}): "
             "give it inputs of the dtype, shape and device its layers take (float features of the model's "
             "dtype and width, integer token ids)") from err
+
+
+def no_forward_ad(err: BaseException) -> bool:
+    """Whether ``err`` is torch's refusal of forward-mode AD (``torch.func.jvp``) through an
+    operation that has no rule for it (on CPU: the fused ``scaled_dot_product_attention``)."""
+    return isinstance(err, NotImplementedError) and "forward AD" in str(err)
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
