@@ -326,7 +326,16 @@ def test_the_shape_measurement_runs_for_a_causal_lm_and_the_plan_uses_it(arch, m
     shapes = measure_forward_shapes(src)
     assert shapes.measured and shapes.activations > 0
     assert chunk_examples(src) == 3
-    assert all(shapes.positions[n] == 9 for n in shapes.positions if ".self_attn." in n)
+    assert all(shapes.positions[n] == 9 for n in shapes.positions if n not in shapes.routed)   # a shared expert too
+    # the bytes of an example in capture: the blocks' factors at these positions, and the
+    # model's activations at its T tokens (the experts' positions are routed tokens, not
+    # other position counts of the layers: no measured-activations path)
+    from gradalg.plan.memory import capture_bytes_per_example
+    from gradalg.plan.shapes import ModelFacts, activation_bytes, output_bytes
+    assert shapes.routed == frozenset(expert_blocks(model))
+    factors = sum(shapes.positions[b.name] * (3 * b.shape[1] + 2 * b.shape[0]) * 8 for b in src.space.blocks)
+    assert capture_bytes_per_example(src, ModelFacts(dtype=F64, shapes={src.token: shapes})) == pytest.approx(
+        factors + activation_bytes(model, 9, 8) + output_bytes(model, 9, 8))
     p = plan((G @ G.T).expr, measure_shapes=True)
     assert p.stages["facts"].shapes[src.token] == shapes
     assert "measured for a run" in p.explain("facts")

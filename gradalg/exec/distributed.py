@@ -313,8 +313,8 @@ class TorchDistributed(RankShards, Executor):
 
     name = "torch_distributed"
 
-    def __init__(self, group=None, *, options=None, rewrites: bool = True, choices=None, **settings):
-        RankShards.__init__(self, group, **settings)
+    def __init__(self, group=None, *, options=None, rewrites: bool = True, choices=None, check_plans: bool = True):
+        RankShards.__init__(self, group, check_plans=check_plans)
         options = options or get_options()
         if self.rank != 0 and options.progress:   # one progress display per job, rank 0's
             options = replace(options, progress=False)

@@ -118,7 +118,8 @@ def capture_bytes_per_example(src: Source, facts: ModelFacts, forward_shared: bo
     if forward_shared:
         return total
     T = tokens_hint(src)
-    if shapes.measured and shapes.activations and any(t != T for t in shapes.positions.values()):
+    if shapes.measured and shapes.activations and any(t != T for b, t in shapes.positions.items()
+                                                      if b not in shapes.routed):
         # layers see other position counts than the data's shape tells (convolutions):
         # the measured outputs of every module, kept for the backward, and their gradients
         total += 2.0 * shapes.activations * elem

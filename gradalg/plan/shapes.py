@@ -74,11 +74,15 @@ class ForwardShapes:
     activations : numbers per example in the outputs of every leaf module (what autograd
         keeps for the backward, within a small factor); 0 when not measured.
     measured : False when the forward could not run on meta (``tokens_hint`` used).
+    routed : the blocks whose positions are routed tokens (fused experts): a share of the
+        tokens their module sees, so they do not say the model's layers see other position
+        counts than the data's (:func:`gradalg.plan.memory.capture_bytes_per_example`).
     """
 
     positions: dict
     activations: int
     measured: bool
+    routed: frozenset = frozenset()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,9 +165,10 @@ def measure_forward_shapes(src) -> ForwardShapes:
             batch = data.first_example_batch()
             refs = resolve_layers(task.model, list(src.layers))
             positions, activations = _measure_on_meta(task, batch, refs)
-            if positions and any(isinstance(r.rule, ExpertMatrixRule) for r in refs):
+            routed = frozenset(r.name for r in refs if isinstance(r.rule, ExpertMatrixRule))
+            if positions and routed:
                 positions.update(_routed_positions(task, data, refs, chunk_examples(src)))
-            shapes = ForwardShapes({**shapes.positions, **positions}, activations, bool(positions))
+            shapes = ForwardShapes({**shapes.positions, **positions}, activations, bool(positions), routed)
         except Exception:  # noqa: BLE001 - shapes are a hint: a model meta cannot run keeps tokens_hint
             pass
     return shapes
@@ -180,7 +185,10 @@ def _measure_on_meta(task, batch, refs) -> tuple[dict[str, int], int]:
     for ref in refs:
         def hook(module, args, output, name=ref.name, rule=ref.rule):
             if isinstance(output, torch.Tensor) and name not in seen:
-                seen[name] = rule.positions(module, output)
+                # one example: every row of the output is its own, also a module's of flattened
+                # tokens (T, d) (a Qwen2-MoE shared expert); a fused expert reads (T, H) as tokens
+                seen[name] = rule.positions(module, output if isinstance(rule, ExpertMatrixRule)
+                                            else output.unsqueeze(0))
         handles.append(ref.module.register_forward_hook(hook))
 
     def count(module, args, output):     # one example: every number of the output is its
