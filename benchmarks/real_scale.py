@@ -14,6 +14,19 @@ dropout off, in ``--dtype`` (default: the model's own, below) on ``--device``:
                  heads, intermediate 4864, vocab 151,936, tied; bfloat16 (494 M)
     tiny-gpt2    2 layers × 64, vocab 128 (the smoke test's model)
 
+Architectures added in session 38 to play issue 28's check on models it does not name
+(real widths; layers reduced only where the full depth would pass 1.2 GB in float32):
+
+    opt-125m     OPTConfig with OPT-125m's dims: 12 layers, width 768, 12 heads, ReLU MLP
+                 (3,072), learned positions (offset 2), biases, vocab 50,272, tied (125 M)
+    gemma3-270m  Gemma3TextConfig with Gemma-3-270m's dims: 18 layers, hidden 640, 4 heads
+                 / 1 kv head of 256, GeGLU (2,048), q/k norms, sliding-window layers, scaled
+                 embedding, vocab 262,144, tied (268 M: 63% of it the embedding/head)
+    olmoe-2l     OlmoeConfig at OLMoE-1B-7B's width (hidden 2048, 16 heads, expert
+                 intermediate 1,024, q/k norms, vocab 50,304, untied) with 2 layers and 8
+                 experts, top-2 (Mixtral's routing; OLMoE's 64 experts would be 1.6 GB a
+                 layer): fused experts (340 M)
+
 T ∈ {128, 512, 2048} (``--T``); ``--train N --queries M`` sequences of T tokens.
 Data (``--data``): ``random`` token ids (default); ``stdlib-bpe``: the Python standard
 library's own sources (``sysconfig``'s stdlib folder, files in sorted order), tokenized
@@ -94,7 +107,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RESULTS = ROOT / "benchmarks" / "results" / "real_scale.json"
-MODELS = ("gpt2-small", "pythia-160m", "llama-200m", "qwen2-0.5b", "tiny-gpt2")
+MODELS = ("gpt2-small", "pythia-160m", "llama-200m", "qwen2-0.5b", "tiny-gpt2", "opt-125m", "gemma3-270m",
+          "olmoe-2l")
 DEFAULT_DTYPE = {"qwen2-0.5b": "bfloat16"}        # the others: float32
 METHODS = ("grad_dot", "grad_cos", "influence_gn", "influence_ekfac", "influence_kfac", "influence_datainf",
            "relatif", "logra", "grass", "trak", "less", "trackstar", "tracin", "self_influence")
@@ -132,6 +146,21 @@ def build_config(name: str, T: int):
             hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
             num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
             max_position_embeddings=max(32768, T), rope_theta=1e6)
+    if name == "opt-125m":
+        return tf.OPTForCausalLM, tf.OPTConfig(
+            vocab_size=50272, hidden_size=768, num_hidden_layers=12, ffn_dim=3072, num_attention_heads=12,
+            word_embed_proj_dim=768, activation_function="relu", max_position_embeddings=max(2048, T),
+            tie_word_embeddings=True, dropout=0.0, attention_dropout=0.0, layerdrop=0.0)
+    if name == "gemma3-270m":
+        return tf.Gemma3ForCausalLM, tf.Gemma3TextConfig(
+            vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
+            num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512, rope_theta=1e6,
+            max_position_embeddings=max(32768, T), tie_word_embeddings=True, attention_dropout=0.0)
+    if name == "olmoe-2l":
+        return tf.OlmoeForCausalLM, tf.OlmoeConfig(
+            vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=16,
+            num_key_value_heads=16, num_experts=8, num_experts_per_tok=2, max_position_embeddings=max(4096, T),
+            tie_word_embeddings=False, attention_dropout=0.0)
     raise SystemExit(f"unknown model {name!r}: one of {', '.join(MODELS)}")
 
 
