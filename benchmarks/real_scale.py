@@ -63,8 +63,8 @@ is its member's times the number of models).
 Each (model, T, method) runs in its own subprocess, so that its peak resident memory is
 that run's alone. In that process, after building the model and a
 one-sequence warm-up forward+backward, the resident high-water mark is reset (Linux
-``/proc/self/clear_refs``, to the RSS of the model, its data and the warm-up's allocator
-pools), then the method's ``Scores.explain(analyze=True)``, which
+``/proc/self/clear_refs``, to the RSS of the model, its data and what the user holds
+already, e.g. the Adam state; the allocator's free pages are returned first), then the method's ``Scores.explain(analyze=True)``, which
 plans, runs every pass and keeps each pass's estimated and measured seconds; its peak is
 ``VmHWM`` (``ru_maxrss`` since the reset; the process's ``ru_maxrss`` is kept beside it,
 and is the peak where the reset is not possible; on CUDA also the device's peak). Then,
@@ -320,9 +320,15 @@ def _peak_rss_bytes() -> int:
 def _reset_peak_rss() -> bool:
     """Reset the resident high-water mark to the current RSS (Linux ≥ 4.0: ``5`` to
     /proc/self/clear_refs), so that the method's peak is not the plain pass's. False
-    where it cannot (then the peak is the whole process's, ``ru_maxrss``)."""
+    where it cannot (then the peak is the whole process's, ``ru_maxrss``). The
+    allocator's free pages are returned first (``malloc_trim``, as the library does
+    after each pass): the warm-up's and the Adam step's freed gradients (a model's
+    size) are not the method's."""
     import gc
+
+    from gradalg.exec.allocator import release_free_memory
     gc.collect()
+    release_free_memory()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
