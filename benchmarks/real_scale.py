@@ -543,6 +543,16 @@ def _order(rec: dict) -> tuple:
             METHODS.index(method) if method in METHODS else len(METHODS))
 
 
+def _own(rec: dict) -> str:
+    """``; own 0.4×``: the method's own resident growth (peak − the RSS at the reset: the
+    model, data and what the user held before, e.g. an Adam state, excluded) over the
+    budget, which bounds what the run adds (``gradalg.plan.budget``); empty where the
+    peak mark was not reset."""
+    if not rec.get("peak_rss_reset") or rec.get("rss_before_method_bytes") is None:
+        return ""
+    return f"; own {(rec['peak_rss_bytes'] - rec['rss_before_method_bytes']) / rec['memory_budget']:.2f}×"
+
+
 def _before_cell(rec: dict | None) -> str:
     if rec is None:
         return "-"
@@ -557,14 +567,14 @@ def markdown(runs: list[dict], before: list[dict] | None = None) -> str:
     for the same (model, T, method, data, sizes), or its refusal."""
     earlier = {key_of(r): r for r in before or []}
     extra = " before: × fwd+bwd (CPU), peak |" if before is not None else ""
-    lines = ["| model | T | method | s / 1k tokens | × fwd+bwd (wall) | × fwd+bwd (CPU) | peak RSS / budget (GB) "
+    lines = ["| model | T | method | s / 1k tokens | × fwd+bwd (wall) | × fwd+bwd (CPU) | peak RSS / budget (GB; own: the method's growth) "
              "| measured / estimated, per pass | note |" + extra,
              "|---|---:|---|---:|---:|---:|---|---|---|" + ("---|" if extra else "")]
     for r in sorted(runs, key=_order):
         model = f"{r['model']} ({r['parameters'] / 1e6:.0f} M, {r['dtype']})" if r.get("parameters") else r["model"]
         tail = f" {_before_cell(earlier.get(key_of(r)))} |" if extra else ""
         if r.get("status") == "ok":
-            peak = f"{_gb(r['peak_rss_bytes'])} / {_gb(r['memory_budget'])} ({r['peak_rss_bytes'] / r['memory_budget']:.1f}×)"
+            peak = f"{_gb(r['peak_rss_bytes'])} / {_gb(r['memory_budget'])} ({r['peak_rss_bytes'] / r['memory_budget']:.1f}×{_own(r)})"
             lines.append(f"| {model} | {r['T']} | {r['method']} | {r['seconds_per_1k_tokens']:.2f} | "
                          f"{r['ratio']:.2f} | {_cpu_ratio(r)} | {peak} | {pass_ratios(r)} | |" + tail)
         else:
