@@ -993,7 +993,11 @@ def adam_state(optimizer: torch.optim.Optimizer, like: GradientSet) -> AdamState
     """Adam's moments from ``optimizer`` (torch.optim.Adam/AdamW), in the coordinates of ``like``.
 
     ``like`` must be gradients captured with ``ga.grads`` in parameter coordinates; the
-    optimizer must have taken at least one step.
+    optimizer must have taken at least one step. The moments are read from the
+    optimizer's own tensors a block at a time when the scores run (no copy of the
+    model's size): the optimizer must not step before then, and a step in between is
+    refused (``OptionError``); for several checkpoints of one run, keep a copy of each
+    checkpoint's optimizer (``copy.deepcopy``) or compute the scores before stepping on.
     """
     from .curvature.hvp import ParamCoords
 
