@@ -14,6 +14,19 @@ dropout off, in ``--dtype`` (default: the model's own, below) on ``--device``:
                  heads, intermediate 4864, vocab 151,936, tied; bfloat16 (494 M)
     tiny-gpt2    2 layers × 64, vocab 128 (the smoke test's model)
 
+Architectures added in session 38 to play issue 28's check on models it does not name
+(real widths; layers reduced only where the full depth would pass 1.2 GB in float32):
+
+    opt-125m     OPTConfig with OPT-125m's dims: 12 layers, width 768, 12 heads, ReLU MLP
+                 (3,072), learned positions (offset 2), biases, vocab 50,272, tied (125 M)
+    gemma3-270m  Gemma3TextConfig with Gemma-3-270m's dims: 18 layers, hidden 640, 4 heads
+                 / 1 kv head of 256, GeGLU (2,048), q/k norms, sliding-window layers, scaled
+                 embedding, vocab 262,144, tied (268 M: 63% of it the embedding/head)
+    olmoe-2l     OlmoeConfig at OLMoE-1B-7B's width (hidden 2048, 16 heads, expert
+                 intermediate 1,024, q/k norms, vocab 50,304, untied) with 2 layers and 8
+                 experts, top-2 (Mixtral's routing; OLMoE's 64 experts would be 1.6 GB a
+                 layer): fused experts (340 M)
+
 T ∈ {128, 512, 2048} (``--T``); ``--train N --queries M`` sequences of T tokens.
 Data (``--data``): ``random`` token ids (default); ``stdlib-bpe``: the Python standard
 library's own sources (``sysconfig``'s stdlib folder, files in sorted order), tokenized
@@ -50,8 +63,8 @@ is its member's times the number of models).
 Each (model, T, method) runs in its own subprocess, so that its peak resident memory is
 that run's alone. In that process, after building the model and a
 one-sequence warm-up forward+backward, the resident high-water mark is reset (Linux
-``/proc/self/clear_refs``, to the RSS of the model, its data and the warm-up's allocator
-pools), then the method's ``Scores.explain(analyze=True)``, which
+``/proc/self/clear_refs``, to the RSS of the model, its data and what the user holds
+already, e.g. the Adam state; the allocator's free pages are returned first), then the method's ``Scores.explain(analyze=True)``, which
 plans, runs every pass and keeps each pass's estimated and measured seconds; its peak is
 ``VmHWM`` (``ru_maxrss`` since the reset; the process's ``ru_maxrss`` is kept beside it,
 and is the peak where the reset is not possible; on CUDA also the device's peak). Then,
@@ -94,7 +107,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RESULTS = ROOT / "benchmarks" / "results" / "real_scale.json"
-MODELS = ("gpt2-small", "pythia-160m", "llama-200m", "qwen2-0.5b", "tiny-gpt2")
+MODELS = ("gpt2-small", "pythia-160m", "llama-200m", "qwen2-0.5b", "tiny-gpt2", "opt-125m", "gemma3-270m",
+          "olmoe-2l")
 DEFAULT_DTYPE = {"qwen2-0.5b": "bfloat16"}        # the others: float32
 METHODS = ("grad_dot", "grad_cos", "influence_gn", "influence_ekfac", "influence_kfac", "influence_datainf",
            "relatif", "logra", "grass", "trak", "less", "trackstar", "tracin", "self_influence")
@@ -132,6 +146,21 @@ def build_config(name: str, T: int):
             hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
             num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
             max_position_embeddings=max(32768, T), rope_theta=1e6)
+    if name == "opt-125m":
+        return tf.OPTForCausalLM, tf.OPTConfig(
+            vocab_size=50272, hidden_size=768, num_hidden_layers=12, ffn_dim=3072, num_attention_heads=12,
+            word_embed_proj_dim=768, activation_function="relu", max_position_embeddings=max(2048, T),
+            tie_word_embeddings=True, dropout=0.0, attention_dropout=0.0, layerdrop=0.0)
+    if name == "gemma3-270m":
+        return tf.Gemma3ForCausalLM, tf.Gemma3TextConfig(
+            vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
+            num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512, rope_theta=1e6,
+            max_position_embeddings=max(32768, T), tie_word_embeddings=True, attention_dropout=0.0)
+    if name == "olmoe-2l":
+        return tf.OlmoeForCausalLM, tf.OlmoeConfig(
+            vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=16,
+            num_key_value_heads=16, num_experts=8, num_experts_per_tok=2, max_position_embeddings=max(4096, T),
+            tie_word_embeddings=False, attention_dropout=0.0)
     raise SystemExit(f"unknown model {name!r}: one of {', '.join(MODELS)}")
 
 
@@ -216,19 +245,22 @@ def make_data(kind: str, vocab: int, T: int, n_train: int, n_query: int, cache: 
 
 # ----------------------------------------------------------------------------- methods
 def _adam_after_one_step(task, model, train):
-    """An Adam optimizer over ``model`` after one step on (up to) 4 training sequences;
-    the weights are put back, so the checkpoint is unchanged (LESS and TrackStar read its
-    moments)."""
+    """An Adam optimizer over ``model`` after one step on (up to) 4 training sequences,
+    the checkpoint unchanged (LESS and TrackStar read its moments). The step is taken at
+    learning rate 0 (the moments are those of any learning rate; the weights do not
+    move), then the rate is set to 1e-4: no copy of the weights, and the sequences'
+    gradients accumulate one at a time, so that this set-up (a user has it already)
+    holds the model, its gradients and the Adam state, never more (before, a copy of the
+    weights and a 4-sequence batch took a 340 M model past 8 GB here)."""
     import torch
-    saved = [p.detach().clone() for p in model.parameters()]
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    batch = {"input_ids": torch.stack([x["input_ids"] for x in train[:4]]).to(saved[0].device)}
-    task.summed_loss(model, batch).backward()
+    device = next(model.parameters()).device
+    opt = torch.optim.Adam(model.parameters(), lr=0.0)
+    for x in train[:4]:
+        task.summed_loss(model, {"input_ids": x["input_ids"].unsqueeze(0).to(device)}).backward()
     opt.step()
-    with torch.no_grad():
-        for p, s in zip(model.parameters(), saved):
-            p.copy_(s)
-            p.grad = None
+    for group in opt.param_groups:
+        group["lr"] = 1e-4
+    model.zero_grad(set_to_none=True)
     return opt
 
 
@@ -291,9 +323,15 @@ def _peak_rss_bytes() -> int:
 def _reset_peak_rss() -> bool:
     """Reset the resident high-water mark to the current RSS (Linux ≥ 4.0: ``5`` to
     /proc/self/clear_refs), so that the method's peak is not the plain pass's. False
-    where it cannot (then the peak is the whole process's, ``ru_maxrss``)."""
+    where it cannot (then the peak is the whole process's, ``ru_maxrss``). The
+    allocator's free pages are returned first (``malloc_trim``, as the library does
+    after each pass): the warm-up's and the Adam step's freed gradients (a model's
+    size) are not the method's."""
     import gc
+
+    from gradalg.exec.allocator import release_free_memory
     gc.collect()
+    release_free_memory()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -508,6 +546,16 @@ def _order(rec: dict) -> tuple:
             METHODS.index(method) if method in METHODS else len(METHODS))
 
 
+def _own(rec: dict) -> str:
+    """``; own 0.4×``: the method's own resident growth (peak − the RSS at the reset: the
+    model, data and what the user held before, e.g. an Adam state, excluded) over the
+    budget, which bounds what the run adds (``gradalg.plan.budget``); empty where the
+    peak mark was not reset."""
+    if not rec.get("peak_rss_reset") or rec.get("rss_before_method_bytes") is None:
+        return ""
+    return f"; own {(rec['peak_rss_bytes'] - rec['rss_before_method_bytes']) / rec['memory_budget']:.2f}×"
+
+
 def _before_cell(rec: dict | None) -> str:
     if rec is None:
         return "-"
@@ -522,14 +570,14 @@ def markdown(runs: list[dict], before: list[dict] | None = None) -> str:
     for the same (model, T, method, data, sizes), or its refusal."""
     earlier = {key_of(r): r for r in before or []}
     extra = " before: × fwd+bwd (CPU), peak |" if before is not None else ""
-    lines = ["| model | T | method | s / 1k tokens | × fwd+bwd (wall) | × fwd+bwd (CPU) | peak RSS / budget (GB) "
+    lines = ["| model | T | method | s / 1k tokens | × fwd+bwd (wall) | × fwd+bwd (CPU) | peak RSS / budget (GB; own: the method's growth) "
              "| measured / estimated, per pass | note |" + extra,
              "|---|---:|---|---:|---:|---:|---|---|---|" + ("---|" if extra else "")]
     for r in sorted(runs, key=_order):
         model = f"{r['model']} ({r['parameters'] / 1e6:.0f} M, {r['dtype']})" if r.get("parameters") else r["model"]
         tail = f" {_before_cell(earlier.get(key_of(r)))} |" if extra else ""
         if r.get("status") == "ok":
-            peak = f"{_gb(r['peak_rss_bytes'])} / {_gb(r['memory_budget'])} ({r['peak_rss_bytes'] / r['memory_budget']:.1f}×)"
+            peak = f"{_gb(r['peak_rss_bytes'])} / {_gb(r['memory_budget'])} ({r['peak_rss_bytes'] / r['memory_budget']:.1f}×{_own(r)})"
             lines.append(f"| {model} | {r['T']} | {r['method']} | {r['seconds_per_1k_tokens']:.2f} | "
                          f"{r['ratio']:.2f} | {_cpu_ratio(r)} | {peak} | {pass_ratios(r)} | |" + tail)
         else:

@@ -994,7 +994,11 @@ def adam_state(optimizer: torch.optim.Optimizer, like: GradientSet) -> AdamState
     """Adam's moments from ``optimizer`` (torch.optim.Adam/AdamW), in the coordinates of ``like``.
 
     ``like`` must be gradients captured with ``ga.grads`` in parameter coordinates; the
-    optimizer must have taken at least one step.
+    optimizer must have taken at least one step. The moments are read from the
+    optimizer's own tensors a block at a time when the scores run (no copy of the
+    model's size): the optimizer must not step before then, and a step in between is
+    refused (``OptionError``); for several checkpoints of one run, keep a copy of each
+    checkpoint's optimizer (``copy.deepcopy``) or compute the scores before stepping on.
     """
     from .curvature.hvp import ParamCoords
 
@@ -1013,5 +1017,80 @@ def adam_state(optimizer: torch.optim.Optimizer, like: GradientSet) -> AdamState
         v[name] = state["exp_avg_sq"].detach().unsqueeze(0)
     group = optimizer.param_groups[0]
     beta1, beta2 = group["betas"]
-    return AdamState(coords.from_params(m)[0], coords.from_params(v)[0], float(beta1), float(beta2),
+    return AdamState(_BlockMoments(coords, m), _BlockMoments(coords, v), float(beta1), float(beta2),
                      float(group["eps"]))
+
+
+class _BlockMoments:
+    """One Adam moment in a gradient space's canonical coordinates, (dim,), read from the
+    optimizer's own tensors a block at a time instead of copied whole.
+
+    ``moment[a:b]`` forms only the blocks that overlap coordinates [a, b) (the block's
+    ``from_params``: a view, or a weight/bias concatenation of that block's size), so
+    LESS's Adam transform, which reads one block's slice per chunk
+    (``AdamState.direction``), holds one block's moments at a time, not 2 · dim numbers
+    (0.8–1.1 GB on 10⁸-parameter models, outside the plan). The optimizer must not step
+    between ``ga.adam_state`` and the scores' evaluation: the tensors' versions are
+    recorded and a change is refused (a flat copy used to freeze them).
+    """
+
+    def __init__(self, coords, moment: dict):
+        self._coords, self._moment = coords, moment
+        self._versions = {k: t._version for k, t in moment.items()}
+        self._spans, start = [], 0          # (start, stop, ref index) per ref, in coords order
+        for i, size in enumerate(self._sizes()):
+            self._spans.append((start, start + size, i))
+            start += size
+        self.shape = (start,)
+        first = next(iter(moment.values()))
+        self.dtype, self.device = first.dtype, first.device
+
+    def _sizes(self):
+        for i in range(len(self._coords.refs)):
+            yield self._block(i).shape[-1]
+
+    def _block(self, i: int) -> torch.Tensor:
+        """Ref i's coordinates, (dim_i,)."""
+        ref, names = self._coords.refs[i], self._coords.local[i]
+        local = {pname: self._moment[full] for pname, full in names.items()}
+        if self._coords.backend == "func":
+            return torch.cat([t.flatten(1) for t in local.values()], dim=1)[0]
+        return ref.rule.from_params(ref.module, local).flatten(1)[0]
+
+    def _check(self):
+        for k, t in self._moment.items():
+            if t._version != self._versions[k]:
+                raise OptionError(f"the optimizer's state of {k!r} changed after ga.adam_state(...) read it (a "
+                                  "step was taken): call ga.adam_state (or the method) again after the step")
+
+    def __getitem__(self, index) -> torch.Tensor:
+        if not isinstance(index, slice) or index.step not in (None, 1):
+            return self.full()[index]
+        self._check()
+        a, b, _ = index.indices(self.shape[0])
+        parts = [(s, e, i) for s, e, i in self._spans if s < b and e > a]
+        if not parts:
+            return torch.empty(0, dtype=self.dtype, device=self.device)
+        flat = torch.cat([self._block(i) for _, _, i in parts]) if len(parts) > 1 else self._block(parts[0][2])
+        return flat[a - parts[0][0]:b - parts[0][0]]
+
+    def full(self) -> torch.Tensor:
+        """The whole (dim,) vector (a copy)."""
+        return self[0:self.shape[0]].clone()
+
+    def to(self, *args, **kwargs) -> torch.Tensor:
+        return self.full().to(*args, **kwargs)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __setstate__(self, state):
+        # unpickled on a worker: fresh tensors, their versions start again (the driver checked)
+        self.__dict__.update(state)
+        self._versions = {k: t._version for k, t in self._moment.items()}
+
+    @property
+    def token(self) -> str:
+        from .expr.base import tokenize
+        self._check()
+        return "moments" + tokenize([self._moment[k] for k in self._moment])
