@@ -1078,6 +1078,22 @@ class _BlockMoments:
         """The whole (dim,) vector (a copy)."""
         return self[0:self.shape[0]].clone()
 
+    # Anything else a (dim,) tensor does, it does on the whole vector (a copy, made when
+    # asked): ``v.double().sqrt()``, ``torch.sqrt(v)``, ``v + eps``, ``np.asarray(v)``.
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.full(), name)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        def whole(x):
+            return x.full() if isinstance(x, cls) else x
+        return func(*map(whole, args), **{k: whole(v) for k, v in (kwargs or {}).items()})
+
+    def __array__(self, dtype=None, copy=None):
+        return self.full().numpy() if dtype is None else self.full().numpy().astype(dtype)
+
     def to(self, *args, **kwargs) -> torch.Tensor:
         return self.full().to(*args, **kwargs)
 
@@ -1094,3 +1110,13 @@ class _BlockMoments:
         from .expr.base import tokenize
         self._check()
         return "moments" + tokenize([self._moment[k] for k in self._moment])
+
+
+def _whole(name: str):
+    """``_BlockMoments``' operator ``name``: the tensor's, on the whole vector."""
+    return lambda self, *other: getattr(self.full(), name)(*other)
+
+
+for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
+              "__pow__", "__rpow__", "__neg__", "__lt__", "__le__", "__gt__", "__ge__"):
+    setattr(_BlockMoments, _name, _whole(_name))

@@ -108,3 +108,21 @@ def test_fused_experts_blocks_equal_the_optimizer_moments():
             torch.testing.assert_close(moment[start:start + b.dim], full[start:start + b.dim], rtol=0, atol=0)
             start += b.dim
         assert start == full.numel()
+
+
+def test_a_moment_works_as_the_tensor_it_was():
+    """Before the block views, ``exp_avg_sq`` was a (dim,) tensor: every tensor use of it
+    (notebook 11's ``v.double().sqrt()``, torch functions, arithmetic, numpy) still works,
+    on a copy of the whole vector, with the tensor's numbers."""
+    import numpy as np
+    model, task, data, opt, *_ = classification_setup(True)
+    G = ga.grads(task, data)
+    v = ga.adam_state(opt, G).exp_avg_sq
+    full = expected(model, opt, ["0", "2"], "exp_avg_sq")
+    cases = {"v.double().sqrt()": (v.double().sqrt(), full.sqrt()), "torch.sqrt(v)": (torch.sqrt(v), full.sqrt()),
+             "v + eps": (v + 1e-8, full + 1e-8), "eps + v": (1e-8 + v, full + 1e-8),
+             "1 / (v + 1)": (1.0 / (v + 1), 1.0 / (full + 1)), "-v": (-v, -full), "v ** 2": (v ** 2, full ** 2),
+             "np.asarray(v)": (torch.as_tensor(np.asarray(v)), full), "v.sum()": (v.sum(), full.sum())}
+    for name, (got, want) in cases.items():
+        assert isinstance(got, torch.Tensor), name
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)

@@ -385,7 +385,9 @@ ADAM_TILE = 1 << 16
 class AdamState:
     """Adam's moments in a gradient space's canonical coordinates (see ``ga.adam_state``).
 
-    exp_avg, exp_avg_sq : (dim,) tensors; betas, eps as in ``torch.optim.Adam``.
+    exp_avg, exp_avg_sq : (dim,) tensors, or ``ga.adam_state``'s views of the optimizer's
+        own tensors (read a block's slice at a time; any other tensor use works on a copy
+        of the whole vector); betas, eps as in ``torch.optim.Adam``.
     """
 
     exp_avg: Any
