@@ -1075,8 +1075,10 @@ class _BlockMoments:
         return flat[a - parts[0][0]:b - parts[0][0]]
 
     def full(self) -> torch.Tensor:
-        """The whole (dim,) vector (a copy)."""
-        return self[0:self.shape[0]].clone()
+        """The whole (dim,) vector (a copy: several blocks are concatenated into a new
+        tensor; one block may be a view of the optimizer's, so it is cloned)."""
+        whole = self[0:self.shape[0]]
+        return whole.clone() if len(self._spans) == 1 else whole
 
     # Anything else a (dim,) tensor does, it does on the whole vector (a copy, made when
     # asked): ``v.double().sqrt()``, ``torch.sqrt(v)``, ``v + eps``, ``np.asarray(v)``.

@@ -92,8 +92,14 @@ def reference_rows(model, data, layers) -> torch.Tensor:
 def routing(model, data) -> dict[str, list[torch.Tensor]]:
     """Per experts module, per sequence (alone): its tokens' experts (T, k), from a forward hook."""
     out = {n: [] for n in experts_of(model)}
-    handles = [m.register_forward_hook(lambda mod, args, o, n=n: out[n].append(args[1].clone()))
-               for n, m in experts_of(model).items()]
+    each_sequence(model, data, lambda mod, args, o, n: out[n].append(args[1].clone()))
+    return out
+
+
+def each_sequence(model, data, hook) -> None:
+    """Run every sequence of ``data`` alone through ``model`` (no grad), with
+    ``hook(module, args, output, name)`` on each experts module."""
+    handles = [m.register_forward_hook(lambda mod, a, o, n=n: hook(mod, a, o, n)) for n, m in experts_of(model).items()]
     try:
         with torch.no_grad():
             for item in data:
@@ -101,7 +107,6 @@ def routing(model, data) -> dict[str, list[torch.Tensor]]:
     finally:
         for h in handles:
             h.remove()
-    return out
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -177,14 +182,7 @@ def _expert_inputs(model, data) -> dict[str, list[torch.Tensor]]:
             gate, up = F.linear(xe, module.gate_up_proj[e].detach()).chunk(2, -1)
             out.setdefault(f"{name}.gate_up_proj.{e}", []).append(xe)
             out.setdefault(f"{name}.down_proj.{e}", []).append(module.act_fn(gate) * up)
-    handles = [m.register_forward_hook(lambda mod, a, o, n=n: hook(mod, a, o, n)) for n, m in experts_of(model).items()]
-    try:
-        with torch.no_grad():
-            for item in data:
-                model(input_ids=item["input_ids"][None])
-    finally:
-        for h in handles:
-            h.remove()
+    each_sequence(model, data, hook)
     return out
 
 
