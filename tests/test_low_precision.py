@@ -121,3 +121,29 @@ def test_kernels_accumulate_half_factors_in_float32(dtype):
     naive = torch.einsum("nto,nti->noi", L.D, L.A)
     assert rel(naive, materialize(Factors(L.A.double(), L.D.double()))) > 10 * rel(dense, materialize(
         Factors(L.A.double(), L.D.double())))
+
+
+@pytest.mark.parametrize("damping", [1e-4, 1e-1])
+def test_half_precision_influence_adds_no_error_of_its_own(setup, damping):
+    """Empirical-Fisher influence on the bf16 model equals a float64 solve from that model's
+    own bf16 per-example gradients (loop of backward) to within the capture's rounding:
+    what inverting (F + λI) does to the model's rounding is the model's, not gradalg's
+    (``benchmarks/low_precision_damping.py`` tabulates both by damping)."""
+    from gradalg.capture.reference import per_example_grads
+    model64, data, queries, _, _ = setup
+    model = copy.deepcopy(model64).to(torch.bfloat16)
+    layers = ["transformer.h.1.mlp.c_fc"]
+    names = [n for n, _ in model.named_parameters() if n.startswith(layers[0] + ".")]
+
+    def rows(batch):
+        g = per_example_grads(task_of(model), batch, names, method="loop")
+        return torch.cat([g[n].reshape(g[n].shape[0], -1).double() for n in names], 1)
+
+    G, Q = rows(data), rows(queries)
+    n = G.shape[0]
+    own = Q @ G.T @ torch.linalg.inv(G @ G.T / n + damping * torch.eye(n, dtype=G.dtype))   # Woodbury
+    t = task_of(model)
+    Gs, Qs = ga.grads(t, data, layers=layers), ga.grads(t, queries, layers=layers)
+    S = Qs @ ga.fisher(Gs).damp(damping).inv() @ Gs.T
+    got = torch.as_tensor(S.compute().values)
+    assert rel(got, own) < TOL[torch.bfloat16]
