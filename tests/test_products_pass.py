@@ -236,3 +236,26 @@ def test_analyze_compares_one_products_call_with_one_and_counts_its_cpu_time(set
     assert row["ratio"] == pytest.approx(row["measured_call_seconds"] / row["estimated_call_seconds"])
     assert 0 < row["measured_cpu_seconds"] <= row["measured_seconds"] * 1.5 + 0.05
     assert "per call against" in str(shown)
+
+
+def test_analyze_counts_each_second_of_a_cg_influence_in_one_row(setting):
+    """The CG solve runs during the scores pass, and its products are timed into the products
+    pass's row: the scores pass's row is measured without them, so the rows sum to the run's
+    time (before, the solve was in both rows and they summed to about twice the run)."""
+    import time
+
+    task, train, queries = setting
+    S = ga.methods.influence(task, train, queries, curvature="gauss_newton", solver="cg", damping=0.1,
+                             solver_settings={"max_iter": 9})
+    start = time.perf_counter()
+    shown = S.explain(analyze=True)
+    run = time.perf_counter() - start
+    rows = shown.passes()
+    [products] = [r for r in rows if "measured_calls" in r]
+    assert products["measured_calls"] >= 1
+    total = sum(r["measured_seconds"] for r in rows)
+    assert 0.5 * run <= total <= run, (total, run)
+    # the scores pass's own time is a small part of the products' (3 queries, 40 rows)
+    scores = rows[-1]
+    assert "measured_calls" not in scores and 0 <= scores["measured_seconds"] < products["measured_seconds"]
+    assert 0 <= scores["measured_cpu_seconds"] < products["measured_cpu_seconds"]

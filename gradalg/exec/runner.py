@@ -16,7 +16,9 @@ For each :class:`~gradalg.plan.planner.Pass` the runner
 A products pass (``Pass.per_call``) is fed nothing when the plan runs: its job publishes
 the matvec its solver calls, and each call reads the data then
 (:class:`~gradalg.plan.jobs.products.ProductPass`, which adds the call's seconds to the
-pass's entry in ``pass_stats``).
+pass's entry in ``pass_stats``); a pass during which such calls run (the scores pass whose
+queries a CG solve preconditions) is measured without them, so that each second is in one
+entry and the entries sum to the run's time.
 
 A shard strategy (:class:`ShardStrategy`) says where each pass runs (``place``, when the
 plan is made, recorded as a ``PLACEMENT`` :class:`~gradalg.plan.decisions.Decision` with
@@ -226,6 +228,14 @@ def _peak_growth(rss_start: int | None, mark_start: int, mark_end: int) -> dict:
     return {"peak_rss_growth_bytes": max(0, mark_end - rss_start), "peak_rss_is_bound": mark_end <= mark_start}
 
 
+def _timed(stats: list[dict]) -> tuple[float, float]:
+    """Wall and CPU seconds summed over the measured entries ``stats`` so far. A pass's own
+    time is its wall time less what the entries gained meanwhile: the calls of a products
+    pass (:class:`~gradalg.plan.jobs.products.ProductPass`) made by a solver during a later
+    pass are timed into the products pass's entry, and counted there only."""
+    return (sum(e["seconds"] for e in stats), sum(e.get("cpu_seconds", 0.0) for e in stats))
+
+
 class PassRunner:
     """Runs plans for the executor ``ctx`` (its ``options``, ``trace``, ``state``,
     ``resolve``, ``pass_stats``, ``release_memory_above``) with a shard strategy."""
@@ -238,14 +248,19 @@ class PassRunner:
     def run(self, plan: Plan) -> Plan:
         """Run each pass where the plan placed it (placed now when the plan came without)."""
         placement = plan.placement or tuple(self.shards.place(step) for step in plan.passes)
+        stats = self.ctx.pass_stats
         for index, (step, where) in enumerate(zip(plan.passes, placement)):
             start, cpu0 = time.perf_counter(), time.process_time()
+            nested0 = _timed(stats)
             rss0, mark0 = resident_bytes(), peak_resident_bytes()
             self.run_pass(step, where)
             mark1 = peak_resident_bytes()
-            self.ctx.pass_stats.append({
-                "pass": index, "key": step.key, "seconds": time.perf_counter() - start,
-                "cpu_seconds": time.process_time() - cpu0,   # this process's CPU time (excludes waiting for a core)
+            # the calls of products passes made during this one (a solver's) are timed into their own entries
+            nested = [after - before for after, before in zip(_timed(stats), nested0)]
+            stats.append({
+                "pass": index, "key": step.key, "seconds": time.perf_counter() - start - nested[0],
+                # this process's CPU time (excludes waiting for a core)
+                "cpu_seconds": time.process_time() - cpu0 - nested[1],
                 **_peak_growth(rss0, mark0, mark1),
                 "held_bytes": self.ctx.state.held_bytes(),
             })
