@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+from ...errors import OptionError
 from ...expr import GradNode, Node
 from ..cost import Cost, block_cost
 from ..estimates import chunk_count
@@ -118,8 +119,8 @@ class Job:
 
     def __post_init__(self):
         if type(self) is Job or isinstance(self.target, str):
-            raise TypeError("a job is an instance of its class: CollectJob(target, streams, deps, ...), or "
-                            "job_type(kind)(target, ...), not Job(kind, target, ...)")
+            raise OptionError("a job is an instance of its class: CollectJob(target, streams, deps, ...), or "
+                              "job_type(kind)(target, ...), not Job(kind, target, ...)")
 
     @property
     def key(self) -> tuple[str, str]:
