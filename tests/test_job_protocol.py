@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import gradalg as ga
+from gradalg.errors import OptionError
 from gradalg.exec import runner as pass_runner
 from gradalg.plan.jobs import JOB_TYPES, Accumulator, Job, ScoresJob, TopK, job_type
 from gradalg.plan.shapes import ModelFacts
@@ -46,7 +47,7 @@ def test_every_job_class_is_registered_by_its_kind():
             assert _own(cls, method) or (hook and _own(cls, hook)), (cls.__name__, method)
         for method in RUNNING:
             assert _own(cls, method), (cls.__name__, method)
-    with pytest.raises(KeyError, match="unknown job kind"):
+    with pytest.raises(OptionError, match=r"unknown job kind 'nope': job_type\(kind\) takes one of \[.*'scores'"):
         job_type("nope")
     with pytest.raises(TypeError, match="instance of its class"):   # the old string-typed constructor
         ScoresJob("scores", None)

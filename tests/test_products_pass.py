@@ -110,6 +110,7 @@ def test_analyze_measures_the_products_pass_over_its_calls(setting):
     [row] = rows
     assert 1 <= row["measured_calls"] <= 9 and row["measured_seconds"] > 0
     assert f"measured: {row['measured_calls']:,} call(s)" in str(shown)
+    assert f"measured: {row['measured_calls']:,} call(s)" in shown._repr_html_()   # the HTML pass table too
 
 
 def test_an_operator_resolved_on_its_own_plans_its_products_pass(setting):
@@ -160,7 +161,7 @@ def test_on_dask_the_products_pass_is_placed_on_the_client_as_a_typed_decision(s
     np.testing.assert_allclose(got, local, rtol=1e-9, atol=1e-12)
     placed = plan.decisions.of(DecisionKind.PLACEMENT)
     [(index, step)] = [(i, p) for i, p in enumerate(plan.passes) if p.per_call]
-    [decision] = [d for d in placed if d.subject == (index, *step.key)]
+    [decision] = [d for d in placed if d.subject == (index, step.key)]
     assert decision.chosen == "on the client" and not plan.placement[index].sharded
     assert decision.reason.startswith("a products pass: its solver calls it on the client")
     assert any(plan.placement[i].sharded for i, p in enumerate(plan.passes) if p.reads_data)   # the others shard

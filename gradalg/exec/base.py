@@ -172,7 +172,7 @@ class Executor:
         (:func:`~gradalg.exec.resolve.precondition`)."""
         resolved = self.resolve(op)
         with self.clock.phase("scoring"):
-            if any(key[0] == ApplyJob.kind for key in self.state.results):   # applied by a pass of the plan?
+            if any(kind == ApplyJob.kind for kind, _ in self.state.results):   # applied by a pass of the plan?
                 ready = applied(self.state, op, flatten(held, space))
                 if ready is not None:
                     return held.replace(unflatten(ready, space))

@@ -112,7 +112,7 @@ class ShardStrategy:
 
     def placement(self, index: int, step: Pass) -> tuple[Placement, Decision | None]:
         """Where pass ``index`` runs (:meth:`place`, asked once) and the ``PLACEMENT``
-        decision recording it: subject ``(index, *step.key)``, chosen :attr:`here` or
+        decision recording it: subject ``(index, step.key)``, chosen :attr:`here` or
         :attr:`spread`, the alternatives the pass's estimated seconds here and divided by
         :meth:`ways` on shards (transfers not costed), the reason :meth:`place`'s (and its
         refusal). None for a strategy that never shards (nothing to choose)."""
@@ -122,7 +122,7 @@ class ShardStrategy:
         ways = self.ways()
         reason = where.reason + (f"; refused: {where.refusal}" if where.refusal is not None else "")
         return where, Decision(
-            DecisionKind.PLACEMENT, (index, *step.key), self.spread if where.sharded else self.here,
+            DecisionKind.PLACEMENT, (index, step.key), self.spread if where.sharded else self.here,
             {self.here: step.seconds, self.spread: step.seconds / ways},
             f"{reason} (on shards: the pass's estimate over {ways} shard(s) at once; transfers not costed)",
             label=f"pass {index + 1} ({step.label})")
@@ -313,14 +313,13 @@ class PassRunner:
 
     def batches(self, step: Pass) -> Iterator[dict[str, list[Chunk]]]:
         """Per batch of the pass, ``{root token: chunks}`` of the nodes it reads."""
-        kind = step.key[0]
         if step.per_call:   # a products pass reads its batches on each call of its solver (ProductPass)
             return
-        if kind == "memory":
-            for chunk in self.ctx.state.rows[step.key[1]]:
-                yield {step.key[1]: [chunk]}
+        if step.key.kept is not None:    # rows kept in memory
+            for chunk in self.ctx.state.rows[step.key.kept]:
+                yield {step.key.kept: [chunk]}
             return
-        if kind == "captured":
+        if step.key.rows is not None:    # rows captured earlier: their store
             root = stream_root(step.jobs[0].streams[0])
             for chunk in root.store.chunks():
                 yield {root.token: [chunk]}

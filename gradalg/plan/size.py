@@ -230,7 +230,7 @@ class _Sizer:
             n, chunk = sources[0].data.n, batch
             self.stored_chunks.update({j.target.token: batch for j in p.jobs if isinstance(j, StoreJob)})
         else:
-            n, chunk = p.jobs[0].streams[0].n, self.stored_chunks.get(p.key[1])
+            n, chunk = p.jobs[0].streams[0].n, self.stored_chunks.get(p.key.rows)
         cost = cost + estimates.pass_overhead(len(p.jobs), n if p.reads_data else 0, per_ex, p.reads_data, facts.device)
         jobs = []
         for job in p.jobs:
@@ -241,7 +241,7 @@ class _Sizer:
                                                     lambda node: storage(node, facts), o, self.resolved))
             jobs.append(job)
             cost = cost + job.cost
-        cost = cost + self.rowwise_cost(jobs, n, chunk, set() if p.reads_data else {p.key[1]}, p.reads_data)
+        cost = cost + self.rowwise_cost(jobs, n, chunk, set() if p.reads_data else {p.key.rows}, p.reads_data)
         drop = sum(a.fixed_bytes(facts) - b.fixed_bytes(facts) for a, b in zip(sizing, jobs) if getattr(b, "release_held", False))
         drop = drop if drop > 0 else 0.0
         # one read of the data, however many sources are captured from each batch

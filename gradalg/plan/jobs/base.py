@@ -38,8 +38,10 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 from ...errors import OptionError
 from ...expr import GradNode, Node
 from ..cost import Cost, block_cost
+from ..decisions import Decision
 from ..estimates import chunk_count
 from ..memory import rows_of, stream_workspace_bytes
+from ..passkeys import PassKey
 from ..shapes import ModelFacts
 
 __all__ = ["Accumulator", "Job", "JOB_TYPES", "job_type"]
@@ -88,6 +90,9 @@ class Job:
     #: each row set of an example (one per Gauss-Newton term) reaches the job as its own
     #: chunk (statistics and kept rows); False: one chunk per batch
     per_row_set: ClassVar[bool] = False
+    #: it reads rows stored for it as factors (K-FAC's covariances of A and D): rows an
+    #: earlier pass stores for it keep every block's factors
+    reads_stored_factors: ClassVar[bool] = False
 
     target: Node
     streams: tuple[GradNode, ...] = ()
@@ -133,7 +138,7 @@ class Job:
         applied to, for a job that cares)."""
         return cls(statistic.node, (statistic.rows,), set(deps))
 
-    def pass_key(self) -> tuple | None:
+    def pass_key(self) -> PassKey | None:
         """The key of a pass of its own (a job that reads no gradient rows: products), or
         None: the pass that reads ``streams[0]`` (:func:`~gradalg.plan.lower.pass_key`)."""
         return None
@@ -212,6 +217,34 @@ class Job:
         """The :class:`ScoresJob` s whose kernels this job runs (itself, a top-k's terms)."""
         return ()
 
+    # ------------------------------------------------------------------ scheduling
+    def can_wait(self) -> bool:
+        """Whether the schedule may run the job in a later wave than the first it is ready
+        in: the last before a job that reads its result (a held side collected in a pass
+        of its own, :class:`~gradalg.plan.jobs.rows.CollectJob`). False by default."""
+        return False
+
+    def collects(self, token: str) -> bool:
+        """Whether the job keeps the rows of the node ``token`` for later jobs (it writes
+        them: its reading them does not keep the raw rows alive). False by default."""
+        return False
+
+    def store_refused(self) -> Decision | None:
+        """Why rows this job streams are never stored for it by an earlier pass over the
+        same data (a ``STORE`` decision, chosen "recompute"), or None: they may be."""
+        return None
+
+    def normalized(self, decide) -> "Job":
+        """The job with it decided where its streamed side ``G.normalize()`` is normalized:
+        ``decide(side, scores job)`` says True (in the score kernel) or False (row-wise),
+        the schedule's choice from the pass. Itself where it streams no such side."""
+        return self
+
+    def can_release_held(self) -> bool:
+        """Whether the job could drop its raw held rows once it has preconditioned them (a
+        preconditioned scores job); the schedule decides whether it does. False by default."""
+        return False
+
     # ------------------------------------------------------------------ running
     def accumulator(self, ctx) -> Accumulator:
         """The job's :class:`Accumulator` for one pass, made from its fields (and what
@@ -239,7 +272,7 @@ class Job:
 
 def job_type(kind: str) -> type[Job]:
     """The job class of a kind name (``"scores"`` → :class:`ScoresJob`)."""
-    try:
-        return JOB_TYPES[kind]
-    except KeyError:
-        raise KeyError(f"unknown job kind {kind!r}; kinds: {sorted(JOB_TYPES)}") from None
+    if kind not in JOB_TYPES:
+        raise OptionError(f"unknown job kind {kind!r}: job_type(kind) takes one of {sorted(JOB_TYPES)} "
+                          "(a new job type is a Job subclass that sets its own `kind`, registered as it is defined)")
+    return JOB_TYPES[kind]

@@ -70,6 +70,7 @@ class KFACJob(KronStatisticsJob):
 
     kind: ClassVar[str] = "kfac"
     ops_per_block: ClassVar[int] = 14
+    reads_stored_factors: ClassVar[bool] = True
 
     def chunk_cost(self, node, c, layout, facts) -> Cost:
         """The factor sums over one chunk, per 2-D block and m = c·T positions: for A (in)

@@ -63,6 +63,14 @@ class CollectJob(RowsJob):
     def describe(self) -> str:
         return f"{self.kind} {self.target.label!r} ({self.target.n:,} rows)"
 
+    def can_wait(self) -> bool:
+        """A held side collected in a pass of its own waits for the wave before its scores
+        job (not carried through the passes that build the preconditioner)."""
+        return True
+
+    def collects(self, token: str) -> bool:
+        return token == self.target.token
+
     def accumulator(self, ctx) -> "Collector":
         """A held side is read whole by its scores job: kept as one chunk, its pieces
         freed as it is made (stored rows are streamed back chunk by chunk)."""

@@ -3,7 +3,7 @@ held rows (:class:`ScoresJob`), and the self-scores of a square score expression
 sides streamed in lockstep or one held (:class:`DiagJob`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
@@ -12,6 +12,7 @@ from ...capture.chunks import Chunk, concat_chunks, flat_block, flatten, row_sq_
 from ...capture.factors import (HALF_DTYPES, Factors, compute_dtype, ghost_inner, ghost_workspace_elements,
                                 materialize, self_inner, token_slices)
 from ...errors import DataError
+from ...expr import Normalize
 from ...expr.operators import Identity
 from ...expr.tokens import token_rows
 from ...linalg.quadratic import row_quadratic
@@ -144,6 +145,20 @@ class ScoresJob(Job):
 
     def score_parts(self) -> tuple:
         return (self,)
+
+    # ------------------------------------------------------------------ scheduling
+    def normalized(self, decide) -> "ScoresJob":
+        """``normalize_streamed`` as ``decide(side, self)`` says for a streamed side
+        ``G.normalize()`` (no metric): in the score kernel, each column divided by its
+        row's norm (⟨h, g/‖g‖⟩ = ⟨h, g⟩/‖g‖), or row-wise."""
+        s = self.streams[0] if self.streams else None
+        if not (isinstance(s, Normalize) and s.op is None):
+            return self
+        return replace(self, normalize_streamed=decide(s, self))
+
+    def can_release_held(self) -> bool:
+        """A preconditioned score keeps a preconditioned copy of its held rows: the raw rows can go."""
+        return not isinstance(self.target.op, Identity)
 
     # ------------------------------------------------------------------ running
     def accumulator(self, ctx) -> "ScoreAccumulator":
