@@ -58,6 +58,27 @@ def test_every_job_class_is_registered_by_its_kind():
             getattr(Job, method)(object(), *args)
 
 
+#: the schedule stage's questions, and the kinds whose class answers one other than the
+#: base's default (all off): the scheduler asks the job, never its type
+SCHEDULING = {"can_wait": {"collect", "store"}, "collects": {"collect", "store"}, "store_refused": {"topk"},
+              "normalized": {"scores", "topk"}, "can_release_held": {"scores"}}
+
+
+def test_the_schedule_asks_the_job_not_its_type():
+    import ast
+    from pathlib import Path
+
+    import gradalg.plan.schedule as schedule
+
+    for hook, kinds in SCHEDULING.items():
+        assert {k for k, cls in JOB_TYPES.items() if _own(cls, hook)} == kinds, hook
+    assert {k for k, cls in JOB_TYPES.items() if cls.reads_stored_factors} == {"kfac"}
+    tree = ast.parse(Path(schedule.__file__).read_text())
+    asked = [ast.unparse(n.args[1]) for n in ast.walk(tree)
+             if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "isinstance"]
+    assert not [a for a in asked if a.endswith("Job") or "Job," in a], asked   # no job class is asked about
+
+
 @pytest.fixture(scope="module")
 def instances():
     """Every job a set of small plans builds and runs, with the accumulator each opened:

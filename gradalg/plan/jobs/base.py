@@ -17,9 +17,12 @@ kind. The planner asks ``stream_cost`` (:meth:`Job.chunk_cost` per chunk, plus
 ``first_decisions``, each cost and bytes hook with the plan's
 :class:`~gradalg.plan.shapes.ModelFacts` (``facts``: the dtype of the rows and the measured
 positions of every layer, ``positions(node, facts.shapes)``: an explicit input, nothing in
-force behind the call); the executor ``accumulator(ctx)`` (its :class:`Accumulator`, made
-from the job's fields), ``fed``, ``feed``, ``for_shard`` and ``publish`` (where the
-result goes in the run's :class:`~gradalg.exec.state.RunState`). ``ctx`` is the executor
+force behind the call); the schedule stage ``can_wait``, ``collects``, ``store_refused``,
+``normalized``, ``can_release_held`` and ``reads_stored_factors`` (where a job differs
+from the defaults, all off: it asks the job, never its type); the executor
+``accumulator(ctx)`` (its :class:`Accumulator`, made from the job's fields), ``fed``,
+``feed``, ``for_shard`` and ``publish`` (where the result goes in the run's
+:class:`~gradalg.exec.state.RunState`). ``ctx`` is the executor
 (duck-typed: the plan's floor does not import the executor's): its ``trace`` of
 kernels, ``state``, ``resolve(op)``, ``precondition_held`` and
 ``page_returner()`` (a :class:`~gradalg.exec.allocator.FreedBytes`); never its options.
