@@ -65,18 +65,48 @@ SCHEDULING = {"can_wait": {"collect", "store"}, "collects": {"collect", "store"}
 
 
 def test_the_schedule_asks_the_job_not_its_type():
-    import ast
-    from pathlib import Path
-
     import gradalg.plan.schedule as schedule
 
     for hook, kinds in SCHEDULING.items():
         assert {k for k, cls in JOB_TYPES.items() if _own(cls, hook)} == kinds, hook
     assert {k for k, cls in JOB_TYPES.items() if cls.reads_stored_factors} == {"kfac"}
-    tree = ast.parse(Path(schedule.__file__).read_text())
-    asked = [ast.unparse(n.args[1]) for n in ast.walk(tree)
-             if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "isinstance"]
+    asked = _asked_about(schedule)
     assert not [a for a in asked if a.endswith("Job") or "Job," in a], asked   # no job class is asked about
+
+
+def _asked_about(module) -> list[str]:
+    """The second argument of every ``isinstance`` and the first of every ``getattr`` call
+    in ``module``'s source."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(module.__file__).read_text())
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") in ("isinstance", "getattr")]
+    return [ast.unparse(n.args[1] if n.func.id == "isinstance" else n.args[0]) for n in calls]
+
+
+#: the size stage's questions (methods), and the kinds whose class answers one itself
+SIZING = {"keeping_held_rows": {"scores"}, "applied_ops": {"diag"}}
+
+
+def test_the_size_stage_asks_the_job_not_its_type():
+    """The size stage asks each job what it holds and applies: which kinds answer each
+    question is pinned, a class with a ``release_held`` field must say how it is sized
+    holding its raw rows (a forgotten override would size a released side once), and
+    size.py names no job class in ``isinstance`` nor reads a job's fields by ``getattr``."""
+    import dataclasses
+
+    import gradalg.plan.size as size
+
+    for hook, kinds in SIZING.items():
+        assert {k for k, cls in JOB_TYPES.items() if _own(cls, hook)} == kinds, hook
+    for kind, cls in JOB_TYPES.items():
+        if "release_held" in {f.name for f in dataclasses.fields(cls)}:
+            assert _own(cls, "keeping_held_rows"), kind
+    assert {k for k, cls in JOB_TYPES.items() if not cls.shrinks_with_queries} == {"fisher", "kfac", "ekfac", "store"}
+    assert {k for k, cls in JOB_TYPES.items() if cls.streamed_back} == {"store"}
+    asked = _asked_about(size)
+    assert not [a for a in asked if a.endswith("Job") or "Job," in a or a in ("j", "job")], asked
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +176,7 @@ def test_release_of_held_rows_is_decided_by_the_planner():
         p = ex.plan(S.expr)
         scores = [j for j in p.jobs.values() if isinstance(j, ScoresJob)]
         assert scores and all(j.release_held == (name == "released") for j in scores), name
+        assert not any(j.keeping_held_rows().release_held for j in scores)    # sized holding them
         runs[name] = torch.as_tensor(S.compute(executor=ex).values)
         assert (Q.expr.token in ex.state.rows) == (name == "kept")
     torch.testing.assert_close(runs["released"], runs["kept"], rtol=0, atol=0)

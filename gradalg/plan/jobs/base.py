@@ -19,7 +19,8 @@ kind. The planner asks ``stream_cost`` (:meth:`Job.chunk_cost` per chunk, plus
 positions of every layer, ``positions(node, facts.shapes)``: an explicit input, nothing in
 force behind the call); the schedule stage ``can_wait``, ``collects``, ``store_refused``,
 ``normalized``, ``can_release_held`` and ``reads_stored_factors`` (where a job differs
-from the defaults, all off: it asks the job, never its type); the executor
+from the defaults, all off: it asks the job, never its type); the size stage
+``keeping_held_rows``, ``applied_ops``, ``shrinks_with_queries`` and ``streamed_back``; the executor
 ``accumulator(ctx)`` (its :class:`Accumulator`, made from the job's fields), ``fed``,
 ``feed``, ``for_shard`` and ``publish`` (where the result goes in the run's
 :class:`~gradalg.exec.state.RunState`). ``ctx`` is the executor
@@ -96,6 +97,13 @@ class Job:
     #: it reads rows stored for it as factors (K-FAC's covariances of A and D): rows an
     #: earlier pass stores for it keep every block's factors
     reads_stored_factors: ClassVar[bool] = False
+    #: what it holds for its pass (:meth:`fixed_bytes`) grows with the rows of the held
+    #: (query) side, so fewer queries per call shrink it; False: statistics and training
+    #: rows stored for a later pass, which a memory refusal cannot shrink that way
+    shrinks_with_queries: ClassVar[bool] = True
+    #: the rows it keeps are streamed back by a later pass in the chunks of its own pass
+    #: (rows stored instead of re-read); False: kept whole, or not rows
+    streamed_back: ClassVar[bool] = False
 
     target: Node
     streams: tuple[GradNode, ...] = ()
@@ -220,6 +228,12 @@ class Job:
         """The :class:`ScoresJob` s whose kernels this job runs (itself, a top-k's terms)."""
         return ()
 
+    def applied_ops(self) -> tuple:
+        """The operators its kernels apply in its pass beyond its streams' row-wise chains
+        (a self-score's H in ⟨g_i, H g_i⟩): the size stage counts resolving them there,
+        unless an earlier pass did. None by default."""
+        return ()
+
     # ------------------------------------------------------------------ scheduling
     def can_wait(self) -> bool:
         """Whether the schedule may run the job in a later wave than the first it is ready
@@ -247,6 +261,13 @@ class Job:
         """Whether the job could drop its raw held rows once it has preconditioned them (a
         preconditioned scores job); the schedule decides whether it does. False by default."""
         return False
+
+    # ------------------------------------------------------------------ sizing
+    def keeping_held_rows(self) -> "Job":
+        """The job as the size stage fits a batch beside it: holding its raw held rows for
+        the whole pass, even where the schedule lets it release them (counted twice: safe).
+        Itself by default."""
+        return self
 
     # ------------------------------------------------------------------ running
     def accumulator(self, ctx) -> Accumulator:

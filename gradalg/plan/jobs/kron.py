@@ -47,6 +47,7 @@ class KronStatisticsJob(Job):
     output: ClassVar[str] = "operator"
     phase: ClassVar[str] = "statistics"
     per_row_set: ClassVar[bool] = True
+    shrinks_with_queries: ClassVar[bool] = False
 
     def fixed_bytes(self, facts) -> float:
         return kron_bytes(self.target.space, self.kron_float64_width, self.kron_diagonal_width)

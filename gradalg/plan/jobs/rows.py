@@ -82,6 +82,8 @@ class StoreJob(CollectJob):
     """Keep rows that a later pass reads after this pass's statistics (stored, not re-read)."""
 
     kind: ClassVar[str] = "store"
+    shrinks_with_queries: ClassVar[bool] = False     # training rows
+    streamed_back: ClassVar[bool] = True
 
     def accumulator(self, ctx) -> "Collector":
         return Collector(self.target, self.storage)

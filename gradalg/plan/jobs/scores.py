@@ -160,6 +160,10 @@ class ScoresJob(Job):
         """A preconditioned score keeps a preconditioned copy of its held rows: the raw rows can go."""
         return not isinstance(self.target.op, Identity)
 
+    def keeping_held_rows(self) -> "ScoresJob":
+        """Sized with ``release_held`` off: the raw held rows beside their preconditioned copy."""
+        return replace(self, release_held=False) if self.release_held else self
+
     # ------------------------------------------------------------------ running
     def accumulator(self, ctx) -> "ScoreAccumulator":
         """The held rows, preconditioned once here; with ``release_held`` the raw rows are
@@ -218,6 +222,10 @@ class DiagJob(Job):
 
     def once_cost(self, facts, storage_of=None, options=None, resolved=None) -> Cost:
         return resolve_once(self.target.scores.op, resolved)
+
+    def applied_ops(self) -> tuple:
+        """H of ⟨L_i, H R_i⟩, resolved in this pass."""
+        return (self.target.scores.op,)
 
     def fixed_bytes(self, facts) -> float:
         """Nothing: a held side is a CollectJob's rows."""
