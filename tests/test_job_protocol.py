@@ -60,7 +60,7 @@ def test_every_job_class_is_registered_by_its_kind():
 
 #: the schedule stage's questions, and the kinds whose class answers one other than the
 #: base's default (all off): the scheduler asks the job, never its type
-SCHEDULING = {"can_wait": {"collect", "store"}, "collects": {"collect", "store"}, "store_refused": {"topk"},
+SCHEDULING = {"can_wait": {"collect", "store"}, "collects": {"collect", "store", "group"}, "store_refused": {"topk"},
               "normalized": {"scores", "topk"}, "can_release_held": {"scores"}}
 
 

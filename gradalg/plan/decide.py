@@ -124,12 +124,10 @@ class _Graph:
         kept = held_storage(held, chosen, node, self.facts)
         self.decisions += [d for d in (*decisions, storage_decision(held, kept, DecisionKind.HELD_STORAGE, self.facts),
                                        low_rank_decision(held, self.facts)) if d is not None]
-        if isinstance(held, GroupMean):
-            # its group job keeps the held rows (state.rows[held.token], in this storage):
-            # collecting them again would be a pass that copies them
-            ready = self.stream_deps(held)
-        else:
-            ready = {self.add(CollectJob(held, (held,), self.stream_deps(held), storage=kept))}
+        ready = self.stream_deps(held)
+        # a job that keeps the held rows already (a group mean's group job) is not copied by a collect pass
+        if not any(self.jobs[k].collects(held.token) for k in ready):
+            ready = {self.add(CollectJob(held, (held,), ready, storage=kept))}
         ready |= self.apply_job(node, held, ready)
         return ScoresJob(node, (streamed,), ready | self.op_deps(node.op, held.n) | self.stream_deps(streamed),
                          held=held, transposed=transposed, held_storage=kept, kernels=chosen, **self.fields)

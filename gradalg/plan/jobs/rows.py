@@ -96,6 +96,11 @@ class GroupJob(RowsJob):
     kind: ClassVar[str] = "group"
     ops_per_block: ClassVar[int] = 6
 
+    def collects(self, token: str) -> bool:
+        """It keeps the group means (``state.rows[target.token]``): a held side that is a
+        group mean is read from there, not collected again."""
+        return token == self.target.token
+
     def accumulator(self, ctx) -> "GroupAccumulator":
         return GroupAccumulator(self.target)
 
