@@ -180,3 +180,34 @@ def test_release_of_held_rows_is_decided_by_the_planner():
         runs[name] = torch.as_tensor(S.compute(executor=ex).values)
         assert (Q.expr.token in ex.state.rows) == (name == "kept")
     torch.testing.assert_close(runs["released"], runs["kept"], rtol=0, atol=0)
+
+
+def test_every_stream_root_is_read_by_a_pass_or_made_by_a_job():
+    """A gradient node that is not derived row by row (a stream root) is read by a pass
+    (from data: ``Source``; kept rows: ``Captured``) or says, by ``statistics()``, which
+    registered job makes its rows first (a group mean's ``"group"``): a new root type
+    that forgets to say so fails here instead of being planned as rows that never exist.
+    decide.py names no node class in ``isinstance`` to find them."""
+    import inspect
+
+    import gradalg.plan.decide as decide
+    from gradalg.expr import Captured, GradNode, GroupMean, RowWise, Source
+    from gradalg.plan.lower import STATISTICS_JOBS
+
+    def subclasses(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from subclasses(sub)
+
+    roots = {c for c in subclasses(GradNode) if not issubclass(c, RowWise) and not inspect.isabstract(c)}
+    made = {c for c in roots if not issubclass(c, (Source, Captured))}
+    assert GroupMean in made
+    for cls in made:
+        assert cls.statistics is not GradNode.statistics, cls.__name__
+    for cls in roots - made:
+        assert cls.statistics is GradNode.statistics, cls.__name__   # read by a pass: nothing first
+    G = ga.grads(ga.tasks.classification(models.mlp()), models.classification_data(6, seed=1), LAYERS)
+    (statistic,) = G.group_mean([0, 1, 0, 1, 2, 2]).expr.statistics()
+    assert statistic.job in STATISTICS_JOBS and statistic.rows is G.expr
+    assert STATISTICS_JOBS[statistic.job].for_statistic(statistic, set()).collects(statistic.node.token)
+    assert "GroupMean" not in _asked_about(decide)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from ..errors import ObjectiveError
 from ..expr import (Captured, GradNode, Inner, Node, OpNode, RowWise, ScoreDiagonal, ScoreNode, ScoreSum,
                     Source)
-from .jobs import EKFACJob, FisherJob, KFACJob, ProductsJob, TopK
+from .jobs import EKFACJob, FisherJob, GroupJob, KFACJob, ProductsJob, TopK
 from .passkeys import CapturedPassKey, DataPassKey, MemoryPassKey, PassKey
 from .rules import PlanError
 
@@ -18,8 +18,8 @@ __all__ = ["Lowered", "lower", "ROW_WISE", "STATISTICS_JOBS", "stream_root", "ch
            "chain_contains", "flat_terms", "pass_key"]
 
 ROW_WISE = RowWise      # the nodes a pass derives chunk by chunk (the row-wise protocol)
-#: the job class of each statistics kind an operator asks for (``Statistic.job``)
-STATISTICS_JOBS = {cls.kind: cls for cls in (FisherJob, KFACJob, EKFACJob, ProductsJob)}
+#: the job class of each statistics kind an operator or a gradient node asks for (``Statistic.job``)
+STATISTICS_JOBS = {cls.kind: cls for cls in (FisherJob, KFACJob, EKFACJob, ProductsJob, GroupJob)}
 
 
 def stream_root(node: GradNode) -> GradNode:

@@ -96,6 +96,14 @@ class GroupJob(RowsJob):
     kind: ClassVar[str] = "group"
     ops_per_block: ClassVar[int] = 6
 
+    @classmethod
+    def for_statistic(cls, statistic, deps: set, options=None, vectors: int | None = None) -> "GroupJob":
+        """The job of a group mean's ``"group"`` statistic (:meth:`GroupMean.statistics
+        <gradalg.expr.GroupMean.statistics>`): its means are kept flat (a mean of factors
+        is not factors; :class:`GroupAccumulator` makes flat rows)."""
+        node = statistic.node
+        return cls(node, (statistic.rows,), set(deps), storage={b.name: "flat" for b in node.space.blocks})
+
     def collects(self, token: str) -> bool:
         """It keeps the group means (``state.rows[target.token]``): a held side that is a
         group mean is read from there, not collected again."""
