@@ -109,6 +109,15 @@ def test_the_size_stage_asks_the_job_not_its_type():
     assert not [a for a in asked if a.endswith("Job") or "Job," in a or a in ("j", "job")], asked
 
 
+def test_a_cluster_executor_asks_the_job_how_its_shards_return():
+    """Dask keeps a scores job's shard states as column blocks of a lazy array and absorbs
+    every other job's (``shards_are_blocks``); exec/dask.py names no job class."""
+    import gradalg.exec.dask as dask_executor
+
+    assert {k for k, cls in JOB_TYPES.items() if cls.shards_are_blocks} == {"scores"}
+    assert not [a for a in _asked_about(dask_executor) if a.endswith("Job") or "Job," in a]
+
+
 @pytest.fixture(scope="module")
 def instances():
     """Every job a set of small plans builds and runs, with the accumulator each opened:

@@ -20,7 +20,8 @@ positions of every layer, ``positions(node, facts.shapes)``: an explicit input, 
 force behind the call); the schedule stage ``can_wait``, ``collects``, ``store_refused``,
 ``normalized``, ``can_release_held`` and ``reads_stored_factors`` (where a job differs
 from the defaults, all off: it asks the job, never its type); the size stage
-``keeping_held_rows``, ``applied_ops``, ``shrinks_with_queries`` and ``streamed_back``; the executor
+``keeping_held_rows``, ``applied_ops``, ``shrinks_with_queries`` and ``streamed_back``; a
+cluster executor ``shards_are_blocks``; the executor
 ``accumulator(ctx)`` (its :class:`Accumulator`, made from the job's fields), ``fed``,
 ``feed``, ``for_shard`` and ``publish`` (where the result goes in the run's
 :class:`~gradalg.exec.state.RunState`). ``ctx`` is the executor
@@ -104,6 +105,10 @@ class Job:
     #: the rows it keeps are streamed back by a later pass in the chunks of its own pass
     #: (rows stored instead of re-read); False: kept whole, or not rows
     streamed_back: ClassVar[bool] = False
+    #: a shard's state is a column block of its output (the shard's training columns of a
+    #: score matrix): a cluster executor keeps the blocks as a lazy array (Dask) instead of
+    #: absorbing them into one accumulator; False: shard states are absorbed in order
+    shards_are_blocks: ClassVar[bool] = False
 
     target: Node
     streams: tuple[GradNode, ...] = ()

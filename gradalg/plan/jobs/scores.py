@@ -44,6 +44,7 @@ class ScoresJob(Job):
     kind: ClassVar[str] = "scores"
     output: ClassVar[str] = "scores"
     ops_per_block: ClassVar[int] = 10
+    shards_are_blocks: ClassVar[bool] = True
 
     held_storage: dict = field(default_factory=dict)
     normalize_streamed: bool = False
