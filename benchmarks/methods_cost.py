@@ -255,7 +255,7 @@ def plan_passes(ex) -> tuple[int, str]:
     n = 0
     for step in ex.last_plan.passes:
         kinds = "+".join(sorted({j.kind for j in step.jobs}))
-        if step.reads_data and step.key[4] == ex.n_train:
+        if step.reads_data and step.key.n == ex.n_train:
             n += 1
             labels.append(kinds)
         elif not step.reads_data:

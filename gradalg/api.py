@@ -73,13 +73,6 @@ def _expression_text(node) -> str:
     return text_tree(node, "expression").split("\n", 1)[1]
 
 
-def _as_array(values):
-    """numpy for torch results; Dask arrays (the Dask executor's blocks) stay lazy."""
-    if isinstance(values, torch.Tensor):
-        return values.detach().cpu().numpy()
-    return values
-
-
 def _cost_line(node) -> str:
     """The header of a displayed expression: its estimated cost under the options in force
     (planned from shapes only; a display never fails, so an error is shown, not raised)."""
@@ -639,14 +632,12 @@ class Scores(_Displayed):
         values, positions = ex.topk(self.expr, spec)
         train_ids = np.asarray(self.expr.col_ids)
         positions = positions.detach().cpu().numpy()
-        import xarray as xr              # after the passes (as in compute)
-        result = xr.DataArray(
-            values.detach().cpu().numpy(), dims=("query", "rank"),
-            coords={"query": np.asarray(self.expr.row_ids), "rank": np.arange(positions.shape[1]),
-                    "train": (("query", "rank"), train_ids[positions])},
-            name="scores",
-            attrs={"expression": _expression_text(self.expr), "k": k, "largest": int(largest),
-                   "ties": "lower training position first", "kernels": dict(getattr(ex, "trace", {}))})
+        from .token_scores import Axis, labelled      # xarray after the passes (as in compute)
+        result = labelled(
+            values, [Axis("query", np.asarray(self.expr.row_ids)), Axis("rank", np.arange(positions.shape[1]))],
+            "scores", {"expression": _expression_text(self.expr), "k": k, "largest": int(largest),
+                       "ties": "lower training position first", "kernels": dict(getattr(ex, "trace", {}))},
+            coords={"train": (("query", "rank"), train_ids[positions])})
         if texts is None:
             return result
         from .report.texts import with_texts
@@ -691,18 +682,10 @@ class Scores(_Displayed):
         ex = _executor(executor)
         with _PhaseDelta(ex) as seconds:
             values = ex.scores(self.expr)
-            with seconds.phase("assembly"):
-                from .token_scores import token_scores_array, token_sides
+            with seconds.phase("assembly"):   # xarray here, after the passes: its ~76 MB do not add to their peak
+                from .token_scores import scores_array
                 attrs = {"expression": _expression_text(self.expr), "kernels": dict(getattr(ex, "trace", {}))}
-                if token_sides(self.expr) != (None, None):  # per-token rows: ("query", "query_token", "train"), ...
-                    out = token_scores_array(values, self.expr, _option_batch_size(), attrs)
-                else:
-                    import xarray as xr      # here, after the passes: its ~76 MB do not add to their peak
-                    out = xr.DataArray(
-                        _as_array(values),
-                        dims=("query", "train"),
-                        coords={"query": np.asarray(self.expr.row_ids), "train": np.asarray(self.expr.col_ids)},
-                        name="scores", attrs=attrs)
+                out = scores_array(values, self.expr, _option_batch_size(), attrs)   # per-token sides: token axes
         out.attrs["seconds"] = seconds.report()
         return out
 
@@ -733,12 +716,8 @@ class SelfScores(_Displayed):
         """Returns a DataArray with dim ("train",), indexed by example id."""
         ex = _executor(executor)
         values = ex.diagonal(self.expr)
-        import xarray as xr
-        from .token_scores import token_self_scores_array, token_sides
-        if token_sides(self.expr.scores) != (None, None):   # per-token rows: ("train", "train_token")
-            return token_self_scores_array(values, self.expr, _option_batch_size())
-        return xr.DataArray(_as_array(values), dims=("train",),
-                            coords={"train": np.asarray(self.expr.ids)}, name="self_scores")
+        from .token_scores import self_scores_array
+        return self_scores_array(values, self.expr, _option_batch_size())   # per-token rows: ("train", "train_token")
 
 
 def _option_batch_size() -> int:

@@ -1,21 +1,26 @@
-"""Scores over per-token rows as labelled arrays: token axes, positions, padding as NaN.
+"""Results as labelled arrays: one function, :func:`labelled`, makes every DataArray a
+computation returns (scores, self-scores, a top-k) from its values and its axes; a side
+of per-token rows adds a token axis, its padding NaN.
 
 A score matrix whose left rows are ``Q.per_token()`` has (n_query · T_q) rows, row
-(q, t) at index q·T_q + t; its right side likewise. This module reshapes it to
+(q, t) at index q·T_q + t; its right side likewise. :func:`scores_array` reshapes it to
 
+    ("query", "train")                                   Q @ H @ G.T
     ("query", "query_token", "train")                    Q.per_token() @ H @ G.T
     ("query", "train", "train_token")                    Q @ H @ G.per_token().T
     ("query", "query_token", "train", "train_token")     both
 
 with integer coordinates ``query_token`` / ``train_token`` = 0..T-1 (the positions of the
-layers' sequence). Positions that are not tokens of the example — where the task's
-``token_mask`` is False, or past the mask's width — are **NaN**; xarray's reductions
-skip them, so ``scores.sum("train_token")`` equals ``(Q @ H @ G.T).compute()``.
+layers' sequence), and self-scores to ("train",) or ("train", "train_token"). Positions
+that are not tokens of the example — where the task's ``token_mask`` is False, or past
+the mask's width — are **NaN**; xarray's reductions skip them, so
+``scores.sum("train_token")`` equals ``(Q @ H @ G.T).compute()``.
 Rows captured by ``ga.capture`` carry no batches: every position up to ``tokens`` is
 kept (their padding rows are zero where the task's ``token_mask`` zeroed them).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -28,7 +33,7 @@ from .expr.tokens import PerToken, per_token_node
 if TYPE_CHECKING:                 # xarray loads when a result is made (about 76 MB)
     import xarray as xr
 
-__all__ = ["token_sides", "valid_positions", "token_scores_array", "token_self_scores_array"]
+__all__ = ["Axis", "labelled", "scores_array", "self_scores_array", "token_sides", "valid_positions"]
 
 
 def _first_inner(node: ScoreNode) -> Inner:
@@ -67,50 +72,66 @@ def valid_positions(pt: PerToken, batch_size: int) -> np.ndarray:
     return out
 
 
-def _side(pt, ids, batch_size):
-    """(example ids, tokens, validity) of one side; ids are the example ids when not per-token."""
+@dataclass(frozen=True)
+class Axis:
+    """One axis of a result: its ``dim`` and ``labels`` (n,); a side of per-token rows
+    adds the axis ``{dim}_token`` of ``tokens`` positions after it, NaN where ``valid``
+    (n, tokens) is False."""
+
+    dim: str
+    labels: np.ndarray
+    tokens: int | None = None
+    valid: np.ndarray | None = None
+
+
+def side_axis(dim: str, pt: PerToken | None, ids, batch_size: int) -> Axis:
+    """The axis of one side: its example ids, and for per-token rows (``pt``) their
+    positions and which are tokens (:func:`valid_positions`)."""
     if pt is None:
-        return np.asarray(ids), None, None
-    return np.asarray(pt.example_ids), pt.tokens, valid_positions(pt, batch_size)
+        return Axis(dim, np.asarray(ids))
+    return Axis(dim, np.asarray(pt.example_ids), pt.tokens, valid_positions(pt, batch_size))
 
 
-def token_scores_array(values, node: ScoreNode, batch_size: int, attrs: dict) -> xr.DataArray:
-    """``values`` (n_left_rows, n_right_rows) of ``node`` as a DataArray with token axes."""
+def labelled(values, axes: list[Axis], name: str, attrs: dict | None = None, coords: dict | None = None
+             ) -> xr.DataArray:
+    """``values`` as a DataArray over ``axes`` (``coords``: more coordinates, e.g. a
+    top-k's training ids over (query, rank)). Without token axes the values are kept as
+    they are (numpy from torch; a Dask array stays lazy); with them, ``values`` (n_rows,
+    ...) with n_rows = n·tokens per side is reshaped to (n, tokens, ...) in float32 at
+    least and its padding positions set to NaN."""
     import xarray as xr
+    dims, shape, all_coords = [], [], {}
+    for ax in axes:
+        dims.append(ax.dim)
+        shape.append(len(ax.labels))
+        all_coords[ax.dim] = ax.labels
+        if ax.tokens is not None:
+            dims.append(f"{ax.dim}_token")
+            shape.append(ax.tokens)
+            all_coords[f"{ax.dim}_token"] = np.arange(ax.tokens)
+    a = values.detach().cpu().numpy() if isinstance(values, torch.Tensor) else values
+    if any(ax.tokens is not None for ax in axes):
+        a = np.asarray(a)
+        a = a.reshape(shape).astype(np.result_type(a.dtype, np.float32), copy=True)
+        for ax in axes:
+            if ax.tokens is not None:       # a view with this side's (n, T) axes in front
+                at = dims.index(f"{ax.dim}_token")
+                np.moveaxis(a, (at - 1, at), (0, 1))[~ax.valid] = np.nan
+        attrs = dict(attrs or {}, padding="NaN at positions that are not tokens of the example (token_mask False); "
+                                          "xarray reductions skip them")
+    return xr.DataArray(a, dims=tuple(dims), coords={**all_coords, **(coords or {})}, name=name, attrs=attrs or {})
+
+
+def scores_array(values, node: ScoreNode, batch_size: int, attrs: dict) -> xr.DataArray:
+    """``values`` (n_left_rows, n_right_rows) of ``node`` as a DataArray ("query", "train"),
+    with the token axes of per-token sides."""
     left, right = token_sides(node)
-    q_ids, Tq, q_valid = _side(left, node.row_ids, batch_size)
-    t_ids, Tt, t_valid = _side(right, node.col_ids, batch_size)
-    a = values.detach().cpu().numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
-    nq, nt = len(q_ids), len(t_ids)
-    shape, dims, coords = [nq], ["query"], {"query": q_ids}
-    if Tq is not None:
-        shape.append(Tq)
-        dims.append("query_token")
-        coords["query_token"] = np.arange(Tq)
-    shape.append(nt)
-    dims.append("train")
-    coords["train"] = t_ids
-    if Tt is not None:
-        shape.append(Tt)
-        dims.append("train_token")
-        coords["train_token"] = np.arange(Tt)
-    a = a.reshape(shape).astype(np.result_type(a.dtype, np.float32), copy=True)
-    if q_valid is not None:
-        a[~q_valid] = np.nan                                 # (nq, Tq) leading axes
-    if t_valid is not None:
-        np.moveaxis(a, (-2, -1), (0, 1))[~t_valid] = np.nan  # a view with (nt, Tt) in front
-    attrs = dict(attrs, padding="NaN at positions that are not tokens of the example (token_mask False); "
-                                "xarray reductions skip them")
-    return xr.DataArray(a, dims=tuple(dims), coords=coords, name="scores", attrs=attrs)
+    return labelled(values, [side_axis("query", left, node.row_ids, batch_size),
+                             side_axis("train", right, node.col_ids, batch_size)], "scores", attrs)
 
 
-def token_self_scores_array(values, node: ScoreDiagonal, batch_size: int) -> xr.DataArray:
-    """Self-scores of per-token rows, (n, T) with dims ("train", "train_token")."""
-    import xarray as xr
+def self_scores_array(values, node: ScoreDiagonal, batch_size: int) -> xr.DataArray:
+    """Self-scores ``values`` (n_rows,) of ``node`` as a DataArray ("train",), or (n, T)
+    ("train", "train_token") for per-token rows."""
     pt, _ = token_sides(node.scores)
-    ids, T, valid = _side(pt, node.ids, batch_size)
-    a = values.detach().cpu().numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
-    a = a.reshape(len(ids), T).astype(np.result_type(a.dtype, np.float32), copy=True)
-    a[~valid] = np.nan
-    return xr.DataArray(a, dims=("train", "train_token"), coords={"train": ids, "train_token": np.arange(T)},
-                        name="self_scores")
+    return labelled(values, [side_axis("train", pt, node.ids, batch_size)], "self_scores")

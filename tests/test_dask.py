@@ -116,7 +116,7 @@ def test_small_passes_run_in_this_process_and_shards_keep_a_minimum_size(dx, set
         got = S.compute(executor=dx)
         assert len(got.data.chunks[1]) == 2                   # 48 examples: 2 shards of 24, not 4 of 12
         np.testing.assert_allclose(np.asarray(got.values), want, rtol=1e-12, atol=1e-12)
-        query_pass = [p for p in dx.last_plan.passes if p.reads_data and p.key[4] == 5][0]
+        query_pass = [p for p in dx.last_plan.passes if p.reads_data and p.key.n == 5][0]
         assert dx.describe_pass(query_pass).startswith("runs on the client (5 examples")
     finally:
         dx.min_shard_examples = old

@@ -104,7 +104,7 @@ def test_plan_reads_each_distinct_task_and_data_once(setting):
                ga.methods.influence(t[1], train, query, layers=LAYERS, curvature="empirical", damping=0.1)]
     S = ga.mean(members)
     p = plan(S.expr)
-    reads = [q.key[1:3] for q in p.passes if q.reads_data]
+    reads = [(q.key.task_token, q.key.data_token) for q in p.passes if q.reads_data]
     assert len(reads) == len(set(reads)) == 4            # (model, data) pairs: 2 models × (queries, train)
     assert p.data_passes == 4 and "4 pass(es) over data" in str(S.explain())
     with ga.options(check_reduction=False), CountExamples(m[:2]) as count:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import gradalg as ga
+from gradalg.errors import OptionError
 from gradalg.exec import runner as pass_runner
 from gradalg.plan.jobs import JOB_TYPES, Accumulator, Job, ScoresJob, TopK, job_type
 from gradalg.plan.shapes import ModelFacts
@@ -46,7 +47,7 @@ def test_every_job_class_is_registered_by_its_kind():
             assert _own(cls, method) or (hook and _own(cls, hook)), (cls.__name__, method)
         for method in RUNNING:
             assert _own(cls, method), (cls.__name__, method)
-    with pytest.raises(KeyError, match="unknown job kind"):
+    with pytest.raises(OptionError, match=r"unknown job kind 'nope': job_type\(kind\) takes one of \[.*'scores'"):
         job_type("nope")
     with pytest.raises(TypeError, match="instance of its class"):   # the old string-typed constructor
         ScoresJob("scores", None)
@@ -55,6 +56,66 @@ def test_every_job_class_is_registered_by_its_kind():
                          ("output_bytes", (1,)), ("accumulator", (None,)), ("publish", (None, None))):
         with pytest.raises(NotImplementedError, match=method):
             getattr(Job, method)(object(), *args)
+
+
+#: the schedule stage's questions, and the kinds whose class answers one other than the
+#: base's default (all off): the scheduler asks the job, never its type
+SCHEDULING = {"can_wait": {"collect", "store"}, "collects": {"collect", "store", "group"}, "store_refused": {"topk"},
+              "normalized": {"scores", "topk"}, "can_release_held": {"scores"}}
+
+
+def test_the_schedule_asks_the_job_not_its_type():
+    import gradalg.plan.schedule as schedule
+
+    for hook, kinds in SCHEDULING.items():
+        assert {k for k, cls in JOB_TYPES.items() if _own(cls, hook)} == kinds, hook
+    assert {k for k, cls in JOB_TYPES.items() if cls.reads_stored_factors} == {"kfac"}
+    asked = _asked_about(schedule)
+    assert not [a for a in asked if a.endswith("Job") or "Job," in a], asked   # no job class is asked about
+
+
+def _asked_about(module) -> list[str]:
+    """The second argument of every ``isinstance`` and the first of every ``getattr`` call
+    in ``module``'s source."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(module.__file__).read_text())
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") in ("isinstance", "getattr")]
+    return [ast.unparse(n.args[1] if n.func.id == "isinstance" else n.args[0]) for n in calls]
+
+
+#: the size stage's questions (methods), and the kinds whose class answers one itself
+SIZING = {"keeping_held_rows": {"scores"}, "applied_ops": {"diag"}}
+
+
+def test_the_size_stage_asks_the_job_not_its_type():
+    """The size stage asks each job what it holds and applies: which kinds answer each
+    question is pinned, a class with a ``release_held`` field must say how it is sized
+    holding its raw rows (a forgotten override would size a released side once), and
+    size.py names no job class in ``isinstance`` nor reads a job's fields by ``getattr``."""
+    import dataclasses
+
+    import gradalg.plan.size as size
+
+    for hook, kinds in SIZING.items():
+        assert {k for k, cls in JOB_TYPES.items() if _own(cls, hook)} == kinds, hook
+    for kind, cls in JOB_TYPES.items():
+        if "release_held" in {f.name for f in dataclasses.fields(cls)}:
+            assert _own(cls, "keeping_held_rows"), kind
+    assert {k for k, cls in JOB_TYPES.items() if not cls.shrinks_with_queries} == {"fisher", "kfac", "ekfac", "store"}
+    assert {k for k, cls in JOB_TYPES.items() if cls.streamed_back} == {"store"}
+    asked = _asked_about(size)
+    assert not [a for a in asked if a.endswith("Job") or "Job," in a or a in ("j", "job")], asked
+
+
+def test_a_cluster_executor_asks_the_job_how_its_shards_return():
+    """Dask keeps a scores job's shard states as column blocks of a lazy array and absorbs
+    every other job's (``shards_are_blocks``); exec/dask.py names no job class."""
+    import gradalg.exec.dask as dask_executor
+
+    assert {k for k, cls in JOB_TYPES.items() if cls.shards_are_blocks} == {"scores"}
+    assert not [a for a in _asked_about(dask_executor) if a.endswith("Job") or "Job," in a]
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +185,38 @@ def test_release_of_held_rows_is_decided_by_the_planner():
         p = ex.plan(S.expr)
         scores = [j for j in p.jobs.values() if isinstance(j, ScoresJob)]
         assert scores and all(j.release_held == (name == "released") for j in scores), name
+        assert not any(j.keeping_held_rows().release_held for j in scores)    # sized holding them
         runs[name] = torch.as_tensor(S.compute(executor=ex).values)
         assert (Q.expr.token in ex.state.rows) == (name == "kept")
     torch.testing.assert_close(runs["released"], runs["kept"], rtol=0, atol=0)
+
+
+def test_every_stream_root_is_read_by_a_pass_or_made_by_a_job():
+    """A gradient node that is not derived row by row (a stream root) is read by a pass
+    (from data: ``Source``; kept rows: ``Captured``) or says, by ``statistics()``, which
+    registered job makes its rows first (a group mean's ``"group"``): a new root type
+    that forgets to say so fails here instead of being planned as rows that never exist.
+    decide.py names no node class in ``isinstance`` to find them."""
+    import inspect
+
+    import gradalg.plan.decide as decide
+    from gradalg.expr import Captured, GradNode, GroupMean, RowWise, Source
+    from gradalg.plan.lower import STATISTICS_JOBS
+
+    def subclasses(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from subclasses(sub)
+
+    roots = {c for c in subclasses(GradNode) if not issubclass(c, RowWise) and not inspect.isabstract(c)}
+    made = {c for c in roots if not issubclass(c, (Source, Captured))}
+    assert GroupMean in made
+    for cls in made:
+        assert cls.statistics is not GradNode.statistics, cls.__name__
+    for cls in roots - made:
+        assert cls.statistics is GradNode.statistics, cls.__name__   # read by a pass: nothing first
+    G = ga.grads(ga.tasks.classification(models.mlp()), models.classification_data(6, seed=1), LAYERS)
+    (statistic,) = G.group_mean([0, 1, 0, 1, 2, 2]).expr.statistics()
+    assert statistic.job in STATISTICS_JOBS and statistic.rows is G.expr
+    assert STATISTICS_JOBS[statistic.job].for_statistic(statistic, set()).collects(statistic.node.token)
+    assert "GroupMean" not in _asked_about(decide)

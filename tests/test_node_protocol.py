@@ -252,7 +252,7 @@ def test_a_statistic_no_job_computes_is_refused_when_planned(setting):
             return (Statistic("mystery", self, G.expr),)
 
     H = ga.Operator(Mystery(torch.ones(G.space.dim, dtype=F64), G.space))
-    with pytest.raises(PlanError, match="'mystery'.*'ekfac', 'fisher', 'kfac'"):
+    with pytest.raises(PlanError, match="'mystery'.*'ekfac', 'fisher', 'group', 'kfac'"):
         LocalExecutor().plan((G @ H @ G.T).expr)
 
 

@@ -5,6 +5,7 @@ text), exported as plain data, immutable and picklable. Plus the typed errors of
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pickle
 import sys
@@ -16,6 +17,7 @@ import gradalg as ga
 from gradalg.errors import ObjectiveError, OptionError
 from gradalg.plan import Choices, Decision, DecisionKind, PlanError
 from gradalg.plan.decisions import DecisionLookupError, Decisions
+from gradalg.plan.passkeys import PassKey
 from gradalg.plan.devices import profile
 from gradalg.plan.jobs import TopK
 from gradalg.plan.planner import plan
@@ -62,7 +64,8 @@ def test_every_kind_is_made_and_every_subject_is_named(sides):
             if d.kind is DecisionKind.BATCH_SIZE:
                 assert d.subject in keys
             elif d.kind is DecisionKind.PLACEMENT:
-                assert p.passes[d.subject[0]].key == d.subject[1:]
+                index, key = d.subject
+                assert p.passes[index].key == key
             elif d.kind is DecisionKind.PROJECTION_MAP:
                 assert d.subject in projectors
             else:
@@ -117,7 +120,8 @@ def test_text_html_and_dict_are_rendered_from_the_fields(sides):
     assert [r["kind"] for r in rows] == [d.kind.name.lower() for d in ex.plan.decisions]
     for row, d in zip(rows, ex.plan.decisions):
         assert (row["block"], row["chosen"], row["reason"]) == (d.block, d.chosen, d.reason)
-        assert row["subject"] == (list(d.subject) if isinstance(d.subject, tuple) else d.subject)
+        assert row["subject"] == (d.subject.to_data() if isinstance(d.subject, PassKey) else d.subject)
+        json.dumps(row["subject"])   # plain data (a pass key as [kind, *fields])
         if d.kind is DecisionKind.KERNEL:   # the block named by path, kind and shape
             assert row["what"] == f"kernel for block {d.block} (linear {'16×9' if d.block == '0' else '3×17'}) of " \
                                   f"{d.label}"

@@ -60,7 +60,7 @@ def test_where_each_pass_runs_is_a_typed_decision():
     placed = p.decisions.of(DecisionKind.PLACEMENT)
     assert len(placed) == len(p.passes) == len(p.placement)
     for i, (d, step, where) in enumerate(zip(placed, p.passes, p.placement)):
-        assert d.subject == (i, *step.key)
+        assert d.subject == (i, step.key)
         assert d.chosen == ("on shards" if where.sharded else "in this process")
         assert d.chosen == ("on shards" if step.reads_data else "in this process")   # Halves' rule
         assert set(d.alternatives) == {"in this process", "on shards"}

@@ -90,3 +90,37 @@ def test_jobs_are_new_records_not_modified():
     inside = p.decisions.one(DecisionKind.NORMALIZATION).chosen == "in the score kernel"
     assert planned[0].normalize_streamed == inside and planned[0].release_held
     assert p.jobs[planned[0].key].release_held      # plan.jobs holds the scheduled records
+
+
+def test_a_pass_key_is_a_typed_record_compared_hashed_and_pickled():
+    """A pass key names what the pass reads by field (no positions): equal keys (the same
+    task and data, read by two jobs) share a pass, and keys survive the trips a plan makes
+    (pickled to Dask workers, compared across torch.distributed ranks, exported as JSON)."""
+    import json
+    import pickle
+
+    from gradalg.plan.passkeys import CapturedPassKey, DataPassKey, MemoryPassKey, PassKey, ProductsPassKey
+
+    G, Q = cnn_scores()
+    S = Q @ ga.fisher(G).damp(0.1).inv() @ G.T
+    p = plan(S.expr)
+    keys = [q.key for q in p.passes]
+    assert keys and all(isinstance(k, PassKey) and dataclasses.is_dataclass(k) for k in keys)
+    data = [k for k in keys if k.reads_data]
+    assert {(k.task_name, k.n) for k in data} >= {(G.expr.task.name, 8), (Q.expr.task.name, 2)}
+    assert all(q.label == q.key.label and f"({q.key.n:,} examples)" in q.label for q in p.passes if q.reads_data)
+    assert pickle.loads(pickle.dumps(keys)) == keys and {k: 1 for k in keys}    # equal, hashable after a trip
+    batch = [d for d in p.decisions if d.kind is DecisionKind.BATCH_SIZE]     # a decision about a pass
+    assert batch and [d.subject for d in pickle.loads(pickle.dumps(batch))] == [d.subject for d in batch]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        keys[0].n = 1
+    for key in keys:
+        assert json.loads(json.dumps(key.to_data())) == [key.kind, *dataclasses.astuple(key)]
+    # one record per kind, told apart by class and fields, never by position
+    memory, captured = MemoryPassKey("t"), CapturedPassKey("t")
+    assert memory != captured and len({memory, captured, MemoryPassKey("t")}) == 2
+    assert (memory.kept, memory.rows, captured.kept, captured.rows) == ("t", "t", None, "t")
+    products = ProductsPassKey("h", "task", 40, 9)
+    assert products.per_call and not products.reads_data and products.kept is None
+    assert products.label == "up to 9 passes over task (40 examples)"
+    assert DataPassKey("a", "b", "task", 1200).label == "pass over task (1,200 examples)"

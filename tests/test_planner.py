@@ -99,7 +99,7 @@ def passes_of(p):
     """A plan as plain data: per pass (what it reads, sorted (job kind, target token))."""
     out = []
     for q in p.passes:
-        reads = ("data", q.key[2]) if q.key[0] == "data" else (q.key[0], q.key[1])
+        reads = ("data", q.key.data_token) if q.reads_data else (q.key.kind, q.key.rows)
         out.append((reads, sorted((j.kind, j.target.token) for j in q.jobs)))
     return out
 
@@ -1217,7 +1217,7 @@ def test_long_sequences_are_read_in_batches_of_batch_tokens_positions_with_the_s
             ex = ga.exec.LocalExecutor()
             p = ex.plan(S.expr)
             assert [s.batch_size for s in p.passes if s.reads_data] == [8, 8]
-            decision = next(d for d in p.decisions.of(DecisionKind.BATCH_SIZE) if d.subject[-1] == 20)   # (..., n)
+            decision = next(d for d in p.decisions.of(DecisionKind.BATCH_SIZE) if d.subject.n == 20)
             assert decision.alternatives["batch_tokens 512 / T 64"] == "8" and "512 positions" in str(S.explain())
             small = S.compute(executor=ex).values
             # the loss check's probes (1, 2) follow the first batch, whose loss L(batch) they reuse

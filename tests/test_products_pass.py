@@ -110,6 +110,7 @@ def test_analyze_measures_the_products_pass_over_its_calls(setting):
     [row] = rows
     assert 1 <= row["measured_calls"] <= 9 and row["measured_seconds"] > 0
     assert f"measured: {row['measured_calls']:,} call(s)" in str(shown)
+    assert f"measured: {row['measured_calls']:,} call(s)" in shown._repr_html_()   # the HTML pass table too
 
 
 def test_an_operator_resolved_on_its_own_plans_its_products_pass(setting):
@@ -160,7 +161,7 @@ def test_on_dask_the_products_pass_is_placed_on_the_client_as_a_typed_decision(s
     np.testing.assert_allclose(got, local, rtol=1e-9, atol=1e-12)
     placed = plan.decisions.of(DecisionKind.PLACEMENT)
     [(index, step)] = [(i, p) for i, p in enumerate(plan.passes) if p.per_call]
-    [decision] = [d for d in placed if d.subject == (index, *step.key)]
+    [decision] = [d for d in placed if d.subject == (index, step.key)]
     assert decision.chosen == "on the client" and not plan.placement[index].sharded
     assert decision.reason.startswith("a products pass: its solver calls it on the client")
     assert any(plan.placement[i].sharded for i, p in enumerate(plan.passes) if p.reads_data)   # the others shard
@@ -236,3 +237,26 @@ def test_analyze_compares_one_products_call_with_one_and_counts_its_cpu_time(set
     assert row["ratio"] == pytest.approx(row["measured_call_seconds"] / row["estimated_call_seconds"])
     assert 0 < row["measured_cpu_seconds"] <= row["measured_seconds"] * 1.5 + 0.05
     assert "per call against" in str(shown)
+
+
+def test_analyze_counts_each_second_of_a_cg_influence_in_one_row(setting):
+    """The CG solve runs during the scores pass, and its products are timed into the products
+    pass's row: the scores pass's row is measured without them, so the rows sum to the run's
+    time (before, the solve was in both rows and they summed to about twice the run)."""
+    import time
+
+    task, train, queries = setting
+    S = ga.methods.influence(task, train, queries, curvature="gauss_newton", solver="cg", damping=0.1,
+                             solver_settings={"max_iter": 9})
+    start = time.perf_counter()
+    shown = S.explain(analyze=True)
+    run = time.perf_counter() - start
+    rows = shown.passes()
+    [products] = [r for r in rows if "measured_calls" in r]
+    assert products["measured_calls"] >= 1
+    total = sum(r["measured_seconds"] for r in rows)
+    assert 0.5 * run <= total <= run, (total, run)
+    # the scores pass's own time is a small part of the products' (3 queries, 40 rows)
+    scores = rows[-1]
+    assert "measured_calls" not in scores and 0 <= scores["measured_seconds"] < products["measured_seconds"]
+    assert 0 <= scores["measured_cpu_seconds"] < products["measured_cpu_seconds"]

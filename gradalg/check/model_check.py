@@ -67,11 +67,12 @@ _SHOWN = 8
 
 def _positive_int(name: str, value, least: int) -> int:
     try:
-        if isinstance(value, bool):
-            raise TypeError
-        value = operator.index(value)
+        number = None if isinstance(value, bool) else operator.index(value)
     except TypeError:
-        raise OptionError(f"{name} must be an int ≥ {least}, got {value!r}") from None
+        number = None
+    if number is None:
+        raise OptionError(f"{name} must be an int ≥ {least}, got {value!r}")
+    value = number
     if value < least:
         raise OptionError(f"{name} must be an int ≥ {least}, got {value}")
     return value

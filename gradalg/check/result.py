@@ -19,7 +19,7 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass, field
 
-from ..errors import GradalgError
+from ..errors import GradalgError, OptionError
 
 __all__ = ["Finding", "ModelCheck", "ModelCheckError", "KINDS", "SEVERITIES"]
 
@@ -61,9 +61,9 @@ class Finding:
 
     def __post_init__(self):
         if self.kind not in KINDS:
-            raise ValueError(f"unknown finding kind {self.kind!r}; one of {KINDS}")
+            raise OptionError(f"unknown finding kind {self.kind!r}; use one of {KINDS}")
         if self.severity not in SEVERITIES:
-            raise ValueError(f"unknown severity {self.severity!r}; one of {SEVERITIES}")
+            raise OptionError(f"unknown severity {self.severity!r}; use one of {SEVERITIES}")
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "severity": self.severity, "message": self.message, "fix": self.fix,

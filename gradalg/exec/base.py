@@ -38,14 +38,14 @@ import torch
 
 from ..capture.chunks import Chunk, concat_chunks, flatten, unflatten
 from ..errors import MemoryBudgetError, OptionError
-from ..expr import Captured, GradNode, GroupMean, OpNode, ScoreDiagonal, ScoreNode, Source
+from ..expr import Captured, GradNode, OpNode, ScoreDiagonal, ScoreNode, Source
 from ..options import Options, get_options
 from ..plan.budget import resolve_budget, with_note
 from ..plan.choices import Choices
 from ..plan.decisions import Decisions
 from ..plan.decide import refuse_dense_projections
-from ..plan.jobs import ApplyJob, GroupAccumulator, applied
-from ..plan.planner import ROW_WISE, Plan, plan as make_plan
+from ..plan.jobs import ApplyJob, applied
+from ..plan.planner import ROW_WISE, STATISTICS_JOBS, Plan, plan as make_plan
 from .allocator import FreedBytes, release_free_memory
 from .phases import PhaseClock
 from .resolve import Resolution, precondition
@@ -172,7 +172,7 @@ class Executor:
         (:func:`~gradalg.exec.resolve.precondition`)."""
         resolved = self.resolve(op)
         with self.clock.phase("scoring"):
-            if any(key[0] == ApplyJob.kind for key in self.state.results):   # applied by a pass of the plan?
+            if any(kind == ApplyJob.kind for kind, _ in self.state.results):   # applied by a pass of the plan?
                 ready = applied(self.state, op, flatten(held, space))
                 if ready is not None:
                     return held.replace(unflatten(ready, space))
@@ -200,11 +200,13 @@ class Executor:
                 yield from chunks[node.token]
         elif isinstance(node, Captured):
             yield from node.store.chunks()
-        elif isinstance(node, GroupMean):
-            acc = GroupAccumulator(node)
-            for chunk in self._chunks(node.grads):
-                acc.update(chunk)
-            rows[node.token] = acc.finish()
+        elif node.statistics():     # rows a job makes (a group mean's): that job, run here over its rows
+            for statistic in node.statistics():
+                job = STATISTICS_JOBS[statistic.job].for_statistic(statistic, set())
+                acc = job.accumulator(self)
+                for chunk in self._chunks(statistic.rows):
+                    acc.update(chunk)
+                job.publish(acc.finish(), self.state)
             yield from rows[node.token]
         elif isinstance(node, ROW_WISE):
             yield from derive_rows(self, node, self._chunks, rows)

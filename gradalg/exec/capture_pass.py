@@ -17,6 +17,7 @@ import torch
 from ..capture.hooks import ForwardRecorder, capture_batch, forward_share_key, resolve_layers
 from ..capture.reference import block_param_names, per_example_grads
 from ..data import batch_size_of
+from ..errors import OptionError
 from ..finite import check_model, check_rows as check_finite
 from ..expr import Source
 from ..capture.chunks import Chunk
@@ -33,7 +34,9 @@ def model_device_dtype(model):
 class SourceCapture:
     def __init__(self, source: Source, options, checked_tasks: set):
         if source.backend == "func" and source.objective in ("sampled", "expected"):
-            raise ValueError(f"objective={source.objective!r} is captured with backend='hooks' only")
+            raise OptionError(f"objective={source.objective!r} is captured with backend='hooks' only: "
+                              f"ga.grads(task, data, objective={source.objective!r}) (backend='hooks', the "
+                              "default), not backend='func'")
         self.source = source
         self.options = options
         self.checked = checked_tasks

@@ -43,7 +43,6 @@ import weakref
 import torch
 
 from ..errors import DistributedError, ModelMismatchError, OperatorError, OptionError
-from ..plan.jobs import ScoresJob
 from .base import Executor
 from .distributed import is_sharded
 from .models import (as_worker_model, is_meta_model, make_ref, pack, register_client_model, to_client,
@@ -223,7 +222,7 @@ class DaskShards(ShardStrategy):
                                "result_bytes": [len(b) for b in packed]})
         results = [unpack(b) for b in packed]
         self._check_workers_agree(refs, results)
-        scores = {i for i, sink in enumerate(sinks) if isinstance(sink.job, ScoresJob)}
+        scores = {i for i, sink in enumerate(sinks) if sink.job.shards_are_blocks}   # kept as column blocks
         for states, trace, _ in results:
             ctx.trace.update(trace)
             for i, sink in enumerate(sinks):

@@ -378,5 +378,5 @@ def plan_outline(p) -> list:
         if step.reads_data:
             src = pass_sources(step)[0]
             data = (src.data.token, src.data.n)
-        out.append((step.key[0], data, step.batch_size, tuple(type(j).__name__ for j in step.jobs)))
+        out.append((step.key.kind, data, step.batch_size, tuple(type(j).__name__ for j in step.jobs)))
     return out

@@ -16,7 +16,9 @@ For each :class:`~gradalg.plan.planner.Pass` the runner
 A products pass (``Pass.per_call``) is fed nothing when the plan runs: its job publishes
 the matvec its solver calls, and each call reads the data then
 (:class:`~gradalg.plan.jobs.products.ProductPass`, which adds the call's seconds to the
-pass's entry in ``pass_stats``).
+pass's entry in ``pass_stats``); a pass during which such calls run (the scores pass whose
+queries a CG solve preconditions) is measured without them, so that each second is in one
+entry and the entries sum to the run's time.
 
 A shard strategy (:class:`ShardStrategy`) says where each pass runs (``place``, when the
 plan is made, recorded as a ``PLACEMENT`` :class:`~gradalg.plan.decisions.Decision` with
@@ -110,7 +112,7 @@ class ShardStrategy:
 
     def placement(self, index: int, step: Pass) -> tuple[Placement, Decision | None]:
         """Where pass ``index`` runs (:meth:`place`, asked once) and the ``PLACEMENT``
-        decision recording it: subject ``(index, *step.key)``, chosen :attr:`here` or
+        decision recording it: subject ``(index, step.key)``, chosen :attr:`here` or
         :attr:`spread`, the alternatives the pass's estimated seconds here and divided by
         :meth:`ways` on shards (transfers not costed), the reason :meth:`place`'s (and its
         refusal). None for a strategy that never shards (nothing to choose)."""
@@ -120,7 +122,7 @@ class ShardStrategy:
         ways = self.ways()
         reason = where.reason + (f"; refused: {where.refusal}" if where.refusal is not None else "")
         return where, Decision(
-            DecisionKind.PLACEMENT, (index, *step.key), self.spread if where.sharded else self.here,
+            DecisionKind.PLACEMENT, (index, step.key), self.spread if where.sharded else self.here,
             {self.here: step.seconds, self.spread: step.seconds / ways},
             f"{reason} (on shards: the pass's estimate over {ways} shard(s) at once; transfers not costed)",
             label=f"pass {index + 1} ({step.label})")
@@ -226,6 +228,14 @@ def _peak_growth(rss_start: int | None, mark_start: int, mark_end: int) -> dict:
     return {"peak_rss_growth_bytes": max(0, mark_end - rss_start), "peak_rss_is_bound": mark_end <= mark_start}
 
 
+def _timed(stats: list[dict]) -> tuple[float, float]:
+    """Wall and CPU seconds summed over the measured entries ``stats`` so far. A pass's own
+    time is its wall time less what the entries gained meanwhile: the calls of a products
+    pass (:class:`~gradalg.plan.jobs.products.ProductPass`) made by a solver during a later
+    pass are timed into the products pass's entry, and counted there only."""
+    return (sum(e["seconds"] for e in stats), sum(e.get("cpu_seconds", 0.0) for e in stats))
+
+
 class PassRunner:
     """Runs plans for the executor ``ctx`` (its ``options``, ``trace``, ``state``,
     ``resolve``, ``pass_stats``, ``release_memory_above``) with a shard strategy."""
@@ -238,14 +248,19 @@ class PassRunner:
     def run(self, plan: Plan) -> Plan:
         """Run each pass where the plan placed it (placed now when the plan came without)."""
         placement = plan.placement or tuple(self.shards.place(step) for step in plan.passes)
+        stats = self.ctx.pass_stats
         for index, (step, where) in enumerate(zip(plan.passes, placement)):
             start, cpu0 = time.perf_counter(), time.process_time()
+            nested0 = _timed(stats)
             rss0, mark0 = resident_bytes(), peak_resident_bytes()
             self.run_pass(step, where)
             mark1 = peak_resident_bytes()
-            self.ctx.pass_stats.append({
-                "pass": index, "key": step.key, "seconds": time.perf_counter() - start,
-                "cpu_seconds": time.process_time() - cpu0,   # this process's CPU time (excludes waiting for a core)
+            # the calls of products passes made during this one (a solver's) are timed into their own entries
+            nested = [after - before for after, before in zip(_timed(stats), nested0)]
+            stats.append({
+                "pass": index, "key": step.key, "seconds": time.perf_counter() - start - nested[0],
+                # this process's CPU time (excludes waiting for a core)
+                "cpu_seconds": time.process_time() - cpu0 - nested[1],
                 **_peak_growth(rss0, mark0, mark1),
                 "held_bytes": self.ctx.state.held_bytes(),
             })
@@ -298,14 +313,13 @@ class PassRunner:
 
     def batches(self, step: Pass) -> Iterator[dict[str, list[Chunk]]]:
         """Per batch of the pass, ``{root token: chunks}`` of the nodes it reads."""
-        kind = step.key[0]
         if step.per_call:   # a products pass reads its batches on each call of its solver (ProductPass)
             return
-        if kind == "memory":
-            for chunk in self.ctx.state.rows[step.key[1]]:
-                yield {step.key[1]: [chunk]}
+        if step.key.kept is not None:    # rows kept in memory
+            for chunk in self.ctx.state.rows[step.key.kept]:
+                yield {step.key.kept: [chunk]}
             return
-        if kind == "captured":
+        if step.key.rows is not None:    # rows captured earlier: their store
             root = stream_root(step.jobs[0].streams[0])
             for chunk in root.store.chunks():
                 yield {root.token: [chunk]}

@@ -68,6 +68,12 @@ class GradNode(Node):
         """The leaf this gradient set is computed from."""
         return self.grads.source  # type: ignore[attr-defined]
 
+    def statistics(self) -> tuple:
+        """The statistics a plan computes before this node's rows exist, as an operator's
+        (:class:`~gradalg.expr.Statistic`): none for rows a pass reads or derives chunk by
+        chunk; a group mean's rows are a job's (the planner asks, never the node's type)."""
+        return ()
+
 
 def _not_from_data(node: GradNode, n: int):
     raise OptionError(
@@ -363,6 +369,12 @@ class GroupMean(GradNode):
     @property
     def representation(self):
         return {k: ("projected" if v == "projected" else "dense") for k, v in self.grads.representation.items()}
+
+    def statistics(self):
+        """The group means, computed over every row of ``grads`` by a ``"group"`` job
+        before a pass reads them (they are kept in memory)."""
+        from .operators import Statistic      # operators import this module
+        return (Statistic("group", self, self.grads),)
 
     def restrict(self, data_token, start, stop):
         return self        # a group's mean needs every row of its group

@@ -56,10 +56,12 @@ class Statistic:
     (``rows`` None: no gradient rows are read), a pass run once per call, ``calls`` times
     at most (an iterative solver's iteration bound: :meth:`Inverse.statistics`,
     :meth:`~gradalg.expr.curvature.Arnoldi.statistics`) on ``vectors`` rows per call
-    (None: the rows the operator is applied to; :mod:`gradalg.plan.jobs.products`)."""
+    (None: the rows the operator is applied to; :mod:`gradalg.plan.jobs.products`);
+    ``job="group"``: a gradient node's rows made by a job before a pass reads them (``node``
+    a :class:`~gradalg.expr.GroupMean`, :meth:`GradNode.statistics`)."""
 
     job: str | None
-    node: "OpNode"
+    node: "OpNode | GradNode"
     rows: GradNode | None
     after: tuple = ()
     calls: int = 1

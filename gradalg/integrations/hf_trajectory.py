@@ -17,6 +17,7 @@ the rows are the unclipped gradients (see :mod:`gradalg.integrations.trajectory`
 """
 from __future__ import annotations
 
+from ..errors import OptionError
 from .hf import GradientCallback
 from .trajectory import Trajectory, _check_adam, _torch_optimizer
 
@@ -28,7 +29,8 @@ class TrajectoryCallback(GradientCallback):
 
     def __init__(self, trajectory: Trajectory, **kwargs):
         if "layers" in kwargs:
-            raise TypeError("the layers are the trajectory's: ga.trajectory(..., layers=...)")
+            raise OptionError("hf_callback(layers=...): the layers are the trajectory's; pass them to "
+                              "ga.trajectory(..., layers=...)")
         kwargs.setdefault("keep", False)
         super().__init__(layers=list(trajectory.layers), **kwargs)
         self.trajectory = trajectory

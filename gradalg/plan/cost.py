@@ -239,12 +239,13 @@ def first_example_shape(data) -> tuple | None:
     cached by the data's content fingerprint (``DataRef.key``) and ``collate_fn``, so
     every gradient source over the same data shares the read; planning reads one
     example's shape, nothing more."""
-    key = (getattr(data, "key", None), getattr(data, "collate_fn", None))
+    fingerprint = getattr(data, "key", None)
+    key = (fingerprint, getattr(data, "collate_fn", None))
     try:
-        if key[0] is not None and key in _FIRST_SHAPES:
+        if fingerprint is not None and key in _FIRST_SHAPES:
             return _FIRST_SHAPES[key]
     except TypeError:         # an unhashable collate_fn: not cached
-        key = (None, None)
+        fingerprint = None
     try:
         first = data.first_example_batch()
         while not isinstance(first, torch.Tensor):
@@ -252,7 +253,7 @@ def first_example_shape(data) -> tuple | None:
         shape = (tuple(first.shape), first.dtype)
     except Exception:  # noqa: BLE001 - a shape hint must never fail planning
         shape = None
-    if key[0] is not None:
+    if fingerprint is not None:
         if len(_FIRST_SHAPES) >= _FIRST_SHAPES_KEPT:
             _FIRST_SHAPES.pop(next(iter(_FIRST_SHAPES)))
         _FIRST_SHAPES[key] = shape

@@ -9,13 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..errors import MemoryBudgetError
-from ..expr import GradNode, GroupMean, Identity, Inner, OpNode, Project, ScoreDiagonal
+from ..expr import GradNode, Identity, Inner, OpNode, Project, ScoreDiagonal
 from .choices import Choices
 from .cost import _si
 from .decisions import Decision, DecisionKind
 from .facts import Facts
 from .lower import ROW_WISE, STATISTICS_JOBS, Lowered, chain_ops, pass_key, stream_root
-from .jobs import CollectJob, DiagJob, GroupJob, Job, ScoresJob, TopKJob
+from .jobs import CollectJob, DiagJob, Job, ScoresJob, TopKJob
 from .memory import projection_map_decisions, rows_bytes
 from .jobs import ApplyJob, held_application
 from .rules import PlanError
@@ -63,13 +63,14 @@ class _Graph:
         return job.key
 
     def stream_deps(self, node: GradNode) -> set:
+        """The keys of the jobs that must finish before a pass can stream ``node``: those of
+        the operators of its row-wise chain, and those of its stream root's statistics
+        (``root.statistics()``: a group mean's group job)."""
         deps = set()
         for op in chain_ops(node):
             deps |= self.op_deps(op, vectors=node.n)
-        root = stream_root(node)
-        if isinstance(root, GroupMean):
-            deps.add(self.add(GroupJob(root, (root.grads,), self.stream_deps(root.grads),
-                                       storage=storage(root, self.facts))))
+        for statistic in stream_root(node).statistics():
+            deps |= self.statistic_deps(statistic)
         self.deps[node.token] = frozenset(deps)
         return deps
 
@@ -124,12 +125,10 @@ class _Graph:
         kept = held_storage(held, chosen, node, self.facts)
         self.decisions += [d for d in (*decisions, storage_decision(held, kept, DecisionKind.HELD_STORAGE, self.facts),
                                        low_rank_decision(held, self.facts)) if d is not None]
-        if isinstance(held, GroupMean):
-            # its group job keeps the held rows (state.rows[held.token], in this storage):
-            # collecting them again would be a pass that copies them
-            ready = self.stream_deps(held)
-        else:
-            ready = {self.add(CollectJob(held, (held,), self.stream_deps(held), storage=kept))}
+        ready = self.stream_deps(held)
+        # a job that keeps the held rows already (a group mean's group job) is not copied by a collect pass
+        if not any(self.jobs[k].collects(held.token) for k in ready):
+            ready = {self.add(CollectJob(held, (held,), ready, storage=kept))}
         ready |= self.apply_job(node, held, ready)
         return ScoresJob(node, (streamed,), ready | self.op_deps(node.op, held.n) | self.stream_deps(streamed),
                          held=held, transposed=transposed, held_storage=kept, kernels=chosen, **self.fields)

@@ -4,8 +4,8 @@ A :class:`Decision` is one choice the planner made, with every alternative it we
 
     kind          DecisionKind: which question (held side, kernel per block, ...)
     subject       what it is about: a node's token (``inner-38a5…``), a projector's token,
-                  a pass key (a tuple) for a pass's batch size, or ``(index, *pass key)``
-                  for where a pass runs
+                  a pass key (:mod:`~gradalg.plan.passkeys`) for a pass's batch size, or
+                  ``(index, pass key)`` for where a pass runs
     block         the parameter block it is about (a kernel, a Kronecker factor), or None
     chosen        the winner, as the plan shows it ("ghost", "store", "left (query) rows")
     alternatives  {name: estimated seconds (a float) or a description (a str)}, the
@@ -28,6 +28,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from ..errors import PlanError
+from .passkeys import PassKey
 
 __all__ = ["Decision", "DecisionKind", "Decisions"]
 
@@ -73,7 +74,7 @@ class Decision:
     the reason. Immutable: ``alternatives`` is a read-only mapping."""
 
     kind: DecisionKind
-    subject: str | tuple
+    subject: str | tuple | PassKey
     chosen: str
     alternatives: Mapping[str, float | str]
     reason: str = ""
@@ -95,11 +96,19 @@ class Decision:
         return self.kind.title(self.label, shown)
 
     def to_dict(self) -> dict:
-        """Plain data: the kind's name, the subject (a pass key as a list), the block, the
-        winner, the alternatives and the reason."""
-        subject = list(self.subject) if isinstance(self.subject, tuple) else self.subject
+        """Plain data: the kind's name, the subject (a pass key as ``[kind, *fields]``, a
+        placement's as ``[index, [kind, *fields]]``), the block, the winner, the alternatives
+        and the reason."""
+        subject = _plain(self.subject)
         return {"kind": self.kind.name.lower(), "subject": subject, "block": self.block, "what": self.title(),
                 "chosen": self.chosen, "alternatives": dict(self.alternatives), "reason": self.reason}
+
+
+def _plain(subject):
+    """A decision's subject as plain data (JSON)."""
+    if isinstance(subject, PassKey):
+        return subject.to_data()
+    return [_plain(x) for x in subject] if isinstance(subject, tuple) else subject
 
 
 class Decisions(list):

@@ -10,15 +10,16 @@ from dataclasses import dataclass
 from ..errors import ObjectiveError
 from ..expr import (Captured, GradNode, Inner, Node, OpNode, RowWise, ScoreDiagonal, ScoreNode, ScoreSum,
                     Source)
-from .jobs import EKFACJob, FisherJob, KFACJob, ProductsJob, TopK
+from .jobs import EKFACJob, FisherJob, GroupJob, KFACJob, ProductsJob, TopK
+from .passkeys import CapturedPassKey, DataPassKey, MemoryPassKey, PassKey
 from .rules import PlanError
 
 __all__ = ["Lowered", "lower", "ROW_WISE", "STATISTICS_JOBS", "stream_root", "chain_ops",
            "chain_contains", "flat_terms", "pass_key"]
 
 ROW_WISE = RowWise      # the nodes a pass derives chunk by chunk (the row-wise protocol)
-#: the job class of each statistics kind an operator asks for (``Statistic.job``)
-STATISTICS_JOBS = {cls.kind: cls for cls in (FisherJob, KFACJob, EKFACJob, ProductsJob)}
+#: the job class of each statistics kind an operator or a gradient node asks for (``Statistic.job``)
+STATISTICS_JOBS = {cls.kind: cls for cls in (FisherJob, KFACJob, EKFACJob, ProductsJob, GroupJob)}
 
 
 def stream_root(node: GradNode) -> GradNode:
@@ -57,22 +58,22 @@ def flat_terms(node: ScoreNode) -> list[tuple[float, Inner]]:
     return [(1.0, node)]
 
 
-def pass_key(node: GradNode, stored, facts) -> tuple:
-    """The key of the pass that reads ``node``'s rows: ``("memory", token)`` for rows kept
-    in memory (``stored`` tokens, a group mean's), ``("captured", token)``, or
-    ``("data", task token, data token, task name, n)`` for a read of a dataset."""
+def pass_key(node: GradNode, stored, facts) -> PassKey:
+    """The key of the pass that reads ``node``'s rows (:mod:`~gradalg.plan.passkeys`):
+    :class:`MemoryPassKey` for rows kept in memory (``stored`` tokens, a group mean's),
+    :class:`CapturedPassKey`, or :class:`DataPassKey` for a read of a dataset."""
     x = node
     while True:
         if x.token in stored:
-            return ("memory", x.token)
+            return MemoryPassKey(x.token)
         if not isinstance(x, ROW_WISE):
             break
         x = x.grads
     if isinstance(x, Source):
-        return ("data", facts.task_token(x), x.data.token, x.task.name, x.data.n)
+        return DataPassKey(facts.task_token(x), x.data.token, x.task.name, x.data.n)
     if isinstance(x, Captured):
-        return ("captured", x.token)
-    return ("memory", x.token)  # GroupMean, filled by its group job
+        return CapturedPassKey(x.token)
+    return MemoryPassKey(x.token)  # GroupMean, filled by its group job
 
 
 @dataclass(frozen=True)

@@ -128,7 +128,7 @@ def scale_estimates(plan, gpus=(1, 4, 8), device="h200") -> list[dict]:
             compute = p.cost.scaled(1.0 / g).seconds(prof, plan.dtype)
             comm = 0.0
             if g > 1 and p.reads_data and prof.link_bandwidth > 0:
-                n = p.key[4] if len(p.key) > 4 else 0
+                n = p.key.n
                 micro_batches = -(-n // (g * max(b, 1))) if n else 0
                 comm = micro_batches * 2.0 * W * (g - 1) / g / prof.link_bandwidth
             seconds += max(compute, comm)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ..expr import Identity, Normalize, Source
+from ..expr import Source
 from . import estimates
 from .choices import Choices
 from .cost import Cost, _si
@@ -17,8 +17,9 @@ from .decide import JobGraph
 from .decisions import Decision, DecisionKind
 from .facts import Facts
 from .lower import ROW_WISE, chain_contains, pass_key, stream_root
-from .jobs import CollectJob, KFACJob, ScoresJob, StoreJob, TopKJob
+from .jobs import StoreJob
 from .memory import rows_bytes
+from .passkeys import PassKey
 from .rules import PlanError
 from .blocks import storage, storage_decision
 
@@ -28,9 +29,10 @@ __all__ = ["Pass", "Schedule", "schedule", "store_cap"]
 @dataclass(frozen=True)
 class Pass:
     """One read of a dataset (or of rows kept in memory) feeding several jobs; the size
-    stage gives it a batch size, cost, seconds and bytes (a new record)."""
+    stage gives it a batch size, cost, seconds and bytes (a new record). ``key``: what it
+    reads (:mod:`~gradalg.plan.passkeys`)."""
 
-    key: tuple
+    key: PassKey
     jobs: list
     batch_size: int | None = None
     cost: Cost = field(default_factory=Cost)
@@ -41,22 +43,18 @@ class Pass:
 
     @property
     def label(self) -> str:
-        if self.key[0] == "products":
-            return f"up to {self.key[4]:,} passes over {self.key[2]} ({self.key[3]:,} examples)"
-        if self.key[0] == "data":
-            return f"pass over {self.key[3]} ({self.key[4]:,} examples)"
-        return "pass over captured rows" if self.key[0] == "captured" else "pass over rows in memory"
+        return self.key.label
 
     @property
     def reads_data(self) -> bool:
         """A pass over data captured once when the plan runs (a products pass reads its
         data on each call of its solver instead: :attr:`per_call`)."""
-        return self.key[0] == "data"
+        return self.key.reads_data
 
     @property
     def per_call(self) -> bool:
         """A products pass: run on each call of the solver that uses it, not when the plan runs."""
-        return self.key[0] == "products"
+        return self.key.per_call
 
 
 @dataclass(frozen=True)
@@ -91,14 +89,14 @@ def _defer_held(ready: list, remaining: dict, done: set, stored: set, facts: Fac
     after = done | set(keys)
 
     def waits(j) -> bool:
-        if not (isinstance(j, CollectJob) and len(ready) > 1 and list(keys.values()).count(keys[j.key]) == 1):
+        if not (j.can_wait() and len(ready) > 1 and list(keys.values()).count(keys[j.key]) == 1):
             return False
         consumers = [c for c in remaining.values() if j.key in c.deps]
         return bool(consumers) and all(not (c.deps - {j.key}) <= after for c in consumers)
     return [j for j in ready if not waits(j)] or ready
 
 
-def job_pass_key(job, stored, facts) -> tuple:
+def job_pass_key(job, stored, facts) -> PassKey:
     """The key of the pass ``job`` runs in: its own (``job.pass_key()``: products), else
     the pass that reads its first stream."""
     return job.pass_key() or pass_key(job.streams[0], stored, facts)
@@ -112,8 +110,8 @@ def _store_or_recompute(node, remaining: dict, facts: Facts, choices: Choices,
     (before, each node's rows alone: EK-FAC on a Pythia-160M shape at T = 512 stored two
     sets of 1.2 GB under a 1.34 GB cap and was refused where recomputing one fit)."""
     need = frozenset(node.space.names) if any(
-        isinstance(j, KFACJob) and any(chain_contains(s, node) for s in j.streams) for j in remaining.values()) \
-        else frozenset()   # a later K-FAC job reads the rows as factors (covariances of A and D)
+        j.reads_stored_factors and any(chain_contains(s, node) for s in j.streams) for j in remaining.values()) \
+        else frozenset()   # a later job reads the rows as factors (K-FAC's covariances of A and D)
     kept = storage(node, facts, need)
     size = rows_bytes(node, kept, facts)
     src, o = stream_root(node), facts.options
@@ -141,19 +139,15 @@ def _stores(key, group, remaining, done, stored, graph: JobGraph, facts, choices
     pass's statistics (a metric-normalized or preconditioned side) can still reuse the
     part of its row-wise chain that does not: that prefix is stored, and the later pass
     derives the rest from memory."""
-    if key[0] != "data":
+    if not key.reads_data:
         return []
     out, group_keys, kept_bytes = [], {j.key for j in group}, 0.0
     for job in list(remaining.values()):
         if job.key in group_keys or job.deps <= done:
             continue
-        if isinstance(job, TopKJob) and len(job.streams) > 1:
-            # a pass over rows in memory reads one node: terms streaming several read the data again
-            decisions.append(Decision(
-                DecisionKind.STORE, job.target.token, "recompute",
-                {"store": "n/a: a pass over rows in memory reads one node", "recompute": "one pass over the data"},
-                f"the top-k's terms stream {len(job.streams)} different nodes, summed block by block: "
-                "they are read together from the data", label=f"the training sides of {job.target.label}"))
+        refused = job.store_refused()    # a top-k whose terms stream several nodes
+        if refused is not None:
+            decisions.append(refused)
             continue
         for node in job.streams:
             # the longest row-wise prefix computable now: for P(G).normalize(metric=H⁻¹)
@@ -182,7 +176,7 @@ def _waves(graph: JobGraph, facts: Facts, choices: Choices, decisions: list) -> 
         ready = [j for j in remaining.values() if j.deps <= done]
         if not ready:
             raise PlanError(f"circular job dependencies among {sorted(remaining)}")
-        groups: dict[tuple, list] = {}
+        groups: dict[PassKey, list] = {}
         for j in _defer_held(ready, remaining, done, stored, facts):
             groups.setdefault(job_pass_key(j, stored, facts), []).append(j)
         for key, group in groups.items():
@@ -196,26 +190,23 @@ def _waves(graph: JobGraph, facts: Facts, choices: Choices, decisions: list) -> 
     return passes, stored
 
 
-def _normalized(job, key: tuple, decisions: list):
-    """``job`` with ``normalize_streamed`` decided for a streamed side ``G.normalize()``:
-    in the score kernel, each column divided by its row's norm (⟨h, g/‖g‖⟩ = ⟨h, g⟩/‖g‖,
-    the norm taken from rows the kernel reads anyway), when the pass reads G or something
-    below it; row-wise when the normalized rows themselves are kept in memory."""
-    if isinstance(job, TopKJob):
-        terms = tuple((c, _normalized(t, key, decisions)) for c, t in job.terms)
-        return job if all(a is b for (_, a), (_, b) in zip(terms, job.terms)) else replace(job, terms=terms)
-    s = job.streams[0] if isinstance(job, ScoresJob) and job.streams else None
-    if not (isinstance(s, Normalize) and s.op is None):
-        return job
-    inside = not (key[0] == "memory" and key[1] == s.token)
-    decisions.append(Decision(
-        DecisionKind.NORMALIZATION, s.token, "in the score kernel" if inside else "row-wise",
-        {"in the score kernel": "⟨h, g⟩/‖g‖ per column", "row-wise": "g/‖g‖ per row, then ⟨h, ·⟩"},
-        "the normalized rows are kept in memory: read as they are" if not inside else
-        "the pass reads the rows before normalization: each column is divided by its row's norm, "
-        "from the rows the kernel reads (ghost blocks by their factors)",
-        label=f"{s.label!r} in {job.target.label}"))
-    return replace(job, normalize_streamed=inside)
+def _normalized(job, key: PassKey, decisions: list):
+    """``job`` with it decided where a streamed side ``G.normalize()`` is normalized
+    (:meth:`~gradalg.plan.jobs.base.Job.normalized`): in the score kernel, each column
+    divided by its row's norm (⟨h, g/‖g‖⟩ = ⟨h, g⟩/‖g‖, the norm taken from rows the kernel
+    reads anyway), when the pass reads G or something below it; row-wise when the
+    normalized rows themselves are kept in memory."""
+    def decide(s, scores) -> bool:
+        inside = key.kept != s.token
+        decisions.append(Decision(
+            DecisionKind.NORMALIZATION, s.token, "in the score kernel" if inside else "row-wise",
+            {"in the score kernel": "⟨h, g⟩/‖g‖ per column", "row-wise": "g/‖g‖ per row, then ⟨h, ·⟩"},
+            "the normalized rows are kept in memory: read as they are" if not inside else
+            "the pass reads the rows before normalization: each column is divided by its row's norm, "
+            "from the rows the kernel reads (ghost blocks by their factors)",
+            label=f"{s.label!r} in {scores.target.label}"))
+        return inside
+    return job.normalized(decide)
 
 
 def released(jobs, passes, target) -> set:
@@ -224,14 +215,15 @@ def released(jobs, passes, target) -> set:
     does not return: the run drops the raw rows once the preconditioned copy exists
     (EK-FAC influence on GPT-2: the raw query gradients were 20 % of the peak)."""
     jobs, out = list(jobs), set()
-    from_memory = {key[1] for key, _ in passes if key[0] == "memory"}
+    from_memory = {key.kept for key, _ in passes} - {None}
     def reads(j, job, token) -> bool:
-        return not (isinstance(j, CollectJob) and j.target.token == token) and (
+        return not j.collects(token) and (
             any(stream_root(s).token == token or s.token == token for s in j.streams)
-            or (j is not job and getattr(getattr(j, "held", None), "token", None) == token))
+            or (j is not job and j.held is not None and j.held.token == token))
     for job in jobs:
-        if isinstance(job, ScoresJob) and not isinstance(job.target.op, Identity) and job.held is not target \
-                and job.held.token not in from_memory and not any(reads(j, job, job.held.token) for j in jobs):
+        if job.can_release_held() and job.held is not target \
+                and job.held.token not in from_memory \
+                and not any(reads(j, job, job.held.token) for j in jobs):
             out.add(job.key)
     return out
 

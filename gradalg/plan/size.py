@@ -19,7 +19,6 @@ from .decisions import Decision, DecisionKind
 from .facts import Facts
 from .lower import ROW_WISE, stream_root
 from .memory import capture_bytes_per_example, flattened_rows_bytes
-from .jobs import FisherJob, KronStatisticsJob, StoreJob
 from .schedule import Pass, Schedule
 from .blocks import as_captured, storage
 
@@ -67,15 +66,16 @@ def _over_budget(message: str, needed: float) -> MemoryBudgetError:
 
 
 def _fewer_queries_fit(jobs, per_ex: float, budget: float, facts: Facts, resolving: float = 0.0) -> bool:
-    """Whether holding fewer rows (fewer queries per call) can fit the pass: the
-    statistics (K-FAC / EK-FAC factors, a formed Fisher), the rows stored for a second use
-    of the streamed side (:class:`StoreJob`: the training rows of a pass over the training
-    data) and the projection tables do not shrink with the queries, so when they and one
+    """Whether holding fewer rows (fewer queries per call) can fit the pass: what the jobs
+    that do not shrink with the queries hold (``Job.shrinks_with_queries`` False: the
+    statistics, K-FAC / EK-FAC factors or a formed Fisher; the rows stored for a second use
+    of the streamed side, the training rows of a pass over the training data) and the
+    projection tables do not shrink with the queries, so when they and one
     example exceed the budget alone, that fix would fail as written and the refusal does
     not offer it; nor does an operator's resolution (``resolving``:
     :meth:`_Sizer.resolving_bytes`). (Found at real size: EK-FAC influence on a Llama
     shape at T = 512 was told to use fewer queries while holding one.)"""
-    kept = sum(j.fixed_bytes(facts) for j in jobs if isinstance(j, (KronStatisticsJob, FisherJob, StoreJob)))
+    kept = sum(j.fixed_bytes(facts) for j in jobs if not j.shrinks_with_queries)
     return kept + table_bytes(jobs) + resolving + per_ex <= budget
 
 
@@ -171,14 +171,13 @@ class _Sizer:
         """The working set of the operators this pass applies and no earlier pass resolved
         (:func:`~gradalg.plan.estimates.resolve_bytes`: a dense or block inverse or power,
         32·d²; TrackStar's R^{-1/2} at k = 4096 takes 0.54 GB), the largest: they are
-        resolved one at a time, beside what the pass holds."""
+        resolved one at a time, beside what the pass holds: the preconditioners of the
+        jobs' streams and the operators their kernels apply (``Job.applied_ops``)."""
         ops = []
         for job in jobs:
             for s in job.streams:
                 ops += [x.op for x in s.walk() if isinstance(x, Precondition)]
-            scores = getattr(getattr(job, "target", None), "scores", None)
-            if getattr(scores, "op", None) is not None:
-                ops.append(scores.op)
+            ops += job.applied_ops()
         return max((estimates.resolve_bytes(op) for op in ops if op.token not in self.resolved), default=0.0)
 
     def rowwise_cost(self, jobs, n: int, chunk, base: set, reads_data: bool) -> Cost:
@@ -186,9 +185,7 @@ class _Sizer:
         tokens, when the pass reads rows in memory), each distinct one once."""
         seen, cost = set(), Cost()
         for job in jobs:
-            for s in job.streams:
-                # a normalization the score kernel applies: the sink is fed the rows below it
-                x = s.grads if getattr(job, "normalize_streamed", False) else s
+            for x in job.fed:   # a normalization the score kernel applies: fed the rows below it
                 while isinstance(x, ROW_WISE) and x.token not in base and x.token not in seen:
                     seen.add(x.token)
                     cost = cost + estimates.rowwise_cost(
@@ -215,7 +212,7 @@ class _Sizer:
         if p.per_call:
             return self.size_per_call(p)
         facts, dtype, o = self.facts, self.facts.dtype, self.facts.options
-        sizing = [replace(j, release_held=False) if getattr(j, "release_held", False) else j for j in p.jobs]
+        sizing = [j.keeping_held_rows() for j in p.jobs]
         sources = _sources(p.jobs) if p.reads_data else []
         per_ex = self.per_example_bytes(sizing, sources)
         resolving = self.resolving_bytes(sizing)
@@ -228,9 +225,9 @@ class _Sizer:
             self.decisions.append(decision)
             cost = estimates.pass_capture_cost(sources, o, dtype, facts.share_key, batch, facts.device)
             n, chunk = sources[0].data.n, batch
-            self.stored_chunks.update({j.target.token: batch for j in p.jobs if isinstance(j, StoreJob)})
+            self.stored_chunks.update({j.target.token: batch for j in p.jobs if j.streamed_back})
         else:
-            n, chunk = p.jobs[0].streams[0].n, self.stored_chunks.get(p.key[1])
+            n, chunk = p.jobs[0].streams[0].n, self.stored_chunks.get(p.key.rows)
         cost = cost + estimates.pass_overhead(len(p.jobs), n if p.reads_data else 0, per_ex, p.reads_data, facts.device)
         jobs = []
         for job in p.jobs:
@@ -241,8 +238,9 @@ class _Sizer:
                                                     lambda node: storage(node, facts), o, self.resolved))
             jobs.append(job)
             cost = cost + job.cost
-        cost = cost + self.rowwise_cost(jobs, n, chunk, set() if p.reads_data else {p.key[1]}, p.reads_data)
-        drop = sum(a.fixed_bytes(facts) - b.fixed_bytes(facts) for a, b in zip(sizing, jobs) if getattr(b, "release_held", False))
+        cost = cost + self.rowwise_cost(jobs, n, chunk, set() if p.reads_data else {p.key.rows}, p.reads_data)
+        # what the jobs sized holding their raw held rows release once preconditioned
+        drop = sum(a.fixed_bytes(facts) - b.fixed_bytes(facts) for a, b, j in zip(sizing, jobs, p.jobs) if a is not j)
         drop = drop if drop > 0 else 0.0
         # one read of the data, however many sources are captured from each batch
         cost = replace(cost, peak_bytes=fixed + per_ex * (batch or 1) - drop, passes=1.0 if p.reads_data else 0.0)

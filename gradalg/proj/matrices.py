@@ -14,6 +14,7 @@ from functools import lru_cache
 
 import torch
 
+from ..errors import OptionError
 from ..expr.projection import Projector
 
 __all__ = ["dense_matrix", "kron_matrices", "clear_caches"]
@@ -50,8 +51,9 @@ def dense_matrix(projector: Projector, block_name: str, dim: int, *, dtype=torch
     same thing as a single matrix and lets each block be projected on its own.
     """
     if projector.kind not in ("gaussian", "rademacher", "kron"):
-        raise ValueError(f"a {projector.kind} projector has no dense matrix; its index tables are "
-                         "in gradalg.proj.sparse_tables (SJLT.dense() builds one for tests)")
+        raise OptionError(f"a {projector.kind} projector has no dense matrix (dense_matrix takes a gaussian, "
+                          "rademacher or kron projector); its index tables are in gradalg.proj.sparse_tables "
+                          "(SJLT.dense() builds one for tests)")
     return _dense(projector, block_name, dim, dtype, _device_key(device))
 
 

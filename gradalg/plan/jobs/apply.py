@@ -111,8 +111,8 @@ def applied(state, op, q):
     """The rows ``op`` (a node) applied to ``q`` (m, dim) that a planned :class:`ApplyJob`
     left in ``state``, or None: its held rows must equal ``q`` exactly (same shape, dtype
     and values)."""
-    for key, value in state.results.items():
-        if key[0] == ApplyJob.kind and value[0] == op.token:
+    for (kind, _), value in state.results.items():
+        if kind == ApplyJob.kind and value[0] == op.token:
             _, held, result = value
             if held.shape == q.shape and held.dtype == q.dtype and bool((held == q).all()):
                 return result

@@ -17,9 +17,14 @@ kind. The planner asks ``stream_cost`` (:meth:`Job.chunk_cost` per chunk, plus
 ``first_decisions``, each cost and bytes hook with the plan's
 :class:`~gradalg.plan.shapes.ModelFacts` (``facts``: the dtype of the rows and the measured
 positions of every layer, ``positions(node, facts.shapes)``: an explicit input, nothing in
-force behind the call); the executor ``accumulator(ctx)`` (its :class:`Accumulator`, made
-from the job's fields), ``fed``, ``feed``, ``for_shard`` and ``publish`` (where the
-result goes in the run's :class:`~gradalg.exec.state.RunState`). ``ctx`` is the executor
+force behind the call); the schedule stage ``can_wait``, ``collects``, ``store_refused``,
+``normalized``, ``can_release_held`` and ``reads_stored_factors`` (where a job differs
+from the defaults, all off: it asks the job, never its type); the size stage
+``keeping_held_rows``, ``applied_ops``, ``shrinks_with_queries`` and ``streamed_back``; a
+cluster executor ``shards_are_blocks``; the executor
+``accumulator(ctx)`` (its :class:`Accumulator`, made from the job's fields), ``fed``,
+``feed``, ``for_shard`` and ``publish`` (where the result goes in the run's
+:class:`~gradalg.exec.state.RunState`). ``ctx`` is the executor
 (duck-typed: the plan's floor does not import the executor's): its ``trace`` of
 kernels, ``state``, ``resolve(op)``, ``precondition_held`` and
 ``page_returner()`` (a :class:`~gradalg.exec.allocator.FreedBytes`); never its options.
@@ -35,10 +40,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+from ...errors import OptionError
 from ...expr import GradNode, Node
 from ..cost import Cost, block_cost
+from ..decisions import Decision
 from ..estimates import chunk_count
 from ..memory import rows_of, stream_workspace_bytes
+from ..passkeys import PassKey
 from ..shapes import ModelFacts
 
 __all__ = ["Accumulator", "Job", "JOB_TYPES", "job_type"]
@@ -87,6 +95,20 @@ class Job:
     #: each row set of an example (one per Gauss-Newton term) reaches the job as its own
     #: chunk (statistics and kept rows); False: one chunk per batch
     per_row_set: ClassVar[bool] = False
+    #: it reads rows stored for it as factors (K-FAC's covariances of A and D): rows an
+    #: earlier pass stores for it keep every block's factors
+    reads_stored_factors: ClassVar[bool] = False
+    #: what it holds for its pass (:meth:`fixed_bytes`) grows with the rows of the held
+    #: (query) side, so fewer queries per call shrink it; False: statistics and training
+    #: rows stored for a later pass, which a memory refusal cannot shrink that way
+    shrinks_with_queries: ClassVar[bool] = True
+    #: the rows it keeps are streamed back by a later pass in the chunks of its own pass
+    #: (rows stored instead of re-read); False: kept whole, or not rows
+    streamed_back: ClassVar[bool] = False
+    #: a shard's state is a column block of its output (the shard's training columns of a
+    #: score matrix): a cluster executor keeps the blocks as a lazy array (Dask) instead of
+    #: absorbing them into one accumulator; False: shard states are absorbed in order
+    shards_are_blocks: ClassVar[bool] = False
 
     target: Node
     streams: tuple[GradNode, ...] = ()
@@ -118,8 +140,8 @@ class Job:
 
     def __post_init__(self):
         if type(self) is Job or isinstance(self.target, str):
-            raise TypeError("a job is an instance of its class: CollectJob(target, streams, deps, ...), or "
-                            "job_type(kind)(target, ...), not Job(kind, target, ...)")
+            raise OptionError("a job is an instance of its class: CollectJob(target, streams, deps, ...), or "
+                              "job_type(kind)(target, ...), not Job(kind, target, ...)")
 
     @property
     def key(self) -> tuple[str, str]:
@@ -132,7 +154,7 @@ class Job:
         applied to, for a job that cares)."""
         return cls(statistic.node, (statistic.rows,), set(deps))
 
-    def pass_key(self) -> tuple | None:
+    def pass_key(self) -> PassKey | None:
         """The key of a pass of its own (a job that reads no gradient rows: products), or
         None: the pass that reads ``streams[0]`` (:func:`~gradalg.plan.lower.pass_key`)."""
         return None
@@ -211,6 +233,47 @@ class Job:
         """The :class:`ScoresJob` s whose kernels this job runs (itself, a top-k's terms)."""
         return ()
 
+    def applied_ops(self) -> tuple:
+        """The operators its kernels apply in its pass beyond its streams' row-wise chains
+        (a self-score's H in ⟨g_i, H g_i⟩): the size stage counts resolving them there,
+        unless an earlier pass did. None by default."""
+        return ()
+
+    # ------------------------------------------------------------------ scheduling
+    def can_wait(self) -> bool:
+        """Whether the schedule may run the job in a later wave than the first it is ready
+        in: the last before a job that reads its result (a held side collected in a pass
+        of its own, :class:`~gradalg.plan.jobs.rows.CollectJob`). False by default."""
+        return False
+
+    def collects(self, token: str) -> bool:
+        """Whether the job keeps the rows of the node ``token`` for later jobs (it writes
+        them: its reading them does not keep the raw rows alive). False by default."""
+        return False
+
+    def store_refused(self) -> Decision | None:
+        """Why rows this job streams are never stored for it by an earlier pass over the
+        same data (a ``STORE`` decision, chosen "recompute"), or None: they may be."""
+        return None
+
+    def normalized(self, decide) -> "Job":
+        """The job with it decided where its streamed side ``G.normalize()`` is normalized:
+        ``decide(side, scores job)`` says True (in the score kernel) or False (row-wise),
+        the schedule's choice from the pass. Itself where it streams no such side."""
+        return self
+
+    def can_release_held(self) -> bool:
+        """Whether the job could drop its raw held rows once it has preconditioned them (a
+        preconditioned scores job); the schedule decides whether it does. False by default."""
+        return False
+
+    # ------------------------------------------------------------------ sizing
+    def keeping_held_rows(self) -> "Job":
+        """The job as the size stage fits a batch beside it: holding its raw held rows for
+        the whole pass, even where the schedule lets it release them (counted twice: safe).
+        Itself by default."""
+        return self
+
     # ------------------------------------------------------------------ running
     def accumulator(self, ctx) -> Accumulator:
         """The job's :class:`Accumulator` for one pass, made from its fields (and what
@@ -238,7 +301,7 @@ class Job:
 
 def job_type(kind: str) -> type[Job]:
     """The job class of a kind name (``"scores"`` → :class:`ScoresJob`)."""
-    try:
-        return JOB_TYPES[kind]
-    except KeyError:
-        raise KeyError(f"unknown job kind {kind!r}; kinds: {sorted(JOB_TYPES)}") from None
+    if kind not in JOB_TYPES:
+        raise OptionError(f"unknown job kind {kind!r}: job_type(kind) takes one of {sorted(JOB_TYPES)} "
+                          "(a new job type is a Job subclass that sets its own `kind`, registered as it is defined)")
+    return JOB_TYPES[kind]

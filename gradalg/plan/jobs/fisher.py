@@ -37,6 +37,7 @@ class FisherJob(Job):
     phase: ClassVar[str] = "statistics"
     ops_per_block: ClassVar[int] = 6
     per_row_set: ClassVar[bool] = True
+    shrinks_with_queries: ClassVar[bool] = False
 
     def chunk_cost(self, node, c, layout, facts) -> Cost:
         """The sums Σ g gᵀ over one chunk: the rows made flat and their products."""

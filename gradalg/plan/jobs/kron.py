@@ -47,6 +47,7 @@ class KronStatisticsJob(Job):
     output: ClassVar[str] = "operator"
     phase: ClassVar[str] = "statistics"
     per_row_set: ClassVar[bool] = True
+    shrinks_with_queries: ClassVar[bool] = False
 
     def fixed_bytes(self, facts) -> float:
         return kron_bytes(self.target.space, self.kron_float64_width, self.kron_diagonal_width)
@@ -70,6 +71,7 @@ class KFACJob(KronStatisticsJob):
 
     kind: ClassVar[str] = "kfac"
     ops_per_block: ClassVar[int] = 14
+    reads_stored_factors: ClassVar[bool] = True
 
     def chunk_cost(self, node, c, layout, facts) -> Cost:
         """The factor sums over one chunk, per 2-D block and m = c·T positions: for A (in)

@@ -7,8 +7,8 @@ with a batch of vectors V (m, dim) reads every batch of H's data once, a forward
 product's backward(s), and an iterative solver above H (CG, LiSSA: :class:`~gradalg.expr.Inverse`;
 Arnoldi: :class:`~gradalg.expr.curvature.Arnoldi`) asks for one product per iteration, at
 most its iteration bound. The decide stage plans them as a :class:`ProductsJob` in a pass
-of its own (key ``("products", H token, task name, n, calls)``), priced as one product times
-the bound, which ``explain()`` shows. When the plan runs, the pass reads nothing: it
+of its own (key :class:`~gradalg.plan.passkeys.ProductsPassKey`: H's token, task name, n,
+calls), priced as one product times the bound, which ``explain()`` shows. When the plan runs, the pass reads nothing: it
 publishes a :class:`ProductPass`, the matvec the solver calls, and each call runs the pass
 (every batch, a :class:`ProductSums` accumulating the per-batch products), timed into the
 pass's measured seconds (``explain(analyze=True)``: seconds over every call, and the calls).
@@ -27,6 +27,7 @@ import torch
 from ...curvature.hvp import Products, eval_mode
 from ..cost import Cost, bmm_cost, data_tokens_hint, gemm_cost
 from ..estimates import _leaf_modules
+from ..passkeys import ProductsPassKey
 from ..rules import PlanError
 from ..shapes import activation_bytes, attention_shape, element_size, weight_layers
 from .base import Job
@@ -131,10 +132,10 @@ class ProductsJob(Job):
         return cls(statistic.node, (), set(deps), calls=max(1, int(statistic.calls)), calls_why=statistic.calls_why,
                    vectors=int(m), batch=options.batch_size if options is not None else 64)
 
-    def pass_key(self) -> tuple:
-        """Its own pass: ``("products", H token, task name, n, calls)``."""
+    def pass_key(self) -> ProductsPassKey:
+        """Its own pass: :class:`~gradalg.plan.passkeys.ProductsPassKey` (H's token, task name, n, calls)."""
         t = self.target
-        return ("products", t.token, t.task.name, t.data.n, self.calls)
+        return ProductsPassKey(t.token, t.task.name, t.data.n, self.calls)
 
     def describe(self) -> str:
         t = self.target

@@ -63,6 +63,14 @@ class CollectJob(RowsJob):
     def describe(self) -> str:
         return f"{self.kind} {self.target.label!r} ({self.target.n:,} rows)"
 
+    def can_wait(self) -> bool:
+        """A held side collected in a pass of its own waits for the wave before its scores
+        job (not carried through the passes that build the preconditioner)."""
+        return True
+
+    def collects(self, token: str) -> bool:
+        return token == self.target.token
+
     def accumulator(self, ctx) -> "Collector":
         """A held side is read whole by its scores job: kept as one chunk, its pieces
         freed as it is made (stored rows are streamed back chunk by chunk)."""
@@ -74,6 +82,8 @@ class StoreJob(CollectJob):
     """Keep rows that a later pass reads after this pass's statistics (stored, not re-read)."""
 
     kind: ClassVar[str] = "store"
+    shrinks_with_queries: ClassVar[bool] = False     # training rows
+    streamed_back: ClassVar[bool] = True
 
     def accumulator(self, ctx) -> "Collector":
         return Collector(self.target, self.storage)
@@ -85,6 +95,19 @@ class GroupJob(RowsJob):
 
     kind: ClassVar[str] = "group"
     ops_per_block: ClassVar[int] = 6
+
+    @classmethod
+    def for_statistic(cls, statistic, deps: set, options=None, vectors: int | None = None) -> "GroupJob":
+        """The job of a group mean's ``"group"`` statistic (:meth:`GroupMean.statistics
+        <gradalg.expr.GroupMean.statistics>`): its means are kept flat (a mean of factors
+        is not factors; :class:`GroupAccumulator` makes flat rows)."""
+        node = statistic.node
+        return cls(node, (statistic.rows,), set(deps), storage={b.name: "flat" for b in node.space.blocks})
+
+    def collects(self, token: str) -> bool:
+        """It keeps the group means (``state.rows[target.token]``): a held side that is a
+        group mean is read from there, not collected again."""
+        return token == self.target.token
 
     def accumulator(self, ctx) -> "GroupAccumulator":
         return GroupAccumulator(self.target)

@@ -3,7 +3,7 @@ held rows (:class:`ScoresJob`), and the self-scores of a square score expression
 sides streamed in lockstep or one held (:class:`DiagJob`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
@@ -12,6 +12,7 @@ from ...capture.chunks import Chunk, concat_chunks, flat_block, flatten, row_sq_
 from ...capture.factors import (HALF_DTYPES, Factors, compute_dtype, ghost_inner, ghost_workspace_elements,
                                 materialize, self_inner, token_slices)
 from ...errors import DataError
+from ...expr import Normalize
 from ...expr.operators import Identity
 from ...expr.tokens import token_rows
 from ...linalg.quadratic import row_quadratic
@@ -43,6 +44,7 @@ class ScoresJob(Job):
     kind: ClassVar[str] = "scores"
     output: ClassVar[str] = "scores"
     ops_per_block: ClassVar[int] = 10
+    shards_are_blocks: ClassVar[bool] = True
 
     held_storage: dict = field(default_factory=dict)
     normalize_streamed: bool = False
@@ -145,6 +147,24 @@ class ScoresJob(Job):
     def score_parts(self) -> tuple:
         return (self,)
 
+    # ------------------------------------------------------------------ scheduling
+    def normalized(self, decide) -> "ScoresJob":
+        """``normalize_streamed`` as ``decide(side, self)`` says for a streamed side
+        ``G.normalize()`` (no metric): in the score kernel, each column divided by its
+        row's norm (⟨h, g/‖g‖⟩ = ⟨h, g⟩/‖g‖), or row-wise."""
+        s = self.streams[0] if self.streams else None
+        if not (isinstance(s, Normalize) and s.op is None):
+            return self
+        return replace(self, normalize_streamed=decide(s, self))
+
+    def can_release_held(self) -> bool:
+        """A preconditioned score keeps a preconditioned copy of its held rows: the raw rows can go."""
+        return not isinstance(self.target.op, Identity)
+
+    def keeping_held_rows(self) -> "ScoresJob":
+        """Sized with ``release_held`` off: the raw held rows beside their preconditioned copy."""
+        return replace(self, release_held=False) if self.release_held else self
+
     # ------------------------------------------------------------------ running
     def accumulator(self, ctx) -> "ScoreAccumulator":
         """The held rows, preconditioned once here; with ``release_held`` the raw rows are
@@ -203,6 +223,10 @@ class DiagJob(Job):
 
     def once_cost(self, facts, storage_of=None, options=None, resolved=None) -> Cost:
         return resolve_once(self.target.scores.op, resolved)
+
+    def applied_ops(self) -> tuple:
+        """H of ⟨L_i, H R_i⟩, resolved in this pass."""
+        return (self.target.scores.op,)
 
     def fixed_bytes(self, facts) -> float:
         """Nothing: a held side is a CollectJob's rows."""

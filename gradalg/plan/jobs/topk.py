@@ -2,13 +2,14 @@
 chunk by chunk of the streamed side; the (query × train) matrix is never formed."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
 
 from ...errors import DataError, OptionError
 from ..cost import Cost
+from ..decisions import Decision, DecisionKind
 from .base import Job
 
 __all__ = ["TopK", "TopKJob", "TopKAccumulator", "select_topk"]
@@ -70,6 +71,22 @@ class TopKJob(Job):
 
     def score_parts(self) -> tuple:
         return tuple(t for _, t in self.terms)
+
+    def store_refused(self) -> Decision | None:
+        """Terms that stream several different nodes, summed block by block, are read
+        together from the data: a pass over rows in memory reads one node."""
+        if len(self.streams) <= 1:
+            return None
+        return Decision(
+            DecisionKind.STORE, self.target.token, "recompute",
+            {"store": "n/a: a pass over rows in memory reads one node", "recompute": "one pass over the data"},
+            f"the top-k's terms stream {len(self.streams)} different nodes, summed block by block: "
+            "they are read together from the data", label=f"the training sides of {self.target.label}")
+
+    def normalized(self, decide) -> "TopKJob":
+        """Each term's normalization decided (:meth:`ScoresJob.normalized`)."""
+        terms = tuple((c, t.normalized(decide)) for c, t in self.terms)
+        return self if all(a is b for (_, a), (_, b) in zip(terms, self.terms)) else replace(self, terms=terms)
 
     def fixed_bytes(self, facts) -> float:
         return sum(j.fixed_bytes(facts) for _, j in self.terms) + 16.0 * self.n_query * self.k
