@@ -257,6 +257,10 @@ class KronOp(LinearOp):
     d × d matrix. Damping, inverse and powers act on Λ
     (rules ``kronecker.*``), exactly, since ``Q_S ⊗ Q_A`` is orthogonal.
 
+    The bases are stored in the precision of the rows they rotate (float32 for statistics of
+    float32 or half-precision rows, float64 for float64 rows:
+    :func:`gradalg.plan.jobs.kron.basis_dtype`); each use casts them to the rows' work dtype.
+
     ``eigenvalue_errors``: for blocks with float32 factors (module docstring), the
     estimated error δ_Λ of the entries of Λ; an inverse or negative power is refused
     (:class:`~gradalg.errors.CurvatureError`) where ``δ_Λ / min |Λ| > float32_rtol``.
