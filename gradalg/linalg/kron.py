@@ -80,25 +80,38 @@ def work_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def rotate_factors(F: Factors, Q_S: torch.Tensor | None, Q_A: torch.Tensor | None,
-                   token_block: int | None = None) -> torch.Tensor:
+                   token_block: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``Q_Sᵀ G_i Q_A`` for each example, from factors: ``Σ_p (D_{i,p} Q_S)ᵀ (A_{i,p} Q_A)``
     over token blocks p, in the factors' precision. A basis None is the identity (a
     diagonal factor); one-hot activations with the identity are scattered into G_i
-    (:func:`~gradalg.capture.factors.materialize`), never made dense.   (n, out, in)"""
+    (:func:`~gradalg.capture.factors.materialize`), never made dense.   (n, out, in)
+
+    ``out``: an (n, out, in) tensor of the work dtype to write the result into (a buffer
+    the caller reuses across blocks and chunks: a fresh tensor of tens of MB costs about
+    as much in page faults as the batched GEMM that fills it); the one-hot/identity path
+    ignores it."""
     dtype = work_dtype(F.D)
     if isinstance(F.A, OneHot) and Q_A is None:
         G = materialize(F, token_block).to(dtype)
         return G if Q_S is None else Q_S.T.to(dtype) @ G
-    out = None
+    result = None
     for tp in token_slices(F.T, token_block):
         Fp = F.tokens(tp)
         A = _rotated_acts(Fp.A, Q_A, dtype)                 # (n, b, in)
         D = Fp.D.to(dtype)                                  # (n, b, out)
         if Q_S is not None:
             D = D @ Q_S.to(dtype)
+        if out is not None:                                 # (n, out, b) @ (n, b, in), into the buffer
+            if result is None:
+                result = torch.bmm(D.transpose(1, 2), A, out=out)
+            else:
+                result.baddbmm_(D.transpose(1, 2), A)
+            continue
         part = torch.einsum("nto,nti->noi", D, A)
-        out = part if out is None else out.add_(part)
-    return out
+        result = part if result is None else result.add_(part)
+    if result is None and out is not None:                  # no positions: G_i = 0
+        result = out.zero_()
+    return result
 
 
 def rotate_rows(G: torch.Tensor, Q_S: torch.Tensor | None, Q_A: torch.Tensor | None) -> torch.Tensor:

@@ -31,7 +31,8 @@ from ..shapes import element_size
 from .base import Job
 
 __all__ = ["KronStatisticsJob", "KFACJob", "EKFACJob", "KronAccumulator", "EKFACAccumulator", "kron_factor_bytes",
-           "kron_bytes", "ekfac_bytes", "kron_output_bytes", "kron_bytes_arithmetic", "kron_precision_decisions"]
+           "kron_bytes", "ekfac_bytes", "kron_output_bytes", "kron_bytes_arithmetic", "kron_precision_decisions",
+           "basis_dtype", "correction_traffic"]
 
 
 def _diagonal_blocks(space, diagonal_width: int | None) -> set:
@@ -151,33 +152,45 @@ class EKFACJob(KronStatisticsJob):
                     if not self._diagonal(d):
                         cost = cost + gemm_cost(t, d, d, c, elem)
                 cost = cost + gemm_cost(out_f, in_f, t, c, elem) + block_cost("ekfac", c - 1, 3)
-            elif factored[b.name]:                                       # kron.rotate_factors
+            elif factored[b.name]:                                       # kron.rotate_factors, into a buffer
                 cost = (cost + gemm_cost(c * t, in_f, in_f, 1, elem) + gemm_cost(c * t, out_f, out_f, 1, elem)
-                        + bmm_cost(c, out_f, in_f, t, 1, elem))
+                        + bmm_cost(c, out_f, in_f, t, 1, elem)
+                        + correction_traffic(c, out_f, in_f, _work_elem(facts)))
+                continue
             else:                                                        # kron.rotate_rows
                 cost = cost + bmm_cost(c, out_f, in_f, out_f, 1, elem) + gemm_cost(c * out_f, in_f, in_f, 1, elem)
             cost = cost + Cost(bytes=4.0 * elem * c * out_f * in_f)     # rotated, squared, summed
         return cost
 
     def example_bytes(self, facts) -> float:
-        """One example's correction: rotated gradients, squared (float64), and one token
-        block of rotated factors; a block with a diagonal factor is rotated one example at
-        a time (counted in :meth:`fixed_bytes`)."""
+        """One example's correction, a block at a time (``EKFACAccumulator.update``): its
+        row of the reused buffer of rotated gradients, sized to the widest block (w·d_max,
+        w the work dtype's bytes: 4, or 8 for float64 rows), beside the rotation of a
+        block of flat rows (two rotated copies and their squares, 3·w·d_max), and one
+        token block of the widest block's rotated factors, T_b·(out + in)·w. A block with
+        a diagonal factor is rotated one example at a time (counted in :meth:`fixed_bytes`).
+        (Before: 16 bytes per coordinate of every block, as if all blocks' rotated
+        gradients were held at once: 2.2 GB per example on the Llama-200M shape, where one
+        block's are 12 MB.)"""
         node = self.streams[0]
         T, diag = positions(node, facts.shapes), _diagonal_blocks(node.space, self.kron_diagonal_width)
-        return sum((16.0 * b.dim if b.name not in diag else 0.0)
-                   + (self.at_once(T[b.name]) * sum(b.shape) * 8.0 if len(b.shape) == 2 else 0.0)
-                   for b in node.space.blocks)
+        w = _work_elem(facts)
+        widest = max([b.dim for b in node.space.blocks if b.name not in diag] or [0])
+        factors = max([self.at_once(T[b.name]) * sum(b.shape) * w for b in node.space.blocks if len(b.shape) == 2]
+                      or [0.0])
+        return 4.0 * w * widest + factors
 
     def fixed_bytes(self, facts) -> float:
-        """The statistics' bytes, and one example's rotated gradient of a block with a
+        """The statistics' bytes, one example's rotated gradient of a block with a
         diagonal (vocabulary-wide) factor, which is corrected one example at a time: its
         (out, in) rotated gradient, squared in place, and their float64 copy, 16·out·in
-        bytes for the largest such block."""
+        bytes for the largest such block; and the reused (out, in) buffer of a chunk's
+        summed squares, w·d_max (``EKFACAccumulator``)."""
         space = self.target.space
         diag = _diagonal_blocks(space, self.kron_diagonal_width)
+        summed = _work_elem(facts) * max([b.dim for b in space.blocks if b.name not in diag] or [0])
         return (ekfac_bytes(space, self.kron_float64_width, self.kron_diagonal_width, facts.dtype)
-                + max([16.0 * b.dim for b in space.blocks if b.name in diag] or [0.0]))
+                + max([16.0 * b.dim for b in space.blocks if b.name in diag] or [0.0]) + summed)
 
     def bytes_arithmetic(self, facts) -> str:
         return (f"EK-FAC correction: eigenbases, K-FAC and corrected eigenvalues and their float64 sums "
@@ -194,7 +207,32 @@ class EKFACJob(KronStatisticsJob):
 
     def accumulator(self, ctx) -> "EKFACAccumulator":
         """Rotates into the eigenbases the K-FAC job's pass left in ``ctx.state.kron``."""
-        return EKFACAccumulator(self.target, ctx.state.kron[self.target.token], self.token_block)
+        return EKFACAccumulator(self.target, ctx.state.kron[self.target.token], self.token_block, self.buffer_bytes)
+
+
+def _work_elem(facts) -> int:
+    """Bytes per number of the correction's work dtype (``work_dtype`` of the rows): 8 for
+    float64 rows, else 4 (half-precision rows are rotated in float32)."""
+    return 8 if facts.dtype == torch.float64 else 4
+
+
+def correction_traffic(c: int, out_f: int, in_f: int, w: int) -> Cost:
+    """Memory traffic of EK-FAC's correction of one (out, in) block over a chunk of c
+    examples (``EKFACAccumulator.update``) beyond the rotation's GEMMs, with w the work
+    dtype's bytes and m = out·in:
+
+    * the batched GEMM's output, written into the reused buffer: w·c·m bytes (its k = T_b
+      positions is small for an expert's routed tokens, so the write is not hidden behind
+      its FLOPs);
+    * the squares, in place: read and write, 2·w·c·m, at the elementwise rate;
+    * the sum over the chunk into the reused (out, in) buffer: w·c·m read, w·m written;
+    * added into the float64 sums: w·m + 8·m read, 8·m written.
+
+    No fresh memory: the buffers are reused across blocks and chunks (the code before
+    allocated four tensors per block and chunk, c·m·w twice, m·w and m·8, faulted in at
+    the page-fault rate: on OLMoE-2L's experts 3–4× the pass's estimate)."""
+    m = float(out_f) * in_f
+    return Cost(bytes=w * c * m + w * c * m + w * m + (w + 16.0) * m, elementwise=2.0 * w * c * m)
 
 
 # ------------------------------------------------------------------ bytes of the statistics
@@ -535,12 +573,35 @@ class EKFACAccumulator:
     """EK-FAC's eigenvalue correction Λ = (1/n) Σ_i (Q_Sᵀ G_i Q_A)² in a K-FAC eigenbasis
     (summed in float64; stored in the K-FAC eigenvalues' dtype). A block with a diagonal
     factor (an identity basis: a vocabulary-wide side) is rotated one example at a time:
-    its (out, in) rotated gradient is the size of the block (GPT-2's tied head: 154 MB)."""
+    its (out, in) rotated gradient is the size of the block (GPT-2's tied head: 154 MB).
 
-    def __init__(self, node: KFAC, kfac: KronOp, token_block: int | None = None):
-        self.node, self.kfac, self.token_block = node, kfac, token_block
+    A chunk's rotated gradients (c, out, in) of at least ``buffer_bytes`` are written into
+    one buffer reused across blocks and chunks, squared in place and summed over the
+    chunk into a second reused (out, in) buffer, which is added to the float64 sums
+    without a float64 copy (the same numbers as ``(R ** 2).sum(0).to(float64)``). Fresh
+    tensors there (four per block and chunk, tens of MB each at real widths, above the
+    allocator's mmap threshold) cost more in page faults than the rotation's GEMMs: the
+    pass took 3–4× its estimate on OLMoE's experts (issue 28)."""
+
+    def __init__(self, node: KFAC, kfac: KronOp, token_block: int | None = None, buffer_bytes: int = 2 ** 20):
+        self.node, self.kfac, self.token_block, self.buffer_bytes = node, kfac, token_block, buffer_bytes
         self.sums = {name: torch.zeros(lam.shape, dtype=torch.float64, device=lam.base[0].device)
                      for name, lam in kfac.parts.items()}
+        self._rotated = self._summed = None     # the reused buffers (flat), grown to the largest use
+
+    def _buffer(self, which: str, shape: tuple, like: torch.Tensor, dtype) -> torch.Tensor | None:
+        """A view of ``shape`` into the reused buffer ``which`` ("_rotated" or "_summed"), or
+        None below ``buffer_bytes`` (the allocator recycles small tensors)."""
+        size = 1
+        for d in shape:
+            size *= d
+        if size * torch.empty((), dtype=dtype).element_size() < self.buffer_bytes:
+            return None
+        buf = getattr(self, which)
+        if buf is None or buf.numel() < size or buf.dtype != dtype or buf.device != like.device:
+            buf = torch.empty(size, dtype=dtype, device=like.device)
+            setattr(self, which, buf)
+        return buf[:size].view(shape)
 
     def update(self, chunk: Chunk) -> None:
         for name in self.node.space.names:
@@ -558,7 +619,15 @@ class EKFACAccumulator:
                     del rotated
                 continue
             else:
-                rotated = rotate_factors(_factors(self.node, name, value), Q_S, Q_A, self.token_block)
+                F = _factors(self.node, name, value)
+                dtype, (o, i) = work_dtype(F.D), self.sums[name].shape
+                out = self._buffer("_rotated", (F.n, o, i), F.D, dtype)
+                rotated = rotate_factors(F, Q_S, Q_A, self.token_block, out=out)   # ours: squared in place
+                total = self._buffer("_summed", (o, i), F.D, dtype)
+                rotated.square_()
+                self.sums[name].add_(rotated.sum(0) if total is None else torch.sum(rotated, 0, out=total))
+                del rotated
+                continue
             self.sums[name] += (rotated ** 2).sum(0).to(self.sums[name].dtype)
 
     def export(self) -> dict:
