@@ -448,12 +448,15 @@ class KronOp(LinearOp):
         return rotate_back(rotated, Q_S, Q_A).reshape(n, o * i)
 
     def block_matrix(self, name: str) -> torch.Tensor:
-        """Block ``name``'s (out·in, out·in) matrix (Q_S⊗Q_A) diag(vec Λ) (Q_S⊗Q_A)ᵀ."""
+        """Block ``name``'s (out·in, out·in) matrix (Q_S⊗Q_A) diag(vec Λ) (Q_S⊗Q_A)ᵀ, in the
+        wider of the bases' and Λ's precision (float32 bases of float32 rows, float64 Λ:
+        float64, the operator exactly as the rows are rotated by it)."""
         Q_S, Q_A = self.bases[name]
         lam = self.eigenvalues[name]   # the grid, made once
-        Q_S = Q_S if Q_S is not None else torch.eye(lam.shape[0], dtype=lam.dtype)
-        Q_A = Q_A if Q_A is not None else torch.eye(lam.shape[1], dtype=lam.dtype)
-        K = torch.kron(Q_S.contiguous(), Q_A.to(Q_S.dtype).contiguous())
+        dtype = torch.promote_types(lam.dtype, next((Q.dtype for Q in (Q_S, Q_A) if Q is not None), lam.dtype))
+        Q_S = Q_S.to(dtype) if Q_S is not None else torch.eye(lam.shape[0], dtype=dtype)
+        Q_A = Q_A.to(dtype) if Q_A is not None else torch.eye(lam.shape[1], dtype=dtype)
+        K = torch.kron(Q_S.contiguous(), Q_A.contiguous())
         return (K * lam.flatten().unsqueeze(0)) @ K.T
 
     def dense(self) -> torch.Tensor:
