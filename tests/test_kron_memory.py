@@ -156,11 +156,14 @@ def test_the_executor_holds_one_operator_per_chain_after_influence(curvature, di
     held = distinct_bytes(krons)
     bases = sum(Q.numel() * Q.element_size() for Qs in krons[0].bases.values() for Q in Qs if Q is not None)
     grid = sum(8 * b.dim for b in space.blocks)      # one float64 (out, in) grid per block
+    # float32 rows: the bases are stored in float32, as the planner counts them (basis_dtype)
+    assert all(Q.dtype == torch.float32 for Qs in krons[0].bases.values() for Q in Qs if Q is not None)
+    rows = torch.float32
     if curvature == "kfac":
-        assert held == kron_output_bytes(space, o.kron_float64_width, o.kron_diagonal_width)
+        assert held == kron_output_bytes(space, o.kron_float64_width, o.kron_diagonal_width, rows_dtype=rows)
         assert all(op.nbytes() == held for op in krons)   # each of the chain's operators: the same numbers
         assert held < bases + grid                       # not even one grid
     else:
-        vectors = kron_output_bytes(space, o.kron_float64_width, o.kron_diagonal_width) - bases
-        refit = kron_output_bytes(space, o.kron_float64_width, o.kron_diagonal_width, refit=True)
+        vectors = kron_output_bytes(space, o.kron_float64_width, o.kron_diagonal_width, rows_dtype=rows) - bases
+        refit = kron_output_bytes(space, o.kron_float64_width, o.kron_diagonal_width, refit=True, rows_dtype=rows)
         assert held == refit + vectors < bases + 2 * grid   # one grid (the re-fitted Λ)

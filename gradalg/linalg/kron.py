@@ -80,25 +80,38 @@ def work_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def rotate_factors(F: Factors, Q_S: torch.Tensor | None, Q_A: torch.Tensor | None,
-                   token_block: int | None = None) -> torch.Tensor:
+                   token_block: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``Q_Sᵀ G_i Q_A`` for each example, from factors: ``Σ_p (D_{i,p} Q_S)ᵀ (A_{i,p} Q_A)``
     over token blocks p, in the factors' precision. A basis None is the identity (a
     diagonal factor); one-hot activations with the identity are scattered into G_i
-    (:func:`~gradalg.capture.factors.materialize`), never made dense.   (n, out, in)"""
+    (:func:`~gradalg.capture.factors.materialize`), never made dense.   (n, out, in)
+
+    ``out``: an (n, out, in) tensor of the work dtype to write the result into (a buffer
+    the caller reuses across blocks and chunks: a fresh tensor of tens of MB costs about
+    as much in page faults as the batched GEMM that fills it); the one-hot/identity path
+    ignores it."""
     dtype = work_dtype(F.D)
     if isinstance(F.A, OneHot) and Q_A is None:
         G = materialize(F, token_block).to(dtype)
         return G if Q_S is None else Q_S.T.to(dtype) @ G
-    out = None
+    result = None
     for tp in token_slices(F.T, token_block):
         Fp = F.tokens(tp)
         A = _rotated_acts(Fp.A, Q_A, dtype)                 # (n, b, in)
         D = Fp.D.to(dtype)                                  # (n, b, out)
         if Q_S is not None:
             D = D @ Q_S.to(dtype)
+        if out is not None:                                 # (n, out, b) @ (n, b, in), into the buffer
+            if result is None:
+                result = torch.bmm(D.transpose(1, 2), A, out=out)
+            else:
+                result.baddbmm_(D.transpose(1, 2), A)
+            continue
         part = torch.einsum("nto,nti->noi", D, A)
-        out = part if out is None else out.add_(part)
-    return out
+        result = part if result is None else result.add_(part)
+    if result is None and out is not None:                  # no positions: G_i = 0
+        result = out.zero_()
+    return result
 
 
 def rotate_rows(G: torch.Tensor, Q_S: torch.Tensor | None, Q_A: torch.Tensor | None) -> torch.Tensor:
@@ -256,6 +269,10 @@ class KronOp(LinearOp):
     of that side is diagonal (a vocabulary-wide side, module docstring), never stored as a
     d × d matrix. Damping, inverse and powers act on Λ
     (rules ``kronecker.*``), exactly, since ``Q_S ⊗ Q_A`` is orthogonal.
+
+    The bases are stored in the precision of the rows they rotate (float32 for statistics of
+    float32 or half-precision rows, float64 for float64 rows:
+    :func:`gradalg.plan.jobs.kron.basis_dtype`); each use casts them to the rows' work dtype.
 
     ``eigenvalue_errors``: for blocks with float32 factors (module docstring), the
     estimated error δ_Λ of the entries of Λ; an inverse or negative power is refused
@@ -431,12 +448,15 @@ class KronOp(LinearOp):
         return rotate_back(rotated, Q_S, Q_A).reshape(n, o * i)
 
     def block_matrix(self, name: str) -> torch.Tensor:
-        """Block ``name``'s (out·in, out·in) matrix (Q_S⊗Q_A) diag(vec Λ) (Q_S⊗Q_A)ᵀ."""
+        """Block ``name``'s (out·in, out·in) matrix (Q_S⊗Q_A) diag(vec Λ) (Q_S⊗Q_A)ᵀ, in the
+        wider of the bases' and Λ's precision (float32 bases of float32 rows, float64 Λ:
+        float64, the operator exactly as the rows are rotated by it)."""
         Q_S, Q_A = self.bases[name]
         lam = self.eigenvalues[name]   # the grid, made once
-        Q_S = Q_S if Q_S is not None else torch.eye(lam.shape[0], dtype=lam.dtype)
-        Q_A = Q_A if Q_A is not None else torch.eye(lam.shape[1], dtype=lam.dtype)
-        K = torch.kron(Q_S.contiguous(), Q_A.to(Q_S.dtype).contiguous())
+        dtype = torch.promote_types(lam.dtype, next((Q.dtype for Q in (Q_S, Q_A) if Q is not None), lam.dtype))
+        Q_S = Q_S.to(dtype) if Q_S is not None else torch.eye(lam.shape[0], dtype=dtype)
+        Q_A = Q_A.to(dtype) if Q_A is not None else torch.eye(lam.shape[1], dtype=dtype)
+        K = torch.kron(Q_S.contiguous(), Q_A.contiguous())
         return (K * lam.flatten().unsqueeze(0)) @ K.T
 
     def dense(self) -> torch.Tensor:

@@ -20,17 +20,19 @@ from ...capture.chunks import Chunk
 from ...capture.factors import Factors
 from ...curvature.kron import FLOAT32_ROUNDOFF, EighCheck, KronStats, checked_eigh
 from ...errors import CurvatureError, GradalgError
-from ...expr import KFAC
+from ...expr import KFAC, Source
 from ...linalg.kron import (BlockEigenvalues, KronOp, diagonal_factor_rules, is_diagonal_factor, rotate_factors,
-                            rotate_rows)
+                            rotate_rows, work_dtype)
 from ..cost import Cost, bmm_cost, block_cost, eigh_cost, gemm_cost, gram_cost
 from ..estimates import _factored
 from ..decisions import Decision, DecisionKind
 from ..memory import _gb, positions
+from ..shapes import element_size
 from .base import Job
 
 __all__ = ["KronStatisticsJob", "KFACJob", "EKFACJob", "KronAccumulator", "EKFACAccumulator", "kron_factor_bytes",
-           "kron_bytes", "ekfac_bytes", "kron_output_bytes", "kron_bytes_arithmetic", "kron_precision_decisions"]
+           "kron_bytes", "ekfac_bytes", "kron_output_bytes", "kron_bytes_arithmetic", "kron_precision_decisions",
+           "basis_dtype", "correction_traffic"]
 
 
 def _diagonal_blocks(space, diagonal_width: int | None) -> set:
@@ -50,13 +52,22 @@ class KronStatisticsJob(Job):
     shrinks_with_queries: ClassVar[bool] = False
 
     def fixed_bytes(self, facts) -> float:
-        return kron_bytes(self.target.space, self.kron_float64_width, self.kron_diagonal_width)
+        return kron_bytes(self.target.space, self.kron_float64_width, self.kron_diagonal_width, facts.dtype)
 
     def bytes_arithmetic(self, facts) -> str:
-        return kron_bytes_arithmetic(self.target.space, self.kron_float64_width, self.kron_diagonal_width)
+        return kron_bytes_arithmetic(self.target.space, self.kron_float64_width, self.kron_diagonal_width,
+                                     facts.dtype)
 
     def output_bytes(self, n: int) -> float:
-        return kron_output_bytes(self.target.space, self.kron_float64_width, self.kron_diagonal_width)
+        return kron_output_bytes(self.target.space, self.kron_float64_width, self.kron_diagonal_width,
+                                 rows_dtype=self.rows_dtype())
+
+    def rows_dtype(self) -> torch.dtype | None:
+        """The dtype of the rows it reads: its model's (as the plan's ``facts.dtype``; None: unknown)."""
+        for node in (self.streams[0].walk() if self.streams else ()):
+            if isinstance(node, Source):
+                return next((p.dtype for p in node.task.model.parameters()), None)
+        return None
 
     def _diagonal(self, d: int) -> bool:
         return is_diagonal_factor(d, self.kron_diagonal_width)
@@ -143,33 +154,45 @@ class EKFACJob(KronStatisticsJob):
                     if not self._diagonal(d):
                         cost = cost + gemm_cost(t, d, d, c, elem)
                 cost = cost + gemm_cost(out_f, in_f, t, c, elem) + block_cost("ekfac", c - 1, 3)
-            elif factored[b.name]:                                       # kron.rotate_factors
+            elif factored[b.name]:                                       # kron.rotate_factors, into a buffer
                 cost = (cost + gemm_cost(c * t, in_f, in_f, 1, elem) + gemm_cost(c * t, out_f, out_f, 1, elem)
-                        + bmm_cost(c, out_f, in_f, t, 1, elem))
+                        + bmm_cost(c, out_f, in_f, t, 1, elem)
+                        + correction_traffic(c, out_f, in_f, _work_elem(facts)))
+                continue
             else:                                                        # kron.rotate_rows
                 cost = cost + bmm_cost(c, out_f, in_f, out_f, 1, elem) + gemm_cost(c * out_f, in_f, in_f, 1, elem)
             cost = cost + Cost(bytes=4.0 * elem * c * out_f * in_f)     # rotated, squared, summed
         return cost
 
     def example_bytes(self, facts) -> float:
-        """One example's correction: rotated gradients, squared (float64), and one token
-        block of rotated factors; a block with a diagonal factor is rotated one example at
-        a time (counted in :meth:`fixed_bytes`)."""
+        """One example's correction, a block at a time (``EKFACAccumulator.update``): its
+        row of the reused buffer of rotated gradients, sized to the widest block (w·d_max,
+        w the work dtype's bytes: 4, or 8 for float64 rows), beside the rotation of a
+        block of flat rows (two rotated copies and their squares, 3·w·d_max), and one
+        token block of the widest block's rotated factors, T_b·(out + in)·w. A block with
+        a diagonal factor is rotated one example at a time (counted in :meth:`fixed_bytes`).
+        (Before: 16 bytes per coordinate of every block, as if all blocks' rotated
+        gradients were held at once: 2.2 GB per example on the Llama-200M shape, where one
+        block's are 12 MB.)"""
         node = self.streams[0]
         T, diag = positions(node, facts.shapes), _diagonal_blocks(node.space, self.kron_diagonal_width)
-        return sum((16.0 * b.dim if b.name not in diag else 0.0)
-                   + (self.at_once(T[b.name]) * sum(b.shape) * 8.0 if len(b.shape) == 2 else 0.0)
-                   for b in node.space.blocks)
+        w = _work_elem(facts)
+        widest = max([b.dim for b in node.space.blocks if b.name not in diag] or [0])
+        factors = max([self.at_once(T[b.name]) * sum(b.shape) * w for b in node.space.blocks if len(b.shape) == 2]
+                      or [0.0])
+        return 4.0 * w * widest + factors
 
     def fixed_bytes(self, facts) -> float:
-        """The statistics' bytes, and one example's rotated gradient of a block with a
+        """The statistics' bytes, one example's rotated gradient of a block with a
         diagonal (vocabulary-wide) factor, which is corrected one example at a time: its
         (out, in) rotated gradient, squared in place, and their float64 copy, 16·out·in
-        bytes for the largest such block."""
+        bytes for the largest such block; and the reused (out, in) buffer of a chunk's
+        summed squares, w·d_max (``EKFACAccumulator``)."""
         space = self.target.space
         diag = _diagonal_blocks(space, self.kron_diagonal_width)
-        return (ekfac_bytes(space, self.kron_float64_width, self.kron_diagonal_width)
-                + max([16.0 * b.dim for b in space.blocks if b.name in diag] or [0.0]))
+        summed = _work_elem(facts) * max([b.dim for b in space.blocks if b.name not in diag] or [0])
+        return (ekfac_bytes(space, self.kron_float64_width, self.kron_diagonal_width, facts.dtype)
+                + max([16.0 * b.dim for b in space.blocks if b.name in diag] or [0.0]) + summed)
 
     def bytes_arithmetic(self, facts) -> str:
         return (f"EK-FAC correction: eigenbases, K-FAC and corrected eigenvalues and their float64 sums "
@@ -177,7 +200,8 @@ class EKFACJob(KronStatisticsJob):
 
     def output_bytes(self, n: int) -> float:
         """The eigenbases and the re-fitted (out, in) eigenvalue grid of each block."""
-        return kron_output_bytes(self.target.space, self.kron_float64_width, self.kron_diagonal_width, refit=True)
+        return kron_output_bytes(self.target.space, self.kron_float64_width, self.kron_diagonal_width, refit=True,
+                                 rows_dtype=self.rows_dtype())
 
     def describe(self) -> str:
         notes = [x for x in self.target.subset_notes() if x.startswith("eigenvalue")]
@@ -185,7 +209,32 @@ class EKFACJob(KronStatisticsJob):
 
     def accumulator(self, ctx) -> "EKFACAccumulator":
         """Rotates into the eigenbases the K-FAC job's pass left in ``ctx.state.kron``."""
-        return EKFACAccumulator(self.target, ctx.state.kron[self.target.token], self.token_block)
+        return EKFACAccumulator(self.target, ctx.state.kron[self.target.token], self.token_block, self.buffer_bytes)
+
+
+def _work_elem(facts) -> int:
+    """Bytes per number of the correction's work dtype (``work_dtype`` of the rows): 8 for
+    float64 rows, else 4 (half-precision rows are rotated in float32)."""
+    return 8 if facts.dtype == torch.float64 else 4
+
+
+def correction_traffic(c: int, out_f: int, in_f: int, w: int) -> Cost:
+    """Memory traffic of EK-FAC's correction of one (out, in) block over a chunk of c
+    examples (``EKFACAccumulator.update``) beyond the rotation's GEMMs, with w the work
+    dtype's bytes and m = out·in:
+
+    * the batched GEMM's output, written into the reused buffer: w·c·m bytes (its k = T_b
+      positions is small for an expert's routed tokens, so the write is not hidden behind
+      its FLOPs);
+    * the squares, in place: read and write, 2·w·c·m, at the elementwise rate;
+    * the sum over the chunk into the reused (out, in) buffer: w·c·m read, w·m written;
+    * added into the float64 sums: w·m + 8·m read, 8·m written.
+
+    No fresh memory: the buffers are reused across blocks and chunks (the code before
+    allocated four tensors per block and chunk, c·m·w twice, m·w and m·8, faulted in at
+    the page-fault rate: on OLMoE-2L's experts 3–4× the pass's estimate)."""
+    m = float(out_f) * in_f
+    return Cost(bytes=w * c * m + w * c * m + w * m + (w + 16.0) * m, elementwise=2.0 * w * c * m)
 
 
 # ------------------------------------------------------------------ bytes of the statistics
@@ -194,26 +243,39 @@ def _factor_widths(space):
     return [(b.shape[0], b.shape[-1]) for b in space.blocks]
 
 
-def _factor_parts(space, float64_width: int | None, diagonal_width: int | None):
+def _factor_parts(space, float64_width: int | None, diagonal_width: int | None, rows_dtype=torch.float64):
     """``(out, in, [S's, A's kron_factor_bytes])`` of each block."""
     for o, i in _factor_widths(space):
-        yield o, i, [kron_factor_bytes(d, float64_width, diagonal_width) for d in (o, i)]
+        yield o, i, [kron_factor_bytes(d, float64_width, diagonal_width, rows_dtype) for d in (o, i)]
 
 
-def kron_factor_bytes(d: int, float64_width: int | None, diagonal_width: int | None = None) -> dict:
+def kron_factor_bytes(d: int, float64_width: int | None, diagonal_width: int | None = None,
+                      rows_dtype: torch.dtype | None = torch.float64) -> dict:
     """Bytes of one d-wide Kronecker factor: ``sum`` (float64, or float32 with its Kahan
-    compensation: 8·d² either way), ``basis`` (its eigenvectors: 8·d² or 4·d²) and ``eigh``
-    (the peak of its eigendecomposition beyond the basis: the symmetrized input and
-    LAPACK's workspace, 24·d² in float64; 12·d² in float32, with the float64 check's
-    three (d, 512) column blocks). float32 beyond ``float64_width``. Beyond
-    ``diagonal_width`` the factor is its diagonal: a float64 sum of 8·d bytes, no basis
-    (the identity) and no eigendecomposition (``"dtype": "diagonal"``)."""
+    compensation: 8·d² either way), ``basis`` (its eigenvectors as stored:
+    :func:`basis_dtype`, 8·d² for float64 rows, else 4·d²) and ``eigh`` (the peak of its
+    eigendecomposition beyond the stored basis: the symmetrized input and LAPACK's
+    workspace, 24·d² in float64, and, where the basis is stored in float32, the float64
+    eigenvectors beside their float32 copy, 8·d² − 4·d² more; 12·d² in float32, with the
+    float64 check's three (d, 512) column blocks). ``dtype``: the eigendecomposition's
+    precision, float32 beyond ``float64_width``. Beyond ``diagonal_width`` the factor is
+    its diagonal: a float64 sum of 8·d bytes, no basis (the identity) and no
+    eigendecomposition (``"dtype": "diagonal"``). ``rows_dtype``: the dtype of the rows
+    (the plan's ``facts.dtype``; None: float64)."""
     if diagonal_width is not None and d > diagonal_width:
         return {"dtype": "diagonal", "sum": 8.0 * d, "basis": 0.0, "eigh": 0.0}
     wide = float64_width is not None and d > float64_width
     elem = 4.0 if wide else 8.0
-    return {"dtype": "float32" if wide else "float64", "sum": 8.0 * d * d, "basis": elem * d * d,
-            "eigh": 3.0 * elem * d * d + (3 * 8.0 * d * 512 if wide else 0.0)}
+    stored = element_size(basis_dtype(torch.float32 if wide else torch.float64, _rows(rows_dtype)))
+    return {"dtype": "float32" if wide else "float64", "sum": 8.0 * d * d, "basis": stored * d * d,
+            "eigh": 3.0 * elem * d * d + (elem - stored) * d * d + (3 * 8.0 * d * 512 if wide else 0.0)}
+
+
+def _rows(dtype: torch.dtype | None) -> torch.dtype:
+    """The work dtype of rows of ``dtype`` (half precision → float32; None → float64)."""
+    if dtype is None or dtype == torch.float64:
+        return torch.float64
+    return torch.float32
 
 
 def _eigenvalue_bytes(o: int, i: int, parts) -> float:
@@ -238,7 +300,8 @@ def _dense_widths(space, diagonal_width: int | None) -> list[int]:
             if diagonal_width is None or d <= diagonal_width]
 
 
-def kron_bytes(space, float64_width: int | None = None, diagonal_width: int | None = None) -> float:
+def kron_bytes(space, float64_width: int | None = None, diagonal_width: int | None = None,
+               rows_dtype: torch.dtype | None = torch.float64) -> float:
     """K-FAC's statistics and eigendecompositions, the larger of two moments:
 
     * a chunk's update: every block's two factor sums, and the widest dense factor's
@@ -250,9 +313,10 @@ def kron_bytes(space, float64_width: int | None = None, diagonal_width: int | No
       block's covariance copies and one eigendecomposition's workspace.
 
     Factors wider than ``float64_width`` in float32, wider than ``diagonal_width``
-    diagonal (8·d bytes, no basis: :func:`kron_factor_bytes`)."""
+    diagonal (8·d bytes, no basis: :func:`kron_factor_bytes`); bases stored in
+    :func:`basis_dtype` of ``rows_dtype`` (the plan's dtype)."""
     sums, held, lam, eigh, copies = 0.0, 0.0, 0.0, 0.0, 0.0
-    for o, i, parts in _factor_parts(space, float64_width, diagonal_width):
+    for o, i, parts in _factor_parts(space, float64_width, diagonal_width, rows_dtype):
         block_sums = sum(p["sum"] for p in parts)
         sums += block_sums
         held += max(block_sums, sum(p["basis"] for p in parts))
@@ -263,32 +327,36 @@ def kron_bytes(space, float64_width: int | None = None, diagonal_width: int | No
     return max(sums + 12.0 * widest * widest, held + lam + max(eigh, copies))
 
 
-def ekfac_bytes(space, float64_width: int | None = None, diagonal_width: int | None = None) -> float:
-    """EK-FAC's correction pass: the K-FAC eigenbases and eigenvalue vectors it rotates
-    into, its float64 sums of squares (one (out, in) grid per block) and, when it
-    finishes, the corrected eigenvalues (one grid per block) beside them."""
+def ekfac_bytes(space, float64_width: int | None = None, diagonal_width: int | None = None,
+                rows_dtype: torch.dtype | None = torch.float64) -> float:
+    """EK-FAC's correction pass: the K-FAC eigenbases (in :func:`basis_dtype` of
+    ``rows_dtype``) and eigenvalue vectors it rotates into, its float64 sums of squares
+    (one (out, in) grid per block) and, when it finishes, the corrected eigenvalues (one
+    grid per block) beside them."""
     total = 0.0
-    for o, i, parts in _factor_parts(space, float64_width, diagonal_width):
+    for o, i, parts in _factor_parts(space, float64_width, diagonal_width, rows_dtype):
         total += (sum(p["basis"] for p in parts) + _kfac_eigenvalue_bytes(o, i, parts)
                   + _eigenvalue_bytes(o, i, parts) + 8.0 * o * i)
     return total
 
 
 def kron_output_bytes(space, float64_width: int | None = None, diagonal_width: int | None = None,
-                      refit: bool = False) -> float:
-    """Bytes of the Kronecker operator a job produces: eigenbases and eigenvalues — K-FAC's
+                      refit: bool = False, rows_dtype: torch.dtype | None = torch.float64) -> float:
+    """Bytes of the Kronecker operator a job produces: eigenbases (in :func:`basis_dtype`
+    of ``rows_dtype``) and eigenvalues — K-FAC's
     two vectors per block, or with ``refit`` EK-FAC's (out, in) grid per block. The
     operators a score derives from it (damped, inverted, powers) share these numbers
     (:class:`~gradalg.linalg.kron.BlockEigenvalues`): the scores pass holds no other
     copy, and makes Λ a slice of rows at a time (``gradalg.linalg.kron._SLICE_ELEMENTS`` numbers)."""
     total = 0.0
-    for o, i, parts in _factor_parts(space, float64_width, diagonal_width):
+    for o, i, parts in _factor_parts(space, float64_width, diagonal_width, rows_dtype):
         lam = _eigenvalue_bytes(o, i, parts) if refit else _kfac_eigenvalue_bytes(o, i, parts)
         total += sum(p["basis"] for p in parts) + lam
     return total
 
 
-def kron_bytes_arithmetic(space, float64_width: int | None = None, diagonal_width: int | None = None) -> str:
+def kron_bytes_arithmetic(space, float64_width: int | None = None, diagonal_width: int | None = None,
+                          rows_dtype: torch.dtype | None = torch.float64) -> str:
     """:func:`kron_bytes` spelled out: the sums, bases and eigenvalues of the blocks, and
     the largest eigendecomposition, with the widest factor's size and precision; when a
     dense factor is wider than ``float64_width``, the option that keeps it diagonal and
@@ -296,7 +364,7 @@ def kron_bytes_arithmetic(space, float64_width: int | None = None, diagonal_widt
     sums = bases = lam = 0.0
     widest, eigh = 0, 0.0
     diagonal = []
-    for o, i, parts in _factor_parts(space, float64_width, diagonal_width):
+    for o, i, parts in _factor_parts(space, float64_width, diagonal_width, rows_dtype):
         sums += sum(p["sum"] for p in parts)
         bases += sum(p["basis"] for p in parts)
         lam += _kfac_eigenvalue_bytes(o, i, parts)
@@ -314,12 +382,12 @@ def kron_bytes_arithmetic(space, float64_width: int | None = None, diagonal_widt
         text += f" + the largest eigendecomposition ({widest}×{widest}, {dtype}) {_gb(eigh)} GB"
     if diagonal:
         text += f"; {len(diagonal)} factor(s) of width {max(diagonal):,} kept diagonal"
-    text += f" = {_gb(kron_bytes(space, float64_width, diagonal_width))} GB"
+    text += f" = {_gb(kron_bytes(space, float64_width, diagonal_width, rows_dtype))} GB"
     if widest and float64_width is not None and widest > float64_width:
         narrower = max([d for d in _dense_widths(space, diagonal_width) if d < widest] or [1])
         text += (f"; to keep the {widest}×{widest} factor (and any wider) diagonal instead, "
                  f"ga.options(kron_diagonal_width={narrower}): "
-                 f"{_gb(kron_bytes(space, float64_width, narrower))} GB")
+                 f"{_gb(kron_bytes(space, float64_width, narrower, rows_dtype))} GB")
     return text
 
 
@@ -410,20 +478,29 @@ class KronAccumulator:
         self.stats = {name: KronStats(float64_width=float64_width, diagonal_width=diagonal_width)
                       for name in node.space.names}
         self.rules = diagonal_factor_rules(node.space, diagonal_width)
+        #: the widest precision of the rows summed (``work_dtype``): the stored bases' (:func:`basis_dtype`)
+        self.rows_dtype: torch.dtype | None = None
+
+    def _saw(self, dtype: torch.dtype | None) -> None:
+        if dtype is not None:
+            self.rows_dtype = dtype if self.rows_dtype is None else torch.promote_types(self.rows_dtype, dtype)
 
     def update(self, chunk: Chunk) -> None:
         for name in self.node.space.names:
-            self.stats[name].update(_factors(self.node, name, chunk.blocks[name]), self.token_block)
+            F = _factors(self.node, name, chunk.blocks[name])
+            self._saw(work_dtype(F.D))
+            self.stats[name].update(F, self.token_block)
 
     def export(self) -> dict:
-        return {n: (*st.sums(), st.tokens, st.examples) for n, st in self.stats.items()}
+        return {n: (*st.sums(), st.tokens, st.examples, self.rows_dtype) for n, st in self.stats.items()}
 
     def absorb(self, state: dict) -> None:
-        for name, (A, S, tokens, examples) in state.items():
+        for name, (A, S, tokens, examples, *rows_dtype) in state.items():
             st = self.stats[name]
             st.add_sums(A, S)
             st.tokens += tokens
             st.examples += examples
+            self._saw(rows_dtype[0] if rows_dtype else torch.float64)
 
     def finish(self) -> KronOp:
         bases, eigenvalues, errors = {}, {}, {}
@@ -436,8 +513,10 @@ class KronAccumulator:
             self.stats[name] = None        # the sums are not needed past their eigendecomposition
             Q_S, lam_S, check_S = _eigenbasis(S, self.float32_rtol, f"the output-gradient factor of {name!r}", widest)
             del S
+            Q_S = _stored(Q_S, self.rows_dtype)
             Q_A, lam_A, check_A = _eigenbasis(A, self.float32_rtol, f"the activation factor of {name!r}", widest)
             del A
+            Q_A = _stored(Q_A, self.rows_dtype)
             bases[name] = (Q_S, Q_A)
             dtype = torch.promote_types(lam_S.dtype, lam_A.dtype) if torch.float32 not in (
                 lam_S.dtype, lam_A.dtype) else torch.float32
@@ -449,6 +528,32 @@ class KronAccumulator:
                 errors[name] = check_S.error * top_A + top_S * check_A.error + check_S.error * check_A.error
         return KronOp(self.node.space, bases, eigenvalues, eigenvalue_errors=errors,
                       float32_rtol=self.float32_rtol, rules=self.rules)
+
+
+def basis_dtype(eigh_dtype: torch.dtype, rows_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a Kronecker eigenbasis is stored in: the precision every use rotates in.
+
+    Every use of a basis (``rotate_factors`` / ``rotate_rows`` / ``rotate_back``: EK-FAC's
+    eigenvalue fit, preconditioning queries and training rows, quadratic forms) casts it to
+    the rows' work dtype (:func:`~gradalg.linalg.kron.work_dtype`: float32 for float32 and
+    half-precision rows, float64 for float64 rows). A float64 eigendecomposition of factors
+    summed from float32 rows is therefore kept as its float32 rounding, made once: the same
+    numbers every rotation used (bit for bit; the strides, column-major from ``eigh``, are
+    kept), half the bytes (Llama-200M shape: 1.6 GB instead of 3.2 GB) and no cast per
+    chunk. Float64 rows (``rows_dtype`` float64, or unknown: None) keep a float64 basis, so
+    their rotations stay exact to float64 rounding at any damping; a float32
+    eigendecomposition (factors wider than ``kron_float64_width``) stays float32."""
+    if eigh_dtype == torch.float64 and rows_dtype is not None and rows_dtype != torch.float64:
+        return torch.float32
+    return eigh_dtype
+
+
+def _stored(Q: torch.Tensor | None, rows_dtype: torch.dtype | None) -> torch.Tensor | None:
+    """``Q`` in :func:`basis_dtype` (strides kept: ``Tensor.to`` preserves them), the float64
+    eigenvectors freed."""
+    if Q is None:
+        return None
+    return Q.to(basis_dtype(Q.dtype, rows_dtype))
 
 
 def _eigenbasis(M: torch.Tensor, rtol: float, what: str, float64_fix: int | None = None):
@@ -470,12 +575,35 @@ class EKFACAccumulator:
     """EK-FAC's eigenvalue correction Λ = (1/n) Σ_i (Q_Sᵀ G_i Q_A)² in a K-FAC eigenbasis
     (summed in float64; stored in the K-FAC eigenvalues' dtype). A block with a diagonal
     factor (an identity basis: a vocabulary-wide side) is rotated one example at a time:
-    its (out, in) rotated gradient is the size of the block (GPT-2's tied head: 154 MB)."""
+    its (out, in) rotated gradient is the size of the block (GPT-2's tied head: 154 MB).
 
-    def __init__(self, node: KFAC, kfac: KronOp, token_block: int | None = None):
-        self.node, self.kfac, self.token_block = node, kfac, token_block
+    A chunk's rotated gradients (c, out, in) of at least ``buffer_bytes`` are written into
+    one buffer reused across blocks and chunks, squared in place and summed over the
+    chunk into a second reused (out, in) buffer, which is added to the float64 sums
+    without a float64 copy (the same numbers as ``(R ** 2).sum(0).to(float64)``). Fresh
+    tensors there (four per block and chunk, tens of MB each at real widths, above the
+    allocator's mmap threshold) cost more in page faults than the rotation's GEMMs: the
+    pass took 3–4× its estimate on OLMoE's experts (issue 28)."""
+
+    def __init__(self, node: KFAC, kfac: KronOp, token_block: int | None = None, buffer_bytes: int = 2 ** 20):
+        self.node, self.kfac, self.token_block, self.buffer_bytes = node, kfac, token_block, buffer_bytes
         self.sums = {name: torch.zeros(lam.shape, dtype=torch.float64, device=lam.base[0].device)
                      for name, lam in kfac.parts.items()}
+        self._rotated = self._summed = None     # the reused buffers (flat), grown to the largest use
+
+    def _buffer(self, which: str, shape: tuple, like: torch.Tensor, dtype) -> torch.Tensor | None:
+        """A view of ``shape`` into the reused buffer ``which`` ("_rotated" or "_summed"), or
+        None below ``buffer_bytes`` (the allocator recycles small tensors)."""
+        size = 1
+        for d in shape:
+            size *= d
+        if size * torch.empty((), dtype=dtype).element_size() < self.buffer_bytes:
+            return None
+        buf = getattr(self, which)
+        if buf is None or buf.numel() < size or buf.dtype != dtype or buf.device != like.device:
+            buf = torch.empty(size, dtype=dtype, device=like.device)
+            setattr(self, which, buf)
+        return buf[:size].view(shape)
 
     def update(self, chunk: Chunk) -> None:
         for name in self.node.space.names:
@@ -493,7 +621,15 @@ class EKFACAccumulator:
                     del rotated
                 continue
             else:
-                rotated = rotate_factors(_factors(self.node, name, value), Q_S, Q_A, self.token_block)
+                F = _factors(self.node, name, value)
+                dtype, (o, i) = work_dtype(F.D), self.sums[name].shape
+                out = self._buffer("_rotated", (F.n, o, i), F.D, dtype)
+                rotated = rotate_factors(F, Q_S, Q_A, self.token_block, out=out)   # ours: squared in place
+                total = self._buffer("_summed", (o, i), F.D, dtype)
+                rotated.square_()
+                self.sums[name].add_(rotated.sum(0) if total is None else torch.sum(rotated, 0, out=total))
+                del rotated
+                continue
             self.sums[name] += (rotated ** 2).sum(0).to(self.sums[name].dtype)
 
     def export(self) -> dict:
