@@ -147,6 +147,12 @@ class ScoresJob(Job):
     def score_parts(self) -> tuple:
         return (self,)
 
+    def applied_ops(self) -> tuple:
+        """H of ⟨held_i, H streamed_j⟩, resolved in this pass when the accumulator
+        preconditions the held rows (:meth:`once_cost`): the size stage counts its
+        resolution (a dense inverse: 32·d², 302 MB at d = 3075) in the pass's peak."""
+        return () if isinstance(self.target.op, Identity) else (self.target.op,)
+
     # ------------------------------------------------------------------ scheduling
     def normalized(self, decide) -> "ScoresJob":
         """``normalize_streamed`` as ``decide(side, self)`` says for a streamed side
