@@ -86,7 +86,7 @@ def _asked_about(module) -> list[str]:
 
 
 #: the size stage's questions (methods), and the kinds whose class answers one itself
-SIZING = {"keeping_held_rows": {"scores"}, "applied_ops": {"diag"}}
+SIZING = {"keeping_held_rows": {"scores"}, "applied_ops": {"diag", "scores", "topk", "apply"}}
 
 
 def test_the_size_stage_asks_the_job_not_its_type():

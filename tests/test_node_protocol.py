@@ -327,3 +327,27 @@ def test_labels_given_as_a_plain_set_are_read_as_labels(setting):
 
     with pytest.raises(ga.OperatorError, match=r"Wrong.labels\(\) returned int.*ga.Labels"):
         Wrong(v, G.space).labels()
+
+
+def test_only_the_identity_says_it_preconditions_nothing(setting):
+    """``OpNode.is_identity`` is the one question "is a score or chain with this operator
+    unpreconditioned?": True for I only (c·I is tagged ``"identity"`` but changes the
+    numbers), and plan/ and gradalg/store ask it instead of ``isinstance(op, Identity)``."""
+    import ast
+    from pathlib import Path
+
+    import gradalg
+
+    _, _, G = setting
+    answers = {name: node.is_identity for name, node in _instances(setting)}
+    assert {name for name, yes in answers.items() if yes} == {"Identity"}, answers
+    I = ga.identity(G)
+    assert I.expr.is_identity and not (2.0 * I).expr.is_identity
+    assert "identity" in (2.0 * I).expr.labels()     # c·I: tagged, yet a preconditioner
+    root = Path(gradalg.__file__).parent
+    asked = [f"{path.relative_to(root)}: {ast.unparse(n)}"
+             for sub in ("plan", "store") for path in sorted((root / sub).rglob("*.py"))
+             for n in ast.walk(ast.parse(path.read_text()))
+             if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "isinstance"
+             and "Identity" in ast.unparse(n.args[1])]
+    assert not asked, asked

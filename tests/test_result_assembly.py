@@ -41,8 +41,13 @@ def test_labelled_keeps_example_rows_as_they_are():
 
 
 def test_no_other_result_assembly_in_the_api():
-    """api.py and token_scores.py build a DataArray in one place: ``labelled``."""
-    for module, allowed in ((api, 0), (token_scores, 1)):
+    """api.py and token_scores.py build a DataArray in one place: ``labelled``; so do the
+    results of a store's index search, MAGIC and a recorded trajectory."""
+    from importlib import import_module
+
+    others = [import_module(f"gradalg.{name}") for name in ("store.gradient_index", "methods.magic",
+                                                            "integrations.trajectory")]
+    for module, allowed in ((api, 0), (token_scores, 1), *((m, 0) for m in others)):
         tree = ast.parse(Path(module.__file__).read_text())
         made = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func).endswith("DataArray")]
         assert len(made) == allowed, (module.__name__, [ast.unparse(n)[:60] for n in made])

@@ -159,6 +159,14 @@ class OpNode(Node):
         """(dim, dim): a square operator on its parameter space."""
         return (self.space.dim, self.space.dim)
 
+    @property
+    def is_identity(self) -> bool:
+        """Whether the operator is exactly I, so that a score or a row-wise chain it is in
+        is not preconditioned: nothing to resolve, no preconditioned copy of held rows,
+        ghost kernels allowed. False but on :class:`Identity`; a multiple c·I (labels
+        tagged ``"identity"``, c ≠ 1) is not: applying it changes the numbers."""
+        return False
+
 
 def operand_cost(node: "OpNode", op: "OpNode", space: ParamSpace, n: int, prices):
     """The apply cost of ``node``, a map of ``op`` (damped, inverted, ...): the operand's
@@ -185,6 +193,10 @@ class Identity(OpNode):
 
     def labels(self):
         return Labels({"diagonal", "identity"})
+
+    @property
+    def is_identity(self) -> bool:
+        return True
 
     def statistics(self):
         return ()

@@ -66,6 +66,7 @@ from torch import nn
 
 from ..errors import CaptureStateError, DataError, ModelMismatchError, OptionError
 from ..task import Task
+from ..token_scores import Axis, labelled
 from .distributed import unwrap_model
 from .training import StepGrads, TrainingCapture
 
@@ -115,16 +116,16 @@ class TrajectoryScores:
 
     def total(self):
         """``Σ_t τ_{q,i,t}``: xarray (query, train), exact whatever ``topk`` kept."""
-        import xarray as xr
-        return xr.DataArray(self._totals.copy(), dims=("query", "train"),
-                            coords={"query": np.asarray(self.query_ids), "train": np.asarray(self.train_ids)},
-                            name="trajectory_total", attrs=dict(self.info))
+        return labelled(self._totals.copy(), self._axes(self.train_ids), "trajectory_total", dict(self.info))
+
+    def _axes(self, train_ids) -> list[Axis]:
+        """The (query, train) axes of a result: the query ids and ``train_ids``."""
+        return [Axis("query", np.asarray(self.query_ids)), Axis("train", np.asarray(train_ids))]
 
     @property
     def array(self):
         """xarray (query, train, step) of ``τ_{q,i,t}``; 0 = not seen at that step, NaN = seen,
         not kept (``topk``). Holds n_query × n_train × n_steps float64 numbers."""
-        import xarray as xr
         if self.info.get("topk") == 0:
             raise CaptureStateError("this trajectory kept totals only (topk=0): read .total(), or record again "
                                     "with topk=None (every score) or topk=k (the k largest |τ| per step)")
@@ -146,11 +147,9 @@ class TrajectoryScores:
                     # an example with several rows in the step, not all kept: no partial sum
                     partial = np.nonzero(np.bincount(keep, minlength=n) < rows_of)[0]
                     out[q, partial[np.isin(partial, keep)], t] = np.nan
-        return xr.DataArray(out, dims=("query", "train", "step"),
-                            coords={"query": np.asarray(self.query_ids), "train": np.asarray(self.train_ids),
-                                    "step": np.asarray([st.index for st in self.steps]),
-                                    "lr": ("step", np.asarray([st.lr for st in self.steps], dtype=float))},
-                            name="trajectory", attrs=dict(self.info))
+        return labelled(out, self._axes(self.train_ids) + [Axis("step", np.asarray([st.index for st in self.steps]))],
+                        "trajectory", dict(self.info),
+                        coords={"lr": ("step", np.asarray([st.lr for st in self.steps], dtype=float))})
 
     def cumulative(self):
         """Running sums over steps: xarray (query, train, step); NaN from a step whose score was
@@ -160,16 +159,13 @@ class TrajectoryScores:
     def at(self, step: int):
         """Step ``step``'s scores as xarray (query, train): one column per row of the step
         (an example seen twice in it has two columns)."""
-        import xarray as xr
         st = next((s for s in self.steps if s.index == step), None)
         if st is None:
             raise OptionError(f"no step {step} was recorded; steps are {[s.index for s in self.steps][:10]}...")
         if st.values is None or st.kept is not None:
             raise CaptureStateError(f"step {step}'s scores were not all kept (topk={self.info.get('topk')}): "
                                     "read .array (NaN where not kept), or record with topk=None")
-        return xr.DataArray(st.values, dims=("query", "train"),
-                            coords={"query": np.asarray(self.query_ids), "train": np.asarray(st.ids)},
-                            name="step_scores", attrs={"step": st.index, "lr": st.lr})
+        return labelled(st.values, self._axes(st.ids), "step_scores", {"step": st.index, "lr": st.lr})
 
     def records(self):
         """Every kept score as a long pandas DataFrame (columns query, train, step, lr, score):

@@ -32,6 +32,7 @@ from ..unroll.run import TrainingRun, _as_tensors, _LossOf, _rows
 from ..unroll.errors import UnsupportedTrainingError
 from .registry import method
 from ..options import plain
+from ..token_scores import Axis, labelled
 
 if TYPE_CHECKING:                 # xarray loads when a result is made (about 76 MB)
     import xarray as xr
@@ -74,16 +75,13 @@ class MagicScores:
     def compute(self) -> xr.DataArray:
         """Replay the run and back-propagate every query through it: a (query, train)
         ``DataArray`` of −∂f_q/∂ε_i (positive: up-weighting example i lowers the query's loss)."""
-        import xarray as xr
         result = metagradients(self.run, self._query_fn, checkpointing=self.checkpointing,
                                replay_tolerance=self.replay_tolerance)
         self.metagradients = result
         values = (-result.values).detach().cpu().numpy()           # (n_query, n_train)
-        return xr.DataArray(values, dims=("query", "train"),
-                            coords={"query": np.arange(self.n_query), "train": np.arange(self.run.n_train)},
-                            name="magic", attrs={"method": "magic", "steps": self.run.n_steps,
-                                                 "checkpointing": str(self.checkpointing),
-                                                 "stored_states_peak": result.ledger.peak})
+        return labelled(values, [Axis("query", np.arange(self.n_query)), Axis("train", np.arange(self.run.n_train))],
+                        "magic", {"method": "magic", "steps": self.run.n_steps,
+                                  "checkpointing": str(self.checkpointing), "stored_states_peak": result.ledger.peak})
 
     def __repr__(self):
         bound = schedule_bound(self.checkpointing, self.run.n_steps)

@@ -5,7 +5,7 @@ recorded :class:`~gradalg.plan.decisions.Decision` where there is a choice. The 
 runs what these return; it never routes a chunk itself."""
 from __future__ import annotations
 
-from ..expr import AdamPrecondition, Captured, GradNode, Identity, Inner, Normalize, Precondition, Project, Source
+from ..expr import AdamPrecondition, Captured, GradNode, Inner, Normalize, Precondition, Project, Source
 from ..expr.lowrank import lowrank_below
 from . import estimates
 from .cost import _si
@@ -60,7 +60,7 @@ def held_storage(held: GradNode, kernels: dict, inner: Inner, facts: Facts) -> d
     unpreconditioned product is kept flat under ``row_storage="auto"`` (the dense kernel
     multiplies the flat rows: factors too would hold the block twice)."""
     kept = storage(held, facts)
-    if facts.options.row_storage != "auto" or not isinstance(inner.op, Identity):
+    if facts.options.row_storage != "auto" or not inner.op.is_identity:
         return kept
     return {name: "flat" if how == "factors" and kernels.get(name) == "dense" else how for name, how in kept.items()}
 
@@ -121,7 +121,7 @@ def _fixed_kernel(inner: Inner, held_storage: str, known: bool, facts: Facts) ->
     """``(chosen, alternatives, reason)`` of a factored block whose kernel is not a costed
     choice: dense for a preconditioned product or flat held rows, "when run" while the
     positions per example are unmeasured (an executor measures them and plans again)."""
-    if not isinstance(inner.op, Identity):
+    if not inner.op.is_identity:
         return ("dense", {"ghost": "unavailable", "dense": "the preconditioned held rows"},
                 "H·L_i of a preconditioned product is not a product of the factors of L_i: the held "
                 "rows are materialized once, preconditioned, and multiplied with each streamed chunk")

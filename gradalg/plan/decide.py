@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..errors import MemoryBudgetError
-from ..expr import GradNode, Identity, Inner, OpNode, Project, ScoreDiagonal
+from ..expr import GradNode, Inner, OpNode, Project, ScoreDiagonal
 from .choices import Choices
 from .cost import _si
 from .decisions import Decision, DecisionKind
@@ -113,7 +113,7 @@ class _Graph:
             DecisionKind.HELD_SIDE, node.token, "right (training) rows" if transposed else "left (query) rows",
             {"hold left": f"{hold_left / 2**20:.2f} MiB", "hold right": f"{hold_right / 2**20:.2f} MiB"},
             why + "; H (symmetric) is applied once to the held rows"
-            + ("" if isinstance(node.op, Identity) else " (precondition the held side)"), label=node.label))
+            + ("" if node.op.is_identity else " (precondition the held side)"), label=node.label))
         return transposed
 
     def score_job(self, node: Inner, hold: str | None = None) -> ScoresJob:

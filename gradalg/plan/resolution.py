@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import OperatorError
-from ..expr import Identity, OpNode
+from ..expr import OpNode
 
 __all__ = ["resolution_rules", "operator_rules", "OperatorRules"]
 
@@ -45,7 +45,7 @@ def operator_rules(root) -> list[OperatorRules]:
         if isinstance(x, OpNode):
             continue
         for op in x.children:
-            if not isinstance(op, OpNode) or isinstance(op, Identity) or op.token in out:
+            if not isinstance(op, OpNode) or op.is_identity or op.token in out:
                 continue
             try:
                 out[op.token] = OperatorRules(op, tuple(resolution_rules(op)))

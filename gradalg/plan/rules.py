@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import PlanError
-from ..expr import (Damp, Identity, Inner, Inverse, LowRank, Node, Normalize, Precondition, Project, ScaledOp,
+from ..expr import (Damp, Inner, Inverse, LowRank, Node, Normalize, Precondition, Project, ScaledOp,
                     ScoreSum, Select, Source, SumOp)
 from ..expr.base import transform
 
@@ -57,7 +57,7 @@ def rule(name: str, types, priority: int = 50):
 def _absorb_precondition(node: Inner):
     """⟨H L_i, R_j⟩ = ⟨L_i, H R_j⟩ for symmetric H: move H into the inner product so the
     executor can apply it to whichever side is smaller."""
-    if not isinstance(node.op, Identity):
+    if not node.op.is_identity:
         return None
     if isinstance(node.left, Precondition):
         return Inner(node.left.grads, node.left.op, node.right)
@@ -69,7 +69,7 @@ def _absorb_precondition(node: Inner):
 @rule("identity_precondition", [Precondition], priority=5)
 def _identity_precondition(node: Precondition):
     """I G = G."""
-    return node.grads if isinstance(node.op, Identity) else None
+    return node.grads if node.op.is_identity else None
 
 
 @rule("full_rank_approximation", [LowRank], priority=5)
@@ -110,7 +110,7 @@ def _double_inverse(node: Inverse):
 @rule("inverse_identity", [Inverse], priority=20)
 def _inverse_identity(node: Inverse):
     """I⁻¹ = I."""
-    return node.op if isinstance(node.op, Identity) else None
+    return node.op if node.op.is_identity else None
 
 
 @rule("flatten_operator_sums", [SumOp], priority=30)

@@ -39,6 +39,7 @@ import torch
 
 from ..errors import OptionError, StoreMismatchError
 from ..options import plain
+from ..token_scores import Axis, labelled
 from . import layout
 from .describe import digest, store_attrs
 from .rows import flat_rows
@@ -268,7 +269,6 @@ class GradientIndex:
         (float64), coordinates ``query``, ``rank`` and ``train`` (query, rank) ids;
         ``attrs`` say which metric, kind and candidate count produced them.
         """
-        import xarray as xr
         k = plain(k)
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= self.n:
             raise OptionError(f"k must be an integer in 1..{self.n}, got {k!r}")
@@ -287,14 +287,12 @@ class GradientIndex:
         _, proposed = self.faiss_index.search(vec, m, params=params)          # (n_query, m) positions, -1 = none
         values, positions = self._rerank(q, proposed, k, largest)
         train_ids = np.asarray(self.reader.ids, dtype=object)
-        result = xr.DataArray(
-            values.numpy(), dims=("query", "rank"),
-            coords={"query": np.asarray(ids), "rank": np.arange(k),
-                    "train": (("query", "rank"), _as_ids(train_ids[positions.numpy()]))},
-            name="scores",
-            attrs={"metric": self.metric, "kind": self.kind, "candidates": m, "largest": int(largest),
-                   "scores": "exact (candidates re-scored in float64 from the stored rows)",
-                   "ties": "lower training position first"})
+        result = labelled(
+            values.numpy(), [Axis("query", np.asarray(ids)), Axis("rank", np.arange(k))], "scores",
+            {"metric": self.metric, "kind": self.kind, "candidates": m, "largest": int(largest),
+             "scores": "exact (candidates re-scored in float64 from the stored rows)",
+             "ties": "lower training position first"},
+            coords={"train": (("query", "rank"), _as_ids(train_ids[positions.numpy()]))})
         if texts is None:
             from .documents import texts as read_texts
             texts = read_texts(self.reader.path)

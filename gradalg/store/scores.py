@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import OptionError
 from ..options import plain
-from ..expr import Identity, Inner, ScoreSum
+from ..expr import Inner, ScoreSum
 from ..expr.stored import Stored, StoredOp
 from ..exec.resilience import PAYLOAD, run_tasks
 from . import layout
@@ -72,7 +72,7 @@ def _prepared(ex, node):
             memo[inner.left.token] = Stored(MemoryRows(rows, inner.left.token, inner.left.label),
                                             inner.left.space, tuple(inner.left.representation.items()))
         op = inner.op
-        if not isinstance(op, Identity):
+        if not op.is_identity:
             if op.token not in memo:
                 memo[op.token] = StoredOp(ResolvedStore(ex.operator(op), op.token, op.label), op.space,
                                           op.structure)

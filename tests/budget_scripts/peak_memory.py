@@ -231,7 +231,7 @@ def main():
                       "estimated_per_pass": [p.cost.peak_bytes for p in ex.last_plan.passes],
                       "resident_at_start_per_pass": [resident_at_start(p, ex.last_plan)
                                                      for p in ex.last_plan.passes],
-                      "pass_jobs": [[j.kind for j in p.jobs] for p in ex.last_plan.passes]}))
+                      "pass_jobs": [[j.kind for j in p.jobs] for p in ex.last_plan.passes]}, default=str))
 
 
 def resident_at_start(p, plan) -> float:

@@ -60,6 +60,10 @@ class ApplyJob(Job):
             resolved.add(("applied", self.target.op.token, self.held.token))
         return Cost()
 
+    def applied_ops(self) -> tuple:
+        """The operator, resolved in this pass (its accumulator's ``ctx.resolve``)."""
+        return (self.target.op,)
+
     def example_bytes(self, facts) -> float:
         return self.streams[0].space.dim * facts.elem      # the rows made flat
 

@@ -81,18 +81,21 @@ class FisherAccumulator:
         self.rows = 0
 
     def update(self, chunk: Chunk) -> None:
+        """Adds the chunk's Σ g gᵀ into the sums in place (``addmm_``): no second (d, d)
+        matrix beside them (``x.T @ x`` then ``+=`` held two: the pass measured 2× its
+        planned d² float64, 153 MB against 78 MB at d = 3,075)."""
         self.rows += chunk.n
-        if self.structure == "dense":
+        if self.structure == "diag":
+            self._add((flatten(chunk, self.space).to(torch.float64) ** 2).sum(0))
+        elif self.structure == "dense":
             x = flatten(chunk, self.space).to(torch.float64)
-            part = x.T @ x
-        elif self.structure == "diag":
-            part = (flatten(chunk, self.space).to(torch.float64) ** 2).sum(0)
+            self.acc = x.T @ x if self.acc is None else self.acc.addmm_(x.T, x)
         else:
-            part = {}
+            first = self.acc is None
+            self.acc = {} if first else self.acc
             for name in self.space.names:
                 x = flat_block(chunk.blocks[name]).to(torch.float64)
-                part[name] = x.T @ x
-        self._add(part)
+                self.acc[name] = x.T @ x if first else self.acc[name].addmm_(x.T, x)
 
     def _add(self, part) -> None:
         if self.acc is None:
@@ -118,6 +121,9 @@ class FisherAccumulator:
         # kept in the accumulation's float64: rounding a rank-deficient Gram matrix (TRAK's
         # ΦᵀΦ with n < k) to float32 leaves eigenvalues of ±1e-7·‖F‖, which a small damping
         # does not cover; rows are cast to the operator where it is applied
+        # divided in place, and handed over (a second finish fails loudly, never divides twice):
+        # ``acc / n`` made a second (d, d) matrix at the end of the pass
+        acc, self.acc = self.acc, None
         if self.structure == "block":
-            return ResolvedOp(self.space, "block", {k: v / n for k, v in self.acc.items()})
-        return ResolvedOp(self.space, self.structure, self.acc / n)
+            return ResolvedOp(self.space, "block", {k: v.div_(n) for k, v in acc.items()})
+        return ResolvedOp(self.space, self.structure, acc.div_(n))

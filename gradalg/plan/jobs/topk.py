@@ -72,6 +72,10 @@ class TopKJob(Job):
     def score_parts(self) -> tuple:
         return tuple(t for _, t in self.terms)
 
+    def applied_ops(self) -> tuple:
+        """Its terms' operators, resolved in this pass."""
+        return tuple(op for _, t in self.terms for op in t.applied_ops())
+
     def store_refused(self) -> Decision | None:
         """Terms that stream several different nodes, summed block by block, are read
         together from the data: a pass over rows in memory reads one node."""
