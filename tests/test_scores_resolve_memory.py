@@ -87,13 +87,17 @@ def _measured_passes(monkeypatch, S):
     return ex.last_plan, grown
 
 
-def test_measured_peak_of_the_scores_pass_stays_within_1_5x_its_plan(monkeypatch):
-    """The pass that resolves the inverse grows by ~40·d² (32·d² resolving, the damped
-    copy); planned 303 MB, measured 378 MB (1.25×); before, planned 0.08 MB."""
+@pytest.mark.parametrize("method", ["influence", "trak"])
+def test_measured_peak_of_the_scores_pass_stays_within_1_3x_its_plan(monkeypatch, method):
+    """The pass that resolves the inverse grows by ~40·d² (32–35·d² resolving, 8·d² the damped
+    copy): influence planned 378 MB, measured 378 MB; TRAK 168 / 203 MB (1.21×). Before the
+    damped copy was counted: 1.25× and 1.51×; before the resolution was counted, 0.08 MB planned."""
     task, train, q = _setting(hidden=256, dtype=torch.float32, n=64)
-    plan, grown = _measured_passes(monkeypatch, ga.methods.influence(task, train, q, curvature="empirical"))
+    S = ga.methods.influence(task, train, q, curvature="empirical") if method == "influence" else \
+        ga.methods.trak(task, train, q)
+    plan, grown = _measured_passes(monkeypatch, S)
     i = plan.passes.index(_scores_pass(plan))
-    assert grown[i] <= 1.5 * plan.passes[i].cost.peak_bytes, (grown, [p.cost.peak_bytes for p in plan.passes])
+    assert grown[i] <= 1.3 * plan.passes[i].cost.peak_bytes, (grown, [p.cost.peak_bytes for p in plan.passes])
 
 
 def test_the_fisher_pass_holds_one_matrix(monkeypatch):

@@ -22,6 +22,14 @@ __all__ = ["ResolvedOp", "explicit"]
 _FORM = {SHORT[form]: form for form in ("diagonal", "block", "dense")}
 
 
+def _shifted(matrix: torch.Tensor, shift) -> torch.Tensor:
+    """M + diag(shift) as one new (d, d) matrix (``shift``: a number or (d,)): a copy with its
+    diagonal shifted in place, not M + shift·I, which also makes the d × d identity."""
+    out = matrix.clone()
+    out.diagonal().add_(shift)
+    return out
+
+
 @dataclass
 class ResolvedOp(LinearOp):
     """An explicit operator's numbers. ``kind`` is "diag", "block" or "dense"."""
@@ -107,20 +115,17 @@ class ResolvedOp(LinearOp):
         if self.kind == "diag":
             return self._new("diag", self.data + damping)
         if self.kind == "dense":
-            return self._new("dense", self.data + damping * torch.eye(len(self.data), dtype=self.data.dtype,
-                                                                       device=self.data.device))
-        return self._new("block", {n: m + damping * torch.eye(len(m), dtype=m.dtype, device=m.device)
-                                   for n, m in self.data.items()})
+            return self._new("dense", _shifted(self.data, damping))
+        return self._new("block", {n: _shifted(m, damping) for n, m in self.data.items()})
 
     def _damp_blocks(self, lambdas: dict) -> "ResolvedOp":
         if self.kind == "block":
-            return self._new("block", {n: m + lambdas[n] * torch.eye(len(m), dtype=m.dtype, device=m.device)
-                                       for n, m in self.data.items()})
+            return self._new("block", {n: _shifted(m, lambdas[n]) for n, m in self.data.items()})
         shift = torch.empty(self.space.dim, dtype=self.data.dtype, device=self.data.device)
         for n, s in self.space.offsets().items():
             shift[s] = lambdas[n]
         return self._new("diag", self.data + shift) if self.kind == "diag" else \
-            self._new("dense", self.data + torch.diag(shift))
+            self._new("dense", _shifted(self.data, shift))
 
     def _map(self, fn, what) -> "ResolvedOp":
         if self.kind == "diag":
