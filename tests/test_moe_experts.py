@@ -417,3 +417,31 @@ def test_padding_tokens_get_no_expert_rows_and_curvature_ignores_them(arch, side
         c = torch.stack([routed_counts(module, idx)[0] for idx in per_example])   # (n, E), each alone
         counts.update({f"{name}.{m}.{e}": max(1, int(c[:, e].max())) for e in range(E) for m in MATRICES})
     assert {n: shapes.positions[n] for n in counts} == counts
+
+
+def test_a_display_plan_costs_expert_kernels_at_the_estimate_and_a_batch_size_change_remeasures():
+    """Without a model run (a display), the experts' positions are the balanced-routing
+    estimate: every block's kernel is costed there (the attention projections' T is the
+    data's), none left "when run" (priced as dense rows, the pessimistic peak), and the
+    expert blocks' reasons say the run decides again. A run's measurement depends on the
+    chunk's examples: planned again under another ``batch_size``, the routing is measured
+    again (not the first measurement's, kept by source)."""
+    from gradalg.plan.decisions import DecisionKind
+    from gradalg.plan.planner import plan
+    from gradalg.plan.shapes import measure_forward_shapes
+    model = build("olmoe")
+    task = ga.tasks.causal_lm(model)
+    G, Q = ga.grads(task, items((9, 9, 7, 8), 3)), ga.grads(task, items((6, 6), 4))
+    display = plan((Q @ G.T).expr)
+    decisions = display.decisions.of(DecisionKind.KERNEL)
+    assert {d.chosen for d in decisions} <= {"ghost", "dense"} and len(decisions) == len(G.layers)
+    assert all(("balanced-routing estimate" in d.reason) == (".experts." in d.block) for d in decisions)
+    src = G.expr.source
+    measured = {}
+    for B in (1, 4, 1):
+        with ga.options(batch_size=B):
+            shapes = plan((Q @ G.T).expr, measure_shapes=True).stages["facts"].shapes[src.token]
+            assert shapes == measure_forward_shapes(src)
+        measured.setdefault(B, shapes)
+        assert measured[B] == shapes
+    assert sum(measured[4].positions.values()) > sum(measured[1].positions.values())

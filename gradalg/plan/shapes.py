@@ -43,7 +43,7 @@ from .cost import tokens_hint
 
 __all__ = ["ForwardShapes", "ModelFacts", "forward_shapes", "measure_forward_shapes", "rows_per_example", "element_size",
            "weight_layers", "attention_shape", "activation_bytes", "output_width", "output_bytes",
-           "OUTPUT_COPIES", "chunk_examples"]
+           "OUTPUT_COPIES", "chunk_examples", "measurement_key"]
 
 
 def _to_meta(value):
@@ -150,6 +150,15 @@ def chunk_examples(src) -> int:
     except Exception:  # noqa: BLE001 - a model without parameters: no token limit
         by_tokens = None
     return max(1, min(B, by_tokens) if by_tokens else B)
+
+
+def measurement_key(src):
+    """What :func:`measure_forward_shapes` of ``src`` depends on: its token, and with fused
+    experts among its layers the chunk's examples (:func:`chunk_examples`, from the options'
+    ``batch_size`` / ``batch_tokens``: a later change re-measures the padded lengths)."""
+    if any(b.kind == ExpertMatrixRule.kind for b in src.space.blocks):
+        return src.token, chunk_examples(src)
+    return src.token
 
 
 def measure_forward_shapes(src) -> ForwardShapes:
