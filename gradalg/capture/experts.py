@@ -211,8 +211,9 @@ class _ExpertsBase(LayerRule):
     in_session: ClassVar[bool] = False    # ga.capture records one A per call: not these
     positions_are_tokens: ClassVar[bool] = False
     #: the routed tokens depend on the data: positions are measured before a run (the routing
-    #: of the first example, :func:`gradalg.plan.shapes.measure_forward_shapes`), priced at
-    #: balanced routing otherwise (:meth:`ExpertMatrixRule.positions_for_tokens`)
+    #: of the data's first chunk, :func:`gradalg.plan.shapes.measure_forward_shapes`), priced at
+    #: balanced routing otherwise (:meth:`ExpertMatrixRule.positions_for_tokens`; a display
+    #: costs the kernels there, :func:`gradalg.plan.blocks.kernels`)
     measured_kinds: ClassVar[tuple[str, ...]] = ("expert",)
 
     def weight_gemm(self, module):
