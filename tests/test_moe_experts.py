@@ -445,3 +445,19 @@ def test_a_display_plan_costs_expert_kernels_at_the_estimate_and_a_batch_size_ch
         measured.setdefault(B, shapes)
         assert measured[B] == shapes
     assert sum(measured[4].positions.values()) > sum(measured[1].positions.values())
+
+
+def test_online_selection_refuses_fused_experts_with_a_fix_that_works():
+    """A training loop's capture does not record fused experts, so online selection, which
+    corrects every trainable parameter's gradient, names them and the fixes that work
+    (``uncovered='ignore'``, or freezing them), each applied here."""
+    from gradalg.integrations import BatchMean, DropFraction, OnlineSelection
+    model = build("olmoe")
+    with pytest.raises(ga.errors.UnsupportedLayerError, match="fused experts module.*'model.layers.0.mlp.experts'"
+                       ".*uncovered='ignore'"):
+        OnlineSelection(BatchMean(), DropFraction(0.5)).attach(model)
+    OnlineSelection(BatchMean(), DropFraction(0.5), uncovered="ignore").attach(model)
+    for name, p in model.named_parameters():
+        if ".mlp." in name:
+            p.requires_grad_(False)     # the experts and their routers
+    OnlineSelection(BatchMean(), DropFraction(0.5)).attach(model)
