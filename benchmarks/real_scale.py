@@ -367,11 +367,11 @@ def _plan_numbers(explained) -> dict:
 
 def plain_pass(task, model, items, batch: int, device) -> None:
     """Forward and ``loss.backward()`` over ``items`` (all parameter gradients), in batches."""
-    import torch
+    from gradalg.collate import pad_collate
     model.zero_grad(set_to_none=True)
-    for start in range(0, len(items), batch):
-        ids = torch.stack([x["input_ids"] for x in items[start:start + batch]]).to(device)
-        task.summed_loss(model, {"input_ids": ids}).backward()
+    for start in range(0, len(items), batch):      # (unequal lengths, --pad: right-padded as gradalg does)
+        chunk = {k: v.to(device) for k, v in pad_collate(items[start:start + batch]).items()}
+        task.summed_loss(model, chunk).backward()
     model.zero_grad(set_to_none=True)
 
 
