@@ -6,6 +6,7 @@ runs what these return; it never routes a chunk itself."""
 from __future__ import annotations
 
 from ..capture.experts import ExpertMatrixRule
+from ..capture.layers import measured_kind
 from ..expr import AdamPrecondition, Captured, GradNode, Identity, Inner, Normalize, Precondition, Project, Source
 from ..expr.lowrank import lowrank_below
 from . import estimates
@@ -119,14 +120,17 @@ def _measured(node: GradNode, facts: Facts) -> bool:
 
 
 def _block_positions(node: GradNode, b, facts: Facts) -> str:
-    """How ``positions(node, facts.shapes)[b]`` is known: ``"known"`` (:func:`_measured`, or
-    the block's positions are the data's tokens), ``"estimated"`` (a fused expert's padded
-    length at balanced routing, :meth:`~gradalg.capture.experts.ExpertMatrixRule.positions_for_tokens`,
-    before the routing is measured: a display's), else ``"unknown"``."""
-    if _measured(node, facts) or positions_known(node, b):
+    """How ``positions(node, facts.shapes)[b]`` is known: ``"known"`` (:func:`_measured`),
+    ``"estimated"`` (before the routing is measured, a display's: a fused expert's padded
+    length at balanced routing, :meth:`~gradalg.capture.experts.ExpertMatrixRule.positions_for_tokens`),
+    else ``"unknown"``. In a token model whose only layers with positions of their own are
+    fused experts, every other layer's positions are the data's tokens: known."""
+    if _measured(node, facts):
         return "known"
-    if b.kind == ExpertMatrixRule.kind and isinstance(node.source, Source) and data_positions(node):
-        return "estimated"
+    if not isinstance(node.source, Source) or not data_positions(node):
+        return "unknown"
+    if {x.kind for x in node.space.blocks if measured_kind(x.kind)} <= {ExpertMatrixRule.kind}:
+        return "estimated" if b.kind == ExpertMatrixRule.kind else "known"
     return "unknown"
 
 

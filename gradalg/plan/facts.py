@@ -64,11 +64,11 @@ class Facts(ModelFacts):
                             for t, s in self.shapes.items()])
 
 
-def positions_known(node: GradNode, block=None) -> bool:
-    """Whether ``tokens_hint`` is every layer's T (``block``: that block's): no layer has
-    positions of its own (a convolution's output positions, a fused expert's routed tokens:
-    ``measured_kind``, known when it runs) and :func:`data_positions`."""
-    if any(measured_kind(b.kind) for b in (node.space.blocks if block is None else (block,))):
+def positions_known(node: GradNode) -> bool:
+    """Whether ``tokens_hint`` is every layer's T: no layer has positions of its own (a
+    convolution's output positions, a fused expert's routed tokens: ``measured_kind``,
+    known when it runs) and :func:`data_positions`."""
+    if any(measured_kind(b.kind) for b in node.space.blocks):
         return False
     return data_positions(node)
 
