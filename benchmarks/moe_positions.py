@@ -18,6 +18,17 @@ price ``E ⌈T k / E⌉``.
 The plan's price is measured on the first chunk, so its own chunk matches by construction (up
 to bf16 differences between a batched and a one-sequence forward); the other chunks say how
 well one chunk stands for the rest.
+
+``--pad F``: each sequence keeps its first L tokens, L seeded uniform in [⌈(1 − F)·T⌉, T];
+each chunk of B is then run batched, right-padded (``attention_mask``), and each row also
+gets capture's padded positions with the padding tokens counted (``padded_with_padding``:
+what capture allocated before session 39, when padding tokens kept their routed rows)
+beside the real tokens' (``padded``, what it allocates now)::
+
+    flock /work/bigmem.lock nice -n 10 env PYTHONPATH=$PWD OMP_NUM_THREADS=1 \\
+        python benchmarks/moe_positions.py --models olmoe qwen2-moe mixtral --T 128 --n 16 --B 4 --pad 0.5 \\
+        --results benchmarks/results/moe_positions_T128_pad0.5_2026-12-06.json
+    python benchmarks/moe_positions.py --table benchmarks/results/moe_positions_T128_pad0.5_2026-12-06.json
 """
 from __future__ import annotations
 
@@ -75,8 +86,46 @@ def sequences(kind: str, n: int, T: int, vocab: int) -> list[dict]:
     return [{"input_ids": ids[i * T:(i + 1) * T]} for i in range(n)]
 
 
+def trimmed(data: list[dict], T: int, pad: float) -> list[dict]:
+    """``--pad``: each sequence's first L tokens, L seeded uniform in [⌈(1 − pad)·T⌉, T]."""
+    g = torch.Generator().manual_seed(2)
+    lengths = torch.randint(max(2, math.ceil((1 - pad) * T)), T + 1, (len(data),), generator=g).tolist()
+    return [{"input_ids": x["input_ids"][:n]} for x, n in zip(data, lengths)]
+
+
+def padded_batched(model, data, E: int, B: int) -> dict[str, tuple[list[int], list[int]]]:
+    """``{experts module: (with padding, real tokens only)}``: per chunk of B sequences run
+    batched and right-padded (gradalg's collate), ``Σ_e max_i c_{i,e}`` counting the padding
+    tokens' routing too, and counting real tokens only (:func:`routed_counts` with the mask)."""
+    from gradalg.capture.experts import FusedExpertsRule, routed_counts
+    from gradalg.capture.layers import rule_class
+    from gradalg.collate import pad_collate
+    mods = {n: m for n, m in model.named_modules() if rule_class(m) is FusedExpertsRule}
+    out = {n: ([], []) for n in mods}
+    for s in range(0, len(data), B):
+        batch = pad_collate(data[s:s + B])
+        seen = {}
+
+        def keep(mod, args, n):
+            seen.setdefault(n, args[1].clone())     # (returns None: the call's arguments unchanged)
+        hooks = [m.register_forward_pre_hook(lambda mod, args, n=n: keep(mod, args, n)) for n, m in mods.items()]
+        try:
+            with torch.no_grad():
+                model(**batch)
+        finally:
+            for h in hooks:
+                h.remove()
+        b = batch["input_ids"].shape[0]
+        for n, index in seen.items():
+            every = routed_counts(mods[n], index, b).max(0).values.clamp_min(1).sum()
+            real = routed_counts(mods[n], index, b, batch["attention_mask"]).max(0).values.clamp_min(1).sum()
+            out[n][0].append(int(every))
+            out[n][1].append(int(real))
+    return out
+
+
 def routing(model, data) -> dict[str, torch.Tensor]:
-    """``{experts module: (n, T, k)}`` routed experts of each sequence (each run alone)."""
+    """``{experts module: [(T_i, k)]}`` routed experts of each sequence (each run alone)."""
     from gradalg.capture.experts import FusedExpertsRule
     from gradalg.capture.layers import rule_class
     mods = {n: m for n, m in model.named_modules() if rule_class(m) is FusedExpertsRule}
@@ -89,10 +138,10 @@ def routing(model, data) -> dict[str, torch.Tensor]:
     finally:
         for h in hooks:
             h.remove()
-    return {n: torch.stack(v) for n, v in out.items()}
+    return {n: v for n, v in out.items()}
 
 
-def padded(index: torch.Tensor, E: int, B: int) -> list[int]:
+def padded(index: list[torch.Tensor], E: int, B: int) -> list[int]:
     """Per chunk of B sequences: ``Σ_e max_i c_{i,e}`` (what capture pads, at least 1 per expert)."""
     counts = torch.stack([torch.bincount(r.flatten(), minlength=E) for r in index])      # (n, E)
     return [int(counts[s:s + B].max(0).values.clamp_min(1).sum()) for s in range(0, len(counts), B)]
@@ -104,7 +153,7 @@ def priced(model, data, B: int) -> dict[str, int]:
     import gradalg as ga
     from gradalg.plan.shapes import measure_forward_shapes
     from gradalg.plan.shapes import chunk_examples, forward_shapes
-    with ga.options(batch_size=B, batch_tokens=B * len(data[0]["input_ids"])):
+    with ga.options(batch_size=B, batch_tokens=B * max(len(x["input_ids"]) for x in data)):
         src = ga.grads(ga.tasks.causal_lm(model), data).expr.source
         assert chunk_examples(src) == B
         shapes = measure_forward_shapes(src)
@@ -127,6 +176,15 @@ def table(rows) -> str:
         out.append(f"| {r['model']} ({r['E']}, {r['k']}) | {r['data']} | {r['module'].split('.')[2]} | {r['T']}, {r['B']} "
                    f"| {r['old']} | {r['balanced']} | {r['priced']} | {r['padded_mean']:.0f} ({min(r['padded'])}–"
                    f"{max(r['padded'])}) | {r['old_ratio']:.2f} | {r['priced_ratio']:.2f} |")
+    pads = [r for r in rows if "padded_with_padding" in r]
+    if pads:
+        out += ["", "| model (E, k) | data | layer | T, B | real tokens / n·T | padded, padding counted (before) "
+                "| padded, real tokens (now) | now ÷ before | priced (run) ÷ first chunk (now) |", "|---" * 9 + "|"]
+        for r in pads:
+            before, now = r["padded_with_padding"], r["padded"]
+            out.append(f"| {r['model']} ({r['E']}, {r['k']}) | {r['data']} | {r['module'].split('.')[2]} | {r['T']}, "
+                       f"{r['B']} | {r['tokens'] / (r['n'] * r['T']):.2f} | {sum(before) / len(before):.0f} | "
+                       f"{sum(now) / len(now):.0f} | {sum(now) / sum(before):.2f} | {r['priced'] / now[0]:.2f} |")
     return "\n".join(out)
 
 
@@ -137,6 +195,8 @@ def main(argv=None):
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--B", type=int, default=8)
     ap.add_argument("--data", nargs="+", default=["stdlib", "random"])
+    ap.add_argument("--pad", type=float, default=0.0, help="sequences of seeded lengths in [(1 - PAD)·T, T], "
+                    "chunks run batched and right-padded (module docstring)")
     ap.add_argument("--results", default=None)
     ap.add_argument("--table", default=None, help="print the markdown table of a results file and exit")
     args = ap.parse_args(argv)
@@ -151,11 +211,19 @@ def main(argv=None):
         k = model.config.num_experts_per_tok
         for kind in args.data:
             data = sequences(kind, args.n, args.T, model.config.vocab_size)
+            if args.pad:
+                data = trimmed(data, args.T, args.pad)
+                batched = padded_batched(model, data, E, args.B)
             routes = routing(model, data)
             plan, balanced, measured = priced(model, data, args.B)
             for module, index in routes.items():
-                pad = padded(index, E, args.B)
-                row = dict(model=name, data=kind, T=args.T, n=args.n, B=args.B, E=E, k=k, module=module,
+                pad = padded(index, E, args.B) if not args.pad else batched[module][1]
+                extra = {}
+                if args.pad:
+                    extra = dict(pad=args.pad, tokens=sum(len(x["input_ids"]) for x in data),
+                                 padded_alone=padded(index, E, args.B), padded_with_padding=batched[module][0])
+                row = dict(model=name, data=kind + (f"+pad{args.pad:g}" if args.pad else ""), T=args.T, n=args.n,
+                           B=args.B, E=E, k=k, module=module, **extra,
                            old=E * math.ceil(args.T * k / E), balanced=balanced.get(module), priced=plan.get(module),
                            measured_shapes=measured,
                            padded=pad, padded_mean=sum(pad) / len(pad))

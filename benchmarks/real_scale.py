@@ -96,6 +96,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import platform
 import resource
@@ -230,8 +231,18 @@ def stdlib_tokens(kind: str, vocab: int, n_tokens: int, cache: Path):
 def make_data(kind: str, vocab: int, T: int, n_train: int, n_query: int, cache: Path):
     """(train, queries): lists of {"input_ids": (T,)} dict items. Random: seeded uniform ids;
     stdlib: consecutive T-token chunks, the training set from the start of the text and the
-    queries from its end (other files)."""
+    queries from its end (other files). ``kind`` ending in ``+padF`` (``--pad F``): each
+    sequence keeps its first L tokens, L seeded uniform in [⌈(1 − F)·T⌉, T] (gradalg's
+    collate right-pads each chunk to its longest)."""
     import torch
+    kind, _, pad = kind.partition("+pad")
+    if pad:
+        train, queries = make_data(kind, vocab, T, n_train, n_query, cache)
+        g = torch.Generator().manual_seed(1)
+        low = max(2, math.ceil((1 - float(pad)) * T))
+        lengths = torch.randint(low, T + 1, (len(train) + len(queries),), generator=g).tolist()
+        cut = [{"input_ids": x["input_ids"][:n]} for x, n in zip(train + queries, lengths)]
+        return cut[:len(train)], cut[len(train):]
     if kind == "random":
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, vocab, (n_train + n_query, T), generator=g)
@@ -356,11 +367,11 @@ def _plan_numbers(explained) -> dict:
 
 def plain_pass(task, model, items, batch: int, device) -> None:
     """Forward and ``loss.backward()`` over ``items`` (all parameter gradients), in batches."""
-    import torch
+    from gradalg.collate import pad_collate
     model.zero_grad(set_to_none=True)
-    for start in range(0, len(items), batch):
-        ids = torch.stack([x["input_ids"] for x in items[start:start + batch]]).to(device)
-        task.summed_loss(model, {"input_ids": ids}).backward()
+    for start in range(0, len(items), batch):      # (unequal lengths, --pad: right-padded as gradalg does)
+        chunk = {k: v.to(device) for k, v in pad_collate(items[start:start + batch]).items()}
+        task.summed_loss(model, chunk).backward()
     model.zero_grad(set_to_none=True)
 
 
@@ -385,7 +396,7 @@ def run_one(spec: dict) -> dict:
     task = ga.tasks.causal_lm(model, name=spec["model"])
     train, queries = make_data(spec["data"], config.vocab_size, spec["T"], spec["train"], spec["queries"],
                                Path(spec["cache"]))
-    tokens = (len(train) + len(queries)) * spec["T"]
+    tokens = sum(len(x["input_ids"]) for x in train + queries)     # real tokens (--pad: fewer than n·T)
     rec = {"parameters": n_params, "tokens": tokens, "status": None}
 
     def sync():
@@ -602,6 +613,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--train", type=int, default=8)
     p.add_argument("--queries", type=int, default=2)
     p.add_argument("--data", default="random", choices=("random", "stdlib-bpe", "stdlib-bytes"))
+    p.add_argument("--pad", type=float, default=0.0, help="sequences of seeded lengths in [(1 - PAD)·T, T] "
+                   "(right-padded in each chunk); recorded as data '<data>+pad<PAD>'")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: float32, qwen2-0.5b bfloat16)")
@@ -641,7 +654,7 @@ def main(argv=None) -> list[dict]:
         for T in args.T:
             for method in methods:
                 spec = {"model": model, "T": T, "method": method, "train": args.train, "queries": args.queries,
-                        "data": args.data, "dtype": args.dtype or DEFAULT_DTYPE.get(model, "float32"),
+                        "data": args.data + (f"+pad{args.pad:g}" if args.pad else ""), "dtype": args.dtype or DEFAULT_DTYPE.get(model, "float32"),
                         "device": args.device, "threads": args.threads,
                         "memory_budget_arg": _budget(args.memory_budget), "cache": str(results.parent)}
                 key = key_of(spec)

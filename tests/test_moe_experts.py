@@ -30,7 +30,7 @@ from torch import nn
 
 import gradalg as ga
 from gradalg.capture.coverage import layer_coverage
-from gradalg.capture.experts import ExpertMatrixRule, FusedExpertsRule, ParamPart, expected_padded
+from gradalg.capture.experts import MATRICES, ExpertMatrixRule, FusedExpertsRule, ParamPart, expected_padded
 from gradalg.capture.hooks import resolve_layers
 from gradalg.capture.layers import ReplayRule, rule_class
 from references import block_rows, one_thread  # noqa: F401 - fixture
@@ -64,6 +64,16 @@ def build(arch: str, implementation: str = "eager") -> nn.Module:
 def items(lengths, seed: int) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     return [{"input_ids": torch.randint(3, V, (n,), generator=g)} for n in lengths]
+
+
+def pad(item: dict, T: int, side: str) -> dict:
+    """``item`` padded to ``T`` tokens (token 0, ``attention_mask`` 0) on ``side``."""
+    ids = item["input_ids"]
+    fill = torch.zeros(T - len(ids), dtype=ids.dtype)
+    mask = torch.cat([torch.ones_like(ids), fill])
+    if side == "left":
+        return {"input_ids": torch.cat([fill, ids]), "attention_mask": mask.flip(0)}
+    return {"input_ids": torch.cat([ids, fill]), "attention_mask": mask}
 
 
 def experts_of(model) -> dict[str, nn.Module]:
@@ -371,3 +381,83 @@ def test_to_params_of_one_expert_is_its_slice_and_the_parts_add_up():
     reference = stock_oracle(model, data, "causal_lm", list(captured))
     for name in captured:
         torch.testing.assert_close(captured[name], reference[name], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("arch,side", [("olmoe", "right"), ("qwen2_moe", "left")])
+def test_padding_tokens_get_no_expert_rows_and_curvature_ignores_them(arch, side):
+    """Padding tokens are routed by the forward but carry no output gradient: their expert
+    rows are dropped, as the layers whose positions are the tokens zero them in ``A`` and
+    ``D``. So K-FAC's ``A = Σ_t a_t a_tᵀ / #tokens`` leaves them out for the experts as for
+    the attention projections: K-FAC and EK-FAC influence at the LM defaults on padded
+    chunks equal the same data one sequence per chunk (no padding), and capture pads each
+    expert's block to its most-routed example's real tokens (what the plan measures)."""
+    from gradalg.capture.experts import routed_counts
+    from gradalg.plan.shapes import measure_forward_shapes
+    model = build(arch)
+    task = ga.tasks.causal_lm(model, padding_side=side)
+    train, queries = items((7, 2, 5, 3, 6, 2), 6), items((6, 6), 7)
+    padded_train = [pad(item, 7, side) for item in train]
+    lam = 1e-2
+
+    def scores(curvature, data):
+        G = ga.grads(task, data)
+        return torch.from_numpy(ga.methods.influence(task, data, queries, damping=lam,
+                                                     curvature=curvature(G)).compute().values)
+    for curvature in (ga.kfac, ga.ekfac):
+        padded = scores(curvature, padded_train)
+        with ga.options(batch_size=1):
+            alone = scores(curvature, train)
+        torch.testing.assert_close(padded, alone, rtol=1e-8, atol=1e-10)
+    # the plan's positions: the most-routed example's real tokens in the chunk (each sequence
+    # routed alone here: the real tokens' routing does not depend on the padding)
+    shapes = measure_forward_shapes(ga.grads(task, padded_train).expr.source)
+    counts = {}
+    for name, per_example in routing(model, train).items():
+        module = experts_of(model)[name]
+        c = torch.stack([routed_counts(module, idx)[0] for idx in per_example])   # (n, E), each alone
+        counts.update({f"{name}.{m}.{e}": max(1, int(c[:, e].max())) for e in range(E) for m in MATRICES})
+    assert {n: shapes.positions[n] for n in counts} == counts
+
+
+def test_a_display_plan_costs_expert_kernels_at_the_estimate_and_a_batch_size_change_remeasures():
+    """Without a model run (a display), the experts' positions are the balanced-routing
+    estimate: every block's kernel is costed there (the attention projections' T is the
+    data's), none left "when run" (priced as dense rows, the pessimistic peak), and the
+    expert blocks' reasons say the run decides again. A run's measurement depends on the
+    chunk's examples: planned again under another ``batch_size``, the routing is measured
+    again (not the first measurement's, kept by source)."""
+    from gradalg.plan.decisions import DecisionKind
+    from gradalg.plan.planner import plan
+    from gradalg.plan.shapes import measure_forward_shapes
+    model = build("olmoe")
+    task = ga.tasks.causal_lm(model)
+    G, Q = ga.grads(task, items((9, 9, 7, 8), 3)), ga.grads(task, items((6, 6), 4))
+    display = plan((Q @ G.T).expr)
+    decisions = display.decisions.of(DecisionKind.KERNEL)
+    assert {d.chosen for d in decisions} <= {"ghost", "dense"} and len(decisions) == len(G.layers)
+    assert all(("balanced-routing estimate" in d.reason) == (".experts." in d.block) for d in decisions)
+    src = G.expr.source
+    measured = {}
+    for B in (1, 4, 1):
+        with ga.options(batch_size=B):
+            shapes = plan((Q @ G.T).expr, measure_shapes=True).stages["facts"].shapes[src.token]
+            assert shapes == measure_forward_shapes(src)
+        measured.setdefault(B, shapes)
+        assert measured[B] == shapes
+    assert sum(measured[4].positions.values()) > sum(measured[1].positions.values())
+
+
+def test_online_selection_refuses_fused_experts_with_a_fix_that_works():
+    """A training loop's capture does not record fused experts, so online selection, which
+    corrects every trainable parameter's gradient, names them and the fixes that work
+    (``uncovered='ignore'``, or freezing them), each applied here."""
+    from gradalg.integrations import BatchMean, DropFraction, OnlineSelection
+    model = build("olmoe")
+    with pytest.raises(ga.errors.UnsupportedLayerError, match="fused experts module.*'model.layers.0.mlp.experts'"
+                       ".*uncovered='ignore'"):
+        OnlineSelection(BatchMean(), DropFraction(0.5)).attach(model)
+    OnlineSelection(BatchMean(), DropFraction(0.5), uncovered="ignore").attach(model)
+    for name, p in model.named_parameters():
+        if ".mlp." in name:
+            p.requires_grad_(False)     # the experts and their routers
+    OnlineSelection(BatchMean(), DropFraction(0.5)).attach(model)

@@ -24,11 +24,17 @@ product (M_e × H × 2I), one ``δ W^down_e`` product and φ's vector-Jacobian p
 block's ``h`` (recomputed when recorded alone). The weight-gradient GEMMs are never formed.
 
 Representation (token-sparse): example ``i``'s positions in the block of expert ``e`` are
-the tokens of ``i`` routed to ``e``, in token order, padded with zero rows to the batch's
-largest count ``L_e = max_i |{t ∈ i → e}|`` (at least 1): factors ``A`` (B, L_e, in) and
-``D`` (B, L_e, out). Zero rows add nothing to ``G_i = D_iᵀ A_i``, to inner products or to
-Kronecker statistics, so every factored kernel applies unchanged. A token routed to no
-expert of example ``i`` (an expert that receives nothing from ``i``) leaves ``G_i = 0``.
+the real tokens of ``i`` routed to ``e``, in token order, padded with zero rows to the
+batch's largest count ``L_e = max_i |{t ∈ i → e}|`` (at least 1): factors ``A`` (B, L_e, in)
+and ``D`` (B, L_e, out). Zero rows add nothing to ``G_i = D_iᵀ A_i``, to inner products or to
+Kronecker statistics, so every factored kernel applies unchanged. An expert that receives
+no token of example ``i`` leaves ``G_i = 0``. Padding tokens (the task's token mask False:
+``attention_mask`` 0) are routed by the forward but get no rows: their output gradient is
+zero (no loss term, and no real token attends to them), and the layers whose positions are
+the tokens zero them in ``A`` and ``D`` alike (:func:`~gradalg.capture.tying.use_factors`),
+so K-FAC's ``A = Σ_t a_t a_tᵀ`` and its token count leave them out for experts as for every
+other layer. Real tokens without a loss term (a sequence's last token, a completion-only
+prompt) keep their rows: their activations count in ``A`` as they do for the dense layers.
 
 Planner facts (per position of the module's input, :mod:`gradalg.plan.shapes`): the
 forward multiplies each token by ``k`` experts' ``H × 2I`` and ``I × H`` matrices (FLOPs
@@ -43,7 +49,8 @@ with ``p_e = k / E`` the share of tokens routed to expert ``e`` at balanced rout
 (``B = 1`` gives the mean ``⌈T k / E⌉``): the price without running the model (displays).
 Before a run (:func:`gradalg.plan.shapes.measure_forward_shapes`) the padded length is
 measured instead: one no-grad forward of the data's first chunk of ``B`` examples, ``L_e =
-max_i c_{i,e}`` (:func:`routed_counts`). Routing is neither balanced nor the same across
+max_i c_{i,e}`` over its real tokens (:func:`routed_counts`, padding left out as capture
+leaves it out). Routing is neither balanced nor the same across
 examples (each document has experts of its own): at real widths on real text
 (``benchmarks/moe_positions.py``) the balanced price was ½ of the padded length.
 
@@ -155,15 +162,19 @@ def expected_padded(tokens: int, share: float, examples: int) -> float:
     return 1.0 + float((1.0 - cdf[1:tokens].pow(examples)).sum())
 
 
-def routed_counts(module: nn.Module, top_k_index: torch.Tensor, examples: int = 1) -> torch.Tensor:
+def routed_counts(module: nn.Module, top_k_index: torch.Tensor, examples: int = 1,
+                  real: torch.Tensor | None = None) -> torch.Tensor:
     """(B, E) tokens of each example routed to each expert, from a call's ``top_k_index``
-    (N, k), ``N = B·T`` tokens flattened batch-major (``B = examples``; as ``_by_example``
-    groups them: padding tokens count). ``.max(0)`` is what capture pads each expert to."""
+    (N, k), ``N = B·T`` tokens flattened batch-major (``B = examples``), the tokens where
+    ``real`` (B, T) or (N,) is False (padding) left out, as capture leaves them out.
+    ``.max(0)`` is what capture pads each expert to."""
     E = _n_experts(module)
     index = top_k_index.detach().long().cpu()
     example = torch.div(torch.arange(index.shape[0]), max(1, index.shape[0] // max(1, examples)),
                         rounding_mode="floor").unsqueeze(1).expand_as(index)
     keep = (index >= 0) & (index < E)
+    if real is not None and real.numel() == index.shape[0]:
+        keep &= real.detach().reshape(-1, 1).cpu().bool()
     flat = example[keep] * E + index[keep]
     return torch.bincount(flat, minlength=examples * E)[:examples * E].reshape(examples, E)
 
@@ -200,8 +211,9 @@ class _ExpertsBase(LayerRule):
     in_session: ClassVar[bool] = False    # ga.capture records one A per call: not these
     positions_are_tokens: ClassVar[bool] = False
     #: the routed tokens depend on the data: positions are measured before a run (the routing
-    #: of the first example, :func:`gradalg.plan.shapes.measure_forward_shapes`), priced at
-    #: balanced routing otherwise (:meth:`ExpertMatrixRule.positions_for_tokens`)
+    #: of the data's first chunk, :func:`gradalg.plan.shapes.measure_forward_shapes`), priced at
+    #: balanced routing otherwise (:meth:`ExpertMatrixRule.positions_for_tokens`; a display
+    #: costs the kernels there, :func:`gradalg.plan.blocks.kernels`)
     measured_kinds: ClassVar[tuple[str, ...]] = ("expert",)
 
     def weight_gemm(self, module):
@@ -324,7 +336,10 @@ class ExpertMatrixRule(_ExpertsBase):
 
     def factors(self, module, recorded, g, layout: RowLayout) -> Factors:
         x, index, weights = recorded.x, recorded.index, recorded.weights
-        rows, slot = torch.where(index == self.expert)            # rows ascending: token order
+        hit = index == self.expert                                # (N, k)
+        if layout.keep is not None:                               # padding tokens: no rows
+            hit &= layout.keep.to(hit.device).unsqueeze(1)
+        rows, slot = torch.where(hit)                             # rows ascending: token order
         W_gu = module.gate_up_proj.detach()[self.expert]          # (2I, H)
         W_down = module.down_proj.detach()[self.expert]           # (H, I)
         xe = x[rows]                                              # (M, H)

@@ -151,8 +151,9 @@ class LayerRule(ABC):
     #: module): :meth:`to_params` fills the rest with zeros, so compare in the block's layout
     partial_params: ClassVar[bool] = False
     #: whether the factors' positions are the call's tokens, so a (B, T) token mask applies to
-    #: them; False: the rule's positions are its own (a fused expert's routed tokens) and the
-    #: mask is applied to the output gradient's rows of flattened tokens before :meth:`factors`
+    #: them; False: the rule's positions are its own (a fused expert's routed tokens) and
+    #: :meth:`factors` gets the mask as ``layout.keep`` (rows of flattened tokens): it must
+    #: leave out the rows that are not kept (padding), activations included
     positions_are_tokens: ClassVar[bool] = True
     #: block kinds whose positions T are the layer's own (measured by a meta forward); every
     #: registered rule states it (``()``: T is known from the data's shape), :func:`check_rule`

@@ -18,7 +18,9 @@ refused where no enclosing module allows it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 from ..errors import UnsupportedLayerError
 from .factors import Factors, OneHot
@@ -29,10 +31,13 @@ __all__ = ["RowLayout", "layout_for", "session_rows"]
 @dataclass(frozen=True)
 class RowLayout:
     """``n_examples · per_example`` rows, batch-major: example ``b`` owns rows
-    ``b·per_example … (b+1)·per_example - 1``."""
+    ``b·per_example … (b+1)·per_example - 1``. ``keep`` (rows,) bool, optional: the rows
+    that hold a real token (the task's token mask, flattened); a rule whose positions are
+    not the call's tokens (a fused expert's routed tokens) drops the others."""
 
     n_examples: int
     per_example: int = 1
+    keep: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
     def rows(self) -> int:

@@ -30,7 +30,7 @@ accepted in ``layers`` too).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -158,7 +158,9 @@ def use_factors(use: LayerUse, A, g: torch.Tensor, token_mask: torch.Tensor | No
     the loss w.r.t. the call's output. Shared by ``ga.grads`` (``capture_batch``) and
     ``ga.capture`` (tensor hooks), so both record the same numbers. Under autocast the
     activations and gradients may differ in dtype: both are taken in the wider one.
-    ``token_mask`` (B, T) zeroes padding positions (when the call has T positions);
+    ``token_mask`` (B, T) zeroes padding positions (when the call has T positions; a rule
+    whose positions are its own, a fused expert's routed tokens, gets it as the layout's
+    ``keep`` over the call's B·T flattened rows and drops the padding rows);
     ``layout`` (:mod:`gradalg.capture.rows`) groups rows of flattened tokens into examples
     (default: one row per example).
     """
@@ -166,9 +168,9 @@ def use_factors(use: LayerUse, A, g: torch.Tensor, token_mask: torch.Tensor | No
     if layout is None:
         layout = RowLayout(use.rule.rows(A)[0], 1)
     if not use.rule.positions_are_tokens and token_mask is not None:
-        # the rule's positions are its own (routed tokens): zero the padding tokens' rows of g
+        # the rule's positions are its own (routed tokens): it drops the padding tokens' rows
         if token_mask.dim() == 2 and layout.rows == g.shape[0] and layout.per_example == token_mask.shape[1]:
-            g = g * token_mask.reshape(-1, *([1] * (g.dim() - 1))).to(g.dtype)
+            layout = replace(layout, keep=token_mask.reshape(-1).to(g.device).bool())
         token_mask = None
     F = use.rule.factors(use.module, A, g, layout)   # rows grouped into examples by ``layout``
     if isinstance(F.A, torch.Tensor) and F.A.dtype != F.D.dtype:   # autocast: fp32 inputs, bf16 grads

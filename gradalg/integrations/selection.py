@@ -49,8 +49,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..capture.experts import dense_param
+from ..capture.experts import FusedExpertsRule, add_param
 from ..capture.factors import Factors, OneHot, ghost_flops, ghost_inner, self_inner
+from ..capture.layers import rule_class
 from ..errors import UnsupportedLayerError, OptionError
 from . import distributed as _dist
 from .affine import AffineRecorder, affine_kind
@@ -376,7 +377,7 @@ class OnlineSelection:
 
     def _setup_coverage(self):
         captured = {id(u.module) for r in self.capture.refs for u in r.uses}  # a tied block: every use
-        affine, uncovered = {}, []
+        affine, uncovered, experts = {}, [], []
         for name, module in self.model.named_modules():
             own = [(pn, p) for pn, p in module.named_parameters(recurse=False) if p.requires_grad]
             if not own or id(module) in captured:
@@ -385,13 +386,18 @@ class OnlineSelection:
                 affine[name] = module
             else:
                 uncovered.extend(f"{name}.{pn}" if name else pn for pn, _ in own)
+                if rule_class(module) is FusedExpertsRule:
+                    experts.append(name)
         if uncovered and self.uncovered == "error":
             shown = ", ".join(uncovered[:8]) + (f" (and {len(uncovered) - 8} more)" if len(uncovered) > 8 else "")
+            fused = (f" ({len(experts)} fused experts module(s), e.g. {experts[0]!r}, are recorded by ga.grads "
+                     "only, not by a training loop's capture: freeze them or pass uncovered='ignore')"
+                     if experts else "")
             raise UnsupportedLayerError(
                 f"online selection corrects the step's gradient exactly, which needs each example's "
                 f"gradient for every trainable parameter; these are neither in a recorded layer nor in a "
                 f"LayerNorm/RMSNorm: {shown}. Add their layers to `layers`, freeze them "
-                f"(requires_grad=False), or pass uncovered='ignore' to leave them uncorrected"
+                f"(requires_grad=False), or pass uncovered='ignore' to leave them uncorrected{fused}"
             )
         self._affine = AffineRecorder(affine, lambda: self.capture.pending) if affine else None
         if self._affine is not None:
@@ -471,6 +477,7 @@ class OnlineSelection:
 
     def _correct(self, step: StepGrads, u: torch.Tensor):
         corrections: dict = {}
+        parts: dict = {}      # a fused experts' blocks add into one tensor per parameter (add_param)
         offsets = [0]
         for c in step.chunks:
             offsets.append(offsets[-1] + c.n)
@@ -491,7 +498,9 @@ class OnlineSelection:
             for pname, value in ref.rule.to_params(ref.module, delta.unsqueeze(0)).items():
                 p = ref.module.get_parameter(pname)
                 if p.requires_grad:
-                    _add(corrections, p, dense_param(value)[0])
+                    add_param(parts, p, value)
+        for p, value in parts.items():
+            _add(corrections, p, value[0])
         if self._affine is not None:
             for name, module in self._affine.modules.items():
                 for k, c in enumerate(step.chunks):

@@ -5,12 +5,14 @@ recorded :class:`~gradalg.plan.decisions.Decision` where there is a choice. The 
 runs what these return; it never routes a chunk itself."""
 from __future__ import annotations
 
+from ..capture.experts import ExpertMatrixRule
+from ..capture.layers import measured_kind
 from ..expr import AdamPrecondition, Captured, GradNode, Inner, Normalize, Precondition, Project, Source
 from ..expr.lowrank import lowrank_below
 from . import estimates
 from .cost import _si
 from .decisions import Decision, DecisionKind
-from .facts import Facts, positions_known
+from .facts import Facts, data_positions, positions_known
 from .lower import ROW_WISE, stream_root
 from .memory import positions, rows_bytes
 from .shapes import forward_shapes
@@ -117,6 +119,21 @@ def _measured(node: GradNode, facts: Facts) -> bool:
     return isinstance(src, Captured) or (isinstance(src, Source) and forward_shapes(src, facts.shapes).measured)
 
 
+def _block_positions(node: GradNode, b, facts: Facts) -> str:
+    """How ``positions(node, facts.shapes)[b]`` is known: ``"known"`` (:func:`_measured`),
+    ``"estimated"`` (before the routing is measured, a display's: a fused expert's padded
+    length at balanced routing, :meth:`~gradalg.capture.experts.ExpertMatrixRule.positions_for_tokens`),
+    else ``"unknown"``. In a token model whose only layers with positions of their own are
+    fused experts, every other layer's positions are the data's tokens: known."""
+    if _measured(node, facts):
+        return "known"
+    if not isinstance(node.source, Source) or not data_positions(node):
+        return "unknown"
+    if {x.kind for x in node.space.blocks if measured_kind(x.kind)} <= {ExpertMatrixRule.kind}:
+        return "estimated" if b.kind == ExpertMatrixRule.kind else "known"
+    return "unknown"
+
+
 def _fixed_kernel(inner: Inner, held_storage: str, known: bool, facts: Facts) -> tuple | None:
     """``(chosen, alternatives, reason)`` of a factored block whose kernel is not a costed
     choice: dense for a preconditioned product or flat held rows, "when run" while the
@@ -162,13 +179,17 @@ def kernels(held: GradNode, streamed: GradNode, inner: Inner, facts: Facts) -> t
     holding ``held`` and streaming ``streamed``: dense where one side is flat."""
     out, decisions, kept = {}, [], storage(held, facts)
     P_h, P_s = positions(held, facts.shapes), positions(streamed, facts.shapes)
-    known = _measured(held, facts) and _measured(streamed, facts)
     both = {b.name for b in _factored(held, facts)} & {b.name for b in _factored(streamed, facts)}
     for b in held.space.blocks:
         out[b.name] = "dense"
         if b.name in both:
+            how = {_block_positions(held, b, facts), _block_positions(streamed, b, facts)}
+            known = "unknown" not in how
             chosen = _fixed_kernel(inner, kept[b.name], known, facts) or \
                 _costed(held, streamed, b, P_h[b.name], P_s[b.name], known, facts)
+            if "estimated" in how and chosen[0] in ("ghost", "dense"):
+                chosen = (*chosen[:2], chosen[2] + "; this expert's T is the balanced-routing estimate (no "
+                          "model run): a run measures the routing of the first chunk and decides again")
             out[b.name] = chosen[0]
             decisions.append(Decision(DecisionKind.KERNEL, inner.token, *chosen, block=b.name, label=inner.label))
     return out, decisions

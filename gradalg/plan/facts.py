@@ -19,9 +19,9 @@ from ..expr.tokens import token_rows
 from ..options import Options
 from .cost import first_example_shape
 from .devices import DeviceProfile
-from .shapes import ModelFacts, measure_forward_shapes
+from .shapes import ModelFacts, measure_forward_shapes, measurement_key
 
-__all__ = ["Facts", "facts", "MEASURED", "positions_known"]
+__all__ = ["Facts", "facts", "MEASURED", "positions_known", "data_positions"]
 
 #: ``{source token: ForwardShapes}`` measured by executors' plans (the 256 latest)
 MEASURED: dict = {}
@@ -66,10 +66,16 @@ class Facts(ModelFacts):
 
 def positions_known(node: GradNode) -> bool:
     """Whether ``tokens_hint`` is every layer's T: no layer has positions of its own (a
-    convolution's output positions: ``measured_kind``, known when it runs) and the examples
-    are token ids (T = their length) or flat vectors (T = 1), or the rows are per token."""
+    convolution's output positions, a fused expert's routed tokens: ``measured_kind``,
+    known when it runs) and :func:`data_positions`."""
     if any(measured_kind(b.kind) for b in node.space.blocks):
         return False
+    return data_positions(node)
+
+
+def data_positions(node: GradNode) -> bool:
+    """Whether the data's shape tells ``tokens_hint``: the examples are token ids (T = their
+    length) or flat vectors (T = 1), or the rows are per token."""
     if token_rows(node) > 1:
         return True
     data = getattr(node.source, "data", None)
@@ -81,7 +87,9 @@ def facts(root: Node, options: Options, device: DeviceProfile, measure: bool = F
           memo: dict | None = None) -> Facts:
     """The :class:`Facts` of the simplified expression ``root``. ``measure``: one
     meta-device forward per source whose positions the data's shape does not tell
-    (convolutions, non-token inputs), memoised in ``memo`` (default :data:`MEASURED`)."""
+    (convolutions, non-token inputs), memoised in ``memo`` (default :data:`MEASURED`) by
+    :func:`~gradalg.plan.shapes.measurement_key` (a fused expert's measurement depends on
+    the chunk's examples too)."""
     memo = MEASURED if memo is None else memo
     shapes, reps, sources, dtype = {}, {}, set(), None
     for node in root.walk():
@@ -92,8 +100,9 @@ def facts(root: Node, options: Options, device: DeviceProfile, measure: bool = F
         sources.add(node.token)
         dtype = dtype or next((p.dtype for p in node.task.model.parameters()), None)
         if measure and not positions_known(node):
-            if node.token not in memo and len(memo) >= 256:
+            key = measurement_key(node)
+            if key not in memo and len(memo) >= 256:
                 memo.pop(next(iter(memo)))
-            memo[node.token] = memo.get(node.token) or measure_forward_shapes(node)
-            shapes[node.token] = memo[node.token]
+            memo[key] = memo.get(key) or measure_forward_shapes(node)
+            shapes[node.token] = memo[key]
     return Facts(options, device, measure, reps, dtype=dtype or torch.float32, shapes=shapes)

@@ -43,7 +43,7 @@ from .cost import tokens_hint
 
 __all__ = ["ForwardShapes", "ModelFacts", "forward_shapes", "measure_forward_shapes", "rows_per_example", "element_size",
            "weight_layers", "attention_shape", "activation_bytes", "output_width", "output_bytes",
-           "OUTPUT_COPIES", "chunk_examples"]
+           "OUTPUT_COPIES", "chunk_examples", "measurement_key"]
 
 
 def _to_meta(value):
@@ -152,6 +152,15 @@ def chunk_examples(src) -> int:
     return max(1, min(B, by_tokens) if by_tokens else B)
 
 
+def measurement_key(src):
+    """What :func:`measure_forward_shapes` of ``src`` depends on: its token, and with fused
+    experts among its layers the chunk's examples (:func:`chunk_examples`, from the options'
+    ``batch_size`` / ``batch_tokens``: a later change re-measures the padded lengths)."""
+    if any(b.kind == ExpertMatrixRule.kind for b in src.space.blocks):
+        return src.token, chunk_examples(src)
+    return src.token
+
+
 def measure_forward_shapes(src) -> ForwardShapes:
     """One meta-device forward of the first example (executors, before running a plan):
     every recorded layer's positions; ``tokens_hint`` where the forward cannot run. With
@@ -231,7 +240,7 @@ class _Routed(Exception):
 def _routed_positions(task, data, refs, examples: int) -> dict[str, int]:
     """``{expert block: T_b}``: the padded length of each expert's blocks in the first chunk
     of ``examples`` examples, ``L_e = max(1, max_i c_{i,e})`` (``c_{i,e}``: tokens of example
-    ``i`` routed to expert ``e``, padding tokens included, as capture pads them), from one
+    ``i`` routed to expert ``e``, padding tokens left out, as capture leaves them out), from one
     real no-grad forward of that chunk stopped at the last fused experts module. Empty when
     the forward fails (the balanced-routing price stays)."""
     experts = {id(r.module): r.module for r in refs if isinstance(r.rule, ExpertMatrixRule)}
@@ -240,7 +249,7 @@ def _routed_positions(task, data, refs, examples: int) -> dict[str, int]:
     def pre(module, args, kwargs):
         index = args[1] if len(args) > 1 else kwargs.get("top_k_index")
         if id(module) not in padded and isinstance(index, torch.Tensor):
-            padded[id(module)] = routed_counts(module, index, chunk).max(0).values.clamp_min(1)
+            padded[id(module)] = routed_counts(module, index, chunk, real).max(0).values.clamp_min(1)
         if len(padded) == len(experts):
             raise _Routed
     handles = [m.register_forward_pre_hook(pre, with_kwargs=True) for m in experts.values()]
@@ -249,6 +258,7 @@ def _routed_positions(task, data, refs, examples: int) -> dict[str, int]:
         batches = data.prefix(examples).loader(examples)
         batch = next(iter(batches))
         chunk = batch_size_of(batch)
+        real = task.token_mask(batch) if task.token_mask is not None else None     # (B, T): padding False
         model = task.model
         param = next(iter(model.parameters()), None)
         cuda = [param.device] if param is not None and param.device.type == "cuda" else []
