@@ -633,15 +633,16 @@ def check_cells(rec: dict, runs: list[dict]) -> tuple[str, str, str, str]:
 def check_markdown(runs: list[dict]) -> str:
     """One row per run with the hidden check's four conditions (``check_cells``)."""
     lines = ["| model | T | method | outcome | × fwd+bwd (CPU) | peak / budget (GB) | peak ÷ budget (≤ 1.5) "
-             "| worst pass ÷ estimate (≤ 3, CPU) | TRAK ÷ LoGra (≤ 2, CPU) | note |",
+             "| worst pass ÷ estimate (≤ 3, CPU) | TRAK ÷ LoGra (≤ 2, CPU) | run (UTC, load average) or note |",
              "|---|---:|---|---|---:|---|---:|---:|---:|---|"]
     for r in sorted(runs, key=_order):
         outcome, peak, passes, trak = check_cells(r, runs)
         method = r["method"] + (f" (--memory-budget {r['memory_budget_arg']})" if r.get("memory_budget_arg") else "")
         if r.get("status") == "ok":
             gb = f"{_gb(r['peak_rss_bytes'])} / {_gb(r['memory_budget'])}"
+            when = f"{r['when']}, load {r['load_average']:.1f}" if r.get("when") and r.get("load_average") else ""
             lines.append(f"| {r['model']} | {r['T']} | {method} | {outcome} | {_cpu_ratio(r)} | {gb} | {peak} "
-                         f"| {passes} | {trak} | |")
+                         f"| {passes} | {trak} | {when} |")
         else:
             lines.append(f"| {r['model']} | {r['T']} | {method} | {outcome} | | | | | | "
                          f"{_cell(r.get('message', ''))[:200]} |")
