@@ -90,6 +90,9 @@ data, dtype, device, threads, budget) already recorded (``--force`` reruns them)
     ... benchmarks/real_scale.py --methods all --T 128 512 --data stdlib-bpe
     ... benchmarks/real_scale.py --table          # the markdown table for docs/performance.md
     ... benchmarks/real_scale.py --table --before benchmarks/results/real_scale_before.json   # old beside new
+    ... benchmarks/real_scale.py --table --check --results NEW.json --merge OLD.json
+        # issue 28's check per run (scores, peak ≤ 1.5× budget, passes ≤ 3× estimate,
+        # TRAK ≤ 2× LoGra), NEW's records over OLD's of the same key
 """
 from __future__ import annotations
 
@@ -597,6 +600,76 @@ def markdown(runs: list[dict], before: list[dict] | None = None) -> str:
     return "\n".join(lines)
 
 
+# The hidden check of issue 28, per run: scores (or a refusal whose fix works), peak within
+# PEAK_LIMIT × the budget, each pass within PASS_LIMIT × its estimate (CPU seconds), TRAK
+# within TRAK_LIMIT × LoGra's time (CPU seconds, same model and sizes).
+PEAK_LIMIT, PASS_LIMIT, TRAK_LIMIT = 1.5, 3.0, 2.0
+
+
+def _worst_pass(rec: dict) -> float | None:
+    """The largest measured / estimated seconds over the run's passes (CPU seconds where measured)."""
+    ratios = [(p["measured_cpu"] if p.get("measured_cpu") is not None else p["measured"]) / p["estimated"]
+              for p in rec.get("passes", []) if p["estimated"] > 0]
+    return max(ratios) if ratios else None
+
+
+def _mark(ok: bool) -> str:
+    return "✓" if ok else "✗"
+
+
+def check_cells(rec: dict, runs: list[dict]) -> tuple[str, str, str, str]:
+    """The check's four conditions for one record: (outcome, peak ÷ budget, worst pass ÷
+    its estimate, TRAK ÷ LoGra in CPU seconds: TRAK's rows only, against the LoGra record
+    of the same model, T, sizes, data and dtype in ``runs``). A killed run is not judged
+    (its message says whether the harness's time or memory cap stopped it); a refusal is
+    judged by hand (apply its fix as written, record the rerun)."""
+    status = rec.get("status")
+    if status != "ok":
+        outcome = {"refused": "refused", "error": "✗ error", "killed": "killed"}.get(status, str(status))
+        return outcome, "", "", ""
+    peak = rec["peak_rss_bytes"] / rec["memory_budget"]
+    worst = _worst_pass(rec)
+    passes = "-" if worst is None else f"{worst:.2g} {_mark(worst <= PASS_LIMIT)}"
+    trak = ""
+    if rec["method"] == "trak":
+        same = ("model", "T", "train", "queries", "data", "dtype", "device", "threads")
+        logra = [r for r in runs if r.get("method") == "logra" and r.get("status") == "ok"
+                 and all(r.get(k) == rec.get(k) for k in same)]
+        if logra:
+            ratio = rec["cpu_seconds"] / logra[-1]["cpu_seconds"]
+            trak = f"{ratio:.2f} {_mark(ratio <= TRAK_LIMIT)}"
+    return "scores ✓", f"{peak:.2f} {_mark(peak <= PEAK_LIMIT)}", passes, trak
+
+
+def check_markdown(runs: list[dict]) -> str:
+    """One row per run with the hidden check's four conditions (``check_cells``)."""
+    lines = ["| model | T | method | outcome | × fwd+bwd (CPU) | peak / budget (GB) | peak ÷ budget (≤ 1.5) "
+             "| worst pass ÷ estimate (≤ 3, CPU) | TRAK ÷ LoGra (≤ 2, CPU) | run (UTC, load average) or note |",
+             "|---|---:|---|---|---:|---|---:|---:|---:|---|"]
+    for r in sorted(runs, key=_order):
+        outcome, peak, passes, trak = check_cells(r, runs)
+        method = r["method"] + (f" (--memory-budget {r['memory_budget_arg']})" if r.get("memory_budget_arg") else "")
+        if r.get("status") == "ok":
+            gb = f"{_gb(r['peak_rss_bytes'])} / {_gb(r['memory_budget'])}"
+            when = f"{r['when']}, load {r['load_average']:.1f}" if r.get("when") and r.get("load_average") else ""
+            lines.append(f"| {r['model']} | {r['T']} | {method} | {outcome} | {_cpu_ratio(r)} | {gb} | {peak} "
+                         f"| {passes} | {trak} | {when} |")
+        else:
+            lines.append(f"| {r['model']} | {r['T']} | {method} | {outcome} | | | | | | "
+                         f"{_cell(r.get('message', ''))[:200]} |")
+    return "\n".join(lines)
+
+
+def merged_results(paths: list[Path]) -> list[dict]:
+    """The records of several results files, a later file's record replacing an earlier
+    one's of the same key (``KEY_FIELDS``)."""
+    out: dict[tuple, dict] = {}
+    for path in paths:
+        for rec in load_results(path):
+            out[key_of(rec)] = rec
+    return list(out.values())
+
+
 # ----------------------------------------------------------------------------- main
 def _budget(text: str | None):
     if text is None:
@@ -627,6 +700,10 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--table", action="store_true", help="print the markdown table of the results file and exit")
     p.add_argument("--before", default=None, help="with --table: another results file (e.g. the code before a "
                    "change), shown in a column beside each run")
+    p.add_argument("--check", action="store_true", help="with --table: the hidden check's four conditions per "
+                   "run (scores, peak ≤ 1.5× budget, each pass ≤ 3× its estimate, TRAK ≤ 2× LoGra)")
+    p.add_argument("--merge", nargs="+", default=[], help="with --table: earlier results files, their records "
+                   "shown where --results has none of the same key")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -637,6 +714,10 @@ def main(argv=None) -> list[dict]:
     results = Path(args.results)
     runs = load_results(results)
     if args.table:
+        runs = merged_results([Path(m) for m in args.merge] + [results])
+        if args.check:
+            print(check_markdown(runs))
+            return runs
         print(markdown(runs, load_results(Path(args.before)) if args.before else None))
         return runs
     methods = list(METHODS) if args.methods == ["all"] else args.methods

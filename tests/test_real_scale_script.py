@@ -67,3 +67,31 @@ def test_gpt2_byte_mapping_is_gpt2s():
     ids = rs.gpt2_byte_ids()
     assert sorted(ids) == list(range(256))
     assert ids[ord("!")] == 0 and ids[ord(" ")] == 220 and ids[ord("\n")] == 198   # "Ġ", "Ċ" in GPT-2's vocab
+
+
+def test_check_table_judges_each_condition_and_merges_files(tmp_path, capsys):
+    rs = _load()
+    base = {"T": 128, "train": 8, "queries": 2, "data": "random", "dtype": "float32", "device": "cpu", "threads": 1,
+            "memory_budget_arg": None, "status": "ok", "cpu_ratio": 1.5}
+
+    def ok(model, method, peak, cpu, passes):
+        return {**base, "model": model, "method": method, "peak_rss_bytes": peak * 1e9, "memory_budget": 4e9,
+                "cpu_seconds": cpu, "passes": [{"estimated": 1.0, "measured": 9.0, "measured_cpu": p} for p in passes]}
+
+    logra = ok("opt-125m", "logra", 2.0, 10.0, [1.0, 2.9])
+    trak = ok("opt-125m", "trak", 6.1, 21.0, [0.9])                 # 1.525× the budget, 2.1× LoGra
+    slow = ok("olmoe-2l", "influence_ekfac", 5.0, 50.0, [1.0, 3.3])
+    killed = {**base, "model": "gemma3-270m", "method": "less", "status": "killed",
+              "message": "killed: resident memory 8.0 GB over --max-rss-gb 8.0"}
+    assert rs.check_cells(logra, [logra]) == ("scores ✓", "0.50 ✓", "2.9 ✓", "")
+    assert rs.check_cells(trak, [logra, trak]) == ("scores ✓", "1.52 ✗", "0.9 ✓", "2.10 ✗")
+    assert rs.check_cells(slow, [slow])[2] == "3.3 ✗"
+    assert rs.check_cells(killed, [killed]) == ("killed", "", "", "")
+    # the older file's record of the same key gives way to the newer one's
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    rs.save_results(old, [logra, killed])
+    rs.save_results(new, [{**killed, **ok("gemma3-270m", "less", 3.0, 5.0, [1.0])}, trak])
+    rs.main(["--table", "--check", "--results", str(new), "--merge", str(old)])
+    table = capsys.readouterr().out
+    assert "| gemma3-270m | 128 | less | scores ✓ |" in table and "killed" not in table
+    assert "| opt-125m | 128 | trak | scores ✓ | 1.50 | 6.10 / 4.00 | 1.52 ✗ | 0.9 ✓ | 2.10 ✗ |  |" in table
