@@ -75,22 +75,27 @@ def test_bad_threshold_is_refused():
 
 
 def test_dense_fisher_refusal_names_fixes_that_work(setting):
+    import re
     task, train, query = setting
     budget = 8 * 195 ** 2 - 1                           # the dense Fisher is one byte too many
     with ga.options(memory_budget=budget):
         with pytest.raises(ga.errors.MemoryBudgetError) as err:
             ga.methods.influence(task, train, query, curvature="gauss_newton").compute()
         message = str(err.value)
-        assert "curvature='ekfac'" in message and "projector=ga.proj.kron(k=...)" in message
-        assert "structure='block'" in message and "structure='diag'" in message
-        assert "a larger budget, ga.options(memory_budget='1MB')" in message   # this machine has it
-        # each fix, applied as written, plans and runs under the same budget
-        for fix in ({"curvature": "ekfac"}, {"structure": "diag", "curvature": "gauss_newton"},
-                    {"structure": "block", "curvature": "gauss_newton"},
-                    {"projector": ga.proj.kron(k=4, seed=0), "curvature": "gauss_newton"}):
+        assert "curvature='ekfac'" in message and "structure='diag'" in message
+        k = re.search(r"projector=ga.proj.kron\(k=(\d+)\)", message)
+        larger = re.search(r"a larger budget, ga.options\(memory_budget='([^']+)'\)", message)
+        assert k and larger, message                    # this machine has the memory
+        # each fix, applied as written, plans and runs under the same budget (the matrix and
+        # its damped inverse: a structure or k whose inverse would not fit is not named)
+        fixes = [{"curvature": "ekfac"}, {"structure": "diag", "curvature": "gauss_newton"},
+                 {"projector": ga.proj.kron(k=int(k.group(1)), seed=0), "curvature": "gauss_newton"}]
+        if "structure='block'" in message:
+            fixes.append({"structure": "block", "curvature": "gauss_newton"})
+        for fix in fixes:
             scores = ga.methods.influence(task, train, query, **fix).compute()
             assert bool(torch.isfinite(torch.as_tensor(scores.values)).all())
-    with ga.options(memory_budget="1MB"):
+    with ga.options(memory_budget=larger.group(1)):
         ga.methods.influence(task, train, query, curvature="gauss_newton").compute()
 
 

@@ -232,6 +232,8 @@ _EIGH_RULES = {"block": ("block.eigh_per_block", "block.eigh_power_per_block"),
 _KRON_RESOLVE_RULES = ("kronecker.invert_eigenvalues", "kronecker.eigenvalue_power")
 #: the rules that damp a dense or block matrix into a new (d, d) copy
 _SHIFT_RULES = ("dense.shift_diagonal", "block.shift_diagonals")
+#: bytes per d² of :func:`~gradalg.linalg.base.sym_eig_map` (resolve_bytes), and of a damped copy
+EIGH_MAP_BYTES, SHIFTED_COPY_BYTES = 32.0, 8.0
 
 
 def resolve_cost(op) -> Cost:
@@ -590,8 +592,8 @@ def resolve_bytes(op) -> float:
     for form, names in _EIGH_RULES.items():
         if rules & set(names):
             d = max(b.dim for b in op.space.blocks) if form == "block" else op.space.dim
-            shifted = 8.0 if rules & set(_SHIFT_RULES) else 0.0
-            return (32.0 + shifted) * d * d
+            shifted = SHIFTED_COPY_BYTES if rules & set(_SHIFT_RULES) else 0.0
+            return (EIGH_MAP_BYTES + shifted) * d * d
     return 0.0
 
 

@@ -263,26 +263,53 @@ def statistics_bytes(node) -> float:
                   "diag": space.dim}[node.structure]
 
 
+def inverse_bytes(node) -> float:
+    """Peak working bytes of inverting a Fisher node damped, where it is applied
+    (:func:`~gradalg.plan.estimates.resolve_bytes`): (32 + 8)·d² for the widest matrix of a
+    dense or block structure, its d float64 numbers for a diagonal."""
+    from .estimates import EIGH_MAP_BYTES, SHIFTED_COPY_BYTES
+    space, per = node.space, EIGH_MAP_BYTES + SHIFTED_COPY_BYTES
+    return {"dense": per * space.dim ** 2, "block": per * max(b.dim ** 2 for b in space.blocks),
+            "diag": 8.0 * space.dim}[node.structure]
+
+
+def _kron_k_that_fits(node, memory_budget: float) -> int:
+    """The largest k at which ga.proj.kron(k) leaves a dense Fisher whose matrix and damped
+    inverse fit ``memory_budget``: at most k² coordinates per block (k_out·k_in), so
+    d ≤ n_blocks·k²; 0 where even k = 1 does not."""
+    from .estimates import EIGH_MAP_BYTES, SHIFTED_COPY_BYTES
+    d_max = (memory_budget / (EIGH_MAP_BYTES + SHIFTED_COPY_BYTES)) ** 0.5
+    return int((d_max / len(node.space.blocks)) ** 0.5)
+
+
 def check_statistics_fit(node, memory_budget: int) -> None:
     """Refuse a Fisher whose matrix alone exceeds the budget, naming the fixes that fit: a
-    Kronecker curvature (always: its factors are per layer), a projection, the other
-    structures whose matrix fits, and a larger budget only where the machine has the memory."""
+    Kronecker curvature (always: its factors are per layer), a projection small enough, the
+    other structures whose matrix fits, and a larger budget only where the machine has the
+    memory. A fix is named only where the matrix *and* its damped inverse
+    (:func:`inverse_bytes`, what the methods do with it) fit the budget it names."""
     need = statistics_bytes(node)
     if need <= memory_budget:
         return
     space = node.space
     fixes = ["a Kronecker curvature, ga.ekfac(G) or ga.kfac(G) (in ga.methods.influence / relatif: "
-             "curvature='ekfac')",
-             "project first, ga.fisher(P(G)) with P = ga.proj.kron(k=...) (in the methods: "
-             "projector=ga.proj.kron(k=...))"]
-    sizes = {"block": 8.0 * sum(b.dim ** 2 for b in space.blocks), "diag": 8.0 * space.dim}
-    fixes += [f"structure={s!r} ({_si(b)}B)" for s, b in sizes.items()
-              if s != node.structure and b <= memory_budget]
-    if need <= _physical_memory():
-        fixes.append(f"a larger budget, ga.options(memory_budget={suggest_budget(need)!r})")
+             "curvature='ekfac')"]
+    k = _kron_k_that_fits(node, memory_budget)
+    if k >= 1:
+        fixes.append(f"project first, ga.fisher(P(G)) with P = ga.proj.kron(k={k}) (in the methods: "
+                     f"projector=ga.proj.kron(k={k}))")
+    for s in ("block", "diag"):
+        if s != node.structure:
+            alt = type("_Structure", (), {"space": space, "structure": s})
+            b = max(statistics_bytes(alt), inverse_bytes(alt))
+            if b <= memory_budget:
+                fixes.append(f"structure={s!r} ({_si(b)}B)")
+    inverted = max(need, inverse_bytes(node))
+    if inverted <= _physical_memory():
+        fixes.append(f"a larger budget, ga.options(memory_budget={suggest_budget(inverted)!r})")
     raise MemoryBudgetError(
-        f"a {node.structure} Fisher over {space.dim:,} coordinates needs {_si(need)}B, over "
-        f"the memory budget of {_si(memory_budget)}B. Fixes: " + "; or ".join(fixes) + ".")
+        f"a {node.structure} Fisher over {space.dim:,} coordinates needs {_si(need)}B ({_si(inverted)}B "
+        f"to invert), over the memory budget of {_si(memory_budget)}B. Fixes: " + "; or ".join(fixes) + ".")
 
 
 def _physical_memory() -> float:

@@ -95,7 +95,7 @@ def _refuse(p: Pass, jobs, fixed: float, per_ex: float, budget: float, facts: Fa
 
 def _resolving_part(resolving: float) -> str:
     return (f" (resolving an operator {_si(resolving)}B: a d × d eigendecomposition in float64, 32·d² bytes, "
-            "which a smaller projection dimension k shrinks)") if resolving else ""
+            "and 8·d² for a damped copy, which a smaller projection dimension k shrinks)") if resolving else ""
 
 
 def _batch_size(p: Pass, sources, fixed: float, per_ex: float, facts: Facts,
@@ -170,7 +170,7 @@ class _Sizer:
     def resolving_bytes(self, jobs) -> float:
         """The working set of the operators this pass applies and no earlier pass resolved
         (:func:`~gradalg.plan.estimates.resolve_bytes`: a dense or block inverse or power,
-        32·d²; TrackStar's R^{-1/2} at k = 4096 takes 0.54 GB), the largest: they are
+        (32 + 8)·d² when damped; TrackStar's R^{-1/2} at k = 4096 takes 0.67 GB), the largest: they are
         resolved one at a time, beside what the pass holds: the preconditioners of the
         jobs' streams and the operators their kernels apply (``Job.applied_ops``)."""
         ops = []

@@ -149,7 +149,7 @@ class ScoresJob(Job):
     def applied_ops(self) -> tuple:
         """H of ⟨held_i, H streamed_j⟩, resolved in this pass when the accumulator
         preconditions the held rows (:meth:`once_cost`): the size stage counts its
-        resolution (a dense inverse: 32·d², 302 MB at d = 3075) in the pass's peak."""
+        resolution (a damped dense inverse: 40·d², 378 MB at d = 3075) in the pass's peak."""
         return () if self.target.op.is_identity else (self.target.op,)
 
     # ------------------------------------------------------------------ scheduling
