@@ -258,19 +258,26 @@ def stream_workspace_bytes(streams, facts: ModelFacts) -> float:
 
 def statistics_bytes(node) -> float:
     """Float64 bytes of a Fisher node's accumulated matrix: d² (dense), Σ_b d_b² (block), d (diag)."""
-    space = node.space
+    return _matrix_bytes(node.space, node.structure)
+
+
+def _matrix_bytes(space, structure: str) -> float:
     return 8.0 * {"dense": space.dim ** 2, "block": sum(b.dim ** 2 for b in space.blocks),
-                  "diag": space.dim}[node.structure]
+                  "diag": space.dim}[structure]
 
 
 def inverse_bytes(node) -> float:
     """Peak working bytes of inverting a Fisher node damped, where it is applied
     (:func:`~gradalg.plan.estimates.resolve_bytes`): (32 + 8)·d² for the widest matrix of a
     dense or block structure, its d float64 numbers for a diagonal."""
+    return _inverse_bytes(node.space, node.structure)
+
+
+def _inverse_bytes(space, structure: str) -> float:
     from .estimates import EIGH_MAP_BYTES, SHIFTED_COPY_BYTES
-    space, per = node.space, EIGH_MAP_BYTES + SHIFTED_COPY_BYTES
+    per = EIGH_MAP_BYTES + SHIFTED_COPY_BYTES
     return {"dense": per * space.dim ** 2, "block": per * max(b.dim ** 2 for b in space.blocks),
-            "diag": 8.0 * space.dim}[node.structure]
+            "diag": 8.0 * space.dim}[structure]
 
 
 def _kron_k_that_fits(node, memory_budget: float) -> int:
@@ -300,8 +307,7 @@ def check_statistics_fit(node, memory_budget: int) -> None:
                      f"projector=ga.proj.kron(k={k}))")
     for s in ("block", "diag"):
         if s != node.structure:
-            alt = type("_Structure", (), {"space": space, "structure": s})
-            b = max(statistics_bytes(alt), inverse_bytes(alt))
+            b = max(_matrix_bytes(space, s), _inverse_bytes(space, s))
             if b <= memory_budget:
                 fixes.append(f"structure={s!r} ({_si(b)}B)")
     inverted = max(need, inverse_bytes(node))
