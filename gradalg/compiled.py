@@ -200,7 +200,7 @@ class Compiled:
         for inner in inners:
             op_leaf = held_leaf = None
             resolved = None
-            if not isinstance(inner.op, Identity):
+            if not inner.op.is_identity:
                 resolved = ex.operator(inner.op)
                 token = f"compiled-op-{digest([inner.op.token, epoch])}"
                 op_leaf = StoredOp(_HeldOperator(resolved, token, f"compiled {inner.op.label}"), inner.op.space,

@@ -52,7 +52,7 @@ class Inner(ScoreNode):
     def adjust_rebuild(self, changes: dict) -> dict:
         # I lives on the space of its operands: rebuilt operands (another projection
         # size) take a rebuilt identity
-        if isinstance(self.op, Identity) and "op" not in changes and "left" in changes:
+        if self.op.is_identity and "op" not in changes and "left" in changes:
             changes = dict(changes, op=Identity(changes["left"].space))
         return changes
 
@@ -70,7 +70,7 @@ class Inner(ScoreNode):
 
     @property
     def label(self):
-        return "scores" if isinstance(self.op, Identity) else "scores (preconditioned)"
+        return "scores" if self.op.is_identity else "scores (preconditioned)"
 
 
 @dataclass(frozen=True, eq=False)

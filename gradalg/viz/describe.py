@@ -1,7 +1,7 @@
 """One line (title) and a few facts per node, shared by the text and HTML displays."""
 from __future__ import annotations
 
-from ..expr import GradNode, Identity, Inner, Node, OpNode, ScoreNode
+from ..expr import GradNode, Inner, Node, OpNode, ScoreNode
 
 
 def block_label(block, representation: str | None = None) -> str:
@@ -49,5 +49,5 @@ def shown_children(node: Node) -> tuple:
     product (``Q @ G.T`` is ⟨Q, G⟩, not ⟨Q, I, G⟩)."""
     kids = node.children
     if isinstance(node, Inner):
-        kids = tuple(k for k in kids if not isinstance(k, Identity))
+        kids = tuple(k for k in kids if not (isinstance(k, OpNode) and k.is_identity))
     return kids
