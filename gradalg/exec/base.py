@@ -118,14 +118,23 @@ class Executor:
         with self.clock.phase("planning"):
             budget = budget or self.shards.budget(self.options, node)
             p = make_plan(node, options=self.options, rewrites=self.rewrites, choices=self.choices,
-                          measure_shapes=True, topk=topk, budget=budget,
-                          keep_held_rows=self.shards.keeps_held_rows)
-            placed = [self.shards.placement(i, step) for i, step in enumerate(p.passes)]
-            return replace(p, placement=tuple(where for where, _ in placed),
-                           decisions=Decisions([*p.decisions, *(d for _, d in placed if d is not None)]))
+                          measure_shapes=True, topk=topk, budget=budget, keep_held_rows=self.shards.keeps_held_rows)
+            return self.place_passes(p)
+
+    def place_passes(self, p: Plan) -> Plan:
+        """``p`` with each pass placed by the shard strategy (:meth:`ShardStrategy.placement`):
+        ``plan.placement`` and the ``PLACEMENT`` decisions recording it."""
+        placed = [self.shards.placement(i, step) for i, step in enumerate(p.passes)]
+        return replace(p, placement=tuple(where for where, _ in placed),
+                       decisions=Decisions([*p.decisions, *(d for _, d in placed if d is not None)]))
 
     def run(self, p: Plan) -> Plan:
-        """Run every pass of ``p`` (:class:`~gradalg.exec.runner.PassRunner`)."""
+        """Run every pass of ``p`` where it is placed (:class:`~gradalg.exec.runner.PassRunner`);
+        a plan made elsewhere (``ga.plan``, without placement) is placed first
+        (:meth:`place_passes`), so that where each pass ran is a decision of the plan that
+        ran (``last_plan``)."""
+        if len(p.placement) != len(p.passes):
+            p = self.place_passes(p)
         self.shards.before_run(p)
         self.last_plan = p
         return self.runner.run(p)

@@ -246,10 +246,13 @@ class PassRunner:
 
     # ------------------------------------------------------------------ plans and passes
     def run(self, plan: Plan) -> Plan:
-        """Run each pass where the plan placed it (placed now when the plan came without)."""
-        placement = plan.placement or tuple(self.shards.place(step) for step in plan.passes)
+        """Run each pass where the plan placed it (``plan.placement``, made by
+        :meth:`~gradalg.exec.base.Executor.place_passes`)."""
+        if len(plan.placement) != len(plan.passes):
+            raise PlanError(f"the plan places {len(plan.placement)} of its {len(plan.passes)} passes: run it with "
+                            "Executor.run, which places it first")
         stats = self.ctx.pass_stats
-        for index, (step, where) in enumerate(zip(plan.passes, placement)):
+        for index, (step, where) in enumerate(zip(plan.passes, plan.placement)):
             start, cpu0 = time.perf_counter(), time.process_time()
             nested0 = _timed(stats)
             rss0, mark0 = resident_bytes(), peak_resident_bytes()
