@@ -33,7 +33,8 @@ Where each pass runs is decided when the plan is made (:meth:`DaskShards.place`,
 pass per iteration), reads rows in memory, reads fewer than
 ``min_shard_examples`` examples while the client holds the model's weights, or needs
 operators known only through products of the client's model (their structure labels say
-``implicit``, :mod:`gradalg.linalg.labels`); on the workers otherwise.
+``implicit``, :mod:`gradalg.linalg.labels`); on the workers otherwise (refused, by the
+placement, for a model sharded across torch.distributed ranks).
 """
 from __future__ import annotations
 
@@ -69,26 +70,23 @@ _SHARD_LOCK = threading.Lock()
 
 
 def _run_shard(blob: bytes, start: int, stop: int) -> bytes:
-    """On a worker: run one pass over examples start:stop; return the jobs' partial states,
-    packed (:func:`gradalg.exec.models.pack`)."""
+    """On a worker, one shard at a time (:data:`_SHARD_LOCK`): run one pass over examples
+    start:stop; return the jobs' partial states, packed (:func:`gradalg.exec.models.pack`).
+    Each shard loads its own copy of the jobs and sinks; a model made by a factory resolves
+    to the one this worker built (once), a pickled model is loaded with them."""
     with _SHARD_LOCK:
-        return _run_shard_alone(blob, start, stop)
-
-
-def _run_shard_alone(blob: bytes, start: int, stop: int) -> bytes:
-    # each shard loads its own copy of the jobs and sinks; a model made by a factory
-    # resolves to the one this worker built (once), a pickled model is loaded with them
-    step, sinks, state, options, data_token, threads, keys = unpack(blob)
-    if threads:
-        torch.set_num_threads(threads)   # per task: OpenMP settings are per thread
-    # the loss reduction was checked on the client (state.checked)
-    ex = Executor(options, state=RunState(ops=dict(state.ops), kron=dict(state.kron), checked=set(state.checked)))
-    parts = ex.runner.feed_shard(step, data_token, start, stop, sinks)
-    seen = worker_models_seen()
-    digests = {key: (seen[key], _worker_name()) for key in keys if key in seen}
-    # rows returned (Chunk objects name their task) name the model by its key, not its weights
-    back = [to_client(model, key) for model, key in zip(pass_models(step), keys)]
-    return pack((parts, dict(ex.trace), digests), back, to_cpu=True)
+        step, sinks, state, options, data_token, threads, keys = unpack(blob)
+        if threads:
+            torch.set_num_threads(threads)   # per task: OpenMP settings are per thread
+        # the loss reduction was checked on the client (state.checked)
+        ex = Executor(options, state=RunState(ops=dict(state.ops), kron=dict(state.kron),
+                                              checked=set(state.checked)))
+        parts = ex.runner.feed_shard(step, data_token, start, stop, sinks)
+        seen = worker_models_seen()
+        digests = {key: (seen[key], _worker_name()) for key in keys if key in seen}
+        # rows returned (Chunk objects name their task) name the model by its key, not its weights
+        back = [to_client(model, key) for model, key in zip(pass_models(step), keys)]
+        return pack((parts, dict(ex.trace), digests), back, to_cpu=True)
 
 
 def _worker_name() -> str:
@@ -167,14 +165,15 @@ class DaskShards(ShardStrategy):
         products of the client's model, and passes over fewer than ``min_shard_examples``
         examples when the client holds the weights; on the workers, every other pass over
         data (:meth:`ShardStrategy.place`: products passes and passes over rows in memory
-        run on the client)."""
+        run on the client), refused there for a model sharded across torch.distributed
+        ranks (the placement's refusal, raised when the pass would run)."""
         if _needs_products(step):
             what = "operators known only through products of this process's model (an iterative solver)"
             return Placement(False, f"needs {what}", self.refuse_here(step, what))
-        n = pass_sources(step)[0].data.n
-        if n < self.min_shard_examples and not any(is_meta_model(m) for m in pass_models(step)):
+        n, models = pass_sources(step)[0].data.n, pass_models(step)
+        if n < self.min_shard_examples and not any(is_meta_model(m) for m in models):
             return Placement(False, f"{n} examples, fewer than min_shard_examples={self.min_shard_examples}")
-        return Placement(True, "on the workers")
+        return Placement(True, "on the workers", _sharded_refusal(step, models))
 
     def refuse_here(self, step, what: str) -> Exception | None:
         """Work that needs this process's model, refused when the client holds it on the
@@ -207,7 +206,6 @@ class DaskShards(ShardStrategy):
         shards' partial states in order. Returns the score results, by sink index: Dask
         arrays of the blocks gathered from the shards."""
         ctx, models = runner.ctx, pass_models(step)
-        _refuse_sharded(step, models)
         data = pass_sources(step)[0].data
         ranges = self._ranges(data.n)
         check_reductions(ctx, step)
@@ -374,15 +372,17 @@ def _state_for(ctx, step) -> RunState:
     return RunState(ops=ops, checked=set(ctx.state.checked))
 
 
-def _refuse_sharded(step, models) -> None:
-    """Refuse a model sharded across torch.distributed ranks: a worker would get one rank's shards."""
+def _sharded_refusal(step, models) -> DistributedError | None:
+    """The refusal of a pass on the workers over a model sharded across torch.distributed
+    ranks (a worker would get one rank's shards), or None."""
     sharded = [type(m).__name__ for m in models if is_sharded(m)]
     if sharded:
-        raise DistributedError(
+        return DistributedError(
             f"{step.label} reads a model sharded across torch.distributed ranks ({', '.join(sharded)}: DTensor "
             "parameters, FSDP2 or tensor parallel); a Dask worker would receive only this rank's shards. Run "
             "the plan inside the torchrun job with executor=ga.exec.TorchDistributed(), or give the Dask "
             "workers the whole model (DaskExecutor(model_fn=...)) and plan on an unsharded or meta-device copy")
+    return None
 
 
 def _lazy_scores(results, index):

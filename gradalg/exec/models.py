@@ -337,8 +337,7 @@ def _structure_message(ref: ModelRef, structure: tuple) -> str:
 
 # ------------------------------------------------------------------ pickling with references
 def _worker_part(ref: ModelRef, kind: str, name: str):
-    model = resolve(ref)
-    return _part(model, kind, name)
+    return _part(resolve(ref), kind, name)
 
 
 _CLIENT: dict[str, weakref.ref] = {}
@@ -358,11 +357,8 @@ def _client_part(key: str, kind: str, name: str):
 
 
 def _part(model: nn.Module, kind: str, name: str):
-    if kind == "module":
-        return model.get_submodule(name)
-    if kind == "param":
-        return model.get_parameter(name)
-    return model.get_buffer(name)
+    """The part of ``model`` that :func:`model_parts` names ``(kind, name)``."""
+    return {"module": model.get_submodule, "param": model.get_parameter, "buffer": model.get_buffer}[kind](name)
 
 
 def model_parts(model: nn.Module):

@@ -49,9 +49,4 @@ class RunState:
 
     def held_bytes(self) -> int:
         """Bytes of every kept row."""
-        total = 0
-        for chunks in self.rows.values():
-            for c in chunks:
-                for v in c.blocks.values():
-                    total += block_bytes(v)
-        return total
+        return sum(block_bytes(v) for chunks in self.rows.values() for c in chunks for v in c.blocks.values())

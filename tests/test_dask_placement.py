@@ -1,0 +1,50 @@
+"""Where a Dask pass runs, and what it refuses, is decided when the plan is made: a pass over
+a model sharded across torch.distributed ranks (DTensor parameters) is refused by its
+placement, shown by ``explain()``, and raised before any shard task is submitted."""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import models  # noqa: E402
+
+import gradalg as ga  # noqa: E402
+from gradalg.errors import DistributedError  # noqa: E402
+
+distributed = pytest.importorskip("distributed")
+
+
+def _looks_sharded(model):
+    """Parameters with the attributes by which a DTensor is recognized (``placements``,
+    ``to_local``), their values untouched: the model still runs here."""
+    for p in model.parameters():
+        p.placements = ()
+        p.to_local = lambda p=p: p
+    return model
+
+
+def test_a_pass_over_a_sharded_model_is_refused_by_the_plan_before_any_shard_runs():
+    model = models.mlp()
+    X, y = models.classification_data(n=24)
+    task = ga.tasks.classification(model)
+    S = ga.methods.grad_dot(task, (X, y), (X[:5], y[:5]))
+    want = S.compute().values                       # plain model: computed before it looks sharded
+    _looks_sharded(model)
+    client = distributed.Client(processes=False, n_workers=1, threads_per_worker=1, dashboard_address=":0")
+    try:
+        with ga.options(progress=False):
+            dx = ga.exec.DaskExecutor(client, min_shard_examples=100)   # every pass small: on the client
+            torch.testing.assert_close(torch.as_tensor(S.compute(executor=dx).values), torch.as_tensor(want))
+            dx = ga.exec.DaskExecutor(client, min_shard_examples=1)
+            p = dx.plan(S.expr)
+            refusals = [where.refusal for where in p.placement if where.sharded]
+            assert refusals and all(isinstance(r, DistributedError) for r in refusals)
+            assert "sharded across torch.distributed ranks" in str(refusals[0])
+            assert "refused: " in str(S.explain(executor=dx))
+            with pytest.raises(DistributedError, match="TorchDistributed"):
+                S.compute(executor=dx)
+            assert dx.transfers == []                # raised before any payload was sent
+    finally:
+        client.close()
