@@ -12,8 +12,6 @@ from ..proj.kernels import SPARSE_KINDS, project_sparse_block
 from ..proj.matrices import dense_matrix, kron_matrices
 from ..capture.chunks import Chunk, flat_block
 from ..errors import DataError
-from .lowrank import truncate_chunk
-from .per_token import split_tokens
 
 __all__ = ["apply_rowwise", "derive_rows", "RowContext", "dtype_device", "adam_block",
            "project_blockwise"]
@@ -45,7 +43,8 @@ def derive_rows(executor, node, chunks_of, have) -> Iterator[Chunk]:
 
 class RowContext:
     """What a row-wise node's ``apply(chunk, ctx)`` asks of the executor: its options,
-    resolved operators, projection kernels, per-token split, truncated SVDs and row weights."""
+    resolved operators, projection kernels (which count into the executor's trace) and row
+    weights (which replay the captured forward)."""
 
     def __init__(self, executor):
         self.executor = executor
@@ -56,12 +55,6 @@ class RowContext:
 
     def project(self, node: Project, chunk: Chunk) -> dict:
         return _project(self.executor, node, chunk)
-
-    def split_tokens(self, node, chunk: Chunk) -> Chunk:
-        return split_tokens(node, chunk)
-
-    def truncate(self, node, chunk: Chunk) -> Chunk:
-        return truncate_chunk(node, chunk, self.options.token_block)
 
     @staticmethod
     def scale_rows(value, w: torch.Tensor):

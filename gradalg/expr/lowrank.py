@@ -17,18 +17,24 @@ batching): the held (preconditioned) query side shrinks, so more queries fit at 
 
 Exact where it cannot truncate: a block with min(out, in) ≤ r, a block that is not a
 matrix (a flat projection, a ``backend="func"`` parameter block), and factored rows
-with at most r positions (their rank is at most r already) are left as they are.
+with at most r positions (their rank is at most r already) are left as they are. Token
+masks and padding are in the factors (a padded position has d_t = 0 or a masked one-hot
+a_t) and so in the truncated matrix; rows split per token (``G.per_token()``) are rank
+one and kept.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
 
+import torch
+
+from ..capture.factors import Factors, compute_dtype, materialize
 from ..errors import OptionError
 from ..options import plain
 from .grads import GradNode, Normalize, Project, ScaleRows, Select, _RowMap
 
-__all__ = ["LowRank", "check_rank", "truncated_blocks", "lowrank_below"]
+__all__ = ["LowRank", "check_rank", "truncated_blocks", "lowrank_below", "truncate_block"]
 
 
 def check_rank(rank) -> int:
@@ -84,7 +90,11 @@ class LowRank(_RowMap):
                 if name in self.truncated else T for name, T in below.items()}
 
     def apply(self, chunk, ctx):
-        return ctx.truncate(self, chunk)
+        """Truncated blocks as rank-r factors (:func:`truncate_block`), the others as they are."""
+        shapes = {b.name: b.shape for b in self.space.blocks}
+        token_block = ctx.options.token_block
+        return chunk.replace({name: truncate_block(v, shapes[name], self.rank, token_block)
+                              if name in self.truncated else v for name, v in chunk.blocks.items()})
 
     def row_cost(self, n, chunk, prices):
         """Per truncated block: materialized (from factors; a factored block with at most
@@ -115,3 +125,25 @@ def lowrank_below(node: GradNode) -> "LowRank | None":
     while isinstance(x, (Select, ScaleRows, Project)) or (isinstance(x, Normalize) and x.op is None):
         x = x.grads
     return x if isinstance(x, LowRank) else None
+
+
+def truncate_block(value, shape: tuple, rank: int, token_block: int | None = None):
+    """One block of n rows as rank-``rank`` factors. With M_i = U Σ Vᵀ row i's (out, in)
+    matrix (float32 for half precision, else the rows' dtype) and k = min(r, out, in):
+    L_i = U[:, :k] Σ[:k] (out, k), R_i = V[:, :k] (in, k), returned as
+    ``Factors(A = R_iᵀ (n, k, in), D = L_iᵀ (n, k, out))`` (Dᵀ A = L_i R_iᵀ). Factored rows
+    with T ≤ r positions are returned as they are (their rank is at most T: exact).
+    value : Factors (n, T, ·) or flat (n, out·in)   returns Factors (n, k, ·)"""
+    out_f, in_f = shape
+    if isinstance(value, Factors):
+        if value.T <= rank:
+            return value                       # rank ≤ T ≤ r: exact as it is
+        M = materialize(value, token_block)    # (n, out, in) in the compute dtype, masks applied
+    else:
+        M = value.reshape(value.shape[0], out_f, in_f)
+        M = M.to(compute_dtype(M.dtype))
+    k = min(rank, out_f, in_f)
+    U, S, Vh = torch.linalg.svd(M, full_matrices=False)           # (n, out, m), (n, m), (n, m, in)
+    D = (U[:, :, :k] * S[:, None, :k]).transpose(1, 2).contiguous()  # L_iᵀ (n, k, out)
+    A = Vh[:, :k, :].contiguous()                                   # R_iᵀ (n, k, in)
+    return Factors(A, D)
