@@ -143,9 +143,7 @@ class RankShards(ShardStrategy):
         from ..plan.budget import resolve_budget
         from ..plan.planner import model_device
         mine = resolve_budget(options, model_device(getattr(node, "expr", node)))
-        budgets = [None] * self.world_size
-        _dist().all_gather_object(budgets, mine, group=self.group)
-        budget = min(budgets, key=lambda b: b.bytes)
+        budget = min(self._everyone(mine), key=lambda b: b.bytes)
         return replace(budget, source=f"{budget.source}, the smallest of {self.world_size} ranks")
 
     def before_run(self, p) -> None:
@@ -239,10 +237,7 @@ class RankShards(ShardStrategy):
 
     def _raise_any(self, error, step) -> None:
         """Raise on every rank if any rank failed during the pass."""
-        dist = _dist()
-        messages = [None] * self.world_size
-        mine = None if error is None else f"{type(error).__name__}: {error}"
-        dist.all_gather_object(messages, mine, group=self.group)
+        messages = self._everyone(None if error is None else f"{type(error).__name__}: {error}")
         if error is not None:
             raise error
         for rank, message in enumerate(messages):
@@ -252,9 +247,7 @@ class RankShards(ShardStrategy):
     def _sum_traces(self, trace, before) -> None:
         """The kernels every rank ran in the pass, summed, added to the counts before it
         (equal on every rank): the same trace on every rank."""
-        dist = _dist()
-        counts = [None] * self.world_size
-        dist.all_gather_object(counts, dict(trace - before), group=self.group)
+        counts = self._everyone(dict(trace - before))
         trace.clear()
         trace.update(before)
         for c in counts:
@@ -262,11 +255,8 @@ class RankShards(ShardStrategy):
 
     def _agree(self, p) -> None:
         """Compare this rank's plan with every other rank's (by content, not by token)."""
-        dist = _dist()
         mine = plan_outline(p)
-        outlines = [None] * self.world_size
-        dist.all_gather_object(outlines, mine, group=self.group)
-        for rank, other in enumerate(outlines):
+        for rank, other in enumerate(self._everyone(mine)):
             if other != mine:
                 where = next((k for k, (a, b) in enumerate(zip(mine, other)) if a != b), min(len(mine), len(other)))
                 raise DistributedError(
@@ -276,6 +266,12 @@ class RankShards(ShardStrategy):
                     "expression over the same data with the same ga.options")
 
     # ------------------------------------------------------------------ helpers
+    def _everyone(self, mine) -> list:
+        """Every rank's ``mine``, in rank order (one all-gather of Python objects)."""
+        out = [None] * self.world_size
+        _dist().all_gather_object(out, mine, group=self.group)
+        return out
+
     def _global(self, rank: int) -> int:
         if self.group is None:
             return rank
