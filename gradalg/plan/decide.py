@@ -208,7 +208,7 @@ def refuse_dense_projections(root, budget: float) -> None:
     names the matrix, the budget and the projections without a dense matrix; its ``needed``
     (bytes) lets :func:`~gradalg.plan.planner.plan` say which budget would fit."""
     for x in root.walk():
-        if not (isinstance(x, Project) and x.projector.kind in ("gaussian", "rademacher")):
+        if not (isinstance(x, Project) and x.projector.map == "dense"):
             continue
         p, dim = x.projector, x.grads.space.dim
         need = p.k * dim * 8

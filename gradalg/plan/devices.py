@@ -373,12 +373,18 @@ def _warm_fastest(fn, seconds: float, least: int = 3) -> float:
     return _fastest(fn, seconds, least)
 
 
+def physical_memory() -> float:
+    """The machine's physical memory in bytes (inf where the platform does not say)."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return float("inf")
+
+
 def host_memory() -> float:
     """Bytes of this machine's memory for tensors: 80 % of it (8 GB when unknown)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.8
-    except (ValueError, OSError, AttributeError):
-        return 8e9
+    memory = physical_memory()
+    return 0.8 * memory if memory < float("inf") else 8e9
 
 
 #: square GEMM sizes and eigh sizes measured on the CPU (about 0.5 s and 0.4 s); the fixed
