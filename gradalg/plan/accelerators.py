@@ -27,12 +27,11 @@ by torch's CPU generator on every device: that rate is the CPU profile's.
 from __future__ import annotations
 
 import platform
-import time
 from dataclasses import replace
 
 import torch
 
-from .devices import (_MEM_EFF, PRESETS, PROFILE_VERSION, DeviceProfile, _measure_bmm_call, _measure_bmms, _measure_call,
+from .devices import (_MEM_EFF, PRESETS, PROFILE_VERSION, DeviceProfile, _fastest, _measure_bmm_call, _measure_bmms, _measure_call,
                       _measure_capture, _measure_copy, _measure_eighs, _measure_elementwise, _measure_gemms, _measure_op,
                       _measure_sjlt, _measure_tensorsketch, _with_products,
                       cached_local_profile, host_memory, read_cached, write_cached)
@@ -102,20 +101,14 @@ def cuda_profile(index: int | None = None, *, measure: bool = True) -> DevicePro
 
 def _timer(device: torch.device):
     """``median_seconds(fn, seconds)``: the median wall time of ``fn`` on ``device``,
-    synchronized after each call, over ``seconds`` of repetitions (at least 3)."""
+    synchronized after each call, over ``seconds`` of repetitions (at least 3), after one
+    warm-up call."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def median_seconds(fn, seconds: float, least: int = 3) -> float:
         fn()
         sync()
-        times, start = [], time.perf_counter()
-        while time.perf_counter() - start < seconds or len(times) < least:
-            t = time.perf_counter()
-            fn()
-            sync()
-            times.append(time.perf_counter() - t)
-        times.sort()
-        return max(times[len(times) // 2], 1e-9)
+        return _fastest(fn, seconds, least, sync)
 
     return median_seconds
 

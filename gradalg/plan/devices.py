@@ -197,22 +197,35 @@ class DeviceProfile:
             return self.flops_fp32 / 2
         return self.flops_fp32
 
+    def _gemm_rate(self, rates: tuple, m: float, n: float, k: float, elem: int) -> float:
+        """FLOP/s of ``(m, k) @ (k, n)`` products in numbers of ``elem`` bytes (8: float64,
+        2: half): the dtype's large-GEMM rate scaled by ``rates`` ((size, FLOP/s), …)
+        interpolated log-log at the products' size ``(m·n·k)^(1/3)`` (∝ size below the
+        smallest measured one, constant above the largest)."""
+        rate = self.flops({8: torch.float64, 2: torch.bfloat16}.get(elem, torch.float32))
+        if not rates:
+            return rate
+        return rate * min(1.0, _interp_loglog(rates, (m * n * k) ** (1.0 / 3.0), 0.0, 1.0) / self.flops_fp32)
+
+    def _moving_seconds(self, nbytes: float, k: float) -> float:
+        """Moving ``nbytes`` of a product's matrices once: at the copy bandwidth, or for an
+        inner dimension below ``OUTER_K`` (a batch of outer products: elementwise work) at
+        the elementwise bandwidth."""
+        return nbytes / (self._elementwise if k < OUTER_K else self.bandwidth)
+
+    @property
+    def _elementwise(self) -> float:
+        return self.elementwise_bandwidth or self.bandwidth
+
     def gemm_seconds(self, m: float, n: float, k: float, elem: int = 4) -> float:
-        """One ``(m, k) @ (k, n)`` GEMM in numbers of ``elem`` bytes (8: float64, 2: half)."""
+        """One ``(m, k) @ (k, n)`` GEMM in numbers of ``elem`` bytes, at ``gemm_rates``
+        (below the smallest measured size the rate falls ∝ size: such products come in
+        batches that share one call's overhead), never faster than moving its matrices."""
         flops = 2.0 * m * n * k
         if flops <= 0:
             return 0.0
-        dtype = {8: torch.float64, 2: torch.bfloat16}.get(elem, torch.float32)
-        rate = self.flops(dtype)
-        if self.gemm_rates:
-            size = (m * n * k) ** (1.0 / 3.0)
-            # below the smallest measured size the rate falls ∝ size: such products come
-            # in batches (one bmm of many small matrices) that share one call's overhead
-            rate *= min(1.0, _interp_loglog(self.gemm_rates, size, 0.0, 1.0) / self.flops_fp32)
-        # an inner dimension below OUTER_K makes the product a batch of outer products:
-        # elementwise work, priced at the elementwise bandwidth rather than a copy's
-        moving = (self.elementwise_bandwidth or self.bandwidth) if k < OUTER_K else self.bandwidth
-        return max(flops / rate, elem * (m * k + k * n + m * n) / moving)
+        return max(flops / self._gemm_rate(self.gemm_rates, m, n, k, elem),
+                   self._moving_seconds(elem * (m * k + k * n + m * n), k))
 
     def bmm_seconds(self, b: float, m: float, n: float, k: float, elem: int = 4) -> float:
         """One call of a batched GEMM: ``b`` independent ``(m, k) @ (k, n)`` products.
@@ -227,14 +240,9 @@ class DeviceProfile:
             return 0.0
         if not self.bmm_rates:
             return b * self.gemm_seconds(m, n, k, elem)
-        dtype = {8: torch.float64, 2: torch.bfloat16}.get(elem, torch.float32)
-        size = (m * n * k) ** (1.0 / 3.0)
-        batched = _interp_loglog(self.bmm_rates, size, 0.0, 1.0)
-        single = _interp_loglog(self.gemm_rates, size, 0.0, 1.0) if self.gemm_rates else self.flops_fp32
-        rate = self.flops(dtype) * min(1.0, max(batched, single) / self.flops_fp32)
-        moving = (self.elementwise_bandwidth or self.bandwidth) if k < OUTER_K else self.bandwidth
-        call = self.bmm_call_seconds or self.op_seconds
-        return call + max(flops / rate, elem * b * (m * k + k * n + m * n) / moving)
+        rate = max(self._gemm_rate(self.bmm_rates, m, n, k, elem), self._gemm_rate(self.gemm_rates, m, n, k, elem))
+        return (self.bmm_call_seconds or self.op_seconds) + max(
+            flops / rate, self._moving_seconds(elem * b * (m * k + k * n + m * n), k))
 
     def eigh_seconds(self, d: float) -> float:
         """One float64 symmetric eigendecomposition of a (d, d) matrix."""
@@ -248,19 +256,13 @@ class DeviceProfile:
         """Seconds of a :class:`~gradalg.plan.cost.Cost`: its GEMMs by shape, its batched
         GEMMs by shape and batch, its eigendecompositions by size, the remaining FLOPs at the large-GEMM rate, its
         memory traffic, its random numbers, and its fixed costs (module calls, ops,
-        batches, layers)."""
-        shaped = 0.0
-        gemm_time = 0.0
-        counts: dict = {}    # GEMMs of one shape priced once: a 70B model lists thousands
-        for m, n, k, count, elem in cost.gemms:
-            counts[(m, n, k, elem)] = counts.get((m, n, k, elem), 0.0) + count
-        for (m, n, k, elem), count in counts.items():
+        batches, layers). Products of one shape are priced once (a 70B model lists thousands)."""
+        shaped, gemm_time = 0.0, 0.0
+        for (m, n, k, elem), count in _tally(((m, n, k, elem), c) for m, n, k, c, elem in cost.gemms).items():
             shaped += 2.0 * m * n * k * count
             gemm_time += count * self.gemm_seconds(m, n, k, elem)
-        batched: dict = {}
-        for b, m, n, k, count, elem in getattr(cost, "bmms", ()):
-            batched[(b, m, n, k, elem)] = batched.get((b, m, n, k, elem), 0.0) + count
-        for (b, m, n, k, elem), count in batched.items():
+        bmms = _tally(((b, m, n, k, e), c) for b, m, n, k, c, e in getattr(cost, "bmms", ()))
+        for (b, m, n, k, elem), count in bmms.items():
             shaped += 2.0 * b * m * n * k * count
             gemm_time += count * self.bmm_seconds(b, m, n, k, elem)
         eigh_time = 0.0
@@ -268,12 +270,11 @@ class DeviceProfile:
             shaped += 9.0 * d ** 3 * count
             eigh_time += count * self.eigh_seconds(d)
         rest = max(0.0, cost.flops - shaped)
-        elementwise = self.elementwise_bandwidth or self.bandwidth
         faults = cost.faulted / self.fault_bandwidth if self.fault_bandwidth else 0.0
         scatter = cost.scatter * self.sjlt_bytes[0] + cost.scatter_rows * self.sjlt_bytes[1]
         randoms = cost.randoms + cost.sjlt_draws * self.sjlt_build_randoms
         return (gemm_time + eigh_time + rest / self.flops(dtype) + cost.bytes / self.bandwidth
-                + (cost.elementwise + scatter) / elementwise + faults + randoms * self.random_seconds
+                + (cost.elementwise + scatter) / self._elementwise + faults + randoms * self.random_seconds
                 + cost.calls * self.call_seconds + cost.ops * self.op_seconds
                 + cost.batches * self.batch_seconds + cost.layer_batches * self.layer_seconds
                 + sum(count * self.block_fixed_seconds(kind, ops) for kind, count, ops in getattr(cost, "blocks", ())))
@@ -289,11 +290,8 @@ class DeviceProfile:
             per_batch, per_module = self.product_seconds
             return per_batch + ops * per_module
         if kind == "tensorsketch":
-            return self.ts_bytes_per_bin / (self.elementwise_bandwidth or self.bandwidth)
-        for name, seconds in self.block_seconds:
-            if name == kind:
-                return seconds
-        return ops * self.op_seconds
+            return self.ts_bytes_per_bin / self._elementwise
+        return dict(self.block_seconds).get(kind, ops * self.op_seconds)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -303,14 +301,21 @@ class DeviceProfile:
         """A cached profile; raises ``ValueError`` for one of another cost model's version."""
         if entry.get("version") != PROFILE_VERSION:
             raise ValueError("cached device profile of another cost-model version")
-        known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in entry.items() if k in known}
-        for key in ("gemm_rates", "bmm_rates", "eigh_times", "block_seconds"):
+        values = {f.name: entry[f.name] for f in fields(cls) if f.name in entry}
+        for key in ("gemm_rates", "bmm_rates", "eigh_times", "block_seconds"):   # JSON lists back to tuples
             values[key] = tuple(tuple(p) for p in values.get(key, ()))
         for key in ("elementwise_sweeps", "sjlt_bytes", "product_seconds"):
             if key in values:
                 values[key] = tuple(values[key])
         return cls(**values)
+
+
+def _tally(items) -> dict:
+    """``{key: total count}`` of ``(key, count)`` pairs."""
+    out: dict = {}
+    for key, count in items:
+        out[key] = out.get(key, 0.0) + count
+    return out
 
 
 _EFF = 0.6        # sustained fraction of a spec-sheet peak FLOP rate (assumed, not measured)
@@ -352,16 +357,20 @@ def _key() -> str:
             f"|cost-model{PROFILE_VERSION}")
 
 
-def _fastest(fn, seconds: float, least: int = 3) -> float:
+def _fastest(fn, seconds: float, least: int = 3, sync=None) -> float:
     """The typical time of one call of ``fn``: the median over ``seconds`` of repetitions
     (at least ``least``). With one thread the time is this process's CPU time, which does
     not count the waits for a core that other processes of a busy machine cause; the
-    median, not the fastest, because a pass runs at the sustained speed, not the best."""
-    clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
+    median, not the fastest, because a pass runs at the sustained speed, not the best.
+    ``sync`` (a device's synchronize, :mod:`gradalg.plan.accelerators`) is called after
+    each call, and the time is then the wall time."""
+    clock = time.process_time if sync is None and torch.get_num_threads() == 1 else time.perf_counter
     times, start = [], time.perf_counter()
     while time.perf_counter() - start < seconds or len(times) < least:
         t = clock()
         fn()
+        if sync is not None:
+            sync()
         times.append(clock() - t)
     times.sort()
     return max(times[len(times) // 2], 1e-9)
