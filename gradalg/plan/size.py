@@ -17,7 +17,7 @@ from . import estimates
 from .cost import Cost, _si, tokens_hint
 from .decisions import Decision, DecisionKind
 from .facts import Facts
-from .lower import ROW_WISE, stream_root
+from .lower import ROW_WISE, chain, stream_root
 from .memory import capture_bytes_per_example, flattened_rows_bytes
 from .schedule import Pass, Schedule
 from .blocks import as_captured, storage
@@ -27,14 +27,9 @@ __all__ = ["size", "table_bytes"]
 
 def table_bytes(jobs) -> float:
     """Bytes of the index tables of the sparse projections the jobs' streams apply (once each)."""
-    tables: dict[tuple, float] = {}
-    for job in jobs:
-        for x in job.streams:
-            while isinstance(x, ROW_WISE):
-                if isinstance(x, Project):
-                    for b in x.grads.space.blocks:
-                        tables[(x.projector, b.name, b.dim)] = estimates.sparse_table_bytes(x.projector, b)
-                x = x.grads
+    tables = {(x.projector, b.name, b.dim): estimates.sparse_table_bytes(x.projector, b)
+              for job in jobs for s in job.streams for x in chain(s) if isinstance(x, Project)
+              for b in x.grads.space.blocks}
     return sum(tables.values())
 
 
