@@ -113,12 +113,6 @@ def _timer(device: torch.device):
     return median_seconds
 
 
-def _device_memory(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory * _MEM_EFF
-    return host_memory()
-
-
 def measure_profile(device: torch.device, *, gemm_sizes=GPU_GEMM_SIZES, bmm_sizes=GPU_BMM_SIZES,
                     eigh_sizes=GPU_EIGH_SIZES, copy_bytes: int = 256 * 2**20, batch_elements: int = 2**24,
                     seconds: float = 0.05) -> DeviceProfile:
@@ -137,14 +131,16 @@ def measure_profile(device: torch.device, *, gemm_sizes=GPU_GEMM_SIZES, bmm_size
     op = _measure_op(timed, device, seconds)
     batch, layer = _measure_capture(call, timed, device, seconds)
     sjlt = _measure_sjlt(elementwise, timed, device, seconds)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+    cuda = device.type == "cuda"
+    name = torch.cuda.get_device_name(device) if cuda else str(device)
+    memory = torch.cuda.get_device_properties(device).total_memory * _MEM_EFF if cuda else host_memory()
     prof = DeviceProfile(f"{name} ({device}, measured)", gemm_rates[-1][1], max(bf16, gemm_rates[-1][1]),
-                         bandwidth, _device_memory(device), measured=True, call_seconds=call, op_seconds=op,
+                         bandwidth, memory, measured=True, call_seconds=call, op_seconds=op,
                          batch_seconds=batch, layer_seconds=layer, elementwise_bandwidth=elementwise,
                          fault_bandwidth=0.0, gemm_rates=gemm_rates, bmm_rates=bmm_rates,
                          bmm_call_seconds=bmm_call, eigh_times=eigh_times,
                          random_seconds=cached_local_profile().random_seconds, sjlt_bytes=sjlt,
                          sjlt_build_randoms=cached_local_profile().sjlt_build_randoms,   # tables are drawn on the CPU
                          ts_bytes_per_bin=_measure_tensorsketch(elementwise, timed, device, seconds),
-                         link_bandwidth=PRESETS[nominal_key(name)].link_bandwidth if device.type == "cuda" else 0.0)
+                         link_bandwidth=PRESETS[nominal_key(name)].link_bandwidth if cuda else 0.0)
     return _with_products(prof, timed, device)
