@@ -26,7 +26,7 @@ from typing import Mapping
 
 from ..capture.factors import Factors
 from ..errors import MemoryBudgetError
-from ..expr import Captured, Normalize, Precondition, Project, Source
+from ..expr import AdamPrecondition, Captured, Normalize, Precondition, Project, Source
 from ..expr.stored import Stored
 from ..expr.lowrank import lowrank_below
 from ..expr.tokens import token_rows
@@ -198,8 +198,7 @@ def projection_workspace_bytes(node, facts: ModelFacts) -> float:
             out = max(out, 4.0 * facts.elem * T * (x.projector.k + 2))
         elif kind is not None:
             widest = max((b.dim for b in x.grads.space.blocks), default=0)
-            adam = type(x.grads).__name__ == "AdamPrecondition"
-            out = max(out, (4.0 if adam else 2.0) * facts.elem * widest)
+            out = max(out, (4.0 if isinstance(x.grads, AdamPrecondition) else 2.0) * facts.elem * widest)
     return out
 
 
