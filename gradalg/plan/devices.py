@@ -197,35 +197,26 @@ class DeviceProfile:
             return self.flops_fp32 / 2
         return self.flops_fp32
 
-    def _gemm_rate(self, rates: tuple, m: float, n: float, k: float, elem: int) -> float:
-        """FLOP/s of ``(m, k) @ (k, n)`` products in numbers of ``elem`` bytes (8: float64,
-        2: half): the dtype's large-GEMM rate scaled by ``rates`` ((size, FLOP/s), …)
-        interpolated log-log at the products' size ``(m·n·k)^(1/3)`` (∝ size below the
-        smallest measured one, constant above the largest)."""
-        rate = self.flops({8: torch.float64, 2: torch.bfloat16}.get(elem, torch.float32))
-        if not rates:
-            return rate
-        return rate * min(1.0, _interp_loglog(rates, (m * n * k) ** (1.0 / 3.0), 0.0, 1.0) / self.flops_fp32)
-
-    def _moving_seconds(self, nbytes: float, k: float) -> float:
-        """Moving ``nbytes`` of a product's matrices once: at the copy bandwidth, or for an
-        inner dimension below ``OUTER_K`` (a batch of outer products: elementwise work) at
-        the elementwise bandwidth."""
-        return nbytes / (self._elementwise if k < OUTER_K else self.bandwidth)
-
     @property
     def _elementwise(self) -> float:
         return self.elementwise_bandwidth or self.bandwidth
 
     def gemm_seconds(self, m: float, n: float, k: float, elem: int = 4) -> float:
-        """One ``(m, k) @ (k, n)`` GEMM in numbers of ``elem`` bytes, at ``gemm_rates``
-        (below the smallest measured size the rate falls ∝ size: such products come in
-        batches that share one call's overhead), never faster than moving its matrices."""
+        """One ``(m, k) @ (k, n)`` GEMM in numbers of ``elem`` bytes (8: float64, 2: half)."""
         flops = 2.0 * m * n * k
         if flops <= 0:
             return 0.0
-        return max(flops / self._gemm_rate(self.gemm_rates, m, n, k, elem),
-                   self._moving_seconds(elem * (m * k + k * n + m * n), k))
+        dtype = {8: torch.float64, 2: torch.bfloat16}.get(elem, torch.float32)
+        rate = self.flops(dtype)
+        if self.gemm_rates:
+            size = (m * n * k) ** (1.0 / 3.0)
+            # below the smallest measured size the rate falls ∝ size: such products come
+            # in batches (one bmm of many small matrices) that share one call's overhead
+            rate *= min(1.0, _interp_loglog(self.gemm_rates, size, 0.0, 1.0) / self.flops_fp32)
+        # an inner dimension below OUTER_K makes the product a batch of outer products:
+        # elementwise work, priced at the elementwise bandwidth rather than a copy's
+        moving = (self.elementwise_bandwidth or self.bandwidth) if k < OUTER_K else self.bandwidth
+        return max(flops / rate, elem * (m * k + k * n + m * n) / moving)
 
     def bmm_seconds(self, b: float, m: float, n: float, k: float, elem: int = 4) -> float:
         """One call of a batched GEMM: ``b`` independent ``(m, k) @ (k, n)`` products.
@@ -240,9 +231,14 @@ class DeviceProfile:
             return 0.0
         if not self.bmm_rates:
             return b * self.gemm_seconds(m, n, k, elem)
-        rate = max(self._gemm_rate(self.bmm_rates, m, n, k, elem), self._gemm_rate(self.gemm_rates, m, n, k, elem))
-        return (self.bmm_call_seconds or self.op_seconds) + max(
-            flops / rate, self._moving_seconds(elem * b * (m * k + k * n + m * n), k))
+        dtype = {8: torch.float64, 2: torch.bfloat16}.get(elem, torch.float32)
+        size = (m * n * k) ** (1.0 / 3.0)
+        batched = _interp_loglog(self.bmm_rates, size, 0.0, 1.0)
+        single = _interp_loglog(self.gemm_rates, size, 0.0, 1.0) if self.gemm_rates else self.flops_fp32
+        rate = self.flops(dtype) * min(1.0, max(batched, single) / self.flops_fp32)
+        moving = (self.elementwise_bandwidth or self.bandwidth) if k < OUTER_K else self.bandwidth
+        call = self.bmm_call_seconds or self.op_seconds
+        return call + max(flops / rate, elem * b * (m * k + k * n + m * n) / moving)
 
     def eigh_seconds(self, d: float) -> float:
         """One float64 symmetric eigendecomposition of a (d, d) matrix."""
@@ -257,11 +253,14 @@ class DeviceProfile:
         GEMMs by shape and batch, its eigendecompositions by size, the remaining FLOPs at the large-GEMM rate, its
         memory traffic, its random numbers, and its fixed costs (module calls, ops,
         batches, layers). Products of one shape are priced once (a 70B model lists thousands)."""
-        shaped, gemm_time = 0.0, 0.0
-        for (m, n, k, elem), count in _tally(((m, n, k, elem), c) for m, n, k, c, elem in cost.gemms).items():
+        shaped, gemm_time, gemms, bmms = 0.0, 0.0, {}, {}
+        for m, n, k, count, elem in cost.gemms:
+            gemms[m, n, k, elem] = gemms.get((m, n, k, elem), 0.0) + count
+        for b, m, n, k, count, elem in getattr(cost, "bmms", ()):
+            bmms[b, m, n, k, elem] = bmms.get((b, m, n, k, elem), 0.0) + count
+        for (m, n, k, elem), count in gemms.items():
             shaped += 2.0 * m * n * k * count
             gemm_time += count * self.gemm_seconds(m, n, k, elem)
-        bmms = _tally(((b, m, n, k, e), c) for b, m, n, k, c, e in getattr(cost, "bmms", ()))
         for (b, m, n, k, elem), count in bmms.items():
             shaped += 2.0 * b * m * n * k * count
             gemm_time += count * self.bmm_seconds(b, m, n, k, elem)
@@ -308,14 +307,6 @@ class DeviceProfile:
             if key in values:
                 values[key] = tuple(values[key])
         return cls(**values)
-
-
-def _tally(items) -> dict:
-    """``{key: total count}`` of ``(key, count)`` pairs."""
-    out: dict = {}
-    for key, count in items:
-        out[key] = out.get(key, 0.0) + count
-    return out
 
 
 _EFF = 0.6        # sustained fraction of a spec-sheet peak FLOP rate (assumed, not measured)
