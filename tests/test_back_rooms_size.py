@@ -2,7 +2,8 @@
 the executors (``gradalg/exec/``) is longer than 60 lines, docstring included (a longer one
 does several things: split it into named steps). The other half of the item, ``plan/`` +
 ``exec/`` at most 5.5 k lines, is not met yet and is not pinned here; the count is
-``find gradalg/plan gradalg/exec -name '*.py' | xargs wc -l``."""
+``find gradalg/plan gradalg/exec -name '*.py' | xargs wc -l``: on 2026-12-06 (session 40,
+branch rooms-plan) 7,646 in ``plan/`` (7,696 before it) + 3,482 in ``exec/`` = 11,128."""
 from __future__ import annotations
 
 import ast

@@ -60,6 +60,8 @@ __all__ = ["Projector", "gaussian", "rademacher", "kron", "sparse", "mask", "gra
 
 KINDS = ("gaussian", "rademacher", "kron", "sparse", "mask", "grass", "factgrass", "tensorsketch")
 SJLT_KINDS = ("sparse", "grass", "factgrass")   # kinds whose last stage is a sparse JL transform
+#: the map a flat-row projection applies block by block (:attr:`Projector.map`)
+MAPS = {"gaussian": "dense", "rademacher": "dense", "sparse": "sparse JL", "tensorsketch": "tensorsketch"}
 GRASS_BLOWUP = 4   # GraSS / FactGraSS: the mask keeps about 4k coordinates before the SJLT to k
 
 
@@ -152,6 +154,14 @@ class Projector:
         return f"{self.kind}-k{self.k}-s{self.seed}" + ("-pb" if self.per_block else "") + (
             f"-{self.k_out}x{self.k_in}" if self.k_out else "") + (
             f"-nnz{self.s}" if self.s != 1 else "") + (f"-m{self.mask_k}" if self.mask_k else "")
+
+    @property
+    def map(self) -> str | None:
+        """The map the plan's "projection map" decision names for this projector: ``"dense"``
+        (a (k, d) float64 matrix: gaussian, rademacher), ``"sparse JL"`` (sparse) or
+        ``"tensorsketch"``; None for the per-layer maps of factors (kron, mask, grass,
+        factgrass), which keep neither a matrix of d nor tables of d."""
+        return MAPS.get(self.kind)
 
     def block_seed(self, block_name: str, part: str = "") -> int:
         """The seed of one block's matrix: stable across processes (crc32, not hash())."""

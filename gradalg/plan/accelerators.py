@@ -27,12 +27,11 @@ by torch's CPU generator on every device: that rate is the CPU profile's.
 from __future__ import annotations
 
 import platform
-import time
 from dataclasses import replace
 
 import torch
 
-from .devices import (_MEM_EFF, PRESETS, PROFILE_VERSION, DeviceProfile, _measure_bmm_call, _measure_bmms, _measure_call,
+from .devices import (_MEM_EFF, PRESETS, PROFILE_VERSION, DeviceProfile, _fastest, _measure_bmm_call, _measure_bmms, _measure_call,
                       _measure_capture, _measure_copy, _measure_eighs, _measure_elementwise, _measure_gemms, _measure_op,
                       _measure_sjlt, _measure_tensorsketch, _with_products,
                       cached_local_profile, host_memory, read_cached, write_cached)
@@ -102,28 +101,16 @@ def cuda_profile(index: int | None = None, *, measure: bool = True) -> DevicePro
 
 def _timer(device: torch.device):
     """``median_seconds(fn, seconds)``: the median wall time of ``fn`` on ``device``,
-    synchronized after each call, over ``seconds`` of repetitions (at least 3)."""
+    synchronized after each call, over ``seconds`` of repetitions (at least 3), after one
+    warm-up call."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def median_seconds(fn, seconds: float, least: int = 3) -> float:
         fn()
         sync()
-        times, start = [], time.perf_counter()
-        while time.perf_counter() - start < seconds or len(times) < least:
-            t = time.perf_counter()
-            fn()
-            sync()
-            times.append(time.perf_counter() - t)
-        times.sort()
-        return max(times[len(times) // 2], 1e-9)
+        return _fastest(fn, seconds, least, sync)
 
     return median_seconds
-
-
-def _device_memory(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory * _MEM_EFF
-    return host_memory()
 
 
 def measure_profile(device: torch.device, *, gemm_sizes=GPU_GEMM_SIZES, bmm_sizes=GPU_BMM_SIZES,
@@ -144,14 +131,16 @@ def measure_profile(device: torch.device, *, gemm_sizes=GPU_GEMM_SIZES, bmm_size
     op = _measure_op(timed, device, seconds)
     batch, layer = _measure_capture(call, timed, device, seconds)
     sjlt = _measure_sjlt(elementwise, timed, device, seconds)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+    cuda = device.type == "cuda"
+    name = torch.cuda.get_device_name(device) if cuda else str(device)
+    memory = torch.cuda.get_device_properties(device).total_memory * _MEM_EFF if cuda else host_memory()
     prof = DeviceProfile(f"{name} ({device}, measured)", gemm_rates[-1][1], max(bf16, gemm_rates[-1][1]),
-                         bandwidth, _device_memory(device), measured=True, call_seconds=call, op_seconds=op,
+                         bandwidth, memory, measured=True, call_seconds=call, op_seconds=op,
                          batch_seconds=batch, layer_seconds=layer, elementwise_bandwidth=elementwise,
                          fault_bandwidth=0.0, gemm_rates=gemm_rates, bmm_rates=bmm_rates,
                          bmm_call_seconds=bmm_call, eigh_times=eigh_times,
                          random_seconds=cached_local_profile().random_seconds, sjlt_bytes=sjlt,
                          sjlt_build_randoms=cached_local_profile().sjlt_build_randoms,   # tables are drawn on the CPU
                          ts_bytes_per_bin=_measure_tensorsketch(elementwise, timed, device, seconds),
-                         link_bandwidth=PRESETS[nominal_key(name)].link_bandwidth if device.type == "cuda" else 0.0)
+                         link_bandwidth=PRESETS[nominal_key(name)].link_bandwidth if cuda else 0.0)
     return _with_products(prof, timed, device)

@@ -14,7 +14,7 @@ from .choices import Choices
 from .cost import _si
 from .decisions import Decision, DecisionKind
 from .facts import Facts
-from .lower import ROW_WISE, STATISTICS_JOBS, Lowered, chain_ops, pass_key, stream_root
+from .lower import STATISTICS_JOBS, Lowered, chain, chain_ops, pass_key, stream_root
 from .jobs import CollectJob, DiagJob, Job, ScoresJob, TopKJob
 from .memory import projection_map_decisions, rows_bytes
 from .jobs import ApplyJob, held_application
@@ -176,13 +176,8 @@ class _Graph:
         """``stream_deps`` of every node of every streamed row-wise chain (the schedule
         stage asks which prefix of a chain can be stored)."""
         for job in list(self.jobs.values()):
-            for x in job.streams:
-                while True:
-                    if x.token not in self.deps:
-                        self.stream_deps(x)
-                    if not isinstance(x, ROW_WISE):
-                        break
-                    x = x.grads
+            for x in (x for s in job.streams for x in chain(s) if x.token not in self.deps):
+                self.stream_deps(x)
 
 
 def _roots(g: _Graph, lowered: Lowered) -> list:
@@ -208,7 +203,7 @@ def refuse_dense_projections(root, budget: float) -> None:
     names the matrix, the budget and the projections without a dense matrix; its ``needed``
     (bytes) lets :func:`~gradalg.plan.planner.plan` say which budget would fit."""
     for x in root.walk():
-        if not (isinstance(x, Project) and x.projector.kind in ("gaussian", "rademacher")):
+        if not (isinstance(x, Project) and x.projector.map == "dense"):
             continue
         p, dim = x.projector, x.grads.space.dim
         need = p.k * dim * 8

@@ -197,6 +197,10 @@ class DeviceProfile:
             return self.flops_fp32 / 2
         return self.flops_fp32
 
+    @property
+    def _elementwise(self) -> float:
+        return self.elementwise_bandwidth or self.bandwidth
+
     def gemm_seconds(self, m: float, n: float, k: float, elem: int = 4) -> float:
         """One ``(m, k) @ (k, n)`` GEMM in numbers of ``elem`` bytes (8: float64, 2: half)."""
         flops = 2.0 * m * n * k
@@ -248,19 +252,16 @@ class DeviceProfile:
         """Seconds of a :class:`~gradalg.plan.cost.Cost`: its GEMMs by shape, its batched
         GEMMs by shape and batch, its eigendecompositions by size, the remaining FLOPs at the large-GEMM rate, its
         memory traffic, its random numbers, and its fixed costs (module calls, ops,
-        batches, layers)."""
-        shaped = 0.0
-        gemm_time = 0.0
-        counts: dict = {}    # GEMMs of one shape priced once: a 70B model lists thousands
+        batches, layers). Products of one shape are priced once (a 70B model lists thousands)."""
+        shaped, gemm_time, gemms, bmms = 0.0, 0.0, {}, {}
         for m, n, k, count, elem in cost.gemms:
-            counts[(m, n, k, elem)] = counts.get((m, n, k, elem), 0.0) + count
-        for (m, n, k, elem), count in counts.items():
+            gemms[m, n, k, elem] = gemms.get((m, n, k, elem), 0.0) + count
+        for b, m, n, k, count, elem in getattr(cost, "bmms", ()):
+            bmms[b, m, n, k, elem] = bmms.get((b, m, n, k, elem), 0.0) + count
+        for (m, n, k, elem), count in gemms.items():
             shaped += 2.0 * m * n * k * count
             gemm_time += count * self.gemm_seconds(m, n, k, elem)
-        batched: dict = {}
-        for b, m, n, k, count, elem in getattr(cost, "bmms", ()):
-            batched[(b, m, n, k, elem)] = batched.get((b, m, n, k, elem), 0.0) + count
-        for (b, m, n, k, elem), count in batched.items():
+        for (b, m, n, k, elem), count in bmms.items():
             shaped += 2.0 * b * m * n * k * count
             gemm_time += count * self.bmm_seconds(b, m, n, k, elem)
         eigh_time = 0.0
@@ -268,12 +269,11 @@ class DeviceProfile:
             shaped += 9.0 * d ** 3 * count
             eigh_time += count * self.eigh_seconds(d)
         rest = max(0.0, cost.flops - shaped)
-        elementwise = self.elementwise_bandwidth or self.bandwidth
         faults = cost.faulted / self.fault_bandwidth if self.fault_bandwidth else 0.0
         scatter = cost.scatter * self.sjlt_bytes[0] + cost.scatter_rows * self.sjlt_bytes[1]
         randoms = cost.randoms + cost.sjlt_draws * self.sjlt_build_randoms
         return (gemm_time + eigh_time + rest / self.flops(dtype) + cost.bytes / self.bandwidth
-                + (cost.elementwise + scatter) / elementwise + faults + randoms * self.random_seconds
+                + (cost.elementwise + scatter) / self._elementwise + faults + randoms * self.random_seconds
                 + cost.calls * self.call_seconds + cost.ops * self.op_seconds
                 + cost.batches * self.batch_seconds + cost.layer_batches * self.layer_seconds
                 + sum(count * self.block_fixed_seconds(kind, ops) for kind, count, ops in getattr(cost, "blocks", ())))
@@ -289,11 +289,8 @@ class DeviceProfile:
             per_batch, per_module = self.product_seconds
             return per_batch + ops * per_module
         if kind == "tensorsketch":
-            return self.ts_bytes_per_bin / (self.elementwise_bandwidth or self.bandwidth)
-        for name, seconds in self.block_seconds:
-            if name == kind:
-                return seconds
-        return ops * self.op_seconds
+            return self.ts_bytes_per_bin / self._elementwise
+        return dict(self.block_seconds).get(kind, ops * self.op_seconds)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -303,9 +300,8 @@ class DeviceProfile:
         """A cached profile; raises ``ValueError`` for one of another cost model's version."""
         if entry.get("version") != PROFILE_VERSION:
             raise ValueError("cached device profile of another cost-model version")
-        known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in entry.items() if k in known}
-        for key in ("gemm_rates", "bmm_rates", "eigh_times", "block_seconds"):
+        values = {f.name: entry[f.name] for f in fields(cls) if f.name in entry}
+        for key in ("gemm_rates", "bmm_rates", "eigh_times", "block_seconds"):   # JSON lists back to tuples
             values[key] = tuple(tuple(p) for p in values.get(key, ()))
         for key in ("elementwise_sweeps", "sjlt_bytes", "product_seconds"):
             if key in values:
@@ -352,16 +348,20 @@ def _key() -> str:
             f"|cost-model{PROFILE_VERSION}")
 
 
-def _fastest(fn, seconds: float, least: int = 3) -> float:
+def _fastest(fn, seconds: float, least: int = 3, sync=None) -> float:
     """The typical time of one call of ``fn``: the median over ``seconds`` of repetitions
     (at least ``least``). With one thread the time is this process's CPU time, which does
     not count the waits for a core that other processes of a busy machine cause; the
-    median, not the fastest, because a pass runs at the sustained speed, not the best."""
-    clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
+    median, not the fastest, because a pass runs at the sustained speed, not the best.
+    ``sync`` (a device's synchronize, :mod:`gradalg.plan.accelerators`) is called after
+    each call, and the time is then the wall time."""
+    clock = time.process_time if sync is None and torch.get_num_threads() == 1 else time.perf_counter
     times, start = [], time.perf_counter()
     while time.perf_counter() - start < seconds or len(times) < least:
         t = clock()
         fn()
+        if sync is not None:
+            sync()
         times.append(clock() - t)
     times.sort()
     return max(times[len(times) // 2], 1e-9)
@@ -373,12 +373,18 @@ def _warm_fastest(fn, seconds: float, least: int = 3) -> float:
     return _fastest(fn, seconds, least)
 
 
+def physical_memory() -> float:
+    """The machine's physical memory in bytes (inf where the platform does not say)."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return float("inf")
+
+
 def host_memory() -> float:
     """Bytes of this machine's memory for tensors: 80 % of it (8 GB when unknown)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.8
-    except (ValueError, OSError, AttributeError):
-        return 8e9
+    memory = physical_memory()
+    return 0.8 * memory if memory < float("inf") else 8e9
 
 
 #: square GEMM sizes and eigh sizes measured on the CPU (about 0.5 s and 0.4 s); the fixed

@@ -285,7 +285,7 @@ def project_cost(node: Project, n: int, T: int, elem: int = 4, chunk: int | None
             k_out, k_in = p.kron_shape(*b.shape)
             out_f, in_f = b.shape
             cost = cost + gemm_cost(k_out, in_f, out_f, n, elem) + gemm_cost(k_out, k_in, in_f, n, elem)
-        elif p.kind in ("gaussian", "rademacher"):
+        elif p.map == "dense":
             if factored:
                 cost = cost + materialize_cost(n, T, b.shape[1], b.shape[0], elem)
             full, rest = divmod(n, c)      # full chunks of c rows and a last one of the rest

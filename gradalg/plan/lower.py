@@ -14,7 +14,7 @@ from .jobs import EKFACJob, FisherJob, GroupJob, KFACJob, ProductsJob, TopK
 from .passkeys import CapturedPassKey, DataPassKey, MemoryPassKey, PassKey
 from .rules import PlanError
 
-__all__ = ["Lowered", "lower", "ROW_WISE", "STATISTICS_JOBS", "stream_root", "chain_ops",
+__all__ = ["Lowered", "lower", "ROW_WISE", "STATISTICS_JOBS", "chain", "stream_root", "chain_ops",
            "chain_contains", "flat_terms", "pass_key"]
 
 ROW_WISE = RowWise      # the nodes a pass derives chunk by chunk (the row-wise protocol)
@@ -22,31 +22,30 @@ ROW_WISE = RowWise      # the nodes a pass derives chunk by chunk (the row-wise 
 STATISTICS_JOBS = {cls.kind: cls for cls in (FisherJob, KFACJob, EKFACJob, ProductsJob, GroupJob)}
 
 
-def stream_root(node: GradNode) -> GradNode:
-    """The node whose chunks a pass iterates to produce ``node`` row by row."""
+def chain(node: GradNode):
+    """``node``, then each row-wise node's input in turn, ending with the stream root: the
+    nodes a pass derives, chunk by chunk, from the chunks it iterates."""
+    yield node
     while isinstance(node, ROW_WISE):
         node = node.grads
-    return node
+        yield node
+
+
+def stream_root(node: GradNode) -> GradNode:
+    """The node whose chunks a pass iterates to produce ``node`` row by row."""
+    *_, root = chain(node)
+    return root
 
 
 def chain_ops(node: GradNode) -> list[OpNode]:
     """Operators used by the row-wise chain from ``node`` down to its stream root (the
     operator operands of each of its nodes: a preconditioner, a normalization's metric)."""
-    ops = []
-    while isinstance(node, ROW_WISE):
-        ops.extend(c for c in node.children if isinstance(c, OpNode))
-        node = node.grads
-    return ops
+    return [c for x in chain(node) if isinstance(x, ROW_WISE) for c in x.children if isinstance(c, OpNode)]
 
 
 def chain_contains(stream: GradNode, node: GradNode) -> bool:
     """Whether ``node`` is ``stream`` or a node of its row-wise chain."""
-    x = stream
-    while x.token != node.token:
-        if not isinstance(x, ROW_WISE):
-            return False
-        x = x.grads
-    return True
+    return any(x.token == node.token for x in chain(stream))
 
 
 def flat_terms(node: ScoreNode) -> list[tuple[float, Inner]]:
@@ -62,13 +61,9 @@ def pass_key(node: GradNode, stored, facts) -> PassKey:
     """The key of the pass that reads ``node``'s rows (:mod:`~gradalg.plan.passkeys`):
     :class:`MemoryPassKey` for rows kept in memory (``stored`` tokens, a group mean's),
     :class:`CapturedPassKey`, or :class:`DataPassKey` for a read of a dataset."""
-    x = node
-    while True:
+    for x in chain(node):
         if x.token in stored:
             return MemoryPassKey(x.token)
-        if not isinstance(x, ROW_WISE):
-            break
-        x = x.grads
     if isinstance(x, Source):
         return DataPassKey(facts.task_token(x), x.data.token, x.task.name, x.data.n)
     if isinstance(x, Captured):

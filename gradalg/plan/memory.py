@@ -22,12 +22,11 @@ the same, and the ghost kernel's three (nL', nR', bL, bR) intermediates at most
 """
 from __future__ import annotations
 
-import os
 from typing import Mapping
 
 from ..capture.factors import Factors
 from ..errors import MemoryBudgetError
-from ..expr import Captured, Normalize, Precondition, Project, Source
+from ..expr import AdamPrecondition, Captured, Normalize, Precondition, Project, Source
 from ..expr.stored import Stored
 from ..expr.lowrank import lowrank_below
 from ..expr.tokens import token_rows
@@ -35,6 +34,7 @@ from ..linalg.labels import form_of
 from .budget import suggest_budget
 from .cost import _si, tokens_hint
 from .decisions import Decision, DecisionKind
+from .devices import physical_memory
 from .shapes import ModelFacts, activation_bytes, element_size, forward_shapes, output_bytes, rows_per_example
 
 __all__ = ["positions", "rows_of", "rows_bytes", "capture_bytes_per_example", "stream_workspace_bytes",
@@ -130,17 +130,16 @@ def capture_bytes_per_example(src: Source, facts: ModelFacts, forward_shared: bo
 
 def projection_map_decisions(node, options) -> list[Decision]:
     """A ``PROJECTION_MAP`` :class:`~gradalg.plan.decisions.Decision` (its subject the
-    projector's token) for each distinct dense, sparse-JL or
-    TensorSketch projection (``gaussian``, ``rademacher``, ``sparse``, ``tensorsketch``) of
-    ``node``: the map it applies, what each map would hold and do per example, and the two
+    projector's token) for each distinct projection of ``node`` with a flat-row map
+    (:attr:`~gradalg.expr.projection.Projector.map`: dense, sparse JL, TensorSketch): the
+    map it applies, what each map would hold and do per example, and the two
     thresholds the methods' defaults choose by (:func:`~gradalg.expr.projection.dense_or_sparse`):
     a dense (k, d) float64 matrix against ``options.dense_projection_bytes``, SJLT tables
     (5·d bytes) against ``options.sjlt_table_bytes``. Every map is applied block by block
     (each block's own seeded matrix or table; a global map is the sum of the blocks')."""
-    names = {"gaussian": "dense", "rademacher": "dense", "sparse": "sparse JL", "tensorsketch": "tensorsketch"}
     rows, seen = [], set()
     for x in node.walk():
-        if not isinstance(x, Project) or x.projector.kind not in names:
+        if not isinstance(x, Project) or x.projector.map is None:
             continue
         p, space = x.projector, x.grads.space
         d = space.dim
@@ -161,11 +160,11 @@ def projection_map_decisions(node, options) -> list[Decision]:
                    + ("over" if tables > options.sjlt_table_bytes else "within")
                    + f" ga.options(sjlt_table_bytes={_gb(options.sjlt_table_bytes)} GB)"]
         rows.append(Decision(
-            DecisionKind.PROJECTION_MAP, p.token, names[p.kind], alternatives,
+            DecisionKind.PROJECTION_MAP, p.token, p.map, alternatives,
             "; ".join(verdict) + " (trak and less default to the dense map within the first, the SJLT "
             "within the second, a TensorSketch above it; less keeps the SJLT: its Adam rows are flat); "
             f"applied to {len(space.blocks)} block(s) one at a time, each with its own seeded "
-            + ("matrix" if names[p.kind] == "dense" else "tables")
+            + ("matrix" if p.map == "dense" else "tables")
             + (", summed into k coordinates" if not p.per_block else ""), label=f"{p!r} of {d:,} coordinates"))
     return rows
 
@@ -175,6 +174,13 @@ def _gb(nbytes: float) -> str:
     return f"{nbytes / 1e9:.3g}"
 
 
+def _chain(node):
+    """``node`` and the nodes below it through ``.grads`` (its row-wise chain and root)."""
+    while node is not None and hasattr(node, "grads"):
+        yield node
+        node = node.grads
+
+
 def projection_workspace_bytes(node, facts: ModelFacts) -> float:
     """Working bytes per example of the projections in ``node``'s row-wise chain, beyond
     their outputs: a dense or sparse-JL projection forms one block's rows at a time (from
@@ -182,20 +188,17 @@ def projection_workspace_bytes(node, facts: ModelFacts) -> float:
     transposed copy, so it holds 2·d_b numbers per example of its largest block b (a
     sparse projection's slices are capped by ``projection_slice_elements``: this is an
     upper bound); Adam's preconditioning adds two more temporaries of the block; a
-    TensorSketch holds two count sketches of k and their FFTs per position."""
-    elem = facts.elem
+    TensorSketch holds two count sketches of k and their FFTs per position (T positions:
+    an upper bound)."""
     out = 0.0
-    x = node
-    while x is not None and hasattr(x, "grads"):
-        if isinstance(x, Project) and x.projector.kind == "tensorsketch":
-            # a token block's two count sketches and their FFTs (T positions: an upper bound)
+    for x in _chain(node):
+        kind = x.projector.map if isinstance(x, Project) else None
+        if kind == "tensorsketch":
             T = max(positions(x.grads, facts.shapes).values(), default=1)
-            out = max(out, 4.0 * elem * T * (x.projector.k + 2))
-        elif isinstance(x, Project) and x.projector.kind in ("gaussian", "rademacher", "sparse"):
+            out = max(out, 4.0 * facts.elem * T * (x.projector.k + 2))
+        elif kind is not None:
             widest = max((b.dim for b in x.grads.space.blocks), default=0)
-            adam = type(x.grads).__name__ == "AdamPrecondition"
-            out = max(out, (4.0 if adam else 2.0) * elem * widest)
-        x = x.grads
+            out = max(out, (4.0 if isinstance(x.grads, AdamPrecondition) else 2.0) * facts.elem * widest)
     return out
 
 
@@ -208,12 +211,11 @@ def flattened_rows_bytes(streams, dtype) -> float:
     derive them once, so a pass counts the largest over all its jobs' streams, once."""
     elem, out = element_size(dtype), 0.0
     for node in streams:
-        below_projection, x = False, node
-        while x is not None and hasattr(x, "grads"):
+        below_projection = False
+        for x in _chain(node):
             if below_projection and isinstance(x, Precondition):
                 out = max(out, 2.0 * elem * x.space.dim)
             below_projection = below_projection or isinstance(x, Project)
-            x = x.grads
     return out
 
 
@@ -236,14 +238,9 @@ def metric_normalize_bytes(streams, dtype) -> float:
     operator) in the row-wise chains of ``streams``: :func:`quadratic_form_bytes`, the
     largest; each row is then scaled in place of the rows (factored ones by their output
     gradients), so nothing of d is kept."""
-    elem, out = element_size(dtype), 0.0
-    for node in streams:
-        x = node
-        while x is not None and hasattr(x, "grads"):
-            if isinstance(x, Normalize) and x.op is not None:
-                out = max(out, rows_of(x) * quadratic_form_bytes(x.op, x.space, elem))
-            x = x.grads
-    return out
+    elem = element_size(dtype)
+    return max((rows_of(x) * quadratic_form_bytes(x.op, x.space, elem) for node in streams for x in _chain(node)
+                if isinstance(x, Normalize) and x.op is not None), default=0.0)
 
 
 def stream_workspace_bytes(streams, facts: ModelFacts) -> float:
@@ -256,37 +253,21 @@ def stream_workspace_bytes(streams, facts: ModelFacts) -> float:
             + metric_normalize_bytes(streams, facts.dtype))
 
 
-def statistics_bytes(node) -> float:
-    """Float64 bytes of a Fisher node's accumulated matrix: d² (dense), Σ_b d_b² (block), d (diag)."""
-    return _matrix_bytes(node.space, node.structure)
-
-
-def _matrix_bytes(space, structure: str) -> float:
+def statistics_bytes(space, structure: str) -> float:
+    """Float64 bytes of a Fisher's accumulated matrix over ``space``: d² (``structure``
+    "dense"), Σ_b d_b² ("block"), d ("diag")."""
     return 8.0 * {"dense": space.dim ** 2, "block": sum(b.dim ** 2 for b in space.blocks),
                   "diag": space.dim}[structure]
 
 
-def inverse_bytes(node) -> float:
-    """Peak working bytes of inverting a Fisher node damped, where it is applied
+def inverse_bytes(space, structure: str) -> float:
+    """Peak working bytes of inverting a Fisher damped, where it is applied
     (:func:`~gradalg.plan.estimates.resolve_bytes`): (32 + 8)·d² for the widest matrix of a
     dense or block structure, its d float64 numbers for a diagonal."""
-    return _inverse_bytes(node.space, node.structure)
-
-
-def _inverse_bytes(space, structure: str) -> float:
     from .estimates import EIGH_MAP_BYTES, SHIFTED_COPY_BYTES
     per = EIGH_MAP_BYTES + SHIFTED_COPY_BYTES
     return {"dense": per * space.dim ** 2, "block": per * max(b.dim ** 2 for b in space.blocks),
             "diag": 8.0 * space.dim}[structure]
-
-
-def _kron_k_that_fits(node, memory_budget: float) -> int:
-    """The largest k at which ga.proj.kron(k) leaves a dense Fisher whose matrix and damped
-    inverse fit ``memory_budget``: at most k² coordinates per block (k_out·k_in), so
-    d ≤ n_blocks·k²; 0 where even k = 1 does not."""
-    from .estimates import EIGH_MAP_BYTES, SHIFTED_COPY_BYTES
-    d_max = (memory_budget / (EIGH_MAP_BYTES + SHIFTED_COPY_BYTES)) ** 0.5
-    return int((d_max / len(node.space.blocks)) ** 0.5)
 
 
 def check_statistics_fit(node, memory_budget: int) -> None:
@@ -294,33 +275,28 @@ def check_statistics_fit(node, memory_budget: int) -> None:
     Kronecker curvature (always: its factors are per layer), a projection small enough, the
     other structures whose matrix fits, and a larger budget only where the machine has the
     memory. A fix is named only where the matrix *and* its damped inverse
-    (:func:`inverse_bytes`, what the methods do with it) fit the budget it names."""
-    need = statistics_bytes(node)
+    (:func:`inverse_bytes`, what the methods do with it) fit the budget it names. The
+    projection: ga.proj.kron(k) leaves at most k² coordinates per block (k_out·k_in), so a
+    dense Fisher of d ≤ n_blocks·k² whose inverse, (32 + 8)·d², fits the budget."""
+    space = node.space
+    need = statistics_bytes(space, node.structure)
     if need <= memory_budget:
         return
-    space = node.space
     fixes = ["a Kronecker curvature, ga.ekfac(G) or ga.kfac(G) (in ga.methods.influence / relatif: "
              "curvature='ekfac')"]
-    k = _kron_k_that_fits(node, memory_budget)
+    from .estimates import EIGH_MAP_BYTES, SHIFTED_COPY_BYTES
+    k = int(((memory_budget / (EIGH_MAP_BYTES + SHIFTED_COPY_BYTES)) ** 0.5 / len(space.blocks)) ** 0.5)
     if k >= 1:
         fixes.append(f"project first, ga.fisher(P(G)) with P = ga.proj.kron(k={k}) (in the methods: "
                      f"projector=ga.proj.kron(k={k}))")
     for s in ("block", "diag"):
         if s != node.structure:
-            b = max(_matrix_bytes(space, s), _inverse_bytes(space, s))
+            b = max(statistics_bytes(space, s), inverse_bytes(space, s))
             if b <= memory_budget:
                 fixes.append(f"structure={s!r} ({_si(b)}B)")
-    inverted = max(need, inverse_bytes(node))
-    if inverted <= _physical_memory():
+    inverted = max(need, inverse_bytes(space, node.structure))
+    if inverted <= physical_memory():
         fixes.append(f"a larger budget, ga.options(memory_budget={suggest_budget(inverted)!r})")
     raise MemoryBudgetError(
         f"a {node.structure} Fisher over {space.dim:,} coordinates needs {_si(need)}B ({_si(inverted)}B "
         f"to invert), over the memory budget of {_si(memory_budget)}B. Fixes: " + "; or ".join(fixes) + ".")
-
-
-def _physical_memory() -> float:
-    """The machine's physical memory in bytes (inf where the platform does not say)."""
-    try:
-        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (AttributeError, ValueError, OSError):
-        return float("inf")

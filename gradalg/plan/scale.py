@@ -95,13 +95,6 @@ def fsdp_unit_bytes(model: nn.Module) -> float:
     return largest or model_bytes(model)
 
 
-def _fits_batch(room: float, per_example: float, batch: int) -> int:
-    """The largest micro-batch ≤ ``batch`` whose examples fit in ``room`` bytes (0: none)."""
-    if per_example <= 0:
-        return batch
-    return max(0, min(batch, int(room // per_example)))
-
-
 def scale_estimates(plan, gpus=(1, 4, 8), device="h200") -> list[dict]:
     """``[GPUEstimate.to_dict(), …]`` for each GPU count in ``gpus`` (module docstring)."""
     prof = profile(device, measure=False) if not isinstance(device, DeviceProfile) else device
@@ -120,7 +113,8 @@ def scale_estimates(plan, gpus=(1, 4, 8), device="h200") -> list[dict]:
         for p in plan.passes:
             held, per_ex = p.fixed_bytes, p.per_example_bytes
             room = prof.memory - weights - gathered - held
-            b = _fits_batch(room, per_ex, p.batch_size or 1)
+            b = p.batch_size or 1     # the largest micro-batch up to the plan's that fits in room (0: none)
+            b = max(0, min(b, int(room // per_ex))) if per_ex > 0 else b
             fits = b >= 1
             memory = weights + gathered + held + max(b, 1) * per_ex
             if worst is None or (not fits and worst[4]) or (fits == worst[4] and memory > worst[0]):

@@ -17,7 +17,7 @@ from . import estimates
 from .cost import Cost, _si, tokens_hint
 from .decisions import Decision, DecisionKind
 from .facts import Facts
-from .lower import ROW_WISE, stream_root
+from .lower import ROW_WISE, chain, stream_root
 from .memory import capture_bytes_per_example, flattened_rows_bytes
 from .schedule import Pass, Schedule
 from .blocks import as_captured, storage
@@ -27,14 +27,9 @@ __all__ = ["size", "table_bytes"]
 
 def table_bytes(jobs) -> float:
     """Bytes of the index tables of the sparse projections the jobs' streams apply (once each)."""
-    tables: dict[tuple, float] = {}
-    for job in jobs:
-        for x in job.streams:
-            while isinstance(x, ROW_WISE):
-                if isinstance(x, Project):
-                    for b in x.grads.space.blocks:
-                        tables[(x.projector, b.name, b.dim)] = estimates.sparse_table_bytes(x.projector, b)
-                x = x.grads
+    tables = {(x.projector, b.name, b.dim): estimates.sparse_table_bytes(x.projector, b)
+              for job in jobs for s in job.streams for x in chain(s) if isinstance(x, Project)
+              for b in x.grads.space.blocks}
     return sum(tables.values())
 
 
@@ -65,18 +60,20 @@ def _over_budget(message: str, needed: float) -> MemoryBudgetError:
     return err
 
 
-def _fewer_queries_fit(jobs, per_ex: float, budget: float, facts: Facts, resolving: float = 0.0) -> bool:
-    """Whether holding fewer rows (fewer queries per call) can fit the pass: what the jobs
+def _shrinking_fixes(jobs, per_ex: float, budget: float, facts: Facts, resolving: float = 0.0) -> tuple[str, str]:
+    """``(fewer, smaller)``: the refusal's "use fewer queries per call, " where holding fewer
+    rows can fit the pass, and "project to a smaller k, " where an operator's resolution
+    (``resolving`` bytes, :meth:`_Sizer.resolving_bytes`) is counted; else "". What the jobs
     that do not shrink with the queries hold (``Job.shrinks_with_queries`` False: the
     statistics, K-FAC / EK-FAC factors or a formed Fisher; the rows stored for a second use
     of the streamed side, the training rows of a pass over the training data) and the
     projection tables do not shrink with the queries, so when they and one
     example exceed the budget alone, that fix would fail as written and the refusal does
-    not offer it; nor does an operator's resolution (``resolving``:
-    :meth:`_Sizer.resolving_bytes`). (Found at real size: EK-FAC influence on a Llama
-    shape at T = 512 was told to use fewer queries while holding one.)"""
+    not offer it; nor does an operator's resolution. (Found at real size: EK-FAC influence
+    on a Llama shape at T = 512 was told to use fewer queries while holding one.)"""
     kept = sum(j.fixed_bytes(facts) for j in jobs if not j.shrinks_with_queries)
-    return kept + table_bytes(jobs) + resolving + per_ex <= budget
+    fewer = kept + table_bytes(jobs) + resolving + per_ex <= budget
+    return "use fewer queries per call, " if fewer else "", "project to a smaller k, " if resolving else ""
 
 
 def _refuse(p: Pass, jobs, fixed: float, per_ex: float, budget: float, facts: Facts,
@@ -86,8 +83,7 @@ def _refuse(p: Pass, jobs, fixed: float, per_ex: float, budget: float, facts: Fa
     tables = table_bytes(jobs)
     parts += f" (sparse projection tables {_si(tables)}B)" if tables else ""
     parts += _resolving_part(resolving)
-    fewer = "use fewer queries per call, " if _fewer_queries_fit(jobs, per_ex, budget, facts, resolving) else ""
-    smaller = "project to a smaller k, " if resolving else ""
+    fewer, smaller = _shrinking_fixes(jobs, per_ex, budget, facts, resolving)
     return _over_budget(f"{p.label}: held rows and statistics take {_si(fixed)}B{parts}, over the memory budget "
                         f"of {_si(budget)}B: {fewer}{smaller}project the gradients (ga.proj.kron), "
                         "or raise ga.options(memory_budget=...)", fixed + per_ex)
@@ -119,8 +115,7 @@ def _batch_size(p: Pass, sources, fixed: float, per_ex: float, facts: Facts,
                                f"the memory budget of {_si(budget)}B. They grow with the positions per example, "
                                "not with the queries or a projection: use shorter sequences, or raise "
                                "ga.options(memory_budget=...)", fixed + per_ex)
-        fewer = "use fewer queries per call, " if _fewer_queries_fit(p.jobs, per_ex, budget, facts, resolving) else ""
-        smaller = "project to a smaller k, " if resolving else ""
+        fewer, smaller = _shrinking_fixes(p.jobs, per_ex, budget, facts, resolving)
         raise _over_budget(f"{p.label}: held rows and statistics take {_si(fixed)}B{_resolving_part(resolving)} and "
                            f"one example's factors and activations {_si(per_ex)}B, over the memory budget of "
                            f"{_si(budget)}B. Project the gradients (ga.proj.kron), {smaller}{fewer}or raise "
