@@ -96,6 +96,7 @@ import torch
 
 from ..api import (Operator, Scores, arnoldi, datainf, diagonal, fisher, gauss_newton, grads, hessian, kfac)
 from ..errors import OptionError
+from ..expr.curvature import Formed
 from ..expr.projection import Projector, check_projector
 from ..linalg.autodamp import DampingRule
 from ..linalg.labels import form_of
@@ -128,6 +129,18 @@ AUTO_DAMPING = {"dense": DampingRule("mass", 0.95), "block": DampingRule("mass",
 #: fidelity settings (benchmarks/defaults_suite.py; docs/fidelity.md "How the defaults were
 #: chosen"): worst / mean 0.353 / 0.519 against 0.334 / 0.516 for influence at its defaults.
 DEFAULT_KRONECKER_DAMPING = "auto"
+#: the default λ of the formed Hessian (``curvature="hessian"``, direct solver; ``damping=None`` and no
+#: ``relative_damping``): the Hessian shifted to positive semi-definite (λ += max(0, −μ_min) of
+#: H + the weight-decay term, the negative curvature the Gauss-Newton drops; at a weight-decayed
+#: optimum μ_min(H) ≈ −wd, so the shift is the weight decay when none is given) plus 0.3 × its mean
+#: eigenvalue, one λ for the whole matrix (a dense H couples its blocks). Issue 31, digits MLP
+#: (benchmarks/explore_centre.py; docs/fidelity.md "The Hessian at the full-data model"): LDS 0.851 /
+#: 0.856 / 0.859 / 0.846 at 0.03 / 0.1 / 0.3 / 1 × mean, against 0.829 for the dense Gauss-Newton.
+DENSE_HESSIAN_DAMPING = DampingRule("mean", 0.3, per_block=False, psd=True,
+                                    note="the default for a formed Hessian (issue 31)")
+#: what ``curvature="auto"`` takes with the direct solver up to ``ga.options(dense_curvature_dim)``
+#: coordinates (issue 31: the formed Hessian, in place of the dense Gauss-Newton)
+DENSE_AUTO = "gauss_newton"
 
 
 def damping_rule(damping, form: str = "dense"):
@@ -211,19 +224,27 @@ def decay_term(weight_decay=None, optimizer=None, like=None) -> DecayTerm | None
     return None
 
 
-def resolve_curvature(curvature: str, solver: str, dim: int) -> tuple[str, str | None]:
+def resolve_curvature(curvature: str, solver: str, dim: int, *, dense: str | None = None,
+                      projected: bool = False) -> tuple[str, str | None]:
     """``(curvature, note)``: ``"auto"`` made concrete for a space of ``dim`` (projected)
     coordinates, and the note the plan shows for it (None for a curvature given by name).
 
     ``"auto"``: ``"gauss_newton"`` through products with an iterative solver; with the direct
-    solver ``"gauss_newton"`` (dense H) when ``dim ≤ ga.options(dense_curvature_dim)``, else
-    ``"ekfac"``."""
+    solver ``dense`` (default :data:`DENSE_AUTO`) when ``dim ≤ ga.options(dense_curvature_dim)``,
+    else ``"ekfac"``. A formed Hessian lives in parameter coordinates: with a projector
+    (``projected``) the dense choice is the Gauss-Newton."""
     if curvature != "auto":
         return curvature, None
     limit = get_options().dense_curvature_dim
     if solver != "direct":
         return "gauss_newton", f"curvature='auto': Gauss-Newton products ({solver})"
     if dim <= limit:
+        dense = dense or DENSE_AUTO
+        if dense == "hessian" and projected:
+            dense = "gauss_newton"
+        if dense == "hessian":
+            return "hessian", (f"curvature='auto': the Hessian formed from {dim:,} products, {dim:,} coordinates ≤ "
+                               f"ga.options(dense_curvature_dim={limit})")
         return "gauss_newton", (f"curvature='auto': dense Gauss-Newton, {dim:,} coordinates ≤ "
                                 f"ga.options(dense_curvature_dim={limit})")
     return "ekfac", (f"curvature='auto': EK-FAC, {dim:,} coordinates > ga.options(dense_curvature_dim={limit}) "
@@ -246,6 +267,10 @@ def damped(H: Operator, *, damping: float | None, relative_damping: float, expli
         if not explicit:
             raise OptionError(f"damping={damping!r} chooses λ from the spectrum of H, which {what} does not have "
                               f"(products only or low-rank): pass an absolute damping=λ, e.g. {ABSOLUTE_DAMPING:g}")
+        if rule.psd and decay is not None and not decay.zero:
+            # shifted to PSD: the shift is read from the whole objective's curvature H + decay
+            return _with_decay(H, decay, parameter_coordinates, exact_diagonal, what).damp(
+                rule, note=auto_note(damping, rule) + suffix)
         H = H.damp(rule, note=auto_note(damping, rule) + suffix)
     elif damping is not None:
         H = H.damp(damping, note="damping (given)" + suffix)
@@ -255,6 +280,12 @@ def damped(H: Operator, *, damping: float | None, relative_damping: float, expli
         H = H.damp(ABSOLUTE_DAMPING, note="default: no spectrum for products-only H" + suffix)
     if decay is None or decay.zero:
         return H
+    return _with_decay(H, decay, parameter_coordinates, exact_diagonal, what)
+
+
+def _with_decay(H: Operator, decay: DecayTerm, parameter_coordinates: bool, exact_diagonal: bool,
+                what: str) -> Operator:
+    """H + the weight-decay term: wd·I, or diag(wd_j) where it has an exact form."""
     if decay.uniform:
         return H.damp(decay.value, note=decay.note)
     _refuse_nonuniform(decay, parameter_coordinates, exact_diagonal, what)
@@ -321,7 +352,9 @@ def _gauss_newton(task, data, layers, P, solver, o):
 
 
 def _hessian(task, data, layers, P, solver, o):
-    return hessian(task, data, layers)
+    """Through products (CG, LiSSA, Arnoldi), or formed from dim of them (direct solver)."""
+    H = hessian(task, data, layers)
+    return Operator(Formed(H.expr)) if solver == "direct" else H
 
 
 #: the named curvatures, by name (``curvature="<name>"``); ``"auto"`` picks one of them
@@ -332,8 +365,9 @@ CURVATURE_TABLE: dict[str, Curvature] = {c.name: c for c in (
     Curvature("empirical", _formed("loss"), ("direct",), ("structure", "seed", "relative_damping"),
               RELATIVE_DAMPING["empirical"],
               "empirical Fisher of the true labels"),
-    Curvature("hessian", _hessian, ("cg", "lissa", "arnoldi"), ("rank", "seed", "solver_settings"), None,
-              "(1/n) Σ ∇²L(z) through Hessian-vector products"),
+    Curvature("hessian", _hessian, ("direct", "cg", "lissa", "arnoldi"),
+              ("rank", "seed", "solver_settings", "relative_damping"), None,
+              "(1/n) Σ ∇²L(z): formed from dim Hessian-vector products (direct), or through them"),
     Curvature("kfac", _kron(False), ("direct",), ("covariance_max_examples", "seed", "relative_damping"),
               RELATIVE_DAMPING["kfac"],
               "K-FAC of the Gauss-Newton rows"),
@@ -411,7 +445,7 @@ def _operator_inverse(H: Operator, *, solver: str, damping, relative_damping, de
 def curvature_operator(task: Task, data, *, curvature="auto", solver: str = "direct",
                        damping: float | None = None, layers=None, projector: Projector | None = None,
                        weight_decay=None, optimizer=None, data_weight: float = 1.0, train_grads=None,
-                       **curvature_options):
+                       dense_auto: str | None = None, **curvature_options):
     """(H + λI + decay / c)⁻¹ as a lazy Operator, for every curvature/solver pair in the table above.
 
     curvature : ``"auto"``, a name of :data:`CURVATURE_TABLE`, or an :class:`~gradalg.api.Operator`
@@ -458,7 +492,8 @@ def curvature_operator(task: Task, data, *, curvature="auto", solver: str = "dir
     if curvature == "auto":
         space = (train_grads if train_grads is not None else
                  (projector or (lambda G: G))(grads(task, data, layers))).space
-        curvature, why = resolve_curvature(curvature, solver, space.dim)
+        curvature, why = resolve_curvature(curvature, solver, space.dim, dense=dense_auto,
+                                           projected=projector is not None)
     o = curvature_options
     check_kron_subsets(curvature, o.get("covariance_max_examples"), o.get("lambda_max_examples"))
     entry = CURVATURE_TABLE[curvature]
@@ -481,6 +516,8 @@ def curvature_operator(task: Task, data, *, curvature="auto", solver: str = "dir
         raise OptionError(f"curvature={curvature!r} with solver={solver!r} works in parameter "
                           "coordinates: drop the projector, or use solver='direct'")
     H = entry.build(task, data, layers, P, solver, o)
+    if curvature == "hessian" and solver == "direct" and damping is None and o.get("relative_damping") is None:
+        damping = DENSE_HESSIAN_DAMPING       # the formed Hessian's default: shifted to PSD + 0.3 × mean
     what = curvature.upper() if curvature in ("kfac", "ekfac") else "this curvature"
     if solver == "arnoldi":
         H, solver, what = arnoldi(H, o.get("rank", 32), seed=o.get("seed", 0)), "direct", "Arnoldi's low-rank H"
