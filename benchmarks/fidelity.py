@@ -103,6 +103,14 @@ CONFIG = {
         "Gauss-Newton, direct, at the subsets' centre": dict(curvature="gauss_newton", damping=0.0,
                                                              weight_decay=WD, centre=True),
         "EK-FAC, at the subsets' centre": dict(curvature="ekfac", damping=0.0, weight_decay=WD, centre=True),
+        # issue 31 (fiddig): the Hessian formed from dim products at its default damping (shifted to
+        # PSD + 0.3 × mean eigenvalue), as a user calls it (no weight decay given)
+        "Hessian, direct (default damping)": dict(curvature="dense_hessian"),
+        # one Newton step from the trained model to the subsets' centre (ga.methods.newton_centre, the
+        # objective's weight decay given), scored there by the formed Hessian at data_weight=FRACTION;
+        # the row's seconds include the step
+        "Hessian, direct, one Newton step to the subsets' centre": dict(curvature="dense_hessian",
+                                                                        weight_decay=WD, newton=True),
     },
     # TRAK's kernel is Φᵀ Φ = n·F: the objective's weight decay enters as n·wd
     "trak": {"1 model, k=2048": dict(k=2048, damping=N_TRAIN * WD), _defaults("trak", "k", "damping"): {},
@@ -308,6 +316,9 @@ def call_method(name, setting: Setting, kwargs):
     if name == "trackstar":                   # the Adam run's last checkpoint and its optimizer state
         models, optimizers, _ = setting.trajectory("adam")
         return fn(setting.task(models[-1]), train, queries, optimizer=optimizers[-1], **kwargs)
+    if kwargs.pop("newton", False):
+        centred = ga.methods.newton_centre(setting.task(), train, data_weight=FRACTION, weight_decay=WD)
+        return fn(centred, train, queries, data_weight=FRACTION, **kwargs)
     if kwargs.pop("centre", False):
         return fn(setting.task(setting.centred()[0]), train, queries, data_weight=FRACTION, **kwargs)
     return fn(setting.task(), train, queries, **kwargs)
@@ -355,8 +366,8 @@ def run_setting(setting: Setting, methods, progress=False, n_subsets=None, exclu
             row = Row(setting.name, name, label)
             try:
                 _, wall, cpu = setting.centred() if kwargs.get("centre") else (None, 0.0, 0.0)   # its training
-                scores = call_method(name, setting, kwargs)
                 t0, c0 = time.perf_counter(), time.process_time()
+                scores = call_method(name, setting, kwargs)     # eager only for newton=True (its step)
                 values = scores.compute()
                 row.seconds, row.cpu = time.perf_counter() - t0 + wall, time.process_time() - c0 + cpu
                 row.cost = row.seconds / base

@@ -1,4 +1,4 @@
-"""The formed Hessian (``influence(curvature="hessian", solver="direct")``, issue 31): H formed
+"""The formed Hessian (``influence(curvature="dense_hessian")``, issue 31): H formed
 from dim Hessian-vector products, its default damping (shifted to PSD + 0.3 × its mean
 eigenvalue, one λ), against the dense torch.func Hessian of the same loss and a direct solve."""
 from __future__ import annotations
@@ -78,7 +78,7 @@ def test_formed_hessian_is_the_dense_hessian(setting):
 
 
 def test_absolute_damping_solves_exactly(setting):
-    S = ga.methods.influence(setting["task"], setting["train"], setting["query"], curvature="hessian",
+    S = ga.methods.influence(setting["task"], setting["train"], setting["query"], curvature="dense_hessian",
                              solver="direct", damping=0.3, weight_decay=WD)
     np.testing.assert_allclose(values(S), reference(setting, 0.3, WD), rtol=1e-8, atol=1e-10)
 
@@ -88,14 +88,14 @@ def test_default_damping_is_the_psd_shift_plus_a_third_of_the_mean(setting):
     damped matrix is positive definite, its smallest eigenvalue 0.3 × that mean."""
     mu = torch.linalg.eigvalsh(setting["H"])
     lam = -float(mu[0]) + 0.3 * float(mu.clamp_min(0).sum()) / mu.numel()
-    S = ga.methods.influence(setting["task"], setting["train"], setting["query"], curvature="hessian",
+    S = ga.methods.influence(setting["task"], setting["train"], setting["query"], curvature="dense_hessian",
                              solver="direct")
     want = reference(setting, lam)
     np.testing.assert_allclose(values(S), want, rtol=1e-7, atol=1e-9 * np.abs(want).max())
     text = str(S.explain())
     assert "shifted to PSD" in text and "the default for a formed Hessian" in text
     # with a weight decay, the shift is read from H + wd·I (it takes up the decay's share)
-    Sw = ga.methods.influence(setting["task"], setting["train"], setting["query"], curvature="hessian",
+    Sw = ga.methods.influence(setting["task"], setting["train"], setting["query"], curvature="dense_hessian",
                               solver="direct", weight_decay=WD)
     lam_w = max(0.0, -float(mu[0]) - WD) + 0.3 * float((mu + WD).clamp_min(0).sum()) / mu.numel()
     np.testing.assert_allclose(values(Sw), reference(setting, lam_w, WD), rtol=1e-7,
@@ -119,5 +119,5 @@ def test_the_default_rule_is_named_and_shifted():
 
 def test_a_formed_hessian_refuses_a_projector(setting):
     with pytest.raises(ValueError, match="parameter coordinates"):
-        ga.methods.influence(setting["task"], setting["train"], setting["query"], curvature="hessian",
+        ga.methods.influence(setting["task"], setting["train"], setting["query"], curvature="dense_hessian",
                              solver="direct", projector=ga.proj.gaussian(8, seed=0))

@@ -74,7 +74,7 @@ def test_the_centred_task_scores_as_one_trained_there(setting):
     with torch.no_grad():
         exact.weight.copy_(setting["theta_c"][:15].reshape(3, 5))
         exact.bias.copy_(setting["theta_c"][15:])
-    kw = dict(curvature="hessian", solver="direct", damping=0.0, weight_decay=WD, data_weight=C)
+    kw = dict(curvature="dense_hessian", damping=0.0, weight_decay=WD, data_weight=C)
     a = ga.methods.influence(moved, (X[:30], y[:30]), (X[30:], y[30:]), **kw).compute().values
     b = ga.methods.influence(ga.tasks.classification(exact), (X[:30], y[:30]), (X[30:], y[30:]), **kw).compute().values
     np.testing.assert_allclose(a, b, rtol=1e-7, atol=1e-10)

@@ -55,7 +55,7 @@ def newton_centre(task: Task, train, *, data_weight: float, weight_decay: float 
 
     Returns a :class:`~gradalg.task.Task` with the same loss over the moved copy; score it with
     ``influence(centred, train, queries, weight_decay=wd, data_weight=c, ...)``, e.g.
-    ``curvature="hessian", solver="direct"``. Eager: it runs (1 + dim/chunk) passes per step.
+    ``curvature="dense_hessian"``. Eager: it runs (1 + dim/chunk) passes per step.
     """
     c = check_data_weight(data_weight)
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:

@@ -16,6 +16,8 @@ curvature          H                                                            
                    ``expected_terms`` (small output spaces), else sampled labels arnoldi
 ``empirical``      empirical Fisher (1/n) Σ ∇L(z)∇L(z)ᵀ of the true labels        direct
 ``hessian``        (1/n) Σ ∇²L(z), through Hessian-vector products (torch.func)  cg, lissa, arnoldi
+``dense_hessian``  (1/n) Σ ∇²L(z) formed from dim Hessian-vector products        direct
+                   (parameter coordinates; shifted to PSD by its default damping)
 ``kfac``/``ekfac`` Kronecker-factored Gauss-Newton (Martens & Grosse 2015;        direct
                    George et al. 2018; Grosse et al. 2023)
 ``datainf``        DataInf's averaged Sherman-Morrison inverse (Kwon et al. 2024) direct
@@ -28,7 +30,15 @@ H that carries its own knobs (``ga.ekfac(G, covariance_max_examples=m)``,
 it is damped and inverted from its labels, as the named curvature of the same form is.
 
 ``direct`` forms H explicitly (dense, in the projected space when a ``projector`` is
-given: the LoGra / TRAK recipe) and inverts it by eigendecomposition. The iterative
+given: the LoGra / TRAK recipe) and inverts it by eigendecomposition. ``dense_hessian`` is
+the Hessian, known only through products, formed from dim of them
+(:class:`~gradalg.expr.curvature.Formed`, parameter coordinates only): it may be indefinite
+(the residual term the Gauss-Newton drops), so its default damping shifts it to positive
+semi-definite before adding 0.3 × its mean eigenvalue (:data:`DENSE_HESSIAN_DAMPING`; issue
+31, the digits MLP 0.859 against 0.829 for the dense Gauss-Newton, docs/fidelity.md "The
+formed Hessian and a Newton step to the centre"). An absolute ``damping=`` or a
+``relative_damping`` is added as given, unshifted. ``curvature="hessian"`` keeps its
+products and iterative solvers (the direct solver there means CG, as before). The iterative
 solvers never form H: each step is one pass over the curvature data (Agarwal et al.
 2017 for LiSSA; Schioppa et al. 2022 for Arnoldi).
 
@@ -129,7 +139,7 @@ AUTO_DAMPING = {"dense": DampingRule("mass", 0.95), "block": DampingRule("mass",
 #: fidelity settings (benchmarks/defaults_suite.py; docs/fidelity.md "How the defaults were
 #: chosen"): worst / mean 0.353 / 0.519 against 0.334 / 0.516 for influence at its defaults.
 DEFAULT_KRONECKER_DAMPING = "auto"
-#: the default λ of the formed Hessian (``curvature="hessian"``, direct solver; ``damping=None`` and no
+#: the default λ of the formed Hessian (``curvature="dense_hessian"``; ``damping=None`` and no
 #: ``relative_damping``): the Hessian shifted to positive semi-definite (λ += max(0, −μ_min) of
 #: H + the weight-decay term, the negative curvature the Gauss-Newton drops; at a weight-decayed
 #: optimum μ_min(H) ≈ −wd, so the shift is the weight decay when none is given) plus 0.3 × its mean
@@ -139,7 +149,7 @@ DEFAULT_KRONECKER_DAMPING = "auto"
 DENSE_HESSIAN_DAMPING = DampingRule("mean", 0.3, per_block=False, psd=True,
                                     note="the default for a formed Hessian (issue 31)")
 #: what ``curvature="auto"`` takes with the direct solver up to ``ga.options(dense_curvature_dim)``
-#: coordinates (issue 31: the formed Hessian, in place of the dense Gauss-Newton)
+#: coordinates ("gauss_newton": the dense Gauss-Newton; "dense_hessian": the formed Hessian)
 DENSE_AUTO = "gauss_newton"
 
 
@@ -240,11 +250,11 @@ def resolve_curvature(curvature: str, solver: str, dim: int, *, dense: str | Non
         return "gauss_newton", f"curvature='auto': Gauss-Newton products ({solver})"
     if dim <= limit:
         dense = dense or DENSE_AUTO
-        if dense == "hessian" and projected:
+        if dense == "dense_hessian" and projected:
             dense = "gauss_newton"
-        if dense == "hessian":
-            return "hessian", (f"curvature='auto': the Hessian formed from {dim:,} products, {dim:,} coordinates ≤ "
-                               f"ga.options(dense_curvature_dim={limit})")
+        if dense == "dense_hessian":
+            return "dense_hessian", (f"curvature='auto': the Hessian formed from {dim:,} products, {dim:,} "
+                                     f"coordinates ≤ ga.options(dense_curvature_dim={limit})")
         return "gauss_newton", (f"curvature='auto': dense Gauss-Newton, {dim:,} coordinates ≤ "
                                 f"ga.options(dense_curvature_dim={limit})")
     return "ekfac", (f"curvature='auto': EK-FAC, {dim:,} coordinates > ga.options(dense_curvature_dim={limit}) "
@@ -352,9 +362,12 @@ def _gauss_newton(task, data, layers, P, solver, o):
 
 
 def _hessian(task, data, layers, P, solver, o):
-    """Through products (CG, LiSSA, Arnoldi), or formed from dim of them (direct solver)."""
-    H = hessian(task, data, layers)
-    return Operator(Formed(H.expr)) if solver == "direct" else H
+    return hessian(task, data, layers)
+
+
+def _dense_hessian(task, data, layers, P, solver, o):
+    """The Hessian formed from dim of its products (parameter coordinates)."""
+    return Operator(Formed(hessian(task, data, layers).expr))
 
 
 #: the named curvatures, by name (``curvature="<name>"``); ``"auto"`` picks one of them
@@ -365,9 +378,10 @@ CURVATURE_TABLE: dict[str, Curvature] = {c.name: c for c in (
     Curvature("empirical", _formed("loss"), ("direct",), ("structure", "seed", "relative_damping"),
               RELATIVE_DAMPING["empirical"],
               "empirical Fisher of the true labels"),
-    Curvature("hessian", _hessian, ("direct", "cg", "lissa", "arnoldi"),
-              ("rank", "seed", "solver_settings", "relative_damping"), None,
-              "(1/n) Σ ∇²L(z): formed from dim Hessian-vector products (direct), or through them"),
+    Curvature("hessian", _hessian, ("cg", "lissa", "arnoldi"), ("rank", "seed", "solver_settings"), None,
+              "(1/n) Σ ∇²L(z) through Hessian-vector products"),
+    Curvature("dense_hessian", _dense_hessian, ("direct",), ("relative_damping",), None,
+              "(1/n) Σ ∇²L(z) formed from dim Hessian-vector products (default damping: shifted to PSD)"),
     Curvature("kfac", _kron(False), ("direct",), ("covariance_max_examples", "seed", "relative_damping"),
               RELATIVE_DAMPING["kfac"],
               "K-FAC of the Gauss-Newton rows"),
@@ -516,7 +530,7 @@ def curvature_operator(task: Task, data, *, curvature="auto", solver: str = "dir
         raise OptionError(f"curvature={curvature!r} with solver={solver!r} works in parameter "
                           "coordinates: drop the projector, or use solver='direct'")
     H = entry.build(task, data, layers, P, solver, o)
-    if curvature == "hessian" and solver == "direct" and damping is None and o.get("relative_damping") is None:
+    if curvature == "dense_hessian" and damping is None and o.get("relative_damping") is None:
         damping = DENSE_HESSIAN_DAMPING       # the formed Hessian's default: shifted to PSD + 0.3 × mean
     what = curvature.upper() if curvature in ("kfac", "ekfac") else "this curvature"
     if solver == "arnoldi":
