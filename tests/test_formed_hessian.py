@@ -121,3 +121,33 @@ def test_a_formed_hessian_refuses_a_projector(setting):
     with pytest.raises(ValueError, match="parameter coordinates"):
         ga.methods.influence(setting["task"], setting["train"], setting["query"], curvature="dense_hessian",
                              solver="direct", projector=ga.proj.gaussian(8, seed=0))
+
+
+def test_auto_forms_the_hessian_only_where_it_can(setting):
+    """``resolve_curvature(..., dense="dense_hessian")``: the formed Hessian for a classifier; the
+    dense Gauss-Newton, with the reason in the note, in projected coordinates, for a task whose
+    curvature is the sampled Gauss-Newton (a language model) and for attention torch has no
+    forward-mode AD for."""
+    from torch import nn
+    from gradalg.methods.influence import resolve_curvature
+
+    task = setting["task"]
+    assert resolve_curvature("auto", "direct", 27, dense="dense_hessian", task=task)[0] == "dense_hessian"
+    name, note = resolve_curvature("auto", "direct", 27, dense="dense_hessian", task=task, projected=True)
+    assert name == "gauss_newton" and "not the Hessian: projected coordinates" in note
+    lm = ga.Task(task.model, task.loss, curvature_objective="sampled", sampled_loss=task.sampled_loss)
+    name, note = resolve_curvature("auto", "direct", 27, dense="dense_hessian", task=lm)
+    assert name == "gauss_newton" and "sampled Gauss-Newton" in note
+
+    class WithAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(4, 1)
+            self.head = nn.Linear(4, 3)
+
+    attn = ga.tasks.classification(WithAttention())
+    name, note = resolve_curvature("auto", "direct", 27, dense="dense_hessian", task=attn)
+    assert name == "gauss_newton" and "MultiheadAttention" in note
+    # above the dense limit it is EK-FAC whatever the dense choice
+    with ga.options(dense_curvature_dim=10):
+        assert resolve_curvature("auto", "direct", 27, dense="dense_hessian", task=task)[0] == "ekfac"

@@ -234,15 +234,36 @@ def decay_term(weight_decay=None, optimizer=None, like=None) -> DecayTerm | None
     return None
 
 
+def hessian_refusal(task: Task | None) -> str | None:
+    """Why ``curvature="auto"`` does not form the Hessian for ``task`` (None: it may): a
+    language-model task (its curvature is the sampled Gauss-Newton over the vocabulary; the
+    formed Hessian was measured on classifiers), or a model whose attention torch cannot push
+    a forward-mode tangent through on CPU (``nn.MultiheadAttention``, a transformers model
+    whose ``config._attn_implementation`` is not ``"eager"``): the Hessian's products need it."""
+    if task is None:
+        return "no task"
+    if task.curvature_objective == "sampled" or task.expected_terms is None:
+        return "the task's curvature is the sampled Gauss-Newton"
+    from torch import nn
+    for module in task.model.modules():
+        if isinstance(module, nn.MultiheadAttention):
+            return "nn.MultiheadAttention has no forward-mode AD on CPU (the Hessian's products need it)"
+    impl = getattr(getattr(task.model, "config", None), "_attn_implementation", None)
+    if impl not in (None, "eager"):
+        return f"the model's {impl!r} attention has no forward-mode AD on CPU (the Hessian's products need it)"
+    return None
+
+
 def resolve_curvature(curvature: str, solver: str, dim: int, *, dense: str | None = None,
-                      projected: bool = False) -> tuple[str, str | None]:
+                      projected: bool = False, task: Task | None = None) -> tuple[str, str | None]:
     """``(curvature, note)``: ``"auto"`` made concrete for a space of ``dim`` (projected)
     coordinates, and the note the plan shows for it (None for a curvature given by name).
 
     ``"auto"``: ``"gauss_newton"`` through products with an iterative solver; with the direct
     solver ``dense`` (default :data:`DENSE_AUTO`) when ``dim ≤ ga.options(dense_curvature_dim)``,
     else ``"ekfac"``. A formed Hessian lives in parameter coordinates: with a projector
-    (``projected``) the dense choice is the Gauss-Newton."""
+    (``projected``), or where :func:`hessian_refusal` names a reason for ``task``, the dense
+    choice is the Gauss-Newton (the note says why)."""
     if curvature != "auto":
         return curvature, None
     limit = get_options().dense_curvature_dim
@@ -250,8 +271,11 @@ def resolve_curvature(curvature: str, solver: str, dim: int, *, dense: str | Non
         return "gauss_newton", f"curvature='auto': Gauss-Newton products ({solver})"
     if dim <= limit:
         dense = dense or DENSE_AUTO
-        if dense == "dense_hessian" and projected:
-            dense = "gauss_newton"
+        refusal = ("projected coordinates" if projected else hessian_refusal(task)) if dense == "dense_hessian" \
+            else None
+        if refusal:
+            return "gauss_newton", (f"curvature='auto': dense Gauss-Newton, {dim:,} coordinates ≤ "
+                                    f"ga.options(dense_curvature_dim={limit}) (not the Hessian: {refusal})")
         if dense == "dense_hessian":
             return "dense_hessian", (f"curvature='auto': the Hessian formed from {dim:,} products, {dim:,} "
                                      f"coordinates ≤ ga.options(dense_curvature_dim={limit})")
@@ -507,7 +531,7 @@ def curvature_operator(task: Task, data, *, curvature="auto", solver: str = "dir
         space = (train_grads if train_grads is not None else
                  (projector or (lambda G: G))(grads(task, data, layers))).space
         curvature, why = resolve_curvature(curvature, solver, space.dim, dense=dense_auto,
-                                           projected=projector is not None)
+                                           projected=projector is not None, task=task)
     o = curvature_options
     check_kron_subsets(curvature, o.get("covariance_max_examples"), o.get("lambda_max_examples"))
     entry = CURVATURE_TABLE[curvature]
