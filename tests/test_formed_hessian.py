@@ -77,10 +77,20 @@ def test_formed_hessian_is_the_dense_hessian(setting):
     assert ga.Operator(Formed(H.expr)).structure == "dense"
 
 
-def test_absolute_damping_solves_exactly(setting):
+def test_a_given_damping_is_added_to_the_hessian_shifted_to_psd(setting):
+    """damping=λ: H + wd·I shifted to PSD (its smallest eigenvalue is −0.4 here), then + λ; a
+    relative_damping r: + r × the mean of its eigenvalues (negatives as 0)."""
+    mu = torch.linalg.eigvalsh(setting["H"]) + WD
+    shift = max(0.0, -float(mu[0]))
+    assert shift > 0.1
     S = ga.methods.influence(setting["task"], setting["train"], setting["query"], curvature="dense_hessian",
-                             solver="direct", damping=0.3, weight_decay=WD)
-    np.testing.assert_allclose(values(S), reference(setting, 0.3, WD), rtol=1e-8, atol=1e-10)
+                             damping=0.3, weight_decay=WD)
+    np.testing.assert_allclose(values(S), reference(setting, 0.3 + shift, WD), rtol=1e-8, atol=1e-10)
+    assert "damping=0.3 (given) on the Hessian shifted to PSD" in str(S.explain())
+    S = ga.methods.influence(setting["task"], setting["train"], setting["query"], curvature="dense_hessian",
+                             relative_damping=0.5, weight_decay=WD)
+    lam = shift + 0.5 * float(mu.clamp_min(0).sum()) / mu.numel()
+    np.testing.assert_allclose(values(S), reference(setting, lam, WD), rtol=1e-8, atol=1e-10)
 
 
 def test_default_damping_is_the_psd_shift_plus_a_third_of_the_mean(setting):
@@ -88,15 +98,14 @@ def test_default_damping_is_the_psd_shift_plus_a_third_of_the_mean(setting):
     damped matrix is positive definite, its smallest eigenvalue 0.3 × that mean."""
     mu = torch.linalg.eigvalsh(setting["H"])
     lam = -float(mu[0]) + 0.3 * float(mu.clamp_min(0).sum()) / mu.numel()
-    S = ga.methods.influence(setting["task"], setting["train"], setting["query"], curvature="dense_hessian",
-                             solver="direct")
+    S = ga.methods.influence(setting["task"], setting["train"], setting["query"], curvature="dense_hessian")
     want = reference(setting, lam)
     np.testing.assert_allclose(values(S), want, rtol=1e-7, atol=1e-9 * np.abs(want).max())
     text = str(S.explain())
     assert "shifted to PSD" in text and "the default for a formed Hessian" in text
     # with a weight decay, the shift is read from H + wd·I (it takes up the decay's share)
     Sw = ga.methods.influence(setting["task"], setting["train"], setting["query"], curvature="dense_hessian",
-                              solver="direct", weight_decay=WD)
+                              weight_decay=WD)
     lam_w = max(0.0, -float(mu[0]) - WD) + 0.3 * float((mu + WD).clamp_min(0).sum()) / mu.numel()
     np.testing.assert_allclose(values(Sw), reference(setting, lam_w, WD), rtol=1e-7,
                                atol=1e-9 * np.abs(want).max())
@@ -120,7 +129,7 @@ def test_the_default_rule_is_named_and_shifted():
 def test_a_formed_hessian_refuses_a_projector(setting):
     with pytest.raises(ValueError, match="parameter coordinates"):
         ga.methods.influence(setting["task"], setting["train"], setting["query"], curvature="dense_hessian",
-                             solver="direct", projector=ga.proj.gaussian(8, seed=0))
+                             projector=ga.proj.gaussian(8, seed=0))
 
 
 def test_auto_forms_the_hessian_only_where_it_can(setting):

@@ -17,6 +17,8 @@ Rules (``DampingRule.kind``; ``value`` is the rule's one parameter):
             f = ``value`` > 0; d_eff falls from #{μ > 0} at λ = 0 to 0, so λ_b is unique
             (bisection in log λ to a relative 1e-10); a target at or above #{μ > 0} gives 0.
 ``mean``    λ_b = c · tr(H_b)/d_b, c = ``value``: the relative rule of one block.
+``absolute`` λ_b = ``value`` (≥ 0): a given λ, with ``psd=True`` on top of the shift below
+            (``influence(curvature="dense_hessian", damping=λ)``).
 
 Eigenvalues of a block: a diagonal's entries; a block's (d_b, d_b) matrix or a dense
 matrix's diagonal block H_bb by float64 ``eigvalsh``; a Kronecker block's Λ (out, in)
@@ -51,7 +53,7 @@ from ..errors import OptionError
 
 __all__ = ["DampingRule", "RULE_KINDS", "block_spectra", "block_lambdas", "rule_lambda"]
 
-RULE_KINDS = ("mass", "effdim", "mean")
+RULE_KINDS = ("mass", "effdim", "mean", "absolute")
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,10 @@ class DampingRule:
             raise OptionError(f"damping rule must be one of {RULE_KINDS}, got {self.kind!r}: e.g. "
                               "DampingRule('mass', 0.99)")
         v = self.value
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0 or (
+        if self.kind == "absolute":
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+                raise OptionError(f"DampingRule('absolute', {v!r}): the value is a λ, a finite number ≥ 0")
+        elif not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0 or (
                 self.kind == "mass" and v > 1):
             raise OptionError(f"DampingRule({self.kind!r}, {v!r}): the value must be a finite number > 0"
                               + (" and ≤ 1 (a fraction of the eigenvalue mass)" if self.kind == "mass" else ""))
@@ -91,6 +96,8 @@ class DampingRule:
             where += ", plus −(smallest eigenvalue) where negative (shifted to PSD)"
         if self.kind == "mass":
             return f"λ_b = the eigenvalue where the top ones hold {self.value:g} of the mass, {where}"
+        if self.kind == "absolute":
+            return f"λ_b = {self.value:g}, {where}"
         if self.kind == "effdim":
             return f"λ_b at effective dimension {self.value:g} × participation ratio, {where}"
         return f"λ_b = {self.value:g} × mean eigenvalue, {where}"
@@ -102,6 +109,8 @@ class DampingRule:
 
 def rule_lambda(rule: DampingRule, mu: torch.Tensor) -> float:
     """λ of ``rule`` for the eigenvalues ``mu`` (any shape; negatives count as 0)."""
+    if rule.kind == "absolute":
+        return float(rule.value)
     mu = mu.detach().reshape(-1).to(torch.float64).clamp_min(0)
     total = float(mu.sum())
     if mu.numel() == 0 or total <= 0:

@@ -99,7 +99,7 @@ centre: leave c = 1 there.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -151,6 +151,25 @@ DENSE_HESSIAN_DAMPING = DampingRule("mean", 0.3, per_block=False, psd=True,
 #: what ``curvature="auto"`` takes with the direct solver up to ``ga.options(dense_curvature_dim)``
 #: coordinates ("gauss_newton": the dense Gauss-Newton; "dense_hessian": the formed Hessian)
 DENSE_AUTO = "gauss_newton"
+
+
+def hessian_damping(damping, relative_damping) -> DampingRule:
+    """The damping of the formed Hessian (``curvature="dense_hessian"``) as a rule with ``psd=True``:
+    H̄ (+ the decay term) is shifted to positive semi-definite first (λ += max(0, −μ_min)), then
+    damped as asked: by default :data:`DENSE_HESSIAN_DAMPING` (0.3 × its mean eigenvalue), an
+    absolute ``damping=λ``, ``relative_damping=r`` (r × mean), ``"auto"`` (the dense rule) or a
+    given :class:`~gradalg.linalg.autodamp.DampingRule` — each one λ for the whole matrix."""
+    if damping is None and relative_damping is None:
+        return DENSE_HESSIAN_DAMPING
+    if damping is None:
+        return DampingRule("mean", float(relative_damping), per_block=False, psd=True,
+                           note=f"relative_damping={float(relative_damping):g} (given) on the Hessian shifted to PSD")
+    rule = damping_rule(damping, "dense")
+    if rule is not None:
+        return replace(rule, psd=True, per_block=False,     # one λ: a dense H couples its blocks
+                       note=(rule.note or f"damping={damping!r}") + " on the Hessian shifted to PSD")
+    return DampingRule("absolute", float(damping), per_block=False, psd=True,
+                       note=f"damping={float(damping):g} (given) on the Hessian shifted to PSD")
 
 
 def damping_rule(damping, form: str = "dense"):
@@ -554,8 +573,8 @@ def curvature_operator(task: Task, data, *, curvature="auto", solver: str = "dir
         raise OptionError(f"curvature={curvature!r} with solver={solver!r} works in parameter "
                           "coordinates: drop the projector, or use solver='direct'")
     H = entry.build(task, data, layers, P, solver, o)
-    if curvature == "dense_hessian" and damping is None and o.get("relative_damping") is None:
-        damping = DENSE_HESSIAN_DAMPING       # the formed Hessian's default: shifted to PSD + 0.3 × mean
+    if curvature == "dense_hessian":          # always shifted to PSD; the damping on top
+        damping = hessian_damping(damping, o.get("relative_damping"))
     what = curvature.upper() if curvature in ("kfac", "ekfac") else "this curvature"
     if solver == "arnoldi":
         H, solver, what = arnoldi(H, o.get("rank", 32), seed=o.get("seed", 0)), "direct", "Arnoldi's low-rank H"
