@@ -13,7 +13,8 @@ convergence warm-started from the full-data solution (Newton's method for logreg
 L-BFGS for the MLP); targets are the 100 query losses. The rows "at the subsets' centre"
 score a second model, trained with every example at weight FRACTION (the subsets' mean
 weights; ``Setting.centred``), with ``influence(..., data_weight=FRACTION)``; their seconds
-include training it. LDS (``ga.eval.lds``,
+include training it. The row "one Newton step to the subsets' centre" estimates that model
+from the trained one instead (``ga.methods.newton_centre``, its seconds in the row). LDS (``ga.eval.lds``,
 target="loss") with a 95% bootstrap interval over queries, and the wall time of
 ``Scores.compute()``.
 

@@ -53,5 +53,5 @@ def list() -> dict[str, str]:  # noqa: A001 - ga.methods.list() reads naturally
     return dict(CATALOGUE)
 
 
-__all__ = [*REGISTRY, "ensemble", "curvature_operator", "MagicScores", "Segment", "segments_of_run", "list",
-           "CATALOGUE", "COMBINATORS", "REGISTRY", "Method", "method"]
+__all__ = [*REGISTRY, "ensemble", "newton_centre", "curvature_operator", "MagicScores", "Segment", "segments_of_run",
+           "list", "CATALOGUE", "COMBINATORS", "REGISTRY", "Method", "method"]
