@@ -16,20 +16,24 @@ exact Hessian and several dampings, and at the trained centre (``Setting.centred
 reference. No row reads the ground truth. LDS: ``ga.eval.lds(..., target="loss",
 resample="both")`` against the setting's cached ground truth (fidelity.py's store).
 
+On another setting (``conv``: a float32 conv net trained by Adam without weight decay) the
+matrices come from the library's own builders instead (``LibraryPoint``: ``ga.grads``, the formed
+Hessian of ``curvature="dense_hessian"``, the Gauss-Newton of ``curvature="gauss_newton"``), and
+the rows are at the trained model only, with the Hessian's spectrum (``run_library``).
+
     PYTHONPATH=. OMP_NUM_THREADS=1 nice -n 10 python benchmarks/explore_centre.py --settings mlp,logreg
+    PYTHONPATH=. OMP_NUM_THREADS=1 nice -n 10 python benchmarks/explore_centre.py --settings conv
 
 Writes ``build/fidelity/explore-centre-<setting>.json``.
 """
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as Fn
 from torch.func import functional_call, grad, jacrev, jvp, vmap
@@ -142,17 +146,11 @@ def lds(values, truth, bootstrap=1000):
 
 
 def materials(name):
-    """(Flat, θ* (d,) float64, train, queries, truth, the objective's wd, the trained centre or None)."""
-    if name in ("logreg", "mlp"):
-        ctx = D.digits(name)
-        s = F.SETTINGS[name]
-        f = Flat(s.full)
-        return f, f.theta(), s.train, s.queries, D.load_truth(ctx.truth_spec), F.WD, f.theta(s.centred()[0])
-    ctx = D.context(name)                          # conv: trained by Adam without weight decay
-    model = copy.deepcopy(ctx.task.model).double()
-    f = Flat(model)
-    dbl = lambda b: (b[0].double(), b[1])          # noqa: E731
-    return f, f.theta(), dbl(ctx.train), dbl(ctx.queries), D.load_truth(ctx.truth_spec), 0.0, None
+    """(Flat, θ* (d,) float64, train, queries, truth, the objective's wd, the trained centre): a digits setting."""
+    ctx = D.digits(name)
+    s = F.SETTINGS[name]
+    f = Flat(s.full)
+    return f, f.theta(), s.train, s.queries, D.load_truth(ctx.truth_spec), F.WD, f.theta(s.centred()[0])
 
 
 def run(name, bootstrap, only=None, newton_steps=(1, 2, 3)):
@@ -211,6 +209,58 @@ def run(name, bootstrap, only=None, newton_steps=(1, 2, 3)):
     return results
 
 
+class LibraryPoint(Point):
+    """A :class:`Point` from the library's own builders at the setting's model (any dtype, default
+    layers): G, Q (``ga.grads``), the formed Hessian (``curvature="dense_hessian"``'s
+    :class:`~gradalg.expr.curvature.Formed`) and the Gauss-Newton (``curvature="gauss_newton"``'s
+    formed Fisher of the expected terms), all float64 in the space's canonical coordinates."""
+
+    def __init__(self, ctx):
+        from gradalg.expr.curvature import Formed
+        from gradalg.methods.influence import CURVATURE_TABLE
+        G = ga.grads(ctx.task, ctx.train)
+        offsets = G.space.offsets()
+
+        def flat(gs):
+            dense = gs.to_dense()
+            return torch.cat([dense[b].reshape(dense[b].shape[0], -1).to(torch.float64) for b in offsets], 1)
+        self.theta = None
+        self.G, self.Q = flat(G), flat(ga.grads(ctx.task, ctx.queries))
+        H = ga.Operator(Formed(ga.hessian(ctx.task, ctx.train).expr)).to_dense().to(torch.float64)
+        self.H = (H + H.T) / 2
+        self.GN = CURVATURE_TABLE["gauss_newton"].build(ctx.task, ctx.train, None, lambda g: g, "direct",
+                                                        {}).to_dense().to(torch.float64)
+        self.mu_H = torch.linalg.eigvalsh(self.H)
+
+
+def run_library(name, bootstrap):
+    """The settings where the formed Hessian lost (conv): its spectrum and dampings, no wd."""
+    ctx = D.context(name)
+    truth = D.load_truth(ctx.truth_spec)
+    out_path = D.BUILD / f"explore-centre-{name}.json"
+    results = json.loads(out_path.read_text()) if out_path.exists() else {}
+    t0 = time.process_time()
+    p = LibraryPoint(ctx)
+    mu, mg = p.mu_H, torch.linalg.eigvalsh(p.GN)
+    neg = mu[mu < 0]
+    info = dict(d=len(mu), mu_min=float(mu[0]), mu_max=float(mu[-1]), mean=float(mu.mean()),
+                negative_count=int(neg.numel()), negative_mass=float(-neg.sum()), positive_mass=float(mu[mu > 0].sum()),
+                gn_mean=float(mg.mean()), cpu=time.process_time() - t0)
+    results["spectrum"] = info
+    print(f"[{name}] Hessian spectrum {info}", flush=True)
+    for label, kw in [("at 1: Gauss-Newton, 1 × mean (the default)", dict(curvature="gn", relative=1.0)),
+                      *[(f"at 1: Hessian shifted to PSD + {r:g} × mean", dict(shift=True, relative=r))
+                        for r in (0.3, 1.0, 3.0, 10.0)],
+                      *[(f"at 1: |Hessian| + {r:g} × mean", dict(absolute=True, relative=r)) for r in (0.3, 1.0)],
+                      ("at 1: Hessian + 1 × mean, unshifted", dict(relative=1.0))]:
+        v, lo, hi = p.scores(1.0, 0.0, **kw)
+        r = lds(v, truth, bootstrap)
+        results[label] = dict(lds=r[0], low=r[1], high=r[2], mu_min=lo, mu_max=hi)
+        print(f"  [{name}] {label:58s} LDS {r[0]:.3f} [{r[1]:.3f}, {r[2]:.3f}]  μ ∈ [{lo:.2e}, {hi:.2e}]",
+              flush=True)
+        out_path.write_text(json.dumps(results, indent=1))
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--settings", default="mlp,logreg")
@@ -220,5 +270,8 @@ if __name__ == "__main__":
     a = ap.parse_args()
     torch.set_num_threads(1)
     for name in a.settings.split(","):
+        if name not in ("logreg", "mlp"):
+            run_library(name, a.bootstrap)
+            continue
         run(name, a.bootstrap, a.only.split(",") if a.only else None,
             tuple(int(x) for x in a.newton_steps.split(",")))

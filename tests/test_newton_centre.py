@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call, grad, hessian
+from torch.func import grad, hessian
 
 import gradalg as ga
 from gradalg.errors import ObjectiveError, OptionError
