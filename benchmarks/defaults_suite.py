@@ -85,6 +85,7 @@ AUTO_POOLED = ByForm((DampingRule("mass", 0.95, per_block=False), DampingRule("m
 AUTO_FLOORED = ByForm((DampingRule("mass", 0.95, floor=1.0), DampingRule("mass", 0.99, floor=0.1)))
 AUTO_BY_STRUCTURE = ByForm((AUTO_POOLED[0], "auto"))
 AUTO_IF_KRONECKER = ByForm(("previous", "auto"))
+DENSE_HESSIAN_LABEL = "Hessian (shifted to PSD + 0.3 × mean) if dense, else EK-FAC 'auto'"
 
 #: issue 31, the dense-H reading for TRAK's kernel, GraSS's H and TrackStar's R: ``damping="auto"``'s
 #: q = 0.95 with one λ from the pooled spectrum (RelatIF's ``DENSE_DAMPING``) instead of one per block
@@ -114,6 +115,9 @@ CANDIDATES = {
         # a dense H keeps one λ: from its own spectrum (mass 0.95), or the relative 1 × mean eigenvalue
         ("damping='auto' per block if Kronecker, pooled if dense", dict(damping=AUTO_BY_STRUCTURE), None),
         ("damping='auto' if Kronecker, else 1 × mean eigenvalue", dict(damping=AUTO_IF_KRONECKER), None),
+        # issue 31 (fiddig): where "auto" is dense, the formed Hessian at its default damping (shifted
+        # to PSD + 0.3 × its mean eigenvalue, influence.DENSE_HESSIAN_DAMPING); EK-FAC as by default elsewhere
+        (DENSE_HESSIAN_LABEL, dict(curvature=ByForm(("dense_hessian", "auto"))), None),
     ],
     "trak": [
         ("defaults (k=2048, relative_damping=1)", dict(k=2048, damping=None, relative_damping=1.0),
@@ -158,7 +162,9 @@ PREVIOUS_DEFAULT = {m: rows[0][0] for m, rows in CANDIDATES.items()}
 #: defaults adopted since (issue 31): the rule's reference for the next choice is the default a
 #: candidate would replace. (The tables of docs/fidelity.md that chose these defaults were made with
 #: the first rows as the reference.)
-PREVIOUS_DEFAULT.update({"trak": "damping='auto'", "grass": "damping='auto'", "trackstar": "damping='auto'"})
+PREVIOUS_DEFAULT.update({"trak": "damping='auto'", "grass": "damping='auto'", "trackstar": "damping='auto'",
+                         # influence's default since issue 31's evening run (fiddig's reference)
+                         "influence": "damping='auto' if Kronecker, else 1 × mean eigenvalue"})
 #: candidates that are another row's computation wherever the matrix they damp has ONE block (an
 #: unprojected one-layer model, or a projection into one k-block): one λ from the pooled spectrum is
 #: then the block's own λ. Checked per setting (``damped_blocks``); the row is copied, its note says so.
@@ -170,6 +176,7 @@ SAME_WHEN_AUTO_IS_EKFAC = {("influence", "EK-FAC"): "defaults (curvature='auto')
                            ("influence", "EK-FAC, damping='auto'"): "damping='auto'",
                            ("influence", "damping='auto' per block if Kronecker, pooled if dense"): "damping='auto'",
                            ("influence", "damping='auto' if Kronecker, else 1 × mean eigenvalue"): "damping='auto'",
+                           ("influence", DENSE_HESSIAN_LABEL): "damping='auto'",
                            ("relatif", "damping='auto' per block if Kronecker, pooled if dense"): "damping='auto'"}
 #: the same where it is the dense Gauss-Newton
 SAME_WHEN_AUTO_IS_DENSE = {
@@ -209,11 +216,17 @@ class Context:
             kw["layers"] = self.layers
         if kw.get("relative_damping") == "previous":          # influence's default before issue 31
             kw["relative_damping"] = 1.0 if self.auto == "gauss_newton" else 0.1
+            if self.auto == "gauss_newton" and method == "influence":   # the dense Gauss-Newton, by name
+                kw.setdefault("curvature", "gauss_newton")
+        if isinstance(kw.get("curvature"), ByForm):            # a curvature by what "auto" takes here
+            kw["curvature"] = kw["curvature"][0 if self.auto == "gauss_newton" else 1]
         if isinstance(kw.get("damping"), ByForm):
             kw["damping"] = kw["damping"][0 if self.auto == "gauss_newton" else 1]
             if kw["damping"] == "previous":
                 kw.pop("damping")
                 kw["relative_damping"] = 1.0 if self.auto == "gauss_newton" else 0.1
+                if self.auto == "gauss_newton" and method == "influence":
+                    kw.setdefault("curvature", "gauss_newton")
         if method in ("influence", "trak", "logra", "grass", "relatif"):
             return lambda: getattr(m, method)(task, tr, qu, **kw)
         tasks, optimizers, lrs = self.snapshots()

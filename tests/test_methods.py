@@ -154,7 +154,7 @@ def test_influence_gauss_newton_exact(proj):
         GN = M @ GN @ M.T
     RQ, RG = project(s["RQ"], space, P), project(s["R"], space, P)
     H = GN + 0.01 * torch.eye(GN.shape[0], dtype=F64)
-    S = ga.methods.influence(s["task"], s["train"], s["query"], projector=P, damping=0.01)
+    S = ga.methods.influence(s["task"], s["train"], s["query"], projector=P, damping=0.01, curvature="gauss_newton")
     assert_close(values(S), RQ @ torch.linalg.solve(H, RG.T), what="exact GN influence", **TOL)
 
 

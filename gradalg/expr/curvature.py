@@ -13,6 +13,7 @@ import torch
 
 from ..data import DataRef
 from ..linalg import DataInfOp, ImplicitOp, Labels, LowRankOp
+from ..linalg.explicit import ResolvedOp
 from ..linalg.kron import diagonal_factor_rules
 from ..linalg.solvers import arnoldi, arnoldi_iters
 from ..options import get_options
@@ -20,7 +21,7 @@ from ..space import ParamSpace
 from .grads import GradNode, first_examples
 from .operators import OpNode, Statistic
 
-__all__ = ["KFAC", "CurvatureProducts", "Arnoldi", "DataInf"]
+__all__ = ["KFAC", "CurvatureProducts", "Formed", "Arnoldi", "DataInf"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -142,6 +143,50 @@ class CurvatureProducts(OpNode):
     @property
     def label(self):
         return f"{self.kind} products (n={self.data.n})"
+
+
+@dataclass(frozen=True, eq=False)
+class Formed(OpNode):
+    """``op`` (known by products, e.g. the Hessian (1/n) Σ_i ∇²L_i) formed as its dense
+    (dim, dim) matrix: H = H·I, the products with the identity's columns, ``chunk`` of them
+    per call (⌈dim/chunk⌉ passes over the data), symmetrised as (H + Hᵀ)/2 in float64.
+
+    What makes the Hessian an explicit H: its spectrum is then at hand (a relative or
+    spectrum-read damping, a direct eigendecomposition), at the price of dim products. Keeps
+    ``op``'s ``psd`` tag (the Gauss-Newton's); the Hessian's matrix may be indefinite.
+    """
+
+    op: OpNode
+    chunk: int = 256
+
+    @property
+    def space(self):
+        return self.op.space
+
+    def labels(self):
+        self.op.labels()        # its operand must resolve (refusals surface here)
+        return Labels({"dense"})
+
+    def statistics(self):
+        """The operand's; its products run ⌈dim/chunk⌉ times on ``chunk`` vectors each."""
+        calls = -(-self.space.dim // self.chunk)
+        why = f"formed: {self.space.dim} products, {self.chunk} per call"
+        return tuple(s.solved(calls, why, vectors=min(self.chunk, self.space.dim)) for s in self.op.statistics())
+
+    def resolve(self, ctx):
+        inner = ctx.resolve(self.op)
+        d = self.space.dim
+        eye = torch.eye(d, dtype=torch.float64)
+        H = torch.cat([inner.apply(eye[i:i + self.chunk]).to(torch.float64) for i in range(0, d, self.chunk)], 0)
+        return ResolvedOp(self.space, "dense", (H + H.T) / 2, frozenset(inner.tags & {"psd"}))
+
+    def apply_cost(self, space, n, prices):
+        """A dense (dim, dim) matrix applied: a GEMM (:meth:`OperatorPrices.by_form`)."""
+        return prices.by_form(self.labels(), space, n)
+
+    @property
+    def label(self):
+        return f"formed({self.op.label})"
 
 
 @dataclass(frozen=True, eq=False)

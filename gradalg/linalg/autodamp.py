@@ -17,6 +17,8 @@ Rules (``DampingRule.kind``; ``value`` is the rule's one parameter):
             f = ``value`` > 0; d_eff falls from #{μ > 0} at λ = 0 to 0, so λ_b is unique
             (bisection in log λ to a relative 1e-10); a target at or above #{μ > 0} gives 0.
 ``mean``    λ_b = c · tr(H_b)/d_b, c = ``value``: the relative rule of one block.
+``absolute`` λ_b = ``value`` (≥ 0): a given λ, with ``psd=True`` on top of the shift below
+            (``influence(curvature="dense_hessian", damping=λ)``).
 
 Eigenvalues of a block: a diagonal's entries; a block's (d_b, d_b) matrix or a dense
 matrix's diagonal block H_bb by float64 ``eigvalsh``; a Kronecker block's Λ (out, in)
@@ -24,6 +26,12 @@ matrix's diagonal block H_bb by float64 ``eigvalsh``; a Kronecker block's Λ (ou
 diag(λ_b I_b): the same matrix a block-diagonal H damped per block gets on its blocks.
 ``global_`` (``per_block=False``) pools every block's eigenvalues into one spectrum and
 one λ (a dense H's pooled spectrum is then its own eigenvalues).
+
+``psd=True`` first shifts an indefinite matrix to positive semi-definite: λ_b += max(0, −μ_min),
+μ_min the smallest eigenvalue of block b (of the whole matrix for one pooled λ), so that
+H + λ_b I ⪰ rule_b I. For the Hessian (1/n) Σ ∇²ℓ_i, which may have negative eigenvalues
+(the residual term the Gauss-Newton drops; at a weight-decayed optimum μ_min ≈ −wd, so the
+shift stands in for a weight decay not given); a PSD matrix's shift is 0 (round-off aside).
 
 ``note`` names where a rule came from in the plan (a method's default names itself), in
 place of "damping='auto'" / "damping=DampingRule (given)"; it is not part of equality.
@@ -45,7 +53,7 @@ from ..errors import OptionError
 
 __all__ = ["DampingRule", "RULE_KINDS", "block_spectra", "block_lambdas", "rule_lambda"]
 
-RULE_KINDS = ("mass", "effdim", "mean")
+RULE_KINDS = ("mass", "effdim", "mean", "absolute")
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,8 @@ class DampingRule:
     value: float
     per_block: bool = True
     floor: float = 0.0
+    #: shift an indefinite matrix to PSD first: λ_b += max(0, −μ_min) (the Hessian's negative curvature)
+    psd: bool = False
     #: where the rule came from, for the plan (a method's default names itself); not part of equality
     note: str = field(default="", compare=False)
 
@@ -65,7 +75,10 @@ class DampingRule:
             raise OptionError(f"damping rule must be one of {RULE_KINDS}, got {self.kind!r}: e.g. "
                               "DampingRule('mass', 0.99)")
         v = self.value
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0 or (
+        if self.kind == "absolute":
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+                raise OptionError(f"DampingRule('absolute', {v!r}): the value is a λ, a finite number ≥ 0")
+        elif not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0 or (
                 self.kind == "mass" and v > 1):
             raise OptionError(f"DampingRule({self.kind!r}, {v!r}): the value must be a finite number > 0"
                               + (" and ≤ 1 (a fraction of the eigenvalue mass)" if self.kind == "mass" else ""))
@@ -79,19 +92,25 @@ class DampingRule:
         where = "per block" if self.per_block else "one λ for all blocks"
         if self.floor:
             where += f", at least {self.floor:g} × H's mean eigenvalue"
+        if self.psd:
+            where += ", plus −(smallest eigenvalue) where negative (shifted to PSD)"
         if self.kind == "mass":
             return f"λ_b = the eigenvalue where the top ones hold {self.value:g} of the mass, {where}"
+        if self.kind == "absolute":
+            return f"λ_b = {self.value:g}, {where}"
         if self.kind == "effdim":
             return f"λ_b at effective dimension {self.value:g} × participation ratio, {where}"
         return f"λ_b = {self.value:g} × mean eigenvalue, {where}"
 
     def short(self) -> str:
         return (f"{self.kind}={self.value:g}" + ("" if self.per_block else ", global")
-                + (f", floor {self.floor:g}×mean" if self.floor else ""))
+                + (f", floor {self.floor:g}×mean" if self.floor else "") + (", psd shift" if self.psd else ""))
 
 
 def rule_lambda(rule: DampingRule, mu: torch.Tensor) -> float:
     """λ of ``rule`` for the eigenvalues ``mu`` (any shape; negatives count as 0)."""
+    if rule.kind == "absolute":
+        return float(rule.value)
     mu = mu.detach().reshape(-1).to(torch.float64).clamp_min(0)
     total = float(mu.sum())
     if mu.numel() == 0 or total <= 0:
@@ -142,20 +161,27 @@ def _sym(m: torch.Tensor) -> torch.Tensor:
     return (m + m.T) / 2
 
 
+def _psd_shift(rule: DampingRule, mu: torch.Tensor) -> float:
+    """max(0, −min μ) when ``rule.psd`` (the shift that makes the matrix PSD), else 0."""
+    if not rule.psd or mu.numel() == 0:
+        return 0.0
+    return max(0.0, -float(mu.min()))
+
+
 def block_lambdas(op, rule: DampingRule) -> dict:
     """``{block name: λ_b}`` of ``rule`` on ``op`` (one shared λ when not ``per_block``;
     a dense operator's shared λ from its full spectrum), each at least ``rule.floor`` ×
     tr(op)/dim (the blocks' eigenvalues summed: a dense op's diagonal blocks hold its trace)."""
     spectra = block_spectra(op)
     if rule.per_block:
-        out = {n: rule_lambda(rule, mu) for n, mu in spectra.items()}
+        out = {n: rule_lambda(rule, mu) + _psd_shift(rule, mu) for n, mu in spectra.items()}
     else:
         from .explicit import ResolvedOp
         if isinstance(op, ResolvedOp) and op.kind == "dense":
             mu = torch.linalg.eigvalsh(_sym(op.data))
         else:
             mu = torch.cat(list(spectra.values()))
-        lam = rule_lambda(rule, mu)
+        lam = rule_lambda(rule, mu) + _psd_shift(rule, mu)
         out = {n: lam for n in op.space.names}
     if rule.floor:
         dim = sum(mu.numel() for mu in spectra.values())

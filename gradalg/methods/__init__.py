@@ -26,6 +26,7 @@ from .magic import MagicScores, magic
 from .source import Segment, segments_of_run, source
 from .self_influence import self_influence
 from .ensemble import ensemble
+from .centre import newton_centre
 from .registry import REGISTRY, Method, method
 
 # a new method is one file: every module of the package is imported, so its @method registers it
@@ -52,5 +53,5 @@ def list() -> dict[str, str]:  # noqa: A001 - ga.methods.list() reads naturally
     return dict(CATALOGUE)
 
 
-__all__ = [*REGISTRY, "ensemble", "curvature_operator", "MagicScores", "Segment", "segments_of_run", "list",
-           "CATALOGUE", "COMBINATORS", "REGISTRY", "Method", "method"]
+__all__ = [*REGISTRY, "ensemble", "newton_centre", "curvature_operator", "MagicScores", "Segment", "segments_of_run",
+           "list", "CATALOGUE", "COMBINATORS", "REGISTRY", "Method", "method"]
