@@ -181,6 +181,12 @@ class Options:
         one-hot inputs (token counts); for other factors (a head's output gradients) it drops
         the off-diagonal covariances. Shown per block in the plan's decisions and in the
         operator rules (``kronecker.diagonal_factor``).
+    vocabulary_layers_max : int
+        The largest vocabulary whose **vocabulary layers** (the input embedding and the LM
+        head, one block when tied) the ``ga.tasks`` language tasks attribute by default
+        (``ga.TransformerBlocks(vocabulary="auto")``); above it the default is the linear
+        layers inside the transformer blocks alone. Default 8192. MEASUREMENT. 0: never.
+        Shown in ``explain()``'s coverage line (which vocabulary layers are in or out, and why).
     projection_slice_elements : int
         A sparse (SJLT / mask) projection of a factored block materializes the block in
         slices of examples of at most this many elements (a block larger than this: one
@@ -257,6 +263,7 @@ class Options:
     kron_float64_width: int = 8192
     kron_float32_rtol: float = 1e-2
     kron_diagonal_width: int = 16384
+    vocabulary_layers_max: int = 8192
     projection_slice_elements: int = 2**26
     dense_curvature_dim: int = 4096
     dense_projection_bytes: int = 2**30
@@ -311,6 +318,10 @@ class Options:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise OptionError(f"{name} must be a positive int, got {value!r}")
+        limit = self.vocabulary_layers_max
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            raise OptionError(f"vocabulary_layers_max must be an int >= 0 (a vocabulary size; 0: never include "
+                              f"the vocabulary layers by default), got {limit!r}")
         tokens = self.batch_tokens
         if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0):
             raise OptionError(f"batch_tokens must be None (the device's default), 0 (no limit) or a positive "
