@@ -53,7 +53,7 @@ class TransformerBlocks:
         ``ga.options().vocabulary_layers_max`` (read when the layers are resolved). The
         ``ga.tasks`` language tasks default to ``TransformerBlocks(vocabulary="auto")``:
         a small vocabulary's embedding carries most of what a small LM learns (on the
-        project's real-text settings EK-FAC influence LDS 0.33 → 0.66 with it), while a
+        project's real-text settings EK-FAC influence LDS 0.35 → 0.66 with it), while a
         real one's (32k–262k) costs a V × V curvature factor and V·d gradient coordinates
         per example (:class:`~gradalg.options.Options`, ``vocabulary_layers_max``).
         ``explain()``'s coverage line says which vocabulary layers were taken or left out
