@@ -74,7 +74,7 @@ def test_small_tied_gpt2_adds_the_tied_embedding_as_one_block_and_says_why():
     assert "transformer.wte" not in [g.label for g in cov.left_out]
     text = str(S.explain())
     assert (f"and the vocabulary layers transformer.wte (tied to lm_head): vocabulary {V} ≤ "
-            "ga.options(vocabulary_layers_max=8192)") in text
+            "ga.options(vocabulary_layers_max=4096)") in text
     # the position embedding and the norms stay out
     assert {g.label for g in cov.left_out} == {"transformer.wpe", "norms"}
 
@@ -139,7 +139,7 @@ def test_real_size_vocabularies_keep_the_blocks_only(build, vocab, lists):
     assert default_names(task) == tuple(block_linears(model, lists))
     from gradalg.capture.blocks import select_block_layers
     rule = select_block_layers(model, vocabulary="auto").rule
-    assert f"vocabulary {vocab:,} > ga.options(vocabulary_layers_max=8192)" in rule
+    assert f"vocabulary {vocab:,} > ga.options(vocabulary_layers_max=4096)" in rule
 
 
 # ------------------------------------------------------ numbers over the new layers
