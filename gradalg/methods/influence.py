@@ -524,8 +524,8 @@ def influence(task: Task, train, queries, *, curvature="auto", solver: str = "di
         (logreg, mlp and conv take the dense Gauss-Newton, whose default is unchanged; the others EK-FAC.)
         The LM columns are at the block-only layers. Since the language tasks' default layers
         include a small vocabulary's embedding/head (``ga.options(vocabulary_layers_max)``),
-        ``text`` / ``instruct`` at these defaults: 0.664 / 0.714 (docs/fidelity.md, "The
-        vocabulary layers in the LM default").
+        ``text`` / ``instruct`` / ``llama`` at these defaults: 0.664 / 0.714 / 0.480
+        (docs/fidelity.md, "The vocabulary layers in the LM default").
         ``"auto"``: λ_b for each block from its own eigenvalues (:data:`AUTO_DAMPING`,
         :mod:`gradalg.linalg.autodamp`; explicit H only), or a ``ga.linalg.DampingRule(kind,
         value)`` to pick the rule.

@@ -152,7 +152,8 @@ def trackstar(task: Task, train, queries, *, optimizer, layers=None, k: int = 40
 
         (``conv`` −0.004 is inside the previous default's interval [0.225, 0.345]. The LM columns
         are at the block-only layers; with a small vocabulary's embedding/head in the language
-        tasks' default layers, ``text`` / ``instruct`` at the default: 0.342 / 0.386.) ``"auto"``
+        tasks' default layers, ``text`` / ``instruct`` / ``llama`` at the default: 0.342 / 0.386 /
+        0.438.) ``"auto"``
         given: λ_b per block. ``None``: λ = ``relative_damping`` (0.1 if not given) × R's mean
         eigenvalue, the default before issue 31. A number: an absolute λ; a
         ``ga.linalg.DampingRule``: another rule.
