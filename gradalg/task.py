@@ -22,6 +22,9 @@ from .fingerprint import callable_fingerprint, model_digest
 
 __all__ = ["Task", "TransformerBlocks"]
 
+#: what ``TransformerBlocks(vocabulary=...)`` accepts
+VOCABULARY_MODES = (False, True, "auto")
+
 
 @dataclass(frozen=True)
 class TransformerBlocks:
@@ -64,7 +67,6 @@ class TransformerBlocks:
     vocabulary: bool | str = False
 
     def __post_init__(self):
-        from .capture.blocks import VOCABULARY_MODES
         if self.vocabulary not in VOCABULARY_MODES or not isinstance(self.vocabulary, (bool, str)):
             raise OptionError(f"TransformerBlocks(vocabulary=...) must be False, True or 'auto', "
                               f"got {self.vocabulary!r}")

@@ -44,13 +44,12 @@ from torch import nn
 
 from ..errors import OptionError, UnsupportedLayerError
 from ..options import get_options
+from ..task import VOCABULARY_MODES
 from .layers import POSITION_EMBEDDINGS, rule_for
 
 __all__ = ["block_lists", "select_block_layers", "vocabulary_layers", "BlockSelection", "VocabularyChoice",
            "LINEAR_KINDS", "VOCABULARY_MODES"]
 
-#: what ``TransformerBlocks(vocabulary=...)`` accepts
-VOCABULARY_MODES = (False, True, "auto")
 
 #: the layer kinds a block's "linear layers" are (``LayerRule.kind``)
 LINEAR_KINDS = ("linear", "conv1d", "experts")
