@@ -467,7 +467,7 @@ def cached_scores(s: Setting, method: str, config: str, thunk, base: float, refr
     return values, seconds, base
 
 
-def run(s: Setting, *, only=None, recompute=False, n_subsets=N_SUBSETS, seeds_per_subset=SEEDS_PER_SUBSET,
+def run(s: Setting, *, only=None, configs=None, recompute=False, n_subsets=N_SUBSETS, seeds_per_subset=SEEDS_PER_SUBSET,
         progress=False, retrain_only=False, scores_only=False, cached_only=False) -> list:
     """The ground truth (unless ``scores_only``), then every row of ``method_rows`` (unless
     ``retrain_only``): its scores (cached), LDS and cost, written to the results file."""
@@ -498,7 +498,8 @@ def run(s: Setting, *, only=None, recompute=False, n_subsets=N_SUBSETS, seeds_pe
     header = None if scores_only else _header(s, label, n_subsets, seeds_per_subset, reliability, base)
     rows = []
     for method, config, thunk in method_rows(s, model, snapshots):
-        if (only and method not in only) or (method, config) in done:
+        if (only and method not in only) or (method, config) in done or (
+                configs and not config.startswith(configs)):
             continue
         if cached_only and not scores_path(s, method, config).exists():
             print(f"  {method:10s} {config:44s} no cached scores", flush=True)
@@ -591,6 +592,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--settings", default="llama,conv,seqcls")
     ap.add_argument("--methods", default=None, help="comma-separated method names")
+    ap.add_argument("--configs", default=None, help="'|'-separated prefixes: only the rows whose configuration "
+                    "starts with one (e.g. 'defaults|EK-FAC, blocks +')")
     ap.add_argument("--n-subsets", type=int, default=N_SUBSETS)
     ap.add_argument("--seeds-per-subset", type=int, default=SEEDS_PER_SUBSET)
     ap.add_argument("--retrain-only", action="store_true")
@@ -610,8 +613,9 @@ def main(argv=None):
     torch.set_num_threads(1)
     ga.options(progress=False)
     only = set(args.methods.split(",")) if args.methods else None
+    configs = tuple(args.configs.split("|")) if args.configs else None
     for name in args.settings.split(","):
-        run(SETTINGS[name](), only=only, recompute=args.recompute, n_subsets=args.n_subsets,
+        run(SETTINGS[name](), only=only, configs=configs, recompute=args.recompute, n_subsets=args.n_subsets,
             seeds_per_subset=args.seeds_per_subset, progress=args.progress, retrain_only=args.retrain_only,
             scores_only=args.scores_only, cached_only=args.cached_only)
 

@@ -39,7 +39,9 @@ Ground truth (``ga.eval.retrain``): ``N_SUBSETS`` (32) random 50 % subsets, each
 batch-index stream for every subset's run r), targets averaged over the runs;
 ``ga.eval.reliability`` gives the ground truth's test–retest correlation and the LDS
 ceiling. Every catalogue method runs AT ITS DEFAULTS, called as ``method(task, train,
-queries)`` (the task's default layers: the linear layers inside the transformer blocks);
+queries)`` (the task's default layers: the linear layers inside the transformer blocks and,
+the vocabulary of 1,024 being under ``ga.options(vocabulary_layers_max)``, the tied
+embedding/head ``transformer.wte``: 57,920 coordinates; 25,152 before 2026-12-06);
 the methods that need checkpoints (TracIn, LESS, TrackStar) score 3 snapshots of the
 full-data run and their Adam states, taken every ⌊T/3⌋ steps (fidelity_lm's rule: steps
 26, 52, 78 of 80; TrackStar's "final Adam state" is the last of them). Not run:
@@ -56,6 +58,7 @@ retraining). Results (the format
     ... --retrain-only          # only the ground truth (resumable, cached under build/fidelity/)
     ... --scores-only           # only the methods' scores (cached: build/fidelity/scores-*.npz)
     ... --methods trak,logra    # rows whose method name is in the list
+    ... --configs 'defaults|EK-FAC, blocks +'   # rows whose configuration starts with one of these
     python benchmarks/fidelity_report.py --settings text-k3,instruct-k3
 """
 from __future__ import annotations
@@ -418,7 +421,7 @@ NOT_RUN = {
 
 
 # --------------------------------------------------------------------------------- run
-def run(setting: TextSetting, *, only=None, recompute=False, n_subsets=N_SUBSETS, progress=False,
+def run(setting: TextSetting, *, only=None, configs=None, recompute=False, n_subsets=N_SUBSETS, progress=False,
         retrain_only=False, scores_only=False, seeds_per_subset=SEEDS_PER_SUBSET):
     """Ground truth, then every row of ``method_rows`` scored and written to the results file.
     ``scores_only``: no ground truth, the rows' scores computed into their cache only (to run
@@ -437,7 +440,8 @@ def run(setting: TextSetting, *, only=None, recompute=False, n_subsets=N_SUBSETS
     out, rows = BUILD / f"results-{label}.json", []
     done = {(r["method"], r["config"]) for r in _read(out)} if not recompute else set()
     for method, config, thunk in method_rows(p):
-        if (only and method not in only) or (method, config) in done:
+        if (only and method not in only) or (method, config) in done or (
+                configs and not config.startswith(configs)):
             continue
         row = {"setting": label, "method": method, "config": config}
         try:
@@ -536,6 +540,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--settings", default="text,instruct")
     ap.add_argument("--methods", default=None, help="comma-separated method names")
+    ap.add_argument("--configs", default=None, help="'|'-separated prefixes: only the rows whose configuration "
+                    "starts with one (e.g. 'defaults|EK-FAC, blocks +')")
     ap.add_argument("--n-subsets", type=int, default=N_SUBSETS)
     ap.add_argument("--seeds-per-subset", type=int, default=SEEDS_PER_SUBSET,
                     help="training runs per subset (seeds TRAINING_SEED + r), targets averaged; ≥ 2 also "
@@ -550,8 +556,9 @@ def main(argv=None):
     torch.set_num_threads(1)
     ga.options(progress=False)
     only = set(args.methods.split(",")) if args.methods else None
+    configs = tuple(args.configs.split("|")) if args.configs else None
     for name in args.settings.split(","):
-        run(SETTINGS[name], only=only, recompute=args.recompute, n_subsets=args.n_subsets,
+        run(SETTINGS[name], only=only, configs=configs, recompute=args.recompute, n_subsets=args.n_subsets,
             progress=args.progress, retrain_only=args.retrain_only, scores_only=args.scores_only,
             seeds_per_subset=args.seeds_per_subset)
 

@@ -181,6 +181,23 @@ class Options:
         one-hot inputs (token counts); for other factors (a head's output gradients) it drops
         the off-diagonal covariances. Shown per block in the plan's decisions and in the
         operator rules (``kronecker.diagonal_factor``).
+    vocabulary_layers_max : int
+        The largest vocabulary whose **vocabulary layers** (the input embedding and the LM
+        head, one block when tied) the ``ga.tasks`` language tasks attribute by default
+        (``ga.TransformerBlocks(vocabulary="auto")``); above it the default is the linear
+        layers inside the transformer blocks alone. Default 4096. On a tied GPT-2 with a
+        1,024-token vocabulary trained on real text they carry most of what attribution
+        measures (EK-FAC influence LDS 0.353 → 0.664, RelatIF 0.354 → 0.667, every method
+        up: docs/fidelity.md, "The vocabulary layers in the LM default"); their cost grows
+        with V alone: a V × V K-FAC / EK-FAC factor (8·V² bytes, V² multiply-adds per token,
+        its float64 eigendecomposition 0.14 / 12 / 86 CPU s at V = 1k / 4k / 8k) and V·d
+        gradient coordinates per example (``benchmarks/vocabulary_layers.py``: on that
+        32-wide model K-FAC / EK-FAC cost about 2× their blocks-only run at V = 1k, 17–19× at
+        4k (a 128 MiB factor), EK-FAC over 30× (unfinished, 4.4 GB resident) at 8k; Grad-Dot, LoGra, TRAK ≤ 2× at
+        every V measured; on wider models the same V costs relatively less). 4096 covers
+        CPU-sized models' vocabularies and leaves every real one (32k–262k) out by a factor
+        of 8. Lower it for speed over fidelity; 0: never. Shown in ``explain()``'s coverage
+        line (which vocabulary layers are in or out, and why).
     projection_slice_elements : int
         A sparse (SJLT / mask) projection of a factored block materializes the block in
         slices of examples of at most this many elements (a block larger than this: one
@@ -257,6 +274,7 @@ class Options:
     kron_float64_width: int = 8192
     kron_float32_rtol: float = 1e-2
     kron_diagonal_width: int = 16384
+    vocabulary_layers_max: int = 4096
     projection_slice_elements: int = 2**26
     dense_curvature_dim: int = 4096
     dense_projection_bytes: int = 2**30
@@ -311,6 +329,10 @@ class Options:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise OptionError(f"{name} must be a positive int, got {value!r}")
+        limit = self.vocabulary_layers_max
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            raise OptionError(f"vocabulary_layers_max must be an int >= 0 (a vocabulary size; 0: never include "
+                              f"the vocabulary layers by default), got {limit!r}")
         tokens = self.batch_tokens
         if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0):
             raise OptionError(f"batch_tokens must be None (the device's default), 0 (no limit) or a positive "

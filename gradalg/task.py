@@ -22,6 +22,9 @@ from .fingerprint import callable_fingerprint, model_digest
 
 __all__ = ["Task", "TransformerBlocks"]
 
+#: what ``TransformerBlocks(vocabulary=...)`` accepts
+VOCABULARY_MODES = (False, True, "auto")
+
 
 @dataclass(frozen=True)
 class TransformerBlocks:
@@ -46,12 +49,32 @@ class TransformerBlocks:
 
     head : also select the layers outside the blocks that are neither embeddings nor
         tied to one (a sequence classifier's ``score`` / ``pooler`` + ``classifier``).
+    vocabulary : False (default), True or "auto"
+        Also select the **vocabulary layers**, the input embedding and the output head
+        (one block when tied; trainable ones only, so a PEFT model's frozen embeddings stay
+        out): ``True`` always, ``"auto"`` when the vocabulary V is at most
+        ``ga.options().vocabulary_layers_max`` (read when the layers are resolved). The
+        ``ga.tasks`` language tasks default to ``TransformerBlocks(vocabulary="auto")``:
+        a small vocabulary's embedding carries most of what a small LM learns (on the
+        project's real-text settings EK-FAC influence LDS 0.35 → 0.66 with it), while a
+        real one's (32k–262k) costs a V × V curvature factor and V·d gradient coordinates
+        per example (:class:`~gradalg.options.Options`, ``vocabulary_layers_max``).
+        ``explain()``'s coverage line says which vocabulary layers were taken or left out
+        and why.
     """
 
     head: bool = False
+    vocabulary: bool | str = False
+
+    def __post_init__(self):
+        if self.vocabulary not in VOCABULARY_MODES or not isinstance(self.vocabulary, (bool, str)):
+            raise OptionError(f"TransformerBlocks(vocabulary=...) must be False, True or 'auto', "
+                              f"got {self.vocabulary!r}")
 
     def __str__(self) -> str:
-        return "transformer-block linears" + (" + head" if self.head else "")
+        vocabulary = {False: "", True: " + vocabulary layers",
+                      "auto": " + vocabulary layers up to vocabulary_layers_max"}[self.vocabulary]
+        return "transformer-block linears" + (" + head" if self.head else "") + vocabulary
 
 
 

@@ -66,3 +66,22 @@ def func_rows(task, batch, layers) -> torch.Tensor:
     names = [f"{layer}.{p}" for layer in layers for p, _ in modules[layer].named_parameters(recurse=False)]
     grads = ga.per_example_grads(task, batch, names)
     return torch.cat([grads[n].flatten(1) for n in names], dim=1).to(F64)
+
+
+def vocabulary_names(model: nn.Module) -> list[str]:
+    """The module names of ``model.get_input_embeddings()`` and ``get_output_embeddings()``
+    in model order: the vocabulary layers the ``ga.tasks`` language tasks add to the block
+    linears when the vocabulary is at most ``ga.options().vocabulary_layers_max`` (found
+    here from HF's accessors, not from gradalg's rule)."""
+    modules = dict(model.named_modules())
+    by_id = {id(m): n for n, m in modules.items()}
+    found = [model.get_input_embeddings(), model.get_output_embeddings()]
+    names = {by_id[id(m)] for m in found if m is not None and id(m) in by_id}
+    return sorted(names, key=list(modules).index)
+
+
+def lm_default_names(model: nn.Module, blocks) -> list[str]:
+    """The language tasks' default layers at a small vocabulary: the block linears ``blocks``
+    and the vocabulary layers, as blocks (a tied embedding/head once, by its first name)."""
+    from gradalg.capture.hooks import resolve_layers
+    return [r.name for r in resolve_layers(model, list(blocks) + vocabulary_names(model))]

@@ -16,7 +16,7 @@ from torch import nn
 import gradalg as ga
 from gradalg.capture.coverage import layer_coverage
 from gradalg.capture.hooks import resolve_layers
-from references import block_rows, one_thread  # noqa: F401 - fixture
+from references import block_rows, lm_default_names, one_thread  # noqa: F401 - fixture
 from zoo import stock_oracle
 
 F64 = torch.float64
@@ -117,14 +117,18 @@ def test_grad_dot_at_defaults_matches_the_loop_reference_and_coverage_is_counted
     model = build(arch)
     task = ga.tasks.causal_lm(model)
     train, queries = items(4, 1), items(2, 2)
-    layers = block_linears(model)
-    assert [r.name for r in resolve_layers(model, ga.TransformerBlocks())] == layers
+    blocks = block_linears(model)
+    assert [r.name for r in resolve_layers(model, ga.TransformerBlocks())] == blocks
+    # the task's default at this 61-token vocabulary: the block linears and the vocabulary layers
+    layers = lm_default_names(model, blocks)
+    assert len(layers) > len(blocks)
     S = ga.methods.grad_dot(task, train, queries)
     got = torch.from_numpy(S.compute().values)                               # (2, 4)
     expected = reference_rows(model, queries, layers) @ reference_rows(model, train, layers).T
     torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)
-    # the coverage line: the block linears' parameters over every trainable one, each once
-    cov = layer_coverage(model, layers, selection=ga.TransformerBlocks())
+    # the coverage line: the default layers' parameters over every trainable one, each once
+    cov = layer_coverage(model, layers, selection=task.default_layers)
+    assert "and the vocabulary layers" in cov.rule
     by_hand = sum(model.get_parameter(n).numel() for n in block_params(model, layers))
     assert (cov.attributed, cov.total) == (by_hand, sum(p.numel() for p in model.parameters()))
     assert f"{100 * by_hand / cov.total:.1f} %" in str(S.explain())
@@ -139,9 +143,10 @@ def test_influence_at_defaults_matches_the_dense_formula(arch):
     task = ga.tasks.causal_lm(model)
     train, queries = items(4, 1), items(2, 2)
     layers = block_linears(model)
-    with ga.options(dense_curvature_dim=10**5):
+    # over the block linears (the layout of the references'): a vocabulary above the option
+    with ga.options(dense_curvature_dim=10**5, vocabulary_layers_max=0):
         got = torch.from_numpy(ga.methods.influence(task, train, queries).compute().values)
-    C = ga.grads(task, train, objective="sampled", seed=0).to_dense()
+        C = ga.grads(task, train, objective="sampled", seed=0).to_dense()
     C = torch.cat([C[n].flatten(1) for n in layers], 1).to(F64)
     H = C.T @ C / C.shape[0]
     H += torch.trace(H) / H.shape[0] * torch.eye(H.shape[0], dtype=F64)
@@ -179,7 +184,7 @@ def test_causal_lm_refuses_an_encoder_decoder_and_its_fix_works():
             for _ in range(3)]
     task = ga.tasks.seq2seq(model)
     got = torch.from_numpy(ga.methods.grad_dot(task, data[:2], data[2:]).compute().values)
-    layers = [r.name for r in resolve_layers(model, ga.TransformerBlocks())]
+    layers = lm_default_names(model, [r.name for r in resolve_layers(model, ga.TransformerBlocks())])
     params = [f"{n}.{p}" for n in layers for p, _ in dict(model.named_modules())[n].named_parameters(recurse=False)]
     rows = block_rows(model, layers, stock_oracle(model, data, "seq2seq", params))
     torch.testing.assert_close(got, rows[2:] @ rows[:2].T, rtol=1e-9, atol=1e-12)
@@ -202,6 +207,6 @@ def test_a_memory_refusal_offers_fewer_queries_only_where_that_fits():
         with pytest.raises(ga.errors.MemoryBudgetError, match="use fewer queries per call"):
             ga.methods.grad_dot(task, train, queries).explain()
         got = torch.from_numpy(ga.methods.grad_dot(task, train, queries[:1]).compute().values)
-    layers = block_linears(model)
+    layers = lm_default_names(model, block_linears(model))        # the vocabulary layers too (V = 61)
     expected = reference_rows(model, queries[:1], layers) @ reference_rows(model, train, layers).T
     torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)

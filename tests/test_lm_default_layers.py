@@ -1,12 +1,15 @@
 """The language tasks' default layers (the linear layers inside the transformer blocks,
-``ga.TransformerBlocks``) and the coverage line of ``explain()``, against
-``model.named_modules()`` / ``model.named_parameters()`` counted by hand."""
+``ga.TransformerBlocks``, and at a vocabulary of at most ``ga.options(vocabulary_layers_max)``
+the input embedding and LM head: every zoo model's 61 tokens) and the coverage line of
+``explain()``, against ``model.named_modules()`` / ``model.named_parameters()`` counted by
+hand. The blocks-only default of a real vocabulary is checked under a lower
+``vocabulary_layers_max`` here, and on real-size configs in ``tests/test_vocabulary_layers.py``."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from references import func_rows, one_thread, reference_rows  # noqa: F401 - fixture
+from references import func_rows, lm_default_names, one_thread, reference_rows  # noqa: F401 - fixture
 from torch import nn
 
 import gradalg as ga
@@ -76,7 +79,9 @@ def test_default_layers_of_every_zoo_architecture_are_the_block_linears(arch):
         task = ga.tasks.seq2seq(model)
     else:
         task = ga.tasks.causal_lm(model)
-    assert list(names_of(ga.grads(task, items()))) == expected
+    assert list(names_of(ga.grads(task, items()))) == lm_default_names(model, expected)
+    with ga.options(vocabulary_layers_max=zoo.VOCAB - 1):     # the default of a larger vocabulary
+        assert list(names_of(ga.grads(task, items()))) == expected
 
 
 def test_default_gradients_match_the_loop_reference_on_the_block_linears():
@@ -84,13 +89,15 @@ def test_default_gradients_match_the_loop_reference_on_the_block_linears():
     task = ga.tasks.causal_lm(model)
     data, batch = same_length(items())
     G = ga.grads(task, data)
+    assert "transformer.wte" in names_of(G)
     torch.testing.assert_close(dense(G), reference_rows(task, batch, list(names_of(G))), rtol=1e-6, atol=1e-8)
 
 
 def test_every_entry_point_honours_the_task_default():
     model = zoo.gpt2()[0]
     task = ga.tasks.causal_lm(model)
-    expected = tuple(expected_block_linears(model, ("transformer.h",)))
+    expected = tuple(lm_default_names(model, expected_block_linears(model, ("transformer.h",))))
+    assert expected[0] == "transformer.wte"
     data = items()
     assert names_of(ga.grads(task, data)) == expected
     assert ga.hessian(task, data).expr.layers == expected
@@ -169,19 +176,32 @@ class BagLM(nn.Module):
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("hf", [False, True])
 def test_fallback_without_blocks_leaves_out_the_embeddings_and_the_head(tied, hf):
+    """Above ``vocabulary_layers_max``: the body only; at this 23-token vocabulary's default,
+    the embedding and the head too (one block when tied)."""
     model = BagLM(tied=tied, hf=hf).double()
     task = ga.tasks.causal_lm(model, logits=lambda m, b: m(b["input_ids"]))
-    G = ga.grads(task, items(vocab=23))
-    assert names_of(G) == ("body.0", "body.2")
-    cov = layer_coverage(model, names_of(G), selection=task.default_layers)
-    assert "no block list" in cov.rule and "output head" in cov.rule
-    assert cov.attributed == 2 * (8 * 8 + 8)
-    assert cov.total == sum(p.numel() for p in model.parameters())
-    text = str((G @ G.T).explain())
-    assert "no block list" in text and "coverage: 2 blocks" in text
-    data, batch = same_length(items(vocab=23))
+    with ga.options(vocabulary_layers_max=22):
+        G = ga.grads(task, items(vocab=23))
+        assert names_of(G) == ("body.0", "body.2")
+        cov = layer_coverage(model, names_of(G), selection=task.default_layers)
+        assert "no block list" in cov.rule and "output head" in cov.rule
+        assert "not the vocabulary layers emb" in cov.rule
+        assert cov.attributed == 2 * (8 * 8 + 8)
+        assert cov.total == sum(p.numel() for p in model.parameters())
+        text = str((G @ G.T).explain())
+        assert "no block list" in text and "coverage: 2 blocks" in text
+        data, batch = same_length(items(vocab=23))
+        G = ga.grads(task, data)
+        torch.testing.assert_close(dense(G), reference_rows(task, batch, ["body.0", "body.2"]), rtol=1e-6,
+                                   atol=1e-8)
     G = ga.grads(task, data)
-    torch.testing.assert_close(dense(G), reference_rows(task, batch, ["body.0", "body.2"]), rtol=1e-6, atol=1e-8)
+    assert names_of(G) == (("emb", "body.0", "body.2") if tied else ("emb", "body.0", "body.2", "head"))
+    cov = layer_coverage(model, names_of(G), selection=task.default_layers)
+    assert "and the vocabulary layers emb" in cov.rule
+    assert cov.attributed == 2 * (8 * 8 + 8) + 23 * 8 * (1 if tied else 2)
+    if not tied:        # (a tied block's layout is the weight's: checked in tests/test_tied.py)
+        torch.testing.assert_close(dense(G), reference_rows(task, batch, ["emb", "body.0", "body.2", "head"]),
+                                   rtol=1e-6, atol=1e-8)
 
 
 def test_a_selection_of_nothing_is_refused_and_layers_all_works():
@@ -197,10 +217,11 @@ def test_a_selection_of_nothing_is_refused_and_layers_all_works():
     model = OnlyHead().double()
     task = ga.tasks.causal_lm(model, logits=lambda m, b: m(b["input_ids"]))
     data = items(vocab=11)
-    with pytest.raises(ga.UnsupportedLayerError, match="layers='all'"):
+    with ga.options(vocabulary_layers_max=10), pytest.raises(ga.UnsupportedLayerError, match="layers='all'"):
         ga.grads(task, data)
     G = ga.grads(task, data, "all")                          # the fix the message names
     assert names_of(G) == ("emb", "head") and dense(G).shape == (4, 11 * 4 + 11 * 5)
+    assert names_of(ga.grads(task, data)) == ("emb", "head")  # the default at this vocabulary
 
 
 def test_coverage_numbers_of_a_tied_gpt2():
@@ -209,6 +230,11 @@ def test_coverage_numbers_of_a_tied_gpt2():
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=97, n_positions=16)).eval()
     assert model.lm_head.weight is model.transformer.wte.weight
     task = ga.tasks.causal_lm(model)
+    with ga.options(vocabulary_layers_max=96):     # a vocabulary above the option: the blocks alone
+        _tied_gpt2_coverage(model, task)
+
+
+def _tied_gpt2_coverage(model, task):
     data = [{"input_ids": torch.randint(1, 97, (6,))} for _ in range(3)]
     S = ga.methods.influence(task, data, data[:1], curvature="ekfac")
     [cov] = S.explain().coverage()
@@ -226,7 +252,9 @@ def test_coverage_numbers_of_a_tied_gpt2():
     text, html = str(S.explain()), S.explain()._repr_html_()
     line = cov.describe().splitlines()[0]
     assert line in text and f"({100 * block / total:.1f} %)" in line and "tied to lm_head" in line
-    assert "transformer-block linears: the linear layers inside the 2 blocks of transformer.h" in text
+    assert ("transformer-block linears + vocabulary layers up to vocabulary_layers_max: the linear layers "
+            "inside the 2 blocks of transformer.h; not the vocabulary layers transformer.wte (tied to lm_head): "
+            "vocabulary 97 > ga.options(vocabulary_layers_max=96)") in text
     assert "ga-coverage" in html and "tied to lm_head" in html
     exported = S.explain().to_dict()["coverage"][0]
     assert exported["attributed_parameters"] == block and exported["trainable_parameters"] == total

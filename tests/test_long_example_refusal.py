@@ -53,9 +53,11 @@ def test_one_example_over_the_budget_names_the_fixes_that_shrink_it(lm, method):
     # may batch otherwise: float32 sums in another order, through LoGra's inverse curvature)
     fix = re.search(r"ga\.options\(memory_budget=('[^']+')\)", message)
     assert fix, message
+    # (float32 sums in another order, bounded relative to the largest score: with the 128-token
+    # vocabulary's embedding in the default layers one LoGra score moved by 1.7e-3 of itself)
     with ga.options(memory_budget=eval(fix.group(1)), progress=False):       # noqa: S307 - a quoted literal
         torch.testing.assert_close(values(getattr(ga.methods, method)(task, train, queries)), expected,
-                                   rtol=1e-3, atol=0)
+                                   rtol=1e-3, atol=1e-3 * float(expected.abs().max()))
     # the other fix: shorter sequences run under the same budget
     short = [{"input_ids": x["input_ids"][:T // 8]} for x in train]
     short_q = [{"input_ids": x["input_ids"][:T // 8]} for x in queries]

@@ -22,6 +22,18 @@ found from the module tree alone, never from model names:
 
 ``head=True`` adds the layers outside the blocks that are neither embeddings nor tied
 to one (a sequence classifier's ``score``, or BERT's ``pooler.dense`` + ``classifier``).
+
+``vocabulary`` adds the **vocabulary layers**: the input embedding and the output head
+(``get_input_embeddings()`` / ``get_output_embeddings()``; without them every
+``nn.Embedding`` that is not a position embedding and every linear layer whose output
+size is such an embedding's vocabulary), the trainable ones only (a PEFT model's frozen
+embeddings stay out). A head tied to the embedding is one block (:mod:`gradalg.capture.
+tying`). ``True``: always; ``"auto"`` (the ``ga.tasks`` language tasks): when the
+vocabulary V (the input embedding's ``num_embeddings``, else the head's output size) is
+at most ``ga.options().vocabulary_layers_max``, read when the layers are resolved. Their
+cost grows with V, not with the model: a K-FAC / EK-FAC factor of V × V (8·V² bytes, an
+O(V³) eigendecomposition up to ``kron_diagonal_width``) and V·d gradient coordinates per
+example (:class:`VocabularyChoice` says which applied and why).
 """
 from __future__ import annotations
 
@@ -30,10 +42,14 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..errors import UnsupportedLayerError
-from .layers import rule_for
+from ..errors import OptionError, UnsupportedLayerError
+from ..options import get_options
+from ..task import VOCABULARY_MODES
+from .layers import POSITION_EMBEDDINGS, rule_for
 
-__all__ = ["block_lists", "select_block_layers", "BlockSelection", "LINEAR_KINDS"]
+__all__ = ["block_lists", "select_block_layers", "vocabulary_layers", "BlockSelection", "VocabularyChoice",
+           "LINEAR_KINDS", "VOCABULARY_MODES"]
+
 
 #: the layer kinds a block's "linear layers" are (``LayerRule.kind``)
 LINEAR_KINDS = ("linear", "conv1d", "experts")
@@ -51,6 +67,37 @@ class BlockSelection:
     lists: tuple[str, ...]
     n_blocks: int
     rule: str
+    vocabulary: "VocabularyChoice | None" = None
+
+
+@dataclass(frozen=True)
+class VocabularyChoice:
+    """Whether a selection took a model's vocabulary layers, and why.
+
+    ``names``: the vocabulary layers' module names in model order (a tied head and
+    embedding both named: one block); ``shown``: them for reading (``transformer.wte
+    (tied to lm_head)``); ``size``: the vocabulary V; ``included``; ``mode``: the
+    selection's ``vocabulary`` (True / "auto"); ``limit``: ``vocabulary_layers_max`` read
+    for "auto" (None otherwise)."""
+
+    names: tuple[str, ...]
+    shown: str
+    size: int
+    included: bool
+    mode: object
+    limit: int | None = None
+
+    def describe(self) -> str:
+        """One clause for ``explain()``'s coverage: which vocabulary layers are in or out, and why."""
+        if self.mode is True:
+            return f"and the vocabulary layers {self.shown} (vocabulary {self.size:,}; vocabulary=True)"
+        if self.included:
+            return (f"and the vocabulary layers {self.shown}: vocabulary {self.size:,} ≤ "
+                    f"ga.options(vocabulary_layers_max={self.limit})")
+        return (f"not the vocabulary layers {self.shown}: vocabulary {self.size:,} > "
+                f"ga.options(vocabulary_layers_max={self.limit}), whose K-FAC factor would be "
+                f"{self.size:,} × {self.size:,} and whose gradient is {self.size:,}·d per example "
+                f"(name them, or raise vocabulary_layers_max above {self.size:,}, to include them)")
 
 
 def _holds_params(module: nn.Module) -> bool:
@@ -98,10 +145,76 @@ def _embedding_params(model: nn.Module, modules: dict) -> tuple[set[int], str]:
     return {id(p) for m in chosen for p in m.parameters()}, how
 
 
-def select_block_layers(model: nn.Module, head: bool = False) -> BlockSelection:
-    """The layers :class:`~gradalg.TransformerBlocks` selects in ``model`` (unwrapped:
-    names as in ``model.named_modules()``), with the rule that selected them."""
+def _trainable(module: nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters(recurse=False))
+
+
+def vocabulary_layers(model: nn.Module) -> tuple[tuple[str, ...], str, int]:
+    """``(names, shown, V)``: the trainable vocabulary layers of ``model`` (module docstring)
+    in model order, them for reading, and the vocabulary V (0 and no names: none found).
+
+    A head tied to the embedding is named with it (``names`` holds both; they resolve to
+    one block) and shown as ``transformer.wte (tied to lm_head)``."""
     modules = dict(model.named_modules())
+    by_id = {id(m): n for n, m in modules.items()}
+    chosen: list[nn.Module] = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        fn = getattr(model, getter, None)
+        try:
+            found = fn() if callable(fn) else None
+        except (NotImplementedError, AttributeError):
+            found = None
+        if isinstance(found, nn.Module) and id(found) in by_id:
+            chosen.append(found)
+    size = 0
+    if chosen:
+        emb = chosen[0] if isinstance(chosen[0], (nn.Embedding, nn.EmbeddingBag)) else None
+        size = emb.num_embeddings if emb is not None else int(getattr(chosen[-1], "out_features", 0) or 0)
+    else:
+        embeddings = [m for n, m in modules.items() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+                      and n.split(".")[-1] not in POSITION_EMBEDDINGS]
+        vocab = {m.num_embeddings for m in embeddings}
+        chosen = embeddings + [m for m in modules.values() if isinstance(m, nn.Linear) and m.out_features in vocab]
+        size = max(vocab, default=0)
+    chosen = [m for m in chosen if _trainable(m)]
+    if not chosen:
+        return (), "", size
+    names = sorted({by_id[id(m)] for m in chosen}, key=list(modules).index)
+    # a module sharing a weight with an earlier one is shown as tied to it
+    first: dict[int, str] = {}
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        owner = next((first[id(p)] for p in modules[n].parameters(recurse=False) if id(p) in first), None)
+        for p in modules[n].parameters(recurse=False):
+            first.setdefault(id(p), owner or n)
+        groups.setdefault(owner or n, [])
+        if owner is not None:
+            groups[owner].append(n)
+    shown = ", ".join(n + (f" (tied to {', '.join(t)})" if t else "") for n, t in groups.items())
+    return tuple(names), shown, size
+
+
+def _vocabulary_choice(model: nn.Module, mode) -> VocabularyChoice | None:
+    if mode not in VOCABULARY_MODES or not isinstance(mode, (bool, str)):
+        raise OptionError(f"TransformerBlocks(vocabulary=...) must be False, True or 'auto', got {mode!r}")
+    if mode is False:
+        return None
+    names, shown, size = vocabulary_layers(model)
+    if not names:
+        return None
+    limit = get_options().vocabulary_layers_max if mode == "auto" else None
+    included = mode is True or size <= limit
+    return VocabularyChoice(names, shown, size, included, mode, limit)
+
+
+def select_block_layers(model: nn.Module, head: bool = False, vocabulary=False) -> BlockSelection:
+    """The layers :class:`~gradalg.TransformerBlocks` selects in ``model`` (unwrapped:
+    names as in ``model.named_modules()``), with the rule that selected them;
+    ``vocabulary`` (False, True or "auto"): whether the vocabulary layers are added (module
+    docstring), decided here, under the options in force."""
+    modules = dict(model.named_modules())
+    choice = _vocabulary_choice(model, vocabulary)
+    extra = set(choice.names) if choice is not None and choice.included else set()
     lists = block_lists(model)
     embedding_ids, how = _embedding_params(model, modules)
     names = []
@@ -111,6 +224,9 @@ def select_block_layers(model: nn.Module, head: bool = False) -> BlockSelection:
         try:
             rule = rule_for(name, module)
         except UnsupportedLayerError:
+            continue
+        if name in extra:
+            names.append(name)
             continue
         if not rule.in_default:
             continue    # norms, routers and other replayed modules: layers="all" or their names
@@ -132,8 +248,10 @@ def select_block_layers(model: nn.Module, head: bool = False) -> BlockSelection:
         rule = ("no block list (an nn.ModuleList of ≥ 2 modules of one class) in "
                 f"{type(model).__name__}: every default layer except the embeddings and the "
                 f"output head ({how})" + ("" if not head else "; the classification head is kept"))
+    if choice is not None:
+        rule += "; " + choice.describe()
     if not names:
         raise UnsupportedLayerError(
             f"TransformerBlocks selects no layer of {type(model).__name__} ({rule}): pass layers='all', "
             "or name the layers (module names or glob patterns)")
-    return BlockSelection(tuple(names), tuple(lists), n_blocks, rule)
+    return BlockSelection(tuple(names), tuple(lists), n_blocks, rule, choice)

@@ -158,7 +158,7 @@ def layer_coverage(model: nn.Module, layers, backend: str = "hooks", selection=N
                             key=lambda g: (-g.params, g.label)))
     rule = ""
     if isinstance(selection, TransformerBlocks):
-        picked = select_block_layers(inner, selection.head)
+        picked = select_block_layers(inner, selection.head, selection.vocabulary)
         if tuple(r.name for r in resolve_layers(model, list(picked.names), backend=backend)) == tuple(
                 r.name for r in refs):
             rule = f"{selection}: {picked.rule}"

@@ -89,7 +89,7 @@ def resolve_layers(model: nn.Module, layers=None, *, backend: str = "hooks") -> 
     """
     model, prefixes = unwrap(model)
     if isinstance(layers, TransformerBlocks):
-        layers = list(select_block_layers(model, layers.head).names)
+        layers = list(select_block_layers(model, layers.head, layers.vocabulary).names)
     every_kind = isinstance(layers, str) and layers == "all" and "all" not in dict(model.named_modules())
     if every_kind:
         layers = None

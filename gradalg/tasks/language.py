@@ -88,7 +88,7 @@ def hf_forward(padding_side: str, fields=MODEL_INPUTS, extra: Callable | None = 
 def sequence_task(model: nn.Module, logits_of: Callable[[nn.Module, Any], torch.Tensor],
                   targets_of: Callable[[Any], torch.Tensor], *, check_batch: Callable | None = None,
                   token_mask: Callable | None = None, n_samples: int = 1, seed_salt: str = "",
-                  trak_output: str = "sequence", default_layers=TransformerBlocks(),
+                  trak_output: str = "sequence", default_layers=TransformerBlocks(vocabulary="auto"),
                   name: str | None = None, task_class: type = Task) -> Task:
     """A :class:`Task` for token-level cross-entropy from ``logits_of(model, batch)``
     (B, T', V) and ``targets_of(batch)`` (B, T') with ``-100`` for positions that do not
