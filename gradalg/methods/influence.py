@@ -7,7 +7,8 @@ the first-order change of the query's loss when z is removed (up to 1/n); positi
 means z helped q. ``H`` is the curvature of the training objective, ``wd`` its weight
 decay and λ extra damping. ``curvature`` picks H, ``solver`` how it is inverted:
 
-=================  ===========================================================  ==============curvature          H                                                             solvers
+=================  ===========================================================  =====================
+curvature          H                                                             solvers
 =================  ===========================================================  =====================
 ``auto``           (default) ``gauss_newton`` up to ``ga.options(dense_curvature_dim)``  as those
                    (projected) coordinates with the direct solver, ``ekfac`` above
@@ -625,7 +626,6 @@ def influence(task: Task, train, queries, *, curvature="auto", solver: str = "di
         PSD, the damping on top, by default 0.3 × its mean eigenvalue (:data:`DENSE_HESSIAN_DAMPING`;
         issue 31, LDS logreg 0.940, mlp 0.859 against 0.922 / 0.829 for the dense Gauss-Newton, but
         conv 0.170 against 0.468: for a model trained to a minimum of a weight-decayed objective).
-=======
         The LM columns are at the block-only layers. Since the language tasks' default layers
         include a small vocabulary's embedding/head (``ga.options(vocabulary_layers_max)``),
         ``text`` / ``instruct`` / ``llama`` at these defaults: 0.664 / 0.714 / 0.480
