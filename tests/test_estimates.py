@@ -234,6 +234,32 @@ def test_a_tensorsketch_is_costed_per_position_and_bin_at_the_measured_rate():
     assert prof.block_fixed_seconds("tensorsketch") == pytest.approx(18.0 / 2e9)
 
 
+def test_a_tensorsketch_of_flat_rows_is_costed_per_row_and_bin_and_its_shift_per_call():
+    """TensorSketch of flat rows (Adam-preconditioned rows: TrackStar, issue 28; its
+    training pass at GPT-2-small width ran 1.7-2.7x its estimate, the kernel 6-10x): per
+    row of each example a count sketch of in numbers into fresh zeros of k, one real FFT
+    (F = k/2 + 1 complex bins, fresh) and its product with the row's phase shift (fresh), a
+    ``"tensorsketch_rows"`` block per row, example and bin; the shift made once per call, a
+    ``"tensorsketch_shift"`` block per row and bin, 5 F fresh numbers per row; priced by the
+    profile's measured ``ts_flat_bytes`` at the elementwise bandwidth."""
+    from gradalg.space import Block
+    p = ga.proj.tensorsketch(32, 0)
+    b = Block("w", (16, 9), "linear")
+    F = 32 // 2 + 1
+    c = E._sparse_project_cost(p, b, 20, 1, False, 16 * 9, 8, 3)      # 20 rows, float64, 3 calls
+    assert c.blocks == (("tensorsketch_rows", 20.0 * 16 * F, 0.0), ("tensorsketch_shift", 3.0 * 16 * F, 0.0))
+    assert c.faulted == 8.0 * (20 * 16 * (9 + 32 + 4 * F) + 3 * 5 * 16 * F)
+    assert c.elementwise == 20 * 16 * 4.0 * 8 * 9                       # the rows scattered into their sketches
+    prof = ga.plan.devices.DeviceProfile("t", 1e9, 1e9, 1e9, 1e9, elementwise_bandwidth=2e9, ts_flat_bytes=(40.0, 10.0))
+    assert prof.block_fixed_seconds("tensorsketch_rows") == pytest.approx(40.0 / 2e9)
+    assert prof.block_fixed_seconds("tensorsketch_shift") == pytest.approx(10.0 / 2e9)
+    free = dataclasses.replace(c, blocks=())
+    assert prof.time_of(c) - prof.time_of(free) == pytest.approx((20 * 16 * F * 40.0 + 3 * 16 * F * 10.0) / 2e9)
+    # measured with the profile: both rates positive, a row per example above zero work
+    per_row, per_shift = devices._measure_tensorsketch_flat(5e9, seconds=0.01)
+    assert per_row > 0 and per_shift > 0 and "ts_flat_bytes" in devices.CALIBRATION
+
+
 def test_adam_preconditioning_and_normalization_are_costed_per_chunk():
     model, task, train, _, batch = mlp()
     G = ga.grads(task, train)
