@@ -66,8 +66,8 @@ A :class:`DeviceProfile` prices the counts of a :class:`~gradalg.plan.cost.Cost`
   count-sketched, one real FFT of k, times its phase shift, summed: the rows Adam's
   preconditioning makes dense), in bytes at the elementwise bandwidth per row, example and
   bin, and per row and bin (the shift σ_o e^(−2πi h_o f/k), made once per call for every
-  example) — :func:`_measure_tensorsketch_flat`, the runs' kernel at two row counts;
-  nominal (100, 30), this machine's fit. Priced before as half a factored position per row
+  example) — :func:`_measure_tensorsketch_flat`, the runs' kernel at two example counts;
+  nominal (100, 30), fitted on this machine's one thread with two cores shared (load ~15). Priced before as half a factored position per row
   (k/2 bins at ``ts_bytes_per_bin``), it was 6–10× below its time (768 × 769, k = 4096:
   110 ms for 4 examples against 18.5 ms), and TrackStar's training pass at GPT-2-small
   widths 1.7–2.7× its estimate (issue 28). **Curvature products** through torch.func (HVP, Gauss-Newton: CG, LiSSA,
@@ -631,7 +631,7 @@ def _measure_tensorsketch(elementwise: float, timed=_warm_fastest, device="cpu",
 #: the flat rows timed by :func:`_measure_tensorsketch_flat`: (out, in) = ``TS_FLAT_SHAPE`` into
 #: k = :data:`SJLT_BINS`, at 1 and :data:`TS_FLAT_ROWS` examples (in small: the count sketch's
 #: scatter, priced apart, negligible beside the FFTs and the shift)
-TS_FLAT_SHAPE, TS_FLAT_ROWS = (64, 8), 4
+TS_FLAT_SHAPE, TS_FLAT_ROWS = (256, 8), 4
 
 
 def _measure_tensorsketch_flat(elementwise: float, timed=_warm_fastest, device="cpu", seconds: float = 0.1) -> tuple:
@@ -639,7 +639,8 @@ def _measure_tensorsketch_flat(elementwise: float, timed=_warm_fastest, device="
     (:func:`gradalg.proj.kernels.tensor_sketch` on an (n, out·in) tensor) at the
     ``elementwise`` bandwidth, from its time at n = 1 and n = :data:`TS_FLAT_ROWS`: the
     slope is each example's count sketch, FFT and product per row; the rest the phase
-    shift made once per row for all examples. Nominal (100, 30): this machine's fit."""
+    shift made once per row for all examples (256 rows: at 64 the shift was lost in the
+    timing noise of a shared machine). Nominal (100, 30)."""
     from ..expr.projection import Projector
     from ..proj.kernels import tensor_sketch
     from ..proj.sparse_tables import tensorsketch_tables
