@@ -122,6 +122,49 @@ def test_job_costs_follow_the_rows_layout_and_kind():
     assert flat.gemms == ((8 * 16, 9, 9, 3, 8), (8 * 3, 17, 17, 3, 8))
 
 
+def test_datainf_application_counts_its_sums_setup_finish_and_the_held_rows_match():
+    """DataInf applied by a planned pass (ApplyJob, issue 28: its passes ran 1.5-3x their
+    estimates on OLMoE/OPT widths). Per chunk of c rows and block of d_b coordinates,
+    as DataInfSums.update runs it: the rows materialized from factors, their squares into
+    a fresh (c, d_b) tensor and summed, q_b g^T (a GEMM (m, c, d_b)) and coef . g (a GEMM
+    (m, d_b, c)) into a fresh (m, d_b) tensor added to the sums. Once: the m held rows made
+    flat (materialized, concatenated into fresh memory), the sums zeroed, the finish's five
+    full-size ops. The scores job that finds the applied rows flattens the held rows again
+    and matches them (Executor.precondition_held)."""
+    from gradalg.plan.jobs.apply import FINISH_OPS
+    _, task, train, query, batch = mlp()
+    G, Q = ga.grads(task, train), ga.grads(task, query)
+    with ga.options(batch_size=batch):
+        p = plan((Q @ ga.datainf(G, 0.1) @ G.T).expr, device=A100)
+    apply = next(j for s in p.passes for j in s.jobs if j.kind == "apply")
+    layout = {"0": "factors", "2": "factors"}
+    dims = (16 * 9, 3 * 17)                       # Linear(8, 16), Linear(16, 3), bias columns; float64
+    m, c, elem = 4, 8, 8
+    chunk = apply.chunk_cost(apply.streams[0], c, layout, p.facts)
+    assert chunk.bmms == ((c, 16, 9, 1, 1, elem), (c, 3, 17, 1, 1, elem))         # materialized, T = 1
+    assert chunk.gemms == ((m, c, dims[0], 1, elem), (m, dims[0], c, 1, elem),
+                           (m, c, dims[1], 1, elem), (m, dims[1], c, 1, elem))
+    # squares (c, d_b) and coef . g (m, d_b) fresh; bytes: materialized rows written (c),
+    # squares read twice and written (3c), summed (c), the sums read twice and written (3m)
+    assert chunk.faulted == elem * sum(c * d + m * d for d in dims)
+    assert chunk.bytes == elem * sum((c + 3 * c + c + 3 * m) * d for d in dims)
+    resolved = set()
+    once = apply.once_cost(p.facts, lambda node: layout, None, resolved)
+    numbers = m * sum(dims)
+    assert once.bmms == ((m, 16, 9, 1, 1, elem), (m, 3, 17, 1, 1, elem))          # the held rows materialized
+    # fresh: the materialized held rows, their concatenation, the zeroed sums, the finish's outputs
+    assert FINISH_OPS == {"reads": 6, "writes": 5}
+    assert once.faulted == elem * numbers * (1 + 1 + 1 + 5)
+    assert once.bytes == elem * numbers * (1 + 2 + 1 + 6 + 5)
+    assert ("applied", apply.target.op.token, apply.held.token) in resolved
+    scores = next(j for s in p.passes for j in s.jobs if j.kind == "scores")
+    held = scores.once_cost(p.facts, lambda node: layout, None, resolved)
+    assert held.bmms == once.bmms                          # flattened again, every factored block
+    # materialized (m·d) and concatenated (2 m·d), the match reads both copies, writes and reads booleans
+    assert held.bytes == elem * numbers * 3 + numbers * (2 * elem + 2)
+    assert held.faulted == elem * numbers * 2 + numbers
+
+
 def test_dense_projection_draws_and_casts_its_matrix_once_per_plan():
     _, task, train, query, batch = mlp()
     P = ga.proj.gaussian(4, seed=0)
@@ -189,6 +232,32 @@ def test_a_tensorsketch_is_costed_per_position_and_bin_at_the_measured_rate():
     free = dataclasses.replace(c, blocks=tuple(b for b in c.blocks if b[0] != "tensorsketch"))
     assert prof.time_of(c) - prof.time_of(free) == pytest.approx(bins * 18.0 / 2e9)
     assert prof.block_fixed_seconds("tensorsketch") == pytest.approx(18.0 / 2e9)
+
+
+def test_a_tensorsketch_of_flat_rows_is_costed_per_row_and_bin_and_its_shift_per_call():
+    """TensorSketch of flat rows (Adam-preconditioned rows: TrackStar, issue 28; its
+    training pass at GPT-2-small width ran 1.7-2.7x its estimate, the kernel 6-10x): per
+    row of each example a count sketch of in numbers into fresh zeros of k, one real FFT
+    (F = k/2 + 1 complex bins, fresh) and its product with the row's phase shift (fresh), a
+    ``"tensorsketch_rows"`` block per row, example and bin; the shift made once per call, a
+    ``"tensorsketch_shift"`` block per row and bin, 5 F fresh numbers per row; priced by the
+    profile's measured ``ts_flat_bytes`` at the elementwise bandwidth."""
+    from gradalg.space import Block
+    p = ga.proj.tensorsketch(32, 0)
+    b = Block("w", (16, 9), "linear")
+    F = 32 // 2 + 1
+    c = E._sparse_project_cost(p, b, 20, 1, False, 16 * 9, 8, 3)      # 20 rows, float64, 3 calls
+    assert c.blocks == (("tensorsketch_rows", 20.0 * 16 * F, 0.0), ("tensorsketch_shift", 3.0 * 16 * F, 0.0))
+    assert c.faulted == 8.0 * (20 * 16 * (9 + 32 + 4 * F) + 3 * 5 * 16 * F)
+    assert c.elementwise == 20 * 16 * 4.0 * 8 * 9                       # the rows scattered into their sketches
+    prof = ga.plan.devices.DeviceProfile("t", 1e9, 1e9, 1e9, 1e9, elementwise_bandwidth=2e9, ts_flat_bytes=(40.0, 10.0))
+    assert prof.block_fixed_seconds("tensorsketch_rows") == pytest.approx(40.0 / 2e9)
+    assert prof.block_fixed_seconds("tensorsketch_shift") == pytest.approx(10.0 / 2e9)
+    free = dataclasses.replace(c, blocks=())
+    assert prof.time_of(c) - prof.time_of(free) == pytest.approx((20 * 16 * F * 40.0 + 3 * 16 * F * 10.0) / 2e9)
+    # measured with the profile: both rates positive, a row per example above zero work
+    per_row, per_shift = devices._measure_tensorsketch_flat(5e9, seconds=0.01)
+    assert per_row > 0 and per_shift > 0 and "ts_flat_bytes" in devices.CALIBRATION
 
 
 def test_adam_preconditioning_and_normalization_are_costed_per_chunk():

@@ -159,6 +159,35 @@ def test_kfac_and_ekfac_jobs_round_trip():
     torch.testing.assert_close(E.dense(), torch.block_diag(*blocks), rtol=1e-8, atol=1e-10)
 
 
+def test_rows_a_pass_cannot_keep_beside_its_statistics_are_read_again():
+    """Issue 28: EK-FAC on the Llama-200M shape at T = 512 was refused at its default
+    budget: the first pass kept the training rows for the correction pass (under the store
+    cap) beside the float64 factor sums, over the budget, where reading the rows again
+    fits. The planner now reads them again, shown as a STORE decision with the refusal and
+    the recomputing plan's cost; the scores equal the stored plan's to 1e-10 (the same rows
+    recaptured). A forced Choices(store="always") is still refused."""
+    from gradalg.errors import MemoryBudgetError
+    G, Q = grads(batch_size=1), grads(which="query", batch_size=1)    # batches of one: the smallest pass
+    S = Q @ ga.ekfac(G).damp(0.1).inv() @ G.T
+    ex = ga.LocalExecutor()
+    want = run(S, ex)                                  # the default budget: the rows stored
+    assert StoreJob in job_classes(ex.last_plan) and ex.last_plan.data_passes == 2
+    # 20 kB, rows stored under half of it: the first pass would hold 21 kB of statistics and
+    # stored rows and 1.7 kB per example; without them 12.4 kB, and every pass fits (15.9 kB at most)
+    with ga.options(memory_budget=20_000, store_fraction=0.5):
+        with pytest.raises(MemoryBudgetError):
+            plan(S.expr, choices=Choices(store="always"))
+        ex = ga.LocalExecutor()
+        got = run(S, ex)
+    p = ex.last_plan
+    assert StoreJob not in job_classes(p) and p.data_passes == 4
+    fallback = [d for d in p.decisions.of(DecisionKind.STORE) if d.subject == "memory budget"]
+    assert len(fallback) == 1 and fallback[0].chosen == "recompute"
+    assert fallback[0].alternatives["store"].startswith("refused") and fallback[0].alternatives["recompute"] > 0
+    assert all("forced by Choices" not in d.reason for d in p.decisions.of(DecisionKind.STORE))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+
 # ---------------------------------------------------------------------- interpreting, never re-deciding
 def test_forced_choices_are_obeyed_and_recorded():
     s = setup()

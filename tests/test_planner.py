@@ -382,7 +382,7 @@ def test_measure_profile_on_a_torch_device(tmp_path, monkeypatch):
     assert [d for d, _ in prof.eigh_times] == [8, 16]
     for value in (prof.flops_fp32, prof.flops_bf16, prof.bandwidth, prof.elementwise_bandwidth, prof.call_seconds,
                   prof.op_seconds, prof.batch_seconds, prof.layer_seconds, prof.bmm_call_seconds, prof.memory,
-                  *prof.product_seconds, prof.product_work, prof.ts_bytes_per_bin):
+                  *prof.product_seconds, prof.product_work, prof.ts_bytes_per_bin, *prof.ts_flat_bytes):
         assert value > 0
     assert devices.DeviceProfile.from_json(json.loads(json.dumps(prof.to_json()))) == prof
 

@@ -33,7 +33,7 @@ import torch
 
 from .devices import (_MEM_EFF, PRESETS, PROFILE_VERSION, DeviceProfile, _fastest, _measure_bmm_call, _measure_bmms, _measure_call,
                       _measure_capture, _measure_copy, _measure_eighs, _measure_elementwise, _measure_gemms, _measure_op,
-                      _measure_sjlt, _measure_tensorsketch, _with_products,
+                      _measure_sjlt, _measure_tensorsketch, _measure_tensorsketch_flat, _with_products,
                       cached_local_profile, host_memory, read_cached, write_cached)
 
 __all__ = ["cuda_profile", "nominal_profile", "measure_profile", "nominal_key", "GPU_GEMM_SIZES",
@@ -142,5 +142,6 @@ def measure_profile(device: torch.device, *, gemm_sizes=GPU_GEMM_SIZES, bmm_size
                          random_seconds=cached_local_profile().random_seconds, sjlt_bytes=sjlt,
                          sjlt_build_randoms=cached_local_profile().sjlt_build_randoms,   # tables are drawn on the CPU
                          ts_bytes_per_bin=_measure_tensorsketch(elementwise, timed, device, seconds),
+                         ts_flat_bytes=_measure_tensorsketch_flat(elementwise, timed, device, seconds),
                          link_bandwidth=PRESETS[nominal_key(name)].link_bandwidth if cuda else 0.0)
     return _with_products(prof, timed, device)

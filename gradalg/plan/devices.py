@@ -62,7 +62,15 @@ A :class:`DeviceProfile` prices the counts of a :class:`~gradalg.plan.cost.Cost`
   and output bin, in bytes at the elementwise bandwidth (:func:`_measure_tensorsketch`, the
   runs' kernel) — nominal 100, the old CPU fit; about 18 on this machine's one thread, which
   priced GPT-2's c_fc (3072 × 769, 8 × 64 positions, k = 2048) at 10.0 ms against 11.3 ms
-  measured. **Curvature products** through torch.func (HVP, Gauss-Newton: CG, LiSSA,
+  measured. ``ts_flat_bytes``, a TensorSketch of flat rows (each row of an (out, in) block
+  count-sketched, one real FFT of k, times its phase shift, summed: the rows Adam's
+  preconditioning makes dense), in bytes at the elementwise bandwidth per row, example and
+  bin, and per row and bin (the shift σ_o e^(−2πi h_o f/k), made once per call for every
+  example) — :func:`_measure_tensorsketch_flat`, the runs' kernel at two example counts;
+  nominal (100, 30), fitted on this machine's one thread with two cores shared (load ~15). Priced before as half a factored position per row
+  (k/2 bins at ``ts_bytes_per_bin``), it was 6–10× below its time (768 × 769, k = 4096:
+  110 ms for 4 examples against 18.5 ms), and TrackStar's training pass at GPT-2-small
+  widths 1.7–2.7× its estimate (issue 28). **Curvature products** through torch.func (HVP, Gauss-Newton: CG, LiSSA,
   Arnoldi; :mod:`gradalg.plan.jobs.products`) dispatch every op through its ``vmap`` /
   ``jvp`` / ``grad`` levels: ``product_seconds`` = (seconds per batch, per leaf module of
   the model), measured on tiny MLPs (:func:`_measure_products_fixed`; about 4 ms and
@@ -110,13 +118,14 @@ __all__ = ["DeviceProfile", "CALIBRATION", "PRESETS", "PROFILE_VERSION", "UNMEAS
 #: measured again (1: matmul, copy and module call; 2: GEMMs by shape, eigh by size,
 #: per-op and per-batch overheads; 3: medians, elementwise and page-fault bandwidths;
 #: 4: random numbers; 5: batched GEMMs; 6: fixed costs per block of a job's work; 7: the
-#: sparse-JL product and table rates; 8: curvature products through torch.func)
-PROFILE_VERSION = 8
+#: sparse-JL product and table rates; 8: curvature products through torch.func; 9: the
+#: TensorSketch of flat rows)
+PROFILE_VERSION = 9
 
 
 #: the profile's calibration fields (module docstring), shown by ``explain()``
 CALIBRATION = ("elementwise_sweeps", "ops_per_pass", "ops_per_memory_pass", "ops_per_batch", "sjlt_bytes",
-               "sjlt_build_randoms", "ts_bytes_per_bin", "product_seconds", "product_work")
+               "sjlt_build_randoms", "ts_bytes_per_bin", "ts_flat_bytes", "product_seconds", "product_work")
 
 #: GEMMs with a smaller inner dimension k are outer products (see ``gemm_seconds``)
 OUTER_K = 8
@@ -176,6 +185,7 @@ class DeviceProfile:
     product_seconds: tuple = (4e-3, 1e-4)   # curvature products (torch.func): fixed s per batch, per leaf module
     product_work: float = 2.0          # … their GEMM and elementwise work: × its price as plain ops
     ts_bytes_per_bin: float = 100.0    # TensorSketch: bytes at the elementwise rate per position and bin
+    ts_flat_bytes: tuple = (100.0, 30.0)   # … of flat rows: per row, example and bin; per row and bin (its shift)
 
     def calibration(self) -> str:
         """The calibrated counts (module docstring), one line for plans."""
@@ -186,7 +196,9 @@ class DeviceProfile:
                 f"{self.ops_per_pass:g} ops per job of a pass over data ({self.ops_per_memory_pass:g} in memory), "
                 f"{self.ops_per_batch:g} per captured batch, sparse JL {per_call:.3g}/{per_row:.3g} B per "
                 f"non-zero and call/row, its tables {self.sjlt_build_randoms:.3g} normal draws per non-zero, "
-                f"TensorSketch {self.ts_bytes_per_bin:.3g} B per position and bin, "
+                f"TensorSketch {self.ts_bytes_per_bin:.3g} B per position and bin "
+                f"(flat rows {self.ts_flat_bytes[0]:.3g} B per row, example and bin + {self.ts_flat_bytes[1]:.3g} per row "
+                f"and bin), "
                 f"curvature products {per_batch * 1e3:.3g} ms per batch + {per_module * 1e6:.3g} µs per module, "
                 f"their work ×{self.product_work:.3g}")
 
@@ -284,12 +296,17 @@ class DeviceProfile:
         ``"products"`` is one batch of curvature products through torch.func whose
         ``ops`` are the model's leaf modules: ``product_seconds`` (per batch, per module);
         ``"tensorsketch"`` one position and output bin of a TensorSketch (its FFTs and
-        product): ``ts_bytes_per_bin`` bytes at the elementwise bandwidth."""
+        product): ``ts_bytes_per_bin`` bytes at the elementwise bandwidth; ``"tensorsketch_rows"``
+        one row, example and bin of a TensorSketch of flat rows and ``"tensorsketch_shift"``
+        one row and bin of its phase shift (``ts_flat_bytes``)."""
         if kind == "products":
             per_batch, per_module = self.product_seconds
             return per_batch + ops * per_module
         if kind == "tensorsketch":
             return self.ts_bytes_per_bin / self._elementwise
+        if kind in ("tensorsketch_rows", "tensorsketch_shift"):
+            per_row, per_shift = self.ts_flat_bytes
+            return (per_row if kind == "tensorsketch_rows" else per_shift) / self._elementwise
         return dict(self.block_seconds).get(kind, ops * self.op_seconds)
 
     def to_json(self) -> dict:
@@ -303,7 +320,7 @@ class DeviceProfile:
         values = {f.name: entry[f.name] for f in fields(cls) if f.name in entry}
         for key in ("gemm_rates", "bmm_rates", "eigh_times", "block_seconds"):   # JSON lists back to tuples
             values[key] = tuple(tuple(p) for p in values.get(key, ()))
-        for key in ("elementwise_sweeps", "sjlt_bytes", "product_seconds"):
+        for key in ("elementwise_sweeps", "sjlt_bytes", "product_seconds", "ts_flat_bytes"):
             if key in values:
                 values[key] = tuple(values[key])
         return cls(**values)
@@ -453,7 +470,8 @@ def _measure_cpu() -> DeviceProfile:
                          eigh_times=_measure_eighs(),
                          random_seconds=randoms, block_seconds=_measure_blocks(),
                          sjlt_bytes=_measure_sjlt(elementwise), sjlt_build_randoms=_measure_sjlt_build(randoms),
-                         ts_bytes_per_bin=_measure_tensorsketch(elementwise))
+                         ts_bytes_per_bin=_measure_tensorsketch(elementwise),
+                         ts_flat_bytes=_measure_tensorsketch_flat(elementwise))
     return _with_products(prof)
 
 
@@ -614,6 +632,35 @@ def _measure_tensorsketch(elementwise: float, timed=_warm_fastest, device="cpu",
     tables = tensorsketch_tables(Projector("tensorsketch", SJLT_BINS), "calibration", w, w, device=device)
     per_bin = timed(lambda: tensor_sketch(F, (w, w), tables, SJLT_BINS), seconds) / (n * T * SJLT_BINS)
     return per_bin * elementwise
+
+
+#: the flat rows timed by :func:`_measure_tensorsketch_flat`: (out, in) = ``TS_FLAT_SHAPE`` into
+#: k = :data:`SJLT_BINS`, at 1 and :data:`TS_FLAT_ROWS` examples (in small: the count sketch's
+#: scatter, priced apart, negligible beside the FFTs and the shift)
+TS_FLAT_SHAPE, TS_FLAT_ROWS = (256, 8), 4
+
+
+def _measure_tensorsketch_flat(elementwise: float, timed=_warm_fastest, device="cpu", seconds: float = 0.1) -> tuple:
+    """``(per row, example and bin, per row and bin)`` bytes of a TensorSketch of flat rows
+    (:func:`gradalg.proj.kernels.tensor_sketch` on an (n, out·in) tensor) at the
+    ``elementwise`` bandwidth, from its time at n = 1 and n = :data:`TS_FLAT_ROWS`: the
+    slope is each example's count sketch, FFT and product per row; the rest the phase
+    shift made once per row for all examples (256 rows: at 64 the shift was lost in the
+    timing noise of a shared machine). Nominal (100, 30)."""
+    from ..expr.projection import Projector
+    from ..proj.kernels import tensor_sketch
+    from ..proj.sparse_tables import tensorsketch_tables
+
+    (out, w), n, k = TS_FLAT_SHAPE, TS_FLAT_ROWS, SJLT_BINS
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, out * w, generator=g).to(device)
+    tables = tensorsketch_tables(Projector("tensorsketch", k), "calibration-flat", out, w, device=device)
+    one = timed(lambda: tensor_sketch(x[:1], (out, w), tables, k), seconds)
+    many = timed(lambda: tensor_sketch(x, (out, w), tables, k), seconds)
+    bins = out * (k // 2 + 1)
+    per_row = max((many - one) / ((n - 1) * bins), 1e-13)
+    per_shift = max(one / bins - per_row, 1e-13)
+    return per_row * elementwise, per_shift * elementwise
 
 
 def _measure_sjlt_build(random_seconds: float, columns: int = 2**19, seconds: float = 0.05) -> float:

@@ -397,8 +397,17 @@ def _sparse_project_cost(p, b, n: int, T: int, factored: bool, total: int, elem:
         if factored:      # per position: two count sketches, two real FFTs of k, their product
             return Cost(flops=2.0 * n * T * (out_f + in_f), elementwise=n * T * 4.0 * elem * (out_f + in_f),
                         blocks=(("tensorsketch", float(n * T * p.k), 0.0),))   # FFTs: the profile's ts_bytes_per_bin
-        return Cost(flops=2.0 * n * b.dim, elementwise=n * out_f * 4.0 * elem * in_f,
-                    blocks=(("tensorsketch", n * out_f * p.k / 2, 0.0),))
+        # flat rows (kernels.tensor_sketch): per row of each example its count sketch (the
+        # signed row, n·out·in, scattered into fresh zeros of k), one real FFT (F = k/2 + 1
+        # complex bins, fresh) and its product with the row's phase shift (fresh), the shift
+        # made once per call (its signs expanded, h·f, /k, the complex polar: 5·F numbers
+        # per row, fresh); the FFTs and products at the measured ts_flat_bytes, the fresh
+        # memory faulted in (a block's slice is tens of MB at k = 4096)
+        F = p.k // 2 + 1
+        bins = out_f * F
+        fresh = float(elem) * (n * out_f * (in_f + p.k + 4 * F) + calls * 5 * bins)
+        return Cost(flops=2.0 * n * b.dim, elementwise=n * out_f * 4.0 * elem * in_f, faulted=fresh,
+                    blocks=(("tensorsketch_rows", float(n * bins), 0.0), ("tensorsketch_shift", float(bins * calls), 0.0)))
     if p.kind == "factgrass":
         out_f, in_f = b.shape
         k_out, k_in = p.factgrass_shape(out_f, in_f)

@@ -18,11 +18,38 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ...capture.chunks import concat_chunks, flatten
-from ..cost import Cost, gemm_cost
+from ..cost import Cost, gemm_cost, materialize_cost
+from ..estimates import _factored, _flat, elementwise_cost
+from ..memory import positions
 from .base import Job
-from .fisher import flat_sums_cost
 
-__all__ = ["ApplyJob", "AppliedSums", "held_application", "applied"]
+__all__ = ["ApplyJob", "AppliedSums", "held_application", "applied", "held_flat_cost", "held_match_cost"]
+
+#: full-size (m, dim) ops of DataInf's finish, H⁻¹q = coef · (1/λ)(q − s/n) block by block,
+#: then concatenated (:meth:`~gradalg.linalg.datainf.DataInfSums.finish`,
+#: :meth:`AppliedSums.finish`): s/n (1 read), q − · (2), /λ (1), the concatenation (1), coef ·
+#: (1); each writes a fresh tensor
+FINISH_OPS = {"reads": 6, "writes": 5}
+
+
+def held_flat_cost(held, layout: dict, facts) -> Cost:
+    """The m held rows made one flat (m, dim) tensor, ``flatten(concat_chunks(rows))``:
+    each block kept as factors materialized (a batched call of m (out, in, T) products,
+    written into fresh memory), then every block copied into one fresh (m, dim) tensor."""
+    m, elem, T = held.n, facts.elem, positions(held, facts.shapes)
+    factored, cost = _factored(held, layout), Cost()
+    for b in held.space.blocks:
+        if factored[b.name]:
+            cost = cost + materialize_cost(m, T[b.name], b.shape[1], b.shape[0], elem) + Cost(
+                faulted=float(elem) * m * b.dim)
+    return cost + elementwise_cost(m * held.space.dim, 1, 1, elem)
+
+
+def held_match_cost(held, facts) -> Cost:
+    """:func:`applied`'s check that the rows an apply job left are these held rows,
+    ``(held == q).all()`` over (m, dim): both read, a fresh boolean tensor written and read."""
+    numbers = float(held.n * held.space.dim)
+    return Cost(bytes=numbers * (2.0 * facts.elem + 2.0), faulted=numbers)
 
 
 def held_application(op):
@@ -49,16 +76,34 @@ class ApplyJob(Job):
         return f"apply {self.target.op.label} to the held rows {self.held.label!r} ({self.held.n:,} rows)"
 
     def chunk_cost(self, node, c, layout, facts) -> Cost:
-        """The chunk's rows made flat, their squared norms, and two GEMMs (m, c, d_b) per block."""
-        flat = flat_sums_cost(node, c, layout, "diag", facts)
-        return sum((gemm_cost(self.held.n, c, b.dim, 2, facts.elem) for b in node.space.blocks), flat)
+        """Per block b of d_b coordinates, as :meth:`~gradalg.linalg.datainf.DataInfSums.update`
+        runs it on c rows against the m held rows: the rows made flat (factors
+        materialized), their squares g∘g into a fresh (c, d_b) tensor and summed over
+        coordinates, ``q_b gᵀ`` (a GEMM (m, c, d_b)), ``coef · g`` (a GEMM (m, d_b, c):
+        an inner dimension of c, priced as outer products) into a fresh (m, d_b) tensor,
+        added to the sums (read twice, written once)."""
+        T, factored, elem, m, cost = positions(node, facts.shapes), _factored(node, layout), facts.elem, self.held.n, Cost()
+        for b in node.space.blocks:
+            d = b.dim
+            cost = (cost + _flat(b, c, T, factored, elem) + elementwise_cost(c * d, 2, 1, elem)
+                    + Cost(flops=2.0 * c * d, bytes=float(elem) * c * d)
+                    + gemm_cost(m, c, d, 1, elem) + gemm_cost(m, d, c, 1, elem)
+                    + Cost(flops=float(m * d), bytes=3.0 * elem * m * d, faulted=float(elem) * m * d))
+        return cost
 
     def once_cost(self, facts, storage_of=None, options=None, resolved=None) -> Cost:
-        """None of its own; the scores job it serves then does not count the application
-        again (``("applied", op token, held token)`` added to ``resolved``)."""
+        """The held rows made flat (:func:`held_flat_cost`), the (m, dim) sums zeroed (fresh
+        memory), and the finish's :data:`FINISH_OPS` full-size ops over (m, dim). The
+        scores job it serves then does not apply the operator again (``("applied", op
+        token, held token)`` added to ``resolved``); it checks the rows instead
+        (:func:`held_match_cost`)."""
         if resolved is not None:
             resolved.add(("applied", self.target.op.token, self.held.token))
-        return Cost()
+        held, elem = self.held, facts.elem
+        numbers = held.n * held.space.dim
+        layout = storage_of(held) if storage_of is not None else {}
+        return (held_flat_cost(held, layout, facts) + Cost(bytes=float(elem) * numbers, faulted=float(elem) * numbers)
+                + elementwise_cost(numbers, FINISH_OPS["reads"], FINISH_OPS["writes"], elem))
 
     def applied_ops(self) -> tuple:
         """The operator, resolved in this pass (its accumulator's ``ctx.resolve``)."""

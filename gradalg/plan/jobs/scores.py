@@ -20,6 +20,7 @@ from ..estimates import _factored, _flat, apply_cost, resolve_once
 from ..memory import positions, quadratic_form_bytes, rows_bytes, rows_of
 from ..rules import PlanError
 from ..shapes import element_size
+from .apply import held_flat_cost, held_match_cost
 from .base import Job
 
 __all__ = ["ScoresJob", "DiagJob", "blockwise_preconditioner", "ScoreAccumulator", "DiagAccumulator"]
@@ -85,12 +86,14 @@ class ScoresJob(Job):
         held, once = self.held, Cost()
         held_layout = storage_of(held) if storage_of is not None else {}
         P_h, elem = positions(held, facts.shapes), facts.elem
+        op = self.target.op
+        if resolved is not None and ("applied", op.token, held.token) in resolved:
+            # the executor finds the applied rows by flattening the held rows and matching
+            # them (Executor.precondition_held): every factored block materialized, whatever its kernel
+            return held_flat_cost(held, held_layout, facts) + held_match_cost(held, facts) + resolve_once(op, resolved)
         for b in held.space.blocks:
             if self.kernels.get(b.name) != "ghost" and held_layout.get(b.name) == "factors" and len(b.shape) == 2:
                 once = once + materialize_cost(held.n, P_h[b.name], b.shape[1], b.shape[0], elem)
-        op = self.target.op
-        if resolved is not None and ("applied", op.token, held.token) in resolved:
-            return once + resolve_once(op, resolved)
         return once + resolve_once(op, resolved) + apply_cost(op, held.space, held.n, elem, options, facts.shapes)
 
     # ------------------------------------------------------------------ memory
