@@ -123,19 +123,26 @@ def _inside(name: str, lists: list[str]) -> bool:
     return any(name.startswith(outer + ".") for outer in lists)
 
 
-def _embedding_params(model: nn.Module, modules: dict) -> tuple[set[int], str]:
-    """Ids of the parameters of the input embeddings and the output head (and a phrase
-    saying how they were found)."""
-    chosen = []
-    how = "get_input_embeddings() / get_output_embeddings()"
+def _from_getters(model: nn.Module) -> list[nn.Module]:
+    """The modules ``model.get_input_embeddings()`` / ``get_output_embeddings()`` return (in
+    that order; a getter that is missing, not implemented or returns no module gives none)."""
+    found = []
     for getter in ("get_input_embeddings", "get_output_embeddings"):
         fn = getattr(model, getter, None)
         try:
-            found = fn() if callable(fn) else None
+            module = fn() if callable(fn) else None
         except (NotImplementedError, AttributeError):
-            found = None
-        if isinstance(found, nn.Module):
-            chosen.append(found)
+            module = None
+        if isinstance(module, nn.Module):
+            found.append(module)
+    return found
+
+
+def _embedding_params(model: nn.Module, modules: dict) -> tuple[set[int], str]:
+    """Ids of the parameters of the input embeddings and the output head (and a phrase
+    saying how they were found)."""
+    chosen = _from_getters(model)
+    how = "get_input_embeddings() / get_output_embeddings()"
     if not chosen:
         embeddings = [m for m in modules.values() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
         vocab = {m.num_embeddings for m in embeddings}
@@ -157,15 +164,7 @@ def vocabulary_layers(model: nn.Module) -> tuple[tuple[str, ...], str, int]:
     one block) and shown as ``transformer.wte (tied to lm_head)``."""
     modules = dict(model.named_modules())
     by_id = {id(m): n for n, m in modules.items()}
-    chosen: list[nn.Module] = []
-    for getter in ("get_input_embeddings", "get_output_embeddings"):
-        fn = getattr(model, getter, None)
-        try:
-            found = fn() if callable(fn) else None
-        except (NotImplementedError, AttributeError):
-            found = None
-        if isinstance(found, nn.Module) and id(found) in by_id:
-            chosen.append(found)
+    chosen = [m for m in _from_getters(model) if id(m) in by_id]
     size = 0
     if chosen:
         emb = chosen[0] if isinstance(chosen[0], (nn.Embedding, nn.EmbeddingBag)) else None
