@@ -37,6 +37,25 @@ def _executor(executor):
     return get_executor(executor)
 
 
+def _compute(view: "_Displayed", executor, attrs: dict | None = None) -> xr.DataArray:
+    """The one compute path of every result (scores, self-scores, a top-k; per-token
+    sides included): plan and run ``view``'s node with the executor's entry point
+    (``view._run``: plan → run → read, :meth:`gradalg.exec.base.Executor.compute`), then
+    assemble the DataArray (``view._assemble``) in the ``assembly`` phase, after the passes
+    (xarray's ~76 MB do not add to their peak). ``attrs`` of every result: the expression,
+    the kernels that ran (``kernels``) and the seconds per phase (``seconds``), with the
+    view's own (``attrs``)."""
+    ex = _executor(executor)
+    with _PhaseDelta(ex) as seconds:
+        values = view._run(ex)
+        with seconds.phase("assembly"):
+            attrs = {"expression": _expression_text(view.expr), **(attrs or {}),
+                     "kernels": dict(getattr(ex, "trace", {}))}
+            out = view._assemble(values, attrs)
+    out.attrs["seconds"] = seconds.report()
+    return out
+
+
 class _PhaseDelta:
     """The seconds per phase (:mod:`gradalg.exec.phases`) an executor spends inside the
     block; ``phase(name)`` charges work done here to the executor's clock. Executors
@@ -628,16 +647,8 @@ class Scores(_Displayed):
         if token_sides(self.expr) != (None, None):
             raise OptionError("S.topk ranks whole examples: a side of per-token rows (G.per_token()) has "
                              "several score rows per example; rank S.compute() instead, or sum the tokens first")
-        ex = _executor(executor)
-        values, positions = ex.topk(self.expr, spec)
-        train_ids = np.asarray(self.expr.col_ids)
-        positions = positions.detach().cpu().numpy()
-        from .token_scores import Axis, labelled      # xarray after the passes (as in compute)
-        result = labelled(
-            values, [Axis("query", np.asarray(self.expr.row_ids)), Axis("rank", np.arange(positions.shape[1]))],
-            "scores", {"expression": _expression_text(self.expr), "k": k, "largest": int(largest),
-                       "ties": "lower training position first", "kernels": dict(getattr(ex, "trace", {}))},
-            coords={"train": (("query", "rank"), train_ids[positions])})
+        result = _compute(_TopKView(self.expr, spec), executor,
+                          {"k": k, "largest": int(largest), "ties": "lower training position first"})
         if texts is None:
             return result
         from .report.texts import with_texts
@@ -661,9 +672,10 @@ class Scores(_Displayed):
         "train"), ("query", "train", "train_token") or both, padding positions NaN.
 
         ``executor``: None or "local" (this process), "dask" (a local cluster), or an
-        executor object (``ga.DaskExecutor(client=...)``). With Dask the DataArray is
+        executor object (``ga.exec.DaskExecutor(client=...)``). With Dask the DataArray is
         backed by a Dask array whose blocks are the training shards' scores.
-        ``attrs`` records the expression and which kernels ran (``kernels``).
+        ``attrs`` records the expression, which kernels ran (``kernels``) and the seconds
+        per phase (``seconds``); every result is assembled by the one path :func:`_compute`.
 
         ``store``: a path (``"scores.zarr"``): the scores are written to a Zarr score store
         block by block of ``chunk_rows`` (default 1024) training examples as the training
@@ -679,15 +691,11 @@ class Scores(_Displayed):
         if chunk_rows is not None or overwrite is not None:
             raise OptionError("chunk_rows= and overwrite= apply to S.compute(store=...): pass store='scores.zarr' "
                               "to write a score store, or leave them out")
-        ex = _executor(executor)
-        with _PhaseDelta(ex) as seconds:
-            values = ex.scores(self.expr)
-            with seconds.phase("assembly"):   # xarray here, after the passes: its ~76 MB do not add to their peak
-                from .token_scores import scores_array
-                attrs = {"expression": _expression_text(self.expr), "kernels": dict(getattr(ex, "trace", {}))}
-                out = scores_array(values, self.expr, _option_batch_size(), attrs)   # per-token sides: token axes
-        out.attrs["seconds"] = seconds.report()
-        return out
+        return _compute(self, executor)
+
+    def _assemble(self, values, attrs: dict) -> xr.DataArray:   # per-token sides: token axes
+        from .token_scores import scores_array
+        return scores_array(values, self.expr, _option_batch_size(), attrs)
 
 
 class _TopKView(_Displayed):
@@ -702,6 +710,15 @@ class _TopKView(_Displayed):
     def _run(self, ex):
         return ex.topk(self.expr, self.spec)
 
+    def _assemble(self, values, attrs: dict) -> xr.DataArray:
+        """``(values, positions)`` (n_query, k) as a DataArray ("query", "rank") with the
+        training ids of ``positions`` as its ``train`` coordinate (query, rank)."""
+        from .token_scores import Axis, labelled
+        values, positions = values
+        positions = positions.detach().cpu().numpy()
+        return labelled(values, [Axis("query", np.asarray(self.expr.row_ids)), Axis("rank", np.arange(positions.shape[1]))],
+                        "scores", attrs, coords={"train": (("query", "rank"), np.asarray(self.expr.col_ids)[positions])})
+
 
 class SelfScores(_Displayed):
     """Lazy self-scores S_ii, one per example (``Scores.diag()``)."""
@@ -713,11 +730,13 @@ class SelfScores(_Displayed):
         return ex.diagonal(self.expr)
 
     def compute(self, executor=None) -> xr.DataArray:
-        """Returns a DataArray with dim ("train",), indexed by example id."""
-        ex = _executor(executor)
-        values = ex.diagonal(self.expr)
+        """Returns a DataArray with dim ("train",), indexed by example id; per-token rows:
+        ("train", "train_token"). ``attrs`` as :meth:`Scores.compute`'s."""
+        return _compute(self, executor)
+
+    def _assemble(self, values, attrs: dict) -> xr.DataArray:
         from .token_scores import self_scores_array
-        return self_scores_array(values, self.expr, _option_batch_size())   # per-token rows: ("train", "train_token")
+        return self_scores_array(values, self.expr, _option_batch_size(), attrs)
 
 
 def _option_batch_size() -> int:

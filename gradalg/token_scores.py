@@ -130,8 +130,8 @@ def scores_array(values, node: ScoreNode, batch_size: int, attrs: dict) -> xr.Da
                              side_axis("train", right, node.col_ids, batch_size)], "scores", attrs)
 
 
-def self_scores_array(values, node: ScoreDiagonal, batch_size: int) -> xr.DataArray:
+def self_scores_array(values, node: ScoreDiagonal, batch_size: int, attrs: dict | None = None) -> xr.DataArray:
     """Self-scores ``values`` (n_rows,) of ``node`` as a DataArray ("train",), or (n, T)
     ("train", "train_token") for per-token rows."""
     pt, _ = token_sides(node.scores)
-    return labelled(values, [side_axis("train", pt, node.ids, batch_size)], "self_scores")
+    return labelled(values, [side_axis("train", pt, node.ids, batch_size)], "self_scores", attrs)

@@ -71,6 +71,26 @@ def test_a_reused_executor_reports_each_computes_own_seconds():
         assert ex.phase_seconds[phase] == pytest.approx(first[phase] + again[phase])
 
 
+def test_every_result_is_assembled_by_the_one_compute_path():
+    """Scores, self-scores and a top-k come out of one path (plan, run, assemble:
+    ``api._compute``): each records its expression, the kernels that ran and its seconds
+    per phase, the assembly of its DataArray among them; the values are the score matrix's."""
+    S = ga.methods.grad_dot(ga.tasks.classification(models.mlp(dtype=torch.float32)),
+                            models.classification_data(n=12, dtype=torch.float32),
+                            models.classification_data(n=12, dtype=torch.float32))
+    with ga.options(batch_size=4, progress=False):
+        full, diag, top = S.compute(), S.diag().compute(), S.topk(3)
+    for out in (full, diag, top):
+        assert set(out.attrs["seconds"]) == set(PHASES) and out.attrs["seconds"]["assembly"] > 0
+        assert isinstance(out.attrs["kernels"], dict) and "scores" in out.attrs["expression"]
+    assert full.attrs["kernels"] == top.attrs["kernels"] == {"ghost": 6}   # 3 batches × 2 blocks
+    assert diag.attrs["expression"].startswith("diagonal (self-scores)")
+    assert top.attrs["k"] == 3 and top.attrs["largest"] == 1
+    dense = torch.as_tensor(full.values)
+    torch.testing.assert_close(torch.as_tensor(diag.values), torch.diagonal(dense), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.as_tensor(top.values), dense.topk(3, dim=1).values, rtol=1e-5, atol=1e-6)
+
+
 def test_release_growth_is_validated():
     for bad in (0.5, float("inf"), True, "2"):
         with pytest.raises(OptionError, match="release_growth"):
