@@ -253,6 +253,22 @@ class Options:
         ``explain(device=...)`` on hardware one does not have plans under this fraction of
         one device's memory (the rest for the model, its optimizer and the framework).
         Shown in the plan's header as its memory budget.
+
+    How an executor runs a plan (each shown in ``explain()``):
+
+    dask_shards : int or None
+        Shard tasks of each pass a Dask executor places on its workers (at most one per
+        example). None (default): ``shards_per_worker`` per worker, none under
+        ``min_shard_examples`` examples (:class:`gradalg.exec.DaskExecutor`). Decided when
+        the plan is made: the plan's ``SHARDS`` decision per pass, with both counts weighed.
+    release_memory_above : float >= 0
+        Bytes (default 1 MiB; ``"1MB"``-style strings accepted): after each batch of a pass
+        whose planned working set is at least this many bytes, free memory is returned to
+        the system (:mod:`gradalg.exec.allocator`; smaller batches free too little to be
+        worth the call), and rows joined or preconditioned block by block return it each
+        time the blocks dropped since the last return reach this many bytes
+        (:class:`~gradalg.exec.allocator.FreedBytes`). 0: after every batch and block;
+        ``float("inf")``: never. Shown in the plan's header.
     """
 
     batch_size: int = 32
@@ -283,6 +299,8 @@ class Options:
     release_growth: float = 1.25
     batch_tokens: int | None = None
     device_memory_fraction: float = 0.4
+    dask_shards: int | None = None
+    release_memory_above: float = 2**20
 
     def __post_init__(self):
         for f in fields(self):   # numpy scalars (np.int64(8), np.float32(0.5)) as Python numbers
@@ -337,9 +355,28 @@ class Options:
         if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0):
             raise OptionError(f"batch_tokens must be None (the device's default), 0 (no limit) or a positive "
                               f"int, got {tokens!r}")
+        self._check_run_options()
         for f in fields(self):
             if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
                 raise OptionError(f"{f.name} must be True or False, got {getattr(self, f.name)!r}")
+
+
+    def _check_run_options(self) -> None:
+        """Validate (and parse) the options of how an executor runs a plan."""
+        shards = self.dask_shards
+        if shards is not None and (not isinstance(shards, int) or isinstance(shards, bool) or shards < 1):
+            raise OptionError(f"dask_shards must be None (shards_per_worker per worker) or a positive int, "
+                              f"got {shards!r}")
+        above = self.release_memory_above
+        if isinstance(above, str):
+            try:
+                above = _parse_bytes(above)
+            except (TypeError, ValueError, OverflowError, OptionError):
+                above = None
+        if isinstance(above, bool) or not isinstance(above, (int, float)) or not 0 <= above <= float("inf"):
+            raise OptionError(f"release_memory_above must be a number of bytes >= 0, a string like '1MB', or "
+                              f"float('inf') (never return free memory), got {self.release_memory_above!r}")
+        object.__setattr__(self, "release_memory_above", above)
 
 
 #: ``batch_tokens``'s default for a model on the CPU (``Options.batch_tokens``)

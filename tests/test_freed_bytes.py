@@ -115,7 +115,7 @@ def test_joining_held_chunks_returns_pages_per_threshold():
 
 @pytest.mark.parametrize("above", [0, 2**20])
 def test_logra_scores_do_not_depend_on_when_pages_are_returned(above):
-    """End to end (LoGra, a tiny GPT-2): the executor's ``release_memory_above`` changes
+    """End to end (LoGra, a tiny GPT-2): ``ga.options(release_memory_above)`` changes
     when pages are returned, never a score."""
     transformers = pytest.importorskip("transformers")
     import gradalg as ga
@@ -130,6 +130,41 @@ def test_logra_scores_do_not_depend_on_when_pages_are_returned(above):
     queries = [{"input_ids": torch.randint(0, 64, (8,), generator=g)} for _ in range(2)]
     with ga.options(progress=False):
         S = ga.methods.logra(task, train, queries)
-        base = S.compute(LocalExecutor(release_memory_above=float("inf"))).values
-        got = S.compute(LocalExecutor(release_memory_above=above)).values
+        with ga.options(release_memory_above=float("inf")):
+            base = S.compute(LocalExecutor()).values
+        with ga.options(release_memory_above=above):
+            got = S.compute(LocalExecutor()).values
     assert (base == got).all()
+
+
+def test_release_memory_above_is_an_option_the_plan_shows_and_the_run_reads(monkeypatch):
+    """``ga.options(release_memory_above=...)`` is in the plan's header, and the run returns
+    pages per that many bytes: a batch's working set below it is not trimmed, above it is
+    (:class:`~gradalg.exec.allocator.ResidentGuard`), and rows joined block by block return
+    pages per that many bytes (:meth:`Executor.page_returner`)."""
+    import gradalg as ga
+    from gradalg.errors import OptionError
+    from gradalg.exec import runner
+    from gradalg.exec.local import LocalExecutor
+    torch.manual_seed(0)
+    task = ga.tasks.classification(torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)))
+    data = (torch.randn(12, 4), torch.randint(0, 3, (12,)))
+    G = ga.grads(task, data)
+    S = G @ G.T
+    guards = []
+    monkeypatch.setattr(runner, "ResidentGuard", lambda growth: guards.append(growth) or allocator.ResidentGuard(growth))
+    with ga.options(progress=False, batch_size=4, release_memory_above="3MB"):
+        assert "per 3.15 MB of dropped blocks (release_memory_above)" in str(S.explain())
+        ex = LocalExecutor()
+        want = S.compute(ex).values
+        assert ex.page_returner().above == 3 * 2**20 and guards == []     # a few KB a batch: not trimmed
+    with ga.options(progress=False, batch_size=4, release_memory_above=0):
+        assert "per 0 B of dropped blocks" in str(S.explain())
+        ex = LocalExecutor()
+        assert (S.compute(ex).values == want).all()
+        assert ex.page_returner().above == 0 and len(guards) == 1         # one pass over data, trimmed
+    with ga.options(release_memory_above=float("inf")):
+        assert "never per dropped block" in str(S.explain())
+    for bad in (-1, "lots", True):
+        with pytest.raises(OptionError, match="release_memory_above"):
+            ga.options(release_memory_above=bad)

@@ -44,10 +44,17 @@ def _plans(G, Q):
     with ga.options(kron_float64_width=4, kron_diagonal_width=12):
         kfac = plan((Q @ ga.ekfac(G).damp(0.1).inv() @ G.T).expr)
     from gradalg.exec import Executor
+    from gradalg.exec.runner import Placement
     from test_shard_strategy import Halves
+
+    class Thirds(Halves):    # a strategy that says how many shards a pass gets (as Dask does)
+        def place(self, step):
+            return Placement(True, "thirds", shards=3, weighed=(("fixed", "3"),)) if step.reads_data else \
+                Placement(False, "rows in memory")
     placed = Executor(shards=Halves()).plan((Q @ G.T).expr)    # where each pass runs: a shard strategy's
+    split = Executor(shards=Thirds()).plan((Q @ G.T).expr)     # and into how many shards
     return [kfac, plan((Q @ G.normalize().T).expr), plan((P(Q) @ P(G).T).expr),
-            plan((Q.low_rank(1) @ G.T).expr), placed]
+            plan((Q.low_rank(1) @ G.T).expr), placed, split]
 
 
 def test_every_kind_is_made_and_every_subject_is_named(sides):
@@ -63,7 +70,7 @@ def test_every_kind_is_made_and_every_subject_is_named(sides):
             assert isinstance(d, Decision) and isinstance(d.kind, DecisionKind)
             if d.kind is DecisionKind.BATCH_SIZE:
                 assert d.subject in keys
-            elif d.kind is DecisionKind.PLACEMENT:
+            elif d.kind in (DecisionKind.PLACEMENT, DecisionKind.SHARDS):
                 index, key = d.subject
                 assert p.passes[index].key == key
             elif d.kind is DecisionKind.PROJECTION_MAP:

@@ -21,7 +21,7 @@ Joining or preconditioning rows block by block frees a block at a time; each
 ``malloc_trim`` walks every free chunk of every arena (one ``madvise`` per chunk
 spanning a page), so its cost grows with the process's heap, not with what was freed.
 :class:`FreedBytes` trims only once the blocks freed since the last trim reach the
-executor's ``release_memory_above`` (1 MiB): a block smaller than that is reused by the
+option ``ga.options(release_memory_above)`` (1 MiB, shown in the plan's header): a block smaller than that is reused by the
 allocator anyway. Measured (issue 28, LoGra's scores over held query rows, 48 projected
 64 × 64 blocks of 16–32 KiB, GPT-2 small at T = 128, 2.6 GB process, load 9–12): 48
 trims took 8.5 ms of the pass's 27 ms of CPU and the pages they returned faulted in

@@ -61,13 +61,9 @@ class Executor:
 
     One executor serves one ``compute()``. ``rewrites=False`` disables the planner's
     rewrite rules and ``choices`` (:class:`~gradalg.plan.Choices`) forces the held side
-    and store-vs-recompute decisions (differential tests compare all of them).
-    ``release_memory_above``: after each batch of a pass whose planned working set is
-    at least this many bytes, free memory is returned to the system
-    (:mod:`gradalg.exec.allocator`; smaller batches free too little to be worth the call;
-    ``float("inf")`` never); rows joined or preconditioned block by block return it
-    each time the blocks dropped since the last return reach this many bytes
-    (:class:`~gradalg.exec.allocator.FreedBytes`). ``shards``: the
+    and store-vs-recompute decisions (differential tests compare all of them). When free
+    memory is returned to the system is the options' (``ga.options(release_memory_above=...,
+    release_growth=...)``, shown in the plan's header). ``shards``: the
     :class:`~gradalg.exec.runner.ShardStrategy` (default: the whole pass in this process).
     ``state``: a :class:`~gradalg.exec.state.RunState` to start from (a Dask worker's:
     the resolved operators its shard needs).
@@ -82,12 +78,10 @@ class Executor:
     release_free_memory = staticmethod(release_free_memory)
 
     def __init__(self, options: Options | None = None, *, rewrites: bool = True, choices: Choices | None = None,
-                 release_memory_above: float = 2**20, shards: ShardStrategy | None = None,
-                 state: RunState | None = None):
+                 shards: ShardStrategy | None = None, state: RunState | None = None):
         self.options = options or get_options()
         self.rewrites = rewrites
         self.choices = choices
-        self.release_memory_above = release_memory_above
         self.shards = shards if shards is not None else InProcess()
         self.reset(state)
 
@@ -126,7 +120,7 @@ class Executor:
         ``plan.placement`` and the ``PLACEMENT`` decisions recording it."""
         placed = [self.shards.placement(i, step) for i, step in enumerate(p.passes)]
         return replace(p, placement=tuple(where for where, _ in placed),
-                       decisions=Decisions([*p.decisions, *(d for _, d in placed if d is not None)]))
+                       decisions=Decisions([*p.decisions, *(d for _, ds in placed for d in ds)]))
 
     def run(self, p: Plan) -> Plan:
         """Run every pass of ``p`` where it is placed (:class:`~gradalg.exec.runner.PassRunner`);
@@ -170,14 +164,14 @@ class Executor:
 
     def page_returner(self) -> FreedBytes:
         """A counter of dropped bytes that returns free pages to the operating system each
-        time ``release_memory_above`` bytes were dropped (rows joined block by block)."""
-        return FreedBytes(self.release_memory_above, self.release_free_memory)
+        time ``ga.options(release_memory_above)`` bytes were dropped (rows joined block by block)."""
+        return FreedBytes(self.options.release_memory_above, self.release_free_memory)
 
     def precondition_held(self, op: OpNode, held: Chunk, space, *, consume: bool = False) -> Chunk:
         """The held rows of a score with the resolved ``op`` applied (once per pass): as a
         planned :class:`~gradalg.plan.jobs.apply.ApplyJob` left them for exactly these rows
         (:func:`~gradalg.plan.jobs.apply.applied`), else now; ``consume`` empties ``held``
-        block by block, returning pages per ``release_memory_above`` bytes dropped
+        block by block, returning pages per ``ga.options(release_memory_above)`` bytes dropped
         (:func:`~gradalg.exec.resolve.precondition`)."""
         resolved = self.resolve(op)
         with self.clock.phase("scoring"):
@@ -185,7 +179,8 @@ class Executor:
                 ready = applied(self.state, op, flatten(held, space))
                 if ready is not None:
                     return held.replace(unflatten(ready, space))
-            return precondition(resolved, held, space, consume=consume, release_above=self.release_memory_above)
+            return precondition(resolved, held, space, consume=consume,
+                                release_above=self.options.release_memory_above)
 
     # ------------------------------------------------------------------ pull path
     def iter_chunks(self, node: GradNode) -> Iterator[Chunk]:

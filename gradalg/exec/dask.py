@@ -4,7 +4,9 @@ that run on Dask workers.
 A ``DaskExecutor`` is the one :class:`~gradalg.exec.base.Executor` (plan, run, assemble;
 the run state and the pull path stay in this process) with :class:`DaskShards` as its
 shard strategy (:mod:`gradalg.exec.runner`). For every pass the plan places on the
-workers, the examples are split into index ranges (default 2 per worker).
+workers, the examples are split into index ranges: as many as the plan's ``SHARDS``
+decision says (:meth:`DaskShards.split`: default 2 per worker, ``ga.options(dask_shards=k)``
+to force k).
 The pass's sinks — with the state they need (held rows already preconditioned,
 resolved operators of the row-wise chains, K-FAC bases) — are pickled once per pass
 (:func:`gradalg.exec.models.pack`) and scattered to every worker; each shard loads its
@@ -173,7 +175,19 @@ class DaskShards(ShardStrategy):
         n, models = pass_sources(step)[0].data.n, pass_models(step)
         if n < self.min_shard_examples and not any(is_meta_model(m) for m in models):
             return Placement(False, f"{n} examples, fewer than min_shard_examples={self.min_shard_examples}")
-        return Placement(True, "on the workers", _sharded_refusal(step, models))
+        return Placement(True, "on the workers", _sharded_refusal(step, models), *self.split(n))
+
+    def split(self, n: int) -> tuple[int, tuple]:
+        """The shard tasks of a pass over ``n`` examples, decided with its placement (the
+        plan's ``SHARDS`` decision), and the counts weighed: ``ga.options(dask_shards=k)``
+        when set, else ``shards_per_worker`` per worker known now, none under
+        ``min_shard_examples``; at most one per example."""
+        forced, workers = self.options.dask_shards, self.n_workers * self.shards_per_worker
+        by_size = n // self.min_shard_examples
+        count = min(n, forced if forced is not None else max(1, min(workers, by_size)))
+        return count, (("shards_per_worker × workers", f"{self.shards_per_worker} × {self.n_workers} = {workers}"),
+                       ("examples ÷ min_shard_examples", f"{n} ÷ {self.min_shard_examples} = {by_size}"),
+                       ("ga.options(dask_shards=...)", "unset" if forced is None else str(forced)))
 
     def refuse_here(self, step, what: str) -> Exception | None:
         """Work that needs this process's model, refused when the client holds it on the
@@ -184,9 +198,10 @@ class DaskShards(ShardStrategy):
             f"{step.label} needs {what} in this process, which holds the model on the meta device: use a "
             "curvature with a closed form (K-FAC, EK-FAC, a Fisher in projected space), or hold the weights here")
 
-    def describe_shards(self, step, n: int, result_bytes: float) -> str:
-        """The shard tasks of a pass over ``n`` examples and what crosses the network."""
-        models, shards = pass_models(step), len(self._ranges(n))
+    def describe_shards(self, step, where, n: int, result_bytes: float) -> str:
+        """The shard tasks of a pass over ``n`` examples (as the plan placed it: ``where``)
+        and what crosses the network."""
+        models, shards = pass_models(step), where.shards
         sent = []
         for model in models:
             size = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
@@ -207,7 +222,7 @@ class DaskShards(ShardStrategy):
         arrays of the blocks gathered from the shards."""
         ctx, models = runner.ctx, pass_models(step)
         data = pass_sources(step)[0].data
-        ranges = self._ranges(data.n)
+        ranges = shard_ranges(data.n, runner.where.shards)    # the plan's SHARDS decision
         check_reductions(ctx, step)
         refs = self._refs(models)
         keys = [r.key if r is not None else f"pickled-{id(m)}" for m, r in zip(models, refs)]
@@ -282,10 +297,6 @@ class DaskShards(ShardStrategy):
                         "initialization, or load a checkpoint), and declare the expected weights with "
                         "WorkerModel(..., fingerprint=...)")
 
-    def _ranges(self, n: int) -> list:
-        """Shards of n examples: shards_per_worker per worker, none under min_shard_examples."""
-        return shard_ranges(n, max(1, min(self.n_workers * self.shards_per_worker, n // self.min_shard_examples)))
-
 
 
 class DaskExecutor(DaskShards, Executor):
@@ -300,7 +311,8 @@ class DaskExecutor(DaskShards, Executor):
     threads_per_worker : threads of each worker of the default local cluster, and torch
         threads of every shard. A worker runs one shard at a time, whatever its thread
         count: the shards it runs share its copy of the model, whose modules capture hooks.
-    shards_per_worker : shards per worker for each pass over data.
+    shards_per_worker : shards per worker for each pass over data (decided when the plan
+        is made: its ``SHARDS`` decisions; ``ga.options(dask_shards=k)`` forces k).
     min_shard_examples : no shard gets fewer examples than this; a pass over fewer
         examples (the queries, typically) runs in this process, where shipping the
         model and the jobs to every worker would cost more than the pass.

@@ -153,7 +153,7 @@ class RankShards(ShardStrategy):
         if self.check_plans:
             self._agree(p)
 
-    def describe_shards(self, step, n: int, result_bytes: float) -> str:
+    def describe_shards(self, step, where, n: int, result_bytes: float) -> str:
         """How a pass over ``n`` examples is split over the ranks and what crosses the network."""
         sizes = [b - a for a, b in rank_ranges(n, self.world_size)]
         steps = batches_in(max(sizes), _batch_size(step, pass_sources(step)[0].data, get_options()))

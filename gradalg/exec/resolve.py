@@ -89,7 +89,7 @@ def precondition(resolved: LinearOp, held: Chunk, space, *, consume: bool = Fals
         all in memory together (``held`` is left with no blocks), and their pages are
         returned to the operating system once the blocks dropped since the last return
         reach ``release_above`` bytes (:class:`~gradalg.exec.allocator.FreedBytes`: the
-        executor's ``release_memory_above``; a return per small block costs a walk of the
+        option ``ga.options(release_memory_above)``; a return per small block costs a walk of the
         whole heap each).
     """
     if hasattr(resolved, "apply_block"):

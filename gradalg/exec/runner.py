@@ -60,11 +60,16 @@ __all__ = ["PassRunner", "ShardStrategy", "InProcess", "Placement", "pass_source
 class Placement:
     """Where one pass runs: ``sharded`` (by the strategy's ``run_shards``) or in this
     process, and why (shown by ``explain()``); ``refusal``: an error the pass raises
-    instead of running (a pass the strategy cannot run anywhere)."""
+    instead of running (a pass the strategy cannot run anywhere); ``shards``: the shard
+    tasks of a sharded pass (0: the strategy's own split, one range per rank) and
+    ``weighed`` the counts it was chosen from ({name: count as shown}: the ``SHARDS``
+    decision's alternatives)."""
 
     sharded: bool
     reason: str = ""
     refusal: Exception | None = None
+    shards: int = 0
+    weighed: tuple = ()
 
 
 #: a pass run whole in this process
@@ -110,22 +115,28 @@ class ShardStrategy:
         """Shards that run at once (a sharded pass's estimate is the pass's divided by it)."""
         return 1
 
-    def placement(self, index: int, step: Pass) -> tuple[Placement, Decision | None]:
-        """Where pass ``index`` runs (:meth:`place`, asked once) and the ``PLACEMENT``
-        decision recording it: subject ``(index, step.key)``, chosen :attr:`here` or
+    def placement(self, index: int, step: Pass) -> tuple[Placement, list[Decision]]:
+        """Where pass ``index`` runs (:meth:`place`, asked once) and the decisions recording
+        it: ``PLACEMENT``, subject ``(index, step.key)``, chosen :attr:`here` or
         :attr:`spread`, the alternatives the pass's estimated seconds here and divided by
         :meth:`ways` on shards (transfers not costed), the reason :meth:`place`'s (and its
-        refusal). None for a strategy that never shards (nothing to choose)."""
+        refusal); for a pass split into ``where.shards`` tasks, ``SHARDS``, chosen that
+        count from ``where.weighed``. None for a strategy that never shards (nothing to choose)."""
         where = self.place(step)
         if self.spread is None:
-            return where, None
-        ways = self.ways()
+            return where, []
+        ways, subject, label = self.ways(), (index, step.key), f"pass {index + 1} ({step.label})"
         reason = where.reason + (f"; refused: {where.refusal}" if where.refusal is not None else "")
-        return where, Decision(
-            DecisionKind.PLACEMENT, (index, step.key), self.spread if where.sharded else self.here,
+        placed = [Decision(
+            DecisionKind.PLACEMENT, subject, self.spread if where.sharded else self.here,
             {self.here: step.seconds, self.spread: step.seconds / ways},
             f"{reason} (on shards: the pass's estimate over {ways} shard(s) at once; transfers not costed)",
-            label=f"pass {index + 1} ({step.label})")
+            label=label)]
+        if where.sharded and where.shards:
+            placed.append(Decision(DecisionKind.SHARDS, subject, str(where.shards), dict(where.weighed),
+                                   "the option when set, else the smaller count, at most one per example",
+                                   label=label))
+        return where, placed
 
     def run_shards(self, runner: "PassRunner", step: Pass, sinks: list[Sink]) -> dict:
         """Feed every sink every example of a pass placed on shards; returns the results
@@ -133,21 +144,22 @@ class ShardStrategy:
         runner.feed(step, sinks)
         return {}
 
-    def describe_pass(self, step: Pass) -> str | None:
+    def describe_pass(self, step: Pass, where: Placement | None = None) -> str | None:
         """How ``step`` is split and what crosses the network (``explain()``): where it runs
-        and why, or for a sharded pass :meth:`describe_shards`; None for a strategy that
+        and why, or for a sharded pass :meth:`describe_shards`, read from the plan's
+        placement ``where`` (None: placed now, :meth:`place`); None for a strategy that
         never shards."""
         if self.spread is None:
             return None
-        where = self.place(step)
+        where = where or self.place(step)
         if not where.sharded:
             return f"runs {self.here} ({where.reason})"
         n = pass_sources(step)[0].data.n
-        return self.describe_shards(step, n, sum(job.output_bytes(n) for job in step.jobs))
+        return self.describe_shards(step, where, n, sum(job.output_bytes(n) for job in step.jobs))
 
-    def describe_shards(self, step: Pass, n: int, result_bytes: float) -> str:
-        """How a sharded pass over ``n`` examples is split, its jobs' results being
-        ``result_bytes`` in all."""
+    def describe_shards(self, step: Pass, where: Placement, n: int, result_bytes: float) -> str:
+        """How a sharded pass over ``n`` examples is split (as ``where`` says), its jobs'
+        results being ``result_bytes`` in all."""
         return f"{n} examples on shards"
 
     def budget(self, options, node):
@@ -238,11 +250,12 @@ def _timed(stats: list[dict]) -> tuple[float, float]:
 
 class PassRunner:
     """Runs plans for the executor ``ctx`` (its ``options``, ``trace``, ``state``,
-    ``resolve``, ``pass_stats``, ``release_memory_above``) with a shard strategy."""
+    ``resolve``, ``pass_stats``) with a shard strategy."""
 
     def __init__(self, ctx, shards: ShardStrategy | None = None):
         self.ctx = ctx
         self.shards = shards if shards is not None else InProcess()
+        self.where = HERE     # the placement of the pass being run
 
     # ------------------------------------------------------------------ plans and passes
     def run(self, plan: Plan) -> Plan:
@@ -274,6 +287,7 @@ class PassRunner:
             raise where.refusal
         sinks = [open_sink(job, self.ctx) for job in step.jobs]
         if where.sharded:
+            self.where = where      # the plan's placement of the pass (its shard count), read by the strategy
             done = self.shards.run_shards(self, step, sinks)
         else:
             self.feed(step, sinks)
@@ -331,7 +345,7 @@ class PassRunner:
         if not sources:
             raise PlanError(f"no source to read for {step.label}")
         batch_size = step.batch_size or self.ctx.options.batch_size
-        trim = step.per_example_bytes * batch_size >= self.ctx.release_memory_above
+        trim = step.per_example_bytes * batch_size >= self.ctx.options.release_memory_above
         yield from captured_batches(self.ctx, sources, batch_size, label=step.label, trim=trim)
 
     def derive(self, node: GradNode, base: dict, memo: dict) -> list[Chunk]:

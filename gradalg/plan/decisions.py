@@ -5,7 +5,7 @@ A :class:`Decision` is one choice the planner made, with every alternative it we
     kind          DecisionKind: which question (held side, kernel per block, ...)
     subject       what it is about: a node's token (``inner-38a5…``), a projector's token,
                   a pass key (:mod:`~gradalg.plan.passkeys`) for a pass's batch size, or
-                  ``(index, pass key)`` for where a pass runs
+                  ``(index, pass key)`` for where a pass runs and its shards
     block         the parameter block it is about (a kernel, a Kronecker factor), or None
     chosen        the winner, as the plan shows it ("ghost", "store", "left (query) rows")
     alternatives  {name: estimated seconds (a float) or a description (a str)}, the
@@ -49,6 +49,7 @@ class DecisionKind(enum.Enum):
     KRON_DIAGONAL = "structure of the Kronecker factors of block {block}"    # diagonal or dense
     PROJECTION_MAP = "projection map {label}"                   # dense, sparse JL or TensorSketch
     PLACEMENT = "where {label} runs"                            # here (client, every rank) or on shards
+    SHARDS = "shards of {label}"                                # shard tasks of a pass on Dask workers
 
     @classmethod
     def coerce(cls, kind) -> "DecisionKind":

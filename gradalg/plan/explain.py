@@ -83,6 +83,11 @@ def _fmt_seconds(s: float) -> str:
     return f"{s * 1e3:.3g} ms"
 
 
+def _pages(above: float) -> str:
+    """When rows dropped block by block return free pages (``release_memory_above``)."""
+    return "never per dropped block" if above == float("inf") else f"per {_si(above)}B of dropped blocks"
+
+
 def _fmt_ratio(r: float) -> str:
     """measured / estimated, as ``1.3×``."""
     return f"{r:.2f}×" if r == r and r != float("inf") else "-"
@@ -103,6 +108,10 @@ class Explain:
     stage: str | None = None
     executor: object = None
     warning: str | None = None   # e.g. the plan does not fit one GPU of ``device``
+
+    def __post_init__(self):   # a plan made without its executor (explain(executor=...)): placed by it, once
+        if len(self.plan.placement) != len(self.plan.passes) and hasattr(self.executor, "place_passes"):
+            self.plan = self.executor.place_passes(self.plan)
 
     # ---- data -------------------------------------------------------------------
     def _nodes(self) -> dict:
@@ -148,16 +157,7 @@ class Explain:
         kind, subject, block, chosen, alternatives, reason), with ``what`` its title as the
         displays show it (blocks named by module path, kind and shape)."""
         nodes = self._nodes()
-        return [{**d.to_dict(), "what": decision_title(d, nodes)} for d in self._all_decisions()]
-
-    def _all_decisions(self) -> list[Decision]:
-        """The plan's decisions; for a plan made without an executor, shown with one
-        (``explain(executor=...)``), where its strategy would place each pass."""
-        shards = getattr(self.executor, "shards", None)
-        if self.plan.placement or not hasattr(shards, "placement"):
-            return list(self.plan.decisions)
-        placed = (shards.placement(i, step)[1] for i, step in enumerate(self.plan.passes))
-        return [*self.plan.decisions, *(d for d in placed if d is not None)]
+        return [{**d.to_dict(), "what": decision_title(d, nodes)} for d in self.plan.decisions]
 
     def passes(self) -> list[dict]:
         out = []
@@ -165,8 +165,8 @@ class Explain:
             row = {"pass": i, "reads": p.label, "jobs": [j.describe() for j in p.jobs],
                    "batch_size": p.batch_size, "flops": p.cost.flops, "seconds": p.seconds,
                    "peak_bytes": p.cost.peak_bytes, "note": p.note}
-            if hasattr(self.executor, "describe_pass"):
-                row["distributed"] = self.executor.describe_pass(p)
+            if hasattr(self.executor, "describe_pass"):   # where the plan placed it
+                row["distributed"] = self.executor.describe_pass(p, (*self.plan.placement, None)[i])
             if i < len(self.analyzed):
                 stats = self.analyzed[i]
                 row["measured_seconds"] = stats["seconds"]
@@ -215,7 +215,8 @@ class Explain:
         budget = p.budget.describe() if p.budget else f"{_si(p.options.memory_budget)}B"
         return (f"device {p.device.name}, memory budget {budget}, {p.data_passes} "
                 f"pass(es) over data, est. {_fmt_seconds(p.seconds)}, peak ~{_si(p.peak_bytes)}B; free "
-                f"pages returned past {p.options.release_growth:g}× a batch's (release_growth)")
+                f"pages returned past {p.options.release_growth:g}× a batch's (release_growth) and "
+                f"{_pages(p.options.release_memory_above)} (release_memory_above)")
 
     def stages(self) -> list[str]:
         """The stages shown, in order: all of them, or only ``stage`` (``"scale"`` needs ``device``)."""
