@@ -129,8 +129,9 @@ def test_datainf_application_counts_its_sums_setup_finish_and_the_held_rows_matc
     a fresh (c, d_b) tensor and summed, q_b g^T (a GEMM (m, c, d_b)) and coef . g (a GEMM
     (m, d_b, c)) into a fresh (m, d_b) tensor added to the sums. Once: the m held rows made
     flat (materialized, concatenated into fresh memory), the sums zeroed, the finish's five
-    full-size ops. The scores job that finds the applied rows flattens the held rows again
-    and matches them (Executor.precondition_held)."""
+    full-size ops. The scores job that names the apply job (``applied``) reads the applied
+    rows by its key: no flattening, no match, only the operator's resolution."""
+    from gradalg.plan.estimates import resolve_once
     from gradalg.plan.jobs.apply import FINISH_OPS
     _, task, train, query, batch = mlp()
     G, Q = ga.grads(task, train), ga.grads(task, query)
@@ -156,13 +157,10 @@ def test_datainf_application_counts_its_sums_setup_finish_and_the_held_rows_matc
     assert FINISH_OPS == {"reads": 6, "writes": 5}
     assert once.faulted == elem * numbers * (1 + 1 + 1 + 5)
     assert once.bytes == elem * numbers * (1 + 2 + 1 + 6 + 5)
-    assert ("applied", apply.target.op.token, apply.held.token) in resolved
     scores = next(j for s in p.passes for j in s.jobs if j.kind == "scores")
+    assert scores.applied == apply.key
     held = scores.once_cost(p.facts, lambda node: layout, None, resolved)
-    assert held.bmms == once.bmms                          # flattened again, every factored block
-    # materialized (m·d) and concatenated (2 m·d), the match reads both copies, writes and reads booleans
-    assert held.bytes == elem * numbers * 3 + numbers * (2 * elem + 2)
-    assert held.faulted == elem * numbers * 2 + numbers
+    assert held == resolve_once(apply.target.op, resolved) and held.bmms == () and held.faulted == 0
 
 
 def test_dense_projection_draws_and_casts_its_matrix_once_per_plan():

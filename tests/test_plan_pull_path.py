@@ -171,8 +171,10 @@ def test_datainf_outside_a_held_side_still_reads_its_rows_when_applied():
 
 def test_the_scores_job_does_not_count_a_planned_application_again():
     """The apply job carries DataInf's application (its pass reads the rows); the scores
-    job's estimate is its own work only: the same plan priced with the scores job doing
-    the application itself costs one ``apply_cost`` (a read of the training rows) more."""
+    job names it (``applied``: its key, decided in the plan) and its estimate is its own
+    work only: the same job priced doing the application itself costs one ``apply_cost``
+    (a read of the training rows) more."""
+    from dataclasses import replace
     from gradalg.plan.estimates import apply_cost
     from gradalg.plan.planner import plan
     torch.manual_seed(0)
@@ -184,8 +186,10 @@ def test_the_scores_job_does_not_count_a_planned_application_again():
     p = plan((Q @ ga.datainf(G, 0.1) @ G.T).expr)
     scores = next(j for j in p.jobs.values() if j.kind == "scores")
     layout = {b.name: "flat" for b in scores.held.space.blocks}
-    alone = scores.once_cost(ModelFacts(), lambda node: layout, p.options, set())
-    planned = scores.once_cost(ModelFacts(), lambda node: layout, p.options, {("applied", op.token, scores.held.token)})
+    (apply,) = [j for j in p.jobs.values() if j.kind == "apply"]
+    assert scores.applied == apply.key and apply.key in scores.deps
+    alone = replace(scores, applied=None).once_cost(ModelFacts(), lambda node: layout, p.options, set())
+    planned = scores.once_cost(ModelFacts(), lambda node: layout, p.options, set())
     extra = apply_cost(op, scores.held.space, scores.held.n, 4, p.options)
     assert extra.flops > 0 and alone.flops == pytest.approx(planned.flops + extra.flops)
     assert alone.seconds(p.device, torch.float32) > planned.seconds(p.device, torch.float32)

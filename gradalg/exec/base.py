@@ -36,7 +36,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..capture.chunks import Chunk, concat_chunks, flatten, unflatten
+from ..capture.chunks import Chunk, concat_chunks
 from ..errors import MemoryBudgetError, OptionError
 from ..expr import Captured, GradNode, OpNode, ScoreDiagonal, ScoreNode, Source
 from ..options import Options, get_options
@@ -44,7 +44,6 @@ from ..plan.budget import resolve_budget, with_note
 from ..plan.choices import Choices
 from ..plan.decisions import Decisions
 from ..plan.decide import refuse_dense_projections
-from ..plan.jobs import ApplyJob, applied
 from ..plan.planner import ROW_WISE, STATISTICS_JOBS, Plan, plan as make_plan
 from .allocator import FreedBytes, release_free_memory
 from .phases import PhaseClock
@@ -168,17 +167,13 @@ class Executor:
         return FreedBytes(self.options.release_memory_above, self.release_free_memory)
 
     def precondition_held(self, op: OpNode, held: Chunk, space, *, consume: bool = False) -> Chunk:
-        """The held rows of a score with the resolved ``op`` applied (once per pass): as a
-        planned :class:`~gradalg.plan.jobs.apply.ApplyJob` left them for exactly these rows
-        (:func:`~gradalg.plan.jobs.apply.applied`), else now; ``consume`` empties ``held``
-        block by block, returning pages per ``ga.options(release_memory_above)`` bytes dropped
+        """The held rows of a score with the resolved ``op`` applied (once per pass; rows a
+        planned :class:`~gradalg.plan.jobs.apply.ApplyJob` preconditioned are read by its
+        key, ``ScoresJob.applied``); ``consume`` empties ``held`` block by block, returning
+        pages per ``ga.options(release_memory_above)`` bytes dropped
         (:func:`~gradalg.exec.resolve.precondition`)."""
         resolved = self.resolve(op)
         with self.clock.phase("scoring"):
-            if any(kind == ApplyJob.kind for kind, _ in self.state.results):   # applied by a pass of the plan?
-                ready = applied(self.state, op, flatten(held, space))
-                if ready is not None:
-                    return held.replace(unflatten(ready, space))
             return precondition(resolved, held, space, consume=consume,
                                 release_above=self.options.release_memory_above)
 

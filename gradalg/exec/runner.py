@@ -23,7 +23,8 @@ entry and the entries sum to the run's time.
 A shard strategy (:class:`ShardStrategy`) says where each pass runs (``place``, when the
 plan is made, recorded as a ``PLACEMENT`` :class:`~gradalg.plan.decisions.Decision` with
 both places' estimates: :meth:`ShardStrategy.placement`), runs a sharded pass (``run_shards(runner, step, sinks) -> dict``: results it
-finished itself, by sink index) and describes it (``describe_pass``). The runner decides
+finished itself, by sink index; ``runner.where`` is the plan's placement of the pass, with
+its ``shards``) and describes it (``describe_pass``). The runner decides
 nothing: kernels, storage, normalization, batch sizes and placement are the plan's.
 
 :meth:`PassRunner.feed` reads a pass's data once: each batch is captured once per
@@ -121,7 +122,7 @@ class ShardStrategy:
         :attr:`spread`, the alternatives the pass's estimated seconds here and divided by
         :meth:`ways` on shards (transfers not costed), the reason :meth:`place`'s (and its
         refusal); for a pass split into ``where.shards`` tasks, ``SHARDS``, chosen that
-        count from ``where.weighed``. None for a strategy that never shards (nothing to choose)."""
+        count from ``where.weighed``; none for a strategy that never shards (nothing to choose)."""
         where = self.place(step)
         if self.spread is None:
             return where, []
@@ -134,7 +135,7 @@ class ShardStrategy:
             label=label)]
         if where.sharded and where.shards:
             placed.append(Decision(DecisionKind.SHARDS, subject, str(where.shards), dict(where.weighed),
-                                   "the option when set, else the smaller count, at most one per example",
+                                   "the strategy's count from those weighed (an option, when set, forces it)",
                                    label=label))
         return where, placed
 

@@ -7,7 +7,7 @@
 ``kron``     K-FAC eigenbases awaiting their EK-FAC correction    {KFAC token: KronOp}
 ``results``  score and self-score results             {job key (kind, token): array}
              and held rows with an operator applied by a planned pass
-             {("apply", score token): (operator token, rows, applied rows)}
+             {("apply", score token): applied rows (m, dim)}, read by the scores job naming that key
 ``checked``  tasks whose loss reduction was checked   {task token}
 
 The sinks of :mod:`gradalg.exec.sinks` publish into it, the pass runner reads held rows

@@ -129,9 +129,10 @@ class _Graph:
         # a job that keeps the held rows already (a group mean's group job) is not copied by a collect pass
         if not any(self.jobs[k].collects(held.token) for k in ready):
             ready = {self.add(CollectJob(held, (held,), ready, storage=kept))}
-        ready |= self.apply_job(node, held, ready)
-        return ScoresJob(node, (streamed,), ready | self.op_deps(node.op, held.n) | self.stream_deps(streamed),
-                         held=held, transposed=transposed, held_storage=kept, kernels=chosen, **self.fields)
+        applied = self.apply_job(node, held, ready)
+        return ScoresJob(node, (streamed,), ready | applied | self.op_deps(node.op, held.n) | self.stream_deps(streamed),
+                         held=held, transposed=transposed, held_storage=kept, kernels=chosen,
+                         applied=next(iter(applied), None), **self.fields)
 
     def apply_job(self, node: Inner, held: GradNode, ready: set) -> set:
         """``{key}`` of the :class:`~gradalg.plan.jobs.apply.ApplyJob` that applies

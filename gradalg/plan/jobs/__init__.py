@@ -21,7 +21,7 @@ ProductsJob    raw batches of a curvature's data, once per      V ↦ H V (a mat
                call (CG / LiSSA / Arnoldi iterations)           an iterative solver
 =============  ==============================================  ========================
 """
-from .apply import AppliedSums, ApplyJob, applied, held_application
+from .apply import AppliedSums, ApplyJob, held_application
 from .base import JOB_TYPES, Accumulator, Job, job_type
 from .fisher import FisherAccumulator, FisherJob
 from .products import ProductPass, ProductsJob, ProductSums
@@ -33,5 +33,5 @@ from .topk import TopK, TopKAccumulator, TopKJob, select_topk
 __all__ = ["Job", "Accumulator", "JOB_TYPES", "job_type", "RowsJob", "CollectJob", "StoreJob", "GroupJob",
            "FisherJob", "KronStatisticsJob", "KFACJob", "EKFACJob", "ScoresJob", "DiagJob", "TopK", "TopKJob",
            "blockwise_preconditioner", "Collector", "GroupAccumulator", "FisherAccumulator", "KronAccumulator",
-           "EKFACAccumulator", "ScoreAccumulator", "DiagAccumulator", "TopKAccumulator", "select_topk", "ApplyJob", "AppliedSums", "applied", "held_application",
+           "EKFACAccumulator", "ScoreAccumulator", "DiagAccumulator", "TopKAccumulator", "select_topk", "ApplyJob", "AppliedSums", "held_application",
            "ProductsJob", "ProductSums", "ProductPass"]

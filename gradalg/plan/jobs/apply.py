@@ -5,9 +5,9 @@ over its own rows, with its accumulator.
 The operator says so with ``Statistic("apply", op, rows)``: applying it to held rows
 reads ``rows`` once. The decide stage plans that read as an :class:`ApplyJob` in a pass
 over ``rows``, after the held rows are collected and before the scores job that
-preconditions them; the executor then finds the preconditioned rows ready
-(:func:`applied`, :meth:`~gradalg.exec.base.Executor.precondition_held`). Elsewhere (a
-row-wise chain, a self-score) the operator still reads its rows itself when applied.
+preconditions them, which names it (``ScoresJob.applied``: its key) and reads the
+preconditioned rows by that key when it runs. Elsewhere (a row-wise chain, a self-score)
+the operator still reads its rows itself when applied.
 
 class       reads                        produces
 ApplyJob    the operator's rows, once    H⁻¹ (held rows): (m, dim), for the scores job
@@ -23,7 +23,7 @@ from ..estimates import _factored, _flat, elementwise_cost
 from ..memory import positions
 from .base import Job
 
-__all__ = ["ApplyJob", "AppliedSums", "held_application", "applied", "held_flat_cost", "held_match_cost"]
+__all__ = ["ApplyJob", "AppliedSums", "held_application", "held_flat_cost"]
 
 #: full-size (m, dim) ops of DataInf's finish, H⁻¹q = coef · (1/λ)(q − s/n) block by block,
 #: then concatenated (:meth:`~gradalg.linalg.datainf.DataInfSums.finish`,
@@ -43,13 +43,6 @@ def held_flat_cost(held, layout: dict, facts) -> Cost:
             cost = cost + materialize_cost(m, T[b.name], b.shape[1], b.shape[0], elem) + Cost(
                 faulted=float(elem) * m * b.dim)
     return cost + elementwise_cost(m * held.space.dim, 1, 1, elem)
-
-
-def held_match_cost(held, facts) -> Cost:
-    """:func:`applied`'s check that the rows an apply job left are these held rows,
-    ``(held == q).all()`` over (m, dim): both read, a fresh boolean tensor written and read."""
-    numbers = float(held.n * held.space.dim)
-    return Cost(bytes=numbers * (2.0 * facts.elem + 2.0), faulted=numbers)
 
 
 def held_application(op):
@@ -94,11 +87,7 @@ class ApplyJob(Job):
     def once_cost(self, facts, storage_of=None, options=None, resolved=None) -> Cost:
         """The held rows made flat (:func:`held_flat_cost`), the (m, dim) sums zeroed (fresh
         memory), and the finish's :data:`FINISH_OPS` full-size ops over (m, dim). The
-        scores job it serves then does not apply the operator again (``("applied", op
-        token, held token)`` added to ``resolved``); it checks the rows instead
-        (:func:`held_match_cost`)."""
-        if resolved is not None:
-            resolved.add(("applied", self.target.op.token, self.held.token))
+        scores job it serves (``ScoresJob.applied``) does not apply the operator again."""
         held, elem = self.held, facts.elem
         numbers = held.n * held.space.dim
         layout = storage_of(held) if storage_of is not None else {}
@@ -132,8 +121,7 @@ class ApplyJob(Job):
             acc.update(chunk.blocks)
 
     def publish(self, result, state) -> None:
-        q, applied_rows = result
-        state.results[self.key] = (self.target.op.token, q, applied_rows)
+        state.results[self.key] = result[1]       # H⁻¹q (m, dim), read by the scores job that names this one
 
 
 class AppliedSums:
@@ -155,14 +143,3 @@ class AppliedSums:
     def finish(self):
         return self.q, self.coef * self.sums.finish()
 
-
-def applied(state, op, q):
-    """The rows ``op`` (a node) applied to ``q`` (m, dim) that a planned :class:`ApplyJob`
-    left in ``state``, or None: its held rows must equal ``q`` exactly (same shape, dtype
-    and values)."""
-    for (kind, _), value in state.results.items():
-        if kind == ApplyJob.kind and value[0] == op.token:
-            _, held, result = value
-            if held.shape == q.shape and held.dtype == q.dtype and bool((held == q).all()):
-                return result
-    return None

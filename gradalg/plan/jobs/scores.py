@@ -20,7 +20,6 @@ from ..estimates import _factored, _flat, apply_cost, resolve_once
 from ..memory import positions, quadratic_form_bytes, rows_bytes, rows_of
 from ..rules import PlanError
 from ..shapes import element_size
-from .apply import held_flat_cost, held_match_cost
 from .base import Job
 
 __all__ = ["ScoresJob", "DiagJob", "blockwise_preconditioner", "ScoreAccumulator", "DiagAccumulator"]
@@ -39,7 +38,9 @@ class ScoresJob(Job):
     ``held_storage``: how the held rows are kept; ``normalize_streamed``: the streamed
     side is ``G.normalize()`` read unnormalized, each column divided by its row's norm;
     ``release_held``: no other job (nor a shard opened again) reads the raw held rows,
-    so the run drops them block by block as they are preconditioned (schedule stage)."""
+    so the run drops them block by block as they are preconditioned (schedule stage);
+    ``applied``: the key of the :class:`~gradalg.plan.jobs.apply.ApplyJob` whose pass
+    leaves the held rows preconditioned (decide stage), read by key when the job runs."""
 
     kind: ClassVar[str] = "scores"
     output: ClassVar[str] = "scores"
@@ -49,6 +50,7 @@ class ScoresJob(Job):
     held_storage: dict = field(default_factory=dict)
     normalize_streamed: bool = False
     release_held: bool = False
+    applied: tuple | None = None
 
     def describe(self) -> str:
         side = "rows" if not self.transposed else "columns"
@@ -80,17 +82,14 @@ class ScoresJob(Job):
 
     def once_cost(self, facts, storage_of=None, options=None, resolved=None) -> Cost:
         """Held factored blocks a dense kernel reads materialized once, the operator
-        resolved (unless ``resolved`` before) and applied to the held rows (unless a planned
-        apply job did: ``("applied", op token, held token)`` in ``resolved``,
-        :class:`~gradalg.plan.jobs.apply.ApplyJob`)."""
+        resolved (unless ``resolved`` before) and applied to the held rows (unless the
+        planned apply job ``applied`` did: its rows are read by key)."""
         held, once = self.held, Cost()
         held_layout = storage_of(held) if storage_of is not None else {}
         P_h, elem = positions(held, facts.shapes), facts.elem
         op = self.target.op
-        if resolved is not None and ("applied", op.token, held.token) in resolved:
-            # the executor finds the applied rows by flattening the held rows and matching
-            # them (Executor.precondition_held): every factored block materialized, whatever its kernel
-            return held_flat_cost(held, held_layout, facts) + held_match_cost(held, facts) + resolve_once(op, resolved)
+        if self.applied is not None:
+            return resolve_once(op, resolved)
         for b in held.space.blocks:
             if self.kernels.get(b.name) != "ghost" and held_layout.get(b.name) == "factors" and len(b.shape) == 2:
                 once = once + materialize_cost(held.n, P_h[b.name], b.shape[1], b.shape[0], elem)
@@ -183,7 +182,8 @@ class ScoresJob(Job):
         else:
             held = concat_chunks(rows.pop(self.held.token) if self.release_held else rows[self.held.token])
             held = held.replace(dict(held.blocks))      # its own dict: a store's chunk is never emptied
-            held = ctx.precondition_held(self.target.op, held, space, consume=self.release_held)
+            held = held.replace(unflatten(ctx.state.results[self.applied], space)) if self.applied is not None \
+                else ctx.precondition_held(self.target.op, held, space, consume=self.release_held)
         return ScoreAccumulator(held, space, self.kernels, ctx.trace, normalize_streamed=self.normalize_streamed,
                                 slice_elements=self.slice_elements, buffer_bytes=self.buffer_bytes,
                                 token_block=self.token_block)
