@@ -166,7 +166,7 @@ class Explain:
                    "batch_size": p.batch_size, "flops": p.cost.flops, "seconds": p.seconds,
                    "peak_bytes": p.cost.peak_bytes, "note": p.note}
             if hasattr(self.executor, "describe_pass"):   # where the plan placed it
-                row["distributed"] = self.executor.describe_pass(p, (*self.plan.placement, None)[i])
+                row["distributed"] = self.executor.describe_pass(p, dict(enumerate(self.plan.placement)).get(i))
             if i < len(self.analyzed):
                 stats = self.analyzed[i]
                 row["measured_seconds"] = stats["seconds"]
