@@ -43,12 +43,13 @@ def _size(path: Path) -> int:
 
 def describe_store(path) -> dict:
     """A JSON-able description of the store at ``path`` (its attributes and progress)."""
+    from ..errors import StoreNotFoundError
     from ..store import layout
     from .provenance import ATTRIBUTE
 
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"no store at {path}")
+        raise StoreNotFoundError(f"no store at {path}")
     attrs = layout.read_attrs(path)
     if attrs is None:
         try:
