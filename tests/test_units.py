@@ -116,6 +116,8 @@ def test_a_refusals_suggested_budget_is_what_it_says_and_plans():
     assert 1.25 * need <= parse_bytes(suggested) <= 1.25 * need + 10**6    # rounded up to whole MB, decimal
     with ga.options(memory_budget=suggested):                            # applied as written: it plans
         assert plan(S.expr).options.memory_budget == parse_bytes(suggested)
+    with pytest.raises(ga.MemoryBudgetError, match=r"would fit under explain\(memory_budget='\d+MB'\)"):
+        S.explain(memory_budget="2kB")        # a budget given to explain() is changed there (Budget.setting)
     for need in (3.3e5, 7.4e8, 7.99e8, 8.01e8, 7.45e9, 1.7e11):
         got = parse_bytes(suggest_budget(need))
         assert 1.25 * need <= got <= 1.25 * need + (10**6 if 1.25 * need < 1e9 else 10**8), (need, got)
