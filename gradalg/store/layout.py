@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import IdMismatchError, MissingLibraryError, OptionError, StoreIncompleteError, StoreMismatchError, StoreNotFoundError
+from ..errors import (IdMismatchError, MissingLibraryError, OptionError, StoreIncompleteError, StoreMismatchError,
+                      StoreNotFoundError)
 from . import integrity
 
 if TYPE_CHECKING:                 # xarray loads when a result is made (about 76 MB)
