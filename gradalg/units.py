@@ -25,7 +25,7 @@ from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
 
 from .errors import OptionError
 
-__all__ = ["parse_bytes", "format_bytes", "si", "UNITS_HELP"]
+__all__ = ["parse_bytes", "format_bytes", "si"]
 
 #: how a byte quantity is written, for error messages
 UNITS_HELP = ("a number of bytes or a string like '8GB' (decimal: 8·10⁹ bytes) or '8GiB' (binary: 8·2³⁰ bytes); "
