@@ -174,7 +174,7 @@ class _Displayed:
             if memory_budget is not None:
                 # a string ("4GB") is parsed by Options, like ga.options(memory_budget=...)
                 options = _replace(options, memory_budget=memory_budget)
-                budget = Budget(options.memory_budget, "explain(memory_budget=...)")
+                budget = Budget(options.memory_budget, "explain(memory_budget=...)", setting="explain")
             elif is_here(device):   # "cpu", "cuda:0": the options' budget, or this machine's
                 budget = resolve_budget(options, device)
             else:   # hardware one plans for: device_memory_fraction of one device's memory

@@ -38,6 +38,7 @@ __all__ = [
     "PartialGradientError",
     "LayerNameError",
     "StoreNotFoundError",
+    "MissingLibraryError",
 ]
 
 
@@ -151,6 +152,11 @@ class StoreIncompleteError(GradalgError, RuntimeError):
 
 class StoreNotFoundError(GradalgError, FileNotFoundError):
     """No store at the path given (``ga.store.open``, ``ga.store.verify``, ``gradalg inspect``)."""
+
+
+class MissingLibraryError(GradalgError, ImportError):
+    """An optional library this feature needs is not installed; the message names the
+    ``pip install`` that adds it (the command line exits 6). Also an ``ImportError``."""
 
 
 class StoreCorruptError(GradalgError, OSError):

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field, fields, replace
 
 from .errors import OptionError
+from .units import UNITS_HELP, parse_bytes
 
 __all__ = ["Options", "options", "get_options", "plain"]
 
@@ -26,22 +27,6 @@ def plain(value):
     if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():
         return value.item()
     return value
-
-
-def _parse_bytes(value) -> int:
-    if isinstance(value, (int, float)):
-        if value != value or value in (float("inf"), float("-inf")):
-            raise OptionError(f"not a finite number of bytes: {value!r}")
-        return int(value)
-    if not isinstance(value, str):
-        raise OptionError(f"not a number of bytes: {value!r}")
-    text = str(value).strip().upper().replace(" ", "")
-    units = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40, "K": 2**10, "M": 2**20,
-             "G": 2**30, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "B": 1}
-    for unit in sorted(units, key=len, reverse=True):
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * units[unit])
-    return int(float(text))
 
 
 PROGRESS_MODES = (True, False, "auto", "bar", "lines", "off")
@@ -88,11 +73,13 @@ class Options:
         rows, stored rows, curvature statistics, projection matrices and tables, and each
         batch's captured factors, activations and working rows (the planner's counted
         bytes; the model's weights, the data and the framework are already resident, and
-        not counted). Accepts ``"4GB"``-style strings (binary units). ``None`` (default):
+        not counted). Accepts strings in one convention with every byte count gradalg prints
+        (:mod:`gradalg.units`, dask's): ``"4GB"`` is 4·10⁹ bytes, ``"4GiB"`` 4·2³⁰, so a
+        budget copied from a plan or a refusal is the number shown. ``None`` (default):
         ``memory_fraction`` of the memory available when the plan is made — the device's
         free memory (``torch.cuda.mem_get_info``) for a model on CUDA, else ``MemAvailable``
         of ``/proc/meminfo`` (``psutil``'s available memory where there is no
-        ``/proc/meminfo``; 2 GiB where neither exists). The plan shows the budget and where
+        ``/proc/meminfo``; 2 GB where neither exists). The plan shows the budget and where
         it came from (:mod:`gradalg.plan.budget`; ``ga.plan.budget.resolve_budget(
         ga.get_options()).describe()`` is the one a plan made now would get), and
         ``TorchDistributed`` ranks take the smallest rank's.
@@ -227,7 +214,8 @@ class Options:
         coordinates would need 425 MB of SJLT tables and each layer's gradient formed.
         Shown in the same decision.
     reuse_buffer_bytes : int
-        Streamed factored blocks at least this large are materialized into one buffer
+        (This and the two ``..._bytes`` options above also take strings like ``"1GiB"``,
+        as ``memory_budget`` does.) Streamed factored blocks at least this large are materialized into one buffer
         reused across blocks and chunks (fresh tensors above the allocator's mmap
         threshold cost page faults); smaller ones are allocated as usual. Shown in each
         dense kernel decision over factored rows.
@@ -293,9 +281,9 @@ class Options:
     vocabulary_layers_max: int = 4096
     projection_slice_elements: int = 2**26
     dense_curvature_dim: int = 4096
-    dense_projection_bytes: int = 2**30
-    sjlt_table_bytes: int = 2**28
-    reuse_buffer_bytes: int = 2**20
+    dense_projection_bytes: int | str = 2**30
+    sjlt_table_bytes: int | str = 2**28
+    reuse_buffer_bytes: int | str = 2**20
     release_growth: float = 1.25
     batch_tokens: int | None = None
     device_memory_fraction: float = 0.4
@@ -307,18 +295,12 @@ class Options:
             object.__setattr__(self, f.name, plain(getattr(self, f.name)))
         if not isinstance(self.batch_size, int) or isinstance(self.batch_size, bool) or self.batch_size < 1:
             raise OptionError(f"batch_size must be a positive int, got {self.batch_size!r}")
-        if self.memory_budget is not None:
-            if isinstance(self.memory_budget, bool):
-                raise OptionError(f"memory_budget must be a number of bytes, a string like '4GB' or None (a "
-                                  f"fraction of the machine's memory), got {self.memory_budget!r}")
-            try:
-                budget = _parse_bytes(self.memory_budget)
-            except (TypeError, ValueError, OverflowError) as err:
-                raise OptionError(f"memory_budget must be a number of bytes, a string like '4GB' or None (a "
-                                  f"fraction of the machine's memory), got {self.memory_budget!r}") from err
-            object.__setattr__(self, "memory_budget", budget)
-            if self.memory_budget <= 0:
-                raise OptionError(f"memory_budget must be positive, got {self.memory_budget!r}")
+        for name in BYTE_OPTIONS:   # "8GB" = 8·10⁹, "8GiB" = 8·2³⁰, a number: bytes (gradalg.units)
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, parse_bytes(getattr(self, name), name))
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise OptionError(f"memory_budget must be positive ({UNITS_HELP}) or None (a fraction of the "
+                              f"machine's memory), got {self.memory_budget!r}")
         if not isinstance(self.ghost, str) or self.ghost not in ("auto", "always", "never"):
             raise OptionError(f"ghost must be 'auto', 'always' or 'never', got {self.ghost!r}")
         if self.progress not in PROGRESS_MODES or not isinstance(self.progress, (bool, str)):
@@ -370,13 +352,18 @@ class Options:
         above = self.release_memory_above
         if isinstance(above, str):
             try:
-                above = _parse_bytes(above)
+                above = parse_bytes(above, "release_memory_above")
             except (TypeError, ValueError, OverflowError, OptionError):
                 above = None
         if isinstance(above, bool) or not isinstance(above, (int, float)) or not 0 <= above <= float("inf"):
             raise OptionError(f"release_memory_above must be a number of bytes >= 0, a string like '1MB', or "
                               f"float('inf') (never return free memory), got {self.release_memory_above!r}")
         object.__setattr__(self, "release_memory_above", above)
+
+
+#: the options that are byte quantities: each accepts a number or a string in
+#: :mod:`gradalg.units`' convention (``"8GB"``, ``"8GiB"``) and holds an int
+BYTE_OPTIONS = ("memory_budget", "dense_projection_bytes", "sjlt_table_bytes", "reuse_buffer_bytes")
 
 
 #: ``batch_tokens``'s default for a model on the CPU (``Options.batch_tokens``)

@@ -492,6 +492,15 @@ def test_help_and_exit_codes_without_pydantic(workdir, capsys, monkeypatch):
     assert "pip install 'gradalg[cli]'" in capsys.readouterr().err
 
 
+def test_exit_codes_follow_the_error_types_not_their_wording():
+    from gradalg.cli.codes import MISSING_LIBRARY, RUN_REFUSED, STORE_UNUSABLE, exit_code
+
+    assert exit_code(ga.errors.MissingLibraryError("x needs y: pip install 'gradalg[z]'")) == MISSING_LIBRARY
+    assert exit_code(ga.errors.StoreNotFoundError("somewhere")) == STORE_UNUSABLE
+    assert exit_code(FileNotFoundError("no store at x")) == 1       # a file the command did not expect: a bug
+    assert exit_code(ga.errors.MemoryBudgetError("pip install more memory")) == RUN_REFUSED
+
+
 def test_explain_reads_no_weights(workdir, capsys, tmp_path):
     """A checkpoint folder with a config.json and no weights: explain plans it (the model
     is built on the meta device), build says from_pretrained failed (exit 2)."""

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import gradalg as ga
-from gradalg.plan import DecisionKind
+from gradalg.plan import DecisionKind, DecisionSource
 from gradalg.plan import cost as C
 from gradalg.plan import shapes as S
 from gradalg.plan import devices, estimates as E
@@ -429,7 +429,10 @@ def test_ghost_or_dense_is_the_faster_kernel_by_the_device_profile(device, chose
     with ga.options(batch_size=8, ghost="never" if chosen == "ghost" else "always"):
         forced = plan(S.expr, device=device).decisions.one(
             DecisionKind.KERNEL, block="transformer.h.0.attn.c_attn")
-    assert forced.chosen != chosen and forced.alternatives == d.alternatives and "forced" in forced.reason
+    assert forced.chosen != chosen and forced.alternatives == d.alternatives
+    mode = "never" if chosen == "ghost" else "always"
+    assert (forced.source, forced.setting) == (DecisionSource.OPTIONS, f"ghost={mode!r}")
+    assert d.source is DecisionSource.PLANNER
 
 
 def test_kernel_costs_count_the_held_side_once_and_each_chunk():

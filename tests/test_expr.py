@@ -342,7 +342,8 @@ def test_options_validation():
 
 
 def test_options_parse_memory_sizes():
-    for text, expected in (("4GB", 4 * 2**30), ("512 MiB", 512 * 2**20), ("1.5k", 1536), (1000, 1000)):
+    # decimal units are powers of 1000, binary (…iB) powers of 1024 (the full table: tests/test_units.py)
+    for text, expected in (("4GB", 4 * 10**9), ("512 MiB", 512 * 2**20), ("1.5k", 1500), (1000, 1000)):
         with ga.options(memory_budget=text):
             assert ga.get_options().memory_budget == expected
 

@@ -5,6 +5,7 @@ choices, kernels) and never re-decides; each threshold option changes the plan a
 from __future__ import annotations
 
 import functools
+import pickle
 import os
 import sys
 
@@ -13,7 +14,7 @@ import torch
 
 import gradalg as ga
 from gradalg.capture.chunks import flatten
-from gradalg.plan import Choices, DecisionKind
+from gradalg.plan import Choices, DecisionKind, DecisionSource
 from gradalg.plan.jobs import CollectJob, DiagJob, EKFACJob, FisherJob, GroupJob, KFACJob, ScoresJob, StoreJob
 from gradalg.plan.planner import plan
 
@@ -184,7 +185,8 @@ def test_rows_a_pass_cannot_keep_beside_its_statistics_are_read_again():
     fallback = [d for d in p.decisions.of(DecisionKind.STORE) if d.subject == "memory budget"]
     assert len(fallback) == 1 and fallback[0].chosen == "recompute"
     assert fallback[0].alternatives["store"].startswith("refused") and fallback[0].alternatives["recompute"] > 0
-    assert all("forced by Choices" not in d.reason for d in p.decisions.of(DecisionKind.STORE))
+    # forced to recompute by the planner's own fallback, not by the caller: typed as the planner's
+    assert all(d.source is DecisionSource.PLANNER and d.setting == "" for d in p.decisions.of(DecisionKind.STORE))
     torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
 
 
@@ -201,16 +203,47 @@ def test_forced_choices_are_obeyed_and_recorded():
     torch.testing.assert_close(run(S, ex), want, **TOL)
     p = ex.last_plan
     d = p.decisions.one(DecisionKind.STORE)
-    assert d.chosen == "recompute" and "forced by Choices(store='never')" in d.reason
+    assert d.chosen == "recompute" and d.forced
+    assert (d.source, d.setting) == (DecisionSource.CHOICES, "store='never'")
+    assert d.explanation() == f"forced by Choices(store='never'); {d.reason}"     # rendered from the fields
+    assert pickle.loads(pickle.dumps(d)) == d and d.to_dict()["source"] == "choices"
     assert StoreJob not in job_classes(p) and p.data_passes == 3
+    held = p.decisions.one(DecisionKind.HELD_SIDE)
+    assert held.chosen == "left (query) rows" and (held.source, held.setting) == (DecisionSource.CHOICES, "held='left'")
     # the training rows held (collected beside the Fisher), the queries streamed
     ex = ga.LocalExecutor(choices=Choices(held="right"))
     torch.testing.assert_close(run(S, ex), want, **TOL)
     p = ex.last_plan
     d = p.decisions.one(DecisionKind.HELD_SIDE)
-    assert d.chosen == "right (training) rows" and "forced by Choices(held='right')" in d.reason
+    assert d.chosen == "right (training) rows" and (d.source, d.setting) == (DecisionSource.CHOICES, "held='right'")
     (job,) = [j for step in p.passes for j in step.jobs if isinstance(j, ScoresJob)]
     assert job.transposed and job.held == G.expr and job.streams == (Q.expr,)
+
+
+def test_decisions_forced_by_options_are_typed_and_the_planners_own_are_not():
+    s = setup()
+    G, Q = grads(s), grads(s, which="query")
+    S = Q @ G.T
+    want = s["RQ"] @ s["R"].T
+    with ga.options(ghost="always"):
+        ex = ga.LocalExecutor()
+        torch.testing.assert_close(run(S, ex), want, **TOL)
+    kernels = ex.last_plan.decisions.of(DecisionKind.KERNEL)
+    assert kernels and all((d.chosen, d.source, d.setting) == ("ghost", DecisionSource.OPTIONS, "ghost='always'")
+                           for d in kernels)
+    assert all(d.to_dict()["reason"] == "forced by ga.options(ghost='always'); " + d.reason for d in kernels)
+    with ga.options(row_storage="flat"):
+        ex = ga.LocalExecutor()
+        torch.testing.assert_close(run(S, ex), want, **TOL)
+    stored = ex.last_plan.decisions.of(DecisionKind.HELD_STORAGE)
+    assert stored and all((d.source, d.setting) == (DecisionSource.OPTIONS, "row_storage='flat'") for d in stored)
+    ex = ga.LocalExecutor()
+    torch.testing.assert_close(run(S, ex), want, **TOL)
+    p = ex.last_plan
+    assert p.decisions and all(d.source is DecisionSource.PLANNER and not d.forced and d.setting == ""
+                               and d.explanation() == d.reason for d in p.decisions)
+    with pytest.raises(ga.plan.PlanError, match="names its setting"):
+        p.decisions[0].__class__(DecisionKind.STORE, "x", "store", {}, source=DecisionSource.CHOICES)
 
 
 def test_normalization_of_the_streamed_side_is_a_decision_the_sink_follows():

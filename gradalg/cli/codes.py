@@ -42,8 +42,8 @@ EXIT_CODES = {
 
 def exit_code(err: BaseException) -> int:
     """The exit code of an error raised by a command."""
-    from ..errors import (GradalgError, OptionError, StoreCorruptError, StoreIncompleteError, StoreMismatchError,
-                          StoreNotFoundError, UnsupportedLayerError)
+    from ..errors import (GradalgError, MissingLibraryError, OptionError, StoreCorruptError, StoreIncompleteError,
+                          StoreMismatchError, StoreNotFoundError, UnsupportedLayerError)
     from .errors import ConfigError, OutputExistsError
 
     if isinstance(err, SystemExit):
@@ -54,10 +54,10 @@ def exit_code(err: BaseException) -> int:
         return REFUSED
     if isinstance(err, (StoreIncompleteError, StoreCorruptError, StoreNotFoundError)):
         return STORE_UNUSABLE
+    if isinstance(err, MissingLibraryError):     # by type: gradalg's own, naming the pip extra
+        return MISSING_LIBRARY
     if isinstance(err, GradalgError):
         return RUN_REFUSED
-    if isinstance(err, FileNotFoundError) and "no store at" in str(err):
-        return STORE_UNUSABLE
-    if isinstance(err, ImportError) and "pip install" in str(err):
+    if isinstance(err, ImportError) and "pip install" in str(err):   # another library's own install hint
         return MISSING_LIBRARY
     return FAILED

@@ -42,8 +42,9 @@ def load(args):
     try:
         from .config import load_config
     except ImportError as err:
-        raise ImportError(f"the gradalg command line reads configs with pydantic ({err.name} is missing): "
-                          "pip install 'gradalg[cli]'") from err
+        from ..errors import MissingLibraryError
+        raise MissingLibraryError(f"the gradalg command line reads configs with pydantic ({err.name} is missing): "
+                                  "pip install 'gradalg[cli]'") from err
 
     cfg = load_config(args.config, args.overrides)
     log.debug("config %s (sha256 %s)", cfg.source, cfg.text_digest)

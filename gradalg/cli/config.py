@@ -286,7 +286,8 @@ class Config(Section):
     method: MethodSection | None = None
     score: ScoreSection | None = None
     executor: ExecutorSection = Field(default_factory=ExecutorSection)
-    options: dict[str, Any] = Field(default_factory=dict, description="ga.options (batch_size, memory_budget, ...)")
+    options: dict[str, Any] = Field(default_factory=dict, description="ga.options (batch_size, memory_budget: "
+                                    "bytes, '8GB' = 8·10⁹, '8GiB' = 8·2³⁰, ...)")
 
     # not part of the file: where it came from (set by load_config)
     _source: str | None = PrivateAttr(None)
@@ -314,10 +315,16 @@ class Config(Section):
         from ..options import Options
         from dataclasses import fields
 
+        from ..errors import OptionError
+
         valid = {f.name for f in fields(Options)}
         unknown = sorted(set(v) - valid)
         if unknown:
             raise ConfigError(f"unknown ga.options {unknown}; valid: {sorted(valid)}")
+        try:   # values checked when the file is read, as ga.options would ("8GB" = 8·10⁹ bytes)
+            Options(**v)
+        except OptionError as err:
+            raise ConfigError(str(err)) from None
         return v
 
     def resolve(self, path: str | None) -> str | None:

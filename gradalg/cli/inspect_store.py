@@ -12,6 +12,7 @@ import logging
 import sys
 from pathlib import Path
 
+from ..units import format_bytes
 from .common import command_parser
 
 __all__ = ["add_parser", "run", "describe_store"]
@@ -42,12 +43,13 @@ def _size(path: Path) -> int:
 
 def describe_store(path) -> dict:
     """A JSON-able description of the store at ``path`` (its attributes and progress)."""
+    from ..errors import StoreNotFoundError
     from ..store import layout
     from .provenance import ATTRIBUTE
 
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"no store at {path}")
+        raise StoreNotFoundError(f"no store at {path}")
     attrs = layout.read_attrs(path)
     if attrs is None:
         try:
@@ -96,7 +98,7 @@ def _text(d: dict) -> str:
         state = "complete" if d["complete"] else "UNFINISHED (run the same command again to finish it)"
         lines.append(f"  chunks      {d['chunks']['done']}/{d['chunks']['total']} written ({d.get('chunk_rows')} "
                      f"rows each): {state}")
-    lines.append(f"  on disk     {d['size_bytes'] / 2**20:,.2f} MiB")
+    lines.append(f"  on disk     {format_bytes(d['size_bytes'])}")
     if d.get("expression"):
         lines.append(f"  expression  {d['expression']}")
     for key in ("projector", "layers", "objective", "backend", "model_fingerprint"):

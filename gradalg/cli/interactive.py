@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 from .common import load, options_for
+from ..errors import MissingLibraryError
 from .errors import ConfigError, OutputExistsError
 
 __all__ = ["run_interactive", "loop", "HELP"]
@@ -56,7 +57,8 @@ def _tokenizer(cfg, args):
     try:
         from transformers import AutoTokenizer
     except ImportError:
-        raise ImportError("gradalg query --interactive tokenizes with transformers: pip install 'gradalg[hf]'") from None
+        raise MissingLibraryError("gradalg query --interactive tokenizes with transformers: "
+                                  "pip install 'gradalg[hf]'") from None
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as err:

@@ -86,10 +86,10 @@ def open_store(path, cfg):
     from pathlib import Path
 
     import gradalg as ga
-    from ..errors import StoreIncompleteError
+    from ..errors import StoreIncompleteError, StoreNotFoundError
 
     if not Path(path).exists():
-        raise FileNotFoundError(f"no store at {path} (store.path): build it first with "
+        raise StoreNotFoundError(f"no store at {path} (store.path): build it first with "
                                 f"`gradalg build -c {cfg.source}`")
     try:
         return ga.store.open(path)

@@ -37,7 +37,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..capture.chunks import Chunk, concat_chunks
-from ..errors import MemoryBudgetError, OptionError
+from ..errors import MemoryBudgetError, MissingLibraryError, OptionError
 from ..expr import Captured, GradNode, OpNode, ScoreDiagonal, ScoreNode, Source
 from ..options import Options, get_options
 from ..plan.budget import resolve_budget, with_note
@@ -261,5 +261,5 @@ def get_executor(executor=None, **kwargs) -> Executor:
         try:
             import_module(needs[0])
         except ImportError as err:
-            raise ImportError(f"the {name} executor needs {needs[0]}: {needs[1]}") from err
+            raise MissingLibraryError(f"the {name} executor needs {needs[0]}: {needs[1]}") from err
     return getattr(import_module(f"{__package__}.{module}"), cls)(**kwargs)

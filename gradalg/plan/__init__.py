@@ -2,8 +2,8 @@
 from ..errors import PlanError
 from .choices import Choices
 from .cost import Cost
-from .decisions import Decision, DecisionKind
+from .decisions import Decision, DecisionKind, DecisionSource
 from .jobs import TopK
 from .planner import estimate
 
-__all__ = ["Choices", "Cost", "Decision", "DecisionKind", "PlanError", "TopK", "estimate"]
+__all__ = ["Choices", "Cost", "Decision", "DecisionKind", "DecisionSource", "PlanError", "TopK", "estimate"]

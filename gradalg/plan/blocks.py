@@ -11,7 +11,7 @@ from ..expr import AdamPrecondition, Captured, GradNode, Inner, Normalize, Preco
 from ..expr.lowrank import lowrank_below
 from . import estimates
 from .cost import _si
-from .decisions import Decision, DecisionKind
+from .decisions import Decision, DecisionKind, DecisionSource
 from .facts import Facts, data_positions, positions_known
 from .lower import ROW_WISE, stream_root
 from .memory import positions, rows_bytes
@@ -78,15 +78,17 @@ def storage_decision(node: GradNode, kept: dict, kind: DecisionKind, facts: Fact
         f"{k} for {sum(kept[b.name] == k for b in factored)} block(s)" for k in kinds)
     mode, T = facts.options.row_storage, positions(node, facts.shapes)
     why = ("per block the smaller of its factors, T·(in + out) numbers per row, and its flat "
-           "gradient, out·in" if mode == "auto" else f"forced by ga.options(row_storage={mode!r})")
+           "gradient, out·in" if mode == "auto" else "")
     if mode == "auto" and kind is DecisionKind.HELD_STORAGE and any(
             kept[b.name] == "flat" and T[b.name] * sum(b.shape) < b.dim for b in factored):
         why += "; flat where the block's kernel is dense (it multiplies the flat rows: not kept twice)"
     if facts.options.ghost == "always":
-        why += "; factors kept for ghost kernels (ga.options(ghost='always'))"
+        why += ("; " if why else "") + "factors kept for ghost kernels (ga.options(ghost='always'))"
     sizes = {how: f"{_si(rows_bytes(node, {**kept, **{b.name: how for b in factored}}, facts))}B"
              for how in ("factors", "flat")}
-    return Decision(kind, node.token, chosen, sizes, why, label=repr(node.label))
+    return Decision(kind, node.token, chosen, sizes, why, label=repr(node.label),
+                    source=DecisionSource.PLANNER if mode == "auto" else DecisionSource.OPTIONS,
+                    setting="" if mode == "auto" else f"row_storage={mode!r}")
 
 
 def low_rank_decision(held: GradNode, facts: Facts) -> Decision | None:
@@ -135,26 +137,27 @@ def _block_positions(node: GradNode, b, facts: Facts) -> str:
 
 
 def _fixed_kernel(inner: Inner, held_storage: str, known: bool, facts: Facts) -> tuple | None:
-    """``(chosen, alternatives, reason)`` of a factored block whose kernel is not a costed
+    """``(chosen, alternatives, reason, "")`` of a factored block whose kernel is not a costed
     choice: dense for a preconditioned product or flat held rows, "when run" while the
     positions per example are unmeasured (an executor measures them and plans again)."""
     if not inner.op.is_identity:
         return ("dense", {"ghost": "unavailable", "dense": "the preconditioned held rows"},
                 "H·L_i of a preconditioned product is not a product of the factors of L_i: the held "
-                "rows are materialized once, preconditioned, and multiplied with each streamed chunk")
+                "rows are materialized once, preconditioned, and multiplied with each streamed chunk", "")
     if held_storage != "factors":
         return ("dense", {"ghost": "needs the held factors", "dense": "the flat held rows"},
-                "the held rows of this block are kept flat (see their storage decision)")
+                "the held rows of this block are kept flat (see their storage decision)", "")
     if facts.options.ghost == "auto" and not known and not facts.for_run:
         return ("when run", {"ghost": "needs T", "dense": "needs T"},
                 "the positions per example (T) of this layer are not known from the data's shape: "
-                "an executor measures them (one meta-device forward) and decides before the run")
+                "an executor measures them (one meta-device forward) and decides before the run", "")
     return None
 
 
-def _costed(held, streamed, b, TL: int, TR: int, known: bool, facts: Facts) -> tuple[str, dict, str]:
-    """``(chosen, {"ghost": s, "dense": s}, reason)``: both kernels priced by the
-    calibrated cost model on the device profile, as the scores job costs them."""
+def _costed(held, streamed, b, TL: int, TR: int, known: bool, facts: Facts) -> tuple[str, dict, str, str]:
+    """``(chosen, {"ghost": s, "dense": s}, reason, setting)``: both kernels priced by the
+    calibrated cost model on the device profile, as the scores job costs them; ``setting``
+    is ``"ghost='always'"`` / ``"ghost='never'"`` where the option forced the kernel, else ``""``."""
     o, device, mode = facts.options, facts.device, facts.options.ghost
     out_f, in_f = b.shape
     costs = estimates.kernel_costs(held.n, streamed.n, o.batch_size, TL, TR, in_f, out_f, facts.elem)
@@ -166,12 +169,13 @@ def _costed(held, streamed, b, TL: int, TR: int, known: bool, facts: Facts) -> t
     else:
         chosen = "ghost" if (mode == "always" or (mode == "auto" and ghost <= dense)) else "dense"
         why = (f"T={TL}/{TR}, in={in_f}, out={out_f}, {held.n}×{streamed.n} pairs in chunks of "
-               f"{min(o.batch_size, streamed.n)}: the faster by the device profile ({device.name})"
-               + ("" if mode == "auto" else f" (forced by ga.options(ghost={mode!r}))"))
+               f"{min(o.batch_size, streamed.n)}: "
+               + (f"the faster by the device profile ({device.name})" if mode == "auto"
+                  else f"both priced by the device profile ({device.name})"))
     why += (f"; in slices of at most {o.ghost_slice_elements:,} elements, pairs of blocks of {o.token_block} "
             "positions" if chosen == "ghost" else
             f"; streamed blocks of {_si(o.reuse_buffer_bytes)}B or more are materialized into one reused buffer")
-    return chosen, {"ghost": ghost, "dense": dense}, why
+    return chosen, {"ghost": ghost, "dense": dense}, why, "" if mode == "auto" else f"ghost={mode!r}"
 
 
 def kernels(held: GradNode, streamed: GradNode, inner: Inner, facts: Facts) -> tuple[dict, list]:
@@ -189,7 +193,10 @@ def kernels(held: GradNode, streamed: GradNode, inner: Inner, facts: Facts) -> t
                 _costed(held, streamed, b, P_h[b.name], P_s[b.name], known, facts)
             if "estimated" in how and chosen[0] in ("ghost", "dense"):
                 chosen = (*chosen[:2], chosen[2] + "; this expert's T is the balanced-routing estimate (no "
-                          "model run): a run measures the routing of the first chunk and decides again")
+                          "model run): a run measures the routing of the first chunk and decides again", chosen[3])
             out[b.name] = chosen[0]
-            decisions.append(Decision(DecisionKind.KERNEL, inner.token, *chosen, block=b.name, label=inner.label))
+            kernel, alternatives, why, setting = chosen
+            decisions.append(Decision(DecisionKind.KERNEL, inner.token, kernel, alternatives, why, block=b.name,
+                                      label=inner.label, setting=setting,
+                                      source=DecisionSource.OPTIONS if setting else DecisionSource.PLANNER))
     return out, decisions

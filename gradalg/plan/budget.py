@@ -7,7 +7,7 @@ the budget is measured when the plan is made::
     available = free memory of the model's CUDA device   torch.cuda.mem_get_info
               | min(MemAvailable, cgroup room)            /proc/meminfo, /sys/fs/cgroup (Linux)
               | psutil.virtual_memory().available         where psutil is installed
-              | 2 GiB, "free memory unknown"               elsewhere
+              | 2 GB, "free memory unknown"                elsewhere
 
 What the budget bounds: the bytes the planner counts for a pass (held and stored rows,
 curvature statistics, projection matrices and index tables, and a batch's captured
@@ -40,8 +40,9 @@ import math
 import os
 from dataclasses import dataclass
 
+from ..errors import PlanError
 from ..options import Options
-from .cost import _si
+from ..units import format_bytes
 
 __all__ = ["Budget", "resolve_budget", "device_budget", "is_here", "available_memory", "budget_bytes",
            "refusal_note", "with_note", "suggest_budget", "FALLBACK_BYTES", "MEMINFO", "CGROUP_ROOT",
@@ -56,7 +57,7 @@ PROC_CGROUP = "/proc/self/cgroup"
 #: PAGE_COUNTER_MAX, 2^63 rounded down to a page)
 _V1_UNLIMITED = 2**60
 #: the budget's ``available`` where the machine's free memory cannot be read
-FALLBACK_BYTES = 2 * 2**30
+FALLBACK_BYTES = 2 * 10**9
 
 
 @dataclass(frozen=True)
@@ -67,27 +68,36 @@ class Budget:
     ``"explain(memory_budget=...)"``, ``"MemAvailable"``, ``"psutil"``,
     ``"free memory of cuda:0 (torch.cuda.mem_get_info)"``, ... ; ``fraction`` and
     ``available`` (bytes) when it is a fraction of a measured amount, else ``None``;
-    ``option``: the ``ga.options`` field of that fraction."""
+    ``option``: the ``ga.options`` field of that fraction; ``setting``: the call that
+    changes this budget, ``"ga.options"`` or ``"explain"`` (a budget given to
+    ``explain(memory_budget=...)``, which ``ga.options`` would not override): refusals name it."""
 
     bytes: int
     source: str
     fraction: float | None = None
     available: float | None = None
     option: str = "memory_fraction"
+    setting: str = "ga.options"
+
+    def __post_init__(self):
+        if self.setting not in ("ga.options", "explain"):
+            raise PlanError(f"Budget.setting must be 'ga.options' or 'explain', got {self.setting!r}")
 
     def describe(self) -> str:
         """``11.2 GB = 0.5 × 22.4 GB available (MemAvailable; memory_fraction)`` or
         ``2.15 GB (ga.options(memory_budget=...))``."""
         if self.fraction is None:
-            return f"{_si(self.bytes)}B ({self.source})"
+            return f"{format_bytes(self.bytes)} ({self.source})"
         if self.option == "device_memory_fraction":
-            return f"{_si(self.bytes)}B = {self.fraction:g} × {_si(self.available)}B {self.source} ({self.option})"
-        return (f"{_si(self.bytes)}B = {self.fraction:g} × {_si(self.available)}B available "
+            return (f"{format_bytes(self.bytes)} = {self.fraction:g} × {format_bytes(self.available)} "
+                    f"{self.source} ({self.option})")
+        return (f"{format_bytes(self.bytes)} = {self.fraction:g} × {format_bytes(self.available)} available "
                 f"({self.source}; {self.option})")
 
     def to_dict(self) -> dict:
         return {"bytes": self.bytes, "source": self.source, "fraction": self.fraction,
-                "available": self.available, "option": self.option, "text": self.describe()}
+                "available": self.available, "option": self.option, "setting": self.setting,
+                "text": self.describe()}
 
 
 def _meminfo_available(path: str) -> float | None:
@@ -179,7 +189,7 @@ def available_memory(device=None) -> tuple[float, str]:
         import psutil
         return float(psutil.virtual_memory().available), "psutil"
     except Exception:    # not installed, or no reading on this platform
-        return float(FALLBACK_BYTES), "free memory unknown on this platform: a fixed 2 GiB"
+        return float(FALLBACK_BYTES), "free memory unknown on this platform: a fixed 2 GB"
 
 
 def is_here(device) -> bool:
@@ -218,11 +228,13 @@ def budget_bytes(options: Options, device=None) -> int:
 
 
 def suggest_budget(need: float) -> str:
-    """A ``memory_budget`` string at least 1.25 × ``need`` (binary units, as parsed)."""
+    """A ``memory_budget`` string for at least 1.25 × ``need`` bytes, rounded up to whole
+    megabytes or tenths of a gigabyte in the units it is parsed in (decimal,
+    :mod:`gradalg.units`): ``"412MB"``, ``"9.3GB"``."""
     need = 1.25 * max(float(need), 1.0)
-    if need < 2**30:
-        return f"{math.ceil(need / 2**20)}MB"
-    return f"{math.ceil(need / 2**30 * 10) / 10:g}GB"
+    if need < 1e9:
+        return f"{math.ceil(need / 1e6)}MB"
+    return f"{math.ceil(need / 1e8) / 10:g}GB"
 
 
 def with_note(message: str, budget: Budget, need: float | None = None) -> str:
@@ -235,16 +247,16 @@ def refusal_note(budget: Budget, need: float | None = None) -> str:
     """The sentence every refusal for memory ends with: the budget, its source and how to
     change it (with ``need``, the bytes the refused step needs: values that fit it)."""
     text = f"The memory budget is {budget.describe()}"
-    # a budget given to explain() is changed there: ga.options would not override it
-    setting = "explain" if budget.source.startswith("explain(") else "ga.options"
+    setting = budget.setting
     if need is None:
-        return text + (f"; change it with {setting}(memory_budget='8GB') (bytes, or a string like '8GB')"
+        return text + (f"; change it with {setting}(memory_budget='8GB') (bytes, or a string: '8GB' is 8·10⁹ "
+                       "bytes, '8GiB' 8·2³⁰)"
                        + (f" or ga.options({budget.option}=...)" if budget.fraction is not None else "") + ".")
-    text += f"; {_si(need)}B would fit under {setting}(memory_budget={suggest_budget(need)!r})"
+    text += f"; {format_bytes(need)} would fit under {setting}(memory_budget={suggest_budget(need)!r})"
     if budget.fraction is not None and budget.available:
         fraction = math.ceil(1.25 * need / budget.available * 100) / 100
         if fraction <= 0.9:
             text += f" or ga.options({budget.option}={fraction:g})"
         else:
-            text += f" (more than the {_si(budget.available)}B available: better make the run smaller)"
+            text += f" (more than the {format_bytes(budget.available)} available: better make the run smaller)"
     return text + "."

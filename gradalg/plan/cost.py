@@ -36,6 +36,7 @@ import torch
 
 from ..capture.factors import dense_flops, ghost_flops
 from ..expr.tokens import token_rows
+from ..units import si as _si   # FLOPs and bytes: three digits, decimal prefixes
 
 __all__ = ["Cost", "first_example_shape", "tokens_hint", "data_tokens_hint", "gemm_cost", "bmm_cost",
            "gram_cost", "ghost_cost",
@@ -107,13 +108,6 @@ class Cost:
         """One line for plans: FLOPs, peak memory and passes over data."""
         return (f"~{_si(self.flops)}FLOP, peak ~{_si(self.peak_bytes)}B, "
                 f"{self.passes:g} pass(es) over data")
-
-
-def _si(x: float) -> str:
-    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if x >= scale:
-            return f"{x / scale:.3g} {unit}"
-    return f"{x:.3g} "
 
 
 # ------------------------------------------------------------------ kernel formulas

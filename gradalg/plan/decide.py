@@ -11,8 +11,9 @@ from dataclasses import dataclass, replace
 from ..errors import MemoryBudgetError
 from ..expr import GradNode, Inner, OpNode, Project, ScoreDiagonal
 from .choices import Choices
+from ..units import format_bytes
 from .cost import _si
-from .decisions import Decision, DecisionKind
+from .decisions import Decision, DecisionKind, DecisionSource
 from .facts import Facts
 from .lower import STATISTICS_JOBS, Lowered, chain, chain_ops, pass_key, stream_root
 from .jobs import CollectJob, DiagJob, Job, ScoresJob, TopKJob
@@ -106,14 +107,16 @@ class _Graph:
         hold_left, hold_right = (rows_bytes(x, storage(x, self.facts), self.facts) for x in (node.left, node.right))
         forced = self.choices.held if hold is None else hold
         transposed = forced == "right" or (forced == "auto" and hold_right < hold_left)
-        why = ("hold the side with the smaller footprint and stream the other" if forced == "auto"
-               else f"forced by Choices(held={forced!r})" if hold is None
-               else "a term of a top-k over a sum: every term streams the training side")
+        by_user = hold is None and forced != "auto"      # Choices(held=...), not a rule of the planner
+        why = ("hold the side with the smaller footprint and stream the other; " if forced == "auto"
+               else "" if by_user else "a term of a top-k over a sum: every term streams the training side; ")
         self.decisions.append(Decision(
             DecisionKind.HELD_SIDE, node.token, "right (training) rows" if transposed else "left (query) rows",
-            {"hold left": f"{hold_left / 2**20:.2f} MiB", "hold right": f"{hold_right / 2**20:.2f} MiB"},
-            why + "; H (symmetric) is applied once to the held rows"
-            + ("" if node.op.is_identity else " (precondition the held side)"), label=node.label))
+            {"hold left": format_bytes(hold_left), "hold right": format_bytes(hold_right)},
+            why + "H (symmetric) is applied once to the held rows"
+            + ("" if node.op.is_identity else " (precondition the held side)"), label=node.label,
+            source=DecisionSource.CHOICES if by_user else DecisionSource.PLANNER,
+            setting=f"held={forced!r}" if by_user else ""))
         return transposed
 
     def score_job(self, node: Inner, hold: str | None = None) -> ScoresJob:

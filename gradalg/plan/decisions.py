@@ -11,6 +11,9 @@ A :class:`Decision` is one choice the planner made, with every alternative it we
     alternatives  {name: estimated seconds (a float) or a description (a str)}, the
                   winner among them where it was costed
     reason        why the winner won, with the thresholds (``ga.options`` fields) it used
+    source        DecisionSource: who chose: the planner (by cost or a rule), or forced by
+                  the caller's ``Choices(...)`` or by a ``ga.options`` field
+    setting       the forcing setting as written, ``"store='never'"`` (``""`` for the planner)
     label         the subject as a reader names it (a node's label): display only
 
 Look decisions up by their fields, never by their wording::
@@ -18,7 +21,12 @@ Look decisions up by their fields, never by their wording::
     plan.decisions.of(DecisionKind.KERNEL, block="transformer.h.0.mlp.c_fc")   # [Decision]
     plan.decisions.one(DecisionKind.HELD_SIDE)                                 # exactly one
 
-The text and HTML of ``explain()`` are rendered from the fields (:meth:`Decision.title`).
+Code reads whether a choice was forced from ``source``, never from the wording::
+
+    [d for d in plan.decisions.of("store") if d.source is DecisionSource.CHOICES]
+
+The text and HTML of ``explain()`` are rendered from the fields (:meth:`Decision.title`,
+:meth:`Decision.explanation`: ``forced by Choices(store='never'); <reason>``).
 """
 from __future__ import annotations
 
@@ -30,7 +38,7 @@ from typing import Mapping
 from ..errors import PlanError
 from .passkeys import PassKey
 
-__all__ = ["Decision", "DecisionKind", "Decisions"]
+__all__ = ["Decision", "DecisionKind", "DecisionSource", "Decisions"]
 
 
 class DecisionKind(enum.Enum):
@@ -68,6 +76,14 @@ class DecisionKind(enum.Enum):
         return self.value.format(label=label, block=block)
 
 
+class DecisionSource(enum.Enum):
+    """Who made a decision; the value is how its explanation names the forcing call."""
+
+    PLANNER = "planner"          # by cost, or by a rule with its thresholds (in the reason)
+    CHOICES = "Choices"          # forced by the caller's Choices(...) (an executor's choices=)
+    OPTIONS = "ga.options"       # forced by a ga.options field (ghost=, row_storage=)
+
+
 @dataclass(frozen=True)
 class Decision:
     """A choice the planner made: its kind, subject and block, the winner, every
@@ -81,14 +97,35 @@ class Decision:
     reason: str = ""
     block: str | None = None
     label: str = ""
+    source: DecisionSource = DecisionSource.PLANNER
+    setting: str = ""
 
     def __post_init__(self):
         object.__setattr__(self, "kind", DecisionKind.coerce(self.kind))
         object.__setattr__(self, "alternatives", MappingProxyType(dict(self.alternatives)))
+        if not isinstance(self.source, DecisionSource):
+            raise PlanError(f"Decision.source must be a DecisionSource ({', '.join(DecisionSource.__members__)}), "
+                            f"got {self.source!r}")
+        if (self.source is DecisionSource.PLANNER) != (not self.setting):
+            raise PlanError(f"a decision forced by {self.source.value} names its setting (setting='store=...'); "
+                            f"one by the planner has none: got source={self.source.name}, setting={self.setting!r}")
 
     def __reduce__(self):      # picklable (plans travel to Dask workers): the mapping as a dict
         return (Decision, (self.kind, self.subject, self.chosen, dict(self.alternatives), self.reason,
-                           self.block, self.label))
+                           self.block, self.label, self.source, self.setting))
+
+    @property
+    def forced(self) -> bool:
+        """Whether the caller forced it (``Choices(...)`` or a ``ga.options`` field)."""
+        return self.source is not DecisionSource.PLANNER
+
+    def explanation(self) -> str:
+        """The reason as the plan shows it: ``forced by Choices(store='never'); <reason>``
+        when forced, else the reason."""
+        if not self.forced:
+            return self.reason
+        forced = f"forced by {self.source.value}({self.setting})"
+        return f"{forced}; {self.reason}" if self.reason else forced
 
     def title(self, block: str | None = None) -> str:
         """What was decided, as a reader names it: ``kernel for block 'fc1' of scores``.
@@ -98,11 +135,13 @@ class Decision:
 
     def to_dict(self) -> dict:
         """Plain data: the kind's name, the subject (a pass key as ``[kind, *fields]``, a
-        placement's as ``[index, [kind, *fields]]``), the block, the winner, the alternatives
-        and the reason."""
+        placement's as ``[index, [kind, *fields]]``), the block, the winner, the alternatives,
+        the reason as shown (:meth:`explanation`), who decided (``"planner"``, ``"choices"``,
+        ``"options"``) and the forcing setting."""
         subject = _plain(self.subject)
         return {"kind": self.kind.name.lower(), "subject": subject, "block": self.block, "what": self.title(),
-                "chosen": self.chosen, "alternatives": dict(self.alternatives), "reason": self.reason}
+                "chosen": self.chosen, "alternatives": dict(self.alternatives), "reason": self.explanation(),
+                "source": self.source.name.lower(), "setting": self.setting}
 
 
 def _plain(subject):

@@ -155,10 +155,10 @@ def projection_map_decisions(node, options) -> list[Decision]:
                                         "gradient formed)"}
         verdict = [f"a dense ({p.k}, {d}) matrix takes {_gb(dense)} GB, "
                    + ("over" if dense > options.dense_projection_bytes else "within")
-                   + f" ga.options(dense_projection_bytes={_gb(options.dense_projection_bytes)} GB)",
+                   + f" ga.options(dense_projection_bytes='{_gb(options.dense_projection_bytes)}GB')",
                    f"SJLT tables {_gb(tables)} GB, "
                    + ("over" if tables > options.sjlt_table_bytes else "within")
-                   + f" ga.options(sjlt_table_bytes={_gb(options.sjlt_table_bytes)} GB)"]
+                   + f" ga.options(sjlt_table_bytes='{_gb(options.sjlt_table_bytes)}GB')"]
         rows.append(Decision(
             DecisionKind.PROJECTION_MAP, p.token, p.map, alternatives,
             "; ".join(verdict) + " (trak and less default to the dense map within the first, the SJLT "

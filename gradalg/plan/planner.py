@@ -21,7 +21,8 @@ from .budget import Budget, resolve_budget, with_note
 from .choices import Choices
 from .cost import Cost
 from .decide import decide
-from .decisions import Decision, DecisionKind, Decisions
+from ..units import format_bytes
+from .decisions import Decision, DecisionKind, DecisionSource, Decisions
 from .devices import DeviceProfile, profile
 from .facts import facts as find_facts
 from .lower import ROW_WISE, STATISTICS_JOBS, chain_ops, lower, stream_root  # noqa: F401 (exec reads)
@@ -175,17 +176,18 @@ def _recomputed(err: MemoryBudgetError, scheduled, graph, known, simplified, cho
            "each is read again where it is needed")
     before = {d.subject: d for d in scheduled.decisions if d.kind == DecisionKind.STORE}
 
-    def shown(d: Decision) -> Decision:       # not forced by the user: say why each is read again
-        if d.kind != DecisionKind.STORE or "forced by Choices" not in d.reason:
+    def shown(d: Decision) -> Decision:       # forced here, not by the user: say why each is read again
+        if d.kind != DecisionKind.STORE or d.source is not DecisionSource.CHOICES:
             return d
         if d.subject in scheduled.stored:
-            return replace(d, reason="a later job needs these rows after statistics from the same pass; " + why)
+            return replace(d, reason="a later job needs these rows after statistics from the same pass; " + why,
+                           source=DecisionSource.PLANNER, setting="")
         return before.get(d.subject, d)       # read again anyway (by cost or the store cap)
     decisions = [shown(d) for d in decisions]
     needed = getattr(err, "needed", None)
     decisions.append(Decision(
         DecisionKind.STORE, "memory budget", "recompute",
-        {"store": f"refused: {needed / 1e9:.2f} GB needed" if needed else "refused: over the memory budget",
+        {"store": f"refused: {format_bytes(needed)} needed" if needed else "refused: over the memory budget",
          "recompute": sum(p.seconds for p in passes)},
         "rows kept for a later pass would not fit beside the pass that reads them; read again instead "
         "(the same rows: exact)", label="rows stored for later passes (under the memory budget)"))

@@ -14,7 +14,8 @@ from . import estimates
 from .choices import Choices
 from .cost import Cost, _si
 from .decide import JobGraph
-from .decisions import Decision, DecisionKind
+from ..units import format_bytes
+from .decisions import Decision, DecisionKind, DecisionSource
 from .facts import Facts
 from .lower import ROW_WISE, chain_contains, pass_key, stream_root
 from .jobs import StoreJob
@@ -123,14 +124,17 @@ def _store_or_recompute(node, remaining: dict, facts: Facts, choices: Choices,
     why = (f"fits under the store cap, {store_cap(o)}, and costs less than reading the data again"
            if choice == "store" else f"would exceed the store cap, {store_cap(o)}" if not fits else
            f"fits under the store cap, {store_cap(o)}, but moving the rows costs more than recapturing them")
+    source, setting = DecisionSource.PLANNER, ""
     if choices.store != "auto":
-        choice, why = "store" if choices.store == "always" else "recompute", f"forced by Choices(store={choices.store!r})"
+        choice, source, setting = "store" if choices.store == "always" else "recompute", DecisionSource.CHOICES, \
+            f"store={choices.store!r}"
     return choice, Decision(
         DecisionKind.STORE, node.token, choice,
-        {"store": keep if fits else f"{(already + size - o.store_fraction * o.memory_budget) / 2**20:.2f} MiB "
+        {"store": keep if fits else f"{format_bytes(already + size - o.store_fraction * o.memory_budget)} "
                                     "over the limit", "recompute": recompute},
-        "a later job needs these rows after statistics from the same pass; storing them " + why,
-        label=repr(node.label)), kept
+        "a later job needs these rows after statistics from the same pass"
+        + ("" if source is DecisionSource.CHOICES else "; storing them " + why),
+        label=repr(node.label), source=source, setting=setting), kept
 
 
 def _stores(key, group, remaining, done, stored, graph: JobGraph, facts, choices, decisions) -> list:

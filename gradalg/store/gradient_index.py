@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..errors import OptionError, StoreMismatchError
+from ..errors import MissingLibraryError, OptionError, StoreMismatchError
 from ..options import plain
 from ..token_scores import Axis, labelled
 from . import layout
@@ -60,7 +60,7 @@ def _faiss():
     try:
         import faiss
     except ImportError as err:
-        raise ImportError("ga.store.index needs faiss: pip install 'gradalg[index]' (faiss-cpu)") from err
+        raise MissingLibraryError("ga.store.index needs faiss: pip install 'gradalg[index]' (faiss-cpu)") from err
     return faiss
 
 

@@ -22,6 +22,7 @@ import torch
 
 from ..errors import OptionError, StoreMismatchError
 from ..options import plain
+from ..units import format_bytes
 from ..capture.chunks import Chunk
 from ..space import Block, ParamSpace
 from ..expr.stored import Stored
@@ -180,7 +181,7 @@ def _warn_factored(node) -> None:
         size = node.n * sum(b.dim for b in factored) * 4
         warnings.warn(
             f"blocks {[b.name for b in factored]} are factored: the store keeps them materialized, "
-            f"{node.n:,} × {sum(b.dim for b in factored):,} numbers (≈{size / 2**20:,.0f} MiB in float32). "
+            f"{node.n:,} × {sum(b.dim for b in factored):,} numbers (≈{format_bytes(size)} in float32). "
             "Project first (ga.proj.kron(k=...)) to store a few coordinates per example",
             stacklevel=3)
 

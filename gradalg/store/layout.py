@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import IdMismatchError, OptionError, StoreIncompleteError, StoreMismatchError, StoreNotFoundError
+from ..errors import (IdMismatchError, MissingLibraryError, OptionError, StoreIncompleteError, StoreMismatchError,
+                      StoreNotFoundError)
 from . import integrity
 
 if TYPE_CHECKING:                 # xarray loads when a result is made (about 76 MB)
@@ -45,7 +46,7 @@ def require() -> None:
         import dask  # noqa: F401
         import zarr  # noqa: F401
     except ImportError as err:
-        raise ImportError(f"ga.store needs zarr and dask ({err.name} is missing): "
+        raise MissingLibraryError(f"ga.store needs zarr and dask ({err.name} is missing): "
                           "pip install 'gradalg[dask]'") from err
 
 

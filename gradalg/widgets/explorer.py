@@ -23,6 +23,7 @@ from ..options import get_options
 from ..plan.budget import budget_bytes
 from ..plan.explain import Explain
 from ..plan.planner import plan
+from ..units import format_bytes
 
 __all__ = ["PlanExplorer", "with_settings"]
 
@@ -58,7 +59,7 @@ def cost_chart(p, ax=None):
     ax.barh(labels, [q.seconds for q in p.passes], color="#2a7ab0")
     ax.invert_yaxis()
     ax.set_xlabel("estimated seconds")
-    ax.set_title(f"{p.data_passes} pass(es) over data, peak ~{p.peak_bytes / 2**20:.1f} MiB")
+    ax.set_title(f"{p.data_passes} pass(es) over data, peak ~{format_bytes(p.peak_bytes)}")
     ax.figure.tight_layout()
     return ax
 
@@ -89,7 +90,7 @@ class PlanExplorer:
                              step=4, description="projection k", disabled=proj is None, continuous_update=False)
         self.damping = w.FloatLogSlider(value=damp.damping if damp else 1e-3, base=10, min=-8, max=2,
                                         description="damping λ", disabled=damp is None, continuous_update=False)
-        self.budget = w.FloatLogSlider(value=budget / 2**20, base=2, min=0, max=20, description="budget MiB",
+        self.budget = w.FloatLogSlider(value=budget / 1e6, base=2, min=0, max=20, description="budget MB",
                                        continuous_update=False)
         self.executor = w.Dropdown(options=list(EXECUTORS), value="local", description="executor")
         self.html = w.HTML()            # the plan's HTML (shown in the snapshot output below the controls)
@@ -106,14 +107,14 @@ class PlanExplorer:
         """(node, plan) for the settings now shown."""
         node = with_settings(self.node, k=None if self.k.disabled else self.k.value,
                              damping=None if self.damping.disabled else self.damping.value)
-        options = replace(get_options(), memory_budget=int(self.budget.value * 2**20))
+        options = replace(get_options(), memory_budget=int(self.budget.value * 1e6))
         return node, plan(node, options=options, device=self.device)
 
     def settings(self) -> str:
         """The settings shown, in one line (the snapshot's heading)."""
         parts = [] if self.k.disabled else [f"projection k = {self.k.value}"]
         parts += [] if self.damping.disabled else [f"damping λ = {self.damping.value:.3g}"]
-        parts += [f"memory budget {self.budget.value:.4g} MiB", f"executor {self.executor.value}"]
+        parts += [f"memory budget {format_bytes(self.budget.value * 1e6)}", f"executor {self.executor.value}"]
         return " · ".join(parts)
 
     def update(self):
@@ -129,7 +130,7 @@ class PlanExplorer:
         else:
             self.html.value = Explain(p)._repr_html_()
             self.summary.value = (f"{p.data_passes} pass(es) over data · ~{p.total.flops / 1e9:.3g} GFLOP · "
-                                  f"peak ~{p.peak_bytes / 2**20:.3g} MiB")
+                                  f"peak ~{format_bytes(p.peak_bytes)}")
             self._chart_png = _chart_png(p)
         if self._shown:
             from IPython.display import update_display
