@@ -154,10 +154,10 @@ def test_release_memory_above_is_an_option_the_plan_shows_and_the_run_reads(monk
     guards = []
     monkeypatch.setattr(runner, "ResidentGuard", lambda growth: guards.append(growth) or allocator.ResidentGuard(growth))
     with ga.options(progress=False, batch_size=4, release_memory_above="3MB"):
-        assert "per 3.15 MB of dropped blocks (release_memory_above)" in str(S.explain())
+        assert "per 3 MB of dropped blocks (release_memory_above)" in str(S.explain())
         ex = LocalExecutor()
         want = S.compute(ex).values
-        assert ex.page_returner().above == 3 * 2**20 and guards == []     # a few KB a batch: not trimmed
+        assert ex.page_returner().above == 3_000_000 and guards == []     # a few KB a batch: not trimmed
     with ga.options(progress=False, batch_size=4, release_memory_above=0):
         assert "per 0 B of dropped blocks" in str(S.explain())
         ex = LocalExecutor()
