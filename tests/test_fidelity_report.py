@@ -115,3 +115,47 @@ def test_collect_and_draw(fr, tmp_path):
     assert (tmp_path / "f.png").stat().st_size > 1000
     import matplotlib.pyplot as plt
     plt.close(fig)
+
+
+def test_points_merge_per_setting(fr, tmp_path, monkeypatch):
+    """``--points`` with results for two settings: those two are taken from their files (a
+    setting's previous points replaced, not merged), every other setting of the JSON is kept
+    as it was, its recorded ``source`` included; with no results files nothing changes."""
+    import json
+    build, points = tmp_path / "build", tmp_path / "points.json"
+    build.mkdir()
+    (build / "results-lm2.json").write_text(json.dumps(dict(RESULT, setting="lm2", protocol={"seeds_per_subset": 1},
+                                                            rows=RESULT["rows"][:3])))
+    (build / "results-text-k3.json").write_text(json.dumps(dict(RESULT, setting="text-k3")))
+    stale = {"method": "trak", "config": "gone", "lds": 0.9, "low": 0.8, "high": 1.0, "cost": 1.0,
+             "kind": "single", "default": True}
+    previous = {"generated_by": "x", "settings": {
+        "mlp": {"source": "build/fidelity/results-mlp.json", "description": "an MLP", "points": [stale]},
+        "lm2": {"source": "docs/fidelity.md (its table)", "description": "old", "points": [stale]},
+        "llama": {"source": "build/fidelity/results-llama-k3.json", "description": "a llama", "ceiling": 0.77,
+                  "points": [dict(stale, method="less")]}}}
+    points.write_text(json.dumps(previous))
+    monkeypatch.setattr(fr, "BUILD", build)
+    monkeypatch.setattr(fr, "POINTS", points)
+    monkeypatch.setattr(fr, "ROOT", tmp_path)
+    monkeypatch.setattr(fr, "FIGURE", tmp_path / "frontier.png")
+    monkeypatch.setattr(fr, "DOCS", tmp_path / "fidelity.md")
+    (tmp_path / "fidelity.md").write_text("# no tables\n")
+    fr.main(["--points"])
+    data = json.loads(points.read_text())
+    assert list(data["settings"]) == ["mlp", "lm2", "text", "llama"]        # the panels' order
+    for kept in ("mlp", "llama"):
+        assert data["settings"][kept] == previous["settings"][kept]
+    lm2 = data["settings"]["lm2"]
+    assert lm2["source"] == "build/fidelity/results-lm2.json"
+    assert [(p["method"], p["config"], p["lds"]) for p in lm2["points"]] == [
+        (r["method"], r["config"], r["lds"]) for r in RESULT["rows"][:3]]   # the stale point is gone
+    text = data["settings"]["text"]
+    assert text["source"] == "build/fidelity/results-text-k3.json" and text["seeds_per_subset"] == 3
+    assert text["ceiling"] == 0.9 and len(text["points"]) == len([r for r in RESULT["rows"] if "lds" in r])
+    # a machine without build/fidelity: every setting as it was
+    for path in build.glob("*.json"):
+        path.unlink()
+    before = json.loads(points.read_text())
+    fr.main(["--points"])
+    assert json.loads(points.read_text())["settings"] == before["settings"]
