@@ -159,3 +159,15 @@ def test_points_merge_per_setting(fr, tmp_path, monkeypatch):
     before = json.loads(points.read_text())
     fr.main(["--points"])
     assert json.loads(points.read_text())["settings"] == before["settings"]
+
+
+def test_update_docs_keeps_the_rows_not_rerun(fr):
+    """``--update-docs`` with a partial rerun: the table gets the rerun rows (new numbers) and
+    keeps its rows the results file lacks; the LM ensembles table is not a table of rows."""
+    old = dict(RESULT, rows=[_row("grad_dot", "defaults", 0.11, 2.0), _row("trak", "k=128", 0.20, 3.0)])
+    md = "# doc\n\n" + fr.table(old) + "\n\nafter\n"
+    rerun = dict(RESULT, rows=[_row("grad_dot", "defaults", 0.15, 2.5), _row("grad_dot", "layers='x'", 0.12, 2.0)])
+    out = fr.docs_tables(fr.splice(md, fr.merged(rerun, md)))["toy-k3"]["rows"]
+    assert [(r["method"], r["config"], r["lds"]) for r in out] == [
+        ("grad_dot", "defaults", 0.15), ("grad_dot", "layers='x'", 0.12), ("trak", "k=128", 0.20)]
+    assert fr.merged(rerun, "# no table\n") == rerun
