@@ -171,3 +171,25 @@ def test_update_docs_keeps_the_rows_not_rerun(fr):
     assert [(r["method"], r["config"], r["lds"]) for r in out] == [
         ("grad_dot", "defaults", 0.15), ("grad_dot", "layers='x'", 0.12), ("trak", "k=128", 0.20)]
     assert fr.merged(rerun, "# no table\n") == rerun
+
+
+def test_lm_defaults_rows_at_the_default_layers_and_blocks_only(fr):
+    """``fidelity_lm``'s defaults rows: each runs with ``layers=None`` (the task's default
+    layers) under its own label, then with the blocks under ``label + BLOCKS_ONLY``, a row
+    the frontier never takes as the method's default."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import fidelity_lm as FL
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    rows = list(FL.default_layer_rows([("trak", "defaults (k=2048)", lambda L: ("trak", L)),
+                                       ("grad_dot", "", lambda L: ("grad_dot", L))]))
+    assert [(m, c, thunk()) for m, c, thunk in rows] == [
+        ("trak", "defaults (k=2048)", ("trak", None)),
+        ("trak", "defaults (k=2048)" + FL.BLOCKS_ONLY, ("trak", ["transformer.h.*"])),
+        ("grad_dot", "", ("grad_dot", None)),
+        ("grad_dot", "defaults" + FL.BLOCKS_ONLY, ("grad_dot", ["transformer.h.*"]))]
+    # the blocks-only twin listed first must still not be the default point
+    result = {"rows": [_row(m, c, 0.5 if FL.BLOCKS_ONLY in c else 0.4, 2.0) for m, c, _ in reversed(rows)]}
+    defaults = {(p["method"], p["config"]) for p in fr.points_of(result, "lm") if p["default"]}
+    assert defaults == {("trak", "defaults (k=2048)"), ("grad_dot", "")}
