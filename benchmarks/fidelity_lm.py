@@ -47,9 +47,22 @@ under ``build/fidelity/magic-<setting>….npz``; its cost is ≈ linear in the q
 runs: ``benchmarks/fidelity_lm_linearity.py``. LDS:
 ``ga.eval.lds(..., target="loss")``, Spearman per query over subsets, averaged over
 queries, 95 % percentile-bootstrap intervals over queries *and* subsets
-(``resample="both"``). Every method scores with ``ga.tasks.causal_lm(model)`` on
-``layers=["transformer.h.*"]``. Retrained models' targets are cached (resumable) under
-``build/fidelity/``; rows are written to ``build/fidelity/results-<setting>.json``.
+(``resample="both"``). Every method scores with ``ga.tasks.causal_lm(model)``.
+
+Layers. Each method's **defaults** row (its configuration starts with ``defaults``, is
+empty, or is TracIn's "3 checkpoints of the Adam run") passes no ``layers=``: it measures
+the task's default layers, what a user gets — ``ga.TransformerBlocks(vocabulary="auto")``,
+here the linear layers of the blocks and the tied ``transformer.wte`` / ``lm_head`` (a
+31-token vocabulary, within ``ga.options(vocabulary_layers_max)``; since 2026-12-06).
+Beside it, the same call on the blocks only, ``layers=["transformer.h.*"]``, labelled
+``…, blocks only (layers=['transformer.h.*'])``: what these rows measured before (never a
+default point of the frontier). **Every other row** — the variants (K-FAC, DataInf, the
+sparse references, "EK-FAC (default damping)", …), ``--rows sweeps`` and ``--rows
+ensembles``, and the rows scored beside MAGIC on the first ``--queries`` — names the blocks
+only (``LAYERS``); ``--rows tied`` names its layers in each label.
+
+Retrained models' targets are cached (resumable) under ``build/fidelity/``; rows are
+written to ``build/fidelity/results-<setting>.json``.
 
 Cost is the wall time of ``Scores.compute()`` divided by the wall time of one plain
 forward + backward pass over the training set in batches of 32 (measured in the same
@@ -353,8 +366,25 @@ class CachedMagic:
 MAGIC_CHUNK = 8
 
 
+def default_layer_rows(rows):
+    """Each (method, defaults label, thunk(layers) -> lazy Scores) twice: at the task's default
+    layers (``layers=None``: what a user gets; for these GPT-2s the blocks and the tied
+    ``transformer.wte``, V = 31 ≤ ``ga.options(vocabulary_layers_max)``), labelled as given,
+    then on the blocks only, labelled ``<label>`` + ``BLOCKS_ONLY`` (the rows' layers before
+    2026-12-06, kept as a named variant)."""
+    for method, config, thunk in rows:
+        yield method, config, lambda thunk=thunk: thunk(None)
+        yield method, (config or "defaults") + BLOCKS_ONLY, lambda thunk=thunk: thunk(LAYERS)
+
+
+#: the label suffix of a row that names the blocks only (never a default point: it names ``layers=``)
+BLOCKS_ONLY = ", blocks only (layers=['transformer.h.*'])"
+
+
 def method_rows(p: Prepared):
-    """(method, configuration, thunk -> lazy Scores): defaults first, then variants."""
+    """(method, configuration, thunk -> lazy Scores): defaults first, then variants. Each
+    method's defaults row runs at the task's default layers and again on the blocks only
+    (``default_layer_rows``); every other row names the blocks (``LAYERS``)."""
     m, task, tr, qu, L = ga.methods, p.task(), p.train, p.queries[:p.n_query], LAYERS
     magic = ("magic", "replayable run, checkpointing='sqrt'", lambda: CachedMagic(p, p.n_query))
     if p.protocol == "unrolled" or p.n_query < p.setting.n_query:   # beside MAGIC: the few that place it
@@ -365,34 +395,38 @@ def method_rows(p: Prepared):
         yield "grad_dot", "", lambda: m.grad_dot(task, tr, qu, layers=L)
         yield magic
         return
+    yield from default_layer_rows([
+        ("influence", defaults(m.influence, "curvature"), lambda L: m.influence(task, tr, qu, layers=L)),
+        ("trak", defaults(m.trak, "k", "damping"), lambda L: m.trak(task, tr, qu, layers=L)),
+        ("logra", defaults(m.logra, "k", "damping"), lambda L: m.logra(task, tr, qu, layers=L)),
+        ("grass", defaults(m.grass, "k", "damping"), lambda L: m.grass(task, tr, qu, layers=L)),
+        ("grad_dot", "", lambda L: m.grad_dot(task, tr, qu, layers=L)),
+        ("relatif", defaults(m.relatif, "damping"), lambda L: m.relatif(task, tr, qu, layers=L)),
+        ("grad_cos", "", lambda L: m.grad_cos(task, tr, qu, layers=L)),
+        ("tracin", "3 checkpoints of the Adam run", lambda L: m.tracin(*_checkpoints(p, "tracin"), tr, qu, layers=L)),
+        # LESS at its defaults: the dense k=8192 Rademacher map within ga.options(dense_projection_bytes),
+        # else an SJLT (refused here before 2026-12-05, when the default was always dense)
+        ("less", defaults(m.less, "k") + ", 3 Adam checkpoints", lambda L: m.less(
+            *_checkpoints(p, "less"), tr, qu, np.arange(len(qu)), layers=L)),
+        # TrackStar at the run's last checkpoint (the final model and its Adam state), train R only
+        ("trackstar", defaults(m.trackstar, "k", "damping") + ", final Adam state", lambda L: m.trackstar(
+            _checkpoints(p, "less")[0][-1], tr, qu, optimizer=_checkpoints(p, "less")[1][-1], layers=L)),
+    ])
+    # the variants, on the blocks only
     yield "influence", "EK-FAC (default damping)", lambda: m.influence(task, tr, qu, layers=L, curvature="ekfac")
-    yield "trak", defaults(m.trak, "k", "damping"), lambda: m.trak(task, tr, qu, layers=L)
-    yield "logra", defaults(m.logra, "k", "damping"), lambda: m.logra(task, tr, qu, layers=L)
-    yield "grass", defaults(m.grass, "k", "damping"), lambda: m.grass(task, tr, qu, layers=L)
-    yield "grad_dot", "", lambda: m.grad_dot(task, tr, qu, layers=L)
     yield "influence", "K-FAC", lambda: m.influence(task, tr, qu, layers=L, curvature="kfac")
     # the plain references of TRAK's and GraSS's math: influence in a 2048-d sparse projection
     yield "influence", "empirical Fisher, sparse k=2048", lambda: m.influence(
         task, tr, qu, layers=L, curvature="empirical", projector=ga.proj.sparse(2048, seed=0))
     yield "influence", "Gauss-Newton, sparse k=2048", lambda: m.influence(
         task, tr, qu, layers=L, projector=ga.proj.sparse(2048, seed=0))
-    yield "relatif", defaults(m.relatif, "damping"), lambda: m.relatif(task, tr, qu, layers=L)
     # RelatIF's previous default (an absolute 1e-3; "auto" since issue 31), kept for comparison
     yield "relatif", "EK-FAC, damping=0.001", lambda: m.relatif(task, tr, qu, layers=L, curvature="ekfac",
                                                               damping=1e-3)
-    yield "grad_cos", "", lambda: m.grad_cos(task, tr, qu, layers=L)
     yield "influence", "DataInf", lambda: m.influence(task, tr, qu, layers=L, curvature="datainf")
     yield "grass", "GraSS (unfactored)", lambda: m.grass(task, tr, qu, layers=L, factored=False)
-    yield "tracin", "3 checkpoints of the Adam run", lambda: m.tracin(*_checkpoints(p, "tracin"), tr, qu, layers=L)
-    # LESS at its defaults: the dense k=8192 Rademacher map within ga.options(dense_projection_bytes),
-    # else an SJLT (refused here before 2026-12-05, when the default was always dense)
-    yield "less", defaults(m.less, "k") + ", 3 Adam checkpoints", lambda: m.less(
-        *_checkpoints(p, "less"), tr, qu, np.arange(len(qu)), layers=L)
     yield "less", "3 Adam checkpoints, sparse k=8192", lambda: m.less(
         *_checkpoints(p, "less"), tr, qu, np.arange(len(qu)), layers=L, projector=ga.proj.sparse(8192, seed=0))
-    # TrackStar at the run's last checkpoint (the final model and its Adam state), train R only
-    yield "trackstar", defaults(m.trackstar, "k", "damping") + ", final Adam state", lambda: m.trackstar(
-        _checkpoints(p, "less")[0][-1], tr, qu, optimizer=_checkpoints(p, "less")[1][-1], layers=L)
     yield magic
 
 

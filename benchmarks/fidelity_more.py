@@ -35,7 +35,9 @@ ground truth's test–retest correlation and its LDS ceiling. The retraining rep
 the fine-tuning for seqcls. Targets are cached (resumable) under ``build/fidelity/``.
 
 Every method runs at its defaults, called as a user would (``method(task, train, queries)``
-with ``layers=None``); TracIn, LESS and TrackStar use 3 evenly spaced checkpoints of the
+with ``layers=None``; for seqcls also with the word embedding added,
+``layers=TransformerBlocks(head=True, vocabulary="auto")``, rows labelled ``… + the word
+embedding``); TracIn, LESS and TrackStar use 3 evenly spaced checkpoints of the
 full-data run (the last with its Adam state for TrackStar); MAGIC and SOURCE (a replayable
 run) and self-influence are listed, not run. LDS: ``ga.eval.lds(..., target="loss",
 resample="both")``, 95 % bootstrap over queries and subsets. Cost: the wall time of
@@ -424,6 +426,20 @@ def method_rows(s: Setting, model, snapshots):
     # damping=1e-3: RelatIF's default when this row was measured (2026-12-05; "auto" since), pinned
     yield "relatif", "EK-FAC, layers='all'", lambda: m.relatif(task, tr, qu, layers="all", curvature="ekfac",
                                                                damping=1e-3)
+    if s.name == "seqcls":
+        # the default layers and the word embedding (V = 1,005 ≤ ga.options(vocabulary_layers_max)):
+        # sequence_classification's default if it took a small vocabulary's embedding as the language
+        # tasks do since 2026-12-06 (measured, not adopted: docs/fidelity.md, "The vocabulary layers")
+        vocab, plus = ga.TransformerBlocks(head=True, vocabulary="auto"), \
+            " + the word embedding (layers=TransformerBlocks(head=True, vocabulary='auto'))"
+        yield "grad_dot", "defaults" + plus, lambda: m.grad_dot(task, tr, qu, layers=vocab)
+        yield "influence", "defaults (curvature='auto')" + plus, lambda: m.influence(task, tr, qu, layers=vocab)
+        yield "trak", _defaults("trak", "k", "damping") + plus, lambda: m.trak(task, tr, qu, layers=vocab)
+        yield "logra", _defaults("logra", "k", "damping") + plus, lambda: m.logra(task, tr, qu, layers=vocab)
+        yield "grass", _defaults("grass", "k", "damping") + plus, lambda: m.grass(task, tr, qu, layers=vocab)
+        yield "relatif", _defaults("relatif", "damping") + plus, lambda: m.relatif(task, tr, qu, layers=vocab)
+        yield "less", _defaults("less", "k") + f", {len(tasks)} Adam checkpoints" + plus, \
+            lambda: m.less(tasks, optimizers, lrs, tr, qu, np.arange(s.n_query), layers=vocab)
 
 
 # ---------------------------------------------------------------------------------- run

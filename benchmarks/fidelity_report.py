@@ -23,6 +23,7 @@ configuration says "ensemble" or "× last"), ``unrolled`` (MAGIC, SOURCE).
     python benchmarks/fidelity_report.py                       # every setting's table
     python benchmarks/fidelity_report.py --settings lm,lm2
     python benchmarks/fidelity_report.py --settings lm,lm2 --update-docs   # those tables in docs/fidelity.md
+                                                # (rows of a table its results file lacks are kept)
     python benchmarks/fidelity_report.py --settings text-k3,instruct-k3 --tied   # the tied-embedding rows
     python benchmarks/fidelity_report.py --points              # rewrite benchmarks/results/fidelity_points.json
     python benchmarks/fidelity_report.py --frontier            # docs/img/fidelity_frontier.png + the defaults table
@@ -189,32 +190,7 @@ def from_docs(md: str) -> dict:
     cost over that setting's table). The fallback of ``--points``
     for a setting with neither a results file nor points already: the committed numbers."""
     import re
-    out, lines = {}, md.splitlines()
-    for i, line in enumerate(lines):
-        m = re.match(r"^\*\*([a-z0-9]+(?:-k\d+)?)\*\*: (.*?); plain forward", line)
-        if not m:
-            continue
-        name, rows = m.group(1), []
-        ceiling = re.search(r"LDS ceiling ([0-9.]+)", line)
-        for row in lines[i + 2:]:
-            if not row.startswith("|"):
-                if rows:
-                    break
-                continue
-            cells = [c.strip() for c in row.strip("|").split("|")]
-            if len(cells) != 5 or cells[0] in ("method", "---"):
-                continue
-            lds = re.match(r"(-?[0-9.]+) \[(-?[0-9.]+), (-?[0-9.]+)\]", cells[2])
-            if lds is None:
-                rows.append({"method": cells[0], "config": cells[1], "skipped": cells[2]})
-                continue
-            rows.append({"method": cells[0], "config": cells[1], "lds": float(lds.group(1)),
-                         "low": float(lds.group(2)), "high": float(lds.group(3)),
-                         "seconds": float(cells[3]), "cost": float(cells[4])})
-        k = re.search(r"the mean of (\d+) training runs", line)
-        out[name] = {"setting": name, "description": m.group(2), "rows": rows,
-                     "protocol": {"seeds_per_subset": int(k.group(1)) if k else 1},
-                     **({"reliability": {"ceiling": float(ceiling.group(1))}} if ceiling else {})}
+    out = docs_tables(md)
     start = md.find("| members | `lm` relatif |")
     if start >= 0:
         import statistics
@@ -242,6 +218,48 @@ def from_docs(md: str) -> dict:
                                        "lds": float(lds.group(1)), "low": float(lds.group(2)),
                                        "high": float(lds.group(3)), "seconds": sec, "cost": sec / base[s]})
     return out
+
+
+def docs_tables(md: str) -> dict:
+    """The per-setting tables of ``md`` (the format ``table`` writes) as results dicts:
+    ``from_docs`` without the "Ensembles on the LM" rows."""
+    import re
+    out, lines = {}, md.splitlines()
+    for i, line in enumerate(lines):
+        m = re.match(r"^\*\*([a-z0-9]+(?:-k\d+)?)\*\*: (.*?); plain forward", line)
+        if not m:
+            continue
+        name, rows = m.group(1), []
+        ceiling = re.search(r"LDS ceiling ([0-9.]+)", line)
+        for row in lines[i + 2:]:
+            if not row.startswith("|"):
+                if rows:
+                    break
+                continue
+            cells = [c.strip() for c in row.strip("|").split("|")]
+            if len(cells) != 5 or cells[0] in ("method", "---"):
+                continue
+            lds = re.match(r"(-?[0-9.]+) \[(-?[0-9.]+), (-?[0-9.]+)\]", cells[2])
+            if lds is None:
+                rows.append({"method": cells[0], "config": cells[1], "skipped": cells[2]})
+                continue
+            rows.append({"method": cells[0], "config": cells[1], "lds": float(lds.group(1)),
+                         "low": float(lds.group(2)), "high": float(lds.group(3)),
+                         "seconds": float(cells[3]), "cost": float(cells[4])})
+        k = re.search(r"the mean of (\d+) training runs", line)
+        out[name] = {"setting": name, "description": m.group(2), "rows": rows,
+                     "protocol": {"seeds_per_subset": int(k.group(1)) if k else 1},
+                     **({"reliability": {"ceiling": float(ceiling.group(1))}} if ceiling else {})}
+    return out
+
+
+def merged(result: dict, md: str) -> dict:
+    """``result`` with the rows of its setting's table in ``md`` that it has not rerun (same
+    method and configuration) after its own: a partial rerun's table keeps the others
+    (``--update-docs``; each row keeps the seconds and cost of its own run)."""
+    have = {(r["method"], r["config"]) for r in result["rows"]}
+    old = docs_tables(md).get(result["setting"], {}).get("rows", [])
+    return dict(result, rows=result["rows"] + [r for r in old if (r["method"], r["config"]) not in have])
 
 
 def defaults_table(data: dict) -> str:
@@ -420,7 +438,8 @@ def main(argv=None):
     ap.add_argument("--settings", default=None)
     ap.add_argument("--points", action="store_true", help=f"rewrite {POINTS.relative_to(ROOT)} from the results")
     ap.add_argument("--update-docs", action="store_true",
-                    help="replace the named settings' tables in docs/fidelity.md instead of printing them")
+                    help="replace the named settings' tables in docs/fidelity.md instead of printing them "
+                    "(their rows the results file lacks are kept)")
     ap.add_argument("--tied", action="store_true", help="the rows of docs/fidelity.md's tied-embedding table "
                     "for the named settings")
     ap.add_argument("--frontier", action="store_true",
@@ -448,7 +467,7 @@ def main(argv=None):
     if args.update_docs:
         md = DOCS.read_text()
         for name in names:
-            md = splice(md, load(name))
+            md = splice(md, merged(load(name), md))      # the rows it did not rerun kept
         DOCS.write_text(md)
         return
     for name in names:

@@ -115,3 +115,81 @@ def test_collect_and_draw(fr, tmp_path):
     assert (tmp_path / "f.png").stat().st_size > 1000
     import matplotlib.pyplot as plt
     plt.close(fig)
+
+
+def test_points_merge_per_setting(fr, tmp_path, monkeypatch):
+    """``--points`` with results for two settings: those two are taken from their files (a
+    setting's previous points replaced, not merged), every other setting of the JSON is kept
+    as it was, its recorded ``source`` included; with no results files nothing changes."""
+    import json
+    build, points = tmp_path / "build", tmp_path / "points.json"
+    build.mkdir()
+    (build / "results-lm2.json").write_text(json.dumps(dict(RESULT, setting="lm2", protocol={"seeds_per_subset": 1},
+                                                            rows=RESULT["rows"][:3])))
+    (build / "results-text-k3.json").write_text(json.dumps(dict(RESULT, setting="text-k3")))
+    stale = {"method": "trak", "config": "gone", "lds": 0.9, "low": 0.8, "high": 1.0, "cost": 1.0,
+             "kind": "single", "default": True}
+    previous = {"generated_by": "x", "settings": {
+        "mlp": {"source": "build/fidelity/results-mlp.json", "description": "an MLP", "points": [stale]},
+        "lm2": {"source": "docs/fidelity.md (its table)", "description": "old", "points": [stale]},
+        "llama": {"source": "build/fidelity/results-llama-k3.json", "description": "a llama", "ceiling": 0.77,
+                  "points": [dict(stale, method="less")]}}}
+    points.write_text(json.dumps(previous))
+    monkeypatch.setattr(fr, "BUILD", build)
+    monkeypatch.setattr(fr, "POINTS", points)
+    monkeypatch.setattr(fr, "ROOT", tmp_path)
+    monkeypatch.setattr(fr, "FIGURE", tmp_path / "frontier.png")
+    monkeypatch.setattr(fr, "DOCS", tmp_path / "fidelity.md")
+    (tmp_path / "fidelity.md").write_text("# no tables\n")
+    fr.main(["--points"])
+    data = json.loads(points.read_text())
+    assert list(data["settings"]) == ["mlp", "lm2", "text", "llama"]        # the panels' order
+    for kept in ("mlp", "llama"):
+        assert data["settings"][kept] == previous["settings"][kept]
+    lm2 = data["settings"]["lm2"]
+    assert lm2["source"] == "build/fidelity/results-lm2.json"
+    assert [(p["method"], p["config"], p["lds"]) for p in lm2["points"]] == [
+        (r["method"], r["config"], r["lds"]) for r in RESULT["rows"][:3]]   # the stale point is gone
+    text = data["settings"]["text"]
+    assert text["source"] == "build/fidelity/results-text-k3.json" and text["seeds_per_subset"] == 3
+    assert text["ceiling"] == 0.9 and len(text["points"]) == len([r for r in RESULT["rows"] if "lds" in r])
+    # a machine without build/fidelity: every setting as it was
+    for path in build.glob("*.json"):
+        path.unlink()
+    before = json.loads(points.read_text())
+    fr.main(["--points"])
+    assert json.loads(points.read_text())["settings"] == before["settings"]
+
+
+def test_update_docs_keeps_the_rows_not_rerun(fr):
+    """``--update-docs`` with a partial rerun: the table gets the rerun rows (new numbers) and
+    keeps its rows the results file lacks; the LM ensembles table is not a table of rows."""
+    old = dict(RESULT, rows=[_row("grad_dot", "defaults", 0.11, 2.0), _row("trak", "k=128", 0.20, 3.0)])
+    md = "# doc\n\n" + fr.table(old) + "\n\nafter\n"
+    rerun = dict(RESULT, rows=[_row("grad_dot", "defaults", 0.15, 2.5), _row("grad_dot", "layers='x'", 0.12, 2.0)])
+    out = fr.docs_tables(fr.splice(md, fr.merged(rerun, md)))["toy-k3"]["rows"]
+    assert [(r["method"], r["config"], r["lds"]) for r in out] == [
+        ("grad_dot", "defaults", 0.15), ("grad_dot", "layers='x'", 0.12), ("trak", "k=128", 0.20)]
+    assert fr.merged(rerun, "# no table\n") == rerun
+
+
+def test_lm_defaults_rows_at_the_default_layers_and_blocks_only(fr):
+    """``fidelity_lm``'s defaults rows: each runs with ``layers=None`` (the task's default
+    layers) under its own label, then with the blocks under ``label + BLOCKS_ONLY``, a row
+    the frontier never takes as the method's default."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import fidelity_lm as FL
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    rows = list(FL.default_layer_rows([("trak", "defaults (k=2048)", lambda L: ("trak", L)),
+                                       ("grad_dot", "", lambda L: ("grad_dot", L))]))
+    assert [(m, c, thunk()) for m, c, thunk in rows] == [
+        ("trak", "defaults (k=2048)", ("trak", None)),
+        ("trak", "defaults (k=2048)" + FL.BLOCKS_ONLY, ("trak", ["transformer.h.*"])),
+        ("grad_dot", "", ("grad_dot", None)),
+        ("grad_dot", "defaults" + FL.BLOCKS_ONLY, ("grad_dot", ["transformer.h.*"]))]
+    # the blocks-only twin listed first must still not be the default point
+    result = {"rows": [_row(m, c, 0.5 if FL.BLOCKS_ONLY in c else 0.4, 2.0) for m, c, _ in reversed(rows)]}
+    defaults = {(p["method"], p["config"]) for p in fr.points_of(result, "lm") if p["default"]}
+    assert defaults == {("trak", "defaults (k=2048)"), ("grad_dot", "")}
