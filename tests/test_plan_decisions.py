@@ -46,8 +46,11 @@ def _plans(G, Q):
     from gradalg.exec import Executor
     from test_shard_strategy import Halves
     placed = Executor(shards=Halves()).plan((Q @ G.T).expr)    # where each pass runs: a shard strategy's
+    # the formed Hessian or the Gauss-Newton, decided when run (a CURVATURE decision)
+    near = ga.methods.influence(ga.tasks.classification(models.mlp()), models.classification_data(24, seed=1),
+                                models.classification_data(3, seed=2), curvature="near_minimum")
     return [kfac, plan((Q @ G.normalize().T).expr), plan((P(Q) @ P(G).T).expr),
-            plan((Q.low_rank(1) @ G.T).expr), placed]
+            plan((Q.low_rank(1) @ G.T).expr), placed, plan(near.expr)]
 
 
 def test_every_kind_is_made_and_every_subject_is_named(sides):

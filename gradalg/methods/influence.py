@@ -18,6 +18,10 @@ curvature          H                                                            
 ``hessian``        (1/n) Σ ∇²L(z), through Hessian-vector products (torch.func)  cg, lissa, arnoldi
 ``dense_hessian``  (1/n) Σ ∇²L(z) formed from dim Hessian-vector products        direct
                    (parameter coordinates; shifted to PSD by its default damping)
+``near_minimum``   ``dense_hessian`` where the model is near a minimum of its     direct
+                   objective (−μ_min(H̄ + decay) ≤ r × the Gauss-Newton's mean
+                   eigenvalue, r = ``ga.options(hessian_negative_ratio)``), else
+                   the dense ``gauss_newton``: decided from the data when it runs
 ``kfac``/``ekfac`` Kronecker-factored Gauss-Newton (Martens & Grosse 2015;        direct
                    George et al. 2018; Grosse et al. 2023)
 ``datainf``        DataInf's averaged Sherman-Morrison inverse (Kwon et al. 2024) direct
@@ -42,6 +46,22 @@ default 0.3 × its mean eigenvalue (:data:`DENSE_HESSIAN_DAMPING`), or a given `
 products and iterative solvers (the direct solver there means CG, as before). The iterative
 solvers never form H: each step is one pass over the curvature data (Agarwal et al.
 2017 for LiSSA; Schioppa et al. 2022 for Arnoldi).
+
+``near_minimum`` decides between the two from the data, with no ground truth
+(:class:`~gradalg.expr.NearMinimum`, issue 31): the formed Hessian where the model is near a
+minimum of its objective,
+
+    −μ_min(H̄ + decay) ≤ r · tr(G)/dim,   r = ``ga.options(hessian_negative_ratio)`` (1),
+
+G the dense Gauss-Newton (its mean eigenvalue the scale: PSD, exact, formed for the other
+side anyway), else the dense Gauss-Newton. At a weight-decayed minimum H̄ + wd ⪰ 0 and
+−μ_min(H̄) ≈ wd; a model stopped early has a strongly indefinite H̄, whose PSD shift swamps
+the curvature that ranks examples. μ_min is bounded first by up to
+``ga.options(hessian_probe_iterations)`` (32) Lanczos products on one vector each, stopped as
+soon as the bound proves the Gauss-Newton side (a Ritz value is never below μ_min: the
+Hessian is then never formed); otherwise the formed Hessian's own eigenvalues decide. The
+plan shows a ``CURVATURE`` decision: the rule before the run, the measured μ_min, scale and
+ratio after it.
 
 Measured on a small MLP (see docs/fidelity.md) the empirical Fisher loses LDS against
 the Gauss-Newton curvature, which is why Gauss-Newton is the default where a dense H fits.
@@ -107,7 +127,7 @@ import torch
 
 from ..api import (Operator, Scores, arnoldi, datainf, diagonal, fisher, gauss_newton, grads, hessian, kfac)
 from ..errors import OptionError
-from ..expr.curvature import Formed
+from ..expr.curvature import Formed, NearMinimum
 from ..expr.projection import Projector, check_projector
 from ..linalg.autodamp import DampingRule
 from ..linalg.labels import form_of
@@ -296,14 +316,19 @@ def resolve_curvature(curvature: str, solver: str, dim: int, *, dense: str | Non
         return "gauss_newton", f"curvature='auto': Gauss-Newton products ({solver})"
     if dim <= limit:
         dense = dense or DENSE_AUTO
-        refusal = ("projected coordinates" if projected else hessian_refusal(task)) if dense == "dense_hessian" \
-            else None
+        refusal = ("projected coordinates" if projected else hessian_refusal(task)) \
+            if dense in ("dense_hessian", "near_minimum") else None
         if refusal:
             return "gauss_newton", (f"curvature='auto': dense Gauss-Newton, {dim:,} coordinates ≤ "
                                     f"ga.options(dense_curvature_dim={limit}) (not the Hessian: {refusal})")
         if dense == "dense_hessian":
             return "dense_hessian", (f"curvature='auto': the Hessian formed from {dim:,} products, {dim:,} "
                                      f"coordinates ≤ ga.options(dense_curvature_dim={limit})")
+        if dense == "near_minimum":
+            r = get_options().hessian_negative_ratio
+            return "near_minimum", (f"curvature='auto': {dim:,} coordinates ≤ ga.options(dense_curvature_dim="
+                                    f"{limit}); the formed Hessian if −μ_min ≤ ga.options(hessian_negative_ratio="
+                                    f"{r:g}) × the Gauss-Newton's mean eigenvalue, else the dense Gauss-Newton")
         return "gauss_newton", (f"curvature='auto': dense Gauss-Newton, {dim:,} coordinates ≤ "
                                 f"ga.options(dense_curvature_dim={limit})")
     return "ekfac", (f"curvature='auto': EK-FAC, {dim:,} coordinates > ga.options(dense_curvature_dim={limit}) "
@@ -440,7 +465,9 @@ CURVATURE_TABLE: dict[str, Curvature] = {c.name: c for c in (
               "EK-FAC of the Gauss-Newton rows"),
     Curvature("datainf", None, ("direct",), (), None, "DataInf's averaged Sherman-Morrison inverse (damping inside)"),
 )}
-CURVATURES = ("auto", *CURVATURE_TABLE)
+#: ``"near_minimum"``: the formed Hessian where the model is near a minimum of its objective, else the
+#: dense Gauss-Newton, decided from the data when it runs (:func:`_near_minimum`; issue 31)
+CURVATURES = ("auto", *CURVATURE_TABLE, "near_minimum")
 #: the knobs of a named curvature, accepted as keywords of influence / curvature_operator
 #: (an Operator given as ``curvature=`` carries its own: ``ga.ekfac(G, covariance_max_examples=m)``)
 CURVATURE_OPTIONS = ("structure", "rank", "seed", "solver_settings", "relative_damping",
@@ -559,6 +586,14 @@ def curvature_operator(task: Task, data, *, curvature="auto", solver: str = "dir
                                            projected=projector is not None, task=task)
     o = curvature_options
     check_kron_subsets(curvature, o.get("covariance_max_examples"), o.get("lambda_max_examples"))
+    if curvature == "near_minimum":
+        refusal = ("a projector (the formed Hessian lives in parameter coordinates)" if projector is not None else
+                   f"solver={solver!r} (it is formed and solved directly)" if solver != "direct" else
+                   hessian_refusal(task))
+        if refusal:
+            raise OptionError(f"curvature='near_minimum' forms the Hessian, which does not apply here: {refusal}. "
+                              "Use curvature='gauss_newton' (or 'auto')")
+        return _near_minimum(task, data, layers, damping=damping, decay=decay, why=why, options=o)
     entry = CURVATURE_TABLE[curvature]
     relative_damping = o.get("relative_damping")
     if relative_damping is None and curvature not in ("kfac", "ekfac"):   # Kronecker: the default rule
@@ -586,6 +621,30 @@ def curvature_operator(task: Task, data, *, curvature="auto", solver: str = "dir
         H, solver, what = arnoldi(H, o.get("rank", 32), seed=o.get("seed", 0)), "direct", "Arnoldi's low-rank H"
     return _operator_inverse(H, solver=solver, damping=damping, relative_damping=relative_damping, decay=decay,
                              why=why, what=what, settings=settings)
+
+
+def _near_minimum(task, data, layers, *, damping, decay, why, options) -> Operator:
+    """``curvature="auto"``'s dense choice decided from the data (:data:`DENSE_AUTO` =
+    ``"near_minimum"``): a :class:`~gradalg.expr.NearMinimum` over the damped inverses of the
+    formed Hessian (:func:`hessian_damping`: shifted to PSD, + 0.3 × mean) and of the dense
+    Gauss-Newton (``relative_damping``, default 1 × mean), each with the objective's ``decay``;
+    the formed Hessian and Gauss-Newton nodes are the ones those inverses hold (resolved once)."""
+    H = _dense_hessian(task, data, layers, None, "direct", options)
+    G = _gauss_newton(task, data, layers, lambda x: x, "direct", options)
+    rel = options.get("relative_damping")
+    head = (why or "curvature='auto'").split(";")[0]
+    H_inv = _operator_inverse(H, solver="direct", damping=hessian_damping(damping, rel), relative_damping=rel,
+                              decay=decay, why=f"{head}; near a minimum: the formed Hessian", what="this curvature",
+                              settings={})
+    G_inv = _operator_inverse(G, solver="direct", damping=damping,
+                              relative_damping=RELATIVE_DAMPING["gauss_newton"] if rel is None else rel,
+                              decay=decay, why=f"{head}; not near a minimum: the dense Gauss-Newton", what="this curvature",
+                              settings={})
+    shift = 0.0 if decay is None or decay.zero else (
+        float(decay.value) if decay.uniform else float(decay.values.min()))
+    o = get_options()
+    return Operator(NearMinimum(H.expr.op, H.expr, G.expr, H_inv.expr, G_inv.expr,
+                                float(o.hessian_negative_ratio), int(o.hessian_probe_iterations), shift))
 
 
 @method('Influence function ∇L(q)ᵀ(H + λI)⁻¹∇L(z); H: Gauss-Newton, empirical Fisher, Hessian, K-FAC, '

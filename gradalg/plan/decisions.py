@@ -49,6 +49,7 @@ class DecisionKind(enum.Enum):
     KRON_DIAGONAL = "structure of the Kronecker factors of block {block}"    # diagonal or dense
     PROJECTION_MAP = "projection map {label}"                   # dense, sparse JL or TensorSketch
     PLACEMENT = "where {label} runs"                            # here (client, every rank) or on shards
+    CURVATURE = "curvature of {label}"                          # formed Hessian or Gauss-Newton (near a minimum)
 
     @classmethod
     def coerce(cls, kind) -> "DecisionKind":
