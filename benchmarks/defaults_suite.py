@@ -66,8 +66,10 @@ from gradalg.linalg.autodamp import DampingRule  # noqa: E402
 BUILD = ROOT / "build" / "fidelity"
 SETTINGS = ("logreg", "mlp", "lm", "lm2", "text", "instruct", "llama", "conv", "seqcls")
 #: settings where influence's / RelatIF's curvature="auto" is EK-FAC (the default layers have more
-#: than ga.options(dense_curvature_dim) = 16,384 coordinates); logreg, mlp and conv get the dense
-#: Gauss-Newton (650 / 2,410 / 3,818 coordinates). Checked at run time (``_auto_curvature``).
+#: than ga.options(dense_curvature_dim) coordinates); logreg, mlp and conv (and issue 31's mlp_gelu,
+#: mlp_adam, conv_wd) get the dense choice, "gauss_newton" in these tables' keys (650 / 2,410 / 3,818
+#: coordinates; since issue 31 the near-minimum rule: NEAR_MINIMUM_LABEL). Checked at run time
+#: (``_auto_curvature``).
 MEAN_01 = DampingRule("mean", 0.1)
 
 

@@ -6,6 +6,14 @@ downloaded), in float64, each with 500 training examples and 100 queries:
     logreg   multinomial logistic regression, nn.Linear(64, 10)
     mlp      64 → 32 → 10 with tanh
 
+and three more dense settings for issue 31's curvature rule (``influence(curvature="near_minimum")``,
+``"auto"``'s dense choice), each on its own split of the digits and a 50-subset ground truth:
+
+    mlp_gelu 64 → 24 → 24 → 10 with GELU, L-BFGS to convergence (as mlp)
+    mlp_adam 64 → 32 → 10 with tanh, 100 Adam steps from its initialisation (not at a minimum;
+             every subset retrained by the same recipe from the same start)
+    conv_wd  Conv2d(1, 4, 3) → tanh → Conv2d(4, 8, 3) → tanh → AvgPool2d(2) → Linear(128, 10), L-BFGS
+
 Both minimise  (1/n) Σ_{i ∈ S} CE(f(x_i), y_i) + (wd/2) ‖θ‖²  with n = 500 for every
 subset S (removal is a change of weight 1 → 0: the counterfactual influence functions
 linearise). Ground truth: 100 subsets of 50% (``ga.eval.retrain``), each trained to
