@@ -60,13 +60,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gradalg as ga  # noqa: E402
+from gradalg.expr.curvature import PROBES  # noqa: E402
 from gradalg.linalg.autodamp import DampingRule  # noqa: E402
 
 BUILD = ROOT / "build" / "fidelity"
 SETTINGS = ("logreg", "mlp", "lm", "lm2", "text", "instruct", "llama", "conv", "seqcls")
 #: settings where influence's / RelatIF's curvature="auto" is EK-FAC (the default layers have more
-#: than ga.options(dense_curvature_dim) = 16,384 coordinates); logreg, mlp and conv get the dense
-#: Gauss-Newton (650 / 2,410 / 3,818 coordinates). Checked at run time (``_auto_curvature``).
+#: than ga.options(dense_curvature_dim) coordinates); logreg, mlp and conv (and issue 31's mlp_gelu,
+#: mlp_adam, conv_wd) get the dense choice, "gauss_newton" in these tables' keys (650 / 2,410 / 3,818
+#: coordinates; since issue 31 the near-minimum rule: NEAR_MINIMUM_LABEL). Checked at run time
+#: (``_auto_curvature``).
 MEAN_01 = DampingRule("mean", 0.1)
 
 
@@ -86,6 +89,7 @@ AUTO_FLOORED = ByForm((DampingRule("mass", 0.95, floor=1.0), DampingRule("mass",
 AUTO_BY_STRUCTURE = ByForm((AUTO_POOLED[0], "auto"))
 AUTO_IF_KRONECKER = ByForm(("previous", "auto"))
 DENSE_HESSIAN_LABEL = "Hessian (shifted to PSD + 0.3 × mean) if dense, else EK-FAC 'auto'"
+NEAR_MINIMUM_LABEL = "Hessian if near a minimum (r = 1), else Gauss-Newton, if dense; else EK-FAC 'auto'"
 
 #: issue 31, the dense-H reading for TRAK's kernel, GraSS's H and TrackStar's R: ``damping="auto"``'s
 #: q = 0.95 with one λ from the pooled spectrum (RelatIF's ``DENSE_DAMPING``) instead of one per block
@@ -118,6 +122,10 @@ CANDIDATES = {
         # issue 31 (fiddig): where "auto" is dense, the formed Hessian at its default damping (shifted
         # to PSD + 0.3 × its mean eigenvalue, influence.DENSE_HESSIAN_DAMPING); EK-FAC as by default elsewhere
         (DENSE_HESSIAN_LABEL, dict(curvature=ByForm(("dense_hessian", "auto"))), None),
+        # issue 31 (fidauto): where "auto" is dense, the formed Hessian if the model is near a minimum
+        # (−μ_min ≤ r × the Gauss-Newton's mean eigenvalue, r = 1 fixed before the new settings were
+        # scored), else the dense Gauss-Newton at 1 × mean; EK-FAC as by default elsewhere
+        (NEAR_MINIMUM_LABEL, dict(curvature=ByForm(("near_minimum", "auto"))), None),
     ],
     "trak": [
         ("defaults (k=2048, relative_damping=1)", dict(k=2048, damping=None, relative_damping=1.0),
@@ -177,6 +185,7 @@ SAME_WHEN_AUTO_IS_EKFAC = {("influence", "EK-FAC"): "defaults (curvature='auto')
                            ("influence", "damping='auto' per block if Kronecker, pooled if dense"): "damping='auto'",
                            ("influence", "damping='auto' if Kronecker, else 1 × mean eigenvalue"): "damping='auto'",
                            ("influence", DENSE_HESSIAN_LABEL): "damping='auto'",
+                           ("influence", NEAR_MINIMUM_LABEL): "damping='auto'",
                            ("relatif", "damping='auto' per block if Kronecker, pooled if dense"): "damping='auto'"}
 #: the same where it is the dense Gauss-Newton
 SAME_WHEN_AUTO_IS_DENSE = {
@@ -269,7 +278,7 @@ def digits(name: str) -> Context:
     import fidelity as F
     s = F.SETTINGS[name]
     s.prepare()
-    n_subsets = {"logreg": 100, "mlp": 50}[name]
+    n_subsets = {"logreg": 100, "mlp": 50}.get(name, s.n_subsets)   # issue 31's dense settings: their own
     store = F.CACHE / f"{s.name}-n{F.N_TRAIN}-q{F.N_QUERY}-wd{F.WD:g}-tol{s.tol_subset:g}"
 
     def truth():          # deterministic and cheap: trained here when missing
@@ -338,7 +347,8 @@ def more(name: str) -> Context:
 
 
 def context(name: str) -> Context:
-    if name in ("logreg", "mlp"):
+    import fidelity as F
+    if name in F.SETTINGS:                  # logreg, mlp and issue 31's dense settings (mlp_gelu, mlp_adam, conv_wd)
         return digits(name)
     if name in ("lm", "lm2"):
         return lm(name)
@@ -496,11 +506,15 @@ def score(names, methods, progress=True) -> None:
                 if copy_one_block_twin(name, ctx, method, label, kwargs):
                     continue
                 try:
+                    PROBES.clear()
                     values, seconds, base, path = ctx.cache(method, standard or f"defaults-suite {label}",
                                                             ctx.thunk(method, kwargs), ctx.base)
                     if not np.isfinite(values).all():
                         raise ValueError("non-finite scores")
                     row.update(seconds=seconds, fwd_bwd_seconds=base, cost=seconds / base, scores=path)
+                    if PROBES:      # curvature="near_minimum" (issue 31): what decided, measured
+                        row["near_minimum"] = [{**vars(p), "describe": p.describe()} for p in PROBES.values()]
+                        print(f"  [{name}] {label}: {row['near_minimum'][0]['describe']}", flush=True)
                     print(f"  [{name}] {method:10s} {label:40s} {seconds:7.1f} s ({seconds / base:.0f}× fwd+bwd)",
                           flush=True)
                 except Exception as exc:  # noqa: BLE001 - a refusal is a result

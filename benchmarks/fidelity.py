@@ -6,6 +6,14 @@ downloaded), in float64, each with 500 training examples and 100 queries:
     logreg   multinomial logistic regression, nn.Linear(64, 10)
     mlp      64 → 32 → 10 with tanh
 
+and three more dense settings for issue 31's curvature rule (``influence(curvature="near_minimum")``,
+``"auto"``'s dense choice), each on its own split of the digits and a 50-subset ground truth:
+
+    mlp_gelu 64 → 24 → 24 → 10 with GELU, L-BFGS to convergence (as mlp)
+    mlp_adam 64 → 32 → 10 with tanh, 100 Adam steps from its initialisation (not at a minimum;
+             every subset retrained by the same recipe from the same start)
+    conv_wd  Conv2d(1, 4, 3) → tanh → Conv2d(4, 8, 3) → tanh → AvgPool2d(2) → Linear(128, 10), L-BFGS
+
 Both minimise  (1/n) Σ_{i ∈ S} CE(f(x_i), y_i) + (wd/2) ‖θ‖²  with n = 500 for every
 subset S (removal is a change of weight 1 → 0: the counterfactual influence functions
 linearise). Ground truth: 100 subsets of 50% (``ga.eval.retrain``), each trained to
@@ -134,12 +142,12 @@ NOT_PAIRWISE = {"self_influence": "gives each training example's self-influence 
 
 
 # --------------------------------------------------------------------------------- data
-def digits():
+def digits(split_seed: int = 0):
     from sklearn.datasets import load_digits
 
     X, y = load_digits(return_X_y=True)
     X, y = torch.tensor(X / 16.0, dtype=torch.float64), torch.tensor(y)
-    order = np.random.default_rng(0).permutation(len(X))
+    order = np.random.default_rng(split_seed).permutation(len(X))
     train = (X[order[:N_TRAIN]], y[order[:N_TRAIN]])
     queries = (X[order[N_TRAIN:N_TRAIN + N_QUERY]], y[order[N_TRAIN:N_TRAIN + N_QUERY]])
     return train, queries
@@ -206,6 +214,23 @@ def lbfgs(model, X, y, tol=1e-7, max_iter=5000, data_weight=1.0):
     return model
 
 
+ADAM_STEPS, ADAM_LR, ADAM_BATCH = 100, 1e-2, 32
+
+
+def adam_steps(model, X, y, tol=None, data_weight=1.0):
+    """ADAM_STEPS steps of Adam (lr ADAM_LR) on batches of ADAM_BATCH drawn with replacement
+    (the same seeded stream for every subset) of the batch mean CE + (wd/2)‖θ‖²: a model *not*
+    trained to a minimum (``tol`` and ``data_weight`` are ignored: a fixed recipe)."""
+    g = torch.Generator().manual_seed(0)
+    opt = torch.optim.Adam(model.parameters(), lr=ADAM_LR)
+    for _ in range(ADAM_STEPS):
+        b = torch.randint(len(X), (ADAM_BATCH,), generator=g)
+        opt.zero_grad()
+        (F.cross_entropy(model(X[b]), y[b]) + WD / 2 * sum((p ** 2).sum() for p in model.parameters())).backward()
+        opt.step()
+    return model
+
+
 # ----------------------------------------------------------------------------- settings
 @dataclass
 class Setting:
@@ -216,6 +241,9 @@ class Setting:
     tol_full: float               # max |gradient| of the full-data solution
     tol_subset: float             # ... of each retrained model (warm-started from it)
     lissa_scale: float            # > λ_max of the Hessian
+    split_seed: int = 0           # the permutation of load_digits into train / queries
+    warm_start: bool = True       # subsets start from the full-data solution (else from make_model())
+    n_subsets: int = N_SUBSETS    # the ground truth's subsets (the store is resumable whatever the count)
     train: tuple = None
     queries: tuple = None
     full: nn.Module = None
@@ -227,11 +255,12 @@ class Setting:
         return sum(p.numel() for p in self.full.parameters())
 
     def prepare(self):
-        self.train, self.queries = digits()
+        self.train, self.queries = digits(self.split_seed)
         self.full = self.fit(self.make_model(), *self.train, tol=self.tol_full)
 
     def train_fn(self, indices):
-        model = copy.deepcopy(self.full)                      # warm start from the full-data solution
+        # warm start from the full-data solution (a minimiser's neighbour), or the recipe from its start
+        model = copy.deepcopy(self.full) if self.warm_start else self.make_model()
         return self.fit(model, self.train[0][indices], self.train[1][indices], tol=self.tol_subset)
 
     def centred(self):
@@ -292,11 +321,40 @@ def _mlp():
     return nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10)).double()
 
 
+def _mlp_gelu():
+    torch.manual_seed(2)
+    return nn.Sequential(nn.Linear(64, 24), nn.GELU(), nn.Linear(24, 24), nn.GELU(), nn.Linear(24, 10)).double()
+
+
+def _mlp_adam():
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10)).double()
+
+
+def _conv_wd():
+    torch.manual_seed(4)
+    return nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 4, 3, padding=1), nn.Tanh(),
+                         nn.Conv2d(4, 8, 3, padding=1), nn.Tanh(), nn.AvgPool2d(2), nn.Flatten(),
+                         nn.Linear(128, 10)).double()
+
+
 SETTINGS = {
     "logreg": Setting("logreg", "multinomial logistic regression, Linear(64, 10)", _logreg, newton_logreg,
                       tol_full=1e-11, tol_subset=1e-11, lissa_scale=10.0),
     "mlp": Setting("mlp", "MLP 64 → 32 → 10, tanh", _mlp, lbfgs, tol_full=1e-9, tol_subset=1e-7,
                    lissa_scale=50.0),
+    # issue 31 (fidauto): dense settings the formed-Hessian rule of curvature="auto" was not read
+    # off (another split of load_digits each, 50 subsets): two trained to a minimum of the weight-
+    # decayed objective, one by a few Adam steps from its initialisation (not at a minimum)
+    "mlp_gelu": Setting("mlp_gelu", "MLP 64 → 24 → 24 → 10, GELU, L-BFGS to convergence", _mlp_gelu, lbfgs,
+                        tol_full=1e-9, tol_subset=1e-7, lissa_scale=50.0, split_seed=2, n_subsets=50),
+    "mlp_adam": Setting("mlp_adam", f"MLP 64 → 32 → 10, tanh, {ADAM_STEPS} Adam steps (lr {ADAM_LR:g}, batch "
+                        f"{ADAM_BATCH}) from its initialisation, not converged", _mlp_adam, adam_steps,
+                        tol_full=0.0, tol_subset=0.0, lissa_scale=50.0, split_seed=3, warm_start=False,
+                        n_subsets=50),
+    "conv_wd": Setting("conv_wd", "conv net 1×8×8: Conv2d(1, 4, 3) → tanh → Conv2d(4, 8, 3) → tanh → AvgPool2d(2) "
+                       "→ Linear(128, 10), L-BFGS to convergence", _conv_wd, lbfgs, tol_full=1e-9,
+                       tol_subset=1e-7, lissa_scale=50.0, split_seed=4, n_subsets=50),
 }
 
 
@@ -344,13 +402,19 @@ class Row:
     skipped: str = ""
 
 
+def ground_truth(setting: Setting, n_subsets: int | None = None, progress=False):
+    """The setting's retrained ground truth (``ga.eval.retrain``, cached and resumable under
+    ``build/fidelity/``); ``setting.prepare()`` must have run."""
+    return ga.eval.retrain(setting.train_fn, N_TRAIN, n_subsets=n_subsets or setting.n_subsets, fraction=FRACTION,
+                           seed=0, targets_fn=setting.query_losses, target="loss", progress=progress,
+                           store=CACHE / f"{setting.name}-n{N_TRAIN}-q{N_QUERY}-wd{WD:g}-tol{setting.tol_subset:g}")
+
+
 def run_setting(setting: Setting, methods, progress=False, n_subsets=None, exclude=()) -> tuple[list[Row], float]:
-    n_subsets = n_subsets or N_SUBSETS
+    n_subsets = n_subsets or setting.n_subsets
     start = time.perf_counter()
     setting.prepare()
-    gt = ga.eval.retrain(setting.train_fn, N_TRAIN, n_subsets=n_subsets, fraction=FRACTION, seed=0,
-                         targets_fn=setting.query_losses, target="loss", progress=progress,
-                         store=CACHE / f"{setting.name}-n{N_TRAIN}-q{N_QUERY}-wd{WD:g}-tol{setting.tol_subset:g}")
+    gt = ground_truth(setting, n_subsets, progress)
     truth_seconds = time.perf_counter() - start
     base = fwd_bwd_seconds(setting)
     print(f"\n[{setting.name}] {setting.description}: {setting.dim} parameters; ground truth "

@@ -53,8 +53,11 @@ def _plans(G, Q):
                 Placement(False, "rows in memory")
     placed = Executor(shards=Halves()).plan((Q @ G.T).expr)    # where each pass runs: a shard strategy's
     split = Executor(shards=Thirds()).plan((Q @ G.T).expr)     # and into how many shards
+    # the formed Hessian or the Gauss-Newton, decided when run (a CURVATURE decision)
+    near = ga.methods.influence(ga.tasks.classification(models.mlp()), models.classification_data(24, seed=1),
+                                models.classification_data(3, seed=2), curvature="near_minimum")
     return [kfac, plan((Q @ G.normalize().T).expr), plan((P(Q) @ P(G).T).expr),
-            plan((Q.low_rank(1) @ G.T).expr), placed, split]
+            plan((Q.low_rank(1) @ G.T).expr), placed, split, plan(near.expr)]
 
 
 def test_every_kind_is_made_and_every_subject_is_named(sides):

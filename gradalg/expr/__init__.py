@@ -7,7 +7,7 @@ from .operators import (AutoDamp, Damp, Dense, Diagonal, Fisher, Identity, Inver
 from .projection import Projector
 from .scores import Diagonal as ScoreDiagonal
 from .scores import Inner, ScoreNode, ScoreSum
-from .curvature import KFAC, Arnoldi, CurvatureProducts, DataInf, Formed
+from .curvature import KFAC, Arnoldi, CurvatureProducts, DataInf, Formed, NearMinimum
 from .tokens import PerToken, PerTokenError
 from .lowrank import LowRank
 from ..space import Block, ParamSpace  # the shape types (gradalg/space.py), with the nodes that carry them

@@ -15,13 +15,13 @@ from ..data import DataRef
 from ..linalg import DataInfOp, ImplicitOp, Labels, LowRankOp
 from ..linalg.explicit import ResolvedOp
 from ..linalg.kron import diagonal_factor_rules
-from ..linalg.solvers import arnoldi, arnoldi_iters
+from ..linalg.solvers import arnoldi, arnoldi_iters, lanczos_min
 from ..options import get_options
 from ..space import ParamSpace
 from .grads import GradNode, first_examples
 from .operators import OpNode, Statistic
 
-__all__ = ["KFAC", "CurvatureProducts", "Formed", "Arnoldi", "DataInf"]
+__all__ = ["KFAC", "CurvatureProducts", "Formed", "Arnoldi", "DataInf", "NearMinimum", "NearMinimumProbe", "PROBES"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -268,3 +268,136 @@ class DataInf(OpNode):
     @property
     def label(self):
         return f"datainf⁻¹(λ={self.damping:g})"
+
+
+@dataclass(frozen=True)
+class NearMinimumProbe:
+    """What decided a :class:`NearMinimum` choice, measured when it resolved.
+
+    mu_min     the smallest eigenvalue of H̄ + decay: exact (``exact``, from the formed Hessian)
+               or a Lanczos Ritz value, which is never below the true one
+    scale      the Gauss-Newton matrix's mean eigenvalue tr(G)/dim
+    ratio      −mu_min / scale (≤ 0: positive semi-definite)
+    threshold  r, ``ga.options(hessian_negative_ratio)``
+    chosen     "dense_hessian" (ratio ≤ r) or "gauss_newton"
+    how        which estimate decided, in words
+    hessian_mean  tr(H̄ + decay)/dim where the Hessian was formed, else None
+    """
+
+    mu_min: float
+    scale: float
+    ratio: float
+    threshold: float
+    chosen: str
+    exact: bool
+    how: str
+    hessian_mean: float | None = None
+
+    def describe(self) -> str:
+        mean = "" if self.hessian_mean is None else f", the Hessian's mean eigenvalue {self.hessian_mean:.3g}"
+        op = "≤" if self.chosen == "dense_hessian" else ">"
+        return (f"μ_min {self.mu_min:.3g} ({self.how}), the Gauss-Newton's mean eigenvalue {self.scale:.3g}{mean}: "
+                f"−μ_min / mean = {self.ratio:.3g} {op} r = {self.threshold:g}")
+
+
+#: ``{NearMinimum token: NearMinimumProbe}`` of the choices resolved in this process (the 256
+#: latest; a token names the model's weights, so a later plan of the same expression shows them)
+PROBES: dict = {}
+
+
+@dataclass(frozen=True, eq=False)
+class NearMinimum(OpNode):
+    """``curvature="auto"``'s dense choice (issue 31): the damped inverse ``hessian_inv`` of the
+    formed Hessian where the model is near a minimum of its objective, else ``gauss_newton_inv``
+    (the dense Gauss-Newton's), decided when it resolves, from no ground truth:
+
+        near a minimum  ⇔  −μ_min(H̄ + decay) ≤ r · tr(G)/dim
+
+    H̄ = (1/n) Σ ∇²ℓ_i (``products``; formed by ``formed``), G the formed Gauss-Newton matrix
+    (``gauss_newton``, whose mean eigenvalue is the scale: PSD and exact), r = ``ratio``
+    (``ga.options(hessian_negative_ratio)``), decay the objective's weight-decay term, whose
+    smallest diagonal entry ``shift`` is added to μ_min (exact for a uniform wd·I, a lower
+    bound otherwise). At a weight-decayed minimum H̄ + wd ⪰ 0; far from one (a model stopped
+    early) the residual term makes H̄ strongly indefinite and its PSD shift swamps the
+    curvature that ranks examples (a conv net: −μ_min = 25 × the mean, LDS 0.170 against the
+    Gauss-Newton's 0.468; docs/fidelity.md).
+
+    Up to ``iterations`` Lanczos steps on ``products`` (one vector each; never more than the
+    ⌈dim/chunk⌉ passes forming the Hessian takes, :attr:`probe_steps`) come first: a Ritz value θ
+    is never below μ_min, so −(θ + shift) > r · scale already proves the Gauss-Newton side and
+    the Hessian is never formed; otherwise ``formed`` (the same node the Hessian's inverse
+    holds, resolved once) gives the exact μ_min by ``eigvalsh``. What decided is kept in
+    :data:`PROBES` and shown by the plan (a ``CURVATURE`` decision).
+    """
+
+    products: OpNode
+    formed: OpNode
+    gauss_newton: OpNode
+    hessian_inv: OpNode
+    gauss_newton_inv: OpNode
+    ratio: float
+    iterations: int
+    shift: float = 0.0
+
+    @property
+    def space(self):
+        return self.gauss_newton_inv.space
+
+    @property
+    def probe_steps(self) -> int:
+        """The Lanczos steps at most: ``iterations``, but never more passes over the data than
+        forming the Hessian takes (⌈dim/chunk⌉ calls): the probe costs at most what it can save."""
+        calls = -(-self.space.dim // getattr(self.formed, "chunk", 256))
+        return min(self.iterations, calls, self.space.dim)
+
+    def labels(self):
+        self.hessian_inv.labels()        # both must resolve (refusals surface here)
+        return self.gauss_newton_inv.labels()
+
+    def statistics(self):
+        """Both sides' (the products pass is run only as far as the decision needs: the probe's
+        ``iterations`` calls, then the Hessian's formation if it is not ruled out)."""
+        probe = f"{self.probe_steps} Lanczos probe products + "
+        hess = tuple(s if s.job != "products" else
+                     Statistic(s.job, s.node, s.rows, s.after, s.calls + self.probe_steps,
+                               probe + (s.calls_why or "formed"), s.vectors)
+                     for s in self.hessian_inv.statistics())
+        return self.gauss_newton.statistics() + hess + tuple(
+            s for s in self.gauss_newton_inv.statistics() if s not in self.gauss_newton.statistics())
+
+    def resolve(self, ctx):
+        probe = self.measure(ctx)
+        PROBES[self.token] = probe
+        while len(PROBES) > 256:
+            PROBES.pop(next(iter(PROBES)))
+        return ctx.resolve(self.hessian_inv if probe.chosen == "dense_hessian" else self.gauss_newton_inv)
+
+    def measure(self, ctx) -> NearMinimumProbe:
+        """The decision's numbers: the Lanczos bound first, the formed Hessian's exact μ_min if needed."""
+        G = ctx.resolve(self.gauss_newton)
+        dim = self.space.dim
+        scale = float(G.trace()) / dim
+        bound = scale * self.ratio
+        most = self.probe_steps
+        if most > 0 and self.ratio < float("inf"):
+            H = ctx.resolve(self.products)
+            ritz, steps = lanczos_min(H.apply, dim, most, stop_below=-bound - self.shift)
+            theta = ritz + self.shift
+            if -theta > bound:
+                return NearMinimumProbe(theta, scale, -theta / scale, self.ratio, "gauss_newton", False,
+                                        f"Lanczos, {steps} of up to {most} products: a bound from above")
+        Hf = ctx.resolve(self.formed).data.to(torch.float64)
+        mu = torch.linalg.eigvalsh(Hf)
+        mu_min = float(mu.min()) + self.shift
+        mean = float(mu.sum()) / dim + self.shift
+        chosen = "dense_hessian" if -mu_min <= bound else "gauss_newton"
+        return NearMinimumProbe(mu_min, scale, -mu_min / scale, self.ratio, chosen, True,
+                                "the formed Hessian's eigenvalues", mean)
+
+    def apply_cost(self, space, n, prices):
+        return self.gauss_newton_inv.apply_cost(space, n, prices)
+
+    @property
+    def label(self):
+        return (f"auto: formed Hessian if near a minimum (−μ_min ≤ {self.ratio:g} × mean eig of G), "
+                "else Gauss-Newton")

@@ -18,7 +18,8 @@ import torch
 
 from ..errors import GradalgError
 
-__all__ = ["conjugate_gradient", "lissa", "arnoldi", "cg_max_iter", "arnoldi_iters", "LISSA_DEPTH", "iteration_bound"]
+__all__ = ["conjugate_gradient", "lissa", "arnoldi", "lanczos_min", "cg_max_iter", "arnoldi_iters", "LISSA_DEPTH",
+           "iteration_bound"]
 
 MatVec = Callable[[torch.Tensor], torch.Tensor]
 
@@ -131,3 +132,34 @@ def arnoldi(matvec: MatVec, dim: int, rank: int, *, iters: int | None = None, se
     evals, evecs = torch.linalg.eigh((H_small + H_small.T) / 2)
     order = torch.argsort(evals, descending=True)[:rank]
     return evals[order], V[:k].T @ evecs[:, order]
+
+
+def lanczos_min(matvec: MatVec, dim: int, iters: int, *, stop_below: float = float("-inf"), seed: int = 0,
+                dtype=torch.float64) -> tuple[float, int]:
+    """``(θ, steps)``: the smallest Ritz value θ of a symmetric H after ``steps`` ≤ ``iters`` Lanczos
+    steps (one product with one vector each, full re-orthogonalization), from a seeded Gaussian
+    start. θ ≥ μ_min(H) always (a Ritz value lies inside the spectrum), and falls toward it with
+    each step; it stops as soon as θ < ``stop_below`` (what the caller needed to know is proved).
+    """
+    iters = max(1, min(int(iters), dim))
+    gen = torch.Generator().manual_seed(seed)
+    V = torch.zeros(iters + 1, dim, dtype=dtype)
+    T = torch.zeros(iters + 1, iters, dtype=dtype)                  # (iters + 1, iters): Hessenberg = tridiagonal
+    v = torch.randn(dim, generator=gen, dtype=torch.float64).to(dtype)
+    V[0] = v / v.norm()
+    theta, steps = float("inf"), 0
+    for j in range(iters):
+        w = matvec(V[j:j + 1])[0].to(dtype)                         # (dim,)
+        for _ in range(2):                                           # re-orthogonalize twice
+            c = V[: j + 1] @ w
+            w = w - c @ V[: j + 1]
+            T[: j + 1, j] += c
+        steps = j + 1
+        small = T[:steps, :steps]
+        theta = float(torch.linalg.eigvalsh((small + small.T) / 2).min())
+        h = w.norm()
+        if theta < stop_below or h < 1e-12:
+            break
+        T[j + 1, j] = h
+        V[j + 1] = w / h
+    return theta, steps

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..errors import MemoryBudgetError
-from ..expr import GradNode, Inner, OpNode, Project, ScoreDiagonal
+from ..expr import GradNode, Inner, NearMinimum, OpNode, Project, ScoreDiagonal
+from ..expr.curvature import PROBES
 from .choices import Choices
 from ..units import format_bytes
 from .cost import _si
@@ -228,5 +229,34 @@ def decide(lowered: Lowered, facts: Facts, choices: Choices | None = None) -> Jo
     g = _Graph(facts, choices or Choices())
     roots = _roots(g, lowered)
     g.decisions.extend(projection_map_decisions(lowered.root, facts.options))
+    g.decisions.extend(near_minimum_decisions(lowered.root))
     g.chains()
     return JobGraph(g.jobs, tuple(roots), tuple(g.decisions), g.deps)
+
+
+def near_minimum_decisions(root) -> list[Decision]:
+    """A ``CURVATURE`` :class:`~gradalg.plan.decisions.Decision` for each
+    :class:`~gradalg.expr.NearMinimum` of ``root`` (``curvature="auto"``'s dense choice): the
+    formed Hessian where −μ_min(H̄ + decay) ≤ r × the Gauss-Newton's mean eigenvalue, else the
+    Gauss-Newton. Decided when the operator resolves (its numbers are the data's): a plan made
+    after that run shows what was chosen with the measured μ_min, scale and ratio
+    (:data:`~gradalg.expr.curvature.PROBES`); before it, "decided when run" and the rule."""
+    rows = []
+    for x in root.walk():
+        if not isinstance(x, NearMinimum):
+            continue
+        probe = PROBES.get(x.token)
+        rule = (f"near a minimum of its objective (−μ_min(H̄ + decay) ≤ r × tr(G)/dim, r = "
+                f"ga.options(hessian_negative_ratio={x.ratio:g}); μ_min bounded first by "
+                f"ga.options(hessian_probe_iterations={x.iterations}) Lanczos products, then exact from the formed "
+                "Hessian if not ruled out). Force one with curvature='dense_hessian' or 'gauss_newton'")
+        alternatives = {"dense_hessian": f"{x.hessian_inv.label} (near a minimum)",
+                        "gauss_newton": f"{x.gauss_newton_inv.label} (otherwise)"}
+        if probe is None:
+            rows.append(Decision(DecisionKind.CURVATURE, x.token, "decided when run", alternatives,
+                                 "curvature='auto': the formed Hessian where the model is " + rule, label="'auto'"))
+        else:
+            rows.append(Decision(DecisionKind.CURVATURE, x.token, probe.chosen, alternatives,
+                                 f"measured: {probe.describe()}; the Hessian where the model is " + rule,
+                                 label="'auto'"))
+    return rows

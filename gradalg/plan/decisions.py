@@ -58,6 +58,7 @@ class DecisionKind(enum.Enum):
     PROJECTION_MAP = "projection map {label}"                   # dense, sparse JL or TensorSketch
     PLACEMENT = "where {label} runs"                            # here (client, every rank) or on shards
     SHARDS = "shards of {label}"                                # shard tasks of a pass on Dask workers
+    CURVATURE = "curvature of {label}"                          # formed Hessian or Gauss-Newton (near a minimum)
 
     @classmethod
     def coerce(cls, kind) -> "DecisionKind":
