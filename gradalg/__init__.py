@@ -22,6 +22,7 @@ from .errors import DataError, ObjectiveError, OptionError, StoreCorruptError, W
 from .errors import CurvatureError, DistributedError, ModelMismatchError, OperatorError, StaleCompiledError  # noqa: E402
 from .errors import IdMismatchError  # noqa: E402 - results paired by id whose ids differ
 from .errors import HeadMismatchError, PartialGradientError  # noqa: E402
+from .errors import NoForwardADError  # noqa: E402 - no forward-mode AD through an op of the model
 from .exec import LocalExecutor
 from . import fingerprint  # noqa: E402 - ga.fingerprint.forget(model) after writes through .data
 from . import unroll  # noqa: E402 - ga.unroll.TrainingRun, replayed by ga.methods.magic / source
@@ -46,7 +47,7 @@ __all__ = [
     "mean_scores", "row_weights", "capture", "per_example_grads", "options", "get_options",
     "GradientSet", "Operator", "Scores", "TransposedGradients", "LocalExecutor", "methods", "proj",
     "tasks", "viz", "integrations", "GradalgError", "LossReductionError", "MemoryBudgetError", "NonFiniteGradientError", "NonFiniteWeightError",
-    "ShapeMismatchError", "SpaceMismatchError", "UnsupportedLayerError", "store", "StoreMismatchError",
+    "ShapeMismatchError", "SpaceMismatchError", "UnsupportedLayerError", "NoForwardADError", "store", "StoreMismatchError",
     "StoreIncompleteError", "BatchContentError", "PerTokenError", "StoreCorruptError", "OptionError",
     "DataError", "WorkerFaultError", "fingerprint", "compile", "Compiled", "OperatorError", "CurvatureError", "DistributedError", "ModelMismatchError",
     "StaleCompiledError", "unroll", "training_objective", "ObjectiveError", "check_model", "ModelCheckError",

@@ -10,6 +10,7 @@ from collections import Counter
 __all__ = [
     "GradalgError",
     "UnsupportedLayerError",
+    "NoForwardADError",
     "LossReductionError",
     "SpaceMismatchError",
     "NonFiniteGradientError",
@@ -48,6 +49,11 @@ class GradalgError(Exception):
 
 class UnsupportedLayerError(GradalgError, TypeError):
     """A layer was requested that hook capture cannot record per example."""
+
+
+class NoForwardADError(UnsupportedLayerError):
+    """The model runs an operation torch has no forward-mode AD rule for (``torch.func.jvp``),
+    which curvature products (Hessian- and Gauss-Newton-vector) need."""
 
 
 class LossReductionError(GradalgError, ValueError):

@@ -204,3 +204,45 @@ def test_lanczos_min_is_a_ritz_bound_that_reaches_the_smallest_eigenvalue():
     calls.clear()
     theta, steps = lanczos_min(matvec, 40, 40, stop_below=thetas[1])  # stops once the bound is proved
     assert theta < thetas[1] and steps == len(calls) < 40
+
+
+class _TanhNoJvp(torch.autograd.Function):
+    """tanh as a custom Function with a backward and no jvp: torch.func.jvp cannot pass it."""
+
+    @staticmethod
+    def forward(x):
+        return x.tanh()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(output)
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * (1 - y * y)
+
+
+class _NoJvp(nn.Module):
+    def forward(self, x):
+        return _TanhNoJvp.apply(x)
+
+
+def test_a_model_without_forward_ad_gets_the_gauss_newton_and_the_plan_says_why():
+    """The Hessian's products need forward-mode AD; a model running an op without a rule for it
+    (here a custom autograd.Function with no jvp) gets the Gauss-Newton under ``"auto"`` — the
+    scores of ``curvature="gauss_newton"``, exactly — and the decision names the cause. Asked for
+    by name, the Hessian raises the typed :class:`~gradalg.NoForwardADError` whose fix works."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), _NoJvp(), nn.Linear(8, 3)).double()
+    X, y = torch.randn(40, 6, dtype=torch.float64), torch.randint(0, 3, (40,))
+    task = ga.tasks.classification(model)
+    train, queries = (X, y), (X[:3], y[:3])
+    S = ga.methods.influence(task, train, queries)
+    auto = torch.as_tensor(S.compute().values)
+    gn = torch.as_tensor(ga.methods.influence(task, train, queries, curvature="gauss_newton").compute().values)
+    assert_close(auto, gn, rtol=1e-12, atol=1e-12)
+    d = S.explain().plan.decisions.one(DecisionKind.CURVATURE)
+    assert d.chosen == "gauss_newton" and "forward-mode AD" in d.reason and "autograd.Function" in d.reason
+    with pytest.raises(ga.NoForwardADError, match="curvature='gauss_newton'"):
+        ga.methods.influence(task, train, queries, curvature="hessian").compute()

@@ -24,7 +24,7 @@ from torch.func import functional_call, grad, jvp, vjp, vmap
 from ..capture.experts import add_param
 from ..capture.hooks import resolve_layers
 from ..data import DataRef, batch_size_of, move_batch
-from ..errors import NonFiniteGradientError, OptionError, UnsupportedLayerError
+from ..errors import NoForwardADError, NonFiniteGradientError, OptionError
 from ..finite import check_model, nonfinite_examples
 from ..options import get_options
 from ..tasks.validation import no_forward_ad
@@ -203,16 +203,22 @@ def _batch_product(task, batch, V: dict, free_names: list[str], kind: str) -> di
     return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
 
 
-def _no_forward_ad(kind: str, err: NotImplementedError) -> UnsupportedLayerError:
+def _no_forward_ad(kind: str, err: NotImplementedError) -> NoForwardADError:
     """The error for a model torch.func cannot push a tangent through (``err``)."""
-    op = str(err).split("with ", 1)[-1].split(" that ", 1)[0] if "with " in str(err) else "an operation"
-    return UnsupportedLayerError(
+    text = str(err)
+    if "autograd.Function" in text:
+        op, fix = ("a custom torch.autograd.Function without a jvp staticmethod",
+                   "give the Function a jvp staticmethod (with setup_context), ")
+    else:
+        op = text.split("with ", 1)[-1].split(" that ", 1)[0] if "with " in text else "an operation"
+        op += " (on CPU, the fused attention of scaled_dot_product_attention)"
+        fix = ("switch a transformers model to eager attention, model.set_attn_implementation('eager') (or load it "
+               "with attn_implementation='eager'), ")
+    return NoForwardADError(
         f"{kind.replace('_', '-')}-vector products push a tangent through the model (torch.func.jvp, "
-        f"forward-mode AD), and torch has no forward-AD rule for {op}, which the model runs (on CPU, the "
-        "fused attention of scaled_dot_product_attention). Fix: switch a transformers model to eager "
-        "attention, model.set_attn_implementation('eager') (or load it with attn_implementation='eager'), "
-        "or use a curvature that needs no products: curvature='ekfac' or 'kfac' (built from captured "
-        "factors)")
+        f"forward-mode AD), and torch has no forward-AD rule for {op}, which the model runs. Fix: {fix}"
+        "or use a curvature that needs no products: curvature='gauss_newton' (formed from per-example "
+        "Jacobians, dense models), 'ekfac' or 'kfac' (built from captured factors)")
 
 
 _warned: list = []

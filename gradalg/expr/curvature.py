@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..data import DataRef
+from ..errors import NoForwardADError
 from ..linalg import DataInfOp, ImplicitOp, Labels, LowRankOp
 from ..linalg.explicit import ResolvedOp
 from ..linalg.kron import diagonal_factor_rules
@@ -294,6 +295,8 @@ class NearMinimumProbe:
     hessian_mean: float | None = None
 
     def describe(self) -> str:
+        if self.mu_min != self.mu_min:           # NaN: the Hessian's products could not be taken
+            return f"μ_min not measured ({self.how}), the Gauss-Newton's mean eigenvalue {self.scale:.3g}"
         mean = "" if self.hessian_mean is None else f", the Hessian's mean eigenvalue {self.hessian_mean:.3g}"
         op = "≤" if self.chosen == "dense_hessian" else ">"
         return (f"μ_min {self.mu_min:.3g} ({self.how}), the Gauss-Newton's mean eigenvalue {self.scale:.3g}{mean}: "
@@ -378,6 +381,14 @@ class NearMinimum(OpNode):
         dim = self.space.dim
         scale = float(G.trace()) / dim
         bound = scale * self.ratio
+        try:
+            return self._measure_hessian(ctx, dim, scale, bound)
+        except NoForwardADError as err:     # the Hessian's products need jvp: the Gauss-Newton does not
+            why = str(err).split(", which the model runs", 1)[0].split("no forward-AD rule for ", 1)[-1]
+            return NearMinimumProbe(float("nan"), scale, float("nan"), self.ratio, "gauss_newton", False,
+                                    f"the Hessian's products need forward-mode AD, and torch has no rule for {why}")
+
+    def _measure_hessian(self, ctx, dim: int, scale: float, bound: float) -> NearMinimumProbe:
         most = self.probe_steps
         if most > 0 and self.ratio < float("inf"):
             H = ctx.resolve(self.products)

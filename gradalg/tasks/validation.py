@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import weakref
 from collections.abc import Mapping
 
@@ -84,8 +85,13 @@ def reading(task: str):
 
 def no_forward_ad(err: BaseException) -> bool:
     """Whether ``err`` is torch's refusal of forward-mode AD (``torch.func.jvp``) through an
-    operation that has no rule for it (on CPU: the fused ``scaled_dot_product_attention``)."""
-    return isinstance(err, NotImplementedError) and "forward AD" in str(err)
+    operation that has no rule for it: an operator ("... forward AD ...", on CPU the fused
+    ``scaled_dot_product_attention``) or a custom ``torch.autograd.Function`` without a ``jvp``
+    ("... to use it with forward mode AD")."""
+    return isinstance(err, NotImplementedError) and _FORWARD_AD.search(str(err)) is not None
+
+
+_FORWARD_AD = re.compile(r"forward[- ](mode )?AD")
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
