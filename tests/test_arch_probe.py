@@ -67,13 +67,25 @@ def build(arch: str, h: int = 16) -> nn.Module:
                                                          num_key_value_heads=1, head_dim=8, num_experts=4,
                                                          num_experts_per_tok=2, max_position_embeddings=32,
                                                          experts_implementation="eager"))
+    elif arch == "qwen2_moe":     # shared expert beside the routed ones, its sigmoid gate a (1, H) linear
+        model = tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(**SMALL, **n2, intermediate_size=24, moe_intermediate_size=8,
+                                                         shared_expert_intermediate_size=12, num_key_value_heads=1,
+                                                         num_experts=4, num_experts_per_tok=2,
+                                                         max_position_embeddings=32, experts_implementation="eager"))
+    elif arch == "mixtral":
+        model = tf.MixtralForCausalLM(tf.MixtralConfig(**SMALL, **n2, intermediate_size=8, num_key_value_heads=1,
+                                                       num_local_experts=4, num_experts_per_tok=2,
+                                                       max_position_embeddings=32, experts_implementation="eager"))
+    elif arch == "mistral":       # a sliding window (3) shorter than the sequences (4-7 tokens)
+        model = tf.MistralForCausalLM(tf.MistralConfig(**SMALL, **n2, intermediate_size=24, num_key_value_heads=1,
+                                                       sliding_window=3, max_position_embeddings=32))
     else:
         raise KeyError(arch)
     return model.double().eval()
 
 
 ARCHS = ("opt", "opt_project", "bloom", "falcon", "falcon_new", "gpt_neo", "gptj", "gemma3", "phi", "stablelm",
-         "olmoe", "qwen3_moe")
+         "olmoe", "qwen3_moe", "qwen2_moe", "mixtral", "mistral")
 
 
 def items(n: int, seed: int) -> list[dict]:
@@ -134,7 +146,7 @@ def test_grad_dot_at_defaults_matches_the_loop_reference_and_coverage_is_counted
     assert f"{100 * by_hand / cov.total:.1f} %" in str(S.explain())
 
 
-@pytest.mark.parametrize("arch", ("opt", "bloom", "falcon_new", "gptj", "gemma3", "phi", "olmoe"))
+@pytest.mark.parametrize("arch", ("opt", "bloom", "falcon_new", "gptj", "gemma3", "phi", "olmoe", "qwen2_moe", "mistral"))
 def test_influence_at_defaults_matches_the_dense_formula(arch):
     """curvature='auto' is the dense Gauss-Newton of sampled labels at this size, damped by
     its mean eigenvalue: RQ (CᵀC/n + λI)⁻¹ RGᵀ with λ = tr(CᵀC/n)/dim (width 8: ≈ 1,000
