@@ -1,8 +1,9 @@
 """Architectures nobody tuned on (issue 28, ``benchmarks/arch_probe.py``), as tiny configs:
 OPT (and OPT-350m's project_in/out), BLOOM, Falcon (both decoder layouts), GPT-Neo, GPT-J,
-Gemma-3, Phi, StableLM, OLMoE and Qwen3-MoE (fused 3-D experts: one block per expert and
-matrix, ``gradalg.capture.experts``). For each, with
-``ga.tasks.causal_lm`` at its defaults: Grad-Dot scores equal the loop-of-backward
+Gemma-3, Phi, StableLM, OLMoE, Qwen3-MoE and Qwen2-MoE (fused 3-D experts: one block per
+expert and matrix, ``gradalg.capture.experts``; Qwen2-MoE's shared expert and its 1-wide
+sigmoid gate beside them), and Mistral with a sliding window shorter than the sequences. For
+each, with ``ga.tasks.causal_lm`` at its defaults: Grad-Dot scores equal the loop-of-backward
 reference (each sequence alone, ``torch.autograd.grad`` of its summed token cross-entropy
 written from the HF call), the influence scores equal the dense formula, and the coverage
 line counts what a hand count of the block linears gives. An encoder-decoder model given to
@@ -72,10 +73,6 @@ def build(arch: str, h: int = 16) -> nn.Module:
                                                          shared_expert_intermediate_size=12, num_key_value_heads=1,
                                                          num_experts=4, num_experts_per_tok=2,
                                                          max_position_embeddings=32, experts_implementation="eager"))
-    elif arch == "mixtral":
-        model = tf.MixtralForCausalLM(tf.MixtralConfig(**SMALL, **n2, intermediate_size=8, num_key_value_heads=1,
-                                                       num_local_experts=4, num_experts_per_tok=2,
-                                                       max_position_embeddings=32, experts_implementation="eager"))
     elif arch == "mistral":       # a sliding window (3) shorter than the sequences (4-7 tokens)
         model = tf.MistralForCausalLM(tf.MistralConfig(**SMALL, **n2, intermediate_size=24, num_key_value_heads=1,
                                                        sliding_window=3, max_position_embeddings=32))
@@ -85,7 +82,7 @@ def build(arch: str, h: int = 16) -> nn.Module:
 
 
 ARCHS = ("opt", "opt_project", "bloom", "falcon", "falcon_new", "gpt_neo", "gptj", "gemma3", "phi", "stablelm",
-         "olmoe", "qwen3_moe", "qwen2_moe", "mixtral", "mistral")
+         "olmoe", "qwen3_moe", "qwen2_moe", "mistral")
 
 
 def items(n: int, seed: int) -> list[dict]:
