@@ -219,3 +219,20 @@ def test_a_memory_refusal_offers_fewer_queries_only_where_that_fits():
     layers = lm_default_names(model, block_linears(model))        # the vocabulary layers too (V = 61)
     expected = reference_rows(model, queries[:1], layers) @ reference_rows(model, train, layers).T
     torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)
+
+
+def test_an_error_the_models_op_raises_inside_capture_is_a_batch_content_error():
+    """Qwen2-MoE in float64 with transformers' default ``grouped_mm`` experts: the model's
+    own forward fails (no float64 kernel). Raised by the op while gradalg's weight-use mode
+    forwarded the call, it was a raw ``RuntimeError``; it is the model's error on the batch,
+    a typed ``BatchContentError`` carrying the op's message."""
+    import transformers as tf
+    torch.manual_seed(0)
+    model = tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
+        hidden_size=16, num_attention_heads=2, vocab_size=V, num_hidden_layers=2, intermediate_size=24,
+        moe_intermediate_size=8, shared_expert_intermediate_size=12, num_key_value_heads=1, num_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=32, experts_implementation="grouped_mm")).double().eval()
+    with pytest.raises(RuntimeError, match="Float32"):      # the model alone, without gradalg
+        model(input_ids=items(1, 1)[0]["input_ids"][None])
+    with pytest.raises(ga.errors.BatchContentError, match="could not read the batch.*Float32"):
+        ga.methods.grad_dot(ga.tasks.causal_lm(model), items(3, 1), items(1, 2)).compute()
