@@ -102,7 +102,9 @@ def build_config(name: str, T: int):
             max_position_embeddings=max(4096, T), tie_word_embeddings=False)
     if name == "t5-small":
         return tf.T5ForConditionalGeneration, tf.T5Config(dropout_rate=0.0)
-    raise SystemExit(f"unknown model {name!r}: one of {', '.join(MODELS)}")
+    if name in real_scale.MODELS:     # real_scale.py's models (--plan-only on them)
+        return real_scale.build_config(name, T)
+    raise SystemExit(f"unknown model {name!r}: one of {', '.join(MODELS + real_scale.MODELS)}")
 
 
 def coverage_by_hand(model) -> dict:
@@ -374,7 +376,9 @@ def record(results: Path, rec: dict) -> list[dict]:
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    p.add_argument("--models", nargs="+", default=list(MODELS),
+                   choices=MODELS + tuple(m for m in real_scale.MODELS if m not in MODELS),
+                   help="this probe's models, or real_scale.py's")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--T", type=int, default=128)
     p.add_argument("--train", type=int, default=4)

@@ -27,6 +27,25 @@ Architectures added in session 38 to play issue 28's check on models it does not
                  experts, top-2 (Mixtral's routing; OLMoE's 64 experts would be 1.6 GB a
                  layer): fused experts (340 M)
 
+Added in session 41, shapes that neither issue 28 nor the models above have (random
+init, float32; widths chosen so that each is ~10⁸ parameters):
+
+    phi-160m     PhiConfig at GPT-2-small width: 12 layers, width 768, 12 heads, parallel
+                 attention + MLP from one LayerNorm, rotary on half of each head, biases,
+                 vocab 51,200, untied head with a bias (164 M)
+    bloom-250k   BloomConfig with BLOOM's 250,880 vocabulary at width 512 (6 layers, 8
+                 heads): ALiBi, fused query_key_value, embedding LayerNorm, tied (147 M:
+                 87% of it the embedding)
+    falcon-mq    FalconConfig in Falcon-7B's layout at width 1024 (8 layers, 16 heads):
+                 multi-query attention (one kv head, fused query_key_value → 1,152),
+                 parallel attention + MLP, no biases, vocab 65,024, tied (152 M)
+    mistral-swa  MistralConfig: 12 layers, width 768, 12 heads / 4 kv heads, SwiGLU
+                 (2,048), sliding window 64 (< T), vocab 32,768, untied (126 M)
+    qwen2moe-2l  Qwen2MoeConfig (Qwen1.5-MoE's layout) with 2 layers at width 768: 8
+                 fused experts top-2 (intermediate 768) beside a shared expert (2,048)
+                 whose sigmoid gate is a 768 → 1 linear, q/k/v biases, vocab 151,936,
+                 untied (276 M: 85% of it the embedding and head)
+
 T ∈ {128, 512, 2048} (``--T``); ``--train N --queries M`` sequences of T tokens.
 Data (``--data``): ``random`` token ids (default); ``stdlib-bpe``: the Python standard
 library's own sources (``sysconfig``'s stdlib folder, files in sorted order), tokenized
@@ -112,7 +131,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RESULTS = ROOT / "benchmarks" / "results" / "real_scale.json"
 MODELS = ("gpt2-small", "pythia-160m", "llama-200m", "qwen2-0.5b", "tiny-gpt2", "opt-125m", "gemma3-270m",
-          "olmoe-2l")
+          "olmoe-2l", "phi-160m", "bloom-250k", "falcon-mq", "mistral-swa", "qwen2moe-2l")
 DEFAULT_DTYPE = {"qwen2-0.5b": "bfloat16"}        # the others: float32
 METHODS = ("grad_dot", "grad_cos", "influence_gn", "influence_ekfac", "influence_kfac", "influence_datainf",
            "relatif", "logra", "grass", "trak", "less", "trackstar", "tracin", "self_influence")
@@ -165,6 +184,32 @@ def build_config(name: str, T: int):
             vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=16,
             num_key_value_heads=16, num_experts=8, num_experts_per_tok=2, max_position_embeddings=max(4096, T),
             tie_word_embeddings=False, attention_dropout=0.0)
+    if name == "phi-160m":
+        return tf.PhiForCausalLM, tf.PhiConfig(
+            vocab_size=51200, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+            partial_rotary_factor=0.5, max_position_embeddings=max(2048, T), tie_word_embeddings=False,
+            resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)
+    if name == "bloom-250k":
+        return tf.BloomForCausalLM, tf.BloomConfig(
+            vocab_size=250880, hidden_size=512, n_layer=6, n_head=8, tie_word_embeddings=True,
+            hidden_dropout=0.0, attention_dropout=0.0)
+    if name == "falcon-mq":
+        return tf.FalconForCausalLM, tf.FalconConfig(
+            vocab_size=65024, hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, multi_query=True,
+            parallel_attn=True, new_decoder_architecture=False, bias=False, alibi=False,
+            max_position_embeddings=max(2048, T), tie_word_embeddings=True, hidden_dropout=0.0,
+            attention_dropout=0.0)
+    if name == "mistral-swa":
+        return tf.MistralForCausalLM, tf.MistralConfig(
+            vocab_size=32768, hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+            num_key_value_heads=4, sliding_window=64, max_position_embeddings=max(4096, T),
+            tie_word_embeddings=False, attention_dropout=0.0)
+    if name == "qwen2moe-2l":
+        return tf.Qwen2MoeForCausalLM, tf.Qwen2MoeConfig(
+            vocab_size=151936, hidden_size=768, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=12,
+            num_key_value_heads=12, moe_intermediate_size=768, shared_expert_intermediate_size=2048, num_experts=8,
+            num_experts_per_tok=2, max_position_embeddings=max(4096, T), tie_word_embeddings=False,
+            attention_dropout=0.0)
     raise SystemExit(f"unknown model {name!r}: one of {', '.join(MODELS)}")
 
 

@@ -1,8 +1,9 @@
 """Architectures nobody tuned on (issue 28, ``benchmarks/arch_probe.py``), as tiny configs:
 OPT (and OPT-350m's project_in/out), BLOOM, Falcon (both decoder layouts), GPT-Neo, GPT-J,
-Gemma-3, Phi, StableLM, OLMoE and Qwen3-MoE (fused 3-D experts: one block per expert and
-matrix, ``gradalg.capture.experts``). For each, with
-``ga.tasks.causal_lm`` at its defaults: Grad-Dot scores equal the loop-of-backward
+Gemma-3, Phi, StableLM, OLMoE, Qwen3-MoE and Qwen2-MoE (fused 3-D experts: one block per
+expert and matrix, ``gradalg.capture.experts``; Qwen2-MoE's shared expert and its 1-wide
+sigmoid gate beside them), and Mistral with a sliding window shorter than the sequences. For
+each, with ``ga.tasks.causal_lm`` at its defaults: Grad-Dot scores equal the loop-of-backward
 reference (each sequence alone, ``torch.autograd.grad`` of its summed token cross-entropy
 written from the HF call), the influence scores equal the dense formula, and the coverage
 line counts what a hand count of the block linears gives. An encoder-decoder model given to
@@ -67,13 +68,21 @@ def build(arch: str, h: int = 16) -> nn.Module:
                                                          num_key_value_heads=1, head_dim=8, num_experts=4,
                                                          num_experts_per_tok=2, max_position_embeddings=32,
                                                          experts_implementation="eager"))
+    elif arch == "qwen2_moe":     # shared expert beside the routed ones, its sigmoid gate a (1, H) linear
+        model = tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(**SMALL, **n2, intermediate_size=24, moe_intermediate_size=8,
+                                                         shared_expert_intermediate_size=12, num_key_value_heads=1,
+                                                         num_experts=4, num_experts_per_tok=2,
+                                                         max_position_embeddings=32, experts_implementation="eager"))
+    elif arch == "mistral":       # a sliding window (3) shorter than the sequences (4-7 tokens)
+        model = tf.MistralForCausalLM(tf.MistralConfig(**SMALL, **n2, intermediate_size=24, num_key_value_heads=1,
+                                                       sliding_window=3, max_position_embeddings=32))
     else:
         raise KeyError(arch)
     return model.double().eval()
 
 
 ARCHS = ("opt", "opt_project", "bloom", "falcon", "falcon_new", "gpt_neo", "gptj", "gemma3", "phi", "stablelm",
-         "olmoe", "qwen3_moe")
+         "olmoe", "qwen3_moe", "qwen2_moe", "mistral")
 
 
 def items(n: int, seed: int) -> list[dict]:
@@ -134,7 +143,7 @@ def test_grad_dot_at_defaults_matches_the_loop_reference_and_coverage_is_counted
     assert f"{100 * by_hand / cov.total:.1f} %" in str(S.explain())
 
 
-@pytest.mark.parametrize("arch", ("opt", "bloom", "falcon_new", "gptj", "gemma3", "phi", "olmoe"))
+@pytest.mark.parametrize("arch", ("opt", "bloom", "falcon_new", "gptj", "gemma3", "phi", "olmoe", "qwen2_moe", "mistral"))
 def test_influence_at_defaults_matches_the_dense_formula(arch):
     """curvature='auto' is the dense Gauss-Newton of sampled labels at this size, damped by
     its mean eigenvalue: RQ (CᵀC/n + λI)⁻¹ RGᵀ with λ = tr(CᵀC/n)/dim (width 8: ≈ 1,000
@@ -210,3 +219,20 @@ def test_a_memory_refusal_offers_fewer_queries_only_where_that_fits():
     layers = lm_default_names(model, block_linears(model))        # the vocabulary layers too (V = 61)
     expected = reference_rows(model, queries[:1], layers) @ reference_rows(model, train, layers).T
     torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)
+
+
+def test_an_error_the_models_op_raises_inside_capture_is_a_batch_content_error():
+    """Qwen2-MoE in float64 with transformers' default ``grouped_mm`` experts: the model's
+    own forward fails (no float64 kernel). Raised by the op while gradalg's weight-use mode
+    forwarded the call, it was a raw ``RuntimeError``; it is the model's error on the batch,
+    a typed ``BatchContentError`` carrying the op's message."""
+    import transformers as tf
+    torch.manual_seed(0)
+    model = tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
+        hidden_size=16, num_attention_heads=2, vocab_size=V, num_hidden_layers=2, intermediate_size=24,
+        moe_intermediate_size=8, shared_expert_intermediate_size=12, num_key_value_heads=1, num_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=32, experts_implementation="grouped_mm")).double().eval()
+    with pytest.raises(RuntimeError, match="Float32"):      # the model alone, without gradalg
+        model(input_ids=items(1, 1)[0]["input_ids"][None])
+    with pytest.raises(ga.errors.BatchContentError, match="could not read the batch.*Float32"):
+        ga.methods.grad_dot(ga.tasks.causal_lm(model), items(3, 1), items(1, 2)).compute()

@@ -95,3 +95,20 @@ def test_check_table_judges_each_condition_and_merges_files(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "| gemma3-270m | 128 | less | scores ✓ |" in table and "killed" not in table
     assert "| opt-125m | 128 | trak | scores ✓ | 1.50 | 6.10 / 4.00 | 1.52 ✗ | 0.9 ✓ | 2.10 ✗ |  |" in table
+
+
+def test_every_model_builds_with_the_parameter_count_its_docstring_states():
+    """Each ``--models`` key builds from its ``transformers`` config (on the meta device:
+    nothing allocated), and its parameter count rounds to the "(N M)" the module's
+    docstring gives for it (the sizes the performance tables quote)."""
+    import re
+
+    import torch
+    rs = _load()
+    stated = {m: int(n) for m, n in re.findall(r"^    ([a-z0-9.-]+) .*?(?:\n {17}.*?)*\((\d+) M", rs.__doc__, re.M)}
+    assert {"phi-160m", "bloom-250k", "falcon-mq", "mistral-swa", "qwen2moe-2l"} <= set(stated)
+    for name in stated:
+        cls, config = rs.build_config(name, 128)
+        with torch.device("meta"):
+            model = cls(config)
+        assert round(sum(p.numel() for p in model.parameters()) / 1e6) == stated[name], name

@@ -103,7 +103,12 @@ class OutsideUses(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except Exception as err:
+            if err.__traceback__ is not None and err.__traceback__.tb_next is None:
+                err.raised_by_torch_op = True    # the op's own error (the model's), passed through this mode
+            raise
         if replaying() is not None or not torch.is_grad_enabled():
             return out
         hits = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and id(t) in self.owners]

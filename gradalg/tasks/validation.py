@@ -99,7 +99,12 @@ _TASKS = os.path.dirname(os.path.abspath(__file__))
 
 
 def _raised_in_gradalg(err: BaseException) -> bool:
-    """Whether the innermost frame of ``err`` is gradalg's own code (outside ``tasks/``)."""
+    """Whether the innermost frame of ``err`` is gradalg's own code (outside ``tasks/``). An
+    error a torch op raised while a gradalg torch-function mode forwarded the call (the
+    innermost Python frame is then the mode's: ``raised_by_torch_op``) is the op's, not
+    gradalg's."""
+    if getattr(err, "raised_by_torch_op", False):
+        return False
     tb, last = err.__traceback__, None
     while tb is not None:
         last, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
