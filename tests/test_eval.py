@@ -387,7 +387,8 @@ class LogisticRegression:
             H = (W.reshape(m, -1).T @ XX).reshape(10, 10, 65, 65).permute(0, 2, 1, 3).reshape(650, 650)
             step = torch.linalg.solve(H / self.n + self.wd * eye, grad.reshape(-1)).reshape(10, 65)
             f0, t = self.objective(theta, Xa, Y), 1.0
-            while self.objective(theta - t * step, Xa, Y) > f0 and t > 1e-10:
+            slack = 8 * torch.finfo(torch.float64).eps * abs(float(f0))   # near the minimum f differs by round-off
+            while self.objective(theta - t * step, Xa, Y) > f0 + slack and t > 1e-10:
                 t /= 2
             theta = theta - t * step
         raise AssertionError("Newton's method did not converge")

@@ -397,7 +397,7 @@ class NearMinimum(OpNode):
             if -theta > bound:
                 return NearMinimumProbe(theta, scale, -theta / scale, self.ratio, "gauss_newton", False,
                                         f"Lanczos, {steps} of up to {most} products: a bound from above")
-        Hf = ctx.resolve(self.formed).data.to(torch.float64)
+        Hf = ctx.resolve(self.formed).dense().to(torch.float64)          # (dim, dim)
         mu = torch.linalg.eigvalsh(Hf)
         mu_min = float(mu.min()) + self.shift
         mean = float(mu.sum()) / dim + self.shift

@@ -288,7 +288,8 @@ def decay_term(weight_decay=None, optimizer=None, like=None) -> DecayTerm | None
 def hessian_refusal(task: Task | None) -> str | None:
     """Why ``curvature="auto"`` does not form the Hessian for ``task`` (None: it may): a
     language-model task (its curvature is the sampled Gauss-Newton over the vocabulary; the
-    formed Hessian was measured on classifiers), or a model whose attention torch cannot push
+    formed Hessian was measured on classifiers), a model sharded across ranks (FSDP, FSDP2: its
+    products need whole parameters), or a model whose attention torch cannot push
     a forward-mode tangent through on CPU (``nn.MultiheadAttention``, a transformers model
     whose ``config._attn_implementation`` is not ``"eager"``): the Hessian's products need it."""
     if task is None:
@@ -296,6 +297,10 @@ def hessian_refusal(task: Task | None) -> str | None:
     if task.curvature_objective == "sampled" or task.expected_terms is None:
         return "the task's curvature is the sampled Gauss-Newton"
     from torch import nn
+
+    from ..exec.distributed import _fsdp1, is_sharded
+    if is_sharded(task.model) or _fsdp1(task.model):
+        return "the model's parameters are sharded across ranks (FSDP): the Hessian's products need whole parameters"
     for module in task.model.modules():
         if isinstance(module, nn.MultiheadAttention):
             return "nn.MultiheadAttention has no forward-mode AD on CPU (the Hessian's products need it)"
