@@ -87,17 +87,36 @@ def _measured_passes(monkeypatch, S):
     return ex.last_plan, grown
 
 
-@pytest.mark.parametrize("method", ["influence", "trak"])
-def test_measured_peak_of_the_scores_pass_stays_within_1_3x_its_plan(monkeypatch, method):
-    """The pass that resolves the inverse grows by ~40·d² (32–35·d² resolving, 8·d² the damped
-    copy): influence planned 378 MB, measured 378 MB; TRAK 168 / 203 MB (1.21×). Before the
-    damped copy was counted: 1.25× and 1.51×; before the resolution was counted, 0.08 MB planned."""
+def _scores_pass_growth(method: str) -> tuple[float, float, list, list]:
+    """In a fresh process: (measured growth, planned peak) of ``method``'s scores pass, and
+    every pass's growth and plan (a resident-set growth depends on what the allocator kept from
+    earlier work in the same process: glibc's mmap threshold moves with it)."""
+    import _pytest.monkeypatch
+
     task, train, q = _setting(hidden=256, dtype=torch.float32, n=64)
     S = ga.methods.influence(task, train, q, curvature="empirical") if method == "influence" else \
         ga.methods.trak(task, train, q)
-    plan, grown = _measured_passes(monkeypatch, S)
+    with _pytest.monkeypatch.MonkeyPatch.context() as mp:
+        plan, grown = _measured_passes(mp, S)
     i = plan.passes.index(_scores_pass(plan))
-    assert grown[i] <= 1.3 * plan.passes[i].cost.peak_bytes, (grown, [p.cost.peak_bytes for p in plan.passes])
+    return grown[i], plan.passes[i].cost.peak_bytes, grown, [p.cost.peak_bytes for p in plan.passes]
+
+
+@pytest.mark.parametrize("method", ["influence", "trak"])
+def test_measured_peak_of_the_scores_pass_stays_within_1_3x_its_plan(method):
+    """The pass that resolves the inverse grows by ~40·d² (32–35·d² resolving, 8·d² the damped
+    copy): influence planned 378 MB, measured 378 MB; TRAK 168 / 203 MB (1.21×). Before the
+    damped copy was counted: 1.25× and 1.51×; before the resolution was counted, 0.08 MB planned.
+    Measured in a fresh process: in a worker that ran other tests first TRAK's grew 1.41×."""
+    import concurrent.futures
+    import multiprocessing
+
+    from budget_scripts.peak_memory import reset_peak
+    if not reset_peak():
+        pytest.skip("the peak resident mark (/proc/self/clear_refs) cannot be reset here")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        grown, planned, every, plans = pool.submit(_scores_pass_growth, method).result(timeout=600)
+    assert grown <= 1.3 * planned, (every, plans)
 
 
 def test_the_fisher_pass_holds_one_matrix(monkeypatch):
