@@ -27,7 +27,7 @@ import torch
 from gradalg.capture.factors import Factors
 from gradalg.linalg.kron import rotate_factors
 from gradalg.plan.cost import bmm_cost, gemm_cost
-from gradalg.plan.devices import profile
+from gradalg.devices import profile
 from gradalg.plan.jobs.kron import correction_traffic
 
 

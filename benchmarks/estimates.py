@@ -27,7 +27,7 @@ as on passes over data). With one thread the process's CPU time is the
 pass's work without the waits for a core that other processes cause on a shared
 machine; on a quiet one it equals the wall time. Each workload starts with a warm-up
 run of its first method (imports, allocator, kernels); put a method that draws no
-projection matrix first, since matrices are cached for the process. The device profile is this machine's (``ga.plan.devices``,
+projection matrix first, since matrices are cached for the process. The device profile is this machine's (``ga.devices``,
 measured once and cached); it is printed first.
 
     OMP_NUM_THREADS=1 nice .venv/bin/python benchmarks/estimates.py
@@ -55,7 +55,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gradalg as ga  # noqa: E402
-from gradalg.plan import devices  # noqa: E402
+from gradalg import devices  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import methods_cost as mc  # noqa: E402

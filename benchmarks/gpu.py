@@ -33,7 +33,7 @@ over the training set, gradalg's checks), after one warm-up batch of the plain p
 Every cost is given as a multiple of the plain pass over the same training set, with
 the method's training tokens per second, the peak device memory, and the planner's
 estimate of the same expression on the H200 preset (spec-sheet speeds: on an H200 the
-two columns check ``gradalg/plan/devices.py`` and the scale table of
+two columns check ``gradalg/devices/`` and the scale table of
 docs/performance.md). On CUDA each timing
 is bracketed by ``torch.cuda.synchronize()``. gradalg keeps curvature statistics in
 float64 (also on the GPU: slow next to bfloat16, but exact enough to invert); that is
@@ -223,7 +223,7 @@ def prepare(name, cls, config, layers, args, device, clock) -> dict:
 
 def _h200_estimate(S) -> float | None:
     """The planner's estimate of the same expression on the H200 preset (spec-sheet
-    speeds, ``gradalg.plan.devices``), to set beside the measured seconds on an H200."""
+    speeds, ``gradalg.devices``), to set beside the measured seconds on an H200."""
     try:
         return float(S.explain(device="h200").plan.seconds)
     except ga.errors.MemoryBudgetError:
@@ -504,7 +504,7 @@ def main(argv=None) -> dict:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})"
     # one-time costs kept out of the first method's time: this machine's CPU profile
     # (measured once, cached on disk) and torch's lazily imported DTensor module
-    from gradalg.plan.devices import local_profile
+    from gradalg.devices import local_profile
     local_profile()
     try:
         importlib.import_module("torch.distributed.tensor")

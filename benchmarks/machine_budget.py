@@ -66,7 +66,7 @@ def run_case(method: str, budget: str, n_layer: int, n_train: int, tokens: int, 
     train, queries = items(n_train), items(2)
     task = ga.tasks.causal_lm(model)
     layers = None if every_layer else ["transformer.h.*"]
-    ga.plan.devices.local_profile()           # measured once per machine, not part of the run
+    ga.devices.local_profile()           # measured once per machine, not part of the run
     options = dict(progress=False, memory_budget=None if budget == "machine" else budget)
     if warm:
         with ga.options(progress=False):

@@ -48,7 +48,7 @@ from gradalg.capture.factors import Factors  # noqa: E402
 from gradalg.plan.jobs import ScoreAccumulator  # noqa: E402
 from gradalg.capture.chunks import Chunk, flat_block  # noqa: E402
 from gradalg.plan.cost import dense_cost, ghost_cost  # noqa: E402
-from gradalg.plan.devices import local_profile  # noqa: E402
+from gradalg.devices import local_profile  # noqa: E402
 from gradalg.plan import DecisionKind  # noqa: E402
 from gradalg.plan.planner import plan  # noqa: E402
 

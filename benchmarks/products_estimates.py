@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 import gradalg as ga  # noqa: E402
-from gradalg.plan import devices  # noqa: E402
+from gradalg import devices  # noqa: E402
 from gradalg.plan.cost import Cost, data_tokens_hint  # noqa: E402
 from gradalg.plan.estimates import _leaf_modules  # noqa: E402
 from gradalg.plan.jobs.products import PRODUCT_SWEEPS, product_work  # noqa: E402

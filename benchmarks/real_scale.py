@@ -430,7 +430,7 @@ def run_one(spec: dict) -> dict:
     torch.set_num_threads(spec["threads"])
     import gradalg as ga
     from gradalg.plan.budget import budget_bytes
-    from gradalg.plan.devices import local_profile
+    from gradalg.devices import local_profile
     device = torch.device(spec["device"])
     cuda = device.type == "cuda"
     if cuda:

@@ -8,7 +8,7 @@
     S = P(Q) @ ga.fisher(P(G)).damp(1e-3).inv() @ P(G).T
     S.compute()          # xarray.DataArray (query, train)
 """
-from . import collate, eval, integrations, methods, proj, store, tasks, viz, widgets  # noqa: A004 - ga.eval, the evaluation subpackage
+from . import collate, devices, eval, integrations, methods, proj, store, tasks, viz, widgets  # noqa: A004 - ga.eval, the evaluation subpackage
 from .api import (GradientSet, Operator, Scores, SelfScores, TransposedGradients, adam_state, arnoldi, datainf, dense, diagonal,
                   ekfac, fisher, gauss_newton, grads, hessian, identity, kfac, mean_scores, row_weights,
                   sum_scores)
@@ -46,7 +46,7 @@ __all__ = [
     "Task", "TransformerBlocks", "grads", "fisher", "adam_state", "SelfScores", "kfac", "ekfac", "hessian", "gauss_newton", "arnoldi", "datainf", "identity", "diagonal", "dense", "sum", "mean", "sum_scores",
     "mean_scores", "row_weights", "capture", "per_example_grads", "options", "get_options",
     "GradientSet", "Operator", "Scores", "TransposedGradients", "LocalExecutor", "methods", "proj",
-    "tasks", "viz", "integrations", "GradalgError", "LossReductionError", "MemoryBudgetError", "NonFiniteGradientError", "NonFiniteWeightError",
+    "tasks", "viz", "devices", "integrations", "GradalgError", "LossReductionError", "MemoryBudgetError", "NonFiniteGradientError", "NonFiniteWeightError",
     "ShapeMismatchError", "SpaceMismatchError", "UnsupportedLayerError", "NoForwardADError", "store", "StoreMismatchError",
     "StoreIncompleteError", "BatchContentError", "PerTokenError", "StoreCorruptError", "OptionError",
     "DataError", "WorkerFaultError", "fingerprint", "compile", "Compiled", "OperatorError", "CurvatureError", "DistributedError", "ModelMismatchError",

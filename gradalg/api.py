@@ -130,7 +130,7 @@ class _Displayed:
             record of one of the planner's stages: "lower", "facts", "decide", "schedule", "size".
         rewrites : False shows (and runs) the plan without rewrite rules.
         device : plan for this device ("h200", "h100", "a100", or a profile such as
-            ``ga.plan.devices.profile("h200", count=4)``; default: this machine) and add
+            ``ga.devices.profile("h200", count=4)``; default: this machine) and add
             estimated time and memory per GPU for each count in ``gpus``.
         n_devices : run on exactly this many GPUs of ``device`` (default: the profile's
             ``count`` when above 1): the scale table has that count only, and a run that
@@ -145,7 +145,7 @@ class _Displayed:
         executor : the executor that would run it (a ``ga.exec.DaskExecutor`` adds, per
             pass, its shards, tasks and what crosses the network).
         """
-        from .plan.devices import DeviceProfile
+        from .devices import DeviceProfile
         if n_devices is None and isinstance(device, DeviceProfile) and device.count > 1:
             n_devices = device.count
         if n_devices is not None:
@@ -169,7 +169,7 @@ class _Displayed:
 
             from .options import get_options
             from .plan.budget import Budget, device_budget, is_here, resolve_budget
-            from .plan.devices import profile
+            from .devices import profile
             options = get_options()
             if memory_budget is not None:
                 # a string ("4GB") is parsed by Options, like ga.options(memory_budget=...)

@@ -92,7 +92,7 @@ class Options:
         the rest of the process and other processes. Shown in the plan's header.
     measure_devices : bool
         Measure a device's speeds the first time a run is planned on it (about 3 s on a
-        CPU, under a second on a GPU), cached on disk (:mod:`gradalg.plan.devices`).
+        CPU, under a second on a GPU), cached on disk (:mod:`gradalg.devices`).
         ``False``: a CPU never measured is priced with a modest default, a GPU never
         measured with the nominal profile of its name (H200 / H100 / A100 spec sheets,
         labelled "nominal" in the plan).

@@ -16,7 +16,7 @@ import models  # noqa: E402
 from references import one_thread  # noqa: E402,F401 - one_thread is an autouse fixture
 
 import gradalg as ga  # noqa: E402
-from gradalg.plan import devices  # noqa: E402
+from gradalg.devices import measure  # noqa: E402
 
 NODE_ID = re.compile(r"\b[a-z_]+-[0-9a-f]{12}\b")
 
@@ -44,7 +44,7 @@ def no_benchmark(tmp_path, monkeypatch):
 
     def refuse():
         raise AssertionError("a display benchmarked the device")
-    monkeypatch.setattr(devices, "_measure_cpu", refuse)
+    monkeypatch.setattr(measure, "measure_cpu", refuse)
 
 
 def expressions():

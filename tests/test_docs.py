@@ -25,7 +25,7 @@ DOCS = ROOT / "docs"
 sys.path.insert(0, str(DOCS / "tooling"))
 
 # ga.<name> subpackages with an API page each, and what the page is called
-SUBPACKAGES = ["methods", "tasks", "proj", "exec", "store", "eval", "plan", "viz", "widgets", "integrations",
+SUBPACKAGES = ["methods", "tasks", "proj", "exec", "store", "eval", "plan", "devices", "viz", "widgets", "integrations",
                "collate", "fingerprint", "errors", "options", "units", "testing", "report"]
 # nav entries whose page arrives with another branch of issue 16 (the hook leaves them out until then)
 PENDING_PAGES: set = set()

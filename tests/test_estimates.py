@@ -17,7 +17,9 @@ import gradalg as ga
 from gradalg.plan import DecisionKind, DecisionSource
 from gradalg.plan import cost as C
 from gradalg.plan import shapes as S
-from gradalg.plan import devices, estimates as E
+from gradalg import devices
+from gradalg.devices import measure
+from gradalg.plan import estimates as E
 from gradalg.plan.planner import plan
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -204,7 +206,7 @@ def test_sparse_projections_cost_what_their_kernels_do():
     assert c.sjlt_draws == m and c.randoms == 0                        # the SJLT tables, built once
     assert c.ops == 3 * 2 * E.OPS_PER_SPARSE_BLOCK                     # 3 chunks × 2 blocks
     # priced by the profile's calibration (measured where the profile is): bytes at the elementwise rate, draws
-    prof = ga.plan.devices.DeviceProfile("t", 1e9, 1e9, 1e9, 1e9, elementwise_bandwidth=1e9, random_seconds=1e-8,
+    prof = ga.devices.DeviceProfile("t", 1e9, 1e9, 1e9, 1e9, elementwise_bandwidth=1e9, random_seconds=1e-8,
                                          sjlt_bytes=(2.0, 3.0), sjlt_build_randoms=0.5)
     free = dataclasses.replace(c, scatter=0.0, scatter_rows=0.0, sjlt_draws=0.0)
     assert prof.time_of(c) - prof.time_of(free) == pytest.approx((2.0 * m * 3 + 3.0 * m * 20) / 1e9 + 0.5 * m * 1e-8)
@@ -226,7 +228,7 @@ def test_a_tensorsketch_is_costed_per_position_and_bin_at_the_measured_rate():
     c = E.project_cost(P(G).expr, 20, 1, elem=8, chunk=8)
     bins = sum(count for kind, count, _ in c.blocks if kind == "tensorsketch")
     assert bins == 20 * 1 * 32 * 2                                     # 20 rows × T = 1 × k, two blocks
-    prof = ga.plan.devices.DeviceProfile("t", 1e9, 1e9, 1e9, 1e9, elementwise_bandwidth=2e9, ts_bytes_per_bin=18.0)
+    prof = ga.devices.DeviceProfile("t", 1e9, 1e9, 1e9, 1e9, elementwise_bandwidth=2e9, ts_bytes_per_bin=18.0)
     free = dataclasses.replace(c, blocks=tuple(b for b in c.blocks if b[0] != "tensorsketch"))
     assert prof.time_of(c) - prof.time_of(free) == pytest.approx(bins * 18.0 / 2e9)
     assert prof.block_fixed_seconds("tensorsketch") == pytest.approx(18.0 / 2e9)
@@ -248,13 +250,13 @@ def test_a_tensorsketch_of_flat_rows_is_costed_per_row_and_bin_and_its_shift_per
     assert c.blocks == (("tensorsketch_rows", 20.0 * 16 * F, 0.0), ("tensorsketch_shift", 3.0 * 16 * F, 0.0))
     assert c.faulted == 8.0 * (20 * 16 * (9 + 32 + 4 * F) + 3 * 5 * 16 * F)
     assert c.elementwise == 20 * 16 * 4.0 * 8 * 9                       # the rows scattered into their sketches
-    prof = ga.plan.devices.DeviceProfile("t", 1e9, 1e9, 1e9, 1e9, elementwise_bandwidth=2e9, ts_flat_bytes=(40.0, 10.0))
+    prof = ga.devices.DeviceProfile("t", 1e9, 1e9, 1e9, 1e9, elementwise_bandwidth=2e9, ts_flat_bytes=(40.0, 10.0))
     assert prof.block_fixed_seconds("tensorsketch_rows") == pytest.approx(40.0 / 2e9)
     assert prof.block_fixed_seconds("tensorsketch_shift") == pytest.approx(10.0 / 2e9)
     free = dataclasses.replace(c, blocks=())
     assert prof.time_of(c) - prof.time_of(free) == pytest.approx((20 * 16 * F * 40.0 + 3 * 16 * F * 10.0) / 2e9)
     # measured with the profile: both rates positive, a row per example above zero work
-    per_row, per_shift = devices._measure_tensorsketch_flat(5e9, seconds=0.01)
+    per_row, per_shift = measure._measure_tensorsketch_flat(5e9, seconds=0.01)
     assert per_row > 0 and per_shift > 0 and "ts_flat_bytes" in devices.CALIBRATION
 
 
@@ -449,11 +451,11 @@ def test_the_sparse_jl_rates_are_measured_with_the_profile():
     the runs use, the package's table draw), not a constant: positive bytes per non-zero
     per call and per row at the elementwise rate, draws per non-zero; a measured CPU
     profile carries them and explain() shows them."""
-    from gradalg.plan import devices as D
+    from gradalg import devices as D
 
-    per_call, per_row = D._measure_sjlt(5e9, seconds=0.01)
+    per_call, per_row = measure._measure_sjlt(5e9, seconds=0.01)
     assert per_call > 0 and per_row > 0
-    assert D._measure_sjlt_build(1.6e-8, columns=2**14, seconds=0.01) > 0
+    assert measure._measure_sjlt_build(1.6e-8, columns=2**14, seconds=0.01) > 0
     assert {"sjlt_bytes", "sjlt_build_randoms"} <= set(D.CALIBRATION)
     line = D.DeviceProfile("t", 1e9, 1e9, 1e9, 1e9, sjlt_bytes=(12.5, 9.0), sjlt_build_randoms=0.5).calibration()
     assert "sparse JL 12.5/9 B per non-zero and call/row" in line and "0.5 normal draws per non-zero" in line

@@ -26,7 +26,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("capture",),                                       # recording per-example factors
     ("linalg",),                                        # resolved operators (on flat or factored rows)
     ("expr",),                                          # immutable expression nodes
-    ("proj", "curvature", "viz", "report"),             # kernels and displays over nodes
+    ("proj", "curvature", "viz", "report", "devices"),  # kernels, displays and the machine model over nodes
     ("plan",),                                          # the planner
     ("exec",),                                          # the executors
     ("api", "objective", "token_scores"),               # user objects over nodes

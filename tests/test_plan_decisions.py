@@ -18,7 +18,7 @@ from gradalg.errors import ObjectiveError, OptionError
 from gradalg.plan import Choices, Decision, DecisionKind, PlanError
 from gradalg.plan.decisions import DecisionLookupError, Decisions
 from gradalg.plan.passkeys import PassKey
-from gradalg.plan.devices import profile
+from gradalg.devices import profile
 from gradalg.plan.jobs import TopK
 from gradalg.plan.planner import plan
 from gradalg.plan.scale import scale_estimates

@@ -373,7 +373,7 @@ def test_reuse_buffer_bytes_is_shown_for_dense_kernels():
 
 def test_device_memory_fraction_sets_the_budget_shown_for_another_device():
     from gradalg.plan.cost import _si
-    from gradalg.plan.devices import profile
+    from gradalg.devices import profile
 
     S = influence()
     with ga.options(device_memory_fraction=0.1):

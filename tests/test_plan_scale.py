@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 import gradalg as ga
 from gradalg import fingerprint
 from gradalg.expr import projection
-from gradalg.plan import devices
+from gradalg import devices
 from gradalg.plan.cost import Cost
 from gradalg.plan.jobs.kron import kron_bytes
 from gradalg.plan.scale import check_fits, fsdp_unit_bytes, model_bytes, scale_estimates

@@ -23,7 +23,9 @@ from gradalg.plan.jobs import scores as score_jobs
 from gradalg.expr import Damp, Identity, Inner, Normalize, Project, ScoreSum, SumOp
 from gradalg.plan import cost as C
 from gradalg.plan import shapes as S
-from gradalg.plan import DecisionKind, devices, rules
+from gradalg import devices
+from gradalg.devices import accelerators, lookup, measure
+from gradalg.plan import DecisionKind, rules
 from gradalg.plan.explain import Explain
 from gradalg.plan.planner import PlanError, plan
 from gradalg.plan.rules import simplify_until_fixpoint
@@ -176,7 +178,7 @@ def test_block_fixed_costs_are_priced_at_the_measured_seconds_per_block_of_their
     timed = replace(plain, block_seconds=(("ekfac", 4e-5), ("resolve", 2e-5)))
     assert b.seconds(timed) == pytest.approx(3 * 4e-5 + 2 * 2e-5)
     assert devices.DeviceProfile.from_json(timed.to_json()) == timed
-    measured = dict(devices._measure_blocks())
+    measured = dict(measure._measure_blocks())
     assert set(measured) == {"ekfac", "kfac", "scores", "ghost", "precondition", "resolve"}
     assert all(0 < s < 0.05 for s in measured.values())
 
@@ -237,7 +239,7 @@ def test_device_profile_measured_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("GRADALG_CACHE", str(tmp_path))
     fake = devices.DeviceProfile("fake cpu", 1e9, 2e9, 1e10, 8e9, measured=True)
     calls = []
-    monkeypatch.setattr(devices, "_measure_cpu", lambda: calls.append(1) or fake)
+    monkeypatch.setattr(measure, "measure_cpu", lambda: calls.append(1) or fake)
     first = devices.local_profile()
     second = devices.local_profile()
     assert first == second == fake
@@ -267,8 +269,8 @@ def test_device_profile_real_measurement_and_presets(tmp_path, monkeypatch):
     assert prof.measured and prof.flops_fp32 > 1e7 and prof.bandwidth > 1e7 and prof.memory > 0
     assert took < 30, f"measuring the profile took {took:.1f} s (about 2 s on an idle core)"
     sizes = [s for s, _ in prof.gemm_rates]
-    assert sizes == list(devices.GEMM_SIZES) and [d for d, _ in prof.eigh_times] == list(devices.EIGH_SIZES)
-    assert [s for s, _ in prof.bmm_rates] == list(devices.BMM_SIZES) and all(r > 0 for _, r in prof.bmm_rates)
+    assert sizes == list(measure.GEMM_SIZES) and [d for d, _ in prof.eigh_times] == list(measure.EIGH_SIZES)
+    assert [s for s, _ in prof.bmm_rates] == list(measure.BMM_SIZES) and all(r > 0 for _, r in prof.bmm_rates)
     assert prof.bmm_call_seconds > 0
     assert all(t > 0 for _, t in prof.eigh_times) and prof.batch_seconds > 0 and prof.op_seconds > 0
     assert (tmp_path / "nested" / "devices.json").is_file()
@@ -307,13 +309,13 @@ def test_model_device_is_where_its_parameters_are():
 def test_a_cuda_model_is_planned_with_a_measured_cuda_profile(tmp_path, monkeypatch):
     """A model on CUDA: its device's profile, measured once when a run is planned and
     cached; its budget a fraction of the device's free memory (the GPU is faked)."""
-    from gradalg.plan import accelerators, planner
+    from gradalg.plan import planner
     monkeypatch.setenv("GRADALG_CACHE", str(tmp_path))
     _fake_cuda(monkeypatch)
     fake = replace(devices.PRESETS["h100"], name="NVIDIA H100 80GB HBM3 (cuda:0, measured)", measured=True,
                    flops_fp32=5e13)
     calls = []
-    monkeypatch.setattr(accelerators, "measure_profile", lambda device: calls.append(device) or fake)
+    monkeypatch.setattr(measure, "measure_profile", lambda device: calls.append(device) or fake)
     monkeypatch.setattr(planner, "model_device", lambda root: torch.device("cuda", 0))
     s = mlp_setup()
     S = ga.grads(s["task"], s["query"]) @ ga.grads(s["task"], s["train"]).T
@@ -339,7 +341,7 @@ def test_a_cuda_model_is_planned_with_a_measured_cuda_profile(tmp_path, monkeypa
 @pytest.mark.parametrize("name,preset", [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"),
                                          ("NVIDIA A100-SXM4-80GB", "a100"), ("Tesla T4", "a100")])
 def test_a_cuda_model_gets_a_nominal_profile_when_measuring_fails_or_is_off(tmp_path, monkeypatch, name, preset):
-    from gradalg.plan import accelerators, planner
+    from gradalg.plan import planner
     monkeypatch.setenv("GRADALG_CACHE", str(tmp_path))
     monkeypatch.setattr(accelerators, "_FAILED", {})
     _fake_cuda(monkeypatch, name)
@@ -348,18 +350,18 @@ def test_a_cuda_model_gets_a_nominal_profile_when_measuring_fails_or_is_off(tmp_
     def broken(device):
         raise RuntimeError("CUDA error: out of memory")
 
-    monkeypatch.setattr(accelerators, "measure_profile", broken)
+    monkeypatch.setattr(measure, "measure_profile", broken)
     s = mlp_setup()
     S = ga.grads(s["task"], s["query"]) @ ga.grads(s["task"], s["train"]).T
     p = plan(S.expr, measure_shapes=True)
     nominal = devices.PRESETS[preset]
     assert not p.device.measured and p.device.flops_fp32 == nominal.flops_fp32
-    assert p.device.memory == _FakeProps.total_memory * devices._MEM_EFF       # the device's own memory
+    assert p.device.memory == _FakeProps.total_memory * devices.nominal._MEM_EFF       # the device's own memory
     assert f"nominal {nominal.name} spec sheet" in p.device.name and "measuring failed" in p.device.name
     assert ("not a preset" in p.device.name) == (name == "Tesla T4")
     assert f"nominal {nominal.name} spec sheet" in str(S.explain())     # explain() names the profile
     assert plan(S.expr, measure_shapes=True).device == p.device          # a failure is not retried
-    monkeypatch.setattr(accelerators, "measure_profile", lambda device: pytest.fail("measured while switched off"))
+    monkeypatch.setattr(measure, "measure_profile", lambda device: pytest.fail("measured while switched off"))
     with ga.options(measure_devices=False):
         off = plan(S.expr, measure_shapes=True)
     assert not off.device.measured and "measure_devices=False" in off.device.name
@@ -372,9 +374,8 @@ def test_a_cuda_model_gets_a_nominal_profile_when_measuring_fails_or_is_off(tmp_
 def test_measure_profile_on_a_torch_device(tmp_path, monkeypatch):
     """The accelerator measurement, run on the CPU with small sizes (no GPU here): every
     number of the profile is measured and positive."""
-    from gradalg.plan import accelerators
     monkeypatch.setenv("GRADALG_CACHE", str(tmp_path))
-    prof = accelerators.measure_profile(torch.device("cpu"), gemm_sizes=(16, 32), bmm_sizes=(4, 8),
+    prof = measure.measure_profile(torch.device("cpu"), gemm_sizes=(16, 32), bmm_sizes=(4, 8),
                                         eigh_sizes=(8, 16), copy_bytes=2**20, batch_elements=2**12,
                                         seconds=0.005)
     assert prof.measured and "measured" in prof.name
@@ -666,8 +667,8 @@ def one_rate_profile(monkeypatch):
     """Plans (and runs) priced with UNMEASURED_CPU, one rate for every GEMM: which kernel
     is faster depends on the device profile (tests/test_estimates.py pins the choice on
     a measured CPU, where the small per-example GEMMs of the dense kernel are slow)."""
-    monkeypatch.setattr(devices, "local_profile", lambda refresh=False: devices.UNMEASURED_CPU)
-    monkeypatch.setattr(devices, "cached_local_profile", lambda: devices.UNMEASURED_CPU)
+    monkeypatch.setattr(lookup, "local_profile", lambda refresh=False: devices.UNMEASURED_CPU)
+    monkeypatch.setattr(lookup, "cached_local_profile", lambda: devices.UNMEASURED_CPU)
 
 
 def test_auto_routes_short_sequences_to_ghost(ghost_calls, one_rate_profile):

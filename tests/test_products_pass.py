@@ -174,7 +174,7 @@ def test_a_products_call_is_priced_as_its_work_under_torch_func_plus_its_fixed_c
     fixed cost of torch.func's products, ``product_seconds`` = (per batch, per leaf
     module), the Hessian's 1.5× the Gauss-Newton's (its 9 forward-equivalents to 6)."""
     from dataclasses import replace
-    from gradalg.plan.devices import DeviceProfile
+    from gradalg.devices import DeviceProfile
     from gradalg.plan.jobs.products import FIXED_SCALE, product_work, weighed
     from gradalg.plan.estimates import _leaf_modules
 
@@ -208,13 +208,16 @@ def test_the_product_rates_are_measured_with_the_profile_and_shown():
     on the package's products (:class:`~gradalg.curvature.hvp.Products`), not set by hand;
     a measured CPU profile carries them, nominal GPU profiles say theirs, and explain()'s
     calibration line shows them (and the TensorSketch rate)."""
-    from gradalg.plan import devices as D
+    from dataclasses import replace
+    from gradalg import devices as D
+    from gradalg.devices.measure import _measure_tensorsketch
+    from gradalg.plan.jobs import products
 
-    per_batch, per_module = D._measure_products_fixed(seconds=0.01)
+    per_batch, per_module = products._measure_products_fixed(seconds=0.01)
     assert per_batch > 0 and per_module > 0
-    prof = D.replace(D.UNMEASURED_CPU, product_seconds=(per_batch, per_module))
-    assert D._measure_product_work(prof, seconds=0.01) > 0
-    assert D._measure_tensorsketch(5e9, seconds=0.01) > 0
+    prof = replace(D.UNMEASURED_CPU, product_seconds=(per_batch, per_module))
+    assert products._measure_product_work(prof, seconds=0.01) > 0
+    assert _measure_tensorsketch(5e9, seconds=0.01) > 0
     assert {"product_seconds", "product_work", "ts_bytes_per_bin"} <= set(D.CALIBRATION)
     assert D.PRESETS["h100"].product_seconds == (4e-3, 1e-4) and D.PRESETS["h100"].product_work == 2.0
     line = D.DeviceProfile("t", 1e9, 1e9, 1e9, 1e9, product_seconds=(3e-3, 1.2e-4), product_work=1.8,

@@ -22,7 +22,7 @@ A :class:`Cost` counts, device-independently,
   device profile's measured seconds per block of that kind (``block_seconds``), else as
   ``ops`` small ops each.
 
-:meth:`gradalg.plan.devices.DeviceProfile.time_of` turns a Cost into seconds; a model's
+:meth:`gradalg.devices.DeviceProfile.time_of` turns a Cost into seconds; a model's
 forward FLOPs and activations are counted by :mod:`gradalg.plan.shapes` from the layer
 registry (:mod:`gradalg.capture.layers`). The per-kernel formulas are those of
 the kernels in :mod:`gradalg.capture.factors` (the lowest floor the planner imports);
@@ -97,7 +97,7 @@ class Cost:
                     self.scatter * c, self.scatter_rows * c, self.sjlt_draws * c)
 
     def seconds(self, profile, dtype=torch.float32) -> float:
-        """Estimated seconds on a device ``profile`` (:mod:`gradalg.plan.devices`): GEMMs by
+        """Estimated seconds on a device ``profile`` (:mod:`gradalg.devices`): GEMMs by
         shape, eigendecompositions by size, elementwise traffic, per-call and per-batch overheads."""
         return profile.time_of(self, dtype)
 
@@ -122,7 +122,7 @@ def bmm_cost(b, m, n, k, count=1, elem=4) -> Cost:
     """``count`` calls of one batched GEMM that multiplies ``b`` independent pairs
     ``(m, k) @ (k, n)`` (``torch.bmm``, ``baddbmm``, an einsum over examples): the FLOPs
     of ``b · count`` products, priced by a device profile at its batched rate plus one
-    call's fixed cost per call (:meth:`~gradalg.plan.devices.DeviceProfile.bmm_seconds`).
+    call's fixed cost per call (:meth:`~gradalg.devices.DeviceProfile.bmm_seconds`).
     A batch of one is a plain GEMM (:func:`gemm_cost`)."""
     if b <= 0 or m <= 0 or n <= 0 or k <= 0 or count <= 0:
         return Cost()
@@ -209,7 +209,7 @@ def block_cost(kind: str, count: float, ops: float = 0.0) -> Cost:
     work on one block of one chunk, a resolved operator applied to or resolved for one
     block): the casts, views, small products and accumulations beyond the GEMMs and
     traffic counted by shape, priced at the profile's measured seconds per block of that
-    kind (:attr:`gradalg.plan.devices.DeviceProfile.block_seconds`), else as ``ops``
+    kind (:attr:`gradalg.devices.DeviceProfile.block_seconds`), else as ``ops``
     small ops each."""
     if count <= 0:
         return Cost()

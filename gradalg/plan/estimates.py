@@ -23,7 +23,7 @@ example's shape):
                      with its device profile and picks the faster)
 
 Every estimate is a :class:`~gradalg.plan.cost.Cost` (counts); a device profile
-(:mod:`gradalg.plan.devices`) prices it. ``benchmarks/estimates.py`` compares the
+(:mod:`gradalg.devices`) prices it. ``benchmarks/estimates.py`` compares the
 estimates with measured passes for every catalogue method (``docs/planner.md``).
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ from ..linalg.kron import is_diagonal_factor
 from ..linalg.labels import form_of
 from .cost import (Cost, block_cost, bmm_cost, dense_cost, eigh_cost, gemm_cost,
                    ghost_cost, kron_project_cost, materialize_cost, svd_cost, tokens_hint)
-from .devices import UNMEASURED_CPU as NOMINAL, DeviceProfile
+from ..devices import UNMEASURED_CPU as NOMINAL, DeviceProfile
 from .memory import positions, rows_of
 from .shapes import activation_bytes, attention_shape, element_size, output_width, rows_per_example, weight_layers
 

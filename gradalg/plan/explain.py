@@ -35,7 +35,7 @@ from ..viz.describe import block_label, operator_chain
 from ..viz.tree import text_tree
 from .cost import _si
 from .decisions import Decision
-from .devices import CALIBRATION, profile
+from ..devices import CALIBRATION, profile
 from .planner import STAGES, Plan
 from .resolution import operator_rules
 from .scale import scale_estimates

@@ -18,7 +18,7 @@ from ..expr import GradNode, Node, Source
 from ..expr.tokens import token_rows
 from ..options import Options
 from .cost import first_example_shape
-from .devices import DeviceProfile
+from ..devices import DeviceProfile
 from .shapes import ModelFacts, measure_forward_shapes, measurement_key
 
 __all__ = ["Facts", "facts", "MEASURED", "positions_known", "data_positions"]

@@ -34,7 +34,7 @@ from ..linalg.labels import form_of
 from .budget import suggest_budget
 from .cost import _si, tokens_hint
 from .decisions import Decision, DecisionKind
-from .devices import physical_memory
+from ..devices import physical_memory
 from .shapes import ModelFacts, activation_bytes, element_size, forward_shapes, output_bytes, rows_per_example
 
 __all__ = ["positions", "rows_of", "rows_bytes", "capture_bytes_per_example", "stream_workspace_bytes",

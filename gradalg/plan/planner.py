@@ -23,7 +23,7 @@ from .cost import Cost
 from .decide import decide
 from ..units import format_bytes
 from .decisions import Decision, DecisionKind, DecisionSource, Decisions
-from .devices import DeviceProfile, profile
+from ..devices import DeviceProfile, profile
 from .facts import facts as find_facts
 from .lower import ROW_WISE, STATISTICS_JOBS, chain_ops, lower, stream_root  # noqa: F401 (exec reads)
 from .jobs import Job, TopK
@@ -118,7 +118,7 @@ def plan(root: Node, *, options: Options | None = None, device=None, rewrites: b
     full matrix.
 
     ``device`` (default: where the model's parameters are) prices the plan: a CUDA model
-    with its measured or nominal profile (:mod:`gradalg.plan.accelerators`), else the CPU's.
+    with its measured or nominal profile (:mod:`gradalg.devices.accelerators`), else the CPU's.
     ``budget`` (default: :func:`gradalg.plan.budget.resolve_budget` now, for that device):
     the plan's ``options.memory_budget`` becomes its bytes, and ``plan.budget`` keeps its
     source; a refusal for memory says both (:func:`gradalg.plan.budget.refusal_note`).

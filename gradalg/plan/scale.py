@@ -1,7 +1,7 @@
 """Time and memory per GPU of a plan run data-parallel on ``g`` GPUs with sharded weights.
 
 An estimate from the plan's own counts and a device profile (for the presets: NVIDIA's
-spec sheets, :mod:`gradalg.plan.devices`), never a measurement. Per GPU, for each pass
+spec sheets, :mod:`gradalg.devices`), never a measurement. Per GPU, for each pass
 of the plan (the largest over passes is the GPU's memory):
 
     memory = W / g                the model's weights, sharded FSDP-style (``fully_shard``):
@@ -41,7 +41,7 @@ from torch import nn
 
 from ..errors import MemoryBudgetError, OptionError
 from .cost import _si
-from .devices import DeviceProfile, positive_integer, profile
+from ..devices import DeviceProfile, positive_integer, profile
 
 __all__ = ["GPUEstimate", "scale_estimates", "check_fits", "model_bytes", "fsdp_unit_bytes"]
 

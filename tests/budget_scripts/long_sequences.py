@@ -67,7 +67,7 @@ def main():
     task = build(T)
     train, queries = data(6, T, 1), data(2, T, 2)
     short = data(2, 16, 3)
-    ga.plan.devices.local_profile()
+    ga.devices.local_profile()
     for case in cases:       # one process for all cases (imports and the profile once), each measured alone
         with ga.options(progress=False, **OPTIONS[case]):
             expression(case, task, short, short).compute()          # warm-up: imports, kernels

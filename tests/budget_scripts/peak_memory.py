@@ -207,7 +207,7 @@ def main():
     torch.set_num_threads(1)
     build, n = CASES[case]
     scores = build(n)
-    ga.plan.devices.local_profile()                # this machine's speeds: measured once, not part of a run
+    ga.devices.local_profile()                # this machine's speeds: measured once, not part of a run
     with ga.options(progress=False):
         scores(8).compute()                        # warm-up: imports, kernels, allocator pools
     gc.collect()

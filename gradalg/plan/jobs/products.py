@@ -25,6 +25,10 @@ from typing import ClassVar
 import torch
 
 from ...curvature.hvp import Products, eval_mode
+from ...data import as_data
+from ...devices import DeviceProfile
+from ...devices.measure import FITS, warm_timer
+from ...tasks import classification
 from ..cost import Cost, bmm_cost, data_tokens_hint, gemm_cost
 from ..estimates import _leaf_modules
 from ..passkeys import ProductsPassKey
@@ -101,7 +105,7 @@ def product_fixed(model, kind: str, batches: int) -> Cost:
     counts :data:`ATTENTION_MODULES` more), in the Gauss-Newton product's units
     (:data:`FIXED_SCALE`), priced by the device profile's measured ``product_seconds`` (a
     block of kind ``"products"`` whose ``ops`` are the modules;
-    :meth:`~gradalg.plan.devices.DeviceProfile.block_fixed_seconds`)."""
+    :meth:`~gradalg.devices.DeviceProfile.block_fixed_seconds`)."""
     modules = _leaf_modules(model) + ATTENTION_MODULES * attention_shape(model)[0]
     return Cost(blocks=(("products", float(batches) * FIXED_SCALE[kind], float(modules)),))
 
@@ -264,3 +268,72 @@ class ProductPass:
                     entry["cpu_seconds"] += cpu_seconds
                 entry["calls"] = entry.get("calls", 0) + 1
                 return
+
+
+# ------------------------------------------------------------------ calibration on a measured device
+def fit_products(prof: DeviceProfile, timed=None, device="cpu") -> DeviceProfile:
+    """``prof`` with its curvature products measured (``product_seconds``,
+    :func:`_measure_products_fixed`) and this job's price of their work fitted to their time
+    (``product_work``, :func:`_measure_product_work`): a calibration of the planner's cost
+    model, registered in :data:`gradalg.devices.measure.FITS`, which every measured profile
+    applies (the device package cannot import the planner)."""
+    timed = timed or warm_timer()
+    fixed = _measure_products_fixed(timed, device)
+    return replace(prof, product_seconds=fixed,
+                   product_work=_measure_product_work(replace(prof, product_seconds=fixed), timed, device))
+
+
+#: the products timed by :func:`_measure_products_fixed`: Gauss-Newton products of one vector
+#: through MLPs of ``PRODUCT_DEPTHS`` Linear(4, 4) + Tanh layers on 2 examples (their
+#: arithmetic negligible); by :func:`_measure_product_work`, through one of
+#: ``PRODUCT_WORK_SHAPE`` = (width, depth, batch), whose GEMMs and elementwise work dominate
+PRODUCT_DEPTHS, PRODUCT_WORK_SHAPE = (2, 6), (512, 2, 128)
+
+
+def _product_batch(width: int, depth: int, n: int, device="cpu"):
+    """``(run one batch of Gauss-Newton products, the model, its batch size, its dim)``:
+    the package's own products (:class:`gradalg.curvature.hvp.Products`, the runs' code)
+    through an MLP of ``depth`` Linear(width, width) + Tanh layers and a Linear(width, 4)
+    head, classification with cross-entropy, on ``n`` random examples."""
+    g = torch.Generator().manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(width, 4)).to(device).eval()
+    X, y = torch.randn(n, width, generator=g).to(device), torch.randint(0, 4, (n,), generator=g).to(device)
+    products = Products(classification(model), as_data((X, y)), [str(i) for i in range(0, 2 * depth + 1, 2)],
+                        "gauss_newton")
+    _, batch = next(products.batches(n))
+    dim = sum(p.numel() for p in model.parameters())
+    V = torch.randn(1, dim, generator=g).to(device)
+    return (lambda: products.batch_rows(batch, V, 0)), model, n, dim
+
+
+def _measure_products_fixed(timed=None, device="cpu", seconds: float = 0.15) -> tuple:
+    """``(seconds per batch, per leaf module)`` of Gauss-Newton products through torch.func
+    when their arithmetic is negligible: one batch through tiny MLPs of 2 and 6 layers
+    (:data:`PRODUCT_DEPTHS`; 5 and 13 leaf modules), the difference per module."""
+    timed = timed or warm_timer()
+    times = {}
+    for depth in PRODUCT_DEPTHS:
+        run, model, _, _ = _product_batch(4, depth, 2, device)
+        times[_leaf_modules(model)] = timed(run, seconds)
+    (few, t_few), (many, t_many) = sorted(times.items())
+    per_module = max((t_many - t_few) / (many - few), 1e-7)
+    return max(t_few - few * per_module, 1e-6), per_module
+
+
+def _measure_product_work(prof: DeviceProfile, timed=None, device="cpu", seconds: float = 0.2) -> float:
+    """The products' work through torch.func over its price as plain ops: one batch of
+    Gauss-Newton products through an MLP of :data:`PRODUCT_WORK_SHAPE`, less its fixed cost
+    (``prof.product_seconds``), over :func:`~gradalg.plan.jobs.products.product_work`
+    priced by ``prof``."""
+    timed = timed or warm_timer()
+    width, depth, n = PRODUCT_WORK_SHAPE
+    run, model, n, dim = _product_batch(width, depth, n, device)
+    measured = timed(run, seconds) - prof.block_fixed_seconds("products", _leaf_modules(model))
+    priced = prof.time_of(product_work(model, n, 1, 1, "gauss_newton", dim, 4))
+    return max(measured / max(priced, 1e-9), 0.1)
+
+
+FITS.append(fit_products)
