@@ -12,6 +12,9 @@ PEFT tuner (``LoraModel``)               ``model.``                  ``.model``
 =======================================  ==========================  ======================
 
 FSDP2 (``fully_shard``) changes the class of the modules in place and renames nothing.
+Whether a model's parameters are split across ranks (FSDP1, or DTensor parameters: FSDP2,
+tensor parallel) is :func:`sharding` / :func:`is_sharded`, which the executors, the
+methods' curvature choice and the trainer integrations read.
 Layers are resolved on the innermost model, so ``ga.capture(ddp_model)``,
 ``ga.grads(ga.Task(model, ...))`` and the trainer integrations name blocks alike and their
 gradients combine; a layer name given with a wrapper's prefix is accepted too. Inside a
@@ -25,10 +28,37 @@ import sys
 
 from torch import nn
 
-__all__ = ["unwrap", "strip_prefixes", "BASE_LAYER"]
+__all__ = ["unwrap", "strip_prefixes", "BASE_LAYER", "sharding", "is_sharded"]
 
 BASE_LAYER = ".base_layer"
 _DATA_PARALLEL = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")
+
+
+def sharding(model: nn.Module) -> str | None:
+    """How ``model``'s parameters are split across ranks:
+
+    * ``"fsdp1"``: an FSDP1 ``FullyShardedDataParallel`` wrapper anywhere in it (flat
+      parameters, whole only inside its forward and backward, or under
+      ``summon_full_params``);
+    * ``"dtensor"``: DTensor parameters (FSDP2 ``fully_shard``, tensor parallel): each rank
+      keeps a shard of each, and a whole weight exists only inside a forward or backward;
+    * None: every rank holds whole parameters (a plain model, DDP, ``DataParallel``).
+    """
+    fsdp = sys.modules.get("torch.distributed.fsdp")   # a model cannot be wrapped before it is imported
+    wrapper = getattr(fsdp, "FullyShardedDataParallel", None)
+    if wrapper is not None and any(isinstance(m, wrapper) for m in model.modules()):
+        return "fsdp1"
+    if any(hasattr(p, "placements") and hasattr(p, "to_local") for p in model.parameters()):
+        return "dtensor"
+    return None
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model``'s parameters are split across ranks (FSDP1, FSDP2, tensor
+    parallel: :func:`sharding`), so that no rank holds a whole weight outside a forward or
+    backward and anything that reads whole parameters (``torch.func``, formed curvature
+    products) cannot run on it."""
+    return sharding(model) is not None
 
 
 def _peft_inner(model: nn.Module):

@@ -47,7 +47,7 @@ import torch
 
 from ..errors import DistributedError, ModelMismatchError, OperatorError, OptionError
 from .base import Executor
-from .distributed import is_sharded
+from ..capture.wrappers import is_sharded
 from .models import (as_worker_model, is_meta_model, make_ref, pack, register_client_model, to_client,
                      to_workers, unpack, worker_models_seen)
 from .progress import in_notebook, progress_bar
@@ -390,8 +390,8 @@ def _sharded_refusal(step, models) -> DistributedError | None:
     sharded = [type(m).__name__ for m in models if is_sharded(m)]
     if sharded:
         return DistributedError(
-            f"{step.label} reads a model sharded across torch.distributed ranks ({', '.join(sharded)}: DTensor "
-            "parameters, FSDP2 or tensor parallel); a Dask worker would receive only this rank's shards. Run "
+            f"{step.label} reads a model sharded across torch.distributed ranks ({', '.join(sharded)}: FSDP1, "
+            "or DTensor parameters of FSDP2 or tensor parallel); a Dask worker would receive only this rank's shards. Run "
             "the plan inside the torchrun job with executor=ga.exec.TorchDistributed(), or give the Dask "
             "workers the whole model (DaskExecutor(model_fn=...)) and plan on an unsharded or meta-device copy")
     return None

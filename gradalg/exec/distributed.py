@@ -56,6 +56,7 @@ from dataclasses import replace
 import torch
 
 from ..errors import DistributedError
+from ..capture.wrappers import is_sharded, sharding
 from ..expr import CurvatureProducts, Source
 from ..options import get_options
 from .base import Executor
@@ -63,7 +64,7 @@ from .capture_pass import model_device_dtype
 from .runner import ShardStrategy, check_reductions, pass_sources
 from .shards import batches_in, rank_ranges, restrict_step
 
-__all__ = ["TorchDistributed", "RankShards", "is_sharded", "plan_outline"]
+__all__ = ["TorchDistributed", "RankShards", "plan_outline"]
 
 
 def _dist():
@@ -75,22 +76,6 @@ def _dist():
         raise DistributedError("this torch build has no torch.distributed: install a torch with distributed "
                                "support (the PyPI wheels have it), or use ga.exec.LocalExecutor")
     return dist
-
-
-def is_sharded(model) -> bool:
-    """Whether ``model`` holds DTensor parameters (FSDP2 ``fully_shard``, tensor parallel):
-    each rank keeps a shard of them, and a whole weight exists only inside a forward or
-    backward."""
-    return any(hasattr(p, "placements") and hasattr(p, "to_local") for p in model.parameters())
-
-
-def _fsdp1(model) -> bool:
-    """Whether ``model`` holds an FSDP1 ``FullyShardedDataParallel`` wrapper."""
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:   # pragma: no cover - torch without FSDP
-        return False
-    return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
 
 
 class _Discard:
@@ -336,7 +321,7 @@ def _refuse_inexact(node) -> None:
     """Refuse what reads whole parameters of a sharded model (``torch.func``)."""
     for x in node.walk():
         task = getattr(x, "task", None)
-        if task is not None and _fsdp1(task.model):
+        if task is not None and sharding(task.model) == "fsdp1":
             raise DistributedError(
                 f"{x.label!r} uses a model wrapped in FSDP1 (FullyShardedDataParallel), whose flat "
                 "parameters TorchDistributed does not read exactly: shard it with FSDP2 "

@@ -52,6 +52,7 @@ from torch import nn
 from ..capture.experts import FusedExpertsRule, add_param
 from ..capture.factors import Factors, OneHot, ghost_flops, ghost_inner, self_inner
 from ..capture.layers import rule_class
+from ..capture.wrappers import sharding
 from ..errors import UnsupportedLayerError, OptionError
 from . import distributed as _dist
 from .affine import AffineRecorder, affine_kind
@@ -352,7 +353,7 @@ class OnlineSelection:
         ``step_on="manual"``: call :meth:`apply` yourself after the step's last backward
         (before gradient clipping, if any). Returns ``self`` (use it in a ``with``).
         """
-        if type(model).__name__ == "FullyShardedDataParallel":
+        if sharding(model) == "fsdp1":
             raise UnsupportedLayerError(
                 "online selection under FSDP1 (FullyShardedDataParallel) is not supported: it flattens "
                 "parameters into shards whose layout the correction would need; use FSDP2 "

@@ -128,6 +128,7 @@ from typing import Callable
 import torch
 
 from ..api import (Operator, Scores, arnoldi, datainf, diagonal, fisher, gauss_newton, grads, hessian, kfac)
+from ..capture.wrappers import is_sharded
 from ..errors import OptionError
 from ..expr.curvature import Formed, NearMinimum
 from ..expr.projection import Projector, check_projector
@@ -298,8 +299,7 @@ def hessian_refusal(task: Task | None) -> str | None:
         return "the task's curvature is the sampled Gauss-Newton"
     from torch import nn
 
-    from ..exec.distributed import _fsdp1, is_sharded
-    if is_sharded(task.model) or _fsdp1(task.model):
+    if is_sharded(task.model):
         return "the model's parameters are sharded across ranks (FSDP): the Hessian's products need whole parameters"
     for module in task.model.modules():
         if isinstance(module, nn.MultiheadAttention):
