@@ -284,6 +284,22 @@ def test_explain_reads_no_data(workdir, capsys, tmp_path):
     assert plan["passes"]
 
 
+def test_a_refusal_for_memory_names_the_flag_that_fixes_it(workdir, capsys):
+    """A budget from the config's options is changed with ``--set options.memory_budget=...``
+    (not ``ga.options(...)``, which a command-line user cannot type); that flag, as written,
+    plans."""
+    import re
+    from gradalg.cli.codes import RUN_REFUSED
+    nowhere = ["--set", "data.train.path='/nonexistent/train.jsonl'", "--set",
+               "data.queries.path='/nonexistent/queries.jsonl'"]
+    assert run("explain", "-c", cfg(workdir), "--set", "options.memory_budget=2kB", *nowhere) == RUN_REFUSED
+    err = capsys.readouterr().err
+    assert "ga.options(" not in err and "(--set options.memory_budget)" in err, err
+    fix = re.search(r"would fit under --set (options\.memory_budget=[0-9.]+[kMG]B)", err)
+    assert fix, err
+    assert run("explain", "-c", cfg(workdir), "--set", fix.group(1), *nowhere) == 0
+
+
 def test_explain_without_sizes_names_the_field(workdir, capsys, tmp_path):
     import re
     text = re.sub(r"(?m)^n = 24.*$", "", (workdir / "run.toml").read_text())

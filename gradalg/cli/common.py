@@ -51,13 +51,18 @@ def load(args):
     return cfg
 
 
+@contextlib.contextmanager
 def options_for(cfg, args, **defaults):
     """``ga.options`` of the config's ``[options]`` for the command (``--quiet``: no
-    progress bars); ``defaults`` apply unless the config sets them."""
+    progress bars); ``defaults`` apply unless the config sets them. A refusal for memory
+    inside names the budget's fix as this command takes it (``--set options.memory_budget=...``:
+    :func:`gradalg.plan.budget.budget_setting`)."""
     from .. import options
+    from ..plan.budget import budget_setting
 
     values = dict(defaults)
     values.update(cfg.options)
     if getattr(args, "quiet", False):
         values["progress"] = False
-    return options(**values) if values else contextlib.nullcontext()
+    with budget_setting("cli"), (options(**values) if values else contextlib.nullcontext()):
+        yield

@@ -36,6 +36,8 @@ memory_fraction)``, and every refusal for memory says where the budget came from
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import os
 from dataclasses import dataclass
@@ -44,7 +46,7 @@ from ..errors import PlanError
 from ..options import Options
 from ..units import format_bytes
 
-__all__ = ["Budget", "resolve_budget", "device_budget", "is_here", "available_memory", "budget_bytes",
+__all__ = ["Budget", "SETTINGS", "budget_setting", "resolve_budget", "device_budget", "is_here", "available_memory", "budget_bytes",
            "refusal_note", "with_note", "suggest_budget", "FALLBACK_BYTES", "MEMINFO", "CGROUP_ROOT",
            "PROC_CGROUP", "cgroup_room"]
 
@@ -58,6 +60,27 @@ PROC_CGROUP = "/proc/self/cgroup"
 _V1_UNLIMITED = 2**60
 #: the budget's ``available`` where the machine's free memory cannot be read
 FALLBACK_BYTES = 2 * 10**9
+#: the ways a budget is given, as the fix a refusal names is written for each (``name``:
+#: ``memory_budget``, ``memory_fraction``, ...; ``value`` the fitting value):
+#: ``ga.options(name=value)`` in Python; ``explain(memory_budget=value)`` for a budget
+#: given to ``explain`` (its fractions are still ``ga.options``'); ``--set options.name=value``
+#: for the ``gradalg`` command (its config's ``[options]``)
+SETTINGS = ("ga.options", "explain", "cli")
+_SETTING: contextvars.ContextVar[str] = contextvars.ContextVar("gradalg_budget_setting", default="ga.options")
+
+
+@contextlib.contextmanager
+def budget_setting(setting: str):
+    """Budgets made from the options inside are given by ``setting`` (one of
+    :data:`SETTINGS`): the ``gradalg`` command enters ``budget_setting("cli")``, so that a
+    refusal names ``--set options.memory_budget=...``, what its user can type."""
+    if setting not in SETTINGS:
+        raise PlanError(f"budget_setting must be one of {SETTINGS}, got {setting!r}")
+    token = _SETTING.set(setting)
+    try:
+        yield
+    finally:
+        _SETTING.reset(token)
 
 
 @dataclass(frozen=True)
@@ -68,9 +91,10 @@ class Budget:
     ``"explain(memory_budget=...)"``, ``"MemAvailable"``, ``"psutil"``,
     ``"free memory of cuda:0 (torch.cuda.mem_get_info)"``, ... ; ``fraction`` and
     ``available`` (bytes) when it is a fraction of a measured amount, else ``None``;
-    ``option``: the ``ga.options`` field of that fraction; ``setting``: the call that
-    changes this budget, ``"ga.options"`` or ``"explain"`` (a budget given to
-    ``explain(memory_budget=...)``, which ``ga.options`` would not override): refusals name it."""
+    ``option``: the ``ga.options`` field of that fraction; ``setting``: how this budget was
+    given (:data:`SETTINGS`: ``"ga.options"``, ``"explain"`` for a budget given to
+    ``explain(memory_budget=...)``, which ``ga.options`` would not override, ``"cli"`` for the
+    ``gradalg`` command's options): refusals name the fix that way (:meth:`change`)."""
 
     bytes: int
     source: str
@@ -80,8 +104,19 @@ class Budget:
     setting: str = "ga.options"
 
     def __post_init__(self):
-        if self.setting not in ("ga.options", "explain"):
-            raise PlanError(f"Budget.setting must be 'ga.options' or 'explain', got {self.setting!r}")
+        if self.setting not in SETTINGS:
+            raise PlanError(f"Budget.setting must be one of {SETTINGS}, got {self.setting!r}")
+
+    def change(self, name: str, value=None) -> str:
+        """The fix that sets option ``name`` to ``value`` (None: ``...``), written the way this
+        budget was given: ``ga.options(memory_budget='9.3GB')``, ``explain(memory_budget='9.3GB')``
+        (a fraction there: ``ga.options(memory_fraction=0.3)``), or
+        ``--set options.memory_budget=9.3GB``."""
+        shown = "..." if value is None else value if self.setting == "cli" else repr(value)
+        if self.setting == "cli":
+            return f"--set options.{name}={shown}"
+        call = "explain" if self.setting == "explain" and name == "memory_budget" else "ga.options"
+        return f"{call}({name}={shown})"
 
     def describe(self) -> str:
         """``11.2 GB = 0.5 × 22.4 GB available (MemAvailable; memory_fraction)`` or
@@ -206,12 +241,15 @@ def resolve_budget(options: Options, device=None, prof=None) -> Budget:
     CPU; a torch device). For hardware one plans for without running on it (``device`` a
     preset name or a DeviceProfile, ``prof`` its profile) the default budget is
     ``device_memory_fraction`` of one device's memory (its model is not loaded anywhere)."""
+    setting = _SETTING.get()
     if options.memory_budget is not None:
-        return Budget(int(options.memory_budget), "ga.options(memory_budget=...)")
+        given = "--set options.memory_budget" if setting == "cli" else "ga.options(memory_budget=...)"
+        return Budget(int(options.memory_budget), given, setting=setting)
     if not is_here(device):
         return device_budget(options, prof)
     available, source = available_memory(device)
-    return Budget(max(1, int(options.memory_fraction * available)), source, options.memory_fraction, available)
+    return Budget(max(1, int(options.memory_fraction * available)), source, options.memory_fraction, available,
+                  setting=setting)
 
 
 def device_budget(options: Options, prof) -> Budget:
@@ -219,7 +257,7 @@ def device_budget(options: Options, prof) -> Budget:
     plan for hardware one does not run on (``explain(device="h200")``)."""
     fraction = options.device_memory_fraction
     return Budget(max(1, int(fraction * prof.memory)), f"of one {prof.name}'s memory", fraction, prof.memory,
-                  option="device_memory_fraction")
+                  option="device_memory_fraction", setting=_SETTING.get())
 
 
 def budget_bytes(options: Options, device=None) -> int:
@@ -247,16 +285,15 @@ def refusal_note(budget: Budget, need: float | None = None) -> str:
     """The sentence every refusal for memory ends with: the budget, its source and how to
     change it (with ``need``, the bytes the refused step needs: values that fit it)."""
     text = f"The memory budget is {budget.describe()}"
-    setting = budget.setting
     if need is None:
-        return text + (f"; change it with {setting}(memory_budget='8GB') (bytes, or a string: '8GB' is 8·10⁹ "
-                       "bytes, '8GiB' 8·2³⁰)"
-                       + (f" or ga.options({budget.option}=...)" if budget.fraction is not None else "") + ".")
-    text += f"; {format_bytes(need)} would fit under {setting}(memory_budget={suggest_budget(need)!r})"
+        return text + (f"; change it with {budget.change('memory_budget', '8GB')} (bytes, or a string: '8GB' is "
+                       "8·10⁹ bytes, '8GiB' 8·2³⁰)"
+                       + (f" or {budget.change(budget.option)}" if budget.fraction is not None else "") + ".")
+    text += f"; {format_bytes(need)} would fit under {budget.change('memory_budget', suggest_budget(need))}"
     if budget.fraction is not None and budget.available:
         fraction = math.ceil(1.25 * need / budget.available * 100) / 100
         if fraction <= 0.9:
-            text += f" or ga.options({budget.option}={fraction:g})"
+            text += f" or {budget.change(budget.option, fraction)}"
         else:
             text += f" (more than the {format_bytes(budget.available)} available: better make the run smaller)"
     return text + "."

@@ -217,7 +217,7 @@ def refuse_dense_projections(root, budget: float) -> None:
                 f"a dense {p.kind} projection of {dim:,} coordinates to k={p.k} keeps a {_si(need)}B "
                 f"matrix, over the memory budget of {_si(budget)}B: use a projection without a dense "
                 f"matrix (ga.proj.sparse({p.k}), ga.proj.grass({p.k}), ga.proj.kron({p.k})), fewer layers, or "
-                f"raise ga.options(memory_budget=...)")
+                f"raise the memory budget")
             err.needed = need
             raise err
 

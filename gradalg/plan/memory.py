@@ -31,7 +31,6 @@ from ..expr.stored import Stored
 from ..expr.lowrank import lowrank_below
 from ..expr.tokens import token_rows
 from ..linalg.labels import form_of
-from .budget import suggest_budget
 from .cost import _si, tokens_hint
 from .decisions import Decision, DecisionKind
 from ..devices import physical_memory
@@ -274,7 +273,8 @@ def check_statistics_fit(node, memory_budget: int) -> None:
     """Refuse a Fisher whose matrix alone exceeds the budget, naming the fixes that fit: a
     Kronecker curvature (always: its factors are per layer), a projection small enough, the
     other structures whose matrix fits, and a larger budget only where the machine has the
-    memory. A fix is named only where the matrix *and* its damped inverse
+    memory (``err.needed``: the planner's note, :func:`~gradalg.plan.budget.refusal_note`, names a
+    budget that fits, written the way the budget was given). A fix is named only where the matrix *and* its damped inverse
     (:func:`inverse_bytes`, what the methods do with it) fit the budget it names. The
     projection: ga.proj.kron(k) leaves at most k² coordinates per block (k_out·k_in), so a
     dense Fisher of d ≤ n_blocks·k² whose inverse, (32 + 8)·d², fits the budget."""
@@ -295,8 +295,11 @@ def check_statistics_fit(node, memory_budget: int) -> None:
             if b <= memory_budget:
                 fixes.append(f"structure={s!r} ({_si(b)}B)")
     inverted = max(need, inverse_bytes(space, node.structure))
-    if inverted <= physical_memory():
-        fixes.append(f"a larger budget, ga.options(memory_budget={suggest_budget(inverted)!r})")
-    raise MemoryBudgetError(
+    roomy = inverted <= physical_memory()
+    if roomy:   # the plan's note names the budget, written the way it was given (budget.refusal_note)
+        fixes.append("a larger memory budget")
+    err = MemoryBudgetError(
         f"a {node.structure} Fisher over {space.dim:,} coordinates needs {_si(need)}B ({_si(inverted)}B "
         f"to invert), over the memory budget of {_si(memory_budget)}B. Fixes: " + "; or ".join(fixes) + ".")
+    err.needed = inverted if roomy else None
+    raise err

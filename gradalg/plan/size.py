@@ -86,7 +86,7 @@ def _refuse(p: Pass, jobs, fixed: float, per_ex: float, budget: float, facts: Fa
     fewer, smaller = _shrinking_fixes(jobs, per_ex, budget, facts, resolving)
     return _over_budget(f"{p.label}: held rows and statistics take {_si(fixed)}B{parts}, over the memory budget "
                         f"of {_si(budget)}B: {fewer}{smaller}project the gradients (ga.proj.kron), "
-                        "or raise ga.options(memory_budget=...)", fixed + per_ex)
+                        "or raise the memory budget", fixed + per_ex)
 
 
 def _resolving_part(resolving: float) -> str:
@@ -114,12 +114,12 @@ def _batch_size(p: Pass, sources, fixed: float, per_ex: float, facts: Facts,
                                f"{_si(per_ex)}B on their own (held rows and statistics {_si(fixed)}B more), over "
                                f"the memory budget of {_si(budget)}B. They grow with the positions per example, "
                                "not with the queries or a projection: use shorter sequences, or raise "
-                               "ga.options(memory_budget=...)", fixed + per_ex)
+                               "the memory budget", fixed + per_ex)
         fewer, smaller = _shrinking_fixes(p.jobs, per_ex, budget, facts, resolving)
         raise _over_budget(f"{p.label}: held rows and statistics take {_si(fixed)}B{_resolving_part(resolving)} and "
                            f"one example's factors and activations {_si(per_ex)}B, over the memory budget of "
                            f"{_si(budget)}B. Project the gradients (ga.proj.kron), {smaller}{fewer}or raise "
-                           "ga.options(memory_budget=...)", fixed + per_ex)
+                           "the memory budget", fixed + per_ex)
     fit = int((budget - fixed) // max(per_ex, 1.0))
     tokens, T, by_tokens = _batch_tokens(sources, o)
     batch = max(1, min(o.batch_size, fit, by_tokens or o.batch_size))
@@ -242,7 +242,7 @@ class _Sizer:
         if cost.peak_bytes > o.memory_budget:   # a pass over rows in memory: its chunk beside what it holds
             raise _over_budget(f"{p.label}: held rows and statistics take {_si(fixed - drop)}B and its work on "
                                f"one chunk {_si(per_ex)}B more, over the memory budget of {_si(o.memory_budget)}B. "
-                               "Project the gradients (ga.proj.kron), or raise ga.options(memory_budget=...)",
+                               "Project the gradients (ga.proj.kron), or raise the memory budget",
                                cost.peak_bytes)
         return replace(p, jobs=jobs, batch_size=batch, note=note, cost=cost, seconds=cost.seconds(facts.device, dtype),
                        per_example_bytes=per_ex, fixed_bytes=fixed - drop)

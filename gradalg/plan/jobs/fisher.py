@@ -67,15 +67,10 @@ class FisherJob(Job):
 
 
 class FisherAccumulator:
-    """F = (1/n) Σ_i g_i g_iᵀ, accumulated in float64, as dense, block or diag.
+    """F = (1/n) Σ_i g_i g_iᵀ, accumulated in float64, as dense, block or diag (its size
+    checked against the budget when its job was planned: :meth:`FisherJob.first_decisions`)."""
 
-    ``memory_budget``: for the pull path, which runs without a plan: the planner's own
-    check (:func:`gradalg.plan.memory.check_statistics_fit`) is made here. A plan's
-    Fisher jobs were checked when planned and pass None."""
-
-    def __init__(self, node: Fisher, memory_budget: int | None = None):
-        if memory_budget is not None:
-            check_statistics_fit(node, memory_budget)
+    def __init__(self, node: Fisher):
         self.node, self.space, self.structure = node, node.space, node.structure
         self.acc = None
         self.rows = 0
