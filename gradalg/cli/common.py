@@ -64,5 +64,5 @@ def options_for(cfg, args, **defaults):
     values.update(cfg.options)
     if getattr(args, "quiet", False):
         values["progress"] = False
-    with budget_setting("cli"), (options(**values) if values else contextlib.nullcontext()):
-        yield
+    with budget_setting("cli"), (options(**values) if values else contextlib.nullcontext()) as entered:
+        yield entered
