@@ -72,6 +72,13 @@ class KronStatisticsJob(Job):
     def _diagonal(self, d: int) -> bool:
         return is_diagonal_factor(d, self.kron_diagonal_width)
 
+    def describe(self) -> str:
+        """Its kind and its operator's, and the examples its statistic is estimated on
+        when not all (the node's :class:`~gradalg.expr.curvature.SubsetNote` of this kind)."""
+        t = self.target
+        notes = [str(x) for x in t.subset_notes() if x.statistic == self.kind]
+        return f"{self.kind} {'ekfac' if t.eigen_correction else 'kfac'}" + (f" ({notes[0]})" if notes else "")
+
     def publish(self, result, state) -> None:
         state.ops[self.target.token] = result
 
@@ -115,11 +122,6 @@ class KFACJob(KronStatisticsJob):
         T = positions(node, facts.shapes)
         return sum(self.at_once(T[b.name]) * sum(b.shape) * 8.0
                    for b in node.space.blocks if len(b.shape) == 2)
-
-    def describe(self) -> str:
-        t = self.target
-        notes = [x for x in t.subset_notes() if x.startswith("covariances")]
-        return f"{self.kind} {'ekfac' if t.eigen_correction else 'kfac'}" + (f" ({notes[0]})" if notes else "")
 
     def accumulator(self, ctx) -> "KronAccumulator":
         return KronAccumulator(self.target, self.token_block, self.kron_float64_width, self.kron_float32_rtol,
@@ -202,10 +204,6 @@ class EKFACJob(KronStatisticsJob):
         """The eigenbases and the re-fitted (out, in) eigenvalue grid of each block."""
         return kron_output_bytes(self.target.space, self.kron_float64_width, self.kron_diagonal_width, refit=True,
                                  rows_dtype=self.rows_dtype())
-
-    def describe(self) -> str:
-        notes = [x for x in self.target.subset_notes() if x.startswith("eigenvalue")]
-        return f"{self.kind} ekfac" + (f" ({notes[0]})" if notes else "")
 
     def accumulator(self, ctx) -> "EKFACAccumulator":
         """Rotates into the eigenbases the K-FAC job's pass left in ``ctx.state.kron``."""
