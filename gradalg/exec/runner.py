@@ -42,12 +42,12 @@ from ..curvature.hvp import eval_mode
 from ..data import batch_size_of, move_batch
 from ..errors import NonFiniteGradientError, NonFiniteWeightError
 from ..expr import GradNode, Source
+from ..fingerprint import is_meta_model
 from ..plan.decisions import Decision, DecisionKind
 from ..plan.planner import ROW_WISE, Pass, Plan, PlanError, chain_ops, stream_root
 from .allocator import ResidentGuard, peak_resident_bytes, release_free_memory, resident_bytes
 from .capture_pass import PassCapture, model_device_dtype
 from ..capture.chunks import Chunk
-from .models import is_meta_model
 from .progress import SILENT, progress_bar
 from .rowwise import derive_rows
 from .shards import restrict_step
