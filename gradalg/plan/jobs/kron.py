@@ -295,17 +295,17 @@ class _KronTerms:
 
     @classmethod
     def of(cls, space, float64_width, diagonal_width, rows_dtype) -> "_KronTerms":
-        t = cls()
+        sums = bases = held = lam = eigh = copies = 0.0
+        eigh_width, dense, diagonal = 0, [], []
         for o, i, parts in _factor_parts(space, float64_width, diagonal_width, rows_dtype):
-            sums, bases = sum(p["sum"] for p in parts), sum(p["basis"] for p in parts)
-            t.sums, t.bases, t.held = t.sums + sums, t.bases + bases, t.held + max(sums, bases)
-            t.lam += _eigenvalue_bytes(o, i, parts, grid=False)
-            t.copies = max(t.copies, sums)
+            s, b = parts[0]["sum"] + parts[1]["sum"], parts[0]["basis"] + parts[1]["basis"]
+            sums, bases, held, copies = sums + s, bases + b, held + max(s, b), max(copies, s)
+            lam += _eigenvalue_bytes(o, i, parts, grid=False)
             for d, p in zip((o, i), parts):
-                (t.diagonal if p["dtype"] == "diagonal" else t.dense).append(d)
-                if p["eigh"] > t.eigh:
-                    t.eigh_width, t.eigh = d, p["eigh"]
-        return t
+                (diagonal if p["dtype"] == "diagonal" else dense).append(d)
+                if p["eigh"] > eigh:
+                    eigh_width, eigh = d, p["eigh"]
+        return cls(sums, bases, held, lam, eigh, eigh_width, copies, dense, diagonal)
 
     @property
     def update(self) -> float:
@@ -354,9 +354,9 @@ def ekfac_bytes(space, float64_width: int | None = None, diagonal_width: int | N
     eigenvalue vectors, :func:`kron_output_bytes`), its float64 sums of squares (one
     (out, in) grid per block) and, when it finishes, the corrected eigenvalues (one grid
     per block) beside them."""
-    return kron_output_bytes(space, float64_width, diagonal_width, rows_dtype=rows_dtype) + sum(
-        _eigenvalue_bytes(o, i, parts, grid=True) + 8.0 * o * i
-        for o, i, parts in _factor_parts(space, float64_width, diagonal_width, rows_dtype))
+    return sum(sum(p["basis"] for p in parts) + _eigenvalue_bytes(o, i, parts, grid=False)
+               + _eigenvalue_bytes(o, i, parts, grid=True) + 8.0 * o * i
+               for o, i, parts in _factor_parts(space, float64_width, diagonal_width, rows_dtype))
 
 
 def kron_bytes_arithmetic(space, float64_width: int | None = None, diagonal_width: int | None = None,
