@@ -173,10 +173,7 @@ class EKFACJob(KronStatisticsJob):
         w the work dtype's bytes: 4, or 8 for float64 rows), beside the rotation of a
         block of flat rows (two rotated copies and their squares, 3·w·d_max), and one
         token block of the widest block's rotated factors, T_b·(out + in)·w. A block with
-        a diagonal factor is rotated one example at a time (counted in :meth:`fixed_bytes`).
-        (Before: 16 bytes per coordinate of every block, as if all blocks' rotated
-        gradients were held at once: 2.2 GB per example on the Llama-200M shape, where one
-        block's are 12 MB.)"""
+        a diagonal factor is rotated one example at a time (counted in :meth:`fixed_bytes`)."""
         node = self.streams[0]
         T, diag = positions(node, facts.shapes), _diagonal_blocks(node.space, self.kron_diagonal_width)
         w = _work_elem(facts)
@@ -229,9 +226,8 @@ def correction_traffic(c: int, out_f: int, in_f: int, w: int) -> Cost:
     * the sum over the chunk into the reused (out, in) buffer: w·c·m read, w·m written;
     * added into the float64 sums: w·m + 8·m read, 8·m written.
 
-    No fresh memory: the buffers are reused across blocks and chunks (the code before
-    allocated four tensors per block and chunk, c·m·w twice, m·w and m·8, faulted in at
-    the page-fault rate: on OLMoE-2L's experts 3–4× the pass's estimate)."""
+    No fresh memory: the buffers are reused across blocks and chunks (fresh ones are
+    faulted in at the page-fault rate: :class:`EKFACAccumulator`)."""
     m = float(out_f) * in_f
     return Cost(bytes=w * c * m + w * c * m + w * m + (w + 16.0) * m, elementwise=2.0 * w * c * m)
 
