@@ -37,7 +37,7 @@ import weakref
 
 import torch
 
-__all__ = ["tensor_digest", "model_digest", "stable_model_digest", "callable_fingerprint", "object_fingerprint", "stable_token",
+__all__ = ["tensor_digest", "model_digest", "stable_model_digest", "is_meta_model", "model_structure", "callable_fingerprint", "object_fingerprint", "stable_token",
            "forget", "is_stable"]
 
 _DIGEST_SIZE = 12
@@ -226,10 +226,23 @@ def stable_model_digest(model: torch.nn.Module) -> str | None:
     """:func:`model_digest`, or None for a model with tensors on the ``meta`` device (no
     values: its digest names this object only, so it cannot be compared with one written
     by another process, a store's)."""
-    for t in itertools.chain(model.parameters(), model.buffers()):
-        if t.device.type == "meta":
-            return None
-    return model_digest(model)
+    return None if is_meta_model(model) else model_digest(model)
+
+
+def is_meta_model(model: torch.nn.Module) -> bool:
+    """Whether any parameter or buffer of ``model`` is on the ``meta`` device (no weights)."""
+    return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+
+
+def model_structure(model: torch.nn.Module) -> tuple[str, ...]:
+    """The model's architecture without its values: each module's path, type and
+    ``extra_repr``, and each parameter's and buffer's name, shape and dtype. Equal for a
+    model and its ``meta``-device twin (:func:`model_digest` adds the values)."""
+    lines = [f"{name}:{type(m).__module__}.{type(m).__qualname__}({m.extra_repr()})"
+             for name, m in model.named_modules()]
+    for kind, named in (("p", model.named_parameters()), ("b", model.named_buffers())):
+        lines += [f"{kind}:{name}:{tuple(t.shape)}:{t.dtype}" for name, t in named]
+    return tuple(lines)
 
 
 # ------------------------------------------------------------------ functions

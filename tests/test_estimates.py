@@ -370,8 +370,7 @@ def test_a_pass_whose_peak_an_earlier_peak_hid_is_reported_as_a_bound():
     """The process keeps one peak-resident mark. A pass that does not raise it has its own
     peak hidden under an earlier one: its growth is then reported as an upper bound
     (``≤`` in the explanation), never as the 0 bytes the mark's own growth reads."""
-    from gradalg.exec.allocator import resident_bytes
-    from gradalg.exec.runner import _peak_growth
+    from gradalg.exec.allocator import peak_growth as _peak_growth, resident_bytes
 
     assert _peak_growth(100, 500, 700) == {"peak_rss_growth_bytes": 600, "peak_rss_is_bound": False}
     assert _peak_growth(100, 500, 500) == {"peak_rss_growth_bytes": 400, "peak_rss_is_bound": True}

@@ -208,6 +208,21 @@ def test_explain_shows_the_subsets(setting):
     assert "covariances: first 10 of 40 examples" in repr(S)
 
 
+def test_subset_notes_are_typed_and_found_by_statistic(setting, monkeypatch):
+    """The notes are records (statistic, first, n): the jobs pick theirs by ``statistic``,
+    never by wording, so a reworded note still lands on its own job."""
+    from gradalg.expr.curvature import SubsetNote
+    task, data = setting
+    G = ga.grads(task, data)
+    K = ga.ekfac(G, covariance_max_examples=10, lambda_max_examples=20)
+    assert K.expr.subset_notes() == (SubsetNote("kfac", 10, N), SubsetNote("ekfac", 20, N))
+    assert ga.kfac(G).expr.subset_notes() == ()
+    monkeypatch.setattr(SubsetNote, "__str__", lambda x: f"<{x.first} of {x.n}>")
+    jobs = {j.kind: j for p in ga.plan.planner.plan((G @ K.damp(0.1).inv() @ G.T).expr).passes for j in p.jobs}
+    assert jobs["kfac"].describe() == "kfac ekfac (<10 of 40>)"
+    assert jobs["ekfac"].describe() == "ekfac ekfac (<20 of 40>)"
+
+
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "10"])
 @pytest.mark.parametrize("option", ["covariance_max_examples", "lambda_max_examples"])
 def test_bad_subset_sizes_are_refused_naming_the_option(setting, option, bad):

@@ -1,4 +1,4 @@
-"""The precision K-FAC / EK-FAC eigenbases are stored in (:func:`gradalg.plan.jobs.kron.basis_dtype`).
+"""The precision K-FAC / EK-FAC eigenbases are stored in (:func:`gradalg.curvature.kron.basis_dtype`).
 
 Every use of a basis rotates in the rows' work dtype, so a float64 eigendecomposition of
 statistics summed from float32 rows is stored once as its float32 rounding: the same
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import gradalg as ga
-import gradalg.plan.jobs.kron as jobs_kron
+import gradalg.curvature.kron as curvature_kron
 from gradalg.exec.local import LocalExecutor
 from gradalg.plan.jobs.kron import KronAccumulator, basis_dtype, kron_factor_bytes, kron_output_bytes
 from models import classification_data, mlp
@@ -76,7 +76,7 @@ def test_float32_rows_store_float32_bases_with_the_numbers_of_the_float64_ones(m
     scores, krons = _ekfac_influence(task, data, damping)
     assert krons and all(Q.dtype == F32 for op in krons for Q in _bases(op))
     assert all(Q.stride() == (1, Q.shape[0]) for op in krons for Q in _bases(op) if Q.shape[0] > 1)
-    monkeypatch.setattr(jobs_kron, "basis_dtype", lambda eigh_dtype, rows_dtype: eigh_dtype)
+    monkeypatch.setattr(curvature_kron, "basis_dtype", lambda eigh_dtype, rows_dtype: eigh_dtype)
     before, old = _ekfac_influence(task, data, damping)
     assert all(Q.dtype == F64 for op in old for Q in _bases(op))
     assert torch.equal(scores, before)

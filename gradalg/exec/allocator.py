@@ -40,7 +40,7 @@ import functools
 
 import os
 
-__all__ = ["release_free_memory", "resident_bytes", "peak_resident_bytes", "ResidentGuard", "FreedBytes"]
+__all__ = ["release_free_memory", "resident_bytes", "peak_resident_bytes", "peak_growth", "ResidentGuard", "FreedBytes"]
 
 
 @functools.cache
@@ -88,6 +88,23 @@ def peak_resident_bytes() -> int:
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else 1024 * peak
+
+
+def peak_growth(rss_start: int | None, mark_start: int, mark_end: int) -> dict:
+    """A pass's peak resident growth from the process's resident set at its start and its
+    peak mark before and after it.
+
+    The kernel keeps one peak mark per process. When the pass raised it
+    (``mark_end > mark_start``) the pass's peak is the new mark, and its growth
+    ``mark_end − rss_start`` is exact. When an earlier pass (or code before the run) set a
+    higher mark, the pass's own peak is hidden under it: ``mark_end − rss_start`` is then
+    only an upper bound, reported with ``peak_rss_is_bound`` True. (Measured from the mark
+    at the pass's start instead, a hidden peak read as 0 bytes.) Without a resident-set
+    reading (not Linux) the growth is None.
+    """
+    if rss_start is None:                      # no resident-set reading (not Linux): no baseline to measure from
+        return {"peak_rss_growth_bytes": None, "peak_rss_is_bound": False}
+    return {"peak_rss_growth_bytes": max(0, mark_end - rss_start), "peak_rss_is_bound": mark_end <= mark_start}
 
 
 class ResidentGuard:

@@ -51,9 +51,9 @@ import torch
 from torch import nn
 
 from ..errors import ModelMismatchError, OptionError
-from ..fingerprint import callable_fingerprint, model_digest, stable_token
+from ..fingerprint import callable_fingerprint, is_meta_model, model_digest, model_structure, stable_token
 
-__all__ = ["WorkerModel", "ModelRef", "as_worker_model", "worker_device", "is_meta_model", "model_structure",
+__all__ = ["WorkerModel", "ModelRef", "as_worker_model", "worker_device",
            "worker_model_builds", "pack", "unpack"]
 
 
@@ -224,23 +224,7 @@ def _file_stamp(path: str):
     return (st.st_size, st.st_mtime_ns)
 
 
-# ------------------------------------------------------------------ identity of a model
-def is_meta_model(model: nn.Module) -> bool:
-    """Whether any parameter or buffer of ``model`` is on the ``meta`` device (no weights)."""
-    return any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
-
-
-def model_structure(model: nn.Module) -> tuple[str, ...]:
-    """The model's architecture without its values: each module's path, type and
-    ``extra_repr``, and each parameter's and buffer's name, shape and dtype. Equal for a
-    model and its ``meta``-device twin."""
-    lines = [f"{name}:{type(m).__module__}.{type(m).__qualname__}({m.extra_repr()})"
-             for name, m in model.named_modules()]
-    for kind, named in (("p", model.named_parameters()), ("b", model.named_buffers())):
-        lines += [f"{kind}:{name}:{tuple(t.shape)}:{t.dtype}" for name, t in named]
-    return tuple(lines)
-
-
+# ------------------------------------------------------------------ the worker's device and the reference
 def worker_device(device: str = "auto") -> torch.device:
     """The device a worker places its model on: ``"auto"`` is the accelerator this process
     sees (one per worker when ``CUDA_VISIBLE_DEVICES`` is pinned), else the CPU."""

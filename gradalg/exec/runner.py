@@ -42,12 +42,12 @@ from ..curvature.hvp import eval_mode
 from ..data import batch_size_of, move_batch
 from ..errors import NonFiniteGradientError, NonFiniteWeightError
 from ..expr import GradNode, Source
+from ..fingerprint import is_meta_model
 from ..plan.decisions import Decision, DecisionKind
 from ..plan.planner import ROW_WISE, Pass, Plan, PlanError, chain_ops, stream_root
-from .allocator import ResidentGuard, peak_resident_bytes, release_free_memory, resident_bytes
+from .allocator import ResidentGuard, peak_growth, peak_resident_bytes, release_free_memory, resident_bytes
 from .capture_pass import PassCapture, model_device_dtype
 from ..capture.chunks import Chunk
-from .models import is_meta_model
 from .progress import SILENT, progress_bar
 from .rowwise import derive_rows
 from .shards import restrict_step
@@ -224,23 +224,6 @@ def check_reductions(ctx, step: Pass) -> None:
         ctx.state.checked.add(task.token)
 
 
-def _peak_growth(rss_start: int | None, mark_start: int, mark_end: int) -> dict:
-    """A pass's peak resident growth from the process's resident set at its start and its
-    peak mark before and after it.
-
-    The kernel keeps one peak mark per process. When the pass raised it
-    (``mark_end > mark_start``) the pass's peak is the new mark, and its growth
-    ``mark_end − rss_start`` is exact. When an earlier pass (or code before the run) set a
-    higher mark, the pass's own peak is hidden under it: ``mark_end − rss_start`` is then
-    only an upper bound, reported with ``peak_rss_is_bound`` True. (Measured from the mark
-    at the pass's start instead, a hidden peak read as 0 bytes.) Without a resident-set
-    reading (not Linux) the growth is None.
-    """
-    if rss_start is None:                      # no resident-set reading (not Linux): no baseline to measure from
-        return {"peak_rss_growth_bytes": None, "peak_rss_is_bound": False}
-    return {"peak_rss_growth_bytes": max(0, mark_end - rss_start), "peak_rss_is_bound": mark_end <= mark_start}
-
-
 def _timed(stats: list[dict]) -> tuple[float, float]:
     """Wall and CPU seconds summed over the measured entries ``stats`` so far. A pass's own
     time is its wall time less what the entries gained meanwhile: the calls of a products
@@ -278,7 +261,7 @@ class PassRunner:
                 "pass": index, "key": step.key, "seconds": time.perf_counter() - start - nested[0],
                 # this process's CPU time (excludes waiting for a core)
                 "cpu_seconds": time.process_time() - cpu0 - nested[1],
-                **_peak_growth(rss0, mark0, mark1),
+                **peak_growth(rss0, mark0, mark1),
                 "held_bytes": self.ctx.state.held_bytes(),
             })
         return plan

@@ -22,7 +22,7 @@ from ..space import ParamSpace
 from .grads import GradNode, first_examples
 from .operators import OpNode, Statistic
 
-__all__ = ["KFAC", "CurvatureProducts", "Formed", "Arnoldi", "DataInf", "NearMinimum", "NearMinimumProbe", "PROBES"]
+__all__ = ["KFAC", "SubsetNote", "CurvatureProducts", "Formed", "Arnoldi", "DataInf", "NearMinimum", "NearMinimumProbe", "PROBES"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,21 +88,37 @@ class KFAC(OpNode):
         ``lambda_max_examples`` examples of ``grads``)."""
         return first_examples(self.grads, self.lambda_max_examples)
 
-    def subset_notes(self) -> list[str]:
-        """What each statistic is estimated on, when not on every example:
-        ``["covariances: first 100 of 1,000 examples", ...]`` (shown by ``explain()``)."""
+    def subset_notes(self) -> tuple["SubsetNote", ...]:
+        """What each statistic is estimated on, when not on every example: one
+        :class:`SubsetNote` per statistic (``str``: "covariances: first 100 of 1,000
+        examples"; shown by ``explain()``), found by its ``statistic`` (a job kind)."""
         n, out = self.grads.n, []
         if self.covariance_max_examples is not None:
-            out.append(f"covariances: first {self.covariance_max_examples:,} of {n:,} examples")
+            out.append(SubsetNote("kfac", self.covariance_max_examples, n))
         if self.eigen_correction and self.lambda_max_examples is not None:
-            out.append(f"eigenvalue correction: first {self.lambda_max_examples:,} of {n:,} examples")
-        return out
+            out.append(SubsetNote("ekfac", self.lambda_max_examples, n))
+        return tuple(out)
 
     @property
     def label(self):
         name = "ekfac" if self.eigen_correction else "kfac"
-        notes = self.subset_notes()
-        return f"{name} ({'; '.join(notes)})" if notes else name
+        notes = "; ".join(map(str, self.subset_notes()))
+        return f"{name} ({notes})" if notes else name
+
+
+@dataclass(frozen=True)
+class SubsetNote:
+    """The statistic of kind ``statistic`` (a :class:`Statistic` job: ``"kfac"``, the
+    Kronecker covariances; ``"ekfac"``, the eigenvalue correction) estimated on the first
+    ``first`` of the ``n`` examples of its rows."""
+
+    statistic: str
+    first: int
+    n: int
+
+    def __str__(self) -> str:
+        what = {"kfac": "covariances", "ekfac": "eigenvalue correction"}[self.statistic]
+        return f"{what}: first {self.first:,} of {self.n:,} examples"
 
 
 @dataclass(frozen=True, eq=False)

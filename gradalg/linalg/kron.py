@@ -272,7 +272,7 @@ class KronOp(LinearOp):
 
     The bases are stored in the precision of the rows they rotate (float32 for statistics of
     float32 or half-precision rows, float64 for float64 rows:
-    :func:`gradalg.plan.jobs.kron.basis_dtype`); each use casts them to the rows' work dtype.
+    :func:`gradalg.curvature.kron.basis_dtype`); each use casts them to the rows' work dtype.
 
     ``eigenvalue_errors``: for blocks with float32 factors (module docstring), the
     estimated error δ_Λ of the entries of Λ; an inverse or negative power is refused

@@ -11,15 +11,16 @@ diagonal (the job's fields, from ``ga.options``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
 from ...capture.chunks import Chunk
 from ...capture.factors import Factors
-from ...curvature.kron import FLOAT32_ROUNDOFF, EighCheck, KronStats, checked_eigh
-from ...errors import CurvatureError, GradalgError
+from ...curvature.kron import FLOAT32_ROUNDOFF, KronStats, basis_dtype, factor_eigenbasis
+from ...errors import GradalgError
 from ...expr import KFAC, Source
 from ...linalg.kron import (BlockEigenvalues, KronOp, diagonal_factor_rules, is_diagonal_factor, rotate_factors,
                             rotate_rows, work_dtype)
@@ -72,6 +73,13 @@ class KronStatisticsJob(Job):
     def _diagonal(self, d: int) -> bool:
         return is_diagonal_factor(d, self.kron_diagonal_width)
 
+    def describe(self) -> str:
+        """Its kind and its operator's, and the examples its statistic is estimated on
+        when not all (the node's :class:`~gradalg.expr.curvature.SubsetNote` of this kind)."""
+        t = self.target
+        notes = [str(x) for x in t.subset_notes() if x.statistic == self.kind]
+        return f"{self.kind} {'ekfac' if t.eigen_correction else 'kfac'}" + (f" ({notes[0]})" if notes else "")
+
     def publish(self, result, state) -> None:
         state.ops[self.target.token] = result
 
@@ -115,11 +123,6 @@ class KFACJob(KronStatisticsJob):
         T = positions(node, facts.shapes)
         return sum(self.at_once(T[b.name]) * sum(b.shape) * 8.0
                    for b in node.space.blocks if len(b.shape) == 2)
-
-    def describe(self) -> str:
-        t = self.target
-        notes = [x for x in t.subset_notes() if x.startswith("covariances")]
-        return f"{self.kind} {'ekfac' if t.eigen_correction else 'kfac'}" + (f" ({notes[0]})" if notes else "")
 
     def accumulator(self, ctx) -> "KronAccumulator":
         return KronAccumulator(self.target, self.token_block, self.kron_float64_width, self.kron_float32_rtol,
@@ -170,10 +173,7 @@ class EKFACJob(KronStatisticsJob):
         w the work dtype's bytes: 4, or 8 for float64 rows), beside the rotation of a
         block of flat rows (two rotated copies and their squares, 3·w·d_max), and one
         token block of the widest block's rotated factors, T_b·(out + in)·w. A block with
-        a diagonal factor is rotated one example at a time (counted in :meth:`fixed_bytes`).
-        (Before: 16 bytes per coordinate of every block, as if all blocks' rotated
-        gradients were held at once: 2.2 GB per example on the Llama-200M shape, where one
-        block's are 12 MB.)"""
+        a diagonal factor is rotated one example at a time (counted in :meth:`fixed_bytes`)."""
         node = self.streams[0]
         T, diag = positions(node, facts.shapes), _diagonal_blocks(node.space, self.kron_diagonal_width)
         w = _work_elem(facts)
@@ -203,10 +203,6 @@ class EKFACJob(KronStatisticsJob):
         return kron_output_bytes(self.target.space, self.kron_float64_width, self.kron_diagonal_width, refit=True,
                                  rows_dtype=self.rows_dtype())
 
-    def describe(self) -> str:
-        notes = [x for x in self.target.subset_notes() if x.startswith("eigenvalue")]
-        return f"{self.kind} ekfac" + (f" ({notes[0]})" if notes else "")
-
     def accumulator(self, ctx) -> "EKFACAccumulator":
         """Rotates into the eigenbases the K-FAC job's pass left in ``ctx.state.kron``."""
         return EKFACAccumulator(self.target, ctx.state.kron[self.target.token], self.token_block, self.buffer_bytes)
@@ -230,74 +226,92 @@ def correction_traffic(c: int, out_f: int, in_f: int, w: int) -> Cost:
     * the sum over the chunk into the reused (out, in) buffer: w·c·m read, w·m written;
     * added into the float64 sums: w·m + 8·m read, 8·m written.
 
-    No fresh memory: the buffers are reused across blocks and chunks (the code before
-    allocated four tensors per block and chunk, c·m·w twice, m·w and m·8, faulted in at
-    the page-fault rate: on OLMoE-2L's experts 3–4× the pass's estimate)."""
+    No fresh memory: the buffers are reused across blocks and chunks (fresh ones are
+    faulted in at the page-fault rate: :class:`EKFACAccumulator`)."""
     m = float(out_f) * in_f
     return Cost(bytes=w * c * m + w * c * m + w * m + (w + 16.0) * m, elementwise=2.0 * w * c * m)
 
 
 # ------------------------------------------------------------------ bytes of the statistics
-def _factor_widths(space):
-    """``(out, in)`` of each Kronecker-factored (2-D) block."""
-    return [(b.shape[0], b.shape[-1]) for b in space.blocks]
-
-
-def _factor_parts(space, float64_width: int | None, diagonal_width: int | None, rows_dtype=torch.float64):
-    """``(out, in, [S's, A's kron_factor_bytes])`` of each block."""
-    for o, i in _factor_widths(space):
-        yield o, i, [kron_factor_bytes(d, float64_width, diagonal_width, rows_dtype) for d in (o, i)]
-
-
 def kron_factor_bytes(d: int, float64_width: int | None, diagonal_width: int | None = None,
                       rows_dtype: torch.dtype | None = torch.float64) -> dict:
     """Bytes of one d-wide Kronecker factor: ``sum`` (float64, or float32 with its Kahan
     compensation: 8·d² either way), ``basis`` (its eigenvectors as stored:
-    :func:`basis_dtype`, 8·d² for float64 rows, else 4·d²) and ``eigh`` (the peak of its
-    eigendecomposition beyond the stored basis: the symmetrized input and LAPACK's
-    workspace, 24·d² in float64, and, where the basis is stored in float32, the float64
-    eigenvectors beside their float32 copy, 8·d² − 4·d² more; 12·d² in float32, with the
-    float64 check's three (d, 512) column blocks). ``dtype``: the eigendecomposition's
-    precision, float32 beyond ``float64_width``. Beyond ``diagonal_width`` the factor is
-    its diagonal: a float64 sum of 8·d bytes, no basis (the identity) and no
-    eigendecomposition (``"dtype": "diagonal"``). ``rows_dtype``: the dtype of the rows
-    (the plan's ``facts.dtype``; None: float64)."""
-    if diagonal_width is not None and d > diagonal_width:
+    :func:`~gradalg.curvature.kron.basis_dtype`, 8·d² for float64 rows, else 4·d²) and
+    ``eigh`` (the peak of its eigendecomposition beyond the stored basis: the symmetrized
+    input and LAPACK's workspace, 24·d² in float64, and, where the basis is stored in
+    float32, the float64 eigenvectors beside their float32 copy, 8·d² − 4·d² more; 12·d²
+    in float32, with the float64 check's three (d, 512) column blocks). ``dtype``: the
+    eigendecomposition's precision, float32 beyond ``float64_width``. Beyond
+    ``diagonal_width`` the factor is its diagonal: a float64 sum of 8·d bytes, no basis
+    (the identity) and no eigendecomposition (``"dtype": "diagonal"``). ``rows_dtype``:
+    the dtype of the rows (the plan's ``facts.dtype``; None: float64)."""
+    if is_diagonal_factor(d, diagonal_width):
         return {"dtype": "diagonal", "sum": 8.0 * d, "basis": 0.0, "eigh": 0.0}
     wide = float64_width is not None and d > float64_width
     elem = 4.0 if wide else 8.0
-    stored = element_size(basis_dtype(torch.float32 if wide else torch.float64, _rows(rows_dtype)))
+    stored = element_size(basis_dtype(torch.float32 if wide else torch.float64, rows_dtype))
     return {"dtype": "float32" if wide else "float64", "sum": 8.0 * d * d, "basis": stored * d * d,
             "eigh": 3.0 * elem * d * d + (elem - stored) * d * d + (3 * 8.0 * d * 512 if wide else 0.0)}
 
 
-def _rows(dtype: torch.dtype | None) -> torch.dtype:
-    """The work dtype of rows of ``dtype`` (half precision → float32; None → float64)."""
-    if dtype is None or dtype == torch.float64:
-        return torch.float64
-    return torch.float32
+def _factor_parts(space, float64_width: int | None, diagonal_width: int | None, rows_dtype=torch.float64):
+    """``(out, in, [S's, A's kron_factor_bytes])`` of each block."""
+    for b in space.blocks:
+        o, i = b.shape[0], b.shape[-1]
+        yield o, i, [kron_factor_bytes(d, float64_width, diagonal_width, rows_dtype) for d in (o, i)]
 
 
-def _eigenvalue_bytes(o: int, i: int, parts) -> float:
-    """An (out, in) eigenvalue grid (EK-FAC's re-fitted Λ): float32 when a factor is
-    float32, else float64."""
-    return o * i * _eigenvalue_element(parts)
+def _eigenvalue_bytes(o: int, i: int, parts, grid: bool) -> float:
+    """A block's eigenvalues, float32 when a factor is float32, else float64: K-FAC's
+    Λ = λ_S λ_Aᵀ kept as its two vectors (out + in numbers; the grid is made a slice at a
+    time where it is applied: :class:`~gradalg.linalg.kron.BlockEigenvalues`), or with
+    ``grid`` EK-FAC's re-fitted (out, in) grid."""
+    elem = 4.0 if any(p["dtype"] == "float32" for p in parts) else 8.0
+    return elem * (o * i if grid else o + i)
 
 
-def _kfac_eigenvalue_bytes(o: int, i: int, parts) -> float:
-    """K-FAC's eigenvalues Λ = λ_S λ_Aᵀ, kept as the two vectors (out + in numbers; the grid
-    is made a slice at a time where it is applied: :class:`~gradalg.linalg.kron.BlockEigenvalues`)."""
-    return (o + i) * _eigenvalue_element(parts)
+@dataclass
+class _KronTerms:
+    """The terms of :func:`kron_bytes` over a space's blocks: the factor ``sums``, the
+    eigen``bases``, ``held`` (each block's larger of the two), K-FAC's eigenvalue vectors
+    ``lam``, the largest eigendecomposition's workspace ``eigh`` (of the factor
+    ``eigh_width`` wide), the largest block's sums ``copies``, and the widths of the
+    factors kept d × d (``dense``) and diagonal (``diagonal``)."""
 
+    sums: float = 0.0
+    bases: float = 0.0
+    held: float = 0.0
+    lam: float = 0.0
+    eigh: float = 0.0
+    eigh_width: int = 0
+    copies: float = 0.0
+    dense: list = field(default_factory=list)
+    diagonal: list = field(default_factory=list)
 
-def _eigenvalue_element(parts) -> float:
-    return 4.0 if any(p["dtype"] == "float32" for p in parts) else 8.0
+    @classmethod
+    def of(cls, space, float64_width, diagonal_width, rows_dtype) -> "_KronTerms":
+        sums = bases = held = lam = eigh = copies = 0.0
+        eigh_width, dense, diagonal = 0, [], []
+        for o, i, parts in _factor_parts(space, float64_width, diagonal_width, rows_dtype):
+            s, b = parts[0]["sum"] + parts[1]["sum"], parts[0]["basis"] + parts[1]["basis"]
+            sums, bases, held, copies = sums + s, bases + b, held + max(s, b), max(copies, s)
+            lam += _eigenvalue_bytes(o, i, parts, grid=False)
+            for d, p in zip((o, i), parts):
+                (diagonal if p["dtype"] == "diagonal" else dense).append(d)
+                if p["eigh"] > eigh:
+                    eigh_width, eigh = d, p["eigh"]
+        return cls(sums, bases, held, lam, eigh, eigh_width, copies, dense, diagonal)
 
+    @property
+    def update(self) -> float:
+        """A chunk's update: the widest dense factor's d × d product with its float64 copy
+        or the Kahan sum's new total, 12·d²."""
+        return 12.0 * max(self.dense or [0]) ** 2
 
-def _dense_widths(space, diagonal_width: int | None) -> list[int]:
-    """The widths of the factors kept as d × d matrices."""
-    return [d for o, i in _factor_widths(space) for d in (o, i)
-            if diagonal_width is None or d <= diagonal_width]
+    @property
+    def peak(self) -> float:
+        return max(self.sums + self.update, self.held + self.lam + max(self.eigh, self.copies))
 
 
 def kron_bytes(space, float64_width: int | None = None, diagonal_width: int | None = None,
@@ -314,45 +328,31 @@ def kron_bytes(space, float64_width: int | None = None, diagonal_width: int | No
 
     Factors wider than ``float64_width`` in float32, wider than ``diagonal_width``
     diagonal (8·d bytes, no basis: :func:`kron_factor_bytes`); bases stored in
-    :func:`basis_dtype` of ``rows_dtype`` (the plan's dtype)."""
-    sums, held, lam, eigh, copies = 0.0, 0.0, 0.0, 0.0, 0.0
-    for o, i, parts in _factor_parts(space, float64_width, diagonal_width, rows_dtype):
-        block_sums = sum(p["sum"] for p in parts)
-        sums += block_sums
-        held += max(block_sums, sum(p["basis"] for p in parts))
-        lam += _kfac_eigenvalue_bytes(o, i, parts)
-        eigh = max([eigh] + [p["eigh"] for p in parts])
-        copies = max(copies, block_sums)
-    widest = max(_dense_widths(space, diagonal_width) or [0])
-    return max(sums + 12.0 * widest * widest, held + lam + max(eigh, copies))
-
-
-def ekfac_bytes(space, float64_width: int | None = None, diagonal_width: int | None = None,
-                rows_dtype: torch.dtype | None = torch.float64) -> float:
-    """EK-FAC's correction pass: the K-FAC eigenbases (in :func:`basis_dtype` of
-    ``rows_dtype``) and eigenvalue vectors it rotates into, its float64 sums of squares
-    (one (out, in) grid per block) and, when it finishes, the corrected eigenvalues (one
-    grid per block) beside them."""
-    total = 0.0
-    for o, i, parts in _factor_parts(space, float64_width, diagonal_width, rows_dtype):
-        total += (sum(p["basis"] for p in parts) + _kfac_eigenvalue_bytes(o, i, parts)
-                  + _eigenvalue_bytes(o, i, parts) + 8.0 * o * i)
-    return total
+    :func:`~gradalg.curvature.kron.basis_dtype` of ``rows_dtype`` (the plan's dtype)."""
+    return _KronTerms.of(space, float64_width, diagonal_width, rows_dtype).peak
 
 
 def kron_output_bytes(space, float64_width: int | None = None, diagonal_width: int | None = None,
                       refit: bool = False, rows_dtype: torch.dtype | None = torch.float64) -> float:
-    """Bytes of the Kronecker operator a job produces: eigenbases (in :func:`basis_dtype`
-    of ``rows_dtype``) and eigenvalues — K-FAC's
-    two vectors per block, or with ``refit`` EK-FAC's (out, in) grid per block. The
-    operators a score derives from it (damped, inverted, powers) share these numbers
+    """Bytes of the Kronecker operator a job produces: eigenbases (in
+    :func:`~gradalg.curvature.kron.basis_dtype` of ``rows_dtype``) and eigenvalues —
+    K-FAC's two vectors per block, or with ``refit`` EK-FAC's (out, in) grid per block.
+    The operators a score derives from it (damped, inverted, powers) share these numbers
     (:class:`~gradalg.linalg.kron.BlockEigenvalues`): the scores pass holds no other
     copy, and makes Λ a slice of rows at a time (``gradalg.linalg.kron._SLICE_ELEMENTS`` numbers)."""
-    total = 0.0
-    for o, i, parts in _factor_parts(space, float64_width, diagonal_width, rows_dtype):
-        lam = _eigenvalue_bytes(o, i, parts) if refit else _kfac_eigenvalue_bytes(o, i, parts)
-        total += sum(p["basis"] for p in parts) + lam
-    return total
+    return sum(sum(p["basis"] for p in parts) + _eigenvalue_bytes(o, i, parts, refit)
+               for o, i, parts in _factor_parts(space, float64_width, diagonal_width, rows_dtype))
+
+
+def ekfac_bytes(space, float64_width: int | None = None, diagonal_width: int | None = None,
+                rows_dtype: torch.dtype | None = torch.float64) -> float:
+    """EK-FAC's correction pass: the K-FAC operator it rotates into (its eigenbases and
+    eigenvalue vectors, :func:`kron_output_bytes`), its float64 sums of squares (one
+    (out, in) grid per block) and, when it finishes, the corrected eigenvalues (one grid
+    per block) beside them."""
+    return sum(sum(p["basis"] for p in parts) + _eigenvalue_bytes(o, i, parts, grid=False)
+               + _eigenvalue_bytes(o, i, parts, grid=True) + 8.0 * o * i
+               for o, i, parts in _factor_parts(space, float64_width, diagonal_width, rows_dtype))
 
 
 def kron_bytes_arithmetic(space, float64_width: int | None = None, diagonal_width: int | None = None,
@@ -361,30 +361,19 @@ def kron_bytes_arithmetic(space, float64_width: int | None = None, diagonal_widt
     the largest eigendecomposition, with the widest factor's size and precision; when a
     dense factor is wider than ``float64_width``, the option that keeps it diagonal and
     what the statistics then take (the fix a refusal names)."""
-    sums = bases = lam = 0.0
-    widest, eigh = 0, 0.0
-    diagonal = []
-    for o, i, parts in _factor_parts(space, float64_width, diagonal_width, rows_dtype):
-        sums += sum(p["sum"] for p in parts)
-        bases += sum(p["basis"] for p in parts)
-        lam += _kfac_eigenvalue_bytes(o, i, parts)
-        for d, p in zip((o, i), parts):
-            if p["dtype"] == "diagonal":
-                diagonal.append(d)
-            elif p["eigh"] > eigh:
-                widest, eigh = d, p["eigh"]
-    update = 12.0 * max(_dense_widths(space, diagonal_width) or [0]) ** 2
-    text = (f"Kronecker statistics of {len(space.blocks)} block(s): factor sums {_gb(sums)} GB + a chunk's update "
-            f"({_gb(update)} GB), or, finishing block by block, each block's larger of its sums and eigenbases "
-            f"(eigenbases {_gb(bases)} GB in all) + eigenvalues {_gb(lam)} GB")
+    t = _KronTerms.of(space, float64_width, diagonal_width, rows_dtype)
+    text = (f"Kronecker statistics of {len(space.blocks)} block(s): factor sums {_gb(t.sums)} GB + a chunk's update "
+            f"({_gb(t.update)} GB), or, finishing block by block, each block's larger of its sums and eigenbases "
+            f"(eigenbases {_gb(t.bases)} GB in all) + eigenvalues {_gb(t.lam)} GB")
+    widest = t.eigh_width
     if widest:
         dtype = kron_factor_bytes(widest, float64_width)["dtype"]
-        text += f" + the largest eigendecomposition ({widest}×{widest}, {dtype}) {_gb(eigh)} GB"
-    if diagonal:
-        text += f"; {len(diagonal)} factor(s) of width {max(diagonal):,} kept diagonal"
-    text += f" = {_gb(kron_bytes(space, float64_width, diagonal_width, rows_dtype))} GB"
+        text += f" + the largest eigendecomposition ({widest}×{widest}, {dtype}) {_gb(t.eigh)} GB"
+    if t.diagonal:
+        text += f"; {len(t.diagonal)} factor(s) of width {max(t.diagonal):,} kept diagonal"
+    text += f" = {_gb(t.peak)} GB"
     if widest and float64_width is not None and widest > float64_width:
-        narrower = max([d for d in _dense_widths(space, diagonal_width) if d < widest] or [1])
+        narrower = max([d for d in t.dense if d < widest] or [1])
         text += (f"; to keep the {widest}×{widest} factor (and any wider) diagonal instead, "
                  f"ga.options(kron_diagonal_width={narrower}): "
                  f"{_gb(kron_bytes(space, float64_width, narrower, rows_dtype))} GB")
@@ -509,14 +498,12 @@ class KronAccumulator:
                       if not is_diagonal_factor(d, self.diagonal_width)] or [0])
         for name in self.node.space.names:
             self.stats[name].examples = self.node.covariance_grads.n   # the examples fed (covariance_max_examples)
-            S, A = self.stats[name].covariances()
+            factors = list(self.stats[name].covariances())             # [S, A]
             self.stats[name] = None        # the sums are not needed past their eigendecomposition
-            Q_S, lam_S, check_S = _eigenbasis(S, self.float32_rtol, f"the output-gradient factor of {name!r}", widest)
-            del S
-            Q_S = _stored(Q_S, self.rows_dtype)
-            Q_A, lam_A, check_A = _eigenbasis(A, self.float32_rtol, f"the activation factor of {name!r}", widest)
-            del A
-            Q_A = _stored(Q_A, self.rows_dtype)
+            # each factor eigendecomposed and freed (popped: its only reference) before the next
+            (Q_S, lam_S, check_S), (Q_A, lam_A, check_A) = [
+                factor_eigenbasis(factors.pop(0), self.float32_rtol, f"the {what} factor of {name!r}",
+                                  self.rows_dtype, widest) for what in ("output-gradient", "activation")]
             bases[name] = (Q_S, Q_A)
             dtype = torch.promote_types(lam_S.dtype, lam_A.dtype) if torch.float32 not in (
                 lam_S.dtype, lam_A.dtype) else torch.float32
@@ -528,47 +515,6 @@ class KronAccumulator:
                 errors[name] = check_S.error * top_A + top_S * check_A.error + check_S.error * check_A.error
         return KronOp(self.node.space, bases, eigenvalues, eigenvalue_errors=errors,
                       float32_rtol=self.float32_rtol, rules=self.rules)
-
-
-def basis_dtype(eigh_dtype: torch.dtype, rows_dtype: torch.dtype | None) -> torch.dtype:
-    """The dtype a Kronecker eigenbasis is stored in: the precision every use rotates in.
-
-    Every use of a basis (``rotate_factors`` / ``rotate_rows`` / ``rotate_back``: EK-FAC's
-    eigenvalue fit, preconditioning queries and training rows, quadratic forms) casts it to
-    the rows' work dtype (:func:`~gradalg.linalg.kron.work_dtype`: float32 for float32 and
-    half-precision rows, float64 for float64 rows). A float64 eigendecomposition of factors
-    summed from float32 rows is therefore kept as its float32 rounding, made once: the same
-    numbers every rotation used (bit for bit; the strides, column-major from ``eigh``, are
-    kept), half the bytes (Llama-200M shape: 1.6 GB instead of 3.2 GB) and no cast per
-    chunk. Float64 rows (``rows_dtype`` float64, or unknown: None) keep a float64 basis, so
-    their rotations stay exact to float64 rounding at any damping; a float32
-    eigendecomposition (factors wider than ``kron_float64_width``) stays float32."""
-    if eigh_dtype == torch.float64 and rows_dtype is not None and rows_dtype != torch.float64:
-        return torch.float32
-    return eigh_dtype
-
-
-def _stored(Q: torch.Tensor | None, rows_dtype: torch.dtype | None) -> torch.Tensor | None:
-    """``Q`` in :func:`basis_dtype` (strides kept: ``Tensor.to`` preserves them), the float64
-    eigenvectors freed."""
-    if Q is None:
-        return None
-    return Q.to(basis_dtype(Q.dtype, rows_dtype))
-
-
-def _eigenbasis(M: torch.Tensor, rtol: float, what: str, float64_fix: int | None = None):
-    """``(Q, λ ≥ 0, EighCheck)`` of a factor: :func:`checked_eigh` of a (d, d) matrix, or
-    ``(None, diagonal, exact)`` for a diagonal factor kept as its (d,) diagonal (the
-    identity is its eigenbasis)."""
-    if not bool(torch.isfinite(M).all()):   # finite rows whose products overflowed: named, never NaN scores
-        raise CurvatureError(
-            f"{what} holds NaN/inf ({int((~torch.isfinite(M)).sum()):,} of {M.numel():,} entries) though every "
-            "per-example gradient is finite: the sums of products of its activations or output gradients "
-            "overflowed (values near the float32 range). Compute in float64 (model.double() and float64 "
-            "inputs), scale the inputs down, or leave this layer out")
-    if M.dim() == 1:
-        return None, M.clamp_min(0), EighCheck(M.shape[0], torch.float64)
-    return checked_eigh(M, rtol, what, float64_fix)
 
 
 class EKFACAccumulator:
@@ -594,10 +540,8 @@ class EKFACAccumulator:
     def _buffer(self, which: str, shape: tuple, like: torch.Tensor, dtype) -> torch.Tensor | None:
         """A view of ``shape`` into the reused buffer ``which`` ("_rotated" or "_summed"), or
         None below ``buffer_bytes`` (the allocator recycles small tensors)."""
-        size = 1
-        for d in shape:
-            size *= d
-        if size * torch.empty((), dtype=dtype).element_size() < self.buffer_bytes:
+        size = math.prod(shape)
+        if size * element_size(dtype) < self.buffer_bytes:
             return None
         buf = getattr(self, which)
         if buf is None or buf.numel() < size or buf.dtype != dtype or buf.device != like.device:
@@ -607,30 +551,24 @@ class EKFACAccumulator:
 
     def update(self, chunk: Chunk) -> None:
         for name in self.node.space.names:
-            Q_S, Q_A = self.kfac.bases[name]
-            value = chunk.blocks[name]
+            (Q_S, Q_A), value, sums = self.kfac.bases[name], chunk.blocks[name], self.sums[name]
             if isinstance(value, torch.Tensor) and value.dim() == 2:
                 # rows kept flat (a Kronecker-projected block over long sequences is
                 # smaller than its factors): rotate the (out, in) gradients themselves
                 rotated = rotate_rows(value.reshape(value.shape[0], Q_S.shape[0], Q_A.shape[0]), Q_S, Q_A)
-            elif Q_S is None or Q_A is None:
-                F = _factors(self.node, name, value)
+                sums += (rotated ** 2).sum(0).to(sums.dtype)
+                continue
+            F = _factors(self.node, name, value)
+            if Q_S is None or Q_A is None:     # a diagonal factor: one example at a time
                 for i in range(F.n):
-                    rotated = rotate_factors(F[i:i + 1], Q_S, Q_A, self.token_block)
-                    self.sums[name] += rotated[0].square_().to(self.sums[name].dtype)
-                    del rotated
+                    sums += rotate_factors(F[i:i + 1], Q_S, Q_A, self.token_block)[0].square_().to(sums.dtype)
                 continue
-            else:
-                F = _factors(self.node, name, value)
-                dtype, (o, i) = work_dtype(F.D), self.sums[name].shape
-                out = self._buffer("_rotated", (F.n, o, i), F.D, dtype)
-                rotated = rotate_factors(F, Q_S, Q_A, self.token_block, out=out)   # ours: squared in place
-                total = self._buffer("_summed", (o, i), F.D, dtype)
-                rotated.square_()
-                self.sums[name].add_(rotated.sum(0) if total is None else torch.sum(rotated, 0, out=total))
-                del rotated
-                continue
-            self.sums[name] += (rotated ** 2).sum(0).to(self.sums[name].dtype)
+            dtype, (o, i) = work_dtype(F.D), sums.shape
+            out = self._buffer("_rotated", (F.n, o, i), F.D, dtype)
+            rotated = rotate_factors(F, Q_S, Q_A, self.token_block, out=out).square_()   # ours: squared in place
+            total = self._buffer("_summed", (o, i), F.D, dtype)
+            sums.add_(rotated.sum(0) if total is None else torch.sum(rotated, 0, out=total))
+            del rotated
 
     def export(self) -> dict:
         return self.sums
