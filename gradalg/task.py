@@ -18,7 +18,7 @@ from torch import nn
 
 from .data import batch_size_of, slice_batch
 from .errors import LossReductionError, OptionError
-from .fingerprint import callable_fingerprint, model_digest
+from .fingerprint import callable_fingerprint, digests_held, model_digest
 
 __all__ = ["Task", "TransformerBlocks"]
 
@@ -199,11 +199,12 @@ class Task:
         weights (an optimizer step changes it), so a result computed before training is
         never reused after. The weights are hashed once per version (cached), so reading
         the token costs a version check per tensor."""
-        functions = [callable_fingerprint(f) if f is not None else "-"
-                     for f in (self.loss, self.token_mask, self.sampled_loss, self.output,
-                               self.output_weight, self.expected_terms, self.forward, self.loss_from_outputs)]
-        h = hashlib.blake2b("|".join([model_digest(self.model), self.reduction, *functions]).encode(),
-                            digest_size=10).hexdigest()
+        with digests_held():    # the loss closures hold the model again: walk it once
+            functions = [callable_fingerprint(f) if f is not None else "-"
+                         for f in (self.loss, self.token_mask, self.sampled_loss, self.output,
+                                   self.output_weight, self.expected_terms, self.forward, self.loss_from_outputs)]
+            h = hashlib.blake2b("|".join([model_digest(self.model), self.reduction, *functions]).encode(),
+                                digest_size=10).hexdigest()
         return f"task-{h}-{self.name}"
 
     def __repr__(self):

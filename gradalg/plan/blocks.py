@@ -6,13 +6,12 @@ runs what these return; it never routes a chunk itself."""
 from __future__ import annotations
 
 from ..capture.experts import ExpertMatrixRule
-from ..capture.layers import measured_kind
 from ..expr import AdamPrecondition, Captured, GradNode, Inner, Normalize, Precondition, Project, Source
 from ..expr.lowrank import lowrank_below
 from . import estimates
 from .cost import _si
 from .decisions import Decision, DecisionKind, DecisionSource
-from .facts import Facts, data_positions, positions_known
+from .facts import Facts, data_positions
 from .lower import ROW_WISE, stream_root
 from .memory import positions, rows_bytes
 from .shapes import forward_shapes
@@ -115,7 +114,7 @@ def low_rank_decision(held: GradNode, facts: Facts) -> Decision | None:
 def _measured(node: GradNode, facts: Facts) -> bool:
     """Whether ``positions(node, facts.shapes)`` are every layer's real T: known from the
     data's shape (token ids, flat vectors), rows in memory, or measured (the plan's facts)."""
-    if positions_known(node):
+    if facts.positions_known(node):
         return True
     src = node.source
     return isinstance(src, Captured) or (isinstance(src, Source) and forward_shapes(src, facts.shapes).measured)
@@ -131,7 +130,7 @@ def _block_positions(node: GradNode, b, facts: Facts) -> str:
         return "known"
     if not isinstance(node.source, Source) or not data_positions(node):
         return "unknown"
-    if {x.kind for x in node.space.blocks if measured_kind(x.kind)} <= {ExpertMatrixRule.kind}:
+    if facts.own_position_kinds(node) <= {ExpertMatrixRule.kind}:
         return "estimated" if b.kind == ExpertMatrixRule.kind else "known"
     return "unknown"
 

@@ -21,7 +21,7 @@ from .cost import first_example_shape
 from ..devices import DeviceProfile
 from .shapes import ModelFacts, measure_forward_shapes, measurement_key
 
-__all__ = ["Facts", "facts", "MEASURED", "positions_known", "data_positions"]
+__all__ = ["Facts", "facts", "MEASURED", "positions_known", "own_position_kinds", "data_positions"]
 
 #: ``{source token: ForwardShapes}`` measured by executors' plans (the 256 latest)
 MEASURED: dict = {}
@@ -38,9 +38,11 @@ class Facts(ModelFacts):
     device: DeviceProfile
     for_run: bool                           # every layer's positions were measured (a run's plan)
     representations: Mapping[str, Mapping]  # {node token: {block: representation}}
-    #: {id(task): (task, task.token)} and {source token: forward_share_key(source)}, each
-    #: read once when first asked (a model's fingerprint walks every tensor)
-    memo: dict = field(default_factory=lambda: {"tasks": {}, "shares": {}}, repr=False, compare=False)
+    #: {id(task): (task, task.token)}, {source token: forward_share_key(source)}, {node token:
+    #: its blocks' kinds with positions of their own} and {node token: positions_known(node)},
+    #: each read once when first asked (a model's fingerprint walks every tensor; an 80-layer
+    #: model has 560 blocks, each asked; the data's first example is read for its shape)
+    memo: dict = field(default_factory=lambda: {"tasks": {}, "shares": {}, "own": {}, "known": {}}, repr=False, compare=False)
 
     def representation(self, node: GradNode) -> Mapping:
         return self.representations.get(node.token) or node.representation
@@ -57,6 +59,20 @@ class Facts(ModelFacts):
             shares[src.token] = forward_share_key(src)
         return shares[src.token]
 
+    def own_position_kinds(self, node: GradNode) -> frozenset:
+        """The kinds of ``node``'s blocks that have positions of their own (:func:`own_position_kinds`)."""
+        own = self.memo["own"]
+        if node.token not in own:
+            own[node.token] = own_position_kinds(node)
+        return own[node.token]
+
+    def positions_known(self, node: GradNode) -> bool:
+        """:func:`positions_known`, read once per node."""
+        known = self.memo["known"]
+        if node.token not in known:
+            known[node.token] = not self.own_position_kinds(node) and data_positions(node)
+        return known[node.token]
+
     def describe(self) -> str:
         return "\n".join([f"device {self.device.name}, dtype {self.dtype}, "
                           + ("measured for a run" if self.for_run else "not measured (shape hints)")]
@@ -64,13 +80,16 @@ class Facts(ModelFacts):
                             for t, s in self.shapes.items()])
 
 
+def own_position_kinds(node: GradNode) -> frozenset:
+    """The kinds of ``node``'s blocks with positions of their own (a convolution's output
+    positions, a fused expert's routed tokens: ``measured_kind``, known when it runs)."""
+    return frozenset(kind for kind in {b.kind for b in node.space.blocks} if measured_kind(kind))
+
+
 def positions_known(node: GradNode) -> bool:
-    """Whether ``tokens_hint`` is every layer's T: no layer has positions of its own (a
-    convolution's output positions, a fused expert's routed tokens: ``measured_kind``,
-    known when it runs) and :func:`data_positions`."""
-    if any(measured_kind(b.kind) for b in node.space.blocks):
-        return False
-    return data_positions(node)
+    """Whether ``tokens_hint`` is every layer's T: no layer has positions of its own
+    (:func:`own_position_kinds`) and :func:`data_positions`."""
+    return not own_position_kinds(node) and data_positions(node)
 
 
 def data_positions(node: GradNode) -> bool:

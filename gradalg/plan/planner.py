@@ -16,6 +16,7 @@ import torch
 
 from ..expr import Node, Source
 from ..errors import MemoryBudgetError
+from ..fingerprint import digests_held
 from ..options import Options, get_options
 from .budget import Budget, resolve_budget, with_note
 from .choices import Choices
@@ -125,6 +126,11 @@ def plan(root: Node, *, options: Options | None = None, device=None, rewrites: b
     ``keep_held_rows``: the executor opens each pass's jobs again per shard (its shard
     strategy's ``keeps_held_rows``: Dask, torch.distributed), so every shard reads a
     score's raw held rows and no scores job releases them (the schedule stage)."""
+    with digests_held():     # no model changes while planning: each task's model is walked once
+        return _plan(root, options, device, rewrites, choices, measure_shapes, topk, budget, keep_held_rows)
+
+
+def _plan(root, options, device, rewrites, choices, measure_shapes, topk, budget, keep_held_rows) -> Plan:
     options = options or get_options()
     simplified, fired = simplify_until_fixpoint(root, enabled=rewrites)
     where = device if device is not None else model_device(simplified)
