@@ -324,6 +324,35 @@ def test_executed_copies_are_current_by_their_code(tmp_path):
     assert not is_current(tmp_path / "a.ipynb", tmp_path / "ran.ipynb")
 
 
+def test_force_names_the_notebooks_to_execute(tmp_path):
+    """``--force NAME...``: a stem, a file name or ``<folder>/<file>`` picks one notebook;
+    a name matching none or several is refused, naming the choices."""
+    from execute_notebooks import notebooks, resolve
+
+    available = notebooks()
+    assert "notebooks/01_quickstart.ipynb" in available and "tutorials/02_evaluating_attribution.ipynb" in available
+    assert resolve(["01_quickstart", "tutorials/02_evaluating_attribution.ipynb", "01_quickstart.ipynb"],
+                   available) == ["notebooks/01_quickstart.ipynb", "tutorials/02_evaluating_attribution.ipynb"]
+    two = ["notebooks/01_a.ipynb", "tutorials/01_a.ipynb"]
+    assert resolve(["tutorials/01_a"], two) == ["tutorials/01_a.ipynb"]
+    with pytest.raises(ValueError, match=r"matches 2 notebooks .*name one of"):
+        resolve(["01_a"], two)
+    with pytest.raises(ValueError, match="'01' matches no notebook"):
+        resolve(["01"], available)
+    run = subprocess.run([sys.executable, str(DOCS / "tooling" / "execute_notebooks.py"), "--force", "nope",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "'nope' matches no notebook" in run.stderr
+    assert not any(tmp_path.iterdir())                # refused before anything ran
+    make = _make_dry_run("docs-notebooks", tmp_path)
+    assert make.rstrip().endswith("execute_notebooks.py")
+    forced = subprocess.run(["make", "-n", "docs-notebooks", f"VENV={tmp_path / 'venv'}", "FORCE=01_quickstart 02_plans"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60).stdout
+    assert "execute_notebooks.py --force 01_quickstart 02_plans" in forced
+    every = subprocess.run(["make", "-n", "docs-notebooks", f"VENV={tmp_path / 'venv'}", "FORCE=--all"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60).stdout
+    assert "execute_notebooks.py --all" in every and "--force" not in every
+
+
 def test_readme_lists_every_doc_page_and_the_cli():
     readme = (ROOT / "README.md").read_text()
     pages = sorted(p.name for p in DOCS.glob("*.md")) + ["cli.md"]
