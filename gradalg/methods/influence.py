@@ -639,7 +639,9 @@ def _near_minimum(task, data, layers, *, damping, decay, why, options) -> Operat
     ``"near_minimum"``): a :class:`~gradalg.expr.NearMinimum` over the damped inverses of the
     formed Hessian (:func:`hessian_damping`: shifted to PSD, + 0.3 × mean) and of the dense
     Gauss-Newton (``relative_damping``, default 1 × mean), each with the objective's ``decay``;
-    the formed Hessian and Gauss-Newton nodes are the ones those inverses hold (resolved once)."""
+    the formed Hessian and Gauss-Newton nodes are the ones those inverses hold (resolved once).
+    Where the Hessian's damped, shifted matrix is singular (``damping=0`` off an exact minimum:
+    the PSD shift leaves μ = 0) the Gauss-Newton is taken, and the plan's decision says so."""
     H = _dense_hessian(task, data, layers, None, "direct", options)
     G = _gauss_newton(task, data, layers, lambda x: x, "direct", options)
     rel = options.get("relative_damping")
@@ -655,7 +657,8 @@ def _near_minimum(task, data, layers, *, damping, decay, why, options) -> Operat
         float(decay.value) if decay.uniform else float(decay.values.min()))
     o = get_options()
     return Operator(NearMinimum(H.expr.op, H.expr, G.expr, H_inv.expr, G_inv.expr,
-                                float(o.hessian_negative_ratio), int(o.hessian_probe_iterations), shift))
+                                float(o.hessian_negative_ratio), int(o.hessian_probe_iterations), shift,
+                                hessian_damped=H_inv.expr.op))
 
 
 @method('Influence function ∇L(q)ᵀ(H + λI)⁻¹∇L(z); H: Gauss-Newton, empirical Fisher, Hessian, K-FAC, '
