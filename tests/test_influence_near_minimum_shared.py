@@ -15,7 +15,7 @@ from gradalg.linalg import SINGULAR_RTOL
 from gradalg.linalg.explicit import ResolvedOp
 from gradalg.space import Block, ParamSpace
 from gradalg.testing import assert_close
-from test_influence_near_minimum import WD, far_from_a_minimum, hessian_reference, logreg_at_its_minimum, run
+from test_influence_near_minimum import WD, Flat, far_from_a_minimum, hessian_reference, logreg_at_its_minimum, run
 
 
 def test_damping_zero_off_an_exact_minimum_takes_the_gauss_newton_not_a_refusal():
@@ -120,3 +120,32 @@ def test_a_shift_by_one_lambda_keeps_the_pairs_and_a_per_block_one_drops_them():
     inv = (op._damp(float(-mu.min()) + 1.0)).inverse()
     assert_close(inv.data, torch.linalg.inv(op.data + (1.0 - float(mu.min())) * torch.eye(6, dtype=torch.float64)),
                  rtol=1e-12, atol=1e-12)
+
+
+def test_products_in_vmap_chunks_are_the_products_of_one_call():
+    """``ga.options(products_vmap_elements)`` splits a products call's vectors into vmap chunks of
+    ⌊E / (batch · activations per example)⌋: the numbers are those of one call (each vector's
+    product alone either way), and the formed Hessian's scores match torch.func's."""
+    from gradalg.curvature.hvp import Products, dataset_matvec
+    from gradalg.data import as_data
+    from models import cnn, image_data
+    X, y = image_data(n=12)
+    flat = Flat(cnn(), (X[:10], y[:10]), (X[10:], y[10:]))
+    task = ga.tasks.classification(flat.model)
+    layers = ga.grads(task, (flat.X, flat.y)).space.names
+    dim = len(flat.theta)
+    g = torch.Generator().manual_seed(0)
+    V = torch.randn(7, dim, generator=g, dtype=torch.float64)
+    data = as_data((flat.X, flat.y))
+    per_example = 4 * 4 * 4 + 5 * 2 * 2 + 3          # conv1, conv2, fc outputs (its relus are functions)
+    with ga.options(products_vmap_elements=3 * 10 * per_example):
+        products = Products(task, data, layers)
+        assert products.vmap_chunk((flat.X, flat.y), 7) == 3 and products.example_elements == per_example
+        chunked = dataset_matvec(task, data, layers, batch_size=64)(V)
+    with ga.options(products_vmap_elements=0):
+        whole = dataset_matvec(task, data, layers, batch_size=64)(V)
+    assert torch.equal(chunked, whole) or float((chunked - whole).abs().max()) <= 1e-14 * float(whole.abs().max())
+    with ga.options(products_vmap_elements=10 * per_example, hessian_negative_ratio=float("inf")):
+        values, probe, _, _ = run(flat)                                  # one vector per vmap call
+    assert probe.chosen == "dense_hessian"
+    assert_close(values, flat.scores(hessian_reference(flat.hessian())), rtol=1e-8, atol=1e-12)
