@@ -7,7 +7,9 @@
     gauss_newton H = (1/n) Σ_i J_iᵀ ∇²_f ℓ(f_i) J_i           (jvp, output Hessian, vjp)
 
 Each call is one pass over ``data`` (forward and backward per batch, vectorized over
-the m rows with ``vmap`` when the model allows it, looped otherwise). The Gauss-Newton
+the m rows with ``vmap`` when the model allows it, looped otherwise; ``vmap``-ed in chunks of
+vectors whose activations stay under ``ga.options(products_vmap_elements)`` elements,
+:meth:`Products.vmap_chunk`: speed only, each vector's product is computed alone). The Gauss-Newton
 product needs ``Task(forward=..., loss_from_outputs=...)``, which
 ``ga.tasks.classification`` provides.
 """

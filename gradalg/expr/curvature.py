@@ -154,7 +154,10 @@ class Formed(OpNode):
     per call (⌈dim/chunk⌉ passes over the data), symmetrised as (H + Hᵀ)/2 in float64.
 
     What makes the Hessian an explicit H: its spectrum is then at hand (a relative or
-    spectrum-read damping, a direct eigendecomposition), at the price of dim products. Keeps
+    spectrum-read damping, a direct eigendecomposition, computed once and kept on the resolved
+    operator: :meth:`~gradalg.linalg.explicit.ResolvedOp.eigenpairs`), at the price of dim products
+    (each call's ``chunk`` vectors go through ``vmap`` in smaller chunks where the activations are
+    large: ``ga.options(products_vmap_elements)``, :mod:`gradalg.curvature.hvp`). Keeps
     ``op``'s ``psd`` tag (the Gauss-Newton's); the Hessian's matrix may be indefinite.
     """
 

@@ -61,9 +61,12 @@ side anyway), else the dense Gauss-Newton. At a weight-decayed minimum H̄ + wd 
 the curvature that ranks examples. μ_min is bounded first by up to
 ``ga.options(hessian_probe_iterations)`` (32) Lanczos products on one vector each, stopped as
 soon as the bound proves the Gauss-Newton side (a Ritz value is never below μ_min: the
-Hessian is then never formed); otherwise the formed Hessian's own eigenvalues decide. The
-plan shows a ``CURVATURE`` decision: the rule before the run, the measured μ_min, scale and
-ratio after it.
+Hessian is then never formed); otherwise the formed Hessian's own eigenvalues decide, from its
+one eigendecomposition (shared with its PSD shift and inverse). Where the Hessian is chosen but
+its damped, shifted matrix is singular (``damping=0`` off an exact minimum: the shift leaves an
+eigenvalue 0), the Gauss-Newton is taken: ``"auto"`` does not refuse a call the Gauss-Newton
+answers (``curvature="dense_hessian"`` by name still does). The plan shows a ``CURVATURE``
+decision: the rule before the run, the measured μ_min, scale and ratio after it.
 
 Measured on a small MLP (see docs/fidelity.md) the empirical Fisher loses LDS against
 the Gauss-Newton curvature, which is why Gauss-Newton is the default where a dense H fits.
