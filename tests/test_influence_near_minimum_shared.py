@@ -111,7 +111,9 @@ def test_a_shift_by_one_lambda_keeps_the_pairs_and_a_per_block_one_drops_them():
     A = torch.randn(6, 6, generator=g, dtype=torch.float64)
     space = ParamSpace((Block("a", (2,), "param"), Block("b", (4,), "param")))
     op = ResolvedOp(space, "dense", (A + A.T) / 2)
+    assert op.nbytes() == 36 * 8
     mu, U = op.eigenpairs()
+    assert op.nbytes() == (36 + 6 + 36) * 8                              # the kept pairs are counted
     assert op.eigenpairs()[0] is mu                                     # kept
     shifted = op._damp(0.5)
     assert shifted.eig is not None and torch.equal(shifted.eig[0], mu + 0.5) and shifted.eig[1] is U

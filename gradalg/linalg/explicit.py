@@ -119,9 +119,12 @@ class ResolvedOp(LinearOp):
         return out
 
     def nbytes(self) -> int:
+        """Its numbers' bytes, kept eigenpairs included (a shifted operator shares U with the
+        one it came from: each counts it)."""
         if self.kind == "block":
             return sum(m.numel() * m.element_size() for m in self.data.values())
-        return self.data.numel() * self.data.element_size()
+        kept = 0 if self.eig is None else sum(t.numel() * t.element_size() for t in self.eig)
+        return self.data.numel() * self.data.element_size() + kept
 
     def trace(self) -> float:
         if self.kind == "diag":
