@@ -218,6 +218,15 @@ class Options:
         steps than forming takes passes over the data (⌈dim/256⌉ calls of 256 vectors): the
         probe costs at most what it can save. Default 32; 0: always form the Hessian and decide
         from its eigenvalues. The choice is the same either way (the bound only skips work).
+    products_vmap_elements : int
+        The most activation elements one ``vmap`` call of the curvature products
+        (:mod:`gradalg.curvature.hvp`) carries: the m vectors of a call go through ``vmap`` in
+        chunks of max(1, this // (activation elements of the batch's forward)) vectors, all m at
+        once when that is m or more. Default 2**21 (16 MiB of float64): a float64 conv net (its
+        convolutions on torch's unfused CPU path) ran its Hessian's products 2× faster in chunks of
+        ~16 vectors than 256 at once, where an MLP's (74 activations per example) stay in one call
+        (issue 31; docs/fidelity.md "The formed Hessian where the model is near a minimum"). Each
+        vector's product is computed alone either way: the numbers do not change. 0: never chunk.
     dense_projection_bytes : int
         The largest dense (k, d) float64 projection matrix a method draws by default
         (``ga.methods.trak``, ``ga.methods.less``; default 1 GiB: d ≤ 65,536 at k = 2048,
@@ -302,6 +311,7 @@ class Options:
     dense_curvature_dim: int = 4096
     hessian_negative_ratio: float = 1.0
     hessian_probe_iterations: int = 32
+    products_vmap_elements: int = 2**21
     dense_projection_bytes: int | str = 2**30
     sjlt_table_bytes: int | str = 2**28
     reuse_buffer_bytes: int | str = 2**20
@@ -358,6 +368,10 @@ class Options:
         if not isinstance(probe, int) or isinstance(probe, bool) or probe < 0:
             raise OptionError(f"hessian_probe_iterations must be an int >= 0 (Lanczos steps; 0: form the Hessian "
                               f"and decide from its eigenvalues), got {probe!r}")
+        chunk = self.products_vmap_elements
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
+            raise OptionError(f"products_vmap_elements must be an int >= 0 (activation elements per vmap call of the "
+                              f"curvature products; 0: all vectors in one call), got {chunk!r}")
         limit = self.vocabulary_layers_max
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
             raise OptionError(f"vocabulary_layers_max must be an int >= 0 (a vocabulary size; 0: never include "

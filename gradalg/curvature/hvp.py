@@ -7,7 +7,9 @@
     gauss_newton H = (1/n) Σ_i J_iᵀ ∇²_f ℓ(f_i) J_i           (jvp, output Hessian, vjp)
 
 Each call is one pass over ``data`` (forward and backward per batch, vectorized over
-the m rows with ``vmap`` when the model allows it, looped otherwise). The Gauss-Newton
+the m rows with ``vmap`` when the model allows it, looped otherwise; ``vmap``-ed in chunks of
+vectors whose activations stay under ``ga.options(products_vmap_elements)`` elements,
+:meth:`Products.vmap_chunk`: speed only, each vector's product is computed alone). The Gauss-Newton
 product needs ``Task(forward=..., loss_from_outputs=...)``, which
 ``ga.tasks.classification`` provides.
 """
@@ -97,6 +99,8 @@ class Products:
         self.coords = ParamCoords(self.model, layers, backend)
         self.device = next(self.model.parameters()).device
         self.check = get_options().check_finite
+        self.vmap_elements = get_options().products_vmap_elements
+        self.example_elements = None     # activation elements of one example's forward (measured on the first batch)
         if self.check:   # a NaN weight is named here, not a NaN product (or a failed eigensolver) later
             check_model(self.model)
 
@@ -108,9 +112,24 @@ class Products:
             yield start, batch
             start += batch_size_of(batch)
 
+    def vmap_chunk(self, batch, m: int) -> int | None:
+        """Vectors per ``vmap`` call for ``m`` vectors on ``batch``: max(1, ⌊E / (b · a)⌋), E =
+        ``ga.options(products_vmap_elements)``, b the batch's examples, a the activation elements
+        of one example's forward (every module's tensor outputs, counted once on the first batch);
+        None (all m in one call) when that is m or more, or E = 0. Speed only: each vector's
+        product is computed alone either way."""
+        if not self.vmap_elements or m <= 1:
+            return None
+        b = batch_size_of(batch)
+        if self.example_elements is None:
+            self.example_elements = _activation_elements(self.model, lambda: self.task.summed_loss(self.model, batch)) / max(b, 1)
+        chunk = int(self.vmap_elements // max(b * self.example_elements, 1))
+        return None if chunk >= m else max(1, chunk)
+
     def batch_rows(self, batch, V: torch.Tensor, start: int) -> torch.Tensor:
-        """Σ_{i in batch} H_i V: (m, dim) for V (m, dim)."""
-        part = _batch_product(self.task, batch, self.coords.to_params(V), self.coords.param_names, self.kind)
+        """Σ_{i in batch} H_i V: (m, dim) for V (m, dim), ``vmap``-ed in chunks of :meth:`vmap_chunk` vectors."""
+        part = _batch_product(self.task, batch, self.coords.to_params(V), self.coords.param_names, self.kind,
+                              self.vmap_chunk(batch, V.shape[0]))
         rows = self.coords.from_params(part)
         if self.check and not bool(torch.isfinite(rows).all()) and bool(torch.isfinite(V).all()):
             _name_examples(batch, self.data.ids[start:start + batch_size_of(batch)], self.kind)
@@ -162,7 +181,28 @@ def _name_examples(batch, ids, kind: str) -> None:
         "half precision), or compute in float64")
 
 
-def _batch_product(task, batch, V: dict, free_names: list[str], kind: str) -> dict:
+def _activation_elements(model: nn.Module, forward) -> int:
+    """Σ numel of the tensor outputs of every leaf module of ``model`` in one call of ``forward``
+    (no gradients): the activations a product's tangents ride on, per vector."""
+    total = [0]
+
+    def count(_module, _args, out):
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                total[0] += t.numel()
+    handles = [m.register_forward_hook(count) for m in model.modules() if next(m.children(), None) is None]
+    try:
+        with torch.no_grad():
+            forward()
+    finally:
+        for h in handles:
+            h.remove()
+    return total[0]
+
+
+def _batch_product(task, batch, V: dict, free_names: list[str], kind: str, chunk: int | None = None) -> dict:
+    """Σ_{i in batch} H_i v for each v of ``V`` ({param: (m, *shape)}), by ``vmap`` over the m
+    vectors, ``chunk`` of them per call (None: all at once)."""
     model = task.model
     free = {n: model.get_parameter(n).detach() for n in free_names}
     fixed = {n: p.detach() for n, p in model.named_parameters() if n not in free}
@@ -185,7 +225,7 @@ def _batch_product(task, batch, V: dict, free_names: list[str], kind: str) -> di
             return pullback(HJv)[0]
 
     try:
-        return vmap(product, randomness="different")(V)
+        return vmap(product, randomness="different", chunk_size=chunk)(V)
     except Exception as err:  # data-dependent control flow (HF attention masks) defeats vmap
         if no_forward_ad(err):
             raise _no_forward_ad(kind, err) from err

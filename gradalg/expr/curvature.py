@@ -13,7 +13,8 @@ import torch
 
 from ..data import DataRef
 from ..errors import NoForwardADError
-from ..linalg import DataInfOp, ImplicitOp, Labels, LowRankOp
+from ..linalg import SINGULAR_RTOL, DataInfOp, ImplicitOp, Labels, LowRankOp
+from ..linalg.base import singular
 from ..linalg.explicit import ResolvedOp
 from ..linalg.kron import diagonal_factor_rules
 from ..linalg.solvers import arnoldi, arnoldi_iters, lanczos_min
@@ -169,7 +170,10 @@ class Formed(OpNode):
     per call (⌈dim/chunk⌉ passes over the data), symmetrised as (H + Hᵀ)/2 in float64.
 
     What makes the Hessian an explicit H: its spectrum is then at hand (a relative or
-    spectrum-read damping, a direct eigendecomposition), at the price of dim products. Keeps
+    spectrum-read damping, a direct eigendecomposition, computed once and kept on the resolved
+    operator: :meth:`~gradalg.linalg.explicit.ResolvedOp.eigenpairs`), at the price of dim products
+    (each call's ``chunk`` vectors go through ``vmap`` in smaller chunks where the activations are
+    large: ``ga.options(products_vmap_elements)``, :mod:`gradalg.curvature.hvp`). Keeps
     ``op``'s ``psd`` tag (the Gauss-Newton's); the Hessian's matrix may be indefinite.
     """
 
@@ -296,9 +300,14 @@ class NearMinimumProbe:
     scale      the Gauss-Newton matrix's mean eigenvalue tr(G)/dim
     ratio      −mu_min / scale (≤ 0: positive semi-definite)
     threshold  r, ``ga.options(hessian_negative_ratio)``
-    chosen     "dense_hessian" (ratio ≤ r) or "gauss_newton"
+    chosen     "dense_hessian" (ratio ≤ r and its damped inverse exists) or "gauss_newton"
     how        which estimate decided, in words
     hessian_mean  tr(H̄ + decay)/dim where the Hessian was formed, else None
+    singular   (smallest, largest |·|) eigenvalue of the Hessian as its inverse would take it
+               (damped, shifted to PSD) where the ratio chose it but that matrix is singular by
+               the test every inverse applies (smallest ≤ ``SINGULAR_RTOL`` × largest, e.g.
+               ``damping=0`` on a model not exactly at a minimum: the shift leaves μ = 0):
+               the Gauss-Newton is taken instead, so ``"auto"`` never turns into a refusal; else None
     """
 
     mu_min: float
@@ -309,14 +318,30 @@ class NearMinimumProbe:
     exact: bool
     how: str
     hessian_mean: float | None = None
+    singular: tuple[float, float] | None = None
 
     def describe(self) -> str:
         if self.mu_min != self.mu_min:           # NaN: the Hessian's products could not be taken
             return f"μ_min not measured ({self.how}), the Gauss-Newton's mean eigenvalue {self.scale:.3g}"
         mean = "" if self.hessian_mean is None else f", the Hessian's mean eigenvalue {self.hessian_mean:.3g}"
-        op = "≤" if self.chosen == "dense_hessian" else ">"
-        return (f"μ_min {self.mu_min:.3g} ({self.how}), the Gauss-Newton's mean eigenvalue {self.scale:.3g}{mean}: "
+        op = "≤" if self.chosen == "dense_hessian" or self.singular is not None else ">"
+        text = (f"μ_min {self.mu_min:.3g} ({self.how}), the Gauss-Newton's mean eigenvalue {self.scale:.3g}{mean}: "
                 f"−μ_min / mean = {self.ratio:.3g} {op} r = {self.threshold:g}")
+        if self.singular is None:
+            return text
+        low, high = self.singular
+        return (f"{text}, but the Hessian damped and shifted to PSD is singular (smallest eigenvalue {low:.3g} ≤ "
+                f"{SINGULAR_RTOL:g} × the largest {high:.3g}), so the dense Gauss-Newton: pass damping > 0 for "
+                "the Hessian")
+
+
+def _eigenvalues(op) -> torch.Tensor:
+    """The eigenvalues (dim,) of a resolved operator: a dense one's kept decomposition
+    (:meth:`~gradalg.linalg.explicit.ResolvedOp.eigenpairs`, computed once and shared with its
+    shift and inverse), else ``eigvalsh`` of its matrix."""
+    if isinstance(op, ResolvedOp) and op.kind == "dense":
+        return op.eigenpairs()[0]
+    return torch.linalg.eigvalsh(op.dense().to(torch.float64))
 
 
 #: ``{NearMinimum token: NearMinimumProbe}`` of the choices resolved in this process (the 256
@@ -345,8 +370,14 @@ class NearMinimum(OpNode):
     ⌈dim/chunk⌉ passes forming the Hessian takes, :attr:`probe_steps`) come first: a Ritz value θ
     is never below μ_min, so −(θ + shift) > r · scale already proves the Gauss-Newton side and
     the Hessian is never formed; otherwise ``formed`` (the same node the Hessian's inverse
-    holds, resolved once) gives the exact μ_min by ``eigvalsh``. What decided is kept in
-    :data:`PROBES` and shown by the plan (a ``CURVATURE`` decision).
+    holds, resolved once) gives the exact μ_min from its eigendecomposition, the one the PSD shift
+    and the inverse reuse (:meth:`~gradalg.linalg.explicit.ResolvedOp.eigenpairs`: one ``eigh`` of
+    the (dim, dim) matrix in all). Where the ratio picks the Hessian but ``hessian_damped`` (the
+    operand ``hessian_inv`` inverts: H̄ + decay shifted to PSD and damped) is singular by the test
+    every inverse applies (μ ≤ ``SINGULAR_RTOL`` × max |μ|: ``damping=0`` off an exact minimum),
+    the Gauss-Newton is taken and the decision says why: ``"auto"`` does not turn a call the
+    Gauss-Newton answers into a refusal. What decided is kept in :data:`PROBES` and shown by the
+    plan (a ``CURVATURE`` decision).
     """
 
     products: OpNode
@@ -357,6 +388,8 @@ class NearMinimum(OpNode):
     ratio: float
     iterations: int
     shift: float = 0.0
+    #: the operand of ``hessian_inv``: H̄ (+ decay) shifted to PSD and damped (None: ``hessian_inv.op``)
+    hessian_damped: OpNode | None = None
 
     @property
     def space(self):
@@ -413,13 +446,18 @@ class NearMinimum(OpNode):
             if -theta > bound:
                 return NearMinimumProbe(theta, scale, -theta / scale, self.ratio, "gauss_newton", False,
                                         f"Lanczos, {steps} of up to {most} products: a bound from above")
-        Hf = ctx.resolve(self.formed).dense().to(torch.float64)          # (dim, dim)
-        mu = torch.linalg.eigvalsh(Hf)
+        mu = _eigenvalues(ctx.resolve(self.formed))                       # (dim,), kept for the shift and inverse
         mu_min = float(mu.min()) + self.shift
         mean = float(mu.sum()) / dim + self.shift
         chosen = "dense_hessian" if -mu_min <= bound else "gauss_newton"
+        held = None
+        if chosen == "dense_hessian":            # its inverse must exist, else the Gauss-Newton (no refusal)
+            damped = _eigenvalues(ctx.resolve(self.hessian_damped if self.hessian_damped is not None
+                                              else self.hessian_inv.op))
+            if singular(damped):
+                chosen, held = "gauss_newton", (float(damped.min()), float(damped.abs().max()))
         return NearMinimumProbe(mu_min, scale, -mu_min / scale, self.ratio, chosen, True,
-                                "the formed Hessian's eigenvalues", mean)
+                                "the formed Hessian's eigenvalues", mean, held)
 
     def apply_cost(self, space, n, prices):
         return self.gauss_newton_inv.apply_cost(space, n, prices)

@@ -171,20 +171,27 @@ def _psd_shift(rule: DampingRule, mu: torch.Tensor) -> float:
 def block_lambdas(op, rule: DampingRule) -> dict:
     """``{block name: λ_b}`` of ``rule`` on ``op`` (one shared λ when not ``per_block``;
     a dense operator's shared λ from its full spectrum), each at least ``rule.floor`` ×
-    tr(op)/dim (the blocks' eigenvalues summed: a dense op's diagonal blocks hold its trace)."""
-    spectra = block_spectra(op)
-    if rule.per_block:
-        out = {n: rule_lambda(rule, mu) + _psd_shift(rule, mu) for n, mu in spectra.items()}
-    else:
-        from .explicit import ResolvedOp
-        if isinstance(op, ResolvedOp) and op.kind == "dense":
-            mu = torch.linalg.eigvalsh(_sym(op.data))
-        else:
-            mu = torch.cat(list(spectra.values()))
+    tr(op)/dim (the blocks' eigenvalues summed: a dense op's diagonal blocks hold its trace).
+
+    A dense op's pooled spectrum is its kept eigendecomposition
+    (:meth:`~gradalg.linalg.explicit.ResolvedOp.eigenpairs`, computed here if not yet): the
+    shifted operator and its inverse reuse it, with no decomposition of their own."""
+    from .explicit import ResolvedOp
+    if not rule.per_block and isinstance(op, ResolvedOp) and op.kind == "dense":
+        mu = op.eigenpairs()[0]                       # (dim,): tr(op) = Σ μ
         lam = rule_lambda(rule, mu) + _psd_shift(rule, mu)
         out = {n: lam for n in op.space.names}
+        total, dim = float(mu.sum()), mu.numel()
+    else:
+        spectra = block_spectra(op)
+        if rule.per_block:
+            out = {n: rule_lambda(rule, mu) + _psd_shift(rule, mu) for n, mu in spectra.items()}
+        else:
+            mu = torch.cat(list(spectra.values()))
+            lam = rule_lambda(rule, mu) + _psd_shift(rule, mu)
+            out = {n: lam for n in op.space.names}
+        total, dim = float(sum(mu.sum() for mu in spectra.values())), sum(mu.numel() for mu in spectra.values())
     if rule.floor:
-        dim = sum(mu.numel() for mu in spectra.values())
-        least = rule.floor * float(sum(mu.sum() for mu in spectra.values())) / max(dim, 1)
+        least = rule.floor * total / max(dim, 1)
         out = {n: max(lam, least) for n, lam in out.items()}
     return out

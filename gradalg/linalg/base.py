@@ -29,7 +29,7 @@ import torch
 from ..errors import OptionError
 from . import rules as _rules
 
-__all__ = ["LinearOp", "SINGULAR_RTOL", "PSD_RTOL", "sym_eig_map", "reciprocal", "power_values"]
+__all__ = ["LinearOp", "SINGULAR_RTOL", "PSD_RTOL", "sym_eig_map", "reciprocal", "power_values", "singular"]
 
 #: an eigenvalue at or below this fraction of the largest one makes an operator singular
 SINGULAR_RTOL = 1e-15
@@ -177,10 +177,16 @@ def sym_eig_map(matrix: torch.Tensor, fn, what: str) -> torch.Tensor:
     return (evecs * fn(evals, what).unsqueeze(0)) @ evecs.T
 
 
+def singular(values: torch.Tensor) -> bool:
+    """Whether eigenvalues μ make an operator singular or not positive definite for
+    :func:`reciprocal`: some μ ≤ :data:`SINGULAR_RTOL` × max |μ| (the one test every inverse uses)."""
+    scale = values.abs().max().clamp_min(1e-300)
+    return bool((values <= scale * SINGULAR_RTOL).any())
+
+
 def reciprocal(values: torch.Tensor, what: str) -> torch.Tensor:
     """1/μ for eigenvalues μ, refusing a singular or indefinite operator with the fix."""
-    scale = values.abs().max().clamp_min(1e-300)
-    if (values <= scale * SINGULAR_RTOL).any():
+    if singular(values):
         from ..errors import OperatorError
         raise OperatorError(
             f"cannot invert {what}: it is singular or not positive definite (smallest "

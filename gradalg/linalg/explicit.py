@@ -5,10 +5,17 @@ block, block-diagonal across the space's blocks) or ``dense`` (one (dim, dim) ma
 Inverses and powers go through a symmetric eigendecomposition in float64
 (:func:`~gradalg.linalg.base.sym_eig_map`), so a singular matrix is refused with the
 fix (damp it) instead of silently amplified.
+
+A dense ResolvedOp keeps its eigendecomposition once asked for it (:meth:`ResolvedOp.eigenpairs`:
+H = U diag(μ) Uᵀ, float64), and what follows shares it: H + λI (one λ for every coordinate)
+keeps U with μ + λ, and its inverse (or power) is U diag(f(μ + λ)) Uᵀ with no second
+decomposition. The formed Hessian (:class:`~gradalg.expr.Formed`) is thus decomposed once for
+the near-minimum rule's μ_min, its PSD shift and its inverse (issue 31). The pairs live on the
+resolved object (memoized by the executor for one run), never on an expression node.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +46,9 @@ class ResolvedOp(LinearOp):
     data: object  # (dim,) tensor | dict[name, (d_b, d_b)] | (dim, dim) tensor
     tags: frozenset = frozenset()
     rules: tuple = ()
+    #: (μ (dim,), U (dim, dim)), float64, of a dense ``data`` once :meth:`eigenpairs` computed them
+    #: (or inherited from the operator this one is a uniform shift of); None until then
+    eig: tuple | None = field(default=None, compare=False, repr=False)
 
     @property
     def form(self) -> str:
@@ -52,8 +62,23 @@ class ResolvedOp(LinearOp):
         return cls(space, "diag", torch.ones(space.dim, dtype=dtype, device=device),
                    frozenset({"identity", "psd"}))
 
-    def _new(self, kind, data) -> "ResolvedOp":
-        return ResolvedOp(self.space, kind, data, self.tags, self.rules)
+    def _new(self, kind, data, eig=None) -> "ResolvedOp":
+        return ResolvedOp(self.space, kind, data, self.tags, self.rules, eig)
+
+    def eigenpairs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(μ, U)`` of a dense operator, H = U diag(μ) Uᵀ: μ (dim,) ascending, U (dim, dim), float64
+        (``eigh`` of the symmetric part), computed on the first call and kept on this object."""
+        if self.kind != "dense":
+            raise OperatorError(f"eigenpairs() is kept for a dense operator; this one is {self.kind!r}: "
+                                "use as_kind('dense') first")
+        if self.eig is None:
+            m = self.data.to(torch.float64)
+            self.eig = torch.linalg.eigh((m + m.T) / 2)
+        return self.eig
+
+    def _shifted_eig(self, shift: float):
+        """The kept eigenpairs of H + shift·I (None when none are kept)."""
+        return None if self.eig is None else (self.eig[0] + shift, self.eig[1])
 
     # ---- conversions --------------------------------------------------------------
     def as_kind(self, kind: str) -> "ResolvedOp":
@@ -94,9 +119,12 @@ class ResolvedOp(LinearOp):
         return out
 
     def nbytes(self) -> int:
+        """Its numbers' bytes, kept eigenpairs included (a shifted operator shares U with the
+        one it came from: each counts it)."""
         if self.kind == "block":
             return sum(m.numel() * m.element_size() for m in self.data.values())
-        return self.data.numel() * self.data.element_size()
+        kept = 0 if self.eig is None else sum(t.numel() * t.element_size() for t in self.eig)
+        return self.data.numel() * self.data.element_size() + kept
 
     def trace(self) -> float:
         if self.kind == "diag":
@@ -115,7 +143,7 @@ class ResolvedOp(LinearOp):
         if self.kind == "diag":
             return self._new("diag", self.data + damping)
         if self.kind == "dense":
-            return self._new("dense", _shifted(self.data, damping))
+            return self._new("dense", _shifted(self.data, damping), self._shifted_eig(damping))
         return self._new("block", {n: _shifted(m, damping) for n, m in self.data.items()})
 
     def _damp_blocks(self, lambdas: dict) -> "ResolvedOp":
@@ -124,8 +152,11 @@ class ResolvedOp(LinearOp):
         shift = torch.empty(self.space.dim, dtype=self.data.dtype, device=self.data.device)
         for n, s in self.space.offsets().items():
             shift[s] = lambdas[n]
-        return self._new("diag", self.data + shift) if self.kind == "diag" else \
-            self._new("dense", _shifted(self.data, shift))
+        if self.kind == "diag":
+            return self._new("diag", self.data + shift)
+        one = len(set(lambdas.values())) == 1           # one λ: the eigenvectors are kept
+        return self._new("dense", _shifted(self.data, shift),
+                         self._shifted_eig(next(iter(lambdas.values()))) if one else None)
 
     def _map(self, fn, what) -> "ResolvedOp":
         if self.kind == "diag":
@@ -133,6 +164,9 @@ class ResolvedOp(LinearOp):
         if self.kind == "block":
             return self._new("block", {n: sym_eig_map(m, fn, f"{what} (block {n!r})").to(m.dtype)
                                        for n, m in self.data.items()})
+        if self.eig is not None:                         # U diag(fn(μ)) Uᵀ on the kept pairs, as sym_eig_map
+            mu, U = self.eig
+            return self._new("dense", ((U * fn(mu, what).unsqueeze(0)) @ U.T).to(self.data.dtype))
         return self._new("dense", sym_eig_map(self.data, fn, what).to(self.data.dtype))
 
     def _inverse(self, what, rule, settings) -> "ResolvedOp":

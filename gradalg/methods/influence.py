@@ -61,9 +61,12 @@ side anyway), else the dense Gauss-Newton. At a weight-decayed minimum H̄ + wd 
 the curvature that ranks examples. μ_min is bounded first by up to
 ``ga.options(hessian_probe_iterations)`` (32) Lanczos products on one vector each, stopped as
 soon as the bound proves the Gauss-Newton side (a Ritz value is never below μ_min: the
-Hessian is then never formed); otherwise the formed Hessian's own eigenvalues decide. The
-plan shows a ``CURVATURE`` decision: the rule before the run, the measured μ_min, scale and
-ratio after it.
+Hessian is then never formed); otherwise the formed Hessian's own eigenvalues decide, from its
+one eigendecomposition (shared with its PSD shift and inverse). Where the Hessian is chosen but
+its damped, shifted matrix is singular (``damping=0`` off an exact minimum: the shift leaves an
+eigenvalue 0), the Gauss-Newton is taken: ``"auto"`` does not refuse a call the Gauss-Newton
+answers (``curvature="dense_hessian"`` by name still does). The plan shows a ``CURVATURE``
+decision: the rule before the run, the measured μ_min, scale and ratio after it.
 
 Measured on a small MLP (see docs/fidelity.md) the empirical Fisher loses LDS against
 the Gauss-Newton curvature, which is why Gauss-Newton is the default where a dense H fits.
@@ -639,7 +642,9 @@ def _near_minimum(task, data, layers, *, damping, decay, why, options) -> Operat
     ``"near_minimum"``): a :class:`~gradalg.expr.NearMinimum` over the damped inverses of the
     formed Hessian (:func:`hessian_damping`: shifted to PSD, + 0.3 × mean) and of the dense
     Gauss-Newton (``relative_damping``, default 1 × mean), each with the objective's ``decay``;
-    the formed Hessian and Gauss-Newton nodes are the ones those inverses hold (resolved once)."""
+    the formed Hessian and Gauss-Newton nodes are the ones those inverses hold (resolved once).
+    Where the Hessian's damped, shifted matrix is singular (``damping=0`` off an exact minimum:
+    the PSD shift leaves μ = 0) the Gauss-Newton is taken, and the plan's decision says so."""
     H = _dense_hessian(task, data, layers, None, "direct", options)
     G = _gauss_newton(task, data, layers, lambda x: x, "direct", options)
     rel = options.get("relative_damping")
@@ -655,7 +660,8 @@ def _near_minimum(task, data, layers, *, damping, decay, why, options) -> Operat
         float(decay.value) if decay.uniform else float(decay.values.min()))
     o = get_options()
     return Operator(NearMinimum(H.expr.op, H.expr, G.expr, H_inv.expr, G_inv.expr,
-                                float(o.hessian_negative_ratio), int(o.hessian_probe_iterations), shift))
+                                float(o.hessian_negative_ratio), int(o.hessian_probe_iterations), shift,
+                                hessian_damped=H_inv.expr.op))
 
 
 @method('Influence function ∇L(q)ᵀ(H + λI)⁻¹∇L(z); H: Gauss-Newton, empirical Fisher, Hessian, K-FAC, '
