@@ -29,6 +29,7 @@ from ...data import as_data
 from ...devices import DeviceProfile
 from ...devices.measure import FITS, warm_timer
 from ...tasks import classification
+from ...options import get_options
 from ..cost import Cost, bmm_cost, data_tokens_hint, gemm_cost
 from ..estimates import _leaf_modules
 from ..passkeys import ProductsPassKey
@@ -144,7 +145,11 @@ class ProductsJob(Job):
     def describe(self) -> str:
         t = self.target
         bound = f"up to {self.calls:,} calls" + (f" ({self.calls_why})" if self.calls_why else "")
-        return (f"{t.label}: {self.vectors:,} vector(s) per call over {len(t.layers)} layer(s), "
+        vmap = get_options().products_vmap_elements
+        chunks = ("" if self.vectors <= 1 else
+                  f", vmapped whole" if not vmap else
+                  f", vmapped in chunks of ≤ {vmap:,} activation elements (ga.options(products_vmap_elements))")
+        return (f"{t.label}: {self.vectors:,} vector(s) per call over {len(t.layers)} layer(s){chunks}, "
                 f"{bound}, each one pass")
 
     # ------------------------------------------------------------------ cost
