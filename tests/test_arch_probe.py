@@ -287,7 +287,8 @@ def test_a_model_whose_own_forward_fails_is_told_so():
 
 def test_the_plain_forward_runs_without_gradalgs_hooks_and_gets_them_back():
     """``own_forward_error`` runs the model with gradalg's forward hooks off (a module's and
-    the global ones; the user's stay on) and puts every hook dict back after."""
+    the global ones; the user's stay on), in eval mode, and puts every hook dict and
+    training flag back after: a batch norm's running statistics are not touched."""
     from torch.nn.modules import module as mm
     from gradalg.tasks.validation import own_forward_error
     calls = []
@@ -298,16 +299,19 @@ def test_the_plain_forward_runs_without_gradalgs_hooks_and_gets_them_back():
     def ours(m, args, out):
         calls.append("gradalg")
     ours.__module__ = "gradalg.capture.hooks"
-    lin = nn.Linear(3, 2)
+    lin = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2)).train()
+    stats = lin[1].running_mean.clone()
     handles = [lin.register_forward_hook(theirs), lin.register_forward_hook(ours),
                mm.register_module_forward_hook(ours)]
     try:
         before = (lin._forward_hooks, mm._global_forward_hooks)
-        assert own_forward_error(lin, (torch.randn(1, 3),)) is None and calls == ["user"]
+        assert own_forward_error(lin, (torch.randn(3, 3),)) is None and calls == ["user"]
         assert (lin._forward_hooks, mm._global_forward_hooks) == before and len(lin._forward_hooks) == 2
-        assert isinstance(own_forward_error(lin, (torch.randn(1, 4),)), RuntimeError)
-        lin(torch.randn(1, 3))
-        assert calls[0] == "user" and sorted(calls[1:]) == ["gradalg", "gradalg", "user"]   # all back on
+        assert lin.training and lin[1].training and torch.equal(lin[1].running_mean, stats)   # no state changed
+        assert isinstance(own_forward_error(lin, (torch.randn(3, 4),)), RuntimeError)
+        lin(torch.randn(3, 3))
+        # all back on: the user's, gradalg's on the Sequential, the global one on its 3 modules
+        assert calls[0] == "user" and calls[1:].count("user") == 1 and calls[1:].count("gradalg") == 1 + 3
     finally:
         for h in handles:
             h.remove()

@@ -119,7 +119,8 @@ _UNKNOWN = object()   # own_forward_error could not run the model's plain forwar
 def own_forward_error(model, args=(), kwargs: Mapping | None = None):
     """The error the model's plain forward ``model(*args, **kwargs)`` raises, run without
     gradalg's capture (no gradalg forward hooks on its modules or global ones, no
-    torch-function mode, no autograd graph); None when it runs; ``_UNKNOWN`` when the
+    torch-function mode, no autograd graph, eval mode: no running statistics updated);
+    None when it runs; ``_UNKNOWN`` when the
     inputs are not real values (meta, or seen through a torch.func transform: not the
     user's batch) and nothing is run."""
     from torch.utils._pytree import tree_flatten
@@ -141,10 +142,13 @@ def _gradalg_hook(hook) -> bool:
 @contextlib.contextmanager
 def _without_capture(model):
     """``model``'s modules and the global module hooks without gradalg's forward hooks
-    (each hook dict swapped for a copy without them, the originals put back after)."""
+    (each hook dict swapped for a copy without them, the originals put back after), in
+    eval mode (each module's ``training`` flag put back after): the check changes no
+    state of the model, such as batch-norm running statistics."""
     from collections import OrderedDict
     import torch.nn.modules.module as mm
-    kept = {}
+    kept, training = {}, [(module, module.training) for module in model.modules()]
+    model.eval()          # no state changed by the check (batch-norm running statistics)
     for module in model.modules():
         kept[module] = (module._forward_hooks, module._forward_pre_hooks)
         module._forward_hooks = OrderedDict((k, h) for k, h in module._forward_hooks.items() if not _gradalg_hook(h))
@@ -159,6 +163,8 @@ def _without_capture(model):
         mm._global_forward_hooks, mm._global_forward_pre_hooks = glob
         for module, (post, pre) in kept.items():
             module._forward_hooks, module._forward_pre_hooks = post, pre
+        for module, mode in training:
+            module.training = mode
 
 
 #: op names (Python frames) of kernels that exist for a few floating dtypes only, and the fix
