@@ -282,6 +282,7 @@ def test_a_model_whose_own_forward_fails_is_told_so():
     mlp = nn.Sequential(nn.Linear(5, 3))
     with pytest.raises(ga.errors.BatchContentError, match="own forward fails on this batch.*mat1 and mat2") as err:
         ga.methods.grad_dot(ga.tasks.classification(mlp), [(torch.randn(4), 0)], [(torch.randn(4), 1)]).compute()
+    assert "could not read the batch" in str(err.value)
     assert "give it inputs of the dtype, shape and device its layers take" in str(err.value)
 
 

@@ -109,7 +109,8 @@ def _unread(task: str, err: BaseException, model, args, kwargs: Mapping, checked
                      "until it works")
         advice = (f"the batch passed gradalg's checks, so the model is at fault: {model_fix}" if checked else
                   f"{_INPUTS}; if they are such inputs, {model_fix}")
-    return (f"ga.tasks.{task}: the model's own forward fails on this batch, without gradalg's capture too "
+    lead = "" if checked else "the model could not read the batch: "   # unchecked inputs may be the cause
+    return (f"ga.tasks.{task}: {lead}the model's own forward fails on this batch, without gradalg's capture too "
             f"({type(own).__name__}: {str(own)[:300]}): {advice}")
 
 
