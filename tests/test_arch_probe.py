@@ -10,6 +10,8 @@ line counts what a hand count of the block linears gives. An encoder-decoder mod
 ``causal_lm`` is refused with a fix that works as written."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -221,18 +223,96 @@ def test_a_memory_refusal_offers_fewer_queries_only_where_that_fits():
     torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)
 
 
+def _float64_grouped_mm_moe():
+    import transformers as tf
+    torch.manual_seed(0)
+    return tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
+        hidden_size=16, num_attention_heads=2, vocab_size=V, num_hidden_layers=2, intermediate_size=24,
+        moe_intermediate_size=8, shared_expert_intermediate_size=12, num_key_value_heads=1, num_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=32, experts_implementation="grouped_mm")).double().eval()
+
+
 def test_an_error_the_models_op_raises_inside_capture_is_a_batch_content_error():
     """Qwen2-MoE in float64 with transformers' default ``grouped_mm`` experts: the model's
     own forward fails (no float64 kernel). Raised by the op while gradalg's weight-use mode
     forwarded the call, it was a raw ``RuntimeError``; it is the model's error on the batch,
-    a typed ``BatchContentError`` carrying the op's message."""
-    import transformers as tf
-    torch.manual_seed(0)
-    model = tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
-        hidden_size=16, num_attention_heads=2, vocab_size=V, num_hidden_layers=2, intermediate_size=24,
-        moe_intermediate_size=8, shared_expert_intermediate_size=12, num_key_value_heads=1, num_experts=4,
-        num_experts_per_tok=2, max_position_embeddings=32, experts_implementation="grouped_mm")).double().eval()
+    a typed ``BatchContentError`` carrying the op's message, which says the model's own
+    forward fails (not "inputs of the dtype its layers take") and names the fixes. Each
+    fix, run as written (the message's code spans, executed), makes Grad-Dot's scores
+    those of the loop of backward."""
+    model = _float64_grouped_mm_moe()
     with pytest.raises(RuntimeError, match="Float32"):      # the model alone, without gradalg
         model(input_ids=items(1, 1)[0]["input_ids"][None])
-    with pytest.raises(ga.errors.BatchContentError, match="could not read the batch.*Float32"):
+    train, queries = items(3, 1), items(1, 2)
+    with pytest.raises(ga.errors.BatchContentError, match="own forward fails on this batch.*Float32") as err:
+        ga.methods.grad_dot(ga.tasks.causal_lm(model), train, queries).compute()
+    message = str(err.value)
+    assert "dtype, shape and device" not in message and "grouped_mm" in message and "float64" in message
+    fixes = re.findall(r"`([^`]+)`", message)
+    assert fixes == ['model.set_experts_implementation("eager")', "model = model.float()"]
+    for fix, rtol in zip(fixes, (1e-9, 1e-4)):
+        scope = {"model": _float64_grouped_mm_moe()}
+        exec(fix, scope)                                     # the fix as the message writes it
+        fixed = scope["model"]
+        got = torch.from_numpy(ga.methods.grad_dot(ga.tasks.causal_lm(fixed), train, queries).compute().values)
+        layers = lm_default_names(fixed, block_linears(fixed))
+        expected = reference_rows(fixed, queries, layers) @ reference_rows(fixed, train, layers).T
+        torch.testing.assert_close(got.to(F64), expected, rtol=rtol, atol=1e-6 * expected.abs().max().item())
+
+
+def test_a_model_whose_own_forward_fails_is_told_so():
+    """A Phi whose config's ``num_key_value_heads`` (3) does not match its 4 heads fails on
+    any input: the error says the model's own forward fails on this batch, with torch's
+    message, and advises checking the model, not the inputs' dtype or shape. A model whose
+    plain forward runs is told the inputs' advice as before."""
+    import transformers as tf
+    torch.manual_seed(0)
+    config = tf.PhiConfig(vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                          num_attention_heads=4, max_position_embeddings=32)
+    config.num_key_value_heads = 3
+    model = tf.PhiForCausalLM(config).double().eval()
+    with pytest.raises(RuntimeError, match="size of tensor a") as plain:
+        model(input_ids=items(1, 1)[0]["input_ids"][None])
+    with pytest.raises(ga.errors.BatchContentError, match="own forward fails on this batch") as err:
         ga.methods.grad_dot(ga.tasks.causal_lm(model), items(3, 1), items(1, 2)).compute()
+    assert str(plain.value)[:80] in str(err.value) and "config" in str(err.value)
+    assert "dtype, shape and device" not in str(err.value)
+    # a classifier given features of the wrong width: its own forward fails too, and the
+    # advice names the inputs first (they were not checked against the model's layers)
+    mlp = nn.Sequential(nn.Linear(5, 3))
+    with pytest.raises(ga.errors.BatchContentError, match="own forward fails on this batch.*mat1 and mat2") as err:
+        ga.methods.grad_dot(ga.tasks.classification(mlp), [(torch.randn(4), 0)], [(torch.randn(4), 1)]).compute()
+    assert "could not read the batch" in str(err.value)
+    assert "give it inputs of the dtype, shape and device its layers take" in str(err.value)
+
+
+def test_the_plain_forward_runs_without_gradalgs_hooks_and_gets_them_back():
+    """``own_forward_error`` runs the model with gradalg's forward hooks off (a module's and
+    the global ones; the user's stay on), in eval mode, and puts every hook dict and
+    training flag back after: a batch norm's running statistics are not touched."""
+    from torch.nn.modules import module as mm
+    from gradalg.tasks.validation import own_forward_error
+    calls = []
+
+    def theirs(m, args, out):
+        calls.append("user")
+
+    def ours(m, args, out):
+        calls.append("gradalg")
+    ours.__module__ = "gradalg.capture.hooks"
+    lin = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2)).train()
+    stats = lin[1].running_mean.clone()
+    handles = [lin.register_forward_hook(theirs), lin.register_forward_hook(ours),
+               mm.register_module_forward_hook(ours)]
+    try:
+        before = (lin._forward_hooks, mm._global_forward_hooks)
+        assert own_forward_error(lin, (torch.randn(3, 3),)) is None and calls == ["user"]
+        assert (lin._forward_hooks, mm._global_forward_hooks) == before and len(lin._forward_hooks) == 2
+        assert lin.training and lin[1].training and torch.equal(lin[1].running_mean, stats)   # no state changed
+        assert isinstance(own_forward_error(lin, (torch.randn(3, 4),)), RuntimeError)
+        lin(torch.randn(3, 3))
+        # all back on: the user's, gradalg's on the Sequential, the global one on its 3 modules
+        assert calls[0] == "user" and calls[1:].count("user") == 1 and calls[1:].count("gradalg") == 1 + 3
+    finally:
+        for h in handles:
+            h.remove()

@@ -343,8 +343,44 @@ def test_a_pass_over_stored_rows_is_costed_per_chunk_they_were_stored_in():
     assert ekfac[1].cost == ekfac[1].stream_cost(20, batch, p.facts, lambda node: {"0": "factors", "2": "factors"},
                                                  options=ga.options())
     op = next(j for s in p.passes for j in s.jobs if j.kind == "scores").target.op
-    assert E.resolve_cost(op).blocks == (("resolve", 2.0, 0.0),)
-    assert ("precondition", 2.0, 0.0) in E.apply_cost(op, G.space, 5).blocks
+    assert E.kron_chain(op) == 3                                  # EK-FAC → damped → inverse
+    assert E.resolve_cost(op).blocks == (("resolve", 2.0 * 2, 0.0),)   # 2 operands' Λ scanned × 2 blocks
+    applied = E.apply_cost(op, G.space, 5).blocks
+    assert ("precondition", 2.0, 0.0) in applied and ("resolve", 2.0, 0.0) in applied   # + Λ made per block
+    # float64 sweeps over each block's out·in eigenvalues: scanning EK-FAC's Λ (9) and the
+    # damped one (9 + a shift's read and write); making the inverse (shift 1 op + cast,
+    # reciprocal, cast 3 ops: a read and a write each); float64 rows: no basis cast
+    dims = sum(b.dim for b in op.space.blocks)
+    assert E.resolve_cost(op).elementwise == (9 + 11) * 8 * dims
+    assert E.apply_cost(op, G.space, 5, elem=8).elementwise == 2 * 4 * 8 * dims
+
+
+def test_the_kronecker_chains_eigenvalue_work_is_what_its_run_does(monkeypatch):
+    """LoGra's last pass (issue 28: 2.5× its estimate on Mistral) resolves EK-FAC → damp →
+    inverse and applies it to the held rows. Per block, the run scans the eigenvalues of
+    each operand of the chain once (float64 extremes, for tags and the inverse's checks)
+    and makes the inverted Λ from its steps once per application: the estimate prices
+    exactly as many ``resolve`` block units as the run makes (it priced one per block)."""
+    from gradalg.linalg import kron as K
+    _, task, train, query, batch = mlp()
+    G = ga.grads(task, train)
+    S = ga.grads(task, query) @ ga.ekfac(G).damp(0.1).inv() @ G.T
+    scans, made = [], []
+    extremes, mul_into = K.BlockEigenvalues.extremes, K.BlockEigenvalues.mul_into
+
+    def scanned(self):
+        if "_extremes" not in self.__dict__:      # computed, not the cached value
+            scans.append(1)
+        return extremes(self)
+    monkeypatch.setattr(K.BlockEigenvalues, "extremes", scanned)
+    monkeypatch.setattr(K.BlockEigenvalues, "mul_into", lambda self, rows: made.append(1) or mul_into(self, rows))
+    with ga.options(batch_size=batch):
+        S.compute()
+        p = plan(S.expr, device=A100)
+    job = next(j for s in p.passes for j in s.jobs if j.kind == "scores")
+    count = lambda cost: sum(c for kind, c, _ in cost.blocks if kind == "resolve")
+    assert len(scans) == count(E.resolve_cost(job.target.op)) == 4
+    assert len(made) == count(E.apply_cost(job.target.op, job.held.space, job.held.n)) == 2
 
 
 def test_explain_analyze_shows_estimate_and_measured_side_by_side():

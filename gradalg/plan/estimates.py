@@ -134,9 +134,87 @@ def apply_cost(op, space, n: int, elem: int = 4, options=None, shapes: Mapping =
     operator whose structure refuses an operation costs nothing here: ``explain()``
     shows its refusal, and resolving it raises it."""
     try:
-        return op.apply_cost(space, n, OperatorPrices(elem, options, shapes))
+        return op.apply_cost(space, n, OperatorPrices(elem, options, shapes)) + _eigenvalues_made(op, elem)
     except OperatorError:
         return Cost()
+
+
+def kron_chain(op) -> int:
+    """How many Kronecker operators ``op`` is a chain of: itself and, down its operator
+    operands, each Kronecker one (EK-FAC → damped → inverse: 3); 0 when ``op`` is not
+    Kronecker. Resolving the chain makes one :class:`~gradalg.linalg.kron.KronOp` per
+    node; each operand's reads every block's eigenvalues Λ once, in float64, for its tags
+    and the checks of the step above it (min, max |·|, min |·|:
+    :meth:`~gradalg.linalg.kron.BlockEigenvalues.extremes`), the top one's tags follow
+    from them: chain − 1 scans per block (:func:`resolve_cost`)."""
+    count, node = 0, op
+    while node is not None:
+        try:
+            if form_of(node.labels()) != "kronecker":
+                break
+        except OperatorError:
+            break
+        count += 1
+        node = next((c for c in getattr(node, "children", ()) if hasattr(c, "labels") and hasattr(c, "resolve")),
+                    None)
+    return count
+
+
+#: full-size ops over a block's Λ (out·in numbers, float64) of each step a Kronecker
+#: chain keeps (:meth:`~gradalg.linalg.kron.BlockEigenvalues.rows`): a shift; a cast up,
+#: the reciprocal or power, a cast down
+_STEP_OPS = {"kronecker.damp_in_eigenbasis": 1, "kronecker.invert_eigenvalues": 3, "kronecker.eigenvalue_power": 3}
+#: full-size sweeps (reads + writes) of one scan of Λ for its extremes
+#: (:meth:`~gradalg.linalg.kron.BlockEigenvalues.extremes`): cast to float64 (1 + 1),
+#: min (1), |·| (1 + 1), max (1), |·| (1 + 1), min (1)
+_SCAN_SWEEPS = 9
+
+
+def _step_ops(op) -> int:
+    try:
+        rules = op.labels().rules
+    except OperatorError:
+        return 0
+    return sum(_STEP_OPS.get(r, 0) for r in rules)
+
+
+def _eigenvalues_made(op, elem: int = 4) -> Cost:
+    """A Kronecker chain's Λ made when it is applied, and the bases cast to the rows'
+    precision. A damped or inverted Λ is kept as its base and steps
+    (:class:`~gradalg.linalg.kron.BlockEigenvalues`), made again from them on each
+    application (``mul_into``): one ``block_cost("resolve")`` per block (its fixed cost)
+    and the steps' full-size ops over out·in float64 numbers (:data:`_STEP_OPS`, a read
+    and a write each); float64 bases applied to float32 rows are cast on each rotation,
+    in and back (``rotate_rows``, ``rotate_back``): 2·(out² + in²) numbers read as float64
+    and written in the rows' ``elem`` bytes. Traffic at the profile's elementwise bandwidth."""
+    if kron_chain(op) < 2:
+        return Cost()
+    blocks = [b for b in op.space.blocks if len(b.shape) == 2]
+    ops, sweeps = _step_ops(op), 0.0
+    for b in blocks:
+        out_f, in_f = b.shape
+        casts = 2.0 * (8 + elem) * (out_f ** 2 + in_f ** 2) if elem < 8 else 0.0
+        sweeps += 2.0 * ops * 8 * out_f * in_f + casts
+    return block_cost("resolve", len(blocks)) + Cost(elementwise=sweeps)
+
+
+def _eigenvalues_scanned(op) -> Cost:
+    """Each operand of a Kronecker chain scanned for its extremes once per block (the
+    chain's resolution, :func:`kron_chain`): ``block_cost("resolve")`` each, and per scan
+    the operand's Λ made from its steps and :data:`_SCAN_SWEEPS` float64 sweeps over
+    out·in numbers, at the elementwise bandwidth."""
+    chain, blocks = kron_chain(op), op.space.blocks
+    scans = max(1, chain - 1)
+    made_ops, node = [], op
+    for _ in range(chain):           # the operands below the top, each with the steps it keeps
+        node = next((c for c in getattr(node, "children", ()) if hasattr(c, "labels") and hasattr(c, "resolve")),
+                    None)
+        if node is None:
+            break
+        made_ops.append(_step_ops(node))
+    made_ops = (made_ops + [0] * scans)[:scans]
+    sweeps = sum((_SCAN_SWEEPS + 2.0 * k) * 8 * b.dim for b in blocks for k in made_ops)
+    return block_cost("resolve", len(blocks) * scans) + Cost(elementwise=sweeps)
 
 
 @dataclass(frozen=True)
@@ -240,14 +318,17 @@ def resolve_cost(op) -> Cost:
     """Resolving ``op`` where it is applied, read from the rules its resolution applies
     (``op.labels().rules``): an inverse or power of a dense or block matrix is a float64
     eigendecomposition per matrix and a (d, d, d) GEMM to rebuild it; of a Kronecker
-    operator, its eigenvalues inverted per block (the fixed cost
-    ``block_cost("resolve", blocks)``: K-FAC's eigendecompositions belong to its ``kfac`` job)."""
+    operator, each block's eigenvalues of every operand in its chain scanned for their
+    tags and the inverse's checks (:func:`kron_chain`: EK-FAC → damp → inverse scans the
+    EK-FAC and the damped Λ, the fixed cost ``block_cost("resolve", 2 × blocks)``; the
+    inverse itself is a lazy step, made when applied: :func:`apply_cost`). K-FAC's
+    eigendecompositions belong to its ``kfac`` job."""
     try:
         rules = set(op.labels().rules)
     except OperatorError:
         return Cost()
     if rules & set(_KRON_RESOLVE_RULES):
-        return block_cost("resolve", len(op.space.blocks))
+        return _eigenvalues_scanned(op)
     space, cost = op.space, Cost()
     for form, names in _EIGH_RULES.items():
         if rules & set(names):

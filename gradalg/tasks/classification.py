@@ -41,7 +41,9 @@ def classification(model: nn.Module, *, inputs: Callable[[Any], Any] | None = No
 
     def logits_of(m, batch):
         with reading("classification"):   # a dtype or width the model does not take: a BatchContentError
-            return m(model_inputs(inputs(batch), m))
+            x = model_inputs(inputs(batch), m)
+        with reading("classification", m, (x,)):
+            return m(x)
 
     return categorical_task(model, logits_of, targets, name=name)
 

@@ -79,7 +79,7 @@ def hf_forward(padding_side: str, fields=MODEL_INPUTS, extra: Callable | None = 
             kwargs["position_ids"] = position_ids(real_mask(batch))
         if extra is not None:
             kwargs.update(extra(model, batch))
-        with reading("language model"):   # an error the model raises on the batch: a BatchContentError
+        with reading("language model", model, (), kwargs, checked=True):   # an error the model raises on the batch: a BatchContentError
             out = model(**kwargs)
         return model_logits(out)
     return forward

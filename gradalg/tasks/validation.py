@@ -65,11 +65,20 @@ def values_known(value) -> bool:
 
 
 @contextlib.contextmanager
-def reading(task: str):
+def reading(task: str, model=None, args=(), kwargs: Mapping | None = None, checked: bool = False):
     """Run the model on a batch; an error the model raises on it (a dtype or a width its
     layers do not take) becomes a :class:`BatchContentError` carrying the model's message
     (the original chained). Errors raised inside gradalg's own code pass unchanged: they
-    are gradalg's, not the batch's."""
+    are gradalg's, not the batch's.
+
+    ``model`` and its call's ``args`` / ``kwargs`` (the batch's tensors, as the model got
+    them): when they are given and hold real tensors (not meta, not seen through a
+    torch.func transform), the model's plain forward is run once more on them, without
+    gradalg's capture (:func:`own_forward_error`). When it fails too, the message says the
+    model's own forward fails on this batch, with torch's message, and the advice is about
+    the model (a model in a dtype one of its ops has no kernel for: :func:`dtype_advice`;
+    a config whose sizes disagree); ``checked``: the inputs passed gradalg's checks (a
+    token batch, :func:`token_batch`), so the advice is about the model alone."""
     try:
         yield
     except GradalgError:
@@ -77,10 +86,111 @@ def reading(task: str):
     except (RuntimeError, IndexError, TypeError, ValueError) as err:
         if _raised_in_gradalg(err) or no_forward_ad(err):
             raise   # gradalg's own, or an operation torch.func cannot differentiate: not the batch's fault
-        raise BatchContentError(
-            f"ga.tasks.{task}: the model could not read the batch ({type(err).__name__}: {str(err)[:300]}): "
-            "give it inputs of the dtype, shape and device its layers take (float features of the model's "
-            "dtype and width, integer token ids)") from err
+        raise BatchContentError(_unread(task, err, model, args, kwargs or {}, checked)) from err
+
+
+_INPUTS = ("give it inputs of the dtype, shape and device its layers take (float features of the model's dtype "
+           "and width, integer token ids)")
+
+
+def _unread(task: str, err: BaseException, model, args, kwargs: Mapping, checked: bool) -> str:
+    """The message of :func:`reading`'s :class:`BatchContentError` for the model's ``err``."""
+    said = f"{type(err).__name__}: {str(err)[:300]}"
+    own = own_forward_error(model, args, kwargs) if model is not None else _UNKNOWN
+    advice = dtype_advice(err, model) if model is not None else None
+    if own is _UNKNOWN or own is None:
+        why = "" if own is _UNKNOWN else (" (its plain forward, without gradalg's capture, reads this batch: the "
+                                          "failure comes with the capture)")
+        fix = advice or _INPUTS
+        return f"ga.tasks.{task}: the model could not read the batch ({said}){why}: {fix}"
+    if advice is None:
+        model_fix = ("check the model's config and code (sizes that disagree, e.g. a num_key_value_heads that does "
+                     "not divide num_attention_heads, fail on every input) and run the model alone on the batch "
+                     "until it works")
+        advice = (f"the batch passed gradalg's checks, so the model is at fault: {model_fix}" if checked else
+                  f"{_INPUTS}; if they are such inputs, {model_fix}")
+    lead = "" if checked else "the model could not read the batch: "   # unchecked inputs may be the cause
+    return (f"ga.tasks.{task}: {lead}the model's own forward fails on this batch, without gradalg's capture too "
+            f"({type(own).__name__}: {str(own)[:300]}): {advice}")
+
+
+_UNKNOWN = object()   # own_forward_error could not run the model's plain forward
+
+
+def own_forward_error(model, args=(), kwargs: Mapping | None = None):
+    """The error the model's plain forward ``model(*args, **kwargs)`` raises, run without
+    gradalg's capture (no gradalg forward hooks on its modules or global ones, no
+    torch-function mode, no autograd graph, eval mode: no running statistics updated);
+    None when it runs; ``_UNKNOWN`` when the
+    inputs are not real values (meta, or seen through a torch.func transform: not the
+    user's batch) and nothing is run."""
+    from torch.utils._pytree import tree_flatten
+    kwargs = dict(kwargs or {})
+    if any(_traced(t) for t in tree_flatten((args, kwargs))[0]) or not isinstance(model, torch.nn.Module):
+        return _UNKNOWN
+    try:
+        with _without_capture(model), torch.no_grad(), torch._C.DisableTorchFunction():
+            model(*args, **kwargs)
+    except Exception as err:    # noqa: BLE001 - the model's own error is the answer
+        return err
+    return None
+
+
+def _gradalg_hook(hook) -> bool:
+    return (getattr(hook, "__module__", None) or "").startswith("gradalg.")
+
+
+@contextlib.contextmanager
+def _without_capture(model):
+    """``model``'s modules and the global module hooks without gradalg's forward hooks
+    (each hook dict swapped for a copy without them, the originals put back after), in
+    eval mode (each module's ``training`` flag put back after): the check changes no
+    state of the model, such as batch-norm running statistics."""
+    from collections import OrderedDict
+    import torch.nn.modules.module as mm
+    kept, training = {}, [(module, module.training) for module in model.modules()]
+    model.eval()          # no state changed by the check (batch-norm running statistics)
+    for module in model.modules():
+        kept[module] = (module._forward_hooks, module._forward_pre_hooks)
+        module._forward_hooks = OrderedDict((k, h) for k, h in module._forward_hooks.items() if not _gradalg_hook(h))
+        module._forward_pre_hooks = OrderedDict(
+            (k, h) for k, h in module._forward_pre_hooks.items() if not _gradalg_hook(h))
+    glob = (mm._global_forward_hooks, mm._global_forward_pre_hooks)
+    mm._global_forward_hooks = OrderedDict((k, h) for k, h in glob[0].items() if not _gradalg_hook(h))
+    mm._global_forward_pre_hooks = OrderedDict((k, h) for k, h in glob[1].items() if not _gradalg_hook(h))
+    try:
+        yield
+    finally:
+        mm._global_forward_hooks, mm._global_forward_pre_hooks = glob
+        for module, (post, pre) in kept.items():
+            module._forward_hooks, module._forward_pre_hooks = post, pre
+        for module, mode in training:
+            module.training = mode
+
+
+#: op names (Python frames) of kernels that exist for a few floating dtypes only, and the fix
+_DTYPE_LIMITED_OPS = {
+    "grouped_mm": ("float32, bfloat16 or float16", "its MoE experts' grouped matrix product (transformers' default "
+                   "experts_implementation 'grouped_mm')",
+                   "switch its experts to the per-expert loop: `model.set_experts_implementation(\"eager\")` "
+                   "(or experts_implementation=\"eager\" in its config / from_pretrained), or run it in float32: "
+                   "`model = model.float()`"),
+}
+
+
+def dtype_advice(err: BaseException, model) -> str | None:
+    """The fix for a model whose op has no kernel for the model's dtype (``err`` raised
+    under a frame named in ``_DTYPE_LIMITED_OPS``, the model's parameters in another
+    floating dtype than the op takes); None otherwise."""
+    tb, names = err.__traceback__, set()
+    while tb is not None:
+        names.add(tb.tb_frame.f_code.co_name.lstrip("_"))
+        tb = tb.tb_next
+    param = next((p for p in model.parameters() if p.is_floating_point()), None) if model is not None else None
+    for op, (dtypes, what, fix) in _DTYPE_LIMITED_OPS.items():
+        if op in names and param is not None and str(param.dtype).removeprefix("torch.") not in dtypes:
+            return f"{what} has no {param.dtype} kernel (it takes {dtypes}): {fix}"
+    return None
 
 
 def no_forward_ad(err: BaseException) -> bool:
