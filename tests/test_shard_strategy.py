@@ -12,7 +12,7 @@ import torch
 
 import gradalg as ga
 from gradalg.exec import Executor, LocalExecutor, ShardStrategy
-from gradalg.exec.runner import Placement, pass_sources
+from gradalg.exec.runner import Placement
 from gradalg.exec.shards import restrict_step, shard_ranges
 from gradalg.exec.sinks import open_sink
 
@@ -31,7 +31,7 @@ class Halves(ShardStrategy):
 
     def run_shards(self, runner, step, sinks):
         self.sharded.append(step.label)
-        data = pass_sources(step)[0].data
+        data = step.sources()[0].data
         for start, stop in shard_ranges(data.n, 2):
             shard = restrict_step(step, data.token, start, stop)
             parts = [open_sink(job, runner.ctx) for job in shard.jobs]

@@ -52,7 +52,7 @@ from .models import (as_worker_model, is_meta_model, make_ref, pack, register_cl
                      to_workers, unpack, worker_models_seen)
 from .progress import in_notebook, progress_bar
 from .resilience import PAYLOAD, FaultPolicy, run_tasks
-from .runner import Placement, ShardStrategy, check_reductions, pass_models, pass_operators, pass_sources
+from .runner import Placement, ShardStrategy, check_reductions, pass_models, pass_operators
 from .shards import shard_ranges
 from .state import RunState
 
@@ -172,7 +172,7 @@ class DaskShards(ShardStrategy):
         if _needs_products(step):
             what = "operators known only through products of this process's model (an iterative solver)"
             return Placement(False, f"needs {what}", self.refuse_here(step, what))
-        n, models = pass_sources(step)[0].data.n, pass_models(step)
+        n, models = step.sources()[0].data.n, pass_models(step)
         if n < self.min_shard_examples and not any(is_meta_model(m) for m in models):
             return Placement(False, f"{n} examples, fewer than min_shard_examples={self.min_shard_examples}")
         return Placement(True, "on the workers", _sharded_refusal(step, models), *self.split(n))
@@ -221,7 +221,7 @@ class DaskShards(ShardStrategy):
         shards' partial states in order. Returns the score results, by sink index: Dask
         arrays of the blocks gathered from the shards."""
         ctx, models = runner.ctx, pass_models(step)
-        data = pass_sources(step)[0].data
+        data = step.sources()[0].data
         ranges = shard_ranges(data.n, runner.where.shards)    # the plan's SHARDS decision
         check_reductions(ctx, step)
         refs = self._refs(models)

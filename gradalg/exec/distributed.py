@@ -61,7 +61,7 @@ from ..expr import CurvatureProducts, Source
 from ..options import get_options
 from .base import Executor
 from .capture_pass import model_device_dtype
-from .runner import ShardStrategy, check_reductions, pass_sources
+from .runner import ShardStrategy, check_reductions
 from .shards import batches_in, rank_ranges, restrict_step
 
 __all__ = ["TorchDistributed", "RankShards", "plan_outline"]
@@ -141,7 +141,7 @@ class RankShards(ShardStrategy):
     def describe_shards(self, step, where, n: int, result_bytes: float) -> str:
         """How a pass over ``n`` examples is split over the ranks and what crosses the network."""
         sizes = [b - a for a, b in rank_ranges(n, self.world_size)]
-        steps = batches_in(max(sizes), _batch_size(step, pass_sources(step)[0].data, get_options()))
+        steps = batches_in(max(sizes), _batch_size(step, step.sources()[0].data, get_options()))
         return (f"{self.world_size} ranks, {min(sizes)}–{max(sizes)} examples each, {steps} forward/backward "
                 f"steps per rank (shorter ranges padded); per job, every rank's partial state is gathered "
                 f"by its owner rank and the finished result broadcast (~{result_bytes / 2**20:.1f} MiB of results)")
@@ -151,7 +151,7 @@ class RankShards(ShardStrategy):
         """Run one pass: this rank's range of the data, padding batches up to the largest
         range's count, then each sink combined on its owner rank and broadcast. Returns
         every sink's finished result (the same on every rank)."""
-        data = pass_sources(step)[0].data
+        data = step.sources()[0].data
         ranges = rank_ranges(data.n, self.world_size)
         start, stop = ranges[self.rank]
         steps = batches_in(max(b - a for a, b in ranges), _batch_size(step, data, runner.ctx.options))
@@ -168,7 +168,7 @@ class RankShards(ShardStrategy):
         error = error or padded
         self._raise_any(error, step)
         self._sum_traces(trace, before)
-        device = model_device_dtype(pass_sources(step)[0].task.model)[0]
+        device = model_device_dtype(step.sources()[0].task.model)[0]
         self._bytes = {"parts": 0, "results": 0}
         done = {i: self._combine(i, sink, parts[i], device) for i, sink in enumerate(sinks)}
         self.traffic.append({"pass": step.label, "part_bytes": self._bytes["parts"],
@@ -357,7 +357,7 @@ def plan_outline(p) -> list:
     for step in p.passes:
         data = None
         if step.reads_data:
-            src = pass_sources(step)[0]
+            src = step.sources()[0]
             data = (src.data.token, src.data.n)
         out.append((step.key.kind, data, step.batch_size, tuple(type(j).__name__ for j in step.jobs)))
     return out

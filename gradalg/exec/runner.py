@@ -41,7 +41,7 @@ from typing import Iterator
 from ..curvature.hvp import eval_mode
 from ..data import batch_size_of, move_batch
 from ..errors import NonFiniteGradientError, NonFiniteWeightError
-from ..expr import GradNode, Source
+from ..expr import GradNode
 from ..fingerprint import is_meta_model
 from ..plan.decisions import Decision, DecisionKind
 from ..plan.planner import ROW_WISE, Pass, Plan, PlanError, chain_ops, stream_root
@@ -53,7 +53,7 @@ from .rowwise import derive_rows
 from .shards import restrict_step
 from .sinks import Sink, open_sink
 
-__all__ = ["PassRunner", "ShardStrategy", "InProcess", "Placement", "pass_sources", "pass_models",
+__all__ = ["PassRunner", "ShardStrategy", "InProcess", "Placement", "pass_models",
            "pass_operators", "check_reductions", "captured_batches"]
 
 
@@ -155,7 +155,7 @@ class ShardStrategy:
         where = where or self.place(step)
         if not where.sharded:
             return f"runs {self.here} ({where.reason})"
-        n = pass_sources(step)[0].data.n
+        n = step.sources()[0].data.n
         return self.describe_shards(step, where, n, sum(job.output_bytes(n) for job in step.jobs))
 
     def describe_shards(self, step: Pass, where: Placement, n: int, result_bytes: float) -> str:
@@ -184,22 +184,10 @@ class InProcess(ShardStrategy):
     spread = None
 
 
-def pass_sources(step: Pass) -> list[Source]:
-    """The distinct sources a pass's jobs read, in the order the jobs name them (the same
-    order on every process)."""
-    out = []
-    for job in step.jobs:
-        for s in job.streams:
-            r = stream_root(s)
-            if isinstance(r, Source) and r not in out:
-                out.append(r)
-    return out
-
-
 def pass_models(step: Pass) -> list:
     """The distinct models of a pass's sources (and of a products pass's target), in the
     order the jobs name them."""
-    tasks = [src.task for src in pass_sources(step)] + ([step.jobs[0].target.task] if step.per_call else [])
+    tasks = [src.task for src in step.sources()] + ([step.jobs[0].target.task] if step.per_call else [])
     return list({id(task.model): task.model for task in tasks}.values())
 
 
@@ -212,7 +200,7 @@ def check_reductions(ctx, step: Pass) -> None:
     """Check each task's loss reduction once before a sharded pass, here, on the pass's
     first (at most 8) examples, instead of once per shard (every rank checks the same
     batch, so their forwards match); a model on the meta device is checked on its workers."""
-    for src in pass_sources(step):
+    for src in step.sources():
         task = src.task
         if not ctx.options.check_reduction or src.objective != "loss" or task.token in ctx.state.checked:
             continue
@@ -325,7 +313,7 @@ class PassRunner:
             for chunk in root.store.chunks():
                 yield {root.token: [chunk]}
             return
-        sources = pass_sources(step)
+        sources = step.sources()
         if not sources:
             raise PlanError(f"no source to read for {step.label}")
         batch_size = step.batch_size or self.ctx.options.batch_size

@@ -57,6 +57,17 @@ class Pass:
         """A products pass: run on each call of the solver that uses it, not when the plan runs."""
         return self.key.per_call
 
+    def sources(self) -> list[Source]:
+        """The distinct sources its jobs' streams read, in the order the jobs name them (the
+        same order on every process: the size stage prices them, executors iterate them)."""
+        out = []
+        for job in self.jobs:
+            for s in job.streams:
+                root = stream_root(s)
+                if isinstance(root, Source) and root not in out:
+                    out.append(root)
+        return out
+
 
 @dataclass(frozen=True)
 class Schedule:

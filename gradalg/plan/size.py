@@ -17,7 +17,7 @@ from . import estimates
 from .cost import Cost, _si, tokens_hint
 from .decisions import Decision, DecisionKind
 from .facts import Facts
-from .lower import ROW_WISE, chain, stream_root
+from .lower import ROW_WISE, chain
 from .memory import capture_bytes_per_example, flattened_rows_bytes
 from .schedule import Pass, Schedule
 from .blocks import as_captured, storage
@@ -31,11 +31,6 @@ def table_bytes(jobs) -> float:
               for job in jobs for s in job.streams for x in chain(s) if isinstance(x, Project)
               for b in x.grads.space.blocks}
     return sum(tables.values())
-
-
-def _sources(jobs) -> list[Source]:
-    roots = [stream_root(s) for j in jobs for s in j.streams]
-    return [r for i, r in enumerate(roots) if isinstance(r, Source) and r not in roots[:i]]
 
 
 def _batch_tokens(sources: list[Source], options) -> tuple[int, int, int | None]:
@@ -208,7 +203,7 @@ class _Sizer:
             return self.size_per_call(p)
         facts, dtype, o = self.facts, self.facts.dtype, self.facts.options
         sizing = [j.keeping_held_rows() for j in p.jobs]
-        sources = _sources(p.jobs) if p.reads_data else []
+        sources = p.sources() if p.reads_data else []
         per_ex = self.per_example_bytes(sizing, sources)
         resolving = self.resolving_bytes(sizing)
         fixed = sum(job.fixed_bytes(facts) for job in sizing) + table_bytes(sizing) + resolving
