@@ -291,8 +291,10 @@ def _make_dry_run(target: str, tmp_path) -> str:
 
     if shutil.which("make") is None:
         pytest.skip("make is not installed")
-    run = subprocess.run(["make", "-n", target, f"VENV={tmp_path / 'venv'}"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=60)
+    # a make outside (CI's .ci/run) passes MAKELEVEL/MAKEFLAGS down: "make[1]: Entering directory" lines
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    run = subprocess.run(["make", "--no-print-directory", "-n", target, f"VENV={tmp_path / 'venv'}"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, env=env)
     assert run.returncode == 0, run.stderr
     return run.stdout
 
