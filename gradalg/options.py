@@ -364,18 +364,15 @@ class Options:
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or math.isnan(ratio) or ratio < 0:
             raise OptionError(f"hessian_negative_ratio must be a number >= 0 (r in −μ_min ≤ r × the Gauss-Newton's "
                               f"mean eigenvalue; 0: the Hessian only where PSD, inf: always), got {ratio!r}")
-        probe = self.hessian_probe_iterations
-        if not isinstance(probe, int) or isinstance(probe, bool) or probe < 0:
-            raise OptionError(f"hessian_probe_iterations must be an int >= 0 (Lanczos steps; 0: form the Hessian "
-                              f"and decide from its eigenvalues), got {probe!r}")
-        chunk = self.products_vmap_elements
-        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
-            raise OptionError(f"products_vmap_elements must be an int >= 0 (activation elements per vmap call of the "
-                              f"curvature products; 0: all vectors in one call), got {chunk!r}")
-        limit = self.vocabulary_layers_max
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
-            raise OptionError(f"vocabulary_layers_max must be an int >= 0 (a vocabulary size; 0: never include "
-                              f"the vocabulary layers by default), got {limit!r}")
+        for name, meaning in (("hessian_probe_iterations", "Lanczos steps; 0: form the Hessian and decide from its "
+                                                            "eigenvalues"),
+                              ("products_vmap_elements", "activation elements per vmap call of the curvature products; "
+                                                          "0: all vectors in one call"),
+                              ("vocabulary_layers_max", "a vocabulary size; 0: never include the vocabulary layers by "
+                                                         "default")):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise OptionError(f"{name} must be an int >= 0 ({meaning}), got {value!r}")
         tokens = self.batch_tokens
         if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0):
             raise OptionError(f"batch_tokens must be None (the device's default), 0 (no limit) or a positive "
