@@ -126,7 +126,107 @@ class IdMismatchError(ShapeMismatchError):
 
 
 class MemoryBudgetError(GradalgError, MemoryError):
-    """An operation cannot be carried out within the memory budget."""
+    """Something cannot be carried out within the memory budget: a pass, a dense matrix, a
+    Fisher's statistics, a run on a number of GPUs. Raised before anything runs (on a Dask
+    worker too: picklable). Its numbers are fields, and its message is rendered from them in
+    one place (:meth:`render`): code reads the fields, never the text. A ``MemoryError``.
+
+    The message is ``"{subject} needs {needed} ({parts}; {detail}), over {limit} of
+    {budget}. Fixes: {fixes[0]}; or {fixes[1]} ... {note}"``, its byte counts in one unit
+    (:func:`~gradalg.units.format_bytes_alike`).
+
+    Attributes
+    ----------
+    subject : str
+        What does not fit: a pass's label, ``"a dense gaussian projection of 1,000
+        coordinates to k=512"``, ``"a dense Fisher over 36 coordinates"``, ``"each of 1 ×
+        H200"``.
+    needed : float | None
+        Bytes it needs at the least (a pass: what it holds plus one example's or one chunk's
+        work; a Fisher: its matrix or the peak of inverting it, whichever is larger). None
+        only for an error made from a message alone.
+    budget : float | None
+        Bytes it was refused under (the memory budget; a GPU's memory for ``limit="the memory
+        of one H200"``).
+    parts : list[tuple[str, float]]
+        How ``needed`` is made up: (what, bytes) pairs, written in the unit of ``needed``
+        (those of 0 bytes left out).
+    detail : str
+        Further arithmetic, as text ("" if none).
+    fixes : list[str]
+        Short fixes, each applicable as written, in the order to try them.
+    fits_under : float | None
+        The smallest budget under which what was refused plans (for a pass: every pass of
+        its plan at a batch of one): the budget the planner's note suggests
+        (:func:`~gradalg.plan.budget.refusal_note`); None where no budget this machine has
+        would do (none is suggested). ``needed`` unless given.
+    limit : str
+        What ``budget`` is: ``"the memory budget"`` unless given.
+    note : str
+        Where the budget came from and how to change it, added by the planner
+        (:func:`~gradalg.plan.budget.with_note`); "" until then.
+    """
+
+    def __init__(self, subject: str, needed: float | None = None, budget: float | None = None, *,
+                 parts=(), detail: str = "", fixes=(), fits_under: float | None | str = "needed",
+                 limit: str = "the memory budget", note: str = ""):
+        self.subject, self.detail, self.limit, self.note = subject, detail, limit, note
+        self.needed = None if needed is None else float(needed)
+        self.budget = None if budget is None else float(budget)
+        self.parts = [(what, float(n)) for what, n in parts]
+        self.fixes = [f for f in fixes if f]
+        self.fits_under = self.needed if fits_under == "needed" else None if fits_under is None else float(fits_under)
+        super().__init__(self.render())
+
+    def __reduce__(self):   # picklable (raised on a Dask worker, re-raised here)
+        return _memory_budget_error, (self.subject, self.needed, self.budget, self.parts, self.detail, self.fixes,
+                                      self.fits_under, self.limit, self.note)
+
+    def __str__(self):
+        return self.render()
+
+    def summary(self) -> str:
+        """``"{subject} needs {needed}, over {limit} of {budget}"`` (``subject`` alone
+        without numbers): the first sentence of the message, for a decision's reason."""
+        if self.needed is None or self.budget is None:
+            return self.subject
+        need, budget = _alike(self.needed, self.budget)[:2]
+        return f"{self.subject} needs {need}, over {self.limit} of {budget}"
+
+    def render(self) -> str:
+        """The message, from the fields (see the class docstring); an error made from a
+        message alone is that message."""
+        text = self.subject
+        if self.needed is None and not (self.detail or self.fixes or self.note):
+            return text
+        if self.needed is not None and self.budget is not None:
+            parts = [(what, n) for what, n in self.parts if n]      # the parts that are not 0
+            shown = _alike(self.needed, self.budget, *(n for _, n in parts))
+            why = "; ".join(x for x in (", ".join(f"{what} {n}" for (what, _), n in zip(parts, shown[2:])),
+                                        self.detail) if x)
+            text += f" needs {shown[0]}" + (f" ({why})" if why else "") + f", over {self.limit} of {shown[1]}"
+        elif self.detail:
+            text += f": {self.detail}"
+        if self.fixes:
+            text += ". Fixes: " + "; or ".join(self.fixes)
+        text = text.rstrip(".") + "."
+        return f"{text} {self.note}" if self.note else text
+
+
+def _alike(needed: float, budget: float, *parts: float) -> tuple[str, ...]:
+    """``needed``, ``budget`` and ``parts`` in one unit, to three significant digits, or as
+    many more (up to 7) as it takes for ``needed`` and ``budget`` not to read the same."""
+    from .units import format_bytes_alike     # units imports this module
+    for digits in range(3, 8):
+        shown = format_bytes_alike(needed, budget, *parts, digits=digits)
+        if shown[0] != shown[1] or needed == budget:
+            return shown
+    return shown
+
+
+def _memory_budget_error(subject, needed, budget, parts, detail, fixes, fits_under, limit, note):
+    return MemoryBudgetError(subject, needed, budget, parts=parts, detail=detail, fixes=fixes,
+                             fits_under=fits_under, limit=limit, note=note)
 
 
 class ExampleIdsError(GradalgError, ValueError):

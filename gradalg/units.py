@@ -25,7 +25,7 @@ from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
 
 from .errors import OptionError
 
-__all__ = ["parse_bytes", "format_bytes", "si"]
+__all__ = ["parse_bytes", "format_bytes", "format_bytes_alike", "byte_unit", "si"]
 
 #: how a byte quantity is written, for error messages
 UNITS_HELP = ("a number of bytes or a string like '8GB' (decimal: 8·10⁹ bytes) or '8GiB' (binary: 8·2³⁰ bytes); "
@@ -83,3 +83,33 @@ def format_bytes(nbytes: float) -> str:
     (``"11.2 GB"``, ``"87 MB"``, ``"512 B"``); :func:`parse_bytes` reads it back as that
     many bytes to the printed precision."""
     return f"{si(nbytes)}B"
+
+
+def byte_unit(nbytes: float) -> tuple[str, float]:
+    """``(unit, bytes per unit)`` :func:`format_bytes` writes ``nbytes`` in: ``("GB", 1e9)``
+    for 11.2·10⁹, ``("B", 1.0)`` below a kilobyte (rounded to three digits first, as
+    :func:`si`)."""
+    x = float(f"{float(nbytes):.3g}")
+    for unit, scale in _PREFIXES:
+        if x >= scale:
+            return f"{unit}B", scale
+    return "B", 1.0
+
+
+def format_bytes_alike(*nbytes: float, digits: int = 3) -> tuple[str, ...]:
+    """The byte counts of one sentence in one unit, the unit :func:`format_bytes` writes the
+    largest in, each to ``digits`` significant digits in positional notation:
+    ``format_bytes_alike(5.04e12, 8e11)`` is ``("5.04 TB", "0.8 TB")``, never
+    ``"5.04 TB"`` beside ``"800 GB"``. A count under a thousandth of that unit (a few bytes
+    beside terabytes) is written in its own (:func:`format_bytes`) rather than as
+    ``0.000002 TB``. Each reads back with :func:`parse_bytes` as that many bytes to the
+    printed precision."""
+    unit, scale = byte_unit(max((abs(float(n)) for n in nbytes), default=0.0))
+    return tuple(f"{_positional(float(n) / scale, digits)} {unit}" if float(n) == 0 or float(n) / scale >= 1e-3
+                 else format_bytes(n) for n in nbytes)
+
+
+def _positional(x: float, digits: int = 3) -> str:
+    """``x`` to ``digits`` significant digits, without an exponent: 0.8, 5.04, 0.00213, 640."""
+    text = f"{Decimal(f'{x:.{digits}g}'):f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text

@@ -43,8 +43,12 @@ def test_one_example_over_the_budget_names_the_fixes_that_shrink_it(lm, method):
     task, train, queries = lm
     with ga.options(memory_budget=BUDGET, progress=False), pytest.raises(ga.MemoryBudgetError) as info:
         getattr(ga.methods, method)(task, train, queries).explain()
-    message = str(info.value)
-    assert f"one example's factors and activations ({T:,} positions) take" in message, message
+    message, err = str(info.value), info.value
+    assert f"one example's factors and activations ({T:,} positions) " in message, message
+    # the numbers are fields: one example's bytes alone are over the budget
+    [(what, per_ex), (_, held)] = err.parts
+    assert what == f"one example's factors and activations ({T:,} positions)" and per_ex > err.budget == BUDGET
+    assert err.needed == per_ex + held and err.subject.startswith("pass over GPT2LMHeadModel")
     assert "use shorter sequences" in message
     assert "ga.proj.kron" not in message and "fewer queries" not in message
     with ga.options(progress=False):

@@ -209,11 +209,16 @@ def test_a_configuration_that_does_not_fit_is_refused_with_the_arithmetic():
     small = replace(devices.PRESETS["h200"], name="small GPU", memory=memory)
     row = scale_estimates(plan, (1,), small)[0]
     assert not row["fits"] and "weights / 1" in row["why"] and "> " in row["why"]
-    with pytest.raises(ga.errors.MemoryBudgetError, match=r"does not fit on 1 × small GPU: .* weights / 1 "):
+    with pytest.raises(ga.errors.MemoryBudgetError, match=r"each GPU of 1 × small GPU needs .*its share of the "
+                                                          r"weights \(W / 1\) .*over the memory of one small GPU") as info:
         check_fits(plan, 1, small)
+    err = info.value      # the numbers are fields: what one GPU needs, and its memory
+    assert (err.subject, err.needed, err.budget, err.fits_under) == ("each GPU of 1 × small GPU",
+                                                                     row["memory_per_gpu"], memory, None)
+    assert err.needed == pytest.approx(sum(n for _, n in err.parts)) and err.needed > err.budget
     task = ga.tasks.causal_lm(model, name="qwen2-tiny")
     S = ga.methods.logra(task, TokenShapes(1000, T), TokenShapes(8, T), layers=LINEARS, k=16)
-    with pytest.raises(ga.errors.MemoryBudgetError, match="weights / 1"):
+    with pytest.raises(ga.errors.MemoryBudgetError, match="weights \\(W / 1\\)"):
         S.explain(device=small, n_devices=1, memory_budget=2**30)
     # eight of them hold an eighth of the weights each: it fits, and only that count is shown
     e = S.explain(device=devices.profile(small, count=8), memory_budget=2**30)

@@ -907,13 +907,13 @@ def test_refusal_names_the_budgets_source_and_its_fix_works(tmp_path, monkeypatc
             plan(S.expr)
     msg = str(info.value)
     assert "The memory budget is 200 B (ga.options(memory_budget=...))" in msg, msg
-    fix = re.search(r"ga\.options\(memory_budget=('[0-9.]+[MG]B')\)", msg.split("The memory budget is")[1])
+    fix = re.search(r"ga\.options\(memory_budget=('[0-9.]+[kMG]?B')\)", msg.split("The memory budget is")[1])
     assert fix, msg
     with ga.options(memory_budget=eval(fix.group(1))):
         plan(S.expr)                                          # the fix, as written, plans
     with pytest.raises(ga.MemoryBudgetError) as info:         # a budget given to explain() is changed there
         S.explain(memory_budget=200)
-    fix = re.search(r"explain\(memory_budget=('[0-9.]+[MG]B')\)", str(info.value))
+    fix = re.search(r"explain\(memory_budget=('[0-9.]+[kMG]?B')\)", str(info.value))
     assert fix and "(explain(memory_budget=...))" in str(info.value), str(info.value)
     S.explain(memory_budget=eval(fix.group(1)))
     # a budget from the machine: the message names MemAvailable and a fraction that fits

@@ -109,18 +109,23 @@ def test_a_refusals_suggested_budget_is_what_it_says_and_plans():
     with ga.options(memory_budget=2_000):
         with pytest.raises(ga.MemoryBudgetError) as err:
             plan(S.expr)
-    message, need = str(err.value), err.value.needed
+    message, need = str(err.value), err.value.fits_under      # every pass of the plan, at a batch of one
     suggested = re.search(r"would fit under ga.options\(memory_budget='([^']+)'\)", message).group(1)
     shown_need = re.search(r"([0-9.]+ [kMGT]?B) would fit under", message).group(1)
     assert suggested == suggest_budget(need) and parse_bytes(shown_need) == round(float(f"{need:.3g}"))
-    assert 1.25 * need <= parse_bytes(suggested) <= 1.25 * need + 10**6    # rounded up to whole MB, decimal
+    assert 1.25 * need <= parse_bytes(suggested) <= 1.25 * need * 1.01     # rounded up to 3 digits, decimal
+    assert f"({shown_need}: the plan's largest pass at a batch of one, not only this one; 1.25 × that rounded up: " \
+           "a 25% headroom)" in message                                  # the headroom is said, and how much
+    # the suggestion is written in the unit of the need it is made from (not '6296.1GB' beside '5.04 TB')
+    assert re.sub(r"[0-9.]", "", suggested) == shown_need.split()[1], (suggested, shown_need)
     with ga.options(memory_budget=suggested):                            # applied as written: it plans
         assert plan(S.expr).options.memory_budget == parse_bytes(suggested)
-    with pytest.raises(ga.MemoryBudgetError, match=r"would fit under explain\(memory_budget='\d+MB'\)"):
+    with pytest.raises(ga.MemoryBudgetError, match=r"would fit under explain\(memory_budget='[0-9.]+kB'\)"):
         S.explain(memory_budget="2kB")        # a budget given to explain() is changed there (Budget.setting)
-    for need in (3.3e5, 7.4e8, 7.99e8, 8.01e8, 7.45e9, 1.7e11):
-        got = parse_bytes(suggest_budget(need))
-        assert 1.25 * need <= got <= 1.25 * need + (10**6 if 1.25 * need < 1e9 else 10**8), (need, got)
+    for need, want in ((3.3e5, "413kB"), (7.4e8, "925MB"), (7.99e8, "999MB"), (8.01e8, "1002MB"),
+                       (7.45e9, "9.32GB"), (1.7e11, "213GB"), (5.04e12, "6.3TB"), (10, "13B")):
+        got = suggest_budget(need)
+        assert got == want and 1.25 * need <= parse_bytes(got) <= 1.25 * need * 1.01 + 1, (need, got)
 
 
 def test_a_config_budget_is_read_in_the_same_units(tmp_path):

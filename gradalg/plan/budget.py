@@ -42,12 +42,12 @@ import math
 import os
 from dataclasses import dataclass
 
-from ..errors import PlanError
+from ..errors import MemoryBudgetError, PlanError
 from ..options import Options
-from ..units import format_bytes
+from ..units import byte_unit, format_bytes, format_bytes_alike
 
 __all__ = ["Budget", "SETTINGS", "budget_setting", "resolve_budget", "device_budget", "is_here", "available_memory", "budget_bytes",
-           "refusal_note", "with_note", "suggest_budget", "FALLBACK_BYTES", "MEMINFO", "CGROUP_ROOT",
+           "refusal_note", "with_note", "suggest_budget", "HEADROOM", "FALLBACK_BYTES", "MEMINFO", "CGROUP_ROOT",
            "PROC_CGROUP", "cgroup_room"]
 
 #: the file ``MemAvailable`` is read from (tests point it at a fake one)
@@ -123,11 +123,10 @@ class Budget:
         ``2.15 GB (ga.options(memory_budget=...))``."""
         if self.fraction is None:
             return f"{format_bytes(self.bytes)} ({self.source})"
+        shown, available = format_bytes_alike(self.bytes, self.available)
         if self.option == "device_memory_fraction":
-            return (f"{format_bytes(self.bytes)} = {self.fraction:g} × {format_bytes(self.available)} "
-                    f"{self.source} ({self.option})")
-        return (f"{format_bytes(self.bytes)} = {self.fraction:g} × {format_bytes(self.available)} available "
-                f"({self.source}; {self.option})")
+            return f"{shown} = {self.fraction:g} × {available} {self.source} ({self.option})"
+        return f"{shown} = {self.fraction:g} × {available} available ({self.source}; {self.option})"
 
     def to_dict(self) -> dict:
         return {"bytes": self.bytes, "source": self.source, "fraction": self.fraction,
@@ -265,35 +264,56 @@ def budget_bytes(options: Options, device=None) -> int:
     return resolve_budget(options, device).bytes
 
 
+#: a suggested budget is this many times what the refused step needs (:func:`suggest_budget`),
+#: a 25 % headroom for what the planner's count leaves out (a run's resident growth measured
+#: up to 1.31× its budget, module docstring); the refusal says so beside the value
+HEADROOM = 1.25
+
+
 def suggest_budget(need: float) -> str:
-    """A ``memory_budget`` string for at least 1.25 × ``need`` bytes, rounded up to whole
-    megabytes or tenths of a gigabyte in the units it is parsed in (decimal,
-    :mod:`gradalg.units`): ``"412MB"``, ``"9.3GB"``."""
-    need = 1.25 * max(float(need), 1.0)
-    if need < 1e9:
-        return f"{math.ceil(need / 1e6)}MB"
-    return f"{math.ceil(need / 1e8) / 10:g}GB"
+    """A ``memory_budget`` string for at least :data:`HEADROOM` × ``need`` bytes, in the unit
+    :func:`~gradalg.units.format_bytes` writes ``need`` in (so both read alike in one
+    sentence: ``5.04 TB`` → ``"6.3TB"``, never ``"6300GB"``), rounded up to three
+    significant digits (decimal units, :mod:`gradalg.units`): ``"413kB"``, ``"9.32GB"``."""
+    unit, scale = byte_unit(max(float(need), 1.0))
+    value = HEADROOM * max(float(need), 1.0) / scale
+    places = 0 if unit == "B" else max(0, 2 - math.floor(math.log10(value)))   # whole bytes
+    value = math.ceil(round(value * 10 ** places, 6)) / 10 ** places
+    return f"{value:.{places}f}".rstrip("0").rstrip(".") + unit if places else f"{value:.0f}{unit}"
 
 
-def with_note(message: str, budget: Budget, need: float | None = None) -> str:
-    """``message`` followed by :func:`refusal_note` (a full stop between them)."""
-    message = str(message).rstrip()
+def with_note(err, budget: Budget, need: float | None = None) -> str:
+    """The message of ``err`` followed by :func:`refusal_note` (a full stop between them).
+    A :class:`~gradalg.errors.MemoryBudgetError` keeps the note as its ``note`` field (its
+    message is rendered from its fields), the text of anything else is appended to."""
+    if isinstance(err, MemoryBudgetError):
+        larger = need is not None and err.needed is not None and need > err.needed
+        err.note = refusal_note(budget, need, "the plan's largest pass at a batch of one, not only this one"
+                                if larger else "")
+        err.args = (err.render(), *err.args[1:])
+        return err.render()
+    message = str(err).rstrip()
     return f"{message}{'' if message.endswith('.') else '.'} {refusal_note(budget, need)}"
 
 
-def refusal_note(budget: Budget, need: float | None = None) -> str:
-    """The sentence every refusal for memory ends with: the budget, its source and how to
-    change it (with ``need``, the bytes the refused step needs: values that fit it)."""
+def refusal_note(budget: Budget, need: float | None = None, what: str = "") -> str:
+    """The sentences every refusal for memory ends with: the budget, its source and how to
+    change it (with ``need``, the bytes the refused step needs, ``what`` saying what they
+    are when not the refused step alone: values that fit it, each :data:`HEADROOM` ×
+    ``need`` rounded up, and saying so)."""
     text = f"The memory budget is {budget.describe()}"
     if need is None:
         return text + (f"; change it with {budget.change('memory_budget', '8GB')} (bytes, or a string: '8GB' is "
                        "8·10⁹ bytes, '8GiB' 8·2³⁰)"
                        + (f" or {budget.change(budget.option)}" if budget.fraction is not None else "") + ".")
-    text += f"; {format_bytes(need)} would fit under {budget.change('memory_budget', suggest_budget(need))}"
+    headroom = f"{round((HEADROOM - 1) * 100):g}%"
+    text += (f". {format_bytes(need)} would fit under {budget.change('memory_budget', suggest_budget(need))} "
+             f"({format_bytes(need)}{': ' + what if what else ''}; {HEADROOM:g} × that rounded up: a {headroom} "
+             "headroom")
     if budget.fraction is not None and budget.available:
-        fraction = math.ceil(1.25 * need / budget.available * 100) / 100
+        fraction = math.ceil(HEADROOM * need / budget.available * 100) / 100
         if fraction <= 0.9:
-            text += f" or {budget.change(budget.option, fraction)}"
+            text += f"), or {budget.change(budget.option, fraction)} (at least the same headroom"
         else:
-            text += f" (more than the {format_bytes(budget.available)} available: better make the run smaller)"
-    return text + "."
+            text += f"; more than the {format_bytes(budget.available)} available: better make the run smaller"
+    return text + ")."

@@ -13,7 +13,6 @@ from ..expr import GradNode, Inner, NearMinimum, OpNode, Project, ScoreDiagonal
 from ..expr.curvature import PROBES
 from .choices import Choices
 from ..units import format_bytes
-from .cost import _si
 from .decisions import Decision, DecisionKind, DecisionSource
 from .facts import Facts
 from .lower import STATISTICS_JOBS, Lowered, chain, chain_ops, pass_key, stream_root
@@ -206,20 +205,18 @@ def refuse_dense_projections(root, budget: float) -> None:
     (:mod:`gradalg.proj.matrices`), k·dim·8 bytes against ``budget`` bytes (k = 512
     on a 3 M-coordinate GPT-2 would be 13 GB). The :class:`~gradalg.errors.MemoryBudgetError`
     names the matrix, the budget and the projections without a dense matrix; its ``needed``
-    (bytes) lets :func:`~gradalg.plan.planner.plan` say which budget would fit."""
+    (bytes, the matrix's) lets :func:`~gradalg.plan.planner.plan` say which budget would fit."""
     for x in root.walk():
         if not (isinstance(x, Project) and x.projector.map == "dense"):
             continue
         p, dim = x.projector, x.grads.space.dim
         need = p.k * dim * 8
         if need > budget:
-            err = MemoryBudgetError(
-                f"a dense {p.kind} projection of {dim:,} coordinates to k={p.k} keeps a {_si(need)}B "
-                f"matrix, over the memory budget of {_si(budget)}B: use a projection without a dense "
-                f"matrix (ga.proj.sparse({p.k}), ga.proj.grass({p.k}), ga.proj.kron({p.k})), fewer layers, or "
-                f"raise the memory budget")
-            err.needed = need
-            raise err
+            raise MemoryBudgetError(
+                f"a dense {p.kind} projection of {dim:,} coordinates to k={p.k}", need, budget,
+                parts=[(f"its (k, dim) = ({p.k}, {dim:,}) float64 matrix", need)],
+                fixes=[f"a projection without a dense matrix (ga.proj.sparse({p.k}), ga.proj.grass({p.k}), "
+                       f"ga.proj.kron({p.k}))", "fewer layers", "raise the memory budget"])
 
 
 def decide(lowered: Lowered, facts: Facts, choices: Choices | None = None) -> JobGraph:

@@ -273,8 +273,9 @@ def check_statistics_fit(node, memory_budget: int) -> None:
     """Refuse a Fisher whose matrix alone exceeds the budget, naming the fixes that fit: a
     Kronecker curvature (always: its factors are per layer), a projection small enough, the
     other structures whose matrix fits, and a larger budget only where the machine has the
-    memory (``err.needed``: the planner's note, :func:`~gradalg.plan.budget.refusal_note`, names a
-    budget that fits, written the way the budget was given). A fix is named only where the matrix *and* its damped inverse
+    memory (``err.fits_under``, else None: the planner's note, :func:`~gradalg.plan.budget.refusal_note`,
+    names a budget that fits, written the way the budget was given); ``err.needed`` is the larger
+    of the matrix and the peak of inverting it. A fix is named only where the matrix *and* its damped inverse
     (:func:`inverse_bytes`, what the methods do with it) fit the budget it names. The
     projection: ga.proj.kron(k) leaves at most k² coordinates per block (k_out·k_in), so a
     dense Fisher of d ≤ n_blocks·k² whose inverse, (32 + 8)·d², fits the budget."""
@@ -298,8 +299,7 @@ def check_statistics_fit(node, memory_budget: int) -> None:
     roomy = inverted <= physical_memory()
     if roomy:   # the plan's note names the budget, written the way it was given (budget.refusal_note)
         fixes.append("a larger memory budget")
-    err = MemoryBudgetError(
-        f"a {node.structure} Fisher over {space.dim:,} coordinates needs {_si(need)}B ({_si(inverted)}B "
-        f"to invert), over the memory budget of {_si(memory_budget)}B. Fixes: " + "; or ".join(fixes) + ".")
-    err.needed = inverted if roomy else None
-    raise err
+    raise MemoryBudgetError(
+        f"a {node.structure} Fisher over {space.dim:,} coordinates", inverted, memory_budget,
+        parts=[("its matrix", need), ("inverting it (the peak)", inverse_bytes(space, node.structure))],
+        fixes=fixes, fits_under=inverted if roomy else None)

@@ -150,7 +150,7 @@ def _plan(root, options, device, rewrites, choices, measure_shapes, topk, budget
                 raise
             scheduled, passes, decisions = fallback
     except MemoryBudgetError as err:   # every refusal says where the budget came from and how to change it
-        err.args = (with_note(err, budget, getattr(err, "needed", None)), *err.args[1:])
+        with_note(err, budget, err.fits_under)
         raise
     return Plan(root, simplified, fired, Decisions(decisions), list(passes), scheduled.jobs, list(graph.roots),
                 options, prof, set(scheduled.stored), known.dtype, budget,
@@ -178,7 +178,7 @@ def _recomputed(err: MemoryBudgetError, scheduled, graph, known, simplified, cho
         passes, decisions = size(rescheduled, known)
     except MemoryBudgetError:
         return None
-    why = (f"storing them in the pass that reads them made it exceed the memory budget ({str(err).split('. ')[0]}); "
+    why = (f"storing them in the pass that reads them made it exceed the memory budget ({err.summary()}); "
            "each is read again where it is needed")
     before = {d.subject: d for d in scheduled.decisions if d.kind == DecisionKind.STORE}
 
@@ -190,10 +190,9 @@ def _recomputed(err: MemoryBudgetError, scheduled, graph, known, simplified, cho
                            source=DecisionSource.PLANNER, setting="")
         return before.get(d.subject, d)       # read again anyway (by cost or the store cap)
     decisions = [shown(d) for d in decisions]
-    needed = getattr(err, "needed", None)
     decisions.append(Decision(
         DecisionKind.STORE, "memory budget", "recompute",
-        {"store": f"refused: {format_bytes(needed)} needed" if needed else "refused: over the memory budget",
+        {"store": f"refused: {format_bytes(err.needed)} needed",
          "recompute": sum(p.seconds for p in passes)},
         "rows kept for a later pass would not fit beside the pass that reads them; read again instead "
         "(the same rows: exact)", label="rows stored for later passes (under the memory budget)"))

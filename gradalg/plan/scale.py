@@ -138,10 +138,17 @@ def scale_estimates(plan, gpus=(1, 4, 8), device="h200") -> list[dict]:
 
 def check_fits(plan, gpus: int, device="h200") -> dict:
     """The estimate for ``gpus`` GPUs, or :class:`MemoryBudgetError` with the arithmetic
-    when one example per GPU does not fit next to the weights and held rows."""
+    when one example per GPU does not fit next to the weights and held rows (``needed``:
+    the memory per GPU, ``budget``: one GPU's memory; no budget is suggested: more GPUs or
+    a smaller run is the fix)."""
     row = scale_estimates(plan, (gpus,), device)[0]
     if not row["fits"]:
+        b = row["batch_per_gpu"]
         raise MemoryBudgetError(
-            f"does not fit on {gpus} × {row['device']}: {row['why']}. Use more GPUs, shorter sequences, "
-            "project the gradients (ga.proj.kron), fewer queries per call, or attribute fewer layers.")
+            f"each GPU of {gpus} × {row['device']}", row["memory_per_gpu"], row["capacity"],
+            parts=[(f"its share of the weights (W / {gpus})", row["weights"]), ("unsharded FSDP units", row["gathered"]),
+                   ("held rows and statistics", row["held"]), (f"{b} × one example's work", b * row["per_example"])],
+            limit=f"the memory of one {row['device']}", fits_under=None,
+            fixes=["use more GPUs", "shorter sequences", "project the gradients (ga.proj.kron)",
+                   "fewer queries per call", "attribute fewer layers"])
     return row

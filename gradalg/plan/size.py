@@ -49,15 +49,17 @@ def _batch_tokens(sources: list[Source], options) -> tuple[int, int, int | None]
     return tokens, T, max(1, -(-tokens // T))
 
 
-def _over_budget(message: str, needed: float) -> MemoryBudgetError:
-    err = MemoryBudgetError(message)
-    err.needed = needed     # what a batch of one example needs (refusal_note)
-    return err
+def _over_budget(p: Pass, needed: float, budget: float, parts, fixes, detail: str = "") -> MemoryBudgetError:
+    """The refusal of pass ``p``: ``needed`` bytes at a batch of one (what it holds and one
+    example's or one chunk's work, ``parts``), over ``budget``; :func:`size` raises its
+    ``fits_under`` to what every pass of the plan needs."""
+    return MemoryBudgetError(p.label, needed, budget, parts=[(what, n) for what, n in parts if n],
+                             detail=detail, fixes=fixes)
 
 
 def _shrinking_fixes(jobs, per_ex: float, budget: float, facts: Facts, resolving: float = 0.0) -> tuple[str, str]:
-    """``(fewer, smaller)``: the refusal's "use fewer queries per call, " where holding fewer
-    rows can fit the pass, and "project to a smaller k, " where an operator's resolution
+    """``(fewer, smaller)``: the refusal's "use fewer queries per call" where holding fewer
+    rows can fit the pass, and "project to a smaller k" where an operator's resolution
     (``resolving`` bytes, :meth:`_Sizer.resolving_bytes`) is counted; else "". What the jobs
     that do not shrink with the queries hold (``Job.shrinks_with_queries`` False: the
     statistics, K-FAC / EK-FAC factors or a formed Fisher; the rows stored for a second use
@@ -68,25 +70,29 @@ def _shrinking_fixes(jobs, per_ex: float, budget: float, facts: Facts, resolving
     on a Llama shape at T = 512 was told to use fewer queries while holding one.)"""
     kept = sum(j.fixed_bytes(facts) for j in jobs if not j.shrinks_with_queries)
     fewer = kept + table_bytes(jobs) + resolving + per_ex <= budget
-    return "use fewer queries per call, " if fewer else "", "project to a smaller k, " if resolving else ""
+    return "use fewer queries per call" if fewer else "", "project to a smaller k" if resolving else ""
+
+
+def _held_parts(p: Pass, jobs, fixed: float, per_ex: float, resolving: float) -> list[tuple[str, float]]:
+    """What a pass holding ``fixed`` bytes needs at a batch of one, by part."""
+    tables = table_bytes(jobs)
+    work = "one example's factors and activations" if p.reads_data else "its work on one chunk"
+    return [("held rows and statistics", fixed - tables - resolving), ("sparse projection tables", tables),
+            ("resolving an operator", resolving), (work, per_ex)]
 
 
 def _refuse(p: Pass, jobs, fixed: float, per_ex: float, budget: float, facts: Facts,
             resolving: float = 0.0) -> MemoryBudgetError:
     """Held rows and statistics alone over the budget: refused before anything runs."""
-    parts = "".join(f" ({a})" for a in (j.bytes_arithmetic(facts) for j in jobs) if a)
-    tables = table_bytes(jobs)
-    parts += f" (sparse projection tables {_si(tables)}B)" if tables else ""
-    parts += _resolving_part(resolving)
+    detail = "; ".join(a for a in [*(j.bytes_arithmetic(facts) for j in jobs), _resolving_part(resolving)] if a)
     fewer, smaller = _shrinking_fixes(jobs, per_ex, budget, facts, resolving)
-    return _over_budget(f"{p.label}: held rows and statistics take {_si(fixed)}B{parts}, over the memory budget "
-                        f"of {_si(budget)}B: {fewer}{smaller}project the gradients (ga.proj.kron), "
-                        "or raise the memory budget", fixed + per_ex)
+    return _over_budget(p, fixed + per_ex, budget, _held_parts(p, jobs, fixed, per_ex, resolving),
+                        [fewer, smaller, "project the gradients (ga.proj.kron)", "raise the memory budget"], detail)
 
 
 def _resolving_part(resolving: float) -> str:
-    return (f" (resolving an operator {_si(resolving)}B: a d × d eigendecomposition in float64, 32·d² bytes, "
-            "and 8·d² for a damped copy, which a smaller projection dimension k shrinks)") if resolving else ""
+    return ("resolving an operator is a d × d eigendecomposition in float64, 32·d² bytes, and 8·d² for a damped "
+            "copy, which a smaller projection dimension k shrinks") if resolving else ""
 
 
 def _batch_size(p: Pass, sources, fixed: float, per_ex: float, facts: Facts,
@@ -105,16 +111,14 @@ def _batch_size(p: Pass, sources, fixed: float, per_ex: float, facts: Facts,
     if budget - fixed < per_ex:  # not even a batch of one example fits next to the held rows
         if per_ex > budget:   # one example alone: projecting or fewer queries shrinks only the held rows
             T = max(tokens_hint(s) for s in sources)
-            raise _over_budget(f"{p.label}: one example's factors and activations ({T:,} positions) take "
-                               f"{_si(per_ex)}B on their own (held rows and statistics {_si(fixed)}B more), over "
-                               f"the memory budget of {_si(budget)}B. They grow with the positions per example, "
-                               "not with the queries or a projection: use shorter sequences, or raise "
-                               "the memory budget", fixed + per_ex)
+            raise _over_budget(p, fixed + per_ex, budget, [(f"one example's factors and activations ({T:,} positions)",
+                                                            per_ex), ("held rows and statistics", fixed)],
+                               ["use shorter sequences (one example's factors and activations grow with its "
+                                "positions, not with the queries or a projection)", "raise the memory budget"])
         fewer, smaller = _shrinking_fixes(p.jobs, per_ex, budget, facts, resolving)
-        raise _over_budget(f"{p.label}: held rows and statistics take {_si(fixed)}B{_resolving_part(resolving)} and "
-                           f"one example's factors and activations {_si(per_ex)}B, over the memory budget of "
-                           f"{_si(budget)}B. Project the gradients (ga.proj.kron), {smaller}{fewer}or raise "
-                           "the memory budget", fixed + per_ex)
+        raise _over_budget(p, fixed + per_ex, budget, _held_parts(p, p.jobs, fixed, per_ex, resolving),
+                           ["project the gradients (ga.proj.kron)", smaller, fewer, "raise the memory budget"],
+                           _resolving_part(resolving))
     fit = int((budget - fixed) // max(per_ex, 1.0))
     tokens, T, by_tokens = _batch_tokens(sources, o)
     batch = max(1, min(o.batch_size, fit, by_tokens or o.batch_size))
@@ -235,10 +239,9 @@ class _Sizer:
         # one read of the data, however many sources are captured from each batch
         cost = replace(cost, peak_bytes=fixed + per_ex * (batch or 1) - drop, passes=1.0 if p.reads_data else 0.0)
         if cost.peak_bytes > o.memory_budget:   # a pass over rows in memory: its chunk beside what it holds
-            raise _over_budget(f"{p.label}: held rows and statistics take {_si(fixed - drop)}B and its work on "
-                               f"one chunk {_si(per_ex)}B more, over the memory budget of {_si(o.memory_budget)}B. "
-                               "Project the gradients (ga.proj.kron), or raise the memory budget",
-                               cost.peak_bytes)
+            raise _over_budget(p, cost.peak_bytes, o.memory_budget,
+                               [("held rows and statistics", fixed - drop), ("its work on one chunk", per_ex)],
+                               ["project the gradients (ga.proj.kron)", "raise the memory budget"])
         return replace(p, jobs=jobs, batch_size=batch, note=note, cost=cost, seconds=cost.seconds(facts.device, dtype),
                        per_example_bytes=per_ex, fixed_bytes=fixed - drop)
 
@@ -246,15 +249,16 @@ class _Sizer:
 def size(schedule: Schedule, facts: Facts) -> tuple[tuple, tuple]:
     """``(sized passes, decisions)`` of ``schedule`` under ``facts``.
 
-    A pass over the budget is refused (:class:`~gradalg.errors.MemoryBudgetError`); its
-    ``needed`` is the smallest budget under which EVERY pass fits (each at a batch of one:
+    A pass over the budget is refused (:class:`~gradalg.errors.MemoryBudgetError`, ``needed``
+    what that pass needs at a batch of one); its ``fits_under`` is the smallest budget under
+    which EVERY pass fits (each at a batch of one:
     what it holds plus one example's or one chunk's work), so that the budget the refusal
     suggests plans as written, not only past the pass that was refused first."""
     sizer = _Sizer(schedule, facts)
     try:
         passes = tuple(sizer.size_pass(p) for p in schedule.passes)
     except MemoryBudgetError as err:
-        err.needed = max(getattr(err, "needed", None) or 0.0, _needed(schedule, facts))
+        err.fits_under = max(err.fits_under or 0.0, _needed(schedule, facts))
         raise
     return passes, schedule.decisions + tuple(sizer.decisions)
 
