@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from .bytefmt import format_bytes_alike
+
 __all__ = [
     "GradalgError",
     "UnsupportedLayerError",
@@ -216,7 +218,6 @@ class MemoryBudgetError(GradalgError, MemoryError):
 def _alike(needed: float, budget: float, *parts: float) -> tuple[str, ...]:
     """``needed``, ``budget`` and ``parts`` in one unit, to three significant digits, or as
     many more (up to 7) as it takes for ``needed`` and ``budget`` not to read the same."""
-    from .units import format_bytes_alike     # units imports this module
     for digits in range(3, 8):
         shown = format_bytes_alike(needed, budget, *parts, digits=digits)
         if shown[0] != shown[1] or needed == budget:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import numbers
 from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
 
+from .bytefmt import byte_unit, format_bytes, format_bytes_alike, si
 from .errors import OptionError
 
 __all__ = ["parse_bytes", "format_bytes", "format_bytes_alike", "byte_unit", "si"]
@@ -30,10 +31,6 @@ __all__ = ["parse_bytes", "format_bytes", "format_bytes_alike", "byte_unit", "si
 #: how a byte quantity is written, for error messages
 UNITS_HELP = ("a number of bytes or a string like '8GB' (decimal: 8·10⁹ bytes) or '8GiB' (binary: 8·2³⁰ bytes); "
               "units B, kB, MB, GB, TB, PB are powers of 1000, KiB, MiB, GiB, TiB, PiB powers of 1024")
-
-#: the decimal prefixes :func:`si` writes, largest first
-_PREFIXES = (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3))
-
 
 def parse_bytes(value, name: str = "memory_budget") -> int:
     """The bytes ``value`` stands for: an int, a finite float (rounded to the nearest byte)
@@ -65,51 +62,3 @@ def parse_bytes(value, name: str = "memory_budget") -> int:
     if not number.is_finite() or number < 0:
         raise OptionError(f"{name}={value!r} is not a finite number of bytes >= 0; {name} must be {UNITS_HELP}")
     return int((number * scale).to_integral_value(ROUND_HALF_EVEN))
-
-
-def si(x: float) -> str:
-    """``x`` to three significant digits with a decimal prefix and a space: ``"11.2 G"``,
-    ``"87 M"``, ``"3.4 k"``, ``"512 "`` (add the unit: ``"FLOP"``, ``"B"``). Rounded before
-    the prefix is chosen, so 999.7 · 10⁶ is ``"1 G"``, never ``"1e+03 M"``."""
-    x = float(f"{x:.3g}")
-    for unit, scale in _PREFIXES:
-        if x >= scale:
-            return f"{x / scale:.3g} {unit}"
-    return f"{x:.3g} "
-
-
-def format_bytes(nbytes: float) -> str:
-    """``nbytes`` as gradalg prints bytes: decimal units, three significant digits
-    (``"11.2 GB"``, ``"87 MB"``, ``"512 B"``); :func:`parse_bytes` reads it back as that
-    many bytes to the printed precision."""
-    return f"{si(nbytes)}B"
-
-
-def byte_unit(nbytes: float) -> tuple[str, float]:
-    """``(unit, bytes per unit)`` :func:`format_bytes` writes ``nbytes`` in: ``("GB", 1e9)``
-    for 11.2·10⁹, ``("B", 1.0)`` below a kilobyte (rounded to three digits first, as
-    :func:`si`)."""
-    x = float(f"{float(nbytes):.3g}")
-    for unit, scale in _PREFIXES:
-        if x >= scale:
-            return f"{unit}B", scale
-    return "B", 1.0
-
-
-def format_bytes_alike(*nbytes: float, digits: int = 3) -> tuple[str, ...]:
-    """The byte counts of one sentence in one unit, the unit :func:`format_bytes` writes the
-    largest in, each to ``digits`` significant digits in positional notation:
-    ``format_bytes_alike(5.04e12, 8e11)`` is ``("5.04 TB", "0.8 TB")``, never
-    ``"5.04 TB"`` beside ``"800 GB"``. A count under a thousandth of that unit (a few bytes
-    beside terabytes) is written in its own (:func:`format_bytes`) rather than as
-    ``0.000002 TB``. Each reads back with :func:`parse_bytes` as that many bytes to the
-    printed precision."""
-    unit, scale = byte_unit(max((abs(float(n)) for n in nbytes), default=0.0))
-    return tuple(f"{_positional(float(n) / scale, digits)} {unit}" if float(n) == 0 or float(n) / scale >= 1e-3
-                 else format_bytes(n) for n in nbytes)
-
-
-def _positional(x: float, digits: int = 3) -> str:
-    """``x`` to ``digits`` significant digits, without an exponent: 0.8, 5.04, 0.00213, 640."""
-    text = f"{Decimal(f'{x:.{digits}g}'):f}"
-    return text.rstrip("0").rstrip(".") if "." in text else text
