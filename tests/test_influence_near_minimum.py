@@ -127,6 +127,9 @@ def test_at_an_exact_minimiser_the_hessian_is_chosen_from_its_own_numbers():
     assert_close(values, flat.scores(hessian_reference(H, WD)), rtol=1e-8, atol=1e-12)
     # the plan: the rule before the run, the measured numbers after it
     assert before.chosen == "decided when run" and "hessian_negative_ratio=1" in before.reason
+    # ... and that the Gauss-Newton is taken where the Hessian's damped, PSD-shifted matrix is singular
+    assert "the Gauss-Newton too where the rule picks the Hessian but the Hessian damped and shifted to PSD" \
+        in before.reason and "is singular (smallest eigenvalue ≤ 1e-15 × the largest" in before.reason, before.reason
     assert after.chosen == "dense_hessian"
     assert f"−μ_min / mean = {probe.ratio:.3g} ≤ r = 1" in after.reason
 

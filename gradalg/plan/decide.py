@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from ..errors import MemoryBudgetError
 from ..expr import GradNode, Inner, NearMinimum, OpNode, Project, ScoreDiagonal
 from ..expr.curvature import PROBES
+from ..linalg.base import SINGULAR_RTOL
 from .choices import Choices
 from ..units import format_bytes
 from .decisions import Decision, DecisionKind, DecisionSource
@@ -234,8 +235,9 @@ def decide(lowered: Lowered, facts: Facts, choices: Choices | None = None) -> Jo
 def near_minimum_decisions(root) -> list[Decision]:
     """A ``CURVATURE`` :class:`~gradalg.plan.decisions.Decision` for each
     :class:`~gradalg.expr.NearMinimum` of ``root`` (``curvature="auto"``'s dense choice): the
-    formed Hessian where −μ_min(H̄ + decay) ≤ r × the Gauss-Newton's mean eigenvalue, else the
-    Gauss-Newton. Decided when the operator resolves (its numbers are the data's): a plan made
+    formed Hessian where −μ_min(H̄ + decay) ≤ r × the Gauss-Newton's mean eigenvalue and the
+    Hessian damped and shifted to PSD is not singular (:func:`~gradalg.linalg.base.singular`),
+    else the Gauss-Newton (:meth:`~gradalg.expr.curvature.NearMinimum._measure_hessian`). Decided when the operator resolves (its numbers are the data's): a plan made
     after that run shows what was chosen with the measured μ_min, scale and ratio
     (:data:`~gradalg.expr.curvature.PROBES`); before it, "decided when run" and the rule."""
     rows = []
@@ -246,8 +248,11 @@ def near_minimum_decisions(root) -> list[Decision]:
         rule = (f"near a minimum of its objective (−μ_min(H̄ + decay) ≤ r × tr(G)/dim, r = "
                 f"ga.options(hessian_negative_ratio={x.ratio:g}); μ_min bounded first by "
                 f"ga.options(hessian_probe_iterations={x.iterations}) Lanczos products, then exact from the formed "
-                "Hessian if not ruled out). Force one with curvature='dense_hessian' or 'gauss_newton'")
-        alternatives = {"dense_hessian": f"{x.hessian_inv.label} (near a minimum)",
+                "Hessian if not ruled out), else the Gauss-Newton; the Gauss-Newton too where the rule picks the "
+                "Hessian but the Hessian damped and shifted to PSD, the matrix its inverse takes, is singular "
+                f"(smallest eigenvalue ≤ {SINGULAR_RTOL:g} × the largest: damping=0 off an exact minimum), so "
+                "'auto' is never refused for it. Force one with curvature='dense_hessian' or 'gauss_newton'")
+        alternatives = {"dense_hessian": f"{x.hessian_inv.label} (near a minimum, its damped inverse existing)",
                         "gauss_newton": f"{x.gauss_newton_inv.label} (otherwise)"}
         if probe is None:
             rows.append(Decision(DecisionKind.CURVATURE, x.token, "decided when run", alternatives,
