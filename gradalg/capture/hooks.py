@@ -17,6 +17,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from ..errors import LayerNameError, OptionError, UnsupportedLayerError
+from ..own_hooks import ours
 from ..space import Block
 from ..task import TransformerBlocks
 from . import experts as _experts  # noqa: F401 (registers the fused experts' rule)
@@ -305,7 +306,7 @@ class ForwardRecorder:
             self._uses.__enter__()
         for ref in self.layers:
             for use in ref.uses:
-                self._handles.append(use.module.register_forward_hook(self._hook(ref, use), with_kwargs=True))
+                self._handles.append(ours(use.module.register_forward_hook(self._hook(ref, use), with_kwargs=True)))
         return self
 
     def __exit__(self, *exc):

@@ -28,6 +28,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import UnsupportedLayerError
+from ..own_hooks import ours
 from .factors import Factors
 from .layers import _REPLAYING, _leading_rows, replaying
 from .rows import RowLayout, layout_for
@@ -64,8 +65,8 @@ class CallStack:
 
     def __enter__(self):
         self._thread = threading.get_ident()       # the hooks are global: other threads' calls are not ours
-        self._handles = [register_module_forward_pre_hook(self._push),
-                         register_module_forward_hook(self._pop, with_kwargs=True)]
+        self._handles = [ours(register_module_forward_pre_hook(self._push)),
+                         ours(register_module_forward_hook(self._pop, with_kwargs=True))]
         return self
 
     def __exit__(self, *exc):
@@ -144,7 +145,7 @@ class _SubRecorder:
     def __enter__(self):
         self._token = _REPLAYING.set(self)
         for ref in self.refs:
-            self._handles.append(ref.module.register_forward_hook(self._hook(ref), with_kwargs=True))
+            self._handles.append(ours(ref.module.register_forward_hook(self._hook(ref), with_kwargs=True)))
         return self
 
     def __exit__(self, *exc):

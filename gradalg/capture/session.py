@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..errors import CaptureStateError, LossReductionError
+from ..own_hooks import ours
 from .factors import Factors
 from .hooks import LayerRef, check_batch_rows, resolve_layers
 from .provenance import CallStack
@@ -132,11 +133,11 @@ class LoopRecorder:
         self._reset_step()
         # each call of the model starts a forward: the rows of two forwards before one backward
         # are two groups of examples, not one
-        self._handles.append(self.model.register_forward_pre_hook(self._forward_started))
-        self._handles.append(self.model.register_forward_hook(self._forward_done, always_call=True))
+        self._handles.append(ours(self.model.register_forward_pre_hook(self._forward_started)))
+        self._handles.append(ours(self.model.register_forward_hook(self._forward_done, always_call=True)))
         for ref in self.refs:
             for use in ref.uses:
-                self._handles.append(use.module.register_forward_hook(self._forward_hook(ref, use)))
+                self._handles.append(ours(use.module.register_forward_hook(self._forward_hook(ref, use))))
         return self
 
     def __exit__(self, *exc):

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UnsupportedLayerError
+from ..own_hooks import ours
 
 __all__ = ["affine_kind", "AffineRecorder"]
 
@@ -93,7 +94,7 @@ class AffineRecorder:
 
     def __enter__(self):
         for name, module in self.modules.items():
-            self._handles.append(module.register_forward_hook(self._hook(name)))
+            self._handles.append(ours(module.register_forward_hook(self._hook(name))))
         return self
 
     def __exit__(self, *exc):

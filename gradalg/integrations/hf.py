@@ -86,6 +86,7 @@ from transformers import TrainerCallback
 
 from ..errors import (CaptureStateError, DataError, ExampleIdsError, LossReductionError, OptionError,
                       UnsupportedLayerError)
+from ..own_hooks import ours
 from . import distributed as _dist
 from .distributed import unwrap_model
 from .sampled_ids import SampledIds, is_iterable
@@ -280,7 +281,7 @@ class GradientCallback(TrainerCallback):
             self.stream.attach(self.capture, start_step=state.global_step,
                                info={"integration": "transformers.Trainer", "scale": self.scale,
                                      "world_size": self._world})
-        self._handles.append(model.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
+        self._handles.append(ours(model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)))
         if self.selection is not None and args.max_grad_norm and args.max_grad_norm > 0:
             self._clip, args.max_grad_norm = args.max_grad_norm, 0.0
         (self.selection or self.capture).__enter__()
