@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..dtensor import is_dtensor
 from ..errors import UnsupportedLayerError
 from ..own_hooks import ours
 
@@ -67,14 +68,6 @@ def _normalized(module: nn.Module, kind: str, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, shape, eps=eps)
     dims = tuple(range(-len(shape), 0))
     return x * torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)
-
-
-def _is_dtensor(t) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except Exception:  # pragma: no cover
-        return False
-    return isinstance(t, DTensor)
 
 
 class AffineRecorder:
@@ -130,7 +123,7 @@ class AffineRecorder:
 
     def _check(self, name, module, xhat, output):
         w, b = module.weight, getattr(module, "bias", None)
-        if _is_dtensor(w) or (b is not None and _is_dtensor(b)):
+        if is_dtensor(w) or (b is not None and is_dtensor(b)):
             self._checked.add(name)  # sharded outside its forward (FSDP2): trust the class
             return
         expect = xhat * w.detach().to(xhat.dtype)
