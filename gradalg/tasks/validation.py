@@ -238,13 +238,19 @@ def _positions(bad: torch.Tensor, ids, limit: int = 5) -> str:
     return text + (" ..." if int(bad.sum()) > limit else "")
 
 
+def _embeddings(model, getter: str):
+    """``model.<getter>()`` (transformers' ``get_input_embeddings`` /
+    ``get_output_embeddings``); None when the model has none or cannot say."""
+    get = getattr(model, getter, None)
+    try:
+        return get() if callable(get) else None
+    except (NotImplementedError, AttributeError):
+        return None
+
+
 def input_vocab(model) -> int | None:
     """The number of rows of the model's input embedding (None when it cannot be read)."""
-    get = getattr(model, "get_input_embeddings", None)
-    try:
-        emb = get() if callable(get) else None
-    except (NotImplementedError, AttributeError):
-        emb = None
+    emb = _embeddings(model, "get_input_embeddings")
     if isinstance(emb, torch.nn.Embedding):
         return emb.num_embeddings
     size = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -253,11 +259,7 @@ def input_vocab(model) -> int | None:
 
 def output_vocab(model) -> int | None:
     """The number of logits per position (the output embedding's rows; else the input vocabulary)."""
-    get = getattr(model, "get_output_embeddings", None)
-    try:
-        head = get() if callable(get) else None
-    except (NotImplementedError, AttributeError):
-        head = None
+    head = _embeddings(model, "get_output_embeddings")
     if isinstance(head, torch.nn.Linear):
         return head.out_features
     return input_vocab(model)
