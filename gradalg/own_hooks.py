@@ -2,10 +2,11 @@
 
 Every forward hook gradalg installs on a user's model (the batch recorder's, the loop
 recorder's, the call stack's global pre/post hooks, the replay recorder's, the training
-integrations') is registered as usual and its handle passed through :func:`ours`, which
-keeps a weak reference to it. :func:`suspended` then takes exactly those hooks out of the
-model's hook dicts and torch's global ones for the duration of a block, and puts them
-back, in their places, on exit (an exception included); a user's own hooks stay on.
+integrations') is registered as usual and its handle kept in an :class:`OwnHooks`, which
+marks it as gradalg's (:func:`ours`: a weak reference) and removes them all on exit.
+:func:`suspended` takes exactly those hooks out of the model's hook dicts and torch's
+global ones for the duration of a block, and puts them back, in their places, on exit
+(an exception included); a user's own hooks stay on.
 
 One use: :func:`gradalg.tasks.validation.own_forward_error` runs the model's plain
 forward on a batch the capture could not read, to tell a broken model from a bad batch.
@@ -19,7 +20,7 @@ import torch
 from torch.nn.modules import module as _mm
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["ours", "suspended"]
+__all__ = ["ours", "OwnHooks", "suspended"]
 
 #: handles of the forward hooks gradalg installed and has not removed yet (a removed
 #: handle is dropped with its owner's list)
@@ -32,6 +33,36 @@ def ours(handle: RemovableHandle) -> RemovableHandle:
     returns it. The caller keeps the handle (and removes it) as before."""
     _OURS.add(handle)
     return handle
+
+
+class OwnHooks:
+    """The hooks one gradalg object puts on a model (a recorder's, a trainer callback's):
+    each handle marked as gradalg's when added (:func:`ours`), all removed at once.
+
+    Example (a recorder)::
+
+        self._hooks = OwnHooks()                                   # __init__
+        self._hooks.add(module.register_forward_hook(self._hook))  # __enter__
+        self._hooks.remove()                                       # __exit__
+    """
+
+    def __init__(self):
+        self._handles: list[RemovableHandle] = []
+
+    def add(self, handle: RemovableHandle) -> RemovableHandle:
+        """Keep ``handle``, marked as gradalg's; returns it."""
+        self._handles.append(ours(handle))
+        return handle
+
+    def remove(self) -> None:
+        """Remove every hook added (each once: the list is emptied)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __bool__(self) -> bool:
+        """Whether hooks are installed."""
+        return bool(self._handles)
 
 
 def _hook_dicts(model: torch.nn.Module) -> list[dict]:

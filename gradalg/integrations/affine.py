@@ -22,7 +22,7 @@ from torch import nn
 
 from ..dtensor import is_dtensor
 from ..errors import UnsupportedLayerError
-from ..own_hooks import ours
+from ..own_hooks import OwnHooks
 
 __all__ = ["affine_kind", "AffineRecorder"]
 
@@ -83,17 +83,15 @@ class AffineRecorder:
         self.micro_index = micro_index
         self.records: dict[int, dict[str, list]] = {}
         self._checked: set[str] = set()
-        self._handles = []
+        self._handles = OwnHooks()
 
     def __enter__(self):
         for name, module in self.modules.items():
-            self._handles.append(ours(module.register_forward_hook(self._hook(name))))
+            self._handles.add(module.register_forward_hook(self._hook(name)))
         return self
 
     def __exit__(self, *exc):
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self._handles.remove()
         return False
 
     def clear(self):
