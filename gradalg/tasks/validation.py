@@ -34,6 +34,7 @@ from collections.abc import Mapping
 import torch
 
 from ..errors import BatchContentError, GradalgError
+from ..eval_mode import eval_mode
 from ..own_hooks import suspended
 
 __all__ = ["token_batch", "not_a_dict", "no_forward_ad", "class_labels", "pair_field", "input_vocab", "output_vocab", "max_positions", "IGNORE",
@@ -131,24 +132,11 @@ def own_forward_error(model, args=(), kwargs: Mapping | None = None):
     if any(_traced(t) for t in tree_flatten((args, kwargs))[0]) or not isinstance(model, torch.nn.Module):
         return _UNKNOWN
     try:
-        with suspended(model), _evaluating(model), torch.no_grad(), torch._C.DisableTorchFunction():
+        with suspended(model), eval_mode(model), torch.no_grad(), torch._C.DisableTorchFunction():
             model(*args, **kwargs)
     except Exception as err:    # noqa: BLE001 - the model's own error is the answer
         return err
     return None
-
-
-@contextlib.contextmanager
-def _evaluating(model):
-    """``model`` in eval mode within the block, each module's ``training`` flag put back
-    after: the check changes no state of the model, such as batch-norm running statistics."""
-    training = [(module, module.training) for module in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for module, mode in training:
-            module.training = mode
 
 
 #: op names (Python frames) of kernels that exist for a few floating dtypes only, and the fix
