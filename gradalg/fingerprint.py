@@ -39,6 +39,8 @@ import weakref
 
 import torch
 
+from .dtensor import local_shard
+
 __all__ = ["tensor_digest", "model_digest", "digests_held", "stable_model_digest", "is_meta_model", "model_structure", "callable_fingerprint", "object_fingerprint", "stable_token",
            "forget", "is_stable"]
 
@@ -123,10 +125,9 @@ def _hash_tensor(t: torch.Tensor) -> str:
     h = hashlib.blake2b(digest_size=_DIGEST_SIZE)
     h.update(f"{tuple(t.shape)}|{t.dtype}|".encode())
     t = t.detach()
-    if hasattr(t, "to_local") and hasattr(t, "placements"):
-        # a DTensor (FSDP2 / tensor parallel): this rank's shard (with one rank, the whole
-        # tensor: the same digest as the unsharded parameter; the header has the global shape)
-        t = t.to_local()
+    # a DTensor (FSDP2 / tensor parallel): this rank's shard (with one rank, the whole
+    # tensor: the same digest as the unsharded parameter; the header has the global shape)
+    t = local_shard(t)
     if t.is_sparse:
         t = t.coalesce()
         h.update(b"sparse|")

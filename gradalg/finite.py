@@ -9,8 +9,8 @@ A NaN weight makes every example's gradient NaN; reported on the gradients, it w
 blamed on the examples. So every pass checks the model first (:func:`check_model`: one
 finite sum per parameter and buffer, before the first batch), and only
 then the rows of each batch (:func:`check_rows`: one reduction per row, see
-:func:`finite_rows`). On the foundation floor (imports torch and ``errors`` only), so
-that ``capture/`` (``ga.capture``, training-time capture), ``exec/`` (``ga.grads``) and
+:func:`finite_rows`). On the foundation floor (imports torch, ``errors`` and ``dtensor``
+only), so that ``capture/`` (``ga.capture``, training-time capture), ``exec/`` (``ga.grads``) and
 ``unroll/`` (MAGIC) share it.
 """
 from __future__ import annotations
@@ -18,14 +18,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .dtensor import local_shard
 from .errors import NonFiniteGradientError, NonFiniteWeightError
 
 __all__ = ["check_model", "finite_rows", "check_rows", "check_examples", "nonfinite_examples"]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (FSDP2 / tensor parallel), else the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
 
 
 def _is_norm_statistic(model: nn.Module, name: str) -> bool:
@@ -61,7 +57,7 @@ def check_model(model: nn.Module) -> None:
     """
     for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
         for name, tensor in named:
-            t = _local(tensor.detach())
+            t = local_shard(tensor.detach())
             if not (t.is_floating_point() or t.is_complex()) or t.device.type == "meta" or t.numel() == 0:
                 continue
             if _sum_is_finite(t) or bool(torch.isfinite(t).all()):

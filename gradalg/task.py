@@ -18,6 +18,7 @@ from torch import nn
 
 from .data import batch_size_of, slice_batch
 from .errors import LossReductionError, OptionError
+from .eval_mode import eval_mode
 from .fingerprint import callable_fingerprint, digests_held, model_digest
 
 __all__ = ["Task", "TransformerBlocks"]
@@ -293,15 +294,10 @@ class Task:
             b = 2
         else:
             batch = slice_batch(batch, slice(0, b))
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                full = known if known is not None else float(self.summed_loss(self.model, batch))
-                first = float(self.summed_loss(self.model, slice_batch(batch, slice(0, 1))))
-                rest = float(self.summed_loss(self.model, slice_batch(batch, slice(1, b))))
-        finally:
-            self.model.train(was_training)
+        with eval_mode(self.model), torch.no_grad():
+            full = known if known is not None else float(self.summed_loss(self.model, batch))
+            first = float(self.summed_loss(self.model, slice_batch(batch, slice(0, 1))))
+            rest = float(self.summed_loss(self.model, slice_batch(batch, slice(1, b))))
         if not all(map(math.isfinite, (full, first, rest))):
             return  # inconclusive: NaN/inf is reported by the finite check, naming the examples
         as_sum = first + rest

@@ -43,3 +43,36 @@ def test_a_measured_profile_has_the_fits_applied(monkeypatch):
     monkeypatch.setattr(measure, "FITS", [])
     assert measure.measure_profile(torch.device("cpu"), gemm_sizes=(8,), bmm_sizes=(4,), eigh_sizes=(8,),
                                    copy_bytes=2**16, batch_elements=2**10, seconds=0.002).product_work == 2.0
+
+
+def test_the_cpu_and_an_accelerator_profile_are_built_by_one_builder(monkeypatch):
+    """``measure_cpu`` and ``measure_profile`` build their profiles in one place
+    (``measure._measured_profile``): both measure every number the benchmarks shared by all
+    devices give (none left at its nominal default), and differ only in the fields of their
+    kind — the CPU's page faults, random numbers, block costs and table draws are measured;
+    an accelerator's come from the host's profile (nominal here: no cache) and its fault
+    bandwidth stays 0. About 3 s of CPU for ``measure_cpu``."""
+    monkeypatch.setattr(measure, "FITS", [])
+    monkeypatch.setattr(measure, "cached_local_profile", lambda: measure.DeviceProfile("host", 1.0, 1.0, 1.0, 1.0))
+    built = []
+    one = measure._measured_profile
+    monkeypatch.setattr(measure, "_measured_profile", lambda *a, **k: built.append(a[2]) or one(*a, **k))
+    cpu = measure.measure_cpu()
+    acc = measure.measure_profile(torch.device("cpu"), gemm_sizes=(16, 32), bmm_sizes=(4, 8), eigh_sizes=(8, 16),
+                                  copy_bytes=2**20, batch_elements=2**12, seconds=0.005)
+    assert built == [cpu.name, acc.name] and acc.name == "cpu (cpu, measured)"
+    nominal = measure.DeviceProfile("nominal", 1.0, 1.0, 1.0, 1.0)
+    shared = ("call_seconds", "op_seconds", "batch_seconds", "layer_seconds", "elementwise_bandwidth",
+              "gemm_rates", "bmm_rates", "bmm_call_seconds", "eigh_times", "sjlt_bytes", "ts_bytes_per_bin",
+              "ts_flat_bytes")
+    for prof in (cpu, acc):
+        assert prof.measured and prof.flops_fp32 == max(rate for _, rate in prof.gemm_rates) > 0
+        assert prof.flops_bf16 >= prof.flops_fp32 and prof.bandwidth > 0 and prof.memory == measure.host_memory()
+        for name in shared:
+            assert getattr(prof, name) != getattr(nominal, name), (prof.name, name)
+    assert cpu.flops_bf16 == cpu.flops_fp32 and [n for n, _ in cpu.gemm_rates] == list(measure.GEMM_SIZES)
+    assert [d for d, _ in cpu.eigh_times] == list(measure.EIGH_SIZES) and cpu.fault_bandwidth > 0
+    assert [kind for kind, _ in cpu.block_seconds] == ["ekfac", "kfac", "scores", "ghost", "precondition", "resolve"]
+    assert cpu.random_seconds != nominal.random_seconds and cpu.sjlt_build_randoms != nominal.sjlt_build_randoms
+    assert (acc.fault_bandwidth, acc.block_seconds, acc.link_bandwidth) == (0.0, (), 0.0)
+    assert (acc.random_seconds, acc.sjlt_build_randoms) == (nominal.random_seconds, nominal.sjlt_build_randoms)

@@ -21,7 +21,8 @@ PACKAGE = ROOT / "gradalg"
 # The floors, bottom to top, as in docs/design.md "Layers". A unit may import its own
 # floor and the floors below it; imports within a floor must not form a circle.
 FLOORS: tuple[tuple[str, ...], ...] = (
-    ("bytefmt", "errors", "version", "options", "units", "fingerprint", "finite", "collate", "notebook_runner"),  # foundation
+    ("bytefmt", "errors", "version", "options", "units", "fingerprint", "finite", "dtensor", "own_hooks",
+     "eval_mode", "collate", "notebook_runner"),  # foundation
     ("data", "task", "tasks", "space", "unroll", "eval"),  # inputs, shapes, torch-only math
     ("capture",),                                       # recording per-example factors
     ("linalg",),                                        # resolved operators (on flat or factored rows)

@@ -17,6 +17,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from ..errors import LayerNameError, OptionError, UnsupportedLayerError
+from ..own_hooks import OwnHooks
 from ..space import Block
 from ..task import TransformerBlocks
 from . import experts as _experts  # noqa: F401 (registers the fused experts' rule)
@@ -285,7 +286,7 @@ class ForwardRecorder:
 
     layers: list[LayerRef]
     calls: dict[str, list[_Call]] = field(default_factory=dict)
-    _handles: list = field(default_factory=list)
+    _handles: OwnHooks = field(default_factory=OwnHooks)
     model: nn.Module | None = None
 
     def __enter__(self):
@@ -305,13 +306,11 @@ class ForwardRecorder:
             self._uses.__enter__()
         for ref in self.layers:
             for use in ref.uses:
-                self._handles.append(use.module.register_forward_hook(self._hook(ref, use), with_kwargs=True))
+                self._handles.add(use.module.register_forward_hook(self._hook(ref, use), with_kwargs=True))
         return self
 
     def __exit__(self, *exc):
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._handles.remove()
         if getattr(self, "_uses", None) is not None:
             self._uses.__exit__(*exc)
             self._uses = None

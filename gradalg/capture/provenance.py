@@ -28,6 +28,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import UnsupportedLayerError
+from ..own_hooks import OwnHooks
 from .factors import Factors
 from .layers import _REPLAYING, _leading_rows, replaying
 from .rows import RowLayout, layout_for
@@ -60,18 +61,17 @@ class CallStack:
 
     def __init__(self):
         self.frames: list[Frame] = []
-        self._handles = []
+        self._handles = OwnHooks()
 
     def __enter__(self):
         self._thread = threading.get_ident()       # the hooks are global: other threads' calls are not ours
-        self._handles = [register_module_forward_pre_hook(self._push),
-                         register_module_forward_hook(self._pop, with_kwargs=True)]
+        self._handles.add(register_module_forward_pre_hook(self._push))
+        self._handles.add(register_module_forward_hook(self._pop, with_kwargs=True))
         return self
 
     def __exit__(self, *exc):
-        for h in self._handles:
-            h.remove()
-        self._handles, self.frames = [], []
+        self._handles.remove()
+        self.frames = []
         return False
 
     def _push(self, module, args):
@@ -139,17 +139,16 @@ class _SubRecorder:
     def __init__(self, refs):
         self.refs = refs
         self.calls = {ref.name: [] for ref in refs}
-        self._handles = []
+        self._handles = OwnHooks()
 
     def __enter__(self):
         self._token = _REPLAYING.set(self)
         for ref in self.refs:
-            self._handles.append(ref.module.register_forward_hook(self._hook(ref), with_kwargs=True))
+            self._handles.add(ref.module.register_forward_hook(self._hook(ref), with_kwargs=True))
         return self
 
     def __exit__(self, *exc):
-        for h in self._handles:
-            h.remove()
+        self._handles.remove()
         _REPLAYING.reset(self._token)
         return False
 

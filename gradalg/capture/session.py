@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..errors import CaptureStateError, LossReductionError
+from ..own_hooks import OwnHooks
 from .factors import Factors
 from .hooks import LayerRef, check_batch_rows, resolve_layers
 from .provenance import CallStack
@@ -99,7 +100,7 @@ class LoopRecorder:
         self.keep = keep
         self.store = CaptureStore(model=model)
         self._callbacks: list[Callable] = []
-        self._handles = []
+        self._handles = OwnHooks()
         self._pending: dict[str, list] = {}
         self._expected = 0
         self._received = 0
@@ -132,17 +133,15 @@ class LoopRecorder:
         self._reset_step()
         # each call of the model starts a forward: the rows of two forwards before one backward
         # are two groups of examples, not one
-        self._handles.append(self.model.register_forward_pre_hook(self._forward_started))
-        self._handles.append(self.model.register_forward_hook(self._forward_done, always_call=True))
+        self._handles.add(self.model.register_forward_pre_hook(self._forward_started))
+        self._handles.add(self.model.register_forward_hook(self._forward_done, always_call=True))
         for ref in self.refs:
             for use in ref.uses:
-                self._handles.append(use.module.register_forward_hook(self._forward_hook(ref, use)))
+                self._handles.add(use.module.register_forward_hook(self._forward_hook(ref, use)))
         return self
 
     def __exit__(self, *exc):
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self._handles.remove()
         return False
 
     # ------------------------------------------------------------------ internals

@@ -28,6 +28,8 @@ import sys
 
 from torch import nn
 
+from ..dtensor import is_dtensor
+
 __all__ = ["unwrap", "strip_prefixes", "BASE_LAYER", "sharding", "is_sharded"]
 
 BASE_LAYER = ".base_layer"
@@ -48,7 +50,7 @@ def sharding(model: nn.Module) -> str | None:
     wrapper = getattr(fsdp, "FullyShardedDataParallel", None)
     if wrapper is not None and any(isinstance(m, wrapper) for m in model.modules()):
         return "fsdp1"
-    if any(hasattr(p, "placements") and hasattr(p, "to_local") for p in model.parameters()):
+    if any(is_dtensor(p) for p in model.parameters()):
         return "dtensor"
     return None
 

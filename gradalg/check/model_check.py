@@ -41,7 +41,6 @@ batches of all n), plus two forwards in train mode.
 """
 from __future__ import annotations
 
-import contextlib
 import operator
 import time
 
@@ -51,6 +50,7 @@ from ..capture.coverage import layer_coverage
 from ..capture.hooks import resolve_layers
 from ..capture.weight_uses import untraced
 from ..data import move_batch
+from ..eval_mode import eval_mode
 from ..errors import GradalgError, ModelMismatchError, OptionError, UnsupportedLayerError
 from ..task import Task
 from .batches import examples_of, together_batches
@@ -89,19 +89,6 @@ def _tolerance(model, tolerance) -> float:
         return value
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     return TOLERANCES.get(dtype, 1e-3)
-
-
-@contextlib.contextmanager
-def _eval_mode(model):
-    """Every module in eval mode; each module's own mode restored afterwards (a model in
-    train mode with a frozen, eval-mode BatchNorm keeps it so)."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, training in modes:
-            m.training = training
 
 
 def _device(model):
@@ -198,7 +185,7 @@ def _run_checks(task, refs, examples, tol, sketch, encoder_decoder) -> list:
         if special is not None:
             findings.append(special)
         together, refused = together_batches(examples, task, encoder_decoder)
-        with _eval_mode(task.model), untraced(task.model, refs):   # eval mode, as ga.grads; tied_weights below
+        with eval_mode(task.model), untraced(task.model, refs):   # eval mode, as ga.grads; tied_weights below
             alone = [capture_sketch(task, b, refs, sketch, device, autograd=True, ids=(i,))
                      for i, b in zip(examples.ids, examples.alone)]
             batches = [(t, capture_sketch(task, t.batch, refs, sketch, device, ids=examples.ids)) for t in together]

@@ -15,7 +15,6 @@ product needs ``Task(forward=..., loss_from_outputs=...)``, which
 """
 from __future__ import annotations
 
-import contextlib
 import warnings
 from typing import Callable
 
@@ -26,6 +25,7 @@ from torch.func import functional_call, grad, jvp, vjp, vmap
 from ..capture.experts import add_param
 from ..capture.hooks import resolve_layers
 from ..data import DataRef, batch_size_of, move_batch
+from ..eval_mode import eval_mode   # also imported from here by exec/runner.py, plan/jobs/products.py
 from ..errors import NoForwardADError, NonFiniteGradientError, OptionError
 from ..finite import check_model, nonfinite_examples
 from ..options import get_options
@@ -153,18 +153,6 @@ def dataset_matvec(task, data: DataRef, layers, *, kind: str = "hessian", batch_
 
     matvec.coords = products.coords
     return matvec
-
-
-@contextlib.contextmanager
-def eval_mode(model: nn.Module):
-    """The model in eval mode (dropout off, BatchNorm frozen) for attribution: the capture
-    passes and the curvature products; its training flag restored after."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
 
 
 def _name_examples(batch, ids, kind: str) -> None:

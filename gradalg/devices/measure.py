@@ -138,23 +138,43 @@ def _measure_eighs(sizes=EIGH_SIZES, timed=_warm_fastest, device="cpu", seconds:
 
 def measure_cpu() -> DeviceProfile:
     """This machine's CPU profile, measured now (:func:`gradalg.devices.local_profile` caches it)."""
-    rates = _measure_gemms()
-    flops = max(r for _, r in rates)
-    bw = _measure_copy()
-    call = _measure_call()
-    batch, layer = _measure_capture(call)
-    elementwise, randoms = _measure_elementwise(), _measure_randoms()
-    prof = DeviceProfile(f"cpu ({torch.get_num_threads()} threads)", flops, flops, bw, host_memory(), measured=True,
-                         call_seconds=call, op_seconds=_measure_op(), batch_seconds=batch, layer_seconds=layer,
-                         elementwise_bandwidth=elementwise, fault_bandwidth=_measure_faults(),
-                         gemm_rates=rates, bmm_rates=_measure_bmms(), bmm_call_seconds=_measure_bmm_call(),
-                         eigh_times=_measure_eighs(),
-                         random_seconds=randoms, block_seconds=_measure_blocks(),
-                         sjlt_bytes=_measure_sjlt(elementwise), sjlt_build_randoms=_measure_sjlt_build(randoms),
-                         ts_bytes_per_bin=_measure_tensorsketch(elementwise),
-                         ts_flat_bytes=_measure_tensorsketch_flat(elementwise))
-    return _fitted(prof)
+    randoms = _measure_randoms()
+    return _measured_profile(torch.device("cpu"), _warm_fastest, f"cpu ({torch.get_num_threads()} threads)",
+                             host_memory(), random_seconds=randoms, fault_bandwidth=_measure_faults(),
+                             block_seconds=_measure_blocks(), sjlt_build_randoms=_measure_sjlt_build(randoms))
 
+
+def _measured_profile(device: torch.device, timed, name: str, memory: float, *, gemm_sizes=GEMM_SIZES,
+                      bmm_sizes=BMM_SIZES, eigh_sizes=EIGH_SIZES, copy_bytes: int = 64 * 2**20,
+                      elementwise_numel: int = 2**20, batch_elements: int = 2**20, seconds: float | None = None,
+                      eigh_least: int = 3, flops_bf16: float = 0.0, **own) -> DeviceProfile:
+    """The profile of ``device`` from the benchmarks every device runs (its GEMMs, batched
+    GEMMs, eigh, copy, elementwise work, fixed costs, capture, sparse JL and TensorSketch,
+    timed by ``timed``), with the fields measured or set per kind of device in ``own`` (the
+    CPU's page faults, random numbers, block costs and table draws; an accelerator's host
+    rates and link bandwidth) and the fits applied (:data:`FITS`): the one place a
+    measured profile is built, for :func:`measure_cpu` and :func:`measure_profile`.
+
+    ``seconds``: one time window for every benchmark (an accelerator's); None: each
+    benchmark its own (the CPU's, see :data:`GEMM_SIZES`). ``flops_fp32`` is the fastest
+    measured GEMM's rate; ``flops_bf16`` a measured bfloat16 rate (0: none, the float32 one)."""
+    window = {} if seconds is None else {"seconds": seconds}
+    gemm_rates = _measure_gemms(gemm_sizes, timed, device, **window)
+    flops = max(rate for _, rate in gemm_rates)
+    elementwise = _measure_elementwise(timed, device, elementwise_numel, **window)
+    call = _measure_call(timed, device, **window)
+    batch, layer = _measure_capture(call, timed, device, **window)
+    prof = DeviceProfile(name, flops, max(flops_bf16, flops), _measure_copy(timed, device, copy_bytes, **window),
+                         memory, measured=True, call_seconds=call, op_seconds=_measure_op(timed, device, **window),
+                         batch_seconds=batch, layer_seconds=layer, elementwise_bandwidth=elementwise,
+                         gemm_rates=gemm_rates, bmm_rates=_measure_bmms(bmm_sizes, timed, device, **window,
+                                                                        elements=batch_elements),
+                         bmm_call_seconds=_measure_bmm_call(timed, device, **window),
+                         eigh_times=_measure_eighs(eigh_sizes, timed, device, **window, least=eigh_least),
+                         sjlt_bytes=_measure_sjlt(elementwise, timed, device, **window),
+                         ts_bytes_per_bin=_measure_tensorsketch(elementwise, timed, device, **window),
+                         ts_flat_bytes=_measure_tensorsketch_flat(elementwise, timed, device, **window), **own)
+    return _fitted(prof, timed, device)
 
 
 def _fitted(prof: DeviceProfile, timed=_warm_fastest, device="cpu") -> DeviceProfile:
@@ -421,28 +441,14 @@ def measure_profile(device: torch.device, *, gemm_sizes=GPU_GEMM_SIZES, bmm_size
     device = torch.device(device)
     cuda = device.type == "cuda"
     timed = warm_timer(torch.cuda.synchronize if cuda else (lambda: None))
-    gemm_rates = _measure_gemms(gemm_sizes, timed, device, seconds)
     bf16 = _measure_gemms(gemm_sizes[-1:], timed, device, seconds, torch.bfloat16)[0][1]
-    bmm_rates = _measure_bmms(bmm_sizes, timed, device, seconds, batch_elements)
-    bmm_call = _measure_bmm_call(timed, device, seconds)
-    eigh_times = _measure_eighs(eigh_sizes, timed, device, seconds, least=2)
-    bandwidth = _measure_copy(timed, device, copy_bytes, seconds)
-    elementwise = _measure_elementwise(timed, device, max(copy_bytes // 64, 2**10), seconds)
-    call = _measure_call(timed, device, seconds)
-    op = _measure_op(timed, device, seconds)
-    batch, layer = _measure_capture(call, timed, device, seconds)
-    sjlt = _measure_sjlt(elementwise, timed, device, seconds)
     name = torch.cuda.get_device_name(device) if cuda else str(device)
     host = cached_local_profile()
     memory = torch.cuda.get_device_properties(device).total_memory * _MEM_EFF if cuda else host_memory()
-    prof = DeviceProfile(f"{name} ({device}, measured)", gemm_rates[-1][1], max(bf16, gemm_rates[-1][1]),
-                         bandwidth, memory, measured=True, call_seconds=call, op_seconds=op,
-                         batch_seconds=batch, layer_seconds=layer, elementwise_bandwidth=elementwise,
-                         fault_bandwidth=0.0, gemm_rates=gemm_rates, bmm_rates=bmm_rates,
-                         bmm_call_seconds=bmm_call, eigh_times=eigh_times,
-                         random_seconds=host.random_seconds, sjlt_bytes=sjlt,
-                         sjlt_build_randoms=host.sjlt_build_randoms,   # tables are drawn on the CPU
-                         ts_bytes_per_bin=_measure_tensorsketch(elementwise, timed, device, seconds),
-                         ts_flat_bytes=_measure_tensorsketch_flat(elementwise, timed, device, seconds),
-                         link_bandwidth=PRESETS[nominal_key(name)].link_bandwidth if cuda else 0.0)
-    return _fitted(prof, timed, device)
+    return _measured_profile(device, timed, f"{name} ({device}, measured)", memory, gemm_sizes=gemm_sizes,
+                             bmm_sizes=bmm_sizes, eigh_sizes=eigh_sizes, copy_bytes=copy_bytes,
+                             elementwise_numel=max(copy_bytes // 64, 2**10), batch_elements=batch_elements,
+                             seconds=seconds, eigh_least=2, flops_bf16=bf16,
+                             random_seconds=host.random_seconds,
+                             sjlt_build_randoms=host.sjlt_build_randoms,   # tables are drawn on the CPU
+                             link_bandwidth=PRESETS[nominal_key(name)].link_bandwidth if cuda else 0.0)

@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..dtensor import is_dtensor
 from ..errors import UnsupportedLayerError
+from ..own_hooks import OwnHooks
 
 __all__ = ["affine_kind", "AffineRecorder"]
 
@@ -68,14 +70,6 @@ def _normalized(module: nn.Module, kind: str, x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)
 
 
-def _is_dtensor(t) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except Exception:  # pragma: no cover
-        return False
-    return isinstance(t, DTensor)
-
-
 class AffineRecorder:
     """Records x̂ and d of the given norm modules; sums per-example gradients on demand.
 
@@ -89,17 +83,15 @@ class AffineRecorder:
         self.micro_index = micro_index
         self.records: dict[int, dict[str, list]] = {}
         self._checked: set[str] = set()
-        self._handles = []
+        self._handles = OwnHooks()
 
     def __enter__(self):
         for name, module in self.modules.items():
-            self._handles.append(module.register_forward_hook(self._hook(name)))
+            self._handles.add(module.register_forward_hook(self._hook(name)))
         return self
 
     def __exit__(self, *exc):
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self._handles.remove()
         return False
 
     def clear(self):
@@ -129,7 +121,7 @@ class AffineRecorder:
 
     def _check(self, name, module, xhat, output):
         w, b = module.weight, getattr(module, "bias", None)
-        if _is_dtensor(w) or (b is not None and _is_dtensor(b)):
+        if is_dtensor(w) or (b is not None and is_dtensor(b)):
             self._checked.add(name)  # sharded outside its forward (FSDP2): trust the class
             return
         expect = xhat * w.detach().to(xhat.dtype)

@@ -17,6 +17,7 @@ parameter gradients consistently on every rank.
 """
 from __future__ import annotations
 
+from ..dtensor import is_dtensor
 from ..errors import OptionError
 
 import torch
@@ -166,7 +167,7 @@ def apply_correction(corrections: dict, *, world_reduction: str = "mean", group=
         g = p.grad
         if g is None:
             continue
-        if _is_dtensor(g):
+        if is_dtensor(g):
             from torch.distributed.tensor import distribute_tensor
 
             d = distribute_tensor(d.to(device=g.device, dtype=g.dtype), g.device_mesh, g.placements,
@@ -183,15 +184,3 @@ def scale_grads(params, factor: float) -> None:
         for p in params:
             if p.grad is not None:
                 p.grad.mul_(factor)
-
-
-def _is_dtensor(t) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except Exception:  # pragma: no cover - torch without DTensor
-        return False
-    return isinstance(t, DTensor)
-
-
-def _local(t):
-    return t.to_local() if _is_dtensor(t) else t

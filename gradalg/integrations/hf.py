@@ -86,6 +86,7 @@ from transformers import TrainerCallback
 
 from ..errors import (CaptureStateError, DataError, ExampleIdsError, LossReductionError, OptionError,
                       UnsupportedLayerError)
+from ..own_hooks import OwnHooks
 from . import distributed as _dist
 from .distributed import unwrap_model
 from .sampled_ids import SampledIds, is_iterable
@@ -212,7 +213,7 @@ class GradientCallback(TrainerCallback):
         self.inputs: dict[str, list] = {key: [] for key in self.record}
         self.capture: TrainingCapture | None = None
         self._on_step: list[Callable] = []
-        self._handles = []
+        self._handles = OwnHooks()
         self._clip = None
         self._args = None
         self._world = 1
@@ -280,7 +281,7 @@ class GradientCallback(TrainerCallback):
             self.stream.attach(self.capture, start_step=state.global_step,
                                info={"integration": "transformers.Trainer", "scale": self.scale,
                                      "world_size": self._world})
-        self._handles.append(model.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
+        self._handles.add(model.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
         if self.selection is not None and args.max_grad_norm and args.max_grad_norm > 0:
             self._clip, args.max_grad_norm = args.max_grad_norm, 0.0
         (self.selection or self.capture).__enter__()
@@ -358,9 +359,7 @@ class GradientCallback(TrainerCallback):
         if self.capture is None or not self.capture._active:
             return
         (self.selection or self.capture).__exit__(None, None, None)
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self._handles.remove()
         self.capture.model.__dict__.pop("_gradalg_columns", None)   # the last batch's index column
         if self.sampled is not None:
             self.sampled.remove()

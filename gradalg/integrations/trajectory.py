@@ -65,6 +65,7 @@ import torch
 from torch import nn
 
 from ..errors import CaptureStateError, DataError, ModelMismatchError, OptionError
+from ..eval_mode import eval_mode
 from ..task import Task
 from ..token_scores import Axis, labelled
 from .distributed import unwrap_model
@@ -483,17 +484,13 @@ def _check_queries_run(task: Task, data) -> None:
 
     device = next((p.device for p in task.model.parameters()), torch.device("cpu"))
     batch = next(iter(data.loader(min(2, data.n))))
-    was = task.model.training
-    task.model.eval()
     try:
-        with torch.no_grad():
+        with eval_mode(task.model), torch.no_grad():
             task.summed_loss(task.model, move_batch(batch, device))
     except (RuntimeError, ValueError, TypeError, IndexError) as err:
         raise DataError(f"the queries do not fit the model: their loss failed with {type(err).__name__}: "
                         f"{str(err).splitlines()[0][:200]}. Give queries shaped like one training batch "
                         "(the same inputs and targets, examples along dimension 0)") from err
-    finally:
-        task.model.train(was)
 
 
 def trajectory(model: nn.Module, task: Task, queries, *, layers=None, optimizer=None,

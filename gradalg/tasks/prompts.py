@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from ..errors import DataError, OptionError
+from ..eval_mode import eval_mode
 
 __all__ = ["queries_from_prompts"]
 
@@ -100,14 +101,10 @@ def _generate(model, prompt_ids: list[int], tokenizer, max_new_tokens: int, seed
     if pad is not None:
         options["pad_token_id"] = pad
     options.update(kwargs)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
-            torch.manual_seed(seed)
-            out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **options)
-    finally:
-        model.train(was_training)
+    with eval_mode(model), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+            torch.no_grad():
+        torch.manual_seed(seed)
+        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **options)
     out = out.sequences if hasattr(out, "sequences") else out
     return out[0, len(prompt_ids):].tolist()
 

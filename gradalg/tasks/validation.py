@@ -34,6 +34,8 @@ from collections.abc import Mapping
 import torch
 
 from ..errors import BatchContentError, GradalgError
+from ..eval_mode import eval_mode
+from ..own_hooks import suspended
 
 __all__ = ["token_batch", "not_a_dict", "no_forward_ad", "class_labels", "pair_field", "input_vocab", "output_vocab", "max_positions", "IGNORE",
            "values_known"]
@@ -119,8 +121,9 @@ _UNKNOWN = object()   # own_forward_error could not run the model's plain forwar
 
 def own_forward_error(model, args=(), kwargs: Mapping | None = None):
     """The error the model's plain forward ``model(*args, **kwargs)`` raises, run without
-    gradalg's capture (no gradalg forward hooks on its modules or global ones, no
-    torch-function mode, no autograd graph, eval mode: no running statistics updated);
+    gradalg's capture (gradalg's forward hooks on its modules and the global ones off:
+    :func:`gradalg.own_hooks.suspended`, a user's hooks on; no torch-function
+    mode, no autograd graph, eval mode: no running statistics updated);
     None when it runs; ``_UNKNOWN`` when the
     inputs are not real values (meta, or seen through a torch.func transform: not the
     user's batch) and nothing is run."""
@@ -129,43 +132,11 @@ def own_forward_error(model, args=(), kwargs: Mapping | None = None):
     if any(_traced(t) for t in tree_flatten((args, kwargs))[0]) or not isinstance(model, torch.nn.Module):
         return _UNKNOWN
     try:
-        with _without_capture(model), torch.no_grad(), torch._C.DisableTorchFunction():
+        with suspended(model), eval_mode(model), torch.no_grad(), torch._C.DisableTorchFunction():
             model(*args, **kwargs)
     except Exception as err:    # noqa: BLE001 - the model's own error is the answer
         return err
     return None
-
-
-def _gradalg_hook(hook) -> bool:
-    return (getattr(hook, "__module__", None) or "").startswith("gradalg.")
-
-
-@contextlib.contextmanager
-def _without_capture(model):
-    """``model``'s modules and the global module hooks without gradalg's forward hooks
-    (each hook dict swapped for a copy without them, the originals put back after), in
-    eval mode (each module's ``training`` flag put back after): the check changes no
-    state of the model, such as batch-norm running statistics."""
-    from collections import OrderedDict
-    import torch.nn.modules.module as mm
-    kept, training = {}, [(module, module.training) for module in model.modules()]
-    model.eval()          # no state changed by the check (batch-norm running statistics)
-    for module in model.modules():
-        kept[module] = (module._forward_hooks, module._forward_pre_hooks)
-        module._forward_hooks = OrderedDict((k, h) for k, h in module._forward_hooks.items() if not _gradalg_hook(h))
-        module._forward_pre_hooks = OrderedDict(
-            (k, h) for k, h in module._forward_pre_hooks.items() if not _gradalg_hook(h))
-    glob = (mm._global_forward_hooks, mm._global_forward_pre_hooks)
-    mm._global_forward_hooks = OrderedDict((k, h) for k, h in glob[0].items() if not _gradalg_hook(h))
-    mm._global_forward_pre_hooks = OrderedDict((k, h) for k, h in glob[1].items() if not _gradalg_hook(h))
-    try:
-        yield
-    finally:
-        mm._global_forward_hooks, mm._global_forward_pre_hooks = glob
-        for module, (post, pre) in kept.items():
-            module._forward_hooks, module._forward_pre_hooks = post, pre
-        for module, mode in training:
-            module.training = mode
 
 
 #: op names (Python frames) of kernels that exist for a few floating dtypes only, and the fix
@@ -255,13 +226,19 @@ def _positions(bad: torch.Tensor, ids, limit: int = 5) -> str:
     return text + (" ..." if int(bad.sum()) > limit else "")
 
 
+def _embeddings(model, getter: str):
+    """``model.<getter>()`` (transformers' ``get_input_embeddings`` /
+    ``get_output_embeddings``); None when the model has none or cannot say."""
+    get = getattr(model, getter, None)
+    try:
+        return get() if callable(get) else None
+    except (NotImplementedError, AttributeError):
+        return None
+
+
 def input_vocab(model) -> int | None:
     """The number of rows of the model's input embedding (None when it cannot be read)."""
-    get = getattr(model, "get_input_embeddings", None)
-    try:
-        emb = get() if callable(get) else None
-    except (NotImplementedError, AttributeError):
-        emb = None
+    emb = _embeddings(model, "get_input_embeddings")
     if isinstance(emb, torch.nn.Embedding):
         return emb.num_embeddings
     size = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -270,11 +247,7 @@ def input_vocab(model) -> int | None:
 
 def output_vocab(model) -> int | None:
     """The number of logits per position (the output embedding's rows; else the input vocabulary)."""
-    get = getattr(model, "get_output_embeddings", None)
-    try:
-        head = get() if callable(get) else None
-    except (NotImplementedError, AttributeError):
-        head = None
+    head = _embeddings(model, "get_output_embeddings")
     if isinstance(head, torch.nn.Linear):
         return head.out_features
     return input_vocab(model)
