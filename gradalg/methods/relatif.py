@@ -38,16 +38,37 @@ DENSE_AUTO = "gauss_newton"
 DENSE_DAMPING = DampingRule("mass", 0.95, per_block=False, note="RelatIF's default for a dense H (issue 31)")
 
 
-def _dense(curvature, solver: str, dim: int) -> bool:
+def _resolved(curvature, solver: str, dim: int, projected: bool, task: Task):
+    """The curvature ``curvature="auto"`` takes here (``resolve_curvature`` with :data:`DENSE_AUTO`,
+    as :func:`~gradalg.methods.influence.curvature_operator` resolves it); a name or Operator as given."""
+    if isinstance(curvature, str) and curvature == "auto":
+        return resolve_curvature("auto", solver, dim, dense=DENSE_AUTO, projected=projected, task=task)[0]
+    return curvature
+
+
+def _dense(curvature, solver: str) -> bool:
     """Whether H is formed dense: the Gauss-Newton / empirical Fisher by the direct solver
-    (``curvature="auto"`` up to ``ga.options(dense_curvature_dim)`` coordinates), or a dense Operator."""
+    (``curvature="auto"`` up to ``ga.options(dense_curvature_dim)`` coordinates, resolved by
+    :func:`_resolved`), or a dense Operator."""
     if solver != "direct":
         return False
     if isinstance(curvature, Operator):
         return form_of(curvature.expr.labels().labels) == "dense"
-    if curvature == "auto":
-        curvature, _ = resolve_curvature("auto", solver, dim, dense=DENSE_AUTO)
     return curvature in ("gauss_newton", "empirical")
+
+
+def default_damping(curvature, solver: str):
+    """``(damping, gauss_newton_damping)`` of RelatIF's default for the resolved ``curvature``:
+    ``"near_minimum"``: :data:`~gradalg.methods.influence.DENSE_HESSIAN_DAMPING` on the formed
+    Hessian's side, :data:`DENSE_DAMPING` on the Gauss-Newton's; the formed Hessian:
+    DENSE_HESSIAN_DAMPING; another dense H: :data:`DENSE_DAMPING`; a block-diagonal explicit H
+    (K-FAC / EK-FAC, a block Fisher): ``"auto"`` per block; no spectrum: the absolute
+    :data:`~gradalg.methods.influence.ABSOLUTE_DAMPING` (second entry None: no Gauss-Newton side)."""
+    if isinstance(curvature, str) and curvature == "near_minimum":
+        return DENSE_HESSIAN_DAMPING, DENSE_DAMPING
+    return (ABSOLUTE_DAMPING if not _has_spectrum(curvature, solver) else
+            DENSE_HESSIAN_DAMPING if isinstance(curvature, str) and curvature == "dense_hessian" else  # shifted to PSD
+            DENSE_DAMPING if _dense(curvature, solver) else "auto"), None
 
 
 def _has_spectrum(curvature, solver: str) -> bool:
@@ -103,14 +124,15 @@ def relatif(task: Task, train, queries, *, layers=None, projector: Projector | N
     if projector is not None:
         G, Q = check_projector(projector)(G), projector(Q)
     named = {} if isinstance(curvature, Operator) else {"seed": seed}
+    resolved, gauss_newton_damping = _resolved(curvature, solver, G.space.dim, projector is not None, task), None
     if damping is DEFAULT_DAMPING:
-        damping = (ABSOLUTE_DAMPING if not _has_spectrum(curvature, solver) else
-                   DENSE_HESSIAN_DAMPING if curvature == "dense_hessian" else   # indefinite: shifted to PSD
-                   DENSE_DAMPING if _dense(curvature, solver, G.space.dim) else "auto")
+        damping, gauss_newton_damping = default_damping(resolved, solver)
+    # the near-minimum rule tests −μ_min(H̄ + decay) and shifts H̄ + decay to PSD: the decay stays a term
+    separate = damping_rule(damping) is not None or (isinstance(resolved, str) and resolved == "near_minimum")
     Hinv = curvature_operator(task, train, layers=layers, projector=projector, curvature=curvature,
-                              solver=solver, dense_auto=DENSE_AUTO,
+                              solver=solver, dense_auto=DENSE_AUTO, gauss_newton_damping=gauss_newton_damping,
                               **({"damping": damping, "weight_decay": weight_decay or None}
-                                 if damping_rule(damping) is not None else {"damping": damping + weight_decay}),
+                                 if separate else {"damping": damping + weight_decay}),
                               covariance_max_examples=covariance_max_examples,
                               lambda_max_examples=lambda_max_examples, **named)
     return Q @ Hinv @ G.normalize(metric=Hinv).T
