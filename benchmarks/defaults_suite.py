@@ -90,6 +90,8 @@ AUTO_BY_STRUCTURE = ByForm((AUTO_POOLED[0], "auto"))
 AUTO_IF_KRONECKER = ByForm(("previous", "auto"))
 DENSE_HESSIAN_LABEL = "Hessian (shifted to PSD + 0.3 × mean) if dense, else EK-FAC 'auto'"
 NEAR_MINIMUM_LABEL = "Hessian if near a minimum (r = 1), else Gauss-Newton, if dense; else EK-FAC 'auto'"
+RELATIF_NEAR_MINIMUM_LABEL = ("Hessian (PSD + 0.3 × mean) if near a minimum, else Gauss-Newton (pooled), if dense; "
+                              "else EK-FAC 'auto'")
 
 #: issue 31, the dense-H reading for TRAK's kernel, GraSS's H and TrackStar's R: ``damping="auto"``'s
 #: q = 0.95 with one λ from the pooled spectrum (RelatIF's ``DENSE_DAMPING``) instead of one per block
@@ -152,6 +154,9 @@ CANDIDATES = {
         ("damping='auto'", dict(damping="auto"), None),
         ("damping='auto' per block if Kronecker, pooled if dense", dict(damping=AUTO_BY_STRUCTURE), None),
         ("damping=mean 0.1", dict(damping=MEAN_01), None),
+        # issue 31 (relatif, session 43): influence's near-minimum rule where "auto" is dense, each side at
+        # RelatIF's default for it (the formed Hessian: DENSE_HESSIAN_DAMPING; the Gauss-Newton: DENSE_DAMPING)
+        (RELATIF_NEAR_MINIMUM_LABEL, dict(curvature=ByForm(("near_minimum", "auto"))), None),
     ],
     "trackstar": [
         ("defaults (k=4096, relative_damping=0.1)", dict(k=4096, relative_damping=0.1),
@@ -172,7 +177,9 @@ PREVIOUS_DEFAULT = {m: rows[0][0] for m, rows in CANDIDATES.items()}
 #: the first rows as the reference.)
 PREVIOUS_DEFAULT.update({"trak": "damping='auto'", "grass": "damping='auto'", "trackstar": "damping='auto'",
                          # influence's default since issue 31's evening run (fiddig's reference)
-                         "influence": "damping='auto' if Kronecker, else 1 × mean eigenvalue"})
+                         "influence": "damping='auto' if Kronecker, else 1 × mean eigenvalue",
+                         # RelatIF's default since issue 31's evening run
+                         "relatif": "damping='auto' per block if Kronecker, pooled if dense"})
 #: candidates that are another row's computation wherever the matrix they damp has ONE block (an
 #: unprojected one-layer model, or a projection into one k-block): one λ from the pooled spectrum is
 #: then the block's own λ. Checked per setting (``damped_blocks``); the row is copied, its note says so.
@@ -186,7 +193,8 @@ SAME_WHEN_AUTO_IS_EKFAC = {("influence", "EK-FAC"): "defaults (curvature='auto')
                            ("influence", "damping='auto' if Kronecker, else 1 × mean eigenvalue"): "damping='auto'",
                            ("influence", DENSE_HESSIAN_LABEL): "damping='auto'",
                            ("influence", NEAR_MINIMUM_LABEL): "damping='auto'",
-                           ("relatif", "damping='auto' per block if Kronecker, pooled if dense"): "damping='auto'"}
+                           ("relatif", "damping='auto' per block if Kronecker, pooled if dense"): "damping='auto'",
+                           ("relatif", RELATIF_NEAR_MINIMUM_LABEL): "damping='auto'"}
 #: the same where it is the dense Gauss-Newton
 SAME_WHEN_AUTO_IS_DENSE = {
     ("influence", "damping='auto' per block if Kronecker, pooled if dense"): "damping='auto', pooled",

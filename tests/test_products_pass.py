@@ -190,15 +190,17 @@ def test_a_products_call_is_priced_as_its_work_under_torch_func_plus_its_fixed_c
         [step] = _products_passes(plan)
         job = step.jobs[0]
         n, dim = 40, H.expr.space.dim
-        work = product_work(task.model, 16, 1, 1, kind, dim, 8)     # float64 model: 8 bytes a number
-        batches = 3                                                   # 40 examples in batches of 16
+        # float64 model: 8 bytes a number; 40 examples in batches of 16, 16 and the last 8 (at its size)
+        work = product_work(task.model, 16, 1, 1, kind, dim, 8).scaled(2) + product_work(task.model, 8, 1, 1, kind,
+                                                                                           dim, 8)
+        batches = 3
         modules = _leaf_modules(task.model)
         assert modules == 3                                           # Linear, Tanh, Linear
         fixed = batches * FIXED_SCALE[kind] * (2e-3 + modules * 3e-4)
         call = job.call_cost(torch.float64, prof)
-        assert call.flops == pytest.approx(work.flops * batches)     # the arithmetic shown is unchanged
+        assert call.flops == pytest.approx(work.flops)                # the arithmetic shown is unchanged
         assert prof.time_of(call, torch.float64) == pytest.approx(
-            2.5 * plain.time_of(work.scaled(batches), torch.float64) + fixed, rel=1e-9)
+            2.5 * plain.time_of(work, torch.float64) + fixed, rel=1e-9)
         assert weighed(work, 2.5).flops == work.flops and weighed(work, 2.5).bytes == pytest.approx(2.5 * work.bytes)
         assert n == train[0].shape[0]
 
@@ -263,3 +265,71 @@ def test_analyze_counts_each_second_of_a_cg_influence_in_one_row(setting):
     scores = rows[-1]
     assert "measured_calls" not in scores and 0 <= scores["measured_seconds"] < products["measured_seconds"]
     assert 0 <= scores["measured_cpu_seconds"] < products["measured_cpu_seconds"]
+
+
+# ------------------------------------------------------------------ vmap chunks
+def test_the_estimate_counts_the_vmap_chunks_the_run_makes(monkeypatch):
+    """Where ``ga.options(products_vmap_elements)`` splits a batch's vectors into ``vmap`` chunks, each
+    chunk repeats the primal sweeps and torch.func's fixed cost: the pass's price counts the chunks
+    the run makes (spied on ``torch.func.vmap`` in the products), per batch size (the last batch is
+    smaller, so its chunks are larger), and ``explain()`` shows them."""
+    from gradalg.curvature import hvp
+    from gradalg.plan.jobs.products import FIXED_SCALE, product_work
+
+    torch.manual_seed(0)
+    model = models.cnn()
+    X, y = models.image_data(n=40)
+    task, train, queries = ga.tasks.classification(model), (X, y), (X[:3], y[:3])
+    per_example = hvp._activation_elements(model, lambda: task.summed_loss(model, (X[:1], y[:1])))
+    seen = []                                               # (examples, vectors, chunk_size, calls of fn)
+    real_vmap = hvp.vmap
+
+    def spy(fn, *args, chunk_size=None, **kw):
+        def run(V):
+            record = [None, next(iter(V.values())).shape[0], chunk_size, 0]
+            seen.append(record)
+
+            def counted(v):
+                record[3] += 1
+                return fn(v)
+            return real_vmap(counted, *args, chunk_size=chunk_size, **kw)(V)
+        return run
+    monkeypatch.setattr(hvp, "vmap", spy)
+    real_batch_product = hvp._batch_product
+    monkeypatch.setattr(hvp, "_batch_product", lambda task, batch, V, names, kind, chunk=None: (
+        seen.append(("batch", batch[0].shape[0])), real_batch_product(task, batch, V, names, kind, chunk))[1])
+    budget = 16 * per_example * 2                           # 2 vectors of a batch of 16, 4 of the last 8
+    with ga.options(batch_size=16, products_vmap_elements=budget):
+        S = ga.methods.influence(task, train, queries, curvature="gauss_newton", solver="cg", damping=0.1,
+                                 solver_settings={"max_iter": 2})
+        plan = LocalExecutor().plan(S.expr)
+        [step] = _products_passes(plan)
+        [job] = step.jobs
+        text = str(S.explain())
+        S.compute()
+        estimated, call = job.vmap_calls(), job.call_cost(torch.float64)   # under the options it was planned with
+    # the run: per batch, one _batch_product and one vmap whose fn ran once per chunk
+    runs, b = [], None
+    for r in seen:
+        if r[0] == "batch":
+            b = r[1]
+        else:
+            runs.append((b, r[1], r[2], r[3]))
+    assert runs and len(runs) % 3 == 0                      # 3 batches per products call: 16, 16, 8
+    one_call = runs[:3]
+    assert one_call == [(16, 3, 2, 2), (16, 3, 2, 2), (8, 3, None, 1)]
+    assert runs == one_call * (len(runs) // 3)
+    # the estimate: the same batches, chunks and vmap calls
+    assert job.example_activations() == per_example
+    assert estimated == ((16, 2, ((2, 1), (1, 1))), (8, 1, ((3, 1),)))
+    vmap_calls = sum(calls for *_, calls in one_call)
+    [(kind, batches, _)] = call.blocks
+    assert kind == "products" and batches == pytest.approx(vmap_calls * FIXED_SCALE["gauss_newton"])
+    dim = job.target.space.dim
+    sizes = [(16, 2), (16, 1), (16, 2), (16, 1), (8, 3)]   # (examples, vectors) of each vmap call
+    assert call.flops == pytest.approx(sum(product_work(model, b, 1, c, "gauss_newton", dim, 8).flops for b, c in sizes))
+    assert "vmapped in chunks of 2 vectors (2 per batch of 16" in text and "5 vmap calls per call" in text
+    # unchunked (E = 0): one vmap call per batch, the last batch at its own size
+    with ga.options(batch_size=16, products_vmap_elements=0):
+        assert job.vmap_calls() == ((16, 2, ((3, 1),)), (8, 1, ((3, 1),)))
+        assert job.call_cost(torch.float64).blocks[0][1] == pytest.approx(3 * FIXED_SCALE["gauss_newton"])

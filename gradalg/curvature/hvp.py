@@ -123,8 +123,7 @@ class Products:
         b = batch_size_of(batch)
         if self.example_elements is None:
             self.example_elements = _activation_elements(self.model, lambda: self.task.summed_loss(self.model, batch)) / max(b, 1)
-        chunk = int(self.vmap_elements // max(b * self.example_elements, 1))
-        return None if chunk >= m else max(1, chunk)
+        return vmap_chunk_size(self.vmap_elements, b, self.example_elements, m)
 
     def batch_rows(self, batch, V: torch.Tensor, start: int) -> torch.Tensor:
         """Σ_{i in batch} H_i V: (m, dim) for V (m, dim), ``vmap``-ed in chunks of :meth:`vmap_chunk` vectors."""
@@ -134,6 +133,18 @@ class Products:
         if self.check and not bool(torch.isfinite(rows).all()) and bool(torch.isfinite(V).all()):
             _name_examples(batch, self.data.ids[start:start + batch_size_of(batch)], self.kind)
         return rows
+
+
+def vmap_chunk_size(budget: int, examples: int, per_example: float, m: int) -> int | None:
+    """Vectors per ``vmap`` call of the products of ``m`` vectors on a batch of ``examples``
+    examples whose forward leaves ``per_example`` activation elements each: max(1, ⌊E / (b · a)⌋),
+    E = ``budget`` (``ga.options(products_vmap_elements)``); None (all m in one call) when that is
+    m or more, E = 0 or m ≤ 1. The run (:meth:`Products.vmap_chunk`) and the products pass's
+    price (:meth:`~gradalg.plan.jobs.products.ProductsJob.vmap_calls`) both count by it."""
+    if not budget or m <= 1:
+        return None
+    chunk = int(budget // max(examples * per_example, 1))
+    return None if chunk >= m else max(1, chunk)
 
 
 def dataset_matvec(task, data: DataRef, layers, *, kind: str = "hessian", batch_size: int = 64,

@@ -549,7 +549,7 @@ def _operator_inverse(H: Operator, *, solver: str, damping, relative_damping, de
 def curvature_operator(task: Task, data, *, curvature="auto", solver: str = "direct",
                        damping: float | None = None, layers=None, projector: Projector | None = None,
                        weight_decay=None, optimizer=None, data_weight: float = 1.0, train_grads=None,
-                       dense_auto: str | None = None, **curvature_options):
+                       dense_auto: str | None = None, gauss_newton_damping=None, **curvature_options):
     """(H + λI + decay / c)⁻¹ as a lazy Operator, for every curvature/solver pair in the table above.
 
     curvature : ``"auto"``, a name of :data:`CURVATURE_TABLE`, or an :class:`~gradalg.api.Operator`
@@ -564,6 +564,11 @@ def curvature_operator(task: Task, data, *, curvature="auto", solver: str = "dir
         λ_b per block (:data:`DEFAULT_KRONECKER_DAMPING`) for K-FAC / EK-FAC unless
         ``relative_damping`` is given, else :data:`ABSOLUTE_DAMPING` (see the module docs); ``"auto"`` or a
         :class:`~gradalg.linalg.autodamp.DampingRule`: λ_b per block from its spectrum.
+    gauss_newton_damping : ``"near_minimum"`` only (``curvature="auto"``'s dense choice where it is
+        that rule): the damping of its Gauss-Newton side, read as ``damping`` is (a number, ``"auto"``
+        or a DampingRule); None (default): ``damping`` on both sides, the Hessian side through
+        :func:`hessian_damping`. RelatIF passes its own dense rule here (:data:`~gradalg.methods.relatif.DENSE_DAMPING`).
+        Given with any other curvature it is an OptionError.
     weight_decay / optimizer : the objective's weight decay, given or read (module docs).
     data_weight : c, the uniform data weight the model was trained at: the decay term is
         divided by c (module docs, "Data weight").
@@ -607,7 +612,12 @@ def curvature_operator(task: Task, data, *, curvature="auto", solver: str = "dir
         if refusal:
             raise OptionError(f"curvature='near_minimum' forms the Hessian, which does not apply here: {refusal}. "
                               "Use curvature='gauss_newton' (or 'auto')")
-        return _near_minimum(task, data, layers, damping=damping, decay=decay, why=why, options=o)
+        return _near_minimum(task, data, layers, hessian_side=hessian_damping(damping, o.get("relative_damping")),
+                             gauss_newton_side=damping if gauss_newton_damping is None else gauss_newton_damping,
+                             decay=decay, why=why, options=o)
+    if gauss_newton_damping is not None:
+        raise OptionError(f"gauss_newton_damping= is the damping of curvature='near_minimum''s Gauss-Newton side; "
+                          f"curvature is {curvature!r} here: drop it, or pass damping=")
     entry = CURVATURE_TABLE[curvature]
     relative_damping = o.get("relative_damping")
     if relative_damping is None and curvature not in ("kfac", "ekfac"):   # Kronecker: the default rule
@@ -637,11 +647,14 @@ def curvature_operator(task: Task, data, *, curvature="auto", solver: str = "dir
                              why=why, what=what, settings=settings)
 
 
-def _near_minimum(task, data, layers, *, damping, decay, why, options) -> Operator:
+def _near_minimum(task, data, layers, *, hessian_side: DampingRule, gauss_newton_side, decay, why,
+                  options) -> Operator:
     """``curvature="auto"``'s dense choice decided from the data (:data:`DENSE_AUTO` =
     ``"near_minimum"``): a :class:`~gradalg.expr.NearMinimum` over the damped inverses of the
-    formed Hessian (:func:`hessian_damping`: shifted to PSD, + 0.3 × mean) and of the dense
-    Gauss-Newton (``relative_damping``, default 1 × mean), each with the objective's ``decay``;
+    formed Hessian (``hessian_side``, a ``psd`` rule from :func:`hessian_damping`: by default shifted
+    to PSD, + 0.3 × mean) and of the dense Gauss-Newton (``gauss_newton_side``: a number, ``"auto"``, a
+    DampingRule, or None for ``relative_damping``, default 1 × mean; influence passes its ``damping``
+    to both, RelatIF its own dense rule here), each with the objective's ``decay``;
     the formed Hessian and Gauss-Newton nodes are the ones those inverses hold (resolved once).
     Where the Hessian's damped, shifted matrix is singular (``damping=0`` off an exact minimum:
     the PSD shift leaves μ = 0) the Gauss-Newton is taken, and the plan's decision says so."""
@@ -649,10 +662,10 @@ def _near_minimum(task, data, layers, *, damping, decay, why, options) -> Operat
     G = _gauss_newton(task, data, layers, lambda x: x, "direct", options)
     rel = options.get("relative_damping")
     head = (why or "curvature='auto'").split(";")[0]
-    H_inv = _operator_inverse(H, solver="direct", damping=hessian_damping(damping, rel), relative_damping=rel,
+    H_inv = _operator_inverse(H, solver="direct", damping=hessian_side, relative_damping=rel,
                               decay=decay, why=f"{head}; near a minimum: the formed Hessian", what="this curvature",
                               settings={})
-    G_inv = _operator_inverse(G, solver="direct", damping=damping,
+    G_inv = _operator_inverse(G, solver="direct", damping=gauss_newton_side,
                               relative_damping=RELATIVE_DAMPING["gauss_newton"] if rel is None else rel,
                               decay=decay, why=f"{head}; not near a minimum: the dense Gauss-Newton", what="this curvature",
                               settings={})

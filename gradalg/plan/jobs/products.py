@@ -24,7 +24,7 @@ from typing import ClassVar
 
 import torch
 
-from ...curvature.hvp import Products, eval_mode
+from ...curvature.hvp import Products, eval_mode, vmap_chunk_size
 from ...data import as_data
 from ...devices import DeviceProfile
 from ...devices.measure import FITS, warm_timer
@@ -34,7 +34,7 @@ from ..cost import Cost, bmm_cost, data_tokens_hint, gemm_cost
 from ..estimates import _leaf_modules
 from ..passkeys import ProductsPassKey
 from ..rules import PlanError
-from ..shapes import activation_bytes, attention_shape, element_size, weight_layers
+from ..shapes import _measure_on_meta, activation_bytes, attention_shape, element_size, weight_layers
 from .base import Job
 
 __all__ = ["ProductsJob", "ProductSums", "ProductPass", "PRODUCT_SWEEPS", "FIXED_SCALE", "ATTENTION_MODULES", "product_work",
@@ -52,6 +52,10 @@ __all__ = ["ProductsJob", "ProductSums", "ProductPass", "PRODUCT_SWEEPS", "FIXED
 #: backward (2) = 4. (Under ``vmap`` the primal runs once for the m vectors; the loop
 #: fallback for models ``vmap`` cannot batch runs it per vector.)
 PRODUCT_SWEEPS = {"hessian": (3, 6), "gauss_newton": (2, 4)}
+
+#: {products target's token: activation elements of one example's forward, or None}
+#: (:meth:`ProductsJob.example_activations`, one meta forward each, at most 256 kept)
+_ACTIVATIONS: dict = {}
 
 
 #: forward-equivalents of the fixed cost (:func:`product_fixed`) per kind, relative to the
@@ -145,37 +149,98 @@ class ProductsJob(Job):
     def describe(self) -> str:
         t = self.target
         bound = f"up to {self.calls:,} calls" + (f" ({self.calls_why})" if self.calls_why else "")
-        vmap = get_options().products_vmap_elements
-        chunks = ("" if self.vectors <= 1 else
-                  f", vmapped whole" if not vmap else
-                  f", vmapped in chunks of ≤ {vmap:,} activation elements (ga.options(products_vmap_elements))")
-        return (f"{t.label}: {self.vectors:,} vector(s) per call over {len(t.layers)} layer(s){chunks}, "
+        return (f"{t.label}: {self.vectors:,} vector(s) per call over {len(t.layers)} layer(s){self._vmap_note()}, "
                 f"{bound}, each one pass")
+
+    def _vmap_note(self) -> str:
+        """How the vectors of a call go through ``vmap``: whole, or the chunks :meth:`vmap_calls` counts."""
+        vmap = get_options().products_vmap_elements
+        if self.vectors <= 1:
+            return ""
+        if not vmap:
+            return ", vmapped whole (ga.options(products_vmap_elements=0))"
+        a = self.example_activations()
+        if a is None:
+            return (f", vmapped whole in the estimate (chunks of ga.options(products_vmap_elements={vmap:,}) "
+                    "activation elements not known: the model does not run on the meta device)")
+        groups = self.vmap_calls()
+        per_call = sum(count * sum(k for _, k in sizes) for _, count, sizes in groups)
+        b, _, sizes = groups[0]
+        if per_call == sum(count for _, count, _ in groups):
+            return (f", vmapped whole ({a:,.0f} activation elements per example × {b:,} × {self.vectors:,} vectors "
+                    f"within ga.options(products_vmap_elements={vmap:,}))")
+        return (f", vmapped in chunks of {sizes[0][0]:,} vectors ({sum(k for _, k in sizes):,} per batch of {b:,}: "
+                f"{a:,.0f} activation elements per example, ga.options(products_vmap_elements={vmap:,})), "
+                f"{per_call:,} vmap calls per call")
+
+    def example_activations(self) -> float | None:
+        """Activation elements of one example's forward (every leaf module's tensor outputs, what
+        the run counts on its first batch, :meth:`~gradalg.curvature.hvp.Products.vmap_chunk`), from
+        one meta-device forward of the first example, as the plan's facts measure a source's
+        (:class:`~gradalg.plan.shapes.ForwardShapes` ``activations``); None where the model cannot
+        run on meta. Memoised by the target's token."""
+        t = self.target
+        if t.token not in _ACTIVATIONS:
+            try:
+                value = float(_measure_on_meta(t.task, t.data.first_example_batch(), [])[1])
+            except Exception:  # noqa: BLE001 - a hint: a model meta cannot run is priced unchunked
+                value = None
+            if len(_ACTIVATIONS) >= 256:
+                _ACTIVATIONS.pop(next(iter(_ACTIVATIONS)))
+            _ACTIVATIONS[t.token] = value
+        return _ACTIVATIONS[t.token]
+
+    def vmap_calls(self) -> tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]:
+        """One call's batches and their ``vmap`` calls: ``((b, batches, ((vectors, vmap calls), ...)), ...)``
+        for the full batches of ``batch`` examples and the last, smaller one; each batch's ``vectors``
+        rows go through ``vmap`` in chunks of :func:`~gradalg.curvature.hvp.vmap_chunk_size` (E =
+        ``ga.options(products_vmap_elements)``, b, :meth:`example_activations`), the run's rule:
+        ⌈m / c⌉ calls, the last one with the rest (one call of m where unchunked or not known)."""
+        n, m = self.target.data.n, self.vectors
+        B = max(1, min(self.batch, n))
+        full, rest = divmod(n, B)
+        a, E = self.example_activations(), get_options().products_vmap_elements
+        out = []
+        for b, count in ((B, full), (rest, 1)):
+            if not (b and count):
+                continue
+            c = vmap_chunk_size(E, b, a, m) if a is not None else None
+            if c is None:
+                sizes = ((m, 1),)
+            else:
+                k, r = divmod(m, c)
+                sizes = tuple(x for x in ((c, k), (r, 1)) if x[0] and x[1])
+            out.append((b, count, sizes))
+        return tuple(out)
 
     # ------------------------------------------------------------------ cost
     def stream_cost(self, n_stream, chunk, facts, layout_of, storage_of=None, options=None, resolved=None) -> Cost:
-        """``calls`` × one call: per batch of B examples (``batch``) of T positions, m vectors,
-        each weight layer ``(in, out)`` (:func:`~gradalg.plan.shapes.weight_layers`) runs
-        ``primal + tangent·m`` GEMMs (B·T, out, in) (:data:`PRODUCT_SWEEPS`); attention
-        (a transformer config) two batched (T, T, d_head) products per forward-equivalent;
-        elementwise traffic the activations (:func:`~gradalg.plan.shapes.activation_bytes`)
-        once per forward-equivalent; the per-batch sum of the products (m, dim) read and
-        written (:func:`product_work`, weighed by the device's measured ``product_work``);
-        and torch.func's fixed cost per batch (:func:`product_fixed`)."""
+        """``calls`` × one call: per batch of b examples (``batch``, the last one the rest) of T
+        positions, per ``vmap`` call of c of the m vectors (:meth:`vmap_calls`: c = m unless
+        ``ga.options(products_vmap_elements)`` chunks them), each weight layer ``(in, out)``
+        (:func:`~gradalg.plan.shapes.weight_layers`) runs ``primal + tangent·c`` GEMMs (b·T, out, in)
+        (:data:`PRODUCT_SWEEPS`); attention (a transformer config) two batched (T, T, d_head)
+        products per forward-equivalent; elementwise traffic the activations
+        (:func:`~gradalg.plan.shapes.activation_bytes`) once per forward-equivalent; the sum of
+        the products (c, dim) read and written (:func:`product_work`, weighed by the device's
+        measured ``product_work``); and torch.func's fixed cost per ``vmap`` call (:func:`product_fixed`)."""
         return self.call_cost(facts.dtype, getattr(facts, "device", None)).scaled(self.calls)
 
     def call_cost(self, dtype, device=None) -> Cost:
-        """One call: one pass over the data (:meth:`stream_cost`), its work
-        (:func:`product_work`, per batch) weighed by ``device``'s measured ``product_work``
-        (at its plain price without a device) and its fixed costs (:func:`product_fixed`),
-        which a profile prices by its ``product_seconds``."""
+        """One call: one pass over the data (:meth:`stream_cost`), each batch's ``vmap`` calls
+        (:meth:`vmap_calls`: a chunk of c vectors repeats the primal sweeps, :func:`product_work`
+        of c vectors on the batch's b examples) weighed by ``device``'s measured ``product_work``
+        (at its plain price without a device), and torch.func's fixed costs per ``vmap`` call
+        (:func:`product_fixed`), which a profile prices by its ``product_seconds``."""
         t, elem = self.target, element_size(dtype)
-        model, n = t.task.model, t.data.n
-        B = max(1, min(self.batch, n))
-        batches = -(-n // B)
-        work = product_work(model, B, data_tokens_hint(t.data), self.vectors, t.kind, t.space.dim, elem)
+        model, T = t.task.model, data_tokens_hint(t.data)
+        work, calls = Cost(), 0
+        for b, count, sizes in self.vmap_calls():
+            for c, k in sizes:
+                work = work + product_work(model, b, T, c, t.kind, t.space.dim, elem).scaled(count * k)
+                calls += count * k
         factor = device.product_work if device is not None else 1.0
-        return weighed(work.scaled(batches), factor) + product_fixed(model, t.kind, batches)
+        return weighed(work, factor) + product_fixed(model, t.kind, calls)
 
     # ------------------------------------------------------------------ memory
     def fixed_bytes(self, facts) -> float:
