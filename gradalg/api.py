@@ -168,13 +168,14 @@ class _Displayed:
             from dataclasses import replace as _replace
 
             from .options import get_options
-            from .plan.budget import Budget, device_budget, is_here, resolve_budget
+            from .plan.budget import Budget, device_budget, is_here, resolve_budget, setting_now
             from .devices import profile
             options = get_options()
             if memory_budget is not None:
                 # a string ("4GB") is parsed by Options, like ga.options(memory_budget=...)
                 options = _replace(options, memory_budget=memory_budget)
-                budget = Budget(options.memory_budget, "explain(memory_budget=...)", setting="explain")
+                budget = Budget(options.memory_budget, "explain(memory_budget=...)",
+                                setting="cli" if setting_now() == "cli" else "explain")
             elif is_here(device):   # "cpu", "cuda:0": the options' budget, or this machine's
                 budget = resolve_budget(options, device)
             else:   # hardware one plans for: device_memory_fraction of one device's memory
@@ -197,7 +198,8 @@ class _Displayed:
             wide = int(options.device_memory_fraction * profile(device).memory * max(gpus))
             p = plan(self.expr, options=_replace(options, memory_budget=wide), device=device, rewrites=rewrites,
                      budget=Budget(wide, f"{options.device_memory_fraction:g} of {max(gpus)} × "
-                                         f"{profile(device).name}'s memory (device_memory_fraction)"),
+                                         f"{profile(device).name}'s memory (device_memory_fraction)",
+                                 option="device_memory_fraction", setting=setting_now()),
                      **self._plan_args())
             warning = (f"does not fit a memory budget of {_si(options.memory_budget)}B on one "
                        f"{profile(device).name}: {err}. Shown: the plan for a budget of {_si(wide)}B "

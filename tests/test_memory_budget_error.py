@@ -198,7 +198,26 @@ def test_a_70b_refusal_writes_its_numbers_and_fix_in_one_unit():
     headline = message.split(". Fixes")[0]
     units = set(re.findall(r"[0-9.]+ ([kMGT]?B)\b", headline))
     assert len(units) == 1, headline                 # one unit in the sentence with needed and budget
-    shown, fix = re.search(r"([0-9.]+ [kMGT]?B) would fit under (?:explain|ga\.options)\(memory_budget='([^']+)'\)",
-                          message).groups()
+    # the budget planned for is one H200's share: ga.options(memory_budget) would not change it,
+    # explain's argument does (a fix written as ga.options(...) changed nothing before)
+    shown, fix = re.search(r"([0-9.]+ [kMGT]?B) would fit under explain\(memory_budget='([^']+)'\)",
+                           message).groups()
+    assert "ga.options(memory_budget" not in message, message
     assert fix == suggest_budget(err.fits_under) and fix.endswith(shown.split()[1]), (shown, fix)
     assert "a 25% headroom" in message
+    S.explain(device="h200", memory_budget=fix)          # the fix, as written, plans
+
+
+def test_a_device_budget_is_changed_by_explain_or_the_command():
+    """A budget for hardware planned for (``explain(device=...)``, ``device_memory_fraction``)
+    ignores ``ga.options(memory_budget)``: its fix is explain's argument in Python and the
+    config's option in the command (which passes it to explain for a device)."""
+    from gradalg.plan.budget import Budget
+    for setting, fix in (("ga.options", "explain(memory_budget='8GB')"),
+                         ("cli", "--set options.memory_budget=8GB")):
+        device = Budget(10**9, "of one H200's memory", 0.9, 141e9, option="device_memory_fraction",
+                        setting=setting)
+        assert device.change("memory_budget", "8GB") == fix
+        assert "device_memory_fraction=0.95" in device.change("device_memory_fraction", 0.95)
+    here = Budget(10**9, "MemAvailable", 0.5, 2e9)
+    assert here.change("memory_budget", "8GB") == "ga.options(memory_budget='8GB')"

@@ -99,7 +99,9 @@ def run(args) -> int:
     session = Session(cfg, planning=True)
     with options_for(cfg, args):
         obj = expression(session, what)
-        plan = obj.explain(stage=args.stage, device=args.device)
+        # on a device planned for, the config's budget is explain's (ga.options' does not apply)
+        budget = cfg.options.get("memory_budget") if args.device else None
+        plan = obj.explain(stage=args.stage, device=args.device, memory_budget=budget)
         if args.html:
             Path(args.html).write_text(html_page(plan._repr_html_(), f"gradalg plan: {what} ({cfg.source})"))
             log.info("plan of %s written to %s", what, args.html)

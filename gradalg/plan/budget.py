@@ -83,6 +83,11 @@ def budget_setting(setting: str):
         _SETTING.reset(token)
 
 
+def setting_now() -> str:
+    """How budgets made here are given (one of :data:`SETTINGS`; :func:`budget_setting`)."""
+    return _SETTING.get()
+
+
 @dataclass(frozen=True)
 class Budget:
     """A plan's memory budget and where it came from.
@@ -110,12 +115,17 @@ class Budget:
     def change(self, name: str, value=None) -> str:
         """The fix that sets option ``name`` to ``value`` (None: ``...``), written the way this
         budget was given: ``ga.options(memory_budget='9.3GB')``, ``explain(memory_budget='9.3GB')``
-        (a fraction there: ``ga.options(memory_fraction=0.3)``), or
-        ``--set options.memory_budget=9.3GB``."""
+        (a fraction there: ``ga.options(memory_fraction=0.3)``; a budget of a device planned
+        for, ``option="device_memory_fraction"``, also by ``explain``: the options' budget does
+        not apply to it), or ``--set options.memory_budget=9.3GB`` (the command passes it to
+        ``explain`` for a device)."""
         shown = "..." if value is None else value if self.setting == "cli" else repr(value)
         if self.setting == "cli":
             return f"--set options.{name}={shown}"
-        call = "explain" if self.setting == "explain" and name == "memory_budget" else "ga.options"
+        # a budget for hardware one plans for (``explain(device="h200")``) ignores
+        # ga.options(memory_budget): explain's own argument is the one that changes it
+        by_explain = self.setting == "explain" or self.option == "device_memory_fraction"
+        call = "explain" if by_explain and name == "memory_budget" else "ga.options"
         return f"{call}({name}={shown})"
 
     def describe(self) -> str:
