@@ -12,7 +12,7 @@ import torch
 
 import gradalg as ga
 from gradalg.exec import Executor, LocalExecutor, ShardStrategy
-from gradalg.exec.runner import Placement
+from gradalg.plan.placement import Placement
 from gradalg.exec.shards import restrict_step, shard_ranges
 from gradalg.exec.sinks import open_sink
 

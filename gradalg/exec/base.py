@@ -3,9 +3,10 @@
 Every result is computed the same way, :meth:`Executor.compute`:
 
 1. **plan** (:func:`gradalg.plan.planner.plan`): the passes, their jobs and kernels, and
-   for each pass where its shards run (``plan.placement``, decided by the shard strategy
+   for each pass where its shards run (``plan.placement``, answered by the shard strategy
    from the pass alone, :meth:`~gradalg.exec.runner.ShardStrategy.place`, and recorded
-   as a ``PLACEMENT`` decision in ``plan.decisions``);
+   by the plan's place stage, :mod:`gradalg.plan.placement`, as a ``PLACEMENT`` decision
+   in ``plan.decisions``);
 2. **run** (:class:`~gradalg.exec.runner.PassRunner`): each pass's sinks fed, by the
    strategy (``run_shards``) or in this process, their results published into the
    :class:`~gradalg.exec.state.RunState`;
@@ -30,7 +31,6 @@ that installs it.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import replace
 from importlib import import_module
 from typing import Callable, Iterator
 
@@ -42,7 +42,7 @@ from ..expr import Captured, GradNode, OpNode, ScoreDiagonal, ScoreNode, Source
 from ..options import Options, get_options
 from ..plan.budget import resolve_budget, with_note
 from ..plan.choices import Choices
-from ..plan.decisions import Decisions
+from ..plan.placement import place_passes
 from ..plan.decide import refuse_dense_projections
 from ..plan.planner import ROW_WISE, STATISTICS_JOBS, Plan, plan as make_plan
 from .allocator import FreedBytes, release_free_memory
@@ -115,11 +115,10 @@ class Executor:
             return self.place_passes(p)
 
     def place_passes(self, p: Plan) -> Plan:
-        """``p`` with each pass placed by the shard strategy (:meth:`ShardStrategy.placement`):
-        ``plan.placement`` and the ``PLACEMENT`` decisions recording it."""
-        placed = [self.shards.placement(i, step) for i, step in enumerate(p.passes)]
-        return replace(p, placement=tuple(where for where, _ in placed),
-                       decisions=Decisions([*p.decisions, *(d for _, ds in placed for d in ds)]))
+        """``p`` with each pass placed by the shard strategy (its ``place``), by the plan's
+        place stage (:func:`~gradalg.plan.placement.place_passes`): ``plan.placement`` and
+        the ``PLACEMENT`` decisions recording it."""
+        return place_passes(p, self.shards)
 
     def run(self, p: Plan) -> Plan:
         """Run every pass of ``p`` where it is placed (:class:`~gradalg.exec.runner.PassRunner`);
