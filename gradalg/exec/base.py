@@ -105,28 +105,23 @@ class Executor:
     def plan(self, node, topk=None, budget=None) -> Plan:
         """The plan this executor would run for ``node``, under its options, rewrites and
         forced choices (row counts measured from the data; nothing is computed), each
-        pass placed by the shard strategy; ``topk`` (:class:`~gradalg.plan.jobs.TopK`):
+        pass placed by the shard strategy (the place stage,
+        :func:`~gradalg.plan.placement.place_passes`); ``topk`` (:class:`~gradalg.plan.jobs.TopK`):
         the plan of its top-k; ``budget`` (:class:`~gradalg.plan.budget.Budget`): a memory
         budget other than the strategy's (:meth:`ShardStrategy.budget`) or the options'."""
         with self.clock.phase("planning"):
             budget = budget or self.shards.budget(self.options, node)
             p = make_plan(node, options=self.options, rewrites=self.rewrites, choices=self.choices,
                           measure_shapes=True, topk=topk, budget=budget, keep_held_rows=self.shards.keeps_held_rows)
-            return self.place_passes(p)
-
-    def place_passes(self, p: Plan) -> Plan:
-        """``p`` with each pass placed by the shard strategy (its ``place``), by the plan's
-        place stage (:func:`~gradalg.plan.placement.place_passes`): ``plan.placement`` and
-        the ``PLACEMENT`` decisions recording it."""
-        return place_passes(p, self.shards)
+            return place_passes(p, self.shards)
 
     def run(self, p: Plan) -> Plan:
         """Run every pass of ``p`` where it is placed (:class:`~gradalg.exec.runner.PassRunner`);
-        a plan made elsewhere (``ga.plan``, without placement) is placed first
-        (:meth:`place_passes`), so that where each pass ran is a decision of the plan that
+        a plan made elsewhere (``ga.plan``, without placement) is placed first by the plan's
+        place stage (:func:`~gradalg.plan.placement.place_passes`), so that where each pass ran is a decision of the plan that
         ran (``last_plan``)."""
         if len(p.placement) != len(p.passes):
-            p = self.place_passes(p)
+            p = place_passes(p, self.shards)
         self.shards.before_run(p)
         self.last_plan = p
         return self.runner.run(p)

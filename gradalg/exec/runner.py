@@ -176,7 +176,7 @@ class PassRunner:
     # ------------------------------------------------------------------ plans and passes
     def run(self, plan: Plan) -> Plan:
         """Run each pass where the plan placed it (``plan.placement``, made by
-        :meth:`~gradalg.exec.base.Executor.place_passes`)."""
+        :func:`~gradalg.plan.placement.place_passes`)."""
         if len(plan.placement) != len(plan.passes):
             raise PlanError(f"the plan places {len(plan.placement)} of its {len(plan.passes)} passes: run it with "
                             "Executor.run, which places it first")
