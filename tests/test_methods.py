@@ -336,7 +336,7 @@ def test_less_at_width_projects_block_by_block_without_a_dense_matrix(monkeypatc
 def test_adam_then_projection_blockwise_equals_the_two_steps():
     """``P(G.adam(state))`` computed block by block (the fused path) gives the numbers of
     the Adam rows first and their projection after, for dense, sparse and per-block maps."""
-    from gradalg.exec.rowwise import apply_rowwise, project_blockwise
+    from gradalg.exec.rowwise import RowContext, project_blockwise
     s, opt, space, st = less_setting()
     G = ga.grads(s["task"], s["train"])
     A = G.adam(st)
@@ -345,7 +345,8 @@ def test_adam_then_projection_blockwise_equals_the_two_steps():
         node = P(A).expr
         for chunk in ex.iter_chunks(G.expr):
             fused = project_blockwise(ex, node, chunk)
-            two = apply_rowwise(ex, node, apply_rowwise(ex, A.expr, chunk))
+            ctx = RowContext(ex)
+            two = node.apply(A.expr.apply(chunk, ctx), ctx)
             assert fused.blocks.keys() == two.blocks.keys()
             for name in fused.blocks:
                 assert torch.equal(fused.blocks[name], two.blocks[name]), (P, name)

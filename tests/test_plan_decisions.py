@@ -44,7 +44,7 @@ def _plans(G, Q):
     with ga.options(kron_float64_width=4, kron_diagonal_width=12):
         kfac = plan((Q @ ga.ekfac(G).damp(0.1).inv() @ G.T).expr)
     from gradalg.exec import Executor
-    from gradalg.exec.runner import Placement
+    from gradalg.plan.placement import Placement
     from test_shard_strategy import Halves
 
     class Thirds(Halves):    # a strategy that says how many shards a pass gets (as Dask does)

@@ -18,7 +18,6 @@ from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 import gradalg as ga
 from gradalg import fingerprint
 from gradalg.data import as_data
-from gradalg.exec.shards import restrict
 
 sys.path.insert(0, os.path.dirname(__file__))
 import models  # noqa: E402
@@ -69,7 +68,7 @@ def test_a_pickled_dataref_keeps_its_name_and_restrict_matches():
         assert copy.token == ref.token and copy == ref
         task = ga.tasks.classification(models.mlp())
         src = ga.grads(task, ref).expr
-        shard = restrict(pickle.loads(cloudpickle.dumps(src)), ref.token, 5, 9)
+        shard = pickle.loads(cloudpickle.dumps(src)).restrict(ref.token, 5, 9)
         assert shard.data.n == 4 and shard.data.ids == tuple(range(5, 9))
 
 

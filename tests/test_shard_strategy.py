@@ -12,7 +12,7 @@ import torch
 
 import gradalg as ga
 from gradalg.exec import Executor, LocalExecutor, ShardStrategy
-from gradalg.exec.runner import Placement
+from gradalg.plan.placement import Placement
 from gradalg.exec.shards import restrict_step, shard_ranges
 from gradalg.exec.sinks import open_sink
 
@@ -90,3 +90,58 @@ def test_the_executors_differ_only_in_their_strategy():
     for cls, strategy in ((DaskExecutor, DaskShards), (TorchDistributed, RankShards)):
         assert cls.__mro__[1:3] == (strategy, ShardStrategy) and Executor in cls.__mro__
         assert not entry & set(vars(cls)) and not entry & set(vars(strategy))
+
+
+def test_the_plan_records_placement_the_strategy_only_answers_where():
+    """The place stage (``plan.placement.place_passes``) asks the strategy's ``place`` once
+    per pass and writes the ``PLACEMENT`` / ``SHARDS`` decisions itself: the strategy has
+    no decision-making member, and a plan made without an executor is placed by the stage
+    alone (alternatives: the pass's seconds here, and divided by ``ways()`` on shards)."""
+    from gradalg.plan import DecisionKind
+    from gradalg.plan.placement import place_passes
+    from gradalg.plan.planner import plan
+
+    class Thirds(Halves):
+        def ways(self):
+            return 3
+
+        def place(self, step):
+            return Placement(True, "thirds", shards=3, weighed=(("fixed", "3"),)) if step.reads_data \
+                else Placement(False, "rows in memory")
+
+    assert not hasattr(ShardStrategy, "placement") and not hasattr(Executor, "place_passes")
+    task, train, queries = _setting()
+    S = ga.methods.influence(task, train, queries, curvature="kfac")
+    with ga.options(progress=False, batch_size=4):
+        p = plan(S.expr)
+    assert p.placement == () and not p.decisions.of(DecisionKind.PLACEMENT)
+    placed = place_passes(p, Thirds())
+    assert len(placed.placement) == len(p.passes) and list(placed.decisions)[:len(p.decisions)] == list(p.decisions)
+    where = placed.decisions.of(DecisionKind.PLACEMENT)
+    shards = placed.decisions.of(DecisionKind.SHARDS)
+    assert [d.subject for d in where] == [(i, step.key) for i, step in enumerate(p.passes)]
+    for d, step in zip(where, p.passes):
+        assert d.chosen == ("on shards" if step.reads_data else "in this process")
+        assert d.alternatives == {"in this process": step.seconds, "on shards": step.seconds / 3}
+    assert [d.subject for d in shards] == [(i, step.key) for i, step in enumerate(p.passes) if step.reads_data]
+    assert all(d.chosen == "3" and d.alternatives == {"fixed": "3"} for d in shards)
+    # a strategy that never shards places every pass here and records nothing
+    local = place_passes(p, LocalExecutor().shards)
+    assert all(not w.sharded for w in local.placement) and list(local.decisions) == list(p.decisions)
+
+
+def test_a_pass_names_its_models_and_the_operators_its_chains_apply():
+    """``Pass.models()`` (distinct, in the jobs' order) and ``Pass.operators()`` (the
+    row-wise chains' operators, in order), as the Dask strategy asks them."""
+    from gradalg.plan.planner import plan
+
+    task, train, queries = _setting()
+    G, Q = ga.grads(task, train), ga.grads(task, queries)
+    H = ga.fisher(G, structure="block").damp(0.1)
+    N = G.normalize(metric=H)
+    with ga.options(progress=False, batch_size=4):
+        p = plan((Q @ N.T).expr)
+    reading = [step for step in p.passes if step.reads_data]
+    assert reading and all(step.models() == [task.model] for step in reading)
+    ops = [op for step in p.passes for op in step.operators()]
+    assert ops and {op.token for op in ops} == {N.expr.op.token}

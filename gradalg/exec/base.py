@@ -3,9 +3,10 @@
 Every result is computed the same way, :meth:`Executor.compute`:
 
 1. **plan** (:func:`gradalg.plan.planner.plan`): the passes, their jobs and kernels, and
-   for each pass where its shards run (``plan.placement``, decided by the shard strategy
+   for each pass where its shards run (``plan.placement``, answered by the shard strategy
    from the pass alone, :meth:`~gradalg.exec.runner.ShardStrategy.place`, and recorded
-   as a ``PLACEMENT`` decision in ``plan.decisions``);
+   by the plan's place stage, :mod:`gradalg.plan.placement`, as a ``PLACEMENT`` decision
+   in ``plan.decisions``);
 2. **run** (:class:`~gradalg.exec.runner.PassRunner`): each pass's sinks fed, by the
    strategy (``run_shards``) or in this process, their results published into the
    :class:`~gradalg.exec.state.RunState`;
@@ -30,7 +31,6 @@ that installs it.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import replace
 from importlib import import_module
 from typing import Callable, Iterator
 
@@ -42,7 +42,7 @@ from ..expr import Captured, GradNode, OpNode, ScoreDiagonal, ScoreNode, Source
 from ..options import Options, get_options
 from ..plan.budget import resolve_budget, with_note
 from ..plan.choices import Choices
-from ..plan.decisions import Decisions
+from ..plan.placement import place_passes
 from ..plan.decide import refuse_dense_projections
 from ..plan.planner import ROW_WISE, STATISTICS_JOBS, Plan, plan as make_plan
 from .allocator import FreedBytes, release_free_memory
@@ -105,29 +105,23 @@ class Executor:
     def plan(self, node, topk=None, budget=None) -> Plan:
         """The plan this executor would run for ``node``, under its options, rewrites and
         forced choices (row counts measured from the data; nothing is computed), each
-        pass placed by the shard strategy; ``topk`` (:class:`~gradalg.plan.jobs.TopK`):
+        pass placed by the shard strategy (the place stage,
+        :func:`~gradalg.plan.placement.place_passes`); ``topk`` (:class:`~gradalg.plan.jobs.TopK`):
         the plan of its top-k; ``budget`` (:class:`~gradalg.plan.budget.Budget`): a memory
         budget other than the strategy's (:meth:`ShardStrategy.budget`) or the options'."""
         with self.clock.phase("planning"):
             budget = budget or self.shards.budget(self.options, node)
             p = make_plan(node, options=self.options, rewrites=self.rewrites, choices=self.choices,
                           measure_shapes=True, topk=topk, budget=budget, keep_held_rows=self.shards.keeps_held_rows)
-            return self.place_passes(p)
-
-    def place_passes(self, p: Plan) -> Plan:
-        """``p`` with each pass placed by the shard strategy (:meth:`ShardStrategy.placement`):
-        ``plan.placement`` and the ``PLACEMENT`` decisions recording it."""
-        placed = [self.shards.placement(i, step) for i, step in enumerate(p.passes)]
-        return replace(p, placement=tuple(where for where, _ in placed),
-                       decisions=Decisions([*p.decisions, *(d for _, ds in placed for d in ds)]))
+            return place_passes(p, self.shards)
 
     def run(self, p: Plan) -> Plan:
         """Run every pass of ``p`` where it is placed (:class:`~gradalg.exec.runner.PassRunner`);
-        a plan made elsewhere (``ga.plan``, without placement) is placed first
-        (:meth:`place_passes`), so that where each pass ran is a decision of the plan that
+        a plan made elsewhere (``ga.plan``, without placement) is placed first by the plan's
+        place stage (:func:`~gradalg.plan.placement.place_passes`), so that where each pass ran is a decision of the plan that
         ran (``last_plan``)."""
         if len(p.placement) != len(p.passes):
-            p = self.place_passes(p)
+            p = place_passes(p, self.shards)
         self.shards.before_run(p)
         self.last_plan = p
         return self.runner.run(p)

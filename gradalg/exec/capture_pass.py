@@ -112,15 +112,9 @@ class SourceCapture:
 
     def _expected_blocks(self, batch):
         """One set of factors per term of ``task.expected_terms``; one forward in all."""
-        task = self.source.task
-        out = []
-        with torch.enable_grad(), ForwardRecorder(self.refs, model=task.model) as recorder:
-            terms = self.objective(task.model, batch)
-            mask = task.token_mask(batch) if task.token_mask is not None else None
-            for i, term in enumerate(terms):
-                out.append(capture_batch(term, recorder, token_mask=mask, retain_graph=i < len(terms) - 1,
-                                         n_examples=batch_size_of(batch)))
-        return out
+        model = self.source.task.model
+        with torch.enable_grad(), ForwardRecorder(self.refs, model=model) as recorder:
+            return _capture_each(list(self.objective(model, batch)), recorder, self.token_mask(batch), batch)
 
     def _func_blocks(self, batch):
         task = self.source.task
@@ -187,16 +181,20 @@ class PassCapture:
                     losses.append((c, None, c.loss(batch, ids)))
                 if shared.calls != calls + 1 or shared.hits != k:
                     return None
-            mask = group[0].token_mask(batch)
-            blocks = [capture_batch(loss, recorder, token_mask=mask, retain_graph=k < len(losses) - 1,
-                                    n_examples=batch_size_of(batch))
-                      for k, (_, _, loss) in enumerate(losses)]
+            blocks = _capture_each([loss for _, _, loss in losses], recorder, group[0].token_mask(batch), batch)
         for c, term, loss in losses:   # the sum/mean check reuses each training loss's value
             c.check_reduction(batch, loss if term is None else None)
         out: dict[str, list[Chunk]] = {c.source.token: [] for c in group}
         for (c, term, _), b in zip(losses, blocks):
             out[c.source.token] += c.finish(b, batch, ids, shared.record if term is None else None, term)
         return out
+
+
+def _capture_each(losses: list, recorder, mask, batch) -> list[dict]:
+    """The factors of each of ``losses``, all from the one forward ``recorder`` recorded:
+    one backward each, the graph retained for all but the last."""
+    return [capture_batch(loss, recorder, token_mask=mask, retain_graph=k < len(losses) - 1,
+                          n_examples=batch_size_of(batch)) for k, loss in enumerate(losses)]
 
 
 class SharedForward:

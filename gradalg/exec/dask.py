@@ -52,7 +52,8 @@ from .models import (as_worker_model, is_meta_model, make_ref, pack, register_cl
                      to_workers, unpack, worker_models_seen)
 from .progress import in_notebook, progress_bar
 from .resilience import PAYLOAD, FaultPolicy, run_tasks
-from .runner import Placement, ShardStrategy, check_reductions, pass_models, pass_operators
+from ..plan.placement import Placement
+from .runner import ShardStrategy, check_reductions
 from .shards import shard_ranges
 from .state import RunState
 
@@ -87,7 +88,7 @@ def _run_shard(blob: bytes, start: int, stop: int) -> bytes:
         seen = worker_models_seen()
         digests = {key: (seen[key], _worker_name()) for key in keys if key in seen}
         # rows returned (Chunk objects name their task) name the model by its key, not its weights
-        back = [to_client(model, key) for model, key in zip(pass_models(step), keys)]
+        back = [to_client(model, key) for model, key in zip(step.models(), keys)]
         return pack((parts, dict(ex.trace), digests), back, to_cpu=True)
 
 
@@ -172,7 +173,7 @@ class DaskShards(ShardStrategy):
         if _needs_products(step):
             what = "operators known only through products of this process's model (an iterative solver)"
             return Placement(False, f"needs {what}", self.refuse_here(step, what))
-        n, models = step.sources()[0].data.n, pass_models(step)
+        n, models = step.sources()[0].data.n, step.models()
         if n < self.min_shard_examples and not any(is_meta_model(m) for m in models):
             return Placement(False, f"{n} examples, fewer than min_shard_examples={self.min_shard_examples}")
         return Placement(True, "on the workers", _sharded_refusal(step, models), *self.split(n))
@@ -192,7 +193,7 @@ class DaskShards(ShardStrategy):
     def refuse_here(self, step, what: str) -> Exception | None:
         """Work that needs this process's model, refused when the client holds it on the
         meta device."""
-        if not any(is_meta_model(m) for m in pass_models(step)):
+        if not any(is_meta_model(m) for m in step.models()):
             return None
         return ModelMismatchError(
             f"{step.label} needs {what} in this process, which holds the model on the meta device: use a "
@@ -201,7 +202,7 @@ class DaskShards(ShardStrategy):
     def describe_shards(self, step, where, n: int, result_bytes: float) -> str:
         """The shard tasks of a pass over ``n`` examples (as the plan placed it: ``where``)
         and what crosses the network."""
-        models, shards = pass_models(step), where.shards
+        models, shards = step.models(), where.shards
         sent = []
         for model in models:
             size = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
@@ -220,7 +221,7 @@ class DaskShards(ShardStrategy):
         """Run one pass on the cluster, a shard per example range, the sinks absorbing the
         shards' partial states in order. Returns the score results, by sink index: Dask
         arrays of the blocks gathered from the shards."""
-        ctx, models = runner.ctx, pass_models(step)
+        ctx, models = runner.ctx, step.models()
         data = step.sources()[0].data
         ranges = shard_ranges(data.n, runner.where.shards)    # the plan's SHARDS decision
         check_reductions(ctx, step)
@@ -365,7 +366,7 @@ class DaskExecutor(DaskShards, Executor):
 def _needs_products(step) -> bool:
     """Whether a pass's row-wise chains apply operators known only through products (their
     labels say ``implicit``): resolved, they hold the client's model and its executor."""
-    for op in pass_operators(step):
+    for op in step.operators():
         try:
             if "implicit" in op.labels():
                 return True
@@ -378,7 +379,7 @@ def _state_for(ctx, step) -> RunState:
     """The part of the run state a shard of ``step`` needs: the resolved operators of its
     row-wise chains (the sinks carry their held rows and bases)."""
     ops, done = {}, ctx.state.ops
-    for op in pass_operators(step):
+    for op in step.operators():
         ops[op.token] = ctx.resolve(op)
         ops.update((sub.token, done[sub.token]) for sub in op.walk() if sub.token in done)
     return RunState(ops=ops, checked=set(ctx.state.checked))

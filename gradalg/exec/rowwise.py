@@ -13,7 +13,7 @@ from ..proj.matrices import dense_matrix, kron_matrices
 from ..capture.chunks import Chunk, flat_block
 from ..errors import DataError
 
-__all__ = ["apply_rowwise", "derive_rows", "RowContext", "dtype_device", "adam_block",
+__all__ = ["derive_rows", "RowContext", "dtype_device", "adam_block",
            "project_blockwise"]
 
 
@@ -22,12 +22,6 @@ def dtype_device(value):
     if isinstance(value, Factors):
         return compute_dtype(value.D.dtype), value.D.device
     return compute_dtype(value.dtype), value.device
-
-
-def apply_rowwise(executor, node, chunk: Chunk) -> Chunk:
-    """The chunk of ``node`` (a :class:`~gradalg.expr.RowWise`) computed from the matching
-    chunk of ``node.grads``."""
-    return node.apply(chunk, RowContext(executor))
 
 
 def derive_rows(executor, node, chunks_of, have) -> Iterator[Chunk]:
@@ -93,7 +87,7 @@ def project_blockwise(executor, node: Project, chunk: Chunk) -> Chunk:
     are materialized (from factors), preconditioned and projected, then dropped, so a
     chunk never holds the (n, d) preconditioned gradient of the whole model (LESS on a
     10⁸-parameter model: 2.7 GB for 8 examples). The same numbers as
-    ``apply_rowwise(node, apply_rowwise(node.grads, chunk))``: each block's projection
+    ``node.apply(node.grads.apply(chunk, ctx), ctx)``: each block's projection
     is the block's own (seeded per block), summed or kept per block as in :func:`_project`."""
     adam = node.grads
     offsets = adam.space.offsets()

@@ -20,9 +20,10 @@ pass's entry in ``pass_stats``); a pass during which such calls run (the scores 
 queries a CG solve preconditions) is measured without them, so that each second is in one
 entry and the entries sum to the run's time.
 
-A shard strategy (:class:`ShardStrategy`) says where each pass runs (``place``, when the
-plan is made, recorded as a ``PLACEMENT`` :class:`~gradalg.plan.decisions.Decision` with
-both places' estimates: :meth:`ShardStrategy.placement`), runs a sharded pass (``run_shards(runner, step, sinks) -> dict``: results it
+A shard strategy (:class:`ShardStrategy`) says where each pass runs (``place``, asked when
+the plan is made by the plan's place stage, :func:`gradalg.plan.placement.place_passes`,
+which records it as a ``PLACEMENT`` :class:`~gradalg.plan.decisions.Decision` with both
+places' estimates), runs a sharded pass (``run_shards(runner, step, sinks) -> dict``: results it
 finished itself, by sink index; ``runner.where`` is the plan's placement of the pass, with
 its ``shards``) and describes it (``describe_pass``). The runner decides
 nothing: kernels, storage, normalization, batch sizes and placement are the plan's.
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
 from typing import Iterator
 
 from ..curvature.hvp import eval_mode
@@ -43,8 +43,8 @@ from ..data import batch_size_of, move_batch
 from ..errors import NonFiniteGradientError, NonFiniteWeightError
 from ..expr import GradNode
 from ..fingerprint import is_meta_model
-from ..plan.decisions import Decision, DecisionKind
-from ..plan.planner import ROW_WISE, Pass, Plan, PlanError, chain_ops, stream_root
+from ..plan.placement import HERE, Placement
+from ..plan.planner import ROW_WISE, Pass, Plan, PlanError, stream_root
 from .allocator import ResidentGuard, peak_growth, peak_resident_bytes, release_free_memory, resident_bytes
 from .capture_pass import PassCapture, model_device_dtype
 from ..capture.chunks import Chunk
@@ -53,28 +53,7 @@ from .rowwise import derive_rows
 from .shards import restrict_step
 from .sinks import Sink, open_sink
 
-__all__ = ["PassRunner", "ShardStrategy", "InProcess", "Placement", "pass_models",
-           "pass_operators", "check_reductions", "captured_batches"]
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where one pass runs: ``sharded`` (by the strategy's ``run_shards``) or in this
-    process, and why (shown by ``explain()``); ``refusal``: an error the pass raises
-    instead of running (a pass the strategy cannot run anywhere); ``shards``: the shard
-    tasks of a sharded pass (0: the strategy's own split, one range per rank) and
-    ``weighed`` the counts it was chosen from ({name: count as shown}: the ``SHARDS``
-    decision's alternatives)."""
-
-    sharded: bool
-    reason: str = ""
-    refusal: Exception | None = None
-    shards: int = 0
-    weighed: tuple = ()
-
-
-#: a pass run whole in this process
-HERE = Placement(False, "in this process")
+__all__ = ["PassRunner", "ShardStrategy", "InProcess", "check_reductions", "captured_batches"]
 
 
 class ShardStrategy:
@@ -115,29 +94,6 @@ class ShardStrategy:
     def ways(self) -> int:
         """Shards that run at once (a sharded pass's estimate is the pass's divided by it)."""
         return 1
-
-    def placement(self, index: int, step: Pass) -> tuple[Placement, list[Decision]]:
-        """Where pass ``index`` runs (:meth:`place`, asked once) and the decisions recording
-        it: ``PLACEMENT``, subject ``(index, step.key)``, chosen :attr:`here` or
-        :attr:`spread`, the alternatives the pass's estimated seconds here and divided by
-        :meth:`ways` on shards (transfers not costed), the reason :meth:`place`'s (and its
-        refusal); for a pass split into ``where.shards`` tasks, ``SHARDS``, chosen that
-        count from ``where.weighed``; none for a strategy that never shards (nothing to choose)."""
-        where = self.place(step)
-        if self.spread is None:
-            return where, []
-        ways, subject, label = self.ways(), (index, step.key), f"pass {index + 1} ({step.label})"
-        reason = where.reason + (f"; refused: {where.refusal}" if where.refusal is not None else "")
-        placed = [Decision(
-            DecisionKind.PLACEMENT, subject, self.spread if where.sharded else self.here,
-            {self.here: step.seconds, self.spread: step.seconds / ways},
-            f"{reason} (on shards: the pass's estimate over {ways} shard(s) at once; transfers not costed)",
-            label=label)]
-        if where.sharded and where.shards:
-            placed.append(Decision(DecisionKind.SHARDS, subject, str(where.shards), dict(where.weighed),
-                                   "the strategy's count from those weighed (an option, when set, forces it)",
-                                   label=label))
-        return where, placed
 
     def run_shards(self, runner: "PassRunner", step: Pass, sinks: list[Sink]) -> dict:
         """Feed every sink every example of a pass placed on shards; returns the results
@@ -184,18 +140,6 @@ class InProcess(ShardStrategy):
     spread = None
 
 
-def pass_models(step: Pass) -> list:
-    """The distinct models of a pass's sources (and of a products pass's target), in the
-    order the jobs name them."""
-    tasks = [src.task for src in step.sources()] + ([step.jobs[0].target.task] if step.per_call else [])
-    return list({id(task.model): task.model for task in tasks}.values())
-
-
-def pass_operators(step: Pass) -> list:
-    """The operators the row-wise chains of a pass's streams apply, in order."""
-    return [op for job in step.jobs for s in job.streams for op in chain_ops(s)]
-
-
 def check_reductions(ctx, step: Pass) -> None:
     """Check each task's loss reduction once before a sharded pass, here, on the pass's
     first (at most 8) examples, instead of once per shard (every rank checks the same
@@ -232,7 +176,7 @@ class PassRunner:
     # ------------------------------------------------------------------ plans and passes
     def run(self, plan: Plan) -> Plan:
         """Run each pass where the plan placed it (``plan.placement``, made by
-        :meth:`~gradalg.exec.base.Executor.place_passes`)."""
+        :func:`~gradalg.plan.placement.place_passes`)."""
         if len(plan.placement) != len(plan.passes):
             raise PlanError(f"the plan places {len(plan.placement)} of its {len(plan.passes)} passes: run it with "
                             "Executor.run, which places it first")

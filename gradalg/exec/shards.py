@@ -1,9 +1,9 @@
 """Sharding a pass over data: restrict a plan's nodes to a range of examples.
 
 A pass reads one dataset; split it into index ranges and each shard is the same pass
-over a sub-dataset. ``restrict(node, data_token, start, stop)`` rebuilds a node with
-every source over that dataset replaced by the same source over examples
-``start:stop``, ``restrict_step`` a pass with its jobs' streams so restricted;
+over a sub-dataset. ``node.restrict(data_token, start, stop)`` (the row-wise protocol)
+rebuilds a node with every source over that dataset replaced by the same source over
+examples ``start:stop``; ``restrict_step`` rebuilds a pass with its jobs' streams so restricted;
 ``shard_ranges(n, shards)`` splits n examples evenly (no empty shard);
 ``rank_ranges(n, ranks)`` gives exactly one contiguous range per rank, in rank order
 (empty ones when n < ranks), and ``batches_in(size, batch_size)`` how many batches a
@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from ..errors import OptionError
 
-__all__ = ["restrict", "restrict_step", "shard_ranges", "rank_ranges", "batches_in"]
+__all__ = ["restrict_step", "shard_ranges", "rank_ranges", "batches_in"]
 
 
 def shard_ranges(n: int, shards: int) -> list[tuple[int, int]]:
@@ -40,15 +40,9 @@ def batches_in(size: int, batch_size: int) -> int:
     return -(-size // batch_size)
 
 
-def restrict(node, data_token: str, start: int, stop: int):
-    """``node`` with its row chain's Source over ``data_token`` limited to examples start:stop
-    (:meth:`gradalg.expr.GradNode.restrict`): only the rows are restricted, operators inside
-    the chain keep their full data, the same operators as in the unsharded plan."""
-    return node.restrict(data_token, start, stop)
-
-
 def restrict_step(step, data_token: str, start: int, stop: int):
     """The pass ``step`` over examples start:stop of the dataset ``data_token``: each
-    job's streams restricted (:func:`restrict`), the operators in them unchanged."""
-    return replace(step, jobs=[replace(job, streams=tuple(restrict(s, data_token, start, stop) for s in job.streams))
+    job's streams restricted (:meth:`gradalg.expr.GradNode.restrict`: only the rows; operators
+    inside a chain keep their full data, the same operators as in the unsharded plan)."""
+    return replace(step, jobs=[replace(job, streams=tuple(s.restrict(data_token, start, stop) for s in job.streams))
                                for job in step.jobs])

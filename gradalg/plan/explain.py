@@ -36,6 +36,7 @@ from ..viz.tree import text_tree
 from .cost import _si
 from .decisions import Decision
 from ..devices import CALIBRATION, profile
+from .placement import place_passes
 from .planner import STAGES, Plan
 from .resolution import operator_rules
 from .scale import scale_estimates
@@ -110,8 +111,8 @@ class Explain:
     warning: str | None = None   # e.g. the plan does not fit one GPU of ``device``
 
     def __post_init__(self):   # a plan made without its executor (explain(executor=...)): placed by it, once
-        if len(self.plan.placement) != len(self.plan.passes) and hasattr(self.executor, "place_passes"):
-            self.plan = self.executor.place_passes(self.plan)
+        if len(self.plan.placement) != len(self.plan.passes) and hasattr(self.executor, "shards"):
+            self.plan = place_passes(self.plan, self.executor.shards)
 
     # ---- data -------------------------------------------------------------------
     def _nodes(self) -> dict:

@@ -53,25 +53,23 @@ class Facts(ModelFacts):
             tasks[id(src.task)] = (src.task, src.task.token)
         return tasks[id(src.task)][1]
 
+    def _once(self, table: str, node: Node, find):
+        """``find(node)``, read once per node token into ``memo[table]``."""
+        memo = self.memo[table]
+        if node.token not in memo:
+            memo[node.token] = find(node)
+        return memo[node.token]
+
     def share_key(self, src: Source):
-        shares = self.memo["shares"]
-        if src.token not in shares:
-            shares[src.token] = forward_share_key(src)
-        return shares[src.token]
+        return self._once("shares", src, forward_share_key)
 
     def own_position_kinds(self, node: GradNode) -> frozenset:
         """The kinds of ``node``'s blocks that have positions of their own (:func:`own_position_kinds`)."""
-        own = self.memo["own"]
-        if node.token not in own:
-            own[node.token] = own_position_kinds(node)
-        return own[node.token]
+        return self._once("own", node, own_position_kinds)
 
     def positions_known(self, node: GradNode) -> bool:
         """:func:`positions_known`, read once per node."""
-        known = self.memo["known"]
-        if node.token not in known:
-            known[node.token] = not self.own_position_kinds(node) and data_positions(node)
-        return known[node.token]
+        return self._once("known", node, lambda x: not self.own_position_kinds(x) and data_positions(x))
 
     def describe(self) -> str:
         return "\n".join([f"device {self.device.name}, dtype {self.dtype}, "

@@ -17,7 +17,7 @@ from .decide import JobGraph
 from ..units import format_bytes
 from .decisions import Decision, DecisionKind, DecisionSource
 from .facts import Facts
-from .lower import ROW_WISE, chain_contains, pass_key, stream_root
+from .lower import ROW_WISE, chain_contains, chain_ops, pass_key, stream_root
 from .jobs import StoreJob
 from .memory import rows_bytes
 from .passkeys import PassKey
@@ -67,6 +67,16 @@ class Pass:
                 if isinstance(root, Source) and root not in out:
                     out.append(root)
         return out
+
+    def models(self) -> list:
+        """The distinct models of its sources (and of a products pass's target), in the
+        order the jobs name them."""
+        tasks = [src.task for src in self.sources()] + ([self.jobs[0].target.task] if self.per_call else [])
+        return list({id(task.model): task.model for task in tasks}.values())
+
+    def operators(self) -> list:
+        """The operators the row-wise chains of its jobs' streams apply, in order."""
+        return [op for job in self.jobs for s in job.streams for op in chain_ops(s)]
 
 
 @dataclass(frozen=True)

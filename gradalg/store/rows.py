@@ -3,7 +3,7 @@
 A store is written chunk by chunk, each chunk a pure function of its row range, so a
 crashed or retried chunk is recomputed to the same numbers. :func:`restrict_rows`
 rebuilds the *row chain* of a node (the row-wise nodes down to its stream root) over
-rows a:b of the root: a Source (through :func:`gradalg.exec.shards.restrict`) or a
+rows a:b of the root: a Source (through :meth:`gradalg.expr.GradNode.restrict`) or a
 gradient store. Operators are left alone, even one computed from the same dataset: a
 Fisher of the training set preconditioning the training rows stays the Fisher of all
 of them.
@@ -21,7 +21,6 @@ import torch
 
 from ..errors import ExampleIdsError, GradalgError, OptionError
 from ..capture.chunks import Chunk, concat_chunks, flat_block
-from ..exec.shards import restrict
 from ..expr import GradNode, Normalize, Precondition, Source
 from ..expr.stored import Stored, StoredOp
 from ..plan.planner import ROW_WISE, stream_root
@@ -63,7 +62,7 @@ def restrict_rows(node: GradNode, start: int, stop: int) -> GradNode:
             raise OptionError("gradients with objective='expected' have one row per term of the "
                              "Gauss-Newton decomposition, not per example: they cannot be stored or "
                              "scored by rows; use them for curvature (ga.fisher) only")
-        return restrict(node, root.data.token, start, stop)
+        return node.restrict(root.data.token, start, stop)
     if isinstance(root, Stored) and hasattr(root.store, "rows"):
         return _with_root(node, Stored(root.store.rows(start, stop), root.space_, root.representation_))
     raise TypeError(f"rows of {root.label!r} cannot be computed by ranges")

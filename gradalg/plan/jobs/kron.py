@@ -11,7 +11,6 @@ diagonal (the job's fields, from ``ga.options``).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -30,6 +29,7 @@ from ..decisions import Decision, DecisionKind
 from ..memory import _gb, positions
 from ..shapes import element_size
 from .base import Job
+from .scores import reused_buffer
 
 __all__ = ["KronStatisticsJob", "KFACJob", "EKFACJob", "KronAccumulator", "EKFACAccumulator", "kron_factor_bytes",
            "kron_bytes", "ekfac_bytes", "kron_output_bytes", "kron_bytes_arithmetic", "kron_precision_decisions",
@@ -535,19 +535,7 @@ class EKFACAccumulator:
         self.node, self.kfac, self.token_block, self.buffer_bytes = node, kfac, token_block, buffer_bytes
         self.sums = {name: torch.zeros(lam.shape, dtype=torch.float64, device=lam.base[0].device)
                      for name, lam in kfac.parts.items()}
-        self._rotated = self._summed = None     # the reused buffers (flat), grown to the largest use
-
-    def _buffer(self, which: str, shape: tuple, like: torch.Tensor, dtype) -> torch.Tensor | None:
-        """A view of ``shape`` into the reused buffer ``which`` ("_rotated" or "_summed"), or
-        None below ``buffer_bytes`` (the allocator recycles small tensors)."""
-        size = math.prod(shape)
-        if size * element_size(dtype) < self.buffer_bytes:
-            return None
-        buf = getattr(self, which)
-        if buf is None or buf.numel() < size or buf.dtype != dtype or buf.device != like.device:
-            buf = torch.empty(size, dtype=dtype, device=like.device)
-            setattr(self, which, buf)
-        return buf[:size].view(shape)
+        self._rotated = self._summed = None     # the reused buffers (flat), grown to the largest use (reused_buffer)
 
     def update(self, chunk: Chunk) -> None:
         for name in self.node.space.names:
@@ -564,9 +552,9 @@ class EKFACAccumulator:
                     sums += rotate_factors(F[i:i + 1], Q_S, Q_A, self.token_block)[0].square_().to(sums.dtype)
                 continue
             dtype, (o, i) = work_dtype(F.D), sums.shape
-            out = self._buffer("_rotated", (F.n, o, i), F.D, dtype)
+            out = reused_buffer(self, "_rotated", (F.n, o, i), dtype, F.D.device, self.buffer_bytes)
             rotated = rotate_factors(F, Q_S, Q_A, self.token_block, out=out).square_()   # ours: squared in place
-            total = self._buffer("_summed", (o, i), F.D, dtype)
+            total = reused_buffer(self, "_summed", (o, i), dtype, F.D.device, self.buffer_bytes)
             sums.add_(rotated.sum(0) if total is None else torch.sum(rotated, 0, out=total))
             del rotated
 

@@ -3,6 +3,7 @@ held rows (:class:`ScoresJob`), and the self-scores of a square score expression
 sides streamed in lockstep or one held (:class:`DiagJob`)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
@@ -22,7 +23,41 @@ from ..rules import PlanError
 from ..shapes import element_size
 from .base import Job
 
-__all__ = ["ScoresJob", "DiagJob", "blockwise_preconditioner", "ScoreAccumulator", "DiagAccumulator"]
+__all__ = ["ScoresJob", "DiagJob", "blockwise_preconditioner", "ScoreAccumulator", "DiagAccumulator",
+           "reused_buffer"]
+
+
+def reused_buffer(owner, attr: str, shape: tuple, dtype: torch.dtype, device, min_bytes: int) -> torch.Tensor | None:
+    """A view of ``shape`` into the flat buffer ``owner.<attr>``, made again only to grow it
+    or for another dtype or device, so one buffer serves every block and chunk; None under
+    ``min_bytes`` (``ga.options(reuse_buffer_bytes)``: the allocator recycles small tensors).
+    Fresh tensors of tens of MB per block and chunk (above the allocator's mmap threshold)
+    cost about as much in page faults as the GEMM that fills them."""
+    size = math.prod(shape)
+    if size * element_size(dtype) < min_bytes:
+        return None
+    buf = getattr(owner, attr)
+    if buf is None or buf.numel() < size or buf.dtype != dtype or buf.device != device:
+        buf = torch.empty(size, dtype=dtype, device=device)
+        setattr(owner, attr, buf)
+    return buf[:size].view(shape)
+
+
+class _Concatenated:
+    """An accumulator whose state is the tensors ``parts`` it made, joined along ``dim``
+    when it finishes; a shard's part is absorbed after those before it (shard order)."""
+
+    dim = 0
+
+    def export(self) -> torch.Tensor | None:
+        return torch.cat(self.parts, dim=self.dim) if self.parts else None
+
+    def absorb(self, part) -> None:
+        if part is not None:
+            self.parts.append(part)
+
+    def finish(self) -> torch.Tensor:
+        return torch.cat(self.parts, dim=self.dim)
 
 
 def _compute_elem(dtype) -> int:
@@ -288,8 +323,9 @@ class DiagJob(Job):
         state.results[self.key] = result
 
 
-class ScoreAccumulator:
-    """Columns of ⟨held_i, streamed_j⟩ summed over blocks, chunk by chunk of the streamed side.
+class ScoreAccumulator(_Concatenated):
+    """Columns of ⟨held_i, streamed_j⟩ summed over blocks, chunk by chunk of the streamed side
+    (``parts``: one (n_held, chunk) block of columns per chunk).
 
     ``held`` is already preconditioned. Per block the kernel is the plan's choice
     (``kernels``: what ``explain()`` shows; ``ga.options(ghost=...)`` forces it there);
@@ -305,6 +341,8 @@ class ScoreAccumulator:
     of them; only ghost blocks pay the ghost identity's T²·(in + out).
     """
 
+    dim = 1
+
     def __init__(self, held: Chunk, space, kernels: dict, trace, normalize_streamed: bool = False,
                  slice_elements: int = 2**26, buffer_bytes: int = 2**20, token_block: int | None = None):
         self.held, self.space, self.kernels = held, space, kernels
@@ -312,12 +350,12 @@ class ScoreAccumulator:
         self.slice_elements, self.buffer_bytes, self.token_block = slice_elements, buffer_bytes, token_block
         self.normalize_streamed = normalize_streamed
         self._sq_norms: torch.Tensor | None = None
-        self.columns: list[torch.Tensor] = []
+        self.parts: list[torch.Tensor] = []
         self._materialized: dict[str, torch.Tensor] = {}
         self._buffer: torch.Tensor | None = None
 
     def update(self, chunk: Chunk) -> None:
-        self.columns.append(self.block(chunk))
+        self.parts.append(self.block(chunk))
 
     def block(self, chunk: Chunk) -> torch.Tensor:
         """The scores of the held rows against one streamed chunk, kept nowhere.   (n_held, chunk.n)"""
@@ -360,46 +398,25 @@ class ScoreAccumulator:
         return lflat @ rows.to(lflat.dtype).T
 
     def _streamed_rows(self, value) -> torch.Tensor:
-        """A streamed block as (n, dim) rows, valid until the next call.
-
-        Large factored blocks are materialized into one buffer reused across blocks and
-        chunks: a fresh tensor of tens of MB per block and chunk (above the allocator's
-        mmap threshold) costs about as much in page faults as the batched GEMM that fills
-        it. Small ones (under ``buffer_bytes``, 1 MiB by default, recycled by the allocator)
-        take the ordinary path.
-        """
+        """A streamed block as (n, dim) rows, valid until the next call: large factored
+        blocks are materialized into one buffer reused across blocks and chunks
+        (:func:`reused_buffer`), small ones (under ``buffer_bytes``) and half-precision
+        ones (float32 rows) take the ordinary path."""
         if not isinstance(value, Factors):
             return flat_block(value)
-        if (not isinstance(value.A, torch.Tensor) or value.A.dtype != value.D.dtype
-                or value.D.dtype in HALF_DTYPES):   # half precision: float32 rows
-            return materialize(value, self.token_block).flatten(1)
         D, A = value.D, value.A
-        n, size = D.shape[0], D.shape[0] * D.shape[2] * A.shape[2]
-        if size * D.element_size() < self.buffer_bytes:
+        out = None if (not isinstance(A, torch.Tensor) or A.dtype != D.dtype or D.dtype in HALF_DTYPES) else \
+            reused_buffer(self, "_buffer", (D.shape[0], D.shape[2], A.shape[2]), D.dtype, D.device, self.buffer_bytes)
+        if out is None:
             return materialize(value, self.token_block).flatten(1)
-        buf = self._buffer
-        if buf is None or buf.numel() < size or buf.dtype != D.dtype or buf.device != D.device:
-            buf = self._buffer = torch.empty(size, dtype=D.dtype, device=D.device)
-        out = buf[:size].view(n, D.shape[2], A.shape[2])
         for k, tp in enumerate(token_slices(value.T, self.token_block)):   # G_i = Σ_p D_{i,p}ᵀ A_{i,p}  (n, out, in)
             if k == 0:
                 torch.bmm(D[:, tp].transpose(1, 2), A[:, tp], out=out)
             else:
                 out.baddbmm_(D[:, tp].transpose(1, 2), A[:, tp])
-        return out.view(n, -1)
+        return out.view(D.shape[0], -1)
 
-    def export(self) -> torch.Tensor:
-        return torch.cat(self.columns, dim=1) if self.columns else None
-
-    def absorb(self, columns) -> None:
-        if columns is not None:
-            self.columns.append(columns)
-
-    def finish(self) -> torch.Tensor:
-        return torch.cat(self.columns, dim=1)
-
-
-class DiagAccumulator:
+class DiagAccumulator(_Concatenated):
     """d_i = ⟨L_i, H R_i⟩ for chunks of the two sides arriving together."""
 
     def __init__(self, space, resolved, same: bool, slice_elements: int = 2**26, token_block: int | None = None):
@@ -421,16 +438,6 @@ class DiagAccumulator:
         x = flatten(left, self.space)
         y = x if right is None else flatten(right, self.space).to(x.dtype)
         self.parts.append((x * y).sum(1))
-
-    def export(self) -> torch.Tensor:
-        return torch.cat(self.parts) if self.parts else None
-
-    def absorb(self, part) -> None:
-        if part is not None:
-            self.parts.append(part)
-
-    def finish(self) -> torch.Tensor:
-        return torch.cat(self.parts)
 
 
 def _aligned_held(state, held, right: Chunk) -> Chunk:
