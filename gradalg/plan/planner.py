@@ -56,7 +56,7 @@ class Plan:
     dtype: torch.dtype = torch.float32
     budget: Budget | None = None    # the memory budget and its source (options.memory_budget is its bytes)
     stages: dict = field(default_factory=dict, repr=False)
-    placement: tuple = ()           # per pass, where it runs (exec.runner.Placement), from the executor's shard strategy
+    placement: tuple = ()           # per pass, where it runs (plan.placement.Placement), recorded by the place stage from the executor's shard strategy
 
     @property
     def facts(self):
