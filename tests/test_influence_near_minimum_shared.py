@@ -35,7 +35,7 @@ def test_damping_zero_off_an_exact_minimum_takes_the_gauss_newton_not_a_refusal(
     low, high = probe.singular
     assert low <= SINGULAR_RTOL * high and high == pytest.approx(float(mu.max() - mu.min()), rel=1e-10)
     assert_close(values, flat.scores(Gn + WD * eye), rtol=1e-8, atol=1e-12)        # (G + 0·I + wd·I)⁻¹
-    assert after.chosen == "gauss_newton" and "singular" in after.reason and "damping > 0" in after.reason
+    assert after.chosen == "gauss_newton" and "shifted to PSD is singular (smallest eigenvalue 0" in after.reason and "damping > 0" in after.reason
     assert f"−μ_min / mean = {probe.ratio:.3g} ≤ r = inf" in after.reason
     # "auto" is the same rule: the same scores, no refusal
     task, train, queries = ga.tasks.classification(flat.model), (flat.X, flat.y), (flat.Xq, flat.yq)
@@ -49,7 +49,7 @@ def test_damping_zero_off_an_exact_minimum_takes_the_gauss_newton_not_a_refusal(
     # with a damping the same model takes the Hessian, shifted and damped as asked
     with ga.options(hessian_negative_ratio=float("inf")):
         values, probe, _, after = run(flat, damping=1e-3, weight_decay=WD)
-    assert probe.chosen == "dense_hessian" and probe.singular is None and "singular" not in after.reason
+    assert probe.chosen == "dense_hessian" and probe.singular is None and "so the dense Gauss-Newton" not in after.reason
     A = H + WD * eye + (1e-3 - float(mu.min())) * eye
     assert_close(values, flat.scores(A), rtol=1e-8, atol=1e-12)
 
