@@ -113,11 +113,18 @@ def forget(obj=None) -> None:
 
 # ------------------------------------------------------------------ tensors
 def _tensor_stamp(t: torch.Tensor):
+    """What a cached digest of ``t`` is valid for: its version counter, storage and layout.
+    A DTensor (FSDP2) is written through either of two counters: its own (an optimizer's
+    step on the DTensor) or its local shard's (``p.to_local().copy_(...)``, as a checkpoint
+    loader writes this rank's shard), each not bumping the other; both are in the stamp,
+    and the shard's storage (the DTensor's ``data_ptr()`` is 0)."""
+    local = local_shard(t)
     try:
-        ptr = t.data_ptr()
+        ptr = local.data_ptr()
     except RuntimeError:
         ptr = None
-    return (t._version, ptr, tuple(t.shape), tuple(t.stride()) if t.layout == torch.strided else None,
+    return (t._version, local._version if local is not t else None, ptr, tuple(t.shape),
+            tuple(t.stride()) if t.layout == torch.strided else None,
             t.storage_offset() if t.layout == torch.strided else None, t.dtype, str(t.device))
 
 
