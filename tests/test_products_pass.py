@@ -373,13 +373,18 @@ def test_the_estimate_of_a_conv_products_call_counts_the_conv_work_at_every_outp
         assert job.layer_positions() == (16, 4, 1)
 
 
-def test_an_mlp_products_call_is_priced_as_before_the_positions_were_measured(setting):
+def test_an_mlp_products_call_keeps_its_flops_and_prices_each_tangent_gemm_once_for_the_vectors(setting):
     """An MLP's layers are at one position per example (T = 1), so pricing each weight layer at its
-    measured positions leaves its estimate bit-identical: the job's cost equals the one computed
-    without positions (every layer at T, the formula before), field for field."""
-    from gradalg.plan.jobs.products import product_fixed, product_work, weighed
+    measured positions leaves its work unchanged; ``vmap`` runs each tangent GEMM once for the m
+    vectors, so the price lists one (m·B, out, in) GEMM ``tangent`` times per layer, not ``tangent·m``
+    GEMMs (B, out, in): the same FLOPs. At one vector (the profile's calibration of
+    ``product_work``) the price is bit-identical to the one before."""
     from gradalg.devices import local_profile
+    from gradalg.plan.cost import Cost, gemm_cost
+    from gradalg.plan.jobs.products import PRODUCT_SWEEPS, product_fixed, product_work, weighed
+    from gradalg.plan.shapes import activation_bytes
     task, train, _ = setting
+    model = task.model
     with ga.options(batch_size=16):
         plan = LocalExecutor().plan(ga.hessian(task, train).expr)
         [step] = _products_passes(plan)
@@ -387,9 +392,24 @@ def test_an_mlp_products_call_is_priced_as_before_the_positions_were_measured(se
         assert job.layer_positions() == (1, 1)
         prof = local_profile()
         dim = job.target.space.dim
-        before = (product_work(task.model, 16, 1, 1, "hessian", dim, 8).scaled(2)
-                  + product_work(task.model, 8, 1, 1, "hessian", dim, 8))
         call = job.call_cost(torch.float64, prof)
-    assert call == weighed(before, prof.product_work) + product_fixed(task.model, "hessian", 3)
-    assert prof.time_of(call, torch.float64) == prof.time_of(weighed(before, prof.product_work)
-                                                             + product_fixed(task.model, "hessian", 3), torch.float64)
+    primal, tangent = PRODUCT_SWEEPS["hessian"]
+    shapes = [(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert shapes == [(8, 16), (16, 3)]
+
+    def before(B, m):                                        # the price before: tangent·m GEMMs of B rows
+        cost = Cost()
+        for n_in, n_out in shapes:
+            cost = cost + gemm_cost(B, n_out, n_in, primal, 8) + gemm_cost(B, n_out, n_in, tangent * m, 8)
+        cost = cost + Cost(elementwise=activation_bytes(model, 1, 8) * B * (primal + tangent * m))
+        return cost + Cost(bytes=5.0 * 8 * m * dim)
+    # one vector: bit-identical, field for field, and the job's call (batches 16, 16, 8) with it
+    for B in (16, 8):
+        assert product_work(model, B, 1, 1, "hessian", dim, 8, job.layer_positions()) == before(B, 1)
+    assert call == weighed(before(16, 1).scaled(2) + before(8, 1), prof.product_work) + product_fixed(model, "hessian", 3)
+    # m vectors: the same FLOPs and bytes, the tangent GEMMs m·B rows tall
+    work = product_work(model, 16, 1, 40, "hessian", dim, 8, job.layer_positions())
+    old = before(16, 40)
+    assert work.flops == pytest.approx(old.flops, rel=1e-12) and work.elementwise == old.elementwise
+    assert sorted(g[:4] for g in work.gemms) == sorted([(16, n_out, n_in, primal) for n_in, n_out in shapes]
+                                                      + [(40 * 16, n_out, n_in, tangent) for n_in, n_out in shapes])

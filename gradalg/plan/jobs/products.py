@@ -80,8 +80,10 @@ def product_work(model, B: int, T: int, m: int, kind: str, dim: int, elem: int, 
     (:func:`~gradalg.plan.shapes.weight_layers`) at its P positions per example
     (``positions``, one per weight layer in that order: a convolution's output pixels,
     measured by :meth:`ProductsJob.layer_positions`; None: P = T for every layer)
-    ``primal + tangent·m`` GEMMs (B·P, out, in) (:data:`PRODUCT_SWEEPS`); attention (a
-    transformer config) two batched (T, T, d_head) products per forward-equivalent;
+    ``primal`` GEMMs (B·P, out, in) and ``tangent`` GEMMs (m·B·P, out, in)
+    (:data:`PRODUCT_SWEEPS`: ``vmap`` runs each tangent GEMM once for the m vectors, one GEMM
+    m times as tall, not m small ones; the same FLOPs); attention (a transformer config) two
+    batched (T, T, d_head) products per forward-equivalent (the tangents' m·B·heads of them);
     elementwise traffic the activations once per forward-equivalent
     (:func:`~gradalg.plan.shapes.activation_bytes` at T, plus ``activation_numbers``·(P − T)·elem
     bytes per example for a weight layer at P ≠ T positions); the sum of the products
@@ -95,12 +97,13 @@ def product_work(model, B: int, T: int, m: int, kind: str, dim: int, elem: int, 
     if len(positions) != len(layers):
         raise PlanError(f"product_work: {len(positions)} positions for {len(layers)} weight layers (a planner bug: "
                         "report it)")
-    for (n_in, n_out), P in zip(layers, positions):
-        cost = cost + gemm_cost(B * P, n_out, n_in, primal, elem) + gemm_cost(B * P, n_out, n_in, tangent * m, elem)
+    for (n_in, n_out), P in zip(layers, positions):      # vmap: each tangent GEMM one of m·B·P rows
+        cost = cost + gemm_cost(B * P, n_out, n_in, primal, elem) + gemm_cost(m * B * P, n_out, n_in, tangent, elem)
     layers, width, heads = attention_shape(model)
     if layers and T > 1:
         d_head = max(1, width // heads)
-        cost = cost + bmm_cost(B * heads, T, T, d_head, 2 * layers * (primal + tangent * m), elem)
+        cost = (cost + bmm_cost(B * heads, T, T, d_head, 2 * layers * primal, elem)
+                + bmm_cost(m * B * heads, T, T, d_head, 2 * layers * tangent, elem))
     per_example = activation_bytes(model, T, elem)
     if any(P != T for P in positions):     # a weight layer at P positions, not T: its activations P/T times
         per_example += float(sum(n * (P - T) for n, P in zip(_activation_numbers(model), positions))) * elem
@@ -271,8 +274,9 @@ class ProductsJob(Job):
         """``calls`` × one call: per batch of b examples (``batch``, the last one the rest) of T
         positions, per ``vmap`` call of c of the m vectors (:meth:`vmap_calls`: c = m unless
         ``ga.options(products_vmap_elements)`` chunks them), each weight layer ``(in, out)``
-        (:func:`~gradalg.plan.shapes.weight_layers`) runs ``primal + tangent·c`` GEMMs (b·T, out, in)
-        (:data:`PRODUCT_SWEEPS`); attention (a transformer config) two batched (T, T, d_head)
+        (:func:`~gradalg.plan.shapes.weight_layers`) at its P positions per example (:meth:`layer_positions`:
+        a convolution's output pixels, T for a Linear) runs ``primal`` GEMMs (b·P, out, in) and ``tangent``
+        GEMMs (c·b·P, out, in), ``vmap`` batching the c vectors into one (:data:`PRODUCT_SWEEPS`); attention (a transformer config) two batched (T, T, d_head)
         products per forward-equivalent; elementwise traffic the activations
         (:func:`~gradalg.plan.shapes.activation_bytes`) once per forward-equivalent; the sum of
         the products (c, dim) read and written (:func:`product_work`, weighed by the device's
