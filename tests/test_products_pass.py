@@ -327,9 +327,89 @@ def test_the_estimate_counts_the_vmap_chunks_the_run_makes(monkeypatch):
     assert kind == "products" and batches == pytest.approx(vmap_calls * FIXED_SCALE["gauss_newton"])
     dim = job.target.space.dim
     sizes = [(16, 2), (16, 1), (16, 2), (16, 1), (8, 3)]   # (examples, vectors) of each vmap call
-    assert call.flops == pytest.approx(sum(product_work(model, b, 1, c, "gauss_newton", dim, 8).flops for b, c in sizes))
+    positions = job.layer_positions()                       # conv1 4×4, conv2 2×2, fc 1 (per example)
+    assert call.flops == pytest.approx(sum(product_work(model, b, 1, c, "gauss_newton", dim, 8, positions).flops
+                                           for b, c in sizes))
     assert "vmapped in chunks of 2 vectors (2 per batch of 16" in text and "5 vmap calls per call" in text
     # unchunked (E = 0): one vmap call per batch, the last batch at its own size
     with ga.options(batch_size=16, products_vmap_elements=0):
         assert job.vmap_calls() == ((16, 2, ((3, 1),)), (8, 1, ((3, 1),)))
         assert job.call_cost(torch.float64).blocks[0][1] == pytest.approx(3 * FIXED_SCALE["gauss_newton"])
+
+
+def _forward_flops(model, X) -> float:
+    """FLOPs of one real forward of ``model`` on ``X``, as torch counts them (its convolutions
+    and matrix products: ``torch.utils.flop_counter``)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(X)
+    return float(counter.get_total_flops())
+
+
+@pytest.mark.parametrize("kind", ["gauss_newton", "hessian"])
+def test_the_estimate_of_a_conv_products_call_counts_the_conv_work_at_every_output_position(kind):
+    """A convolution multiplies its (in·k², out) weight at each of its output positions: the
+    products job prices each weight layer's GEMMs at the positions one example's forward gives
+    it (:meth:`~gradalg.plan.jobs.products.ProductsJob.layer_positions`: 4×4 and 2×2 here, 1
+    for the Linear), so a call's FLOPs are, per ``vmap`` call of c vectors on a batch of b,
+    ``(primal + tangent·c)`` times one real forward's FLOPs on those b examples as torch counts
+    them (:data:`~gradalg.plan.jobs.products.PRODUCT_SWEEPS`). Before, every layer was priced
+    at one position (the conv's work 16× and 4× under)."""
+    from gradalg.plan.jobs.products import PRODUCT_SWEEPS
+    model = models.cnn()
+    X, y = models.image_data(n=40)
+    task = ga.tasks.classification(model)
+    make = ga.gauss_newton if kind == "gauss_newton" else ga.hessian
+    with ga.options(batch_size=16):
+        plan = LocalExecutor().plan(make(task, (X, y)).expr)
+        [step] = _products_passes(plan)
+        [job] = step.jobs
+        call = job.call_cost(torch.float64)
+        primal, tangent = PRODUCT_SWEEPS[kind]
+        expected = sum(count * k * (primal + tangent * c) * _forward_flops(model, X[:b])
+                       for b, count, sizes in job.vmap_calls() for c, k in sizes)
+        assert [b for b, _, _ in job.vmap_calls()] == [16, 8]
+        assert call.flops == pytest.approx(expected, rel=1e-12)
+        assert job.layer_positions() == (16, 4, 1)
+
+
+def test_an_mlp_products_call_keeps_its_flops_and_prices_each_tangent_gemm_once_for_the_vectors(setting):
+    """An MLP's layers are at one position per example (T = 1), so pricing each weight layer at its
+    measured positions leaves its work unchanged; ``vmap`` runs each tangent GEMM once for the m
+    vectors, so the price lists one (m·B, out, in) GEMM ``tangent`` times per layer, not ``tangent·m``
+    GEMMs (B, out, in): the same FLOPs. At one vector (the profile's calibration of
+    ``product_work``) the price is bit-identical to the one before."""
+    from gradalg.devices import local_profile
+    from gradalg.plan.cost import Cost, gemm_cost
+    from gradalg.plan.jobs.products import PRODUCT_SWEEPS, product_fixed, product_work, weighed
+    from gradalg.plan.shapes import activation_bytes
+    task, train, _ = setting
+    model = task.model
+    with ga.options(batch_size=16):
+        plan = LocalExecutor().plan(ga.hessian(task, train).expr)
+        [step] = _products_passes(plan)
+        [job] = step.jobs
+        assert job.layer_positions() == (1, 1)
+        prof = local_profile()
+        dim = job.target.space.dim
+        call = job.call_cost(torch.float64, prof)
+    primal, tangent = PRODUCT_SWEEPS["hessian"]
+    shapes = [(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert shapes == [(8, 16), (16, 3)]
+
+    def before(B, m):                                        # the price before: tangent·m GEMMs of B rows
+        cost = Cost()
+        for n_in, n_out in shapes:
+            cost = cost + gemm_cost(B, n_out, n_in, primal, 8) + gemm_cost(B, n_out, n_in, tangent * m, 8)
+        cost = cost + Cost(elementwise=activation_bytes(model, 1, 8) * B * (primal + tangent * m))
+        return cost + Cost(bytes=5.0 * 8 * m * dim)
+    # one vector: bit-identical, field for field, and the job's call (batches 16, 16, 8) with it
+    for B in (16, 8):
+        assert product_work(model, B, 1, 1, "hessian", dim, 8, job.layer_positions()) == before(B, 1)
+    assert call == weighed(before(16, 1).scaled(2) + before(8, 1), prof.product_work) + product_fixed(model, "hessian", 3)
+    # m vectors: the same FLOPs and bytes, the tangent GEMMs m·B rows tall
+    work = product_work(model, 16, 1, 40, "hessian", dim, 8, job.layer_positions())
+    old = before(16, 40)
+    assert work.flops == pytest.approx(old.flops, rel=1e-12) and work.elementwise == old.elementwise
+    assert sorted(g[:4] for g in work.gemms) == sorted([(16, n_out, n_in, primal) for n_in, n_out in shapes]
+                                                      + [(40 * 16, n_out, n_in, tangent) for n_in, n_out in shapes])

@@ -34,7 +34,7 @@ from ..cost import Cost, bmm_cost, data_tokens_hint, gemm_cost
 from ..estimates import _leaf_modules
 from ..passkeys import ProductsPassKey
 from ..rules import PlanError
-from ..shapes import _measure_on_meta, activation_bytes, attention_shape, element_size, weight_layers
+from ..shapes import _layers, _measure_on_meta, activation_bytes, attention_shape, element_size, weight_layers
 from .base import Job
 
 __all__ = ["ProductsJob", "ProductSums", "ProductPass", "PRODUCT_SWEEPS", "FIXED_SCALE", "ATTENTION_MODULES", "product_work",
@@ -53,8 +53,8 @@ __all__ = ["ProductsJob", "ProductSums", "ProductPass", "PRODUCT_SWEEPS", "FIXED
 #: fallback for models ``vmap`` cannot batch runs it per vector.)
 PRODUCT_SWEEPS = {"hessian": (3, 6), "gauss_newton": (2, 4)}
 
-#: {products target's token: activation elements of one example's forward, or None}
-#: (:meth:`ProductsJob.example_activations`, one meta forward each, at most 256 kept)
+#: {products target's token: (activation elements of one example's forward, positions per weight
+#: layer), or None} (:meth:`ProductsJob._measured`, one meta forward each, at most 256 kept)
 _ACTIVATIONS: dict = {}
 
 
@@ -74,26 +74,61 @@ FIXED_SCALE = {kind: sum(sweeps) / sum(PRODUCT_SWEEPS["gauss_newton"]) for kind,
 ATTENTION_MODULES = 110
 
 
-def product_work(model, B: int, T: int, m: int, kind: str, dim: int, elem: int) -> Cost:
+def product_work(model, B: int, T: int, m: int, kind: str, dim: int, elem: int, positions=None) -> Cost:
     """The work of one batch of products, as plain ops would do it: B examples of T
     positions, m vectors, each weight layer ``(in, out)``
-    (:func:`~gradalg.plan.shapes.weight_layers`) ``primal + tangent·m`` GEMMs (B·T, out, in)
-    (:data:`PRODUCT_SWEEPS`); attention (a transformer config) two batched (T, T, d_head)
-    products per forward-equivalent; elementwise traffic the activations
-    (:func:`~gradalg.plan.shapes.activation_bytes`) once per forward-equivalent; the sum of
-    the products (m, dim): V to parameters, back, and the running sum (5·m·dim numbers).
+    (:func:`~gradalg.plan.shapes.weight_layers`) at its P positions per example
+    (``positions``, one per weight layer in that order: a convolution's output pixels,
+    measured by :meth:`ProductsJob.layer_positions`; None: P = T for every layer)
+    ``primal`` GEMMs (B·P, out, in) and ``tangent`` GEMMs (m·B·P, out, in)
+    (:data:`PRODUCT_SWEEPS`: ``vmap`` runs each tangent GEMM once for the m vectors, one GEMM
+    m times as tall, not m small ones; the same FLOPs); attention (a transformer config) two
+    batched (T, T, d_head) products per forward-equivalent (the tangents' m·B·heads of them);
+    elementwise traffic the activations once per forward-equivalent
+    (:func:`~gradalg.plan.shapes.activation_bytes` at T, plus ``activation_numbers``·(P − T)·elem
+    bytes per example for a weight layer at P ≠ T positions); the sum of the products
+    (m, dim): V to parameters, back, and the running sum (5·m·dim numbers).
     Under torch.func this work takes the device profile's ``product_work`` times as long
     (tangent formulas of every elementwise op, transposed copies: :func:`weighed`)."""
     primal, tangent = PRODUCT_SWEEPS[kind]
     cost = Cost()
-    for n_in, n_out in weight_layers(model):
-        cost = cost + gemm_cost(B * T, n_out, n_in, primal, elem) + gemm_cost(B * T, n_out, n_in, tangent * m, elem)
+    layers = weight_layers(model)
+    positions = [T] * len(layers) if positions is None else list(positions)
+    if len(positions) != len(layers):
+        raise PlanError(f"product_work: {len(positions)} positions for {len(layers)} weight layers (a planner bug: "
+                        "report it)")
+    for (n_in, n_out), P in zip(layers, positions):      # vmap: each tangent GEMM one of m·B·P rows
+        cost = cost + gemm_cost(B * P, n_out, n_in, primal, elem) + gemm_cost(m * B * P, n_out, n_in, tangent, elem)
     layers, width, heads = attention_shape(model)
     if layers and T > 1:
         d_head = max(1, width // heads)
-        cost = cost + bmm_cost(B * heads, T, T, d_head, 2 * layers * (primal + tangent * m), elem)
-    cost = cost + Cost(elementwise=activation_bytes(model, T, elem) * B * (primal + tangent * m))
+        cost = (cost + bmm_cost(B * heads, T, T, d_head, 2 * layers * primal, elem)
+                + bmm_cost(m * B * heads, T, T, d_head, 2 * layers * tangent, elem))
+    per_example = activation_bytes(model, T, elem)
+    if any(P != T for P in positions):     # a weight layer at P positions, not T: its activations P/T times
+        per_example += float(sum(n * (P - T) for n, P in zip(_activation_numbers(model), positions))) * elem
+    cost = cost + Cost(elementwise=per_example * B * (primal + tangent * m))
     return cost + Cost(bytes=5.0 * elem * m * dim)
+
+
+def _weight_modules(model) -> list:
+    """``(module, rule)`` of every weight layer (:func:`~gradalg.plan.shapes.weight_layers`'s, in its order)."""
+    return [(m, rule) for m, rule in _layers(model) if rule.weight_gemm(m) is not None]
+
+
+def _activation_numbers(model) -> list[int]:
+    """Per weight layer, the numbers autograd keeps around it per position
+    (:meth:`~gradalg.capture.layers.LayerRule.activation_numbers`; :func:`product_work`)."""
+    return [rule.activation_numbers(m) for m, rule in _weight_modules(model)]
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """A weight layer as :func:`~gradalg.plan.shapes._measure_on_meta` reads one (name, module, rule)."""
+
+    name: str
+    module: torch.nn.Module
+    rule: object
 
 
 def weighed(work: Cost, factor: float) -> Cost:
@@ -178,12 +213,33 @@ class ProductsJob(Job):
         the run counts on its first batch, :meth:`~gradalg.curvature.hvp.Products.vmap_chunk`), from
         one meta-device forward of the first example, as the plan's facts measure a source's
         (:class:`~gradalg.plan.shapes.ForwardShapes` ``activations``); None where the model cannot
-        run on meta. Memoised by the target's token."""
+        run on meta (:meth:`_measured`)."""
+        measured = self._measured()
+        return None if measured is None else measured[0]
+
+    def layer_positions(self) -> tuple[int, ...] | None:
+        """Positions per example of each weight layer of the model (in
+        :func:`~gradalg.plan.shapes.weight_layers`' order): the rows its GEMM multiplies, a
+        convolution's output pixels (H_out·W_out), T for a Linear on T tokens
+        (:meth:`~gradalg.capture.layers.LayerRule.positions` of its output), from the same meta
+        forward as :meth:`example_activations`; T where a layer did not run in it; None where
+        the model cannot run on meta (every layer priced at T)."""
+        measured = self._measured()
+        return None if measured is None else measured[1]
+
+    def _measured(self):
+        """``(activations, positions)`` of one meta forward of the first example
+        (:meth:`example_activations`, :meth:`layer_positions`), or None. Memoised by the
+        target's token (at most 256 kept)."""
         t = self.target
         if t.token not in _ACTIVATIONS:
             try:
-                value = float(_measure_on_meta(t.task, t.data.first_example_batch(), [])[1])
-            except Exception:  # noqa: BLE001 - a hint: a model meta cannot run is priced unchunked
+                modules = _weight_modules(t.task.model)
+                refs = [_Ref(str(i), m, rule) for i, (m, rule) in enumerate(modules)]
+                seen, activations = _measure_on_meta(t.task, t.data.first_example_batch(), refs)
+                T = data_tokens_hint(t.data)
+                value = (float(activations), tuple(int(seen.get(str(i), T)) for i in range(len(modules))))
+            except Exception:  # noqa: BLE001 - a hint: a model meta cannot run is priced unchunked, at T
                 value = None
             if len(_ACTIVATIONS) >= 256:
                 _ACTIVATIONS.pop(next(iter(_ACTIVATIONS)))
@@ -218,8 +274,9 @@ class ProductsJob(Job):
         """``calls`` × one call: per batch of b examples (``batch``, the last one the rest) of T
         positions, per ``vmap`` call of c of the m vectors (:meth:`vmap_calls`: c = m unless
         ``ga.options(products_vmap_elements)`` chunks them), each weight layer ``(in, out)``
-        (:func:`~gradalg.plan.shapes.weight_layers`) runs ``primal + tangent·c`` GEMMs (b·T, out, in)
-        (:data:`PRODUCT_SWEEPS`); attention (a transformer config) two batched (T, T, d_head)
+        (:func:`~gradalg.plan.shapes.weight_layers`) at its P positions per example (:meth:`layer_positions`:
+        a convolution's output pixels, T for a Linear) runs ``primal`` GEMMs (b·P, out, in) and ``tangent``
+        GEMMs (c·b·P, out, in), ``vmap`` batching the c vectors into one (:data:`PRODUCT_SWEEPS`); attention (a transformer config) two batched (T, T, d_head)
         products per forward-equivalent; elementwise traffic the activations
         (:func:`~gradalg.plan.shapes.activation_bytes`) once per forward-equivalent; the sum of
         the products (c, dim) read and written (:func:`product_work`, weighed by the device's
@@ -234,10 +291,10 @@ class ProductsJob(Job):
         (:func:`product_fixed`), which a profile prices by its ``product_seconds``."""
         t, elem = self.target, element_size(dtype)
         model, T = t.task.model, data_tokens_hint(t.data)
-        work, calls = Cost(), 0
+        work, calls, positions = Cost(), 0, self.layer_positions()
         for b, count, sizes in self.vmap_calls():
             for c, k in sizes:
-                work = work + product_work(model, b, T, c, t.kind, t.space.dim, elem).scaled(count * k)
+                work = work + product_work(model, b, T, c, t.kind, t.space.dim, elem, positions).scaled(count * k)
                 calls += count * k
         factor = device.product_work if device is not None else 1.0
         return weighed(work, factor) + product_fixed(model, t.kind, calls)
