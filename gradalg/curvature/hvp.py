@@ -25,13 +25,13 @@ from torch.func import functional_call, grad, jvp, vjp, vmap
 from ..capture.experts import add_param
 from ..capture.hooks import resolve_layers
 from ..data import DataRef, batch_size_of, move_batch
-from ..eval_mode import eval_mode   # also imported from here by exec/runner.py, plan/jobs/products.py
+from ..eval_mode import eval_mode
 from ..errors import NoForwardADError, NonFiniteGradientError, OptionError
 from ..finite import check_model, nonfinite_examples
 from ..options import get_options
 from ..tasks.validation import no_forward_ad
 
-__all__ = ["ParamCoords", "Products", "dataset_matvec", "eval_mode"]
+__all__ = ["ParamCoords", "Products", "dataset_matvec"]
 
 
 class ParamCoords:

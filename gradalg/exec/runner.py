@@ -38,7 +38,7 @@ import contextlib
 import time
 from typing import Iterator
 
-from ..curvature.hvp import eval_mode
+from ..eval_mode import eval_mode
 from ..data import batch_size_of, move_batch
 from ..errors import NonFiniteGradientError, NonFiniteWeightError
 from ..expr import GradNode

@@ -29,7 +29,8 @@ import copy
 import torch
 
 from ..api import Operator, grads, hessian
-from ..curvature.hvp import ParamCoords, eval_mode
+from ..curvature.hvp import ParamCoords
+from ..eval_mode import eval_mode
 from ..data import as_data, move_batch
 from ..errors import OptionError
 from ..expr.curvature import Formed

@@ -24,7 +24,8 @@ from typing import ClassVar
 
 import torch
 
-from ...curvature.hvp import Products, eval_mode, vmap_chunk_size
+from ...curvature.hvp import Products, vmap_chunk_size
+from ...eval_mode import eval_mode
 from ...data import as_data
 from ...devices import DeviceProfile
 from ...devices.measure import FITS, warm_timer
