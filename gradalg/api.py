@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .data import as_data
+from .dtensor import write_version
 from .errors import OptionError
 from .options import plain
 from .expr import (KFAC, AdamPrecondition, AdamState, GroupMean, ScoreDiagonal, Arnoldi, CurvatureProducts, DataInf, Damp, Dense, Diagonal, Fisher, GradNode, Identity, Inner, Inverse, LowRank, Normalize, OpNode,
@@ -1013,8 +1014,7 @@ def adam_state(optimizer: torch.optim.Optimizer, like: GradientSet) -> AdamState
         if "exp_avg" not in state:
             raise OptionError(f"the optimizer has no Adam state for {name!r}: take a step first, "
                              "and pass an Adam/AdamW optimizer over this model's parameters")
-        m[name] = state["exp_avg"].detach().unsqueeze(0)
-        v[name] = state["exp_avg_sq"].detach().unsqueeze(0)
+        m[name], v[name] = state["exp_avg"], state["exp_avg_sq"]
     group = optimizer.param_groups[0]
     beta1, beta2 = group["betas"]
     return AdamState(_BlockMoments(coords, m), _BlockMoments(coords, v), float(beta1), float(beta2),
@@ -1031,12 +1031,15 @@ class _BlockMoments:
     (``AdamState.direction``), holds one block's moments at a time, not 2 · dim numbers
     (0.8–1.1 GB on 10⁸-parameter models, outside the plan). The optimizer must not step
     between ``ga.adam_state`` and the scores' evaluation: the tensors' versions are
-    recorded and a change is refused (a flat copy used to freeze them).
+    recorded and a change is refused (a flat copy used to freeze them). ``moment`` holds
+    the optimizer's own tensors, not views of them: a view of a DTensor (FSDP2) has
+    version counters of its own, which a write into the optimizer's tensor's local shard
+    does not bump (:func:`gradalg.dtensor.write_version`).
     """
 
     def __init__(self, coords, moment: dict):
         self._coords, self._moment = coords, moment
-        self._versions = {k: t._version for k, t in moment.items()}
+        self._versions = {k: write_version(t) for k, t in moment.items()}
         self._spans, start = [], 0          # (start, stop, ref index) per ref, in coords order
         for i, size in enumerate(self._sizes()):
             self._spans.append((start, start + size, i))
@@ -1052,16 +1055,16 @@ class _BlockMoments:
     def _block(self, i: int) -> torch.Tensor:
         """Ref i's coordinates, (dim_i,)."""
         ref, names = self._coords.refs[i], self._coords.local[i]
-        local = {pname: self._moment[full] for pname, full in names.items()}
+        local = {pname: self._moment[full].detach().unsqueeze(0) for pname, full in names.items()}
         if self._coords.backend == "func":
             return torch.cat([t.flatten(1) for t in local.values()], dim=1)[0]
         return ref.rule.from_params(ref.module, local).flatten(1)[0]
 
     def _check(self):
         for k, t in self._moment.items():
-            if t._version != self._versions[k]:
+            if write_version(t) != self._versions[k]:
                 raise OptionError(f"the optimizer's state of {k!r} changed after ga.adam_state(...) read it (a "
-                                  "step was taken): call ga.adam_state (or the method) again after the step")
+                                  "step was taken, or the state was loaded): call ga.adam_state (or the method) again after the step")
 
     def __getitem__(self, index) -> torch.Tensor:
         if not isinstance(index, slice) or index.step not in (None, 1):
@@ -1105,13 +1108,13 @@ class _BlockMoments:
     def __setstate__(self, state):
         # unpickled on a worker: fresh tensors, their versions start again (the driver checked)
         self.__dict__.update(state)
-        self._versions = {k: t._version for k, t in self._moment.items()}
+        self._versions = {k: write_version(t) for k, t in self._moment.items()}
 
     @property
     def token(self) -> str:
         from .expr.base import tokenize
         self._check()
-        return "moments" + tokenize([self._moment[k] for k in self._moment])
+        return "moments" + tokenize([self._moment[k].detach().unsqueeze(0) for k in self._moment])
 
 
 def _whole(name: str):

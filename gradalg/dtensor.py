@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["is_dtensor", "local_shard"]
+__all__ = ["is_dtensor", "local_shard", "write_version"]
 
 
 def is_dtensor(t) -> bool:
@@ -27,3 +27,14 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
     ``(out / world, in)`` for a weight ``(out, in)`` sharded on dim 0); any other tensor
     as it is. With one rank the shard is the whole tensor."""
     return t.to_local() if is_dtensor(t) else t
+
+
+def write_version(t: torch.Tensor) -> tuple:
+    """What changes when ``t`` is written in place: its version counter and, for a DTensor,
+    its local shard's too. A DTensor is written through either counter without bumping the
+    other (an optimizer's step on the DTensor bumps its own; a checkpoint loader's
+    ``t.to_local().copy_(...)`` only the shard's), so a check that records one counter
+    misses the other kind of write."""
+    local = local_shard(t)
+    return (t._version, local._version if local is not t else None)
+

@@ -126,3 +126,55 @@ def test_a_moment_works_as_the_tensor_it_was():
     for name, (got, want) in cases.items():
         assert isinstance(got, torch.Tensor), name
         torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
+
+
+_FSDP2_MOMENT_WRITE = r'''
+import os, sys, torch, torch.distributed as dist
+from torch import nn
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=0, world_size=1)
+from torch.distributed.fsdp import fully_shard
+import gradalg as ga
+from gradalg.errors import OptionError
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3))
+fully_shard(model)
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
+nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+opt.step()
+opt.zero_grad()
+G = ga.grads(ga.tasks.classification(model), list(zip(x, y)))
+st = ga.adam_state(opt, G)
+before = st.exp_avg[0:4].clone()
+with torch.no_grad():
+    opt.state[model[0].weight]["exp_avg"].to_local().add_(1.0)   # a loader writing this rank's shard
+try:
+    st.exp_avg[0:4]
+except OptionError as e:
+    assert "call ga.adam_state" in str(e), e
+    print("refused")
+dist.destroy_process_group()
+'''
+
+
+def test_a_write_into_an_fsdp2_moments_local_shard_is_refused(tmp_path):
+    """FSDP2's Adam moments are DTensors. A write into the optimizer's moment through its
+    local shard (``to_local().add_``, as a checkpoint loader does) bumped no counter the
+    check read (the DTensor view's counters are its own), so the moments read afterwards
+    were the new ones under a plan made for the old (a silently wrong number). One rank,
+    gloo, in a fresh process."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "moment_write.py"
+    script.write_text(_FSDP2_MOMENT_WRITE)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, str(script), str(port)], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("refused"), (out.stdout[-500:], out.stderr[-2000:])
