@@ -782,7 +782,7 @@ def grads(task: Task, data, layers=None, *, ids=None, batch_size: int | None = N
     if objective not in ("loss", "sampled", "expected", "output", "weighted_output"):
         raise OptionError(f"objective must be 'loss', 'sampled', 'expected' or 'output', got {objective!r}")
     task.objective_fn(objective)  # a missing sampled_loss/output is reported now
-    return GradientSet(Source(task, as_data(data, ids, batch_size), tuple(r.name for r in refs), backend,
+    return GradientSet(Source(task, as_data(data, ids, batch_size, task.collate_fn), tuple(r.name for r in refs), backend,
                               objective, _int("seed", seed)))
 
 
@@ -959,7 +959,7 @@ def _products(task, data, layers, kind, ids, batch_size) -> Operator:
     refs = resolve_layers(task.model, task.layers_for(layers))
     names = tuple(r.name for r in refs)
     space = ParamSpace(_module_blocks(task, names, "hooks"))
-    return Operator(CurvatureProducts(task, as_data(data, ids, batch_size), names, kind, space))
+    return Operator(CurvatureProducts(task, as_data(data, ids, batch_size, task.collate_fn), names, kind, space))
 
 
 def hessian(task: Task, data, layers=None, *, ids=None, batch_size: int | None = None) -> Operator:

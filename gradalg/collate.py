@@ -2,7 +2,8 @@
 
 :func:`pad_collate` is the collate function gradalg's own loaders use. Items that are
 dicts of tensors (HF style: ``input_ids``, ``attention_mask``, ``labels``, ...) whose
-lengths differ are **right-padded** to the longest item of the batch: ``labels`` with
+lengths differ are **right-padded** (:func:`left_pad_collate`: left-padded, for a task
+made with ``padding_side="left"``) to the longest item of the batch: ``labels`` with
 ``-100`` (ignored by every loss), every other field (``input_ids``, ``attention_mask``,
 ``completion_mask``, ...) with 0, so padding is never a real token (attention_mask 0)
 and never a counted label. Items without an ``attention_mask`` get one when they are
@@ -24,21 +25,23 @@ from torch.utils.data import Dataset, default_collate
 
 from .errors import BatchContentError, DataError
 
-__all__ = ["pad_collate", "DictDataset", "PAD_VALUES"]
+__all__ = ["pad_collate", "left_pad_collate", "DictDataset", "PAD_VALUES"]
 
 #: padding value per field; fields not named here pad with 0
 PAD_VALUES = {"labels": -100}
 """Padding value per field (``labels`` pad with -100, ignored by the loss); other fields pad with 0."""
 
 
-def pad_collate(items: list):
-    """Stack ``items`` into a batch, right-padding dict fields of unequal length.
+def pad_collate(items: list, padding_side: str = "right"):
+    """Stack ``items`` into a batch, padding dict fields of unequal length on
+    ``padding_side`` ("right" or "left").
 
     A field is padded along its first dimension (the token axis of an item) when its
     items differ there; the value is ``PAD_VALUES.get(field, 0)``.   (B, T_max, ...)
     When a field is padded and the items have no ``attention_mask``, one is added:
-    ``mask[b, t] = t < T_b`` with ``T_b`` item b's length (of ``input_ids`` when present,
-    else of the first padded field).   (B, T_max), int64
+    ``mask[b, t] = t < T_b`` on the right, ``t ≥ T_max − T_b`` on the left, with ``T_b``
+    item b's length (of ``input_ids`` when present, else of the first padded field).
+    (B, T_max), int64
     """
     if not items or not isinstance(items[0], Mapping):
         return _stack(items)
@@ -58,16 +61,25 @@ def pad_collate(items: list):
                 raise BatchContentError(f"field {key!r} differs in more than its first dimension across "
                                         f"the items of a batch: {sorted({tuple(v.shape) for v in values})}; "
                                         "give every item's field the same shape after the token axis")
-            out[key] = torch.nn.utils.rnn.pad_sequence(values, batch_first=True,
+            out[key] = torch.nn.utils.rnn.pad_sequence(values, batch_first=True, padding_side=padding_side,
                                                        padding_value=PAD_VALUES.get(key, 0))
             if lengths is None or key == "input_ids":
                 lengths = torch.tensor([v.shape[0] for v in values])
         else:
             out[key] = _stack(values)
     if lengths is not None and "attention_mask" not in out:
-        positions = torch.arange(int(lengths.max()))
-        out["attention_mask"] = (positions.unsqueeze(0) < lengths.unsqueeze(1)).long()
+        longest = int(lengths.max())
+        positions = torch.arange(longest).unsqueeze(0)
+        real = positions < lengths.unsqueeze(1) if padding_side == "right" else positions >= longest - lengths.unsqueeze(1)
+        out["attention_mask"] = real.long()
     return out
+
+
+def left_pad_collate(items: list):
+    """:func:`pad_collate` padding on the left: the batching of a task made with
+    ``padding_side="left"`` (``ga.tasks.causal_lm``, ``ga.tasks.sequence_classification``),
+    which gradalg's own loaders use for it when the data brings no ``collate_fn``."""
+    return pad_collate(items, padding_side="left")
 
 
 def _stack(values: list):

@@ -11,7 +11,7 @@ import itertools
 import os
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
@@ -338,8 +338,11 @@ def _tensor_of(value) -> torch.Tensor:
                         "that is not an array of numbers: pass tensors with the examples along dimension 0") from err
 
 
-def as_data(data: Any, ids=None, batch_size: int | None = None) -> DataRef:
+def as_data(data: Any, ids=None, batch_size: int | None = None, collate_fn: Callable | None = None) -> DataRef:
     """Wrap ``data`` (Dataset, DataLoader, tensor or tuple of tensors) as a :class:`DataRef`.
+
+    ``collate_fn``: how gradalg's own loaders batch the examples (a task's
+    :attr:`~gradalg.Task.collate_fn`); ignored for a DataLoader, which batches as it does.
 
     Raises
     ------
@@ -405,4 +408,4 @@ def as_data(data: Any, ids=None, batch_size: int | None = None) -> DataRef:
                     repeated.append(i)
                 seen.add(i)
             raise DataError(f"example ids must be unique; repeated: {repeated[:10]}")
-    return DataRef(data, ids, batch_size)
+    return DataRef(data, ids, batch_size, collate_fn=None if isinstance(data, DataLoader) else collate_fn)

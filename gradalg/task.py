@@ -140,6 +140,11 @@ class Task:
         a callable ``model -> list of module names``. ``layers=`` given to a call wins.
     name : str, optional
         Shown in reprs.
+    collate_fn : callable ``list of items -> batch``, optional
+        How gradalg's own loaders batch this task's items when the data brings none (a
+        list or Dataset, not a DataLoader). None: :func:`gradalg.collate.pad_collate`
+        (dict items of unequal length right-padded); the language tasks made with
+        ``padding_side="left"`` set :func:`gradalg.collate.left_pad_collate`.
 
     See :func:`gradalg.tasks.classification` for a task with all of these filled in.
     """
@@ -151,7 +156,7 @@ class Task:
                  weighted_output: Callable | None = None, curvature_objective: str | None = None,
                  check_batch: Callable | None = None, forward: Callable | None = None,
                  loss_from_outputs: Callable | None = None, default_layers: Any = None,
-                 name: str | None = None):
+                 name: str | None = None, collate_fn: Callable | None = None):
         if not isinstance(model, nn.Module):
             raise OptionError(f"Task needs a torch.nn.Module, got {type(model).__name__}")
         if not callable(loss):
@@ -178,6 +183,9 @@ class Task:
                             "ga.TransformerBlocks() selection or a callable model -> list of names")
         self.default_layers = default_layers
         self.name = name or type(model).__name__
+        if collate_fn is not None and not callable(collate_fn):
+            raise OptionError(f"collate_fn must be a callable list of items -> batch, got {type(collate_fn).__name__}")
+        self.collate_fn = collate_fn
 
     def layers_for(self, layers: Any = None) -> Any:
         """The layer selection of a call: ``layers`` when given, else the task's

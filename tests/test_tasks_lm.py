@@ -367,3 +367,41 @@ def test_the_meta_shape_measurement_runs_on_a_causal_lm_and_the_batch_is_still_c
     bad = [{**data[0], "input_ids": data[0]["input_ids"].clone().fill_(VOCAB + 1)}]
     with pytest.raises(ga.errors.BatchContentError, match="vocabulary"):
         ga.grads(ga.tasks.causal_lm(model), bad, layers=layers).to_dense()
+
+
+@pytest.mark.parametrize("arch", MODELS)
+def test_a_left_padding_task_pads_a_list_of_items_on_the_left(arch):
+    """``padding_side="left"`` with a list of items of unequal length: gradalg's own loader
+    pads them on the task's side (before, it right-padded them and then refused its own
+    batch), with completion-only counting by ``prompt_length``, against each sequence alone."""
+    model, layers = MODELS[arch]()
+    data = [{**d, "prompt_length": torch.tensor(p)} for d, p in zip(items(), (2, 3, 1, 4, 2, 1))]
+    data = [{k: v for k, v in d.items() if k != "attention_mask"} for d in data]    # the collate adds it
+    batch = ga.collate.left_pad_collate(data[:3])
+    lengths = [len(d["input_ids"]) for d in data[:3]]
+    assert batch["attention_mask"].tolist() == [[0] * (max(lengths) - n) + [1] * n for n in lengths]
+    assert batch["input_ids"][0, -lengths[0]:].tolist() == data[0]["input_ids"].tolist()
+    task = ga.tasks.causal_lm(model, padding_side="left", completion_only=True)
+    assert task.collate_fn is ga.collate.left_pad_collate
+    G = ga.grads(task, data, layers=layers, batch_size=4)                 # padded to 9 and to 6
+    close(dense(G, layers), oracle(model, layers, data, lambda lg, s: next_token_nll(lg, s, int(s["prompt_length"]))))
+    S = ga.methods.grad_dot(task, data, data[:2], layers=layers).compute()
+    ref = oracle(model, layers, data, lambda lg, s: next_token_nll(lg, s, int(s["prompt_length"])))
+    close(torch.as_tensor(S.values).to(F64), ref[:2] @ ref.T)
+    loader = torch.utils.data.DataLoader(data, batch_size=4, collate_fn=ga.collate.pad_collate)   # its own collate wins
+    with pytest.raises(ga.BatchContentError, match="right-padded"):
+        ga.grads(task, loader, layers=layers).to_dense()
+
+
+def test_a_left_padding_sequence_classifier_pads_a_list_of_items_on_the_left():
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+    torch.manual_seed(0)
+    clf = GPT2ForSequenceClassification(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=32,
+                                                   num_labels=3, pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                   attn_pdrop=0.0)).to(F64).eval()
+    data = [{**d, "labels": torch.tensor(i % 3)} for i, d in enumerate(items())]
+    layers = ["transformer.h.0.mlp.c_fc", "score"]
+    right = dense(ga.grads(ga.tasks.sequence_classification(clf), data, layers=layers, batch_size=4), layers)
+    task = ga.tasks.sequence_classification(clf, padding_side="left")
+    assert task.collate_fn is ga.collate.left_pad_collate
+    close(dense(ga.grads(task, data, layers=layers, batch_size=4), layers), right)

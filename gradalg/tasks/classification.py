@@ -54,8 +54,9 @@ def sequence_classification(model: nn.Module, *, padding_side: str = "right", pr
     batches: ``input_ids`` (B, T), ``attention_mask``, ``token_type_ids`` optional, the
     labels in ``labels`` (or ``label``). ``token_mask`` is the attention mask.
     ``padding_side="left"`` passes ``position_ids`` counted from each row's first real
-    token; a batch padded on the other side, or a row without a real token, is refused
-    naming the example ids.
+    token, and gradalg's own loaders pad a list of items on the left
+    (:func:`gradalg.collate.left_pad_collate`); a batch padded on the other side, or a row
+    without a real token, is refused naming the example ids.
 
     The loss follows the head's ``problem_type`` as HF's does (``problem_type`` here, else
     ``model.config.problem_type``, else HF's rule: ``num_labels == 1`` is regression):
@@ -79,6 +80,7 @@ def sequence_classification(model: nn.Module, *, padding_side: str = "right", pr
     most: leaving it out would drop a central part of what the training data taught.
     ``layers="all"`` adds the embeddings and norms; ``explain()`` shows the coverage.
     """
+    from ..collate import left_pad_collate
     from .language import MODEL_INPUTS, hf_forward
     from .tokens import check_padding, field, real_mask
     from .validation import token_batch
@@ -104,14 +106,17 @@ def sequence_classification(model: nn.Module, *, padding_side: str = "right", pr
     common = dict(check_batch=check_batch, token_mask=real_mask, default_layers=TransformerBlocks(head=True),
                   name=name)
     if kind == "regression":
-        return regression_task(model, logits_of, targets, **common)
-    if kind == "multi_label_classification":
-        return multilabel_task(model, logits_of, targets, **common)
-    if kind == "single_label_classification":
-        return categorical_task(model, logits_of, targets, **common)
-    single = categorical_task(model, logits_of, targets, **common)
-    multi = multilabel_task(model, logits_of, targets, **common)
-    return _by_label_dtype(single, multi, targets)
+        task = regression_task(model, logits_of, targets, **common)
+    elif kind == "multi_label_classification":
+        task = multilabel_task(model, logits_of, targets, **common)
+    elif kind == "single_label_classification":
+        task = categorical_task(model, logits_of, targets, **common)
+    else:
+        single = categorical_task(model, logits_of, targets, **common)
+        task = _by_label_dtype(single, multi=multilabel_task(model, logits_of, targets, **common), targets=targets)
+    if padding_side == "left":     # gradalg's own loaders pad a list of items on the task's side
+        task.collate_fn = left_pad_collate
+    return task
 
 
 PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")

@@ -50,6 +50,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..collate import left_pad_collate
 from ..errors import BatchContentError, HeadMismatchError, OptionError
 from ..options import plain
 from ..task import ExampleRandom, Task, TransformerBlocks
@@ -89,13 +90,13 @@ def sequence_task(model: nn.Module, logits_of: Callable[[nn.Module, Any], torch.
                   targets_of: Callable[[Any], torch.Tensor], *, check_batch: Callable | None = None,
                   token_mask: Callable | None = None, n_samples: int = 1, seed_salt: str = "",
                   trak_output: str = "sequence", default_layers=TransformerBlocks(vocabulary="auto"),
-                  name: str | None = None, task_class: type = Task) -> Task:
+                  name: str | None = None, task_class: type = Task, collate_fn: Callable | None = None) -> Task:
     """A :class:`Task` for token-level cross-entropy from ``logits_of(model, batch)``
     (B, T', V) and ``targets_of(batch)`` (B, T') with ``-100`` for positions that do not
     count; everything in the module docstring is derived from these two. ``default_layers``
     as in :class:`~gradalg.Task` (default: the linear layers inside the transformer blocks).
     ``task_class``: the :class:`~gradalg.Task` subclass built (:class:`CausalLMTask` for
-    ``causal_lm``)."""
+    ``causal_lm``); ``collate_fn`` as in :class:`~gradalg.Task`."""
     n_samples = plain(n_samples)
     if not isinstance(n_samples, int) or isinstance(n_samples, bool) or n_samples < 1:
         raise OptionError(f"n_samples must be a positive int, got {n_samples!r}")
@@ -155,7 +156,7 @@ def sequence_task(model: nn.Module, logits_of: Callable[[nn.Module, Any], torch.
                       weighted_output=weighted_output, expected_terms=expected_terms if n_samples > 1 else None,
                       curvature_objective="expected" if n_samples > 1 else "sampled", check_batch=check_batch,
                       token_mask=token_mask, forward=logits_of, loss_from_outputs=lambda lg, b: summed_nll(lg, targets_of(b)),
-                      default_layers=default_layers, name=name or type(model).__name__)
+                      default_layers=default_layers, name=name or type(model).__name__, collate_fn=collate_fn)
 
 
 class CausalLMTask(Task):
@@ -186,8 +187,10 @@ def causal_lm(model: nn.Module, *, padding_side: str = "right", completion_only:
     ----------
     padding_side : "right" (default) or "left". With "left", ``position_ids`` are passed
         to the model counted from each row's first real token, so a left-padded row gets
-        the positions of its unpadded sequence. A batch padded on the other side is
-        refused (:class:`~gradalg.errors.BatchContentError`, example ids named).
+        the positions of its unpadded sequence, and gradalg's own loaders pad a list of
+        items of unequal length on the left (:func:`gradalg.collate.left_pad_collate`). A
+        batch padded on the other side (a DataLoader's own collate) is refused
+        (:class:`~gradalg.errors.BatchContentError`, example ids named).
     completion_only : count only completion tokens (prompt masking): positions where the
         batch's ``completion_mask`` is 1, or at/after ``prompt_length`` (B,) real tokens.
         (Labels already set to ``-100`` on the prompt work without this option.)
@@ -255,7 +258,8 @@ def causal_lm(model: nn.Module, *, padding_side: str = "right", completion_only:
 
     return sequence_task(model, checked_logits, targets_of, check_batch=check_batch,
                          token_mask=real_mask, n_samples=n_samples, seed_salt="causal_lm",
-                         trak_output=trak_output, name=name, task_class=CausalLMTask)
+                         trak_output=trak_output, name=name, task_class=CausalLMTask,
+                         collate_fn=left_pad_collate if padding_side == "left" else None)
 
 
 def _check_decoder_only(model: nn.Module) -> None:
