@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 import hashlib
 import itertools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any, Callable, Iterator
 
@@ -353,7 +353,9 @@ def as_data(data: Any, ids=None, batch_size: int | None = None, collate_fn: Call
         shuffles, reorders or drops examples; if tensors differ in length.
     """
     if isinstance(data, DataRef):
-        return data
+        if collate_fn is None or data.collate_fn is not None or isinstance(data.source, DataLoader):
+            return data
+        return replace(data, collate_fn=collate_fn)
     batch_size = plain(batch_size)
     if data is None or isinstance(data, (str, bytes, int, float, os.PathLike)):
         raise DataError(f"the data is a {type(data).__name__} ({data!r:.60}), not examples: pass a Dataset, a "

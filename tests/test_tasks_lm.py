@@ -388,6 +388,8 @@ def test_a_left_padding_task_pads_a_list_of_items_on_the_left(arch):
     S = ga.methods.grad_dot(task, data, data[:2], layers=layers).compute()
     ref = oracle(model, layers, data, lambda lg, s: next_token_nll(lg, s, int(s["prompt_length"])))
     close(torch.as_tensor(S.values).to(F64), ref[:2] @ ref.T)
+    from gradalg.data import as_data
+    close(dense(ga.grads(task, as_data(data, batch_size=4), layers=layers), layers), dense(G, layers))   # a DataRef the CLI made
     loader = torch.utils.data.DataLoader(data, batch_size=4, collate_fn=ga.collate.pad_collate)   # its own collate wins
     with pytest.raises(ga.BatchContentError, match="right-padded"):
         ga.grads(task, loader, layers=layers).to_dense()
