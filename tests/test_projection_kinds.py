@@ -21,6 +21,7 @@ from gradalg.capture.factors import Factors, materialize
 from gradalg.errors import PlanError
 from gradalg.plan.cost import Cost
 from gradalg.plan.estimates import ProjectionPrices
+from gradalg.proj.projector import KINDS
 from gradalg.proj.kinds import REGISTRY, BlockRun, ProjectionKind, Rows, register
 from gradalg.space import Block
 
@@ -34,7 +35,7 @@ def _projector(name: str) -> ga.proj.Projector:
 
 
 def test_the_registry_is_the_projectors_vocabulary():
-    assert tuple(REGISTRY) == ga.proj.KINDS == ("gaussian", "rademacher", "kron", "sparse", "mask", "grass",
+    assert tuple(REGISTRY) == KINDS == ("gaussian", "rademacher", "kron", "sparse", "mask", "grass",
                                                  "factgrass", "tensorsketch")
     with pytest.raises(ga.OptionError, match="unknown projector kind 'nope'"):
         ga.proj.Projector("nope", 4)
@@ -75,6 +76,17 @@ def test_every_registered_kind_implements_the_protocol(name):
         assert isinstance(c, Cost) and c.flops + c.bytes + c.elementwise > 0, (name, factored)
     assert kind.table_bytes(p, block) >= 0
     assert isinstance(kind.build_cost(p, block, prices), Cost)
+
+
+def test_every_concrete_kind_class_is_registered():
+    """A kind class in gradalg/proj/kinds.py that is not abstract is reachable by a name."""
+    def concrete(cls):
+        for sub in cls.__subclasses__():
+            yield from concrete(sub)
+            if not sub.__abstractmethods__ and sub.__module__ == "gradalg.proj.kinds":
+                yield sub
+    registered = {type(kind) for kind in REGISTRY.values()}
+    assert set(concrete(ProjectionKind)) == registered
 
 
 def test_a_kind_that_leaves_out_a_method_is_refused_at_registration():

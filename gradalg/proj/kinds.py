@@ -52,8 +52,8 @@ from .sparse_tables import factgrass_tables, global_mask, grass_tables, mask_ind
 if TYPE_CHECKING:
     from .projector import Projector
 
-__all__ = ["ProjectionKind", "REGISTRY", "register", "Rows", "BlockRun", "project_block", "dtype_device",
-           "GRASS_BLOWUP"]
+__all__ = ["ProjectionKind", "TableKind", "LayerKind", "REGISTRY", "register", "Rows", "BlockRun", "project_block",
+           "dtype_device", "GRASS_BLOWUP"]
 
 GRASS_BLOWUP = 4   # GraSS / FactGraSS: the mask keeps about 4k coordinates before the SJLT to k
 
@@ -212,7 +212,7 @@ class Dense(ProjectionKind):
                              faulted=numbers * (8.0 + prices.elem))
 
 
-class _Layers(ProjectionKind):
+class LayerKind(ProjectionKind):
     """A kind that acts on the factors of (out, in) layer blocks in parameter coordinates."""
 
     per_layer = True
@@ -228,7 +228,7 @@ class _Layers(ProjectionKind):
 
 
 @register("kron")
-class Kron(_Layers):
+class Kron(LayerKind):
     """LoGra: ``P_out G P_inᵀ`` with Gaussian factors; on factors ``(D P_outᵀ)ᵀ (A P_inᵀ)``,
     which stays factored (ghost products and K-FAC statistics work in the projected space)."""
 
@@ -268,7 +268,7 @@ class Kron(_Layers):
         return prices.counts()
 
 
-class _Tables(ProjectionKind):
+class TableKind(ProjectionKind):
     """A kind applied by index tables (gathers and scatter-adds, no dense matrix); each
     block's kernel costs :func:`~gradalg.plan.estimates.ProjectionPrices.block_ops` small
     ops per chunk on top of its :meth:`work`."""
@@ -312,7 +312,7 @@ def _gather_cost(n: int, T: int, m: int, factored: bool, prices):
 
 
 @register("sparse")
-class Sparse(_Tables):
+class Sparse(TableKind):
     """SJLT of the whole block: ``s`` non-zeros ±1/√s per column (one in each of s bands)."""
 
     sjlt = True
@@ -339,7 +339,7 @@ class Sparse(_Tables):
 
 
 @register("mask")
-class Mask(_Tables):
+class Mask(TableKind):
     """k of a block's d coordinates without replacement, scaled by √(d/k); per block (the
     default) or k of the concatenated space (``per_block=False``)."""
 
@@ -379,7 +379,7 @@ class Mask(_Tables):
 
 
 @register("grass")
-class Grass(_Tables):
+class Grass(TableKind):
     """GraSS: a mask to ``mask_k`` coordinates (default 4k), then an SJLT to k, per block."""
 
     per_layer = True
@@ -413,7 +413,7 @@ class Grass(_Tables):
 
 
 @register("factgrass")
-class FactGrass(_Tables, _Layers):
+class FactGrass(TableKind, LayerKind):
     """FactGraSS: ``k_out`` output and ``k_in`` input features of the factors kept, the
     small (k_out, k_in) gradient formed, scaled by √(d / (k_out·k_in)), then an SJLT to k."""
 
@@ -439,7 +439,8 @@ class FactGrass(_Tables, _Layers):
         k_out, k_in = p.factgrass_shape(out, in_)
         n, T, elem = rows.n, rows.T, prices.elem
         if rows.factored:
-            cost = prices.counts(elementwise=2.0 * elem * n * T * (k_out + k_in)) + prices.materialize(n, T, k_in, k_out)
+            cost = (prices.counts(elementwise=2.0 * elem * n * T * (k_out + k_in))
+                    + prices.materialize(n, T, k_in, k_out))
         else:
             cost = prices.counts(elementwise=2.0 * elem * n * k_out * k_in)
         return cost + _sjlt_cost(n, k_out * k_in * p.s, rows.chunks, prices)
@@ -458,7 +459,7 @@ class FactGrass(_Tables, _Layers):
 
 
 @register("tensorsketch")
-class TensorSketch(_Tables):
+class TensorSketch(TableKind):
     """TensorSketch: an SJLT of each (out, in) block with the factored hash
     ``(h_out(o) + h_in(i)) mod k`` and sign ``σ_out(o)·σ_in(i)``; a flat (d,) block is (1, d)."""
 
