@@ -572,9 +572,9 @@ def test_cli_bad_data_lines_exit_with_their_code(cli_dir, capsys, line, code, wo
 #: the bare raises left in the package, each an internal invariant no user input reaches:
 #: a stale device-profile cache entry (caught by ``read_cached``, which re-measures); rows by
 #: ranges of a root ``restrictable()`` refused first; layer rules of tied blocks and embeddings
-#: never asked to record, and a transpose only of one-hot factors; the sparse-projection kernel
-#: called only for sparse kinds, with the space's blocks for a global mask
-BARE_RAISES = {"devices/record.py": 1, "store/rows.py": 1, "capture/tying.py": 5, "proj/kernels.py": 2}
+#: never asked to record, and a transpose only of one-hot factors (the projection kinds' kernels
+#: are reached through their kind object, so no "not a sparse kind" fall-through is left)
+BARE_RAISES = {"devices/record.py": 1, "store/rows.py": 1, "capture/tying.py": 5}
 
 
 def test_user_input_raises_gradalg_errors_not_bare_value_or_type_errors():

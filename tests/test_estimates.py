@@ -242,11 +242,12 @@ def test_a_tensorsketch_of_flat_rows_is_costed_per_row_and_bin_and_its_shift_per
     ``"tensorsketch_rows"`` block per row, example and bin; the shift made once per call, a
     ``"tensorsketch_shift"`` block per row and bin, 5 F fresh numbers per row; priced by the
     profile's measured ``ts_flat_bytes`` at the elementwise bandwidth."""
+    from gradalg.proj.kinds import Rows
     from gradalg.space import Block
     p = ga.proj.tensorsketch(32, 0)
     b = Block("w", (16, 9), "linear")
     F = 32 // 2 + 1
-    c = E._sparse_project_cost(p, b, 20, 1, False, 16 * 9, 8, 3)      # 20 rows, float64, 3 calls
+    c = p.kind_object.work(p, b, Rows(20, 7, 3, 1, False, 16 * 9), E.ProjectionPrices(8))   # 20 rows, float64, 3 calls
     assert c.blocks == (("tensorsketch_rows", 20.0 * 16 * F, 0.0), ("tensorsketch_shift", 3.0 * 16 * F, 0.0))
     assert c.faulted == 8.0 * (20 * 16 * (9 + 32 + 4 * F) + 3 * 5 * 16 * F)
     assert c.elementwise == 20 * 16 * 4.0 * 8 * 9                       # the rows scattered into their sketches

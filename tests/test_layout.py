@@ -26,8 +26,9 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("data", "task", "tasks", "space", "unroll", "eval"),  # inputs, shapes, torch-only math
     ("capture",),                                       # recording per-example factors
     ("linalg",),                                        # resolved operators (on flat or factored rows)
+    ("proj",),                                          # projectors: one class per kind, tables, kernels
     ("expr",),                                          # immutable expression nodes
-    ("proj", "curvature", "viz", "report", "devices"),  # kernels, displays and the machine model over nodes
+    ("curvature", "viz", "report", "devices"),          # kernels, displays and the machine model over nodes
     ("plan",),                                          # the planner
     ("exec",),                                          # the executors
     ("api", "objective", "token_scores"),               # user objects over nodes

@@ -26,7 +26,7 @@ from gradalg.capture.hooks import resolve_layers
 from gradalg.capture.session import CaptureStore
 from gradalg.expr import Captured
 from gradalg.space import Block
-from gradalg.proj.kernels import project_sparse_block
+from gradalg.proj.kinds import project_block
 from models import classification_data, cnn, gpt2, image_data, lm_task, mlp, padded_token_data
 
 F64 = torch.float64
@@ -234,8 +234,8 @@ def test_factored_and_flat_blocks_agree(key, onehot):
     Fa = _random_factors(onehot=onehot)
     block = Block("layer", (7, 11), "linear")
     flat = factors_module.materialize(Fa).flatten(1)
-    from_factors = project_sparse_block(P, block, Fa)
-    from_flat = project_sparse_block(P, block, flat)
+    from_factors = project_block(P, block, Fa)
+    from_flat = project_block(P, block, flat)
     _close(from_factors, from_flat, f"{P!r} factored vs flat")
     _close(from_flat, flat @ explicit_matrix(P, "layer", (7, 11)).T, f"{P!r} flat vs explicit")
 
@@ -245,8 +245,8 @@ def test_sliced_kernels_match_unsliced():
     Fa = _random_factors(n_out=9, n_in=13, onehot=False)
     block = Block("layer", (9, 13), "linear")
     for P in (ga.proj.sparse(10, s=2, per_block=True), ga.proj.mask(50), ga.proj.grass(6)):
-        big = project_sparse_block(P, block, Fa)
-        small = project_sparse_block(P, block, Fa, max_elements=7)
+        big = project_block(P, block, Fa)
+        small = project_block(P, block, Fa, max_elements=7)
         _close(small, big, f"{P!r} sliced")
 
 
@@ -363,11 +363,11 @@ def test_sparse_slices_of_examples_use_one_table_and_build_no_csr(monkeypatch):
     Fa = Factors(F64a.A.float(), F64a.D.float())                                  # the float32 CSR only
     block = Block("layer-csr-once", (9, 13), "linear")
     P = ga.proj.sparse(10, seed=11, per_block=True)
-    whole = project_sparse_block(P, block, Fa)
-    by_two = project_sparse_block(P, block, Fa, max_elements=2 * 9 * 13)          # slices of 2 examples
-    fewer = project_sparse_block(P, block, Fa[:5], max_elements=2 * 9 * 13)
-    rows = project_sparse_block(P, block, Fa, max_elements=3 * 13)                # 3 rows, one example at a time
-    again = project_sparse_block(P, block, Fa[:4], max_elements=3 * 13)
+    whole = project_block(P, block, Fa)
+    by_two = project_block(P, block, Fa, max_elements=2 * 9 * 13)          # slices of 2 examples
+    fewer = project_block(P, block, Fa[:5], max_elements=2 * 9 * 13)
+    rows = project_block(P, block, Fa, max_elements=3 * 13)                # 3 rows, one example at a time
+    again = project_block(P, block, Fa[:4], max_elements=3 * 13)
     assert built == []
     M = explicit_matrix(P, "layer-csr-once", (9, 13))
     dense = factors_module.materialize(F64a).flatten(1) @ M.T
@@ -452,7 +452,7 @@ def test_inner_products_unbiased_over_seeds(make):
     true_sq = float(flat[0] @ flat[0])
     inner, sq = [], []
     for seed in range(600):
-        y = project_sparse_block(make(seed), block, Fa)
+        y = project_block(make(seed), block, Fa)
         inner.append(float(y[0] @ y[1]))
         sq.append(float(y[0] @ y[0]))
     for values, target in ((torch.tensor(inner, dtype=F64), true), (torch.tensor(sq, dtype=F64), true_sq)):

@@ -6,22 +6,14 @@ from typing import Iterator
 
 import torch
 
-from ..capture.factors import Factors, compute_dtype, project_factors
+from ..capture.factors import Factors
 from ..expr import AdamPrecondition, Project, RowWeights
-from ..proj.kernels import SPARSE_KINDS, project_sparse_block
-from ..proj.matrices import dense_matrix, kron_matrices
-from ..capture.chunks import Chunk, flat_block
+from ..proj.kinds import BlockRun, dtype_device
+from ..capture.chunks import Chunk
 from ..errors import DataError
 
 __all__ = ["derive_rows", "RowContext", "dtype_device", "adam_block",
            "project_blockwise"]
-
-
-def dtype_device(value):
-    """(dtype, device) of projection matrices for ``value``: float32 for half-precision rows."""
-    if isinstance(value, Factors):
-        return compute_dtype(value.D.dtype), value.D.device
-    return compute_dtype(value.dtype), value.device
 
 
 def derive_rows(executor, node, chunks_of, have) -> Iterator[Chunk]:
@@ -96,37 +88,19 @@ def project_blockwise(executor, node: Project, chunk: Chunk) -> Chunk:
 
 
 def _project(executor, node: Project, chunk: Chunk, values=None) -> dict:
-    """The projected blocks of ``chunk``; ``values`` (optional): an iterator of the input
-    blocks' values in space order, made one at a time (:func:`project_blockwise`)."""
+    """The projected blocks of ``chunk``, each by its projector's kind
+    (:meth:`gradalg.proj.kinds.ProjectionKind.apply`); ``values`` (optional): an iterator of
+    the input blocks' values in space order, made one at a time (:func:`project_blockwise`).
+    A per-block projector keeps each block's projection, a global one sums them."""
     p = node.projector
     src_space = node.grads.space
     values = values if values is not None else (chunk.blocks[b.name] for b in src_space.blocks)
+    run = BlockRun(tuple((b.name, b.dim) for b in src_space.blocks), executor.options.projection_slice_elements,
+                   executor.options.token_block, executor.trace)
     out = {}
     combined = None
     for block, value in zip(src_space.blocks, values):
-        dtype, device = dtype_device(value)
-        if p.kind == "kron":
-            P_out, P_in = kron_matrices(p, block.name, *block.shape, dtype=dtype, device=device)
-            if isinstance(value, Factors):
-                # Stays factored: (D P_outᵀ)ᵀ (A P_inᵀ), so ghost products and
-                # Kronecker statistics remain available in the projected space.
-                executor.trace["kron_factored"] += 1
-                out[block.name] = project_factors(value, P_out, P_in, executor.options.token_block)
-            else:
-                out[block.name] = (P_out @ value.view(-1, *block.shape) @ P_in.T).flatten(1)
-            continue
-        if p.kind in SPARSE_KINDS:
-            # index tables and scatter-adds; factored blocks are never materialized
-            # whole except by a plain "sparse" projection (see gradalg.proj.kernels)
-            form = "factored" if isinstance(value, Factors) else "flat"
-            executor.trace[f"{p.kind}_{form}"] += 1
-            projected = project_sparse_block(
-                p, block, value, space_blocks=tuple((b.name, b.dim) for b in src_space.blocks),
-                max_elements=executor.options.projection_slice_elements,
-                token_block=executor.options.token_block)
-        else:
-            P = dense_matrix(p, block.name, block.dim, dtype=dtype, device=device)
-            projected = flat_block(value) @ P.T
+        projected = p.kind_object.apply(p, block, value, run)
         del value
         if p.per_block:
             out[block.name] = projected

@@ -231,18 +231,11 @@ class Project(RowWise):
         """One ``projected`` block of k coordinates (min(k, dim) for a global mask), or per
         block: (k_out, k_in) for "kron", (min(k, dim),) for "mask", (k,) otherwise."""
         p = self.projector
-        if not p.per_block:
-            k = p.mask_size(self.grads.space.dim) if p.kind == "mask" else p.k
-            return ParamSpace((Block("projected", (k,), "projected", p.token),))
+        if not p.per_block:        # the whole space as one flat block
+            return ParamSpace((Block("projected", p.block_shape((self.grads.space.dim,)), "projected", p.token),))
         blocks = []
         for b in self.grads.space.blocks:
-            if p.kind in ("kron", "factgrass") and (len(b.shape) != 2 or b.basis != "params"):
-                what = "a Kronecker" if p.kind == "kron" else "a FactGraSS"
-                raise OptionError(
-                    f"{what} projection needs (out, in) layer blocks in parameter "
-                    f"coordinates; block {b.name!r} is {b.shape} in basis {b.basis}. Use "
-                    "ga.proj.grass or ga.proj.sparse for other blocks"
-                )
+            p.check_block(b)           # kron and factgrass: (out, in) layer blocks only
             blocks.append(Block(b.name, p.block_shape(b.shape), "projected", p.token))
         return ParamSpace(tuple(blocks))
 

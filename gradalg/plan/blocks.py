@@ -31,7 +31,7 @@ def _factored(node: GradNode, facts: Facts) -> list:
             if isinstance(root, (Precondition, AdamPrecondition)) or (isinstance(root, Normalize) and root.op):
                 break
             root = root.grads
-        if rep[b.name] == "factored" or (isinstance(root, Project) and root.projector.kind == "kron"
+        if rep[b.name] == "factored" or (isinstance(root, Project) and root.projector.kind_object.keeps_factors
                                          and facts.representation(root.grads).get(b.name) == "factored"):
             out.append(b)
     return out

@@ -36,10 +36,11 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from ..errors import OperatorError, PlanError
+from ..errors import OperatorError
 from ..expr import Project, Source
 from ..linalg.kron import is_diagonal_factor
 from ..linalg.labels import form_of
+from ..proj.kinds import Rows
 from .cost import (Cost, block_cost, bmm_cost, dense_cost, eigh_cost, gemm_cost,
                    ghost_cost, kron_project_cost, materialize_cost, svd_cost, tokens_hint)
 from ..devices import UNMEASURED_CPU as NOMINAL, DeviceProfile
@@ -342,163 +343,66 @@ def resolve_cost(op) -> Cost:
 # ------------------------------------------------------------------ projections
 def project_cost(node: Project, n: int, T: int, elem: int = 4, chunk: int | None = None,
                  drawn: set | None = None) -> Cost:
-    """``node``'s projection of n examples in chunks of ``chunk`` (formulas in
-    docs/projections.md). A dense Gaussian or Rademacher matrix (k, d_b) is drawn in
-    float64 (k·d_b random numbers), cast once to the rows' dtype into fresh memory and
-    kept (``gradalg.proj.matrices.dense_matrix``), then multiplies every chunk: one GEMM
-    (chunk, k, d_b) per chunk, which reads the whole matrix each time.
+    """``node``'s projection of n examples in chunks of ``chunk``: per block, its kind's
+    formula (:meth:`gradalg.proj.kinds.ProjectionKind.cost`, in :class:`ProjectionPrices`;
+    docs/projections.md) and, once per process, drawing its matrix or tables
+    (:meth:`~gradalg.proj.kinds.ProjectionKind.build_cost`).
 
-    ``drawn``: the ``(projector, block, dim)`` matrices an earlier pass of the same plan
-    drew (the process keeps them); those are not drawn again, and this call adds the
-    ones it draws to the set."""
+    ``drawn``: the ``(projector, block, dim)`` matrices and tables an earlier pass of the
+    same plan drew (the process keeps them); those are not drawn again, and this call adds
+    the ones it draws to the set."""
     n = n * rows_of(node.grads)      # every Gauss-Newton term's rows are projected
     c = max(1, min(chunk or n, n))
-    chunks = _chunks(n, c)
-    p = node.projector
-    rep = node.grads.representation
+    p, kind, prices = node.projector, node.projector.kind_object, ProjectionPrices(elem)
+    rep, total = node.grads.representation, node.grads.space.dim
     cost = Cost()
     for b in node.grads.space.blocks:
-        factored = rep[b.name] == "factored" and len(b.shape) == 2
-        if p.kind == "kron" and factored:
-            k_out, k_in = p.kron_shape(*b.shape)
-            cost = cost + kron_project_cost(n, T, b.shape[1], b.shape[0], k_in, k_out, elem)
-        elif p.kind == "kron":     # flat rows: P_out G_i P_inᵀ, two GEMMs per row
-            k_out, k_in = p.kron_shape(*b.shape)
-            out_f, in_f = b.shape
-            cost = cost + gemm_cost(k_out, in_f, out_f, n, elem) + gemm_cost(k_out, k_in, in_f, n, elem)
-        elif p.map == "dense":
-            if factored:
-                cost = cost + materialize_cost(n, T, b.shape[1], b.shape[0], elem)
-            full, rest = divmod(n, c)      # full chunks of c rows and a last one of the rest
-            cost = (cost + gemm_cost(c, p.k, b.dim, full, elem) + gemm_cost(rest, p.k, b.dim, 1, elem)
-                    + Cost(bytes=float(elem) * p.k * b.dim * chunks))
-            key = (p, b.name, b.dim)
-            if drawn is None or key not in drawn:
-                numbers = float(p.k * b.dim)
-                cost = cost + Cost(randoms=numbers, bytes=numbers * (8.0 + elem), faulted=numbers * (8.0 + elem))
-                if drawn is not None:
-                    drawn.add(key)
-        else:
-            total = node.grads.space.dim
-            cost = cost + _sparse_project_cost(p, b, n, T, factored, total, elem, chunks) + Cost(
-                ops=float(chunks * OPS_PER_SPARSE_BLOCK))
-            key = (p, b.name, b.dim)
-            if p.kind != "mask" and (drawn is None or key not in drawn):   # tables built once per process
-                cost = cost + sjlt_build_cost(p, b)
-                if drawn is not None:
-                    drawn.add(key)
+        rows = Rows(n, c, _chunks(n, c), T, rep[b.name] == "factored" and len(b.shape) == 2, total)
+        cost = cost + kind.cost(p, b, rows, prices)
+        key = (p, b.name, b.dim)
+        if drawn is None or key not in drawn:
+            cost = cost + kind.build_cost(p, b, prices)
+            if drawn is not None:
+                drawn.add(key)
     return cost
 
 
-def _sjlt_columns(p, b) -> int:
-    """Columns d of one block's SJLT: the block's size (``sparse``), GraSS's mask size,
-    FactGraSS's k_out·k_in; 0 for a projection with no SJLT stage."""
-    if p.kind == "sparse":
-        return b.dim
-    if p.kind == "grass":
-        return p.grass_mask_size(b.dim)
-    if p.kind == "factgrass" and len(b.shape) == 2:
-        k_out, k_in = p.factgrass_shape(*b.shape)
-        return k_out * k_in
-    return 0
-
-
 def sparse_table_bytes(p, b) -> float:
-    """Bytes the process keeps for one block's sparse-projection tables
-    (:mod:`gradalg.proj.sparse_tables`, cached for the run): an SJLT of d columns
-    (:func:`_sjlt_columns`) takes 5·d·s (int32 rows, int8 signs; the CPU kernel's bincount
-    reads them as they are); a mask 8 bytes per kept coordinate (GraSS's m, FactGraSS's
-    k_out + k_in); a TensorSketch 9 bytes per output and input. Zero for projections
-    without tables (dense, Kronecker)."""
-    sjlt = 5.0 * p.s * _sjlt_columns(p, b)
-    if p.kind == "sparse":
-        return sjlt
-    if p.kind == "grass":
-        return 8.0 * p.grass_mask_size(b.dim) + sjlt
-    if p.kind == "factgrass" and len(b.shape) == 2:
-        return 8.0 * sum(p.factgrass_shape(*b.shape)) + sjlt
-    if p.kind == "mask":
-        return 16.0 * min(p.k, b.dim)      # per block or its share of a global mask: positions and coordinates
-    if p.kind == "tensorsketch":         # int64 row and int8 sign per output and per input
-        return 9.0 * (sum(b.shape) if len(b.shape) == 2 else 1 + b.dim)
-    return 0.0
+    """Bytes the process keeps for one block's index tables (:mod:`gradalg.proj.sparse_tables`,
+    cached for the run): its kind's :meth:`~gradalg.proj.kinds.ProjectionKind.table_bytes`."""
+    return p.kind_object.table_bytes(p, b)
 
 
-#: small ops of one block's sparse projection per chunk (index tables, gathers, einsum,
+#: small ops of one block's table-based projection per chunk (index tables, gathers, einsum,
 #: new_zeros, the scatter product, scaling; ``gradalg.proj.kernels``)
 OPS_PER_SPARSE_BLOCK = 16
 
 
-def _scatter_cost(n: int, coords: float, elem: int, calls: int = 1) -> Cost:
-    """An SJLT of ``coords`` input coordinates (times its s) per row, for n rows in
-    ``calls`` products: each coordinate added into its output bin (a weighted ``bincount``
-    per example on the CPU, ``index_add_`` elsewhere; ``gradalg.proj.kernels``): counted as
-    ``coords · calls`` non-zeros read and ``coords · n`` bin steps, which the device profile
-    prices by its measured ``sjlt_bytes`` (random access, not a GEMM)."""
-    return Cost(flops=2.0 * n * coords, scatter=float(coords * calls), scatter_rows=float(coords * n))
+@dataclass(frozen=True)
+class ProjectionPrices:
+    """The counts a projection kind's ``cost(p, b, rows, prices)`` and ``build_cost`` are
+    written in (:mod:`gradalg.proj.kinds`, a floor below the planner), for rows of ``elem``
+    bytes: GEMMs, factors materialized, a Kronecker projection of factors, the fixed small
+    ops of a table-based kernel per chunk, and any other counts as a :class:`Cost`."""
 
+    elem: int = 4
 
-def sjlt_build_cost(p, b) -> Cost:
-    """Drawing one block's sparse-projection tables (once per process, on the CPU): its
-    non-zeros drawn (``sjlt_draws``, priced by the profile's measured ``sjlt_build_randoms``
-    random numbers each), the tables' bytes touched fresh."""
-    columns = _sjlt_columns(p, b)
-    return Cost(sjlt_draws=float(columns * p.s), faulted=sparse_table_bytes(p, b)) if columns else Cost()
+    def counts(self, **fields) -> Cost:
+        return Cost(**fields)
 
+    def gemm(self, m: int, n: int, k: int, count: int = 1) -> Cost:
+        """``count`` GEMMs (m, k) @ (k, n)."""
+        return gemm_cost(m, n, k, count, self.elem)
 
-def _sparse_project_cost(p, b, n: int, T: int, factored: bool, total: int, elem: int, calls: int = 1) -> Cost:
-    """One block of a sparse projection (``gradalg.proj.kernels``), n rows:
+    def materialize(self, n: int, T: int, n_in: int, n_out: int) -> Cost:
+        return materialize_cost(n, T, n_in, n_out, self.elem)
 
-    * ``sparse`` (SJLT): factors materialized (in slices of rows), then n·d·s scatter-adds;
-    * ``mask`` / ``grass``: the m kept coordinates; on factors each entry is
-      Σ_t d_{t,o} a_{t,i}: two gathers of (n, m, T) position vectors from the transposed
-      factors (strided: priced at the elementwise rate) and their product summed over T;
-      GraSS then scatter-adds the m coordinates (SJLT);
-    * ``factgrass``: the factors' kept features gathered, the small (k_out, k_in)
-      gradient materialized, then its SJLT."""
-    if p.kind == "sparse":
-        cost = _scatter_cost(n, b.dim * p.s, elem, calls)
-        if factored:
-            cost = cost + materialize_cost(n, T, b.shape[1], b.shape[0], elem)
-        return cost
-    if p.kind in ("mask", "grass"):
-        if p.kind == "grass":
-            m = p.grass_mask_size(b.dim)
-        elif p.per_block:
-            m = p.mask_size(b.dim)
-        else:                                  # a global mask: this block's share of its coordinates
-            m = max(1, round(p.mask_size(total) * b.dim / max(1, total)))
-        if factored:
-            cost = Cost(flops=2.0 * n * T * m, elementwise=4.0 * elem * n * T * m, bytes=3.0 * elem * n * T * m)
-        else:
-            cost = Cost(bytes=2.0 * elem * n * m)
-        return cost + (_scatter_cost(n, m * p.s, elem, calls) if p.kind == "grass" else Cost())
-    if p.kind == "tensorsketch":
-        out_f, in_f = b.shape if len(b.shape) == 2 else (1, b.dim)
-        if factored:      # per position: two count sketches, two real FFTs of k, their product
-            return Cost(flops=2.0 * n * T * (out_f + in_f), elementwise=n * T * 4.0 * elem * (out_f + in_f),
-                        blocks=(("tensorsketch", float(n * T * p.k), 0.0),))   # FFTs: the profile's ts_bytes_per_bin
-        # flat rows (kernels.tensor_sketch): per row of each example its count sketch (the
-        # signed row, n·out·in, scattered into fresh zeros of k), one real FFT (F = k/2 + 1
-        # complex bins, fresh) and its product with the row's phase shift (fresh), the shift
-        # made once per call (its signs expanded, h·f, /k, the complex polar: 5·F numbers
-        # per row, fresh); the FFTs and products at the measured ts_flat_bytes, the fresh
-        # memory faulted in (a block's slice is tens of MB at k = 4096)
-        F = p.k // 2 + 1
-        bins = out_f * F
-        fresh = float(elem) * (n * out_f * (in_f + p.k + 4 * F) + calls * 5 * bins)
-        return Cost(flops=2.0 * n * b.dim, elementwise=n * out_f * 4.0 * elem * in_f, faulted=fresh,
-                    blocks=(("tensorsketch_rows", float(n * bins), 0.0), ("tensorsketch_shift", float(bins * calls), 0.0)))
-    if p.kind == "factgrass":
-        out_f, in_f = b.shape
-        k_out, k_in = p.factgrass_shape(out_f, in_f)
-        if factored:
-            cost = Cost(elementwise=2.0 * elem * n * T * (k_out + k_in)) + materialize_cost(n, T, k_in, k_out, elem)
-        else:
-            cost = Cost(elementwise=2.0 * elem * n * k_out * k_in)
-        return cost + _scatter_cost(n, k_out * k_in * p.s, elem, calls)
-    raise PlanError(f"no cost formula for a {p.kind!r} projection: add one to gradalg/plan/estimates.py "
-                    "(project_cost) beside the projector's kernel")
+    def kron_factors(self, n: int, T: int, n_in: int, n_out: int, k_in: int, k_out: int) -> Cost:
+        return kron_project_cost(n, T, n_in, n_out, k_in, k_out, self.elem)
+
+    def block_ops(self, chunks: int) -> Cost:
+        """:data:`OPS_PER_SPARSE_BLOCK` small ops per chunk."""
+        return Cost(ops=float(chunks * OPS_PER_SPARSE_BLOCK))
 
 
 # ------------------------------------------------------------------ row-wise transforms

@@ -1,15 +1,16 @@
 """Projectors: ``ga.proj.gaussian``, ``rademacher``, ``kron`` (LoGra), ``sparse`` (SJLT),
-``mask``, ``grass`` and ``factgrass`` (GraSS / FactGraSS). See docs/projections.md.
+``mask``, ``grass`` and ``factgrass`` (GraSS / FactGraSS), ``tensorsketch``; one class per
+kind in :mod:`gradalg.proj.kinds`. See docs/projections.md.
 
 >>> P = ga.proj.kron(k=64, seed=0)
 >>> S = P(Q) @ P(G).T     # LoGra-style projected Grad-Dot
 >>> P = ga.proj.factgrass(k=4096)   # FactGraSS: mask the factors, then a sparse JL transform
 """
-from ..expr.projection import Projector, factgrass, gaussian, grass, kron, mask, rademacher, sparse, tensorsketch
+from .projector import Projector, factgrass, gaussian, grass, kron, mask, rademacher, sparse, tensorsketch
 from .matrices import dense_matrix, kron_matrices
 from .sparse_tables import SJLT, factgrass_tables, global_mask, grass_tables, mask_indices, sjlt, tensorsketch_tables
 
-__all__ = ["Projector", "gaussian", "rademacher", "kron", "sparse", "mask", "grass", "factgrass", "tensorsketch",
-           "tensorsketch_tables",
+__all__ = ["Projector", "gaussian", "rademacher", "kron", "sparse", "mask", "grass", "factgrass",
+           "tensorsketch", "tensorsketch_tables",
            "dense_matrix", "kron_matrices", "SJLT", "sjlt", "mask_indices", "grass_tables",
            "factgrass_tables", "global_mask"]

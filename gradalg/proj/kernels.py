@@ -1,4 +1,5 @@
-"""Applying the sparse projectors (``sparse``, ``mask``, ``grass``, ``factgrass``) to one block.
+"""The kernels of the table-based projections (``sparse``, ``mask``, ``grass``, ``factgrass``,
+``tensorsketch``) on one block; each kind's ``apply`` (:mod:`gradalg.proj.kinds`) calls them.
 
 A block's value is :class:`~gradalg.capture.factors.Factors` (``A`` (n, T, in) or
 :class:`OneHot`, ``D`` (n, T, out); example i's gradient is ``G_i = D_iᵀ A_i``) or a flat
@@ -22,14 +23,11 @@ import torch
 
 from ..capture import factors as _factors
 from ..capture.factors import Factors, OneHot
-from ..expr.projection import Projector
-from ..space import Block
-from .sparse_tables import SJLT, factgrass_tables, global_mask, grass_tables, mask_indices, sjlt, tensorsketch_tables
+from .sparse_tables import SJLT
 
-__all__ = ["sjlt_apply", "sjlt_bincount", "sjlt_scatter_add", "entries", "mask_factors", "tensor_sketch", "project_sparse_block",
-           "SPARSE_KINDS"]
+__all__ = ["sjlt_apply", "sjlt_bincount", "sjlt_scatter_add", "sjlt_block", "entries", "mask_factors", "factgrass",
+           "tensor_sketch"]
 
-SPARSE_KINDS = ("sparse", "mask", "grass", "factgrass", "tensorsketch")
 DEFAULT_MAX_ELEMENTS = 1 << 24
 
 
@@ -87,7 +85,7 @@ def sjlt_scatter_add(x: torch.Tensor, S: SJLT) -> torch.Tensor:
     return out
 
 
-def _sjlt_block(value, shape, S: SJLT, max_elements: int, token_block: int | None = None) -> torch.Tensor:
+def sjlt_block(value, shape, S: SJLT, max_elements: int, token_block: int | None = None) -> torch.Tensor:
     """SJLT of a whole block (n, d) → (n, k). Factors are materialized a slice of examples
     at a time (``max_elements // d`` of them, each summed over token blocks of
     ``token_block`` positions), and every slice is projected by the block's one cached
@@ -162,7 +160,10 @@ def mask_factors(F: Factors, out_idx: torch.Tensor, in_idx: torch.Tensor) -> Fac
     return Factors(A, D)
 
 
-def _factgrass(value, shape, out_idx, in_idx, S: SJLT, token_block: int | None = None) -> torch.Tensor:
+def factgrass(value, shape, out_idx, in_idx, S: SJLT, token_block: int | None = None) -> torch.Tensor:
+    """FactGraSS of one (out, in) block: ``S vec(D[:, :, O]ᵀ A[:, :, I]) · √(out·in / (k_out·k_in))``
+    from factors (the small gradient materialized a token block at a time), or the same
+    entries gathered from flat (n, out·in) rows.   Returns (n, k)."""
     n_out, n_in = shape
     if isinstance(value, Factors):
         small = _factors.materialize(mask_factors(value, out_idx, in_idx), token_block)      # (n, k_out, k_in)
@@ -224,48 +225,3 @@ def tensor_sketch(value, shape, tables, k: int, max_elements: int = DEFAULT_MAX_
         term = (cs * shift).sum(1)
         acc = term if acc is None else acc + term
     return torch.fft.irfft(acc, n=k)
-
-
-def project_sparse_block(projector: Projector, block: Block, value, *,
-                         space_blocks: tuple[tuple[str, int], ...] | None = None,
-                         max_elements: int = DEFAULT_MAX_ELEMENTS, token_block: int | None = None) -> torch.Tensor:
-    """One block's part of a sparse projection.   Returns (n, k_b).
-
-    ``token_block``: factors are materialized (``sparse``, ``factgrass``) a block of
-    positions at a time (:func:`gradalg.capture.factors.materialize`).
-
-    For ``per_block`` projectors, the block's own projection; for a global projector
-    (``sparse`` or ``mask`` with ``per_block=False``) this block's (n, k) contribution,
-    and the projection is the sum over blocks. ``space_blocks`` ((name, dim), in space
-    order) is needed by the global mask only.
-    """
-    p = projector
-    device = (value.D if isinstance(value, Factors) else value).device
-    if p.kind == "sparse":
-        return _sjlt_block(value, block.shape, sjlt(p, block.name, block.dim, device=device), max_elements,
-                           token_block)
-    if p.kind == "mask" and not p.per_block:
-        if space_blocks is None:
-            raise ValueError("a global mask needs the names and sizes of all blocks (space_blocks)")
-        positions, coords = global_mask(p, space_blocks, block.name, device=device)
-        total = sum(d for _, d in space_blocks)
-        kept = entries(value, block.shape, coords, max_elements) * math.sqrt(total / p.mask_size(total))
-        out = kept.new_zeros(kept.shape[0], p.mask_size(total))
-        out[:, positions] = kept
-        return out
-    if p.kind == "mask":
-        m = p.mask_size(block.dim)
-        coords = mask_indices(p, block.name, block.dim, m, device=device)
-        return entries(value, block.shape, coords, max_elements) * math.sqrt(block.dim / m)
-    if p.kind == "grass":
-        coords, S = grass_tables(p, block.name, block.dim, device=device)
-        kept = entries(value, block.shape, coords, max_elements)
-        return sjlt_apply(kept, S) * math.sqrt(block.dim / coords.numel())
-    if p.kind == "factgrass":
-        out_idx, in_idx, S = factgrass_tables(p, block.name, *block.shape, device=device)
-        return _factgrass(value, block.shape, out_idx, in_idx, S, token_block)
-    if p.kind == "tensorsketch":
-        shape = block.shape if len(block.shape) == 2 else (1, block.dim)
-        tables = tensorsketch_tables(p, block.name, *shape, device=device)
-        return tensor_sketch(value, shape, tables, p.k, max_elements, token_block)
-    raise ValueError(f"{p.kind!r} is not a sparse projector kind; expected one of {SPARSE_KINDS}")

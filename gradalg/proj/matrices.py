@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import OptionError
-from ..expr.projection import Projector
+
+if TYPE_CHECKING:
+    from .projector import Projector
 
 __all__ = ["dense_matrix", "kron_matrices", "clear_caches"]
 
@@ -37,8 +40,7 @@ def _dense(projector: Projector, block_name: str, dim: int, dtype: torch.dtype, 
     """The (k, dim) matrix drawn in float64 on the CPU, cast to ``dtype`` on ``device``
     once: the key holds the dtype and the device, so each form is its own entry and
     every form holds the same numbers (the float64 draw rounded once)."""
-    kind = "gaussian" if projector.kind == "kron" else projector.kind
-    drawn = _draw(kind, projector.k, dim, projector.block_seed(block_name))
+    drawn = _draw(projector.kind_object.draw, projector.k, dim, projector.block_seed(block_name))
     return drawn.to(device=device, dtype=dtype)
 
 
@@ -50,7 +52,7 @@ def dense_matrix(projector: Projector, block_name: str, dim: int, *, dtype=torch
     its column slice for one block is drawn with that block's own seed, which is the
     same thing as a single matrix and lets each block be projected on its own.
     """
-    if projector.kind not in ("gaussian", "rademacher", "kron"):
+    if projector.kind_object.draw is None:      # a kind of index tables (its kinds.py class sets no draw)
         raise OptionError(f"a {projector.kind} projector has no dense matrix (dense_matrix takes a gaussian, "
                           "rademacher or kron projector); its index tables are in gradalg.proj.sparse_tables "
                           "(SJLT.dense() builds one for tests)")

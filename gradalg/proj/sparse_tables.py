@@ -42,9 +42,12 @@ import warnings
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from ..expr.projection import Projector
+if TYPE_CHECKING:
+    from .projector import Projector
 
 __all__ = ["SJLT", "sjlt", "mask_indices", "global_mask", "factgrass_tables", "grass_tables", "tensorsketch_tables"]
 
