@@ -180,7 +180,7 @@ class Executor:
         try:
             refuse_dense_projections(node, budget.bytes)
         except MemoryBudgetError as err:
-            err.args = (with_note(err, budget, err.needed), *err.args[1:])
+            err.args = (with_note(err, budget, err.needed, self.options.budget_headroom), *err.args[1:])
             raise
         return self._chunks(node)
 

@@ -150,7 +150,7 @@ def _plan(root, options, device, rewrites, choices, measure_shapes, topk, budget
                 raise
             scheduled, passes, decisions = fallback
     except MemoryBudgetError as err:   # every refusal says where the budget came from and how to change it
-        with_note(err, budget, err.fits_under)
+        with_note(err, budget, err.fits_under, options.budget_headroom)
         raise
     return Plan(root, simplified, fired, Decisions(decisions), list(passes), scheduled.jobs, list(graph.roots),
                 options, prof, set(scheduled.stored), known.dtype, budget,
