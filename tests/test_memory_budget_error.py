@@ -137,6 +137,14 @@ def test_a_fisher_over_the_budget_carries_its_matrix_and_its_inversion():
     assert (err.needed, err.budget, err.fits_under) == (max(matrix, inverting), matrix - 1, max(matrix, inverting))
     assert err.parts == [("its matrix", matrix), ("inverting it (the peak)", inverting)]
     assert any("ga.ekfac(G)" in f for f in err.fixes) and "a larger memory budget" in err.fixes
+    # the structures that fit are named with what they take, in one unit (gradalg.units)
+    other = {s: max(statistics_bytes(space, s), inverse_bytes(space, s)) for s in ("block", "diag")}
+    other = {s: b for s, b in other.items() if b <= matrix - 1}        # those that fit the budget
+    shown = format_bytes_alike(*other.values())
+    assert list(other) == ["diag"]
+    assert [f for f in err.fixes if f.startswith("structure=")] == [
+        f"structure={s!r} ({b})" for s, b in zip(other, shown)], err.fixes
+    assert all(parse_bytes(b) == pytest.approx(n, rel=5e-3) for b, n in zip(shown, other.values()))
 
 
 def test_a_dense_projection_over_the_budget_carries_its_matrix():
