@@ -269,6 +269,13 @@ class Options:
         ``explain(device=...)`` on hardware one does not have plans under this fraction of
         one device's memory (the rest for the model, its optimizer and the framework).
         Shown in the plan's header as its memory budget.
+    budget_headroom : float >= 0
+        A refusal for memory (:class:`~gradalg.errors.MemoryBudgetError`) suggests a budget
+        of ``(1 + budget_headroom) ×`` what the refused step needs, rounded up (default
+        0.25: a run's resident growth measured up to 1.31× its planned bytes, so the
+        suggestion leaves room for what the planner's count leaves out); 0: exactly the
+        need. Shown in the plan's header beside the budget
+        (:func:`gradalg.plan.budget.refusal_note`).
 
     How an executor runs a plan (each shown in ``explain()``):
 
@@ -318,6 +325,7 @@ class Options:
     release_growth: float = 1.25
     batch_tokens: int | None = None
     device_memory_fraction: float = 0.4
+    budget_headroom: float = 0.25
     dask_shards: int | None = None
     release_memory_above: float = 2**20
 
@@ -345,6 +353,10 @@ class Options:
         if isinstance(growth, bool) or not isinstance(growth, (int, float)) or not 1 <= growth < float("inf"):
             raise OptionError(f"release_growth must be a number >= 1 (1.0: return free memory after every "
                               f"batch), got {growth!r}")
+        headroom = self.budget_headroom
+        if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < float("inf"):
+            raise OptionError(f"budget_headroom must be a number >= 0 (0.25: a refusal suggests 1.25 × the need), "
+                              f"got {headroom!r}")
         for name in ("store_fraction", "device_memory_fraction", "memory_fraction"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:

@@ -36,6 +36,24 @@ def mlp(n=20, nq=4, batch=8):
     return model, task, TensorDataset(x, y), TensorDataset(xq, yq), batch
 
 
+def test_adding_costs_sums_every_field_and_keeps_the_larger_peak():
+    """``Cost.__add__`` (fields set directly, not through ``__init__``): every field of
+    the sum is the two summed (tuples joined), but ``peak_bytes``, their maximum; the sum
+    is an ordinary Cost (equal, hashable, repr) and ``sum`` of costs is their total."""
+    names = [f.name for f in dataclasses.fields(C.Cost)]
+    a = C.Cost(**{n: (((n, 1),) if isinstance(getattr(C.Cost(), n), tuple) else 1.0 + i)
+                  for i, n in enumerate(names)})
+    b = C.Cost(**{n: (((n, 2),) if isinstance(getattr(C.Cost(), n), tuple) else 100.0 - i)
+                  for i, n in enumerate(names)})
+    both = a + b
+    assert type(both) is C.Cost and set(vars(both)) == set(names)
+    for n in names:
+        x, y = getattr(a, n), getattr(b, n)
+        assert getattr(both, n) == (max(x, y) if n == "peak_bytes" else x + y), n
+    assert both == C.Cost(**vars(both)) and hash(both) == hash(C.Cost(**vars(both))) and repr(both).startswith("Cost(")
+    assert sum([a, b, a], C.Cost()) == (a + b) + a and (a + b).peak_bytes == max(a.peak_bytes, b.peak_bytes)
+
+
 def test_capture_cost_counts_forward_and_input_gradient_gemms_by_shape():
     """Per batch of B: a forward GEMM (B, out, in) and an input-gradient GEMM (B, in, out)
     per weight layer (no weight-gradient GEMM), 3 leaf modules called forward and

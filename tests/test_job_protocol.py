@@ -13,7 +13,6 @@ import torch
 
 import gradalg as ga
 from gradalg.errors import OptionError
-from gradalg.exec import runner as pass_runner
 from gradalg.plan.jobs import JOB_TYPES, Accumulator, Job, ScoresJob, TopK, job_type
 from gradalg.plan.shapes import ModelFacts
 
@@ -127,15 +126,18 @@ def instances():
     train, query = models.classification_data(12, seed=1), models.classification_data(3, seed=2)
     G, Q = ga.grads(task, train, LAYERS, batch_size=5), ga.grads(task, query, LAYERS, batch_size=5)
     opened: dict[type, list] = {}
-    real = pass_runner.open_sink
 
-    def recording(job, ctx):
-        sink = real(job, ctx)
-        opened.setdefault(type(job), []).append((job, sink.acc))
-        return sink
+    def recording(real):
+        def accumulator(job, ctx):
+            acc = real(job, ctx)
+            opened.setdefault(type(job), []).append((job, acc))
+            return acc
+        return accumulator
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(pass_runner, "open_sink", recording)
+    for cls in {Job, *JOB_TYPES.values()}:     # each class that defines its own (a subclass may inherit it)
+        if "accumulator" in vars(cls):
+            mp.setattr(cls, "accumulator", recording(vars(cls)["accumulator"]))
     try:
         ex = ga.LocalExecutor()
         (Q @ ga.fisher(G).damp(0.1).inv() @ G.T).compute(executor=ex)     # collect, fisher, store, scores

@@ -21,7 +21,7 @@ import torch
 import gradalg as ga
 from gradalg.errors import GradalgError, MemoryBudgetError
 from gradalg.plan import DecisionKind
-from gradalg.plan.budget import HEADROOM, suggest_budget
+from gradalg.plan.budget import suggest_budget
 from gradalg.plan.planner import plan
 from gradalg.units import format_bytes, format_bytes_alike, parse_bytes
 
@@ -74,7 +74,27 @@ def test_one_unit_per_sentence_and_the_suggestion_in_the_needs_unit():
     assert format_bytes_alike(2e6, 5.04e12) == ("2 MB", "5.04 TB")     # under 1/1000 of the unit: its own
     for need in (3.3e5, 7.4e8, 8.01e8, 7.45e9, 5.04e12):
         got = suggest_budget(need)
-        assert got.endswith(format_bytes(need).split()[1]) and HEADROOM * need <= parse_bytes(got), (need, got)
+        assert got.endswith(format_bytes(need).split()[1]) and 1.25 * need <= parse_bytes(got), (need, got)
+
+
+def test_the_headroom_is_an_option_shown_in_the_plan_and_read_by_the_suggestion():
+    """``ga.options(budget_headroom)``: the suggested budget is (1 + headroom) × the need, the
+    sentence says how much, the plan's header shows it, and a bad value is a typed error."""
+    task, G, Q = _setting()
+    S = Q @ G.T
+    for headroom in (0.25, 0.5, 0.0):
+        with ga.options(budget_headroom=headroom):
+            assert f"refusals suggest {1 + headroom:g}× the need (budget_headroom)" in str(S.explain())
+            with ga.options(memory_budget=2_000):
+                err = _refused(lambda: plan(S.expr))
+        suggested = re.search(r"memory_budget='([^']+)'", str(err)).group(1)
+        assert suggested == suggest_budget(err.fits_under, headroom)
+        assert (1 + headroom) * err.fits_under <= parse_bytes(suggested) <= (1 + headroom) * err.fits_under * 1.01
+        assert f"{1 + headroom:g} × that rounded up: a {headroom * 100:g}% headroom, budget_headroom" in str(err)
+    assert parse_bytes(suggest_budget(1000, 1.0)) == 2000
+    for bad in (-0.1, float("inf"), "25%", True):
+        with pytest.raises(ga.OptionError, match="budget_headroom must be a number >= 0"):
+            ga.options(budget_headroom=bad)
 
 
 def test_a_held_rows_refusal_carries_the_pass_and_its_bytes():
@@ -117,6 +137,14 @@ def test_a_fisher_over_the_budget_carries_its_matrix_and_its_inversion():
     assert (err.needed, err.budget, err.fits_under) == (max(matrix, inverting), matrix - 1, max(matrix, inverting))
     assert err.parts == [("its matrix", matrix), ("inverting it (the peak)", inverting)]
     assert any("ga.ekfac(G)" in f for f in err.fixes) and "a larger memory budget" in err.fixes
+    # the structures that fit are named with what they take, in one unit (gradalg.units)
+    other = {s: max(statistics_bytes(space, s), inverse_bytes(space, s)) for s in ("block", "diag")}
+    other = {s: b for s, b in other.items() if b <= matrix - 1}        # those that fit the budget
+    shown = format_bytes_alike(*other.values())
+    assert list(other) == ["diag"]
+    assert [f for f in err.fixes if f.startswith("structure=")] == [
+        f"structure={s!r} ({b})" for s, b in zip(other, shown)], err.fixes
+    assert all(parse_bytes(b) == pytest.approx(n, rel=5e-3) for b, n in zip(shown, other.values()))
 
 
 def test_a_dense_projection_over_the_budget_carries_its_matrix():

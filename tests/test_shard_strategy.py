@@ -14,13 +14,12 @@ import gradalg as ga
 from gradalg.exec import Executor, LocalExecutor, ShardStrategy
 from gradalg.plan.placement import Placement
 from gradalg.exec.shards import restrict_step, shard_ranges
-from gradalg.exec.sinks import open_sink
 
 
 class Halves(ShardStrategy):
     """Every pass over data as two shards, here; passes over rows in memory whole."""
 
-    keeps_held_rows = True   # sinks are opened again per shard: the raw held rows are read again
+    keeps_held_rows = True   # accumulators are opened again per shard: the raw held rows are read again
 
     def __init__(self):
         self.placed, self.sharded = [], []
@@ -29,17 +28,17 @@ class Halves(ShardStrategy):
         self.placed.append(step.label)
         return Placement(True, "two halves") if step.reads_data else Placement(False, "rows in memory")
 
-    def run_shards(self, runner, step, sinks):
+    def run_shards(self, runner, step, accs):
         self.sharded.append(step.label)
         data = step.sources()[0].data
         for start, stop in shard_ranges(data.n, 2):
             shard = restrict_step(step, data.token, start, stop)
-            parts = [open_sink(job, runner.ctx) for job in shard.jobs]
-            for part in parts:
-                part.for_shard(start)
+            parts = [job.accumulator(runner.ctx) for job in shard.jobs]
+            for job, part in zip(shard.jobs, parts):
+                job.for_shard(part, start)
             runner.feed(shard, parts)
-            for sink, part in zip(sinks, parts):
-                sink.absorb(part.export())
+            for acc, part in zip(accs, parts):
+                acc.absorb(part.export())
         return {}
 
 

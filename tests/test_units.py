@@ -115,7 +115,7 @@ def test_a_refusals_suggested_budget_is_what_it_says_and_plans():
     assert suggested == suggest_budget(need) and parse_bytes(shown_need) == round(float(f"{need:.3g}"))
     assert 1.25 * need <= parse_bytes(suggested) <= 1.25 * need * 1.01     # rounded up to 3 digits, decimal
     assert f"({shown_need}: the plan's largest pass at a batch of one, not only this one; 1.25 × that rounded up: " \
-           "a 25% headroom)" in message                                  # the headroom is said, and how much
+           "a 25% headroom, budget_headroom)" in message                                  # the headroom is said, and how much
     # the suggestion is written in the unit of the need it is made from (not '6296.1GB' beside '5.04 TB')
     assert re.sub(r"[0-9.]", "", suggested) == shown_need.split()[1], (suggested, shown_need)
     with ga.options(memory_budget=suggested):                            # applied as written: it plans

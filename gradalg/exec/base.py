@@ -7,7 +7,7 @@ Every result is computed the same way, :meth:`Executor.compute`:
    from the pass alone, :meth:`~gradalg.exec.runner.ShardStrategy.place`, and recorded
    by the plan's place stage, :mod:`gradalg.plan.placement`, as a ``PLACEMENT`` decision
    in ``plan.decisions``);
-2. **run** (:class:`~gradalg.exec.runner.PassRunner`): each pass's sinks fed, by the
+2. **run** (:class:`~gradalg.exec.runner.PassRunner`): each pass's jobs fed, by the
    strategy (``run_shards``) or in this process, their results published into the
    :class:`~gradalg.exec.state.RunState`;
 3. **assemble**: the result read from the run state.
@@ -180,7 +180,7 @@ class Executor:
         try:
             refuse_dense_projections(node, budget.bytes)
         except MemoryBudgetError as err:
-            err.args = (with_note(err, budget, err.needed), *err.args[1:])
+            err.args = (with_note(err, budget, err.needed, self.options.budget_headroom), *err.args[1:])
             raise
         return self._chunks(node)
 
@@ -209,7 +209,7 @@ class Executor:
     def run_statistics(self, op: OpNode) -> None:
         """Plan and run the passes of ``op``'s statistics (an operator resolved outside a
         plan that computed them): planned, placed by the shard strategy and run like any
-        pass; the sinks publish them into the run state. ``last_plan`` stays the plan being
+        pass; the jobs publish them into the run state. ``last_plan`` stays the plan being
         run, if any (else it is this one)."""
         outer = self.last_plan
         self.run(self.plan(op))

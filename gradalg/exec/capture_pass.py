@@ -44,9 +44,9 @@ class SourceCapture:
         if options.check_finite:   # a NaN weight is named here, not blamed on every example
             check_model(source.task.model)
         self.objective = source.task.objective_fn(source.objective, source.seed)
-        # a task's token fingerprints its model and functions: computed once per pass
-        # (the weights do not change during one), not once per batch
-        self._share_key = forward_share_key(source, self.refs)
+        # sources with equal keys can share one forward per batch (None: never shared); a task's
+        # token fingerprints its model and functions: computed once per pass, not once per batch
+        self.share_key = forward_share_key(source, self.refs)
         self._reduction_checked = False
 
     def capture(self, batch, ids) -> list[Chunk]:
@@ -95,13 +95,9 @@ class SourceCapture:
         meta = {"term": term} if term is not None else {"forward": forward} if forward else {}
         return [Chunk(ids, blocks, batch, self.source.task, meta)]
 
-    def share_key(self):
-        """Sources with equal keys can share one forward per batch; None: never shared."""
-        return self._share_key
-
     def _hook_blocks(self, batch, ids):
         """The batch's factors, and the record of its forward when it may be replayed."""
-        replay = self.options.share_forward and self.share_key() is not None
+        replay = self.options.share_forward and self.share_key is not None
         shared = SharedForward(self.source.task.model) if replay else contextlib.nullcontext()
         with torch.enable_grad(), ForwardRecorder(self.refs, model=self.source.task.model) as recorder, shared:
             loss = self.loss(batch, ids)
@@ -141,7 +137,7 @@ class PassCapture:
         self.capturers = [SourceCapture(s, options, checked_tasks) for s in sources]
         groups: dict = {}
         for c in self.capturers:
-            key = c.share_key() if options.share_forward else None
+            key = c.share_key if options.share_forward else None
             groups.setdefault(key if key is not None else id(c), []).append(c)
         self.groups = list(groups.values())
         self.shared_batches = 0

@@ -7,15 +7,15 @@ shard strategy (:mod:`gradalg.exec.runner`). For every pass the plan places on t
 workers, the examples are split into index ranges: as many as the plan's ``SHARDS``
 decision says (:meth:`DaskShards.split`: default 2 per worker, ``ga.options(dask_shards=k)``
 to force k).
-The pass's sinks — with the state they need (held rows already preconditioned,
+The pass's jobs and their accumulators — with the state they need (held rows already preconditioned,
 resolved operators of the row-wise chains, K-FAC bases) — are pickled once per pass
 (:func:`gradalg.exec.models.pack`) and scattered to every worker; each shard loads its
 own copy. The model travels inside, once per worker; or, with ``model_fn``
 (:class:`~gradalg.exec.WorkerModel`), as a reference that each worker resolves to the
 model it built once and checked against the client's fingerprint (a client holding the
 model on the ``meta`` device sends every pass over data to the workers). Each shard
-task feeds its sub-dataset to the sinks with a worker-side executor built from that
-state (``Executor(options, state=RunState(...))``) and returns the sinks'
+task feeds its sub-dataset to the jobs with a worker-side executor built from that
+state (``Executor(options, state=RunState(...))``) and returns the accumulators'
 partial states (``export``), pickled with the worker's model named by its key; the
 client absorbs them in shard order.
 Score blocks are gathered to the client as each shard finishes: the result is a Dask
@@ -56,6 +56,7 @@ from ..plan.placement import Placement
 from .runner import ShardStrategy, check_reductions
 from .shards import shard_ranges
 from .state import RunState
+from ..units import format_bytes_alike
 
 __all__ = ["DaskExecutor", "DaskShards"]
 
@@ -75,16 +76,16 @@ _SHARD_LOCK = threading.Lock()
 def _run_shard(blob: bytes, start: int, stop: int) -> bytes:
     """On a worker, one shard at a time (:data:`_SHARD_LOCK`): run one pass over examples
     start:stop; return the jobs' partial states, packed (:func:`gradalg.exec.models.pack`).
-    Each shard loads its own copy of the jobs and sinks; a model made by a factory resolves
+    Each shard loads its own copy of the jobs and their accumulators; a model made by a factory resolves
     to the one this worker built (once), a pickled model is loaded with them."""
     with _SHARD_LOCK:
-        step, sinks, state, options, data_token, threads, keys = unpack(blob)
+        step, accs, state, options, data_token, threads, keys = unpack(blob)
         if threads:
             torch.set_num_threads(threads)   # per task: OpenMP settings are per thread
         # the loss reduction was checked on the client (state.checked)
         ex = Executor(options, state=RunState(ops=dict(state.ops), kron=dict(state.kron),
                                               checked=set(state.checked)))
-        parts = ex.runner.feed_shard(step, data_token, start, stop, sinks)
+        parts = ex.runner.feed_shard(step, data_token, start, stop, accs)
         seen = worker_models_seen()
         digests = {key: (seen[key], _worker_name()) for key in keys if key in seen}
         # rows returned (Chunk objects name their task) name the model by its key, not its weights
@@ -203,24 +204,25 @@ class DaskShards(ShardStrategy):
         """The shard tasks of a pass over ``n`` examples (as the plan placed it: ``where``)
         and what crosses the network."""
         models, shards = step.models(), where.shards
+        sizes = [sum(p.numel() * p.element_size() for p in model.parameters()) for model in models]
+        *sizes, held, returned = format_bytes_alike(*sizes, step.fixed_bytes, result_bytes)
         sent = []
-        for model in models:
-            size = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        for model, size in zip(models, sizes):
             try:
                 factory = self._factory_of(model, len(models), bind=False)
             except OptionError:
                 factory = None
-            sent.append(f"the model ({size:.1f} MiB)" if factory is None else
-                        f"a reference to the model ({size:.1f} MiB built once per worker by {factory!r})")
+            sent.append(f"the model ({size})" if factory is None else
+                        f"a reference to the model ({size} built once per worker by {factory!r})")
         return (f"{shards} shard tasks over {self.n_workers} workers (~{n // max(shards, 1)} examples each); "
                 f"scattered once per worker: the jobs, {', '.join(sent)} and held rows "
-                f"({step.fixed_bytes / 2**20:.1f} MiB); returned: partial states (~{result_bytes / 2**20:.1f} MiB in all)")
+                f"({held}); returned: partial states (~{returned} in all)")
 
     # ------------------------------------------------------------------ a pass on the cluster
-    def run_shards(self, runner, step, sinks) -> dict:
-        """Run one pass on the cluster, a shard per example range, the sinks absorbing the
-        shards' partial states in order. Returns the score results, by sink index: Dask
-        arrays of the blocks gathered from the shards."""
+    def run_shards(self, runner, step, accs) -> dict:
+        """Run one pass on the cluster, a shard per example range, the jobs' accumulators
+        ``accs`` absorbing the shards' partial states in order. Returns the score results, by
+        job index: Dask arrays of the blocks gathered from the shards."""
         ctx, models = runner.ctx, step.models()
         data = step.sources()[0].data
         ranges = shard_ranges(data.n, runner.where.shards)    # the plan's SHARDS decision
@@ -229,19 +231,19 @@ class DaskShards(ShardStrategy):
         keys = [r.key if r is not None else f"pickled-{id(m)}" for m, r in zip(models, refs)]
         for model, key in zip(models, keys):
             register_client_model(key, model)
-        payload = (step, sinks, _state_for(ctx, step), ctx.options, data.token, self.threads_per_worker, keys)
+        payload = (step, accs, _state_for(ctx, step), ctx.options, data.token, self.threads_per_worker, keys)
         blob = pack(payload, [to_workers(m, r) for m, r in zip(models, refs) if r is not None])
         packed = self._submit(ctx.options, step, blob, ranges, data.n)
         self.transfers.append({"pass": step.label, "payload_bytes": len(blob),
                                "result_bytes": [len(b) for b in packed]})
         results = [unpack(b) for b in packed]
         self._check_workers_agree(refs, results)
-        scores = {i for i, sink in enumerate(sinks) if sink.job.shards_are_blocks}   # kept as column blocks
+        scores = {i for i, job in enumerate(step.jobs) if job.shards_are_blocks}   # kept as column blocks
         for states, trace, _ in results:
             ctx.trace.update(trace)
-            for i, sink in enumerate(sinks):
+            for i, acc in enumerate(accs):
                 if i not in scores:
-                    sink.absorb(states[i])
+                    acc.absorb(states[i])
         return {i: _lazy_scores(results, i) for i in scores}
 
     def _submit(self, options, step, blob: bytes, ranges: list, n: int) -> list[bytes]:
@@ -377,7 +379,7 @@ def _needs_products(step) -> bool:
 
 def _state_for(ctx, step) -> RunState:
     """The part of the run state a shard of ``step`` needs: the resolved operators of its
-    row-wise chains (the sinks carry their held rows and bases)."""
+    row-wise chains (the accumulators carry their held rows and bases)."""
     ops, done = {}, ctx.state.ops
     for op in step.operators():
         ops[op.token] = ctx.resolve(op)

@@ -12,13 +12,13 @@ dataset of n examples over W ranks:
 
 1. **split**: rank r reads examples ``rank_ranges(n, W)[r]`` (contiguous, in rank order,
    sizes differing by at most one; :mod:`gradalg.exec.shards`), the pass's jobs restricted
-   to that range (``restrict``) and fed to freshly opened sinks;
+   to that range (``restrict``) and fed into freshly opened accumulators;
 2. **equal steps**: every rank runs the same number of forward/backward calls (FSDP2
    all-gathers weights in each forward and backward, DDP broadcasts buffers; unmatched
    collectives deadlock): a rank with fewer batches than the largest range reads
    ``batches_in(max size, batch) - batches_in(its size, batch)`` padding batches — the
-   pass's first example, captured and transformed like any batch, fed to no sink;
-3. **combine**: sink i is owned by rank ``i % W``. Its owner gathers every rank's partial
+   pass's first example, captured and transformed like any batch, fed to no accumulator;
+3. **combine**: job i is owned by rank ``i % W``. Its owner gathers every rank's partial
    state (``export()``), absorbs them in rank order — exactly the order one process reads
    the data — and finishes it (Fisher / K-FAC normalization, K-FAC eigendecompositions,
    EK-FAC corrections, concatenated rows and score columns); the finished result is
@@ -39,7 +39,7 @@ fingerprints and row counts, job kinds, batch sizes): ranks given other data, op
 expressions are refused before any collective could mismatch. Node tokens themselves are
 not compared: the fingerprint of an FSDP2 parameter hashes this rank's shard
 (:mod:`gradalg.fingerprint`), so tokens of a sharded model are per rank; nothing is
-exchanged by token (sinks are paired by their position in the plan).
+exchanged by token (jobs are paired by their position in the plan).
 
 Errors on one rank (a NaN gradient named by example, a Fisher over no rows) are
 exchanged after the pass's batches and raised on every rank
@@ -59,6 +59,7 @@ from ..errors import DistributedError
 from ..capture.wrappers import is_sharded, sharding
 from ..expr import CurvatureProducts, Source
 from ..options import get_options
+from ..units import format_bytes
 from .base import Executor
 from .capture_pass import model_device_dtype
 from .runner import ShardStrategy, check_reductions
@@ -78,22 +79,9 @@ def _dist():
     return dist
 
 
-class _Discard:
-    """A sink that derives what the real one is fed (same rows, projections, weights:
-    the same forward/backward calls) and keeps nothing: a padding batch's consumer."""
-
-    phase = "capture"
-
-    def __init__(self, fed):
-        self.fed = fed
-
-    def feed(self, chunks, state) -> None:
-        pass
-
-
 class RankShards(ShardStrategy):
     """The torch.distributed shard strategy: each pass over data split over the ranks of
-    ``group``, each sink combined on its owner rank and broadcast; parameters as
+    ``group``, each job's state combined on its owner rank and broadcast; parameters as
     :class:`TorchDistributed`'s. ``traffic``: per pass over data, the bytes this rank sent
     as partial states and received as finished results."""
 
@@ -144,13 +132,13 @@ class RankShards(ShardStrategy):
         steps = batches_in(max(sizes), _batch_size(step, step.sources()[0].data, get_options()))
         return (f"{self.world_size} ranks, {min(sizes)}–{max(sizes)} examples each, {steps} forward/backward "
                 f"steps per rank (shorter ranges padded); per job, every rank's partial state is gathered "
-                f"by its owner rank and the finished result broadcast (~{result_bytes / 2**20:.1f} MiB of results)")
+                f"by its owner rank and the finished result broadcast (~{format_bytes(result_bytes)} of results)")
 
     # ------------------------------------------------------------------ a pass over the ranks
-    def run_shards(self, runner, step, sinks) -> dict:
+    def run_shards(self, runner, step, accs) -> dict:
         """Run one pass: this rank's range of the data, padding batches up to the largest
-        range's count, then each sink combined on its owner rank and broadcast. Returns
-        every sink's finished result (the same on every rank)."""
+        range's count, then each job's state combined on its owner rank (into ``accs[i]``)
+        and broadcast. Returns every job's finished result (the same on every rank)."""
         data = step.sources()[0].data
         ranges = rank_ranges(data.n, self.world_size)
         start, stop = ranges[self.rank]
@@ -164,26 +152,27 @@ class RankShards(ShardStrategy):
             parts = runner.feed_shard(step, data.token, start, stop, stepped=stepped)
         except Exception as err:  # noqa: BLE001 - reported to every rank below
             error = err
-        padded = _caught(self._pad, runner, step, sinks, data, steps - stepped[0])   # even after an error
+        padded = _caught(self._pad, runner, step, data, steps - stepped[0])   # even after an error
         error = error or padded
         self._raise_any(error, step)
         self._sum_traces(trace, before)
         device = model_device_dtype(step.sources()[0].task.model)[0]
         self._bytes = {"parts": 0, "results": 0}
-        done = {i: self._combine(i, sink, parts[i], device) for i, sink in enumerate(sinks)}
+        done = {i: self._combine(i, job, accs[i], parts[i], device) for i, job in enumerate(step.jobs)}
         self.traffic.append({"pass": step.label, "part_bytes": self._bytes["parts"],
                              "result_bytes": self._bytes["results"]})
         return done
 
     # ------------------------------------------------------------------ pieces of a pass
     @staticmethod
-    def _pad(runner, step, sinks, data, count: int) -> None:
+    def _pad(runner, step, data, count: int) -> None:
         """``count`` batches of the pass's first example, captured and derived like real
-        ones (the same collectives) and kept nowhere; their kernels are not traced."""
+        ones (the same rows, projections, weights: the same collectives) and fed to no
+        accumulator; their kernels are not traced."""
         if count <= 0:
             return
         pad_step = restrict_step(step, data.token, 0, 1)
-        discard = [_Discard(tuple(s.restrict(data.token, 0, 1) for s in sink.fed)) for sink in sinks]
+        discard = [None] * len(pad_step.jobs)
         trace = runner.ctx.trace
         before = trace.copy()
         try:
@@ -193,8 +182,9 @@ class RankShards(ShardStrategy):
             trace.clear()
             trace.update(before)
 
-    def _combine(self, index: int, sink, part, device):
-        """Sink ``index`` finished on its owner rank from every rank's part, broadcast to all.
+    def _combine(self, index: int, job, acc, part, device):
+        """Job ``index`` finished on its owner rank, its accumulator ``acc`` absorbing every
+        rank's part, broadcast to all.
 
         Parts and results cross as ``torch.save`` bytes loaded onto the receiving rank's
         ``device`` (a CUDA tensor pickled as such would land on the sender's GPU index)."""
@@ -208,15 +198,15 @@ class RankShards(ShardStrategy):
         if self.rank == owner:
             try:
                 for p in parts:        # rank order = the data's order
-                    sink.absorb(_unpack(p, device))
-                out = [("ok", _pack(sink.finish()))]
+                    acc.absorb(_unpack(p, device))
+                out = [("ok", _pack(acc.finish()))]
             except Exception as err:  # noqa: BLE001 - sent to every rank, raised there
                 out = [("error", f"{type(err).__name__}: {err}")]
         dist.broadcast_object_list(out, src=self._global(owner), group=self.group)
         status, value = out[0]
         if status != "ok":
-            raise DistributedError(f"rank {owner} could not finish {type(sink.job).__name__} "
-                                   f"{sink.job.target.label!r}: {value}")
+            raise DistributedError(f"rank {owner} could not finish {type(job).__name__} "
+                                   f"{job.target.label!r}: {value}")
         self._bytes["results"] += len(value)
         return _unpack(value, device)
 

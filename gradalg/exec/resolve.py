@@ -25,8 +25,8 @@ __all__ = ["precondition", "Resolution", "published"]
 
 
 def published(state, statistic: Statistic) -> LinearOp | None:
-    """Where the sink of a statistic's job left its numbers in the run ``state``
-    (:mod:`gradalg.exec.sinks`), or None: a K-FAC basis awaiting its EK-FAC correction in
+    """Where a statistic's job published its numbers in the run ``state``
+    (``job.publish``), or None: a K-FAC basis awaiting its EK-FAC correction in
     ``state.kron``, every other statistic as its operator in ``state.ops``."""
     token = statistic.node.token
     if statistic.job == "kfac" and getattr(statistic.node, "eigen_correction", False):

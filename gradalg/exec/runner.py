@@ -2,15 +2,16 @@
 
 For each :class:`~gradalg.plan.planner.Pass` the runner
 
-1. opens one sink per job (:func:`gradalg.exec.sinks.open_sink`: the job and the
-   accumulator it makes, ``job.accumulator(ctx)``);
-2. feeds the sinks every example of the pass once: where the plan placed the pass
+1. opens each job's accumulator (``job.accumulator(ctx)``, a list parallel to
+   ``step.jobs``: the job says what it is fed, how and where its result goes, the
+   accumulator keeps its state);
+2. feeds the jobs every example of the pass once: where the plan placed the pass
    (``plan.placement``, a :class:`Placement` per pass) in this process
    (:meth:`PassRunner.feed`, batch by batch), else through the executor's
    **shard strategy** (``run_shards``): the Dask strategy splits the pass into shards that
    run :meth:`PassRunner.feed` on workers and absorbs their partial states, the
    torch.distributed one feeds this rank's range and combines the ranks' states;
-3. publishes each sink's result into the run's :class:`~gradalg.exec.state.RunState`,
+3. publishes each job's result into the run's :class:`~gradalg.exec.state.RunState`,
    and records the pass's measured time and memory (``executor.pass_stats``).
 
 A products pass (``Pass.per_call``) is fed nothing when the plan runs: its job publishes
@@ -23,14 +24,14 @@ entry and the entries sum to the run's time.
 A shard strategy (:class:`ShardStrategy`) says where each pass runs (``place``, asked when
 the plan is made by the plan's place stage, :func:`gradalg.plan.placement.place_passes`,
 which records it as a ``PLACEMENT`` :class:`~gradalg.plan.decisions.Decision` with both
-places' estimates), runs a sharded pass (``run_shards(runner, step, sinks) -> dict``: results it
-finished itself, by sink index; ``runner.where`` is the plan's placement of the pass, with
+places' estimates), runs a sharded pass (``run_shards(runner, step, accs) -> dict``: results it
+finished itself, by job index; ``runner.where`` is the plan's placement of the pass, with
 its ``shards``) and describes it (``describe_pass``). The runner decides
 nothing: kernels, storage, normalization, batch sizes and placement are the plan's.
 
 :meth:`PassRunner.feed` reads a pass's data once: each batch is captured once per
 source (:class:`~gradalg.exec.capture_pass.PassCapture`), the row-wise chains of the
-jobs' streams derived from it once per node (``memo``), and every sink fed.
+jobs' streams derived from it once per node (``memo``), and every job fed.
 """
 from __future__ import annotations
 
@@ -51,14 +52,13 @@ from ..capture.chunks import Chunk
 from .progress import SILENT, progress_bar
 from .rowwise import derive_rows
 from .shards import restrict_step
-from .sinks import Sink, open_sink
 
 __all__ = ["PassRunner", "ShardStrategy", "InProcess", "check_reductions", "captured_batches"]
 
 
 class ShardStrategy:
     """How an executor maps a pass's shards and gathers their results; this base runs
-    every pass whole in this process (:class:`InProcess`). ``keeps_held_rows``: sinks are
+    every pass whole in this process (:class:`InProcess`). ``keeps_held_rows``: accumulators are
     opened again per shard, so a score's raw held rows are kept, not released as they
     are preconditioned. ``here`` and ``spread`` name the two places a pass can run (whole
     in this process, or on shards; ``spread`` None: a strategy that never shards)."""
@@ -95,10 +95,11 @@ class ShardStrategy:
         """Shards that run at once (a sharded pass's estimate is the pass's divided by it)."""
         return 1
 
-    def run_shards(self, runner: "PassRunner", step: Pass, sinks: list[Sink]) -> dict:
-        """Feed every sink every example of a pass placed on shards; returns the results
-        it finished itself, by sink index (the runner finishes the others)."""
-        runner.feed(step, sinks)
+    def run_shards(self, runner: "PassRunner", step: Pass, accs: list) -> dict:
+        """Feed every job every example of a pass placed on shards, into its accumulator
+        ``accs[i]``; returns the results it finished itself, by job index (the runner
+        finishes the others)."""
+        runner.feed(step, accs)
         return {}
 
     def describe_pass(self, step: Pass, where: Placement | None = None) -> str | None:
@@ -201,48 +202,49 @@ class PassRunner:
     def run_pass(self, step: Pass, where: Placement = HERE) -> None:
         if where.refusal is not None:
             raise where.refusal
-        sinks = [open_sink(job, self.ctx) for job in step.jobs]
+        accs = [job.accumulator(self.ctx) for job in step.jobs]
         if where.sharded:
             self.where = where      # the plan's placement of the pass (its shard count), read by the strategy
-            done = self.shards.run_shards(self, step, sinks)
+            done = self.shards.run_shards(self, step, accs)
         else:
-            self.feed(step, sinks)
+            self.feed(step, accs)
             done = {}
-        clock = self.ctx.clock
-        for i, sink in enumerate(sinks):
-            with clock.phase(sink.phase):
-                sink.publish(done[i] if i in done else sink.finish(), self.ctx.state)
+        for i, (job, acc) in enumerate(zip(step.jobs, accs)):
+            with self.ctx.clock.phase(job.phase):
+                job.publish(done[i] if i in done else acc.finish(), self.ctx.state)
 
     # ------------------------------------------------------------------ one process's feed
-    def feed(self, step: Pass, sinks: list, stepped: list | None = None) -> None:
-        """Read ``step``'s data once and hand every chunk to every sink; ``stepped[0]``
+    def feed(self, step: Pass, accs: list, stepped: list | None = None) -> None:
+        """Read ``step``'s data once and hand every chunk to every job, into its
+        accumulator ``accs[i]`` (None: what the job is fed is derived, the same
+        forward/backward calls, and kept nowhere: a padding batch's); ``stepped[0]``
         (optional) counts the batches whose forward and backward ran (:func:`_counted`)."""
         state, clock = self.ctx.state, self.ctx.clock
         for base in _counted(self.batches(step), stepped):
             memo: dict[str, list[Chunk]] = {}
-            for sink in sinks:
+            for job, acc in zip(step.jobs, accs):
                 with clock.phase("capture"):
-                    fed = [self.derive(s, base, memo) for s in sink.fed]
-                with clock.phase(sink.phase):
-                    sink.feed(fed, state)
+                    fed = [self.derive(s, base, memo) for s in job.fed]
+                if acc is not None:
+                    with clock.phase(job.phase):
+                        job.feed(acc, fed, state)
                 del fed
             del base, memo   # the batch's rows are dropped before the next batch is captured
 
-    def feed_shard(self, step: Pass, data_token: str, start: int, stop: int, sinks: list | None = None,
+    def feed_shard(self, step: Pass, data_token: str, start: int, stop: int, accs: list | None = None,
                    stepped: list | None = None) -> list:
-        """The partial states (``export()``) of ``step``'s sinks over examples start:stop of
-        the dataset ``data_token``: the pass restricted to them
-        (:func:`~gradalg.exec.shards.restrict_step`), fed to ``sinks`` (a Dask worker's,
-        unpickled, bound to the restricted jobs) or to freshly opened ones (a rank's);
-        ``stepped`` as :meth:`feed`. An empty range (more ranks than examples) feeds nothing."""
+        """The partial states (``export()``) of ``step``'s accumulators over examples start:stop
+        of the dataset ``data_token``: the pass restricted to them
+        (:func:`~gradalg.exec.shards.restrict_step`), fed into ``accs`` (a Dask worker's,
+        unpickled) or into freshly opened ones (a rank's); ``stepped`` as :meth:`feed`. An
+        empty range (more ranks than examples) feeds nothing."""
         shard = restrict_step(step, data_token, start, stop)
-        sinks = sinks if sinks is not None else [open_sink(job, self.ctx) for job in shard.jobs]
-        for job, sink in zip(shard.jobs, sinks):
-            sink.job = job
-            sink.for_shard(start)
+        accs = accs if accs is not None else [job.accumulator(self.ctx) for job in shard.jobs]
+        for job, acc in zip(shard.jobs, accs):
+            job.for_shard(acc, start)
         if stop > start:
-            self.feed(shard, sinks, stepped)
-        return [sink.export() for sink in sinks]
+            self.feed(shard, accs, stepped)
+        return [acc.export() for acc in accs]
 
     def batches(self, step: Pass) -> Iterator[dict[str, list[Chunk]]]:
         """Per batch of the pass, ``{root token: chunks}`` of the nodes it reads."""

@@ -10,7 +10,7 @@
              {("apply", score token): applied rows (m, dim)}, read by the scores job naming that key
 ``checked``  tasks whose loss reduction was checked   {task token}
 
-The sinks of :mod:`gradalg.exec.sinks` publish into it, the pass runner reads held rows
+The jobs of a pass publish into it (``job.publish``), the pass runner reads held rows
 and stored rows from it, and a distributed executor builds a worker's state from the
 part a pass needs (``RunState(ops=..., kron=...)``): no executor writes another's
 attributes.

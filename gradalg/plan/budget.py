@@ -43,11 +43,11 @@ import os
 from dataclasses import dataclass
 
 from ..errors import MemoryBudgetError, PlanError
-from ..options import Options
+from ..options import Options, get_options
 from ..units import byte_unit, format_bytes, format_bytes_alike
 
 __all__ = ["Budget", "SETTINGS", "budget_setting", "resolve_budget", "device_budget", "is_here", "available_memory", "budget_bytes",
-           "refusal_note", "with_note", "suggest_budget", "HEADROOM", "FALLBACK_BYTES", "MEMINFO", "CGROUP_ROOT",
+           "refusal_note", "with_note", "suggest_budget", "FALLBACK_BYTES", "MEMINFO", "CGROUP_ROOT",
            "PROC_CGROUP", "cgroup_room"]
 
 #: the file ``MemAvailable`` is read from (tests point it at a fake one)
@@ -274,54 +274,52 @@ def budget_bytes(options: Options, device=None) -> int:
     return resolve_budget(options, device).bytes
 
 
-#: a suggested budget is this many times what the refused step needs (:func:`suggest_budget`),
-#: a 25 % headroom for what the planner's count leaves out (a run's resident growth measured
-#: up to 1.31× its budget, module docstring); the refusal says so beside the value
-HEADROOM = 1.25
-
-
-def suggest_budget(need: float) -> str:
-    """A ``memory_budget`` string for at least :data:`HEADROOM` × ``need`` bytes, in the unit
-    :func:`~gradalg.units.format_bytes` writes ``need`` in (so both read alike in one
-    sentence: ``5.04 TB`` → ``"6.3TB"``, never ``"6300GB"``), rounded up to three
-    significant digits (decimal units, :mod:`gradalg.units`): ``"413kB"``, ``"9.32GB"``."""
+def suggest_budget(need: float, headroom: float | None = None) -> str:
+    """A ``memory_budget`` string for at least ``(1 + headroom)`` × ``need`` bytes
+    (``headroom``: ``ga.options(budget_headroom)``, 0.25 unless set; None: the options in
+    force), in the unit :func:`~gradalg.units.format_bytes` writes ``need`` in (so both read
+    alike in one sentence: ``5.04 TB`` → ``"6.3TB"``, never ``"6300GB"``), rounded up to
+    three significant digits (decimal units, :mod:`gradalg.units`): ``"413kB"``, ``"9.32GB"``."""
+    headroom = get_options().budget_headroom if headroom is None else headroom
     unit, scale = byte_unit(max(float(need), 1.0))
-    value = HEADROOM * max(float(need), 1.0) / scale
+    value = (1 + headroom) * max(float(need), 1.0) / scale
     places = 0 if unit == "B" else max(0, 2 - math.floor(math.log10(value)))   # whole bytes
     value = math.ceil(round(value * 10 ** places, 6)) / 10 ** places
     return f"{value:.{places}f}".rstrip("0").rstrip(".") + unit if places else f"{value:.0f}{unit}"
 
 
-def with_note(err, budget: Budget, need: float | None = None) -> str:
-    """The message of ``err`` followed by :func:`refusal_note` (a full stop between them).
+def with_note(err, budget: Budget, need: float | None, headroom: float) -> str:
+    """The message of ``err`` followed by :func:`refusal_note` (a full stop between them;
+    ``headroom``: the plan's ``ga.options(budget_headroom)``).
     A :class:`~gradalg.errors.MemoryBudgetError` keeps the note as its ``note`` field (its
     message is rendered from its fields), the text of anything else is appended to."""
     if isinstance(err, MemoryBudgetError):
         larger = need is not None and err.needed is not None and need > err.needed
         err.note = refusal_note(budget, need, "the plan's largest pass at a batch of one, not only this one"
-                                if larger else "")
+                                if larger else "", headroom)
         err.args = (err.render(), *err.args[1:])
         return err.render()
     message = str(err).rstrip()
-    return f"{message}{'' if message.endswith('.') else '.'} {refusal_note(budget, need)}"
+    return f"{message}{'' if message.endswith('.') else '.'} {refusal_note(budget, need, headroom=headroom)}"
 
 
-def refusal_note(budget: Budget, need: float | None = None, what: str = "") -> str:
+def refusal_note(budget: Budget, need: float | None = None, what: str = "", headroom: float | None = None) -> str:
     """The sentences every refusal for memory ends with: the budget, its source and how to
     change it (with ``need``, the bytes the refused step needs, ``what`` saying what they
-    are when not the refused step alone: values that fit it, each :data:`HEADROOM` ×
-    ``need`` rounded up, and saying so)."""
+    are when not the refused step alone: values that fit it, each ``(1 + headroom)`` ×
+    ``need`` rounded up, and saying so; ``headroom``: ``ga.options(budget_headroom)``,
+    None: the options in force)."""
     text = f"The memory budget is {budget.describe()}"
     if need is None:
         return text + (f"; change it with {budget.change('memory_budget', '8GB')} (bytes, or a string: '8GB' is "
                        "8·10⁹ bytes, '8GiB' 8·2³⁰)"
                        + (f" or {budget.change(budget.option)}" if budget.fraction is not None else "") + ".")
-    headroom = f"{round((HEADROOM - 1) * 100):g}%"
-    text += (f". {format_bytes(need)} would fit under {budget.change('memory_budget', suggest_budget(need))} "
-             f"({format_bytes(need)}{': ' + what if what else ''}; {HEADROOM:g} × that rounded up: a {headroom} "
-             "headroom")
+    headroom = get_options().budget_headroom if headroom is None else headroom
+    text += (f". {format_bytes(need)} would fit under {budget.change('memory_budget', suggest_budget(need, headroom))} "
+             f"({format_bytes(need)}{': ' + what if what else ''}; {1 + headroom:g} × that rounded up: a "
+             f"{headroom * 100:g}% headroom, budget_headroom")
     if budget.fraction is not None and budget.available:
-        fraction = math.ceil(HEADROOM * need / budget.available * 100) / 100
+        fraction = math.ceil((1 + headroom) * need / budget.available * 100) / 100
         if fraction <= 0.9:
             text += f"), or {budget.change(budget.option, fraction)} (at least the same headroom"
         else:

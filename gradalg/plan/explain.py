@@ -200,7 +200,7 @@ class Explain:
             "operator_rules": self.operators(),
             "coverage": [c.to_dict() for c in self.coverage()],
             "passes": self.passes(), "passes_over_data": self.plan.data_passes,
-            "estimated_seconds": self.plan.seconds, "estimated_peak_bytes": self.plan.peak_bytes,
+            "budget_headroom": self.plan.options.budget_headroom, "estimated_seconds": self.plan.seconds, "estimated_peak_bytes": self.plan.peak_bytes,
             "scale": self.scale(),
             "warning": self.warning,
         }
@@ -214,8 +214,8 @@ class Explain:
         """The header line: device, budget, passes over data and the plan's estimates."""
         p = self.plan
         budget = p.budget.describe() if p.budget else f"{_si(p.options.memory_budget)}B"
-        return (f"device {p.device.name}, memory budget {budget}, {p.data_passes} "
-                f"pass(es) over data, est. {_fmt_seconds(p.seconds)}, peak ~{_si(p.peak_bytes)}B; free "
+        return (f"device {p.device.name}, memory budget {budget}, refusals suggest "
+                f"{1 + p.options.budget_headroom:g}× the need (budget_headroom), {p.data_passes} pass(es) over data, est. {_fmt_seconds(p.seconds)}, peak ~{_si(p.peak_bytes)}B; free "
                 f"pages returned past {p.options.release_growth:g}× a batch's (release_growth) and "
                 f"{_pages(p.options.release_memory_above)} (release_memory_above)")
 

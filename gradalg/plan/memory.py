@@ -31,9 +31,10 @@ from ..expr.stored import Stored
 from ..expr.lowrank import lowrank_below
 from ..expr.tokens import token_rows
 from ..linalg.labels import form_of
-from .cost import _si, tokens_hint
+from .cost import tokens_hint
 from .decisions import Decision, DecisionKind
 from ..devices import physical_memory
+from ..units import format_bytes, format_bytes_alike
 from .shapes import ModelFacts, activation_bytes, element_size, forward_shapes, output_bytes, rows_per_example
 
 __all__ = ["positions", "rows_of", "rows_bytes", "capture_bytes_per_example", "stream_workspace_bytes",
@@ -147,17 +148,19 @@ def projection_map_decisions(node, options) -> list[Decision]:
         seen.add((p.token, d))
         dense, tables = 8.0 * p.k * d, 5.0 * p.s * d
         sides = sum(sum(b.shape) if len(b.shape) == 2 else 1 + b.dim for b in space.blocks)
-        alternatives = {"dense": f"{_gb(dense)} GB matrix, {p.k * d:.3g} multiply-adds per example",
-                        "sparse JL": f"{_gb(tables)} GB tables, {p.s * d:.3g} additions per example (each "
+        alternatives = {"dense": f"{format_bytes(dense)} matrix, {p.k * d:.3g} multiply-adds per example",
+                        "sparse JL": f"{format_bytes(tables)} tables, {p.s * d:.3g} additions per example (each "
                                      "layer's gradient formed from its factors)",
-                        "tensorsketch": f"{_gb(9.0 * sides)} GB tables, FFTs of k per position (no layer's "
+                        "tensorsketch": f"{format_bytes(9.0 * sides)} tables, FFTs of k per position (no layer's "
                                         "gradient formed)"}
-        verdict = [f"a dense ({p.k}, {d}) matrix takes {_gb(dense)} GB, "
+        matrix, dense_cap = format_bytes_alike(dense, options.dense_projection_bytes)
+        table, table_cap = format_bytes_alike(tables, options.sjlt_table_bytes)
+        verdict = [f"a dense ({p.k}, {d}) matrix takes {matrix}, "
                    + ("over" if dense > options.dense_projection_bytes else "within")
-                   + f" ga.options(dense_projection_bytes='{_gb(options.dense_projection_bytes)}GB')",
-                   f"SJLT tables {_gb(tables)} GB, "
+                   + f" ga.options(dense_projection_bytes='{dense_cap}')",
+                   f"SJLT tables {table}, "
                    + ("over" if tables > options.sjlt_table_bytes else "within")
-                   + f" ga.options(sjlt_table_bytes='{_gb(options.sjlt_table_bytes)}GB')"]
+                   + f" ga.options(sjlt_table_bytes='{table_cap}')"]
         rows.append(Decision(
             DecisionKind.PROJECTION_MAP, p.token, p.map, alternatives,
             "; ".join(verdict) + " (trak and less default to the dense map within the first, the SJLT "
@@ -169,7 +172,8 @@ def projection_map_decisions(node, options) -> list[Decision]:
 
 
 def _gb(nbytes: float) -> str:
-    """Bytes in GB (10⁹) to three significant digits: "0.0084", "1.64", "13.2"."""
+    """Bytes in GB (10⁹) to three significant digits: "0.0084", "1.64", "13.2" (the
+    Kronecker statistics' arithmetic, :func:`~gradalg.plan.jobs.kron.kron_bytes_arithmetic`)."""
     return f"{nbytes / 1e9:.3g}"
 
 
@@ -290,11 +294,9 @@ def check_statistics_fit(node, memory_budget: int) -> None:
     if k >= 1:
         fixes.append(f"project first, ga.fisher(P(G)) with P = ga.proj.kron(k={k}) (in the methods: "
                      f"projector=ga.proj.kron(k={k}))")
-    for s in ("block", "diag"):
-        if s != node.structure:
-            b = max(statistics_bytes(space, s), inverse_bytes(space, s))
-            if b <= memory_budget:
-                fixes.append(f"structure={s!r} ({_si(b)}B)")
+    others = {s: max(statistics_bytes(space, s), inverse_bytes(space, s)) for s in ("block", "diag")}
+    fitting = {s: b for s, b in others.items() if s != node.structure and b <= memory_budget}
+    fixes += [f"structure={s!r} ({b})" for s, b in zip(fitting, format_bytes_alike(*fitting.values()))]
     inverted = max(need, inverse_bytes(space, node.structure))
     roomy = inverted <= physical_memory()
     if roomy:   # the plan's note names the budget, written the way it was given (budget.refusal_note)

@@ -22,7 +22,7 @@ from .budget import Budget, resolve_budget, with_note
 from .choices import Choices
 from .cost import Cost
 from .decide import decide
-from ..units import format_bytes
+from ..units import format_bytes, format_bytes_alike
 from .decisions import Decision, DecisionKind, DecisionSource, Decisions
 from ..devices import DeviceProfile, profile
 from .facts import facts as find_facts
@@ -88,8 +88,9 @@ class Plan:
         if stage not in STAGES:
             raise PlanError(f"unknown stage {stage!r}: the planner's stages are {', '.join(STAGES)}")
         return self.stages[stage].describe() if stage != "size" else "\n".join(
-            f"{i + 1}. {p.label}: batch {p.batch_size}, {p.fixed_bytes:,.0f} B held + {p.per_example_bytes:,.0f} B "
-            f"per example, {p.seconds:.3g} s" + (f" ({p.note})" if p.note else "") for i, p in enumerate(self.passes))
+            f"{i + 1}. {p.label}: batch {p.batch_size}, %s held + %s per example, {p.seconds:.3g} s"
+            % format_bytes_alike(p.fixed_bytes, p.per_example_bytes) + (f" ({p.note})" if p.note else "")
+            for i, p in enumerate(self.passes))
 
 
 def model_device(root: Node) -> torch.device | None:
@@ -150,7 +151,7 @@ def _plan(root, options, device, rewrites, choices, measure_shapes, topk, budget
                 raise
             scheduled, passes, decisions = fallback
     except MemoryBudgetError as err:   # every refusal says where the budget came from and how to change it
-        with_note(err, budget, err.fits_under)
+        with_note(err, budget, err.fits_under, options.budget_headroom)
         raise
     return Plan(root, simplified, fired, Decisions(decisions), list(passes), scheduled.jobs, list(graph.roots),
                 options, prof, set(scheduled.stored), known.dtype, budget,
