@@ -21,7 +21,7 @@ from ..linalg.solvers import arnoldi, arnoldi_iters, lanczos_min
 from ..options import get_options
 from ..space import ParamSpace
 from .grads import GradNode, first_examples
-from .operators import OpNode, Statistic
+from .operators import OpNode, ProductCalls, Statistic
 
 __all__ = ["KFAC", "SubsetNote", "CurvatureProducts", "Formed", "Arnoldi", "DataInf", "NearMinimum", "NearMinimumProbe", "PROBES"]
 
@@ -409,11 +409,10 @@ class NearMinimum(OpNode):
     def statistics(self):
         """Both sides' (the products pass is run only as far as the decision needs: the probe's
         ``iterations`` calls, then the Hessian's formation if it is not ruled out)."""
-        probe = f"{self.probe_steps} Lanczos probe products + "
-        hess = tuple(s if s.job != "products" else
-                     Statistic(s.job, s.node, s.rows, s.after, s.calls + self.probe_steps,
-                               probe + (s.calls_why or "formed"), s.vectors)
-                     for s in self.hessian_inv.statistics())
+        hess = self.hessian_inv.statistics()
+        if self.probe_steps > 0:     # the probe's calls, one vector each: a group of their own before the formation's
+            probe = ProductCalls(self.probe_steps, 1, f"{self.probe_steps} Lanczos probe products")
+            hess = tuple(s.preceded(probe) for s in hess)
         return self.gauss_newton.statistics() + hess + tuple(
             s for s in self.gauss_newton_inv.statistics() if s not in self.gauss_newton.statistics())
 

@@ -18,8 +18,10 @@ ProductsJob  raw batches of H's data, once per call  V ↦ H V (a matvec), for t
 """
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, replace
+from functools import reduce
 from typing import ClassVar
 
 import torch
@@ -153,29 +155,46 @@ def product_fixed(model, kind: str, batches: int) -> Cost:
 
 @dataclass(eq=False, frozen=True)
 class ProductsJob(Job):
-    """The products of ``target`` (a :class:`~gradalg.expr.curvature.CurvatureProducts`) with
-    ``vectors`` rows per call, ``calls`` calls at most (``calls_why``: the solver's setting
-    that bounds them), each a pass over its data in batches of ``batch``
-    (``ga.options(batch_size)``, as the products always read it). ``streams`` is empty:
-    it reads raw batches, not gradient rows."""
+    """The products of ``target`` (a :class:`~gradalg.expr.curvature.CurvatureProducts`) in
+    ``groups`` of calls ``((calls, vectors, why), ...)``: ``calls`` calls at most of ``vectors``
+    rows each (``why``: the setting that bounds them; a near-minimum probe's one-vector calls and
+    a formation's 256-vector ones are two groups, :class:`~gradalg.expr.operators.ProductCalls`),
+    each call a pass over its data in batches of ``batch`` (``ga.options(batch_size)``, as the
+    products always read it), each group priced at its own vectors (:meth:`stream_cost`).
+    ``streams`` is empty: it reads raw batches, not gradient rows."""
 
     kind: ClassVar[str] = "products"
     output: ClassVar[str] = "matvec"
     phase: ClassVar[str] = "statistics"
     ops_per_block: ClassVar[int] = 0
 
-    calls: int = 1
-    calls_why: str = ""
-    vectors: int = 1
+    groups: tuple[tuple[int, int, str], ...] = ((1, 1, ""),)
     batch: int = 64
 
     @classmethod
     def for_statistic(cls, statistic, deps: set, options=None, vectors: int | None = None) -> "ProductsJob":
-        """The job of a ``"products"`` statistic: its calls, and its vectors (the
-        statistic's, else ``vectors``: the rows the operator is applied to, else one)."""
-        m = statistic.vectors or vectors or 1
-        return cls(statistic.node, (), set(deps), calls=max(1, int(statistic.calls)), calls_why=statistic.calls_why,
-                   vectors=int(m), batch=options.batch_size if options is not None else 64)
+        """The job of a ``"products"`` statistic: its groups of calls
+        (:class:`~gradalg.expr.operators.ProductCalls`), each on its vectors (the group's, else
+        ``vectors``: the rows the operator is applied to, else one)."""
+        groups = tuple((max(1, int(g.calls)), int(g.vectors or vectors or 1), g.why) for g in statistic.groups
+                       if g.calls > 0) or ((1, int(vectors or 1), ""),)
+        return cls(statistic.node, (), set(deps), groups=groups,
+                   batch=options.batch_size if options is not None else 64)
+
+    @property
+    def calls(self) -> int:
+        """Every group's calls: the bound on the pass's calls."""
+        return sum(c for c, _, _ in self.groups)
+
+    @property
+    def calls_why(self) -> str:
+        """The groups' settings, `` + ``-joined."""
+        return " + ".join(why for _, _, why in self.groups if why)
+
+    @property
+    def vectors(self) -> int:
+        """The most vectors of a call (what its memory holds)."""
+        return max(m for _, m, _ in self.groups)
 
     def pass_key(self) -> ProductsPassKey:
         """Its own pass: :class:`~gradalg.plan.passkeys.ProductsPassKey` (H's token, task name, n, calls)."""
@@ -184,14 +203,22 @@ class ProductsJob(Job):
 
     def describe(self) -> str:
         t = self.target
-        bound = f"up to {self.calls:,} calls" + (f" ({self.calls_why})" if self.calls_why else "")
-        return (f"{t.label}: {self.vectors:,} vector(s) per call over {len(t.layers)} layer(s){self._vmap_note()}, "
-                f"{bound}, each one pass")
+        if len(self.groups) == 1:
+            [(calls, m, why)] = self.groups
+            bound = f"up to {calls:,} calls" + (f" ({why})" if why else "")
+            return (f"{t.label}: {m:,} vector(s) per call over {len(t.layers)} layer(s){self._vmap_note(m)}, "
+                    f"{bound}, each one pass")
+        parts = " + ".join(f"up to {calls:,} calls of {m:,} vector(s){self._vmap_note(m)}" + (f" ({why})" if why else "")
+                           for calls, m, why in self.groups)
+        return (f"{t.label}: over {len(t.layers)} layer(s), up to {self.calls:,} calls in {len(self.groups)} groups, "
+                f"each one pass, each group priced at its vectors: {parts}")
 
-    def _vmap_note(self) -> str:
-        """How the vectors of a call go through ``vmap``: whole, or the chunks :meth:`vmap_calls` counts."""
+    def _vmap_note(self, m: int | None = None) -> str:
+        """How the m vectors of a call (default: :attr:`vectors`) go through ``vmap``: whole, or the
+        chunks :meth:`vmap_calls` counts."""
+        m = self.vectors if m is None else m
         vmap = get_options().products_vmap_elements
-        if self.vectors <= 1:
+        if m <= 1:
             return ""
         if not vmap:
             return ", vmapped whole (ga.options(products_vmap_elements=0))"
@@ -199,11 +226,11 @@ class ProductsJob(Job):
         if a is None:
             return (f", vmapped whole in the estimate (chunks of ga.options(products_vmap_elements={vmap:,}) "
                     "activation elements not known: the model does not run on the meta device)")
-        groups = self.vmap_calls()
+        groups = self.vmap_calls(m)
         per_call = sum(count * sum(k for _, k in sizes) for _, count, sizes in groups)
         b, _, sizes = groups[0]
         if per_call == sum(count for _, count, _ in groups):
-            return (f", vmapped whole ({a:,.0f} activation elements per example × {b:,} × {self.vectors:,} vectors "
+            return (f", vmapped whole ({a:,.0f} activation elements per example × {b:,} × {m:,} vectors "
                     f"within ga.options(products_vmap_elements={vmap:,}))")
         return (f", vmapped in chunks of {sizes[0][0]:,} vectors ({sum(k for _, k in sizes):,} per batch of {b:,}: "
                 f"{a:,.0f} activation elements per example, ga.options(products_vmap_elements={vmap:,})), "
@@ -247,13 +274,14 @@ class ProductsJob(Job):
             _ACTIVATIONS[t.token] = value
         return _ACTIVATIONS[t.token]
 
-    def vmap_calls(self) -> tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]:
+    def vmap_calls(self, m: int | None = None) -> tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]:
         """One call's batches and their ``vmap`` calls: ``((b, batches, ((vectors, vmap calls), ...)), ...)``
-        for the full batches of ``batch`` examples and the last, smaller one; each batch's ``vectors``
-        rows go through ``vmap`` in chunks of :func:`~gradalg.curvature.hvp.vmap_chunk_size` (E =
-        ``ga.options(products_vmap_elements)``, b, :meth:`example_activations`), the run's rule:
-        ⌈m / c⌉ calls, the last one with the rest (one call of m where unchunked or not known)."""
-        n, m = self.target.data.n, self.vectors
+        for the full batches of ``batch`` examples and the last, smaller one; each batch's m rows
+        (default :attr:`vectors`, a group's) go through ``vmap`` in chunks of
+        :func:`~gradalg.curvature.hvp.vmap_chunk_size` (E = ``ga.options(products_vmap_elements)``, b,
+        :meth:`example_activations`), the run's rule: ⌈m / c⌉ calls, the last one with the rest (one
+        call of m where unchunked or not known)."""
+        n, m = self.target.data.n, self.vectors if m is None else m
         B = max(1, min(self.batch, n))
         full, rest = divmod(n, B)
         a, E = self.example_activations(), get_options().products_vmap_elements
@@ -272,8 +300,9 @@ class ProductsJob(Job):
 
     # ------------------------------------------------------------------ cost
     def stream_cost(self, n_stream, chunk, facts, layout_of, storage_of=None, options=None, resolved=None) -> Cost:
-        """``calls`` × one call: per batch of b examples (``batch``, the last one the rest) of T
-        positions, per ``vmap`` call of c of the m vectors (:meth:`vmap_calls`: c = m unless
+        """Per group of ``groups``, its ``calls`` × one call of its m vectors (:meth:`call_cost`;
+        one group: that call × ``calls``, as before groups): per batch of b examples (``batch``, the
+        last one the rest) of T positions, per ``vmap`` call of c of the m vectors (:meth:`vmap_calls`: c = m unless
         ``ga.options(products_vmap_elements)`` chunks them), each weight layer ``(in, out)``
         (:func:`~gradalg.plan.shapes.weight_layers`) at its P positions per example (:meth:`layer_positions`:
         a convolution's output pixels, T for a Linear) runs ``primal`` GEMMs (b·P, out, in) and ``tangent``
@@ -282,10 +311,12 @@ class ProductsJob(Job):
         (:func:`~gradalg.plan.shapes.activation_bytes`) once per forward-equivalent; the sum of
         the products (c, dim) read and written (:func:`product_work`, weighed by the device's
         measured ``product_work``); and torch.func's fixed cost per ``vmap`` call (:func:`product_fixed`)."""
-        return self.call_cost(facts.dtype, getattr(facts, "device", None)).scaled(self.calls)
+        device = getattr(facts, "device", None)
+        return reduce(operator.add, (self.call_cost(facts.dtype, device, m).scaled(calls) for calls, m, _ in self.groups))
 
-    def call_cost(self, dtype, device=None) -> Cost:
-        """One call: one pass over the data (:meth:`stream_cost`), each batch's ``vmap`` calls
+    def call_cost(self, dtype, device=None, vectors: int | None = None) -> Cost:
+        """One call of ``vectors`` rows (default :attr:`vectors`, the most of a group's): one pass
+        over the data (:meth:`stream_cost`), each batch's ``vmap`` calls
         (:meth:`vmap_calls`: a chunk of c vectors repeats the primal sweeps, :func:`product_work`
         of c vectors on the batch's b examples) weighed by ``device``'s measured ``product_work``
         (at its plain price without a device), and torch.func's fixed costs per ``vmap`` call
@@ -293,7 +324,7 @@ class ProductsJob(Job):
         t, elem = self.target, element_size(dtype)
         model, T = t.task.model, data_tokens_hint(t.data)
         work, calls, positions = Cost(), 0, self.layer_positions()
-        for b, count, sizes in self.vmap_calls():
+        for b, count, sizes in self.vmap_calls(vectors):
             for c, k in sizes:
                 work = work + product_work(model, b, T, c, t.kind, t.space.dim, elem, positions).scaled(count * k)
                 calls += count * k

@@ -1,0 +1,101 @@
+"""A products statistic's calls in groups (:class:`~gradalg.expr.operators.ProductCalls`): the
+near-minimum rule's Lanczos probe (one vector a call) and the Hessian's formation (256 vectors a
+call) share one products pass, whose job prices each group at its own vectors
+(:meth:`~gradalg.plan.jobs.products.ProductsJob.stream_cost`) and whose line in ``explain()`` shows
+the groups. Before, every call was priced at the formation's 256 vectors: the pass about 2× high."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import gradalg as ga
+from gradalg.expr.operators import ProductCalls, Statistic
+from gradalg.plan.jobs import ProductPass, ProductsJob
+
+WD = 1e-2
+
+
+def logreg_at_its_minimum():
+    """Multinomial logistic regression, 31 → 16 (512 coordinates: forming its Hessian takes 2 calls
+    of 256 products, so the probe may take 2 steps), trained by Newton's method (backtracking) to max |∇J| < 1e-10
+    on J = (1/n) Σ CE + (wd/2)‖θ‖²: at its minimum, so the rule forms the Hessian after the probe."""
+    g = torch.Generator().manual_seed(0)
+    model = nn.Linear(31, 16).double()
+    X = torch.randn(160, 31, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 16, (160,), generator=g)
+    names = [n for n, _ in model.named_parameters()]
+    shapes = [p.shape for _, p in model.named_parameters()]
+
+    def J(theta):
+        W, b = theta[:31 * 16].reshape(shapes[names.index("weight")]), theta[31 * 16:]
+        return torch.nn.functional.cross_entropy(X[:150] @ W.T + b, y[:150]) + WD / 2 * (theta ** 2).sum()
+    theta = torch.cat([model.weight.detach().reshape(-1), model.bias.detach()])
+    for _ in range(50):
+        grad = torch.func.grad(J)(theta)
+        if grad.abs().max() < 1e-10:
+            break
+        step, t = torch.linalg.solve(torch.func.hessian(J)(theta), grad), 1.0
+        while J(theta - t * step) > J(theta) and t > 1e-4:     # backtracking: Newton from far away may overshoot
+            t /= 2
+        theta = theta - t * step
+    assert torch.func.grad(J)(theta).abs().max() < 1e-10
+    with torch.no_grad():
+        model.weight.copy_(theta[:31 * 16].reshape(16, 31))
+        model.bias.copy_(theta[31 * 16:])
+    return model, (X[:150], y[:150]), (X[150:], y[150:])
+
+
+def test_a_statistic_composes_its_groups_through_solvers_and_a_probe():
+    """``solved`` multiplies each group's calls and sets its vectors; ``preceded`` puts a group
+    first; the totals (``calls``, ``calls_why``, ``vectors``) read across the groups."""
+    s = Statistic("products", None, None)
+    assert s.groups == (ProductCalls(1, None, ""),) and s.calls == 1 and s.vectors is None
+    formed = s.solved(3, "formed", vectors=256)
+    assert formed.groups == (ProductCalls(3, 256, "formed"),)
+    probed = formed.preceded(ProductCalls(2, 1, "probe"))
+    assert probed.groups == (ProductCalls(2, 1, "probe"), ProductCalls(3, 256, "formed"))
+    assert (probed.calls, probed.vectors, probed.calls_why) == (5, 256, "probe + formed")
+    solved = probed.solved(4, "CG")
+    assert solved.groups == (ProductCalls(8, 1, "CG × probe"), ProductCalls(12, 256, "CG × formed"))
+    other = Statistic("fisher", None, None)
+    assert other.solved(4, "CG") is other and other.preceded(ProductCalls(2, 1, "probe")) is other
+
+
+def test_the_probe_and_the_formation_are_two_groups_priced_at_their_own_vectors(monkeypatch):
+    """Influence at its near-minimum rule on a model at its minimum: the products pass's calls are
+    the probe's 2 one-vector calls and the formation's 2 calls of 256; the pass's estimate is the
+    sum of each call's price at the vectors the run gave it (its FLOPs and its seconds, within 1.5×,
+    here equal), where the estimate before priced all 4 calls at 256 vectors (2× the FLOPs)."""
+    model, train, queries = logreg_at_its_minimum()
+    seen = []
+    call = ProductPass.__call__
+    monkeypatch.setattr(ProductPass, "__call__", lambda self, V: (seen.append(int(V.shape[0])), call(self, V))[1])
+    S = ga.methods.influence(ga.tasks.classification(model), train, queries, curvature="near_minimum",
+                             weight_decay=WD)
+    shown = S.explain()
+    [step] = [p for p in shown.plan.passes if p.per_call]
+    [job] = step.jobs
+    assert isinstance(job, ProductsJob)
+    assert job.groups == ((2, 1, "2 Lanczos probe products"), (2, 256, "formed: 512 products, 256 per call"))
+    assert (job.calls, job.vectors) == (4, 256) and step.cost.passes == 4
+    text = str(shown)
+    assert "up to 4 calls in 2 groups" in text
+    assert "up to 2 calls of 1 vector(s) (2 Lanczos probe products)" in text
+    assert "up to 2 calls of 256 vector(s), vmapped whole" in text and "(formed: 512 products, 256 per call)" in text
+    S.compute()
+    assert seen == [1, 1, 256, 256]                      # the run: the probe's calls, then the formation's
+    plan = shown.plan
+    dtype, prof = plan.facts.dtype, plan.device
+    counted = [job.call_cost(dtype, prof, m) for m in seen]
+    flops = sum(c.flops for c in counted)
+    seconds = sum(prof.time_of(c, dtype) for c in counted)
+    assert 1.0 <= step.cost.flops / flops <= 1.5 and step.cost.flops == pytest.approx(flops, rel=1e-12)
+    assert 1.0 <= step.seconds / seconds <= 1.5 and step.seconds == pytest.approx(seconds, rel=1e-9)
+    # one group (the formation's, without the probe): priced as that group's call × its calls, as before groups
+    with ga.options(hessian_probe_iterations=0):
+        plan = ga.methods.influence(ga.tasks.classification(model), train, queries, curvature="near_minimum",
+                                    weight_decay=WD).explain().plan
+    [one] = [p for p in plan.passes if p.per_call]
+    assert one.jobs[0].groups == ((2, 256, "formed: 512 products, 256 per call"),)
+    assert one.jobs[0].cost == one.jobs[0].call_cost(dtype, plan.device).scaled(2)
