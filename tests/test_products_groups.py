@@ -5,6 +5,8 @@ call) share one products pass, whose job prices each group at its own vectors
 the groups. Before, every call was priced at the formation's 256 vectors: the pass about 2× high."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
@@ -99,3 +101,57 @@ def test_the_probe_and_the_formation_are_two_groups_priced_at_their_own_vectors(
     [one] = [p for p in plan.passes if p.per_call]
     assert one.jobs[0].groups == ((2, 256, "formed: 512 products, 256 per call"),)
     assert one.jobs[0].cost == one.jobs[0].call_cost(dtype, plan.device).scaled(2)
+
+
+def _peak_bytes(fn) -> float:
+    """The most bytes ``fn`` holds at once beyond what was allocated before it, from torch.profiler's
+    memory events (each op's own allocations less its frees, in order). ``torch.func`` refuses
+    ``saved_tensors_hooks`` under ``grad``/``vjp``, so the allocator's own record is read instead."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    now = top = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        now += event.self_cpu_memory_usage
+        top = max(top, now)
+    return float(top)
+
+
+def conv_wd_net():
+    """``benchmarks/fidelity.py``'s ``conv_wd`` net: 1×8×8 → Conv2d(1, 4, 3) → tanh → Conv2d(4, 8, 3)
+    → tanh → AvgPool2d(2) → Linear(128, 10) (its activations mostly the conv output maps)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 4, 3, padding=1), nn.Tanh(),
+                         nn.Conv2d(4, 8, 3, padding=1), nn.Tanh(), nn.AvgPool2d(2), nn.Flatten(),
+                         nn.Linear(128, 10)).double()
+
+
+@pytest.mark.parametrize("kind", ["hessian", "gauss_newton"])
+@pytest.mark.parametrize("vmap_elements", [0, 300_000])
+def test_a_conv_products_call_holds_no_more_than_the_job_prices_and_not_a_third_of_it(kind, vmap_elements):
+    """The products job's memory (its vectors and sums, and per example what autograd holds for the
+    primal and each vector of the largest ``vmap`` chunk, from the meta forward's output maps) is at
+    least what one batch's products call on a conv net really allocates (torch.profiler's memory
+    events) and at most 3× it, whole or in ``vmap`` chunks. Before, the activations were counted
+    from the weight layers at one position each, ×(1 + m): a tenth to a third of the conv maps held."""
+    from gradalg.curvature.hvp import Products
+    from gradalg.data import as_data
+    from gradalg.exec import LocalExecutor
+    model = conv_wd_net()
+    g = torch.Generator().manual_seed(1)
+    X, y = torch.randn(48, 64, generator=g, dtype=torch.float64), torch.randint(0, 10, (48,), generator=g)
+    task, m = ga.tasks.classification(model), 64
+    make = ga.hessian if kind == "hessian" else ga.gauss_newton
+    with ga.options(batch_size=32, products_vmap_elements=vmap_elements):
+        plan = LocalExecutor().plan(make(task, (X, y)).expr)
+        [step] = [p for p in plan.passes if p.per_call]
+        job = replace(step.jobs[0], groups=((1, m, ""),))
+        estimate = job.fixed_bytes(plan.facts) + job.per_example_bytes(plan.facts) * job.batch
+        products = Products(task, as_data((X, y)), job.target.layers, kind)
+        _, batch = next(products.batches(job.batch))
+        V = torch.randn(m, job.target.space.dim, generator=g, dtype=torch.float64)
+        chunks = job.vmap_calls()[0][2]
+        assert chunks == (((m, 1),) if vmap_elements == 0 else ((5, 12), (4, 1)))   # whole, or chunks of 5
+        measured = _peak_bytes(lambda: products.batch_rows(batch, V, 0))
+    assert measured > 0
+    assert measured <= estimate <= 3 * measured, (estimate / measured, chunks)

@@ -255,20 +255,40 @@ class ProductsJob(Job):
         measured = self._measured()
         return None if measured is None else measured[1]
 
+    def held_activations(self) -> tuple[float, float] | None:
+        """``(S, M)`` per example: the numbers of every leaf module's output that is not a view
+        (what autograd can hold: a Flatten's or an Unflatten's output shares its input's), summed
+        (S) and the largest one (M), a convolution's output maps at their H·W positions, from the
+        same meta forward as :meth:`example_activations`; None where the model cannot run on meta
+        (:meth:`per_example_bytes`)."""
+        measured = self._measured()
+        return None if measured is None else measured[2]
+
     def _measured(self):
-        """``(activations, positions)`` of one meta forward of the first example
-        (:meth:`example_activations`, :meth:`layer_positions`), or None. Memoised by the
-        target's token (at most 256 kept)."""
+        """``(activations, positions, (S, M))`` of one meta forward of the first example
+        (:meth:`example_activations`, :meth:`layer_positions`, :meth:`held_activations`), or None.
+        Memoised by the target's token (at most 256 kept)."""
         t = self.target
         if t.token not in _ACTIVATIONS:
+            held, handles = [], []
+
+            def hook(_module, _args, out):
+                if isinstance(out, torch.Tensor) and out.dim() > 0 and out._base is None:
+                    held.append(out.numel())
             try:
-                modules = _weight_modules(t.task.model)
+                model = t.task.model
+                handles = [m.register_forward_hook(hook) for m in model.modules() if next(m.children(), None) is None]
+                modules = _weight_modules(model)
                 refs = [_Ref(str(i), m, rule) for i, (m, rule) in enumerate(modules)]
                 seen, activations = _measure_on_meta(t.task, t.data.first_example_batch(), refs)
                 T = data_tokens_hint(t.data)
-                value = (float(activations), tuple(int(seen.get(str(i), T)) for i in range(len(modules))))
+                value = (float(activations), tuple(int(seen.get(str(i), T)) for i in range(len(modules))),
+                         (float(sum(held)), float(max(held, default=0))))
             except Exception:  # noqa: BLE001 - a hint: a model meta cannot run is priced unchunked, at T
                 value = None
+            finally:
+                for h in handles:
+                    h.remove()
             if len(_ACTIVATIONS) >= 256:
                 _ACTIVATIONS.pop(next(iter(_ACTIVATIONS)))
             _ACTIVATIONS[t.token] = value
@@ -332,15 +352,44 @@ class ProductsJob(Job):
         return weighed(work, factor) + product_fixed(model, t.kind, calls)
 
     # ------------------------------------------------------------------ memory
+    def _elem(self, facts) -> int:
+        """Bytes per number of the products: the model's parameters' dtype (the products run in
+        it), else the plan's (``facts.elem``: an expression of the operator alone reads no source's)."""
+        dtype = next((p.dtype for p in self.target.task.model.parameters()), None)
+        return element_size(dtype) if dtype is not None else facts.elem
+
     def fixed_bytes(self, facts) -> float:
-        """The vectors, their products and the running sum: 3·m·dim·elem."""
-        return 3.0 * self.vectors * self.target.space.dim * facts.elem
+        """The vectors, their products and the running sum: 3·m·dim·elem (m the most vectors of a call)."""
+        return 3.0 * self.vectors * self.target.space.dim * self._elem(facts)
 
     def per_example_bytes(self, facts) -> float:
-        """What autograd keeps per example: the activations, once for the primal and once
-        per vector's tangent (a lower bound, as :func:`~gradalg.plan.shapes.activation_bytes`)."""
+        """What one example holds at a products call's peak, for the primal and each of the c
+        vectors of the largest ``vmap`` chunk a call makes (:meth:`vmap_calls` over every group:
+        the chunk, not the call's m vectors, is what is live at once), from the meta forward's
+        outputs per example (:meth:`held_activations`: S summed, M the widest, conv maps included):
+
+            hessian        (S + 2M) · (1 + c) · elem   (forward-over-reverse: the forward's
+                           activations and their tangents kept for the backward, two of the
+                           widest layer's (co)tangents live beside them)
+            gauss_newton   (S + 2M + 2M·c) · elem      (the vjp's saved forward, the widest
+                           layer's tangent and cotangent per vector: forward mode keeps no tangent)
+
+        S is never taken below :func:`~gradalg.plan.shapes.activation_bytes` (attention's
+        scores, outside leaf modules). Measured with torch.profiler's memory events
+        (``tests/test_products_groups.py``) on an MLP and two conv nets, one batch: 1.1–1.8× what
+        the run holds. A model that cannot run on meta: the activations once for the primal and
+        once per vector (:func:`~gradalg.plan.shapes.activation_bytes`, a lower bound)."""
         t = self.target
-        return activation_bytes(t.task.model, data_tokens_hint(t.data), facts.elem) * (1 + self.vectors)
+        T, elem = data_tokens_hint(t.data), self._elem(facts)
+        floor = activation_bytes(t.task.model, T, elem)
+        held = self.held_activations()
+        if held is None:
+            return floor * (1 + self.vectors)
+        c = max((c for _, m, _ in self.groups for _, _, sizes in self.vmap_calls(m) for c, _ in sizes), default=1)
+        S, M = max(held[0] * elem, floor), held[1] * elem
+        if t.kind == "hessian":
+            return (S + 2 * M) * (1 + c)
+        return S + 2 * M + 2 * M * c
 
     def output_bytes(self, n: int) -> float:
         return 8.0 * self.vectors * self.target.space.dim
