@@ -155,3 +155,93 @@ def test_a_conv_products_call_holds_no_more_than_the_job_prices_and_not_a_third_
         measured = _peak_bytes(lambda: products.batch_rows(batch, V, 0))
     assert measured > 0
     assert measured <= estimate <= 3 * measured, (estimate / measured, chunks)
+
+
+class _Tanh(torch.autograd.Function):
+    """tanh as a custom Function with a backward and a jvp but no vmap rule (a custom kernel's
+    usual shape): ``grad`` and ``jvp`` run it, ``vmap`` cannot."""
+
+    @staticmethod
+    def forward(x):
+        return torch.tanh(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(output)
+        ctx.save_for_forward(output)
+
+    @staticmethod
+    def backward(ctx, g):
+        (out,) = ctx.saved_tensors
+        return g * (1 - out * out)
+
+    @staticmethod
+    def jvp(ctx, t):
+        (out,) = ctx.saved_tensors
+        return t * (1 - out * out)
+
+
+class CustomTanhMLP(nn.Module):
+    """8 → 16 → 3, its activation a :class:`_Tanh` (``vmap`` cannot run the model)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(8, 16).double(), nn.Linear(16, 3).double()
+
+    def forward(self, x):
+        return self.fc2(_Tanh.apply(self.fc1(x)))
+
+
+def test_a_model_vmap_cannot_run_is_priced_and_run_as_a_loop_once_the_plan_knows(monkeypatch):
+    """A model with a custom autograd Function without a vmap rule (``vmap`` cannot run it): the first run falls back to a
+    loop over the vectors, and the pass records it (:data:`~gradalg.plan.jobs.products.LOOPED`); the
+    next plan of the same products makes the loop its decision (``job.loop``, shown in ``explain()``):
+    each call priced as m products of one vector (each its primal sweeps and fixed cost, as the loop
+    runs them), its memory at one vector's, and the run loops without trying ``vmap`` first, with the
+    same numbers (bit-identical). Before, a looping run was priced as one ``vmap`` call of m vectors."""
+    import warnings
+
+    import numpy as np
+
+    from gradalg.curvature import hvp
+    from gradalg.plan.jobs.products import LOOPED
+    model = CustomTanhMLP()
+    g = torch.Generator().manual_seed(2)
+    X, y = torch.randn(40, 8, generator=g, dtype=torch.float64), torch.randint(0, 3, (40,), generator=g)
+    task = ga.tasks.classification(model)
+    with ga.options(batch_size=16):
+        S = ga.methods.influence(task, (X, y), (X[:3], y[:3]), curvature="hessian", solver="cg", damping=0.5,
+                                 solver_settings={"max_iter": 3})
+        LOOPED.clear()
+
+        def job_of(shown):
+            [step] = [p for p in shown.plan.passes if p.per_call]
+            return step, step.jobs[0]
+        before, job0 = job_of(S.explain())
+        assert job0.loop == "" and job0.vectors == 3 and job0.vmap_calls() == ((16, 2, ((3, 1),)), (8, 1, ((3, 1),)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            first = np.asarray(S.compute())
+        assert list(LOOPED) == [job0.target.token] and "Error" in LOOPED[job0.target.token]
+        shown = S.explain()
+        after, job = job_of(shown)
+        assert job.loop == LOOPED[job.target.token] and job.vmap_calls() == ((16, 2, ((1, 3),)), (8, 1, ((1, 3),)))
+        assert "looped over its vectors, one product each (vmap could not run the model on an earlier run" in str(shown)
+        dtype = shown.plan.facts.dtype
+        one = replace(job, groups=((1, 1, ""),)).call_cost(dtype)          # one vector: vmap or loop, the same
+        looped, vmapped = job.call_cost(dtype), job0.call_cost(dtype)
+        assert looped.flops == pytest.approx(3 * one.flops, rel=1e-12)
+        assert looped.blocks[0][1] == pytest.approx(3 * one.blocks[0][1])   # the fixed cost: once per vector
+        assert vmapped.blocks[0][1] == pytest.approx(one.blocks[0][1])      # vmap's: once per batch
+        assert after.seconds > before.seconds
+        assert job.per_example_bytes(shown.plan.facts) < job0.per_example_bytes(shown.plan.facts)
+        tried = []
+
+        def no_vmap(*args, **kwargs):
+            tried.append(1)
+            raise AssertionError("vmap tried")
+        monkeypatch.setattr(hvp, "vmap", no_vmap)
+        np.testing.assert_array_equal(np.asarray(S.compute()), first)
+    assert tried == []                                                # the plan's loop: vmap not tried
+    LOOPED.clear()
