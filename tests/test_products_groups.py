@@ -60,6 +60,8 @@ def test_a_statistic_composes_its_groups_through_solvers_and_a_probe():
     assert (probed.calls, probed.vectors, probed.calls_why) == (5, 256, "probe + formed")
     solved = probed.solved(4, "CG")
     assert solved.groups == (ProductCalls(8, 1, "CG × probe"), ProductCalls(12, 256, "CG × formed"))
+    parts = s.solved_in(((3, 256), (1, 3)), "formed")                  # a formation's full calls and its rest
+    assert parts.groups == (ProductCalls(3, 256, "formed"), ProductCalls(1, 3, "formed")) and parts.calls == 4
     other = Statistic("fisher", None, None)
     assert other.solved(4, "CG") is other and other.preceded(ProductCalls(2, 1, "probe")) is other
 
@@ -245,3 +247,25 @@ def test_a_model_vmap_cannot_run_is_priced_and_run_as_a_loop_once_the_plan_knows
         np.testing.assert_array_equal(np.asarray(S.compute()), first)
     assert tried == []                                                # the plan's loop: vmap not tried
     LOOPED.clear()
+
+
+def test_a_formation_prices_its_last_call_at_the_rest_of_its_columns():
+    """Forming a 771-coordinate Hessian takes 3 calls of 256 columns and one of 3: two groups, the
+    last call priced at its 3 vectors (before: at 256, a fourth call's worth of work too many)."""
+    import models
+    from gradalg.exec import LocalExecutor
+    from gradalg.expr.curvature import Formed
+    model = models.mlp(hidden=64)
+    X, y = models.classification_data(n=40)
+    H = ga.hessian(ga.tasks.classification(model), (X, y))
+    [s] = Formed(H.expr).statistics()
+    why = "formed: 771 products, 256 per call"
+    assert s.groups == (ProductCalls(3, 256, why), ProductCalls(1, 3, why))
+    plan = LocalExecutor().plan(Formed(H.expr))
+    [step] = [p for p in plan.passes if p.per_call]
+    [job] = step.jobs
+    assert job.groups == ((3, 256, why), (1, 3, why)) and job.calls == 4 and step.cost.passes == 4
+    dtype = plan.facts.dtype
+    assert step.cost.flops == pytest.approx(3 * job.call_cost(dtype, None, 256).flops + job.call_cost(dtype, None, 3).flops,
+                                            rel=1e-12)
+    assert step.cost.flops < 3.5 * job.call_cost(dtype, None, 256).flops

@@ -189,10 +189,12 @@ class Formed(OpNode):
         return Labels({"dense"})
 
     def statistics(self):
-        """The operand's; its products run ⌈dim/chunk⌉ times on ``chunk`` vectors each."""
-        calls = -(-self.space.dim // self.chunk)
+        """The operand's; its products run ⌊dim/chunk⌋ times on ``chunk`` vectors each, then once on
+        the rest (dim mod chunk): two groups of calls, each priced at its vectors."""
+        full, rest = divmod(self.space.dim, self.chunk)
         why = f"formed: {self.space.dim} products, {self.chunk} per call"
-        return tuple(s.solved(calls, why, vectors=min(self.chunk, self.space.dim)) for s in self.op.statistics())
+        parts = tuple((calls, m) for calls, m in ((full, self.chunk), (1, rest)) if calls and m)
+        return tuple(s.solved_in(parts, why) for s in self.op.statistics())
 
     def resolve(self, ctx):
         inner = ctx.resolve(self.op)

@@ -106,9 +106,15 @@ class Statistic:
         """This statistic inside an iterative solver of ``calls`` iterations at most
         (``why``: the solver's setting): a products statistic's calls multiply, group by group
         (:meth:`ProductCalls.solved`), any other statistic is computed once."""
+        return self.solved_in(((calls, vectors),), why)
+
+    def solved_in(self, parts: tuple[tuple[int, int | None], ...], why: str) -> "Statistic":
+        """:meth:`solved` by a solver whose calls come in ``parts`` ``((calls, vectors), ...)`` (a
+        formation's ⌊dim/chunk⌋ calls of ``chunk`` vectors and one of the rest): each group of calls
+        once per part, in order."""
         if self.job != "products":
             return self
-        return replace(self, groups=tuple(g.solved(calls, why, vectors) for g in self.groups))
+        return replace(self, groups=tuple(g.solved(calls, why, vectors) for calls, vectors in parts for g in self.groups))
 
     def preceded(self, group: ProductCalls) -> "Statistic":
         """This products statistic with the calls of ``group`` made first (a probe before a

@@ -2,13 +2,16 @@
 through them: :class:`~gradalg.expr.curvature.CurvatureProducts`) as a planned pass over raw
 batches of the curvature data, with its accumulator.
 
-The operator says so with ``Statistic("products", H, None, calls=...)``: each product of H
+The operator says so with ``Statistic("products", H, None)``: each product of H
 with a batch of vectors V (m, dim) reads every batch of H's data once, a forward and the
 product's backward(s), and an iterative solver above H (CG, LiSSA: :class:`~gradalg.expr.Inverse`;
 Arnoldi: :class:`~gradalg.expr.curvature.Arnoldi`) asks for one product per iteration, at
-most its iteration bound. The decide stage plans them as a :class:`ProductsJob` in a pass
-of its own (key :class:`~gradalg.plan.passkeys.ProductsPassKey`: H's token, task name, n,
-calls), priced as one product times the bound, which ``explain()`` shows. When the plan runs, the pass reads nothing: it
+most its iteration bound; the statistic's ``groups`` of calls
+(:class:`~gradalg.expr.operators.ProductCalls`) say how many calls of how many vectors (a
+near-minimum probe's one-vector calls, then a formation's 256-vector ones: two groups). The
+decide stage plans them as a :class:`ProductsJob` in a pass of its own (key
+:class:`~gradalg.plan.passkeys.ProductsPassKey`: H's token, task name, n, calls), priced per
+group as one call of its vectors times its bound, which ``explain()`` shows. When the plan runs, the pass reads nothing: it
 publishes a :class:`ProductPass`, the matvec the solver calls, and each call runs the pass
 (every batch, a :class:`ProductSums` accumulating the per-batch products), timed into the
 pass's measured seconds (``explain(analyze=True)``: seconds over every call, and the calls).
