@@ -2,7 +2,9 @@
 near-minimum rule's Lanczos probe (one vector a call) and the Hessian's formation (256 vectors a
 call) share one products pass, whose job prices each group at its own vectors
 (:meth:`~gradalg.plan.jobs.products.ProductsJob.stream_cost`) and whose line in ``explain()`` shows
-the groups. Before, every call was priced at the formation's 256 vectors: the pass about 2× high."""
+the groups. Before, every call was priced at the formation's 256 vectors: the pass about 2× high.
+Also the job's memory against what a conv net's products really allocate (torch.profiler), and a
+model ``vmap`` cannot run, planned (priced and run) as the loop once a run has shown it."""
 from __future__ import annotations
 
 from dataclasses import replace
