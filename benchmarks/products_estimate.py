@@ -3,8 +3,8 @@ at its defaults on a digits setting of ``benchmarks/fidelity.py`` (``explain(ana
 one JSON line per products pass, with the pass's line of ``explain()`` (its vmap chunks), per call
 the wall seconds and this process's CPU seconds (``est/meas_cpu``: the estimate over the CPU seconds,
 what a loaded machine's comparison should read); then per size of call (its vectors: a
-near-minimum probe's 1-vector calls and the formation's 256-vector calls share one pass, which the plan
-prices at 256 each) the CPU seconds per call against the job's price of one call of that size.
+near-minimum probe's 1-vector calls and the formation's 256-vector calls share one pass: before
+groups of calls the plan priced each at 256, now each group at its own vectors) the CPU seconds per call against the job's price of one call of that size.
 
 Old against new: the first argument names the tree whose ``gradalg`` to import (another worktree:
 the code before a change); run one process per tree:
@@ -72,9 +72,13 @@ def _timed_calls(ga) -> list:
         cpu = time.process_time()
         result = call(self, V)
         cpu = time.process_time() - cpu
-        job = replace(self.job, vectors=int(V.shape[0]))
+        m, job = int(V.shape[0]), self.job
         dtype = next(job.target.task.model.parameters()).dtype
-        out.append((int(V.shape[0]), cpu, prof.time_of(job.call_cost(dtype, prof), dtype)))
+        if hasattr(job, "groups"):      # a job in groups of calls: the price of a call of m vectors
+            cost = job.call_cost(dtype, prof, m)
+        else:                           # the code before groups: one vectors field
+            cost = replace(job, vectors=m).call_cost(dtype, prof)
+        out.append((m, cpu, prof.time_of(cost, dtype)))
         return result
     ProductPass.__call__ = timed
     return out

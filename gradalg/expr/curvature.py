@@ -21,7 +21,7 @@ from ..linalg.solvers import arnoldi, arnoldi_iters, lanczos_min
 from ..options import get_options
 from ..space import ParamSpace
 from .grads import GradNode, first_examples
-from .operators import OpNode, Statistic
+from .operators import OpNode, ProductCalls, Statistic
 
 __all__ = ["KFAC", "SubsetNote", "CurvatureProducts", "Formed", "Arnoldi", "DataInf", "NearMinimum", "NearMinimumProbe", "PROBES"]
 
@@ -189,10 +189,12 @@ class Formed(OpNode):
         return Labels({"dense"})
 
     def statistics(self):
-        """The operand's; its products run ⌈dim/chunk⌉ times on ``chunk`` vectors each."""
-        calls = -(-self.space.dim // self.chunk)
+        """The operand's; its products run ⌊dim/chunk⌋ times on ``chunk`` vectors each, then once on
+        the rest (dim mod chunk): two groups of calls, each priced at its vectors."""
+        full, rest = divmod(self.space.dim, self.chunk)
         why = f"formed: {self.space.dim} products, {self.chunk} per call"
-        return tuple(s.solved(calls, why, vectors=min(self.chunk, self.space.dim)) for s in self.op.statistics())
+        parts = tuple((calls, m) for calls, m in ((full, self.chunk), (1, rest)) if calls and m)
+        return tuple(s.solved_in(parts, why) for s in self.op.statistics())
 
     def resolve(self, ctx):
         inner = ctx.resolve(self.op)
@@ -409,11 +411,10 @@ class NearMinimum(OpNode):
     def statistics(self):
         """Both sides' (the products pass is run only as far as the decision needs: the probe's
         ``iterations`` calls, then the Hessian's formation if it is not ruled out)."""
-        probe = f"{self.probe_steps} Lanczos probe products + "
-        hess = tuple(s if s.job != "products" else
-                     Statistic(s.job, s.node, s.rows, s.after, s.calls + self.probe_steps,
-                               probe + (s.calls_why or "formed"), s.vectors)
-                     for s in self.hessian_inv.statistics())
+        hess = self.hessian_inv.statistics()
+        if self.probe_steps > 0:     # the probe's calls, one vector each: a group of their own before the formation's
+            probe = ProductCalls(self.probe_steps, 1, f"{self.probe_steps} Lanczos probe products")
+            hess = tuple(s.preceded(probe) for s in hess)
         return self.gauss_newton.statistics() + hess + tuple(
             s for s in self.gauss_newton_inv.statistics() if s not in self.gauss_newton.statistics())
 

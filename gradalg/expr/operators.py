@@ -40,8 +40,25 @@ from ..space import ParamSpace
 from .base import Node
 from .grads import GradNode
 
-__all__ = ["OpNode", "Statistic", "ResolveContext", "Identity", "Diagonal", "Dense", "Fisher", "Damp", "AutoDamp", "Inverse",
+__all__ = ["OpNode", "Statistic", "ProductCalls", "ResolveContext", "Identity", "Diagonal", "Dense", "Fisher", "Damp", "AutoDamp", "Inverse",
            "Power", "ScaledOp", "SumOp"]
+
+
+@dataclass(frozen=True)
+class ProductCalls:
+    """One group of a products statistic's calls: ``calls`` calls at most, each the products of
+    H with ``vectors`` rows (None: the rows the operator is applied to), ``why`` the setting
+    that bounds them (a solver's iterations, a formation's ⌈dim/chunk⌉, a probe's steps)."""
+
+    calls: int = 1
+    vectors: int | None = None
+    why: str = ""
+
+    def solved(self, calls: int, why: str, vectors: int | None = None) -> "ProductCalls":
+        """Each of these calls made ``calls`` times by a solver (``why``), on ``vectors`` rows
+        (None: as before)."""
+        return ProductCalls(self.calls * calls, self.vectors if vectors is None else vectors,
+                            f"{why} × {self.why}" if self.why else why)
 
 
 @dataclass(frozen=True)
@@ -53,10 +70,12 @@ class Statistic:
     those rows need must be ready; ``job="apply"``: the same, except that applied to a
     score's held rows that read is a job of the plan (DataInf: :mod:`gradalg.plan.jobs.apply`);
     ``job="products"``: products with the loss curvature over raw batches of its data
-    (``rows`` None: no gradient rows are read), a pass run once per call, ``calls`` times
-    at most (an iterative solver's iteration bound: :meth:`Inverse.statistics`,
-    :meth:`~gradalg.expr.curvature.Arnoldi.statistics`) on ``vectors`` rows per call
-    (None: the rows the operator is applied to; :mod:`gradalg.plan.jobs.products`);
+    (``rows`` None: no gradient rows are read), a pass run once per call, its calls in
+    ``groups`` (:class:`ProductCalls`: ``calls`` at most on ``vectors`` rows each, e.g. an
+    iterative solver's iteration bound on one vector, :meth:`Inverse.statistics`,
+    :meth:`~gradalg.expr.curvature.Arnoldi.statistics`; a near-minimum probe's one-vector calls
+    beside a formation's 256-vector ones, :meth:`~gradalg.expr.curvature.NearMinimum.statistics`),
+    each group priced at its own vectors (:mod:`gradalg.plan.jobs.products`);
     ``job="group"``: a gradient node's rows made by a job before a pass reads them (``node``
     a :class:`~gradalg.expr.GroupMean`, :meth:`GradNode.statistics`)."""
 
@@ -64,19 +83,43 @@ class Statistic:
     node: "OpNode | GradNode"
     rows: GradNode | None
     after: tuple = ()
-    calls: int = 1
-    calls_why: str = ""
-    vectors: int | None = None
+    groups: tuple[ProductCalls, ...] = (ProductCalls(),)
+
+    @property
+    def calls(self) -> int:
+        """The calls of every group: Σ calls."""
+        return sum(g.calls for g in self.groups)
+
+    @property
+    def calls_why(self) -> str:
+        """The groups' settings, `` + ``-joined."""
+        return " + ".join(g.why for g in self.groups if g.why)
+
+    @property
+    def vectors(self) -> int | None:
+        """The most vectors of a call (None where a group's are the rows the operator is applied to)."""
+        if any(g.vectors is None for g in self.groups):
+            return None
+        return max(g.vectors for g in self.groups)
 
     def solved(self, calls: int, why: str, vectors: int | None = None) -> "Statistic":
         """This statistic inside an iterative solver of ``calls`` iterations at most
-        (``why``: the solver's setting): a products statistic's calls multiply, any other
-        statistic is computed once."""
+        (``why``: the solver's setting): a products statistic's calls multiply, group by group
+        (:meth:`ProductCalls.solved`), any other statistic is computed once."""
+        return self.solved_in(((calls, vectors),), why)
+
+    def solved_in(self, parts: tuple[tuple[int, int | None], ...], why: str) -> "Statistic":
+        """:meth:`solved` by a solver whose calls come in ``parts`` ``((calls, vectors), ...)`` (a
+        formation's ⌊dim/chunk⌋ calls of ``chunk`` vectors and one of the rest): each group of calls
+        once per part, in order."""
         if self.job != "products":
             return self
-        why = f"{why} × {self.calls_why}" if self.calls_why else why
-        return replace(self, calls=self.calls * calls, calls_why=why,
-                       vectors=self.vectors if vectors is None else vectors)
+        return replace(self, groups=tuple(g.solved(calls, why, vectors) for calls, vectors in parts for g in self.groups))
+
+    def preceded(self, group: ProductCalls) -> "Statistic":
+        """This products statistic with the calls of ``group`` made first (a probe before a
+        formation): a group of its own, priced at its own vectors."""
+        return replace(self, groups=(group, *self.groups)) if self.job == "products" else self
 
 
 class ResolveContext(Protocol):
