@@ -296,8 +296,8 @@ def test_the_estimate_counts_the_vmap_chunks_the_run_makes(monkeypatch):
         return run
     monkeypatch.setattr(hvp, "vmap", spy)
     real_batch_product = hvp._batch_product
-    monkeypatch.setattr(hvp, "_batch_product", lambda task, batch, V, names, kind, chunk=None, **kw: (
-        seen.append(("batch", batch[0].shape[0])), real_batch_product(task, batch, V, names, kind, chunk, **kw))[1])
+    monkeypatch.setattr(hvp, "_batch_product", lambda task, batch, V, names, kind, chunk=None: (
+        seen.append(("batch", batch[0].shape[0])), real_batch_product(task, batch, V, names, kind, chunk))[1])
     budget = 16 * per_example * 2                           # 2 vectors of a batch of 16, 4 of the last 8
     with ga.options(batch_size=16, products_vmap_elements=budget):
         S = ga.methods.influence(task, train, queries, curvature="gauss_newton", solver="cg", damping=0.1,

@@ -101,8 +101,6 @@ class Products:
         self.check = get_options().check_finite
         self.vmap_elements = get_options().products_vmap_elements
         self.example_elements = None     # activation elements of one example's forward (measured on the first batch)
-        self.loop = False                # loop over the vectors without trying vmap (the plan knows vmap fails)
-        self.looped: str | None = None   # why vmap could not run the model, once it fell back to the loop
         if self.check:   # a NaN weight is named here, not a NaN product (or a failed eigensolver) later
             check_model(self.model)
 
@@ -128,17 +126,9 @@ class Products:
         return vmap_chunk_size(self.vmap_elements, b, self.example_elements, m)
 
     def batch_rows(self, batch, V: torch.Tensor, start: int) -> torch.Tensor:
-        """Σ_{i in batch} H_i V: (m, dim) for V (m, dim), ``vmap``-ed in chunks of :meth:`vmap_chunk` vectors,
-        or one vector at a time where ``loop`` (the plan's decision: vmap failed on this model before) or
-        where ``vmap`` fails (``looped`` then says why)."""
-        V_params, names = self.coords.to_params(V), self.coords.param_names
-        if self.loop:
-            part = _batch_product(self.task, batch, V_params, names, self.kind, loop=True)
-        else:
-            state = {}
-            part = _batch_product(self.task, batch, V_params, names, self.kind, self.vmap_chunk(batch, V.shape[0]),
-                                  state=state)
-            self.looped = self.looped or state.get("looped")
+        """Σ_{i in batch} H_i V: (m, dim) for V (m, dim), ``vmap``-ed in chunks of :meth:`vmap_chunk` vectors."""
+        part = _batch_product(self.task, batch, self.coords.to_params(V), self.coords.param_names, self.kind,
+                              self.vmap_chunk(batch, V.shape[0]))
         rows = self.coords.from_params(part)
         if self.check and not bool(torch.isfinite(rows).all()) and bool(torch.isfinite(V).all()):
             _name_examples(batch, self.data.ids[start:start + batch_size_of(batch)], self.kind)
@@ -209,11 +199,9 @@ def _activation_elements(model: nn.Module, forward) -> int:
     return total[0]
 
 
-def _batch_product(task, batch, V: dict, free_names: list[str], kind: str, chunk: int | None = None, *,
-                   loop: bool = False, state: dict | None = None) -> dict:
+def _batch_product(task, batch, V: dict, free_names: list[str], kind: str, chunk: int | None = None) -> dict:
     """Σ_{i in batch} H_i v for each v of ``V`` ({param: (m, *shape)}), by ``vmap`` over the m
-    vectors, ``chunk`` of them per call (None: all at once); by a loop over them where ``loop``,
-    or where ``vmap`` cannot run the model (``state["looped"]``: why, for the plan)."""
+    vectors, ``chunk`` of them per call (None: all at once)."""
     model = task.model
     free = {n: model.get_parameter(n).detach() for n in free_names}
     fixed = {n: p.detach() for n, p in model.named_parameters() if n not in free}
@@ -236,13 +224,10 @@ def _batch_product(task, batch, V: dict, free_names: list[str], kind: str, chunk
             return pullback(HJv)[0]
 
     try:
-        if not loop:
-            return vmap(product, randomness="different", chunk_size=chunk)(V)
+        return vmap(product, randomness="different", chunk_size=chunk)(V)
     except Exception as err:  # data-dependent control flow (HF attention masks) defeats vmap
         if no_forward_ad(err):
             raise _no_forward_ad(kind, err) from err
-        if state is not None:
-            state["looped"] = f"{type(err).__name__}: {str(err)[:120]}"
         if not _warned:
             _warned.append(True)
             warnings.warn(f"curvature products fall back to a loop over vectors ({type(err).__name__}: "

@@ -43,7 +43,7 @@ from ..rules import PlanError
 from ..shapes import _layers, _measure_on_meta, activation_bytes, attention_shape, element_size, weight_layers
 from .base import Job
 
-__all__ = ["ProductsJob", "ProductSums", "ProductPass", "LOOPED", "PRODUCT_SWEEPS", "FIXED_SCALE", "ATTENTION_MODULES", "product_work",
+__all__ = ["ProductsJob", "ProductSums", "ProductPass", "PRODUCT_SWEEPS", "FIXED_SCALE", "ATTENTION_MODULES", "product_work",
            "product_fixed", "weighed"]
 
 #: per kind of product, ``(primal, tangent)``: forward-equivalents of GEMM work per batch
@@ -58,11 +58,6 @@ __all__ = ["ProductsJob", "ProductSums", "ProductPass", "LOOPED", "PRODUCT_SWEEP
 #: backward (2) = 4. (Under ``vmap`` the primal runs once for the m vectors; the loop
 #: fallback for models ``vmap`` cannot batch runs it per vector.)
 PRODUCT_SWEEPS = {"hessian": (3, 6), "gauss_newton": (2, 4)}
-
-#: {products target's token: why ``vmap`` could not run its model}: recorded by a products pass
-#: whose run fell back to a loop over the vectors (:class:`ProductPass`, at most 256 kept), read by
-#: the plan (:meth:`ProductsJob.for_statistic`: ``loop``), which then prices and runs that loop
-LOOPED: dict = {}
 
 #: {products target's token: (activation elements of one example's forward, positions per weight
 #: layer), or None} (:meth:`ProductsJob._measured`, one meta forward each, at most 256 kept)
@@ -178,7 +173,6 @@ class ProductsJob(Job):
 
     groups: tuple[tuple[int, int, str], ...] = ((1, 1, ""),)
     batch: int = 64
-    loop: str = ""
 
     @classmethod
     def for_statistic(cls, statistic, deps: set, options=None, vectors: int | None = None) -> "ProductsJob":
@@ -188,7 +182,7 @@ class ProductsJob(Job):
         groups = tuple((max(1, int(g.calls)), int(g.vectors or vectors or 1), g.why) for g in statistic.groups
                        if g.calls > 0) or ((1, int(vectors or 1), ""),)
         return cls(statistic.node, (), set(deps), groups=groups,
-                   batch=options.batch_size if options is not None else 64, loop=LOOPED.get(statistic.node.token, ""))
+                   batch=options.batch_size if options is not None else 64)
 
     @property
     def calls(self) -> int:
@@ -229,8 +223,6 @@ class ProductsJob(Job):
         vmap = get_options().products_vmap_elements
         if m <= 1:
             return ""
-        if self.loop:
-            return f", looped over its vectors, one product each (vmap could not run the model on an earlier run: {self.loop})"
         if not vmap:
             return ", vmapped whole (ga.options(products_vmap_elements=0))"
         a = self.example_activations()
@@ -311,8 +303,7 @@ class ProductsJob(Job):
         (default :attr:`vectors`, a group's) go through ``vmap`` in chunks of
         :func:`~gradalg.curvature.hvp.vmap_chunk_size` (E = ``ga.options(products_vmap_elements)``, b,
         :meth:`example_activations`), the run's rule: ⌈m / c⌉ calls, the last one with the rest (one
-        call of m where unchunked or not known); m calls of one vector where the run loops (``loop``:
-        ``vmap`` could not run the model before, :data:`LOOPED`), each a product of its own."""
+        call of m where unchunked or not known)."""
         n, m = self.target.data.n, self.vectors if m is None else m
         B = max(1, min(self.batch, n))
         full, rest = divmod(n, B)
@@ -321,7 +312,7 @@ class ProductsJob(Job):
         for b, count in ((B, full), (rest, 1)):
             if not (b and count):
                 continue
-            c = 1 if self.loop else vmap_chunk_size(E, b, a, m) if a is not None else None
+            c = vmap_chunk_size(E, b, a, m) if a is not None else None
             if c is None:
                 sizes = ((m, 1),)
             else:
@@ -466,7 +457,6 @@ class ProductPass:
         t = job.target
         self.job, self.ctx = job, ctx
         self.products = Products(t.task, t.data, t.layers, t.kind)
-        self.products.loop = bool(job.loop)
         self.coords = self.products.coords
         self.calls = 0
 
@@ -478,10 +468,6 @@ class ProductPass:
                 sums.update(self.products.batch_rows(batch, V, first))
         self.calls += 1
         self._record(time.perf_counter() - start, time.process_time() - cpu)
-        if self.products.looped and self.job.target.token not in LOOPED:   # a later plan prices (and runs) the loop
-            if len(LOOPED) >= 256:
-                LOOPED.pop(next(iter(LOOPED)))
-            LOOPED[self.job.target.token] = self.products.looped
         return sums.finish()
 
     def _record(self, seconds: float, cpu_seconds: float) -> None:
