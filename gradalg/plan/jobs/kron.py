@@ -161,7 +161,7 @@ class EKFACJob(KronStatisticsJob):
                         cost = cost + gemm_cost(t, d, d, c, elem)
                 cost = cost + gemm_cost(out_f, in_f, t, c, elem) + block_cost("ekfac", c - 1, 3)
             elif factored[b.name] and gradient_first(b, t):           # G_i formed, then rotated (two buffers)
-                calls = len(token_slices(t, self.token_block))
+                calls = len(token_slices(int(t), self.token_block))
                 cost = (cost + bmm_cost(c, out_f, in_f, t / calls, calls, elem)
                         + gemm_cost(c * out_f, in_f, in_f, 1, elem) + bmm_cost(c, out_f, in_f, out_f, 1, elem)
                         + correction_traffic(c, out_f, in_f, _work_elem(facts), outputs=3))
