@@ -80,3 +80,77 @@ def test_bytes_per_example_are_the_widest_blocks_not_their_sum(setting):
     for dtype, w in ((torch.float64, 8), (torch.float32, 4), (torch.bfloat16, 4)):
         facts = ModelFacts(dtype=dtype)
         assert job.example_bytes(facts) == 4 * w * widest + tokens * w
+
+
+def test_gradients_formed_first_are_the_rotated_factors():
+    """``rotate_gradients`` (Q_Sᵀ G_i Q_A with G_i = Σ_p D_pᵀ A_p formed first) gives the
+    dense reference Q_Sᵀ materialize(F)_i Q_A, in token blocks or not, into the reused
+    buffers or fresh; the choice is by FLOPs, T·(out² + in²) > out·in·(out + in)."""
+    from types import SimpleNamespace
+    from gradalg.capture.factors import Factors, materialize
+    from gradalg.plan.jobs.kron import gradient_first, rotate_gradients
+    g = torch.Generator().manual_seed(0)
+    n, T, o, i = 3, 40, 5, 7
+    F = Factors(torch.randn(n, T, i, generator=g, dtype=torch.float64),
+                torch.randn(n, T, o, generator=g, dtype=torch.float64))
+    Q_S = torch.linalg.qr(torch.randn(o, o, generator=g, dtype=torch.float64))[0]
+    Q_A = torch.linalg.qr(torch.randn(i, i, generator=g, dtype=torch.float64))[0]
+    exact = Q_S.T @ materialize(F) @ Q_A
+    for token_block in (None, 16):
+        torch.testing.assert_close(rotate_gradients(F, Q_S, Q_A, token_block), exact, rtol=1e-12, atol=1e-12)
+        out, work = torch.full((n, o, i), float("nan"), dtype=torch.float64), torch.empty(n, o, i, dtype=torch.float64)
+        got = rotate_gradients(F, Q_S, Q_A, token_block, out=out, work=work)
+        assert got.data_ptr() == out.data_ptr()
+        torch.testing.assert_close(got, exact, rtol=1e-12, atol=1e-12)
+    block = lambda o, i, kind="linear": SimpleNamespace(shape=(o, i), kind=kind)
+    assert gradient_first(block(64, 64), 128) and not gradient_first(block(64, 64), 64)   # T > d for d × d
+    assert not gradient_first(block(768, 768), 128) and not gradient_first(block(64, 64, "embedding"), 512)
+    assert gradient_first(block(64, 16), 19) and not gradient_first(block(64, 16), 18)    # 18·4352 < 64·16·80
+
+
+def test_the_correction_pass_runs_what_its_estimate_prices(monkeypatch):
+    """Issue 28 (LoGra's correction pass 1.8–2.9× its estimate on a 1-layer Mistral): per
+    block and chunk the run rotates either the gradients formed first or the factors, as
+    the estimate prices each block (its batched GEMMs by shape), and it opens and
+    finishes one float64 sum per block, which ``EKFACJob.once_cost`` prices (two
+    ``resolve`` units per block, the sums' fresh pages). T = 18 positions: a 16 × 17
+    block (its bias a column) forms its gradients first, a 64 × 17 one rotates its factors."""
+    import collections
+    import gradalg.plan.jobs.kron as KJ
+    from gradalg import devices
+    from gradalg.plan.planner import plan
+    from models import gpt2, lm_task, padded_token_data
+    task = lm_task(gpt2(n_layer=1, n_embd=16, vocab=31))
+    layers = ["transformer.h.*.mlp.c_fc", "transformer.h.*.attn.c_proj"]
+    G = ga.grads(task, padded_token_data(n=4, vocab=31, min_len=18, max_len=18), layers=layers)
+    Q = ga.grads(task, padded_token_data(n=2, vocab=31, min_len=18, max_len=18, seed=4), layers=layers)
+    S = Q @ ga.ekfac(G).damp(0.1).inv() @ G.T
+    calls, opened, finished = collections.Counter(), [], []
+    for fn in ("rotate_gradients", "rotate_factors"):
+        original = getattr(KJ, fn)
+        monkeypatch.setattr(KJ, fn, lambda F, *a, _f=original, _n=fn, **k:
+                            calls.update([(_n, F.D.shape[-1], F.A.shape[-1])]) or _f(F, *a, **k))
+    init, finish = KJ.EKFACAccumulator.__init__, KJ.EKFACAccumulator.finish
+    monkeypatch.setattr(KJ.EKFACAccumulator, "__init__",
+                        lambda self, *a, **k: init(self, *a, **k) or opened.append(len(self.sums)))
+    monkeypatch.setattr(KJ.EKFACAccumulator, "finish", lambda self: finished.append(len(self.sums)) or finish(self))
+    with ga.options(batch_size=2):
+        S.compute()
+        p = plan(S.expr, device=devices.PRESETS["a100"])
+    job = next(j for s in p.passes for j in s.jobs if j.kind == "ekfac")
+    blocks, chunks, c, T = job.target.space.blocks, 2, 2, 18
+    assert {b.shape for b in blocks} == {(64, 17), (16, 17)}        # the bias is a column
+    for b in blocks:
+        o, i = b.shape
+        first = KJ.gradient_first(b, T)
+        assert first == (b.shape == (16, 17))       # 18·(16² + 17²) > 16·17·33; 18·(64² + 17²) < 64·17·81
+        assert calls[("rotate_gradients" if first else "rotate_factors", o, i)] == chunks
+        assert calls[("rotate_factors" if first else "rotate_gradients", o, i)] == 0
+        # priced: G_i formed (c products over T) and Q_Sᵀ · (c products over out), or the factors rotated
+        priced = (c, o, i, T, chunks, 8) in job.cost.bmms and (c, o, i, o, chunks, 8) in job.cost.bmms
+        rotated = (c * T, i, i, chunks, 8) in job.cost.gemms and (c * T, o, o, chunks, 8) in job.cost.gemms
+        assert (priced, rotated) == (first, not first)
+    once = job.once_cost(p.facts)
+    assert opened == finished == [len(blocks)]
+    assert once.blocks == (("resolve", 2.0 * len(blocks), 0.0),)
+    assert once.faulted == 8 * sum(b.dim for b in blocks)

@@ -358,7 +358,8 @@ def test_a_pass_over_stored_rows_is_costed_per_chunk_they_were_stored_in():
     stored = next(s for s in p.passes if any(j.kind == "store" for j in s.jobs))
     ekfac = next((s, j) for s in p.passes for j in s.jobs if j.kind == "ekfac")
     assert not ekfac[0].reads_data and stored.batch_size == batch
-    assert ekfac[1].cost.blocks == (("ekfac", 3.0 * 2, float(ekfac[1].ops_per_block)),)   # 3 chunks × 2 blocks
+    # 3 chunks × 2 blocks; opening and finishing its accumulator once: 2 steps × 2 blocks
+    assert ekfac[1].cost.blocks == (("ekfac", 3.0 * 2, float(ekfac[1].ops_per_block)), ("resolve", 2.0 * 2, 0.0))
     assert ekfac[1].cost == ekfac[1].stream_cost(20, batch, p.facts, lambda node: {"0": "factors", "2": "factors"},
                                                  options=ga.options())
     op = next(j for s in p.passes for j in s.jobs if j.kind == "scores").target.op

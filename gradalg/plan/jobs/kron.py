@@ -4,8 +4,9 @@ with their accumulators.
 Per 2-D (out, in) block, K-FAC sums S = E[DᵀD] and A = E[AᵀA] over m = c·T positions of a
 chunk and eigendecomposes them when its pass ends; EK-FAC (a second pass: it depends on
 the K-FAC job of the same operator) rotates each example's gradient into those
-eigenbases and sums its squares, Λ = (1/n) Σ_i (Q_Sᵀ G_i Q_A)². Kernels over factors take
-``token_block`` positions at once; factors wider than ``kron_float64_width`` are summed
+eigenbases and sums its squares, Λ = (1/n) Σ_i (Q_Sᵀ G_i Q_A)², rotating the factors or
+each example's gradient formed first, whichever is fewer FLOPs (:func:`gradient_first`).
+Kernels over factors take ``token_block`` positions at once; factors wider than ``kron_float64_width`` are summed
 and eigendecomposed in float32, wider than ``kron_diagonal_width`` kept as their
 diagonal (the job's fields, from ``ga.options``).
 """
@@ -17,14 +18,14 @@ from typing import ClassVar
 import torch
 
 from ...capture.chunks import Chunk
-from ...capture.factors import Factors
+from ...capture.factors import Factors, OneHot, token_slices
 from ...curvature.kron import FLOAT32_ROUNDOFF, KronStats, basis_dtype, factor_eigenbasis
 from ...errors import GradalgError
 from ...expr import KFAC, Source
 from ...linalg.kron import (BlockEigenvalues, KronOp, diagonal_factor_rules, is_diagonal_factor, rotate_factors,
                             rotate_rows, work_dtype)
 from ..cost import Cost, bmm_cost, block_cost, eigh_cost, gemm_cost, gram_cost
-from ..estimates import _factored
+from ..estimates import _SCAN_SWEEPS, _factored
 from ..decisions import Decision, DecisionKind
 from ..memory import _gb, positions
 from ..shapes import element_size
@@ -33,7 +34,7 @@ from .scores import reused_buffer
 
 __all__ = ["KronStatisticsJob", "KFACJob", "EKFACJob", "KronAccumulator", "EKFACAccumulator", "kron_factor_bytes",
            "kron_bytes", "ekfac_bytes", "kron_output_bytes", "kron_bytes_arithmetic", "kron_precision_decisions",
-           "basis_dtype", "correction_traffic"]
+           "basis_dtype", "correction_traffic", "gradient_first", "rotate_gradients"]
 
 
 def _diagonal_blocks(space, diagonal_width: int | None) -> set:
@@ -144,8 +145,10 @@ class EKFACJob(KronStatisticsJob):
 
     def chunk_cost(self, node, c, layout, facts) -> Cost:
         """The correction over one chunk: each (out, in) block rotated into the K-FAC
-        eigenbases (factors: ``kron.rotate_factors``, one example at a time where a factor
-        is diagonal; flat rows: ``kron.rotate_rows``), squared and summed."""
+        eigenbases (factors: each example's gradient formed first and rotated where
+        :func:`gradient_first` says it is fewer FLOPs, else
+        ``kron.rotate_factors``, one example at a time where a factor is diagonal; flat
+        rows: ``kron.rotate_rows``), squared and summed."""
         T, factored, cost, elem = positions(node, facts.shapes), _factored(node, layout), Cost(), facts.elem
         for b in node.space.blocks:
             if len(b.shape) != 2:
@@ -157,6 +160,12 @@ class EKFACJob(KronStatisticsJob):
                     if not self._diagonal(d):
                         cost = cost + gemm_cost(t, d, d, c, elem)
                 cost = cost + gemm_cost(out_f, in_f, t, c, elem) + block_cost("ekfac", c - 1, 3)
+            elif factored[b.name] and gradient_first(b, t):           # G_i formed, then rotated (two buffers)
+                calls = len(token_slices(int(t), self.token_block))
+                cost = (cost + bmm_cost(c, out_f, in_f, t / calls, calls, elem)
+                        + gemm_cost(c * out_f, in_f, in_f, 1, elem) + bmm_cost(c, out_f, in_f, out_f, 1, elem)
+                        + correction_traffic(c, out_f, in_f, _work_elem(facts), outputs=3))
+                continue
             elif factored[b.name]:                                       # kron.rotate_factors, into a buffer
                 cost = (cost + gemm_cost(c * t, in_f, in_f, 1, elem) + gemm_cost(c * t, out_f, out_f, 1, elem)
                         + bmm_cost(c, out_f, in_f, t, 1, elem)
@@ -167,20 +176,50 @@ class EKFACJob(KronStatisticsJob):
             cost = cost + Cost(bytes=4.0 * elem * c * out_f * in_f)     # rotated, squared, summed
         return cost
 
+    def once_cost(self, facts, storage_of=None, options=None, resolved=None) -> Cost:
+        """Opening and finishing its accumulator (:class:`EKFACAccumulator`), per block of
+        m = out·in eigenvalues: its float64 sums made (zeros: 8·m bytes, fresh pages
+        faulted in at the profile's ``fault_bandwidth``, as the runner gave the previous
+        pass's free pages back) and, when the pass ends, divided by n and cast to the
+        K-FAC eigenvalues' dtype (a float64 grid written and read, one in that dtype
+        written: 8·m + 16·m + 12·m bytes at the elementwise bandwidth). Each of the two
+        steps costs a ``resolve`` unit per block (``block_seconds``, measured on a block's
+        eigenvalues made in float64 and cast back: the same ops). A block whose K-FAC
+        eigenvalues carry an error bound (a dense factor wider than ``kron_float64_width``,
+        eigendecomposed in float32) also has the K-FAC Λ scanned for its extremes and the
+        corrected one's max |·| read: one ``resolve`` unit more and
+        :data:`~gradalg.plan.estimates._SCAN_SWEEPS` + 2 float64 sweeps. Unpriced before,
+        the two took 0.4 ms of LoGra's 4 ms correction pass on a 1-layer Mistral (issue 28)."""
+        blocks, sweeps, wide = self.target.space.blocks, 0.0, 0
+        for b in blocks:
+            m = float(b.dim)
+            sweeps += (8.0 + 16.0 + 12.0) * m
+            if len(b.shape) == 2 and any(self.kron_float64_width is not None and d > self.kron_float64_width
+                                         and not self._diagonal(d) for d in b.shape):
+                wide += 1
+                sweeps += (_SCAN_SWEEPS + 2.0) * 8.0 * m
+        fresh = 8.0 * sum(b.dim for b in blocks)          # the sums: the runner returned the last pass's pages
+        return block_cost("resolve", 2 * len(blocks) + wide) + Cost(elementwise=sweeps, faulted=fresh)
+
     def example_bytes(self, facts) -> float:
         """One example's correction, a block at a time (``EKFACAccumulator.update``): its
         row of the reused buffer of rotated gradients, sized to the widest block (w·d_max,
         w the work dtype's bytes: 4, or 8 for float64 rows), beside the rotation of a
         block of flat rows (two rotated copies and their squares, 3·w·d_max), and one
-        token block of the widest block's rotated factors, T_b·(out + in)·w. A block with
-        a diagonal factor is rotated one example at a time (counted in :meth:`fixed_bytes`)."""
+        token block of the widest block's rotated factors, T_b·(out + in)·w; where a
+        block's gradients are formed before they are rotated (:func:`gradient_first`), the
+        second reused buffer their right rotation is written into (w·d of the widest such
+        block). A block with a diagonal factor is rotated one example at a time (counted
+        in :meth:`fixed_bytes`)."""
         node = self.streams[0]
         T, diag = positions(node, facts.shapes), _diagonal_blocks(node.space, self.kron_diagonal_width)
         w = _work_elem(facts)
         widest = max([b.dim for b in node.space.blocks if b.name not in diag] or [0])
         factors = max([self.at_once(T[b.name]) * sum(b.shape) * w for b in node.space.blocks if len(b.shape) == 2]
                       or [0.0])
-        return 4.0 * w * widest + factors
+        turned = max([b.dim for b in node.space.blocks if b.name not in diag and gradient_first(b, T[b.name])]
+                     or [0])
+        return 4.0 * w * widest + w * turned + factors
 
     def fixed_bytes(self, facts) -> float:
         """The statistics' bytes, one example's rotated gradient of a block with a
@@ -214,14 +253,15 @@ def _work_elem(facts) -> int:
     return 8 if facts.dtype == torch.float64 else 4
 
 
-def correction_traffic(c: int, out_f: int, in_f: int, w: int) -> Cost:
+def correction_traffic(c: int, out_f: int, in_f: int, w: int, outputs: int = 1) -> Cost:
     """Memory traffic of EK-FAC's correction of one (out, in) block over a chunk of c
     examples (``EKFACAccumulator.update``) beyond the rotation's GEMMs, with w the work
     dtype's bytes and m = out·in:
 
     * the batched GEMM's output, written into the reused buffer: w·c·m bytes (its k = T_b
       positions is small for an expert's routed tokens, so the write is not hidden behind
-      its FLOPs);
+      its FLOPs), ``outputs`` times (3 where the gradients are formed first: G_i, G_i Q_A
+      and Q_Sᵀ G_i Q_A, :func:`gradient_first`);
     * the squares, in place: read and write, 2·w·c·m, at the elementwise rate;
     * the sum over the chunk into the reused (out, in) buffer: w·c·m read, w·m written;
     * added into the float64 sums: w·m + 8·m read, 8·m written.
@@ -229,7 +269,46 @@ def correction_traffic(c: int, out_f: int, in_f: int, w: int) -> Cost:
     No fresh memory: the buffers are reused across blocks and chunks (fresh ones are
     faulted in at the page-fault rate: :class:`EKFACAccumulator`)."""
     m = float(out_f) * in_f
-    return Cost(bytes=w * c * m + w * c * m + w * m + (w + 16.0) * m, elementwise=2.0 * w * c * m)
+    return Cost(bytes=outputs * w * c * m + w * c * m + w * m + (w + 16.0) * m, elementwise=2.0 * w * c * m)
+
+
+def gradient_first(b, T: int) -> bool:
+    """Whether EK-FAC's correction of the (out, in) block ``b`` from factors of ``T``
+    positions per example forms each example's gradient G_i = Σ_p D_pᵀ A_p first and
+    rotates it, Q_Sᵀ G_i Q_A (2·out·in·(T + out + in) FLOPs per example:
+    :func:`rotate_gradients`), rather than rotating its factors, Σ_p (D_p Q_S)ᵀ (A_p Q_A)
+    (2·T·(out² + in² + out·in): ``kron.rotate_factors``): when it is fewer FLOPs,
+    T·(out² + in²) > out·in·(out + in) — T > d for a d × d block (LoGra's projected
+    64 × 64 blocks over 128 positions: 1.5× fewer, over 512: 3×). Not for one-hot inputs
+    (an embedding's, or a tied block's): their factors' rotation is a gather. The plan
+    prices what the run does (:meth:`EKFACJob.chunk_cost`, :class:`EKFACAccumulator`)."""
+    if len(b.shape) != 2 or b.kind in ("embedding", "tied"):
+        return False
+    out_f, in_f = b.shape
+    return T * (out_f ** 2 + in_f ** 2) > out_f * in_f * (out_f + in_f)
+
+
+def rotate_gradients(F: Factors, Q_S: torch.Tensor, Q_A: torch.Tensor, token_block: int | None = None,
+                     out: torch.Tensor | None = None, work: torch.Tensor | None = None) -> torch.Tensor:
+    """``Q_Sᵀ G_i Q_A`` for each example, its gradient formed first: G_i = Σ_p D_pᵀ A_p
+    over token blocks p (batched GEMMs, into ``out``), then G_i Q_A as one (n·out, in, in)
+    GEMM (into ``work``) and Q_Sᵀ · as a batched one (back into ``out``), in the work
+    dtype (``work_dtype`` of the rows). ``out``, ``work``: (n, out, in) buffers the
+    caller reuses (both or neither). Dense bases and activations only.   (n, out, in)"""
+    dtype, n = work_dtype(F.D), F.n
+    o, i = Q_S.shape[0], Q_A.shape[0]
+    G = None
+    for tp in token_slices(F.T, token_block):
+        Fp = F.tokens(tp)
+        D, A = Fp.D.to(dtype).transpose(1, 2), Fp.A.to(dtype)      # (n, out, b), (n, b, in)
+        if G is None:
+            G = torch.bmm(D, A) if out is None else torch.bmm(D, A, out=out)
+        else:
+            G.baddbmm_(D, A)
+    if G is None:                                                   # no positions: G_i = 0
+        return torch.zeros(n, o, i, dtype=dtype, device=F.D.device) if out is None else out.zero_()
+    right = torch.matmul(G.view(n * o, i), Q_A.to(dtype), out=None if work is None else work.view(n * o, i))
+    return torch.matmul(Q_S.T.to(dtype), right.view(n, o, i), out=out)     # G is not read: written over
 
 
 # ------------------------------------------------------------------ bytes of the statistics
@@ -529,13 +608,18 @@ class EKFACAccumulator:
     without a float64 copy (the same numbers as ``(R ** 2).sum(0).to(float64)``). Fresh
     tensors there (four per block and chunk, tens of MB each at real widths, above the
     allocator's mmap threshold) cost more in page faults than the rotation's GEMMs: the
-    pass took 3–4× its estimate on OLMoE's experts (issue 28)."""
+    pass took 3–4× its estimate on OLMoE's experts (issue 28). Where the gradients are
+    formed before they are rotated (:func:`gradient_first`: more positions than the
+    block's width, LoGra's projected blocks), G_i is formed in the first buffer, G_i Q_A
+    written into a second (``_turned``) and Q_Sᵀ G_i Q_A back into the first."""
 
     def __init__(self, node: KFAC, kfac: KronOp, token_block: int | None = None, buffer_bytes: int = 2 ** 20):
         self.node, self.kfac, self.token_block, self.buffer_bytes = node, kfac, token_block, buffer_bytes
         self.sums = {name: torch.zeros(lam.shape, dtype=torch.float64, device=lam.base[0].device)
                      for name, lam in kfac.parts.items()}
-        self._rotated = self._summed = None     # the reused buffers (flat), grown to the largest use (reused_buffer)
+        self.blocks = {b.name: b for b in node.space.blocks}
+        # the reused buffers (flat), grown to the largest use (reused_buffer)
+        self._rotated = self._summed = self._turned = None
 
     def update(self, chunk: Chunk) -> None:
         for name in self.node.space.names:
@@ -553,7 +637,11 @@ class EKFACAccumulator:
                 continue
             dtype, (o, i) = work_dtype(F.D), sums.shape
             out = reused_buffer(self, "_rotated", (F.n, o, i), dtype, F.D.device, self.buffer_bytes)
-            rotated = rotate_factors(F, Q_S, Q_A, self.token_block, out=out).square_()   # ours: squared in place
+            if gradient_first(self.blocks[name], F.T) and not isinstance(F.A, OneHot):
+                work = reused_buffer(self, "_turned", (F.n, o, i), dtype, F.D.device, self.buffer_bytes)
+                rotated = rotate_gradients(F, Q_S, Q_A, self.token_block, out=out, work=work).square_()
+            else:
+                rotated = rotate_factors(F, Q_S, Q_A, self.token_block, out=out).square_()   # ours: in place
             total = reused_buffer(self, "_summed", (o, i), dtype, F.D.device, self.buffer_bytes)
             sums.add_(rotated.sum(0) if total is None else torch.sum(rotated, 0, out=total))
             del rotated
