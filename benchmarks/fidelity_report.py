@@ -27,6 +27,7 @@ configuration says "ensemble" or "× last"), ``unrolled`` (MAGIC, SOURCE).
     python benchmarks/fidelity_report.py --settings text-k3,instruct-k3 --tied   # the tied-embedding rows
     python benchmarks/fidelity_report.py --points              # rewrite benchmarks/results/fidelity_points.json
     python benchmarks/fidelity_report.py --frontier            # docs/img/fidelity_frontier.png + the defaults table
+    python benchmarks/fidelity_report.py --frontier --update-docs   # and both tables written into docs/fidelity.md
 
 ``--points`` reads every results file under ``build/fidelity`` (a partial rerun is completed
 with the rows of that setting's table in ``docs/fidelity.md`` it has not rerun); a setting
@@ -433,13 +434,28 @@ def splice(md: str, result: dict) -> str:
     return "\n".join(lines[:start] + table(result).splitlines() + lines[end:]) + ("\n" if md.endswith("\n") else "")
 
 
+def replace_table(md: str, new: str) -> str:
+    """``md`` with the markdown table whose header row is ``new``'s first line (through its
+    last row) replaced by ``new``: ``--frontier --update-docs`` writes the defaults and targets
+    tables into docs/fidelity.md. Raises ``ValueError`` when ``md`` has no such table."""
+    lines, header = md.splitlines(), new.splitlines()[0]
+    start = next((i for i, line in enumerate(lines) if line == header), None)
+    if start is None:
+        raise ValueError(f"no table with the header {header!r} in the document: add one where it belongs")
+    end = start
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    return "\n".join(lines[:start] + new.splitlines() + lines[end:]) + ("\n" if md.endswith("\n") else "")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--settings", default=None)
     ap.add_argument("--points", action="store_true", help=f"rewrite {POINTS.relative_to(ROOT)} from the results")
     ap.add_argument("--update-docs", action="store_true",
                     help="replace the named settings' tables in docs/fidelity.md instead of printing them "
-                    "(their rows the results file lacks are kept)")
+                    "(their rows the results file lacks are kept); with --frontier: its defaults and targets "
+                    "tables")
     ap.add_argument("--tied", action="store_true", help="the rows of docs/fidelity.md's tied-embedding table "
                     "for the named settings")
     ap.add_argument("--frontier", action="store_true",
@@ -457,6 +473,12 @@ def main(argv=None):
         print(defaults_table(data))
         print()
         print(targets_table(data))
+        if args.update_docs:          # the two tables in docs/fidelity.md, replaced by these
+            md = DOCS.read_text()
+            for new in (defaults_table(data), targets_table(data)):
+                md = replace_table(md, new)
+            DOCS.write_text(md)
+            print(f"\nreplaced both tables in {DOCS.relative_to(ROOT)}")
     if args.points or args.frontier:
         return
     names = (args.settings.split(",") if args.settings

@@ -193,3 +193,35 @@ def test_lm_defaults_rows_at_the_default_layers_and_blocks_only(fr):
     result = {"rows": [_row(m, c, 0.5 if FL.BLOCKS_ONLY in c else 0.4, 2.0) for m, c, _ in reversed(rows)]}
     defaults = {(p["method"], p["config"]) for p in fr.points_of(result, "lm") if p["default"]}
     assert defaults == {("trak", "defaults (k=2048)"), ("grad_dot", "")}
+
+
+def _md_table(md: str, header: str) -> str:
+    """The markdown table of ``md`` whose header row starts with ``header`` (its rows through the
+    first line that is not a table row)."""
+    lines = md.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    end = start
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    return "\n".join(lines[start:end])
+
+
+def test_docs_frontier_tables_are_the_committed_points(fr):
+    """docs/fidelity.md's "which point each default sits on" and issue 31's targets tables
+    are what ``--frontier`` prints from the committed points, cell for cell: no cell entered
+    by hand (issue 31's check: the document regenerated from the benchmark files)."""
+    import json
+    data = json.loads(fr.POINTS.read_text())
+    md = fr.DOCS.read_text()
+    assert _md_table(md, "| setting | method | default LDS |") == fr.defaults_table(data)
+    assert _md_table(md, "| setting | best at its defaults") == fr.targets_table(data)
+
+
+def test_replace_table_swaps_only_the_table_with_that_header(fr):
+    """``--frontier --update-docs``'s splice: the table under the same header row is replaced
+    through its last row, the text around and other tables kept; no such table is an error."""
+    md = "# doc\n\n| a | b |\n|---|---|\n| 1 | 2 |\n| 3 | 4 |\n\ntext\n\n| c | d |\n|---|---|\n| 5 | 6 |\n"
+    out = fr.replace_table(md, "| a | b |\n|---|---|\n| 7 | 8 |")
+    assert out == "# doc\n\n| a | b |\n|---|---|\n| 7 | 8 |\n\ntext\n\n| c | d |\n|---|---|\n| 5 | 6 |\n"
+    with pytest.raises(ValueError, match="no table with the header"):
+        fr.replace_table(md, "| x | y |\n|---|---|")
