@@ -383,7 +383,10 @@ def draw(data: dict, path: Path | None = FIGURE, ncols: int = 3):
     return fig
 
 
-#: (label, method, default-layers config, layers="all" config, by-name config, diagonal config);
+#: the label suffix of fidelity_lm's defaults rows on the blocks only (``fidelity_lm.BLOCKS_ONLY``;
+#: this module does not import the benchmarks, which import torch)
+BLOCKS_ONLY = ", blocks only (layers=['transformer.h.*'])"
+#: (label, method, blocks-only config, layers="all" config, by-name config, diagonal config);
 #: a tuple: the first configuration the results file has (fidelity_more's rows name them shorter)
 TIED = (("K-FAC influence", "influence", "K-FAC", ("K-FAC, layers='all' (tied embedding/head included)",
                                                   "K-FAC, layers='all'"), None,
@@ -397,20 +400,24 @@ TIED = (("K-FAC influence", "influence", "K-FAC", ("K-FAC, layers='all' (tied em
          ("EK-FAC, layers='all' (tied embedding/head included)", "EK-FAC, layers='all'"), None, None),
         ("reference: Gauss-Newton, sparse k = 2048", "influence", "Gauss-Newton, sparse k=2048, blocks only (reference)",
          "Gauss-Newton, sparse k=2048, layers='all' (reference)", None, None),
-        ("Grad-Dot", "grad_dot", ("defaults", ""), "layers='all'", None, None),
+        ("Grad-Dot", "grad_dot", ("defaults" + BLOCKS_ONLY,), "layers='all'", None, None),
         ("LoGra (defaults otherwise)", "logra", None, "layers='all' (defaults otherwise)", None, None))
 
 
 def tied_table(results: list[dict]) -> str:
     """Markdown rows of the "Tied embeddings" table: per setting and method, LDS [CI] (cost)
-    at the default layers, with ``layers="all"``, blocks + the tied embedding by name, and
-    with the vocabulary factor diagonal (the rows of ``fidelity_lm.tied_rows``)."""
+    on the blocks only (the default layers until 2026-12-06: the variants that name the
+    blocks, and for Grad-Dot / LoGra their defaults rows labelled ``BLOCKS_ONLY``, blank
+    where a results file has none: their defaults rows now run at the default layers, the
+    vocabulary layers included), with ``layers="all"``, blocks + the tied embedding by name,
+    and with the vocabulary factor diagonal (the rows of ``fidelity_lm.tied_rows``)."""
     lines = []
     for res in results:
         rows = {(r["method"], r["config"]): r for r in res["rows"] if "lds" in r}
         for label, method, *configs in TIED:
-            if configs[0] is None:                       # LoGra: its default row
-                configs[0] = next((c for (m, c) in rows if m == method and c.startswith("defaults (")), None)
+            if configs[0] is None:                       # LoGra: its default call on the blocks only
+                configs[0] = next((c for (m, c) in rows if m == method and c.startswith("defaults (")
+                                   and c.endswith(BLOCKS_ONLY)), None)
             configs = [next((x for x in c if (method, x) in rows), None) if isinstance(c, tuple) else c
                        for c in configs]
             cells = [(f"{rows[(method, c)]['lds']:.3f} [{rows[(method, c)]['low']:.3f}, {rows[(method, c)]['high']:.3f}]"

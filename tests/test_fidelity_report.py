@@ -225,3 +225,24 @@ def test_replace_table_swaps_only_the_table_with_that_header(fr):
     assert out == "# doc\n\n| a | b |\n|---|---|\n| 7 | 8 |\n\ntext\n\n| c | d |\n|---|---|\n| 5 | 6 |\n"
     with pytest.raises(ValueError, match="no table with the header"):
         fr.replace_table(md, "| x | y |\n|---|---|")
+
+
+def test_tied_table_takes_blocks_only_rows_for_its_first_column(fr):
+    """The tied-embedding table's first column is the blocks only: Grad-Dot's and LoGra's
+    defaults rows now run at the default layers (the vocabulary layers included), so the
+    column takes their ``BLOCKS_ONLY`` rows, or stays blank, never the default-layer row."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import fidelity_lm as FL
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    assert fr.BLOCKS_ONLY == FL.BLOCKS_ONLY
+    rows = [_row("grad_dot", "defaults", 0.20, 4.0), _row("grad_dot", "layers='all'", 0.21, 5.0),
+            _row("logra", "defaults (k=4096)", 0.47, 9.0), _row("logra", "layers='all' (defaults otherwise)", 0.46, 9.0)]
+    lines = fr.tied_table([dict(RESULT, rows=rows)]).splitlines()
+    assert lines == ["| `toy` | Grad-Dot |  | 0.210 [0.160, 0.260] (5.0×) |  |  |",
+                     "| `toy` | LoGra (defaults otherwise) |  | 0.460 [0.410, 0.510] (9.0×) |  |  |"]
+    rows += [_row("grad_dot", "defaults" + FL.BLOCKS_ONLY, 0.12, 2.0),
+             _row("logra", "defaults (k=4096)" + FL.BLOCKS_ONLY, 0.37, 5.0)]
+    lines = fr.tied_table([dict(RESULT, rows=rows)]).splitlines()
+    assert [line.split(" | ")[2] for line in lines] == ["0.120 [0.070, 0.170] (2.0×)", "0.370 [0.320, 0.420] (5.0×)"]
