@@ -27,6 +27,7 @@ configuration says "ensemble" or "× last"), ``unrolled`` (MAGIC, SOURCE).
     python benchmarks/fidelity_report.py --settings text-k3,instruct-k3 --tied   # the tied-embedding rows
     python benchmarks/fidelity_report.py --points              # rewrite benchmarks/results/fidelity_points.json
     python benchmarks/fidelity_report.py --frontier            # docs/img/fidelity_frontier.png + the defaults table
+    python benchmarks/fidelity_report.py --frontier --update-docs   # and both tables written into docs/fidelity.md
 
 ``--points`` reads every results file under ``build/fidelity`` (a partial rerun is completed
 with the rows of that setting's table in ``docs/fidelity.md`` it has not rerun); a setting
@@ -382,7 +383,10 @@ def draw(data: dict, path: Path | None = FIGURE, ncols: int = 3):
     return fig
 
 
-#: (label, method, default-layers config, layers="all" config, by-name config, diagonal config);
+#: the label suffix of fidelity_lm's defaults rows on the blocks only (``fidelity_lm.BLOCKS_ONLY``;
+#: this module does not import the benchmarks, which import torch)
+BLOCKS_ONLY = ", blocks only (layers=['transformer.h.*'])"
+#: (label, method, blocks-only config, layers="all" config, by-name config, diagonal config);
 #: a tuple: the first configuration the results file has (fidelity_more's rows name them shorter)
 TIED = (("K-FAC influence", "influence", "K-FAC", ("K-FAC, layers='all' (tied embedding/head included)",
                                                   "K-FAC, layers='all'"), None,
@@ -396,20 +400,24 @@ TIED = (("K-FAC influence", "influence", "K-FAC", ("K-FAC, layers='all' (tied em
          ("EK-FAC, layers='all' (tied embedding/head included)", "EK-FAC, layers='all'"), None, None),
         ("reference: Gauss-Newton, sparse k = 2048", "influence", "Gauss-Newton, sparse k=2048, blocks only (reference)",
          "Gauss-Newton, sparse k=2048, layers='all' (reference)", None, None),
-        ("Grad-Dot", "grad_dot", ("defaults", ""), "layers='all'", None, None),
+        ("Grad-Dot", "grad_dot", ("defaults" + BLOCKS_ONLY,), "layers='all'", None, None),
         ("LoGra (defaults otherwise)", "logra", None, "layers='all' (defaults otherwise)", None, None))
 
 
 def tied_table(results: list[dict]) -> str:
     """Markdown rows of the "Tied embeddings" table: per setting and method, LDS [CI] (cost)
-    at the default layers, with ``layers="all"``, blocks + the tied embedding by name, and
-    with the vocabulary factor diagonal (the rows of ``fidelity_lm.tied_rows``)."""
+    on the blocks only (the default layers until 2026-12-06: the variants that name the
+    blocks, and for Grad-Dot / LoGra their defaults rows labelled ``BLOCKS_ONLY``, blank
+    where a results file has none: their defaults rows now run at the default layers, the
+    vocabulary layers included), with ``layers="all"``, blocks + the tied embedding by name,
+    and with the vocabulary factor diagonal (the rows of ``fidelity_lm.tied_rows``)."""
     lines = []
     for res in results:
         rows = {(r["method"], r["config"]): r for r in res["rows"] if "lds" in r}
         for label, method, *configs in TIED:
-            if configs[0] is None:                       # LoGra: its default row
-                configs[0] = next((c for (m, c) in rows if m == method and c.startswith("defaults (")), None)
+            if configs[0] is None:                       # LoGra: its default call on the blocks only
+                configs[0] = next((c for (m, c) in rows if m == method and c.startswith("defaults (")
+                                   and c.endswith(BLOCKS_ONLY)), None)
             configs = [next((x for x in c if (method, x) in rows), None) if isinstance(c, tuple) else c
                        for c in configs]
             cells = [(f"{rows[(method, c)]['lds']:.3f} [{rows[(method, c)]['low']:.3f}, {rows[(method, c)]['high']:.3f}]"
@@ -433,13 +441,28 @@ def splice(md: str, result: dict) -> str:
     return "\n".join(lines[:start] + table(result).splitlines() + lines[end:]) + ("\n" if md.endswith("\n") else "")
 
 
+def replace_table(md: str, new: str) -> str:
+    """``md`` with the markdown table whose header row is ``new``'s first line (through its
+    last row) replaced by ``new``: ``--frontier --update-docs`` writes the defaults and targets
+    tables into docs/fidelity.md. Raises ``ValueError`` when ``md`` has no such table."""
+    lines, header = md.splitlines(), new.splitlines()[0]
+    start = next((i for i, line in enumerate(lines) if line == header), None)
+    if start is None:
+        raise ValueError(f"no table with the header {header!r} in the document: add one where it belongs")
+    end = start
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    return "\n".join(lines[:start] + new.splitlines() + lines[end:]) + ("\n" if md.endswith("\n") else "")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--settings", default=None)
     ap.add_argument("--points", action="store_true", help=f"rewrite {POINTS.relative_to(ROOT)} from the results")
     ap.add_argument("--update-docs", action="store_true",
                     help="replace the named settings' tables in docs/fidelity.md instead of printing them "
-                    "(their rows the results file lacks are kept)")
+                    "(their rows the results file lacks are kept); with --frontier: its defaults and targets "
+                    "tables")
     ap.add_argument("--tied", action="store_true", help="the rows of docs/fidelity.md's tied-embedding table "
                     "for the named settings")
     ap.add_argument("--frontier", action="store_true",
@@ -457,6 +480,12 @@ def main(argv=None):
         print(defaults_table(data))
         print()
         print(targets_table(data))
+        if args.update_docs:          # the two tables in docs/fidelity.md, replaced by these
+            md = DOCS.read_text()
+            for new in (defaults_table(data), targets_table(data)):
+                md = replace_table(md, new)
+            DOCS.write_text(md)
+            print(f"\nreplaced both tables in {DOCS.relative_to(ROOT)}")
     if args.points or args.frontier:
         return
     names = (args.settings.split(",") if args.settings

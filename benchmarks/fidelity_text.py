@@ -42,6 +42,8 @@ ceiling. Every catalogue method runs AT ITS DEFAULTS, called as ``method(task, t
 queries)`` (the task's default layers: the linear layers inside the transformer blocks and,
 the vocabulary of 1,024 being under ``ga.options(vocabulary_layers_max)``, the tied
 embedding/head ``transformer.wte``: 57,920 coordinates; 25,152 before 2026-12-06);
+the variant rows (``EK-FAC``, ``K-FAC``, ``DataInf``, RelatIF's ``EK-FAC, damping=0.001``, LESS's
+sparse map) name the blocks only, ``layers=["transformer.h.*"]`` (fidelity_lm's ``LAYERS``);
 the methods that need checkpoints (TracIn, LESS, TrackStar) score 3 snapshots of the
 full-data run and their Adam states, taken every ⌊T/3⌋ steps (fidelity_lm's rule: steps
 26, 52, 78 of 80; TrackStar's "final Adam state" is the last of them). Not run:
@@ -82,7 +84,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gradalg as ga  # noqa: E402
-from fidelity_lm import _read, defaults, tied_rows  # noqa: E402
+from fidelity_lm import LAYERS, _read, defaults, tied_rows  # noqa: E402
 
 BUILD = ROOT / "build" / "fidelity"
 N_SUBSETS, FRACTION, SUBSET_SEED, TRAINING_SEED, SEEDS_PER_SUBSET = 32, 0.5, 0, 0, 3
@@ -385,7 +387,9 @@ def checkpoints(p: Prepared):
 def method_rows(p: Prepared):
     """(method, configuration, thunk -> lazy Scores): every catalogue method at its defaults,
     called as ``method(task, train, queries)`` (checkpoint methods on the run's snapshots),
-    then the variants fidelity_lm also reports."""
+    then the variants fidelity_lm also reports, on the blocks only as there (``LAYERS``; the
+    rows of 2026-12-05 with the same labels ran there too, the default layers then), and the
+    tied-embedding rows (``tied_rows``)."""
     m, task, tr, qu = ga.methods, p.task(), p.train, p.queries
     yield "grad_dot", "defaults", lambda: m.grad_dot(task, tr, qu)
     yield "grad_cos", "defaults", lambda: m.grad_cos(task, tr, qu)
@@ -400,16 +404,19 @@ def method_rows(p: Prepared):
         *checkpoints(p), tr, qu, np.arange(len(qu)))
     yield "trackstar", defaults(m.trackstar, "k", "damping") + ", final Adam state", lambda: m.trackstar(
         checkpoints(p)[0][-1], tr, qu, optimizer=checkpoints(p)[1][-1])
-    # fidelity_lm's variants
-    yield "influence", "EK-FAC", lambda: m.influence(task, tr, qu, curvature="ekfac")
-    yield "influence", "K-FAC", lambda: m.influence(task, tr, qu, curvature="kfac")
-    yield "influence", "DataInf", lambda: m.influence(task, tr, qu, curvature="datainf")
+    # fidelity_lm's variants, on the blocks only as there (``LAYERS``: the task's default layers
+    # until 2026-12-06, what these rows measured then; the default since adds transformer.wte)
+    L = LAYERS
+    yield "influence", "EK-FAC", lambda: m.influence(task, tr, qu, layers=L, curvature="ekfac")
+    yield "influence", "K-FAC", lambda: m.influence(task, tr, qu, layers=L, curvature="kfac")
+    yield "influence", "DataInf", lambda: m.influence(task, tr, qu, layers=L, curvature="datainf")
     # RelatIF's previous default (an absolute 1e-3; "auto" since issue 31), kept for comparison
-    yield "relatif", "EK-FAC, damping=0.001", lambda: m.relatif(task, tr, qu, curvature="ekfac", damping=1e-3)
+    yield "relatif", "EK-FAC, damping=0.001", lambda: m.relatif(task, tr, qu, layers=L, curvature="ekfac",
+                                                              damping=1e-3)
     yield "less", "3 Adam checkpoints, sparse k=8192", lambda: m.less(
-        *checkpoints(p), tr, qu, np.arange(len(qu)), projector=ga.proj.sparse(8192, seed=0))
+        *checkpoints(p), tr, qu, np.arange(len(qu)), layers=L, projector=ga.proj.sparse(8192, seed=0))
     # issue 31 item 4: the tied embedding / head in the curvature (block-only rows above)
-    yield from tied_rows(task, tr, qu, ["transformer.h.*"])
+    yield from tied_rows(task, tr, qu, LAYERS)
 
 
 NOT_RUN = {

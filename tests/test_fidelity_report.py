@@ -193,3 +193,56 @@ def test_lm_defaults_rows_at_the_default_layers_and_blocks_only(fr):
     result = {"rows": [_row(m, c, 0.5 if FL.BLOCKS_ONLY in c else 0.4, 2.0) for m, c, _ in reversed(rows)]}
     defaults = {(p["method"], p["config"]) for p in fr.points_of(result, "lm") if p["default"]}
     assert defaults == {("trak", "defaults (k=2048)"), ("grad_dot", "")}
+
+
+def _md_table(md: str, header: str) -> str:
+    """The markdown table of ``md`` whose header row starts with ``header`` (its rows through the
+    first line that is not a table row)."""
+    lines = md.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    end = start
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    return "\n".join(lines[start:end])
+
+
+def test_docs_frontier_tables_are_the_committed_points(fr):
+    """docs/fidelity.md's "which point each default sits on" and issue 31's targets tables
+    are what ``--frontier`` prints from the committed points, cell for cell: no cell entered
+    by hand (issue 31's check: the document regenerated from the benchmark files)."""
+    import json
+    data = json.loads(fr.POINTS.read_text())
+    md = fr.DOCS.read_text()
+    assert _md_table(md, "| setting | method | default LDS |") == fr.defaults_table(data)
+    assert _md_table(md, "| setting | best at its defaults") == fr.targets_table(data)
+
+
+def test_replace_table_swaps_only_the_table_with_that_header(fr):
+    """``--frontier --update-docs``'s splice: the table under the same header row is replaced
+    through its last row, the text around and other tables kept; no such table is an error."""
+    md = "# doc\n\n| a | b |\n|---|---|\n| 1 | 2 |\n| 3 | 4 |\n\ntext\n\n| c | d |\n|---|---|\n| 5 | 6 |\n"
+    out = fr.replace_table(md, "| a | b |\n|---|---|\n| 7 | 8 |")
+    assert out == "# doc\n\n| a | b |\n|---|---|\n| 7 | 8 |\n\ntext\n\n| c | d |\n|---|---|\n| 5 | 6 |\n"
+    with pytest.raises(ValueError, match="no table with the header"):
+        fr.replace_table(md, "| x | y |\n|---|---|")
+
+
+def test_tied_table_takes_blocks_only_rows_for_its_first_column(fr):
+    """The tied-embedding table's first column is the blocks only: Grad-Dot's and LoGra's
+    defaults rows now run at the default layers (the vocabulary layers included), so the
+    column takes their ``BLOCKS_ONLY`` rows, or stays blank, never the default-layer row."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import fidelity_lm as FL
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    assert fr.BLOCKS_ONLY == FL.BLOCKS_ONLY
+    rows = [_row("grad_dot", "defaults", 0.20, 4.0), _row("grad_dot", "layers='all'", 0.21, 5.0),
+            _row("logra", "defaults (k=4096)", 0.47, 9.0), _row("logra", "layers='all' (defaults otherwise)", 0.46, 9.0)]
+    lines = fr.tied_table([dict(RESULT, rows=rows)]).splitlines()
+    assert lines == ["| `toy` | Grad-Dot |  | 0.210 [0.160, 0.260] (5.0×) |  |  |",
+                     "| `toy` | LoGra (defaults otherwise) |  | 0.460 [0.410, 0.510] (9.0×) |  |  |"]
+    rows += [_row("grad_dot", "defaults" + FL.BLOCKS_ONLY, 0.12, 2.0),
+             _row("logra", "defaults (k=4096)" + FL.BLOCKS_ONLY, 0.37, 5.0)]
+    lines = fr.tied_table([dict(RESULT, rows=rows)]).splitlines()
+    assert [line.split(" | ")[2] for line in lines] == ["0.120 [0.070, 0.170] (2.0×)", "0.370 [0.320, 0.420] (5.0×)"]

@@ -5,6 +5,7 @@ hand-computed masked loss (Σ over completion tokens of −log softmax, one row 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import sys
 from pathlib import Path
@@ -121,3 +122,33 @@ def test_training_is_seeded(ft, data):
     items = ft.instruct_items(tok, sources, 0)[:12]
     a, b = ft.train_model(setting, items, seed=3), ft.train_model(setting, items, seed=3)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_defaults_rows_at_the_default_layers_and_variants_on_the_blocks(ft, monkeypatch):
+    """``method_rows``: each defaults row calls its method as a user would (no ``layers=``:
+    the task's default layers, the tied embedding included since 2026-12-06), the variants
+    of fidelity_lm (EK-FAC, K-FAC, DataInf, RelatIF at 1e-3, LESS's sparse map) name the
+    blocks only, as their rows of 2026-12-05 measured: a rerun keeps each label's meaning."""
+    calls = {}
+
+    def recorder(name):
+        @functools.wraps(getattr(ga.methods, name))           # its signature: the rows' labels read the defaults
+        def record(*args, **kw):
+            calls.setdefault(name, []).append(kw.get("layers", "default"))
+        return record
+
+    for name in ("grad_dot", "grad_cos", "influence", "trak", "logra", "grass", "relatif", "tracin", "less",
+                 "trackstar"):
+        monkeypatch.setattr(ga.methods, name, recorder(name))
+    monkeypatch.setattr(ft, "checkpoints", lambda p: ([object()] * 3, [object()] * 3, [3e-3] * 3))
+    p = type("P", (), {"task": lambda self: object(), "train": [0] * 4, "queries": [0] * 2})()
+    layers = {}
+    for method, config, thunk in ft.method_rows(p):
+        calls.clear()
+        thunk()
+        layers[(method, config)] = calls[method][-1]
+    defaults = {k: v for k, v in layers.items() if k[1].startswith("defaults")}
+    assert len(defaults) == 10 and set(defaults.values()) == {"default"}
+    for key in (("influence", "EK-FAC"), ("influence", "K-FAC"), ("influence", "DataInf"),
+                ("relatif", "EK-FAC, damping=0.001"), ("less", "3 Adam checkpoints, sparse k=8192")):
+        assert layers[key] == ["transformer.h.*"], key
