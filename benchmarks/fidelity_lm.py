@@ -302,7 +302,15 @@ def expression_token(scores) -> str | None:
     """The content token of a row's lazy scores (``scores.expr.token``): it names the
     expression with every resolved argument, a method's defaults included, so a cache
     entry written under another default no longer matches. None for scores that are not a
-    lazy expression (MAGIC's replay)."""
+    lazy expression (MAGIC's replay). A :class:`WithOptions` row's token is its expression's
+    with the planner options it is computed under (``…|ga.options(kron_diagonal_width=512)``):
+    without it such a row had no token, and its cache was served whatever the default
+    (issue 31: the vocabulary-factor-diagonal rows of 2026-12-05 kept the 0.1 × mean damping
+    of K-FAC / EK-FAC after the per-block default, while their dense twins were rerun)."""
+    if isinstance(scores, WithOptions):
+        inner = expression_token(scores.scores)
+        changes = ", ".join(f"{k}={v!r}" for k, v in sorted(scores.changes.items()))
+        return None if inner is None else f"{inner}|ga.options({changes})"
     return getattr(getattr(scores, "expr", None), "token", None)
 
 
@@ -536,7 +544,8 @@ def ensemble_rows(p: Prepared):
 
 class WithOptions:
     """Lazy scores computed (and explained) under ``ga.options(**changes)``: a row whose
-    configuration is an option of the planner, not an argument of the method."""
+    configuration is an option of the planner, not an argument of the method. Its cache
+    token names the options too (:func:`expression_token`)."""
 
     def __init__(self, scores, **changes):
         self.scores, self.changes = scores, changes

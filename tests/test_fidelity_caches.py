@@ -24,6 +24,8 @@ import models  # noqa: E402
 from references import one_thread  # noqa: E402,F401 - one intra-op thread in this module
 import defaults_suite as D  # noqa: E402
 import fidelity_ensembles as E  # noqa: E402
+import fidelity_lm as L  # noqa: E402
+import fidelity_text as T  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +79,36 @@ def test_defaults_suite_cache_serves_only_the_current_expression(tiny, tmp_path,
     fresh = np.asarray(thunk().compute().transpose("query", "train").values)
     assert not np.allclose(fresh, expected)
     np.testing.assert_array_equal(cache("grass", "row", thunk, 0.5)[0], fresh)
+
+
+def test_with_options_row_is_recomputed_when_its_default_or_options_change(tiny, tmp_path, monkeypatch):
+    """A row computed under ga.options (fidelity_lm.WithOptions: the vocabulary-factor-diagonal
+    rows) is cached under its expression's token and its options. Before, it had no token and
+    its cache was served whatever changed: the 2026-12-05 K-FAC / EK-FAC rows with
+    kron_diagonal_width=512 kept the earlier 0.1 × mean damping after the per-block default
+    (issue 31), while the rows beside them were recomputed."""
+    monkeypatch.setattr(T, "BUILD", tmp_path)
+    p = SimpleNamespace(key="tiny", n_query=4, train=tiny.train)
+
+    def row(width=8, **kw):
+        return lambda: L.WithOptions(ga.methods.influence(tiny.task, tiny.train, tiny.queries, curvature="kfac",
+                                                          **kw), kron_diagonal_width=width)
+
+    def fresh(thunk):
+        return np.asarray(thunk().compute().transpose("query", "train").values)      # (4, 20)
+
+    earlier, now = row(relative_damping=0.1), row()                       # 0.1 × mean, then λ_b per block
+    assert L.expression_token(now()) == f"{now().scores.expr.token}|ga.options(kron_diagonal_width=8)"
+    assert L.expression_token(now()) != L.expression_token(row(width=4)())
+    assert L.expression_token(now()) != L.expression_token(earlier())
+    old = T.cached_scores(p, "influence", "K-FAC, diagonal", earlier, 0.5)[0].values
+    np.testing.assert_array_equal(old, fresh(earlier))
+    new = T.cached_scores(p, "influence", "K-FAC, diagonal", now, 0.5)[0].values
+    assert not np.allclose(new, old)                                      # the default moved the scores
+    np.testing.assert_array_equal(new, fresh(now))
+    wider = T.cached_scores(p, "influence", "K-FAC, diagonal", row(width=16384), 0.5)[0].values
+    np.testing.assert_array_equal(wider, fresh(row(width=16384)))          # another option: recomputed
+    assert not np.allclose(wider, new)
 
 
 def test_ensemble_row_token_follows_the_methods_defaults(tiny, monkeypatch):

@@ -253,3 +253,65 @@ def test_a_stored_operator_with_a_diagonal_factor_keeps_its_numbers(data, tmp_pa
         again = computed(Q @ stored.damp(DAMP).inv() @ G.T)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=0)
     torch.testing.assert_close(again, ref, rtol=1e-10, atol=0)
+
+
+# ------------------------------------------------------------------ influence's default damping
+def _mass_lambda(mu: torch.Tensor, q: float = 0.99) -> float:
+    """The eigenvalue where the largest ones first hold q of the block's trace (by hand)."""
+    s = torch.sort(mu.clamp_min(0), descending=True).values
+    k = int((torch.cumsum(s, 0) < q * s.sum()).sum())
+    return float(s[k])
+
+
+def test_influence_default_damping_on_a_diagonal_factor_is_per_block_from_diag_s(data):
+    """influence's K-FAC default (λ_b per Kronecker block, mass 0.99, since issue 31; H given
+    as ga.kfac(G), the task here has no Gauss-Newton objective) on a model whose head's
+    vocabulary side is kept diagonal: each block's λ_b is read from the
+    spectrum of the approximation actually used, diag(S) ⊗ A for the head and S ⊗ A for the
+    MLP beside it, and the scores are Σ_b q_b (F_b + λ_b I)⁻¹ g_bᵀ, dense. Issue 31's
+    fidelity rows 'vocabulary factor diagonal' moved with this default (a stale cache had
+    kept them at the earlier 0.1 × pooled mean): this pins their path against a reference."""
+    train, queries = data
+    task = task_of(gpt2(tied=False))
+    names = ["transformer.h.0.mlp.c_fc", "lm_head"]                  # factors 64 / 16 (dense), 96 / 16 (S diagonal)
+    G, Q = ga.grads(task, train, layers=names), ga.grads(task, queries, layers=names)
+    with ga.options(kron_diagonal_width=NARROW, progress=False):
+        op = LocalExecutor().operator(ga.kfac(G).expr)
+        scores = computed(ga.methods.influence(task, train, queries, layers=names, curvature=ga.kfac(G)))
+    assert op.bases["lm_head"][0] is None and op.bases["transformer.h.0.mlp.c_fc"][0] is not None
+    ref, lams = 0, {}
+    for name in names:
+        S, A = dense_factors(G, name)
+        S = torch.diag(torch.diagonal(S)) if name == "lm_head" else S
+        F = kfac_dense(S, A)
+        lams[name] = _mass_lambda(torch.linalg.eigvalsh(F))
+        g, q = rows(G, name), rows(Q, name)
+        ref = ref + q @ torch.linalg.solve(F + lams[name] * torch.eye(len(F), dtype=F64), g.T)
+    assert abs(lams["lm_head"] / lams["transformer.h.0.mlp.c_fc"] - 1) > 0.1   # two different λ_b
+    assert rel(scores, ref) < 1e-8
+    # a wrong λ on the diagonal block (the dense S's spectrum, or the earlier pooled rule) is seen
+    S, A = dense_factors(G, "lm_head")
+    dense_head = _mass_lambda(torch.linalg.eigvalsh(kfac_dense(S, A)))
+    assert abs(dense_head / lams["lm_head"] - 1) > 1e-3
+
+
+def test_ekfac_default_damping_on_a_diagonal_factor_reads_the_refit_grid(data):
+    """EK-FAC at influence's default on the head alone, S diagonal: λ is the mass-0.99
+    eigenvalue of the re-fitted grid Λ = (1/n) Σ_i (G_i Q_A)², and the scores are
+    q (K diag(Λ) Kᵀ + λ I)⁻¹ gᵀ with K = I ⊗ Q_A, dense."""
+    train, queries = data
+    task = task_of(gpt2(tied=False))
+    name = "lm_head"
+    G, Q = ga.grads(task, train, layers=[name]), ga.grads(task, queries, layers=[name])
+    with ga.options(kron_diagonal_width=NARROW, progress=False):
+        op = LocalExecutor().operator(ga.ekfac(G).expr)
+        scores = computed(ga.methods.influence(task, train, queries, layers=[name], curvature=ga.ekfac(G)))
+    Q_S, Q_A = op.bases[name]
+    assert Q_S is None
+    g = rows(G, name)
+    lam = (torch.einsum("nvi,ia->nva", g.view(-1, V, E), Q_A) ** 2).mean(0)
+    K = torch.kron(torch.eye(V, dtype=F64), Q_A.contiguous())
+    F = (K * lam.flatten()) @ K.T
+    damping = _mass_lambda(lam.flatten())
+    ref = rows(Q, name) @ torch.linalg.solve(F + damping * torch.eye(len(F), dtype=F64), g.T)
+    assert rel(scores, ref) < 1e-8
