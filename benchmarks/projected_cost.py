@@ -13,6 +13,7 @@ library's default layers (the block Linears: 16 at 4 layers, 48 at 12) and its d
 public API only:
 
     graddot_kron   (P(Q) @ P(G).T) with P = ga.proj.kron(4096): projected Grad-Dot, 64 × 64 per layer
+    graddot        (Q @ G.T): full-gradient Grad-Dot (not run by default: name it in --methods)
     logra          ga.methods.logra (k = 4096 per layer, EK-FAC in the projected space)
     less           ga.methods.less, one checkpoint (an Adam state after one step on 4 training
                    sequences, weights put back, built before the clock), each query its own target
@@ -24,7 +25,12 @@ parameter gradients) of the task's summed loss over the training set in batches 
 batch gradalg's plan reads here: ``batch_tokens`` 512 / T), the median of
 ``--baseline-reps`` warm passes after a cold one. ``floor`` is the least any capture can do:
 the forward and ``torch.autograd.grad`` w.r.t. the attributed Linear outputs only (no weight
-gradients), over the training set and the queries, nothing kept. One untimed tiny Grad-Dot
+gradients), over the training set and the queries, nothing kept. ``floor_full`` (with
+``graddot``) is the full Grad-Dot's floor in plain torch: the same passes, the queries'
+layer inputs A and output gradients D kept, and per block and training batch the score
+kernel of fewer multiply-adds, ghost Σ_{t,u} (a_t·a'_u + 1)(d_t·d'_u) (nq·nb·T²·(in+1+out))
+or dense (each training example's D_iᵀ[A_i 1] materialized, then one GEMM with the
+queries', materialized once: nb·T·out·(in+1) + nq·nb·out·(in+1)). One untimed tiny Grad-Dot
 (1 sequence each side) loads gradalg's lazy imports first; then each method is timed once,
 end to end (planning, every pass, scores). Times are process CPU time (steadier than wall
 on a shared machine; wall is printed as well), each divided by the same process's plain
@@ -45,6 +51,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 METHODS = ("graddot_kron", "logra", "less", "trak", "grass")
+EXTRA = ("graddot",)          # run when named in --methods
 T, VOCAB, BATCH = 128, 50257, 4
 
 
@@ -102,6 +109,54 @@ def measure(args) -> dict:
                 h.remove()
         return _since(t0)
 
+    def floor_full_pass():
+        """floor_pass plus the full Grad-Dot's score kernels: the least its math can cost."""
+        lin = [m for n, m in model.named_modules()
+               if n.startswith("transformer.h.") and isinstance(m, (torch.nn.Linear, tf.pytorch_utils.Conv1D))]
+        ins, outs = [], []
+
+        def hook(m, a, o):
+            ins.append(a[0].detach())
+            outs.append(o)
+
+        def ones(A):     # the bias's column
+            return torch.cat([A, A.new_ones(*A.shape[:-1], 1)], -1)
+
+        handles = [m.register_forward_hook(hook) for m in lin]
+        t0 = _clock()
+        try:
+            ins.clear()
+            outs.clear()
+            qD = torch.autograd.grad(task.summed_loss(model, {"input_ids": ids[args.train:]}), outs)
+            nq = len(queries)
+            held = [[A, D, None] for A, D in zip(ins, qD)]    # the dense kernel's G materialized once, when used
+            scores = torch.zeros(nq, args.train)
+            for i, b in enumerate(batches(ids[:args.train])):
+                ins.clear()
+                outs.clear()
+                Ds = torch.autograd.grad(task.summed_loss(model, b), outs)
+                nb = len(b["input_ids"])
+                for q, A, D in zip(held, ins, Ds):
+                    d_in, d_out = A.shape[-1] + 1, D.shape[-1]
+                    ghost = nq * nb * T * T * (d_in + d_out)
+                    dense = nb * T * d_out * d_in + nq * nb * d_out * d_in
+                    if ghost <= dense:
+                        K = (q[0].flatten(0, 1) @ A.flatten(0, 1).T + 1) * (q[1].flatten(0, 1) @ D.flatten(0, 1).T)
+                        part = K.view(nq, T, nb, T).sum((1, 3))
+                    else:
+                        if q[2] is None:
+                            q[2] = torch.einsum("bto,bti->boi", q[1], ones(q[0])).flatten(1)
+                        part = q[2] @ torch.einsum("bto,bti->boi", D, ones(A)).flatten(1).T
+                    scores[:, i * BATCH:i * BATCH + nb] += part
+        finally:
+            for h in handles:
+                h.remove()
+        took = _since(t0)
+        floor_scores.append(scores)
+        return took
+
+    floor_scores = []   # the floor's scores, compared with gradalg's full Grad-Dot below
+
     def adam():
         saved = [p.detach().clone() for p in model.parameters()]
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -118,6 +173,8 @@ def measure(args) -> dict:
         if method == "graddot_kron":
             P = ga.proj.kron(4096)
             return P(ga.grads(task, queries)) @ P(ga.grads(task, train)).T
+        if method == "graddot":
+            return ga.grads(task, queries) @ ga.grads(task, train).T
         if method == "less":
             return m.less([task], [adam()], [1.0], train, queries, torch.arange(len(queries)))
         return getattr(m, method)(task, train, queries)
@@ -129,11 +186,17 @@ def measure(args) -> dict:
            "gradalg": os.path.dirname(os.path.dirname(os.path.abspath(ga.__file__))),
            "baseline": (statistics.median(w for w, _ in warm), statistics.median(c for _, c in warm)),
            "loadavg": os.getloadavg(), "times": {"floor": floor_pass()}}
+    if "graddot" in args.methods:
+        out["times"]["floor_full"] = floor_full_pass()
     for method in args.methods:
         scores = build(method)
         t0 = _clock()
-        scores.compute()
+        result = scores.compute()
         out["times"][method] = _since(t0)
+        if method == "graddot" and floor_scores:    # the floor computes the same scores
+            got = torch.as_tensor(result.values)
+            out["floor_full_max_rel_diff"] = float((got - floor_scores[0].to(got.dtype)).abs().max() / got.abs().max())
+        del result
         del scores
     return out
 
@@ -178,6 +241,10 @@ def table(results: list[dict]) -> str:
         lines.append(f"{os.path.basename(last)}: " + ", ".join(
             f"{m} / logra {ref[m] / ref['logra']:.2f}" for m in ("less", "trak", "grass") if m in ref)
             + (f"; graddot_kron / floor {ref['graddot_kron'] / ref['floor']:.2f}" if "graddot_kron" in ref else ""))
+    ratios = [f"{m} / {f} {ref[m] / ref[f]:.3f}" for m, f in (("graddot_kron", "floor"), ("graddot", "floor_full"))
+              if m in ref and f in ref]
+    if ratios:
+        lines += ["", f"{os.path.basename(last)}: " + ", ".join(ratios)]
     return "\n".join(lines)
 
 

@@ -284,28 +284,38 @@ class Task:
         ``full_loss``: ``summed_loss(model, batch)`` already computed in eval mode (the
         capture's own forward of this batch). When the check's examples are the whole
         batch (2 to 4 examples) it stands for ``L(batch)``, so the check costs the
-        forwards of ``first`` and ``rest`` only (one forward of the batch, not two).
+        forwards of ``first`` and ``rest`` only (one forward of the batch, not two). A
+        batch of one example is its own ``first`` and ``rest`` (the same example): then
+        the check costs the forward of the doubled batch only.
+
+        Forwards, in examples: n = 1: 2 (3 without ``full_loss``); 2 ≤ n ≤ 4: n (2n);
+        n > 4: 8. Fewer cannot decide it: the check needs L(A ∪ B), L(A) and L(B) for
+        disjoint non-empty A and B (or B = A, doubled), and a capture's forward gives
+        one of them, so at least two examples' forwards are extra.
         """
         n = batch_size_of(batch)
         b = min(n, 4)  # a few examples decide it: the check costs ~2 of their forwards
         if b < 1:
             return
-        known = float(full_loss) if full_loss is not None and 2 <= n <= 4 else None
-        if b == 1:
-            # one example: compare it with a batch holding it twice (a sum doubles, a mean does not)
-            try:
-                batch = slice_batch(batch, [0, 0])
-                if batch_size_of(batch) != 2:
-                    return
-            except (IndexError, TypeError, RuntimeError):
-                return   # a batch that cannot be indexed by example: inconclusive
-            b = 2
-        else:
-            batch = slice_batch(batch, slice(0, b))
+        known = float(full_loss) if full_loss is not None and n <= 4 else None
         with eval_mode(self.model), torch.no_grad():
-            full = known if known is not None else float(self.summed_loss(self.model, batch))
-            first = float(self.summed_loss(self.model, slice_batch(batch, slice(0, 1))))
-            rest = float(self.summed_loss(self.model, slice_batch(batch, slice(1, b))))
+            if b == 1:
+                # one example: compare it with a batch holding it twice (a sum doubles, a mean
+                # does not); its own loss is both parts (one forward of it, or the capture's)
+                try:
+                    doubled = slice_batch(batch, [0, 0])
+                    if batch_size_of(doubled) != 2:
+                        return
+                except (IndexError, TypeError, RuntimeError):
+                    return   # a batch that cannot be indexed by example: inconclusive
+                b = 2
+                full = float(self.summed_loss(self.model, doubled))
+                first = rest = known if known is not None else float(self.summed_loss(self.model, batch))
+            else:
+                batch = slice_batch(batch, slice(0, b))
+                full = known if known is not None else float(self.summed_loss(self.model, batch))
+                first = float(self.summed_loss(self.model, slice_batch(batch, slice(0, 1))))
+                rest = float(self.summed_loss(self.model, slice_batch(batch, slice(1, b))))
         if not all(map(math.isfinite, (full, first, rest))):
             return  # inconclusive: NaN/inf is reported by the finite check, naming the examples
         as_sum = first + rest

@@ -118,3 +118,40 @@ def test_mean_loss_is_refused_with_the_reused_forward_and_the_fix_works(batch_si
     summed = ga.Task(model, lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="sum"))
     torch.testing.assert_close(ga.grads(fixed, (x, y), layers=["0"], batch_size=batch_size).to_dense(),
                                ga.grads(summed, (x, y), layers=["0"], batch_size=batch_size).to_dense())
+
+
+def test_reduction_check_of_one_example_reuses_its_capture_forward():
+    """A first batch of one example (a single query) is both parts of the check: it adds
+    the forward of the doubled batch only (before: the doubled batch, then the example twice)."""
+    counted = Forwards(mlp())
+    x, y = classification_data(n=3)
+    ga.grads(ga.tasks.classification(counted), (x[:1], y[:1]), layers=["model.0"]).to_dense()
+    assert counted.calls == 1 + 1             # the capture's forward, then L([x, x])
+    counted.calls = 0
+    ga.grads(ga.tasks.classification(counted), (x, y), layers=["model.0"], batch_size=1).to_dense()
+    assert counted.calls == 3 + 1
+
+
+@pytest.mark.parametrize("known", [False, True])
+def test_one_example_check_forwards_and_verdicts(known):
+    """``Task.check_reduction`` on one example: the doubled batch and (without the capture's
+    loss) the example once; a mean declared a sum is still refused, the sum and the declared
+    mean pass."""
+    counted = Forwards(mlp())
+    x, y = classification_data(n=1)
+
+    def loss(reduction):
+        return lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction=reduction)
+
+    for fn, declared, refused in ((loss("sum"), "sum", False), (loss("mean"), "sum", True),
+                                  (loss("mean"), "mean", False)):
+        task = ga.Task(counted, fn, reduction=declared)
+        with torch.no_grad():
+            full = float(task.summed_loss(counted, (x, y))) if known else None
+        counted.calls = 0
+        if refused:
+            with pytest.raises(ga.LossReductionError, match="reduction='sum'"):
+                task.check_reduction((x, y), full_loss=full)
+        else:
+            task.check_reduction((x, y), full_loss=full)
+        assert counted.calls == (1 if known else 2)
