@@ -53,6 +53,7 @@ from .models import (as_worker_model, is_meta_model, make_ref, pack, register_cl
 from .progress import in_notebook, progress_bar
 from .resilience import PAYLOAD, FaultPolicy, run_tasks
 from ..plan.placement import Placement
+from ..proj import clear_caches as clear_projection_caches
 from .runner import ShardStrategy, check_reductions
 from .shards import shard_ranges
 from .state import RunState
@@ -85,7 +86,10 @@ def _run_shard(blob: bytes, start: int, stop: int) -> bytes:
         # the loss reduction was checked on the client (state.checked)
         ex = Executor(options, state=RunState(ops=dict(state.ops), kron=dict(state.kron),
                                               checked=set(state.checked)))
-        parts = ex.runner.feed_shard(step, data_token, start, stop, accs)
+        try:
+            parts = ex.runner.feed_shard(step, data_token, start, stop, accs)
+        finally:
+            clear_projection_caches()    # a long-lived worker keeps no plan's matrices after its shard
         seen = worker_models_seen()
         digests = {key: (seen[key], _worker_name()) for key in keys if key in seen}
         # rows returned (Chunk objects name their task) name the model by its key, not its weights

@@ -46,6 +46,7 @@ from ..expr import GradNode
 from ..fingerprint import is_meta_model
 from ..plan.placement import HERE, Placement
 from ..plan.planner import ROW_WISE, Pass, Plan, PlanError, stream_root
+from ..proj import clear_caches as clear_projection_caches
 from .allocator import ResidentGuard, peak_growth, peak_resident_bytes, release_free_memory, resident_bytes
 from .capture_pass import PassCapture, model_device_dtype
 from ..capture.chunks import Chunk
@@ -181,6 +182,13 @@ class PassRunner:
         if len(plan.placement) != len(plan.passes):
             raise PlanError(f"the plan places {len(plan.placement)} of its {len(plan.passes)} passes: run it with "
                             "Executor.run, which places it first")
+        try:
+            self._run_passes(plan)
+        finally:
+            clear_projection_caches()    # kept for this plan's passes (counted in its memory), not after
+        return plan
+
+    def _run_passes(self, plan: Plan) -> None:
         stats = self.ctx.pass_stats
         for index, (step, where) in enumerate(zip(plan.passes, plan.placement)):
             start, cpu0 = time.perf_counter(), time.process_time()
@@ -197,7 +205,6 @@ class PassRunner:
                 **peak_growth(rss0, mark0, mark1),
                 "held_bytes": self.ctx.state.held_bytes(),
             })
-        return plan
 
     def run_pass(self, step: Pass, where: Placement = HERE) -> None:
         if where.refusal is not None:

@@ -8,9 +8,20 @@ kind in :mod:`gradalg.proj.kinds`. See docs/projections.md.
 """
 from .projector import Projector, factgrass, gaussian, grass, kron, mask, rademacher, sparse, tensorsketch
 from .matrices import dense_matrix, kron_matrices
-from .sparse_tables import SJLT, factgrass_tables, global_mask, grass_tables, mask_indices, sjlt, tensorsketch_tables
+from .matrices import clear_caches as _clear_matrices
+from .sparse_tables import (SJLT, clear_tables, factgrass_tables, global_mask, grass_tables, mask_indices, sjlt,
+                            tensorsketch_tables)
+
+
+def clear_caches() -> None:
+    """Forget every projection matrix and index table this process keeps (the next use
+    draws them again, with the same numbers). The executors call it when a plan's run
+    ends, and a Dask worker after each shard: the plan counts them as held while it runs."""
+    _clear_matrices()
+    clear_tables()
+
 
 __all__ = ["Projector", "gaussian", "rademacher", "kron", "sparse", "mask", "grass", "factgrass",
            "tensorsketch", "tensorsketch_tables",
            "dense_matrix", "kron_matrices", "SJLT", "sjlt", "mask_indices", "grass_tables",
-           "factgrass_tables", "global_mask"]
+           "factgrass_tables", "global_mask", "clear_caches"]

@@ -2,10 +2,14 @@
 
 Drawn on the CPU in float64 from a generator seeded per block (and per part for
 Kronecker factors), then cast and moved, so results do not depend on the device or the
-process. Each matrix is kept (an LRU cache per process) in the dtype and on the device
-it is asked for: a projection applied chunk by chunk casts it once, not once per chunk
-(a (512, 85 k) matrix cast for every chunk of 32 rows was most of a dense projection's
-time). The cached tensors are shared: callers must not modify them in place.
+process. Each matrix is kept in the dtype and on the device it is asked for, for the run
+of one plan: a projection applied chunk by chunk casts it once, not once per chunk (a
+(512, 85 k) matrix cast for every chunk of 32 rows was most of a dense projection's time),
+and a pass draws each block's matrix once, however many blocks the model has (a cache of
+64 entries redrew every matrix at every batch of a model with more projected layers than
+that, while the plan priced one draw). The plan counts the kept matrices in its memory;
+the executor forgets them when a plan's run ends (:func:`gradalg.proj.clear_caches`). The
+cached tensors are shared: callers must not modify them in place.
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ def _device_key(device) -> str:
     return str(torch.device(device))
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=None)
 def _dense(projector: Projector, block_name: str, dim: int, dtype: torch.dtype, device: str) -> torch.Tensor:
     """The (k, dim) matrix drawn in float64 on the CPU, cast to ``dtype`` on ``device``
     once: the key holds the dtype and the device, so each form is its own entry and
@@ -59,7 +63,7 @@ def dense_matrix(projector: Projector, block_name: str, dim: int, *, dtype=torch
     return _dense(projector, block_name, dim, dtype, _device_key(device))
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=None)
 def _kron(projector: Projector, block_name: str, out: int, n_in: int, dtype: torch.dtype, device: str):
     k_out, k_in = projector.kron_shape(out, n_in)
     # a side that k does not reduce (k_out = out: k above the layer's size) is kept exact:

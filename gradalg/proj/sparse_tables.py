@@ -25,7 +25,8 @@ blocks' SJLTs, each drawn with its block's own seed: the columns of an SJLT are
 independent, so this *is* one (k, Σd) SJLT.
 
 Memory: an SJLT of d columns takes 5·d·s bytes (int32 rows, int8 signs), held in an
-LRU cache on the CPU and copied to the chunk's device at each use; the CPU kernel (a
+cache on the CPU for the run of one plan (:func:`gradalg.proj.clear_caches`) and copied to the
+chunk's device at each use; the CPU kernel (a
 weighted ``bincount``, :func:`gradalg.proj.kernels.sjlt_bincount`) reads them as they
 are (forming a (d,) int32 signed bin index per call, dropped after it). Its CSR form
 (:meth:`SJLT.csr`, 8·d·s bytes more) is built only when asked for.
@@ -167,7 +168,7 @@ def _subset(dim: int, size: int, gen: torch.Generator) -> torch.Tensor:
     return kept[:size].sort().values
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=None)
 def _sjlt_cpu(projector: Projector, block_name: str, dim: int, part: str) -> SJLT:
     gen = torch.Generator().manual_seed(projector.block_seed(block_name, part))
     k, s = projector.k, projector.s
@@ -179,7 +180,7 @@ def _sjlt_cpu(projector: Projector, block_name: str, dim: int, part: str) -> SJL
     return SJLT(rows, signs, k)
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=None)
 def _subset_cpu(projector: Projector, block_name: str, dim: int, size: int, part: str) -> torch.Tensor:
     gen = torch.Generator().manual_seed(projector.block_seed(block_name, part))
     return _subset(dim, size, gen)
@@ -233,7 +234,7 @@ def global_mask(projector: Projector, blocks: tuple[tuple[str, int], ...], block
     return positions.to(device), coords.to(device)
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=None)
 def _tensorsketch_cpu(projector: Projector, block_name: str, out: int, n_in: int):
     parts = []
     for part, m in (("ts-out", out), ("ts-in", n_in)):
@@ -249,3 +250,10 @@ def tensorsketch_tables(projector: Projector, block_name: str, out: int, n_in: i
     projection of an (out, in) block: coordinate (o, i) goes to row ``(h_out[o] + h_in[i])
     mod k`` with sign ``σ_out[o]·σ_in[i]``. Rows int64, signs int8 (9·(out + in) bytes)."""
     return tuple(t.to(device) for t in _tensorsketch_cpu(projector, block_name, out, n_in))
+
+
+def clear_tables() -> None:
+    """Forget every cached table (the next use builds it again, with the same numbers)."""
+    for cached in (_sjlt_cpu, _subset_cpu, _global_mask_cpu, _tensorsketch_cpu):
+        cached.cache_clear()
+
