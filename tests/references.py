@@ -85,3 +85,22 @@ def lm_default_names(model: nn.Module, blocks) -> list[str]:
     and the vocabulary layers, as blocks (a tied embedding/head once, by its first name)."""
     from gradalg.capture.hooks import resolve_layers
     return [r.name for r in resolve_layers(model, list(blocks) + vocabulary_names(model))]
+
+
+def run_one_rank(source: str, tmp_path, name: str = "one_rank.py", timeout: int = 300):
+    """Run ``source`` as a script in a fresh process, one thread, with this checkout on
+    ``PYTHONPATH`` and a free local port as ``sys.argv[1]`` (for a one-rank gloo group:
+    ``MASTER_PORT``). Returns the ``subprocess.CompletedProcess`` (stdout and stderr as text)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = Path(tmp_path) / name
+    script.write_text(source)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(script), str(port)], capture_output=True, text=True, env=env,
+                          timeout=timeout)

@@ -16,7 +16,7 @@ from torch import nn
 
 import gradalg as ga
 from gradalg.errors import OptionError
-from references import block_rows, one_thread  # noqa: F401 - fixture
+from references import block_rows, one_thread, run_one_rank  # noqa: F401 - fixture
 
 F64 = torch.float64
 
@@ -164,17 +164,5 @@ def test_a_write_into_an_fsdp2_moments_local_shard_is_refused(tmp_path):
     check read (the DTensor view's counters are its own), so the moments read afterwards
     were the new ones under a plan made for the old (a silently wrong number). One rank,
     gloo, in a fresh process."""
-    import os
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = tmp_path / "moment_write.py"
-    script.write_text(_FSDP2_MOMENT_WRITE)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, str(script), str(port)], capture_output=True, text=True, env=env,
-                         timeout=300)
+    out = run_one_rank(_FSDP2_MOMENT_WRITE, tmp_path, "moment_write.py")
     assert out.returncode == 0 and out.stdout.strip().endswith("refused"), (out.stdout[-500:], out.stderr[-2000:])

@@ -2,11 +2,7 @@
 would let a store match a model it was not written from (a silently wrong number)."""
 from __future__ import annotations
 
-import os
-from pathlib import Path
-import socket
-import subprocess
-import sys
+from references import run_one_rank
 
 _DTENSOR_WRITES = r'''
 import os, sys, torch, torch.distributed as dist
@@ -34,12 +30,5 @@ def test_a_dtensor_written_through_its_local_shard_gets_a_new_digest(tmp_path):
     DTensor's version counter (nor a step on the DTensor its shard's), so a digest cached by
     the DTensor's counter alone stayed the old weights' (a store would match a changed model).
     One rank, gloo, in a fresh process."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = tmp_path / "dtensor_writes.py"
-    script.write_text(_DTENSOR_WRITES)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, str(script), str(port)], capture_output=True, text=True, env=env,
-                         timeout=300)
+    out = run_one_rank(_DTENSOR_WRITES, tmp_path, "dtensor_writes.py")
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
