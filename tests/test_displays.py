@@ -170,11 +170,57 @@ def test_explain_shows_the_operator_rules_resolution_will_apply(no_benchmark):
     assert "- kfac → damp(λ=0.01) → inverse: kronecker.damp_in_eigenbasis, kronecker.invert_eigenvalues" in text
     # in the HTML each rule name shows its math on hover
     math = html.escape(describe_rule("kronecker.invert_eigenvalues"))
-    assert ("<li>kfac → damp(λ=0.01) → inverse: <b title='" in page
-            and f"<b title='{math}'>kronecker.invert_eigenvalues</b></li>" in page)
+    assert ("<td>kfac → damp(λ=0.01) → inverse</td><td><b title='" in page
+            and f"<br><b title='{math}'>kronecker.invert_eigenvalues</b></td>" in page)
     assert explained.to_dict()["operator_rules"] == rows
     # a structure that cannot do the operation shows its refusal, before any pass
     refused = (Q @ ga.gauss_newton(task, (X, y)).damp(0.1).pow(-0.5) @ G.T).explain(stage="simplified").operators()
     assert refused[0]["rules"] == [] and "ga.arnoldi" in refused[0]["refused"]
     # a plain inner product has no operator to resolve: no section
     assert "operator rules" not in str((Q @ G.T).explain(stage="simplified"))
+
+
+def _leftover(line: str, pieces) -> str:
+    """``line`` without any of ``pieces`` (longest first): what in it comes from nowhere else."""
+    for piece in sorted(set(pieces) - {""}, key=len, reverse=True):
+        line = line.replace(piece, "\0")    # a mark, so that what is left around a piece does not join up
+    return line.replace("\0", "").strip()
+
+
+def test_text_and_html_show_the_same_cells(no_benchmark):
+    """Both renderings lay out one model (``Explain.sections()``): the HTML's tables hold exactly
+    the model's column names and cells, and the text line of each row is its cells in the columns'
+    templates and nothing else, so a column added to one renderer only fails."""
+    import string
+    from dataclasses import replace
+
+    from gradalg.devices import PRESETS
+    from gradalg.plan.explain import Explain, Table
+
+    plan = dict(snapshot_expressions())["projected_influence_mlp"].explain(device="a100", memory_budget=2**30).plan
+    small = replace(PRESETS["a100"], name="small GPU", memory=2e3)   # one example per GPU does not fit
+    measured = [{"seconds": 0.02, "held_bytes": 3e3, "peak_rss_growth_bytes": 9e4, "peak_rss_is_bound": True}]
+    explained = Explain(plan, measured, gpus=(1, 8), device=small)    # pass 0 measured, the others not
+    text, page, lines = str(explained), explained._repr_html_(), str(explained).splitlines()
+    tables = [part for s in explained.sections() for part in s.parts if isinstance(part, Table) and part.rows]
+    names = [[c.name for c, _ in t.shown()] for t in tables]
+    assert len(tables) == 5 and "meas/est" in names[3] and "why" in names[4], names  # rules, operators, ..., scale
+    pages = re.findall(r"<table class='ga-table'>(.*?)</table>", page)
+    assert len(pages) == len(tables)
+
+    def cell(td):   # an HTML cell's parts, as text
+        return tuple(html.unescape(re.sub(r"<[^>]+>", "", x)) for x in td.split("<br>"))
+    for table, shown_page in zip(tables, pages):
+        shown = table.shown()
+        assert [html.unescape(x) for x in re.findall(r"<th[^>]*>(.*?)</th>", shown_page)] == [c.name for c, _ in shown]
+        html_rows = [tuple(map(cell, re.findall(r"<td>(.*?)</td>", tr))) for tr in re.findall(r"<tr>(.*?)</tr>",
+                                                                                               shown_page)[1:]]
+        assert html_rows == [tuple(cells[j] for _, cells in shown) for j in range(len(table.rows))]
+        literals = [lit for c, _ in shown for lit, *_ in string.Formatter().parse(c.text)] + [c.sep for c, _ in shown]
+        if table.header:
+            assert any(not _leftover(line, [c.name for c, _ in shown]) for line in lines), table.columns
+        for j in range(len(table.rows)):
+            inline = [x for c, cells in shown if not c.below for x in cells[j] if x]
+            line = next((line for line in lines if all(x in line for x in inline)), None)
+            assert line is not None and not _leftover(line, inline + literals), (inline, line)
+            assert all(x in text for c, cells in shown if c.below for x in cells[j])

@@ -16,14 +16,18 @@ their share of the trainable parameters, and what is left out (:meth:`Explain.co
 Plus, for planning at scale, estimated time and memory per GPU for 1, 4 and 8 GPUs
 (``gpus=``, ``device=``). ``to_dict()`` exports everything as plain data.
 
-One row model, two renderers: ``summary()``, ``stages()``, ``operators()``, ``decisions()``,
-``passes()`` and ``scale()`` build the content once; ``__str__`` and ``_repr_html_`` only lay it out
-(a ``_text_<stage>`` and an ``_html_<stage>`` method per stage), so ``stage=`` keeps the
-same single stage in both.
+One model, two renderers. ``operators()``, ``decisions()``, ``passes()`` and ``scale()`` are
+the plan's records as plain rows (``to_dict()`` exports them); :meth:`Explain.sections` builds
+each stage shown once from them, as a :class:`Section`: its title, then tables of rows ×
+named columns (:class:`Table`, :class:`Column`), trees and lines. ``__str__`` and
+``_repr_html_`` only lay the sections out (:func:`_text_part`, :func:`_html_part`): every
+column of a table is in both, so ``stage=`` shows the same single stage in both, with the
+same cells.
 """
 from __future__ import annotations
 
 import html
+import textwrap
 from dataclasses import dataclass, field
 
 import torch
@@ -44,23 +48,16 @@ from .scale import scale_estimates
 __all__ = ["Explain"]
 
 
-def _space_of(node):
-    """The parameter space a node's blocks live in (a score's: its operands'), or None."""
-    space = getattr(node, "space", None)
-    if space is None and hasattr(node, "left"):
-        space = getattr(node.left, "space", None)
-    return space
-
-
 def decision_title(d: Decision, nodes: dict) -> str:
     """What ``d`` decided, as a reader names it, from its fields: its kind's title with its
     subject's label, and its block named by module path, kind and shape
-    (``block 0 (linear 16×9)``) when ``nodes`` ({token: node}) knows the subject's space."""
-    if d.block is None:
-        return d.title()
-    space = _space_of(nodes.get(d.subject)) if isinstance(d.subject, str) else None
+    (``block 0 (linear 16×9)``) when ``nodes`` ({token: node}) knows the space of the
+    subject's blocks (a score's: its operands')."""
+    node = nodes.get(d.subject) if isinstance(d.subject, str) else None
+    space = getattr(node, "space", None)
+    space = getattr(getattr(node, "left", None), "space", None) if space is None else space
     try:
-        return d.title(block_label(space[d.block]) if space is not None else None)
+        return d.title(block_label(space[d.block]) if d.block is not None and space is not None else None)
     except KeyError:    # a block its subject's space does not name: shown by its name
         return d.title()
 
@@ -84,20 +81,6 @@ def _fmt_seconds(s: float) -> str:
     return f"{s * 1e3:.3g} ms"
 
 
-def _pages(above: float) -> str:
-    """When rows dropped block by block return free pages (``release_memory_above``)."""
-    return "never per dropped block" if above == float("inf") else f"per {_si(above)}B of dropped blocks"
-
-
-def _fmt_ratio(r: float) -> str:
-    """measured / estimated, as ``1.3×``."""
-    return f"{r:.2f}×" if r == r and r != float("inf") else "-"
-
-
-def _fmt_alt(v) -> str:
-    return _fmt_seconds(v) if isinstance(v, (int, float)) else str(v)
-
-
 @dataclass
 class Explain:
     """A plan ready to display. ``analyzed`` holds measured per-pass stats, if run."""
@@ -114,32 +97,22 @@ class Explain:
         if len(self.plan.placement) != len(self.plan.passes) and hasattr(self.executor, "shards"):
             self.plan = place_passes(self.plan, self.executor.shards)
 
-    # ---- data -------------------------------------------------------------------
-    def _nodes(self) -> dict:
-        """Every node of the plan's trees by token (to name a decision's blocks)."""
-        out = {}
-        for tree in (self.plan.logical, self.plan.simplified):
-            for node in tree.walk():
-                out.setdefault(node.token, node)
-        return out
-
+    # ---- the plan's records as plain rows ----------------------------------------
     def coverage(self) -> list:
         """The :class:`~gradalg.capture.coverage.Coverage` of each distinct (model, layers)
         the plan captures gradients of: attributed trainable parameters (each counted once)
         against the model's, and what is left out. Recomputed from module shapes, no data."""
-        out, seen = [], set()
+        captured = {}   # (model id, layers, backend) -> (model, layers, backend, the task's default selection)
         for node in self.plan.logical.walk():
             task, layers = getattr(node, "task", None), getattr(node, "layers", None)
-            model = getattr(task, "model", None)
-            if not isinstance(model, torch.nn.Module) or not isinstance(layers, tuple):
-                continue
-            backend = getattr(node, "backend", "hooks")
-            key = (id(model), layers, backend)
-            if key in seen:
-                continue
-            seen.add(key)
+            model, backend = getattr(task, "model", None), getattr(node, "backend", "hooks")
+            if isinstance(model, torch.nn.Module) and isinstance(layers, tuple):
+                captured.setdefault((id(model), layers, backend),
+                                    (model, layers, backend, getattr(task, "default_layers", None)))
+        out = []
+        for args in captured.values():
             try:
-                out.append(layer_coverage(model, layers, backend, getattr(task, "default_layers", None)))
+                out.append(layer_coverage(*args))
             except (GradalgError, KeyError):   # a display never raises: the plan itself reports bad layers
                 continue
         return out
@@ -157,10 +130,13 @@ class Explain:
         """Each decision as plain data (:meth:`~gradalg.plan.decisions.Decision.to_dict`:
         kind, subject, block, chosen, alternatives, reason), with ``what`` its title as the
         displays show it (blocks named by module path, kind and shape)."""
-        nodes = self._nodes()
+        nodes = {}   # every node of the plan's trees by token (to name a decision's blocks)
+        for node in (*self.plan.logical.walk(), *self.plan.simplified.walk()):
+            nodes.setdefault(node.token, node)
         return [{**d.to_dict(), "what": decision_title(d, nodes)} for d in self.plan.decisions]
 
     def passes(self) -> list[dict]:
+        """Each pass with its estimates and, where it was measured (``analyze=True``), its measurements."""
         out = []
         for i, p in enumerate(self.plan.passes):
             row = {"pass": i, "reads": p.label, "jobs": [j.describe() for j in p.jobs],
@@ -170,234 +146,240 @@ class Explain:
                 row["distributed"] = self.executor.describe_pass(p, dict(enumerate(self.plan.placement)).get(i))
             if i < len(self.analyzed):
                 stats = self.analyzed[i]
-                row["measured_seconds"] = stats["seconds"]
+                # ratio, measured / estimated: 1 is a true estimate, 2 a pass twice as slow as planned;
+                # rss_is_bound: an earlier peak hid this pass's own, its growth is at most the number given
+                row.update(measured_seconds=stats["seconds"],
+                           ratio=stats["seconds"] / p.seconds if p.seconds > 0 else float("inf"),
+                           measured_held_bytes=stats["held_bytes"],
+                           measured_rss_growth_bytes=stats["peak_rss_growth_bytes"],
+                           measured_rss_is_bound=stats.get("peak_rss_is_bound", False))
                 if "cpu_seconds" in stats:
                     row["measured_cpu_seconds"] = stats["cpu_seconds"]
-                # measured / estimated: 1 is a true estimate, 2 a pass twice as slow as planned
-                row["ratio"] = stats["seconds"] / p.seconds if p.seconds > 0 else float("inf")
-                row["measured_held_bytes"] = stats["held_bytes"]
-                row["measured_rss_growth_bytes"] = stats["peak_rss_growth_bytes"]
-                # True: an earlier peak hid this pass's own; its growth is at most the number above
-                row["measured_rss_is_bound"] = stats.get("peak_rss_is_bound", False)
                 if "calls" in stats:   # a products pass: its seconds are over every call of its solver
-                    row["measured_calls"] = stats["calls"]
                     # its estimate is for the solver's bound on the calls: compare one call with one
-                    bound = max(1, getattr(p.jobs[0], "calls", 1))
-                    row["estimated_call_seconds"] = p.seconds / bound
+                    row.update(measured_calls=stats["calls"],
+                               estimated_call_seconds=p.seconds / max(1, getattr(p.jobs[0], "calls", 1)))
                     if stats["calls"]:
                         row["measured_call_seconds"] = stats["seconds"] / stats["calls"]
                         row["ratio"] = row["measured_call_seconds"] / max(row["estimated_call_seconds"], 1e-12)
             out.append(row)
         return out
 
+    def scale(self) -> list[dict]:
+        """Time and memory per GPU for each count of ``gpus`` on ``device`` (:mod:`~gradalg.plan.scale`)."""
+        return scale_estimates(self.plan, self.gpus, self.device) if self.device else []
+
     def to_dict(self) -> dict:
+        p = self.plan
         return {
-            "device": self.plan.device.name, "device_measured": self.plan.device.measured,
-            "device_calibration": {k: getattr(self.plan.device, k) for k in CALIBRATION},
-            "memory_budget": self.plan.options.memory_budget,
-            "memory_budget_source": self.plan.budget.to_dict() if self.plan.budget else None,
-            "rules_fired": [f.__dict__ for f in self.plan.fired], "decisions": self.decisions(),
-            "operator_rules": self.operators(),
-            "coverage": [c.to_dict() for c in self.coverage()],
-            "passes": self.passes(), "passes_over_data": self.plan.data_passes,
-            "budget_headroom": self.plan.options.budget_headroom, "estimated_seconds": self.plan.seconds, "estimated_peak_bytes": self.plan.peak_bytes,
-            "scale": self.scale(),
+            "device": p.device.name, "device_measured": p.device.measured,
+            "device_calibration": {k: getattr(p.device, k) for k in CALIBRATION},
+            "memory_budget": p.options.memory_budget, "memory_budget_source": p.budget.to_dict() if p.budget else None,
+            "rules_fired": [f.__dict__ for f in p.fired], "decisions": self.decisions(),
+            "operator_rules": self.operators(), "coverage": [c.to_dict() for c in self.coverage()],
+            "passes": self.passes(), "passes_over_data": p.data_passes, "budget_headroom": p.options.budget_headroom,
+            "estimated_seconds": p.seconds, "estimated_peak_bytes": p.peak_bytes, "scale": self.scale(),
             "warning": self.warning,
         }
 
-    def _cost_line(self) -> str:
-        """The trees' header: this plan's estimate (its options and device), not a re-plan."""
-        return "estimated cost: " + self.plan.total.describe()
-
-    # ---- the row model both renderers read --------------------------------------
     def summary(self) -> str:
         """The header line: device, budget, passes over data and the plan's estimates."""
-        p = self.plan
+        p, above = self.plan, self.plan.options.release_memory_above   # when rows dropped block by block free pages
         budget = p.budget.describe() if p.budget else f"{_si(p.options.memory_budget)}B"
         return (f"device {p.device.name}, memory budget {budget}, refusals suggest "
                 f"{1 + p.options.budget_headroom:g}× the need (budget_headroom), {p.data_passes} pass(es) over data, est. {_fmt_seconds(p.seconds)}, peak ~{_si(p.peak_bytes)}B; free "
                 f"pages returned past {p.options.release_growth:g}× a batch's (release_growth) and "
-                f"{_pages(p.options.release_memory_above)} (release_memory_above)")
+                f"{'never per dropped block' if above == float('inf') else f'per {_si(above)}B of dropped blocks'}"
+                " (release_memory_above)")
 
+    # ---- the sections: one table model per stage ---------------------------------
     def stages(self) -> list[str]:
         """The stages shown, in order: all of them, or only ``stage`` (``"scale"`` needs ``device``)."""
         keys = ["logical", "simplified", "costed", "physical"] + (["scale"] if self.device else [])
         return [k for k in keys if self.stage in (None, k)]
 
-    def scale(self) -> list[dict]:
-        return scale_estimates(self.plan, self.gpus, self.device) if self.device else []
-
-    # ---- text -------------------------------------------------------------------
-    def __str__(self) -> str:
-        lines = [f"gradalg plan — {self.summary()}"]
-        if self.warning:
-            lines.append(f"! {self.warning}")
-        lines += [c.describe() for c in self.coverage()]
-        for key in self.stages():
-            lines += ["", *getattr(self, f"_text_{key}")()]
+    def sections(self) -> list[Section]:
+        """The stages shown (:meth:`stages`), each built once from the rows above as a
+        :class:`Section`, and with a planner ``stage=`` (``"decide"``, ...) its record."""
+        shown = [getattr(self, f"_{key}")() for key in self.stages()]
         if self.stage in STAGES:   # one of the planner's own stages: its record
-            lines += ["", f"planner stage {self.stage}", self.plan.explain(self.stage)]
+            shown.append(Section(f"planner stage {self.stage}", (self.plan.explain(self.stage),)))
+        return shown
+
+    def _cost_line(self) -> str:
+        """The trees' header: this plan's estimate (its options and device), not a re-plan."""
+        return "estimated cost: " + self.plan.total.describe()
+
+    def _logical(self) -> Section:
+        return Section("1. logical", ((self.plan.logical, "expression", self._cost_line()),), bool(self.stage))
+
+    def _simplified(self) -> Section:
+        p, operators = self.plan, self.operators()
+        fired = Table((Column("rule", "- {}"), Column("before", ": {}"), Column("after", " → {}"),
+                       Column("why", "  ({})")), [(f.rule, f.before, f.after, f.why) for f in p.fired])
+        tree = ((p.simplified, "simplified", self._cost_line()),) if p.fired else ()
+        rules = Table((Column("operator", "- {}"), Column("rules", ": {}", sep=", ")),
+                      [(r["operator"], f"refused: {r['refused']}" if r["refused"] else tuple(r["rules"]) or "no rule")
+                       for r in operators],
+                      caption="operator rules (by structure, applied when each operator is resolved):",
+                      hover={name: math for r in operators for name, math in r["math"].items()})
+        return Section(f"2. simplified (rules fired: {', '.join(f.rule for f in p.fired) or 'none'})",
+                       (fired, *tree, rules), bool(self.stage))
+
+    def _costed(self) -> Section:
+        columns = (Column("what", "- {}"), Column("chosen", ": chose {}"), Column("alternatives (est.)", "  [{}]"),
+                   Column("why", "    {}", below=True))
+        rows = [(d["what"], d["chosen"], tuple(f"{k}: {_fmt_seconds(v) if isinstance(v, (int, float)) else v}"
+                                               for k, v in d["alternatives"].items()), d["reason"])
+                for d in self.decisions()]
+        return Section("3. costed decisions", (Table(columns, rows),))
+
+    def _physical(self) -> Section:
+        columns = [Column("#", "{:>2}"), Column("reads", "  {:<38}"), Column("batch", " {:>5}"),
+                   Column("est FLOP", " {:>10}"), Column("est time", " {:>10}"), Column("est peak", " {:>9}")]
+        if self.analyzed:
+            columns += [Column("measured", " {:>10}", hover="measured time of the pass"),
+                        Column("meas/est", " {:>8}", hover="measured / est.: 1.00× is a true estimate"),
+                        Column("held", " {:>9}", hover="bytes of rows held in memory after the pass"),
+                        Column("meas peak", " {:>10}", hover="measured peak: resident growth over the pass; ≤: an "
+                                                             "earlier peak hid this pass's own (an upper bound)")]
+        rows = []
+        for r in self.passes():
+            row = (str(r["pass"]), r["reads"], str(r["batch_size"] or "-"), f"{_si(r['flops'])}FLOP",
+                   _fmt_seconds(r["seconds"]), f"{_si(r['peak_bytes'])}B")
+            if self.analyzed:   # a pass not measured shows "-", never 0
+                growth = r.get("measured_rss_growth_bytes")
+                row += ((_fmt_seconds(r["measured_seconds"]), f"{r['ratio']:.2f}×" if 0 <= r["ratio"] < float("inf")
+                         else "-", f"{_si(r['measured_held_bytes'])}B", "-" if growth is None else
+                         ("≤" if r["measured_rss_is_bound"] else "") + f"{_si(growth)}B")
+                        if "measured_seconds" in r else ("-",) * 4)
+            rows.append((*row, (*(f"· {job}" for job in r["jobs"]), *_measured_calls(r),
+                                *([f"! {r['note']}"] if r["note"] else []),
+                                *([f"⇉ {r['distributed']}"] if r.get("distributed") else []))))
+        table = Table((*columns, Column("jobs", "     {}", below=True)), rows, header=True)
+        return Section("4. physical passes", (self.plan.device.calibration(), table))
+
+    def _scale(self) -> Section:
+        columns = (Column("GPUs", "{} GPU(s)"), Column("time", ": {}"), Column("memory per GPU", ", {} per GPU"),
+                   Column("note", "  ({})"), Column("why", "   {}", below=True))
+        rows = [(str(r["gpus"]), _fmt_seconds(r["seconds"]), f"{_si(r['memory_per_gpu'])}B",
+                 *(("", "") if r["fits"] else ("does not fit", r["why"]))) for r in self.scale()]
+        return Section(f"5. at scale on {profile(self.device).name} (estimates)", (Table(columns, rows),))
+
+    # ---- the two renderers ---------------------------------------------------------
+    def __str__(self) -> str:
+        lines = [f"gradalg plan — {self.summary()}", *([f"! {self.warning}"] if self.warning else []),
+                 *(c.describe() for c in self.coverage())]
+        for section in self.sections():
+            lines += ["", section.title, *(line for part in section.parts for line in _text_part(part))]
         return "\n".join(lines)
 
     __repr__ = __str__
 
-    def _text_logical(self) -> list[str]:
-        return ["1. logical", text_tree(self.plan.logical, "expression", self._cost_line())]
-
-    def _text_simplified(self) -> list[str]:
-        p = self.plan
-        fired = ", ".join(f"{f.rule}" for f in p.fired) or "none"
-        lines = [f"2. simplified (rules fired: {fired})"]
-        lines += [f"   - {f.rule}: {f.before} → {f.after}  ({f.why})" for f in p.fired]
-        if p.fired:
-            lines.append(text_tree(p.simplified, "simplified", self._cost_line()))
-        operators = self.operators()
-        if operators:
-            lines.append("   operator rules (by structure, applied when each operator is resolved):")
-        for row in operators:
-            lines.append(f"   - {row['operator']}: "
-                         + (f"refused: {row['refused']}" if row["refused"] else ", ".join(row["rules"]) or "no rule"))
-        return lines
-
-    def _text_costed(self) -> list[str]:
-        lines = ["3. costed decisions"]
-        for d in self.decisions():
-            alts = "; ".join(f"{k}: {_fmt_alt(v)}" for k, v in d["alternatives"].items())
-            lines.append(f"   - {d['what']}: chose {d['chosen']}  [{alts}]")
-            if d["reason"]:
-                lines.append(f"       {d['reason']}")
-        return lines
-
-    def _text_physical(self) -> list[str]:
-        lines = ["4. physical passes", f"   {self.plan.device.calibration()}"]
-        header = f"   {'#':>2}  {'reads':<38} {'batch':>5} {'est FLOP':>10} {'est time':>10} {'est peak':>9}"
-        if self.analyzed:
-            header += f" {'measured':>10} {'meas/est':>8} {'held':>9} {'meas peak':>10}"
-        lines.append(header)
-        for row in self.passes():
-            line = (f"   {row['pass']:>2}  {row['reads'][:38]:<38} {str(row['batch_size'] or '-'):>5} "
-                    f"{_si(row['flops']) + 'FLOP':>10} {_fmt_seconds(row['seconds']):>10} "
-                    f"{_si(row['peak_bytes']) + 'B':>9}")
-            if "measured_seconds" in row:
-                line += (f" {_fmt_seconds(row['measured_seconds']):>10} {_fmt_ratio(row['ratio']):>8}"
-                         f" {_si(row['measured_held_bytes']) + 'B':>9} {_measured_peak(row):>10}")
-            lines.append(line)
-            lines += [f"        · {job}" for job in row["jobs"]]
-            if "measured_calls" in row:
-                lines.append(f"        {_measured_calls(row)}")
-            if row["note"]:
-                lines.append(f"        ! {row['note']}")
-            if row.get("distributed"):
-                lines.append(f"        ⇉ {row['distributed']}")
-        return lines
-
-    def _text_scale(self) -> list[str]:
-        lines = [f"5. at scale on {profile(self.device).name} (estimates)"]
-        for r in self.scale():
-            lines.append(f"   {r['gpus']} GPU(s): {_fmt_seconds(r['seconds'])}, {_si(r['memory_per_gpu'])}B per GPU"
-                         + ("" if r["fits"] else "  (does not fit)"))
-            if not r["fits"]:
-                lines.append(f"      {r['why']}")
-        return lines
-
-    # ---- HTML -------------------------------------------------------------------
     def _repr_html_(self) -> str:
         from ..viz.html import _css
         esc = html.escape
         parts = [f"<style>{_css()}</style><div class='ga-expr'>",
-                 f"<div class='ga-head'>gradalg plan <span class='ga-cost'>{esc(self.summary())}</span></div>"]
-        if self.warning:
-            parts.append(f"<div class='ga-warning'>⚠ {esc(self.warning)}</div>")
-        parts += [f"<div class='ga-coverage'>{'<br>'.join(esc(x) for x in c.describe().splitlines())}</div>"
-                  for c in self.coverage()]
-        parts += [getattr(self, f"_html_{key}")() for key in self.stages()]
-        if self.stage in STAGES:
-            parts.append(f"<details open><summary>planner stage {self.stage}</summary>"
-                         f"<pre>{html.escape(self.plan.explain(self.stage))}</pre></details>")
-        parts.append("</div>")
-        return "".join(parts)
+                 f"<div class='ga-head'>gradalg plan <span class='ga-cost'>{esc(self.summary())}</span></div>",
+                 *([f"<div class='ga-warning'>⚠ {esc(self.warning)}</div>"] if self.warning else []),
+                 *(f"<div class='ga-coverage'>{'<br>'.join(map(esc, c.describe().splitlines()))}</div>"
+                   for c in self.coverage())]
+        parts += [f"<details{' open' if s.open else ''}><summary>{esc(s.title)}</summary>"
+                  + "".join(map(_html_part, s.parts)) + "</details>" for s in self.sections()]
+        return "".join(parts) + "</div>"
 
-    def _html_logical(self) -> str:
+
+@dataclass(frozen=True)
+class Column:
+    """A named column of a :class:`Table`. A text line shows a non-empty cell as
+    ``text.format(cell)`` (``": chose {}"``, ``" {:>10}"``), a cell's parts joined by ``sep``;
+    a ``below`` column shows each part on a line of its own under the row. ``hover``: the
+    HTML header's explanation on mouse-over."""
+
+    name: str
+    text: str = "{}"
+    sep: str = "; "
+    below: bool = False
+    hover: str = ""
+
+
+@dataclass(frozen=True)
+class Table:
+    """Rows × named columns: each row a tuple of cells in ``columns``' order, a cell a string
+    or a tuple of parts (``hover``: part → its math, shown on mouse-over in the HTML). The
+    text shows one line per row (under a line of the columns' names when ``header``), the
+    HTML a table."""
+
+    columns: tuple[Column, ...]
+    rows: list[tuple]
+    header: bool = False
+    caption: str = ""
+    hover: dict = field(default_factory=dict)
+
+    def shown(self) -> list[tuple[Column, list[tuple]]]:
+        """What both renderers show: each column with a non-empty cell, and its cells as tuples of parts."""
+        columns = [(c, [row[i] if isinstance(row[i], tuple) else (row[i],) for row in self.rows])
+                   for i, c in enumerate(self.columns)]
+        return [(c, cells) for c, cells in columns if any(any(cell) for cell in cells)]
+
+
+@dataclass(frozen=True)
+class Section:
+    """One stage as shown: its title and its parts, in order: tables (:class:`Table`), trees
+    (``(node, name, cost line)``) and plain text (a record, a calibration line)."""
+
+    title: str
+    parts: tuple
+    open: bool = True
+
+
+def _text_part(part) -> list[str]:
+    """A section's part as text lines: a table's rows, a tree, or text indented by three spaces."""
+    if isinstance(part, str):
+        return [textwrap.indent(part, "   ")]
+    if not isinstance(part, Table):
+        return [text_tree(*part)]
+    shown = part.shown()
+    if not shown:
+        return []
+    lines = [f"   {part.caption}"] if part.caption else []
+    if part.header:
+        lines.append("   " + "".join(c.text.format(c.name) for c, _ in shown if not c.below))
+    for j in range(len(part.rows)):
+        lines.append("   " + "".join(c.text.format(c.sep.join(cells[j])) for c, cells in shown
+                                     if not c.below and any(cells[j])))
+        lines += ["   " + c.text.format(x) for c, cells in shown if c.below for x in cells[j] if x]
+    return lines
+
+
+def _html_part(part) -> str:
+    """A section's part as HTML: a table (the same columns and cells as the text), a tree, or text."""
+    esc = html.escape
+    if isinstance(part, str):
+        return f"<pre class='ga-cost' style='white-space: pre-wrap'>{esc(part)}</pre>"
+    if not isinstance(part, Table):
         from ..viz.html import html_tree
-        return (f"<details{' open' if self.stage else ''}><summary>1. logical</summary>"
-                f"{html_tree(self.plan.logical, 'expression', self._cost_line())}</details>")
+        return html_tree(*part)
+    shown = part.shown()
+    if not shown:
+        return ""
 
-    def _html_simplified(self) -> str:
-        from ..viz.html import html_tree
-        p, esc = self.plan, html.escape
-        fired = "".join(f"<li><b>{esc(f.rule)}</b>: {esc(f.before)} → {esc(f.after)} <i>{esc(f.why)}</i></li>"
-                        for f in p.fired) or "<li>no rule fired</li>"
-        operators = "".join(
-            f"<li>{esc(row['operator'])}: "
-            + (f"<i>refused: {esc(row['refused'])}</i>" if row["refused"]
-               else ", ".join(f"<b title='{esc(row['math'][r])}'>{esc(r)}</b>" for r in row["rules"]) or "no rule") + "</li>"
-            for row in self.operators())
-        if operators:
-            operators = ("<div>operator rules (by structure, applied when each operator is resolved):</div>"
-                         f"<ul>{operators}</ul>")
-        return (f"<details{' open' if self.stage else ''}><summary>2. simplified ({len(p.fired)} rewrites)"
-                f"</summary><ul>{fired}</ul>"
-                f"{html_tree(p.simplified, 'simplified', self._cost_line()) if p.fired else ''}{operators}"
-                "</details>")
-
-    def _html_costed(self) -> str:
-        esc = html.escape
-        rows = "".join(
-            f"<tr><td>{esc(d['what'])}</td><td><b>{esc(d['chosen'])}</b></td><td>"
-            + "<br>".join(f"{esc(k)}: {esc(_fmt_alt(v))}" for k, v in d["alternatives"].items())
-            + f"</td><td>{esc(d['reason'])}</td></tr>" for d in self.decisions())
-        return ("<details open><summary>3. costed decisions</summary><table class='ga-table'><tr><th>what"
-                "</th><th>chosen</th><th>alternatives (est.)</th><th>why</th></tr>" + rows + "</table></details>")
-
-    def _html_physical(self) -> str:
-        esc = html.escape
-        measured = bool(self.analyzed)
-        head_row = ("<tr><th>#</th><th>reads</th><th>jobs</th><th>batch</th><th>est FLOP</th><th>est time</th>"
-                    "<th>est peak</th>" + ("<th>measured time</th><th>measured / est.</th><th>held</th>"
-                                           "<th title='resident growth over the pass; ≤: an earlier peak hid "
-                                           "this pass&#39;s own'>measured peak</th>"
-                                           if measured else "") + "</tr>")
-        body = ""
-        for row in self.passes():
-            body += (f"<tr><td>{row['pass']}</td><td>{esc(row['reads'])}</td><td>"
-                     + "<br>".join(esc(j) for j in row["jobs"])
-                     + (f"<br><i>{esc(row['note'])}</i>" if row["note"] else "")
-                     + (f"<br>⇉ {esc(row['distributed'])}" if row.get("distributed") else "")
-                     + (f"<br>{esc(_measured_calls(row))}" if "measured_calls" in row else "")
-                     + f"</td><td>{row['batch_size'] or '-'}</td><td>{_si(row['flops'])}FLOP</td>"
-                     f"<td>{_fmt_seconds(row['seconds'])}</td><td>{_si(row['peak_bytes'])}B</td>")
-            if measured:
-                body += (f"<td>{_fmt_seconds(row.get('measured_seconds', 0))}</td>"
-                         f"<td>{_fmt_ratio(row.get('ratio', float('nan')))}</td>"
-                         f"<td>{_si(row.get('measured_held_bytes', 0))}B</td>"
-                         f"<td>{html.escape(_measured_peak(row))}</td>")
-            body += "</tr>"
-        return (f"<details open><summary>4. physical passes</summary><table class='ga-table'>{head_row}{body}"
-                f"</table><div class='ga-cost'>{esc(self.plan.device.calibration())}</div></details>")
-
-    def _html_scale(self) -> str:
-        esc = html.escape
-        rows = "".join(f"<tr><td>{r['gpus']}</td><td>{_fmt_seconds(r['seconds'])}</td>"
-                       f"<td>{_si(r['memory_per_gpu'])}B</td><td>{'yes' if r['fits'] else 'no: ' + esc(r['why'])}</td></tr>"
-                       for r in self.scale())
-        return (f"<details open><summary>5. at scale on {esc(profile(self.device).name)}</summary>"
-                "<table class='ga-table'><tr><th>GPUs</th><th>time</th><th>memory per GPU</th><th>fits"
-                f"</th></tr>{rows}</table></details>")
+    def hovered(x: str) -> str:   # a part with its math on mouse-over (an operator rule)
+        return f"<b title='{esc(part.hover[x])}'>{esc(x)}</b>" if x in part.hover else esc(x)
+    head = "".join((f"<th title='{esc(c.hover)}'>" if c.hover else "<th>") + f"{esc(c.name)}</th>" for c, _ in shown)
+    body = "".join("<tr>" + "".join(f"<td>{'<br>'.join(map(hovered, cells[j]))}</td>" for _, cells in shown)
+                   + "</tr>" for j in range(len(part.rows)))
+    caption = f"<div>{esc(part.caption)}</div>" if part.caption else ""
+    return f"{caption}<table class='ga-table'><tr>{head}</tr>{body}</table>"
 
 
-def _measured_calls(row: dict) -> str:
+def _measured_calls(row: dict) -> list[str]:
     """A products pass's measured calls (its seconds are over every call of its solver):
-    ``measured: 9 call(s), 0.12 s per call against 0.10 s estimated (the ratio is per call)``."""
+    ``measured: 9 call(s), 0.12 s per call against 0.10 s estimated (the ratio is per call)``;
+    none for another pass."""
+    if "measured_calls" not in row:
+        return []
     per_call = (f", {_fmt_seconds(row['measured_call_seconds'])} per call against "
                 f"{_fmt_seconds(row['estimated_call_seconds'])} estimated (the ratio is per call)"
                 if "measured_call_seconds" in row else "")
-    return f"measured: {row['measured_calls']:,} call(s){per_call}"
-
-
-def _measured_peak(row: dict) -> str:
-    """A pass's measured peak resident growth: ``87MB``, ``≤87MB`` when an earlier pass's
-    peak hid this one's (an upper bound), ``-`` when it was not measured."""
-    growth = row.get("measured_rss_growth_bytes")
-    if growth is None:
-        return "-"
-    return ("≤" if row.get("measured_rss_is_bound") else "") + _si(growth) + "B"
+    return [f"measured: {row['measured_calls']:,} call(s){per_call}"]
