@@ -93,11 +93,8 @@ class CapturedPassKey(PassKey):
     """A read of rows captured earlier (a ``Captured`` node ``token``'s store)."""
 
     kind: ClassVar[str] = "captured"
+    label: ClassVar[str] = "pass over captured rows"
     token: str
-
-    @property
-    def label(self) -> str:
-        return "pass over captured rows"
 
     @property
     def rows(self) -> str:
@@ -109,16 +106,11 @@ class MemoryPassKey(PassKey):
     """A read of rows kept in memory: the node ``token``'s (stored rows, a group mean's)."""
 
     kind: ClassVar[str] = "memory"
+    label: ClassVar[str] = "pass over rows in memory"
     token: str
-
-    @property
-    def label(self) -> str:
-        return "pass over rows in memory"
 
     @property
     def rows(self) -> str:
         return self.token
 
-    @property
-    def kept(self) -> str:
-        return self.token
+    kept = rows   # the rows it reads are the ones kept in memory

@@ -41,7 +41,7 @@ from torch import nn
 
 from ..errors import MemoryBudgetError, OptionError
 from .cost import _si
-from ..devices import DeviceProfile, positive_integer, profile
+from ..devices import positive_integer, profile
 
 __all__ = ["GPUEstimate", "scale_estimates", "check_fits", "model_bytes", "fsdp_unit_bytes"]
 
@@ -70,13 +70,10 @@ class GPUEstimate:
 
 
 def _models(plan) -> list[nn.Module]:
+    """The distinct models (by identity) of the plan's sources, in the order they appear."""
     from ..expr import Source
-    seen, out = set(), []
-    for node in plan.simplified.walk() if hasattr(plan.simplified, "walk") else []:
-        if isinstance(node, Source) and id(node.task.model) not in seen:
-            seen.add(id(node.task.model))
-            out.append(node.task.model)
-    return out
+    nodes = plan.simplified.walk() if hasattr(plan.simplified, "walk") else ()
+    return list({id(n.task.model): n.task.model for n in nodes if isinstance(n, Source)}.values())
 
 
 def model_bytes(model: nn.Module) -> float:
@@ -87,18 +84,14 @@ def model_bytes(model: nn.Module) -> float:
 def fsdp_unit_bytes(model: nn.Module) -> float:
     """Bytes of the largest FSDP unit: the largest element of any ``nn.ModuleList`` (the
     decoder layers of a transformer), else the whole model (one unit)."""
-    largest = 0.0
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList):
-            for child in module:
-                largest = max(largest, model_bytes(child))
+    largest = max((model_bytes(child) for module in model.modules() if isinstance(module, nn.ModuleList)
+                   for child in module), default=0.0)
     return largest or model_bytes(model)
 
 
 def scale_estimates(plan, gpus=(1, 4, 8), device="h200") -> list[dict]:
     """``[GPUEstimate.to_dict(), …]`` for each GPU count in ``gpus`` (module docstring)."""
-    prof = profile(device, measure=False) if not isinstance(device, DeviceProfile) else device
-    models = _models(plan)
+    prof, models = profile(device, measure=False), _models(plan)   # a DeviceProfile as given
     W = sum(model_bytes(m) for m in models)
     U = sum(fsdp_unit_bytes(m) for m in models)
     rows = []
@@ -109,25 +102,23 @@ def scale_estimates(plan, gpus=(1, 4, 8), device="h200") -> list[dict]:
         weights = W / g
         gathered = min(2.0 * U, W - weights)
         seconds = comm_total = 0.0
-        worst = None   # (memory, held, per_example, batch, fits)
+        sums = []   # (memory, held, per_example, batch, fits) of each pass
         for p in plan.passes:
             held, per_ex = p.fixed_bytes, p.per_example_bytes
             room = prof.memory - weights - gathered - held
             b = p.batch_size or 1     # the largest micro-batch up to the plan's that fits in room (0: none)
             b = max(0, min(b, int(room // per_ex))) if per_ex > 0 else b
-            fits = b >= 1
-            memory = weights + gathered + held + max(b, 1) * per_ex
-            if worst is None or (not fits and worst[4]) or (fits == worst[4] and memory > worst[0]):
-                worst = (memory, held, per_ex, max(b, 1), fits)
+            sums.append((weights + gathered + held + max(b, 1) * per_ex, held, per_ex, max(b, 1), b >= 1))
             compute = p.cost.scaled(1.0 / g).seconds(prof, plan.dtype)
             comm = 0.0
             if g > 1 and p.reads_data and prof.link_bandwidth > 0:
-                n = p.key.n
-                micro_batches = -(-n // (g * max(b, 1))) if n else 0
+                micro_batches = -(-p.key.n // (g * max(b, 1)))   # ceil(n / (g b)), 0 for n = 0
                 comm = micro_batches * 2.0 * W * (g - 1) / g / prof.link_bandwidth
             seconds += max(compute, comm)
             comm_total += comm if comm > compute else 0.0
-        memory, held, per_ex, b, fits = worst or (weights, 0.0, 0.0, 1, weights <= prof.memory)
+        # the largest pass: one that does not fit before any that does, then the most memory (the first of equals)
+        memory, held, per_ex, b, fits = max(sums, key=lambda s: (not s[4], s[0]),
+                                            default=(weights, 0.0, 0.0, 1, weights <= prof.memory))
         why = (f"{_si(W)}B weights / {g} + {_si(gathered)}B unsharded FSDP units + {_si(held)}B held rows "
                f"and statistics + {b} × {_si(per_ex)}B per example = {_si(memory)}B "
                f"{'≤' if fits else '>'} {_si(prof.memory)}B of one {prof.name}")
