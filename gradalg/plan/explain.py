@@ -72,12 +72,10 @@ def _rule_math(name: str) -> str:
 
 
 def _fmt_seconds(s: float) -> str:
-    if s >= 3600:
-        return f"{s / 3600:.2f} h"
-    if s >= 60:
-        return f"{s / 60:.1f} min"
-    if s >= 1:
-        return f"{s:.2f} s"
+    """Seconds in the largest unit they reach: ``1.50 h``, ``2.5 min``, ``3.20 s``, else ``12.3 ms``."""
+    for unit, size, spec in (("h", 3600, ".2f"), ("min", 60, ".1f"), ("s", 1, ".2f")):
+        if s >= size:
+            return f"{s / size:{spec}} {unit}"
     return f"{s * 1e3:.3g} ms"
 
 
@@ -107,8 +105,8 @@ class Explain:
             task, layers = getattr(node, "task", None), getattr(node, "layers", None)
             model, backend = getattr(task, "model", None), getattr(node, "backend", "hooks")
             if isinstance(model, torch.nn.Module) and isinstance(layers, tuple):
-                captured.setdefault((id(model), layers, backend),
-                                    (model, layers, backend, getattr(task, "default_layers", None)))
+                selection = getattr(task, "default_layers", None)
+                captured.setdefault((id(model), layers, backend), (model, layers, backend, selection))
         out = []
         for args in captured.values():
             try:
@@ -153,12 +151,10 @@ class Explain:
                            measured_held_bytes=stats["held_bytes"],
                            measured_rss_growth_bytes=stats["peak_rss_growth_bytes"],
                            measured_rss_is_bound=stats.get("peak_rss_is_bound", False))
-                if "cpu_seconds" in stats:
-                    row["measured_cpu_seconds"] = stats["cpu_seconds"]
+                row.update({f"measured_{k}": stats[k] for k in ("cpu_seconds", "calls") if k in stats})
                 if "calls" in stats:   # a products pass: its seconds are over every call of its solver
                     # its estimate is for the solver's bound on the calls: compare one call with one
-                    row.update(measured_calls=stats["calls"],
-                               estimated_call_seconds=p.seconds / max(1, getattr(p.jobs[0], "calls", 1)))
+                    row["estimated_call_seconds"] = p.seconds / max(1, getattr(p.jobs[0], "calls", 1))
                     if stats["calls"]:
                         row["measured_call_seconds"] = stats["seconds"] / stats["calls"]
                         row["ratio"] = row["measured_call_seconds"] / max(row["estimated_call_seconds"], 1e-12)
