@@ -239,19 +239,10 @@ class Explain:
                         Column("held", " {:>9}", hover="bytes of rows held in memory after the pass"),
                         Column("meas peak", " {:>10}", hover="measured peak: resident growth over the pass; ≤: an "
                                                              "earlier peak hid this pass's own (an upper bound)")]
-        rows = []
-        for r in self.passes():
-            row = (str(r["pass"]), r["reads"], str(r["batch_size"] or "-"), f"{_si(r['flops'])}FLOP",
-                   _fmt_seconds(r["seconds"]), f"{_si(r['peak_bytes'])}B")
-            if self.analyzed:   # a pass not measured shows "-", never 0
-                growth = r.get("measured_rss_growth_bytes")
-                row += ((_fmt_seconds(r["measured_seconds"]), f"{r['ratio']:.2f}×" if 0 <= r["ratio"] < float("inf")
-                         else "-", f"{_si(r['measured_held_bytes'])}B", "-" if growth is None else
-                         ("≤" if r["measured_rss_is_bound"] else "") + f"{_si(growth)}B")
-                        if "measured_seconds" in r else ("-",) * 4)
-            rows.append((*row, (*(f"· {job}" for job in r["jobs"]), *_measured_calls(r),
-                                *([f"! {r['note']}"] if r["note"] else []),
-                                *([f"⇉ {r['distributed']}"] if r.get("distributed") else []))))
+        rows = [(str(r["pass"]), r["reads"], str(r["batch_size"] or "-"), f"{_si(r['flops'])}FLOP",
+                 _fmt_seconds(r["seconds"]), f"{_si(r['peak_bytes'])}B", *(_measured(r) if self.analyzed else ()),
+                 (*(f"· {job}" for job in r["jobs"]), *_measured_calls(r), *([f"! {r['note']}"] if r["note"] else []),
+                  *([f"⇉ {r['distributed']}"] if r.get("distributed") else []))) for r in self.passes()]
         table = Table((*columns, Column("jobs", "     {}", below=True)), rows, header=True)
         return Section("4. physical passes", (self.plan.device.calibration(), table))
 
@@ -367,6 +358,18 @@ def _html_part(part) -> str:
                    + "</tr>" for j in range(len(part.rows)))
     caption = f"<div>{esc(part.caption)}</div>" if part.caption else ""
     return f"{caption}<table class='ga-table'><tr>{head}</tr>{body}</table>"
+
+
+def _measured(row: dict) -> tuple[str, ...]:
+    """A pass's measured cells: its time, measured / estimated, the bytes held after it and its
+    peak resident growth (``≤87MB`` when an earlier pass's peak hid this one's: an upper bound);
+    ``-`` for what was not measured (never 0)."""
+    if "measured_seconds" not in row:
+        return ("-",) * 4
+    ratio, growth = row["ratio"], row["measured_rss_growth_bytes"]
+    return (_fmt_seconds(row["measured_seconds"]), f"{ratio:.2f}×" if 0 <= ratio < float("inf") else "-",
+            f"{_si(row['measured_held_bytes'])}B",
+            "-" if growth is None else ("≤" if row["measured_rss_is_bound"] else "") + f"{_si(growth)}B")
 
 
 def _measured_calls(row: dict) -> list[str]:

@@ -65,9 +65,6 @@ class GPUEstimate:
     passes_over_data: int
     why: str                     # the arithmetic of the largest pass
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 def _models(plan) -> list[nn.Module]:
     """The distinct models (by identity) of the plan's sources, in the order they appear."""
@@ -90,7 +87,7 @@ def fsdp_unit_bytes(model: nn.Module) -> float:
 
 
 def scale_estimates(plan, gpus=(1, 4, 8), device="h200") -> list[dict]:
-    """``[GPUEstimate.to_dict(), …]`` for each GPU count in ``gpus`` (module docstring)."""
+    """``[asdict(GPUEstimate), …]`` for each GPU count in ``gpus`` (module docstring)."""
     prof, models = profile(device, measure=False), _models(plan)   # a DeviceProfile as given
     W = sum(model_bytes(m) for m in models)
     U = sum(fsdp_unit_bytes(m) for m in models)
@@ -122,8 +119,8 @@ def scale_estimates(plan, gpus=(1, 4, 8), device="h200") -> list[dict]:
         why = (f"{_si(W)}B weights / {g} + {_si(gathered)}B unsharded FSDP units + {_si(held)}B held rows "
                f"and statistics + {b} × {_si(per_ex)}B per example = {_si(memory)}B "
                f"{'≤' if fits else '>'} {_si(prof.memory)}B of one {prof.name}")
-        rows.append(GPUEstimate(g, prof.name, seconds, comm_total, memory, weights, gathered, held, per_ex, b,
-                                prof.memory, fits, plan.data_passes, why).to_dict())
+        rows.append(asdict(GPUEstimate(g, prof.name, seconds, comm_total, memory, weights, gathered, held, per_ex, b,
+                                       prof.memory, fits, plan.data_passes, why)))
     return rows
 
 
