@@ -38,16 +38,12 @@ class PassKey:
         """The pass as ``explain()`` names it."""
         raise NotImplementedError(f"{type(self).__name__} does not say how it is shown (PassKey.label)")
 
-    @property
-    def rows(self) -> str | None:
-        """The token of the node whose rows the pass reads as they are (rows in memory or
-        captured earlier), or None (a read of data, a products pass)."""
-        return None
-
-    @property
-    def kept(self) -> str | None:
-        """The token of the node whose rows kept in memory the pass reads, or None."""
-        return None
+    #: the token of the node whose rows the pass reads as they are (rows in memory or
+    #: captured earlier), or None (a read of data, a products pass); a kind that has one
+    #: overrides it with a property
+    rows: ClassVar[str | None] = None
+    #: the token of the node whose rows kept in memory the pass reads, or None
+    kept: ClassVar[str | None] = None
 
     def to_data(self) -> list:
         """Plain data (JSON): ``[kind, *fields]``."""
