@@ -123,10 +123,8 @@ class Decision:
     def explanation(self) -> str:
         """The reason as the plan shows it: ``forced by Choices(store='never'); <reason>``
         when forced, else the reason."""
-        if not self.forced:
-            return self.reason
-        forced = f"forced by {self.source.value}({self.setting})"
-        return f"{forced}; {self.reason}" if self.reason else forced
+        forced = f"forced by {self.source.value}({self.setting})" if self.forced else ""
+        return "; ".join(x for x in (forced, self.reason) if x)
 
     def title(self, block: str | None = None) -> str:
         """What was decided, as a reader names it: ``kernel for block 'fc1' of scores``.
