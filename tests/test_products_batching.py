@@ -203,6 +203,22 @@ def test_the_products_outside_a_plan_follow_the_same_decision(batchings):
     assert set(batchings) == {"loop"}
 
 
+def test_the_probe_is_memoised_by_the_architecture_not_the_weights(monkeypatch):
+    monkeypatch.setattr(hvp, "_PROBES", {})
+    probes, inner = [], hvp.probe_batching
+    monkeypatch.setattr(hvp, "probe_batching", lambda *a: probes.append(a[3]) or inner(*a))
+    model = NoVmapNet()
+    task, train, _ = _setting(model)
+    before = LocalExecutor().plan(ga.hessian(task, train).expr)
+    with torch.no_grad():
+        model.a.weight.add_(0.5)                       # an optimizer step: a new token, the same architecture
+    after = LocalExecutor().plan(ga.hessian(task, train).expr)
+    assert _job(before).target.token != _job(after).target.token
+    assert probes == ["hessian"] and _job(after).batching == "loop"
+    LocalExecutor().plan(ga.gauss_newton(task, train).expr)     # another kind is probed on its own
+    assert probes == ["hessian", "gauss_newton"]
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_the_probe_passes_transformers_with_eager_attention(arch):
     model, task, data, _ = getattr(zoo, arch)()

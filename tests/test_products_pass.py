@@ -274,7 +274,6 @@ def test_the_estimate_counts_the_vmap_chunks_the_run_makes(monkeypatch):
     the run makes (spied on ``torch.func.vmap`` in the products), per batch size (the last batch is
     smaller, so its chunks are larger), and ``explain()`` shows them."""
     from gradalg.curvature import hvp
-    from gradalg.plan.jobs import products as products_module
     from gradalg.plan.jobs.products import FIXED_SCALE, product_work
 
     torch.manual_seed(0)
@@ -284,7 +283,7 @@ def test_the_estimate_counts_the_vmap_chunks_the_run_makes(monkeypatch):
     per_example = hvp._activation_elements(model, lambda: task.summed_loss(model, (X[:1], y[:1])))
     seen = []                                               # (examples, vectors, chunk_size, calls of fn)
     real_vmap = hvp.vmap
-    monkeypatch.setattr(products_module, "_PROBES", {})     # the plan probes vmap afresh (on meta)
+    monkeypatch.setattr(hvp, "_PROBES", {})                 # the plan probes vmap afresh (on meta)
 
     def spy(fn, *args, chunk_size=None, **kw):
         def run(V):

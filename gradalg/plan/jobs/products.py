@@ -33,7 +33,7 @@ from typing import ClassVar
 
 import torch
 
-from ...curvature.hvp import BatchingProbe, ParamCoords, Products, probe_batching, vmap_chunk_size
+from ...curvature.hvp import BatchingProbe, ParamCoords, Products, decide_batching, vmap_chunk_size
 from ...eval_mode import eval_mode
 from ...data import as_data
 from ...devices import DeviceProfile
@@ -67,10 +67,6 @@ PRODUCT_SWEEPS = {"hessian": (3, 6), "gauss_newton": (2, 4)}
 #: {products target's token: (activation elements of one example's forward, positions per weight
 #: layer), or None} (:meth:`ProductsJob._measured`, one meta forward each, at most 256 kept)
 _ACTIVATIONS: dict = {}
-
-#: {products target's token: its :class:`~gradalg.curvature.hvp.BatchingProbe`} (a pure function of
-#: the model's structure, the task, the layers and the first example's shapes; at most 256 kept)
-_PROBES: dict = {}
 
 
 def _memo(table: dict, key, find):
@@ -202,25 +198,16 @@ class ProductsJob(Job):
         """The job of a ``"products"`` statistic: its groups of calls
         (:class:`~gradalg.expr.operators.ProductCalls`), each on its vectors (the group's, else
         ``vectors``: the rows the operator is applied to, else one), and how their vectors run
-        (:meth:`decide_batching`)."""
+        (:func:`~gradalg.curvature.hvp.decide_batching`: ``ga.options(products_batching)``, else the
+        meta probe on the first example's shapes)."""
         groups = tuple((max(1, int(g.calls)), int(g.vectors or vectors or 1), g.why) for g in statistic.groups
                        if g.calls > 0) or ((1, int(vectors or 1), ""),)
-        batching, probe = cls.decide_batching(statistic.node, (options or get_options()).products_batching)
-        return cls(statistic.node, (), set(deps), groups=groups,
+        t = statistic.node
+        names = ParamCoords(t.task.model, t.layers).param_names
+        batching, probe = decide_batching(t.task, t.data.first_example_batch(), names, t.kind,
+                                          (options or get_options()).products_batching)
+        return cls(t, (), set(deps), groups=groups,
                    batch=options.batch_size if options is not None else 64, batching=batching, probe=probe)
-
-    @staticmethod
-    def decide_batching(target, forced: str = "auto") -> tuple[str, BatchingProbe | None]:
-        """``(batching, probe)`` of the products of ``target``: ``forced`` (``ga.options(products_batching)``)
-        where it is ``"vmap"`` or ``"loop"``, else the meta probe's
-        (:func:`~gradalg.curvature.hvp.probe_batching` on the first example's shapes; memoised by the
-        target's token), the loop where the probe is undecided (the safe side)."""
-        if forced != "auto":
-            return forced, None
-        t = target
-        probe = _memo(_PROBES, t.token, lambda: probe_batching(
-            t.task, t.data.first_example_batch(), ParamCoords(t.task.model, t.layers).param_names, t.kind))
-        return probe.batching or "loop", probe
 
     def first_decisions(self, options) -> list:
         """The batching of the vectors (``PRODUCTS_BATCHING``): the chosen one, both alternatives with
