@@ -26,24 +26,16 @@ sys.path.insert(0, os.path.dirname(__file__))
 import models  # noqa: E402
 import zoo  # noqa: E402
 from references import one_thread  # noqa: E402,F401
+from test_influence_near_minimum import _TanhNoJvp  # noqa: E402
 
 
-class _NoVmapTanh(torch.autograd.Function):
+class _NoVmapTanh(_TanhNoJvp):
     """tanh with backward and jvp rules but no vmap rule: torch.func.vmap refuses it."""
-
-    @staticmethod
-    def forward(x):
-        return x.tanh()
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(output)
         ctx.save_for_forward(output)
-
-    @staticmethod
-    def backward(ctx, g):
-        (y,) = ctx.saved_tensors
-        return g * (1 - y * y)
 
     @staticmethod
     def jvp(ctx, t):
