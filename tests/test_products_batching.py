@@ -187,6 +187,18 @@ def test_vmap_forced_on_a_model_it_cannot_batch_raises_a_typed_error_naming_the_
         ga.options(products_batching="sometimes").__enter__()
 
 
+def test_out_of_memory_under_vmap_is_raised_as_it_is(monkeypatch):
+    """Memory is not vmap's failure: the error is not turned into the vmap one (whose fix is the loop)."""
+    task, train, _ = _setting(models.mlp())
+    matvec = hvp.dataset_matvec(task, as_data(train), ["0", "2"])
+
+    def full(*args, **kwargs):
+        raise torch.OutOfMemoryError("out of memory (test)")
+    monkeypatch.setattr(hvp, "vmap", lambda *args, **kwargs: full)
+    with pytest.raises(torch.OutOfMemoryError):
+        matvec(torch.ones(2, sum(p.numel() for p in task.model.parameters()), dtype=torch.float64))
+
+
 def test_the_products_outside_a_plan_follow_the_same_decision(batchings):
     task, train, _ = _setting(NoVmapNet())
     matvec = hvp.dataset_matvec(task, as_data(train), ["a", "b"])

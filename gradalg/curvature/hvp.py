@@ -256,8 +256,8 @@ def _batch_product(task, batch, V: dict, free_names: list[str], kind: str, chunk
             try:
                 return vmap(product, randomness="different", chunk_size=chunk)(V)
             except Exception as err:
-                if no_forward_ad(err):
-                    raise
+                if no_forward_ad(err) or isinstance(err, (MemoryError, torch.OutOfMemoryError)):
+                    raise           # no forward-mode rule (below), or out of memory: not vmap's failure
                 product({k: v[0] for k, v in V.items()})   # a failure of the model itself raises here, as it is
                 raise _no_vmap(kind, err) from err
         rows = [product({k: v[i] for k, v in V.items()}) for i in range(next(iter(V.values())).shape[0])]
