@@ -227,6 +227,14 @@ class Options:
         ~16 vectors than 256 at once, where an MLP's (74 activations per example) stay in one call
         (issue 31; docs/fidelity.md "The formed Hessian where the model is near a minimum"). Each
         vector's product is computed alone either way: the numbers do not change. 0: never chunk.
+    products_batching : str
+        How the m vectors of a curvature products call run: ``"auto"`` (default) as the plan decides
+        before any run, from a probe on the meta device (``torch.func.vmap`` of 2 vectors' products,
+        no weight or example read: :func:`gradalg.curvature.hvp.probe_batching`): one ``vmap`` where
+        it runs, a loop of one product per vector where only one vector runs, and the loop where the
+        meta device cannot run the model at all (the safe side); ``"vmap"`` or ``"loop"`` force one.
+        ``explain()`` shows the decision (``DecisionKind.PRODUCTS_BATCHING``) and prices the loop as
+        m calls of one vector. The numbers are the same either way.
     dense_projection_bytes : int
         The largest dense (k, d) float64 projection matrix a method draws by default
         (``ga.methods.trak``, ``ga.methods.less``; default 1 GiB: d ≤ 65,536 at k = 2048,
@@ -319,6 +327,7 @@ class Options:
     hessian_negative_ratio: float = 1.0
     hessian_probe_iterations: int = 32
     products_vmap_elements: int = 2**21
+    products_batching: str = "auto"
     dense_projection_bytes: int | str = 2**30
     sjlt_table_bytes: int | str = 2**28
     reuse_buffer_bytes: int | str = 2**20
@@ -361,6 +370,9 @@ class Options:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise OptionError(f"{name} must be a fraction in (0, 1], got {value!r}")
+        if not isinstance(self.products_batching, str) or self.products_batching not in ("auto", "vmap", "loop"):
+            raise OptionError(f"products_batching must be 'auto' (the plan's probe decides), 'vmap' or 'loop', "
+                              f"got {self.products_batching!r}")
         if not isinstance(self.row_storage, str) or self.row_storage not in ("auto", "factors", "flat"):
             raise OptionError(f"row_storage must be 'auto', 'factors' or 'flat', got {self.row_storage!r}")
         rtol = self.kron_float32_rtol

@@ -132,16 +132,18 @@ def test_gpt2_hessian_products_through_the_pass_equal_the_products_outside_a_pla
     H = ga.arnoldi(ga.hessian(task, data, layers), rank=3, iters=6)
     S = Q @ H.damp(0.5).inv() @ G.T
     ex = LocalExecutor()
+    # SDPA reads the attention mask's values, which the meta probe cannot: the plan says undecided and
+    # loops (one vector per call here, the same work); the run follows it, no run-time fallback warns
+    decision = ex.plan(S.expr).decisions.one("products_batching")
+    assert decision.chosen == "loop" and decision.reason.startswith("undecided") and "item()" in decision.reason
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)   # vmap's loop over vectors (HF attention masks)
+        warnings.simplefilter("error", RuntimeWarning)
         planned = np.asarray(S.compute(executor=ex))
     [step] = _products_passes(ex.last_plan)
     assert step.jobs[0].calls == 6 and step.jobs[0].vectors == 1
     assert math.isfinite(step.seconds) and step.seconds > 0 and step.cost.bmms   # attention priced
     _unplanned(monkeypatch)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        np.testing.assert_array_equal(planned, np.asarray(S.compute(executor=LocalExecutor())))
+    np.testing.assert_array_equal(planned, np.asarray(S.compute(executor=LocalExecutor())))
 
 
 @pytest.mark.slow
@@ -283,6 +285,7 @@ def test_the_estimate_counts_the_vmap_chunks_the_run_makes(monkeypatch):
     per_example = hvp._activation_elements(model, lambda: task.summed_loss(model, (X[:1], y[:1])))
     seen = []                                               # (examples, vectors, chunk_size, calls of fn)
     real_vmap = hvp.vmap
+    monkeypatch.setattr(hvp, "_PROBES", {})                 # the plan probes vmap afresh (on meta)
 
     def spy(fn, *args, chunk_size=None, **kw):
         def run(V):
@@ -296,8 +299,8 @@ def test_the_estimate_counts_the_vmap_chunks_the_run_makes(monkeypatch):
         return run
     monkeypatch.setattr(hvp, "vmap", spy)
     real_batch_product = hvp._batch_product
-    monkeypatch.setattr(hvp, "_batch_product", lambda task, batch, V, names, kind, chunk=None: (
-        seen.append(("batch", batch[0].shape[0])), real_batch_product(task, batch, V, names, kind, chunk))[1])
+    monkeypatch.setattr(hvp, "_batch_product", lambda task, batch, V, names, kind, chunk=None, batching="vmap": (
+        seen.append(("batch", batch[0].shape[0])), real_batch_product(task, batch, V, names, kind, chunk, batching))[1])
     budget = 16 * per_example * 2                           # 2 vectors of a batch of 16, 4 of the last 8
     with ga.options(batch_size=16, products_vmap_elements=budget):
         S = ga.methods.influence(task, train, queries, curvature="gauss_newton", solver="cg", damping=0.1,
@@ -315,6 +318,9 @@ def test_the_estimate_counts_the_vmap_chunks_the_run_makes(monkeypatch):
             b = r[1]
         else:
             runs.append((b, r[1], r[2], r[3]))
+    # the plan's meta probe of vmap (2 vectors, before any batch: PRODUCTS_BATCHING), once (memoised)
+    assert runs[0] == (None, 2, None, 1) and all(r[0] is not None for r in runs[1:])
+    runs = runs[1:]
     assert runs and len(runs) % 3 == 0                      # 3 batches per products call: 16, 16, 8
     one_call = runs[:3]
     assert one_call == [(16, 3, 2, 2), (16, 3, 2, 2), (8, 3, None, 1)]

@@ -6,32 +6,41 @@
     hessian      H = (1/n) Σ_i ∇²_θ L_i                       (forward-over-reverse)
     gauss_newton H = (1/n) Σ_i J_iᵀ ∇²_f ℓ(f_i) J_i           (jvp, output Hessian, vjp)
 
-Each call is one pass over ``data`` (forward and backward per batch, vectorized over
-the m rows with ``vmap`` when the model allows it, looped otherwise; ``vmap``-ed in chunks of
-vectors whose activations stay under ``ga.options(products_vmap_elements)`` elements,
-:meth:`Products.vmap_chunk`: speed only, each vector's product is computed alone). The Gauss-Newton
+Each call is one pass over ``data`` (forward and backward per batch). The m rows of a call
+go through one ``torch.func.vmap`` (the primal sweeps once per batch, the tangents as GEMMs m
+times as tall) or a loop, one product per vector (the primal m times): decided before any
+run by :func:`decide_batching` from a probe on the meta device (:func:`probe_batching`: no
+weight or example is read), or forced by ``ga.options(products_batching)``; never switched at
+run time (a model the probe passed and the real batch fails raises
+:class:`~gradalg.errors.UnsupportedLayerError` naming the failure and the option). ``vmap``-ed
+in chunks of vectors whose activations stay under ``ga.options(products_vmap_elements)``
+elements (:meth:`Products.vmap_chunk`: speed only, each vector's product is computed alone). The Gauss-Newton
 product needs ``Task(forward=..., loss_from_outputs=...)``, which
 ``ga.tasks.classification`` provides.
 """
 from __future__ import annotations
 
-import warnings
+import hashlib
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
 from torch.func import functional_call, grad, jvp, vjp, vmap
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
 from ..capture.experts import add_param
 from ..capture.hooks import resolve_layers
 from ..data import DataRef, batch_size_of, move_batch
 from ..eval_mode import eval_mode
-from ..errors import NoForwardADError, NonFiniteGradientError, OptionError
+from ..errors import NoForwardADError, NonFiniteGradientError, OptionError, UnsupportedLayerError
 from ..finite import check_model, nonfinite_examples
+from ..fingerprint import _code_digest, model_structure
 from ..options import get_options
 from ..tasks.validation import no_forward_ad
 
-__all__ = ["ParamCoords", "Products", "dataset_matvec"]
+__all__ = ["ParamCoords", "Products", "dataset_matvec", "BatchingProbe", "probe_batching", "decide_batching"]
 
 
 class ParamCoords:
@@ -88,7 +97,8 @@ class Products:
     ``data``); H V is the sum over every batch divided by ``data.n``.
     """
 
-    def __init__(self, task, data: DataRef, layers, kind: str = "hessian", backend: str = "hooks"):
+    def __init__(self, task, data: DataRef, layers, kind: str = "hessian", backend: str = "hooks",
+                 batching: str | None = None):
         if kind not in ("hessian", "gauss_newton"):
             raise OptionError(f"kind must be 'hessian' or 'gauss_newton', got {kind!r}")
         if kind == "gauss_newton" and (task.forward is None or task.loss_from_outputs is None):
@@ -97,6 +107,8 @@ class Products:
         self.task, self.data, self.kind = task, data, kind
         self.model = task.model
         self.coords = ParamCoords(self.model, layers, backend)
+        # "vmap" or "loop" as planned (ProductsJob.batching), else decided here as a plan would
+        self.batching = batching or decide_batching(task, data.first_example_batch(), self.coords.param_names, kind)[0]
         self.device = next(self.model.parameters()).device
         self.check = get_options().check_finite
         self.vmap_elements = get_options().products_vmap_elements
@@ -116,9 +128,9 @@ class Products:
         """Vectors per ``vmap`` call for ``m`` vectors on ``batch``: max(1, ⌊E / (b · a)⌋), E =
         ``ga.options(products_vmap_elements)``, b the batch's examples, a the activation elements
         of one example's forward (every module's tensor outputs, counted once on the first batch);
-        None (all m in one call) when that is m or more, or E = 0. Speed only: each vector's
-        product is computed alone either way."""
-        if not self.vmap_elements or m <= 1:
+        None (all m in one call) when that is m or more, or E = 0, or the products loop. Speed only:
+        each vector's product is computed alone either way."""
+        if not self.vmap_elements or m <= 1 or self.batching == "loop":
             return None
         b = batch_size_of(batch)
         if self.example_elements is None:
@@ -126,9 +138,10 @@ class Products:
         return vmap_chunk_size(self.vmap_elements, b, self.example_elements, m)
 
     def batch_rows(self, batch, V: torch.Tensor, start: int) -> torch.Tensor:
-        """Σ_{i in batch} H_i V: (m, dim) for V (m, dim), ``vmap``-ed in chunks of :meth:`vmap_chunk` vectors."""
+        """Σ_{i in batch} H_i V: (m, dim) for V (m, dim), ``vmap``-ed in chunks of :meth:`vmap_chunk` vectors
+        (or a vector at a time: :attr:`batching` ``"loop"``)."""
         part = _batch_product(self.task, batch, self.coords.to_params(V), self.coords.param_names, self.kind,
-                              self.vmap_chunk(batch, V.shape[0]))
+                              self.vmap_chunk(batch, V.shape[0]), self.batching)
         rows = self.coords.from_params(part)
         if self.check and not bool(torch.isfinite(rows).all()) and bool(torch.isfinite(V).all()):
             _name_examples(batch, self.data.ids[start:start + batch_size_of(batch)], self.kind)
@@ -199,13 +212,11 @@ def _activation_elements(model: nn.Module, forward) -> int:
     return total[0]
 
 
-def _batch_product(task, batch, V: dict, free_names: list[str], kind: str, chunk: int | None = None) -> dict:
-    """Σ_{i in batch} H_i v for each v of ``V`` ({param: (m, *shape)}), by ``vmap`` over the m
-    vectors, ``chunk`` of them per call (None: all at once)."""
+def _product(task, batch, free: dict, fixed: dict, kind: str):
+    """``product(v)`` = Σ_{i in batch} H_i v for one vector ``v`` ({param: tensor}, the ``free``
+    parameters' shapes), the other parameters and buffers ``fixed``: forward-over-reverse for the
+    Hessian, jvp / output Hessian / vjp for the Gauss-Newton."""
     model = task.model
-    free = {n: model.get_parameter(n).detach() for n in free_names}
-    fixed = {n: p.detach() for n, p in model.named_parameters() if n not in free}
-    fixed.update(dict(model.named_buffers()))
 
     def call(fn, params, *args):
         return functional_call(_Call(model, fn), {**{f"model.{k}": v for k, v in params.items()},
@@ -222,24 +233,159 @@ def _batch_product(task, batch, V: dict, free_names: list[str], kind: str, chunk
             HJv = jvp(out_grad, (outputs.detach(),), (Jv,))[1]
             _, pullback = vjp(lambda p: call(task.forward, p, batch), free)
             return pullback(HJv)[0]
+    return product
 
+
+def _split(model, free_names, as_tensor=lambda t: t.detach()) -> tuple[dict, dict]:
+    """``(free, fixed)``: the parameters named ``free_names``, and every other parameter and
+    buffer, each through ``as_tensor``."""
+    free = {n: as_tensor(model.get_parameter(n)) for n in free_names}
+    fixed = {n: as_tensor(p) for n, p in model.named_parameters() if n not in free}
+    fixed.update({n: as_tensor(b) for n, b in model.named_buffers()})
+    return free, fixed
+
+
+def _batch_product(task, batch, V: dict, free_names: list[str], kind: str, chunk: int | None = None,
+                   batching: str = "vmap") -> dict:
+    """Σ_{i in batch} H_i v for each v of ``V`` ({param: (m, *shape)}): by ``vmap`` over the m
+    vectors, ``chunk`` of them per call (None: all at once), or one vector at a time
+    (``batching="loop"``), as the plan decided (:func:`decide_batching`)."""
+    product = _product(task, batch, *_split(task.model, free_names), kind)
     try:
-        return vmap(product, randomness="different", chunk_size=chunk)(V)
-    except Exception as err:  # data-dependent control flow (HF attention masks) defeats vmap
-        if no_forward_ad(err):
-            raise _no_forward_ad(kind, err) from err
-        if not _warned:
-            _warned.append(True)
-            warnings.warn(f"curvature products fall back to a loop over vectors ({type(err).__name__}: "
-                          f"{str(err)[:120]}); results are the same, only slower", RuntimeWarning, stacklevel=2)
-    m = next(iter(V.values())).shape[0]
-    try:
-        rows = [product({k: v[i] for k, v in V.items()}) for i in range(m)]
+        if batching == "vmap":
+            try:
+                return vmap(product, randomness="different", chunk_size=chunk)(V)
+            except Exception as err:
+                if no_forward_ad(err) or isinstance(err, (MemoryError, torch.OutOfMemoryError)):
+                    raise           # no forward-mode rule (below), or out of memory: not vmap's failure
+                product({k: v[0] for k, v in V.items()})   # a failure of the model itself raises here, as it is
+                raise _no_vmap(kind, err) from err
+        rows = [product({k: v[i] for k, v in V.items()}) for i in range(next(iter(V.values())).shape[0])]
     except NotImplementedError as err:
         if no_forward_ad(err):
             raise _no_forward_ad(kind, err) from err
         raise
     return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+@dataclass(frozen=True)
+class BatchingProbe:
+    """What :func:`probe_batching` found on the meta device: ``batching`` ``"vmap"`` (``vmap`` of
+    the products of 2 vectors ran), ``"loop"`` (the product of one vector ran, its ``vmap`` did not:
+    ``error``), or None, undecided (not even one vector's product ran on meta: ``error``, a
+    meta-device limit such as an op without a meta kernel or a branch on a tensor's value)."""
+
+    batching: str | None
+    error: str = ""
+
+
+def probe_batching(task, batch, free_names, kind: str) -> BatchingProbe:
+    """Whether ``torch.func.vmap`` batches the ``kind`` products of ``task``'s model over vectors,
+    tried on the meta device (shapes only: no weight or example value is read, nothing is
+    computed): every parameter and buffer and the one-example ``batch`` as meta tensors, the
+    products of 2 vectors of the parameters ``free_names`` through ``vmap`` (what a run does, at
+    m = 2), and where that fails the product of one vector alone, which tells a failure of
+    ``vmap`` (an op without a batching rule that cannot fall back, a custom autograd.Function
+    without a vmap rule, an in-place write of a batched tensor into an unbatched one) from one of
+    the meta device (undecided). ``torch.tensor(data, device="meta")`` (a Hugging Face cache's
+    empty tensors) is made on the CPU and its shape put on meta, which torch.func does not allow
+    inside its transforms otherwise."""
+    from ..plan.shapes import _meta_batch       # the plan's meta batch (plan imports this module)
+
+    free, fixed = _split(task.model, free_names, lambda t: torch.empty_like(t, device="meta"))
+    product = _product(task, _meta_batch(batch), free, fixed, kind)
+    try:
+        with _MetaFactories():
+            vmap(product, randomness="different")({k: v.expand(2, *v.shape) for k, v in free.items()})
+        return BatchingProbe("vmap")
+    except Exception as err:  # noqa: BLE001 - the probe's answer; told from meta's own failures below
+        batched = _root(err)
+    try:
+        with _MetaFactories():
+            product(free)
+    except Exception as err:  # noqa: BLE001 - the meta device cannot run the model: undecided
+        return BatchingProbe(None, _named(_root(err)))
+    return BatchingProbe("loop", _named(batched))
+
+
+def decide_batching(task, batch, free_names, kind: str, forced: str | None = None) -> tuple[str, BatchingProbe | None]:
+    """``(batching, probe)``: ``forced`` (default ``ga.options(products_batching)``) where it is
+    ``"vmap"`` or ``"loop"`` (no probe), else the probe's (:func:`probe_batching`, memoised by the
+    model's architecture: :func:`_probe_key`), the loop where it is undecided (the safe side: a
+    loop is never slower than priced)."""
+    forced = get_options().products_batching if forced is None else forced
+    if forced != "auto":
+        return forced, None
+    key = _probe_key(task, batch, free_names, kind)
+    if key not in _PROBES:
+        if len(_PROBES) >= 256:
+            _PROBES.pop(next(iter(_PROBES)))
+        _PROBES[key] = probe_batching(task, batch, free_names, kind)
+    return _PROBES[key].batching or "loop", _PROBES[key]
+
+
+#: {:func:`_probe_key`: :class:`BatchingProbe`}: :func:`decide_batching`'s probes (at most 256 kept)
+_PROBES: dict = {}
+
+
+def _probe_key(task, batch, free_names, kind: str) -> tuple:
+    """What :func:`probe_batching` depends on, without any weight's or example's value (the
+    model's architecture fingerprint): the model's structure
+    (:func:`~gradalg.fingerprint.model_structure`: modules, parameter and buffer shapes and
+    dtypes), its train/eval mode and a transformers config's attention implementation, the code of
+    the task's functions, ``kind``, the free parameters, and the meta batch's layout, shapes and
+    dtypes. The same model after an optimizer step is not probed again (measured: one probe takes
+    0.06 s for an MLP, 0.8 s for a two-layer transformer, 4 s for GPT-2 small at T = 128, on a
+    loaded CPU)."""
+    from ..plan.shapes import _meta_batch       # the plan's meta batch (plan imports this module)
+
+    model = task.model
+    leaves, spec = tree_flatten(_meta_batch(batch))
+    code = tuple(_code_digest(f.__code__) if hasattr(f, "__code__") else type(f).__qualname__
+                 for f in (task.loss, task.forward, task.loss_from_outputs))
+    structure = hashlib.blake2b("\n".join(model_structure(model)).encode(), digest_size=16).hexdigest()
+    attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return (structure, model.training, str(attention), code, kind, tuple(free_names), str(spec),
+            tuple((tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else repr(x) for x in leaves))
+
+
+class _MetaFactories(TorchFunctionMode):
+    """``torch.tensor(data, device="meta")`` as an empty meta tensor of its shape and dtype (made on
+    the CPU): torch.func refuses the in-place ``detach_`` that the meta path of ``torch.tensor`` runs."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.tensor and str(kwargs.get("device", "")) == "meta":
+            return torch.empty_like(torch.tensor(*args, **{**kwargs, "device": "cpu"}), device="meta")
+        return func(*args, **kwargs)
+
+
+def _root(err: BaseException) -> BaseException:
+    """The innermost cause of ``err`` (a task's :class:`~gradalg.errors.BatchContentError` wraps
+    the model's own error)."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    return err
+
+
+def _named(err: BaseException) -> str:
+    """``"Class: first line of the message"`` (at most 160 characters of it)."""
+    first = (str(err).strip().splitlines() or [""])[0]
+    return f"{type(err).__name__}: {first[:160]}"
+
+
+def _no_vmap(kind: str, err: BaseException) -> UnsupportedLayerError:
+    """The error for a model whose real batch ``vmap`` fails though the plan chose ``vmap`` (its
+    meta probe ran, or ``ga.options(products_batching='vmap')`` forced it) and one vector's
+    product runs."""
+    return UnsupportedLayerError(
+        f"{kind.replace('_', '-')}-vector products were planned through torch.func.vmap over the vectors "
+        f"(ga.options(products_batching={get_options().products_batching!r}): "
+        + ("forced" if get_options().products_batching == "vmap" else "the meta-device probe ran")
+        + f"), but vmap fails on the model's real batch while one vector's product runs: {_named(_root(err))}. "
+        "Fix: ga.options(products_batching='loop') (each vector's product alone; the plan prices m calls of "
+        "one vector), or give the failing operation a batching rule (a custom autograd.Function: a vmap "
+        "staticmethod or generate_vmap_rule=True)")
 
 
 def _no_forward_ad(kind: str, err: NotImplementedError) -> NoForwardADError:
@@ -258,9 +404,6 @@ def _no_forward_ad(kind: str, err: NotImplementedError) -> NoForwardADError:
         f"forward-mode AD), and torch has no forward-AD rule for {op}, which the model runs. Fix: {fix}"
         "or use a curvature that needs no products: curvature='gauss_newton' (formed from per-example "
         "Jacobians, dense models), 'ekfac' or 'kfac' (built from captured factors)")
-
-
-_warned: list = []
 
 
 class _Call(nn.Module):

@@ -59,6 +59,7 @@ class DecisionKind(enum.Enum):
     PLACEMENT = "where {label} runs"                            # here (client, every rank) or on shards
     SHARDS = "shards of {label}"                                # shard tasks of a pass on Dask workers
     CURVATURE = "curvature of {label}"                          # formed Hessian or Gauss-Newton (near a minimum)
+    PRODUCTS_BATCHING = "batching of the vectors of {label}"     # one vmap over a call's vectors, or a loop
 
     @classmethod
     def coerce(cls, kind) -> "DecisionKind":

@@ -11,7 +11,11 @@ most its iteration bound; the statistic's ``groups`` of calls
 near-minimum probe's one-vector calls, then a formation's 256-vector ones: two groups). The
 decide stage plans them as a :class:`ProductsJob` in a pass of its own (key
 :class:`~gradalg.plan.passkeys.ProductsPassKey`: H's token, task name, n, calls), priced per
-group as one call of its vectors times its bound, which ``explain()`` shows. When the plan runs, the pass reads nothing: it
+group as one call of its vectors times its bound, which ``explain()`` shows. How a call's m vectors run is decided
+there too, before any run (a ``PRODUCTS_BATCHING`` decision): one ``torch.func.vmap`` over them where a
+probe on the meta device runs it (:func:`~gradalg.curvature.hvp.probe_batching`), else a loop of one
+product per vector, priced as m calls of one vector (:meth:`ProductsJob.vmap_calls`); the run
+follows it. When the plan runs, the pass reads nothing: it
 publishes a :class:`ProductPass`, the matvec the solver calls, and each call runs the pass
 (every batch, a :class:`ProductSums` accumulating the per-batch products), timed into the
 pass's measured seconds (``explain(analyze=True)``: seconds over every call, and the calls).
@@ -29,14 +33,15 @@ from typing import ClassVar
 
 import torch
 
-from ...curvature.hvp import Products, vmap_chunk_size
+from ...curvature.hvp import BatchingProbe, ParamCoords, Products, decide_batching, vmap_chunk_size
 from ...eval_mode import eval_mode
 from ...data import as_data
 from ...devices import DeviceProfile
 from ...devices.measure import FITS, warm_timer
 from ...tasks import classification
 from ...options import get_options
-from ..cost import Cost, bmm_cost, data_tokens_hint, gemm_cost
+from ..cost import Cost, _si, bmm_cost, data_tokens_hint, gemm_cost
+from ..decisions import Decision, DecisionKind, DecisionSource
 from ..estimates import _leaf_modules
 from ..passkeys import ProductsPassKey
 from ..rules import PlanError
@@ -55,13 +60,22 @@ __all__ = ["ProductsJob", "ProductSums", "ProductPass", "PRODUCT_SWEEPS", "FIXED
 #: tangent of the forward (2) and of the backward's two GEMMs (2 × 2) = 6.
 #: ``gauss_newton`` (``jvp`` of the outputs, the output Hessian, ``vjp``): primal two
 #: forwards (the jvp's and the vjp's) = 2; tangent of the forward (2) and the vjp's
-#: backward (2) = 4. (Under ``vmap`` the primal runs once for the m vectors; the loop
-#: fallback for models ``vmap`` cannot batch runs it per vector.)
+#: backward (2) = 4. (Under ``vmap`` the primal runs once for the m vectors; the loop the plan
+#: decides for a model ``vmap`` cannot batch runs it per vector: :attr:`ProductsJob.batching`.)
 PRODUCT_SWEEPS = {"hessian": (3, 6), "gauss_newton": (2, 4)}
 
 #: {products target's token: (activation elements of one example's forward, positions per weight
 #: layer), or None} (:meth:`ProductsJob._measured`, one meta forward each, at most 256 kept)
 _ACTIVATIONS: dict = {}
+
+
+def _memo(table: dict, key, find):
+    """``table[key]``, found by ``find()`` the first time (at most 256 kept, the oldest dropped)."""
+    if key not in table:
+        if len(table) >= 256:
+            table.pop(next(iter(table)))
+        table[key] = find()
+    return table[key]
 
 
 #: forward-equivalents of the fixed cost (:func:`product_fixed`) per kind, relative to the
@@ -173,16 +187,56 @@ class ProductsJob(Job):
 
     groups: tuple[tuple[int, int, str], ...] = ((1, 1, ""),)
     batch: int = 64
+    #: how a call's m vectors run: ``"vmap"`` (one torch.func.vmap over them, in chunks) or ``"loop"``
+    #: (one product per vector); ``probe``: the meta probe that decided it (None: forced by
+    #: ``ga.options(products_batching)``)
+    batching: str = "vmap"
+    probe: BatchingProbe | None = None
 
     @classmethod
     def for_statistic(cls, statistic, deps: set, options=None, vectors: int | None = None) -> "ProductsJob":
         """The job of a ``"products"`` statistic: its groups of calls
         (:class:`~gradalg.expr.operators.ProductCalls`), each on its vectors (the group's, else
-        ``vectors``: the rows the operator is applied to, else one)."""
+        ``vectors``: the rows the operator is applied to, else one), and how their vectors run
+        (:func:`~gradalg.curvature.hvp.decide_batching`: ``ga.options(products_batching)``, else the
+        meta probe on the first example's shapes)."""
         groups = tuple((max(1, int(g.calls)), int(g.vectors or vectors or 1), g.why) for g in statistic.groups
                        if g.calls > 0) or ((1, int(vectors or 1), ""),)
-        return cls(statistic.node, (), set(deps), groups=groups,
-                   batch=options.batch_size if options is not None else 64)
+        t = statistic.node
+        names = ParamCoords(t.task.model, t.layers).param_names
+        batching, probe = decide_batching(t.task, t.data.first_example_batch(), names, t.kind,
+                                          (options or get_options()).products_batching)
+        return cls(t, (), set(deps), groups=groups,
+                   batch=options.batch_size if options is not None else 64, batching=batching, probe=probe)
+
+    def first_decisions(self, options) -> list:
+        """The batching of the vectors (``PRODUCTS_BATCHING``): the chosen one, both alternatives with
+        their FLOPs and torch.func calls over the bound on the calls, and why (the probe's error class)."""
+        t, fix = self.target, "ga.options(products_batching='vmap' or 'loop') forces one"
+        alternatives = {}
+        for way in ("vmap", "loop"):
+            job = replace(self, batching=way)
+            dtype = next((p.dtype for p in t.task.model.parameters()), torch.float32)
+            flops = sum(job.call_cost(dtype, None, m).flops * calls for calls, m, _ in self.groups)
+            funcs = sum(calls * count * k for calls, m, _ in self.groups
+                        for _, count, sizes in job.vmap_calls(m) for _, k in sizes)
+            alternatives[way] = (f"~{_si(flops)}FLOP in {funcs:,} torch.func calls"
+                                 + (" (the primal sweeps once per vector)" if way == "loop" else ""))
+        probe = self.probe
+        if probe is None:
+            return [Decision(DecisionKind.PRODUCTS_BATCHING, t.token, self.batching, alternatives, label=t.label,
+                             source=DecisionSource.OPTIONS, setting=f"products_batching={self.batching!r}")]
+        if probe.batching == "vmap":
+            why = ("a probe on the meta device (no weight or example read) ran torch.func.vmap over the products "
+                   "of 2 vectors: each call's vectors go through vmap together")
+        elif probe.batching == "loop":
+            why = (f"a probe on the meta device ran one vector's product but not vmap over 2 ({probe.error}): "
+                   "each vector's product runs alone, priced as m calls of one vector")
+        else:
+            why = (f"undecided: the meta device cannot run one vector's product ({probe.error}), so whether vmap "
+                   "batches the model is not known; the loop is priced and run (the safe side)")
+        return [Decision(DecisionKind.PRODUCTS_BATCHING, t.token, self.batching, alternatives,
+                         f"{why}; {fix}", label=t.label)]
 
     @property
     def calls(self) -> int:
@@ -223,6 +277,8 @@ class ProductsJob(Job):
         vmap = get_options().products_vmap_elements
         if m <= 1:
             return ""
+        if self.batching == "loop":
+            return f", looped: {m:,} calls of one vector per batch (not vmapped: the plan's PRODUCTS_BATCHING)"
         if not vmap:
             return ", vmapped whole (ga.options(products_vmap_elements=0))"
         a = self.example_activations()
@@ -272,30 +328,8 @@ class ProductsJob(Job):
         (:meth:`example_activations`, :meth:`layer_positions`, :meth:`held_activations`), or None.
         Memoised by the target's token (at most 256 kept)."""
         t = self.target
-        if t.token not in _ACTIVATIONS:
-            held, handles = [], []
+        return _memo(_ACTIVATIONS, t.token, lambda: _meta_measure(t))
 
-            def hook(_module, _args, out):
-                if isinstance(out, torch.Tensor) and out.dim() > 0 and out._base is None:
-                    held.append(out.numel())
-            try:
-                model = t.task.model
-                handles = [m.register_forward_hook(hook) for m in model.modules() if next(m.children(), None) is None]
-                modules = _weight_modules(model)
-                refs = [_Ref(str(i), m, rule) for i, (m, rule) in enumerate(modules)]
-                seen, activations = _measure_on_meta(t.task, t.data.first_example_batch(), refs)
-                T = data_tokens_hint(t.data)
-                value = (float(activations), tuple(int(seen.get(str(i), T)) for i in range(len(modules))),
-                         (float(sum(held)), float(max(held, default=0))))
-            except Exception:  # noqa: BLE001 - a hint: a model meta cannot run is priced unchunked, at T
-                value = None
-            finally:
-                for h in handles:
-                    h.remove()
-            if len(_ACTIVATIONS) >= 256:
-                _ACTIVATIONS.pop(next(iter(_ACTIVATIONS)))
-            _ACTIVATIONS[t.token] = value
-        return _ACTIVATIONS[t.token]
 
     def vmap_calls(self, m: int | None = None) -> tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]:
         """One call's batches and their ``vmap`` calls: ``((b, batches, ((vectors, vmap calls), ...)), ...)``
@@ -303,7 +337,7 @@ class ProductsJob(Job):
         (default :attr:`vectors`, a group's) go through ``vmap`` in chunks of
         :func:`~gradalg.curvature.hvp.vmap_chunk_size` (E = ``ga.options(products_vmap_elements)``, b,
         :meth:`example_activations`), the run's rule: ⌈m / c⌉ calls, the last one with the rest (one
-        call of m where unchunked or not known)."""
+        call of m where unchunked or not known); where the vectors loop (:attr:`batching`), m calls of one."""
         n, m = self.target.data.n, self.vectors if m is None else m
         B = max(1, min(self.batch, n))
         full, rest = divmod(n, B)
@@ -312,7 +346,7 @@ class ProductsJob(Job):
         for b, count in ((B, full), (rest, 1)):
             if not (b and count):
                 continue
-            c = vmap_chunk_size(E, b, a, m) if a is not None else None
+            c = 1 if self.batching == "loop" else vmap_chunk_size(E, b, a, m) if a is not None else None
             if c is None:
                 sizes = ((m, 1),)
             else:
@@ -405,6 +439,29 @@ class ProductsJob(Job):
         state.results[self.key] = result
 
 
+def _meta_measure(t):
+    """:meth:`ProductsJob._measured` of the products target ``t``, measured."""
+    held, handles = [], []
+
+    def hook(_module, _args, out):
+        if isinstance(out, torch.Tensor) and out.dim() > 0 and out._base is None:
+            held.append(out.numel())
+    try:
+        model = t.task.model
+        handles = [m.register_forward_hook(hook) for m in model.modules() if next(m.children(), None) is None]
+        modules = _weight_modules(model)
+        refs = [_Ref(str(i), m, rule) for i, (m, rule) in enumerate(modules)]
+        seen, activations = _measure_on_meta(t.task, t.data.first_example_batch(), refs)
+        T = data_tokens_hint(t.data)
+        return (float(activations), tuple(int(seen.get(str(i), T)) for i in range(len(modules))),
+                (float(sum(held)), float(max(held, default=0))))
+    except Exception:  # noqa: BLE001 - a hint: a model meta cannot run is priced unchunked, at T
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+
+
 class ProductSums:
     """One call's accumulator: ``update(rows)`` adds a batch's Σ_i H_i V (m, dim);
     ``finish()`` is H V = the sum / n. ``export`` / ``absorb``: the partial sum of a shard."""
@@ -456,7 +513,7 @@ class ProductPass:
     def __init__(self, job: ProductsJob, ctx):
         t = job.target
         self.job, self.ctx = job, ctx
-        self.products = Products(t.task, t.data, t.layers, t.kind)
+        self.products = Products(t.task, t.data, t.layers, t.kind, batching=job.batching)
         self.coords = self.products.coords
         self.calls = 0
 
@@ -513,7 +570,7 @@ def _product_batch(width: int, depth: int, n: int, device="cpu"):
     model = torch.nn.Sequential(*layers, torch.nn.Linear(width, 4)).to(device).eval()
     X, y = torch.randn(n, width, generator=g).to(device), torch.randint(0, 4, (n,), generator=g).to(device)
     products = Products(classification(model), as_data((X, y)), [str(i) for i in range(0, 2 * depth + 1, 2)],
-                        "gauss_newton")
+                        "gauss_newton", batching="vmap")
     _, batch = next(products.batches(n))
     dim = sum(p.numel() for p in model.parameters())
     V = torch.randn(1, dim, generator=g).to(device)
