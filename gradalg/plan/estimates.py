@@ -191,8 +191,7 @@ def _eigenvalues_made(op, elem: int = 4) -> Cost:
         return Cost()
     blocks = [b for b in op.space.blocks if len(b.shape) == 2]
     ops, sweeps = _step_ops(op), 0.0
-    for b in blocks:
-        out_f, in_f = b.shape
+    for out_f, in_f in (b.shape for b in blocks):
         casts = 2.0 * (8 + elem) * (out_f ** 2 + in_f ** 2) if elem < 8 else 0.0
         sweeps += 2.0 * ops * 8 * out_f * in_f + casts
     return block_cost("resolve", len(blocks)) + Cost(elementwise=sweeps)

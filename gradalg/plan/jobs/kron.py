@@ -217,7 +217,8 @@ class EKFACJob(KronStatisticsJob):
         eigendecomposed in float32) also has the K-FAC Λ scanned for its extremes and the
         corrected one's max |·| read: one ``resolve`` unit more and
         :data:`BlockEigenvalues.SCAN_SWEEPS <gradalg.linalg.kron.BlockEigenvalues.SCAN_SWEEPS>`
-        + 2 float64 sweeps. Unpriced before, the two took 0.4 ms of LoGra's 4 ms correction pass on a 1-layer Mistral (issue 28)."""
+        + 2 float64 sweeps. Unpriced before, the two took 0.4 ms of LoGra's 4 ms correction
+        pass on a 1-layer Mistral (issue 28)."""
         blocks, width = self.target.space.blocks, self.kron_float64_width
         wide = [b for b in blocks if len(b.shape) == 2
                 and any(width is not None and d > width and not self._diagonal(d) for d in b.shape)]
@@ -237,9 +238,8 @@ class EKFACJob(KronStatisticsJob):
         second reused buffer their right rotation is written into (w·d of the widest such
         block). A block with a diagonal factor is rotated one example at a time (counted
         in :meth:`fixed_bytes`)."""
-        node, w = self.streams[0], _work_elem(facts)
+        node, w, T = self.streams[0], _work_elem(facts), positions(self.streams[0], facts.shapes)
         blocks, diag = node.space.blocks, diagonal_factors(node.space, self.kron_diagonal_width)
-        T = positions(node, facts.shapes)
         widest = max((b.dim for b in blocks if b.name not in diag), default=0)
         factors = max((self.at_once(T[b.name]) * sum(b.shape) * w for b in blocks if len(b.shape) == 2), default=0.0)
         turned = max((b.dim for b in blocks if b.name not in diag and gradient_first(b, T[b.name])), default=0)
@@ -431,8 +431,8 @@ def kron_output_bytes(space, float64_width: int | None = None, diagonal_width: i
 def _diagonal_decision(op, b, diag: list, options) -> Decision:
     """The decision about block ``b`` of ``op`` whose factors ``diag`` ([(side, width)]) are kept diagonal."""
     dense = [kron_factor_bytes(d, options.kron_float64_width) for _, d in diag]
-    dense_peak = sum(p["sum"] + p["basis"] for p in dense) + max(p["eigh"] for p in dense)
-    kept, dense_peak = format_bytes(sum(8.0 * d for _, d in diag)), format_bytes(dense_peak)
+    kept = format_bytes(sum(8.0 * d for _, d in diag))
+    dense_peak = format_bytes(sum(p["sum"] + p["basis"] for p in dense) + max(p["eigh"] for p in dense))
     why = {("A", "embedding"): "exact: an embedding's one-hot inputs have a diagonal covariance, the token counts",
            ("S", "tied"): "approximated by diag(S): the tied embedding's one-hot rows add exactly diagonal terms, the "
                           "head's output-gradient covariances lose their off-diagonal entries"}
