@@ -154,3 +154,23 @@ def test_the_correction_pass_runs_what_its_estimate_prices(monkeypatch):
     assert opened == finished == [len(blocks)]
     assert once.blocks == (("resolve", 2.0 * len(blocks), 0.0),)
     assert once.faulted == 8 * sum(b.dim for b in blocks)
+
+
+def test_flat_rows_of_a_block_with_a_diagonal_factor_are_corrected():
+    """Rows kept flat (a Kronecker-projected block over long sequences) of a block with a
+    diagonal factor (its output side wider than ``kron_diagonal_width``: the identity as
+    basis, Q_S None) are rotated by Q_A alone: Λ = Σ_i (G_i Q_A)² over the chunk. The
+    accumulator read the block's shape from Q_S and failed on the identity basis."""
+    from types import SimpleNamespace
+    from gradalg.linalg.kron import BlockEigenvalues
+    from gradalg.plan.jobs.kron import EKFACAccumulator
+    g = torch.Generator().manual_seed(0)
+    n, o, i = 5, 7, 3
+    Q_A = torch.linalg.qr(torch.randn(i, i, generator=g, dtype=torch.float64))[0]
+    lam = BlockEigenvalues((torch.ones(o, dtype=torch.float64), torch.ones(i, dtype=torch.float64)))
+    kfac = SimpleNamespace(bases={"w": (None, Q_A)}, parts={"w": lam})
+    node = SimpleNamespace(space=SimpleNamespace(names=["w"], blocks=[SimpleNamespace(name="w", shape=(o, i))]))
+    G = torch.randn(n, o, i, generator=g, dtype=torch.float64)
+    acc = EKFACAccumulator(node, kfac)
+    acc.update(SimpleNamespace(blocks={"w": G.reshape(n, o * i)}))
+    torch.testing.assert_close(acc.sums["w"], ((G @ Q_A) ** 2).sum(0), rtol=1e-12, atol=1e-12)

@@ -515,3 +515,18 @@ def test_the_sparse_jl_rates_are_measured_with_the_profile():
     assert {"sjlt_bytes", "sjlt_build_randoms"} <= set(D.CALIBRATION)
     line = D.DeviceProfile("t", 1e9, 1e9, 1e9, 1e9, sjlt_bytes=(12.5, 9.0), sjlt_build_randoms=0.5).calibration()
     assert "sparse JL 12.5/9 B per non-zero and call/row" in line and "0.5 normal draws per non-zero" in line
+
+
+@pytest.mark.parametrize("module", ["plan/estimates.py", "plan/jobs/kron.py", "plan/jobs/fisher.py"])
+def test_the_estimates_and_the_statistics_jobs_import_no_private_name(module):
+    """A fact another module needs has a public home, on the type that owns it: the
+    sweeps of a scan of Λ (``BlockEigenvalues.SCAN_SWEEPS``), the blocks whose rows arrive
+    as factors (``estimates.factored_blocks``, ``materialized_cost``), bytes as gradalg
+    writes them (``gradalg.units``): no ``from ..estimates import _SCAN_SWEEPS``."""
+    import ast
+    path = os.path.join(os.path.dirname(ga.__file__), module)
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    private = [(node.module, a.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+               for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    assert private == [], private

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 import torch
 
@@ -154,6 +155,10 @@ class BlockEigenvalues:
 
     base: tuple          # (λ_S, λ_A) vectors, or (grid,)
     steps: tuple = ()
+    #: full-size sweeps (reads + writes) over Λ (out·in float64 numbers) of one scan for
+    #: :meth:`extremes`, as the planner prices it (``gradalg.plan.estimates.resolve_cost``): cast
+    #: to float64 (1 + 1), min (1), |·| (1 + 1), max (1), |·| (1 + 1), min (1)
+    SCAN_SWEEPS: ClassVar[int] = 9
 
     @property
     def shape(self) -> tuple:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import islice, takewhile
 from types import MappingProxyType
 from typing import Mapping
 
@@ -38,7 +39,7 @@ from torch import nn
 
 from ..errors import OperatorError
 from ..expr import Project, Source
-from ..linalg.kron import is_diagonal_factor
+from ..linalg.kron import BlockEigenvalues, is_diagonal_factor
 from ..linalg.labels import form_of
 from ..proj.kinds import Rows
 from .cost import (Cost, block_cost, bmm_cost, dense_cost, eigh_cost, gemm_cost,
@@ -47,9 +48,9 @@ from ..devices import UNMEASURED_CPU as NOMINAL, DeviceProfile
 from .memory import positions, rows_of
 from .shapes import activation_bytes, attention_shape, element_size, output_width, rows_per_example, weight_layers
 
-__all__ = ["capture_cost", "pass_capture_cost", "chunk_count", "resolve_once", "resolve_bytes", "apply_cost", "OperatorPrices", "resolve_cost",
-           "project_cost", "RowPrices", "rowwise_cost",
-           "kernel_costs", "elementwise_cost", "pass_overhead", "ADAM_OPS"]
+__all__ = ["capture_cost", "pass_capture_cost", "chunk_count", "resolve_once", "resolve_bytes", "apply_cost",
+           "OperatorPrices", "resolve_cost", "project_cost", "RowPrices", "rowwise_cost", "kernel_costs",
+           "elementwise_cost", "pass_overhead", "ADAM_OPS", "factored_blocks", "made_flat_cost", "materialized_cost"]
 
 #: no measured forward shapes (every layer at ``tokens_hint``): the prices' default outside a plan
 EMPTY: Mapping = MappingProxyType({})
@@ -58,11 +59,6 @@ EMPTY: Mapping = MappingProxyType({})
 # ------------------------------------------------------------------ model shapes
 def _leaf_modules(model: nn.Module) -> int:
     return sum(1 for m in model.modules() if not any(True for _ in m.children()))
-
-
-def _batch_size(src: Source, options) -> int:
-    data = src.data
-    return data.batch_size or getattr(data.source, "batch_size", None) or options.batch_size
 
 
 # ------------------------------------------------------------------ capture
@@ -80,10 +76,9 @@ def capture_cost(src: Source, options, dtype=torch.float32, forward: bool = True
     the module calls (each leaf module once per forward and per backward), the
     captured batches and their recorded layers.
     """
-    model = src.task.model
-    elem = element_size(dtype)
-    n, T = src.data.n, tokens_hint(src)
-    B = max(1, min(batch or _batch_size(src, options), n))
+    model, data, elem = src.task.model, src.data, element_size(dtype)
+    n, T = data.n, tokens_hint(src)
+    B = max(1, min(batch or data.batch_size or getattr(data.source, "batch_size", None) or options.batch_size, n))
     batches = math.ceil(n / B)
     sweeps = rows_per_example(src) if src.objective == "expected" else 1     # backwards per batch
     cost = Cost(passes=1)
@@ -100,7 +95,6 @@ def capture_cost(src: Source, options, dtype=torch.float32, forward: bool = True
     sweep_forward, sweep_backward = device.elementwise_sweeps
     cost = cost + Cost(elementwise=act * (sweep_forward * int(forward) + sweep_backward * sweeps))
     # the recorded layers' factors: A kept (with its bias column), D written, per backward
-    recorded = len(src.space.blocks)
     factor_bytes = sum(T * (b.shape[-1] + b.shape[0]) for b in src.space.blocks if len(b.shape) == 2) * n * elem
     cost = cost + Cost(bytes=2.0 * factor_bytes * sweeps)
     if src.objective == "sampled":   # labels drawn from the model: a float64 softmax and search over outputs
@@ -110,7 +104,7 @@ def capture_cost(src: Source, options, dtype=torch.float32, forward: bool = True
         for n_in, n_out in weight_layers(model):
             cost = cost + gemm_cost(m, n_out, n_in, 2, elem)
     calls = batches * _leaf_modules(model) * (int(forward) + sweeps)
-    return cost + Cost(calls=calls, batches=batches * sweeps, layer_batches=batches * sweeps * recorded,
+    return cost + Cost(calls=calls, batches=batches * sweeps, layer_batches=batches * sweeps * len(src.space.blocks),
                        ops=batches * device.ops_per_batch)
 
 
@@ -148,35 +142,40 @@ def kron_chain(op) -> int:
     and the checks of the step above it (min, max |·|, min |·|:
     :meth:`~gradalg.linalg.kron.BlockEigenvalues.extremes`), the top one's tags follow
     from them: chain − 1 scans per block (:func:`resolve_cost`)."""
-    count, node = 0, op
-    while node is not None:
-        try:
-            if form_of(node.labels()) != "kronecker":
-                break
-        except OperatorError:
-            break
-        count += 1
-        node = next((c for c in getattr(node, "children", ()) if hasattr(c, "labels") and hasattr(c, "resolve")),
-                    None)
-    return count
+    return sum(1 for _ in takewhile(_is_kronecker, _operands(op)))
+
+
+def _operands(op):
+    """``op`` and, down its chain, each node's first operand that is an operator (has
+    ``labels`` and ``resolve``)."""
+    while op is not None:
+        yield op
+        op = next((c for c in getattr(op, "children", ()) if hasattr(c, "labels") and hasattr(c, "resolve")), None)
+
+
+def _is_kronecker(op) -> bool:
+    try:
+        return form_of(op.labels()) == "kronecker"
+    except OperatorError:
+        return False
+
+
+def _rules(op) -> tuple:
+    """The rules resolving ``op`` applies (``op.labels().rules``); none where its structure refuses."""
+    try:
+        return op.labels().rules
+    except OperatorError:
+        return ()
 
 
 #: full-size ops over a block's Λ (out·in numbers, float64) of each step a Kronecker
 #: chain keeps (:meth:`~gradalg.linalg.kron.BlockEigenvalues.rows`): a shift; a cast up,
 #: the reciprocal or power, a cast down
 _STEP_OPS = {"kronecker.damp_in_eigenbasis": 1, "kronecker.invert_eigenvalues": 3, "kronecker.eigenvalue_power": 3}
-#: full-size sweeps (reads + writes) of one scan of Λ for its extremes
-#: (:meth:`~gradalg.linalg.kron.BlockEigenvalues.extremes`): cast to float64 (1 + 1),
-#: min (1), |·| (1 + 1), max (1), |·| (1 + 1), min (1)
-_SCAN_SWEEPS = 9
 
 
 def _step_ops(op) -> int:
-    try:
-        rules = op.labels().rules
-    except OperatorError:
-        return 0
-    return sum(_STEP_OPS.get(r, 0) for r in rules)
+    return sum(_STEP_OPS.get(r, 0) for r in _rules(op))
 
 
 def _eigenvalues_made(op, elem: int = 4) -> Cost:
@@ -192,8 +191,7 @@ def _eigenvalues_made(op, elem: int = 4) -> Cost:
         return Cost()
     blocks = [b for b in op.space.blocks if len(b.shape) == 2]
     ops, sweeps = _step_ops(op), 0.0
-    for b in blocks:
-        out_f, in_f = b.shape
+    for out_f, in_f in (b.shape for b in blocks):
         casts = 2.0 * (8 + elem) * (out_f ** 2 + in_f ** 2) if elem < 8 else 0.0
         sweeps += 2.0 * ops * 8 * out_f * in_f + casts
     return block_cost("resolve", len(blocks)) + Cost(elementwise=sweeps)
@@ -202,24 +200,31 @@ def _eigenvalues_made(op, elem: int = 4) -> Cost:
 def _eigenvalues_scanned(op) -> Cost:
     """Each operand of a Kronecker chain scanned for its extremes once per block (the
     chain's resolution, :func:`kron_chain`): ``block_cost("resolve")`` each, and per scan
-    the operand's Λ made from its steps and :data:`_SCAN_SWEEPS` float64 sweeps over
-    out·in numbers, at the elementwise bandwidth."""
+    the operand's Λ made from its steps and
+    :data:`BlockEigenvalues.SCAN_SWEEPS <gradalg.linalg.kron.BlockEigenvalues.SCAN_SWEEPS>`
+    float64 sweeps over out·in numbers, at the elementwise bandwidth."""
     chain, blocks = kron_chain(op), op.space.blocks
     scans = max(1, chain - 1)
-    made_ops, node = [], op
-    for _ in range(chain):           # the operands below the top, each with the steps it keeps
-        node = next((c for c in getattr(node, "children", ()) if hasattr(c, "labels") and hasattr(c, "resolve")),
-                    None)
-        if node is None:
-            break
-        made_ops.append(_step_ops(node))
-    made_ops = (made_ops + [0] * scans)[:scans]
-    sweeps = sum((_SCAN_SWEEPS + 2.0 * k) * 8 * b.dim for b in blocks for k in made_ops)
+    # the operands below the top (at most the chain's), each with the steps it keeps
+    made_ops = [_step_ops(node) for node in islice(_operands(op), 1, min(chain, scans) + 1)]
+    made_ops += [0] * (scans - len(made_ops))
+    sweeps = sum((BlockEigenvalues.SCAN_SWEEPS + 2.0 * k) * 8 * b.dim for b in blocks for k in made_ops)
     return block_cost("resolve", len(blocks) * scans) + Cost(elementwise=sweeps)
 
 
+class _Prices:
+    """What every price list below offers: nothing, and GEMMs in numbers of ``elem`` bytes."""
+
+    def free(self) -> Cost:
+        return Cost()
+
+    def gemm(self, m: int, n: int, k: int, count: int = 1) -> Cost:
+        """``count`` GEMMs (m, k) @ (k, n)."""
+        return gemm_cost(m, n, k, count, self.elem)
+
+
 @dataclass(frozen=True)
-class OperatorPrices:
+class OperatorPrices(_Prices):
     """The prices an operator node's ``apply_cost(space, n, prices)`` is written in, for
     rows of ``elem`` bytes under ``options``: a resolved operator applied by its form
     (:meth:`by_form`), a low-rank one by its rank, and the parts of a closed form over data
@@ -229,9 +234,6 @@ class OperatorPrices:
     elem: int = 4
     options: object = None
     shapes: Mapping = field(default_factory=dict)
-
-    def free(self) -> Cost:
-        return Cost()
 
     def by_form(self, labels, space, n: int) -> Cost:
         """By the form of ``labels``: a diagonal scales (n·d), block-diagonal and dense
@@ -287,18 +289,13 @@ class OperatorPrices:
         root = grads
         while not isinstance(root, Source) and hasattr(root, "grads"):
             root = root.grads
-        cost = Cost()
-        if isinstance(root, Source) and self.options is not None:
-            cost = capture_cost(root, self.options, torch.float32)
+        captured = isinstance(root, Source) and self.options is not None     # captured again: options known
+        cost = capture_cost(root, self.options, torch.float32) if captured else Cost()
         T = positions(grads, self.shapes)
         for b in grads.space.blocks:
             if len(b.shape) == 2 and grads.representation.get(b.name) == "factored":
                 cost = cost + materialize_cost(grads.n, T[b.name], b.shape[1], b.shape[0], self.elem)
         return cost
-
-    def gemm(self, m: int, k: int, n: int, times: int = 1) -> Cost:
-        """``times`` GEMMs (m, k) @ (k, n)."""
-        return gemm_cost(m, k, n, times, self.elem)
 
     def traffic(self, nbytes: float) -> Cost:
         """Memory traffic of ``nbytes``."""
@@ -324,20 +321,20 @@ def resolve_cost(op) -> Cost:
     EK-FAC and the damped Λ, the fixed cost ``block_cost("resolve", 2 × blocks)``; the
     inverse itself is a lazy step, made when applied: :func:`apply_cost`). K-FAC's
     eigendecompositions belong to its ``kfac`` job."""
-    try:
-        rules = set(op.labels().rules)
-    except OperatorError:
-        return Cost()
+    rules, cost = set(_rules(op)), Cost()
     if rules & set(_KRON_RESOLVE_RULES):
         return _eigenvalues_scanned(op)
-    space, cost = op.space, Cost()
-    for form, names in _EIGH_RULES.items():
-        if rules & set(names):
-            dims = [b.dim for b in space.blocks] if form == "block" else [space.dim]
-            for d in dims:
-                cost = cost + eigh_cost(d) + gemm_cost(d, d, d, 1, 8) + Cost(bytes=8.0 * 6 * d * d)
-            return cost
+    for d in _eigh_dims(rules, op.space):
+        cost = cost + eigh_cost(d) + gemm_cost(d, d, d, 1, 8) + Cost(bytes=8.0 * 6 * d * d)
     return cost
+
+
+def _eigh_dims(rules: set, space) -> list:
+    """The widths of the matrices an operator resolved by ``rules`` eigendecomposes: each
+    block's (a block matrix), the space's (a dense one), none (any other)."""
+    if rules & set(_EIGH_RULES["block"]):
+        return [b.dim for b in space.blocks]
+    return [space.dim] if rules & set(_EIGH_RULES["dense"]) else []
 
 
 # ------------------------------------------------------------------ projections
@@ -352,18 +349,16 @@ def project_cost(node: Project, n: int, T: int, elem: int = 4, chunk: int | None
     same plan drew (the process keeps them); those are not drawn again, and this call adds
     the ones it draws to the set."""
     n = n * rows_of(node.grads)      # every Gauss-Newton term's rows are projected
-    c = max(1, min(chunk or n, n))
+    c, chunks = chunk_count(n, chunk)
+    drawn = set() if drawn is None else drawn      # a block's matrix is drawn once per call at least
     p, kind, prices = node.projector, node.projector.kind_object, ProjectionPrices(elem)
-    rep, total = node.grads.representation, node.grads.space.dim
-    cost = Cost()
+    rep, total, cost = node.grads.representation, node.grads.space.dim, Cost()
     for b in node.grads.space.blocks:
-        rows = Rows(n, c, _chunks(n, c), T, rep[b.name] == "factored" and len(b.shape) == 2, total)
+        rows = Rows(n, c, chunks, T, rep[b.name] == "factored" and len(b.shape) == 2, total)
         cost = cost + kind.cost(p, b, rows, prices)
-        key = (p, b.name, b.dim)
-        if drawn is None or key not in drawn:
+        if (p, b.name, b.dim) not in drawn:
             cost = cost + kind.build_cost(p, b, prices)
-            if drawn is not None:
-                drawn.add(key)
+            drawn.add((p, b.name, b.dim))
     return cost
 
 
@@ -379,7 +374,7 @@ OPS_PER_SPARSE_BLOCK = 16
 
 
 @dataclass(frozen=True)
-class ProjectionPrices:
+class ProjectionPrices(_Prices):
     """The counts a projection kind's ``cost(p, b, rows, prices)`` and ``build_cost`` are
     written in (:mod:`gradalg.proj.kinds`, a floor below the planner), for rows of ``elem``
     bytes: GEMMs, factors materialized, a Kronecker projection of factors, the fixed small
@@ -389,10 +384,6 @@ class ProjectionPrices:
 
     def counts(self, **fields) -> Cost:
         return Cost(**fields)
-
-    def gemm(self, m: int, n: int, k: int, count: int = 1) -> Cost:
-        """``count`` GEMMs (m, k) @ (k, n)."""
-        return gemm_cost(m, n, k, count, self.elem)
 
     def materialize(self, n: int, T: int, n_in: int, n_out: int) -> Cost:
         return materialize_cost(n, T, n_in, n_out, self.elem)
@@ -422,24 +413,31 @@ def elementwise_cost(numbers: float, reads: float, writes: float, elem: int = 4)
 ADAM_OPS = {"reads": 9, "writes": 5, "fresh": 1}
 
 
-def _materialize_cost(node, c: int, layout: dict, elem: int, shapes: Mapping) -> Cost:
+def factored_blocks(node, layout: dict) -> dict:
+    """``{block: bool}``: the block's rows arrive as factors (``layout``) and it is 2-D."""
+    return {b.name: layout.get(b.name) == "factors" and len(b.shape) == 2 for b in node.space.blocks}
+
+
+def made_flat_cost(b, c: int, T: dict, factored: dict, elem: int) -> Cost:
+    """A block's rows of one chunk made flat (materialized when they arrive as factors:
+    ``factored``, :func:`factored_blocks`; ``T``: positions per block)."""
+    if factored[b.name]:
+        return materialize_cost(c, T[b.name], b.shape[1], b.shape[0], elem)
+    return Cost()
+
+
+def materialized_cost(node, c: int, layout: dict, elem: int, shapes: Mapping) -> Cost:
     """The factored blocks of a chunk of ``node`` materialized, one at a time."""
-    T = positions(node, shapes)
-    cost = Cost()
-    for b in node.space.blocks:
-        if layout.get(b.name) == "factors" and len(b.shape) == 2:
-            cost = cost + materialize_cost(c, T[b.name], b.shape[1], b.shape[0], elem)
-    return cost
+    T, factored = positions(node, shapes), factored_blocks(node, layout)
+    return sum((made_flat_cost(b, c, T, factored, elem) for b in node.space.blocks), Cost())
 
 
-def _flatten_cost(node, c: int, layout: dict, elem: int, shapes: Mapping) -> Cost:
-    """``flatten``: the blocks of a chunk of ``node`` concatenated into one (c, d) tensor,
-    factored blocks materialized first."""
-    return elementwise_cost(c * node.space.dim, 1, 1, elem) + _materialize_cost(node, c, layout, elem, shapes)
+#: the private names jobs/apply.py, rows.py and scores.py still import (their rooms switch to the public ones)
+_factored, _flat = factored_blocks, made_flat_cost
 
 
 @dataclass(frozen=True)
-class RowPrices:
+class RowPrices(_Prices):
     """The prices a row-wise node's ``row_cost(n, chunk, prices)`` is written in
     (:class:`gradalg.expr.RowWise`), for input rows of ``layout`` (``{block: "factors" |
     "flat"}``) of ``elem`` bytes under ``options``. ``drawn``: the projections whose
@@ -455,16 +453,12 @@ class RowPrices:
     resolved: set | None = None
     shapes: Mapping = field(default_factory=dict)
 
-    def free(self) -> Cost:
-        return Cost()
-
     def per_chunk(self, src, n: int, chunk: int | None, per, op=None) -> Cost:
         """``per(c)``, the cost of one chunk of c rows of ``src``, over the chunks of n
         examples' rows, plus resolving ``op`` once (when given and not resolved before)."""
-        n = n * rows_of(src)
-        c = max(1, min(chunk or n, n))
+        c, chunks = chunk_count(n * rows_of(src), chunk)
         once = resolve_once(op, self.resolved) if op is not None else Cost()
-        return per(c).scaled(_chunks(n, c)) + once
+        return per(c).scaled(chunks) + once
 
     def positions(self, src) -> dict:
         return positions(src, self.shapes)
@@ -473,13 +467,14 @@ class RowPrices:
         return project_cost(node, n, tokens_hint(node), self.elem, chunk, self.drawn)
 
     def materialize(self, src, c: int) -> Cost:
-        return _materialize_cost(src, c, self.layout, self.elem, self.shapes)
+        return materialized_cost(src, c, self.layout, self.elem, self.shapes)
 
     def materialize_block(self, c: int, T: int, d_in: int, d_out: int) -> Cost:
         return materialize_cost(c, T, d_in, d_out, self.elem)
 
     def flatten(self, src, c: int) -> Cost:
-        return _flatten_cost(src, c, self.layout, self.elem, self.shapes)
+        """The blocks of a chunk concatenated into one (c, d) tensor, factored blocks materialized first."""
+        return elementwise_cost(c * src.space.dim, 1, 1, self.elem) + self.materialize(src, c)
 
     def apply(self, op, space, c: int) -> Cost:
         return apply_cost(op, space, c, self.elem, self.options, self.shapes)
@@ -492,8 +487,7 @@ class RowPrices:
 
     def norms(self, src, c: int) -> Cost:
         """Squared norms of c rows of ``src`` (read once; factored blocks by their ghost identity)."""
-        d = src.space.dim
-        return Cost(flops=2.0 * c * d, bytes=float(self.elem) * c * d)
+        return Cost(flops=2.0 * c * src.space.dim, bytes=float(self.elem) * c * src.space.dim)
 
     def adam(self, src, c: int) -> Cost:
         """:data:`ADAM_OPS` full-size elementwise ops on c rows, one into fresh memory
@@ -504,13 +498,9 @@ class RowPrices:
 
     def scale_rows(self, src, c: int) -> Cost:
         """Each block of c rows scaled: factored (out, in) blocks by their output gradients."""
-        T, out = positions(src, self.shapes), Cost()
-        for b in src.space.blocks:
-            if self.layout.get(b.name) == "factors" and len(b.shape) == 2:
-                out = out + elementwise_cost(c * T[b.name] * b.shape[0], 1, 1, self.elem)
-            else:
-                out = out + elementwise_cost(c * b.dim, 1, 1, self.elem)
-        return out
+        T, factored = positions(src, self.shapes), factored_blocks(src, self.layout)
+        return sum((elementwise_cost(c * T[b.name] * b.shape[0] if factored[b.name] else c * b.dim, 1, 1, self.elem)
+                    for b in src.space.blocks), Cost())
 
 
 def rowwise_cost(node, n: int, chunk: int | None, layout: dict, elem: int = 4, options=None,
@@ -526,10 +516,6 @@ def rowwise_cost(node, n: int, chunk: int | None, layout: dict, elem: int = 4, o
 
 
 # ------------------------------------------------------------------ jobs
-def _chunks(n_rows: int, chunk: int) -> int:
-    return max(1, math.ceil(n_rows / max(1, chunk)))
-
-
 def pass_overhead(n_jobs: int, examples: int = 0, example_bytes: float = 0.0, reads_data: bool = True,
                   device: DeviceProfile = NOMINAL) -> Cost:
     """What a pass costs beyond its kernels: opening its sinks (and their checks), and
@@ -550,7 +536,7 @@ def chunk_count(n_stream: int, chunk: int | None, row_sets: int = 1) -> tuple[in
     (its GEMMs have the chunk's shapes: a Gram over 32 rows is not a Gram over 20,000) and
     counted ``chunks`` times (:meth:`gradalg.plan.jobs.Job.stream_cost`)."""
     c = max(1, min(chunk or n_stream, n_stream))
-    return c, _chunks(n_stream, c) * row_sets
+    return c, max(1, math.ceil(n_stream / c)) * row_sets
 
 
 def kernel_costs(n_held: int, n_stream: int, chunk: int, TL: int, TR: int, n_in: int, n_out: int,
@@ -562,12 +548,10 @@ def kernel_costs(n_held: int, n_stream: int, chunk: int, TL: int, TR: int, n_in:
     materialized and one GEMM with the held rows, which are materialized once
     (:func:`~gradalg.plan.cost.dense_cost`). The planner prices both with its device
     profile and picks the faster."""
-    c = max(1, min(chunk or n_stream, n_stream))
-    chunks = _chunks(n_stream, c)
-    ghost = ghost_cost(n_held, c, TL, TR, n_in, n_out, elem).scaled(chunks)
-    dense = (dense_cost(n_held, c, TL, TR, n_in, n_out, True, elem).scaled(chunks)
-             + materialize_cost(n_held, TL, n_in, n_out, elem))
-    return {"ghost": ghost, "dense": dense}
+    c, chunks = chunk_count(n_stream, chunk)
+    return {"ghost": ghost_cost(n_held, c, TL, TR, n_in, n_out, elem).scaled(chunks),
+            "dense": (dense_cost(n_held, c, TL, TR, n_in, n_out, True, elem).scaled(chunks)
+                      + materialize_cost(n_held, TL, n_in, n_out, elem))}
 
 
 def resolve_bytes(op) -> float:
@@ -579,16 +563,9 @@ def resolve_bytes(op) -> float:
     (measured 34–35·d² at d = 3,000 in float32 and float64), and a damped operator's shifted
     copy, 8·d² more (``dense.shift_diagonal``, ``block.shift_diagonals``). Kronecker
     operators resolve per factor in their own jobs (:mod:`gradalg.plan.jobs.kron`): 0 here."""
-    try:
-        rules = set(op.labels().rules)
-    except OperatorError:
-        return 0.0
-    for form, names in _EIGH_RULES.items():
-        if rules & set(names):
-            d = max(b.dim for b in op.space.blocks) if form == "block" else op.space.dim
-            shifted = SHIFTED_COPY_BYTES if rules & set(_SHIFT_RULES) else 0.0
-            return (EIGH_MAP_BYTES + shifted) * d * d
-    return 0.0
+    rules = set(_rules(op))
+    d = max(_eigh_dims(rules, op.space), default=0)
+    return (EIGH_MAP_BYTES + (SHIFTED_COPY_BYTES if rules & set(_SHIFT_RULES) else 0.0)) * d * d
 
 
 def resolve_once(op, resolved: set | None) -> Cost:
@@ -599,15 +576,3 @@ def resolve_once(op, resolved: set | None) -> Cost:
             return Cost()
         resolved.add(op.token)
     return resolve_cost(op)
-
-
-def _factored(node, layout: dict) -> dict:
-    """``{block: bool}``: the block's rows arrive as factors (``layout``) and it is 2-D."""
-    return {b.name: layout.get(b.name) == "factors" and len(b.shape) == 2 for b in node.space.blocks}
-
-
-def _flat(b, c: int, T: dict, factored: dict, elem: int) -> Cost:
-    """A block's rows of one chunk made flat (materialized when they arrive as factors)."""
-    if factored[b.name]:
-        return materialize_cost(c, T[b.name], b.shape[1], b.shape[0], elem)
-    return Cost()

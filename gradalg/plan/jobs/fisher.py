@@ -12,36 +12,41 @@ from ...errors import DataError
 from ...expr import Fisher
 from ...linalg import ResolvedOp
 from ..cost import Cost, fisher_cost
-from ..estimates import _factored, _flat
-from ..memory import check_statistics_fit, positions
+from ..estimates import materialized_cost
+from ..memory import check_statistics_fit
 from .base import Job
 
-__all__ = ["FisherJob", "FisherAccumulator", "flat_sums_cost"]
-
-
-def flat_sums_cost(node, c: int, layout: dict, structure: str, facts) -> Cost:
-    """One chunk of ``c`` rows of ``node`` made flat and summed as Σ g gᵀ in ``structure``
-    ("dense", "block", or "diag": the squared norms)."""
-    T, factored, cost = positions(node, facts.shapes), _factored(node, layout), Cost()
-    for b in node.space.blocks:
-        cost = cost + _flat(b, c, T, factored, facts.elem)
-    return cost + fisher_cost(c, [b.dim for b in node.space.blocks], structure)
+__all__ = ["StatisticsJob", "FisherJob", "FisherAccumulator"]
 
 
 @dataclass(eq=False, frozen=True)
-class FisherJob(Job):
-    """F = (1/n) Σ_i g_i g_iᵀ in float64 (dense d², block Σ d_b², diag d)."""
+class StatisticsJob(Job):
+    """A job summing an operator's statistics (the Fisher's, the Kronecker factors'): each
+    row set of an example (one per Gauss-Newton term) is its own chunk, what it holds does
+    not shrink with fewer queries, and its result is the operator (``state.ops``)."""
 
-    kind: ClassVar[str] = "fisher"
     output: ClassVar[str] = "operator"
     phase: ClassVar[str] = "statistics"
-    ops_per_block: ClassVar[int] = 6
     per_row_set: ClassVar[bool] = True
     shrinks_with_queries: ClassVar[bool] = False
 
+    def publish(self, result, state) -> None:
+        state.ops[self.target.token] = result
+
+
+@dataclass(eq=False, frozen=True)
+class FisherJob(StatisticsJob):
+    """F = (1/n) Σ_i g_i g_iᵀ in float64 (dense d², block Σ d_b², diag d)."""
+
+    kind: ClassVar[str] = "fisher"
+    ops_per_block: ClassVar[int] = 6
+
     def chunk_cost(self, node, c, layout, facts) -> Cost:
-        """The sums Σ g gᵀ over one chunk: the rows made flat and their products."""
-        return flat_sums_cost(node, c, layout, self.target.structure, facts)
+        """The sums Σ g gᵀ over one chunk of ``c`` rows in the operator's structure ("dense",
+        "block", or "diag": the squared norms): the rows made flat (factored blocks
+        materialized) and their products."""
+        return (materialized_cost(node, c, layout, facts.elem, facts.shapes)
+                + fisher_cost(c, [b.dim for b in node.space.blocks], self.target.structure))
 
     def first_decisions(self, options) -> list:
         """A Fisher whose matrix alone exceeds the memory budget is refused here."""
@@ -62,52 +67,39 @@ class FisherJob(Job):
     def accumulator(self, ctx) -> "FisherAccumulator":
         return FisherAccumulator(self.target)
 
-    def publish(self, result, state) -> None:
-        state.ops[self.target.token] = result
-
 
 class FisherAccumulator:
     """F = (1/n) Σ_i g_i g_iᵀ, accumulated in float64, as dense, block or diag (its size
-    checked against the budget when its job was planned: :meth:`FisherJob.first_decisions`)."""
+    checked against the budget when its job was planned: :meth:`FisherJob.first_decisions`).
+    ``acc``: the sums by block (``"block"``), else under the one key None."""
 
     def __init__(self, node: Fisher):
         self.node, self.space, self.structure = node, node.space, node.structure
-        self.acc = None
-        self.rows = 0
+        self.acc, self.rows = {}, 0
 
     def update(self, chunk: Chunk) -> None:
         """Adds the chunk's Σ g gᵀ into the sums in place (``addmm_``): no second (d, d)
         matrix beside them (``x.T @ x`` then ``+=`` held two: the pass measured 2× its
-        planned d² float64, 153 MB against 78 MB at d = 3,075)."""
+        planned d² float64, 153 MB against 78 MB at d = 3,075). Blocks are made flat one at
+        a time."""
         self.rows += chunk.n
-        if self.structure == "diag":
-            self._add((flatten(chunk, self.space).to(torch.float64) ** 2).sum(0))
-        elif self.structure == "dense":
-            x = flatten(chunk, self.space).to(torch.float64)
-            self.acc = x.T @ x if self.acc is None else self.acc.addmm_(x.T, x)
-        else:
-            first = self.acc is None
-            self.acc = {} if first else self.acc
-            for name in self.space.names:
-                x = flat_block(chunk.blocks[name]).to(torch.float64)
-                self.acc[name] = x.T @ x if first else self.acc[name].addmm_(x.T, x)
+        for key in self.space.names if self.structure == "block" else (None,):
+            x = (flatten(chunk, self.space) if key is None else flat_block(chunk.blocks[key])).to(torch.float64)
+            if self.structure == "diag":
+                self._add({key: (x ** 2).sum(0)})
+            else:
+                self.acc[key] = x.T @ x if key not in self.acc else self.acc[key].addmm_(x.T, x)
 
-    def _add(self, part) -> None:
-        if self.acc is None:
-            self.acc = part
-        elif self.structure == "block":
-            for k in self.acc:
-                self.acc[k] += part[k]
-        else:
-            self.acc += part
+    def _add(self, part: dict) -> None:
+        for key, value in part.items():
+            self.acc[key] = value if key not in self.acc else self.acc[key].add_(value)
 
     def export(self) -> dict:
         return {"acc": self.acc, "rows": self.rows}
 
     def absorb(self, state: dict) -> None:
         self.rows += state["rows"]
-        if state["acc"] is not None:
-            self._add(state["acc"])
+        self._add(state["acc"])
 
     def finish(self) -> ResolvedOp:
         if self.rows == 0:
@@ -121,4 +113,4 @@ class FisherAccumulator:
         acc, self.acc = self.acc, None
         if self.structure == "block":
             return ResolvedOp(self.space, "block", {k: v.div_(n) for k, v in acc.items()})
-        return ResolvedOp(self.space, self.structure, acc.div_(n))
+        return ResolvedOp(self.space, self.structure, acc[None].div_(n))

@@ -12,64 +12,75 @@ diagonal (the job's fields, from ``ga.options``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from ...capture.chunks import Chunk
-from ...capture.factors import Factors, OneHot, token_slices
+from ...capture.factors import Factors, token_slices
 from ...curvature.kron import FLOAT32_ROUNDOFF, KronStats, basis_dtype, factor_eigenbasis
 from ...errors import GradalgError
 from ...expr import KFAC, Source
-from ...linalg.kron import (BlockEigenvalues, KronOp, diagonal_factor_rules, is_diagonal_factor, rotate_factors,
-                            rotate_rows, work_dtype)
+from ...linalg.kron import (BlockEigenvalues, KronOp, diagonal_factor_rules, diagonal_factors, is_diagonal_factor,
+                            rotate_factors, rotate_rows, work_dtype)
+from ...units import format_bytes, format_bytes_alike
 from ..cost import Cost, bmm_cost, block_cost, eigh_cost, gemm_cost, gram_cost
-from ..estimates import _SCAN_SWEEPS, _factored
+from ..estimates import factored_blocks
 from ..decisions import Decision, DecisionKind
-from ..memory import _gb, positions
+from ..memory import positions
 from ..shapes import element_size
-from .base import Job
+from .fisher import StatisticsJob
 from .scores import reused_buffer
 
 __all__ = ["KronStatisticsJob", "KFACJob", "EKFACJob", "KronAccumulator", "EKFACAccumulator", "kron_factor_bytes",
-           "kron_bytes", "ekfac_bytes", "kron_output_bytes", "kron_bytes_arithmetic", "kron_precision_decisions",
-           "basis_dtype", "correction_traffic", "gradient_first", "rotate_gradients"]
-
-
-def _diagonal_blocks(space, diagonal_width: int | None) -> set:
-    """Names of the 2-D blocks of ``space`` with a factor wider than ``diagonal_width``."""
-    return {b.name for b in space.blocks if len(b.shape) == 2 and diagonal_width is not None
-            and max(b.shape) > diagonal_width}
+           "kron_bytes", "kron_output_bytes", "basis_dtype", "correction_traffic", "gradient_first", "rotate_gradients"]
 
 
 @dataclass(eq=False, frozen=True)
-class KronStatisticsJob(Job):
+class KronStatisticsJob(StatisticsJob):
     """A job accumulating per-block Kronecker statistics: two (out, out) and (in, in)
     matrices per block are its footprint and its output."""
 
-    output: ClassVar[str] = "operator"
-    phase: ClassVar[str] = "statistics"
-    per_row_set: ClassVar[bool] = True
-    shrinks_with_queries: ClassVar[bool] = False
+    #: its operator's eigenvalues are a re-fitted (out, in) grid per block (EK-FAC), not
+    #: K-FAC's two vectors (:func:`kron_output_bytes`)
+    refits: ClassVar[bool] = False
 
     def fixed_bytes(self, facts) -> float:
         return kron_bytes(self.target.space, self.kron_float64_width, self.kron_diagonal_width, facts.dtype)
 
     def bytes_arithmetic(self, facts) -> str:
-        return kron_bytes_arithmetic(self.target.space, self.kron_float64_width, self.kron_diagonal_width,
-                                     facts.dtype)
+        """:func:`kron_bytes` spelled out: the sums, bases and eigenvalues of the blocks, and
+        the largest eigendecomposition, with the widest factor's size and precision; when a
+        dense factor is wider than ``kron_float64_width``, the option that keeps it diagonal
+        and what the statistics then take (the fix a refusal names). Bytes in one unit
+        (:func:`~gradalg.units.format_bytes_alike`)."""
+        space, f64, rows_dtype = self.target.space, self.kron_float64_width, facts.dtype
+        t = _KronTerms(space, f64, self.kron_diagonal_width, rows_dtype)
+        widest, narrower = t.eigh_width, max([d for d in t.dense if d < t.eigh_width] or [1])
+        wide = widest and f64 is not None and widest > f64
+        fix = kron_bytes(space, f64, narrower, rows_dtype) if wide else 0.0
+        sums, update, bases, lam, eigh, peak, fix = format_bytes_alike(t.sums, t.update, t.bases, t.lam, t.eigh,
+                                                                       t.peak, fix)
+        dtype = kron_factor_bytes(widest, f64)["dtype"]
+        return (f"Kronecker statistics of {len(space.blocks)} block(s): factor sums {sums} + a chunk's update "
+                f"({update}), or, finishing block by block, each block's larger of its sums and eigenbases "
+                f"(eigenbases {bases} in all) + eigenvalues {lam}"
+                + (f" + the largest eigendecomposition ({widest}×{widest}, {dtype}) {eigh}" if widest else "")
+                + (f"; {len(t.diagonal)} factor(s) of width {max(t.diagonal):,} kept diagonal" if t.diagonal else "")
+                + f" = {peak}"
+                + (f"; to keep the {widest}×{widest} factor (and any wider) diagonal instead, "
+                   f"ga.options(kron_diagonal_width={narrower}): {fix}" if wide else ""))
 
     def output_bytes(self, n: int) -> float:
-        return kron_output_bytes(self.target.space, self.kron_float64_width, self.kron_diagonal_width,
+        """The eigenbases and eigenvalues of each block (:attr:`refits`)."""
+        return kron_output_bytes(self.target.space, self.kron_float64_width, self.kron_diagonal_width, self.refits,
                                  rows_dtype=self.rows_dtype())
 
     def rows_dtype(self) -> torch.dtype | None:
         """The dtype of the rows it reads: its model's (as the plan's ``facts.dtype``; None: unknown)."""
-        for node in (self.streams[0].walk() if self.streams else ()):
-            if isinstance(node, Source):
-                return next((p.dtype for p in node.task.model.parameters()), None)
-        return None
+        src = next((n for n in (self.streams[0].walk() if self.streams else ()) if isinstance(n, Source)), None)
+        return None if src is None else next((p.dtype for p in src.task.model.parameters()), None)
 
     def _diagonal(self, d: int) -> bool:
         return is_diagonal_factor(d, self.kron_diagonal_width)
@@ -77,12 +88,9 @@ class KronStatisticsJob(Job):
     def describe(self) -> str:
         """Its kind and its operator's, and the examples its statistic is estimated on
         when not all (the node's :class:`~gradalg.expr.curvature.SubsetNote` of this kind)."""
-        t = self.target
-        notes = [str(x) for x in t.subset_notes() if x.statistic == self.kind]
-        return f"{self.kind} {'ekfac' if t.eigen_correction else 'kfac'}" + (f" ({notes[0]})" if notes else "")
-
-    def publish(self, result, state) -> None:
-        state.ops[self.target.token] = result
+        notes = [str(x) for x in self.target.subset_notes() if x.statistic == self.kind]
+        kind = "ekfac" if self.target.eigen_correction else "kfac"
+        return f"{self.kind} {kind}" + (f" ({notes[0]})" if notes else "")
 
 
 @dataclass(eq=False, frozen=True)
@@ -97,9 +105,7 @@ class KFACJob(KronStatisticsJob):
         """The factor sums over one chunk, per 2-D block and m = c·T positions: for A (in)
         and S (out) a dense factor's Gram and d × d float64 sums, a diagonal one's squares."""
         T, cost, elem = positions(node, facts.shapes), Cost(), facts.elem
-        for b in node.space.blocks:
-            if len(b.shape) != 2:
-                continue
+        for b in (b for b in node.space.blocks if len(b.shape) == 2):
             m = c * T[b.name]
             for d in (b.shape[1], b.shape[0]):   # A, S
                 if self._diagonal(d):
@@ -114,16 +120,42 @@ class KFACJob(KronStatisticsJob):
         return sum((eigh_cost(d) for b in self.streams[0].space.blocks if len(b.shape) == 2
                     for d in (b.shape[1], b.shape[0]) if not self._diagonal(d)), Cost())
 
-    def first_decisions(self, options) -> list:
-        """The precision (float32 or float64) and form (dense or diagonal) of each factor."""
-        return kron_precision_decisions(self.target, options)
+    def first_decisions(self, options) -> list[Decision]:
+        """The precision (float32 or float64) and form (dense or diagonal) of each factor: a
+        :class:`~gradalg.plan.decisions.Decision` for each block with a factor wider than
+        ``options.kron_float64_width`` (``KRON_PRECISION``, with the bytes of both
+        precisions) or wider than ``options.kron_diagonal_width`` (``KRON_DIAGONAL``:
+        diagonal, with the bytes of the dense factor it replaces)."""
+        op, width, diagonal_width = self.target, options.kron_float64_width, options.kron_diagonal_width
+        rows = []
+        for b in (b for b in op.space.blocks if len(b.shape) == 2):
+            sides = (("S", b.shape[0]), ("A", b.shape[-1]))
+            diag = [(label, d) for label, d in sides if d > diagonal_width]
+            if diag:
+                rows.append(_diagonal_decision(op, b, diag, options))
+            wide = [(label, d) for label, d in sides if width < d <= diagonal_width]
+            if not wide:
+                continue
+            f32, f64 = (kron_factor_bytes(max(d for _, d in wide), w) for w in (width, None))
+            peak32, peak64 = (format_bytes(f["sum"] + f["basis"] + f["eigh"]) for f in (f32, f64))
+            sum32, basis32, eigh32, basis64, eigh64 = format_bytes_alike(f32["sum"], f32["basis"], f32["eigh"],
+                                                                         f64["basis"], f64["eigh"])
+            factors = " and ".join(f"{label} ({dd}×{dd})" for label, dd in wide)
+            rows.append(Decision(
+                DecisionKind.KRON_PRECISION, op.token, "float32",
+                {"float32": f"{peak32} at its eigendecomposition", "float64": f"{peak64} at its eigendecomposition"},
+                f"{factors} wider than ga.options(kron_float64_width={width}): summed in float32 with a Kahan "
+                f"compensation ({sum32}), eigendecomposed in float32 on the device (basis {basis32}, workspace "
+                f"{eigh32}; float64: {basis64} and {eigh64}) and checked to kron_float32_rtol="
+                f"{options.kron_float32_rtol:g} (residual, orthogonality, the error of inverted eigenvalues)",
+                block=b.name))
+        return rows
 
     def example_bytes(self, facts) -> float:
         """One example's sums: one token block of its factors in float64 per 2-D block."""
         node = self.streams[0]
         T = positions(node, facts.shapes)
-        return sum(self.at_once(T[b.name]) * sum(b.shape) * 8.0
-                   for b in node.space.blocks if len(b.shape) == 2)
+        return sum(self.at_once(T[b.name]) * sum(b.shape) * 8.0 for b in node.space.blocks if len(b.shape) == 2)
 
     def accumulator(self, ctx) -> "KronAccumulator":
         return KronAccumulator(self.target, self.token_block, self.kron_float64_width, self.kron_float32_rtol,
@@ -142,6 +174,7 @@ class EKFACJob(KronStatisticsJob):
 
     kind: ClassVar[str] = "ekfac"
     ops_per_block: ClassVar[int] = 10
+    refits: ClassVar[bool] = True
 
     def chunk_cost(self, node, c, layout, facts) -> Cost:
         """The correction over one chunk: each (out, in) block rotated into the K-FAC
@@ -149,31 +182,26 @@ class EKFACJob(KronStatisticsJob):
         :func:`gradient_first` says it is fewer FLOPs, else
         ``kron.rotate_factors``, one example at a time where a factor is diagonal; flat
         rows: ``kron.rotate_rows``), squared and summed."""
-        T, factored, cost, elem = positions(node, facts.shapes), _factored(node, layout), Cost(), facts.elem
-        for b in node.space.blocks:
-            if len(b.shape) != 2:
-                continue
+        T, factored, cost, elem = positions(node, facts.shapes), factored_blocks(node, layout), Cost(), facts.elem
+        for b in (b for b in node.space.blocks if len(b.shape) == 2):
             (out_f, in_f), t = b.shape, T[b.name]
-            if factored[b.name] and (self._diagonal(out_f) or self._diagonal(in_f)):
+            squares = Cost(bytes=4.0 * elem * c * out_f * in_f)     # rotated, squared, summed
+            if not factored[b.name]:                                     # kron.rotate_rows
+                cost = (cost + bmm_cost(c, out_f, in_f, out_f, 1, elem) + gemm_cost(c * out_f, in_f, in_f, 1, elem)
+                        + squares)
+            elif self._diagonal(out_f) or self._diagonal(in_f):
                 # rotate_factors one example at a time (EKFACAccumulator), an identity side not rotated
-                for d in (in_f, out_f):
-                    if not self._diagonal(d):
-                        cost = cost + gemm_cost(t, d, d, c, elem)
-                cost = cost + gemm_cost(out_f, in_f, t, c, elem) + block_cost("ekfac", c - 1, 3)
-            elif factored[b.name] and gradient_first(b, t):           # G_i formed, then rotated (two buffers)
+                for d in (d for d in (in_f, out_f) if not self._diagonal(d)):
+                    cost = cost + gemm_cost(t, d, d, c, elem)
+                cost = cost + gemm_cost(out_f, in_f, t, c, elem) + block_cost("ekfac", c - 1, 3) + squares
+            elif gradient_first(b, t):                                   # G_i formed, then rotated (two buffers)
                 calls = len(token_slices(int(t), self.token_block))
                 cost = (cost + bmm_cost(c, out_f, in_f, t / calls, calls, elem)
                         + gemm_cost(c * out_f, in_f, in_f, 1, elem) + bmm_cost(c, out_f, in_f, out_f, 1, elem)
                         + correction_traffic(c, out_f, in_f, _work_elem(facts), outputs=3))
-                continue
-            elif factored[b.name]:                                       # kron.rotate_factors, into a buffer
+            else:                                                        # kron.rotate_factors, into a buffer
                 cost = (cost + gemm_cost(c * t, in_f, in_f, 1, elem) + gemm_cost(c * t, out_f, out_f, 1, elem)
-                        + bmm_cost(c, out_f, in_f, t, 1, elem)
-                        + correction_traffic(c, out_f, in_f, _work_elem(facts)))
-                continue
-            else:                                                        # kron.rotate_rows
-                cost = cost + bmm_cost(c, out_f, in_f, out_f, 1, elem) + gemm_cost(c * out_f, in_f, in_f, 1, elem)
-            cost = cost + Cost(bytes=4.0 * elem * c * out_f * in_f)     # rotated, squared, summed
+                        + bmm_cost(c, out_f, in_f, t, 1, elem) + correction_traffic(c, out_f, in_f, _work_elem(facts)))
         return cost
 
     def once_cost(self, facts, storage_of=None, options=None, resolved=None) -> Cost:
@@ -188,18 +216,17 @@ class EKFACJob(KronStatisticsJob):
         eigenvalues carry an error bound (a dense factor wider than ``kron_float64_width``,
         eigendecomposed in float32) also has the K-FAC Λ scanned for its extremes and the
         corrected one's max |·| read: one ``resolve`` unit more and
-        :data:`~gradalg.plan.estimates._SCAN_SWEEPS` + 2 float64 sweeps. Unpriced before,
-        the two took 0.4 ms of LoGra's 4 ms correction pass on a 1-layer Mistral (issue 28)."""
-        blocks, sweeps, wide = self.target.space.blocks, 0.0, 0
-        for b in blocks:
-            m = float(b.dim)
-            sweeps += (8.0 + 16.0 + 12.0) * m
-            if len(b.shape) == 2 and any(self.kron_float64_width is not None and d > self.kron_float64_width
-                                         and not self._diagonal(d) for d in b.shape):
-                wide += 1
-                sweeps += (_SCAN_SWEEPS + 2.0) * 8.0 * m
+        :data:`BlockEigenvalues.SCAN_SWEEPS <gradalg.linalg.kron.BlockEigenvalues.SCAN_SWEEPS>`
+        + 2 float64 sweeps. Unpriced before, the two took 0.4 ms of LoGra's 4 ms correction
+        pass on a 1-layer Mistral (issue 28)."""
+        blocks, width = self.target.space.blocks, self.kron_float64_width
+        wide = [b for b in blocks if len(b.shape) == 2
+                and any(width is not None and d > width and not self._diagonal(d) for d in b.shape)]
+        # whole-number byte counts (< 2⁵³): summed exactly in any order
+        sweeps = sum((8.0 + 16.0 + 12.0) * b.dim for b in blocks) + sum(
+            (BlockEigenvalues.SCAN_SWEEPS + 2.0) * 8.0 * b.dim for b in wide)
         fresh = 8.0 * sum(b.dim for b in blocks)          # the sums: the runner returned the last pass's pages
-        return block_cost("resolve", 2 * len(blocks) + wide) + Cost(elementwise=sweeps, faulted=fresh)
+        return block_cost("resolve", 2 * len(blocks) + len(wide)) + Cost(elementwise=sweeps, faulted=fresh)
 
     def example_bytes(self, facts) -> float:
         """One example's correction, a block at a time (``EKFACAccumulator.update``): its
@@ -211,36 +238,33 @@ class EKFACJob(KronStatisticsJob):
         second reused buffer their right rotation is written into (w·d of the widest such
         block). A block with a diagonal factor is rotated one example at a time (counted
         in :meth:`fixed_bytes`)."""
-        node = self.streams[0]
-        T, diag = positions(node, facts.shapes), _diagonal_blocks(node.space, self.kron_diagonal_width)
-        w = _work_elem(facts)
-        widest = max([b.dim for b in node.space.blocks if b.name not in diag] or [0])
-        factors = max([self.at_once(T[b.name]) * sum(b.shape) * w for b in node.space.blocks if len(b.shape) == 2]
-                      or [0.0])
-        turned = max([b.dim for b in node.space.blocks if b.name not in diag and gradient_first(b, T[b.name])]
-                     or [0])
+        node, w, T = self.streams[0], _work_elem(facts), positions(self.streams[0], facts.shapes)
+        blocks, diag = node.space.blocks, diagonal_factors(node.space, self.kron_diagonal_width)
+        widest = max((b.dim for b in blocks if b.name not in diag), default=0)
+        factors = max((self.at_once(T[b.name]) * sum(b.shape) * w for b in blocks if len(b.shape) == 2), default=0.0)
+        turned = max((b.dim for b in blocks if b.name not in diag and gradient_first(b, T[b.name])), default=0)
         return 4.0 * w * widest + w * turned + factors
 
     def fixed_bytes(self, facts) -> float:
-        """The statistics' bytes, one example's rotated gradient of a block with a
+        """The statistics' bytes: the K-FAC operator it rotates into (its eigenbases and
+        eigenvalue vectors, :func:`kron_output_bytes`), its float64 sums of squares (one
+        (out, in) grid per block) and, when it finishes, the corrected eigenvalues (one
+        grid per block) beside them; one example's rotated gradient of a block with a
         diagonal (vocabulary-wide) factor, which is corrected one example at a time: its
         (out, in) rotated gradient, squared in place, and their float64 copy, 16·out·in
         bytes for the largest such block; and the reused (out, in) buffer of a chunk's
         summed squares, w·d_max (``EKFACAccumulator``)."""
-        space = self.target.space
-        diag = _diagonal_blocks(space, self.kron_diagonal_width)
+        space, f64, dw = self.target.space, self.kron_float64_width, self.kron_diagonal_width
+        diag = diagonal_factors(space, dw)
+        stats = kron_output_bytes(space, f64, dw, False, facts.dtype) + sum(     # whole bytes: summed exactly
+            _eigenvalue_bytes(o, i, parts, True) + 8.0 * o * i
+            for o, i, parts in _factor_parts(space, f64, dw, facts.dtype))
         summed = _work_elem(facts) * max([b.dim for b in space.blocks if b.name not in diag] or [0])
-        return (ekfac_bytes(space, self.kron_float64_width, self.kron_diagonal_width, facts.dtype)
-                + max([16.0 * b.dim for b in space.blocks if b.name in diag] or [0.0]) + summed)
+        return stats + max([16.0 * b.dim for b in space.blocks if b.name in diag] or [0.0]) + summed
 
     def bytes_arithmetic(self, facts) -> str:
-        return (f"EK-FAC correction: eigenbases, K-FAC and corrected eigenvalues and their float64 sums "
-                f"{_gb(self.fixed_bytes(facts))} GB")
-
-    def output_bytes(self, n: int) -> float:
-        """The eigenbases and the re-fitted (out, in) eigenvalue grid of each block."""
-        return kron_output_bytes(self.target.space, self.kron_float64_width, self.kron_diagonal_width, refit=True,
-                                 rows_dtype=self.rows_dtype())
+        return ("EK-FAC correction: eigenbases, K-FAC and corrected eigenvalues and their float64 sums "
+                + format_bytes(self.fixed_bytes(facts)))
 
     def accumulator(self, ctx) -> "EKFACAccumulator":
         """Rotates into the eigenbases the K-FAC job's pass left in ``ctx.state.kron``."""
@@ -295,8 +319,7 @@ def rotate_gradients(F: Factors, Q_S: torch.Tensor, Q_A: torch.Tensor, token_blo
     GEMM (into ``work``) and Q_Sᵀ · as a batched one (back into ``out``), in the work
     dtype (``work_dtype`` of the rows). ``out``, ``work``: (n, out, in) buffers the
     caller reuses (both or neither). Dense bases and activations only.   (n, out, in)"""
-    dtype, n = work_dtype(F.D), F.n
-    o, i = Q_S.shape[0], Q_A.shape[0]
+    dtype, n, o, i = work_dtype(F.D), F.n, Q_S.shape[0], Q_A.shape[0]
     G = None
     for tp in token_slices(F.T, token_block):
         Fp = F.tokens(tp)
@@ -350,47 +373,29 @@ def _eigenvalue_bytes(o: int, i: int, parts, grid: bool) -> float:
     return elem * (o * i if grid else o + i)
 
 
-@dataclass
 class _KronTerms:
     """The terms of :func:`kron_bytes` over a space's blocks: the factor ``sums``, the
     eigen``bases``, ``held`` (each block's larger of the two), K-FAC's eigenvalue vectors
     ``lam``, the largest eigendecomposition's workspace ``eigh`` (of the factor
-    ``eigh_width`` wide), the largest block's sums ``copies``, and the widths of the
-    factors kept d × d (``dense``) and diagonal (``diagonal``)."""
+    ``eigh_width`` wide), the largest block's sums ``copies``, the widths of the factors
+    kept d × d (``dense``) and diagonal (``diagonal``); ``update``, a chunk's update: the
+    widest dense factor's d × d product with its float64 copy or the Kahan sum's new
+    total, 12·d²; and ``peak``, the larger of the two moments."""
 
-    sums: float = 0.0
-    bases: float = 0.0
-    held: float = 0.0
-    lam: float = 0.0
-    eigh: float = 0.0
-    eigh_width: int = 0
-    copies: float = 0.0
-    dense: list = field(default_factory=list)
-    diagonal: list = field(default_factory=list)
-
-    @classmethod
-    def of(cls, space, float64_width, diagonal_width, rows_dtype) -> "_KronTerms":
-        sums = bases = held = lam = eigh = copies = 0.0
-        eigh_width, dense, diagonal = 0, [], []
+    def __init__(self, space, float64_width: int | None, diagonal_width: int | None, rows_dtype):
+        self.sums = self.bases = self.held = self.lam = self.eigh = self.copies = 0.0
+        self.eigh_width, self.dense, self.diagonal = 0, [], []
         for o, i, parts in _factor_parts(space, float64_width, diagonal_width, rows_dtype):
             s, b = parts[0]["sum"] + parts[1]["sum"], parts[0]["basis"] + parts[1]["basis"]
-            sums, bases, held, copies = sums + s, bases + b, held + max(s, b), max(copies, s)
-            lam += _eigenvalue_bytes(o, i, parts, grid=False)
+            self.sums, self.bases, self.held = self.sums + s, self.bases + b, self.held + max(s, b)
+            self.copies = max(self.copies, s)
+            self.lam += _eigenvalue_bytes(o, i, parts, grid=False)
             for d, p in zip((o, i), parts):
-                (diagonal if p["dtype"] == "diagonal" else dense).append(d)
-                if p["eigh"] > eigh:
-                    eigh_width, eigh = d, p["eigh"]
-        return cls(sums, bases, held, lam, eigh, eigh_width, copies, dense, diagonal)
-
-    @property
-    def update(self) -> float:
-        """A chunk's update: the widest dense factor's d × d product with its float64 copy
-        or the Kahan sum's new total, 12·d²."""
-        return 12.0 * max(self.dense or [0]) ** 2
-
-    @property
-    def peak(self) -> float:
-        return max(self.sums + self.update, self.held + self.lam + max(self.eigh, self.copies))
+                (self.diagonal if p["dtype"] == "diagonal" else self.dense).append(d)
+                if p["eigh"] > self.eigh:
+                    self.eigh_width, self.eigh = d, p["eigh"]
+        self.update = 12.0 * max(self.dense or [0]) ** 2
+        self.peak = max(self.sums + self.update, self.held + self.lam + max(self.eigh, self.copies))
 
 
 def kron_bytes(space, float64_width: int | None = None, diagonal_width: int | None = None,
@@ -408,7 +413,7 @@ def kron_bytes(space, float64_width: int | None = None, diagonal_width: int | No
     Factors wider than ``float64_width`` in float32, wider than ``diagonal_width``
     diagonal (8·d bytes, no basis: :func:`kron_factor_bytes`); bases stored in
     :func:`~gradalg.curvature.kron.basis_dtype` of ``rows_dtype`` (the plan's dtype)."""
-    return _KronTerms.of(space, float64_width, diagonal_width, rows_dtype).peak
+    return _KronTerms(space, float64_width, diagonal_width, rows_dtype).peak
 
 
 def kron_output_bytes(space, float64_width: int | None = None, diagonal_width: int | None = None,
@@ -423,99 +428,21 @@ def kron_output_bytes(space, float64_width: int | None = None, diagonal_width: i
                for o, i, parts in _factor_parts(space, float64_width, diagonal_width, rows_dtype))
 
 
-def ekfac_bytes(space, float64_width: int | None = None, diagonal_width: int | None = None,
-                rows_dtype: torch.dtype | None = torch.float64) -> float:
-    """EK-FAC's correction pass: the K-FAC operator it rotates into (its eigenbases and
-    eigenvalue vectors, :func:`kron_output_bytes`), its float64 sums of squares (one
-    (out, in) grid per block) and, when it finishes, the corrected eigenvalues (one grid
-    per block) beside them."""
-    return sum(sum(p["basis"] for p in parts) + _eigenvalue_bytes(o, i, parts, grid=False)
-               + _eigenvalue_bytes(o, i, parts, grid=True) + 8.0 * o * i
-               for o, i, parts in _factor_parts(space, float64_width, diagonal_width, rows_dtype))
-
-
-def kron_bytes_arithmetic(space, float64_width: int | None = None, diagonal_width: int | None = None,
-                          rows_dtype: torch.dtype | None = torch.float64) -> str:
-    """:func:`kron_bytes` spelled out: the sums, bases and eigenvalues of the blocks, and
-    the largest eigendecomposition, with the widest factor's size and precision; when a
-    dense factor is wider than ``float64_width``, the option that keeps it diagonal and
-    what the statistics then take (the fix a refusal names)."""
-    t = _KronTerms.of(space, float64_width, diagonal_width, rows_dtype)
-    text = (f"Kronecker statistics of {len(space.blocks)} block(s): factor sums {_gb(t.sums)} GB + a chunk's update "
-            f"({_gb(t.update)} GB), or, finishing block by block, each block's larger of its sums and eigenbases "
-            f"(eigenbases {_gb(t.bases)} GB in all) + eigenvalues {_gb(t.lam)} GB")
-    widest = t.eigh_width
-    if widest:
-        dtype = kron_factor_bytes(widest, float64_width)["dtype"]
-        text += f" + the largest eigendecomposition ({widest}×{widest}, {dtype}) {_gb(t.eigh)} GB"
-    if t.diagonal:
-        text += f"; {len(t.diagonal)} factor(s) of width {max(t.diagonal):,} kept diagonal"
-    text += f" = {_gb(t.peak)} GB"
-    if widest and float64_width is not None and widest > float64_width:
-        narrower = max([d for d in t.dense if d < widest] or [1])
-        text += (f"; to keep the {widest}×{widest} factor (and any wider) diagonal instead, "
-                 f"ga.options(kron_diagonal_width={narrower}): "
-                 f"{_gb(kron_bytes(space, float64_width, narrower, rows_dtype))} GB")
-    return text
-
-
-def kron_precision_decisions(op, options) -> list[Decision]:
-    """A :class:`~gradalg.plan.decisions.Decision` about the K-FAC operator ``op`` for each
-    block with a factor wider than ``options.kron_float64_width`` (``KRON_PRECISION``, with
-    the bytes of both precisions) or wider than ``options.kron_diagonal_width``
-    (``KRON_DIAGONAL``: diagonal, with the bytes of the dense factor it replaces)."""
-    width, diagonal_width = options.kron_float64_width, options.kron_diagonal_width
-    rows = []
-    for b in op.space.blocks:
-        if len(b.shape) != 2:
-            continue
-        o, i = b.shape[0], b.shape[-1]
-        diag = [(label, d) for label, d in (("S", o), ("A", i)) if d > diagonal_width]
-        if diag:
-            rows.append(_diagonal_decision(op, b, diag, options))
-        wide = [(label, d) for label, d in (("S", o), ("A", i)) if width < d <= diagonal_width]
-        if not wide:
-            continue
-        d = max(dd for _, dd in wide)
-        f32, f64 = kron_factor_bytes(d, width), kron_factor_bytes(d, None)
-        peak32, peak64 = f32["sum"] + f32["basis"] + f32["eigh"], f64["sum"] + f64["basis"] + f64["eigh"]
-        factors = " and ".join(f"{label} ({dd}×{dd})" for label, dd in wide)
-        rows.append(Decision(
-            DecisionKind.KRON_PRECISION, op.token, "float32",
-            {"float32": f"{_gb(peak32)} GB at its eigendecomposition",
-             "float64": f"{_gb(peak64)} GB at its eigendecomposition"},
-            f"{factors} wider than ga.options(kron_float64_width={width}): summed in float32 with a Kahan "
-            f"compensation ({_gb(f32['sum'])} GB), eigendecomposed in float32 on the device "
-            f"(basis {_gb(f32['basis'])} GB, workspace {_gb(f32['eigh'])} GB; float64: {_gb(f64['basis'])} GB and "
-            f"{_gb(f64['eigh'])} GB) and checked to kron_float32_rtol={options.kron_float32_rtol:g} "
-            "(residual, orthogonality, the error of inverted eigenvalues)", block=b.name))
-    return rows
-
-
 def _diagonal_decision(op, b, diag: list, options) -> Decision:
     """The decision about block ``b`` of ``op`` whose factors ``diag`` ([(side, width)]) are kept diagonal."""
     dense = [kron_factor_bytes(d, options.kron_float64_width) for _, d in diag]
-    dense_peak = sum(p["sum"] + p["basis"] for p in dense) + max(p["eigh"] for p in dense)
-    kept = sum(8.0 * d for _, d in diag)
-    sides = []
-    for label, d in diag:
-        if label == "A" and b.kind == "embedding":
-            sides.append(f"A ({d:,}×{d:,}) exact: an embedding's one-hot inputs have a diagonal covariance, "
-                         "the token counts")
-        elif label == "S" and b.kind == "tied":
-            sides.append(f"S ({d:,}×{d:,}) approximated by diag(S): the tied embedding's one-hot rows add "
-                         "exactly diagonal terms, the head's output-gradient covariances lose their "
-                         "off-diagonal entries")
-        else:
-            sides.append(f"{label} ({d:,}×{d:,}) approximated by its diagonal: the off-diagonal covariances "
-                         "are dropped")
+    kept = format_bytes(sum(8.0 * d for _, d in diag))
+    dense_peak = format_bytes(sum(p["sum"] + p["basis"] for p in dense) + max(p["eigh"] for p in dense))
+    why = {("A", "embedding"): "exact: an embedding's one-hot inputs have a diagonal covariance, the token counts",
+           ("S", "tied"): "approximated by diag(S): the tied embedding's one-hot rows add exactly diagonal terms, the "
+                          "head's output-gradient covariances lose their off-diagonal entries"}
+    sides = [f"{label} ({d:,}×{d:,}) " + why.get((label, b.kind), "approximated by its diagonal: the off-diagonal "
+                                                                  "covariances are dropped") for label, d in diag]
     return Decision(DecisionKind.KRON_DIAGONAL, op.token, "diagonal",
-            {"diagonal": f"{_gb(kept)} GB, no eigendecomposition",
-             "dense": f"{_gb(dense_peak)} GB at its eigendecomposition"},
-            f"wider than ga.options(kron_diagonal_width={options.kron_diagonal_width}): "
-            + "; ".join(sides)
-            + ". The identity is the diagonal factor's eigenbasis (rule kronecker.diagonal_factor); EK-FAC "
-              "re-fits its eigenvalues per coordinate", block=b.name)
+                    {"diagonal": f"{kept}, no eigendecomposition", "dense": f"{dense_peak} at its eigendecomposition"},
+                    f"wider than ga.options(kron_diagonal_width={options.kron_diagonal_width}): " + "; ".join(sides)
+                    + ". The identity is the diagonal factor's eigenbasis (rule kronecker.diagonal_factor); EK-FAC "
+                      "re-fits its eigenvalues per coordinate", block=b.name)
 
 
 # ------------------------------------------------------------------ accumulators
@@ -566,8 +493,7 @@ class KronAccumulator:
         for name, (A, S, tokens, examples, *rows_dtype) in state.items():
             st = self.stats[name]
             st.add_sums(A, S)
-            st.tokens += tokens
-            st.examples += examples
+            st.tokens, st.examples = st.tokens + tokens, st.examples + examples
             self._saw(rows_dtype[0] if rows_dtype else torch.float64)
 
     def finish(self) -> KronOp:
@@ -627,7 +553,7 @@ class EKFACAccumulator:
             if isinstance(value, torch.Tensor) and value.dim() == 2:
                 # rows kept flat (a Kronecker-projected block over long sequences is
                 # smaller than its factors): rotate the (out, in) gradients themselves
-                rotated = rotate_rows(value.reshape(value.shape[0], Q_S.shape[0], Q_A.shape[0]), Q_S, Q_A)
+                rotated = rotate_rows(value.reshape(value.shape[0], *sums.shape), Q_S, Q_A)
                 sums += (rotated ** 2).sum(0).to(sums.dtype)
                 continue
             F = _factors(self.node, name, value)
@@ -637,7 +563,7 @@ class EKFACAccumulator:
                 continue
             dtype, (o, i) = work_dtype(F.D), sums.shape
             out = reused_buffer(self, "_rotated", (F.n, o, i), dtype, F.D.device, self.buffer_bytes)
-            if gradient_first(self.blocks[name], F.T) and not isinstance(F.A, OneHot):
+            if gradient_first(self.blocks[name], F.T):
                 work = reused_buffer(self, "_turned", (F.n, o, i), dtype, F.D.device, self.buffer_bytes)
                 rotated = rotate_gradients(F, Q_S, Q_A, self.token_block, out=out, work=work).square_()
             else:
