@@ -47,12 +47,9 @@ def pinned_worker_specs(devices, *, threads_per_worker: int = 1, memory_limit="a
     devices = [str(d) for d in devices]
     if len(set(devices)) != len(devices):
         raise OptionError(f"devices must be distinct, got {devices}")
-    specs = {}
-    for device in devices:
-        specs[f"gpu-{device}"] = {"cls": Nanny, "options": {
-            "nthreads": threads_per_worker, "memory_limit": memory_limit,
-            "env": {"CUDA_VISIBLE_DEVICES": device, "OMP_NUM_THREADS": str(threads_per_worker)}}}
-    return specs
+    return {f"gpu-{device}": {"cls": Nanny, "options": {
+        "nthreads": threads_per_worker, "memory_limit": memory_limit,
+        "env": {"CUDA_VISIBLE_DEVICES": device, "OMP_NUM_THREADS": str(threads_per_worker)}}} for device in devices}
 
 
 def gpu_cluster(devices=None, *, threads_per_worker: int = 1, n_cpu_workers: int = 2,
@@ -70,9 +67,7 @@ def gpu_cluster(devices=None, *, threads_per_worker: int = 1, n_cpu_workers: int
     if not devices:
         return LocalCluster(n_workers=n_cpu_workers, threads_per_worker=threads_per_worker, processes=True,
                             dashboard_address=dashboard_address)
-    if use_dask_cuda is None:
-        use_dask_cuda = importlib.util.find_spec("dask_cuda") is not None
-    if use_dask_cuda:
+    if use_dask_cuda or (use_dask_cuda is None and importlib.util.find_spec("dask_cuda") is not None):
         from dask_cuda import LocalCUDACluster
         return LocalCUDACluster(CUDA_VISIBLE_DEVICES=",".join(devices), threads_per_worker=threads_per_worker,
                                 dashboard_address=dashboard_address)

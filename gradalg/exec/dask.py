@@ -62,11 +62,6 @@ from ..units import format_bytes_alike
 __all__ = ["DaskExecutor", "DaskShards"]
 
 
-def _set_threads(n: int):
-    torch.set_num_threads(n)
-    return n
-
-
 # One shard at a time per worker process: the shards of a pass share the worker's copy of
 # the model (scattered once), and capture installs hooks on its modules; two shards
 # running in two threads would each record the other's forwards (rows once per shard, or
@@ -79,6 +74,8 @@ def _run_shard(blob: bytes, start: int, stop: int) -> bytes:
     start:stop; return the jobs' partial states, packed (:func:`gradalg.exec.models.pack`).
     Each shard loads its own copy of the jobs and their accumulators; a model made by a factory resolves
     to the one this worker built (once), a pickled model is loaded with them."""
+    from distributed import get_worker
+
     with _SHARD_LOCK:
         step, accs, state, options, data_token, threads, keys = unpack(blob)
         if threads:
@@ -90,19 +87,11 @@ def _run_shard(blob: bytes, start: int, stop: int) -> bytes:
             parts = ex.runner.feed_shard(step, data_token, start, stop, accs)
         finally:
             clear_projection_caches()    # a long-lived worker keeps no plan's matrices after its shard
-        seen = worker_models_seen()
-        digests = {key: (seen[key], _worker_name()) for key in keys if key in seen}
+        seen, worker = worker_models_seen(), get_worker().address
+        digests = {key: (seen[key], worker) for key in keys if key in seen}
         # rows returned (Chunk objects name their task) name the model by its key, not its weights
         back = [to_client(model, key) for model, key in zip(step.models(), keys)]
         return pack((parts, dict(ex.trace), digests), back, to_cpu=True)
-
-
-def _worker_name() -> str:
-    try:
-        from distributed import get_worker
-        return get_worker().address
-    except (ImportError, ValueError):
-        return "this process"
 
 
 class DaskShards(ShardStrategy):
@@ -123,28 +112,22 @@ class DaskShards(ShardStrategy):
     def __init__(self, client=None, *, n_workers: int = 2, threads_per_worker: int = 1,
                  shards_per_worker: int = 2, min_shard_examples: int = 32, retries: int = 3,
                  task_timeout: float | None = None, resubmits: int = 3, worker_wait: float = 60.0, model_fn=None):
-        from distributed import Client, LocalCluster
+        from distributed import Client
 
         if min_shard_examples < 1:
             raise OptionError(f"min_shard_examples must be at least 1, got {min_shard_examples}")
-        self._own = client is None
-        if client is None:
-            cluster = LocalCluster(n_workers=n_workers, threads_per_worker=threads_per_worker, processes=True,
-                                   dashboard_address=":0")
-            client = Client(cluster)
-        self.client = client
+        self._own = client is None      # a client made here starts a LocalCluster, and closes it with itself
+        self.client = client if client is not None else Client(
+            n_workers=n_workers, threads_per_worker=threads_per_worker, processes=True, dashboard_address=":0")
         self.threads_per_worker = threads_per_worker
-        self.client.run(_set_threads, threads_per_worker)
+        self.client.run(torch.set_num_threads, threads_per_worker)
         self.shards_per_worker = shards_per_worker
         self.min_shard_examples = min_shard_examples
         self.retries = retries
         self.faults = FaultPolicy(retries, resubmits, task_timeout, worker_wait)
-        if isinstance(model_fn, dict):
-            self._factories = {id(m): (m, as_worker_model(f)) for m, f in model_fn.items()}
-            self._model_fn = None
-        else:
-            self._factories = {}
-            self._model_fn = as_worker_model(model_fn) if model_fn is not None else None
+        several = isinstance(model_fn, dict)     # {client model: factory}, else one factory (or None)
+        self._factories = {id(m): (m, as_worker_model(f)) for m, f in model_fn.items()} if several else {}
+        self._model_fn = as_worker_model(model_fn) if model_fn is not None and not several else None
         self._bound = None                                # the client model a single model_fn stands for
         self._digests: dict[str, tuple[str, str]] = {}   # factory key -> (weights digest, first worker)
         self.transfers: list[dict] = []
@@ -153,9 +136,7 @@ class DaskShards(ShardStrategy):
     def close(self) -> None:
         """Close the cluster this strategy started (a client given to it stays open)."""
         if self._own and self.client is not None:
-            cluster = self.client.cluster
             self.client.close()
-            cluster.close()
             self.client = None
 
     @property
@@ -210,14 +191,10 @@ class DaskShards(ShardStrategy):
         models, shards = step.models(), where.shards
         sizes = [sum(p.numel() * p.element_size() for p in model.parameters()) for model in models]
         *sizes, held, returned = format_bytes_alike(*sizes, step.fixed_bytes, result_bytes)
-        sent = []
-        for model, size in zip(models, sizes):
-            try:
-                factory = self._factory_of(model, len(models), bind=False)
-            except OptionError:
-                factory = None
-            sent.append(f"the model ({size})" if factory is None else
-                        f"a reference to the model ({size} built once per worker by {factory!r})")
+        factories = [self._factory_of(model, len(models), describe=True) for model in models]
+        sent = [f"the model ({size})" if factory is None else
+                f"a reference to the model ({size} built once per worker by {factory!r})"
+                for factory, size in zip(factories, sizes)]
         return (f"{shards} shard tasks over {self.n_workers} workers (~{n // max(shards, 1)} examples each); "
                 f"scattered once per worker: the jobs, {', '.join(sent)} and held rows "
                 f"({held}); returned: partial states (~{returned} in all)")
@@ -225,8 +202,9 @@ class DaskShards(ShardStrategy):
     # ------------------------------------------------------------------ a pass on the cluster
     def run_shards(self, runner, step, accs) -> dict:
         """Run one pass on the cluster, a shard per example range, the jobs' accumulators
-        ``accs`` absorbing the shards' partial states in order. Returns the score results, by
-        job index: Dask arrays of the blocks gathered from the shards."""
+        ``accs`` absorbing the shards' partial states in order. The shard tasks run through
+        :func:`~gradalg.exec.resilience.run_tasks`, with a progress display. Returns the score
+        results, by job index: Dask arrays of the blocks gathered from the shards."""
         ctx, models = runner.ctx, step.models()
         data = step.sources()[0].data
         ranges = shard_ranges(data.n, runner.where.shards)    # the plan's SHARDS decision
@@ -237,7 +215,12 @@ class DaskShards(ShardStrategy):
             register_client_model(key, model)
         payload = (step, accs, _state_for(ctx, step), ctx.options, data.token, self.threads_per_worker, keys)
         blob = pack(payload, [to_workers(m, r) for m, r in zip(models, refs) if r is not None])
-        packed = self._submit(ctx.options, step, blob, ranges, data.n)
+        widget = bool(ctx.options.progress) and in_notebook()   # Dask's own progress widget
+        with progress_bar(ctx.options.progress if not widget else False, data.n,
+                          f"{step.label} ({len(ranges)} shards)", interval=ctx.options.progress_interval) as bar:
+            packed = run_tasks(self.client, _run_shard, blob, [(PAYLOAD, a, b) for a, b in ranges],
+                               policy=self.faults, labels=[f"examples {a}:{b}" for a, b in ranges],
+                               progress=widget, on_result=lambda i: bar.update(ranges[i][1] - ranges[i][0]))
         self.transfers.append({"pass": step.label, "payload_bytes": len(blob),
                                "result_bytes": [len(b) for b in packed]})
         results = [unpack(b) for b in packed]
@@ -250,30 +233,23 @@ class DaskShards(ShardStrategy):
                     acc.absorb(states[i])
         return {i: _lazy_scores(results, i) for i in scores}
 
-    def _submit(self, options, step, blob: bytes, ranges: list, n: int) -> list[bytes]:
-        """Run the shard tasks of ``ranges`` (:func:`~gradalg.exec.resilience.run_tasks`),
-        with a progress display; their packed results, in shard order."""
-        widget = bool(options.progress) and in_notebook()   # Dask's own progress widget
-        with progress_bar(options.progress if not widget else False, n,
-                          f"{step.label} ({len(ranges)} shards)", interval=options.progress_interval) as bar:
-            return run_tasks(self.client, _run_shard, blob, [(PAYLOAD, a, b) for a, b in ranges],
-                             policy=self.faults, labels=[f"examples {a}:{b}" for a, b in ranges],
-                             progress=widget, on_result=lambda i: bar.update(ranges[i][1] - ranges[i][0]))
-
-    def _factory_of(self, model, n_models: int, bind: bool = True):
+    def _factory_of(self, model, n_models: int, describe: bool = False):
         """The factory of the client's ``model`` (None: pickled). A single ``model_fn`` is
-        bound to the first model a pass reads; another model is refused."""
+        bound to the first model a pass reads; another model is refused (``describe``: for
+        the plan's text, nothing bound and None for a model the pass would refuse)."""
         if id(model) in self._factories:
             return self._factories[id(model)][1]
         if self._model_fn is None:
             return None
         bound = self._bound() if self._bound is not None else None
         if n_models > 1 or (bound is not None and bound is not model):
+            if describe:
+                return None
             raise OptionError(
                 f"model_fn gives one model, and {'this pass reads' if n_models > 1 else 'this executor has run'} "
                 f"another ({type(model).__name__}): pass a dict model_fn={{client_model: factory, ...}} naming "
                 "each model the workers should build, or use a new executor for a new model")
-        if bind:
+        if not describe:
             self._bound = weakref.ref(model)
         return self._model_fn
 
@@ -358,14 +334,8 @@ class DaskExecutor(DaskShards, Executor):
 
     name = "dask"
 
-    def __init__(self, client=None, *, n_workers: int = 2, threads_per_worker: int = 1,
-                 shards_per_worker: int = 2, min_shard_examples: int = 32, retries: int = 3, options=None,
-                 rewrites: bool = True, task_timeout: float | None = None, resubmits: int = 3,
-                 worker_wait: float = 60.0, choices=None, model_fn=None):
-        DaskShards.__init__(self, client, n_workers=n_workers, threads_per_worker=threads_per_worker,
-                            shards_per_worker=shards_per_worker, min_shard_examples=min_shard_examples,
-                            retries=retries, task_timeout=task_timeout, resubmits=resubmits,
-                            worker_wait=worker_wait, model_fn=model_fn)
+    def __init__(self, client=None, *, options=None, rewrites: bool = True, choices=None, **shard_options):
+        DaskShards.__init__(self, client, **shard_options)   # n_workers, ..., model_fn: the parameters above
         Executor.__init__(self, options, rewrites=rewrites, choices=choices, shards=self)
 
 

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import io
 from dataclasses import replace
+from itertools import zip_longest
 
 import torch
 
@@ -69,14 +70,11 @@ __all__ = ["TorchDistributed", "RankShards", "plan_outline"]
 
 
 def _dist():
-    try:
-        import torch.distributed as dist
-    except ImportError:   # pragma: no cover - torch without distributed support
-        dist = None
-    if dist is None or not dist.is_available():
+    """``torch.distributed``, refused with a typed error when this torch build lacks it."""
+    if not torch.distributed.is_available():
         raise DistributedError("this torch build has no torch.distributed: install a torch with distributed "
                                "support (the PyPI wheels have it), or use ga.exec.LocalExecutor")
-    return dist
+    return torch.distributed
 
 
 class RankShards(ShardStrategy):
@@ -143,44 +141,33 @@ class RankShards(ShardStrategy):
         ranges = rank_ranges(data.n, self.world_size)
         start, stop = ranges[self.rank]
         steps = batches_in(max(b - a for a, b in ranges), _batch_size(step, data, runner.ctx.options))
-        error = _caught(check_reductions, runner.ctx, step)   # the same forwards on every rank
-        self._raise_any(error, step)
+        self._raise_any(_caught(check_reductions, runner.ctx, step)[1], step)   # the same forwards on every rank
         trace = runner.ctx.trace
         before = trace.copy()
-        stepped, parts = [0], None
-        try:   # an empty range (n < ranks) exports empty states
-            parts = runner.feed_shard(step, data.token, start, stop, stepped=stepped)
-        except Exception as err:  # noqa: BLE001 - reported to every rank below
-            error = err
-        padded = _caught(self._pad, runner, step, data, steps - stepped[0])   # even after an error
-        error = error or padded
-        self._raise_any(error, step)
-        self._sum_traces(trace, before)
+        stepped = [0]   # an empty range (n < ranks) exports empty states
+        parts, error = _caught(runner.feed_shard, step, data.token, start, stop, stepped=stepped)
+        ran = dict(trace - before)    # this rank's kernels; its padding batches' are not traced
+        padded = _caught(self._pad, runner, step, data, steps - stepped[0])[1]   # even after an error
+        self._raise_any(error or padded, step)
+        trace.clear()
+        trace.update(before)          # equal on every rank, plus every rank's kernels: the same trace everywhere
+        for counts in self._everyone(ran):
+            trace.update(counts)
         device = model_device_dtype(step.sources()[0].task.model)[0]
-        self._bytes = {"parts": 0, "results": 0}
-        done = {i: self._combine(i, job, accs[i], parts[i], device) for i, job in enumerate(step.jobs)}
-        self.traffic.append({"pass": step.label, "part_bytes": self._bytes["parts"],
-                             "result_bytes": self._bytes["results"]})
-        return done
+        self.traffic.append({"pass": step.label, "part_bytes": 0, "result_bytes": 0})   # counted by _combine
+        return {i: self._combine(i, job, accs[i], parts[i], device) for i, job in enumerate(step.jobs)}
 
     # ------------------------------------------------------------------ pieces of a pass
     @staticmethod
     def _pad(runner, step, data, count: int) -> None:
         """``count`` batches of the pass's first example, captured and derived like real
         ones (the same rows, projections, weights: the same collectives) and fed to no
-        accumulator; their kernels are not traced."""
+        accumulator (the caller drops their kernels from the trace)."""
         if count <= 0:
             return
         pad_step = restrict_step(step, data.token, 0, 1)
-        discard = [None] * len(pad_step.jobs)
-        trace = runner.ctx.trace
-        before = trace.copy()
-        try:
-            for _ in range(count):
-                runner.feed(pad_step, discard, [0])
-        finally:
-            trace.clear()
-            trace.update(before)
+        for _ in range(count):
+            runner.feed(pad_step, [None] * len(pad_step.jobs), [0])
 
     def _combine(self, index: int, job, acc, part, device):
         """Job ``index`` finished on its owner rank, its accumulator ``acc`` absorbing every
@@ -192,7 +179,7 @@ class RankShards(ShardStrategy):
         owner = index % self.world_size
         parts = [None] * self.world_size if self.rank == owner else None
         packed = _pack(part)
-        self._bytes["parts"] += len(packed)
+        self.traffic[-1]["part_bytes"] += len(packed)
         dist.gather_object(packed, parts, dst=self._global(owner), group=self.group)
         out = [None]
         if self.rank == owner:
@@ -207,7 +194,7 @@ class RankShards(ShardStrategy):
         if status != "ok":
             raise DistributedError(f"rank {owner} could not finish {type(job).__name__} "
                                    f"{job.target.label!r}: {value}")
-        self._bytes["results"] += len(value)
+        self.traffic[-1]["result_bytes"] += len(value)
         return _unpack(value, device)
 
     def _raise_any(self, error, step) -> None:
@@ -219,26 +206,16 @@ class RankShards(ShardStrategy):
             if message is not None:
                 raise DistributedError(f"rank {rank} failed in the {step.label}: {message}")
 
-    def _sum_traces(self, trace, before) -> None:
-        """The kernels every rank ran in the pass, summed, added to the counts before it
-        (equal on every rank): the same trace on every rank."""
-        counts = self._everyone(dict(trace - before))
-        trace.clear()
-        trace.update(before)
-        for c in counts:
-            trace.update(c)
-
     def _agree(self, p) -> None:
         """Compare this rank's plan with every other rank's (by content, not by token)."""
         mine = plan_outline(p)
         for rank, other in enumerate(self._everyone(mine)):
             if other != mine:
-                where = next((k for k, (a, b) in enumerate(zip(mine, other)) if a != b), min(len(mine), len(other)))
+                where, (a, b) = next((k, ab) for k, ab in enumerate(zip_longest(mine, other)) if ab[0] != ab[1])
                 raise DistributedError(
                     f"rank {self.rank} and rank {rank} planned different passes (first difference at pass "
-                    f"{where}: {mine[where] if where < len(mine) else None} vs "
-                    f"{other[where] if where < len(other) else None}): every rank must compute the same "
-                    "expression over the same data with the same ga.options")
+                    f"{where}: {a} vs {b}): every rank must compute the same expression over the same data "
+                    "with the same ga.options")
 
     # ------------------------------------------------------------------ helpers
     def _everyone(self, mine) -> list:
@@ -248,9 +225,8 @@ class RankShards(ShardStrategy):
         return out
 
     def _global(self, rank: int) -> int:
-        if self.group is None:
-            return rank
-        return _dist().get_global_rank(self.group, rank)
+        """The global rank of ``rank`` of this strategy's group."""
+        return rank if self.group is None else _dist().get_global_rank(self.group, rank)
 
 
 class TorchDistributed(RankShards, Executor):
@@ -292,14 +268,13 @@ class TorchDistributed(RankShards, Executor):
         Executor.__init__(self, options, rewrites=rewrites, choices=choices, shards=self)
 
 
-def _caught(fn, *args) -> Exception | None:
-    """``fn(*args)``'s exception, or None: a rank's failure is raised on every rank after
-    the collectives every rank runs (:meth:`RankShards._raise_any`)."""
+def _caught(fn, *args, **kwargs) -> tuple:
+    """``(fn(*args, **kwargs), None)``, or ``(None, its exception)``: a rank's failure is
+    raised on every rank after the collectives every rank runs (:meth:`RankShards._raise_any`)."""
     try:
-        fn(*args)
+        return fn(*args, **kwargs), None
     except Exception as err:  # noqa: BLE001 - raised on every rank by the caller
-        return err
-    return None
+        return None, err
 
 
 def _batch_size(step, data, options) -> int:
@@ -343,11 +318,5 @@ def _unpack(data: bytes, device):
 def plan_outline(p) -> list:
     """A plan's passes as plain data every rank can compare: for each pass its kind, the
     fingerprint and size of the data it reads, its batch size and its jobs' kinds."""
-    out = []
-    for step in p.passes:
-        data = None
-        if step.reads_data:
-            src = step.sources()[0]
-            data = (src.data.token, src.data.n)
-        out.append((step.key.kind, data, step.batch_size, tuple(type(j).__name__ for j in step.jobs)))
-    return out
+    return [(step.key.kind, (step.sources()[0].data.token, step.sources()[0].data.n) if step.reads_data else None,
+             step.batch_size, tuple(type(j).__name__ for j in step.jobs)) for step in p.passes]

@@ -37,6 +37,7 @@ Example::
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import io
@@ -137,9 +138,7 @@ class WorkerModel:
         """The model on the ``meta`` device: its architecture, shapes and dtypes and no
         weights (no memory), for planning on a client that never holds the weights."""
         with torch.device("meta"):
-            if self._meta_fn is not None:
-                return self._meta_fn(*self.args, **self.kwargs)
-            return self.build()
+            return self._meta_fn(*self.args, **self.kwargs) if self._meta_fn is not None else self.build()
 
     def __repr__(self):
         name = self.fn if isinstance(self.fn, str) else getattr(self.fn, "__qualname__", repr(self.fn))
@@ -166,10 +165,7 @@ def _resolve_callable(fn):
     if callable(fn):
         return fn
     module, _, name = fn.partition(":")
-    obj = importlib.import_module(module)
-    for part in name.split("."):
-        obj = getattr(obj, part)
-    return obj
+    return functools.reduce(getattr, name.split("."), importlib.import_module(module))
 
 
 def _class_path(model_class):
@@ -203,15 +199,14 @@ def _meta_pretrained(path: str, model_class=None, **kwargs) -> nn.Module:
     return model.to(dtype) if isinstance(dtype, torch.dtype) else model
 
 
-def _load_state_dict(path: str, build, args=(), kwargs=None) -> nn.Module:
-    model = _resolve_callable(build)(*args, **(kwargs or {}))
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    model.load_state_dict(state, strict=True)
-    return model
-
-
 def _meta_state_dict(path: str, build, args=(), kwargs=None) -> nn.Module:
     return _resolve_callable(build)(*args, **(kwargs or {}))
+
+
+def _load_state_dict(path: str, build, args=(), kwargs=None) -> nn.Module:
+    model = _meta_state_dict(path, build, args, kwargs)
+    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True), strict=True)
+    return model
 
 
 def _file_stamp(path: str):
@@ -299,7 +294,14 @@ def resolve(ref: ModelRef) -> nn.Module:
             entry = _MODELS[ref.key] = (model, digest, structure)
     model, digest, structure = entry
     if structure != ref.structure:
-        raise ModelMismatchError(_structure_message(ref, structure))
+        client, worker = set(ref.structure), set(structure)
+        only_client = [s for s in ref.structure if s not in worker][:3]
+        only_worker = [s for s in structure if s not in client][:3]
+        raise ModelMismatchError(
+            f"the worker's model {ref.name} built by {ref.factory!r} (architecture "
+            f"{_h(*structure)}) is not the client's (architecture {_h(*ref.structure)}): the client has "
+            f"{only_client or 'nothing else'}, the worker {only_worker or 'nothing else'}. Build both from the "
+            "same factory and arguments (dtype included): spec.meta() or spec.build() on the client")
     if ref.expected is not None and digest != ref.expected:
         raise ModelMismatchError(
             f"the worker's model {ref.name} built by {ref.factory!r} has fingerprint {digest}, the client's "
@@ -309,52 +311,32 @@ def resolve(ref: ModelRef) -> nn.Module:
     return model
 
 
-def _structure_message(ref: ModelRef, structure: tuple) -> str:
-    client, worker = set(ref.structure), set(structure)
-    only_client = [s for s in ref.structure if s not in worker][:3]
-    only_worker = [s for s in structure if s not in client][:3]
-    return (f"the worker's model {ref.name} built by {ref.factory!r} (architecture "
-            f"{_h(*structure)}) is not the client's (architecture {_h(*ref.structure)}): the client has "
-            f"{only_client or 'nothing else'}, the worker {only_worker or 'nothing else'}. Build both from the "
-            "same factory and arguments (dtype included): spec.meta() or spec.build() on the client")
-
-
 # ------------------------------------------------------------------ pickling with references
-def _worker_part(ref: ModelRef, kind: str, name: str):
-    return _part(resolve(ref), kind, name)
+def _worker_part(ref: ModelRef, getter: str, name: str):
+    return getattr(resolve(ref), getter)(name)
 
 
-_CLIENT: dict[str, weakref.ref] = {}
+_CLIENT: weakref.WeakValueDictionary[str, nn.Module] = weakref.WeakValueDictionary()
 
 
 def register_client_model(key: str, model: nn.Module) -> None:
     """Results that name ``key`` resolve to ``model`` in this process (the client)."""
-    _CLIENT[key] = weakref.ref(model)
+    _CLIENT[key] = model
 
 
-def _client_part(key: str, kind: str, name: str):
-    ref = _CLIENT.get(key)
-    model = ref() if ref is not None else None
+def _client_part(key: str, getter: str, name: str):
+    model = _CLIENT.get(key)
     if model is None:
         raise ModelMismatchError(f"a result names the model {key}, which this process no longer holds")
-    return _part(model, kind, name)
-
-
-def _part(model: nn.Module, kind: str, name: str):
-    """The part of ``model`` that :func:`model_parts` names ``(kind, name)``."""
-    return {"module": model.get_submodule, "param": model.get_parameter, "buffer": model.get_buffer}[kind](name)
+    return getattr(model, getter)(name)
 
 
 def model_parts(model: nn.Module):
-    """(object, kind, name) of a model, its submodules, parameters and buffers."""
-    yield model, "module", ""
-    for name, m in model.named_modules(remove_duplicate=True):
-        if name:
-            yield m, "module", name
-    for name, p in model.named_parameters():
-        yield p, "param", name
-    for name, b in model.named_buffers():
-        yield b, "buffer", name
+    """(object, getter, name) of a model (the module named ""), its submodules, parameters and
+    buffers: ``getattr(model, getter)(name)`` is the object (``get_submodule``, ...)."""
+    yield from ((m, "get_submodule", name) for name, m in model.named_modules())
+    yield from ((p, "get_parameter", name) for name, p in model.named_parameters())
+    yield from ((b, "get_buffer", name) for name, b in model.named_buffers())
 
 
 def _unchanged(t):
@@ -389,12 +371,12 @@ class _RefPickler(_Base):
 
 def pack(obj, models=(), *, to_cpu: bool = False) -> bytes:
     """Pickle ``obj`` with each ``(model, reduce)`` in ``models`` replaced by a reference:
-    ``reduce(kind, name)`` gives the ``(function, args)`` that rebuilds each part (the
-    model, a submodule, a parameter, a buffer) where the bytes are loaded."""
+    ``reduce(getter, name)`` gives the ``(function, args)`` that rebuilds each part (the
+    model, a submodule, a parameter, a buffer: :func:`model_parts`) where the bytes are loaded."""
     refs = {}
     for model, reduce in models:
-        for part, kind, name in model_parts(model):
-            refs.setdefault(id(part), (part, reduce(kind, name)))
+        for part, getter, name in model_parts(model):
+            refs.setdefault(id(part), (part, reduce(getter, name)))
     buf = io.BytesIO()
     _RefPickler(buf, refs, to_cpu).dump(obj)
     return buf.getvalue()
@@ -407,9 +389,9 @@ def unpack(blob: bytes):
 
 def to_workers(model: nn.Module, ref: ModelRef):
     """``(model, reduce)`` for :func:`pack`: the client's ``model`` travels as ``ref``."""
-    return model, lambda kind, name: (_worker_part, (ref, kind, name))
+    return model, lambda getter, name: (_worker_part, (ref, getter, name))
 
 
 def to_client(model: nn.Module, key: str):
     """``(model, reduce)`` for :func:`pack`: the worker's ``model`` travels back as ``key``."""
-    return model, lambda kind, name: (_client_part, (key, kind, name))
+    return model, lambda getter, name: (_client_part, (key, getter, name))

@@ -24,9 +24,11 @@ one twice gives the same result; store chunk writes are positional and idempoten
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import uuid
+from collections import Counter
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
 
@@ -36,6 +38,11 @@ __all__ = ["FaultPolicy", "PAYLOAD", "run_tasks"]
 
 PAYLOAD = object()          # placeholder for the scattered payload in a task's arguments
 _START_TOPIC = "gradalg-task-start"
+
+
+def _seconds(value) -> bool:
+    """Whether ``value`` is a positive number of seconds (an int or a float, not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 @dataclass(frozen=True)
@@ -60,50 +67,27 @@ class FaultPolicy:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise OptionError(f"{name} must be a non-negative int, got {value!r}")
-        if self.task_timeout is not None and (isinstance(self.task_timeout, bool) or not
-                                              isinstance(self.task_timeout, (int, float)) or
-                                              not self.task_timeout > 0):
+        if self.task_timeout is not None and not _seconds(self.task_timeout):
             raise OptionError(f"task_timeout must be a positive number of seconds or None, got {self.task_timeout!r}")
-        if isinstance(self.worker_wait, bool) or not isinstance(self.worker_wait, (int, float)) or self.worker_wait <= 0:
+        if not _seconds(self.worker_wait):
             raise OptionError(f"worker_wait must be a positive number of seconds, got {self.worker_wait!r}")
 
 
 def _tracked(run_id, index, fn, *args):
     """On a worker: announce the start of task ``index`` (for timeouts), then run it."""
-    try:
-        from distributed import get_worker
-        worker = get_worker()
-        worker.log_event(_START_TOPIC, {"run": run_id, "index": index, "worker": worker.address,
-                                        "pid": os.getpid()})
-    except (ImportError, ValueError):      # not on a worker (a synchronous scheduler)
-        pass
+    from distributed import get_worker
+    worker = get_worker()
+    worker.log_event(_START_TOPIC, {"run": run_id, "index": index, "worker": worker.address, "pid": os.getpid()})
     return fn(*args)
 
 
 def _is_fault(err: BaseException) -> bool:
     """Whether ``err`` is the cluster's failure (a worker or data lost), not the task's."""
+    from distributed.comm.core import CommClosedError
     from distributed.scheduler import KilledWorker
-    if isinstance(err, (KilledWorker, CancelledError)):
-        return True
-    try:
-        from distributed.comm.core import CommClosedError
-        if isinstance(err, CommClosedError):
-            return True
-    except ImportError:
-        pass
-    text = str(err)
-    return any(s in text for s in ("already forgotten", "lost dependencies", "Worker holding Actor was lost",
-                                   "No valid workers", "has been lost"))
-
-
-def _wait_for_workers(client, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while not client.scheduler_info().get("workers"):
-        if time.monotonic() > deadline:
-            raise WorkerFaultError(
-                f"the Dask cluster has had no workers for {seconds:.0f} s (all died and none came back): "
-                "restart the cluster (or its nannies), or run with the local executor")
-        time.sleep(0.2)
+    return isinstance(err, (KilledWorker, CancelledError, CommClosedError)) or any(
+        s in str(err) for s in ("already forgotten", "lost dependencies", "Worker holding Actor was lost",
+                                "No valid workers", "has been lost"))
 
 
 def run_tasks(client, fn, payload, args_list, *, policy: FaultPolicy, labels=None, progress: bool = False,
@@ -118,7 +102,7 @@ def run_tasks(client, fn, payload, args_list, *, policy: FaultPolicy, labels=Non
     """
     labels = list(labels) if labels is not None else [f"task {i}" for i in range(len(args_list))]
     results: dict[int, object] = {}
-    killed = {i: 0 for i in range(len(args_list))}
+    killed: Counter = Counter()
     run_id = uuid.uuid4().hex
     started: dict[int, tuple[float, str, int]] = {}
 
@@ -131,61 +115,56 @@ def run_tasks(client, fn, payload, args_list, *, policy: FaultPolicy, labels=Non
     if subscribed:
         client.subscribe_topic(_START_TOPIC, on_start)
     try:
-        failed_scatters = 0
         while len(results) < len(args_list):
-            _wait_for_workers(client, policy.worker_wait)
-            pending = [i for i in range(len(args_list)) if i not in results]
+            scattered = _scatter(client, payload, policy.worker_wait)
             started.clear()
             pids = _worker_pids(client) if subscribed else {}
-            futures = _submit_round(client, fn, payload, args_list, pending, run_id, policy)
-            failed_scatters = failed_scatters + 1 if not futures else 0
-            if failed_scatters > 10:
-                raise WorkerFaultError("the pass's payload could not be sent to the workers 10 times in a row "
-                                       "(they die or time out while receiving it): check the workers' memory "
-                                       "limits and logs")
-            if not futures:
-                time.sleep(0.5)
-                continue
+            futures = {client.submit(_tracked, run_id, i, fn, *(scattered if a is PAYLOAD else a for a in args),
+                                     retries=policy.retries, pure=False): i
+                       for i, args in enumerate(args_list) if i not in results}
             if progress:
                 from distributed import progress as dask_progress
                 dask_progress(list(futures))
             _collect_round(client, futures, results, killed, started, labels, policy, pids, on_result)
     finally:
         if subscribed:
-            try:
+            with contextlib.suppress(Exception):   # a closing client
                 client.unsubscribe_topic(_START_TOPIC)
-            except Exception:  # noqa: BLE001 - a closing client
-                pass
     return [results[i] for i in range(len(args_list))]
 
 
-def _submit_round(client, fn, payload, args_list, pending, run_id, policy) -> dict:
-    try:
-        [scattered] = client.scatter([payload], broadcast=True, hash=False)
-    except Exception as err:  # noqa: BLE001 - workers died while the payload was sent
-        if _is_fault(err) or isinstance(err, (TimeoutError, OSError)):
-            return {}
-        raise
-    futures = {}
-    for i in pending:
-        args = tuple(scattered if a is PAYLOAD else a for a in args_list[i])
-        fut = client.submit(_tracked, run_id, i, fn, *args, retries=policy.retries, pure=False)
-        futures[fut] = i
-    return futures
+def _scatter(client, payload, worker_wait: float):
+    """``payload`` scattered to every worker once some worker lives: tried again while
+    workers die or time out receiving it, 10 times in a row at most."""
+    for _ in range(10):
+        try:
+            client.wait_for_workers(1, timeout=worker_wait)
+        except TimeoutError as err:
+            raise WorkerFaultError(
+                f"the Dask cluster has had no workers for {worker_wait:.0f} s (all died and none came back): "
+                "restart the cluster (or its nannies), or run with the local executor") from err
+        try:
+            return client.scatter([payload], broadcast=True, hash=False)[0]
+        except Exception as err:  # noqa: BLE001 - workers died while the payload was sent
+            if not (_is_fault(err) or isinstance(err, (TimeoutError, OSError))):
+                raise
+        time.sleep(0.5)
+    raise WorkerFaultError("the pass's payload could not be sent to the workers 10 times in a row "
+                           "(they die or time out while receiving it): check the workers' memory limits and logs")
 
 
 def _worker_pids(client) -> dict:
     """Worker address -> pid, asked while the workers answer (a stopped one cannot)."""
-    try:
+    with contextlib.suppress(Exception):   # a worker died meanwhile: names without pids
         return dict(client.run(os.getpid, on_error="ignore"))
-    except Exception:  # noqa: BLE001 - a worker died meanwhile: names without pids
-        return {}
+    return {}
 
 
-def _collect_round(client, futures: dict, results: dict, killed: dict, started: dict, labels, policy,
-                   pids=None, on_result=None) -> None:
+def _collect_round(client, futures: dict, results: dict, killed: Counter, started: dict, labels, policy,
+                   pids, on_result) -> None:
     """Gather what finishes; leave lost tasks out of ``results`` (the next round submits
-    them again); raise on a task's own error, a repeat killer or a stalled worker."""
+    them again: cancelled with their workers or their payload, or killed with their
+    workers); raise on a task's own error, a repeat killer or a stalled worker."""
     from distributed import wait
     from distributed.scheduler import KilledWorker
 
@@ -196,74 +175,52 @@ def _collect_round(client, futures: dict, results: dict, killed: dict, started: 
                 wait(list(remaining), timeout=policy.poll, return_when="FIRST_COMPLETED")
             except (TimeoutError, CancelledError):   # cancelled futures are handled below, one by one
                 pass
-            done = [fut for fut in remaining if fut.done()]
-            for fut in done:
+            for fut in [fut for fut in remaining if fut.done()]:
                 remaining.discard(fut)
                 i = futures[fut]
-                if fut.status == "finished":
-                    try:
-                        results[i] = fut.result()
-                    except Exception as err:  # noqa: BLE001 - the result was lost while fetched
-                        if not _is_fault(err):
-                            raise
-                        continue
-                    if on_result is not None:
-                        on_result(i)
-                    continue
-                if fut.cancelled() or fut.status == "cancelled":
-                    continue          # lost with its workers or its payload: submitted again
                 try:
-                    err = fut.exception()
-                except CancelledError as cancelled:
-                    err = cancelled
-                if err is None or not _is_fault(err):
-                    fut.result()          # the task's own error: raised as it is
-                if isinstance(err, KilledWorker):
-                    killed[i] += 1
+                    results[i] = fut.result()
+                except Exception as err:  # noqa: BLE001 - the task's own error is raised as it is
+                    if not _is_fault(err):
+                        raise
+                    killed[i] += isinstance(err, KilledWorker)    # a lost payload or result counts 0
                     if killed[i] > policy.resubmits:
                         raise WorkerFaultError(
                             f"{labels[i]} was running on every worker that died, {killed[i]} times over "
                             f"(each time on {err.allowed_failures + 1} workers): it probably kills its worker "
                             "(out of memory, a crash in native code). Give workers more memory, use smaller "
                             "shards (more shards_per_worker) or a smaller batch_size") from err
-            _check_timeouts(client, futures, remaining, started, labels, policy, pids or {})
+                    continue
+                if on_result is not None:
+                    on_result(i)
+            if policy.task_timeout is not None and remaining:
+                _check_timeouts(client, futures, remaining, started, labels, policy.task_timeout, pids)
     finally:
         for fut in remaining:
             fut.cancel()
 
 
-_last_silence_check = [0.0]
-
-
-def _stalled(label, seconds, worker, pid, timeout, queued=False) -> WorkerFaultError:
-    what = (f"{label} is queued on worker {worker} (pid {pid}), which has sent no heartbeat for {seconds:.1f} s"
-            if queued else f"{label} has been running for {seconds:.1f} s on worker {worker} (pid {pid})")
+def _stalled(what: str, timeout: float) -> WorkerFaultError:
+    """The error naming a stalled worker: ``what`` says which task waits on it, and how long."""
     return WorkerFaultError(
         f"{what}, past task_timeout={timeout} s: that worker is stalled (stopped, swapping or deadlocked). "
         "Restart it (client.restart_workers([...])) or raise task_timeout")
 
 
-def _check_timeouts(client, futures, remaining, started, labels, policy, pids) -> None:
-    """Raise for a task running longer than the timeout, or queued on a worker that has
+def _check_timeouts(client, futures, remaining, started, labels, timeout, pids) -> None:
+    """Raise for a task running longer than ``timeout``, or queued on a worker that has
     been silent (no heartbeat) for longer than it (stopped before the task started)."""
-    if policy.task_timeout is None or not remaining:
-        return
-    now = time.monotonic()
-    for fut in remaining:
-        i = futures[fut]
-        if i in started:
-            t0, worker, pid = started[i]
-            if now - t0 > policy.task_timeout:
-                raise _stalled(labels[i], now - t0, worker, pid, policy.task_timeout)
-    if now - _last_silence_check[0] < 1.0:
-        return
-    _last_silence_check[0] = now
+    now, wall = time.monotonic(), time.time()
+    for i in (futures[fut] for fut in remaining if futures[fut] in started):
+        t0, worker, pid = started[i]
+        if now - t0 > timeout:
+            raise _stalled(f"{labels[i]} has been running for {now - t0:.1f} s on worker {worker} (pid {pid})",
+                           timeout)
     info = client.scheduler_info().get("workers", {})
     keys = {fut.key: futures[fut] for fut in remaining}
-    wall = time.time()
     for worker, on_it in client.processing().items():
         mine = [keys[k] for k in on_it if k in keys]
         last_seen = info.get(worker, {}).get("last_seen")
-        if mine and last_seen is not None and wall - last_seen > policy.task_timeout:
-            raise _stalled(labels[mine[0]], wall - last_seen, worker, pids.get(worker), policy.task_timeout,
-                           queued=True)
+        if mine and last_seen is not None and wall - last_seen > timeout:
+            raise _stalled(f"{labels[mine[0]]} is queued on worker {worker} (pid {pids.get(worker)}), which has "
+                           f"sent no heartbeat for {wall - last_seen:.1f} s", timeout)
