@@ -60,7 +60,6 @@ class ApplyJob(Job):
     gets its own application."""
 
     kind: ClassVar[str] = "apply"
-    output: ClassVar[str] = "rows"
     phase: ClassVar[str] = "statistics"
     ops_per_block: ClassVar[int] = 6
     per_row_set: ClassVar[bool] = True

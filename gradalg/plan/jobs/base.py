@@ -82,8 +82,6 @@ class Job:
     what a type leaves out (no job is priced or run like another)."""
 
     kind: ClassVar[str] = "job"
-    #: what its accumulator's ``finish`` gives the executor
-    output: ClassVar[str] = ""
     #: where its run's time is counted (:mod:`gradalg.exec.phases`)
     phase: ClassVar[str] = "scoring"
     #: small tensor ops the job runs per chunk and block (casts, views, accumulation,
@@ -228,10 +226,6 @@ class Job:
         """What planning the job adds the first time it enters a plan: a refusal before
         any pass runs (raised), decisions shown by ``explain()``. None by default."""
         return []
-
-    def score_parts(self) -> tuple:
-        """The :class:`ScoresJob` s whose kernels this job runs (itself, a top-k's terms)."""
-        return ()
 
     def applied_ops(self) -> tuple:
         """The operators its kernels apply in its pass beyond its streams' row-wise chains

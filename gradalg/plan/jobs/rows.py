@@ -25,7 +25,6 @@ __all__ = ["RowsJob", "CollectJob", "StoreJob", "GroupJob", "Collector", "GroupA
 class RowsJob(Job):
     """A job whose output is rows kept in memory: their bytes are its footprint."""
 
-    output: ClassVar[str] = "rows"
     phase: ClassVar[str] = "capture"
 
     def chunk_cost(self, node, c, layout, facts) -> Cost:

@@ -78,7 +78,6 @@ class ScoresJob(Job):
     leaves the held rows preconditioned (decide stage), read by key when the job runs."""
 
     kind: ClassVar[str] = "scores"
-    output: ClassVar[str] = "scores"
     ops_per_block: ClassVar[int] = 10
     shards_are_blocks: ClassVar[bool] = True
 
@@ -103,31 +102,28 @@ class ScoresJob(Job):
     def chunk_cost(self, node, c, layout, facts) -> Cost:
         """One chunk of ``c`` streamed rows against the held rows, per block by its kernel:
         ghost products, the chunk materialized and one GEMM (dense over factors), or a GEMM."""
-        T, factored, cost, elem = positions(node, facts.shapes), _factored(node, layout), Cost(), facts.elem
+        T, factored, elem = positions(node, facts.shapes), _factored(node, layout), facts.elem
         P_h, n_h = positions(self.held, facts.shapes), self.held.n
-        for b in self.held.space.blocks:
-            T_h, T_s = P_h[b.name], T[b.name]
-            if self.kernels.get(b.name) == "ghost":
-                cost = cost + ghost_cost(n_h, c, T_h, T_s, b.shape[1], b.shape[0], elem)
-            elif factored[b.name]:
-                cost = cost + dense_cost(n_h, c, T_h, T_s, b.shape[1], b.shape[0], True, elem)
-            else:
-                cost = cost + gemm_cost(n_h, c, b.dim, 1, elem) + Cost(bytes=float(elem) * c * b.dim)
-        return cost
+
+        def block(b) -> Cost:
+            ghost = self.kernels.get(b.name) == "ghost"
+            if not (ghost or factored[b.name]):
+                return gemm_cost(n_h, c, b.dim, 1, elem) + Cost(bytes=float(elem) * c * b.dim)
+            sizes = (n_h, c, P_h[b.name], T[b.name], b.shape[1], b.shape[0])
+            return ghost_cost(*sizes, elem) if ghost else dense_cost(*sizes, True, elem)
+        return sum(map(block, self.held.space.blocks), Cost())
 
     def once_cost(self, facts, storage_of=None, options=None, resolved=None) -> Cost:
         """Held factored blocks a dense kernel reads materialized once, the operator
         resolved (unless ``resolved`` before) and applied to the held rows (unless the
         planned apply job ``applied`` did: its rows are read by key)."""
-        held, once = self.held, Cost()
-        held_layout = storage_of(held) if storage_of is not None else {}
-        P_h, elem = positions(held, facts.shapes), facts.elem
-        op = self.target.op
+        held, op, elem = self.held, self.target.op, facts.elem
         if self.applied is not None:
             return resolve_once(op, resolved)
-        for b in held.space.blocks:
-            if self.kernels.get(b.name) != "ghost" and held_layout.get(b.name) == "factors" and len(b.shape) == 2:
-                once = once + materialize_cost(held.n, P_h[b.name], b.shape[1], b.shape[0], elem)
+        layout, P_h = storage_of(held) if storage_of is not None else {}, positions(held, facts.shapes)
+        once = sum((materialize_cost(held.n, P_h[b.name], b.shape[1], b.shape[0], elem) for b in held.space.blocks
+                    if self.kernels.get(b.name) != "ghost" and layout.get(b.name) == "factors" and len(b.shape) == 2),
+                   Cost())
         return once + resolve_once(op, resolved) + apply_cost(op, held.space, held.n, elem, options, facts.shapes)
 
     # ------------------------------------------------------------------ memory
@@ -145,14 +141,13 @@ class ScoresJob(Job):
         by 325 MB against 1.03 GB counted with both copies). The size stage sizes batches
         with both copies (safe) and gives the pass these bytes."""
         raw = rows_bytes(self.held, self.held_storage, facts)
-        if self.target.op.is_identity:
-            return raw + self.ghost_workspace_bytes(facts)
-        flat = rows_bytes(self.held, {}, facts)
-        if self.release_held and blockwise_preconditioner(self.target.op):
+        flat = 0.0 if self.target.op.is_identity else rows_bytes(self.held, {}, facts)
+        held = raw + flat
+        if self.release_held and blockwise_preconditioner(self.target.op):     # never the identity
             block = max((self.held.n * rows_of(self.held) * b.dim * facts.elem
                          for b in self.held.space.blocks), default=0.0)
-            return min(raw + flat, max(raw, flat) + block) + self.ghost_workspace_bytes(facts)
-        return raw + flat + self.ghost_workspace_bytes(facts)
+            held = min(held, max(raw, flat) + block)
+        return held + self.ghost_workspace_bytes(facts)
 
     def ghost_workspace_bytes(self, facts) -> float:
         """The ghost kernel's intermediates: per ghost block the activation Gram, the
@@ -167,21 +162,13 @@ class ScoresJob(Job):
         return 3.0 * _compute_elem(facts.dtype) * worst
 
     def example_bytes(self, facts) -> float:
-        return 0.0
-
-    def per_example_bytes(self, facts) -> float:
-        total = super().per_example_bytes(facts)
-        for b in self.held.space.blocks:
-            if self.kernels.get(b.name) != "ghost":
-                # the streamed rows materialized, and their product (T rows per example when per-token)
-                total += b.dim * 8 * token_rows(self.streams[0])
-        return total
+        """Per block a dense kernel reads: the streamed rows materialized, and their product
+        (T rows per example when per-token)."""
+        return float(sum(b.dim * 8 * token_rows(self.streams[0]) for b in self.held.space.blocks
+                         if self.kernels.get(b.name) != "ghost"))
 
     def output_bytes(self, n: int) -> float:
         return 8.0 * self.held.n * n
-
-    def score_parts(self) -> tuple:
-        return (self,)
 
     def applied_ops(self) -> tuple:
         """H of ⟨held_i, H streamed_j⟩, resolved in this pass when the accumulator
@@ -236,14 +223,10 @@ def blockwise_preconditioner(op) -> bool:
     """Whether ``op`` resolves to an operator applied block by block to factored rows (a
     Kronecker K-FAC / EK-FAC, :meth:`~gradalg.linalg.kron.KronOp.apply_block`): its
     structure is "kron" and no iterative solver (``Inverse(method="cg"/"lissa")``) wraps it."""
-    if getattr(op, "structure", None) != "kron":
-        return False
     x = op
-    while x is not None:
-        if getattr(x, "method", "auto") in ("cg", "lissa"):
-            return False
+    while x is not None and getattr(x, "method", "auto") not in ("cg", "lissa"):
         x = getattr(x, "op", None)
-    return True
+    return x is None and getattr(op, "structure", None) == "kron"
 
 
 @dataclass(eq=False, frozen=True)
@@ -252,17 +235,14 @@ class DiagJob(Job):
     lockstep, or the left one ``held`` (collected) and aligned to the streamed rows by id."""
 
     kind: ClassVar[str] = "diag"
-    output: ClassVar[str] = "scores"
     ops_per_block: ClassVar[int] = 6
 
     def chunk_cost(self, node, c, layout, facts) -> Cost:
         """Self-scores of one chunk: the rows made flat, the operator applied, the row products."""
-        T, factored, cost, space = positions(node, facts.shapes), _factored(node, layout), Cost(), node.space
-        elem = facts.elem
-        for b in space.blocks:
-            cost = cost + _flat(b, c, T, factored, elem)
-        cost = cost + Cost(flops=2.0 * c * space.dim, bytes=3.0 * elem * c * space.dim)
-        return cost + apply_cost(self.target.scores.op, space, c, elem, shapes=facts.shapes)
+        T, factored, space, elem = positions(node, facts.shapes), _factored(node, layout), node.space, facts.elem
+        flat = sum((_flat(b, c, T, factored, elem) for b in space.blocks), Cost())
+        return (flat + Cost(flops=2.0 * c * space.dim, bytes=3.0 * elem * c * space.dim)
+                + apply_cost(self.target.scores.op, space, c, elem, shapes=facts.shapes))
 
     def once_cost(self, facts, storage_of=None, options=None, resolved=None) -> Cost:
         return resolve_once(self.target.scores.op, resolved)
@@ -293,12 +273,9 @@ class DiagJob(Job):
         (bT, bS) Gram-sized intermediates per example for the widest-positioned factored
         block (b = min(T, token_block); the kernel caps a slice at
         ``max(ghost_slice_elements, b²)`` elements, so this overcounts large batches)."""
-        if not self.streams:
-            return 0.0
         node = self.streams[0]
         T = positions(node, facts.shapes)
-        worst = max([self.at_once(T[b.name]) ** 2 for b in node.space.blocks
-                     if len(b.shape) == 2] or [0])
+        worst = max([self.at_once(T[b.name]) ** 2 for b in node.space.blocks if len(b.shape) == 2] or [0])
         return super().per_example_bytes(facts) + 3.0 * _compute_elem(facts.dtype) * worst
 
     def accumulator(self, ctx) -> "DiagAccumulator":
@@ -309,15 +286,9 @@ class DiagJob(Job):
 
     def feed(self, acc, chunks, state) -> None:
         """One stream, two in lockstep, or the held side aligned to the streamed chunk by id."""
-        if self.held is not None:
-            for right in chunks[0]:
-                acc.update(_aligned_held(state, self.held, right), right)
-        elif len(chunks) == 2:
-            for left, right in zip(*chunks):
-                acc.update(left, right)
-        else:
-            for chunk in chunks[0]:
-                acc.update(chunk)
+        pairs = zip(*chunks) if self.held is None else ((_aligned_held(state, self.held, r), r) for r in chunks[0])
+        for sides in pairs:
+            acc.update(*sides)
 
     def publish(self, result, state) -> None:
         state.results[self.key] = result
