@@ -118,10 +118,7 @@ def _flatten_sums(node: SumOp):
     """(A + B) + C = A + B + C: one sum node, resolved in one step."""
     if not any(isinstance(op, SumOp) for op in node.ops):
         return None
-    flat = []
-    for op in node.ops:
-        flat.extend(op.ops if isinstance(op, SumOp) else (op,))
-    return SumOp(tuple(flat))
+    return SumOp(tuple(x for op in node.ops for x in (op.ops if isinstance(op, SumOp) else (op,))))
 
 
 @rule("flatten_score_sums", [ScoreSum], priority=30)
@@ -131,15 +128,9 @@ def _flatten_score_sums(node: ScoreSum):
         return node.terms[0]
     if not any(isinstance(t, ScoreSum) for t in node.terms):
         return None
-    terms, coefs = [], []
-    for c, t in zip(node.coefs, node.terms):
-        if isinstance(t, ScoreSum):
-            terms.extend(t.terms)
-            coefs.extend(c * d for d in t.coefs)
-        else:
-            terms.append(t)
-            coefs.append(c)
-    return ScoreSum(tuple(terms), tuple(coefs))
+    pairs = [pair for c, t in zip(node.coefs, node.terms)
+             for pair in ([(c * d, u) for d, u in zip(t.coefs, t.terms)] if isinstance(t, ScoreSum) else [(c, t)])]
+    return ScoreSum(tuple(u for _, u in pairs), tuple(c for c, _ in pairs))
 
 
 @rule("double_normalize", [Normalize], priority=20)
@@ -160,10 +151,8 @@ def _select_everything(node: Select):
 def _select_into_source(node: Select):
     """Capture only the selected layers: fewer hooks, fewer factors."""
     src = node.grads
-    if isinstance(src, Source) and set(node.names) <= set(src.layers):
-        order = [n for n in src.layers if n in node.names]
-        if tuple(order) == node.names:
-            return Source(src.task, src.data, node.names, src.backend, src.objective, src.seed)
+    if isinstance(src, Source) and tuple(n for n in src.layers if n in node.names) == node.names:   # in order
+        return Source(src.task, src.data, node.names, src.backend, src.objective, src.seed)
     return None
 
 
@@ -188,11 +177,10 @@ def simplify_until_fixpoint(root: Node, *, enabled: bool = True, max_rounds: int
 
         def apply(node):
             for r in RULES:
-                if isinstance(node, r.types):
-                    out = r.fn(node)
-                    if out is not None and out != node:
-                        changed.append(Firing(r.name, node.label, out.label, " ".join(r.doc.split("\n\n")[0].split())))
-                        return out
+                out = r.fn(node) if isinstance(node, r.types) else None
+                if out is not None and out != node:
+                    changed.append(Firing(r.name, node.label, out.label, " ".join(r.doc.split("\n\n")[0].split())))
+                    return out
             return None
 
         current = transform(current, apply)

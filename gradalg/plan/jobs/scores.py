@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from functools import reduce
 from typing import ClassVar
 
 import torch
@@ -316,8 +317,7 @@ class ScoreAccumulator(_Concatenated):
 
     def __init__(self, held: Chunk, space, kernels: dict, trace, normalize_streamed: bool = False,
                  slice_elements: int = 2**26, buffer_bytes: int = 2**20, token_block: int | None = None):
-        self.held, self.space, self.kernels = held, space, kernels
-        self.trace = trace
+        self.held, self.space, self.kernels, self.trace = held, space, kernels, trace
         self.slice_elements, self.buffer_bytes, self.token_block = slice_elements, buffer_bytes, token_block
         self.normalize_streamed = normalize_streamed
         self._sq_norms: torch.Tensor | None = None
@@ -330,11 +330,9 @@ class ScoreAccumulator(_Concatenated):
 
     def block(self, chunk: Chunk) -> torch.Tensor:
         """The scores of the held rows against one streamed chunk, kept nowhere.   (n_held, chunk.n)"""
-        total = None
         self._sq_norms = None
-        for name in self.space.names:
-            part = self._block(name, self.held.blocks[name], chunk.blocks[name])
-            total = part if total is None else total + part
+        total = reduce(torch.add, (self._block(name, self.held.blocks[name], chunk.blocks[name])
+                                   for name in self.space.names))
         if self.normalize_streamed:
             norms = self._sq_norms.sqrt().to(total.dtype)
             total = total * torch.where(norms > 0, 1.0 / norms, torch.zeros_like(norms)).unsqueeze(0)
@@ -396,19 +394,17 @@ class DiagAccumulator(_Concatenated):
         self.parts: list[torch.Tensor] = []
 
     def update(self, left: Chunk, right: Chunk | None = None) -> None:
-        if self.same and self.resolved is None:
-            self.parts.append(row_sq_norms(left, self.slice_elements, self.token_block))
-            return
         if right is not None and right.ids != left.ids:
             raise DataError("the two sides of the diagonal are chunked differently; give both "
                              "the same data object and batch size")
-        if self.resolved is not None:   # a block at a time where H acts per block (K-FAC / EK-FAC)
-            self.parts.append(row_quadratic(self.resolved, left.blocks, self.space,
-                                            None if right is None else right.blocks))
-            return
-        x = flatten(left, self.space)
-        y = x if right is None else flatten(right, self.space).to(x.dtype)
-        self.parts.append((x * y).sum(1))
+        if self.same and self.resolved is None:
+            part = row_sq_norms(left, self.slice_elements, self.token_block)
+        elif self.resolved is not None:   # a block at a time where H acts per block (K-FAC / EK-FAC)
+            part = row_quadratic(self.resolved, left.blocks, self.space, None if right is None else right.blocks)
+        else:
+            x = flatten(left, self.space)
+            part = (x * (x if right is None else flatten(right, self.space).to(x.dtype))).sum(1)
+        self.parts.append(part)
 
 
 def _aligned_held(state, held, right: Chunk) -> Chunk:

@@ -3,6 +3,7 @@ chunk by chunk of the streamed side; the (query × train) matrix is never formed
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import reduce
 from typing import ClassVar
 
 import torch
@@ -120,11 +121,8 @@ class TopKJob(Job):
     def feed(self, acc, chunks, state) -> None:
         """Per streamed chunk, ``Σ coef · scores`` of the terms, merged into the top-k."""
         for j in range(len(chunks[0])):
-            block = None
-            for coef, term, i in acc.terms:
-                part = term.block(chunks[i][j])
-                part = part if coef == 1.0 else coef * part
-                block = part if block is None else block + part
+            parts = ((coef, term.block(chunks[i][j])) for coef, term, i in acc.terms)
+            block = reduce(torch.add, (part if coef == 1.0 else coef * part for coef, part in parts))
             if acc.rows_mode:                   # (n_train, chunk) → whole query rows
                 acc.update_rows(block.T)
             else:                               # (n_query, chunk) of training positions start:start+chunk
