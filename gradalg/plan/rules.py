@@ -102,9 +102,7 @@ def _unit_scale(node: ScaledOp):
 @rule("double_inverse", [Inverse], priority=20)
 def _double_inverse(node: Inverse):
     """(H⁻¹)⁻¹ = H."""
-    if isinstance(node.op, Inverse) and node.method == "auto" and node.op.method == "auto":
-        return node.op.op
-    return None
+    return node.op.op if isinstance(node.op, Inverse) and node.method == node.op.method == "auto" else None
 
 
 @rule("inverse_identity", [Inverse], priority=20)
@@ -136,9 +134,7 @@ def _flatten_score_sums(node: ScoreSum):
 @rule("double_normalize", [Normalize], priority=20)
 def _double_normalize(node: Normalize):
     """normalize(normalize(G)) = normalize(G)."""
-    if node.op is None and isinstance(node.grads, Normalize) and node.grads.op is None:
-        return node.grads
-    return None
+    return node.grads if node.op is None and isinstance(node.grads, Normalize) and node.grads.op is None else None
 
 
 @rule("select_everything", [Select], priority=5)

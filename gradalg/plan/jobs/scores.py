@@ -200,10 +200,8 @@ class ScoresJob(Job):
         """The held rows, preconditioned once here; with ``release_held`` the raw rows are
         taken out of the run state and dropped block by block as they are preconditioned."""
         space, rows = self.held.space, ctx.state.rows
-        if self.target.op.is_identity:
-            held = concat_chunks(rows[self.held.token])
-        else:
-            held = concat_chunks(rows.pop(self.held.token) if self.release_held else rows[self.held.token])
+        held = concat_chunks(rows.pop(self.held.token) if self.release_held else rows[self.held.token])
+        if not self.target.op.is_identity:   # (release_held only then: can_release_held)
             held = held.replace(dict(held.blocks))      # its own dict: a store's chunk is never emptied
             held = held.replace(unflatten(ctx.state.results[self.applied], space)) if self.applied is not None \
                 else ctx.precondition_held(self.target.op, held, space, consume=self.release_held)
@@ -262,22 +260,17 @@ class DiagJob(Job):
     def example_bytes(self, facts) -> float:
         """With an operator H: ⟨L_i, H R_i⟩'s working set (:func:`~gradalg.plan.memory.quadratic_form_bytes`:
         a block at a time for a Kronecker H); else one example's rows materialized flat,
-        and their product (8 bytes more per coordinate)."""
-        op, space = self.target.scores.op, self.streams[0].space
-        if not op.is_identity:
-            return quadratic_form_bytes(op, space, facts.elem)
-        return space.dim * (facts.elem + 8.0)
-
-    def per_example_bytes(self, facts) -> float:
-        """What the job materializes per example, and the ghost norms' intermediates of
-        factored rows (a self-score of one side: ‖G_i‖² by the ghost identity): three
-        (bT, bS) Gram-sized intermediates per example for the widest-positioned factored
-        block (b = min(T, token_block); the kernel caps a slice at
-        ``max(ghost_slice_elements, b²)`` elements, so this overcounts large batches)."""
-        node = self.streams[0]
+        and their product (8 bytes more per coordinate). Then the ghost norms'
+        intermediates of factored rows (a self-score of one side: ‖G_i‖² by the ghost
+        identity): three (bT, bS) Gram-sized intermediates per example for the
+        widest-positioned factored block (b = min(T, token_block); the kernel caps a slice
+        at ``max(ghost_slice_elements, b²)`` elements, so this overcounts large batches)."""
+        op, node = self.target.scores.op, self.streams[0]
         T = positions(node, facts.shapes)
         worst = max([self.at_once(T[b.name]) ** 2 for b in node.space.blocks if len(b.shape) == 2] or [0])
-        return super().per_example_bytes(facts) + 3.0 * _compute_elem(facts.dtype) * worst
+        made = (node.space.dim * (facts.elem + 8.0) if op.is_identity
+                else quadratic_form_bytes(op, node.space, facts.elem))
+        return made + 3.0 * _compute_elem(facts.dtype) * worst
 
     def accumulator(self, ctx) -> "DiagAccumulator":
         inner = self.target.scores

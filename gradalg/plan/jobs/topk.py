@@ -92,9 +92,8 @@ class TopKJob(Job):
 
     def per_example_bytes(self, facts) -> float:
         held = max((j.held.n for _, j in self.terms), default=0)
-        elem = facts.elem
         return (sum(j.per_example_bytes(facts) for _, j in self.terms)
-                + held * (elem * (len(self.terms) + 2) + 16.0))
+                + held * (facts.elem * (len(self.terms) + 2) + 16.0))
 
     def output_bytes(self, n: int) -> float:
         return 16.0 * self.n_query * self.k
