@@ -19,10 +19,6 @@ from ..errors import OptionError
 
 __all__ = ["Choices"]
 
-HELD = ("auto", "left", "right")
-STORE = ("auto", "always", "never")
-
-
 @dataclass(frozen=True)
 class Choices:
     """Decisions the planner takes as given.
@@ -42,6 +38,6 @@ class Choices:
     store: str = "auto"
 
     def __post_init__(self):
-        for name, allowed in (("held", HELD), ("store", STORE)):
+        for name, allowed in (("held", ("auto", "left", "right")), ("store", ("auto", "always", "never"))):
             if getattr(self, name) not in allowed:
                 raise OptionError(f"Choices({name}=...) must be one of {allowed}, got {getattr(self, name)!r}")

@@ -167,7 +167,6 @@ def simplify_until_fixpoint(root: Node, *, enabled: bool = True, max_rounds: int
     fired: list[Firing] = []
     if not enabled:
         return root, fired
-    current = root
     for _ in range(max_rounds):
         changed = []
 
@@ -179,10 +178,10 @@ def simplify_until_fixpoint(root: Node, *, enabled: bool = True, max_rounds: int
                     return out
             return None
 
-        current = transform(current, apply)
+        root = transform(root, apply)
         fired.extend(changed)
         if not changed:
-            return current, fired
+            return root, fired
     raise PlanError(f"the rewrite stage did not converge in {max_rounds} rounds; rules still firing: "
                     f"{sorted({f.rule for f in fired[-10:]})}. Disable rewrites with "
                     "expr.explain(rewrites=False) and report this expression")

@@ -105,10 +105,6 @@ class ApplyJob(Job):
         q = flatten(concat_chunks(ctx.state.rows[self.held.token]), self.held.space)      # (m, dim)
         return AppliedSums(resolved.sums(q), resolved.coef, q)
 
-    def feed(self, acc, chunks, state) -> None:
-        for chunk in chunks[0]:
-            acc.update(chunk.blocks)
-
     def publish(self, result, state) -> None:
         state.results[self.key] = result[1]       # H⁻¹q (m, dim), read by the scores job that names this one
 
@@ -120,8 +116,8 @@ class AppliedSums:
     def __init__(self, sums, coef: float, q):
         self.sums, self.coef, self.q = sums, coef, q
 
-    def update(self, blocks) -> None:
-        self.sums.update(blocks)
+    def update(self, chunk) -> None:
+        self.sums.update(chunk.blocks)
 
     def export(self):
         return self.sums.export()

@@ -2,8 +2,9 @@
 
 A :class:`Job` names what it reads (``streams``: gradient nodes whose chunks the pass
 feeds it, and ``deps``: the keys of jobs that must finish first), what it produces
-(``output``) and how much it costs, in the new record the size stage makes of it (jobs are
-frozen: a stage that decides something about a job makes a new one):
+(its accumulator's ``finish``, put in the run's state by ``publish``) and how much it
+costs, in the new record the size stage makes of it (jobs are frozen: a stage that
+decides something about a job makes a new one):
 ``cost`` (FLOPs and traffic of this job in its pass), ``fixed`` (bytes it holds for the
 whole pass: held rows, statistics) and ``per_example`` (working bytes per streamed
 example). Every choice the planner made for a job is a field of the job (kernels,

@@ -24,8 +24,7 @@ from ..rules import PlanError
 from ..shapes import element_size
 from .base import Job
 
-__all__ = ["ScoresJob", "DiagJob", "blockwise_preconditioner", "ScoreAccumulator", "DiagAccumulator",
-           "reused_buffer"]
+__all__ = ["ScoresJob", "DiagJob", "blockwise_preconditioner", "ScoreAccumulator", "DiagAccumulator", "reused_buffer"]
 
 
 def reused_buffer(owner, attr: str, shape: tuple, dtype: torch.dtype, device, min_bytes: int) -> torch.Tensor | None:
@@ -89,16 +88,13 @@ class ScoresJob(Job):
 
     def describe(self) -> str:
         side = "rows" if not self.transposed else "columns"
-        return (f"scores ({self.target.label}) streaming {self.streams[0].label!r}, "
-                f"held {side}: {self.held.label!r}")
+        return f"scores ({self.target.label}) streaming {self.streams[0].label!r}, held {side}: {self.held.label!r}"
 
     # ------------------------------------------------------------------ cost
     def block_cost(self, node) -> Cost:
         """A ghost block's fixed cost is its own (measured apart)."""
-        blocks = node.space.blocks
-        ghosts = sum(1 for b in blocks if self.kernels.get(b.name) == "ghost")
-        return block_cost("ghost", ghosts, self.ops_per_block) + block_cost(self.kind, len(blocks) - ghosts,
-                                                                            self.ops_per_block)
+        n, ghosts = len(node.space.blocks), sum(self.kernels.get(b.name) == "ghost" for b in node.space.blocks)
+        return block_cost("ghost", ghosts, self.ops_per_block) + block_cost(self.kind, n - ghosts, self.ops_per_block)
 
     def chunk_cost(self, node, c, layout, facts) -> Cost:
         """One chunk of ``c`` streamed rows against the held rows, per block by its kernel:
@@ -182,10 +178,8 @@ class ScoresJob(Job):
         """``normalize_streamed`` as ``decide(side, self)`` says for a streamed side
         ``G.normalize()`` (no metric): in the score kernel, each column divided by its
         row's norm (⟨h, g/‖g‖⟩ = ⟨h, g⟩/‖g‖), or row-wise."""
-        s = self.streams[0] if self.streams else None
-        if not (isinstance(s, Normalize) and s.op is None):
-            return self
-        return replace(self, normalize_streamed=decide(s, self))
+        s = self.streams[0]
+        return replace(self, normalize_streamed=decide(s, self)) if isinstance(s, Normalize) and s.op is None else self
 
     def can_release_held(self) -> bool:
         """A preconditioned score keeps a preconditioned copy of its held rows: the raw rows can go."""
@@ -336,24 +330,20 @@ class ScoreAccumulator(_Concatenated):
 
     def _block(self, name, lval, rval) -> torch.Tensor:
         kernel = self.kernels.get(name, "dense")
+        if kernel not in ("ghost", "dense"):
+            raise PlanError(f"block {name!r} has no kernel in the plan ({kernel!r}): plan it with "
+                            "measure_shapes=True, as executors do")
+        if kernel == "ghost" and not (isinstance(lval, Factors) and isinstance(rval, Factors)):
+            raise PlanError(f"the plan chose the ghost kernel for block {name!r}, but its rows are not "
+                            "factored on both sides (a planner bug: please report it)")
+        self.trace[kernel] += 1
         if kernel == "ghost":
-            if not (isinstance(lval, Factors) and isinstance(rval, Factors)):
-                raise PlanError(f"the plan chose the ghost kernel for block {name!r}, but its rows are not "
-                                "factored on both sides (a planner bug: please report it)")
-            self.trace["ghost"] += 1
             if self.normalize_streamed:
                 self._add_sq_norms(self_inner(rval, self.slice_elements, self.token_block))
             return ghost_inner(lval, rval, self.slice_elements, self.token_block)
-        if kernel != "dense":
-            raise PlanError(f"block {name!r} has no kernel in the plan ({kernel!r}): plan it with "
-                            "measure_shapes=True, as executors do")
-        self.trace["dense"] += 1
-        if isinstance(lval, Factors):
-            if name not in self._materialized:
-                self._materialized[name] = materialize(lval, self.token_block).flatten(1)
-            lflat = self._materialized[name]
-        else:
-            lflat = lval
+        if isinstance(lval, Factors) and name not in self._materialized:     # the held block, materialized once
+            self._materialized[name] = materialize(lval, self.token_block).flatten(1)
+        lflat = self._materialized[name] if isinstance(lval, Factors) else lval
         rows = self._streamed_rows(rval)
         if self.normalize_streamed:
             self._add_sq_norms(torch.linalg.vector_norm(rows, dim=1).square())

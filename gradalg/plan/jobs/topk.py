@@ -58,10 +58,6 @@ class TopKJob(Job):
         return (f"top-{self.k} ({which}) of {self.target.label} streaming "
                 f"{', '.join(repr(s.label) for s in self.streams)}")
 
-    @property
-    def n_query(self) -> int:
-        return self.target.shape[0]
-
     def stream_cost(self, n_stream, chunk, facts, layout_of, storage_of=None, options=None, resolved=None) -> Cost:
         """Its terms' score blocks (the merge is O(n_query·(k + chunk)), not counted)."""
         return sum((term.stream_cost(n_stream, chunk, facts, layout_of, storage_of, options, resolved)
@@ -88,7 +84,7 @@ class TopKJob(Job):
         return self if all(a is b for (_, a), (_, b) in zip(terms, self.terms)) else replace(self, terms=terms)
 
     def fixed_bytes(self, facts) -> float:
-        return sum(j.fixed_bytes(facts) for _, j in self.terms) + 16.0 * self.n_query * self.k
+        return sum(j.fixed_bytes(facts) for _, j in self.terms) + 16.0 * self.target.shape[0] * self.k   # (n_query, k)
 
     def per_example_bytes(self, facts) -> float:
         held = max((j.held.n for _, j in self.terms), default=0)
@@ -96,7 +92,7 @@ class TopKJob(Job):
                 + held * (facts.elem * (len(self.terms) + 2) + 16.0))
 
     def output_bytes(self, n: int) -> float:
-        return 16.0 * self.n_query * self.k
+        return 16.0 * self.target.shape[0] * self.k
 
     # ------------------------------------------------------------------ running
     def _stream_index(self) -> list[int]:
