@@ -99,14 +99,14 @@ def test_joining_held_chunks_returns_pages_per_threshold():
     b_bytes = sum(block_bytes(c.blocks["b"]) for c in chunks)      # 3 · 2·7 · 4 = 168
     assert (w_bytes, b_bytes) == (648, 168)
     pages = allocator.FreedBytes(700, release=lambda: calls.append(1))
-    held = Collector(None, whole=True, release=pages)
+    held = Collector(whole=True, release=pages)
     for c in chunks:
         held.update(c)
     (joined,) = held.finish()
     assert joined.blocks["w"].A.shape == (6, 3, 5) and joined.blocks["b"].shape == (6, 7)
     assert len(calls) == 1 and pages.pending == 0                   # 648 + 168 ≥ 700: once, after "b"
     per_block = allocator.FreedBytes(0, release=lambda: calls.append(1))
-    again = Collector(None, whole=True, release=per_block)
+    again = Collector(whole=True, release=per_block)
     for c in chunks:
         again.update(Chunk(c.ids, {n: v for n, v in c.blocks.items()}))
     again.finish()

@@ -129,8 +129,8 @@ def test_a_held_side_is_kept_as_one_chunk_equal_to_its_pieces():
               for k in range(3)]
     expect_A = torch.cat([c.blocks["w"].A for c in chunks])
     expect_b = torch.cat([c.blocks["b"] for c in chunks])
-    held = Collector(None, whole=True)
-    stored = Collector(None)
+    held = Collector(whole=True)
+    stored = Collector()
     for c in chunks:
         held.update(c)
         stored.update(c)

@@ -19,10 +19,6 @@ from ..errors import OptionError
 
 __all__ = ["Choices"]
 
-HELD = ("auto", "left", "right")
-STORE = ("auto", "always", "never")
-
-
 @dataclass(frozen=True)
 class Choices:
     """Decisions the planner takes as given.
@@ -42,10 +38,6 @@ class Choices:
     store: str = "auto"
 
     def __post_init__(self):
-        if self.held not in HELD:
-            raise OptionError(f"Choices(held=...) must be one of {HELD}, got {self.held!r}")
-        if self.store not in STORE:
-            raise OptionError(f"Choices(store=...) must be one of {STORE}, got {self.store!r}")
-
-    def __str__(self) -> str:
-        return f"Choices(held={self.held!r}, store={self.store!r})"
+        for name, allowed in (("held", ("auto", "left", "right")), ("store", ("auto", "always", "never"))):
+            if getattr(self, name) not in allowed:
+                raise OptionError(f"Choices({name}=...) must be one of {allowed}, got {getattr(self, name)!r}")

@@ -108,18 +108,17 @@ def facts(root: Node, options: Options, device: DeviceProfile, measure: bool = F
     :func:`~gradalg.plan.shapes.measurement_key` (a fused expert's measurement depends on
     the chunk's examples too)."""
     memo = MEASURED if memo is None else memo
-    shapes, reps, sources, dtype = {}, {}, set(), None
+    shapes, reps, dtype = {}, {}, None
     for node in root.walk():
-        if isinstance(node, GradNode) and node.token not in reps:
-            reps[node.token] = node.representation
-        if not isinstance(node, Source) or node.token in sources:
+        if not isinstance(node, GradNode) or node.token in reps:
             continue
-        sources.add(node.token)
-        dtype = dtype or next((p.dtype for p in node.task.model.parameters()), None)
-        if measure and not positions_known(node):
-            key = measurement_key(node)
-            if key not in memo and len(memo) >= 256:
-                memo.pop(next(iter(memo)))
-            memo[key] = memo.get(key) or measure_forward_shapes(node)
-            shapes[node.token] = memo[key]
+        reps[node.token] = node.representation
+        if isinstance(node, Source):    # each source once
+            dtype = dtype or next((p.dtype for p in node.task.model.parameters()), None)
+            if measure and not positions_known(node):
+                key = measurement_key(node)
+                if key not in memo and len(memo) >= 256:
+                    memo.pop(next(iter(memo)))
+                memo[key] = memo.get(key) or measure_forward_shapes(node)
+                shapes[node.token] = memo[key]
     return Facts(options, device, measure, reps, dtype=dtype or torch.float32, shapes=shapes)

@@ -8,8 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ObjectiveError
-from ..expr import (Captured, GradNode, Inner, Node, OpNode, RowWise, ScoreDiagonal, ScoreNode, ScoreSum,
-                    Source)
+from ..expr import Captured, GradNode, Inner, Node, OpNode, RowWise, ScoreDiagonal, ScoreNode, ScoreSum, Source
 from .jobs import EKFACJob, FisherJob, GroupJob, KFACJob, ProductsJob, TopK
 from .passkeys import CapturedPassKey, DataPassKey, MemoryPassKey, PassKey
 from .rules import PlanError
@@ -87,8 +86,7 @@ class Lowered:
 
 
 def _check_objective(inner: Inner) -> None:
-    roots = [stream_root(side) for side in (inner.left, inner.right)]
-    if any(isinstance(r, Source) and r.objective == "expected" for r in roots):
+    if any(isinstance(r, Source) and r.objective == "expected" for r in map(stream_root, (inner.left, inner.right))):
         raise ObjectiveError("gradients with objective='expected' have one row per term of the "
                              "Gauss-Newton decomposition, not per example: use them for curvature "
                              "(ga.fisher, ga.kfac) only, and score with objective='loss' (the default) "

@@ -21,9 +21,7 @@ def resolution_rules(node: OpNode) -> list[str]:
     """The names of the rules (:mod:`gradalg.linalg.rules`) that resolving ``node`` applies,
     in order, without reading data; raises the refusal of an operation the structure
     cannot do exactly."""
-    if hasattr(node, "expr"):   # an ga.Operator
-        node = node.expr
-    return list(node.labels().rules)
+    return list(getattr(node, "expr", node).labels().rules)     # a ga.Operator's expression, or the node
 
 
 @dataclass(frozen=True)
@@ -40,15 +38,12 @@ def operator_rules(root) -> list[OperatorRules]:
     """The resolution rules of every operator ``root`` uses (an inner product's, a
     preconditioner's, a metric's), each operator once, in tree order, without data; a
     refused one carries its refusal. For ``explain()``."""
-    out: dict[str, OperatorRules] = {}
-    for x in root.walk():
-        if isinstance(x, OpNode):
-            continue
-        for op in x.children:
-            if not isinstance(op, OpNode) or op.is_identity or op.token in out:
-                continue
-            try:
-                out[op.token] = OperatorRules(op, tuple(resolution_rules(op)))
-            except OperatorError as err:
-                out[op.token] = OperatorRules(op, (), str(err))
-    return list(out.values())
+    ops = {op.token: op for x in root.walk() if not isinstance(x, OpNode)
+           for op in x.children if isinstance(op, OpNode) and not op.is_identity}    # equal tokens: equal operators
+    out = []
+    for op in ops.values():
+        try:
+            out.append(OperatorRules(op, tuple(resolution_rules(op))))
+        except OperatorError as err:
+            out.append(OperatorRules(op, (), str(err)))
+    return out

@@ -102,9 +102,7 @@ def _unit_scale(node: ScaledOp):
 @rule("double_inverse", [Inverse], priority=20)
 def _double_inverse(node: Inverse):
     """(H⁻¹)⁻¹ = H."""
-    if isinstance(node.op, Inverse) and node.method == "auto" and node.op.method == "auto":
-        return node.op.op
-    return None
+    return node.op.op if isinstance(node.op, Inverse) and node.method == node.op.method == "auto" else None
 
 
 @rule("inverse_identity", [Inverse], priority=20)
@@ -118,10 +116,7 @@ def _flatten_sums(node: SumOp):
     """(A + B) + C = A + B + C: one sum node, resolved in one step."""
     if not any(isinstance(op, SumOp) for op in node.ops):
         return None
-    flat = []
-    for op in node.ops:
-        flat.extend(op.ops if isinstance(op, SumOp) else (op,))
-    return SumOp(tuple(flat))
+    return SumOp(tuple(x for op in node.ops for x in (op.ops if isinstance(op, SumOp) else (op,))))
 
 
 @rule("flatten_score_sums", [ScoreSum], priority=30)
@@ -131,23 +126,15 @@ def _flatten_score_sums(node: ScoreSum):
         return node.terms[0]
     if not any(isinstance(t, ScoreSum) for t in node.terms):
         return None
-    terms, coefs = [], []
-    for c, t in zip(node.coefs, node.terms):
-        if isinstance(t, ScoreSum):
-            terms.extend(t.terms)
-            coefs.extend(c * d for d in t.coefs)
-        else:
-            terms.append(t)
-            coefs.append(c)
-    return ScoreSum(tuple(terms), tuple(coefs))
+    pairs = [pair for c, t in zip(node.coefs, node.terms)
+             for pair in ([(c * d, u) for d, u in zip(t.coefs, t.terms)] if isinstance(t, ScoreSum) else [(c, t)])]
+    return ScoreSum(tuple(u for _, u in pairs), tuple(c for c, _ in pairs))
 
 
 @rule("double_normalize", [Normalize], priority=20)
 def _double_normalize(node: Normalize):
     """normalize(normalize(G)) = normalize(G)."""
-    if node.op is None and isinstance(node.grads, Normalize) and node.grads.op is None:
-        return node.grads
-    return None
+    return node.grads if node.op is None and isinstance(node.grads, Normalize) and node.grads.op is None else None
 
 
 @rule("select_everything", [Select], priority=5)
@@ -160,10 +147,8 @@ def _select_everything(node: Select):
 def _select_into_source(node: Select):
     """Capture only the selected layers: fewer hooks, fewer factors."""
     src = node.grads
-    if isinstance(src, Source) and set(node.names) <= set(src.layers):
-        order = [n for n in src.layers if n in node.names]
-        if tuple(order) == node.names:
-            return Source(src.task, src.data, node.names, src.backend, src.objective, src.seed)
+    if isinstance(src, Source) and tuple(n for n in src.layers if n in node.names) == node.names:   # in order
+        return Source(src.task, src.data, node.names, src.backend, src.objective, src.seed)
     return None
 
 
@@ -182,23 +167,21 @@ def simplify_until_fixpoint(root: Node, *, enabled: bool = True, max_rounds: int
     fired: list[Firing] = []
     if not enabled:
         return root, fired
-    current = root
     for _ in range(max_rounds):
         changed = []
 
         def apply(node):
             for r in RULES:
-                if isinstance(node, r.types):
-                    out = r.fn(node)
-                    if out is not None and out != node:
-                        changed.append(Firing(r.name, node.label, out.label, " ".join(r.doc.split("\n\n")[0].split())))
-                        return out
+                out = r.fn(node) if isinstance(node, r.types) else None
+                if out is not None and out != node:
+                    changed.append(Firing(r.name, node.label, out.label, " ".join(r.doc.split("\n\n")[0].split())))
+                    return out
             return None
 
-        current = transform(current, apply)
+        root = transform(root, apply)
         fired.extend(changed)
         if not changed:
-            return current, fired
+            return root, fired
     raise PlanError(f"the rewrite stage did not converge in {max_rounds} rounds; rules still firing: "
                     f"{sorted({f.rule for f in fired[-10:]})}. Disable rewrites with "
                     "expr.explain(rewrites=False) and report this expression")

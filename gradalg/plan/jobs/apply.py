@@ -23,26 +23,13 @@ from ..estimates import _factored, _flat, elementwise_cost
 from ..memory import positions
 from .base import Job
 
-__all__ = ["ApplyJob", "AppliedSums", "held_application", "held_flat_cost"]
+__all__ = ["ApplyJob", "AppliedSums", "held_application"]
 
 #: full-size (m, dim) ops of DataInf's finish, H⁻¹q = coef · (1/λ)(q − s/n) block by block,
 #: then concatenated (:meth:`~gradalg.linalg.datainf.DataInfSums.finish`,
 #: :meth:`AppliedSums.finish`): s/n (1 read), q − · (2), /λ (1), the concatenation (1), coef ·
 #: (1); each writes a fresh tensor
 FINISH_OPS = {"reads": 6, "writes": 5}
-
-
-def held_flat_cost(held, layout: dict, facts) -> Cost:
-    """The m held rows made one flat (m, dim) tensor, ``flatten(concat_chunks(rows))``:
-    each block kept as factors materialized (a batched call of m (out, in, T) products,
-    written into fresh memory), then every block copied into one fresh (m, dim) tensor."""
-    m, elem, T = held.n, facts.elem, positions(held, facts.shapes)
-    factored, cost = _factored(held, layout), Cost()
-    for b in held.space.blocks:
-        if factored[b.name]:
-            cost = cost + materialize_cost(m, T[b.name], b.shape[1], b.shape[0], elem) + Cost(
-                faulted=float(elem) * m * b.dim)
-    return cost + elementwise_cost(m * held.space.dim, 1, 1, elem)
 
 
 def held_application(op):
@@ -60,7 +47,6 @@ class ApplyJob(Job):
     gets its own application."""
 
     kind: ClassVar[str] = "apply"
-    output: ClassVar[str] = "rows"
     phase: ClassVar[str] = "statistics"
     ops_per_block: ClassVar[int] = 6
     per_row_set: ClassVar[bool] = True
@@ -75,23 +61,26 @@ class ApplyJob(Job):
         coordinates, ``q_b gᵀ`` (a GEMM (m, c, d_b)), ``coef · g`` (a GEMM (m, d_b, c):
         an inner dimension of c, priced as outer products) into a fresh (m, d_b) tensor,
         added to the sums (read twice, written once)."""
-        T, factored, elem, m, cost = positions(node, facts.shapes), _factored(node, layout), facts.elem, self.held.n, Cost()
-        for b in node.space.blocks:
-            d = b.dim
-            cost = (cost + _flat(b, c, T, factored, elem) + elementwise_cost(c * d, 2, 1, elem)
-                    + Cost(flops=2.0 * c * d, bytes=float(elem) * c * d)
-                    + gemm_cost(m, c, d, 1, elem) + gemm_cost(m, d, c, 1, elem)
-                    + Cost(flops=float(m * d), bytes=3.0 * elem * m * d, faulted=float(elem) * m * d))
-        return cost
+        T, factored, elem, m = positions(node, facts.shapes), _factored(node, layout), facts.elem, self.held.n
+        return sum((_flat(b, c, T, factored, elem) + elementwise_cost(c * b.dim, 2, 1, elem)
+                    + Cost(flops=2.0 * c * b.dim, bytes=float(elem) * c * b.dim)
+                    + gemm_cost(m, c, b.dim, 1, elem) + gemm_cost(m, b.dim, c, 1, elem)
+                    + Cost(flops=float(m * b.dim), bytes=3.0 * elem * m * b.dim, faulted=float(elem) * m * b.dim)
+                    for b in node.space.blocks), Cost())
 
     def once_cost(self, facts, storage_of=None, options=None, resolved=None) -> Cost:
-        """The held rows made flat (:func:`held_flat_cost`), the (m, dim) sums zeroed (fresh
-        memory), and the finish's :data:`FINISH_OPS` full-size ops over (m, dim). The
-        scores job it serves (``ScoresJob.applied``) does not apply the operator again."""
-        held, elem = self.held, facts.elem
-        numbers = held.n * held.space.dim
-        layout = storage_of(held) if storage_of is not None else {}
-        return (held_flat_cost(held, layout, facts) + Cost(bytes=float(elem) * numbers, faulted=float(elem) * numbers)
+        """The m held rows made one flat (m, dim) tensor, ``flatten(concat_chunks(rows))``
+        (each block kept as factors materialized, a batched call of m (out, in, T) products
+        written into fresh memory, then every block copied into one fresh (m, dim) tensor),
+        the (m, dim) sums zeroed (fresh memory), and the finish's :data:`FINISH_OPS`
+        full-size ops over (m, dim). The scores job it serves (``ScoresJob.applied``) does
+        not apply the operator again."""
+        held, elem, m = self.held, facts.elem, self.held.n
+        numbers, T = m * held.space.dim, positions(held, facts.shapes)
+        factored = _factored(held, storage_of(held) if storage_of is not None else {})
+        flat = sum((materialize_cost(m, T[b.name], b.shape[1], b.shape[0], elem) + Cost(faulted=float(elem) * m * b.dim)
+                    for b in held.space.blocks if factored[b.name]), Cost()) + elementwise_cost(numbers, 1, 1, elem)
+        return (flat + Cost(bytes=float(elem) * numbers, faulted=float(elem) * numbers)
                 + elementwise_cost(numbers, FINISH_OPS["reads"], FINISH_OPS["writes"], elem))
 
     def applied_ops(self) -> tuple:
@@ -116,10 +105,6 @@ class ApplyJob(Job):
         q = flatten(concat_chunks(ctx.state.rows[self.held.token]), self.held.space)      # (m, dim)
         return AppliedSums(resolved.sums(q), resolved.coef, q)
 
-    def feed(self, acc, chunks, state) -> None:
-        for chunk in chunks[0]:
-            acc.update(chunk.blocks)
-
     def publish(self, result, state) -> None:
         state.results[self.key] = result[1]       # H⁻¹q (m, dim), read by the scores job that names this one
 
@@ -131,8 +116,8 @@ class AppliedSums:
     def __init__(self, sums, coef: float, q):
         self.sums, self.coef, self.q = sums, coef, q
 
-    def update(self, blocks) -> None:
-        self.sums.update(blocks)
+    def update(self, chunk) -> None:
+        self.sums.update(chunk.blocks)
 
     def export(self):
         return self.sums.export()

@@ -2,8 +2,9 @@
 
 A :class:`Job` names what it reads (``streams``: gradient nodes whose chunks the pass
 feeds it, and ``deps``: the keys of jobs that must finish first), what it produces
-(``output``) and how much it costs, in the new record the size stage makes of it (jobs are
-frozen: a stage that decides something about a job makes a new one):
+(its accumulator's ``finish``, put in the run's state by ``publish``) and how much it
+costs, in the new record the size stage makes of it (jobs are frozen: a stage that
+decides something about a job makes a new one):
 ``cost`` (FLOPs and traffic of this job in its pass), ``fixed`` (bytes it holds for the
 whole pass: held rows, statistics) and ``per_example`` (working bytes per streamed
 example). Every choice the planner made for a job is a field of the job (kernels,
@@ -82,8 +83,6 @@ class Job:
     what a type leaves out (no job is priced or run like another)."""
 
     kind: ClassVar[str] = "job"
-    #: what its accumulator's ``finish`` gives the executor
-    output: ClassVar[str] = ""
     #: where its run's time is counted (:mod:`gradalg.exec.phases`)
     phase: ClassVar[str] = "scoring"
     #: small tensor ops the job runs per chunk and block (casts, views, accumulation,
@@ -228,10 +227,6 @@ class Job:
         """What planning the job adds the first time it enters a plan: a refusal before
         any pass runs (raised), decisions shown by ``explain()``. None by default."""
         return []
-
-    def score_parts(self) -> tuple:
-        """The :class:`ScoresJob` s whose kernels this job runs (itself, a top-k's terms)."""
-        return ()
 
     def applied_ops(self) -> tuple:
         """The operators its kernels apply in its pass beyond its streams' row-wise chains

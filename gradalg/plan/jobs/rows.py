@@ -25,20 +25,24 @@ __all__ = ["RowsJob", "CollectJob", "StoreJob", "GroupJob", "Collector", "GroupA
 class RowsJob(Job):
     """A job whose output is rows kept in memory: their bytes are its footprint."""
 
-    output: ClassVar[str] = "rows"
     phase: ClassVar[str] = "capture"
 
     def chunk_cost(self, node, c, layout, facts) -> Cost:
         """Rows kept from one chunk of ``c`` examples: factors copied where ``storage``
         keeps factors, else the rows made flat and copied (read + write)."""
-        T, factored, cost, storage = positions(node, facts.shapes), _factored(node, layout), Cost(), self.storage or {}
-        elem = facts.elem
-        for b in node.space.blocks:
+        T, factored, elem = positions(node, facts.shapes), _factored(node, layout), facts.elem
+        storage = self.storage or {}
+
+        def kept(b) -> Cost:
             if factored[b.name] and storage.get(b.name, "flat") == "factors":
-                cost = cost + Cost(bytes=2.0 * elem * c * T[b.name] * sum(b.shape))
-            else:
-                cost = cost + _flat(b, c, T, factored, elem) + Cost(bytes=2.0 * elem * c * b.dim)
-        return cost
+                return Cost(bytes=2.0 * elem * c * T[b.name] * sum(b.shape))
+            return _flat(b, c, T, factored, elem) + Cost(bytes=2.0 * elem * c * b.dim)
+        return sum(map(kept, node.space.blocks), Cost())
+
+    def collects(self, token: str) -> bool:
+        """It keeps the rows of its target (``state.rows[target.token]``; a group job the
+        group means: a held side that is a group mean is read from there, not collected again)."""
+        return token == self.target.token
 
     def fixed_bytes(self, facts) -> float:
         return rows_bytes(self.target, self.storage, facts)
@@ -68,13 +72,10 @@ class CollectJob(RowsJob):
         job (not carried through the passes that build the preconditioner)."""
         return True
 
-    def collects(self, token: str) -> bool:
-        return token == self.target.token
-
     def accumulator(self, ctx) -> "Collector":
         """A held side is read whole by its scores job: kept as one chunk, its pieces
         freed as it is made (stored rows are streamed back chunk by chunk)."""
-        return Collector(self.target, self.storage, whole=True, release=ctx.page_returner())
+        return Collector(self.storage, whole=True, release=ctx.page_returner())
 
 
 @dataclass(eq=False, frozen=True)
@@ -86,7 +87,7 @@ class StoreJob(CollectJob):
     streamed_back: ClassVar[bool] = True
 
     def accumulator(self, ctx) -> "Collector":
-        return Collector(self.target, self.storage)
+        return Collector(self.storage)
 
 
 @dataclass(eq=False, frozen=True)
@@ -103,11 +104,6 @@ class GroupJob(RowsJob):
         is not factors; :class:`GroupAccumulator` makes flat rows)."""
         node = statistic.node
         return cls(node, (statistic.rows,), set(deps), storage={b.name: "flat" for b in node.space.blocks})
-
-    def collects(self, token: str) -> bool:
-        """It keeps the group means (``state.rows[target.token]``): a held side that is a
-        group mean is read from there, not collected again."""
-        return token == self.target.token
 
     def accumulator(self, ctx) -> "GroupAccumulator":
         return GroupAccumulator(self.target)
@@ -127,9 +123,7 @@ class Collector:
     system once enough bytes were dropped).
     """
 
-    def __init__(self, node, storage: dict | None = None, whole: bool = False,
-                 release=None):
-        self.node = node
+    def __init__(self, storage: dict | None = None, whole: bool = False, release=None):
         self.flat = {name for name, how in (storage or {}).items() if how == "flat"}
         self.chunks: list[Chunk] = []
         self.whole, self.release = whole, release

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from functools import reduce
 from typing import ClassVar
 
 import torch
@@ -23,8 +24,7 @@ from ..rules import PlanError
 from ..shapes import element_size
 from .base import Job
 
-__all__ = ["ScoresJob", "DiagJob", "blockwise_preconditioner", "ScoreAccumulator", "DiagAccumulator",
-           "reused_buffer"]
+__all__ = ["ScoresJob", "DiagJob", "blockwise_preconditioner", "ScoreAccumulator", "DiagAccumulator", "reused_buffer"]
 
 
 def reused_buffer(owner, attr: str, shape: tuple, dtype: torch.dtype, device, min_bytes: int) -> torch.Tensor | None:
@@ -78,7 +78,6 @@ class ScoresJob(Job):
     leaves the held rows preconditioned (decide stage), read by key when the job runs."""
 
     kind: ClassVar[str] = "scores"
-    output: ClassVar[str] = "scores"
     ops_per_block: ClassVar[int] = 10
     shards_are_blocks: ClassVar[bool] = True
 
@@ -89,45 +88,39 @@ class ScoresJob(Job):
 
     def describe(self) -> str:
         side = "rows" if not self.transposed else "columns"
-        return (f"scores ({self.target.label}) streaming {self.streams[0].label!r}, "
-                f"held {side}: {self.held.label!r}")
+        return f"scores ({self.target.label}) streaming {self.streams[0].label!r}, held {side}: {self.held.label!r}"
 
     # ------------------------------------------------------------------ cost
     def block_cost(self, node) -> Cost:
         """A ghost block's fixed cost is its own (measured apart)."""
-        blocks = node.space.blocks
-        ghosts = sum(1 for b in blocks if self.kernels.get(b.name) == "ghost")
-        return block_cost("ghost", ghosts, self.ops_per_block) + block_cost(self.kind, len(blocks) - ghosts,
-                                                                            self.ops_per_block)
+        n, ghosts = len(node.space.blocks), sum(self.kernels.get(b.name) == "ghost" for b in node.space.blocks)
+        return block_cost("ghost", ghosts, self.ops_per_block) + block_cost(self.kind, n - ghosts, self.ops_per_block)
 
     def chunk_cost(self, node, c, layout, facts) -> Cost:
         """One chunk of ``c`` streamed rows against the held rows, per block by its kernel:
         ghost products, the chunk materialized and one GEMM (dense over factors), or a GEMM."""
-        T, factored, cost, elem = positions(node, facts.shapes), _factored(node, layout), Cost(), facts.elem
+        T, factored, elem = positions(node, facts.shapes), _factored(node, layout), facts.elem
         P_h, n_h = positions(self.held, facts.shapes), self.held.n
-        for b in self.held.space.blocks:
-            T_h, T_s = P_h[b.name], T[b.name]
-            if self.kernels.get(b.name) == "ghost":
-                cost = cost + ghost_cost(n_h, c, T_h, T_s, b.shape[1], b.shape[0], elem)
-            elif factored[b.name]:
-                cost = cost + dense_cost(n_h, c, T_h, T_s, b.shape[1], b.shape[0], True, elem)
-            else:
-                cost = cost + gemm_cost(n_h, c, b.dim, 1, elem) + Cost(bytes=float(elem) * c * b.dim)
-        return cost
+
+        def block(b) -> Cost:
+            ghost = self.kernels.get(b.name) == "ghost"
+            if not (ghost or factored[b.name]):
+                return gemm_cost(n_h, c, b.dim, 1, elem) + Cost(bytes=float(elem) * c * b.dim)
+            sizes = (n_h, c, P_h[b.name], T[b.name], b.shape[1], b.shape[0])
+            return ghost_cost(*sizes, elem) if ghost else dense_cost(*sizes, True, elem)
+        return sum(map(block, self.held.space.blocks), Cost())
 
     def once_cost(self, facts, storage_of=None, options=None, resolved=None) -> Cost:
         """Held factored blocks a dense kernel reads materialized once, the operator
         resolved (unless ``resolved`` before) and applied to the held rows (unless the
         planned apply job ``applied`` did: its rows are read by key)."""
-        held, once = self.held, Cost()
-        held_layout = storage_of(held) if storage_of is not None else {}
-        P_h, elem = positions(held, facts.shapes), facts.elem
-        op = self.target.op
+        held, op, elem = self.held, self.target.op, facts.elem
         if self.applied is not None:
             return resolve_once(op, resolved)
-        for b in held.space.blocks:
-            if self.kernels.get(b.name) != "ghost" and held_layout.get(b.name) == "factors" and len(b.shape) == 2:
-                once = once + materialize_cost(held.n, P_h[b.name], b.shape[1], b.shape[0], elem)
+        layout, P_h = storage_of(held) if storage_of is not None else {}, positions(held, facts.shapes)
+        once = sum((materialize_cost(held.n, P_h[b.name], b.shape[1], b.shape[0], elem) for b in held.space.blocks
+                    if self.kernels.get(b.name) != "ghost" and layout.get(b.name) == "factors" and len(b.shape) == 2),
+                   Cost())
         return once + resolve_once(op, resolved) + apply_cost(op, held.space, held.n, elem, options, facts.shapes)
 
     # ------------------------------------------------------------------ memory
@@ -145,14 +138,13 @@ class ScoresJob(Job):
         by 325 MB against 1.03 GB counted with both copies). The size stage sizes batches
         with both copies (safe) and gives the pass these bytes."""
         raw = rows_bytes(self.held, self.held_storage, facts)
-        if self.target.op.is_identity:
-            return raw + self.ghost_workspace_bytes(facts)
-        flat = rows_bytes(self.held, {}, facts)
-        if self.release_held and blockwise_preconditioner(self.target.op):
+        flat = 0.0 if self.target.op.is_identity else rows_bytes(self.held, {}, facts)
+        held = raw + flat
+        if self.release_held and blockwise_preconditioner(self.target.op):     # never the identity
             block = max((self.held.n * rows_of(self.held) * b.dim * facts.elem
                          for b in self.held.space.blocks), default=0.0)
-            return min(raw + flat, max(raw, flat) + block) + self.ghost_workspace_bytes(facts)
-        return raw + flat + self.ghost_workspace_bytes(facts)
+            held = min(held, max(raw, flat) + block)
+        return held + self.ghost_workspace_bytes(facts)
 
     def ghost_workspace_bytes(self, facts) -> float:
         """The ghost kernel's intermediates: per ghost block the activation Gram, the
@@ -167,21 +159,13 @@ class ScoresJob(Job):
         return 3.0 * _compute_elem(facts.dtype) * worst
 
     def example_bytes(self, facts) -> float:
-        return 0.0
-
-    def per_example_bytes(self, facts) -> float:
-        total = super().per_example_bytes(facts)
-        for b in self.held.space.blocks:
-            if self.kernels.get(b.name) != "ghost":
-                # the streamed rows materialized, and their product (T rows per example when per-token)
-                total += b.dim * 8 * token_rows(self.streams[0])
-        return total
+        """Per block a dense kernel reads: the streamed rows materialized, and their product
+        (T rows per example when per-token)."""
+        return float(sum(b.dim * 8 * token_rows(self.streams[0]) for b in self.held.space.blocks
+                         if self.kernels.get(b.name) != "ghost"))
 
     def output_bytes(self, n: int) -> float:
         return 8.0 * self.held.n * n
-
-    def score_parts(self) -> tuple:
-        return (self,)
 
     def applied_ops(self) -> tuple:
         """H of ⟨held_i, H streamed_j⟩, resolved in this pass when the accumulator
@@ -194,10 +178,8 @@ class ScoresJob(Job):
         """``normalize_streamed`` as ``decide(side, self)`` says for a streamed side
         ``G.normalize()`` (no metric): in the score kernel, each column divided by its
         row's norm (⟨h, g/‖g‖⟩ = ⟨h, g⟩/‖g‖), or row-wise."""
-        s = self.streams[0] if self.streams else None
-        if not (isinstance(s, Normalize) and s.op is None):
-            return self
-        return replace(self, normalize_streamed=decide(s, self))
+        s = self.streams[0]
+        return replace(self, normalize_streamed=decide(s, self)) if isinstance(s, Normalize) and s.op is None else self
 
     def can_release_held(self) -> bool:
         """A preconditioned score keeps a preconditioned copy of its held rows: the raw rows can go."""
@@ -212,10 +194,8 @@ class ScoresJob(Job):
         """The held rows, preconditioned once here; with ``release_held`` the raw rows are
         taken out of the run state and dropped block by block as they are preconditioned."""
         space, rows = self.held.space, ctx.state.rows
-        if self.target.op.is_identity:
-            held = concat_chunks(rows[self.held.token])
-        else:
-            held = concat_chunks(rows.pop(self.held.token) if self.release_held else rows[self.held.token])
+        held = concat_chunks(rows.pop(self.held.token) if self.release_held else rows[self.held.token])
+        if not self.target.op.is_identity:   # (release_held only then: can_release_held)
             held = held.replace(dict(held.blocks))      # its own dict: a store's chunk is never emptied
             held = held.replace(unflatten(ctx.state.results[self.applied], space)) if self.applied is not None \
                 else ctx.precondition_held(self.target.op, held, space, consume=self.release_held)
@@ -236,14 +216,10 @@ def blockwise_preconditioner(op) -> bool:
     """Whether ``op`` resolves to an operator applied block by block to factored rows (a
     Kronecker K-FAC / EK-FAC, :meth:`~gradalg.linalg.kron.KronOp.apply_block`): its
     structure is "kron" and no iterative solver (``Inverse(method="cg"/"lissa")``) wraps it."""
-    if getattr(op, "structure", None) != "kron":
-        return False
     x = op
-    while x is not None:
-        if getattr(x, "method", "auto") in ("cg", "lissa"):
-            return False
+    while x is not None and getattr(x, "method", "auto") not in ("cg", "lissa"):
         x = getattr(x, "op", None)
-    return True
+    return x is None and getattr(op, "structure", None) == "kron"
 
 
 @dataclass(eq=False, frozen=True)
@@ -252,17 +228,14 @@ class DiagJob(Job):
     lockstep, or the left one ``held`` (collected) and aligned to the streamed rows by id."""
 
     kind: ClassVar[str] = "diag"
-    output: ClassVar[str] = "scores"
     ops_per_block: ClassVar[int] = 6
 
     def chunk_cost(self, node, c, layout, facts) -> Cost:
         """Self-scores of one chunk: the rows made flat, the operator applied, the row products."""
-        T, factored, cost, space = positions(node, facts.shapes), _factored(node, layout), Cost(), node.space
-        elem = facts.elem
-        for b in space.blocks:
-            cost = cost + _flat(b, c, T, factored, elem)
-        cost = cost + Cost(flops=2.0 * c * space.dim, bytes=3.0 * elem * c * space.dim)
-        return cost + apply_cost(self.target.scores.op, space, c, elem, shapes=facts.shapes)
+        T, factored, space, elem = positions(node, facts.shapes), _factored(node, layout), node.space, facts.elem
+        flat = sum((_flat(b, c, T, factored, elem) for b in space.blocks), Cost())
+        return (flat + Cost(flops=2.0 * c * space.dim, bytes=3.0 * elem * c * space.dim)
+                + apply_cost(self.target.scores.op, space, c, elem, shapes=facts.shapes))
 
     def once_cost(self, facts, storage_of=None, options=None, resolved=None) -> Cost:
         return resolve_once(self.target.scores.op, resolved)
@@ -281,25 +254,17 @@ class DiagJob(Job):
     def example_bytes(self, facts) -> float:
         """With an operator H: ⟨L_i, H R_i⟩'s working set (:func:`~gradalg.plan.memory.quadratic_form_bytes`:
         a block at a time for a Kronecker H); else one example's rows materialized flat,
-        and their product (8 bytes more per coordinate)."""
-        op, space = self.target.scores.op, self.streams[0].space
-        if not op.is_identity:
-            return quadratic_form_bytes(op, space, facts.elem)
-        return space.dim * (facts.elem + 8.0)
-
-    def per_example_bytes(self, facts) -> float:
-        """What the job materializes per example, and the ghost norms' intermediates of
-        factored rows (a self-score of one side: ‖G_i‖² by the ghost identity): three
-        (bT, bS) Gram-sized intermediates per example for the widest-positioned factored
-        block (b = min(T, token_block); the kernel caps a slice at
-        ``max(ghost_slice_elements, b²)`` elements, so this overcounts large batches)."""
-        if not self.streams:
-            return 0.0
-        node = self.streams[0]
+        and their product (8 bytes more per coordinate). Then the ghost norms'
+        intermediates of factored rows (a self-score of one side: ‖G_i‖² by the ghost
+        identity): three (bT, bS) Gram-sized intermediates per example for the
+        widest-positioned factored block (b = min(T, token_block); the kernel caps a slice
+        at ``max(ghost_slice_elements, b²)`` elements, so this overcounts large batches)."""
+        op, node = self.target.scores.op, self.streams[0]
         T = positions(node, facts.shapes)
-        worst = max([self.at_once(T[b.name]) ** 2 for b in node.space.blocks
-                     if len(b.shape) == 2] or [0])
-        return super().per_example_bytes(facts) + 3.0 * _compute_elem(facts.dtype) * worst
+        worst = max([self.at_once(T[b.name]) ** 2 for b in node.space.blocks if len(b.shape) == 2] or [0])
+        made = (node.space.dim * (facts.elem + 8.0) if op.is_identity
+                else quadratic_form_bytes(op, node.space, facts.elem))
+        return made + 3.0 * _compute_elem(facts.dtype) * worst
 
     def accumulator(self, ctx) -> "DiagAccumulator":
         inner = self.target.scores
@@ -309,15 +274,9 @@ class DiagJob(Job):
 
     def feed(self, acc, chunks, state) -> None:
         """One stream, two in lockstep, or the held side aligned to the streamed chunk by id."""
-        if self.held is not None:
-            for right in chunks[0]:
-                acc.update(_aligned_held(state, self.held, right), right)
-        elif len(chunks) == 2:
-            for left, right in zip(*chunks):
-                acc.update(left, right)
-        else:
-            for chunk in chunks[0]:
-                acc.update(chunk)
+        pairs = zip(*chunks) if self.held is None else ((_aligned_held(state, self.held, r), r) for r in chunks[0])
+        for sides in pairs:
+            acc.update(*sides)
 
     def publish(self, result, state) -> None:
         state.results[self.key] = result
@@ -345,8 +304,7 @@ class ScoreAccumulator(_Concatenated):
 
     def __init__(self, held: Chunk, space, kernels: dict, trace, normalize_streamed: bool = False,
                  slice_elements: int = 2**26, buffer_bytes: int = 2**20, token_block: int | None = None):
-        self.held, self.space, self.kernels = held, space, kernels
-        self.trace = trace
+        self.held, self.space, self.kernels, self.trace = held, space, kernels, trace
         self.slice_elements, self.buffer_bytes, self.token_block = slice_elements, buffer_bytes, token_block
         self.normalize_streamed = normalize_streamed
         self._sq_norms: torch.Tensor | None = None
@@ -359,11 +317,9 @@ class ScoreAccumulator(_Concatenated):
 
     def block(self, chunk: Chunk) -> torch.Tensor:
         """The scores of the held rows against one streamed chunk, kept nowhere.   (n_held, chunk.n)"""
-        total = None
         self._sq_norms = None
-        for name in self.space.names:
-            part = self._block(name, self.held.blocks[name], chunk.blocks[name])
-            total = part if total is None else total + part
+        total = reduce(torch.add, (self._block(name, self.held.blocks[name], chunk.blocks[name])
+                                   for name in self.space.names))
         if self.normalize_streamed:
             norms = self._sq_norms.sqrt().to(total.dtype)
             total = total * torch.where(norms > 0, 1.0 / norms, torch.zeros_like(norms)).unsqueeze(0)
@@ -374,24 +330,20 @@ class ScoreAccumulator(_Concatenated):
 
     def _block(self, name, lval, rval) -> torch.Tensor:
         kernel = self.kernels.get(name, "dense")
+        if kernel not in ("ghost", "dense"):
+            raise PlanError(f"block {name!r} has no kernel in the plan ({kernel!r}): plan it with "
+                            "measure_shapes=True, as executors do")
+        if kernel == "ghost" and not (isinstance(lval, Factors) and isinstance(rval, Factors)):
+            raise PlanError(f"the plan chose the ghost kernel for block {name!r}, but its rows are not "
+                            "factored on both sides (a planner bug: please report it)")
+        self.trace[kernel] += 1
         if kernel == "ghost":
-            if not (isinstance(lval, Factors) and isinstance(rval, Factors)):
-                raise PlanError(f"the plan chose the ghost kernel for block {name!r}, but its rows are not "
-                                "factored on both sides (a planner bug: please report it)")
-            self.trace["ghost"] += 1
             if self.normalize_streamed:
                 self._add_sq_norms(self_inner(rval, self.slice_elements, self.token_block))
             return ghost_inner(lval, rval, self.slice_elements, self.token_block)
-        if kernel != "dense":
-            raise PlanError(f"block {name!r} has no kernel in the plan ({kernel!r}): plan it with "
-                            "measure_shapes=True, as executors do")
-        self.trace["dense"] += 1
-        if isinstance(lval, Factors):
-            if name not in self._materialized:
-                self._materialized[name] = materialize(lval, self.token_block).flatten(1)
-            lflat = self._materialized[name]
-        else:
-            lflat = lval
+        if isinstance(lval, Factors) and name not in self._materialized:     # the held block, materialized once
+            self._materialized[name] = materialize(lval, self.token_block).flatten(1)
+        lflat = self._materialized[name] if isinstance(lval, Factors) else lval
         rows = self._streamed_rows(rval)
         if self.normalize_streamed:
             self._add_sq_norms(torch.linalg.vector_norm(rows, dim=1).square())
@@ -425,19 +377,17 @@ class DiagAccumulator(_Concatenated):
         self.parts: list[torch.Tensor] = []
 
     def update(self, left: Chunk, right: Chunk | None = None) -> None:
-        if self.same and self.resolved is None:
-            self.parts.append(row_sq_norms(left, self.slice_elements, self.token_block))
-            return
         if right is not None and right.ids != left.ids:
             raise DataError("the two sides of the diagonal are chunked differently; give both "
                              "the same data object and batch size")
-        if self.resolved is not None:   # a block at a time where H acts per block (K-FAC / EK-FAC)
-            self.parts.append(row_quadratic(self.resolved, left.blocks, self.space,
-                                            None if right is None else right.blocks))
-            return
-        x = flatten(left, self.space)
-        y = x if right is None else flatten(right, self.space).to(x.dtype)
-        self.parts.append((x * y).sum(1))
+        if self.same and self.resolved is None:
+            part = row_sq_norms(left, self.slice_elements, self.token_block)
+        elif self.resolved is not None:   # a block at a time where H acts per block (K-FAC / EK-FAC)
+            part = row_quadratic(self.resolved, left.blocks, self.space, None if right is None else right.blocks)
+        else:
+            x = flatten(left, self.space)
+            part = (x * (x if right is None else flatten(right, self.space).to(x.dtype))).sum(1)
+        self.parts.append(part)
 
 
 def _aligned_held(state, held, right: Chunk) -> Chunk:

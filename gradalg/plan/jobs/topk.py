@@ -3,6 +3,7 @@ chunk by chunk of the streamed side; the (query × train) matrix is never formed
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import reduce
 from typing import ClassVar
 
 import torch
@@ -47,7 +48,6 @@ class TopKJob(Job):
     position and an int64 index (``output_bytes`` is n_query·k, not n_query·n_train)."""
 
     kind: ClassVar[str] = "topk"
-    output: ClassVar[str] = "topk"
 
     k: int = 1
     largest: bool = True
@@ -58,19 +58,10 @@ class TopKJob(Job):
         return (f"top-{self.k} ({which}) of {self.target.label} streaming "
                 f"{', '.join(repr(s.label) for s in self.streams)}")
 
-    @property
-    def n_query(self) -> int:
-        return self.target.shape[0]
-
     def stream_cost(self, n_stream, chunk, facts, layout_of, storage_of=None, options=None, resolved=None) -> Cost:
         """Its terms' score blocks (the merge is O(n_query·(k + chunk)), not counted)."""
-        total = Cost()
-        for _, term in self.terms:
-            total = total + term.stream_cost(n_stream, chunk, facts, layout_of, storage_of, options, resolved)
-        return total
-
-    def score_parts(self) -> tuple:
-        return tuple(t for _, t in self.terms)
+        return sum((term.stream_cost(n_stream, chunk, facts, layout_of, storage_of, options, resolved)
+                    for _, term in self.terms), Cost())
 
     def applied_ops(self) -> tuple:
         """Its terms' operators, resolved in this pass."""
@@ -93,16 +84,15 @@ class TopKJob(Job):
         return self if all(a is b for (_, a), (_, b) in zip(terms, self.terms)) else replace(self, terms=terms)
 
     def fixed_bytes(self, facts) -> float:
-        return sum(j.fixed_bytes(facts) for _, j in self.terms) + 16.0 * self.n_query * self.k
+        return sum(j.fixed_bytes(facts) for _, j in self.terms) + 16.0 * self.target.shape[0] * self.k   # (n_query, k)
 
     def per_example_bytes(self, facts) -> float:
         held = max((j.held.n for _, j in self.terms), default=0)
-        elem = facts.elem
         return (sum(j.per_example_bytes(facts) for _, j in self.terms)
-                + held * (elem * (len(self.terms) + 2) + 16.0))
+                + held * (facts.elem * (len(self.terms) + 2) + 16.0))
 
     def output_bytes(self, n: int) -> float:
-        return 16.0 * self.n_query * self.k
+        return 16.0 * self.target.shape[0] * self.k
 
     # ------------------------------------------------------------------ running
     def _stream_index(self) -> list[int]:
@@ -120,19 +110,14 @@ class TopKJob(Job):
     @property
     def fed(self) -> tuple:
         """Each stream, read below its normalization where a term's kernel applies it."""
-        below = [False] * len(self.streams)
-        for (_, t), i in zip(self.terms, self._stream_index()):
-            below[i] = below[i] or t.normalize_streamed
-        return tuple(s.grads if b else s for s, b in zip(self.streams, below))
+        below = {i for (_, t), i in zip(self.terms, self._stream_index()) if t.normalize_streamed}
+        return tuple(s.grads if i in below else s for i, s in enumerate(self.streams))
 
     def feed(self, acc, chunks, state) -> None:
         """Per streamed chunk, ``Σ coef · scores`` of the terms, merged into the top-k."""
         for j in range(len(chunks[0])):
-            block = None
-            for coef, term, i in acc.terms:
-                part = term.block(chunks[i][j])
-                part = part if coef == 1.0 else coef * part
-                block = part if block is None else block + part
+            parts = ((coef, term.block(chunks[i][j])) for coef, term, i in acc.terms)
+            block = reduce(torch.add, (part if coef == 1.0 else coef * part for coef, part in parts))
             if acc.rows_mode:                   # (n_train, chunk) → whole query rows
                 acc.update_rows(block.T)
             else:                               # (n_query, chunk) of training positions start:start+chunk
@@ -161,18 +146,14 @@ def select_topk(values: torch.Tensor, positions: torch.Tensor, k: int, largest: 
     if kk == 0:
         return top, positions[:, :0]
     kth = top[:, -1:]
-    left_out = (values == kth).sum(1) != (top == kth).sum(1)
-    if bool(left_out.any()):      # a tie at the boundary: which tied rows are kept depends on position
-        by_pos = torch.argsort(positions, dim=1, stable=True)
-        v = torch.gather(values, 1, by_pos)
-        order = torch.sort(v, dim=1, descending=largest, stable=True).indices[:, :kk]
-        idx = torch.gather(by_pos, 1, order)
-    else:                         # the k are right: order ties among them by position
-        p = torch.gather(positions, 1, idx)
-        by_pos = torch.argsort(p, dim=1, stable=True)
-        v = torch.gather(top, 1, by_pos)
-        order = torch.sort(v, dim=1, descending=largest, stable=True).indices
-        idx = torch.gather(idx, 1, torch.gather(by_pos, 1, order))
+    if bool(((values == kth).sum(1) != (top == kth).sum(1)).any()):
+        # a tie at the boundary: which tied rows are kept depends on position, so every row is a candidate
+        idx = torch.arange(values.shape[1], device=positions.device).expand_as(positions)
+    # the candidates by position, then stably by score: the first kk, ties in position order
+    by_pos = torch.argsort(torch.gather(positions, 1, idx), dim=1, stable=True)
+    v = torch.gather(values, 1, torch.gather(idx, 1, by_pos))
+    order = torch.sort(v, dim=1, descending=largest, stable=True).indices[:, :kk]
+    idx = torch.gather(idx, 1, torch.gather(by_pos, 1, order))
     return torch.gather(values, 1, idx), torch.gather(positions, 1, idx)
 
 
@@ -199,21 +180,19 @@ class TopKAccumulator:
         self.rows: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @staticmethod
-    def _check(block: torch.Tensor) -> None:
+    def _positions(block: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """The training positions start, start + 1, ... of the block's columns, after refusing a NaN score."""
         if bool(torch.isnan(block).any()):
             raise DataError("a score is NaN, so it has no rank: find the non-finite gradients "
                             "(ga.options(check_finite=True)) or damp the operator more")
+        return torch.arange(start, start + block.shape[1], dtype=torch.int64).expand(block.shape[0], -1)
 
     def update(self, block: torch.Tensor, start: int) -> None:
-        self._check(block)
-        pos = torch.arange(start, start + block.shape[1], dtype=torch.int64).expand(block.shape[0], -1)
-        self._merge(block, pos)
+        self._merge(block, self._positions(block, start))
         self.start = start + block.shape[1]
 
     def update_rows(self, block: torch.Tensor) -> None:
-        self._check(block)
-        pos = torch.arange(block.shape[1], dtype=torch.int64).expand(block.shape[0], -1)
-        self.rows.append(select_topk(block, pos, self.k, self.largest))
+        self.rows.append(select_topk(block, self._positions(block), self.k, self.largest))
 
     def _merge(self, values: torch.Tensor, positions: torch.Tensor) -> None:
         if self.values is not None:
