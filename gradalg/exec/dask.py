@@ -334,8 +334,16 @@ class DaskExecutor(DaskShards, Executor):
 
     name = "dask"
 
-    def __init__(self, client=None, *, options=None, rewrites: bool = True, choices=None, **shard_options):
-        DaskShards.__init__(self, client, **shard_options)   # n_workers, ..., model_fn: the parameters above
+    def __init__(self, client=None, *, n_workers: int = 2, threads_per_worker: int = 1,
+                 shards_per_worker: int = 2, min_shard_examples: int = 32, retries: int = 3, options=None,
+                 rewrites: bool = True, task_timeout: float | None = None, resubmits: int = 3,
+                 worker_wait: float = 60.0, choices=None, model_fn=None):
+        # the parameters spelled out (not **kwargs): help(), a notebook's completion and a misspelt
+        # keyword's TypeError name them
+        DaskShards.__init__(self, client, n_workers=n_workers, threads_per_worker=threads_per_worker,
+                            shards_per_worker=shards_per_worker, min_shard_examples=min_shard_examples,
+                            retries=retries, task_timeout=task_timeout, resubmits=resubmits,
+                            worker_wait=worker_wait, model_fn=model_fn)
         Executor.__init__(self, options, rewrites=rewrites, choices=choices, shards=self)
 
 
