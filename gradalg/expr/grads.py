@@ -22,6 +22,7 @@ from ..capture.hooks import resolve_layers
 from ..data import DataRef
 from ..space import Block, ParamSpace
 from ..errors import GradalgError, OptionError
+from ..fingerprint import callable_fingerprint
 from ..linalg.quadratic import row_quadratic
 from .base import Node
 from .projection import Projector
@@ -539,9 +540,11 @@ class RowWeights:
     fn: Callable
     name: str
 
-    @property
+    @cached_property
     def token(self):
-        return f"rowweights-{self.name}-{id(self.fn):x}"
+        # the function's code, defaults and closure (a bound method's object included), not its
+        # address: the same in every process, and never shared by two functions alive at different times
+        return f"rowweights-{self.name}-{callable_fingerprint(self.fn)}"
 
 
 @dataclass(frozen=True, eq=False)
