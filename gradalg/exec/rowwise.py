@@ -98,14 +98,9 @@ def _project(executor, node: Project, chunk: Chunk, values=None) -> dict:
     run = BlockRun(tuple((b.name, b.dim) for b in src_space.blocks), executor.options.projection_slice_elements,
                    executor.options.token_block, executor.trace)
     out = {}
-    combined = None
     for block, value in zip(src_space.blocks, values):
         projected = p.kind_object.apply(p, block, value, run)
         del value
-        if p.per_block:
-            out[block.name] = projected
-        else:
-            combined = projected if combined is None else combined + projected
-    if combined is not None:
-        out["projected"] = combined
+        key = block.name if p.per_block else "projected"
+        out[key] = out[key] + projected if key in out else projected
     return out
