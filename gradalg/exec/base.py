@@ -232,7 +232,6 @@ class Executor:
 
     def __exit__(self, *exc):
         self.close()
-        return False
 
 
 #: executors by name: (module of gradalg.exec, class, (the package it imports, how to install it) or None)

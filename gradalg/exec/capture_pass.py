@@ -26,9 +26,8 @@ __all__ = ["SourceCapture", "PassCapture", "SharedForward", "model_device_dtype"
 
 
 def model_device_dtype(model):
-    for p in model.parameters():
-        return p.device, p.dtype
-    return torch.device("cpu"), torch.float32
+    p = next(model.parameters(), None)
+    return (p.device, p.dtype) if p is not None else (torch.device("cpu"), torch.float32)
 
 
 class SourceCapture:
@@ -78,10 +77,6 @@ class SourceCapture:
         if self.source.objective == "sampled":   # each example's draw follows its id
             return self.objective(self.source.task.model, batch, ids)
         return self.objective(self.source.task.model, batch)
-
-    def token_mask(self, batch):
-        task = self.source.task
-        return task.token_mask(batch) if task.token_mask is not None else None
 
     def finish(self, blocks: dict, batch, ids, forward=None, term: int | None = None) -> list[Chunk]:
         """The batch's chunk (of Gauss-Newton term ``term`` for ``objective="expected"``);
@@ -159,7 +154,8 @@ def _one_forward(group: list[SourceCapture], batch, ids, shared: "SharedForward 
                 losses.append((c, None, c.loss(batch, ids)))
             if len(group) > 1 and (shared.calls != calls + 1 or shared.hits != k):
                 return None
-        mask = group[0].token_mask(batch)
+        task = group[0].source.task
+        mask = task.token_mask(batch) if task.token_mask is not None else None
         blocks = [capture_batch(loss, recorder, token_mask=mask, retain_graph=k < len(losses) - 1,
                                 n_examples=batch_size_of(batch)) for k, (_, _, loss) in enumerate(losses)]
     record = shared.record if shared is not None else None
@@ -200,7 +196,6 @@ class SharedForward:
         else:
             del self.model.forward
         self.record, self._first = self._first, None
-        return False
 
     def _call(self, *args, **kwargs):
         self.calls += 1

@@ -19,7 +19,7 @@ from ..errors import PlanError
 from ..expr import OpNode, Statistic
 from ..linalg import LinearOp
 from .allocator import FreedBytes
-from .rowwise import dtype_device
+from ..proj.kinds import dtype_device
 
 __all__ = ["precondition", "Resolution", "published"]
 

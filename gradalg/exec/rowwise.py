@@ -11,6 +11,7 @@ from ..expr import AdamPrecondition, Project, RowWeights
 from ..proj.kinds import BlockRun, dtype_device
 from ..capture.chunks import Chunk
 from ..errors import DataError
+from .resolve import Resolution
 
 __all__ = ["derive_rows", "RowContext", "dtype_device", "adam_block",
            "project_blockwise"]
@@ -27,17 +28,11 @@ def derive_rows(executor, node, chunks_of, have) -> Iterator[Chunk]:
     return (node.apply(c, ctx) for c in chunks_of(node.grads))
 
 
-class RowContext:
-    """What a row-wise node's ``apply(chunk, ctx)`` asks of the executor: its options,
-    resolved operators, projection kernels (which count into the executor's trace) and row
-    weights (which replay the captured forward)."""
-
-    def __init__(self, executor):
-        self.executor = executor
-        self.options = executor.options
-
-    def resolve(self, op):
-        return self.executor.resolve(op)
+class RowContext(Resolution):
+    """What a row-wise node's ``apply(chunk, ctx)`` asks of the executor: its options and
+    resolved operators (as an operator's :class:`~gradalg.exec.resolve.Resolution`),
+    projection kernels (which count into the executor's trace) and row weights (which
+    replay the captured forward)."""
 
     def project(self, node: Project, chunk: Chunk) -> dict:
         return _project(self.executor, node, chunk)
