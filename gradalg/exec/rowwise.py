@@ -13,8 +13,7 @@ from ..capture.chunks import Chunk
 from ..errors import DataError
 from .resolve import Resolution
 
-__all__ = ["derive_rows", "RowContext", "dtype_device", "adam_block",
-           "project_blockwise"]
+__all__ = ["derive_rows", "RowContext", "dtype_device", "adam_block", "project_blockwise"]
 
 
 def derive_rows(executor, node, chunks_of, have) -> Iterator[Chunk]:

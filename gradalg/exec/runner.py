@@ -252,13 +252,11 @@ class PassRunner:
         if step.per_call:   # a products pass reads its batches on each call of its solver (ProductPass)
             return
         if step.key.kept is not None:    # rows kept in memory
-            for chunk in self.ctx.state.rows[step.key.kept]:
-                yield {step.key.kept: [chunk]}
+            yield from ({step.key.kept: [chunk]} for chunk in self.ctx.state.rows[step.key.kept])
             return
         if step.key.rows is not None:    # rows captured earlier: their store
             root = stream_root(step.jobs[0].streams[0])
-            for chunk in root.store.chunks():
-                yield {root.token: [chunk]}
+            yield from ({root.token: [chunk]} for chunk in root.store.chunks())
             return
         sources = step.sources()
         if not sources:
