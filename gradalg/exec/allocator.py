@@ -78,10 +78,8 @@ def peak_resident_bytes() -> int:
     (kilobytes on Linux, bytes on macOS)."""
     try:
         with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, ValueError, IndexError, StopIteration):   # not Linux, or no VmHWM line
         pass
     import resource
     import sys

@@ -45,7 +45,7 @@ from ..plan.choices import Choices
 from ..plan.placement import place_passes
 from ..plan.decide import refuse_dense_projections
 from ..plan.planner import ROW_WISE, STATISTICS_JOBS, Plan, plan as make_plan
-from .allocator import FreedBytes, release_free_memory
+from .allocator import FreedBytes
 from .phases import PhaseClock
 from .resolve import Resolution, precondition
 from .rowwise import derive_rows
@@ -73,8 +73,6 @@ class Executor:
     """
 
     name = "local"
-    #: returns freed heap pages to the operating system (through :meth:`page_returner` for rows joined block by block)
-    release_free_memory = staticmethod(release_free_memory)
 
     def __init__(self, options: Options | None = None, *, rewrites: bool = True, choices: Choices | None = None,
                  shards: ShardStrategy | None = None, state: RunState | None = None):
@@ -158,7 +156,7 @@ class Executor:
     def page_returner(self) -> FreedBytes:
         """A counter of dropped bytes that returns free pages to the operating system each
         time ``ga.options(release_memory_above)`` bytes were dropped (rows joined block by block)."""
-        return FreedBytes(self.options.release_memory_above, self.release_free_memory)
+        return FreedBytes(self.options.release_memory_above)
 
     def precondition_held(self, op: OpNode, held: Chunk, space, *, consume: bool = False) -> Chunk:
         """The held rows of a score with the resolved ``op`` applied (once per pass; rows a
@@ -234,7 +232,6 @@ class Executor:
 
     def __exit__(self, *exc):
         self.close()
-        return False
 
 
 #: executors by name: (module of gradalg.exec, class, (the package it imports, how to install it) or None)

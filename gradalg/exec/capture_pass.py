@@ -26,9 +26,8 @@ __all__ = ["SourceCapture", "PassCapture", "SharedForward", "model_device_dtype"
 
 
 def model_device_dtype(model):
-    for p in model.parameters():
-        return p.device, p.dtype
-    return torch.device("cpu"), torch.float32
+    p = next(model.parameters(), None)
+    return (p.device, p.dtype) if p is not None else (torch.device("cpu"), torch.float32)
 
 
 class SourceCapture:
@@ -50,17 +49,14 @@ class SourceCapture:
         self._reduction_checked = False
 
     def capture(self, batch, ids) -> list[Chunk]:
+        """The batch's chunks (one per Gauss-Newton term for ``objective="expected"``); the
+        forward is recorded for per-example weights to replay where it may be shared."""
         src = self.source
-        if src.backend != "hooks" or src.objective == "expected":
-            self.check_reduction(batch)   # the hooks backend checks with its own forward's loss
-        if src.objective == "expected":   # NaN inputs name their examples here too
-            return [c for term, blocks in enumerate(self._expected_blocks(batch))
-                    for c in self.finish(blocks, batch, ids, term=term)]
         if src.backend == "func":
-            blocks, forward = self._func_blocks(batch), None
-        else:
-            blocks, forward = self._hook_blocks(batch, ids)
-        return self.finish(blocks, batch, ids, forward)
+            self.check_reduction(batch)   # the hooks backend checks with its own forward's loss
+            return self.finish(self._func_blocks(batch), batch, ids)
+        replay = self.options.share_forward and self.share_key is not None and src.objective != "expected"
+        return _one_forward([self], batch, ids, SharedForward(src.task.model) if replay else None)[src.token]
 
     def check_reduction(self, batch, loss: torch.Tensor | None = None) -> None:
         """The task's sum/mean check, once per task (training-loss objective only).
@@ -82,10 +78,6 @@ class SourceCapture:
             return self.objective(self.source.task.model, batch, ids)
         return self.objective(self.source.task.model, batch)
 
-    def token_mask(self, batch):
-        task = self.source.task
-        return task.token_mask(batch) if task.token_mask is not None else None
-
     def finish(self, blocks: dict, batch, ids, forward=None, term: int | None = None) -> list[Chunk]:
         """The batch's chunk (of Gauss-Newton term ``term`` for ``objective="expected"``);
         ``forward`` (a :class:`SharedForward` record) lets per-example weights of this batch
@@ -95,32 +87,12 @@ class SourceCapture:
         meta = {"term": term} if term is not None else {"forward": forward} if forward else {}
         return [Chunk(ids, blocks, batch, self.source.task, meta)]
 
-    def _hook_blocks(self, batch, ids):
-        """The batch's factors, and the record of its forward when it may be replayed."""
-        replay = self.options.share_forward and self.share_key is not None
-        shared = SharedForward(self.source.task.model) if replay else contextlib.nullcontext()
-        with torch.enable_grad(), ForwardRecorder(self.refs, model=self.source.task.model) as recorder, shared:
-            loss = self.loss(batch, ids)
-            blocks = capture_batch(loss, recorder, token_mask=self.token_mask(batch),
-                                   n_examples=batch_size_of(batch))
-        self.check_reduction(batch, loss)
-        return blocks, shared.record if replay else None
-
-    def _expected_blocks(self, batch):
-        """One set of factors per term of ``task.expected_terms``; one forward in all."""
-        model = self.source.task.model
-        with torch.enable_grad(), ForwardRecorder(self.refs, model=model) as recorder:
-            return _capture_each(list(self.objective(model, batch)), recorder, self.token_mask(batch), batch)
-
     def _func_blocks(self, batch):
         task = self.source.task
-        out = {}
         per_block = {ref.name: block_param_names(task.model, ref) for ref in self.refs}
         grads = per_example_grads(task, batch, [n for names in per_block.values() for n in names],
                                   loss_fn=self.objective)
-        for ref in self.refs:
-            out[ref.name] = torch.cat([grads[n].flatten(1) for n in per_block[ref.name]], dim=1)
-        return out
+        return {ref.name: torch.cat([grads[n].flatten(1) for n in per_block[ref.name]], dim=1) for ref in self.refs}
 
 
 class PassCapture:
@@ -148,49 +120,51 @@ class PassCapture:
             task.validate_batch(batch, ids)
         groups = []
         for group in self.groups:
-            if len(group) > 1:
-                chunks = self._shared(group, batch, ids)
-                if chunks is not None:
-                    out.update(chunks)
-                    self.shared_batches += 1
-                    groups.append(group)
-                    continue
-                groups.extend([c] for c in group)   # not shareable: stop trying
-            for c in group:
-                out[c.source.token] = c.capture(batch, ids)
-            if len(group) == 1:
+            chunks = _one_forward(group, batch, ids, SharedForward(group[0].source.task.model)) \
+                if len(group) > 1 else None
+            if chunks is not None:
+                out.update(chunks)
+                self.shared_batches += 1
                 groups.append(group)
+                continue
+            for c in group:   # one source, or a group found not shareable: captured (and tried) source by source
+                out[c.source.token] = c.capture(batch, ids)
+            groups.extend([c] for c in group)
         self.groups = groups
         return out
 
-    @staticmethod
-    def _shared(group: list[SourceCapture], batch, ids) -> dict[str, list[Chunk]] | None:
-        model = group[0].source.task.model
-        with torch.enable_grad(), ForwardRecorder(group[0].refs, model=model) as recorder, \
-                SharedForward(model) as shared:
-            losses = []                                  # (capturer, term or None, loss)
-            for k, c in enumerate(group):
-                calls = shared.calls
-                if c.source.objective == "expected":     # one loss per Gauss-Newton term
-                    losses += [(c, term, loss) for term, loss in enumerate(c.objective(model, batch))]
-                else:
-                    losses.append((c, None, c.loss(batch, ids)))
-                if shared.calls != calls + 1 or shared.hits != k:
-                    return None
-            blocks = _capture_each([loss for _, _, loss in losses], recorder, group[0].token_mask(batch), batch)
-        for c, term, loss in losses:   # the sum/mean check reuses each training loss's value
-            c.check_reduction(batch, loss if term is None else None)
-        out: dict[str, list[Chunk]] = {c.source.token: [] for c in group}
-        for (c, term, _), b in zip(losses, blocks):
-            out[c.source.token] += c.finish(b, batch, ids, shared.record if term is None else None, term)
-        return out
 
-
-def _capture_each(losses: list, recorder, mask, batch) -> list[dict]:
-    """The factors of each of ``losses``, all from the one forward ``recorder`` recorded:
-    one backward each, the graph retained for all but the last."""
-    return [capture_batch(loss, recorder, token_mask=mask, retain_graph=k < len(losses) - 1,
-                          n_examples=batch_size_of(batch)) for k, loss in enumerate(losses)]
+def _one_forward(group: list[SourceCapture], batch, ids, shared: "SharedForward | None"
+                 ) -> dict[str, list[Chunk]] | None:
+    """The chunks of each source of ``group`` (one task and layers) from one forward of
+    ``batch``: one backward per loss (per Gauss-Newton term for ``objective="expected"``),
+    the graph retained for all but the last. ``shared`` (or None) answers the model's later
+    calls with equal inputs from the first call and keeps its record for per-example weights
+    to replay. None when a source of a group of several called the model other than once
+    with the first call's inputs (the caller captures the group source by source)."""
+    model = group[0].source.task.model
+    with torch.enable_grad(), ForwardRecorder(group[0].refs, model=model) as recorder, \
+            shared if shared is not None else contextlib.nullcontext():
+        losses = []                                  # (capturer, term or None, loss)
+        for k, c in enumerate(group):
+            calls = shared.calls if shared is not None else 0
+            if c.source.objective == "expected":     # one loss per Gauss-Newton term
+                losses += [(c, term, loss) for term, loss in enumerate(c.objective(model, batch))]
+            else:
+                losses.append((c, None, c.loss(batch, ids)))
+            if len(group) > 1 and (shared.calls != calls + 1 or shared.hits != k):
+                return None
+        task = group[0].source.task
+        mask = task.token_mask(batch) if task.token_mask is not None else None
+        blocks = [capture_batch(loss, recorder, token_mask=mask, retain_graph=k < len(losses) - 1,
+                                n_examples=batch_size_of(batch)) for k, (_, _, loss) in enumerate(losses)]
+    record = shared.record if shared is not None else None
+    for c, term, loss in losses:   # the sum/mean check reuses each training loss's value
+        c.check_reduction(batch, loss if term is None else None)
+    out: dict[str, list[Chunk]] = {c.source.token: [] for c in group}
+    for (c, term, _), b in zip(losses, blocks):   # NaN rows name their examples here (finish)
+        out[c.source.token] += c.finish(b, batch, ids, record if term is None else None, term)
+    return out
 
 
 class SharedForward:
@@ -222,7 +196,6 @@ class SharedForward:
         else:
             del self.model.forward
         self.record, self._first = self._first, None
-        return False
 
     def _call(self, *args, **kwargs):
         self.calls += 1

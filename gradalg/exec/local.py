@@ -22,6 +22,4 @@ __all__ = ["LocalExecutor"]
 
 class LocalExecutor(Executor):
     """Runs expression nodes with PyTorch in this process (:class:`~gradalg.exec.base.Executor`
-    with the in-process shard strategy; parameters there)."""
-
-    name = "local"
+    with the in-process shard strategy; parameters and ``name`` there)."""

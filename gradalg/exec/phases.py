@@ -1,4 +1,4 @@
-"""Where a run's time goes: wall and CPU seconds per phase.
+"""Where a run's time goes: wall seconds per phase.
 
 Every executor run splits its time into the phases of :data:`PHASES`:
 
@@ -29,20 +29,18 @@ PHASES = ("planning", "capture", "statistics", "scoring", "assembly")
 
 
 class PhaseClock:
-    """Exclusive wall / CPU seconds per phase (``seconds``, ``cpu_seconds``)."""
+    """Exclusive wall seconds per phase (``seconds``)."""
 
     def __init__(self):
         self.seconds = dict.fromkeys(PHASES, 0.0)
-        self.cpu_seconds = dict.fromkeys(PHASES, 0.0)
         self._stack: list[str] = []
-        self._since = (0.0, 0.0)
+        self._since = 0.0
 
     def _charge(self) -> None:
-        now = (time.perf_counter(), time.process_time())
+        """The time since the last charge to the innermost open phase."""
+        now = time.perf_counter()
         if self._stack:
-            name = self._stack[-1]
-            self.seconds[name] += now[0] - self._since[0]
-            self.cpu_seconds[name] += now[1] - self._since[1]
+            self.seconds[self._stack[-1]] += now - self._since
         self._since = now
 
     @contextlib.contextmanager

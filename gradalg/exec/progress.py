@@ -33,23 +33,16 @@ import logging
 import sys
 import time
 
+from tqdm import tqdm
+
 __all__ = ["progress_bar", "progress_mode", "LineProgress", "in_notebook", "LOGGER", "SILENT"]
 
 LOGGER = "gradalg"
 logging.getLogger(LOGGER).addHandler(logging.NullHandler())   # the library never configures output
 log = logging.getLogger(f"{LOGGER}.exec.progress")
 
-
-class _Silent:
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-#: a progress display that shows nothing
-SILENT = _Silent()
+#: a progress display that shows nothing (its ``update`` and ``close`` do nothing)
+SILENT = tqdm(disable=True)
 
 
 def _count(n: float) -> str:
@@ -134,8 +127,7 @@ def in_notebook() -> bool:
         from IPython import get_ipython
     except ImportError:
         return False
-    shell = get_ipython()
-    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+    return type(get_ipython()).__name__ == "ZMQInteractiveShell"     # None outside IPython
 
 
 def _is_terminal(stream) -> bool:
@@ -177,20 +169,16 @@ def progress_bar(setting, total: int, description: str, *, interval: float | Non
         yield bar
     finally:
         bar.close()
-        seconds = time.perf_counter() - start
-        log.info("pass finished: %s in %s", label, _duration(seconds))
+        log.info("pass finished: %s in %s", label, _duration(time.perf_counter() - start))
 
 
 def _open(mode: str, total: int, label: str, interval: float, stream):
     if mode == "off":
-        return _Silent()
+        return SILENT
     if mode == "lines":
         return LineProgress(total, label, stream=stream, interval=interval)
-    try:
-        if mode == "widget":
-            from tqdm.auto import tqdm
-        else:
-            from tqdm import tqdm
-    except ImportError:  # tqdm is optional for bars: plain lines instead, same results
-        return LineProgress(total, label, stream=stream, interval=interval)
-    return tqdm(total=total, desc=label[:40], unit="ex", leave=False, file=stream, disable=False)
+    if mode == "widget":   # a notebook's widget (tqdm.auto imports ipywidgets: only when asked for)
+        from tqdm.auto import tqdm as bar
+    else:
+        bar = tqdm
+    return bar(total=total, desc=label[:40], unit="ex", leave=False, file=stream)

@@ -19,7 +19,7 @@ from ..errors import PlanError
 from ..expr import OpNode, Statistic
 from ..linalg import LinearOp
 from .allocator import FreedBytes
-from .rowwise import dtype_device
+from ..proj.kinds import dtype_device
 
 __all__ = ["precondition", "Resolution", "published"]
 
@@ -50,14 +50,8 @@ class Resolution:
         (:meth:`~gradalg.exec.base.Executor.run_statistics`: estimated, placed by the shard
         strategy and run like any pass). ``prior`` (the statistics of ``statistic.after``)
         were computed by the same plan."""
-        found = published(self.executor.state, statistic)
-        if found is None:
-            self.executor.run_statistics(statistic.node)
-            found = published(self.executor.state, statistic)
-        if found is None:
-            raise PlanError(f"the plan of {statistic.node.label} did not compute its {statistic.job!r} statistic "
-                            "(a planner bug: report it)")
-        return found
+        return self._planned(statistic.node, lambda: published(self.executor.state, statistic),
+                             f"compute its {statistic.job!r} statistic")
 
     def rows(self, grads):
         return lambda: (chunk.blocks for chunk in self.executor.iter_chunks(grads))
@@ -70,13 +64,19 @@ class Resolution:
         that names only the data): one pass over ``data`` per call, outside any plan."""
         if node is None:
             return dataset_matvec(task, data, layers, kind=kind, batch_size=self.options.batch_size)
-        key = ("products", node.token)
-        state = self.executor.state
-        if key not in state.results:
+        return self._planned(node, lambda: self.executor.state.results.get(("products", node.token)),
+                             "plan its products pass")
+
+    def _planned(self, node: OpNode, find, what: str):
+        """``find()``: numbers a plan's pass left in the run state for ``node``; if none did
+        (``node`` resolved outside such a plan), its statistics' passes are planned and run now."""
+        found = find()
+        if found is None:
             self.executor.run_statistics(node)
-        if key not in state.results:
-            raise PlanError(f"the plan of {node.label} did not plan its products pass (a planner bug: report it)")
-        return state.results[key]
+            found = find()
+        if found is None:
+            raise PlanError(f"the plan of {node.label} did not {what} (a planner bug: report it)")
+        return found
 
 
 def precondition(resolved: LinearOp, held: Chunk, space, *, consume: bool = False,
@@ -97,8 +97,7 @@ def precondition(resolved: LinearOp, held: Chunk, space, *, consume: bool = Fals
         pages = FreedBytes(release_above)
         for name in list(held.blocks):
             value = held.blocks.pop(name) if consume else held.blocks[name]
-            dtype = dtype_device(value)[0]
-            out[name] = resolved.apply_block(name, value).to(dtype)
+            out[name] = resolved.apply_block(name, value).to(dtype_device(value)[0])
             dropped = block_bytes(value)
             del value
             if consume:   # the raw blocks' pages back to the OS: the next, larger outputs cannot reuse them

@@ -11,9 +11,9 @@ from ..expr import AdamPrecondition, Project, RowWeights
 from ..proj.kinds import BlockRun, dtype_device
 from ..capture.chunks import Chunk
 from ..errors import DataError
+from .resolve import Resolution
 
-__all__ = ["derive_rows", "RowContext", "dtype_device", "adam_block",
-           "project_blockwise"]
+__all__ = ["derive_rows", "RowContext", "dtype_device", "adam_block", "project_blockwise"]
 
 
 def derive_rows(executor, node, chunks_of, have) -> Iterator[Chunk]:
@@ -27,17 +27,11 @@ def derive_rows(executor, node, chunks_of, have) -> Iterator[Chunk]:
     return (node.apply(c, ctx) for c in chunks_of(node.grads))
 
 
-class RowContext:
-    """What a row-wise node's ``apply(chunk, ctx)`` asks of the executor: its options,
-    resolved operators, projection kernels (which count into the executor's trace) and row
-    weights (which replay the captured forward)."""
-
-    def __init__(self, executor):
-        self.executor = executor
-        self.options = executor.options
-
-    def resolve(self, op):
-        return self.executor.resolve(op)
+class RowContext(Resolution):
+    """What a row-wise node's ``apply(chunk, ctx)`` asks of the executor: its options and
+    resolved operators (as an operator's :class:`~gradalg.exec.resolve.Resolution`),
+    projection kernels (which count into the executor's trace) and row weights (which
+    replay the captured forward)."""
 
     def project(self, node: Project, chunk: Chunk) -> dict:
         return _project(self.executor, node, chunk)
@@ -98,14 +92,9 @@ def _project(executor, node: Project, chunk: Chunk, values=None) -> dict:
     run = BlockRun(tuple((b.name, b.dim) for b in src_space.blocks), executor.options.projection_slice_elements,
                    executor.options.token_block, executor.trace)
     out = {}
-    combined = None
     for block, value in zip(src_space.blocks, values):
         projected = p.kind_object.apply(p, block, value, run)
         del value
-        if p.per_block:
-            out[block.name] = projected
-        else:
-            combined = projected if combined is None else combined + projected
-    if combined is not None:
-        out["projected"] = combined
+        key = block.name if p.per_block else "projected"
+        out[key] = out[key] + projected if key in out else projected
     return out

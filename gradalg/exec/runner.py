@@ -148,9 +148,8 @@ def check_reductions(ctx, step: Pass) -> None:
     batch, so their forwards match); a model on the meta device is checked on its workers."""
     for src in step.sources():
         task = src.task
-        if not ctx.options.check_reduction or src.objective != "loss" or task.token in ctx.state.checked:
-            continue
-        if is_meta_model(task.model):      # no weights here: each shard checks on its worker
+        if (not ctx.options.check_reduction or src.objective != "loss" or task.token in ctx.state.checked
+                or is_meta_model(task.model)):      # a meta model has no weights here: each shard checks on its worker
             continue
         batch = next(iter(src.data.loader(min(ctx.options.batch_size, 8))))
         with eval_mode(task.model):
@@ -158,12 +157,14 @@ def check_reductions(ctx, step: Pass) -> None:
         ctx.state.checked.add(task.token)
 
 
-def _timed(stats: list[dict]) -> tuple[float, float]:
-    """Wall and CPU seconds summed over the measured entries ``stats`` so far. A pass's own
-    time is its wall time less what the entries gained meanwhile: the calls of a products
-    pass (:class:`~gradalg.plan.jobs.products.ProductPass`) made by a solver during a later
-    pass are timed into the products pass's entry, and counted there only."""
-    return (sum(e["seconds"] for e in stats), sum(e.get("cpu_seconds", 0.0) for e in stats))
+def _own_clock(stats: list[dict]) -> tuple[float, float]:
+    """Wall and CPU seconds now, less those summed over the measured entries ``stats`` so
+    far. A pass's own time is the difference of two readings: what the entries gained
+    meanwhile is not counted, since the calls of a products pass
+    (:class:`~gradalg.plan.jobs.products.ProductPass`) made by a solver during a later pass
+    are timed into the products pass's entry, and counted there only."""
+    return (time.perf_counter() - sum(e["seconds"] for e in stats),
+            time.process_time() - sum(e.get("cpu_seconds", 0.0) for e in stats))
 
 
 class PassRunner:
@@ -191,20 +192,13 @@ class PassRunner:
     def _run_passes(self, plan: Plan) -> None:
         stats = self.ctx.pass_stats
         for index, (step, where) in enumerate(zip(plan.passes, plan.placement)):
-            start, cpu0 = time.perf_counter(), time.process_time()
-            nested0 = _timed(stats)
+            wall0, cpu0 = _own_clock(stats)
             rss0, mark0 = resident_bytes(), peak_resident_bytes()
             self.run_pass(step, where)
             mark1 = peak_resident_bytes()
-            # the calls of products passes made during this one (a solver's) are timed into their own entries
-            nested = [after - before for after, before in zip(_timed(stats), nested0)]
-            stats.append({
-                "pass": index, "key": step.key, "seconds": time.perf_counter() - start - nested[0],
-                # this process's CPU time (excludes waiting for a core)
-                "cpu_seconds": time.process_time() - cpu0 - nested[1],
-                **peak_growth(rss0, mark0, mark1),
-                "held_bytes": self.ctx.state.held_bytes(),
-            })
+            wall1, cpu1 = _own_clock(stats)    # CPU: this process's time (excludes waiting for a core)
+            stats.append({"pass": index, "key": step.key, "seconds": wall1 - wall0, "cpu_seconds": cpu1 - cpu0,
+                          **peak_growth(rss0, mark0, mark1), "held_bytes": self.ctx.state.held_bytes()})
 
     def run_pass(self, step: Pass, where: Placement = HERE) -> None:
         if where.refusal is not None:
@@ -227,7 +221,7 @@ class PassRunner:
         forward/backward calls, and kept nowhere: a padding batch's); ``stepped[0]``
         (optional) counts the batches whose forward and backward ran (:func:`_counted`)."""
         state, clock = self.ctx.state, self.ctx.clock
-        for base in _counted(self.batches(step), stepped):
+        for base in _counted(self.batches(step), stepped if stepped is not None else [0]):
             memo: dict[str, list[Chunk]] = {}
             for job, acc in zip(step.jobs, accs):
                 with clock.phase("capture"):
@@ -258,13 +252,11 @@ class PassRunner:
         if step.per_call:   # a products pass reads its batches on each call of its solver (ProductPass)
             return
         if step.key.kept is not None:    # rows kept in memory
-            for chunk in self.ctx.state.rows[step.key.kept]:
-                yield {step.key.kept: [chunk]}
+            yield from ({step.key.kept: [chunk]} for chunk in self.ctx.state.rows[step.key.kept])
             return
         if step.key.rows is not None:    # rows captured earlier: their store
             root = stream_root(step.jobs[0].streams[0])
-            for chunk in root.store.chunks():
-                yield {root.token: [chunk]}
+            yield from ({root.token: [chunk]} for chunk in root.store.chunks())
             return
         sources = step.sources()
         if not sources:
@@ -315,24 +307,19 @@ def captured_batches(ctx, sources: list, batch_size: int, *, label: str | None =
         release_free_memory()
 
 
-def _counted(batches: Iterator, stepped: list | None) -> Iterator:
+def _counted(batches: Iterator, stepped: list) -> Iterator:
     """``batches``, counting in ``stepped[0]`` those whose forward and backward ran. A batch
     whose capture raised counts when the error came after its backward (a
     :class:`~gradalg.errors.NonFiniteGradientError` names the examples then); a
     :class:`~gradalg.errors.NonFiniteWeightError` is found before the first forward, and any
     other error is taken to have stopped the batch before its collectives."""
-    if stepped is None:
-        yield from batches
-        return
     while True:
         try:
             base = next(batches)
         except StopIteration:
             return
-        except NonFiniteWeightError:
-            raise
-        except NonFiniteGradientError:
-            stepped[0] += 1
+        except NonFiniteGradientError as err:
+            stepped[0] += not isinstance(err, NonFiniteWeightError)
             raise
         stepped[0] += 1
         yield base
