@@ -30,6 +30,7 @@ unit tests pin them to exact numbers.
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 from dataclasses import dataclass, fields
 
@@ -90,13 +91,10 @@ class Cost:
     def scaled(self, c: float) -> "Cost":
         """This cost repeated ``c`` times: every count times ``c`` except ``peak_bytes``
         (repetitions run one after another and reuse the memory)."""
-        return Cost(self.flops * c, self.bytes * c, self.peak_bytes, self.passes * c, self.calls * c,
-                    tuple((m, n, k, count * c, e) for m, n, k, count, e in self.gemms),
-                    tuple((d, count * c) for d, count in self.eighs), self.ops * c, self.batches * c,
-                    self.layer_batches * c, self.elementwise * c, self.faulted * c, self.randoms * c,
-                    tuple((b, m, n, k, count * c, e) for b, m, n, k, count, e in self.bmms),
-                    tuple((kind, count * c, ops) for kind, count, ops in self.blocks),
-                    self.scatter * c, self.scatter_rows * c, self.sjlt_draws * c)
+        out = {name: value * c for name, value in self.__dict__.items() if not isinstance(value, tuple)}
+        out.update({name: tuple((*t[:at], t[at] * c, *t[at + 1:]) for t in getattr(self, name))
+                    for name, at in _COUNT_AT.items()}, peak_bytes=self.peak_bytes)
+        return Cost(**out)
 
     def seconds(self, profile, dtype=torch.float32) -> float:
         """Estimated seconds on a device ``profile`` (:mod:`gradalg.devices`): GEMMs by
@@ -114,6 +112,8 @@ class Cost:
 
 #: Cost's field names in order (as ``__init__`` sets them in an instance's ``__dict__``)
 _FIELDS = tuple(f.name for f in fields(Cost))
+#: where each tuple field of a Cost keeps its count (what :meth:`Cost.scaled` multiplies)
+_COUNT_AT = {"gemms": 3, "eighs": 1, "bmms": 4, "blocks": 1}
 
 
 # ------------------------------------------------------------------ kernel formulas
@@ -139,13 +139,8 @@ def bmm_cost(b, m, n, k, count=1, elem=4) -> Cost:
 
 def gram_cost(rows, d, elem=4, block=128) -> Cost:
     """``Xᵀ X`` for X (rows, d) by :func:`gradalg.curvature.kron.gram`: only the blocks of
-    ``block`` columns on and above the diagonal, one GEMM per block row."""
-    if d <= block:
-        return gemm_cost(d, d, rows, 1, elem)
-    cost = Cost()
-    for start in range(0, d, block):
-        cost = cost + gemm_cost(min(block, d - start), d - start, rows, 1, elem)
-    return cost
+    ``block`` columns on and above the diagonal, one GEMM per block row (one (d, d) GEMM for d ≤ ``block``)."""
+    return sum((gemm_cost(min(block, d - start), d - start, rows, 1, elem) for start in range(0, d, block)), Cost())
 
 
 def materialize_cost(n, T, n_in, n_out, elem=4) -> Cost:
@@ -186,10 +181,8 @@ def fisher_cost(n, block_dims, structure) -> Cost:
         d = sum(block_dims)
         return gemm_cost(d, d, n, 1, 8) + Cost(bytes=12.0 * n * d, peak_bytes=8.0 * d * d)
     if structure == "block":
-        cost = Cost(bytes=12.0 * n * sum(block_dims), peak_bytes=8.0 * sum(d * d for d in block_dims))
-        for d in block_dims:
-            cost = cost + gemm_cost(d, d, n, 1, 8)
-        return cost
+        return sum((gemm_cost(d, d, n, 1, 8) for d in block_dims),
+                   Cost(bytes=12.0 * n * sum(block_dims), peak_bytes=8.0 * sum(d * d for d in block_dims)))
     return Cost(flops=2.0 * n * sum(block_dims), bytes=28.0 * n * sum(block_dims), peak_bytes=8.0 * sum(block_dims))
 
 
@@ -246,13 +239,12 @@ def first_example_shape(data) -> tuple | None:
             return _FIRST_SHAPES[key]
     except TypeError:         # an unhashable collate_fn: not cached
         fingerprint = None
-    try:
+    shape = None
+    with contextlib.suppress(Exception):    # a shape hint must never fail planning
         first = data.first_example_batch()
         while not isinstance(first, torch.Tensor):
             first = next(iter(first.values())) if isinstance(first, dict) else first[0]
         shape = (tuple(first.shape), first.dtype)
-    except Exception:  # noqa: BLE001 - a shape hint must never fail planning
-        shape = None
     if fingerprint is not None:
         if len(_FIRST_SHAPES) >= _FIRST_SHAPES_KEPT:
             _FIRST_SHAPES.pop(next(iter(_FIRST_SHAPES)))
@@ -267,10 +259,8 @@ def tokens_hint(node) -> int:
     (:func:`first_example_shape` keeps it by the data's fingerprint; nothing is cached
     on the node).
     """
-    if token_rows(node) > 1:
-        return 1  # per-token rows (ga.GradientSet.per_token): one position each
-    data = getattr(node.source, "data", None)
-    return data_tokens_hint(data) if data is not None else 1
+    data = getattr(node.source, "data", None)   # per-token rows (ga.GradientSet.per_token): one position each
+    return data_tokens_hint(data) if data is not None and token_rows(node) <= 1 else 1
 
 
 def data_tokens_hint(data) -> int:
