@@ -64,11 +64,11 @@ _RESOLVING = ("resolving an operator is a d × d eigendecomposition in float64, 
 
 
 def _over_budget(p: Pass, jobs, fixed: float, per_ex: float, budget: float, facts: Facts, resolving: float,
-                 detail: str, held_alone: bool) -> MemoryBudgetError:
+                 held_alone: bool) -> MemoryBudgetError:
     """The refusal of a pass holding ``fixed`` bytes (``resolving`` of them an operator's
     resolution) beside ``per_ex`` of work at a batch of one, by part. ``held_alone``: what it
-    holds is over the budget alone (its fixes: fewer queries first), else only with one
-    example (projecting first).
+    holds is over the budget alone (its fixes: fewer queries first; the jobs' arithmetic of
+    their bytes in the detail), else only with one example (projecting first).
 
     "Use fewer queries per call" is offered only where holding fewer rows can fit the pass,
     and "project to a smaller k" only where an operator's resolution is counted. What the jobs
@@ -87,6 +87,8 @@ def _over_budget(p: Pass, jobs, fixed: float, per_ex: float, budget: float, fact
     parts = [("held rows and statistics", fixed - tables - resolving), ("sparse projection tables", tables),
              ("resolving an operator", resolving), (work, per_ex)]
     fixes = [fewer, smaller, project] if held_alone else [project, smaller, fewer]
+    arithmetic = [j.bytes_arithmetic(facts) for j in jobs] if held_alone else []
+    detail = "; ".join(a for a in [*arithmetic, _RESOLVING if resolving else ""] if a)
     return _error(p, fixed + per_ex, budget, parts, fixes, detail)
 
 
@@ -110,8 +112,7 @@ def _batch_size(p: Pass, sources, fixed: float, per_ex: float, facts: Facts,
                                                       per_ex), ("held rows and statistics", fixed)],
                          ["use shorter sequences (one example's factors and activations grow with its "
                           "positions, not with the queries or a projection)"])
-        raise _over_budget(p, p.jobs, fixed, per_ex, budget, facts, resolving, _RESOLVING if resolving else "",
-                           held_alone=False)
+        raise _over_budget(p, p.jobs, fixed, per_ex, budget, facts, resolving, held_alone=False)
     fit = int((budget - fixed) // max(per_ex, 1.0))
     tokens, T, by_tokens = _batch_tokens(sources, o)
     batch = max(1, min(o.batch_size, fit, by_tokens or o.batch_size))
@@ -136,8 +137,7 @@ class _Sizer:
 
     def __init__(self, schedule: Schedule, facts: Facts):
         self.schedule, self.facts = schedule, facts
-        self.drawn, self.resolved, self.stored_chunks = set(), set(), {}
-        self.decisions: list[Decision] = []
+        self.drawn, self.resolved, self.stored_chunks, self.decisions = set(), set(), {}, []
 
     def layout(self, node, reads_data: bool) -> dict:
         """``{block: "factors" | "flat"}`` of ``node``'s rows as a pass delivers them: as
@@ -202,9 +202,7 @@ class _Sizer:
         resolving = self.resolving_bytes(sizing)
         fixed = sum(job.fixed_bytes(facts) for job in sizing) + table_bytes(sizing) + resolving
         if fixed > o.memory_budget:    # held rows and statistics alone: refused before anything runs
-            detail = "; ".join(a for a in [*(j.bytes_arithmetic(facts) for j in sizing),
-                                           _RESOLVING if resolving else ""] if a)
-            raise _over_budget(p, sizing, fixed, per_ex, o.memory_budget, facts, resolving, detail, held_alone=True)
+            raise _over_budget(p, sizing, fixed, per_ex, o.memory_budget, facts, resolving, held_alone=True)
         batch, note, cost = None, "", Cost()
         if p.reads_data:
             batch, note, decision = _batch_size(p, sources, fixed, per_ex, facts, resolving)
@@ -215,15 +213,12 @@ class _Sizer:
         else:
             n, chunk = p.jobs[0].streams[0].n, self.stored_chunks.get(p.key.rows)
         cost = cost + estimates.pass_overhead(len(p.jobs), n if p.reads_data else 0, per_ex, p.reads_data, facts.device)
-        jobs = []
-        for job in p.jobs:
-            # rows streamed by the job: n·T for per-token rows (ga.GradientSet.per_token)
-            n_job = job.streams[0].n if job.streams and p.reads_data else n
-            job = replace(job, cost=job.stream_cost(n_job, chunk or o.batch_size, facts,
-                                                    lambda node: self.layout(node, p.reads_data),
-                                                    lambda node: storage(node, facts), o, self.resolved))
-            jobs.append(job)
-            cost = cost + job.cost
+        # each job's cost, for the rows it streams: n·T for per-token rows (ga.GradientSet.per_token)
+        layout, kept = (lambda node: self.layout(node, p.reads_data)), (lambda node: storage(node, facts))
+        jobs = [replace(job, cost=job.stream_cost(job.streams[0].n if job.streams and p.reads_data else n,
+                                                  chunk or o.batch_size, facts, layout, kept, o, self.resolved))
+                for job in p.jobs]
+        cost = sum((job.cost for job in jobs), cost)
         cost = cost + self.rowwise_cost(jobs, n, chunk, set() if p.reads_data else {p.key.rows}, p.reads_data)
         # what the jobs sized holding their raw held rows release once preconditioned
         drop = sum(a.fixed_bytes(facts) - b.fixed_bytes(facts) for a, b, j in zip(sizing, jobs, p.jobs) if a is not j)
