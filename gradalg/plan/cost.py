@@ -91,10 +91,13 @@ class Cost:
     def scaled(self, c: float) -> "Cost":
         """This cost repeated ``c`` times: every count times ``c`` except ``peak_bytes``
         (repetitions run one after another and reuse the memory)."""
-        out = {name: value * c for name, value in self.__dict__.items() if not isinstance(value, tuple)}
-        out.update({name: tuple((*t[:at], t[at] * c, *t[at + 1:]) for t in getattr(self, name))
-                    for name, at in _COUNT_AT.items()}, peak_bytes=self.peak_bytes)
-        return Cost(**out)
+        return Cost(self.flops * c, self.bytes * c, self.peak_bytes, self.passes * c, self.calls * c,
+                    tuple((m, n, k, count * c, e) for m, n, k, count, e in self.gemms),
+                    tuple((d, count * c) for d, count in self.eighs), self.ops * c, self.batches * c,
+                    self.layer_batches * c, self.elementwise * c, self.faulted * c, self.randoms * c,
+                    tuple((b, m, n, k, count * c, e) for b, m, n, k, count, e in self.bmms),
+                    tuple((kind, count * c, ops) for kind, count, ops in self.blocks),
+                    self.scatter * c, self.scatter_rows * c, self.sjlt_draws * c)
 
     def seconds(self, profile, dtype=torch.float32) -> float:
         """Estimated seconds on a device ``profile`` (:mod:`gradalg.devices`): GEMMs by
@@ -112,8 +115,6 @@ class Cost:
 
 #: Cost's field names in order (as ``__init__`` sets them in an instance's ``__dict__``)
 _FIELDS = tuple(f.name for f in fields(Cost))
-#: where each tuple field of a Cost keeps its count (what :meth:`Cost.scaled` multiplies)
-_COUNT_AT = {"gemms": 3, "eighs": 1, "bmms": 4, "blocks": 1}
 
 
 # ------------------------------------------------------------------ kernel formulas
