@@ -147,8 +147,7 @@ class _Graph:
             jobs = [(1.0, self.score_job(terms[0][1]))]
         else:
             jobs = [(c, self.score_job(t, hold="left")) for c, t in terms]
-            keys = {pass_key(j.streams[0], (), self.facts) for _, j in jobs}
-            if len(keys) > 1:
+            if len(keys := {pass_key(j.streams[0], (), self.facts) for _, j in jobs}) > 1:
                 raise PlanError(
                     f"the top-k of {node.label} needs every term's training side streamed in one pass, but its "
                     f"terms read {len(keys)} different (model, data) pairs: compute the scores into a store "

@@ -27,10 +27,9 @@ __all__ = ["size", "table_bytes"]
 
 def table_bytes(jobs) -> float:
     """Bytes of the index tables of the sparse projections the jobs' streams apply (once each)."""
-    tables = {(x.projector, b.name, b.dim): estimates.sparse_table_bytes(x.projector, b)
-              for job in jobs for s in job.streams for x in chain(s) if isinstance(x, Project)
-              for b in x.grads.space.blocks}
-    return sum(tables.values())
+    return sum({(x.projector, b.name, b.dim): estimates.sparse_table_bytes(x.projector, b)
+                for job in jobs for s in job.streams for x in chain(s) if isinstance(x, Project)
+                for b in x.grads.space.blocks}.values())
 
 
 def _batch_tokens(sources: list[Source], options) -> tuple[int, int, int | None]:
@@ -98,8 +97,7 @@ def _batch_size(p: Pass, sources, fixed: float, per_ex: float, facts: Facts,
     batch size, else the smallest of ``ga.options(batch_size)``, what fits the memory
     budget beside ``fixed`` held bytes at ``per_ex`` bytes per example, and
     ``batch_tokens`` over the positions per example."""
-    data, o = sources[0].data, facts.options
-    budget = o.memory_budget
+    data, o, budget = sources[0].data, facts.options, facts.options.memory_budget
     if data.batch_size is not None or isinstance(data.source, DataLoader):
         batch = data.batch_size or getattr(data.source, "batch_size", None)
         return batch, "batch size fixed by the data", Decision(
