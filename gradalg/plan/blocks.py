@@ -12,7 +12,7 @@ from . import estimates
 from .cost import _si
 from .decisions import Decision, DecisionKind, DecisionSource
 from .facts import Facts, data_positions
-from .lower import ROW_WISE, stream_root
+from .lower import ROW_WISE
 from .memory import positions, rows_bytes
 from .shapes import forward_shapes
 
@@ -26,10 +26,9 @@ def _factored(node: GradNode, facts: Facts) -> list:
     for b in node.space.blocks:
         if len(b.shape) != 2 or rep[b.name] not in ("factored", "projected"):
             continue
-        root = node
-        while rep[b.name] == "projected" and isinstance(root, ROW_WISE) and not isinstance(root, Project):
-            if isinstance(root, (Precondition, AdamPrecondition)) or (isinstance(root, Normalize) and root.op):
-                break
+        root = node      # down to a projection, not through a preconditioner or a metric
+        while rep[b.name] == "projected" and isinstance(root, ROW_WISE) and not isinstance(
+                root, (Project, Precondition, AdamPrecondition)) and not (isinstance(root, Normalize) and root.op):
             root = root.grads
         if rep[b.name] == "factored" or (isinstance(root, Project) and root.projector.kind_object.keeps_factors
                                          and facts.representation(root.grads).get(b.name) == "factored"):
@@ -69,8 +68,7 @@ def held_storage(held: GradNode, kernels: dict, inner: Inner, facts: Facts) -> d
 def storage_decision(node: GradNode, kept: dict, kind: DecisionKind, facts: Facts) -> Decision | None:
     """The factors-vs-flat decision for kept rows (``kind``: held or stored rows), when
     some block could be either."""
-    factored = _factored(node, facts)
-    if not factored:
+    if not (factored := _factored(node, facts)):
         return None
     kinds = sorted({kept[b.name] for b in factored})
     chosen = kinds[0] if len(kinds) == 1 else ", ".join(
@@ -93,13 +91,12 @@ def storage_decision(node: GradNode, kept: dict, kind: DecisionKind, facts: Fact
 def low_rank_decision(held: GradNode, facts: Facts) -> Decision | None:
     """What a rank-r approximation of the held rows keeps (``G.low_rank(r)``,
     ``query_gradient_rank=``): its bytes against the exact rows', per truncated block."""
-    low = lowrank_below(held)
-    if low is None:
+    if (low := lowrank_below(held)) is None:
         return None
     r, names = low.rank, low.truncated
     kept = [b.name for b in low.space.blocks if b.name not in names]
-    exact = rows_bytes(low.grads, storage(low.grads, facts), facts)   # as the exact rows would be kept
-    approx = rows_bytes(low, storage(low, facts), facts)
+    # the exact rows as they would be kept, and the approximation
+    exact, approx = (rows_bytes(x, storage(x, facts), facts) for x in (low.grads, low))
     return Decision(
         DecisionKind.LOW_RANK, held.token, f"rank-{r} factors",
         {"exact rows": f"{_si(exact)}B", f"rank-{r} factors": f"{_si(approx)}B"},
@@ -111,26 +108,18 @@ def low_rank_decision(held: GradNode, facts: Facts) -> Decision | None:
           "decisions; ga.options(ghost='always') keeps them factored", label=repr(held.label))
 
 
-def _measured(node: GradNode, facts: Facts) -> bool:
-    """Whether ``positions(node, facts.shapes)`` are every layer's real T: known from the
-    data's shape (token ids, flat vectors), rows in memory, or measured (the plan's facts)."""
-    if facts.positions_known(node):
-        return True
-    src = node.source
-    return isinstance(src, Captured) or (isinstance(src, Source) and forward_shapes(src, facts.shapes).measured)
-
-
 def _block_positions(node: GradNode, b, facts: Facts) -> str:
-    """How ``positions(node, facts.shapes)[b]`` is known: ``"known"`` (:func:`_measured`),
+    """How ``positions(node, facts.shapes)[b]`` is known: ``"known"`` (every layer's real T:
+    known from the data's shape, token ids or flat vectors, rows in memory, or measured, the plan's facts),
     ``"estimated"`` (before the routing is measured, a display's: a fused expert's padded
     length at balanced routing, :meth:`~gradalg.capture.experts.ExpertMatrixRule.positions_for_tokens`),
     else ``"unknown"``. In a token model whose only layers with positions of their own are
     fused experts, every other layer's positions are the data's tokens: known."""
-    if _measured(node, facts):
+    src = node.source
+    if facts.positions_known(node) or isinstance(src, Captured) or (
+            isinstance(src, Source) and forward_shapes(src, facts.shapes).measured):
         return "known"
-    if not isinstance(node.source, Source) or not data_positions(node):
-        return "unknown"
-    if facts.own_position_kinds(node) <= {ExpertMatrixRule.kind}:
+    if isinstance(src, Source) and data_positions(node) and facts.own_position_kinds(node) <= {ExpertMatrixRule.kind}:
         return "estimated" if b.kind == ExpertMatrixRule.kind else "known"
     return "unknown"
 
@@ -180,22 +169,19 @@ def _costed(held, streamed, b, TL: int, TR: int, known: bool, facts: Facts) -> t
 def kernels(held: GradNode, streamed: GradNode, inner: Inner, facts: Facts) -> tuple[dict, list]:
     """``({block: "ghost" | "dense" | "when run"}, decisions)`` of the scores ``inner``
     holding ``held`` and streaming ``streamed``: dense where one side is flat."""
-    out, decisions, kept = {}, [], storage(held, facts)
+    out, decisions, kept = {b.name: "dense" for b in held.space.blocks}, [], storage(held, facts)
     P_h, P_s = positions(held, facts.shapes), positions(streamed, facts.shapes)
     both = {b.name for b in _factored(held, facts)} & {b.name for b in _factored(streamed, facts)}
-    for b in held.space.blocks:
-        out[b.name] = "dense"
-        if b.name in both:
-            how = {_block_positions(held, b, facts), _block_positions(streamed, b, facts)}
-            known = "unknown" not in how
-            chosen = _fixed_kernel(inner, kept[b.name], known, facts) or \
-                _costed(held, streamed, b, P_h[b.name], P_s[b.name], known, facts)
-            if "estimated" in how and chosen[0] in ("ghost", "dense"):
-                chosen = (*chosen[:2], chosen[2] + "; this expert's T is the balanced-routing estimate (no "
-                          "model run): a run measures the routing of the first chunk and decides again", chosen[3])
-            out[b.name] = chosen[0]
-            kernel, alternatives, why, setting = chosen
-            decisions.append(Decision(DecisionKind.KERNEL, inner.token, kernel, alternatives, why, block=b.name,
-                                      label=inner.label, setting=setting,
-                                      source=DecisionSource.OPTIONS if setting else DecisionSource.PLANNER))
+    for b in (b for b in held.space.blocks if b.name in both):
+        how = {_block_positions(held, b, facts), _block_positions(streamed, b, facts)}
+        known = "unknown" not in how
+        kernel, alternatives, why, setting = _fixed_kernel(inner, kept[b.name], known, facts) or \
+            _costed(held, streamed, b, P_h[b.name], P_s[b.name], known, facts)
+        if "estimated" in how and kernel in ("ghost", "dense"):
+            why += ("; this expert's T is the balanced-routing estimate (no model run): a run measures the "
+                    "routing of the first chunk and decides again")
+        out[b.name] = kernel
+        decisions.append(Decision(DecisionKind.KERNEL, inner.token, kernel, alternatives, why, block=b.name,
+                                  label=inner.label, setting=setting,
+                                  source=DecisionSource.OPTIONS if setting else DecisionSource.PLANNER))
     return out, decisions

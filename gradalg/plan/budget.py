@@ -40,7 +40,8 @@ import contextlib
 import contextvars
 import math
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import asdict, dataclass
 
 from ..errors import MemoryBudgetError, PlanError
 from ..options import Options, get_options
@@ -139,48 +140,34 @@ class Budget:
         return f"{shown} = {self.fraction:g} × {available} available ({self.source}; {self.option})"
 
     def to_dict(self) -> dict:
-        return {"bytes": self.bytes, "source": self.source, "fraction": self.fraction,
-                "available": self.available, "option": self.option, "setting": self.setting,
-                "text": self.describe()}
-
-
-def _meminfo_available(path: str) -> float | None:
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    value, *unit = line.split(":", 1)[1].split()
-                    return float(value) * (1024 if unit and unit[0].lower() == "kb" else 1)
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+        return {**asdict(self), "text": self.describe()}
 
 
 def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return None
+    with contextlib.suppress(OSError), open(path) as f:
+        return f.read().strip()
+    return None
+
+
+def _meminfo_available(path: str) -> float | None:
+    """``MemAvailable`` of a ``/proc/meminfo`` file in bytes (its ``kB`` are 1024 bytes), None if unreadable."""
+    found = re.search(r"^MemAvailable:[ \t]*(\d+)[ \t]*(\w*)", _read(path) or "", re.MULTILINE)
+    return float(found[1]) * (1024 if found[2].lower() == "kb" else 1) if found else None
 
 
 def _inactive_file(folder: str) -> float:
     """Reclaimable page cache charged to the cgroup (``memory.stat``), 0 when unreadable."""
-    text = _read(os.path.join(folder, "memory.stat")) or ""
-    found = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(" ")
-        if key in ("inactive_file", "total_inactive_file") and value.strip().isdigit():
-            found[key] = float(value)
+    lines = (line.partition(" ") for line in (_read(os.path.join(folder, "memory.stat")) or "").splitlines())
+    found = {key: float(value) for key, _, value in lines
+             if key in ("inactive_file", "total_inactive_file") and value.strip().isdigit()}
     return found.get("total_inactive_file", found.get("inactive_file", 0.0))
 
 
 def _room(folder: str, limit_file: str, usage_file: str) -> float | None:
     """``limit − (usage − inactive file cache)`` of one cgroup folder, None without a limit."""
     limit, usage = _read(os.path.join(folder, limit_file)), _read(os.path.join(folder, usage_file))
-    if limit is None or usage is None or not limit.isdigit() or not usage.isdigit():
-        return None                       # "max" (v2), missing or unreadable: no limit here
-    if int(limit) >= _V1_UNLIMITED:
+    # "max" (v2), missing or unreadable, or v1's "unlimited": no limit here
+    if not (limit or "").isdigit() or not (usage or "").isdigit() or int(limit) >= _V1_UNLIMITED:
         return None
     return max(0.0, float(limit) - max(0.0, float(usage) - _inactive_file(folder)))
 
@@ -188,8 +175,7 @@ def _room(folder: str, limit_file: str, usage_file: str) -> float | None:
 def _cgroup_folders(root: str, proc_cgroup: str):
     """``(folder, limit file, usage file)`` for this process's memory cgroup and its
     ancestors up to the mount point, v2 (unified) and v1 (``memory`` controller)."""
-    text = _read(proc_cgroup) or ""
-    for line in text.splitlines():
+    for line in (_read(proc_cgroup) or "").splitlines():
         ident, controllers, path = (line.split(":", 2) + ["", ""])[:3]
         if ident == "0" and controllers == "":
             base, files = root, ("memory.max", "memory.current")
@@ -209,9 +195,8 @@ def cgroup_room(root: str | None = None, proc_cgroup: str | None = None) -> floa
     """The bytes this process may still take under its control groups' memory limits (the
     smallest room over the limited ones, module docstring), or None where no limit is set or
     none can be read (not Linux, no cgroup file system)."""
-    rooms = [r for folder, limit, usage in _cgroup_folders(root or CGROUP_ROOT, proc_cgroup or PROC_CGROUP)
-             if (r := _room(folder, limit, usage)) is not None]
-    return min(rooms) if rooms else None
+    return min((r for folder, limit, usage in _cgroup_folders(root or CGROUP_ROOT, proc_cgroup or PROC_CGROUP)
+                if (r := _room(folder, limit, usage)) is not None), default=None)
 
 
 def available_memory(device=None) -> tuple[float, str]:
@@ -223,26 +208,23 @@ def available_memory(device=None) -> tuple[float, str]:
         index = device.index if device.index is not None else torch.cuda.current_device()
         free, _total = torch.cuda.mem_get_info(index)
         return float(free), f"free memory of cuda:{index} (torch.cuda.mem_get_info)"
-    found = _meminfo_available(MEMINFO)
-    room = cgroup_room()
+    found, room = _meminfo_available(MEMINFO), cgroup_room()
     if room is not None and (found is None or room < found):
         return room, "cgroup memory limit"
     if found is not None:
         return found, "MemAvailable"
-    try:
+    with contextlib.suppress(Exception):    # not installed, or no reading on this platform
         import psutil
         return float(psutil.virtual_memory().available), "psutil"
-    except Exception:    # not installed, or no reading on this platform
-        return float(FALLBACK_BYTES), "free memory unknown on this platform: a fixed 2 GB"
+    return float(FALLBACK_BYTES), "free memory unknown on this platform: a fixed 2 GB"
 
 
 def is_here(device) -> bool:
     """Whether ``device`` is one this process runs on ("cpu", "cuda:0", a torch.device),
     not a profile of hardware one plans for (a preset name, a DeviceProfile)."""
     import torch
-    if device is None or isinstance(device, torch.device):
-        return True
-    return isinstance(device, str) and (device == "cpu" or device.lower().startswith("cuda"))
+    return device is None or isinstance(device, torch.device) or (
+        isinstance(device, str) and (device == "cpu" or device.lower().startswith("cuda")))
 
 
 def resolve_budget(options: Options, device=None, prof=None) -> Budget:
@@ -288,19 +270,14 @@ def suggest_budget(need: float, headroom: float | None = None) -> str:
     return f"{value:.{places}f}".rstrip("0").rstrip(".") + unit if places else f"{value:.0f}{unit}"
 
 
-def with_note(err, budget: Budget, need: float | None, headroom: float) -> str:
-    """The message of ``err`` followed by :func:`refusal_note` (a full stop between them;
-    ``headroom``: the plan's ``ga.options(budget_headroom)``).
-    A :class:`~gradalg.errors.MemoryBudgetError` keeps the note as its ``note`` field (its
-    message is rendered from its fields), the text of anything else is appended to."""
-    if isinstance(err, MemoryBudgetError):
-        larger = need is not None and err.needed is not None and need > err.needed
-        err.note = refusal_note(budget, need, "the plan's largest pass at a batch of one, not only this one"
-                                if larger else "", headroom)
-        err.args = (err.render(), *err.args[1:])
-        return err.render()
-    message = str(err).rstrip()
-    return f"{message}{'' if message.endswith('.') else '.'} {refusal_note(budget, need, headroom=headroom)}"
+def with_note(err: MemoryBudgetError, budget: Budget, need: float | None, headroom: float) -> str:
+    """The message of ``err`` with :func:`refusal_note` as its ``note`` field (its message is
+    rendered from its fields; ``headroom``: the plan's ``ga.options(budget_headroom)``)."""
+    larger = need is not None and err.needed is not None and need > err.needed
+    err.note = refusal_note(budget, need, "the plan's largest pass at a batch of one, not only this one"
+                            if larger else "", headroom)
+    err.args = (err.render(), *err.args[1:])
+    return err.render()
 
 
 def refusal_note(budget: Budget, need: float | None = None, what: str = "", headroom: float | None = None) -> str:
@@ -320,8 +297,6 @@ def refusal_note(budget: Budget, need: float | None = None, what: str = "", head
              f"{headroom * 100:g}% headroom, budget_headroom")
     if budget.fraction is not None and budget.available:
         fraction = math.ceil((1 + headroom) * need / budget.available * 100) / 100
-        if fraction <= 0.9:
-            text += f"), or {budget.change(budget.option, fraction)} (at least the same headroom"
-        else:
-            text += f"; more than the {format_bytes(budget.available)} available: better make the run smaller"
+        text += (f"), or {budget.change(budget.option, fraction)} (at least the same headroom" if fraction <= 0.9
+                 else f"; more than the {format_bytes(budget.available)} available: better make the run smaller")
     return text + ")."

@@ -30,6 +30,7 @@ unit tests pin them to exact numbers.
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 from dataclasses import dataclass, fields
 
@@ -139,13 +140,8 @@ def bmm_cost(b, m, n, k, count=1, elem=4) -> Cost:
 
 def gram_cost(rows, d, elem=4, block=128) -> Cost:
     """``Xᵀ X`` for X (rows, d) by :func:`gradalg.curvature.kron.gram`: only the blocks of
-    ``block`` columns on and above the diagonal, one GEMM per block row."""
-    if d <= block:
-        return gemm_cost(d, d, rows, 1, elem)
-    cost = Cost()
-    for start in range(0, d, block):
-        cost = cost + gemm_cost(min(block, d - start), d - start, rows, 1, elem)
-    return cost
+    ``block`` columns on and above the diagonal, one GEMM per block row (one (d, d) GEMM for d ≤ ``block``)."""
+    return sum((gemm_cost(min(block, d - start), d - start, rows, 1, elem) for start in range(0, d, block)), Cost())
 
 
 def materialize_cost(n, T, n_in, n_out, elem=4) -> Cost:
@@ -186,10 +182,8 @@ def fisher_cost(n, block_dims, structure) -> Cost:
         d = sum(block_dims)
         return gemm_cost(d, d, n, 1, 8) + Cost(bytes=12.0 * n * d, peak_bytes=8.0 * d * d)
     if structure == "block":
-        cost = Cost(bytes=12.0 * n * sum(block_dims), peak_bytes=8.0 * sum(d * d for d in block_dims))
-        for d in block_dims:
-            cost = cost + gemm_cost(d, d, n, 1, 8)
-        return cost
+        return sum((gemm_cost(d, d, n, 1, 8) for d in block_dims),
+                   Cost(bytes=12.0 * n * sum(block_dims), peak_bytes=8.0 * sum(d * d for d in block_dims)))
     return Cost(flops=2.0 * n * sum(block_dims), bytes=28.0 * n * sum(block_dims), peak_bytes=8.0 * sum(block_dims))
 
 
@@ -246,13 +240,12 @@ def first_example_shape(data) -> tuple | None:
             return _FIRST_SHAPES[key]
     except TypeError:         # an unhashable collate_fn: not cached
         fingerprint = None
-    try:
+    shape = None
+    with contextlib.suppress(Exception):    # a shape hint must never fail planning
         first = data.first_example_batch()
         while not isinstance(first, torch.Tensor):
             first = next(iter(first.values())) if isinstance(first, dict) else first[0]
         shape = (tuple(first.shape), first.dtype)
-    except Exception:  # noqa: BLE001 - a shape hint must never fail planning
-        shape = None
     if fingerprint is not None:
         if len(_FIRST_SHAPES) >= _FIRST_SHAPES_KEPT:
             _FIRST_SHAPES.pop(next(iter(_FIRST_SHAPES)))
@@ -267,10 +260,8 @@ def tokens_hint(node) -> int:
     (:func:`first_example_shape` keeps it by the data's fingerprint; nothing is cached
     on the node).
     """
-    if token_rows(node) > 1:
-        return 1  # per-token rows (ga.GradientSet.per_token): one position each
-    data = getattr(node.source, "data", None)
-    return data_tokens_hint(data) if data is not None else 1
+    data = getattr(node.source, "data", None)   # per-token rows (ga.GradientSet.per_token): one position each
+    return data_tokens_hint(data) if data is not None and token_rows(node) <= 1 else 1
 
 
 def data_tokens_hint(data) -> int:

@@ -17,9 +17,8 @@ from ..units import format_bytes
 from .decisions import Decision, DecisionKind, DecisionSource
 from .facts import Facts
 from .lower import STATISTICS_JOBS, Lowered, chain, chain_ops, pass_key, stream_root
-from .jobs import CollectJob, DiagJob, Job, ScoresJob, TopKJob
+from .jobs import ApplyJob, CollectJob, DiagJob, Job, ScoresJob, TopKJob, held_application
 from .memory import projection_map_decisions, rows_bytes
-from .jobs import ApplyJob, held_application
 from .rules import PlanError
 from .blocks import as_captured, held_storage, kernels, low_rank_decision, storage, storage_decision
 
@@ -55,9 +54,8 @@ class _Graph:
 
     def __init__(self, facts: Facts, choices: Choices):
         self.facts, self.choices, self.fields = facts, choices, kernel_fields(facts.options)
-        self.jobs: dict[tuple, Job] = {}
-        self.decisions: list[Decision] = []
-        self.deps: dict[str, frozenset] = {}
+        # {key: Job}, [Decision], {token: keys of the jobs it waits for}
+        self.jobs, self.decisions, self.deps = {}, [], {}
 
     def add(self, job: Job) -> tuple:
         if job.key not in self.jobs:
@@ -68,11 +66,8 @@ class _Graph:
         """The keys of the jobs that must finish before a pass can stream ``node``: those of
         the operators of its row-wise chain, and those of its stream root's statistics
         (``root.statistics()``: a group mean's group job)."""
-        deps = set()
-        for op in chain_ops(node):
-            deps |= self.op_deps(op, vectors=node.n)
-        for statistic in stream_root(node).statistics():
-            deps |= self.statistic_deps(statistic)
+        deps = set().union(*(self.op_deps(op, vectors=node.n) for op in chain_ops(node)),
+                           *(self.statistic_deps(statistic) for statistic in stream_root(node).statistics()))
         self.deps[node.token] = frozenset(deps)
         return deps
 
@@ -80,17 +75,13 @@ class _Graph:
         """The keys of the jobs that must finish before ``op`` resolves: one per statistic
         it needs (``op.statistics()``), each after the jobs its rows need (``vectors``: the
         rows ``op`` is applied to, the vectors of its products per call)."""
-        out = set()
-        for statistic in op.statistics():
-            out |= self.statistic_deps(statistic, vectors)
-        return out
+        return set().union(*(self.statistic_deps(statistic, vectors) for statistic in op.statistics()))
 
     def statistic_deps(self, statistic, vectors: int | None = None) -> set:
         """The job of one statistic (added), or for a statistic read when applied (no job),
         the jobs its rows need (none for products: they read raw batches)."""
-        deps = self.stream_deps(statistic.rows) if statistic.rows is not None else set()
-        for before in statistic.after:
-            deps |= self.statistic_deps(before)
+        deps = set().union(self.stream_deps(statistic.rows) if statistic.rows is not None else set(),
+                           *(self.statistic_deps(before) for before in statistic.after))
         if statistic.job in (None, "apply"):     # read by the operator when applied (a held side's: ApplyJob)
             return deps
         if statistic.job not in STATISTICS_JOBS:
@@ -142,8 +133,7 @@ class _Graph:
         """``{key}`` of the :class:`~gradalg.plan.jobs.apply.ApplyJob` that applies
         ``node.op`` to the held rows in a pass over the operator's rows, when the operator
         reads its rows when applied (``Statistic("apply", ...)``: DataInf); else empty."""
-        statistic = held_application(node.op)
-        if statistic is None:
+        if (statistic := held_application(node.op)) is None:
             return set()
         deps = ready | self.stream_deps(statistic.rows)
         return {self.add(ApplyJob(node, (statistic.rows,), deps, held=held))}
@@ -157,8 +147,7 @@ class _Graph:
             jobs = [(1.0, self.score_job(terms[0][1]))]
         else:
             jobs = [(c, self.score_job(t, hold="left")) for c, t in terms]
-            keys = {pass_key(j.streams[0], (), self.facts) for _, j in jobs}
-            if len(keys) > 1:
+            if len(keys := {pass_key(j.streams[0], (), self.facts) for _, j in jobs}) > 1:
                 raise PlanError(
                     f"the top-k of {node.label} needs every term's training side streamed in one pass, but its "
                     f"terms read {len(keys)} different (model, data) pairs: compute the scores into a store "
@@ -207,12 +196,9 @@ def refuse_dense_projections(root, budget: float) -> None:
     on a 3 M-coordinate GPT-2 would be 13 GB). The :class:`~gradalg.errors.MemoryBudgetError`
     names the matrix, the budget and the projections without a dense matrix; its ``needed``
     (bytes, the matrix's) lets :func:`~gradalg.plan.planner.plan` say which budget would fit."""
-    for x in root.walk():
-        if not (isinstance(x, Project) and x.projector.map == "dense"):
-            continue
+    for x in (x for x in root.walk() if isinstance(x, Project) and x.projector.map == "dense"):
         p, dim = x.projector, x.grads.space.dim
-        need = p.k * dim * 8
-        if need > budget:
+        if (need := p.k * dim * 8) > budget:
             raise MemoryBudgetError(
                 f"a dense {p.kind} projection of {dim:,} coordinates to k={p.k}", need, budget,
                 parts=[(f"its (k, dim) = ({p.k}, {dim:,}) float64 matrix", need)],
@@ -226,8 +212,7 @@ def decide(lowered: Lowered, facts: Facts, choices: Choices | None = None) -> Jo
     refuse_dense_projections(lowered.root, facts.options.memory_budget)
     g = _Graph(facts, choices or Choices())
     roots = _roots(g, lowered)
-    g.decisions.extend(projection_map_decisions(lowered.root, facts.options))
-    g.decisions.extend(near_minimum_decisions(lowered.root))
+    g.decisions += [*projection_map_decisions(lowered.root, facts.options), *near_minimum_decisions(lowered.root)]
     g.chains()
     return JobGraph(g.jobs, tuple(roots), tuple(g.decisions), g.deps)
 
@@ -241,9 +226,7 @@ def near_minimum_decisions(root) -> list[Decision]:
     after that run shows what was chosen with the measured μ_min, scale and ratio
     (:data:`~gradalg.expr.curvature.PROBES`); before it, "decided when run" and the rule."""
     rows = []
-    for x in root.walk():
-        if not isinstance(x, NearMinimum):
-            continue
+    for x in (x for x in root.walk() if isinstance(x, NearMinimum)):
         probe = PROBES.get(x.token)
         rule = (f"near a minimum of its objective (−μ_min(H̄ + decay) ≤ r × tr(G)/dim, r = "
                 f"ga.options(hessian_negative_ratio={x.ratio:g}); μ_min bounded first by "
@@ -254,11 +237,8 @@ def near_minimum_decisions(root) -> list[Decision]:
                 "'auto' is never refused for it. Force one with curvature='dense_hessian' or 'gauss_newton'")
         alternatives = {"dense_hessian": f"{x.hessian_inv.label} (near a minimum, its damped inverse existing)",
                         "gauss_newton": f"{x.gauss_newton_inv.label} (otherwise)"}
-        if probe is None:
-            rows.append(Decision(DecisionKind.CURVATURE, x.token, "decided when run", alternatives,
-                                 "curvature='auto': the formed Hessian where the model is " + rule, label="'auto'"))
-        else:
-            rows.append(Decision(DecisionKind.CURVATURE, x.token, probe.chosen, alternatives,
-                                 f"measured: {probe.describe()}; the Hessian where the model is " + rule,
-                                 label="'auto'"))
+        chosen, why = (("decided when run", "curvature='auto': the formed") if probe is None
+                       else (probe.chosen, f"measured: {probe.describe()}; the"))
+        rows.append(Decision(DecisionKind.CURVATURE, x.token, chosen, alternatives,
+                             f"{why} Hessian where the model is {rule}", label="'auto'"))
     return rows

@@ -22,6 +22,7 @@ the same, and the ghost kernel's three (nL', nR', bL, bR) intermediates at most
 """
 from __future__ import annotations
 
+import itertools
 from typing import Mapping
 
 from ..capture.factors import Factors
@@ -38,8 +39,8 @@ from ..units import format_bytes, format_bytes_alike
 from .shapes import ModelFacts, activation_bytes, element_size, forward_shapes, output_bytes, rows_per_example
 
 __all__ = ["positions", "rows_of", "rows_bytes", "capture_bytes_per_example", "stream_workspace_bytes",
-           "statistics_bytes", "check_statistics_fit", "captured_positions", "projection_map_decisions",
-           "projection_workspace_bytes", "flattened_rows_bytes", "quadratic_form_bytes", "metric_normalize_bytes"]
+           "statistics_bytes", "check_statistics_fit", "projection_map_decisions",
+           "projection_workspace_bytes", "flattened_rows_bytes", "quadratic_form_bytes"]
 
 
 def positions(node, shapes: Mapping) -> dict[str, int]:
@@ -48,31 +49,19 @@ def positions(node, shapes: Mapping) -> dict[str, int]:
     projections keep T; rows recorded by ``ga.capture``: the most positions of any of
     their chunks, in memory; rows of a rank-r approximation: r factor positions per
     truncated block)."""
-    low = lowrank_below(node)
-    if low is not None:
+    if (low := lowrank_below(node)) is not None:
         below = low.positions(positions(low.grads, shapes))
         return {b.name: below.get(b.name, 1) for b in node.space.blocks}
-    src = node.source
-    T = tokens_hint(node)
-    if isinstance(src, Source):
-        known = forward_shapes(src, shapes).positions
-    elif isinstance(src, Captured) and not isinstance(src, Stored) and token_rows(node) == 1:
-        known = captured_positions(src)   # ga.capture's rows, in memory; stored rows are flat
-    else:
-        known = {}
+    src, T = node.source, tokens_hint(node)
+    known = forward_shapes(src, shapes).positions if isinstance(src, Source) else {}
+    if isinstance(src, Captured) and not isinstance(src, Stored) and token_rows(node) == 1:
+        # ga.capture's rows, in memory (stored rows are flat): the longest factors of each block
+        for chunk in src.store.chunks():
+            for name, value in chunk.blocks.items():
+                if isinstance(value, Factors):
+                    known[name] = max(known.get(name, 1), value.T)
     # blocks a projection made (one flat block of a Gaussian projection) are rows, T unused
     return {b.name: known.get(b.name, T) for b in node.space.blocks}
-
-
-def captured_positions(src: Captured) -> dict[str, int]:
-    """``{block: T_b}`` of captured rows: the longest factors of each block (their shapes,
-    read from the chunks held in memory)."""
-    out: dict[str, int] = {}
-    for chunk in src.store.chunks():
-        for name, value in chunk.blocks.items():
-            if isinstance(value, Factors):
-                out[name] = max(out.get(name, 1), value.T)
-    return out
 
 
 def rows_of(node) -> int:
@@ -84,14 +73,10 @@ def rows_of(node) -> int:
 def rows_bytes(node, storage: dict, facts: ModelFacts) -> float:
     """Bytes of all rows of ``node`` kept as ``storage[block]`` ("factors" or "flat"), in
     ``facts.dtype`` at ``facts.shapes``' positions."""
-    T, elem = positions(node, facts.shapes), facts.elem
-    per_row = 0.0
-    for b in node.space.blocks:
-        if storage.get(b.name) == "factors":
-            per_row += T[b.name] * (b.shape[0] + b.shape[1])
-        else:
-            per_row += b.dim
-    return node.n * rows_of(node) * per_row * elem
+    T = positions(node, facts.shapes)
+    per_row = sum((T[b.name] * (b.shape[0] + b.shape[1]) if storage.get(b.name) == "factors" else b.dim
+                   for b in node.space.blocks), 0.0)
+    return node.n * rows_of(node) * per_row * facts.elem
 
 
 def capture_bytes_per_example(src: Source, facts: ModelFacts, forward_shared: bool = False) -> float:
@@ -103,10 +88,7 @@ def capture_bytes_per_example(src: Source, facts: ModelFacts, forward_shared: bo
         and layers, another objective: one forward per batch, ``PassCapture``): its
         activations and input factors A are counted there; only this source's output
         factors D (and per-row blocks) are added."""
-    elem = facts.elem
-    shapes = forward_shapes(src, facts.shapes)
-    rows = rows_per_example(src)
-    total = 0.0
+    shapes, elem, rows, total = forward_shapes(src, facts.shapes), facts.elem, rows_per_example(src), 0.0
     for b in src.space.blocks:
         T = shapes.positions[b.name]
         if len(b.shape) == 2:
@@ -138,11 +120,8 @@ def projection_map_decisions(node, options) -> list[Decision]:
     (5·d bytes) against ``options.sjlt_table_bytes``. Every map is applied block by block
     (each block's own seeded matrix or table; a global map is the sum of the blocks')."""
     rows, seen = [], set()
-    for x in node.walk():
-        if not isinstance(x, Project) or x.projector.map is None:
-            continue
-        p, space = x.projector, x.grads.space
-        d = space.dim
+    for x in (x for x in node.walk() if isinstance(x, Project) and x.projector.map is not None):
+        p, space, d = x.projector, x.grads.space, x.grads.space.dim
         if (p.token, d) in seen:
             continue
         seen.add((p.token, d))
@@ -153,14 +132,12 @@ def projection_map_decisions(node, options) -> list[Decision]:
                                      "layer's gradient formed from its factors)",
                         "tensorsketch": f"{format_bytes(9.0 * sides)} tables, FFTs of k per position (no layer's "
                                         "gradient formed)"}
-        matrix, dense_cap = format_bytes_alike(dense, options.dense_projection_bytes)
-        table, table_cap = format_bytes_alike(tables, options.sjlt_table_bytes)
-        verdict = [f"a dense ({p.k}, {d}) matrix takes {matrix}, "
-                   + ("over" if dense > options.dense_projection_bytes else "within")
-                   + f" ga.options(dense_projection_bytes='{dense_cap}')",
-                   f"SJLT tables {table}, "
-                   + ("over" if tables > options.sjlt_table_bytes else "within")
-                   + f" ga.options(sjlt_table_bytes='{table_cap}')"]
+        verdict = []
+        for what, n, option in ((f"a dense ({p.k}, {d}) matrix takes", dense, "dense_projection_bytes"),
+                                ("SJLT tables", tables, "sjlt_table_bytes")):
+            shown, cap = format_bytes_alike(n, getattr(options, option))
+            verdict.append(f"{what} {shown}, {'over' if n > getattr(options, option) else 'within'} "
+                           f"ga.options({option}='{cap}')")
         rows.append(Decision(
             DecisionKind.PROJECTION_MAP, p.token, p.map, alternatives,
             "; ".join(verdict) + " (trak and less default to the dense map within the first, the SJLT "
@@ -194,12 +171,11 @@ def projection_workspace_bytes(node, facts: ModelFacts) -> float:
     TensorSketch holds two count sketches of k and their FFTs per position (T positions:
     an upper bound)."""
     out = 0.0
-    for x in _chain(node):
-        kind = x.projector.map if isinstance(x, Project) else None
-        if kind == "tensorsketch":
+    for x in (x for x in _chain(node) if isinstance(x, Project) and x.projector.map is not None):
+        if x.projector.map == "tensorsketch":
             T = max(positions(x.grads, facts.shapes).values(), default=1)
             out = max(out, 4.0 * facts.elem * T * (x.projector.k + 2))
-        elif kind is not None:
+        else:
             widest = max((b.dim for b in x.grads.space.blocks), default=0)
             out = max(out, (4.0 if isinstance(x.grads, AdamPrecondition) else 2.0) * facts.elem * widest)
     return out
@@ -212,14 +188,10 @@ def flattened_rows_bytes(streams, dtype) -> float:
     2·d numbers per example (d: the whole space's dimension, 10⁸ on a real-size LM, where
     a projection alone holds 2·d_b of one block). Jobs of one pass that read the same rows
     derive them once, so a pass counts the largest over all its jobs' streams, once."""
-    elem, out = element_size(dtype), 0.0
-    for node in streams:
-        below_projection = False
-        for x in _chain(node):
-            if below_projection and isinstance(x, Precondition):
-                out = max(out, 2.0 * elem * x.space.dim)
-            below_projection = below_projection or isinstance(x, Project)
-    return out
+    elem = element_size(dtype)
+    below = (itertools.islice(itertools.dropwhile(lambda x: not isinstance(x, Project), _chain(node)), 1, None)
+             for node in streams)    # each chain's nodes below its first projection
+    return max((2.0 * elem * x.space.dim for chain in below for x in chain if isinstance(x, Precondition)), default=0.0)
 
 
 def quadratic_form_bytes(op, space, elem: float) -> float:
@@ -236,24 +208,17 @@ def quadratic_form_bytes(op, space, elem: float) -> float:
     return 3.0 * elem * space.dim
 
 
-def metric_normalize_bytes(streams, dtype) -> float:
-    """Working bytes per example of the metric normalizations (``Normalize`` with an
-    operator) in the row-wise chains of ``streams``: :func:`quadratic_form_bytes`, the
-    largest; each row is then scaled in place of the rows (factored ones by their output
-    gradients), so nothing of d is kept."""
-    elem = element_size(dtype)
-    return max((rows_of(x) * quadratic_form_bytes(x.op, x.space, elem) for node in streams for x in _chain(node)
-                if isinstance(x, Normalize) and x.op is not None), default=0.0)
-
-
 def stream_workspace_bytes(streams, facts: ModelFacts) -> float:
     """Working bytes per example of the projections a job's ``streams`` apply
     (:func:`projection_workspace_bytes`, the largest); rows of one example's Gauss-Newton
-    terms arrive as separate chunks: counted once. Plus the metric normalizations in
-    them (:func:`metric_normalize_bytes`). Every job's
+    terms arrive as separate chunks: counted once. Plus the metric normalizations
+    (``Normalize`` with an operator) in their row-wise chains: :func:`quadratic_form_bytes`
+    per row, the largest; each row is then scaled in place of the rows (factored ones by
+    their output gradients), so nothing of d is kept. Every job's
     :meth:`~gradalg.plan.jobs.Job.per_example_bytes` adds its own on top."""
-    return (max((projection_workspace_bytes(s, facts) for s in streams), default=0.0)
-            + metric_normalize_bytes(streams, facts.dtype))
+    normalize = max((rows_of(x) * quadratic_form_bytes(x.op, x.space, facts.elem) for node in streams
+                     for x in _chain(node) if isinstance(x, Normalize) and x.op is not None), default=0.0)
+    return max((projection_workspace_bytes(s, facts) for s in streams), default=0.0) + normalize
 
 
 def statistics_bytes(space, structure: str) -> float:
@@ -283,8 +248,7 @@ def check_statistics_fit(node, memory_budget: int) -> None:
     (:func:`inverse_bytes`, what the methods do with it) fit the budget it names. The
     projection: ga.proj.kron(k) leaves at most k² coordinates per block (k_out·k_in), so a
     dense Fisher of d ≤ n_blocks·k² whose inverse, (32 + 8)·d², fits the budget."""
-    space = node.space
-    need = statistics_bytes(space, node.structure)
+    space, need = node.space, statistics_bytes(node.space, node.structure)
     if need <= memory_budget:
         return
     fixes = ["a Kronecker curvature, ga.ekfac(G) or ga.kfac(G) (in ga.methods.influence / relatif: "
@@ -294,8 +258,8 @@ def check_statistics_fit(node, memory_budget: int) -> None:
     if k >= 1:
         fixes.append(f"project first, ga.fisher(P(G)) with P = ga.proj.kron(k={k}) (in the methods: "
                      f"projector=ga.proj.kron(k={k}))")
-    others = {s: max(statistics_bytes(space, s), inverse_bytes(space, s)) for s in ("block", "diag")}
-    fitting = {s: b for s, b in others.items() if s != node.structure and b <= memory_budget}
+    fitting = {s: b for s in ("block", "diag") if s != node.structure
+               and (b := max(statistics_bytes(space, s), inverse_bytes(space, s))) <= memory_budget}
     fixes += [f"structure={s!r} ({b})" for s, b in zip(fitting, format_bytes_alike(*fitting.values()))]
     inverted = max(need, inverse_bytes(space, node.structure))
     roomy = inverted <= physical_memory()

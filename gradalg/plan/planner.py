@@ -96,14 +96,12 @@ class Plan:
 def model_device(root: Node) -> torch.device | None:
     """The device of the first model's parameters among ``root``'s sources (None: no
     parameters, or a ``meta`` model: planned as if on the CPU)."""
-    for node in root.walk():
-        if isinstance(node, Source):
-            for p in node.task.model.parameters():
-                return None if p.device.type == "meta" else p.device
-    return None
+    p = next((p for node in root.walk() if isinstance(node, Source) for p in node.task.model.parameters()), None)
+    return None if p is None or p.device.type == "meta" else p.device
 
 
 # ------------------------------------------------------------------ entry point
+@digests_held()     # no model changes while planning: each task's model is walked once
 def plan(root: Node, *, options: Options | None = None, device=None, rewrites: bool = True,
          choices: Choices | None = None, measure_shapes: bool = False, topk: TopK | None = None,
          budget: Budget | None = None, keep_held_rows: bool = False) -> Plan:
@@ -127,11 +125,6 @@ def plan(root: Node, *, options: Options | None = None, device=None, rewrites: b
     ``keep_held_rows``: the executor opens each pass's jobs again per shard (its shard
     strategy's ``keeps_held_rows``: Dask, torch.distributed), so every shard reads a
     score's raw held rows and no scores job releases them (the schedule stage)."""
-    with digests_held():     # no model changes while planning: each task's model is walked once
-        return _plan(root, options, device, rewrites, choices, measure_shapes, topk, budget, keep_held_rows)
-
-
-def _plan(root, options, device, rewrites, choices, measure_shapes, topk, budget, keep_held_rows) -> Plan:
     options = options or get_options()
     simplified, fired = simplify_until_fixpoint(root, enabled=rewrites)
     where = device if device is not None else model_device(simplified)
@@ -173,9 +166,8 @@ def _recomputed(err: MemoryBudgetError, scheduled, graph, known, simplified, cho
     refusal and the cost of the plan that recomputes."""
     if not scheduled.stored or (choices is not None and choices.store != "auto"):
         return None
-    forced = replace(choices or Choices(), store="never")
     try:
-        rescheduled = schedule(graph, known, simplified, forced, keep_held_rows)
+        rescheduled = schedule(graph, known, simplified, replace(choices or Choices(), store="never"), keep_held_rows)
         passes, decisions = size(rescheduled, known)
     except MemoryBudgetError:
         return None
@@ -190,13 +182,12 @@ def _recomputed(err: MemoryBudgetError, scheduled, graph, known, simplified, cho
             return replace(d, reason="a later job needs these rows after statistics from the same pass; " + why,
                            source=DecisionSource.PLANNER, setting="")
         return before.get(d.subject, d)       # read again anyway (by cost or the store cap)
-    decisions = [shown(d) for d in decisions]
-    decisions.append(Decision(
+    decisions = [*map(shown, decisions), Decision(
         DecisionKind.STORE, "memory budget", "recompute",
         {"store": f"refused: {format_bytes(err.needed)} needed",
          "recompute": sum(p.seconds for p in passes)},
         "rows kept for a later pass would not fit beside the pass that reads them; read again instead "
-        "(the same rows: exact)", label="rows stored for later passes (under the memory budget)"))
+        "(the same rows: exact)", label="rows stored for later passes (under the memory budget)")]
     return rescheduled, passes, decisions
 
 

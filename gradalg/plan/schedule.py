@@ -60,13 +60,8 @@ class Pass:
     def sources(self) -> list[Source]:
         """The distinct sources its jobs' streams read, in the order the jobs name them (the
         same order on every process: the size stage prices them, executors iterate them)."""
-        out = []
-        for job in self.jobs:
-            for s in job.streams:
-                root = stream_root(s)
-                if isinstance(root, Source) and root not in out:
-                    out.append(root)
-        return out
+        return list(dict.fromkeys(root for job in self.jobs for s in job.streams
+                                  if isinstance(root := stream_root(s), Source)))
 
     def models(self) -> list:
         """The distinct models of its sources (and of a products pass's target), in the
@@ -145,17 +140,16 @@ def _store_or_recompute(node, remaining: dict, facts: Facts, choices: Choices,
     why = (f"fits under the store cap, {store_cap(o)}, and costs less than reading the data again"
            if choice == "store" else f"would exceed the store cap, {store_cap(o)}" if not fits else
            f"fits under the store cap, {store_cap(o)}, but moving the rows costs more than recapturing them")
-    source, setting = DecisionSource.PLANNER, ""
-    if choices.store != "auto":
-        choice, source, setting = "store" if choices.store == "always" else "recompute", DecisionSource.CHOICES, \
-            f"store={choices.store!r}"
+    if forced := (choices.store != "auto"):   # Choices(store=...): the user's, not the cost's
+        choice = "store" if choices.store == "always" else "recompute"
     return choice, Decision(
         DecisionKind.STORE, node.token, choice,
         {"store": keep if fits else f"{format_bytes(already + size - o.store_fraction * o.memory_budget)} "
                                     "over the limit", "recompute": recompute},
         "a later job needs these rows after statistics from the same pass"
-        + ("" if source is DecisionSource.CHOICES else "; storing them " + why),
-        label=repr(node.label), source=source, setting=setting), kept
+        + ("" if forced else "; storing them " + why),
+        label=repr(node.label), source=DecisionSource.CHOICES if forced else DecisionSource.PLANNER,
+        setting=f"store={choices.store!r}" if forced else ""), kept
 
 
 def _stores(key, group, remaining, done, stored, graph: JobGraph, facts, choices, decisions) -> list:
@@ -170,8 +164,7 @@ def _stores(key, group, remaining, done, stored, graph: JobGraph, facts, choices
     for job in list(remaining.values()):
         if job.key in group_keys or job.deps <= done:
             continue
-        refused = job.store_refused()    # a top-k whose terms stream several nodes
-        if refused is not None:
+        if (refused := job.store_refused()) is not None:    # a top-k whose terms stream several nodes
             decisions.append(refused)
             continue
         for node in job.streams:
@@ -239,18 +232,14 @@ def released(jobs, passes, target) -> set:
     job, not the job's own streamed side, no pass over rows kept in memory) and the plan
     does not return: the run drops the raw rows once the preconditioned copy exists
     (EK-FAC influence on GPT-2: the raw query gradients were 20 % of the peak)."""
-    jobs, out = list(jobs), set()
+    jobs = list(jobs)
     from_memory = {key.kept for key, _ in passes} - {None}
     def reads(j, job, token) -> bool:
         return not j.collects(token) and (
             any(stream_root(s).token == token or s.token == token for s in j.streams)
             or (j is not job and j.held is not None and j.held.token == token))
-    for job in jobs:
-        if job.can_release_held() and job.held is not target \
-                and job.held.token not in from_memory \
-                and not any(reads(j, job, job.held.token) for j in jobs):
-            out.add(job.key)
-    return out
+    return {job.key for job in jobs if job.can_release_held() and job.held is not target
+            and job.held.token not in from_memory and not any(reads(j, job, job.held.token) for j in jobs)}
 
 
 def schedule(graph: JobGraph, facts: Facts, target, choices: Choices | None = None,

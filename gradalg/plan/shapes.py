@@ -26,6 +26,7 @@ reads a layer's positions (:func:`gradalg.plan.memory.positions`, the jobs' hook
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -105,10 +106,7 @@ class ModelFacts:
 def forward_shapes(src, shapes: Mapping[str, ForwardShapes]) -> ForwardShapes:
     """The :class:`ForwardShapes` of a Source: its measurement in ``shapes`` (a plan's
     facts), else ``tokens_hint`` for every block (not measured)."""
-    hit = shapes.get(src.token)
-    if hit is not None:
-        return hit
-    return ForwardShapes(_hinted_positions(src, tokens_hint(src)), 0, False)
+    return shapes.get(src.token) or ForwardShapes(_hinted_positions(src, tokens_hint(src)), 0, False)
 
 
 def _hinted_positions(src, tokens: int) -> dict:
@@ -116,10 +114,9 @@ def _hinted_positions(src, tokens: int) -> dict:
     rule's :meth:`~gradalg.capture.layers.LayerRule.positions_for_tokens` says (a fused
     expert's padded share of the tokens in a chunk of :func:`chunk_examples`, at balanced
     routing). Kept by ``(source token, tokens, examples)`` (a few, most recent)."""
-    out = {b.name: tokens for b in src.space.blocks}
     task = getattr(src, "task", None)
     if task is None or getattr(src, "backend", "hooks") != "hooks":
-        return out
+        return {b.name: tokens for b in src.space.blocks}
     examples = chunk_examples(src) if any(b.kind == ExpertMatrixRule.kind for b in src.space.blocks) else 1
     key = (src.token, tokens, examples)
     if key not in _HINTS:
@@ -129,7 +126,7 @@ def _hinted_positions(src, tokens: int) -> dict:
                        for ref in resolve_layers(task.model, list(src.layers))}
         while len(_HINTS) > 32:
             _HINTS.pop(next(iter(_HINTS)))
-    return {name: _HINTS[key].get(name, T) for name, T in out.items()}
+    return {b.name: _HINTS[key].get(b.name, tokens) for b in src.space.blocks}
 
 
 #: ``{(source token, tokens, examples): {block: T_b}}`` of :func:`_hinted_positions`
@@ -142,13 +139,11 @@ def chunk_examples(src) -> int:
     planner may choose fewer (under ``memory_budget``); a fused expert's padded length
     grows with the chunk, so pricing it here is an upper bound for a smaller one."""
     from .size import _batch_tokens     # size imports this module
-    options = get_options()
-    data = getattr(src, "data", None)
+    options, data = get_options(), getattr(src, "data", None)
     B = min(int(getattr(src, "n", 1) or 1), getattr(data, "batch_size", None) or options.batch_size)
-    try:
+    by_tokens = None
+    with contextlib.suppress(Exception):   # a source without a model's parameters: no token limit
         by_tokens = _batch_tokens([src], options)[2]
-    except Exception:  # noqa: BLE001 - a model without parameters: no token limit
-        by_tokens = None
     return max(1, min(B, by_tokens) if by_tokens else B)
 
 
@@ -156,9 +151,8 @@ def measurement_key(src):
     """What :func:`measure_forward_shapes` of ``src`` depends on: its token, and with fused
     experts among its layers the chunk's examples (:func:`chunk_examples`, from the options'
     ``batch_size`` / ``batch_tokens``: a later change re-measures the padded lengths)."""
-    if any(b.kind == ExpertMatrixRule.kind for b in src.space.blocks):
-        return src.token, chunk_examples(src)
-    return src.token
+    return (src.token, chunk_examples(src)) if any(b.kind == ExpertMatrixRule.kind for b in src.space.blocks) \
+        else src.token
 
 
 def measure_forward_shapes(src) -> ForwardShapes:
@@ -167,10 +161,10 @@ def measure_forward_shapes(src) -> ForwardShapes:
     fused experts among the layers, also one real no-grad forward of the data's first chunk
     (:func:`_routed_positions`: the experts' padded lengths)."""
     shapes = forward_shapes(src, {})
-    data = getattr(src, "data", None)
-    task = getattr(src, "task", None)
+    data, task = getattr(src, "data", None), getattr(src, "task", None)
     if data is not None and task is not None and src.backend == "hooks":
-        try:
+        # shapes are a hint: a model meta cannot run keeps tokens_hint
+        with contextlib.suppress(Exception):
             batch = data.first_example_batch()
             refs = resolve_layers(task.model, list(src.layers))
             positions, activations = _measure_on_meta(task, batch, refs)
@@ -178,8 +172,6 @@ def measure_forward_shapes(src) -> ForwardShapes:
             if positions and routed:
                 positions.update(_routed_positions(task, data, refs, chunk_examples(src)))
             shapes = ForwardShapes({**shapes.positions, **positions}, activations, bool(positions), routed)
-        except Exception:  # noqa: BLE001 - shapes are a hint: a model meta cannot run keeps tokens_hint
-            pass
     return shapes
 
 
@@ -188,9 +180,7 @@ def _measure_on_meta(task, batch, refs) -> tuple[dict[str, int], int]:
     every recorded layer's positions and the numbers in every leaf module's output (a
     fused experts module: its own per-token numbers, ``activation_numbers``)."""
     model: nn.Module = task.model
-    seen: dict[str, int] = {}
-    activations = [0]
-    handles, patched = [], {}
+    seen, activations, handles, patched = {}, [0], [], {}   # {block: T_b}, [numbers], hooks, {id: (module, forward)}
     for ref in refs:
         def hook(module, args, output, name=ref.name, rule=ref.rule):
             if isinstance(output, torch.Tensor) and name not in seen:
@@ -211,15 +201,17 @@ def _measure_on_meta(task, batch, refs) -> tuple[dict[str, int], int]:
             module.forward = functools.partial(_meta_experts, module, activations)
     try:
         state = {k: torch.empty_like(v, device="meta") for k, v in model.state_dict(keep_vars=True).items()}
-        with torch.no_grad():
-            _meta_loss(task, model, state, _meta_batch(batch))
+        meta = _meta_batch(batch)
+        # the model's tensors replaced by meta ones for one call; the forward ran (hooks fired) even
+        # where the loss, which may need numbers, fails
+        with torch.no_grad(), contextlib.suppress(Exception):
+            task.loss(_MetaModel(model, state), meta)
     finally:
         for h in handles:
             h.remove()
         for module, own in patched.values():
-            if own is None:
-                del module.forward
-            else:
+            del module.forward             # the class's forward again, or the instance's own put back
+            if own is not None:
                 module.forward = own
     return seen, activations[0]
 
@@ -259,12 +251,11 @@ def _routed_positions(task, data, refs, examples: int) -> dict[str, int]:
         batch = next(iter(batches))
         chunk = batch_size_of(batch)
         real = task.token_mask(batch) if task.token_mask is not None else None     # (B, T): padding False
-        model = task.model
-        param = next(iter(model.parameters()), None)
+        param = next(iter(task.model.parameters()), None)
         cuda = [param.device] if param is not None and param.device.type == "cuda" else []
         # the random state is restored: a model in training mode (dropout) draws the run's numbers unchanged
         with torch.no_grad(), torch.random.fork_rng(devices=cuda):
-            task.loss(model, move_batch(batch, param.device) if param is not None else batch)
+            task.loss(task.model, move_batch(batch, param.device) if param is not None else batch)
     except _Routed:
         pass
     except Exception:  # noqa: BLE001 - shapes are a hint: a forward that fails keeps the balanced price
@@ -276,14 +267,6 @@ def _routed_positions(task, data, refs, examples: int) -> dict[str, int]:
             batches.close()
     return {ref.name: int(padded[id(ref.module)][ref.rule.expert]) for ref in refs
             if isinstance(ref.rule, ExpertMatrixRule) and id(ref.module) in padded}
-
-
-def _meta_loss(task, model, state, batch):
-    """The task's loss with the model's tensors replaced by meta ones for one call."""
-    try:
-        task.loss(_MetaModel(model, state), batch)
-    except Exception:  # noqa: BLE001 - the forward ran (hooks fired); a loss that needs numbers may not
-        pass
 
 
 class _MetaModel:
@@ -302,9 +285,7 @@ class _MetaModel:
 def rows_per_example(src) -> int:
     """Rows a source captures per example: one, or one per Gauss-Newton term
     (``objective="expected"``: the number of model outputs, :func:`output_width`)."""
-    if getattr(src, "objective", "loss") != "expected":
-        return 1
-    return output_width(src.task.model) or 1
+    return (output_width(src.task.model) or 1) if getattr(src, "objective", "loss") == "expected" else 1
 
 
 # ------------------------------------------------------------------ model facts
@@ -322,13 +303,10 @@ def weight_layers(model: nn.Module) -> list[tuple[int, int]]:
 
 def attention_shape(model: nn.Module) -> tuple[int, int, int]:
     """(layers, width, heads) of a transformer config, (0, 0, 1) otherwise."""
-    config = getattr(model, "config", None)
-    if config is None:
-        return 0, 0, 1
-    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) or 0
-    width = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or 0
-    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None) or 1
-    return int(layers), int(width), int(heads)
+    config = getattr(model, "config", None)    # each field by its Hugging Face name, then its GPT-2 name
+    fields = (("num_hidden_layers", "n_layer", 0), ("hidden_size", "n_embd", 0), ("num_attention_heads", "n_head", 1))
+    return tuple(int(getattr(config, name, None) or getattr(config, gpt2, None) or default)
+                 for name, gpt2, default in fields)
 
 
 def activation_bytes(model: nn.Module, tokens: int, elem: int = 4) -> float:

@@ -27,10 +27,9 @@ __all__ = ["size", "table_bytes"]
 
 def table_bytes(jobs) -> float:
     """Bytes of the index tables of the sparse projections the jobs' streams apply (once each)."""
-    tables = {(x.projector, b.name, b.dim): estimates.sparse_table_bytes(x.projector, b)
-              for job in jobs for s in job.streams for x in chain(s) if isinstance(x, Project)
-              for b in x.grads.space.blocks}
-    return sum(tables.values())
+    return sum({(x.projector, b.name, b.dim): estimates.sparse_table_bytes(x.projector, b)
+                for job in jobs for s in job.streams for x in chain(s) if isinstance(x, Project)
+                for b in x.grads.space.blocks}.values())
 
 
 def _batch_tokens(sources: list[Source], options) -> tuple[int, int, int | None]:
@@ -49,18 +48,29 @@ def _batch_tokens(sources: list[Source], options) -> tuple[int, int, int | None]
     return tokens, T, max(1, -(-tokens // T))
 
 
-def _over_budget(p: Pass, needed: float, budget: float, parts, fixes, detail: str = "") -> MemoryBudgetError:
+def _error(p: Pass, needed: float, budget: float, parts, fixes, detail: str = "") -> MemoryBudgetError:
     """The refusal of pass ``p``: ``needed`` bytes at a batch of one (what it holds and one
-    example's or one chunk's work, ``parts``), over ``budget``; :func:`size` raises its
-    ``fits_under`` to what every pass of the plan needs."""
+    example's or one chunk's work, ``parts``, those of 0 bytes left out), over ``budget``,
+    ``fixes`` and then a larger budget; :func:`size` raises its ``fits_under`` to what every
+    pass of the plan needs."""
     return MemoryBudgetError(p.label, needed, budget, parts=[(what, n) for what, n in parts if n],
-                             detail=detail, fixes=fixes)
+                             detail=detail, fixes=[*fixes, "raise the memory budget"])
 
 
-def _shrinking_fixes(jobs, per_ex: float, budget: float, facts: Facts, resolving: float = 0.0) -> tuple[str, str]:
-    """``(fewer, smaller)``: the refusal's "use fewer queries per call" where holding fewer
-    rows can fit the pass, and "project to a smaller k" where an operator's resolution
-    (``resolving`` bytes, :meth:`_Sizer.resolving_bytes`) is counted; else "". What the jobs
+#: the refusal's arithmetic of an operator's resolution (``resolving`` bytes, :meth:`_Sizer.resolving_bytes`)
+_RESOLVING = ("resolving an operator is a d × d eigendecomposition in float64, 32·d² bytes, and 8·d² for a damped "
+              "copy, which a smaller projection dimension k shrinks")
+
+
+def _over_budget(p: Pass, jobs, fixed: float, per_ex: float, budget: float, facts: Facts, resolving: float,
+                 held_alone: bool) -> MemoryBudgetError:
+    """The refusal of a pass holding ``fixed`` bytes (``resolving`` of them an operator's
+    resolution) beside ``per_ex`` of work at a batch of one, by part. ``held_alone``: what it
+    holds is over the budget alone (its fixes: fewer queries first; the jobs' arithmetic of
+    their bytes in the detail), else only with one example (projecting first).
+
+    "Use fewer queries per call" is offered only where holding fewer rows can fit the pass,
+    and "project to a smaller k" only where an operator's resolution is counted. What the jobs
     that do not shrink with the queries hold (``Job.shrinks_with_queries`` False: the
     statistics, K-FAC / EK-FAC factors or a formed Fisher; the rows stored for a second use
     of the streamed side, the training rows of a pass over the training data) and the
@@ -68,31 +78,17 @@ def _shrinking_fixes(jobs, per_ex: float, budget: float, facts: Facts, resolving
     example exceed the budget alone, that fix would fail as written and the refusal does
     not offer it; nor does an operator's resolution. (Found at real size: EK-FAC influence
     on a Llama shape at T = 512 was told to use fewer queries while holding one.)"""
-    kept = sum(j.fixed_bytes(facts) for j in jobs if not j.shrinks_with_queries)
-    fewer = kept + table_bytes(jobs) + resolving + per_ex <= budget
-    return "use fewer queries per call" if fewer else "", "project to a smaller k" if resolving else ""
-
-
-def _held_parts(p: Pass, jobs, fixed: float, per_ex: float, resolving: float) -> list[tuple[str, float]]:
-    """What a pass holding ``fixed`` bytes needs at a batch of one, by part."""
     tables = table_bytes(jobs)
+    kept = sum(j.fixed_bytes(facts) for j in jobs if not j.shrinks_with_queries)
+    fewer = "use fewer queries per call" if kept + tables + resolving + per_ex <= budget else ""
+    smaller, project = "project to a smaller k" if resolving else "", "project the gradients (ga.proj.kron)"
     work = "one example's factors and activations" if p.reads_data else "its work on one chunk"
-    return [("held rows and statistics", fixed - tables - resolving), ("sparse projection tables", tables),
-            ("resolving an operator", resolving), (work, per_ex)]
-
-
-def _refuse(p: Pass, jobs, fixed: float, per_ex: float, budget: float, facts: Facts,
-            resolving: float = 0.0) -> MemoryBudgetError:
-    """Held rows and statistics alone over the budget: refused before anything runs."""
-    detail = "; ".join(a for a in [*(j.bytes_arithmetic(facts) for j in jobs), _resolving_part(resolving)] if a)
-    fewer, smaller = _shrinking_fixes(jobs, per_ex, budget, facts, resolving)
-    return _over_budget(p, fixed + per_ex, budget, _held_parts(p, jobs, fixed, per_ex, resolving),
-                        [fewer, smaller, "project the gradients (ga.proj.kron)", "raise the memory budget"], detail)
-
-
-def _resolving_part(resolving: float) -> str:
-    return ("resolving an operator is a d × d eigendecomposition in float64, 32·d² bytes, and 8·d² for a damped "
-            "copy, which a smaller projection dimension k shrinks") if resolving else ""
+    parts = [("held rows and statistics", fixed - tables - resolving), ("sparse projection tables", tables),
+             ("resolving an operator", resolving), (work, per_ex)]
+    fixes = [fewer, smaller, project] if held_alone else [project, smaller, fewer]
+    arithmetic = [j.bytes_arithmetic(facts) for j in jobs] if held_alone else []
+    detail = "; ".join(a for a in [*arithmetic, _RESOLVING if resolving else ""] if a)
+    return _error(p, fixed + per_ex, budget, parts, fixes, detail)
 
 
 def _batch_size(p: Pass, sources, fixed: float, per_ex: float, facts: Facts,
@@ -101,8 +97,7 @@ def _batch_size(p: Pass, sources, fixed: float, per_ex: float, facts: Facts,
     batch size, else the smallest of ``ga.options(batch_size)``, what fits the memory
     budget beside ``fixed`` held bytes at ``per_ex`` bytes per example, and
     ``batch_tokens`` over the positions per example."""
-    data, o = sources[0].data, facts.options
-    budget = o.memory_budget
+    data, o, budget = sources[0].data, facts.options, facts.options.memory_budget
     if data.batch_size is not None or isinstance(data.source, DataLoader):
         batch = data.batch_size or getattr(data.source, "batch_size", None)
         return batch, "batch size fixed by the data", Decision(
@@ -111,14 +106,11 @@ def _batch_size(p: Pass, sources, fixed: float, per_ex: float, facts: Facts,
     if budget - fixed < per_ex:  # not even a batch of one example fits next to the held rows
         if per_ex > budget:   # one example alone: projecting or fewer queries shrinks only the held rows
             T = max(tokens_hint(s) for s in sources)
-            raise _over_budget(p, fixed + per_ex, budget, [(f"one example's factors and activations ({T:,} positions)",
-                                                            per_ex), ("held rows and statistics", fixed)],
-                               ["use shorter sequences (one example's factors and activations grow with its "
-                                "positions, not with the queries or a projection)", "raise the memory budget"])
-        fewer, smaller = _shrinking_fixes(p.jobs, per_ex, budget, facts, resolving)
-        raise _over_budget(p, fixed + per_ex, budget, _held_parts(p, p.jobs, fixed, per_ex, resolving),
-                           ["project the gradients (ga.proj.kron)", smaller, fewer, "raise the memory budget"],
-                           _resolving_part(resolving))
+            raise _error(p, fixed + per_ex, budget, [(f"one example's factors and activations ({T:,} positions)",
+                                                      per_ex), ("held rows and statistics", fixed)],
+                         ["use shorter sequences (one example's factors and activations grow with its "
+                          "positions, not with the queries or a projection)"])
+        raise _over_budget(p, p.jobs, fixed, per_ex, budget, facts, resolving, held_alone=False)
     fit = int((budget - fixed) // max(per_ex, 1.0))
     tokens, T, by_tokens = _batch_tokens(sources, o)
     batch = max(1, min(o.batch_size, fit, by_tokens or o.batch_size))
@@ -143,8 +135,7 @@ class _Sizer:
 
     def __init__(self, schedule: Schedule, facts: Facts):
         self.schedule, self.facts = schedule, facts
-        self.drawn, self.resolved, self.stored_chunks = set(), set(), {}
-        self.decisions: list[Decision] = []
+        self.drawn, self.resolved, self.stored_chunks, self.decisions = set(), set(), {}, []
 
     def layout(self, node, reads_data: bool) -> dict:
         """``{block: "factors" | "flat"}`` of ``node``'s rows as a pass delivers them: as
@@ -167,11 +158,8 @@ class _Sizer:
         (32 + 8)·d² when damped; TrackStar's R^{-1/2} at k = 4096 takes 0.67 GB), the largest: they are
         resolved one at a time, beside what the pass holds: the preconditioners of the
         jobs' streams and the operators their kernels apply (``Job.applied_ops``)."""
-        ops = []
-        for job in jobs:
-            for s in job.streams:
-                ops += [x.op for x in s.walk() if isinstance(x, Precondition)]
-            ops += job.applied_ops()
+        ops = [x.op for job in jobs for s in job.streams for x in s.walk() if isinstance(x, Precondition)]
+        ops += [op for job in jobs for op in job.applied_ops()]
         return max((estimates.resolve_bytes(op) for op in ops if op.token not in self.resolved), default=0.0)
 
     def rowwise_cost(self, jobs, n: int, chunk, base: set, reads_data: bool) -> Cost:
@@ -211,8 +199,8 @@ class _Sizer:
         per_ex = self.per_example_bytes(sizing, sources)
         resolving = self.resolving_bytes(sizing)
         fixed = sum(job.fixed_bytes(facts) for job in sizing) + table_bytes(sizing) + resolving
-        if fixed > o.memory_budget:
-            raise _refuse(p, sizing, fixed, per_ex, o.memory_budget, facts, resolving)
+        if fixed > o.memory_budget:    # held rows and statistics alone: refused before anything runs
+            raise _over_budget(p, sizing, fixed, per_ex, o.memory_budget, facts, resolving, held_alone=True)
         batch, note, cost = None, "", Cost()
         if p.reads_data:
             batch, note, decision = _batch_size(p, sources, fixed, per_ex, facts, resolving)
@@ -223,15 +211,12 @@ class _Sizer:
         else:
             n, chunk = p.jobs[0].streams[0].n, self.stored_chunks.get(p.key.rows)
         cost = cost + estimates.pass_overhead(len(p.jobs), n if p.reads_data else 0, per_ex, p.reads_data, facts.device)
-        jobs = []
-        for job in p.jobs:
-            # rows streamed by the job: n·T for per-token rows (ga.GradientSet.per_token)
-            n_job = job.streams[0].n if job.streams and p.reads_data else n
-            job = replace(job, cost=job.stream_cost(n_job, chunk or o.batch_size, facts,
-                                                    lambda node: self.layout(node, p.reads_data),
-                                                    lambda node: storage(node, facts), o, self.resolved))
-            jobs.append(job)
-            cost = cost + job.cost
+        # each job's cost, for the rows it streams: n·T for per-token rows (ga.GradientSet.per_token)
+        layout, kept = (lambda node: self.layout(node, p.reads_data)), (lambda node: storage(node, facts))
+        jobs = [replace(job, cost=job.stream_cost(job.streams[0].n if job.streams and p.reads_data else n,
+                                                  chunk or o.batch_size, facts, layout, kept, o, self.resolved))
+                for job in p.jobs]
+        cost = sum((job.cost for job in jobs), cost)
         cost = cost + self.rowwise_cost(jobs, n, chunk, set() if p.reads_data else {p.key.rows}, p.reads_data)
         # what the jobs sized holding their raw held rows release once preconditioned
         drop = sum(a.fixed_bytes(facts) - b.fixed_bytes(facts) for a, b, j in zip(sizing, jobs, p.jobs) if a is not j)
@@ -239,9 +224,9 @@ class _Sizer:
         # one read of the data, however many sources are captured from each batch
         cost = replace(cost, peak_bytes=fixed + per_ex * (batch or 1) - drop, passes=1.0 if p.reads_data else 0.0)
         if cost.peak_bytes > o.memory_budget:   # a pass over rows in memory: its chunk beside what it holds
-            raise _over_budget(p, cost.peak_bytes, o.memory_budget,
-                               [("held rows and statistics", fixed - drop), ("its work on one chunk", per_ex)],
-                               ["project the gradients (ga.proj.kron)", "raise the memory budget"])
+            raise _error(p, cost.peak_bytes, o.memory_budget,
+                         [("held rows and statistics", fixed - drop), ("its work on one chunk", per_ex)],
+                         ["project the gradients (ga.proj.kron)"])
         return replace(p, jobs=jobs, batch_size=batch, note=note, cost=cost, seconds=cost.seconds(facts.device, dtype),
                        per_example_bytes=per_ex, fixed_bytes=fixed - drop)
 
