@@ -57,7 +57,7 @@ EMPTY: Mapping = MappingProxyType({})
 
 
 # ------------------------------------------------------------------ model shapes
-def _leaf_modules(model: nn.Module) -> int:
+def leaf_modules(model: nn.Module) -> int:
     return sum(1 for m in model.modules() if not any(True for _ in m.children()))
 
 
@@ -103,7 +103,7 @@ def capture_cost(src: Source, options, dtype=torch.float32, forward: bool = True
         m = min(4, B) * T
         for n_in, n_out in weight_layers(model):
             cost = cost + gemm_cost(m, n_out, n_in, 2, elem)
-    calls = batches * _leaf_modules(model) * (int(forward) + sweeps)
+    calls = batches * leaf_modules(model) * (int(forward) + sweeps)
     return cost + Cost(calls=calls, batches=batches * sweeps, layer_batches=batches * sweeps * len(src.space.blocks),
                        ops=batches * device.ops_per_batch)
 
@@ -430,10 +430,6 @@ def materialized_cost(node, c: int, layout: dict, elem: int, shapes: Mapping) ->
     """The factored blocks of a chunk of ``node`` materialized, one at a time."""
     T, factored = positions(node, shapes), factored_blocks(node, layout)
     return sum((made_flat_cost(b, c, T, factored, elem) for b in node.space.blocks), Cost())
-
-
-#: the private names jobs/apply.py, rows.py and scores.py still import (their rooms switch to the public ones)
-_factored, _flat = factored_blocks, made_flat_cost
 
 
 @dataclass(frozen=True)

@@ -148,12 +148,6 @@ def projection_map_decisions(node, options) -> list[Decision]:
     return rows
 
 
-def _gb(nbytes: float) -> str:
-    """Bytes in GB (10⁹) to three significant digits: "0.0084", "1.64", "13.2" (the
-    Kronecker statistics' arithmetic, :func:`~gradalg.plan.jobs.kron.kron_bytes_arithmetic`)."""
-    return f"{nbytes / 1e9:.3g}"
-
-
 def _chain(node):
     """``node`` and the nodes below it through ``.grads`` (its row-wise chain and root)."""
     while node is not None and hasattr(node, "grads"):

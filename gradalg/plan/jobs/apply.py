@@ -19,7 +19,7 @@ from typing import ClassVar
 
 from ...capture.chunks import concat_chunks, flatten
 from ..cost import Cost, gemm_cost, materialize_cost
-from ..estimates import _factored, _flat, elementwise_cost
+from ..estimates import factored_blocks, made_flat_cost, elementwise_cost
 from ..memory import positions
 from .base import Job
 
@@ -61,8 +61,8 @@ class ApplyJob(Job):
         coordinates, ``q_b gᵀ`` (a GEMM (m, c, d_b)), ``coef · g`` (a GEMM (m, d_b, c):
         an inner dimension of c, priced as outer products) into a fresh (m, d_b) tensor,
         added to the sums (read twice, written once)."""
-        T, factored, elem, m = positions(node, facts.shapes), _factored(node, layout), facts.elem, self.held.n
-        return sum((_flat(b, c, T, factored, elem) + elementwise_cost(c * b.dim, 2, 1, elem)
+        T, factored, elem, m = positions(node, facts.shapes), factored_blocks(node, layout), facts.elem, self.held.n
+        return sum((made_flat_cost(b, c, T, factored, elem) + elementwise_cost(c * b.dim, 2, 1, elem)
                     + Cost(flops=2.0 * c * b.dim, bytes=float(elem) * c * b.dim)
                     + gemm_cost(m, c, b.dim, 1, elem) + gemm_cost(m, b.dim, c, 1, elem)
                     + Cost(flops=float(m * b.dim), bytes=3.0 * elem * m * b.dim, faulted=float(elem) * m * b.dim)
@@ -77,7 +77,7 @@ class ApplyJob(Job):
         not apply the operator again."""
         held, elem, m = self.held, facts.elem, self.held.n
         numbers, T = m * held.space.dim, positions(held, facts.shapes)
-        factored = _factored(held, storage_of(held) if storage_of is not None else {})
+        factored = factored_blocks(held, storage_of(held) if storage_of is not None else {})
         flat = sum((materialize_cost(m, T[b.name], b.shape[1], b.shape[0], elem) + Cost(faulted=float(elem) * m * b.dim)
                     for b in held.space.blocks if factored[b.name]), Cost()) + elementwise_cost(numbers, 1, 1, elem)
         return (flat + Cost(bytes=float(elem) * numbers, faulted=float(elem) * numbers)

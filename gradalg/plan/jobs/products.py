@@ -42,7 +42,7 @@ from ...tasks import classification
 from ...options import get_options
 from ..cost import Cost, _si, bmm_cost, data_tokens_hint, gemm_cost
 from ..decisions import Decision, DecisionKind, DecisionSource
-from ..estimates import _leaf_modules
+from ..estimates import leaf_modules
 from ..passkeys import ProductsPassKey
 from ..rules import PlanError
 from ..shapes import _layers, _measure_on_meta, activation_bytes, attention_shape, element_size, weight_layers
@@ -161,12 +161,12 @@ def weighed(work: Cost, factor: float) -> Cost:
 def product_fixed(model, kind: str, batches: int) -> Cost:
     """torch.func's fixed cost of ``batches`` batches of products: per batch, the
     functional call, ``vmap`` / ``jvp`` / ``grad`` set up and the rows to parameters and
-    back, plus every leaf module's dispatched ops (``_leaf_modules``; an attention layer
+    back, plus every leaf module's dispatched ops (``leaf_modules``; an attention layer
     counts :data:`ATTENTION_MODULES` more), in the Gauss-Newton product's units
     (:data:`FIXED_SCALE`), priced by the device profile's measured ``product_seconds`` (a
     block of kind ``"products"`` whose ``ops`` are the modules;
     :meth:`~gradalg.devices.DeviceProfile.block_fixed_seconds`)."""
-    modules = _leaf_modules(model) + ATTENTION_MODULES * attention_shape(model)[0]
+    modules = leaf_modules(model) + ATTENTION_MODULES * attention_shape(model)[0]
     return Cost(blocks=(("products", float(batches) * FIXED_SCALE[kind], float(modules)),))
 
 
@@ -585,7 +585,7 @@ def _measure_products_fixed(timed=None, device="cpu", seconds: float = 0.15) -> 
     times = {}
     for depth in PRODUCT_DEPTHS:
         run, model, _, _ = _product_batch(4, depth, 2, device)
-        times[_leaf_modules(model)] = timed(run, seconds)
+        times[leaf_modules(model)] = timed(run, seconds)
     (few, t_few), (many, t_many) = sorted(times.items())
     per_module = max((t_many - t_few) / (many - few), 1e-7)
     return max(t_few - few * per_module, 1e-6), per_module
@@ -599,7 +599,7 @@ def _measure_product_work(prof: DeviceProfile, timed=None, device="cpu", seconds
     timed = timed or warm_timer()
     width, depth, n = PRODUCT_WORK_SHAPE
     run, model, n, dim = _product_batch(width, depth, n, device)
-    measured = timed(run, seconds) - prof.block_fixed_seconds("products", _leaf_modules(model))
+    measured = timed(run, seconds) - prof.block_fixed_seconds("products", leaf_modules(model))
     priced = prof.time_of(product_work(model, n, 1, 1, "gauss_newton", dim, 4))
     return max(measured / max(priced, 1e-9), 0.1)
 

@@ -14,7 +14,7 @@ from ...capture.chunks import Chunk, block_bytes, flat_block, flatten, unflatten
 from ...capture.factors import Factors
 from ...expr import GroupMean
 from ..cost import Cost
-from ..estimates import _factored, _flat
+from ..estimates import factored_blocks, made_flat_cost
 from ..memory import positions, rows_bytes
 from .base import Job
 
@@ -30,13 +30,13 @@ class RowsJob(Job):
     def chunk_cost(self, node, c, layout, facts) -> Cost:
         """Rows kept from one chunk of ``c`` examples: factors copied where ``storage``
         keeps factors, else the rows made flat and copied (read + write)."""
-        T, factored, elem = positions(node, facts.shapes), _factored(node, layout), facts.elem
+        T, factored, elem = positions(node, facts.shapes), factored_blocks(node, layout), facts.elem
         storage = self.storage or {}
 
         def kept(b) -> Cost:
             if factored[b.name] and storage.get(b.name, "flat") == "factors":
                 return Cost(bytes=2.0 * elem * c * T[b.name] * sum(b.shape))
-            return _flat(b, c, T, factored, elem) + Cost(bytes=2.0 * elem * c * b.dim)
+            return made_flat_cost(b, c, T, factored, elem) + Cost(bytes=2.0 * elem * c * b.dim)
         return sum(map(kept, node.space.blocks), Cost())
 
     def collects(self, token: str) -> bool:

@@ -18,7 +18,7 @@ from ...expr import Normalize
 from ...expr.tokens import token_rows
 from ...linalg.quadratic import row_quadratic
 from ..cost import Cost, block_cost, dense_cost, gemm_cost, ghost_cost, materialize_cost
-from ..estimates import _factored, _flat, apply_cost, resolve_once
+from ..estimates import factored_blocks, made_flat_cost, apply_cost, resolve_once
 from ..memory import positions, quadratic_form_bytes, rows_bytes, rows_of
 from ..rules import PlanError
 from ..shapes import element_size
@@ -99,7 +99,7 @@ class ScoresJob(Job):
     def chunk_cost(self, node, c, layout, facts) -> Cost:
         """One chunk of ``c`` streamed rows against the held rows, per block by its kernel:
         ghost products, the chunk materialized and one GEMM (dense over factors), or a GEMM."""
-        T, factored, elem = positions(node, facts.shapes), _factored(node, layout), facts.elem
+        T, factored, elem = positions(node, facts.shapes), factored_blocks(node, layout), facts.elem
         P_h, n_h = positions(self.held, facts.shapes), self.held.n
 
         def block(b) -> Cost:
@@ -232,8 +232,8 @@ class DiagJob(Job):
 
     def chunk_cost(self, node, c, layout, facts) -> Cost:
         """Self-scores of one chunk: the rows made flat, the operator applied, the row products."""
-        T, factored, space, elem = positions(node, facts.shapes), _factored(node, layout), node.space, facts.elem
-        flat = sum((_flat(b, c, T, factored, elem) for b in space.blocks), Cost())
+        T, factored, space, elem = positions(node, facts.shapes), factored_blocks(node, layout), node.space, facts.elem
+        flat = sum((made_flat_cost(b, c, T, factored, elem) for b in space.blocks), Cost())
         return (flat + Cost(flops=2.0 * c * space.dim, bytes=3.0 * elem * c * space.dim)
                 + apply_cost(self.target.scores.op, space, c, elem, shapes=facts.shapes))
 
