@@ -66,6 +66,27 @@ def move_batch(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+def _to_meta(value):
+    """``value`` with every tensor replaced by an empty one of its shape and dtype on ``meta``."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty_like(value, device="meta")
+    if isinstance(value, dict):
+        return type(value)({k: _to_meta(v) for k, v in value.items()})
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_meta(v) for v in value)
+    return value
+
+
+def meta_batch(batch):
+    """``batch`` on the meta device (its tensors' shapes and dtypes, no values), without an ``attention_mask`` of all ones (a
+    dict batch's): a Hugging Face model reads a missing mask as all ones, and its mask
+    builder reads the mask's values (``.all()``), which a meta tensor does not have."""
+    if isinstance(batch, Mapping) and isinstance(batch.get("attention_mask"), torch.Tensor) \
+            and bool((batch["attention_mask"] != 0).all()):
+        batch = {k: v for k, v in batch.items() if k != "attention_mask"}
+    return _to_meta(batch)
+
+
 @dataclass(frozen=True, eq=False)
 class DataRef:
     """A dataset (or DataLoader) with the ids of its examples.

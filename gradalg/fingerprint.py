@@ -289,8 +289,8 @@ def model_structure(model: torch.nn.Module) -> tuple[str, ...]:
 
 
 # ------------------------------------------------------------------ functions
-def _code_digest(code: types.CodeType) -> str:
-    consts = [(_code_digest(c) if isinstance(c, types.CodeType) else repr(c)) for c in code.co_consts]
+def code_digest(code: types.CodeType) -> str:
+    consts = [(code_digest(c) if isinstance(c, types.CodeType) else repr(c)) for c in code.co_consts]
     return _h(code.co_code, consts, code.co_names, code.co_varnames, code.co_freevars)
 
 
@@ -310,7 +310,7 @@ def callable_fingerprint(fn, _depth: int = 0) -> str:
                 cells.append(stable_token(cell.cell_contents, _depth + 1))
             except ValueError:           # an empty cell
                 cells.append("empty")
-        return "fn-" + _h(getattr(fn, "__module__", ""), getattr(fn, "__qualname__", ""), _code_digest(code),
+        return "fn-" + _h(getattr(fn, "__module__", ""), getattr(fn, "__qualname__", ""), code_digest(code),
                           stable_token(fn.__defaults__, _depth + 1),
                           stable_token(fn.__kwdefaults__, _depth + 1), cells)
     if isinstance(fn, (types.BuiltinFunctionType, types.BuiltinMethodType)):

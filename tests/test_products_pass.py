@@ -178,7 +178,7 @@ def test_a_products_call_is_priced_as_its_work_under_torch_func_plus_its_fixed_c
     from dataclasses import replace
     from gradalg.devices import DeviceProfile
     from gradalg.plan.jobs.products import FIXED_SCALE, product_work, weighed
-    from gradalg.plan.estimates import _leaf_modules
+    from gradalg.plan.estimates import leaf_modules
 
     task, train, _ = setting
     prof = DeviceProfile("t", 1e9, 1e9, 1e9, 1e9, elementwise_bandwidth=1e9, product_seconds=(2e-3, 3e-4),
@@ -196,7 +196,7 @@ def test_a_products_call_is_priced_as_its_work_under_torch_func_plus_its_fixed_c
         work = product_work(task.model, 16, 1, 1, kind, dim, 8).scaled(2) + product_work(task.model, 8, 1, 1, kind,
                                                                                            dim, 8)
         batches = 3
-        modules = _leaf_modules(task.model)
+        modules = leaf_modules(task.model)
         assert modules == 3                                           # Linear, Tanh, Linear
         fixed = batches * FIXED_SCALE[kind] * (2e-3 + modules * 3e-4)
         call = job.call_cost(torch.float64, prof)

@@ -32,11 +32,11 @@ from torch.utils._pytree import tree_flatten
 
 from ..capture.experts import add_param
 from ..capture.hooks import resolve_layers
-from ..data import DataRef, batch_size_of, move_batch
+from ..data import DataRef, batch_size_of, meta_batch, move_batch
 from ..eval_mode import eval_mode
 from ..errors import NoForwardADError, NonFiniteGradientError, OptionError, UnsupportedLayerError
 from ..finite import check_model, nonfinite_examples
-from ..fingerprint import _code_digest, model_structure
+from ..fingerprint import code_digest, model_structure
 from ..options import get_options
 from ..tasks.validation import no_forward_ad
 
@@ -290,10 +290,8 @@ def probe_batching(task, batch, free_names, kind: str) -> BatchingProbe:
     the meta device (undecided). ``torch.tensor(data, device="meta")`` (a Hugging Face cache's
     empty tensors) is made on the CPU and its shape put on meta, which torch.func does not allow
     inside its transforms otherwise."""
-    from ..plan.shapes import _meta_batch       # the plan's meta batch (plan imports this module)
-
     free, fixed = _split(task.model, free_names, lambda t: torch.empty_like(t, device="meta"))
-    product = _product(task, _meta_batch(batch), free, fixed, kind)
+    product = _product(task, meta_batch(batch), free, fixed, kind)
     try:
         with _MetaFactories():
             vmap(product, randomness="different")({k: v.expand(2, *v.shape) for k, v in free.items()})
@@ -337,11 +335,9 @@ def _probe_key(task, batch, free_names, kind: str) -> tuple:
     dtypes. The same model after an optimizer step is not probed again (measured: one probe takes
     0.06 s for an MLP, 0.8 s for a two-layer transformer, 4 s for GPT-2 small at T = 128, on a
     loaded CPU)."""
-    from ..plan.shapes import _meta_batch       # the plan's meta batch (plan imports this module)
-
     model = task.model
-    leaves, spec = tree_flatten(_meta_batch(batch))
-    code = tuple(_code_digest(f.__code__) if hasattr(f, "__code__") else type(f).__qualname__
+    leaves, spec = tree_flatten(meta_batch(batch))
+    code = tuple(code_digest(f.__code__) if hasattr(f, "__code__") else type(f).__qualname__
                  for f in (task.loss, task.forward, task.loss_from_outputs))
     structure = hashlib.blake2b("\n".join(model_structure(model)).encode(), digest_size=16).hexdigest()
     attention = getattr(getattr(model, "config", None), "_attn_implementation", None)

@@ -38,33 +38,13 @@ from torch.func import functional_call
 from ..capture.experts import ExpertMatrixRule, FusedExpertsRule, meta_forward, routed_counts
 from ..capture.hooks import resolve_layers
 from ..capture.layers import rule_class
-from ..data import batch_size_of, move_batch
+from ..data import batch_size_of, meta_batch, move_batch
 from ..options import get_options
 from .cost import tokens_hint
 
 __all__ = ["ForwardShapes", "ModelFacts", "forward_shapes", "measure_forward_shapes", "rows_per_example", "element_size",
            "weight_layers", "attention_shape", "activation_bytes", "output_width", "output_bytes",
            "OUTPUT_COPIES", "chunk_examples", "measurement_key"]
-
-
-def _to_meta(value):
-    if isinstance(value, torch.Tensor):
-        return torch.empty_like(value, device="meta")
-    if isinstance(value, dict):
-        return type(value)({k: _to_meta(v) for k, v in value.items()})
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to_meta(v) for v in value)
-    return value
-
-
-def _meta_batch(batch):
-    """``batch`` on meta (:func:`_to_meta`), without an ``attention_mask`` of all ones (a
-    dict batch's): a Hugging Face model reads a missing mask as all ones, and its mask
-    builder reads the mask's values (``.all()``), which a meta tensor does not have."""
-    if isinstance(batch, Mapping) and isinstance(batch.get("attention_mask"), torch.Tensor) \
-            and bool((batch["attention_mask"] != 0).all()):
-        batch = {k: v for k, v in batch.items() if k != "attention_mask"}
-    return _to_meta(batch)
 
 
 @dataclass(frozen=True)
@@ -201,7 +181,7 @@ def _measure_on_meta(task, batch, refs) -> tuple[dict[str, int], int]:
             module.forward = functools.partial(_meta_experts, module, activations)
     try:
         state = {k: torch.empty_like(v, device="meta") for k, v in model.state_dict(keep_vars=True).items()}
-        meta = _meta_batch(batch)
+        meta = meta_batch(batch)
         # the model's tensors replaced by meta ones for one call; the forward ran (hooks fired) even
         # where the loss, which may need numbers, fails
         with torch.no_grad(), contextlib.suppress(Exception):
