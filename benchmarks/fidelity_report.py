@@ -137,7 +137,9 @@ def setting_of(path: Path) -> str:
 def collect(root: Path = BUILD, previous: dict | None = None, docs_md: str | None = None) -> dict:
     """The points JSON: each setting from its results file under ``root`` when there (the
     file with the most seeds per subset), else as in ``previous``, else from the tables of
-    ``docs_md`` (default: ``docs/fidelity.md``'s text)."""
+    ``docs_md`` (default: ``docs/fidelity.md``'s text). A results file against fewer runs per
+    subset than the setting's points in ``previous`` does not replace them: a machine with only
+    ``results-lm.json`` keeps ``lm``'s points against the mean of 4 runs (``results-lm-k4.json``)."""
     out = {"generated_by": "python benchmarks/fidelity_report.py --points", "settings": {}}
     found = {}
     for path in sorted(root.glob("results-*.json")):
@@ -150,7 +152,12 @@ def collect(root: Path = BUILD, previous: dict | None = None, docs_md: str | Non
             found[s] = (k, path, res)
     docs = None
     for s in SETTINGS:
-        if s in found:
+        kept = (previous or {}).get("settings", {}).get(s, {})
+        if s in found and found[s][0] < kept.get("seeds_per_subset", 1):
+            print(f"{s}: {found[s][1].name} has {found[s][0]} run(s) per subset; the points kept are against "
+                  f"{kept['seeds_per_subset']} runs ({kept['source']})")
+            out["settings"][s] = kept
+        elif s in found:
             k, path, res = found[s]
             rel = res.get("reliability", {})
             source = f"build/fidelity/{path.name}"
@@ -290,25 +297,30 @@ LM_SETTINGS = ("lm", "lm2", "text", "instruct", "llama")
 
 
 def targets_table(data: dict, settings=LM_SETTINGS) -> str:
-    """Markdown: per LM setting, the best method at its defaults (one model), the best one
-    model in any configuration, the best point overall (ensembles and MAGIC included), each
-    with LDS [CI] and cost, and the ground truth's LDS ceiling (issue 31 item 6)."""
+    """Markdown: per LM setting, the ground truth its points are scored against (runs per
+    subset, the LDS ceiling ``ga.eval.reliability`` gives it, the results file), the best
+    method at its defaults (one model), the best one model in any configuration and the
+    best point overall (ensembles and MAGIC included), each with LDS [CI] and cost (issue 31
+    item 6: its targets are set against multi-run ground truths)."""
     def cell(p):
         if p is None:
             return ""
         return (f"{p['lds']:.3f} [{p['low']:.3f}, {p['high']:.3f}] — {p['method']}, {p['config'] or 'defaults'} "
                 f"({_cost(p['cost'])})")
-    lines = ["| setting | best at its defaults (one model) | best one model, any configuration | best overall "
-             "(ensembles allowed) | LDS ceiling |", "|---|---|---|---|---:|"]
+    lines = ["| setting | ground truth | best at its defaults (one model) | best one model, any configuration | "
+             "best overall (ensembles allowed) |", "|---|---|---|---|---|"]
     for s in settings:
         if s not in data["settings"]:
             continue
         d = data["settings"][s]
         pts = d["points"]
         best = lambda ps: max(ps, key=lambda p: p["lds"]) if ps else None  # noqa: E731
-        ceiling = f"{d['ceiling']:.2f}" if d.get("ceiling") else "not measured (1 run per subset)"
-        lines.append(f"| `{s}` | {cell(best([p for p in pts if p['default']]))} | "
-                     f"{cell(best([p for p in pts if p['kind'] == 'single']))} | {cell(best(pts))} | {ceiling} |")
+        k = d.get("seeds_per_subset", 1)
+        truth = (f"{k} run{'s' if k > 1 else ''} per subset, LDS ceiling "
+                 + (f"{d['ceiling']:.2f}" if d.get("ceiling") else "not measured")
+                 + f" (`{d['source'].split()[0].removeprefix('build/fidelity/')}`)")
+        lines.append(f"| `{s}` | {truth} | {cell(best([p for p in pts if p['default']]))} | "
+                     f"{cell(best([p for p in pts if p['kind'] == 'single']))} | {cell(best(pts))} |")
     return "\n".join(lines)
 
 

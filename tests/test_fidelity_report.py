@@ -161,6 +161,37 @@ def test_points_merge_per_setting(fr, tmp_path, monkeypatch):
     assert json.loads(points.read_text())["settings"] == before["settings"]
 
 
+def test_targets_table_reads_the_multi_run_ground_truth(fr, tmp_path):
+    """Issue 31 item 6 sets its targets against multi-run ground truths: with ``results-lm.json``
+    (one run per subset) and ``results-lm-k4.json`` (the mean of 4) both there, ``lm``'s points
+    and its targets row are the 4-run file's, completed by the rows of the docs' ``lm-k4`` table
+    (not the one-run ``lm`` table's), and the row names its ground truth; a later ``--points``
+    on a machine with the one-run file only keeps the 4-run points (on main it replaced them)."""
+    import json
+    one = dict(RESULT, setting="lm", protocol={"seeds_per_subset": 1}, rows=[_row("relatif", "defaults", 0.39, 14.0)])
+    one.pop("reliability")
+    four = dict(RESULT, setting="lm-k4", protocol=dict(RESULT["protocol"], seeds_per_subset=4),
+                reliability=dict(RESULT["reliability"], ceiling=0.87), rows=[_row("relatif", "defaults", 0.47, 14.0)])
+    (tmp_path / "results-lm.json").write_text(json.dumps(one))
+    (tmp_path / "results-lm-k4.json").write_text(json.dumps(four))
+    docs = (fr.table(dict(one, rows=[_row("relatif", "EK-FAC, ensemble of 5 seeds", 0.48, 200.0)])) + "\n\n"
+            + fr.table(dict(four, rows=[_row("relatif", "EK-FAC, ensemble of 5 seeds", 0.56, 200.0)])) + "\n")
+    data = fr.collect(tmp_path, None, docs_md=docs)
+    lm = data["settings"]["lm"]
+    assert lm["seeds_per_subset"] == 4 and lm["ceiling"] == 0.87
+    assert lm["source"] == "build/fidelity/results-lm-k4.json + 1 rows of its table in docs/fidelity.md not rerun"
+    assert sorted(p["lds"] for p in lm["points"]) == [0.47, 0.56]
+    row = fr.targets_table(data).splitlines()[2].split(" | ")
+    assert row[:2] == ["| `lm`", "4 runs per subset, LDS ceiling 0.87 (`results-lm-k4.json`)"]
+    assert row[2].startswith("0.470 [") and row[4].startswith("0.560 [")
+    (tmp_path / "results-lm-k4.json").unlink()
+    kept = fr.collect(tmp_path, data, docs_md=docs)["settings"]["lm"]
+    assert kept == lm
+    assert fr.collect(tmp_path, None, docs_md=docs)["settings"]["lm"]["seeds_per_subset"] == 1
+    assert "1 run per subset, LDS ceiling not measured (`results-lm.json`)" in fr.targets_table(
+        fr.collect(tmp_path, None, docs_md=docs))
+
+
 def test_update_docs_keeps_the_rows_not_rerun(fr):
     """``--update-docs`` with a partial rerun: the table gets the rerun rows (new numbers) and
     keeps its rows the results file lacks; the LM ensembles table is not a table of rows."""
@@ -214,7 +245,7 @@ def test_docs_frontier_tables_are_the_committed_points(fr):
     data = json.loads(fr.POINTS.read_text())
     md = fr.DOCS.read_text()
     assert _md_table(md, "| setting | method | default LDS |") == fr.defaults_table(data)
-    assert _md_table(md, "| setting | best at its defaults") == fr.targets_table(data)
+    assert _md_table(md, "| setting | ground truth | best at its defaults") == fr.targets_table(data)
 
 
 def test_replace_table_swaps_only_the_table_with_that_header(fr):
