@@ -25,7 +25,6 @@ class StatisticsJob(Job):
     row set of an example (one per Gauss-Newton term) is its own chunk, what it holds does
     not shrink with fewer queries, and its result is the operator (``state.ops``)."""
 
-    output: ClassVar[str] = "operator"
     phase: ClassVar[str] = "statistics"
     per_row_set: ClassVar[bool] = True
     shrinks_with_queries: ClassVar[bool] = False

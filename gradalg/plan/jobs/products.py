@@ -181,7 +181,6 @@ class ProductsJob(Job):
     ``streams`` is empty: it reads raw batches, not gradient rows."""
 
     kind: ClassVar[str] = "products"
-    output: ClassVar[str] = "matvec"
     phase: ClassVar[str] = "statistics"
     ops_per_block: ClassVar[int] = 0
 
