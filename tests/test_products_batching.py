@@ -231,3 +231,15 @@ def test_the_probe_passes_transformers_with_eager_attention(arch):
     assert probe_batching(task, tuple(t[:1] for t in data), names, "hessian") == BatchingProbe("vmap")
     # no weight was touched: the probe runs on meta
     assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_gauss_newton_without_the_task_s_forward_is_refused_by_the_plan_not_probed():
+    """A task without ``forward`` / ``loss_from_outputs`` cannot give Gauss-Newton products: the
+    plan refuses it with the fix (before, its probe failed with a TypeError and the plan showed
+    an "undecided" loop; only the run refused)."""
+    model = NoVmapNet()
+    _, train, queries = _setting(model)
+    task = ga.Task(model, lambda m, batch: nn.functional.cross_entropy(m(batch[0]), batch[1], reduction="sum"))
+    S = ga.methods.influence(task, train, queries, curvature="gauss_newton", solver="cg", damping=0.1)
+    with pytest.raises(OptionError, match="loss_from_outputs.*ga.tasks.classification"):
+        S.explain()

@@ -99,11 +99,7 @@ class Products:
 
     def __init__(self, task, data: DataRef, layers, kind: str = "hessian", backend: str = "hooks",
                  batching: str | None = None):
-        if kind not in ("hessian", "gauss_newton"):
-            raise OptionError(f"kind must be 'hessian' or 'gauss_newton', got {kind!r}")
-        if kind == "gauss_newton" and (task.forward is None or task.loss_from_outputs is None):
-            raise OptionError("Gauss-Newton products need Task(forward=..., loss_from_outputs=...); "
-                             "ga.tasks.classification(model) provides both")
+        check_kind(task, kind)
         self.task, self.data, self.kind = task, data, kind
         self.model = task.model
         self.coords = ParamCoords(self.model, layers, backend)
@@ -306,11 +302,21 @@ def probe_batching(task, batch, free_names, kind: str) -> BatchingProbe:
     return BatchingProbe("loop", _named(batched))
 
 
+def check_kind(task, kind: str) -> None:
+    """Refuse a ``kind`` of products the task cannot give (before a plan probes or a run starts)."""
+    if kind not in ("hessian", "gauss_newton"):
+        raise OptionError(f"kind must be 'hessian' or 'gauss_newton', got {kind!r}")
+    if kind == "gauss_newton" and (task.forward is None or task.loss_from_outputs is None):
+        raise OptionError("Gauss-Newton products need Task(forward=..., loss_from_outputs=...); "
+                          "ga.tasks.classification(model) provides both")
+
+
 def decide_batching(task, batch, free_names, kind: str, forced: str | None = None) -> tuple[str, BatchingProbe | None]:
     """``(batching, probe)``: ``forced`` (default ``ga.options(products_batching)``) where it is
     ``"vmap"`` or ``"loop"`` (no probe), else the probe's (:func:`probe_batching`, memoised by the
     model's architecture: :func:`_probe_key`), the loop where it is undecided (the safe side: a
     loop is never slower than priced)."""
+    check_kind(task, kind)     # else the probe's TypeError would read as "undecided"
     forced = get_options().products_batching if forced is None else forced
     if forced != "auto":
         return forced, None
