@@ -273,8 +273,11 @@ class DiagJob(Job):
                                self.token_block)
 
     def feed(self, acc, chunks, state) -> None:
-        """One stream, two in lockstep, or the held side aligned to the streamed chunk by id."""
-        pairs = zip(*chunks) if self.held is None else ((_aligned_held(state, self.held, r), r) for r in chunks[0])
+        """One stream, two in lockstep, or the held side aligned to the streamed chunk by id
+        (the held rows indexed once per pass: :class:`HeldById`)."""
+        if self.held is not None and acc.held is None:
+            acc.held = HeldById(state.rows[self.held.token])
+        pairs = zip(*chunks) if self.held is None else ((acc.held.aligned(r), r) for r in chunks[0])
         for sides in pairs:
             acc.update(*sides)
 
@@ -375,6 +378,7 @@ class DiagAccumulator(_Concatenated):
         self.space, self.resolved, self.same = space, resolved, same
         self.slice_elements, self.token_block = slice_elements, token_block   # of the ghost norms
         self.parts: list[torch.Tensor] = []
+        self.held: HeldById | None = None      # a held left side, indexed by DiagJob.feed
 
     def update(self, left: Chunk, right: Chunk | None = None) -> None:
         if right is not None and right.ids != left.ids:
@@ -390,14 +394,30 @@ class DiagAccumulator(_Concatenated):
         self.parts.append(part)
 
 
-def _aligned_held(state, held, right: Chunk) -> Chunk:
-    """The held rows of a self-score, in the order of the streamed chunk's example ids."""
-    rows = concat_chunks(state.rows[held.token])
-    position = {i: k for k, i in enumerate(rows.ids)}
-    if len(position) != len(rows.ids):
-        raise DataError(
-            "the rows of a self-score (a diagonal S_zz) repeat example ids (e.g. training-time rows "
-            "of an example seen in several epochs), so they cannot be aligned by id: combine them "
-            "first, ga.integrations.combine_repeats(G, 'sum' or 'mean')")
-    index = torch.tensor([position[i] for i in right.ids])
-    return Chunk(right.ids, unflatten(flatten(rows, held.space)[index], held.space))
+class HeldById:
+    """The held rows of a self-score, joined once per pass and indexed by example id.
+
+    ``aligned(right)`` picks, block by block, the held rows of the streamed chunk's ids, in
+    its order: factored blocks stay factored (``Factors[index]``: (c, T, in) and (c, T, out)
+    of the n held), flat ones are (c, d_b) rows. Joining and indexing once per pass keeps a
+    pass of k chunks at O(n + k·c) row reads (it was O(k·n): the held rows were joined and
+    materialized flat for every chunk).
+    """
+
+    def __init__(self, chunks: list[Chunk]):
+        self.rows = concat_chunks(chunks)
+        self.position = {i: k for k, i in enumerate(self.rows.ids)}
+        if len(self.position) != len(self.rows.ids):
+            raise DataError(
+                "the rows of a self-score (a diagonal S_zz) repeat example ids (e.g. training-time rows "
+                "of an example seen in several epochs), so they cannot be aligned by id: combine them "
+                "first, ga.integrations.combine_repeats(G, 'sum' or 'mean')")
+
+    def aligned(self, right: Chunk) -> Chunk:
+        """The held rows of ``right``'s example ids, in that order."""
+        missing = [i for i in right.ids if i not in self.position]
+        if missing:
+            raise DataError(f"the streamed side of a self-score has example ids {missing[:5]} that its held side "
+                            "lacks: give both sides of the diagonal the same data")
+        index = torch.tensor([self.position[i] for i in right.ids])
+        return Chunk(right.ids, {name: value[index] for name, value in self.rows.blocks.items()})

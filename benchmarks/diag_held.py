@@ -1,0 +1,98 @@
+"""A self-score with a held side, old tree against new, in alternating processes.
+
+``(G₁ @ G₂.T).diag()`` between two checkpoints of a 2-layer GPT-2 (n_embd 64, T = 32,
+random weights, nothing downloaded) over the same ``--n`` training sequences, every Conv1D
+of ``transformer.h.*`` attributed (factored rows): the two sides read different models, so
+the plan collects G₁ (held) and streams G₂, aligning the held rows to each streamed chunk
+by example id (``DiagJob(held=...)``). One warm-up compute, then ``--repeats`` timed ones.
+Reported per run: the process's CPU seconds, its peak resident set (``VmHWM``; each run
+is a fresh process) and a checksum of the diagonal (the trees must agree).
+
+    .venv/bin/python benchmarks/diag_held.py --trees /work/old /work/new --rounds 2
+
+Each round runs each tree once in a fresh process with ``PYTHONPATH=<tree>``, alternating;
+then the medians per tree and their ratios (new / old) are printed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+
+def peak_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
+def measure(tree: str, n: int, repeats: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import gradalg as ga
+
+    torch.set_num_threads(1)
+    T = 32
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=T, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    first = GPT2LMHeadModel(config).eval()
+    torch.manual_seed(1)
+    second = GPT2LMHeadModel(config).eval()
+    X = torch.randint(0, 256, (n, T), generator=torch.Generator().manual_seed(0))    # (n, T)
+
+    def lm_loss(model, batch):
+        ids = batch[0]
+        logits = model(input_ids=ids).logits[:, :-1]
+        return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
+
+    data = (X,)
+    G1 = ga.grads(ga.Task(first, lm_loss, name="ckpt-1"), data, "transformer.h.*")
+    G2 = ga.grads(ga.Task(second, lm_loss, name="ckpt-2"), data, "transformer.h.*")
+
+    def once():
+        with ga.options(batch_size=16, progress=False, check_models=False):   # two checkpoints, on purpose
+            return (G1 @ G2.T).diag().compute(ga.LocalExecutor())      # (n,)
+
+    once()
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    for _ in range(repeats):
+        out = once()
+    return {"tree": tree, "cpu_s": round(time.process_time() - cpu0, 3),
+            "wall_s": round(time.perf_counter() - wall0, 3), "peak_mb": round(peak_mb(), 1),
+            "checksum": float(out.values.astype("float64").sum())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trees", nargs=2, metavar=("OLD", "NEW"), help="two checkouts, compared in alternation")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--n", type=int, default=256, help="training sequences (chunks of 16)")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.child, args.n, args.repeats)))
+        return
+    runs = {tree: [] for tree in args.trees}
+    for _ in range(args.rounds):
+        for tree in args.trees:
+            env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", tree, "--n", str(args.n),
+                                  "--repeats", str(args.repeats)], env=env, capture_output=True, text=True,
+                                 check=True).stdout.strip().splitlines()[-1]
+            print(out, flush=True)
+            runs[tree].append(json.loads(out))
+    old, new = ({key: statistics.median(r[key] for r in runs[t]) for key in ("cpu_s", "peak_mb")} for t in args.trees)
+    print(json.dumps({"median": {"old": old, "new": new},
+                      "new_over_old": {key: round(new[key] / old[key], 3) for key in old},
+                      "load_average": os.getloadavg()}))
+
+
+if __name__ == "__main__":
+    main()
