@@ -231,8 +231,10 @@ class Options:
         How the m vectors of a curvature products call run: ``"auto"`` (default) as the plan decides
         before any run, from a probe on the meta device (``torch.func.vmap`` of 2 vectors' products,
         no weight or example read: :func:`gradalg.curvature.hvp.probe_batching`): one ``vmap`` where
-        it runs, a loop of one product per vector where only one vector runs, and the loop where the
-        meta device cannot run the model at all (the safe side); ``"vmap"`` or ``"loop"`` force one.
+        it runs, a loop of one product per vector where only one vector runs; where the meta device
+        cannot run the model (a ``.item()``, a branch on a tensor's value) the same probe on the first
+        example with the real weights, and the loop where that cannot run either (the safe side);
+        ``"vmap"`` or ``"loop"`` force one.
         ``explain()`` shows the decision (``DecisionKind.PRODUCTS_BATCHING``) and prices the loop as
         m calls of one vector. The numbers are the same either way.
     dense_projection_bytes : int

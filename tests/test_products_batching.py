@@ -158,23 +158,62 @@ def test_the_loop_is_priced_as_m_calls_of_one_vector():
     assert vmapped.flops < eight.flops     # vmap runs the primal once for the 8 vectors
 
 
-def test_an_undecided_probe_loops_and_the_option_forces_vmap(batchings):
+def test_a_model_the_meta_device_cannot_run_is_probed_on_its_first_example(batchings):
+    """GatedNet branches on a buffer's value: the meta device cannot run it, the first example
+    with the real weights can, and vmap batches it; the run follows the plan, and equals the
+    loop the option forces."""
     task, train, queries = _setting(GatedNet())
     S = ga.methods.influence(task, train, queries, curvature="gauss_newton", solver="cg", damping=0.1)
     decision = LocalExecutor().plan(S.expr).decisions.one("products_batching")
-    assert decision.chosen == "loop" and decision.reason.startswith("undecided")
-    assert "products_batching='vmap'" in decision.reason
-    looped = np.asarray(S.compute(executor=LocalExecutor()))
-    assert set(batchings) == {"loop"}
+    assert decision.chosen == "vmap" and "first example" in decision.reason
+    assert "products_batching='vmap' or 'loop'" in decision.reason
+    vmapped = np.asarray(S.compute(executor=LocalExecutor()))
+    assert set(batchings) == {"vmap"}
     batchings.clear()
-    with ga.options(products_batching="vmap"):
+    with ga.options(products_batching="loop"):
         plan = LocalExecutor().plan(S.expr)
         forced = plan.decisions.one("products_batching")
-        assert forced.chosen == "vmap" and forced.source is DecisionSource.OPTIONS
-        assert forced.setting == "products_batching='vmap'"
-        vmapped = np.asarray(S.compute(executor=LocalExecutor()))
-    assert set(batchings) == {"vmap"}
+        assert forced.chosen == "loop" and forced.source is DecisionSource.OPTIONS
+        assert forced.setting == "products_batching='loop'"
+        looped = np.asarray(S.compute(executor=LocalExecutor()))
+    assert set(batchings) == {"loop"}
     np.testing.assert_allclose(vmapped, looped, rtol=1e-10, atol=1e-12 * float(np.abs(looped).max()))
+
+
+def test_hugging_face_attention_with_a_padding_mask_is_batched_and_equals_the_dense_hessian(batchings):
+    """SDPA with a padding mask: the mask builder's ``.item()`` cannot run on meta (the plan
+    looped these models before); the first-example probe decides vmap, and the products equal
+    the float64 double-backward Hessian of the attributed block."""
+    model = models.gpt2(n_layer=1, n_embd=16, vocab=31)
+    task, data = models.lm_task(model), models.padded_token_data(n=5, vocab=31, min_len=3, max_len=7)
+    layer = "transformer.h.0.attn.c_proj"
+    names = [f"{layer}.weight", f"{layer}.bias"]
+    probe = probe_batching(task, tuple(t[:1] for t in data), names, "hessian")
+    assert (probe.batching, probe.where) == ("vmap", "first example") and ".item()" in probe.meta_error
+    decision = LocalExecutor().plan(ga.hessian(task, data, layers=[layer]).expr).decisions.one("products_batching")
+    assert decision.chosen == "vmap" and "first example" in decision.reason
+    matvec = hvp.dataset_matvec(task, as_data(data), [layer])
+    coords = ParamCoords(model, [layer])
+    params = [model.get_parameter(n) for n in coords.param_names]
+    loss = task.summed_loss(model, data) / len(data[0])
+    grads = torch.autograd.grad(loss, params, create_graph=True)
+    dim = sum(p.numel() for p in params)
+    V = torch.randn(3, dim, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    want = torch.stack([coords.from_params({n: h.unsqueeze(0) for n, h in zip(
+        coords.param_names, torch.autograd.grad(grads, params, [coords.to_params(v[None])[n][0]
+                                                                 for n in coords.param_names], retain_graph=True))})[0]
+                        for v in V])
+    torch.testing.assert_close(matvec(V), want, rtol=1e-8, atol=1e-10)
+    assert set(batchings) == {"vmap"}
+
+
+def test_a_model_with_meta_weights_stays_undecided_and_loops():
+    """No weight to run the first example with: undecided, the loop (the safe side)."""
+    model = GatedNet().to("meta")
+    X, _ = models.classification_data(n=2)
+    probe = probe_batching(ga.tasks.classification(model), (X[:1], torch.zeros(1, dtype=torch.long)),
+                           ["a.weight", "a.bias"], "hessian")
+    assert probe.batching is None and probe.where == "meta" and probe.error
 
 
 def test_vmap_forced_on_a_model_it_cannot_batch_raises_a_typed_error_naming_the_fix():

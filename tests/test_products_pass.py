@@ -132,10 +132,10 @@ def test_gpt2_hessian_products_through_the_pass_equal_the_products_outside_a_pla
     H = ga.arnoldi(ga.hessian(task, data, layers), rank=3, iters=6)
     S = Q @ H.damp(0.5).inv() @ G.T
     ex = LocalExecutor()
-    # SDPA reads the attention mask's values, which the meta probe cannot: the plan says undecided and
-    # loops (one vector per call here, the same work); the run follows it, no run-time fallback warns
+    # SDPA reads the attention mask's values, which the meta probe cannot: the probe on the first
+    # example decides vmap; the run follows it, no run-time fallback warns
     decision = ex.plan(S.expr).decisions.one("products_batching")
-    assert decision.chosen == "loop" and decision.reason.startswith("undecided") and "item()" in decision.reason
+    assert decision.chosen == "vmap" and "first example" in decision.reason and "item()" in decision.reason
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         planned = np.asarray(S.compute(executor=ex))

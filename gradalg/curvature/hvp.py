@@ -10,7 +10,7 @@ Each call is one pass over ``data`` (forward and backward per batch). The m rows
 go through one ``torch.func.vmap`` (the primal sweeps once per batch, the tangents as GEMMs m
 times as tall) or a loop, one product per vector (the primal m times): decided before any
 run by :func:`decide_batching` from a probe on the meta device (:func:`probe_batching`: no
-weight or example is read), or forced by ``ga.options(products_batching)``; never switched at
+weight or example is read; on the first example where meta cannot run the model), or forced by ``ga.options(products_batching)``; never switched at
 run time (a model the probe passed and the real batch fails raises
 :class:`~gradalg.errors.UnsupportedLayerError` naming the failure and the option). ``vmap``-ed
 in chunks of vectors whose activations stay under ``ga.options(products_vmap_elements)``
@@ -21,7 +21,7 @@ product needs ``Task(forward=..., loss_from_outputs=...)``, which
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -36,7 +36,7 @@ from ..data import DataRef, batch_size_of, meta_batch, move_batch
 from ..eval_mode import eval_mode
 from ..errors import NoForwardADError, NonFiniteGradientError, OptionError, UnsupportedLayerError
 from ..finite import check_model, nonfinite_examples
-from ..fingerprint import code_digest, model_structure
+from ..fingerprint import code_digest, is_meta_model, model_structure
 from ..options import get_options
 from ..tasks.validation import no_forward_ad
 
@@ -266,40 +266,62 @@ def _batch_product(task, batch, V: dict, free_names: list[str], kind: str, chunk
 
 @dataclass(frozen=True)
 class BatchingProbe:
-    """What :func:`probe_batching` found on the meta device: ``batching`` ``"vmap"`` (``vmap`` of
-    the products of 2 vectors ran), ``"loop"`` (the product of one vector ran, its ``vmap`` did not:
-    ``error``), or None, undecided (not even one vector's product ran on meta: ``error``, a
-    meta-device limit such as an op without a meta kernel or a branch on a tensor's value)."""
+    """What :func:`probe_batching` found: ``batching`` ``"vmap"`` (``vmap`` of the products of 2
+    vectors ran), ``"loop"`` (the product of one vector ran, its ``vmap`` did not: ``error``), or
+    None, undecided (not even one vector's product ran: ``error``). ``where``: ``"meta"`` (shapes
+    only) or ``"first example"`` (the real weights and the data's first example, tried where the
+    meta device could not run the model; ``meta_error`` says why)."""
 
     batching: str | None
     error: str = ""
+    where: str = "meta"
+    meta_error: str = ""
+
+
+def _try_batching(product, free: dict, where: str) -> BatchingProbe:
+    """``vmap`` of ``product`` over 2 vectors of ``free``'s shapes; where that fails, one vector's
+    product alone, which tells a failure of ``vmap`` (``"loop"``) from one of the model itself on
+    this device (undecided)."""
+    try:
+        vmap(product, randomness="different")({k: v.expand(2, *v.shape) for k, v in free.items()})
+        return BatchingProbe("vmap", where=where)
+    except Exception as err:  # noqa: BLE001 - the probe's answer; told from the device's own failures below
+        batched = _root(err)
+    try:
+        product(free)
+    except Exception as err:  # noqa: BLE001 - this device cannot run one product: undecided here
+        return BatchingProbe(None, _named(_root(err)), where=where)
+    return BatchingProbe("loop", _named(batched), where=where)
 
 
 def probe_batching(task, batch, free_names, kind: str) -> BatchingProbe:
-    """Whether ``torch.func.vmap`` batches the ``kind`` products of ``task``'s model over vectors,
-    tried on the meta device (shapes only: no weight or example value is read, nothing is
+    """Whether ``torch.func.vmap`` batches the ``kind`` products of ``task``'s model over vectors.
+
+    First on the meta device (shapes only: no weight or example value is read, nothing is
     computed): every parameter and buffer and the one-example ``batch`` as meta tensors, the
     products of 2 vectors of the parameters ``free_names`` through ``vmap`` (what a run does, at
     m = 2), and where that fails the product of one vector alone, which tells a failure of
     ``vmap`` (an op without a batching rule that cannot fall back, a custom autograd.Function
     without a vmap rule, an in-place write of a batched tensor into an unbatched one) from one of
-    the meta device (undecided). ``torch.tensor(data, device="meta")`` (a Hugging Face cache's
-    empty tensors) is made on the CPU and its shape put on meta, which torch.func does not allow
-    inside its transforms otherwise."""
+    the meta device. ``torch.tensor(data, device="meta")`` (a Hugging Face cache's empty tensors)
+    is made on the CPU and its shape put on meta, which torch.func does not allow inside its
+    transforms otherwise.
+
+    Where the meta device cannot run the model (a branch on a tensor's value, a ``.item()``: a
+    Hugging Face attention mask's builder), the same two tries run for real on the model's own
+    device, weights and the one-example ``batch`` (in eval mode, as the run): 2 products of one
+    example, the cost of a few forward and backward passes of it. A model whose weights are on
+    the meta device stays undecided."""
     free, fixed = _split(task.model, free_names, lambda t: torch.empty_like(t, device="meta"))
-    product = _product(task, meta_batch(batch), free, fixed, kind)
-    try:
-        with _MetaFactories():
-            vmap(product, randomness="different")({k: v.expand(2, *v.shape) for k, v in free.items()})
-        return BatchingProbe("vmap")
-    except Exception as err:  # noqa: BLE001 - the probe's answer; told from meta's own failures below
-        batched = _root(err)
-    try:
-        with _MetaFactories():
-            product(free)
-    except Exception as err:  # noqa: BLE001 - the meta device cannot run the model: undecided
-        return BatchingProbe(None, _named(_root(err)))
-    return BatchingProbe("loop", _named(batched))
+    with _MetaFactories():
+        meta = _try_batching(_product(task, meta_batch(batch), free, fixed, kind), free, "meta")
+    if meta.batching is not None or is_meta_model(task.model):
+        return meta
+    free, fixed = _split(task.model, free_names)
+    device = next((t.device for t in free.values()), torch.device("cpu"))
+    with eval_mode(task.model):
+        real = _try_batching(_product(task, move_batch(batch, device), free, fixed, kind), free, "first example")
+    return replace(real, meta_error=meta.error)
 
 
 def check_kind(task, kind: str) -> None:

@@ -13,7 +13,8 @@ decide stage plans them as a :class:`ProductsJob` in a pass of its own (key
 :class:`~gradalg.plan.passkeys.ProductsPassKey`: H's token, task name, n, calls), priced per
 group as one call of its vectors times its bound, which ``explain()`` shows. How a call's m vectors run is decided
 there too, before any run (a ``PRODUCTS_BATCHING`` decision): one ``torch.func.vmap`` over them where a
-probe on the meta device runs it (:func:`~gradalg.curvature.hvp.probe_batching`), else a loop of one
+probe runs it (:func:`~gradalg.curvature.hvp.probe_batching`: on the meta device, or on the first
+example where the meta device cannot run the model), else a loop of one
 product per vector, priced as m calls of one vector (:meth:`ProductsJob.vmap_calls`); the run
 follows it. When the plan runs, the pass reads nothing: it
 publishes a :class:`ProductPass`, the matvec the solver calls, and each call runs the pass
@@ -225,14 +226,16 @@ class ProductsJob(Job):
         if probe is None:
             return [Decision(DecisionKind.PRODUCTS_BATCHING, t.token, self.batching, alternatives, label=t.label,
                              source=DecisionSource.OPTIONS, setting=f"products_batching={self.batching!r}")]
+        on = ("a probe on the meta device (no weight or example read)" if probe.where == "meta" else
+              f"a probe on the first example with the real weights (the meta device cannot run the model: "
+              f"{probe.meta_error})")
         if probe.batching == "vmap":
-            why = ("a probe on the meta device (no weight or example read) ran torch.func.vmap over the products "
-                   "of 2 vectors: each call's vectors go through vmap together")
+            why = f"{on} ran torch.func.vmap over the products of 2 vectors: each call's vectors go through vmap together"
         elif probe.batching == "loop":
-            why = (f"a probe on the meta device ran one vector's product but not vmap over 2 ({probe.error}): "
+            why = (f"{on} ran one vector's product but not vmap over 2 ({probe.error}): "
                    "each vector's product runs alone, priced as m calls of one vector")
         else:
-            why = (f"undecided: the meta device cannot run one vector's product ({probe.error}), so whether vmap "
+            why = (f"undecided: {on} could not run one vector's product ({probe.error}), so whether vmap "
                    "batches the model is not known; the loop is priced and run (the safe side)")
         return [Decision(DecisionKind.PRODUCTS_BATCHING, t.token, self.batching, alternatives,
                          f"{why}; {fix}", label=t.label)]
