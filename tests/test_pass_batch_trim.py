@@ -21,7 +21,7 @@ from gradalg.plan.planner import plan
 
 sys.path.insert(0, os.path.dirname(__file__))
 import models  # noqa: E402
-from references import one_thread  # noqa: E402,F401 - an autouse fixture
+from references import one_thread, reference_rows  # noqa: E402,F401 - an autouse fixture
 
 LAYERS = ["0", "2"]
 N = 12
@@ -147,3 +147,26 @@ def test_explain_shows_the_batch_and_trim_per_pass(task):
     assert [row[trim] for row in table.rows] == ["yes" if q.reads_data else "-" for q in p.passes]
     html = shown._repr_html_()
     assert "<th title=" in html and ">trim</th>" in html
+
+
+def test_an_unbatched_dataloader_is_read_in_the_batches_the_budget_allows(task, monkeypatch):
+    """``DataLoader(batch_size=None)`` yields single examples that gradalg groups: the plan
+    sizes its batch like a Dataset's (before: None, and the runner grouped
+    ``ga.options().batch_size`` whatever the budget), and the scores are the reference's."""
+    X, y = models.classification_data(N, seed=1)
+    queries = models.classification_data(3, seed=2)
+    G = ga.grads(task, DataLoader(TensorDataset(X, y), batch_size=None), LAYERS)
+    S = ga.grads(task, queries, LAYERS) @ G.T
+    big = max(_data_passes(plan(S.expr)), key=lambda q: q.key.n)
+    monkeypatch.setattr(runner_module, "ResidentGuard", _Counting)
+    _Counting.made = []
+    with ga.options(memory_budget=int(big.fixed_bytes + 3.5 * big.per_example_bytes), release_memory_above=0,
+                    progress=False):
+        ex = Executor()
+        scores = ex.scores(S.expr)
+    train = max(_data_passes(ex.last_plan), key=lambda q: q.key.n)
+    assert train.batch_size == 3 and train.trim_after_batches is True
+    _check_decisions(ex.last_plan)
+    assert N // 3 in [g.batches for g in _Counting.made]      # 12 examples read in 4 batches of 3
+    ref = reference_rows(task, queries, LAYERS) @ reference_rows(task, (X, y), LAYERS).T
+    torch.testing.assert_close(torch.as_tensor(scores), ref)
