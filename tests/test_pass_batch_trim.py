@@ -15,7 +15,7 @@ from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, Tensor
 import gradalg as ga
 import gradalg.exec.runner as runner_module
 from gradalg.exec import Executor
-from gradalg.plan import DecisionKind
+from gradalg.plan import DecisionKind, estimates
 from gradalg.plan.decisions import DecisionSource
 from gradalg.plan.planner import plan
 
@@ -61,6 +61,10 @@ def test_a_dataloader_fixes_the_batch_the_plan_shows(task, loader):
     train = next(q for q in p.passes if q.reads_data and q.key.n == N)
     assert train.batch_size == 5          # the sampler's largest batch: never None for a pass over data
     _check_decisions(p)
+    # the schedule stage's estimate of reading the data again prices the same batches
+    unsized = estimates.capture_cost(G.expr, p.options, torch.float64)
+    assert unsized == estimates.capture_cost(G.expr, p.options, torch.float64, batch=5)
+    assert unsized != estimates.capture_cost(G.expr, p.options, torch.float64, batch=N)
 
 
 def test_the_budget_shrinks_the_batch_and_the_plan_keeps_it(task):
