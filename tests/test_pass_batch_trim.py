@@ -174,3 +174,26 @@ def test_an_unbatched_dataloader_is_read_in_the_batches_the_budget_allows(task, 
     assert N // 3 in [g.batches for g in _Counting.made]      # 12 examples read in 4 batches of 3
     ref = reference_rows(task, queries, LAYERS) @ reference_rows(task, (X, y), LAYERS).T
     torch.testing.assert_close(torch.as_tensor(scores), ref)
+
+
+def test_a_pass_over_a_store_reads_its_chunks_untrimmed(task, tmp_path, monkeypatch):
+    """Rows captured earlier (a store) are read in the chunks they were written in: the
+    pass has no batch size and no trim, no ``TRIM`` decision, and the runner guards no batch
+    of it even where ``release_memory_above=0`` trims every pass over data."""
+    pytest.importorskip("zarr")
+    P = ga.proj.gaussian(k=6, seed=0)
+    G = ga.grads(task, models.classification_data(N, seed=1), LAYERS)
+    stored = ga.store.write(P(G), tmp_path / "g.zarr", chunk_rows=5)
+    S = P(_queries(task)) @ stored.T
+    monkeypatch.setattr(runner_module, "ResidentGuard", _Counting)
+    _Counting.made = []
+    with ga.options(release_memory_above=0, progress=False):
+        ex = Executor()
+        scores = ex.scores(S.expr)
+    p = ex.last_plan
+    store = [q for q in p.passes if q.key.rows is not None]
+    assert store and all(q.batch_size is None and q.trim_after_batches is False for q in store)
+    assert {d.subject for d in p.decisions.of(DecisionKind.TRIM)} == {q.key for q in _data_passes(p)}
+    assert all(q.trim_after_batches for q in _data_passes(p))           # forced: release_memory_above=0
+    assert len(_Counting.made) == len(_data_passes(p))                  # one guard per pass over data, none for the store
+    torch.testing.assert_close(torch.as_tensor(scores), torch.as_tensor((P(_queries(task)) @ P(G).T).compute().values))
