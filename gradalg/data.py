@@ -127,6 +127,18 @@ class DataRef:
     def __hash__(self):
         return hash(self.token)
 
+    @property
+    def fixed_batch_size(self) -> int | None:
+        """The examples per batch the data fixes, whatever ``loader()`` is asked for: this
+        ref's ``batch_size`` (``ga.grads(..., batch_size=)``), a batching DataLoader's, or
+        the largest batch of its ``batch_sampler``; None where gradalg batches the data
+        (a Dataset, tensors, a ``DataLoader(batch_size=None)``, whose items are grouped)."""
+        if self.batch_size is not None:
+            return self.batch_size
+        if not isinstance(self.source, DataLoader) or _unbatched(self.source):
+            return None
+        return self.source.batch_size or max(_loader_sizes(self.source, self.n) or [1])
+
     def loader(self, default_batch_size: int) -> Iterator:
         """Batches over the examples, in order (a DataLoader is used as it is), each checked
         to hold as many examples as the loader was asked for (:func:`counted_batches`): a

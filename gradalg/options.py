@@ -301,7 +301,8 @@ class Options:
         worth the call), and rows joined or preconditioned block by block return it each
         time the blocks dropped since the last return reach this many bytes
         (:class:`~gradalg.exec.allocator.FreedBytes`). 0: after every batch and block;
-        ``float("inf")``: never. Shown in the plan's header.
+        ``float("inf")``: never. Shown in the plan's header, and per pass over data as its
+        ``TRIM`` decision (``Pass.trim_after_batches``, the ``trim`` column of ``explain()``).
     """
 
     batch_size: int = 32

@@ -15,7 +15,9 @@ again (measured on a GPT-2 pass, 4 layers × 256, batches of 16: 2.2 M page faul
 ``ga.options(release_growth)`` times the first batch's (default 1.25; 1.0 trims after
 every batch), so a steady pass keeps its pages and a growing one is cut back; the pass
 runner trims once more after a pass's last batch (one batch's pages faulted in again
-per pass, not per batch).
+per pass, not per batch). Which passes are guarded is the plan's: the size stage's
+``TRIM`` decision per pass over data (``Pass.trim_after_batches``: the pass's working
+set per batch against ``ga.options(release_memory_above)``).
 
 Joining or preconditioning rows block by block frees a block at a time; each
 ``malloc_trim`` walks every free chunk of every arena (one ``madvise`` per chunk

@@ -61,8 +61,9 @@ class Executor:
     One executor serves one ``compute()``. ``rewrites=False`` disables the planner's
     rewrite rules and ``choices`` (:class:`~gradalg.plan.Choices`) forces the held side
     and store-vs-recompute decisions (differential tests compare all of them). When free
-    memory is returned to the system is the options' (``ga.options(release_memory_above=...,
-    release_growth=...)``, shown in the plan's header). ``shards``: the
+    memory is returned to the system follows the options (``ga.options(release_memory_above=...,
+    release_growth=...)``, shown in the plan's header): after a pass's batches where its
+    plan says (``Pass.trim_after_batches``, a ``TRIM`` decision). ``shards``: the
     :class:`~gradalg.exec.runner.ShardStrategy` (default: the whole pass in this process).
     ``state``: a :class:`~gradalg.exec.state.RunState` to start from (a Dask worker's:
     the resolved operators its shard needs).

@@ -127,7 +127,7 @@ class RankShards(ShardStrategy):
     def describe_shards(self, step, where, n: int, result_bytes: float) -> str:
         """How a pass over ``n`` examples is split over the ranks and what crosses the network."""
         sizes = [b - a for a, b in rank_ranges(n, self.world_size)]
-        steps = batches_in(max(sizes), _batch_size(step, step.sources()[0].data, get_options()))
+        steps = batches_in(max(sizes), step.batch_size)
         return (f"{self.world_size} ranks, {min(sizes)}–{max(sizes)} examples each, {steps} forward/backward "
                 f"steps per rank (shorter ranges padded); per job, every rank's partial state is gathered "
                 f"by its owner rank and the finished result broadcast (~{format_bytes(result_bytes)} of results)")
@@ -140,7 +140,7 @@ class RankShards(ShardStrategy):
         data = step.sources()[0].data
         ranges = rank_ranges(data.n, self.world_size)
         start, stop = ranges[self.rank]
-        steps = batches_in(max(b - a for a, b in ranges), _batch_size(step, data, runner.ctx.options))
+        steps = batches_in(max(b - a for a, b in ranges), step.batch_size)
         self._raise_any(_caught(check_reductions, runner.ctx, step)[1], step)   # the same forwards on every rank
         trace = runner.ctx.trace
         before = trace.copy()
@@ -275,11 +275,6 @@ def _caught(fn, *args, **kwargs) -> tuple:
         return fn(*args, **kwargs), None
     except Exception as err:  # noqa: BLE001 - raised on every rank by the caller
         return None, err
-
-
-def _batch_size(step, data, options) -> int:
-    """The batch size a range of ``data`` is read with (as ``PassRunner.batches``)."""
-    return data.subset(0, 0).batch_size or step.batch_size or options.batch_size
 
 
 def _refuse_inexact(node) -> None:

@@ -151,7 +151,7 @@ def check_reductions(ctx, step: Pass) -> None:
         if (not ctx.options.check_reduction or src.objective != "loss" or task.token in ctx.state.checked
                 or is_meta_model(task.model)):      # a meta model has no weights here: each shard checks on its worker
             continue
-        batch = next(iter(src.data.loader(min(ctx.options.batch_size, 8))))
+        batch = next(iter(src.data.loader(min(step.batch_size, 8))))
         with eval_mode(task.model):
             task.check_reduction(move_batch(batch, model_device_dtype(task.model)[0]))
         ctx.state.checked.add(task.token)
@@ -248,7 +248,9 @@ class PassRunner:
         return [acc.export() for acc in accs]
 
     def batches(self, step: Pass) -> Iterator[dict[str, list[Chunk]]]:
-        """Per batch of the pass, ``{root token: chunks}`` of the nodes it reads."""
+        """Per batch of the pass, ``{root token: chunks}`` of the nodes it reads: data in
+        the plan's batches (``step.batch_size``), the resident set trimmed after them as the
+        plan decided (``step.trim_after_batches``); rows in memory or a store in their chunks."""
         if step.per_call:   # a products pass reads its batches on each call of its solver (ProductPass)
             return
         if step.key.kept is not None:    # rows kept in memory
@@ -261,9 +263,8 @@ class PassRunner:
         sources = step.sources()
         if not sources:
             raise PlanError(f"no source to read for {step.label}")
-        batch_size = step.batch_size or self.ctx.options.batch_size
-        trim = step.per_example_bytes * batch_size >= self.ctx.options.release_memory_above
-        yield from captured_batches(self.ctx, sources, batch_size, label=step.label, trim=trim)
+        yield from captured_batches(self.ctx, sources, step.batch_size, label=step.label,
+                                    trim=step.trim_after_batches)
 
     def derive(self, node: GradNode, base: dict, memo: dict) -> list[Chunk]:
         """Chunks of ``node`` in this batch: read, or derived row-wise from what was read."""

@@ -53,6 +53,7 @@ class DecisionKind(enum.Enum):
     NORMALIZATION = "normalization of {label}"                  # in the score kernel or row-wise
     STORE = "second use of {label}"                             # store or recompute rows used twice
     BATCH_SIZE = "batch size of {label}"                        # examples per batch of a pass
+    TRIM = "free memory returned after the batches of {label}"  # trim the resident set per batch, or never
     KRON_PRECISION = "precision of the Kronecker factors of block {block}"   # float32 or float64
     KRON_DIAGONAL = "structure of the Kronecker factors of block {block}"    # diagonal or dense
     PROJECTION_MAP = "projection map {label}"                   # dense, sparse JL or TensorSketch

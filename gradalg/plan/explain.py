@@ -137,9 +137,9 @@ class Explain:
         """Each pass with its estimates and, where it was measured (``analyze=True``), its measurements."""
         out = []
         for i, p in enumerate(self.plan.passes):
-            row = {"pass": i, "reads": p.label, "jobs": [j.describe() for j in p.jobs],
-                   "batch_size": p.batch_size, "flops": p.cost.flops, "seconds": p.seconds,
-                   "peak_bytes": p.cost.peak_bytes, "note": p.note}
+            row = {"pass": i, "reads": p.label, "reads_data": p.reads_data, "jobs": [j.describe() for j in p.jobs],
+                   "batch_size": p.batch_size, "trim_after_batches": p.trim_after_batches, "flops": p.cost.flops,
+                   "seconds": p.seconds, "peak_bytes": p.cost.peak_bytes, "note": p.note}
             if hasattr(self.executor, "describe_pass"):   # where the plan placed it
                 row["distributed"] = self.executor.describe_pass(p, dict(enumerate(self.plan.placement)).get(i))
             if i < len(self.analyzed):
@@ -231,7 +231,9 @@ class Explain:
         return Section("3. costed decisions", (Table(columns, rows),))
 
     def _physical(self) -> Section:
-        columns = [Column("#", "{:>2}"), Column("reads", "  {:<38}"), Column("batch", " {:>5}"),
+        columns = [Column("#", "{:>2}"), Column("reads", "  {:<38}"),
+                   Column("batch", " {:>5}", hover="examples per batch; -: reads no data (rows kept in their chunks)"),
+                   Column("trim", " {:>4}", hover="free memory returned after each batch (its TRIM decision)"),
                    Column("est FLOP", " {:>10}"), Column("est time", " {:>10}"), Column("est peak", " {:>9}")]
         if self.analyzed:
             columns += [Column("measured", " {:>10}", hover="measured time of the pass"),
@@ -239,7 +241,8 @@ class Explain:
                         Column("held", " {:>9}", hover="bytes of rows held in memory after the pass"),
                         Column("meas peak", " {:>10}", hover="measured peak: resident growth over the pass; ≤: an "
                                                              "earlier peak hid this pass's own (an upper bound)")]
-        rows = [(str(r["pass"]), r["reads"], str(r["batch_size"] or "-"), f"{_si(r['flops'])}FLOP",
+        rows = [(str(r["pass"]), r["reads"], str(r["batch_size"] or "-"),
+                 ("yes" if r["trim_after_batches"] else "no") if r["reads_data"] else "-", f"{_si(r['flops'])}FLOP",
                  _fmt_seconds(r["seconds"]), f"{_si(r['peak_bytes'])}B", *(_measured(r) if self.analyzed else ()),
                  (*(f"· {job}" for job in r["jobs"]), *_measured_calls(r), *([f"! {r['note']}"] if r["note"] else []),
                   *([f"⇉ {r['distributed']}"] if r.get("distributed") else []))) for r in self.passes()]

@@ -88,7 +88,10 @@ class Plan:
         if stage not in STAGES:
             raise PlanError(f"unknown stage {stage!r}: the planner's stages are {', '.join(STAGES)}")
         return self.stages[stage].describe() if stage != "size" else "\n".join(
-            f"{i + 1}. {p.label}: batch {p.batch_size}, %s held + %s per example, {p.seconds:.3g} s"
+            f"{i + 1}. {p.label}: " + (f"batch {p.batch_size}, trimmed after batches: {p.trim_after_batches}"
+                                      if p.reads_data else f"batch {p.batch_size} per call of its solver"
+                                      if p.per_call else "reads no data (rows in memory or a store)")
+            + f", %s held + %s per example, {p.seconds:.3g} s"
             % format_bytes_alike(p.fixed_bytes, p.per_example_bytes) + (f" ({p.note})" if p.note else "")
             for i, p in enumerate(self.passes))
 

@@ -31,11 +31,20 @@ __all__ = ["Pass", "Schedule", "schedule", "store_cap"]
 class Pass:
     """One read of a dataset (or of rows kept in memory) feeding several jobs; the size
     stage gives it a batch size, cost, seconds and bytes (a new record). ``key``: what it
-    reads (:mod:`~gradalg.plan.passkeys`)."""
+    reads (:mod:`~gradalg.plan.passkeys`).
+
+    ``batch_size``: the examples per batch the pass reads its data in (a ``BATCH_SIZE``
+    decision; a products pass: its job's per call), never None once sized for a pass that
+    reads data; None for a pass that reads no data (rows in memory or a store, read in the
+    chunks they were kept in). ``trim_after_batches``: after each batch the runner returns
+    free memory to the system when the resident set has grown
+    (:class:`~gradalg.exec.allocator.ResidentGuard`), and once after the pass (a ``TRIM``
+    decision); False for a pass that captures no batches."""
 
     key: PassKey
     jobs: list
     batch_size: int | None = None
+    trim_after_batches: bool = False
     cost: Cost = field(default_factory=Cost)
     seconds: float = 0.0
     per_example_bytes: float = 0.0

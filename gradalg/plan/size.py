@@ -1,5 +1,6 @@
 """Stage 5 of planning, **size**: ``size(schedule, facts)`` → ``(passes, decisions)``, each
-pass a new record with its batch size (a ``BATCH_SIZE`` decision), bytes, cost and seconds,
+pass a new record with its batch size (a ``BATCH_SIZE`` decision), whether the runner trims
+the resident set after its batches (a ``TRIM`` decision), bytes, cost and seconds,
 each job with its cost; memory over the budget is refused before anything runs. Batches are
 sized with a released held side counted twice (safe); a pass's bytes are what it leaves.
 """
@@ -7,15 +8,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from torch.utils.data import DataLoader
-
 from ..errors import MemoryBudgetError
 from ..expr import Precondition, Project, Source
 from ..expr.tokens import token_rows
 from ..options import CPU_BATCH_TOKENS
 from . import estimates
 from .cost import Cost, _si, tokens_hint
-from .decisions import Decision, DecisionKind
+from .decisions import Decision, DecisionKind, DecisionSource
 from .facts import Facts
 from .lower import ROW_WISE, chain
 from .memory import capture_bytes_per_example, flattened_rows_bytes
@@ -98,11 +97,11 @@ def _batch_size(p: Pass, sources, fixed: float, per_ex: float, facts: Facts,
     budget beside ``fixed`` held bytes at ``per_ex`` bytes per example, and
     ``batch_tokens`` over the positions per example."""
     data, o, budget = sources[0].data, facts.options, facts.options.memory_budget
-    if data.batch_size is not None or isinstance(data.source, DataLoader):
-        batch = data.batch_size or getattr(data.source, "batch_size", None)
+    if (batch := data.fixed_batch_size) is not None:
         return batch, "batch size fixed by the data", Decision(
             DecisionKind.BATCH_SIZE, p.key, str(batch), {"the data's": str(batch), "ga.options": str(o.batch_size)},
-            "fixed by the data (a DataLoader, or ga.grads(..., batch_size=...))", label=p.label)
+            "fixed by the data (a batching DataLoader, the largest batch of its batch_sampler, or "
+            "ga.grads(..., batch_size=...))", label=p.label)
     if budget - fixed < per_ex:  # not even a batch of one example fits next to the held rows
         if per_ex > budget:   # one example alone: projecting or fewer queries shrinks only the held rows
             T = max(tokens_hint(s) for s in sources)
@@ -126,6 +125,28 @@ def _batch_size(p: Pass, sources, fixed: float, per_ex: float, facts: Facts,
         f"the smallest: {_si(fixed)}B held and {_si(per_ex)}B per example under the memory budget of {_si(budget)}B"
         + (f"; batches of {tokens} positions already run efficient GEMMs, and fewer examples keep "
            "the activations small" if by_tokens and batch == by_tokens < fit else ""), label=p.label)
+
+
+def _trim(p: Pass, per_ex: float, batch: int, options) -> tuple[bool, Decision]:
+    """``(trim, TRIM decision)`` of a pass over data read in batches of ``batch`` at
+    ``per_ex`` bytes per example: free memory is returned to the system after its batches
+    (:class:`~gradalg.exec.allocator.ResidentGuard`, past ``ga.options(release_growth)``
+    times the first batch's resident set, and once after the pass) when its planned
+    working set per batch, ``per_ex · batch``, is at least ``ga.options(release_memory_above)``
+    (a smaller batch frees too little to be worth the call, which walks the whole heap).
+    ``release_memory_above`` 0 or infinite forces the answer for every pass (source ``OPTIONS``)."""
+    above, work = options.release_memory_above, per_ex * batch
+    trim = work >= above
+    forced = above in (0.0, float("inf"))
+    chosen = "after each batch" if trim else "never"
+    return trim, Decision(
+        DecisionKind.TRIM, p.key, chosen,
+        {"after each batch": f"past {options.release_growth:g}× the first batch's resident set (release_growth), "
+                             "and once after the pass", "never": "freed pages kept for the next batch"},
+        f"its working set, {_si(work)}B per batch ({_si(per_ex)}B per example × {batch}), is "
+        f"{'at least' if trim else 'under'} release_memory_above = {_si(above)}B", label=p.label,
+        source=DecisionSource.OPTIONS if forced else DecisionSource.PLANNER,
+        setting=f"release_memory_above={above:g}" if forced else "")
 
 
 class _Sizer:
@@ -201,10 +222,11 @@ class _Sizer:
         fixed = sum(job.fixed_bytes(facts) for job in sizing) + table_bytes(sizing) + resolving
         if fixed > o.memory_budget:    # held rows and statistics alone: refused before anything runs
             raise _over_budget(p, sizing, fixed, per_ex, o.memory_budget, facts, resolving, held_alone=True)
-        batch, note, cost = None, "", Cost()
+        batch, note, cost, trim = None, "", Cost(), False
         if p.reads_data:
             batch, note, decision = _batch_size(p, sources, fixed, per_ex, facts, resolving)
-            self.decisions.append(decision)
+            trim, trimmed = _trim(p, per_ex, batch, o)
+            self.decisions += [decision, trimmed]
             cost = estimates.pass_capture_cost(sources, o, dtype, facts.share_key, batch, facts.device)
             n, chunk = sources[0].data.n, batch
             self.stored_chunks.update({j.target.token: batch for j in p.jobs if j.streamed_back})
@@ -227,8 +249,8 @@ class _Sizer:
             raise _error(p, cost.peak_bytes, o.memory_budget,
                          [("held rows and statistics", fixed - drop), ("its work on one chunk", per_ex)],
                          ["project the gradients (ga.proj.kron)"])
-        return replace(p, jobs=jobs, batch_size=batch, note=note, cost=cost, seconds=cost.seconds(facts.device, dtype),
-                       per_example_bytes=per_ex, fixed_bytes=fixed - drop)
+        return replace(p, jobs=jobs, batch_size=batch, trim_after_batches=trim, note=note, cost=cost,
+                       seconds=cost.seconds(facts.device, dtype), per_example_bytes=per_ex, fixed_bytes=fixed - drop)
 
 
 def size(schedule: Schedule, facts: Facts) -> tuple[tuple, tuple]:
