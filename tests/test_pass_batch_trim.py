@@ -41,14 +41,15 @@ def _data_passes(p):
 
 
 def _check_decisions(p) -> None:
-    """Every pass over data carries an int batch size and a trim flag, each its decision's."""
+    """Every pass over data carries an int batch size and a trim flag, each its decision's (the
+    working set of its largest batch: at most its examples)."""
     for q in _data_passes(p):
         assert isinstance(q.batch_size, int) and q.batch_size >= 1
         sized = p.decisions.of(DecisionKind.BATCH_SIZE, subject=q.key)
         trims = p.decisions.of(DecisionKind.TRIM, subject=q.key)
         assert sized and {d.chosen for d in sized} == {str(q.batch_size)}
         assert trims and {d.chosen for d in trims} == {"after each batch" if q.trim_after_batches else "never"}
-        assert q.trim_after_batches == (q.per_example_bytes * q.batch_size >= p.options.release_memory_above)
+        assert q.trim_after_batches == (q.per_example_bytes * min(q.batch_size, q.key.n) >= p.options.release_memory_above)
 
 
 @pytest.mark.parametrize("loader", ["batch_size", "batch_sampler"])
@@ -112,7 +113,7 @@ def test_release_memory_above_flips_the_trim_and_the_runner_follows_the_plan(tas
     G = ga.grads(task, models.classification_data(N, seed=1), LAYERS)
     S = _queries(task) @ G.T
     with ga.options(batch_size=4, progress=False):
-        work = max(q.per_example_bytes * q.batch_size for q in _data_passes(plan(S.expr)))
+        work = max(q.per_example_bytes * min(q.batch_size, q.key.n) for q in _data_passes(plan(S.expr)))
     flags = {}
     for above in (work, 2 * work + 1):
         with ga.options(batch_size=4, progress=False, release_memory_above=above):

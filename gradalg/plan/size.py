@@ -132,7 +132,8 @@ def _trim(p: Pass, per_ex: float, batch: int, options) -> tuple[bool, Decision]:
     ``per_ex`` bytes per example: free memory is returned to the system after its batches
     (:class:`~gradalg.exec.allocator.ResidentGuard`, past ``ga.options(release_growth)``
     times the first batch's resident set, and once after the pass) when its planned
-    working set per batch, ``per_ex · batch``, is at least ``ga.options(release_memory_above)``
+    working set per batch, ``per_ex · batch`` (``batch``: the largest it reads, at most its
+    examples), is at least ``ga.options(release_memory_above)``
     (a smaller batch frees too little to be worth the call, which walks the whole heap).
     ``release_memory_above`` 0 or infinite forces the answer for every pass (source ``OPTIONS``)."""
     above, work = options.release_memory_above, per_ex * batch
@@ -225,7 +226,7 @@ class _Sizer:
         batch, note, cost, trim = None, "", Cost(), False
         if p.reads_data:
             batch, note, decision = _batch_size(p, sources, fixed, per_ex, facts, resolving)
-            trim, trimmed = _trim(p, per_ex, batch, o)
+            trim, trimmed = _trim(p, per_ex, min(batch, sources[0].data.n), o)   # the largest batch it reads
             self.decisions += [decision, trimmed]
             cost = estimates.pass_capture_cost(sources, o, dtype, facts.share_key, batch, facts.device)
             n, chunk = sources[0].data.n, batch
