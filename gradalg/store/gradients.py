@@ -257,7 +257,7 @@ def _write_by_ranges(path, attrs, ex, node, ids, state) -> None:
     from ..exec.local import LocalExecutor
 
     chunk_rows = int(attrs["chunk_rows"])
-    node = freeze_ops(ex, node)          # operators of the row chain: resolved once, here
+    node = freeze_ops(ex.operator, node)          # operators of the row chain: resolved once, here
     local = LocalExecutor(ex.options, rewrites=getattr(ex, "rewrites", True))
     if state == "new":
         # the first chunk fixes the dtype of the template (the rows' own dtype)
