@@ -15,7 +15,7 @@ import contextlib
 
 import torch
 
-from ..errors import ExampleIdsError, GradalgError
+from ..errors import ExampleIdsError, GradalgError, MemoryBudgetError
 from ..capture.chunks import Chunk, flat_block
 from ..expr import GradNode
 from ..expr.stored import StoredOp
@@ -85,12 +85,32 @@ def flat_rows(chunk: Chunk, names) -> dict[str, torch.Tensor]:
 
 def rows_of(executor, node: GradNode, start: int, stop: int) -> Chunk:
     """Rows start:stop of ``node`` (one chunk), by the plan of their window
-    (:meth:`~gradalg.exec.base.Executor.window`), checked to be the rows of those examples."""
-    out = executor.window(node, start, stop)
+    (:meth:`~gradalg.exec.base.Executor.window`), checked to be the rows of those examples.
+    A window its plan refuses for memory is refused with the fix of fewer rows per chunk
+    first (:func:`fewer_rows`)."""
+    try:
+        out = executor.window(node, start, stop)
+    except MemoryBudgetError as err:
+        err.fixes[:0] = fewer_rows(executor, node, start, stop)
+        raise
     if out.n != stop - start:
         raise GradalgError(f"rows {start}:{stop} gave {out.n} rows: the data must give one row per example")
     check_row_ids(out.ids, node.ids[start:stop], f"rows {start}:{stop}")
     return out
+
+
+def fewer_rows(executor, node: GradNode, start: int, stop: int) -> list[str]:
+    """The fix of a store chunk of rows start:stop that its plan refuses for memory: rows
+    per chunk that do plan under the budget, halving until one does (each tried by the
+    plan of its window, nothing run); none when not even one row does."""
+    rows = (stop - start) // 2
+    while rows >= 1:
+        try:
+            executor.plan(restrict_rows(node, start, start + rows))
+            return [f"write fewer rows per chunk (ga.store.write(..., chunk_rows={rows}))"]
+        except MemoryBudgetError:
+            rows //= 2
+    return []
 
 
 def check_row_ids(got, expected, where: str) -> None:
