@@ -130,3 +130,49 @@ def test_datainf_inside_a_pass_reads_windows_without_replacing_the_plan_that_run
     R, RQ = reference_rows(task, train, layers), reference_rows(task, queries, layers)
     want = (_datainf_reference(R, RQ, 0.1, [b.dim for b in G.space.blocks]) * RQ).sum(1)
     np.testing.assert_allclose(np.asarray(got, dtype=np.float64), want.numpy(), rtol=1e-8, atol=1e-10)
+
+
+def test_datainf_over_group_means_reads_them_from_one_planned_window(monkeypatch):
+    """Rows that cannot be computed by ranges (group means) are one window: a plan whose
+    group job computes the means (not a job run by hand), the numbers of the reference.
+    (Rows a plan of the executor kept are read, not computed again: dropped here.)"""
+    task, train, queries, layers = _mlp()
+    G = ga.grads(task, train, layers)
+    groups = [i % 4 for i in range(G.n)]
+    with ga.options(progress=False):
+        ex = LocalExecutor()
+        op = ex.operator(ga.datainf(G.group_mean(groups), 0.1).expr)
+        ex.state.rows.clear()
+        plans = _recorded(monkeypatch)
+        R, RQ = reference_rows(task, train, layers), reference_rows(task, queries, layers)
+        got = op.apply(RQ)
+    assert [[sorted(j.kind for j in s.jobs) for s in p.passes] for p in plans] == [[["group"], ["collect"]]]
+    index = torch.tensor(groups)
+    means = torch.stack([R[index == g].mean(0) for g in range(4)])
+    want = _datainf_reference(means, RQ, 0.1, [b.dim for b in G.space.blocks])
+    torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10)
+
+
+def test_the_operators_of_a_windowed_chain_are_resolved_once(monkeypatch):
+    """DataInf over rows normalized by a Fisher metric, read in windows: the Fisher is one
+    plan (resolved once, then a leaf of every window), the rows the reference's."""
+    task, train, queries, layers = _mlp()
+    G = ga.grads(task, train, layers)
+    N = G.normalize(metric=ga.fisher(G, structure="block").damp(0.1).inv())
+    with ga.options(progress=False, memory_budget=2**26):
+        row = LocalExecutor().plan(G.expr).passes[0].fixed_bytes / G.n
+    plans = _recorded(monkeypatch)
+    with ga.options(progress=False, memory_budget=2**26, store_fraction=5.5 * row / 2**26):
+        ex = LocalExecutor()
+        op = ex.operator(ga.datainf(N, 0.1).expr)
+        R, RQ = reference_rows(task, train, layers), reference_rows(task, queries, layers)
+        got, again = op.apply(RQ), op.apply(RQ)
+    kinds = [sorted({j.kind for s in p.passes for j in s.jobs}) for p in plans]
+    assert kinds[0] == ["fisher"] and kinds[1:] == [["collect"]] * 2 * -(-G.n // 5)   # 5 rows a window
+    torch.testing.assert_close(again, got, rtol=0, atol=0)
+    blocks = [b.dim for b in G.space.blocks]
+    inv = torch.block_diag(*[torch.linalg.inv(b.T @ b / len(b) + 0.1 * torch.eye(b.shape[1], dtype=b.dtype))
+                             for b in R.split(blocks, 1)])
+    normalized = R / ((R @ inv) * R).sum(1, keepdim=True).sqrt()
+    want = _datainf_reference(normalized, RQ, 0.1, blocks)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-8)

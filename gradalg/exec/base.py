@@ -177,9 +177,12 @@ class Executor:
         """Rows ``start:stop`` of ``node`` in one chunk (None: every row): the rows of its
         window (:func:`~gradalg.expr.windows.restrict_rows`), planned and run like any
         gradient node (:meth:`gradients`: priced, shown by ``explain()``, a window over the
-        memory budget refused by its plan). They are not kept in the run state, and
-        ``last_plan`` stays the plan being run, if any (a window read during a pass)."""
+        memory budget refused by its plan), unless a plan of this executor kept them. They
+        are not kept in the run state, and ``last_plan`` stays the plan being run, if any
+        (a window read during a pass)."""
         sub = node if start is None else restrict_rows(node, start, stop)
+        if sub.token in self.state.rows:      # rows a plan of this executor kept: read, not computed again
+            return concat_chunks(self.state.rows[sub.token])
         outer = self.last_plan
         try:
             return self.compute(sub, lambda n: concat_chunks(self.state.rows.pop(n.token)))
