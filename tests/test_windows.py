@@ -176,3 +176,19 @@ def test_the_operators_of_a_windowed_chain_are_resolved_once(monkeypatch):
     normalized = R / ((R @ inv) * R).sum(1, keepdim=True).sqrt()
     want = _datainf_reference(normalized, RQ, 0.1, blocks)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-8)
+
+
+def test_datainf_over_gauss_newton_terms_reads_them_in_one_planned_window(monkeypatch):
+    """Rows of ``objective="expected"`` (one per Gauss-Newton term, not per example) are
+    not cut into windows of examples: one planned window of all of them; the self-scores
+    equal the diagonal of the full scores, whose DataInf is the planned apply job."""
+    task, train, queries, layers = _mlp()
+    G, Q = ga.grads(task, train, layers, objective="expected"), ga.grads(task, queries, layers)
+    S = Q @ ga.datainf(G, 0.1) @ Q.T
+    with ga.options(progress=False):
+        full = np.asarray(S.compute(executor=LocalExecutor()).values)
+        plans = _recorded(monkeypatch)
+        got = np.asarray(S.diag().compute(executor=LocalExecutor()).values)
+    windows = [p for p in plans if not any(j.kind == "diag" for s in p.passes for j in s.jobs)]
+    assert [p.passes[0].jobs[0].target.n for p in windows] == [G.n]          # all 22 examples, one window
+    np.testing.assert_allclose(got, np.diag(full), rtol=1e-10, atol=1e-12)

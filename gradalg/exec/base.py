@@ -43,7 +43,7 @@ import torch
 from ..capture.chunks import Chunk, concat_chunks
 from ..errors import MissingLibraryError, OptionError
 from ..expr import GradNode, OpNode, ScoreDiagonal, ScoreNode
-from ..expr.windows import freeze_ops, restrict_rows, restrictable
+from ..expr.windows import by_examples, freeze_ops, restrict_rows
 from ..options import Options, get_options
 from ..plan.budget import resolve_budget
 from ..plan.choices import Choices
@@ -193,8 +193,9 @@ class Executor:
         """Every row of ``node`` in order, window by window (:meth:`window`), each of
         :meth:`window_rows` rows, the operators of its row chain resolved once
         (:func:`~gradalg.expr.windows.freeze_ops`); one window of all its rows where they
-        cannot be computed by ranges (rows captured in memory, group means)."""
-        if not restrictable(node):
+        cannot be computed by ranges of examples (rows captured in memory, group means,
+        Gauss-Newton terms: :func:`~gradalg.expr.windows.by_examples`)."""
+        if not by_examples(node):
             yield self.window(node)
             return
         node = freeze_ops(self.resolve, node)

@@ -21,7 +21,7 @@ from ..errors import OptionError
 from .grads import GradNode, Normalize, Precondition, RowWise, Source
 from .stored import Stored, StoredOp
 
-__all__ = ["chain", "stream_root", "restrictable", "restrict_rows", "freeze_ops", "ResolvedStore"]
+__all__ = ["chain", "stream_root", "restrictable", "by_examples", "restrict_rows", "freeze_ops", "ResolvedStore"]
 
 
 def chain(node: GradNode):
@@ -43,6 +43,13 @@ def restrictable(node: GradNode) -> bool:
     """Whether rows a:b of ``node`` can be computed alone (a chain over a Source or a store)."""
     root = stream_root(node)
     return isinstance(root, Source) or (isinstance(root, Stored) and hasattr(root.store, "rows"))
+
+
+def by_examples(node: GradNode) -> bool:
+    """Whether ``node``'s rows can be read in windows of examples: :func:`restrictable`,
+    and one row per example (``objective="expected"`` gives one per Gauss-Newton term)."""
+    root = stream_root(node)
+    return restrictable(node) and not (isinstance(root, Source) and root.objective == "expected")
 
 
 def _with_root(node: GradNode, root: GradNode) -> GradNode:
