@@ -25,8 +25,9 @@ The baseline is the plain training step without the optimizer: forward and
 every pass over the training set, the safety checks), right after a baseline run in the
 same process, and its ratio is over that adjacent baseline; with ``--rounds`` > 1 the
 table gives the median ratio. The table also gives the passes over the training set in
-gradalg's plan (``LocalExecutor.last_plan.data_passes``; the pull path of an iterative
-or implicit operator counts as one more pass) and the fewest passes the method's math
+gradalg's plan (``LocalExecutor.last_plan.data_passes``; each read of the training set
+by windows of rows, an implicit operator applied outside the plan's passes, counts as one
+more pass) and the fewest passes the method's math
 needs (``MIN_PASSES`` below says why).
 
     .venv/bin/python benchmarks/methods_cost.py                      # all methods, 1 thread
@@ -216,18 +217,21 @@ class Context:
 
 
 class CountingExecutor(ga.LocalExecutor):
-    """The local executor, counting the passes of the pull path (iterative and implicit
-    operators such as DataInf read the training set outside the plan's passes)."""
+    """The local executor, counting the reads of the training set by windows of rows
+    (an implicit operator such as DataInf applied outside the plan's apply job reads it
+    again, by planned passes over windows of it, each time it is applied)."""
 
     def __init__(self, n_train: int):
         super().__init__()
         self.n_train, self.pulls = n_train, 0
 
-    def iter_chunks(self, node):
+    def windows(self, node):
         from gradalg.expr import Source
-        if isinstance(node, Source) and node.n == self.n_train and node.token not in self.state.rows:
+        from gradalg.expr.windows import stream_root
+        root = stream_root(node)
+        if isinstance(root, Source) and root.n == self.n_train:
             self.pulls += 1
-        return super().iter_chunks(node)
+        return super().windows(node)
 
 
 def run_method(method: Method, ctx: Context):

@@ -135,7 +135,9 @@ class Options:
     store_fraction : float in (0, 1]
         Rows a later pass needs again are stored (not re-read) only if they fit this
         fraction of ``memory_budget`` (default a quarter: the rest is for the pass that
-        reads them back, its held side and its batches). The "second use" decisions.
+        reads them back, its held side and its batches). The "second use" decisions; also
+        the rows of a window read outside a pass (DataInf applied on its own:
+        ``Executor.window_rows``), each window a plan of its own.
     row_storage : {"auto", "factors", "flat"}
         How kept rows of a factored block are stored: the smaller of its factors
         (T·(in + out) numbers per row) and its flat gradient (out·in), or forced. The

@@ -574,7 +574,7 @@ def test_cli_bad_data_lines_exit_with_their_code(cli_dir, capsys, line, code, wo
 #: ranges of a root ``restrictable()`` refused first; layer rules of tied blocks and embeddings
 #: never asked to record, and a transpose only of one-hot factors (the projection kinds' kernels
 #: are reached through their kind object, so no "not a sparse kind" fall-through is left)
-BARE_RAISES = {"devices/record.py": 1, "store/rows.py": 1, "capture/tying.py": 5}
+BARE_RAISES = {"devices/record.py": 1, "expr/windows.py": 1, "capture/tying.py": 5}
 
 
 def test_user_input_raises_gradalg_errors_not_bare_value_or_type_errors():

@@ -343,7 +343,7 @@ def test_adam_then_projection_blockwise_equals_the_two_steps():
     ex = ga.LocalExecutor()
     for P in (ga.proj.rademacher(24, 3), ga.proj.sparse(24, 3), ga.proj.sparse(8, 1, s=2, per_block=True)):
         node = P(A).expr
-        for chunk in ex.iter_chunks(G.expr):
+        for chunk in ex.windows(G.expr):
             fused = project_blockwise(ex, node, chunk)
             ctx = RowContext(ex)
             two = node.apply(A.expr.apply(chunk, ctx), ctx)

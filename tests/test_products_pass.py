@@ -35,11 +35,12 @@ def _products_passes(plan):
 
 def _unplanned(monkeypatch):
     """Products computed as before they were planned: one pass per call outside any plan
-    (``ctx.products`` without the node: :func:`~gradalg.curvature.hvp.dataset_matvec`)."""
+    (:func:`~gradalg.curvature.hvp.dataset_matvec` at the options' batch size)."""
+    from gradalg.curvature.hvp import dataset_matvec
     from gradalg.linalg import ImplicitOp
 
     def resolve(self, ctx):
-        matvec = ctx.products(self.task, self.data, self.layers, self.kind)
+        matvec = dataset_matvec(self.task, self.data, self.layers, kind=self.kind, batch_size=ctx.options.batch_size)
         return ImplicitOp(self.space, matvec, tags=frozenset({"psd"}) if self.kind != "hessian" else frozenset())
     monkeypatch.setattr(CurvatureProducts, "resolve", resolve)
 

@@ -85,7 +85,8 @@ def test_the_executors_differ_only_in_their_strategy():
     """DaskExecutor and TorchDistributed write no entry point of their own."""
     from gradalg.exec.dask import DaskExecutor, DaskShards
     from gradalg.exec.distributed import RankShards, TorchDistributed
-    entry = {"plan", "run", "compute", "scores", "diagonal", "topk", "gradients", "operator", "resolve", "iter_chunks"}
+    entry = {"plan", "run", "compute", "scores", "diagonal", "topk", "gradients", "operator", "resolve", "window",
+             "windows"}
     for cls, strategy in ((DaskExecutor, DaskShards), (TorchDistributed, RankShards)):
         assert cls.__mro__[1:3] == (strategy, ShardStrategy) and Executor in cls.__mro__
         assert not entry & set(vars(cls)) and not entry & set(vars(strategy))

@@ -132,7 +132,9 @@ def _cnn_case():
 def _captured_once(G):
     """The factored chunks of ``G`` (chunks of 3, the last one shorter), captured once and
     replayed, so every projector below reads the same factors without another backward."""
-    chunks = list(ga.LocalExecutor().iter_chunks(G.expr))
+    ex, n = ga.LocalExecutor(), G.expr.n
+    with ga.options(row_storage="factors"):
+        chunks = [ex.window(G.expr, a, min(a + 3, n)) for a in range(0, n, 3)]
     assert all(isinstance(v, Factors) for c in chunks for v in c.blocks.values())
     return ga.GradientSet(Captured(CaptureStore(chunks), G.space))
 

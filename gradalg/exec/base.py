@@ -18,11 +18,14 @@ The entry points are that path with their reader: ``scores(node)`` (n_query, n_t
 :class:`~gradalg.linalg.LinearOp`. Executors differ only in their shard strategy:
 :class:`~gradalg.exec.LocalExecutor` (this process), :class:`~gradalg.exec.DaskExecutor`
 (shards on Dask workers), :class:`~gradalg.exec.TorchDistributed` (ranks of a torchrun
-job). Besides plans, the executor offers a pull path (``iter_chunks``, ``resolve``) that
-computes one node at a time. Operators known only through products run them through the
-products pass their plan published (one pass over their data per call of the solver,
-:mod:`gradalg.plan.jobs.products`). An operator resolved on its own has its statistics
-(products included) planned and run as passes (:meth:`Executor.run_statistics`).
+job). Work outside the plan being run is planned too: an operator resolved on its own has
+its statistics (products included) planned and run as passes
+(:meth:`Executor.run_statistics`); rows read outside a pass (a store's chunk, the training
+rows of DataInf applied by itself) are *windows* of rows, each the plan of its rows
+(:meth:`Executor.window`, :meth:`Executor.windows`: sized against the memory budget and
+refused by the plan where a window does not fit). Operators known only through products
+run them through the products pass their plan published (one pass over their data per
+call of the solver, :mod:`gradalg.plan.jobs.products`).
 
 Executors are picked by object or by name (``get_executor("local")``,
 ``get_executor("dask")``); a missing optional dependency is reported with the command
@@ -31,25 +34,25 @@ that installs it.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from importlib import import_module
 from typing import Callable, Iterator
 
 import torch
 
 from ..capture.chunks import Chunk, concat_chunks
-from ..errors import MemoryBudgetError, MissingLibraryError, OptionError
-from ..expr import Captured, GradNode, OpNode, ScoreDiagonal, ScoreNode, Source
+from ..errors import MissingLibraryError, OptionError
+from ..expr import GradNode, OpNode, ScoreDiagonal, ScoreNode
+from ..expr.windows import by_examples, freeze_ops, restrict_rows
 from ..options import Options, get_options
-from ..plan.budget import resolve_budget, with_note
+from ..plan.budget import resolve_budget
 from ..plan.choices import Choices
 from ..plan.placement import place_passes
-from ..plan.decide import refuse_dense_projections
-from ..plan.planner import ROW_WISE, STATISTICS_JOBS, Plan, plan as make_plan
+from ..plan.planner import Plan, model_device, plan as make_plan
 from .allocator import FreedBytes
 from .phases import PhaseClock
 from .resolve import Resolution, precondition
-from .rowwise import derive_rows
-from .runner import InProcess, PassRunner, ShardStrategy, captured_batches
+from .runner import InProcess, PassRunner, ShardStrategy
 from .state import RunState
 
 __all__ = ["Executor", "get_executor", "EXECUTORS"]
@@ -170,40 +173,49 @@ class Executor:
             return precondition(resolved, held, space, consume=consume,
                                 release_above=self.options.release_memory_above)
 
-    # ------------------------------------------------------------------ pull path
-    def iter_chunks(self, node: GradNode) -> Iterator[Chunk]:
-        """Chunks of rows of ``node``, in order, one node at a time (no fusion); refused
-        as a plan of ``node`` would be for a dense projection over the memory budget
-        (:func:`~gradalg.plan.decide.refuse_dense_projections`)."""
-        budget = resolve_budget(self.options)     # the matrix is kept in the CPU's memory
+    # ------------------------------------------------------------------ windows of rows
+    def window(self, node: GradNode, start: int | None = None, stop: int | None = None) -> Chunk:
+        """Rows ``start:stop`` of ``node`` in one chunk (None: every row): the rows of its
+        window (:func:`~gradalg.expr.windows.restrict_rows`), planned and run like any
+        gradient node (:meth:`gradients`: priced, shown by ``explain()``, a window over the
+        memory budget refused by its plan), unless a plan of this executor kept them. They
+        are not kept in the run state, and ``last_plan`` stays the plan being run, if any
+        (a window read during a pass)."""
+        sub = node if start is None else restrict_rows(node, start, stop)
+        if sub.token in self.state.rows:      # rows a plan of this executor kept: read, not computed again
+            return concat_chunks(self.state.rows[sub.token])
+        outer = self.last_plan
         try:
-            refuse_dense_projections(node, budget.bytes)
-        except MemoryBudgetError as err:
-            err.args = (with_note(err, budget, err.needed, self.options.budget_headroom), *err.args[1:])
-            raise
-        return self._chunks(node)
+            return self.compute(sub, lambda n: concat_chunks(self.state.rows.pop(n.token)))
+        finally:
+            self.last_plan = outer or self.last_plan
 
-    def _chunks(self, node: GradNode) -> Iterator[Chunk]:
-        rows = self.state.rows
-        if node.token in rows:
-            yield from rows[node.token]
-        elif isinstance(node, Source):
-            for chunks in captured_batches(self, [node], self.options.batch_size):
-                yield from chunks[node.token]
-        elif isinstance(node, Captured):
-            yield from node.store.chunks()
-        elif node.statistics():     # rows a job makes (a group mean's): that job, run here over its rows
-            for statistic in node.statistics():
-                job = STATISTICS_JOBS[statistic.job].for_statistic(statistic, set())
-                acc = job.accumulator(self)
-                for chunk in self._chunks(statistic.rows):
-                    acc.update(chunk)
-                job.publish(acc.finish(), self.state)
-            yield from rows[node.token]
-        elif isinstance(node, ROW_WISE):
-            yield from derive_rows(self, node, self._chunks, rows)
-        else:
-            raise OptionError(f"the executor cannot compute {type(node).__name__} rows")
+    def windows(self, node: GradNode) -> Iterator[Chunk]:
+        """Every row of ``node`` in order, window by window (:meth:`window`), each of
+        :meth:`window_rows` rows, the operators of its row chain resolved once
+        (:func:`~gradalg.expr.windows.freeze_ops`); one window of all its rows where they
+        cannot be computed by ranges of examples (rows captured in memory, group means,
+        Gauss-Newton terms: :func:`~gradalg.expr.windows.by_examples`)."""
+        if not by_examples(node):
+            yield self.window(node)
+            return
+        node = freeze_ops(self.resolve, node)
+        size = self.window_rows(node)
+        for start in range(0, node.n, size):
+            yield self.window(node, start, min(start + size, node.n))
+
+    def window_rows(self, node: GradNode) -> int:
+        """Rows per window of :meth:`windows`: the most whose kept rows fit
+        ``ga.options(store_fraction)`` of the memory budget (rows kept for a later use,
+        the plan's store cap), at least one (a window still over the budget is refused by
+        its plan); the bytes of a row from the plan of all of ``node``'s rows, sized
+        without a budget."""
+        budget = self.shards.budget(self.options, node) or resolve_budget(self.options, model_device(node))
+        whole = self.plan(node, budget=replace(budget, bytes=2**62))
+        kept = sum(job.fixed_bytes(whole.facts) for job in whole.jobs.values()
+                   if job.kind == "collect" and job.target.token == whole.simplified.token)
+        fit = self.options.store_fraction * budget.bytes // max(kept / max(node.n, 1), 1.0)
+        return int(max(1, min(node.n, fit)))
 
     def run_statistics(self, op: OpNode) -> None:
         """Plan and run the passes of ``op``'s statistics (an operator resolved outside a
@@ -215,8 +227,9 @@ class Executor:
         self.last_plan = outer or self.last_plan
 
     def resolve(self, node: OpNode):
-        """The numbers of an operator node (memoized; computed on the pull path if no
-        pass of the plan produced them)."""
+        """The numbers of an operator node (memoized; by the node's rules from what the
+        passes of the plan published, or from passes planned and run now,
+        :class:`~gradalg.exec.resolve.Resolution`)."""
         ops = self.state.ops
         if node.token not in ops:
             with self.clock.phase("statistics"):

@@ -2,8 +2,8 @@
 that run on Dask workers.
 
 A ``DaskExecutor`` is the one :class:`~gradalg.exec.base.Executor` (plan, run, assemble;
-the run state and the pull path stay in this process) with :class:`DaskShards` as its
-shard strategy (:mod:`gradalg.exec.runner`). For every pass the plan places on the
+the run state stays in this process; windows of rows are plans like any other) with
+:class:`DaskShards` as its shard strategy (:mod:`gradalg.exec.runner`). For every pass the plan places on the
 workers, the examples are split into index ranges: as many as the plan's ``SHARDS``
 decision says (:meth:`DaskShards.split`: default 2 per worker, ``ga.options(dask_shards=k)``
 to force k).

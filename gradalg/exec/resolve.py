@@ -4,8 +4,9 @@ Each node resolves itself (``node.resolve(ctx)``, :mod:`gradalg.expr.operators`)
 module is the executor's side of it, :class:`Resolution`, the context a node asks for its
 operands' numbers, its statistics (left in the run state by the planned passes that
 computed them: an operator resolved outside such a plan has its statistics planned and run
-then, :meth:`Resolution.accumulate`), a stream of rows, or products with the loss curvature
-(the matvec a planned products pass published, :meth:`Resolution.products`).
+then, :meth:`Resolution.accumulate`), a stream of rows (planned passes over windows of
+them, :meth:`Resolution.rows`), or products with the loss curvature (the matvec a planned
+products pass published, :meth:`Resolution.products`).
 The rules applied are in the result's ``rules``, the same list the node's ``labels()``
 predicts from the expression alone.
 
@@ -14,7 +15,6 @@ predicts from the expression alone.
 from __future__ import annotations
 
 from ..capture.chunks import Chunk, block_bytes, flatten, unflatten
-from ..curvature.hvp import dataset_matvec
 from ..errors import PlanError
 from ..expr import OpNode, Statistic
 from ..linalg import LinearOp
@@ -54,16 +54,15 @@ class Resolution:
                              f"compute its {statistic.job!r} statistic")
 
     def rows(self, grads):
-        return lambda: (chunk.blocks for chunk in self.executor.iter_chunks(grads))
+        """A fresh stream of the rows of ``grads`` per call, by planned passes over windows
+        of them (:meth:`~gradalg.exec.base.Executor.windows`)."""
+        return lambda: (chunk.blocks for chunk in self.executor.windows(grads))
 
-    def products(self, task, data, layers, kind, node=None):
+    def products(self, task, data, layers, kind, node):
         """The matvec of ``node``'s products: the planned products pass's
         (:class:`~gradalg.plan.jobs.products.ProductPass`, published by the plan that ran it;
         for an operator resolved outside such a plan, its products pass is planned and run
-        now, :meth:`~gradalg.exec.base.Executor.run_statistics`). Without ``node`` (a caller
-        that names only the data): one pass over ``data`` per call, outside any plan."""
-        if node is None:
-            return dataset_matvec(task, data, layers, kind=kind, batch_size=self.options.batch_size)
+        now, :meth:`~gradalg.exec.base.Executor.run_statistics`)."""
         return self._planned(node, lambda: self.executor.state.results.get(("products", node.token)),
                              "plan its products pass")
 

@@ -1,5 +1,5 @@
 """Row-wise transforms of chunks: each takes a chunk of a node's input and returns the
-chunk of the node (same rows). Shared by fused passes and the pull path."""
+chunk of the node (same rows), in the passes that derive a row-wise chain."""
 from __future__ import annotations
 
 from typing import Iterator

@@ -131,15 +131,15 @@ class ResolveContext(Protocol):
         """An operand's numbers (memoized by the executor)."""
 
     def accumulate(self, statistic: Statistic, *prior: LinearOp) -> LinearOp:
-        """A statistic's numbers: from the pass of the plan that computed it, else
-        accumulated over its rows now (the pull path); ``prior``: the statistics of
-        ``statistic.after``, resolved."""
+        """A statistic's numbers: from the pass of the plan that computed it, else from
+        its passes planned and run now; ``prior``: the statistics of ``statistic.after``,
+        resolved."""
 
     def rows(self, grads: GradNode) -> Callable[[], Iterable[dict]]:
         """A callable giving a fresh stream of the rows of ``grads``, chunk by chunk, as
-        ``{block: (c, d_b) rows or Factors}``."""
+        ``{block: (c, d_b) rows or Factors}`` (each call: planned passes over windows of them)."""
 
-    def products(self, task, data, layers: tuple, kind: str, node: "OpNode | None" = None
+    def products(self, task, data, layers: tuple, kind: str, node: "OpNode"
                  ) -> Callable[[torch.Tensor], torch.Tensor]:
         """V (k, dim) ↦ (H v_i)_i (k, dim) with the loss curvature ``kind`` ("hessian",
         "gauss_newton") of ``task`` over ``data`` on ``layers``: one pass per call (``node``,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from ..errors import ObjectiveError
 from ..expr import Captured, GradNode, Inner, Node, OpNode, RowWise, ScoreDiagonal, ScoreNode, ScoreSum, Source
+from ..expr.windows import chain, stream_root
 from .jobs import EKFACJob, FisherJob, GroupJob, KFACJob, ProductsJob, TopK
 from .passkeys import CapturedPassKey, DataPassKey, MemoryPassKey, PassKey
 from .rules import PlanError
@@ -19,21 +20,6 @@ __all__ = ["Lowered", "lower", "ROW_WISE", "STATISTICS_JOBS", "chain", "stream_r
 ROW_WISE = RowWise      # the nodes a pass derives chunk by chunk (the row-wise protocol)
 #: the job class of each statistics kind an operator or a gradient node asks for (``Statistic.job``)
 STATISTICS_JOBS = {cls.kind: cls for cls in (FisherJob, KFACJob, EKFACJob, ProductsJob, GroupJob)}
-
-
-def chain(node: GradNode):
-    """``node``, then each row-wise node's input in turn, ending with the stream root: the
-    nodes a pass derives, chunk by chunk, from the chunks it iterates."""
-    yield node
-    while isinstance(node, ROW_WISE):
-        node = node.grads
-        yield node
-
-
-def stream_root(node: GradNode) -> GradNode:
-    """The node whose chunks a pass iterates to produce ``node`` row by row."""
-    *_, root = chain(node)
-    return root
 
 
 def chain_ops(node: GradNode) -> list[OpNode]:

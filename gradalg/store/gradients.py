@@ -193,7 +193,10 @@ def write(G, path, *, chunk_rows: int = 256, executor=None, overwrite: bool = Fa
 
     G : GradientSet, typically projected (``P(G)``). Factored blocks are materialized
         (n × dim numbers: a warning says how many).
-    chunk_rows : rows per chunk: the unit of writing, resuming and reading.
+    chunk_rows : rows per chunk: the unit of writing, resuming and reading. Each chunk's
+        rows are computed by a plan of their own (held while written): a chunk over the
+        memory budget is refused by it, :class:`~gradalg.errors.MemoryBudgetError` naming
+        a ``chunk_rows`` that fits.
     executor : None (this process), a LocalExecutor, or a ``ga.exec.DaskExecutor``: each
         unfinished chunk is then one task on the cluster, which computes its rows and
         writes them (positional writes: a retried task writes the same bytes).
@@ -257,7 +260,7 @@ def _write_by_ranges(path, attrs, ex, node, ids, state) -> None:
     from ..exec.local import LocalExecutor
 
     chunk_rows = int(attrs["chunk_rows"])
-    node = freeze_ops(ex, node)          # operators of the row chain: resolved once, here
+    node = freeze_ops(ex.operator, node)          # operators of the row chain: resolved once, here
     local = LocalExecutor(ex.options, rewrites=getattr(ex, "rewrites", True))
     if state == "new":
         # the first chunk fixes the dtype of the template (the rows' own dtype)

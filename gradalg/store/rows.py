@@ -1,29 +1,25 @@
-"""Rows a:b of a gradient expression, computed on their own.
+"""Rows a:b of a gradient expression, computed on their own, for the stores.
 
 A store is written chunk by chunk, each chunk a pure function of its row range, so a
-crashed or retried chunk is recomputed to the same numbers. :func:`restrict_rows`
-rebuilds the *row chain* of a node (the row-wise nodes down to its stream root) over
-rows a:b of the root: a Source (through :meth:`gradalg.expr.GradNode.restrict`) or a
-gradient store. Operators are left alone, even one computed from the same dataset: a
-Fisher of the training set preconditioning the training rows stays the Fisher of all
-of them.
-
-:func:`freeze_ops` replaces the operators of a chain by leaves holding their resolved
-numbers, computed once, so the chunks (on this process or on Dask workers) never
-resolve them again.
+crashed or retried chunk is recomputed to the same numbers: rows a:b of a node are the
+rows of its *window* (:func:`~gradalg.expr.windows.restrict_rows`, the row chain over rows
+a:b of its stream root), computed by a plan like any gradient node
+(:meth:`~gradalg.exec.base.Executor.window`: priced, sized against the memory budget and
+shown by ``explain()``). :func:`~gradalg.expr.windows.freeze_ops` replaces the operators of
+a chain by leaves holding their resolved numbers, computed once, so the chunks (on this
+process or on Dask workers) never resolve them again.
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
 
 import torch
 
-from ..errors import ExampleIdsError, GradalgError, OptionError
-from ..capture.chunks import Chunk, concat_chunks, flat_block
-from ..expr import GradNode, Normalize, Precondition, Source
-from ..expr.stored import Stored, StoredOp
-from ..plan.planner import ROW_WISE, stream_root
+from ..errors import ExampleIdsError, GradalgError, MemoryBudgetError
+from ..capture.chunks import Chunk, flat_block
+from ..expr import GradNode
+from ..expr.stored import StoredOp
+from ..expr.windows import ResolvedStore, freeze_ops, restrict_rows, restrictable
 from . import layout
 
 __all__ = ["executor_for", "restrict_rows", "restrictable", "freeze_ops", "ResolvedStore", "MemoryRows", "flat_rows"]
@@ -40,69 +36,6 @@ def executor_for(executor):
     finally:
         if isinstance(executor, str):
             ex.close()
-
-
-def restrictable(node: GradNode) -> bool:
-    """Whether rows a:b of ``node`` can be computed alone (a chain over a Source or a store)."""
-    root = stream_root(node)
-    return isinstance(root, Source) or (isinstance(root, Stored) and hasattr(root.store, "rows"))
-
-
-def _with_root(node: GradNode, root: GradNode) -> GradNode:
-    if isinstance(node, ROW_WISE):
-        return replace(node, grads=_with_root(node.grads, root))
-    return root
-
-
-def restrict_rows(node: GradNode, start: int, stop: int) -> GradNode:
-    """``node`` over rows ``start:stop`` of its stream root (operators unchanged)."""
-    root = stream_root(node)
-    if isinstance(root, Source):
-        if root.objective == "expected":
-            raise OptionError("gradients with objective='expected' have one row per term of the "
-                             "Gauss-Newton decomposition, not per example: they cannot be stored or "
-                             "scored by rows; use them for curvature (ga.fisher) only")
-        return node.restrict(root.data.token, start, stop)
-    if isinstance(root, Stored) and hasattr(root.store, "rows"):
-        return _with_root(node, Stored(root.store.rows(start, stop), root.space_, root.representation_))
-    raise TypeError(f"rows of {root.label!r} cannot be computed by ranges")
-
-
-class ResolvedStore:
-    """Resolved numbers kept in memory, standing for the operator node ``token``."""
-
-    def __init__(self, resolved, token: str, label: str):
-        self.resolved, self.token, self.label = resolved, f"resolved-{token}", label
-        self.description = {"resolved": token}
-        self.summary = {}
-
-    def load(self):
-        return self.resolved
-
-
-def _frozen(executor, op) -> StoredOp:
-    resolved = executor.operator(op)
-    return StoredOp(ResolvedStore(resolved, op.token, op.label), op.space, op.structure)
-
-
-def freeze_ops(executor, node: GradNode, memo: dict | None = None) -> GradNode:
-    """``node`` with the operators of its row chain replaced by their resolved numbers."""
-    memo = {} if memo is None else memo
-
-    def op_leaf(op):
-        if op.token not in memo:
-            memo[op.token] = _frozen(executor, op)
-        return memo[op.token]
-
-    def go(x):
-        if not isinstance(x, ROW_WISE):
-            return x
-        changes = {"grads": go(x.grads)}
-        if isinstance(x, Precondition) or (isinstance(x, Normalize) and x.op is not None):
-            changes["op"] = op_leaf(x.op)
-        return replace(x, **changes)
-
-    return go(node)
 
 
 def fault_policy(executor):
@@ -151,15 +84,33 @@ def flat_rows(chunk: Chunk, names) -> dict[str, torch.Tensor]:
 
 
 def rows_of(executor, node: GradNode, start: int, stop: int) -> Chunk:
-    """Rows start:stop of ``node`` through ``executor``'s pull path (one chunk)."""
-    sub = restrict_rows(node, start, stop)
-    chunks = list(executor.iter_chunks(sub))
-    if sum(c.n for c in chunks) != stop - start:
-        raise GradalgError(f"rows {start}:{stop} gave {sum(c.n for c in chunks)} rows: the data must give "
-                           "one row per example")
-    out = concat_chunks(chunks)
+    """Rows start:stop of ``node`` (one chunk), by the plan of their window
+    (:meth:`~gradalg.exec.base.Executor.window`), checked to be the rows of those examples.
+    A window its plan refuses for memory is refused with the fix of fewer rows per chunk
+    first (:func:`fewer_rows`)."""
+    try:
+        out = executor.window(node, start, stop)
+    except MemoryBudgetError as err:
+        err.fixes[:0] = fewer_rows(executor, node, start, stop)
+        raise
+    if out.n != stop - start:
+        raise GradalgError(f"rows {start}:{stop} gave {out.n} rows: the data must give one row per example")
     check_row_ids(out.ids, node.ids[start:stop], f"rows {start}:{stop}")
     return out
+
+
+def fewer_rows(executor, node: GradNode, start: int, stop: int) -> list[str]:
+    """The fix of a store chunk of rows start:stop that its plan refuses for memory: rows
+    per chunk that do plan under the budget, halving until one does (each tried by the
+    plan of its window, nothing run); none when not even one row does."""
+    rows = (stop - start) // 2
+    while rows >= 1:
+        try:
+            executor.plan(restrict_rows(node, start, start + rows))
+            return [f"write fewer rows per chunk (ga.store.write(..., chunk_rows={rows}))"]
+        except MemoryBudgetError:
+            rows //= 2
+    return []
 
 
 def check_row_ids(got, expected, where: str) -> None:

@@ -77,7 +77,7 @@ def _prepared(ex, node):
                 memo[op.token] = StoredOp(ResolvedStore(ex.operator(op), op.token, op.label), op.space,
                                           op.structure)
             op = memo[op.token]
-        out.append((coef, Inner(memo[inner.left.token], op, freeze_ops(ex, inner.right, memo))))
+        out.append((coef, Inner(memo[inner.left.token], op, freeze_ops(ex.operator, inner.right, memo))))
     return out
 
 

@@ -213,7 +213,7 @@ def case_token_stable_through_forward():
 
 
 def case_gauss_newton_products_ddp():
-    """Gauss-Newton influence solved by CG under DDP: the products' passes (pull path) read
+    """Gauss-Newton influence solved by CG under DDP: the products' passes (one per solver call) read
     the whole training set on every rank, with the same numbers."""
     make, task_of, train, queries, _ = mlp_case()
     with ga.options(progress=False, batch_size=3):
