@@ -115,7 +115,9 @@ def test_datainf_applied_on_its_own_reads_its_rows_by_planned_windows(case, monk
 
 def test_datainf_inside_a_pass_reads_windows_without_replacing_the_plan_that_runs(monkeypatch):
     """Self-scores apply DataInf in their own pass: the windows it reads are plans of their
-    own, measured in ``pass_stats``, and ``last_plan`` stays the self-scores' plan."""
+    own, measured in ``nested_stats``; ``pass_stats`` keeps one entry per pass of the plan
+    that runs (``explain(analyze=True)`` reads them by position), and ``last_plan`` stays
+    the self-scores' plan."""
     task, train, queries, layers = _mlp()
     G, Q = ga.grads(task, train, layers), ga.grads(task, queries, layers)
     plans = _recorded(monkeypatch)
@@ -126,7 +128,8 @@ def test_datainf_inside_a_pass_reads_windows_without_replacing_the_plan_that_run
     windows = [p for p in plans if p not in outer]
     assert len(outer) == 1 and ex.last_plan is outer[0]
     assert [_window(p) for p in windows] == [G.n]             # all 22 rows fit one window
-    assert len(ex.pass_stats) == len(outer[0].passes) + len(windows)
+    assert [e["key"] for e in ex.pass_stats] == [p.key for p in outer[0].passes]
+    assert [e["key"] for e in ex.nested_stats] == [p.key for w in windows for p in w.passes]
     R, RQ = reference_rows(task, train, layers), reference_rows(task, queries, layers)
     want = (_datainf_reference(R, RQ, 0.1, [b.dim for b in G.space.blocks]) * RQ).sum(1)
     np.testing.assert_allclose(np.asarray(got, dtype=np.float64), want.numpy(), rtol=1e-8, atol=1e-10)
@@ -192,3 +195,15 @@ def test_datainf_over_gauss_newton_terms_reads_them_in_one_planned_window(monkey
     windows = [p for p in plans if not any(j.kind == "diag" for s in p.passes for j in s.jobs)]
     assert [p.passes[0].jobs[0].target.n for p in windows] == [G.n]          # all 22 examples, one window
     np.testing.assert_allclose(got, np.diag(full), rtol=1e-10, atol=1e-12)
+
+
+def test_analyzed_passes_are_the_plan_s_own_when_windows_run_inside_one():
+    """``explain(analyze=True)`` of DataInf self-scores: each measured row is its own pass's
+    (the same pass key), not a window's read inside it; the pass's measured time includes
+    the window's."""
+    task, train, queries, layers = _mlp()
+    G, Q = ga.grads(task, train, layers), ga.grads(task, queries, layers)
+    with ga.options(progress=False):
+        e = (Q @ ga.datainf(G, 0.1) @ Q.T).diag().explain(analyze=True)
+    assert [s["key"] for s in e.analyzed] == [p.key for p in e.plan.passes]
+    assert [r["measured_seconds"] for r in e.passes()] == [s["seconds"] for s in e.analyzed]

@@ -33,6 +33,7 @@ that installs it.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from dataclasses import replace
 from importlib import import_module
@@ -72,7 +73,9 @@ class Executor:
     the resolved operators its shard needs).
 
     After a run, ``last_plan`` is the plan that ran, ``pass_stats`` the measured seconds
-    and memory of each pass, ``trace`` the counts of the kernels that ran and
+    and memory of each pass (one entry per pass of ``last_plan``, in order; the passes of
+    plans run during one of its passes, windows of rows or an operator's statistics, are
+    in ``nested_stats``, their time inside that pass's), ``trace`` the counts of the kernels that ran and
     ``phase_seconds`` the wall seconds per phase (:mod:`gradalg.exec.phases`).
     """
 
@@ -96,6 +99,8 @@ class Executor:
         self.runner = PassRunner(self, self.shards)
         self.last_plan: Plan | None = None
         self.pass_stats: list[dict] = []
+        self.nested_stats: list[dict] = []     # passes of plans run during another's pass (_aside)
+        self._running = 0                      # plans being run (nested: > 1)
         self.clock = PhaseClock()
 
     @property
@@ -126,7 +131,11 @@ class Executor:
             p = place_passes(p, self.shards)
         self.shards.before_run(p)
         self.last_plan = p
-        return self.runner.run(p)
+        self._running += 1
+        try:
+            return self.runner.run(p)
+        finally:
+            self._running -= 1
 
     def compute(self, node, read: Callable, topk=None):
         """Plan ``node``, run the plan, and assemble: ``read(plan.simplified)``."""
@@ -184,11 +193,8 @@ class Executor:
         sub = node if start is None else restrict_rows(node, start, stop)
         if sub.token in self.state.rows:      # rows a plan of this executor kept: read, not computed again
             return concat_chunks(self.state.rows[sub.token])
-        outer = self.last_plan
-        try:
+        with self._aside():
             return self.compute(sub, lambda n: concat_chunks(self.state.rows.pop(n.token)))
-        finally:
-            self.last_plan = outer or self.last_plan
 
     def windows(self, node: GradNode) -> Iterator[Chunk]:
         """Every row of ``node`` in order, window by window (:meth:`window`), each of
@@ -222,9 +228,28 @@ class Executor:
         plan that computed them): planned, placed by the shard strategy and run like any
         pass; the jobs publish them into the run state. ``last_plan`` stays the plan being
         run, if any (else it is this one)."""
-        outer = self.last_plan
-        self.run(self.plan(op))
-        self.last_plan = outer or self.last_plan
+        with self._aside():
+            self.run(self.plan(op))
+
+    @contextlib.contextmanager
+    def _aside(self):
+        """Plans run beside the one being run (a window, an operator's statistics):
+        ``last_plan`` stays the plan being run, if any (else it is the one run here). Run
+        during a pass of another plan, their measured passes go to ``nested_stats``, so that
+        ``pass_stats`` keeps one entry per pass of ``last_plan``, in its order
+        (``explain(analyze=True)`` reads them by position), and the outer pass's measured
+        time includes the work it asked for (its estimate prices it)."""
+        outer_plan, outer_stats = self.last_plan, self.pass_stats
+        nested = self._running > 0
+        if nested:
+            self.pass_stats = []
+        try:
+            yield
+        finally:
+            if nested:
+                self.nested_stats += self.pass_stats
+                self.pass_stats = outer_stats
+            self.last_plan = outer_plan or self.last_plan
 
     def resolve(self, node: OpNode):
         """The numbers of an operator node (memoized; by the node's rules from what the
