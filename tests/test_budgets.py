@@ -32,7 +32,7 @@ def run_case(case: str, budget: int, *flags: str) -> dict:
 #: gpt2_logra at 32 MiB: its passes hold ~12 MiB the plan does not count, whatever the budget
 #: (measured on 2026-12-07: 24-31 MiB at 16 MiB against a 15.4 MiB plan, 33 MiB at 32 MiB and at
 #: 1 GiB against 19.6; stop 45's code the same; trimming after every batch 22.6): at 16 MiB that
-#: miss alone is 0.75x the budget, and the case failed there (an open item of issue 30's notes)
+#: miss alone is 0.75x the budget, and the case failed there (left open in stop 46's note)
 @pytest.mark.parametrize("case,budget", [("conv_ekfac", 16 * MiB), ("mlp_classes", 8 * MiB),
                                          ("gpt2_logra", 32 * MiB), ("llama_kfac", 8 * MiB)])
 def test_peak_memory_stays_within_the_budget(case, budget):
