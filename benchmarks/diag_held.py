@@ -19,9 +19,9 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
+
+from alternating import alternate
 
 
 def peak_mb() -> float:
@@ -31,25 +31,15 @@ def peak_mb() -> float:
 
 def measure(tree: str, n: int, repeats: int) -> dict:
     import torch
-    import torch.nn.functional as F
-    from transformers import GPT2Config, GPT2LMHeadModel
 
     import gradalg as ga
+    from alternating import tiny_gpt2
 
     torch.set_num_threads(1)
     T = 32
-    config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=T, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    torch.manual_seed(0)
-    first = GPT2LMHeadModel(config).eval()
-    torch.manual_seed(1)
-    second = GPT2LMHeadModel(config).eval()
+    first, lm_loss = tiny_gpt2(T, seed=0)
+    second, _ = tiny_gpt2(T, seed=1)
     X = torch.randint(0, 256, (n, T), generator=torch.Generator().manual_seed(0))    # (n, T)
-
-    def lm_loss(model, batch):
-        ids = batch[0]
-        logits = model(input_ids=ids).logits[:, :-1]
-        return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
 
     data = (X,)
     G1 = ga.grads(ga.Task(first, lm_loss, name="ckpt-1"), data, "transformer.h.*")
@@ -79,15 +69,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(args.child, args.n, args.repeats)))
         return
-    runs = {tree: [] for tree in args.trees}
-    for _ in range(args.rounds):
-        for tree in args.trees:
-            env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", tree, "--n", str(args.n),
-                                  "--repeats", str(args.repeats)], env=env, capture_output=True, text=True,
-                                 check=True).stdout.strip().splitlines()[-1]
-            print(out, flush=True)
-            runs[tree].append(json.loads(out))
+    runs = alternate(__file__, args.trees, args.rounds, ("--n", args.n, "--repeats", args.repeats))
     old, new = ({key: statistics.median(r[key] for r in runs[t]) for key in ("cpu_s", "peak_mb")} for t in args.trees)
     print(json.dumps({"median": {"old": old, "new": new},
                       "new_over_old": {key: round(new[key] / old[key], 3) for key in old},

@@ -19,33 +19,23 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
+
+from alternating import alternate
 
 
 def measure(tree: str) -> dict:
     import torch
-    import torch.nn.functional as F
-    from transformers import GPT2Config, GPT2LMHeadModel
 
     import gradalg as ga
+    from alternating import tiny_gpt2
 
     torch.set_num_threads(1)
-    torch.manual_seed(0)
     T = 32
-    config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=T, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    model = GPT2LMHeadModel(config).eval()
+    model, lm_loss = tiny_gpt2(T)
     g = torch.Generator().manual_seed(0)
     X = torch.randint(0, 256, (64, T), generator=g)           # (64, T) training sequences
     XQ = torch.randint(0, 256, (8, T), generator=g)           # (8, T) queries
-
-    def lm_loss(model, batch):
-        ids = batch[0]
-        logits = model(input_ids=ids).logits[:, :-1]
-        return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
-
     task = ga.Task(model, lm_loss, name="gpt2-2x64")
 
     def once():
@@ -71,14 +61,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(args.child)))
         return
-    runs = {tree: [] for tree in args.trees}
-    for _ in range(args.rounds):
-        for tree in args.trees:
-            env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", tree], env=env,
-                                 capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
-            print(out, flush=True)
-            runs[tree].append(json.loads(out))
+    runs = alternate(__file__, args.trees, args.rounds)
     old, new = (statistics.median(r["cpu_s"] for r in runs[t]) for t in args.trees)
     print(json.dumps({"median_cpu_s": {"old": old, "new": new}, "new_over_old": round(new / old, 3),
                       "load_average": os.getloadavg()}))
