@@ -141,6 +141,79 @@ def test_a_held_side_is_kept_as_one_chunk_equal_to_its_pieces():
     assert len(stored.finish()) == 3     # stored rows stream back chunk by chunk
 
 
+def test_stored_rows_are_written_into_one_buffer_per_tensor():
+    """Rows stored for a later pass (``Collector(rows=n)``) are views of one buffer per
+    tensor of n rows, equal to the chunks they came from; a chunk of another row shape,
+    or past n rows, keeps a copy of its own; exported (to a shard's caller) each chunk
+    owns its memory."""
+    torch.manual_seed(0)
+    chunks = [Chunk((3 * k, 3 * k + 1, 3 * k + 2),
+                    {"w": Factors(torch.randn(3, 4, 5), torch.randn(3, 4, 2)), "b": torch.randn(3, 7)})
+              for k in range(3)]
+    stored = Collector(rows=9)
+    for c in chunks:
+        stored.update(c)
+    kept = stored.finish()
+    assert len(kept) == 3
+    for tensor in (lambda c: c.blocks["w"].A, lambda c: c.blocks["w"].D, lambda c: c.blocks["b"]):
+        bases = {tensor(c).untyped_storage().data_ptr() for c in kept}
+        assert len(bases) == 1                     # one buffer of the 9 rows
+        assert tensor(kept[0]).untyped_storage().nbytes() == 9 * tensor(chunks[0])[0].numel() * 4
+        for mine, given in zip(kept, chunks):
+            assert torch.equal(tensor(mine), tensor(given))
+    for c in stored.export():
+        for t in (c.blocks["w"].A, c.blocks["w"].D, c.blocks["b"]):
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    other = Chunk((9,), {"w": Factors(torch.randn(1, 6, 5), torch.randn(1, 6, 2)), "b": torch.randn(1, 7)})
+    more = Chunk((10,), {"w": Factors(torch.randn(1, 4, 5), torch.randn(1, 4, 2)), "b": torch.randn(1, 7)})
+    small = Collector(rows=2)
+    for c in (more, other, more, more):   # another T in the 2nd; the 4th past the two rows
+        small.update(c)
+    a, b, c, d = small.finish()
+    buffer = a.blocks["b"].untyped_storage().data_ptr()
+    assert c.blocks["b"].untyped_storage().data_ptr() == buffer
+    assert d.blocks["b"].untyped_storage().data_ptr() != buffer and b.blocks["w"].A.shape == (1, 6, 5)
+    assert torch.equal(b.blocks["w"].A, other.blocks["w"].A)
+    assert all(torch.equal(x.blocks["w"].D, more.blocks["w"].D) for x in (a, c, d))
+
+
+def test_logra_stores_its_rows_in_the_bytes_its_plan_counts():
+    """LoGra's first pass stores the Kronecker-projected training rows for EK-FAC's
+    correction: in exactly the bytes its store job counts (``StoreJob.fixed_bytes``, the
+    rows' factors), one allocation per tensor of a block (it was one per tensor and
+    batch: 4 KiB pieces that kept 2.7× their bytes of the heap resident), and the scores
+    equal those of the plan that reads the data again instead."""
+    from gradalg.plan.jobs import StoreJob
+    model = models.gpt2(dtype=torch.float64, n_embd=32)
+    task = models.lm_task(model)
+    data, queries = models.padded_token_data(n=10), models.padded_token_data(n=3, seed=7)
+    P = ga.proj.kron(k=9, seed=0)
+
+    def scores():
+        G, Q = ga.grads(task, data), ga.grads(task, queries)
+        return P(Q) @ ga.ekfac(P(G)).damp(1e-3).inv() @ P(G).T
+    finished, original = [], Collector.finish
+    try:
+        Collector.finish = lambda self: finished.append((self, original(self))) or finished[-1][1]
+        with ga.options(batch_size=4, progress=False):
+            ex = ga.exec.LocalExecutor()
+            stored = torch.as_tensor(scores().compute(executor=ex).values)
+    finally:
+        Collector.finish = original
+    (job,) = [j for p in ex.last_plan.passes for j in p.jobs if isinstance(j, StoreJob)]
+    (chunks,) = [c for acc, c in finished if not acc.whole]
+    assert [c.n for c in chunks] == [4, 4, 2]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for c in chunks for f in c.blocks.values() for t in (f.A, f.D)}
+    assert len(storages) == 2 * len(job.target.space.blocks)
+    assert sum(storages.values()) == job.fixed_bytes(ex.last_plan.facts)
+    with ga.options(batch_size=4, progress=False):
+        again = ga.exec.LocalExecutor(choices=ga.plan.Choices(store="never"))
+        recomputed = torch.as_tensor(scores().compute(executor=again).values)
+    assert not any(isinstance(j, StoreJob) for p in again.last_plan.passes for j in p.jobs)
+    torch.testing.assert_close(stored, recomputed, rtol=1e-10, atol=1e-12)
+
+
 def test_held_rows_of_a_dense_kernel_are_kept_flat_and_scores_unchanged():
     """A held block whose kernel is dense is multiplied flat: keeping its factors as well
     would hold it twice. The scores equal a loop-of-backward reference either way."""

@@ -10,12 +10,12 @@ from typing import ClassVar
 
 import torch
 
-from ...capture.chunks import Chunk, block_bytes, flat_block, flatten, unflatten
+from ...capture.chunks import Chunk, RowBuffers, block_bytes, flat_block, flatten, unflatten
 from ...capture.factors import Factors
 from ...expr import GroupMean
 from ..cost import Cost
 from ..estimates import factored_blocks, made_flat_cost
-from ..memory import positions, rows_bytes
+from ..memory import positions, rows_bytes, rows_of
 from .base import Job
 
 __all__ = ["RowsJob", "CollectJob", "StoreJob", "GroupJob", "Collector", "GroupAccumulator"]
@@ -87,7 +87,9 @@ class StoreJob(CollectJob):
     streamed_back: ClassVar[bool] = True
 
     def accumulator(self, ctx) -> "Collector":
-        return Collector(self.storage)
+        """Its rows written into buffers of all of them (:class:`~gradalg.capture.chunks.RowBuffers`)."""
+        node = self.streams[0] if self.streams else self.target
+        return Collector(self.storage, rows=node.n * rows_of(node))
 
 
 @dataclass(eq=False, frozen=True)
@@ -120,23 +122,27 @@ class Collector:
     joins the chunks into one, block by block, telling ``release.freed(nbytes)`` the
     bytes of each block's pieces once they are dropped (the executor's
     :class:`~gradalg.exec.allocator.FreedBytes`: freed pages go back to the operating
-    system once enough bytes were dropped).
+    system once enough bytes were dropped). ``rows``: how many rows it will keep, written
+    into buffers of them all (:class:`~gradalg.capture.chunks.RowBuffers`).
     """
 
-    def __init__(self, storage: dict | None = None, whole: bool = False, release=None):
+    def __init__(self, storage: dict | None = None, whole: bool = False, release=None, rows: int | None = None):
         self.flat = {name for name, how in (storage or {}).items() if how == "flat"}
         self.chunks: list[Chunk] = []
         self.whole, self.release = whole, release
+        self.buffers = RowBuffers(rows) if rows else None
 
     def update(self, chunk: Chunk) -> None:
         # kept rows drop the batch and task they came from: they are data now; and own
         # their memory (a view would keep its whole base alive: a batch's concatenated
         # rows, or an activation shared by every Gauss-Newton term of the batch)
-        self.chunks.append(Chunk(chunk.ids, {n: _owned(flat_block(v) if n in self.flat else v)
-                                             for n, v in chunk.blocks.items()}))
+        blocks = {n: flat_block(v) if n in self.flat else v for n, v in chunk.blocks.items()}
+        kept = self.buffers.keep(blocks) if self.buffers is not None else None
+        self.chunks.append(Chunk(chunk.ids, kept or {n: _owned(v) for n, v in blocks.items()}))
 
     def export(self) -> list[Chunk]:
-        return self.chunks
+        """The chunks, each owning its memory (views of the buffers would send them whole)."""
+        return [Chunk(c.ids, {n: _owned(v) for n, v in c.blocks.items()}) for c in self.chunks]
 
     def absorb(self, chunks: list[Chunk]) -> None:
         self.chunks.extend(chunks)
