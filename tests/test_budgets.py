@@ -29,10 +29,12 @@ def run_case(case: str, budget: int, *flags: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-#: gpt2_logra at 32 MiB: its passes hold ~12 MiB the plan does not count, whatever the budget
-#: (measured on 2026-12-07: 24-31 MiB at 16 MiB against a 15.4 MiB plan, 33 MiB at 32 MiB and at
-#: 1 GiB against 19.6; stop 45's code the same; trimming after every batch 22.6): at 16 MiB that
-#: miss alone is 0.75x the budget, and the case failed there (left open in stop 46's note)
+#: gpt2_logra at 32 MiB: its first pass's resident set outgrows the plan's live tensors from its
+#: second batch on (glibc's heap: benchmarks/pass_memory.py; the first batch peaks at the plan,
+#: and with large tensors mmapped, MALLOC_MMAP_THRESHOLD_=131072, the pass peaks at 1.05-1.3x the
+#: plan at batch 8-16, but runs 1.5x slower): 26.6-27.7 MiB at 16 MiB against a 15.4 MiB plan,
+#: 34.4 at 32 against 19.6 (2026-12-07, stored rows in one buffer per tensor; 24-31 before);
+#: at 16 MiB that is over the 1.5x this test allows (left open: /work/notes/s47/logramem.md)
 @pytest.mark.parametrize("case,budget", [("conv_ekfac", 16 * MiB), ("mlp_classes", 8 * MiB),
                                          ("gpt2_logra", 32 * MiB), ("llama_kfac", 8 * MiB)])
 def test_peak_memory_stays_within_the_budget(case, budget):
