@@ -7,12 +7,13 @@ is timed (this process's CPU seconds) against the job's price of one call of its
 its peak from torch.profiler's memory events (what autograd, ``vmap`` and the conv kernels
 allocate), against the job's ``fixed_bytes + per_example_bytes · batch``.
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python benchmarks/products_conv.py [models]
+    PYTHONPATH=. OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python benchmarks/products_conv.py [models [settings]]
 
 Models: ``conv8`` (1×8×8 → Conv2d(1, 8, 3, pad 1) → ReLU → Conv2d(8, 16, 3, pad 1) → ReLU →
 MaxPool2d(2) → Linear(256, 10): ``benchmarks/fidelity_more.py``'s conv), ``conv32`` (1×32×32 →
 Conv2d(1, 32, 3, pad 1) → ReLU → Conv2d(32, 32, 3, pad 1) → ReLU → MaxPool2d(4) → Linear(2048, 10),
-the first conv's products), ``mlp`` (64 → 32 → 32 → 10), ``gpt2`` (``benchmarks/alternating.py``'s
+the first conv's products), ``convwd`` (``benchmarks/fidelity.py``'s ``conv_wd`` net in float64:
+Conv2d(1, 4, 3) → Tanh → Conv2d(4, 8, 3) → Tanh → AvgPool2d(2) → Linear(128, 10)), ``mlp`` (64 → 32 → 32 → 10), ``gpt2`` (``benchmarks/alternating.py``'s
 tiny GPT-2, T = 32, one attention projection's products). Batches of 32.
 """
 from __future__ import annotations
@@ -29,6 +30,8 @@ from torch import nn
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
+from test_products_groups import _peak_bytes  # noqa: E402  (torch.profiler's memory events: the test's own)
 
 
 def conv8():
@@ -83,19 +86,6 @@ def workload(name):
     return ga.tasks.classification(model), (X, y), (X[:2], y[:2]), layers
 
 
-def _peak_bytes(fn) -> float:
-    """The most bytes ``fn`` holds at once beyond what was allocated before it (torch.profiler's
-    memory events, each op's allocations less its frees, in order)."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    now = top = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        now += event.self_cpu_memory_usage
-        top = max(top, now)
-    return float(top)
-
-
 def run(name: str, setting: str) -> list[dict]:
     import gradalg as ga
     from gradalg.curvature.hvp import Products
@@ -143,7 +133,7 @@ def run(name: str, setting: str) -> list[dict]:
 
 def main(argv) -> int:
     torch.set_num_threads(1)
-    names = (argv[0] if argv else "conv8,conv32,mlp,gpt2").split(",")
+    names = (argv[0] if argv else "conv8,conv32,convwd,mlp,gpt2").split(",")
     settings = (argv[1] if len(argv) > 1 else ",".join(SETTINGS)).split(",")
     run("mlp", "gn_cg")                                              # warm-up: torch.func's first call
     for name in names:
