@@ -158,3 +158,39 @@ def test_a_conv_products_call_holds_no_more_than_the_job_prices_and_not_a_third_
         measured = _peak_bytes(lambda: products.batch_rows(batch, V, 0))
     assert measured > 0
     assert measured <= estimate <= 3 * measured, (estimate / measured, chunks)
+
+
+def test_a_float64_conv_products_call_prices_the_columns_its_im2col_kernel_writes_and_reads():
+    """On the CPU, a float64 convolution runs torch's im2col kernel (``Slow2d``): every GEMM of the
+    layer (the primal's and each vector's tangent's) first writes each example's columns (C_in·k², P)
+    and reads them back. The products job prices those bytes, 2·in·P·elem per example and GEMM, at
+    the memory bandwidth, for exactly the conv layers whose kernel unfolds (torch's own choice) and
+    no other: the conv_wd net's two convolutions (in = 9 and 36 at P = 64 output pixels) and not its
+    Linear. Before, the columns were unpriced and a float64 conv net's dense Hessian calls ran
+    1.4-1.9x their estimate (``benchmarks/products_conv.py``)."""
+    from gradalg.exec import LocalExecutor
+    from gradalg.plan.jobs.products import PRODUCT_SWEEPS, product_work
+    model = conv_wd_net()
+    g = torch.Generator().manual_seed(1)
+    X, y = torch.randn(40, 64, generator=g, dtype=torch.float64), torch.randint(0, 10, (40,), generator=g)
+    task = ga.tasks.classification(model)
+    for kind, make in (("hessian", ga.hessian), ("gauss_newton", ga.gauss_newton)):
+        with ga.options(batch_size=32, products_vmap_elements=0):
+            plan = LocalExecutor().plan(make(task, (X, y)).expr)
+        [step] = [p for p in plan.passes if p.per_call]
+        job = replace(step.jobs[0], groups=((1, 3, ""),))
+        assert job.layer_positions() == (64, 64, 1)
+        assert job.layer_unfolds(32) == (True, True, False)          # the two float64 convolutions
+        assert job.layer_unfolds(8) == (True, True, False)
+        primal, tangent = PRODUCT_SWEEPS[kind]
+        dim = job.target.space.dim
+        for b in (32, 8):                                              # the full batches, the last one
+            plain = product_work(model, b, 1, 3, kind, dim, 8, (64, 64, 1))
+            unfolded = product_work(model, b, 1, 3, kind, dim, 8, (64, 64, 1), job.layer_unfolds(b))
+            columns = 2 * 8 * (9 * 64 + 36 * 64) * b * (primal + tangent * 3)
+            assert unfolded.bytes - plain.bytes == pytest.approx(columns, rel=1e-12)
+            assert unfolded.flops == plain.flops and unfolded.elementwise == plain.elementwise
+        # the job's call prices them: one call over 40 examples, a batch of 32 and one of 8
+        call = job.call_cost(torch.float64)
+        expected = 2 * 8 * (9 * 64 + 36 * 64) * 40 * (primal + tangent * 3) + 2 * 5 * 8 * 3 * dim   # + the sums
+        assert call.bytes == pytest.approx(expected, rel=1e-12)

@@ -186,6 +186,13 @@ class LayerRule(ABC):
         (a lookup, a replayed module). Every registered rule defines it (:func:`check_rule`)."""
         return None
 
+    def unfolds(self, module: nn.Module, in_shape, batch: int) -> bool:
+        """Whether torch's kernel for this layer, on ``batch`` inputs of ``in_shape`` (one
+        example's) in its weight's device and dtype, unfolds each example's input into columns
+        (in, positions) and multiplies them one example at a time (a convolution's im2col
+        kernel: :meth:`ConvRule.unfolds`); False for a layer that is one GEMM over the batch."""
+        return False
+
     def activation_numbers(self, module: nn.Module) -> int:
         """Numbers autograd keeps around the layer: ``sum(weight.shape[:2])`` (in + out)."""
         w = getattr(module, "weight", None)
@@ -439,6 +446,23 @@ class ConvRule(LayerRule):
 
     def weight_gemm(self, module):
         return module.weight[0].numel(), module.weight.shape[0]
+
+    def unfolds(self, module, in_shape, batch):
+        """True where torch picks an im2col kernel for this convolution (its ``Slow*`` backends:
+        on the CPU every float64 convolution and a batch of one; not oneDNN's or cuDNN's), asked
+        of torch's own choice (``torch._C._select_conv_backend``) on an uninitialised batch of
+        ``batch`` inputs of ``in_shape`` on the weight's device; False where torch cannot say."""
+        w = module.weight
+        if w.is_meta or isinstance(module.padding, str) or not hasattr(torch._C, "_select_conv_backend"):
+            return False
+        x = torch.empty((batch, *in_shape), dtype=w.dtype, device=w.device)
+        try:
+            backend = torch._C._select_conv_backend(x, w, module.bias, list(module.stride), list(module.padding),
+                                                    list(module.dilation), False, [0] * len(module.kernel_size),
+                                                    module.groups, None)
+        except (RuntimeError, TypeError):
+            return False
+        return str(backend).rsplit(".", 1)[-1].startswith("Slow")
 
     @property
     def base_forward(self):

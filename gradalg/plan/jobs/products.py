@@ -95,7 +95,7 @@ FIXED_SCALE = {kind: sum(sweeps) / sum(PRODUCT_SWEEPS["gauss_newton"]) for kind,
 ATTENTION_MODULES = 110
 
 
-def product_work(model, B: int, T: int, m: int, kind: str, dim: int, elem: int, positions=None) -> Cost:
+def product_work(model, B: int, T: int, m: int, kind: str, dim: int, elem: int, positions=None, unfolds=()) -> Cost:
     """The work of one batch of products, as plain ops would do it: B examples of T
     positions, m vectors, each weight layer ``(in, out)``
     (:func:`~gradalg.plan.shapes.weight_layers`) at its P positions per example
@@ -103,7 +103,10 @@ def product_work(model, B: int, T: int, m: int, kind: str, dim: int, elem: int, 
     measured by :meth:`ProductsJob.layer_positions`; None: P = T for every layer)
     ``primal`` GEMMs (B·P, out, in) and ``tangent`` GEMMs (m·B·P, out, in)
     (:data:`PRODUCT_SWEEPS`: ``vmap`` runs each tangent GEMM once for the m vectors, one GEMM
-    m times as tall, not m small ones; the same FLOPs); attention (a transformer config) two
+    m times as tall, not m small ones; the same FLOPs), each GEMM of a layer whose kernel unfolds
+    (``unfolds``, per weight layer: :meth:`ProductsJob.layer_unfolds`, a CPU float64 convolution's
+    im2col) writing and reading its columns (in, P) per example: 2·in·P·elem bytes of elementwise
+    traffic; attention (a transformer config) two
     batched (T, T, d_head) products per forward-equivalent (the tangents' m·B·heads of them);
     elementwise traffic the activations once per forward-equivalent
     (:func:`~gradalg.plan.shapes.activation_bytes` at T, plus ``activation_numbers``·(P − T)·elem
@@ -118,8 +121,10 @@ def product_work(model, B: int, T: int, m: int, kind: str, dim: int, elem: int, 
     if len(positions) != len(layers):
         raise PlanError(f"product_work: {len(positions)} positions for {len(layers)} weight layers (a planner bug: "
                         "report it)")
+    unfolds = tuple(unfolds) + (False,) * (len(layers) - len(unfolds))
     for (n_in, n_out), P in zip(layers, positions):      # vmap: each tangent GEMM one of m·B·P rows
         cost = cost + gemm_cost(B * P, n_out, n_in, primal, elem) + gemm_cost(m * B * P, n_out, n_in, tangent, elem)
+    columns = 2.0 * elem * sum(n_in * P for (n_in, _), P, u in zip(layers, positions, unfolds) if u)
     layers, width, heads = attention_shape(model)
     if layers and T > 1:
         d_head = max(1, width // heads)
@@ -128,7 +133,7 @@ def product_work(model, B: int, T: int, m: int, kind: str, dim: int, elem: int, 
     per_example = activation_bytes(model, T, elem)
     if any(P != T for P in positions):     # a weight layer at P positions, not T: its activations P/T times
         per_example += float(sum(n * (P - T) for n, P in zip(_activation_numbers(model), positions))) * elem
-    cost = cost + Cost(elementwise=per_example * B * (primal + tangent * m))
+    cost = cost + Cost(elementwise=per_example * B * (primal + tangent * m), bytes=columns * B * (primal + tangent * m))
     return cost + Cost(bytes=5.0 * elem * m * dim)
 
 
@@ -325,8 +330,18 @@ class ProductsJob(Job):
         measured = self._measured()
         return None if measured is None else measured[2]
 
+    def layer_unfolds(self, b: int) -> tuple[bool, ...]:
+        """Per weight layer (:func:`~gradalg.plan.shapes.weight_layers`' order), whether its kernel
+        on a batch of ``b`` examples unfolds its input (:meth:`~gradalg.capture.layers.LayerRule.unfolds`:
+        torch's own choice of convolution kernel, at the input shape the meta forward saw); all
+        False where the model cannot run on meta."""
+        measured = self._measured()
+        return () if measured is None else tuple(
+            shape is not None and rule.unfolds(m, shape, b) for (m, rule), shape in zip(_weight_modules(
+                self.target.task.model), measured[3]))
+
     def _measured(self):
-        """``(activations, positions, (S, M))`` of one meta forward of the first example
+        """``(activations, positions, (S, M), input shapes)`` of one meta forward of the first example
         (:meth:`example_activations`, :meth:`layer_positions`, :meth:`held_activations`), or None.
         Memoised by the target's token (at most 256 kept)."""
         t = self.target
@@ -385,7 +400,8 @@ class ProductsJob(Job):
         work, calls, positions = Cost(), 0, self.layer_positions()
         for b, count, sizes in self.vmap_calls(vectors):
             for c, k in sizes:
-                work = work + product_work(model, b, T, c, t.kind, t.space.dim, elem, positions).scaled(count * k)
+                work = work + product_work(model, b, T, c, t.kind, t.space.dim, elem, positions,
+                                           self.layer_unfolds(b)).scaled(count * k)
                 calls += count * k
         factor = device.product_work if device is not None else 1.0
         return weighed(work, factor) + product_fixed(model, t.kind, calls)
@@ -443,9 +459,11 @@ class ProductsJob(Job):
 
 def _meta_measure(t):
     """:meth:`ProductsJob._measured` of the products target ``t``, measured."""
-    held, handles = [], []
+    held, handles, inputs = [], [], {}
 
-    def hook(_module, _args, out):
+    def hook(module, args, out):
+        if args and isinstance(args[0], torch.Tensor):
+            inputs.setdefault(id(module), tuple(args[0].shape[1:]))
         if isinstance(out, torch.Tensor) and out.dim() > 0 and out._base is None:
             held.append(out.numel())
     try:
@@ -456,7 +474,7 @@ def _meta_measure(t):
         seen, activations = _measure_on_meta(t.task, t.data.first_example_batch(), refs)
         T = data_tokens_hint(t.data)
         return (float(activations), tuple(int(seen.get(str(i), T)) for i in range(len(modules))),
-                (float(sum(held)), float(max(held, default=0))))
+                (float(sum(held)), float(max(held, default=0))), tuple(inputs.get(id(m)) for m, _ in modules))
     except Exception:  # noqa: BLE001 - a hint: a model meta cannot run is priced unchunked, at T
         return None
     finally:

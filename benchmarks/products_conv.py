@@ -1,0 +1,151 @@
+"""The products pass's estimates against measurements on two conv nets, an MLP and a tiny GPT-2.
+
+For each model and each setting (``dense_hessian``: a formation's 256-vector calls; ``gn_cg`` /
+``hessian_cg``: CG's Gauss-Newton / Hessian products of the queries' vectors, 3 iterations), ``influence(...).explain(analyze=True)`` runs the plan; every call of a products pass
+is timed (this process's CPU seconds) against the job's price of one call of its vectors
+(``call_cost`` on this machine's profile). Memory: one batch of the largest call's products,
+its peak from torch.profiler's memory events (what autograd, ``vmap`` and the conv kernels
+allocate), against the job's ``fixed_bytes + per_example_bytes · batch``.
+
+    PYTHONPATH=. OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python benchmarks/products_conv.py [models [settings]]
+
+Models: ``conv8`` (1×8×8 → Conv2d(1, 8, 3, pad 1) → ReLU → Conv2d(8, 16, 3, pad 1) → ReLU →
+MaxPool2d(2) → Linear(256, 10): ``benchmarks/fidelity_more.py``'s conv), ``conv32`` (1×32×32 →
+Conv2d(1, 32, 3, pad 1) → ReLU → Conv2d(32, 32, 3, pad 1) → ReLU → MaxPool2d(4) → Linear(2048, 10),
+the first conv's products), ``convwd`` (``benchmarks/fidelity.py``'s ``conv_wd`` net in float64:
+Conv2d(1, 4, 3) → Tanh → Conv2d(4, 8, 3) → Tanh → AvgPool2d(2) → Linear(128, 10)), ``mlp`` (64 → 32 → 32 → 10), ``gpt2`` (``benchmarks/alternating.py``'s
+tiny GPT-2, T = 32, one attention projection's products). Batches of 32.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+import warnings
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
+from test_products_groups import _peak_bytes  # noqa: E402  (torch.profiler's memory events: the test's own)
+
+
+def conv8():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(),
+                          nn.MaxPool2d(2), nn.Flatten(), nn.Linear(256, 10)).eval()
+    g = torch.Generator().manual_seed(0)
+    return model, torch.rand(96, 1, 8, 8, generator=g), torch.randint(0, 10, (96,), generator=g), None
+
+
+def conv32():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
+                          nn.MaxPool2d(4), nn.Flatten(), nn.Linear(2048, 10)).eval()
+    g = torch.Generator().manual_seed(0)
+    return model, torch.rand(32, 1, 32, 32, generator=g), torch.randint(0, 10, (32,), generator=g), ["0"]
+
+
+def convwd():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.Tanh(), nn.Conv2d(4, 8, 3, padding=1), nn.Tanh(),
+                          nn.AvgPool2d(2), nn.Flatten(), nn.Linear(128, 10)).double().eval()
+    g = torch.Generator().manual_seed(0)
+    return (model, torch.rand(96, 1, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 10, (96,), generator=g),
+            None)
+
+
+def mlp():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10)).eval()
+    g = torch.Generator().manual_seed(0)
+    return model, torch.randn(96, 64, generator=g), torch.randint(0, 10, (96,), generator=g), None
+
+
+MODELS = {"conv8": conv8, "conv32": conv32, "convwd": convwd, "mlp": mlp}
+SETTINGS = {"dense_hessian": dict(curvature="dense_hessian"),
+            "gn_cg": dict(curvature="gauss_newton", solver="cg", solver_settings={"max_iter": 3}),
+            "hessian_cg": dict(curvature="hessian", solver="cg", solver_settings={"max_iter": 3}, damping=100.0)}
+
+
+def workload(name):
+    import gradalg as ga
+    if name == "gpt2":
+        from alternating import tiny_gpt2
+        model, _ = tiny_gpt2(T=32)
+        model.config._attn_implementation = "eager"
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, 256, (32, 32), generator=g)
+        return (ga.tasks.causal_lm(model), {"input_ids": ids}, {"input_ids": ids[:2]},
+                ["transformer.h.0.attn.c_proj"])
+    model, X, y, layers = MODELS[name]()
+    return ga.tasks.classification(model), (X, y), (X[:2], y[:2]), layers
+
+
+def run(name: str, setting: str) -> list[dict]:
+    import gradalg as ga
+    from gradalg.curvature.hvp import Products
+    from gradalg.devices import local_profile
+    from gradalg.eval_mode import eval_mode
+    from gradalg.plan.jobs import ProductPass
+    prof, calls, original = local_profile(), [], ProductPass.__call__
+
+    def timed(self, V):
+        cpu = time.process_time()
+        out = original(self, V)
+        m, job = int(V.shape[0]), self.job
+        dtype = next(job.target.task.model.parameters()).dtype
+        calls.append((job, m, time.process_time() - cpu, prof.time_of(job.call_cost(dtype, prof, m), dtype)))
+        return out
+    task, train, queries, layers = workload(name)
+    ProductPass.__call__ = timed
+    try:
+        with ga.options(batch_size=32, progress=False), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            shown = ga.methods.influence(task, train, queries, layers=layers,
+                                         **{"damping": 0.1, **SETTINGS[setting]}).explain(analyze=True)
+    finally:
+        ProductPass.__call__ = original
+    rows = []
+    for m in sorted({m for _, m, _, _ in calls}):
+        these = [c for c in calls if c[1] == m]
+        job = these[0][0]
+        cpu = sorted(c[2] for c in these)[len(these) // 2]          # the median call
+        products = Products(job.target.task, job.target.data, job.target.layers, job.target.kind,
+                            batching=job.batching)
+        _, batch = next(products.batches(job.batch))
+        V = torch.randn(m, job.target.space.dim, dtype=next(products.model.parameters()).dtype)
+        sized = replace(job, groups=((1, m, ""),))
+        facts = shown.plan.facts
+        estimate = sized.fixed_bytes(facts) + sized.per_example_bytes(facts) * min(job.batch, job.target.data.n)
+        with eval_mode(products.model):
+            peak = _peak_bytes(lambda: products.batch_rows(batch, V, 0)) + 2.0 * V.numel() * V.element_size()
+        rows.append(dict(model=name, setting=setting, kind=job.target.kind, vectors=m, calls=len(these),
+                         dim=job.target.space.dim, batching=job.batching,
+                         est_s=these[0][3], cpu_s=cpu, time_est_over_meas=these[0][3] / cpu,
+                         est_bytes=estimate, peak_bytes=peak, mem_est_over_meas=estimate / peak))
+    return rows
+
+
+def main(argv) -> int:
+    torch.set_num_threads(1)
+    names = (argv[0] if argv else "conv8,conv32,convwd,mlp,gpt2").split(",")
+    settings = (argv[1] if len(argv) > 1 else ",".join(SETTINGS)).split(",")
+    run("mlp", "gn_cg")                                              # warm-up: torch.func's first call
+    for name in names:
+        for setting in settings:
+            for row in run(name, setting):
+                print(json.dumps(row), flush=True)
+                print(f"# {row['model']:7s} {row['setting']:18s} m={row['vectors']:4d} x{row['calls']:3d} "
+                      f"time est/meas {row['time_est_over_meas']:6.2f} ({row['est_s'] * 1e3:8.1f} / "
+                      f"{row['cpu_s'] * 1e3:8.1f} ms)  mem est/meas {row['mem_est_over_meas']:6.2f} "
+                      f"({row['est_bytes'] / 2**20:8.2f} / {row['peak_bytes'] / 2**20:8.2f} MiB)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
