@@ -135,3 +135,16 @@ def test_the_measured_peak_of_a_small_pass_is_within_2x_of_its_estimate():
         pytest.skip(f"the small pass's own peak was not read here: {rows}")
     measured, estimated = small["measured_rss_growth_bytes"], small["peak_bytes"]
     assert small["batch_size"] == 4 and measured / 2 <= estimated <= 2 * measured, (measured / MiB, rows)
+
+
+def test_a_products_pass_over_fewer_examples_than_its_batch_is_priced_at_them():
+    """CG influence with the Gauss-Newton known through products over 5 training examples
+    at ``batch_size=32``: each call reads one batch of 5, its peak is 5 examples' work."""
+    task = ga.tasks.classification(models.mlp())
+    X, y = models.classification_data(n=8)
+    S = ga.methods.influence(task, (X[:5], y[:5]), (X[5:], y[5:]), solver="cg", curvature="gauss_newton",
+                             damping=0.1, solver_settings={"max_iter": 3})
+    with ga.options(batch_size=32):
+        [step] = [p for p in plan(S.expr).passes if p.per_call]
+    assert step.batch_size == 5
+    assert step.cost.peak_bytes == pytest.approx(step.fixed_bytes + 5 * step.per_example_bytes)
