@@ -148,3 +148,16 @@ def test_a_products_pass_over_fewer_examples_than_its_batch_is_priced_at_them():
         [step] = [p for p in plan(S.expr).passes if p.per_call]
     assert step.batch_size == 5
     assert step.cost.peak_bytes == pytest.approx(step.fixed_bytes + 5 * step.per_example_bytes)
+
+
+def test_a_products_call_over_a_dataloader_is_priced_in_the_loaders_batches():
+    """Products over a DataLoader of batch 2 (5 examples) read batches of 2, 2 and 1 whatever
+    ``ga.options(batch_size)``: the call's batches (``vmap_calls``) and the pass's batch say so."""
+    task = ga.tasks.classification(models.mlp())
+    X, y = models.classification_data(n=8)
+    S = ga.methods.influence(task, DataLoader(TensorDataset(X[:5], y[:5]), batch_size=2), (X[5:], y[5:]),
+                             solver="cg", curvature="gauss_newton", damping=0.1, solver_settings={"max_iter": 3})
+    with ga.options(batch_size=32):
+        [step] = [p for p in plan(S.expr).passes if p.per_call]
+        assert step.batch_size == 2
+        assert [(b, count) for b, count, _ in step.jobs[0].vmap_calls()] == [(2, 2), (1, 1)]
