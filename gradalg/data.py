@@ -139,6 +139,13 @@ class DataRef:
             return None
         return self.source.batch_size or max(_loader_sizes(self.source, self.n) or [1])
 
+    def largest_batch(self, batch_size: int) -> int:
+        """The most examples one batch of ``loader(batch_size)`` holds: the data's own batch
+        size where it fixes one (:attr:`fixed_batch_size`), else ``batch_size``, at most
+        the n examples there are (at least 1). A pass over 4 examples in batches of 16
+        holds 4: what its memory and per-batch work are priced at."""
+        return max(1, min(self.fixed_batch_size or batch_size, self.n))
+
     def loader(self, default_batch_size: int) -> Iterator:
         """Batches over the examples, in order (a DataLoader is used as it is), each checked
         to hold as many examples as the loader was asked for (:func:`counted_batches`): a

@@ -78,7 +78,7 @@ def capture_cost(src: Source, options, dtype=torch.float32, forward: bool = True
     """
     model, data, elem = src.task.model, src.data, element_size(dtype)
     n, T = data.n, tokens_hint(src)
-    B = max(1, min(batch or data.fixed_batch_size or options.batch_size, n))
+    B = batch or data.largest_batch(options.batch_size)   # the planned batch: already at most n
     batches = math.ceil(n / B)
     sweeps = rows_per_example(src) if src.objective == "expected" else 1     # backwards per batch
     cost = Cost(passes=1)

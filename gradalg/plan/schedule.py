@@ -34,7 +34,8 @@ class Pass:
     reads (:mod:`~gradalg.plan.passkeys`).
 
     ``batch_size``: the examples per batch the pass reads its data in (a ``BATCH_SIZE``
-    decision; a products pass: its job's per call), never None once sized for a pass that
+    decision; a products pass: its job's per call), its largest real batch: at most its
+    examples (:meth:`~gradalg.data.DataRef.largest_batch`), what its peak is priced at; never None once sized for a pass that
     reads data; None for a pass that reads no data (rows in memory or a store, read in the
     chunks they were kept in). ``trim_after_batches``: after each batch the runner returns
     free memory to the system when the resident set has grown

@@ -120,7 +120,7 @@ def chunk_examples(src) -> int:
     grows with the chunk, so pricing it here is an upper bound for a smaller one."""
     from .size import _batch_tokens     # size imports this module
     options, data = get_options(), getattr(src, "data", None)
-    B = min(int(getattr(src, "n", 1) or 1), getattr(data, "batch_size", None) or options.batch_size)
+    B = data.largest_batch(options.batch_size) if data is not None else min(int(src.n or 1), options.batch_size)
     by_tokens = None
     with contextlib.suppress(Exception):   # a source without a model's parameters: no token limit
         by_tokens = _batch_tokens([src], options)[2]

@@ -95,13 +95,17 @@ def _batch_size(p: Pass, sources, fixed: float, per_ex: float, facts: Facts,
     """``(batch size, note, BATCH_SIZE decision)`` of a pass over data: the data's own
     batch size, else the smallest of ``ga.options(batch_size)``, what fits the memory
     budget beside ``fixed`` held bytes at ``per_ex`` bytes per example, and
-    ``batch_tokens`` over the positions per example."""
+    ``batch_tokens`` over the positions per example; at most the pass's n examples
+    (:meth:`~gradalg.data.DataRef.largest_batch`: the largest batch it reads, what its
+    memory and per-batch work are priced at: 4 queries in batches of 16 hold 4)."""
     data, o, budget = sources[0].data, facts.options, facts.options.memory_budget
-    if (batch := data.fixed_batch_size) is not None:
+    few = f"; the pass has {data.n:,} examples: one batch holds them all"
+    if (own := data.fixed_batch_size) is not None:
+        batch = data.largest_batch(own)
         return batch, "batch size fixed by the data", Decision(
-            DecisionKind.BATCH_SIZE, p.key, str(batch), {"the data's": str(batch), "ga.options": str(o.batch_size)},
+            DecisionKind.BATCH_SIZE, p.key, str(batch), {"the data's": str(own), "ga.options": str(o.batch_size)},
             "fixed by the data (a batching DataLoader, the largest batch of its batch_sampler, or "
-            "ga.grads(..., batch_size=...))", label=p.label)
+            "ga.grads(..., batch_size=...))" + (few if batch < own else ""), label=p.label)
     if budget - fixed < per_ex:  # not even a batch of one example fits next to the held rows
         if per_ex > budget:   # one example alone: projecting or fewer queries shrinks only the held rows
             T = max(tokens_hint(s) for s in sources)
@@ -112,8 +116,9 @@ def _batch_size(p: Pass, sources, fixed: float, per_ex: float, facts: Facts,
         raise _over_budget(p, p.jobs, fixed, per_ex, budget, facts, resolving, held_alone=False)
     fit = int((budget - fixed) // max(per_ex, 1.0))
     tokens, T, by_tokens = _batch_tokens(sources, o)
-    batch = max(1, min(o.batch_size, fit, by_tokens or o.batch_size))
-    note = "" if batch >= o.batch_size else (
+    limit = max(1, min(o.batch_size, fit, by_tokens or o.batch_size))
+    batch = data.largest_batch(limit)
+    note = "" if limit >= o.batch_size or batch < limit else (
         f"batch size {batch} (not {o.batch_size}) " + ("to stay under the memory budget" if batch == fit else
                                                       f"of {T} positions each: {tokens} positions per batch "
                                                       "(ga.options(batch_tokens))"))
@@ -124,7 +129,8 @@ def _batch_size(p: Pass, sources, fixed: float, per_ex: float, facts: Facts,
         DecisionKind.BATCH_SIZE, p.key, str(batch), alternatives,
         f"the smallest: {_si(fixed)}B held and {_si(per_ex)}B per example under the memory budget of {_si(budget)}B"
         + (f"; batches of {tokens} positions already run efficient GEMMs, and fewer examples keep "
-           "the activations small" if by_tokens and batch == by_tokens < fit else ""), label=p.label)
+           "the activations small" if by_tokens and batch == by_tokens < fit else "")
+        + (few if batch < limit else ""), label=p.label)
 
 
 def _trim(p: Pass, per_ex: float, batch: int, options) -> tuple[bool, Decision]:
@@ -133,7 +139,7 @@ def _trim(p: Pass, per_ex: float, batch: int, options) -> tuple[bool, Decision]:
     (:class:`~gradalg.exec.allocator.ResidentGuard`, past ``ga.options(release_growth)``
     times the first batch's resident set, and once after the pass) when its planned
     working set per batch, ``per_ex · batch`` (``batch``: the largest it reads, at most its
-    examples), is at least ``ga.options(release_memory_above)``
+    examples: :func:`_batch_size`), is at least ``ga.options(release_memory_above)``
     (a smaller batch frees too little to be worth the call, which walks the whole heap).
     ``release_memory_above`` 0 or infinite forces the answer for every pass (source ``OPTIONS``)."""
     above, work = options.release_memory_above, per_ex * batch
@@ -201,14 +207,16 @@ class _Sizer:
     def size_per_call(self, p: Pass) -> Pass:
         """A products pass (:attr:`Pass.per_call`): its job's bound on the calls times one
         call (:meth:`~gradalg.plan.jobs.products.ProductsJob.stream_cost`), in batches of
-        the job's ``batch`` (``ga.options(batch_size)``, as the products read their data),
-        its vectors held beside one batch's activations. Not refused for memory: the
+        the job's ``batch`` (``ga.options(batch_size)``, as the products read their data; at
+        most the data's examples, its own batch where it fixes one), its vectors held beside
+        one batch's activations. Not refused for memory: the
         products have always run at that batch size."""
         facts, dtype, job = self.facts, self.facts.dtype, p.jobs[0]
         job = replace(job, cost=job.stream_cost(0, None, facts, None))
         fixed, per_ex = job.fixed_bytes(facts), job.per_example_bytes(facts)
-        cost = replace(job.cost, peak_bytes=fixed + per_ex * job.batch, passes=float(job.calls))
-        return replace(p, jobs=[job], batch_size=job.batch, cost=cost, seconds=cost.seconds(self.facts.device, dtype),
+        batch = job.target.data.largest_batch(job.batch)
+        cost = replace(job.cost, peak_bytes=fixed + per_ex * batch, passes=float(job.calls))
+        return replace(p, jobs=[job], batch_size=batch, cost=cost, seconds=cost.seconds(self.facts.device, dtype),
                        per_example_bytes=per_ex, fixed_bytes=fixed,
                        note=f"run by its solver, one pass per call: the estimate is for {job.calls:,} calls")
 
@@ -226,7 +234,7 @@ class _Sizer:
         batch, note, cost, trim = None, "", Cost(), False
         if p.reads_data:
             batch, note, decision = _batch_size(p, sources, fixed, per_ex, facts, resolving)
-            trim, trimmed = _trim(p, per_ex, min(batch, sources[0].data.n), o)   # the largest batch it reads
+            trim, trimmed = _trim(p, per_ex, batch, o)
             self.decisions += [decision, trimmed]
             cost = estimates.pass_capture_cost(sources, o, dtype, facts.share_key, batch, facts.device)
             n, chunk = sources[0].data.n, batch

@@ -356,7 +356,7 @@ class ProductsJob(Job):
         :meth:`example_activations`), the run's rule: ⌈m / c⌉ calls, the last one with the rest (one
         call of m where unchunked or not known); where the vectors loop (:attr:`batching`), m calls of one."""
         n, m = self.target.data.n, self.vectors if m is None else m
-        B = max(1, min(self.batch, n))
+        B = self.target.data.largest_batch(self.batch)   # the data's own batch where it fixes one
         full, rest = divmod(n, B)
         a, E = self.example_activations(), get_options().products_vmap_elements
         out = []
