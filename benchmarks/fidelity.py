@@ -54,7 +54,9 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gradalg as ga  # noqa: E402
+from ground_truths import seed_store  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 CACHE = HERE.parent / "build" / "fidelity"     # retrained targets (resumable) and results-<setting>.json
@@ -404,10 +406,13 @@ class Row:
 
 def ground_truth(setting: Setting, n_subsets: int | None = None, progress=False):
     """The setting's retrained ground truth (``ga.eval.retrain``, cached and resumable under
-    ``build/fidelity/``); ``setting.prepare()`` must have run."""
+    ``build/fidelity/``, seeded from the committed runs of ``benchmarks/ground_truths.py``);
+    ``setting.prepare()`` must have run."""
+    store = CACHE / f"{setting.name}-n{N_TRAIN}-q{N_QUERY}-wd{WD:g}-tol{setting.tol_subset:g}"
+    seed_store(store)
     return ga.eval.retrain(setting.train_fn, N_TRAIN, n_subsets=n_subsets or setting.n_subsets, fraction=FRACTION,
                            seed=0, targets_fn=setting.query_losses, target="loss", progress=progress,
-                           store=CACHE / f"{setting.name}-n{N_TRAIN}-q{N_QUERY}-wd{WD:g}-tol{setting.tol_subset:g}")
+                           store=store)
 
 
 def run_setting(setting: Setting, methods, progress=False, n_subsets=None, exclude=()) -> tuple[list[Row], float]:

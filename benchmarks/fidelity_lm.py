@@ -94,7 +94,9 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 import gradalg as ga  # noqa: E402
+from ground_truths import seed_store  # noqa: E402
 
 BUILD = ROOT / "build" / "fidelity"
 N_NUM, PAD, T_MAX = 30, 0, 16
@@ -245,6 +247,7 @@ class Prepared:
         if not retrain:
             return
         t0 = time.perf_counter()
+        seed_store(store)                                 # the committed runs (benchmarks/ground_truths.py)
         self.truth = ga.eval.retrain(self.train_fn, setting.n_train, n_subsets=n_subsets, fraction=FRACTION,
                                      seed=SUBSET_SEED, training_seed=TRAINING_SEED, targets_fn=self.query_losses,
                                      target="loss", store=store, progress=progress,

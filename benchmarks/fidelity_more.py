@@ -79,6 +79,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gradalg as ga  # noqa: E402
 from fidelity_lm import LMSetting, batch_stream, label_value, make_corpus, token_losses  # noqa: E402
+from ground_truths import seed_store  # noqa: E402
 
 BUILD = ROOT / "build" / "fidelity"
 N_SUBSETS, FRACTION, SUBSET_SEED, TRAINING_SEED, SEEDS_PER_SUBSET = 40, 0.5, 0, 0, 3
@@ -445,7 +446,10 @@ def method_rows(s: Setting, model, snapshots):
 # ---------------------------------------------------------------------------------- run
 def ground_truth(s: Setting, *, n_subsets=N_SUBSETS, seeds_per_subset=SEEDS_PER_SUBSET, progress=False,
                  store=True):
-    """``ga.eval.retrain`` of ``s`` (targets cached under build/fidelity/<key>)."""
+    """``ga.eval.retrain`` of ``s`` (targets cached under build/fidelity/<key>, seeded from the
+    committed runs of ``benchmarks/ground_truths.py``)."""
+    if store:
+        seed_store(BUILD / s.key)
     return ga.eval.retrain(s.train_fn, s.n_train, n_subsets=n_subsets, fraction=FRACTION, seed=SUBSET_SEED,
                            training_seed=TRAINING_SEED, targets_fn=s.query_targets, target="loss",
                            store=(BUILD / s.key) if store else None, progress=progress,

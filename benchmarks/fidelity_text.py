@@ -85,6 +85,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gradalg as ga  # noqa: E402
 from fidelity_lm import LAYERS, _read, defaults, tied_rows  # noqa: E402
+from ground_truths import seed_store  # noqa: E402
 
 BUILD = ROOT / "build" / "fidelity"
 N_SUBSETS, FRACTION, SUBSET_SEED, TRAINING_SEED, SEEDS_PER_SUBSET = 32, 0.5, 0, 0, 3
@@ -335,6 +336,7 @@ class Prepared:
         if not retrain:
             return
         t0 = time.perf_counter()
+        seed_store(BUILD / self.key)                      # the committed runs (benchmarks/ground_truths.py)
         self.truth = ga.eval.retrain(self.train_fn, setting.n_train, n_subsets=n_subsets, fraction=FRACTION,
                                      seed=SUBSET_SEED, training_seed=TRAINING_SEED, targets_fn=self.query_losses,
                                      target="loss", store=BUILD / self.key, progress=progress,

@@ -6,6 +6,7 @@ Also the suite's one-block twins: one pooled λ is the per-block λ where the da
 one block (so the row may be copied), and not where it has several."""
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -162,3 +163,74 @@ def test_one_pooled_lambda_is_the_per_block_lambda_on_one_block(tiny):
         assert not np.allclose(two[0], two[1])
     assert D.damped_blocks(tiny, "grass", {"k": 4}) == 2
     assert D.damped_blocks(tiny, "influence", {}) is None
+
+
+# ------------------------------------------------------------ committed ground truths
+def _toy_retrain(store, train_fn, n_subsets=3, k=2, seed=0):
+    """A retraining ground truth whose 'model' is its subset and whose targets are sums of
+    fixed per-example values, each run shifted by its training seed (so runs differ)."""
+    values = np.arange(1.0, 9.0).reshape(8, 1) * np.array([[1.0, -2.0]])        # (n_train=8, n_query=2)
+
+    def targets_fn(model):
+        indices, run_seed = model
+        return values[indices].sum(0) + run_seed
+
+    return ga.eval.retrain(train_fn, 8, n_subsets=n_subsets, fraction=0.5, seed=seed, training_seed=0,
+                           targets_fn=targets_fn, seeds_per_subset=k, store=store, target="loss")
+
+
+def test_a_packed_ground_truth_is_served_to_retrain_without_training(tmp_path):
+    import ground_truths as GT
+    trained = []
+
+    def train_fn(indices):
+        trained.append(tuple(indices))
+        return np.asarray(indices), torch.initial_seed()
+
+    built = _toy_retrain(tmp_path / "toy-key", train_fn)
+    assert len(trained) == 6
+    archive = GT.pack(tmp_path / "toy-key", archives=tmp_path / "archives")
+    assert archive.name == "toy-key.tar.gz"
+    assert GT.pack(tmp_path / "toy-key", archives=tmp_path / "again").read_bytes() == archive.read_bytes()
+
+    fresh = tmp_path / "clone" / "toy-key"
+    assert GT.seed_store(fresh, archives=tmp_path / "archives") == 7          # meta.json + 6 runs
+    assert GT.seed_store(fresh, archives=tmp_path / "archives") == 0          # nothing twice
+
+    def refuse(indices):
+        raise AssertionError("a committed run was trained again")
+
+    served = _toy_retrain(fresh, refuse)
+    np.testing.assert_array_equal(served.runs.values, built.runs.values)
+    np.testing.assert_array_equal(served.masks.values, built.masks.values)
+    # a third run per subset is not in the archive: only it is trained
+    trained.clear()
+    more = _toy_retrain(fresh, train_fn, k=3)
+    assert len(trained) == 3
+    np.testing.assert_array_equal(more.runs.values[:, :2], built.runs.values)
+    assert GT.seed_store(tmp_path / "no-archive", archives=tmp_path / "archives") == 0
+
+
+def test_a_ground_truth_archive_of_other_settings_is_refused_not_served(tmp_path):
+    import ground_truths as GT
+
+    def train_fn(indices):
+        return np.asarray(indices), torch.initial_seed()
+
+    _toy_retrain(tmp_path / "toy-key", train_fn, seed=0)
+    GT.pack(tmp_path / "toy-key", archives=tmp_path / "archives")
+    GT.seed_store(tmp_path / "clone" / "toy-key", archives=tmp_path / "archives")
+    with pytest.raises(ga.GradalgError, match="holds runs of other settings"):
+        _toy_retrain(tmp_path / "clone" / "toy-key", train_fn, seed=1)          # other subsets drawn
+
+
+def test_every_committed_ground_truth_archive_unpacks_into_a_store():
+    import tarfile
+
+    import ground_truths as GT
+    for archive in sorted(GT.ARCHIVES.glob("*.tar.gz")):
+        with tarfile.open(archive, "r:gz") as tar:
+            names = [m.name for m in GT._members(tar)]
+            meta = json.loads(tar.extractfile("meta.json").read())
+        assert "meta.json" in names and meta["kind"] == "subsets", archive.name
+        assert any(n.endswith(".npz") for n in names), archive.name

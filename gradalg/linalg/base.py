@@ -162,10 +162,10 @@ class LinearOp(ABC):
         raise NotImplementedError(f"{type(self).__name__} has no power primitive (LinearOp._power)")
 
     def _scale(self, c: float) -> "LinearOp":
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} has no scaling primitive (LinearOp._scale)")
 
     def _spectral(self, fn, what: str) -> "LinearOp":
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} has no eigenvalue-function primitive (LinearOp._spectral)")
 
 
 # ---------------------------------------------------------------------- eigenvalue maps
