@@ -407,3 +407,23 @@ def test_a_left_padding_sequence_classifier_pads_a_list_of_items_on_the_left():
     task = ga.tasks.sequence_classification(clf, padding_side="left")
     assert task.collate_fn is ga.collate.left_pad_collate
     close(dense(ga.grads(task, data, layers=layers, batch_size=4), layers), right)
+
+
+@pytest.mark.parametrize("arch", MODELS)
+def test_a_model_with_a_tied_head_is_measured_on_meta_like_its_untied_twin(arch):
+    """A tied embedding and head (GPT2Config's default, Llama's ``tie_word_embeddings``) is one
+    tensor under two names in ``state_dict``; the meta forward's state named it twice, which
+    ``functional_call`` refuses, and every tied model was planned on ``tokens_hint`` (its
+    shapes 'not measured', the products job on guesses): it is measured as its untied twin is."""
+    from gradalg.plan.shapes import measure_forward_shapes
+    untied, layers = MODELS[arch]()
+    untied.config.tie_word_embeddings = True
+    tied = type(untied)(untied.config).to(F64).eval()
+    assert tied.get_output_embeddings().weight is tied.get_input_embeddings().weight
+    shapes = {}
+    for name, model in (("untied", MODELS[arch]()[0]), ("tied", tied)):
+        src = ga.grads(ga.tasks.causal_lm(model), items(), layers=layers).expr.source
+        shapes[name] = measure_forward_shapes(src)
+    assert shapes["tied"].measured and shapes["untied"].measured
+    assert shapes["tied"].positions == shapes["untied"].positions == {name: 5 for name in layers}
+    assert shapes["tied"].activations == shapes["untied"].activations > 0

@@ -180,7 +180,9 @@ def _measure_on_meta(task, batch, refs) -> tuple[dict[str, int], int]:
             patched[id(module)] = (module, module.__dict__.get("forward"))   # an instance forward (accelerate's) kept
             module.forward = functools.partial(_meta_experts, module, activations)
     try:
-        state = {k: torch.empty_like(v, device="meta") for k, v in model.state_dict(keep_vars=True).items()}
+        # one name per tensor: a tied weight (GPT-2's lm_head and wte) named twice is refused by
+        # functional_call, which would leave every tied model on tokens_hint
+        state = {k: torch.empty_like(v, device="meta") for k, v in (*model.named_parameters(), *model.named_buffers())}
         meta = meta_batch(batch)
         # the model's tensors replaced by meta ones for one call; the forward ran (hooks fired) even
         # where the loss, which may need numbers, fails
