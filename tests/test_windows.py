@@ -80,6 +80,7 @@ def test_a_store_chunk_over_the_budget_is_refused_by_its_plan_and_the_fix_works(
         e = err.value
         assert e.subject == "pass over Sequential (22 examples)" and e.needed > e.budget == 6000
         assert e.fixes[0].startswith("write fewer rows per chunk (ga.store.write(..., chunk_rows=")
+        assert "queries" not in str(e)          # a store chunk holds its rows: no queries to have fewer of
         rows = int(e.fixes[0].rsplit("=", 1)[1].rstrip(")"))
         assert 1 <= rows < 22
         stored = ga.store.write(G, tmp_path / "g.zarr", chunk_rows=rows)    # the fix, as written

@@ -21,7 +21,10 @@ from .memory import capture_bytes_per_example, flattened_rows_bytes
 from .schedule import Pass, Schedule
 from .blocks import as_captured, storage
 
-__all__ = ["size", "table_bytes"]
+__all__ = ["size", "table_bytes", "FEWER_QUERIES"]
+
+#: the refusal's fix of a pass whose held (query) rows shrink with fewer queries per call
+FEWER_QUERIES = "use fewer queries per call"
 
 
 def table_bytes(jobs) -> float:
@@ -79,7 +82,7 @@ def _over_budget(p: Pass, jobs, fixed: float, per_ex: float, budget: float, fact
     on a Llama shape at T = 512 was told to use fewer queries while holding one.)"""
     tables = table_bytes(jobs)
     kept = sum(j.fixed_bytes(facts) for j in jobs if not j.shrinks_with_queries)
-    fewer = "use fewer queries per call" if kept + tables + resolving + per_ex <= budget else ""
+    fewer = FEWER_QUERIES if kept + tables + resolving + per_ex <= budget else ""
     smaller, project = "project to a smaller k" if resolving else "", "project the gradients (ga.proj.kron)"
     work = "one example's factors and activations" if p.reads_data else "its work on one chunk"
     parts = [("held rows and statistics", fixed - tables - resolving), ("sparse projection tables", tables),

@@ -20,6 +20,7 @@ from ..capture.chunks import Chunk, flat_block
 from ..expr import GradNode
 from ..expr.stored import StoredOp
 from ..expr.windows import ResolvedStore, freeze_ops, restrict_rows, restrictable
+from ..plan.size import FEWER_QUERIES
 from . import layout
 
 __all__ = ["executor_for", "restrict_rows", "restrictable", "freeze_ops", "ResolvedStore", "MemoryRows", "flat_rows"]
@@ -87,11 +88,12 @@ def rows_of(executor, node: GradNode, start: int, stop: int) -> Chunk:
     """Rows start:stop of ``node`` (one chunk), by the plan of their window
     (:meth:`~gradalg.exec.base.Executor.window`), checked to be the rows of those examples.
     A window its plan refuses for memory is refused with the fix of fewer rows per chunk
-    first (:func:`fewer_rows`)."""
+    first (:func:`fewer_rows`), and without the plan's "fewer queries per call": a chunk's
+    rows are the ones it holds, and there are no queries to have fewer of."""
     try:
         out = executor.window(node, start, stop)
     except MemoryBudgetError as err:
-        err.fixes[:0] = fewer_rows(executor, node, start, stop)
+        err.fixes[:] = [*fewer_rows(executor, node, start, stop), *(f for f in err.fixes if f != FEWER_QUERIES)]
         raise
     if out.n != stop - start:
         raise GradalgError(f"rows {start}:{stop} gave {out.n} rows: the data must give one row per example")
