@@ -34,8 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fidelity_lm as F  # noqa: E402
 import gradalg as ga  # noqa: E402
 
-METHODS = {"relatif": lambda task, tr, qu: ga.methods.relatif(task, tr, qu),
-           "influence": lambda task, tr, qu: ga.methods.influence(task, tr, qu)}
 
 
 def reductions(S: np.ndarray, same: np.ndarray | None) -> dict[str, np.ndarray]:
@@ -80,19 +78,10 @@ def lds(tau: np.ndarray, truth: xr.Dataset, bootstrap: int) -> tuple[float, tupl
 
 def language_table(name: str, runs: int, methods, bootstrap: int) -> str:
     """The language diagnostics of ``lm`` / ``lm2``: every reduction of the defaults' scores."""
-    p = F.Prepared(F.SETTINGS[name], seeds_per_subset=runs)
-    truth = p.truth.isel(query=slice(0, p.n_query))
+    p, truth, rows = lm_rows(name, runs, only=methods)
     same = (p.lang_q[:p.n_query, None] == p.lang[None, :]).astype(float)
-    task, tr, qu = p.task(), p.train, p.queries[:p.n_query]
-    cols = {}
-    for method in methods:
-        cache = F.BUILD / f"explore-sparsity-{p.key}-{method}.npy"
-        if cache.exists():
-            S = np.load(cache)
-        else:
-            S = np.asarray(METHODS[method](task, tr, qu).compute().transpose("query", "train").values)
-            np.save(cache, S)
-        cols[method] = {k: lds(v, truth, bootstrap) for k, v in reductions(S, same).items()}
+    scores = {method: S for (method, _), S in rows.items()}
+    cols = {m: {k: lds(v, truth, bootstrap) for k, v in reductions(scores[m], same).items()} for m in methods}
     lines = [f"`{name}` ({runs}-run ground truth, {truth.sizes['subset']} subsets, {p.n_query} queries)", "",
              "| reduction | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
     for k in next(iter(cols.values())):
@@ -101,15 +90,17 @@ def language_table(name: str, runs: int, methods, bootstrap: int) -> str:
     return "\n".join(lines)
 
 
-def lm_rows(name: str):
-    """(4-run ground truth, {(method, config): scores}) of ``lm`` / ``lm2``'s default rows (the
-    task's default layers; ``fidelity_lm.method_rows``' first rows, not the blocks-only twins),
-    computed once into ``build/fidelity/explore-sparsity-<key>-<method>-<slug>.npy``."""
+def lm_rows(name: str, runs: int = 4, only=None):
+    """(the prepared setting, its ``runs``-run ground truth, {(method, config): scores}) of ``lm``
+    / ``lm2``'s default rows (the task's default layers; ``fidelity_lm.method_rows``' first rows,
+    not the blocks-only twins; ``only``: these methods), computed once into
+    ``build/fidelity/explore-sparsity-<key>-<method>-<slug>.npy``."""
     import hashlib
-    p = F.Prepared(F.SETTINGS[name], seeds_per_subset=4)
+    p = F.Prepared(F.SETTINGS[name], seeds_per_subset=runs)
     rows = {}
     for method, config, thunk in F.method_rows(p):
-        if F.BLOCKS_ONLY in config or not (config == "" or config.startswith(("defaults", "3 checkpoints"))):
+        if F.BLOCKS_ONLY in config or not (config == "" or config.startswith(("defaults", "3 checkpoints"))) or (
+                only and method not in only):
             continue
         slug = hashlib.sha256(f"{method}|{config}".encode()).hexdigest()[:10]
         cache = F.BUILD / f"explore-sparsity-{p.key}-{method}-{slug}.npy"
@@ -118,7 +109,7 @@ def lm_rows(name: str):
             np.save(cache, np.asarray(thunk().compute()[:p.n_query].transpose("query", "train").values))
             print(f"  {name} {method} {config}: {time.perf_counter() - t:.1f} s", flush=True)
         rows[method, config] = np.load(cache)
-    return p.truth.isel(query=slice(0, p.n_query)), rows
+    return p, p.truth.isel(query=slice(0, p.n_query)), rows
 
 
 DIGITS_METHODS = ("influence", "relatif", "trak", "logra", "grass", "grad_dot", "grad_cos", "tracin", "less",
@@ -179,7 +170,7 @@ def monotone_table(names, bootstrap: int) -> str:
     per = {}
     for name in names:
         if name in F.SETTINGS:
-            truth, rows = lm_rows(name)
+            _, truth, rows = lm_rows(name)
         elif name in ("logreg", "mlp", "mlp_gelu", "mlp_adam", "conv_wd"):
             truth, rows = digits_rows(name)
         else:

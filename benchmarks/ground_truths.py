@@ -31,11 +31,6 @@ from pathlib import Path
 ARCHIVES = Path(__file__).resolve().parent / "results" / "ground_truths"
 
 
-def archive_of(store: Path) -> Path:
-    """The archive of the store directory ``store`` (by its name, the setting's key)."""
-    return ARCHIVES / f"{Path(store).name}.tar.gz"
-
-
 def _members(tar: tarfile.TarFile) -> list[tarfile.TarInfo]:
     """The archive's regular files, flat names only (``meta.json``, ``subset-*.npz``)."""
     out = []

@@ -399,9 +399,10 @@ class ProductsJob(Job):
         model, T = t.task.model, data_tokens_hint(t.data)
         work, calls, positions = Cost(), 0, self.layer_positions()
         for b, count, sizes in self.vmap_calls(vectors):
+            unfolds = self.layer_unfolds(b)        # torch's kernel choice per batch size, not per chunk
             for c, k in sizes:
                 work = work + product_work(model, b, T, c, t.kind, t.space.dim, elem, positions,
-                                           self.layer_unfolds(b)).scaled(count * k)
+                                           unfolds).scaled(count * k)
                 calls += count * k
         factor = device.product_work if device is not None else 1.0
         return weighed(work, factor) + product_fixed(model, t.kind, calls)
