@@ -436,3 +436,26 @@ def test_exact_hessian_influence_reaches_lds_075_on_digits(tmp_path):
         loo = ga.eval.leave_one_out(fit, 300, np.arange(0, 300, 15), query_losses, target="loss")
         corr = ga.eval.loo_correlation(scores, loo)
         assert corr.mean >= 0.95, corr         # measured 0.984: one removal is close to first order
+
+
+def test_a_damaged_run_in_a_retraining_store_is_refused_naming_the_file(tmp_path):
+    """A run's ``.npz`` cut short (a disk error, a partial copy) raised zipfile's own error;
+    it is refused naming the file and the fix, which works: that run alone is retrained."""
+    trained = []
+
+    def train_fn(indices):
+        trained.append(1)
+        return indices
+
+    def targets_fn(model):
+        return np.array([float(len(model)), float(model.sum())])
+    first = ga.eval.retrain(train_fn, 8, n_subsets=2, targets_fn=targets_fn, store=tmp_path)
+    damaged = sorted(tmp_path.glob("subset-*.npz"))[0]
+    damaged.write_bytes(damaged.read_bytes()[:50])
+    with pytest.raises(ga.GradalgError, match=f"{damaged.name} is damaged .*delete it and run again"):
+        ga.eval.retrain(train_fn, 8, n_subsets=2, targets_fn=targets_fn, store=tmp_path)
+    damaged.unlink()
+    trained.clear()
+    again = ga.eval.retrain(train_fn, 8, n_subsets=2, targets_fn=targets_fn, store=tmp_path)
+    assert len(trained) == 1
+    np.testing.assert_array_equal(again.targets.values, first.targets.values)

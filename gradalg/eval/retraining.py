@@ -48,6 +48,7 @@ import os
 import random
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -395,9 +396,13 @@ class _RunStore:
         file = self.path / f"{name}.npz"
         if not file.exists():
             return None
-        with np.load(file) as data:
-            stored_indices, targets = data["indices"], data["targets"]
-            stored_seed = int(data["training_seed"]) if "training_seed" in data.files else None
+        try:
+            with np.load(file) as data:
+                stored_indices, targets = data["indices"], data["targets"]
+                stored_seed = int(data["training_seed"]) if "training_seed" in data.files else None
+        except (zipfile.BadZipFile, OSError, ValueError, KeyError, EOFError) as err:
+            raise GradalgError(f"{file} is damaged ({type(err).__name__}: {err}); delete it and run again: that "
+                               "run alone is retrained") from err
         if not np.array_equal(stored_indices, indices):
             raise GradalgError(f"{file} was trained on other examples than this run draws (a store "
                                "written by another version?); use another store path or delete it")
