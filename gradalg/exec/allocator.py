@@ -11,11 +11,13 @@ pages returned). ``release_free_memory()`` asks glibc to return free pages
 Returning pages is not free either: the next batch's tensors then fault every page in
 again (measured on a GPT-2 pass, 4 layers × 256, batches of 16: 2.2 M page faults and
 20 % of the pass's time when trimming after every batch, 0.1–0.3 M without).
-:class:`ResidentGuard` trims only when the resident set after a batch has grown past
-``ga.options(release_growth)`` times the first batch's (default 1.25; 1.0 trims after
-every batch), so a steady pass keeps its pages and a growing one is cut back; the pass
-runner trims once more after a pass's last batch (one batch's pages faulted in again
-per pass, not per batch). Which passes are guarded is the plan's: the size stage's
+:class:`ResidentGuard` trims only when the pass's resident growth after a batch (the
+resident set less its size as the pass started) has passed ``ga.options(release_growth)``
+times its growth after the first batch (default 1.25; 1.0 trims after every batch), the
+batch after a trim setting the reference again, so a steady pass keeps its pages, a
+growing one is cut back, and rows the pass keeps (which no trim returns) are not trimmed
+after every batch; the pass runner trims once more after a pass's last batch (one
+batch's pages faulted in again per pass, not per batch). Which passes are guarded is the plan's: the size stage's
 ``TRIM`` decision per pass over data (``Pass.trim_after_batches``: the pass's working
 set per batch against ``ga.options(release_memory_above)``).
 
