@@ -99,6 +99,15 @@ def test_release_growth_is_validated():
         assert ga.get_options().release_growth == 1.0
 
 
+def test_release_growth_is_shown_in_the_plan_header_and_its_trim_decisions():
+    task = ga.tasks.classification(models.mlp(dtype=torch.float32))
+    G = ga.grads(task, models.classification_data(n=12, dtype=torch.float32))
+    with ga.options(release_growth=1.5, release_memory_above=0):
+        shown = str((G @ G.T).explain())
+    assert "free pages returned past 1.5× a batch's growth (release_growth)" in shown
+    assert "after each batch: the pass's resident growth past 1.5× its first batch's (release_growth)" in shown
+
+
 def _guarded(monkeypatch, growth, readings):
     """The batches after which a :class:`~gradalg.exec.allocator.ResidentGuard` of
     ``growth`` trims when the resident set reads ``readings`` (MiB): the first as the pass
