@@ -29,12 +29,13 @@ first pass over data; medians of 5 runs, the 50k case of 3):
     gpt2_50k        4        1 (40)       398/399 MiB 1.00         0.99          1.02
     gpt2_50k       16        1 (10)      1554/1551 MiB 1.00        0.97          1.07
 
-The rule replaced never trimmed in any of them (a pass's growth is under 25 % of a
-500 MB-1.2 GB process). The unprojected EK-FAC pass keeps 22 % less resident for the same
-time; LoGra's heap stays within 1.25x its first batches (2-6 trims, as before); the 50k
+The rule replaced never trimmed in any of them (no pass grew the process's resident set,
+0.5 GB and more, by 25 % after its first batch). The unprojected EK-FAC pass keeps 16-22 %
+less resident for about the same time; LoGra's peak is unchanged (2-6 trims); the 50k
 model's first batch already holds its largest tensors (one trim). The documented rule
-without the re-arm (the reference fixed at the first batch) trimmed after 74 of 75 and 18
-of 19 batches on all three small cases: their growth includes the rows the pass keeps.
+without the re-arm (the reference fixed at the first batch; measured once with a copy of
+it patched in) trimmed after 74 of 75 and 18 of 19 batches on all three small cases, and
+LoGra's pass took 1.5-2x as long: their growth includes the rows the pass keeps.
 """
 from __future__ import annotations
 
