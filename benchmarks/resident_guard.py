@@ -35,7 +35,7 @@ less resident for about the same time; LoGra's peak is unchanged (2-6 trims); th
 model's first batch already holds its largest tensors (one trim). The documented rule
 without the re-arm (the reference fixed at the first batch; measured once with a copy of
 it patched in) trimmed after 74 of 75 and 18 of 19 batches on all three small cases, and
-LoGra's pass took 1.5-2x as long: their growth includes the rows the pass keeps.
+LoGra's pass took 2-2.7x as long in single runs: their growth includes the rows the pass keeps.
 """
 from __future__ import annotations
 
