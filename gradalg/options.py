@@ -272,11 +272,13 @@ class Options:
         limit. Shown in the plan's batch-size decision.
     release_growth : float >= 1
         After a batch of a pass, free memory is returned to the system (glibc
-        ``malloc_trim``) only when the process's resident set exceeds this multiple of its
-        size after the pass's first batch (default 1.25; 1.0 returns it after every
-        batch: fewest resident pages, but every large tensor of the next batch faults its
-        pages in again, 20 % of a GPT-2 pass); and once after each pass's last batch.
-        :mod:`gradalg.exec.allocator`; shown in the plan's header.
+        ``malloc_trim``) only when the pass's resident growth (the resident set now less
+        its size as the pass started) exceeds this multiple of its growth after the pass's
+        first batch, or after the first batch since the last return (default 1.25; 1.0
+        returns it after every batch: fewest resident pages, but every large tensor of
+        the next batch faults its pages in again, 20 % of a GPT-2 pass); and once after
+        each pass's last batch. Not Linux (no resident-set reading): only after each pass.
+        :class:`gradalg.exec.allocator.ResidentGuard`; shown in the plan's header.
     device_memory_fraction : float in (0, 1]
         ``explain(device=...)`` on hardware one does not have plans under this fraction of
         one device's memory (the rest for the model, its optimizer and the framework).

@@ -99,20 +99,64 @@ def test_release_growth_is_validated():
         assert ga.get_options().release_growth == 1.0
 
 
-def test_resident_guard_trims_only_past_its_growth(monkeypatch):
-    rss = iter([100, 110, 124, 126, 90, 200])
+def test_release_growth_is_shown_in_the_plan_header_and_its_trim_decisions():
+    task = ga.tasks.classification(models.mlp(dtype=torch.float32))
+    G = ga.grads(task, models.classification_data(n=12, dtype=torch.float32))
+    with ga.options(release_growth=1.5, release_memory_above=0):
+        shown = str((G @ G.T).explain())
+    assert "free pages returned past 1.5× a batch's growth (release_growth)" in shown
+    assert "after each batch: the pass's resident growth past 1.5× its first batch's (release_growth)" in shown
+
+
+def _guarded(monkeypatch, growth, readings):
+    """The batches after which a :class:`~gradalg.exec.allocator.ResidentGuard` of
+    ``growth`` trims when the resident set reads ``readings`` (MiB): the first as the pass
+    starts, then one per batch; every reading must be taken."""
+    rss = iter([None if r is None else int(r * 2**20) for r in readings])
     monkeypatch.setattr(allocator, "resident_bytes", lambda: next(rss))
+    trimmed, batch = [], [0]
+    monkeypatch.setattr(allocator, "release_free_memory", lambda: trimmed.append(batch[0]))
+    guard = allocator.ResidentGuard(growth)
+    for batch[0] in range(1, len(readings)):
+        guard.after_batch()
+    assert next(rss, "all read") == "all read" and guard.trims == len(trimmed)
+    return trimmed
+
+
+def test_resident_guard_trims_on_the_pass_growth_past_its_first_batch(monkeypatch):
+    """The guard compares the pass's growth (resident set after a batch − as the pass
+    started) with ``release_growth`` × the first batch's growth, however large the process
+    (on main it compared the whole resident set, 500 MiB here, so it never trimmed); the
+    batch after a trim sets the reference again, so rows the pass keeps trim at growths
+    ``release_growth`` apart, not after every batch."""
+    # 500 MiB before the pass; the first batch grows 4 MiB: 5 is within 1.25 × 4, 6 trims;
+    # the next batch (3 MiB after the trim) is the reference: 3.5 stays, 4 trims
+    assert _guarded(monkeypatch, 1.25, [500, 504, 505, 506, 503, 503.5, 504]) == [3, 6]
+    # under the factor throughout: never
+    assert _guarded(monkeypatch, 1.25, [500, 508, 510, 509, 510]) == []
+    # a small process, the same growth: the same decisions (the process's size plays no part)
+    assert _guarded(monkeypatch, 1.25, [20, 24, 25, 26, 23, 23.5, 24]) == [3, 6]
+    # kept rows, 10 MiB a batch, that no trim returns: trims at 20, 40, 70, 110 (the
+    # reference then 10, 30, 50, 80), 4 of 11 batches, not 10
+    assert _guarded(monkeypatch, 1.25, [0] + [10 * i for i in range(1, 12)]) == [2, 4, 7, 11]
+    # a first batch that freed more than it kept: its growth counts as 0, any growth trims
+    assert _guarded(monkeypatch, 2.0, [100, 99, 100.5, 101]) == [2]
+    # without a resident-set reading (not Linux) the guard is off
+    reads = []
+    monkeypatch.setattr(allocator, "resident_bytes", lambda: reads.append(1))
+    monkeypatch.setattr(allocator, "release_free_memory", lambda: pytest.fail("trimmed without a reading"))
+    off = allocator.ResidentGuard(1.25)
+    for _ in range(3):
+        off.after_batch()
+    assert off.trims == 0 and len(reads) in (1, 4)
+    # 1.0 trims after every batch and reads nothing
+    monkeypatch.setattr(allocator, "resident_bytes", lambda: pytest.fail("read at release_growth 1.0"))
     calls = []
     monkeypatch.setattr(allocator, "release_free_memory", lambda: calls.append(1))
-    guard = allocator.ResidentGuard(1.25)
-    for _ in range(6):
-        guard.after_batch()
-    # reference 100: 110 and 124 stay, 126 trims, 90 stays, 200 trims
-    assert guard.trims == len(calls) == 2
     every = allocator.ResidentGuard(1.0)
     for _ in range(3):
         every.after_batch()
-    assert every.trims == 3
+    assert every.trims == len(calls) == 3
 
 
 def test_resident_bytes_reads_this_process():

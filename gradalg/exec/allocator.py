@@ -11,11 +11,13 @@ pages returned). ``release_free_memory()`` asks glibc to return free pages
 Returning pages is not free either: the next batch's tensors then fault every page in
 again (measured on a GPT-2 pass, 4 layers × 256, batches of 16: 2.2 M page faults and
 20 % of the pass's time when trimming after every batch, 0.1–0.3 M without).
-:class:`ResidentGuard` trims only when the resident set after a batch has grown past
-``ga.options(release_growth)`` times the first batch's (default 1.25; 1.0 trims after
-every batch), so a steady pass keeps its pages and a growing one is cut back; the pass
-runner trims once more after a pass's last batch (one batch's pages faulted in again
-per pass, not per batch). Which passes are guarded is the plan's: the size stage's
+:class:`ResidentGuard` trims only when the pass's resident growth after a batch (the
+resident set less its size as the pass started) has passed ``ga.options(release_growth)``
+times its growth after the first batch (default 1.25; 1.0 trims after every batch), the
+batch after a trim setting the reference again, so a steady pass keeps its pages, a
+growing one is cut back, and rows the pass keeps (which no trim returns) are not trimmed
+after every batch; the pass runner trims once more after a pass's last batch (one
+batch's pages faulted in again per pass, not per batch). Which passes are guarded is the plan's: the size stage's
 ``TRIM`` decision per pass over data (``Pass.trim_after_batches``: the pass's working
 set per batch against ``ga.options(release_memory_above)``).
 
@@ -108,27 +110,35 @@ def peak_growth(rss_start: int | None, mark_start: int, mark_end: int) -> dict:
 
 
 class ResidentGuard:
-    """Returns free pages after a batch only when the resident set has grown.
+    """Returns free pages after a batch only when the pass's resident set has grown.
 
-    ``after_batch()`` measures the resident set: the first call sets the reference
-    ``r₀``; a later one trims when the resident set exceeds ``growth · r₀``. ``growth``
-    1.0 trims after every batch; without a resident-set reading it trims every time.
-    ``trims`` counts the trims (the pass statistics report it).
+    Made as a pass starts, it reads the resident set ``r₀`` there; ``after_batch()``
+    reads it again, ``r``, and compares the pass's growth ``r − r₀`` (not the process's
+    resident set, whose hundreds of MB of framework, model and data a small pass never
+    moved by 25 %) with a reference growth ``g``: the growth after the first batch since
+    the pass started, which only sets ``g``, or since the last trim. A later batch trims
+    (glibc ``malloc_trim``) when ``r − r₀ > growth · g`` and the batch after the trim
+    sets ``g`` again, so a trim that returned nothing (the growth was rows the pass keeps,
+    a store's) is not repeated after every batch: growing kept rows trim at growths
+    ``growth`` times apart, a heap that holds freed pages beyond ``growth · g`` is cut
+    back. ``growth`` 1.0 trims after every batch without reading the resident set;
+    without a reading (not Linux) the guard never trims (the runner still trims after
+    the pass). ``trims`` counts the trims (``benchmarks/resident_guard.py`` reports it).
     """
 
     def __init__(self, growth: float):
-        self.growth = growth
-        self.reference: int | None = None
-        self.trims = 0
+        self.growth, self.trims, self.reference = growth, 0, None
+        self.start = resident_bytes() if growth > 1.0 else None      # r₀: before the pass's first batch
 
     def after_batch(self) -> None:
-        rss = resident_bytes() if self.growth > 1.0 else None
-        if rss is not None and self.reference is None:
-            self.reference = rss
+        rss = resident_bytes() if self.growth > 1.0 and self.start is not None else None
+        if self.growth > 1.0 and (rss is None or self.reference is None):
+            # no reading: off; else the first batch since the start or the last trim sets g
+            self.reference = None if rss is None else max(rss - self.start, 0)
             return
-        if rss is None or rss > self.growth * self.reference:
+        if self.growth == 1.0 or rss - self.start > self.growth * self.reference:
             release_free_memory()
-            self.trims += 1
+            self.trims, self.reference = self.trims + 1, None
 
 
 class FreedBytes:

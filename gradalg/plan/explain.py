@@ -184,7 +184,7 @@ class Explain:
         budget = p.budget.describe() if p.budget else f"{_si(p.options.memory_budget)}B"
         return (f"device {p.device.name}, memory budget {budget}, refusals suggest "
                 f"{1 + p.options.budget_headroom:g}× the need (budget_headroom), {p.data_passes} pass(es) over data, est. {_fmt_seconds(p.seconds)}, peak ~{_si(p.peak_bytes)}B; free "
-                f"pages returned past {p.options.release_growth:g}× a batch's (release_growth) and "
+                f"pages returned past {p.options.release_growth:g}× a batch's growth (release_growth) and "
                 f"{'never per dropped block' if above == float('inf') else f'per {_si(above)}B of dropped blocks'}"
                 " (release_memory_above)")
 

@@ -139,8 +139,8 @@ def _batch_size(p: Pass, sources, fixed: float, per_ex: float, facts: Facts,
 def _trim(p: Pass, per_ex: float, batch: int, options) -> tuple[bool, Decision]:
     """``(trim, TRIM decision)`` of a pass over data read in batches of ``batch`` at
     ``per_ex`` bytes per example: free memory is returned to the system after its batches
-    (:class:`~gradalg.exec.allocator.ResidentGuard`, past ``ga.options(release_growth)``
-    times the first batch's resident set, and once after the pass) when its planned
+    (:class:`~gradalg.exec.allocator.ResidentGuard`: when the pass's resident growth passes
+    ``ga.options(release_growth)`` times its first batch's, and once after the pass) when its planned
     working set per batch, ``per_ex · batch`` (``batch``: the largest it reads, at most its
     examples: :func:`_batch_size`), is at least ``ga.options(release_memory_above)``
     (a smaller batch frees too little to be worth the call, which walks the whole heap).
@@ -151,7 +151,7 @@ def _trim(p: Pass, per_ex: float, batch: int, options) -> tuple[bool, Decision]:
     chosen = "after each batch" if trim else "never"
     return trim, Decision(
         DecisionKind.TRIM, p.key, chosen,
-        {"after each batch": f"past {options.release_growth:g}× the first batch's resident set (release_growth), "
+        {"after each batch": f"the pass's resident growth past {options.release_growth:g}× its first batch's (release_growth), "
                              "and once after the pass", "never": "freed pages kept for the next batch"},
         f"its working set, {_si(work)}B per batch ({_si(per_ex)}B per example × {batch}), is "
         f"{'at least' if trim else 'under'} release_memory_above = {_si(above)}B", label=p.label,
