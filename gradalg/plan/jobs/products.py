@@ -340,8 +340,8 @@ class ProductsJob(Job):
                 self.target.task.model), measured[3]))
 
     def _measured(self):
-        """``(activations, positions, (S, M), input shapes)`` of one meta forward of the first example
-        (:meth:`example_activations`, :meth:`layer_positions`, :meth:`held_activations`), or None.
+        """``(activations, positions, (saved, product), input shapes)`` of one meta forward of the first example
+        (:meth:`example_activations`, :meth:`layer_positions`, :meth:`held_bytes`; a Hessian's two meta products), or None.
         Memoised by the target's token (at most 256 kept)."""
         t = self.target
         return _memo(_ACTIVATIONS, t.token, lambda: _meta_measure(t))
