@@ -49,16 +49,20 @@ def test_the_saved_bytes_of_one_example_are_the_distinct_storages_autograd_saves
     assert saved[2] == 128
 
 
+class Reads(nn.Module):
+    """Linear(4, 3) whose forward reads a value of its input (``.item()``): it cannot run on meta."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(x) * float(x.abs().sum().item() > 0)
+
+
 def test_the_saved_bytes_fall_back_where_the_forward_needs_numbers():
     """A forward that reads a value (``.item()``) cannot run on meta: no saved bytes (None), not a
     partial count."""
-    class Reads(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(4, 3)
-
-        def forward(self, x):
-            return self.fc(x) * float(x.abs().sum().item() > 0)
     task = ga.tasks.classification(Reads())
     _, _, saved = _measure_on_meta(task, (torch.randn(1, 4), torch.tensor([1])), [], task.forward, ["fc.weight"])
     assert saved is None
@@ -111,13 +115,6 @@ def test_the_plan_names_the_fallback_where_meta_cannot_run_the_forward():
     once for the primal and once per vector), and the products' decision says so."""
     from gradalg.exec import LocalExecutor
 
-    class Reads(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(4, 3)
-
-        def forward(self, x):
-            return self.fc(x) * float(x.abs().sum().item() > 0)
     g = torch.Generator().manual_seed(0)
     task = ga.tasks.classification(Reads())
     with ga.options(batch_size=8, progress=False):
