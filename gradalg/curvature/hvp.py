@@ -336,7 +336,22 @@ def held_per_example(task, batch, free_names, kind: str = "hessian") -> float | 
     forward's saved tensors and the backward's temporaries once for the primal and once per
     vector of a ``vmap`` call (their tangents): the products job prices ``held · (1 + c)``
     (:meth:`~gradalg.plan.jobs.products.ProductsJob.per_example_bytes`). None where the meta
-    device cannot run the product (or its peak does not grow with the batch)."""
+    device cannot run the product (or its peak does not grow with the batch). Memoised as the
+    probe is (:func:`_probe_key`: the architecture, not the weights; at most 256 kept)."""
+    key = _probe_key(task, batch, free_names, kind)
+    if key not in _HELD:
+        if len(_HELD) >= 256:
+            _HELD.pop(next(iter(_HELD)))
+        _HELD[key] = _held_per_example(task, batch, free_names, kind)
+    return _HELD[key]
+
+
+#: {:func:`_probe_key`: bytes or None}: :func:`held_per_example`'s measurements (at most 256 kept)
+_HELD: dict = {}
+
+
+def _held_per_example(task, batch, free_names, kind: str) -> float | None:
+    """:func:`held_per_example`, measured."""
     free, fixed = _split(task.model, free_names, lambda t: torch.empty_like(t, device="meta"))
     vector, peaks = {k: torch.empty_like(t) for k, t in free.items()}, []
     try:
