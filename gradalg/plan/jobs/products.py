@@ -414,8 +414,12 @@ class ProductsJob(Job):
         return element_size(dtype) if dtype is not None else facts.elem
 
     def fixed_bytes(self, facts) -> float:
-        """The vectors, their products and the running sum: 3·m·dim·elem (m the most vectors of a call)."""
-        return 3.0 * self.vectors * self.target.space.dim * self._elem(facts)
+        """4·m·dim·elem (m the most vectors of a call): at once, the vectors V, the running sum, and
+        a batch's products twice: per parameter as ``vmap`` returns them and as rows in block
+        coordinates (:meth:`~gradalg.curvature.hvp.ParamCoords.from_params`, a concatenation; then
+        the new sum beside the old one and the rows). Before, 3·m·dim: an MLP's products, whose
+        parameters outweigh its activations, held 1.2× the estimate (``benchmarks/products_conv.py``)."""
+        return 4.0 * self.vectors * self.target.space.dim * self._elem(facts)
 
     def per_example_bytes(self, facts) -> float:
         """What one example holds at a products call's peak, for the primal and each of the c
