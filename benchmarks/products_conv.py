@@ -1,4 +1,4 @@
-"""The products pass's estimates against measurements on two conv nets, an MLP and a tiny GPT-2.
+"""The products pass's estimates against measurements on three conv nets, an MLP, a tiny GPT-2 and a tiny Llama.
 
 For each model and each setting (``dense_hessian``: a formation's 256-vector calls; ``gn_cg`` /
 ``hessian_cg``: CG's Gauss-Newton / Hessian products of the queries' vectors, 3 iterations), ``influence(...).explain(analyze=True)`` runs the plan; every call of a products pass
@@ -14,7 +14,11 @@ MaxPool2d(2) → Linear(256, 10): ``benchmarks/fidelity_more.py``'s conv), ``con
 Conv2d(1, 32, 3, pad 1) → ReLU → Conv2d(32, 32, 3, pad 1) → ReLU → MaxPool2d(4) → Linear(2048, 10),
 the first conv's products), ``convwd`` (``benchmarks/fidelity.py``'s ``conv_wd`` net in float64:
 Conv2d(1, 4, 3) → Tanh → Conv2d(4, 8, 3) → Tanh → AvgPool2d(2) → Linear(128, 10)), ``mlp`` (64 → 32 → 32 → 10), ``gpt2`` (``benchmarks/alternating.py``'s
-tiny GPT-2, T = 32, one attention projection's products). Batches of 32.
+tiny GPT-2, T = 32, one attention projection's products), ``llama`` (:func:`tiny_llama`, T = 24,
+its first attention output projection's products; its ``dense_hessian`` fails on main and here
+alike: the formation's float64 identity vectors meet the float32 model under ``vmap``). Batches of 32.
+Run against another tree (``PYTHONPATH=<tree>``) for a before/after table (``docs/planner.md``,
+session 48: the memory measured on the meta device).
 """
 from __future__ import annotations
 
