@@ -440,8 +440,9 @@ class ProductsJob(Job):
         gradients on meta (:meth:`memory_source` names it): the weight layers' activations once for
         the primal and once per vector (:func:`~gradalg.plan.shapes.activation_bytes`, a lower
         bound: today's rule). Measured with torch.profiler's memory events on one batch of 32
-        (``benchmarks/products_conv.py``): 0.95–1.3× what the run holds on a tiny GPT-2, a tiny
-        Llama, an MLP and the conv nets, 1.5× on a conv net whose first layer alone is free."""
+        (``benchmarks/products_conv.py``): 0.93–1.3× what the run holds on a tiny GPT-2, a tiny
+        Llama, an MLP and the conv nets, 1.4–1.5× for one-vector Gauss-Newton calls on the conv nets
+        and a conv net's Hessian whose first layer alone is free."""
         t = self.target
         saved, product = self.held_bytes() or (None, None)
         if saved is None and not product:
