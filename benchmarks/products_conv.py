@@ -1,4 +1,4 @@
-"""The products pass's estimates against measurements on two conv nets, an MLP and a tiny GPT-2.
+"""The products pass's estimates against measurements on three conv nets, an MLP, a tiny GPT-2 and a tiny Llama.
 
 For each model and each setting (``dense_hessian``: a formation's 256-vector calls; ``gn_cg`` /
 ``hessian_cg``: CG's Gauss-Newton / Hessian products of the queries' vectors, 3 iterations), ``influence(...).explain(analyze=True)`` runs the plan; every call of a products pass
@@ -14,7 +14,11 @@ MaxPool2d(2) → Linear(256, 10): ``benchmarks/fidelity_more.py``'s conv), ``con
 Conv2d(1, 32, 3, pad 1) → ReLU → Conv2d(32, 32, 3, pad 1) → ReLU → MaxPool2d(4) → Linear(2048, 10),
 the first conv's products), ``convwd`` (``benchmarks/fidelity.py``'s ``conv_wd`` net in float64:
 Conv2d(1, 4, 3) → Tanh → Conv2d(4, 8, 3) → Tanh → AvgPool2d(2) → Linear(128, 10)), ``mlp`` (64 → 32 → 32 → 10), ``gpt2`` (``benchmarks/alternating.py``'s
-tiny GPT-2, T = 32, one attention projection's products). Batches of 32.
+tiny GPT-2, T = 32, one attention projection's products), ``llama`` (:func:`tiny_llama`, T = 24,
+its first attention output projection's products; its ``dense_hessian`` fails on main and here
+alike: the formation's float64 identity vectors meet the float32 model under ``vmap``). Batches of 32.
+Run against another tree (``PYTHONPATH=<tree>``) for a before/after table (``docs/planner.md``,
+session 48: the memory measured on the meta device).
 """
 from __future__ import annotations
 
@@ -72,6 +76,19 @@ SETTINGS = {"dense_hessian": dict(curvature="dense_hessian"),
             "hessian_cg": dict(curvature="hessian", solver="cg", solver_settings={"max_iter": 3}, damping=100.0)}
 
 
+def tiny_llama():
+    """``tests/budget_scripts/peak_memory.py``'s small Llama (rotary attention, SiLU-gated MLP,
+    RMSNorm, grouped keys: 4 heads, 2 key/value heads; width 48, 2 layers, vocabulary 96), eager attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = LlamaForCausalLM(config).eval()
+    model.config._attn_implementation = "eager"
+    return model
+
+
 def workload(name):
     import gradalg as ga
     if name == "gpt2":
@@ -82,6 +99,12 @@ def workload(name):
         ids = torch.randint(0, 256, (32, 32), generator=g)
         return (ga.tasks.causal_lm(model), {"input_ids": ids}, {"input_ids": ids[:2]},
                 ["transformer.h.0.attn.c_proj"])
+    if name == "llama":
+        model = tiny_llama()
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(1, 96, (32, 24), generator=g)
+        return (ga.tasks.causal_lm(model), {"input_ids": ids}, {"input_ids": ids[:2]},
+                ["model.layers.0.self_attn.o_proj"])
     model, X, y, layers = MODELS[name]()
     return ga.tasks.classification(model), (X, y), (X[:2], y[:2]), layers
 
@@ -133,7 +156,7 @@ def run(name: str, setting: str) -> list[dict]:
 
 def main(argv) -> int:
     torch.set_num_threads(1)
-    names = (argv[0] if argv else "conv8,conv32,convwd,mlp,gpt2").split(",")
+    names = (argv[0] if argv else "conv8,conv32,convwd,mlp,gpt2,llama").split(",")
     settings = (argv[1] if len(argv) > 1 else ",".join(SETTINGS)).split(",")
     run("mlp", "gn_cg")                                              # warm-up: torch.func's first call
     for name in names:

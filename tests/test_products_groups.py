@@ -133,7 +133,7 @@ def conv_wd_net():
 @pytest.mark.parametrize("vmap_elements", [0, 300_000])
 def test_a_conv_products_call_holds_no_more_than_the_job_prices_and_not_a_third_of_it(kind, vmap_elements):
     """The products job's memory (its vectors and sums, and per example what autograd holds for the
-    primal and each vector of the largest ``vmap`` chunk, from the meta forward's output maps) is at
+    primal and each vector of the largest ``vmap`` chunk, measured on the meta device) is at
     least what one batch's products call on a conv net really allocates (torch.profiler's memory
     events) and at most 3× it, whole or in ``vmap`` chunks. Before, the activations were counted
     from the weight layers at one position each, ×(1 + m): a tenth to a third of the conv maps held."""

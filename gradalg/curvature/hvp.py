@@ -28,10 +28,11 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, jvp, vjp, vmap
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ..capture.experts import add_param
 from ..capture.hooks import resolve_layers
+from .held import HeldBytes
 from ..data import DataRef, batch_size_of, meta_batch, move_batch
 from ..eval_mode import eval_mode
 from ..errors import NoForwardADError, NonFiniteGradientError, OptionError, UnsupportedLayerError
@@ -40,7 +41,8 @@ from ..fingerprint import code_digest, is_meta_model, model_structure
 from ..options import get_options
 from ..tasks.validation import no_forward_ad
 
-__all__ = ["ParamCoords", "Products", "dataset_matvec", "BatchingProbe", "probe_batching", "decide_batching"]
+__all__ = ["ParamCoords", "Products", "dataset_matvec", "BatchingProbe", "probe_batching", "decide_batching",
+           "held_per_example"]
 
 
 class ParamCoords:
@@ -322,6 +324,47 @@ def probe_batching(task, batch, free_names, kind: str) -> BatchingProbe:
     with eval_mode(task.model):
         real = _try_batching(_product(task, move_batch(batch, device), free, fixed, kind), free, "first example")
     return replace(real, meta_error=meta.error)
+
+
+def held_per_example(task, batch, free_names, kind: str = "hessian") -> float | None:
+    """Bytes per example that one vector's ``kind`` product holds at its peak, for the primal
+    and for the vector alike (half the total): the product of one vector run twice on the meta
+    device (shapes only), on the one-example ``batch`` and on it twice over, every op's outputs
+    tracked until freed (:class:`~gradalg.curvature.held.HeldBytes`), the difference of the two
+    peaks halved. The difference leaves out what does not grow with the batch (the gradient, its
+    tangent, anything shaped like the parameters). Forward-over-reverse holds, per example, the
+    forward's saved tensors and the backward's temporaries once for the primal and once per
+    vector of a ``vmap`` call (their tangents): the products job prices ``held · (1 + c)``
+    (:meth:`~gradalg.plan.jobs.products.ProductsJob.per_example_bytes`). None where the meta
+    device cannot run the product (or its peak does not grow with the batch). Memoised as the
+    probe is (:func:`_probe_key`: the architecture, not the weights; at most 256 kept)."""
+    key = _probe_key(task, batch, free_names, kind)
+    if key not in _HELD:
+        if len(_HELD) >= 256:
+            _HELD.pop(next(iter(_HELD)))
+        _HELD[key] = _held_per_example(task, batch, free_names, kind)
+    return _HELD[key]
+
+
+#: {:func:`_probe_key`: bytes or None}: :func:`held_per_example`'s measurements (at most 256 kept)
+_HELD: dict = {}
+
+
+def _held_per_example(task, batch, free_names, kind: str) -> float | None:
+    """:func:`held_per_example`, measured."""
+    free, fixed = _split(task.model, free_names, lambda t: torch.empty_like(t, device="meta"))
+    vector, peaks = {k: torch.empty_like(t) for k, t in free.items()}, []
+    try:
+        for copies in (1, 2):
+            meta = tree_map(lambda t: torch.cat([t] * copies) if isinstance(t, torch.Tensor) and t.dim() else t,
+                            meta_batch(batch))
+            known = [*free.values(), *fixed.values(), *vector.values(), *tree_flatten(meta)[0]]
+            with eval_mode(task.model), _MetaFactories(), HeldBytes(known, saved=False) as held:
+                _product(task, meta, free, fixed, kind)(vector)
+            peaks.append(held.peak)
+    except Exception:  # noqa: BLE001 - the meta device cannot run it: the caller's fallback
+        return None
+    return (peaks[1] - peaks[0]) / 2 if peaks[1] > peaks[0] else None
 
 
 def check_kind(task, kind: str) -> None:

@@ -38,6 +38,7 @@ from torch.func import functional_call
 from ..capture.experts import ExpertMatrixRule, FusedExpertsRule, meta_forward, routed_counts
 from ..capture.hooks import resolve_layers
 from ..capture.layers import rule_class
+from ..curvature.held import HeldBytes
 from ..data import batch_size_of, meta_batch, move_batch
 from ..options import get_options
 from .cost import tokens_hint
@@ -147,7 +148,7 @@ def measure_forward_shapes(src) -> ForwardShapes:
         with contextlib.suppress(Exception):
             batch = data.first_example_batch()
             refs = resolve_layers(task.model, list(src.layers))
-            positions, activations = _measure_on_meta(task, batch, refs)
+            positions, activations, _ = _measure_on_meta(task, batch, refs)
             routed = frozenset(r.name for r in refs if isinstance(r.rule, ExpertMatrixRule))
             if positions and routed:
                 positions.update(_routed_positions(task, data, refs, chunk_examples(src)))
@@ -155,10 +156,18 @@ def measure_forward_shapes(src) -> ForwardShapes:
     return shapes
 
 
-def _measure_on_meta(task, batch, refs) -> tuple[dict[str, int], int]:
-    """``({block: T_b}, activations)`` of one meta forward of the one-example ``batch``:
+def _measure_on_meta(task, batch, refs, fn=None, free=()) -> tuple[dict[str, int], int, tuple | None]:
+    """``({block: T_b}, activations, saved)`` of one meta forward of the one-example ``batch``:
     every recorded layer's positions and the numbers in every leaf module's output (a
-    fused experts module: its own per-token numbers, ``activation_numbers``)."""
+    fused experts module: its own per-token numbers, ``activation_numbers``).
+
+    With ``fn`` (``fn(model, batch)``, e.g. ``task.summed_loss`` or ``task.forward``) the forward
+    is ``fn``'s instead of the task's loss, with gradients enabled for the parameters named
+    ``free`` (the others and the buffers fixed), and ``saved`` is ``(plain, dual, working)``, one
+    example's bytes (:class:`~gradalg.curvature.held.HeldBytes`: what autograd saves for the
+    backward, without and with a tangent, and the most bytes alive at once beside it; the
+    parameters, buffers and batch left out); None without ``fn`` or where ``fn`` did not run to
+    its end on meta (a partial count would be low)."""
     model: nn.Module = task.model
     seen, activations, handles, patched = {}, [0], [], {}   # {block: T_b}, [numbers], hooks, {id: (module, forward)}
     for ref in refs:
@@ -182,12 +191,14 @@ def _measure_on_meta(task, batch, refs) -> tuple[dict[str, int], int]:
     try:
         # one name per tensor: a tied weight (GPT-2's lm_head and wte) named twice is refused by
         # functional_call, which would leave every tied model on tokens_hint
-        state = {k: torch.empty_like(v, device="meta") for k, v in (*model.named_parameters(), *model.named_buffers())}
-        meta = meta_batch(batch)
+        state = {k: torch.empty_like(v, device="meta").requires_grad_(k in free) for k, v in (*model.named_parameters(), *model.named_buffers())}
+        meta, saved = meta_batch(batch), None
         # the model's tensors replaced by meta ones for one call; the forward ran (hooks fired) even
         # where the loss, which may need numbers, fails
-        with torch.no_grad(), contextlib.suppress(Exception):
-            task.loss(_MetaModel(model, state), meta)
+        with torch.enable_grad() if fn else torch.no_grad(), contextlib.suppress(Exception), \
+                HeldBytes([*state.values(), meta]) if fn else contextlib.nullcontext() as held:
+            (fn or task.loss)(_MetaModel(model, state), meta)
+            saved = (held.plain, held.dual, held.working) if fn else None
     finally:
         for h in handles:
             h.remove()
@@ -195,7 +206,7 @@ def _measure_on_meta(task, batch, refs) -> tuple[dict[str, int], int]:
             del module.forward             # the class's forward again, or the instance's own put back
             if own is not None:
                 module.forward = own
-    return seen, activations[0]
+    return seen, activations[0], saved
 
 
 def _meta_experts(module, activations, *args, **kwargs):

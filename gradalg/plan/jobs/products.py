@@ -30,11 +30,12 @@ import operator
 import time
 from dataclasses import dataclass, replace
 from functools import reduce
+from types import SimpleNamespace
 from typing import ClassVar
 
 import torch
 
-from ...curvature.hvp import BatchingProbe, ParamCoords, Products, decide_batching, vmap_chunk_size
+from ...curvature.hvp import BatchingProbe, ParamCoords, Products, decide_batching, held_per_example, vmap_chunk_size
 from ...eval_mode import eval_mode
 from ...data import as_data
 from ...devices import DeviceProfile
@@ -66,7 +67,8 @@ __all__ = ["ProductsJob", "ProductSums", "ProductPass", "PRODUCT_SWEEPS", "FIXED
 PRODUCT_SWEEPS = {"hessian": (3, 6), "gauss_newton": (2, 4)}
 
 #: {products target's token: (activation elements of one example's forward, positions per weight
-#: layer), or None} (:meth:`ProductsJob._measured`, one meta forward each, at most 256 kept)
+#: layer, held bytes, input shapes), or None} (:meth:`ProductsJob._measured`: one meta forward
+#: each, and a Hessian's two meta products; at most 256 kept)
 _ACTIVATIONS: dict = {}
 
 
@@ -132,7 +134,8 @@ def product_work(model, B: int, T: int, m: int, kind: str, dim: int, elem: int, 
                 + bmm_cost(m * B * heads, T, T, d_head, 2 * layers * tangent, elem))
     per_example = activation_bytes(model, T, elem)
     if any(P != T for P in positions):     # a weight layer at P positions, not T: its activations P/T times
-        per_example += float(sum(n * (P - T) for n, P in zip(_activation_numbers(model), positions))) * elem
+        per_example += float(sum(rule.activation_numbers(m) * (P - T)      # its numbers per position
+                                 for (m, rule), P in zip(_weight_modules(model), positions))) * elem
     cost = cost + Cost(elementwise=per_example * B * (primal + tangent * m), bytes=columns * B * (primal + tangent * m))
     return cost + Cost(bytes=5.0 * elem * m * dim)
 
@@ -140,21 +143,6 @@ def product_work(model, B: int, T: int, m: int, kind: str, dim: int, elem: int, 
 def _weight_modules(model) -> list:
     """``(module, rule)`` of every weight layer (:func:`~gradalg.plan.shapes.weight_layers`'s, in its order)."""
     return [(m, rule) for m, rule in _layers(model) if rule.weight_gemm(m) is not None]
-
-
-def _activation_numbers(model) -> list[int]:
-    """Per weight layer, the numbers autograd keeps around it per position
-    (:meth:`~gradalg.capture.layers.LayerRule.activation_numbers`; :func:`product_work`)."""
-    return [rule.activation_numbers(m) for m, rule in _weight_modules(model)]
-
-
-@dataclass(frozen=True)
-class _Ref:
-    """A weight layer as :func:`~gradalg.plan.shapes._measure_on_meta` reads one (name, module, rule)."""
-
-    name: str
-    module: torch.nn.Module
-    rule: object
 
 
 def weighed(work: Cost, factor: float) -> Cost:
@@ -229,8 +217,8 @@ class ProductsJob(Job):
                                  + (" (the primal sweeps once per vector)" if way == "loop" else ""))
         probe = self.probe
         if probe is None:
-            return [Decision(DecisionKind.PRODUCTS_BATCHING, t.token, self.batching, alternatives, label=t.label,
-                             source=DecisionSource.OPTIONS, setting=f"products_batching={self.batching!r}")]
+            return [Decision(DecisionKind.PRODUCTS_BATCHING, t.token, self.batching, alternatives, self.memory_source(),
+                             label=t.label, source=DecisionSource.OPTIONS, setting=f"products_batching={self.batching!r}")]
         on = ("a probe on the meta device (no weight or example read)" if probe.where == "meta" else
               f"a probe on the first example with the real weights (the meta device cannot run the model: "
               f"{probe.meta_error})")
@@ -243,7 +231,7 @@ class ProductsJob(Job):
             why = (f"undecided: {on} could not run one vector's product ({probe.error}), so whether vmap "
                    "batches the model is not known; the loop is priced and run (the safe side)")
         return [Decision(DecisionKind.PRODUCTS_BATCHING, t.token, self.batching, alternatives,
-                         f"{why}; {fix}", label=t.label)]
+                         f"{why}; {fix}; {self.memory_source()}", label=t.label)]
 
     @property
     def calls(self) -> int:
@@ -308,8 +296,7 @@ class ProductsJob(Job):
         one meta-device forward of the first example, as the plan's facts measure a source's
         (:class:`~gradalg.plan.shapes.ForwardShapes` ``activations``); None where the model cannot
         run on meta (:meth:`_measured`)."""
-        measured = self._measured()
-        return None if measured is None else measured[0]
+        return None if (measured := self._measured()) is None else measured[0]
 
     def layer_positions(self) -> tuple[int, ...] | None:
         """Positions per example of each weight layer of the model (in
@@ -318,17 +305,29 @@ class ProductsJob(Job):
         (:meth:`~gradalg.capture.layers.LayerRule.positions` of its output), from the same meta
         forward as :meth:`example_activations`; T where a layer did not run in it; None where
         the model cannot run on meta (every layer priced at T)."""
-        measured = self._measured()
-        return None if measured is None else measured[1]
+        return None if (measured := self._measured()) is None else measured[1]
 
-    def held_activations(self) -> tuple[float, float] | None:
-        """``(S, M)`` per example: the numbers of every leaf module's output that is not a view
-        (what autograd can hold: a Flatten's or an Unflatten's output shares its input's), summed
-        (S) and the largest one (M), a convolution's output maps at their H·W positions, from the
-        same meta forward as :meth:`example_activations`; None where the model cannot run on meta
-        (:meth:`per_example_bytes`)."""
-        measured = self._measured()
-        return None if measured is None else measured[2]
+    def held_bytes(self) -> tuple[tuple[int, int, int] | None, float | None] | None:
+        """``(saved, product)`` per example, in bytes, from the same meta forward as
+        :meth:`example_activations`: ``saved`` = ``(plain, dual, working)``, what autograd saves for the
+        backward of the function the products differentiate (the loss for the Hessian, the outputs
+        for the Gauss-Newton's ``vjp``), without and with a tangent, and the most bytes alive at
+        once beside it (:class:`~gradalg.curvature.held.HeldBytes`; None where that forward does not
+        run with gradients on meta); ``product``: a Hessian target's one-vector product's own peak on
+        meta per example and vector (:func:`~gradalg.curvature.hvp.held_per_example`; None for the
+        Gauss-Newton, or where meta cannot run it). None where the model cannot run on meta."""
+        return None if (measured := self._measured()) is None else measured[2]
+
+    def memory_source(self) -> str:
+        """What :meth:`per_example_bytes` is measured from, as the ``PRODUCTS_BATCHING`` decision says
+        it: the Hessian product's own peak on meta, autograd's saved tensors and the forward's working
+        set, or the named fallback (today's rule where meta cannot run the model)."""
+        saved, product = self.held_bytes() or (None, None)
+        if product:
+            return f"memory: one vector's Hessian product on the meta device holds {_si(product)}B per example and vector"
+        return ("memory: autograd's saved tensors and the forward's working set, measured on the meta device"
+                if saved is not None else
+                "memory: fallback, activation_bytes (the forward does not run with gradients on the meta device)")
 
     def layer_unfolds(self, b: int) -> tuple[bool, ...]:
         """Per weight layer (:func:`~gradalg.plan.shapes.weight_layers`' order), whether its kernel
@@ -341,8 +340,8 @@ class ProductsJob(Job):
                 self.target.task.model), measured[3]))
 
     def _measured(self):
-        """``(activations, positions, (S, M), input shapes)`` of one meta forward of the first example
-        (:meth:`example_activations`, :meth:`layer_positions`, :meth:`held_activations`), or None.
+        """``(activations, positions, (saved, product), input shapes)`` of one meta forward of the first example
+        (:meth:`example_activations`, :meth:`layer_positions`, :meth:`held_bytes`; a Hessian's two meta products), or None.
         Memoised by the target's token (at most 256 kept)."""
         t = self.target
         return _memo(_ACTIVATIONS, t.token, lambda: _meta_measure(t))
@@ -415,37 +414,44 @@ class ProductsJob(Job):
         return element_size(dtype) if dtype is not None else facts.elem
 
     def fixed_bytes(self, facts) -> float:
-        """The vectors, their products and the running sum: 3·m·dim·elem (m the most vectors of a call)."""
-        return 3.0 * self.vectors * self.target.space.dim * self._elem(facts)
+        """4·m·dim·elem (m the most vectors of a call): at once, the vectors V, the running sum, and
+        a batch's products twice: per parameter as ``vmap`` returns them and as rows in block
+        coordinates (:meth:`~gradalg.curvature.hvp.ParamCoords.from_params`, a concatenation; then
+        the new sum beside the old one and the rows). Before, 3·m·dim: an MLP's products, whose
+        parameters outweigh its activations, held 1.2× the estimate (``benchmarks/products_conv.py``)."""
+        return 4.0 * self.vectors * self.target.space.dim * self._elem(facts)
 
     def per_example_bytes(self, facts) -> float:
         """What one example holds at a products call's peak, for the primal and each of the c
         vectors of the largest ``vmap`` chunk a call makes (:meth:`vmap_calls` over every group:
-        the chunk, not the call's m vectors, is what is live at once), from the meta forward's
-        outputs per example (:meth:`held_activations`: S summed, M the widest, conv maps included):
+        the chunk, not the call's m vectors, is what is live at once), in bytes measured on the meta
+        device (:meth:`held_bytes`):
 
-            hessian        (S + 2M) · (1 + c) · elem   (forward-over-reverse: the forward's
-                           activations and their tangents kept for the backward, two of the
-                           widest layer's (co)tangents live beside them)
-            gauss_newton   (S + 2M + 2M·c) · elem      (the vjp's saved forward, the widest
-                           layer's tangent and cotangent per vector: forward mode keeps no tangent)
+            hessian        H · (1 + c)              H: what one vector's product holds per example,
+                                                    for the primal and for the vector alike (the
+                                                    forward's saved tensors and the backward's
+                                                    temporaries, and their tangents)
+            gauss_newton   P + D + W · (1 + c)      the vjp's saved forward (P plain, D needing the
+                                                    gradient), the forward's working set W for the
+                                                    primal and, in forward mode, per vector
 
-        S is never taken below :func:`~gradalg.plan.shapes.activation_bytes` (attention's
-        scores, outside leaf modules). Measured with torch.profiler's memory events
-        (``tests/test_products_groups.py``) on an MLP and two conv nets, one batch: 1.1–1.8× what
-        the run holds. A model that cannot run on meta: the activations once for the primal and
-        once per vector (:func:`~gradalg.plan.shapes.activation_bytes`, a lower bound)."""
+        A Hessian whose product meta cannot run: P + (D + W) · (1 + c) (each saved tensor that
+        needs the gradient carries a tangent per vector). Where the forward does not run with
+        gradients on meta (:meth:`memory_source` names it): the weight layers' activations once for
+        the primal and once per vector (:func:`~gradalg.plan.shapes.activation_bytes`, a lower
+        bound: today's rule). Measured with torch.profiler's memory events on one batch of 32
+        (``benchmarks/products_conv.py``): 0.93–1.3× what the run holds on a tiny GPT-2, a tiny
+        Llama, an MLP and the conv nets, 1.4–1.5× for one-vector Gauss-Newton calls on the conv nets
+        and a conv net's Hessian whose first layer alone is free."""
         t = self.target
-        T, elem = data_tokens_hint(t.data), self._elem(facts)
-        floor = activation_bytes(t.task.model, T, elem)
-        held = self.held_activations()
-        if held is None:
-            return floor * (1 + self.vectors)
+        saved, product = self.held_bytes() or (None, None)
+        if saved is None and not product:
+            return activation_bytes(t.task.model, data_tokens_hint(t.data), self._elem(facts)) * (1 + self.vectors)
         c = max((c for _, m, _ in self.groups for _, _, sizes in self.vmap_calls(m) for c, _ in sizes), default=1)
-        S, M = max(held[0] * elem, floor), held[1] * elem
-        if t.kind == "hessian":
-            return (S + 2 * M) * (1 + c)
-        return S + 2 * M + 2 * M * c
+        if product:
+            return product * (1 + c)
+        plain, dual, W = saved
+        return plain + (dual + W) * (1 + c) if t.kind == "hessian" else plain + dual + W * (1 + c)
 
     def output_bytes(self, n: int) -> float:
         return 8.0 * self.vectors * self.target.space.dim
@@ -460,22 +466,22 @@ class ProductsJob(Job):
 
 def _meta_measure(t):
     """:meth:`ProductsJob._measured` of the products target ``t``, measured."""
-    held, handles, inputs = [], [], {}
+    handles, inputs = [], {}
 
     def hook(module, args, out):
         if args and isinstance(args[0], torch.Tensor):
             inputs.setdefault(id(module), tuple(args[0].shape[1:]))
-        if isinstance(out, torch.Tensor) and out.dim() > 0 and out._base is None:
-            held.append(out.numel())
     try:
         model = t.task.model
-        handles = [m.register_forward_hook(hook) for m in model.modules() if next(m.children(), None) is None]
         modules = _weight_modules(model)
-        refs = [_Ref(str(i), m, rule) for i, (m, rule) in enumerate(modules)]
-        seen, activations = _measure_on_meta(t.task, t.data.first_example_batch(), refs)
-        T = data_tokens_hint(t.data)
+        handles = [m.register_forward_hook(hook) for m, _ in modules]
+        refs = [SimpleNamespace(name=str(i), module=m, rule=rule) for i, (m, rule) in enumerate(modules)]
+        batch, free, T = t.data.first_example_batch(), ParamCoords(model, t.layers).param_names, data_tokens_hint(t.data)
+        fn = t.task.summed_loss if t.kind == "hessian" else t.task.forward    # what grad / vjp differentiate
+        seen, activations, saved = _measure_on_meta(t.task, batch, refs, fn, free)
+        product = held_per_example(t.task, batch, free) if t.kind == "hessian" else None
         return (float(activations), tuple(int(seen.get(str(i), T)) for i in range(len(modules))),
-                (float(sum(held)), float(max(held, default=0))), tuple(inputs.get(id(m)) for m, _ in modules))
+                (saved, product), tuple(inputs.get(id(m)) for m, _ in modules))
     except Exception:  # noqa: BLE001 - a hint: a model meta cannot run is priced unchunked, at T
         return None
     finally:
