@@ -15,8 +15,9 @@ Conv2d(1, 32, 3, pad 1) → ReLU → Conv2d(32, 32, 3, pad 1) → ReLU → MaxPo
 the first conv's products), ``convwd`` (``benchmarks/fidelity.py``'s ``conv_wd`` net in float64:
 Conv2d(1, 4, 3) → Tanh → Conv2d(4, 8, 3) → Tanh → AvgPool2d(2) → Linear(128, 10)), ``mlp`` (64 → 32 → 32 → 10), ``gpt2`` (``benchmarks/alternating.py``'s
 tiny GPT-2, T = 32, one attention projection's products), ``llama`` (:func:`tiny_llama`, T = 24,
-its first attention output projection's products; its ``dense_hessian`` fails on main and here
-alike: the formation's float64 identity vectors meet the float32 model under ``vmap``). Batches of 32.
+its first attention output projection's products; its ``dense_hessian`` failed before session 48's
+``hessdtype`` fix: the formation's float64 identity vectors met the float32 model under ``vmap``; each
+tangent is now cast to its parameter's dtype). Batches of 32.
 Run against another tree (``PYTHONPATH=<tree>``) for a before/after table (``docs/planner.md``,
 session 48: the memory measured on the meta device).
 """

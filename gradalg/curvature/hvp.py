@@ -137,7 +137,9 @@ class Products:
 
     def batch_rows(self, batch, V: torch.Tensor, start: int) -> torch.Tensor:
         """Σ_{i in batch} H_i V: (m, dim) for V (m, dim), ``vmap``-ed in chunks of :meth:`vmap_chunk` vectors
-        (or a vector at a time: :attr:`batching` ``"loop"``)."""
+        (or a vector at a time: :attr:`batching` ``"loop"``); computed and returned in the parameters'
+        dtype whatever V's (:func:`_batch_product`: a formation's float64 columns give float32 rows
+        on a float32 model, which :class:`~gradalg.expr.curvature.Formed` converts to float64)."""
         part = _batch_product(self.task, batch, self.coords.to_params(V), self.coords.param_names, self.kind,
                               self.vmap_chunk(batch, V.shape[0]), self.batching)
         rows = self.coords.from_params(part)
@@ -247,8 +249,13 @@ def _batch_product(task, batch, V: dict, free_names: list[str], kind: str, chunk
                    batching: str = "vmap") -> dict:
     """Σ_{i in batch} H_i v for each v of ``V`` ({param: (m, *shape)}): by ``vmap`` over the m
     vectors, ``chunk`` of them per call (None: all at once), or one vector at a time
-    (``batching="loop"``), as the plan decided (:func:`decide_batching`)."""
-    product = _product(task, batch, *_split(task.model, free_names), kind)
+    (``batching="loop"``), as the plan decided (:func:`decide_batching`). Each tangent is cast to
+    its parameter's dtype (a formation's float64 identity columns on a float32 model: torch cast
+    them on some paths, the loop's, and on others failed: ``vmap`` of a bias-free ``F.linear``,
+    "expected scalar type Double but found Float"); each product comes back in its parameter's dtype."""
+    free, fixed = _split(task.model, free_names)
+    product = _product(task, batch, free, fixed, kind)
+    V = {k: v.to(free[k].dtype) for k, v in V.items()}
     try:
         if batching == "vmap":
             try:
