@@ -17,8 +17,9 @@ at the end, and the number of full (generation 2) collections the GC ran during 
     .venv/bin/python benchmarks/loop_memory.py --trees /work/old /work/new --rounds 2
 
 prints one JSON line per run, then per tree the median resident set after the first and the
-last computation, the growth between them per computation, and the new / old ratio of the
-growth (wrap it in ``flock /work/bigmem.lock`` on a shared machine).
+last computation, the growth between them per computation, the highest after any computation
+(freed memory the allocator keeps makes the new tree's resident set go up and down by one
+computation's worth), and the growth per computation of both trees (wrap it in ``flock /work/bigmem.lock`` on a shared machine).
 """
 from __future__ import annotations
 
@@ -82,10 +83,12 @@ def main() -> None:
     for tree, results in runs.items():
         first = statistics.median(r["rss_mib"][0] for r in results)
         last = statistics.median(r["rss_mib"][-1] for r in results)
+        high = statistics.median(max(r["rss_mib"]) for r in results)
         end = statistics.median(r["end_collected_trimmed_mib"] for r in results)
         growth[tree] = (last - first) / max(args.loops - 1, 1)
         print(f"{tree}: {args.method}, resident after computation 1: {first:.0f} MiB, after {args.loops}: {last:.0f} MiB "
-              f"({growth[tree]:+.1f} MiB per computation); collected and trimmed at the end: {end:.0f} MiB")
+              f"({growth[tree]:+.1f} MiB per computation), highest {high:.0f} MiB; collected and trimmed at the end: "
+              f"{end:.0f} MiB")
     old, new = args.trees
     print(f"growth per computation, new / old: {growth[new]:.1f} / {growth[old]:.1f} MiB")
 
