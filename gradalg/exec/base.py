@@ -96,7 +96,6 @@ class Executor:
         in place: call ``reset()`` (or use a new executor) after a training step."""
         self.trace: Counter = Counter()
         self.state = state if state is not None else RunState()
-        self.runner = PassRunner(self, self.shards)
         self.last_plan: Plan | None = None
         self.pass_stats: list[dict] = []
         self.nested_stats: list[dict] = []     # passes of plans run during another's pass (_aside)
@@ -133,7 +132,7 @@ class Executor:
         self.last_plan = p
         self._running += 1
         try:
-            return self.runner.run(p)
+            return PassRunner(self, self.shards).run(p)   # made per run: kept on self, it held a cycle (self.runner.ctx is self)
         finally:
             self._running -= 1
 

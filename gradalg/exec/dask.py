@@ -54,7 +54,7 @@ from .progress import in_notebook, progress_bar
 from .resilience import PAYLOAD, FaultPolicy, run_tasks
 from ..plan.placement import Placement
 from ..proj import clear_caches as clear_projection_caches
-from .runner import ShardStrategy, check_reductions
+from .runner import PassRunner, ShardStrategy, check_reductions
 from .shards import shard_ranges
 from .state import RunState
 from ..units import format_bytes_alike
@@ -84,7 +84,7 @@ def _run_shard(blob: bytes, start: int, stop: int) -> bytes:
         ex = Executor(options, state=RunState(ops=dict(state.ops), kron=dict(state.kron),
                                               checked=set(state.checked)))
         try:
-            parts = ex.runner.feed_shard(step, data_token, start, stop, accs)
+            parts = PassRunner(ex, ex.shards).feed_shard(step, data_token, start, stop, accs)
         finally:
             clear_projection_caches()    # a long-lived worker keeps no plan's matrices after its shard
         seen, worker = worker_models_seen(), get_worker().address

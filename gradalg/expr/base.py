@@ -117,4 +117,7 @@ def transform(node: Node, fn) -> Node:
         memo[x.token] = rebuilt if out is None else out
         return memo[x.token]
 
-    return visit(node)
+    try:
+        return visit(node)
+    finally:
+        del visit   # visit's cell holds visit: a cycle keeping memo's nodes and fn (an executor's) for the cyclic GC

@@ -29,4 +29,5 @@ def text_tree(node: Node, kind: str, cost: str = "") -> str:
             visit(child, child_prefix, i == len(kids) - 1, False)
 
     visit(node, "", True, True)
+    del visit   # its cell holds it: a cycle left to the cyclic GC
     return "\n".join(lines)
