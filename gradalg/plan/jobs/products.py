@@ -134,8 +134,8 @@ def product_work(model, B: int, T: int, m: int, kind: str, dim: int, elem: int, 
                 + bmm_cost(m * B * heads, T, T, d_head, 2 * layers * tangent, elem))
     per_example = activation_bytes(model, T, elem)
     if any(P != T for P in positions):     # a weight layer at P positions, not T: its activations P/T times
-        per_example += float(sum(rule.activation_numbers(m) * (P - T)      # its numbers per position
-                                 for (m, rule), P in zip(_weight_modules(model), positions))) * elem
+        per_example += float(sum(rule.activation_numbers(layer) * (P - T)  # its numbers per position
+                                 for (layer, rule), P in zip(_weight_modules(model), positions))) * elem
     cost = cost + Cost(elementwise=per_example * B * (primal + tangent * m), bytes=columns * B * (primal + tangent * m))
     return cost + Cost(bytes=5.0 * elem * m * dim)
 
