@@ -9,6 +9,7 @@ Building them never runs the model; ``.compute()`` hands the node to an executor
 """
 from __future__ import annotations
 
+import contextlib
 import numbers
 import os
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, runtime_checkable
@@ -38,6 +39,18 @@ def _executor(executor):
     return get_executor(executor)
 
 
+@contextlib.contextmanager
+def executor_for(executor):
+    """The executor to use (:func:`~gradalg.exec.base.get_executor`); one made here from a name
+    or None is closed afterwards (``"dask"``: the LocalCluster it started), one given is not."""
+    ex = _executor(executor)
+    try:
+        yield ex
+    finally:
+        if ex is not executor:
+            ex.close()
+
+
 def _compute(view: "_Displayed", executor, attrs: dict | None = None) -> xr.DataArray:
     """The one compute path of every result (scores, self-scores, a top-k; per-token
     sides included): plan and run ``view``'s node with the executor's entry point
@@ -57,6 +70,7 @@ def _compute(view: "_Displayed", executor, attrs: dict | None = None) -> xr.Data
     if ex is not executor and not isinstance(view, Operator):
         ex.reset()   # made here and seen by no one after: its run state is dropped now, not left to the cyclic
         # GC (a resolved DataInf operator in it streams its rows through this executor: a cycle)
+        ex.close()   # and what it started is stopped: compute(executor="dask")'s LocalCluster, not left running
     return out
 
 
@@ -77,7 +91,6 @@ class _PhaseDelta:
         return False
 
     def phase(self, name):
-        import contextlib
         return self.clock.phase(name) if self.clock is not None else contextlib.nullcontext()
 
     def report(self) -> dict:
@@ -365,7 +378,8 @@ class GradientSet(_Displayed):
         """All rows, materialized: ``{block: (n, *block.shape)}``. Holds n × dim numbers."""
         from .capture.chunks import flat_block
         from .space import AliasDict
-        chunk = _executor(executor).gradients(self.expr)
+        with executor_for(executor) as ex:
+            chunk = ex.gradients(self.expr)
         return AliasDict.blocks({b.name: flat_block(chunk.blocks[b.name]).reshape(chunk.n, *b.shape)
                                  for b in self.space.blocks}, self.space)
 
@@ -498,7 +512,8 @@ class Operator(_Displayed):
 
     def to_dense(self, executor=None) -> torch.Tensor:
         """The (dim, dim) matrix (runs the passes its statistics need)."""
-        return _executor(executor).operator(self.expr).dense()
+        with executor_for(executor) as ex:
+            return ex.operator(self.expr).dense()
 
 
 def _warn_expanding(before, after, projector) -> None:

@@ -11,10 +11,10 @@ process or on Dask workers) never resolve them again.
 """
 from __future__ import annotations
 
-import contextlib
 
 import torch
 
+from ..api import executor_for  # noqa: F401 - the store's writers use it from here
 from ..errors import ExampleIdsError, GradalgError, MemoryBudgetError
 from ..capture.chunks import Chunk, flat_block
 from ..expr import GradNode
@@ -24,19 +24,6 @@ from ..plan.size import FEWER_QUERIES
 from . import layout
 
 __all__ = ["executor_for", "restrict_rows", "restrictable", "freeze_ops", "ResolvedStore", "MemoryRows", "flat_rows"]
-
-
-@contextlib.contextmanager
-def executor_for(executor):
-    """The executor to use; one made here from a name ("dask") is closed afterwards."""
-    from ..exec.base import get_executor
-
-    ex = get_executor(executor)
-    try:
-        yield ex
-    finally:
-        if isinstance(executor, str):
-            ex.close()
 
 
 def fault_policy(executor):
