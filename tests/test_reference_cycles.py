@@ -99,58 +99,55 @@ def test_the_check_finds_a_cycle_holding_a_tensor():
     assert [tuple(t.shape) for t in found] == [(1000,)]
 
 
-def test_an_executor_compute_made_is_closed_and_a_given_one_is_not(monkeypatch):
+
+class Recording(ga.LocalExecutor):
+    """A local executor that records its ``close()`` calls in ``closed``."""
+    closed: list = []
+
+    def close(self):
+        Recording.closed.append(self)
+        super().close()
+
+
+@pytest.fixture
+def recording(monkeypatch):
+    """``get_executor("recording")`` makes a :class:`Recording`; yields the list of closed ones."""
+    import gradalg.exec.base as base
+
+    made = base.get_executor
+    monkeypatch.setattr(base, "get_executor",
+                        lambda executor=None, **kw: Recording() if executor == "recording" else made(executor, **kw))
+    monkeypatch.setattr(Recording, "closed", [])
+    return Recording.closed
+
+
+def test_an_executor_compute_made_is_closed_and_a_given_one_is_not(recording):
     """``compute(executor="dask")`` made a DaskExecutor whose LocalCluster (worker processes)
     was never closed: one more cluster left running per call. An executor ``compute()`` makes
     from a name is closed once the result is assembled; one the user passes stays open (it
     keeps its state on purpose: the user closes it)."""
-    import gradalg.exec.base as base
-
-    closed = []
-
-    class Recording(ga.LocalExecutor):
-        def close(self):
-            closed.append(self)
-            super().close()
-
-    monkeypatch.setitem(base.EXECUTORS, "recording", ("local", "LocalExecutor", None))
-    made = base.get_executor
-    monkeypatch.setattr(base, "get_executor",
-                        lambda executor=None, **kw: Recording() if executor == "recording" else made(executor, **kw))
     model = models.gpt2(dtype=torch.float32, n_layer=1, n_embd=32)
     task, items = ga.tasks.causal_lm(model), _items(8, 2)
     with ga.options(progress=False):
         S = ga.methods.grad_dot(task, items[:8], items[8:])
         by_name = S.compute(executor="recording").values
-        assert len(closed) == 1
+        assert len(recording) == 1
         mine = Recording()
         given = S.compute(executor=mine).values
-        assert len(closed) == 1 and mine.state.results, "the executor the user passed is neither closed nor reset"
+        assert len(recording) == 1 and mine.state.results, "the executor the user passed is neither closed nor reset"
         mine.close()
     assert (by_name == given).all()
 
 
-def test_to_dense_closes_an_executor_it_made(monkeypatch):
+def test_to_dense_closes_an_executor_it_made(recording):
     """``G.to_dense(executor="dask")`` and ``H.to_dense(executor="dask")`` left their cluster
     running too: the executor they make is closed after the rows / matrix are read."""
-    import gradalg.exec.base as base
-
-    closed = []
-
-    class Recording(ga.LocalExecutor):
-        def close(self):
-            closed.append(self)
-            super().close()
-
-    made = base.get_executor
-    monkeypatch.setattr(base, "get_executor",
-                        lambda executor=None, **kw: Recording() if executor == "recording" else made(executor, **kw))
     model = models.gpt2(dtype=torch.float32, n_layer=1, n_embd=32)
     task, items = ga.tasks.causal_lm(model), _items(8, 0)
     with ga.options(progress=False):
         G = ga.grads(task, items, layers=["transformer.h.0.mlp.c_proj"])
         rows = G.to_dense(executor="recording")
         H = ga.fisher(G).to_dense(executor="recording")
-    assert len(closed) == 2
+    assert len(recording) == 2
     flat = rows["transformer.h.0.mlp.c_proj"].reshape(8, -1).double()
     assert torch.allclose(H.double(), flat.T @ flat / 8, rtol=1e-4, atol=1e-7)
