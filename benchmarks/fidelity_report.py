@@ -153,6 +153,7 @@ def collect(root: Path = BUILD, previous: dict | None = None, docs_md: str | Non
     docs = None
     for s in SETTINGS:
         kept = (previous or {}).get("settings", {}).get(s, {})
+        others = [p for p in kept.get("points", []) if "source" in p]       # another script's points: kept
         if s in found and found[s][0] < kept.get("seeds_per_subset", 1):
             print(f"{s}: {found[s][1].name} has {found[s][0]} run(s) per subset; the points kept are against "
                   f"{kept['seeds_per_subset']} runs ({kept['source']})")
@@ -170,7 +171,7 @@ def collect(root: Path = BUILD, previous: dict | None = None, docs_md: str | Non
                 source += f" + {len(missing)} rows of its table in docs/fidelity.md not rerun"
             out["settings"][s] = {"source": source, "description": res["description"],
                                   "seeds_per_subset": k, "ceiling": rel.get("ceiling"),
-                                  "points": points_of(res, s)}
+                                  "points": with_others(points_of(res, s), others)}
         elif previous and s in previous.get("settings", {}):
             out["settings"][s] = previous["settings"][s]
         else:
@@ -182,8 +183,16 @@ def collect(root: Path = BUILD, previous: dict | None = None, docs_md: str | Non
                                       "description": res["description"],
                                       "seeds_per_subset": res["protocol"]["seeds_per_subset"],
                                       "ceiling": res.get("reliability", {}).get("ceiling"),
-                                      "points": points_of(res, s)}
+                                      "points": with_others(points_of(res, s), others)}
     return out
+
+
+def with_others(pts: list[dict], others: list[dict]) -> list[dict]:
+    """``pts`` and the points of ``others`` (written by another script, e.g.
+    ``benchmarks/explore_ensembles.py --points``, which records its ``source`` on each) that
+    ``pts`` has no point of the same method and configuration for."""
+    have = {(p["method"], p["config"]) for p in pts}
+    return pts + [p for p in others if (p["method"], p["config"]) not in have]
 
 
 DOCS = ROOT / "docs" / "fidelity.md"
@@ -299,16 +308,20 @@ LM_SETTINGS = ("lm", "lm2", "text", "instruct", "llama")
 def targets_table(data: dict, settings=LM_SETTINGS) -> str:
     """Markdown: per LM setting, the ground truth its points are scored against (runs per
     subset, the LDS ceiling ``ga.eval.reliability`` gives it, the results file), the best
-    method at its defaults (one model), the best one model in any configuration and the
-    best point overall (ensembles and MAGIC included), each with LDS [CI] and cost (issue 31
-    item 6: its targets are set against multi-run ground truths)."""
+    method at its defaults (one model), the best one model in any configuration, the best from
+    one training run (``one_run``: one model, or an ensemble of its run's checkpoints or of
+    training continued from it) and the best point overall (ensembles and MAGIC included),
+    each with LDS [CI] and cost, an ensemble's or MAGIC's kind named (issue 31 item 6: its
+    targets are set against multi-run ground truths)."""
     def cell(p):
         if p is None:
             return ""
+        what = "" if p["kind"] == "single" else f"{p['kind']}, "
         return (f"{p['lds']:.3f} [{p['low']:.3f}, {p['high']:.3f}] — {p['method']}, {p['config'] or 'defaults'} "
-                f"({_cost(p['cost'])})")
+                f"({what}{_cost(p['cost'])})")
     lines = ["| setting | ground truth | best at its defaults (one model) | best one model, any configuration | "
-             "best overall (ensembles allowed) |", "|---|---|---|---|---|"]
+             "best from one training run (ensembles of its checkpoints allowed) | best overall (ensembles allowed) |",
+             "|---|---|---|---|---|---|"]
     for s in settings:
         if s not in data["settings"]:
             continue
@@ -320,8 +333,19 @@ def targets_table(data: dict, settings=LM_SETTINGS) -> str:
                  + (f"{d['ceiling']:.2f}" if d.get("ceiling") else "not measured")
                  + f" (`{d['source'].split()[0].removeprefix('build/fidelity/')}`)")
         lines.append(f"| `{s}` | {truth} | {cell(best([p for p in pts if p['default']]))} | "
-                     f"{cell(best([p for p in pts if p['kind'] == 'single']))} | {cell(best(pts))} |")
+                     f"{cell(best([p for p in pts if p['kind'] == 'single']))} | "
+                     f"{cell(best([p for p in pts if one_run(p)]))} | {cell(best(pts))} |")
     return "\n".join(lines)
+
+
+#: an ensemble point whose configuration names one of these averages one training run's models
+ONE_RUN_WORDS = ("1 seed(s) ×", "its run's", "continued from it")
+
+
+def one_run(p: dict) -> bool:
+    """Whether a point needs one training run only: one model (checkpoint methods included), or
+    an ensemble of that run's checkpoints or of training continued from its model."""
+    return p["kind"] == "single" or (p["kind"] == "ensemble" and any(w in p["config"] for w in ONE_RUN_WORDS))
 
 
 def _cost(c: float) -> str:

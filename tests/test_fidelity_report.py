@@ -183,7 +183,7 @@ def test_targets_table_reads_the_multi_run_ground_truth(fr, tmp_path):
     assert sorted(p["lds"] for p in lm["points"]) == [0.47, 0.56]
     row = fr.targets_table(data).splitlines()[2].split(" | ")
     assert row[:2] == ["| `lm`", "4 runs per subset, LDS ceiling 0.87 (`results-lm-k4.json`)"]
-    assert row[2].startswith("0.470 [") and row[4].startswith("0.560 [")
+    assert row[2].startswith("0.470 [") and row[5].startswith("0.560 [")
     (tmp_path / "results-lm-k4.json").unlink()
     kept = fr.collect(tmp_path, data, docs_md=docs)["settings"]["lm"]
     assert kept == lm
@@ -277,3 +277,56 @@ def test_tied_table_takes_blocks_only_rows_for_its_first_column(fr):
              _row("logra", "defaults (k=4096)" + FL.BLOCKS_ONLY, 0.37, 5.0)]
     lines = fr.tied_table([dict(RESULT, rows=rows)]).splitlines()
     assert [line.split(" | ")[2] for line in lines] == ["0.120 [0.070, 0.170] (2.0×)", "0.370 [0.320, 0.420] (5.0×)"]
+
+
+def test_explorer_rows_are_ensemble_points_with_their_cost(fr, tmp_path):
+    """``benchmarks/explore_ensembles.py --points``: a row is an ``ensemble`` point (the frontier's
+    ``kind`` of its configuration agrees), its cost M · c_score + (R + K · stretch) · c_run, with
+    c_score the method's default point's cost and c_run one training run's from the setting's
+    committed seeds / one-run ensemble points; a row that trains where c_run was never measured
+    is no point. ``--points`` keeps such points when it rebuilds the setting from a results file,
+    and the targets table counts an ensemble of one run's checkpoints as one training run's,
+    marked an ensemble, not as one model (on main the points were dropped and had no column)."""
+    import json
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import explore_ensembles as EE
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    seeds, one_run = EE.TRAINING["lm2"]
+    committed = [_row("relatif", EE.DEFAULTS["relatif"], 0.57, 25.0), _row("relatif", seeds, 0.67, 340.0),
+                 _row("relatif", one_run, 0.64, 60.0), _row("influence", EE.DEFAULTS["influence"], 0.52, 7.0)]
+    assert EE.costs(committed, "lm2", "influence") == (7.0, 70.0)          # (340 − 60) / 4 per run
+    assert EE.costs(committed, "conv", "relatif") == (25.0, None)          # no seeds rows there
+    ci = lambda tau: (0.624, (0.54, 0.68))  # noqa: E731
+    ckpts = {"config": f"{EE.DEFAULTS['relatif']}, ensemble of its run's last 5 of 10 checkpoints",
+             "tau": None, "members": 5, "runs": 0, "stretches": 0}
+    cont = dict(ckpts, config=f"{EE.DEFAULTS['relatif']}, ensemble of the model and 5 snapshots of training "
+                "continued from it", members=6, stretches=5)
+    seeded = dict(ckpts, config=f"{EE.DEFAULTS['relatif']}, ensemble of 10 seeds × last 5 of 10 checkpoints",
+                  members=50, runs=9)
+    p = EE.point("relatif", ckpts, ci, 25.0, 70.0, 0.1)
+    assert (p["kind"], p["cost"], p["lds"], p["low"], p["high"]) == ("ensemble", 125.0, 0.624, 0.54, 0.68)
+    assert fr.kind(p["method"], p["config"]) == "ensemble"
+    assert EE.point("relatif", cont, ci, 25.0, 70.0, 0.1)["cost"] == 6 * 25.0 + 5 * 0.1 * 70.0
+    assert EE.point("relatif", seeded, ci, 25.0, 70.0, 0.1)["cost"] == 50 * 25.0 + 9 * 70.0
+    assert EE.point("relatif", cont, ci, 25.0, None, 0.1) is None
+    assert EE.point("relatif", ckpts, ci, 25.0, None, 0.1)["cost"] == 125.0   # no training: costed anyway
+    assert EE.point("relatif", dict(ckpts, config=None), ci, 25.0, 70.0, 0.1) is None   # the final model alone
+    # --points rebuilding lm2 from its results file keeps the explorer's point
+    seeded_p = EE.point("relatif", seeded, lambda tau: (0.67, (0.6, 0.72)), 25.0, 70.0, 0.1)
+    previous = {"settings": {"lm2": {"source": "x", "seeds_per_subset": 4, "points": [
+        dict(p, source="elsewhere", config="gone"), p, seeded_p]}}}
+    previous["settings"]["lm2"]["points"][0].pop("source")
+    four = dict(RESULT, setting="lm2-k4", protocol=dict(RESULT["protocol"], seeds_per_subset=4),
+                rows=[_row("relatif", EE.DEFAULTS["relatif"], 0.57, 25.0)])
+    (tmp_path / "results-lm2-k4.json").write_text(json.dumps(four))
+    pts = fr.collect(tmp_path, previous, docs_md="")["settings"]["lm2"]["points"]
+    assert [(q["config"], q["kind"], q["cost"]) for q in pts] == [
+        (EE.DEFAULTS["relatif"], "single", 25.0), (p["config"], "ensemble", 125.0),
+        (seeded_p["config"], "ensemble", 1880.0)]
+    row = fr.targets_table({"settings": {"lm2": {"source": "s", "seeds_per_subset": 4, "ceiling": 0.88,
+                                                 "points": pts}}}).splitlines()[2].split(" | ")
+    assert row[3].startswith("0.570 [") and row[3].endswith("(25×)")                   # one model
+    assert row[4] == f"0.624 [0.540, 0.680] — relatif, {p['config']} (ensemble, 125×)"  # one training run
+    assert row[5].startswith("0.670 [") and "10 seeds" in row[5]                      # overall
