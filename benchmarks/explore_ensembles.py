@@ -30,7 +30,7 @@ default point already) and the noise-aware mean (not adopted) is written into
 ``fidelity_report.points_of`` writes, with ``"source": "benchmarks/explore_ensembles.py"``
 (``fidelity_report --points`` keeps such points when it rebuilds a setting). ``--points`` reads
 the cached member scores only, with every complete seed the cache holds; a missing member is an
-error, never trained. The members' times were not recorded, so a row's **cost** (× one forward +
+error, never trained (the setting's own model is, in seconds, as the suite's constructors do). The members' times were not recorded, so a row's **cost** (× one forward +
 backward over the training set, as every point) is counted from committed measurements:
 
     cost = M · c_score + R · c_run + K · (⌊steps/10⌋ / steps) · c_run
@@ -45,7 +45,8 @@ The setting's own run and its checkpoints cost no training (a user has them), as
 rows that train nothing.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/explore_ensembles.py --settings lm2,lm --seeds 10
-    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/explore_ensembles.py --settings lm2,lm --methods relatif,influence --points
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/explore_ensembles.py --settings lm2,llama \
+        --methods relatif,influence --points
 """
 from __future__ import annotations
 
@@ -246,7 +247,8 @@ DEFAULTS = {"relatif": "defaults (damping='auto')", "influence": "defaults (curv
 TRAINING = {"lm": ("EK-FAC, ensemble of 5 seeds", "EK-FAC, 1 seed(s) × last 5 of 10 checkpoints"),
             "lm2": ("EK-FAC, ensemble of 5 seeds", "EK-FAC, 1 seed(s) × last 5 of 10 checkpoints"),
             **{s: ("defaults, damping=0.001, ensemble of 5 seeds",
-                   "defaults, damping=0.001, 1 seed(s) × last 5 of 10 checkpoints") for s in ("text", "instruct", "llama")}}
+                   "defaults, damping=0.001, 1 seed(s) × last 5 of 10 checkpoints")
+               for s in ("text", "instruct", "llama")}}
 SOURCE = "benchmarks/explore_ensembles.py"
 
 

@@ -33,6 +33,9 @@ configuration says "ensemble" or "× last"), ``unrolled`` (MAGIC, SOURCE).
 with the rows of that setting's table in ``docs/fidelity.md`` it has not rerun); a setting
 without one keeps the points it already has in the JSON, or else takes its docs table's
 (each setting records its ``source``), so the docs and notebook 03 render without ``build/``. ``--frontier`` draws from that JSON.
+Points another script wrote into the JSON, each with its own ``source`` (``benchmarks/explore_ensembles.py
+--points``: ensembles at the defaults from cached member scores), are kept when ``--points`` rebuilds
+their setting, unless the results file has a row of the same method and configuration.
 """
 from __future__ import annotations
 
