@@ -27,6 +27,7 @@ from .source import Segment, segments_of_run, source
 from .self_influence import self_influence
 from .ensemble import ensemble
 from .centre import newton_centre
+from .perturbed import perturbed
 from .registry import REGISTRY, Method, method
 
 # a new method is one file: every module of the package is imported, so its @method registers it
@@ -53,5 +54,5 @@ def list() -> dict[str, str]:  # noqa: A001 - ga.methods.list() reads naturally
     return dict(CATALOGUE)
 
 
-__all__ = [*REGISTRY, "ensemble", "newton_centre", "curvature_operator", "MagicScores", "Segment", "segments_of_run",
+__all__ = [*REGISTRY, "ensemble", "newton_centre", "perturbed", "curvature_operator", "MagicScores", "Segment", "segments_of_run",
            "list", "CATALOGUE", "COMBINATORS", "REGISTRY", "Method", "method"]
