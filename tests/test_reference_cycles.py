@@ -18,7 +18,10 @@ memory. The cycles were
   left the cycle wherever the user holds the operator or the executor (``H.to_dense()``,
   ``ex.operator(H)``, ``ga.compile``, ``explain(analyze=True)``); session 49 broke it at its
   cause: the stream holds its executor weakly (:meth:`gradalg.exec.resolve.Resolution.rows`),
-  and the windows' ``freeze_ops`` keeps no recursive closure.
+  and the windows' ``freeze_ops`` keeps no recursive closure;
+* likewise a products pass's matvec (CG / LiSSA / Arnoldi over a Hessian or Gauss-Newton),
+  kept in the run state, recorded its calls through the executor it held (session 49: held
+  weakly).
 
 The check: with the cyclic GC disabled, compute, drop the result, then run one collection
 that saves what it finds (``gc.DEBUG_SAVEALL``): no tensor may be among it. On ``main``
@@ -229,3 +232,37 @@ def test_a_datainf_operator_the_user_holds_is_freed_without_the_cyclic_collector
     left = [x for x in _cyclic_garbage(run) if isinstance(x, (Executor, RunState, LinearOp, torch.Tensor))]
     assert ran, "the operator was applied"
     assert not left, f"left to the cyclic collector after {use}: {sorted({type(x).__name__ for x in left})}"
+
+
+def test_a_products_pass_the_user_holds_is_freed_without_the_cyclic_collector():
+    """A products pass's matvec (:class:`~gradalg.plan.jobs.products.ProductPass`, each call
+    one run of the pass: CG, LiSSA or Arnoldi over a Gauss-Newton or a Hessian) is kept in
+    the run state and recorded each call's seconds through the executor it held: executor →
+    state → matvec → executor, a cycle with the run state in it wherever the user holds the
+    executor (``explain(analyze=True)``, ``ex.operator(H)``). It holds the executor weakly:
+    the calls are still counted in the products pass's measured row, the scores are the dense
+    Gauss-Newton's, and nothing of an executor, a run state or an operator is left to the
+    cyclic collector (on main: the executor, its state and the solved operator)."""
+    from gradalg.exec.base import Executor
+    from gradalg.exec.state import RunState
+    from gradalg.linalg import LinearOp
+
+    task = ga.tasks.classification(models.mlp())
+    (X, y), ran = models.classification_data(n=40), []
+    S = ga.methods.influence(task, (X, y), (X[:3], y[:3]), curvature="gauss_newton", solver="cg", damping=0.1)
+
+    def run():
+        with ga.options(progress=False, fingerprint_cache=False):
+            e = S.explain(analyze=True)
+            got, calls = e.executor.state.scores(e.plan.simplified), [r.get("measured_calls") for r in e.passes()]
+            flat = lambda R: torch.cat([v.flatten(1) for v in R.to_dense().values()], 1)   # noqa: E731
+            Q, G, H = flat(ga.grads(task, (X[:3], y[:3]))), flat(ga.grads(task, (X, y))), ga.gauss_newton(task, (X, y))
+            H = H.to_dense()
+        want = Q @ torch.linalg.solve(H + 0.1 * torch.eye(len(H), dtype=H.dtype), G.T)
+        torch.testing.assert_close(torch.as_tensor(got), want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
+        ran.append([c for c in calls if c is not None])
+
+    run()      # warm: the first products import torch's functorch / dynamo, whose import leaves cyclic garbage
+    left = [x for x in _cyclic_garbage(run) if isinstance(x, (Executor, RunState, LinearOp, torch.Tensor))]
+    assert len(ran) == 2 and len(ran[1]) == 1 and ran[1][0] >= 1, ran     # the products pass's calls, counted
+    assert not left, f"left to the cyclic collector: {sorted({type(x).__name__ for x in left})}"
