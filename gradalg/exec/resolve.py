@@ -62,12 +62,13 @@ class Resolution:
         holds the stream (executor → state → operator → stream), so a strong reference
         closed a cycle that only the cyclic GC freed, with the run state in it. Once the
         executor is gone (an operator kept beyond it: ``ga.compile``'s, or
-        ``ex.operator(H)``'s after ``del ex``), a spare with its options, choices and shard
-        strategy, but not its run state, reads the windows (the operators of the rows'
-        chain resolved again, once): the same rows."""
+        ``ex.operator(H)``'s after ``del ex``), a spare in this process with its options and
+        choices (not its shard strategy: a Dask or torch.distributed executor is its own),
+        but not its run state, reads the windows (the operators of the rows' chain resolved
+        again, once): the same rows."""
         from .base import Executor     # (base imports this module)
         ex = self.executor
-        live, spare = weakref.ref(ex), Executor(ex.options, rewrites=ex.rewrites, choices=ex.choices, shards=ex.shards)
+        live, spare = weakref.ref(ex), Executor(ex.options, rewrites=ex.rewrites, choices=ex.choices)
         return lambda: (chunk.blocks for chunk in (live() or spare).windows(grads))
 
     def products(self, task, data, layers, kind, node):

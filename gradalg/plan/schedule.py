@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from ..expr import Source
 from . import estimates
 from .choices import Choices
-from .cost import Cost, _si
+from .cost import Cost
 from .decide import JobGraph
 from ..units import format_bytes
 from .decisions import Decision, DecisionKind, DecisionSource
