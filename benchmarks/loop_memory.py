@@ -10,7 +10,10 @@ The loop: a 2-layer GPT-2 (n_embd 64, T = 32, random weights, nothing downloaded
 :func:`alternating.tiny_gpt2`), ``--n`` training sequences and 8 queries; ``--loops`` times,
 a fresh copy of the model (``copy.deepcopy``, as a new checkpoint would be) and the scores of
 ``--method`` (``ga.methods.<method>(task, train, queries).compute()``, default arguments),
-the result dropped. No ``gc.collect()`` is called in the loop. Reported per run: the
+the result dropped; ``--curvature datainf`` passes that curvature, and ``--use explain`` runs
+``explain(analyze=True)`` instead and drops the Explain (which holds the executor that ran: a
+resolved DataInf operator in its run state was in a cycle with it until session 49).
+No ``gc.collect()`` is called in the loop. Reported per run: the
 resident set (MiB) after each computation, then after ``gc.collect()`` and ``malloc_trim``
 at the end, and the number of full (generation 2) collections the GC ran during the loop.
 
@@ -30,7 +33,7 @@ import statistics
 from alternating import alternate
 
 
-def measure(method: str, n: int, loops: int) -> dict:
+def measure(method: str, n: int, loops: int, curvature: str | None = None, use: str = "compute") -> dict:
     import copy
     import ctypes
     import gc
@@ -56,7 +59,10 @@ def measure(method: str, n: int, loops: int) -> dict:
     after = []
     for _ in range(loops):
         m = copy.deepcopy(model)
-        getattr(ga.methods, method)(ga.tasks.causal_lm(m), train, queries).compute()
+        S = getattr(ga.methods, method)(ga.tasks.causal_lm(m), train, queries,
+                                        **({"curvature": curvature} if curvature else {}))
+        S.compute() if use == "compute" else S.explain(analyze=True)
+        del S
         del m
         after.append(round(rss(), 1))
     full = gc.get_stats()[2]["collections"] - full0
@@ -72,13 +78,16 @@ def main() -> None:
     parser.add_argument("--method", default="relatif")
     parser.add_argument("--n", type=int, default=256, help="training sequences")
     parser.add_argument("--loops", type=int, default=8)
+    parser.add_argument("--curvature", default="", help="the method's curvature (default: its own)")
+    parser.add_argument("--use", choices=("compute", "explain"), default="compute")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps({"tree": args.child, "method": args.method, **measure(args.method, args.n, args.loops)}))
+        print(json.dumps({"tree": args.child, "method": args.method,
+                          **measure(args.method, args.n, args.loops, args.curvature or None, args.use)}))
         return
-    runs = alternate(__file__, args.trees, args.rounds,
-                     ["--method", args.method, "--n", args.n, "--loops", args.loops])
+    runs = alternate(__file__, args.trees, args.rounds, ["--method", args.method, "--n", args.n, "--loops", args.loops,
+                                                          "--curvature", args.curvature, "--use", args.use])
     growth = {}
     for tree, results in runs.items():
         first = statistics.median(r["rss_mib"][0] for r in results)
@@ -86,7 +95,7 @@ def main() -> None:
         high = statistics.median(max(r["rss_mib"]) for r in results)
         end = statistics.median(r["end_collected_trimmed_mib"] for r in results)
         growth[tree] = (last - first) / max(args.loops - 1, 1)
-        print(f"{tree}: {args.method}, resident after computation 1: {first:.0f} MiB, after {args.loops}: {last:.0f} MiB "
+        print(f"{tree}: {args.method} {args.curvature} {args.use}, resident after computation 1: {first:.0f} MiB, after {args.loops}: {last:.0f} MiB "
               f"({growth[tree]:+.1f} MiB per computation), highest {high:.0f} MiB; collected and trimmed at the end: "
               f"{end:.0f} MiB")
     old, new = args.trees

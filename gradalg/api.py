@@ -67,10 +67,8 @@ def _compute(view: "_Displayed", executor, attrs: dict | None = None) -> xr.Data
                      "kernels": dict(getattr(ex, "trace", {}))}
             out = view._assemble(values, attrs)
     out.attrs["seconds"] = seconds.report()
-    if ex is not executor and not isinstance(view, Operator):
-        ex.reset()   # made here and seen by no one after: its run state is dropped now, not left to the cyclic
-        # GC (a resolved DataInf operator in it streams its rows through this executor: a cycle)
-        ex.close()   # and what it started is stopped: compute(executor="dask")'s LocalCluster, not left running
+    if ex is not executor:
+        ex.close()   # made here: what it started is stopped (compute(executor="dask")'s LocalCluster, not left running)
     return out
 
 

@@ -57,7 +57,8 @@ def _plans(G, Q):
     near = ga.methods.influence(ga.tasks.classification(models.mlp()), models.classification_data(24, seed=1),
                                 models.classification_data(3, seed=2), curvature="near_minimum")
     return [kfac, plan((Q @ G.normalize().T).expr), plan((P(Q) @ P(G).T).expr),
-            plan((Q.low_rank(1) @ G.T).expr), placed, split, plan(near.expr)]
+            plan((Q.low_rank(1) @ G.T).expr), placed, split, plan(near.expr),
+            plan((Q @ ga.datainf(G, 0.1) @ Q.T).diag().expr)]     # DataInf's rows read in windows
 
 
 def test_every_kind_is_made_and_every_subject_is_named(sides):

@@ -208,3 +208,47 @@ def test_analyzed_passes_are_the_plan_s_own_when_windows_run_inside_one():
         e = (Q @ ga.datainf(G, 0.1) @ Q.T).diag().explain(analyze=True)
     assert [s["key"] for s in e.analyzed] == [p.key for p in e.plan.passes]
     assert [r["measured_seconds"] for r in e.passes()] == [s["seconds"] for s in e.analyzed]
+
+
+def _applied(use, ex, Q, H, G, RQ):
+    """``use``'s DataInf applied by ``ex``: its numbers (float64) and their float64 reference
+    as a function of DataInf's H⁻¹RQ (``want(HRQ)``)."""
+    if use == "on_its_own":
+        return ex.operator(H.expr).apply(RQ), lambda HRQ: HRQ
+    if use == "self_scores":
+        return torch.as_tensor(ex.diagonal((Q @ H @ Q.T).diag().expr)), lambda HRQ: (HRQ * RQ).sum(1)
+    return torch.as_tensor(ex.scores((Q @ (H * 2.0) @ G.T).expr)), None
+
+
+WINDOWED = {"on_its_own": lambda Q, H, G: H, "self_scores": lambda Q, H, G: (Q @ H @ Q.T).diag(),
+            "a_multiple": lambda Q, H, G: Q @ (H * 2.0) @ G.T}
+
+
+@pytest.mark.parametrize("use", sorted(WINDOWED))
+def test_explain_shows_the_windows_datainf_reads_outside_an_apply_job(use, monkeypatch):
+    """Where no planned apply job reads DataInf's rows (its operator on its own, self-scores,
+    a multiple of it), it reads them at each application in windows, each a plan of its
+    own: ``explain()`` shows them as a ``WINDOWS`` decision, with the numbers that run
+    (22 rows, 3 a window under ``store_fraction``: 8 windows, the last of 1 row); where an
+    apply job reads them (``Q @ H @ G.T``) it shows none. The numbers are the float64
+    reference's."""
+    task, train, queries, layers = _mlp()
+    G, Q = ga.grads(task, train, layers), ga.grads(task, queries, layers)
+    H, budget = ga.datainf(G, 0.1), 2**26
+    with ga.options(progress=False, memory_budget=budget):
+        row = LocalExecutor().plan(G.expr).passes[0].fixed_bytes / G.n    # one kept row, as planned
+    with ga.options(progress=False, memory_budget=budget, store_fraction=3.5 * row / budget):   # 3 rows a window
+        explained, applied = WINDOWED[use](Q, H, G).explain(), str((Q @ H @ G.T).explain())
+        text = str(explained)
+        plans, ex = _recorded(monkeypatch), LocalExecutor()
+        R, RQ = reference_rows(task, train, layers), reference_rows(task, queries, layers)
+        got, want = _applied(use, ex, Q, H, G, RQ)
+    assert "- windows of the rows datainf⁻¹(λ=0.1) reads when applied: chose 8 windows of 3 rows  [" in text
+    assert "[one window of all rows: 7.92 kB kept; " in text and "(360 B a row) fit the store cap" in text
+    assert "windows of the rows" not in applied
+    decision = explained.plan.decisions.one("windows")
+    assert decision.subject == H.expr.token and decision.chosen == "8 windows of 3 rows"
+    assert [_window(p) for p in plans if p is not ex.last_plan] == [3] * 7 + [1]     # what ran: one application
+    HRQ = _datainf_reference(R, RQ, 0.1, [b.dim for b in G.space.blocks])
+    want = want(HRQ) if want is not None else 2.0 * HRQ @ R.T
+    torch.testing.assert_close(got.to(torch.float64), want, rtol=1e-8, atol=1e-10)

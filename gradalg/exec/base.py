@@ -46,6 +46,7 @@ from ..errors import MissingLibraryError, OptionError
 from ..expr import GradNode, OpNode, ScoreDiagonal, ScoreNode
 from ..expr.windows import by_examples, freeze_ops, restrict_rows
 from ..options import Options, get_options
+from ..plan.blocks import window_rows
 from ..plan.budget import resolve_budget
 from ..plan.choices import Choices
 from ..plan.placement import place_passes
@@ -213,14 +214,12 @@ class Executor:
         """Rows per window of :meth:`windows`: the most whose kept rows fit
         ``ga.options(store_fraction)`` of the memory budget (rows kept for a later use,
         the plan's store cap), at least one (a window still over the budget is refused by
-        its plan); the bytes of a row from the plan of all of ``node``'s rows, sized
-        without a budget."""
+        its plan); the bytes of a row from the facts of the plan of all of ``node``'s rows,
+        sized without a budget (:func:`~gradalg.plan.blocks.window_rows`, which the plan's
+        ``WINDOWS`` decision shows)."""
         budget = self.shards.budget(self.options, node) or resolve_budget(self.options, model_device(node))
         whole = self.plan(node, budget=replace(budget, bytes=2**62))
-        kept = sum(job.fixed_bytes(whole.facts) for job in whole.jobs.values()
-                   if job.kind == "collect" and job.target.token == whole.simplified.token)
-        fit = self.options.store_fraction * budget.bytes // max(kept / max(node.n, 1), 1.0)
-        return int(max(1, min(node.n, fit)))
+        return window_rows(whole.simplified, whole.facts, budget.bytes)[0]
 
     def run_statistics(self, op: OpNode) -> None:
         """Plan and run the passes of ``op``'s statistics (an operator resolved outside a

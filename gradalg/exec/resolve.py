@@ -14,6 +14,8 @@ predicts from the expression alone.
 """
 from __future__ import annotations
 
+import weakref
+
 from ..capture.chunks import Chunk, block_bytes, flatten, unflatten
 from ..errors import PlanError
 from ..expr import OpNode, Statistic
@@ -55,8 +57,19 @@ class Resolution:
 
     def rows(self, grads):
         """A fresh stream of the rows of ``grads`` per call, by planned passes over windows
-        of them (:meth:`~gradalg.exec.base.Executor.windows`)."""
-        return lambda: (chunk.blocks for chunk in self.executor.windows(grads))
+        of them (:meth:`~gradalg.exec.base.Executor.windows`) of this executor while it
+        lives. The stream holds it weakly: its run state keeps the resolved operator that
+        holds the stream (executor → state → operator → stream), so a strong reference
+        closed a cycle that only the cyclic GC freed, with the run state in it. Once the
+        executor is gone (an operator kept beyond it: ``ga.compile``'s, or
+        ``ex.operator(H)``'s after ``del ex``), a spare in this process with its options and
+        choices (not its shard strategy: a Dask or torch.distributed executor is its own),
+        but not its run state, reads the windows (the operators of the rows' chain resolved
+        again, once): the same rows."""
+        from .base import Executor     # (base imports this module)
+        ex = self.executor
+        live, spare = weakref.ref(ex), Executor(ex.options, rewrites=ex.rewrites, choices=ex.choices)
+        return lambda: (chunk.blocks for chunk in (live() or spare).windows(grads))
 
     def products(self, task, data, layers, kind, node):
         """The matvec of ``node``'s products: the planned products pass's

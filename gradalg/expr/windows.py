@@ -95,12 +95,16 @@ def freeze_ops(resolve, node: GradNode, memo: dict | None = None) -> GradNode:
                                       op.structure)
         return memo[op.token]
 
-    def go(x):
-        if not isinstance(x, RowWise):
-            return x
-        changes = {"grads": go(x.grads)}
-        if isinstance(x, Precondition) or (isinstance(x, Normalize) and x.op is not None):
-            changes["op"] = op_leaf(x.op)
-        return replace(x, **changes)
+    return _frozen(node, op_leaf)
 
-    return go(node)
+
+def _frozen(x: GradNode, op_leaf) -> GradNode:
+    """The row chain of ``x`` with each operator ``op`` replaced by ``op_leaf(op)``. (A
+    module function: a recursive closure's cell holds the closure, a cycle that kept
+    ``op_leaf``, the executor's ``resolve`` and its run state for the cyclic GC.)"""
+    if not isinstance(x, RowWise):
+        return x
+    changes = {"grads": _frozen(x.grads, op_leaf)}
+    if isinstance(x, Precondition) or (isinstance(x, Normalize) and x.op is not None):
+        changes["op"] = op_leaf(x.op)
+    return replace(x, **changes)

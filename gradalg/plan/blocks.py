@@ -1,13 +1,16 @@
 """Per-block choices of the decide stage: how kept rows are stored (``"factors"``,
 n·T_b·(in + out) numbers, or ``"flat"``, n·dim) and the inner-product kernel of a
 scores job (``ghost`` from the factors, or ``dense``: materialize, one GEMM), each a
-recorded :class:`~gradalg.plan.decisions.Decision` where there is a choice. The executor
-runs what these return; it never routes a chunk itself."""
+recorded :class:`~gradalg.plan.decisions.Decision` where there is a choice; and the rows
+per window of rows read outside a pass (:func:`window_rows`: DataInf's, the ``WINDOWS``
+decision). The executor runs what these return; it never routes a chunk itself."""
 from __future__ import annotations
 
 from ..capture.experts import ExpertMatrixRule
 from ..expr import AdamPrecondition, Captured, GradNode, Inner, Normalize, Precondition, Project, Source
 from ..expr.lowrank import lowrank_below
+from ..expr.windows import by_examples
+from ..units import format_bytes
 from . import estimates
 from .cost import _si
 from .decisions import Decision, DecisionKind, DecisionSource
@@ -16,7 +19,8 @@ from .lower import ROW_WISE
 from .memory import positions, rows_bytes
 from .shapes import forward_shapes
 
-__all__ = ["storage", "as_captured", "held_storage", "storage_decision", "low_rank_decision", "kernels"]
+__all__ = ["storage", "as_captured", "held_storage", "storage_decision", "low_rank_decision", "kernels", "store_cap",
+           "window_rows", "windows_decision"]
 
 
 def _factored(node: GradNode, facts: Facts) -> list:
@@ -53,6 +57,44 @@ def as_captured(node: GradNode, facts: Facts) -> dict[str, str]:
     """Rows kept as the pass produces them: factored blocks as factors, others flat."""
     factored = {b.name for b in _factored(node, facts)}
     return {b.name: "factors" if b.name in factored else "flat" for b in node.space.blocks}
+
+
+def store_cap(options) -> str:
+    """The store cap as the plan shows it: ``ga.options(store_fraction=...)`` of the budget."""
+    return (f"{_si(options.store_fraction * options.memory_budget)}B "
+            f"(store_fraction={options.store_fraction:g} of the memory budget)")
+
+
+def window_rows(rows: GradNode, facts: Facts, budget: float) -> tuple[int, float]:
+    """``(rows per window, bytes of one kept row)`` of ``rows`` read outside a pass, window
+    by window: the most rows whose kept rows (as captured, :func:`as_captured`, at
+    ``facts``' positions) fit ``ga.options(store_fraction)`` of ``budget`` bytes, at least
+    one. The executor reads them so (:meth:`~gradalg.exec.base.Executor.window_rows`) and
+    the plan shows them (:func:`windows_decision`)."""
+    per_row = max(rows_bytes(rows, as_captured(rows, facts), facts) / max(rows.n, 1), 1.0)
+    return int(max(1, min(rows.n, facts.options.store_fraction * budget // per_row))), per_row
+
+
+def windows_decision(op, rows: GradNode, facts: Facts) -> Decision:
+    """How an operator that reads its ``rows`` when applied (DataInf) reads them where no
+    planned apply job does (self-scores, a row-wise chain, a sum or multiple of operators,
+    the operator on its own): all of them at each application (for each chunk of the rows
+    it is applied to), in windows of :func:`window_rows` rows under the plan's budget, each
+    window planned as a pass of its own; one window of all of them where they cannot be
+    read by ranges of examples (:func:`~gradalg.expr.windows.by_examples`). The executor
+    sizes them again under its budget when they are read (the same unless the budget is a
+    fraction of the memory available then)."""
+    size, per_row = window_rows(rows, facts, facts.options.memory_budget)
+    size = size if by_examples(rows) else rows.n
+    count = -(-rows.n // size)
+    return Decision(DecisionKind.WINDOWS, op.token, f"{count} window{'s' * (count != 1)} of {size:,} rows",
+                    {"one window of all rows": f"{format_bytes(rows.n * per_row)} kept",
+                     "store cap": store_cap(facts.options)},
+                    f"applied outside a planned apply job, it reads all {rows.n:,} rows at each application (each "
+                    "chunk it is applied to), window by window, each window the plan of its rows: " + (
+                        f"the most rows whose kept rows ({format_bytes(per_row)} a row) fit the store cap, at "
+                        "least one" if by_examples(rows) else "rows not read by ranges of examples: one window"),
+                    label=op.label)
 
 
 def held_storage(held: GradNode, kernels: dict, inner: Inner, facts: Facts) -> dict[str, str]:

@@ -20,7 +20,7 @@ from .lower import STATISTICS_JOBS, Lowered, chain, chain_ops, pass_key, stream_
 from .jobs import ApplyJob, CollectJob, DiagJob, Job, ScoresJob, TopKJob, held_application
 from .memory import projection_map_decisions, rows_bytes
 from .rules import PlanError
-from .blocks import as_captured, held_storage, kernels, low_rank_decision, storage, storage_decision
+from .blocks import as_captured, held_storage, kernels, low_rank_decision, storage, storage_decision, windows_decision
 
 __all__ = ["JobGraph", "decide", "kernel_fields", "refuse_dense_projections"]
 
@@ -71,18 +71,22 @@ class _Graph:
         self.deps[node.token] = frozenset(deps)
         return deps
 
-    def op_deps(self, op: OpNode, vectors: int | None = None) -> set:
+    def op_deps(self, op: OpNode, vectors: int | None = None, windows: bool = True) -> set:
         """The keys of the jobs that must finish before ``op`` resolves: one per statistic
         it needs (``op.statistics()``), each after the jobs its rows need (``vectors``: the
-        rows ``op`` is applied to, the vectors of its products per call)."""
-        return set().union(*(self.statistic_deps(statistic, vectors) for statistic in op.statistics()))
+        rows ``op`` is applied to, the vectors of its products per call). ``windows``: it
+        reads the rows of an ``"apply"`` statistic in windows (no apply job reads them)."""
+        return set().union(*(self.statistic_deps(statistic, vectors, windows) for statistic in op.statistics()))
 
-    def statistic_deps(self, statistic, vectors: int | None = None) -> set:
+    def statistic_deps(self, statistic, vectors: int | None = None, windows: bool = True) -> set:
         """The job of one statistic (added), or for a statistic read when applied (no job),
-        the jobs its rows need (none for products: they read raw batches)."""
+        the jobs its rows need (none for products: they read raw batches); one read by the
+        operator in windows (``windows``: no apply job reads them) is a ``WINDOWS`` decision."""
         deps = set().union(self.stream_deps(statistic.rows) if statistic.rows is not None else set(),
                            *(self.statistic_deps(before) for before in statistic.after))
         if statistic.job in (None, "apply"):     # read by the operator when applied (a held side's: ApplyJob)
+            if statistic.job == "apply" and windows and all(d.subject != statistic.node.token for d in self.decisions):
+                self.decisions.append(windows_decision(statistic.node, statistic.rows, self.facts))
             return deps
         if statistic.job not in STATISTICS_JOBS:
             raise PlanError(f"{statistic.node.label} asks for a statistic of job kind {statistic.job!r}; the planner "
@@ -125,9 +129,9 @@ class _Graph:
         if not any(self.jobs[k].collects(held.token) for k in ready):
             ready = {self.add(CollectJob(held, (held,), ready, storage=kept))}
         applied = self.apply_job(node, held, ready)
-        return ScoresJob(node, (streamed,), ready | applied | self.op_deps(node.op, held.n) | self.stream_deps(streamed),
-                         held=held, transposed=transposed, held_storage=kept, kernels=chosen,
-                         applied=next(iter(applied), None), **self.fields)
+        deps = ready | applied | self.op_deps(node.op, held.n, windows=not applied) | self.stream_deps(streamed)
+        return ScoresJob(node, (streamed,), deps, held=held, transposed=transposed, held_storage=kept,
+                         kernels=chosen, applied=next(iter(applied), None), **self.fields)
 
     def apply_job(self, node: Inner, held: GradNode, ready: set) -> set:
         """``{key}`` of the :class:`~gradalg.plan.jobs.apply.ApplyJob` that applies

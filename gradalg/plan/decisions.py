@@ -61,6 +61,7 @@ class DecisionKind(enum.Enum):
     SHARDS = "shards of {label}"                                # shard tasks of a pass on Dask workers
     CURVATURE = "curvature of {label}"                          # formed Hessian or Gauss-Newton (near a minimum)
     PRODUCTS_BATCHING = "batching of the vectors of {label}"     # one vmap over a call's vectors, or a loop
+    WINDOWS = "windows of the rows {label} reads when applied"   # rows per window read outside a pass (DataInf)
 
     @classmethod
     def coerce(cls, kind) -> "DecisionKind":

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from ..expr import Source
 from . import estimates
 from .choices import Choices
-from .cost import Cost, _si
+from .cost import Cost
 from .decide import JobGraph
 from ..units import format_bytes
 from .decisions import Decision, DecisionKind, DecisionSource
@@ -22,7 +22,7 @@ from .jobs import StoreJob
 from .memory import rows_bytes
 from .passkeys import PassKey
 from .rules import PlanError
-from .blocks import storage, storage_decision
+from .blocks import storage, storage_decision, store_cap
 
 __all__ = ["Pass", "Schedule", "schedule", "store_cap"]
 
@@ -97,12 +97,6 @@ class Schedule:
     def describe(self) -> str:
         return "\n".join(f"{i + 1}. {p.label}: " + "; ".join(j.describe() for j in p.jobs)
                          for i, p in enumerate(self.passes))
-
-
-def store_cap(options) -> str:
-    """The store cap as the plan shows it: ``ga.options(store_fraction=...)`` of the budget."""
-    return (f"{_si(options.store_fraction * options.memory_budget)}B "
-            f"(store_fraction={options.store_fraction:g} of the memory budget)")
 
 
 def _defer_held(ready: list, remaining: dict, done: set, stored: set, facts: Facts) -> list:

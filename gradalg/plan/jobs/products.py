@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import operator
 import time
+import weakref
 from dataclasses import dataclass, replace
 from functools import reduce
 from types import SimpleNamespace
@@ -535,11 +536,14 @@ class ProductPass:
     """``V (m, dim) ↦ H V (m, dim)``: each call one run of the products pass of ``job`` (every
     batch of its data, the per-batch products summed by a :class:`ProductSums`). Each call's
     seconds (wall and this process's CPU) are added to its pass's measured entry
-    (``ctx.pass_stats``, the entry whose ``key`` is the pass's), with the number of calls."""
+    (``ctx.pass_stats``, the entry whose ``key`` is the pass's), with the number of calls.
+    It holds the executor ``ctx`` weakly: the run state keeps it (``publish``), so a strong
+    reference closed a cycle with the run state in it, freed only by the cyclic GC; a call
+    made once the executor is gone (an operator kept beyond it) is not recorded."""
 
     def __init__(self, job: ProductsJob, ctx):
         t = job.target
-        self.job, self.ctx = job, ctx
+        self.job, self.ctx = job, weakref.ref(ctx)
         self.products = Products(t.task, t.data, t.layers, t.kind, batching=job.batching)
         self.coords = self.products.coords
         self.calls = 0
@@ -556,7 +560,7 @@ class ProductPass:
 
     def _record(self, seconds: float, cpu_seconds: float) -> None:
         key = self.job.pass_key()
-        for entry in reversed(getattr(self.ctx, "pass_stats", [])):
+        for entry in reversed(getattr(self.ctx(), "pass_stats", [])):
             if entry.get("key") == key:
                 entry["seconds"] += seconds
                 if "cpu_seconds" in entry:
