@@ -20,6 +20,14 @@ its first attention output projection's products; its ``dense_hessian`` failed b
 tangent is now cast to its parameter's dtype). Batches of 32.
 Run against another tree (``PYTHONPATH=<tree>``) for a before/after table (``docs/planner.md``,
 session 48: the memory measured on the meta device).
+
+``--formation [models]`` (default ``mlp,gpt2,llama``, float32 models): the formed Hessian's products pass
+only, planned (``Formed`` of ``ga.hessian``), not run: one call of its ``chunk`` = 256 identity columns in
+float64, as the formation passes them (:meth:`~gradalg.expr.curvature.Formed.resolve`), over every batch of
+the data (:class:`~gradalg.plan.jobs.ProductPass`), torch.profiler's peak plus the chunk's own bytes,
+against the job's ``fixed_bytes + per_example_bytes · batch`` (session 49: a float32 model's chunk priced at
+4 bytes a number). The MLP on its 96 examples (3 batches of 32), the transformers on their first 8 sequences
+(one batch). No formation runs: a few minutes.
 """
 from __future__ import annotations
 
@@ -155,8 +163,46 @@ def run(name: str, setting: str) -> list[dict]:
     return rows
 
 
+def formation(name: str) -> dict:
+    """The formed Hessian's products pass on ``name``'s data: its estimate against one call's peak."""
+    from types import SimpleNamespace
+
+    import gradalg as ga
+    from gradalg.eval_mode import eval_mode
+    from gradalg.exec import LocalExecutor
+    from gradalg.expr.curvature import Formed
+    from gradalg.plan.jobs import ProductPass
+    task, train, _, layers = workload(name)
+    if isinstance(train, dict):     # the transformers' first 8 sequences: torch.profiler's events of 32 take minutes
+        train = {k: v[:8] for k, v in train.items()}
+    with ga.options(batch_size=32, progress=False), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        formed = Formed(ga.hessian(task, train, layers=layers).expr)
+        plan = LocalExecutor().plan(formed)
+        [step] = [p for p in plan.passes if p.per_call]
+        job, m = step.jobs[0], formed.chunk
+        estimate = job.fixed_bytes(plan.facts) + job.per_example_bytes(plan.facts) * step.batch_size
+        V = torch.zeros(m, job.target.space.dim, dtype=torch.float64)       # the formation's chunk
+        V[:, :m] = torch.eye(m, dtype=torch.float64)
+        call = ProductPass(job, SimpleNamespace())
+        with eval_mode(task.model):
+            peak = _peak_bytes(lambda: call(V)) + V.numel() * V.element_size()
+    return dict(model=name, dtype=str(next(task.model.parameters()).dtype), dim=job.target.space.dim, vectors=m,
+                batch=step.batch_size, n=job.target.data.n, fixed_bytes=job.fixed_bytes(plan.facts),
+                est_bytes=estimate, peak_bytes=peak, mem_est_over_meas=estimate / peak)
+
+
 def main(argv) -> int:
     torch.set_num_threads(1)
+    if argv and argv[0] == "--formation":
+        for name in (argv[1] if len(argv) > 1 else "mlp,gpt2,llama").split(","):
+            row = formation(name)
+            print(json.dumps(row), flush=True)
+            print(f"# formation {row['model']:6s} {row['dtype']:13s} dim={row['dim']:5d} m={row['vectors']} "
+                  f"batch={row['batch']} n={row['n']}  mem est/meas {row['mem_est_over_meas']:5.2f} "
+                  f"({row['est_bytes'] / 2**20:7.2f} / {row['peak_bytes'] / 2**20:7.2f} MiB; fixed "
+                  f"{row['fixed_bytes'] / 2**20:6.2f} MiB)", flush=True)
+        return 0
     names = (argv[0] if argv else "conv8,conv32,convwd,mlp,gpt2,llama").split(",")
     settings = (argv[1] if len(argv) > 1 else ",".join(SETTINGS)).split(",")
     run("mlp", "gn_cg")                                              # warm-up: torch.func's first call
