@@ -192,28 +192,30 @@ def formation(name: str) -> dict:
                 est_bytes=estimate, peak_bytes=peak, mem_est_over_meas=estimate / peak)
 
 
+def _show(row: dict, line: str) -> None:
+    print(json.dumps(row), flush=True)
+    print(line, flush=True)
+
+
 def main(argv) -> int:
     torch.set_num_threads(1)
     if argv and argv[0] == "--formation":
         for name in (argv[1] if len(argv) > 1 else "mlp,gpt2,llama").split(","):
-            row = formation(name)
-            print(json.dumps(row), flush=True)
-            print(f"# formation {row['model']:6s} {row['dtype']:13s} dim={row['dim']:5d} m={row['vectors']} "
-                  f"batch={row['batch']} n={row['n']}  mem est/meas {row['mem_est_over_meas']:5.2f} "
-                  f"({row['est_bytes'] / 2**20:7.2f} / {row['peak_bytes'] / 2**20:7.2f} MiB; fixed "
-                  f"{row['fixed_bytes'] / 2**20:6.2f} MiB)", flush=True)
+            r = formation(name)
+            _show(r, f"# formation {r['model']:6s} {r['dtype']:13s} dim={r['dim']:5d} m={r['vectors']} batch={r['batch']} "
+                     f"n={r['n']}  mem est/meas {r['mem_est_over_meas']:5.2f} ({r['est_bytes'] / 2**20:7.2f} / "
+                     f"{r['peak_bytes'] / 2**20:7.2f} MiB; fixed {r['fixed_bytes'] / 2**20:6.2f} MiB)")
         return 0
     names = (argv[0] if argv else "conv8,conv32,convwd,mlp,gpt2,llama").split(",")
     settings = (argv[1] if len(argv) > 1 else ",".join(SETTINGS)).split(",")
     run("mlp", "gn_cg")                                              # warm-up: torch.func's first call
     for name in names:
         for setting in settings:
-            for row in run(name, setting):
-                print(json.dumps(row), flush=True)
-                print(f"# {row['model']:7s} {row['setting']:18s} m={row['vectors']:4d} x{row['calls']:3d} "
-                      f"time est/meas {row['time_est_over_meas']:6.2f} ({row['est_s'] * 1e3:8.1f} / "
-                      f"{row['cpu_s'] * 1e3:8.1f} ms)  mem est/meas {row['mem_est_over_meas']:6.2f} "
-                      f"({row['est_bytes'] / 2**20:8.2f} / {row['peak_bytes'] / 2**20:8.2f} MiB)", flush=True)
+            for r in run(name, setting):
+                _show(r, f"# {r['model']:7s} {r['setting']:18s} m={r['vectors']:4d} x{r['calls']:3d} "
+                         f"time est/meas {r['time_est_over_meas']:6.2f} ({r['est_s'] * 1e3:8.1f} / "
+                         f"{r['cpu_s'] * 1e3:8.1f} ms)  mem est/meas {r['mem_est_over_meas']:6.2f} "
+                         f"({r['est_bytes'] / 2**20:8.2f} / {r['peak_bytes'] / 2**20:8.2f} MiB)")
     return 0
 
 
