@@ -172,3 +172,23 @@ def test_a_float32_mlp_formation_call_holds_no_more_than_the_job_prices():
     with eval_mode(model):
         measured = _peak_bytes(lambda: call(V)) + V.numel() * V.element_size()
     assert measured <= estimate <= 1.5 * measured, estimate / measured
+
+
+def test_a_formation_holds_its_rows_not_a_dense_identity_beside_them():
+    """The whole formation of a float32 MLP's Hessian (64 → 32 → 10, dim d = 2,410; 10 calls of at most
+    256 float64 identity columns, over 4 examples): it holds at most the formed rows and, to symmetrise
+    them, H, H + Hᵀ and (H + Hᵀ)/2, 3 × 8·d² bytes, beside a products call's memory (the job's). On
+    main each call's columns were a view of a d × d float64 identity held through the formation,
+    8·d² bytes more: 4 × 8·d² in all."""
+    from gradalg.expr.curvature import Formed
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    g = torch.Generator().manual_seed(0)
+    data = (torch.randn(4, 64, generator=g), torch.randint(0, 10, (4,), generator=g))
+    job, step, plan = _formation_job(model, data)
+    products = job.fixed_bytes(plan.facts) + job.per_example_bytes(plan.facts) * step.batch_size
+    d = job.target.space.dim
+    with ga.options(progress=False):
+        op = ga.Operator(Formed(ga.hessian(ga.tasks.classification(model), data).expr))
+        measured = _peak_bytes(op.to_dense)
+    assert 3 * 8 * d * d <= measured <= 3 * 8 * d * d + products, (measured / (8 * d * d), products / (8 * d * d))
