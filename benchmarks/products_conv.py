@@ -45,6 +45,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 from test_products_groups import _peak_bytes  # noqa: E402  (torch.profiler's memory events: the test's own)
+from test_products_memory import RUN  # noqa: E402  (an executor's stand-in for a ProductPass run alone)
 
 
 def conv8():
@@ -165,8 +166,6 @@ def run(name: str, setting: str) -> list[dict]:
 
 def formation(name: str) -> dict:
     """The formed Hessian's products pass on ``name``'s data: its estimate against one call's peak."""
-    from types import SimpleNamespace
-
     import gradalg as ga
     from gradalg.eval_mode import eval_mode
     from gradalg.exec import LocalExecutor
@@ -184,7 +183,7 @@ def formation(name: str) -> dict:
         estimate = job.fixed_bytes(plan.facts) + job.per_example_bytes(plan.facts) * step.batch_size
         V = torch.zeros(m, job.target.space.dim, dtype=torch.float64)       # the formation's chunk
         V[:, :m] = torch.eye(m, dtype=torch.float64)
-        call = ProductPass(job, SimpleNamespace())
+        call = ProductPass(job, RUN)
         with eval_mode(task.model):
             peak = _peak_bytes(lambda: call(V)) + V.numel() * V.element_size()
     return dict(model=name, dtype=str(next(task.model.parameters()).dtype), dim=job.target.space.dim, vectors=m,
