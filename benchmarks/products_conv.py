@@ -20,6 +20,14 @@ its first attention output projection's products; its ``dense_hessian`` failed b
 tangent is now cast to its parameter's dtype). Batches of 32.
 Run against another tree (``PYTHONPATH=<tree>``) for a before/after table (``docs/planner.md``,
 session 48: the memory measured on the meta device).
+
+``--formation [models]`` (default ``mlp,gpt2,llama``, float32 models): the formed Hessian's products pass
+only, planned (``Formed`` of ``ga.hessian``), not run: one call of its ``chunk`` = 256 identity columns in
+float64, as the formation passes them (:meth:`~gradalg.expr.curvature.Formed.resolve`), over every batch of
+the data (:class:`~gradalg.plan.jobs.ProductPass`), torch.profiler's peak plus the chunk's own bytes,
+against the job's ``fixed_bytes + per_example_bytes · batch`` (session 49: a float32 model's chunk priced at
+4 bytes a number). The MLP on its 96 examples (3 batches of 32), the transformers on their first 8 sequences
+(one batch). No formation runs: a few minutes.
 """
 from __future__ import annotations
 
@@ -37,6 +45,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 from test_products_groups import _peak_bytes  # noqa: E402  (torch.profiler's memory events: the test's own)
+from test_products_memory import RUN  # noqa: E402  (an executor's stand-in for a ProductPass run alone)
 
 
 def conv8():
@@ -155,19 +164,57 @@ def run(name: str, setting: str) -> list[dict]:
     return rows
 
 
+def formation(name: str) -> dict:
+    """The formed Hessian's products pass on ``name``'s data: its estimate against one call's peak."""
+    import gradalg as ga
+    from gradalg.eval_mode import eval_mode
+    from gradalg.exec import LocalExecutor
+    from gradalg.expr.curvature import Formed
+    from gradalg.plan.jobs import ProductPass
+    task, train, _, layers = workload(name)
+    if isinstance(train, dict):     # the transformers' first 8 sequences: torch.profiler's events of 32 take minutes
+        train = {k: v[:8] for k, v in train.items()}
+    with ga.options(batch_size=32, progress=False), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        formed = Formed(ga.hessian(task, train, layers=layers).expr)
+        plan = LocalExecutor().plan(formed)
+        [step] = [p for p in plan.passes if p.per_call]
+        job, m = step.jobs[0], formed.chunk
+        estimate = job.fixed_bytes(plan.facts) + job.per_example_bytes(plan.facts) * step.batch_size
+        V = torch.zeros(m, job.target.space.dim, dtype=torch.float64)       # the formation's chunk
+        V[:, :m] = torch.eye(m, dtype=torch.float64)
+        call = ProductPass(job, RUN)
+        with eval_mode(task.model):
+            peak = _peak_bytes(lambda: call(V)) + V.numel() * V.element_size()
+    return dict(model=name, dtype=str(next(task.model.parameters()).dtype), dim=job.target.space.dim, vectors=m,
+                batch=step.batch_size, n=job.target.data.n, fixed_bytes=job.fixed_bytes(plan.facts),
+                est_bytes=estimate, peak_bytes=peak, mem_est_over_meas=estimate / peak)
+
+
+def _show(row: dict, line: str) -> None:
+    print(json.dumps(row), flush=True)
+    print(line, flush=True)
+
+
 def main(argv) -> int:
     torch.set_num_threads(1)
+    if argv and argv[0] == "--formation":
+        for name in (argv[1] if len(argv) > 1 else "mlp,gpt2,llama").split(","):
+            r = formation(name)
+            _show(r, f"# formation {r['model']:6s} {r['dtype']:13s} dim={r['dim']:5d} m={r['vectors']} batch={r['batch']} "
+                     f"n={r['n']}  mem est/meas {r['mem_est_over_meas']:5.2f} ({r['est_bytes'] / 2**20:7.2f} / "
+                     f"{r['peak_bytes'] / 2**20:7.2f} MiB; fixed {r['fixed_bytes'] / 2**20:6.2f} MiB)")
+        return 0
     names = (argv[0] if argv else "conv8,conv32,convwd,mlp,gpt2,llama").split(",")
     settings = (argv[1] if len(argv) > 1 else ",".join(SETTINGS)).split(",")
     run("mlp", "gn_cg")                                              # warm-up: torch.func's first call
     for name in names:
         for setting in settings:
-            for row in run(name, setting):
-                print(json.dumps(row), flush=True)
-                print(f"# {row['model']:7s} {row['setting']:18s} m={row['vectors']:4d} x{row['calls']:3d} "
-                      f"time est/meas {row['time_est_over_meas']:6.2f} ({row['est_s'] * 1e3:8.1f} / "
-                      f"{row['cpu_s'] * 1e3:8.1f} ms)  mem est/meas {row['mem_est_over_meas']:6.2f} "
-                      f"({row['est_bytes'] / 2**20:8.2f} / {row['peak_bytes'] / 2**20:8.2f} MiB)", flush=True)
+            for r in run(name, setting):
+                _show(r, f"# {r['model']:7s} {r['setting']:18s} m={r['vectors']:4d} x{r['calls']:3d} "
+                         f"time est/meas {r['time_est_over_meas']:6.2f} ({r['est_s'] * 1e3:8.1f} / "
+                         f"{r['cpu_s'] * 1e3:8.1f} ms)  mem est/meas {r['mem_est_over_meas']:6.2f} "
+                         f"({r['est_bytes'] / 2**20:8.2f} / {r['peak_bytes'] / 2**20:8.2f} MiB)")
     return 0
 
 

@@ -122,3 +122,81 @@ def test_the_plan_names_the_fallback_where_meta_cannot_run_the_forward():
                                                            torch.randint(0, 3, (16,), generator=g))).expr)
     [decision] = plan.decisions.of(DecisionKind.PRODUCTS_BATCHING)
     assert "memory: fallback, activation_bytes" in decision.reason
+
+
+def _formation_job(model, data, **options):
+    """The products job of the formed Hessian of ``model`` (classification) on ``data``, planned, and the plan."""
+    from gradalg.exec import LocalExecutor
+    from gradalg.expr.curvature import Formed
+    with ga.options(progress=False, **options):
+        plan = LocalExecutor().plan(Formed(ga.hessian(ga.tasks.classification(model), data).expr))
+    [step] = [p for p in plan.passes if p.per_call]
+    return step.jobs[0], step, plan
+
+
+def test_a_float32_formation_prices_its_float64_identity_columns_at_8_bytes():
+    """Linear(4, 3) in float32: dim = 3·(4 + 1) = 15, one call of the formation's 15 float64 identity
+    columns (a chunk of 256 > 15). Held at once: V in float64, 15·15·8 = 1,800 bytes; its copy cast to
+    float32, the running sum and a batch's products twice (per parameter, as rows), 4 × 15·15·4 =
+    3,600: 5,400. On main V was priced at the model's 4 bytes: 4 × 15·15·4 = 3,600. A float64 model's
+    columns need no cast: 4 × 15·15·8 = 7,200."""
+    g = torch.Generator().manual_seed(0)
+    data = (torch.randn(6, 4, generator=g), torch.randint(0, 3, (6,), generator=g))
+    torch.manual_seed(0)
+    job, _, plan = _formation_job(nn.Linear(4, 3), data)
+    assert job.groups == ((1, 15, "formed: 15 products, 256 per call"),)
+    assert job.fixed_bytes(plan.facts) == 15 * 15 * 8 + 4 * 15 * 15 * 4 == 5_400
+    job, _, plan = _formation_job(nn.Linear(4, 3).double(), (data[0].double(), data[1]))
+    assert job.fixed_bytes(plan.facts) == 4 * 15 * 15 * 8
+
+
+def test_a_float32_mlp_formation_call_holds_no_more_than_the_job_prices():
+    """One call of a float32 MLP's formation (64 → 32 → 10, dim 2,410: 256 float64 identity columns,
+    as :class:`~gradalg.expr.curvature.Formed` passes them) over 4 examples, where V and the sums
+    outweigh the activations: torch.profiler's peak plus the columns themselves is at most the job's
+    memory and not below two thirds of it. On main (V priced at 4 bytes a number) the estimate was
+    0.8 of the peak: a plan that fit could exceed its budget."""
+    from gradalg.eval_mode import eval_mode
+    from gradalg.plan.jobs import ProductPass
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    g = torch.Generator().manual_seed(0)
+    job, step, plan = _formation_job(model, (torch.randn(4, 64, generator=g), torch.randint(0, 10, (4,), generator=g)))
+    d = job.target.space.dim
+    estimate = job.fixed_bytes(plan.facts) + job.per_example_bytes(plan.facts) * step.batch_size
+    V = torch.zeros(256, d, dtype=torch.float64)
+    V[:, :256].fill_diagonal_(1.0)
+    call = ProductPass(job, RUN)
+    with eval_mode(model):
+        measured = _peak_bytes(lambda: call(V)) + V.numel() * V.element_size()
+    assert measured <= estimate <= 1.5 * measured, estimate / measured
+
+
+def test_a_formation_holds_its_rows_not_a_dense_identity_beside_them():
+    """The whole formation of a float32 MLP's Hessian (64 → 32 → 10, dim d = 2,410; 10 calls of at most
+    256 float64 identity columns, over 4 examples): it holds at most the formed rows and, to symmetrise
+    them, H, H + Hᵀ and (H + Hᵀ)/2, 3 × 8·d² bytes, beside a products call's memory (the job's). On
+    main each call's columns were a view of a d × d float64 identity held through the formation,
+    8·d² bytes more: 4 × 8·d² in all."""
+    from gradalg.expr.curvature import Formed
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    g = torch.Generator().manual_seed(0)
+    data = (torch.randn(4, 64, generator=g), torch.randint(0, 10, (4,), generator=g))
+    job, step, plan = _formation_job(model, data)
+    products = job.fixed_bytes(plan.facts) + job.per_example_bytes(plan.facts) * step.batch_size
+    d = job.target.space.dim
+    with ga.options(progress=False):
+        op = ga.Operator(Formed(ga.hessian(ga.tasks.classification(model), data).expr))
+        measured = _peak_bytes(op.to_dense)
+    assert 3 * 8 * d * d <= measured <= 3 * 8 * d * d + products, (measured / (8 * d * d), products / (8 * d * d))
+
+
+class Run:
+    """An executor's stand-in for a :class:`~gradalg.plan.jobs.ProductPass` run alone: it records its
+    calls in ``ctx.pass_stats`` (none here) and holds ``ctx`` weakly, so one kept for the module."""
+
+    pass_stats: tuple = ()
+
+
+RUN = Run()

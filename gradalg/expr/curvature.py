@@ -139,6 +139,14 @@ class CurvatureProducts(OpNode):
     def space(self):
         return self.space_
 
+    @cached_property
+    def free_names(self) -> list[str]:
+        """The model's parameters its products differentiate (those of ``layers``:
+        :class:`~gradalg.curvature.hvp.ParamCoords`), found once: the products job's batching probe and
+        its meta measurement share them."""
+        from ..curvature.hvp import ParamCoords
+        return ParamCoords(self.task.model, self.layers).param_names
+
     def labels(self):
         return Labels({"implicit"})
 
@@ -161,6 +169,14 @@ class CurvatureProducts(OpNode):
     @property
     def label(self):
         return f"{self.kind} products (n={self.data.n})"
+
+
+def _identity_columns(d: int, start: int, stop: int) -> torch.Tensor:
+    """Rows ``start:stop`` of the (d, d) float64 identity, made alone ((stop − start)·d·8 bytes, what the
+    products pass prices of a formation's chunk: not a view of a d × d identity held through the formation)."""
+    rows = torch.zeros(stop - start, d, dtype=torch.float64)
+    rows[:, start:stop].fill_diagonal_(1.0)
+    return rows
 
 
 @dataclass(frozen=True, eq=False)
@@ -194,13 +210,13 @@ class Formed(OpNode):
         full, rest = divmod(self.space.dim, self.chunk)
         why = f"formed: {self.space.dim} products, {self.chunk} per call"
         parts = tuple((calls, m) for calls, m in ((full, self.chunk), (1, rest)) if calls and m)
-        return tuple(s.solved_in(parts, why) for s in self.op.statistics())
+        return tuple(s.solved_in(parts, why, torch.float64) for s in self.op.statistics())
 
     def resolve(self, ctx):
         inner = ctx.resolve(self.op)
         d = self.space.dim
-        eye = torch.eye(d, dtype=torch.float64)
-        H = torch.cat([inner.apply(eye[i:i + self.chunk]).to(torch.float64) for i in range(0, d, self.chunk)], 0)
+        H = torch.cat([inner.apply(_identity_columns(d, i, min(i + self.chunk, d))).to(torch.float64)
+                       for i in range(0, d, self.chunk)], 0)
         return ResolvedOp(self.space, "dense", (H + H.T) / 2, frozenset(inner.tags & {"psd"}))
 
     def apply_cost(self, space, n, prices):
@@ -234,7 +250,7 @@ class Arnoldi(OpNode):
         (:func:`~gradalg.linalg.solvers.arnoldi_iters` at most)."""
         iters = arnoldi_iters(self.space.dim, self.rank, self.iters)
         why = f"Arnoldi iters={self.iters}" if self.iters else "Arnoldi iters=min(dim, 2·rank+10)"
-        return tuple(s.solved(iters, why, vectors=1) for s in self.op.statistics())
+        return tuple(s.solved(iters, why, vectors=1, dtype=torch.float64) for s in self.op.statistics())
 
     def resolve(self, ctx):
         inner = ctx.resolve(self.op)
@@ -413,7 +429,7 @@ class NearMinimum(OpNode):
         ``iterations`` calls, then the Hessian's formation if it is not ruled out)."""
         hess = self.hessian_inv.statistics()
         if self.probe_steps > 0:     # the probe's calls, one vector each: a group of their own before the formation's
-            probe = ProductCalls(self.probe_steps, 1, f"{self.probe_steps} Lanczos probe products")
+            probe = ProductCalls(self.probe_steps, 1, f"{self.probe_steps} Lanczos probe products", torch.float64)
             hess = tuple(s.preceded(probe) for s in hess)
         return self.gauss_newton.statistics() + hess + tuple(
             s for s in self.gauss_newton_inv.statistics() if s not in self.gauss_newton.statistics())

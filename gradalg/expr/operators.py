@@ -48,17 +48,20 @@ __all__ = ["OpNode", "Statistic", "ProductCalls", "ResolveContext", "Identity", 
 class ProductCalls:
     """One group of a products statistic's calls: ``calls`` calls at most, each the products of
     H with ``vectors`` rows (None: the rows the operator is applied to), ``why`` the setting
-    that bounds them (a solver's iterations, a formation's ⌈dim/chunk⌉, a probe's steps)."""
+    that bounds them (a solver's iterations, a formation's ⌈dim/chunk⌉, a probe's steps), ``dtype`` the
+    vectors' as the caller passes them (a formation's and Arnoldi's and a Lanczos probe's float64 columns:
+    what the products pass holds of V; None: the curvature's parameters' dtype, the products' own)."""
 
     calls: int = 1
     vectors: int | None = None
     why: str = ""
+    dtype: torch.dtype | None = None
 
-    def solved(self, calls: int, why: str, vectors: int | None = None) -> "ProductCalls":
-        """Each of these calls made ``calls`` times by a solver (``why``), on ``vectors`` rows
-        (None: as before)."""
+    def solved(self, calls: int, why: str, vectors: int | None = None, dtype: torch.dtype | None = None) -> "ProductCalls":
+        """Each of these calls made ``calls`` times by a solver (``why``), on ``vectors`` rows of
+        ``dtype`` (None: as before)."""
         return ProductCalls(self.calls * calls, self.vectors if vectors is None else vectors,
-                            f"{why} × {self.why}" if self.why else why)
+                            f"{why} × {self.why}" if self.why else why, dtype or self.dtype)
 
 
 @dataclass(frozen=True)
@@ -102,19 +105,22 @@ class Statistic:
             return None
         return max(g.vectors for g in self.groups)
 
-    def solved(self, calls: int, why: str, vectors: int | None = None) -> "Statistic":
+    def solved(self, calls: int, why: str, vectors: int | None = None, dtype: torch.dtype | None = None) -> "Statistic":
         """This statistic inside an iterative solver of ``calls`` iterations at most
-        (``why``: the solver's setting): a products statistic's calls multiply, group by group
-        (:meth:`ProductCalls.solved`), any other statistic is computed once."""
-        return self.solved_in(((calls, vectors),), why)
+        (``why``: the solver's setting; ``dtype``: its vectors', :class:`ProductCalls`): a products
+        statistic's calls multiply, group by group (:meth:`ProductCalls.solved`), any other statistic
+        is computed once."""
+        return self.solved_in(((calls, vectors),), why, dtype)
 
-    def solved_in(self, parts: tuple[tuple[int, int | None], ...], why: str) -> "Statistic":
+    def solved_in(self, parts: tuple[tuple[int, int | None], ...], why: str,
+                  dtype: torch.dtype | None = None) -> "Statistic":
         """:meth:`solved` by a solver whose calls come in ``parts`` ``((calls, vectors), ...)`` (a
-        formation's ⌊dim/chunk⌋ calls of ``chunk`` vectors and one of the rest): each group of calls
-        once per part, in order."""
+        formation's ⌊dim/chunk⌋ calls of ``chunk`` vectors and one of the rest), on vectors of
+        ``dtype``: each group of calls once per part, in order."""
         if self.job != "products":
             return self
-        return replace(self, groups=tuple(g.solved(calls, why, vectors) for calls, vectors in parts for g in self.groups))
+        return replace(self, groups=tuple(g.solved(calls, why, vectors, dtype) for calls, vectors in parts
+                                          for g in self.groups))
 
     def preceded(self, group: ProductCalls) -> "Statistic":
         """This products statistic with the calls of ``group`` made first (a probe before a

@@ -36,7 +36,7 @@ from typing import ClassVar
 
 import torch
 
-from ...curvature.hvp import BatchingProbe, ParamCoords, Products, decide_batching, held_per_example, vmap_chunk_size
+from ...curvature.hvp import BatchingProbe, Products, decide_batching, held_per_example, vmap_chunk_size
 from ...eval_mode import eval_mode
 from ...data import as_data
 from ...devices import DeviceProfile
@@ -186,6 +186,9 @@ class ProductsJob(Job):
     #: ``ga.options(products_batching)``)
     batching: str = "vmap"
     probe: BatchingProbe | None = None
+    #: bytes per number of the vectors its calls are passed (the most of its groups' ``dtype``: a formation's
+    #: float64 columns; 0: the parameters', :meth:`_elem`), what :meth:`fixed_bytes` holds of V
+    vector_elem: int = 0
 
     @classmethod
     def for_statistic(cls, statistic, deps: set, options=None, vectors: int | None = None) -> "ProductsJob":
@@ -193,15 +196,15 @@ class ProductsJob(Job):
         (:class:`~gradalg.expr.operators.ProductCalls`), each on its vectors (the group's, else
         ``vectors``: the rows the operator is applied to, else one), and how their vectors run
         (:func:`~gradalg.curvature.hvp.decide_batching`: ``ga.options(products_batching)``, else the
-        meta probe on the first example's shapes)."""
+        meta probe on the first example's shapes); ``vector_elem`` the most of its groups' vectors' dtypes."""
         groups = tuple((max(1, int(g.calls)), int(g.vectors or vectors or 1), g.why) for g in statistic.groups
                        if g.calls > 0) or ((1, int(vectors or 1), ""),)
         t = statistic.node
-        names = ParamCoords(t.task.model, t.layers).param_names
-        batching, probe = decide_batching(t.task, t.data.first_example_batch(), names, t.kind,
+        batching, probe = decide_batching(t.task, t.data.first_example_batch(), t.free_names, t.kind,
                                           (options or get_options()).products_batching)
-        return cls(t, (), set(deps), groups=groups,
-                   batch=options.batch_size if options is not None else 64, batching=batching, probe=probe)
+        return cls(t, (), set(deps), groups=groups, batch=options.batch_size if options is not None else 64,
+                   batching=batching, probe=probe, vector_elem=max(
+                       (element_size(g.dtype) for g in statistic.groups if g.calls > 0 and g.dtype), default=0))
 
     def first_decisions(self, options) -> list:
         """The batching of the vectors (``PRODUCTS_BATCHING``): the chosen one, both alternatives with
@@ -415,12 +418,18 @@ class ProductsJob(Job):
         return element_size(dtype) if dtype is not None else facts.elem
 
     def fixed_bytes(self, facts) -> float:
-        """4·m·dim·elem (m the most vectors of a call): at once, the vectors V, the running sum, and
-        a batch's products twice: per parameter as ``vmap`` returns them and as rows in block
-        coordinates (:meth:`~gradalg.curvature.hvp.ParamCoords.from_params`, a concatenation; then
-        the new sum beside the old one and the rows). Before, 3·m·dim: an MLP's products, whose
-        parameters outweigh its activations, held 1.2× the estimate (``benchmarks/products_conv.py``)."""
-        return 4.0 * self.vectors * self.target.space.dim * self._elem(facts)
+        """m·dim·(4·elem + v) (m the most vectors of a call): at once, at the parameters' elem bytes a
+        number (:meth:`_elem`: the products run in it) the vectors V, the running sum, and a batch's
+        products twice: per parameter as ``vmap`` returns them and as rows in block coordinates
+        (:meth:`~gradalg.curvature.hvp.ParamCoords.from_params`, a concatenation; then the new sum
+        beside the old one and the rows); and where the caller passes V in another dtype (v =
+        :attr:`vector_elem` ≠ elem: a formation's float64 identity columns on a float32 model), V itself
+        at v beside its copy cast to the parameters' (:func:`~gradalg.curvature.hvp._batch_product`).
+        Before, 3·m·dim·elem: an MLP's products, whose parameters outweigh its activations, held 1.2×
+        the estimate; before session 49, 4·m·dim·elem whatever V's dtype: a float32 MLP's formation
+        held 5·m·dim·4 bytes beside a batch of one (``benchmarks/products_conv.py --formation``)."""
+        elem = self._elem(facts)
+        return self.vectors * self.target.space.dim * (4.0 * elem + (self.vector_elem if self.vector_elem != elem else 0))
 
     def per_example_bytes(self, facts) -> float:
         """What one example holds at a products call's peak, for the primal and each of the c
@@ -477,7 +486,7 @@ def _meta_measure(t):
         modules = _weight_modules(model)
         handles = [m.register_forward_hook(hook) for m, _ in modules]
         refs = [SimpleNamespace(name=str(i), module=m, rule=rule) for i, (m, rule) in enumerate(modules)]
-        batch, free, T = t.data.first_example_batch(), ParamCoords(model, t.layers).param_names, data_tokens_hint(t.data)
+        batch, free, T = t.data.first_example_batch(), t.free_names, data_tokens_hint(t.data)
         fn = t.task.summed_loss if t.kind == "hessian" else t.task.forward    # what grad / vjp differentiate
         seen, activations, saved = _measure_on_meta(t.task, batch, refs, fn, free)
         product = held_per_example(t.task, batch, free) if t.kind == "hessian" else None
