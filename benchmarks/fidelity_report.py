@@ -342,7 +342,7 @@ def targets_table(data: dict, settings=LM_SETTINGS) -> str:
 
 
 #: an ensemble point whose configuration names one of these averages one training run's models
-ONE_RUN_WORDS = ("1 seed(s) ×", "its run's", "continued from it")
+ONE_RUN_WORDS = ("1 seed(s) ×", "its run's", "continued from it", "copies of its model")
 
 
 def one_run(p: dict) -> bool:

@@ -72,6 +72,10 @@ the library picks for a causal LM are the ones timed):
                                 weights moved by 1e-3 · N(0, 1)): two models in memory
     (the Adam state and the second checkpoint are built before the method's clock and
     memory peak start: a user has them already)
+    perturbed_<m>               ga.methods.ensemble of <m> (logra, relatif) over
+                                ga.methods.perturbed(task) at its defaults (6 copies, s = 0.3;
+                                the copies made inside the clock and the memory peak: M + 1
+                                models in memory)
     self_influence              self_influence(influence, curvature="ekfac") on the
                                 training set (the default Gauss-Newton is influence_gn's)
 
@@ -134,7 +138,8 @@ MODELS = ("gpt2-small", "pythia-160m", "llama-200m", "qwen2-0.5b", "tiny-gpt2", 
           "olmoe-2l", "phi-160m", "bloom-250k", "falcon-mq", "mistral-swa", "qwen2moe-2l")
 DEFAULT_DTYPE = {"qwen2-0.5b": "bfloat16"}        # the others: float32
 METHODS = ("grad_dot", "grad_cos", "influence_gn", "influence_ekfac", "influence_kfac", "influence_datainf",
-           "relatif", "logra", "grass", "trak", "less", "trackstar", "tracin", "self_influence")
+           "relatif", "logra", "grass", "trak", "less", "trackstar", "tracin", "self_influence",
+           "perturbed_logra", "perturbed_relatif")
 DEFAULT_METHODS = ("grad_dot", "logra", "trak", "influence_ekfac", "influence_kfac", "less")
 NOT_APPLICABLE = {
     "magic": "replays a training run (ga.unroll.TrainingRun); a model built from a config has none",
@@ -362,6 +367,8 @@ def build_scores(method: str, task, train, queries, inputs: dict):
         return m.tracin([task, inputs["second"]], [1.0, 1.0], train, queries)
     if method == "self_influence":
         return m.self_influence(m.influence, task, train, curvature="ekfac")
+    if method.startswith("perturbed_"):
+        return m.ensemble(getattr(m, method.split("_", 1)[1]), m.perturbed(task), train, queries)
     raise SystemExit(f"unknown method {method!r}: one of {', '.join(METHODS)}")
 
 
