@@ -90,3 +90,17 @@ def test_bad_options_are_refused_with_the_fix(kwargs, match):
 def test_a_model_instead_of_a_task_is_refused():
     with pytest.raises(OptionError, match="perturbed takes a ga.Task"):
         ga.methods.perturbed(mlp())
+
+
+def test_copies_of_a_task_already_scored_are_not_taken_for_it():
+    """The copies share the task's loss functions but not its model: a plan over the original and
+    its copies must not reuse the original's passes (its token) for them."""
+    X, y = classification_data(n=12, d_in=8, classes=3)
+    task = ga.tasks.classification(mlp())
+    first = ga.methods.grad_dot(task, (X, y), (X[:3], y[:3])).compute().values     # the original, scored first
+    copies = ga.methods.perturbed(task, members=2, scale=0.3)
+    assert len({task.token, copies[0].token, copies[1].token}) == 3
+    S = ga.methods.ensemble(ga.methods.grad_dot, [task, *copies], (X, y), (X[:3], y[:3])).compute().values
+    each = [first] + [ga.methods.grad_dot(t, (X, y), (X[:3], y[:3])).compute().values for t in copies]
+    np.testing.assert_allclose(S, np.mean(each, axis=0), rtol=1e-12, atol=1e-14)
+    assert np.abs(each[1] - first).max() > 1e-2 * np.abs(first).max()
