@@ -139,14 +139,6 @@ class CurvatureProducts(OpNode):
     def space(self):
         return self.space_
 
-    @cached_property
-    def free_names(self) -> list[str]:
-        """The model's parameters its products differentiate (those of ``layers``:
-        :class:`~gradalg.curvature.hvp.ParamCoords`), found once: the products job's batching probe and
-        its meta measurement share them."""
-        from ..curvature.hvp import ParamCoords
-        return ParamCoords(self.task.model, self.layers).param_names
-
     def labels(self):
         return Labels({"implicit"})
 

@@ -36,7 +36,7 @@ from typing import ClassVar
 
 import torch
 
-from ...curvature.hvp import BatchingProbe, Products, decide_batching, held_per_example, vmap_chunk_size
+from ...curvature.hvp import BatchingProbe, ParamCoords, Products, decide_batching, held_per_example, vmap_chunk_size
 from ...eval_mode import eval_mode
 from ...data import as_data
 from ...devices import DeviceProfile
@@ -165,6 +165,17 @@ def product_fixed(model, kind: str, batches: int) -> Cost:
     return Cost(blocks=(("products", float(batches) * FIXED_SCALE[kind], float(modules)),))
 
 
+_FREE_NAMES = weakref.WeakKeyDictionary()
+
+
+def free_names(node) -> list[str]:
+    """The parameters ``node``'s products differentiate (its ``layers``: :class:`ParamCoords`), found once
+    per node: the batching probe and the meta measurement share them (``expr`` may not import ``curvature``)."""
+    if node not in _FREE_NAMES:
+        _FREE_NAMES[node] = ParamCoords(node.task.model, node.layers).param_names
+    return _FREE_NAMES[node]
+
+
 @dataclass(eq=False, frozen=True)
 class ProductsJob(Job):
     """The products of ``target`` (a :class:`~gradalg.expr.curvature.CurvatureProducts`) in
@@ -200,7 +211,7 @@ class ProductsJob(Job):
         groups = tuple((max(1, int(g.calls)), int(g.vectors or vectors or 1), g.why) for g in statistic.groups
                        if g.calls > 0) or ((1, int(vectors or 1), ""),)
         t = statistic.node
-        batching, probe = decide_batching(t.task, t.data.first_example_batch(), t.free_names, t.kind,
+        batching, probe = decide_batching(t.task, t.data.first_example_batch(), free_names(t), t.kind,
                                           (options or get_options()).products_batching)
         return cls(t, (), set(deps), groups=groups, batch=options.batch_size if options is not None else 64,
                    batching=batching, probe=probe, vector_elem=max(
@@ -486,7 +497,7 @@ def _meta_measure(t):
         modules = _weight_modules(model)
         handles = [m.register_forward_hook(hook) for m, _ in modules]
         refs = [SimpleNamespace(name=str(i), module=m, rule=rule) for i, (m, rule) in enumerate(modules)]
-        batch, free, T = t.data.first_example_batch(), t.free_names, data_tokens_hint(t.data)
+        batch, free, T = t.data.first_example_batch(), free_names(t), data_tokens_hint(t.data)
         fn = t.task.summed_loss if t.kind == "hessian" else t.task.forward    # what grad / vjp differentiate
         seen, activations, saved = _measure_on_meta(t.task, batch, refs, fn, free)
         product = held_per_example(t.task, batch, free) if t.kind == "hessian" else None
