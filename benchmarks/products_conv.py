@@ -25,8 +25,8 @@ session 48: the memory measured on the meta device).
 only, planned (``Formed`` of ``ga.hessian``), not run: one call of its ``chunk`` = 256 identity columns in
 float64, as the formation passes them (:meth:`~gradalg.expr.curvature.Formed.resolve`), over every batch of
 the data (:class:`~gradalg.plan.jobs.ProductPass`), torch.profiler's peak plus the chunk's own bytes,
-against the job's ``fixed_bytes + per_example_bytes · batch`` (session 49: a float32 model's chunk priced at
-4 bytes a number). The MLP on its 96 examples (3 batches of 32), the transformers on their first 8 sequences
+and the formed rows held beside it (the (d, d) float64 H, ``ProductsJob.beside``), against the job's
+``fixed_bytes + per_example_bytes · batch`` (session 49: a float32 model's chunk priced at 4 bytes a number). The MLP on its 96 examples (3 batches of 32), the transformers on their first 8 sequences
 (one batch). No formation runs: a few minutes.
 
 ``--whole [models]`` (default ``mlp,llama``; ``name:n`` keeps the first n examples): the dense-Hessian
@@ -194,7 +194,7 @@ def formation(name: str) -> dict:
         V[:, :m] = torch.eye(m, dtype=torch.float64)
         call = ProductPass(job, RUN)
         with eval_mode(task.model):
-            peak = _peak_bytes(lambda: call(V)) + V.numel() * V.element_size()
+            peak = _peak_bytes(lambda: call(V)) + V.numel() * V.element_size() + job.beside    # + the formed rows
     return dict(model=name, dtype=str(next(task.model.parameters()).dtype), dim=job.target.space.dim, vectors=m,
                 batch=step.batch_size, n=job.target.data.n, fixed_bytes=job.fixed_bytes(plan.facts),
                 est_bytes=estimate, peak_bytes=peak, mem_est_over_meas=estimate / peak)
