@@ -25,9 +25,18 @@ session 48: the memory measured on the meta device).
 only, planned (``Formed`` of ``ga.hessian``), not run: one call of its ``chunk`` = 256 identity columns in
 float64, as the formation passes them (:meth:`~gradalg.expr.curvature.Formed.resolve`), over every batch of
 the data (:class:`~gradalg.plan.jobs.ProductPass`), torch.profiler's peak plus the chunk's own bytes,
-against the job's ``fixed_bytes + per_example_bytes · batch`` (session 49: a float32 model's chunk priced at
-4 bytes a number). The MLP on its 96 examples (3 batches of 32), the transformers on their first 8 sequences
+and the formed rows held beside it (the (d, d) float64 H, ``ProductsJob.beside``), against the job's
+``fixed_bytes + per_example_bytes · batch`` (session 49: a float32 model's chunk priced at 4 bytes a number). The MLP on its 96 examples (3 batches of 32), the transformers on their first 8 sequences
 (one batch). No formation runs: a few minutes.
+
+``--whole [models]`` (default ``mlp,llama``; ``name:n`` keeps the first n examples): the dense-Hessian
+influence (``curvature="dense_hessian"``, damping 0.1, 2 queries) run whole, the formation (every products
+call beside the formed rows, then their symmetrisation), the damped inverse and the scores: the peak
+resident growth (``VmHWM`` over the resident set at the start, the mark reset there, after a warm-up on 2
+examples; run it with ``MALLOC_MMAP_THRESHOLD_=131072`` so that freed tensors leave the resident set)
+against each pass's estimate, the products pass's (which prices the formed rows beside its calls since
+session 49's ``formedrows``) and the pass that resolves the inverse (``resolve_bytes``, 40·d²). Resident
+pages only: a chunk of identity columns, zeros but for its diagonal, is mostly never touched.
 """
 from __future__ import annotations
 
@@ -185,10 +194,40 @@ def formation(name: str) -> dict:
         V[:, :m] = torch.eye(m, dtype=torch.float64)
         call = ProductPass(job, RUN)
         with eval_mode(task.model):
-            peak = _peak_bytes(lambda: call(V)) + V.numel() * V.element_size()
+            peak = _peak_bytes(lambda: call(V)) + V.numel() * V.element_size() + job.beside    # + the formed rows
     return dict(model=name, dtype=str(next(task.model.parameters()).dtype), dim=job.target.space.dim, vectors=m,
                 batch=step.batch_size, n=job.target.data.n, fixed_bytes=job.fixed_bytes(plan.facts),
                 est_bytes=estimate, peak_bytes=peak, mem_est_over_meas=estimate / peak)
+
+
+def whole(spec: str) -> dict:
+    """The dense-Hessian influence of ``spec`` (``name`` or ``name:n``) run whole: its peak resident
+    growth against each pass's estimated peak (``--whole``)."""
+    import gc
+    import gradalg as ga
+    sys.path.insert(0, str(HERE.parent / "tests" / "budget_scripts"))
+    from peak_memory import current_rss, peak_rss, reset_peak
+    name, _, n = spec.partition(":")
+    task, train, queries, layers = workload(name)
+    first = (lambda data, k: {key: v[:k] for key, v in data.items()} if isinstance(data, dict)
+             else tuple(t[:k] for t in data))
+    train = first(train, int(n)) if n else train
+    with ga.options(batch_size=32, progress=False), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ga.methods.influence(task, first(train, 2), queries, layers=layers, curvature="dense_hessian",
+                             damping=0.1).compute()                          # warm-up: kernels, lazy imports
+        run = ga.methods.influence(task, train, queries, layers=layers, curvature="dense_hessian", damping=0.1)
+        plan = run.explain().plan
+        gc.collect()
+        base, _ = current_rss(), reset_peak()
+        run.compute()
+        peak = peak_rss() - base
+    [products] = [p for p in plan.passes if p.per_call]
+    d = products.jobs[0].target.space.dim
+    est = max(p.cost.peak_bytes for p in plan.passes)
+    return dict(model=name, dim=d, n=products.jobs[0].target.data.n, batch=products.batch_size,
+                products_est_bytes=products.cost.peak_bytes, pass_est_bytes=[p.cost.peak_bytes for p in plan.passes],
+                est_bytes=est, peak_bytes=peak, mem_est_over_meas=est / peak)
 
 
 def _show(row: dict, line: str) -> None:
@@ -204,6 +243,13 @@ def main(argv) -> int:
             _show(r, f"# formation {r['model']:6s} {r['dtype']:13s} dim={r['dim']:5d} m={r['vectors']} batch={r['batch']} "
                      f"n={r['n']}  mem est/meas {r['mem_est_over_meas']:5.2f} ({r['est_bytes'] / 2**20:7.2f} / "
                      f"{r['peak_bytes'] / 2**20:7.2f} MiB; fixed {r['fixed_bytes'] / 2**20:6.2f} MiB)")
+        return 0
+    if argv and argv[0] == "--whole":
+        for spec in (argv[1] if len(argv) > 1 else "mlp,llama").split(","):
+            r, sq = whole(spec), lambda b: b / (8 * r["dim"] ** 2)
+            _show(r, f"# whole {r['model']:6s} dim={r['dim']:5d} n={r['n']} batch={r['batch']}  products est "
+                     f"{sq(r['products_est_bytes']):5.2f}·8d², plan est {sq(r['est_bytes']):5.2f}·8d², measured "
+                     f"{sq(r['peak_bytes']):5.2f}·8d² ({r['peak_bytes'] / 2**20:7.2f} MiB)  est/meas {r['mem_est_over_meas']:5.2f}")
         return 0
     names = (argv[0] if argv else "conv8,conv32,convwd,mlp,gpt2,llama").split(",")
     settings = (argv[1] if len(argv) > 1 else ",".join(SETTINGS)).split(",")

@@ -171,11 +171,28 @@ def _identity_columns(d: int, start: int, stop: int) -> torch.Tensor:
     return rows
 
 
+def _symmetrise(H: torch.Tensor, b: int) -> torch.Tensor:
+    """(H + Hᵀ)/2 of a square H, in place, by (b, b) blocks: each pair of blocks (i, j), (j, i) read
+    before either is written (Hᵀ is a view: ``H.add_(H.T)`` would read what it already wrote), each
+    entry (H_rc + H_cr)/2, the same numbers as ``(H + H.T) / 2`` (a float sum commutes); 2·b² numbers
+    at once beside H, not two new (d, d) matrices."""
+    d = H.shape[0]
+    for i in range(0, d, b):
+        for j in range(i, d, b):
+            mean = (H[i:i + b, j:j + b] + H[j:j + b, i:i + b].T) / 2
+            H[i:i + b, j:j + b] = mean
+            H[j:j + b, i:i + b] = mean.T
+    return H
+
+
 @dataclass(frozen=True, eq=False)
 class Formed(OpNode):
     """``op`` (known by products, e.g. the Hessian (1/n) Σ_i ∇²L_i) formed as its dense
     (dim, dim) matrix: H = H·I, the products with the identity's columns, ``chunk`` of them
-    per call (⌈dim/chunk⌉ passes over the data), symmetrised as (H + Hᵀ)/2 in float64.
+    per call (⌈dim/chunk⌉ passes over the data), each call's rows written into one (dim, dim) float64
+    H, then symmetrised in place as (H + Hᵀ)/2 (:func:`_symmetrise`): 8·dim² bytes held beside each call,
+    what the products pass prices (``ProductCalls.held``), and nothing more after the last one (before
+    session 49 the rows were concatenated and H + Hᵀ and its half made anew: 3 × 8·dim² at once).
 
     What makes the Hessian an explicit H: its spectrum is then at hand (a relative or
     spectrum-read damping, a direct eigendecomposition, computed once and kept on the resolved
@@ -198,18 +215,22 @@ class Formed(OpNode):
 
     def statistics(self):
         """The operand's; its products run ⌊dim/chunk⌋ times on ``chunk`` vectors each, then once on
-        the rest (dim mod chunk): two groups of calls, each priced at its vectors."""
-        full, rest = divmod(self.space.dim, self.chunk)
-        why = f"formed: {self.space.dim} products, {self.chunk} per call"
+        the rest (dim mod chunk): two groups of calls, each priced at its vectors, beside the rows
+        formed so far, the (dim, dim) float64 H (8·dim² bytes, held through every call)."""
+        d = self.space.dim
+        full, rest = divmod(d, self.chunk)
+        why = f"formed: {d} products, {self.chunk} per call"
         parts = tuple((calls, m) for calls, m in ((full, self.chunk), (1, rest)) if calls and m)
-        return tuple(s.solved_in(parts, why, torch.float64) for s in self.op.statistics())
+        return tuple(s.solved_in(parts, why, torch.float64, 8.0 * d * d) for s in self.op.statistics())
 
     def resolve(self, ctx):
-        inner = ctx.resolve(self.op)
-        d = self.space.dim
-        H = torch.cat([inner.apply(_identity_columns(d, i, min(i + self.chunk, d))).to(torch.float64)
-                       for i in range(0, d, self.chunk)], 0)
-        return ResolvedOp(self.space, "dense", (H + H.T) / 2, frozenset(inner.tags & {"psd"}))
+        inner, d, H = ctx.resolve(self.op), self.space.dim, None
+        for i in range(0, d, self.chunk):
+            rows = inner.apply(_identity_columns(d, i, min(i + self.chunk, d)))
+            H = torch.empty(d, d, dtype=torch.float64, device=rows.device) if H is None else H
+            H[i:i + rows.shape[0]] = rows       # cast to float64 as it is copied
+            del rows
+        return ResolvedOp(self.space, "dense", _symmetrise(H, self.chunk), frozenset(inner.tags & {"psd"}))
 
     def apply_cost(self, space, n, prices):
         """A dense (dim, dim) matrix applied: a GEMM (:meth:`OperatorPrices.by_form`)."""

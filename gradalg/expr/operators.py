@@ -50,18 +50,22 @@ class ProductCalls:
     H with ``vectors`` rows (None: the rows the operator is applied to), ``why`` the setting
     that bounds them (a solver's iterations, a formation's ⌈dim/chunk⌉, a probe's steps), ``dtype`` the
     vectors' as the caller passes them (a formation's and Arnoldi's and a Lanczos probe's float64 columns:
-    what the products pass holds of V; None: the curvature's parameters' dtype, the products' own)."""
+    what the products pass holds of V; None: the curvature's parameters' dtype, the products' own),
+    ``held`` the bytes the caller keeps beside each call (a formation's d × d float64 rows, 8·d²: in the
+    products pass's fixed bytes, where they are live while the products run)."""
 
     calls: int = 1
     vectors: int | None = None
     why: str = ""
     dtype: torch.dtype | None = None
+    held: float = 0.0
 
-    def solved(self, calls: int, why: str, vectors: int | None = None, dtype: torch.dtype | None = None) -> "ProductCalls":
+    def solved(self, calls: int, why: str, vectors: int | None = None, dtype: torch.dtype | None = None,
+               held: float = 0.0) -> "ProductCalls":
         """Each of these calls made ``calls`` times by a solver (``why``), on ``vectors`` rows of
-        ``dtype`` (None: as before)."""
+        ``dtype`` (None: as before), beside the solver's ``held`` bytes (and the caller's own)."""
         return ProductCalls(self.calls * calls, self.vectors if vectors is None else vectors,
-                            f"{why} × {self.why}" if self.why else why, dtype or self.dtype)
+                            f"{why} × {self.why}" if self.why else why, dtype or self.dtype, self.held + held)
 
 
 @dataclass(frozen=True)
@@ -113,13 +117,13 @@ class Statistic:
         return self.solved_in(((calls, vectors),), why, dtype)
 
     def solved_in(self, parts: tuple[tuple[int, int | None], ...], why: str,
-                  dtype: torch.dtype | None = None) -> "Statistic":
+                  dtype: torch.dtype | None = None, held: float = 0.0) -> "Statistic":
         """:meth:`solved` by a solver whose calls come in ``parts`` ``((calls, vectors), ...)`` (a
         formation's ⌊dim/chunk⌋ calls of ``chunk`` vectors and one of the rest), on vectors of
-        ``dtype``: each group of calls once per part, in order."""
+        ``dtype``, beside the solver's ``held`` bytes: each group of calls once per part, in order."""
         if self.job != "products":
             return self
-        return replace(self, groups=tuple(g.solved(calls, why, vectors, dtype) for calls, vectors in parts
+        return replace(self, groups=tuple(g.solved(calls, why, vectors, dtype, held) for calls, vectors in parts
                                           for g in self.groups))
 
     def preceded(self, group: ProductCalls) -> "Statistic":

@@ -200,6 +200,9 @@ class ProductsJob(Job):
     #: bytes per number of the vectors its calls are passed (the most of its groups' ``dtype``: a formation's
     #: float64 columns; 0: the parameters', :meth:`_elem`), what :meth:`fixed_bytes` holds of V
     vector_elem: int = 0
+    #: bytes its caller keeps beside each call (the most of its groups' ``held``: a formation's d × d
+    #: float64 rows, 8·d²), in :meth:`fixed_bytes`
+    beside: float = 0.0
 
     @classmethod
     def for_statistic(cls, statistic, deps: set, options=None, vectors: int | None = None) -> "ProductsJob":
@@ -215,7 +218,8 @@ class ProductsJob(Job):
                                           (options or get_options()).products_batching)
         return cls(t, (), set(deps), groups=groups, batch=options.batch_size if options is not None else 64,
                    batching=batching, probe=probe, vector_elem=max(
-                       (element_size(g.dtype) for g in statistic.groups if g.calls > 0 and g.dtype), default=0))
+                       (element_size(g.dtype) for g in statistic.groups if g.calls > 0 and g.dtype), default=0),
+                   beside=max((g.held for g in statistic.groups if g.calls > 0), default=0.0))
 
     def first_decisions(self, options) -> list:
         """The batching of the vectors (``PRODUCTS_BATCHING``): the chosen one, both alternatives with
@@ -438,9 +442,12 @@ class ProductsJob(Job):
         at v beside its copy cast to the parameters' (:func:`~gradalg.curvature.hvp._batch_product`).
         Before, 3·m·dim·elem: an MLP's products, whose parameters outweigh its activations, held 1.2×
         the estimate; before session 49, 4·m·dim·elem whatever V's dtype: a float32 MLP's formation
-        held 5·m·dim·4 bytes beside a batch of one (``benchmarks/products_conv.py --formation``)."""
+        held 5·m·dim·4 bytes beside a batch of one (``benchmarks/products_conv.py --formation``). Plus
+        what the caller keeps beside each call (:attr:`beside`: a formation's rows, 8·dim², live while
+        the products run, whichever pass resolves the formed matrix; before session 49 in no estimate)."""
         elem = self._elem(facts)
-        return self.vectors * self.target.space.dim * (4.0 * elem + (self.vector_elem if self.vector_elem != elem else 0))
+        return self.beside + self.vectors * self.target.space.dim * (
+            4.0 * elem + (self.vector_elem if self.vector_elem != elem else 0))
 
     def per_example_bytes(self, facts) -> float:
         """What one example holds at a products call's peak, for the primal and each of the c
