@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import copy
 import math
-from numbers import Integral, Real
+from numbers import Real
 
 import torch
 
+from ..api import _int, _positive_int
 from ..errors import OptionError
 from ..task import Task
 
@@ -57,16 +58,13 @@ def perturbed(task: Task, *, members: int = 6, scale: float = 0.3, seed: int = 0
     """
     if not isinstance(task, Task):
         raise OptionError(f"perturbed takes a ga.Task (its model is copied), got {type(task).__name__}")
-    if not isinstance(members, Integral) or isinstance(members, bool) or members < 1:
-        raise OptionError(f"members must be a positive int (the number of perturbed copies), got {members!r}")
+    members = _positive_int("members", members, "(the number of perturbed copies)")
     if not isinstance(scale, Real) or isinstance(scale, bool) or not math.isfinite(scale) or scale <= 0:
         raise OptionError(f"scale must be a positive finite number (the noise's size relative to each "
                           f"parameter tensor's rms, e.g. 0.3), got {scale!r}")
-    if not isinstance(seed, Integral) or isinstance(seed, bool):
-        raise OptionError(f"seed must be an int, got {seed!r}")
-    generator = torch.Generator().manual_seed(int(seed))
+    generator = torch.Generator().manual_seed(_int("seed", seed))
     tasks = []
-    for _ in range(int(members)):
+    for _ in range(members):
         model = copy.deepcopy(task.model)
         with torch.no_grad():
             for p in model.parameters():

@@ -211,15 +211,16 @@ class ProductsJob(Job):
         ``vectors``: the rows the operator is applied to, else one), and how their vectors run
         (:func:`~gradalg.curvature.hvp.decide_batching`: ``ga.options(products_batching)``, else the
         meta probe on the first example's shapes); ``vector_elem`` the most of its groups' vectors' dtypes."""
-        groups = tuple((max(1, int(g.calls)), int(g.vectors or vectors or 1), g.why) for g in statistic.groups
-                       if g.calls > 0) or ((1, int(vectors or 1), ""),)
+        made = [g for g in statistic.groups if g.calls > 0]
+        groups = tuple((max(1, int(g.calls)), int(g.vectors or vectors or 1), g.why) for g in made) or \
+            ((1, int(vectors or 1), ""),)
         t = statistic.node
         batching, probe = decide_batching(t.task, t.data.first_example_batch(), free_names(t), t.kind,
                                           (options or get_options()).products_batching)
         return cls(t, (), set(deps), groups=groups, batch=options.batch_size if options is not None else 64,
-                   batching=batching, probe=probe, vector_elem=max(
-                       (element_size(g.dtype) for g in statistic.groups if g.calls > 0 and g.dtype), default=0),
-                   beside=max((g.held for g in statistic.groups if g.calls > 0), default=0.0))
+                   batching=batching, probe=probe,
+                   vector_elem=max((element_size(g.dtype) for g in made if g.dtype), default=0),
+                   beside=max((g.held for g in made), default=0.0))
 
     def first_decisions(self, options) -> list:
         """The batching of the vectors (``PRODUCTS_BATCHING``): the chosen one, both alternatives with
